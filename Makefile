@@ -1,0 +1,25 @@
+# `make test` and `make demo` each build .venv from a bare machine, then run.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test demo bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n 2 --dist loadgroup tests
+
+demo: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) examples/demo.py
+
+bench: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/compile_minilm.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

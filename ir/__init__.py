@@ -1,0 +1,14 @@
+"""tilegraph's IR: the tg dialect on xDSL, symbolic shapes, the builder, weights, the interpreter."""
+
+from ir.builder import Graph, Tensor
+from ir.model import Model, ModelError, WeightStore, parse_module, print_module
+from ir.shapes import ShapeError, TensorInfo
+
+__all__ = ["Graph", "Tensor", "Model", "ModelError", "WeightStore", "parse_module", "print_module",
+           "ShapeError", "TensorInfo", "interpret"]
+
+
+def interpret(model, inputs, float64=True):
+    from ir.interpreter import interpret as _interpret
+
+    return _interpret(model, inputs, float64)

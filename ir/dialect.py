@@ -1,0 +1,211 @@
+"""The `tg` dialect: xDSL op classes generated from the op table in `ir.ops`.
+
+Every tg op has the same textual form, operands then attributes then result types:
+
+    %2 = tg.add %0, %1 : tensor<?x384xf32, ["B"]>
+    %3 = tg.reduce_sum %2 {axes = array<i64: 1>, keepdims = true} : tensor<?x1xf32, ["B"]>
+    %w = tg.weight {name = "fc.weight"} : tensor<384x10xf32>
+
+Operand types are not repeated: they are the types of the values named. The
+verifier re-runs the op's shape rule and names the op and shapes when it fails.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import numpy as np
+from xdsl.dialects.builtin import (
+    BoolAttr,
+    DenseArrayBase,
+    DenseIntOrFPElementsAttr,
+    FloatAttr,
+    IntegerAttr,
+    IntegerType,
+    StringAttr,
+    TensorType,
+    f64,
+    i64,
+)
+from xdsl.ir import Attribute, Dialect, SSAValue
+from xdsl.irdl import IRDLOperation, irdl_op_definition, var_operand_def, var_result_def
+from xdsl.parser import Parser
+from xdsl.printer import Printer
+from xdsl.utils.exceptions import VerifyException
+
+from ir import dtypes
+from ir.ops import OPS, REQUIRED, OpSpec, infer, normalize_attrs
+from ir.shapes import ShapeError, TensorInfo, info_of, tensor_type
+
+
+def attr_to_py(attr: Attribute, kind: str) -> Any:
+    if kind == "dense":
+        return dense_to_numpy(attr)  # type: ignore[arg-type]
+    if kind in ("ints", "floats"):
+        if not isinstance(attr, DenseArrayBase):
+            raise VerifyException(f"expected array<...>, got {attr}")
+        return tuple(attr.get_values())
+    if kind == "str":
+        if not isinstance(attr, StringAttr):
+            raise VerifyException(f"expected a string, got {attr}")
+        return attr.data
+    if kind == "bool":
+        if not (isinstance(attr, IntegerAttr) and attr.type == IntegerType(1)):
+            raise VerifyException(f"expected true/false, got {attr}")
+        return bool(attr.value.data)
+    if kind == "int":
+        if not isinstance(attr, IntegerAttr):
+            raise VerifyException(f"expected an integer, got {attr}")
+        return int(attr.value.data)
+    if kind == "float":
+        if not isinstance(attr, (FloatAttr, IntegerAttr)):
+            raise VerifyException(f"expected a float, got {attr}")
+        return float(attr.value.data)
+    raise AssertionError(kind)
+
+
+def py_to_attr(value: Any, kind: str, result: TensorInfo | None = None) -> Attribute:
+    if kind == "dense":
+        return numpy_to_dense(np.asarray(value), result)
+    if kind == "ints":
+        return DenseArrayBase.from_list(i64, [int(v) for v in value])
+    if kind == "floats":
+        return DenseArrayBase.from_list(f64, [float(v) for v in value])
+    if kind == "str":
+        return StringAttr(str(value))
+    if kind == "bool":
+        return BoolAttr.from_bool(bool(value))
+    if kind == "int":
+        return IntegerAttr(int(value), i64)
+    if kind == "float":
+        return FloatAttr(float(value), f64)
+    raise AssertionError(kind)
+
+
+def numpy_to_dense(array: np.ndarray, info: TensorInfo | None = None) -> DenseIntOrFPElementsAttr:
+    name = info.dtype if info else dtypes.dtype_name(array.dtype)
+    t = tensor_type(name, array.shape)
+    flat = array.reshape(-1)
+    if dtypes.is_float(name):
+        return DenseIntOrFPElementsAttr.from_list(t, [float(v) for v in flat.astype(np.float64)])
+    return DenseIntOrFPElementsAttr.from_list(t, [int(v) for v in flat.astype(np.int64)])
+
+
+def dense_to_numpy(attr: Attribute) -> np.ndarray:
+    if not isinstance(attr, DenseIntOrFPElementsAttr):
+        raise VerifyException(f"expected dense<...>, got {attr}")
+    info = info_of(attr.type)
+    values = attr.get_values()
+    return np.asarray(values, dtype=np.float64 if dtypes.is_float(info.dtype) else np.int64).astype(
+        dtypes.numpy_dtype(info.dtype)
+    ).reshape(info.shape)
+
+
+class TgOp(IRDLOperation):
+    """Base of every tg op; `SPEC` is its row in the op table."""
+
+    SPEC: ClassVar[OpSpec]
+
+    inputs = var_operand_def(TensorType)
+    outputs = var_result_def(TensorType)
+
+    @property
+    def spec(self) -> OpSpec:
+        return self.SPEC
+
+    @property
+    def op_name(self) -> str:
+        return self.SPEC.name
+
+    def attr(self, name: str) -> Any:
+        """The Python value of an attribute, default filled in."""
+        kind, default = self.SPEC.attrs[name]
+        if name in self.attributes:
+            return attr_to_py(self.attributes[name], kind)
+        return default
+
+    def py_attrs(self) -> dict[str, Any]:
+        return {name: self.attr(name) for name in self.SPEC.attrs}
+
+    def result_infos(self) -> list[TensorInfo]:
+        return [info_of(r.type) for r in self.results]
+
+    def verify_(self) -> None:
+        try:
+            attrs = normalize_attrs(self.SPEC, {n: self.attr(n) for n in self.attributes if n in self.SPEC.attrs}
+                                    | {n: None for n in self.attributes if n not in self.SPEC.attrs})
+            ins = [info_of(v.type) for v in self.operands]
+            given = self.result_infos()
+            expected = infer(self.SPEC, ins, attrs, given)
+        except (ShapeError, VerifyException, ValueError) as e:
+            raise VerifyException(f"{self.name}: {e}".replace(f"{self.name}: {self.name}: ", f"{self.name}: ")) from None
+        if expected != given:
+            raise VerifyException(
+                f"{self.name}: result types {', '.join(map(str, given))} differ from the inferred "
+                f"{', '.join(map(str, expected))} for operands {', '.join(map(str, ins))}"
+            )
+
+    def print(self, printer: Printer) -> None:
+        if self.operands:
+            printer.print_string(" ")
+            printer.print_list(self.operands, printer.print_operand)
+        printer.print_op_attributes(self.attributes)
+        printer.print_string(" : ")
+        printer.print_list([r.type for r in self.results], printer.print_attribute)
+
+    @classmethod
+    def parse(cls, parser: Parser) -> "TgOp":
+        operands: list[SSAValue] = []
+        first = parser.parse_optional_operand()
+        if first is not None:
+            operands.append(first)
+            while parser.parse_optional_punctuation(",") is not None:
+                operands.append(parser.parse_operand())
+        attrs = parser.parse_optional_attr_dict()
+        parser.parse_punctuation(":")
+        types = parser.parse_comma_separated_list(parser.Delimiter.NONE, parser.parse_type)
+        return cls.create(operands=operands, result_types=types, attributes=attrs)
+
+
+def _class_name(name: str) -> str:
+    return "".join(part.capitalize() for part in name.split("_")) + "Op"
+
+
+def _make_op_class(spec: OpSpec) -> type[TgOp]:
+    cls = type(_class_name(spec.name), (TgOp,), {
+        "name": "tg." + spec.name,
+        "SPEC": spec,
+        "__module__": __name__,
+        "__doc__": spec.doc or f"tg.{spec.name}",
+        "__annotations__": {"SPEC": ClassVar[OpSpec]},
+    })
+    return irdl_op_definition(cls)
+
+
+OP_CLASSES: dict[str, type[TgOp]] = {name: _make_op_class(spec) for name, spec in OPS.items()}
+globals().update({cls.__name__: cls for cls in OP_CLASSES.values()})
+
+TG = Dialect("tg", list(OP_CLASSES.values()), [])
+
+
+def make_op(name: str, operands: list[SSAValue], attrs: dict[str, Any] | None = None,
+            result: TensorInfo | list[TensorInfo] | None = None) -> TgOp:
+    """Create a tg op, running its shape rule; raises ShapeError naming the op."""
+    spec = OPS[name]
+    attrs = normalize_attrs(spec, attrs or {})
+    given = [result] if isinstance(result, TensorInfo) else result
+    ins = [info_of(v.type) for v in operands]
+    results = infer(spec, ins, attrs, given)
+    attributes = {
+        k: py_to_attr(v, spec.attrs[k][0], results[0] if spec.attrs[k][0] == "dense" else None)
+        for k, v in attrs.items()
+        if not _is_default(spec, k, v)
+    }
+    return OP_CLASSES[name].create(operands=operands, result_types=[tensor_type(r.dtype, r.shape) for r in results],
+                                   attributes=attributes)
+
+
+def _is_default(spec: OpSpec, name: str, value: Any) -> bool:
+    # Defaults stay out of the printed IR so that it shows only what was chosen.
+    kind, default = spec.attrs[name]
+    return kind != "dense" and default is not REQUIRED and value == default

@@ -1,0 +1,87 @@
+"""Element types: the one table between xDSL element types, their MLIR spelling and NumPy.
+
+Every other module converts through here, so a dtype is added in one place.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+from xdsl.dialects.builtin import (
+    BFloat16Type,
+    Float16Type,
+    Float32Type,
+    Float64Type,
+    Float8E4M3FNType,
+    Float8E5M2Type,
+    IntegerType,
+    Signedness,
+)
+from xdsl.ir import Attribute
+
+# MLIR spelling -> (xDSL element type, NumPy dtype)
+_TABLE: dict[str, tuple[Attribute, np.dtype]] = {
+    "f64": (Float64Type(), np.dtype(np.float64)),
+    "f32": (Float32Type(), np.dtype(np.float32)),
+    "f16": (Float16Type(), np.dtype(np.float16)),
+    "bf16": (BFloat16Type(), np.dtype(ml_dtypes.bfloat16)),
+    "f8E4M3FN": (Float8E4M3FNType(), np.dtype(ml_dtypes.float8_e4m3fn)),
+    "f8E5M2": (Float8E5M2Type(), np.dtype(ml_dtypes.float8_e5m2)),
+    "i1": (IntegerType(1), np.dtype(np.bool_)),
+    "i8": (IntegerType(8), np.dtype(np.int8)),
+    "i16": (IntegerType(16), np.dtype(np.int16)),
+    "i32": (IntegerType(32), np.dtype(np.int32)),
+    "i64": (IntegerType(64), np.dtype(np.int64)),
+    "ui8": (IntegerType(8, Signedness.UNSIGNED), np.dtype(np.uint8)),
+    "ui16": (IntegerType(16, Signedness.UNSIGNED), np.dtype(np.uint16)),
+    "ui32": (IntegerType(32, Signedness.UNSIGNED), np.dtype(np.uint32)),
+    "ui64": (IntegerType(64, Signedness.UNSIGNED), np.dtype(np.uint64)),
+}
+_BY_ATTR = {attr: name for name, (attr, _) in _TABLE.items()}
+_BY_NUMPY = {dt: name for name, (_, dt) in _TABLE.items()}
+
+DTYPES = tuple(_TABLE)
+FLOAT_DTYPES = ("f64", "f32", "f16", "bf16", "f8E4M3FN", "f8E5M2")
+INT_DTYPES = ("i8", "i16", "i32", "i64", "ui8", "ui16", "ui32", "ui64")
+
+
+class DTypeError(ValueError):
+    pass
+
+
+def element_type(name: str) -> Attribute:
+    try:
+        return _TABLE[name][0]
+    except KeyError:
+        raise DTypeError(f"unsupported element type '{name}' (supported: {', '.join(DTYPES)})") from None
+
+
+def dtype_name(t: Attribute | np.dtype | type | str) -> str:
+    """The MLIR spelling ("f32") of an xDSL element type, NumPy dtype or spelling."""
+    if isinstance(t, str) and t in _TABLE:
+        return t
+    if isinstance(t, Attribute):
+        if t in _BY_ATTR:
+            return _BY_ATTR[t]
+        raise DTypeError(f"unsupported element type {t}")
+    try:
+        return _BY_NUMPY[np.dtype(t)]
+    except (KeyError, TypeError):
+        raise DTypeError(f"unsupported dtype {t!r} (supported: {', '.join(DTYPES)})") from None
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    element_type(name)  # raises the clear error for unknown names
+    return _TABLE[name][1]
+
+
+def is_float(name: str) -> bool:
+    return name in FLOAT_DTYPES
+
+
+def is_int(name: str) -> bool:
+    return name in INT_DTYPES
+
+
+def is_bool(name: str) -> bool:
+    return name == "i1"

@@ -1,0 +1,120 @@
+"""The reference interpreter: runs any tg model in NumPy, floats in float64.
+
+It is the semantics oracle of every test. It renders each op's NumPy template
+from the op table (`ir.ops`) — the same description the NumPy backend emits — and
+evaluates it with float tensors widened to float64, one op at a time, with no
+fusion, no buffer reuse and no cleverness.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Any, Mapping, Sequence
+
+import ml_dtypes
+import numpy as np
+import sympy
+
+from ir import dtypes, kernels
+from ir.dialect import TgOp
+from ir.model import Model, ModelError
+from ir.ops import render
+from ir.shapes import Dim, ShapeError, TensorInfo, shape_str, symbol
+
+
+def dtype_code(name: str, float64: bool = False) -> str:
+    """Python source naming the NumPy dtype of an element type."""
+    if float64 and dtypes.is_float(name):
+        return "np.float64"
+    dt = dtypes.numpy_dtype(name)
+    if dt.type.__module__ == "numpy":
+        return f"np.{dt.type.__name__}"
+    return f"ml_dtypes.{dt.name}"
+
+
+def shape_code(shape: Sequence[Dim]) -> str:
+    parts = [str(d) for d in shape]
+    return "(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"
+
+
+# Names that symbolic shape expressions use, for the code that evaluates them.
+SHAPE_FUNCTIONS = {"floor": math.floor, "ceiling": math.ceil, "Max": max, "Min": min}
+GLOBALS = {"np": np, "K": kernels, "ml_dtypes": ml_dtypes, **SHAPE_FUNCTIONS}
+
+
+@lru_cache(maxsize=4096)
+def _compile(expr: str):
+    return compile(expr, "<tg op>", "eval")
+
+
+def bind_inputs(model: Model, inputs: Sequence[Any] | Mapping[str, Any]) -> tuple[list[np.ndarray], dict[str, int]]:
+    """Check inputs against the signature; returns arrays in declared dtypes and symbol values."""
+    names = model.input_names
+    if isinstance(inputs, Mapping):
+        missing = [n for n in names if n not in inputs]
+        extra = [n for n in inputs if n not in names]
+        if missing or extra:
+            raise ShapeError(f"inputs: missing {missing}, unexpected {extra}; the model takes {names}")
+        inputs = [inputs[n] for n in names]
+    if len(inputs) != len(names):
+        raise ShapeError(f"the model takes {len(names)} inputs ({', '.join(names)}), got {len(inputs)}")
+    arrays: list[np.ndarray] = []
+    sizes: dict[str, int] = {}
+    for name, info, value in zip(names, model.inputs, inputs):
+        a = to_numpy(value)
+        if a.ndim != info.rank:
+            raise ShapeError(f"input '{name}' has shape {a.shape}, the model expects {shape_str(info.shape)}")
+        for d, n in zip(info.shape, a.shape):
+            if isinstance(d, sympy.Symbol):
+                if sizes.setdefault(d.name, n) != n:
+                    raise ShapeError(f"input '{name}' has {d} = {n}, but another input has {d} = {sizes[d.name]}")
+        arrays.append(a.astype(dtypes.numpy_dtype(info.dtype), copy=False))
+    for name, info, a in zip(names, model.inputs, arrays):
+        for d, n in zip(info.shape, a.shape):
+            v = d if isinstance(d, int) else sympy.sympify(d).subs({symbol(k): s for k, s in sizes.items()})
+            if v != n:
+                raise ShapeError(f"input '{name}' has shape {a.shape}, the model expects {shape_str(info.shape)}")
+    return arrays, sizes
+
+
+def to_numpy(value: Any) -> np.ndarray:
+    if hasattr(value, "detach") and hasattr(value, "numpy"):  # a torch tensor, without importing torch
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+def interpret(model: Model, inputs: Sequence[Any] | Mapping[str, Any], float64: bool = True) -> list[np.ndarray]:
+    """Run @forward; floats are computed (and returned) in float64 unless float64=False."""
+    arrays, sizes = bind_inputs(model, inputs)
+    widen = (lambda a: a.astype(np.float64) if a.dtype.kind == "f" or a.dtype.name in ("bfloat16",) or
+             dtypes.is_float(dtypes.dtype_name(a.dtype)) else a) if float64 else (lambda a: a)
+    env: dict[Any, Any] = {}
+    for arg, a in zip(model.func.args, arrays):
+        env[arg] = widen(a)
+    glob = {**GLOBALS, **sizes}
+    for op in model.func.body.block.ops:
+        if op.name == "func.return":
+            return [np.asarray(env[v]) for v in op.operands]
+        if not isinstance(op, TgOp):
+            raise ModelError(f"the interpreter cannot run {op.name}")
+        results = evaluate(op, [env[v] for v in op.operands], model.weights, glob, float64, widen)
+        for r, v in zip(op.results, results):
+            env[r] = v
+    raise ModelError("@forward has no func.return")
+
+
+def evaluate(op: TgOp, operands: list[Any], weights: Mapping[str, np.ndarray], glob: dict, float64: bool,
+             widen=lambda a: a) -> list[Any]:
+    """One op on concrete arrays."""
+    name = op.op_name
+    if name == "weight":
+        return [widen(np.asarray(weights[op.attr("name")]))]
+    if name == "constant":
+        return [widen(op.attr("value"))]
+    outs = op.result_infos()
+    local = {f"a{i}": v for i, v in enumerate(operands)}
+    expr = render(op.SPEC, list(local), op.py_attrs(), shape_code(outs[0].shape), dtype_code(outs[0].dtype, float64))
+    with np.errstate(all="ignore"):
+        value = eval(_compile(expr), glob, local)
+    return list(value) if len(outs) > 1 else [value]

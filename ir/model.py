@@ -1,0 +1,195 @@
+"""A model: one `builtin.module` holding `func.func @forward`, plus its weight store.
+
+The weights never enter the IR text: `tg.weight {name = "fc.weight"}` refers into
+the store, which is saved beside the text (`model.mlir` + `model.weights.npz`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from xdsl.context import Context
+from xdsl.dialects.builtin import Builtin, DictionaryAttr, ModuleOp, StringAttr
+from xdsl.dialects.func import Func, FuncOp, ReturnOp
+from xdsl.ir import Operation
+from xdsl.parser import Parser
+from xdsl.printer import Printer
+from xdsl.utils.exceptions import ParseError, VerifyException
+
+from ir import dtypes
+from ir.dialect import TG, TgOp
+from ir.shapes import TensorInfo, info_of
+
+NAME_ATTR = "tg.name"  # argument / result attribute carrying the user's tensor name
+
+
+class ModelError(ValueError):
+    """A model that cannot be loaded or does not verify; the message says why."""
+
+
+def context() -> Context:
+    ctx = Context()
+    ctx.load_dialect(Builtin)
+    ctx.load_dialect(Func)
+    ctx.load_dialect(TG)
+    return ctx
+
+
+def parse_module(text: str, source: str = "<string>") -> ModuleOp:
+    try:
+        op = Parser(context(), text, source).parse_module()
+    except ParseError as e:
+        raise ModelError(f"{source} is not valid tg IR:\n{e}") from None
+    return op
+
+
+def print_module(module: Operation) -> str:
+    import io
+
+    out = io.StringIO()
+    Printer(stream=out).print_op(module)
+    return out.getvalue() + "\n"
+
+
+class WeightStore(dict):
+    """name -> ndarray. Saved as an .npz beside the IR text."""
+
+    def save(self, path: Path) -> None:
+        arrays = {k: np.asarray(v) for k, v in self.items()}
+        # .npz cannot hold ml_dtypes arrays: store their raw bits and the spelling.
+        plain, meta = {}, {}
+        for k, v in arrays.items():
+            name = dtypes.dtype_name(v.dtype)
+            if v.dtype.kind not in "biuf" or name in ("bf16", "f8E4M3FN", "f8E5M2"):
+                plain[k] = v.view(np.uint8 if v.dtype.itemsize == 1 else np.uint16)
+                meta[k] = name
+            else:
+                plain[k] = v
+        np.savez(path, **plain, __dtypes__=np.array(repr(meta)))
+
+    @classmethod
+    def load(cls, path: Path) -> "WeightStore":
+        import ast
+
+        with np.load(path, allow_pickle=False) as data:
+            meta = ast.literal_eval(str(data["__dtypes__"])) if "__dtypes__" in data else {}
+            return cls({k: data[k].view(dtypes.numpy_dtype(meta[k])) if k in meta else data[k]
+                        for k in data.files if k != "__dtypes__"})
+
+
+def weights_path(mlir_path: Path) -> Path:
+    return Path(mlir_path).with_suffix(".weights.npz")
+
+
+@dataclass
+class Model:
+    module: ModuleOp
+    weights: WeightStore = field(default_factory=WeightStore)
+
+    @property
+    def func(self) -> FuncOp:
+        for op in self.module.ops:
+            if isinstance(op, FuncOp) and op.sym_name.data == "forward":
+                return op
+        raise ModelError("the module has no func.func @forward")
+
+    @property
+    def input_names(self) -> list[str]:
+        return [_name_of(self.func.arg_attrs, i, f"input{i}") for i in range(len(self.func.args))]
+
+    @property
+    def output_names(self) -> list[str]:
+        n = len(self.func.function_type.outputs.data)
+        return [_name_of(self.func.res_attrs, i, f"output{i}") for i in range(n)]
+
+    @property
+    def inputs(self) -> list[TensorInfo]:
+        return [info_of(a.type) for a in self.func.args]
+
+    @property
+    def outputs(self) -> list[TensorInfo]:
+        return [info_of(t) for t in self.func.function_type.outputs.data]
+
+    def ops(self) -> list[Operation]:
+        return [op for op in self.func.body.block.ops]
+
+    @property
+    def text(self) -> str:
+        return print_module(self.module)
+
+    def verify(self) -> None:
+        """Verify the IR and that every weight it names is in the store with its type."""
+        try:
+            self.module.verify()
+        except VerifyException as e:
+            raise ModelError(f"the IR does not verify: {e}") from None
+        missing = []
+        for op in self.func.walk():
+            if isinstance(op, TgOp) and op.op_name == "weight":
+                name = op.attr("name")
+                info = info_of(op.results[0].type)
+                if name not in self.weights:
+                    missing.append(name)
+                    continue
+                w = self.weights[name]
+                if tuple(w.shape) != info.shape or dtypes.dtype_name(w.dtype) != info.dtype:
+                    raise ModelError(
+                        f"weight '{name}' is {dtypes.dtype_name(w.dtype)}{tuple(w.shape)} in the store "
+                        f"but {info} in the IR"
+                    )
+        if missing:
+            raise ModelError("weights missing from the store: " + ", ".join(sorted(missing)))
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(self.text)
+        self.weights.save(weights_path(path))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Model":
+        path = Path(path)
+        if not path.is_file():
+            raise ModelError(f"no such file: {path}")
+        module = parse_module(path.read_text(), str(path))
+        wpath = weights_path(path)
+        weights = WeightStore.load(wpath) if wpath.is_file() else WeightStore()
+        model = cls(module, weights)
+        model.verify()
+        return model
+
+    @classmethod
+    def parse(cls, text: str, weights: dict | None = None) -> "Model":
+        return cls(parse_module(text), WeightStore(weights or {}))
+
+    def clone(self) -> "Model":
+        return Model(self.module.clone(), WeightStore(self.weights))
+
+
+def _name_of(attrs, i: int, default: str) -> str:
+    if attrs is None:
+        return default
+    d = attrs.data[i]
+    if isinstance(d, DictionaryAttr) and NAME_ATTR in d.data:
+        v = d.data[NAME_ATTR]
+        if isinstance(v, StringAttr):
+            return v.data
+    return default
+
+
+_SSA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_$.]*$")
+
+
+def ssa_hint(name: str) -> str | None:
+    """A name usable as an SSA name hint, or None (xDSL rejects some names)."""
+    hint = re.sub(r"[^A-Za-z0-9_]", "_", name)
+    if not hint or hint[0].isdigit() or not _SSA_NAME.match(hint):
+        hint = "v_" + hint
+    return hint if not re.fullmatch(r"_?\d+", hint) else None
+
+
+def return_op(values) -> ReturnOp:
+    return ReturnOp(*values)

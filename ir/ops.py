@@ -1,0 +1,637 @@
+"""The tg op table: every op's operands, attributes, shape rule and NumPy semantics.
+
+This table is the one description of what an op means. The dialect generates its
+xDSL op classes from it, the builder and the verifier run its shape rules, and the
+reference interpreter and the NumPy emitter both render its `numpy` template (the
+interpreter in float64, the emitter in the graph's dtypes). Adding an op is adding
+one `OpSpec` here.
+
+Templates name operands and attributes in braces: `np.sum({x}, axis={axes}, ...)`.
+`{out_shape}` is the result shape as Python (symbolic dims are local variables of
+the generated code), `{dtype}` the result's NumPy dtype. `K` is `ir.kernels`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from ir import dtypes
+from ir.shapes import (
+    Dim,
+    ShapeError,
+    TensorInfo,
+    broadcast_shapes,
+    dims_equal,
+    normalize_dim,
+    numel,
+    shape_str,
+)
+
+REQUIRED = object()  # attribute default meaning "must be given"
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str
+    # Operand names; "name?" is optional (trailing), "*name" takes any number (alone).
+    operands: tuple[str, ...]
+    attrs: dict[str, tuple[str, Any]]  # name -> (kind, default); kinds below
+    infer: Callable[[list[TensorInfo], dict, Sequence[TensorInfo] | None], list[TensorInfo]]
+    numpy: str | Callable[..., str]
+    # How fusion and cost see it: elementwise, reduction, contraction, layout,
+    # composite, source.
+    category: str
+    doc: str = ""
+    # The result type is given by the user and checked, not derived (reshape, broadcast, cast).
+    result_given: bool = False
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def variadic(self) -> bool:
+        return len(self.operands) == 1 and self.operands[0].startswith("*")
+
+    @property
+    def operand_names(self) -> list[str]:
+        return [o.strip("*?") for o in self.operands]
+
+    def arity(self) -> tuple[int, int]:
+        if self.variadic:
+            return (1, 1 << 30)
+        required = sum(1 for o in self.operands if not o.endswith("?"))
+        return (required, len(self.operands))
+
+
+ATTR_KINDS = ("int", "float", "bool", "str", "ints", "floats", "dense")
+
+OPS: dict[str, OpSpec] = {}
+
+
+def _op(name, operands, infer, numpy, category, attrs=None, doc="", **kw) -> None:
+    OPS[name] = OpSpec(name, tuple(operands), dict(attrs or {}), infer, numpy, category, doc, **kw)
+
+
+def _fail(op: str, msg: str) -> ShapeError:
+    return ShapeError(f"tg.{op}: {msg}")
+
+
+# --- shape rules -------------------------------------------------------------
+
+
+def _same_dtype(op: str, ins: Sequence[TensorInfo]) -> str:
+    kinds = {t.dtype for t in ins}
+    if len(kinds) != 1:
+        raise _fail(op, "operands have different element types " + ", ".join(str(t) for t in ins))
+    return ins[0].dtype
+
+
+def _unary(op, result_dtype=None, floats_only=False):
+    def infer(ins, attrs, given):
+        (x,) = ins
+        if floats_only and not dtypes.is_float(x.dtype):
+            raise _fail(op, f"needs a float operand, got {x}")
+        return [TensorInfo(x.shape, result_dtype or x.dtype)]
+
+    return infer
+
+
+def _binary(op, result_dtype=None):
+    def infer(ins, attrs, given):
+        dt = _same_dtype(op, ins)
+        try:
+            shape = broadcast_shapes(*(t.shape for t in ins))
+        except ShapeError as e:
+            raise _fail(op, str(e)) from None
+        return [TensorInfo(shape, result_dtype or dt)]
+
+    return infer
+
+
+def _where(ins, attrs, given):
+    cond, a, b = ins
+    if cond.dtype != "i1":
+        raise _fail("where", f"condition must be i1, got {cond}")
+    _same_dtype("where", [a, b])
+    try:
+        return [TensorInfo(broadcast_shapes(cond.shape, a.shape, b.shape), a.dtype)]
+    except ShapeError as e:
+        raise _fail("where", str(e)) from None
+
+
+def _cast(ins, attrs, given):
+    return [TensorInfo(ins[0].shape, attrs["to"])]
+
+
+def _axes(op: str, axes: Sequence[int], rank: int) -> tuple[int, ...]:
+    out = []
+    for a in axes:
+        if not -rank <= a < max(rank, 1):
+            raise _fail(op, f"axis {a} is out of range for rank {rank}")
+        out.append(a % rank if rank else 0)
+    if len(set(out)) != len(out):
+        raise _fail(op, f"repeated axis in {tuple(axes)}")
+    return tuple(sorted(out))
+
+
+def _reduce(op, result_dtype=None):
+    def infer(ins, attrs, given):
+        (x,) = ins
+        axes = _axes(op, attrs["axes"], x.rank)
+        if attrs["keepdims"]:
+            shape = tuple(1 if i in axes else d for i, d in enumerate(x.shape))
+        else:
+            shape = tuple(d for i, d in enumerate(x.shape) if i not in axes)
+        return [TensorInfo(shape, result_dtype or x.dtype)]
+
+    return infer
+
+
+def _arg_reduce(op):
+    def infer(ins, attrs, given):
+        (x,) = ins
+        (axis,) = _axes(op, [attrs["axis"]], x.rank)
+        if attrs["keepdims"]:
+            shape = tuple(1 if i == axis else d for i, d in enumerate(x.shape))
+        else:
+            shape = tuple(d for i, d in enumerate(x.shape) if i != axis)
+        return [TensorInfo(shape, "i64")]
+
+    return infer
+
+
+def _matmul(ins, attrs, given):
+    a, b = ins
+    dt = _same_dtype("matmul", ins)
+    if a.rank == 0 or b.rank == 0:
+        raise _fail("matmul", f"operands must have rank >= 1, got {a} and {b}")
+    ash = a.shape if a.rank > 1 else (1,) + a.shape
+    bsh = b.shape if b.rank > 1 else b.shape + (1,)
+    if not dims_equal(ash[-1], bsh[-2]):
+        raise _fail("matmul", f"contracting dimensions differ: {a} @ {b}")
+    try:
+        batch = broadcast_shapes(ash[:-2], bsh[:-2])
+    except ShapeError as e:
+        raise _fail("matmul", str(e)) from None
+    shape = batch + ((ash[-2],) if a.rank > 1 else ()) + ((bsh[-1],) if b.rank > 1 else ())
+    return [TensorInfo(shape, dt)]
+
+
+def _window_out(size: Dim, k: int, stride: int, pad_lo: int, pad_hi: int, dilation: int, ceil_mode: bool) -> Dim:
+    span = dilation * (k - 1) + 1
+    if isinstance(size, int):
+        full = size + pad_lo + pad_hi - span
+        if full < 0:
+            raise ShapeError(f"window of {span} is larger than the padded input {size + pad_lo + pad_hi}")
+        out = -(-full // stride) + 1 if ceil_mode else full // stride + 1
+        if ceil_mode and (out - 1) * stride >= size + pad_lo:
+            out -= 1
+        return out
+    import sympy
+
+    full = size + pad_lo + pad_hi - span
+    return normalize_dim((sympy.ceiling(full / stride) if ceil_mode else sympy.floor(full / stride)) + 1)
+
+
+def _spatial_attrs(op, x, attrs, kernel):
+    nd = len(kernel)
+    if x.rank != nd + 2:
+        raise _fail(op, f"input {x} must have rank {nd + 2} (N, C and {nd} spatial dims)")
+    strides = attrs.get("strides") or (1,) * nd
+    dil = attrs.get("dilations") or (1,) * nd
+    pads = attrs.get("pads") or (0,) * (2 * nd)
+    if len(strides) != nd or len(dil) != nd or len(pads) != 2 * nd:
+        raise _fail(op, f"strides {strides}, dilations {dil} and pads {pads} do not fit {nd} spatial dims")
+    try:
+        return tuple(
+            _window_out(x.shape[2 + i], kernel[i], strides[i], pads[i], pads[i + nd], dil[i], attrs.get("ceil_mode", False))
+            for i in range(nd)
+        )
+    except ShapeError as e:
+        raise _fail(op, f"input {x}: {e}") from None
+
+
+def _conv(ins, attrs, given):
+    x, w = ins[0], ins[1]
+    _same_dtype("conv", ins)
+    if w.rank != x.rank:
+        raise _fail("conv", f"weight {w} and input {x} differ in rank")
+    groups = attrs["groups"]
+    if not dims_equal(x.shape[1], w.shape[1] * groups) or w.shape[0] % groups:
+        raise _fail("conv", f"input channels of {x} do not match weight {w} with groups={groups}")
+    if len(ins) == 3 and (ins[2].rank != 1 or not dims_equal(ins[2].shape[0], w.shape[0])):
+        raise _fail("conv", f"bias {ins[2]} does not match {w.shape[0]} output channels")
+    out = _spatial_attrs("conv", x, attrs, w.shape[2:])
+    return [TensorInfo((x.shape[0], w.shape[0]) + out, x.dtype)]
+
+
+def _pool(op):
+    def infer(ins, attrs, given):
+        (x,) = ins
+        out = _spatial_attrs(op, x, attrs, attrs["kernel"])
+        return [TensorInfo(x.shape[:2] + out, x.dtype)]
+
+    return infer
+
+
+def _softmax(ins, attrs, given):
+    _axes("softmax", [attrs["axis"]], ins[0].rank)
+    return [ins[0]]
+
+
+def _layer_norm(ins, attrs, given):
+    x = ins[0]
+    (axis,) = _axes("layer_norm", [attrs["axis"]], x.rank)
+    norm_shape = x.shape[axis:]
+    for t in ins[1:]:
+        try:
+            if broadcast_shapes(norm_shape, t.shape) != norm_shape:
+                raise ShapeError("")
+        except ShapeError:
+            raise _fail("layer_norm", f"scale/bias {t} does not broadcast to the normalized shape {shape_str(norm_shape)}") from None
+    _same_dtype("layer_norm", ins)
+    return [x]
+
+
+def _attention(ins, attrs, given):
+    q, k, v = ins[:3]
+    _same_dtype("attention", ins[:3])
+    if q.rank < 2 or k.rank != q.rank or v.rank != q.rank:
+        raise _fail("attention", f"q {q}, k {k}, v {v} must share a rank >= 2")
+    if not dims_equal(q.shape[-1], k.shape[-1]) or not dims_equal(k.shape[-2], v.shape[-2]):
+        raise _fail("attention", f"q {q}, k {k}, v {v}: head dims or key lengths differ")
+    try:
+        batch = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+        if len(ins) == 4:
+            broadcast_shapes(batch + (q.shape[-2], k.shape[-2]), ins[3].shape)
+    except ShapeError as e:
+        raise _fail("attention", str(e)) from None
+    if len(ins) == 4 and ins[3].dtype not in ("i1", q.dtype):
+        raise _fail("attention", f"mask {ins[3]} must be i1 (keep where true) or {q.dtype} (added)")
+    return [TensorInfo(batch + (q.shape[-2], v.shape[-1]), q.dtype)]
+
+
+def _given(op, check):
+    def infer(ins, attrs, given):
+        if not given or len(given) != 1:
+            raise _fail(op, "needs its result type")
+        check(ins, attrs, given[0])
+        return [given[0]]
+
+    return infer
+
+
+def _check_reshape(ins, attrs, out):
+    (x,) = ins
+    if x.dtype != out.dtype:
+        raise _fail("reshape", f"changes element type {x.dtype} -> {out.dtype}")
+    if not dims_equal(numel(x.shape), numel(out.shape)):
+        raise _fail("reshape", f"{x} has {numel(x.shape)} elements, result {out} has {numel(out.shape)}")
+
+
+def _check_broadcast(ins, attrs, out):
+    (x,) = ins
+    try:
+        ok = broadcast_shapes(x.shape, out.shape) == out.shape
+    except ShapeError:
+        ok = False
+    if not ok or x.dtype != out.dtype:
+        raise _fail("broadcast", f"{x} does not broadcast to {out}")
+
+
+def _transpose(ins, attrs, given):
+    (x,) = ins
+    perm = tuple(attrs["perm"])
+    if sorted(perm) != list(range(x.rank)):
+        raise _fail("transpose", f"perm {perm} is not a permutation of the {x.rank} dims of {x}")
+    return [TensorInfo(tuple(x.shape[p] for p in perm), x.dtype)]
+
+
+def _concat(ins, attrs, given):
+    dt = _same_dtype("concat", ins)
+    rank = ins[0].rank
+    (axis,) = _axes("concat", [attrs["axis"]], rank)
+    total: Dim = 0
+    for t in ins:
+        if t.rank != rank or any(not dims_equal(a, b) for i, (a, b) in enumerate(zip(t.shape, ins[0].shape)) if i != axis):
+            raise _fail("concat", "operands " + ", ".join(str(t) for t in ins) + f" differ off axis {axis}")
+        total = normalize_dim(total + t.shape[axis])
+    shape = list(ins[0].shape)
+    shape[axis] = total
+    return [TensorInfo(tuple(shape), dt)]
+
+
+def _split(ins, attrs, given):
+    (x,) = ins
+    (axis,) = _axes("split", [attrs["axis"]], x.rank)
+    sizes = attrs["sizes"]
+    if not dims_equal(sum(sizes), x.shape[axis]):
+        raise _fail("split", f"sizes {tuple(sizes)} do not add up to dim {axis} of {x}")
+    return [TensorInfo(x.shape[:axis] + (s,) + x.shape[axis + 1:], x.dtype) for s in sizes]
+
+
+def slice_length(dim: Dim, start: int, end: int, step: int) -> Dim:
+    if isinstance(dim, int):
+        return len(range(*slice(start, end, step).indices(dim)))
+    import sympy
+
+    # Symbolic dims: only the slices a model writes with them (from a start to the
+    # end, or a non-negative window) are known in closed form.
+    if step == 1 and start >= 0 and end >= (1 << 62):
+        return normalize_dim(dim - start)
+    if step == 1 and 0 <= start <= end < (1 << 62):
+        return end - start
+    if step == 1 and start < 0 and end >= (1 << 62):
+        return -start
+    raise ShapeError(f"slice [{start}:{end}:{step}] of symbolic dim {dim} has no closed form")
+
+
+def _slice(ins, attrs, given):
+    (x,) = ins
+    starts, ends, steps = attrs["starts"], attrs["ends"], attrs["steps"]
+    if not len(starts) == len(ends) == len(steps) == x.rank:
+        raise _fail("slice", f"starts/ends/steps need one entry per dim of {x}")
+    if any(s == 0 for s in steps):
+        raise _fail("slice", "step 0")
+    try:
+        shape = tuple(slice_length(d, *t) for d, t in zip(x.shape, zip(starts, ends, steps)))
+    except ShapeError as e:
+        raise _fail("slice", str(e)) from None
+    return [TensorInfo(shape, x.dtype)]
+
+
+def _render_slice(operands, attrs, **_):
+    parts = []
+    for s, e, st in zip(attrs["starts"], attrs["ends"], attrs["steps"]):
+        if (s, e, st) == (0, (1 << 63) - 1, 1):
+            parts.append(":")
+        else:
+            parts.append(f"{s}:{e}" + (f":{st}" if st != 1 else ""))
+    return f"{operands['x']}[{', '.join(parts) or '...'}]"
+
+
+def _gather(ins, attrs, given):
+    x, idx = ins
+    if not dtypes.is_int(idx.dtype):
+        raise _fail("gather", f"indices {idx} must be integers")
+    (axis,) = _axes("gather", [attrs["axis"]], x.rank)
+    return [TensorInfo(x.shape[:axis] + idx.shape + x.shape[axis + 1:], x.dtype)]
+
+
+def _gather_elements(ins, attrs, given):
+    x, idx = ins
+    if not dtypes.is_int(idx.dtype) or idx.rank != x.rank:
+        raise _fail("gather_elements", f"indices {idx} must be integers of the rank of {x}")
+    _axes("gather_elements", [attrs["axis"]], x.rank)
+    return [TensorInfo(idx.shape, x.dtype)]
+
+
+def _pad(ins, attrs, given):
+    (x,) = ins
+    pads = attrs["pads"]
+    if len(pads) != 2 * x.rank:
+        raise _fail("pad", f"pads {tuple(pads)} need 2 entries per dim of {x}")
+    shape = tuple(normalize_dim(d + pads[i] + pads[i + x.rank]) for i, d in enumerate(x.shape))
+    if any(isinstance(d, int) and d < 0 for d in shape):
+        raise _fail("pad", f"pads {tuple(pads)} cut {x} below zero")
+    return [TensorInfo(shape, x.dtype)]
+
+
+def _tile(ins, attrs, given):
+    (x,) = ins
+    reps = attrs["repeats"]
+    if len(reps) != x.rank:
+        raise _fail("tile", f"repeats {tuple(reps)} need one entry per dim of {x}")
+    return [TensorInfo(tuple(normalize_dim(d * r) for d, r in zip(x.shape, reps)), x.dtype)]
+
+
+def _same_as_input(op, check_axis=True):
+    def infer(ins, attrs, given):
+        if check_axis and "axis" in attrs:
+            _axes(op, [attrs["axis"]], ins[0].rank)
+        return [ins[0]]
+
+    return infer
+
+
+def _trilu(ins, attrs, given):
+    if ins[0].rank < 2:
+        raise _fail("trilu", f"needs rank >= 2, got {ins[0]}")
+    return [ins[0]]
+
+
+def _einsum(ins, attrs, given):
+    import numpy as np
+
+    for t in ins:
+        if not all(isinstance(d, int) for d in t.shape):
+            raise _fail("einsum", f"symbolic dims are not supported ({t})")
+    try:
+        out = np.einsum(attrs["equation"], *[np.empty(t.shape, dtype=np.int8) for t in ins])
+    except ValueError as e:
+        raise _fail("einsum", f"'{attrs['equation']}' on " + ", ".join(map(str, ins)) + f": {e}") from None
+    return [TensorInfo(tuple(int(d) for d in out.shape), _same_dtype("einsum", ins))]
+
+
+def _source(ins, attrs, given):
+    if not given or len(given) != 1:
+        raise ShapeError("source op needs its result type")
+    return [given[0]]
+
+
+# --- the table ---------------------------------------------------------------
+
+# Unary elementwise: name -> template
+UNARY = {
+    "neg": "np.negative({x})",
+    "abs": "np.abs({x})",
+    "exp": "np.exp({x})",
+    "log": "np.log({x})",
+    "sqrt": "np.sqrt({x})",
+    "rsqrt": "1 / np.sqrt({x})",
+    "reciprocal": "1 / {x}",
+    "tanh": "np.tanh({x})",
+    "sigmoid": "K.sigmoid({x})",
+    "relu": "np.maximum({x}, 0)",
+    "erf": "K.erf({x})",
+    "sin": "np.sin({x})",
+    "cos": "np.cos({x})",
+    "tan": "np.tan({x})",
+    "asin": "np.arcsin({x})",
+    "acos": "np.arccos({x})",
+    "atan": "np.arctan({x})",
+    "sinh": "np.sinh({x})",
+    "cosh": "np.cosh({x})",
+    "asinh": "np.arcsinh({x})",
+    "acosh": "np.arccosh({x})",
+    "atanh": "np.arctanh({x})",
+    "floor": "np.floor({x})",
+    "ceil": "np.ceil({x})",
+    "round": "np.round({x})",  # half to even, as ONNX Round and torch.round
+    "sign": "np.sign({x})",
+    "bitwise_not": "np.invert({x})",
+}
+FLOAT_ONLY = {"exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "erf", "sin", "cos", "tan", "asin", "acos",
+              "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "gelu"}
+for _name, _tpl in UNARY.items():
+    _op(_name, ["x"], _unary(_name, floats_only=_name in FLOAT_ONLY), _tpl, "elementwise")
+_op("gelu", ["x"], _unary("gelu", floats_only=True), "K.gelu({x}, {approximate})", "composite",
+    {"approximate": ("str", "none")}, doc="x * Phi(x); approximate='tanh' uses the tanh formula")
+_op("not", ["x"], _unary("not", "i1"), "np.logical_not({x})", "elementwise")
+_op("isnan", ["x"], _unary("isnan", "i1"), "np.isnan({x})", "elementwise")
+_op("isinf", ["x"], _unary("isinf", "i1"), "K.isinf({x}, {detect_positive}, {detect_negative})", "elementwise",
+    {"detect_positive": ("bool", True), "detect_negative": ("bool", True)})
+_op("cast", ["x"], _cast, "{x}.astype({dtype})", "elementwise", {"to": ("str", REQUIRED)})
+
+BINARY = {
+    "add": "{lhs} + {rhs}",
+    "sub": "{lhs} - {rhs}",
+    "mul": "{lhs} * {rhs}",
+    "div": "K.div({lhs}, {rhs})",
+    "pow": "K.pow({lhs}, {rhs})",
+    "max": "np.maximum({lhs}, {rhs})",
+    "min": "np.minimum({lhs}, {rhs})",
+    "bitwise_and": "np.bitwise_and({lhs}, {rhs})",
+    "bitwise_or": "np.bitwise_or({lhs}, {rhs})",
+    "bitwise_xor": "np.bitwise_xor({lhs}, {rhs})",
+    "shift_left": "np.left_shift({lhs}, {rhs})",
+    "shift_right": "np.right_shift({lhs}, {rhs})",
+}
+for _name, _tpl in BINARY.items():
+    _op(_name, ["lhs", "rhs"], _binary(_name), _tpl, "elementwise")
+_op("mod", ["lhs", "rhs"], _binary("mod"), "K.mod({lhs}, {rhs}, {fmod})", "elementwise", {"fmod": ("bool", False)},
+    doc="fmod=false: sign of the divisor (Python %); fmod=true: sign of the dividend (C fmod)")
+LOGICAL = {"and": "np.logical_and", "or": "np.logical_or", "xor": "np.logical_xor"}
+for _name, _fn in LOGICAL.items():
+    _op(_name, ["lhs", "rhs"], _binary(_name, "i1"), _fn + "({lhs}, {rhs})", "elementwise")
+COMPARE = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
+for _name, _sym in COMPARE.items():
+    _op(_name, ["lhs", "rhs"], _binary(_name, "i1"), "{lhs} " + _sym + " {rhs}", "elementwise")
+_op("where", ["cond", "lhs", "rhs"], _where, "np.where({cond}, {lhs}, {rhs})", "elementwise")
+
+REDUCE = {
+    "sum": "np.sum({x}, axis={axes}, keepdims={keepdims})",
+    "mean": "np.mean({x}, axis={axes}, keepdims={keepdims})",
+    "max": "np.max({x}, axis={axes}, keepdims={keepdims})",
+    "min": "np.min({x}, axis={axes}, keepdims={keepdims})",
+    "prod": "np.prod({x}, axis={axes}, keepdims={keepdims})",
+}
+for _name, _tpl in REDUCE.items():
+    _op("reduce_" + _name, ["x"], _reduce("reduce_" + _name), _tpl, "reduction",
+        {"axes": ("ints", REQUIRED), "keepdims": ("bool", False)})
+for _name in ("argmax", "argmin"):
+    _op(_name, ["x"], _arg_reduce(_name), f"K.{_name}({{x}}, {{axis}}, {{keepdims}}, {{select_last_index}})",
+        "reduction", {"axis": ("int", REQUIRED), "keepdims": ("bool", False), "select_last_index": ("bool", False)})
+
+_op("matmul", ["lhs", "rhs"], _matmul, "np.matmul({lhs}, {rhs})", "contraction",
+    doc="NumPy matmul: batched, broadcasting, 1-D operands promoted and squeezed")
+_op("einsum", ["*inputs"], _einsum, "np.einsum({equation}, *{inputs})", "contraction", {"equation": ("str", REQUIRED)})
+_op("conv", ["x", "w", "bias?"], _conv, "K.conv({x}, {w}, {bias}, {strides}, {pads}, {dilations}, {groups})",
+    "contraction", {"strides": ("ints", ()), "pads": ("ints", ()), "dilations": ("ints", ()), "groups": ("int", 1)},
+    doc="N-d convolution (conv2d when x is NCHW); pads are all begins, then all ends")
+_POOL = {"kernel": ("ints", REQUIRED), "strides": ("ints", ()), "pads": ("ints", ()), "dilations": ("ints", ()),
+         "ceil_mode": ("bool", False)}
+_op("max_pool", ["x"], _pool("max_pool"),
+    "K.max_pool({x}, {kernel}, {strides}, {pads}, {dilations}, {ceil_mode})", "reduction", _POOL)
+_op("avg_pool", ["x"], _pool("avg_pool"),
+    "K.avg_pool({x}, {kernel}, {strides}, {pads}, {dilations}, {ceil_mode}, {count_include_pad})", "reduction",
+    {**_POOL, "count_include_pad": ("bool", False)})
+
+_op("softmax", ["x"], _softmax, "K.softmax({x}, {axis})", "composite", {"axis": ("int", -1)})
+_op("layer_norm", ["x", "scale?", "bias?"], _layer_norm, "K.layer_norm({x}, {scale}, {bias}, {axis}, {epsilon})",
+    "composite", {"axis": ("int", -1), "epsilon": ("float", 1e-5)}, doc="normalizes over dims axis.. of x")
+_op("attention", ["q", "k", "v", "mask?"], _attention, "K.attention({q}, {k}, {v}, {mask}, {scale}, {causal})",
+    "composite", {"scale": ("float", REQUIRED), "causal": ("bool", False)},
+    doc="softmax(q @ k^T * scale + mask) @ v; an i1 mask keeps where true, a float mask is added")
+
+_op("reshape", ["x"], _given("reshape", _check_reshape), "np.reshape({x}, {out_shape})", "layout", result_given=True)
+_op("broadcast", ["x"], _given("broadcast", _check_broadcast), "np.broadcast_to({x}, {out_shape})", "layout",
+    result_given=True)
+_op("transpose", ["x"], _transpose, "np.transpose({x}, {perm})", "layout", {"perm": ("ints", REQUIRED)})
+_op("concat", ["*inputs"], _concat, "np.concatenate({inputs}, axis={axis})", "layout", {"axis": ("int", REQUIRED)})
+_op("split", ["x"], _split, "K.split({x}, {axis}, {sizes})", "layout",
+    {"axis": ("int", REQUIRED), "sizes": ("ints", REQUIRED)})
+_op("slice", ["x"], _slice, _render_slice, "layout",
+    {"starts": ("ints", REQUIRED), "ends": ("ints", REQUIRED), "steps": ("ints", REQUIRED)},
+    doc="Python slicing per dim: start, end (clamped), step")
+_op("gather", ["x", "indices"], _gather, "np.take({x}, {indices}, axis={axis})", "layout", {"axis": ("int", 0)},
+    doc="np.take: embedding lookup is gather on axis 0; negative indices count from the end")
+_op("gather_elements", ["x", "indices"], _gather_elements, "K.gather_elements({x}, {indices}, {axis})", "layout",
+    {"axis": ("int", 0)})
+_op("pad", ["x"], _pad, "K.pad({x}, {pads}, {mode}, {value})", "layout",
+    {"pads": ("ints", REQUIRED), "mode": ("str", "constant"), "value": ("float", 0.0)})
+_op("tile", ["x"], _tile, "np.tile({x}, {repeats})", "layout", {"repeats": ("ints", REQUIRED)})
+_op("cumsum", ["x"], _same_as_input("cumsum"), "K.cumsum({x}, {axis}, {exclusive}, {reverse})", "reduction",
+    {"axis": ("int", REQUIRED), "exclusive": ("bool", False), "reverse": ("bool", False)})
+_op("trilu", ["x"], _trilu, "K.trilu({x}, {k}, {upper})", "elementwise", {"k": ("int", 0), "upper": ("bool", True)})
+
+_op("constant", [], _source, "{value}", "source", {"value": ("dense", REQUIRED)}, result_given=True,
+    doc="a small inline constant; large arrays go in the weight store")
+_op("weight", [], _source, "{name}", "source", {"name": ("str", REQUIRED)}, result_given=True,
+    doc="a named array of the weight store")
+
+
+def op_spec(name: str) -> OpSpec:
+    try:
+        return OPS[name.removeprefix("tg.")]
+    except KeyError:
+        raise KeyError(f"unknown op tg.{name}") from None
+
+
+def normalize_attrs(spec: OpSpec, attrs: dict[str, Any]) -> dict[str, Any]:
+    """Fill defaults and check names; raise a ShapeError naming the op otherwise."""
+    unknown = set(attrs) - set(spec.attrs)
+    if unknown:
+        raise _fail(spec.name, f"unknown attribute(s) {sorted(unknown)}; it takes {sorted(spec.attrs) or 'none'}")
+    out = {}
+    for name, (kind, default) in spec.attrs.items():
+        if name in attrs and attrs[name] is not None:
+            out[name] = attrs[name]
+        elif default is REQUIRED:
+            raise _fail(spec.name, f"missing attribute '{name}'")
+        else:
+            out[name] = default
+        if kind == "ints":
+            out[name] = tuple(int(v) for v in out[name])
+        elif kind == "floats":
+            out[name] = tuple(float(v) for v in out[name])
+        elif kind == "int":
+            out[name] = int(out[name])
+        elif kind == "float":
+            out[name] = float(out[name])
+        elif kind == "bool":
+            out[name] = bool(out[name])
+    return out
+
+
+def infer(spec: OpSpec, ins: Sequence[TensorInfo], attrs: dict[str, Any],
+          given: Sequence[TensorInfo] | None = None) -> list[TensorInfo]:
+    lo, hi = spec.arity()
+    if not lo <= len(ins) <= hi:
+        raise _fail(spec.name, f"takes {lo if lo == hi else f'{lo} to {hi}'} operands, got {len(ins)}")
+    return spec.infer(list(ins), attrs, given)
+
+
+def py_literal(v: Any) -> str:
+    """Python source for an attribute value in a template."""
+    if isinstance(v, float):
+        if v != v:
+            return "np.nan"
+        if v in (float("inf"), float("-inf")):
+            return "np.inf" if v > 0 else "-np.inf"
+        return repr(v)
+    if isinstance(v, tuple):
+        return "(" + ", ".join(py_literal(x) for x in v) + ("," if len(v) == 1 else "") + ")"
+    return repr(v)
+
+
+def render(spec: OpSpec, operands: Sequence[str | None], attrs: dict[str, Any], out_shape: str, dtype: str) -> str:
+    """The NumPy expression for one op, operands given as Python names (None: absent)."""
+    names = spec.operand_names
+    if spec.variadic:
+        env = {names[0]: "[" + ", ".join(operands) + "]"}  # type: ignore[arg-type]
+    else:
+        env = {n: (operands[i] if i < len(operands) and operands[i] is not None else "None") for i, n in enumerate(names)}
+    lits = {k: py_literal(v) for k, v in attrs.items()}
+    if callable(spec.numpy):
+        return spec.numpy(env, attrs, out_shape=out_shape, dtype=dtype)
+    return spec.numpy.format(**env, **lits, out_shape=out_shape, dtype=dtype)

@@ -1,0 +1,177 @@
+"""Shapes with symbolic dimensions.
+
+A dimension is an `int` or a sympy expression in named positive-integer symbols
+(`B`, `S`, `2*S`). In the IR a tensor type keeps `?` for a symbolic dimension and
+names its expression in the type's encoding, so the builtin `TensorType` stays the
+only type: `tensor<?x128x?xf32, ["B", "S*2"]>`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Iterable, Sequence, Union
+
+import sympy
+from xdsl.dialects.builtin import ArrayAttr, NoneAttr, StringAttr, TensorType
+from xdsl.ir import Attribute
+
+from ir.dtypes import dtype_name, element_type
+
+Dim = Union[int, sympy.Expr]
+Shape = tuple[Dim, ...]
+
+from xdsl.dialects.builtin import DYNAMIC_INDEX as DYNAMIC  # how TensorType spells "?"
+
+
+class ShapeError(ValueError):
+    """A shape rule was broken; the message names the op and the shapes."""
+
+
+@lru_cache(maxsize=None)
+def symbol(name: str) -> sympy.Symbol:
+    return sympy.Symbol(name, integer=True, positive=True)
+
+
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z_0-9]*")
+
+
+def parse_dim(text: str | int | sympy.Expr) -> Dim:
+    """'B' -> B, '2*S' -> 2*S, '7' -> 7, ints and expressions pass through."""
+    if isinstance(text, (int, sympy.Expr)):
+        return normalize_dim(text)
+    names = {n: symbol(n) for n in _IDENT.findall(text)}
+    try:
+        return normalize_dim(sympy.parse_expr(text, local_dict=names))
+    except (SyntaxError, TypeError, sympy.SympifyError) as e:
+        raise ShapeError(f"cannot read dimension '{text}': {e}") from None
+
+
+def normalize_dim(d: Dim) -> Dim:
+    if isinstance(d, sympy.Expr):
+        d = sympy.simplify(d)
+        if d.is_Integer:
+            return int(d)
+        return d
+    if isinstance(d, bool) or not isinstance(d, (int,)):
+        import numpy as np
+
+        if isinstance(d, np.integer):
+            return int(d)
+        raise ShapeError(f"dimension {d!r} is neither an int nor a symbolic expression")
+    return int(d)
+
+
+def as_shape(dims: Iterable[Dim | str]) -> Shape:
+    return tuple(parse_dim(d) for d in dims)
+
+
+def is_static(shape: Shape) -> bool:
+    return all(isinstance(d, int) for d in shape)
+
+
+def dims_equal(a: Dim, b: Dim) -> bool:
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return sympy.simplify(sympy.sympify(a) - sympy.sympify(b)) == 0
+
+
+def numel(shape: Sequence[Dim]) -> Dim:
+    if is_static(tuple(shape)):
+        return math.prod(shape)  # type: ignore[arg-type]
+    return normalize_dim(sympy.Mul(*[sympy.sympify(d) for d in shape]))
+
+
+def shape_str(shape: Sequence[Dim]) -> str:
+    return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def broadcast_shapes(*shapes: Sequence[Dim]) -> Shape:
+    """NumPy broadcasting over symbolic dims: equal dims, or one side is 1."""
+    rank = max((len(s) for s in shapes), default=0)
+    out: list[Dim] = []
+    for i in range(rank):
+        dim: Dim = 1
+        for s in shapes:
+            j = i - (rank - len(s))
+            if j < 0:
+                continue
+            d = s[j]
+            if isinstance(d, int) and d == 1:
+                continue
+            if isinstance(dim, int) and dim == 1:
+                dim = d
+            elif not dims_equal(dim, d):
+                raise ShapeError(
+                    "shapes " + " and ".join(shape_str(s) for s in shapes) + f" do not broadcast (dimension {i})"
+                )
+        out.append(dim)
+    return tuple(out)
+
+
+def concrete(shape: Sequence[Dim], bindings: dict[str, int]) -> tuple[int, ...]:
+    """Evaluate a symbolic shape at concrete sizes {'B': 8, 'S': 128}."""
+    subs = {symbol(k): v for k, v in bindings.items()}
+    out = []
+    for d in shape:
+        if isinstance(d, int):
+            out.append(d)
+            continue
+        v = sympy.sympify(d).subs(subs)
+        if not v.is_Integer:
+            raise ShapeError(f"dimension {d} is not known from the sizes {bindings}")
+        out.append(int(v))
+    return tuple(out)
+
+
+def free_symbols(shape: Sequence[Dim]) -> set[str]:
+    return {s.name for d in shape if isinstance(d, sympy.Expr) for s in d.free_symbols}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What shape inference works on: a shape and a dtype spelling ("f32")."""
+
+    shape: Shape
+    dtype: str
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    def __str__(self) -> str:
+        return f"{self.dtype}{shape_str(self.shape)}"
+
+
+def tensor_type(dtype: str, shape: Sequence[Dim | str]) -> TensorType:
+    dims = as_shape(shape)
+    symbolic = [d for d in dims if not isinstance(d, int)]
+    encoding: Attribute = NoneAttr()
+    if symbolic:
+        encoding = ArrayAttr([StringAttr(str(d)) for d in symbolic])
+    return TensorType(element_type(dtype), [d if isinstance(d, int) else DYNAMIC for d in dims], encoding)
+
+
+def info_of(t: Attribute) -> TensorInfo:
+    if not isinstance(t, TensorType):
+        raise ShapeError(f"expected a tensor type, got {t}")
+    names = []
+    if isinstance(t.encoding, ArrayAttr):
+        names = [a.data for a in t.encoding.data if isinstance(a, StringAttr)]
+    dims: list[Dim] = []
+    it = iter(names)
+    for d in t.get_shape():
+        if d == DYNAMIC:
+            name = next(it, None)
+            if name is None:
+                raise ShapeError(f"type {t} has a '?' dimension without a name")
+            dims.append(parse_dim(name))
+        else:
+            dims.append(d)
+    return TensorInfo(tuple(dims), dtype_name(t.element_type))
+
+
+def type_of(info: TensorInfo) -> TensorType:
+    return tensor_type(info.dtype, info.shape)

