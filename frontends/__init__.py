@@ -1,0 +1,7 @@
+"""Frontends: PyTorch (torch.export) and ONNX onto the tg dialect, through ir.builder."""
+
+from ir.errors import TilegraphError
+
+
+class FrontendError(TilegraphError):
+    """A model the frontend cannot import; the message lists every problem found."""

@@ -1,11 +1,12 @@
 """tilegraph's IR: the tg dialect on xDSL, symbolic shapes, the builder, weights, the interpreter."""
 
 from ir.builder import Graph, Tensor
+from ir.errors import TilegraphError
 from ir.model import Model, ModelError, WeightStore, parse_module, print_module
 from ir.shapes import ShapeError, TensorInfo
 
 __all__ = ["Graph", "Tensor", "Model", "ModelError", "WeightStore", "parse_module", "print_module",
-           "ShapeError", "TensorInfo", "interpret"]
+           "ShapeError", "TensorInfo", "TilegraphError", "interpret"]
 
 
 def interpret(model, inputs, float64=True):

@@ -19,6 +19,8 @@ from xdsl.dialects.builtin import (
 )
 from xdsl.ir import Attribute
 
+from ir.errors import TilegraphError
+
 # MLIR spelling -> (xDSL element type, NumPy dtype)
 _TABLE: dict[str, tuple[Attribute, np.dtype]] = {
     "f64": (Float64Type(), np.dtype(np.float64)),
@@ -45,7 +47,7 @@ FLOAT_DTYPES = ("f64", "f32", "f16", "bf16", "f8E4M3FN", "f8E5M2")
 INT_DTYPES = ("i8", "i16", "i32", "i64", "ui8", "ui16", "ui32", "ui64")
 
 
-class DTypeError(ValueError):
+class DTypeError(TilegraphError):
     pass
 
 

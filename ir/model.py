@@ -7,6 +7,7 @@ the store, which is saved beside the text (`model.mlir` + `model.weights.npz`).
 from __future__ import annotations
 
 import re
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,12 +22,13 @@ from xdsl.utils.exceptions import ParseError, VerifyException
 
 from ir import dtypes
 from ir.dialect import TG, TgOp
+from ir.errors import TilegraphError
 from ir.shapes import TensorInfo, info_of
 
 NAME_ATTR = "tg.name"  # argument / result attribute carrying the user's tensor name
 
 
-class ModelError(ValueError):
+class ModelError(TilegraphError):
     """A model that cannot be loaded or does not verify; the message says why."""
 
 
@@ -84,10 +86,25 @@ def weights_path(mlir_path: Path) -> Path:
     return Path(mlir_path).with_suffix(".weights.npz")
 
 
+# module -> its weight store, so that a pass, which sees only the module, can read
+# and add weights (constant folding does).
+_WEIGHTS_OF: "weakref.WeakKeyDictionary[ModuleOp, WeightStore]" = weakref.WeakKeyDictionary()
+
+
+def weights_of(module: ModuleOp) -> WeightStore:
+    """The weight store travelling with `module` (an empty one if it has none yet)."""
+    return _WEIGHTS_OF.setdefault(module, WeightStore())
+
+
 @dataclass
 class Model:
     module: ModuleOp
     weights: WeightStore = field(default_factory=WeightStore)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.weights, WeightStore):
+            self.weights = WeightStore(self.weights)
+        _WEIGHTS_OF[self.module] = self.weights
 
     @property
     def func(self) -> FuncOp:

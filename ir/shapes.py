@@ -19,6 +19,7 @@ from xdsl.dialects.builtin import ArrayAttr, NoneAttr, StringAttr, TensorType
 from xdsl.ir import Attribute
 
 from ir.dtypes import dtype_name, element_type
+from ir.errors import TilegraphError
 
 Dim = Union[int, sympy.Expr]
 Shape = tuple[Dim, ...]
@@ -26,7 +27,7 @@ Shape = tuple[Dim, ...]
 from xdsl.dialects.builtin import DYNAMIC_INDEX as DYNAMIC  # how TensorType spells "?"
 
 
-class ShapeError(ValueError):
+class ShapeError(TilegraphError):
     """A shape rule was broken; the message names the op and the shapes."""
 
 
