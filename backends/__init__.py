@@ -1,0 +1,24 @@
+"""Backends: each turns a tg model into source text and loads that source to run.
+
+A backend module has `emit(model) -> str` and `load(source, weights, model=None)`
+returning a callable (inputs in, list of NumPy arrays out). `TARGETS` maps each
+target name that `tilegraph.compile` accepts to its module, imported only when used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from ir.errors import TilegraphError
+
+TARGETS: dict[str, str] = {
+    "numpy": "backends.numpy",
+}
+
+
+def backend(target: str) -> ModuleType:
+    """The backend module for `target`; a TilegraphError listing the targets otherwise."""
+    if target not in TARGETS:
+        raise TilegraphError(f"unknown target '{target}'; tilegraph compiles for: {', '.join(TARGETS)}")
+    return importlib.import_module(TARGETS[target])

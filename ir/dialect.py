@@ -28,9 +28,10 @@ from xdsl.dialects.builtin import (
     i64,
 )
 from xdsl.ir import Attribute, Dialect, SSAValue
-from xdsl.irdl import IRDLOperation, irdl_op_definition, var_operand_def, var_result_def
+from xdsl.irdl import IRDLOperation, irdl_op_definition, traits_def, var_operand_def, var_result_def
 from xdsl.parser import Parser
 from xdsl.printer import Printer
+from xdsl.traits import Pure
 from xdsl.utils.exceptions import VerifyException
 
 from ir import dtypes
@@ -108,6 +109,9 @@ class TgOp(IRDLOperation):
 
     inputs = var_operand_def(TensorType)
     outputs = var_result_def(TensorType)
+    # --- passes: every tg op is a pure function of its operands (weights are
+    # read-only), so xDSL's CSE and DCE may merge and drop them.
+    traits = traits_def(Pure())
 
     @property
     def spec(self) -> OpSpec:
@@ -149,7 +153,8 @@ class TgOp(IRDLOperation):
         if self.operands:
             printer.print_string(" ")
             printer.print_list(self.operands, printer.print_operand)
-        printer.print_op_attributes(self.attributes)
+        if not _print_nonfinite_constant(self, printer):
+            printer.print_op_attributes(self.attributes)
         printer.print_string(" : ")
         printer.print_list([r.type for r in self.results], printer.print_attribute)
 
@@ -165,6 +170,23 @@ class TgOp(IRDLOperation):
         parser.parse_punctuation(":")
         types = parser.parse_comma_separated_list(parser.Delimiter.NONE, parser.parse_type)
         return cls.create(operands=operands, result_types=types, attributes=attrs)
+
+
+# --- passes: inf/nan constants (softmax masks, folded results) ---------------
+# xDSL prints a non-finite float element as a bare hex integer (0xff800000) that
+# its own parser then reads back as the integer 4286578688. A dense attribute in
+# the quoted raw-bytes form (dense<"0x0000807F">) parses back bit-exactly, so a
+# constant holding inf or nan prints in that form.
+def _print_nonfinite_constant(op: "TgOp", printer: Printer) -> bool:
+    value = op.attributes.get("value")
+    if op.name != "tg.constant" or set(op.attributes) != {"value"} or not isinstance(value, DenseIntOrFPElementsAttr):
+        return False
+    if not dtypes.is_float(info_of(value.type).dtype) or np.isfinite(dense_to_numpy(value).astype(np.float64)).all():
+        return False
+    printer.print_string(' {value = dense<"0x' + value.data.data.hex().upper() + '"> : ')
+    printer.print_attribute(value.type)
+    printer.print_string("}")
+    return True
 
 
 def _class_name(name: str) -> str:

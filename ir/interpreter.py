@@ -34,7 +34,9 @@ def dtype_code(name: str, float64: bool = False) -> str:
 
 
 def shape_code(shape: Sequence[Dim]) -> str:
-    parts = [str(d) for d in shape]
+    # (ONNX frontend) A dim with a division (6*S/floor(3*S/2), from a reshape's -1) is an
+    # integer that Python's / computes as a float: int() it back.
+    parts = [f"int({d})" if "/" in str(d) else str(d) for d in shape]
     return "(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"
 
 

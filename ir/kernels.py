@@ -124,6 +124,7 @@ def _pad_spatial(x, pads, value):
 def conv(x, w, bias, strides, pads, dilations, groups):
     """N-d convolution, NC* layout, weights (M, C/groups, *kernel), as ONNX Conv."""
     nd = x.ndim - 2
+    strides, pads, dilations = _window_defaults(nd, strides, pads, dilations)
     xp = _pad_spatial(x, pads, 0)
     windows = _window_view(xp, w.shape[2:], strides, dilations)  # N, C, *out, *k
     n, c = x.shape[:2]
@@ -139,6 +140,12 @@ def conv(x, w, bias, strides, pads, dilations, groups):
     if bias is not None:
         y = y + bias.reshape((1, m) + (1,) * nd)
     return y
+
+
+# --- NumPy backend: the empty default of strides/pads/dilations (as the op table
+# and the shape rule read it) means 1s, 0s and 1s here too.
+def _window_defaults(nd, strides, pads, dilations):
+    return tuple(strides) or (1,) * nd, tuple(pads) or (0,) * (2 * nd), tuple(dilations) or (1,) * nd
 
 
 def _pool_pads(x, kernel, strides, pads, dilations, ceil_mode):
@@ -158,6 +165,7 @@ def _pool_pads(x, kernel, strides, pads, dilations, ceil_mode):
 
 
 def max_pool(x, kernel, strides, pads, dilations, ceil_mode):
+    strides, pads, dilations = _window_defaults(len(kernel), strides, pads, dilations)
     pads = _pool_pads(x, kernel, strides, pads, dilations, ceil_mode)
     fill = -np.inf if np.issubdtype(x.dtype, np.floating) else np.iinfo(x.dtype).min
     windows = _window_view(_pad_spatial(x, pads, fill), kernel, strides, dilations)
@@ -166,6 +174,7 @@ def max_pool(x, kernel, strides, pads, dilations, ceil_mode):
 
 def avg_pool(x, kernel, strides, pads, dilations, ceil_mode, count_include_pad):
     nd = len(kernel)
+    strides, pads, dilations = _window_defaults(nd, strides, pads, dilations)
     explicit = list(pads)
     pads = _pool_pads(x, kernel, strides, pads, dilations, ceil_mode)
     axes = tuple(range(-nd, 0))
@@ -192,7 +201,10 @@ def pad(x, pads, mode, value):
 
 def split(x, axis, sizes):
     bounds = np.cumsum(sizes)[:-1]
-    return tuple(np.split(x, bounds, axis=axis))
+    parts = tuple(np.split(x, bounds, axis=axis))
+    # --- passes: a split into one piece has one result, which callers take as a
+    # single value, not a 1-tuple (found by tests/test_passes.py).
+    return parts[0] if len(parts) == 1 else parts
 
 
 def cumsum(x, axis, exclusive, reverse):
@@ -211,3 +223,56 @@ def gather_elements(x, indices, axis):
 
 def trilu(x, k, upper):
     return np.triu(x, k) if upper else np.tril(x, k)
+
+
+# --- kernels added for the ONNX frontend ---
+
+
+def iota(shape, axis, dtype):
+    index = np.arange(shape[axis], dtype=dtype).reshape((-1,) + (1,) * (len(shape) - axis - 1))
+    return np.broadcast_to(index, shape)
+
+
+# Scatter reductions as NumPy ufuncs; "none" assigns (the last of duplicate indices wins).
+_SCATTER_UFUNCS = {"add": np.add, "mul": np.multiply, "max": np.maximum, "min": np.minimum}
+
+
+def _scatter(x, index, updates, reduction):
+    out = np.array(x, copy=True)
+    if reduction == "none":
+        out[index] = updates
+    else:
+        _SCATTER_UFUNCS[reduction].at(out, index, updates)
+    return out
+
+
+def scatter_elements(x, indices, updates, axis, reduction):
+    index = list(np.indices(indices.shape, sparse=True))
+    index[axis] = np.where(indices < 0, indices + x.shape[axis], indices)
+    return _scatter(x, tuple(index), updates, reduction)
+
+
+def scatter_nd(x, indices, updates, reduction):
+    index = tuple(np.where(i < 0, i + x.shape[j], i) for j, i in enumerate(np.moveaxis(indices, -1, 0)))
+    return _scatter(x, index, updates, reduction)
+
+
+def cumprod(x, axis, exclusive, reverse):
+    if reverse:
+        x = np.flip(x, axis)
+    y = np.cumprod(x, axis=axis, dtype=x.dtype)
+    if exclusive:  # shift by one: the product of the elements strictly before
+        y = np.concatenate([np.ones_like(np.take(y, [0], axis=axis)), np.delete(y, -1, axis=axis)], axis=axis)
+    return np.flip(y, axis) if reverse else y
+
+
+def topk(x, k, axis, largest):
+    n = x.shape[axis]
+    if largest:
+        # A stable ascending sort of the reversed axis, read backwards: values descending,
+        # equal values by increasing index (no negation, so unsigned and extreme values are safe).
+        order = n - 1 - np.flip(np.argsort(np.flip(x, axis), axis=axis, kind="stable"), axis)
+    else:
+        order = np.argsort(x, axis=axis, kind="stable")
+    idx = np.take(order, np.arange(k), axis=axis)
+    return np.take_along_axis(x, idx, axis=axis), idx.astype(np.int64)

@@ -508,12 +508,13 @@ for _name, _sym in COMPARE.items():
     _op(_name, ["lhs", "rhs"], _binary(_name, "i1"), "{lhs} " + _sym + " {rhs}", "elementwise")
 _op("where", ["cond", "lhs", "rhs"], _where, "np.where({cond}, {lhs}, {rhs})", "elementwise")
 
+# (NumPy backend) sum and prod name their dtype: NumPy would widen small integers to int64.
 REDUCE = {
-    "sum": "np.sum({x}, axis={axes}, keepdims={keepdims})",
+    "sum": "np.sum({x}, axis={axes}, keepdims={keepdims}, dtype={dtype})",
     "mean": "np.mean({x}, axis={axes}, keepdims={keepdims})",
     "max": "np.max({x}, axis={axes}, keepdims={keepdims})",
     "min": "np.min({x}, axis={axes}, keepdims={keepdims})",
-    "prod": "np.prod({x}, axis={axes}, keepdims={keepdims})",
+    "prod": "np.prod({x}, axis={axes}, keepdims={keepdims}, dtype={dtype})",
 }
 for _name, _tpl in REDUCE.items():
     _op("reduce_" + _name, ["x"], _reduce("reduce_" + _name), _tpl, "reduction",
@@ -522,7 +523,13 @@ for _name in ("argmax", "argmin"):
     _op(_name, ["x"], _arg_reduce(_name), f"K.{_name}({{x}}, {{axis}}, {{keepdims}}, {{select_last_index}})",
         "reduction", {"axis": ("int", REQUIRED), "keepdims": ("bool", False), "select_last_index": ("bool", False)})
 
-_op("matmul", ["lhs", "rhs"], _matmul, "np.matmul({lhs}, {rhs})", "contraction",
+def _render_matmul(operands, attrs, out_shape, dtype):
+    expr = f"np.matmul({operands['lhs']}, {operands['rhs']})"
+    # NumPy has no bf16/fp8 matmul loop and computes those in f32: round back to the declared type.
+    return f"{expr}.astype({dtype})" if dtype.startswith("ml_dtypes.") else expr
+
+
+_op("matmul", ["lhs", "rhs"], _matmul, _render_matmul, "contraction",
     doc="NumPy matmul: batched, broadcasting, 1-D operands promoted and squeezed")
 _op("einsum", ["*inputs"], _einsum, "np.einsum({equation}, *{inputs})", "contraction", {"equation": ("str", REQUIRED)})
 _op("conv", ["x", "w", "bias?"], _conv, "K.conv({x}, {w}, {bias}, {strides}, {pads}, {dilations}, {groups})",
@@ -568,6 +575,88 @@ _op("constant", [], _source, "{value}", "source", {"value": ("dense", REQUIRED)}
     doc="a small inline constant; large arrays go in the weight store")
 _op("weight", [], _source, "{name}", "source", {"name": ("str", REQUIRED)}, result_given=True,
     doc="a named array of the weight store")
+
+
+# --- ops added for the ONNX frontend ---
+
+
+def _iota(ins, attrs, given):
+    (out,) = _source(ins, attrs, given)
+    _axes("iota", [attrs["axis"]], out.rank)
+    if not (dtypes.is_int(out.dtype) or dtypes.is_float(out.dtype)):
+        raise _fail("iota", f"result {out} must be of integer or float type")
+    return [out]
+
+
+_op("iota", [], _iota, "K.iota({out_shape}, {axis}, {dtype})", "source", {"axis": ("int", 0)}, result_given=True,
+    doc="0, 1, ..., n-1 along axis, broadcast to the result shape (stablehlo.iota); ONNX Range, EyeLike, OneHot "
+        "and slices to a symbolic length are built on it")
+
+SCATTER_REDUCTIONS = ("none", "add", "mul", "max", "min")
+
+
+def _scatter_common(op, x, updates, indices, attrs):
+    if not dtypes.is_int(indices.dtype):
+        raise _fail(op, f"indices {indices} must be integers")
+    if updates.dtype != x.dtype:
+        raise _fail(op, f"updates {updates} must have the element type of {x}")
+    if attrs["reduction"] not in SCATTER_REDUCTIONS:
+        raise _fail(op, f"reduction '{attrs['reduction']}' is not one of {SCATTER_REDUCTIONS}")
+
+
+def _scatter_elements(ins, attrs, given):
+    x, indices, updates = ins
+    _scatter_common("scatter_elements", x, updates, indices, attrs)
+    _axes("scatter_elements", [attrs["axis"]], x.rank)
+    if indices.rank != x.rank or indices.shape != updates.shape:
+        raise _fail("scatter_elements", f"indices {indices} and updates {updates} must share a shape of the rank of {x}")
+    return [x]
+
+
+def _scatter_nd(ins, attrs, given):
+    x, indices, updates = ins
+    _scatter_common("scatter_nd", x, updates, indices, attrs)
+    k = indices.shape[-1] if indices.rank else None
+    if not isinstance(k, int) or k > x.rank or updates.shape != indices.shape[:-1] + x.shape[k:]:
+        raise _fail("scatter_nd", f"indices {indices} and updates {updates} do not index into {x}")
+    return [x]
+
+
+_op("scatter_elements", ["x", "indices", "updates"], _scatter_elements,
+    "K.scatter_elements({x}, {indices}, {updates}, {axis}, {reduction})", "layout",
+    {"axis": ("int", 0), "reduction": ("str", "none")},
+    doc="a copy of x with x[..., indices[p], ...] (along axis) set to, or combined with, updates[p]; "
+        "the inverse of gather_elements (ONNX ScatterElements)")
+_op("scatter_nd", ["x", "indices", "updates"], _scatter_nd, "K.scatter_nd({x}, {indices}, {updates}, {reduction})",
+    "layout", {"reduction": ("str", "none")},
+    doc="a copy of x with the slices x[indices[p]] (k = indices.shape[-1] leading dims) set to, or combined "
+        "with, updates[p] (ONNX ScatterND)")
+_op("cumprod", ["x"], _same_as_input("cumprod"), "K.cumprod({x}, {axis}, {exclusive}, {reverse})", "reduction",
+    {"axis": ("int", REQUIRED), "exclusive": ("bool", False), "reverse": ("bool", False)},
+    doc="running product along axis, as cumsum")
+
+
+def _topk(ins, attrs, given):
+    (x,) = ins
+    (axis,) = _axes("topk", [attrs["axis"]], x.rank)
+    k = attrs["k"]
+    if k < 0 or (isinstance(x.shape[axis], int) and k > x.shape[axis]):
+        raise _fail("topk", f"k={k} is out of range for dim {axis} of {x}")
+    shape = x.shape[:axis] + (k,) + x.shape[axis + 1:]
+    return [TensorInfo(shape, x.dtype), TensorInfo(shape, "i64")]
+
+
+_op("topk", ["x"], _topk, "K.topk({x}, {k}, {axis}, {largest})", "reduction",
+    {"k": ("int", REQUIRED), "axis": ("int", -1), "largest": ("bool", True)},
+    doc="the k largest (or smallest) values along axis and their indices, sorted; equal values in index "
+        "order (ONNX TopK, torch.topk)")
+
+
+# --- ops added for the torch frontend ---
+# exp(x) - 1 and log(1 + x) lose every significant digit for |x| below the dtype's
+# epsilon (torch.expm1/log1p, ELU, softplus); NumPy has the accurate functions.
+for _name in ("expm1", "log1p"):
+    _op(_name, ["x"], _unary(_name, floats_only=True), f"np.{_name}({{x}})", "elementwise")
 
 
 def op_spec(name: str) -> OpSpec:

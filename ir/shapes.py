@@ -37,13 +37,22 @@ def symbol(name: str) -> sympy.Symbol:
 
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z_0-9]*")
+DIM_FUNCTIONS = ("floor", "ceiling", "Max", "Min")  # how sympy prints them; the interpreter defines them
 
 
 def parse_dim(text: str | int | sympy.Expr) -> Dim:
     """'B' -> B, '2*S' -> 2*S, '7' -> 7, ints and expressions pass through."""
     if isinstance(text, (int, sympy.Expr)):
         return normalize_dim(text)
-    names = {n: symbol(n) for n in _IDENT.findall(text)}
+    return _parse_dim_text(text)
+
+
+# --- NumPy backend: every read of a type (info_of) parses its dim names again, and
+# sympy.parse_expr costs ~1 ms a call; dims are immutable, so each text is parsed once.
+@lru_cache(maxsize=4096)
+def _parse_dim_text(text: str) -> Dim:
+    # (ONNX frontend) Names of the functions a printed dim may hold (floor(S/2)) are not symbols.
+    names = {n: symbol(n) for n in _IDENT.findall(text) if n not in DIM_FUNCTIONS}
     try:
         return normalize_dim(sympy.parse_expr(text, local_dict=names))
     except (SyntaxError, TypeError, sympy.SympifyError) as e:

@@ -1,0 +1,16 @@
+"""tilegraph's passes: one module per pass, named as on the command line.
+
+    canonicalize     passes/canonicalize.py     algebraic simplification, rules as data
+    cse              passes/cse.py              common subexpression elimination
+    dce              passes/dce.py              dead code (and dead weights) elimination
+    constant-fold    passes/constant_fold.py    ops on known arrays computed at compile time
+    simplify-shapes  passes/simplify_shapes.py  fewer layout ops, simpler symbolic dims
+    decompose        passes/decompose.py        softmax/layer_norm/gelu/attention -> primitives
+
+`passes.registry` holds the registry (`PASSES`), the pipeline syntax and
+`run_pipeline`; `passes.rewrite` the small rule vocabulary the rewrites share.
+"""
+
+from passes.registry import DEFAULT_PIPELINE, PASSES, get_pass_class, parse_pipeline, run_pipeline
+
+__all__ = ["DEFAULT_PIPELINE", "PASSES", "get_pass_class", "parse_pipeline", "run_pipeline"]

@@ -1,1 +1,149 @@
-"""tilegraph: a compiler for machine-learning models, written in Python on xDSL."""
+"""tilegraph: a compiler for machine-learning models, written in Python on xDSL.
+
+    import tilegraph
+    f = tilegraph.compile("model.onnx")           # or an nn.Module + example inputs, a .pt2, an ir.Model
+    y = f(x)                                      # NumPy arrays or torch tensors in, NumPy out
+    print(f.source)                               # the emitted code
+
+`import_model` brings any supported source to an `ir.Model`; `compile` imports,
+runs the pass pipeline and hands the result to a backend. Importing tilegraph
+imports neither torch nor onnx: each frontend is imported when a model needs it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from ir import Model
+from ir.errors import TilegraphError
+from ir.model import ModelError
+
+__all__ = ["compile", "import_model", "Compiled", "TilegraphError"]
+
+# File suffixes import_model reads, and what reads them.
+SUFFIXES = {".onnx": "ONNX (frontends.onnx)", ".mlir": "tg IR text (Model.load)",
+            ".pt2": "torch.export archive (frontends.torch_export)"}
+
+
+def import_model(source: Any, example_inputs: Sequence[Any] | None = None, dynamic_shapes: Any = None) -> Model:
+    """An `ir.Model` from a Model, an onnx.ModelProto, a .onnx/.mlir/.pt2 path, an nn.Module or an ExportedProgram.
+
+    `example_inputs` (a tuple of tensors) is needed for an nn.Module, which is traced
+    with torch.export, as is `dynamic_shapes` (torch.export's argument: which input
+    dims are symbolic); both are ignored for the other sources.
+    """
+    if isinstance(source, Model):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        return _import_file(Path(source))
+    onnx = sys.modules.get("onnx")  # an onnx object exists only if onnx was imported
+    if onnx is not None and isinstance(source, onnx.ModelProto):
+        from frontends.onnx import from_onnx
+
+        return from_onnx(source)
+    torch = sys.modules.get("torch")  # likewise for torch
+    if torch is not None:
+        export = sys.modules.get("torch.export")
+        if isinstance(source, torch.nn.Module):
+            if example_inputs is None:
+                raise TilegraphError(f"importing a torch.nn.Module ({type(source).__name__}) needs example_inputs, "
+                                     "a tuple of tensors to trace it with torch.export")
+            if not isinstance(example_inputs, (tuple, list)):
+                example_inputs = (example_inputs,)
+            from frontends.torch_export import from_torch
+
+            return from_torch(source, tuple(example_inputs), dynamic_shapes=dynamic_shapes)
+        if export is not None and isinstance(source, export.ExportedProgram):
+            from frontends.torch_export import from_exported_program
+
+            return from_exported_program(source)
+    hint = " (call .build(...) on the Graph first)" if type(source).__name__ == "Graph" else ""
+    raise TilegraphError(f"cannot import a {type(source).__module__}.{type(source).__qualname__}{hint}; tilegraph "
+                         "imports an ir.Model, an onnx.ModelProto, a torch.nn.Module, a torch.export.ExportedProgram "
+                         f"or a file: {', '.join(f'{s} ({k})' for s, k in SUFFIXES.items())}")
+
+
+def _import_file(path: Path) -> Model:
+    suffix = path.suffix.lower()
+    if suffix not in SUFFIXES:
+        raise ModelError(f"{path}: unknown model file type '{path.suffix}'; tilegraph reads "
+                         + ", ".join(f"{s} ({k})" for s, k in SUFFIXES.items()))
+    if not path.is_file():
+        raise ModelError(f"no such model file: {path}")
+    if suffix == ".onnx":
+        from frontends.onnx import from_onnx
+
+        return from_onnx(path)
+    if suffix == ".pt2":
+        from frontends.torch_export import load_pt2
+
+        return load_pt2(path)
+    return Model.load(path)
+
+
+def _run_passes(model: Model, pipeline: str | Sequence | None) -> Model:
+    try:
+        registry = importlib.import_module("passes.registry")
+    except ModuleNotFoundError as e:
+        if e.name != "passes.registry":
+            raise
+        # The pass registry is not part of this checkout (yet): the default is then
+        # no passes; an explicit pipeline cannot be honoured and says so.
+        if pipeline:
+            raise TilegraphError(f"cannot run pipeline {pipeline!r}: passes.registry is not available") from None
+        return model
+    if pipeline is None:
+        pipeline = registry.DEFAULT_PIPELINE
+    if not pipeline:
+        return model
+    return registry.run_pipeline(model, pipeline)
+
+
+class Compiled:
+    """A compiled model: call it with the inputs (NumPy arrays or torch tensors).
+
+    Returns one array for a one-output model, a tuple for several. `.run` always
+    returns the list. `.source` is the emitted code, `.model` the IR after passes.
+    """
+
+    def __init__(self, model: Model, runner: Any, target: str):
+        self.model = model
+        self.target = target
+        self._runner = runner
+        self.source: str = runner.source
+        self.input_names: list[str] = list(model.input_names)
+        self.output_names: list[str] = list(model.output_names)
+
+    def run(self, *inputs: Any, **named: Any) -> list[np.ndarray]:
+        return self._runner(*inputs, **named)
+
+    def __call__(self, *inputs: Any, **named: Any):
+        outs = self._runner(*inputs, **named)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def __repr__(self) -> str:
+        return (f"Compiled(target={self.target!r}, inputs={self.input_names}, outputs={self.output_names}, "
+                f"{len(self.source.splitlines())} lines)")
+
+
+def compile(model: Any, example_inputs: Sequence[Any] | None = None, target: str = "numpy",
+            pipeline: str | Sequence | None = None, dynamic_shapes: Any = None) -> Compiled:  # noqa: A001
+    """Import `model` (see import_model), run `pipeline` on it and build it for `target`.
+
+    pipeline: None runs the default pipeline; a pipeline string
+    (`"canonicalize,cse"`) or list of passes runs those; "" or [] runs none.
+    """
+    from backends import backend
+
+    codegen = backend(target)  # an unknown target fails before any import work
+    imported = import_model(model, example_inputs, dynamic_shapes)
+    optimized = _run_passes(imported, pipeline)
+    optimized.verify()
+    runner = codegen.load(codegen.emit(optimized), optimized.weights, optimized)
+    return Compiled(optimized, runner, target)

@@ -10,6 +10,32 @@ sqrt(n) is the expected growth of rounding error in a sum of n terms (random-wal
 accumulation, Higham, "Accuracy and Stability of Numerical Algorithms", ch. 4);
 the absolute part scales with the output so values that cancel to near zero are
 judged against the size of what cancelled.
+
+Testing your own pass (property-based, with hypothesis):
+
+    from dataclasses import dataclass
+    from hypothesis import given, settings
+    from xdsl.passes import ModulePass
+    from tilegraph.testing import graphs, assert_preserves_semantics
+
+    @dataclass(frozen=True)
+    class MyPass(ModulePass):
+        name = "my-pass"
+        def apply(self, ctx, module): ...          # rewrite the tg IR in place
+
+    @settings(max_examples=50, deadline=None)
+    @given(graphs(ops=("add", "mul", "exp", "reshape", "matmul")))
+    def test_my_pass_preserves_semantics(model):
+        assert_preserves_semantics([MyPass()], model)   # or "canonicalize,my-pass"
+
+`graphs()` draws random valid models (elementwise ops with broadcasting,
+reductions, matmuls, layout ops, softmax/layer_norm/gelu/attention, weights,
+constants, a symbolic batch dim), values kept where float32 and float64 differ by
+rounding only; `random_inputs(model)` feeds one; `assert_preserves_semantics`
+runs the pipeline on a copy and compares against the float64 interpreter, with
+the tolerance above and `reduction_length(model)`, and on failure shows the
+pipeline and the IR before and after. Register the pass in
+`passes/registry.py` and tests/test_properties.py checks it on every run.
 """
 
 from __future__ import annotations
@@ -53,3 +79,1002 @@ def assert_close(actual, expected, dtype: str, reduction_length: int = 1, name: 
     scale = float(np.max(np.abs(e[finite]), initial=0.0))
     np.testing.assert_allclose(a, e, rtol=rtol, atol=atol * max(1.0, scale), equal_nan=True,
                                err_msg=f"{name} ({dtype}, reductions over {reduction_length})")
+
+
+# --- per-op examples (NumPy backend; the Triton backend reuses them) ---------
+# One or more small graphs for every op of the table, with inputs inside the op's
+# domain and the longest chain of summed terms in it (for `tolerance`). The NumPy
+# backend's test runs each against the float64 interpreter and fails, naming the
+# op, when an op of `ir.ops.OPS` has no example here: adding an op means adding
+# its example below.
+
+from dataclasses import dataclass  # noqa: E402 - kept inside this block
+from typing import Any  # noqa: E402
+
+
+@dataclass(frozen=True)
+class OpExample:
+    """A graph exercising `op`, inputs for it, and its reduction length (terms summed per output)."""
+
+    op: str
+    label: str
+    model: Any
+    inputs: tuple
+    reduction_length: int = 1
+
+    @property
+    def id(self) -> str:
+        return f"{self.op}-{self.label}" if self.label else self.op
+
+
+def op_examples() -> dict[str, list[OpExample]]:
+    """op name -> its examples; fresh models on every call, fixed inputs (seeded)."""
+    from ir import Graph, TensorInfo
+
+    rng = np.random.default_rng(20240601)
+    out: dict[str, list[OpExample]] = {}
+
+    def f32(*shape, lo=-2.0, hi=2.0):
+        return rng.uniform(lo, hi, shape).astype(np.float32)
+
+    def ints(*shape, lo=-20, hi=20, dtype=np.int32):
+        return rng.integers(lo, hi, shape).astype(dtype)
+
+    def bools(*shape):
+        return rng.random(shape) < 0.5
+
+    def add(op, build, inputs, reduction_length=1, label="", shapes=None):
+        """`build(g, *tensors)` makes the output(s) from inputs x0, x1, ... (shapes may name symbols)."""
+        g = Graph()
+        ts = [g.input(f"x{i}", (shapes[i] if shapes else a.shape), dtypes.dtype_name(a.dtype))
+              for i, a in enumerate(inputs)]
+        result = build(g, *ts)
+        model = g.build(*(result if isinstance(result, tuple) else (result,)))
+        out.setdefault(op, []).append(OpExample(op, label, model, tuple(inputs), reduction_length))
+
+    def unary(op, x, label="", **attrs):
+        add(op, lambda g, a: g.op(op, a, **attrs), [x], label=label)
+
+    def binary(op, a, b, label=""):
+        add(op, lambda g, x, y: g.op(op, x, y), [a, b], label=label)
+
+    # Elementwise unary, each on its domain.
+    domains = {"log": (0.1, 4), "sqrt": (0.1, 4), "rsqrt": (0.1, 4), "asin": (-0.95, 0.95),
+               "acos": (-0.95, 0.95), "atanh": (-0.95, 0.95), "acosh": (1.05, 4), "tan": (-1.4, 1.4),
+               "sigmoid": (-12, 12), "exp": (-4, 4), "sinh": (-4, 4), "cosh": (-4, 4)}
+    for op in ("neg", "abs", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "erf", "sin", "cos",
+               "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "floor", "ceil"):
+        unary(op, f32(3, 5, lo=domains.get(op, (-3, 3))[0], hi=domains.get(op, (-3, 3))[1]), "f32")
+    for op in ("neg", "abs", "sign"):
+        unary(op, ints(3, 5), "i32")
+    unary("reciprocal", f32(3, 5, lo=0.25, hi=2) * np.where(bools(3, 5), 1, -1).astype(np.float32), "f32")
+    halves = np.array([[-2.5, -1.5, -0.5, 0.5, 1.5], [2.5, 0.49, -0.51, 3.7, -3.2]], dtype=np.float32)
+    unary("round", halves, "half-to-even")
+    unary("sign", np.array([-2.0, -0.0, 0.0, 1e-30, 3.0], dtype=np.float32), "f32")
+    unary("bitwise_not", ints(3, 5), "i32")
+    unary("gelu", f32(3, 5, lo=-4, hi=4), "erf")
+    unary("gelu", f32(3, 5, lo=-4, hi=4), "tanh", approximate="tanh")
+    unary("not", bools(3, 5), "i1")
+    special = np.array([1.0, np.nan, np.inf, -np.inf, -2.0, 0.0], dtype=np.float32)
+    unary("isnan", special, "f32")
+    unary("isinf", special, "both")
+    unary("isinf", special, "negative-only", detect_positive=False)
+    unary("cast", f32(3, 5, lo=-100, hi=100), "f32-to-i32", to="i32")
+    unary("cast", ints(3, 5, dtype=np.int64), "i64-to-f32", to="f32")
+    unary("cast", f32(3, 5), "f32-to-f16", to="f16")
+    unary("cast", f32(3, 5), "f32-to-i1", to="i1")
+
+    # Elementwise binary: broadcasting (3, 4) with (4,).
+    for op in ("add", "sub", "mul", "max", "min"):
+        binary(op, f32(3, 4), f32(4), "f32")
+        binary(op, ints(3, 4), ints(4), "i32")
+    binary("add", f32(3, 4).astype(np.float16), f32(4).astype(np.float16), "f16")
+    binary("div", f32(3, 4), f32(4, lo=0.5, hi=2) * np.float32(-1), "f32")
+    binary("div", ints(3, 4, lo=-50, hi=50), np.array([3, -3, 7, -1], np.int32), "i32-truncates")
+    binary("pow", f32(3, 4, lo=0.5, hi=2), f32(4, lo=-2, hi=2), "f32")
+    binary("pow", ints(3, 4, lo=-4, hi=5), np.array([0, 1, 2, 3], np.int32), "i32")
+    for fmod in (False, True):
+        add("mod", lambda g, a, b, fmod=fmod: g.op("mod", a, b, fmod=fmod),
+            [f32(3, 4, lo=-5, hi=5), np.array([1.5, -1.5, 2.0, -0.7], np.float32)], label=f"f32-fmod={fmod}")
+        add("mod", lambda g, a, b, fmod=fmod: g.op("mod", a, b, fmod=fmod),
+            [ints(3, 4), np.array([3, -3, 7, -2], np.int32)], label=f"i32-fmod={fmod}")
+    for op in ("bitwise_and", "bitwise_or", "bitwise_xor"):
+        binary(op, ints(3, 4, lo=-100, hi=100), ints(4, lo=-100, hi=100), "i32")
+    for op in ("shift_left", "shift_right"):
+        binary(op, ints(3, 4, lo=0, hi=1000, dtype=np.uint32), ints(4, lo=0, hi=8, dtype=np.uint32), "ui32")
+    for op in ("and", "or", "xor"):
+        binary(op, bools(3, 4), bools(4), "i1")
+    coarse = lambda *s: np.round(f32(*s) * 2) / 2  # noqa: E731 - repeated values, so eq/ne/le/ge see ties
+    for op in ("eq", "ne", "lt", "le", "gt", "ge"):
+        binary(op, coarse(3, 4), coarse(4), "f32")
+        binary(op, ints(3, 4, lo=-3, hi=3), ints(4, lo=-3, hi=3), "i32")
+    add("where", lambda g, c, a, b: g.where(c, a, b), [bools(3, 4), f32(3, 4), f32(4)], label="f32")
+
+    # Reductions; the reduction length is the number of terms per output.
+    x = f32(3, 4, 5)
+    for kind in ("sum", "mean", "max", "min"):
+        add("reduce_" + kind, lambda g, a, k=kind: g.op("reduce_" + k, a, axes=(0, 2)), [x], 15, "axes=0,2")
+        add("reduce_" + kind, lambda g, a, k=kind: g.op("reduce_" + k, a, axes=(-1,), keepdims=True), [x], 5,
+            "keepdims")
+    add("reduce_prod", lambda g, a: g.op("reduce_prod", a, axes=(1,)), [f32(3, 6, lo=0.5, hi=1.5)], 6, "f32")
+    for kind in ("sum", "max", "prod"):
+        add("reduce_" + kind, lambda g, a, k=kind: g.op("reduce_" + k, a, axes=(1,)), [ints(3, 4, lo=-5, hi=5)],
+            label="i32")
+    add("reduce_sum", lambda g, a: g.op("reduce_sum", a, axes=(1,)), [ints(3, 4, lo=-5, hi=5, dtype=np.int8)],
+        label="i8")
+    add("reduce_sum", lambda g, a: g.op("reduce_sum", a, axes=(1,)), [f32(3, 8).astype(np.float16)], 8, "f16")
+    ties = rng.integers(0, 3, (3, 6)).astype(np.float32)
+    for op in ("argmax", "argmin"):
+        add(op, lambda g, a, op=op: g.op(op, a, axis=1), [ties], label="first")
+        add(op, lambda g, a, op=op: g.op(op, a, axis=0, keepdims=True, select_last_index=True), [ties],
+            label="last-keepdims")
+    add("cumsum", lambda g, a: g.op("cumsum", a, axis=1), [f32(3, 6)], 6, "f32")
+    add("cumsum", lambda g, a: g.op("cumsum", a, axis=1, exclusive=True, reverse=True), [f32(3, 6)], 6,
+        "exclusive-reverse")
+    add("cumsum", lambda g, a: g.op("cumsum", a, axis=0), [ints(4, 3)], label="i32")
+
+    # Contractions.
+    add("matmul", lambda g, a, b: a @ b, [f32(2, 3, 8), f32(8, 5)], 8, "batched")
+    add("matmul", lambda g, a, b: a @ b, [f32(8), f32(2, 8, 3)], 8, "vector")
+    add("matmul", lambda g, a, b: a @ b, [ints(3, 4, lo=-5, hi=5), ints(4, 2, lo=-5, hi=5)], label="i32")
+    add("einsum", lambda g, a, b: g.op("einsum", a, b, equation="bij,bjk->bik"), [f32(2, 3, 6), f32(2, 6, 4)], 6,
+        "bmm")
+    add("conv", lambda g, a, w, b: g.op("conv", a, w, b, strides=(2, 2), pads=(1, 1, 1, 1)),
+        [f32(1, 3, 7, 7), f32(4, 3, 3, 3), f32(4)], 27, "2d")
+    add("conv", lambda g, a, w: g.op("conv", a, w, groups=2, dilations=(2,), pads=(0, 1)),
+        [f32(2, 4, 9), f32(6, 2, 3)], 6, "1d-groups-dilation")
+    add("max_pool", lambda g, a: g.op("max_pool", a, kernel=(2, 2), strides=(2, 2)), [f32(1, 2, 6, 6)], label="2x2")
+    add("max_pool", lambda g, a: g.op("max_pool", a, kernel=(3, 3), strides=(2, 2), pads=(1, 1, 1, 1),
+                                      ceil_mode=True), [f32(1, 2, 6, 6)], label="ceil-pads")
+    add("avg_pool", lambda g, a: g.op("avg_pool", a, kernel=(3, 3), strides=(2, 2), pads=(1, 1, 1, 1)),
+        [f32(1, 2, 6, 6)], 9, "pads-excluded")
+    add("avg_pool", lambda g, a: g.op("avg_pool", a, kernel=(2,), count_include_pad=True, pads=(1, 1)),
+        [f32(1, 2, 6)], 2, "1d-pads-included")
+
+    # Composites.
+    add("softmax", lambda g, a: g.softmax(a, axis=-1), [f32(3, 7, lo=-5, hi=5)], 7, "last")
+    add("softmax", lambda g, a: g.softmax(a, axis=0), [f32(3, 7, lo=-5, hi=5)], 3, "first")
+    add("layer_norm", lambda g, a, s, b: g.layer_norm(a, s, b), [f32(2, 3, 8), f32(8), f32(8)], 8, "affine")
+    add("layer_norm", lambda g, a: g.layer_norm(a, axis=1, epsilon=1e-3), [f32(2, 3, 4)], 12, "axis=1")
+    q, k, v = f32(1, 2, 4, 8), f32(1, 2, 6, 8), f32(1, 2, 6, 8)
+    # q.k sums 8 terms, the softmax and p@v 6 more each along the keys.
+    add("attention", lambda g, a, b, c, m: g.attention(a, b, c, m), [q, k, v, f32(4, 6)], 8 + 2 * 6, "float-mask")
+    add("attention", lambda g, a, b, c, m: g.attention(a, b, c, m, scale=0.5),
+        [q, k, v, np.tril(np.ones((4, 6), bool), 2)], 8 + 2 * 6, "bool-mask")
+    add("attention", lambda g, a, b, c: g.attention(a, b, c, causal=True), [q, k, v], 8 + 2 * 6, "causal")
+
+    # Layout; symbolic dims where the op's shape code uses them.
+    add("reshape", lambda g, a: g.reshape(a, ("B", -1)), [f32(2, 3, 6)], label="symbolic",
+        shapes=[("B", "S", 6)])
+    add("broadcast", lambda g, a: g.broadcast(a, ("B", 4, 5)), [f32(3, 1, 5)], label="symbolic",
+        shapes=[("B", 1, 5)])
+    add("transpose", lambda g, a: g.transpose(a, (2, 0, 1)), [f32(2, 3, 4)])
+    add("concat", lambda g, a, b, c: g.concat([a, b, c], axis=1), [f32(2, 1), f32(2, 3), f32(2, 2)])
+    add("split", lambda g, a: g.split(a, (2, 3, 1), axis=1), [f32(2, 6)], label="three")
+    add("slice", lambda g, a: g.slice(a, starts=(1, 6), ends=(5, -100), steps=(2, -2)), [f32(6, 7)],
+        label="steps")
+    add("slice", lambda g, a: g.slice(a, starts=(1,), ends=((1 << 63) - 1,), axes=(1,)), [f32(3, 5)],
+        label="symbolic", shapes=[("B", "S")])
+    add("gather", lambda g, t, i: g.gather(t, i), [f32(10, 4), np.array([[0, 9, -1], [3, 3, -10]], np.int64)],
+        label="embedding")
+    add("gather", lambda g, t, i: g.gather(t, i, axis=1), [f32(3, 5), np.array([4, 0], np.int32)], label="axis=1")
+    add("gather_elements", lambda g, t, i: g.op("gather_elements", t, i, axis=1),
+        [f32(3, 4), np.array([[0, 3], [-1, 2], [1, -4]], np.int64)])
+    add("pad", lambda g, a: g.pad(a, (1, 0, 2, 3), value=1.5), [f32(2, 3)], label="constant")
+    add("pad", lambda g, a: g.pad(a, (0, 2, 0, 1), mode="reflect"), [f32(2, 4)], label="reflect")
+    add("pad", lambda g, a: g.pad(a, (1, 1, 1, 1), mode="edge"), [ints(2, 3)], label="edge-i32")
+    add("tile", lambda g, a: g.op("tile", a, repeats=(2, 1, 3)), [f32(2, 3, 1)])
+    add("trilu", lambda g, a: g.op("trilu", a, k=1), [f32(2, 4, 5)], label="upper")
+    add("trilu", lambda g, a: g.op("trilu", a, k=-1, upper=False), [f32(4, 5)], label="lower")
+
+    # Sources: inline constants (with a non-finite value) and weights.
+    add("constant", lambda g, a: a * g.constant(np.array([1.5, -np.inf, 0.25], np.float32)), [f32(2, 3)],
+        label="f32")
+    add("constant", lambda g, a: a + g.constant(np.array(7, np.int64)), [ints(3, dtype=np.int64)], label="i64")
+    bias, table = f32(3), f32(2, 3)
+    add("weight", lambda g, a: (a + g.weight("layer.0.bias", bias), g.weight("table", table)), [f32(2, 3)],
+        label="f32")
+
+    # --- ops added for the ONNX frontend ---
+    add("iota", lambda g, a: a + g.op("iota", result=TensorInfo(("B", 4), "i64"), axis=0),
+        [ints(3, 4, dtype=np.int64)], label="symbolic", shapes=[("B", 4)])
+    add("iota", lambda g, a: a * g.op("iota", result=TensorInfo((3, 5), "f32"), axis=1), [f32(3, 5)], label="f32")
+    # duplicate indices only under a reduction: plain assignment leaves their order open
+    add("scatter_elements", lambda g, a, i, u: g.op("scatter_elements", a, i, u, axis=1),
+        [f32(3, 5), np.array([[4, 0], [1, -1], [2, 3]], np.int64), f32(3, 2)], label="none")
+    add("scatter_elements", lambda g, a, i, u: g.op("scatter_elements", a, i, u, axis=0, reduction="add"),
+        [f32(3, 4), np.array([[0, 2, 0, 1], [0, 2, 2, 1]], np.int64), f32(2, 4)], 3, label="add-duplicates")
+    add("scatter_nd", lambda g, a, i, u: g.op("scatter_nd", a, i, u),
+        [f32(4, 3, 2), np.array([[3], [0]], np.int64), f32(2, 3, 2)], label="slices")
+    add("scatter_nd", lambda g, a, i, u: g.op("scatter_nd", a, i, u, reduction="max"),
+        [ints(3, 4), np.array([[0, 1], [2, 3], [0, 1]], np.int32), ints(3)], label="max-duplicates")
+    add("cumprod", lambda g, a: g.op("cumprod", a, axis=1), [f32(3, 6, lo=0.5, hi=1.5)], 6, "f32")
+    add("cumprod", lambda g, a: g.op("cumprod", a, axis=0, exclusive=True, reverse=True), [ints(4, 3, lo=-3, hi=4)],
+        label="i32-exclusive-reverse")
+    ties = np.array([[3, 1, 3, 2, 1, 3], [0, 0, 5, 5, -1, 2]], np.int32)  # equal values come out in index order
+    add("topk", lambda g, a: g.op("topk", a, k=4, axis=1), [ties], label="largest-ties")
+    add("topk", lambda g, a: g.op("topk", a, k=2, axis=0, largest=False), [f32(5, 3)], label="smallest")
+
+    # --- ops added for the torch frontend ---
+    tiny = np.array([1e-9, -3e-8, 1e-4, -0.5, 2.0], np.float32)  # where exp(x)-1 and log(1+x) cancel
+    unary("expm1", tiny, "tiny-and-large")
+    unary("log1p", tiny, "tiny-and-large")
+    return out
+
+
+# --- property-based testing: random graphs, inputs, semantic checks ----------
+# The user-facing half of this module (see the module docstring): `graphs()`
+# draws random valid tg models, `random_inputs` feeds them, and
+# `assert_preserves_semantics` runs a pass pipeline and checks it against the
+# float64 interpreter, with the tolerance above and an honest reduction length.
+
+import math as _math  # noqa: E402 - this block is self-contained
+from typing import Callable, Mapping, Sequence  # noqa: E402
+
+# Graph sizes: dims of 1..MAX_DIM, at most MAX_ELEMENTS elements per tensor (with
+# every symbol at MAX_SYMBOL_SIZE), so that a graph runs in microseconds and
+# hypothesis can afford hundreds of them.
+MAX_DIM = 4
+MAX_RANK = 3
+MAX_ELEMENTS = 512
+MAX_SYMBOL_SIZE = 3
+SYMBOLS = ("B",)
+
+# Value ranges. Inputs and weights are uniform in [-1, 1]. Every intermediate is
+# kept within [-VALUE_LIMIT, VALUE_LIMIT] (tracked by interval arithmetic, scaled
+# down by an exact power of two past it), so that cancellation in a later add
+# loses no more than a few ulps of the output's scale; log, sqrt, rsqrt and
+# division only see values >= MIN_POSITIVE, where their derivative is at most
+# 1/MIN_POSITIVE**2 = 4; exp only sees values <= EXP_LIMIT. With these, float32 and
+# float64 differ by rounding alone and `tolerance` applies.
+VALUE_LIMIT = 8.0
+MIN_POSITIVE = 0.5
+EXP_LIMIT = 2.0
+# layer_norm divides by sqrt(var + eps): eps >= 1e-2 bounds that amplification to
+# 10x even when a row is (nearly) constant.
+LAYER_NORM_EPSILONS = (1e-2, 1e-1)
+
+# The op kinds `graphs(ops=...)` can draw. Discontinuous ops (floor, ceil, round,
+# sign, comparisons as outputs) are left out: float32 and float64 legitimately
+# disagree next to a jump. Comparisons appear only as `where` conditions against
+# fresh random values, where ties have probability ~1e-7.
+UNARY_OPS = ("neg", "abs", "exp", "log", "sqrt", "rsqrt", "reciprocal", "tanh", "sigmoid", "relu", "erf",
+             "sin", "cos", "atan", "gelu")
+BINARY_OPS = ("add", "sub", "mul", "div", "pow", "max", "min")
+REDUCE_OPS = ("reduce_sum", "reduce_mean", "reduce_max", "reduce_min", "reduce_prod")
+LAYOUT_OPS = ("reshape", "transpose", "slice", "concat", "broadcast", "split")
+COMPOSITE_OPS = ("softmax", "layer_norm", "gelu", "attention")
+OTHER_OPS = ("where", "matmul", "cast", "identity", "weight")
+OP_FAMILIES = (UNARY_OPS, BINARY_OPS + ("where",), REDUCE_OPS, ("matmul",), LAYOUT_OPS, COMPOSITE_OPS,
+               ("cast", "identity"), ("weight",))
+ALL_OPS = tuple(dict.fromkeys(UNARY_OPS + BINARY_OPS + REDUCE_OPS + LAYOUT_OPS + COMPOSITE_OPS + OTHER_OPS))
+
+
+def _sym_size(d) -> int:
+    """The largest value a dim takes with every symbol at MAX_SYMBOL_SIZE."""
+    if isinstance(d, int):
+        return d
+    import sympy
+
+    return int(sympy.sympify(d).subs({s: MAX_SYMBOL_SIZE for s in sympy.sympify(d).free_symbols}))
+
+
+def _size(shape) -> int:
+    return _math.prod(_sym_size(d) for d in shape)
+
+
+def _static_tail(shape, n: int) -> bool:
+    return len(shape) >= n and all(isinstance(d, int) for d in shape[len(shape) - n:])
+
+
+# What the first operand of an op must look like for its generator to use it.
+_OPERAND_FITS: dict[str, Callable[[tuple], bool]] = {
+    "matmul": lambda s: _static_tail(s, 1),
+    "attention": lambda s: _static_tail(s, 2),
+    "layer_norm": lambda s: _static_tail(s, 1),
+    "softmax": lambda s: len(s) >= 1,
+    "concat": lambda s: len(s) >= 1,
+    "transpose": lambda s: len(s) >= 2,
+    "slice": lambda s: any(isinstance(d, int) for d in s),
+    "split": lambda s: any(isinstance(d, int) and d >= 2 for d in s),
+    # Reductions of rank-1 values would collapse most graphs to scalars within a few ops.
+    **{name: (lambda s: len(s) >= 2) for name in REDUCE_OPS},
+}
+
+
+class _Val:
+    """A tensor of the graph being drawn and an interval holding all its values."""
+
+    __slots__ = ("t", "lo", "hi")
+
+    def __init__(self, t, lo: float, hi: float):
+        self.t, self.lo, self.hi = t, float(lo), float(hi)
+
+    @property
+    def bound(self) -> float:
+        return max(abs(self.lo), abs(self.hi))
+
+    @property
+    def shape(self):
+        return self.t.shape
+
+
+class _GraphDrawer:
+    """Draws one graph, op by op, from a pool of the values made so far."""
+
+    def __init__(self, draw, dtype: str, symbolic: bool, ops: Sequence[str]):
+        from ir import Graph
+
+        self.draw, self.dtype, self.symbolic, self.ops = draw, dtype, symbolic, list(ops)
+        self.g = Graph()
+        self.pool: list[_Val] = []
+        seed = draw(st.integers(0, 2 ** 32 - 1), label="values seed")
+        self.rng = np.random.default_rng(seed)
+        self.n_inputs = 0
+        self.n_weights = 0
+
+    # --- drawing helpers ---------------------------------------------------
+
+    def choice(self, options, label=None):
+        return self.draw(st.sampled_from(list(options)), label=label)
+
+    def flag(self, p_true_label: str) -> bool:
+        return self.draw(st.booleans(), label=p_true_label)
+
+    def pick(self, candidates: list[_Val] | None = None) -> _Val | None:
+        """A value from the pool, the most recent ones more likely (chains form)."""
+        pool = self.pool if candidates is None else candidates
+        if not pool:
+            return None
+        back = self.draw(st.integers(0, len(pool) - 1), label="operand (0 = newest)")
+        back = min(back, self.draw(st.integers(0, len(pool) - 1), label="operand bias"))
+        return pool[len(pool) - 1 - back]
+
+    def shape(self, rank_max=MAX_RANK, allow_symbol=True) -> tuple:
+        # Rank 0 is a corner case, not the usual one (most ops have nothing to do on a scalar).
+        rank = 0 if self.flag("scalar") else self.draw(st.integers(1, rank_max), label="rank")
+        dims = [self.draw(st.integers(1, MAX_DIM), label="dim") for _ in range(rank)]
+        if rank and allow_symbol and self.symbolic and self.flag("symbolic leading dim"):
+            dims[0] = self.choice(SYMBOLS)
+        return tuple(dims)
+
+    # --- sources -----------------------------------------------------------
+
+    def input(self, shape) -> _Val:
+        t = self.g.input(f"x{self.n_inputs}", shape, self.dtype)
+        self.n_inputs += 1
+        return self.add(_Val(t, -1.0, 1.0))
+
+    def weight(self, shape, lo=-1.0, hi=1.0) -> _Val:
+        array = self.rng.uniform(lo, hi, [int(d) for d in shape]).astype(dtypes.numpy_dtype(self.dtype))
+        self.n_weights += 1
+        return _Val(self.g.weight(f"w{self.n_weights - 1}", array), lo, hi)
+
+    def constant(self, value, shape=()) -> _Val:
+        array = np.full(shape, value, dtype=dtypes.numpy_dtype(self.dtype))
+        return _Val(self.g.constant(array), float(value), float(value))
+
+    def fresh(self, shape, lo=-1.0, hi=1.0) -> _Val:
+        """A new weight (static shape) or input (symbolic shape) of `shape`."""
+        if all(isinstance(d, int) for d in shape) and not (self.flag("fresh input?") and self.n_inputs < 4):
+            return self.weight(shape, lo, hi)
+        v = self.input(shape)
+        self.pool.pop()  # inputs are [-1, 1]; affinely moved to [lo, hi] below
+        if (lo, hi) != (-1.0, 1.0):
+            mid, half = (lo + hi) / 2, (hi - lo) / 2
+            t = v.t * self.g.constant(np.array(half, dtypes.numpy_dtype(self.dtype))) + mid
+            v = _Val(t, lo, hi)
+        return v
+
+    def add(self, v: _Val) -> _Val:
+        self.pool.append(v)
+        return v
+
+    # --- keeping values in range -------------------------------------------------
+
+    def bounded(self, v: _Val, limit: float = VALUE_LIMIT) -> _Val:
+        """v, scaled down by an exact power of two until |v| <= limit."""
+        if v.bound <= limit:
+            return v
+        k = _math.ceil(_math.log2(v.bound / limit))
+        s = 2.0 ** -k
+        return _Val(v.t * s, v.lo * s, v.hi * s)
+
+    def positive(self, v: _Val) -> _Val:
+        """v if it is >= MIN_POSITIVE, else |v| + 1 (or exp(v) when v is small)."""
+        if v.lo >= MIN_POSITIVE:
+            return v
+        if v.bound <= 0.5 and self.flag("positive via exp"):
+            return _Val(self.g.exp(v.t), _math.exp(v.lo), _math.exp(v.hi))
+        v = self.bounded(v)
+        lo = 0.0 if v.lo <= 0 <= v.hi else min(abs(v.lo), abs(v.hi))
+        return _Val(self.g.abs(v.t) + 1.0, lo + 1.0, v.bound + 1.0)
+
+    def broadcastable_shape(self, shape) -> tuple:
+        """A shape that broadcasts against `shape` to `shape` (a suffix, some dims 1)."""
+        k = self.draw(st.integers(0, len(shape)), label="suffix rank")
+        out = list(shape[len(shape) - k:])
+        for i, d in enumerate(out):
+            if self.flag("unit dim"):
+                out[i] = 1
+        return tuple(out)
+
+    def partner(self, x: _Val, lo=-1.0, hi=1.0, positive=False) -> _Val:
+        """A second operand for x: from the pool when shapes broadcast, else fresh."""
+        from ir.shapes import ShapeError, broadcast_shapes
+
+        how = self.choice(["pool", "fresh", "scalar", "self"], label="partner")
+        if how == "self" and not positive:
+            return x
+        if how == "pool":
+            fits = []
+            for v in self.pool:
+                try:
+                    if v.t.dtype == self.dtype and _size(broadcast_shapes(v.shape, x.shape)) <= MAX_ELEMENTS:
+                        fits.append(v)
+                except ShapeError:
+                    pass
+            v = self.pick(fits)
+            if v is not None:
+                return self.positive(v) if positive else v
+        if how == "scalar":
+            special = [0.0, 1.0, 2.0, 0.5, -1.5] if not positive else [1.0, 2.0, 0.75]
+            return self.constant(self.choice(special, label="scalar"))
+        shape = self.broadcastable_shape(x.shape)
+        return self.fresh(shape, MIN_POSITIVE if positive else lo, 2.0 if positive else hi)
+
+    # --- ops -----------------------------------------------------------------------
+
+    def step(self) -> None:
+        # A family first, then an op of it, so that the 15 unary ops do not crowd out matmul.
+        families = [f for f in (tuple(o for o in fam if o in self.ops) for fam in OP_FAMILIES) if f]
+        kind = self.choice(self.choice(families, label="op family"), label="op")
+        if kind == "weight":  # a new weight in the pool: ops on weights alone are constant-folding material
+            like = self.pick()
+            shape = self.shape(allow_symbol=False) if like is None or self.flag("new shape") else like.shape
+            if all(isinstance(d, int) for d in shape):
+                self.add(self.weight(shape))
+            return
+        fits = _OPERAND_FITS.get(kind, lambda v: True)
+        x = self.pick([v for v in self.pool if fits(v.shape)])
+        if x is None:
+            return
+        made = getattr(self, "op_" + kind, None) or (lambda x: self.op_unary(kind, x))
+        v = made(x)
+        if v is not None:
+            self.add(self.bounded(v))
+
+    def op_unary(self, name, x):
+        g = self.g
+        if name in ("log", "sqrt", "rsqrt", "reciprocal"):
+            p = self.positive(x)
+            f = {"log": _math.log, "sqrt": _math.sqrt, "rsqrt": lambda a: 1 / _math.sqrt(a),
+                 "reciprocal": lambda a: 1 / a}[name]
+            a, b = f(p.lo), f(p.hi)
+            return _Val(g.op(name, p.t), min(a, b), max(a, b))
+        if name == "exp":
+            x = self.bounded(x, EXP_LIMIT)
+            return _Val(g.exp(x.t), _math.exp(x.lo), _math.exp(x.hi))
+        if name == "gelu":
+            approximate = self.choice(["none", "tanh"], label="gelu approximation")
+            return _Val(g.gelu(x.t, approximate=approximate), min(x.lo, -0.2), max(x.hi, 0.0))
+        if name == "neg":
+            return _Val(-x.t, -x.hi, -x.lo)
+        if name == "abs":
+            lo = 0.0 if x.lo <= 0 <= x.hi else min(abs(x.lo), abs(x.hi))
+            return _Val(g.abs(x.t), lo, x.bound)
+        if name == "relu":
+            return _Val(g.relu(x.t), max(x.lo, 0.0), max(x.hi, 0.0))
+        monotone = {"tanh": _math.tanh, "sigmoid": lambda a: 1 / (1 + _math.exp(-a)), "erf": _math.erf,
+                    "atan": _math.atan}
+        if name in monotone:
+            return _Val(g.op(name, x.t), monotone[name](x.lo), monotone[name](x.hi))
+        if name in ("sin", "cos"):
+            return _Val(g.op(name, x.t), -1.0, 1.0)
+        raise AssertionError(f"graphs(): no generator for op '{name}'")
+
+    def _binary(self, name, x, y):
+        from ir.shapes import broadcast_shapes
+
+        if _size(broadcast_shapes(x.shape, y.shape)) > MAX_ELEMENTS:
+            return None
+        if self.flag("swap operands"):
+            x, y = y, x
+        ends = [a * b for a in (x.lo, x.hi) for b in (y.lo, y.hi)]
+        lo, hi = {
+            "add": (x.lo + y.lo, x.hi + y.hi),
+            "sub": (x.lo - y.hi, x.hi - y.lo),
+            "mul": (min(ends), max(ends)),
+            "max": (max(x.lo, y.lo), max(x.hi, y.hi)),
+            "min": (min(x.lo, y.lo), min(x.hi, y.hi)),
+        }[name]
+        return _Val(self.g.op(name, x.t, y.t), lo, hi)
+
+    def op_add(self, x):
+        return self._binary("add", x, self.partner(x))
+
+    def op_sub(self, x):
+        return self._binary("sub", x, self.partner(x))
+
+    def op_mul(self, x):
+        return self._binary("mul", x, self.partner(x))
+
+    def op_max(self, x):
+        return self._binary("max", x, self.partner(x))
+
+    def op_min(self, x):
+        return self._binary("min", x, self.partner(x))
+
+    def op_div(self, x):
+        from ir.shapes import broadcast_shapes
+
+        y = self.partner(x, positive=True)
+        if _size(broadcast_shapes(x.shape, y.shape)) > MAX_ELEMENTS:
+            return None
+        q = [a / b for a in (x.lo, x.hi) for b in (y.lo, y.hi)]
+        return _Val(x.t / y.t, min(q), max(q))
+
+    def op_pow(self, x):
+        e = self.choice([1.0, 2.0, 3.0, 0.5, -1.0, "tensor"], label="exponent")
+        if e == "tensor":
+            base = self.bounded(self.positive(x), 4.0)
+            y = self.partner(base, lo=-2.0, hi=2.0)
+            y = self.bounded(y, 2.0)
+            from ir.shapes import broadcast_shapes
+
+            if _size(broadcast_shapes(base.shape, y.shape)) > MAX_ELEMENTS:
+                return None
+            ends = [a ** b for a in (base.lo, base.hi) for b in (y.lo, y.hi)]
+            return _Val(base.t ** y.t, min(ends), max(ends))
+        if e in (0.5, -1.0):
+            x = self.positive(x)
+        elif e == 3.0:
+            x = self.bounded(x, 2.0)
+        ends = [x.lo ** e, x.hi ** e]
+        lo, hi = min(ends), max(ends)
+        if e == 2.0 and x.lo <= 0 <= x.hi:
+            lo = 0.0
+        return _Val(x.t ** e, lo, hi)
+
+    def op_where(self, x):
+        # cond compares a pool value with fresh random values: no structural ties.
+        c = self.pick()
+        if c is None or c.t.dtype != self.dtype:
+            return None
+        cmp = self.choice(["lt", "gt", "le", "ge"], label="comparison")
+        cond = self.g.op(cmp, c.t, self.fresh(self.broadcastable_shape(c.shape)).t)
+        y = x if self.flag("where(c, x, x)") and self.flag("really") else self.partner(x)
+        from ir.shapes import ShapeError, broadcast_shapes
+
+        try:
+            if _size(broadcast_shapes(cond.shape, x.shape, y.shape)) > MAX_ELEMENTS:
+                return None
+        except ShapeError:
+            return None
+        return _Val(self.g.where(cond, x.t, y.t), min(x.lo, y.lo), max(x.hi, y.hi))
+
+    def _axes(self, rank):
+        axes = [a for a in range(rank) if self.flag("reduce this axis")]
+        if len(axes) == rank and rank and not self.flag("reduce every axis"):
+            axes.pop(self.draw(st.integers(0, rank - 1), label="axis kept"))
+        if not axes and rank and not self.flag("reduce over no axes"):
+            axes = [self.draw(st.integers(0, rank - 1), label="axis")]
+        return tuple(a - rank if self.flag("negative axis") else a for a in axes)
+
+    def op_reduce(self, name, x):
+        axes = self._axes(x.t.rank)
+        keepdims = self.flag("keepdims")
+        n = _math.prod(_sym_size(x.shape[a]) for a in axes)
+        if name == "reduce_prod":
+            x = self.bounded(x, 1.0)  # a product of factors in [-1, 1] stays there
+            lo, hi = (-1.0, 1.0) if x.lo < 0 else (0.0, x.hi ** n)
+        elif name == "reduce_sum":
+            lo, hi = x.lo * n, x.hi * n
+        else:
+            lo, hi = x.lo, x.hi
+        return _Val(self.g.op(name, x.t, axes=axes, keepdims=keepdims), min(lo, hi), max(lo, hi))
+
+    def op_reduce_sum(self, x): return self.op_reduce("reduce_sum", x)
+    def op_reduce_mean(self, x): return self.op_reduce("reduce_mean", x)
+    def op_reduce_max(self, x): return self.op_reduce("reduce_max", x)
+    def op_reduce_min(self, x): return self.op_reduce("reduce_min", x)
+    def op_reduce_prod(self, x): return self.op_reduce("reduce_prod", x)
+
+    def op_matmul(self, x):
+        from ir.shapes import dims_equal
+
+        if x.t.rank == 0:
+            return None
+        k = x.shape[-1]
+        if not isinstance(k, int):
+            return None
+        n = self.draw(st.integers(1, MAX_DIM), label="matmul n")
+        how = self.choice(["weight", "batched", "vector", "pool"], label="matmul rhs")
+        if how == "pool":
+            fits = [v for v in self.pool if v.t.rank >= 2 and v.t.dtype == self.dtype and dims_equal(v.shape[-2], k)]
+            y = self.pick(fits) if fits else None
+            if y is None:
+                return None
+        elif how == "batched" and x.t.rank >= 3:
+            y = self.fresh(x.shape[:-2] + (k, n))
+        elif how == "vector":
+            y = self.fresh((k,))
+        else:
+            y = self.fresh((k, n))
+        from ir.shapes import ShapeError
+
+        try:
+            t = x.t @ y.t
+        except ShapeError:
+            return None
+        if _size(t.shape) > MAX_ELEMENTS:
+            return None
+        b = k * x.bound * y.bound
+        return _Val(t, -b, b)
+
+    def op_cast(self, x):
+        # Through a wider type and back: exact, and canonicalize has something to fold.
+        wide = self.g.cast(x.t, "f64")
+        return _Val(self.g.cast(wide, self.dtype), x.lo, x.hi)
+
+    def op_reshape(self, x):
+        shape = x.shape
+        lead = 1 if shape and not isinstance(shape[0], int) else 0
+        tail = [d for d in shape[lead:]]
+        if not all(isinstance(d, int) for d in tail):
+            return None
+        n = _math.prod(tail)
+        dims = []
+        while n > 1 and len(dims) < MAX_RANK:
+            divisors = [d for d in range(1, n + 1) if n % d == 0]
+            d = self.choice(divisors, label="reshape factor")
+            dims.append(d)
+            n //= d
+        if n > 1:
+            dims.append(n)
+        if self.flag("insert a unit dim"):
+            dims.insert(self.draw(st.integers(0, len(dims)), label="unit dim at"), 1)
+        new = tuple(shape[:lead]) + tuple(dims)
+        t = self.g.reshape(x.t, new)
+        if self.flag("reshape again"):
+            t = self.g.reshape(t, shape)
+        return _Val(t, x.lo, x.hi)
+
+    def op_transpose(self, x):
+        rank = x.t.rank
+        perm = self.draw(st.permutations(list(range(rank))), label="perm")
+        t = self.g.transpose(x.t, perm)
+        if self.flag("transpose again"):
+            t = self.g.transpose(t, self.draw(st.permutations(list(range(rank))), label="perm 2"))
+        return _Val(t, x.lo, x.hi)
+
+    def op_slice(self, x):
+        static = [i for i, d in enumerate(x.shape) if isinstance(d, int)]
+        if not static:
+            return None
+        axis = self.choice(static, label="slice axis")
+        size = x.shape[axis]
+        step = self.choice([1, 2, -1], label="step")
+        first = self.draw(st.integers(0, size - 1), label="first element")
+        count = self.draw(st.integers(1, len(range(first, size if step > 0 else -1, step))), label="elements")
+        start = first - size if self.flag("negative start") else first
+        end = first + step * count
+        if end < 0:
+            end = -size - 1 if step < 0 else end  # a negative end would count from the back
+        return _Val(self.g.slice(x.t, [start], [end], axes=[axis], steps=[step]), x.lo, x.hi)
+
+    def op_concat(self, x):
+        if x.t.rank == 0:
+            return None
+        axis = self.draw(st.integers(0, x.t.rank - 1), label="concat axis")
+        parts = [x]
+        for _ in range(self.draw(st.integers(0, 2), label="more parts")):
+            shape = list(x.shape)
+            if isinstance(shape[axis], int):
+                shape[axis] = self.draw(st.integers(1, MAX_DIM), label="part size")
+            parts.append(x if self.flag("concat x again") else self.fresh(tuple(shape)))
+        t = self.g.concat([p.t for p in parts], axis=axis)
+        if _size(t.shape) > MAX_ELEMENTS:
+            return None
+        return _Val(t, min(p.lo for p in parts), max(p.hi for p in parts))
+
+    def op_broadcast(self, x):
+        shape = [d if not (isinstance(d, int) and d == 1 and self.flag("expand")) else
+                 self.draw(st.integers(1, MAX_DIM), label="expanded") for d in x.shape]
+        lead = [self.draw(st.integers(1, MAX_DIM), label="new dim")
+                for _ in range(self.draw(st.integers(0, 1), label="new dims"))]
+        new = tuple(lead + shape)
+        if _size(new) > MAX_ELEMENTS or len(new) > MAX_RANK + 1:
+            return None
+        return _Val(self.g.broadcast(x.t, new), x.lo, x.hi)
+
+    def op_split(self, x):
+        static = [i for i, d in enumerate(x.shape) if isinstance(d, int) and d >= 2]
+        if not static:
+            return None
+        axis = self.choice(static, label="split axis")
+        size = x.shape[axis]
+        cut = self.draw(st.integers(1, size - 1), label="split at")
+        a, b = self.g.split(x.t, (cut, size - cut), axis=axis)
+        self.add(_Val(a, x.lo, x.hi))
+        return _Val(b, x.lo, x.hi)
+
+    def op_softmax(self, x):
+        if x.t.rank == 0:
+            return None
+        axis = self.draw(st.integers(-x.t.rank, x.t.rank - 1), label="softmax axis")
+        return _Val(self.g.softmax(x.t, axis=axis), 0.0, 1.0)
+
+    def op_layer_norm(self, x):
+        rank = x.t.rank
+        axes = [a for a in range(rank) if all(isinstance(d, int) for d in x.shape[a:])]
+        if not axes:
+            return None
+        axis = self.choice(axes, label="layer_norm axis")
+        norm = tuple(x.shape[axis:])
+        # A fresh random term makes every row vary: see LAYER_NORM_EPSILONS.
+        xv = self.bounded(x, 4.0)
+        y = xv.t + self.weight(norm).t
+        n = _math.prod(norm)
+        scale = self.weight(norm, 0.5, 1.5) if self.flag("scale") else None
+        bias = self.weight(self.broadcastable_shape(norm)) if scale is not None and self.flag("bias") else None
+        eps = self.choice(LAYER_NORM_EPSILONS, label="epsilon")
+        out = self.g.layer_norm(y, scale.t if scale else None, bias.t if bias else None,
+                                axis=axis - rank if self.flag("negative axis") else axis, epsilon=eps)
+        b = _math.sqrt(n) * (1.5 if scale else 1.0) + (1.0 if bias else 0.0)
+        return _Val(out, -b, b)
+
+    def op_attention(self, x):
+        if x.t.rank < 2 or not isinstance(x.shape[-1], int) or not isinstance(x.shape[-2], int):
+            return None
+        q = self.bounded(x, 2.0)
+        batch, lq, d = x.shape[:-2], x.shape[-2], x.shape[-1]
+        causal = self.flag("causal")
+        lk = self.draw(st.integers(lq if causal else 1, max(lq, MAX_DIM)), label="keys")
+        dv = self.draw(st.integers(1, MAX_DIM), label="value dim")
+        k = self.fresh(batch + (lk, d))
+        v = self.fresh(batch + (lk, dv))
+        mask = None
+        how = self.choice(["none", "bool", "float"], label="mask")
+        if how == "bool":
+            keep = self.rng.random((lq, lk)) < 0.7
+            keep[np.arange(lq), self.rng.integers(0, lk, lq)] = True  # no row fully masked
+            if causal:
+                keep[:, 0] = True  # the first key is visible to every query under the causal mask too
+            mask = self.g.weight(f"mask{self.n_weights}", keep)
+            self.n_weights += 1
+        elif how == "float":
+            mask = self.weight((lq, lk), -1.0, 0.0).t
+        scale = self.choice([None, 0.5, 1.0], label="scale")
+        if _size(batch + (lq, lk)) > MAX_ELEMENTS or _size(batch + (lq, dv)) > MAX_ELEMENTS:
+            return None
+        out = self.g.attention(q.t, k.t, v.t, mask, scale=scale, causal=causal)
+        return _Val(out, v.lo, v.hi)
+
+    def op_identity(self, x):
+        """A rewrite canonicalize should remove: x+0, x*1, x-0, x/1, x**1, -(-x), concat([x]), ..."""
+        g = self.g
+        form = self.choice(["add0", "mul1", "sub0", "div1", "pow1", "negneg", "concat1", "slice_all",
+                            "transpose_id", "reshape_id", "zero_minus", "one_times"], label="identity form")
+        t = x.t
+        if form == "negneg":
+            return _Val(-(-t), x.lo, x.hi)
+        if form == "zero_minus":
+            return _Val(0.0 - t, -x.hi, -x.lo)
+        if form == "one_times":
+            return _Val(1.0 * t, x.lo, x.hi)
+        if form == "concat1":
+            return _Val(g.concat([t], axis=0), x.lo, x.hi) if t.rank else None
+        if form == "slice_all":
+            return _Val(g.slice(t, [0] * t.rank, [(1 << 63) - 1] * t.rank), x.lo, x.hi) if t.rank else None
+        if form == "transpose_id":
+            return _Val(g.transpose(t, tuple(range(t.rank))), x.lo, x.hi)
+        if form == "reshape_id":
+            return _Val(g.reshape(t, t.shape), x.lo, x.hi)
+        op, value = {"add0": ("add", 0.0), "mul1": ("mul", 1.0), "sub0": ("sub", 0.0), "div1": ("div", 1.0),
+                     "pow1": ("pow", 1.0)}[form]
+        shape = self.broadcastable_shape(t.shape) if self.flag("shaped constant") else ()
+        c = self.constant(value, tuple(d if isinstance(d, int) else 1 for d in shape))
+        return _Val(g.op(op, t, c.t), x.lo, x.hi)
+
+
+try:
+    from hypothesis import strategies as st
+except ImportError:  # pragma: no cover - hypothesis is in the dev extra
+    st = None
+
+
+def graphs(*, ops: Sequence[str] | None = None, max_ops: int = 12, dtype: str = "f32", symbolic: bool = True,
+           max_outputs: int = 3):
+    """A hypothesis strategy drawing random, valid, verified tg Models (`ir.Model`).
+
+    ops:        the op kinds to draw from (default ALL_OPS; see UNARY_OPS, BINARY_OPS,
+                REDUCE_OPS, LAYOUT_OPS, COMPOSITE_OPS, "where", "matmul", "cast",
+                "identity" = a rewrite canonicalize should remove)
+    max_ops:    how many ops to draw at most (layout helpers and range keepers come on top)
+    dtype:      the float type of inputs, weights and results
+    symbolic:   whether inputs may have a symbolic leading dim `B`
+    max_outputs: the model returns 1..max_outputs values: the ones nothing else uses,
+                newest first, sometimes one more (an input, or a value used inside)
+
+    Values stay in ranges where float32 and float64 differ by rounding alone (see
+    VALUE_LIMIT): pair with `random_inputs`, which draws inputs in [-1, 1].
+    """
+    if st is None:
+        raise ImportError("tilegraph.testing.graphs needs hypothesis (pip install 'tilegraph[dev]')")
+    ops = tuple(ALL_OPS if ops is None else ops)
+    unknown = [o for o in ops if o not in ALL_OPS]
+    if unknown:
+        raise ValueError(f"graphs(): unknown op kind(s) {unknown}; known: {', '.join(ALL_OPS)}")
+
+    @st.composite
+    def draw_graph(draw):
+        d = _GraphDrawer(draw, dtype, symbolic, ops)
+        for _ in range(draw(st.integers(1, 3), label="inputs")):
+            d.input(d.shape(allow_symbol=True))
+        for _ in range(draw(st.integers(1, max_ops), label="ops")):
+            d.step()
+        floats = [v for v in d.pool if v.t.dtype == dtype]
+        # The values nothing uses come first, so that few of the drawn ops are dead code.
+        sinks = [v for v in reversed(floats) if v.t.value.first_use is None] or [floats[-1]]
+        count = draw(st.integers(1, max_outputs), label="outputs")
+        outputs = sinks[:count]
+        if len(outputs) < count or draw(st.booleans(), label="an output also used inside"):
+            outputs.append(d.pick(floats))  # an input, or a value that also feeds other ops
+        return d.g.build(*[v.t for v in outputs], names=[f"y{i}" for i in range(len(outputs))])
+
+    return draw_graph()
+
+
+def random_inputs(model, seed: int = 0, sizes: Mapping[str, int] | None = None) -> list[np.ndarray]:
+    """Inputs for `model`: floats uniform in [-1, 1], integers in [0, 4), booleans fair coins.
+
+    Symbolic dims take `sizes` (e.g. {"B": 2}); a symbol not given is drawn in
+    1..MAX_SYMBOL_SIZE from the seed, so that a size of 1 (broadcasting corner
+    cases) comes up too.
+    """
+    from ir.shapes import concrete, free_symbols
+
+    rng = np.random.default_rng(seed)
+    sizes = dict(sizes or {})
+    for name in sorted(set().union(*(free_symbols(t.shape) for t in model.inputs))):
+        sizes.setdefault(name, int(rng.integers(1, MAX_SYMBOL_SIZE + 1)))
+    arrays = []
+    for info in model.inputs:
+        shape = concrete(info.shape, sizes)
+        dt = dtypes.numpy_dtype(info.dtype)
+        if info.dtype == "i1":
+            arrays.append(rng.random(shape) < 0.5)
+        elif dtypes.is_float(info.dtype):
+            arrays.append(rng.uniform(-1.0, 1.0, shape).astype(dt))
+        else:
+            arrays.append(rng.integers(0, 4, shape).astype(dt))
+    return arrays
+
+
+def reduction_length(model, sizes: Mapping[str, int] | None = None) -> int:
+    """The longest chain of rounded sums in `model`: the tolerance's `reduction_length`.
+
+    Along every path from the inputs to an output, add up the terms of each sum
+    it passes through (a reduce_sum over 384, then a matmul contracting 64: 448;
+    max/min reductions round nothing and count 0), and take the largest. Symbolic
+    dims take `sizes`.
+    """
+    from ir.dialect import TgOp
+    from ir.shapes import concrete, info_of
+
+    sizes = dict(sizes or {})
+
+    def n(dims) -> int:
+        return _math.prod(concrete(tuple(dims), sizes)) if dims else 1
+
+    def own(op) -> int:
+        name, ins = op.op_name, [info_of(v.type).shape for v in op.operands]
+        a = op.py_attrs()
+        if name in ("reduce_sum", "reduce_mean", "reduce_prod"):
+            return n([ins[0][ax] for ax in a["axes"]])
+        if name == "cumsum":
+            return n([ins[0][a["axis"]]])
+        if name == "matmul":
+            return n([ins[0][-1]])
+        if name == "einsum":
+            lhs, _, out = a["equation"].replace(" ", "").partition("->")
+            dims = {}
+            for term, shape in zip(lhs.split(","), ins):
+                dims.update(zip(term, shape))
+            return n([dims[c] for c in dims if c not in out])
+        if name == "conv":
+            return n(ins[1][1:])
+        if name == "avg_pool":
+            return _math.prod(a["kernel"])
+        if name == "softmax":
+            return n([ins[0][a["axis"]]])
+        if name == "layer_norm":
+            return 2 * n(ins[0][a["axis"]:])  # the mean, then the variance
+        if name == "attention":
+            return n([ins[0][-1]]) + 2 * n([ins[1][-2]])  # q.k, then the softmax and p@v over the keys
+        return 0
+
+    terms: dict = {}
+    longest = 1
+    for op in model.func.walk():
+        if not isinstance(op, TgOp):
+            if op.name == "func.return":
+                longest = max([longest] + [terms.get(v, 0) for v in op.operands])
+            continue
+        t = max([terms.get(v, 0) for v in op.operands], default=0) + own(op)
+        for r in op.results:
+            terms[r] = t
+    return max(1, longest)
+
+
+def narrowest_float(model) -> str | None:
+    """The float type of the model with the largest rounding error (None without floats)."""
+    from ir.shapes import info_of
+
+    types = {info_of(a.type).dtype for a in model.func.args}
+    types |= {info_of(r.type).dtype for op in model.func.walk() for r in op.results}
+    floats = [t for t in types if dtypes.is_float(t)]
+    return max(floats, key=lambda t: EPS[t]) if floats else None
+
+
+def assert_preserves_semantics(pipeline, model, inputs=None, *, seed: int = 0) -> "object":
+    """Run `pipeline` on `model` and assert the result computes what the model did.
+
+    pipeline: a pipeline string ("canonicalize,cse"), a ModulePass, or a list of them.
+    Checks, on `inputs` (default: random_inputs(model, seed)):
+      1. the signature (input and output names and types) is unchanged;
+      2. the float64 interpreter gives the same outputs before and after;
+      3. the transformed model run in its own dtypes (what a backend computes) is
+         within `tolerance(dtype, reduction_length(model))` of the float64 reference,
+         dtype being the coarsest float type of the model (an f16 intermediate makes
+         an f32 output f16-accurate).
+    Fails with an AssertionError naming the pipeline and showing the IR before and
+    after. Returns the transformed model.
+    """
+    from ir import interpret
+    from ir.interpreter import bind_inputs
+    from passes.registry import run_pipeline
+
+    name = pipeline if isinstance(pipeline, str) else ",".join(
+        str(p) for p in (pipeline if isinstance(pipeline, (list, tuple)) else [pipeline]))
+    passes = pipeline if isinstance(pipeline, (str, list, tuple)) else [pipeline]
+    if inputs is None:
+        inputs = random_inputs(model, seed)
+    _, sizes = bind_inputs(model, inputs)
+    before_text = model.text
+
+    def fail(what: str, after_text: str | None = None) -> AssertionError:
+        msg = f"pipeline '{name}' does not preserve semantics: {what}\n--- IR before ---\n{before_text}"
+        if after_text is not None:
+            msg += f"--- IR after '{name}' ---\n{after_text}"
+        return AssertionError(msg)
+
+    expected = interpret(model, inputs)
+    try:
+        after = run_pipeline(model, passes)
+    except Exception as e:  # a crash in a pass is a failure of this property too, shown with the IR
+        raise fail(f"running it raised {type(e).__name__}: {e}") from e
+    after_text = after.text
+    if model.text != before_text:
+        raise fail("it modified the input model in place", after_text)
+    if (after.input_names, after.inputs, after.output_names, after.outputs) != (
+            model.input_names, model.inputs, model.output_names, model.outputs):
+        raise fail(f"the signature changed: {model.inputs} -> {model.outputs} became "
+                   f"{after.inputs} -> {after.outputs}", after_text)
+    n = reduction_length(model, sizes)
+    coarsest = narrowest_float(model)
+    try:
+        got64 = interpret(after, inputs)
+        got = interpret(after, inputs, float64=False)
+    except Exception as e:  # the transformed model cannot even run: show it
+        raise fail(f"running the result raised {type(e).__name__}: {e}", after_text) from e
+    for i, (out_name, info) in enumerate(zip(model.output_names, model.outputs)):
+        # A float output is only as precise as the coarsest float type it passed through.
+        dtype = coarsest if dtypes.is_float(info.dtype) and coarsest else info.dtype
+        for label, values in (("float64 interpreter", got64), (f"{info.dtype} run", got)):
+            try:
+                assert_close(values[i], expected[i], dtype, n, name=f"output '{out_name}'")
+            except AssertionError as e:
+                raise fail(f"{label}, output '{out_name}':\n{e}", after_text) from None
+    return after

@@ -1,0 +1,104 @@
+"""all-MiniLM-L6-v2: compile time and CPU latency, tilegraph side by side with its peers.
+
+Prints two tables, every number measured in this one run on the same inputs:
+  1. compile time: tilegraph (import + passes + emit + load, from torch.export and
+     from ONNX) vs torch.compile's first call (Inductor, default mode);
+  2. latency (median of repeated runs) at batch 1 and 8, sequence 128: tilegraph
+     NumPy vs torch eager vs onnxruntime (default optimizations), with ratios.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/compile_minilm.py [--repeats 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import tilegraph  # noqa: E402
+from tests.models import export_onnx, minilm_inputs, minilm_model  # noqa: E402
+
+SEQ = 128
+BATCHES = (1, 8)
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def median_s(fn, repeats: int) -> float:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return float(np.median(samples))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=20)
+    args = ap.parse_args()
+
+    model = minilm_model()
+    example = minilm_inputs(1, SEQ)
+    print(f"all-MiniLM-L6-v2, sequence {SEQ}, torch {torch.__version__}, {torch.get_num_threads()} threads\n")
+
+    # --- compile time ---
+    compiled_torch, t_tg_torch = timed(lambda: tilegraph.compile(model, example_inputs=example))
+    with tempfile.TemporaryDirectory() as tmp:
+        onnx_path = Path(tmp) / "minilm.onnx"
+        export_onnx(model, example, onnx_path, input_names=["input_ids", "attention_mask"],
+                    output_names=["last_hidden_state"],
+                    dynamic_axes={"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"},
+                                  "last_hidden_state": {0: "batch", 1: "seq"}})
+        compiled_onnx, t_tg_onnx = timed(lambda: tilegraph.compile(str(onnx_path)))
+        import onnxruntime as ort
+
+        session, t_ort = timed(lambda: ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"]))
+
+    inductor = torch.compile(model)
+    with torch.no_grad():
+        _, t_inductor = timed(lambda: inductor(*example))
+
+    print("compile time                                   seconds   vs torch.compile")
+    for name, t in [("tilegraph, from torch.export (export+import+passes+emit)", t_tg_torch),
+                    ("tilegraph, from ONNX (import+passes+emit)", t_tg_onnx),
+                    ("onnxruntime InferenceSession (graph optimization)", t_ort),
+                    ("torch.compile first call (Inductor)", t_inductor)]:
+        print(f"  {name:<58} {t:7.2f}   {t / t_inductor:6.2f}x")
+
+    # --- latency ---
+    print(f"\nlatency, median of {args.repeats}           ms      vs torch eager   vs onnxruntime")
+    for batch in BATCHES:
+        ids, mask = minilm_inputs(batch, SEQ)
+        feeds = {"input_ids": ids.numpy(), "attention_mask": mask.numpy()}
+        with torch.no_grad():
+            reference = model(ids, mask).numpy()
+            t_eager = median_s(lambda: model(ids, mask), args.repeats)
+            t_inductor = median_s(lambda: inductor(ids, mask), args.repeats)
+        ours = compiled_onnx(feeds["input_ids"], feeds["attention_mask"])
+        err = float(np.max(np.abs(ours - reference)) / np.max(np.abs(reference)))
+        t_ours = median_s(lambda: compiled_onnx(feeds["input_ids"], feeds["attention_mask"]), args.repeats)
+        t_ort = median_s(lambda: session.run(None, feeds), args.repeats)
+        print(f"batch {batch} (tilegraph max rel err vs eager {err:.1e})")
+        for name, t in [("tilegraph NumPy", t_ours), ("torch eager", t_eager),
+                        ("torch.compile (steady state)", t_inductor), ("onnxruntime", t_ort)]:
+            print(f"  {name:<30} {1e3 * t:9.2f}   {t / t_eager:8.2f}x   {t / t_ort:12.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""The one registry of tilegraph passes, read by the CLI (`tilegraph-opt`), `compile()` and the tests.
+
+`PASSES` maps a pass name to a zero-argument function that imports its module and
+returns the class, as xDSL's `xdsl.transforms.get_all_passes` does, so that the
+command line starts without importing every pass. A pipeline is written in xDSL's
+syntax, `canonicalize,cse,constant-fold{max-elements=1000}`; `run_pipeline` runs
+one on a copy of a model, verifies the IR after each pass (a broken pass is named,
+not discovered three passes later) and drops the weights no longer referenced.
+
+The property-based suite (tests/test_properties.py) runs every pass registered
+here on random graphs against the float64 interpreter: registering a pass is
+enough to have it checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+from xdsl.passes import ModulePass
+from xdsl.utils.arg_spec import parse_pipeline as _parse_specs
+from xdsl.utils.exceptions import ArgSpecParseError
+
+from ir.errors import TilegraphError
+from ir.model import Model, ModelError, WeightStore, context
+
+
+def _canonicalize():
+    from passes.canonicalize import Canonicalize
+
+    return Canonicalize
+
+
+def _cse():
+    from passes.cse import CommonSubexpressionElimination
+
+    return CommonSubexpressionElimination
+
+
+def _dce():
+    from passes.dce import DeadCodeElimination
+
+    return DeadCodeElimination
+
+
+def _constant_fold():
+    from passes.constant_fold import ConstantFold
+
+    return ConstantFold
+
+
+def _simplify_shapes():
+    from passes.simplify_shapes import SimplifyShapes
+
+    return SimplifyShapes
+
+
+def _decompose():
+    from passes.decompose import Decompose
+
+    return Decompose
+
+
+PASSES: dict[str, Callable[[], type[ModulePass]]] = {
+    "canonicalize": _canonicalize,
+    "cse": _cse,
+    "dce": _dce,
+    "constant-fold": _constant_fold,
+    "simplify-shapes": _simplify_shapes,
+    "decompose": _decompose,
+}
+
+# Simplify first (so folding and cse see one spelling), fold what is known, merge
+# equal ops, tidy layout ops, drop what no output needs. Composites stay whole:
+# `decompose` is for the passes and backends that want primitives.
+DEFAULT_PIPELINE = "canonicalize,constant-fold,cse,simplify-shapes,dce"
+
+
+class PipelineError(TilegraphError):
+    """A pipeline that cannot be read: unknown pass, bad option; the message says which."""
+
+
+def get_pass_class(name: str) -> type[ModulePass]:
+    if name not in PASSES:
+        raise PipelineError(f"unknown pass '{name}'; the passes are: {', '.join(sorted(PASSES))}")
+    return PASSES[name]()
+
+
+def parse_pipeline(text: str) -> list[ModulePass]:
+    """`canonicalize,cse,constant-fold{max-elements=1000}` -> pass instances, in order."""
+    try:
+        specs = list(_parse_specs(text))
+    except ArgSpecParseError as e:
+        raise PipelineError(f"cannot read the pipeline '{text}': {e}") from None
+    unknown = [s.name for s in specs if s.name not in PASSES]
+    if unknown:
+        raise PipelineError(f"unknown pass{'es' if len(unknown) > 1 else ''} {', '.join(repr(n) for n in unknown)} "
+                            f"in '{text}'; the passes are: {', '.join(sorted(PASSES))}")
+    passes = []
+    for spec in specs:
+        cls = get_pass_class(spec.name)
+        try:
+            passes.append(cls.from_pass_spec(spec))
+        except TilegraphError:
+            raise
+        except (ValueError, TypeError) as e:
+            options = ", ".join(f"{f.name.replace('_', '-')}={f.default}" for f in dataclasses.fields(cls)) or "none"
+            raise PipelineError(f"pass '{spec.name}': {e} (its options: {options})") from None
+    return passes
+
+
+def run_pipeline(model: Model, pipeline: str | Sequence[ModulePass], *, verify_each: bool = True) -> Model:
+    """Run passes on a copy of `model` (weights included); the input model is untouched."""
+    passes = parse_pipeline(pipeline) if isinstance(pipeline, str) else list(pipeline)
+    out = model.clone()
+    ctx = context()
+    for p in passes:
+        p.apply(ctx, out.module)
+        if verify_each:
+            try:
+                out.verify()
+            except ModelError as e:
+                raise ModelError(f"the IR after pass '{p.name}' does not verify: {e}") from None
+    from passes.dce import referenced_weights
+
+    used = referenced_weights(out.module)
+    return Model(out.module, WeightStore({k: v for k, v in out.weights.items() if k in used}))

@@ -1,0 +1,133 @@
+"""The command line: each command works on the bundled model, and every bad input is
+one paragraph on stderr with exit status 2, never a traceback."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ir import Graph, Model
+from tilegraph.cli import main as tilegraph_main
+from tilegraph.opt import main as opt_main
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_encoder.onnx"
+
+
+def small_model(tmp_path) -> Path:
+    g = Graph()
+    x = g.input("x", ("B", 4))
+    w = g.weight("w", np.eye(4, dtype=np.float32))
+    y = g.softmax(g.relu(x @ w + 0.0))
+    return g.build(y, names=["y"]).save(tmp_path / "small.mlir")
+
+
+def run(main, argv, capsys):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_clean_error(code, err, *needles):
+    assert code == 2
+    assert "Traceback" not in err
+    assert err.startswith("tilegraph")
+    for n in needles:
+        assert n in err, err
+
+
+def test_import_writes_ir_and_weights_beside_it(tmp_path, capsys):
+    code, out, _ = run(tilegraph_main, ["import", EXAMPLE, "-o", tmp_path / "enc.mlir"], capsys)
+    assert code == 0
+    text = (tmp_path / "enc.mlir").read_text()
+    assert "tg.matmul" in text and '"batch"' in text  # symbolic dims survive
+    assert (tmp_path / "enc.weights.npz").is_file()
+    assert len(text) < 50_000  # weights never land in the text
+    Model.load(tmp_path / "enc.mlir")
+
+
+def test_compile_writes_readable_numpy(tmp_path, capsys):
+    code, _, _ = run(tilegraph_main, ["compile", EXAMPLE, "--target", "numpy", "-o", tmp_path / "enc_np.py"], capsys)
+    assert code == 0
+    source = (tmp_path / "enc_np.py").read_text()
+    assert "np.matmul" in source and "def forward" in source
+
+
+def test_check_agrees_with_onnxruntime(capsys):
+    code, out, _ = run(tilegraph_main, ["check", EXAMPLE, "--dim", "batch=2", "--dim", "seq=8"], capsys)
+    assert code == 0, out
+    assert "last_hidden_state" in out and "agree" in out
+
+
+def test_opt_prints_ir_after_each_change(tmp_path, capsys):
+    path = small_model(tmp_path)
+    code, out, _ = run(opt_main, [path, "-p", "canonicalize,decompose", "--print-ir-after-change"], capsys)
+    assert code == 0
+    assert "IR after decompose" in out
+    assert "tg.softmax" not in out.split("IR after decompose")[1]  # decomposed
+    assert "tg.reduce_max" in out
+
+
+def test_opt_writes_output_with_weights(tmp_path, capsys):
+    path = small_model(tmp_path)
+    code, _, _ = run(opt_main, [path, "-p", "decompose", "-o", tmp_path / "out.mlir"], capsys)
+    assert code == 0
+    assert Model.load(tmp_path / "out.mlir").weights.keys() == {"w"}
+
+
+@pytest.mark.parametrize("command", [["import", "{missing}", "-o", "{tmp}/x.mlir"],
+                                     ["compile", "{missing}", "-o", "{tmp}/x.py"],
+                                     ["check", "{missing}"]])
+def test_missing_file_is_a_clean_error(tmp_path, capsys, command):
+    argv = [a.format(missing=tmp_path / "nope.onnx", tmp=tmp_path) for a in command]
+    code, _, err = run(tilegraph_main, argv, capsys)
+    assert_clean_error(code, err, "nope.onnx")
+
+
+def test_malformed_mlir_is_a_clean_error(tmp_path, capsys):
+    bad = tmp_path / "bad.mlir"
+    bad.write_text("builtin.module {\n  func.func @forward( {\n}\n")
+    code, _, err = run(opt_main, [bad], capsys)
+    assert_clean_error(code, err, "bad.mlir")
+    code, _, err = run(tilegraph_main, ["compile", bad, "-o", tmp_path / "x.py"], capsys)
+    assert_clean_error(code, err, "bad.mlir")
+    assert not (tmp_path / "x.py").exists()
+
+
+def test_shape_mismatch_in_mlir_names_the_op(tmp_path, capsys):
+    path = small_model(tmp_path)
+    lines = path.read_text().splitlines()
+    i = next(i for i, line in enumerate(lines) if "tg.matmul" in line)
+    lines[i] = lines[i].replace("?x4xf32", "?x5xf32")
+    path.write_text("\n".join(lines))
+    code, _, err = run(opt_main, [path], capsys)
+    assert_clean_error(code, err, "tg.matmul")
+
+
+def test_unsupported_onnx_ops_are_listed_together(tmp_path, capsys):
+    import onnx
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("NonMaxSuppression", ["x", "x"], ["a"], name="nms0"),
+             helper.make_node("RoiAlign", ["x", "x", "x"], ["b"], name="roi0")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info("a", TensorProto.INT64, None),
+                               helper.make_tensor_value_info("b", TensorProto.FLOAT, None)])
+    path = tmp_path / "unsupported.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    code, _, err = run(tilegraph_main, ["import", path, "-o", tmp_path / "u.mlir"], capsys)
+    assert_clean_error(code, err, "NonMaxSuppression", "RoiAlign")
+    assert not (tmp_path / "u.mlir").exists()
+
+
+def test_unknown_pass_is_a_clean_error(tmp_path, capsys):
+    code, _, err = run(opt_main, [small_model(tmp_path), "-p", "canonicalize,no-such-pass"], capsys)
+    assert_clean_error(code, err, "no-such-pass")
+
+
+def test_entry_points_are_installed():
+    bindir = Path(sys.executable).parent
+    for tool in ("tilegraph", "tilegraph-opt"):
+        result = subprocess.run([bindir / tool, "--help"], capture_output=True, text=True)
+        assert result.returncode == 0 and "usage" in result.stdout

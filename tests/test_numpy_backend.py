@@ -1,0 +1,255 @@
+"""The NumPy backend: emitted modules compute what the float64 interpreter computes, and read well.
+
+* every op of the table, on its examples (`tilegraph.testing.op_examples`), agrees with
+  the interpreter within the dtype's tolerance and returns the declared dtype;
+* the emitted source is one line per op, names weights readably, holds no weight data
+  and no eval/exec;
+* one module serves every size of a symbolic dim; wrong inputs are clear errors;
+* values are freed after their last use; outputs never alias the module's arrays.
+"""
+
+from __future__ import annotations
+
+import re
+import traceback
+
+import numpy as np
+import pytest
+from xdsl.dialects.builtin import TensorType
+from xdsl.ir import Block, Region
+from xdsl.irdl import IRDLOperation, irdl_op_definition, region_def, var_operand_def, var_result_def
+from xdsl.dialects.func import ReturnOp
+
+from backends.numpy import compile_model, emit, liveness, load
+from ir import Graph, ShapeError, interpret
+from ir.dtypes import DTypeError, numpy_dtype
+from ir.ops import OPS
+from tilegraph.testing import assert_close, op_examples
+
+EXAMPLES = op_examples()
+
+
+def test_every_op_of_the_table_has_an_example():
+    missing = sorted(set(OPS) - set(EXAMPLES))
+    assert not missing, f"ops without an example in tilegraph.testing.op_examples(): {', '.join(missing)}"
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_op_agrees_with_the_float64_interpreter(op):
+    assert op in EXAMPLES, f"tg.{op} has no example in tilegraph.testing.op_examples(); add one"
+    for ex in EXAMPLES[op]:
+        compiled = compile_model(ex.model)
+        got = compiled(*ex.inputs)
+        want = interpret(ex.model, list(ex.inputs))
+        assert len(got) == len(want)
+        for name, info, a, e in zip(ex.model.output_names, ex.model.outputs, got, want):
+            assert isinstance(a, np.ndarray), f"{ex.id}: {name} is a {type(a).__name__}"
+            assert a.dtype == numpy_dtype(info.dtype), f"{ex.id}: {name} is {a.dtype}, declared {info.dtype}"
+            assert_close(a, e, info.dtype, ex.reduction_length, name=f"{ex.id}: {name}")
+
+
+# --- the emitted source ---------------------------------------------------------
+
+QUERY = "encoder.layer.0.attention.self.query.weight"
+# Weight values no emitted text could contain by accident.
+MAGIC = 0.123456789
+
+
+def bert_like_block(width=16):
+    g = Graph()
+    x = g.input("hidden_states", ("B", "S", width))
+    wq = g.weight(QUERY, np.full((width, width), MAGIC, np.float32))
+    bq = g.weight("encoder.layer.0.attention.self.query.bias", np.full(width, -MAGIC, np.float32))
+    h = g.op("gelu", x @ wq + bq)
+    h = g.layer_norm(h * 0.5, epsilon=1e-12)
+    y = g.reshape(h, ("B", -1))
+    return g.build(y, g.mean(h, axes=(1,)), names=["flat", "pooled"])
+
+
+def forward_body(source):
+    return source[source.index("def forward("):]
+
+
+def test_emitted_source_is_one_line_per_op_with_readable_weight_names():
+    model = bert_like_block()
+    source = emit(model)
+    compute_ops = [op for op in model.ops() if op.name.startswith("tg.") and op.op_name not in ("weight", "constant")]
+    op_lines = [line for line in forward_body(source).splitlines() if re.search(r"^\s+\w+ = .*  # ", line)]
+    assert len(op_lines) == len(compute_ops)
+    assert f'encoder_layer_0_attention_self_query_weight = W["{QUERY}"]' in source
+    assert "def forward(hidden_states):" in source
+    assert "B = hidden_states.shape[0]" in source and "S = hidden_states.shape[1]" in source
+    assert "#   hidden_states: f32(B, S, 16)" in source  # the header's signature
+    assert "np.reshape(" in source and "(B, 16*S)" in source  # shape code in the symbols
+    assert re.search(r"\bdel\b", source)
+    assert 'with np.errstate(all="ignore"):' in source  # as the interpreter: inf/nan are results, not warnings
+    assert "eval(" not in source and "exec(" not in source
+
+
+def test_emitted_source_holds_no_weight_data():
+    small, large = emit(bert_like_block(16)), emit(bert_like_block(256))
+    assert "12345" not in small
+    # The text does not grow with the weights: 256x256 is 256 times more numbers than 16x16.
+    assert abs(len(large) - len(small)) < 100
+
+
+def test_tracebacks_show_the_emitted_line():
+    g = Graph()
+    table = g.input("table", (4, 3))
+    ids = g.input("ids", (2,), "i64")
+    model = g.build(g.gather(table, ids))
+    compiled = compile_model(model)
+    with pytest.raises(IndexError) as info:
+        compiled(np.zeros((4, 3), np.float32), np.array([0, 9]))
+    frames = [f for f in traceback.extract_tb(info.value.__traceback__) if f.filename.startswith("<tilegraph-numpy")]
+    assert frames and "np.take(table, ids" in frames[-1].line
+    assert "errstate" not in compiled.source  # layout ops only: nothing can warn
+
+
+# --- running --------------------------------------------------------------------
+
+
+def test_one_module_runs_at_two_batch_sizes():
+    model = bert_like_block()
+    compiled = compile_model(model)
+    rng = np.random.default_rng(0)
+    for batch, seq in ((2, 3), (5, 1)):
+        x = rng.standard_normal((batch, seq, 16)).astype(np.float32)
+        got = compiled(x)
+        assert got[0].shape == (batch, seq * 16) and got[1].shape == (batch, 16)
+        for a, e in zip(got, interpret(model, [x])):
+            assert_close(a, e, "f32", reduction_length=16)
+
+
+def two_input_model():
+    g = Graph()
+    x = g.input("x", ("B", 4))
+    y = g.input("y", ("B", 4))
+    return g.build(x * y)
+
+
+def test_wrong_input_shape_is_a_shape_error_naming_the_input():
+    compiled = compile_model(two_input_model())
+    good = np.ones((3, 4), np.float32)
+    with pytest.raises(ShapeError, match=r"input 'y' has shape \(3, 5\), the model expects \(B, 4\)"):
+        compiled(good, np.ones((3, 5), np.float32))
+    with pytest.raises(ShapeError, match=r"input 'y' has B = 2.*B = 3"):
+        compiled(good, np.ones((2, 4), np.float32))
+    with pytest.raises(ShapeError, match=r"input 'x' has shape \(4,\)"):
+        compiled(np.ones(4, np.float32), good)
+    with pytest.raises(ShapeError, match="takes 2 inputs"):
+        compiled(good)
+    with pytest.raises(DTypeError, match="input 'x' is float32, the model expects i64"):
+        compile_model(int_input_model())(np.ones(3, np.float32))  # a float would lose its kind
+
+
+def int_input_model():
+    g = Graph()
+    x = g.input("x", (3,), "i64")
+    return g.build(x + 1)
+
+
+def test_inputs_of_a_wider_or_same_kind_are_cast_and_named_inputs_work():
+    compiled = compile_model(two_input_model())
+    x = np.arange(12.0).reshape(3, 4)  # float64 into f32
+    (got,) = compiled(x=x, y=[[1, 2, 3, 4]] * 3)  # a list of ints into f32
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, x * np.array([1, 2, 3, 4]))
+
+
+def test_outputs_have_the_declared_dtypes_and_zero_d_outputs_are_arrays():
+    g = Graph()
+    x = g.input("x", ("B", 3), "f16")
+    total = g.sum(x)  # 0-d
+    ids = g.op("argmax", x, axis=1)
+    positive = x > 0.0
+    model = g.build(total, ids, positive, g.cast(x, "bf16"))
+    got = compile_model(model)(np.arange(6, dtype=np.float16).reshape(2, 3) - 2)
+    assert [a.dtype for a in got] == [numpy_dtype(info.dtype) for info in model.outputs]
+    assert all(isinstance(a, np.ndarray) for a in got) and got[0].shape == ()
+
+
+def test_outputs_never_alias_weights_or_inputs():
+    g = Graph()
+    x = g.input("x", (2, 3))
+    w = g.weight("w", np.ones((2, 3), np.float32))
+    model = g.build(w, g.transpose(w, (1, 0)), x, x + w)
+    compiled = compile_model(model)
+    x0 = np.zeros((2, 3), np.float32)
+    first = compiled(x0)
+    for out in first[:3]:
+        out[...] = 7  # writing into an output ...
+    second = compiled(x0)
+    np.testing.assert_array_equal(second[0], np.ones((2, 3)))  # ... leaves the weight alone
+    np.testing.assert_array_equal(second[3], np.ones((2, 3)))
+    assert not x0.any()
+
+
+def test_load_reports_missing_weights():
+    model = bert_like_block()
+    with pytest.raises(Exception, match="weights missing.*query.bias"):
+        load(emit(model), {QUERY: model.weights[QUERY]})
+
+
+# --- the memory plan ------------------------------------------------------------
+
+
+def test_each_value_dies_once_after_its_last_use_and_outputs_never_die():
+    model = bert_like_block()
+    steps = [op for op in model.ops() if op.name.startswith("tg.")]
+    outputs = list(model.func.body.block.last_op.operands)
+    dies = liveness(steps, outputs)
+    died = [v for dead in dies for v in dead]
+    assert len(died) == len(set(died))
+    computed = {r for op in steps if op.op_name not in ("weight", "constant") for r in op.results}
+    assert set(died) == computed - set(outputs)
+    for i, dead in enumerate(dies):
+        for v in dead:
+            assert all(v not in op.operands for op in steps[i + 1:])
+
+
+# --- fusion groups ----------------------------------------------------------------
+
+
+@irdl_op_definition
+class GroupOp(IRDLOperation):
+    """A stand-in for a fusion op: one region, block args = operands, terminator yields results."""
+
+    name = "test.group"
+    ins = var_operand_def(TensorType)
+    outs = var_result_def(TensorType)
+    body = region_def()
+
+
+def test_ops_inside_a_region_are_emitted_inline():
+    model = bert_like_block()
+    reference = bert_like_block()
+    block = model.func.body.block
+    gelu = next(op for op in block.ops if op.name == "tg.gelu")
+    # Move gelu into a group: its operand becomes the block argument.
+    inner = Block(arg_types=[gelu.operands[0].type])
+    group = GroupOp.create(operands=[gelu.operands[0]], result_types=[gelu.results[0].type],
+                           regions=[Region(inner)])
+    block.insert_op_before(group, gelu)
+    gelu.results[0].replace_all_uses_with(group.results[0])
+    gelu.detach()
+    gelu.operands[0] = inner.args[0]
+    inner.add_ops([gelu, ReturnOp(gelu.results[0])])
+    x = np.random.default_rng(1).standard_normal((2, 3, 16)).astype(np.float32)
+    got = compile_model(model)(x)
+    for a, e in zip(got, interpret(reference, [x])):
+        assert_close(a, e, "f32", reduction_length=16)
+
+
+def test_awkward_names_become_distinct_identifiers():
+    g = Graph()
+    a = g.input("input.1", ("K", 2))  # a symbol named like the kernels module
+    b = g.input("class", ("K", 2))  # a Python keyword
+    w1 = g.weight("a.b", np.full(2, 1.0, np.float32))
+    w2 = g.weight("a_b", np.full(2, 2.0, np.float32))
+    model = g.build(g.reshape(a * w1 + b * w2, (-1,)))
+    source = emit(model)
+    assert 'a_b = W["a.b"]' in source and 'a_b_1 = W["a_b"]' in source
+    compiled = load(source, model.weights)
+    x, y = np.ones((3, 2), np.float32), np.full((3, 2), 10, np.float32)
+    np.testing.assert_array_equal(compiled(x, y)[0], np.full(6, 21, np.float32))

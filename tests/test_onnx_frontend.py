@@ -1,0 +1,289 @@
+"""The ONNX frontend: what it reports, what it folds, what it keeps symbolic.
+
+Models are built with onnx.helper; results are checked against onnxruntime (the
+real peer) or the float64 interpreter on the imported model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import sympy
+from onnx import TensorProto, helper, numpy_helper
+
+from frontends import FrontendError
+from frontends.onnx import StaticInputNeeded, from_onnx
+from ir.interpreter import interpret
+from ir.shapes import symbol
+
+F32 = TensorProto.FLOAT
+I64 = TensorProto.INT64
+
+
+def make_model(nodes, inputs, outputs, initializers=(), opset=17):
+    graph = helper.make_graph(nodes, "g", inputs, outputs, initializer=list(initializers))
+    # IR version 10 (onnx 1.16): what the installed onnxruntime reads.
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
+
+
+def vi(name, elem, shape):
+    return helper.make_tensor_value_info(name, elem, shape)
+
+
+def run_ort(model, feeds):
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)
+
+
+def tg_ops(model) -> list[str]:
+    return [op.name for op in model.func.body.block.ops if op.name != "func.return"]
+
+
+# --- errors -------------------------------------------------------------------------
+
+
+def test_every_unsupported_op_is_listed_in_one_error_before_converting():
+    nodes = [
+        helper.make_node("Relu", ["x"], ["a"], name="relu0"),
+        helper.make_node("Frobnicate", ["a"], ["b"], name="frob0"),
+        helper.make_node("Frobnicate", ["b"], ["c"], name="frob1"),
+        helper.make_node("Unique", ["c"], ["d"], name="uniq0"),
+        helper.make_node("Wibble", ["d"], ["y"], name="wib0", domain="com.example"),
+    ]
+    model = make_model(nodes, [vi("x", F32, [4])], [vi("y", F32, [4])])
+    model.opset_import.append(helper.make_opsetid("com.example", 1))
+    with pytest.raises(FrontendError) as err:
+        from_onnx(model)
+    msg = str(err.value)
+    assert "3 unsupported op types (4 nodes)" in msg
+    assert "Frobnicate: 2 nodes (e.g. 'frob0')" in msg
+    assert "Unique: 1 node (e.g. 'uniq0')" in msg
+    assert "com.example.Wibble: 1 node (e.g. 'wib0')" in msg
+    assert "Relu" not in msg
+
+
+def test_missing_and_malformed_files_are_frontend_errors(tmp_path):
+    with pytest.raises(FrontendError, match="cannot read"):
+        from_onnx(tmp_path / "nope.onnx")
+    junk = tmp_path / "junk.onnx"
+    junk.write_bytes(b"\xff\xfe this is not a protobuf \x00\x01\x02" * 10)
+    with pytest.raises(FrontendError, match="not an ONNX model"):
+        from_onnx(junk)
+    text = tmp_path / "text.onnx"
+    text.write_text("hello")
+    with pytest.raises(FrontendError, match="not an ONNX model"):
+        from_onnx(text)
+
+
+def test_a_shape_mismatch_names_the_node_the_op_and_the_shapes():
+    model = make_model([helper.make_node("MatMul", ["a", "b"], ["y"], name="proj")],
+                       [vi("a", F32, [2, 3]), vi("b", F32, [4, 5])], [vi("y", F32, [2, 5])])
+    with pytest.raises(FrontendError) as err:
+        from_onnx(model)
+    msg = str(err.value)
+    assert "proj" in msg and "MatMul" in msg and "f32(2, 3)" in msg and "f32(4, 5)" in msg
+
+
+def test_a_bad_attribute_is_a_frontend_error_naming_the_node():
+    model = make_model([helper.make_node("Transpose", ["x"], ["y"], name="t0", perm=[0, 0])],
+                       [vi("x", F32, [2, 3])], [vi("y", F32, [3, 2])])
+    with pytest.raises(FrontendError, match="t0.*Transpose.*perm"):
+        from_onnx(model)
+
+
+def test_an_old_opset_definition_that_changed_is_rejected_and_an_unchanged_one_imported():
+    changed = make_model([helper.make_node("Dropout", ["x"], ["y"], name="d0")],
+                         [vi("x", F32, [3])], [vi("y", F32, [3])], opset=11)
+    with pytest.raises(FrontendError, match=r"Dropout \(opset 11; only its opset-13\+ definition"):
+        from_onnx(changed)
+    # Not is defined once, at opset 1: an opset-7 model means the same as an opset-13 one.
+    unchanged = make_model([helper.make_node("Not", ["x"], ["y"])], [vi("x", TensorProto.BOOL, [3])],
+                           [vi("y", TensorProto.BOOL, [3])], opset=7)
+    x = np.array([True, False, True])
+    np.testing.assert_array_equal(interpret(from_onnx(unchanged), [x])[0], ~x)
+
+
+# --- symbolic dims and folding -----------------------------------------------------------
+
+
+def _flatten_tail_model():
+    """y = reshape(x, [shape(x)[0], shape(x)[1], -1]) written the way exporters write it."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Constant", [], ["i0"], value=numpy_helper.from_array(np.array(0, dtype=np.int64))),
+        helper.make_node("Constant", [], ["i1"], value=numpy_helper.from_array(np.array(1, dtype=np.int64))),
+        helper.make_node("Gather", ["s", "i0"], ["b"], axis=0),
+        helper.make_node("Gather", ["s", "i1"], ["t"], axis=0),
+        helper.make_node("Constant", [], ["ax"], value=numpy_helper.from_array(np.array([0], dtype=np.int64))),
+        helper.make_node("Unsqueeze", ["b", "ax"], ["b1"]),
+        helper.make_node("Unsqueeze", ["t", "ax"], ["t1"]),
+        helper.make_node("Constant", [], ["m1"], value=numpy_helper.from_array(np.array([-1], dtype=np.int64))),
+        helper.make_node("Concat", ["b1", "t1", "m1"], ["target"], axis=0),
+        helper.make_node("Reshape", ["x", "target"], ["r"]),
+        helper.make_node("Relu", ["r"], ["y"]),
+    ]
+    return make_model(nodes, [vi("x", F32, ["batch", "seq", 4, 8])], [vi("y", F32, ["batch", "seq", 32])])
+
+
+def test_dim_params_become_symbols_and_shape_chains_fold_into_a_symbolic_reshape():
+    model = from_onnx(_flatten_tail_model())
+    batch, seq = symbol("batch"), symbol("seq")
+    assert model.inputs[0].shape == (batch, seq, 4, 8)
+    assert model.outputs[0].shape == (batch, seq, 32)
+    # Shape, Gather, Unsqueeze, Concat all folded at import: only the data path remains.
+    assert tg_ops(model) == ["tg.reshape", "tg.relu"]
+    onnx_model = _flatten_tail_model()
+    for shape in [(2, 3, 4, 8), (5, 1, 4, 8)]:
+        x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+        (ref,) = run_ort(onnx_model, {"x": x})
+        np.testing.assert_allclose(interpret(model, [x])[0], ref, rtol=1e-6)
+
+
+def test_integer_arithmetic_on_symbolic_shape_values_truncates():
+    """reshape(x, [shape(x)[0] * 6 / 4, -1]): Div of shape values is integer division, also symbolically."""
+    const = lambda name, v: helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.array(v)))
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"], end=1),
+        const("six", [6]), const("four", [4]), const("m1", [-1]),
+        helper.make_node("Mul", ["s", "six"], ["s6"]),
+        helper.make_node("Div", ["s6", "four"], ["rows"]),
+        helper.make_node("Concat", ["rows", "m1"], ["target"], axis=0),
+        helper.make_node("Reshape", ["x", "target"], ["y"]),
+    ]
+    proto = make_model(nodes, [vi("x", F32, ["n", 6])], [vi("y", F32, [None, None])])
+    model = from_onnx(proto)
+    n = symbol("n")
+    assert model.outputs[0].shape[0] == sympy.floor(sympy.Rational(3, 2) * n)
+    for rows in (2, 4):
+        x = np.arange(rows * 6, dtype=np.float32).reshape(rows, 6)
+        (ref,) = run_ort(proto, {"x": x})
+        np.testing.assert_array_equal(interpret(model, [x])[0], ref)
+
+
+def test_dim_params_that_name_python_or_generated_code_globals_are_renamed():
+    proto = make_model([helper.make_node("Neg", ["x"], ["y"])], [vi("x", F32, ["K", "np", "int"])],
+                       [vi("y", F32, ["K", "np", "int"])])
+    model = from_onnx(proto)
+    assert [str(d) for d in model.inputs[0].shape] == ["K_", "np_", "int_"]
+    x = np.ones((2, 3, 4), dtype=np.float32)
+    np.testing.assert_array_equal(interpret(model, [x])[0], -x)
+
+
+def test_unnamed_unknown_dims_get_fresh_distinct_symbols():
+    inp = helper.make_tensor_value_info("x", F32, [None, None, 3])
+    model = from_onnx(make_model([helper.make_node("Neg", ["x"], ["y"])], [inp], [vi("y", F32, [None, None, 3])]))
+    d0, d1, three = model.inputs[0].shape
+    assert isinstance(d0, sympy.Symbol) and isinstance(d1, sympy.Symbol) and d0 != d1 and three == 3
+
+
+def test_a_slice_to_a_symbolic_length_keeps_the_length_symbolic():
+    """positions[:, :seq] of a static table, seq taken from an input's shape (BERT exports)."""
+    table = np.arange(20, dtype=np.int64).reshape(1, 20) * 3
+    nodes = [
+        helper.make_node("Shape", ["ids"], ["s"], start=1, end=2),
+        helper.make_node("Constant", [], ["z"], value=numpy_helper.from_array(np.array([0], dtype=np.int64))),
+        helper.make_node("Constant", [], ["one"], value=numpy_helper.from_array(np.array([1], dtype=np.int64))),
+        helper.make_node("Slice", ["table", "z", "s", "one"], ["pos"]),
+        helper.make_node("Add", ["ids", "pos"], ["y"]),
+    ]
+    proto = make_model(nodes, [vi("ids", I64, ["batch", "seq"])], [vi("y", I64, ["batch", "seq"])],
+                       initializers=[numpy_helper.from_array(table, "table")])
+    model = from_onnx(proto)
+    assert model.outputs[0].shape == (symbol("batch"), symbol("seq"))
+    for shape in [(2, 7), (3, 20)]:
+        ids = np.random.default_rng(1).integers(0, 100, shape)
+        (ref,) = run_ort(proto, {"ids": ids})
+        np.testing.assert_array_equal(interpret(model, [ids])[0], ref)
+
+
+def test_a_shape_fed_as_a_graph_input_asks_for_it_and_folds_when_given():
+    proto = make_model([helper.make_node("Reshape", ["x", "shape"], ["y"], name="r0")],
+                       [vi("x", F32, [2, 6]), vi("shape", I64, [2])], [vi("y", F32, [3, 4])])
+    with pytest.raises(StaticInputNeeded) as err:
+        from_onnx(proto)
+    assert err.value.inputs == ("shape",) and "r0" in str(err.value)
+    model = from_onnx(proto, constant_inputs={"shape": np.array([3, 4])})
+    assert model.input_names == ["x"]
+    x = np.arange(12, dtype=np.float32).reshape(2, 6)
+    np.testing.assert_array_equal(interpret(model, [x])[0], x.reshape(3, 4))
+    with pytest.raises(FrontendError, match="not inputs of the graph"):
+        from_onnx(proto, constant_inputs={"nope": np.array([1])})
+
+
+# --- weights -----------------------------------------------------------------------------
+
+
+def test_initializers_become_named_weights_and_their_values_never_reach_the_ir_text():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 32)).astype(np.float32)
+    w[0, 0] = 1234.5678  # a value we can look for in the text
+    b = np.full(32, 8765.4321, dtype=np.float32)
+    small = np.array([2.5, -1.5], dtype=np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "layer.w"], ["h"]), helper.make_node("Add", ["h", "layer.b"], ["y"]),
+             helper.make_node("Mul", ["x2", "tiny"], ["z"])]
+    proto = make_model(nodes, [vi("x", F32, ["n", 64]), vi("x2", F32, [2])],
+                       [vi("y", F32, ["n", 32]), vi("z", F32, [2])],
+                       initializers=[numpy_helper.from_array(w, "layer.w"), numpy_helper.from_array(b, "layer.b"),
+                                     numpy_helper.from_array(small, "tiny")])
+    model = from_onnx(proto)
+    assert set(model.weights) == {"layer.w", "layer.b"}
+    np.testing.assert_array_equal(model.weights["layer.w"], w)
+    text = model.text
+    assert '"layer.w"' in text and '"layer.b"' in text
+    assert "1234.5" not in text and "8765.4" not in text
+    assert "2.5" in text  # a 2-element initializer stays inline as a constant
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    x2 = np.array([1.0, 2.0], dtype=np.float32)
+    ref = run_ort(proto, {"x": x, "x2": x2})
+    for got, want in zip(interpret(model, [x, x2]), ref):
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+# --- ops ONNX defines as functions ---------------------------------------------------------
+
+
+def test_an_op_onnx_defines_as_a_function_is_imported_through_its_body():
+    """Attention (opset 23) has no converter of its own: its function body is expanded."""
+    from onnx.reference import ReferenceEvaluator
+
+    node = helper.make_node("Attention", ["q", "k", "v"], ["y"], is_causal=1)
+    proto = make_model([node], [vi("q", F32, [1, 2, 4, 8]), vi("k", F32, [1, 2, 6, 8]), vi("v", F32, [1, 2, 6, 8])],
+                       [vi("y", F32, [1, 2, 4, 8])], opset=23)
+    model = from_onnx(proto)
+    rng = np.random.default_rng(2)
+    feeds = {n: rng.standard_normal(s).astype(np.float32) for n, s in
+             [("q", (1, 2, 4, 8)), ("k", (1, 2, 6, 8)), ("v", (1, 2, 6, 8))]}
+    (ref,) = ReferenceEvaluator(proto).run(None, feeds)
+    np.testing.assert_allclose(interpret(model, feeds)[0], ref, rtol=1e-5, atol=1e-6)
+    assert "tg.softmax" in tg_ops(model) or "tg.exp" in tg_ops(model)
+
+
+def test_compositions_match_onnxruntime_on_a_small_conv_net():
+    """Conv (SAME padding), BatchNorm, HardSwish, LpNormalization, Resize and Gemm together."""
+    rng = np.random.default_rng(3)
+    inits = {
+        "w": rng.standard_normal((4, 3, 3, 3)).astype(np.float32) * 0.3,
+        "scale": rng.uniform(0.5, 1.5, 4).astype(np.float32), "bias": rng.standard_normal(4).astype(np.float32),
+        "mean": rng.standard_normal(4).astype(np.float32) * 0.1, "var": rng.uniform(0.5, 2, 4).astype(np.float32),
+        "scales": np.array([1, 1, 2, 2], dtype=np.float32),
+        "fc": rng.standard_normal((10, 4 * 10 * 10)).astype(np.float32),
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], auto_pad="SAME_UPPER", strides=[1, 1]),
+        helper.make_node("BatchNormalization", ["c", "scale", "bias", "mean", "var"], ["bn"], epsilon=1e-3),
+        helper.make_node("HardSwish", ["bn"], ["h"]),
+        helper.make_node("LpNormalization", ["h"], ["l"], axis=1, p=2),
+        helper.make_node("Resize", ["l", "", "scales"], ["r"], mode="linear"),
+        helper.make_node("Flatten", ["r"], ["f"]),
+        helper.make_node("Gemm", ["f", "fc"], ["y"], transB=1, alpha=0.5),
+    ]
+    proto = make_model(nodes, [vi("x", F32, [2, 3, 5, 5])], [vi("y", F32, [2, 10])],
+                       initializers=[numpy_helper.from_array(v, k) for k, v in inits.items()], opset=19)
+    x = rng.standard_normal((2, 3, 5, 5)).astype(np.float32)
+    (ref,) = run_ort(proto, {"x": x})
+    got = interpret(from_onnx(proto), [x])[0]
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,85 @@
+"""Real models through ONNX: exported by torch, imported and compiled by tilegraph, checked against torch eager.
+
+all-MiniLM-L6-v2 is exported twice, with static shapes and with dynamic batch/seq
+axes (whose Shape -> Gather -> Concat -> Reshape chains must fold at import into
+symbolic reshapes); the small CNN once. Each export happens once per module.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import tilegraph
+from frontends.onnx import from_onnx
+from ir.shapes import symbol
+from tests.models import (
+    export_onnx,
+    minilm_inputs,
+    minilm_model,
+    small_cnn,
+    small_cnn_inputs,
+)
+
+pytestmark = pytest.mark.slow
+
+# fp32 end to end against fp32 torch eager: max|a - e| / max|e| (the brief's bound).
+MAX_RELATIVE_ERROR = 1e-4
+BATCH, SEQ = 2, 16
+
+
+def relative_error(actual, expected) -> float:
+    actual, expected = np.asarray(actual, dtype=np.float64), np.asarray(expected, dtype=np.float64)
+    return float(np.max(np.abs(actual - expected)) / np.max(np.abs(expected)))
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return minilm_model()
+
+
+@pytest.fixture(scope="module")
+def minilm_files(minilm, tmp_path_factory):
+    d = tmp_path_factory.mktemp("minilm_onnx")
+    ids, mask = minilm_inputs(BATCH, SEQ)
+    names = dict(input_names=["input_ids", "attention_mask"], output_names=["hidden"])
+    static = export_onnx(minilm, (ids, mask), d / "static.onnx", **names)
+    axes = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"},
+            "hidden": {0: "batch", 1: "seq"}}
+    dynamic = export_onnx(minilm, (ids, mask), d / "dynamic.onnx", dynamic_axes=axes, **names)
+    return static, dynamic
+
+
+def eager(model, *inputs):
+    with torch.no_grad():
+        return model(*inputs).numpy()
+
+
+def test_minilm_static_export_matches_torch(minilm, minilm_files):
+    ids, mask = minilm_inputs(BATCH, SEQ)
+    compiled = tilegraph.compile(minilm_files[0])
+    assert relative_error(compiled(ids.numpy(), mask.numpy()), eager(minilm, ids, mask)) <= MAX_RELATIVE_ERROR
+
+
+def test_minilm_dynamic_export_is_symbolic_and_matches_torch_at_two_sizes(minilm, minilm_files):
+    model = from_onnx(minilm_files[1])
+    batch, seq = symbol("batch"), symbol("seq")
+    assert model.inputs[0].shape == (batch, seq) and model.outputs[0].shape == (batch, seq, 384)
+    # The shape subgraphs folded away: no op of the IR computes on shapes.
+    assert "Shape" not in model.text and "tg.concat" not in model.text
+    compiled = tilegraph.compile(model)
+    for b, s in [(BATCH, SEQ), (3, 9)]:
+        ids, mask = minilm_inputs(b, s)
+        out = compiled(ids.numpy(), mask.numpy())
+        assert out.shape == (b, s, 384)
+        assert relative_error(out, eager(minilm, ids, mask)) <= MAX_RELATIVE_ERROR
+
+
+def test_small_cnn_matches_torch(tmp_path):
+    cnn = small_cnn()
+    (x,) = small_cnn_inputs()
+    path = export_onnx(cnn, (x,), tmp_path / "cnn.onnx", input_names=["x"], output_names=["logits"])
+    model = from_onnx(path)
+    assert any(op.name == "tg.conv" for op in model.func.body.block.ops)
+    assert relative_error(tilegraph.compile(model)(x.numpy()), eager(cnn, x)) <= MAX_RELATIVE_ERROR
