@@ -261,8 +261,9 @@ def _attention(ins, attrs, given):
         raise _fail("attention", f"q {q}, k {k}, v {v}: head dims or key lengths differ")
     try:
         batch = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-        if len(ins) == 4:
-            broadcast_shapes(batch + (q.shape[-2], k.shape[-2]), ins[3].shape)
+        scores = batch + (q.shape[-2], k.shape[-2])
+        if len(ins) == 4 and broadcast_shapes(scores, ins[3].shape) != scores:
+            raise ShapeError(f"mask {ins[3]} does not broadcast to the scores {shape_str(scores)}")
     except ShapeError as e:
         raise _fail("attention", str(e)) from None
     if len(ins) == 4 and ins[3].dtype not in ("i1", q.dtype):
@@ -339,7 +340,7 @@ def slice_length(dim: Dim, start: int, end: int, step: int) -> Dim:
     if step == 1 and start >= 0 and end >= (1 << 62):
         return normalize_dim(dim - start)
     if step == 1 and 0 <= start <= end < (1 << 62):
-        return end - start
+        return normalize_dim(sympy.Min(end, dim) - start)
     if step == 1 and start < 0 and end >= (1 << 62):
         return -start
     raise ShapeError(f"slice [{start}:{end}:{step}] of symbolic dim {dim} has no closed form")
@@ -436,6 +437,14 @@ def _source(ins, attrs, given):
     if not given or len(given) != 1:
         raise ShapeError("source op needs its result type")
     return [given[0]]
+
+
+def _constant(ins, attrs, given):
+    (out,) = _source(ins, attrs, given)
+    value = attrs["value"]
+    if tuple(value.shape) != out.shape or dtypes.dtype_name(value.dtype) != out.dtype:
+        raise _fail("constant", f"value is {dtypes.dtype_name(value.dtype)}{shape_str(value.shape)}, result type {out}")
+    return [out]
 
 
 # --- the table ---------------------------------------------------------------
@@ -571,7 +580,7 @@ _op("cumsum", ["x"], _same_as_input("cumsum"), "K.cumsum({x}, {axis}, {exclusive
     {"axis": ("int", REQUIRED), "exclusive": ("bool", False), "reverse": ("bool", False)})
 _op("trilu", ["x"], _trilu, "K.trilu({x}, {k}, {upper})", "elementwise", {"k": ("int", 0), "upper": ("bool", True)})
 
-_op("constant", [], _source, "{value}", "source", {"value": ("dense", REQUIRED)}, result_given=True,
+_op("constant", [], _constant, "{value}", "source", {"value": ("dense", REQUIRED)}, result_given=True,
     doc="a small inline constant; large arrays go in the weight store")
 _op("weight", [], _source, "{name}", "source", {"name": ("str", REQUIRED)}, result_given=True,
     doc="a named array of the weight store")

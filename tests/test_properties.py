@@ -1,0 +1,118 @@
+"""Properties of every pass on random graphs (hypothesis, `tilegraph.testing.graphs`).
+
+- printed IR round-trips exactly: print -> parse -> print gives the same text;
+- every pass in `passes.registry.PASSES` preserves semantics against the float64
+  interpreter (a newly registered pass is covered without touching this file), and
+  what it prints still round-trips;
+- so do the default pipeline, and decompose followed by it;
+- the emitted NumPy (`tilegraph.compile`) computes what the interpreter computes.
+
+A case hypothesis once found is kept below as an `@example`, so it runs every time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+
+from ir import Graph, Model, interpret
+from ir.interpreter import bind_inputs
+from passes.registry import DEFAULT_PIPELINE, PASSES
+from tilegraph.testing import (
+    LAYOUT_OPS,
+    assert_close,
+    assert_preserves_semantics,
+    graphs,
+    narrowest_float,
+    random_inputs,
+    reduction_length,
+)
+
+# ~15 ms per example: 60 examples per property keep this file well under a minute.
+EXAMPLES = 60
+PROPERTY = settings(max_examples=EXAMPLES, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def folded_scalar() -> Model:
+    """Found by hypothesis: constant-fold turned a rank-0 result into a 1-element vector
+    (np.ascontiguousarray returns at least 1-d)."""
+    g = Graph()
+    x = g.input("x", ())
+    return g.build(x * -g.weight("w", np.array(0.27, np.float32)))
+
+
+def identity_chain() -> Model:
+    """0 - x, x ** 1 and a one-piece concat of a symbolic tensor, returned next to its input."""
+    g = Graph()
+    x = g.input("x", ("B", 3))
+    y = g.concat([0.0 - x ** 1.0], axis=0)
+    return g.build(y, x, y)
+
+
+@PROPERTY
+@given(model=graphs())
+@example(model=folded_scalar())
+def test_printed_ir_round_trips_exactly(model):
+    text = model.text
+    again = Model.parse(text, model.weights)
+    again.verify()
+    assert again.text == text
+
+
+@pytest.mark.parametrize("pass_name", sorted(PASSES))
+@PROPERTY
+@given(model=graphs())
+@example(model=folded_scalar())
+@example(model=identity_chain())
+def test_every_registered_pass_preserves_semantics(pass_name, model):
+    after = assert_preserves_semantics(pass_name, model)
+    assert Model.parse(after.text, after.weights).text == after.text
+
+
+@PROPERTY
+@given(model=graphs(ops=("identity", "neg", "abs", "relu", "add", "sub", "mul", "where", "cast", "exp")
+                    + LAYOUT_OPS, max_ops=16))
+@example(model=identity_chain())
+def test_canonicalize_preserves_semantics_on_rewrite_heavy_graphs(model):
+    assert_preserves_semantics("canonicalize,cse,dce", model)
+
+
+@PROPERTY
+@given(model=graphs())
+def test_the_default_pipeline_preserves_semantics(model):
+    assert_preserves_semantics(DEFAULT_PIPELINE, model)
+
+
+@PROPERTY
+@given(model=graphs())
+def test_decompose_then_the_default_pipeline_preserves_semantics(model):
+    after = assert_preserves_semantics("decompose," + DEFAULT_PIPELINE, model)
+    assert not {"softmax", "layer_norm", "gelu", "attention"} & {op.name.removeprefix("tg.") for op in after.ops()}
+
+
+@PROPERTY
+@given(model=graphs(dtype="f16", max_ops=8))
+def test_the_default_pipeline_preserves_semantics_in_f16(model):
+    assert_preserves_semantics(DEFAULT_PIPELINE, model)
+
+
+@pytest.mark.parametrize("pipeline", ["", DEFAULT_PIPELINE])
+@PROPERTY
+@given(model=graphs())
+@example(model=folded_scalar())
+def test_emitted_numpy_computes_what_the_interpreter_computes(pipeline, model):
+    import tilegraph
+
+    compiled = tilegraph.compile(model, pipeline=pipeline)
+    inputs = random_inputs(model, seed=1)
+    got = compiled(*inputs)
+    got = list(got) if isinstance(got, tuple) else [got]
+    expected = interpret(model, inputs)
+    _, sizes = bind_inputs(model, inputs)
+    n = reduction_length(model, sizes)
+    dtype = narrowest_float(model)
+    assert len(got) == len(expected)
+    for name, a, e in zip(model.output_names, got, expected):
+        assert_close(np.asarray(a), e, dtype, n, name=f"output '{name}' of the NumPy backend, pipeline '{pipeline}'")
