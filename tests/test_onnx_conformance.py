@@ -117,19 +117,10 @@ def test_every_exclusion_names_existing_cases():
         assert any(re.search(pattern, n) for n in CASES), f"EXCLUDED pattern {pattern!r} matches no case"
 
 
-def test_conformance_summary():
-    """Runs every supported case once more and reports the count; the target is a floor."""
-    failed = []
-    for name in RUN:
-        try:
-            run_case(CASES[name])
-        except Exception as e:  # noqa: BLE001 - a count of failures, each named below
-            failed.append(f"{name}: {type(e).__name__}")
-    passed = len(RUN) - len(failed)
-    print(f"\nONNX node conformance: {passed} passed of {len(CASES)} "
-          f"({len(SKIPPED)} excluded with a stated reason, {len(failed)} failed)")
-    assert not failed, failed[:20]
-    assert passed >= TARGET_PASSES
+def test_supported_cases_meet_the_floor():
+    """Every case in RUN is a test of its own above; this holds the count at the floor.
+    tests/conftest.py prints the pass count at the end of the run."""
+    assert len(RUN) >= TARGET_PASSES, f"only {len(RUN)} node cases are run; the floor is {TARGET_PASSES}"
 
 
 def test_onnx_backend_test_runner_drives_the_backend():

@@ -1,0 +1,17 @@
+"""Suite-wide reporting: the ONNX conformance pass count, printed at the end of every run."""
+
+CONFORMANCE_TEST = "test_onnx_conformance.py::test_node_case_matches_the_onnx_reference"
+
+
+def pytest_terminal_summary(terminalreporter):
+    counts = {}
+    for outcome in ("passed", "failed", "error"):
+        counts[outcome] = sum(1 for r in terminalreporter.stats.get(outcome, [])
+                              if CONFORMANCE_TEST in getattr(r, "nodeid", "") and r.when == "call")
+    total = counts["passed"] + counts["failed"] + counts["error"]
+    if total:
+        from tests.test_onnx_conformance import CASES
+
+        terminalreporter.write_line(
+            f"ONNX node conformance: {counts['passed']} passed, {counts['failed'] + counts['error']} failed, "
+            f"of {len(CASES)} node cases ({len(CASES) - total} excluded with a stated reason)")
