@@ -57,7 +57,7 @@ def main() -> int:
     OUT.parent.mkdir(exist_ok=True)
     OUT.write_text(compiled.source)
     lines = compiled.source.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith("def ")), 0)
+    start = next((i for i, line in enumerate(lines) if "def forward" in line), 0)
     print("\n".join(lines[start:start + 45]))
     print(f"... ({len(compiled.source.splitlines())} lines)")
 

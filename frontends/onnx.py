@@ -1204,11 +1204,12 @@ def _trilu(n):
     return n.op("trilu", n.x(0), k=int(k[0]) if k else 0, upper=bool(n.attr("upper", 1)))
 
 
-@_conv("CumSum")
-def _cumsum(n):
+@_conv("CumSum", "CumProd")
+def _cumulative(n):
     x = n.x(0)
     axis = _axis(int(n.static_ints(1)[0]), n.rank(x))
-    return n.op("cumsum", x, axis=axis, exclusive=bool(n.attr("exclusive", 0)), reverse=bool(n.attr("reverse", 0)))
+    return n.op({"CumSum": "cumsum", "CumProd": "cumprod"}[n.op_type], x, axis=axis,
+                exclusive=bool(n.attr("exclusive", 0)), reverse=bool(n.attr("reverse", 0)))
 
 
 @_conv("EyeLike")
@@ -1906,13 +1907,6 @@ def _scatter_elements(n):
 @_conv("ScatterND")
 def _scatter_nd(n):
     return n.op("scatter_nd", n.x(0), n.x(1), n.x(2), reduction=_scatter_reduction(n))
-
-
-@_conv("CumProd")
-def _cumprod(n):
-    x = n.x(0)
-    axis = _axis(int(n.static_ints(1)[0]), n.rank(x))
-    return n.op("cumprod", x, axis=axis, exclusive=bool(n.attr("exclusive", 0)), reverse=bool(n.attr("reverse", 0)))
 
 
 @_conv("TopK")

