@@ -1165,15 +1165,7 @@ def _pad(n):
     if value is not None:
         fill = n.static(2).reshape(-1)
         fill = float(fill[0]) if fill.size else 0.0
-    # Negative pads crop: a slice after padding with the positive part.
-    positive = [max(p, 0) for p in full]
-    if any(positive):
-        x = n.op("pad", x, pads=tuple(positive), mode=mode, value=fill)
-    for a in range(r):
-        lo, hi = full[a], full[a + r]
-        if lo < 0 or hi < 0:
-            x = n.slice(x, a, -lo if lo < 0 else 0, hi if hi < 0 else INT64_MAX)
-    return x
+    return _pad_or_crop(n, x, full, mode, fill)
 
 
 @_conv("DepthToSpace")
@@ -1691,12 +1683,12 @@ def _compress(n):
     return n.op("gather", x, keep, axis=axis)
 
 
-def _pad_or_crop(n, x, pads: Sequence[int]):
-    """Pad (begins, then ends) with zeros; negative entries crop instead."""
+def _pad_or_crop(n, x, pads: Sequence[int], mode: str = "constant", value: float = 0.0):
+    """Pad (begins, then ends); negative entries crop instead: a slice after padding with the positive part."""
     r = n.rank(x)
     positive = [max(p, 0) for p in pads]
     if any(positive):
-        x = n.op("pad", x, pads=tuple(positive))
+        x = n.op("pad", x, pads=tuple(positive), mode=mode, value=value)
     for a in range(r):
         lo, hi = pads[a], pads[a + r]
         if lo < 0 or hi < 0:
