@@ -323,6 +323,7 @@ class _Emitter:
         lines += [f"#   {n}: {info}" for n, info in zip(m.output_names, m.outputs)]
         lines.append(f"# {sum(kinds.values())} ops ({', '.join(f'{n} {k}' for k, n in kinds.most_common())}), "
                      f"{_count(sources[0], 'weight')}, {_count(sources[1], 'constant')}")
+        lines.append("# use: forward = build(ir.model.WeightStore.load('<model>.weights.npz')); outputs = forward(*inputs)")
         return lines + [""]
 
 
