@@ -69,6 +69,14 @@ def test_opt_prints_ir_after_each_change(tmp_path, capsys):
     assert "tg.reduce_max" in out
 
 
+def test_opt_prints_ir_after_every_pass_changed_or_not(tmp_path, capsys):
+    path = small_model(tmp_path)
+    code, out, _ = run(opt_main, [path, "-p", "cse,dce,decompose", "--print-ir-after-all"], capsys)
+    assert code == 0
+    assert [line for line in out.splitlines() if "IR after" in line] == [
+        f"// -----// IR after {name} //----- //" for name in ("cse", "dce", "decompose")]
+
+
 def test_opt_writes_output_with_weights(tmp_path, capsys):
     path = small_model(tmp_path)
     code, _, _ = run(opt_main, [path, "-p", "decompose", "-o", tmp_path / "out.mlir"], capsys)
