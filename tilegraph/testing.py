@@ -29,7 +29,8 @@ Testing your own pass (property-based, with hypothesis):
         assert_preserves_semantics([MyPass()], model)   # or "canonicalize,my-pass"
 
 `graphs()` draws random valid models (elementwise ops with broadcasting,
-reductions, matmuls, layout ops, softmax/layer_norm/gelu/attention, weights,
+reductions, matmuls, layout ops, gather/pad, conv and pooling on NCHW values,
+softmax/layer_norm/gelu/attention, comparisons as where conditions, weights,
 constants, a symbolic batch dim), values kept where float32 and float64 differ by
 rounding only; `random_inputs(model)` feeds one; `assert_preserves_semantics`
 runs the pipeline on a copy and compares against the float64 interpreter, with
@@ -336,18 +337,33 @@ LAYER_NORM_EPSILONS = (1e-2, 1e-1)
 
 # The op kinds `graphs(ops=...)` can draw. Discontinuous ops (floor, ceil, round,
 # sign, comparisons as outputs) are left out: float32 and float64 legitimately
-# disagree next to a jump. Comparisons appear only as `where` conditions against
-# fresh random values, where ties have probability ~1e-7.
+# disagree next to a jump. Comparisons appear only as `where` conditions, against
+# fresh random values (ties have probability ~1e-7) or, for eq/ne, between
+# operands that are exactly equal or not.
 UNARY_OPS = ("neg", "abs", "exp", "log", "sqrt", "rsqrt", "reciprocal", "tanh", "sigmoid", "relu", "erf",
              "sin", "cos", "atan", "gelu")
 BINARY_OPS = ("add", "sub", "mul", "div", "pow", "max", "min")
 REDUCE_OPS = ("reduce_sum", "reduce_mean", "reduce_max", "reduce_min", "reduce_prod")
 LAYOUT_OPS = ("reshape", "transpose", "slice", "concat", "broadcast", "split")
 COMPOSITE_OPS = ("softmax", "layer_norm", "gelu", "attention")
+# Windowed ops on NCHW values (a fresh rank-4 input or weight is made when the
+# pool has none), and the indexing layout ops.
+SPATIAL_OPS = ("conv", "max_pool", "avg_pool")
+INDEX_OPS = ("gather", "pad")
+# Each draws `where(<comparison>, x, y)`: lt/le/gt/ge compare a value with fresh
+# random values; eq/ne compare operands whose elements are exactly equal or not
+# (weights sharing elements, integer constants), so no rounding decides them.
+COMPARE_OPS = ("lt", "le", "gt", "ge", "eq", "ne")
 OTHER_OPS = ("where", "matmul", "cast", "identity", "weight")
-OP_FAMILIES = (UNARY_OPS, BINARY_OPS + ("where",), REDUCE_OPS, ("matmul",), LAYOUT_OPS, COMPOSITE_OPS,
-               ("cast", "identity"), ("weight",))
-ALL_OPS = tuple(dict.fromkeys(UNARY_OPS + BINARY_OPS + REDUCE_OPS + LAYOUT_OPS + COMPOSITE_OPS + OTHER_OPS))
+OP_FAMILIES = (UNARY_OPS, BINARY_OPS, ("where",) + COMPARE_OPS, REDUCE_OPS, ("matmul",), LAYOUT_OPS,
+               COMPOSITE_OPS, SPATIAL_OPS, INDEX_OPS, ("cast", "identity"), ("weight",))
+ALL_OPS = tuple(dict.fromkeys(UNARY_OPS + BINARY_OPS + REDUCE_OPS + LAYOUT_OPS + COMPOSITE_OPS + SPATIAL_OPS
+                              + INDEX_OPS + COMPARE_OPS + OTHER_OPS))
+# NCHW values the spatial family makes: spatial dims of 1..MAX_SPATIAL (a bit
+# over MAX_DIM so that 3x3 windows with stride 2 have room), kernels of
+# 1..MAX_KERNEL, strides and dilations of 1..2.
+MAX_SPATIAL = 5
+MAX_KERNEL = 3
 
 
 def _sym_size(d) -> int:
@@ -379,6 +395,10 @@ _OPERAND_FITS: dict[str, Callable[[tuple], bool]] = {
     "split": lambda s: any(isinstance(d, int) and d >= 2 for d in s),
     # Reductions of rank-1 values would collapse most graphs to scalars within a few ops.
     **{name: (lambda s: len(s) >= 2) for name in REDUCE_OPS},
+    # N may be symbolic; the channels and spatial dims must be static.
+    **{name: (lambda s: len(s) == 4 and all(isinstance(d, int) for d in s[1:])) for name in SPATIAL_OPS},
+    "gather": lambda s: len(s) >= 1,
+    "pad": lambda s: len(s) >= 1,
 }
 
 
@@ -537,6 +557,8 @@ class _GraphDrawer:
             return
         fits = _OPERAND_FITS.get(kind, lambda v: True)
         x = self.pick([v for v in self.pool if fits(v.shape)])
+        if kind in SPATIAL_OPS and (x is None or self.flag("fresh NCHW value")):
+            x = self.nchw()  # few drawn values have rank 4
         if x is None:
             return
         made = getattr(self, "op_" + kind, None) or (lambda x: self.op_unary(kind, x))
@@ -851,6 +873,170 @@ class _GraphDrawer:
         out = self.g.attention(q.t, k.t, v.t, mask, scale=scale, causal=causal)
         return _Val(out, v.lo, v.hi)
 
+    # --- spatial ops, gather/pad, comparisons as where conditions -----------------
+
+    def nchw(self) -> _Val:
+        """A fresh NCHW value in the pool: an input (N may be symbolic) or a weight."""
+        n = self.choice(SYMBOLS) if self.symbolic and self.flag("symbolic batch") else \
+            self.draw(st.integers(1, 2), label="batch")
+        c = self.draw(st.integers(1, MAX_DIM), label="channels")
+        hw = tuple(self.draw(st.integers(1, MAX_SPATIAL), label="spatial dim") for _ in range(2))
+        shape = (n, c) + hw
+        if isinstance(n, int) and self.flag("NCHW weight"):
+            return self.add(self.weight(shape))
+        return self.input(shape)
+
+    def _window(self, x, kernel, pool: bool):
+        """strides, pads, dilations and ceil_mode for a 2-D window over x, or None when it does not fit.
+
+        Pools keep dilation 1 and pads below the kernel (the ONNX rule), so that
+        every window covers at least one element of x: max_pool never sees a
+        window of padding alone (-inf) and avg_pool never divides by zero.
+        """
+        strides = tuple(self.draw(st.integers(1, 2), label="stride") for _ in kernel)
+        dil = (1, 1) if pool else tuple(self.draw(st.integers(1, 2), label="dilation") for _ in kernel)
+        pads = tuple(self.draw(st.integers(0, (k - 1) if pool else 2), label="pad") for k in kernel * 2)
+        ceil_mode = pool and self.flag("ceil_mode")
+        for i, k in enumerate(kernel):
+            if x.shape[2 + i] + pads[i] + pads[i + 2] < dil[i] * (k - 1) + 1:
+                return None
+        return strides, pads, dil, ceil_mode
+
+    def op_conv(self, x):
+        c = x.shape[1]
+        groups = self.choice([1, 2], label="groups") if c % 2 == 0 else 1
+        m = groups * self.draw(st.integers(1, MAX_DIM // groups), label="out channels per group")
+        kernel = tuple(self.draw(st.integers(1, MAX_KERNEL), label="kernel") for _ in range(2))
+        window = self._window(x, kernel, pool=False)
+        if window is None:
+            return None
+        strides, pads, dil, _ = window
+        xv = self.bounded(x, 2.0)
+        w = self.fresh((m, c // groups) + kernel)
+        bias = None if self.flag("no conv bias") else self.fresh((m,))
+        operands = (xv.t, w.t) + ((bias.t,) if bias else ())
+        t = self.g.op("conv", *operands, strides=strides, pads=pads, dilations=dil, groups=groups)
+        if _size(t.shape) > MAX_ELEMENTS:
+            return None
+        b = (c // groups) * _math.prod(kernel) * xv.bound * w.bound + (bias.bound if bias else 0.0)
+        return _Val(t, -b, b)
+
+    def _pool(self, name, x):
+        kernel = tuple(self.draw(st.integers(1, MAX_KERNEL), label="pool kernel") for _ in range(2))
+        window = self._window(x, kernel, pool=True)
+        if window is None:
+            return None
+        strides, pads, _, ceil_mode = window
+        attrs = dict(kernel=kernel, strides=strides, pads=pads, ceil_mode=ceil_mode)
+        lo, hi = x.lo, x.hi
+        if name == "avg_pool":
+            attrs["count_include_pad"] = self.flag("count_include_pad")
+            if attrs["count_include_pad"] and any(pads):  # the padding's zeros are averaged in
+                lo, hi = min(lo, 0.0), max(hi, 0.0)
+        return _Val(self.g.op(name, x.t, **attrs), lo, hi)
+
+    def op_max_pool(self, x):
+        return self._pool("max_pool", x)
+
+    def op_avg_pool(self, x):
+        return self._pool("avg_pool", x)
+
+    def op_gather(self, x):
+        rank = x.t.rank
+        axis = self.draw(st.integers(0, rank - 1), label="gather axis")
+        size = x.shape[axis]
+        # A symbolic axis is at least 1 long: only 0 and -1 are in range for every size.
+        lo, hi = (-size, size - 1) if isinstance(size, int) else (-1, 0)
+        idx_rank = self.draw(st.integers(0, 2), label="indices rank")
+        idx_shape = tuple(self.draw(st.integers(1, 3), label="indices dim") for _ in range(idx_rank))
+        if rank - 1 + idx_rank > MAX_RANK + 1:
+            return None
+        idx = self.rng.integers(lo, hi + 1, idx_shape).astype(self.choice([np.int64, np.int32], label="index type"))
+        out = self.g.gather(x.t, self.g.constant(idx), axis=axis - rank if self.flag("negative axis") else axis)
+        if _size(out.shape) > MAX_ELEMENTS:
+            return None
+        return _Val(out, x.lo, x.hi)
+
+    def op_pad(self, x):
+        rank = x.t.rank
+        mode = self.choice(["constant", "reflect", "edge"], label="pad mode")
+        pads = []
+        for d in x.shape * 2:
+            # reflect needs pads below the dim (a symbolic one may be 1); edge and constant take any
+            most = 2 if mode != "reflect" else (min(2, d - 1) if isinstance(d, int) else 0)
+            pads.append(self.draw(st.integers(0, most), label="pad width"))
+        value = self.choice([0.0, 1.5, -0.5], label="pad value") if mode == "constant" else 0.0
+        t = self.g.pad(x.t, pads[:rank] + pads[rank:], mode=mode, value=value)
+        if _size(t.shape) > MAX_ELEMENTS:
+            return None
+        lo, hi = (min(x.lo, value), max(x.hi, value)) if mode == "constant" and any(pads) else (x.lo, x.hi)
+        return _Val(t, lo, hi)
+
+    def _condition(self, cmp: str, x: _Val):
+        """An i1 tensor that broadcasts against x: `cmp` of two operands no rounding can flip."""
+        g = self.g
+        if cmp in ("eq", "ne"):
+            how = self.choice(["weights", "integers", "self"], label="equality operands")
+            shape = tuple(d if isinstance(d, int) else 1 for d in self.broadcastable_shape(x.shape))
+            if how == "self":  # x == x: all true (x is finite), a fold canonicalize may know
+                return g.op(cmp, x.t, x.t)
+            if how == "integers":
+                a = self.rng.integers(0, 3, shape)
+                b = self.rng.integers(0, 3, shape[len(shape) - self.draw(st.integers(0, len(shape)),
+                                                                           label="rhs rank"):])
+                return g.op(cmp, g.constant(a.astype(np.int32)), g.constant(b.astype(np.int32)))
+            a = self.weight(shape)
+            array = self.g.weights[f"w{self.n_weights - 1}"]
+            changed = self.rng.random(array.shape) < 0.5
+            other = np.where(changed, self.rng.uniform(-1, 1, array.shape), array).astype(array.dtype)
+            self.n_weights += 1
+            b = g.weight(f"w{self.n_weights - 1}", other)
+            return g.op(cmp, a.t, b) if self.flag("swap") else g.op(cmp, b, a.t)
+        c = self.pick()
+        if c is None or c.t.dtype != self.dtype:
+            return None
+        how = self.choice(["fresh", "scalar"], label="compared with")
+        if how == "scalar":  # a random threshold: ties with computed values have probability ~1e-7
+            r = self.constant(float(np.float32(self.rng.uniform(c.lo, c.hi) if c.hi > c.lo else 0.25)))
+        else:
+            r = self.fresh(self.broadcastable_shape(c.shape))
+        return g.op(cmp, c.t, r.t) if self.flag("swap") else g.op(cmp, r.t, c.t)
+
+    def op_compare(self, cmp: str, x):
+        """where(cmp(a, b), x, y), sometimes with the condition combined by not/and/or/xor."""
+        from ir.shapes import ShapeError, broadcast_shapes
+
+        cond = self._condition(cmp, x)
+        if cond is None:
+            return None
+        how = self.choice(["plain", "not", "and", "or", "xor"], label="combine condition")
+        if how == "not":
+            cond = self.g.op("not", cond)
+        elif how != "plain":
+            other = self._condition(self.choice(COMPARE_OPS, label="second comparison"), x)
+            if other is not None:
+                try:
+                    if _size(broadcast_shapes(cond.shape, other.shape)) <= MAX_ELEMENTS:
+                        cond = self.g.op(how, cond, other)
+                except ShapeError:
+                    pass
+        y = self.partner(x)
+        try:
+            if _size(broadcast_shapes(cond.shape, x.shape, y.shape)) > MAX_ELEMENTS:
+                return None
+        except ShapeError:
+            return None
+        if self.flag("swap branches"):
+            x, y = y, x
+        return _Val(self.g.where(cond, x.t, y.t), min(x.lo, y.lo), max(x.hi, y.hi))
+
+    def op_lt(self, x): return self.op_compare("lt", x)
+    def op_le(self, x): return self.op_compare("le", x)
+    def op_gt(self, x): return self.op_compare("gt", x)
+    def op_ge(self, x): return self.op_compare("ge", x)
+    def op_eq(self, x): return self.op_compare("eq", x)
+    def op_ne(self, x): return self.op_compare("ne", x)
+
     def op_identity(self, x):
         """A rewrite canonicalize should remove: x+0, x*1, x-0, x/1, x**1, -(-x), concat([x]), ..."""
         g = self.g
@@ -889,8 +1075,10 @@ def graphs(*, ops: Sequence[str] | None = None, max_ops: int = 12, dtype: str = 
     """A hypothesis strategy drawing random, valid, verified tg Models (`ir.Model`).
 
     ops:        the op kinds to draw from (default ALL_OPS; see UNARY_OPS, BINARY_OPS,
-                REDUCE_OPS, LAYOUT_OPS, COMPOSITE_OPS, "where", "matmul", "cast",
-                "identity" = a rewrite canonicalize should remove)
+                REDUCE_OPS, LAYOUT_OPS, COMPOSITE_OPS, SPATIAL_OPS (conv, pools on
+                NCHW values), INDEX_OPS (gather, pad), COMPARE_OPS (where on a
+                comparison), "where", "matmul", "cast", "identity" = a rewrite
+                canonicalize should remove)
     max_ops:    how many ops to draw at most (layout helpers and range keepers come on top)
     dtype:      the float type of inputs, weights and results
     symbolic:   whether inputs may have a symbolic leading dim `B`
