@@ -96,8 +96,9 @@ def test_missing_file_is_a_clean_error(tmp_path, capsys, command):
 def test_malformed_mlir_is_a_clean_error(tmp_path, capsys):
     bad = tmp_path / "bad.mlir"
     bad.write_text("builtin.module {\n  func.func @forward( {\n}\n")
-    code, _, err = run(opt_main, [bad], capsys)
+    code, _, err = run(opt_main, [bad, "-o", tmp_path / "out.mlir"], capsys)
     assert_clean_error(code, err, "bad.mlir")
+    assert not (tmp_path / "out.mlir").exists()
     code, _, err = run(tilegraph_main, ["compile", bad, "-o", tmp_path / "x.py"], capsys)
     assert_clean_error(code, err, "bad.mlir")
     assert not (tmp_path / "x.py").exists()

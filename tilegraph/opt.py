@@ -12,6 +12,7 @@ the output.
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 from pathlib import Path
 from typing import IO, Sequence
@@ -95,10 +96,27 @@ class TilegraphOptMain(xDSLOptMain):
     def apply_passes(self, prog: ModuleOp) -> None:
         if self.pipeline.passes:
             self.pipeline.apply(self.ctx, prog)
+        self._result = prog
+
+    def prepare_output(self) -> IO[str]:
+        # With -o, the output is held in memory and written only once the whole run
+        # has succeeded: a bad input leaves no partial file behind.
+        return self._held if self.args.output_file else sys.stdout
+
+    def run(self) -> None:
+        self._held = _HeldOutput()
+        self._result: ModuleOp | None = None
+        super().run()
         if self.args.output_file:
-            store = _WEIGHTS_OF.get(prog)
+            Path(self.args.output_file).write_text(self._held.getvalue())
+            store = _WEIGHTS_OF.get(self._result) if self._result is not None else None
             if store:
                 store.save(weights_path(Path(self.args.output_file)))
+
+
+class _HeldOutput(io.StringIO):
+    def close(self) -> None:  # xDSL's driver closes its output stream; keep the text readable
+        pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:
