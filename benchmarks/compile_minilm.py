@@ -29,6 +29,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import tilegraph  # noqa: E402
+from tilegraph.testing import relative_error  # noqa: E402
 from tests.models import export_onnx, minilm_inputs, minilm_model  # noqa: E402
 
 SEQ = 128
@@ -94,7 +95,7 @@ def main() -> None:
             t_eager = median_s(lambda: model(ids, mask), args.repeats)
             t_inductor = median_s(lambda: inductor(ids, mask), args.repeats)
         ours = compiled_onnx(feeds["input_ids"], feeds["attention_mask"])
-        err = float(np.max(np.abs(ours - reference)) / np.max(np.abs(reference)))
+        err = relative_error(ours, reference)
         t_ours = median_s(lambda: compiled_onnx(feeds["input_ids"], feeds["attention_mask"]), args.repeats)
         t_ort = median_s(lambda: session.run(None, feeds), args.repeats)
         print(f"batch {batch} (tilegraph max rel err vs eager {err:.1e})")

@@ -57,12 +57,10 @@ aten = torch.ops.aten
 TO_END = (1 << 63) - 1
 BIG = 1 << 62
 
-_TORCH_DTYPES = {
-    torch.float64: "f64", torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
-    torch.float8_e4m3fn: "f8E4M3FN", torch.float8_e5m2: "f8E5M2", torch.bool: "i1",
-    torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64",
-    torch.uint8: "ui8", torch.uint16: "ui16", torch.uint32: "ui32", torch.uint64: "ui64",
-}
+# torch names its dtypes as NumPy and ml_dtypes do (float32, bfloat16, float8_e4m3fn,
+# bool, uint16...), so the map follows from ir.dtypes' one table.
+_TORCH_DTYPES = {getattr(torch, dtypes.numpy_dtype(n).name): n for n in dtypes.DTYPES
+                 if hasattr(torch, dtypes.numpy_dtype(n).name)}
 _TG_TO_TORCH = {v: k for k, v in _TORCH_DTYPES.items()}
 
 # CompositeImplicit ATen ops kept whole when the program must be decomposed: tg has

@@ -8,19 +8,18 @@ fusion, no buffer reuse and no cleverness.
 
 from __future__ import annotations
 
-import math
 from functools import lru_cache
 from typing import Any, Mapping, Sequence
 
 import ml_dtypes
 import numpy as np
-import sympy
 
 from ir import dtypes, kernels
 from ir.dialect import TgOp
 from ir.model import Model, ModelError
 from ir.ops import render
-from ir.shapes import Dim, ShapeError, TensorInfo, shape_str, symbol
+from ir.signature import SHAPE_FUNCTIONS, Signature
+from ir.shapes import Dim
 
 
 def dtype_code(name: str, float64: bool = False) -> str:
@@ -40,8 +39,6 @@ def shape_code(shape: Sequence[Dim]) -> str:
     return "(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"
 
 
-# Names that symbolic shape expressions use, for the code that evaluates them.
-SHAPE_FUNCTIONS = {"floor": math.floor, "ceiling": math.ceil, "Max": max, "Min": min}
 GLOBALS = {"np": np, "K": kernels, "ml_dtypes": ml_dtypes, **SHAPE_FUNCTIONS}
 
 
@@ -52,38 +49,7 @@ def _compile(expr: str):
 
 def bind_inputs(model: Model, inputs: Sequence[Any] | Mapping[str, Any]) -> tuple[list[np.ndarray], dict[str, int]]:
     """Check inputs against the signature; returns arrays in declared dtypes and symbol values."""
-    names = model.input_names
-    if isinstance(inputs, Mapping):
-        missing = [n for n in names if n not in inputs]
-        extra = [n for n in inputs if n not in names]
-        if missing or extra:
-            raise ShapeError(f"inputs: missing {missing}, unexpected {extra}; the model takes {names}")
-        inputs = [inputs[n] for n in names]
-    if len(inputs) != len(names):
-        raise ShapeError(f"the model takes {len(names)} inputs ({', '.join(names)}), got {len(inputs)}")
-    arrays: list[np.ndarray] = []
-    sizes: dict[str, int] = {}
-    for name, info, value in zip(names, model.inputs, inputs):
-        a = to_numpy(value)
-        if a.ndim != info.rank:
-            raise ShapeError(f"input '{name}' has shape {a.shape}, the model expects {shape_str(info.shape)}")
-        for d, n in zip(info.shape, a.shape):
-            if isinstance(d, sympy.Symbol):
-                if sizes.setdefault(d.name, n) != n:
-                    raise ShapeError(f"input '{name}' has {d} = {n}, but another input has {d} = {sizes[d.name]}")
-        arrays.append(a.astype(dtypes.numpy_dtype(info.dtype), copy=False))
-    for name, info, a in zip(names, model.inputs, arrays):
-        for d, n in zip(info.shape, a.shape):
-            v = d if isinstance(d, int) else sympy.sympify(d).subs({symbol(k): s for k, s in sizes.items()})
-            if v != n:
-                raise ShapeError(f"input '{name}' has shape {a.shape}, the model expects {shape_str(info.shape)}")
-    return arrays, sizes
-
-
-def to_numpy(value: Any) -> np.ndarray:
-    if hasattr(value, "detach") and hasattr(value, "numpy"):  # a torch tensor, without importing torch
-        return value.detach().cpu().numpy()
-    return np.asarray(value)
+    return Signature.of(model).bind(inputs)
 
 
 def interpret(model: Model, inputs: Sequence[Any] | Mapping[str, Any], float64: bool = True) -> list[np.ndarray]:

@@ -9,7 +9,6 @@ transcendental function (as libm has erf and erff): never what it computes.
 from __future__ import annotations
 
 import math
-from itertools import product
 
 import numpy as np
 

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from ir import Graph, Model, ModelError, ShapeError, interpret
+from tilegraph.testing import assert_close
 
 
 def mlp():
@@ -55,7 +56,7 @@ def test_interpreter_matches_numpy_on_a_small_mlp():
     (probs,) = interpret(m, [x])
     h = np.maximum(x.astype(np.float64) @ m.weights["fc.w"].astype(np.float64) + 1, 0)
     e = np.exp(h - h.max(1, keepdims=True))
-    np.testing.assert_allclose(probs, e / e.sum(1, keepdims=True), rtol=1e-12)
+    assert_close(probs, e / e.sum(1, keepdims=True), "f64", reduction_length=8)
 
 
 def test_inputs_of_the_wrong_shape_are_refused_by_name():

@@ -249,7 +249,7 @@ def test_cse_merges_equal_ops_weights_and_constants_but_not_different_attributes
 
 def test_dce_drops_dead_ops_and_weights_keeps_inputs_and_outputs():
     g, (x, unused) = graph_with((3,), (5,))
-    dead = g.exp(x * g.weight("dead.w", np.ones(3, np.float32)))  # noqa: F841 - dead on purpose
+    g.exp(x * g.weight("dead.w", np.ones(3, np.float32)))  # dead on purpose
     y = x + g.weight("live.w", np.ones(3, np.float32))
     model = g.build(y, y, x)
     out = after("dce", model, """

@@ -7,13 +7,13 @@ symbolic reshapes); the small CNN once. Each export happens once per module.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 import tilegraph
 from frontends.onnx import from_onnx
 from ir.shapes import symbol
+from tilegraph.testing import PEER_RELATIVE_ERROR, relative_error
 from tests.models import (
     export_onnx,
     minilm_inputs,
@@ -24,14 +24,8 @@ from tests.models import (
 
 pytestmark = pytest.mark.slow
 
-# fp32 end to end against fp32 torch eager: max|a - e| / max|e| (the brief's bound).
-MAX_RELATIVE_ERROR = 1e-4
+
 BATCH, SEQ = 2, 16
-
-
-def relative_error(actual, expected) -> float:
-    actual, expected = np.asarray(actual, dtype=np.float64), np.asarray(expected, dtype=np.float64)
-    return float(np.max(np.abs(actual - expected)) / np.max(np.abs(expected)))
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +53,7 @@ def eager(model, *inputs):
 def test_minilm_static_export_matches_torch(minilm, minilm_files):
     ids, mask = minilm_inputs(BATCH, SEQ)
     compiled = tilegraph.compile(minilm_files[0])
-    assert relative_error(compiled(ids.numpy(), mask.numpy()), eager(minilm, ids, mask)) <= MAX_RELATIVE_ERROR
+    assert relative_error(compiled(ids.numpy(), mask.numpy()), eager(minilm, ids, mask)) <= PEER_RELATIVE_ERROR
 
 
 def test_minilm_dynamic_export_is_symbolic_and_matches_torch_at_two_sizes(minilm, minilm_files):
@@ -73,7 +67,7 @@ def test_minilm_dynamic_export_is_symbolic_and_matches_torch_at_two_sizes(minilm
         ids, mask = minilm_inputs(b, s)
         out = compiled(ids.numpy(), mask.numpy())
         assert out.shape == (b, s, 384)
-        assert relative_error(out, eager(minilm, ids, mask)) <= MAX_RELATIVE_ERROR
+        assert relative_error(out, eager(minilm, ids, mask)) <= PEER_RELATIVE_ERROR
 
 
 def test_small_cnn_matches_torch(tmp_path):
@@ -82,4 +76,4 @@ def test_small_cnn_matches_torch(tmp_path):
     path = export_onnx(cnn, (x,), tmp_path / "cnn.onnx", input_names=["x"], output_names=["logits"])
     model = from_onnx(path)
     assert any(op.name == "tg.conv" for op in model.func.body.block.ops)
-    assert relative_error(tilegraph.compile(model)(x.numpy()), eager(cnn, x)) <= MAX_RELATIVE_ERROR
+    assert relative_error(tilegraph.compile(model)(x.numpy()), eager(cnn, x)) <= PEER_RELATIVE_ERROR

@@ -414,14 +414,8 @@ def test_core_aten_form_imports_the_same(case):
 # --- dynamic shapes ---------------------------------------------------------------------
 
 
-class TwoInputs(nn.Module):
+class TwoInputs(Fn):
     """Dynamic-shape specs follow forward's parameters, so these cases name them."""
-
-    def __init__(self, fn, **children):
-        super().__init__()
-        self.fn = fn
-        for name, child in children.items():
-            self.add_module(name, child)
 
     def forward(self, x, y):
         return self.fn(self, x, y)

@@ -75,7 +75,7 @@ def _check(args) -> int:
     import tilegraph
     from ir.errors import TilegraphError
     from ir.interpreter import bind_inputs
-    from tilegraph.testing import random_inputs, reduction_length, tolerance
+    from tilegraph.testing import random_inputs, reduction_length, relative_error, tolerance
 
     path = Path(args.model)
     if path.suffix != ".onnx":
@@ -107,8 +107,7 @@ def _check(args) -> int:
             ok = False
             continue
         abs_err = float(np.max(np.abs(a64 - e64)[finite], initial=0.0))
-        scale = float(np.max(np.abs(e64[finite]), initial=0.0))
-        rel_err = abs_err / scale if scale else abs_err
+        rel_err = relative_error(a64, e64)
         # Two float computations are compared here, not one against float64, so the
         # budget is the dtype's tolerance on each side.
         rtol, _ = tolerance(info.dtype, n)

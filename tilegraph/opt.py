@@ -19,7 +19,6 @@ from typing import IO, Sequence
 
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.passes import ModulePass, PassPipeline
-from xdsl.printer import Printer
 from xdsl.xdsl_opt_main import xDSLOptMain
 
 from ir.model import _WEIGHTS_OF, Model, WeightStore, parse_module, print_module, weights_path

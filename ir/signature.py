@@ -1,0 +1,128 @@
+"""A model's input signature and the one check of the inputs a caller passes.
+
+The interpreter and every backend's runtime check a call's inputs here: the
+count, the rank, every static dim, that a symbolic dim has one size across
+inputs, and that dims written as expressions of symbols agree. The checks are
+precomputed per input so a call costs a few dict and tuple operations.
+
+Input dtypes: an array of the declared dtype is used as is; one of the same kind
+or a safely widening one (float64 for an f32 input, int64 for i32, int for a float)
+is cast, as NumPy would; one that would lose its kind (float into an integer
+input) is a DTypeError.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from ir import dtypes
+from ir.dtypes import DTypeError
+from ir.shapes import ShapeError
+
+# Names that symbolic shape expressions use, for the code that evaluates them.
+SHAPE_FUNCTIONS = {"floor": math.floor, "ceiling": math.ceil, "Max": max, "Min": min}
+
+_SYMBOL = re.compile(r"[A-Za-z_][A-Za-z_0-9]*$")
+
+
+def to_numpy(value: Any) -> np.ndarray:
+    if hasattr(value, "detach") and hasattr(value, "numpy"):  # a torch tensor, without importing torch
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+@dataclass(frozen=True)
+class _Input:
+    name: str
+    dtype: np.dtype
+    shape_text: str  # for messages: "(B, 8)"
+    rank: int
+    static: tuple[tuple[int, int], ...]  # (axis, size)
+    symbols: tuple[tuple[int, str], ...]  # (axis, symbol)
+    exprs: tuple[tuple[int, str, Any], ...]  # (axis, text, code object)
+
+
+def _input_spec(name: str, shape: Sequence[int | str], dtype: str) -> _Input:
+    static, symbols, exprs = [], [], []
+    for axis, d in enumerate(shape):
+        if isinstance(d, int):
+            static.append((axis, d))
+        elif _SYMBOL.match(d):
+            symbols.append((axis, d))
+        else:
+            exprs.append((axis, d, compile(d, "<shape>", "eval")))
+    text = "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
+    return _Input(name, dtypes.numpy_dtype(dtype), text, len(shape), tuple(static), tuple(symbols), tuple(exprs))
+
+
+class Signature:
+    """Built from rows (name, shape with str symbolic dims, dtype spelling)."""
+
+    def __init__(self, rows: Sequence[tuple[str, Sequence[int | str], str]]):
+        self._inputs = tuple(_input_spec(*row) for row in rows)
+        self._any_exprs = any(spec.exprs for spec in self._inputs)
+        self.names = [row[0] for row in rows]
+
+    @classmethod
+    def of(cls, model) -> "Signature":
+        return cls([(name, tuple(d if isinstance(d, int) else str(d) for d in info.shape), info.dtype)
+                    for name, info in zip(model.input_names, model.inputs)])
+
+    def bind(self, values: Sequence[Any] | Mapping[str, Any]) -> tuple[list[np.ndarray], dict[str, int]]:
+        """The inputs as arrays of the declared dtypes, and the size of every symbol.
+
+        Raises ShapeError/DTypeError naming the input otherwise.
+        """
+        if isinstance(values, Mapping):
+            values = self._by_name(values)
+        specs = self._inputs
+        if len(values) != len(specs):
+            raise ShapeError(f"the model takes {len(specs)} inputs ({', '.join(self.names)}), got {len(values)}")
+        sizes: dict[str, int] = {}
+        arrays = []
+        for spec, value in zip(specs, values):
+            a = value if type(value) is np.ndarray else to_numpy(value)
+            if a.dtype != spec.dtype:
+                a = _cast(spec, a)
+            shape = a.shape
+            if len(shape) != spec.rank:
+                raise _shape_error(spec, shape)
+            for axis, size in spec.static:
+                if shape[axis] != size:
+                    raise _shape_error(spec, shape)
+            for axis, sym in spec.symbols:
+                n = sizes.setdefault(sym, shape[axis])
+                if n != shape[axis]:
+                    raise ShapeError(f"input '{spec.name}' has {sym} = {shape[axis]} (shape {shape}), but an "
+                                     f"earlier input has {sym} = {n}")
+            arrays.append(a)
+        if self._any_exprs:
+            env = {**SHAPE_FUNCTIONS, **sizes}
+            for spec, a in zip(specs, arrays):
+                for axis, _text, code in spec.exprs:
+                    if eval(code, env) != a.shape[axis]:  # noqa: S307 - our own shape expression
+                        raise _shape_error(spec, a.shape)
+        return arrays, sizes
+
+    def _by_name(self, named: Mapping[str, Any]) -> tuple:
+        missing = [n for n in self.names if n not in named]
+        extra = [n for n in named if n not in self.names]
+        if missing or extra:
+            raise ShapeError(f"inputs: missing {missing}, unexpected {extra}; the model takes {self.names}")
+        return tuple(named[n] for n in self.names)
+
+
+def _shape_error(spec: _Input, shape: tuple) -> ShapeError:
+    return ShapeError(f"input '{spec.name}' has shape {shape}, the model expects {spec.shape_text}")
+
+
+def _cast(spec: _Input, a: np.ndarray) -> np.ndarray:
+    if not np.can_cast(a.dtype, spec.dtype, "same_kind"):
+        raise DTypeError(f"input '{spec.name}' is {a.dtype}, the model expects {dtypes.dtype_name(spec.dtype)} "
+                         f"({spec.dtype}); cast it first")
+    return a.astype(spec.dtype)
