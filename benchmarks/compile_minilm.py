@@ -3,7 +3,7 @@
 Prints two tables, every number measured in this one run on the same inputs:
   1. compile time: tilegraph (import + passes + emit + load, from torch.export and
      from ONNX) vs torch.compile's first call (Inductor, default mode);
-  2. latency (median of repeated runs) at batch 1 and 8, sequence 128: tilegraph
+  2. latency (median of round-robin runs, benchmarks/_common.py) at batch 1 and 8, sequence 128: tilegraph
      NumPy vs torch eager vs onnxruntime (default optimizations), with ratios.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/compile_minilm.py [--repeats 20]
@@ -13,19 +13,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # A fresh Inductor cache, so its first call compiles for real rather than loading
 # kernels an earlier run left on disk.
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+# This directory is on sys.path when run as a script; _common adds the repository root.
+from _common import interleaved_medians, machine_lines, timed  # noqa: E402
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import tilegraph  # noqa: E402
@@ -36,22 +33,6 @@ SEQ = 128
 BATCHES = (1, 8)
 
 
-def timed(fn):
-    t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0
-
-
-def median_s(fn, repeats: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return float(np.median(samples))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=20)
@@ -59,6 +40,7 @@ def main() -> None:
 
     model = minilm_model()
     example = minilm_inputs(1, SEQ)
+    print("\n".join(machine_lines()))
     print(f"all-MiniLM-L6-v2, sequence {SEQ}, torch {torch.__version__}, {torch.get_num_threads()} threads\n")
 
     # --- compile time ---
@@ -86,18 +68,25 @@ def main() -> None:
         print(f"  {name:<58} {t:7.2f}   {t / t_inductor:6.2f}x")
 
     # --- latency ---
-    print(f"\nlatency, median of {args.repeats}           ms      vs torch eager   vs onnxruntime")
+    print(f"\nlatency, median of {args.repeats} (round-robin)  ms      vs torch eager   vs onnxruntime")
     for batch in BATCHES:
         ids, mask = minilm_inputs(batch, SEQ)
         feeds = {"input_ids": ids.numpy(), "attention_mask": mask.numpy()}
         with torch.no_grad():
             reference = model(ids, mask).numpy()
-            t_eager = median_s(lambda: model(ids, mask), args.repeats)
-            t_inductor = median_s(lambda: inductor(ids, mask), args.repeats)
         ours = compiled_onnx(feeds["input_ids"], feeds["attention_mask"])
         err = relative_error(ours, reference)
-        t_ours = median_s(lambda: compiled_onnx(feeds["input_ids"], feeds["attention_mask"]), args.repeats)
-        t_ort = median_s(lambda: session.run(None, feeds), args.repeats)
+
+        def no_grad(fn):
+            def run():
+                with torch.no_grad():
+                    return fn(ids, mask)
+            return run
+
+        t = interleaved_medians({"ours": lambda: compiled_onnx(feeds["input_ids"], feeds["attention_mask"]),
+                                 "eager": no_grad(model), "inductor": no_grad(inductor),
+                                 "ort": lambda: session.run(None, feeds)}, args.repeats)
+        t_ours, t_eager, t_inductor, t_ort = t["ours"], t["eager"], t["inductor"], t["ort"]
         print(f"batch {batch} (tilegraph max rel err vs eager {err:.1e})")
         for name, t in [("tilegraph NumPy", t_ours), ("torch eager", t_eager),
                         ("torch.compile (steady state)", t_inductor), ("onnxruntime", t_ort)]:

@@ -12,13 +12,14 @@ verifier re-runs the op's shape rule and names the op and shapes when it fails.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Sequence
 
 import numpy as np
 from xdsl.dialects.builtin import (
     BoolAttr,
     DenseArrayBase,
     DenseIntOrFPElementsAttr,
+    DictionaryAttr,
     FloatAttr,
     IntegerAttr,
     IntegerType,
@@ -27,11 +28,11 @@ from xdsl.dialects.builtin import (
     f64,
     i64,
 )
-from xdsl.ir import Attribute, Dialect, SSAValue
-from xdsl.irdl import IRDLOperation, irdl_op_definition, traits_def, var_operand_def, var_result_def
+from xdsl.ir import Attribute, Block, Dialect, Region, SSAValue
+from xdsl.irdl import IRDLOperation, irdl_op_definition, region_def, traits_def, var_operand_def, var_result_def
 from xdsl.parser import Parser
 from xdsl.printer import Printer
-from xdsl.traits import Pure
+from xdsl.traits import IsolatedFromAbove, IsTerminator, Pure
 from xdsl.utils.exceptions import VerifyException
 
 from ir import dtypes
@@ -207,7 +208,6 @@ def _make_op_class(spec: OpSpec) -> type[TgOp]:
 OP_CLASSES: dict[str, type[TgOp]] = {name: _make_op_class(spec) for name, spec in OPS.items()}
 globals().update({cls.__name__: cls for cls in OP_CLASSES.values()})
 
-TG = Dialect("tg", list(OP_CLASSES.values()), [])
 
 
 def make_op(name: str, operands: list[SSAValue], attrs: dict[str, Any] | None = None,
@@ -231,3 +231,134 @@ def _is_default(spec: OpSpec, name: str, value: Any) -> bool:
     # Defaults stay out of the printed IR so that it shows only what was chosen.
     kind, default = spec.attrs[name]
     return kind != "dense" and default is not REQUIRED and value == default
+
+
+# --- fusion groups (the fuse pass) --------------------------------------------
+# A fused group is visible in the IR as one `tg.fusion` op whose region holds the
+# fused ops; block arguments stand for the group's inputs, `tg.yield` names its
+# results. Its kind (what the group is anchored on) and, after `tile`, its tile
+# sizes are attributes:
+#
+#   %5 = tg.fusion "matmul_epilogue" (%x = %3, %w = %4, %b = %1) {tile = {...}} : tensor<?x384xf32, ["B"]> {
+#     %6 = tg.matmul %x, %w : tensor<?x384xf32, ["B"]>
+#     %7 = tg.add %6, %b : tensor<?x384xf32, ["B"]>
+#     tg.yield %7
+#   }
+
+
+@irdl_op_definition
+class YieldOp(IRDLOperation):
+    """The terminator of a tg.fusion region: the group's results."""
+
+    name = "tg.yield"
+    values = var_operand_def(TensorType)
+    traits = traits_def(IsTerminator())
+
+    def print(self, printer: Printer) -> None:
+        if self.operands:
+            printer.print_string(" ")
+            printer.print_list(self.operands, printer.print_operand)
+
+    @classmethod
+    def parse(cls, parser: Parser) -> "YieldOp":
+        operands = parser.parse_optional_undelimited_comma_separated_list(parser.parse_optional_operand,
+                                                                          parser.parse_operand) or []
+        return cls.create(operands=operands)
+
+
+@irdl_op_definition
+class FusionOp(IRDLOperation):
+    """A fused group: its region computes the results from the block arguments only."""
+
+    name = "tg.fusion"
+    inputs = var_operand_def(TensorType)
+    outputs = var_result_def(TensorType)
+    body = region_def("single_block")
+    traits = traits_def(Pure(), IsolatedFromAbove())
+
+    @staticmethod
+    def build_group(kind: str, operands: Sequence[SSAValue], result_types: Sequence[Attribute], block: Block,
+                    attributes: dict[str, Attribute] | None = None) -> "FusionOp":
+        return FusionOp.create(operands=list(operands), result_types=list(result_types),
+                               attributes={"kind": StringAttr(kind), **(attributes or {})}, regions=[Region(block)])
+
+    @property
+    def kind(self) -> str:
+        kind = self.attributes.get("kind")
+        return kind.data if isinstance(kind, StringAttr) else ""
+
+    @property
+    def block(self) -> Block:
+        return self.body.blocks[0]
+
+    @property
+    def ops(self) -> list[TgOp]:
+        """The fused ops, in order (the terminator left out)."""
+        return [op for op in self.block.ops if isinstance(op, TgOp)]
+
+    def tile(self) -> dict[str, Any]:
+        """The tile sizes the `tile` pass chose (empty before it ran)."""
+        tile = self.attributes.get("tile")
+        if not isinstance(tile, DictionaryAttr):
+            return {}
+        out: dict[str, Any] = {}
+        for k, v in tile.data.items():
+            out[k] = v.value.data if isinstance(v, IntegerAttr) else v.data if isinstance(v, StringAttr) else v
+        return out
+
+    def verify_(self) -> None:
+        if not isinstance(self.attributes.get("kind"), StringAttr):
+            raise VerifyException("tg.fusion: needs a string `kind`")
+        block = self.body.blocks[0] if self.body.blocks else None
+        if block is None or not isinstance(block.last_op, YieldOp):
+            raise VerifyException("tg.fusion: its region must end in tg.yield")
+        if [a.type for a in block.args] != [v.type for v in self.operands]:
+            raise VerifyException("tg.fusion: block argument types "
+                                  f"{', '.join(str(a.type) for a in block.args)} differ from its operand types "
+                                  f"{', '.join(str(v.type) for v in self.operands)}")
+        yielded = [v.type for v in block.last_op.operands]
+        if yielded != [r.type for r in self.results]:
+            raise VerifyException(f"tg.fusion: yields {', '.join(map(str, yielded))} but its results are "
+                                  f"{', '.join(str(r.type) for r in self.results)}")
+        for op in block.ops:
+            if not isinstance(op, (TgOp, YieldOp)):
+                raise VerifyException(f"tg.fusion: {op.name} cannot be fused; a group holds tg ops only")
+
+    def print(self, printer: Printer) -> None:
+        printer.print_string(f' "{self.kind}" (')
+        printer.print_list(zip(self.block.args, self.operands), lambda pair: _print_binding(printer, *pair))
+        printer.print_string(")")
+        printer.print_op_attributes({k: v for k, v in self.attributes.items() if k != "kind"})
+        printer.print_string(" : ")
+        printer.print_list([r.type for r in self.results], printer.print_attribute)
+        printer.print_string(" ")
+        printer.print_region(self.body, print_entry_block_args=False)
+
+    @classmethod
+    def parse(cls, parser: Parser) -> "FusionOp":
+        kind = parser.parse_str_literal()
+        args, operands = [], []
+
+        def binding():
+            arg = parser.parse_argument(expect_type=False)
+            parser.parse_punctuation("=")
+            operand = parser.parse_operand()
+            args.append(arg.resolve(operand.type))
+            operands.append(operand)
+
+        parser.parse_comma_separated_list(parser.Delimiter.PAREN, binding)
+        attrs = parser.parse_optional_attr_dict()
+        parser.parse_punctuation(":")
+        types = parser.parse_comma_separated_list(parser.Delimiter.NONE, parser.parse_type)
+        region = parser.parse_region(args)
+        return cls.create(operands=operands, result_types=types, attributes={"kind": StringAttr(kind), **attrs},
+                          regions=[region])
+
+
+def _print_binding(printer: Printer, arg: SSAValue, value: SSAValue) -> None:
+    printer.print_block_argument(arg, print_type=False)  # type: ignore[arg-type]
+    printer.print_string(" = ")
+    printer.print_operand(value)
+
+
+TG = Dialect("tg", [*OP_CLASSES.values(), FusionOp, YieldOp], [])

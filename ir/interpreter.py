@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 
 from ir import dtypes, kernels
-from ir.dialect import TgOp
+from ir.dialect import FusionOp, TgOp
 from ir.model import Model, ModelError
 from ir.ops import render
 from ir.signature import SHAPE_FUNCTIONS, Signature
@@ -61,15 +61,26 @@ def interpret(model: Model, inputs: Sequence[Any] | Mapping[str, Any], float64: 
     for arg, a in zip(model.func.args, arrays):
         env[arg] = widen(a)
     glob = {**GLOBALS, **sizes}
-    for op in model.func.body.block.ops:
-        if op.name == "func.return":
-            return [np.asarray(env[v]) for v in op.operands]
-        if not isinstance(op, TgOp):
+    results = _run_block(model.func.body.block, env, model.weights, glob, float64, widen)
+    if results is None:
+        raise ModelError("@forward has no func.return")
+    return [np.asarray(v) for v in results]
+
+
+def _run_block(block, env: dict, weights, glob: dict, float64: bool, widen) -> list[Any] | None:
+    """Run a block's ops; returns the values its terminator (func.return, tg.yield) names."""
+    for op in block.ops:
+        if op.name in ("func.return", "tg.yield"):
+            return [env[v] for v in op.operands]
+        if isinstance(op, FusionOp):  # a fused group means what its ops mean, one at a time
+            env.update(zip(op.block.args, (env[v] for v in op.operands)))
+            results = _run_block(op.block, env, weights, glob, float64, widen)
+        elif isinstance(op, TgOp):
+            results = evaluate(op, [env[v] for v in op.operands], weights, glob, float64, widen)
+        else:
             raise ModelError(f"the interpreter cannot run {op.name}")
-        results = evaluate(op, [env[v] for v in op.operands], model.weights, glob, float64, widen)
-        for r, v in zip(op.results, results):
-            env[r] = v
-    raise ModelError("@forward has no func.return")
+        env.update(zip(op.results, results))  # type: ignore[arg-type]
+    return None
 
 
 def evaluate(op: TgOp, operands: list[Any], weights: Mapping[str, np.ndarray], glob: dict, float64: bool,

@@ -29,12 +29,20 @@ _ERF32_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03,
             -1.42647390514189e-02)
 
 
-def erf(x):
+def erf(x, out=None):
     x = np.asarray(x)
     if x.dtype == np.float64:  # the reference interpreter: exact
-        return np.asarray(_erf(x)).astype(x.dtype, copy=False)
-    x32 = np.clip(x, -4.0, 4.0, dtype=np.float32)
-    x2 = x32 * x32
+        return _into(np.asarray(_erf(x)).astype(x.dtype, copy=False), out)
+    if out is not None and out.dtype == np.float32:  # (NumPy backend, fused groups) no full-size temporaries
+        return _erf32(x, out)
+    x32 = np.asarray(np.clip(x, -4.0, 4.0, dtype=np.float32))  # 0-d: clip gives a scalar
+    return _into(_erf32(x32, x32).astype(x.dtype, copy=False), out)
+
+
+def _erf32(x, out):
+    """Eigen's f32 rational erf of x (any float dtype) into the f32 array `out` (which may be x)."""
+    t = np.clip(x, -4.0, 4.0, out=out, dtype=np.float32) if out.dtype == np.float32 else np.clip(x, -4.0, 4.0)
+    x2 = np.multiply(t, t, out=np.empty_like(t))
     p = np.full_like(x2, _ERF32_P[0])
     for c in _ERF32_P[1:]:
         p *= x2
@@ -43,9 +51,15 @@ def erf(x):
     for c in _ERF32_Q[1:]:
         q *= x2
         q += c
-    p *= x32
-    p /= q
-    return p.astype(x.dtype, copy=False)
+    p *= t
+    return np.divide(p, q, out=out)
+
+
+def _into(value, out):
+    if out is None:
+        return value
+    out[...] = value
+    return out
 
 
 def sigmoid(x):
@@ -54,10 +68,17 @@ def sigmoid(x):
     return np.where(x >= 0, 1 / (1 + e), e / (1 + e))
 
 
-def gelu(x, approximate):
+def gelu(x, approximate, out=None):
     if approximate == "tanh":
-        return 0.5 * x * (1 + np.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
-    return 0.5 * x * (1 + erf(x * 0.7071067811865476))
+        return _into(0.5 * x * (1 + np.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))), out)
+    if out is None or out.dtype != np.float32:
+        return _into(0.5 * x * (1 + erf(x * 0.7071067811865476)), out)
+    # (NumPy backend, fused groups) the same formula in place: x may be out itself.
+    t = np.multiply(x, np.float32(0.7071067811865476), out=np.empty(np.shape(x), np.float32))
+    _erf32(t, t)
+    t += 1
+    t *= x
+    return np.multiply(t, np.float32(0.5), out=out)
 
 
 def div(a, b):
@@ -98,25 +119,26 @@ def _arg(fn, x, axis, keepdims, select_last_index):
     return np.asarray(idx, dtype=np.int64)
 
 
-def softmax(x, axis):
+def softmax(x, axis, out=None):
     # One temporary, reused in place: softmax is memory-bound, and each extra
     # full-size array cost ~15% on MiniLM's attention scores (8x12x128x128).
-    e = np.subtract(x, np.max(x, axis=axis, keepdims=True))
+    e = np.subtract(x, np.max(x, axis=axis, keepdims=True), out=out)
     np.exp(e, out=e)
     e /= np.sum(e, axis=axis, keepdims=True)
     return e
 
 
-def layer_norm(x, scale, bias, axis, epsilon):
+def layer_norm(x, scale, bias, axis, epsilon, out=None):
     axes = tuple(range(axis % x.ndim, x.ndim))
     mean = np.mean(x, axis=axes, keepdims=True)
-    centered = x - mean
+    centered = np.subtract(x, mean, out=out)  # x may be out: nothing reads x after this
     var = np.mean(centered * centered, axis=axes, keepdims=True)
-    y = centered / np.sqrt(var + epsilon)
+    var += epsilon
+    y = np.divide(centered, np.sqrt(var, out=var), out=centered)
     if scale is not None:
-        y = y * scale
+        y = np.multiply(y, scale, out=y) if np.result_type(y, scale) == y.dtype else y * scale
     if bias is not None:
-        y = y + bias
+        y = np.add(y, bias, out=y) if np.result_type(y, bias) == y.dtype else y + bias
     return y
 
 
@@ -306,3 +328,216 @@ def topk(x, k, axis, largest):
         order = np.argsort(x, axis=axis, kind="stable")
     idx = np.take(order, np.arange(k), axis=axis)
     return np.take_along_axis(x, idx, axis=axis), idx.astype(np.int64)
+
+
+# --- tiled attention (the tile pass) ---
+# Flash-style attention (Dao et al., "FlashAttention", 2022, Algorithm 1) for the
+# NumPy backend: the same result as `attention` above, computed one block of
+# `block_q` query rows at a time against blocks of `block_kv` keys, with an online
+# softmax (running row max m, running sum l, and an accumulator rescaled by
+# exp(m_old - m_new) whenever the max grows). Extra memory is one scores block per
+# worker, [batch..., block_q, block_kv], plus the [batch..., Lq, Dv] accumulator
+# (the output itself): it grows with N·d, never N². The `tile` pass picks the
+# block sizes; when one block covers the whole sequence the kernel computes the
+# plain softmax in place on a single scores buffer, which is cheaper than
+# `attention` (one full-size temporary instead of three).
+
+import itertools  # noqa: E402 - kept inside this block
+import threading  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+from functools import lru_cache  # noqa: E402
+
+# Work items per thread when `threads > 1`: enough that an uneven last item (a
+# short query block, a causal block with few keys) does not leave a core idle,
+# few enough that per-item Python overhead (~20 us) stays small.
+_ITEMS_PER_THREAD = 4
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _thread_pool(workers: int) -> ThreadPoolExecutor:
+    """One executor for the whole process, grown (never shrunk) to `workers` threads."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool._max_workers < workers:
+            old, _pool = _pool, ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tg-attention")
+            if old is not None:
+                old.shutdown(wait=False)
+        return _pool
+
+
+@lru_cache(maxsize=1)
+def _blas_libraries() -> tuple:
+    """The BLAS libraries NumPy loaded (threadpoolctl controllers), or none without threadpoolctl."""
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:  # pragma: no cover - present wherever scikit-learn is
+        return ()
+    return tuple(ThreadpoolController().select(user_api="blas").lib_controllers)
+
+
+class _OneBlasThread:
+    """Pin BLAS to one thread while our own threads run: OpenBLAS otherwise starts
+    its own threads for every small matmul of every work item, and the two pools
+    fight over the same cores. Measured on the 2-core dev machine at MiniLM shapes
+    (8x12x128x32 f32, one block): threads=2 took 0.69x of K.attention's time with
+    OpenBLAS free and 0.40x pinned; OpenBLAS's threads bought nothing at threads=1.
+    The setting is process-wide, so the kernel restores it on the way out."""
+
+    def __enter__(self):
+        self.saved = [(lib, lib.num_threads) for lib in _blas_libraries()]
+        for lib, _ in self.saved:
+            lib.set_num_threads(1)
+
+    def __exit__(self, *exc):
+        for lib, n in self.saved:
+            lib.set_num_threads(n)
+
+
+@lru_cache(maxsize=64)
+def _causal_drop(lq: int, lk: int, i0: int, i1: int, j0: int, j1: int) -> np.ndarray:
+    """True where the causal mask drops (row i, key j) of a block: j > i + (lk - lq), as `attention`'s tril."""
+    rows = np.arange(i0, i1)[:, None] + (lk - lq)
+    drop = np.arange(j0, j1)[None, :] > rows
+    drop.flags.writeable = False
+    return drop
+
+
+def _accumulator_dtype(dtype: np.dtype) -> np.dtype:
+    # Half-precision sums of Lk terms lose too much; float32 and float64 keep their own.
+    return np.dtype(np.float32) if dtype.itemsize < 4 else dtype
+
+
+def _apply_masks(s, mask, causal, lq, lk, i0, i1, j0, j1):
+    """Mask the scores block s = rows [i0, i1) x keys [j0, j1) in place, as `attention` does."""
+    if causal and j1 - 1 > i0 + (lk - lq):  # some key of the block lies past some row's diagonal
+        np.copyto(s, -np.inf, where=_causal_drop(lq, lk, i0, i1, j0, j1))
+    if mask is not None:
+        block = mask[..., i0:i1, j0:j1]
+        if block.dtype == np.bool_:
+            np.copyto(s, -np.inf, where=~block)
+        else:
+            s += block
+
+
+def _attend_whole(q, k, v, mask, scale, causal, out, acc):
+    """One block covers the sequence: softmax in place on one scores buffer, normalize after P @ V."""
+    lq, lk = q.shape[-2], k.shape[-2]
+    s = np.matmul(q.astype(acc, copy=False) * scale, np.swapaxes(k, -1, -2).astype(acc, copy=False))
+    _apply_masks(s, mask, causal, lq, lk, 0, lq, 0, lk)
+    s -= np.max(s, axis=-1, keepdims=True)  # a fully masked row: -inf - -inf = NaN, as in `attention`
+    np.exp(s, out=s)
+    total = np.sum(s, axis=-1, keepdims=True)
+    # Dividing the [Lq, Dv] output rather than the [Lq, Lk] probabilities: Dv < Lk in practice.
+    if out.dtype == acc:
+        np.matmul(s, v.astype(acc, copy=False), out=out)
+        out /= total
+    else:
+        out[...] = np.matmul(s, v.astype(acc, copy=False)) / total
+
+
+def _attend_rows(q, k, v, mask, scale, causal, i0, i1, block_kv, out, acc):
+    """Rows [i0, i1) of the output (out is their view), streaming over key/value blocks."""
+    lq, lk = q.shape[-2], k.shape[-2]
+    # Keys past the last row's diagonal are dropped for every row of the block: skip them.
+    kv_end = min(lk, i1 + (lk - lq)) if causal else lk
+    if kv_end <= 0:  # every row fully masked: `attention` gives NaN
+        out[...] = np.nan
+        return
+    qs = q[..., i0:i1, :].astype(acc, copy=False) * scale
+    m = l = total = None
+    for j0 in range(0, kv_end, block_kv):
+        j1 = min(j0 + block_kv, kv_end)
+        s = np.matmul(qs, np.swapaxes(k[..., j0:j1, :], -1, -2).astype(acc, copy=False))
+        _apply_masks(s, mask, causal, lq, lk, i0, i1, j0, j1)
+        block_max = np.max(s, axis=-1, keepdims=True)
+        m_new = block_max if m is None else np.maximum(m, block_max)  # NaN stays NaN
+        # Rows with no kept key yet have m = -inf; shifting them by 0 keeps exp(-inf) = 0
+        # rather than exp(-inf - -inf) = NaN, so a later kept key still counts.
+        shift = np.where(m_new == -np.inf, 0, m_new).astype(acc, copy=False)
+        s -= shift
+        np.exp(s, out=s)
+        pv = np.matmul(s, v[..., j0:j1, :].astype(acc, copy=False))
+        if m is None:
+            total, l = pv, np.sum(s, axis=-1, keepdims=True)
+        else:
+            alpha = np.exp(m - shift)
+            l *= alpha
+            l += np.sum(s, axis=-1, keepdims=True)
+            total *= alpha
+            total += pv
+        m = m_new
+    # l = 0 exactly when a row kept no key: 0 / 0 = NaN, as `attention` gives.
+    with np.errstate(invalid="ignore", divide="ignore"):
+        np.divide(total, l, out=total)
+    out[...] = total
+
+
+def attention_tiled(q, k, v, mask, scale, causal, block_q, block_kv, threads=1, out=None):
+    """`attention`, flash-style: query blocks of `block_q` rows against key/value blocks of
+    `block_kv` with an online softmax, so extra memory is O(batch·block_q·block_kv + Lq·Dv).
+
+    Batch dims broadcast as in np.matmul (and with the mask's). `threads > 1` runs
+    independent (batch slice, query block) items on a shared thread pool; NumPy
+    releases the GIL inside matmul and ufuncs. `out` (the result's shape and
+    dtype) receives the result in place of a new array.
+    """
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    lq, lk, dv = q.shape[-2], k.shape[-2], v.shape[-1]
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2],
+                                () if mask is None else np.shape(mask)[:-2])
+    if out is None:
+        out = np.empty(batch + (lq, dv), dtype=q.dtype)
+    elif out.shape != batch + (lq, dv) or out.dtype != q.dtype:
+        raise ValueError(f"attention_tiled: out {out.shape} {out.dtype} != result {batch + (lq, dv)} {q.dtype}")
+    acc = _accumulator_dtype(q.dtype)
+    scale = np.asarray(scale, dtype=acc)
+    # Views with the full batch shape (zero strides where a dim broadcasts): every
+    # work item slices them the same way, and nothing is copied.
+    q = np.broadcast_to(q, batch + q.shape[-2:])
+    k = np.broadcast_to(k, batch + k.shape[-2:])
+    v = np.broadcast_to(v, batch + v.shape[-2:])
+    if mask is not None:
+        mask = np.broadcast_to(np.asarray(mask), batch + (lq, lk))
+    block_q, block_kv = max(1, min(block_q, lq)), max(1, min(block_kv, lk))
+    whole = block_q == lq and block_kv == lk
+    row_blocks = [(i0, min(i0 + block_q, lq)) for i0 in range(0, lq, block_q)]
+
+    # Split the leading batch dims only as far as needed to give each thread a few items.
+    want = threads * _ITEMS_PER_THREAD if threads > 1 else 1
+    split = 0
+    while split < len(batch) and math.prod(batch[:split]) * len(row_blocks) < want:
+        split += 1
+    items = [(lead, rows) for lead in np.ndindex(*batch[:split]) for rows in row_blocks]
+
+    def run(item):
+        lead, (i0, i1) = item
+        bm = None if mask is None else mask[lead]
+        if whole:
+            _attend_whole(q[lead], k[lead], v[lead], bm, scale, causal, out[lead], acc)
+        else:
+            _attend_rows(q[lead], k[lead], v[lead], bm, scale, causal, i0, i1, block_kv,
+                         out[lead][..., i0:i1, :], acc)
+
+    if threads <= 1 or len(items) == 1:
+        with np.errstate(invalid="ignore"):
+            for item in items:
+                run(item)
+        return out
+
+    # Each worker pulls the next item from a shared counter (next() on
+    # itertools.count is atomic under the GIL); the calling thread is one of them.
+    counter = itertools.count()
+
+    def worker():
+        with np.errstate(invalid="ignore"):  # errstate is per thread
+            while (i := next(counter)) < len(items):
+                run(items[i])
+
+    with _OneBlasThread():
+        futures = [_thread_pool(threads - 1).submit(worker) for _ in range(min(threads, len(items)) - 1)]
+        worker()
+        for f in futures:
+            f.result()
+    return out

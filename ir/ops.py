@@ -492,9 +492,10 @@ _op("isinf", ["x"], _unary("isinf", "i1"), "K.isinf({x}, {detect_positive}, {det
 _op("cast", ["x"], _cast, "{x}.astype({dtype})", "elementwise", {"to": ("str", REQUIRED)})
 
 BINARY = {
-    "add": "{lhs} + {rhs}",
-    "sub": "{lhs} - {rhs}",
-    "mul": "{lhs} * {rhs}",
+    # (NumPy backend) ufunc calls rather than operators, so that a fused group can add `out=`.
+    "add": "np.add({lhs}, {rhs})",
+    "sub": "np.subtract({lhs}, {rhs})",
+    "mul": "np.multiply({lhs}, {rhs})",
     "div": "K.div({lhs}, {rhs})",
     "pow": "K.pow({lhs}, {rhs})",
     "max": "np.maximum({lhs}, {rhs})",
@@ -512,9 +513,9 @@ _op("mod", ["lhs", "rhs"], _binary("mod"), "K.mod({lhs}, {rhs}, {fmod})", "eleme
 LOGICAL = {"and": "np.logical_and", "or": "np.logical_or", "xor": "np.logical_xor"}
 for _name, _fn in LOGICAL.items():
     _op(_name, ["lhs", "rhs"], _binary(_name, "i1"), _fn + "({lhs}, {rhs})", "elementwise")
-COMPARE = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
-for _name, _sym in COMPARE.items():
-    _op(_name, ["lhs", "rhs"], _binary(_name, "i1"), "{lhs} " + _sym + " {rhs}", "elementwise")
+COMPARE = {"eq": "equal", "ne": "not_equal", "lt": "less", "le": "less_equal", "gt": "greater", "ge": "greater_equal"}
+for _name, _fn in COMPARE.items():
+    _op(_name, ["lhs", "rhs"], _binary(_name, "i1"), f"np.{_fn}({{lhs}}, {{rhs}})", "elementwise")
 _op("where", ["cond", "lhs", "rhs"], _where, "np.where({cond}, {lhs}, {rhs})", "elementwise")
 
 # (NumPy backend) sum and prod name their dtype: NumPy would widen small integers to int64.

@@ -61,6 +61,18 @@ def _decompose():
     return Decompose
 
 
+def _fuse():
+    from passes.fuse import Fuse
+
+    return Fuse
+
+
+def _tile():
+    from passes.tile import Tile
+
+    return Tile
+
+
 PASSES: dict[str, Callable[[], type[ModulePass]]] = {
     "canonicalize": _canonicalize,
     "cse": _cse,
@@ -68,12 +80,17 @@ PASSES: dict[str, Callable[[], type[ModulePass]]] = {
     "constant-fold": _constant_fold,
     "simplify-shapes": _simplify_shapes,
     "decompose": _decompose,
+    "fuse": _fuse,
+    "tile": _tile,
 }
 
 # Simplify first (so folding and cse see one spelling), fold what is known, merge
 # equal ops, tidy layout ops, drop what no output needs. Composites stay whole:
 # `decompose` is for the passes and backends that want primitives.
-DEFAULT_PIPELINE = "canonicalize,constant-fold,cse,simplify-shapes,dce"
+UNFUSED_PIPELINE = "canonicalize,constant-fold,cse,simplify-shapes,dce"
+# Then group ops into kernels by predicted time saved and choose their tiles, both
+# against the local CPU's calibrated cost model (the NumPy backend's target).
+DEFAULT_PIPELINE = UNFUSED_PIPELINE + ",fuse,tile"
 
 
 class PipelineError(TilegraphError):

@@ -222,3 +222,62 @@ def run_onnx(path, feeds: dict) -> list:
     sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
     feeds = {k: (v.numpy() if isinstance(v, torch.Tensor) else np.asarray(v)) for k, v in feeds.items()}
     return sess.run(None, feeds)
+
+
+# --------------------------------------------------------------------------
+# GPT-2-shaped decoder (issue 3's CPU speed benchmark)
+# --------------------------------------------------------------------------
+
+# GPT-2 small (Radford et al. 2019; transformers' GPT2Config defaults).
+GPT2_VOCAB = 50257
+
+
+class GPT2Decoder(nn.Module):
+    """GPT2Model wrapper: ``forward(input_ids) -> last_hidden_state (batch, seq, n_embd)``.
+
+    Runs transformers' own modules (wte, wpe, the blocks, ln_f) but passes no
+    attention mask to the blocks, so sdpa attention is called with
+    ``is_causal=True`` and arrives in torch.export as one causal
+    ``scaled_dot_product_attention``. ``GPT2Model.forward`` instead builds the
+    mask itself (``create_causal_mask``: an arange/cumsum/gather/compare chain
+    over the position ids, which under tracing is never skipped) and hands
+    attention a full (seq, seq) boolean mask. For unpadded inputs the results
+    are bit-identical to ``GPT2Model(input_ids).last_hidden_state``.
+    """
+
+    def __init__(self, gpt2: nn.Module):
+        super().__init__()
+        self.gpt2 = gpt2
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        m = self.gpt2
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None, :]
+        hidden = m.wte(input_ids) + m.wpe(positions)
+        for block in m.h:
+            hidden = block(hidden, attention_mask=None, use_cache=False)
+        return m.ln_f(hidden)
+
+
+def gpt2_model(n_layer: int = 12, n_embd: int = 768, n_head: int = 12, n_positions: int = 1024,
+               vocab_size: int = GPT2_VOCAB, seed: int = 0) -> nn.Module:
+    """A GPT-2 decoder randomly initialised from ``GPT2Config`` (GPT-2 small by
+    default: 12 layers, 768 wide, 12 heads), sdpa attention, eval mode, fp32.
+    ``forward(input_ids)`` returns the final hidden state (no LM head)."""
+    from transformers import GPT2Config, GPT2Model
+
+    config = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=n_positions,
+                        vocab_size=vocab_size, attn_implementation="sdpa",
+                        bos_token_id=min(GPT2_VOCAB - 1, vocab_size - 1),  # 50256 unless the vocabulary is cut
+                        eos_token_id=min(GPT2_VOCAB - 1, vocab_size - 1))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        gpt2 = GPT2Model(config)
+    return GPT2Decoder(gpt2.eval()).eval()
+
+
+def gpt2_inputs(batch: int = 1, seq: int = 256, vocab_size: int = GPT2_VOCAB,
+                seed: int = 0) -> tuple[torch.Tensor]:
+    """Deterministic int64 ``input_ids (batch, seq)``, as a 1-tuple (unpadded: a
+    decoder benchmark runs full sequences)."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, vocab_size, (batch, seq), generator=g, dtype=torch.int64),)

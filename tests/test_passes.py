@@ -448,8 +448,8 @@ def test_pipeline_options_parse_into_pass_fields():
 
 @pytest.mark.parametrize("text, message", [
     ("canonicalise", r"unknown pass 'canonicalise' in 'canonicalise'; the passes are: canonicalize, "
-                     r"constant-fold, cse, dce, decompose, simplify-shapes"),
-    ("cse,fuse,tile", r"unknown passes 'fuse', 'tile'"),
+                     r"constant-fold, cse, dce, decompose, fuse, simplify-shapes, tile"),
+    ("cse,fuze,tiles", r"unknown passes 'fuze', 'tiles'"),
     ("constant-fold{max-elements=many}", r"pass 'constant-fold': .*its options: max-elements"),
     ("cse{aggressive=true}", r"pass 'cse': .*aggressive"),
     ("cse{", r"cannot read the pipeline 'cse\{'"),

@@ -100,3 +100,26 @@ def test_gpt2_mask_code_under_dynamic_shapes():
     compiled = tilegraph.compile(model)
     for b, s in ((2, 9), (3, 5)):
         assert relative_error(compiled(*inputs(b, s)), eager(gpt2, inputs(b, s))) <= PEER_RELATIVE_ERROR
+
+
+# --- the GPT-2-shaped decoder of the CPU speed benchmark (issue 3) ---------------
+
+
+def test_gpt2_decoder_matches_torch_eager_and_float64():
+    """tests/models.py's GPT-2 decoder (transformers' blocks, small config): its sdpa
+    attention arrives as one causal tg.attention, and the compiled model agrees with
+    torch eager (peer bound) and with the float64 interpreter (fp32 tolerance)."""
+    from ir import interpret
+    from tilegraph.testing import assert_close, reduction_length
+    from tests.models import gpt2_inputs, gpt2_model
+
+    vocab = 1000  # a cut vocabulary keeps the embedding table small; the blocks are GPT-2's
+    gpt2 = gpt2_model(n_layer=2, n_embd=64, n_head=4, n_positions=64, vocab_size=vocab)
+    inputs = gpt2_inputs(BATCH, SEQ, vocab_size=vocab)
+    model = from_torch(gpt2, inputs)
+    attention = [line for line in model.text.splitlines() if "tg.attention" in line]
+    assert len(attention) == 2 and all("causal = true" in line for line in attention)
+    out = tilegraph.compile(model)(*inputs)
+    assert out.dtype == np.float32 and out.shape == (BATCH, SEQ, 64)
+    assert relative_error(out, eager(gpt2, inputs)) <= PEER_RELATIVE_ERROR
+    assert_close(out, interpret(model, inputs)[0], "f32", reduction_length(model))

@@ -3,6 +3,7 @@
     tilegraph import model.onnx -o model.mlir          # IR text + model.weights.npz
     tilegraph compile model.onnx --target numpy -o model_np.py
     tilegraph check model.onnx                         # tilegraph vs onnxruntime
+    tilegraph calibrate                                # measure this CPU for the cost model
 
 Every mistake in the input (a missing file, a malformed model, an unsupported op,
 a shape mismatch) is one paragraph on stderr and exit status 2; `check` exits 1
@@ -43,6 +44,12 @@ def _parser() -> argparse.ArgumentParser:
                        help="size of a symbolic dimension, e.g. --dim batch=2 (default: drawn from the seed)")
     check.add_argument("--int-high", type=int, default=2, metavar="N",
                        help="integer inputs are drawn from [0, N) (default 2: valid ids, masks and flags)")
+
+    # --- calibrate: the measured CPU profile the cost model uses (passes/cost/calibrate.py) ---
+    cal = sub.add_parser("calibrate", help="measure this machine for the cost model (under a minute)")
+    cal.add_argument("--quick", action="store_true", help="a rougher measurement in a couple of seconds")
+    cal.add_argument("-o", "--output", default=None,
+                     help="where to write the profile (default: the cache file `--target cpu` reads)")
     return p
 
 
@@ -132,7 +139,14 @@ def _onnxruntime(path: Path, names, inputs):
     return session.run(None, dict(zip(names, inputs)))
 
 
-COMMANDS = {"import": _import, "compile": _compile, "check": _check}
+def _calibrate(args) -> int:
+    from passes.cost import calibrate
+
+    calibrate.run(quick=args.quick, output=args.output)
+    return 0
+
+
+COMMANDS = {"import": _import, "compile": _compile, "check": _check, "calibrate": _calibrate}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

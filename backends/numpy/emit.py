@@ -35,11 +35,12 @@ from xdsl.dialects.func import ReturnOp
 from xdsl.ir import Operation, SSAValue
 
 from ir import dtypes
-from ir.dialect import TgOp
+from ir.dialect import FusionOp, TgOp
 from ir.interpreter import SHAPE_FUNCTIONS, dtype_code, shape_code
 from ir.model import Model, ModelError
 from ir.ops import py_literal, render
-from ir.shapes import Dim, TensorInfo
+from ir.shapes import Dim, TensorInfo, dims_equal, info_of, numel
+from backends.numpy.groups import GroupCode, GroupEmitter
 
 # Names the generated module defines or imports; nothing else may take them.
 MODULE_NAMES = {"np", "ml_dtypes", "K", "W", "build", "forward", "INPUTS", "OUTPUTS", "WEIGHTS", *SHAPE_FUNCTIONS}
@@ -82,7 +83,7 @@ class Code(str):
 class Program:
     """The model flattened to the ops that compute, with values renamed through regions."""
 
-    steps: list[TgOp]
+    steps: list[TgOp | FusionOp]
     outputs: list[SSAValue]
     alias: dict[SSAValue, SSAValue] = field(default_factory=dict)
 
@@ -99,7 +100,7 @@ def flatten(model: Model) -> Program:
         for op in ops:
             if isinstance(op, ReturnOp):
                 return list(op.operands)
-            if isinstance(op, TgOp):
+            if isinstance(op, (TgOp, FusionOp)):
                 prog.steps.append(op)
             elif len(op.regions) == 1 and len(op.regions[0].blocks) == 1:
                 block = op.regions[0].blocks[0]
@@ -125,7 +126,7 @@ def _is_terminator(op: Operation) -> bool:
     return op.parent_block() is not None and op is op.parent_block().last_op and not op.results
 
 
-def liveness(steps: Sequence[TgOp], outputs: Sequence[SSAValue], canon=lambda v: v) -> list[list[SSAValue]]:
+def liveness(steps: Sequence[TgOp | FusionOp], outputs: Sequence[SSAValue], canon=lambda v: v) -> list[list[SSAValue]]:
     """For each step, the computed values that are dead once it has run.
 
     A value dies at its last use (or at its definition, if nothing uses it);
@@ -137,7 +138,7 @@ def liveness(steps: Sequence[TgOp], outputs: Sequence[SSAValue], canon=lambda v:
     for i, op in enumerate(steps):
         for v in op.operands:
             last[canon(v)] = i
-        if op.op_name not in ("weight", "constant"):
+        if getattr(op, "op_name", None) not in ("weight", "constant"):
             for r in op.results:
                 last[r] = i
                 computed.append(r)
@@ -149,14 +150,28 @@ def liveness(steps: Sequence[TgOp], outputs: Sequence[SSAValue], canon=lambda v:
     return dies
 
 
-def emit(model: Model, name: str | None = None) -> str:
-    """The Python source of a module computing `model` with NumPy (see the module docstring)."""
-    return _Emitter(model, name).source()
+def emit(model: Model, name: str | None = None, profile: bool = False) -> str:
+    """The Python source of a module computing `model` with NumPy (see the module docstring).
+
+    `profile=True` times every kernel (fused group or unfused op): the module's
+    `PROFILE` dict maps each kernel's name to its accumulated seconds and calls, and
+    `KERNELS` to what it computes (the cost model's accuracy is measured on these).
+    """
+    return _Emitter(model, name, profile).source()
+
+
+def emit_profiled(model: Model, name: str | None = None) -> tuple[str, dict[str, Operation]]:
+    """`emit(model, profile=True)`, and which op or group each name in its PROFILE runs."""
+    emitter = _Emitter(model, name, profile=True)
+    return emitter.source(), emitter.kernel_ops
 
 
 class _Emitter:
-    def __init__(self, model: Model, name: str | None):
+    def __init__(self, model: Model, name: str | None, profile: bool = False):
         self.model = model
+        self.profile = profile
+        self.kernel_names: list[str] = []  # (profile) in program order
+        self.kernel_ops: dict[str, Operation] = {}  # (profile) kernel name -> the tg op or tg.fusion it runs
         self.name = name or _model_name(model)
         self.prog = flatten(model)
         self.names: dict[SSAValue, str] = {}
@@ -166,6 +181,8 @@ class _Emitter:
         self._constant_names: dict[tuple, str] = {}
         self.weight_lines: list[str] = []
         self._weight_names: dict[str, str] = {}
+        self.group_functions: list[list[str]] = []
+        self._concatenated: dict[tuple, str] = {}
 
     # --- names ----------------------------------------------------------------
 
@@ -179,7 +196,7 @@ class _Emitter:
                     plain.setdefault(d.name, (i, axis))
         used = {s.name for info in m.inputs for d in info.shape if isinstance(d, sympy.Expr) for s in d.free_symbols}
         for op in self.prog.steps:
-            for info in op.result_infos():
+            for info in (info_of(r.type) for r in op.results):
                 used |= {s.name for d in info.shape if isinstance(d, sympy.Expr) for s in d.free_symbols}
         unbound = sorted(used - set(plain))
         if unbound:
@@ -254,18 +271,32 @@ class _Emitter:
     def source(self) -> str:
         m, prog = self.model, self.prog
         dies = liveness(prog.steps, prog.outputs, prog.canon)
+        plan = BufferPlan(self, dies)
         counts: Counter = Counter()
         body: list[str] = []
-        for op, dead in zip(prog.steps, dies):
-            line = self._line(op, counts)
-            if line is not None:
-                body.append(line)
+        for i, (op, dead) in enumerate(zip(prog.steps, dies)):
+            timed = len(self.kernel_names)
+            if isinstance(op, FusionOp):
+                body += self._timed(self._group_call(op, counts, plan, i))
+            else:
+                line = self._line(op, counts)
+                if line is not None:
+                    body += self._timed([line]) if op.SPEC.category not in SILENT_CATEGORIES else [line]
+            if len(self.kernel_names) > timed:
+                self.kernel_ops[self.kernel_names[-1]] = op
             if dead:
                 body.append("del " + ", ".join(self.names[v] for v in dead))
-        quiet = all(op.SPEC.category in SILENT_CATEGORIES for op in prog.steps)
+            plan.step_done(i)
+        self.plan = plan
+        quiet = all(not isinstance(op, FusionOp) and op.SPEC.category in SILENT_CATEGORIES for op in prog.steps)
 
         out = self._header()
         out += ["import numpy as np", "import ml_dtypes", "", "from ir import kernels as K"]
+        if self.profile:
+            out += ["from time import perf_counter", "", "# kernel -> [seconds, calls], accumulated over calls",
+                    f"PROFILE = {{name: [0.0, 0] for name in {self.kernel_names!r}}}"]
+        if self.group_functions:
+            out.append("from backends.numpy.chunks import THREADS, run_chunks")
         shape_fns = sorted({f for f in SHAPE_FUNCTIONS if re.search(rf"\b{f}\(", "\n".join(body))})
         if shape_fns:
             out.append("from ir.interpreter import SHAPE_FUNCTIONS")
@@ -273,12 +304,17 @@ class _Emitter:
         out += ["", "# The signature: (name, shape, dtype); a str dim is a symbol or an expression of symbols.",
                 *_tuple("INPUTS", _signature(m.input_names, m.inputs)),
                 *_tuple("OUTPUTS", _signature(m.output_names, m.outputs)),
-                *_tuple("WEIGHTS", [_literal(w) for w in self._weight_names]), ""]
+                *_tuple("WEIGHTS", [_literal(w) for w in self._weight_names]),
+                "# What the memory planner decided (intermediates; inputs and weights not counted).",
+                f"PLAN = {{'kernels': {plan.kernels}, 'buffers': {len(plan.slots)}, "
+                f"'peak_bytes': {str(plan.peak_bytes)!r}}}", ""]
         if self.constants:
             out += ["# Small constants, hoisted: built once per process, shared by every call."]
             out += self.constants + [""]
         out += ["", "def build(W):", f'{INDENT}"""Bind the weights (a dict name -> array) once; returns forward."""']
         out += [INDENT + line for line in self.weight_lines]
+        for function in self.group_functions:
+            out += [""] + [INDENT + line for line in function]
         params = ", ".join(self.names[a] for a in m.func.args)
         out += ["", f"{INDENT}def forward({params}):"]
         for s, (var, arg, axis) in sorted(self.symbols.items()):
@@ -291,6 +327,47 @@ class _Emitter:
         out.append(f"{inner}return [{', '.join(self._output(v) for v in prog.outputs)}]")
         out += ["", f"{INDENT}return forward", ""]
         return "\n".join(out)
+
+    def _timed(self, lines: list[str]) -> list[str]:
+        """(profile) The kernel call (the last line) between two clock reads."""
+        if not self.profile:
+            return lines
+        name = re.match(r"\s*([\w, ]+?),? =", lines[-1]).group(1).split(",")[0].strip()  # type: ignore[union-attr]
+        self.kernel_names.append(name)
+        return lines[:-1] + ["_t = perf_counter()", lines[-1],
+                             f"PROFILE[{name!r}][0] += perf_counter() - _t", f"PROFILE[{name!r}][1] += 1"]
+
+    # --- fused groups -------------------------------------------------------------
+
+    def _group_call(self, group: FusionOp, counts: Counter, plan: "BufferPlan", step: int) -> list[str]:
+        name = self.namer.fresh(f"fusion_{counts['fusion']}")
+        counts["fusion"] += 1
+        code = GroupEmitter(group, name, self._value, self._attrs, self._concat_weights).emit()
+        self.group_functions.append(code.function)
+        lines, buffers = plan.allocate(step, group, code)
+        inner = {v: r for v, r in zip(group.block.last_op.operands, group.results)}
+        targets = []
+        for value in group.block.last_op.operands:
+            owner = value.owner
+            base = f"{owner.op_name}_{counts[owner.op_name]}" if isinstance(owner, TgOp) else "arg"
+            counts[owner.op_name if isinstance(owner, TgOp) else "arg"] += 1
+            targets.append(self.namer.fresh(base))
+            self.names[inner[value]] = targets[-1]
+        args = ", ".join([self._value(v) for v in code.params] + buffers)
+        types = ", ".join(str(r) for r in (info_of(r.type) for r in group.results))
+        lines.append(f"{', '.join(targets)}{',' if len(targets) == 1 else ''} = {name}({args})  # {types}")
+        return lines
+
+    def _concat_weights(self, weights: list[SSAValue]) -> str:
+        """A build-time concatenation of 2-D weights along their columns (horizontal fusion)."""
+        names = [self._value(w) for w in weights]
+        key = tuple(names)
+        if key not in self._concatenated:
+            var = self.namer.fresh("wcat")
+            self._concatenated[key] = var
+            self.weight_lines.append(f"{var} = np.concatenate([{', '.join(names)}], axis=1)  # one GEMM for "
+                                     f"{len(names)} sibling matmuls")
+        return self._concatenated[key]
 
     def _output(self, v: SSAValue) -> str:
         v = self.prog.canon(v)
@@ -314,15 +391,18 @@ class _Emitter:
 
     def _header(self) -> list[str]:
         m = self.model
-        kinds = Counter(op.op_name for op in self.prog.steps)
+        kinds = Counter(inner.op_name for op in self.prog.steps
+                        for inner in (op.ops if isinstance(op, FusionOp) else [op]))
         sources = kinds.pop("weight", 0), kinds.pop("constant", 0)
         lines = [f"# tilegraph NumPy backend: model {self.name!r}. Generated code; edit the model, not this file.",
                  "# inputs:"]
         lines += [f"#   {n}: {info}" for n, info in zip(m.input_names, m.inputs)]
         lines += ["# outputs:"]
         lines += [f"#   {n}: {info}" for n, info in zip(m.output_names, m.outputs)]
+        groups = sum(isinstance(op, FusionOp) for op in self.prog.steps)
         lines.append(f"# {sum(kinds.values())} ops ({', '.join(f'{n} {k}' for k, n in kinds.most_common())}), "
-                     f"{_count(sources[0], 'weight')}, {_count(sources[1], 'constant')}")
+                     f"{_count(sources[0], 'weight')}, {_count(sources[1], 'constant')}"
+                     + (f"; {_count(groups, 'fused group')}" if groups else ""))
         lines.append("# use: forward = build(ir.model.WeightStore.load('<model>.weights.npz')); outputs = forward(*inputs)")
         return lines + [""]
 
@@ -384,4 +464,103 @@ def _array_literal(array: np.ndarray, dtype: str) -> str:
     return lit(values)
 
 
-__all__ = ["emit", "liveness", "flatten", "sanitize", "Namer", "Program"]
+class BufferPlan:
+    """The memory plan: which group buffers are new and which reuse a dead one.
+
+    A group writes its results into buffers its caller passes. A buffer is free
+    again once every value living in it (the group's results, and views of them:
+    reshapes, transposes, slices) has had its last use; a later group needing a
+    buffer of the same shape and dtype takes it instead of allocating. Buffers
+    holding a model output are never reused. `peak_bytes` is the planned peak of
+    intermediates: every buffer, plus unfused results while they live.
+    """
+
+    def __init__(self, emitter: "_Emitter", dies: list[list[SSAValue]]):
+        self.emitter = emitter
+        self.prog = emitter.prog
+        self.slots: list[tuple[TensorInfo, str]] = []  # (info, variable)
+        self.free: list[int] = []
+        self.slot_of: dict[SSAValue, int] = {}  # value -> the slot it lives in
+        self.kernels = 0
+        self._last = self._last_uses()
+        self._pinned = {self._root(v) for v in self.prog.outputs}
+        self._live_fresh: dict[SSAValue, Any] = {}
+        self._peaks: list[Any] = []
+
+    def _root(self, v: SSAValue) -> SSAValue:
+        """The value whose memory v lives in (through view-like layout ops)."""
+        v = self.prog.canon(v)
+        while isinstance(v.owner, TgOp) and v.owner.SPEC.category == "layout" and v.owner.operands:
+            v = self.prog.canon(v.owner.operands[0])
+        return v
+
+    def _last_uses(self) -> dict[SSAValue, int]:
+        last: dict[SSAValue, int] = {}
+        for i, op in enumerate(self.prog.steps):
+            for v in op.operands:
+                root = self._root(v)
+                last[root] = max(last.get(root, -1), i)
+        return last
+
+    def allocate(self, step: int, group: FusionOp, code: GroupCode) -> tuple[list[str], list[str]]:
+        """Lines allocating the new buffers of a group call, and the buffer arguments to pass."""
+        self.kernels += 1
+        lines, args = [], []
+        slots = []
+        for buf in code.buffers:
+            slot = next((k for k in self.free if self.slots[k][0].dtype == buf.info.dtype
+                         and len(self.slots[k][0].shape) == len(buf.info.shape)
+                         and all(dims_equal(a, b) for a, b in zip(self.slots[k][0].shape, buf.info.shape))), None)
+            if slot is None:
+                var = self.emitter.namer.fresh(f"buf{len(self.slots)}")
+                self.slots.append((buf.info, var))
+                slot = len(self.slots) - 1
+                lines.append(f"{var} = np.empty({self.emitter._dims(buf.info.shape)}, "
+                             f"dtype={dtype_code(buf.info.dtype)})")
+            else:
+                self.free.remove(slot)
+            slots.append(slot)
+            args.append(self.slots[slot][1])
+        for result, (b, _) in zip(group.results, code.results):
+            self.slot_of[result] = slots[b]
+        for b, slot in enumerate(slots):  # a buffer no result lives in is free right after the call
+            if b not in {i for i, _ in code.results}:
+                self.free.append(slot)
+        return lines, args
+
+    def step_done(self, step: int) -> None:
+        op = self.prog.steps[step]
+        if not isinstance(op, FusionOp) and getattr(op, "op_name", None) not in ("weight", "constant"):
+            if op.SPEC.category != "layout":
+                for r in op.results:
+                    self._live_fresh[r] = _nbytes(info_of(r.type))
+        live_slots = sum((_nbytes(info) for info, _ in self.slots), sympy.Integer(0))
+        self._peaks.append(live_slots + sum(self._live_fresh.values(), sympy.Integer(0)))
+        held: dict[int, list[SSAValue]] = {}
+        for v, slot in self.slot_of.items():
+            held.setdefault(slot, []).append(v)
+        for slot, values in held.items():
+            if slot in self.free:
+                continue
+            if all(v not in self._pinned and self._last.get(v, -1) <= step for v in values):
+                self.free.append(slot)
+                for v in values:
+                    del self.slot_of[v]
+        for v in [v for v in self._live_fresh if v not in self._pinned and self._last.get(v, -1) <= step]:
+            del self._live_fresh[v]
+        if not isinstance(op, FusionOp) and getattr(op, "op_name", None) not in ("weight", "constant"):
+            self.kernels += 1 if op.SPEC.category != "layout" else 0
+
+    @property
+    def peak_bytes(self):
+        peaks = [sympy.sympify(p) for p in self._peaks] or [sympy.Integer(0)]
+        if all(p.is_number for p in peaks):
+            return max(peaks)
+        return sympy.Max(*peaks)
+
+
+def _nbytes(info: TensorInfo):
+    return sympy.sympify(numel(info.shape)) * dtypes.numpy_dtype(info.dtype).itemsize
+
+
+__all__ = ["emit", "emit_profiled", "liveness", "flatten", "sanitize", "Namer", "Program"]

@@ -1,0 +1,117 @@
+"""What the benchmark scripts share: timing, the machine they ran on, and table printing.
+
+Timing rule (DESIGN.md: performance is a ratio measured in one run, side by side):
+the peers are timed round-robin, one call each per round with the order rotated
+every round, after a warm-up call each, and each one's median is reported. On a
+shared machine a burst of load then lands on all of them alike instead of on
+whichever happened to be running, and the median ignores the rounds it spoiled.
+
+Switching libraries has a cost of its own: the thread pool of the one that just
+ran (onnxruntime's intra-op pool, torch's OpenMP workers, OpenBLAS's) keeps
+spinning for a while after its call returns, and on a 2-core machine those
+spinners take the cores from the next library's first call. A fast runner
+therefore gets one untimed call before each timed one (see SETTLE_BELOW_S).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+
+def timed(fn: Callable):
+    """(fn(), seconds it took): one call, for one-off costs such as compile time."""
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+# A runner whose warm-up call took less than this gets an untimed settling call
+# before each timed one. Measured on this project's 2-core machine, small CNN at
+# batch 32: torch eager 0.74 ms timed alone, 2-30 ms right after onnxruntime and
+# tilegraph calls, 0.83 ms after one settling call. The spin-down lasts a few ms,
+# under a few percent of a call this long, so slower runners skip it (which keeps
+# GPT-2-sized runs short).
+SETTLE_BELOW_S = 0.05
+
+
+def interleaved_medians(runners: dict[str, Callable], repeat: int, warmup: int = 1) -> dict[str, float]:
+    """Median seconds per call of each runner, timed round-robin over `repeat` rounds."""
+    names = list(runners)
+    first: dict[str, float] = {}
+    for _ in range(warmup):
+        for name in names:
+            _, first[name] = timed(runners[name])
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeat):
+        shift = r % len(names)  # rotate, so no runner always follows the same one
+        for name in names[shift:] + names[:shift]:
+            if first.get(name, 0.0) < SETTLE_BELOW_S:
+                runners[name]()
+            t0 = time.perf_counter()
+            runners[name]()
+            samples[name].append(time.perf_counter() - t0)
+    return {name: float(np.median(s)) for name, s in samples.items()}
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def blas_name() -> str:
+    """The BLAS NumPy runs (its matmuls are tilegraph NumPy's) and, where threadpoolctl
+    is installed to ask, its thread count."""
+    try:
+        from threadpoolctl import threadpool_info
+
+        pools = [p for p in threadpool_info() if p.get("user_api") == "blas"]
+        pools = [p for p in pools if "numpy" in p.get("filepath", "")] or pools  # not torch's or scipy's copy
+        if pools:
+            return ", ".join(f"{p['internal_api']} {p.get('version') or ''} {p['num_threads']} thread{'s' * (p['num_threads'] != 1)}" for p in pools)
+    except ImportError:
+        pass
+    try:
+        blas = np.show_config(mode="dicts")["Build Dependencies"].get("blas", {})
+        return f"{blas.get('name', '?')} {blas.get('version', '')}".strip()
+    except Exception:  # older NumPy: no dict form
+        return "?"
+
+
+def machine_lines(**versions: str) -> list[str]:
+    """The machine and library versions, for the top of a benchmark's output."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    lines = [f"machine: {cpu_model()}, {os.cpu_count()} logical cores ({usable} usable by this process), "
+             f"{platform.system()} {platform.release()}",
+             f"python {platform.python_version()}, numpy {np.__version__} (BLAS: {blas_name()})"]
+    if versions:
+        lines.append(", ".join(f"{k} {v}" for k, v in versions.items()))
+    return lines
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence], align: str | None = None) -> str:
+    """A plain-text table; `align` has one letter per column, 'l' or 'r' (default: first l, rest r)."""
+    cells = [[str(c) for c in header]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    align = align or "l" + "r" * (len(header) - 1)
+
+    def line(row):
+        return "  ".join(c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(row, widths, align)).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])

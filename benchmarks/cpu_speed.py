@@ -1,0 +1,190 @@
+"""CPU latency: tilegraph NumPy against onnxruntime and torch eager (issue 3, "Speed on the CPU").
+
+For each model, in one run on the same inputs, the median latency of
+  * tilegraph NumPy, default pipeline        (passes.registry.DEFAULT_PIPELINE)
+  * tilegraph NumPy without fusion/tiling    (passes.registry.UNFUSED_PIPELINE)
+  * onnxruntime, default optimizations, CPUExecutionProvider, default threads
+    (the model exported with tests/models.py's export_onnx)
+  * torch eager under torch.inference_mode, default threads
+timed round-robin (benchmarks/_common.py) so load on the shared machine hits all
+of them alike; then tilegraph/ORT and tilegraph/eager. Every output is checked
+against onnxruntime's (relative error <= tilegraph.testing.PEER_RELATIVE_ERROR)
+and printed beside the time, so a fast wrong result cannot pass: the script
+exits 1 when one is off.
+
+Models (tests/models.py): all-MiniLM-L6-v2 at batch 1 and 8, sequence 128 (eager
+attention, as benchmarks/compile_minilm.py); a GPT-2-small-shaped decoder
+(random init from GPT2Config, batch 1, sequence 256); the small CNN at batch 32.
+Issue 3's target: tilegraph at or below onnxruntime on the transformer models.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/cpu_speed.py [--models minilm,gpt2,cnn] [--repeat N] [--quick]
+                                                              [--threads N]
+
+--threads N gives every peer N threads (NumPy's BLAS, torch, onnxruntime's
+intra-op pool) instead of each library's default: on a machine shared with other
+jobs, thread pools that wait for a descheduled worker make multi-threaded times
+swing several-fold, and --threads 1 measures the code rather than the scheduler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+MODELS = ("minilm", "gpt2", "cnn")
+REPEAT, QUICK_REPEAT = 15, 3
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of: {', '.join(MODELS)}")
+    ap.add_argument("--repeat", type=int, default=None, help=f"timed rounds per model (default {REPEAT})")
+    ap.add_argument("--quick", action="store_true", help=f"{QUICK_REPEAT} rounds: a smoke run, noisy numbers")
+    ap.add_argument("--threads", type=int, default=None, help="threads for every peer (default: each library's own)")
+    args = ap.parse_args(argv)
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = sorted(set(args.models) - set(MODELS))
+    if unknown:
+        ap.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    args.repeat = args.repeat or (QUICK_REPEAT if args.quick else REPEAT)
+    return args
+
+
+# The arguments are read before NumPy is imported: OpenBLAS sizes its thread pool
+# from the environment when it loads.
+ARGS = parse_args() if __name__ == "__main__" else None
+if ARGS is not None and ARGS.threads:
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(ARGS.threads)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Run as a script, this directory is on sys.path; _common is imported by its own
+# name because `benchmarks` is taken (xdsl installs a top-level package of that
+# name). _common puts the repository root on sys.path too.
+from _common import format_table, interleaved_medians, machine_lines, timed  # noqa: E402
+
+import onnxruntime as ort  # noqa: E402
+import torch  # noqa: E402
+
+import tilegraph  # noqa: E402
+from passes.registry import DEFAULT_PIPELINE, UNFUSED_PIPELINE  # noqa: E402
+from tilegraph.testing import PEER_RELATIVE_ERROR, relative_error  # noqa: E402
+from tests import models  # noqa: E402
+
+MINILM_SEQ, MINILM_BATCHES = 128, (1, 8)  # issue 3
+GPT2_BATCH, GPT2_SEQ = 1, 256  # issue 3
+# The small CNN is tiny (16x16 inputs, ~0.2 MFLOP per image): batch 32 gives its
+# convolutions a few MFLOP per call, so the time is not per-call overhead alone.
+CNN_BATCH = 32
+TRANSFORMERS = ("minilm", "gpt2")  # the models the issue's target is about
+PEERS = ("tilegraph", "tilegraph unfused", "onnxruntime", "torch eager")
+
+
+@dataclass
+class Case:
+    model: str  # key for --models
+    label: str
+    module: Callable[[], torch.nn.Module]  # built once per model, shared by its cases
+    inputs: tuple
+    input_names: list[str]
+
+
+def cases(selected: list[str]) -> list[Case]:
+    out = []
+    if "minilm" in selected:
+        out += [Case("minilm", f"MiniLM b{b} s{MINILM_SEQ}", models.minilm_model, models.minilm_inputs(b, MINILM_SEQ),
+                     ["input_ids", "attention_mask"]) for b in MINILM_BATCHES]
+    if "gpt2" in selected:
+        out.append(Case("gpt2", f"GPT-2 small b{GPT2_BATCH} s{GPT2_SEQ}", models.gpt2_model,
+                        models.gpt2_inputs(GPT2_BATCH, GPT2_SEQ), ["input_ids"]))
+    if "cnn" in selected:
+        out.append(Case("cnn", f"small CNN b{CNN_BATCH}", models.small_cnn, models.small_cnn_inputs(CNN_BATCH),
+                        ["x"]))
+    return out
+
+
+def ort_session(module, inputs, names, tmp: Path, threads: int | None) -> ort.InferenceSession:
+    path = models.export_onnx(module, inputs, tmp / "model.onnx", input_names=names, output_names=["y"])
+    # Default SessionOptions: ORT_ENABLE_ALL graph optimizations, one intra-op thread per core.
+    opts = ort.SessionOptions()
+    if threads:
+        opts.intra_op_num_threads = threads
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+def measure(case: Case, module, repeat: int, threads: int | None) -> dict:
+    """Build every peer for `case`, check its output against onnxruntime's, time them all."""
+    arrays = [t.numpy() for t in case.inputs]
+    torch_inputs = tuple(torch.from_numpy(a) for a in arrays)  # the same memory as `arrays`
+    feeds = dict(zip(case.input_names, arrays))
+
+    with tempfile.TemporaryDirectory() as tmp:
+        session, t_ort = timed(lambda: ort_session(module, case.inputs, case.input_names, Path(tmp), threads))
+    imported, t_import = timed(lambda: tilegraph.import_model(module, case.inputs))
+    fused, t_fused = timed(lambda: tilegraph.compile(imported, pipeline=DEFAULT_PIPELINE))
+    unfused, t_unfused = timed(lambda: tilegraph.compile(imported, pipeline=UNFUSED_PIPELINE))
+    print(f"  {case.label}: ONNX export+session {t_ort:.1f} s, torch.export+import {t_import:.1f} s, "
+          f"passes+emit {t_fused:.1f} s (default) / {t_unfused:.1f} s (unfused)", flush=True)
+
+    def eager():
+        with torch.inference_mode():
+            return module(*torch_inputs)
+
+    runners = {"tilegraph": lambda: fused(*arrays), "tilegraph unfused": lambda: unfused(*arrays),
+               "onnxruntime": lambda: session.run(None, feeds), "torch eager": eager}
+    reference = session.run(None, feeds)[0]
+    outputs = {"tilegraph": fused(*arrays), "tilegraph unfused": unfused(*arrays), "torch eager": eager().numpy()}
+    errors = {name: relative_error(out, reference) for name, out in outputs.items()}
+    return {"times": interleaved_medians(runners, repeat), "errors": errors}
+
+
+def main(args: argparse.Namespace) -> int:
+    repeat = args.repeat
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ort_threads = f"{args.threads} intra-op thread{'s' * (args.threads != 1)}" if args.threads else "default threads"
+    for line in machine_lines(torch=f"{torch.__version__} (threads: {torch.get_num_threads()})",
+                              onnxruntime=f"{ort.__version__} ({ort_threads})"):
+        print(line)
+    print(f"tilegraph default pipeline: {DEFAULT_PIPELINE}")
+    if DEFAULT_PIPELINE == UNFUSED_PIPELINE:
+        print("  (the same as the unfused one: fuse and tile are not in the default pipeline yet)")
+    else:
+        print(f"tilegraph unfused pipeline: {UNFUSED_PIPELINE}")
+    print(f"median of {repeat} round-robin rounds after one warm-up each; errors are max|a-o|/max|o| against "
+          f"onnxruntime's output o (bound {PEER_RELATIVE_ERROR:.0e})\n", flush=True)
+
+    rows, failures, target = [], [], []
+    built: dict[str, torch.nn.Module] = {}
+    for case in cases(args.models):
+        if case.model not in built:
+            built[case.model] = case.module()
+        r = measure(case, built[case.model], repeat, args.threads)
+        t, e = r["times"], r["errors"]
+        failures += [f"{case.label}: {name} {err:.1e}" for name, err in e.items() if not err <= PEER_RELATIVE_ERROR]
+        if case.model in TRANSFORMERS:
+            target.append(t["tilegraph"] <= t["onnxruntime"])
+        rows.append([case.label] + [f"{1e3 * t[p]:.1f}" for p in PEERS]
+                    + [f"{t['tilegraph'] / t['onnxruntime']:.2f}x", f"{t['tilegraph'] / t['torch eager']:.2f}x",
+                       f"{t['tilegraph unfused'] / t['tilegraph']:.2f}x"]
+                    + [f"{e[p]:.0e}" for p in ("tilegraph", "tilegraph unfused", "torch eager")])
+
+    header = (["model"] + [f"{p} ms" for p in PEERS] + ["tg/ORT", "tg/eager", "unfused/tg"]
+              + ["err tg", "err unfused", "err eager"])
+    print("\n" + format_table(header, rows))
+    if target:
+        print(f"\ntarget (issue 3) tilegraph <= onnxruntime on the transformer models: "
+              f"{'met' if all(target) else 'not met'} ({sum(target)} of {len(target)})")
+    if failures:
+        print("\nOUTPUT CHECK FAILED (relative error above the bound): " + "; ".join(failures))
+        return 1
+    print(f"all outputs within {PEER_RELATIVE_ERROR:.0e} of onnxruntime")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(ARGS))

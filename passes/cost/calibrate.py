@@ -1,0 +1,311 @@
+"""Measure this machine for the cost model: what `tilegraph calibrate` runs.
+
+The NumPy backend spends its time in three ways, and each is measured the way the
+backend incurs it:
+
+- GEMMs: f32 `np.matmul(a, b, out=c)` (BLAS, all cores) at shapes from tiny to
+  large, including MiniLM's projections and one attention head; `gemm_samples`
+  keeps the curve, peak f32 FLOP/s is its best point (f64: measured at the largest).
+- Elementwise passes: one single-threaded NumPy call over f32 arrays, either
+  streaming from DRAM (arrays well beyond L3: `memory_bandwidth`) or resident in
+  one core's L2 (`ufunc_rates`, elements/s per function; `cache_bandwidth` is the
+  rate of `add` times its 12 bytes per element). Cache rates are the slope between
+  two sizes that both fit in L2, so they exclude the fixed cost of the call.
+- Fixed costs: one NumPy call on a 16-element array (`launch_overhead`), and
+  allocating plus first touching a 1 MiB temporary beyond touching a reused buffer
+  (`alloc_overhead`).
+
+So a pass over n cache-resident elements costs about launch_overhead + n / rate.
+Every number is the median of repeated timings. The full run takes well under a
+minute; `quick=True` (what the first hardware("cpu") runs) a couple of seconds.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from passes.cost.hardware import Hardware, clear_cache, cpu_model, cpu_profile_path, save_profile
+
+# (m, n, k) of the GEMMs timed: tiny (call-overhead bound), one attention head of
+# MiniLM (seq 128, head dim 32: Q@K^T and P@V), a MiniLM projection at batch 1,
+# the FFN matmuls at batch 8 (1024 tokens, 384 <-> 1536), and a large square one.
+GEMM_SHAPES = ((16, 16, 16), (128, 128, 32), (128, 32, 128), (128, 384, 384),
+               (1024, 1536, 384), (1024, 384, 1536), (1024, 1024, 1024))
+QUICK_GEMM_SHAPES = ((16, 16, 16), (128, 128, 32), (128, 384, 384), (1024, 384, 1536))
+
+CALL_ELEMENTS = 16  # "a small array": the call's fixed cost dominates
+ALLOC_BYTES = 1 * 2**20  # a typical activation chunk: MiniLM b1 s128 x 1536 f32 is 0.75 MiB
+REDUCE_AXIS = 256  # last-axis length of the reductions timed (a row of a hidden state)
+
+# Fallbacks where /sys does not say (sizes of a common x86 server core).
+DEFAULT_L1D, DEFAULT_L2, DEFAULT_L3 = 32 * 2**10, 512 * 2**10, 32 * 2**20
+STREAM_MIN_BYTES = 64 * 2**20  # each streaming array: at least 2x L3 and this ...
+STREAM_MAX_BYTES = 256 * 2**20  # ... but at most this (servers with huge L3)
+
+# Seconds of timing per measurement: the full run (~30 steps) stays well under a
+# minute, the quick one around two seconds even on a busy 2-core machine.
+BUDGET, QUICK_BUDGET = 0.6, 0.03
+# Calls are timed in batches at least this long, so the timer's ~0.1 us is noise; no
+# longer, so a neighbour's time slice (ms) spoils as few samples as it can.
+MIN_BATCH = 20e-6
+# Above this load average per core before we start, a neighbour held a core for a good
+# part of the run, and the numbers say more about it than about the machine.
+BUSY_LOAD = 0.5
+
+
+def cache_sizes() -> dict[str, int]:
+    """Per-core L1d and L2 and the shared L3, in bytes, from /sys (fallbacks if absent)."""
+    sizes = {"l1d": DEFAULT_L1D, "l2": DEFAULT_L2, "l3": DEFAULT_L3}
+    root = Path("/sys/devices/system/cpu/cpu0/cache")
+    for index in sorted(root.glob("index*")) if root.is_dir() else ():
+        try:
+            level = int((index / "level").read_text())
+            kind = (index / "type").read_text().strip()
+            size = _parse_size((index / "size").read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if level == 1 and kind == "Data":
+            sizes["l1d"] = size
+        elif level in (2, 3) and kind in ("Unified", "Data"):
+            sizes[f"l{level}"] = size
+    return sizes
+
+
+def _parse_size(text: str) -> int:
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    if text and text[-1].upper() in units:
+        return int(text[:-1]) * units[text[-1].upper()]
+    return int(text)
+
+
+def median_time(fn: Callable[[], object], budget: float) -> float:
+    """Median seconds of one call of `fn`, from batches of calls timed for about `budget` s."""
+    return median_times((fn,), budget)[0]
+
+
+def median_times(fns, budget: float) -> list[float]:
+    """median_time of each of `fns`, their batches interleaved so that a neighbour's
+    load on a shared machine falls on all of them alike (what a difference needs)."""
+    once = []
+    for fn in fns:
+        fn()  # warm up: page faults, BLAS threads waking
+        start = time.perf_counter()
+        fn()
+        once.append(max(time.perf_counter() - start, 1e-8))
+    numbers = [max(1, int(MIN_BATCH / t)) for t in once]
+    round_time = sum(t * n for t, n in zip(once, numbers))
+    repeat = min(max(3, int(budget / round_time)), 5001)
+    samples: list[list[float]] = [[] for _ in fns]
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(repeat):
+            for fn, number, out in zip(fns, numbers, samples):
+                start = time.perf_counter()
+                for _ in range(number):
+                    fn()
+                out.append((time.perf_counter() - start) / number)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return [statistics.median(s) for s in samples]
+
+
+def _ufuncs(n: int, rng: np.random.Generator) -> dict[str, Callable[[], object]]:
+    """One f32 NumPy call per cost-model function over arrays of `n` elements."""
+    from ir import kernels as K
+
+    # Values in [0.5, 2): no NaN, inf, denormal or domain-error slow paths.
+    x = rng.uniform(0.5, 2.0, n).astype(np.float32)
+    y = rng.uniform(0.5, 2.0, n).astype(np.float32)
+    out = np.empty_like(x)
+    cond = x > 1.25
+    rows = x.reshape(-1, REDUCE_AXIS)
+    reduced = np.empty(rows.shape[0], np.float32)
+    transposed = out.reshape(REDUCE_AXIS, -1)
+    return {
+        "add": lambda: np.add(x, y, out=out),
+        "sub": lambda: np.subtract(x, y, out=out),
+        "mul": lambda: np.multiply(x, y, out=out),
+        "div": lambda: np.divide(x, y, out=out),
+        "maximum": lambda: np.maximum(x, y, out=out),
+        "exp": lambda: np.exp(x, out=out),
+        "log": lambda: np.log(x, out=out),
+        "tanh": lambda: np.tanh(x, out=out),
+        "sqrt": lambda: np.sqrt(x, out=out),
+        "where": lambda: np.where(cond, x, y),  # allocates its result: np.where has no out=
+        "sum": lambda: np.sum(rows, axis=-1, out=reduced),
+        "max": lambda: np.max(rows, axis=-1, out=reduced),
+        "erf": lambda: K.erf(x),  # the float32 kernel: ~30 NumPy passes
+        "copy": lambda: np.copyto(out, x),
+        "transpose": lambda: np.copyto(transposed, rows.T),  # a layout change, strided reads
+    }
+
+
+class Progress:
+    """A text progress bar on stderr naming the step under way: redrawn in place on a
+    terminal, one line a step otherwise."""
+
+    WIDTH = 30
+
+    def __init__(self, total: int, enabled: bool, stream=None):
+        self.total, self.started, self.enabled = total, 0, enabled
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+
+    def step(self, label: str) -> None:
+        self.started += 1
+        if self.enabled:
+            self._draw(self.started - 1, f"{self.started}/{self.total} {label}")
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            self._draw(self.total, "done")
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def _draw(self, done: int, text: str) -> None:
+        if self.tty:
+            filled = self.WIDTH * done // self.total
+            self.stream.write(f"\rcalibrating [{'#' * filled}{'.' * (self.WIDTH - filled)}] {text:<32}")
+        else:
+            self.stream.write(f"calibrating {text}\n")
+        self.stream.flush()
+
+
+def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
+    """Time this machine and return its profile (not saved: see `run` and `save_profile`)."""
+    budget = QUICK_BUDGET if quick else BUDGET
+    shapes = QUICK_GEMM_SHAPES if quick else GEMM_SHAPES
+    caches = cache_sizes()
+    rng = np.random.default_rng(0)
+    # Cache-resident rates: the slope between two sizes whose working sets (erf keeps
+    # ~6 arrays live) fit in one core's L2, which removes the call's fixed cost.
+    big = max(REDUCE_AXIS * 8, caches["l2"] // (4 * 8) // REDUCE_AXIS * REDUCE_AXIS)
+    small = max(REDUCE_AXIS, big // 8 // REDUCE_AXIS * REDUCE_AXIS)
+    small_calls, big_calls = _ufuncs(small, rng), _ufuncs(big, rng)
+    bar = Progress(4 + len(shapes) + len(big_calls), sys.stderr.isatty() if progress is None else progress)
+    f32 = np.float32
+
+    bar.step("call overhead")
+    launch = _add_time(CALL_ELEMENTS, budget)
+
+    # A temporary: allocate and first touch, beyond touching a buffer that is reused.
+    # glibc hands a freed block of this size straight back (no page faults), so the
+    # difference is often within noise: then the np.empty call alone is the cost.
+    bar.step("allocation")
+    n_alloc = ALLOC_BYTES // 4
+    reused = np.empty(n_alloc, f32)
+    touch, alloc, empty = median_times((lambda: reused.fill(0), lambda: np.empty(n_alloc, f32).fill(0),
+                                        lambda: np.empty(n_alloc, f32)), budget)
+
+    # Streaming: np.add over arrays far bigger than L3 (2 reads + 1 write per element).
+    bar.step("stream bandwidth")
+    n_stream = min(max(2 * caches["l3"], STREAM_MIN_BYTES), STREAM_MAX_BYTES) // 4
+    memory_bandwidth = 12 * n_stream / _add_time(n_stream, budget)
+
+    samples = []
+    for m, n, k in shapes:
+        bar.step(f"gemm {m}x{n}x{k}")
+        samples.append((m, n, k, _gemm_rate(m, n, k, np.float32, launch, budget, rng)))
+    bar.step("gemm f64")
+    f64_rate = _gemm_rate(*shapes[-1], np.float64, launch, budget, rng)
+
+    rates = {}
+    for name in big_calls:
+        bar.step(f"{name} in cache")
+        t_small, t_big = median_times((small_calls[name], big_calls[name]), budget)
+        # Noise can make the slope meaningless on a busy machine: then the whole big call.
+        rates[name] = (big - small) / (t_big - t_small) if t_big > t_small * 1.05 else big / t_big
+    bar.close()
+
+    cores = os.cpu_count() or 1
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    return Hardware(
+        name="cpu", kind="cpu",
+        peak_flops={"f32": max(r for *_, r in samples), "f64": f64_rate},
+        memory_bandwidth=memory_bandwidth,
+        cache_bandwidth=12 * rates["add"],
+        cache_bytes=caches["l2"],
+        memory_bytes=_physical_memory(),
+        cores=cores,
+        shared_memory_per_core=caches["l1d"],
+        registers_per_core=0,
+        launch_overhead=launch,
+        alloc_overhead=max(alloc - touch, empty),
+        links={},
+        gemm_samples=tuple(samples),
+        ufunc_rates=rates,
+        source=(f"calibrated {stamp} on {cpu_model()} ({cores} cores, numpy {np.__version__}"
+                f"{', quick' if quick else ''})"),
+    )
+
+
+def _add_time(n: int, budget: float) -> float:
+    """Seconds of one np.add(a, b, out=c) over `n` f32 elements."""
+    a, b, c = (np.full(n, 1.5, np.float32) for _ in range(3))
+    return median_time(lambda: np.add(a, b, out=c), budget)
+
+
+def _gemm_rate(m, n, k, dtype, launch, budget, rng) -> float:
+    """FLOP/s of one np.matmul, net of the fixed call cost (so time = launch + 2mnk/rate)."""
+    a = rng.standard_normal((m, k)).astype(dtype)
+    b = rng.standard_normal((k, n)).astype(dtype)
+    c = np.empty((m, n), dtype)
+    t = median_time(lambda: np.matmul(a, b, out=c), budget)
+    return 2 * m * n * k / max(t - launch, t / 10)
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        return 0
+
+
+def summary(hw: Hardware) -> str:
+    """The measured numbers as a table."""
+    rows = [
+        ("call overhead (np.add, 16 elements)", f"{hw.launch_overhead * 1e6:.2f} us"),
+        ("temporary, 1 MiB alloc + first touch", f"{hw.alloc_overhead * 1e6:.2f} us"),
+        ("stream bandwidth (np.add, > L3)", f"{hw.memory_bandwidth / 1e9:.1f} GB/s"),
+        (f"cache bandwidth (np.add, in {hw.cache_bytes // 1024} KiB L2)", f"{hw.cache_bandwidth / 1e9:.1f} GB/s"),
+        ("peak f32 GEMM", f"{hw.flops('f32') / 1e9:.1f} GFLOP/s"),
+        ("f64 GEMM (largest shape)", f"{hw.flops('f64') / 1e9:.1f} GFLOP/s"),
+    ]
+    rows += [(f"GEMM f32 {m}x{n}x{k}", f"{r / 1e9:.1f} GFLOP/s") for m, n, k, r in hw.gemm_samples]
+    rows += [(f"f32 {name} (in cache)", f"{rate / 1e9:.2f} Gelem/s") for name, rate in hw.ufunc_rates.items()]
+    width = max(len(r[0]) for r in rows)
+    lines = [hw.source, f"{'measurement':<{width}}  {'value':>16}"]
+    lines += [f"{name:<{width}}  {value:>16}" for name, value in rows]
+    return "\n".join(lines)
+
+
+def run(quick: bool = False, output: str | Path | None = None, progress: bool = True) -> Path:
+    """Measure, save (default: the cache file hardware("cpu") reads), print the table."""
+    busy = _load_average()  # before we add our own
+    hw = measure(quick=quick, progress=progress)
+    path = save_profile(hw, output if output is not None else cpu_profile_path())
+    clear_cache()
+    print(summary(hw))
+    if busy > BUSY_LOAD * hw.cores:
+        print(f"warning: load average {busy:.1f} on {hw.cores} cores: other processes shared the CPU "
+              f"while measuring (multithreaded GEMMs suffer most); rerun `tilegraph calibrate` when idle")
+    print(f"wrote {path}")
+    return path
+
+
+def _load_average() -> float:
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):  # pragma: no cover - not POSIX
+        return 0.0

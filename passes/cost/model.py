@@ -1,0 +1,329 @@
+"""The cost model: FLOPs, bytes and predicted time of every op and fused group.
+
+What it computes, per op and per `tg.fusion` group, as sympy expressions in the
+model's symbolic dims (evaluated at concrete sizes on demand):
+
+* `flops`: arithmetic, a multiply-add counted as 2 (the FLOPs-only baseline ranks
+  kernels by this alone);
+* `bytes`: memory traffic when each input is read once and each output written
+  once. For a fused group only the group's inputs and outputs count: the values
+  between its ops stay in cache (CPU chunks) or registers (GPU);
+* `time`: the roofline, max(compute, memory), plus fixed overheads, and `bound`,
+  which of the two terms won.
+
+How time is predicted depends on the target, because the backends execute a group
+differently:
+
+* GPU (Triton): one kernel per group: launch overhead + max(flops / peak(dtype),
+  bytes / HBM bandwidth); matmuls at `Hardware.matmul_rate` (tile quantization).
+* CPU (the NumPy backend): NumPy makes one pass over memory per ufunc call, so an
+  op costs the passes its kernel makes (`CPU_PASSES`), each at the calibrated rate
+  of that ufunc on cache-resident data (`Hardware.ufunc_rates`) or at streaming
+  bandwidth when its operands do not fit in cache, plus the fixed cost of each
+  call. A fused group runs its non-contraction ops over cache-sized row chunks on
+  all cores (that is what `tile` writes and the NumPy backend does), so those
+  passes run at the cache rate divided over the threads, and main memory is
+  touched only for the group's inputs and outputs (added, not overlapped: NumPy
+  makes one pass at a time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import reduce
+from typing import Iterable, Mapping, Sequence
+
+import sympy
+from xdsl.ir import Operation
+
+from ir import dtypes
+from ir.dialect import FusionOp, TgOp
+from ir.shapes import Dim, TensorInfo, info_of, numel
+
+# Ops that move or name data without computing: free on the CPU (NumPy views), and
+# folded into the indexing of a fused GPU kernel.
+VIEW_OPS = {"reshape", "transpose", "broadcast", "slice", "identity", "weight", "constant"}
+# Anchors: ops a group is built around; at most one per group (horizontal fusion of
+# siblings sharing an input makes one wider anchor out of several).
+ANCHORS = {"matmul", "einsum", "conv", "attention"}
+
+# FLOPs per result element (conventional counts; the FLOPs-only baseline uses these).
+FLOPS_PER_ELEMENT = {"softmax": 5, "layer_norm": 8, "gelu": 8, "sigmoid": 4, "erf": 8, "rsqrt": 2}
+
+# NumPy calls per result element each op costs on the CPU: (calibrated ufunc, count).
+# Read off the templates in ir/ops.py and the kernels in ir/kernels.py; a ufunc not
+# calibrated falls back to "add" (one pass of simple arithmetic).
+CPU_PASSES: dict[str, tuple[tuple[str, int], ...]] = {
+    "add": (("add", 1),), "sub": (("add", 1),), "mul": (("mul", 1),), "div": (("div", 1),),
+    "max": (("maximum", 1),), "min": (("maximum", 1),), "relu": (("maximum", 1),),
+    "exp": (("exp", 1),), "tanh": (("tanh", 1),), "sqrt": (("sqrt", 1),), "rsqrt": (("sqrt", 1), ("div", 1)),
+    "reciprocal": (("div", 1),), "erf": (("erf", 1),), "where": (("where", 1),),
+    "sigmoid": (("exp", 1), ("add", 3), ("div", 2), ("where", 1)),
+    "gelu": (("mul", 3), ("add", 1), ("erf", 1)),
+    # max, subtract, exp, sum, divide (K.softmax)
+    "softmax": (("sum", 2), ("add", 1), ("exp", 1), ("div", 1)),
+    # mean, subtract, square, mean, add eps + sqrt + divide, scale, shift (K.layer_norm)
+    "layer_norm": (("sum", 2), ("add", 2), ("mul", 2), ("sqrt", 1), ("div", 1)),
+    "reduce_sum": (("sum", 1),), "reduce_mean": (("sum", 1),), "reduce_max": (("sum", 1),),
+    "reduce_min": (("sum", 1),), "reduce_prod": (("sum", 1),),
+}
+
+
+@dataclass
+class Cost:
+    """What one op or group costs; every field a sympy expression in the symbolic dims."""
+
+    flops: sympy.Expr
+    bytes: sympy.Expr
+    time: sympy.Expr  # seconds
+    compute_time: sympy.Expr
+    memory_time: sympy.Expr
+    overhead: sympy.Expr  # launches, NumPy calls, allocations
+    kernels: int = 1
+    label: str = ""
+    ops: list[str] = field(default_factory=list)
+
+    @property
+    def intensity(self) -> sympy.Expr:
+        """Arithmetic intensity, FLOPs per byte."""
+        return self.flops / self.bytes if self.bytes != 0 else sympy.oo
+
+    def bound(self, sizes: Mapping[str, int] | None = None) -> str:
+        compute, memory = at(self.compute_time, sizes), at(self.memory_time, sizes)
+        if max(compute, memory) < at(self.overhead, sizes):
+            return "overhead"
+        return "compute" if compute >= memory else "memory"
+
+    def evaluate(self, sizes: Mapping[str, int] | None = None) -> dict[str, float]:
+        return {"flops": at(self.flops, sizes), "bytes": at(self.bytes, sizes), "time": at(self.time, sizes)}
+
+
+def at(expr, sizes: Mapping[str, int] | None = None) -> float:
+    """A cost expression at concrete sizes (symbols by name)."""
+    expr = sympy.sympify(expr)
+    if sizes and expr.free_symbols:
+        expr = expr.subs({s: sizes[s.name] for s in expr.free_symbols if s.name in sizes})
+    if expr.free_symbols:
+        missing = ", ".join(sorted(s.name for s in expr.free_symbols))
+        raise ValueError(f"the cost depends on {missing}: give their sizes")
+    return float(expr)
+
+
+def _nbytes(info: TensorInfo) -> sympy.Expr:
+    return sympy.sympify(numel(info.shape)) * dtypes.numpy_dtype(info.dtype).itemsize
+
+
+def _elements(info: TensorInfo) -> sympy.Expr:
+    return sympy.sympify(numel(info.shape))
+
+
+def _prod(dims: Iterable[Dim]) -> sympy.Expr:
+    return reduce(lambda a, b: a * b, (sympy.sympify(d) for d in dims), sympy.Integer(1))
+
+
+def op_flops(op: TgOp) -> sympy.Expr:
+    """FLOPs of one op (multiply-add = 2)."""
+    name = op.op_name
+    ins = [info_of(v.type) for v in op.operands]
+    out = op.result_infos()[0]
+    if name in VIEW_OPS or op.SPEC.category in ("layout", "source"):
+        return sympy.Integer(0)
+    if name == "matmul":
+        k = ins[0].shape[-1]
+        return 2 * _elements(out) * sympy.sympify(k)
+    if name == "conv":
+        w = ins[1]
+        return 2 * _elements(out) * _prod(w.shape[1:])
+    if name == "attention":
+        q, k, v = ins[:3]
+        batch_q = _elements(out) / sympy.sympify(v.shape[-1])  # batch * Lq
+        lk, d, dv = sympy.sympify(k.shape[-2]), sympy.sympify(q.shape[-1]), sympy.sympify(v.shape[-1])
+        return batch_q * lk * (2 * d + 2 * dv + FLOPS_PER_ELEMENT["softmax"])
+    if name == "einsum":
+        return 2 * max((_elements(i) for i in ins), key=lambda e: at(e.subs({s: 64 for s in e.free_symbols})))
+    per = FLOPS_PER_ELEMENT.get(name, 1)
+    if op.SPEC.category == "reduction":
+        return per * _elements(ins[0])
+    return per * _elements(out)
+
+
+def op_bytes(op: Operation) -> sympy.Expr:
+    """Bytes in (each operand once) and out (each result once)."""
+    return sum((_nbytes(info_of(v.type)) for v in op.operands), sympy.Integer(0)) + \
+        sum((_nbytes(info_of(r.type)) for r in op.results), sympy.Integer(0))
+
+
+def _matmul_shape(op: TgOp) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr]:
+    """(m, n, k) of the GEMM a matmul or conv makes, m counting every batch row."""
+    ins = [info_of(v.type) for v in op.operands]
+    out = op.result_infos()[0]
+    if op.op_name == "conv":
+        w = ins[1]
+        n = sympy.sympify(w.shape[0])
+        return _elements(out) / n, n, _prod(w.shape[1:])
+    if op.op_name == "attention":
+        q, k = ins[0], ins[1]
+        return _elements(out) / sympy.sympify(q.shape[-1]), sympy.sympify(k.shape[-2]), sympy.sympify(q.shape[-1])
+    k = sympy.sympify(ins[0].shape[-1])
+    n = sympy.sympify(out.shape[-1]) if ins[1].rank > 1 else sympy.Integer(1)
+    return _elements(out) / n, n, k
+
+
+# A symbolic GEMM dim is costed at this size when the formula is printed symbolically:
+# a sequence or batch of a few hundred rows is where these models run.
+NOMINAL_DIM = 256
+
+
+def _gemm_rate(hw, op: TgOp) -> float:
+    if op.op_name == "einsum":  # no fixed GEMM shape: priced as a cube of the same volume
+        m = n = k = max(1.0, at_nominal(op_flops(op)) / 2) ** (1 / 3)
+    else:
+        m, n, k = (at_nominal(d) for d in _matmul_shape(op))
+    return hw.matmul_rate(int(m), int(n), int(k), op.result_infos()[0].dtype)
+
+
+def _cpu_passes_time(hw, name: str, elements: sympy.Expr, in_cache: bool, bytes_: sympy.Expr) -> sympy.Expr:
+    """Time of the NumPy passes an op makes over `elements` values."""
+    compute = sympy.Integer(0)
+    for ufunc, count in CPU_PASSES.get(name, (("add", 1),)):
+        rate = hw.ufunc_rates.get(ufunc) or hw.ufunc_rates.get("add") or hw.cache_bandwidth / 8
+        compute += count * elements / rate
+    if in_cache:
+        return compute
+    return sympy.Max(compute, bytes_ / hw.memory_bandwidth)
+
+
+def _calls(name: str) -> int:
+    return sum(count for _, count in CPU_PASSES.get(name, (("add", 1),)))
+
+
+def op_cost(op: TgOp, hw) -> Cost:
+    """The predicted cost of one op run on its own (an unfused kernel / NumPy call)."""
+    name = op.op_name
+    flops, bytes_ = op_flops(op), op_bytes(op)
+    out = op.result_infos()[0]
+    if name in ("weight", "constant"):
+        zero = sympy.Integer(0)
+        return Cost(zero, zero, zero, zero, zero, zero, kernels=0, label=name, ops=[name])
+    if hw.kind == "gpu":
+        memory = bytes_ / hw.memory_bandwidth
+        compute = flops / (_gemm_rate(hw, op) if name in ANCHORS else hw.flops(out.dtype))
+        if name in VIEW_OPS:
+            compute, memory = sympy.Integer(0), sympy.Integer(0)
+        overhead = sympy.Float(hw.launch_overhead)
+        return Cost(flops, bytes_, sympy.Max(compute, memory) + overhead, compute, memory, overhead, label=name,
+                    ops=[name])
+    # CPU, NumPy backend
+    if name in VIEW_OPS or op.SPEC.category in ("layout", "source"):
+        overhead = sympy.Float(hw.launch_overhead)
+        memory = sympy.Integer(0) if name in VIEW_OPS else bytes_ / hw.memory_bandwidth
+        return Cost(flops, bytes_, memory + overhead, sympy.Integer(0), memory, overhead, label=name, ops=[name])
+    if name in ANCHORS:
+        compute = flops / _gemm_rate(hw, op)
+        memory = bytes_ / hw.memory_bandwidth
+        overhead = sympy.Float(hw.launch_overhead + hw.alloc_overhead)
+        if name == "attention":  # scores materialised: a softmax over batch*Lq*Lk in NumPy passes
+            m, n, _ = _matmul_shape(op)
+            compute += _cpu_passes_time(hw, "softmax", m * n, False, 8 * m * n)
+        return Cost(flops, bytes_, sympy.Max(compute, memory) + overhead, compute, memory, overhead, label=name,
+                    ops=[name])
+    elements = _elements(out) if op.SPEC.category != "reduction" else _elements(info_of(op.operands[0].type))
+    fits = at_nominal(bytes_) <= hw.cache_bytes * hw.cores
+    compute = _cpu_passes_time(hw, name, elements, True, bytes_)
+    memory = sympy.Integer(0) if fits else bytes_ / hw.memory_bandwidth
+    overhead = sympy.Float(_calls(name) * hw.launch_overhead + hw.alloc_overhead)
+    return Cost(flops, bytes_, sympy.Max(compute, memory) + overhead, compute, memory, overhead, label=name,
+                ops=[name])
+
+
+def at_nominal(expr: sympy.Expr) -> float:
+    expr = sympy.sympify(expr)
+    return at(expr.subs({s: NOMINAL_DIM for s in expr.free_symbols}))
+
+
+def group_cost(ops: Sequence[TgOp], inputs: Sequence[TensorInfo], outputs: Sequence[TensorInfo], hw,
+               chunks: sympy.Expr | int | None = None, label: str = "") -> Cost:
+    """The predicted cost of ops fused into one group with these inputs and outputs.
+
+    `chunks`: how many row chunks the NumPy backend splits the group's
+    non-anchor ops into (from `tile`); by default one per core.
+    """
+    names = [op.op_name for op in ops]
+    flops = sum((op_flops(op) for op in ops), sympy.Integer(0))
+    bytes_ = sum((_nbytes(i) for i in inputs), sympy.Integer(0)) + sum((_nbytes(o) for o in outputs), sympy.Integer(0))
+    memory = bytes_ / hw.memory_bandwidth
+    anchors = [op for op in ops if op.op_name in ANCHORS]
+    rest = [op for op in ops if op.op_name not in ANCHORS and op.op_name not in VIEW_OPS]
+    if hw.kind == "gpu":
+        compute = sum((op_flops(op) / _gemm_rate(hw, op) for op in anchors), sympy.Integer(0))
+        compute += sum((op_flops(op) for op in rest), sympy.Integer(0)) / hw.flops(outputs[0].dtype)
+        overhead = sympy.Float(hw.launch_overhead)
+        return Cost(flops, bytes_, sympy.Max(compute, memory) + overhead, compute, memory, overhead, label=label,
+                    ops=names)
+    threads = hw.cores
+    n_chunks = sympy.sympify(chunks if chunks is not None else threads)
+    anchor_time = sum((op_cost(op, hw).compute_time for op in anchors), sympy.Integer(0))
+    passes = sympy.Integer(0)
+    calls = 0
+    for op in rest:
+        elements = _elements(op.result_infos()[0]) if op.SPEC.category != "reduction" \
+            else _elements(info_of(op.operands[0].type))
+        passes += _cpu_passes_time(hw, op.op_name, elements, True, sympy.Integer(0))
+        calls += _calls(op.op_name)
+    # Chunks run on all cores; with fewer chunks than cores, some cores idle.
+    parallel = sympy.Min(n_chunks, threads) if rest else 1
+    compute = anchor_time + passes / parallel
+    overhead = sympy.Float(hw.launch_overhead) * (len(anchors) + calls * n_chunks / parallel) + \
+        sympy.Float(hw.alloc_overhead) * len(outputs)
+    # NumPy runs one pass at a time: the group's inputs stream in from memory on the
+    # first pass over each chunk, and the rest run on cached data, so the two add up
+    # (a roofline max would let a long epilogue hide its own memory traffic).
+    return Cost(flops, bytes_, compute + memory + overhead, compute, memory, overhead,
+                kernels=1, label=label, ops=names)
+
+
+def fusion_cost(group: FusionOp, hw) -> Cost:
+    """The cost of a `tg.fusion` op as the backend will run it (its tile, if `tile` ran)."""
+    tile = group.tile()
+    chunks = tile.get("chunks")
+    return group_cost(group.ops, [info_of(v.type) for v in group.operands],
+                      [info_of(r.type) for r in group.results], hw, chunks=chunks, label=group.kind)
+
+
+@dataclass
+class ModelCost:
+    """Per-kernel costs of a whole module and their totals."""
+
+    rows: list[tuple[str, Cost]]  # (what: op name or "fusion <kind>", its cost)
+
+    @property
+    def time(self) -> sympy.Expr:
+        return sum((c.time for _, c in self.rows), sympy.Integer(0))
+
+    @property
+    def flops(self) -> sympy.Expr:
+        return sum((c.flops for _, c in self.rows), sympy.Integer(0))
+
+    @property
+    def bytes(self) -> sympy.Expr:
+        return sum((c.bytes for _, c in self.rows), sympy.Integer(0))
+
+    @property
+    def kernels(self) -> int:
+        return sum(c.kernels for _, c in self.rows)
+
+
+def module_cost(module: Operation, hw) -> ModelCost:
+    """Every top-level kernel of @forward: fused groups, and the ops left outside groups."""
+    rows: list[tuple[str, Cost]] = []
+    for op in module.walk():
+        if isinstance(op, FusionOp):
+            rows.append((f"fusion {op.kind}", fusion_cost(op, hw)))
+        elif isinstance(op, TgOp) and not isinstance(op.parent_op(), FusionOp):
+            if op.op_name not in ("weight", "constant"):
+                rows.append((op.op_name, op_cost(op, hw)))
+    return ModelCost(rows)
+
+
+__all__ = ["Cost", "ModelCost", "op_cost", "op_flops", "op_bytes", "group_cost", "fusion_cost", "module_cost", "at",
+           "ANCHORS", "VIEW_OPS"]

@@ -1,0 +1,157 @@
+"""`tile`: choose tile sizes for every fused group and write them on it.
+
+What it decides, per `tg.fusion` group, against the cost model of the target:
+
+* CPU (the NumPy backend): the group's non-anchor ops run over chunks of `rows`
+  along its last row axis (`axis`, the second-to-last dim of the group's widest
+  result), on all cores. Candidates are powers of two; each is priced by the cost
+  model (a chunk whose working set, every live value of the group for those rows,
+  exceeds the core's cache runs at memory speed; more chunks cost more NumPy calls),
+  and the cheapest wins. `chunks` records how many that makes at the sizes priced.
+* Attention (any target): flash-style tiling, `block_q` query rows against
+  `block_kv` keys with an online softmax, so the scores never exist whole and
+  memory grows with N·d, not N². A sequence that fits one block is computed whole.
+* GPU (read by the Triton backend): for GEMM groups `block_m/n/k`, `num_warps`,
+  `num_stages` within the shared-memory and register limits, chosen by predicted
+  time (waves of tiles over the SMs); for row groups one `block` covering a row.
+
+Symbolic dims are priced at `NOMINAL_DIM` (passes/cost/model.py). Every choice
+leaves a remark with the alternatives and their predicted times.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import sympy
+from xdsl.context import Context
+from xdsl.dialects.builtin import DictionaryAttr, IntegerAttr, ModuleOp, i64
+from xdsl.passes import ModulePass
+
+from ir import dtypes
+from ir.dialect import FusionOp
+from ir.shapes import TensorInfo, info_of
+from passes.cost.model import ANCHORS, VIEW_OPS, at_nominal, group_cost
+from passes.remarks import listening, remark
+
+# Attention: keys per block. 128 query rows x 512 keys of f32 scores is 256 KB, half
+# of this machine's 512 KB L2 per core (lscpu), leaving room for q, k, v blocks.
+FLASH_BLOCK_Q = 128
+FLASH_BLOCK_KV = 512
+# GPU GEMM candidates (the usual Triton matmul configurations, as in Triton's tutorial 03).
+GPU_BLOCKS = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 4, 4), (64, 128, 32, 4, 4),
+              (64, 64, 32, 4, 4), (128, 64, 32, 4, 4), (64, 256, 32, 4, 4), (32, 64, 32, 4, 5)]
+# Registers a thread may spend on its accumulator slice: 255 per thread is the hardware
+# limit (CUDA occupancy guide); half of it leaves room for addresses and operands.
+ACCUMULATOR_REGISTERS_PER_THREAD = 128
+
+
+@dataclass(frozen=True)
+class Tile(ModulePass):
+    """Write tile sizes on every tg.fusion group (see the module docstring)."""
+
+    name = "tile"
+
+    target: str = "cpu"
+
+    def apply(self, ctx: Context, op: ModuleOp) -> None:
+        from passes.cost.hardware import hardware
+
+        hw = hardware(self.target)
+        for group in [g for g in op.walk() if isinstance(g, FusionOp)]:
+            tile = choose_tile(group, hw)
+            if tile:
+                group.attributes["tile"] = DictionaryAttr({k: IntegerAttr(v, i64) for k, v in tile.items()})
+
+
+def choose_tile(group: FusionOp, hw) -> dict[str, int]:
+    tile: dict[str, int] = {}
+    anchors = [op for op in group.ops if op.op_name in ANCHORS]
+    if any(op.op_name == "attention" for op in anchors):
+        tile |= _attention_tile(group, next(op for op in anchors if op.op_name == "attention"))
+    if hw.kind == "gpu":
+        return tile | _gpu_tile(group, hw)
+    return tile | _cpu_rows(group, hw)
+
+
+def _attention_tile(group: FusionOp, op) -> dict[str, int]:
+    lq = at_nominal(info_of(op.operands[0].type).shape[-2])
+    lk = at_nominal(info_of(op.operands[1].type).shape[-2])
+    tile = {"block_q": int(min(FLASH_BLOCK_Q, lq)), "block_kv": int(min(FLASH_BLOCK_KV, lk))}
+    if listening():
+        d = at_nominal(info_of(op.operands[2].type).shape[-1])
+        remark("tile", f"attention {lq:.0f}x{lk:.0f}: blocks of {tile['block_q']} queries x {tile['block_kv']} keys "
+                       f"(online softmax): scores {tile['block_q'] * tile['block_kv']} values per head at a time "
+                       f"instead of {lq * lk:.0f}; memory grows with N*d = {lq * d:.0f}")
+    return tile
+
+
+def _widest(group: FusionOp) -> TensorInfo:
+    return max((info_of(r.type) for op in group.ops for r in op.results), key=lambda i: (i.rank, at_nominal(
+        sympy.sympify(math.prod(i.shape)) if i.shape else 1)))
+
+
+def _cpu_rows(group: FusionOp, hw) -> dict[str, int]:
+    chunked = [op for op in group.ops if op.op_name not in ANCHORS and op.op_name not in VIEW_OPS]
+    ref = _widest(group)
+    if not chunked or ref.rank < 2:
+        return {}
+    axis = ref.rank - 2
+    total = int(at_nominal(ref.shape[axis]))
+    outer = at_nominal(sympy.sympify(math.prod(ref.shape[:axis])) if axis else 1)
+    # Bytes one row along `axis` of every value the chunk loop touches.
+    row_bytes = sum(at_nominal(info_of(r.type).shape[-1] if info_of(r.type).rank else 1) *
+                    dtypes.numpy_dtype(info_of(r.type).dtype).itemsize * outer
+                    for op in group.ops for r in op.results)
+    inputs = [info_of(v.type) for v in group.operands]
+    outputs = [info_of(r.type) for r in group.results]
+    priced = []
+    rows = 1
+    while True:
+        chunks = math.ceil(total / rows)
+        cost = group_cost(group.ops, inputs, outputs, hw, chunks=chunks)
+        time = at_nominal(cost.time)
+        if rows * row_bytes > hw.cache_bytes:  # the chunk spills: its passes stream from memory
+            time += at_nominal(cost.compute_time) * (hw.cache_bandwidth / hw.memory_bandwidth - 1) / hw.cores
+        priced.append((time, -rows, rows, chunks))
+        if rows >= total:
+            break
+        rows = min(rows * 2, total)
+    time, _, rows, chunks = min(priced)
+    if listening():
+        others = ", ".join(f"{r} rows {t * 1e6:.1f} us" for t, _, r, _ in sorted(priced)[1:4])
+        remark("tile", f"{group.kind} group ({len(group.ops)} ops): chunks of {rows} rows along axis {axis} "
+                       f"({chunks} chunks, {rows * row_bytes / 1024:.0f} KiB live per chunk): predicted "
+                       f"{time * 1e6:.1f} us; next best: {others}")
+    return {"axis": axis, "rows": rows, "chunks": chunks}
+
+
+def _gpu_tile(group: FusionOp, hw) -> dict[str, int]:
+    anchors = [op for op in group.ops if op.op_name in ("matmul", "conv")]
+    ref = _widest(group)
+    if not anchors:
+        n = int(at_nominal(ref.shape[-1])) if ref.rank else 1
+        block = 1 << max(4, (n - 1).bit_length())
+        return {"block": block, "num_warps": 4 if block <= 2048 else 8}
+    op = anchors[0]
+    out = info_of(op.results[0].type)
+    m = at_nominal(sympy.sympify(math.prod(out.shape[:-1]))) if out.rank > 1 else 1
+    n = at_nominal(out.shape[-1])
+    k = at_nominal(info_of(op.operands[0].type).shape[-1])
+    size = dtypes.numpy_dtype(out.dtype).itemsize
+    priced = []
+    for bm, bn, bk, warps, stages in GPU_BLOCKS:
+        smem = stages * (bm * bk + bk * bn) * size
+        if smem > hw.shared_memory_per_core or bm * bn / (32 * warps) > ACCUMULATOR_REGISTERS_PER_THREAD:
+            continue
+        tiles = math.ceil(m / bm) * math.ceil(n / bn)
+        waves = math.ceil(tiles / hw.cores)
+        # One wave runs a tile per SM at the SM's share of the peak.
+        time = waves * 2 * bm * bn * k / (hw.flops(out.dtype) / hw.cores)
+        priced.append((time, -bm * bn, (bm, bn, bk, warps, stages)))
+    time, _, (bm, bn, bk, warps, stages) = min(priced)
+    if listening():
+        remark("tile", f"{group.kind} GEMM {m:.0f}x{n:.0f}x{k:.0f}: block {bm}x{bn}x{bk}, {warps} warps, {stages} "
+                       f"stages: predicted {time * 1e6:.1f} us ({len(priced)} configurations fit)")
+    return {"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages}
