@@ -20,6 +20,9 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/compile_minilm.py
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/cpu_speed.py
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/attention_memory.py
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/cost_model_accuracy.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

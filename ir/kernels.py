@@ -344,7 +344,7 @@ def topk(x, k, axis, largest):
 
 import itertools  # noqa: E402 - kept inside this block
 import threading  # noqa: E402
-from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor, wait  # noqa: E402
 from functools import lru_cache  # noqa: E402
 
 # Work items per thread when `threads > 1`: enough that an uneven last item (a
@@ -378,21 +378,35 @@ def _blas_libraries() -> tuple:
 
 
 class _OneBlasThread:
-    """Pin BLAS to one thread while our own threads run: OpenBLAS otherwise starts
-    its own threads for every small matmul of every work item, and the two pools
-    fight over the same cores. Measured on the 2-core dev machine at MiniLM shapes
-    (8x12x128x32 f32, one block): threads=2 took 0.69x of K.attention's time with
-    OpenBLAS free and 0.40x pinned; OpenBLAS's threads bought nothing at threads=1.
-    The setting is process-wide, so the kernel restores it on the way out."""
+    """BLAS on one thread while the kernel runs, so `threads` is the number of cores it
+    uses. OpenBLAS otherwise starts its own threads for every block's small matmul,
+    which spin on the cores our threads (or other processes) need. Measured on the
+    2-core dev machine, 12x4096x64 f32 in 128x512 blocks, machine shared with other
+    jobs: threads=1 took 13-31 s with OpenBLAS on 2 threads and 1.3-1.7 s pinned;
+    at MiniLM shapes (8x12x128x32, one block) threads=2 took 0.69x of K.attention's
+    time with OpenBLAS free and 0.40x pinned. The setting is process-wide: the first
+    caller in saves it and the last one out restores it, so concurrent calls nest."""
+
+    _lock = threading.Lock()
+    _depth = 0
+    _saved: list = []
 
     def __enter__(self):
-        self.saved = [(lib, lib.num_threads) for lib in _blas_libraries()]
-        for lib, _ in self.saved:
-            lib.set_num_threads(1)
+        cls = type(self)
+        with cls._lock:
+            if cls._depth == 0:
+                cls._saved = [(lib, lib.num_threads) for lib in _blas_libraries()]
+                for lib, _ in cls._saved:
+                    lib.set_num_threads(1)
+            cls._depth += 1
 
     def __exit__(self, *exc):
-        for lib, n in self.saved:
-            lib.set_num_threads(n)
+        cls = type(self)
+        with cls._lock:
+            cls._depth -= 1
+            if cls._depth == 0:
+                for lib, n in cls._saved:
+                    lib.set_num_threads(n)
 
 
 @lru_cache(maxsize=64)
@@ -409,12 +423,22 @@ def _accumulator_dtype(dtype: np.dtype) -> np.dtype:
     return np.dtype(np.float32) if dtype.itemsize < 4 else dtype
 
 
+def _lead(a, lead):
+    """a[lead] for an array that broadcasts against the batch: its size-1 dims take index 0."""
+    return a[tuple(i if n > 1 else 0 for i, n in zip(lead, a.shape))]
+
+
 def _apply_masks(s, mask, causal, lq, lk, i0, i1, j0, j1):
-    """Mask the scores block s = rows [i0, i1) x keys [j0, j1) in place, as `attention` does."""
+    """Mask the scores block s = rows [i0, i1) x keys [j0, j1) in place, as `attention` does.
+
+    `mask` is the caller's, not broadcast: negating a boolean block then costs the
+    mask's own size ([batch, 1, 1, keys] for a padding mask), not the scores'."""
     if causal and j1 - 1 > i0 + (lk - lq):  # some key of the block lies past some row's diagonal
         np.copyto(s, -np.inf, where=_causal_drop(lq, lk, i0, i1, j0, j1))
     if mask is not None:
-        block = mask[..., i0:i1, j0:j1]
+        rows = slice(i0, i1) if mask.shape[-2] > 1 else slice(None)
+        keys = slice(j0, j1) if mask.shape[-1] > 1 else slice(None)
+        block = mask[..., rows, keys]
         if block.dtype == np.bool_:
             np.copyto(s, -np.inf, where=~block)
         else:
@@ -446,10 +470,16 @@ def _attend_rows(q, k, v, mask, scale, causal, i0, i1, block_kv, out, acc):
         out[...] = np.nan
         return
     qs = q[..., i0:i1, :].astype(acc, copy=False) * scale
-    m = l = total = None
+    # One scores buffer and one P @ V buffer for all key blocks (a short last block
+    # uses a view): a new array per block would hold two blocks at once while the
+    # next matmul runs. The output rows themselves accumulate when the dtype allows.
+    s_buf = np.empty(qs.shape[:-1] + (min(block_kv, kv_end),), dtype=acc)
+    total = out if out.dtype == acc else np.empty(out.shape, dtype=acc)
+    pv = m = l = None
     for j0 in range(0, kv_end, block_kv):
         j1 = min(j0 + block_kv, kv_end)
-        s = np.matmul(qs, np.swapaxes(k[..., j0:j1, :], -1, -2).astype(acc, copy=False))
+        s = s_buf if j1 - j0 == s_buf.shape[-1] else s_buf[..., :j1 - j0]
+        np.matmul(qs, np.swapaxes(k[..., j0:j1, :], -1, -2).astype(acc, copy=False), out=s)
         _apply_masks(s, mask, causal, lq, lk, i0, i1, j0, j1)
         block_max = np.max(s, axis=-1, keepdims=True)
         m_new = block_max if m is None else np.maximum(m, block_max)  # NaN stays NaN
@@ -458,10 +488,12 @@ def _attend_rows(q, k, v, mask, scale, causal, i0, i1, block_kv, out, acc):
         shift = np.where(m_new == -np.inf, 0, m_new).astype(acc, copy=False)
         s -= shift
         np.exp(s, out=s)
-        pv = np.matmul(s, v[..., j0:j1, :].astype(acc, copy=False))
+        vb = v[..., j0:j1, :].astype(acc, copy=False)
         if m is None:
-            total, l = pv, np.sum(s, axis=-1, keepdims=True)
+            np.matmul(s, vb, out=total)
+            l = np.sum(s, axis=-1, keepdims=True)
         else:
+            pv = np.matmul(s, vb, out=pv)
             alpha = np.exp(m - shift)
             l *= alpha
             l += np.sum(s, axis=-1, keepdims=True)
@@ -471,7 +503,8 @@ def _attend_rows(q, k, v, mask, scale, causal, i0, i1, block_kv, out, acc):
     # l = 0 exactly when a row kept no key: 0 / 0 = NaN, as `attention` gives.
     with np.errstate(invalid="ignore", divide="ignore"):
         np.divide(total, l, out=total)
-    out[...] = total
+    if total is not out:
+        out[...] = total
 
 
 def attention_tiled(q, k, v, mask, scale, causal, block_q, block_kv, threads=1, out=None):
@@ -498,8 +531,9 @@ def attention_tiled(q, k, v, mask, scale, causal, block_q, block_kv, threads=1, 
     q = np.broadcast_to(q, batch + q.shape[-2:])
     k = np.broadcast_to(k, batch + k.shape[-2:])
     v = np.broadcast_to(v, batch + v.shape[-2:])
-    if mask is not None:
-        mask = np.broadcast_to(np.asarray(mask), batch + (lq, lk))
+    if mask is not None:  # the batch rank, with leading 1s; never broadcast (see _apply_masks)
+        mask = np.asarray(mask)
+        mask = mask.reshape((1,) * (len(batch) + 2 - mask.ndim) + mask.shape)
     block_q, block_kv = max(1, min(block_q, lq)), max(1, min(block_kv, lk))
     whole = block_q == lq and block_kv == lk
     row_blocks = [(i0, min(i0 + block_q, lq)) for i0 in range(0, lq, block_q)]
@@ -513,7 +547,7 @@ def attention_tiled(q, k, v, mask, scale, causal, block_q, block_kv, threads=1, 
 
     def run(item):
         lead, (i0, i1) = item
-        bm = None if mask is None else mask[lead]
+        bm = None if mask is None else _lead(mask, lead)
         if whole:
             _attend_whole(q[lead], k[lead], v[lead], bm, scale, causal, out[lead], acc)
         else:
@@ -521,7 +555,7 @@ def attention_tiled(q, k, v, mask, scale, causal, block_q, block_kv, threads=1, 
                          out[lead][..., i0:i1, :], acc)
 
     if threads <= 1 or len(items) == 1:
-        with np.errstate(invalid="ignore"):
+        with _OneBlasThread(), np.errstate(invalid="ignore"):
             for item in items:
                 run(item)
         return out
@@ -537,7 +571,10 @@ def attention_tiled(q, k, v, mask, scale, causal, block_q, block_kv, threads=1, 
 
     with _OneBlasThread():
         futures = [_thread_pool(threads - 1).submit(worker) for _ in range(min(threads, len(items)) - 1)]
-        worker()
+        try:
+            worker()
+        finally:
+            wait(futures)  # no worker still writing into `out` when this returns or raises
         for f in futures:
-            f.result()
+            f.result()  # re-raises a worker's exception here
     return out

@@ -45,7 +45,8 @@ from xdsl.ir import Block, SSAValue
 from ir import dtypes
 from ir.dialect import FusionOp, TgOp, YieldOp
 from ir.shapes import TensorInfo, dims_equal, info_of
-from passes.cost.model import ANCHORS, VIEW_OPS, at_nominal, group_cost
+from ir.fusion import ANCHORS, VIEW_OPS
+from passes.cost.model import at_nominal, group_cost
 from passes.remarks import listening, remark
 from xdsl.passes import ModulePass
 

@@ -2,12 +2,15 @@
 
 What it decides, per `tg.fusion` group, against the cost model of the target:
 
-* CPU (the NumPy backend): the group's non-anchor ops run over chunks of `rows`
-  along its last row axis (`axis`, the second-to-last dim of the group's widest
-  result), on all cores. Candidates are powers of two; each is priced by the cost
-  model (a chunk whose working set, every live value of the group for those rows,
-  exceeds the core's cache runs at memory speed; more chunks cost more NumPy calls),
-  and the cheapest wins. `chunks` records how many that makes at the sizes priced.
+* CPU (the NumPy backend): the group runs over chunks of `rows` on all cores. With
+  `flat`, its values are seen as [rows, last axis] and a chunk is a block of rows,
+  GEMM rows included (their epilogue runs while they are in cache); that needs
+  every input to span the rows or only the last axis (a bias). Otherwise a chunk is
+  a slice along `axis` (the last row axis) and anchors run whole first. Candidates
+  are powers of two, each priced by the cost model (a GEMM of fewer rows runs
+  slower; a chunk whose working set, a row of every value times the rows, exceeds
+  the core's cache streams from memory; more chunks cost more NumPy calls); the
+  cheapest wins. `chunks` records how many that makes at the sizes priced.
 * Attention (any target): flash-style tiling, `block_q` query rows against
   `block_kv` keys with an online softmax, so the scores never exist whole and
   memory grows with N·d, not N². A sequence that fits one block is computed whole.
@@ -32,13 +35,19 @@ from xdsl.passes import ModulePass
 from ir import dtypes
 from ir.dialect import FusionOp
 from ir.shapes import TensorInfo, info_of
-from passes.cost.model import ANCHORS, VIEW_OPS, at_nominal, group_cost
+from ir.fusion import ANCHORS, VIEW_OPS, flat_rows_ok, row_gemm, row_local, widest
+from passes.cost.model import at_nominal, group_cost
 from passes.remarks import listening, remark
 
 # Attention: keys per block. 128 query rows x 512 keys of f32 scores is 256 KB, half
 # of this machine's 512 KB L2 per core (lscpu), leaving room for q, k, v blocks.
 FLASH_BLOCK_Q = 128
 FLASH_BLOCK_KV = 512
+# A chunk's working set may outgrow the core's L2 into the shared L3 before its passes
+# slow down: on this machine (512 KiB L2, 32 MiB L3) MiniLM's FFN group (GEMM rows +
+# bias + gelu) ran fastest at 128-256 rows, 2.5-5 MB live, 10.8 ms against 11.4 at 64
+# rows and 19.5 at 512 (benchmarks: /tmp experiment recorded in the issue 3 note).
+SPILL_FACTOR = 8
 # GPU GEMM candidates (the usual Triton matmul configurations, as in Triton's tutorial 03).
 GPU_BLOCKS = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 4, 4), (64, 128, 32, 4, 4),
               (64, 64, 32, 4, 4), (128, 64, 32, 4, 4), (64, 256, 32, 4, 4), (32, 64, 32, 4, 5)]
@@ -54,25 +63,27 @@ class Tile(ModulePass):
     name = "tile"
 
     target: str = "cpu"
+    # At most this many rows per chunk (0: no limit): to see or test many chunks.
+    max_rows: int = 0
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         from passes.cost.hardware import hardware
 
         hw = hardware(self.target)
         for group in [g for g in op.walk() if isinstance(g, FusionOp)]:
-            tile = choose_tile(group, hw)
+            tile = choose_tile(group, hw, self.max_rows)
             if tile:
                 group.attributes["tile"] = DictionaryAttr({k: IntegerAttr(v, i64) for k, v in tile.items()})
 
 
-def choose_tile(group: FusionOp, hw) -> dict[str, int]:
+def choose_tile(group: FusionOp, hw, max_rows: int = 0) -> dict[str, int]:
     tile: dict[str, int] = {}
     anchors = [op for op in group.ops if op.op_name in ANCHORS]
     if any(op.op_name == "attention" for op in anchors):
         tile |= _attention_tile(group, next(op for op in anchors if op.op_name == "attention"))
     if hw.kind == "gpu":
         return tile | _gpu_tile(group, hw)
-    return tile | _cpu_rows(group, hw)
+    return tile | _cpu_rows(group, hw, max_rows)
 
 
 def _attention_tile(group: FusionOp, op) -> dict[str, int]:
@@ -87,49 +98,52 @@ def _attention_tile(group: FusionOp, op) -> dict[str, int]:
     return tile
 
 
-def _widest(group: FusionOp) -> TensorInfo:
-    return max((info_of(r.type) for op in group.ops for r in op.results), key=lambda i: (i.rank, at_nominal(
-        sympy.sympify(math.prod(i.shape)) if i.shape else 1)))
-
-
-def _cpu_rows(group: FusionOp, hw) -> dict[str, int]:
-    chunked = [op for op in group.ops if op.op_name not in ANCHORS and op.op_name not in VIEW_OPS]
-    ref = _widest(group)
-    if not chunked or ref.rank < 2:
+def _cpu_rows(group: FusionOp, hw, max_rows: int = 0) -> dict[str, int]:
+    chunked = [op for op in group.ops if op.op_name not in VIEW_OPS]
+    ref = widest(group)
+    if not chunked or ref.rank < 2 or not all(row_local(op) for op in group.ops):
         return {}
-    axis = ref.rank - 2
-    total = int(at_nominal(ref.shape[axis]))
-    outer = at_nominal(sympy.sympify(math.prod(ref.shape[:axis])) if axis else 1)
-    # Bytes one row along `axis` of every value the chunk loop touches.
-    row_bytes = sum(at_nominal(info_of(r.type).shape[-1] if info_of(r.type).rank else 1) *
-                    dtypes.numpy_dtype(info_of(r.type).dtype).itemsize * outer
-                    for op in group.ops for r in op.results)
+    flat = flat_rows_ok(group)
+    if flat:  # rows of the values seen as [rows, last axis]
+        axis, total, outer = 0, int(at_nominal(sympy.sympify(math.prod(ref.shape[:-1])))), 1.0
+    else:  # slices along the last row axis, other leading dims whole
+        axis = ref.rank - 2
+        total = int(at_nominal(ref.shape[axis]))
+        outer = at_nominal(sympy.sympify(math.prod(ref.shape[:axis])) if axis else 1)
+    # Bytes one row of every value the chunk touches (GEMM rows read their lhs row too).
+    row_bytes = outer * sum(_last_bytes(info_of(r.type)) for op in group.ops for r in op.results)
+    row_bytes += outer * sum(_last_bytes(info_of(op.operands[0].type)) for op in group.ops if row_gemm(op))
     inputs = [info_of(v.type) for v in group.operands]
     outputs = [info_of(r.type) for r in group.results]
     priced = []
     rows = 1
     while True:
         chunks = math.ceil(total / rows)
-        cost = group_cost(group.ops, inputs, outputs, hw, chunks=chunks)
+        cost = group_cost(group.ops, inputs, outputs, hw, chunks=chunks, gemm_rows=rows if flat else None)
         time = at_nominal(cost.time)
-        if rows * row_bytes > hw.cache_bytes:  # the chunk spills: its passes stream from memory
+        if rows * row_bytes > SPILL_FACTOR * hw.cache_bytes:  # the chunk spills: its passes stream from memory
             time += at_nominal(cost.compute_time) * (hw.cache_bandwidth / hw.memory_bandwidth - 1) / hw.cores
         priced.append((time, -rows, rows, chunks))
-        if rows >= total:
+        if rows >= total or (max_rows and rows * 2 > max_rows):
             break
         rows = min(rows * 2, total)
     time, _, rows, chunks = min(priced)
     if listening():
         others = ", ".join(f"{r} rows {t * 1e6:.1f} us" for t, _, r, _ in sorted(priced)[1:4])
-        remark("tile", f"{group.kind} group ({len(group.ops)} ops): chunks of {rows} rows along axis {axis} "
+        where = "of the values seen as [rows, last axis]" if flat else f"along axis {axis}"
+        remark("tile", f"{group.kind} group ({len(group.ops)} ops): chunks of {rows} rows {where} "
                        f"({chunks} chunks, {rows * row_bytes / 1024:.0f} KiB live per chunk): predicted "
                        f"{time * 1e6:.1f} us; next best: {others}")
-    return {"axis": axis, "rows": rows, "chunks": chunks}
+    return ({"flat": 1} if flat else {"axis": axis}) | {"rows": rows, "chunks": chunks}
+
+
+def _last_bytes(info: TensorInfo) -> float:
+    return at_nominal(info.shape[-1] if info.rank else 1) * dtypes.numpy_dtype(info.dtype).itemsize
 
 
 def _gpu_tile(group: FusionOp, hw) -> dict[str, int]:
     anchors = [op for op in group.ops if op.op_name in ("matmul", "conv")]
-    ref = _widest(group)
+    ref = widest(group)
     if not anchors:
         n = int(at_nominal(ref.shape[-1])) if ref.rank else 1
         block = 1 << max(4, (n - 1).bit_length())

@@ -4,6 +4,9 @@
     tilegraph compile model.onnx --target numpy -o model_np.py
     tilegraph check model.onnx                         # tilegraph vs onnxruntime
     tilegraph calibrate                                # measure this CPU for the cost model
+    tilegraph cost model.onnx --target h100 --dim batch=8   # predicted time, kernel by kernel
+    tilegraph cost model.onnx --target cpu --symbolic       # ... as formulas of the symbolic dims
+    tilegraph compile model.onnx -o model_np.py --report    # + kernels, buffers, planned peak memory
 
 Every mistake in the input (a missing file, a malformed model, an unsupported op,
 a shape mismatch) is one paragraph on stderr and exit status 2; `check` exits 1
@@ -13,6 +16,8 @@ when the outputs disagree.
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -20,6 +25,9 @@ from typing import Sequence
 from tilegraph.errors import run_reporting_errors
 
 EXIT_MISMATCH = 1
+# A symbolic dim the user gave no --dim for is costed at this size (and the output
+# says so): a batch or sequence of a hundred-odd rows, where the bundled models run.
+DEFAULT_DIM = 128
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,6 +43,10 @@ def _parser() -> argparse.ArgumentParser:
     comp.add_argument("--target", default="numpy", help="code generator (default: numpy)")
     comp.add_argument("-p", "--pipeline", default=None, help="pass pipeline (default: the default pipeline)")
     comp.add_argument("-o", "--output", required=True, help="where to write the emitted source (.py)")
+    comp.add_argument("--report", action="store_true",
+                      help="print kernel count, planned buffers, planned peak memory and weight bytes")
+    comp.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
+                      help="with --report: evaluate the planned peak at this size of a symbolic dimension")
 
     check = sub.add_parser("check", help="run tilegraph and onnxruntime on the same random inputs and compare")
     check.add_argument("model", help="model.onnx")
@@ -50,6 +62,21 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--quick", action="store_true", help="a rougher measurement in a couple of seconds")
     cal.add_argument("-o", "--output", default=None,
                      help="where to write the profile (default: the cache file `--target cpu` reads)")
+
+    # --- cost: the cost model's prediction, kernel by kernel (passes/cost/model.py) ---
+    cost = sub.add_parser("cost", help="predict FLOPs, bytes and time of every kernel on a target",
+                          description="Run the pipeline, then print the cost model's prediction for every "
+                                      "kernel (fused group or unfused op) and the totals. Passes with a "
+                                      "`target` option (fuse, tile) decide for --target unless the pipeline "
+                                      "names one, e.g. -p 'canonicalize,fuse{target=cpu}'.")
+    cost.add_argument("model", help="model.onnx, model.pt2 or model.mlir")
+    cost.add_argument("--target", default="cpu",
+                      help="hardware: h100, h200, a100 or cpu (this machine's calibrated profile; default)")
+    cost.add_argument("-p", "--pipeline", default=None, help="pass pipeline (default: the default pipeline)")
+    cost.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
+                      help=f"size of a symbolic dimension, e.g. --dim batch=8 (default: {DEFAULT_DIM} each)")
+    cost.add_argument("--symbolic", action="store_true",
+                      help="print the formulas (FLOPs, bytes, time as functions of the symbolic dims)")
     return p
 
 
@@ -67,13 +94,49 @@ def _import(args) -> int:
 def _compile(args) -> int:
     import tilegraph
 
+    dims = parse_dims(args.dim)
     compiled = tilegraph.compile(args.model, target=args.target, pipeline=args.pipeline)
+    report = _report(compiled, dims) if args.report else []  # a bad --dim fails before anything is written
     out = Path(args.output)
     weights = out.with_suffix(".weights.npz")
     out.write_text(compiled.source)
     compiled.model.weights.save(weights)
     print(f"wrote {out} ({len(compiled.source.splitlines())} lines) and {weights.name}")
+    for line in report:
+        print(line)
     return 0
+
+
+def _report(compiled, dims: dict[str, int]) -> list[str]:
+    """What the backend planned, read back from the PLAN the emitted module carries."""
+    import sympy
+
+    from ir.errors import TilegraphError
+
+    plan = _module_constant(compiled.source, "PLAN")
+    if plan is None:
+        raise TilegraphError(f"the {compiled.target} backend does not report a memory plan (no PLAN in its module)")
+    peak = sympy.sympify(plan["peak_bytes"])
+    check_dims(dims, {s.name for s in peak.free_symbols} | _input_symbols(compiled.model))
+    peak = _subs(peak, dims)
+    if peak.free_symbols:
+        peak_text = f"{peak} bytes (--dim NAME=SIZE evaluates it)"
+    else:
+        at = ", ".join(f"{k}={v}" for k, v in sorted(dims.items()))
+        peak_text = f"{format_count(float(peak))}B" + (f" at {at}" if at else "")
+    weights = sum(int(w.nbytes) for w in compiled.model.weights.values())
+    return [f"kernels: {plan['kernels']}",
+            f"planned buffers: {plan['buffers']} (reused by liveness)",
+            f"planned peak of intermediates (inputs and weights not counted): {peak_text}",
+            f"weights: {len(compiled.model.weights)} arrays, {format_count(weights)}B"]
+
+
+def _module_constant(source: str, name: str):
+    """The literal value of `name = ...` at the top level of an emitted module, or None."""
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    return None
 
 
 def _check(args) -> int:
@@ -87,13 +150,8 @@ def _check(args) -> int:
     path = Path(args.model)
     if path.suffix != ".onnx":
         raise TilegraphError(f"check compares against onnxruntime and needs an .onnx file, got {path}")
+    sizes = parse_dims(args.dim)
     compiled = tilegraph.compile(str(path), pipeline=args.pipeline)
-    sizes = {}
-    for item in args.dim:
-        name, _, size = item.partition("=")
-        if not size.isdigit():
-            raise TilegraphError(f"--dim takes NAME=SIZE, got '{item}'")
-        sizes[name] = int(size)
     imported = tilegraph.import_model(str(path))
     inputs = [a % args.int_high if a.dtype.kind in "iu" else a
               for a in random_inputs(imported, seed=args.seed, sizes=sizes)]
@@ -146,7 +204,177 @@ def _calibrate(args) -> int:
     return 0
 
 
-COMMANDS = {"import": _import, "compile": _compile, "check": _check, "calibrate": _calibrate}
+# --- cost: the cost model's table and formulas --------------------------------------
+
+def _cost(args) -> int:
+    import tilegraph
+    from passes.cost.hardware import hardware
+    from passes.cost.model import module_cost
+    from passes.registry import DEFAULT_PIPELINE, run_pipeline
+
+    hw = hardware(args.target)  # an unknown target or a bad --dim fails before any import work
+    dims = parse_dims(args.dim)
+    pipeline = with_target(DEFAULT_PIPELINE if args.pipeline is None else args.pipeline, hw.name)
+    model = run_pipeline(tilegraph.import_model(args.model), pipeline)
+    cost = module_cost(model.module, hw)
+    symbols = _input_symbols(model) | _cost_symbols(cost)
+    check_dims(dims, symbols)
+    print(f"{Path(args.model).name} on {hw.name}" + (f" ({hw.source})" if hw.kind == "cpu" else ""))
+    print(f"pipeline: {pipeline or '(none)'}")
+    if args.symbolic:
+        _print_formulas(cost, dims)
+    else:
+        sizes, defaulted = sizes_for(symbols, dims)
+        if sizes:
+            print(f"sizes: {describe_sizes(sizes, defaulted)}")
+        _print_table(cost, sizes)
+    return 0
+
+
+def _print_table(cost, sizes: dict[str, int]) -> None:
+    from passes.cost.model import at
+
+    total = at(cost.time, sizes)
+    unit, scale = _time_unit(total)
+    labels = [label for label, _ in cost.rows]
+    width = max([len("kernel"), *map(len, labels)])
+    print(f"{'#':>3}  {'kernel':<{width}}  {'FLOPs':>9}  {'bytes':>9}  {'FLOP/B':>7}  {f'time ({unit})':>10}  "
+          f"{'%':>5}  {'bound':<8}  ops")
+    for i, (label, c) in enumerate(cost.rows):
+        flops, nbytes, time = at(c.flops, sizes), at(c.bytes, sizes), at(c.time, sizes)
+        intensity = f"{flops / nbytes:.3g}" if nbytes else "-"
+        ops = " ".join(c.ops) if label.startswith("fusion") else ""
+        print(f"{i:>3}  {label:<{width}}  {format_count(flops):>9}  {format_count(nbytes):>9}  {intensity:>7}  "
+              f"{time * scale:>10.3f}  {100 * time / total if total else 0:>5.1f}  {c.bound(sizes):<8}  {ops}".rstrip())
+    print(f"total: {cost.kernels} kernels, {format_count(at(cost.flops, sizes))} FLOPs, "
+          f"{format_count(at(cost.bytes, sizes))} bytes, {total * scale:.3f} {unit} predicted")
+
+
+def _print_formulas(cost, dims: dict[str, int]) -> None:
+    """Totals and per-kernel cost as sympy formulas of the symbolic dims (those without a --dim)."""
+    if dims:
+        print(f"with {', '.join(f'{k}={v}' for k, v in sorted(dims.items()))}")
+    print(f"FLOPs = {_formula(cost.flops, dims)}")
+    print(f"bytes = {_formula(cost.bytes, dims)}")
+    print(f"time [s] = {_formula(cost.time, dims)}")
+    print(f"kernels = {cost.kernels}")
+    print("per kernel:")
+    for i, (label, c) in enumerate(cost.rows):
+        ops = f" ({' '.join(c.ops)})" if label.startswith("fusion") else ""
+        print(f"{i:>3}  {label}{ops}")
+        print(f"       FLOPs = {_formula(c.flops, dims)}; bytes = {_formula(c.bytes, dims)}; "
+              f"time [s] = {_formula(c.time, dims)}")
+
+
+# Significant digits of the coefficients in a printed formula: the calibrated rates
+# behind them are good to a few percent, more digits would be noise.
+FORMULA_DIGITS = 4
+
+
+def _formula(expr, dims: dict[str, int]) -> str:
+    import sympy
+
+    expr = sympy.expand(sympy.simplify(_subs(sympy.sympify(expr), dims)))  # simplify cancels, expand lists terms
+    return str(expr.xreplace({f: sympy.Float(f, FORMULA_DIGITS) for f in expr.atoms(sympy.Float)}))
+
+
+def _time_unit(seconds: float) -> tuple[str, float]:
+    """The unit that shows `seconds` as a number >= 1: s, ms or us."""
+    for unit, scale in (("s", 1.0), ("ms", 1e3)):
+        if seconds >= 1 / scale:
+            return unit, scale
+    return "us", 1e6
+
+
+def format_time(seconds: float) -> str:
+    unit, scale = _time_unit(seconds)
+    return f"{seconds * scale:.4g} {unit}"
+
+
+def format_count(x: float) -> str:
+    """12.3G, 4.56M, 789: a count with a decimal SI prefix."""
+    for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.4g}{prefix}"
+    return f"{x:.4g}"
+
+
+# --- shared by cost, compile --report and tilegraph-opt ---------------------------------
+
+def with_target(pipeline: str, target: str) -> str:
+    """`pipeline` with `target=<target>` given to every pass that has a `target` option
+    (fuse, tile) and was not given one: the passes decide for the hardware being costed."""
+    from xdsl.utils.arg_spec import ArgSpec
+    from xdsl.utils.arg_spec import parse_pipeline as parse_specs
+
+    from passes.registry import get_pass_class, parse_pipeline
+
+    parse_pipeline(pipeline)  # unknown passes and bad options: the registry's clear error
+    specs = []
+    for spec in parse_specs(pipeline):
+        options = {f.name for f in dataclasses.fields(get_pass_class(spec.name))}
+        given = {k.replace("-", "_") for k in spec.parameters}
+        if "target" in options and "target" not in given:
+            spec = ArgSpec(spec.name, {**spec.parameters, "target": (target,)})
+        specs.append(str(spec))
+    return ",".join(specs)
+
+
+def parse_dims(items: Sequence[str]) -> dict[str, int]:
+    """`["batch=8", "seq=128"]` -> {"batch": 8, "seq": 128}; a TilegraphError for anything else."""
+    from ir.errors import TilegraphError
+
+    sizes: dict[str, int] = {}
+    for item in items:
+        name, _, size = item.partition("=")
+        if not name.strip() or not size.strip().isdigit() or int(size) < 1:
+            raise TilegraphError(f"--dim takes NAME=SIZE with a positive integer size, got '{item}'")
+        sizes[name.strip()] = int(size)
+    return sizes
+
+
+def sizes_for(symbols: set[str], dims: dict[str, int]) -> tuple[dict[str, int], list[str]]:
+    """A size for every symbol: the --dim given, else DEFAULT_DIM; and the names defaulted."""
+    defaulted = sorted(symbols - dims.keys())
+    return {**{name: DEFAULT_DIM for name in defaulted}, **dims}, defaulted
+
+
+def describe_sizes(sizes: dict[str, int], defaulted: Sequence[str]) -> str:
+    """'batch=8, seq=128 (seq: default 128; set with --dim NAME=SIZE)'."""
+    note = f" ({', '.join(defaulted)}: default {DEFAULT_DIM}; set with --dim NAME=SIZE)" if defaulted else ""
+    return ", ".join(f"{k}={v}" for k, v in sorted(sizes.items())) + note
+
+
+def check_dims(dims: dict[str, int], symbols: set[str]) -> None:
+    from ir.errors import TilegraphError
+
+    unknown = sorted(dims.keys() - symbols)
+    if unknown:
+        known = ", ".join(sorted(symbols)) or "none: every dimension is static"
+        raise TilegraphError(f"--dim {', '.join(unknown)}: not a symbolic dimension of the model "
+                             f"(its symbolic dimensions: {known})")
+
+
+def _input_symbols(model) -> set[str]:
+    import sympy
+
+    return {s.name for info in model.inputs for d in info.shape if isinstance(d, sympy.Expr)
+            for s in d.free_symbols}
+
+
+def _cost_symbols(cost) -> set[str]:
+    import sympy
+
+    return {s.name for _, c in cost.rows for e in (c.flops, c.bytes, c.time)
+            for s in sympy.sympify(e).free_symbols}
+
+
+def _subs(expr, dims: dict[str, int]):
+    """`expr` with the symbols named in `dims` (matched by name: assumptions may differ) replaced."""
+    return expr.subs({s: dims[s.name] for s in expr.free_symbols if s.name in dims})
+
+
+COMMANDS = {"import": _import, "compile": _compile, "check": _check, "calibrate": _calibrate, "cost": _cost}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,17 +1,26 @@
 """`tilegraph-opt`: run tg passes on a model and print the IR, in the spirit of mlir-opt.
 
     tilegraph-opt model.mlir -p 'canonicalize,cse,decompose' --print-ir-after-change
+    tilegraph-opt model.mlir -p 'canonicalize,fuse,tile' --remarks       # why each group was (not) fused
+    tilegraph-opt model.mlir -p 'canonicalize,fuse,tile' --print-cost-after-all --target h100 --dim B=8
 
 Built on xDSL's opt main: the same pipeline syntax (`fuse{max-ops=32}`), the same
 flags (`--time-passes`, `-o`), restricted to the dialects and passes of tilegraph so
 it starts fast. Inputs may be `.mlir` (weights read from `model.weights.npz`
 beside it), `.onnx` or `.pt2`; with `-o out.mlir` the weights are written beside
 the output.
+
+`--target` names the hardware (h100, h200, a100, cpu), not xDSL's output format
+(tilegraph-opt always prints tg IR): `--print-cost-after-all` costs the module on
+it after every pass, and passes with a `target` option (fuse, tile) decide for it
+unless the pipeline gives them one. `--remarks` prints, on stderr after the run,
+every decision a pass explained (passes/remarks.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import sys
 from pathlib import Path
@@ -69,16 +78,44 @@ class TilegraphOptMain(xDSLOptMain):
                                 help="print the IR after each pass that changed it")
         arg_parser.add_argument("--verify-each", action=argparse.BooleanOptionalAction, default=True,
                                 help="verify the IR after each pass (default: on)")
+        # --- cost and remarks (passes/cost/, passes/remarks.py) ---
+        arg_parser.add_argument("--remarks", action="store_true",
+                                help="print every decision the passes explained (stderr, after the run)")
+        arg_parser.add_argument("--print-cost-after-all", action="store_true",
+                                help="print the predicted time and kernel count of the module after every pass")
+        # xDSL's -t/--target picks an output format; tilegraph-opt prints tg IR only, so
+        # --target names the hardware instead, as it does for `tilegraph cost`. argparse
+        # cannot replace an option once added: xDSL's action is re-pointed in place.
+        target = next(a for a in arg_parser._actions if "--target" in a.option_strings)
+        target.dest, target.default, target.metavar = "hardware", None, "HARDWARE"
+        target.help = ("hardware to cost on (--print-cost-after-all) and to give the passes' target "
+                       "option (fuse, tile): h100, h200, a100 or cpu (default: cpu)")
+        arg_parser.set_defaults(target="mlir")  # the output format xDSL's driver reads
+        arg_parser.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
+                                help="size of a symbolic dimension for --print-cost-after-all "
+                                     "(default: 128 each)")
 
     def setup_pipeline(self) -> None:
         from passes.registry import parse_pipeline
+        from tilegraph.cli import parse_dims, with_target
 
         parse_pipeline(self.args.passes)  # a clear error naming an unknown pass, before xDSL's
+        spec = self.args.passes
+        self._cost = None
+        if self.args.hardware is not None or self.args.print_cost_after_all:
+            from passes.cost.hardware import hardware
+
+            hw = hardware(self.args.hardware or "cpu")  # an unknown target: a clear error, before any work
+            self._cost = _CostPrinter(hw, parse_dims(self.args.dim))
+            if self.args.hardware is not None:
+                spec = with_target(spec, hw.name)
         last_text: list[str] = []
 
         def callback(previous: ModulePass | None, module: ModuleOp, following: ModulePass | None) -> None:
             if self.args.verify_each and not self.args.disable_verify:
                 module.verify()
+            if self.args.print_cost_after_all:
+                self._cost.show(previous, module)
             if previous is None:
                 if self.args.print_ir_after_change:
                     last_text[:] = [print_module(module)]
@@ -90,11 +127,13 @@ class TilegraphOptMain(xDSLOptMain):
                     print(text)
                 last_text[:] = [text]
 
-        self.pipeline = PassPipeline.parse_spec(self.available_passes, self.args.passes, callback)
+        self.pipeline = PassPipeline.parse_spec(self.available_passes, spec, callback)
 
     def apply_passes(self, prog: ModuleOp) -> None:
         if self.pipeline.passes:
             self.pipeline.apply(self.ctx, prog)
+        elif self.args.print_cost_after_all:
+            self._cost.show(None, prog)
         self._result = prog
 
     def prepare_output(self) -> IO[str]:
@@ -103,14 +142,56 @@ class TilegraphOptMain(xDSLOptMain):
         return self._held if self.args.output_file else sys.stdout
 
     def run(self) -> None:
+        from passes.remarks import collect
+
         self._held = _HeldOutput()
         self._result: ModuleOp | None = None
-        super().run()
+        # Passes format remarks only while someone collects them: only with --remarks.
+        with collect() if self.args.remarks else contextlib.nullcontext([]) as remarks:
+            try:
+                super().run()
+            finally:  # what the passes explained is shown even when a later pass fails
+                for r in remarks:
+                    print(r, file=sys.stderr)
         if self.args.output_file:
             Path(self.args.output_file).write_text(self._held.getvalue())
             store = _WEIGHTS_OF.get(self._result) if self._result is not None else None
             if store:
                 store.save(weights_path(Path(self.args.output_file)))
+
+
+class _CostPrinter:
+    """`--print-cost-after-all`: the module's predicted time and kernel count after each pass,
+    and how much the pass changed it."""
+
+    def __init__(self, hw, dims: dict[str, int]):
+        self.hw = hw
+        self.dims = dims
+        self.sizes: dict[str, int] | None = None
+        self.previous: float | None = None
+
+    def show(self, after: ModulePass | None, module: ModuleOp) -> None:
+        import sympy
+
+        from passes.cost.model import at, module_cost
+        from tilegraph.cli import check_dims, describe_sizes, format_count, format_time, sizes_for
+
+        cost = module_cost(module, self.hw)
+        symbols = {s.name for s in sympy.sympify(cost.time).free_symbols}
+        if self.sizes is None:  # the input: say at which sizes the costs are evaluated
+            check_dims(self.dims, symbols)
+            self.sizes, defaulted = sizes_for(symbols, self.dims)
+            print(f"// cost on {self.hw.name}" + (f" at {describe_sizes(self.sizes, defaulted)}" if self.sizes else ""))
+        self.sizes = sizes_for(symbols, self.sizes)[0]  # a symbol a pass introduced: the default size
+        time = at(cost.time, self.sizes)
+        change = ""
+        if self.previous is not None:
+            delta = time - self.previous
+            change = f" ({'+' if delta > 0 else '-'}{format_time(abs(delta))})" if delta else " (unchanged)"
+        where = "input" if after is None else f"after {after.name}"
+        print(f"// cost {where}: {format_time(time)}, {cost.kernels} kernel{'s' if cost.kernels != 1 else ''}, "
+              f"{format_count(at(cost.flops, self.sizes))} FLOPs{change}")
+        self.previous = time
 
 
 class _HeldOutput(io.StringIO):

@@ -296,7 +296,7 @@ class _Emitter:
             out += ["from time import perf_counter", "", "# kernel -> [seconds, calls], accumulated over calls",
                     f"PROFILE = {{name: [0.0, 0] for name in {self.kernel_names!r}}}"]
         if self.group_functions:
-            out.append("from backends.numpy.chunks import THREADS, run_chunks")
+            out.append("from backends.numpy.chunks import THREADS, run_chunks, single_threaded_blas")
         shape_fns = sorted({f for f in SHAPE_FUNCTIONS if re.search(rf"\b{f}\(", "\n".join(body))})
         if shape_fns:
             out.append("from ir.interpreter import SHAPE_FUNCTIONS")
@@ -319,10 +319,13 @@ class _Emitter:
         out += ["", f"{INDENT}def forward({params}):"]
         for s, (var, arg, axis) in sorted(self.symbols.items()):
             out.append(f"{INDENT * 2}{var} = {arg}.shape[{axis}]")
-        inner = INDENT * 2 if quiet else INDENT * 3
-        if not quiet:
-            # Same as the interpreter: IEEE results (inf, nan) are the semantics, not warnings.
-            out.append(f'{INDENT * 2}with np.errstate(all="ignore"):')
+        contexts = [] if quiet else ['np.errstate(all="ignore")']
+        if self.group_functions:  # groups run GEMM rows on their own threads (backends/numpy/chunks.py)
+            contexts.append("single_threaded_blas()")
+        inner = INDENT * 3 if contexts else INDENT * 2
+        if contexts:
+            # errstate: same as the interpreter, IEEE results (inf, nan) are the semantics, not warnings.
+            out.append(f'{INDENT * 2}with {", ".join(contexts)}:')
         out += [inner + line for line in body]
         out.append(f"{inner}return [{', '.join(self._output(v) for v in prog.outputs)}]")
         out += ["", f"{INDENT}return forward", ""]

@@ -1,20 +1,25 @@
 """One Python function per fused group (`tg.fusion`), for the NumPy emitter.
 
-How a group runs, in the code this module writes:
+How a group runs, in the code this module writes (MiniLM's FFN up-projection):
 
-    def fusion_3(layer_norm_2, w_fc1, b_fc1, buf0):      # matmul_epilogue: matmul add gelu
-        np.matmul(layer_norm_2, w_fc1, out=buf0)         # the anchor, whole: one BLAS call
-        def chunk(s):                                    # the rest, on rows s of axis 1
-            np.add(buf0[:, s], b_fc1, out=buf0[:, s])
-            K.gelu(buf0[:, s], 'none', out=buf0[:, s])
-        run_chunks(chunk, buf0.shape[1], 16)             # chunks on all cores (tile: rows=16)
-        return buf0
+    def fusion_5(layer_norm_1, w_fc1, b_fc1, buf0):
+        # matmul_epilogue: matmul add gelu; tile flat=1, rows=128, chunks=8
+        layer_norm_1_2d = layer_norm_1.reshape(-1, layer_norm_1.shape[-1])
+        buf0_2d = buf0.reshape(-1, buf0.shape[-1])
+        def chunk(s):                                       # rows s of [B*S, 1536]
+            np.matmul(layer_norm_1_2d[s], w_fc1, out=buf0_2d[s])
+            np.add(buf0_2d[s], b_fc1, out=buf0_2d[s])
+            K.gelu(buf0_2d[s], 'none', out=buf0_2d[s])
+        run_chunks(chunk, buf0_2d.shape[0], 128)            # chunks on all cores
+        return buf0,
 
-* The anchor (matmul, attention, conv) is computed whole, into a buffer the caller
-  passes (`out=`); sibling matmuls of a horizontal group are one GEMM against
-  their weights concatenated once in `build`, and their results are views of it.
-* The other ops run per chunk of `rows` along the group's row axis (from `tile`)
-  while the chunk is in cache, on all cores (`backends.numpy.chunks`).
+* With `flat` (from `tile`), every value is seen as [rows, last axis] and a chunk
+  is a block of rows: GEMM rows ([..., M, K] @ [K, N]) and their epilogue run
+  together while the rows are in cache; sibling matmuls of a horizontal group are
+  one GEMM against their weights concatenated once in `build`, and their results
+  are column windows of it.
+* Without it, the chunk is a slice along `axis`; anchors that cannot be cut in
+  rows (attention, conv, batched matmul) run whole first, into a buffer (`out=`).
 * Every value gets a home: a buffer the caller passes (group results), a chunk
   temporary, or, when an operand of the same shape and dtype dies at the op,
   that operand's memory (`out=` on ufuncs and kernels that take it, else slice
@@ -35,10 +40,10 @@ from xdsl.ir import SSAValue
 
 from ir import kernels
 from ir.dialect import FusionOp, TgOp
+from ir.fusion import ANCHORS, operand_rows, row_gemm, row_local, widest
 from ir.interpreter import dtype_code
 from ir.ops import render
-from ir.shapes import TensorInfo, dims_equal, info_of
-from passes.cost.model import ANCHORS
+from ir.shapes import TensorInfo, info_of
 
 INDENT = "    "
 _CALL = re.compile(r"^(np|K)\.(\w+)\((.*)\)$", re.S)
@@ -78,20 +83,6 @@ def with_out(expr: str, target: str) -> str:
     return f"{expr[:-1]}, out={target})"
 
 
-def row_local(op: TgOp) -> bool:
-    """Whether the op computes each row (all but the last axis) from the same row of its operands."""
-    if op.op_name == "trilu":  # elementwise, but which elements depends on the row index
-        return False
-    if op.op_name in ANCHORS or op.SPEC.category == "elementwise" or op.op_name == "gelu":
-        return True
-    rank = info_of(op.operands[0].type).rank
-    if op.op_name in ("softmax", "layer_norm"):
-        return op.attr("axis") % rank == rank - 1
-    if op.op_name.startswith("reduce_"):
-        return [a % rank for a in op.attr("axes")] == [rank - 1] and op.attr("keepdims")
-    return False
-
-
 @dataclass
 class Buffer:
     """A full-size array the caller passes in for the group to write."""
@@ -109,6 +100,14 @@ class GroupCode:
     results: list[tuple[int, str]] = field(default_factory=list)  # per group result: (buffer index, view suffix)
 
 
+@dataclass
+class Home:
+    """Where a full-size value lives: an array name, and a column window of it (horizontal groups)."""
+
+    base: str
+    cols: str = ""
+
+
 class GroupEmitter:
     """Writes the function of one tg.fusion group."""
 
@@ -119,14 +118,17 @@ class GroupEmitter:
         self.tile = group.tile()
         self.ops = group.ops
         self.yielded = list(group.block.last_op.operands)
-        self.ref = max((info_of(r.type) for op in self.ops for r in op.results), key=lambda i: i.rank)
+        self.ref = widest(group)
         self.chunked = bool(self.tile.get("rows")) and all(row_local(op) for op in self.ops)
+        self.flat = self.chunked and bool(self.tile.get("flat"))
         self.axis = self.tile.get("axis", self.ref.rank - 2)
-        self.local: dict[SSAValue, str] = {}  # value -> its full-size name (param, buffer, anchor view)
-        self.temp: dict[SSAValue, str] = {}  # value -> chunk temporary name
+        self.home: dict[SSAValue, Home] = {}  # full-size values: params, buffers, views of them
+        self.temp: dict[SSAValue, str] = {}  # chunk temporaries
         self.used_names: set[str] = set()
         self.buffers: list[Buffer] = []
         self.buffer_of: dict[SSAValue, tuple[int, str]] = {}
+        self.prelude: list[str] = []  # lines before the chunk loop
+        self._flat_names: dict[str, str] = {}
 
     def _fresh(self, base: str) -> str:
         name, i = base, 1
@@ -142,20 +144,34 @@ class GroupEmitter:
 
     # --- reading values -------------------------------------------------------------
 
-    def _sliced(self, value: SSAValue, name: str) -> str:
-        """`name`, restricted to the chunk's rows when the value spans them."""
-        if not self.chunked:
-            return name
-        info = info_of(value.type)
-        axis = self.axis - (self.ref.rank - info.rank)
-        if axis < 0 or (isinstance(info.shape[axis], int) and info.shape[axis] == 1):
-            return name  # broadcast along the chunk axis: every chunk reads all of it
-        return f"{name}[{':, ' * axis}s]"
+    def _flat(self, base: str, kind: str) -> str:
+        """(flat) A name for `base` seen as [rows, last] ('full') or as its last axis ('last')."""
+        if (base, kind) not in self._flat_names:
+            name = self._fresh(f"{base}_2d" if kind == "full" else f"{base}_1d")
+            shape = f"-1, {base}.shape[-1]" if kind == "full" else "-1"
+            self.prelude.append(f"{name} = {base}.reshape({shape})")
+            self._flat_names[(base, kind)] = name
+        return self._flat_names[(base, kind)]
 
     def _read(self, value: SSAValue) -> str:
         if value in self.temp:
             return self.temp[value]
-        return self._sliced(value, self.local[value])
+        home = self.home[value]
+        info = info_of(value.type)
+        if not self.chunked:
+            return f"{home.base}[..., {home.cols}]" if home.cols else home.base
+        kind = operand_rows(info, self.ref)
+        if self.flat:
+            if kind == "last" and info.rank > 1:
+                return self._flat(home.base, "last")
+            if kind == "last":
+                return home.base
+            return f"{self._flat(home.base, 'full')}[s{', ' + home.cols if home.cols else ''}]"
+        base = f"{home.base}[..., {home.cols}]" if home.cols else home.base
+        axis = self.axis - (self.ref.rank - info.rank)
+        if axis < 0 or (isinstance(info.shape[axis], int) and info.shape[axis] == 1):
+            return base  # broadcast along the chunk axis: every chunk reads all of it
+        return f"{base}[{':, ' * axis}s]"
 
     # --- the function ----------------------------------------------------------------
 
@@ -163,88 +179,107 @@ class GroupEmitter:
         group = self.group
         params = list(group.operands)
         for arg, outer in zip(group.block.args, params):
-            self.local[arg] = self._fresh(self.outer_name(outer))
-        body: list[str] = []
+            self.home[arg] = Home(self._fresh(self.outer_name(outer)))
         anchors = [op for op in self.ops if op.op_name in ANCHORS]
+        whole: list[str] = []  # anchors computed before the loop
+        chunk: list[str] = []
         if len(anchors) > 1:
-            body += self._horizontal(anchors)
+            chunk += self._horizontal(anchors)
+        elif anchors and self.flat and row_gemm(anchors[0]):
+            chunk += self._row_gemm(anchors[0])
         elif anchors:
-            body += self._anchor(anchors[0])
+            whole += self._anchor(anchors[0])
         last_use = {}
         for i, op in enumerate(self.ops):
             for v in op.operands:
                 last_use[v] = i
-        chunk: list[str] = []
         for i, op in enumerate(self.ops):
-            if op.op_name in ANCHORS:
-                continue
-            chunk.append(self._chunk_line(op, i, last_use))
+            if op.op_name not in ANCHORS:
+                chunk.append(self._chunk_line(op, i, last_use))
+        body = whole + self.prelude
         if chunk:
             body.append("def chunk(s):")
             body += [INDENT + line for line in chunk]
-            length = self._length()
             rows = self.tile.get("rows", 0) if self.chunked else 0
-            body.append(f"run_chunks(chunk, {length}, {rows})" if rows else "chunk(slice(None))")
-        results = []
-        for v in self.yielded:
-            results.append(self.buffer_of[v])
-        returns = [self.buffers[b].name + suffix for b, suffix in results]
+            body.append(f"run_chunks(chunk, {self._length()}, {rows})" if rows else "chunk(slice(None))")
+        results = [self.buffer_of[v] for v in self.yielded]
+        returns = [self.buffers[b].name + (f"[..., {cols}]" if cols else "") for b, cols in results]
         body.append(f"return {', '.join(returns)}" + ("," if len(returns) == 1 else ""))
-        params_code = ", ".join([self.local[a] for a in group.block.args] + [b.name for b in self.buffers])
+        params_code = ", ".join([self.home[a].base for a in group.block.args] + [b.name for b in self.buffers])
         tile = ", ".join(f"{k}={v}" for k, v in self.tile.items())
         doc = f'"""{group.kind}: {" ".join(op.op_name for op in self.ops)}' + (f"; tile {tile}" if tile else "") + '"""'
         function = [f"def {self.name}({params_code}):", INDENT + doc] + [INDENT + line for line in body]
         return GroupCode(function, self.name, params, self.buffers, results)
 
     def _length(self) -> str:
-        for v, (b, suffix) in self.buffer_of.items():
-            info = info_of(v.type)
-            if info.rank == self.ref.rank:
-                return f"{self.buffers[b].name}{suffix}.shape[{self.axis}]"
+        """The number of rows (flat) or the chunk axis' length, read off a result buffer."""
+        for b, _ in self.buffer_of.values():
+            buf = self.buffers[b]
+            if buf.info.rank == self.ref.rank:
+                if self.flat:
+                    return f"{self._flat(buf.name, 'full')}.shape[0]"
+                return f"{buf.name}.shape[{self.axis}]"
         raise AssertionError("a chunked group has a full-rank result")
 
-    def _own(self, value: SSAValue, buffer: tuple[int, str], suffix: str = "") -> str:
+    def _own(self, value: SSAValue, buffer: tuple[int, str], cols: str = "") -> None:
         index, name = buffer
-        self.buffer_of[value] = (index, suffix)
-        self.local[value] = name + suffix
-        return name + suffix
+        self.buffer_of[value] = (index, cols)
+        self.home[value] = Home(name, cols)
 
     def _render(self, op: TgOp, operands: list[str]) -> str:
         out = op.result_infos()[0]
-        return render(op.SPEC, operands, self.attrs(op), "None", dtype_code(out.dtype))
+        attrs = self.attrs(op)
+        if self.flat:  # values are [rows, last]: a last-axis reduction is over axis -1
+            if "axis" in attrs and op.op_name in ("softmax", "layer_norm"):
+                attrs["axis"] = -1
+            if "axes" in attrs:
+                attrs["axes"] = (-1,)
+        return render(op.SPEC, operands, attrs, "None", dtype_code(out.dtype))
 
     def _anchor(self, op: TgOp) -> list[str]:
+        """An anchor computed whole before the chunk loop, into a buffer."""
         out = op.result_infos()[0]
-        name = self._own(op.results[0], self._buffer(out))
-        operands = [self.local[v] for v in op.operands]
+        index, name = self._buffer(out)
+        self._own(op.results[0], (index, name))
+        operands = [self.home[v].base for v in op.operands]
         if op.op_name == "attention" and "block_kv" in self.tile:
             q, k, v = operands[:3]
             mask = operands[3] if len(operands) > 3 else "None"
             return [f"K.attention_tiled({q}, {k}, {v}, {mask}, {op.attr('scale')!r}, {op.attr('causal')}, "
                     f"{self.tile['block_q']}, {self.tile['block_kv']}, threads=THREADS, out={name})"]
-        lhs, rhs = (info_of(v.type) for v in op.operands[:2]) if op.op_name == "matmul" else (None, None)
-        if lhs is not None and lhs.rank > 2 and rhs.rank == 2 and not op.result_infos()[0].dtype.startswith("bf"):
-            # [..., M, K] @ [K, N] is one GEMM of all rows: NumPy would loop over the batch
-            # dims (and, writing into out=, leave BLAS for its own slower loop).
-            return [f"np.matmul({operands[0]}.reshape(-1, {operands[0]}.shape[-1]), {operands[1]}, "
+        if row_gemm(op):  # one GEMM of all rows: NumPy would loop over the batch dims
+            lhs = operands[0]
+            return [f"np.matmul({lhs}.reshape(-1, {lhs}.shape[-1]), {operands[1]}, "
                     f"out={name}.reshape(-1, {name}.shape[-1]))"]
         expr = self._render(op, operands)
         return [with_out(expr, name) if accepts_out(expr) else f"{name}[...] = {expr}"]
 
+    def _row_gemm(self, op: TgOp) -> list[str]:
+        """(flat) The GEMM rows of this chunk, into its result buffer."""
+        index, name = self._buffer(op.result_infos()[0])
+        self._own(op.results[0], (index, name))
+        lhs = self._read(op.operands[0])
+        return [f"np.matmul({lhs}, {self.home[op.operands[1]].base}, out={self._read(op.results[0])})"]
+
     def _horizontal(self, anchors: list[TgOp]) -> list[str]:
-        lhs = self.local[anchors[0].operands[0]]
+        """Sibling matmuls as one GEMM against their concatenated weights; results are column windows."""
         widths = [info_of(op.results[0].type).shape[-1] for op in anchors]
         ref = anchors[0].result_infos()[0]
-        total = sum(widths)
-        combined = self._buffer(TensorInfo(ref.shape[:-1] + (total,), ref.dtype))
+        combined = self._buffer(TensorInfo(ref.shape[:-1] + (sum(widths),), ref.dtype))
         # The weights are block arguments here; build() concatenates the values they stand for.
         weights = self.concat_weights([self.group.operands[op.operands[1].index] for op in anchors])
+        lhs = self.home[anchors[0].operands[0]].base
         offset = 0
         for op, width in zip(anchors, widths):
-            self._own(op.results[0], combined, f"[..., {offset}:{offset + width}]")
+            self._own(op.results[0], combined, f"{offset}:{offset + width}")
             offset += width
-        return [f"np.matmul({lhs}.reshape(-1, {lhs}.shape[-1]), {weights}, "
-                f"out={combined[1]}.reshape(-1, {combined[1]}.shape[-1]))  # {len(anchors)} sibling matmuls, one GEMM"]
+        note = f"  # {len(anchors)} sibling matmuls, one GEMM"
+        if self.flat:
+            lhs_rows = self._read(anchors[0].operands[0])
+            return [f"np.matmul({lhs_rows}, {weights}, out={self._flat(combined[1], 'full')}[s])" + note]
+        self.prelude.append(f"np.matmul({lhs}.reshape(-1, {lhs}.shape[-1]), {weights}, "
+                            f"out={combined[1]}.reshape(-1, {combined[1]}.shape[-1])){note}")
+        return []
 
     def _chunk_line(self, op: TgOp, index: int, last_use: dict) -> str:
         operands = [self._read(v) for v in op.operands]
@@ -259,17 +294,17 @@ class GroupEmitter:
         if result in self.yielded:  # lives on after the group: a buffer, a dying one if there is one
             donor = next((v for v in donors if v in self.buffer_of), None)
             if donor is not None:
-                b, suffix = self.buffer_of[donor]
-                self._own(result, (b, self.buffers[b].name), suffix)
+                b, cols = self.buffer_of[donor]
+                self._own(result, (b, self.buffers[b].name), cols)
             else:
                 self._own(result, self._buffer(out))
-            target = self._sliced(result, self.local[result])
+            target = self._read(result)
         elif donors and donors[0] in self.temp:
             target = self.temp[result] = self.temp[donors[0]]
         elif donors:
-            b, suffix = self.buffer_of[donors[0]]
-            self._own(result, (b, self.buffers[b].name), suffix)
-            target = self._sliced(result, self.local[result])
+            b, cols = self.buffer_of[donors[0]]
+            self._own(result, (b, self.buffers[b].name), cols)
+            target = self._read(result)
         else:
             target = self.temp[result] = self._fresh(f"t{index}")
             return f"{target} = {expr}"

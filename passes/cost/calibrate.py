@@ -3,9 +3,11 @@
 The NumPy backend spends its time in three ways, and each is measured the way the
 backend incurs it:
 
-- GEMMs: f32 `np.matmul(a, b, out=c)` (BLAS, all cores) at shapes from tiny to
-  large, including MiniLM's projections and one attention head; `gemm_samples`
-  keeps the curve, peak f32 FLOP/s is its best point (f64: measured at the largest).
+- GEMMs: f32 `np.matmul(a, b, out=c)` with BLAS on one thread, as the backend
+  runs them (one chunk of rows per core, backends/numpy/chunks.py), at shapes from
+  tiny to large, including MiniLM's projections, the row chunks `tile` chooses
+  between, and one attention head; `gemm_samples` keeps the per-core curve; peak
+  f32 FLOP/s is its best point times the cores (f64: measured at the largest).
 - Elementwise passes: one single-threaded NumPy call over f32 arrays, either
   streaming from DRAM (arrays well beyond L3: `memory_bandwidth`) or resident in
   one core's L2 (`ufunc_rates`, elements/s per function; `cache_bandwidth` is the
@@ -38,9 +40,10 @@ from passes.cost.hardware import Hardware, clear_cache, cpu_model, cpu_profile_p
 # (m, n, k) of the GEMMs timed: tiny (call-overhead bound), one attention head of
 # MiniLM (seq 128, head dim 32: Q@K^T and P@V), a MiniLM projection at batch 1,
 # the FFN matmuls at batch 8 (1024 tokens, 384 <-> 1536), and a large square one.
-GEMM_SHAPES = ((16, 16, 16), (128, 128, 32), (128, 32, 128), (128, 384, 384),
+GEMM_SHAPES = ((16, 16, 16), (128, 128, 32), (128, 32, 128), (32, 384, 384), (128, 384, 384),
+               (64, 1536, 384), (256, 1536, 384), (256, 384, 1536),
                (1024, 1536, 384), (1024, 384, 1536), (1024, 1024, 1024))
-QUICK_GEMM_SHAPES = ((16, 16, 16), (128, 128, 32), (128, 384, 384), (1024, 384, 1536))
+QUICK_GEMM_SHAPES = ((16, 16, 16), (128, 128, 32), (128, 384, 384), (256, 1536, 384), (1024, 384, 1536))
 
 CALL_ELEMENTS = 16  # "a small array": the call's fixed cost dominates
 ALLOC_BYTES = 1 * 2**20  # a typical activation chunk: MiniLM b1 s128 x 1536 f32 is 0.75 MiB
@@ -193,11 +196,16 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
     big = max(REDUCE_AXIS * 8, caches["l2"] // (4 * 8) // REDUCE_AXIS * REDUCE_AXIS)
     small = max(REDUCE_AXIS, big // 8 // REDUCE_AXIS * REDUCE_AXIS)
     small_calls, big_calls = _ufuncs(small, rng), _ufuncs(big, rng)
-    bar = Progress(4 + len(shapes) + len(big_calls), sys.stderr.isatty() if progress is None else progress)
+    bar = Progress(5 + len(shapes) + len(big_calls), sys.stderr.isatty() if progress is None else progress)
     f32 = np.float32
 
     bar.step("call overhead")
     launch = _add_time(CALL_ELEMENTS, budget)
+
+    # A NumPy call in a fused group's chunk loop on all cores: chunks of 16 rows sliced
+    # from a shared array, a few in-place calls each (what the backend's groups run).
+    bar.step("chunk loop call overhead")
+    chunk_call = _chunk_call_time(budget)
 
     # A temporary: allocate and first touch, beyond touching a buffer that is reused.
     # glibc hands a freed block of this size straight back (no page faults), so the
@@ -214,11 +222,15 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
     memory_bandwidth = 12 * n_stream / _add_time(n_stream, budget)
 
     samples = []
-    for m, n, k in shapes:
-        bar.step(f"gemm {m}x{n}x{k}")
-        samples.append((m, n, k, _gemm_rate(m, n, k, np.float32, launch, budget, rng)))
-    bar.step("gemm f64")
-    f64_rate = _gemm_rate(*shapes[-1], np.float64, launch, budget, rng)
+    from backends.numpy.chunks import single_threaded_blas
+
+    with single_threaded_blas():  # per core, as the NumPy backend runs its GEMM chunks
+        for m, n, k in shapes:
+            bar.step(f"gemm {m}x{n}x{k}")
+            samples.append((m, n, k, _gemm_rate(m, n, k, np.float32, launch, budget, rng)))
+        bar.step("gemm f64")
+        f64_rate = _gemm_rate(*shapes[-1], np.float64, launch, budget, rng)
+    cores = os.cpu_count() or 1
 
     rates = {}
     for name in big_calls:
@@ -228,11 +240,10 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         rates[name] = (big - small) / (t_big - t_small) if t_big > t_small * 1.05 else big / t_big
     bar.close()
 
-    cores = os.cpu_count() or 1
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     return Hardware(
         name="cpu", kind="cpu",
-        peak_flops={"f32": max(r for *_, r in samples), "f64": f64_rate},
+        peak_flops={"f32": max(r for *_, r in samples) * cores, "f64": f64_rate * cores},
         memory_bandwidth=memory_bandwidth,
         cache_bandwidth=12 * rates["add"],
         cache_bytes=caches["l2"],
@@ -242,6 +253,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         registers_per_core=0,
         launch_overhead=launch,
         alloc_overhead=max(alloc - touch, empty),
+        chunk_call_overhead=chunk_call,
         links={},
         gemm_samples=tuple(samples),
         ufunc_rates=rates,
@@ -254,6 +266,22 @@ def _add_time(n: int, budget: float) -> float:
     """Seconds of one np.add(a, b, out=c) over `n` f32 elements."""
     a, b, c = (np.full(n, 1.5, np.float32) for _ in range(3))
     return median_time(lambda: np.add(a, b, out=c), budget)
+
+
+CHUNK_ROWS, CHUNK_CALLS, CHUNKS = 16, 4, 64
+
+
+def _chunk_call_time(budget) -> float:
+    from backends.numpy.chunks import run_chunks
+
+    data = np.zeros((CHUNK_ROWS * CHUNKS, CALL_ELEMENTS), np.float32)
+
+    def chunk(s):
+        for _ in range(CHUNK_CALLS):
+            np.add(data[s], 1.0, out=data[s])
+
+    (t,) = median_times((lambda: run_chunks(chunk, len(data), CHUNK_ROWS),), budget)
+    return t / (CHUNKS * CHUNK_CALLS)
 
 
 def _gemm_rate(m, n, k, dtype, launch, budget, rng) -> float:
@@ -279,10 +307,11 @@ def summary(hw: Hardware) -> str:
         ("temporary, 1 MiB alloc + first touch", f"{hw.alloc_overhead * 1e6:.2f} us"),
         ("stream bandwidth (np.add, > L3)", f"{hw.memory_bandwidth / 1e9:.1f} GB/s"),
         (f"cache bandwidth (np.add, in {hw.cache_bytes // 1024} KiB L2)", f"{hw.cache_bandwidth / 1e9:.1f} GB/s"),
-        ("peak f32 GEMM", f"{hw.flops('f32') / 1e9:.1f} GFLOP/s"),
+        ("NumPy call in a chunk loop", f"{hw.chunk_call_overhead * 1e6:.2f} us"),
+        ("peak f32 GEMM (all cores)", f"{hw.flops('f32') / 1e9:.1f} GFLOP/s"),
         ("f64 GEMM (largest shape)", f"{hw.flops('f64') / 1e9:.1f} GFLOP/s"),
     ]
-    rows += [(f"GEMM f32 {m}x{n}x{k}", f"{r / 1e9:.1f} GFLOP/s") for m, n, k, r in hw.gemm_samples]
+    rows += [(f"GEMM f32 {m}x{n}x{k} (one core)", f"{r / 1e9:.1f} GFLOP/s") for m, n, k, r in hw.gemm_samples]
     rows += [(f"f32 {name} (in cache)", f"{rate / 1e9:.2f} Gelem/s") for name, rate in hw.ufunc_rates.items()]
     width = max(len(r[0]) for r in rows)
     lines = [hw.source, f"{'measurement':<{width}}  {'value':>16}"]

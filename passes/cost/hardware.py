@@ -29,7 +29,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Mapping
 
-PROFILE_FORMAT = 1  # bump when the JSON layout changes: older profiles are then re-measured
+PROFILE_FORMAT = 3  # (2: per-core GEMM samples; 3: chunk_call_overhead) bump when the JSON layout changes: older profiles are then re-measured
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,10 @@ class Hardware:
     source: str = ""  # datasheet URLs, or "calibrated <date> on <cpu model> ..."
     # GPU only: the most shared memory one thread block may use (the tile pass's limit).
     shared_memory_per_block: int = 0
+    # CPU only: the fixed cost of one NumPy call inside a fused group's chunk loop running
+    # on all cores (slicing the chunk's views, and the GIL the threads share between
+    # calls); 0: launch_overhead.
+    chunk_call_overhead: float = 0.0
 
     # Dict fields make the generated hash fail; these three identify a profile.
     def __hash__(self) -> int:
@@ -83,7 +87,7 @@ class Hardware:
     def matmul_rate(self, m: int, n: int, k: int, dtype: str = "f32") -> float:
         """FLOP/s expected for one (m x k) @ (k x n) GEMM at concrete sizes.
 
-        CPU: the measured f32 np.matmul rates (`gemm_samples`), interpolated linearly
+        CPU: the measured f32 np.matmul rates on one core (`gemm_samples`), interpolated linearly
         in log(m*n*k) and clamped at the smallest and largest sample, scaled by
         flops(dtype) / flops("f32").
 

@@ -16,7 +16,10 @@ differently:
 
 * GPU (Triton): one kernel per group: launch overhead + max(flops / peak(dtype),
   bytes / HBM bandwidth); matmuls at `Hardware.matmul_rate` (tile quantization).
-* CPU (the NumPy backend): NumPy makes one pass over memory per ufunc call, so an
+* CPU (the NumPy backend): GEMMs at the calibrated per-core rate of their shape
+  (`Hardware.matmul_rate`), on one core when run whole in a group (BLAS is kept
+  single-threaded while a compiled model runs) and on all cores when cut into row
+  chunks or unfused. NumPy makes one pass over memory per ufunc call, so an
   op costs the passes its kernel makes (`CPU_PASSES`), each at the calibrated rate
   of that ufunc on cache-resident data (`Hardware.ufunc_rates`) or at streaming
   bandwidth when its operands do not fit in cache, plus the fixed cost of each
@@ -38,14 +41,9 @@ from xdsl.ir import Operation
 
 from ir import dtypes
 from ir.dialect import FusionOp, TgOp
+from ir.fusion import ANCHORS, VIEW_OPS, row_gemm, widest
 from ir.shapes import Dim, TensorInfo, info_of, numel
 
-# Ops that move or name data without computing: free on the CPU (NumPy views), and
-# folded into the indexing of a fused GPU kernel.
-VIEW_OPS = {"reshape", "transpose", "broadcast", "slice", "identity", "weight", "constant"}
-# Anchors: ops a group is built around; at most one per group (horizontal fusion of
-# siblings sharing an input makes one wider anchor out of several).
-ANCHORS = {"matmul", "einsum", "conv", "attention"}
 
 # FLOPs per result element (conventional counts; the FLOPs-only baseline uses these).
 FLOPS_PER_ELEMENT = {"softmax": 5, "layer_norm": 8, "gelu": 8, "sigmoid": 4, "erf": 8, "rsqrt": 2}
@@ -193,8 +191,13 @@ def _cpu_passes_time(hw, name: str, elements: sympy.Expr, in_cache: bool, bytes_
     return sympy.Max(compute, bytes_ / hw.memory_bandwidth)
 
 
+# NumPy calls a kernel makes where that is not one per pass: K.erf evaluates its
+# rational approximation in ~2 calls per coefficient (ir/kernels.py, 12 coefficients).
+NUMPY_CALLS = {"erf": 28, "gelu": 32}
+
+
 def _calls(name: str) -> int:
-    return sum(count for _, count in CPU_PASSES.get(name, (("add", 1),)))
+    return NUMPY_CALLS.get(name) or sum(count for _, count in CPU_PASSES.get(name, (("add", 1),)))
 
 
 def op_cost(op: TgOp, hw) -> Cost:
@@ -218,8 +221,8 @@ def op_cost(op: TgOp, hw) -> Cost:
         overhead = sympy.Float(hw.launch_overhead)
         memory = sympy.Integer(0) if name in VIEW_OPS else bytes_ / hw.memory_bandwidth
         return Cost(flops, bytes_, memory + overhead, sympy.Integer(0), memory, overhead, label=name, ops=[name])
-    if name in ANCHORS:
-        compute = flops / _gemm_rate(hw, op)
+    if name in ANCHORS:  # an unfused GEMM: BLAS on all cores (`gemm_samples` are per core)
+        compute = flops / (_gemm_rate(hw, op) * hw.cores)
         memory = bytes_ / hw.memory_bandwidth
         overhead = sympy.Float(hw.launch_overhead + hw.alloc_overhead)
         if name == "attention":  # scores materialised: a softmax over batch*Lq*Lk in NumPy passes
@@ -242,11 +245,12 @@ def at_nominal(expr: sympy.Expr) -> float:
 
 
 def group_cost(ops: Sequence[TgOp], inputs: Sequence[TensorInfo], outputs: Sequence[TensorInfo], hw,
-               chunks: sympy.Expr | int | None = None, label: str = "") -> Cost:
+               chunks: sympy.Expr | int | None = None, gemm_rows: int | None = None, label: str = "") -> Cost:
     """The predicted cost of ops fused into one group with these inputs and outputs.
 
     `chunks`: how many row chunks the NumPy backend splits the group's
-    non-anchor ops into (from `tile`); by default one per core.
+    non-anchor ops into (from `tile`); by default one per core. `gemm_rows`: the
+    rows of a chunk when its GEMMs run chunk by chunk too (`flat` tiles).
     """
     names = [op.op_name for op in ops]
     flops = sum((op_flops(op) for op in ops), sympy.Integer(0))
@@ -262,7 +266,16 @@ def group_cost(ops: Sequence[TgOp], inputs: Sequence[TensorInfo], outputs: Seque
                     ops=names)
     threads = hw.cores
     n_chunks = sympy.sympify(chunks if chunks is not None else threads)
-    anchor_time = sum((op_cost(op, hw).compute_time for op in anchors), sympy.Integer(0))
+    if gemm_rows and anchors and all(row_gemm(op) for op in anchors):
+        # GEMMs cut in rows: each chunk's GEMM at the rate of its own (smaller) shape, on all cores.
+        m, n, k = _matmul_shape(anchors[0])
+        n = sum((_matmul_shape(op)[1] for op in anchors), sympy.Integer(0))
+        rows = min(gemm_rows, int(at_nominal(m)))
+        rate = hw.matmul_rate(rows, int(at_nominal(n)), int(at_nominal(k)), outputs[0].dtype)
+        anchor_time = 2 * m * n * k / rate / sympy.Min(n_chunks, threads)
+    else:  # anchors run whole before the chunk loop, BLAS on one thread; attention on all cores
+        anchor_time = sum((op_cost(op, hw).compute_time * (hw.cores if op.op_name != "attention" else 1)
+                           for op in anchors), sympy.Integer(0))
     passes = sympy.Integer(0)
     calls = 0
     for op in rest:
@@ -273,8 +286,10 @@ def group_cost(ops: Sequence[TgOp], inputs: Sequence[TensorInfo], outputs: Seque
     # Chunks run on all cores; with fewer chunks than cores, some cores idle.
     parallel = sympy.Min(n_chunks, threads) if rest else 1
     compute = anchor_time + passes / parallel
-    overhead = sympy.Float(hw.launch_overhead) * (len(anchors) + calls * n_chunks / parallel) + \
-        sympy.Float(hw.alloc_overhead) * len(outputs)
+    per_call = hw.chunk_call_overhead or hw.launch_overhead
+    chunk_calls = calls + (len(anchors) if gemm_rows else 0)
+    overhead = sympy.Float(hw.launch_overhead) * len(anchors) + sympy.Float(per_call) * chunk_calls * n_chunks / \
+        parallel + sympy.Float(hw.alloc_overhead) * len(outputs)
     # NumPy runs one pass at a time: the group's inputs stream in from memory on the
     # first pass over each chunk, and the rest run on cached data, so the two add up
     # (a roofline max would let a long epilogue hide its own memory traffic).
@@ -285,9 +300,15 @@ def group_cost(ops: Sequence[TgOp], inputs: Sequence[TensorInfo], outputs: Seque
 def fusion_cost(group: FusionOp, hw) -> Cost:
     """The cost of a `tg.fusion` op as the backend will run it (its tile, if `tile` ran)."""
     tile = group.tile()
-    chunks = tile.get("chunks")
+    chunks, rows = None, tile.get("rows")
+    if rows:  # as many chunks as the rows make at these sizes (`chunks` on the tile is at nominal ones)
+        ref = widest(group)
+        total = _prod(ref.shape[:-1]) if tile.get("flat") else sympy.sympify(ref.shape[tile.get("axis", 0)])
+        # (backends/numpy/chunks.py) never fewer chunks than cores while there are rows for them
+        chunks = sympy.Max(sympy.ceiling(total / rows), sympy.Min(total, hw.cores))
+    rows = rows if tile.get("flat") else None
     return group_cost(group.ops, [info_of(v.type) for v in group.operands],
-                      [info_of(r.type) for r in group.results], hw, chunks=chunks, label=group.kind)
+                      [info_of(r.type) for r in group.results], hw, chunks=chunks, gemm_rows=rows, label=group.kind)
 
 
 @dataclass

@@ -1,0 +1,154 @@
+"""The fuse and tile passes, and the NumPy backend running their groups.
+
+What these hold: fusion finds the groups a transformer block is made of (matmul
+epilogues, a residual + layer_norm, the Q/K/V siblings as one GEMM), every
+decision is visible in printed IR and leaves a remark with predicted costs, tiles
+respect their limits, the memory planner reuses buffers, and none of it changes
+results beyond the dtype's tolerance.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from backends.numpy import compile_model, emit
+from ir import Graph, Model, interpret
+from ir.dialect import FusionOp
+from passes.registry import DEFAULT_PIPELINE, UNFUSED_PIPELINE, run_pipeline
+from passes.remarks import collect
+from tilegraph.testing import assert_close, random_inputs, reduction_length
+
+RNG = np.random.default_rng(0)
+
+
+def _w(*shape) -> np.ndarray:
+    return (RNG.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32)
+
+
+def encoder_block(d: int = 64, hidden: int = 256, heads: int = 4, batch="B", seq: int = 48) -> Model:
+    """One BERT-style block: Q/K/V projections, attention, output projection + residual +
+    layer_norm, FFN with gelu + residual + layer_norm."""
+    g = Graph()
+    x = g.input("x", (batch, seq, d))
+    q, k, v = (g.reshape(x @ g.weight(f"w{n}", _w(d, d)) + g.weight(f"b{n}", _w(d)), (batch, seq, heads, d // heads))
+               for n in "qkv")
+    q, k, v = (g.transpose(t, (0, 2, 1, 3)) for t in (q, k, v))
+    a = g.attention(q, k, v, scale=float(1 / np.sqrt(d // heads)))
+    a = g.reshape(g.transpose(a, (0, 2, 1, 3)), (batch, seq, d))
+    h = g.layer_norm(a @ g.weight("wo", _w(d, d)) + g.weight("bo", _w(d)) + x, g.weight("g1", np.ones(d, np.float32)),
+                     g.weight("n1", np.zeros(d, np.float32)), axis=-1, epsilon=1e-5)
+    f = g.gelu(h @ g.weight("w1", _w(d, hidden)) + g.weight("b1", _w(hidden)))
+    y = g.layer_norm(f @ g.weight("w2", _w(hidden, d)) + g.weight("b2", _w(d)) + h,
+                     g.weight("g2", np.ones(d, np.float32)), g.weight("n2", np.zeros(d, np.float32)),
+                     axis=-1, epsilon=1e-5)
+    return g.build(y)
+
+
+def groups(model: Model) -> list[FusionOp]:
+    return [op for op in model.func.walk() if isinstance(op, FusionOp)]
+
+
+def kinds(model: Model) -> list[tuple[str, tuple[str, ...]]]:
+    return [(g.kind, tuple(op.op_name for op in g.ops)) for g in groups(model)]
+
+
+@pytest.fixture(scope="module")
+def block():
+    return encoder_block()
+
+
+@pytest.fixture(scope="module")
+def fused(block):
+    return run_pipeline(block, DEFAULT_PIPELINE)
+
+
+def test_fusion_finds_the_groups_of_a_transformer_block(fused):
+    found = kinds(fused)
+    assert ("horizontal_matmul", ("matmul", "add", "matmul", "add", "matmul", "add")) in found
+    assert ("matmul_epilogue", ("matmul", "add", "gelu")) in found
+    assert found.count(("matmul_epilogue", ("matmul", "add", "add", "layer_norm"))) == 2
+    # Every compute op is in a group; what is left outside only names or moves data.
+    outside = {op.name for op in fused.ops() if not isinstance(op, FusionOp)} - {"func.return"}
+    assert outside <= {"tg.weight", "tg.reshape", "tg.transpose", "tg.constant"}, outside
+
+
+def test_fused_and_tiled_ir_prints_and_parses_back(fused):
+    text = fused.text
+    assert 'tg.fusion "matmul_epilogue"' in text and "tile = {" in text
+    assert Model.parse(text, fused.weights).text == text
+
+
+def test_every_fusion_decision_leaves_a_remark_with_predicted_costs(block):
+    with collect() as remarks:
+        run_pipeline(block, DEFAULT_PIPELINE)
+    fuse = [str(r) for r in remarks if r.pass_name == "fuse"]
+    assert any("fused" in r and "saves" in r and " us" in r for r in fuse)
+    assert any("not fused" in r and "would" in r for r in fuse)  # the rejected, with why
+    tile = [str(r) for r in remarks if r.pass_name == "tile"]
+    assert any("chunks of" in r and "next best" in r for r in tile)
+
+
+@pytest.mark.parametrize("tile", ["tile", "tile{max-rows=1}", "tile{max-rows=5}"])
+def test_fused_groups_compute_what_the_interpreter_computes(block, tile):
+    model = run_pipeline(block, f"{UNFUSED_PIPELINE},fuse,{tile}")
+    x = random_inputs(block, seed=3, sizes={"B": 3})
+    expected = interpret(block, x)[0]
+    got = compile_model(model)(*x)[0]
+    assert_close(got, expected, "f32", reduction_length(block, {"B": 3}))
+
+
+def test_sibling_matmuls_run_as_one_gemm(fused):
+    source = emit(fused)
+    assert source.count("np.concatenate([") == 1  # the Q, K, V weights, once, in build()
+    assert "3 sibling matmuls, one GEMM" in source
+
+
+def test_the_memory_planner_reuses_buffers():
+    g = Graph()
+    x = g.input("x", ("B", 64))
+    y = x
+    for i in range(8):  # matmul groups of one shape: each result dies at the next group
+        y = g.relu(y @ g.weight(f"w{i}", _w(64, 64)))
+    model = run_pipeline(g.build(y), DEFAULT_PIPELINE)
+    assert len(groups(model)) == 8
+    source = emit(model)
+    namespace: dict = {}
+    exec(compile(source, "<test>", "exec"), namespace)  # noqa: S102
+    assert namespace["PLAN"]["kernels"] == 8
+    assert namespace["PLAN"]["buffers"] <= 3  # not 8: buffers of dead results are reused
+    x_in = random_inputs(model, seed=0, sizes={"B": 5})
+    assert_close(compile_model(model)(*x_in)[0], interpret(model, x_in)[0], "f32", 64 * 8)
+
+
+def test_long_attention_is_tiled_flash_style():
+    g = Graph()
+    q = g.input("q", (1, 2, 4096, 16))
+    model = run_pipeline(g.build(g.attention(q, q, q, scale=0.25, causal=True)), DEFAULT_PIPELINE)
+    (group,) = groups(model)
+    tile = group.tile()
+    assert tile["block_kv"] < 4096 and tile["block_q"] < 4096
+    assert "K.attention_tiled(" in emit(model)
+
+
+def test_gpu_tiles_fit_shared_memory_and_registers(block):
+    from passes.cost.hardware import hardware
+
+    model = run_pipeline(block, f"{UNFUSED_PIPELINE},fuse{{target=h100}},tile{{target=h100}}")
+    h100 = hardware("h100")
+    gemm_tiles = [g.tile() for g in groups(model) if "block_m" in g.tile()]
+    assert gemm_tiles
+    for t in gemm_tiles:
+        smem = t["num_stages"] * (t["block_m"] * t["block_k"] + t["block_k"] * t["block_n"]) * 4
+        assert smem <= h100.shared_memory_per_core
+        assert t["block_m"] * t["block_n"] // (32 * t["num_warps"]) <= 128
+
+
+def test_fusion_lowers_the_predicted_time(block):
+    from passes.cost.hardware import hardware
+    from passes.cost.model import at, module_cost
+
+    hw = hardware("cpu")
+    before = at(module_cost(run_pipeline(block, UNFUSED_PIPELINE).module, hw).time, {"B": 8})
+    after = at(module_cost(run_pipeline(block, DEFAULT_PIPELINE).module, hw).time, {"B": 8})
+    assert after < before
