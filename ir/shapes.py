@@ -61,10 +61,7 @@ def _parse_dim_text(text: str) -> Dim:
 
 def normalize_dim(d: Dim) -> Dim:
     if isinstance(d, sympy.Expr):
-        d = sympy.simplify(d)
-        if d.is_Integer:
-            return int(d)
-        return d
+        return _simplified(d)
     if isinstance(d, bool) or not isinstance(d, (int,)):
         import numpy as np
 
@@ -72,6 +69,14 @@ def normalize_dim(d: Dim) -> Dim:
             return int(d)
         raise ShapeError(f"dimension {d!r} is neither an int nor a symbolic expression")
     return int(d)
+
+
+# (cost model, fuse, tile) sympy.simplify costs ~7 ms a call and the passes ask about
+# the same few dims thousands of times: each expression is simplified once.
+@lru_cache(maxsize=16384)
+def _simplified(d: sympy.Expr) -> Dim:
+    d = sympy.simplify(d)
+    return int(d) if d.is_Integer else d
 
 
 def as_shape(dims: Iterable[Dim | str]) -> Shape:
@@ -85,13 +90,15 @@ def is_static(shape: Shape) -> bool:
 def dims_equal(a: Dim, b: Dim) -> bool:
     if isinstance(a, int) and isinstance(b, int):
         return a == b
-    return sympy.simplify(sympy.sympify(a) - sympy.sympify(b)) == 0
+    return a == b or _simplified(sympy.sympify(a) - sympy.sympify(b)) == 0
 
 
 def numel(shape: Sequence[Dim]) -> Dim:
     if is_static(tuple(shape)):
         return math.prod(shape)  # type: ignore[arg-type]
-    return normalize_dim(sympy.Mul(*[sympy.sympify(d) for d in shape]))
+    # A product of simplified dims needs no simplify of its own: sympy.Mul collects it.
+    product = sympy.Mul(*[sympy.sympify(d) for d in shape])
+    return int(product) if product.is_Integer else product
 
 
 def shape_str(shape: Sequence[Dim]) -> str:

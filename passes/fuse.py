@@ -46,7 +46,7 @@ from ir import dtypes
 from ir.dialect import FusionOp, TgOp, YieldOp
 from ir.shapes import TensorInfo, dims_equal, info_of
 from ir.fusion import ANCHORS, VIEW_OPS
-from passes.cost.model import at_nominal, group_cost
+from passes.cost.model import at_nominal, group_cost, op_cost
 from passes.remarks import listening, remark
 from xdsl.passes import ModulePass
 
@@ -88,7 +88,7 @@ def _kind(ops: list[TgOp]) -> str:
     if len(anchors) > 1:
         return "horizontal_matmul"
     if anchors:
-        return anchors[0] if anchors[0] == "attention" else f"{anchors[0]}_epilogue"
+        return anchors[0] if anchors[0] == "attention" or len(ops) == 1 else f"{anchors[0]}_epilogue"
     if any(op.SPEC.category in ("reduction", "composite") and op.op_name != "gelu" for op in ops):
         return "reduction"
     return "elementwise"
@@ -290,9 +290,9 @@ class _Fuser:
                 self.block.insert_op_before(node, ret)
         if listening():
             groups = [n for n in order if isinstance(n, Group)]
+            unfused = sum(at_nominal(op_cost(op, self.hw).time) for g in groups for op in g.ops)
             remark("fuse", f"{sum(len(g.ops) for g in groups)} ops in {len(groups)} groups; predicted "
-                           f"{_us(sum(self.time(o) for g in groups for o in ([op] for op in g.ops)))} unfused -> "
-                           f"{_us(sum(self.time(g.ops) for g in groups))} fused")
+                           f"{_us(unfused)} as separate ops -> {_us(sum(self.time(g.ops) for g in groups))} fused")
 
     def _emit_group(self, group: Group, before) -> None:
         inputs, outputs = self._io(group.ops)

@@ -6,7 +6,8 @@ What it decides, per `tg.fusion` group, against the cost model of the target:
   `flat`, its values are seen as [rows, last axis] and a chunk is a block of rows,
   GEMM rows included (their epilogue runs while they are in cache); that needs
   every input to span the rows or only the last axis (a bias). Otherwise a chunk is
-  a slice along `axis` (the last row axis) and anchors run whole first. Candidates
+  a slice along `axis` (the outermost leading axis with rows for every core) and
+  anchors run whole first. Candidates
   are powers of two, each priced by the cost model (a GEMM of fewer rows runs
   slower; a chunk whose working set, a row of every value times the rows, exceeds
   the core's cache streams from memory; more chunks cost more NumPy calls); the
@@ -106,8 +107,8 @@ def _cpu_rows(group: FusionOp, hw, max_rows: int = 0) -> dict[str, int]:
     flat = flat_rows_ok(group)
     if flat:  # rows of the values seen as [rows, last axis]
         axis, total, outer = 0, int(at_nominal(sympy.sympify(math.prod(ref.shape[:-1])))), 1.0
-    else:  # slices along the last row axis, other leading dims whole
-        axis = ref.rank - 2
+    else:  # slices along the outermost leading axis long enough to feed every core, others whole
+        axis = next((a for a in range(ref.rank - 1) if at_nominal(ref.shape[a]) >= 2 * hw.cores), ref.rank - 2)
         total = int(at_nominal(ref.shape[axis]))
         outer = at_nominal(sympy.sympify(math.prod(ref.shape[:axis])) if axis else 1)
     # Bytes one row of every value the chunk touches (GEMM rows read their lhs row too).

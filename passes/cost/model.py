@@ -205,22 +205,23 @@ def op_cost(op: TgOp, hw) -> Cost:
     name = op.op_name
     flops, bytes_ = op_flops(op), op_bytes(op)
     out = op.result_infos()[0]
+    zero = sympy.Integer(0)
     if name in ("weight", "constant"):
-        zero = sympy.Integer(0)
         return Cost(zero, zero, zero, zero, zero, zero, kernels=0, label=name, ops=[name])
+    if name in VIEW_OPS:  # nothing moves: a NumPy view, or index arithmetic in the consumer's GPU kernel
+        overhead = sympy.Float(hw.launch_overhead if hw.kind == "cpu" else 0)
+        return Cost(zero, zero, overhead, zero, zero, overhead, kernels=0, label=name, ops=[name])
     if hw.kind == "gpu":
         memory = bytes_ / hw.memory_bandwidth
         compute = flops / (_gemm_rate(hw, op) if name in ANCHORS else hw.flops(out.dtype))
-        if name in VIEW_OPS:
-            compute, memory = sympy.Integer(0), sympy.Integer(0)
         overhead = sympy.Float(hw.launch_overhead)
         return Cost(flops, bytes_, sympy.Max(compute, memory) + overhead, compute, memory, overhead, label=name,
                     ops=[name])
     # CPU, NumPy backend
-    if name in VIEW_OPS or op.SPEC.category in ("layout", "source"):
+    if op.SPEC.category in ("layout", "source"):  # copies: gather, concat, pad, ...
         overhead = sympy.Float(hw.launch_overhead)
-        memory = sympy.Integer(0) if name in VIEW_OPS else bytes_ / hw.memory_bandwidth
-        return Cost(flops, bytes_, memory + overhead, sympy.Integer(0), memory, overhead, label=name, ops=[name])
+        memory = bytes_ / hw.memory_bandwidth
+        return Cost(flops, bytes_, memory + overhead, zero, memory, overhead, label=name, ops=[name])
     if name in ANCHORS:  # an unfused GEMM: BLAS on all cores (`gemm_samples` are per core)
         compute = flops / (_gemm_rate(hw, op) * hw.cores)
         memory = bytes_ / hw.memory_bandwidth
