@@ -40,7 +40,6 @@ import resource
 import subprocess
 import sys
 import tempfile
-import time
 import tracemalloc
 from pathlib import Path
 
@@ -164,9 +163,7 @@ def child(variant: str, seq: int, blocks: tuple[int, int], out_path: str) -> Non
     """Measure one variant's peak memory in this fresh process; print JSON, save the result."""
     run = make_runner(variant, seq, blocks)
     base, method = reset_peak_rss()
-    t0 = time.perf_counter()
     y = run()
-    seconds = time.perf_counter() - t0
     rss = peak_rss(method) - base
     np.save(out_path, np.asarray(y))
     traced = None
@@ -178,7 +175,7 @@ def child(variant: str, seq: int, blocks: tuple[int, int], out_path: str) -> Non
             traced = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
-    print(json.dumps({"rss": rss, "traced": traced, "method": method, "first_call_s": seconds}))
+    print(json.dumps({"rss": rss, "traced": traced, "method": method}))
 
 
 def measure_memory(variant: str, seq: int, blocks: tuple[int, int], out_path: str) -> dict:

@@ -349,8 +349,15 @@ from functools import lru_cache  # noqa: E402
 
 # Work items per thread when `threads > 1`: enough that an uneven last item (a
 # short query block, a causal block with few keys) does not leave a core idle,
-# few enough that per-item Python overhead (~20 us) stays small.
+# few enough that per-item Python overhead (~20 us) stays small. Measured at
+# MiniLM b8 (8x12x128x32, BLAS on one thread): 1, 2 and 4 items per thread took
+# 0.42x, 0.42x and 0.37x of K.attention's time.
 _ITEMS_PER_THREAD = 4
+# Below this many scores (batch x Lq x Lk) one thread does the work: handing items
+# to the pool costs more than it saves. Measured on the 2-core machine: MiniLM b1
+# (196K scores, ~1 ms) ran no faster on 2 threads (0.50-0.62x of K.attention
+# against 0.54x on one), GPT-2 b1 s256 causal (786K) did (0.48x against 0.69x).
+_MIN_PARALLEL_SCORES = 1 << 19
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -368,6 +375,7 @@ def _thread_pool(workers: int) -> ThreadPoolExecutor:
 
 
 @lru_cache(maxsize=1)
+@lru_cache(maxsize=1)  # scanning the loaded libraries takes milliseconds; they do not change
 def _blas_libraries() -> tuple:
     """The BLAS libraries NumPy loaded (threadpoolctl controllers), or none without threadpoolctl."""
     try:
@@ -377,15 +385,17 @@ def _blas_libraries() -> tuple:
     return tuple(ThreadpoolController().select(user_api="blas").lib_controllers)
 
 
-class _OneBlasThread:
+class OneBlasThread:
     """BLAS on one thread while the kernel runs, so `threads` is the number of cores it
     uses. OpenBLAS otherwise starts its own threads for every block's small matmul,
     which spin on the cores our threads (or other processes) need. Measured on the
-    2-core dev machine, 12x4096x64 f32 in 128x512 blocks, machine shared with other
-    jobs: threads=1 took 13-31 s with OpenBLAS on 2 threads and 1.3-1.7 s pinned;
-    at MiniLM shapes (8x12x128x32, one block) threads=2 took 0.69x of K.attention's
-    time with OpenBLAS free and 0.40x pinned. The setting is process-wide: the first
-    caller in saves it and the last one out restores it, so concurrent calls nest."""
+    2-core dev machine, 12x4096x64 f32 in 128x512 blocks: threads=2 took 0.67 s
+    pinned and 1.76 s with OpenBLAS free; threads=1 took 1.10 s pinned and 1.04 s
+    free when the machine was idle, but 13-31 s free (1.3-1.7 s pinned) while
+    other jobs loaded it. At MiniLM shapes (8x12x128x32, one block) threads=2 took
+    0.69x of K.attention's time with OpenBLAS free and 0.40x pinned. The setting is
+    process-wide: the first caller in saves it and the last one out restores it,
+    so concurrent calls nest."""
 
     _lock = threading.Lock()
     _depth = 0
@@ -394,8 +404,8 @@ class _OneBlasThread:
     def __enter__(self):
         cls = type(self)
         with cls._lock:
-            if cls._depth == 0:
-                cls._saved = [(lib, lib.num_threads) for lib in _blas_libraries()]
+            if cls._depth == 0:  # only libraries not on one thread already (the NumPy backend pins them)
+                cls._saved = [(lib, n) for lib in _blas_libraries() if (n := lib.num_threads) != 1]
                 for lib, _ in cls._saved:
                     lib.set_num_threads(1)
             cls._depth += 1
@@ -424,8 +434,9 @@ def _accumulator_dtype(dtype: np.dtype) -> np.dtype:
 
 
 def _lead(a, lead):
-    """a[lead] for an array that broadcasts against the batch: its size-1 dims take index 0."""
-    return a[tuple(i if n > 1 else 0 for i, n in zip(lead, a.shape))]
+    """a[lead] for an array that broadcasts against the batch: its size-1 dims take index
+    0 (or stay whole under a slice, so they still broadcast against the others)."""
+    return a[tuple(i if n > 1 else (slice(None) if isinstance(i, slice) else 0) for i, n in zip(lead, a.shape))]
 
 
 def _apply_masks(s, mask, causal, lq, lk, i0, i1, j0, j1):
@@ -528,9 +539,7 @@ def attention_tiled(q, k, v, mask, scale, causal, block_q, block_kv, threads=1, 
     scale = np.asarray(scale, dtype=acc)
     # Views with the full batch shape (zero strides where a dim broadcasts): every
     # work item slices them the same way, and nothing is copied.
-    q = np.broadcast_to(q, batch + q.shape[-2:])
-    k = np.broadcast_to(k, batch + k.shape[-2:])
-    v = np.broadcast_to(v, batch + v.shape[-2:])
+    q, k, v = (x if x.shape[:-2] == batch else np.broadcast_to(x, batch + x.shape[-2:]) for x in (q, k, v))
     if mask is not None:  # the batch rank, with leading 1s; never broadcast (see _apply_masks)
         mask = np.asarray(mask)
         mask = mask.reshape((1,) * (len(batch) + 2 - mask.ndim) + mask.shape)
@@ -538,12 +547,22 @@ def attention_tiled(q, k, v, mask, scale, causal, block_q, block_kv, threads=1, 
     whole = block_q == lq and block_kv == lk
     row_blocks = [(i0, min(i0 + block_q, lq)) for i0 in range(0, lq, block_q)]
 
-    # Split the leading batch dims only as far as needed to give each thread a few items.
+    if math.prod(batch) * lq * lk < _MIN_PARALLEL_SCORES:
+        threads = 1
+    # Split the leading batch dims only as far as needed to give each thread a few
+    # items: whole indices of the outer dims, then contiguous slices of the next one.
     want = threads * _ITEMS_PER_THREAD if threads > 1 else 1
     split = 0
     while split < len(batch) and math.prod(batch[:split]) * len(row_blocks) < want:
         split += 1
-    items = [(lead, rows) for lead in np.ndindex(*batch[:split]) for rows in row_blocks]
+    leads = [()]
+    if split:
+        outer = math.prod(batch[:split - 1]) * len(row_blocks)
+        pieces = -(-want // outer)
+        step = -(-batch[split - 1] // pieces)
+        leads = [lead + (slice(c, c + step),)
+                 for lead in np.ndindex(*batch[:split - 1]) for c in range(0, batch[split - 1], step)]
+    items = [(lead, rows) for lead in leads for rows in row_blocks]
 
     def run(item):
         lead, (i0, i1) = item
@@ -555,7 +574,7 @@ def attention_tiled(q, k, v, mask, scale, causal, block_q, block_kv, threads=1, 
                          out[lead][..., i0:i1, :], acc)
 
     if threads <= 1 or len(items) == 1:
-        with _OneBlasThread(), np.errstate(invalid="ignore"):
+        with OneBlasThread(), np.errstate(invalid="ignore"):
             for item in items:
                 run(item)
         return out
@@ -569,7 +588,7 @@ def attention_tiled(q, k, v, mask, scale, causal, block_q, block_kv, threads=1, 
             while (i := next(counter)) < len(items):
                 run(items[i])
 
-    with _OneBlasThread():
+    with OneBlasThread():
         futures = [_thread_pool(threads - 1).submit(worker) for _ in range(min(threads, len(items)) - 1)]
         try:
             worker()

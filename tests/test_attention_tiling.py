@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import tracemalloc
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -92,6 +93,17 @@ def _case(lq, lk, causal, block_q, block_kv, mask_kind="none", dtype="f32", thre
 SCALE = 0.37
 
 
+@contextmanager
+def threaded_even_when_small():
+    """The kernel keeps small problems on one thread; these tests' problems are all small."""
+    saved = K._MIN_PARALLEL_SCORES
+    K._MIN_PARALLEL_SCORES = 0
+    try:
+        yield
+    finally:
+        K._MIN_PARALLEL_SCORES = saved
+
+
 @settings(max_examples=150, deadline=None)
 @given(attention_cases())
 # Lq > Lk with causal: the first Lq - Lk rows keep no key and whole query blocks are skipped.
@@ -102,8 +114,9 @@ SCALE = 0.37
 def test_tiled_attention_matches_the_float64_reference(case):
     q, k, v, mask = case["q"], case["k"], case["v"], case["mask"]
     expected = reference(q, k, v, mask, SCALE, case["causal"])
-    got = K.attention_tiled(q, k, v, mask, SCALE, case["causal"], case["block_q"], case["block_kv"],
-                            threads=case["threads"])
+    with threaded_even_when_small():
+        got = K.attention_tiled(q, k, v, mask, SCALE, case["causal"], case["block_q"], case["block_kv"],
+                                threads=case["threads"])
     assert got.dtype == q.dtype
     # assert_close compares NaNs by position: a row attention leaves NaN must be NaN here too.
     assert_close(got, expected, case["dtype"], reduction_length=k.shape[-2], name="attention_tiled")
@@ -144,8 +157,9 @@ def test_extra_memory_grows_with_the_block_not_with_lq_times_lk():
 def test_out_receives_the_result_in_place(threads, blocks):
     case = _case(40, 40, causal=True, block_q=blocks[0], block_kv=blocks[1], mask_kind="bool", threads=threads)
     out = np.full((2, 3, 40, 3), 7.0, dtype=np.float32)
-    got = K.attention_tiled(case["q"], case["k"], case["v"], case["mask"], SCALE, True, *blocks,
-                            threads=threads, out=out)
+    with threaded_even_when_small():
+        got = K.attention_tiled(case["q"], case["k"], case["v"], case["mask"], SCALE, True, *blocks,
+                                threads=threads, out=out)
     assert got is out
     assert_close(out, reference(case["q"], case["k"], case["v"], case["mask"], SCALE, True), "f32",
                  reduction_length=40)

@@ -16,8 +16,9 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable
+
+from ir.kernels import OneBlasThread
 
 THREADS = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
 
@@ -62,23 +63,6 @@ def _run(chunk: Callable[[slice], None], slices: list[slice]) -> None:
         chunk(s)
 
 
-_blas = None
 
-
-@contextmanager
-def single_threaded_blas() -> Iterator[None]:
-    """BLAS on one thread inside (re-entrant); the process's setting is restored after."""
-    global _blas
-    if THREADS == 1 or getattr(_worker, "blas_limited", False):
-        yield
-        return
-    if _blas is None:
-        from threadpoolctl import ThreadpoolController
-
-        _blas = ThreadpoolController()  # finds the BLAS NumPy loaded, once per process
-    _worker.blas_limited = True
-    try:
-        with _blas.limit(limits=1, user_api="blas"):
-            yield
-    finally:
-        _worker.blas_limited = False
+# The one process-wide BLAS pin (ir/kernels.py): re-entrant, shared with the attention kernel.
+single_threaded_blas = OneBlasThread

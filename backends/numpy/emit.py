@@ -382,6 +382,8 @@ class _Emitter:
     def _may_alias_external(self, v: SSAValue) -> bool:
         while True:
             owner = v.owner
+            if isinstance(owner, FusionOp):
+                return False  # a group's result: a buffer of its own, never reused once it is an output
             if not isinstance(owner, TgOp):
                 return True  # a function argument: an input
             if owner.op_name in ("weight", "constant"):
