@@ -52,6 +52,7 @@ import torch  # noqa: E402
 from scipy.stats import spearmanr  # noqa: E402
 
 import tilegraph  # noqa: E402
+from backends.numpy.chunks import THREADS, run_chunks, single_threaded_blas  # noqa: E402
 from backends.numpy.emit import emit_profiled  # noqa: E402
 from ir.dialect import FusionOp  # noqa: E402
 from ir.shapes import info_of  # noqa: E402
@@ -175,11 +176,15 @@ def profile(source: str, weights, arrays, repeat: int) -> tuple[dict[str, float]
 
 
 def label_of(op) -> tuple[str, str]:
-    """(kind, label) of a kernel: its group kind or op name, its ops, its first result's shape."""
-    shape = "x".join(str(d) for d in info_of(op.results[0].type).shape)
+    """(kind, label) of a kernel: its group kind or op name, its ops, its first operand's and
+    first result's shapes (a GEMM's k shows in the first, so MLP and attention projections differ)."""
+    def shape(v):
+        return "x".join(str(d) for d in info_of(v.type).shape)
+
+    shapes = f"[{shape(op.operands[0])} -> {shape(op.results[0])}]" if op.operands else f"[{shape(op.results[0])}]"
     if isinstance(op, FusionOp):
-        return op.kind, f"{op.kind}: {' '.join(o.op_name for o in op.ops)} [{shape}]"
-    return op.op_name, f"{op.op_name} [{shape}]"
+        return op.kind, f"{op.kind}: {' '.join(o.op_name for o in op.ops)} {shapes}"
+    return op.op_name, f"{op.op_name} {shapes}"
 
 
 def measure(case: Case, hw, repeat: int) -> tuple[list[Kernel], dict]:
@@ -200,6 +205,32 @@ def measure(case: Case, hw, repeat: int) -> tuple[list[Kernel], dict]:
     info = {"import_s": t_import, "compile_s": t_compile, "forward_s": forward,
             "kernel_sum_s": sum(k.measured for k in kernels)}
     return kernels, info
+
+
+# The machine's speed while measuring: one GEMM cut in row chunks over all cores, as the
+# backend runs them, against the calibrated rate of that shape. Another process on the
+# shared 2-core machine shows up here as ~50 %, and then in every kernel's time alike.
+SPEED_GEMM = (256, 1536, 384)  # (m, n, k): one of the calibrated shapes (passes/cost/calibrate.py)
+SPEED_ROWS = 128
+SPEED_CALLS = 15
+SPEED_WARNING = 0.85  # below this the run was disturbed: say so beside the numbers
+
+
+def machine_speed(hw) -> float:
+    """Calibrated / measured time of SPEED_GEMM on all cores (1.0: as fast as at calibration)."""
+    m, n, k = SPEED_GEMM
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
+    c = np.empty((m, n), np.float32)
+
+    def gemm():
+        run_chunks(lambda s: np.matmul(a[s], b, out=c[s]), m, SPEED_ROWS)
+
+    with single_threaded_blas():
+        gemm()
+        seconds = statistics.median(timed(gemm)[1] for _ in range(SPEED_CALLS))
+    expected = 2 * m * n * k / (hw.matmul_rate(SPEED_ROWS, n, k) * min(THREADS, hw.cores, m // SPEED_ROWS))
+    return expected / seconds
 
 
 # --- metrics -----------------------------------------------------------------------
@@ -306,9 +337,9 @@ def worst_table(rows: list[dict], n: int | None) -> str:
     rows = sorted(rows, key=lambda r: -abs(math.log(r["pred"] / r["meas"])))
     if n is not None:
         rows = rows[:n]
-    out = [[r["case"], r["label"][:72], f"x{r['n']}", us(r["pred"]), us(r["meas"]), f"{r['pred'] / r['meas']:.2f}",
+    out = [[r["case"], r["label"][:90], f"x{r['n']}", us(r["pred"]), us(r["meas"]), f"{r['pred'] / r['meas']:.2f}",
             "/".join(us(t) for t in r["terms"])] for r in rows]
-    return format_table(["model", "kernel (kind: ops [first result])", "copies", "pred us", "meas us", "pred/meas",
+    return format_table(["model", "kernel (kind: ops [first input -> first result])", "copies", "pred us", "meas us", "pred/meas",
                          "pred compute/memory/overhead us"], out)
 
 
@@ -330,11 +361,15 @@ def main(args) -> int:
 
     everything: list[Kernel] = []
     per_case: list[tuple[str, list[Kernel]]] = []
+    speeds = []
     for case in cases(args):
+        before = machine_speed(hw)
         kernels, info = measure(case, hw, args.repeat)
+        speeds += [before, machine_speed(hw)]
         print(f"  {case.label}: {len(kernels)} kernels; import {info['import_s']:.1f} s, passes "
               f"{info['compile_s']:.1f} s; forward {1e3 * info['forward_s']:.1f} ms, of which timed kernels "
-              f"{1e3 * info['kernel_sum_s']:.1f} ms", flush=True)
+              f"{1e3 * info['kernel_sum_s']:.1f} ms; machine speed before/after {before:.0%}/{speeds[-1]:.0%} "
+              "of calibrated", flush=True)
         per_case.append((case.label, kernels))
         everything += kernels
 
@@ -366,7 +401,12 @@ def main(args) -> int:
     if small:
         print(f"\nworst-predicted kernels measured < {MIN_US} us (timer and scheduler noise dominate these)")
         print(worst_table(small, None if args.all else 5))
-    print(f"\nload average at end {os.getloadavg()[0]:.2f}")
+    print(f"\nload average at end {os.getloadavg()[0]:.2f} (this script's own threads count); machine speed "
+          f"(a chunked {'x'.join(map(str, SPEED_GEMM))} GEMM against its calibrated time) "
+          f"{min(speeds, default=1):.0%}..{max(speeds, default=1):.0%}")
+    if speeds and min(speeds) < SPEED_WARNING:
+        print(f"WARNING: the machine ran below {SPEED_WARNING:.0%} of its calibrated speed at times "
+              "(other processes?): measured times are inflated; rerun when it is quiet")
     return 0
 
 

@@ -368,13 +368,12 @@ def _thread_pool(workers: int) -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None or _pool._max_workers < workers:
-            old, _pool = _pool, ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tg-attention")
+            old, _pool = _pool, ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tg-worker")
             if old is not None:
                 old.shutdown(wait=False)
         return _pool
 
 
-@lru_cache(maxsize=1)
 @lru_cache(maxsize=1)  # scanning the loaded libraries takes milliseconds; they do not change
 def _blas_libraries() -> tuple:
     """The BLAS libraries NumPy loaded (threadpoolctl controllers), or none without threadpoolctl."""
@@ -579,21 +578,30 @@ def attention_tiled(q, k, v, mask, scale, causal, block_q, block_kv, threads=1, 
                 run(item)
         return out
 
-    # Each worker pulls the next item from a shared counter (next() on
-    # itertools.count is atomic under the GIL); the calling thread is one of them.
+    with OneBlasThread():
+        parallel_for(run, items, threads)
+    return out
+
+
+def parallel_for(run, items: list, threads: int) -> None:
+    """run(item) for every item, on `threads` threads: the caller and threads - 1 pool workers.
+
+    Each thread pulls the next item from a shared counter (next() on itertools.count
+    is atomic under the GIL), so uneven items balance themselves. Returns once every
+    item is done (nothing still writes into the caller's arrays); re-raises the first
+    exception. Never call it from inside `run` (the pool is shared and could be full).
+    """
     counter = itertools.count()
 
     def worker():
-        with np.errstate(invalid="ignore"):  # errstate is per thread
+        with np.errstate(all="ignore"):  # errstate is per thread; IEEE results are the semantics
             while (i := next(counter)) < len(items):
                 run(items[i])
 
-    with OneBlasThread():
-        futures = [_thread_pool(threads - 1).submit(worker) for _ in range(min(threads, len(items)) - 1)]
-        try:
-            worker()
-        finally:
-            wait(futures)  # no worker still writing into `out` when this returns or raises
-        for f in futures:
-            f.result()  # re-raises a worker's exception here
-    return out
+    futures = [_thread_pool(threads - 1).submit(worker) for _ in range(min(threads, len(items)) - 1)]
+    try:
+        worker()
+    finally:
+        wait(futures)
+    for f in futures:
+        f.result()

@@ -152,3 +152,14 @@ def test_fusion_lowers_the_predicted_time(block):
     before = at(module_cost(run_pipeline(block, UNFUSED_PIPELINE).module, hw).time, {"B": 8})
     after = at(module_cost(run_pipeline(block, DEFAULT_PIPELINE).module, hw).time, {"B": 8})
     assert after < before
+
+
+def test_an_empty_tensor_is_fused_and_priced():
+    # Found by hypothesis: a matmul with a zero-size dim made the cost model ask for
+    # the GEMM rate of a 0x1x2 product.
+    g = Graph()
+    x = g.input("x", (0, 2))
+    model = g.build(g.relu(x @ g.weight("w", _w(2, 1))))
+    fused = run_pipeline(model, f"{UNFUSED_PIPELINE},fuse,tile{{max-rows=1}}")
+    assert groups(fused)
+    assert compile_model(fused)(np.zeros((0, 2), np.float32))[0].shape == (0, 1)

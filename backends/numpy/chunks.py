@@ -14,30 +14,15 @@ on the cores the epilogue needs.
 from __future__ import annotations
 
 import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-from ir.kernels import OneBlasThread
+from ir.kernels import OneBlasThread, parallel_for
 
 THREADS = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
 
-_pool: ThreadPoolExecutor | None = None
-_lock = threading.Lock()
-_worker = threading.local()
-
-
-def _executor() -> ThreadPoolExecutor:
-    global _pool
-    with _lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="tg-chunks",
-                                       initializer=lambda: setattr(_worker, "inside", True))
-        return _pool
-
 
 def run_chunks(chunk: Callable[[slice], None], length: int, rows: int) -> None:
-    """chunk(slice(i, i + rows)) for every i in range(0, length, rows), on the pool when worth it.
+    """chunk(slice(i, i + rows)) for every i in range(0, length, rows), on all cores.
 
     `rows` comes from the tile pass, chosen at nominal sizes where dims are symbolic;
     at run time a chunk is never so big that a core gets no work.
@@ -47,21 +32,11 @@ def run_chunks(chunk: Callable[[slice], None], length: int, rows: int) -> None:
         chunk(slice(0, length))
         return
     slices = [slice(i, min(i + rows, length)) for i in range(0, length, rows)]
-    if THREADS == 1 or getattr(_worker, "inside", False):  # no nested pools: a worker runs its chunks inline
+    if THREADS == 1:
         for s in slices:
             chunk(s)
         return
-    # Contiguous runs of chunks per task: one hand-off per thread-sized share, not per chunk.
-    per_task = max(1, len(slices) // (THREADS * 2))
-    tasks = [slices[i:i + per_task] for i in range(0, len(slices), per_task)]
-    for future in [_executor().submit(_run, chunk, t) for t in tasks]:
-        future.result()  # re-raises a chunk's exception here
-
-
-def _run(chunk: Callable[[slice], None], slices: list[slice]) -> None:
-    for s in slices:
-        chunk(s)
-
+    parallel_for(chunk, slices, THREADS)
 
 
 # The one process-wide BLAS pin (ir/kernels.py): re-entrant, shared with the attention kernel.

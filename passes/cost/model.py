@@ -177,7 +177,8 @@ def _gemm_rate(hw, op: TgOp) -> float:
         m = n = k = max(1.0, at_nominal(op_flops(op)) / 2) ** (1 / 3)
     else:
         m, n, k = (at_nominal(d) for d in _matmul_shape(op))
-    return hw.matmul_rate(int(m), int(n), int(k), op.result_infos()[0].dtype)
+    # (an empty tensor: priced as the smallest GEMM; it costs its call overhead anyway)
+    return hw.matmul_rate(max(1, int(m)), max(1, int(n)), max(1, int(k)), op.result_infos()[0].dtype)
 
 
 def _cpu_passes_time(hw, name: str, elements: sympy.Expr, in_cache: bool, bytes_: sympy.Expr) -> sympy.Expr:
@@ -271,8 +272,8 @@ def group_cost(ops: Sequence[TgOp], inputs: Sequence[TensorInfo], outputs: Seque
         # GEMMs cut in rows: each chunk's GEMM at the rate of its own (smaller) shape, on all cores.
         m, n, k = _matmul_shape(anchors[0])
         n = sum((_matmul_shape(op)[1] for op in anchors), sympy.Integer(0))
-        rows = min(gemm_rows, int(at_nominal(m)))
-        rate = hw.matmul_rate(rows, int(at_nominal(n)), int(at_nominal(k)), outputs[0].dtype)
+        rows = max(1, min(gemm_rows, int(at_nominal(m))))
+        rate = hw.matmul_rate(rows, max(1, int(at_nominal(n))), max(1, int(at_nominal(k))), outputs[0].dtype)
         anchor_time = 2 * m * n * k / rate / sympy.Min(n_chunks, threads)
     else:  # anchors run whole before the chunk loop, BLAS on one thread; attention on all cores
         anchor_time = sum((op_cost(op, hw).compute_time * (hw.cores if op.op_name != "attention" else 1)
