@@ -56,6 +56,7 @@ CPU_PASSES: dict[str, tuple[tuple[str, int], ...]] = {
     "max": (("maximum", 1),), "min": (("maximum", 1),), "relu": (("maximum", 1),),
     "exp": (("exp", 1),), "tanh": (("tanh", 1),), "sqrt": (("sqrt", 1),), "rsqrt": (("sqrt", 1), ("div", 1)),
     "reciprocal": (("div", 1),), "erf": (("erf", 1),), "where": (("where", 1),),
+    "pow": (("exp", 1), ("log", 1)),  # float np.power: exp(y log x), at about their cost
     "sigmoid": (("exp", 1), ("add", 3), ("div", 2), ("where", 1)),
     "gelu": (("mul", 3), ("add", 1), ("erf", 1)),
     # max, subtract, exp, sum, divide (K.softmax)
