@@ -59,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 # from the environment when it loads.
 ARGS = parse_args() if __name__ == "__main__" else None
 if ARGS is not None and ARGS.threads:
-    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TILEGRAPH_NUM_THREADS"):
         os.environ[var] = str(ARGS.threads)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Run as a script, this directory is on sys.path; _common is imported by its own

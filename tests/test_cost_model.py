@@ -21,7 +21,7 @@ import sympy
 from backends.numpy import compile_model
 from ir import Graph, Model
 from ir.dialect import FusionOp, TgOp
-from ir.shapes import info_of, symbol
+from ir.shapes import symbol
 from passes.cost.hardware import hardware
 from passes.cost.model import at, fusion_cost, module_cost, op_bytes, op_cost, op_flops
 from passes.registry import DEFAULT_PIPELINE, run_pipeline

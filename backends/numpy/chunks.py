@@ -18,7 +18,9 @@ from typing import Callable
 
 from ir.kernels import OneBlasThread, parallel_for
 
-THREADS = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+# Threads a compiled model uses: every core this process may run on, or TILEGRAPH_NUM_THREADS.
+THREADS = max(1, int(os.environ.get("TILEGRAPH_NUM_THREADS") or 0) or (
+    len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)))
 
 
 def run_chunks(chunk: Callable[[slice], None], length: int, rows: int) -> None:
