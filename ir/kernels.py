@@ -357,7 +357,7 @@ _ITEMS_PER_THREAD = 4
 # to the pool costs more than it saves. Measured on the 2-core machine: MiniLM b1
 # (196K scores, ~1 ms) ran no faster on 2 threads (0.50-0.62x of K.attention
 # against 0.54x on one), GPT-2 b1 s256 causal (786K) did (0.48x against 0.69x).
-_MIN_PARALLEL_SCORES = 1 << 19
+MIN_PARALLEL_SCORES = 1 << 19
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -546,7 +546,7 @@ def attention_tiled(q, k, v, mask, scale, causal, block_q, block_kv, threads=1, 
     whole = block_q == lq and block_kv == lk
     row_blocks = [(i0, min(i0 + block_q, lq)) for i0 in range(0, lq, block_q)]
 
-    if math.prod(batch) * lq * lk < _MIN_PARALLEL_SCORES:
+    if math.prod(batch) * lq * lk < MIN_PARALLEL_SCORES:
         threads = 1
     # Split the leading batch dims only as far as needed to give each thread a few
     # items: whole indices of the outer dims, then contiguous slices of the next one.

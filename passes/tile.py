@@ -129,6 +129,11 @@ def _cpu_rows(group: FusionOp, hw, max_rows: int = 0) -> dict[str, int]:
             break
         rows = min(rows * 2, total)
     time, _, rows, chunks = min(priced)
+    if chunks == 1:  # the whole group in one go: a fork/join would cost more than it saves
+        if listening():
+            remark("tile", f"{group.kind} group ({len(group.ops)} ops): one chunk, on one core: predicted "
+                           f"{time * 1e6:.1f} us; {len(priced) - 1} smaller chunk sizes priced higher")
+        return {}
     if listening():
         others = ", ".join(f"{r} rows {t * 1e6:.1f} us" for t, _, r, _ in sorted(priced)[1:4])
         where = "of the values seen as [rows, last axis]" if flat else f"along axis {axis}"

@@ -96,12 +96,12 @@ SCALE = 0.37
 @contextmanager
 def threaded_even_when_small():
     """The kernel keeps small problems on one thread; these tests' problems are all small."""
-    saved = K._MIN_PARALLEL_SCORES
-    K._MIN_PARALLEL_SCORES = 0
+    saved = K.MIN_PARALLEL_SCORES
+    K.MIN_PARALLEL_SCORES = 0
     try:
         yield
     finally:
-        K._MIN_PARALLEL_SCORES = saved
+        K.MIN_PARALLEL_SCORES = saved
 
 
 @settings(max_examples=150, deadline=None)

@@ -25,6 +25,7 @@ minute; `quick=True` (what the first hardware("cpu") runs) a couple of seconds.
 from __future__ import annotations
 
 import datetime
+import math
 import gc
 import os
 import statistics
@@ -196,7 +197,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
     big = max(REDUCE_AXIS * 8, caches["l2"] // (4 * 8) // REDUCE_AXIS * REDUCE_AXIS)
     small = max(REDUCE_AXIS, big // 8 // REDUCE_AXIS * REDUCE_AXIS)
     small_calls, big_calls = _ufuncs(small, rng), _ufuncs(big, rng)
-    bar = Progress(5 + len(shapes) + len(big_calls), sys.stderr.isatty() if progress is None else progress)
+    bar = Progress(7 + len(shapes) + len(big_calls), sys.stderr.isatty() if progress is None else progress)
     f32 = np.float32
 
     bar.step("call overhead")
@@ -206,6 +207,10 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
     # from a shared array, a few in-place calls each (what the backend's groups run).
     bar.step("chunk loop call overhead")
     chunk_call = _chunk_call_time(budget)
+    bar.step("parallel region")
+    fork_join, efficiency = _parallel_costs(budget, rng)
+    bar.step("convolution")
+    conv_rate = _conv_rate(budget, rng)
 
     # A temporary: allocate and first touch, beyond touching a buffer that is reused.
     # glibc hands a freed block of this size straight back (no page faults), so the
@@ -254,6 +259,9 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         launch_overhead=launch,
         alloc_overhead=max(alloc - touch, empty),
         chunk_call_overhead=chunk_call,
+        parallel_overhead=fork_join,
+        parallel_efficiency=efficiency,
+        conv_rate=conv_rate,
         links={},
         gemm_samples=tuple(samples),
         ufunc_rates=rates,
@@ -284,6 +292,44 @@ def _chunk_call_time(budget) -> float:
     return t / (CHUNKS * CHUNK_CALLS)
 
 
+# The GEMM each core runs in the parallel-efficiency measurement: a MiniLM FFN row chunk.
+PARALLEL_GEMM = (256, 1536, 384)
+# A small CNN's convolution (N, C, H, W), (M, C, kh, kw): the kernel's rate on real work.
+CONV_SHAPES = ((32, 8, 16, 16), (16, 8, 3, 3))
+
+
+def _parallel_costs(budget, rng) -> tuple[float, float]:
+    """(one fork/join of the chunk pool, all cores' GEMM rate over cores x one core's)."""
+    from backends.numpy.chunks import THREADS, run_chunks, single_threaded_blas
+
+    if THREADS == 1:
+        return 0.0, 1.0
+    m, n, k = PARALLEL_GEMM
+    a = rng.standard_normal((m * THREADS, k), dtype=np.float32)
+    b = rng.standard_normal((k, n), dtype=np.float32)
+    c = np.empty((m * THREADS, n), np.float32)
+
+    def gemm(s):
+        np.matmul(a[s], b, out=c[s])
+
+    with single_threaded_blas():
+        one, together, empty = median_times((lambda: gemm(slice(0, m)), lambda: run_chunks(gemm, m * THREADS, m),
+                                             lambda: run_chunks(lambda s: None, THREADS, 1)), budget)
+    # Ideally the cores' chunks together take as long as one alone, plus the fork/join.
+    return empty, min(1.0, one / max(together - empty, 1e-12))
+
+
+def _conv_rate(budget, rng) -> float:
+    from ir import kernels
+
+    xs, ws = CONV_SHAPES
+    x = rng.standard_normal(xs, dtype=np.float32)
+    w = rng.standard_normal(ws, dtype=np.float32)
+    out = kernels.conv(x, w, None, (), (), (), 1)
+    (t,) = median_times((lambda: kernels.conv(x, w, None, (), (), (), 1),), budget)
+    return 2 * out.size * math.prod(ws[1:]) / t
+
+
 def _gemm_rate(m, n, k, dtype, launch, budget, rng) -> float:
     """FLOP/s of one np.matmul, net of the fixed call cost (so time = launch + 2mnk/rate)."""
     a = rng.standard_normal((m, k)).astype(dtype)
@@ -308,6 +354,9 @@ def summary(hw: Hardware) -> str:
         ("stream bandwidth (np.add, > L3)", f"{hw.memory_bandwidth / 1e9:.1f} GB/s"),
         (f"cache bandwidth (np.add, in {hw.cache_bytes // 1024} KiB L2)", f"{hw.cache_bandwidth / 1e9:.1f} GB/s"),
         ("NumPy call in a chunk loop", f"{hw.chunk_call_overhead * 1e6:.2f} us"),
+        ("fork/join of the chunk pool", f"{hw.parallel_overhead * 1e6:.1f} us"),
+        ("GEMM on all cores / (cores x one core)", f"{hw.parallel_efficiency:.2f}"),
+        ("convolution kernel (K.conv)", f"{hw.conv_rate / 1e9:.1f} GFLOP/s"),
         ("peak f32 GEMM (all cores)", f"{hw.flops('f32') / 1e9:.1f} GFLOP/s"),
         ("f64 GEMM (largest shape)", f"{hw.flops('f64') / 1e9:.1f} GFLOP/s"),
     ]

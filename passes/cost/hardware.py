@@ -29,7 +29,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Mapping
 
-PROFILE_FORMAT = 3  # (2: per-core GEMM samples; 3: chunk_call_overhead) bump when the JSON layout changes: older profiles are then re-measured
+PROFILE_FORMAT = 4  # (2: per-core GEMM samples; 3: chunk_call_overhead; 4: parallel costs, conv rate) bump when the JSON layout changes: older profiles are then re-measured
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,14 @@ class Hardware:
     # on all cores (slicing the chunk's views, and the GIL the threads share between
     # calls); 0: launch_overhead.
     chunk_call_overhead: float = 0.0
+    # CPU only: one fork/join of the chunk pool (waking the workers, waiting for them),
+    # and how much of `cores` x the one-core GEMM rate all cores get together (shared
+    # caches, memory bus, clocks); 1.0 when not measured.
+    parallel_overhead: float = 0.0
+    parallel_efficiency: float = 1.0
+    # CPU only: FLOP/s of the NumPy convolution kernel (K.conv: einsum over a window view),
+    # which is far from the GEMM curve; 0: priced as a GEMM.
+    conv_rate: float = 0.0
 
     # Dict fields make the generated hash fail; these three identify a profile.
     def __hash__(self) -> int:

@@ -42,6 +42,7 @@ from xdsl.ir import Operation
 from ir import dtypes
 from ir.dialect import FusionOp, TgOp
 from ir.fusion import ANCHORS, VIEW_OPS, row_gemm, widest
+from ir.kernels import MIN_PARALLEL_SCORES
 from ir.shapes import Dim, TensorInfo, info_of, numel
 
 
@@ -202,6 +203,26 @@ def _calls(name: str) -> int:
     return NUMPY_CALLS.get(name) or sum(count for _, count in CPU_PASSES.get(name, (("add", 1),)))
 
 
+def _anchor_time(op: TgOp, hw, cores: int) -> sympy.Expr:
+    """(CPU) Compute time of an anchor run whole, its GEMMs on `cores` cores."""
+    flops = op_flops(op)
+    if op.op_name == "conv" and hw.conv_rate:  # K.conv: an einsum, far off the GEMM curve, one core
+        return flops / hw.conv_rate
+    if op.op_name != "attention":
+        return flops / (_gemm_rate(hw, op) * _parallel(hw, cores))
+    # K.attention_tiled: QK^T and PV GEMMs and a softmax over the scores, on all cores
+    # only above the kernel's own threshold (ir/kernels.py).
+    m, n, _ = _matmul_shape(op)
+    one_core = flops / _gemm_rate(hw, op) + _cpu_passes_time(hw, "softmax", m * n, True, sympy.Integer(0))
+    return sympy.Piecewise((one_core, m * n < MIN_PARALLEL_SCORES), (one_core / _parallel(hw, hw.cores), True))
+
+
+def _parallel(hw, workers) -> sympy.Expr:
+    """The speedup of `workers` cores (a sympy expression), at the calibrated efficiency."""
+    workers = sympy.sympify(workers)
+    return sympy.Piecewise((1, workers <= 1), (workers * hw.parallel_efficiency, True))
+
+
 def op_cost(op: TgOp, hw) -> Cost:
     """The predicted cost of one op run on its own (an unfused kernel / NumPy call)."""
     name = op.op_name
@@ -224,13 +245,10 @@ def op_cost(op: TgOp, hw) -> Cost:
         overhead = sympy.Float(hw.launch_overhead)
         memory = bytes_ / hw.memory_bandwidth
         return Cost(flops, bytes_, memory + overhead, zero, memory, overhead, label=name, ops=[name])
-    if name in ANCHORS:  # an unfused GEMM: BLAS on all cores (`gemm_samples` are per core)
-        compute = flops / (_gemm_rate(hw, op) * hw.cores)
+    if name in ANCHORS:
+        compute = _anchor_time(op, hw, cores=hw.cores)  # unfused: BLAS on all cores
         memory = bytes_ / hw.memory_bandwidth
         overhead = sympy.Float(hw.launch_overhead + hw.alloc_overhead)
-        if name == "attention":  # scores materialised: a softmax over batch*Lq*Lk in NumPy passes
-            m, n, _ = _matmul_shape(op)
-            compute += _cpu_passes_time(hw, "softmax", m * n, False, 8 * m * n)
         return Cost(flops, bytes_, sympy.Max(compute, memory) + overhead, compute, memory, overhead, label=name,
                     ops=[name])
     elements = _elements(out) if op.SPEC.category != "reduction" else _elements(info_of(op.operands[0].type))
@@ -267,18 +285,22 @@ def group_cost(ops: Sequence[TgOp], inputs: Sequence[TensorInfo], outputs: Seque
         overhead = sympy.Float(hw.launch_overhead)
         return Cost(flops, bytes_, sympy.Max(compute, memory) + overhead, compute, memory, overhead, label=label,
                     ops=names)
+    if chunks is None:  # before `tile`: the better of one chunk and one per core
+        one, many = (group_cost(ops, inputs, outputs, hw, chunks=c, gemm_rows=gemm_rows, label=label)
+                     for c in (1, hw.cores))
+        return one if at_nominal(one.time) <= at_nominal(many.time) else many
     threads = hw.cores
-    n_chunks = sympy.sympify(chunks if chunks is not None else threads)
+    n_chunks = sympy.sympify(chunks)
+    workers = sympy.Min(n_chunks, threads)
     if gemm_rows and anchors and all(row_gemm(op) for op in anchors):
         # GEMMs cut in rows: each chunk's GEMM at the rate of its own (smaller) shape, on all cores.
         m, n, k = _matmul_shape(anchors[0])
         n = sum((_matmul_shape(op)[1] for op in anchors), sympy.Integer(0))
         rows = max(1, min(gemm_rows, int(at_nominal(m))))
         rate = hw.matmul_rate(rows, max(1, int(at_nominal(n))), max(1, int(at_nominal(k))), outputs[0].dtype)
-        anchor_time = 2 * m * n * k / rate / sympy.Min(n_chunks, threads)
-    else:  # anchors run whole before the chunk loop, BLAS on one thread; attention on all cores
-        anchor_time = sum((op_cost(op, hw).compute_time * (hw.cores if op.op_name != "attention" else 1)
-                           for op in anchors), sympy.Integer(0))
+        anchor_time = 2 * m * n * k / rate / _parallel(hw, workers)
+    else:  # anchors run whole before the chunk loop, BLAS on one thread (attention threads itself)
+        anchor_time = sum((_anchor_time(op, hw, cores=1) for op in anchors), sympy.Integer(0))
     passes = sympy.Integer(0)
     calls = 0
     for op in rest:
@@ -286,13 +308,17 @@ def group_cost(ops: Sequence[TgOp], inputs: Sequence[TensorInfo], outputs: Seque
             else _elements(info_of(op.operands[0].type))
         passes += _cpu_passes_time(hw, op.op_name, elements, True, sympy.Integer(0))
         calls += _calls(op.op_name)
-    # Chunks run on all cores; with fewer chunks than cores, some cores idle.
-    parallel = sympy.Min(n_chunks, threads) if rest else 1
+    # Chunks run on all cores; with fewer chunks than cores, some cores idle. Each
+    # parallel loop pays one fork/join of the pool.
+    parallel = _parallel(hw, workers)
     compute = anchor_time + passes / parallel
-    per_call = hw.chunk_call_overhead or hw.launch_overhead
+    # A call in a loop on several threads pays for slicing and for the GIL the threads share.
+    per_call = sympy.Piecewise((hw.launch_overhead, n_chunks <= 1),
+                               (hw.chunk_call_overhead or hw.launch_overhead, True))
     chunk_calls = calls + (len(anchors) if gemm_rows else 0)
-    overhead = sympy.Float(hw.launch_overhead) * len(anchors) + sympy.Float(per_call) * chunk_calls * n_chunks / \
-        parallel + sympy.Float(hw.alloc_overhead) * len(outputs)
+    fork_join = sympy.Piecewise((0, n_chunks <= 1), (hw.parallel_overhead, True))
+    overhead = sympy.Float(hw.launch_overhead) * len(anchors) + per_call * chunk_calls * n_chunks / \
+        parallel + sympy.Float(hw.alloc_overhead) * len(outputs) + fork_join
     # NumPy runs one pass at a time: the group's inputs stream in from memory on the
     # first pass over each chunk, and the rest run on cached data, so the two add up
     # (a roofline max would let a long epilogue hide its own memory traffic).
@@ -303,7 +329,7 @@ def group_cost(ops: Sequence[TgOp], inputs: Sequence[TensorInfo], outputs: Seque
 def fusion_cost(group: FusionOp, hw) -> Cost:
     """The cost of a `tg.fusion` op as the backend will run it (its tile, if `tile` ran)."""
     tile = group.tile()
-    chunks, rows = None, tile.get("rows")
+    chunks, rows = 1, tile.get("rows")  # no rows: the group runs as one chunk
     if rows:  # as many chunks as the rows make at these sizes (`chunks` on the tile is at nominal ones)
         ref = widest(group)
         total = _prod(ref.shape[:-1]) if tile.get("flat") else sympy.sympify(ref.shape[tile.get("axis", 0)])
