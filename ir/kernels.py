@@ -8,6 +8,7 @@ transcendental function (as libm has erf and erff): never what it computes.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -220,8 +221,19 @@ def max_pool(x, kernel, strides, pads, dilations, ceil_mode):
     strides, pads, dilations = _window_defaults(len(kernel), strides, pads, dilations)
     pads = _pool_pads(x, kernel, strides, pads, dilations, ceil_mode)
     fill = -np.inf if np.issubdtype(x.dtype, np.floating) else np.iinfo(x.dtype).min
-    windows = _window_view(_pad_spatial(x, pads, fill), kernel, strides, dilations)
-    return np.max(windows, axis=tuple(range(-len(kernel), 0)))
+    return _window_reduce(_pad_spatial(x, pads, fill), kernel, strides, dilations, np.maximum)
+
+
+def _window_reduce(xp, kernel, strides, dilations, ufunc):
+    """ufunc-reduce every window: one call per kernel offset over a strided view of all
+    windows. np.max over the window axes of the same view walks a 6-d strided view and
+    was 25x slower (1.5 ms against 63 us for a 32x8x16x16 2x2 max pool)."""
+    windows = _window_view(xp, kernel, strides, dilations)  # N, C, *out, *k
+    offsets = itertools.product(*(range(k) for k in kernel))
+    acc = np.array(windows[(..., *next(offsets))])
+    for offset in offsets:
+        ufunc(acc, windows[(..., *offset)], out=acc)
+    return acc
 
 
 def avg_pool(x, kernel, strides, pads, dilations, ceil_mode, count_include_pad):
@@ -229,8 +241,7 @@ def avg_pool(x, kernel, strides, pads, dilations, ceil_mode, count_include_pad):
     strides, pads, dilations = _window_defaults(nd, strides, pads, dilations)
     explicit = list(pads)
     pads = _pool_pads(x, kernel, strides, pads, dilations, ceil_mode)
-    axes = tuple(range(-nd, 0))
-    sums = np.sum(_window_view(_pad_spatial(x, pads, 0), kernel, strides, dilations), axis=axes)
+    sums = _window_reduce(_pad_spatial(x, pads, 0), kernel, strides, dilations, np.add)
     # Count what each window covers: the input, plus the explicit padding if asked,
     # never the extra padding that ceil_mode adds.
     ones = np.ones((1, 1) + x.shape[2:], dtype=x.dtype)
@@ -239,7 +250,7 @@ def avg_pool(x, kernel, strides, pads, dilations, ceil_mode, count_include_pad):
         extra = [0] * nd + [pads[i + nd] - explicit[i + nd] for i in range(nd)]
     else:
         extra = pads
-    counts = np.sum(_window_view(_pad_spatial(ones, extra, 0), kernel, strides, dilations), axis=axes)
+    counts = _window_reduce(_pad_spatial(ones, extra, 0), kernel, strides, dilations, np.add)
     return sums / counts
 
 
@@ -342,7 +353,6 @@ def topk(x, k, axis, largest):
 # plain softmax in place on a single scores buffer, which is cheaper than
 # `attention` (one full-size temporary instead of three).
 
-import itertools  # noqa: E402 - kept inside this block
 import threading  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor, wait  # noqa: E402
 from functools import lru_cache  # noqa: E402
