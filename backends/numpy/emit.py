@@ -11,13 +11,15 @@ What it decides and how:
   parameters are the model inputs and which first binds the symbolic dims from
   the input shapes (`B = input_ids.shape[0]`) that shape expressions use.
 * A value is `del`eted right after its last use (`liveness`), so peak memory
-  follows the graph, not its length. The plan is its own function because buffer
-  reuse (`out=`) will be planned from the same facts.
+  follows the graph, not its length.
 * The module also carries its signature (`INPUTS`, `OUTPUTS`, `WEIGHTS`) as data,
   so `backends.numpy.runtime.load` needs only the source and the weights.
-
-An op holding one region whose block takes the op's operands and ends in a
-terminator yielding its results (a fusion group) is emitted inline, op by op.
+* A `tg.fusion` group becomes one function (`backends/numpy/groups.py`), called
+  with the buffers it writes; `BufferPlan` decides which buffers are new and which
+  reuse a dead one, and `PLAN` in the module records kernels, buffers and the
+  planned peak of intermediates. While a model with groups runs, BLAS is pinned to
+  one thread: the groups parallelise GEMM rows themselves (`chunks.py`).
+* `emit(model, profile=True)` times every kernel into the module's `PROFILE`.
 """
 
 from __future__ import annotations
