@@ -269,8 +269,8 @@ def group_cost(ops: Sequence[TgOp], inputs: Sequence[TensorInfo], outputs: Seque
                chunks: sympy.Expr | int | None = None, gemm_rows: int | None = None, label: str = "") -> Cost:
     """The predicted cost of ops fused into one group with these inputs and outputs.
 
-    `chunks`: how many row chunks the NumPy backend splits the group's
-    non-anchor ops into (from `tile`); by default one per core. `gemm_rows`: the
+    `chunks`: how many row chunks the NumPy backend splits the group into (from
+    `tile`); by default the cheaper of one chunk and one per core. `gemm_rows`: the
     rows of a chunk when its GEMMs run chunk by chunk too (`flat` tiles).
     """
     names = [op.op_name for op in ops]
