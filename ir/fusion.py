@@ -8,7 +8,7 @@ the decisions (and these facts) off the IR. None of it is op semantics (that is
 from __future__ import annotations
 
 from ir.dialect import FusionOp, TgOp
-from ir.shapes import TensorInfo, dims_equal, info_of
+from ir.shapes import TensorInfo, dims_equal, info_of, numel
 
 # Ops that move or name data without computing: free on the CPU (NumPy views), and
 # folded into the indexing of a fused GPU kernel.
@@ -18,10 +18,21 @@ VIEW_OPS = {"reshape", "transpose", "broadcast", "slice", "identity", "weight", 
 ANCHORS = {"matmul", "einsum", "conv", "attention"}
 
 
+def row_reshape(op: TgOp) -> bool:
+    """A reshape that keeps the last dim: it only regroups the rows ([B*S, N] <-> [B, S, N]),
+    which is nothing at all on values seen as [rows, last axis] (`flat` groups)."""
+    if op.op_name != "reshape":
+        return False
+    a, b = info_of(op.operands[0].type), info_of(op.results[0].type)
+    return a.rank >= 1 and b.rank >= 1 and dims_equal(a.shape[-1], b.shape[-1])
+
+
 def row_local(op: TgOp) -> bool:
     """Whether the op computes each row (all but the last axis) from the same row of its operands."""
     if op.op_name == "trilu":  # elementwise, but which elements depends on the row index
         return False
+    if op.op_name == "reshape":
+        return row_reshape(op)
     if op.op_name in ANCHORS or op.SPEC.category == "elementwise" or op.op_name == "gelu":
         return True
     rank = info_of(op.operands[0].type).rank
@@ -45,28 +56,35 @@ def widest(group: FusionOp) -> TensorInfo:
     return max((info_of(r.type) for op in group.ops for r in op.results), key=lambda i: i.rank)
 
 
-def operand_rows(info: TensorInfo, ref: TensorInfo) -> str:
-    """How a group input meets the group's rows: 'full' (same leading dims), 'last' (only a
-    last axis: bias-like, read whole by every chunk), or 'partial' (broadcast over some)."""
+def operand_rows(info: TensorInfo, ref: TensorInfo, flat: bool = False) -> str:
+    """How a value meets the group's rows: 'full' (same leading dims; with `flat`, the same
+    number of rows however grouped), 'last' (only a last axis: bias-like, read whole by
+    every chunk), or 'partial' (broadcast over some)."""
     if info.rank == ref.rank and all(dims_equal(a, b) for a, b in zip(info.shape[:-1], ref.shape[:-1])):
         return "full"
     if all(d == 1 for d in info.shape[:-1]):
         return "last"
+    if flat and info.rank >= 1 and dims_equal(numel(info.shape[:-1]), numel(ref.shape[:-1])):
+        return "full"
     return "partial"
+
+
+def flat_ok(ops: list[TgOp], inputs: list[tuple[TgOp, int, TensorInfo]], ref: TensorInfo) -> bool:
+    """Whether ops may run on their values seen as [rows, last axis]: every op row-local, no
+    anchor but row GEMMs, every input (op, operand index, type) spanning the rows or only
+    the last axis (a GEMM's weight excepted), every result with the group's rows."""
+    if ref.rank < 2 or not all(row_local(op) for op in ops):
+        return False
+    if any(op.op_name in ANCHORS and not row_gemm(op) for op in ops):
+        return False
+    if any(operand_rows(info, ref, flat=True) == "partial" for op, i, info in inputs
+           if not (op.op_name == "matmul" and i == 1)):
+        return False
+    return all(operand_rows(info_of(r.type), ref, flat=True) == "full" for op in ops for r in op.results)
 
 
 def flat_rows_ok(group: FusionOp) -> bool:
     """Whether the group may run on its values viewed as [rows, last axis] (leading dims flattened)."""
-    ref = widest(group)
-    if ref.rank < 2 or not all(row_local(op) for op in group.ops):
-        return False
-    inside = [op for op in group.ops if op.op_name in ANCHORS and not row_gemm(op)]
-    if inside:
-        return False
     args = set(group.block.args)
-    for op in group.ops:
-        for i, v in enumerate(op.operands):
-            if v in args and not (op.op_name == "matmul" and i == 1):
-                if operand_rows(info_of(v.type), ref) == "partial":
-                    return False
-    return all(info_of(r.type).rank == ref.rank for op in group.ops for r in op.results)
+    inputs = [(op, i, info_of(v.type)) for op in group.ops for i, v in enumerate(op.operands) if v in args]
+    return widest(group).rank >= 2 and flat_ok(group.ops, inputs, widest(group))

@@ -45,7 +45,7 @@ from xdsl.ir import Block, SSAValue
 from ir import dtypes
 from ir.dialect import FusionOp, TgOp, YieldOp
 from ir.shapes import TensorInfo, dims_equal, info_of
-from ir.fusion import ANCHORS, VIEW_OPS
+from ir.fusion import ANCHORS, VIEW_OPS, flat_ok, operand_rows, row_reshape
 from passes.cost.model import at_nominal, group_cost, op_cost
 from passes.remarks import listening, remark
 from xdsl.passes import ModulePass
@@ -71,6 +71,9 @@ class Group:
 
 def fusable(op) -> bool:
     # One result per fused op: a group's chunk loop gives each op one home (topk has two).
+    # A reshape that keeps the last dim joins a group: on [rows, last] views it is nothing.
+    if isinstance(op, TgOp) and row_reshape(op):
+        return True
     return isinstance(op, TgOp) and op.SPEC.category not in UNFUSABLE_CATEGORIES and op.op_name not in VIEW_OPS \
         and len(op.results) == 1
 
@@ -192,12 +195,23 @@ class _Fuser:
                 return f"{anchor.op_name} would read a value computed in its own group (prologue)"
         ref = anchors[0].result_infos()[0] if anchors else max(
             (op.result_infos()[0] for op in ops), key=lambda i: i.rank)
+        regrouped = False  # rows regrouped (a row reshape, or ranks that differ): only a flat loop runs it
         for op in ops:
             if op in anchors:
                 continue
             out = op.result_infos()[0]
             if not _same_rows(out, ref):
-                return f"{op.op_name} {out} does not keep the rows of {ref}"
+                if operand_rows(out, ref, flat=True) != "full":
+                    return f"{op.op_name} {out} does not keep the rows of {ref}"
+                regrouped = True
+            regrouped |= op.op_name == "reshape"
+        if regrouped:
+            inputs, outputs = self._io(ops)
+            if any(isinstance(v.owner, TgOp) and v.owner.op_name == "reshape" for v in outputs):
+                return "a reshape's result would leave the group (its rows exist only inside the loop)"
+            uses = [(op, i, info_of(v.type)) for op in ops for i, v in enumerate(op.operands) if v in inputs]
+            if not flat_ok(ops, uses, ref):
+                return "its rows are regrouped, and not every input spans the rows or only the last axis"
         if self._row_bytes(ops) > self.hw.cache_bytes:
             return "one row of every value would not fit in the cache"
         if self._has_detour(a, b) or self._has_detour(b, a):
@@ -296,7 +310,8 @@ class _Fuser:
 
     def _emit_group(self, group: Group, before) -> None:
         inputs, outputs = self._io(group.ops)
-        if not outputs:  # dead code: not this pass's business (dce's), left as it was
+        # Dead code is dce's business, and a reshape alone is no kernel: both left as they were.
+        if not outputs or all(op.op_name == "reshape" for op in group.ops):
             for op in group.ops:
                 op.detach()
                 self.block.insert_op_before(op, before)

@@ -133,7 +133,7 @@ def _cpu_rows(group: FusionOp, hw, max_rows: int = 0) -> dict[str, int]:
         if listening():
             remark("tile", f"{group.kind} group ({len(group.ops)} ops): one chunk, on one core: predicted "
                            f"{time * 1e6:.1f} us; {len(priced) - 1} smaller chunk sizes priced higher")
-        return {}
+        return {"flat": 1} if flat else {}
     if listening():
         others = ", ".join(f"{r} rows {t * 1e6:.1f} us" for t, _, r, _ in sorted(priced)[1:4])
         where = "of the values seen as [rows, last axis]" if flat else f"along axis {axis}"

@@ -40,7 +40,7 @@ from xdsl.ir import SSAValue
 
 from ir import kernels
 from ir.dialect import FusionOp, TgOp
-from ir.fusion import ANCHORS, operand_rows, row_gemm, row_local, widest
+from ir.fusion import ANCHORS, flat_rows_ok, operand_rows, row_gemm, row_local, widest
 from ir.interpreter import dtype_code
 from ir.ops import render
 from ir.shapes import TensorInfo, info_of
@@ -120,7 +120,11 @@ class GroupEmitter:
         self.yielded = list(group.block.last_op.operands)
         self.ref = widest(group)
         self.chunked = bool(self.tile.get("rows")) and all(row_local(op) for op in self.ops)
-        self.flat = self.chunked and bool(self.tile.get("flat"))
+        # Values seen as [rows, last] (chunked or whole): what `tile` chose, and what a group
+        # regrouping its rows (a reshape inside) needs whatever the tile.
+        self.flat = bool(self.tile.get("flat")) and all(row_local(op) for op in self.ops) or (
+            any(op.op_name == "reshape" for op in self.ops) and flat_rows_ok(group))
+        self.aliased: set[SSAValue] = set()  # values sharing memory with another (reshapes): never donors
         self.axis = self.tile.get("axis", self.ref.rank - 2)
         self.home: dict[SSAValue, Home] = {}  # full-size values: params, buffers, views of them
         self.temp: dict[SSAValue, str] = {}  # chunk temporaries
@@ -158,15 +162,15 @@ class GroupEmitter:
             return self.temp[value]
         home = self.home[value]
         info = info_of(value.type)
-        if not self.chunked:
-            return f"{home.base}[..., {home.cols}]" if home.cols else home.base
-        kind = operand_rows(info, self.ref)
         if self.flat:
+            kind = operand_rows(info, self.ref, flat=True)
             if kind == "last" and info.rank > 1:
                 return self._flat(home.base, "last")
             if kind == "last":
                 return home.base
             return f"{self._flat(home.base, 'full')}[s{', ' + home.cols if home.cols else ''}]"
+        if not self.chunked:
+            return f"{home.base}[..., {home.cols}]" if home.cols else home.base
         base = f"{home.base}[..., {home.cols}]" if home.cols else home.base
         axis = self.axis - (self.ref.rank - info.rank)
         if axis < 0 or (isinstance(info.shape[axis], int) and info.shape[axis] == 1):
@@ -185,7 +189,7 @@ class GroupEmitter:
         chunk: list[str] = []
         if len(anchors) > 1:
             chunk += self._horizontal(anchors)
-        elif anchors and self.flat and row_gemm(anchors[0]):
+        elif anchors and self.flat and row_gemm(anchors[0]):  # (flat: whole or chunked, GEMM rows in the loop)
             chunk += self._row_gemm(anchors[0])
         elif anchors:
             whole += self._anchor(anchors[0])
@@ -194,7 +198,9 @@ class GroupEmitter:
             for v in op.operands:
                 last_use[v] = i
         for i, op in enumerate(self.ops):
-            if op.op_name not in ANCHORS:
+            if op.op_name == "reshape":  # (flat) the same rows: the result is its operand
+                self._alias(op.results[0], op.operands[0])
+            elif op.op_name not in ANCHORS:
                 chunk.append(self._chunk_line(op, i, last_use))
         body = whole + self.prelude
         if chunk:
@@ -210,6 +216,13 @@ class GroupEmitter:
         doc = f'"""{group.kind}: {" ".join(op.op_name for op in self.ops)}' + (f"; tile {tile}" if tile else "") + '"""'
         function = [f"def {self.name}({params_code}):", INDENT + doc] + [INDENT + line for line in body]
         return GroupCode(function, self.name, params, self.buffers, results)
+
+    def _alias(self, result: SSAValue, operand: SSAValue) -> None:
+        if operand in self.temp:
+            self.temp[result] = self.temp[operand]
+        else:
+            self.home[result] = self.home[operand]
+        self.aliased |= {result, operand}
 
     def _length(self) -> str:
         """The number of rows (flat) or the chunk axis' length, read off a result buffer."""
@@ -289,7 +302,7 @@ class GroupEmitter:
         # Reuse the memory of an operand that dies here, has the result's shape and dtype,
         # and belongs to the group (a buffer it writes, or a chunk temporary).
         # (A rank-0 temporary is a NumPy scalar, not an array: it cannot be written into.)
-        donors = [v for v in op.operands if last_use.get(v) == index and v not in self.yielded
+        donors = [v for v in op.operands if last_use.get(v) == index and v not in self.yielded and v not in self.aliased
                   and info_of(v.type) == out and ((v in self.temp and out.rank > 0) or v in self.buffer_of)]
         if result in self.yielded:  # lives on after the group: a buffer, a dying one if there is one
             donor = next((v for v in donors if v in self.buffer_of), None)

@@ -197,7 +197,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
     big = max(REDUCE_AXIS * 8, caches["l2"] // (4 * 8) // REDUCE_AXIS * REDUCE_AXIS)
     small = max(REDUCE_AXIS, big // 8 // REDUCE_AXIS * REDUCE_AXIS)
     small_calls, big_calls = _ufuncs(small, rng), _ufuncs(big, rng)
-    bar = Progress(7 + len(shapes) + len(big_calls), sys.stderr.isatty() if progress is None else progress)
+    bar = Progress(8 + len(shapes) + len(big_calls), sys.stderr.isatty() if progress is None else progress)
     f32 = np.float32
 
     bar.step("call overhead")
@@ -235,6 +235,10 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
             samples.append((m, n, k, _gemm_rate(m, n, k, np.float32, launch, budget, rng)))
         bar.step("gemm f64")
         f64_rate = _gemm_rate(*shapes[-1], np.float64, launch, budget, rng)
+        bar.step("skinny gemm")
+        tall = _gemm_rate(SKINNY_ROWS[-1], *SKINNY_NK, np.float32, launch, budget, rng)
+        skinny = tuple((r, _gemm_rate(r, *SKINNY_NK, np.float32, launch, budget, rng) / tall)
+                       for r in SKINNY_ROWS[:-1]) + ((SKINNY_ROWS[-1], 1.0),)
     cores = os.cpu_count() or 1
 
     rates = {}
@@ -262,6 +266,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         parallel_overhead=fork_join,
         parallel_efficiency=efficiency,
         conv_rate=conv_rate,
+        skinny_gemm=skinny,
         links={},
         gemm_samples=tuple(samples),
         ufunc_rates=rates,
@@ -292,6 +297,10 @@ def _chunk_call_time(budget) -> float:
     return t / (CHUNKS * CHUNK_CALLS)
 
 
+# Row counts of the skinny GEMMs (x SKINNY_NK: a GPT-2 FFN weight), up to a tall one:
+# the row chunks `tile` chooses between.
+SKINNY_ROWS = (4, 8, 16, 32, 64, 256)
+SKINNY_NK = (3072, 768)
 # The GEMM each core runs in the parallel-efficiency measurement: a MiniLM FFN row chunk.
 PARALLEL_GEMM = (256, 1536, 384)
 # A small CNN's convolution (N, C, H, W), (M, C, kh, kw): the kernel's rate on real work.
@@ -357,6 +366,8 @@ def summary(hw: Hardware) -> str:
         ("fork/join of the chunk pool", f"{hw.parallel_overhead * 1e6:.1f} us"),
         ("GEMM on all cores / (cores x one core)", f"{hw.parallel_efficiency:.2f}"),
         ("convolution kernel (K.conv)", f"{hw.conv_rate / 1e9:.1f} GFLOP/s"),
+        ("skinny GEMM efficiency (rows: share of a tall one)",
+         " ".join(f"{r}:{e:.2f}" for r, e in hw.skinny_gemm)),
         ("peak f32 GEMM (all cores)", f"{hw.flops('f32') / 1e9:.1f} GFLOP/s"),
         ("f64 GEMM (largest shape)", f"{hw.flops('f64') / 1e9:.1f} GFLOP/s"),
     ]

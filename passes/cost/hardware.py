@@ -29,7 +29,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Mapping
 
-PROFILE_FORMAT = 4  # (2: per-core GEMM samples; 3: chunk_call_overhead; 4: parallel costs, conv rate) bump when the JSON layout changes: older profiles are then re-measured
+PROFILE_FORMAT = 5  # (2: per-core GEMM samples; 3: chunk_call_overhead; 4: parallel costs, conv rate; 5: skinny GEMMs) bump when the JSON layout changes: older profiles are then re-measured
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,10 @@ class Hardware:
     # CPU only: FLOP/s of the NumPy convolution kernel (K.conv: einsum over a window view),
     # which is far from the GEMM curve; 0: priced as a GEMM.
     conv_rate: float = 0.0
+    # CPU only: (rows, efficiency) of a GEMM with that few rows against a tall one of the
+    # same other dims; the volume curve (`gemm_samples`) alone cannot tell 8 x 3072 x 768
+    # (35 GFLOP/s on one core here) from 128 x 384 x 384 (89).
+    skinny_gemm: tuple[tuple[int, float], ...] = ()
 
     # Dict fields make the generated hash fail; these three identify a profile.
     def __hash__(self) -> int:
@@ -120,6 +124,8 @@ class Hardware:
             return self.flops(dtype)
         curve = _gemm_curve(self.gemm_samples)
         rate = _interp(math.log(m * n * k), curve)
+        if self.skinny_gemm:  # few rows (or columns): BLAS's register blocking is left half empty
+            rate *= min(1.0, _interp(math.log(min(m, n)), tuple((math.log(r), e) for r, e in self.skinny_gemm)))
         return rate * self.flops(dtype) / self.flops("f32")
 
     def to_dict(self) -> dict:
@@ -131,6 +137,7 @@ class Hardware:
         d = dict(d)
         d["links"] = {k: Link(**v) for k, v in d.get("links", {}).items()}
         d["gemm_samples"] = tuple((int(m), int(n), int(k), float(r)) for m, n, k, r in d.get("gemm_samples", ()))
+        d["skinny_gemm"] = tuple((int(r), float(e)) for r, e in d.get("skinny_gemm", ()))
         return cls(**d)
 
 

@@ -321,7 +321,10 @@ def group_cost(ops: Sequence[TgOp], inputs: Sequence[TensorInfo], outputs: Seque
         parallel + sympy.Float(hw.alloc_overhead) * len(outputs) + fork_join
     # NumPy runs one pass at a time: the group's inputs stream in from memory on the
     # first pass over each chunk, and the rest run on cached data, so the two add up
-    # (a roofline max would let a long epilogue hide its own memory traffic).
+    # (a roofline max would let a long epilogue hide its own memory traffic). Inputs
+    # and outputs that fit in the caches stay there between kernels, as for one op.
+    if at_nominal(bytes_) <= hw.cache_bytes * hw.cores:
+        memory = sympy.Integer(0)
     return Cost(flops, bytes_, compute + memory + overhead, compute, memory, overhead,
                 kernels=1, label=label, ops=names)
 
