@@ -164,3 +164,17 @@ def test_an_empty_tensor_is_fused_and_priced():
     fused = run_pipeline(model, f"{UNFUSED_PIPELINE},fuse,tile{{max-rows=1}}")
     assert groups(fused)
     assert compile_model(fused)(np.zeros((0, 2), np.float32))[0].shape == (0, 1)
+
+
+def test_a_linear_layer_exported_between_reshapes_still_fuses_with_what_follows():
+    # GPT-2's Conv1D: [B, S, D] -> [B*S, D] @ W + b -> [B, S, H], then the activation.
+    g = Graph()
+    x = g.input("x", (2, 24, 32))
+    h = g.reshape(g.reshape(x, (48, 32)) @ g.weight("w", _w(32, 64)) + g.weight("b", _w(64)), (2, 24, 64))
+    model = g.build(g.tanh(h) * h)
+    fused = run_pipeline(model, DEFAULT_PIPELINE)
+    assert ("matmul_epilogue", ("matmul", "add", "reshape", "tanh", "mul")) in kinds(fused)
+    for tile in ("tile", "tile{max-rows=5}"):
+        out = run_pipeline(model, f"{UNFUSED_PIPELINE},fuse,{tile}")
+        x_in = random_inputs(model, seed=2)
+        assert_close(compile_model(out)(*x_in)[0], interpret(model, x_in)[0], "f32", 32)
