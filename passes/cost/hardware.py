@@ -303,7 +303,11 @@ def hardware(name: str) -> Hardware:
     if key in GPUS:
         return GPUS[key]
     if key == "cpu":
-        return _cpu_profile(str(cpu_profile_path()))
+        profile = _cpu_profile(str(cpu_profile_path()))
+        # The NumPy backend runs on TILEGRAPH_NUM_THREADS threads when it is set
+        # (backends/numpy/chunks.py): decide for the cores it will use.
+        threads = int(os.environ.get("TILEGRAPH_NUM_THREADS") or 0)
+        return replace(profile, cores=threads) if threads and threads != profile.cores else profile
     raise TilegraphError(f"unknown hardware target '{name}': choose one of {', '.join(TARGETS)}")
 
 
