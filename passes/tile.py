@@ -46,8 +46,9 @@ FLASH_BLOCK_Q = 128
 FLASH_BLOCK_KV = 512
 # A chunk's working set may outgrow the core's L2 into the shared L3 before its passes
 # slow down: on this machine (512 KiB L2, 32 MiB L3) MiniLM's FFN group (GEMM rows +
-# bias + gelu) ran fastest at 128-256 rows, 2.5-5 MB live, 10.8 ms against 11.4 at 64
-# rows and 19.5 at 512 (benchmarks: /tmp experiment recorded in the issue 3 note).
+# bias + gelu, 1024 x 384 @ 384 x 1536 on 2 threads) ran fastest at 128-256 rows,
+# 2.5-5 MB live: 10.8 ms against 11.4 at 64 rows and 19.5 at 512 (a one-off timing
+# during issue 3; not calibrated yet: the calibration measures L2 only).
 SPILL_FACTOR = 8
 # GPU GEMM candidates (the usual Triton matmul configurations, as in Triton's tutorial 03).
 GPU_BLOCKS = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 4, 4), (64, 128, 32, 4, 4),
