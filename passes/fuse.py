@@ -44,9 +44,10 @@ from xdsl.ir import Block, SSAValue
 
 from ir import dtypes
 from ir.dialect import FusionOp, TgOp, YieldOp
-from ir.shapes import TensorInfo, dims_equal, info_of
+from ir.shapes import info_of
 from ir.fusion import ANCHORS, VIEW_OPS, flat_ok, operand_rows, row_reshape
 from passes.cost.model import at_nominal, group_cost, op_cost
+from passes.cost.hardware import check_target, hardware
 from passes.remarks import listening, remark
 from xdsl.passes import ModulePass
 
@@ -78,14 +79,6 @@ def fusable(op) -> bool:
         and len(op.results) == 1
 
 
-def _rows(info: TensorInfo) -> tuple:
-    return tuple(info.shape[:-1])
-
-
-def _same_rows(a: TensorInfo, b: TensorInfo) -> bool:
-    return a.rank == b.rank and all(dims_equal(x, y) for x, y in zip(_rows(a), _rows(b)))
-
-
 def _kind(ops: list[TgOp]) -> str:
     anchors = [op.op_name for op in ops if op.op_name in ANCHORS]
     if len(anchors) > 1:
@@ -106,9 +99,12 @@ class Fuse(ModulePass):
     target: str = "cpu"
     max_ops: int = 32
 
-    def apply(self, ctx: Context, op: ModuleOp) -> None:
-        from passes.cost.hardware import hardware
+    def __post_init__(self) -> None:
+        check_target(self.target)
+        if self.max_ops < 1:
+            raise ValueError(f"max-ops must be at least 1, got {self.max_ops}")
 
+    def apply(self, ctx: Context, op: ModuleOp) -> None:
         hw = hardware(self.target)
         for func in [f for f in op.walk() if isinstance(f, FuncOp)]:
             _Fuser(func, hw, self.max_ops).run()
@@ -200,10 +196,9 @@ class _Fuser:
             if op in anchors:
                 continue
             out = op.result_infos()[0]
-            if not _same_rows(out, ref):
-                if operand_rows(out, ref, flat=True) != "full":
-                    return f"{op.op_name} {out} does not keep the rows of {ref}"
-                regrouped = True
+            if operand_rows(out, ref, flat=True) != "full":
+                return f"{op.op_name} {out} does not keep the rows of {ref}"
+            regrouped |= operand_rows(out, ref) != "full"
             regrouped |= op.op_name == "reshape"
         if regrouped:
             inputs, outputs = self._io(ops)

@@ -38,6 +38,7 @@ from ir.dialect import FusionOp
 from ir.shapes import TensorInfo, info_of
 from ir.fusion import ANCHORS, VIEW_OPS, flat_rows_ok, row_gemm, row_local, widest
 from passes.cost.model import at_nominal, group_cost
+from passes.cost.hardware import check_target, hardware
 from passes.remarks import listening, remark
 
 # Attention: keys per block. 128 query rows x 512 keys of f32 scores is 256 KB, half
@@ -68,9 +69,12 @@ class Tile(ModulePass):
     # At most this many rows per chunk (0: no limit): to see or test many chunks.
     max_rows: int = 0
 
-    def apply(self, ctx: Context, op: ModuleOp) -> None:
-        from passes.cost.hardware import hardware
+    def __post_init__(self) -> None:
+        check_target(self.target)
+        if self.max_rows < 0:
+            raise ValueError(f"max-rows must be 0 (no limit) or more, got {self.max_rows}")
 
+    def apply(self, ctx: Context, op: ModuleOp) -> None:
         hw = hardware(self.target)
         for group in [g for g in op.walk() if isinstance(g, FusionOp)]:
             tile = choose_tile(group, hw, self.max_rows)

@@ -178,3 +178,21 @@ def test_a_linear_layer_exported_between_reshapes_still_fuses_with_what_follows(
         out = run_pipeline(model, f"{UNFUSED_PIPELINE},fuse,{tile}")
         x_in = random_inputs(model, seed=2)
         assert_close(compile_model(out)(*x_in)[0], interpret(model, x_in)[0], "f32", 32)
+
+
+def test_a_profiled_module_times_every_kernel_and_computes_the_same(fused, block):
+    from backends.numpy.emit import emit_profiled
+    from backends.numpy.runtime import load
+
+    source, kernels = emit_profiled(fused)
+    compiled = load(source, fused.weights, fused)
+    x = random_inputs(block, seed=4, sizes={"B": 2})
+    assert_close(compiled(*x)[0], interpret(block, x)[0], "f32", reduction_length(block, {"B": 2}))
+    namespace: dict = {}
+    exec(compile(source, "<profiled>", "exec"), namespace)  # noqa: S102
+    forward = namespace["build"](fused.weights)
+    forward(*x)
+    profile = namespace["PROFILE"]
+    assert set(profile) == set(kernels) and len(kernels) == len(groups(fused))
+    assert all(calls == 1 and seconds > 0 for seconds, calls in profile.values())
+    assert {k.kind for k in kernels.values()} == {g.kind for g in groups(fused)}

@@ -277,19 +277,15 @@ class _Emitter:
         counts: Counter = Counter()
         body: list[str] = []
         for i, (op, dead) in enumerate(zip(prog.steps, dies)):
-            timed = len(self.kernel_names)
             if isinstance(op, FusionOp):
-                body += self._timed(self._group_call(op, counts, plan, i))
+                body += self._timed(self._group_call(op, counts, plan, i), op)
             else:
                 line = self._line(op, counts)
                 if line is not None:
-                    body += self._timed([line]) if op.SPEC.category not in SILENT_CATEGORIES else [line]
-            if len(self.kernel_names) > timed:
-                self.kernel_ops[self.kernel_names[-1]] = op
+                    body += self._timed([line], op) if op.SPEC.category not in SILENT_CATEGORIES else [line]
             if dead:
                 body.append("del " + ", ".join(self.names[v] for v in dead))
             plan.step_done(i)
-        self.plan = plan
         quiet = all(not isinstance(op, FusionOp) and op.SPEC.category in SILENT_CATEGORIES for op in prog.steps)
 
         out = self._header()
@@ -333,12 +329,14 @@ class _Emitter:
         out += ["", f"{INDENT}return forward", ""]
         return "\n".join(out)
 
-    def _timed(self, lines: list[str]) -> list[str]:
-        """(profile) The kernel call (the last line) between two clock reads."""
+    def _timed(self, lines: list[str], op: Operation) -> list[str]:
+        """(profile) The kernel call (the last line) between two clock reads, under the
+        name of the kernel's first result."""
         if not self.profile:
             return lines
-        name = re.match(r"\s*([\w, ]+?),? =", lines[-1]).group(1).split(",")[0].strip()  # type: ignore[union-attr]
+        name = self.names[op.results[0]]
         self.kernel_names.append(name)
+        self.kernel_ops[name] = op
         return lines[:-1] + ["_t = perf_counter()", lines[-1],
                              f"PROFILE[{name!r}][0] += perf_counter() - _t", f"PROFILE[{name!r}][1] += 1"]
 

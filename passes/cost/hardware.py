@@ -294,6 +294,12 @@ GPUS = {"h100": H100, "h200": H200, "a100": A100}
 TARGETS: tuple[str, ...] = (*GPUS, "cpu")
 
 
+def check_target(name: str) -> None:
+    """ValueError naming the choices unless `name` is a hardware target (a pass option's check)."""
+    if str(name).strip().lower() not in TARGETS:
+        raise ValueError(f"unknown hardware target '{name}': choose one of {', '.join(TARGETS)}")
+
+
 def hardware(name: str) -> Hardware:
     """The description of `name` (one of TARGETS, any case); "cpu" is this machine's
     measured profile, calibrated quickly on first use."""
