@@ -7,13 +7,16 @@ target name that `tilegraph.compile` accepts to its module, imported only when u
 
 from __future__ import annotations
 
+import glob
 import importlib
+import os
 from types import ModuleType
 
 from ir.errors import TilegraphError
 
 TARGETS: dict[str, str] = {
     "numpy": "backends.numpy",
+    "triton": "backends.triton",
 }
 
 
@@ -22,3 +25,11 @@ def backend(target: str) -> ModuleType:
     if target not in TARGETS:
         raise TilegraphError(f"unknown target '{target}'; tilegraph compiles for: {', '.join(TARGETS)}")
     return importlib.import_module(TARGETS[target])
+
+
+def interpret_triton_without_gpu() -> None:
+    """On a machine with no NVIDIA device, set TRITON_INTERPRET=1 (unless set): Triton
+    reads it when a function is decorated, so this must run before anything imports
+    triton; `import tilegraph` calls it. Device files, not torch: cheap to ask."""
+    if "TRITON_INTERPRET" not in os.environ and not glob.glob("/dev/nvidia[0-9]*"):
+        os.environ["TRITON_INTERPRET"] = "1"

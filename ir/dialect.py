@@ -19,6 +19,7 @@ from xdsl.dialects.builtin import (
     BoolAttr,
     DenseArrayBase,
     DenseIntOrFPElementsAttr,
+    ArrayAttr,
     DictionaryAttr,
     FloatAttr,
     IntegerAttr,
@@ -301,10 +302,18 @@ class FusionOp(IRDLOperation):
         tile = self.attributes.get("tile")
         if not isinstance(tile, DictionaryAttr):
             return {}
-        out: dict[str, Any] = {}
-        for k, v in tile.data.items():
-            out[k] = v.value.data if isinstance(v, IntegerAttr) else v.data if isinstance(v, StringAttr) else v
-        return out
+        def value(v: Attribute) -> Any:
+            if isinstance(v, IntegerAttr):
+                return v.value.data
+            if isinstance(v, StringAttr):
+                return v.data
+            if isinstance(v, ArrayAttr):  # the autotuner's candidate configurations
+                return [value(x) for x in v.data]
+            if isinstance(v, DictionaryAttr):
+                return {k: value(x) for k, x in v.data.items()}
+            return v
+
+        return {k: value(v) for k, v in tile.data.items()}
 
     def verify_(self) -> None:
         if not isinstance(self.attributes.get("kind"), StringAttr):

@@ -6,6 +6,9 @@
     constant-fold    passes/constant_fold.py    ops on known arrays computed at compile time
     simplify-shapes  passes/simplify_shapes.py  fewer layout ops, simpler symbolic dims
     decompose        passes/decompose.py        softmax/layer_norm/gelu/attention -> primitives
+    attention        passes/attention.py        matmul-softmax-matmul chains -> tg.attention
+    fuse             passes/fuse.py             ops -> tg.fusion groups, by predicted time saved
+    tile             passes/tile.py             tile sizes per group, against the cost model
 
 `passes.registry` holds the registry (`PASSES`), the pipeline syntax and
 `run_pipeline`; `passes.rewrite` the small rule vocabulary the rewrites share.

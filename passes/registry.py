@@ -67,6 +67,12 @@ def _fuse():
     return Fuse
 
 
+def _attention():
+    from passes.attention import FoldAttention
+
+    return FoldAttention
+
+
 def _tile():
     from passes.tile import Tile
 
@@ -80,6 +86,7 @@ PASSES: dict[str, Callable[[], type[ModulePass]]] = {
     "constant-fold": _constant_fold,
     "simplify-shapes": _simplify_shapes,
     "decompose": _decompose,
+    "attention": _attention,
     "fuse": _fuse,
     "tile": _tile,
 }
@@ -91,6 +98,15 @@ UNFUSED_PIPELINE = "canonicalize,constant-fold,cse,simplify-shapes,dce"
 # Then group ops into kernels by predicted time saved and choose their tiles, both
 # against the local CPU's calibrated cost model (the NumPy backend's target).
 DEFAULT_PIPELINE = UNFUSED_PIPELINE + ",fuse,tile"
+
+
+def default_pipeline(target: str = "cpu") -> str:
+    """The default pipeline, with fusion and tiling decided for a hardware target (`passes/cost`).
+    For a GPU, attention spelled out as matmul-softmax-matmul is folded first (`attention`):
+    the Triton backend has a flash kernel for it."""
+    if target == "cpu":
+        return DEFAULT_PIPELINE
+    return UNFUSED_PIPELINE + f",attention,fuse{{target={target}}},tile{{target={target}}}"
 
 
 class PipelineError(TilegraphError):

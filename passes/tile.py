@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import sympy
 from xdsl.context import Context
-from xdsl.dialects.builtin import DictionaryAttr, IntegerAttr, ModuleOp, i64
+from xdsl.dialects.builtin import ArrayAttr, DictionaryAttr, IntegerAttr, ModuleOp, i64
 from xdsl.passes import ModulePass
 
 from ir import dtypes
@@ -54,6 +54,8 @@ SPILL_FACTOR = 8
 # GPU GEMM candidates (the usual Triton matmul configurations, as in Triton's tutorial 03).
 GPU_BLOCKS = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 4, 4), (64, 128, 32, 4, 4),
               (64, 64, 32, 4, 4), (128, 64, 32, 4, 4), (64, 256, 32, 4, 4), (32, 64, 32, 4, 5)]
+# How many of the best-predicted GEMM configurations the tile pass hands the autotuner.
+AUTOTUNE_CANDIDATES = 3
 # Registers a thread may spend on its accumulator slice: 255 per thread is the hardware
 # limit (CUDA occupancy guide); half of it leaves room for addresses and operands.
 ACCUMULATOR_REGISTERS_PER_THREAD = 128
@@ -79,7 +81,19 @@ class Tile(ModulePass):
         for group in [g for g in op.walk() if isinstance(g, FusionOp)]:
             tile = choose_tile(group, hw, self.max_rows)
             if tile:
-                group.attributes["tile"] = DictionaryAttr({k: IntegerAttr(v, i64) for k, v in tile.items()})
+                group.attributes["tile"] = tile_attr(tile)
+
+
+def tile_attr(tile: dict) -> DictionaryAttr:
+    """The tile as an IR attribute: ints, and `configs` as an array of dicts of ints."""
+    def attr(v):
+        if isinstance(v, list):
+            return ArrayAttr([attr(x) for x in v])
+        if isinstance(v, dict):
+            return DictionaryAttr({k: attr(x) for k, x in v.items()})
+        return IntegerAttr(v, i64)
+
+    return attr(tile)
 
 
 def choose_tile(group: FusionOp, hw, max_rows: int = 0) -> dict[str, int]:
@@ -162,21 +176,27 @@ def _gpu_tile(group: FusionOp, hw) -> dict[str, int]:
     op = anchors[0]
     out = info_of(op.results[0].type)
     m = at_nominal(sympy.sympify(math.prod(out.shape[:-1]))) if out.rank > 1 else 1
-    n = at_nominal(out.shape[-1])
+    n = at_nominal(out.shape[-1]) if out.rank else 1  # a vector . vector matmul is a scalar
     k = at_nominal(info_of(op.operands[0].type).shape[-1])
     size = dtypes.numpy_dtype(out.dtype).itemsize
     priced = []
     for bm, bn, bk, warps, stages in GPU_BLOCKS:
         smem = stages * (bm * bk + bk * bn) * size
-        if smem > hw.shared_memory_per_core or bm * bn / (32 * warps) > ACCUMULATOR_REGISTERS_PER_THREAD:
+        if smem > (hw.shared_memory_per_block or hw.shared_memory_per_core) or bm * bn / (32 * warps) > ACCUMULATOR_REGISTERS_PER_THREAD:
             continue
         tiles = math.ceil(m / bm) * math.ceil(n / bn)
         waves = math.ceil(tiles / hw.cores)
         # One wave runs a tile per SM at the SM's share of the peak.
         time = waves * 2 * bm * bn * k / (hw.flops(out.dtype) / hw.cores)
         priced.append((time, -bm * bn, (bm, bn, bk, warps, stages)))
-    time, _, (bm, bn, bk, warps, stages) = min(priced)
+    ranked = sorted(priced)
+    time, _, (bm, bn, bk, warps, stages) = ranked[0]
     if listening():
         remark("tile", f"{group.kind} GEMM {m:.0f}x{n:.0f}x{k:.0f}: block {bm}x{bn}x{bk}, {warps} warps, {stages} "
-                       f"stages: predicted {time * 1e6:.1f} us ({len(priced)} configurations fit)")
-    return {"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages}
+                       f"stages: predicted {time * 1e6:.1f} us ({len(priced)} configurations fit; the next "
+                       f"{AUTOTUNE_CANDIDATES - 1} are the autotuner's other candidates)")
+    # The best few, for the Triton backend's autotuner to time on a GPU (the first is the default).
+    configs = [{"BLOCK_M": c[0], "BLOCK_N": c[1], "BLOCK_K": c[2], "num_warps": c[3], "num_stages": c[4]}
+               for _, _, c in ranked[:AUTOTUNE_CANDIDATES]]
+    return {"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages,
+            "configs": configs}

@@ -1,4 +1,12 @@
-"""Suite-wide reporting: the ONNX conformance pass count, printed at the end of every run."""
+"""Suite-wide setup and reporting: Triton's interpreter chosen before any test imports triton;
+the ONNX conformance pass count, printed at the end of every run."""
+
+# With no GPU, the Triton backend's kernels run in Triton's interpreter, which Triton
+# decides when a function is decorated: TRITON_INTERPRET=1 must be set before any test
+# module imports triton (loading a transformers model does), so here, first.
+from backends import interpret_triton_without_gpu
+
+interpret_triton_without_gpu()
 
 CONFORMANCE_TEST = "test_onnx_conformance.py::test_node_case_matches_the_onnx_reference"
 

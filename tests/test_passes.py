@@ -461,7 +461,7 @@ def test_pipeline_options_parse_into_pass_fields():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("canonicalise", r"unknown pass 'canonicalise' in 'canonicalise'; the passes are: canonicalize, "
+    ("canonicalise", r"unknown pass 'canonicalise' in 'canonicalise'; the passes are: attention, canonicalize, "
                      r"constant-fold, cse, dce, decompose, fuse, simplify-shapes, tile"),
     ("cse,fuze,tiles", r"unknown passes 'fuze', 'tiles'"),
     ("fuse{target=tpu}", r"pass 'fuse': unknown hardware target 'tpu': choose one of h100, h200, a100, cpu"),
@@ -554,3 +554,40 @@ def test_the_default_pipeline_and_decompose_keep_minilm_within_tolerance():
     assert not any(op.name == "tg.transpose" and op.operands[0].owner.name == "tg.weight" for op in optimized.ops())
     decomposed = assert_preserves_semantics("decompose," + DEFAULT_PIPELINE, model, inputs)
     assert composite_ops(decomposed) == set()
+
+
+# --- attention: matmul-softmax-matmul chains folded into tg.attention ----------
+
+
+def _spelled_out_attention(scale_op: str = "mul", mask: bool = True, extra_use: bool = False):
+    rng = np.random.default_rng(3)
+    g = Graph()
+    q = g.input("q", ("B", 2, 6, 8))
+    k = g.input("k", ("B", 2, 10, 8))
+    v = g.input("v", ("B", 2, 10, 4))
+    outs = []
+    scores = q @ k.transpose(0, 1, 3, 2)
+    scaled = scores * 0.35 if scale_op == "mul" else scores / 2.5
+    if mask:
+        scaled = scaled + g.weight("mask", np.where(rng.random((10,)) < 0.3, -1e9, 0.0).astype(np.float32))
+    probs = g.softmax(scaled, -1)
+    outs.append(probs @ v)
+    if extra_use:
+        outs.append(probs)
+    model = g.build(*outs, names=[f"y{i}" for i in range(len(outs))])
+    inputs = [rng.standard_normal((3, 2, n, d)).astype(np.float32) for n, d in ((6, 8), (10, 8), (10, 4))]
+    return model, inputs
+
+
+@pytest.mark.parametrize("scale_op, mask", [("mul", True), ("div", False)])
+def test_attention_folds_spelled_out_attention(scale_op, mask):
+    model, inputs = _spelled_out_attention(scale_op, mask)
+    out = assert_preserves_semantics("attention", model, inputs)
+    names = [op.name for op in out.module.walk()]
+    assert names.count("tg.attention") == 1 and "tg.softmax" not in names
+
+
+def test_attention_leaves_scores_that_are_used_elsewhere():
+    model, inputs = _spelled_out_attention(extra_use=True)
+    out = run_pipeline(model, "attention")
+    assert [op.name for op in out.module.walk()].count("tg.attention") == 0

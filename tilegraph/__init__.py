@@ -20,11 +20,16 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from backends import interpret_triton_without_gpu
 from ir import Model
 from ir.errors import TilegraphError
 from ir.model import ModelError
 
 __all__ = ["compile", "import_model", "Compiled", "TilegraphError"]
+
+# With no GPU, the Triton backend runs its kernels in Triton's interpreter, which
+# must be chosen before anything (a transformers model) imports triton.
+interpret_triton_without_gpu()
 
 # File suffixes import_model reads, and what reads them.
 SUFFIXES = {".onnx": "ONNX (frontends.onnx)", ".mlir": "tg IR text (Model.load)",
@@ -87,7 +92,7 @@ def _import_file(path: Path) -> Model:
     return Model.load(path)
 
 
-def _run_passes(model: Model, pipeline: str | Sequence | None) -> Model:
+def _run_passes(model: Model, pipeline: str | Sequence | None, hardware: str = "cpu") -> Model:
     try:
         registry = importlib.import_module("passes.registry")
     except ModuleNotFoundError as e:
@@ -99,7 +104,7 @@ def _run_passes(model: Model, pipeline: str | Sequence | None) -> Model:
             raise TilegraphError(f"cannot run pipeline {pipeline!r}: passes.registry is not available") from None
         return model
     if pipeline is None:
-        pipeline = registry.DEFAULT_PIPELINE
+        pipeline = registry.default_pipeline(hardware)
     if not pipeline:
         return model
     return registry.run_pipeline(model, pipeline)
@@ -133,9 +138,12 @@ class Compiled:
 
 
 def compile(model: Any, example_inputs: Sequence[Any] | None = None, target: str = "numpy",
-            pipeline: str | Sequence | None = None, dynamic_shapes: Any = None) -> Compiled:  # noqa: A001
+            pipeline: str | Sequence | None = None, dynamic_shapes: Any = None, **options: Any) -> Compiled:  # noqa: A001
     """Import `model` (see import_model), run `pipeline` on it and build it for `target`.
 
+    target: "numpy" (the local CPU) or "triton" (a GPU; without one, Triton's
+    interpreter on the CPU). `options` go to the backend's loader
+    (triton: `autotune=True` times the tile pass's candidate configurations).
     pipeline: None runs the default pipeline; a pipeline string
     (`"canonicalize,cse"`) or list of passes runs those; "" or [] runs none.
     """
@@ -143,7 +151,8 @@ def compile(model: Any, example_inputs: Sequence[Any] | None = None, target: str
 
     codegen = backend(target)  # an unknown target fails before any import work
     imported = import_model(model, example_inputs, dynamic_shapes)
-    optimized = _run_passes(imported, pipeline)
+    # Fusion and tiling are decided for the hardware the backend runs on.
+    optimized = _run_passes(imported, pipeline, getattr(codegen, "HARDWARE", "cpu"))
     optimized.verify()
-    runner = codegen.load(codegen.emit(optimized), optimized.weights, optimized)
+    runner = codegen.load(codegen.emit(optimized), optimized.weights, optimized, **options)
     return Compiled(optimized, runner, target)

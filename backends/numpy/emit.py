@@ -24,54 +24,31 @@ What it decides and how:
 
 from __future__ import annotations
 
-import builtins
-import keyword
 import re
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 import sympy
-from xdsl.dialects.func import ReturnOp
 from xdsl.ir import Operation, SSAValue
 
 from ir import dtypes
 from ir.dialect import FusionOp, TgOp
 from ir.interpreter import SHAPE_FUNCTIONS, dtype_code, shape_code
 from ir.model import Model, ModelError
-from ir.ops import py_literal, render
+from ir.ops import render
 from ir.shapes import Dim, TensorInfo, dims_equal, info_of, numel
 from backends.numpy.groups import GroupCode, GroupEmitter
+from backends.program import (PYTHON_RESERVED, Namer, Program, array_literal, flatten, liveness,  # noqa: F401
+                              literal, sanitize, signature_rows, str_literal, tuple_lines)
 
 # Names the generated module defines or imports; nothing else may take them.
 MODULE_NAMES = {"np", "ml_dtypes", "K", "W", "build", "forward", "INPUTS", "OUTPUTS", "WEIGHTS", *SHAPE_FUNCTIONS}
-RESERVED = MODULE_NAMES | set(keyword.kwlist) | set(dir(builtins))
+RESERVED = MODULE_NAMES | PYTHON_RESERVED
 # Op categories whose NumPy code cannot raise a floating-point warning (they move
 # or name data, never compute on it); a body of only these needs no np.errstate.
 SILENT_CATEGORIES = {"layout", "source"}
 INDENT = "    "
-
-
-def sanitize(name: str, prefix: str = "v") -> str:
-    """A Python identifier close to `name`: 'encoder.layer.0.w' -> 'encoder_layer_0_w'."""
-    ident = re.sub(r"[^0-9A-Za-z_]+", "_", name).strip("_") or prefix
-    return f"{prefix}_{ident}" if ident[0].isdigit() else ident
-
-
-class Namer:
-    """Hands out distinct identifiers, none of them reserved."""
-
-    def __init__(self, reserved: set[str]):
-        self.used = set(reserved)
-
-    def fresh(self, base: str, prefix: str = "v") -> str:
-        base = sanitize(base, prefix)
-        name, i = base, 1
-        while name in self.used:
-            name, i = f"{base}_{i}", i + 1
-        self.used.add(name)
-        return name
 
 
 class Code(str):
@@ -80,76 +57,6 @@ class Code(str):
     def __repr__(self) -> str:
         return str(self)
 
-
-@dataclass
-class Program:
-    """The model flattened to the ops that compute, with values renamed through regions."""
-
-    steps: list[TgOp | FusionOp]
-    outputs: list[SSAValue]
-    alias: dict[SSAValue, SSAValue] = field(default_factory=dict)
-
-    def canon(self, v: SSAValue) -> SSAValue:
-        while v in self.alias:
-            v = self.alias[v]
-        return v
-
-
-def flatten(model: Model) -> Program:
-    prog = Program([], [])
-
-    def walk(ops) -> list[SSAValue] | None:
-        for op in ops:
-            if isinstance(op, ReturnOp):
-                return list(op.operands)
-            if isinstance(op, (TgOp, FusionOp)):
-                prog.steps.append(op)
-            elif len(op.regions) == 1 and len(op.regions[0].blocks) == 1:
-                block = op.regions[0].blocks[0]
-                body = list(block.ops)
-                if len(block.args) != len(op.operands) or not body or len(body[-1].operands) != len(op.results):
-                    raise ModelError(f"the NumPy backend cannot emit {op.name}: its region does not map "
-                                     "operands to block arguments and results to the terminator")
-                prog.alias.update(zip(block.args, op.operands))
-                walk(body[:-1])
-                prog.alias.update(zip(op.results, body[-1].operands))
-            elif not _is_terminator(op):
-                raise ModelError(f"the NumPy backend cannot emit {op.name}")
-        return None
-
-    outputs = walk(model.func.body.block.ops)
-    if outputs is None:
-        raise ModelError("@forward has no func.return")
-    prog.outputs = outputs
-    return prog
-
-
-def _is_terminator(op: Operation) -> bool:
-    return op.parent_block() is not None and op is op.parent_block().last_op and not op.results
-
-
-def liveness(steps: Sequence[TgOp | FusionOp], outputs: Sequence[SSAValue], canon=lambda v: v) -> list[list[SSAValue]]:
-    """For each step, the computed values that are dead once it has run.
-
-    A value dies at its last use (or at its definition, if nothing uses it);
-    outputs never die. Only results of computing ops are listed: inputs belong to
-    the caller, weights and constants to the compiled module.
-    """
-    last: dict[SSAValue, int] = {}
-    computed: list[SSAValue] = []
-    for i, op in enumerate(steps):
-        for v in op.operands:
-            last[canon(v)] = i
-        if getattr(op, "op_name", None) not in ("weight", "constant"):
-            for r in op.results:
-                last[r] = i
-                computed.append(r)
-    keep = {canon(v) for v in outputs}
-    dies: list[list[SSAValue]] = [[] for _ in steps]
-    for v in computed:
-        if v not in keep:
-            dies[last[v]].append(v)
-    return dies
 
 
 def emit(model: Model, name: str | None = None, profile: bool = False) -> str:
@@ -227,14 +134,14 @@ class _Emitter:
         if key not in self._constant_names:
             name = self.namer.fresh(f"c{len(self._constant_names)}")
             self._constant_names[key] = name
-            self.constants.append(f"{name} = np.array({_array_literal(array, dtype)}, dtype={dtype_code(dtype)})")
+            self.constants.append(f"{name} = np.array({array_literal(array, dtype)}, dtype={dtype_code(dtype)})")
         return self._constant_names[key]
 
     def _weight(self, weight_name: str) -> str:
         if weight_name not in self._weight_names:
             var = self.namer.fresh(weight_name, "w")
             self._weight_names[weight_name] = var
-            self.weight_lines.append(f"{var} = W[{_str_literal(weight_name)}]")
+            self.weight_lines.append(f"{var} = W[{str_literal(weight_name)}]")
         return self._weight_names[weight_name]
 
     # --- ops ------------------------------------------------------------------
@@ -300,9 +207,9 @@ class _Emitter:
             out.append("from ir.interpreter import SHAPE_FUNCTIONS")
             out.append(f"{', '.join(shape_fns)} = " + ", ".join(f"SHAPE_FUNCTIONS[{f!r}]" for f in shape_fns))
         out += ["", "# The signature: (name, shape, dtype); a str dim is a symbol or an expression of symbols.",
-                *_tuple("INPUTS", _signature(m.input_names, m.inputs)),
-                *_tuple("OUTPUTS", _signature(m.output_names, m.outputs)),
-                *_tuple("WEIGHTS", [_literal(w) for w in self._weight_names]),
+                *tuple_lines("INPUTS", signature_rows(m.input_names, m.inputs)),
+                *tuple_lines("OUTPUTS", signature_rows(m.output_names, m.outputs)),
+                *tuple_lines("WEIGHTS", [literal(w) for w in self._weight_names]),
                 "# What the memory planner decided (intermediates; inputs and weights not counted).",
                 f"PLAN = {{'kernels': {plan.kernels}, 'buffers': {len(plan.slots)}, "
                 f"'peak_bytes': {str(plan.peak_bytes)!r}}}", ""]
@@ -416,57 +323,9 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
-def _str_literal(s: str) -> str:
-    """A string literal in double quotes where that is plain (weight names), else repr."""
-    return f'"{s}"' if s.isprintable() and '"' not in s and "\\" not in s else repr(s)
-
-
 def _model_name(model: Model) -> str:
     name = getattr(model.module, "sym_name", None)
     return name.data if name is not None else "forward"
-
-
-def _signature(names: Sequence[str], infos: Sequence[TensorInfo]) -> list[str]:
-    return [_literal((n, tuple(d if isinstance(d, int) else str(d) for d in info.shape), info.dtype))
-            for n, info in zip(names, infos)]
-
-
-def _literal(v: Any) -> str:
-    """Python source for a str/int/tuple value, strings in double quotes where plain."""
-    if isinstance(v, str):
-        return _str_literal(v)
-    if isinstance(v, tuple):
-        return "(" + ", ".join(map(_literal, v)) + ("," if len(v) == 1 else "") + ")"
-    return repr(v)
-
-
-# A module-level tuple longer than this is written one item per line.
-LINE_WIDTH = 100
-
-
-def _tuple(name: str, items: Sequence[str]) -> list[str]:
-    one_line = f"{name} = (" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
-    if len(one_line) <= LINE_WIDTH:
-        return [one_line]
-    return [f"{name} = ("] + [f"{INDENT}{item}," for item in items] + [")"]
-
-
-def _array_literal(array: np.ndarray, dtype: str) -> str:
-    """Exact Python source for the values of a small array (nested lists; nan/inf by name)."""
-    if dtypes.is_float(dtype):
-        values = np.asarray(array, dtype=np.float64)  # every float dtype widens exactly
-        scalar = lambda x: py_literal(float(x))  # noqa: E731
-    elif dtype == "i1":
-        values, scalar = np.asarray(array, dtype=bool), lambda x: repr(bool(x))  # noqa: E731
-    else:
-        values, scalar = np.asarray(array), lambda x: repr(int(x))  # noqa: E731
-
-    def lit(a):
-        if a.ndim == 0:
-            return scalar(a)
-        return "[" + ", ".join(lit(x) for x in a) + "]"
-
-    return lit(values)
 
 
 class BufferPlan:

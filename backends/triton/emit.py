@@ -1,0 +1,419 @@
+"""The Triton code generator: a model becomes one Python module of @triton.jit kernels
+and a host program over torch tensors that launches them.
+
+What it decides and how:
+
+* Every `tg.fusion` group becomes one kernel (`kernels.py`) with the tile sizes the
+  `tile` pass wrote; a compute op outside any group (a pipeline without `fuse`)
+  is a group of its own. Composites in a group (softmax, layer_norm, gelu) are first
+  spelled out by the rules of `passes.decompose`, the same rules the reference
+  semantics are checked against, so the kernels see reductions and elementwise ops.
+* A group that no one kernel can express (an anchor the kernels do not cover, a
+  reduction across a conv's tile) is split, and each of its ops becomes a kernel;
+  an op that no kernel covers runs on the host through its NumPy template (the op
+  table's own semantics), copied off and back onto the device. `HOST_OPS` in the
+  module lists them, `tilegraph compile --report` prints them.
+* Views (reshape, transpose, broadcast, slice with positive steps) are torch views;
+  concat and split are torch.cat / torch.split.
+* Weights become device tensors once, in `build(W, device)`; `forward` binds the
+  symbolic dims from the input shapes and returns torch tensors on the device.
+* `KERNELS` describes every kernel (its signature for ahead-of-time builds, its
+  configurations ranked by the cost model, what it computes), so
+  `backends/triton/aot.py` can build each for sm_90 and gfx942 without running it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Sequence
+
+import numpy as np
+import sympy
+from xdsl.ir import Block, SSAValue
+from xdsl.pattern_rewriter import GreedyRewritePatternApplier, PatternRewriteWalker
+from xdsl.rewriter import Rewriter
+
+from ir.dialect import FusionOp, TgOp, YieldOp, make_op
+from ir.interpreter import SHAPE_FUNCTIONS, dtype_code
+from ir.model import Model, ModelError
+from ir.ops import render
+from ir.shapes import Dim, TensorInfo, info_of, numel, tensor_type
+from backends.program import (PYTHON_RESERVED, Namer, array_literal, flatten, liveness, literal, signature_rows,
+                              str_literal, tuple_lines)
+from backends.triton.kernels import INDENT, KernelCode, KernelWriter, Unsupported
+
+# What a symbolic dim is taken to be for an ahead-of-time build (passes/cost/model.py prices
+# symbolic dims at the same size).
+NOMINAL_DIM = 256
+# Composites spelled out before kernels are written (attention keeps its own kernel).
+DECOMPOSED = ("softmax", "layer_norm", "gelu")
+# Layout ops as torch calls (views where torch can); others run on the host.
+TORCH_LAYOUT = {
+    "reshape": "{x}.reshape({out_shape})",
+    "broadcast": "{x}.expand({out_shape})",
+    "transpose": "{x}.permute({perm})",
+    "identity": "{x}",
+    "concat": "torch.cat({inputs}, dim={axis})",
+}
+MODULE_NAMES = {"torch", "triton", "tl", "tlmath", "np", "K", "ml_dtypes", "build", "forward", "DEVICE", "KERNELS",
+                "CONFIGS", "INPUTS", "OUTPUTS", "WEIGHTS", "HOST_OPS", "TUNER", "pick", "host", "launch", "cfg",
+                *SHAPE_FUNCTIONS}
+
+
+class _Sizes:
+    def __init__(self, **fns):
+        self.__dict__.update(fns)
+
+
+def emit(model: Model, name: str | None = None, hardware: str | None = None) -> str:
+    """The Python source of a module computing `model` with Triton kernels (see the module docstring),
+    for the GPU `hardware` names (passes/cost/hardware.py; default: backends.triton.HARDWARE)."""
+    from backends.triton import HARDWARE
+
+    return _Emitter(model, hardware or HARDWARE).source()
+
+
+def prepare(model: Model) -> Model:
+    """A copy of the model where every compute op sits in a tg.fusion group and groups hold
+    no composites but attention."""
+    from passes.decompose import DECOMPOSITIONS
+    from passes.rewrite import Rule, RuleSet
+
+    module = model.module.clone()
+    copy = Model(module, model.weights)
+    rewriter = Rewriter()
+    for op in list(copy.func.body.walk()):
+        if isinstance(op, TgOp) and _kernel_op(op) and not isinstance(op.parent_op(), FusionOp):
+            _wrap(op, rewriter)
+    rules = [Rule((n,), DECOMPOSITIONS[n], f"{n} -> primitives") for n in DECOMPOSED]
+    for group in [op for op in module.walk() if isinstance(op, FusionOp)]:
+        walker = PatternRewriteWalker(GreedyRewritePatternApplier([RuleSet(rules)]))
+        walker.rewrite_region(group.body)
+    return copy
+
+
+def _kernel_op(op: TgOp) -> bool:
+    """Ops that compute (and so get a kernel): everything but sources and views."""
+    return op.SPEC.category not in ("source", "layout") or op.op_name == "gather"
+
+
+def _in_block(op: TgOp) -> tuple[Block, TgOp]:
+    """A copy of op in a block of its own, reading the block's arguments."""
+    block = Block(arg_types=[v.type for v in op.operands])
+    inner = op.clone()
+    for i, arg in enumerate(block.args):
+        inner.operands[i] = arg
+    block.add_op(inner)
+    return block, inner
+
+
+def _wrap(op: TgOp, rewriter: Rewriter) -> None:
+    """Put a lone op into a tg.fusion group of its own."""
+    block, inner = _in_block(op)
+    block.add_op(YieldOp.create(operands=list(inner.results)))
+    group = FusionOp.build_group(op.op_name, list(op.operands), [r.type for r in op.results], block)
+    rewriter.replace_op(op, group, list(group.results))
+
+
+# Ops over an axis (or axes) that a row kernel computes once the axes are moved last.
+AXIS_OPS = {"reduce_sum", "reduce_mean", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin",
+            "cumsum", "cumprod"}
+
+
+def _axes_last(op: TgOp):
+    """For a reduction or scan over axes other than (only) the last, keeping dims: the permutation
+    moving them last, the same op over the last axis of that view (in a block of its own) and the
+    permutation undoing it for a scan (None for reductions: their result is reshaped). None if
+    the op needs no move."""
+    if op.op_name not in AXIS_OPS:
+        return None
+    x = info_of(op.operands[0].type)
+    if x.rank == 0:
+        return None
+    axes = tuple(sorted(a % x.rank for a in (op.attr("axes") if op.op_name.startswith("reduce_") else
+                                             [op.attr("axis")])))
+    kept = tuple(a for a in range(x.rank) if a not in axes)
+    keepdims = op.op_name in ("cumsum", "cumprod") or op.attr("keepdims")
+    if axes == (x.rank - 1,) and keepdims:
+        return None
+    perm = kept + axes
+    rows = TensorInfo(tuple(x.shape[a] for a in kept) + (numel(tuple(x.shape[a] for a in axes)),), x.dtype)
+    block = Block(arg_types=[tensor_type(rows.dtype, rows.shape)])
+    attrs = op.py_attrs()
+    if op.op_name.startswith("reduce_"):
+        attrs |= {"axes": (rows.rank - 1,), "keepdims": True}
+    elif op.op_name in ("argmax", "argmin"):
+        attrs |= {"axis": rows.rank - 1, "keepdims": True}
+    else:
+        attrs |= {"axis": rows.rank - 1}
+    inner = make_op(op.op_name, [block.args[0]], attrs)
+    block.add_op(inner)
+    undo = tuple(perm.index(a) for a in range(x.rank)) if op.op_name in ("cumsum", "cumprod") else None
+    return perm, inner, undo
+
+
+class _Emitter:
+    def __init__(self, model: Model, hardware: str):
+        from passes.cost.hardware import hardware as describe
+
+        gpu = describe(hardware)
+        self.shared_memory = gpu.shared_memory_per_block or gpu.shared_memory_per_core
+        self.model = prepare(model)
+        self.prog = flatten(self.model)
+        self.namer = Namer(MODULE_NAMES | PYTHON_RESERVED)
+        self.names: dict[SSAValue, str] = {}
+        self.kernels: list[KernelCode] = []
+        self.host_functions: list[list[str]] = []
+        self.weight_lines: list[str] = []
+        self._weights: dict[str, str] = {}
+        self.constants: list[str] = []
+        self.host_ops: Counter = Counter()
+        self.symbols = self._bind_symbols()
+        self.uses_tlmath = False
+
+    # --- names and dims ------------------------------------------------------------
+
+    def _bind_symbols(self) -> dict[str, tuple[str, str, int]]:
+        m = self.model
+        for arg, name in zip(m.func.args, m.input_names):
+            self.names[arg] = self.namer.fresh(name, "input")
+        bound: dict[str, tuple[str, str, int]] = {}
+        for arg, info in zip(m.func.args, m.inputs):
+            for axis, d in enumerate(info.shape):
+                if isinstance(d, sympy.Symbol) and d.name not in bound:
+                    bound[d.name] = (self.namer.fresh(f"d_{d.name}"), self.names[arg], axis)
+        return bound
+
+    def dim(self, d: Dim | str) -> str:
+        """Host Python for one dim (symbols are the forward's dim variables)."""
+        if isinstance(d, str):
+            return d
+        if isinstance(d, int):
+            return str(d)
+        d = sympy.sympify(d)
+        missing = {s.name for s in d.free_symbols} - set(self.symbols)
+        if missing:
+            raise ModelError(f"symbolic dims {', '.join(sorted(missing))} are not the size of any input dimension; "
+                             "the Triton backend binds each symbol from an input's shape")
+        renamed = d.xreplace({s: sympy.Symbol(self.symbols[s.name][0], integer=True, positive=True)
+                              for s in d.free_symbols})
+        return f"int({renamed})" if "/" in str(renamed) else str(renamed)
+
+    def _shape(self, shape: Sequence[Dim]) -> str:
+        return "(" + ", ".join(self.dim(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
+
+    def _value(self, v: SSAValue) -> str:
+        return self.names[self.prog.canon(v)]
+
+    def _result(self, v: SSAValue, base: str) -> str:
+        self.names[v] = self.namer.fresh(base)
+        return self.names[v]
+
+    # --- steps ---------------------------------------------------------------------
+
+    def _source_op(self, op: TgOp) -> None:
+        info = op.result_infos()[0]
+        if op.op_name == "weight":
+            wname = op.attr("name")
+            if wname not in self._weights:
+                self._weights[wname] = self.namer.fresh(wname, "w")
+                self.weight_lines.append(f"{self._weights[wname]} = W[{str_literal(wname)}]")
+            self.names[op.results[0]] = self._weights[wname]
+            return
+        var = self.namer.fresh(f"c{len(self.constants)}")
+        array = np.asarray(op.attr("value"))
+        self.constants.append(f"{var} = host_tensor(np.array({array_literal(array, info.dtype)}, "
+                              f"dtype={dtype_code(info.dtype)}))")
+        self.names[op.results[0]] = var
+
+    def _layout_line(self, op: TgOp) -> str | None:
+        out = op.result_infos()
+        name = op.op_name
+        operands = [self._value(v) for v in op.operands]
+        if name == "split":
+            sizes = op.attr("sizes")
+            targets = [self._result(r, f"split_{i}") for i, r in enumerate(op.results)]
+            return f"{', '.join(targets)}, = torch.split({operands[0]}, {list(sizes)}, dim={op.attr('axis')})"
+        if name == "slice" and all(s > 0 for s in op.attr("steps")):
+            expr = render(op.SPEC, operands, op.py_attrs(), self._shape(out[0].shape), "")
+        elif name in TORCH_LAYOUT:
+            attrs = {k: literal(tuple(v)) if isinstance(v, (list, tuple)) else literal(v)
+                     for k, v in op.py_attrs().items()}
+            env = {"inputs": "[" + ", ".join(operands) + "]"} if op.SPEC.variadic else \
+                dict(zip(op.SPEC.operand_names, operands))
+            expr = TORCH_LAYOUT[name].format(**env, **attrs, out_shape=self._shape(out[0].shape))
+        else:
+            return None
+        target = self._result(op.results[0], name)
+        return f"{target} = {expr}  # {out[0]}"
+
+    def _host_line(self, op: TgOp) -> str:
+        """An op no kernel covers: its NumPy template on host copies (the op table's own semantics)."""
+        self.host_ops[op.op_name] += 1
+        outs = op.result_infos()
+        operands = [f"host({self._value(v)})" for v in op.operands]
+        expr = render(op.SPEC, operands, op.py_attrs(), self._shape(outs[0].shape), dtype_code(outs[0].dtype))
+        targets = [self._result(r, f"{op.op_name}_{i}") for i, r in enumerate(op.results)]
+        if len(targets) == 1:
+            return f"{targets[0]} = device(np.asarray({expr}))  # on the host: {outs[0]}"
+        return f"{', '.join(targets)} = [device(np.asarray(a)) for a in {expr}]  # on the host"
+
+    def _group_lines(self, group: FusionOp, counts: Counter) -> list[str]:
+        inputs = list(group.block.args)
+        outer = {arg: self._value(v) for arg, v in zip(group.block.args, group.operands)}
+        outputs = list(group.block.last_op.operands)
+        name = self.namer.fresh(f"fusion_{counts['fusion']}")
+        counts["fusion"] += 1
+        try:
+            code = self._kernel(name, group.kind, group.ops, inputs, outputs, group.tile())
+        except Unsupported:
+            return self._split(group, counts)
+        self._host_function(code, len(inputs))
+        targets = [self._result(r, f"{name}_out{i}") for i, r in enumerate(group.results)]
+        args = [outer[a] for a in inputs] + [v for v, _, _ in sorted(self.symbols.values())]
+        types = ", ".join(str(info_of(r.type)) for r in group.results)
+        return [f"{', '.join(targets)}, = {name}_host({', '.join(args)})  # {types}"]
+
+    def _kernel(self, name, kind, ops, inputs, outputs, tile) -> KernelCode:
+        constants = [op for op in ops if op.op_name == "constant" and np.asarray(op.attr("value")).size != 1]
+        if constants:
+            raise Unsupported("a constant array inside a group")
+        code = KernelWriter(f"{name}_kernel", kind, ops, inputs, outputs, tile, self.dim, self.shared_memory).write()
+        self.kernels.append(code)
+        self.uses_tlmath |= "tlmath" in code.helpers
+        return code
+
+    def _split(self, group: FusionOp, counts: Counter) -> list[str]:
+        """A group no one kernel can express: each op on its own (values renamed through the region)."""
+        for arg, v in zip(group.block.args, group.operands):
+            self.names[arg] = self._value(v)
+        lines = []
+        for op in group.ops:
+            if op.op_name == "constant":
+                self._source_op(op)
+                continue
+            lines += self._single(op, counts)
+        for r, v in zip(group.results, group.block.last_op.operands):
+            self.names[r] = self.names[v]
+        return lines
+
+    def _single(self, op: TgOp, counts: Counter) -> list[str]:
+        layout = self._layout_line(op) if op.SPEC.category == "layout" and op.op_name != "gather" else None
+        if layout is not None:
+            return [layout]
+        if op.SPEC.category == "layout" and op.op_name != "gather":
+            return [self._host_line(op)]
+        name = self.namer.fresh(f"{op.op_name}_{counts[op.op_name]}")
+        counts[op.op_name] += 1
+        moved = _axes_last(op)
+        if moved is not None:  # a reduction or scan over other axes: on rows of a permuted view
+            perm, inner, undo = moved
+            block = inner.parent_block()
+        else:
+            block, inner = _in_block(op)
+        try:
+            code = self._kernel(name, op.op_name, [inner], list(block.args), list(inner.results), {})
+        except Unsupported:
+            return [self._host_line(op)]
+        self._host_function(code, len(block.args))
+        targets = [self._result(r, f"{name}_out{i}") for i, r in enumerate(op.results)]
+        operands = [self._value(v) for v in op.operands]
+        if moved is not None:
+            shape = info_of(inner.operands[0].type).shape
+            operands[0] = f"{operands[0]}.permute({perm}).reshape({self._shape(shape)})"
+        args = operands + [v for v, _, _ in sorted(self.symbols.values())]
+        line = f"{', '.join(targets)}, = {name}_host({', '.join(args)})  # {op.result_infos()[0]}"
+        if moved is None:
+            return [line]
+        out = op.result_infos()[0]
+        fix = f".permute({undo})" if undo else f".reshape({self._shape(out.shape)})"
+        return [line, f"{targets[0]} = {targets[0]}{fix}"]
+
+    def _host_function(self, code: KernelCode, n_inputs: int) -> None:
+        params = [f"in{i}" for i in range(n_inputs)] + [v for v, _, _ in sorted(self.symbols.values())]
+        base = code.name.removesuffix("_kernel")
+        self.host_functions.append([f"def {base}_host({', '.join(params)}):"] + [INDENT + ln if ln else ""
+                                                                              for ln in code.host])
+
+    def _nominal_env(self, code: KernelCode) -> dict:
+        import math
+
+        env = {"cfg": code.configs[0], "max": max, "min": min, "int": int,
+               "triton": _Sizes(next_power_of_2=lambda n: 1 << max(0, (int(n) - 1).bit_length()),
+                                cdiv=lambda a, b: -(-a // b))}
+        env |= {var: NOMINAL_DIM for var, _, _ in self.symbols.values()}
+        return env | {f: getattr(math, f) for f in ("floor", "ceil")}
+
+    def _nominal_blocks(self, code: KernelCode) -> dict[str, int]:
+        """The kernel's constexprs under its first configuration, every symbolic dim at
+        NOMINAL_DIM: what an ahead-of-time build compiles."""
+        env = self._nominal_env(code)
+        out: dict[str, int] = {}
+        for b, expr in code.blocks.items():
+            out[b] = int(eval(expr, env | out))  # noqa: S307 - our own expressions
+        return out
+
+    def _nominal_options(self, code: KernelCode) -> dict[str, int]:
+        """num_warps and num_stages under the first configuration at nominal sizes."""
+        env = self._nominal_env(code) | self._nominal_blocks(code)
+        return {"num_warps": code.configs[0]["num_warps"], "num_stages": int(eval(code.stages, env))}  # noqa: S307
+
+    # --- the module ----------------------------------------------------------------
+
+    def source(self) -> str:
+        m, prog = self.model, self.prog
+        dies = liveness(prog.steps, prog.outputs, prog.canon)
+        counts: Counter = Counter()
+        body: list[str] = []
+        for op, dead in zip(prog.steps, dies):
+            if isinstance(op, FusionOp):
+                body += self._group_lines(op, counts)
+            elif op.SPEC.category == "source" and op.op_name in ("weight", "constant"):
+                self._source_op(op)
+            else:
+                body += self._single(op, counts)
+            if dead:
+                body.append("del " + ", ".join(self.names[v] for v in dead if v in self.names))
+        body = [line for line in body if line != "del "]
+        out = [f"# tilegraph Triton backend: {len(self.kernels)} kernels"
+               + (f", {sum(self.host_ops.values())} ops on the host ({', '.join(sorted(self.host_ops))})"
+                  if self.host_ops else "") + ". Generated code; edit the model, not this file.",
+               "import numpy as np", "import ml_dtypes", "import torch", "import triton", "import triton.language as tl",
+               "", "from ir import kernels as K",
+               "from ir.interpreter import SHAPE_FUNCTIONS",
+               "from backends.triton.runtime import device, host, host_tensor, pick"]
+        if self.uses_tlmath:
+            out.append("from backends.triton import tlmath")
+        out += [f"{f} = SHAPE_FUNCTIONS[{f!r}]" for f in sorted(SHAPE_FUNCTIONS)]
+        out += ["", *tuple_lines("INPUTS", signature_rows(m.input_names, m.inputs)),
+                *tuple_lines("OUTPUTS", signature_rows(m.output_names, m.outputs)),
+                *tuple_lines("WEIGHTS", [literal(w) for w in self._weights]),
+                f"HOST_OPS = {dict(self.host_ops)!r}", "DEVICE = None", "TUNER = None  # set by the runtime: autotuning", ""]
+        if any("_multiply" in k.helpers for k in self.kernels):
+            out += ["", "@triton.jit", "def _multiply(a, b):", f"{INDENT}return a * b", ""]
+        for k in self.kernels:
+            out += ["", *k.kernel, ""]
+        out += ["", "# What each kernel is, for ahead-of-time builds (backends/triton/aot.py) and autotuning.",
+                "KERNELS = {"]
+        for k in self.kernels:
+            sig = {p.name: p.kind for p in k.params}
+            out.append(f"    {k.name!r}: {{'signature': {sig!r}, 'configs': {k.configs!r}, "
+                       f"'constexprs': {self._nominal_blocks(k)!r}, 'options': {self._nominal_options(k)!r}, "
+                       f"'group': {k.kernel[2].strip().strip(chr(34))!r}, 'flops': {k.flops!r}}},")
+        out += ["}", "CONFIGS = {name: entry['configs'] for name, entry in KERNELS.items()}", ""]
+        for fn in self.host_functions:
+            out += ["", *fn, ""]
+        out += ["", "def build(W, device_):", f'{INDENT}"""Bind the weights (name -> device tensor) once; returns forward."""',
+                f"{INDENT}global DEVICE", f"{INDENT}DEVICE = device_"]
+        out += [INDENT + line for line in self.weight_lines + self.constants]
+        params = ", ".join(self.names[a] for a in m.func.args)
+        out += ["", f"{INDENT}def forward({params}):"]
+        for s, (var, arg, axis) in sorted(self.symbols.items()):
+            out.append(f"{INDENT * 2}{var} = {arg}.shape[{axis}]")
+        out += [INDENT * 2 + line for line in body]
+        out.append(f"{INDENT * 2}return [{', '.join(self._value(v) for v in prog.outputs)}]")
+        out += ["", f"{INDENT}return forward", ""]
+        return "\n".join(out)
+
+
+__all__ = ["emit", "prepare", "TORCH_LAYOUT"]

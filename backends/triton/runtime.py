@@ -1,0 +1,206 @@
+"""Loading and calling an emitted Triton module.
+
+`load` writes the module's source into the cache directory (Triton reads a kernel's
+source from its file), imports it, moves the weights onto the device once and
+returns a `CompiledModel`: NumPy arrays or torch tensors in, NumPy arrays out
+(`.forward_torch` keeps everything on the device, for benchmarks).
+
+The device is the GPU when torch sees one; otherwise the kernels run in Triton's
+interpreter on the CPU (`TRITON_INTERPRET=1`, set by `backends.triton` before any
+kernel is defined): the same kernels, for correctness, not speed.
+
+The emitted module calls back into this one: `device`/`host` move arrays for ops
+that run on the host, `pick` chooses a kernel's configuration (the cost model's
+first choice, or the autotuner's winner).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+
+from ir import dtypes
+from ir.errors import TilegraphError
+from ir.model import Model, ModelError
+from ir.shapes import ShapeError
+from ir.signature import Signature
+
+# The module being built: `host_tensor` puts its constants on this device.
+_BUILD_DEVICE: list[torch.device] = [torch.device("cpu")]
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def to_torch(array: Any, device: torch.device) -> torch.Tensor:
+    """A NumPy array (bfloat16 from ml_dtypes included) or tensor as a tensor on `device`."""
+    if isinstance(array, torch.Tensor):
+        return array.to(device)
+    array = np.asarray(array)
+    contiguous = np.ascontiguousarray(array).reshape(array.shape)  # ascontiguousarray makes a 0-d array 1-d
+    if array.dtype == dtypes.numpy_dtype("bf16"):
+        return torch.from_numpy(contiguous.view(np.uint16)).view(torch.bfloat16).to(device)
+    return torch.from_numpy(contiguous).to(device)
+
+
+def to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    tensor = tensor.detach().cpu()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.contiguous().view(torch.uint16).numpy().view(dtypes.numpy_dtype("bf16"))
+    return tensor.numpy()
+
+
+def host(tensor: torch.Tensor) -> np.ndarray:
+    """(emitted code) An op that runs on the host reads this copy."""
+    return to_numpy(tensor)
+
+
+def device(array: np.ndarray) -> torch.Tensor:
+    """(emitted code) ... and its result goes back to the device."""
+    return to_torch(array, _BUILD_DEVICE[0])
+
+
+def host_tensor(array: np.ndarray) -> torch.Tensor:
+    """(emitted code) A constant, on the device of the module being built."""
+    return to_torch(array, _BUILD_DEVICE[0])
+
+
+def pick(tuner, name: str, key: tuple, configs: list[dict], launch: Callable[[dict], None]) -> dict:
+    """(emitted code) The configuration to launch kernel `name` with for these shapes."""
+    if tuner is None or len(configs) == 1:
+        return configs[0]
+    return tuner.pick(name, key, configs, launch)
+
+
+class BoundTuner:
+    """An `autotune.Autotuner` bound to one module's source hash and the device's name."""
+
+    def __init__(self, tuner, source_hash: str, device_name: str):
+        self.tuner, self.source_hash, self.device_name = tuner, source_hash, device_name
+
+    def pick(self, name: str, key: tuple, configs: list[dict], launch: Callable[[dict], None]) -> dict:
+        return self.tuner.pick(name, self.source_hash, key, self.device_name, configs, launch)
+
+
+def module_dir() -> Path:
+    from passes.cost.hardware import cache_dir
+
+    return cache_dir() / "triton"
+
+
+def import_source(source: str):
+    """Import an emitted module from a file named by its hash (Triton reads kernels' source from it)."""
+    digest = hashlib.sha1(source.encode()).hexdigest()[:16]
+    folder = module_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"tilegraph_triton_{digest}.py"
+    if not path.exists() or path.read_text() != source:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(source)
+        os.replace(tmp, path)
+    name = f"tilegraph_triton_{digest}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    module.SOURCE_HASH = digest
+    return module
+
+
+class CompiledModel:
+    """A loaded Triton module: call it with the model inputs, get the list of outputs (NumPy)."""
+
+    def __init__(self, module, weights: Mapping[str, np.ndarray], source: str, model: Model | None,
+                 device: torch.device | None = None, autotune: bool = False):
+        self.module, self.source, self.model = module, source, model
+        self.device = device or default_device()
+        missing = [w for w in module.WEIGHTS if w not in weights]
+        if missing:
+            raise ModelError("weights missing for the compiled model: " + ", ".join(missing))
+        tuner = None
+        if autotune:
+            from backends.triton.autotune import Autotuner
+
+            name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu-interpreter"
+            tuner = BoundTuner(Autotuner(enabled=True), module.SOURCE_HASH, name)
+        module.TUNER = tuner
+        _BUILD_DEVICE[0] = self.device
+        self._forward = module.build({w: to_torch(weights[w], self.device) for w in module.WEIGHTS}, self.device)
+        self._signature = Signature(module.INPUTS)
+        self.input_names = [row[0] for row in module.INPUTS]
+        self.output_names = [row[0] for row in module.OUTPUTS]
+        self.host_ops: dict[str, int] = dict(module.HOST_OPS)
+        self.kernels: dict[str, dict] = dict(module.KERNELS)
+
+    def forward_torch(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
+        """Tensors on the device in, tensors on the device out (no checks, no copies)."""
+        _BUILD_DEVICE[0] = self.device
+        return self._forward(*inputs)
+
+    def __call__(self, *inputs: Any, **named: Any) -> list[np.ndarray]:
+        if named:
+            if inputs:
+                raise ShapeError("give the inputs either all by position or all by name")
+            arrays = self._signature.bind(named)[0]
+        else:
+            arrays = self._signature.bind([to_numpy(x) if isinstance(x, torch.Tensor) else x for x in inputs])[0]
+        outs = self.forward_torch(*(to_torch(a, self.device) for a in arrays))
+        # On the CPU a tensor may share memory with an input (an output that is an input, or a
+        # view of one): the caller gets arrays of its own, as from the NumPy backend.
+        return [np.array(to_numpy(o)) for o in outs]
+
+    def __repr__(self) -> str:
+        return f"CompiledModel(triton on {self.device}: {', '.join(self.input_names)} -> {', '.join(self.output_names)})"
+
+
+def check_can_run() -> None:
+    """A clear error when kernels can run neither on a GPU nor in the interpreter."""
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if not interpreting and not torch.cuda.is_available():
+        raise TilegraphError("the Triton backend needs a GPU, or TRITON_INTERPRET=1 to run its kernels in Triton's "
+                             "interpreter on the CPU (set before torch or triton is imported)")
+    if interpreting and type(importlib.import_module("triton.language").sum).__name__ == "JITFunction":
+        raise TilegraphError("Triton was imported before TRITON_INTERPRET=1 was set, so its own functions cannot run "
+                             "in the interpreter: import tilegraph (or set TRITON_INTERPRET=1) before torch models "
+                             "or triton are loaded")
+    if interpreting:
+        _interpret_bf16_dots_in_fp32()
+
+
+def _interpret_bf16_dots_in_fp32() -> None:
+    """Triton 3.9's interpreter computes tl.dot of bf16 operands as np.matmul of their uint16
+    storage (it converts only fp8 operands): garbage. Its builder gets a tl.dot that widens
+    bf16 operands to fp32 first, which is exact (a product of two bf16 values fits fp32's
+    mantissa) and what tensor cores compute. Kernels are unchanged: GPUs never see this."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpreterBuilder as builder
+
+    dot = builder.create_dot
+    if getattr(dot, "widens_bf16", False):
+        return
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        a, b = (self.cast_impl(x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x for x in (a, b))
+        return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    create_dot.widens_bf16 = True
+    builder.create_dot = create_dot
+
+
+def load(source: str, weights: Mapping[str, np.ndarray], model: Model | None = None,
+         device: torch.device | None = None, autotune: bool = False) -> CompiledModel:
+    """Import an emitted module and bind its weights on the device; returns the callable model."""
+    check_can_run()
+    return CompiledModel(import_source(source), weights, source, model, device, autotune)
+
+
+__all__ = ["load", "CompiledModel", "device", "host", "host_tensor", "pick", "to_torch", "to_numpy"]
