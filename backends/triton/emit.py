@@ -17,8 +17,9 @@ What it decides and how:
   concat and split are torch.cat / torch.split.
 * Weights become device tensors once, in `build(W, device)`; `forward` binds the
   symbolic dims from the input shapes and returns torch tensors on the device.
-* `KERNELS` describes every kernel (its signature for ahead-of-time builds, its
-  configurations ranked by the cost model, what it computes), so
+* `KERNELS` describes every kernel (its signature, its configurations ranked by the
+  cost model with the constexprs and options each gives at nominal sizes, what it
+  computes), so
   `backends/triton/aot.py` can build each for sm_90 and gfx942 without running it.
 """
 
@@ -335,28 +336,28 @@ class _Emitter:
         self.host_functions.append([f"def {base}_host({', '.join(params)}):"] + [INDENT + ln if ln else ""
                                                                               for ln in code.host])
 
-    def _nominal_env(self, code: KernelCode) -> dict:
+    def _nominal_env(self, cfg: dict) -> dict:
         import math
 
-        env = {"cfg": code.configs[0], "max": max, "min": min, "int": int,
+        env = {"cfg": cfg, "max": max, "min": min, "int": int,
                "triton": _Sizes(next_power_of_2=lambda n: 1 << max(0, (int(n) - 1).bit_length()),
                                 cdiv=lambda a, b: -(-a // b))}
         env |= {var: NOMINAL_DIM for var, _, _ in self.symbols.values()}
         return env | {f: getattr(math, f) for f in ("floor", "ceil")}
 
-    def _nominal_blocks(self, code: KernelCode) -> dict[str, int]:
-        """The kernel's constexprs under its first configuration, every symbolic dim at
-        NOMINAL_DIM: what an ahead-of-time build compiles."""
-        env = self._nominal_env(code)
+    def _nominal_blocks(self, code: KernelCode, cfg: dict) -> dict[str, int]:
+        """The kernel's constexprs under configuration `cfg`, every symbolic dim at NOMINAL_DIM:
+        what an ahead-of-time build compiles."""
+        env = self._nominal_env(cfg)
         out: dict[str, int] = {}
         for b, expr in code.blocks.items():
             out[b] = int(eval(expr, env | out))  # noqa: S307 - our own expressions
         return out
 
-    def _nominal_options(self, code: KernelCode) -> dict[str, int]:
-        """num_warps and num_stages under the first configuration at nominal sizes."""
-        env = self._nominal_env(code) | self._nominal_blocks(code)
-        return {"num_warps": code.configs[0]["num_warps"], "num_stages": int(eval(code.stages, env))}  # noqa: S307
+    def _nominal_options(self, code: KernelCode, cfg: dict) -> dict[str, int]:
+        """num_warps and num_stages under `cfg` at nominal sizes."""
+        env = self._nominal_env(cfg) | self._nominal_blocks(code, cfg)
+        return {"num_warps": cfg["num_warps"], "num_stages": int(eval(code.stages, env))}  # noqa: S307
 
     # --- the module ----------------------------------------------------------------
 
@@ -397,8 +398,9 @@ class _Emitter:
                 "KERNELS = {"]
         for k in self.kernels:
             sig = {p.name: p.kind for p in k.params}
-            out.append(f"    {k.name!r}: {{'signature': {sig!r}, 'configs': {k.configs!r}, "
-                       f"'constexprs': {self._nominal_blocks(k)!r}, 'options': {self._nominal_options(k)!r}, "
+            builds = [{"constexprs": self._nominal_blocks(k, c), "options": self._nominal_options(k, c)}
+                      for c in k.configs]
+            out.append(f"    {k.name!r}: {{'signature': {sig!r}, 'configs': {k.configs!r}, 'builds': {builds!r}, "
                        f"'group': {k.kernel[2].strip().strip(chr(34))!r}, 'flops': {k.flops!r}}},")
         out += ["}", "CONFIGS = {name: entry['configs'] for name, entry in KERNELS.items()}", ""]
         for fn in self.host_functions:

@@ -1,0 +1,86 @@
+"""Every kind of kernel the Triton backend writes builds for real GPUs, ahead of time.
+
+The issue's bar: "a kernel that would not build on a real GPU fails CI". Each
+model below is small and exercises one kernel kind (row kernels, GEMM with a fused
+epilogue, sibling and batched GEMMs, flash attention, implicit-GEMM conv2d,
+gather, reductions and scans over any axis) in fp32, fp16 and bf16; every kernel
+of the emitted module is compiled by `backends.triton.aot` for sm_90 (PTX and
+cubin, with the shared memory it needs checked against an H100's) and for gfx942.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tilegraph  # noqa: F401 - chooses Triton's interpreter before triton is imported
+from backends.triton import emit
+from backends.triton.aot import build
+from ir import Graph
+from passes.cost.hardware import hardware
+from passes.registry import default_pipeline, run_pipeline
+
+RNG = np.random.default_rng(7)
+
+
+def _weight(g, name, shape, dtype):
+    return g.weight(name, RNG.standard_normal(shape).astype(np.float32).astype(_numpy(dtype)))
+
+
+def _numpy(dtype):
+    from ir import dtypes
+
+    return dtypes.numpy_dtype(dtype)
+
+
+def rows(dtype):
+    g = Graph()
+    x = g.input("x", ("B", 8, 48), dtype)
+    b = _weight(g, "b", (48,), dtype)
+    y = g.layer_norm(g.softmax(g.exp(x) + b), _weight(g, "s", (48,), dtype), b, -1, 1e-5)
+    return g.build(y, g.sum(x, (0, 2), True), names=["y", "s"])
+
+
+def gemm(dtype):
+    g = Graph()
+    x = g.input("x", ("B", 16, 64), dtype)
+    h = g.gelu(x @ _weight(g, "w", (64, 96), dtype) + _weight(g, "b", (96,), dtype))
+    q, k, v = (h @ _weight(g, f"w{i}", (96, 32), dtype) for i in range(3))
+    return g.build(g.softmax(q @ k.transpose(0, 2, 1)) @ v, names=["y"])
+
+
+def attention(dtype):
+    g = Graph()
+    q, k, v = (g.input(n, ("B", 4, "S", 32), dtype) for n in "qkv")
+    mask = g.input("mask", ("B", 1, 1, "S"), "i1")
+    return g.build(g.attention(q, k, v, None, 0.17, True), g.attention(q, k, v, mask, 0.17, False),
+                   names=["causal", "masked"])
+
+
+def conv_gather(dtype):
+    g = Graph()
+    x = g.input("x", ("B", 3, 16, 16), dtype)
+    y = g.relu(g.op("conv", x, _weight(g, "w", (8, 3, 3, 3), dtype), _weight(g, "b", (8,), dtype),
+                    strides=(2, 2), pads=(1, 1, 1, 1), dilations=(1, 1), groups=1))
+    ids = g.input("ids", ("B", 7), "i64")
+    e = g.gather(_weight(g, "table", (100, 24), dtype), ids, 0)
+    return g.build(y, e, g.op("cumsum", e, axis=1), g.op("argmax", e, axis=1, keepdims=False),
+                   names=["y", "e", "c", "a"])
+
+
+MODELS = {"rows": rows, "gemm": gemm, "attention": attention, "conv_gather": conv_gather}
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_every_kernel_builds_for_hopper_and_cdna3(kind, dtype):
+    model = run_pipeline(MODELS[kind](dtype), default_pipeline("h100"))
+    source = emit(model, hardware="h100")
+    results = build(source)
+    assert results, "no kernel was built"
+    failed = [f"{r.kernel} on {r.target}: {r.error}" for r in results if not r.ok]
+    assert not failed, "\n".join(failed)
+    assert {r.target for r in results} == {"cuda:90", "hip:gfx942"}
+    limit = hardware("h100").shared_memory_per_block
+    for r in results:
+        assert r.shared <= limit, f"{r.kernel} needs {r.shared} bytes of shared memory; an H100 block has {limit}"
