@@ -45,6 +45,11 @@ from passes.remarks import listening, remark
 # of this machine's 512 KB L2 per core (lscpu), leaving room for q, k, v blocks.
 FLASH_BLOCK_Q = 128
 FLASH_BLOCK_KV = 512
+# On a GPU the scores block is held in registers: 128 queries x 64 keys of fp32 is 64
+# registers per thread over 4 warps, as FlashAttention-2's Triton kernel (Dao 2023;
+# Triton's tutorial 06) uses for head dims up to 128 (8 warps above 64).
+GPU_FLASH_BLOCK_Q = 128
+GPU_FLASH_BLOCK_KV = 64
 # A chunk's working set may outgrow the core's L2 into the shared L3 before its passes
 # slow down: on this machine (512 KiB L2, 32 MiB L3) MiniLM's FFN group (GEMM rows +
 # bias + gelu, 1024 x 384 @ 384 x 1536 on 2 threads) ran fastest at 128-256 rows,
@@ -100,18 +105,24 @@ def choose_tile(group: FusionOp, hw, max_rows: int = 0) -> dict[str, int]:
     tile: dict[str, int] = {}
     anchors = [op for op in group.ops if op.op_name in ANCHORS]
     if any(op.op_name == "attention" for op in anchors):
-        tile |= _attention_tile(group, next(op for op in anchors if op.op_name == "attention"))
+        tile |= _attention_tile(group, next(op for op in anchors if op.op_name == "attention"), hw)
+        if hw.kind == "gpu":
+            return tile
     if hw.kind == "gpu":
         return tile | _gpu_tile(group, hw)
     return tile | _cpu_rows(group, hw, max_rows)
 
 
-def _attention_tile(group: FusionOp, op) -> dict[str, int]:
+def _attention_tile(group: FusionOp, op, hw) -> dict[str, int]:
     lq = at_nominal(info_of(op.operands[0].type).shape[-2])
     lk = at_nominal(info_of(op.operands[1].type).shape[-2])
-    tile = {"block_q": int(min(FLASH_BLOCK_Q, lq)), "block_kv": int(min(FLASH_BLOCK_KV, lk))}
+    d = at_nominal(info_of(op.operands[2].type).shape[-1])
+    if hw.kind == "gpu":  # the scores block lives in registers: FlashAttention-2's blocks
+        tile = {"block_q": int(min(GPU_FLASH_BLOCK_Q, lq)), "block_kv": int(min(GPU_FLASH_BLOCK_KV, lk)),
+                "num_warps": 4 if d <= 64 else 8}
+    else:
+        tile = {"block_q": int(min(FLASH_BLOCK_Q, lq)), "block_kv": int(min(FLASH_BLOCK_KV, lk))}
     if listening():
-        d = at_nominal(info_of(op.operands[2].type).shape[-1])
         remark("tile", f"attention {lq:.0f}x{lk:.0f}: blocks of {tile['block_q']} queries x {tile['block_kv']} keys "
                        f"(online softmax): scores {tile['block_q'] * tile['block_kv']} values per head at a time "
                        f"instead of {lq * lk:.0f}; memory grows with N*d = {lq * d:.0f}")

@@ -2,6 +2,7 @@
 
     tilegraph import model.onnx -o model.mlir          # IR text + model.weights.npz
     tilegraph compile model.onnx --target numpy -o model_np.py
+    tilegraph compile model.onnx --target triton -o model_triton.py --report
     tilegraph check model.onnx                         # tilegraph vs onnxruntime
     tilegraph calibrate                                # measure this CPU for the cost model
     tilegraph cost model.onnx --target h100 --dim batch=8   # predicted time, kernel by kernel
@@ -40,7 +41,8 @@ def _parser() -> argparse.ArgumentParser:
 
     comp = sub.add_parser("compile", help="compile a model and write the emitted source")
     comp.add_argument("model", help="model.onnx, model.pt2 or model.mlir")
-    comp.add_argument("--target", default="numpy", help="code generator (default: numpy)")
+    comp.add_argument("--target", default="numpy",
+                      help="code generator: numpy, or triton (@triton.jit kernels for a GPU) (default: numpy)")
     comp.add_argument("-p", "--pipeline", default=None, help="pass pipeline (default: the default pipeline)")
     comp.add_argument("-o", "--output", required=True, help="where to write the emitted source (.py)")
     comp.add_argument("--report", action="store_true",
@@ -113,6 +115,8 @@ def _report(compiled, dims: dict[str, int]) -> list[str]:
 
     from ir.errors import TilegraphError
 
+    if compiled.target == "triton":
+        return _triton_report(compiled)
     plan = _module_constant(compiled.source, "PLAN")
     if plan is None:
         raise TilegraphError(f"the {compiled.target} backend does not report a memory plan (no PLAN in its module)")
@@ -129,6 +133,19 @@ def _report(compiled, dims: dict[str, int]) -> list[str]:
             f"planned buffers: {plan['buffers']} (reused by liveness)",
             f"planned peak of intermediates (inputs and weights not counted): {peak_text}",
             f"weights: {len(compiled.model.weights)} arrays, {format_count(weights)}B"]
+
+
+def _triton_report(compiled) -> list[str]:
+    """The Triton module's kernels (what each computes, its first configuration) and host ops."""
+    kernels = _module_constant(compiled.source, "KERNELS") or {}
+    host = _module_constant(compiled.source, "HOST_OPS") or {}
+    lines = [f"kernels: {len(kernels)}"]
+    for name, entry in kernels.items():
+        blocks = ", ".join(f"{k}={v}" for k, v in entry["builds"][0]["constexprs"].items())
+        lines.append(f"  {name}: {entry['group']}  [{blocks}; {len(entry['configs'])} candidate(s)]")
+    lines.append("ops on the host (no kernel covers them): "
+                 + (", ".join(f"{op} x{n}" for op, n in sorted(host.items())) if host else "none"))
+    return lines
 
 
 def _module_constant(source: str, name: str):

@@ -41,7 +41,7 @@ from ir.ops import render
 from ir.shapes import Dim, TensorInfo, info_of, numel, tensor_type
 from backends.program import (PYTHON_RESERVED, Namer, array_literal, flatten, liveness, literal, signature_rows,
                               str_literal, tuple_lines)
-from backends.triton.kernels import INDENT, KernelCode, KernelWriter, Unsupported
+from backends.triton.kernels import INDENT, TORCH_TYPES, KernelCode, KernelWriter, Unsupported
 
 # What a symbolic dim is taken to be for an ahead-of-time build (passes/cost/model.py prices
 # symbolic dims at the same size).
@@ -299,6 +299,13 @@ class _Emitter:
         return lines
 
     def _single(self, op: TgOp, counts: Counter) -> list[str]:
+        if op.op_name == "iota":  # an index along one axis, made on the device
+            out = op.result_infos()[0]
+            axis = op.attr("axis") % len(out.shape)
+            view = tuple(-1 if i == axis else 1 for i in range(len(out.shape)))
+            target = self._result(op.results[0], "iota")
+            return [f"{target} = torch.arange({self.dim(out.shape[axis])}, device=DEVICE, "
+                    f"dtype={TORCH_TYPES[out.dtype]}).reshape({view}).expand({self._shape(out.shape)})  # {out}"]
         layout = self._layout_line(op) if op.SPEC.category == "layout" and op.op_name != "gather" else None
         if layout is not None:
             return [layout]

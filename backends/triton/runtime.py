@@ -47,6 +47,8 @@ def to_torch(array: Any, device: torch.device) -> torch.Tensor:
         return array.to(device)
     array = np.asarray(array)
     contiguous = np.ascontiguousarray(array).reshape(array.shape)  # ascontiguousarray makes a 0-d array 1-d
+    if not contiguous.flags.writeable:  # torch tensors are writable: share no read-only memory
+        contiguous = contiguous.copy()
     if array.dtype == dtypes.numpy_dtype("bf16"):
         return torch.from_numpy(contiguous.view(np.uint16)).view(torch.bfloat16).to(device)
     return torch.from_numpy(contiguous).to(device)
