@@ -23,6 +23,7 @@ bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/cpu_speed.py
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/attention_memory.py
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/cost_model_accuracy.py
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/triton_gpu.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
