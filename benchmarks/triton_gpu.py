@@ -35,6 +35,7 @@ reference, and built ahead of time for sm_90 and gfx942).
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 import time
 from pathlib import Path
@@ -123,7 +124,9 @@ def kernel_profile(compiled, inputs, clock_cuda: bool) -> list[tuple[str, str, f
 
     module = compiled._runner.module
     rows = []
-    hosts = {name.removesuffix("_kernel") + "_host": name for name in module.KERNELS}
+    # Host launchers, each with the kernel it launches (layers share kernels).
+    hosts = {h: next(k for k in module.KERNELS if f"{k}[" in inspect.getsource(getattr(module, h)))
+             for h in dir(module) if h.endswith("_host")}
     originals = {h: getattr(module, h) for h in hosts}
     symbols = {}
 

@@ -164,6 +164,7 @@ class _Emitter:
         self.namer = Namer(MODULE_NAMES | PYTHON_RESERVED)
         self.names: dict[SSAValue, str] = {}
         self.kernels: list[KernelCode] = []
+        self._bodies: dict[str, str] = {}  # kernel text (name left out) -> its kernel's name
         self.host_functions: list[list[str]] = []
         self.weight_lines: list[str] = []
         self._weights: dict[str, str] = {}
@@ -198,7 +199,10 @@ class _Emitter:
                              "the Triton backend binds each symbol from an input's shape")
         renamed = d.xreplace({s: sympy.Symbol(self.symbols[s.name][0], integer=True, positive=True)
                               for s in d.free_symbols})
-        return f"int({renamed})" if "/" in str(renamed) else str(renamed)
+        if "/" in str(renamed):
+            return f"int({renamed})"
+        # A sum is parenthesized: kernels write products of dims (`{a} * {n}`).
+        return f"({renamed})" if isinstance(renamed, sympy.Add) else str(renamed)
 
     def _shape(self, shape: Sequence[Dim]) -> str:
         return "(" + ", ".join(self.dim(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
@@ -269,7 +273,7 @@ class _Emitter:
             code = self._kernel(name, group.kind, group.ops, inputs, outputs, group.tile())
         except Unsupported:
             return self._split(group, counts)
-        self._host_function(code, len(inputs))
+        self._host_function(name, code, len(inputs))
         targets = [self._result(r, f"{name}_out{i}") for i, r in enumerate(group.results)]
         args = [outer[a] for a in inputs] + [v for v, _, _ in sorted(self.symbols.values())]
         types = ", ".join(str(info_of(r.type)) for r in group.results)
@@ -280,6 +284,15 @@ class _Emitter:
         if constants:
             raise Unsupported("a constant array inside a group")
         code = KernelWriter(f"{name}_kernel", kind, ops, inputs, outputs, tile, self.dim, self.shared_memory).write()
+        # A kernel the module has already (the same layer again) is launched, not written twice:
+        # fewer kernels for Triton to compile when the model first runs.
+        body = "\n".join(code.kernel).replace(code.name, "KERNEL") + repr(code.configs)
+        same = self._bodies.get(body)
+        if same is not None:
+            code.host = [line.replace(code.name, same) for line in code.host]
+            code.name = same
+            return code
+        self._bodies[body] = code.name
         self.kernels.append(code)
         self.uses_tlmath |= "tlmath" in code.helpers
         return code
@@ -323,7 +336,7 @@ class _Emitter:
             code = self._kernel(name, op.op_name, [inner], list(block.args), list(inner.results), {})
         except Unsupported:
             return [self._host_line(op)]
-        self._host_function(code, len(block.args))
+        self._host_function(name, code, len(block.args))
         targets = [self._result(r, f"{name}_out{i}") for i, r in enumerate(op.results)]
         operands = [self._value(v) for v in op.operands]
         if moved is not None:
@@ -337,10 +350,9 @@ class _Emitter:
         fix = f".permute({undo})" if undo else f".reshape({self._shape(out.shape)})"
         return [line, f"{targets[0]} = {targets[0]}{fix}"]
 
-    def _host_function(self, code: KernelCode, n_inputs: int) -> None:
+    def _host_function(self, name: str, code: KernelCode, n_inputs: int) -> None:
         params = [f"in{i}" for i in range(n_inputs)] + [v for v, _, _ in sorted(self.symbols.values())]
-        base = code.name.removesuffix("_kernel")
-        self.host_functions.append([f"def {base}_host({', '.join(params)}):"] + [INDENT + ln if ln else ""
+        self.host_functions.append([f"def {name}_host({', '.join(params)}):"] + [INDENT + ln if ln else ""
                                                                               for ln in code.host])
 
     def _nominal_env(self, cfg: dict) -> dict:
