@@ -192,8 +192,10 @@ def _gpu_tile(group: FusionOp, hw) -> dict[str, int]:
     size = dtypes.numpy_dtype(out.dtype).itemsize
     priced = []
     for bm, bn, bk, warps, stages in GPU_BLOCKS:
-        smem = stages * (bm * bk + bk * bn) * size
-        if smem > (hw.shared_memory_per_block or hw.shared_memory_per_core) or bm * bn / (32 * warps) > ACCUMULATOR_REGISTERS_PER_THREAD:
+        # Sibling matmuls (Q, K, V) share the lhs tile but each has its operand tiles and accumulator.
+        smem = stages * (bm * bk + len(anchors) * bk * bn) * size
+        registers = len(anchors) * bm * bn / (32 * warps)
+        if smem > (hw.shared_memory_per_block or hw.shared_memory_per_core) or registers > ACCUMULATOR_REGISTERS_PER_THREAD:
             continue
         tiles = math.ceil(m / bm) * math.ceil(n / bn)
         waves = math.ceil(tiles / hw.cores)
