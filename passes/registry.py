@@ -158,3 +158,19 @@ def run_pipeline(model: Model, pipeline: str | Sequence[ModulePass], *, verify_e
 
     used = referenced_weights(out.module)
     return Model(out.module, WeightStore({k: v for k, v in out.weights.items() if k in used}))
+
+
+def with_target(pipeline: str, target: str) -> str:
+    """`pipeline` with `target=<target>` given to every pass that has a `target` option
+    (fuse, tile) and was not given one: the passes decide for the hardware being costed."""
+    from xdsl.utils.arg_spec import ArgSpec
+
+    parse_pipeline(pipeline)  # unknown passes and bad options: the registry's clear error
+    specs = []
+    for spec in _parse_specs(pipeline):
+        options = {f.name for f in dataclasses.fields(get_pass_class(spec.name))}
+        given = {k.replace("-", "_") for k in spec.parameters}
+        if "target" in options and "target" not in given:
+            spec = ArgSpec(spec.name, {**spec.parameters, "target": (target,)})
+        specs.append(str(spec))
+    return ",".join(specs)

@@ -82,6 +82,65 @@ def test_compile_writes_a_triton_module_that_runs(tmp_path, capsys):
         assert_close(got, want, info.dtype, 64)
 
 
+# --- compile --target triton: the written file, and explicit pipelines ---
+
+def test_written_triton_file_imports_and_runs_as_a_plain_module(tmp_path, capsys):
+    """`-o model_triton.py` is an ordinary Python module: imported from its path (tilegraph
+    first, which picks Triton's interpreter without a GPU), it holds one @triton.jit function
+    per KERNELS entry, and build() + forward() over the saved weights agree with the interpreter."""
+    import importlib.util
+
+    import torch
+
+    import tilegraph  # noqa: F401 - before the module imports triton
+    from backends.triton.runtime import to_torch
+    from ir.interpreter import interpret
+    from ir.model import WeightStore
+    from tilegraph.testing import assert_close, random_inputs
+
+    out_path = tmp_path / "model_triton.py"
+    code, _, _ = run(tilegraph_main, ["compile", EXAMPLE, "--target", "triton", "-o", out_path], capsys)
+    assert code == 0
+    spec = importlib.util.spec_from_file_location(f"model_triton_{tmp_path.name}", out_path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    jitted = {name for name, value in vars(module).items() if name.endswith("_kernel") and hasattr(value, "fn")}
+    assert jitted and jitted == set(module.KERNELS)
+    weights = WeightStore.load(out_path.with_suffix(".weights.npz"))
+    cpu = torch.device("cpu")
+    forward = module.build({name: to_torch(weights[name], cpu) for name in module.WEIGHTS}, cpu)
+    reference = tilegraph.import_model(EXAMPLE)
+    ids, _ = random_inputs(reference, seed=1, sizes={"batch": 1, "seq": 6})
+    mask = np.ones((1, 6), np.int64)
+    mask[0, 4:] = 0
+    outs = forward(torch.from_numpy(ids), torch.from_numpy(mask))
+    for got, want, info in zip(outs, interpret(reference, [ids, mask]), reference.outputs):
+        assert_close(got.numpy(), want, info.dtype, 64)
+
+
+def test_explicit_pipeline_for_triton_still_fuses_and_tiles_for_the_gpu(tmp_path, capsys):
+    """`-p` without a target option: fuse and tile decide for the Triton backend's GPU (several
+    ranked candidates per GEMM for the autotuner), not for the CPU (one configuration)."""
+    from backends.triton import HARDWARE
+
+    argv = ["compile", EXAMPLE, "--target", "triton", "-p", "canonicalize,cse,fuse,tile", "-o",
+            tmp_path / "enc.py", "--report"]
+    code, out, _ = run(tilegraph_main, argv, capsys)
+    assert code == 0
+    assert f"fused and tiled for: {HARDWARE}" in out
+    candidates = [int(line.rsplit(";", 1)[1].split()[0]) for line in out.splitlines() if line.startswith("  fusion_")]
+    assert max(candidates) > 1
+
+
+def test_unknown_target_is_a_clean_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        tilegraph_main(["compile", str(EXAMPLE), "--target", "cuda", "-o", str(tmp_path / "x.py")])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'cuda'" in err and "triton" in err and "Traceback" not in err
+    assert not (tmp_path / "x.py").exists()
+
+
 def test_check_agrees_with_onnxruntime(capsys):
     code, out, _ = run(tilegraph_main, ["check", EXAMPLE, "--dim", "batch=2", "--dim", "seq=8"], capsys)
     assert code == 0, out

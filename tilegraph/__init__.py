@@ -105,6 +105,8 @@ def _run_passes(model: Model, pipeline: str | Sequence | None, hardware: str = "
         return model
     if pipeline is None:
         pipeline = registry.default_pipeline(hardware)
+    elif isinstance(pipeline, str) and pipeline and hardware != "cpu":
+        pipeline = registry.with_target(pipeline, hardware)  # fuse/tile decide for the backend's GPU
     if not pipeline:
         return model
     return registry.run_pipeline(model, pipeline)

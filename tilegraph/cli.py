@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import argparse
 import ast
-import dataclasses
 import sys
 from pathlib import Path
 from typing import Sequence
 
+from passes.registry import with_target  # noqa: F401 - tilegraph.opt and tests import it from here
 from tilegraph.errors import run_reporting_errors
 
 EXIT_MISMATCH = 1
@@ -32,6 +32,8 @@ DEFAULT_DIM = 128
 
 
 def _parser() -> argparse.ArgumentParser:
+    from backends import TARGETS  # the code generators tilegraph.compile knows
+
     p = argparse.ArgumentParser(prog="tilegraph", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -41,8 +43,9 @@ def _parser() -> argparse.ArgumentParser:
 
     comp = sub.add_parser("compile", help="compile a model and write the emitted source")
     comp.add_argument("model", help="model.onnx, model.pt2 or model.mlir")
-    comp.add_argument("--target", default="numpy",
-                      help="code generator: numpy, or triton (@triton.jit kernels for a GPU) (default: numpy)")
+    comp.add_argument("--target", default="numpy", choices=list(TARGETS),
+                      help="code generator: numpy, or triton (@triton.jit kernels for a GPU, fused and tiled "
+                           "for it) (default: numpy)")
     comp.add_argument("-p", "--pipeline", default=None, help="pass pipeline (default: the default pipeline)")
     comp.add_argument("-o", "--output", required=True, help="where to write the emitted source (.py)")
     comp.add_argument("--report", action="store_true",
@@ -95,10 +98,15 @@ def _import(args) -> int:
 
 def _compile(args) -> int:
     import tilegraph
+    from backends import backend
 
     dims = parse_dims(args.dim)
-    compiled = tilegraph.compile(args.model, target=args.target, pipeline=args.pipeline)
-    report = _report(compiled, dims) if args.report else []  # a bad --dim fails before anything is written
+    # Fusion and tiling are decided for the target's hardware (backends.triton.HARDWARE for
+    # triton): the default pipeline does so, and a given one too where it names no target.
+    hardware = getattr(backend(args.target), "HARDWARE", "cpu")
+    pipeline = None if args.pipeline is None else with_target(args.pipeline, hardware)
+    compiled = tilegraph.compile(args.model, target=args.target, pipeline=pipeline)
+    report = _report(compiled, dims, hardware) if args.report else []  # a bad --dim fails before anything is written
     out = Path(args.output)
     weights = out.with_suffix(".weights.npz")
     out.write_text(compiled.source)
@@ -109,14 +117,14 @@ def _compile(args) -> int:
     return 0
 
 
-def _report(compiled, dims: dict[str, int]) -> list[str]:
+def _report(compiled, dims: dict[str, int], hardware: str = "cpu") -> list[str]:
     """What the backend planned, read back from the PLAN the emitted module carries."""
     import sympy
 
     from ir.errors import TilegraphError
 
     if compiled.target == "triton":
-        return _triton_report(compiled)
+        return _triton_report(compiled, hardware)
     plan = _module_constant(compiled.source, "PLAN")
     if plan is None:
         raise TilegraphError(f"the {compiled.target} backend does not report a memory plan (no PLAN in its module)")
@@ -135,11 +143,11 @@ def _report(compiled, dims: dict[str, int]) -> list[str]:
             f"weights: {len(compiled.model.weights)} arrays, {format_count(weights)}B"]
 
 
-def _triton_report(compiled) -> list[str]:
+def _triton_report(compiled, hardware: str) -> list[str]:
     """The Triton module's kernels (what each computes, its first configuration) and host ops."""
     kernels = _module_constant(compiled.source, "KERNELS") or {}
     host = _module_constant(compiled.source, "HOST_OPS") or {}
-    lines = [f"kernels: {len(kernels)}"]
+    lines = [f"fused and tiled for: {hardware}", f"kernels: {len(kernels)}"]
     for name, entry in kernels.items():
         blocks = ", ".join(f"{k}={v}" for k, v in entry["builds"][0]["constexprs"].items())
         lines.append(f"  {name}: {entry['group']}  [{blocks}; {len(entry['configs'])} candidate(s)]")
@@ -317,25 +325,6 @@ def format_count(x: float) -> str:
 
 
 # --- shared by cost, compile --report and tilegraph-opt ---------------------------------
-
-def with_target(pipeline: str, target: str) -> str:
-    """`pipeline` with `target=<target>` given to every pass that has a `target` option
-    (fuse, tile) and was not given one: the passes decide for the hardware being costed."""
-    from xdsl.utils.arg_spec import ArgSpec
-    from xdsl.utils.arg_spec import parse_pipeline as parse_specs
-
-    from passes.registry import get_pass_class, parse_pipeline
-
-    parse_pipeline(pipeline)  # unknown passes and bad options: the registry's clear error
-    specs = []
-    for spec in parse_specs(pipeline):
-        options = {f.name for f in dataclasses.fields(get_pass_class(spec.name))}
-        given = {k.replace("-", "_") for k in spec.parameters}
-        if "target" in options and "target" not in given:
-            spec = ArgSpec(spec.name, {**spec.parameters, "target": (target,)})
-        specs.append(str(spec))
-    return ",".join(specs)
-
 
 def parse_dims(items: Sequence[str]) -> dict[str, int]:
     """`["batch=8", "seq=128"]` -> {"batch": 8, "seq": 128}; a TilegraphError for anything else."""

@@ -52,7 +52,7 @@ class Autotuner:
         path = self._path(kernel, source_hash, device)
         table = self._read(path)
         entry = table.get(repr(key))
-        if entry is not None and entry.get("best") in configs:
+        if isinstance(entry, dict) and entry.get("best") in configs:  # else never tuned, or stale: tune
             self.memory[slot] = entry["best"]
             return entry["best"]
         timings = [self._time(cfg, launch, device) for cfg in configs]
@@ -61,9 +61,14 @@ class Autotuner:
             errors = "; ".join(f"{cfg}: {err}" for cfg, (_, err) in zip(configs, timings))
             raise RuntimeError(f"autotuning {kernel}: no candidate configuration launches: {errors}")
         best = configs[min(ok)[1]]
+        # Read again: another process may have tuned other shapes of this kernel meanwhile.
+        table = self._read(path)
         table[repr(key)] = {"best": best, "timings": [{"config": cfg, "seconds": t, "error": err}
                                                       for cfg, (t, err) in zip(configs, timings)]}
-        self._write(path, table)
+        try:
+            self._write(path, table)
+        except OSError as e:  # an unwritable cache costs a re-tune next process, never the run
+            warnings.warn(f"autotuning cache not written ({path}): {e}", stacklevel=2)
         self.memory[slot] = best
         return best
 
@@ -73,7 +78,7 @@ class Autotuner:
             if device != "cpu-interpreter":
                 import triton.testing
 
-                return triton.testing.do_bench(lambda: launch(cfg)) * 1e-3, ""
+                return triton.testing.do_bench(lambda: launch(cfg), return_mode="median") * 1e-3, ""
             if not self._warned:
                 warnings.warn("autotuning in Triton's interpreter: the times are the interpreter's, not a GPU's",
                               stacklevel=3)

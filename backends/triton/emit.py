@@ -165,6 +165,7 @@ class _Emitter:
         self.names: dict[SSAValue, str] = {}
         self.kernels: list[KernelCode] = []
         self._bodies: dict[str, str] = {}  # kernel text (name left out) -> its kernel's name
+        self.host_flops: dict[str, str] = {}  # host launcher -> the FLOPs of its launch (d_<symbol> expression)
         self.host_functions: list[list[str]] = []
         self.weight_lines: list[str] = []
         self._weights: dict[str, str] = {}
@@ -351,6 +352,7 @@ class _Emitter:
         return [line, f"{targets[0]} = {targets[0]}{fix}"]
 
     def _host_function(self, name: str, code: KernelCode, n_inputs: int) -> None:
+        self.host_flops[f"{name}_host"] = code.flops  # a shared kernel's FLOPs differ per launch
         params = [f"in{i}" for i in range(n_inputs)] + [v for v, _, _ in sorted(self.symbols.values())]
         self.host_functions.append([f"def {name}_host({', '.join(params)}):"] + [INDENT + ln if ln else ""
                                                                               for ln in code.host])
@@ -371,6 +373,19 @@ class _Emitter:
         out: dict[str, int] = {}
         for b, expr in code.blocks.items():
             out[b] = int(eval(expr, env | out))  # noqa: S307 - our own expressions
+        return out
+
+    def _nominal_args(self, code: KernelCode, cfg: dict) -> dict[str, int]:
+        """The int arguments that are sizes (not strides) at nominal sizes: what an ahead-of-time
+        build specializes on as a launch would (ints equal to 1, multiples of 16)."""
+        env = self._nominal_env(cfg) | self._nominal_blocks(code, cfg)
+        out = {}
+        for param, expr in zip(code.params, code.host_args):
+            if param.kind == "i32" and ".stride(" not in expr:
+                try:
+                    out[param.name] = int(eval(expr, env))  # noqa: S307 - our own expressions
+                except (NameError, TypeError, ValueError):
+                    pass
         return out
 
     def _nominal_options(self, code: KernelCode, cfg: dict) -> dict[str, int]:
@@ -417,11 +432,13 @@ class _Emitter:
                 "KERNELS = {"]
         for k in self.kernels:
             sig = {p.name: p.kind for p in k.params}
-            builds = [{"constexprs": self._nominal_blocks(k, c), "options": self._nominal_options(k, c)}
-                      for c in k.configs]
+            builds = [{"constexprs": self._nominal_blocks(k, c), "options": self._nominal_options(k, c),
+                       "args": self._nominal_args(k, c)} for c in k.configs]
             out.append(f"    {k.name!r}: {{'signature': {sig!r}, 'configs': {k.configs!r}, 'builds': {builds!r}, "
                        f"'group': {k.kernel[2].strip().strip(chr(34))!r}, 'flops': {k.flops!r}}},")
-        out += ["}", "CONFIGS = {name: entry['configs'] for name, entry in KERNELS.items()}", ""]
+        out += ["}", "CONFIGS = {name: entry['configs'] for name, entry in KERNELS.items()}",
+                "# The FLOPs of each launcher's launch (kernels are shared between layers of other sizes).",
+                f"HOST_FLOPS = {self.host_flops!r}", ""]
         for fn in self.host_functions:
             out += ["", *fn, ""]
         out += ["", "def build(W, device_):", f'{INDENT}"""Bind the weights (name -> device tensor) once; returns forward."""',

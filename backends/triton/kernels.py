@@ -107,6 +107,7 @@ class KernelCode:
     configs: list[dict]
     flops: str = "0"
     blocks: dict[str, str] = field(default_factory=dict)  # constexpr -> host expression (of cfg and dims)
+    host_args: list[str] = field(default_factory=list)  # each non-constexpr parameter's host expression
     stages: str = CONFIG_STAGES  # num_stages, as a host expression
     helpers: set[str] = field(default_factory=set)  # module-level @triton.jit helpers it calls
 
@@ -608,7 +609,12 @@ class KernelWriter:
                   "BLOCK_D": f"max(16, triton.next_power_of_2({self.dim(dh)}))",
                   "BLOCK_N": f"max(16, triton.next_power_of_2({self.dim(dv)}))"}
         grid = f"(triton.cdiv({self.dim(lq)}, BLOCK_M), {self.dim(numel(batch)) if batch else '1'})"
-        flops = f"2 * {self.dim(numel(batch) if batch else 1)} * {self.dim(lq)} * {self.dim(lk)} * ({self.dim(dh)} + {self.dim(dv)})"
+        # Query-key pairs computed: all of them, or with a causal mask those on or below the
+        # diagonal (offset LK - LQ), whose blocks are the only ones the kernel visits.
+        lq_, lk_ = self.dim(lq), self.dim(lk)
+        pairs = (f"sum(max(0, min({lk_}, q + {lk_} - {lq_} + 1)) for q in range({lq_}))" if op.attr("causal")
+                 else f"{lq_} * {lk_}")
+        flops = f"2 * {self.dim(numel(batch) if batch else 1)} * ({pairs}) * ({self.dim(dh)} + {self.dim(dv)})"
         return self._finish(results, blocks, grid, [{"num_warps": int(t.get("num_warps", 4)), "num_stages": 2}],
                             flops=flops)
 
@@ -726,7 +732,7 @@ class KernelWriter:
                     f"CONFIGS[{self.name!r}], launch))")
         host.append(f"return {', '.join(results)}{',' if len(results) == 1 else ''}")
         return KernelCode(self.name, kernel, host, self.params, configs, flops=flops, blocks=blocks,
-                          stages=stages or CONFIG_STAGES, helpers=self.helpers)
+                          host_args=list(self.host_args), stages=stages or CONFIG_STAGES, helpers=self.helpers)
 
 
 def _int_neutral(op_name: str, dtype: str) -> str:
