@@ -101,4 +101,5 @@ def test_minilm_kernels_build_for_hopper_and_cdna3():
     assert not failed, "\n".join(failed)
     kinds = {r.kernel for r in results}
     assert source.count("@triton.jit") == len(kinds) >= 5  # gather, embeddings, QKV, attention, FFN, ...
+    assert "SPLIT_GROUPS = ()" in source  # every fused group is one kernel
     assert all(r.shared <= hardware("h100").shared_memory_per_block for r in results)

@@ -153,6 +153,8 @@ def _triton_report(compiled, hardware: str) -> list[str]:
         lines.append(f"  {name}: {entry['group']}  [{blocks}; {len(entry['configs'])} candidate(s)]")
     lines.append("ops on the host (no kernel covers them): "
                  + (", ".join(f"{op} x{n}" for op, n in sorted(host.items())) if host else "none"))
+    split = _module_constant(compiled.source, "SPLIT_GROUPS") or ()
+    lines += [f"fused groups run op by op: {len(split)}"] + [f"  {why}" for why in split]
     return lines
 
 

@@ -57,7 +57,7 @@ TORCH_LAYOUT = {
     "concat": "torch.cat({inputs}, dim={axis})",
 }
 MODULE_NAMES = {"torch", "triton", "tl", "tlmath", "np", "K", "ml_dtypes", "build", "forward", "DEVICE", "KERNELS",
-                "CONFIGS", "INPUTS", "OUTPUTS", "WEIGHTS", "HOST_OPS", "TUNER", "pick", "host", "launch", "cfg",
+                "CONFIGS", "INPUTS", "OUTPUTS", "WEIGHTS", "HOST_OPS", "SPLIT_GROUPS", "HOST_FLOPS", "TUNER", "pick", "host", "launch", "cfg",
                 *SHAPE_FUNCTIONS}
 
 
@@ -165,6 +165,7 @@ class _Emitter:
         self.names: dict[SSAValue, str] = {}
         self.kernels: list[KernelCode] = []
         self._bodies: dict[str, str] = {}  # kernel text (name left out) -> its kernel's name
+        self.split_groups: list[str] = []  # groups run op by op, with the reason
         self.host_flops: dict[str, str] = {}  # host launcher -> the FLOPs of its launch (d_<symbol> expression)
         self.host_functions: list[list[str]] = []
         self.weight_lines: list[str] = []
@@ -272,7 +273,8 @@ class _Emitter:
         counts["fusion"] += 1
         try:
             code = self._kernel(name, group.kind, group.ops, inputs, outputs, group.tile())
-        except Unsupported:
+        except Unsupported as why:
+            self.split_groups.append(f"{group.kind} ({' '.join(op.op_name for op in group.ops)}): {why}")
             return self._split(group, counts)
         self._host_function(name, code, len(inputs))
         targets = [self._result(r, f"{name}_out{i}") for i, r in enumerate(group.results)]
@@ -423,7 +425,9 @@ class _Emitter:
         out += ["", *tuple_lines("INPUTS", signature_rows(m.input_names, m.inputs)),
                 *tuple_lines("OUTPUTS", signature_rows(m.output_names, m.outputs)),
                 *tuple_lines("WEIGHTS", [literal(w) for w in self._weights]),
-                f"HOST_OPS = {dict(self.host_ops)!r}", "DEVICE = None", "TUNER = None  # set by the runtime: autotuning", ""]
+                f"HOST_OPS = {dict(self.host_ops)!r}",
+                "# Fused groups no one kernel could express, run op by op (why).",
+                *tuple_lines("SPLIT_GROUPS", [literal(g) for g in self.split_groups]), "DEVICE = None", "TUNER = None  # set by the runtime: autotuning", ""]
         if any("_multiply" in k.helpers for k in self.kernels):
             out += ["", "@triton.jit", "def _multiply(a, b):", f"{INDENT}return a * b", ""]
         for k in self.kernels:

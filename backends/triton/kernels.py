@@ -400,6 +400,18 @@ class KernelWriter:
             return self._conv_kernel()
         raise Unsupported(f"a group anchored on {', '.join(sorted(kinds))}")
 
+    def _check_epilogue_within(self, epilogue: Sequence[TgOp], out: TensorInfo) -> None:
+        """An anchored kernel's tiles cover the anchor's result: every epilogue value must have
+        its rows (row reshapes allowed) and its row width or one value per row."""
+        rows = numel(out.shape[:-1])
+        for op in epilogue:
+            if op.op_name == "constant":
+                continue  # a scalar, inline (the emitter takes arrays out of groups)
+            for r in op.result_infos():
+                if not r.rank or not dims_equal(numel(r.shape[:-1]), rows) or not (
+                        _is_one(r.shape[-1]) or dims_equal(r.shape[-1], out.shape[-1])):
+                    raise Unsupported(f"tg.{op.op_name} broadcasts the {self.kind} result {out} to {r}")
+
     def _whole_rows(self, ops: Sequence[TgOp]) -> bool:
         """Whether the ops need a program to hold whole rows (reductions and scans over the last axis)."""
         return any(op.op_name in ROW_REDUCTIONS or op.op_name in ("argmax", "argmin", "cumsum", "cumprod")
@@ -453,6 +465,7 @@ class KernelWriter:
         if len(matmuls) > 1 and (not flat or any(not dims_equal(b.shape[-1], b_infos[0].shape[-1]) for b in b_infos)):
             raise Unsupported("sibling matmuls that are batched or of different widths")
         epilogue = [op for op in self.ops if op not in matmuls]
+        self._check_epilogue_within(epilogue, out)
         self.whole_rows = self._whole_rows(epilogue)
         k_dim, m_dim = a_info.shape[-1], out.shape[-2]
         batch = out.shape[:-2]
@@ -538,6 +551,7 @@ class KernelWriter:
         batch = out.shape[:-2]
         lq, lk, dh, dv = qi.shape[-2], ki.shape[-2], qi.shape[-1], vi.shape[-1]
         epilogue = [o for o in self.ops if o is not op]
+        self._check_epilogue_within(epilogue, out)
         self.whole_rows = True  # a query block holds whole output rows (all of DV)
         for name in ("LQ", "LK", "DH", "DV"):
             self._int(name, self.dim({"LQ": lq, "LK": lk, "DH": dh, "DV": dv}[name]))
@@ -558,6 +572,7 @@ class KernelWriter:
             "d_col = tl.arange(0, BLOCK_D)[:, None]",
             "cols = tl.arange(0, BLOCK_N)[None, :]",
             "row_ok = m < LQ", "col_ok = cols < DV",
+            "N = DV",  # the row width the epilogue's reductions mask to (as in the other kernels)
             f"q_tile = tl.load(q + {base['q']} + m * {qs[-2]} + d_row * {qs[-1]}, mask=row_ok & (d_row < DH), other=0)",
             "m_i = tl.full([BLOCK_M, 1], float('-inf'), tl.float32)",
             "l_i = tl.zeros([BLOCK_M, 1], tl.float32)",
@@ -627,6 +642,9 @@ class KernelWriter:
         epilogue = [o for o in self.ops if o is not op]
         if self._whole_rows(epilogue) or any(o.op_name == "trilu" for o in epilogue):
             raise Unsupported("a reduction after a conv (its tile's columns are channels, not the last axis)")
+        if any(r.rank != out.rank or not all(dims_equal(a, b) for a, b in zip(r.shape, out.shape))
+               for o in epilogue if o.op_name != "constant" for r in o.result_infos()):
+            raise Unsupported("an epilogue broadcasting the conv's result to another shape (the tile is its pixels)")
         strides = op.attr("strides") or (1, 1)
         pads = op.attr("pads") or (0, 0, 0, 0)
         dil = op.attr("dilations") or (1, 1)
