@@ -47,6 +47,7 @@ DEFAULT_GEMM = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "nu
 # Rows per program of a row kernel: enough to give a warp work when rows are short,
 # capped so that a tile stays at most ROW_TILE_ELEMENTS values (registers).
 ROW_TILE_ELEMENTS = 4096
+# num_stages as the host writes it: the configuration's own, unless a kernel must cut it.
 CONFIG_STAGES = "cfg['num_stages']"
 # GEMM block rows per group of programs (the L2-friendly launch order of Triton's tutorial 03).
 GROUP_M = 8
