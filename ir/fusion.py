@@ -7,7 +7,10 @@ the decisions (and these facts) off the IR. None of it is op semantics (that is
 
 from __future__ import annotations
 
+from typing import Callable
+
 from ir.dialect import FusionOp, TgOp
+from ir.dtypes import numpy_dtype
 from ir.shapes import TensorInfo, dims_equal, info_of, numel
 
 # Ops that move or name data without computing: free on the CPU (NumPy views), and
@@ -88,3 +91,62 @@ def flat_rows_ok(group: FusionOp) -> bool:
     args = set(group.block.args)
     inputs = [(op, i, info_of(v.type)) for op in group.ops for i, v in enumerate(op.operands) if v in args]
     return widest(group).rank >= 2 and flat_ok(group.ops, inputs, widest(group))
+
+
+def cols_ok(group: FusionOp) -> bool:
+    """Whether a flat group may run in chunks of columns instead of rows: one row GEMM first,
+    then only elementwise ops (no row reductions), every value the GEMM's width or a
+    broadcast of width 1, so a column window of each value is computed from the same
+    window of the others. Each chunk then multiplies all the rows by a slice of the
+    weight: BLAS keeps its full row blocking, and each core packs only its share of the
+    weight (a row chunk packs all of it again).
+    """
+    if not flat_rows_ok(group):
+        return False
+    anchors = [op for op in group.ops if op.op_name in ANCHORS]
+    if len(anchors) != 1 or group.ops[0] is not anchors[0] or not row_gemm(anchors[0]):
+        return False
+    width = info_of(anchors[0].results[0].type).shape[-1]
+    for op in group.ops[1:]:
+        if not (op.SPEC.category == "elementwise" or op.op_name == "gelu" or row_reshape(op)):
+            return False
+        for v in (*op.operands, *op.results):
+            info = info_of(v.type)
+            last = info.shape[-1] if info.rank else 1
+            if not (dims_equal(last, width) or last == 1):
+                return False
+    return True
+
+
+def live_row_bytes(ops: list[TgOp], keep: set, size: Callable[[object], float]) -> float:
+    """Bytes of one row of every value live at once while a chunk runs the ops in order:
+    the working set per row. A value dies after its last use in `ops` unless it is in
+    `keep` (the group's results); views share their operand's memory; GEMM rows also
+    read a row of their lhs. `size` turns a (symbolic) dim into a number.
+
+    Counting every result instead (as if nothing died) overstates a chain such as
+    GPT-2's tanh gelu, 10 ops computed in 2 temporaries, 5x, and `tile` then cut its
+    GEMM into rows too few for BLAS to run at full speed.
+    """
+    def row(value) -> float:
+        info = info_of(value.type)
+        last = info.shape[-1] if info.rank else 1
+        return size(last) * numpy_dtype(info.dtype).itemsize
+
+    root: dict = {}  # a view -> the value whose memory it shares
+    for op in ops:
+        if op.op_name in VIEW_OPS and op.operands:
+            root[op.results[0]] = root.get(op.operands[0], op.operands[0])
+    last_use = {root.get(v, v): i for i, op in enumerate(ops) for v in op.operands}
+    keep = {root.get(v, v) for v in keep}
+    live: dict = {}
+    peak = 0.0
+    for i, op in enumerate(ops):
+        if op.op_name not in VIEW_OPS:
+            live.update({r: row(r) for r in op.results})
+        peak = max(peak, sum(live.values()) + (row(op.operands[0]) if row_gemm(op) else 0.0))
+        for v in op.operands:
+            v = root.get(v, v)
+            if last_use.get(v) == i and v not in keep:
+                live.pop(v, None)
+    return peak

@@ -42,10 +42,9 @@ from xdsl.dialects.builtin import ModuleOp
 from xdsl.dialects.func import FuncOp
 from xdsl.ir import Block, SSAValue
 
-from ir import dtypes
 from ir.dialect import FusionOp, TgOp, YieldOp
 from ir.shapes import info_of
-from ir.fusion import ANCHORS, VIEW_OPS, flat_ok, operand_rows, row_reshape
+from ir.fusion import ANCHORS, VIEW_OPS, flat_ok, live_row_bytes, operand_rows, row_reshape
 from passes.cost.model import at_nominal, group_cost, op_cost
 from passes.cost.hardware import check_target, hardware
 from passes.remarks import listening, remark
@@ -214,13 +213,7 @@ class _Fuser:
         return None
 
     def _row_bytes(self, ops: list[TgOp]) -> float:
-        total = 0.0
-        for op in ops:
-            for r in op.results:
-                info = info_of(r.type)
-                last = info.shape[-1] if info.rank else 1
-                total += at_nominal(last) * dtypes.numpy_dtype(info.dtype).itemsize
-        return total
+        return live_row_bytes(ops, set(self._io(ops)[1]), at_nominal)
 
     def _has_detour(self, a, b) -> bool:
         """Whether a reaches b through some node other than a direct edge."""

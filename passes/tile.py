@@ -36,7 +36,7 @@ from xdsl.passes import ModulePass
 from ir import dtypes
 from ir.dialect import FusionOp
 from ir.shapes import TensorInfo, info_of
-from ir.fusion import ANCHORS, VIEW_OPS, flat_rows_ok, row_gemm, row_local, widest
+from ir.fusion import ANCHORS, VIEW_OPS, cols_ok, flat_rows_ok, live_row_bytes, row_local, widest
 from passes.cost.model import at_nominal, group_cost
 from passes.cost.hardware import check_target, hardware
 from passes.remarks import listening, remark
@@ -56,6 +56,9 @@ GPU_FLASH_BLOCK_KV = 64
 # 2.5-5 MB live: 10.8 ms against 11.4 at 64 rows and 19.5 at 512 (a one-off timing
 # during issue 3; not calibrated yet: the calibration measures L2 only).
 SPILL_FACTOR = 8
+# Column chunks are at least this wide: BLAS's register blocking wants a few dozen
+# columns, and the calibrated skinny-GEMM curve starts at 4.
+MIN_GEMM_COLS = 32
 # GPU GEMM candidates (the usual Triton matmul configurations, as in Triton's tutorial 03).
 GPU_BLOCKS = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 4, 4), (64, 128, 32, 4, 4),
               (64, 64, 32, 4, 4), (128, 64, 32, 4, 4), (64, 256, 32, 4, 4), (32, 64, 32, 4, 5)]
@@ -75,16 +78,20 @@ class Tile(ModulePass):
     target: str = "cpu"
     # At most this many rows per chunk (0: no limit): to see or test many chunks.
     max_rows: int = 0
+    # Chunks of at most this many columns wherever a group allows them (0: the cost
+    # model decides between rows and columns): to see or test column chunks.
+    max_cols: int = 0
 
     def __post_init__(self) -> None:
         check_target(self.target)
-        if self.max_rows < 0:
-            raise ValueError(f"max-rows must be 0 (no limit) or more, got {self.max_rows}")
+        for name in ("max_rows", "max_cols"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name.replace('_', '-')} must be 0 (no limit) or more, got {getattr(self, name)}")
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         hw = hardware(self.target)
         for group in [g for g in op.walk() if isinstance(g, FusionOp)]:
-            tile = choose_tile(group, hw, self.max_rows)
+            tile = choose_tile(group, hw, self.max_rows, self.max_cols)
             if tile:
                 group.attributes["tile"] = tile_attr(tile)
 
@@ -101,7 +108,7 @@ def tile_attr(tile: dict) -> DictionaryAttr:
     return attr(tile)
 
 
-def choose_tile(group: FusionOp, hw, max_rows: int = 0) -> dict[str, int]:
+def choose_tile(group: FusionOp, hw, max_rows: int = 0, max_cols: int = 0) -> dict[str, int]:
     tile: dict[str, int] = {}
     anchors = [op for op in group.ops if op.op_name in ANCHORS]
     if any(op.op_name == "attention" for op in anchors):
@@ -110,6 +117,9 @@ def choose_tile(group: FusionOp, hw, max_rows: int = 0) -> dict[str, int]:
             return tile
     if hw.kind == "gpu":
         return tile | _gpu_tile(group, hw)
+    if max_cols and hw.kind == "cpu" and cols_ok(group):
+        width = int(at_nominal(info_of(group.ops[0].results[0].type).shape[-1]))
+        return tile | {"flat": 1, "cols": min(max_cols, width), "chunks": math.ceil(width / min(max_cols, width))}
     return tile | _cpu_rows(group, hw, max_rows)
 
 
@@ -141,9 +151,8 @@ def _cpu_rows(group: FusionOp, hw, max_rows: int = 0) -> dict[str, int]:
         axis = next((a for a in range(ref.rank - 1) if at_nominal(ref.shape[a]) >= 2 * hw.cores), ref.rank - 2)
         total = int(at_nominal(ref.shape[axis]))
         outer = at_nominal(sympy.sympify(math.prod(ref.shape[:axis])) if axis else 1)
-    # Bytes one row of every value the chunk touches (GEMM rows read their lhs row too).
-    row_bytes = outer * sum(_last_bytes(info_of(r.type)) for op in group.ops for r in op.results)
-    row_bytes += outer * sum(_last_bytes(info_of(op.operands[0].type)) for op in group.ops if row_gemm(op))
+    # Bytes of one row of the values live at once in a chunk (GEMM rows read their lhs row too).
+    row_bytes = outer * live_row_bytes(group.ops, set(group.block.last_op.operands), at_nominal)
     inputs = [info_of(v.type) for v in group.operands]
     outputs = [info_of(r.type) for r in group.results]
     priced = []
@@ -159,6 +168,15 @@ def _cpu_rows(group: FusionOp, hw, max_rows: int = 0) -> dict[str, int]:
             break
         rows = min(rows * 2, total)
     time, _, rows, chunks = min(priced)
+    if flat and hw.cores > 1 and cols_ok(group):
+        columns = _cpu_cols(group, hw, inputs, outputs, total, row_bytes)
+        if columns and columns[0] < time:
+            time, cols, chunks = columns
+            if listening():
+                remark("tile", f"{group.kind} group ({len(group.ops)} ops): chunks of {cols} columns, all "
+                               f"{total} rows each ({chunks} chunks): predicted {time * 1e6:.1f} us; the best "
+                               f"row chunks, {rows} rows, {min(priced)[0] * 1e6:.1f} us")
+            return {"flat": 1, "cols": cols, "chunks": chunks}
     if chunks == 1:  # the whole group in one go: a fork/join would cost more than it saves
         if listening():
             remark("tile", f"{group.kind} group ({len(group.ops)} ops): one chunk, on one core: predicted "
@@ -173,8 +191,23 @@ def _cpu_rows(group: FusionOp, hw, max_rows: int = 0) -> dict[str, int]:
     return ({"flat": 1} if flat else {"axis": axis}) | {"rows": rows, "chunks": chunks}
 
 
-def _last_bytes(info: TensorInfo) -> float:
-    return at_nominal(info.shape[-1] if info.rank else 1) * dtypes.numpy_dtype(info.dtype).itemsize
+def _cpu_cols(group: FusionOp, hw, inputs, outputs, rows: int, row_bytes: float) -> tuple | None:
+    """(time, columns, chunks) of the best column chunking of a `cols_ok` group: at least one
+    chunk per core, down to MIN_GEMM_COLS columns; None if the width allows no split."""
+    width = int(at_nominal(info_of(group.ops[0].results[0].type).shape[-1]))
+    priced = []
+    cols = -(-width // hw.cores)
+    while cols >= MIN_GEMM_COLS:
+        chunks = math.ceil(width / cols)
+        cost = group_cost(group.ops, inputs, outputs, hw, chunks=chunks, gemm_cols=cols)
+        time = at_nominal(cost.time)
+        if rows * row_bytes * cols / width > SPILL_FACTOR * hw.cache_bytes:  # as for rows (_cpu_rows)
+            time += at_nominal(cost.compute_time) * (hw.cache_bandwidth / hw.memory_bandwidth - 1) / hw.cores
+        priced.append((time, cols, chunks))
+        cols = -(-cols // 2)
+        if chunks >= width:
+            break
+    return min(priced) if priced else None
 
 
 def _gpu_tile(group: FusionOp, hw) -> dict[str, int]:

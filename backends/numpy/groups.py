@@ -18,7 +18,9 @@ How a group runs, in the code this module writes (MiniLM's FFN up-projection):
   together while the rows are in cache; sibling matmuls of a horizontal group are
   one GEMM against their weights concatenated once in `build`, and their results
   are column windows of it.
-* Without it, the chunk is a slice along `axis`; anchors that cannot be cut in
+* With `cols` (a GEMM and an elementwise epilogue), a chunk is a window of columns:
+  all the rows times that window of the weight, then the epilogue on the window.
+* Without `flat`, the chunk is a slice along `axis`; anchors that cannot be cut in
   rows (attention, conv, batched matmul) run whole first, into a buffer (`out=`).
 * Every value gets a home: a buffer the caller passes (group results), a chunk
   temporary, or, when an operand of the same shape and dtype dies at the op,
@@ -40,7 +42,7 @@ from xdsl.ir import SSAValue
 
 from ir import kernels
 from ir.dialect import FusionOp, TgOp
-from ir.fusion import ANCHORS, flat_rows_ok, operand_rows, row_gemm, row_local, widest
+from ir.fusion import ANCHORS, cols_ok, flat_rows_ok, operand_rows, row_gemm, row_local, widest
 from ir.interpreter import dtype_code
 from ir.ops import render
 from ir.shapes import TensorInfo, info_of
@@ -119,11 +121,13 @@ class GroupEmitter:
         self.ops = group.ops
         self.yielded = list(group.block.last_op.operands)
         self.ref = widest(group)
-        self.chunked = bool(self.tile.get("rows")) and all(row_local(op) for op in self.ops)
         # Values seen as [rows, last] (chunked or whole): what `tile` chose, and what a group
         # regrouping its rows (a reshape inside) needs whatever the tile.
         self.flat = bool(self.tile.get("flat")) and all(row_local(op) for op in self.ops) or (
             any(op.op_name == "reshape" for op in self.ops) and flat_rows_ok(group))
+        # (flat) Chunks of columns: every value's window [:, s], the GEMM's weight [:, s].
+        self.cols = bool(self.tile.get("cols")) and self.flat and cols_ok(group)
+        self.chunked = (bool(self.tile.get("rows")) and all(row_local(op) for op in self.ops)) or self.cols
         self.aliased: set[SSAValue] = set()  # values sharing memory with another (reshapes): never donors
         self.axis = self.tile.get("axis", self.ref.rank - 2)
         self.home: dict[SSAValue, Home] = {}  # full-size values: params, buffers, views of them
@@ -162,6 +166,8 @@ class GroupEmitter:
             return self.temp[value]
         home = self.home[value]
         info = info_of(value.type)
+        if self.cols:
+            return self._read_cols(home.base, info)
         if self.flat:
             kind = operand_rows(info, self.ref, flat=True)
             if kind == "last" and info.rank > 1:
@@ -176,6 +182,15 @@ class GroupEmitter:
         if axis < 0 or (isinstance(info.shape[axis], int) and info.shape[axis] == 1):
             return base  # broadcast along the chunk axis: every chunk reads all of it
         return f"{base}[{':, ' * axis}s]"
+
+    def _read_cols(self, base: str, info: TensorInfo) -> str:
+        """(cols) This chunk's columns of a value; a width-1 last axis is read whole."""
+        narrow = info.rank == 0 or (isinstance(info.shape[-1], int) and info.shape[-1] == 1)
+        if operand_rows(info, self.ref, flat=True) == "last":
+            vector = self._flat(base, "last") if info.rank > 1 else base
+            return vector if narrow else f"{vector}[s]"
+        full = self._flat(base, "full")
+        return full if narrow else f"{full}[:, s]"
 
     # --- the function ----------------------------------------------------------------
 
@@ -206,7 +221,7 @@ class GroupEmitter:
         if chunk:
             body.append("def chunk(s):")
             body += [INDENT + line for line in chunk]
-            rows = self.tile.get("rows", 0) if self.chunked else 0
+            rows = self.tile.get("cols" if self.cols else "rows", 0) if self.chunked else 0
             body.append(f"run_chunks(chunk, {self._length()}, {rows})" if rows else "chunk(slice(None))")
         results = [self.buffer_of[v] for v in self.yielded]
         returns = [self.buffers[b].name + (f"[..., {cols}]" if cols else "") for b, cols in results]
@@ -230,7 +245,7 @@ class GroupEmitter:
             buf = self.buffers[b]
             if buf.info.rank == self.ref.rank:
                 if self.flat:
-                    return f"{self._flat(buf.name, 'full')}.shape[0]"
+                    return f"{self._flat(buf.name, 'full')}.shape[{1 if self.cols else 0}]"
                 return f"{buf.name}.shape[{self.axis}]"
         raise AssertionError("a chunked group has a full-rank result")
 
@@ -271,8 +286,12 @@ class GroupEmitter:
         """(flat) The GEMM rows of this chunk, into its result buffer."""
         index, name = self._buffer(op.result_infos()[0])
         self._own(op.results[0], (index, name))
+        weight = self.home[op.operands[1]].base
+        if self.cols:  # all the rows against this chunk's columns of the weight
+            lhs = self._flat(self.home[op.operands[0]].base, "full")
+            return [f"np.matmul({lhs}, {weight}[:, s], out={self._read(op.results[0])})"]
         lhs = self._read(op.operands[0])
-        return [f"np.matmul({lhs}, {self.home[op.operands[1]].base}, out={self._read(op.results[0])})"]
+        return [f"np.matmul({lhs}, {weight}, out={self._read(op.results[0])})"]
 
     def _horizontal(self, anchors: list[TgOp]) -> list[str]:
         """Sibling matmuls as one GEMM against their concatenated weights; results are column windows."""

@@ -266,12 +266,15 @@ def at_nominal(expr: sympy.Expr) -> float:
 
 
 def group_cost(ops: Sequence[TgOp], inputs: Sequence[TensorInfo], outputs: Sequence[TensorInfo], hw,
-               chunks: sympy.Expr | int | None = None, gemm_rows: int | None = None, label: str = "") -> Cost:
+               chunks: sympy.Expr | int | None = None, gemm_rows: int | None = None, label: str = "",
+               gemm_cols: int | None = None) -> Cost:
     """The predicted cost of ops fused into one group with these inputs and outputs.
 
     `chunks`: how many row chunks the NumPy backend splits the group into (from
     `tile`); by default the cheaper of one chunk and one per core. `gemm_rows`: the
-    rows of a chunk when its GEMMs run chunk by chunk too (`flat` tiles).
+    rows of a chunk when its GEMMs run chunk by chunk too (`flat` tiles);
+    `gemm_cols`: the columns of a chunk instead (`cols` tiles: all the rows times a
+    slice of the weight).
     """
     names = [op.op_name for op in ops]
     flops = sum((op_flops(op) for op in ops), sympy.Integer(0))
@@ -292,12 +295,14 @@ def group_cost(ops: Sequence[TgOp], inputs: Sequence[TensorInfo], outputs: Seque
     threads = hw.cores
     n_chunks = sympy.sympify(chunks)
     workers = sympy.Min(n_chunks, threads)
-    if gemm_rows and anchors and all(row_gemm(op) for op in anchors):
-        # GEMMs cut in rows: each chunk's GEMM at the rate of its own (smaller) shape, on all cores.
+    if (gemm_rows or gemm_cols) and anchors and all(row_gemm(op) for op in anchors):
+        # GEMMs cut in rows (or columns): each chunk's GEMM at the rate of its own (smaller)
+        # shape, on all cores.
         m, n, k = _matmul_shape(anchors[0])
         n = sum((_matmul_shape(op)[1] for op in anchors), sympy.Integer(0))
-        rows = max(1, min(gemm_rows, int(at_nominal(m))))
-        rate = hw.matmul_rate(rows, max(1, int(at_nominal(n))), max(1, int(at_nominal(k))), outputs[0].dtype)
+        rows = max(1, min(gemm_rows, int(at_nominal(m)))) if gemm_rows else max(1, int(at_nominal(m)))
+        cols = max(1, min(gemm_cols, int(at_nominal(n)))) if gemm_cols else max(1, int(at_nominal(n)))
+        rate = hw.matmul_rate(rows, cols, max(1, int(at_nominal(k))), outputs[0].dtype)
         anchor_time = 2 * m * n * k / rate / _parallel(hw, workers)
     else:  # anchors run whole before the chunk loop, BLAS on one thread (attention threads itself)
         anchor_time = sum((_anchor_time(op, hw, cores=1) for op in anchors), sympy.Integer(0))
@@ -315,7 +320,7 @@ def group_cost(ops: Sequence[TgOp], inputs: Sequence[TensorInfo], outputs: Seque
     # A call in a loop on several threads pays for slicing and for the GIL the threads share.
     per_call = sympy.Piecewise((hw.launch_overhead, n_chunks <= 1),
                                (hw.chunk_call_overhead or hw.launch_overhead, True))
-    chunk_calls = calls + (len(anchors) if gemm_rows else 0)
+    chunk_calls = calls + (len(anchors) if gemm_rows or gemm_cols else 0)
     fork_join = sympy.Piecewise((0, n_chunks <= 1), (hw.parallel_overhead, True))
     overhead = sympy.Float(hw.launch_overhead) * len(anchors) + per_call * chunk_calls * n_chunks / \
         parallel + sympy.Float(hw.alloc_overhead) * len(outputs) + fork_join
@@ -332,15 +337,19 @@ def group_cost(ops: Sequence[TgOp], inputs: Sequence[TensorInfo], outputs: Seque
 def fusion_cost(group: FusionOp, hw) -> Cost:
     """The cost of a `tg.fusion` op as the backend will run it (its tile, if `tile` ran)."""
     tile = group.tile()
-    chunks, rows = 1, tile.get("rows")  # no rows: the group runs as one chunk
-    if rows:  # as many chunks as the rows make at these sizes (`chunks` on the tile is at nominal ones)
+    chunks, rows, cols = 1, tile.get("rows"), tile.get("cols")  # neither: the group runs as one chunk
+    if rows or cols:  # as many chunks as they make at these sizes (`chunks` on the tile is at nominal ones)
         ref = widest(group)
-        total = _prod(ref.shape[:-1]) if tile.get("flat") else sympy.sympify(ref.shape[tile.get("axis", 0)])
+        if cols:
+            total = sympy.sympify(ref.shape[-1])
+        else:
+            total = _prod(ref.shape[:-1]) if tile.get("flat") else sympy.sympify(ref.shape[tile.get("axis", 0)])
         # (backends/numpy/chunks.py) never fewer chunks than cores while there are rows for them
-        chunks = sympy.Max(sympy.ceiling(total / rows), sympy.Min(total, hw.cores))
+        chunks = sympy.Max(sympy.ceiling(total / (cols or rows)), sympy.Min(total, hw.cores))
     rows = rows if tile.get("flat") else None
     return group_cost(group.ops, [info_of(v.type) for v in group.operands],
-                      [info_of(r.type) for r in group.results], hw, chunks=chunks, gemm_rows=rows, label=group.kind)
+                      [info_of(r.type) for r in group.results], hw, chunks=chunks, gemm_rows=rows, label=group.kind,
+                      gemm_cols=cols)
 
 
 @dataclass
