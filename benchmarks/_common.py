@@ -9,8 +9,9 @@ whichever happened to be running, and the median ignores the rounds it spoiled.
 Switching libraries has a cost of its own: the thread pool of the one that just
 ran (onnxruntime's intra-op pool, torch's OpenMP workers, OpenBLAS's) keeps
 spinning for a while after its call returns, and on a 2-core machine those
-spinners take the cores from the next library's first call. A fast runner
-therefore gets one untimed call before each timed one (see SETTLE_BELOW_S).
+spinners take the cores from the next library's call. So every timed call starts
+after a pause (SETTLE_S), as it would in a process running one library, and a
+fast runner also gets one untimed call before each timed one (SETTLE_BELOW_S).
 """
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ def timed(fn: Callable):
 # under a few percent of a call this long, so slower runners skip it (which keeps
 # GPT-2-sized runs short).
 SETTLE_BELOW_S = 0.05
+# The pause before every timed call, so the previous runner's spinning pool threads
+# have gone to sleep: libgomp spins up to 300k iterations by default, onnxruntime's
+# intra-op workers a few thousand polls, OpenBLAS's workers a configurable loop; all
+# are well under this. Measured on the project's 2-core machine, GPT-2 small b1 s256
+# timed round-robin with torch eager and onnxruntime: tilegraph 461 ms without the pause.
+SETTLE_S = 0.05
 
 
 def interleaved_medians(runners: dict[str, Callable], repeat: int, warmup: int = 1) -> dict[str, float]:
@@ -58,6 +65,7 @@ def interleaved_medians(runners: dict[str, Callable], repeat: int, warmup: int =
         for name in names[shift:] + names[:shift]:
             if first.get(name, 0.0) < SETTLE_BELOW_S:
                 runners[name]()
+            time.sleep(SETTLE_S)
             t0 = time.perf_counter()
             runners[name]()
             samples[name].append(time.perf_counter() - t0)

@@ -72,10 +72,17 @@ def _erf32_clipped(t, out, scratch):
     return np.divide(p, q, out=out)
 
 
-def _flat_blocks(x, out, block: int):
-    """Pairs of flat `block`-element views of x and out (both C-contiguous, one shape)."""
-    xf, of = x.reshape(-1), out.reshape(-1)
-    return [(xf[i:i + block], of[i:i + block]) for i in range(0, of.size, block)]
+def _blocks(x, out, block: int):
+    """Pairs of views of x and out (one shape) of about `block` elements each: flat pieces
+    where both are contiguous, else slices along the first axis (a column window of a
+    fused group's buffer has contiguous rows), else the whole arrays."""
+    if x.shape != out.shape or out.ndim == 0:
+        return [(x, out)]
+    if x.flags.c_contiguous and out.flags.c_contiguous:
+        xf, of = x.reshape(-1), out.reshape(-1)
+        return [(xf[i:i + block], of[i:i + block]) for i in range(0, of.size, block)]
+    step = max(1, block // max(1, out.size // out.shape[0]))
+    return [(x[i:i + step], out[i:i + step]) for i in range(0, out.shape[0], step)]
 
 
 def _into(value, out):
@@ -97,14 +104,9 @@ def gelu(x, approximate, out=None):
     if out is None or out.dtype != np.float32:
         return _into(0.5 * x * (1 + erf(x * 0.7071067811865476)), out)
     # (NumPy backend, fused groups) the same formula in place, x possibly out itself,
-    # a block at a time (ERF_BLOCK) where both are contiguous.
-    x = np.asarray(x)
-    if x.shape != out.shape or not (x.flags.c_contiguous and out.flags.c_contiguous):
-        pairs = [(x, out)]
-    else:
-        pairs = _flat_blocks(x, out, ERF_BLOCK)
-    size = pairs[0][1].shape
-    scratch = [np.empty(size, np.float32) for _ in range(4)]
+    # a block of about ERF_BLOCK elements at a time.
+    pairs = _blocks(np.asarray(x), out, ERF_BLOCK)
+    scratch = [np.empty(pairs[0][1].shape, np.float32) for _ in range(4)]
     for xs, os_ in pairs:
         sc = [a[:len(os_)] for a in scratch] if len(pairs) > 1 else scratch
         t = np.multiply(xs, np.float32(0.7071067811865476), out=sc[3])
@@ -449,7 +451,7 @@ _workers_lock = threading.Lock()
 
 
 @lru_cache(maxsize=1)  # scanning the loaded libraries takes milliseconds; they do not change
-def _blas_libraries() -> tuple:
+def blas_libraries() -> tuple:
     """The BLAS libraries NumPy loaded (threadpoolctl controllers), or none without threadpoolctl."""
     try:
         from threadpoolctl import ThreadpoolController
@@ -478,7 +480,7 @@ class OneBlasThread:
         cls = type(self)
         with cls._lock:
             if cls._depth == 0:  # only libraries not on one thread already (the NumPy backend pins them)
-                cls._saved = [(lib, n) for lib in _blas_libraries() if (n := lib.num_threads) != 1]
+                cls._saved = [(lib, n) for lib in blas_libraries() if (n := lib.num_threads) != 1]
                 for lib, _ in cls._saved:
                     lib.set_num_threads(1)
             cls._depth += 1

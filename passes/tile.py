@@ -9,9 +9,15 @@ What it decides, per `tg.fusion` group, against the cost model of the target:
   a slice along `axis` (the outermost leading axis with rows for every core) and
   anchors run whole first. Candidates
   are powers of two, each priced by the cost model (a GEMM of fewer rows runs
-  slower; a chunk whose working set, a row of every value times the rows, exceeds
-  the core's cache streams from memory; more chunks cost more NumPy calls); the
-  cheapest wins. `chunks` records how many that makes at the sizes priced.
+  slower; a chunk whose working set, the values live at once times the rows,
+  exceeds the core's cache streams from memory; more chunks cost more NumPy
+  calls); the cheapest wins. `chunks` records how many that makes at the sizes
+  priced. A flat GEMM group has two more ways to run, priced the same way and
+  kept if cheaper: `blas`, the GEMM whole on BLAS's own threads and then the
+  epilogue in row chunks (how well BLAS's threads scale is calibrated: on one
+  machine they beat our chunks, on another they fight the epilogue for the
+  cores); and `cols` (a GEMM with an elementwise epilogue), chunks of columns
+  that each multiply all the rows by a slice of the weight.
 * Attention (any target): flash-style tiling, `block_q` query rows against
   `block_kv` keys with an online softmax, so the scores never exist whole and
   memory grows with N·d, not N². A sequence that fits one block is computed whole.
@@ -36,7 +42,7 @@ from xdsl.passes import ModulePass
 from ir import dtypes
 from ir.dialect import FusionOp
 from ir.shapes import TensorInfo, info_of
-from ir.fusion import ANCHORS, VIEW_OPS, cols_ok, flat_rows_ok, live_row_bytes, row_local, widest
+from ir.fusion import ANCHORS, VIEW_OPS, cols_ok, flat_rows_ok, live_row_bytes, row_gemm, row_local, widest
 from passes.cost.model import at_nominal, group_cost
 from passes.cost.hardware import check_target, hardware
 from passes.remarks import listening, remark
@@ -81,6 +87,9 @@ class Tile(ModulePass):
     # Chunks of at most this many columns wherever a group allows them (0: the cost
     # model decides between rows and columns): to see or test column chunks.
     max_cols: int = 0
+    # GEMMs whole on BLAS's threads wherever the machine was measured for it (else the
+    # cost model decides): to see or test that way of running a group.
+    blas_gemm: bool = False
 
     def __post_init__(self) -> None:
         check_target(self.target)
@@ -91,7 +100,7 @@ class Tile(ModulePass):
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         hw = hardware(self.target)
         for group in [g for g in op.walk() if isinstance(g, FusionOp)]:
-            tile = choose_tile(group, hw, self.max_rows, self.max_cols)
+            tile = choose_tile(group, hw, self.max_rows, self.max_cols, self.blas_gemm)
             if tile:
                 group.attributes["tile"] = tile_attr(tile)
 
@@ -108,7 +117,7 @@ def tile_attr(tile: dict) -> DictionaryAttr:
     return attr(tile)
 
 
-def choose_tile(group: FusionOp, hw, max_rows: int = 0, max_cols: int = 0) -> dict[str, int]:
+def choose_tile(group: FusionOp, hw, max_rows: int = 0, max_cols: int = 0, blas_gemm: bool = False) -> dict[str, int]:
     tile: dict[str, int] = {}
     anchors = [op for op in group.ops if op.op_name in ANCHORS]
     if any(op.op_name == "attention" for op in anchors):
@@ -120,7 +129,7 @@ def choose_tile(group: FusionOp, hw, max_rows: int = 0, max_cols: int = 0) -> di
     if max_cols and hw.kind == "cpu" and cols_ok(group):
         width = int(at_nominal(info_of(group.ops[0].results[0].type).shape[-1]))
         return tile | {"flat": 1, "cols": min(max_cols, width), "chunks": math.ceil(width / min(max_cols, width))}
-    return tile | _cpu_rows(group, hw, max_rows)
+    return tile | _cpu_rows(group, hw, max_rows, blas_gemm)
 
 
 def _attention_tile(group: FusionOp, op, hw) -> dict[str, int]:
@@ -139,7 +148,7 @@ def _attention_tile(group: FusionOp, op, hw) -> dict[str, int]:
     return tile
 
 
-def _cpu_rows(group: FusionOp, hw, max_rows: int = 0) -> dict[str, int]:
+def _cpu_rows(group: FusionOp, hw, max_rows: int = 0, blas_gemm: bool = False) -> dict[str, int]:
     chunked = [op for op in group.ops if op.op_name not in VIEW_OPS]
     ref = widest(group)
     if not chunked or ref.rank < 2 or not all(row_local(op) for op in group.ops):
@@ -168,14 +177,24 @@ def _cpu_rows(group: FusionOp, hw, max_rows: int = 0) -> dict[str, int]:
             break
         rows = min(rows * 2, total)
     time, _, rows, chunks = min(priced)
+    gemms = [op for op in group.ops if op.op_name in ANCHORS]
+    if flat and gemms and all(row_gemm(op) for op in gemms) and (
+            blas_gemm or (hw.cores > 1 and hw.blas_parallel_efficiency and not max_rows)):
+        blas_time, blas_rows, blas_chunks = _cpu_blas(group, hw, inputs, outputs, total, row_bytes, max_rows)
+        if blas_time < time or blas_gemm:
+            if listening():
+                remark("tile", f"{group.kind} group ({len(group.ops)} ops): its GEMM whole on BLAS's threads, then "
+                               f"{blas_chunks} chunks of {blas_rows} rows: predicted {blas_time * 1e6:.1f} us; next "
+                               f"best: the GEMM in chunks of {rows} rows, {time * 1e6:.1f} us")
+            return {"flat": 1, "blas": 1} | ({"rows": blas_rows, "chunks": blas_chunks} if blas_chunks > 1 else {})
     if flat and hw.cores > 1 and cols_ok(group):
         columns = _cpu_cols(group, hw, inputs, outputs, total, row_bytes)
         if columns and columns[0] < time:
             time, cols, chunks = columns
             if listening():
                 remark("tile", f"{group.kind} group ({len(group.ops)} ops): chunks of {cols} columns, all "
-                               f"{total} rows each ({chunks} chunks): predicted {time * 1e6:.1f} us; the best "
-                               f"row chunks, {rows} rows, {min(priced)[0] * 1e6:.1f} us")
+                               f"{total} rows each ({chunks} chunks): predicted {time * 1e6:.1f} us; next best: "
+                               f"chunks of {rows} rows, {min(priced)[0] * 1e6:.1f} us")
             return {"flat": 1, "cols": cols, "chunks": chunks}
     if chunks == 1:  # the whole group in one go: a fork/join would cost more than it saves
         if listening():
@@ -189,6 +208,25 @@ def _cpu_rows(group: FusionOp, hw, max_rows: int = 0) -> dict[str, int]:
                        f"({chunks} chunks, {rows * row_bytes / 1024:.0f} KiB live per chunk): predicted "
                        f"{time * 1e6:.1f} us; next best: {others}")
     return ({"flat": 1} if flat else {"axis": axis}) | {"rows": rows, "chunks": chunks}
+
+
+def _cpu_blas(group: FusionOp, hw, inputs, outputs, total: int, row_bytes: float,
+              max_rows: int = 0) -> tuple[float, int, int]:
+    """(time, rows, chunks) of the best epilogue chunking after a whole GEMM on BLAS's threads."""
+    priced = []
+    rows = 1
+    while True:
+        chunks = math.ceil(total / rows)
+        cost = group_cost(group.ops, inputs, outputs, hw, chunks=chunks, gemm_rows=rows, blas_gemm=True)
+        time = at_nominal(cost.time)
+        if rows * row_bytes > SPILL_FACTOR * hw.cache_bytes:  # as in _cpu_rows
+            time += at_nominal(cost.compute_time) * (hw.cache_bandwidth / hw.memory_bandwidth - 1) / hw.cores
+        priced.append((time, -rows, rows, chunks))
+        if rows >= total or (max_rows and rows * 2 > max_rows):
+            break
+        rows = min(rows * 2, total)
+    time, _, rows, chunks = min(priced)
+    return time, rows, chunks
 
 
 def _cpu_cols(group: FusionOp, hw, inputs, outputs, rows: int, row_bytes: float) -> tuple | None:

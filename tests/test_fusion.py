@@ -89,7 +89,8 @@ def test_every_fusion_decision_leaves_a_remark_with_predicted_costs(block):
     assert any("chunks of" in r and "next best" in r for r in tile)
 
 
-@pytest.mark.parametrize("tile", ["tile", "tile{max-rows=1}", "tile{max-rows=5}", "tile{max-cols=5}"])
+@pytest.mark.parametrize("tile", ["tile", "tile{max-rows=1}", "tile{max-rows=5}", "tile{max-cols=5}",
+                                  "tile{blas-gemm=true max-rows=5}"])
 def test_fused_groups_compute_what_the_interpreter_computes(block, tile):
     model = run_pipeline(block, f"{UNFUSED_PIPELINE},fuse,{tile}")
     x = random_inputs(block, seed=3, sizes={"B": 3})

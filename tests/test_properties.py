@@ -98,11 +98,12 @@ def test_the_default_pipeline_preserves_semantics_in_f16(model):
     assert_preserves_semantics(DEFAULT_PIPELINE, model)
 
 
-# Fused groups cut into chunks of 1 and of 3 rows, or of columns where a group allows
-# them: every chunk boundary, partial last chunks and chunks on the thread pool, which
+# Fused groups cut into chunks of 1 and of 3 rows, or of columns, or with their GEMM
+# whole on BLAS's threads, where a group allows them: every chunk boundary, partial last chunks and chunks on the thread pool, which
 # the small random shapes would not reach with the tile sizes the cost model picks.
 MANY_CHUNKS = [UNFUSED_PIPELINE + ",fuse,tile{max-rows=1}", UNFUSED_PIPELINE + ",fuse,tile{max-rows=3}",
-               UNFUSED_PIPELINE + ",fuse,tile{max-cols=1}", UNFUSED_PIPELINE + ",fuse,tile{max-cols=3}"]
+               UNFUSED_PIPELINE + ",fuse,tile{max-cols=1}", UNFUSED_PIPELINE + ",fuse,tile{max-cols=3}",
+               UNFUSED_PIPELINE + ",fuse,tile{blas-gemm=true max-rows=3}"]
 
 
 @pytest.mark.parametrize("pipeline", ["", DEFAULT_PIPELINE, *MANY_CHUNKS])

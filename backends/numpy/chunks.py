@@ -14,9 +14,10 @@ on the cores the epilogue needs.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from typing import Callable
 
-from ir.kernels import OneBlasThread, parallel_for
+from ir.kernels import OneBlasThread, blas_libraries, parallel_for
 
 # Threads a compiled model uses: every core this process may run on, or TILEGRAPH_NUM_THREADS.
 THREADS = max(1, int(os.environ.get("TILEGRAPH_NUM_THREADS") or 0) or (
@@ -43,3 +44,18 @@ def run_chunks(chunk: Callable[[slice], None], length: int, rows: int) -> None:
 
 # The one process-wide BLAS pin (ir/kernels.py): re-entrant, shared with the attention kernel.
 single_threaded_blas = OneBlasThread
+
+
+@contextmanager
+def blas_threads():
+    """BLAS on THREADS threads for one whole GEMM inside a single_threaded_blas region (a
+    group whose tile says `blas`: its GEMM is cheaper on BLAS's own threads, which share
+    packed panels, than cut into chunks on ours), back to one after."""
+    libraries = blas_libraries()
+    for lib in libraries:
+        lib.set_num_threads(THREADS)
+    try:
+        yield
+    finally:
+        for lib in libraries:
+            lib.set_num_threads(1)

@@ -43,7 +43,8 @@ from backends.program import (PYTHON_RESERVED, Namer, Program, array_literal, fl
                               literal, sanitize, signature_rows, str_literal, tuple_lines)
 
 # Names the generated module defines or imports; nothing else may take them.
-MODULE_NAMES = {"np", "ml_dtypes", "K", "W", "build", "forward", "INPUTS", "OUTPUTS", "WEIGHTS", *SHAPE_FUNCTIONS}
+MODULE_NAMES = {"np", "ml_dtypes", "K", "W", "build", "forward", "INPUTS", "OUTPUTS", "WEIGHTS", *SHAPE_FUNCTIONS,
+                "THREADS", "blas_threads", "run_chunks", "single_threaded_blas"}
 RESERVED = MODULE_NAMES | PYTHON_RESERVED
 # Op categories whose NumPy code cannot raise a floating-point warning (they move
 # or name data, never compute on it); a body of only these needs no np.errstate.
@@ -201,7 +202,7 @@ class _Emitter:
             out += ["from time import perf_counter", "", "# kernel -> [seconds, calls], accumulated over calls",
                     f"PROFILE = {{name: [0.0, 0] for name in {self.kernel_names!r}}}"]
         if self.group_functions:
-            out.append("from backends.numpy.chunks import THREADS, run_chunks, single_threaded_blas")
+            out.append("from backends.numpy.chunks import THREADS, blas_threads, run_chunks, single_threaded_blas")
         shape_fns = sorted({f for f in SHAPE_FUNCTIONS if re.search(rf"\b{f}\(", "\n".join(body))})
         if shape_fns:
             out.append("from ir.interpreter import SHAPE_FUNCTIONS")

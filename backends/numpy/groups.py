@@ -18,6 +18,8 @@ How a group runs, in the code this module writes (MiniLM's FFN up-projection):
   together while the rows are in cache; sibling matmuls of a horizontal group are
   one GEMM against their weights concatenated once in `build`, and their results
   are column windows of it.
+* With `blas`, the GEMM runs whole on BLAS's own threads first, and the chunks
+  run only its epilogue.
 * With `cols` (a GEMM and an elementwise epilogue), a chunk is a window of columns:
   all the rows times that window of the weight, then the epilogue on the window.
 * Without `flat`, the chunk is a slice along `axis`; anchors that cannot be cut in
@@ -128,6 +130,8 @@ class GroupEmitter:
         # (flat) Chunks of columns: every value's window [:, s], the GEMM's weight [:, s].
         self.cols = bool(self.tile.get("cols")) and self.flat and cols_ok(group)
         self.chunked = (bool(self.tile.get("rows")) and all(row_local(op) for op in self.ops)) or self.cols
+        # (flat) The GEMM runs whole on BLAS's threads before the loop, which runs the epilogue.
+        self.blas = bool(self.tile.get("blas")) and self.flat and not self.cols
         self.aliased: set[SSAValue] = set()  # values sharing memory with another (reshapes): never donors
         self.axis = self.tile.get("axis", self.ref.rank - 2)
         self.home: dict[SSAValue, Home] = {}  # full-size values: params, buffers, views of them
@@ -287,6 +291,9 @@ class GroupEmitter:
         index, name = self._buffer(op.result_infos()[0])
         self._own(op.results[0], (index, name))
         weight = self.home[op.operands[1]].base
+        if self.blas:
+            self._whole_gemm(self.home[op.operands[0]].base, weight, name)
+            return []
         if self.cols:  # all the rows against this chunk's columns of the weight
             lhs = self._flat(self.home[op.operands[0]].base, "full")
             return [f"np.matmul({lhs}, {weight}[:, s], out={self._read(op.results[0])})"]
@@ -306,12 +313,20 @@ class GroupEmitter:
             self._own(op.results[0], combined, f"{offset}:{offset + width}")
             offset += width
         note = f"  # {len(anchors)} sibling matmuls, one GEMM"
+        if self.blas:
+            self._whole_gemm(lhs, weights, combined[1], note)
+            return []
         if self.flat:
             lhs_rows = self._read(anchors[0].operands[0])
             return [f"np.matmul({lhs_rows}, {weights}, out={self._flat(combined[1], 'full')}[s])" + note]
         self.prelude.append(f"np.matmul({lhs}.reshape(-1, {lhs}.shape[-1]), {weights}, "
                             f"out={combined[1]}.reshape(-1, {combined[1]}.shape[-1])){note}")
         return []
+
+    def _whole_gemm(self, lhs: str, weight: str, out: str, note: str = "") -> None:
+        """(blas) All the rows of a GEMM at once, on BLAS's threads, before the chunk loop."""
+        lhs_2d, out_2d = self._flat(lhs, "full"), self._flat(out, "full")
+        self.prelude += ["with blas_threads():", f"{INDENT}np.matmul({lhs_2d}, {weight}, out={out_2d}){note}"]
 
     def _chunk_line(self, op: TgOp, index: int, last_use: dict) -> str:
         operands = [self._read(v) for v in op.operands]

@@ -213,7 +213,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
     bar.step("chunk loop call overhead")
     chunk_call = _chunk_call_time(budget)
     bar.step("parallel region")
-    fork_join, efficiency = _parallel_costs(budget, rng)
+    fork_join, efficiency, blas_efficiency = _parallel_costs(budget, rng)
     bar.step("convolution")
     conv_rate = _conv_rate(budget, rng)
 
@@ -270,6 +270,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         chunk_call_overhead=chunk_call,
         parallel_overhead=fork_join,
         parallel_efficiency=efficiency,
+        blas_parallel_efficiency=blas_efficiency,
         conv_rate=conv_rate,
         skinny_gemm=skinny,
         links={},
@@ -312,12 +313,13 @@ PARALLEL_GEMM = (256, 1536, 384)
 CONV_SHAPES = ((32, 8, 16, 16), (16, 8, 3, 3))
 
 
-def _parallel_costs(budget, rng) -> tuple[float, float]:
-    """(one fork/join of the chunk pool, all cores' GEMM rate over cores x one core's)."""
-    from backends.numpy.chunks import THREADS, run_chunks, single_threaded_blas
+def _parallel_costs(budget, rng) -> tuple[float, float, float]:
+    """(one fork/join of the chunk pool, all cores' GEMM rate over cores x one core's with
+    a chunk of rows per core on the pool, the same with one GEMM on BLAS's threads)."""
+    from backends.numpy.chunks import THREADS, blas_threads, run_chunks, single_threaded_blas
 
     if THREADS == 1:
-        return 0.0, 1.0
+        return 0.0, 1.0, 0.0
     m, n, k = PARALLEL_GEMM
     a = rng.standard_normal((m * THREADS, k), dtype=np.float32)
     b = rng.standard_normal((k, n), dtype=np.float32)
@@ -326,11 +328,15 @@ def _parallel_costs(budget, rng) -> tuple[float, float]:
     def gemm(s):
         np.matmul(a[s], b, out=c[s])
 
+    def blas_gemm():
+        with blas_threads():
+            np.matmul(a, b, out=c)
+
     with single_threaded_blas():
-        one, together, empty = best_times((lambda: gemm(slice(0, m)), lambda: run_chunks(gemm, m * THREADS, m),
-                                             lambda: run_chunks(lambda s: None, THREADS, 1)), budget)
+        one, together, empty, blas = best_times((lambda: gemm(slice(0, m)), lambda: run_chunks(gemm, m * THREADS, m),
+                                                 lambda: run_chunks(lambda s: None, THREADS, 1), blas_gemm), budget)
     # Ideally the cores' chunks together take as long as one alone, plus the fork/join.
-    return empty, min(1.0, one / max(together - empty, 1e-12))
+    return empty, min(1.0, one / max(together - empty, 1e-12)), min(1.0, one / blas)
 
 
 def _conv_rate(budget, rng) -> float:
@@ -370,6 +376,7 @@ def summary(hw: Hardware) -> str:
         ("NumPy call in a chunk loop", f"{hw.chunk_call_overhead * 1e6:.2f} us"),
         ("fork/join of the chunk pool", f"{hw.parallel_overhead * 1e6:.1f} us"),
         ("GEMM on all cores / (cores x one core)", f"{hw.parallel_efficiency:.2f}"),
+        ("the same, one GEMM on BLAS's threads", f"{hw.blas_parallel_efficiency:.2f}"),
         ("convolution kernel (K.conv)", f"{hw.conv_rate / 1e9:.1f} GFLOP/s"),
         ("skinny GEMM efficiency (rows: share of a tall one)",
          " ".join(f"{r}:{e:.2f}" for r, e in hw.skinny_gemm)),

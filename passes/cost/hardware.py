@@ -29,7 +29,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Mapping
 
-PROFILE_FORMAT = 5  # (2: per-core GEMM samples; 3: chunk_call_overhead; 4: parallel costs, conv rate; 5: skinny GEMMs) bump when the JSON layout changes: older profiles are then re-measured
+PROFILE_FORMAT = 6  # (2: per-core GEMM samples; 3: chunk_call_overhead; 4: parallel costs, conv rate; 5: skinny GEMMs; 6: BLAS threads) bump when the JSON layout changes: older profiles are then re-measured
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,10 @@ class Hardware:
     # caches, memory bus, clocks); 1.0 when not measured.
     parallel_overhead: float = 0.0
     parallel_efficiency: float = 1.0
+    # CPU only: the same for one whole GEMM with BLAS on all cores (its own threads, which
+    # share packed panels and spin rather than sleep between calls); 0: not measured,
+    # and `tile` never chooses it.
+    blas_parallel_efficiency: float = 0.0
     # CPU only: FLOP/s of the NumPy convolution kernel (K.conv: einsum over a window view),
     # which is far from the GEMM curve; 0: priced as a GEMM.
     conv_rate: float = 0.0

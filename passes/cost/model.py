@@ -267,14 +267,15 @@ def at_nominal(expr: sympy.Expr) -> float:
 
 def group_cost(ops: Sequence[TgOp], inputs: Sequence[TensorInfo], outputs: Sequence[TensorInfo], hw,
                chunks: sympy.Expr | int | None = None, gemm_rows: int | None = None, label: str = "",
-               gemm_cols: int | None = None) -> Cost:
+               gemm_cols: int | None = None, blas_gemm: bool = False) -> Cost:
     """The predicted cost of ops fused into one group with these inputs and outputs.
 
     `chunks`: how many row chunks the NumPy backend splits the group into (from
     `tile`); by default the cheaper of one chunk and one per core. `gemm_rows`: the
     rows of a chunk when its GEMMs run chunk by chunk too (`flat` tiles);
     `gemm_cols`: the columns of a chunk instead (`cols` tiles: all the rows times a
-    slice of the weight).
+    slice of the weight). `blas_gemm`: the GEMM runs whole on BLAS's own threads
+    before the chunk loop, which then runs the epilogue (`blas` tiles).
     """
     names = [op.op_name for op in ops]
     flops = sum((op_flops(op) for op in ops), sympy.Integer(0))
@@ -295,7 +296,13 @@ def group_cost(ops: Sequence[TgOp], inputs: Sequence[TensorInfo], outputs: Seque
     threads = hw.cores
     n_chunks = sympy.sympify(chunks)
     workers = sympy.Min(n_chunks, threads)
-    if (gemm_rows or gemm_cols) and anchors and all(row_gemm(op) for op in anchors):
+    if blas_gemm and anchors and all(row_gemm(op) for op in anchors):
+        # One GEMM of all rows (sibling weights side by side) on all cores' BLAS threads.
+        m, n, k = _matmul_shape(anchors[0])
+        n = sum((_matmul_shape(op)[1] for op in anchors), sympy.Integer(0))
+        rate = hw.matmul_rate(*(max(1, int(at_nominal(d))) for d in (m, n, k)), outputs[0].dtype)
+        anchor_time = 2 * m * n * k / (rate * threads * hw.blas_parallel_efficiency)
+    elif (gemm_rows or gemm_cols) and anchors and all(row_gemm(op) for op in anchors):
         # GEMMs cut in rows (or columns): each chunk's GEMM at the rate of its own (smaller)
         # shape, on all cores.
         m, n, k = _matmul_shape(anchors[0])
@@ -320,7 +327,7 @@ def group_cost(ops: Sequence[TgOp], inputs: Sequence[TensorInfo], outputs: Seque
     # A call in a loop on several threads pays for slicing and for the GIL the threads share.
     per_call = sympy.Piecewise((hw.launch_overhead, n_chunks <= 1),
                                (hw.chunk_call_overhead or hw.launch_overhead, True))
-    chunk_calls = calls + (len(anchors) if gemm_rows or gemm_cols else 0)
+    chunk_calls = calls + (len(anchors) if (gemm_rows or gemm_cols) and not blas_gemm else 0)
     fork_join = sympy.Piecewise((0, n_chunks <= 1), (hw.parallel_overhead, True))
     overhead = sympy.Float(hw.launch_overhead) * len(anchors) + per_call * chunk_calls * n_chunks / \
         parallel + sympy.Float(hw.alloc_overhead) * len(outputs) + fork_join
@@ -349,7 +356,7 @@ def fusion_cost(group: FusionOp, hw) -> Cost:
     rows = rows if tile.get("flat") else None
     return group_cost(group.ops, [info_of(v.type) for v in group.operands],
                       [info_of(r.type) for r in group.results], hw, chunks=chunks, gemm_rows=rows, label=group.kind,
-                      gemm_cols=cols)
+                      gemm_cols=cols, blas_gemm=bool(tile.get("blas")))
 
 
 @dataclass
