@@ -200,8 +200,8 @@ def _interpret_bf16_as_gpus_do() -> None:
 
     def cast_impl(self, src, dst_type):
         src_type, dst = src.dtype.scalar, dst_type.scalar
-        if src_type == dst or tl.bfloat16 not in (src_type, dst):
-            return cast(self, src, dst_type)
+        if src_type == dst or tl.bfloat16 not in (src_type, dst) or src_type.is_fp8() or dst.is_fp8():
+            return cast(self, src, dst_type)  # fp8 values are bits too: not NumPy's to convert
         value = np.asarray(src.data)
         value = value.view(bf16) if src_type == tl.bfloat16 else value
         if dst == tl.bfloat16:
