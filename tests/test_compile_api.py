@@ -70,6 +70,19 @@ def test_torch_tensors_are_accepted_as_inputs():
     assert isinstance(from_torch, np.ndarray)
 
 
+def test_bf16_torch_tensors_are_accepted_as_their_values():
+    """NumPy has no bfloat16: a bf16 tensor arrives as ml_dtypes' bfloat16 with the same bits."""
+    torch = pytest.importorskip("torch")
+    from ir import dtypes
+
+    g = Graph()
+    model = g.build(g.op("cast", g.input("x", ("B", WIDTH), "bf16"), to="f32"), names=["y"])
+    x = torch.from_numpy(inputs()).to(torch.bfloat16)
+    out = tilegraph.compile(model)(x)
+    np.testing.assert_array_equal(out, x.float().numpy())
+    np.testing.assert_array_equal(out, tilegraph.compile(model)(x.float().numpy().astype(dtypes.numpy_dtype("bf16"))))
+
+
 def test_no_passes_when_the_pipeline_is_empty():
     model = mlp()
     compiled = tilegraph.compile(model, pipeline="")

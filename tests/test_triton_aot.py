@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from backends.triton.aot import ROOT, Build, BuildError, build, config_builds, parse_target, specialized
+from backends.triton.aot import ROOT, Build, BuildError, build, build_many, config_builds, parse_target, specialized
 from backends.triton.kernels import POINTER_TYPES
 
 KERNEL_SOURCE = '''
@@ -73,6 +73,9 @@ def block_error_kernel(x, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     tl.store(x + offs, tl.load(x + offs))
 '''
+
+# The module fixture's build is shared: on one xdist worker, it runs once.
+pytestmark = pytest.mark.xdist_group("triton_aot")
 
 GEMM_CONFIGS = [{"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3},
                 {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2}]
@@ -211,20 +214,26 @@ def test_the_first_configuration_is_the_default_build():
 
 
 def test_command_line_prints_a_table_and_one_error_line_per_failure(tmp_path):
-    path = tmp_path / "model_triton.py"
-    path.write_text(module_source())
-    done = subprocess.run([sys.executable, "-m", "backends.triton.aot", str(path), "--targets", "cuda:90"],
+    """Several modules build in turn, each under its own heading."""
+    paths = [tmp_path / "model_triton.py", tmp_path / "other_triton.py"]
+    for path in paths:
+        path.write_text(module_source())
+    done = subprocess.run([sys.executable, "-m", "backends.triton.aot", *map(str, paths), "--targets", "cuda:90"],
                           capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr
     errors = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
-    assert sorted(e.split(": ", 2)[2].split(" ")[0] for e in errors) == sorted(BROKEN), done.stderr
+    assert sorted(e.split(": ", 2)[2].split(" ")[0] for e in errors) == sorted(list(BROKEN) * 2), done.stderr
     assert "gemm_kernel" in done.stdout and "ptx" in done.stdout
-    # A module that does not import is one clear error, from the command line and from build().
+    assert [ln for ln in done.stdout.splitlines() if ln.endswith("_triton.py:")] == [f"{p}:" for p in paths]
+    # A module that does not import is one clear error, from the command line and from build(),
+    # named among several.
     broken = tmp_path / "broken_triton.py"
     broken.write_text("import triton\nKERNELS = {}\nraise ValueError('emitter bug')\n")
     with pytest.raises(BuildError, match="broken_triton.py does not import: ValueError: emitter bug"):
         build(broken)
+    with pytest.raises(BuildError, match="broken_triton.py does not import"):
+        build_many([broken, paths[0]])
 
 
 def test_a_source_string_builds_like_a_file_and_generic_builds_are_said_so():

@@ -6,6 +6,9 @@ epilogue, sibling and batched GEMMs, flash attention, implicit-GEMM conv2d,
 gather, reductions and scans over any axis) in fp32, fp16 and bf16; every kernel
 of the emitted module is compiled by `backends.triton.aot` for sm_90 (PTX and
 cubin, with the shared memory it needs checked against an H100's) and for gfx942.
+All of them, and MiniLM's module, are built in one subprocess (`build_many`: one
+start of Python, torch and Triton rather than thirteen), so these tests share one
+xdist group and run on one worker.
 """
 
 from __future__ import annotations
@@ -15,12 +18,15 @@ import pytest
 
 import tilegraph  # chooses Triton's interpreter before triton is imported
 from backends.triton import emit
-from backends.triton.aot import build
+from backends.triton.aot import build_many
 from ir import Graph
 from passes.cost.hardware import hardware
 from passes.registry import default_pipeline, run_pipeline
 
+pytestmark = pytest.mark.xdist_group("triton_build")
+
 RNG = np.random.default_rng(7)
+DTYPES = ("f32", "f16", "bf16")
 
 
 def _weight(g, name, shape, dtype):
@@ -71,13 +77,28 @@ def conv_gather(dtype):
 MODELS = {"rows": rows, "gemm": gemm, "attention": attention, "conv_gather": conv_gather}
 
 
-@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+def minilm_source() -> str:
+    from tests.models import minilm_inputs, minilm_model
+
+    model = tilegraph.import_model(minilm_model(), minilm_inputs(2, 128))
+    return emit(run_pipeline(model, default_pipeline("h100")), hardware="h100")
+
+
+@pytest.fixture(scope="module")
+def built() -> dict:
+    """(kind, dtype) or "minilm" -> (the module's source, its builds), all in one subprocess."""
+    sources = {(kind, dtype): emit(run_pipeline(MODELS[kind](dtype), default_pipeline("h100")), hardware="h100")
+               for kind in MODELS for dtype in DTYPES}
+    sources["minilm"] = minilm_source()
+    return {key: (source, results) for (key, source), results in zip(sources.items(), build_many(list(sources.values())))}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", list(MODELS))
-def test_every_kernel_builds_for_hopper_and_cdna3(kind, dtype):
-    model = run_pipeline(MODELS[kind](dtype), default_pipeline("h100"))
-    source = emit(model, hardware="h100")
-    results = build(source)
+def test_every_kernel_builds_for_hopper_and_cdna3(built, kind, dtype):
+    source, results = built[kind, dtype]
     assert results, "no kernel was built"
+    assert all(f"'{r.kernel}': {{'signature'" in source for r in results)  # this module's builds
     failed = [f"{r.kernel} on {r.target}: {r.error}" for r in results if not r.ok]
     assert not failed, "\n".join(failed)
     assert {r.target for r in results} == {"cuda:90", "hip:gfx942"}
@@ -86,17 +107,9 @@ def test_every_kernel_builds_for_hopper_and_cdna3(kind, dtype):
         assert r.shared <= limit, f"{r.kernel} needs {r.shared} bytes of shared memory; an H100 block has {limit}"
 
 
-def test_minilm_kernels_build_for_hopper_and_cdna3():
+def test_minilm_kernels_build_for_hopper_and_cdna3(built):
     """The real model's module: every kernel (its six layers share them) builds for both GPUs."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    import models
-
-    model = tilegraph.import_model(models.minilm_model(), models.minilm_inputs(2, 128))
-    source = emit(run_pipeline(model, default_pipeline("h100")), hardware="h100")
-    results = build(source)
+    source, results = built["minilm"]
     failed = [f"{r.kernel} on {r.target}: {r.error}" for r in results if not r.ok]
     assert not failed, "\n".join(failed)
     kinds = {r.kernel for r in results}

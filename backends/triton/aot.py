@@ -1,6 +1,6 @@
 """Ahead-of-time builds: prove that every kernel of an emitted module compiles for real GPUs.
 
-    python -m backends.triton.aot model_triton.py [--targets cuda:90,hip:gfx942] [--all-configs]
+    python -m backends.triton.aot model_triton.py [more_triton.py ...] [--targets cuda:90,hip:gfx942] [--all-configs]
 
 For each kernel in the module's `KERNELS`, `triton.compile(ASTSource(...),
 target=GPUTarget(...))` runs Triton's whole pipeline, to PTX and a cubin for sm_90
@@ -29,7 +29,10 @@ optional `args` ({param: value at nominal sizes}: strides, dims) like those valu
 Builds run in a subprocess with TRITON_INTERPRET=0: on a machine without a GPU the
 calling process runs kernels in Triton's interpreter (`import tilegraph` sets
 TRITON_INTERPRET=1), and functions decorated there cannot be compiled. "0", not
-unset: importing `backends.triton` would otherwise set it to 1 again.
+unset: importing `backends.triton` would otherwise set it to 1 again. Starting that
+subprocess (Python, torch, Triton) costs about 4 s of CPU, so `build_many` builds
+several modules in one (tests/test_triton_build.py's thirteen: 209 s of CPU with a
+subprocess each, 164 s with one, measured with an empty Triton cache).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 from ir.errors import TilegraphError
 
@@ -84,14 +88,22 @@ def build(module: str | Path, targets=DEFAULT_TARGETS, all_configs: bool = False
 
     One subprocess does all the builds (see the module docstring); a kernel that does
     not build is a `Build` with ok=False, a module that cannot be read is a BuildError."""
+    return build_many([module], targets, all_configs, specialize)[0]
+
+
+def build_many(modules: Sequence[str | Path], targets=DEFAULT_TARGETS, all_configs: bool = False,
+               specialize: bool = True) -> list[list[Build]]:
+    """`build` for several modules in one subprocess: one list of builds per module, in order."""
     with tempfile.TemporaryDirectory() as tmp:
-        if isinstance(module, Path) or ("\n" not in module and module.endswith(".py")):
-            path = Path(module).resolve()  # the subprocess runs in the repository root
-        else:
-            path = Path(tmp) / "module_triton.py"
-            path.write_text(module)
+        paths = []
+        for i, module in enumerate(modules):
+            if isinstance(module, Path) or ("\n" not in module and module.endswith(".py")):
+                paths.append(Path(module).resolve())  # the subprocess runs in the repository root
+            else:
+                paths.append(Path(tmp) / f"module{i or ''}_triton.py")
+                paths[-1].write_text(module)
         env = {**os.environ, "TRITON_INTERPRET": "0"}
-        cmd = [sys.executable, "-m", "backends.triton.aot", str(path), "--targets", ",".join(targets), "--json"]
+        cmd = [sys.executable, "-m", "backends.triton.aot", *map(str, paths), "--targets", ",".join(targets), "--json"]
         if all_configs:
             cmd.append("--all-configs")
         if not specialize:
@@ -100,8 +112,9 @@ def build(module: str | Path, targets=DEFAULT_TARGETS, all_configs: bool = False
     if done.returncode not in (0, 1) or not done.stdout.strip():
         errors = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
         last = (errors or done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
-        raise BuildError(f"the ahead-of-time build of {path.name} did not run: {last.removeprefix('error: ')}")
-    return [Build(**row) for row in json.loads(done.stdout.strip().splitlines()[-1])]
+        names = ", ".join(p.name for p in paths)
+        raise BuildError(f"the ahead-of-time build of {names} did not run: {last.removeprefix('error: ')}")
+    return [[Build(**row) for row in rows] for rows in json.loads(done.stdout.strip().splitlines()[-1])]
 
 
 def parse_target(text: str):
@@ -233,12 +246,14 @@ def short_config(cfg: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m backends.triton.aot",
                                  description="Compile every kernel of an emitted Triton module for GPUs, without one.")
-    ap.add_argument("module", type=Path, help="an emitted module (tilegraph compile --target triton -o FILE)")
+    ap.add_argument("modules", type=Path, nargs="+", metavar="module",
+                    help="an emitted module (tilegraph compile --target triton -o FILE); several build in turn")
     ap.add_argument("--targets", default=",".join(DEFAULT_TARGETS), help="comma-separated backend:arch")
     ap.add_argument("--all-configs", action="store_true", help="every autotuning candidate, not only the first")
     ap.add_argument("--generic", action="store_true",
                     help="build without a launch's specialization (aligned pointers, the ints in `args`)")
-    ap.add_argument("--json", action="store_true", help="one JSON line of results (for backends.triton.aot.build)")
+    ap.add_argument("--json", action="store_true",
+                    help="one JSON line: a list of results per module (for backends.triton.aot.build_many)")
     args = ap.parse_args(argv)
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     bad = [t for t in targets if t.partition(":")[0] not in WARP_SIZE or not t.partition(":")[2]]
@@ -246,8 +261,9 @@ def main(argv=None) -> int:
         print(f"error: unknown target(s) {', '.join(bad) or '(none)'}; use cuda:<sm> or hip:<gfx arch>",
               file=sys.stderr)
         return 2
-    if not args.module.is_file():
-        print(f"error: no such file: {args.module}", file=sys.stderr)
+    missing = [str(m) for m in args.modules if not m.is_file()]
+    if missing:
+        print(f"error: no such file: {', '.join(missing)}", file=sys.stderr)
         return 2
     # Compile, never interpret (see the module docstring); Triton reads this when a
     # function is decorated, so before the module (and tlmath, its helpers) is imported.
@@ -257,17 +273,21 @@ def main(argv=None) -> int:
     if "backends.triton.tlmath" in sys.modules:
         importlib.reload(sys.modules["backends.triton.tlmath"])
     try:
-        results = compile_all(args.module, targets, args.all_configs, not args.generic)
+        per_module = [compile_all(path, targets, args.all_configs, not args.generic) for path in args.modules]
     except BuildError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    results = [r for rows in per_module for r in rows]
     if args.json:
-        print(json.dumps([asdict(r) for r in results]))
+        print(json.dumps([[asdict(r) for r in rows] for rows in per_module]))
     else:
-        for r in results:
-            status = (f"ok  shared {r.shared:>7} B  {r.num_warps} warps  {r.asm_bytes:>8} B "
-                      f"{ASM_KIND[r.target.split(':')[0]]}  {r.seconds:5.2f} s") if r.ok else "FAILED"
-            print(f"{r.kernel:<28} {r.target:<11} {status}  {short_config(r.config)}".rstrip())
+        for path, rows in zip(args.modules, per_module):
+            if len(args.modules) > 1:
+                print(f"{path}:")
+            for r in rows:
+                status = (f"ok  shared {r.shared:>7} B  {r.num_warps} warps  {r.asm_bytes:>8} B "
+                          f"{ASM_KIND[r.target.split(':')[0]]}  {r.seconds:5.2f} s") if r.ok else "FAILED"
+                print(f"{r.kernel:<28} {r.target:<11} {status}  {short_config(r.config)}".rstrip())
         failed = [r for r in results if not r.ok]
         for r in failed:
             print(f"error: does not build for {r.target}: {r.error}", file=sys.stderr)

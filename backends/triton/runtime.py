@@ -175,27 +175,45 @@ def check_can_run() -> None:
                              "in the interpreter: import tilegraph (or set TRITON_INTERPRET=1) before torch models "
                              "or triton are loaded")
     if interpreting:
-        _interpret_bf16_dots_in_fp32()
+        _interpret_bf16_as_gpus_do()
 
 
-def _interpret_bf16_dots_in_fp32() -> None:
-    """Triton 3.9's interpreter computes tl.dot of bf16 operands as np.matmul of their uint16
-    storage (it converts only fp8 operands): garbage. Its builder gets a tl.dot that widens
-    bf16 operands to fp32 first, which is exact (a product of two bf16 values fits fp32's
-    mantissa) and what tensor cores compute. Kernels are unchanged: GPUs never see this."""
+def _interpret_bf16_as_gpus_do() -> None:
+    """Triton's interpreter (3.8) keeps bf16 values as their uint16 bits and converts only
+    bf16 <-> fp32 itself, and that by truncation; every other cast to or from bf16 is NumPy's
+    astype of the bits (int64 1 becomes the bf16 whose bits are 0x0001, 9e-41: MiniLM's
+    attention mask, cast from its int64 input, came out all zeros), and tl.dot of bf16
+    operands is np.matmul of the bits. A GPU converts by value, rounding to nearest even
+    (cvt.rn.bf16), and multiplies bf16 tiles exactly into fp32. The interpreter's builder
+    gets casts to and from bf16 through ml_dtypes' bfloat16 (by value, to nearest even) and
+    a tl.dot that widens bf16 operands to fp32 first (exact: a product of two bf16 values
+    fits fp32's mantissa). Kernels are unchanged: GPUs never see this."""
+    import ml_dtypes
     import triton.language as tl
     from triton.runtime.interpreter import InterpreterBuilder as builder
+    from triton.runtime.interpreter import TensorHandle, _get_np_dtype
 
-    dot = builder.create_dot
-    if getattr(dot, "widens_bf16", False):
+    if getattr(builder.cast_impl, "bf16_as_gpus_do", False):
         return
+    cast, dot = builder.cast_impl, builder.create_dot
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+
+    def cast_impl(self, src, dst_type):
+        src_type, dst = src.dtype.scalar, dst_type.scalar
+        if src_type == dst or tl.bfloat16 not in (src_type, dst) or src_type.is_fp8() or dst.is_fp8():
+            return cast(self, src, dst_type)  # fp8 values are bits too: not NumPy's to convert
+        value = np.asarray(src.data)
+        value = value.view(bf16) if src_type == tl.bfloat16 else value
+        if dst == tl.bfloat16:
+            return TensorHandle(value.astype(bf16).view(np.uint16), dst)
+        return TensorHandle(value.astype(_get_np_dtype(dst)), dst)
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         a, b = (self.cast_impl(x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x for x in (a, b))
         return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 
-    create_dot.widens_bf16 = True
-    builder.create_dot = create_dot
+    cast_impl.bf16_as_gpus_do = True
+    builder.cast_impl, builder.create_dot = cast_impl, create_dot
 
 
 def load(source: str, weights: Mapping[str, np.ndarray], model: Model | None = None,
