@@ -15,6 +15,8 @@ import traceback
 
 import numpy as np
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from xdsl.dialects.builtin import TensorType
 from xdsl.ir import Block, Region
 from xdsl.irdl import IRDLOperation, irdl_op_definition, region_def, var_operand_def, var_result_def
@@ -253,3 +255,44 @@ def test_awkward_names_become_distinct_identifiers():
     compiled = load(source, model.weights)
     x, y = np.ones((3, 2), np.float32), np.full((3, 2), 10, np.float32)
     np.testing.assert_array_equal(compiled(x, y)[0], np.full(6, 21, np.float32))
+
+
+# The float32 erf and gelu kernels (ir/kernels.py) are approximations with a stated
+# bound: 1.4e-7 absolute for erf (erf(a) = tanh(a P(a^2))), and for gelu that bound
+# carried through x * Phi(x); beyond the fitted range they must keep saturating.
+ERF32_BOUND = 1.5e-7
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False) | st.floats(-10, 10, width=32), min_size=1, max_size=64),
+       st.sampled_from(["sweep", "random"]))
+@example(values=[0.0, -0.0, 1e-30, -1e-30, 4.0, -4.0, 5.66, -5.66, 3e38, -3e38], kind="random")
+@example(values=[1.401298464324817e-45], kind="random")  # gelu rounds to 0: the smallest subnormal
+def test_f32_erf_and_gelu_kernels_stay_within_their_bound(values, kind):
+    from scipy.special import erf, ndtr
+
+    from ir import kernels as K
+
+    x = np.asarray(values, np.float32)
+    if kind == "sweep":  # a dense sweep of the range where the polynomial matters
+        x = np.concatenate([x, np.linspace(-8, 8, 20001, dtype=np.float32)])
+    x64 = x.astype(np.float64)
+    with np.errstate(all="ignore"):  # exp overflows to inf on purpose (as in emitted modules)
+        got_erf = K.erf(x, out=np.empty_like(x))
+        got_gelu = K.gelu(x.copy(), "none", out=np.empty_like(x))
+    assert np.abs(got_erf - erf(x64)).max() <= ERF32_BOUND
+    expected = x64 * ndtr(x64)
+    # |x| * (bound on Phi), plus the float32 rounding of the result itself (to a subnormal too)
+    f32 = np.finfo(np.float32)
+    bound = np.abs(x64) * ERF32_BOUND + np.abs(expected) * f32.eps * 4 + f32.smallest_subnormal
+    assert (np.abs(got_gelu - expected) <= bound).all(), x[np.abs(got_gelu - expected) > bound][:5]
+
+
+def test_f32_erf_and_gelu_kernels_keep_non_finite_values():
+    from ir import kernels as K
+
+    x = np.array([np.inf, -np.inf, np.nan], np.float32)
+    with np.errstate(all="ignore"):
+        erf, gelu = K.erf(x, out=np.empty_like(x)), K.gelu(x, "none", out=np.empty_like(x))
+    assert erf.tolist()[:2] == [1.0, -1.0] and np.isnan(erf[2])
+    assert gelu[0] == np.inf and np.isnan(gelu[1:]).all()  # -inf * Phi(-inf) = -inf * 0: NaN, as in float64
