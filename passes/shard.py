@@ -14,7 +14,8 @@ How (Zheng et al., "Alpa", OSDI 2022, section 4; alpa/shard_parallel/auto_shardi
                     x FWD_BWD (backward costs twice the forward)
          collective the all-reduce of a split contraction's partial sums (forward), and
                     of the gradient of an operand replicated over an axis the op is
-                    split on (backward: Megatron's `f`, data parallelism's gradient sync)
+                    split on (backward: Megatron's `f`, data parallelism's gradient sync,
+                    weights' gradients bucketed as DDP does)
          memory     its local result, kept for the backward pass; a weight's local
                     part with its gradient and Adam state
     3. per edge producer -> consumer, the resharding between the producer's sharding
@@ -41,6 +42,7 @@ from __future__ import annotations
 import math
 import time as _time
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
@@ -194,8 +196,10 @@ def _node_cost(node: Node, st: Strategy, nodes: list[Node], mesh: Mesh, hw, trai
                 # A value's gradient is summed over its uses on each device and all-reduced once:
                 # each use pays its share (exact when they agree, as Q, K and V projections do).
                 uses = sum(1 for u in nodes[i].value.uses if isinstance(u.operation, TgOp))
-                comm += mesh.collective("all_reduce", missing,
-                                        nbytes(local_info(nodes[i].info, spec, mesh.shape))) / max(1, uses)
+                grad = nbytes(local_info(nodes[i].info, spec, mesh.shape))
+                # weight gradients go in buckets (collectives.GRADIENT_BUCKET); activations' one at a time
+                sync = mesh.bucketed if nodes[i].op.op_name == "weight" else mesh.collective
+                comm += sync("all_reduce", missing, grad) / max(1, uses)
         if node.op is not None and node.op.op_name == "weight" and dtypes.is_float(node.info.dtype):
             per_param = 2 * dtypes.numpy_dtype(node.info.dtype).itemsize + ADAM_MOMENTS + \
                 (MASTER_COPY if dtypes.numpy_dtype(node.info.dtype).itemsize < 4 else 0)
@@ -203,6 +207,7 @@ def _node_cost(node: Node, st: Strategy, nodes: list[Node], mesh: Mesh, hw, trai
     return compute, comm, memory
 
 
+@lru_cache(maxsize=1 << 16)  # a plan asks about the same few (shape, spec, spec) many times
 def reshard_cost(info: TensorInfo, src: Spec, dst: Spec, mesh: Mesh) -> sympy.Expr:
     """Seconds to move a value from sharding `src` to `dst` (slices are free)."""
     total, spec = sympy.Integer(0), src
@@ -349,6 +354,13 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
     cost = [np.array([at(cp + cm, sizes) * US for cp, cm, _ in exprs[c]]) * count[c] for c in classes]
     mem = [np.array([at(m, sizes) for _, _, m in exprs[c]]) * count[c] for c in classes]
 
+    values: dict[sympy.Expr, float] = {}
+
+    def value(e) -> float:
+        if e not in values:
+            values[e] = at(e, sizes)
+        return values[e]
+
     # Edges, aggregated per (producer class, consumer class, operand).
     edge_cache: dict[tuple, tuple[np.ndarray, list]] = {}
     agg: dict[tuple[int, int], np.ndarray] = {}
@@ -362,7 +374,7 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
                 ex = [[reshard_cost(prod.info, sp.out, sc.ins[pos], mesh) +
                        (reshard_cost(prod.info, sc.ins[pos], sp.out, mesh) if back else 0)
                        for sc in cons.strategies] for sp in prod.strategies]
-                edge_cache[key] = (np.array([[at(e, sizes) * US for e in row] for row in ex]), ex)
+                edge_cache[key] = (np.array([[value(e) * US for e in row] for row in ex]), ex)
             edge_list.append((i, j, pos, key))
             M = edge_cache[key][0]
             P, C = slot[cls[i]], slot[cls[j]]

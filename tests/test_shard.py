@@ -121,22 +121,42 @@ def _matmuls(p):
             if c.node.op is not None and c.node.op.op_name == "matmul"}
 
 
-def test_a_wide_gpt_decoder_on_8_h100s_gets_megatrons_layout():
-    """Hidden 8192 (GPT-3 6.7B/13B-like), one sequence of 2048: replicated weights would need a
-    gradient all-reduce of 1.6 GB per layer, Megatron's layout two activation all-reduces of 32 MB."""
-    model = gpt_graph(2, 8192, 64)
-    p = plan(model.module, H100x8, sizes={"B": 1, "S": 2048})
+WIDE = {"B": 1, "S": 2048}  # one sequence of 2048 tokens
+
+
+@pytest.mark.parametrize("block, columns, rows", [
+    ("mlp_only", ("mlp.fc1",), "mlp.fc2"),
+    ("attention_only", ("attn.wq", "attn.wk", "attn.wv"), "attn.wo"),
+])
+def test_a_wide_gpt_block_on_8_h100s_gets_megatrons_layout(block, columns, rows):
+    """Hidden 8192 (GPT-3 6.7B-like) on 8 H100s: replicated weights would need a gradient
+    all-reduce of 0.5-1 GB per block, Megatron's layout one 32 MB activation all-reduce forward
+    (and one backward): first matmul(s) split by columns (heads), the last by rows."""
+    p = plan(gpt_graph(1, 8192, 64, **{block: True}).module, H100x8, sizes=WIDE)
+    mm = _matmuls(p)
+    for w in columns:
+        assert mm[f"h0.{w}"] == "n@0", mm
+    assert mm[f"h0.{rows}"] == "k@0", mm
+    assert [(kind, where.split("(")[1]) for kind, _, where in p.forward] == [("all_reduce", f"h0.{rows})")]
+    assert p.comm > 0 and p.compute > 0 and p.memory < H100.memory_bytes
+    assert p.runner_up is not None and p.runner_up.time >= p.time
+
+
+def test_a_wide_gpt_decoder_keeps_megatrons_splits_in_every_layer():
+    """Two whole layers: every block column/row split with its one all-reduce. Between blocks the
+    planner may also split layer norm and residual over the sequence and all-gather before the next
+    column split (Megatron's sequence parallelism, with all-reduce + slice for its reduce-scatter):
+    cheaper than running them replicated, and still no other collective."""
+    p = plan(gpt_graph(2, 8192, 64).module, H100x8, sizes=WIDE)
     mm = _matmuls(p)
     for i in range(2):
         for w in ("attn.wq", "attn.wk", "attn.wv", "mlp.fc1"):
-            assert mm[f"h{i}.{w}"] == "n@0", (w, mm)  # column split
+            assert mm[f"h{i}.{w}"] == "n@0", (w, mm)
         for w in ("attn.wo", "mlp.fc2"):
-            assert mm[f"h{i}.{w}"] == "k@0", (w, mm)  # row split, partial sums all-reduced
-    # the forward pass communicates exactly once per block: the all-reduce after each row split
-    assert sorted((kind, where.split("(")[1]) for kind, _, where in p.forward) == sorted(
-        ("all_reduce", f"h{i}.{w})") for i in range(2) for w in ("attn.wo", "mlp.fc2"))
-    assert p.comm > 0 and p.compute > 0 and p.memory < H100.memory_bytes
-    assert p.runner_up is not None and p.runner_up.time >= p.time
+            assert mm[f"h{i}.{w}"] == "k@0", (w, mm)
+    reduces = sorted(where.split("(")[1] for kind, _, where in p.forward if kind == "all_reduce")
+    assert reduces == sorted(f"h{i}.{w})" for i in range(2) for w in ("attn.wo", "mlp.fc2"))
+    assert {kind for kind, _, _ in p.forward} <= {"all_reduce", "all_gather"}
 
 
 def test_a_small_model_with_a_large_batch_gets_data_parallelism():
@@ -240,7 +260,7 @@ def test_megatrons_layout_on_a_simulated_mesh_computes_what_one_device_does():
     """The wide model's plan (heads, columns and rows split 8 ways) applied to a narrow copy of it."""
     wide = plan(gpt_graph(1, 8192, 64).module, H100x8, sizes={"B": 1, "S": 2048})
     names = iter([c.strategy.name for c in wide.choices])
-    model = gpt_graph(1, 64, 8, batch=2, seq=4, dtype="f32", weights="random")
+    model = gpt_graph(1, 64, 8, batch=2, seq=8, dtype="f32", weights="random")
     annotated = model.clone()
     small = chosen_plan(annotated.module, H100x8, lambda n: [s.name for s in n.strategies].index(next(names)))
     annotate(annotated.module, small)
@@ -285,3 +305,32 @@ def test_any_valid_plan_preserves_semantics_on_the_simulated_mesh(model, mesh, d
     _, bound = bind_inputs(model, inputs)
     event(f"collectives in the program: {'shard.all_' in partition(annotated, bound).model.text}")
     _check_on_mesh(model, annotated, inputs, bound)
+
+
+# --- the command line -----------------------------------------------------------------------
+
+def test_the_shard_command_prints_the_plan_per_layer_time_split_and_memory(tmp_path, capsys):
+    from tilegraph.cli import main
+
+    path = gpt_graph(3, 64, 4, seq=16, vocab=128, dtype="f32", weights="random").save(tmp_path / "gpt.mlir")
+    assert main(["shard", str(path), "--mesh", "4", "--target", "h100", "--symbolic", "--dim", "B=64"]) == 0
+    out = capsys.readouterr().out
+    assert "each of 3 layers" in out and "before the layers" in out and "after the layers" in out
+    assert "predicted step time:" in out and "communication" in out and "memory per device:" in out
+    assert "step time [s] =" in out
+    assert main(["shard", str(path), "--mesh", "8", "--symbolic"]) == 0  # B not given: a formula of B
+    formula = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("step time [s] ="))
+    assert "B" in formula
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mesh", "2y4"], "mesh"), (["--target", "cpu"], "GPUs"), (["--memory", "lots"], "memory"),
+    (["--dim", "Q=3"], "Q"), (["--memory", "1kB", "--dim", "B=64"], "fits"),
+])
+def test_the_shard_command_reports_bad_input_in_one_paragraph(tmp_path, capsys, argv, message):
+    from tilegraph.cli import main
+
+    path = gpt_graph(1, 32, 4, seq=8, dtype="f32", weights="random").save(tmp_path / "gpt.mlir")
+    assert main(["shard", str(path), *argv]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and "Traceback" not in captured.err and captured.out == ""

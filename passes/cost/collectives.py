@@ -38,6 +38,12 @@ from passes.cost.hardware import NCCL_BASE_LATENCY, Hardware, Link
 # holds 8 (DGX H100 user guide; DGX A100 user guide).
 GPUS_PER_NODE = 8
 
+# Gradients are all-reduced in buckets, not one tensor at a time: PyTorch DDP's default
+# bucket_cap_mb = 25 (torch.nn.parallel.DistributedDataParallel), and Megatron-LM and
+# DeepSpeed bucket likewise. A gradient of B bytes pays min(1, B / bucket) of one
+# collective's latency.
+GRADIENT_BUCKET = 25 * 2**20
+
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
@@ -115,6 +121,13 @@ class Mesh:
         link = min((self.link(a) for a in axes), key=lambda l: l.beta)
         return {"all_reduce": all_reduce, "all_gather": all_gather, "reduce_scatter": reduce_scatter,
                 "all_to_all": all_to_all}[kind](link, n, nbytes)
+
+    def bucketed(self, kind: str, axes: Sequence[int], nbytes) -> sympy.Expr:
+        """`collective` for a gradient all-reduced in a bucket with others (GRADIENT_BUCKET): its bytes
+        at full cost, its share of the bucket's latency."""
+        latency = self.collective(kind, axes, 0)
+        share = sympy.Min(1, sympy.sympify(nbytes) / GRADIENT_BUCKET)
+        return self.collective(kind, axes, nbytes) - latency + latency * share
 
     def __str__(self) -> str:
         return "x".join(map(str, self.shape))
