@@ -311,8 +311,12 @@ def _solve(cost, mem, edges, budget, allowed, exclude=None):
 
 
 def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: dict[str, int] | None = None,
-         training: bool = True, constraints: dict[SSAValue, Spec] | None = None, names: Sequence[str] = ()) -> Plan:
-    """The cheapest sharding of @forward on `mesh` under `budget` bytes per device (default: the device's memory)."""
+         training: bool = True, constraints: dict[SSAValue, Spec] | None = None, names: Sequence[str] = (),
+         only=None) -> Plan:
+    """The cheapest sharding of @forward on `mesh` under `budget` bytes per device (default: the device's memory).
+
+    `only(node)`: the strategy names a node may take, or None for any (a hand layout to price:
+    benchmarks/shard_plans.py pins Megatron's and data parallelism's this way)."""
     started = _time.perf_counter()
     func = next(f for f in module.walk() if isinstance(f, FuncOp) and f.sym_name.data == "forward")
     hw = mesh.hw
@@ -403,6 +407,15 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
             raise ShardError(f"the annotation {spec_str(spec)} on {nodes[i].label} ({nodes[i].info}) is not a "
                              f"sharding the op can produce on mesh {mesh}")
         allowed[k] &= ok
+
+    for i, node in enumerate(nodes):
+        names_ok = only(node) if only is not None else None
+        if names_ok is not None:
+            ok = np.array([st.name in names_ok for st in node.strategies])
+            if not ok.any():
+                raise ShardError(f"{node.label}: none of the strategies {sorted(names_ok)} is possible on mesh "
+                                 f"{mesh} (it has {[st.name for st in node.strategies]})")
+            allowed[slot[cls[i]]] &= ok
 
     choice, nvars = _solve(cost, mem, edges, budget, allowed)
     if choice is None:
