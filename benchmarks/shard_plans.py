@@ -18,7 +18,8 @@ passes/cost: compute per device, collectives on NVLink, memory per device):
              as the solver finds cheapest around that
 and the ratio of the best hand layout's time to the planner's (>= 1: the planner is
 at least as good), and the planner's solve time (wall clock, this machine).
-A layout that does not fit in 80 GB per device says so.
+"no fit": over 80 GB per device (every intermediate is kept for the backward pass: no
+activation recomputation); "n/a": the layout does not divide (GPT-2's 12 heads on 8).
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
 
     from passes.cost.collectives import Mesh
     from passes.cost.hardware import hardware
-    from passes.shard import ShardError, plan
+    from passes.shard import LayoutError, ShardError, plan
     from tests.models import GPT2_PADDED_VOCAB, gpt_graph
 
     hw = hardware("h100")
@@ -116,18 +117,21 @@ def main(argv=None) -> int:
                 try:
                     results[name] = (plan(model.module, mesh, sizes=sizes, training=not args.inference, only=only),
                                      time.perf_counter() - t0)
-                except ShardError:
-                    results[name] = (None, time.perf_counter() - t0)
+                except LayoutError:  # e.g. 12 heads do not split 8 ways
+                    results[name] = ("n/a", time.perf_counter() - t0)
+                except ShardError:  # over the memory budget
+                    results[name] = ("no fit", time.perf_counter() - t0)
 
             def ms(name):
                 p = results[name][0]
-                return f"{p.time * 1e3:.2f}" if p is not None else "no fit"
+                return p if isinstance(p, str) else f"{p.time * 1e3:.2f}"
 
             ilp = results["ilp"][0]
-            hand = [results[k][0].time for k in ("data", "megatron") if results[k][0] is not None]
+            ilp = None if isinstance(ilp, str) else ilp
+            hand = [results[k][0].time for k in ("data", "megatron") if not isinstance(results[k][0], str)]
             ratio = f"{min(hand) / ilp.time:.3f}" if ilp is not None and hand else "-"
             rows.append([n, ms("ilp"), ms("data"), ms("megatron"), ratio,
-                         describe(ilp) if ilp else "-",
+                         (describe(ilp) if n > 1 else "one device") if ilp else "-",
                          f"{100 * ilp.comm / ilp.time:.1f}" if ilp else "-",
                          f"{ilp.memory / 1e9:.1f}" if ilp else "-", f"{results['ilp'][1]:.2f}"])
         print(f"\n{title}: {cfg['layers']} layers, hidden {cfg['d_model']}, {cfg['heads']} heads, "

@@ -89,6 +89,10 @@ class ShardError(TilegraphError):
     """A sharding request that cannot be met (memory, annotations); the message says why."""
 
 
+class LayoutError(ShardError):
+    """A layout asked for (`plan(only=...)`) that the model's shapes do not allow on the mesh."""
+
+
 @dataclass
 class Node:
     value: SSAValue
@@ -413,7 +417,7 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
         if names_ok is not None:
             ok = np.array([st.name in names_ok for st in node.strategies])
             if not ok.any():
-                raise ShardError(f"{node.label}: none of the strategies {sorted(names_ok)} is possible on mesh "
+                raise LayoutError(f"{node.label}: none of the strategies {sorted(names_ok)} is possible on mesh "
                                  f"{mesh} (it has {[st.name for st in node.strategies]})")
             allowed[slot[cls[i]]] &= ok
 

@@ -9,6 +9,7 @@
     tilegraph cost model.onnx --target cpu --symbolic       # ... as formulas of the symbolic dims
     tilegraph compile model.onnx -o model_np.py --report    # + kernels, buffers, planned peak memory
     tilegraph shard model.onnx --mesh 8 --target h100       # how to split it over 8 GPUs, predicted step time
+    tilegraph run model.onnx --devices 4 --dim batch=4      # the sharded program on 4 local processes (gloo)
 
 Every mistake in the input (a missing file, a malformed model, an unsupported op,
 a shape mismatch) is one paragraph on stderr and exit status 2; `check` exits 1
@@ -102,6 +103,24 @@ def _parser() -> argparse.ArgumentParser:
                        help=f"size of a symbolic dimension to plan at (default: {DEFAULT_DIM} each)")
     shard.add_argument("--symbolic", action="store_true",
                        help="also print the plan's step time as a formula of the symbolic dims")
+
+    # --- run: the sharded program on N local processes (backends/distributed.py) ---
+    dist = sub.add_parser("run", help="run the sharded model on N local processes (torch.distributed, gloo) and "
+                                      "compare with one device",
+                          description="Plan a sharding for --devices devices (the `shard` pass, forward pass), "
+                                      "partition the model into the per-device program, run it on that many "
+                                      "local processes joined by torch.distributed (gloo), and compare the "
+                                      "gathered outputs with the single-device float64 interpreter on random "
+                                      "inputs. Exit 1 when they differ beyond the dtype's tolerance.")
+    dist.add_argument("model", help="model.onnx, model.pt2 or model.mlir")
+    dist.add_argument("--devices", type=int, required=True, help="how many processes (the mesh, unless --mesh)")
+    dist.add_argument("--mesh", default=None, help="mesh shape, e.g. 2x2 (default: --devices on one axis)")
+    dist.add_argument("--target", default="h100", help="the hardware the plan is costed for (default h100)")
+    dist.add_argument("-p", "--pipeline", default=None,
+                      help="passes before sharding (default: the unfused default pipeline)")
+    dist.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
+                      help="size of a symbolic dimension (default: the number of devices)")
+    dist.add_argument("--seed", type=int, default=0)
     return p
 
 
@@ -475,6 +494,55 @@ def _print_plan(p) -> None:
     print(f"solved in {p.solve_time:.2f} s ({p.variables} variables)")
 
 
+def _run(args) -> int:
+    import numpy as np
+
+    import tilegraph
+    from backends import distributed
+    from ir import interpret
+    from ir.errors import TilegraphError
+    from ir.interpreter import bind_inputs
+    from passes.cost.collectives import parse_mesh
+    from passes.partition import partition
+    from passes.registry import UNFUSED_PIPELINE, run_pipeline
+    from tilegraph.testing import narrowest_float, random_inputs, reduction_length, relative_error, tolerance
+
+    try:
+        shape = parse_mesh(args.mesh if args.mesh else args.devices)
+    except ValueError as e:
+        raise TilegraphError(str(e)) from None
+    if int(np.prod(shape)) != args.devices or args.devices < 1:
+        raise TilegraphError(f"--mesh {args.mesh} has {int(np.prod(shape))} devices, --devices says {args.devices}")
+    model = run_pipeline(tilegraph.import_model(args.model),
+                         UNFUSED_PIPELINE if args.pipeline is None else args.pipeline)
+    symbols = _input_symbols(model)
+    dims = parse_dims(args.dim)
+    check_dims(dims, symbols)
+    sizes = {**{s: args.devices for s in symbols}, **dims}
+    given = ",".join(f"{k}={v}" for k, v in sorted(sizes.items()))
+    mesh = "x".join(map(str, shape))
+    annotated = run_pipeline(model, f'shard{{mesh={mesh} target={args.target} inference=true sizes="{given}"}}')
+    program = partition(annotated, sizes)
+    inputs = random_inputs(model, seed=args.seed, sizes=sizes)
+    got = distributed.run(program, inputs)
+    expected = interpret(model, inputs)
+    n = reduction_length(model, bind_inputs(model, inputs)[1])
+    collectives = sum(1 for op in program.model.func.walk() if op.name.startswith("shard."))
+    print(f"{Path(args.model).name}: {args.devices} processes (mesh {mesh}, gloo), {collectives} collectives per "
+          f"device; sizes {given}")
+    ok = True
+    for name, a, e in zip(model.output_names, got, expected):
+        dtype = narrowest_float(model) or "f32"
+        rtol, _ = tolerance(dtype, n)
+        err = relative_error(a, e)
+        good = a.shape == e.shape and err <= rtol
+        ok &= good
+        print(f"{name}: shape {a.shape}, relative error vs one device (float64) {err:.3e} "
+              f"(tolerance {rtol:.1e}) {'ok' if good else 'MISMATCH'}")
+    print("agree" if ok else "the distributed run differs from one device")
+    return 0 if ok else EXIT_MISMATCH
+
+
 def spec_text(spec) -> str:
     from passes.sharding import spec_str
 
@@ -482,7 +550,7 @@ def spec_text(spec) -> str:
 
 
 COMMANDS = {"import": _import, "compile": _compile, "check": _check, "calibrate": _calibrate, "cost": _cost,
-            "shard": _shard}
+            "shard": _shard, "run": _run}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
