@@ -16,8 +16,9 @@ How (Zheng et al., "Alpa", OSDI 2022, section 4; alpa/shard_parallel/auto_shardi
                     of the gradient of an operand replicated over an axis the op is
                     split on (backward: Megatron's `f`, data parallelism's gradient sync,
                     weights' gradients bucketed as DDP does)
-         memory     its local result, kept for the backward pass; a weight's local
-                    part with its gradient and Adam state
+         memory     its local result, kept for the backward pass (no recomputation;
+                    for a forward pass an upper bound: every value counted as live);
+                    a weight's local part with its gradient and Adam state
     3. per edge producer -> consumer, the resharding between the producer's sharding
        and the one the consumer wants (`reshard_steps`, priced by
        `passes/cost/collectives.py`), forward and its adjoint backward
@@ -256,7 +257,8 @@ def find_layers(nodes: list[Node]) -> tuple[int, int, int]:
 # --- the integer program ---------------------------------------------------------------
 
 def _solve(cost, mem, edges, budget, allowed, exclude=None):
-    """min c.x over one-hot x per class; edges (P, C, matrix) linearized. Returns choices or None."""
+    """min c.x over one-hot x per class; edges (P, C, matrix) linearized; `exclude`: a choice to cut off
+    (the runner-up). Returns (strategy index per class or None when infeasible, variable count)."""
     from scipy.optimize import LinearConstraint, Bounds, milp
     from scipy.sparse import coo_array
 

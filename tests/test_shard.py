@@ -334,3 +334,37 @@ def test_the_shard_command_reports_bad_input_in_one_paragraph(tmp_path, capsys, 
     assert main(["shard", str(path), *argv]) == 2
     captured = capsys.readouterr()
     assert message in captured.err and "Traceback" not in captured.err and captured.out == ""
+
+
+# Cases hypothesis found (kept as plain tests: the property draws its plan with st.data()).
+
+def _scalar_weight_model():
+    """A rank-0 weight: its device copy must stay rank 0 (np.ascontiguousarray makes it 1-d)."""
+    from ir import Graph
+
+    g = Graph()
+    x, y = g.input("x", ()), g.input("y", ("B", 2))
+    w = g.weight("w", np.array(0.27, np.float32))
+    return g.build(x * -w, y * w)
+
+
+def _split_model():
+    """An op with several results (split): the partitioner maps every result, not just the first."""
+    from ir import Graph
+
+    g = Graph()
+    x = g.input("x", ("B", 4))
+    a, b = g.split(x, (1, 3), axis=1)
+    return g.build(g.exp(b) * 2.0, a)
+
+
+@pytest.mark.parametrize("make", [_scalar_weight_model, _split_model])
+@pytest.mark.parametrize("last", [False, True])
+def test_found_cases_preserve_semantics_on_the_simulated_mesh(make, last):
+    """Every op replicated, or every op at its most split strategy, on a 2x2 mesh."""
+    model = make()
+    annotated = model.clone()
+    annotate(annotated.module, chosen_plan(annotated.module, Mesh((2, 2), H100),
+                                           lambda n: len(n.strategies) - 1 if last else 0, {"B": 4}))
+    inputs = random_inputs(model, seed=0, sizes={"B": 4})
+    _check_on_mesh(model, annotated, inputs, {"B": 4})
