@@ -8,7 +8,8 @@ new @forward at local shapes, for concrete sizes of the symbolic dims:
     holds its slice of every weight: `Partitioned.weights[device]`);
   - an op runs on its operands' local pieces; when its strategy split a
     reduction loop (a matmul's k), a `shard.all_reduce` of the partial result
-    follows, over those mesh axes, with the op's reduction kind;
+    follows, over those mesh axes, with the op's reduction kind, or a
+    `shard.reduce_scatter` when the result's annotation is split over them too;
   - where a consumer wants another sharding than the producer gave, the
     collectives of `passes.sharding.reshard_steps` go between
     (`shard.all_gather`, `shard.all_slice`, `shard.all_to_all`);
@@ -33,9 +34,9 @@ from xdsl.ir import Block, Region, SSAValue
 from ir.dialect import TgOp, make_op
 from ir.errors import TilegraphError
 from ir.model import Model, WeightStore
-from ir.shapes import TensorInfo, info_of, tensor_type
-from ir.shard import AllGatherOp, AllReduceOp, AllSliceOp, AllToAllOp, GridOp, ReductionKind, ReductionKindAttr, \
-    ShardingOp, ShardOp
+from ir.shapes import TensorInfo, info_of, tensor_type, type_of
+from ir.shard import AllGatherOp, AllReduceOp, AllSliceOp, AllToAllOp, GridOp, ReduceScatterOp, ReductionKind, \
+    ReductionKindAttr, ShardingOp, ShardOp
 from passes.sharding import Spec, Step, apply_step, loops_of, replicated, reshard_steps, shards
 from passes.shard import GRID, read_annotations
 from ir.shard import coords, piece  # noqa: F401 - where each device's piece is
@@ -171,11 +172,15 @@ def partition(model: Model, sizes: Mapping[str, int] | None = None) -> Partition
         new = make_op(op.op_name, [v for v, _, _ in operands], attrs, result)
         emit(new)
         value = new.results[0]
-        partial, kind = _partial(op, in_specs_op)
+        partial, kind, computed = _partial(op, in_specs_op)
         if partial:
-            red = AllReduceOp.create(operands=[value], result_types=[value.type],
-                                     properties={"grid": grid, "grid_axes": _axes_attr(partial),
-                                                 "reduction": ReductionKindAttr(ReductionKind(kind))})
+            props = {"grid": grid, "grid_axes": _axes_attr(partial), "reduction": ReductionKindAttr(ReductionKind(kind))}
+            scatter = _scatter_dim(computed, out_spec, partial)
+            if scatter is None:
+                red = AllReduceOp.create(operands=[value], result_types=[value.type], properties=props)
+            else:  # each device keeps its slice of the sum
+                red = ReduceScatterOp.create(operands=[value], result_types=[type_of(local_out)],
+                                             properties=props | {"scatter_axis": _index(scatter)})
             emit(red)
             value = red.results[0]
         if info_of(value.type).shape != local_out.shape:
@@ -196,15 +201,29 @@ def partition(model: Model, sizes: Mapping[str, int] | None = None) -> Partition
     return Partitioned(local_model, weights, mesh, in_specs, out_specs, sizes)
 
 
-def _partial(op: TgOp, in_specs: Sequence[Spec]) -> tuple[tuple[int, ...], str]:
-    """Mesh axes over which the op's local result is a partial one (a split reduction loop), and how
-    partials combine."""
+def _partial(op: TgOp, in_specs: Sequence[Spec]) -> tuple[tuple[int, ...], str, Spec]:
+    """Mesh axes over which the op's local result is a partial one (a split reduction loop), how
+    partials combine, and the result's spec as computed (before any reduce-scatter)."""
     loops = loops_of(op)
     if loops is None or not loops.reduce:
-        return (), "sum"
-    axes: set[int] = set()
+        return (), "sum", ()
+    axes_of: dict[int, tuple[int, ...]] = {}
     for spec, mapping in zip(in_specs, loops.ins):
         for dim_axes, loop in zip(spec, mapping):
-            if loop in loops.reduce:
-                axes.update(dim_axes)
-    return tuple(sorted(axes)), loops.kind
+            if loop is not None and dim_axes:
+                axes_of[loop] = dim_axes
+    partial = tuple(sorted(a for d in loops.reduce for a in axes_of.get(d, ())))
+    computed = tuple(axes_of.get(l, ()) if l is not None else () for l in loops.out)
+    return partial, loops.kind, computed
+
+
+def _scatter_dim(computed: Spec, wanted: Spec, partial: tuple[int, ...]) -> int | None:
+    """The dim a reduce-scatter strategy scatters the sums onto (its spec gains the partial axes), or
+    None for an all-reduce."""
+    if wanted == computed:
+        return None
+    for d, (c, w) in enumerate(zip(computed, wanted)):
+        if w == c + partial and all(x == y for i, (x, y) in enumerate(zip(computed, wanted)) if i != d):
+            return d
+    raise PartitionError(f"the annotated sharding {wanted} is neither the computed {computed} nor it "
+                         f"reduce-scattered over axes {partial}")

@@ -8,11 +8,13 @@ mesh axes each dim is split over), written into the IR as `shard.grid`,
 How (Zheng et al., "Alpa", OSDI 2022, section 4; alpa/shard_parallel/auto_sharding.py):
 
     1. per op, its strategies (`passes/sharding.py`): replicated, or mesh axes
-       assigned to loop dims (a matmul's rows m, columns n, or contraction k)
+       assigned to loop dims (a matmul's rows m, columns n, or contraction k, whose
+       partial sums are all-reduced, or reduce-scattered onto a result dim)
     2. per strategy, on each device, for one training step (forward + backward):
          compute    the cost model's time of the op at its local shapes (`passes/cost`)
                     x FWD_BWD (backward costs twice the forward)
-         collective the all-reduce of a split contraction's partial sums (forward), and
+         collective the all-reduce (or reduce-scatter, and its all-gather backward) of a
+                    split contraction's partial sums (forward), and
                     of the gradient of an operand replicated over an axis the op is
                     split on (backward: Megatron's `f`, data parallelism's gradient sync,
                     weights' gradients bucketed as DDP does)
@@ -65,7 +67,7 @@ from passes.cost.collectives import Mesh, parse_mesh
 from passes.cost.hardware import check_target, hardware
 from passes.cost.model import at, op_cost
 from passes.remarks import remark
-from passes.sharding import (Spec, Strategy, apply_step, local_info, nbytes, replicated, reshard_steps,
+from passes.sharding import (Spec, Strategy, apply_step, local_info, nbytes, pre_scatter, replicated, reshard_steps,
                              source_strategies, spec_axes, spec_str, strategies)
 
 # Backward of a layer costs about twice its forward (two GEMMs per forward GEMM: the
@@ -178,7 +180,7 @@ def _local_time(op: TgOp, st: Strategy, mesh: Mesh, hw) -> sympy.Expr:
     if op.op_name in ("weight", "constant"):
         return sympy.Integer(0)
     block = Block(arg_types=[type_of(local_info(info_of(v.type), s, mesh.shape)) for v, s in zip(op.operands, st.ins)])
-    result = [local_info(i, st.out, mesh.shape) for i in op.result_infos()] if op.SPEC.result_given else None
+    result = [local_info(i, pre_scatter(st), mesh.shape) for i in op.result_infos()] if op.SPEC.result_given else None
     local = make_op(op.op_name, list(block.args), op.py_attrs(), result)
     return op_cost(local, hw).time
 
@@ -191,7 +193,14 @@ def _node_cost(node: Node, st: Strategy, nodes: list[Node], mesh: Mesh, hw, trai
     """(compute, collectives, memory) of one strategy, as sympy expressions."""
     compute = _local_time(node.op, st, mesh, hw) if node.op is not None else sympy.Integer(0)
     out_bytes = nbytes(local_info(node.info, st.out, mesh.shape))
-    comm = mesh.collective("all_reduce", st.partial, out_bytes) if st.partial else sympy.Integer(0)
+    comm = sympy.Integer(0)
+    if st.scatter is not None:  # forward reduce-scatter; backward its adjoint, an all-gather of the gradient
+        summed = nbytes(local_info(node.info, pre_scatter(st), mesh.shape))
+        comm = mesh.collective("reduce_scatter", st.partial, summed)
+        if training:
+            comm += mesh.collective("all_gather", st.partial, summed)
+    elif st.partial:
+        comm = mesh.collective("all_reduce", st.partial, out_bytes)
     memory = out_bytes
     if training:
         compute = compute * FWD_BWD if dtypes.is_float(node.info.dtype) else compute
@@ -318,11 +327,12 @@ def _solve(cost, mem, edges, budget, allowed, exclude=None):
 
 def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: dict[str, int] | None = None,
          training: bool = True, constraints: dict[SSAValue, Spec] | None = None, names: Sequence[str] = (),
-         only=None) -> Plan:
+         only=None, reduce_scatter: bool = True) -> Plan:
     """The cheapest sharding of @forward on `mesh` under `budget` bytes per device (default: the device's memory).
 
     `only(node)`: the strategy names a node may take, or None for any (a hand layout to price:
-    benchmarks/shard_plans.py pins Megatron's and data parallelism's this way)."""
+    benchmarks/shard_plans.py pins Megatron's and data parallelism's this way). `reduce_scatter=False`:
+    partial sums are only all-reduced (Megatron-LM without sequence parallelism)."""
     started = _time.perf_counter()
     func = next(f for f in module.walk() if isinstance(f, FuncOp) and f.sym_name.data == "forward")
     hw = mesh.hw
@@ -334,6 +344,9 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
         sizes.setdefault(s, DEFAULT_DIM)
     names = list(names) or [f"input{i}" for i in range(len(func.body.block.args))]
     nodes = _nodes(func, names, mesh.shape, sizes)
+    if not reduce_scatter:
+        for node in nodes:
+            node.strategies = [st for st in node.strategies if st.scatter is None]
     constraints = constraints or {}
 
     start, period, copies = find_layers(nodes)
@@ -446,7 +459,7 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
                     if step.kind != "all_slice":
                         forward.append((step.kind, (step.axis,), node.label))
             if st.partial:
-                forward.append(("all_reduce", st.partial, node.label))
+                forward.append(("all_reduce" if st.scatter is None else "reduce_scatter", st.partial, node.label))
             formula_c += cp
             formula_m += cm + incoming
             choices.append(Choice(node, st, at(cp, sizes), at(cm + incoming, sizes), at(m, sizes)))
@@ -587,6 +600,7 @@ class Shard(ModulePass):
     target: str = "h100"
     sizes: str = ""  # symbolic dims to plan at, e.g. B=8,S=1024 (default: 128 each)
     inference: bool = False  # price a forward pass only (default: a training step)
+    reduce_scatter: bool = True  # may reduce-scatter partial sums (sequence parallelism), not only all-reduce
 
     def __post_init__(self) -> None:
         parse_mesh(self.mesh)
@@ -605,7 +619,7 @@ class Shard(ModulePass):
                              f"given mesh={self.mesh}")
         strip_annotations(op)
         result = plan(op, mesh, budget=parse_memory(self.memory), sizes=parse_sizes(self.sizes),
-                      training=not self.inference, constraints=found)
+                      training=not self.inference, constraints=found, reduce_scatter=self.reduce_scatter)
         annotate(op, result)
         report(result)
 

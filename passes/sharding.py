@@ -196,6 +196,7 @@ class Strategy:
     partial: tuple[int, ...] = ()  # mesh axes whose results are summed (all-reduced) afterwards
     kind: str = "sum"
     split: tuple[int, ...] = ()  # mesh axes the op's work is divided over
+    scatter: int | None = None  # partial sums reduce-scattered onto this result dim, not all-reduced
 
 
 def replicate_strategy(op_ranks: Sequence[int], out_rank: int) -> Strategy:
@@ -236,9 +237,35 @@ def strategies(op: TgOp, mesh_shape: Sequence[int], sizes: dict[str, int]) -> li
         spec = lambda m: tuple(axes_of.get(l, ()) if l is not None else () for l in m)  # noqa: E731
         partial = tuple(sorted(a for d in loops.reduce for a in axes_of.get(d, ())))
         name = ",".join(f"{loops.labels[d]}@{'.'.join(map(str, ax))}" for d, ax in sorted(axes_of.items()))
-        result.append(Strategy(name, spec(loops.out), tuple(spec(m) for m in loops.ins), partial, loops.kind,
-                               tuple(sorted(a for ax in axes_of.values() for a in ax))))
+        st = Strategy(name, spec(loops.out), tuple(spec(m) for m in loops.ins), partial, loops.kind,
+                      tuple(sorted(a for ax in axes_of.values() for a in ax)))
+        result.append(st)
+        result += _scattered(st, loops, info_of(op.results[0].type).shape, mesh_shape, sizes)
     return result
+
+
+def _scattered(st: Strategy, loops: Loops, shape, mesh_shape: Sequence[int], sizes: dict[str, int]) -> list[Strategy]:
+    """Variants of a strategy with partial sums that reduce-scatter them onto one result dim (each
+    device keeps its slice of the sum: Megatron's sequence parallelism) instead of all-reducing."""
+    if not st.partial:
+        return []
+    out = []
+    n = math.prod(mesh_shape[a] for a in st.partial)
+    for d, axes in enumerate(st.out):
+        if loops.out[d] is None or loops.out[d] in loops.fixed:
+            continue
+        if not _divides(shape[d], n * math.prod(mesh_shape[a] for a in axes), sizes):
+            continue
+        spec = tuple(ax + st.partial if i == d else ax for i, ax in enumerate(st.out))
+        out.append(Strategy(f"{st.name}>d{d}", spec, st.ins, st.partial, st.kind, st.split, scatter=d))
+    return out
+
+
+def pre_scatter(st: Strategy) -> Spec:
+    """The result's spec before a reduce-scatter strategy scatters it (its local compute shape)."""
+    if st.scatter is None:
+        return st.out
+    return tuple(ax[:len(ax) - len(st.partial)] if i == st.scatter else ax for i, ax in enumerate(st.out))
 
 
 def source_strategies(info: TensorInfo, mesh_shape: Sequence[int], sizes: dict[str, int]) -> list[Strategy]:
