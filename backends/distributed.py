@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ir.errors import TilegraphError
-from ir.shard import coords, piece  # noqa: F401 - where each device's piece lives
+from ir.shard import piece
 
 # Seconds a process waits for the others to join the group before giving up (a
 # crashed peer otherwise hangs the launch forever).

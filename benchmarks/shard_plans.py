@@ -79,14 +79,14 @@ def data_parallel(node):
 
 
 def describe(p) -> str:
-    kinds = {c.strategy.name.split("@")[0] for c in p.choices if c.node.op is not None
-             and c.node.op.op_name == "matmul"}
-    parts = []
-    if kinds & {"b0", "m"}:
-        parts.append("data")
-    if kinds & {"n", "k"}:
-        parts.append("tensor")
-    return "+".join(parts) or "replicated"
+    """'data', 'tensor', or 'data + tensor: lm_head' (the few matmuls split by columns or rows)."""
+    matmuls = [(_weight_of(c.node), c.strategy.name.split("@")[0]) for c in p.choices
+               if c.node.op is not None and c.node.op.op_name == "matmul"]
+    data = [w for w, k in matmuls if k in ("b0", "m")]
+    tensor = [w for w, k in matmuls if k in ("n", "k")]
+    if data and tensor:
+        return "data + tensor: " + ", ".join(tensor) if len(tensor) <= 2 else "data + tensor"
+    return "data" if data else "tensor" if tensor else "replicated"
 
 
 def main(argv=None) -> int:

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import numpy as np
-from xdsl.dialects.builtin import ArrayAttr, BytesAttr, DenseArrayBase, DictionaryAttr, FlatSymbolRefAttr, \
-    FunctionType, IntegerAttr, IndexType, ModuleOp, StringAttr, i16, i64
+from xdsl.dialects.builtin import BytesAttr, DenseArrayBase, FlatSymbolRefAttr, FunctionType, IndexType, \
+    IntegerAttr, ModuleOp, StringAttr, i16, i64
 from xdsl.dialects.func import FuncOp, ReturnOp
 from xdsl.ir import Block, Region, SSAValue
 
@@ -36,10 +36,9 @@ from ir.errors import TilegraphError
 from ir.model import Model, WeightStore
 from ir.shapes import TensorInfo, info_of, tensor_type, type_of
 from ir.shard import AllGatherOp, AllReduceOp, AllSliceOp, AllToAllOp, GridOp, ReduceScatterOp, ReductionKind, \
-    ReductionKindAttr, ShardingOp, ShardOp
-from passes.sharding import Spec, Step, apply_step, loops_of, replicated, reshard_steps, shards
+    ReductionKindAttr, ShardingOp, ShardOp, piece
 from passes.shard import GRID, read_annotations
-from ir.shard import coords, piece  # noqa: F401 - where each device's piece is
+from passes.sharding import Spec, apply_step, loops_of, replicated, reshard_steps, shards
 
 
 class PartitionError(TilegraphError):
@@ -167,14 +166,16 @@ def partition(model: Model, sizes: Mapping[str, int] | None = None) -> Partition
         if op.op_name == "weight":
             array = model.weights[attrs["name"]]
             for dev, store in enumerate(weights):
-                store[attrs["name"]] = np.array(piece(np.asarray(array), out_spec, mesh, dev))  # (a copy; rank 0 stays rank 0)
+                # np.array: a copy that keeps rank 0 (np.ascontiguousarray makes it 1-d)
+                store[attrs["name"]] = np.array(piece(np.asarray(array), out_spec, mesh, dev))
         result = local_out if op.SPEC.result_given or op.op_name == "weight" else None
         new = make_op(op.op_name, [v for v, _, _ in operands], attrs, result)
         emit(new)
         value = new.results[0]
         partial, kind, computed = _partial(op, in_specs_op)
         if partial:
-            props = {"grid": grid, "grid_axes": _axes_attr(partial), "reduction": ReductionKindAttr(ReductionKind(kind))}
+            props = {"grid": grid, "grid_axes": _axes_attr(partial),
+                     "reduction": ReductionKindAttr(ReductionKind(kind))}
             scatter = _scatter_dim(computed, out_spec, partial)
             if scatter is None:
                 red = AllReduceOp.create(operands=[value], result_types=[value.type], properties=props)
@@ -195,7 +196,8 @@ def partition(model: Model, sizes: Mapping[str, int] | None = None) -> Partition
     new_func = FuncOp("forward", FunctionType.from_lists(in_types, out_types), Region(block))
     new_func.arg_attrs = func.arg_attrs
     new_func.res_attrs = func.res_attrs
-    grid_op = GridOp.create(properties={"sym_name": StringAttr(GRID), "shape": DenseArrayBase.from_list(i64, list(mesh))})
+    grid_op = GridOp.create(properties={"sym_name": StringAttr(GRID),
+                                        "shape": DenseArrayBase.from_list(i64, list(mesh))})
     local_model = Model(ModuleOp([grid_op, new_func]), weights[0])
     local_model.module.verify()
     return Partitioned(local_model, weights, mesh, in_specs, out_specs, sizes)

@@ -42,7 +42,6 @@ device, and the runner-up (the best plan that differs from it) with its time.
 
 from __future__ import annotations
 
-import math
 import time as _time
 from dataclasses import dataclass, field
 from functools import lru_cache

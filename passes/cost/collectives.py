@@ -47,16 +47,12 @@ GRADIENT_BUCKET = 25 * 2**20
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
-def _ring_steps(n: int) -> int:
-    return n - 1
-
-
 def all_reduce(link: Link, n: int, nbytes, algorithm: str = "best") -> sympy.Expr:
     """Seconds to all-reduce `nbytes` on each of `n` devices over `link` ("ring", "tree" or "best")."""
     if n <= 1:
         return sympy.Integer(0)
     b = sympy.sympify(nbytes)
-    ring = 2 * _ring_steps(n) * link.alpha + sympy.Rational(2 * (n - 1), n) * b / link.beta
+    ring = 2 * (n - 1) * link.alpha + sympy.Rational(2 * (n - 1), n) * b / link.beta
     tree = 2 * math.ceil(math.log2(n)) * link.alpha + 2 * b / link.beta
     chosen = {"ring": ring, "tree": tree, "best": sympy.Min(ring, tree)}
     if algorithm not in chosen:
@@ -68,7 +64,7 @@ def _ring_pass(link: Link, n: int, nbytes) -> sympy.Expr:
     """One ring pass of (n-1) steps, each moving 1/n of `nbytes`: all-gather, reduce-scatter, all-to-all."""
     if n <= 1:
         return sympy.Integer(0)
-    return NCCL_BASE_LATENCY + _ring_steps(n) * link.alpha + sympy.Rational(n - 1, n) * sympy.sympify(nbytes) / link.beta
+    return NCCL_BASE_LATENCY + (n - 1) * link.alpha + sympy.Rational(n - 1, n) * sympy.sympify(nbytes) / link.beta
 
 
 def all_gather(link: Link, n: int, nbytes) -> sympy.Expr:
