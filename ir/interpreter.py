@@ -72,6 +72,11 @@ def _run_block(block, env: dict, weights, glob: dict, float64: bool, widen) -> l
     for op in block.ops:
         if op.name in ("func.return", "tg.yield"):
             return [env[v] for v in op.operands]
+        if op.name == "shard.sharding":  # a sharding annotation's spec: no value to compute
+            continue
+        if op.name == "shard.shard":  # an annotation says where a value lives, not what it is
+            env[op.results[0]] = env[op.operands[0]]
+            continue
         if isinstance(op, FusionOp):  # a fused group means what its ops mean, one at a time
             env.update(zip(op.block.args, (env[v] for v in op.operands)))
             results = _run_block(op.block, env, weights, glob, float64, widen)

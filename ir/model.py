@@ -37,6 +37,9 @@ def context() -> Context:
     ctx.load_dialect(Builtin)
     ctx.load_dialect(Func)
     ctx.load_dialect(TG)
+    from ir.shard import SHARD  # device grids, sharding annotations, collectives (passes/shard.py)
+
+    ctx.load_dialect(SHARD)
     return ctx
 
 

@@ -79,6 +79,12 @@ def _tile():
     return Tile
 
 
+def _shard():
+    from passes.shard import Shard
+
+    return Shard
+
+
 PASSES: dict[str, Callable[[], type[ModulePass]]] = {
     "canonicalize": _canonicalize,
     "cse": _cse,
@@ -89,6 +95,7 @@ PASSES: dict[str, Callable[[], type[ModulePass]]] = {
     "attention": _attention,
     "fuse": _fuse,
     "tile": _tile,
+    "shard": _shard,
 }
 
 # Simplify first (so folding and cse see one spelling), fold what is known, merge

@@ -8,6 +8,8 @@
     tilegraph cost model.onnx --target h100 --dim batch=8   # predicted time, kernel by kernel
     tilegraph cost model.onnx --target cpu --symbolic       # ... as formulas of the symbolic dims
     tilegraph compile model.onnx -o model_np.py --report    # + kernels, buffers, planned peak memory
+    tilegraph shard model.onnx --mesh 8 --target h100       # how to split it over 8 GPUs, predicted step time
+    tilegraph run model.onnx --devices 4 --dim batch=4      # the sharded program on 4 local processes (gloo)
 
 Every mistake in the input (a missing file, a malformed model, an unsupported op,
 a shape mismatch) is one paragraph on stderr and exit status 2; `check` exits 1
@@ -82,6 +84,43 @@ def _parser() -> argparse.ArgumentParser:
                       help=f"size of a symbolic dimension, e.g. --dim batch=8 (default: {DEFAULT_DIM} each)")
     cost.add_argument("--symbolic", action="store_true",
                       help="print the formulas (FLOPs, bytes, time as functions of the symbolic dims)")
+
+    # --- shard: the sharding planner's plan (passes/shard.py) ---
+    shard = sub.add_parser("shard", help="plan how to split a model over a device mesh (predicted step time)",
+                           description="Run the pipeline, then the `shard` pass's planner: for every op a "
+                                       "sharding on the mesh, chosen by an integer program minimizing the "
+                                       "predicted training step time (compute + collectives) under the "
+                                       "per-device memory budget. Prints the plan per layer, the step time, "
+                                       "its compute/communication split and the memory per device.")
+    shard.add_argument("model", help="model.onnx, model.pt2 or model.mlir")
+    shard.add_argument("--mesh", default="8", help="device mesh: 8, or 2x4 (axes; the last inside a node)")
+    shard.add_argument("--target", default="h100", help="the devices: h100, h200 or a100")
+    shard.add_argument("--memory", default="", help="memory budget per device, e.g. 40GB (default: the device's)")
+    shard.add_argument("--inference", action="store_true", help="plan a forward pass, not a training step")
+    shard.add_argument("-p", "--pipeline", default=None,
+                       help="passes to run before planning (default: the unfused default pipeline)")
+    shard.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
+                       help=f"size of a symbolic dimension to plan at (default: {DEFAULT_DIM} each)")
+    shard.add_argument("--symbolic", action="store_true",
+                       help="also print the plan's step time as a formula of the symbolic dims")
+
+    # --- run: the sharded program on N local processes (backends/distributed.py) ---
+    dist = sub.add_parser("run", help="run the sharded model on N local processes (torch.distributed, gloo) and "
+                                      "compare with one device",
+                          description="Plan a sharding for --devices devices (the `shard` pass, forward pass), "
+                                      "partition the model into the per-device program, run it on that many "
+                                      "local processes joined by torch.distributed (gloo), and compare the "
+                                      "gathered outputs with the single-device float64 interpreter on random "
+                                      "inputs. Exit 1 when they differ beyond the dtype's tolerance.")
+    dist.add_argument("model", help="model.onnx, model.pt2 or model.mlir")
+    dist.add_argument("--devices", type=int, required=True, help="how many processes (the mesh, unless --mesh)")
+    dist.add_argument("--mesh", default=None, help="mesh shape, e.g. 2x2 (default: --devices on one axis)")
+    dist.add_argument("--target", default="h100", help="the hardware the plan is costed for (default h100)")
+    dist.add_argument("-p", "--pipeline", default=None,
+                      help="passes before sharding (default: the unfused default pipeline)")
+    dist.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
+                      help="size of a symbolic dimension (default: the number of devices)")
+    dist.add_argument("--seed", type=int, default=0)
     return p
 
 
@@ -382,7 +421,136 @@ def _subs(expr, dims: dict[str, int]):
     return expr.subs({s: dims[s.name] for s in expr.free_symbols if s.name in dims})
 
 
-COMMANDS = {"import": _import, "compile": _compile, "check": _check, "calibrate": _calibrate, "cost": _cost}
+# --- shard: the sharding plan ---------------------------------------------------------
+
+def _shard(args) -> int:
+    import tilegraph
+    from ir.errors import TilegraphError
+    from passes.cost.collectives import Mesh, parse_mesh
+    from passes.cost.hardware import GPUS, hardware
+    from passes.registry import UNFUSED_PIPELINE, run_pipeline
+    from passes.shard import parse_memory, plan
+
+    try:
+        shape, budget = parse_mesh(args.mesh), parse_memory(args.memory)
+    except ValueError as e:
+        raise TilegraphError(str(e)) from None
+    if str(args.target).lower() not in GPUS:  # (before hardware(): "cpu" would calibrate this machine)
+        raise TilegraphError(f"--target {args.target}: sharding plans are for GPUs ({', '.join(GPUS)})")
+    hw = hardware(args.target)
+    dims = parse_dims(args.dim)
+    model = run_pipeline(tilegraph.import_model(args.model),
+                         UNFUSED_PIPELINE if args.pipeline is None else args.pipeline)
+    symbols = _input_symbols(model)
+    check_dims(dims, symbols)
+    sizes, defaulted = sizes_for(symbols, dims)
+    p = plan(model.module, Mesh(shape, hw), budget=budget, sizes=sizes, training=not args.inference,
+             names=model.input_names)
+    print(f"{Path(args.model).name} on {p.mesh} x {hw.name} ({p.mesh.devices} devices), "
+          f"{'forward pass' if args.inference else 'training step'}")
+    if sizes:
+        print(f"sizes: {describe_sizes(sizes, defaulted)}")
+    _print_plan(p)
+    if args.symbolic:
+        print(f"step time [s] = {_formula(p.formula, dims)}")
+    return 0
+
+
+def _print_plan(p) -> None:
+    start, period, copies = p.layers
+    parts = [("", 0, len(p.choices))] if not copies else [
+        ("before the layers", 0, start),
+        (f"each of {copies} layers (ops {start}..{start + period - 1}, the same plan in every layer)", start,
+         start + period),
+        ("after the layers", start + period * copies, len(p.choices))]
+    for title, lo, hi in parts:
+        rows = p.choices[lo:hi]
+        if not rows:
+            continue
+        if title:
+            print(f"-- {title}")
+        width = max(len(c.node.label) for c in rows)
+        for c in rows:
+            if c.node.op is None or c.node.op.op_name in ("weight", "constant") or not (c.compute or c.comm):
+                continue
+            print(f"  {c.node.label:<{width}}  {c.strategy.name:<12}  compute {format_time(c.compute):>10}  "
+                  f"comm {format_time(c.comm):>10}")
+        split = [f"{c.node.label} {spec_text(c.strategy.out)}" for c in rows
+                 if c.node.op is not None and c.node.op.op_name == "weight" and c.strategy.name != "R"]
+        inputs = [f"{c.node.label} {spec_text(c.strategy.out)}" for c in rows if c.node.op is None]
+        if inputs:
+            print(f"  inputs: {', '.join(inputs)}")
+        if split:
+            print(f"  weights split: {', '.join(split)}")
+    print(f"forward collectives per step: {len(p.forward)} "
+          f"({', '.join(sorted(set(k for k, _, _ in p.forward))) or 'none'})")
+    share = p.comm / p.time if p.time else 0.0
+    print(f"predicted step time: {format_time(p.time)} = compute {format_time(p.compute)} + communication "
+          f"{format_time(p.comm)} ({100 * share:.1f}% communication)")
+    print(f"memory per device: {p.memory / 1e9:.4g} GB (of {p.mesh.hw.memory_bytes / 1e9:.4g} GB)")
+    if p.runner_up is not None:
+        print(f"runner-up: {format_time(p.runner_up.time)} (compute {format_time(p.runner_up.compute)} + "
+              f"communication {format_time(p.runner_up.comm)})")
+    print(f"solved in {p.solve_time:.2f} s ({p.variables} variables)")
+
+
+def _run(args) -> int:
+    import numpy as np
+
+    import tilegraph
+    from backends import distributed
+    from ir import interpret
+    from ir.errors import TilegraphError
+    from ir.interpreter import bind_inputs
+    from passes.cost.collectives import parse_mesh
+    from passes.partition import partition
+    from passes.registry import UNFUSED_PIPELINE, run_pipeline
+    from tilegraph.testing import narrowest_float, random_inputs, reduction_length, relative_error, tolerance
+
+    try:
+        shape = parse_mesh(args.mesh if args.mesh else args.devices)
+    except ValueError as e:
+        raise TilegraphError(str(e)) from None
+    if int(np.prod(shape)) != args.devices or args.devices < 1:
+        raise TilegraphError(f"--mesh {args.mesh} has {int(np.prod(shape))} devices, --devices says {args.devices}")
+    model = run_pipeline(tilegraph.import_model(args.model),
+                         UNFUSED_PIPELINE if args.pipeline is None else args.pipeline)
+    symbols = _input_symbols(model)
+    dims = parse_dims(args.dim)
+    check_dims(dims, symbols)
+    sizes = {**{s: args.devices for s in symbols}, **dims}
+    given = ",".join(f"{k}={v}" for k, v in sorted(sizes.items()))
+    mesh = "x".join(map(str, shape))
+    annotated = run_pipeline(model, f'shard{{mesh={mesh} target={args.target} inference=true sizes="{given}"}}')
+    program = partition(annotated, sizes)
+    inputs = random_inputs(model, seed=args.seed, sizes=sizes)
+    got = distributed.run(program, inputs)
+    expected = interpret(model, inputs)
+    n = reduction_length(model, bind_inputs(model, inputs)[1])
+    collectives = sum(1 for op in program.model.func.walk() if op.name.startswith("shard."))
+    print(f"{Path(args.model).name}: {args.devices} processes (mesh {mesh}, gloo), {collectives} collectives per "
+          f"device; sizes {given}")
+    ok = True
+    for name, a, e in zip(model.output_names, got, expected):
+        dtype = narrowest_float(model) or "f32"
+        rtol, _ = tolerance(dtype, n)
+        err = relative_error(a, e)
+        good = a.shape == e.shape and err <= rtol
+        ok &= good
+        print(f"{name}: shape {a.shape}, relative error vs one device (float64) {err:.3e} "
+              f"(tolerance {rtol:.1e}) {'ok' if good else 'MISMATCH'}")
+    print("agree" if ok else "the distributed run differs from one device")
+    return 0 if ok else EXIT_MISMATCH
+
+
+def spec_text(spec) -> str:
+    from passes.sharding import spec_str
+
+    return spec_str(spec)
+
+
+COMMANDS = {"import": _import, "compile": _compile, "check": _check, "calibrate": _calibrate, "cost": _cost,
+            "shard": _shard, "run": _run}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
