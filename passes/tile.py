@@ -41,7 +41,7 @@ from xdsl.passes import ModulePass
 
 from ir import dtypes
 from ir.dialect import FusionOp
-from ir.shapes import TensorInfo, info_of
+from ir.shapes import info_of
 from ir.fusion import ANCHORS, VIEW_OPS, cols_ok, flat_rows_ok, live_row_bytes, row_gemm, row_local, widest
 from passes.cost.model import at_nominal, group_cost
 from passes.cost.hardware import check_target, hardware
@@ -162,89 +162,79 @@ def _cpu_rows(group: FusionOp, hw, max_rows: int = 0, blas_gemm: bool = False) -
         outer = at_nominal(sympy.sympify(math.prod(ref.shape[:axis])) if axis else 1)
     # Bytes of one row of the values live at once in a chunk (GEMM rows read their lhs row too).
     row_bytes = outer * live_row_bytes(group.ops, set(group.block.last_op.operands), at_nominal)
+    priced = _price_rows(group, hw, total, row_bytes, max_rows, gemm_rows=flat)
+    time, _, rows, chunks = min(priced)
+    what = f"{group.kind} group ({len(group.ops)} ops)"
+    gemms = [op for op in group.ops if op.op_name in ANCHORS]
+    # The other ways a flat GEMM group can run: (time, tile, what the remark says).
+    others = []
+    if flat and gemms and all(row_gemm(op) for op in gemms) and (
+            blas_gemm or (hw.cores > 1 and hw.blas_parallel_efficiency and not max_rows)):
+        t, _, r, c = min(_price_rows(group, hw, total, row_bytes, max_rows, blas_gemm=True))
+        others.append((-1.0 if blas_gemm else t, {"flat": 1, "blas": 1} | ({"rows": r, "chunks": c} if c > 1 else {}),
+                       f"its GEMM whole on BLAS's threads, then {c} chunks of {r} rows: predicted {t * 1e6:.1f} us"))
+    if flat and hw.cores > 1 and cols_ok(group) and not max_rows:
+        t, c, n = _cpu_cols(group, hw, total, row_bytes) or (math.inf, 0, 0)
+        others.append((t, {"flat": 1, "cols": c, "chunks": n},
+                       f"chunks of {c} columns, all {total} rows each ({n} chunks): predicted {t * 1e6:.1f} us"))
+    if others and min(others, key=lambda o: o[0])[0] < time:
+        _, tile, why = min(others, key=lambda o: o[0])
+        if listening():
+            remark("tile", f"{what}: {why}; next best: the GEMM in chunks of {rows} rows, {time * 1e6:.1f} us")
+        return tile
+    if chunks == 1:  # the whole group in one go: a fork/join would cost more than it saves
+        if listening():
+            remark("tile", f"{what}: one chunk, on one core: predicted "
+                           f"{time * 1e6:.1f} us; {len(priced) - 1} smaller chunk sizes priced higher")
+        return {"flat": 1} if flat else {}
+    if listening():
+        alternatives = ", ".join(f"{r} rows {t * 1e6:.1f} us" for t, _, r, _ in sorted(priced)[1:4])
+        where = "of the values seen as [rows, last axis]" if flat else f"along axis {axis}"
+        remark("tile", f"{what}: chunks of {rows} rows {where} "
+                       f"({chunks} chunks, {rows * row_bytes / 1024:.0f} KiB live per chunk): predicted "
+                       f"{time * 1e6:.1f} us; next best: {alternatives}")
+    return ({"flat": 1} if flat else {"axis": axis}) | {"rows": rows, "chunks": chunks}
+
+
+def _price_rows(group: FusionOp, hw, total: int, row_bytes: float, max_rows: int = 0, gemm_rows: bool = True,
+                blas_gemm: bool = False) -> list[tuple[float, int, int, int]]:
+    """(time, -rows, rows, chunks) for chunks of 1, 2, 4, ... rows (at most max_rows, if set)."""
     inputs = [info_of(v.type) for v in group.operands]
     outputs = [info_of(r.type) for r in group.results]
     priced = []
     rows = 1
     while True:
         chunks = math.ceil(total / rows)
-        cost = group_cost(group.ops, inputs, outputs, hw, chunks=chunks, gemm_rows=rows if flat else None)
-        time = at_nominal(cost.time)
-        if rows * row_bytes > SPILL_FACTOR * hw.cache_bytes:  # the chunk spills: its passes stream from memory
-            time += at_nominal(cost.compute_time) * (hw.cache_bandwidth / hw.memory_bandwidth - 1) / hw.cores
-        priced.append((time, -rows, rows, chunks))
+        cost = group_cost(group.ops, inputs, outputs, hw, chunks=chunks, gemm_rows=rows if gemm_rows else None,
+                          blas_gemm=blas_gemm)
+        priced.append((at_nominal(cost.time) + _spill(rows * row_bytes, cost, hw), -rows, rows, chunks))
         if rows >= total or (max_rows and rows * 2 > max_rows):
-            break
+            return priced
         rows = min(rows * 2, total)
-    time, _, rows, chunks = min(priced)
-    gemms = [op for op in group.ops if op.op_name in ANCHORS]
-    if flat and gemms and all(row_gemm(op) for op in gemms) and (
-            blas_gemm or (hw.cores > 1 and hw.blas_parallel_efficiency and not max_rows)):
-        blas_time, blas_rows, blas_chunks = _cpu_blas(group, hw, inputs, outputs, total, row_bytes, max_rows)
-        if blas_time < time or blas_gemm:
-            if listening():
-                remark("tile", f"{group.kind} group ({len(group.ops)} ops): its GEMM whole on BLAS's threads, then "
-                               f"{blas_chunks} chunks of {blas_rows} rows: predicted {blas_time * 1e6:.1f} us; next "
-                               f"best: the GEMM in chunks of {rows} rows, {time * 1e6:.1f} us")
-            return {"flat": 1, "blas": 1} | ({"rows": blas_rows, "chunks": blas_chunks} if blas_chunks > 1 else {})
-    if flat and hw.cores > 1 and cols_ok(group):
-        columns = _cpu_cols(group, hw, inputs, outputs, total, row_bytes)
-        if columns and columns[0] < time:
-            time, cols, chunks = columns
-            if listening():
-                remark("tile", f"{group.kind} group ({len(group.ops)} ops): chunks of {cols} columns, all "
-                               f"{total} rows each ({chunks} chunks): predicted {time * 1e6:.1f} us; next best: "
-                               f"chunks of {rows} rows, {min(priced)[0] * 1e6:.1f} us")
-            return {"flat": 1, "cols": cols, "chunks": chunks}
-    if chunks == 1:  # the whole group in one go: a fork/join would cost more than it saves
-        if listening():
-            remark("tile", f"{group.kind} group ({len(group.ops)} ops): one chunk, on one core: predicted "
-                           f"{time * 1e6:.1f} us; {len(priced) - 1} smaller chunk sizes priced higher")
-        return {"flat": 1} if flat else {}
-    if listening():
-        others = ", ".join(f"{r} rows {t * 1e6:.1f} us" for t, _, r, _ in sorted(priced)[1:4])
-        where = "of the values seen as [rows, last axis]" if flat else f"along axis {axis}"
-        remark("tile", f"{group.kind} group ({len(group.ops)} ops): chunks of {rows} rows {where} "
-                       f"({chunks} chunks, {rows * row_bytes / 1024:.0f} KiB live per chunk): predicted "
-                       f"{time * 1e6:.1f} us; next best: {others}")
-    return ({"flat": 1} if flat else {"axis": axis}) | {"rows": rows, "chunks": chunks}
 
 
-def _cpu_blas(group: FusionOp, hw, inputs, outputs, total: int, row_bytes: float,
-              max_rows: int = 0) -> tuple[float, int, int]:
-    """(time, rows, chunks) of the best epilogue chunking after a whole GEMM on BLAS's threads."""
-    priced = []
-    rows = 1
-    while True:
-        chunks = math.ceil(total / rows)
-        cost = group_cost(group.ops, inputs, outputs, hw, chunks=chunks, gemm_rows=rows, blas_gemm=True)
-        time = at_nominal(cost.time)
-        if rows * row_bytes > SPILL_FACTOR * hw.cache_bytes:  # as in _cpu_rows
-            time += at_nominal(cost.compute_time) * (hw.cache_bandwidth / hw.memory_bandwidth - 1) / hw.cores
-        priced.append((time, -rows, rows, chunks))
-        if rows >= total or (max_rows and rows * 2 > max_rows):
-            break
-        rows = min(rows * 2, total)
-    time, _, rows, chunks = min(priced)
-    return time, rows, chunks
+def _spill(live_bytes: float, cost, hw) -> float:
+    """What a chunk whose values outgrow the cache pays: its passes stream from memory."""
+    if live_bytes <= SPILL_FACTOR * hw.cache_bytes:
+        return 0.0
+    return at_nominal(cost.compute_time) * (hw.cache_bandwidth / hw.memory_bandwidth - 1) / hw.cores
 
 
-def _cpu_cols(group: FusionOp, hw, inputs, outputs, rows: int, row_bytes: float) -> tuple | None:
+def _cpu_cols(group: FusionOp, hw, rows: int, row_bytes: float) -> tuple | None:
     """(time, columns, chunks) of the best column chunking of a `cols_ok` group: at least one
     chunk per core, down to MIN_GEMM_COLS columns; None if the width allows no split."""
+    inputs = [info_of(v.type) for v in group.operands]
+    outputs = [info_of(r.type) for r in group.results]
     width = int(at_nominal(info_of(group.ops[0].results[0].type).shape[-1]))
     priced = []
     cols = -(-width // hw.cores)
     while cols >= MIN_GEMM_COLS:
         chunks = math.ceil(width / cols)
         cost = group_cost(group.ops, inputs, outputs, hw, chunks=chunks, gemm_cols=cols)
-        time = at_nominal(cost.time)
-        if rows * row_bytes * cols / width > SPILL_FACTOR * hw.cache_bytes:  # as for rows (_cpu_rows)
-            time += at_nominal(cost.compute_time) * (hw.cache_bandwidth / hw.memory_bandwidth - 1) / hw.cores
-        priced.append((time, cols, chunks))
-        cols = -(-cols // 2)
+        priced.append((at_nominal(cost.time) + _spill(rows * row_bytes * cols / width, cost, hw), cols, chunks))
         if chunks >= width:
             break
+        cols = -(-cols // 2)
     return min(priced) if priced else None
 
 
