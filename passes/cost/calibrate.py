@@ -18,7 +18,7 @@ backend incurs it:
   (`alloc_overhead`).
 
 So a pass over n cache-resident elements costs about launch_overhead + n / rate.
-Every number is the best of repeated timings (see best_times). The full run takes well under a
+Every number is the median of repeated timings (see median_times). The full run takes well under a
 minute; `quick=True` (what the first hardware("cpu") runs) a couple of seconds.
 """
 
@@ -28,6 +28,7 @@ import datetime
 import math
 import gc
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -90,19 +91,19 @@ def _parse_size(text: str) -> int:
     return int(text)
 
 
-def best_time(fn: Callable[[], object], budget: float) -> float:
-    """Seconds of one call of `fn`: the best batch of calls timed for about `budget` s."""
-    return best_times((fn,), budget)[0]
+def median_time(fn: Callable[[], object], budget: float) -> float:
+    """Median seconds of one call of `fn`, from batches of calls timed for about `budget` s."""
+    return median_times((fn,), budget)[0]
 
 
-def best_times(fns, budget: float) -> list[float]:
-    """best_time of each of `fns`, their batches interleaved so that a neighbour's
+def median_times(fns, budget: float) -> list[float]:
+    """median_time of each of `fns`, their batches interleaved so that a neighbour's
     load on a shared machine falls on all of them alike (what a difference needs).
 
-    The best batch, not the median: the profile describes the machine, and another
-    process's load only ever adds time. Medians taken while a test suite shared this
-    2-core machine gave a parallel efficiency of 0.52 (one core's worth from two), and
-    `tile` then ran every GEMM on one core, for good, from the cached profile.
+    The median, not the best: a core running alone is clocked higher than two running
+    together (turbo, AVX-512 licences), so the best single-core batch on the 2-core dev
+    machine was 30% faster than its median, and a parallel efficiency from best times
+    swung between 0.47 and 0.81 from run to run where medians gave 0.9.
     """
     once = []
     for fn in fns:
@@ -126,7 +127,7 @@ def best_times(fns, budget: float) -> list[float]:
     finally:
         if gc_was_enabled:
             gc.enable()
-    return [min(s) for s in samples]
+    return [statistics.median(s) for s in samples]
 
 
 def _ufuncs(n: int, rng: np.random.Generator) -> dict[str, Callable[[], object]]:
@@ -223,7 +224,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
     bar.step("allocation")
     n_alloc = ALLOC_BYTES // 4
     reused = np.empty(n_alloc, f32)
-    touch, alloc, empty = best_times((lambda: reused.fill(0), lambda: np.empty(n_alloc, f32).fill(0),
+    touch, alloc, empty = median_times((lambda: reused.fill(0), lambda: np.empty(n_alloc, f32).fill(0),
                                         lambda: np.empty(n_alloc, f32)), budget)
 
     # Streaming: np.add over arrays far bigger than L3 (2 reads + 1 write per element).
@@ -249,7 +250,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
     rates = {}
     for name in big_calls:
         bar.step(f"{name} in cache")
-        t_small, t_big = best_times((small_calls[name], big_calls[name]), budget)
+        t_small, t_big = median_times((small_calls[name], big_calls[name]), budget)
         # Noise can make the slope meaningless on a busy machine: then the whole big call.
         rates[name] = (big - small) / (t_big - t_small) if t_big > t_small * 1.05 else big / t_big
     bar.close()
@@ -284,7 +285,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
 def _add_time(n: int, budget: float) -> float:
     """Seconds of one np.add(a, b, out=c) over `n` f32 elements."""
     a, b, c = (np.full(n, 1.5, np.float32) for _ in range(3))
-    return best_time(lambda: np.add(a, b, out=c), budget)
+    return median_time(lambda: np.add(a, b, out=c), budget)
 
 
 CHUNK_ROWS, CHUNK_CALLS, CHUNKS = 16, 4, 64
@@ -299,7 +300,7 @@ def _chunk_call_time(budget) -> float:
         for _ in range(CHUNK_CALLS):
             np.add(data[s], 1.0, out=data[s])
 
-    (t,) = best_times((lambda: run_chunks(chunk, len(data), CHUNK_ROWS),), budget)
+    (t,) = median_times((lambda: run_chunks(chunk, len(data), CHUNK_ROWS),), budget)
     return t / (CHUNKS * CHUNK_CALLS)
 
 
@@ -333,7 +334,7 @@ def _parallel_costs(budget, rng) -> tuple[float, float, float]:
             np.matmul(a, b, out=c)
 
     with single_threaded_blas():
-        one, together, empty, blas = best_times((lambda: gemm(slice(0, m)), lambda: run_chunks(gemm, m * THREADS, m),
+        one, together, empty, blas = median_times((lambda: gemm(slice(0, m)), lambda: run_chunks(gemm, m * THREADS, m),
                                                  lambda: run_chunks(lambda s: None, THREADS, 1), blas_gemm), budget)
     # Ideally the cores' chunks together take as long as one alone, plus the fork/join.
     return empty, min(1.0, one / max(together - empty, 1e-12)), min(1.0, one / blas)
@@ -346,7 +347,7 @@ def _conv_rate(budget, rng) -> float:
     x = rng.standard_normal(xs, dtype=np.float32)
     w = rng.standard_normal(ws, dtype=np.float32)
     out = kernels.conv(x, w, None, (), (), (), 1)
-    (t,) = best_times((lambda: kernels.conv(x, w, None, (), (), (), 1),), budget)
+    (t,) = median_times((lambda: kernels.conv(x, w, None, (), (), (), 1),), budget)
     return 2 * out.size * math.prod(ws[1:]) / t
 
 
@@ -355,7 +356,7 @@ def _gemm_rate(m, n, k, dtype, launch, budget, rng) -> float:
     a = rng.standard_normal((m, k)).astype(dtype)
     b = rng.standard_normal((k, n)).astype(dtype)
     c = np.empty((m, n), dtype)
-    t = best_time(lambda: np.matmul(a, b, out=c), budget)
+    t = median_time(lambda: np.matmul(a, b, out=c), budget)
     return 2 * m * n * k / max(t - launch, t / 10)
 
 
