@@ -9,7 +9,7 @@ __all__ = ["Graph", "Tensor", "Model", "ModelError", "WeightStore", "parse_modul
            "ShapeError", "TensorInfo", "TilegraphError", "interpret"]
 
 
-def interpret(model, inputs, float64=True):
+def interpret(model, inputs, float64=True, values=None):
     from ir.interpreter import interpret as _interpret
 
-    return _interpret(model, inputs, float64)
+    return _interpret(model, inputs, float64, values)

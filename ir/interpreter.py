@@ -52,12 +52,14 @@ def bind_inputs(model: Model, inputs: Sequence[Any] | Mapping[str, Any]) -> tupl
     return Signature.of(model).bind(inputs)
 
 
-def interpret(model: Model, inputs: Sequence[Any] | Mapping[str, Any], float64: bool = True) -> list[np.ndarray]:
-    """Run @forward; floats are computed (and returned) in float64 unless float64=False."""
+def interpret(model: Model, inputs: Sequence[Any] | Mapping[str, Any], float64: bool = True,
+              values: dict | None = None) -> list[np.ndarray]:
+    """Run @forward; floats are computed (and returned) in float64 unless float64=False.
+    `values`, when given, receives every SSA value's array (calibration, bound checks)."""
     arrays, sizes = bind_inputs(model, inputs)
     widen = (lambda a: a.astype(np.float64) if a.dtype.kind == "f" or a.dtype.name in ("bfloat16",) or
              dtypes.is_float(dtypes.dtype_name(a.dtype)) else a) if float64 else (lambda a: a)
-    env: dict[Any, Any] = {}
+    env: dict[Any, Any] = values if values is not None else {}
     for arg, a in zip(model.func.args, arrays):
         env[arg] = widen(a)
     glob = {**GLOBALS, **sizes}

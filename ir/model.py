@@ -64,11 +64,15 @@ class WeightStore(dict):
 
     def save(self, path: Path) -> None:
         arrays = {k: np.asarray(v) for k, v in self.items()}
-        # .npz cannot hold ml_dtypes arrays: store their raw bits and the spelling.
+        # .npz cannot hold ml_dtypes arrays: store their raw bits and the spelling;
+        # 4-bit values two to a byte (low nibble first), with the shape to unpack them.
         plain, meta = {}, {}
         for k, v in arrays.items():
             name = dtypes.dtype_name(v.dtype)
-            if v.dtype.kind not in "biuf" or name in ("bf16", "f8E4M3FN", "f8E5M2"):
+            if name in dtypes.PACKED_4BIT:
+                plain[k] = pack_4bit(v)
+                meta[k] = (name, tuple(int(d) for d in v.shape))
+            elif v.dtype.kind not in "biuf" or name in dtypes.BIT_STORED:
                 plain[k] = v.view(np.uint8 if v.dtype.itemsize == 1 else np.uint16)
                 meta[k] = name
             else:
@@ -79,10 +83,41 @@ class WeightStore(dict):
     def load(cls, path: Path) -> "WeightStore":
         import ast
 
+        def restore(k, raw, meta):
+            if k not in meta:
+                return raw
+            if isinstance(meta[k], tuple):
+                name, shape = meta[k]
+                return unpack_4bit(raw, shape, name)
+            return raw.view(dtypes.numpy_dtype(meta[k]))
+
         with np.load(path, allow_pickle=False) as data:
             meta = ast.literal_eval(str(data["__dtypes__"])) if "__dtypes__" in data else {}
-            return cls({k: data[k].view(dtypes.numpy_dtype(meta[k])) if k in meta else data[k]
-                        for k in data.files if k != "__dtypes__"})
+            return cls({k: restore(k, data[k], meta) for k in data.files if k != "__dtypes__"})
+
+    def nbytes(self) -> int:
+        """Bytes the arrays take when saved (4-bit types two to a byte)."""
+        return sum(dtypes.storage_bytes(dtypes.dtype_name(np.asarray(v).dtype), np.asarray(v).size)
+                   for v in self.values())
+
+
+def pack_4bit(array: np.ndarray) -> np.ndarray:
+    """A 4-bit array (ml_dtypes int4 / float4_e2m1fn, one value a byte) as bytes holding two values
+    each, the first in the low nibble; an odd count is padded with a zero nibble."""
+    nibbles = np.asarray(array).reshape(-1).view(np.uint8) & 0x0F
+    if nibbles.size % 2:
+        nibbles = np.concatenate([nibbles, np.zeros(1, np.uint8)])
+    return (nibbles[0::2] | (nibbles[1::2] << 4)).astype(np.uint8)
+
+
+def unpack_4bit(packed: np.ndarray, shape: tuple, name: str) -> np.ndarray:
+    """The inverse of `pack_4bit`: `shape` values of 4-bit type `name`."""
+    count = int(np.prod(shape, dtype=np.int64))
+    nibbles = np.empty(packed.size * 2, np.uint8)
+    nibbles[0::2] = packed & 0x0F
+    nibbles[1::2] = packed >> 4
+    # ml_dtypes reads a 4-bit value from the low nibble of its byte (int4 sign-extends it).
+    return nibbles[:count].view(dtypes.numpy_dtype(name)).reshape(shape)
 
 
 def weights_path(mlir_path: Path) -> Path:

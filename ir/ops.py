@@ -704,6 +704,113 @@ for _name in ("expm1", "log1p"):
     _op(_name, ["x"], _unary(_name, floats_only=True), f"np.{_name}({{x}})", "elementwise")
 
 
+
+# --- quantization (ir/quant.py: formats, scale layouts, the kernels) ---
+# category "quantize": ops that change number format; fusion leaves them alone.
+
+
+def _scale_operands(op, x, scale, zero_point, attrs, storage):
+    from ir.quant import SCALE_TYPES, scale_layout
+
+    if scale.dtype not in SCALE_TYPES:
+        raise _fail(op, f"scale {scale} must be one of {', '.join(SCALE_TYPES)}")
+    try:
+        layout = scale_layout(x.rank, scale.shape, attrs["axis"], attrs["block_size"])
+    except ValueError as e:
+        raise _fail(op, f"scale {scale} for {x}: {e}") from None
+    axis = attrs["axis"] % max(x.rank, 1)
+    if layout == "channel" and not dims_equal(scale.shape[0], x.shape[axis]):
+        raise _fail(op, f"per-channel scale {scale} needs one entry per index of dim {axis} of {x}")
+    if layout == "block":
+        blocks = x.shape[axis]
+        if not isinstance(blocks, int):
+            raise _fail(op, f"blocks along symbolic dim {axis} of {x} are not supported")
+        want = tuple(-(-blocks // attrs["block_size"]) if i == axis else d for i, d in enumerate(x.shape))
+        if not all(dims_equal(a, b) for a, b in zip(scale.shape, want)):
+            raise _fail(op, f"block scale {scale} for {x} in blocks of {attrs['block_size']} must be "
+                            f"{shape_str(want)}")
+    if layout == "broadcast" and not all(d == 1 or dims_equal(d, e) for d, e in zip(scale.shape, x.shape)):
+        raise _fail(op, f"scale {scale} does not broadcast to {x}")
+    if zero_point is not None:
+        if zero_point.dtype != storage:
+            raise _fail(op, f"zero point {zero_point} must have the storage type {storage}")
+        if zero_point.shape != scale.shape:
+            raise _fail(op, f"zero point {zero_point} must have the shape of scale {scale}")
+        if not dtypes.is_int(storage):
+            raise _fail(op, f"a {storage} quantization has no zero point")
+
+
+def _quantize(ins, attrs, given):
+    from ir.quant import STORAGE_TYPES
+
+    x, scale, zp = (list(ins) + [None])[:3]
+    if not dtypes.is_float(x.dtype):
+        raise _fail("quantize", f"needs a float operand, got {x}")
+    if attrs["to"] not in STORAGE_TYPES:
+        raise _fail("quantize", f"storage type '{attrs['to']}' is not one of {', '.join(STORAGE_TYPES)}")
+    _scale_operands("quantize", x, scale, zp, attrs, attrs["to"])
+    return [TensorInfo(x.shape, attrs["to"])]
+
+
+def _dequantize(ins, attrs, given):
+    from ir.quant import DEQUANTIZE_TYPES
+
+    q, scale, zp = (list(ins) + [None])[:3]
+    if q.dtype not in DEQUANTIZE_TYPES:
+        raise _fail("dequantize", f"operand {q} is not one of {', '.join(DEQUANTIZE_TYPES)}")
+    if attrs["to"] not in ("f32", "f16", "bf16", "f64"):
+        raise _fail("dequantize", f"result type '{attrs['to']}' is not f32, f16, bf16 or f64")
+    _scale_operands("dequantize", q, scale, zp, attrs, q.dtype)
+    return [TensorInfo(q.shape, attrs["to"])]
+
+
+def _dynamic_quantize(ins, attrs, given):
+    from ir.quant import FORMATS, STORAGE_TYPES
+
+    (x,) = ins
+    to, block = attrs["to"], attrs["block_size"]
+    if not dtypes.is_float(x.dtype) or x.rank == 0:
+        raise _fail("dynamic_quantize", f"needs a float operand of rank >= 1, got {x}")
+    if to not in STORAGE_TYPES or FORMATS[to].lo >= 0:
+        raise _fail("dynamic_quantize", f"storage type '{to}' is not a signed one of {', '.join(STORAGE_TYPES)}")
+    if block < 0 or (block and not isinstance(x.shape[-1], int)):
+        raise _fail("dynamic_quantize", f"block_size {block} does not fit the last dim of {x}")
+    if block:
+        scale = TensorInfo(x.shape[:-1] + (-(-x.shape[-1] // block),), "f32" if dtypes.is_int(to) else "f8E8M0FNU")
+    else:
+        scale = TensorInfo(x.shape[:-1] + (1,), "f32")
+    return [TensorInfo(x.shape, to), scale]
+
+
+def _matmul_integer(ins, attrs, given):
+    lhs, rhs, zp = (list(ins) + [None])[:3]
+    for t in (lhs, rhs):
+        if t.dtype not in ("i8", "ui8", "i4") or t.rank < 2:
+            raise _fail("matmul_integer", f"operands must be i8, ui8 or i4 of rank >= 2, got {lhs} and {rhs}")
+    if zp is not None and (zp.dtype != lhs.dtype or zp.rank != 0):
+        raise _fail("matmul_integer", f"the zero point {zp} must be a {lhs.dtype} scalar")
+    (out,) = _matmul([TensorInfo(lhs.shape, "f32"), TensorInfo(rhs.shape, "f32")], {}, None)
+    return [TensorInfo(out.shape, "i32")]
+
+
+_QUANT_ATTRS = {"to": ("str", REQUIRED), "axis": ("int", 1), "block_size": ("int", 0)}
+_op("quantize", ["x", "scale", "zero_point?"], _quantize,
+    "K.quantize({x}, {scale}, {zero_point}, {axis}, {block_size}, {to}, {dtype})", "quantize", _QUANT_ATTRS,
+    doc="saturate(round(x / scale) + zero_point) in storage type `to` (i8, ui8, i4, f8E4M3FN, f8E5M2, "
+        "f6E2M3FN, f4E2M1FN); scale per tensor, per channel (axis) or per block (axis, block_size): ir/quant.py")
+_op("dequantize", ["x", "scale", "zero_point?"], _dequantize,
+    "K.dequantize({x}, {scale}, {zero_point}, {axis}, {block_size}, {dtype})", "quantize",
+    {**_QUANT_ATTRS, "to": ("str", "f32")},
+    doc="(x - zero_point) * scale as float type `to`; x quantized, or an i32 accumulator")
+_op("dynamic_quantize", ["x"], _dynamic_quantize, "K.dynamic_quantize({x}, {to}, {block_size}, {dtype})",
+    "quantize", {"to": ("str", "i8"), "block_size": ("int", 0)},
+    doc="symmetric quantization with scales from x itself: (q, scale), one f32 scale per row of the last "
+        "axis, or with block_size one per block of it (f8E8M0FNU for float formats: MX)")
+_op("matmul_integer", ["lhs", "rhs", "lhs_zero_point?"], _matmul_integer,
+    "K.matmul_integer({lhs}, {rhs}, {lhs_zero_point})", "quantize",
+    doc="(lhs - lhs_zero_point) @ rhs on integers, exact, accumulated in i32 (ONNX MatMulInteger with a "
+        "symmetric rhs)")
+
 def op_spec(name: str) -> OpSpec:
     try:
         return OPS[name.removeprefix("tg.")]

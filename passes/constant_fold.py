@@ -15,7 +15,7 @@ computed at run time. Two bounds keep the work and the store in check:
   product) is folded only while the result stays inline-small: a broadcast weight
   costs memory and saves nothing, as XLA's folder also reasons.
 An op whose evaluation fails (an index out of range) is left for run time, where
-the error names it.
+the error names it. `tg.dequantize` is never folded: it keeps quantized weights quantized.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ from passes.dce import prune_weights
 from passes.rewrite import info
 
 SOURCES = ("constant", "weight")
+# Ops never folded: a dequantized weight folded back would be stored in float again,
+# undoing `quantize` (weights stay in their storage type and dequantize at run time).
+NOT_FOLDED = ("dequantize",)
 DEFAULT_MAX_ELEMENTS = 1 << 24
 
 
@@ -62,7 +65,7 @@ class FoldOp(RewritePattern):
         self.max_elements = max_elements
 
     def match_and_rewrite(self, op, rewriter: PatternRewriter, /) -> None:
-        if not isinstance(op, TgOp) or op.op_name in SOURCES or not op.operands:
+        if not isinstance(op, TgOp) or op.op_name in SOURCES + NOT_FOLDED or not op.operands:
             return
         sources = [v.owner for v in op.operands]
         if not all(isinstance(s, TgOp) and s.op_name in SOURCES for s in sources):

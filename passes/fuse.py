@@ -52,7 +52,7 @@ from xdsl.passes import ModulePass
 
 # Ops that stay outside groups: they move data by index (gather, scatter, concat)
 # or make it (sources); a fused loop over row chunks cannot express them simply.
-UNFUSABLE_CATEGORIES = {"layout", "source"}
+UNFUSABLE_CATEGORIES = {"layout", "source", "quantize"}
 # A merge must save at least this much predicted time: a tenth of one NumPy call
 # (~1 us, calibrated), below which the prediction is noise.
 MIN_SAVING = 1e-7

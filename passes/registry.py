@@ -9,7 +9,11 @@ not discovered three passes later) and drops the weights no longer referenced.
 
 The property-based suite (tests/test_properties.py) runs every pass registered
 here on random graphs against the float64 interpreter: registering a pass is
-enough to have it checked.
+enough to have it checked. A lossy pass (class attribute `LOSSY = True`, e.g.
+`quantize`) is checked within its stated error bound instead: it gives a
+`reference()` pass whose output it must match exactly (up to float rounding), and
+the reference's roundings are each checked against their bound
+(`tilegraph.testing.assert_within_quantization_bound`).
 """
 
 from __future__ import annotations
@@ -85,6 +89,12 @@ def _shard():
     return Shard
 
 
+def _quantize():
+    from passes.quantize import Quantize
+
+    return Quantize
+
+
 PASSES: dict[str, Callable[[], type[ModulePass]]] = {
     "canonicalize": _canonicalize,
     "cse": _cse,
@@ -96,6 +106,7 @@ PASSES: dict[str, Callable[[], type[ModulePass]]] = {
     "fuse": _fuse,
     "tile": _tile,
     "shard": _shard,
+    "quantize": _quantize,
 }
 
 # Simplify first (so folding and cse see one spelling), fold what is known, merge

@@ -10,6 +10,7 @@
     tilegraph compile model.onnx -o model_np.py --report    # + kernels, buffers, planned peak memory
     tilegraph shard model.onnx --mesh 8 --target h100       # how to split it over 8 GPUs, predicted step time
     tilegraph run model.onnx --devices 4 --dim batch=4      # the sharded program on 4 local processes (gloo)
+    tilegraph quantize model.onnx --calib samples.npz --scheme w8a8 -o model_q.mlir   # calibrate, quantize
 
 Every mistake in the input (a missing file, a malformed model, an unsupported op,
 a shape mismatch) is one paragraph on stderr and exit status 2; `check` exits 1
@@ -63,6 +64,31 @@ def _parser() -> argparse.ArgumentParser:
                        help="size of a symbolic dimension, e.g. --dim batch=2 (default: drawn from the seed)")
     check.add_argument("--int-high", type=int, default=2, metavar="N",
                        help="integer inputs are drawn from [0, N) (default 2: valid ids, masks and flags)")
+
+    # --- quantize: calibrate activations, then the quantize pass (passes/quantize.py) ---
+    from passes.quantize import OBSERVERS, SCHEMES
+
+    qz = sub.add_parser("quantize", help="calibrate on sample inputs and quantize the linear layers",
+                        description="Import the model, simplify it (the unfused default pipeline), run it on "
+                                    "the calibration samples to observe every linear layer's activation range, "
+                                    "and quantize by the scheme. Writes the quantized IR, its weights (4-bit "
+                                    "ones two to a byte) and the activation ranges (.calib.npz) beside it.")
+    qz.add_argument("model", help="model.onnx, model.pt2 or model.mlir")
+    qz.add_argument("-o", "--output", required=True, help="where to write the quantized .mlir")
+    qz.add_argument("--scheme", default="w8a8", choices=list(SCHEMES), help="(default: w8a8)")
+    qz.add_argument("--calib", default=None, metavar="SAMPLES.npz",
+                    help="calibration inputs, one array per model input named as it is, samples along the "
+                         "first axis; without it, activation scales come from the data at run time")
+    qz.add_argument("--observer", default="minmax", choices=OBSERVERS, help="activation ranges (default: minmax)")
+    qz.add_argument("--percentile", type=float, default=None, help="with --observer percentile (default 99.99)")
+    qz.add_argument("--weight-observer", default="minmax", choices=("minmax", "mse"), help="(default: minmax)")
+    qz.add_argument("--symmetric", action="store_true", help="int8 activations as i8 without a zero point")
+    qz.add_argument("--batch-size", type=int, default=8, help="calibration samples per run (default: 8)")
+    qz.add_argument("--max-error", type=float, default=None,
+                    help="mixed precision (needs --calib): the layers the scheme would push past this relative "
+                         "output error on the calibration samples are quantized by --fallback instead")
+    qz.add_argument("--fallback", default="w8", choices=["none", *SCHEMES],
+                    help="with --max-error: the scheme of the sensitive layers (default: w8; none: float)")
 
     # --- calibrate: the measured CPU profile the cost model uses (passes/cost/calibrate.py) ---
     cal = sub.add_parser("calibrate", help="measure this machine for the cost model (under a minute)")
@@ -144,8 +170,9 @@ def _compile(args) -> int:
     # triton): the default pipeline does so, and a given one too where it names no target.
     hardware = getattr(backend(args.target), "HARDWARE", "cpu")
     pipeline = None if args.pipeline is None else with_target(args.pipeline, hardware)
-    compiled = tilegraph.compile(args.model, target=args.target, pipeline=pipeline)
-    report = _report(compiled, dims, hardware) if args.report else []  # a bad --dim fails before anything is written
+    imported = tilegraph.import_model(args.model)
+    compiled = tilegraph.compile(imported, target=args.target, pipeline=pipeline)
+    report = _report(compiled, dims, hardware, imported) if args.report else []  # a bad --dim fails before anything is written
     out = Path(args.output)
     weights = out.with_suffix(".weights.npz")
     out.write_text(compiled.source)
@@ -156,7 +183,91 @@ def _compile(args) -> int:
     return 0
 
 
-def _report(compiled, dims: dict[str, int], hardware: str = "cpu") -> list[str]:
+def _quantize(args) -> int:
+    import tilegraph
+    from ir.errors import TilegraphError
+    from passes.quantize import DEFAULT_PERCENTILE, SCHEMES, calibrate, linear_layers, save_calibration
+    from passes.registry import UNFUSED_PIPELINE, run_pipeline
+
+    if args.batch_size < 1:
+        raise TilegraphError(f"--batch-size must be at least 1, got {args.batch_size}")
+    model = run_pipeline(tilegraph.import_model(args.model), UNFUSED_PIPELINE)
+    if not linear_layers(model.func.body.block.ops, model.weights):
+        raise TilegraphError(f"{args.model} has no matmul by a 2-D float weight: nothing to quantize")
+    out = Path(args.output)
+    calib_path = out.with_suffix(".calib.npz")
+    spec = f"scheme={args.scheme} observer={args.weight_observer} symmetric={str(args.symmetric).lower()}"
+    ranges = None
+    batches = _calibration_batches(Path(args.calib), model, args.batch_size) if args.calib is not None else None
+    if batches is not None and not SCHEMES[args.scheme].activation and args.max_error is None:
+        print(f"{args.scheme} is weight-only: --calib is not needed (ignored)", file=sys.stderr)
+    elif batches is not None and SCHEMES[args.scheme].activation:
+        from tqdm import tqdm
+
+        ranges = calibrate(model, batches, args.observer, percentile=args.percentile or DEFAULT_PERCENTILE,
+                           symmetric=args.symmetric,
+                           progress=lambda it: tqdm(it, desc="calibrating", unit="batch", file=sys.stderr))
+    if args.max_error is not None and batches is None:
+        raise TilegraphError("--max-error needs --calib: the error is measured on the calibration samples")
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:  # nothing is written next to the output until all succeeded
+        options = {"observer": args.weight_observer, "symmetric": str(args.symmetric).lower()}
+        if ranges is not None:
+            options["calib"] = f'"{save_calibration(Path(tmp) / "calib.npz", ranges)}"'
+        spec += f" calib={options['calib']}" if "calib" in options else ""
+        pipeline = f"quantize{{{spec}}}"
+        if args.max_error is not None:
+            from tqdm import tqdm
+
+            from passes.quantize import mixed_precision
+
+            pipeline, remarks = mixed_precision(
+                model, batches, args.scheme, args.max_error, args.fallback,
+                progress=lambda it: tqdm(it, desc="sensitivity", unit="layer", file=sys.stderr), **options)
+            for line in remarks:
+                print(line)
+        quantized = run_pipeline(model, pipeline)
+        quantized.save(out)
+        if ranges is not None:
+            save_calibration(calib_path, ranges)
+    layers = len(linear_layers(model.func.body.block.ops, model.weights))
+    mixed = f", mixed with {args.fallback} under --max-error {args.max_error:g}" if args.max_error is not None else ""
+    print(f"quantized {layers} linear layers ({args.scheme}{mixed}"
+          + (f", activations calibrated by {args.observer} on {args.calib}" if ranges else
+             ", activation scales from the data at run time" if SCHEMES[args.scheme].activation else "")
+          + ")")
+    print(f"weights: {format_count(model.weights.nbytes())}B -> {format_count(quantized.weights.nbytes())}B")
+    print(f"wrote {out} and {out.with_suffix('.weights.npz').name}" + (f" and {calib_path.name}" if ranges else ""))
+    return 0
+
+
+def _calibration_batches(path: Path, model, batch_size: int) -> list[list]:
+    """The samples of an .npz (one array per model input, samples along axis 0) in batches."""
+    import numpy as np
+
+    from ir.errors import TilegraphError
+
+    if not path.is_file():
+        raise TilegraphError(f"no such calibration file: {path}")
+    try:
+        data = dict(np.load(path, allow_pickle=False))
+    except (OSError, ValueError) as e:
+        raise TilegraphError(f"{path} is not an .npz file: {e}") from None
+    missing = [n for n in model.input_names if n not in data]
+    if missing:
+        raise TilegraphError(f"{path} has no array for input(s) {', '.join(missing)} (it has: "
+                             f"{', '.join(sorted(data)) or 'nothing'}); give one per model input, samples along "
+                             "axis 0")
+    counts = {n: len(data[n]) if data[n].ndim else 0 for n in model.input_names}
+    if len(set(counts.values())) != 1 or not next(iter(counts.values())):
+        raise TilegraphError(f"{path}: the inputs must hold the same number (> 0) of samples along axis 0, "
+                             f"got {counts}")
+    total = next(iter(counts.values()))
+    return [[data[n][i:i + batch_size] for n in model.input_names] for i in range(0, total, batch_size)]
+
+
+def _report(compiled, dims: dict[str, int], hardware: str = "cpu", before=None) -> list[str]:
     """What the backend planned, read back from the PLAN the emitted module carries."""
     import sympy
 
@@ -175,11 +286,13 @@ def _report(compiled, dims: dict[str, int], hardware: str = "cpu") -> list[str]:
     else:
         at = ", ".join(f"{k}={v}" for k, v in sorted(dims.items()))
         peak_text = f"{format_count(float(peak))}B" + (f" at {at}" if at else "")
-    weights = sum(int(w.nbytes) for w in compiled.model.weights.values())
+    weights = compiled.model.weights.nbytes()  # as saved: 4-bit types two to a byte
+    was = "" if before is None else f" (before the passes: {len(before.weights)} arrays, " \
+                                    f"{format_count(before.weights.nbytes())}B)"
     return [f"kernels: {plan['kernels']}",
             f"planned buffers: {plan['buffers']} (reused by liveness)",
             f"planned peak of intermediates (inputs and weights not counted): {peak_text}",
-            f"weights: {len(compiled.model.weights)} arrays, {format_count(weights)}B"]
+            f"weights: {len(compiled.model.weights)} arrays, {format_count(weights)}B{was}"]
 
 
 def _triton_report(compiled, hardware: str) -> list[str]:
@@ -550,7 +663,7 @@ def spec_text(spec) -> str:
 
 
 COMMANDS = {"import": _import, "compile": _compile, "check": _check, "calibrate": _calibrate, "cost": _cost,
-            "shard": _shard, "run": _run}
+            "quantize": _quantize, "shard": _shard, "run": _run}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

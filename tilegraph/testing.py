@@ -49,7 +49,8 @@ from ir import dtypes
 
 # Unit roundoff of each float type (half the distance from 1.0 to the next number).
 EPS = {"f64": 2.0 ** -53, "f32": 2.0 ** -24, "f16": 2.0 ** -11, "bf16": 2.0 ** -8,
-       "f8E4M3FN": 2.0 ** -4, "f8E5M2": 2.0 ** -3}
+       "f8E4M3FN": 2.0 ** -4, "f8E5M2": 2.0 ** -3, "f6E2M3FN": 2.0 ** -4, "f4E2M1FN": 2.0 ** -2,
+       "f8E8M0FNU": 2.0 ** -1}
 # How many roundings a chain of ops may accumulate before it counts as wrong: a
 # dozen elementwise ops each adding ~1 ulp, with headroom of 2x for transcendental
 # functions that NumPy evaluates to within 1-2 ulp.
@@ -313,6 +314,48 @@ def op_examples() -> dict[str, list[OpExample]]:
     ties = np.array([[3, 1, 3, 2, 1, 3], [0, 0, 5, 5, -1, 2]], np.int32)  # equal values come out in index order
     add("topk", lambda g, a: g.op("topk", a, k=4, axis=1), [ties], label="largest-ties")
     add("topk", lambda g, a: g.op("topk", a, k=2, axis=0, largest=False), [f32(5, 3)], label="smallest")
+
+    # --- quantization (ir/quant.py) ---
+    # The quantized values are the same in both: x / scale is rounded in float32 by both.
+    import ml_dtypes
+
+    add("quantize", lambda g, a: g.op("quantize", a, g.constant(np.float32(0.02)), g.constant(np.uint8(128)),
+                                      to="ui8"), [f32(3, 5, lo=-3, hi=3)], label="ui8-asymmetric-saturating")
+    add("quantize", lambda g, a: g.op("quantize", a, g.constant(np.array([0.1, 0.01, 0.5], np.float32)),
+                                      to="i8", axis=0), [f32(3, 5)], label="i8-per-channel")
+    add("quantize", lambda g, a: g.op("quantize", a, g.constant(np.array([0.3, 0.05, 0.2], np.float32)),
+                                      to="i4", axis=0), [f32(3, 5)], label="i4-per-channel")
+    add("quantize", lambda g, a: g.op("quantize", a, g.constant(np.float32(0.01)), to="f8E5M2"),
+        [f32(3, 5, lo=-1000, hi=1000)], label="f8E5M2-saturating")
+    mx_scales = np.array([[0.25, 1.0], [2.0, 0.5]], np.float32).astype(ml_dtypes.float8_e8m0fnu)
+    add("quantize", lambda g, a: g.op("quantize", a, g.weight("mx.scale", mx_scales), to="f4E2M1FN", axis=1,
+                                      block_size=4), [f32(2, 7, lo=-4, hi=4)], label="mxfp4-blocks-of-4")
+    codes = rng.integers(-128, 128, (3, 5)).astype(np.int8)
+    add("dequantize", lambda g, a: g.op("dequantize", a, g.constant(np.array([0.1, 0.02, 1.5], np.float32)),
+                                        g.constant(np.array([3, -2, 0], np.int8)), axis=0), [codes],
+        label="i8-per-channel-zero-point")
+    add("dequantize", lambda g, a: g.op("dequantize", a, g.constant(np.array([[0.5], [0.25], [2e-3]], np.float32))),
+        [ints(3, 4, lo=-(1 << 30), hi=1 << 30)], label="i32-accumulator-per-row")
+    fp4 = rng.uniform(-6, 6, (8, 3)).astype(ml_dtypes.float4_e2m1fn)
+    add("dequantize", lambda g, a: a @ g.op("dequantize", g.weight("w.fp4", fp4),
+                                            g.weight("w.scale", np.full((1, 3), 4.0, np.float32).astype(
+                                                ml_dtypes.float8_e8m0fnu)), axis=0, block_size=32),
+        [f32(2, 8)], 8, label="mxfp4-weight")
+    int4 = rng.integers(-8, 8, (6, 4)).astype(ml_dtypes.int4)
+    add("dequantize", lambda g, a: a @ g.op("dequantize", g.weight("w.i4", int4),
+                                            g.weight("w.i4.scale", f32(2, 4, lo=0.01, hi=0.1)), axis=0,
+                                            block_size=3), [f32(2, 6)], 6, label="int4-groups-of-3")
+    add("dynamic_quantize", lambda g, a: g.op("dynamic_quantize", a), [f32(2, 3, 8, lo=-5, hi=5)],
+        label="i8-per-row")
+    add("dynamic_quantize", lambda g, a: g.op("dynamic_quantize", a, to="f8E4M3FN", block_size=4),
+        [f32(3, 10, lo=-50, hi=50)], label="mxfp8-blocks-of-4")
+    add("matmul_integer", lambda g, a, b: g.op("matmul_integer", a, b),
+        [ints(2, 3, 16, lo=-128, hi=128, dtype=np.int8), ints(16, 5, lo=-128, hi=128, dtype=np.int8)],
+        label="i8")
+    # (ui8 - zero point) x i8 over 1100 terms: more than one float32-exact chunk of K (ir/quant.py)
+    add("matmul_integer", lambda g, a, b: g.op("matmul_integer", a, b, g.constant(np.uint8(131))),
+        [ints(3, 1100, lo=0, hi=256, dtype=np.uint8), ints(1100, 4, lo=-128, hi=128, dtype=np.int8)],
+        label="ui8-zero-point-long-k")
 
     # --- ops added for the torch frontend ---
     tiny = np.array([1e-9, -3e-8, 1e-4, -0.5, 2.0], np.float32)  # where exp(x)-1 and log(1+x) cancel
@@ -1212,8 +1255,20 @@ def narrowest_float(model) -> str | None:
     """The float type of the model with the largest rounding error (None without floats)."""
     from ir.shapes import info_of
 
+    from ir.dialect import TgOp
+
+    def storage(op) -> bool:
+        # Quantized values (tg.quantize results, weights only dequantize reads) are exact in both
+        # the interpreter and a backend (ir/quant.py): the arithmetic around them sets the precision.
+        if not isinstance(op, TgOp):
+            return False
+        if op.SPEC.category == "quantize" and op.op_name not in ("dequantize",):
+            return True
+        return op.op_name == "weight" and all(isinstance(u.operation, TgOp) and u.operation.SPEC.category ==
+                                              "quantize" for r in op.results for u in r.uses)
+
     types = {info_of(a.type).dtype for a in model.func.args}
-    types |= {info_of(r.type).dtype for op in model.func.walk() for r in op.results}
+    types |= {info_of(r.type).dtype for op in model.func.walk() if not storage(op) for r in op.results}
     floats = [t for t in types if dtypes.is_float(t)]
     return max(floats, key=lambda t: EPS[t]) if floats else None
 
@@ -1277,4 +1332,100 @@ def assert_preserves_semantics(pipeline, model, inputs=None, *, seed: int = 0) -
                 assert_close(values[i], expected[i], dtype, n, name=f"output '{out_name}'")
             except AssertionError as e:
                 raise fail(f"{label}, output '{out_name}':\n{e}", after_text) from None
+    return after
+
+
+# --- lossy passes: quantization within its stated bound ------------------------------------
+# float32 arithmetic around a rounding (x / scale, then q * scale) adds a few units of
+# float32's roundoff, relative to |x|, to the format's half ulp.
+QUANT_F32_SLACK = 4 * 2.0 ** -24
+
+
+def rounding_violations(model, inputs) -> list[str]:
+    """Run `model` (the float64 interpreter) and check every dequantize(quantize(x)) pair in it:
+    |result - x| <= half an ulp of the format times the scale, plus how far x lies beyond the
+    representable range [(lo - zero point) * scale, (hi - zero point) * scale] (a calibrated
+    clipping). Returns one line per pair that breaks its bound."""
+    from ir import interpret
+    from ir.dialect import TgOp
+    from ir.quant import FORMATS, expand_scale
+
+    values: dict = {}
+    interpret(model, inputs, values=values)
+    bad = []
+    for op in model.func.walk():
+        if not (isinstance(op, TgOp) and op.op_name == "dequantize"):
+            continue
+        src = op.operands[0].owner
+        if not (isinstance(src, TgOp) and src.op_name in ("quantize", "dynamic_quantize")):
+            continue
+        fmt = FORMATS[src.result_infos()[0].dtype]
+        x = np.asarray(values[src.operands[0]], np.float64)
+        axis, block = op.attr("axis"), op.attr("block_size")
+        scale = expand_scale(np.asarray(values[op.operands[1]]).astype(np.float64), x.shape, axis, block)
+        zp = 0.0 if len(op.operands) < 3 else expand_scale(np.asarray(values[op.operands[2]]).astype(np.float64),
+                                                            x.shape, axis, block)
+        scale = np.broadcast_to(scale, x.shape)
+        lo, hi = (fmt.lo - zp) * scale, (fmt.hi - zp) * scale
+        beyond = np.maximum(np.maximum(lo - x, x - hi), 0.0)
+        bound = fmt.half_ulp(np.clip(x / scale + zp, fmt.lo, fmt.hi)) * scale + beyond + \
+            QUANT_F32_SLACK * np.abs(x) + 1e-300
+        err = np.abs(np.asarray(values[op.results[0]], np.float64) - x)
+        if not (err <= bound).all():
+            i = int(np.argmax(err - bound))
+            bad.append(f"{src.name} -> {op.name} ({fmt.name}): x={x.flat[i]!r} came back as "
+                       f"{np.asarray(values[op.results[0]]).flat[i]!r}, error {err.flat[i]:.3g} > bound "
+                       f"{bound.flat[i]:.3g}")
+    return bad
+
+
+def assert_within_quantization_bound(pipeline, model, inputs=None, *, seed: int = 0) -> "object":
+    """Check a pipeline holding lossy passes (`LOSSY = True`: quantize) within their stated bound.
+
+    1. the signature is unchanged;
+    2. the result computes (float64 interpreter) what the reference pipeline computes, each lossy
+       pass replaced by its `reference()` (fake quantization: the float model with each quantized
+       tensor x replaced by dequantize(quantize(x))), within the shared tolerance of the model's
+       dtype and reduction length: integer GEMMs, folded scales and stored weights are exact;
+    3. in the reference, every dequantize(quantize(x)) is within half an ulp of its format times
+       its scale of x (`rounding_violations`).
+    Returns the transformed model.
+    """
+    from ir import interpret
+    from ir.interpreter import bind_inputs
+    from passes.registry import parse_pipeline, run_pipeline
+
+    passes = parse_pipeline(pipeline) if isinstance(pipeline, str) else list(
+        pipeline if isinstance(pipeline, (list, tuple)) else [pipeline])
+    reference = [p.reference() if getattr(p, "LOSSY", False) else p for p in passes]
+    name = ",".join(str(p) for p in passes)
+    if inputs is None:
+        inputs = random_inputs(model, seed)
+    _, sizes = bind_inputs(model, inputs)
+    before_text = model.text
+    after = run_pipeline(model, passes)
+    ref = run_pipeline(model, reference)
+
+    def fail(what: str) -> AssertionError:
+        return AssertionError(f"pipeline '{name}' breaks its stated quantization bound: {what}\n"
+                              f"--- IR before ---\n{before_text}--- IR after ---\n{after.text}"
+                              f"--- reference (fake quantization) ---\n{ref.text}")
+
+    if model.text != before_text:
+        raise fail("it modified the input model in place")
+    if (after.input_names, after.inputs, after.output_names, after.outputs) != (
+            model.input_names, model.inputs, model.output_names, model.outputs):
+        raise fail("the signature changed")
+    n = reduction_length(model, sizes)
+    coarsest = narrowest_float(model)
+    got, want = interpret(after, inputs), interpret(ref, inputs)
+    for out_name, info, a, e in zip(model.output_names, model.outputs, got, want):
+        dtype = coarsest if dtypes.is_float(info.dtype) and coarsest else info.dtype
+        try:
+            assert_close(a, e, dtype, n, name=f"output '{out_name}' against the fake-quantized reference")
+        except AssertionError as err:
+            raise fail(str(err)) from None
+    bad = rounding_violations(ref, inputs)
+    if bad:
+        raise fail("\n".join(bad))
     return after

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+import ml_dtypes
 import numpy as np
 import torch
 
@@ -41,6 +42,9 @@ def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
+_TORCH_FLOAT8 = ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu")  # ml_dtypes names torch shares
+
+
 def to_torch(array: Any, device: torch.device) -> torch.Tensor:
     """A NumPy array (bfloat16 from ml_dtypes included) or tensor as a tensor on `device`."""
     if isinstance(array, torch.Tensor):
@@ -51,13 +55,26 @@ def to_torch(array: Any, device: torch.device) -> torch.Tensor:
         contiguous = contiguous.copy()
     if array.dtype == dtypes.numpy_dtype("bf16"):
         return torch.from_numpy(contiguous.view(np.uint16)).view(torch.bfloat16).to(device)
+    if array.dtype.type.__module__ != "numpy":  # ml_dtypes' 8-, 6- and 4-bit types (quantized values)
+        bits = torch.from_numpy(contiguous.view(np.uint8))
+        if array.dtype.name in _TORCH_FLOAT8:
+            return bits.view(getattr(torch, array.dtype.name)).to(device)
+        # torch has no int4 / fp4 / fp6 tensors to compute with: the bits travel as uint8 and
+        # name their type, for the host ops (tg.dequantize) that read them back.
+        tensor = bits.to(device)
+        tensor.tg_dtype = array.dtype
+        return tensor
     return torch.from_numpy(contiguous).to(device)
 
 
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:
-    tensor = tensor.detach().cpu()
+    tensor = tensor.detach().cpu() if tensor.device.type != "cpu" or tensor.requires_grad else tensor
     if tensor.dtype == torch.bfloat16:
         return tensor.contiguous().view(torch.uint16).numpy().view(dtypes.numpy_dtype("bf16"))
+    if str(tensor.dtype)[6:] in _TORCH_FLOAT8:
+        return tensor.contiguous().view(torch.uint8).numpy().view(np.dtype(getattr(ml_dtypes, str(tensor.dtype)[6:])))
+    if getattr(tensor, "tg_dtype", None) is not None:
+        return tensor.numpy().view(tensor.tg_dtype)
     return tensor.numpy()
 
 
