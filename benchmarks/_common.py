@@ -47,8 +47,8 @@ SETTLE_BELOW_S = 0.05
 # The pause before every timed call, so the previous runner's spinning pool threads
 # have gone to sleep: libgomp spins up to 300k iterations by default, onnxruntime's
 # intra-op workers a few thousand polls, OpenBLAS's workers a configurable loop; all
-# are well under this. Measured on the project's 2-core machine, GPT-2 small b1 s256
-# timed round-robin with torch eager and onnxruntime: tilegraph 461 ms without the pause.
+# are well under this. (On the 2-core dev machine it moved GPT-2 small b1 s256 by less
+# than the run-to-run noise, 461 vs 470 ms for tilegraph: it matters for short calls.)
 SETTLE_S = 0.05
 
 
