@@ -878,6 +878,11 @@ FLOAT8_MAX = {"f8E4M3FN": 448.0, "f8E5M2": 57344.0}
 
 
 def _cast_to(n, x, to: str):
+    if to == "f8E8M0FNU" and n.dtype(x) != to:
+        # ONNX rounds to E8M0 up (round_mode='up') and saturates tiny values to 2^-127;
+        # tg's cast rounds to nearest as ml_dtypes does. Refused rather than computed differently.
+        raise FrontendError(f"{n.where()}: Cast to FLOAT8E8M0 is not supported (ONNX's round_mode "
+                            f"'{n.attr('round_mode', 'up')}' is not tg's round-to-nearest)")
     if to in FLOAT8_MAX and n.attr("saturate", 1) and dtypes.is_float(n.dtype(x)):
         m = FLOAT8_MAX[to]
         x = n.op("min", n.op("max", x, -m), m)
