@@ -26,7 +26,7 @@ except ImportError:  # pragma: no cover - scipy is present wherever sklearn is
 # atanh(erf(a))/a over 200k points of [0, 4], weighted by (1 - erf^2) a (how an error
 # in P moves erf) and reweighted 30 times towards the largest error. In float32 its max
 # abs error against scipy is 1.4e-7 on [0, 4] (6e-7 relative near 0): as accurate as
-# Eigen's rational x*P(x^2)/Q(x^2) that XLA uses, in 15 NumPy passes instead of 24,
+# Eigen's rational x*P(x^2)/Q(x^2) that XLA uses, in 16 NumPy passes instead of 24,
 # because NumPy's tanh and exp are vectorised (0.8 ns/element here against 0.3 ns for
 # a multiply). Used by K.erf and, via tanh(z) = 2 sigmoid(2z) - 1, by K.gelu.
 _ERF32_TANH = (1.1283797054744082, 0.10276548136458284, -0.00018438336189809988, -0.0006257199752547707,
@@ -405,6 +405,7 @@ _ITEMS_PER_THREAD = 4
 # (196K scores, ~1 ms) ran no faster on 2 threads (0.50-0.62x of K.attention
 # against 0.54x on one), GPT-2 b1 s256 causal (786K) did (0.48x against 0.69x).
 MIN_PARALLEL_SCORES = 1 << 19
+
 
 class _Worker:
     """A daemon thread that runs one task per wake-up, handed over by two raw locks.
