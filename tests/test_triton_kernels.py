@@ -61,6 +61,17 @@ def test_each_op_alone_agrees_and_runs_on_a_kernel_unless_listed(example):
         assert_close(got, want, info.dtype, example.reduction_length)
 
 
+def test_a_one_element_slice_with_a_negative_step_reaches_the_device():
+    """x[0:-2:-1] of one element runs on the host and has stride -4 (NumPy calls it
+    contiguous, torch refuses it); hypothesis found it in a random graph."""
+    g = Graph()
+    x = g.input("x", (1,))
+    model = g.build(g.exp(g.slice(x, starts=(0,), ends=(-2,), steps=(-1,))), names=["y"])
+    compiled = load(emit(model, hardware="h100"), model.weights, model)
+    inputs = [np.array([0.25], np.float32)]
+    assert_close(compiled(*inputs)[0], interpret(model, inputs)[0], "f32", 1)
+
+
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(model=graphs(ops=(*UNARY_OPS, *BINARY_OPS, *REDUCE_OPS, *LAYOUT_OPS, *COMPOSITE_OPS, *COMPARE_OPS, "where",
                          "matmul", "cast"), max_ops=8, symbolic=False))

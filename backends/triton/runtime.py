@@ -51,7 +51,9 @@ def to_torch(array: Any, device: torch.device) -> torch.Tensor:
         return array.to(device)
     array = np.asarray(array)
     contiguous = np.ascontiguousarray(array).reshape(array.shape)  # ascontiguousarray makes a 0-d array 1-d
-    if not contiguous.flags.writeable:  # torch tensors are writable: share no read-only memory
+    # Torch tensors are writable: share no read-only memory. NumPy calls an array of one
+    # element contiguous whatever its stride, and torch refuses a negative one (x[0:-2:-1]).
+    if not contiguous.flags.writeable or any(s < 0 for s in contiguous.strides):
         contiguous = contiguous.copy()
     if array.dtype == dtypes.numpy_dtype("bf16"):
         return torch.from_numpy(contiguous.view(np.uint16)).view(torch.bfloat16).to(device)
