@@ -22,6 +22,7 @@ bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/compile_minilm.py
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/cpu_speed.py
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/gemm_peers.py
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/op_profiles.py
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/attention_memory.py
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/cost_model_accuracy.py
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/triton_gpu.py
