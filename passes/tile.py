@@ -171,14 +171,17 @@ def _cpu_rows(group: FusionOp, hw, max_rows: int = 0, blas_gemm: bool = False) -
     if flat and gemms and all(row_gemm(op) for op in gemms) and (
             blas_gemm or (hw.cores > 1 and hw.blas_parallel_efficiency and not max_rows)):
         t, _, r, c = min(_price_rows(group, hw, total, row_bytes, max_rows, blas_gemm=True))
-        others.append((-1.0 if blas_gemm else t, {"flat": 1, "blas": 1} | ({"rows": r, "chunks": c} if c > 1 else {}),
+        others.append((t, {"flat": 1, "blas": 1} | ({"rows": r, "chunks": c} if c > 1 else {}),
                        f"its GEMM whole on BLAS's threads, then {c} chunks of {r} rows: predicted {t * 1e6:.1f} us"))
-    if flat and hw.cores > 1 and cols_ok(group) and not max_rows:
-        t, c, n = _cpu_cols(group, hw, total, row_bytes) or (math.inf, 0, 0)
+    columns = _cpu_cols(group, hw, total, row_bytes) if flat and hw.cores > 1 and cols_ok(group) and not max_rows \
+        else None
+    if columns and not blas_gemm:
+        t, c, n = columns
         others.append((t, {"flat": 1, "cols": c, "chunks": n},
                        f"chunks of {c} columns, all {total} rows each ({n} chunks): predicted {t * 1e6:.1f} us"))
-    if others and min(others, key=lambda o: o[0])[0] < time:
-        _, tile, why = min(others, key=lambda o: o[0])
+    best = min(others, key=lambda o: o[0], default=None)
+    if best and (best[0] < time or blas_gemm):  # (tile{blas-gemm=true}: the only other candidate, taken)
+        _, tile, why = best
         if listening():
             remark("tile", f"{what}: {why}; next best: the GEMM in chunks of {rows} rows, {time * 1e6:.1f} us")
         return tile
