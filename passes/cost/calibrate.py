@@ -49,6 +49,9 @@ QUICK_GEMM_SHAPES = ((16, 16, 16), (128, 128, 32), (128, 384, 384), (256, 1536, 
 CALL_ELEMENTS = 16  # "a small array": the call's fixed cost dominates
 ALLOC_BYTES = 1 * 2**20  # a typical activation chunk: MiniLM b1 s128 x 1536 f32 is 0.75 MiB
 REDUCE_AXIS = 256  # last-axis length of the reductions timed (a row of a hidden state)
+# Elements of the spilled measurement: 1 MiB per array, a 64-row chunk of a 4096-wide layer;
+# three arrays of it (two in, one out) overflow a 1-2 MiB L2.
+SPILLED_ELEMENTS = 1 << 18
 
 # Fallbacks where /sys does not say (sizes of a common x86 server core).
 DEFAULT_L1D, DEFAULT_L2, DEFAULT_L3 = 32 * 2**10, 512 * 2**10, 32 * 2**20
@@ -142,6 +145,8 @@ def _ufuncs(n: int, rng: np.random.Generator) -> dict[str, Callable[[], object]]
     rows = x.reshape(-1, REDUCE_AXIS)
     reduced = np.empty(rows.shape[0], np.float32)
     transposed = out.reshape(REDUCE_AXIS, -1)
+    out_rows = out.reshape(rows.shape)
+    scale, shift = x[:REDUCE_AXIS].copy(), y[:REDUCE_AXIS].copy()
     return {
         "add": lambda: np.add(x, y, out=out),
         "sub": lambda: np.subtract(x, y, out=out),
@@ -156,6 +161,10 @@ def _ufuncs(n: int, rng: np.random.Generator) -> dict[str, Callable[[], object]]
         "sum": lambda: np.sum(rows, axis=-1, out=reduced),
         "max": lambda: np.max(rows, axis=-1, out=reduced),
         "erf": lambda: K.erf(x),  # the float32 kernel: 16 NumPy passes
+        # The fused kernels as K runs them, rather than a guess of their passes.
+        "gelu": lambda: K.gelu(x, "none", out=out),
+        "layer_norm": lambda: K.layer_norm(rows, scale, shift, -1, 1e-5, out=out_rows),
+        "softmax": lambda: K.softmax(rows, -1, out=out_rows),
         "copy": lambda: np.copyto(out, x),
         "transpose": lambda: np.copyto(transposed, rows.T),  # a layout change, strided reads
     }
@@ -203,7 +212,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
     big = max(REDUCE_AXIS * 8, caches["l2"] // (4 * 8) // REDUCE_AXIS * REDUCE_AXIS)
     small = max(REDUCE_AXIS, big // 8 // REDUCE_AXIS * REDUCE_AXIS)
     small_calls, big_calls = _ufuncs(small, rng), _ufuncs(big, rng)
-    bar = Progress(8 + len(shapes) + len(big_calls), sys.stderr.isatty() if progress is None else progress)
+    bar = Progress(10 + len(shapes) + len(big_calls), sys.stderr.isatty() if progress is None else progress)
     f32 = np.float32
 
     bar.step("call overhead")
@@ -217,6 +226,8 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
     fork_join, efficiency, blas_efficiency = _parallel_costs(budget, rng)
     bar.step("convolution")
     conv_rate = _conv_rate(budget, rng)
+    bar.step("attention")
+    attention_rates, attention_speedup = _attention_rates(budget, rng)
 
     # A temporary: allocate and first touch, beyond touching a buffer that is reused.
     # glibc hands a freed block of this size straight back (no page faults), so the
@@ -253,6 +264,11 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         t_small, t_big = median_times((small_calls[name], big_calls[name]), budget)
         # Noise can make the slope meaningless on a busy machine: then the whole big call.
         rates[name] = (big - small) / (t_big - t_small) if t_big > t_small * 1.05 else big / t_big
+    # Chunks of wide layers spill: their arrays stream between L2 and L3 at every pass.
+    bar.step("passes over spilled chunks")
+    spilled_calls = _ufuncs(SPILLED_ELEMENTS, rng)
+    spilled = {name: SPILLED_ELEMENTS / t
+               for name, t in zip(spilled_calls, median_times(tuple(spilled_calls.values()), budget))}
     bar.close()
 
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
@@ -273,10 +289,13 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         parallel_efficiency=efficiency,
         blas_parallel_efficiency=blas_efficiency,
         conv_rate=conv_rate,
+        attention_rates=attention_rates,
+        attention_speedup=attention_speedup,
         skinny_gemm=skinny,
         links={},
         gemm_samples=tuple(samples),
         ufunc_rates=rates,
+        ufunc_rates_spilled=spilled,
         source=(f"calibrated {stamp} on {cpu_model()} ({cores} cores, numpy {np.__version__}"
                 f"{', quick' if quick else ''})"),
     )
@@ -312,6 +331,10 @@ SKINNY_NK = (3072, 768)
 PARALLEL_GEMM = (256, 1536, 384)
 # A small CNN's convolution (N, C, H, W), (M, C, kh, kw): the kernel's rate on real work.
 CONV_SHAPES = ((32, 8, 16, 16), (16, 8, 3, 3))
+# Batch, heads, sequence and head dims of the attention measurement: MiniLM's (32) and
+# GPT-2's (64) heads, at enough scores (4 x 12 x 128 x 128) that the kernel runs on all
+# cores (ir/kernels.MIN_PARALLEL_SCORES).
+ATTENTION_BATCH, ATTENTION_HEADS, ATTENTION_SEQ, ATTENTION_HEAD_DIMS = 4, 12, 128, (32, 64)
 
 
 def _parallel_costs(budget, rng) -> tuple[float, float, float]:
@@ -341,6 +364,32 @@ def _parallel_costs(budget, rng) -> tuple[float, float, float]:
         (blas,) = median_times((blas_gemm,), budget)
     # Ideally the cores' chunks together take as long as one alone, plus the fork/join.
     return empty, min(1.0, one / max(together - empty, 1e-12)), min(1.0, one / blas)
+
+
+def _attention_rates(budget, rng) -> tuple[tuple[tuple[int, float], ...], float]:
+    """((head dim, FLOP/s on one core) of K.attention_tiled for each of ATTENTION_HEAD_DIMS,
+    its speedup on all cores at the largest head dim)."""
+    from backends.numpy.chunks import THREADS
+    from ir import kernels
+
+    rates, speedup = [], 1.0
+    for d in ATTENTION_HEAD_DIMS:
+        # Heads as a transformer hands them over: strided views into one Q|K|V projection.
+        qkv = rng.standard_normal((ATTENTION_BATCH, ATTENTION_SEQ, 3, ATTENTION_HEADS, d), dtype=np.float32)
+        q, k, v = (qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+        out = np.empty(q.shape, np.float32)
+
+        def attend(threads):
+            return lambda: kernels.attention_tiled(q, k, v, None, 0.125, False, ATTENTION_SEQ, ATTENTION_SEQ,
+                                                   threads=threads, out=out)
+
+        one, = median_times((attend(1),), budget)
+        # (the FLOP count of passes/cost/model.op_flops: two GEMMs and the softmax's passes)
+        rates.append((d, ATTENTION_BATCH * ATTENTION_HEADS * ATTENTION_SEQ ** 2 * (4 * d + 5) / one))
+        if THREADS > 1 and d == ATTENTION_HEAD_DIMS[-1]:
+            together, = median_times((attend(THREADS),), budget)
+            speedup = one / together
+    return tuple(rates), speedup
 
 
 def _conv_rate(budget, rng) -> float:
@@ -382,13 +431,18 @@ def summary(hw: Hardware) -> str:
         ("GEMM on all cores / (cores x one core)", f"{hw.parallel_efficiency:.2f}"),
         ("the same, one GEMM on BLAS's threads", f"{hw.blas_parallel_efficiency:.2f}"),
         ("convolution kernel (K.conv)", f"{hw.conv_rate / 1e9:.1f} GFLOP/s"),
+        ("attention kernel (K.attention_tiled, one core, by head dim)",
+         " ".join(f"{d}:{r / 1e9:.1f}" for d, r in hw.attention_rates) + " GFLOP/s"),
+        ("attention kernel: all cores / one core", f"{hw.attention_speedup:.2f}x"),
         ("skinny GEMM efficiency (rows: share of a tall one)",
          " ".join(f"{r}:{e:.2f}" for r, e in hw.skinny_gemm)),
         ("peak f32 GEMM (all cores)", f"{hw.flops('f32') / 1e9:.1f} GFLOP/s"),
         ("f64 GEMM (largest shape)", f"{hw.flops('f64') / 1e9:.1f} GFLOP/s"),
     ]
     rows += [(f"GEMM f32 {m}x{n}x{k} (one core)", f"{r / 1e9:.1f} GFLOP/s") for m, n, k, r in hw.gemm_samples]
-    rows += [(f"f32 {name} (in cache)", f"{rate / 1e9:.2f} Gelem/s") for name, rate in hw.ufunc_rates.items()]
+    rows += [(f"f32 {name} (in cache / spilled)",
+              f"{rate / 1e9:.2f} / {hw.ufunc_rates_spilled.get(name, rate) / 1e9:.2f} Gelem/s")
+             for name, rate in hw.ufunc_rates.items()]
     width = max(len(r[0]) for r in rows)
     lines = [hw.source, f"{'measurement':<{width}}  {'value':>16}"]
     lines += [f"{name:<{width}}  {value:>16}" for name, value in rows]

@@ -29,7 +29,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Mapping
 
-PROFILE_FORMAT = 6  # (2: per-core GEMM samples; 3: chunk_call_overhead; 4: parallel costs, conv rate; 5: skinny GEMMs; 6: BLAS threads) bump when the JSON layout changes: older profiles are then re-measured
+PROFILE_FORMAT = 7  # (2: per-core GEMM samples; 3: chunk_call_overhead; 4: parallel costs, conv rate; 5: skinny GEMMs; 6: BLAS threads; 7: attention, fused kernels, spilled rates) bump when the JSON layout changes: older profiles are then re-measured
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,9 @@ class Hardware:
     # (m, n, k, FLOP/s) of one f32 np.matmul, net of launch_overhead: time = launch + 2mnk / rate
     gemm_samples: tuple[tuple[int, int, int, float], ...] = ()
     ufunc_rates: Mapping[str, float] = field(default_factory=dict)  # elements/s, f32, cache-resident
+    # elements/s, f32, of the same calls over a chunk whose arrays spill out of one core's L2
+    # (what a row chunk of a wide layer sees); empty: `ufunc_rates` at every size.
+    ufunc_rates_spilled: Mapping[str, float] = field(default_factory=dict)
     source: str = ""  # datasheet URLs, or "calibrated <date> on <cpu model> ..."
     # GPU only: the most shared memory one thread block may use (the tile pass's limit).
     shared_memory_per_block: int = 0
@@ -86,6 +89,11 @@ class Hardware:
     # same other dims; the volume curve (`gemm_samples`) alone cannot tell 8 x 3072 x 768
     # (35 GFLOP/s on one core here) from 128 x 384 x 384 (89).
     skinny_gemm: tuple[tuple[int, float], ...] = ()
+    # CPU only: (head dim, FLOP/s) of the NumPy attention kernel (K.attention_tiled, one
+    # core): its batched small GEMMs over strided heads and its softmax passes run far
+    # below the GEMM curve; and its speedup on all cores. Empty: priced from the GEMM curve.
+    attention_rates: tuple[tuple[int, float], ...] = ()
+    attention_speedup: float = 0.0
 
     # Dict fields make the generated hash fail; these three identify a profile.
     def __hash__(self) -> int:
@@ -142,6 +150,7 @@ class Hardware:
         d["links"] = {k: Link(**v) for k, v in d.get("links", {}).items()}
         d["gemm_samples"] = tuple((int(m), int(n), int(k), float(r)) for m, n, k, r in d.get("gemm_samples", ()))
         d["skinny_gemm"] = tuple((int(r), float(e)) for r, e in d.get("skinny_gemm", ()))
+        d["attention_rates"] = tuple((int(h), float(r)) for h, r in d.get("attention_rates", ()))
         return cls(**d)
 
 
@@ -368,9 +377,11 @@ def cpu_model() -> str:
 
 
 def cpu_profile_path() -> Path:
-    """Where this machine's profile lives: one file per CPU model and core count."""
+    """Where this machine's profile lives: one file per CPU model, core count and profile
+    format. The format is in the name so that two checkouts of different versions on one
+    machine do not each re-measure and overwrite the other's profile on every run."""
     slug = re.sub(r"[^A-Za-z0-9]+", "-", cpu_model()).strip("-").lower() or "cpu"
-    return cache_dir() / f"cpu-{slug}-{os.cpu_count() or 1}cores.json"
+    return cache_dir() / f"cpu-{slug}-{os.cpu_count() or 1}cores-v{PROFILE_FORMAT}.json"
 
 
 def load_profile(path) -> Hardware | None:

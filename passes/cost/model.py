@@ -17,27 +17,32 @@ differently:
 * GPU (Triton): one kernel per group: launch overhead + max(flops / peak(dtype),
   bytes / HBM bandwidth); matmuls at `Hardware.matmul_rate` (tile quantization).
 * CPU (the NumPy backend): GEMMs at the calibrated per-core rate of their shape
-  (`Hardware.matmul_rate`), on one core when run whole in a group (BLAS is kept
-  single-threaded while a compiled model runs) and on all cores when cut into row
-  chunks or unfused. NumPy makes one pass over memory per ufunc call, so an
-  op costs the passes its kernel makes (`CPU_PASSES`), each at the calibrated rate
-  of that ufunc on cache-resident data (`Hardware.ufunc_rates`) or at streaming
-  bandwidth when its operands do not fit in cache, plus the fixed cost of each
-  call. A fused group runs its non-contraction ops over cache-sized row chunks on
-  all cores (that is what `tile` writes and the NumPy backend does), so those
-  passes run at the cache rate divided over the threads, and main memory is
-  touched only for the group's inputs and outputs (added, not overlapped: NumPy
-  makes one pass at a time).
+  (`Hardware.matmul_rate`), on one core when run whole in a group, on all cores when
+  cut into chunks or run on BLAS's threads. The attention kernel runs at its own
+  calibrated rate by head dim (`Hardware.attention_rates`): its batched small GEMMs
+  over strided heads are far off the GEMM curve. NumPy makes one pass over memory per
+  ufunc call, so an op costs the passes its kernel makes (`CPU_PASSES`) at the
+  calibrated rate of each ufunc, or, for the kernels the profile timed whole (gelu,
+  layer_norm, softmax), one pass at that kernel's rate; cache-resident rates for
+  operands that fit one core's L2, spilled rates for bigger ones. Plus the fixed
+  cost of each call. A fused group runs its non-contraction ops over row or column
+  chunks on all cores (what `tile` writes and the NumPy backend does). Main memory:
+  a kernel's weights always (a model's weights outgrow the caches), and the rest of
+  its inputs and outputs unless they fit one core's L2; added to compute, not
+  overlapped, since NumPy makes one pass at a time.
 """
 
 from __future__ import annotations
+
+import math
 
 from dataclasses import dataclass, field
 from functools import reduce
 from typing import Iterable, Mapping, Sequence
 
+import numpy as np
 import sympy
-from xdsl.ir import Operation
+from xdsl.ir import BlockArgument, Operation, SSAValue
 
 from ir import dtypes
 from ir.dialect import FusionOp, TgOp
@@ -185,14 +190,29 @@ def _gemm_rate(hw, op: TgOp) -> float:
 
 
 def _cpu_passes_time(hw, name: str, elements: sympy.Expr, in_cache: bool, bytes_: sympy.Expr) -> sympy.Expr:
-    """Time of the NumPy passes an op makes over `elements` values."""
+    """Time of the NumPy passes an op makes over `elements` values. A kernel the profile
+    timed whole (gelu, layer_norm, softmax) is one pass at its own rate; operands too big
+    for one core's L2 run at the spilled rate.
+
+    By the op's whole size, not its chunk's: pricing chunks that fit at the cache rate
+    made `tile` pick chunks of 16-32 rows on MiniLM and GPT-2, whose per-chunk costs in a
+    running model (pool wake-ups, BLAS threads still spinning) it underprices."""
+    passes = ((name, 1),) if name in hw.ufunc_rates else CPU_PASSES.get(name, (("add", 1),))
     compute = sympy.Integer(0)
-    for ufunc, count in CPU_PASSES.get(name, (("add", 1),)):
+    for ufunc, count in passes:
         rate = hw.ufunc_rates.get(ufunc) or hw.ufunc_rates.get("add") or hw.cache_bandwidth / 8
+        spilled = hw.ufunc_rates_spilled.get(ufunc)
+        if spilled:
+            rate = sympy.Piecewise((rate, elements <= hw.cache_bytes // SPILL_ELEMENT_BYTES), (spilled, True))
         compute += count * elements / rate
     if in_cache:
         return compute
     return sympy.Max(compute, bytes_ / hw.memory_bandwidth)
+
+
+# Bytes per element that a pass keeps in L2: two f32 operands, a result, and the rest of
+# the chunk's live values (calibrate.SPILLED_ELEMENTS spills at 1 MiB per array).
+SPILL_ELEMENT_BYTES = 16
 
 
 # NumPy calls a kernel makes where that is not one per pass: K.erf evaluates its
@@ -214,9 +234,48 @@ def _anchor_time(op: TgOp, hw, cores: int) -> sympy.Expr:
         return flops / (_gemm_rate(hw, op) * _parallel(hw, cores))
     # K.attention_tiled: QK^T and PV GEMMs and a softmax over the scores, on all cores
     # only above the kernel's own threshold (ir/kernels.py).
-    m, n, _ = _matmul_shape(op)
-    one_core = flops / _gemm_rate(hw, op) + _cpu_passes_time(hw, "softmax", m * n, True, sympy.Integer(0))
-    return sympy.Piecewise((one_core, m * n < MIN_PARALLEL_SCORES), (one_core / _parallel(hw, hw.cores), True))
+    m, n, d = _matmul_shape(op)
+    if hw.attention_rates:  # the kernel as calibrated: its batched small GEMMs are far off the GEMM curve
+        one_core = flops / _interpolate(hw.attention_rates, at_nominal(d))
+        speedup = hw.attention_speedup or _parallel(hw, hw.cores)
+    else:
+        one_core = flops / _gemm_rate(hw, op) + _cpu_passes_time(hw, "softmax", m * n, True, sympy.Integer(0))
+        speedup = _parallel(hw, hw.cores)
+    return sympy.Piecewise((one_core, m * n < MIN_PARALLEL_SCORES), (one_core / speedup, True))
+
+
+def _interpolate(samples: Sequence[tuple[int, float]], x: float) -> float:
+    """The sampled value at x, linear in log(x) between samples, clamped at the ends."""
+    xs, ys = zip(*sorted(samples))
+    return float(np.interp(math.log(max(x, 1)), [math.log(v) for v in xs], ys))
+
+
+def _uncached(hw, bytes_: sympy.Expr, ops: Sequence[Operation]) -> sympy.Expr:
+    """(CPU) Time to move a kernel's `bytes_` from memory: only its weights when the rest
+    fits one core's cache, else all of them.
+
+    Weights: read once per forward, and a model's weights outgrow the caches, so each
+    comes from memory. One core's cache, not all of them: the kernel before ran its
+    chunks on every core, so what it wrote sits in several private caches. Measured
+    (benchmarks/cost_model_accuracy.py): GPT-2's 2.4 MB residual adds ran at memory,
+    not cache, speed, though under 2 cores' L2.
+    """
+    weights = {v: None for op in ops for v in map(_through_views, op.operands)
+               if isinstance(v.owner, TgOp) and v.owner.op_name == "weight"}
+    cold = sum((_nbytes(info_of(v.type)) for v in weights), sympy.Integer(0))
+    return sympy.Piecewise((cold, bytes_ <= hw.cache_bytes), (bytes_, True)) / hw.memory_bandwidth
+
+
+def _through_views(v: SSAValue) -> SSAValue:
+    """The value `v` is a view of (through reshapes, transposes, ..., and out of a
+    `tg.fusion` body to the group's operand), or v itself."""
+    while True:
+        if isinstance(v, BlockArgument) and isinstance(v.owner.parent_op(), FusionOp):
+            v = v.owner.parent_op().operands[v.index]
+        elif isinstance(v.owner, TgOp) and v.owner.op_name in VIEW_OPS and v.owner.operands:
+            v = v.owner.operands[0]
+        else:
+            return v
 
 
 def _parallel(hw, workers) -> sympy.Expr:
@@ -254,9 +313,8 @@ def op_cost(op: TgOp, hw) -> Cost:
         return Cost(flops, bytes_, sympy.Max(compute, memory) + overhead, compute, memory, overhead, label=name,
                     ops=[name])
     elements = _elements(out) if op.SPEC.category != "reduction" else _elements(info_of(op.operands[0].type))
-    fits = at_nominal(bytes_) <= hw.cache_bytes * hw.cores
     compute = _cpu_passes_time(hw, name, elements, True, bytes_)
-    memory = sympy.Integer(0) if fits else bytes_ / hw.memory_bandwidth
+    memory = _uncached(hw, bytes_, [op])
     overhead = sympy.Float(_calls(name) * hw.launch_overhead + hw.alloc_overhead)
     return Cost(flops, bytes_, sympy.Max(compute, memory) + overhead, compute, memory, overhead, label=name,
                 ops=[name])
@@ -335,10 +393,8 @@ def group_cost(ops: Sequence[TgOp], inputs: Sequence[TensorInfo], outputs: Seque
         parallel + sympy.Float(hw.alloc_overhead) * len(outputs) + fork_join
     # NumPy runs one pass at a time: the group's inputs stream in from memory on the
     # first pass over each chunk, and the rest run on cached data, so the two add up
-    # (a roofline max would let a long epilogue hide its own memory traffic). Inputs
-    # and outputs that fit in the caches stay there between kernels, as for one op.
-    if at_nominal(bytes_) <= hw.cache_bytes * hw.cores:
-        memory = sympy.Integer(0)
+    # (a roofline max would let a long epilogue hide its own memory traffic).
+    memory = _uncached(hw, bytes_, ops)
     return Cost(flops, bytes_, compute + memory + overhead, compute, memory, overhead,
                 kernels=1, label=label, ops=names)
 
