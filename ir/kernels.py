@@ -158,10 +158,18 @@ def _arg(fn, x, axis, keepdims, select_last_index):
     return np.asarray(idx, dtype=np.int64)
 
 
+def row_max(x, axis):
+    """The max over `axis` (keepdims) that softmax shifts by. np.fmax.reduce, not np.max:
+    1.6x faster over rows of 128 here (NumPy's max checks for NaN element by element).
+    It skips NaN, but a row holding a NaN comes out all NaN anyway: x - max keeps that
+    NaN, and the row's sum carries it to every element."""
+    return np.fmax.reduce(x, axis=axis, keepdims=True)
+
+
 def softmax(x, axis, out=None):
     # One temporary, reused in place: softmax is memory-bound, and each extra
     # full-size array cost ~15% on MiniLM's attention scores (8x12x128x128).
-    e = np.subtract(x, np.max(x, axis=axis, keepdims=True), out=out)
+    e = np.subtract(x, row_max(x, axis), out=out)
     np.exp(e, out=e)
     e /= np.sum(e, axis=axis, keepdims=True)
     return e
@@ -539,7 +547,7 @@ def _attend_whole(q, k, v, mask, scale, causal, out, acc):
     lq, lk = q.shape[-2], k.shape[-2]
     s = np.matmul(q.astype(acc, copy=False) * scale, np.swapaxes(k, -1, -2).astype(acc, copy=False))
     _apply_masks(s, mask, causal, lq, lk, 0, lq, 0, lk)
-    s -= np.max(s, axis=-1, keepdims=True)  # a fully masked row: -inf - -inf = NaN, as in `attention`
+    s -= row_max(s, -1)  # a fully masked row: -inf - -inf = NaN, as in `attention`
     np.exp(s, out=s)
     total = np.sum(s, axis=-1, keepdims=True)
     # Dividing the [Lq, Dv] output rather than the [Lq, Lk] probabilities: Dv < Lk in practice.
@@ -570,7 +578,7 @@ def _attend_rows(q, k, v, mask, scale, causal, i0, i1, block_kv, out, acc):
         s = s_buf if j1 - j0 == s_buf.shape[-1] else s_buf[..., :j1 - j0]
         np.matmul(qs, np.swapaxes(k[..., j0:j1, :], -1, -2).astype(acc, copy=False), out=s)
         _apply_masks(s, mask, causal, lq, lk, i0, i1, j0, j1)
-        block_max = np.max(s, axis=-1, keepdims=True)
+        block_max = row_max(s, -1)  # a NaN score makes its row's sum (l), so the row, NaN
         m_new = block_max if m is None else np.maximum(m, block_max)  # NaN stays NaN
         # Rows with no kept key yet have m = -inf; shifting them by 0 keeps exp(-inf) = 0
         # rather than exp(-inf - -inf) = NaN, so a later kept key still counts.
