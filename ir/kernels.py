@@ -525,28 +525,40 @@ def _lead(a, lead):
     return a[tuple(i if n > 1 else (slice(None) if isinstance(i, slice) else 0) for i, n in zip(lead, a.shape))]
 
 
-def _apply_masks(s, mask, causal, lq, lk, i0, i1, j0, j1):
+def _apply_masks(s, mask, causal, lq, lk, i0, i1, j0, j1, exact=False):
     """Mask the scores block s = rows [i0, i1) x keys [j0, j1) in place, as `attention` does.
 
     `mask` is the caller's, not broadcast: negating a boolean block then costs the
-    mask's own size ([batch, 1, 1, keys] for a padding mask), not the scores'."""
+    mask's own size ([batch, 1, 1, keys] for a padding mask), not the scores'.
+
+    Fast (default): s = min(s, cap), cap +inf where kept and -inf where dropped, built
+    at the mask's size: 4-5x faster over MiniLM's scores than a masked copy, and the
+    same unless a dropped score is NaN (min keeps the NaN where `attention` puts -inf).
+    That NaN reaches its row's sum, so the caller sees a NaN row and redoes the block
+    with `exact` (see `_attend`)."""
+    def drop(where):
+        if exact:
+            np.copyto(s, -np.inf, where=where)
+        else:
+            np.minimum(s, np.where(where, s.dtype.type(-np.inf), s.dtype.type(np.inf)), out=s)
+
     if causal and j1 - 1 > i0 + (lk - lq):  # some key of the block lies past some row's diagonal
-        np.copyto(s, -np.inf, where=_causal_drop(lq, lk, i0, i1, j0, j1))
+        drop(_causal_drop(lq, lk, i0, i1, j0, j1))
     if mask is not None:
         rows = slice(i0, i1) if mask.shape[-2] > 1 else slice(None)
         keys = slice(j0, j1) if mask.shape[-1] > 1 else slice(None)
         block = mask[..., rows, keys]
         if block.dtype == np.bool_:
-            np.copyto(s, -np.inf, where=~block)
+            drop(~block)
         else:
             s += block
 
 
-def _attend_whole(q, k, v, mask, scale, causal, out, acc):
+def _attend_whole(q, k, v, mask, scale, causal, out, acc, exact=False):
     """One block covers the sequence: softmax in place on one scores buffer, normalize after P @ V."""
     lq, lk = q.shape[-2], k.shape[-2]
     s = np.matmul(q.astype(acc, copy=False) * scale, np.swapaxes(k, -1, -2).astype(acc, copy=False))
-    _apply_masks(s, mask, causal, lq, lk, 0, lq, 0, lk)
+    _apply_masks(s, mask, causal, lq, lk, 0, lq, 0, lk, exact)
     s -= row_max(s, -1)  # a fully masked row: -inf - -inf = NaN, as in `attention`
     np.exp(s, out=s)
     total = np.sum(s, axis=-1, keepdims=True)
@@ -558,7 +570,7 @@ def _attend_whole(q, k, v, mask, scale, causal, out, acc):
         out[...] = np.matmul(s, v.astype(acc, copy=False)) / total
 
 
-def _attend_rows(q, k, v, mask, scale, causal, i0, i1, block_kv, out, acc):
+def _attend_rows(q, k, v, mask, scale, causal, i0, i1, block_kv, out, acc, exact=False):
     """Rows [i0, i1) of the output (out is their view), streaming over key/value blocks."""
     lq, lk = q.shape[-2], k.shape[-2]
     # Keys past the last row's diagonal are dropped for every row of the block: skip them.
@@ -577,7 +589,7 @@ def _attend_rows(q, k, v, mask, scale, causal, i0, i1, block_kv, out, acc):
         j1 = min(j0 + block_kv, kv_end)
         s = s_buf if j1 - j0 == s_buf.shape[-1] else s_buf[..., :j1 - j0]
         np.matmul(qs, np.swapaxes(k[..., j0:j1, :], -1, -2).astype(acc, copy=False), out=s)
-        _apply_masks(s, mask, causal, lq, lk, i0, i1, j0, j1)
+        _apply_masks(s, mask, causal, lq, lk, i0, i1, j0, j1, exact)
         block_max = row_max(s, -1)  # a NaN score makes its row's sum (l), so the row, NaN
         m_new = block_max if m is None else np.maximum(m, block_max)  # NaN stays NaN
         # Rows with no kept key yet have m = -inf; shifting them by 0 keeps exp(-inf) = 0
@@ -650,14 +662,20 @@ def attention_tiled(q, k, v, mask, scale, causal, block_q, block_kv, threads=1, 
                  for lead in np.ndindex(*batch[:split - 1]) for c in range(0, batch[split - 1], step)]
     items = [(lead, rows) for lead in leads for rows in row_blocks]
 
+    masked = causal or (mask is not None and mask.dtype == np.bool_)  # what the fast mask applies to
+
     def run(item):
         lead, (i0, i1) = item
         bm = None if mask is None else _lead(mask, lead)
-        if whole:
-            _attend_whole(q[lead], k[lead], v[lead], bm, scale, causal, out[lead], acc)
-        else:
-            _attend_rows(q[lead], k[lead], v[lead], bm, scale, causal, i0, i1, block_kv,
-                         out[lead][..., i0:i1, :], acc)
+        rows = out[lead][..., i0:i1, :]
+        for exact in (False, True):
+            if whole:
+                _attend_whole(q[lead], k[lead], v[lead], bm, scale, causal, out[lead], acc, exact)
+            else:
+                _attend_rows(q[lead], k[lead], v[lead], bm, scale, causal, i0, i1, block_kv, rows, acc, exact)
+            # A NaN row may come from a NaN score the fast mask kept (_apply_masks): redo exactly.
+            if exact or not masked or not np.isnan(rows).any():
+                break
 
     if threads <= 1 or len(items) == 1:
         with OneBlasThread(), np.errstate(invalid="ignore"):

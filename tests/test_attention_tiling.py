@@ -5,6 +5,8 @@
   additive masks (fully masked rows included), f16/f32/f64, one thread or two, it
   agrees with `K.attention` evaluated in float64 within the dtype's tolerance, NaN
   rows included, and returns the input dtype;
+* keys that are NaN or infinite give what `attention` gives: dropped by a mask, they
+  change nothing (the fast mask's fallback, `K._apply_masks`);
 * causal key blocks wholly above the diagonal are never read;
 * extra memory grows with the sequence times the block, not with Lq x Lk;
 * `out=` receives the result in place.
@@ -50,6 +52,11 @@ def attention_cases(draw):
     q = rng.standard_normal(operand_batch() + (lq, d))
     k = rng.standard_normal(operand_batch() + (lk, d))
     v = rng.standard_normal(operand_batch() + (lk, dv))
+    # Non-finite keys (whole rows: every query's score for that key): where a mask drops
+    # them the row stays finite, where it keeps them the row is NaN or saturates.
+    poison = draw(st.sampled_from([None, np.nan, np.inf, -np.inf]))
+    if poison is not None:
+        k[rng.random(k.shape[:-1]) < 0.3] = poison
     kind = draw(st.sampled_from(["none", "bool", "float"]))
     mask = None
     if kind != "none":
@@ -120,6 +127,26 @@ def test_tiled_attention_matches_the_float64_reference(case):
     assert got.dtype == q.dtype
     # assert_close compares NaNs by position: a row attention leaves NaN must be NaN here too.
     assert_close(got, expected, case["dtype"], reduction_length=k.shape[-2], name="attention_tiled")
+
+
+@pytest.mark.parametrize("causal, mask_kind", [(False, "bool"), (True, "none"), (True, "bool")])
+@pytest.mark.parametrize("block_q, block_kv", [(12, 12), (2, 3)])
+def test_a_nan_key_the_mask_drops_changes_nothing(causal, mask_kind, block_q, block_kv):
+    # The fast mask (min with -inf) keeps a dropped NaN score; the kernel must notice the
+    # NaN row it makes and redo it with the exact mask, as `attention` drops it to -inf.
+    case = _case(6, 6, causal=causal, block_q=block_q, block_kv=block_kv, mask_kind=mask_kind, batch=(2,))
+    k, mask = case["k"].copy(), case["mask"]
+    if mask is not None:
+        mask = mask.copy()
+        mask[:, 2] = False  # key 2 dropped for every query...
+        mask[0, 0] = True   # ...and every row keeps a key
+        k[..., 2, :] = np.nan
+    else:
+        k[..., 5, :] = np.nan  # causal: the last key, dropped for all but the last row
+    expected = reference(case["q"], k, case["v"], mask, SCALE, causal)
+    assert np.isfinite(expected[..., :5, :]).all()
+    got = K.attention_tiled(case["q"], k, case["v"], mask, SCALE, causal, block_q, block_kv)
+    assert_close(got, expected, "f32", reduction_length=6, name="attention_tiled")
 
 
 def test_causal_blocks_above_the_diagonal_are_never_read():
