@@ -81,6 +81,9 @@ BINARY = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div", "pow": "Pow", 
           "ge": "GreaterOrEqual", "where": "Where"}
 REDUCE = {"reduce_sum": "ReduceSum", "reduce_mean": "ReduceMean", "reduce_max": "ReduceMax",
           "reduce_min": "ReduceMin", "reduce_prod": "ReduceProd"}
+# Ops whose ONNX form computes a shape from the symbolic dims (Reshape, Expand, Range, ...): each symbol
+# must be an input's dim, read by Shape at run time.
+SHAPE_COMPUTING = ("reshape", "broadcast", "iota", "attention", "layer_norm")
 # tg ops ONNX has no operator for; each is refused with this reason.
 NO_ONNX_OP = {"expm1": "ONNX has no Expm1 (exp(x) - 1 loses every digit for small x)",
               "log1p": "ONNX has no Log1p (log(1 + x) loses every digit for small x)",
@@ -114,9 +117,7 @@ def _refusal(op, resolvable: Callable[[sympy.Expr], bool]) -> str | None:
     if name not in ("dequantize", "weight", "dynamic_quantize") and \
             any(t.dtype in WIDENED for t in infos):
         return "MX element and scale types are exported widened, only as weights read by tg.dequantize"
-    if name == "quantize" and op.attr("to") in WIDENED:
-        return f"quantizing to {op.attr('to')} at run time: onnxruntime has no {op.attr('to')} type"
-    if name == "dynamic_quantize" and op.attr("to") in WIDENED:
+    if name in ("quantize", "dynamic_quantize") and op.attr("to") in WIDENED:
         return f"quantizing to {op.attr('to')} at run time: onnxruntime has no {op.attr('to')} type"
     if name in ("shift_left", "shift_right") and not op.result_infos()[0].dtype.startswith("ui"):
         return "ONNX BitShift is defined on unsigned integers only"
@@ -136,9 +137,10 @@ def _refusal(op, resolvable: Callable[[sympy.Expr], bool]) -> str | None:
     for t in infos:
         if t.dtype not in _onnx_types() and t.dtype not in WIDENED:
             return f"element type {t.dtype} has no ONNX type"
-        for d in t.shape:
-            if not isinstance(d, int) and not resolvable(d):
-                return f"dimension {d} is not computable from the inputs' dims"
+        if name in SHAPE_COMPUTING:
+            for d in t.shape:
+                if not isinstance(d, int) and not resolvable(d):
+                    return f"dimension {d} is not computable from the inputs' dims"
     return None
 
 
@@ -202,14 +204,18 @@ class _Exporter:
         self.symbols = _SymbolTable(model)
         self.dim_cache: dict = {}
         self.const_cache: dict = {}
+        # ONNX names are one namespace: inputs and outputs keep theirs, nothing else may take them.
+        self.taken = set(model.input_names) | set(model.output_names)
+        self.weight_names: dict[str, str] = {}  # weight store name -> initializer name
 
     # -- names, constants, nodes
     def fresh(self, hint: str = "v") -> str:
-        self.count += 1
-        return f"{hint}_{self.count}"
-
-    def onnx_type(self, dtype: str) -> int:
-        return self.types[WIDENED.get(dtype, dtype)]
+        while True:
+            self.count += 1
+            name = f"{hint}_{self.count}"
+            if name not in self.taken:
+                self.taken.add(name)
+                return name
 
     def initializer(self, name: str, value: np.ndarray) -> str:
         from onnx import numpy_helper
@@ -311,7 +317,11 @@ class _Exporter:
         for v, nm, info in zip(ret.operands, m.output_names, m.outputs):
             src = self.names[v]
             producer = next((n for n in self.nodes if src in n.output), None)
-            if src in taken or producer is None:  # an input, an initializer or a value returned twice
+            if nm in taken and src != nm:
+                raise ExportError(f"output name '{nm}' is also the name of an input or an earlier output")
+            if src == nm:  # an input returned under its own name
+                pass
+            elif src in taken or producer is None:  # an input, an initializer or a value returned twice
                 self.node("Identity", [src], [nm])
             else:
                 producer.output[list(producer.output).index(src)] = nm
@@ -517,7 +527,8 @@ def _broadcast(ex, op, ins):
 
 
 def _transpose(ex, op, ins):
-    return [ex.one("Transpose", ins[0], perm=list(op.attr("perm")))]
+    perm = list(op.attr("perm"))
+    return [ex.one("Transpose", ins[0], perm=perm) if perm else ex.one("Identity", ins[0])]  # (a scalar's)
 
 
 def _concat(ex, op, ins):
@@ -574,7 +585,11 @@ def _constant(ex, op, ins):
 
 
 def _weight(ex, op, ins):
-    return [ex.initializer(op.attr("name"), ex.model.weights[op.attr("name")])]
+    name = op.attr("name")
+    if name not in ex.weight_names:
+        ex.weight_names[name] = name if name not in ex.taken else ex.fresh("weight")
+        ex.taken.add(ex.weight_names[name])
+    return [ex.initializer(ex.weight_names[name], ex.model.weights[name])]
 
 
 def _iota(ex, op, ins):

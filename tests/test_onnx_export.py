@@ -20,7 +20,6 @@
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -36,7 +35,7 @@ from ir.quant import FORMATS
 from ir.shapes import info_of
 from passes.registry import DEFAULT_PIPELINE, UNFUSED_PIPELINE, run_pipeline
 from tilegraph.testing import (assert_close, graphs, narrowest_float, op_examples, random_inputs,
-                               reduction_length, tolerance)
+                               reduction_length)
 
 PROPERTY = settings(max_examples=60, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -95,8 +94,16 @@ def assert_runs_as_interpreted(model, inputs, proto=None) -> None:
 # --- float modules -------------------------------------------------------------------------------
 
 
+def _scalar_transpose():
+    """Found by hypothesis: a transpose of a rank-0 value (perm ()) made an empty `perm` attribute."""
+    g = Graph()
+    x = g.input("x", ())
+    return g.build(g.transpose(g.op("neg", x), ()), names=["y"])
+
+
 @PROPERTY
 @given(model=graphs())
+@example(model=_scalar_transpose())
 def test_random_graphs_run_in_onnxruntime_as_the_interpreter_runs_them(model):
     assert_runs_as_interpreted(model, random_inputs(model, seed=0))
 
@@ -392,3 +399,14 @@ def test_cli_export_writes_onnx_or_one_paragraph_and_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "Traceback" not in err and "tg.cumprod" in err and "tg.expm1" in err
     assert not (tmp_path / "bad.onnx").exists()
+
+
+def test_outputs_that_are_inputs_weights_or_repeated_get_their_own_names():
+    g = Graph()
+    x = g.input("x", ("B", 4))
+    w = g.weight("matmul_2", np.full((4, 4), 0.5, np.float32))  # the name a generated node could take
+    y = (x @ w) @ g.weight("x.w", np.eye(4, dtype=np.float32))
+    model = g.build(y, y, x, w, names=["y", "y_again", "x_out", "w_out"])
+    proto = to_onnx(model)
+    assert [o.name for o in proto.graph.output] == ["y", "y_again", "x_out", "w_out"]
+    assert_runs_as_interpreted(model, [np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)], proto)
