@@ -211,7 +211,7 @@ def test_dynamic_quantization_gives_tg_codes_and_scales_bit_for_bit(to, block, s
     q, s = g.op("dynamic_quantize", xi, to=to, block_size=block)
     y = g.op("dequantize", q, s, axis=1, block_size=block)
     model = g.build(q, y, names=["q", "y"])
-    proto, names = export(model)
+    proto, names, _ = export(model)
     assert_runs_as_interpreted(model, [x], proto)
     scale_name = names[s.value]
     proto.graph.output.append(onnx.ValueInfoProto(name=scale_name))
@@ -250,7 +250,7 @@ def _teacher_forced_mismatches(model, inputs) -> tuple[list[str], np.ndarray]:
     """Run the export in onnxruntime with every value an output; evaluate each tg op on onnxruntime's
     values of its operands and compare with onnxruntime's values of its results: codes exactly,
     floats within the op's tolerance. Returns the mismatches and onnxruntime's model output."""
-    proto, names = export(model)
+    proto, names, offsets = export(model)
     have = {o.name for o in proto.graph.output}
     for node in proto.graph.node:
         proto.graph.output.extend(onnx.ValueInfoProto(name=o) for o in node.output if o not in have)
@@ -264,6 +264,8 @@ def _teacher_forced_mismatches(model, inputs) -> tuple[list[str], np.ndarray]:
         if names[v] not in outs:  # a weight or constant: an initializer (MX ones widened), tg's own value
             return evaluate(v.owner, [], model.weights, glob, False)[0]
         a, dt = outs[names[v]], info_of(v.type).dtype
+        if names[v] in offsets:  # int8 codes written as uint8 + offset for MatMulInteger: shift them back
+            a = (a.astype(np.int16) - offsets[names[v]]).astype(np.int8)
         if dt in ("f8E4M3FN", "f8E5M2") and a.dtype == np.uint8:  # onnxruntime hands float8 back as bytes
             return a.view(dtypes.numpy_dtype(dt))
         return a.astype(dtypes.numpy_dtype(dt))  # E8M0 scales come back as their (exact) float32 values
@@ -341,12 +343,15 @@ def test_qdq_graph_holds_the_quantized_types_and_nodes(minilm):
 
     proto, inits, nodes = graph("w8a8")
     kinds = [n.op_type for n in nodes]
+    producer = {o: n for n in nodes for o in n.output}
     assert kinds.count("MatMulInteger") == 36 and kinds.count("QuantizeLinear") >= 18
     for n in nodes:
         if n.op_type == "MatMulInteger":
             assert inits[n.input[1]].data_type == T.INT8  # the weight, stored in int8
-        if n.op_type == "QuantizeLinear":
-            assert dict((a.name, a.i) for a in n.attribute)["output_dtype"] == T.INT8
+            # the activation's int8 codes, as uint8 + 128 (onnxruntime's fast GEMM), read back with zero point 128
+            q = producer[n.input[0]]
+            assert q.op_type == "QuantizeLinear" and len(q.input) == 3 and len(n.input) == 3
+            assert onnx.numpy_helper.to_array(inits[n.input[2]]) == 128
     proto, inits, nodes = graph("w4a16")
     dq = [n for n in nodes if n.op_type == "DequantizeLinear" and inits.get(n.input[0]) is not None
           and inits[n.input[0]].data_type == T.INT4]
