@@ -32,6 +32,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import tilegraph  # noqa: E402
+from backends.onnx_export import save_onnx  # noqa: E402
 from passes.quantize import SCHEMES, calibrate, linear_layers, save_calibration  # noqa: E402
 from passes.registry import UNFUSED_PIPELINE, run_pipeline  # noqa: E402
 from tests.models import export_onnx, minilm_model, minilm_tokenizer  # noqa: E402
@@ -241,6 +242,9 @@ def minilm_table(repeats: int) -> str:
         ort_paths = {"onnxruntime fp32": onnx_path, **ort_quantized(onnx_path, tmp, feeds)}
         model = tilegraph.import_model(str(onnx_path))
         variants = tilegraph_variants(model, [list(b) for b in cal_batches])
+        for label in ("w8a8 dynamic", "w8a8 calibrated"):  # tilegraph's module in QDQ form (backends/onnx_export.py)
+            ort_paths[f"tilegraph {label} -> QDQ -> onnxruntime"] = save_onnx(
+                variants[f"tilegraph {label}"], tmp / f"minilm.{label.replace(' ', '_')}.qdq.onnx")
         rows, runners = {}, {"torch fp32 eager": lambda: torch_model(torch.from_numpy(ids), torch.from_numpy(mask))}
         for name, path in ort_paths.items():
             sess = ort_session(path)

@@ -11,6 +11,7 @@
     tilegraph shard model.onnx --mesh 8 --target h100       # how to split it over 8 GPUs, predicted step time
     tilegraph run model.onnx --devices 4 --dim batch=4      # the sharded program on 4 local processes (gloo)
     tilegraph quantize model.onnx --calib samples.npz --scheme w8a8 -o model_q.mlir   # calibrate, quantize
+    tilegraph export model_q.mlir -o model_q.onnx      # to ONNX (QDQ form if quantized) for onnxruntime
 
 Every mistake in the input (a missing file, a malformed model, an unsupported op,
 a shape mismatch) is one paragraph on stderr and exit status 2; `check` exits 1
@@ -89,6 +90,20 @@ def _parser() -> argparse.ArgumentParser:
                          "output error on the calibration samples are quantized by --fallback instead")
     qz.add_argument("--fallback", default="w8", choices=["none", *SCHEMES],
                     help="with --max-error: the scheme of the sensitive layers (default: w8; none: float)")
+    qz.add_argument("--export-onnx", default=None, metavar="OUT.onnx",
+                    help="also write the quantized model as ONNX in QDQ form (backends/onnx_export.py)")
+
+    # --- export: ONNX for onnxruntime (backends/onnx_export.py) ---
+    exp = sub.add_parser("export", help="export a model to ONNX; a quantized one (tilegraph quantize) in QDQ form",
+                         description="Import the model, run the pipeline (default: the unfused default pipeline; "
+                                     "fused groups are exported as their ops) and write ONNX (opset 21) that "
+                                     "onnxruntime runs: quantized weights as int8/uint8/int4/float8 initializers "
+                                     "with QuantizeLinear/DequantizeLinear/MatMulInteger nodes; MX formats "
+                                     "widened exactly to float8 elements and float32 scales.")
+    exp.add_argument("model", help="model.onnx, model.pt2 or model.mlir (e.g. from tilegraph quantize)")
+    exp.add_argument("-o", "--output", required=True, help="the .onnx to write")
+    exp.add_argument("-p", "--pipeline", default=None,
+                     help="pass pipeline before export (default: the unfused default pipeline)")
 
     # --- calibrate: the measured CPU profile the cost model uses (passes/cost/calibrate.py) ---
     cal = sub.add_parser("calibrate", help="measure this machine for the cost model (under a minute)")
@@ -191,6 +206,8 @@ def _quantize(args) -> int:
 
     if args.batch_size < 1:
         raise TilegraphError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.export_onnx and not Path(args.export_onnx).parent.is_dir():
+        raise TilegraphError(f"--export-onnx {args.export_onnx}: no such directory {Path(args.export_onnx).parent}")
     model = run_pipeline(tilegraph.import_model(args.model), UNFUSED_PIPELINE)
     if not linear_layers(model.func.body.block.ops, model.weights):
         raise TilegraphError(f"{args.model} has no matmul by a 2-D float weight: nothing to quantize")
@@ -228,6 +245,11 @@ def _quantize(args) -> int:
             for line in remarks:
                 print(line)
         quantized = run_pipeline(model, pipeline)
+        proto = None
+        if args.export_onnx:  # before anything is written: an op ONNX cannot hold stops it all
+            from backends.onnx_export import to_onnx
+
+            proto = to_onnx(quantized, Path(args.export_onnx).stem)
         quantized.save(out)
         if ranges is not None:
             save_calibration(calib_path, ranges)
@@ -239,6 +261,27 @@ def _quantize(args) -> int:
           + ")")
     print(f"weights: {format_count(model.weights.nbytes())}B -> {format_count(quantized.weights.nbytes())}B")
     print(f"wrote {out} and {out.with_suffix('.weights.npz').name}" + (f" and {calib_path.name}" if ranges else ""))
+    if proto is not None:
+        from backends.onnx_export import summary, write_onnx
+
+        print(f"wrote {write_onnx(proto, args.export_onnx)}: {summary(proto)}")
+    return 0
+
+
+def _export(args) -> int:
+    import tilegraph
+    from ir.errors import TilegraphError
+    from backends.onnx_export import summary, to_onnx, write_onnx
+    from passes.registry import UNFUSED_PIPELINE, run_pipeline
+
+    out = Path(args.output)
+    if not out.parent.is_dir():
+        raise TilegraphError(f"-o {out}: no such directory {out.parent}")
+    model = run_pipeline(tilegraph.import_model(args.model), UNFUSED_PIPELINE if args.pipeline is None
+                         else args.pipeline)
+    proto = to_onnx(model, out.stem)
+    write_onnx(proto, out)
+    print(f"wrote {out}: {summary(proto)}")
     return 0
 
 
@@ -663,7 +706,7 @@ def spec_text(spec) -> str:
 
 
 COMMANDS = {"import": _import, "compile": _compile, "check": _check, "calibrate": _calibrate, "cost": _cost,
-            "quantize": _quantize, "shard": _shard, "run": _run}
+            "quantize": _quantize, "shard": _shard, "run": _run, "export": _export}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
