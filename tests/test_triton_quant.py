@@ -91,12 +91,15 @@ def test_each_scheme_runs_on_low_precision_kernels_and_agrees_with_the_float64_i
         assert_close(got, want, "f32", reduction_length(quantized))
 
 
-def test_calibrated_w8a8_with_a_zero_point_agrees_with_the_float64_interpreter(tmp_path):
-    """Static activations are ui8 with a zero point z: the kernel multiplies (a - 128) in int8 and
-    adds (128 - z) times the weight's column sums, which must come out exactly as (a - z) @ w."""
+@pytest.mark.parametrize("scheme", ["w8a8", "fp8"])
+def test_calibrated_activations_agree_with_the_float64_interpreter(scheme, tmp_path):
+    """Static activation scales (one per tensor, from calibration). int8 activations are ui8 with a
+    zero point z: the kernel multiplies (a - 128) in int8 and adds (128 - z) times the weight's
+    column sums, which must come out exactly as (a - z) @ w."""
     calib = save_calibration(tmp_path / "calib.npz", calibrate(MLP, [INPUTS]))
-    quantized, compiled = compiled_quantized(MLP, f'scheme=w8a8 calib="{calib}"')
-    assert "tl.dot" in compiled.source and "wsum" in compiled.source and compiled.host_ops == {}
+    quantized, compiled = compiled_quantized(MLP, f'scheme={scheme} calib="{calib}"')
+    assert LOW_PRECISION[scheme] in compiled.source and compiled.host_ops == {}
+    assert ("wsum" in compiled.source) == (scheme == "w8a8")
     for got, want in zip(compiled(*INPUTS), interpret(quantized, INPUTS)):
         assert_close(got, want, "f32", reduction_length(quantized))
 
@@ -232,7 +235,8 @@ def test_4bit_weights_stay_packed_two_to_a_byte_on_the_device():
 # Tensor-core instructions of each module's GEMMs, per target (sm_90 / sm_100). dot_scaled on sm_90
 # is Triton's emulation (operands upcast to bf16, wgmma on bf16), as is bf16 x e2m1 on sm_100.
 EXPECTED_MMA = {
-    "w8a8": {"cuda:90": "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8", "cuda:100": "tcgen05.mma.cta_group::1.kind::i8"},
+    "w8a8": {"cuda:90": "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8",
+             "cuda:100": "tcgen05.mma.cta_group::1.kind::i8"},
     "fp8": {"cuda:90": ".f32.e4m3.e4m3", "cuda:100": "tcgen05.mma.cta_group::1.kind::f8f6f4"},
     "mxfp8": {"cuda:90": ".f32.bf16.bf16", "cuda:100": "kind::mxf8f6f4.block_scale.block32"},
     "mx8x4": {"cuda:90": ".f32.bf16.bf16", "cuda:100": "kind::mxf8f6f4.block_scale.block32"},

@@ -59,8 +59,8 @@ from ir import dtypes
 from ir.dialect import FusionOp, TgOp, YieldOp
 from ir.quant import FORMATS, MIN_SCALE, MX_BLOCK
 from ir.shapes import TensorInfo, dims_equal, info_of, numel
-from backends.triton.kernels import (INDENT, POINTER_TYPES, ROW_TILE_ELEMENTS, TL_TYPES, TORCH_TYPES, GROUP_M,
-                                     Unsupported, Value, KernelCode, KernelWriter, compute_type)
+from backends.triton.kernels import (GEMM_TILE, GROUP_M, INDENT, POINTER_TYPES, ROW_TILE_ELEMENTS, TL_TYPES,
+                                     TORCH_TYPES, KernelCode, KernelWriter, Unsupported, Value, compute_type)
 
 QUANT_OPS = ("dynamic_quantize", "quantize", "dequantize", "matmul_integer")
 # Element types only these kernels read or write (Triton's names for them); E8M0 scales and
@@ -79,7 +79,7 @@ MIN_BLOCK_K_8BIT = 32
 # dot_scaled on sm_100 takes K in steps of 64 for 4-bit operands (tcgen05.mma kind::mxf4,
 # K = 64), and a K tile holds whole MX blocks of 32.
 MIN_BLOCK_K_SCALED = 64
-# The smallest M and N tile of a tensor-core dot (mma.m16n8k*: 16 rows; Triton asks 16 of N too).
+# The smallest M, N (and K) tile of a tensor-core dot (mma.m16n8k16: 16 rows; Triton asks 16 of N and K too).
 MIN_BLOCK_MN = 16
 # M tiles that reach the low-precision tensor-core instructions, measured on ahead-of-time builds
 # (tests/test_triton_quant.py checks the PTX): a warpgroup's wgmma on sm_90 has M = 64, and below
@@ -421,7 +421,8 @@ class QuantKernelWriter(KernelWriter):
         # nearest even for fp8, exact for integers.
         self.body.append(f"y = tl.minimum(tl.maximum(y, {_f32(fmt.lo)}), {hi})")
         self.body.append(f"tl.store(q + rows * {qs[0]} + cols * {qs[1]}, y.to({q_type}), mask=row_ok & col_ok)")
-        blocks = {"BLOCK_N": f"max({max(16, block)}, triton.next_power_of_2({k}))", "BLOCK_M": "max(1, min(64, 4096 // BLOCK_N))"}
+        blocks = {"BLOCK_N": f"max({max(16, block)}, triton.next_power_of_2({k}))",
+                  "BLOCK_M": f"max(1, min(64, {ROW_TILE_ELEMENTS} // BLOCK_N))"}  # as kernels.py's row kernels
         return self._finish(results, blocks, f"(triton.cdiv({rows}, BLOCK_M),)", [{"num_warps": 4, "num_stages": 1}])
 
     # --- the quantized GEMM ---------------------------------------------------------------------------------
@@ -454,7 +455,8 @@ class QuantKernelWriter(KernelWriter):
         return sides[0], sides[1]
 
     def _mode(self, a: Side, b: Side) -> str:
-        """integer | raw (8-bit floats, scales outside the K sum) | scaled (tl.dot_scaled) | dequant (weight decoded in registers)."""
+        """integer | raw (8-bit floats, scales outside the K sum) | scaled (tl.dot_scaled) | dequant (the
+        weight decoded in registers)."""
         if self.anchor.op_name == "matmul_integer":
             if a.dtype not in ("i8", "ui8") or b.dtype != "i8":
                 raise Unsupported(f"an integer GEMM of {a.dtype} x {b.dtype}")
@@ -504,21 +506,16 @@ class QuantKernelWriter(KernelWriter):
         packed = b.dtype in PACKED
         if packed:
             self._int("KP", f"{b_arg}.shape[0]")  # rows of packed bytes: ceil(K / 2)
-        body = ["pid = tl.program_id(0)", "num_m = tl.cdiv(M, BLOCK_M)", "in_group = GROUP_M * tl.cdiv(N, BLOCK_N)",
-                "first_m = (pid // in_group) * GROUP_M", "group_m = tl.minimum(num_m - first_m, GROUP_M)",
-                "pid_m = first_m + (pid % in_group) % group_m", "pid_n = (pid % in_group) // group_m",
-                "m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]",
-                "cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]",
-                "kk = tl.arange(0, BLOCK_K)", "row_ok = m < M", "col_ok = cols < N", "rows = m",
-                f"acc = tl.zeros([BLOCK_M, BLOCK_N], dtype={'tl.int32' if mode == 'integer' else 'tl.float32'})"]
+        acc_type = "tl.int32" if mode == "integer" else "tl.float32"
+        body = GEMM_TILE + ["rows = m", f"acc = tl.zeros([BLOCK_M, BLOCK_N], dtype={acc_type})"]
         loop = ["k_ok = (k0 + kk) < K",
                 f"a_tile = tl.load(a + m * {a_s[0]} + (k0 + kk)[None, :] * {a_s[1]}, mask=row_ok & k_ok[None, :], "
                 f"other=0){_bitcast(a.dtype)}"]
         if packed:
             self.helpers.add("tlquant")
             loop += ["kh = k0 // 2 + tl.arange(0, BLOCK_K // 2)",
-                     f"b_tile = tl.load(b + kh[:, None] * {b_s[0]} + cols * {b_s[1]}, mask=(kh < KP)[:, None] & col_ok, "
-                     "other=0)"]
+                     f"b_tile = tl.load(b + kh[:, None] * {b_s[0]} + cols * {b_s[1]}, "
+                     "mask=(kh < KP)[:, None] & col_ok, other=0)"]
         else:
             loop.append(f"b_tile = tl.load(b + (k0 + kk)[:, None] * {b_s[0]} + cols * {b_s[1]}, "
                         f"mask=k_ok[:, None] & col_ok, other=0){_bitcast(b.dtype)}")
@@ -541,10 +538,12 @@ class QuantKernelWriter(KernelWriter):
         self.epilogue(epilogue)
         results = self.store_outputs()
         configs = self._gemm_config()
-        min_k = MIN_BLOCK_K_SCALED if mode == "scaled" else MIN_BLOCK_K_8BIT if mode in ("integer", "raw") else 16
+        min_k = MIN_BLOCK_K_SCALED if mode == "scaled" else MIN_BLOCK_K_8BIT if mode in ("integer", "raw") \
+            else MIN_BLOCK_MN
         if packed:
-            min_k = max(min_k, 32)  # BLOCK_K // 2 packed rows, at least a 16-row dot operand
-        min_m = {"scaled": MIN_BLOCK_M_SCALED, "integer": MIN_BLOCK_M_8BIT, "raw": MIN_BLOCK_M_8BIT}.get(mode, MIN_BLOCK_MN)
+            min_k = max(min_k, 2 * MIN_BLOCK_MN)  # BLOCK_K // 2 rows of packed bytes, at least a dot operand's
+        min_m = {"scaled": MIN_BLOCK_M_SCALED, "integer": MIN_BLOCK_M_8BIT,
+                 "raw": MIN_BLOCK_M_8BIT}.get(mode, MIN_BLOCK_MN)
         blocks = {"BLOCK_N": f"max({MIN_BLOCK_MN}, cfg['BLOCK_N'])", "BLOCK_M": f"max({min_m}, cfg['BLOCK_M'])",
                   "BLOCK_K": f"max({min_k}, cfg['BLOCK_K'])", "GROUP_M": str(GROUP_M)}
         stages = None
@@ -553,7 +552,8 @@ class QuantKernelWriter(KernelWriter):
             # the accumulator's size, but not below what reaches the low-precision instructions (a
             # bigger accumulator than the float GEMM's: the GPU run will say what it costs).
             blocks["BLOCK_N"] = f"max({MIN_BLOCK_MN}, triton.next_power_of_2({n}))"
-            blocks["BLOCK_M"] = f"max({min(min_m, MIN_BLOCK_M_8BIT)}, min(cfg['BLOCK_M'], {ROW_TILE_ELEMENTS * 2} // BLOCK_N))"
+            blocks["BLOCK_M"] = (f"max({min(min_m, MIN_BLOCK_M_8BIT)}, "
+                                 f"min(cfg['BLOCK_M'], {ROW_TILE_ELEMENTS * 2} // BLOCK_N))")
             if self.shared_memory:
                 size = max(dtypes.numpy_dtype(_byte_type(t)).itemsize if t not in PACKED else 1
                            for t in (a.dtype, b.dtype))
@@ -605,8 +605,8 @@ class QuantKernelWriter(KernelWriter):
         if a.scale is not None:
             lines, a_scale = self._block_scale(a, "sa", transposed=False)
         more, b_scale = self._block_scale(b, "sb", transposed=True)
-        return lines + more + [f'acc = tl.dot_scaled(a_tile, {a_scale}, "{SCALED_FORMATS[a.dtype]}", b_tile, {b_scale}, '
-                               f'"{SCALED_FORMATS[b.dtype]}", acc)']
+        fa, fb = SCALED_FORMATS[a.dtype], SCALED_FORMATS[b.dtype]
+        return lines + more + [f'acc = tl.dot_scaled(a_tile, {a_scale}, "{fa}", b_tile, {b_scale}, "{fb}", acc)']
 
     def _dequant_loop(self, a: Side, b: Side, packed: bool) -> list[str]:
         """The weight tile decoded to float in registers, scaled by its K blocks' scales (per-column and
@@ -620,7 +620,8 @@ class QuantKernelWriter(KernelWriter):
         if b.layout == "block":
             si = info_of(b.scale.type)
             ss = self._strided("sb", si.dtype, self.input_names[b.scale] + _bytes(si.dtype), 2)
-            s = f"tl.load(sb + ((k0 + kk) // {b.block})[:, None] * {ss[0]} + cols * {ss[1]}, mask=k_ok[:, None] & col_ok, other=1)"
+            s = (f"tl.load(sb + ((k0 + kk) // {b.block})[:, None] * {ss[0]} + cols * {ss[1]}, "
+                 "mask=k_ok[:, None] & col_ok, other=1)")
             if b.mx:
                 self.helpers.add("tlquant")
                 s = f"tlquant.e8m0({s})"
