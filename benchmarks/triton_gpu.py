@@ -257,7 +257,8 @@ def run_quantized(args, cuda: bool, device) -> dict:
             pooled[name] = sentence_embeddings(first_output(fn()), on_device[1])
             sync()
         ref = pooled[f"{EAGER} fp32"]
-        result["cosine"] = {n: float(torch.nn.functional.cosine_similarity(e, ref, dim=-1).min()) for n, e in pooled.items()}
+        cosine = torch.nn.functional.cosine_similarity
+        result["cosine"] = {n: float(cosine(e, ref, dim=-1).min()) for n, e in pooled.items()}
         result["finite"] = {n: bool(torch.isfinite(e).all()) for n, e in pooled.items()}
         clock = call_seconds(cuda)
         for fn in runners.values():
@@ -274,8 +275,9 @@ def print_quantized(result: dict, cuda: bool) -> None:
     times = {n: median(s) for n, s in result["seconds"].items()}
     fp32, bf16 = times[f"{EAGER} fp32"], times[f"{EAGER} bf16"]
     print(f"\n== {result['model']}" + (f" ({result['note']})" if result["note"] else ""))
-    print("tilegraph compile (passes, emission; untimed, as the first calls: Triton's JIT"
-          + (", autotuning" if cuda else "") + "): " + ", ".join(f"{n} {t:.1f} s" for n, t in result["compile_s"].items()))
+    compiles = ", ".join(f"{n} {t:.1f} s" for n, t in result["compile_s"].items())
+    print(f"tilegraph compile (passes, emission; untimed, as the first calls: Triton's JIT"
+          f"{', autotuning' if cuda else ''}): {compiles}")
     rows = []
     for name, t in times.items():
         cos = result["cosine"][name]
