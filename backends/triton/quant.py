@@ -588,14 +588,11 @@ class QuantKernelWriter(KernelWriter):
         view = f"{arg}.view(torch.uint8)" + ("" if transposed else f".reshape(-1, {self.dim(si.shape[-1])})")
         ss = self._strided(name, "f8E8M0FNU", view, 2)
         self._int(f"{name.upper()}_BLOCKS", self.dim(si.shape[0] if transposed else si.shape[-1]))
-        kb = f"(k0 // {MX_BLOCK} + tl.arange(0, BLOCK_K // {MX_BLOCK}))[None, :]"
-        ok = f"({kb} < {name.upper()}_BLOCKS)"
-        if transposed:
-            where = f"(pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[:, None] * {ss[1]} + {kb} * {ss[0]}"
-            mask = f"((pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[:, None] < N) & {ok}"
+        ok = f"(kb < {name.upper()}_BLOCKS)"  # kb: the K tile's MX blocks, a row ([1, BLOCK_K // 32])
+        if transposed:  # cols_t: the tile's columns as a column ([BLOCK_N, 1])
+            where, mask = f"cols_t * {ss[1]} + kb * {ss[0]}", f"(cols_t < N) & {ok}"
         else:
-            where = f"m * {ss[0]} + {kb} * {ss[1]}"
-            mask = f"row_ok & {ok}"
+            where, mask = f"m * {ss[0]} + kb * {ss[1]}", f"row_ok & {ok}"
         return [f"{name}_tile = tl.load({name} + {where}, mask={mask}, other={E8M0_ONE})"], f"{name}_tile"
 
     def _scaled_loop(self, a: Side, b: Side, k_dim) -> list[str]:
@@ -606,7 +603,9 @@ class QuantKernelWriter(KernelWriter):
             lines, a_scale = self._block_scale(a, "sa", transposed=False)
         more, b_scale = self._block_scale(b, "sb", transposed=True)
         fa, fb = SCALED_FORMATS[a.dtype], SCALED_FORMATS[b.dtype]
-        return lines + more + [f'acc = tl.dot_scaled(a_tile, {a_scale}, "{fa}", b_tile, {b_scale}, "{fb}", acc)']
+        coords = [f"kb = (k0 // {MX_BLOCK} + tl.arange(0, BLOCK_K // {MX_BLOCK}))[None, :]",
+                  "cols_t = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[:, None]"]
+        return coords + lines + more + [f'acc = tl.dot_scaled(a_tile, {a_scale}, "{fa}", b_tile, {b_scale}, "{fb}", acc)']
 
     def _dequant_loop(self, a: Side, b: Side, packed: bool) -> list[str]:
         """The weight tile decoded to float in registers, scaled by its K blocks' scales (per-column and
