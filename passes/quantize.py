@@ -23,7 +23,8 @@ Fake quantization is used only where NumPy has no low-precision GEMM: for fp8 th
 GEMM of the dequantized values is the product an fp8 tensor core makes (the products of
 3-bit mantissas are exact in float32, which accumulates), so the numbers are those of a
 real fp8 kernel, but not its speed. Weight-only schemes dequantize the weight each call,
-as weight-only kernels do in their prologue.
+as weight-only kernels do in their prologue. (The Triton backend computes these forms in fp8 and
+MX for real: backends/triton/quant.py.)
 
 Scales (observers): a weight's scale maps its largest magnitude to the format's largest
 value (`minmax`), or is the clipping that minimizes the squared error of that group

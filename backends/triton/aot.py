@@ -42,6 +42,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -59,6 +60,9 @@ WARP_SIZE = {"cuda": 32, "hip": 64}
 ASM_KIND = {"cuda": "ptx", "hip": "amdgcn"}
 # Launch options a configuration may carry next to its constexprs.
 OPTIONS = ("num_warps", "num_stages")
+# Tensor-core instructions in PTX, with their shape and operand types (mma.sync on sm_80+,
+# wgmma on sm_90a, tcgen05.mma on sm_100a): what a kernel multiplies in, for tests and reports.
+MMA_PATTERN = re.compile(r"\b(?:wgmma\.mma_async|mma\.sync|tcgen05\.mma)[\w.:]*")
 # An error message is one line in a table: longer ones are cut here.
 MAX_ERROR_CHARS = 300
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,6 +84,7 @@ class Build:
     num_warps: int = 0
     asm_bytes: int = 0  # size of the PTX (cuda) / AMDGCN (hip) text
     seconds: float = 0.0  # how long Triton took (0 when its on-disk cache had the kernel)
+    mma: list = field(default_factory=list)  # the tensor-core instructions in the PTX, as spelled there
 
 
 def build(module: str | Path, targets=DEFAULT_TARGETS, all_configs: bool = False,
@@ -234,7 +239,8 @@ def compile_all(path: Path, targets, all_configs: bool, specialize: bool = True)
                 asm = compiled.asm.get(ASM_KIND[target.split(":")[0]], "")
                 out.append(Build(name, target, True, cfg, specialized=specialize, shared=int(compiled.metadata.shared),
                                  num_warps=int(compiled.metadata.num_warps), asm_bytes=len(asm),
-                                 seconds=round(time.perf_counter() - start, 3)))
+                                 seconds=round(time.perf_counter() - start, 3),
+                                 mma=sorted(set(MMA_PATTERN.findall(asm)))))
     return out
 
 
@@ -270,8 +276,9 @@ def main(argv=None) -> int:
     os.environ["TRITON_INTERPRET"] = "0"
     # Triton 3.9's default, said explicitly: otherwise it warns on every run that it will change.
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    if "backends.triton.tlmath" in sys.modules:
-        importlib.reload(sys.modules["backends.triton.tlmath"])
+    for helpers in ("backends.triton.tlmath", "backends.triton.tlquant"):
+        if helpers in sys.modules:
+            importlib.reload(sys.modules[helpers])
     try:
         per_module = [compile_all(path, targets, args.all_configs, not args.generic) for path in args.modules]
     except BuildError as e:

@@ -35,6 +35,7 @@ from xdsl.pattern_rewriter import GreedyRewritePatternApplier, PatternRewriteWal
 from xdsl.rewriter import Rewriter
 
 from ir.dialect import FusionOp, TgOp, YieldOp, make_op
+from ir.dtypes import PACKED_4BIT
 from ir.interpreter import SHAPE_FUNCTIONS, dtype_code
 from ir.model import Model, ModelError
 from ir.ops import render
@@ -42,6 +43,7 @@ from ir.shapes import Dim, TensorInfo, info_of, numel, tensor_type
 from backends.program import (PYTHON_RESERVED, Namer, array_literal, flatten, liveness, literal, signature_rows,
                               str_literal, tuple_lines)
 from backends.triton.kernels import INDENT, TORCH_TYPES, KernelCode, KernelWriter, Unsupported
+from backends.triton.quant import QUANT_OPS, QuantKernelWriter, group_quantized
 
 # What a symbolic dim is taken to be for an ahead-of-time build (passes/cost/model.py prices
 # symbolic dims at the same size).
@@ -56,7 +58,7 @@ TORCH_LAYOUT = {
     "identity": "{x}",
     "concat": "torch.cat({inputs}, dim={axis})",
 }
-MODULE_NAMES = {"torch", "triton", "tl", "tlmath", "np", "K", "ml_dtypes", "build", "forward", "DEVICE", "KERNELS",
+MODULE_NAMES = {"torch", "triton", "tl", "tlmath", "tlquant", "pack_k", "np", "K", "ml_dtypes", "build", "forward", "DEVICE", "KERNELS",
                 "CONFIGS", "INPUTS", "OUTPUTS", "WEIGHTS", "HOST_OPS", "SPLIT_GROUPS", "HOST_FLOPS", "TUNER", "pick", "host", "launch", "cfg",
                 *SHAPE_FUNCTIONS}
 
@@ -82,6 +84,7 @@ def prepare(model: Model) -> Model:
 
     module = model.module.clone()
     copy = Model(module, model.weights)
+    group_quantized(copy.func)  # quantized GEMMs: their dequantize prologues and epilogues in one group
     rewriter = Rewriter()
     for op in list(copy.func.body.walk()):
         if isinstance(op, TgOp) and _kernel_op(op) and not isinstance(op.parent_op(), FusionOp):
@@ -174,6 +177,7 @@ class _Emitter:
         self.host_ops: Counter = Counter()
         self.symbols = self._bind_symbols()
         self.uses_tlmath = False
+        self.uses_tlquant = False
 
     # --- names and dims ------------------------------------------------------------
 
@@ -224,7 +228,11 @@ class _Emitter:
             wname = op.attr("name")
             if wname not in self._weights:
                 self._weights[wname] = self.namer.fresh(wname, "w")
-                self.weight_lines.append(f"{self._weights[wname]} = W[{str_literal(wname)}]")
+                # 4-bit weights live on the device two to a byte along K, as the quantized GEMMs read them.
+                read = f"W[{str_literal(wname)}]"
+                if info.dtype in PACKED_4BIT and info.rank == 2:
+                    read = f"pack_k({read})"
+                self.weight_lines.append(f"{self._weights[wname]} = {read}")
             self.names[op.results[0]] = self._weights[wname]
             return
         var = self.namer.fresh(f"c{len(self.constants)}")
@@ -286,7 +294,8 @@ class _Emitter:
         constants = [op for op in ops if op.op_name == "constant" and np.asarray(op.attr("value")).size != 1]
         if constants:
             raise Unsupported("a constant array inside a group")
-        code = KernelWriter(f"{name}_kernel", kind, ops, inputs, outputs, tile, self.dim, self.shared_memory).write()
+        writer = QuantKernelWriter if any(op.op_name in QUANT_OPS for op in ops) else KernelWriter
+        code = writer(f"{name}_kernel", kind, ops, inputs, outputs, tile, self.dim, self.shared_memory).write()
         # A kernel the module has already (the same layer again) is launched, not written twice:
         # fewer kernels for Triton to compile when the model first runs.
         body = "\n".join(code.kernel).replace(code.name, "KERNEL") + repr(code.configs)
@@ -298,6 +307,7 @@ class _Emitter:
         self._bodies[body] = code.name
         self.kernels.append(code)
         self.uses_tlmath |= "tlmath" in code.helpers
+        self.uses_tlquant |= "tlquant" in code.helpers
         return code
 
     def _split(self, group: FusionOp, counts: Counter) -> list[str]:
@@ -418,9 +428,11 @@ class _Emitter:
                "import numpy as np", "import ml_dtypes", "import torch", "import triton", "import triton.language as tl",
                "", "from ir import kernels as K",
                "from ir.interpreter import SHAPE_FUNCTIONS",
-               "from backends.triton.runtime import device, host, host_tensor, pick"]
+               "from backends.triton.runtime import device, host, host_tensor, pack_k, pick"]
         if self.uses_tlmath:
             out.append("from backends.triton import tlmath")
+        if self.uses_tlquant:
+            out.append("from backends.triton import tlquant")
         out += [f"{f} = SHAPE_FUNCTIONS[{f!r}]" for f in sorted(SHAPE_FUNCTIONS)]
         out += ["", *tuple_lines("INPUTS", signature_rows(m.input_names, m.inputs)),
                 *tuple_lines("OUTPUTS", signature_rows(m.output_names, m.outputs)),

@@ -65,6 +65,16 @@ ROW_REDUCTIONS = {"reduce_sum": ("tl.sum", "0"), "reduce_mean": ("tl.sum", "0"),
                   "reduce_prod": ("tl.reduce", "1")}
 
 
+# A GEMM program's output tile: programs walk the output in groups of GROUP_M block rows, column
+# by column, so the lhs blocks of a group stay in L2 while its columns are done (Triton's tutorial 03).
+GEMM_TILE = ["pid = tl.program_id(0)", "num_m = tl.cdiv(M, BLOCK_M)", "in_group = GROUP_M * tl.cdiv(N, BLOCK_N)",
+             "first_m = (pid // in_group) * GROUP_M", "group_m = tl.minimum(num_m - first_m, GROUP_M)",
+             "pid_m = first_m + (pid % in_group) % group_m", "pid_n = (pid % in_group) // group_m",
+             "m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]",
+             "cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]",
+             "kk = tl.arange(0, BLOCK_K)", "row_ok = m < M", "col_ok = cols < N"]
+
+
 class Unsupported(Exception):
     """This module cannot write the group as one kernel (the emitter splits it)."""
 
@@ -489,14 +499,7 @@ class KernelWriter:
             self.host.append(f"{view} = {arg}" if flat else
                              f"{view} = {arg}.expand({self._shape([*batch, b.shape[-2], b.shape[-1]])})")
             b_strides.append(self._strided(f"b{i}", b.dtype, view, 2 if flat else len(batch) + 2))
-        # Programs walk the output in groups of GROUP_M block rows, column by column, so the
-        # lhs blocks of a group stay in L2 while its columns are done (Triton's tutorial 03).
-        self.body += ["pid = tl.program_id(0)", "num_m = tl.cdiv(M, BLOCK_M)", "in_group = GROUP_M * tl.cdiv(N, BLOCK_N)",
-                      "first_m = (pid // in_group) * GROUP_M", "group_m = tl.minimum(num_m - first_m, GROUP_M)",
-                      "pid_m = first_m + (pid % in_group) % group_m", "pid_n = (pid % in_group) // group_m",
-                      "m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]",
-                      "cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]",
-                      "kk = tl.arange(0, BLOCK_K)", "row_ok = m < M", "col_ok = cols < N"]
+        self.body += GEMM_TILE
         a_base, b_base = "0", ["0"] * len(matmuls)
         if flat:
             self.body.append("rows = m")

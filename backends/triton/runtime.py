@@ -69,7 +69,26 @@ def to_torch(array: Any, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(contiguous).to(device)
 
 
+def pack_k(tensor: torch.Tensor) -> torch.Tensor:
+    """(emitted code) A 2-D [K, N] tensor of 4-bit values (one a byte, `tg_dtype` naming their type)
+    as [ceil(K/2), N] bytes holding two each, row 2i in the low nibble and 2i + 1 in the high one:
+    how the quantized GEMMs read 4-bit weights (and tl.dot_scaled reads e2m1, "packed along K")."""
+    k = tensor.shape[0]
+    nibbles = tensor & 0x0F
+    if k % 2:
+        nibbles = torch.cat([nibbles, torch.zeros_like(nibbles[:1])])
+    packed = (nibbles[0::2] | (nibbles[1::2] << 4)).contiguous()
+    packed.tg_dtype, packed.tg_packed_rows = tensor.tg_dtype, k
+    return packed
+
+
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    rows = getattr(tensor, "tg_packed_rows", None)
+    if rows is not None:  # 4-bit values packed along K (pack_k): one a byte again, for the host
+        packed = tensor.detach().cpu().numpy()
+        nibbles = np.empty((packed.shape[0] * 2,) + packed.shape[1:], np.uint8)
+        nibbles[0::2], nibbles[1::2] = packed & 0x0F, packed >> 4
+        return nibbles[:rows].view(tensor.tg_dtype)
     tensor = tensor.detach().cpu() if tensor.device.type != "cpu" or tensor.requires_grad else tensor
     if tensor.dtype == torch.bfloat16:
         return tensor.contiguous().view(torch.uint16).numpy().view(dtypes.numpy_dtype("bf16"))
@@ -195,6 +214,7 @@ def check_can_run() -> None:
                              "or triton are loaded")
     if interpreting:
         _interpret_bf16_as_gpus_do()
+        _interpret_fp8_as_gpus_do()
 
 
 def _interpret_bf16_as_gpus_do() -> None:
@@ -235,6 +255,50 @@ def _interpret_bf16_as_gpus_do() -> None:
     builder.cast_impl, builder.create_dot = cast_impl, create_dot
 
 
+def _interpret_fp8_as_gpus_do() -> None:
+    """Triton's interpreter (3.8) converts to fp8 by cutting the mantissa and adding its first
+    dropped bit (1.9375 -> e4m3 gives 1, 17 gives 18: no carry into the exponent, no ties to
+    even, no subnormals) and reads e5m2 subnormals wrongly (in tl.dot too). A GPU converts
+    fp32 -> fp8 by value, to nearest even, saturating to the largest finite value
+    (cvt.rn.satfinite.e4m3x2.f32), and widens fp8 exactly. The interpreter's builder gets
+    those conversions through ml_dtypes (by value, to nearest even; finite values clipped to
+    the format's range first, as satfinite does), and a tl.dot that widens fp8 operands to
+    fp32 first (exact). Kernels are unchanged: GPUs never see this."""
+    import ml_dtypes
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpreterBuilder as builder
+    from triton.runtime.interpreter import TensorHandle, _get_np_dtype
+
+    if getattr(builder.create_fp_to_fp, "fp8_as_gpus_do", False):
+        return
+    fp_to_fp, dot = builder.create_fp_to_fp, builder.create_dot
+    types = {tl.float8e4nv: np.dtype(ml_dtypes.float8_e4m3fn), tl.float8e5: np.dtype(ml_dtypes.float8_e5m2),
+             tl.bfloat16: np.dtype(ml_dtypes.bfloat16)}
+
+    def value(handle):
+        kind = handle.dtype.scalar
+        return np.asarray(handle.data).view(types[kind]) if kind in types else np.asarray(handle.data)
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        src_type, dst = src.dtype.scalar, dst_type.scalar
+        if dst not in (tl.float8e4nv, tl.float8e5) and src_type not in (tl.float8e4nv, tl.float8e5):
+            return fp_to_fp(self, src, dst_type, rounding_mode)
+        x = value(src)
+        if dst in (tl.float8e4nv, tl.float8e5):
+            top = float(ml_dtypes.finfo(types[dst]).max)
+            x = np.where(np.isnan(x), x, np.clip(x.astype(np.float32), -top, top))
+        y = x.astype(types.get(dst, _get_np_dtype(dst_type)))
+        return TensorHandle(y.view(_get_np_dtype(dst_type)) if dst in types else y, dst)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.scalar in (tl.float8e4nv, tl.float8e5) or b.dtype.scalar in (tl.float8e4nv, tl.float8e5):
+            a, b = (TensorHandle(value(x).astype(np.float32), tl.float32) for x in (a, b))
+        return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    create_fp_to_fp.fp8_as_gpus_do = True
+    builder.create_fp_to_fp, builder.create_dot = create_fp_to_fp, create_dot
+
+
 def load(source: str, weights: Mapping[str, np.ndarray], model: Model | None = None,
          device: torch.device | None = None, autotune: bool = False) -> CompiledModel:
     """Import an emitted module and bind its weights on the device; returns the callable model."""
@@ -242,4 +306,4 @@ def load(source: str, weights: Mapping[str, np.ndarray], model: Model | None = N
     return CompiledModel(import_source(source), weights, source, model, device, autotune)
 
 
-__all__ = ["load", "CompiledModel", "device", "host", "host_tensor", "pick", "to_torch", "to_numpy"]
+__all__ = ["load", "CompiledModel", "device", "host", "host_tensor", "pack_k", "pick", "to_torch", "to_numpy"]
