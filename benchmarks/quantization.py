@@ -32,7 +32,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import tilegraph  # noqa: E402
-from passes.quantize import SCHEMES, calibrate, linear_layers, save_calibration  # noqa: E402
+from passes.gptq import hessians  # noqa: E402
+from passes.quantize import SCHEMES, calibrate, linear_layers, save_calibration, save_hessians  # noqa: E402
 from passes.registry import UNFUSED_PIPELINE, run_pipeline  # noqa: E402
 from tests.models import export_onnx, minilm_model, minilm_tokenizer  # noqa: E402
 
@@ -143,6 +144,10 @@ def ort_quantized(onnx_path: Path, tmp: Path, calib_feeds: list[dict]) -> dict[s
 # this budget, w8 elsewhere (passes.quantize.mixed_precision). Measured on MiniLM (w8 alone: 0.06,
 # all MXFP4: 0.27): 0.1 put 4 of 36 layers in MXFP4 (cosine 0.996), 0.15 put 8 (cosine 0.992).
 MIXED_BUDGET = 0.15
+# GPTQ as the 4-bit rows use it: rows in order of decreasing input energy (act-order, static
+# groups) and the MSE observer's scales. Measured on MiniLM (mean cosine, this set): nearest
+# 0.962, GPTQ 0.978, with act-order 0.981.
+GPTQ_OPTIONS = "observer=mse act-order=true"
 
 
 def tilegraph_variants(model, calib_batches, remarks: list | None = None) -> dict[str, object]:
@@ -162,6 +167,12 @@ def tilegraph_variants(model, calib_batches, remarks: list | None = None) -> dic
             if SCHEMES[scheme].activation and not SCHEMES[scheme].mx:
                 out[f"tilegraph {scheme} calibrated"] = run_pipeline(base, f'quantize{{scheme={scheme} calib="{calib}"}}')
         out["tilegraph w8a8 dynamic per-tensor"] = run_pipeline(base, "quantize{scheme=w8a8 granularity=tensor}")
+        # 4-bit weights: round to nearest (min/max, MSE observer) against GPTQ on the calibration inputs
+        hess = save_hessians(Path(tmp) / "hessians.npz", hessians(base, calib_batches))
+        for scheme in ("w4a16", "mxfp4"):
+            out[f"tilegraph {scheme} mse"] = run_pipeline(base, f"quantize{{scheme={scheme} observer=mse}}")
+            out[f"tilegraph {scheme} gptq ({GPTQ_OPTIONS})"] = run_pipeline(
+                base, f'quantize{{scheme={scheme} {GPTQ_OPTIONS} rounding=gptq hessians="{hess}"}}')
         spec, why = mixed_precision(base, calib_batches[:2], "mxfp4", MIXED_BUDGET, "w8")
         out[f"tilegraph mxfp4 + w8 (max-error {MIXED_BUDGET:g})"] = run_pipeline(base, spec)
         if remarks is not None:

@@ -29,7 +29,10 @@ Scales (observers): a weight's scale maps its largest magnitude to the format's 
 value (`minmax`), or is the clipping that minimizes the squared error of that group
 (`mse`: ratios MSE_RATIOS of the largest magnitude, plus the coarser granularity's scale,
 so per channel is never worse than per tensor). MX scales are powers of two (f8E8M0FNU).
-Activation ranges come from `calibrate` (min/max, percentile or MSE over calibration
+Rounding: to nearest (`rounding=nearest`), or GPTQ (`rounding=gptq hessians=<file>`,
+passes/gptq.py): each layer's weights rounded in turn so that the layer's output on the
+calibration inputs (their X^T X, from `passes.gptq.hessians`) stays close, for every weight
+scheme; the scales and storage stay the scheme's. Activation ranges come from `calibrate` (min/max, percentile or MSE over calibration
 inputs), saved by `tilegraph quantize --calib` and read here from `calib=<file.npz>`;
 without them activations are quantized from their own values at run time.
 
@@ -37,7 +40,9 @@ The stated error bound (checked by tilegraph.testing.assert_within_quantization_
 every property-suite graph): the quantized model computes, within float rounding, what
 `simulate=true` computes, which is the float model with each quantized tensor x replaced
 by dequantize(quantize(x)); and each of those is within half an ulp of its format times
-its scale of x (plus, for a calibrated clipping range, the distance of x beyond it).
+its scale of x (plus, for a calibrated clipping range, the distance of x beyond it). With
+rounding=gptq, x for a weight is GPTQ's weight (on its grid), not the original: GPTQ bounds
+the layer's calibration output error (never above round to nearest's), not each weight's.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ from ir.errors import TilegraphError
 from ir.model import Model, weights_of
 from ir.quant import FORMATS, MX_BLOCK, Format, absmax_scale, dequantize, mx_scale, quantize
 from ir.shapes import TensorInfo, info_of
+from passes.gptq import gptq
 
 
 class QuantizeError(TilegraphError):
@@ -87,6 +93,7 @@ OBSERVERS = ("minmax", "percentile", "mse")
 # Between the layer names of `keep`: ONNX names hold ':' (onnx::MatMul_655), not ','.
 KEEP_SEPARATOR = ","
 GRANULARITIES = ("tensor", "channel", "group")
+ROUNDINGS = ("nearest", "gptq")
 # Clipping ratios the MSE observer tries: 1 (no clipping) down to 0.5 of the largest
 # magnitude in steps of 2.5%, the grid of NVIDIA's and Intel's MSE calibrators (TensorRT
 # and Neural Compressor search a similar range); below half, int8 outliers dominate.
@@ -306,6 +313,12 @@ def save_calibration(path: str | Path, ranges: dict[str, tuple[float, float]]) -
     return Path(path)
 
 
+def save_hessians(path: str | Path, hessians: dict[str, np.ndarray]) -> Path:
+    """Each layer's X^T X (passes.gptq.hessians) for rounding=gptq, in float32."""
+    np.savez(path, **{k: np.asarray(v, np.float32) for k, v in hessians.items()})
+    return Path(path)
+
+
 def load_calibration(path: str | Path) -> dict[str, tuple[float, float]]:
     if not Path(path).is_file():
         raise QuantizeError(f"quantize: no calibration file {path}")
@@ -340,6 +353,9 @@ class Quantize(ModulePass):
     keep: str = ""  # layer (weight) names, ','-separated, quantized by `fallback` instead: mixed precision
     fallback: str = "none"  # the scheme of the `keep` layers; none: left in float
     embeddings: bool = True  # embedding tables (gather on axis 0) as i8, one scale per row
+    rounding: str = "nearest"  # weights: nearest | gptq (data-aware, passes/gptq.py; needs `hessians`)
+    hessians: str = ""  # with rounding=gptq: each layer's X^T X from `save_hessians` (.npz)
+    act_order: bool = False  # with rounding=gptq: largest inputs first, scales fixed up front
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -355,11 +371,19 @@ class Quantize(ModulePass):
             raise QuantizeError(f"group-size {self.group_size} is negative")
         if self.calib:
             load_calibration(self.calib)  # a bad file fails when the pipeline is read
+        if self.rounding not in ROUNDINGS:
+            raise QuantizeError(f"unknown rounding '{self.rounding}'; one of {', '.join(ROUNDINGS)}")
+        if self.rounding == "gptq" and not self.hessians:
+            raise QuantizeError("rounding=gptq needs hessians=<file.npz> (each layer's calibration X^T X: "
+                                "tilegraph quantize --rounding gptq --calib makes it)")
+        if self.hessians and not Path(self.hessians).is_file():
+            raise QuantizeError(f"quantize: no hessians file {self.hessians}")
 
     def reference(self) -> "Quantize":
         """The fake-quant model this pass's output must match (its stated bound)."""
         return Quantize(self.scheme, self.calib, self.observer, self.granularity, self.group_size, self.symmetric,
-                        True, self.keep, self.fallback, self.embeddings)
+                        True, self.keep, self.fallback, self.embeddings, self.rounding, self.hessians,
+                        self.act_order)
 
     def resolved(self, scheme: str | None = None) -> Scheme:
         s = SCHEMES[scheme or self.scheme]
@@ -446,13 +470,19 @@ class _Layer:
         name = self.name
         w = weight_value(self.w, self.store)
         fmt = FORMATS[s.weight]
-        scale = weight_scale(w, fmt, s.granularity, s.group_size, s.mx, p.observer)
+        if p.rounding == "gptq":  # w becomes GPTQ's weights, each on the grid of its scale
+            w, scale = gptq(w, self._hessian(w.shape[0]), fmt, s.granularity, s.group_size,
+                            lambda x, gran: weight_scale(x, fmt, gran, s.group_size, s.mx, p.observer),
+                            act_order=p.act_order)
+        else:
+            scale = weight_scale(w, fmt, s.granularity, s.group_size, s.mx, p.observer)
         waxis, wblock = (0, s.group_size) if s.granularity == "group" else (1, 0)
         if s.mx:
             scale = scale.astype(dtypes.numpy_dtype("f8E8M0FNU"))
         sv = None if s.integer_gemm and not p.simulate else self.array(name + ".scale", scale)
         if p.simulate:
-            q = self.emit("quantize", self.w.results[0], sv, to=s.weight, axis=waxis, block_size=wblock).results[0]
+            src = self.array(name + ".gptq", w) if p.rounding == "gptq" else self.w.results[0]
+            q = self.emit("quantize", src, sv, to=s.weight, axis=waxis, block_size=wblock).results[0]
         else:
             q = self.array(name + ".q", quantize(w, scale, None, waxis, wblock, s.weight, fmt.numpy))
         a = self.mm.operands[0]
@@ -463,6 +493,16 @@ class _Layer:
             x = a if s.activation is None else self._fake_quant_activation(a)
             out = self.emit("matmul", x, wd).results[0]
         self.replace(out)
+
+    def _hessian(self, k: int) -> np.ndarray:
+        with np.load(self.p.hessians, allow_pickle=False) as data:
+            if self.name not in data.files:
+                raise QuantizeError(f"quantize: {self.p.hessians} has no Hessian for layer '{self.name}'")
+            h = data[self.name]
+        if h.shape != (k, k):
+            raise QuantizeError(f"quantize: the Hessian of layer '{self.name}' in {self.p.hessians} is {h.shape}, "
+                                f"its weight has {k} rows")
+        return h
 
     def replace(self, out: SSAValue) -> None:
         """The new ops in, the matmul (or gather) out, and its weight if nothing else reads it."""

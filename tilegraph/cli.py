@@ -83,6 +83,10 @@ def _parser() -> argparse.ArgumentParser:
     qz.add_argument("--percentile", type=float, default=None, help="with --observer percentile (default 99.99)")
     qz.add_argument("--weight-observer", default="minmax", choices=("minmax", "mse"), help="(default: minmax)")
     qz.add_argument("--symmetric", action="store_true", help="int8 activations as i8 without a zero point")
+    qz.add_argument("--rounding", default="nearest", choices=("nearest", "gptq"),
+                    help="weights: round to nearest, or GPTQ (needs --calib: rounds each layer to keep its output "
+                         "on the calibration samples; passes/gptq.py) (default: nearest)")
+    qz.add_argument("--act-order", action="store_true", help="with --rounding gptq: largest inputs first")
     qz.add_argument("--batch-size", type=int, default=8, help="calibration samples per run (default: 8)")
     qz.add_argument("--max-error", type=float, default=None,
                     help="mixed precision (needs --calib): the layers the scheme would push past this relative "
@@ -199,7 +203,8 @@ def _quantize(args) -> int:
     spec = f"scheme={args.scheme} observer={args.weight_observer} symmetric={str(args.symmetric).lower()}"
     ranges = None
     batches = _calibration_batches(Path(args.calib), model, args.batch_size) if args.calib is not None else None
-    if batches is not None and not SCHEMES[args.scheme].activation and args.max_error is None:
+    if batches is not None and not SCHEMES[args.scheme].activation and args.max_error is None \
+            and args.rounding == "nearest":
         print(f"{args.scheme} is weight-only: --calib is not needed (ignored)", file=sys.stderr)
     elif batches is not None and SCHEMES[args.scheme].activation:
         from tqdm import tqdm
@@ -209,12 +214,26 @@ def _quantize(args) -> int:
                            progress=lambda it: tqdm(it, desc="calibrating", unit="batch", file=sys.stderr))
     if args.max_error is not None and batches is None:
         raise TilegraphError("--max-error needs --calib: the error is measured on the calibration samples")
+    if args.rounding == "gptq" and batches is None:
+        raise TilegraphError("--rounding gptq needs --calib: it rounds each layer against its inputs on the "
+                             "calibration samples")
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:  # nothing is written next to the output until all succeeded
         options = {"observer": args.weight_observer, "symmetric": str(args.symmetric).lower()}
         if ranges is not None:
             options["calib"] = f'"{save_calibration(Path(tmp) / "calib.npz", ranges)}"'
+        if args.rounding == "gptq":
+            from tqdm import tqdm
+
+            from passes.gptq import hessians
+            from passes.quantize import save_hessians
+
+            found = hessians(model, batches, progress=lambda it: tqdm(it, desc="gptq inputs", unit="batch",
+                                                                       file=sys.stderr))
+            options.update(rounding="gptq", hessians=f'"{save_hessians(Path(tmp) / "hessians.npz", found)}"',
+                           act_order=str(args.act_order).lower())
+            spec += f" rounding=gptq hessians={options['hessians']} act-order={options['act_order']}"
         spec += f" calib={options['calib']}" if "calib" in options else ""
         pipeline = f"quantize{{{spec}}}"
         if args.max_error is not None:
