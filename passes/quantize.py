@@ -36,6 +36,10 @@ scheme; the scales and storage stay the scheme's. Activation ranges come from `c
 inputs), saved by `tilegraph quantize --calib` and read here from `calib=<file.npz>`;
 without them activations are quantized from their own values at run time.
 
+Mixed precision (`mixed_precision`, `formats="layer=scheme,..."`): per layer the scheme, among the
+given ones and float, that the cost model predicts fastest on a target, within an error budget
+measured on the calibration inputs.
+
 The stated error bound (checked by tilegraph.testing.assert_within_quantization_bound on
 every property-suite graph): the quantized model computes, within float rounding, what
 `simulate=true` computes, which is the float model with each quantized tensor x replaced
@@ -353,6 +357,7 @@ class Quantize(ModulePass):
     keep: str = ""  # layer (weight) names, ','-separated, quantized by `fallback` instead: mixed precision
     fallback: str = "none"  # the scheme of the `keep` layers; none: left in float
     embeddings: bool = True  # embedding tables (gather on axis 0) as i8, one scale per row
+    formats: str = ""  # per layer: "name=scheme,..." (scheme or none), over scheme/keep: mixed precision
     rounding: str = "nearest"  # weights: nearest | gptq (data-aware, passes/gptq.py; needs `hessians`)
     hessians: str = ""  # with rounding=gptq: each layer's X^T X from `save_hessians` (.npz)
     act_order: bool = False  # with rounding=gptq: largest inputs first, scales fixed up front
@@ -371,6 +376,7 @@ class Quantize(ModulePass):
             raise QuantizeError(f"group-size {self.group_size} is negative")
         if self.calib:
             load_calibration(self.calib)  # a bad file fails when the pipeline is read
+        self.layer_formats()
         if self.rounding not in ROUNDINGS:
             raise QuantizeError(f"unknown rounding '{self.rounding}'; one of {', '.join(ROUNDINGS)}")
         if self.rounding == "gptq" and not self.hessians:
@@ -382,8 +388,18 @@ class Quantize(ModulePass):
     def reference(self) -> "Quantize":
         """The fake-quant model this pass's output must match (its stated bound)."""
         return Quantize(self.scheme, self.calib, self.observer, self.granularity, self.group_size, self.symmetric,
-                        True, self.keep, self.fallback, self.embeddings, self.rounding, self.hessians,
-                        self.act_order)
+                        True, self.keep, self.fallback, self.embeddings, self.formats, self.rounding,
+                        self.hessians, self.act_order)
+
+    def layer_formats(self) -> dict[str, str]:
+        """The `formats` option as {layer: scheme or "none"}."""
+        out = {}
+        for item in filter(None, self.formats.split(KEEP_SEPARATOR)):
+            name, _, sch = item.rpartition("=")
+            if not name or (sch != "none" and sch not in SCHEMES):
+                raise QuantizeError(f"formats: '{item}' is not layer=scheme (a scheme: none, {', '.join(SCHEMES)})")
+            out[name] = sch
+        return out
 
     def resolved(self, scheme: str | None = None) -> Scheme:
         s = SCHEMES[scheme or self.scheme]
@@ -403,14 +419,16 @@ class Quantize(ModulePass):
         store = weights_of(op)
         ranges = load_calibration(self.calib) if self.calib else {}
         keep = set(filter(None, self.keep.split(KEEP_SEPARATOR)))
+        formats = self.layer_formats()
         from xdsl.dialects.func import FuncOp
 
         for func in [f for f in op.walk() if isinstance(f, FuncOp)]:
             for i, (mm, w) in enumerate(linear_layers(list(func.body.block.ops), store)):
                 name = layer_name(w, i)
-                if name in keep and self.fallback == "none":
+                if formats.get(name) == "none" or (name not in formats and name in keep and self.fallback == "none"):
                     continue
-                s = self.resolved(self.fallback) if name in keep else scheme
+                s = self.resolved(formats[name]) if name in formats else \
+                    self.resolved(self.fallback) if name in keep else scheme
                 _Layer(self, s, store, mm, w, name, ranges.get(name)).rewrite()
             if self.embeddings:
                 for gather, table in embedding_tables(list(func.body.block.ops), store):
@@ -573,52 +591,174 @@ def relative_error(model: Model, quantized: Model, batches: Sequence[Sequence[np
     return float(np.sqrt(num / den)) if den else float(np.sqrt(num))
 
 
-def mixed_precision(model: Model, batches: Sequence[Sequence[np.ndarray]], scheme: str, max_error: float,
-                    fallback: str = "w8", progress: Callable[[Iterable], Iterable] = iter,
-                    **options) -> tuple[str, list[str]]:
-    """Choose which linear layers `scheme` quantizes and which `fallback` does, so that the model's
-    relative output error on the calibration batches stays within `max_error`.
+def _outputs(model: Model, batches) -> list[list[np.ndarray]]:
+    from ir.interpreter import interpret
 
-    Sensitivity of a layer: the error when only it is quantized by `scheme` (the rest float).
-    Layers are then taken into `scheme` least sensitive first, each weighed by the weight bytes it
-    saves over `fallback` (error per byte saved, ascending); the longest prefix whose measured error
-    (everything quantized together) is within budget wins, found by bisection (errors grow with the
-    prefix in practice; each step is measured, not predicted). Returns the pipeline
-    (`quantize{scheme=... keep=... fallback=...}`) and one remark per layer saying why it got its format.
+    return [[np.asarray(y, np.float64) for y in interpret(model, list(b), float64=False)] for b in batches]
+
+
+def output_agreement(reference: list, got: list) -> tuple[float, float]:
+    """(relative error ||y_q - y|| / ||y||, mean cosine similarity of the outputs' last-axis vectors) over
+    every output and batch."""
+    num = den = 0.0
+    cosines = []
+    for ys, qs in zip(reference, got):
+        for y, yq in zip(ys, qs):
+            num += float(np.sum((yq - y) ** 2))
+            den += float(np.sum(y ** 2))
+            a, b = y.reshape(-1, y.shape[-1] if y.ndim else 1), yq.reshape(-1, y.shape[-1] if y.ndim else 1)
+            norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+            cosines.append(np.where(norms > 0, np.sum(a * b, axis=1) / np.where(norms > 0, norms, 1), 1.0))
+    err = float(np.sqrt(num / den)) if den else float(np.sqrt(num))
+    return err, float(np.mean(np.concatenate(cosines))) if cosines else 1.0
+
+
+def layer_time(m: int, k: int, n: int, scheme: str, hw) -> float:
+    """Predicted seconds of one linear layer [m, k] @ [k, n] on `hw` (passes/cost), in float (scheme
+    'none') or quantized by `scheme`: the quantize pass's rewrite of that layer alone, costed op by op."""
+    from ir import Graph
+    from passes.cost.model import at, module_cost
+    from passes.registry import run_pipeline
+
+    g = Graph()
+    x = g.input("x", (m, k))
+    layer = g.build(x @ g.weight("w", np.zeros((k, n), np.float32)), names=["y"])
+    if scheme != "none":
+        layer = run_pipeline(layer, f"quantize{{scheme={scheme}}}")
+    return at(module_cost(layer.func, hw).time)
+
+
+@dataclass
+class MixedPlan:
+    """What `mixed_precision` chose."""
+
+    pipeline: str  # quantize{... formats="layer=scheme,..."}
+    formats: dict  # layer -> scheme, or "none" (float)
+    remarks: list
+    error: float  # measured on the calibration batches, everything together
+    cosine: float
+    predicted_f32: float  # s, the float model's linear layers on the target
+    predicted: float  # s, the same layers as chosen
+    shapes: dict  # layer -> (m, k, n) the predictions are for
+
+
+def mixed_precision(model: Model, batches: Sequence[Sequence[np.ndarray]], schemes: Sequence[str],
+                    max_error: float | None = None, min_cosine: float | None = None, target: str = "cpu",
+                    sizes: dict | None = None, progress: Callable[[Iterable], Iterable] = iter,
+                    **options) -> MixedPlan:
+    """Choose each linear layer's format among `schemes` and float ("none") to minimize the predicted time
+    of the model's linear layers on `target` (passes/cost: `layer_time` at `sizes`, by default the first
+    calibration batch's), keeping the measured relative output error within `max_error` and the mean
+    cosine similarity of the outputs at least `min_cosine` (on the calibration batches).
+
+    1. Predicted saving of each (layer, scheme): float time minus quantized time. A scheme that saves
+       nothing on the target is never chosen (on the NumPy CPU backend that may be every scheme).
+    2. Sensitivity of each (layer, scheme) that saves time: the error with only that layer quantized.
+    3. Moves, one per (layer, scheme), each layer's in order of its saving: taken greedily by
+       marginal saving per marginal sensitivity (squared errors of independent roundings add); the
+       longest prefix whose measured error (all its layers quantized together) is within the budget
+       wins, by bisection (the error grows with the prefix in practice; each step is measured).
+    A remark per layer (passes.remarks, and in the returned plan) says why it got its format.
     """
-    layers = [layer_name(w, i) for i, (_, w) in enumerate(linear_layers(model.func.body.block.ops, model.weights))]
+    from ir.interpreter import bind_inputs
+    from passes.cost.hardware import hardware
+    from passes.cost.model import at
+    from passes.registry import run_pipeline
+    from passes.remarks import remark
+
+    for sch in schemes:
+        if sch not in SCHEMES:
+            raise QuantizeError(f"unknown scheme '{sch}'; the schemes are: {', '.join(SCHEMES)}")
+    if max_error is None and min_cosine is None:
+        raise QuantizeError("mixed precision needs an accuracy budget: a maximum error or a minimum cosine")
+    hw = hardware(target)
+    options.setdefault("embeddings", "false")  # the search is over linear layers; tables stay as they are
+    found = linear_layers(model.func.body.block.ops, model.weights)
+    layers = [layer_name(w, i) for i, (_, w) in enumerate(found)]
+    if sizes is None:
+        sizes = bind_inputs(model, list(batches[0]))[1]
+    shapes = {}
+    for name, (mm, w) in zip(layers, found):
+        a = info_of(mm.operands[0].type).shape
+        m = int(np.prod([at(d, sizes) for d in a[:-1]]))
+        shapes[name] = (m, *info_of(w.results[0].type).shape)
+    times: dict = {}
+
+    def predicted(name: str, sch: str) -> float:
+        key = (shapes[name], sch)
+        if key not in times:
+            times[key] = layer_time(*shapes[name], sch, hw)
+        return times[key]
+
+    saving = {(n, sch): predicted(n, "none") - predicted(n, sch) for n in layers for sch in schemes}
     extra = "".join(f" {k.replace('_', '-')}={v}" for k, v in options.items())
 
-    def spec(low: set, fb: str = fallback) -> str:
-        keep = KEEP_SEPARATOR.join(n for n in layers if n not in low)
-        return f"quantize{{scheme={scheme} fallback={fb}{extra}" + (f' keep="{keep}"' if keep else "") + "}"
+    def spec(formats: dict) -> str:
+        given = KEEP_SEPARATOR.join(f"{n}={formats.get(n, 'none')}" for n in layers)
+        return f'quantize{{scheme={schemes[0]}{extra} formats="{given}"}}'
 
-    def error(low: set, fb: str = fallback) -> float:
-        from passes.registry import run_pipeline
+    reference = _outputs(model, batches)
 
-        return relative_error(model, run_pipeline(model, spec(low, fb)), batches)
+    def measure(formats: dict) -> tuple[float, float]:
+        return output_agreement(reference, _outputs(run_pipeline(model, spec(formats)), batches))
 
-    sizes = {layer_name(w, i): int(np.prod(info_of(w.results[0].type).shape))
-             for i, (_, w) in enumerate(linear_layers(model.func.body.block.ops, model.weights))}
-    bits = FORMATS[SCHEMES[scheme].weight].bits
-    fb_bits = FORMATS[SCHEMES[fallback].weight].bits if fallback != "none" else 32
-    sensitivity = {n: error({n}, "none") for n in progress(layers)}
-    order = sorted(layers, key=lambda n: sensitivity[n] / max(1, sizes[n] * (fb_bits - bits)))
-    lo, hi = 0, len(order)  # the largest prefix within budget, by bisection
-    if error(set(order)) <= max_error:
-        lo = hi
-    else:
+    def within(err_cos: tuple[float, float]) -> bool:
+        return (max_error is None or err_cos[0] <= max_error) and (min_cosine is None or err_cos[1] >= min_cosine)
+
+    useful = [(n, sch) for n in layers for sch in schemes if saving[n, sch] > 0]
+    sens = {key: measure({key[0]: key[1]}) for key in progress(useful)}
+    moves = []
+    for n in layers:
+        prev_gain, prev_err = 0.0, 0.0
+        for sch in sorted((s for m, s in useful if m == n), key=lambda s: saving[n, s]):
+            gain, err = saving[n, sch] - prev_gain, sens[n, sch][0] ** 2 - prev_err
+            moves.append((gain / max(err, 1e-30), n, sch))
+            prev_gain, prev_err = saving[n, sch], max(prev_err, sens[n, sch][0] ** 2)
+    moves.sort(key=lambda mv: -mv[0])
+
+    def assignment(count: int) -> dict:
+        chosen: dict = {}
+        for _, n, sch in moves[:count]:
+            if saving[n, sch] > saving.get((n, chosen.get(n)), 0.0):
+                chosen[n] = sch
+        return chosen
+
+    lo, hi = 0, len(moves)
+    result = measure(assignment(hi)) if moves else measure({})
+    if moves and not within(result):
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if error(set(order[:mid])) <= max_error:
+            if within(measure(assignment(mid))):
                 lo = mid
             else:
                 hi = mid
-    chosen = set(order[:lo])
-    total = error(chosen)
-    remarks = [f"{n}: {scheme if n in chosen else fallback} (alone in {scheme}: relative error {sensitivity[n]:.4f}; "
-               + ("taken, least sensitive per byte saved first, within the budget)" if n in chosen else
-                  f"taking it too would exceed the budget {max_error:g})") for n in layers]
-    remarks.append(f"all together: relative error {total:.4f} (budget {max_error:g}); {len(chosen)} of "
-                   f"{len(layers)} layers in {scheme}, the rest in {fallback}")
-    return spec(chosen), remarks
+        result = measure(assignment(lo))
+    else:
+        lo = hi
+    chosen = assignment(lo)
+    budget = " and ".join(x for x in (f"relative error <= {max_error:g}" if max_error is not None else "",
+                                      f"cosine >= {min_cosine:g}" if min_cosine is not None else "") if x)
+    remarks = []
+    for n in layers:
+        got = chosen.get(n, "none")
+        gains = ", ".join(f"{sch} {saving[n, sch] * 1e6:+.1f} us" for sch in schemes)
+        alone = ", ".join(f"{sch} error {sens[n, sch][0]:.4f}" for sch in schemes if (n, sch) in sens)
+        if got != "none":
+            why = f"the most predicted saving kept within {budget}"
+        elif not any(saving[n, sch] > 0 for sch in schemes):
+            why = f"no scheme is predicted faster than float on {hw.name}"
+        else:
+            why = f"quantizing it too would break {budget}"
+        msg = (f"{n} [{shapes[n][0]}x{shapes[n][1]}x{shapes[n][2]}]: {got} ({why}; predicted saving on "
+               f"{hw.name}: {gains}" + (f"; alone: {alone}" if alone else "") + ")")
+        remark("quantize", msg)
+        remarks.append(msg)
+    f32 = sum(predicted(n, "none") for n in layers)
+    now = f32 - sum(saving[n, sch] for n, sch in chosen.items())
+    summary = (f"all together: relative error {result[0]:.4f}, cosine {result[1]:.5f} ({budget}); "
+               f"{len(chosen)} of {len(layers)} layers quantized; linear layers predicted on {hw.name}: "
+               f"{f32 * 1e3:.3f} ms in float -> {now * 1e3:.3f} ms ({f32 / now:.2f}x)")
+    remark("quantize", summary)
+    remarks.append(summary)
+    return MixedPlan(spec(chosen), {n: chosen.get(n, "none") for n in layers}, remarks, result[0], result[1],
+                     f32, now, shapes)
