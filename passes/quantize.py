@@ -580,15 +580,7 @@ class _Layer:
 
 def relative_error(model: Model, quantized: Model, batches: Sequence[Sequence[np.ndarray]]) -> float:
     """||y_q - y|| / ||y|| over every output and calibration batch (the interpreter, float32)."""
-    from ir.interpreter import interpret
-
-    num = den = 0.0
-    for batch in batches:
-        for y, yq in zip(interpret(model, list(batch), float64=False), interpret(quantized, list(batch), float64=False)):
-            y, yq = np.asarray(y, np.float64), np.asarray(yq, np.float64)
-            num += float(np.sum((yq - y) ** 2))
-            den += float(np.sum(y ** 2))
-    return float(np.sqrt(num / den)) if den else float(np.sqrt(num))
+    return output_agreement(_outputs(model, batches), _outputs(quantized, batches))[0]
 
 
 def _outputs(model: Model, batches) -> list[list[np.ndarray]]:
@@ -645,7 +637,7 @@ class MixedPlan:
 def mixed_precision(model: Model, batches: Sequence[Sequence[np.ndarray]], schemes: Sequence[str],
                     max_error: float | None = None, min_cosine: float | None = None, target: str = "cpu",
                     sizes: dict | None = None, progress: Callable[[Iterable], Iterable] = iter,
-                    **options) -> MixedPlan:
+                    memo: dict | None = None, **options) -> MixedPlan:
     """Choose each linear layer's format among `schemes` and float ("none") to minimize the predicted time
     of the model's linear layers on `target` (passes/cost: `layer_time` at `sizes`, by default the first
     calibration batch's), keeping the measured relative output error within `max_error` and the mean
@@ -659,6 +651,7 @@ def mixed_precision(model: Model, batches: Sequence[Sequence[np.ndarray]], schem
        longest prefix whose measured error (all its layers quantized together) is within the budget
        wins, by bisection (the error grows with the prefix in practice; each step is measured).
     A remark per layer (passes.remarks, and in the returned plan) says why it got its format.
+    `memo`: measurements kept between calls on the same model and batches (another budget).
     """
     from ir.interpreter import bind_inputs
     from passes.cost.hardware import hardware
@@ -697,10 +690,15 @@ def mixed_precision(model: Model, batches: Sequence[Sequence[np.ndarray]], schem
         given = KEEP_SEPARATOR.join(f"{n}={formats.get(n, 'none')}" for n in layers)
         return f'quantize{{scheme={schemes[0]}{extra} formats="{given}"}}'
 
-    reference = _outputs(model, batches)
+    memo = {} if memo is None else memo
+    if "reference" not in memo:
+        memo["reference"] = _outputs(model, batches)
 
     def measure(formats: dict) -> tuple[float, float]:
-        return output_agreement(reference, _outputs(run_pipeline(model, spec(formats)), batches))
+        key = spec(formats)
+        if key not in memo:
+            memo[key] = output_agreement(memo["reference"], _outputs(run_pipeline(model, key), batches))
+        return memo[key]
 
     def within(err_cos: tuple[float, float]) -> bool:
         return (max_error is None or err_cos[0] <= max_error) and (min_cosine is None or err_cos[1] >= min_cosine)
