@@ -33,7 +33,8 @@ import torch  # noqa: E402
 
 import tilegraph  # noqa: E402
 from backends.onnx_export import save_onnx  # noqa: E402
-from passes.quantize import SCHEMES, calibrate, linear_layers, save_calibration  # noqa: E402
+from passes.gptq import hessians  # noqa: E402
+from passes.quantize import SCHEMES, calibrate, linear_layers, save_calibration, save_hessians  # noqa: E402
 from passes.registry import UNFUSED_PIPELINE, run_pipeline  # noqa: E402
 from tests.models import export_onnx, minilm_model, minilm_tokenizer  # noqa: E402
 
@@ -140,18 +141,22 @@ def ort_quantized(onnx_path: Path, tmp: Path, calib_feeds: list[dict]) -> dict[s
 # --- tilegraph ---------------------------------------------------------------------------------
 
 
-# Mixed precision: MXFP4 where the relative output error on the calibration inputs stays within
-# this budget, w8 elsewhere (passes.quantize.mixed_precision). Measured on MiniLM (w8 alone: 0.06,
-# all MXFP4: 0.27): 0.1 put 4 of 36 layers in MXFP4 (cosine 0.996), 0.15 put 8 (cosine 0.992).
-MIXED_BUDGET = 0.15
+# Mixed precision (passes.quantize.mixed_precision): per layer mxfp4, w8a8 or float, whichever is
+# predicted fastest on the target, within a relative output error on the calibration sentences.
+# Two budgets: measured on MiniLM, w8a8 on every layer alone costs 0.02-0.05.
+MIXED_SCHEMES = ("mxfp4", "w8a8")
+MIXED_BUDGETS = (0.03, 0.1)
+MIXED_TARGETS = ("cpu", "h100")
+# GPTQ as the 4-bit rows use it: rows in order of decreasing input energy (act-order, static
+# groups) and the MSE observer's scales. Measured on MiniLM (mean cosine, this set): nearest
+# 0.962, GPTQ 0.978, with act-order 0.981.
+GPTQ_OPTIONS = "observer=mse act-order=true"
 
 
-def tilegraph_variants(model, calib_batches, remarks: list | None = None) -> dict[str, object]:
+def tilegraph_variants(model, calib_batches) -> dict[str, object]:
     """scheme label -> quantized ir.Model (before the default pipeline). w8a8 three times: calibrated
     (static activation scales), dynamic (per-row scales at run time), and dynamic with per-tensor weights
-    (onnxruntime's weight layout and bytes); MXFP4 also mixed with w8 under MIXED_BUDGET."""
-    from passes.quantize import mixed_precision
-
+    (onnxruntime's weight layout and bytes); 4-bit weights rounded to nearest and by GPTQ."""
     base = run_pipeline(model, UNFUSED_PIPELINE)
     out = {"tilegraph fp32": base}
     with tempfile.TemporaryDirectory() as tmp:
@@ -163,10 +168,12 @@ def tilegraph_variants(model, calib_batches, remarks: list | None = None) -> dic
             if SCHEMES[scheme].activation and not SCHEMES[scheme].mx:
                 out[f"tilegraph {scheme} calibrated"] = run_pipeline(base, f'quantize{{scheme={scheme} calib="{calib}"}}')
         out["tilegraph w8a8 dynamic per-tensor"] = run_pipeline(base, "quantize{scheme=w8a8 granularity=tensor}")
-        spec, why = mixed_precision(base, calib_batches[:2], "mxfp4", MIXED_BUDGET, "w8")
-        out[f"tilegraph mxfp4 + w8 (max-error {MIXED_BUDGET:g})"] = run_pipeline(base, spec)
-        if remarks is not None:
-            remarks += why
+        # 4-bit weights: round to nearest (min/max, MSE observer) against GPTQ on the calibration inputs
+        hess = save_hessians(Path(tmp) / "hessians.npz", hessians(base, calib_batches))
+        for scheme in ("w4a16", "mxfp4"):
+            out[f"tilegraph {scheme} mse"] = run_pipeline(base, f"quantize{{scheme={scheme} observer=mse}}")
+            out[f"tilegraph {scheme} gptq ({GPTQ_OPTIONS})"] = run_pipeline(
+                base, f'quantize{{scheme={scheme} {GPTQ_OPTIONS} rounding=gptq hessians="{hess}"}}')
     return out
 
 
@@ -263,7 +270,60 @@ def minilm_table(repeats: int) -> str:
                   f"{times['torch fp32 eager'] / base:.2f}x"))
     return (f"all-MiniLM-L6-v2: {len(eval_s)} held-out sentences (batch {ids.shape[0]}, {ids.shape[1]} tokens), "
             f"calibrated on {len(calib_s)}\n"
-            + format_table(["model", "cos mean", "cos min", "linear kB", "all kB", "ms", "vs ort fp32"], table))
+            + format_table(["model", "cos mean", "cos min", "linear kB", "all kB", "ms", "vs ort fp32"], table)
+            + "\n\n" + mixed_table(model, [list(b) for b in cal_batches], (ids, mask), cosine, repeats))
+
+
+def mixed_table(model, cal_batches, inputs, cosine, repeats: int) -> str:
+    """For each target and budget: the layers left in float (or given w8a8 instead of mxfp4), the
+    predicted speed of the linear layers, and (cpu: the NumPy backend here) the measured one."""
+    from ir.interpreter import bind_inputs
+    from passes.cost.hardware import hardware
+    from passes.quantize import layer_time, mixed_precision
+
+    base = run_pipeline(model, UNFUSED_PIPELINE)
+    sizes = bind_inputs(base, list(inputs))[1]  # predicted at the held-out batch's shape
+    fp32 = tilegraph.compile(base)
+    rows, lines, runners = [], [], {"fp32": lambda: fp32(*inputs)}
+    for target in MIXED_TARGETS:
+        memo: dict = {}  # the sensitivities measured for one budget serve the other
+        for budget in MIXED_BUDGETS:
+            plan = mixed_precision(base, cal_batches[:2], list(MIXED_SCHEMES), max_error=budget, target=target,
+                                   sizes=sizes, memo=memo)
+            formats = plan.formats
+            counts = {f: sum(1 for v in formats.values() if v == f) for f in ("none", *MIXED_SCHEMES)}
+            kept = [n for n, f in formats.items() if f == "none"]
+            label = f"{target} max-error {budget:g}"
+            lines.append(f"{label}: float: {', '.join(kept) if len(kept) < len(formats) else 'every layer'}")
+            measured = ""
+            if hardware(target).kind == "cpu":
+                compiled = tilegraph.compile(run_pipeline(base, plan.pipeline))
+                runners[label] = (lambda c: lambda: c(*inputs))(compiled)
+                measured = label
+            rows.append([label, *(str(counts[f]) for f in ("none", *MIXED_SCHEMES)), f"{plan.error:.4f}",
+                         cosine(compiled(*inputs))[0] if measured else "", f"{plan.predicted_f32 / plan.predicted:.2f}x",
+                         measured])
+        # every layer in one scheme, for the prediction's sake
+        hw = hardware(target)
+        f32 = sum(layer_time(*plan.shapes[n], "none", hw) for n in formats)
+        for scheme in MIXED_SCHEMES:
+            t = sum(layer_time(*plan.shapes[n], scheme, hw) for n in formats)
+            label = f"{target} every layer {scheme}"
+            measured = ""
+            if hw.kind == "cpu":
+                compiled = tilegraph.compile(run_pipeline(base, f"quantize{{scheme={scheme} embeddings=false}}"))
+                runners[label] = (lambda c: lambda: c(*inputs))(compiled)
+                measured = label
+            rows.append([label, *(str(len(formats)) if f == scheme else "0" for f in ("none", *MIXED_SCHEMES)), "",
+                         cosine(compiled(*inputs))[0] if measured else "", f"{f32 / t:.2f}x", measured])
+    times = interleaved_medians(runners, repeat=repeats)
+    for row in rows:
+        row[-1] = f"{times['fp32'] / times[row[-1]]:.2f}x" if row[-1] else "unmeasured: no GPU"
+    return ("mixed precision (per layer mxfp4 / w8a8 / float, fastest predicted within the budget; speed = "
+            "fp32 time / this time: predicted for the linear layers on the target, measured for the whole "
+            "model on the NumPy backend here)\n"
+            + format_table(["target, budget", "float", *MIXED_SCHEMES, "calib error", "cos mean", "predicted",
+                            "measured"], rows) + "\n" + "\n".join(lines))
 
 
 def train_digits(seed: int = 0):

@@ -30,15 +30,24 @@ Scales (observers): a weight's scale maps its largest magnitude to the format's 
 value (`minmax`), or is the clipping that minimizes the squared error of that group
 (`mse`: ratios MSE_RATIOS of the largest magnitude, plus the coarser granularity's scale,
 so per channel is never worse than per tensor). MX scales are powers of two (f8E8M0FNU).
-Activation ranges come from `calibrate` (min/max, percentile or MSE over calibration
+Rounding: to nearest (`rounding=nearest`), or GPTQ (`rounding=gptq hessians=<file>`,
+passes/gptq.py): each layer's weights rounded in turn so that the layer's output on the
+calibration inputs (their X^T X, from `passes.gptq.hessians`) stays close, for every weight
+scheme; the scales and storage stay the scheme's. Activation ranges come from `calibrate` (min/max, percentile or MSE over calibration
 inputs), saved by `tilegraph quantize --calib` and read here from `calib=<file.npz>`;
 without them activations are quantized from their own values at run time.
+
+Mixed precision (`mixed_precision`, `formats="layer=scheme,..."`): per layer the scheme, among the
+given ones and float, that the cost model predicts fastest on a target, within an error budget
+measured on the calibration inputs.
 
 The stated error bound (checked by tilegraph.testing.assert_within_quantization_bound on
 every property-suite graph): the quantized model computes, within float rounding, what
 `simulate=true` computes, which is the float model with each quantized tensor x replaced
 by dequantize(quantize(x)); and each of those is within half an ulp of its format times
-its scale of x (plus, for a calibrated clipping range, the distance of x beyond it).
+its scale of x (plus, for a calibrated clipping range, the distance of x beyond it). With
+rounding=gptq, x for a weight is GPTQ's weight (on its grid), not the original: GPTQ bounds
+the layer's calibration output error (never above round to nearest's), not each weight's.
 """
 
 from __future__ import annotations
@@ -59,6 +68,7 @@ from ir.errors import TilegraphError
 from ir.model import Model, weights_of
 from ir.quant import FORMATS, MX_BLOCK, Format, absmax_scale, dequantize, mx_scale, quantize
 from ir.shapes import TensorInfo, info_of
+from passes.gptq import gptq
 
 
 class QuantizeError(TilegraphError):
@@ -88,6 +98,7 @@ OBSERVERS = ("minmax", "percentile", "mse")
 # Between the layer names of `keep`: ONNX names hold ':' (onnx::MatMul_655), not ','.
 KEEP_SEPARATOR = ","
 GRANULARITIES = ("tensor", "channel", "group")
+ROUNDINGS = ("nearest", "gptq")
 # Clipping ratios the MSE observer tries: 1 (no clipping) down to 0.5 of the largest
 # magnitude in steps of 2.5%, the grid of NVIDIA's and Intel's MSE calibrators (TensorRT
 # and Neural Compressor search a similar range); below half, int8 outliers dominate.
@@ -307,6 +318,12 @@ def save_calibration(path: str | Path, ranges: dict[str, tuple[float, float]]) -
     return Path(path)
 
 
+def save_hessians(path: str | Path, hessians: dict[str, np.ndarray]) -> Path:
+    """Each layer's X^T X (passes.gptq.hessians) for rounding=gptq, in float32."""
+    np.savez(path, **{k: np.asarray(v, np.float32) for k, v in hessians.items()})
+    return Path(path)
+
+
 def load_calibration(path: str | Path) -> dict[str, tuple[float, float]]:
     if not Path(path).is_file():
         raise QuantizeError(f"quantize: no calibration file {path}")
@@ -341,6 +358,10 @@ class Quantize(ModulePass):
     keep: str = ""  # layer (weight) names, ','-separated, quantized by `fallback` instead: mixed precision
     fallback: str = "none"  # the scheme of the `keep` layers; none: left in float
     embeddings: bool = True  # embedding tables (gather on axis 0) as i8, one scale per row
+    formats: str = ""  # per layer: "name=scheme,..." (scheme or none), over scheme/keep: mixed precision
+    rounding: str = "nearest"  # weights: nearest | gptq (data-aware, passes/gptq.py; needs `hessians`)
+    hessians: str = ""  # with rounding=gptq: each layer's X^T X from `save_hessians` (.npz)
+    act_order: bool = False  # with rounding=gptq: largest inputs first, scales fixed up front
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -356,11 +377,30 @@ class Quantize(ModulePass):
             raise QuantizeError(f"group-size {self.group_size} is negative")
         if self.calib:
             load_calibration(self.calib)  # a bad file fails when the pipeline is read
+        self.layer_formats()
+        if self.rounding not in ROUNDINGS:
+            raise QuantizeError(f"unknown rounding '{self.rounding}'; one of {', '.join(ROUNDINGS)}")
+        if self.rounding == "gptq" and not self.hessians:
+            raise QuantizeError("rounding=gptq needs hessians=<file.npz> (each layer's calibration X^T X: "
+                                "tilegraph quantize --rounding gptq --calib makes it)")
+        if self.hessians and not Path(self.hessians).is_file():
+            raise QuantizeError(f"quantize: no hessians file {self.hessians}")
 
     def reference(self) -> "Quantize":
         """The fake-quant model this pass's output must match (its stated bound)."""
         return Quantize(self.scheme, self.calib, self.observer, self.granularity, self.group_size, self.symmetric,
-                        True, self.keep, self.fallback, self.embeddings)
+                        True, self.keep, self.fallback, self.embeddings, self.formats, self.rounding,
+                        self.hessians, self.act_order)
+
+    def layer_formats(self) -> dict[str, str]:
+        """The `formats` option as {layer: scheme or "none"}."""
+        out = {}
+        for item in filter(None, self.formats.split(KEEP_SEPARATOR)):
+            name, _, sch = item.rpartition("=")
+            if not name or (sch != "none" and sch not in SCHEMES):
+                raise QuantizeError(f"formats: '{item}' is not layer=scheme (a scheme: none, {', '.join(SCHEMES)})")
+            out[name] = sch
+        return out
 
     def resolved(self, scheme: str | None = None) -> Scheme:
         s = SCHEMES[scheme or self.scheme]
@@ -380,14 +420,16 @@ class Quantize(ModulePass):
         store = weights_of(op)
         ranges = load_calibration(self.calib) if self.calib else {}
         keep = set(filter(None, self.keep.split(KEEP_SEPARATOR)))
+        formats = self.layer_formats()
         from xdsl.dialects.func import FuncOp
 
         for func in [f for f in op.walk() if isinstance(f, FuncOp)]:
             for i, (mm, w) in enumerate(linear_layers(list(func.body.block.ops), store)):
                 name = layer_name(w, i)
-                if name in keep and self.fallback == "none":
+                if formats.get(name) == "none" or (name not in formats and name in keep and self.fallback == "none"):
                     continue
-                s = self.resolved(self.fallback) if name in keep else scheme
+                s = self.resolved(formats[name]) if name in formats else \
+                    self.resolved(self.fallback) if name in keep else scheme
                 _Layer(self, s, store, mm, w, name, ranges.get(name)).rewrite()
             if self.embeddings:
                 for gather, table in embedding_tables(list(func.body.block.ops), store):
@@ -447,13 +489,19 @@ class _Layer:
         name = self.name
         w = weight_value(self.w, self.store)
         fmt = FORMATS[s.weight]
-        scale = weight_scale(w, fmt, s.granularity, s.group_size, s.mx, p.observer)
+        if p.rounding == "gptq":  # w becomes GPTQ's weights, each on the grid of its scale
+            w, scale = gptq(w, self._hessian(w.shape[0]), fmt, s.granularity, s.group_size,
+                            lambda x, gran: weight_scale(x, fmt, gran, s.group_size, s.mx, p.observer),
+                            act_order=p.act_order)
+        else:
+            scale = weight_scale(w, fmt, s.granularity, s.group_size, s.mx, p.observer)
         waxis, wblock = (0, s.group_size) if s.granularity == "group" else (1, 0)
         if s.mx:
             scale = scale.astype(dtypes.numpy_dtype("f8E8M0FNU"))
         sv = None if s.integer_gemm and not p.simulate else self.array(name + ".scale", scale)
         if p.simulate:
-            q = self.emit("quantize", self.w.results[0], sv, to=s.weight, axis=waxis, block_size=wblock).results[0]
+            src = self.array(name + ".gptq", w) if p.rounding == "gptq" else self.w.results[0]
+            q = self.emit("quantize", src, sv, to=s.weight, axis=waxis, block_size=wblock).results[0]
         else:
             q = self.array(name + ".q", quantize(w, scale, None, waxis, wblock, s.weight, fmt.numpy))
         a = self.mm.operands[0]
@@ -464,6 +512,16 @@ class _Layer:
             x = a if s.activation is None else self._fake_quant_activation(a)
             out = self.emit("matmul", x, wd).results[0]
         self.replace(out)
+
+    def _hessian(self, k: int) -> np.ndarray:
+        with np.load(self.p.hessians, allow_pickle=False) as data:
+            if self.name not in data.files:
+                raise QuantizeError(f"quantize: {self.p.hessians} has no Hessian for layer '{self.name}'")
+            h = data[self.name]
+        if h.shape != (k, k):
+            raise QuantizeError(f"quantize: the Hessian of layer '{self.name}' in {self.p.hessians} is {h.shape}, "
+                                f"its weight has {k} rows")
+        return h
 
     def replace(self, out: SSAValue) -> None:
         """The new ops in, the matmul (or gather) out, and its weight if nothing else reads it."""
@@ -523,63 +581,183 @@ class _Layer:
 
 def relative_error(model: Model, quantized: Model, batches: Sequence[Sequence[np.ndarray]]) -> float:
     """||y_q - y|| / ||y|| over every output and calibration batch (the interpreter, float32)."""
+    return output_agreement(_outputs(model, batches), _outputs(quantized, batches))[0]
+
+
+def _outputs(model: Model, batches) -> list[list[np.ndarray]]:
     from ir.interpreter import interpret
 
+    return [[np.asarray(y, np.float64) for y in interpret(model, list(b), float64=False)] for b in batches]
+
+
+def output_agreement(reference: list, got: list) -> tuple[float, float]:
+    """(relative error ||y_q - y|| / ||y||, mean cosine similarity of the outputs' last-axis vectors) over
+    every output and batch."""
     num = den = 0.0
-    for batch in batches:
-        for y, yq in zip(interpret(model, list(batch), float64=False), interpret(quantized, list(batch), float64=False)):
-            y, yq = np.asarray(y, np.float64), np.asarray(yq, np.float64)
+    cosines = []
+    for ys, qs in zip(reference, got):
+        for y, yq in zip(ys, qs):
             num += float(np.sum((yq - y) ** 2))
             den += float(np.sum(y ** 2))
-    return float(np.sqrt(num / den)) if den else float(np.sqrt(num))
+            a, b = y.reshape(-1, y.shape[-1] if y.ndim else 1), yq.reshape(-1, y.shape[-1] if y.ndim else 1)
+            norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+            cosines.append(np.where(norms > 0, np.sum(a * b, axis=1) / np.where(norms > 0, norms, 1), 1.0))
+    err = float(np.sqrt(num / den)) if den else float(np.sqrt(num))
+    return err, float(np.mean(np.concatenate(cosines))) if cosines else 1.0
 
 
-def mixed_precision(model: Model, batches: Sequence[Sequence[np.ndarray]], scheme: str, max_error: float,
-                    fallback: str = "w8", progress: Callable[[Iterable], Iterable] = iter,
-                    **options) -> tuple[str, list[str]]:
-    """Choose which linear layers `scheme` quantizes and which `fallback` does, so that the model's
-    relative output error on the calibration batches stays within `max_error`.
+def layer_time(m: int, k: int, n: int, scheme: str, hw) -> float:
+    """Predicted seconds of one linear layer [m, k] @ [k, n] on `hw` (passes/cost), in float (scheme
+    'none') or quantized by `scheme`: the quantize pass's rewrite of that layer alone, costed op by op."""
+    from ir import Graph
+    from passes.cost.model import at, module_cost
+    from passes.registry import run_pipeline
 
-    Sensitivity of a layer: the error when only it is quantized by `scheme` (the rest float).
-    Layers are then taken into `scheme` least sensitive first, each weighed by the weight bytes it
-    saves over `fallback` (error per byte saved, ascending); the longest prefix whose measured error
-    (everything quantized together) is within budget wins, found by bisection (errors grow with the
-    prefix in practice; each step is measured, not predicted). Returns the pipeline
-    (`quantize{scheme=... keep=... fallback=...}`) and one remark per layer saying why it got its format.
+    g = Graph()
+    x = g.input("x", (m, k))
+    layer = g.build(x @ g.weight("w", np.zeros((k, n), np.float32)), names=["y"])
+    if scheme != "none":
+        layer = run_pipeline(layer, f"quantize{{scheme={scheme}}}")
+    return at(module_cost(layer.func, hw).time)
+
+
+@dataclass
+class MixedPlan:
+    """What `mixed_precision` chose."""
+
+    pipeline: str  # quantize{... formats="layer=scheme,..."}
+    formats: dict  # layer -> scheme, or "none" (float)
+    remarks: list
+    error: float  # measured on the calibration batches, everything together
+    cosine: float
+    predicted_f32: float  # s, the float model's linear layers on the target
+    predicted: float  # s, the same layers as chosen
+    shapes: dict  # layer -> (m, k, n) the predictions are for
+
+
+def mixed_precision(model: Model, batches: Sequence[Sequence[np.ndarray]], schemes: Sequence[str],
+                    max_error: float | None = None, min_cosine: float | None = None, target: str = "cpu",
+                    sizes: dict | None = None, progress: Callable[[Iterable], Iterable] = iter,
+                    memo: dict | None = None, **options) -> MixedPlan:
+    """Choose each linear layer's format among `schemes` and float ("none") to minimize the predicted time
+    of the model's linear layers on `target` (passes/cost: `layer_time` at `sizes`, by default the first
+    calibration batch's), keeping the measured relative output error within `max_error` and the mean
+    cosine similarity of the outputs at least `min_cosine` (on the calibration batches).
+
+    1. Predicted saving of each (layer, scheme): float time minus quantized time. A scheme that saves
+       nothing on the target is never chosen (on the NumPy CPU backend that may be every scheme).
+    2. Sensitivity of each (layer, scheme) that saves time: the error with only that layer quantized.
+    3. Moves, one per (layer, scheme), each layer's in order of its saving: taken greedily by
+       marginal saving per marginal sensitivity (squared errors of independent roundings add); the
+       longest prefix whose measured error (all its layers quantized together) is within the budget
+       wins, by bisection (the error grows with the prefix in practice; each step is measured).
+    A remark per layer (passes.remarks, and in the returned plan) says why it got its format.
+    `memo`: measurements kept between calls on the same model and batches (another budget).
     """
-    layers = [layer_name(w, i) for i, (_, w) in enumerate(linear_layers(model.func.body.block.ops, model.weights))]
+    from ir.interpreter import bind_inputs
+    from passes.cost.hardware import hardware
+    from passes.cost.model import at
+    from passes.registry import run_pipeline
+    from passes.remarks import remark
+
+    for sch in schemes:
+        if sch not in SCHEMES:
+            raise QuantizeError(f"unknown scheme '{sch}'; the schemes are: {', '.join(SCHEMES)}")
+    if max_error is None and min_cosine is None:
+        raise QuantizeError("mixed precision needs an accuracy budget: a maximum error or a minimum cosine")
+    hw = hardware(target)
+    options.setdefault("embeddings", "false")  # the search is over linear layers; tables stay as they are
+    found = linear_layers(model.func.body.block.ops, model.weights)
+    layers = [layer_name(w, i) for i, (_, w) in enumerate(found)]
+    if sizes is None:
+        sizes = bind_inputs(model, list(batches[0]))[1]
+    shapes = {}
+    for name, (mm, w) in zip(layers, found):
+        a = info_of(mm.operands[0].type).shape
+        m = int(np.prod([at(d, sizes) for d in a[:-1]]))
+        shapes[name] = (m, *info_of(w.results[0].type).shape)
+    times: dict = {}
+
+    def predicted(name: str, sch: str) -> float:
+        key = (shapes[name], sch)
+        if key not in times:
+            times[key] = layer_time(*shapes[name], sch, hw)
+        return times[key]
+
+    saving = {(n, sch): predicted(n, "none") - predicted(n, sch) for n in layers for sch in schemes}
     extra = "".join(f" {k.replace('_', '-')}={v}" for k, v in options.items())
 
-    def spec(low: set, fb: str = fallback) -> str:
-        keep = KEEP_SEPARATOR.join(n for n in layers if n not in low)
-        return f"quantize{{scheme={scheme} fallback={fb}{extra}" + (f' keep="{keep}"' if keep else "") + "}"
+    def spec(formats: dict) -> str:
+        given = KEEP_SEPARATOR.join(f"{n}={formats.get(n, 'none')}" for n in layers)
+        return f'quantize{{scheme={schemes[0]}{extra} formats="{given}"}}'
 
-    def error(low: set, fb: str = fallback) -> float:
-        from passes.registry import run_pipeline
+    memo = {} if memo is None else memo
+    if "reference" not in memo:
+        memo["reference"] = _outputs(model, batches)
 
-        return relative_error(model, run_pipeline(model, spec(low, fb)), batches)
+    def measure(formats: dict) -> tuple[float, float]:
+        key = spec(formats)
+        if key not in memo:
+            memo[key] = output_agreement(memo["reference"], _outputs(run_pipeline(model, key), batches))
+        return memo[key]
 
-    sizes = {layer_name(w, i): int(np.prod(info_of(w.results[0].type).shape))
-             for i, (_, w) in enumerate(linear_layers(model.func.body.block.ops, model.weights))}
-    bits = FORMATS[SCHEMES[scheme].weight].bits
-    fb_bits = FORMATS[SCHEMES[fallback].weight].bits if fallback != "none" else 32
-    sensitivity = {n: error({n}, "none") for n in progress(layers)}
-    order = sorted(layers, key=lambda n: sensitivity[n] / max(1, sizes[n] * (fb_bits - bits)))
-    lo, hi = 0, len(order)  # the largest prefix within budget, by bisection
-    if error(set(order)) <= max_error:
-        lo = hi
-    else:
+    def within(err_cos: tuple[float, float]) -> bool:
+        return (max_error is None or err_cos[0] <= max_error) and (min_cosine is None or err_cos[1] >= min_cosine)
+
+    useful = [(n, sch) for n in layers for sch in schemes if saving[n, sch] > 0]
+    sens = {key: measure({key[0]: key[1]}) for key in progress(useful)}
+    moves = []
+    for n in layers:
+        prev_gain, prev_err = 0.0, 0.0
+        for sch in sorted((s for m, s in useful if m == n), key=lambda s: saving[n, s]):
+            gain, err = saving[n, sch] - prev_gain, sens[n, sch][0] ** 2 - prev_err
+            moves.append((gain / max(err, 1e-30), n, sch))
+            prev_gain, prev_err = saving[n, sch], max(prev_err, sens[n, sch][0] ** 2)
+    moves.sort(key=lambda mv: -mv[0])
+
+    def assignment(count: int) -> dict:
+        chosen: dict = {}
+        for _, n, sch in moves[:count]:
+            if saving[n, sch] > saving.get((n, chosen.get(n)), 0.0):
+                chosen[n] = sch
+        return chosen
+
+    lo, hi = 0, len(moves)
+    result = measure(assignment(hi)) if moves else measure({})
+    if moves and not within(result):
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if error(set(order[:mid])) <= max_error:
+            if within(measure(assignment(mid))):
                 lo = mid
             else:
                 hi = mid
-    chosen = set(order[:lo])
-    total = error(chosen)
-    remarks = [f"{n}: {scheme if n in chosen else fallback} (alone in {scheme}: relative error {sensitivity[n]:.4f}; "
-               + ("taken, least sensitive per byte saved first, within the budget)" if n in chosen else
-                  f"taking it too would exceed the budget {max_error:g})") for n in layers]
-    remarks.append(f"all together: relative error {total:.4f} (budget {max_error:g}); {len(chosen)} of "
-                   f"{len(layers)} layers in {scheme}, the rest in {fallback}")
-    return spec(chosen), remarks
+        result = measure(assignment(lo))
+    else:
+        lo = hi
+    chosen = assignment(lo)
+    budget = " and ".join(x for x in (f"relative error <= {max_error:g}" if max_error is not None else "",
+                                      f"cosine >= {min_cosine:g}" if min_cosine is not None else "") if x)
+    remarks = []
+    for n in layers:
+        got = chosen.get(n, "none")
+        gains = ", ".join(f"{sch} {saving[n, sch] * 1e6:+.1f} us" for sch in schemes)
+        alone = ", ".join(f"{sch} error {sens[n, sch][0]:.4f}" for sch in schemes if (n, sch) in sens)
+        if got != "none":
+            why = f"the most predicted saving kept within {budget}"
+        elif not any(saving[n, sch] > 0 for sch in schemes):
+            why = f"no scheme is predicted faster than float on {hw.name}"
+        else:
+            why = f"quantizing it too would break {budget}"
+        msg = (f"{n} [{shapes[n][0]}x{shapes[n][1]}x{shapes[n][2]}]: {got} ({why}; predicted saving on "
+               f"{hw.name}: {gains}" + (f"; alone: {alone}" if alone else "") + ")")
+        remark("quantize", msg)
+        remarks.append(msg)
+    f32 = sum(predicted(n, "none") for n in layers)
+    now = f32 - sum(saving[n, sch] for n, sch in chosen.items())
+    summary = (f"all together: relative error {result[0]:.4f}, cosine {result[1]:.5f} ({budget}); "
+               f"{len(chosen)} of {len(layers)} layers quantized; linear layers predicted on {hw.name}: "
+               f"{f32 * 1e3:.3f} ms in float -> {now * 1e3:.3f} ms ({f32 / now:.2f}x)")
+    remark("quantize", summary)
+    remarks.append(summary)
+    return MixedPlan(spec(chosen), {n: chosen.get(n, "none") for n in layers}, remarks, result[0], result[1],
+                     f32, now, shapes)

@@ -365,27 +365,3 @@ def test_cli_quantize_bad_calibration_file_is_one_paragraph_and_writes_nothing(t
                           capsys)
     assert code == 2 and "Traceback" not in err and "has no array for input(s)" in err
     assert not list(tmp_path.glob("q.*"))
-
-
-# --- mixed precision --------------------------------------------------------------------------
-
-
-def test_mixed_precision_meets_its_error_budget_and_says_why_each_layer_got_its_format():
-    from passes.quantize import mixed_precision, relative_error
-
-    model = mlp(first="onnx::MatMul_655")  # ONNX names hold ':'
-    rng = np.random.default_rng(6)
-    batches = [[rng.standard_normal((16, 64)).astype(np.float32)] for _ in range(2)]
-    everything = relative_error(model, run_pipeline(model, "quantize{scheme=mxfp4}"), batches)
-    fallback_only = relative_error(model, run_pipeline(model, "quantize{scheme=w8}"), batches)
-    assert fallback_only < everything
-    for budget, low in ((10.0, 2), ((everything + fallback_only) / 2, None), (fallback_only / 2, 0)):
-        spec, remarks = mixed_precision(model, batches, "mxfp4", budget, "w8")
-        q = run_pipeline(model, spec)
-        err = relative_error(model, q, batches)
-        in_mx = sum(1 for w in q.weights.values() if w.dtype == ml_dtypes.float4_e2m1fn)
-        assert len(remarks) == 3 and remarks[-1].startswith("all together")
-        if low is not None:
-            assert in_mx == low
-        if low != 0:  # a budget below what the fallback alone reaches cannot be met
-            assert err <= budget

@@ -84,12 +84,21 @@ def _parser() -> argparse.ArgumentParser:
     qz.add_argument("--percentile", type=float, default=None, help="with --observer percentile (default 99.99)")
     qz.add_argument("--weight-observer", default="minmax", choices=("minmax", "mse"), help="(default: minmax)")
     qz.add_argument("--symmetric", action="store_true", help="int8 activations as i8 without a zero point")
+    qz.add_argument("--rounding", default="nearest", choices=("nearest", "gptq"),
+                    help="weights: round to nearest, or GPTQ (needs --calib: rounds each layer to keep its output "
+                         "on the calibration samples; passes/gptq.py) (default: nearest)")
+    qz.add_argument("--act-order", action="store_true", help="with --rounding gptq: largest inputs first")
     qz.add_argument("--batch-size", type=int, default=8, help="calibration samples per run (default: 8)")
     qz.add_argument("--max-error", type=float, default=None,
-                    help="mixed precision (needs --calib): the layers the scheme would push past this relative "
-                         "output error on the calibration samples are quantized by --fallback instead")
+                    help="mixed precision (needs --calib): each linear layer gets --scheme, --fallback or stays "
+                         "float, whichever is predicted fastest on --target, keeping the relative output error on "
+                         "the calibration samples within this")
+    qz.add_argument("--min-cosine", type=float, default=None,
+                    help="mixed precision, as --max-error: keep the outputs' mean cosine similarity at least this")
     qz.add_argument("--fallback", default="w8", choices=["none", *SCHEMES],
-                    help="with --max-error: the scheme of the sensitive layers (default: w8; none: float)")
+                    help="with --max-error / --min-cosine: a second scheme a layer may get (default: w8)")
+    qz.add_argument("--target", default="cpu", help="with --max-error / --min-cosine: the hardware the speed is "
+                                                   "predicted for: h100, h200, a100 or cpu (default)")
     qz.add_argument("--export-onnx", default=None, metavar="OUT.onnx",
                     help="also write the quantized model as ONNX in QDQ form (backends/onnx_export.py)")
 
@@ -216,7 +225,9 @@ def _quantize(args) -> int:
     spec = f"scheme={args.scheme} observer={args.weight_observer} symmetric={str(args.symmetric).lower()}"
     ranges = None
     batches = _calibration_batches(Path(args.calib), model, args.batch_size) if args.calib is not None else None
-    if batches is not None and not SCHEMES[args.scheme].activation and args.max_error is None:
+    if batches is not None and not SCHEMES[args.scheme].activation and args.max_error is None \
+            and args.min_cosine is None \
+            and args.rounding == "nearest":
         print(f"{args.scheme} is weight-only: --calib is not needed (ignored)", file=sys.stderr)
     elif batches is not None and SCHEMES[args.scheme].activation:
         from tqdm import tqdm
@@ -224,25 +235,50 @@ def _quantize(args) -> int:
         ranges = calibrate(model, batches, args.observer, percentile=args.percentile or DEFAULT_PERCENTILE,
                            symmetric=args.symmetric,
                            progress=lambda it: tqdm(it, desc="calibrating", unit="batch", file=sys.stderr))
-    if args.max_error is not None and batches is None:
-        raise TilegraphError("--max-error needs --calib: the error is measured on the calibration samples")
+    mixed = args.max_error is not None or args.min_cosine is not None
+    if mixed and batches is None:
+        raise TilegraphError("--max-error and --min-cosine need --calib: the error is measured on the calibration "
+                             "samples")
+    if mixed:
+        from passes.cost.hardware import check_target
+
+        try:
+            check_target(args.target)
+        except ValueError as e:
+            raise TilegraphError(str(e)) from None
+    if args.rounding == "gptq" and batches is None:
+        raise TilegraphError("--rounding gptq needs --calib: it rounds each layer against its inputs on the "
+                             "calibration samples")
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:  # nothing is written next to the output until all succeeded
         options = {"observer": args.weight_observer, "symmetric": str(args.symmetric).lower()}
         if ranges is not None:
             options["calib"] = f'"{save_calibration(Path(tmp) / "calib.npz", ranges)}"'
+        if args.rounding == "gptq":
+            from tqdm import tqdm
+
+            from passes.gptq import hessians
+            from passes.quantize import save_hessians
+
+            found = hessians(model, batches, progress=lambda it: tqdm(it, desc="gptq inputs", unit="batch",
+                                                                       file=sys.stderr))
+            options.update(rounding="gptq", hessians=f'"{save_hessians(Path(tmp) / "hessians.npz", found)}"',
+                           act_order=str(args.act_order).lower())
+            spec += f" rounding=gptq hessians={options['hessians']} act-order={options['act_order']}"
         spec += f" calib={options['calib']}" if "calib" in options else ""
         pipeline = f"quantize{{{spec}}}"
-        if args.max_error is not None:
+        if mixed:
             from tqdm import tqdm
 
             from passes.quantize import mixed_precision
 
-            pipeline, remarks = mixed_precision(
-                model, batches, args.scheme, args.max_error, args.fallback,
+            schemes = [args.scheme] + ([args.fallback] if args.fallback not in ("none", args.scheme) else [])
+            plan = mixed_precision(
+                model, batches, schemes, args.max_error, args.min_cosine, args.target,
                 progress=lambda it: tqdm(it, desc="sensitivity", unit="layer", file=sys.stderr), **options)
-            for line in remarks:
+            pipeline = plan.pipeline
+            for line in plan.remarks:
                 print(line)
         quantized = run_pipeline(model, pipeline)
         proto = None
@@ -254,8 +290,8 @@ def _quantize(args) -> int:
         if ranges is not None:
             save_calibration(calib_path, ranges)
     layers = len(linear_layers(model.func.body.block.ops, model.weights))
-    mixed = f", mixed with {args.fallback} under --max-error {args.max_error:g}" if args.max_error is not None else ""
-    print(f"quantized {layers} linear layers ({args.scheme}{mixed}"
+    how = f", mixed with {args.fallback} and float for {args.target}" if mixed else ""
+    print(f"quantized {layers} linear layers ({args.scheme}{how}"
           + (f", activations calibrated by {args.observer} on {args.calib}" if ranges else
              ", activation scales from the data at run time" if SCHEMES[args.scheme].activation else "")
           + ")")

@@ -30,6 +30,21 @@ differently:
   a kernel's weights always (a model's weights outgrow the caches), and the rest of
   its inputs and outputs unless they fit one core's L2; added to compute, not
   overlapped, since NumPy makes one pass at a time.
+
+Quantization ops (tg.quantize, tg.dequantize, tg.dynamic_quantize, tg.matmul_integer) are
+costed as each target runs them:
+
+* CPU (NumPy): what ir/quant.py does, pass by pass: casts to and from the storage type
+  (ml_dtypes' 4- and 8-bit float casts are ~150x an f32 add here: `CAST_PASSES`), the scale
+  broadcast, multiply, rint, clip; a weight-only layer dequantizes its whole weight every
+  call, and tg.matmul_integer converts both operands to float32 and runs an sgemm, so on
+  this backend quantization predicts no speedup (measured: benchmarks/quantization.py).
+* GPU: the kernels a low-precision GEMM is made of (as cuBLASLt / Triton's `tl.dot` on int8
+  and fp8 run them): a dequantize feeding only GEMMs is that GEMM's prologue (no kernel of
+  its own; the GEMM reads the stored type's bytes and the scales), a GEMM whose operands are
+  both dequantized from 8-bit (or narrower) types runs at the peak of that type
+  (`Hardware.flops`, which falls back where a part lacks it: fp8 on A100 -> bf16), and
+  tg.matmul_integer at the i8 peak, as backends/triton/quant.py emits them.
 """
 
 from __future__ import annotations
@@ -73,6 +88,20 @@ CPU_PASSES: dict[str, tuple[tuple[str, int], ...]] = {
     "reduce_sum": (("sum", 1),), "reduce_mean": (("sum", 1),), "reduce_max": (("sum", 1),),
     "reduce_min": (("sum", 1),), "reduce_prod": (("sum", 1),),
 }
+
+
+# Cost of one astype between float32 and a storage type, in f32 add passes (ns per element
+# over an f32 add's), measured on this project's 2-core Xeon with NumPy 2.4 / ml_dtypes on
+# 64K-element arrays: np.add 0.28 ns; to f32 from f4E2M1FN 44, f8E4M3FN 42, f8E8M0FNU 19,
+# int4 0.31, int8 0.18; from f32 to f4E2M1FN 46, f8E4M3FN 26, int4 20, int8 0.21 ns. Not
+# calibrated per machine yet; the other 4-6-bit floats taken as f4E2M1FN.
+CAST_PASSES = {  # storage type: (to float32, from float32)
+    "f4E2M1FN": (155, 160), "f6E2M3FN": (155, 160), "f8E4M3FN": (150, 92), "f8E5M2": (150, 92),
+    "f8E8M0FNU": (68, 180), "i4": (1, 70), "i8": (1, 1), "ui8": (1, 1), "i32": (1, 1),
+}
+# np.clip with scalar bounds, in f32 add passes (7.1 ns an element against 0.28, same measurement).
+CLIP_PASSES = 25
+QUANT_OPS = ("quantize", "dequantize", "dynamic_quantize", "matmul_integer")
 
 
 @dataclass
@@ -286,6 +315,11 @@ def _parallel(hw, workers) -> sympy.Expr:
 
 def op_cost(op: TgOp, hw) -> Cost:
     """The predicted cost of one op run on its own (an unfused kernel / NumPy call)."""
+    return op_cost_plain(op, hw, quant=True)
+
+
+def op_cost_plain(op: TgOp, hw, quant: bool = False) -> Cost:
+    """op_cost; `quant`: quantization ops and GEMMs of dequantized operands go to `_quant_cost`."""
     name = op.op_name
     flops, bytes_ = op_flops(op), op_bytes(op)
     out = op.result_infos()[0]
@@ -295,6 +329,8 @@ def op_cost(op: TgOp, hw) -> Cost:
     if name in VIEW_OPS:  # nothing moves: a NumPy view, or index arithmetic in the consumer's GPU kernel
         overhead = sympy.Float(hw.launch_overhead if hw.kind == "cpu" else 0)
         return Cost(zero, zero, overhead, zero, zero, overhead, kernels=0, label=name, ops=[name])
+    if quant and (name in QUANT_OPS or (name == "matmul" and any(_dequantized(v) for v in op.operands))):
+        return _quant_cost(op, hw)
     if hw.kind == "gpu":
         memory = bytes_ / hw.memory_bandwidth
         compute = flops / (_gemm_rate(hw, op) if name in ANCHORS else hw.flops(out.dtype))
@@ -316,6 +352,89 @@ def op_cost(op: TgOp, hw) -> Cost:
     compute = _cpu_passes_time(hw, name, elements, True, bytes_)
     memory = _uncached(hw, bytes_, [op])
     overhead = sympy.Float(_calls(name) * hw.launch_overhead + hw.alloc_overhead)
+    return Cost(flops, bytes_, sympy.Max(compute, memory) + overhead, compute, memory, overhead, label=name,
+                ops=[name])
+
+
+def _dequantized(v) -> TgOp | None:
+    """The tg.dequantize producing `v`, if one does."""
+    owner = v.owner
+    return owner if isinstance(owner, TgOp) and owner.op_name == "dequantize" else None
+
+
+def _prologue(op: TgOp) -> bool:
+    """(GPU) A dequantize whose every use is a GEMM operand: it runs inside that GEMM."""
+    uses = [u.operation for u in op.results[0].uses]
+    return bool(uses) and all(isinstance(u, TgOp) and u.op_name in ("matmul", "matmul_integer") for u in uses)
+
+
+def _storage_bytes(info: TensorInfo) -> sympy.Expr:
+    """Bytes of a tensor as stored (4-bit types two to a byte)."""
+    bits = 4 if info.dtype in dtypes.PACKED_4BIT else 8 * dtypes.numpy_dtype(info.dtype).itemsize
+    return _elements(info) * bits / 8
+
+
+def _quant_cost(op: TgOp, hw) -> Cost:
+    """A quantization op, or a GEMM reading dequantized operands, as the target runs it (module docstring)."""
+    name, zero = op.op_name, sympy.Integer(0)
+    ins = [info_of(v.type) for v in op.operands]
+    out = op.result_infos()[0]
+    flops = op_flops(op) if name == "matmul" else zero
+    if name == "matmul_integer":
+        m, n, k = _matmul_shape(op)
+        flops = 2 * m * n * k
+    if hw.kind == "gpu":
+        if name == "dequantize" and _prologue(op):
+            return Cost(zero, zero, zero, zero, zero, zero, kernels=0, label=name, ops=[name])
+        reads = []
+        for v, info in zip(op.operands, ins):
+            dq = _dequantized(v) if name == "matmul" else None
+            if dq is not None and _prologue(dq):  # the GEMM reads what the dequantize would have
+                reads += [_storage_bytes(info_of(x.type)) for x in dq.operands]
+            else:
+                reads.append(_storage_bytes(info))
+        bytes_ = sum(reads, zero) + _storage_bytes(out)
+        memory = bytes_ / hw.memory_bandwidth
+        if name in ("matmul", "matmul_integer"):
+            narrow = [info_of(d.operands[0].type).dtype for v in op.operands if (d := _dequantized(v)) is not None]
+            dtype = "i8" if name == "matmul_integer" else (
+                min(narrow, key=lambda t: dtypes.numpy_dtype(t).itemsize) if len(narrow) == 2 else out.dtype)
+            m, n, k = (max(1, int(at_nominal(d))) for d in _matmul_shape(op))
+            compute = flops / hw.matmul_rate(m, n, k, dtype)
+        else:
+            compute = _elements(out) / hw.flops("f32")
+        overhead = sympy.Float(hw.launch_overhead)
+        return Cost(flops, bytes_, sympy.Max(compute, memory) + overhead, compute, memory, overhead, label=name,
+                    ops=[name])
+    # CPU: the NumPy passes of ir/quant.py, each over the elements it touches
+    bytes_ = op_bytes(op)
+    add = hw.ufunc_rates.get("add") or hw.cache_bandwidth / 8
+    x = _elements(ins[0])
+    calls = 0
+    if name == "matmul":
+        cost = op_cost_plain(op, hw)
+        return Cost(cost.flops, bytes_, cost.time, cost.compute_time, cost.memory_time, cost.overhead, label=name,
+                    ops=[name])
+    if name == "dequantize":  # cast, (subtract zero point), broadcast the scale to x's shape, multiply
+        scale = ins[1]
+        passes = x * (CAST_PASSES.get(ins[0].dtype, (1, 1))[0] + 2 + (1 if len(ins) > 2 else 0)) \
+            + _elements(scale) * CAST_PASSES.get(scale.dtype, (1, 1))[0]
+        calls = 5
+    elif name == "quantize":  # divide, rint, (add zero point), clip, cast
+        passes = x * (2 + CLIP_PASSES + CAST_PASSES.get(out.dtype, (1, 1))[1] + (1 if len(ins) > 2 else 0))
+        calls = 6
+    elif name == "dynamic_quantize":  # |x|, row max, then quantize by the row (or block) scale
+        passes = x * (3 + 2 + CLIP_PASSES + CAST_PASSES.get(out.dtype, (1, 1))[1])
+        calls = 10
+    else:  # matmul_integer: both operands to float32, one sgemm per 2^24-safe chunk of K, int32 adds
+        m, n, k = _matmul_shape(op)
+        passes = x * 2 + _elements(ins[1]) + 2 * _elements(out)
+        gemm = flops / (_gemm_rate(hw, op) * _parallel(hw, hw.cores))
+        passes += gemm * add
+        calls = 6
+    compute = passes / add
+    memory = _uncached(hw, bytes_, [op])
+    overhead = sympy.Float(calls * hw.launch_overhead + hw.alloc_overhead)
     return Cost(flops, bytes_, sympy.Max(compute, memory) + overhead, compute, memory, overhead, label=name,
                 ops=[name])
 
