@@ -73,9 +73,20 @@ def test_a_one_element_slice_with_a_negative_step_reaches_the_device():
     assert_close(compiled(*inputs)[0], interpret(model, inputs)[0], "f32", 1)
 
 
+def _moved_unit_dim(shape):
+    """Found by hypothesis: a transpose that moves a size-1 dim ((1, 2, 2) -> (2, 1, 2), or back)
+    becomes a row reshape, fused with neg; the host expanded the (1, 2, 2) input to the group's
+    (2, 1, 2) frame, which torch refuses (a reshape is needed, the ranks being equal)."""
+    g = Graph()
+    x = g.input("x0", shape)
+    return g.build(g.op("neg", g.transpose(x, (1, 0, 2))), names=["y0"])
+
+
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(model=graphs(ops=(*UNARY_OPS, *BINARY_OPS, *REDUCE_OPS, *LAYOUT_OPS, *COMPOSITE_OPS, *COMPARE_OPS, "where",
                          "matmul", "cast"), max_ops=8, symbolic=False))
+@example(model=_moved_unit_dim((1, 2, 2)))
+@example(model=_moved_unit_dim((2, 1, 3)))
 def test_random_graphs_fused_for_a_gpu_agree_with_the_float64_interpreter(model):
     fused = run_pipeline(model, default_pipeline("h100"))
     compiled = load(emit(fused, hardware="h100"), fused.weights, fused)

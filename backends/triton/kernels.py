@@ -221,8 +221,11 @@ class KernelWriter:
         info = info_of(v.type)
         arg = self.input_names[v]
         shape = self._tile_shape(info)
-        if info.rank and info.rank != len(shape) and dims_equal(numel(info.shape[:-1]), numel(shape[:-1])):
-            arg = f"{arg}.reshape({self._shape(shape)})"  # a row reshape: the same rows, grouped differently
+        regrouped = info.rank != len(shape) or not all(dims_equal(a, b) for a, b in zip(info.shape, shape))
+        if info.rank and regrouped and dims_equal(numel(info.shape[:-1]), numel(shape[:-1])):
+            # A row reshape: the same rows, grouped differently. At the same rank too: a moved
+            # size-1 dim ((1, 2, N) as (2, 1, N)) is no broadcast that expand could make.
+            arg = f"{arg}.reshape({self._shape(shape)})"
         return f"{arg}.expand({self._shape(shape)})"
 
     def _offset(self, strides: Sequence[str], wide: bool) -> str:
