@@ -148,6 +148,12 @@ def test_first_use_calibrates_quietly_and_saves_a_profile_that_reads_back(cache_
     assert set(REQUIRED_UFUNCS) <= set(hw.ufunc_rates)
     assert all(rate > 0 for rate in hw.ufunc_rates.values())
     assert hw.ufunc_rates["erf"] < hw.ufunc_rates["add"]  # ~30 NumPy passes against one
+    # The same calls over arrays that spill L2, and the kernels timed whole, for every rate.
+    assert set(hw.ufunc_rates_spilled) == set(hw.ufunc_rates) and {"gelu", "layer_norm", "softmax"} <= set(
+        hw.ufunc_rates)
+    assert all(rate > 0 for rate in hw.ufunc_rates_spilled.values())
+    assert [d for d, _ in hw.attention_rates] == [32, 64] and all(r > 0 for _, r in hw.attention_rates)
+    assert hw.attention_speedup > 0
     assert hw.cache_bytes > hw.shared_memory_per_core > 0 and hw.cores >= 1 and hw.memory_bytes > 0
 
 
