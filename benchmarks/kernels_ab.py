@@ -1,0 +1,93 @@
+"""The NumPy backend's hot kernels (ir/kernels.py) of this checkout against another checkout's.
+
+A change to a kernel is judged against the kernel it replaces, timed round-robin in one
+process (benchmarks/_common.py) on the same inputs, so the shared machine's drift falls on
+both alike. The peer is the `ir/kernels.py` of `--base`, e.g. a worktree of main:
+
+    git worktree add --detach /tmp/base main
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/kernels_ab.py --base /tmp/base [--repeat N]
+
+Kernels, at the shapes the transformer models of benchmarks/cpu_speed.py run them:
+  * attention_tiled on MiniLM b8 s128 (12 heads of 32, strided views of one Q|K|V
+    projection, a boolean padding mask), on all threads;
+  * attention_tiled on GPT-2 b1 s256 (12 heads of 64, causal, 128-query blocks);
+  * softmax over MiniLM b8's eager attention scores (8x12x128x128);
+  * gelu (erf) over MiniLM b8's FFN activations (1024x1536);
+  * layer_norm over MiniLM b8's hidden states (1024x384).
+Every output is compared with the base's (max relative difference printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+from _common import format_table, interleaved_medians, machine_lines  # noqa: E402  (puts the repo on sys.path)
+
+import numpy as np  # noqa: E402
+
+from backends.numpy.chunks import THREADS  # noqa: E402
+from ir import kernels  # noqa: E402
+
+
+def load_kernels(checkout: Path):
+    """`ir/kernels.py` of another checkout, as a module of its own name."""
+    path = checkout / "ir" / "kernels.py"
+    if not path.is_file():
+        sys.exit(f"--base {checkout}: no ir/kernels.py there")
+    spec = importlib.util.spec_from_file_location("base_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def cases(rng: np.random.Generator) -> dict[str, tuple]:
+    """name -> (function of a kernels module returning the output)."""
+    def heads(batch, seq, n, d):  # strided views into one projection, as a transformer hands them over
+        qkv = rng.standard_normal((batch, seq, 3, n, d), dtype=np.float32)
+        return [qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3)]
+
+    q8, k8, v8 = heads(8, 128, 12, 32)
+    pad = rng.random((8, 1, 1, 128)) > 0.1
+    q2, k2, v2 = heads(1, 256, 12, 64)
+    scores = rng.standard_normal((8, 12, 128, 128), dtype=np.float32)
+    ffn = rng.standard_normal((1024, 1536), dtype=np.float32)
+    hidden = rng.standard_normal((1024, 384), dtype=np.float32)
+    gamma, beta = rng.standard_normal(384, dtype=np.float32), rng.standard_normal(384, dtype=np.float32)
+    outs = {name: np.empty(shape, np.float32) for name, shape in
+            (("a8", q8.shape), ("a2", q2.shape), ("s", scores.shape), ("g", ffn.shape), ("l", hidden.shape))}
+    return {
+        "attention MiniLM b8 s128, padding mask": lambda K: K.attention_tiled(
+            q8, k8, v8, pad, 0.17, False, 128, 128, threads=THREADS, out=outs["a8"]),
+        "attention GPT-2 b1 s256, causal": lambda K: K.attention_tiled(
+            q2, k2, v2, None, 0.125, True, 128, 256, threads=THREADS, out=outs["a2"]),
+        "softmax 8x12x128x128": lambda K: K.softmax(scores, -1, out=outs["s"]),
+        "gelu (erf) 1024x1536": lambda K: K.gelu(ffn, "none", out=outs["g"]),
+        "layer_norm 1024x384": lambda K: K.layer_norm(hidden, gamma, beta, -1, 1e-12, out=outs["l"]),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--base", type=Path, required=True, help="the checkout whose kernels are the peer")
+    ap.add_argument("--repeat", type=int, default=21, help="timed rounds (default 21)")
+    args = ap.parse_args(argv)
+    base = load_kernels(args.base)
+    for line in machine_lines():
+        print(line)
+    print(f"median of {args.repeat} round-robin rounds; peer: {args.base / 'ir' / 'kernels.py'}; {THREADS} threads\n")
+    rows = []
+    for name, run in cases(np.random.default_rng(0)).items():
+        mine, theirs = np.array(run(kernels)), np.array(run(base))
+        diff = float(np.max(np.abs(mine - theirs)) / max(np.max(np.abs(theirs)), 1e-30))
+        t = interleaved_medians({"this": lambda: run(kernels), "base": lambda: run(base)}, args.repeat)
+        rows.append([name, f"{1e3 * t['base']:.2f}", f"{1e3 * t['this']:.2f}", f"{t['this'] / t['base']:.2f}x",
+                     f"{diff:.0e}"])
+    print(format_table(["kernel", "base ms", "this ms", "this/base", "max rel diff"], rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
