@@ -47,8 +47,10 @@ from ir import dtypes
 from ir.dialect import FusionOp, TgOp
 from ir.errors import TilegraphError
 from ir.model import Model
+from ir.ops import OPS
 from ir.quant import FORMATS, MIN_SCALE, E8M0_EXPONENTS, scale_layout
 from ir.shapes import TensorInfo, dims_equal, info_of
+from frontends import onnx as onnx_frontend
 
 # int8 codes a MatMulInteger reads are written as uint8 codes + SHIFT (see _dynamic_quantize).
 SHIFT = 128
@@ -75,17 +77,12 @@ def _onnx_types() -> dict[str, int]:
 # MX types: exported exactly in a wider type onnxruntime runs (see the module docstring).
 WIDENED = {"f4E2M1FN": "f8E4M3FN", "f6E2M3FN": "f8E4M3FN", "f8E8M0FNU": "f32"}
 
-UNARY = {"neg": "Neg", "abs": "Abs", "exp": "Exp", "log": "Log", "sqrt": "Sqrt", "reciprocal": "Reciprocal",
-         "tanh": "Tanh", "sigmoid": "Sigmoid", "relu": "Relu", "erf": "Erf", "sin": "Sin", "cos": "Cos",
-         "tan": "Tan", "asin": "Asin", "acos": "Acos", "atan": "Atan", "sinh": "Sinh", "cosh": "Cosh",
-         "asinh": "Asinh", "acosh": "Acosh", "atanh": "Atanh", "floor": "Floor", "ceil": "Ceil",
-         "round": "Round", "sign": "Sign", "bitwise_not": "BitwiseNot", "not": "Not", "isnan": "IsNaN"}
-BINARY = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div", "pow": "Pow", "max": "Max", "min": "Min",
-          "bitwise_and": "BitwiseAnd", "bitwise_or": "BitwiseOr", "bitwise_xor": "BitwiseXor", "and": "And",
-          "or": "Or", "xor": "Xor", "eq": "Equal", "lt": "Less", "le": "LessOrEqual", "gt": "Greater",
-          "ge": "GreaterOrEqual", "where": "Where"}
-REDUCE = {"reduce_sum": "ReduceSum", "reduce_mean": "ReduceMean", "reduce_max": "ReduceMax",
-          "reduce_min": "ReduceMin", "reduce_prod": "ReduceProd"}
+# The frontend's ONNX -> tg name tables, inverted (one table per direction would drift apart),
+# plus the tg ops the frontend reaches another way (Pow, variadic Max/Min, Where).
+UNARY = {tg: onnx_op for onnx_op, tg in onnx_frontend.UNARY.items()}
+BINARY = {tg: onnx_op for onnx_op, tg in onnx_frontend.BINARY.items()} | {
+    "pow": "Pow", "max": "Max", "min": "Min", "where": "Where"}
+REDUCE = {f"reduce_{kind}": onnx_op for onnx_op, kind in onnx_frontend.REDUCE.items() if f"reduce_{kind}" in OPS}
 # Ops whose ONNX form computes a shape from the symbolic dims (Reshape, Expand, Range, ...): each symbol
 # must be an input's dim, read by Shape at run time.
 SHAPE_COMPUTING = ("reshape", "broadcast", "iota", "attention", "layer_norm")

@@ -225,15 +225,7 @@ def strategies(op: TgOp, mesh_shape: Sequence[int], sizes: dict[str, int]) -> li
         return [base]
     free = [d for d in range(len(loops.sizes)) if d not in loops.fixed]
     result = [base]
-    for assign in itertools.product([None, *free], repeat=len(mesh_shape)):
-        if all(a is None for a in assign):
-            continue
-        axes_of: dict[int, tuple[int, ...]] = {}
-        for axis, loop in enumerate(assign):
-            if loop is not None:
-                axes_of[loop] = axes_of.get(loop, ()) + (axis,)
-        if not all(_divides(loops.sizes[d], math.prod(mesh_shape[a] for a in ax), sizes) for d, ax in axes_of.items()):
-            continue
+    for axes_of in _splits(free, loops.sizes, mesh_shape, sizes):
         spec = lambda m: tuple(axes_of.get(l, ()) if l is not None else () for l in m)  # noqa: E731
         partial = tuple(sorted(a for d in loops.reduce for a in axes_of.get(d, ())))
         name = ",".join(f"{loops.labels[d]}@{'.'.join(map(str, ax))}" for d, ax in sorted(axes_of.items()))
@@ -271,18 +263,25 @@ def pre_scatter(st: Strategy) -> Spec:
 def source_strategies(info: TensorInfo, mesh_shape: Sequence[int], sizes: dict[str, int]) -> list[Strategy]:
     """A model input: any dim split over any axes (the data loader hands each device its piece)."""
     result = [Strategy("R", replicated(info.rank), ())]
-    for assign in itertools.product([None, *range(info.rank)], repeat=len(mesh_shape)):
+    for axes_of in _splits(range(info.rank), info.shape, mesh_shape, sizes):
+        name = ",".join(f"d{d}@{'.'.join(map(str, ax))}" for d, ax in sorted(axes_of.items()))
+        result.append(Strategy(name, tuple(axes_of.get(d, ()) for d in range(info.rank)), (),
+                               split=tuple(sorted(a for ax in axes_of.values() for a in ax))))
+    return result
+
+
+def _splits(dims: Sequence[int], extents, mesh_shape: Sequence[int], sizes: dict[str, int]):
+    """Every assignment of mesh axes to `dims` (each axis to one dim or to none, not all to
+    none) under which each dim's extent divides by its axes' devices: {dim: mesh axes}."""
+    for assign in itertools.product([None, *dims], repeat=len(mesh_shape)):
         if all(a is None for a in assign):
             continue
         axes_of: dict[int, tuple[int, ...]] = {}
         for axis, d in enumerate(assign):
             if d is not None:
                 axes_of[d] = axes_of.get(d, ()) + (axis,)
-        if all(_divides(info.shape[d], math.prod(mesh_shape[a] for a in ax), sizes) for d, ax in axes_of.items()):
-            name = ",".join(f"d{d}@{'.'.join(map(str, ax))}" for d, ax in sorted(axes_of.items()))
-            result.append(Strategy(name, tuple(axes_of.get(d, ()) for d in range(info.rank)), (),
-                                   split=tuple(sorted(a for ax in axes_of.values() for a in ax))))
-    return result
+        if all(_divides(extents[d], math.prod(mesh_shape[a] for a in ax), sizes) for d, ax in axes_of.items()):
+            yield axes_of
 
 
 # --- resharding ---------------------------------------------------------------------

@@ -93,3 +93,20 @@ def test_cli_mixed_precision_prints_why_and_refuses_an_unknown_target(tmp_path, 
     code, out, err = _cli(args + ["--target", "h100"], capsys)
     assert code == 0, err
     assert "all together:" in out and "predicted saving on h100" in out and (tmp_path / "q.mlir").is_file()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-error", "0.1"], "--max-error and --min-cosine need --calib"),
+    (["--rounding", "gptq"], "--rounding gptq needs --calib"),
+    (["--calib", "s.npz", "--max-error", "-0.1"], "--max-error must be a relative error >= 0, got -0.1"),
+    (["--calib", "s.npz", "--min-cosine", "1.5"], "--min-cosine must be a cosine similarity in [-1, 1], got 1.5"),
+])
+def test_cli_refuses_mixed_precision_and_gptq_flags_that_cannot_work_before_any_work(tmp_path, capsys, flags,
+                                                                                     message):
+    # s.npz does not exist: the flags are refused before the samples are read or the model imported.
+    from tests.test_quantize import EXAMPLE_ONNX, _cli
+
+    flags = [str(tmp_path / f) if f == "s.npz" else f for f in flags]
+    code, out, err = _cli(["quantize", EXAMPLE_ONNX, "-o", tmp_path / "q.mlir", *flags], capsys)
+    assert code == 2 and message in err and "Traceback" not in err
+    assert not list(tmp_path.glob("q.*"))

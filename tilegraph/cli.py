@@ -217,6 +217,25 @@ def _quantize(args) -> int:
         raise TilegraphError(f"--batch-size must be at least 1, got {args.batch_size}")
     if args.export_onnx and not Path(args.export_onnx).parent.is_dir():
         raise TilegraphError(f"--export-onnx {args.export_onnx}: no such directory {Path(args.export_onnx).parent}")
+    # Flags that cannot work are refused before the import and the calibration run.
+    mixed = args.max_error is not None or args.min_cosine is not None
+    if mixed and args.calib is None:
+        raise TilegraphError("--max-error and --min-cosine need --calib: the error is measured on the calibration "
+                             "samples")
+    if args.max_error is not None and not args.max_error >= 0:
+        raise TilegraphError(f"--max-error must be a relative error >= 0, got {args.max_error}")
+    if args.min_cosine is not None and not -1 <= args.min_cosine <= 1:
+        raise TilegraphError(f"--min-cosine must be a cosine similarity in [-1, 1], got {args.min_cosine}")
+    if mixed:
+        from passes.cost.hardware import check_target
+
+        try:
+            check_target(args.target)
+        except ValueError as e:
+            raise TilegraphError(str(e)) from None
+    if args.rounding == "gptq" and args.calib is None:
+        raise TilegraphError("--rounding gptq needs --calib: it rounds each layer against its inputs on the "
+                             "calibration samples")
     model = run_pipeline(tilegraph.import_model(args.model), UNFUSED_PIPELINE)
     if not linear_layers(model.func.body.block.ops, model.weights):
         raise TilegraphError(f"{args.model} has no matmul by a 2-D float weight: nothing to quantize")
@@ -235,20 +254,6 @@ def _quantize(args) -> int:
         ranges = calibrate(model, batches, args.observer, percentile=args.percentile or DEFAULT_PERCENTILE,
                            symmetric=args.symmetric,
                            progress=lambda it: tqdm(it, desc="calibrating", unit="batch", file=sys.stderr))
-    mixed = args.max_error is not None or args.min_cosine is not None
-    if mixed and batches is None:
-        raise TilegraphError("--max-error and --min-cosine need --calib: the error is measured on the calibration "
-                             "samples")
-    if mixed:
-        from passes.cost.hardware import check_target
-
-        try:
-            check_target(args.target)
-        except ValueError as e:
-            raise TilegraphError(str(e)) from None
-    if args.rounding == "gptq" and batches is None:
-        raise TilegraphError("--rounding gptq needs --calib: it rounds each layer against its inputs on the "
-                             "calibration samples")
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:  # nothing is written next to the output until all succeeded
