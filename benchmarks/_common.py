@@ -52,8 +52,14 @@ SETTLE_BELOW_S = 0.05
 SETTLE_S = 0.05
 
 
-def interleaved_medians(runners: dict[str, Callable], repeat: int, warmup: int = 1) -> dict[str, float]:
-    """Median seconds per call of each runner, timed round-robin over `repeat` rounds."""
+def interleaved_samples(runners: dict[str, Callable], repeat: int, warmup: int = 1,
+                        back_to_back: bool = False) -> dict[str, list[float]]:
+    """Seconds of each call of each runner, timed round-robin: sample r of every runner
+    comes from round r, so two runners' r-th samples were taken a fraction of a second apart.
+
+    back_to_back: every timed call follows an untimed call of the same runner with no
+    pause, so its thread pools are awake and its weights in cache, as in a serving loop
+    (by default a pause lets the previous runner's threads go to sleep first)."""
     names = list(runners)
     first: dict[str, float] = {}
     for _ in range(warmup):
@@ -63,13 +69,31 @@ def interleaved_medians(runners: dict[str, Callable], repeat: int, warmup: int =
     for r in range(repeat):
         shift = r % len(names)  # rotate, so no runner always follows the same one
         for name in names[shift:] + names[:shift]:
-            if first.get(name, 0.0) < SETTLE_BELOW_S:
+            if back_to_back:
                 runners[name]()
-            time.sleep(SETTLE_S)
+            else:
+                if first.get(name, 0.0) < SETTLE_BELOW_S:
+                    runners[name]()
+                time.sleep(SETTLE_S)
             t0 = time.perf_counter()
             runners[name]()
             samples[name].append(time.perf_counter() - t0)
-    return {name: float(np.median(s)) for name, s in samples.items()}
+    return samples
+
+
+def interleaved_medians(runners: dict[str, Callable], repeat: int, warmup: int = 1) -> dict[str, float]:
+    """Median seconds per call of each runner, timed round-robin over `repeat` rounds."""
+    return {name: float(np.median(s)) for name, s in interleaved_samples(runners, repeat, warmup).items()}
+
+
+def paired_ratio(samples: dict[str, list[float]], a: str, b: str) -> tuple[float, float, float]:
+    """(median, lower quartile, upper quartile) over rounds of a's time / b's in the same round.
+
+    The shared machine's speed drifts by 20-40% over minutes, far more than within one
+    round: a ratio per round cancels the drift that separate medians of a and b keep."""
+    ratios = np.asarray(samples[a]) / np.asarray(samples[b])
+    q1, median, q3 = np.percentile(ratios, [25, 50, 75])
+    return float(median), float(q1), float(q3)
 
 
 def cpu_model() -> str:

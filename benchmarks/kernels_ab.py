@@ -10,6 +10,8 @@ both alike. The peer is the `ir/kernels.py` of `--base`, e.g. a worktree of main
 Kernels, at the shapes the transformer models of benchmarks/cpu_speed.py run them:
   * attention_tiled on MiniLM b8 s128 (12 heads of 32, strided views of one Q|K|V
     projection, a boolean padding mask), on all threads;
+  * attention_tiled on MiniLM b1 s128 with the additive float mask the exported model
+    computes (0 or float32's lowest), as the NumPy backend runs it;
   * attention_tiled on GPT-2 b1 s256 (12 heads of 64, causal, 128-query blocks);
   * softmax over MiniLM b8's eager attention scores (8x12x128x128);
   * gelu (erf) over MiniLM b8's FFN activations (1024x1536);
@@ -24,7 +26,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from _common import format_table, interleaved_medians, machine_lines  # noqa: E402  (puts the repo on sys.path)
+from _common import format_table, interleaved_samples, machine_lines, paired_ratio  # noqa: E402  (puts the repo on sys.path)
 
 import numpy as np  # noqa: E402
 
@@ -51,16 +53,20 @@ def cases(rng: np.random.Generator) -> dict[str, tuple]:
 
     q8, k8, v8 = heads(8, 128, 12, 32)
     pad = rng.random((8, 1, 1, 128)) > 0.1
+    q1, k1, v1 = heads(1, 128, 12, 32)
+    additive = np.where(rng.random((1, 1, 1, 128)) > 0.1, 0, np.finfo(np.float32).min).astype(np.float32)
     q2, k2, v2 = heads(1, 256, 12, 64)
     scores = rng.standard_normal((8, 12, 128, 128), dtype=np.float32)
     ffn = rng.standard_normal((1024, 1536), dtype=np.float32)
     hidden = rng.standard_normal((1024, 384), dtype=np.float32)
     gamma, beta = rng.standard_normal(384, dtype=np.float32), rng.standard_normal(384, dtype=np.float32)
     outs = {name: np.empty(shape, np.float32) for name, shape in
-            (("a8", q8.shape), ("a2", q2.shape), ("s", scores.shape), ("g", ffn.shape), ("l", hidden.shape))}
+            (("a8", q8.shape), ("a1", q1.shape), ("a2", q2.shape), ("s", scores.shape), ("g", ffn.shape), ("l", hidden.shape))}
     return {
         "attention MiniLM b8 s128, padding mask": lambda K: K.attention_tiled(
             q8, k8, v8, pad, 0.17, False, 128, 128, threads=THREADS, out=outs["a8"]),
+        "attention MiniLM b1 s128, additive mask": lambda K: K.attention_tiled(
+            q1, k1, v1, additive, 0.17, False, 128, 128, threads=THREADS, out=outs["a1"]),
         "attention GPT-2 b1 s256, causal": lambda K: K.attention_tiled(
             q2, k2, v2, None, 0.125, True, 128, 256, threads=THREADS, out=outs["a2"]),
         "softmax 8x12x128x128": lambda K: K.softmax(scores, -1, out=outs["s"]),
@@ -82,10 +88,12 @@ def main(argv=None) -> int:
     for name, run in cases(np.random.default_rng(0)).items():
         mine, theirs = np.array(run(kernels)), np.array(run(base))
         diff = float(np.max(np.abs(mine - theirs)) / max(np.max(np.abs(theirs)), 1e-30))
-        t = interleaved_medians({"this": lambda: run(kernels), "base": lambda: run(base)}, args.repeat)
-        rows.append([name, f"{1e3 * t['base']:.2f}", f"{1e3 * t['this']:.2f}", f"{t['this'] / t['base']:.2f}x",
-                     f"{diff:.0e}"])
-    print(format_table(["kernel", "base ms", "this ms", "this/base", "max rel diff"], rows))
+        t = interleaved_samples({"this": lambda: run(kernels), "base": lambda: run(base)}, args.repeat)
+        ratio, lo, hi = paired_ratio(t, "this", "base")
+        rows.append([name, f"{1e3 * np.median(t['base']):.2f}", f"{1e3 * np.median(t['this']):.2f}",
+                     f"{ratio:.2f}x ({lo:.2f}-{hi:.2f})", f"{diff:.0e}"])
+    print(format_table(["kernel", "base ms", "this ms", "this/base (quartiles)", "max rel diff"], rows))
+    print("this/base: the median over rounds of the ratio within a round")
     return 0
 
 

@@ -7,6 +7,10 @@ Gemm total against tilegraph's GEMM groups. Both profiles add a little timing
 overhead of their own, so compare kernels, not the totals with cpu_speed.py's.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/op_profiles.py [--model minilm1|minilm8|gpt2] [--repeat N]
+                                                                [--threads N]
+
+--threads 1 compares the kernels themselves: on this 2-core VM a thread woken from
+sleep takes 0.1-0.3 ms to run, which multi-threaded profiles of both sides include.
 """
 
 from __future__ import annotations
@@ -19,6 +23,20 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=["minilm1", "minilm8", "gpt2"], default="minilm8")
+    ap.add_argument("--repeat", type=int, default=10, help="profiled runs of each (default 10)")
+    ap.add_argument("--threads", type=int, default=None, help="threads for both (default: each library's own)")
+    return ap.parse_args(argv)
+
+
+# Read before NumPy is imported: OpenBLAS sizes its thread pool from the environment when it loads.
+ARGS = parse_args() if __name__ == "__main__" else None
+if ARGS is not None and ARGS.threads:
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "TILEGRAPH_NUM_THREADS"):
+        os.environ[var] = str(ARGS.threads)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from _common import format_table, machine_lines  # noqa: E402  (puts the repo on sys.path)
 from cost_model_accuracy import label_of, profile  # noqa: E402
@@ -38,12 +56,14 @@ CASES = {"minilm1": ("MiniLM b1 s128", lambda: (models.minilm_model(), models.mi
 TOP = 12  # rows per side
 
 
-def ort_profile(module, inputs, names, repeat: int) -> dict[str, tuple[float, int]]:
+def ort_profile(module, inputs, names, repeat: int, threads: int | None = None) -> dict[str, tuple[float, int]]:
     """op type -> (seconds per run, nodes per run), from onnxruntime's profiler."""
     with tempfile.TemporaryDirectory() as tmp:
         path = models.export_onnx(module, inputs, Path(tmp) / "model.onnx", input_names=names, output_names=["y"])
         opts = ort.SessionOptions()
         opts.enable_profiling = True
+        if threads:
+            opts.intra_op_num_threads = threads
         opts.profile_file_prefix = str(Path(tmp) / "profile")
         session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
         feeds = {n: t.numpy() for n, t in zip(names, inputs)}
@@ -73,17 +93,14 @@ def tilegraph_profile(module, inputs, repeat: int) -> tuple[dict[str, tuple[floa
     return {label: (t, n) for label, (t, n) in totals.items()}, forward
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", choices=list(CASES), default="minilm8")
-    ap.add_argument("--repeat", type=int, default=10, help="profiled runs of each (default 10)")
-    args = ap.parse_args(argv)
+def main(args: argparse.Namespace) -> int:
     label, build, names = CASES[args.model]
     module, inputs = build()
-    for line in machine_lines(onnxruntime=ort.__version__):
+    threads = f"{args.threads} intra-op thread{'s' * (args.threads != 1)}" if args.threads else "default threads"
+    for line in machine_lines(onnxruntime=f"{ort.__version__} ({threads})"):
         print(line)
     ours, forward = tilegraph_profile(module, inputs, args.repeat)
-    theirs = ort_profile(module, inputs, names, args.repeat)
+    theirs = ort_profile(module, inputs, names, args.repeat, args.threads)
     print(f"\n{label}: tilegraph kernels {1e3 * sum(t for t, _ in ours.values()):.1f} ms "
           f"(forward {1e3 * forward:.1f} ms), onnxruntime nodes {1e3 * sum(t for t, _ in theirs.values()):.1f} ms")
     print("\ntilegraph, by kernel (default pipeline)")
@@ -96,4 +113,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(ARGS))
