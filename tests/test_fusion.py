@@ -156,6 +156,17 @@ def test_fusion_lowers_the_predicted_time(block):
     assert after < before
 
 
+def test_a_tiny_gemm_stays_off_blas_threads():
+    # The small CNN's classifier (32x144 @ 144x10, 3 us) ran 70 us on BLAS's threads: the
+    # handover alone (set_num_threads there and back) is 4x the GEMM. The tile pass now
+    # prices it (Hardware.blas_call_overhead) and so cannot prefer it for a few FLOPs.
+    g = Graph()
+    x = g.input("x", (32, 144))
+    model = run_pipeline(g.build(x @ g.weight("w", _w(144, 10)) + g.weight("b", _w(10))), DEFAULT_PIPELINE)
+    (group,) = groups(model)
+    assert "blas" not in group.tile()
+
+
 def test_an_empty_tensor_is_fused_and_priced():
     # Found by hypothesis: a matmul with a zero-size dim made the cost model ask for
     # the GEMM rate of a 0x1x2 product.

@@ -154,6 +154,7 @@ def test_first_use_calibrates_quietly_and_saves_a_profile_that_reads_back(cache_
     assert all(rate > 0 for rate in hw.ufunc_rates_spilled.values())
     assert [d for d, _ in hw.attention_rates] == [32, 64] and all(r > 0 for _, r in hw.attention_rates)
     assert hw.attention_speedup > 0
+    assert hw.cores == 1 or hw.blas_call_overhead > 0  # handing BLAS the cores and back is never free
     assert hw.cache_bytes > hw.shared_memory_per_core > 0 and hw.cores >= 1 and hw.memory_bytes > 0
 
 

@@ -223,7 +223,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
     bar.step("chunk loop call overhead")
     chunk_call = _chunk_call_time(budget)
     bar.step("parallel region")
-    fork_join, efficiency, blas_efficiency = _parallel_costs(budget, rng)
+    fork_join, efficiency, blas_efficiency, blas_call = _parallel_costs(budget, rng)
     bar.step("convolution")
     conv_rate = _conv_rate(budget, rng)
     bar.step("attention")
@@ -288,6 +288,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         parallel_overhead=fork_join,
         parallel_efficiency=efficiency,
         blas_parallel_efficiency=blas_efficiency,
+        blas_call_overhead=blas_call,
         conv_rate=conv_rate,
         attention_rates=attention_rates,
         attention_speedup=attention_speedup,
@@ -329,6 +330,9 @@ SKINNY_ROWS = (4, 8, 16, 32, 64, 256)
 SKINNY_NK = (3072, 768)
 # The GEMM each core runs in the parallel-efficiency measurement: a MiniLM FFN row chunk.
 PARALLEL_GEMM = (256, 1536, 384)
+# (m, n, k) too small for BLAS to start its threads (OpenBLAS runs m*n*k < 65536*4 on one):
+# what is left of a call on BLAS's threads is the handover itself.
+TINY_GEMM = (32, 16, 64)
 # A small CNN's convolution (N, C, H, W), (M, C, kh, kw): the kernel's rate on real work.
 CONV_SHAPES = ((32, 8, 16, 16), (16, 8, 3, 3))
 # Batch, heads, sequence and head dims of the attention measurement: MiniLM's (32) and
@@ -337,13 +341,14 @@ CONV_SHAPES = ((32, 8, 16, 16), (16, 8, 3, 3))
 ATTENTION_BATCH, ATTENTION_HEADS, ATTENTION_SEQ, ATTENTION_HEAD_DIMS = 4, 12, 128, (32, 64)
 
 
-def _parallel_costs(budget, rng) -> tuple[float, float, float]:
+def _parallel_costs(budget, rng) -> tuple[float, float, float, float]:
     """(one fork/join of the chunk pool, all cores' GEMM rate over cores x one core's with
-    a chunk of rows per core on the pool, the same with one GEMM on BLAS's threads)."""
+    a chunk of rows per core on the pool, the same with one GEMM on BLAS's threads, what a
+    tiny GEMM's call on BLAS's threads costs beyond the same call on one)."""
     from backends.numpy.chunks import THREADS, blas_threads, run_chunks, single_threaded_blas
 
     if THREADS == 1:
-        return 0.0, 1.0, 0.0
+        return 0.0, 1.0, 0.0, 0.0
     m, n, k = PARALLEL_GEMM
     a = rng.standard_normal((m * THREADS, k), dtype=np.float32)
     b = rng.standard_normal((k, n), dtype=np.float32)
@@ -362,8 +367,16 @@ def _parallel_costs(budget, rng) -> tuple[float, float, float]:
         # Timed apart: BLAS's threads spin for a while after each call, and interleaved
         # they took the cores from our chunks (0.49 against 0.8-0.9 measured alone).
         (blas,) = median_times((blas_gemm,), budget)
+        x, w, y = (np.ones(shape, np.float32) for shape in ((TINY_GEMM[0], TINY_GEMM[2]), TINY_GEMM[2:0:-1],
+                                                             TINY_GEMM[:2]))
+
+        def tiny_on_blas_threads():
+            with blas_threads():
+                np.matmul(x, w, out=y)
+
+        tiny, tiny_blas = median_times((lambda: np.matmul(x, w, out=y), tiny_on_blas_threads), budget)
     # Ideally the cores' chunks together take as long as one alone, plus the fork/join.
-    return empty, min(1.0, one / max(together - empty, 1e-12)), min(1.0, one / blas)
+    return empty, min(1.0, one / max(together - empty, 1e-12)), min(1.0, one / blas), max(0.0, tiny_blas - tiny)
 
 
 def _attention_rates(budget, rng) -> tuple[tuple[tuple[int, float], ...], float]:
@@ -430,6 +443,7 @@ def summary(hw: Hardware) -> str:
         ("fork/join of the chunk pool", f"{hw.parallel_overhead * 1e6:.1f} us"),
         ("GEMM on all cores / (cores x one core)", f"{hw.parallel_efficiency:.2f}"),
         ("the same, one GEMM on BLAS's threads", f"{hw.blas_parallel_efficiency:.2f}"),
+        ("a call on BLAS's threads, beyond one on one thread", f"{hw.blas_call_overhead * 1e6:.1f} us"),
         ("convolution kernel (K.conv)", f"{hw.conv_rate / 1e9:.1f} GFLOP/s"),
         ("attention kernel (K.attention_tiled, one core, by head dim)",
          " ".join(f"{d}:{r / 1e9:.1f}" for d, r in hw.attention_rates) + " GFLOP/s"),

@@ -29,7 +29,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Mapping
 
-PROFILE_FORMAT = 7  # (2: per-core GEMM samples; 3: chunk_call_overhead; 4: parallel costs, conv rate; 5: skinny GEMMs; 6: BLAS threads; 7: attention, fused kernels, spilled rates) bump when the JSON layout changes: older profiles are then re-measured
+PROFILE_FORMAT = 8  # (2: per-core GEMM samples; 3: chunk_call_overhead; 4: parallel costs, conv rate; 5: skinny GEMMs; 6: BLAS threads; 7: attention, fused kernels, spilled rates; 8: BLAS call overhead) bump when the JSON layout changes: older profiles are then re-measured
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,10 @@ class Hardware:
     # share packed panels and spin rather than sleep between calls); 0: not measured,
     # and `tile` never chooses it.
     blas_parallel_efficiency: float = 0.0
+    # CPU only: what running a GEMM on BLAS's threads adds to its call, whatever its size
+    # (handing BLAS all cores and taking them back): 13 us on the 2-core dev machine
+    # against 3.4 us for the whole 32x144x10 GEMM of the small CNN's classifier.
+    blas_call_overhead: float = 0.0
     # CPU only: FLOP/s of the NumPy convolution kernel (K.conv: einsum over a window view),
     # which is far from the GEMM curve; 0: priced as a GEMM.
     conv_rate: float = 0.0

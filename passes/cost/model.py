@@ -510,6 +510,8 @@ def group_cost(ops: Sequence[TgOp], inputs: Sequence[TensorInfo], outputs: Seque
     fork_join = sympy.Piecewise((0, n_chunks <= 1), (hw.parallel_overhead, True))
     overhead = sympy.Float(hw.launch_overhead) * len(anchors) + per_call * chunk_calls * n_chunks / \
         parallel + sympy.Float(hw.alloc_overhead) * len(outputs) + fork_join
+    if blas_gemm:
+        overhead += hw.blas_call_overhead
     # NumPy runs one pass at a time: the group's inputs stream in from memory on the
     # first pass over each chunk, and the rest run on cached data, so the two add up
     # (a roofline max would let a long epilogue hide its own memory traffic).
