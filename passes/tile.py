@@ -100,9 +100,9 @@ class Tile(ModulePass):
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         hw = hardware(self.target)
         for group in [g for g in op.walk() if isinstance(g, FusionOp)]:
-            tile = choose_tile(group, hw, self.max_rows, self.max_cols, self.blas_gemm)
-            if tile:
-                group.attributes["tile"] = tile_attr(tile)
+            # Written even when empty (the group runs whole, as one chunk): the cost model
+            # then prices it so, not as the best way it might have been tiled.
+            group.attributes["tile"] = tile_attr(choose_tile(group, hw, self.max_rows, self.max_cols, self.blas_gemm))
 
 
 def tile_attr(tile: dict) -> DictionaryAttr:

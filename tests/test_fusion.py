@@ -167,6 +167,19 @@ def test_a_tiny_gemm_stays_off_blas_threads():
     assert "blas" not in group.tile()
 
 
+def test_a_group_no_one_reads_is_fused_and_priced():
+    # Found by hypothesis (fuse alone, before dce, on a random graph): a GEMM epilogue whose
+    # result nothing reads has no outputs, and pricing its GEMM on all cores asked for the
+    # dtype of its first output.
+    g = Graph()
+    x = g.input("x", (64, 32))
+    g.relu(x @ g.weight("w", _w(32, 16)) + g.weight("b", _w(16)))  # dead
+    model = g.build(g.tanh(x))
+    fused = run_pipeline(model, "fuse,tile")
+    x_in = random_inputs(model, seed=5)
+    assert_close(compile_model(fused)(*x_in)[0], interpret(model, x_in)[0], "f32")
+
+
 def test_an_empty_tensor_is_fused_and_priced():
     # Found by hypothesis: a matmul with a zero-size dim made the cost model ask for
     # the GEMM rate of a 0x1x2 product.

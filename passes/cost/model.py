@@ -61,7 +61,7 @@ from xdsl.ir import BlockArgument, Operation, SSAValue
 
 from ir import dtypes
 from ir.dialect import FusionOp, TgOp
-from ir.fusion import ANCHORS, VIEW_OPS, row_gemm, widest
+from ir.fusion import ANCHORS, VIEW_OPS, flat_ok, row_gemm, widest
 from ir.kernels import MIN_PARALLEL_SCORES
 from ir.shapes import Dim, TensorInfo, info_of, numel
 
@@ -468,10 +468,17 @@ def group_cost(ops: Sequence[TgOp], inputs: Sequence[TensorInfo], outputs: Seque
         overhead = sympy.Float(hw.launch_overhead)
         return Cost(flops, bytes_, sympy.Max(compute, memory) + overhead, compute, memory, overhead, label=label,
                     ops=names)
-    if chunks is None:  # before `tile`: the better of one chunk and one per core
-        one, many = (group_cost(ops, inputs, outputs, hw, chunks=c, gemm_rows=gemm_rows, label=label)
-                     for c in (1, hw.cores))
-        return one if at_nominal(one.time) <= at_nominal(many.time) else many
+    if chunks is None:  # before `tile` (what `fuse` ranks merges by): the cheapest way `tile` may run it
+        ways = [{"chunks": 1}, {"chunks": hw.cores}]
+        if hw.cores > 1 and gemm_rows is None and anchors and all(row_gemm(op) for op in anchors) and _flat(ops):
+            # Its GEMM on all cores too, as a chunk of rows per core or on BLAS's threads;
+            # priced whole on one core, a GEMM group would look slower than its lone matmul.
+            rows = max(1, -(-int(at_nominal(_matmul_shape(anchors[0])[0])) // hw.cores))
+            ways.append({"chunks": hw.cores, "gemm_rows": rows})
+            if hw.blas_parallel_efficiency:
+                ways.append({"chunks": 1, "blas_gemm": True})
+        costs = [group_cost(ops, inputs, outputs, hw, label=label, **{"gemm_rows": gemm_rows} | way) for way in ways]
+        return min(costs, key=lambda c: at_nominal(c.time))
     threads = hw.cores
     n_chunks = sympy.sympify(chunks)
     workers = sympy.Min(n_chunks, threads)
@@ -479,7 +486,7 @@ def group_cost(ops: Sequence[TgOp], inputs: Sequence[TensorInfo], outputs: Seque
         # One GEMM of all rows (sibling weights side by side) on all cores' BLAS threads.
         m, n, k = _matmul_shape(anchors[0])
         n = sum((_matmul_shape(op)[1] for op in anchors), sympy.Integer(0))
-        rate = hw.matmul_rate(*(max(1, int(at_nominal(d))) for d in (m, n, k)), outputs[0].dtype)
+        rate = hw.matmul_rate(*(max(1, int(at_nominal(d))) for d in (m, n, k)), anchors[0].result_infos()[0].dtype)
         anchor_time = 2 * m * n * k / (rate * threads * hw.blas_parallel_efficiency)
     elif (gemm_rows or gemm_cols) and anchors and all(row_gemm(op) for op in anchors):
         # GEMMs cut in rows (or columns): each chunk's GEMM at the rate of its own (smaller)
@@ -488,7 +495,7 @@ def group_cost(ops: Sequence[TgOp], inputs: Sequence[TensorInfo], outputs: Seque
         n = sum((_matmul_shape(op)[1] for op in anchors), sympy.Integer(0))
         rows = max(1, min(gemm_rows, int(at_nominal(m)))) if gemm_rows else max(1, int(at_nominal(m)))
         cols = max(1, min(gemm_cols, int(at_nominal(n)))) if gemm_cols else max(1, int(at_nominal(n)))
-        rate = hw.matmul_rate(rows, cols, max(1, int(at_nominal(k))), outputs[0].dtype)
+        rate = hw.matmul_rate(rows, cols, max(1, int(at_nominal(k))), anchors[0].result_infos()[0].dtype)
         anchor_time = 2 * m * n * k / rate / _parallel(hw, workers)
     else:  # anchors run whole before the chunk loop, BLAS on one thread (attention threads itself)
         anchor_time = sum((_anchor_time(op, hw, cores=1) for op in anchors), sympy.Integer(0))
@@ -520,8 +527,21 @@ def group_cost(ops: Sequence[TgOp], inputs: Sequence[TensorInfo], outputs: Seque
                 kernels=1, label=label, ops=names)
 
 
+def _flat(ops: Sequence[TgOp]) -> bool:
+    """Whether ops (a group to be) may run on their values seen as [rows, last axis]
+    (ir.fusion.flat_ok, with the inputs read off the ops)."""
+    inside = set(ops)
+    uses = [(op, i, info_of(v.type)) for op in ops for i, v in enumerate(op.operands) if v.owner not in inside]
+    ref = max((info_of(r.type) for op in ops for r in op.results), key=lambda i: i.rank)
+    return flat_ok(list(ops), uses, ref)
+
+
 def fusion_cost(group: FusionOp, hw) -> Cost:
-    """The cost of a `tg.fusion` op as the backend will run it (its tile, if `tile` ran)."""
+    """The cost of a `tg.fusion` op as the backend will run it: by its tile, or before `tile`
+    ran, the cheapest way it may be tiled (what `fuse` assumed when it made the group)."""
+    if "tile" not in group.attributes:
+        return group_cost(group.ops, [info_of(v.type) for v in group.operands],
+                          [info_of(r.type) for r in group.results], hw, label=group.kind)
     tile = group.tile()
     chunks, rows, cols = 1, tile.get("rows"), tile.get("cols")  # neither: the group runs as one chunk
     if rows or cols:  # as many chunks as they make at these sizes (`chunks` on the tile is at nominal ones)
