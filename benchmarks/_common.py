@@ -12,6 +12,9 @@ spinning for a while after its call returns, and on a 2-core machine those
 spinners take the cores from the next library's call. So every timed call starts
 after a pause (SETTLE_S), as it would in a process running one library, and a
 fast runner also gets one untimed call before each timed one (SETTLE_BELOW_S).
+`back_to_back` times the other case, a call right after one of the same runner.
+A ratio of two runners is best taken per round (`paired_ratio`): the machine's
+speed drifts over minutes, far less within a round.
 """
 
 from __future__ import annotations
@@ -59,7 +62,8 @@ def interleaved_samples(runners: dict[str, Callable], repeat: int, warmup: int =
 
     back_to_back: every timed call follows an untimed call of the same runner with no
     pause, so its thread pools are awake and its weights in cache, as in a serving loop
-    (by default a pause lets the previous runner's threads go to sleep first)."""
+    (the pause comes before the untimed call); by default the pause comes right before
+    the timed call."""
     names = list(runners)
     first: dict[str, float] = {}
     for _ in range(warmup):
@@ -69,7 +73,8 @@ def interleaved_samples(runners: dict[str, Callable], repeat: int, warmup: int =
     for r in range(repeat):
         shift = r % len(names)  # rotate, so no runner always follows the same one
         for name in names[shift:] + names[:shift]:
-            if back_to_back:
+            if back_to_back:  # the pause first, so the previous runner's spinning threads are asleep
+                time.sleep(SETTLE_S)
                 runners[name]()
             else:
                 if first.get(name, 0.0) < SETTLE_BELOW_S:

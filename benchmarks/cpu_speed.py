@@ -9,7 +9,7 @@ For each model, in one run on the same inputs, the median latency of
   * "NumPy GEMMs": the model's matrix products alone (every tg.matmul of the unfused
     graph, its weights the model's own arrays, its activations random arrays of the
     same shapes), one np.matmul each on BLAS's own threads. No NumPy backend can run
-    the model faster than its BLAS runs these, so floor/ORT says how close to the
+    the model faster than its BLAS runs these, so GEMMs/ORT says how close to the
     target the BLAS NumPy links (OpenBLAS here) lets tilegraph come at all.
 timed round-robin (benchmarks/_common.py) so load on the shared machine hits all
 of them alike, in two ways: "settled", each timed call after a 50 ms pause (every
@@ -18,10 +18,10 @@ right after an untimed one of the same peer (pools awake, weights in cache, as i
 serving loop). On the 2-core dev VM the two differ by up to 2x for onnxruntime, whose
 pool and prepacked weights gain most from staying warm. Ratios (tilegraph/ORT, ...)
 are medians over rounds of the ratio within each round, with the quartiles of those
-ratios: the machine's speed drifts 20-40% over minutes, far less within one round. Every output is checked
-against onnxruntime's (relative error <= tilegraph.testing.PEER_RELATIVE_ERROR)
-and printed beside the time, so a fast wrong result cannot pass: the script
-exits 1 when one is off.
+ratios: the machine's speed drifts 20-40% over minutes, far less within one round.
+Every output is checked against onnxruntime's (relative error <=
+tilegraph.testing.PEER_RELATIVE_ERROR) and printed beside the time, so a fast wrong
+result cannot pass: the script exits 1 when one is off.
 
 Models (tests/models.py): all-MiniLM-L6-v2 at batch 1 and 8, sequence 128 (eager
 attention, as benchmarks/compile_minilm.py); a GPT-2-small-shaped decoder
@@ -29,7 +29,7 @@ attention, as benchmarks/compile_minilm.py); a GPT-2-small-shaped decoder
 Issue 3's target: tilegraph at or below onnxruntime on the transformer models.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/cpu_speed.py [--models minilm,gpt2,cnn] [--repeat N] [--quick]
-                                                              [--threads N]
+                                                              [--threads N] [--mode settled|back-to-back|both]
 
 --threads N gives every peer N threads (NumPy's BLAS, torch, onnxruntime's
 intra-op pool) instead of each library's default: on a machine shared with other
@@ -200,7 +200,8 @@ def main(args: argparse.Namespace) -> int:
         print("  (the same as the unfused one: fuse and tile are not in the default pipeline yet)")
     else:
         print(f"tilegraph unfused pipeline: {UNFUSED_PIPELINE}")
-    print(f"median of {repeat} round-robin rounds after one warm-up each, per timing mode; errors are max|a-o|/max|o| against "
+    print(f"median of {repeat} round-robin rounds after one warm-up each, per timing mode; errors are "
+          f"max|a-o|/max|o| against "
           f"onnxruntime's output o (bound {PEER_RELATIVE_ERROR:.0e})\n", flush=True)
 
     modes = ["settled", "back-to-back"] if args.mode == "both" else [args.mode]

@@ -66,7 +66,8 @@ def cases(rng: np.random.Generator) -> dict[str, tuple]:
     hidden = rng.standard_normal((1024, 384), dtype=np.float32)
     gamma, beta = rng.standard_normal(384, dtype=np.float32), rng.standard_normal(384, dtype=np.float32)
     outs = {name: np.empty(shape, np.float32) for name, shape in
-            (("a8", q8.shape), ("a1", q1.shape), ("a2", q2.shape), ("s", scores.shape), ("g", ffn.shape), ("l", hidden.shape))}
+            (("a8", q8.shape), ("a1", q1.shape), ("a2", q2.shape), ("s", scores.shape), ("g", ffn.shape),
+             ("l", hidden.shape))}
     return {
         "attention MiniLM b8 s128, padding mask": lambda K: K.attention_tiled(
             q8, k8, v8, pad, 0.17, False, 128, 128, threads=THREADS, out=outs["a8"]),

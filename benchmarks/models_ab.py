@@ -102,7 +102,8 @@ def main(argv=None) -> int:
                 runners[side] = (lambda f: lambda: f(*arrays))(forward)
                 outputs[side] = np.asarray(forward(*arrays)[0])
                 kernels[side] = source.read_text().count("\n    def fusion_")
-            diff = float(np.max(np.abs(outputs["this"] - outputs["base"])) / max(np.max(np.abs(outputs["base"])), 1e-30))
+            scale = max(float(np.max(np.abs(outputs["base"]))), 1e-30)
+            diff = float(np.max(np.abs(outputs["this"] - outputs["base"]))) / scale
             for mode in ("settled", "back-to-back"):
                 t = interleaved_samples(runners, args.repeat, back_to_back=mode == "back-to-back")
                 ratio, lo, hi = paired_ratio(t, "this", "base")

@@ -83,7 +83,7 @@ class Hardware:
     # and `tile` never chooses it.
     blas_parallel_efficiency: float = 0.0
     # CPU only: what running a GEMM on BLAS's threads adds to its call, whatever its size
-    # (handing BLAS all cores and taking them back): 13 us on the 2-core dev machine
+    # (handing BLAS all cores and taking them back): 12 us on the 2-core dev machine
     # against 3.4 us for the whole 32x144x10 GEMM of the small CNN's classifier.
     blas_call_overhead: float = 0.0
     # CPU only: FLOP/s of the NumPy convolution kernel (K.conv: einsum over a window view),

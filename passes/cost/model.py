@@ -450,7 +450,8 @@ def group_cost(ops: Sequence[TgOp], inputs: Sequence[TensorInfo], outputs: Seque
     """The predicted cost of ops fused into one group with these inputs and outputs.
 
     `chunks`: how many row chunks the NumPy backend splits the group into (from
-    `tile`); by default the cheaper of one chunk and one per core. `gemm_rows`: the
+    `tile`); by default (before `tile`) the cheapest of one chunk, one per core and,
+    for a GEMM group, its GEMM in a chunk of rows per core or on BLAS's threads. `gemm_rows`: the
     rows of a chunk when its GEMMs run chunk by chunk too (`flat` tiles);
     `gemm_cols`: the columns of a chunk instead (`cols` tiles: all the rows times a
     slice of the weight). `blas_gemm`: the GEMM runs whole on BLAS's own threads
