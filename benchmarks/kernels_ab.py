@@ -43,7 +43,8 @@ def load_kernels(checkout: Path):
     """`ir/kernels.py` of another checkout, as a module of its own name."""
     path = checkout / "ir" / "kernels.py"
     if not path.is_file():
-        sys.exit(f"--base {checkout}: no ir/kernels.py there")
+        print(f"kernels_ab.py: --base {checkout}: no ir/kernels.py there", file=sys.stderr)
+        sys.exit(2)
     spec = importlib.util.spec_from_file_location("base_kernels", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

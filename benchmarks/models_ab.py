@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
     if not (args.base / "tilegraph" / "__init__.py").is_file():
-        sys.exit(f"--base {args.base}: not a tilegraph checkout")
+        ap.error(f"--base {args.base}: not a tilegraph checkout (no tilegraph/__init__.py)")
 
     from tests import models
 

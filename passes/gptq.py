@@ -28,8 +28,8 @@ original weight, as in the paper; per group along K (w4a16's groups of 128, an M
 32 sharing one E8M0 scale) each group's scale is chosen when the rounding reaches it, from
 the weights as updated by the rows before it (the paper's "static groups" = false; with
 act_order, up front from the original weights, since a group's rows are then visited out of
-order), by the pass's weight observer (`mse`: for MX blocks, the better of the two power-of-two exponents
-around the block's largest magnitude). The result is a weight whose every element is on
+order), by the pass's weight observer (`mse`: for MX blocks, the better of the two
+power-of-two exponents around the block's largest magnitude). The result is a weight whose every element is on
 its format's grid times its scale: dequantize(quantize(W_gptq)) == W_gptq, so the layer's
 storage format is unchanged (same types, same scales, same bytes).
 

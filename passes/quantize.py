@@ -33,13 +33,16 @@ so per channel is never worse than per tensor). MX scales are powers of two (f8E
 Rounding: to nearest (`rounding=nearest`), or GPTQ (`rounding=gptq hessians=<file>`,
 passes/gptq.py): each layer's weights rounded in turn so that the layer's output on the
 calibration inputs (their X^T X, from `passes.gptq.hessians`) stays close, for every weight
-scheme; the scales and storage stay the scheme's. Activation ranges come from `calibrate` (min/max, percentile or MSE over calibration
+scheme; the scales and storage stay the scheme's.
+
+Activation ranges come from `calibrate` (min/max, percentile or MSE over calibration
 inputs), saved by `tilegraph quantize --calib` and read here from `calib=<file.npz>`;
 without them activations are quantized from their own values at run time.
 
-Mixed precision (`mixed_precision`, `formats="layer=scheme,..."`): per layer the scheme, among the
-given ones and float, that the cost model predicts fastest on a target, within an error budget
-measured on the calibration inputs.
+Per layer (or embedding table) formats: `formats="name=scheme,..."` (a scheme, or none for
+float) overrides `scheme` for the layers it names. `mixed_precision` chooses them: per layer
+the scheme, among the given ones and float, that the cost model predicts fastest on a
+target, within an error budget measured on the calibration inputs.
 
 The stated error bound (checked by tilegraph.testing.assert_within_quantization_bound on
 every property-suite graph): the quantized model computes, within float rounding, what
@@ -52,6 +55,7 @@ the layer's calibration output error (never above round to nearest's), not each 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -95,8 +99,8 @@ SCHEMES = {
     "mxfp8": Scheme("f8E4M3FN", "group", MX_BLOCK, True, "f8E4M3FN"),
 }
 OBSERVERS = ("minmax", "percentile", "mse")
-# Between the layer names of `keep`: ONNX names hold ':' (onnx::MatMul_655), not ','.
-KEEP_SEPARATOR = ","
+# Between the items of `formats`: ONNX names hold ':' (onnx::MatMul_655), not ','.
+FORMATS_SEPARATOR = ","
 GRANULARITIES = ("tensor", "channel", "group")
 ROUNDINGS = ("nearest", "gptq")
 # Clipping ratios the MSE observer tries: 1 (no clipping) down to 0.5 of the largest
@@ -355,10 +359,8 @@ class Quantize(ModulePass):
     group_size: int = 0  # with granularity=group; 0: the scheme's
     symmetric: bool = False  # calibrated int8 activations: i8 (true) or ui8 with a zero point
     simulate: bool = False  # fake-quant everything: float ops on dequantize(quantize(x))
-    keep: str = ""  # layer (weight) names, ','-separated, quantized by `fallback` instead: mixed precision
-    fallback: str = "none"  # the scheme of the `keep` layers; none: left in float
     embeddings: bool = True  # embedding tables (gather on axis 0) as i8, one scale per row
-    formats: str = ""  # per layer: "name=scheme,..." (scheme or none), over scheme/keep: mixed precision
+    formats: str = ""  # per layer or table: "name=scheme,..." (a scheme, or none: float), over `scheme`
     rounding: str = "nearest"  # weights: nearest | gptq (data-aware, passes/gptq.py; needs `hessians`)
     hessians: str = ""  # with rounding=gptq: each layer's X^T X from `save_hessians` (.npz)
     act_order: bool = False  # with rounding=gptq: largest inputs first, scales fixed up front
@@ -366,8 +368,6 @@ class Quantize(ModulePass):
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
             raise QuantizeError(f"unknown scheme '{self.scheme}'; the schemes are: {', '.join(SCHEMES)}")
-        if self.fallback != "none" and self.fallback not in SCHEMES:
-            raise QuantizeError(f"unknown fallback scheme '{self.fallback}'; none or one of {', '.join(SCHEMES)}")
         if self.observer not in ("minmax", "mse"):
             raise QuantizeError(f"weights take the 'minmax' or 'mse' observer, not '{self.observer}' "
                                 "(percentile is for calibrated activations)")
@@ -388,14 +388,15 @@ class Quantize(ModulePass):
 
     def reference(self) -> "Quantize":
         """The fake-quant model this pass's output must match (its stated bound)."""
-        return Quantize(self.scheme, self.calib, self.observer, self.granularity, self.group_size, self.symmetric,
-                        True, self.keep, self.fallback, self.embeddings, self.formats, self.rounding,
-                        self.hessians, self.act_order)
+        # A plain Quantize with these options, not dataclasses.replace: that would keep a
+        # subclass's rewrite, which is what the reference is there to check.
+        options = {f.name: getattr(self, f.name) for f in dataclasses.fields(Quantize) if f.init}
+        return Quantize(**options | {"simulate": True})
 
     def layer_formats(self) -> dict[str, str]:
         """The `formats` option as {layer: scheme or "none"}."""
         out = {}
-        for item in filter(None, self.formats.split(KEEP_SEPARATOR)):
+        for item in filter(None, self.formats.split(FORMATS_SEPARATOR)):
             name, _, sch = item.rpartition("=")
             if not name or (sch != "none" and sch not in SCHEMES):
                 raise QuantizeError(f"formats: '{item}' is not layer=scheme (a scheme: none, {', '.join(SCHEMES)})")
@@ -415,25 +416,21 @@ class Quantize(ModulePass):
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         scheme = self.resolved()
-        if self.fallback != "none":
-            self.resolved(self.fallback)
         store = weights_of(op)
         ranges = load_calibration(self.calib) if self.calib else {}
-        keep = set(filter(None, self.keep.split(KEEP_SEPARATOR)))
         formats = self.layer_formats()
         from xdsl.dialects.func import FuncOp
 
         for func in [f for f in op.walk() if isinstance(f, FuncOp)]:
             for i, (mm, w) in enumerate(linear_layers(list(func.body.block.ops), store)):
                 name = layer_name(w, i)
-                if formats.get(name) == "none" or (name not in formats and name in keep and self.fallback == "none"):
+                if formats.get(name) == "none":
                     continue
-                s = self.resolved(formats[name]) if name in formats else \
-                    self.resolved(self.fallback) if name in keep else scheme
+                s = self.resolved(formats[name]) if name in formats else scheme
                 _Layer(self, s, store, mm, w, name, ranges.get(name)).rewrite()
             if self.embeddings:
                 for gather, table in embedding_tables(list(func.body.block.ops), store):
-                    if table.attr("name") not in keep:
+                    if formats.get(table.attr("name")) != "none":
                         self._embedding(gather, table, store)
 
     def _embedding(self, gather: TgOp, table: TgOp, store) -> None:
@@ -688,7 +685,7 @@ def mixed_precision(model: Model, batches: Sequence[Sequence[np.ndarray]], schem
     extra = "".join(f" {k.replace('_', '-')}={v}" for k, v in options.items())
 
     def spec(formats: dict) -> str:
-        given = KEEP_SEPARATOR.join(f"{n}={formats.get(n, 'none')}" for n in layers)
+        given = FORMATS_SEPARATOR.join(f"{n}={formats.get(n, 'none')}" for n in layers)
         return f'quantize{{scheme={schemes[0]}{extra} formats="{given}"}}'
 
     memo = {} if memo is None else memo

@@ -268,6 +268,11 @@ def test_embedding_tables_are_stored_in_int8_per_row_and_keep_the_bound():
     assert one.weights["emb.scale"].shape == ()
     kept = run_pipeline(model, "quantize{scheme=w4a16 embeddings=false}")
     assert kept.weights["emb"].dtype == np.float32
+    # `formats` names a table or a layer: none keeps it float, a scheme overrides `scheme`.
+    float_table = assert_within_quantization_bound('quantize{scheme=w4a16 formats="emb=none,proj=w8"}', model, inputs)
+    assert float_table.weights["emb"].dtype == np.float32 and float_table.weights["proj.q"].dtype == np.int8
+    float_layer = run_pipeline(model, 'quantize{scheme=w4a16 formats="proj=none"}')
+    assert float_layer.weights["proj"].dtype == np.float32 and float_layer.weights["emb.q"].dtype == np.int8
 
 
 def test_calibrated_w8a8_uses_static_scales_and_keeps_its_bound(tmp_path):
@@ -313,7 +318,8 @@ def test_bad_options_are_named_errors():
     for spec, words in [("quantize{scheme=int3}", "unknown scheme 'int3'"),
                         ("quantize{observer=percentile}", "percentile is for calibrated activations"),
                         ("quantize{scheme=mxfp4 group-size=64}", "MX blocks of 32"),
-                        ('quantize{calib="/nonexistent.npz"}', "no calibration file")]:
+                        ('quantize{calib="/nonexistent.npz"}', "no calibration file"),
+                        ('quantize{formats="proj=int3"}', "'proj=int3' is not layer=scheme")]:
         with pytest.raises(QuantizeError, match=words):
             Quantize.resolved(parse_pipeline(spec)[0])
 

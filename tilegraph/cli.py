@@ -244,9 +244,7 @@ def _quantize(args) -> int:
     spec = f"scheme={args.scheme} observer={args.weight_observer} symmetric={str(args.symmetric).lower()}"
     ranges = None
     batches = _calibration_batches(Path(args.calib), model, args.batch_size) if args.calib is not None else None
-    if batches is not None and not SCHEMES[args.scheme].activation and args.max_error is None \
-            and args.min_cosine is None \
-            and args.rounding == "nearest":
+    if batches is not None and not SCHEMES[args.scheme].activation and not mixed and args.rounding == "nearest":
         print(f"{args.scheme} is weight-only: --calib is not needed (ignored)", file=sys.stderr)
     elif batches is not None and SCHEMES[args.scheme].activation:
         from tqdm import tqdm

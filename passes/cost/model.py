@@ -315,11 +315,13 @@ def _parallel(hw, workers) -> sympy.Expr:
 
 def op_cost(op: TgOp, hw) -> Cost:
     """The predicted cost of one op run on its own (an unfused kernel / NumPy call)."""
-    return op_cost_plain(op, hw, quant=True)
+    if op.op_name in QUANT_OPS or (op.op_name == "matmul" and any(_dequantized(v) for v in op.operands)):
+        return _quant_cost(op, hw)
+    return _float_cost(op, hw)
 
 
-def op_cost_plain(op: TgOp, hw, quant: bool = False) -> Cost:
-    """op_cost; `quant`: quantization ops and GEMMs of dequantized operands go to `_quant_cost`."""
+def _float_cost(op: TgOp, hw) -> Cost:
+    """op_cost of an op that neither is a quantization op nor reads one's result."""
     name = op.op_name
     flops, bytes_ = op_flops(op), op_bytes(op)
     out = op.result_infos()[0]
@@ -329,8 +331,6 @@ def op_cost_plain(op: TgOp, hw, quant: bool = False) -> Cost:
     if name in VIEW_OPS:  # nothing moves: a NumPy view, or index arithmetic in the consumer's GPU kernel
         overhead = sympy.Float(hw.launch_overhead if hw.kind == "cpu" else 0)
         return Cost(zero, zero, overhead, zero, zero, overhead, kernels=0, label=name, ops=[name])
-    if quant and (name in QUANT_OPS or (name == "matmul" and any(_dequantized(v) for v in op.operands))):
-        return _quant_cost(op, hw)
     if hw.kind == "gpu":
         memory = bytes_ / hw.memory_bandwidth
         compute = flops / (_gemm_rate(hw, op) if name in ANCHORS else hw.flops(out.dtype))
@@ -412,7 +412,7 @@ def _quant_cost(op: TgOp, hw) -> Cost:
     x = _elements(ins[0])
     calls = 0
     if name == "matmul":
-        cost = op_cost_plain(op, hw)
+        cost = _float_cost(op, hw)  # NumPy: the dequantized operands are float arrays by then
         return Cost(cost.flops, bytes_, cost.time, cost.compute_time, cost.memory_time, cost.overhead, label=name,
                     ops=[name])
     if name == "dequantize":  # cast, (subtract zero point), broadcast the scale to x's shape, multiply
