@@ -134,10 +134,23 @@ def weights_of(module: ModuleOp) -> WeightStore:
     return _WEIGHTS_OF.setdefault(module, WeightStore())
 
 
-@dataclass
+@dataclass(repr=False)
 class Model:
     module: ModuleOp
     weights: WeightStore = field(default_factory=WeightStore)
+
+    def __repr__(self) -> str:
+        # The IR as text, not the dataclass repr of xDSL's object tree: hypothesis prints a
+        # failing example's arguments, and that repr ran to 199 MB for a 30-op random graph.
+        weights = ", ".join(f"{k} {tuple(np.shape(v))}" for k, v in self.weights.items()) or "none"
+        try:
+            return f"Model(weights: {weights})\n{self.text}"
+        except Exception:  # noqa: BLE001 - a repr must not raise; IR mid-rewrite may not print
+            return f"Model(weights: {weights}, IR not printable)"
+
+    def _repr_pretty_(self, printer, cycle: bool) -> None:
+        # hypothesis pretty-prints dataclasses field by field unless told otherwise.
+        printer.text(repr(self))
 
     def __post_init__(self) -> None:
         if not isinstance(self.weights, WeightStore):

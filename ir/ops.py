@@ -451,7 +451,7 @@ def _constant(ins, attrs, given):
 
 # Unary elementwise: name -> template
 UNARY = {
-    "neg": "np.negative({x})",
+    "neg": "K.negative({x})",
     "abs": "np.abs({x})",
     "exp": "np.exp({x})",
     "log": "np.log({x})",

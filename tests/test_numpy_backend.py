@@ -296,3 +296,22 @@ def test_f32_erf_and_gelu_kernels_keep_non_finite_values():
         erf, gelu = K.erf(x, out=np.empty_like(x)), K.gelu(x, "none", out=np.empty_like(x))
     assert erf.tolist()[:2] == [1.0, -1.0] and np.isnan(erf[2])
     assert gelu[0] == np.inf and np.isnan(gelu[1:]).all()  # -inf * Phi(-inf) = -inf * 0: NaN, as in float64
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16", "f32", "f64", "i8", "i32", "i64", "ui8", "ui32"])
+@pytest.mark.parametrize("in_step, out_step", [(1, 1), (4, 2), (4, 4), (8, 4), (3, -1), (-1, 2)])
+def test_negative_is_exact_on_strided_views(dtype, in_step, out_step):
+    """neg on every stride pair a chunk loop makes: NumPy 2.1-2.4's own SIMD negative
+    reads a 4-element-strided input wrongly when the output is strided (ir/kernels.negative)."""
+    from ir import kernels
+
+    np_dtype = numpy_dtype(dtype)
+    values = np.arange(-100, 100).astype(np_dtype)
+    x = values[::in_step][:17]
+    expected = np.array([-v for v in x.tolist()]).astype(np_dtype)  # Python's own negation, wrapped
+    into = np.zeros(200, np_dtype)
+    out = into[::out_step][:17]
+    kernels.negative(x, out=out)
+    np.testing.assert_array_equal(out.astype(np.float64), expected.astype(np.float64))
+    kernels.negative(x, out=x)  # in place, as a chunk reuses a dying operand's memory
+    np.testing.assert_array_equal(x.astype(np.float64), expected.astype(np.float64))

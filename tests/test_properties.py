@@ -44,6 +44,26 @@ def folded_scalar() -> Model:
     return g.build(x * -g.weight("w", np.array(0.27, np.float32)))
 
 
+def negated_conv_chunks() -> Model:
+    """Found by hypothesis: a conv's epilogue cut along axis 2 of [1, 2, 4, 1] negates
+    views whose stride NumPy 2.1-2.4's SIMD negative reads wrongly (ir/kernels.negative)."""
+    g = Graph()
+    x = g.input("x", (1, 2, 4, 1))
+    w = g.weight("w", np.linspace(-1, 1, 4, dtype=np.float32).reshape(2, 2, 1, 1))
+    b = g.weight("b", np.array([0.5, -0.25], np.float32))
+    y = g.op("conv", x, w, b, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1, 1))
+    return g.build(-g.op("abs", y))
+
+
+def unit_axis_dropped() -> Model:
+    """Found by hypothesis: a flat group whose only result lost the widest value's unit
+    axis ([1, 2, 4, 1] -> [2, 4, 1]) had no buffer to count its rows on."""
+    g = Graph()
+    x = g.input("x", (1, 2, 4, 1))
+    y = (-x).reshape(2, 4, 1)
+    return g.build(-y - y)
+
+
 def identity_chain() -> Model:
     """0 - x, x ** 1 and a one-piece concat of a symbolic tensor, returned next to its input."""
     g = Graph()
@@ -115,6 +135,8 @@ MANY_CHUNKS = [UNFUSED_PIPELINE + ",fuse,tile{max-rows=1}", UNFUSED_PIPELINE + "
 @PROPERTY
 @given(model=graphs())
 @example(model=folded_scalar())
+@example(model=negated_conv_chunks())
+@example(model=unit_axis_dropped())
 def test_emitted_numpy_computes_what_the_interpreter_computes(pipeline, model):
     import tilegraph
 
