@@ -471,7 +471,7 @@ def group_cost(ops: Sequence[TgOp], inputs: Sequence[TensorInfo], outputs: Seque
                     ops=names)
     if chunks is None:  # before `tile` (what `fuse` ranks merges by): the cheapest way `tile` may run it
         ways = [{"chunks": 1}, {"chunks": hw.cores}]
-        if hw.cores > 1 and gemm_rows is None and anchors and all(row_gemm(op) for op in anchors) and _flat(ops):
+        if hw.cores > 1 and gemm_rows is None and _one_gemm(anchors) and _flat(ops):
             # Its GEMM on all cores too, as a chunk of rows per core or on BLAS's threads;
             # priced whole on one core, a GEMM group would look slower than its lone matmul.
             rows = max(1, -(-int(at_nominal(_matmul_shape(anchors[0])[0])) // hw.cores))
@@ -483,13 +483,13 @@ def group_cost(ops: Sequence[TgOp], inputs: Sequence[TensorInfo], outputs: Seque
     threads = hw.cores
     n_chunks = sympy.sympify(chunks)
     workers = sympy.Min(n_chunks, threads)
-    if blas_gemm and anchors and all(row_gemm(op) for op in anchors):
+    if blas_gemm and _one_gemm(anchors):
         # One GEMM of all rows (sibling weights side by side) on all cores' BLAS threads.
         m, n, k = _matmul_shape(anchors[0])
         n = sum((_matmul_shape(op)[1] for op in anchors), sympy.Integer(0))
         rate = hw.matmul_rate(*(max(1, int(at_nominal(d))) for d in (m, n, k)), anchors[0].result_infos()[0].dtype)
         anchor_time = 2 * m * n * k / (rate * threads * hw.blas_parallel_efficiency)
-    elif (gemm_rows or gemm_cols) and anchors and all(row_gemm(op) for op in anchors):
+    elif (gemm_rows or gemm_cols) and _one_gemm(anchors):
         # GEMMs cut in rows (or columns): each chunk's GEMM at the rate of its own (smaller)
         # shape, on all cores.
         m, n, k = _matmul_shape(anchors[0])
@@ -526,6 +526,12 @@ def group_cost(ops: Sequence[TgOp], inputs: Sequence[TensorInfo], outputs: Seque
     memory = _uncached(hw, bytes_, ops)
     return Cost(flops, bytes_, compute + memory + overhead, compute, memory, overhead,
                 kernels=1, label=label, ops=names)
+
+
+def _one_gemm(anchors: Sequence[TgOp]) -> bool:
+    """Whether a group's anchors run as one row GEMM: a lone one, or siblings of one left
+    operand side by side (a chain of two GEMMs, which `fuse` never makes, is priced whole)."""
+    return bool(anchors) and all(row_gemm(op) and op.operands[0] == anchors[0].operands[0] for op in anchors)
 
 
 def _flat(ops: Sequence[TgOp]) -> bool:
