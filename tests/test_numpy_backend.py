@@ -299,7 +299,7 @@ def test_f32_erf_and_gelu_kernels_keep_non_finite_values():
 
 
 @pytest.mark.parametrize("dtype", ["f16", "bf16", "f32", "f64", "i8", "i32", "i64", "ui8", "ui32"])
-@pytest.mark.parametrize("in_step, out_step", [(1, 1), (4, 2), (4, 4), (8, 4), (3, -1), (-1, 2)])
+@pytest.mark.parametrize("in_step, out_step", [(1, 1), (4, 2), (4, 4), (8, 4), (3, -1), (-1, 2), (-4, 1)])
 def test_negative_is_exact_on_strided_views(dtype, in_step, out_step):
     """neg on every stride pair a chunk loop makes: NumPy 2.1-2.4's own SIMD negative
     reads a 4-element-strided input wrongly when the output is strided (ir/kernels.negative)."""
