@@ -15,7 +15,8 @@ Kernels, at the shapes the transformer models of benchmarks/cpu_speed.py run the
   * attention_tiled on GPT-2 b1 s256 (12 heads of 64, causal, 128-query blocks);
   * softmax over MiniLM b8's eager attention scores (8x12x128x128);
   * gelu (erf) over MiniLM b8's FFN activations (1024x1536);
-  * layer_norm over MiniLM b8's hidden states (1024x384).
+  * layer_norm over MiniLM b8's hidden states (1024x384);
+  * conv: the small CNN's two, a ResNet stage's 3x3 and a depthwise 3x3 (CONVS).
 Every output is compared with the base's (max relative difference printed).
 
 Each kernel is timed two ways (benchmarks/_common.interleaved_samples): "settled",
@@ -79,7 +80,24 @@ def cases(rng: np.random.Generator) -> dict[str, tuple]:
         "softmax 8x12x128x128": lambda K: K.softmax(scores, -1, out=outs["s"]),
         "gelu (erf) 1024x1536": lambda K: K.gelu(ffn, "none", out=outs["g"]),
         "layer_norm 1024x384": lambda K: K.layer_norm(hidden, gamma, beta, -1, 1e-12, out=outs["l"]),
+        **{f"conv {name}": conv_case(rng, *shapes) for name, shapes in CONVS.items()},
     }
+
+
+# name -> (input, weight, pads, groups): the small CNN's two convs, a ResNet stage's
+# 3x3 conv and a depthwise one. The base kernel may not take out=, so neither side gets it.
+CONVS = {
+    "small CNN conv1 32x3x16x16, 8 3x3": ((32, 3, 16, 16), (8, 3, 3, 3), (1, 1, 1, 1), 1),
+    "small CNN conv2 32x8x8x8, 16 3x3": ((32, 8, 8, 8), (16, 8, 3, 3), (0, 0, 0, 0), 1),
+    "2x64x56x56, 64 3x3": ((2, 64, 56, 56), (64, 64, 3, 3), (1, 1, 1, 1), 1),
+    "depthwise 4x32x28x28, 3x3": ((4, 32, 28, 28), (32, 1, 3, 3), (1, 1, 1, 1), 32),
+}
+
+
+def conv_case(rng: np.random.Generator, x_shape, w_shape, pads, groups):
+    x, w = rng.standard_normal(x_shape, dtype=np.float32), rng.standard_normal(w_shape, dtype=np.float32)
+    bias = rng.standard_normal(w_shape[0], dtype=np.float32)
+    return lambda K: K.conv(x, w, bias, (1, 1), pads, (1, 1), groups)
 
 
 def main(argv=None) -> int:

@@ -229,32 +229,47 @@ def _window_view(x, kernel, strides, dilations):
 
 
 def _pad_spatial(x, pads, value):
+    """x with its spatial axes padded by `value` (pads: begins, then ends). A filled array
+    and one slice assignment: a third of np.pad's time on the small CNN's 32x3x16x16."""
     nd = x.ndim - 2
-    widths = [(0, 0), (0, 0)] + [(pads[i], pads[i + nd]) for i in range(nd)]
     if not any(pads):
         return x
-    return np.pad(x, widths, constant_values=value)
+    shape = x.shape[:2] + tuple(x.shape[2 + i] + pads[i] + pads[i + nd] for i in range(nd))
+    out = np.full(shape, value, x.dtype)
+    out[(..., *(slice(pads[i], pads[i] + x.shape[2 + i]) for i in range(nd)))] = x
+    return out
 
 
-def conv(x, w, bias, strides, pads, dilations, groups):
-    """N-d convolution, NC* layout, weights (M, C/groups, *kernel), as ONNX Conv."""
+def conv(x, w, bias, strides, pads, dilations, groups, out=None):
+    """N-d convolution, NC* layout, weights (M, C/groups, *kernel), as ONNX Conv.
+
+    im2col laid out (N, groups, C/groups * kernel, positions), so the copy walks each
+    window offset's rows contiguously, then one batched GEMM per image and group whose
+    result is already NC*. On the small CNN's 32x3x16x16 conv with 8 3x3 filters:
+    0.3 ms, against 0.9-1.3 ms for one einsum over the window view.
+    """
     nd = x.ndim - 2
     strides, pads, dilations = _window_defaults(nd, strides, pads, dilations)
     xp = _pad_spatial(x, pads, 0)
     windows = _window_view(xp, w.shape[2:], strides, dilations)  # N, C, *out, *k
     n, c = x.shape[:2]
     m = w.shape[0]
-    cg, mg = c // groups, m // groups
-    outs = []
-    letters = "defgh"[:nd]
-    kl = "uvwxy"[:nd]
-    spec = f"nc{letters}{kl},mc{kl}->nm{letters}"
-    for g in range(groups):
-        outs.append(np.einsum(spec, windows[:, g * cg:(g + 1) * cg], w[g * mg:(g + 1) * mg], optimize=True))
-    y = outs[0] if groups == 1 else np.concatenate(outs, axis=1)
+    spatial = windows.shape[2:2 + nd]
+    taps = int(np.prod(w.shape[2:], dtype=np.int64))
+    positions = int(np.prod(spatial, dtype=np.int64))
+    perm = (0, 1) + tuple(range(2 + nd, 2 + 2 * nd)) + tuple(range(2, 2 + nd))  # N, C, *k, *out
+    cols = np.ascontiguousarray(windows.transpose(perm)).reshape(n, groups, c // groups * taps, positions)
+    dtype = np.result_type(x, w)
+    if out is None:
+        out = np.empty((n, m) + spatial, dtype)
+    # (N, groups, M/groups, positions): a view of `out` when it is contiguous, else a temporary
+    result = out.reshape(n, groups, m // groups, positions) if out.flags.c_contiguous else None
+    y = np.matmul(w.reshape(groups, m // groups, c // groups * taps).astype(dtype, copy=False), cols, out=result)
+    if result is None:
+        out[...] = y.reshape(out.shape)
     if bias is not None:
-        y = y + bias.reshape((1, m) + (1,) * nd)
-    return y
+        np.add(out, bias.reshape((1, m) + (1,) * nd), out=out)
+    return out
 
 
 # --- NumPy backend: the empty default of strides/pads/dilations (as the op table
@@ -279,31 +294,34 @@ def _pool_pads(x, kernel, strides, pads, dilations, ceil_mode):
     return pads
 
 
-def max_pool(x, kernel, strides, pads, dilations, ceil_mode):
+def max_pool(x, kernel, strides, pads, dilations, ceil_mode, out=None):
     strides, pads, dilations = _window_defaults(len(kernel), strides, pads, dilations)
     pads = _pool_pads(x, kernel, strides, pads, dilations, ceil_mode)
     fill = -np.inf if np.issubdtype(x.dtype, np.floating) else np.iinfo(x.dtype).min
-    return _window_reduce(_pad_spatial(x, pads, fill), kernel, strides, dilations, np.maximum)
+    return _window_reduce(_pad_spatial(x, pads, fill), kernel, strides, dilations, np.maximum, out)
 
 
-def _window_reduce(xp, kernel, strides, dilations, ufunc):
+def _window_reduce(xp, kernel, strides, dilations, ufunc, out=None):
     """ufunc-reduce every window: one call per kernel offset over a strided view of all
     windows. np.max over the window axes of the same view walks a 6-d strided view and
     was 25x slower (1.5 ms against 63 us for a 32x8x16x16 2x2 max pool)."""
     windows = _window_view(xp, kernel, strides, dilations)  # N, C, *out, *k
     offsets = itertools.product(*(range(k) for k in kernel))
-    acc = np.array(windows[(..., *next(offsets))])
+    first = windows[(..., *next(offsets))]
+    acc = np.array(first) if out is None else out
+    if out is not None:
+        np.copyto(out, first)
     for offset in offsets:
         ufunc(acc, windows[(..., *offset)], out=acc)
     return acc
 
 
-def avg_pool(x, kernel, strides, pads, dilations, ceil_mode, count_include_pad):
+def avg_pool(x, kernel, strides, pads, dilations, ceil_mode, count_include_pad, out=None):
     nd = len(kernel)
     strides, pads, dilations = _window_defaults(nd, strides, pads, dilations)
     explicit = list(pads)
     pads = _pool_pads(x, kernel, strides, pads, dilations, ceil_mode)
-    sums = _window_reduce(_pad_spatial(x, pads, 0), kernel, strides, dilations, np.add)
+    sums = _window_reduce(_pad_spatial(x, pads, 0), kernel, strides, dilations, np.add, out)
     # Count what each window covers: the input, plus the explicit padding if asked,
     # never the extra padding that ceil_mode adds.
     ones = np.ones((1, 1) + x.shape[2:], dtype=x.dtype)
@@ -313,7 +331,8 @@ def avg_pool(x, kernel, strides, pads, dilations, ceil_mode, count_include_pad):
     else:
         extra = pads
     counts = _window_reduce(_pad_spatial(ones, extra, 0), kernel, strides, dilations, np.add)
-    return sums / counts
+    # In place, in x's dtype: integer averages truncate, as assigning the quotient would.
+    return np.divide(sums, counts, out=sums, casting="unsafe")
 
 
 def pad(x, pads, mode, value):

@@ -315,3 +315,26 @@ def test_negative_is_exact_on_strided_views(dtype, in_step, out_step):
     np.testing.assert_array_equal(out.astype(np.float64), expected.astype(np.float64))
     kernels.negative(x, out=x)  # in place, as a chunk reuses a dying operand's memory
     np.testing.assert_array_equal(x.astype(np.float64), expected.astype(np.float64))
+
+
+@pytest.mark.parametrize("kernel", ["conv", "depthwise conv", "max_pool", "avg_pool"])
+def test_window_kernels_write_into_any_out_they_are_given(kernel):
+    """The emitter hands conv and the pools their group's buffer (`out=`), so no copy
+    follows them; a strided `out` (a window of a wider buffer) gets the same values."""
+    from ir import kernels
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 4, 7, 6)).astype(np.float32)
+    run = {
+        "conv": lambda **o: kernels.conv(x, rng_w, rng_b, (2, 1), (1, 0, 1, 2), (1, 2), 2, **o),
+        "depthwise conv": lambda **o: kernels.conv(x, dw_w, None, (), (1, 1, 1, 1), (), 4, **o),
+        "max_pool": lambda **o: kernels.max_pool(x, (3, 2), (2, 2), (1, 0, 1, 1), (1, 1), True, **o),
+        "avg_pool": lambda **o: kernels.avg_pool(x, (2, 2), (1, 2), (1, 1, 0, 0), (), False, True, **o),
+    }
+    rng_w, rng_b = rng.standard_normal((6, 2, 3, 2)).astype(np.float32), rng.standard_normal(6).astype(np.float32)
+    dw_w = rng.standard_normal((4, 1, 3, 3)).astype(np.float32)
+    expected = run[kernel]()
+    for into in (np.empty_like(expected), np.zeros(expected.shape[:-1] + (2 * expected.shape[-1],), np.float32)[..., ::2]):
+        returned = run[kernel](out=into)
+        assert returned is into
+        np.testing.assert_array_equal(into, expected)
