@@ -322,6 +322,8 @@ def avg_pool(x, kernel, strides, pads, dilations, ceil_mode, count_include_pad, 
     explicit = list(pads)
     pads = _pool_pads(x, kernel, strides, pads, dilations, ceil_mode)
     sums = _window_reduce(_pad_spatial(x, pads, 0), kernel, strides, dilations, np.add, out)
+    if not any(pads):  # every window lies inside x and counts all its taps
+        return np.divide(sums, math.prod(kernel), out=sums, casting="unsafe")
     # Count what each window covers: the input, plus the explicit padding if asked,
     # never the extra padding that ceil_mode adds.
     ones = np.ones((1, 1) + x.shape[2:], dtype=x.dtype)
