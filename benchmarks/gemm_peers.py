@@ -1,5 +1,6 @@
-"""One GEMM, three libraries: NumPy's BLAS (what the NumPy backend runs) vs onnxruntime's
-MLAS vs torch, at the transformer shapes of benchmarks/cpu_speed.py.
+"""One GEMM, four ways: NumPy's BLAS (what the NumPy backend runs) vs onnxruntime's
+MLAS vs torch.mm vs MKL on a prepacked weight, at the transformer shapes of
+benchmarks/cpu_speed.py.
 
 GEMMs are most of MiniLM's and GPT-2's time, so this ratio bounds what the NumPy
 backend can reach against onnxruntime however well it fuses and tiles. Each shape
@@ -9,6 +10,11 @@ one thread and on all of them (NumPy: BLAS's own threads). The one-thread rows a
 libraries' kernels; on all threads a lone call also pays for waking each library's
 pool (the round-robin pauses between calls let them sleep), which a whole model
 running op after op does not, so those rows favour no one in particular.
+
+"MKL packed" is torch's `mkl._mkl_linear` on a weight reordered once by
+`mkl._mkl_reorder_linear_weight` (MKL's cblas_sgemm_pack), as TorchInductor runs
+linear layers on the CPU after freezing: what a backend gains by packing its weights
+once, as onnxruntime does, which OpenBLAS (NumPy's BLAS) cannot.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/gemm_peers.py [--repeat N]
 """
@@ -30,6 +36,7 @@ from threadpoolctl import threadpool_limits  # noqa: E402
 # GPT-2 small at seq 256 (hidden 768: Q/K/V 2304, FFN 3072).
 SHAPES = ((128, 384, 384), (128, 384, 1536), (128, 1536, 384), (1024, 384, 1536), (1024, 1536, 384),
           (256, 768, 2304), (256, 768, 3072), (256, 3072, 768))
+PEERS = ("numpy", "onnxruntime", "torch", "MKL packed")
 
 
 def ort_matmul(w: np.ndarray, m: int, threads: int) -> ort.InferenceSession:
@@ -53,6 +60,7 @@ def main(argv=None) -> int:
         print(line)
     print(f"GFLOP/s, median of {args.repeat} round-robin rounds; ratios are NumPy's time / the peer's\n")
     rng = np.random.default_rng(0)
+    mkl_packed = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
     rows = []
     for threads in (1, cores):
         torch.set_num_threads(threads)
@@ -62,14 +70,20 @@ def main(argv=None) -> int:
             out = np.empty((m, n), np.float32)
             tx, tw, tout = torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(out)
             session = ort_matmul(w, m, threads)
+            peers = {"numpy": lambda: np.matmul(x, w, out=out),
+                     "onnxruntime": lambda: session.run(None, {"x": x}),
+                     "torch": lambda: torch.mm(tx, tw, out=tout)}
+            if mkl_packed:
+                tw_nk = tw.t().contiguous()  # (n, k), nn.Linear's layout
+                packed = torch.ops.mkl._mkl_reorder_linear_weight(tw_nk, m)
+                peers["MKL packed"] = lambda: torch.ops.mkl._mkl_linear(tx, packed, tw_nk, None, m)
+                assert np.allclose(peers["MKL packed"]().numpy(), x @ w, rtol=1e-4, atol=1e-3 * np.sqrt(k))
             with threadpool_limits(threads):
-                t = interleaved_medians({"numpy": lambda: np.matmul(x, w, out=out),
-                                         "onnxruntime": lambda: session.run(None, {"x": x}),
-                                         "torch": lambda: torch.mm(tx, tw, out=tout)}, args.repeat)
+                t = interleaved_medians(peers, args.repeat)
             gflops = {name: 2 * m * k * n / s / 1e9 for name, s in t.items()}
-            rows.append([threads, f"{m}x{k}x{n}"] + [f"{gflops[p]:.0f}" for p in ("numpy", "onnxruntime", "torch")]
-                        + [f"{t['numpy'] / t['onnxruntime']:.2f}x", f"{t['numpy'] / t['torch']:.2f}x"])
-    print(format_table(["threads", "m x k x n", "numpy", "onnxruntime", "torch", "numpy/ORT", "numpy/torch"], rows))
+            rows.append([threads, f"{m}x{k}x{n}"] + [f"{gflops[p]:.0f}" if p in t else "n/a" for p in PEERS]
+                        + [f"{t['numpy'] / t[p]:.2f}x" if p in t else "n/a" for p in PEERS[1:]])
+    print(format_table(["threads", "m x k x n", *PEERS, *(f"numpy/{p}" for p in PEERS[1:])], rows))
     return 0
 
 
