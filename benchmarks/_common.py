@@ -19,6 +19,7 @@ speed drifts over minutes, far less within a round.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 import sys
@@ -99,6 +100,18 @@ def paired_ratio(samples: dict[str, list[float]], a: str, b: str) -> tuple[float
     ratios = np.asarray(samples[a]) / np.asarray(samples[b])
     q1, median, q3 = np.percentile(ratios, [25, 50, 75])
     return float(median), float(q1), float(q3)
+
+
+def load_kernels(checkout: Path):
+    """`ir/kernels.py` of another checkout, as a module of its own name (exits 2 if absent)."""
+    path = checkout / "ir" / "kernels.py"
+    if not path.is_file():
+        print(f"--base {checkout}: no ir/kernels.py there", file=sys.stderr)
+        sys.exit(2)
+    spec = importlib.util.spec_from_file_location("base_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def cpu_model() -> str:

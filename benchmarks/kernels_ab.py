@@ -28,28 +28,15 @@ cores run cold (a 3 us GEMM takes 25 us), which dilutes what a kernel change gai
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from pathlib import Path
 
-from _common import format_table, interleaved_samples, machine_lines, paired_ratio  # noqa: E402  (puts the repo on sys.path)
+from _common import format_table, interleaved_samples, load_kernels, machine_lines, paired_ratio  # noqa: E402  (puts the repo on sys.path)
 
 import numpy as np  # noqa: E402
 
 from backends.numpy.chunks import THREADS  # noqa: E402
 from ir import kernels  # noqa: E402
-
-
-def load_kernels(checkout: Path):
-    """`ir/kernels.py` of another checkout, as a module of its own name."""
-    path = checkout / "ir" / "kernels.py"
-    if not path.is_file():
-        print(f"kernels_ab.py: --base {checkout}: no ir/kernels.py there", file=sys.stderr)
-        sys.exit(2)
-    spec = importlib.util.spec_from_file_location("base_kernels", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def cases(rng: np.random.Generator) -> dict[str, tuple]:

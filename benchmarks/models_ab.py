@@ -7,11 +7,14 @@ falls on both alike; separate runs of cpu_speed.py differ by more than most such
 changes gain. Each side compiles in a process of its own (its checkout first on
 sys.path, its own cost-model profile); this process then loads both emitted modules.
 Both run this checkout's kernels (`ir/kernels.py`, the chunk pool): what is compared
-is what the passes decided. benchmarks/kernels_ab.py compares the kernels.
+is what the passes decided. With `--base-kernels` the base's module runs the base's
+`ir/kernels.py` instead (a kernel change, seen in whole models; the kernels' own
+signatures must still fit what each side emits). benchmarks/kernels_ab.py compares
+single kernels.
 
     git worktree add --detach /tmp/base main
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/models_ab.py --base /tmp/base
-        [--models minilm1,minilm8,gpt2,cnn] [--repeat N]
+        [--models minilm1,minilm8,gpt2,cnn] [--repeat N] [--base-kernels]
 
 Printed per model: kernel counts, the maximum relative difference of the outputs,
 and this/base timed settled and back to back (median over rounds of the ratio within
@@ -27,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _common import ROOT, format_table, interleaved_samples, machine_lines, paired_ratio  # noqa: E402
+from _common import ROOT, format_table, interleaved_samples, load_kernels, machine_lines, paired_ratio  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -61,12 +64,15 @@ def emit(checkout: Path, key: str, out: Path) -> tuple[Path, Path]:
     return source, weights
 
 
-def load(source: Path, weights: Path):
-    """The forward function of an emitted module (imports resolve to this checkout)."""
+def load(source: Path, weights: Path, kernels=None):
+    """The forward function of an emitted module (imports resolve to this checkout; `K`
+    to `kernels` when given)."""
     from ir.model import WeightStore
 
     namespace: dict = {}
     exec(compile(source.read_text(), str(source), "exec"), namespace)  # noqa: S102 - our own emitted code
+    if kernels is not None:
+        namespace["K"] = kernels
     return namespace["build"](WeightStore.load(weights))
 
 
@@ -75,6 +81,7 @@ def main(argv=None) -> int:
     ap.add_argument("--base", type=Path, required=True, help="the checkout whose build is the peer")
     ap.add_argument("--models", default="minilm1,minilm8,gpt2", help=f"comma-separated, of: {', '.join(MODELS)}")
     ap.add_argument("--repeat", type=int, default=11, help="timed rounds per model and timing (default 11)")
+    ap.add_argument("--base-kernels", action="store_true", help="run the base's module on the base's ir/kernels.py")
     args = ap.parse_args(argv)
     keys = [k.strip() for k in args.models.split(",") if k.strip()]
     unknown = sorted(set(keys) - set(MODELS))
@@ -85,9 +92,11 @@ def main(argv=None) -> int:
 
     from tests import models
 
+    base_kernels = load_kernels(args.base) if args.base_kernels else None
     for line in machine_lines():
         print(line)
-    print(f"this: {ROOT}; base: {args.base}; {args.repeat} round-robin rounds per timing\n", flush=True)
+    print(f"this: {ROOT}; base: {args.base}{' (its kernels too)' if base_kernels else ''}; "
+          f"{args.repeat} round-robin rounds per timing\n", flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for key in keys:
@@ -98,7 +107,7 @@ def main(argv=None) -> int:
                 out = Path(tmp) / side
                 out.mkdir(exist_ok=True)
                 source, weights = emit(checkout, key, out)
-                forward = load(source, weights)
+                forward = load(source, weights, base_kernels if side == "base" else None)
                 runners[side] = (lambda f: lambda: f(*arrays))(forward)
                 outputs[side] = np.asarray(forward(*arrays)[0])
                 kernels[side] = source.read_text().count("\n    def fusion_")
