@@ -308,9 +308,11 @@ def _window_reduce(xp, kernel, strides, dilations, ufunc, out=None):
     windows = _window_view(xp, kernel, strides, dilations)  # N, C, *out, *k
     offsets = itertools.product(*(range(k) for k in kernel))
     first = windows[(..., *next(offsets))]
-    acc = np.array(first) if out is None else out
-    if out is not None:
-        np.copyto(out, first)
+    if out is None:
+        acc = np.array(first)
+    else:
+        acc = out
+        np.copyto(acc, first)
     for offset in offsets:
         ufunc(acc, windows[(..., *offset)], out=acc)
     return acc

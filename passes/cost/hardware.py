@@ -86,7 +86,7 @@ class Hardware:
     # (handing BLAS all cores and taking them back): 12 us on the 2-core dev machine
     # against 3.4 us for the whole 32x144x10 GEMM of the small CNN's classifier.
     blas_call_overhead: float = 0.0
-    # CPU only: FLOP/s of the NumPy convolution kernel (K.conv: einsum over a window view),
+    # CPU only: FLOP/s of the NumPy convolution kernel (K.conv: im2col, small batched GEMMs),
     # which is far from the GEMM curve; 0: priced as a GEMM.
     conv_rate: float = 0.0
     # CPU only: (rows, efficiency) of a GEMM with that few rows against a tall one of the

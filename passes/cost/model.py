@@ -257,7 +257,7 @@ def _calls(name: str) -> int:
 def _anchor_time(op: TgOp, hw, cores: int) -> sympy.Expr:
     """(CPU) Compute time of an anchor run whole, its GEMMs on `cores` cores."""
     flops = op_flops(op)
-    if op.op_name == "conv" and hw.conv_rate:  # K.conv: an einsum, far off the GEMM curve, one core
+    if op.op_name == "conv" and hw.conv_rate:  # K.conv: im2col and small batched GEMMs, off the GEMM curve, one core
         return flops / hw.conv_rate
     if op.op_name != "attention":
         return flops / (_gemm_rate(hw, op) * _parallel(hw, cores))
