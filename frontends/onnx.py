@@ -235,11 +235,23 @@ def _dim_value(v: Any) -> Dim:
     return normalize_dim(v) if isinstance(v, sympy.Expr) else int(v)
 
 
-def _attr_value(a) -> Any:
-    from onnx import AttributeProto, helper, numpy_helper
+def tensor_array(t, what: str) -> np.ndarray:
+    """The array of a TensorProto; FrontendError naming `what` for an unknown element type
+    or data that does not fill its dims (a malformed file)."""
+    from onnx import numpy_helper
+
+    onnx_dtype(t.data_type, what)
+    try:
+        return numpy_helper.to_array(t)
+    except (ValueError, TypeError, KeyError) as e:
+        raise FrontendError(f"{what}: {e}") from None
+
+
+def _attr_value(a, what: str) -> Any:
+    from onnx import AttributeProto, helper
 
     if a.type == AttributeProto.TENSOR:
-        return numpy_helper.to_array(a.t)
+        return tensor_array(a.t, f"{what}: attribute '{a.name}'")
     if a.type in (AttributeProto.GRAPH, AttributeProto.GRAPHS):
         return a  # no converter takes subgraphs; kept so the error can name it
     v = helper.get_attribute_value(a)
@@ -267,16 +279,9 @@ class _Importer:
     # --- the graph ---
 
     def run(self) -> Model:
-        from onnx import numpy_helper
-
         graph = self.proto.graph
         for t in graph.initializer:
-            try:
-                array = numpy_helper.to_array(t)
-            except (ValueError, TypeError) as e:
-                raise FrontendError(f"initializer '{t.name}': {e}") from None
-            onnx_dtype(t.data_type, f"initializer '{t.name}'")
-            self.bind(t.name, array)
+            self.bind(t.name, tensor_array(t, f"initializer '{t.name}'"))
         graph_inputs = {i.name for i in graph.input}
         unknown = sorted(set(self.constant_inputs) - graph_inputs)
         if unknown:
@@ -541,7 +546,7 @@ class Node:
         self.name = proto.name or (proto.output[0] if proto.output else "?")
         self.op_type = proto.op_type
         self.opset = imp.opset
-        self.attrs = {a.name: _attr_value(a) for a in proto.attribute}
+        self.attrs = {a.name: _attr_value(a, self.where()) for a in proto.attribute}
         self.inputs: list[Value | None] = []
         for i in proto.input:
             if i and i not in imp.env:

@@ -80,6 +80,25 @@ def test_missing_and_malformed_files_are_frontend_errors(tmp_path):
         from_onnx(text)
 
 
+def test_malformed_tensors_are_frontend_errors_naming_them():
+    # Found by mutating a model's protobuf fields: an unknown element type in an
+    # initializer was a KeyError from inside onnx, and a Constant's broken tensor
+    # attribute escaped before the node was named.
+    x = vi("x", F32, [2])
+    bad_type = numpy_helper.from_array(np.zeros(2, np.float32), "w")
+    bad_type.data_type = 40
+    model = make_model([helper.make_node("Add", ["x", "w"], ["y"], name="add")], [x], [vi("y", F32, [2])],
+                       [bad_type])
+    with pytest.raises(FrontendError, match="initializer 'w': element type 40 is not supported"):
+        from_onnx(model)
+    short = numpy_helper.from_array(np.zeros(4, np.float32), "c")
+    short.raw_data = short.raw_data[:6]
+    model = make_model([helper.make_node("Constant", [], ["c"], name="const", value=short),
+                        helper.make_node("Add", ["x", "c"], ["y"], name="add")], [x], [vi("y", F32, [2])])
+    with pytest.raises(FrontendError, match="node 'const' \\(Constant\\): attribute 'value'"):
+        from_onnx(model)
+
+
 def test_a_shape_mismatch_names_the_node_the_op_and_the_shapes():
     model = make_model([helper.make_node("MatMul", ["a", "b"], ["y"], name="proj")],
                        [vi("a", F32, [2, 3]), vi("b", F32, [4, 5])], [vi("y", F32, [2, 5])])
