@@ -24,6 +24,7 @@ from xdsl.dialects.func import ReturnOp
 
 from backends.numpy import compile_model, emit, liveness, load
 from ir import Graph, ShapeError, interpret
+from ir.model import ModelError
 from ir.dtypes import DTypeError, numpy_dtype
 from ir.ops import OPS
 from tilegraph.testing import assert_close, op_examples
@@ -338,3 +339,13 @@ def test_window_kernels_write_into_any_out_they_are_given(kernel):
         returned = run[kernel](out=into)
         assert returned is into
         np.testing.assert_array_equal(into, expected)
+
+
+def test_running_out_of_memory_is_a_model_error_naming_the_emitted_line():
+    # Found by corrupting an ONNX file's Conv pads to 2**40: the model compiled, and the
+    # call died in NumPy's allocator. The error now names the line, so the value and its op.
+    g = Graph()
+    x = g.input("x", (2,))
+    compiled = compile_model(g.build(g.pad(x, [2 ** 42, 0]) * 2.0))
+    with pytest.raises(ModelError, match=r"out of memory running the model, at `.*K\.pad\(x.*Unable to allocate"):
+        compiled(np.ones(2, np.float32))

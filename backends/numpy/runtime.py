@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import linecache
+import traceback
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -34,11 +35,15 @@ class CompiledModel:
         self.output_dtypes = [dtypes.numpy_dtype(row[2]) for row in outputs]
 
     def __call__(self, *inputs: Any, **named: Any) -> list[np.ndarray]:
-        if named:
-            if inputs:
-                raise ShapeError("give the inputs either all by position or all by name")
-            return self._forward(*self.check(named))
-        return self._forward(*self.check(inputs))
+        if named and inputs:
+            raise ShapeError("give the inputs either all by position or all by name")
+        arrays = self.check(named if named else inputs)
+        try:
+            return self._forward(*arrays)
+        except MemoryError as e:
+            # A shape the model computes may be absurd (a corrupted file's 2**40 padding):
+            # name the emitted line, which names the value and its op, not NumPy's allocator.
+            raise ModelError(f"out of memory running the model, at `{_emitted_line(e)}`: {e}") from None
 
     def check(self, values: Sequence[Any] | Mapping[str, Any]) -> list[np.ndarray]:
         """The inputs as arrays of the declared dtypes; ShapeError/DTypeError naming the input otherwise."""
@@ -46,6 +51,12 @@ class CompiledModel:
 
     def __repr__(self) -> str:
         return f"CompiledModel({', '.join(self.input_names)} -> {', '.join(self.output_names)})"
+
+
+def _emitted_line(error: BaseException) -> str:
+    """The last line of an emitted module that `error` passed through."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename.startswith("<tilegraph-numpy-")]
+    return (frames[-1].line or "?").strip() if frames else "?"
 
 
 def load(source: str, weights: Mapping[str, np.ndarray], model: Model | None = None) -> CompiledModel:
