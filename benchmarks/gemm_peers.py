@@ -16,6 +16,9 @@ running op after op does not, so those rows favour no one in particular.
 linear layers on the CPU after freezing: what a backend gains by packing its weights
 once, as onnxruntime does, which OpenBLAS (NumPy's BLAS) cannot.
 
+Every peer's product is checked against the float64 one (relative error <=
+tilegraph.testing.PEER_RELATIVE_ERROR); the script exits 1 when one is off.
+
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/gemm_peers.py [--repeat N]
 """
 
@@ -31,6 +34,8 @@ import onnxruntime as ort  # noqa: E402
 import torch  # noqa: E402
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 from threadpoolctl import threadpool_limits  # noqa: E402
+
+from tilegraph.testing import PEER_RELATIVE_ERROR, relative_error  # noqa: E402
 
 # (m, k, n): MiniLM at batch 1 and 8 (seq 128: 128 and 1024 rows; hidden 384, FFN 1536),
 # GPT-2 small at seq 256 (hidden 768: Q/K/V 2304, FFN 3072).
@@ -61,7 +66,7 @@ def main(argv=None) -> int:
     print(f"GFLOP/s, median of {args.repeat} round-robin rounds; ratios are NumPy's time / the peer's\n")
     rng = np.random.default_rng(0)
     mkl_packed = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
-    rows = []
+    rows, wrong = [], []
     for threads in (1, cores):
         torch.set_num_threads(threads)
         for m, k, n in SHAPES:
@@ -77,13 +82,22 @@ def main(argv=None) -> int:
                 tw_nk = tw.t().contiguous()  # (n, k), nn.Linear's layout
                 packed = torch.ops.mkl._mkl_reorder_linear_weight(tw_nk, m)
                 peers["MKL packed"] = lambda: torch.ops.mkl._mkl_linear(tx, packed, tw_nk, None, m)
-                assert np.allclose(peers["MKL packed"]().numpy(), x @ w, rtol=1e-4, atol=1e-3 * np.sqrt(k))
+            reference = x.astype(np.float64) @ w.astype(np.float64)
+            for name, run in peers.items():  # a fast wrong product must not pass
+                result = run()
+                err = relative_error(np.asarray(result[0] if isinstance(result, list) else result), reference)
+                if not err <= PEER_RELATIVE_ERROR:
+                    wrong.append(f"{name} {m}x{k}x{n} on {threads} threads: {err:.1e}")
             with threadpool_limits(threads):
                 t = interleaved_medians(peers, args.repeat)
             gflops = {name: 2 * m * k * n / s / 1e9 for name, s in t.items()}
             rows.append([threads, f"{m}x{k}x{n}"] + [f"{gflops[p]:.0f}" if p in t else "n/a" for p in PEERS]
                         + [f"{t['numpy'] / t[p]:.2f}x" if p in t else "n/a" for p in PEERS[1:]])
     print(format_table(["threads", "m x k x n", *PEERS, *(f"numpy/{p}" for p in PEERS[1:])], rows))
+    if wrong:
+        print(f"products off the float64 one by more than {PEER_RELATIVE_ERROR:.0e}: {'; '.join(wrong)}", file=sys.stderr)
+        return 1
+    print(f"every product within {PEER_RELATIVE_ERROR:.0e} of the float64 one")
     return 0
 
 

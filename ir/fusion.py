@@ -46,6 +46,13 @@ def row_local(op: TgOp) -> bool:
     return False
 
 
+def siblings(anchors) -> bool:
+    """Matmuls of one left operand: side by side they are one GEMM against their weights
+    concatenated (a horizontal group), where a chain of matmuls is not."""
+    return bool(anchors) and all(op.op_name == "matmul" and op.operands[0] == anchors[0].operands[0]
+                                 for op in anchors)
+
+
 def row_gemm(op: TgOp) -> bool:
     """A matmul whose rows can be computed a chunk at a time: [..., M, K] @ [K, N]."""
     if op.op_name != "matmul":

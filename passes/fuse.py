@@ -44,7 +44,7 @@ from xdsl.ir import Block, SSAValue
 
 from ir.dialect import FusionOp, TgOp, YieldOp
 from ir.shapes import info_of
-from ir.fusion import ANCHORS, VIEW_OPS, flat_ok, live_row_bytes, operand_rows, row_reshape
+from ir.fusion import ANCHORS, VIEW_OPS, flat_ok, live_row_bytes, operand_rows, row_reshape, siblings
 from passes.cost.model import at_nominal, group_cost, op_cost
 from passes.cost.hardware import check_target, hardware
 from passes.remarks import listening, remark
@@ -323,9 +323,8 @@ class _Fuser:
 
 
 def _horizontal(anchors: list[TgOp]) -> bool:
-    """Sibling matmuls of one left operand, each with a 2-D weight on the right: one wider GEMM."""
-    lhs = anchors[0].operands[0]
-    return all(op.op_name == "matmul" and op.operands[0] == lhs and _is_weight(op.operands[1]) for op in anchors)
+    """Sibling matmuls, each with a 2-D weight on the right (build concatenates them once)."""
+    return siblings(anchors) and all(_is_weight(op.operands[1]) for op in anchors)
 
 
 def _is_weight(v: SSAValue) -> bool:

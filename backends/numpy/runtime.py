@@ -22,6 +22,10 @@ from ir.shapes import ShapeError
 from ir.signature import Signature
 
 
+# An emitted module's filename, as tracebacks and linecache show it: this, its digest, ">".
+MODULE_FILENAME = "<tilegraph-numpy-"
+
+
 class CompiledModel:
     """A loaded module: call it with the model inputs, get the list of outputs."""
 
@@ -55,14 +59,14 @@ class CompiledModel:
 
 def _emitted_line(error: BaseException) -> str:
     """The last line of an emitted module that `error` passed through."""
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename.startswith("<tilegraph-numpy-")]
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename.startswith(MODULE_FILENAME)]
     return (frames[-1].line or "?").strip() if frames else "?"
 
 
 def load(source: str, weights: Mapping[str, np.ndarray], model: Model | None = None) -> CompiledModel:
     """Compile an emitted module once and bind its weights; returns the callable model."""
     digest = hashlib.sha1(source.encode()).hexdigest()[:12]
-    filename = f"<tilegraph-numpy-{digest}>"
+    filename = f"{MODULE_FILENAME}{digest}>"
     # Registered lines let tracebacks (and inspect) show the emitted source; an
     # mtime of None tells linecache.checkcache to keep the entry.
     linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)

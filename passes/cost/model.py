@@ -61,7 +61,7 @@ from xdsl.ir import BlockArgument, Operation, SSAValue
 
 from ir import dtypes
 from ir.dialect import FusionOp, TgOp
-from ir.fusion import ANCHORS, VIEW_OPS, flat_ok, row_gemm, widest
+from ir.fusion import ANCHORS, VIEW_OPS, flat_ok, row_gemm, siblings, widest
 from ir.kernels import MIN_PARALLEL_SCORES
 from ir.shapes import Dim, TensorInfo, info_of, numel
 
@@ -529,9 +529,9 @@ def group_cost(ops: Sequence[TgOp], inputs: Sequence[TensorInfo], outputs: Seque
 
 
 def _one_gemm(anchors: Sequence[TgOp]) -> bool:
-    """Whether a group's anchors run as one row GEMM: a lone one, or siblings of one left
-    operand side by side (a chain of two GEMMs, which `fuse` never makes, is priced whole)."""
-    return bool(anchors) and all(row_gemm(op) and op.operands[0] == anchors[0].operands[0] for op in anchors)
+    """Whether a group's anchors run as one row GEMM: a lone one, or siblings (a chain of
+    two GEMMs, which `fuse` never makes, is priced whole)."""
+    return siblings(anchors) and all(row_gemm(op) for op in anchors)
 
 
 def _flat(ops: Sequence[TgOp]) -> bool:
