@@ -12,11 +12,11 @@ import importlib
 import os
 from types import ModuleType
 
-from ir.errors import TilegraphError
+from tilegraph.ir.errors import TilegraphError
 
 TARGETS: dict[str, str] = {
-    "numpy": "backends.numpy",
-    "triton": "backends.triton",
+    "numpy": "tilegraph.backends.numpy",
+    "triton": "tilegraph.backends.triton",
 }
 
 

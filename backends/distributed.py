@@ -25,8 +25,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ir.errors import TilegraphError
-from ir.shard import piece
+from tilegraph.ir.errors import TilegraphError
+from tilegraph.ir.shard import piece
 
 # Seconds a process waits for the others to join the group before giving up (a
 # crashed peer otherwise hangs the launch forever).
@@ -72,10 +72,10 @@ def _worker(rank: int, world: int, port: int, tmp: str, mesh: tuple[int, ...], o
     import torch
     import torch.distributed as dist
 
-    from backends.simulated_mesh import gather, groups
-    from ir.dialect import TgOp
-    from ir.interpreter import GLOBALS, evaluate
-    from ir.model import Model, WeightStore
+    from tilegraph.backends.simulated_mesh import gather, groups
+    from tilegraph.ir.dialect import TgOp
+    from tilegraph.ir.interpreter import GLOBALS, evaluate
+    from tilegraph.ir.model import Model, WeightStore
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)

@@ -43,14 +43,14 @@ from typing import Callable, Sequence
 import numpy as np
 import sympy
 
-from ir import dtypes
-from ir.dialect import FusionOp, TgOp
-from ir.errors import TilegraphError
-from ir.model import Model
-from ir.ops import OPS
-from ir.quant import FORMATS, MIN_SCALE, E8M0_EXPONENTS, scale_layout
-from ir.shapes import TensorInfo, dims_equal, info_of
-from frontends import onnx as onnx_frontend
+from tilegraph.ir import dtypes
+from tilegraph.ir.dialect import FusionOp, TgOp
+from tilegraph.ir.errors import TilegraphError
+from tilegraph.ir.model import Model
+from tilegraph.ir.ops import OPS
+from tilegraph.ir.quant import FORMATS, MIN_SCALE, E8M0_EXPONENTS, scale_layout
+from tilegraph.ir.shapes import TensorInfo, dims_equal, info_of
+from tilegraph.frontends import onnx as onnx_frontend
 
 # int8 codes a MatMulInteger reads are written as uint8 codes + SHIFT (see _dynamic_quantize).
 SHIFT = 128

@@ -19,11 +19,11 @@ import numpy as np
 from xdsl.dialects.func import ReturnOp
 from xdsl.ir import Operation, SSAValue
 
-from ir.dialect import FusionOp, TgOp
-from ir import dtypes
-from ir.model import Model, ModelError
-from ir.ops import py_literal
-from ir.shapes import TensorInfo
+from tilegraph.ir.dialect import FusionOp, TgOp
+from tilegraph.ir import dtypes
+from tilegraph.ir.model import Model, ModelError
+from tilegraph.ir.ops import py_literal
+from tilegraph.ir.shapes import TensorInfo
 
 PYTHON_RESERVED = set(keyword.kwlist) | set(dir(builtins))
 

@@ -20,12 +20,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ir import dtypes
-from ir.dialect import TgOp
-from ir.errors import TilegraphError
-from ir.interpreter import GLOBALS, evaluate
-from ir.shapes import info_of
-from ir.shard import coords, piece
+from tilegraph.ir import dtypes
+from tilegraph.ir.dialect import TgOp
+from tilegraph.ir.errors import TilegraphError
+from tilegraph.ir.interpreter import GLOBALS, evaluate
+from tilegraph.ir.shapes import info_of
+from tilegraph.ir.shard import coords, piece
 
 REDUCE = {"sum": np.add.reduce, "max": np.maximum.reduce, "min": np.minimum.reduce,
           "product": np.multiply.reduce, "average": lambda xs: np.add.reduce(xs) / len(xs)}

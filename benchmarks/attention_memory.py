@@ -96,8 +96,8 @@ def onnx_model(seq: int, fused: bool):
 
 def make_runner(variant: str, seq: int, blocks: tuple[int, int]):
     """A zero-argument callable computing the attention of `inputs(seq)` one way."""
-    from backends.numpy.chunks import THREADS
-    from ir import kernels as K
+    from tilegraph.backends.numpy.chunks import THREADS
+    from tilegraph.ir import kernels as K
 
     q, k, v = inputs(seq)
     s = scale()
@@ -108,7 +108,7 @@ def make_runner(variant: str, seq: int, blocks: tuple[int, int]):
         return lambda: K.attention_tiled(q, k, v, None, s, False, *blocks, threads=threads)
     if variant == "tilegraph":
         import tilegraph
-        from ir import Graph
+        from tilegraph.ir import Graph
 
         g = Graph()
         tq, tk, tv = (g.input(n, (BATCH, HEADS, seq, HEAD_DIM), "f32") for n in "qkv")
@@ -207,7 +207,7 @@ def main() -> int:
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
 
-    from passes.tile import FLASH_BLOCK_KV, FLASH_BLOCK_Q
+    from tilegraph.passes.tile import FLASH_BLOCK_KV, FLASH_BLOCK_Q
 
     blocks = (args.block_q or FLASH_BLOCK_Q, args.block_kv or FLASH_BLOCK_KV)
     if args.child:
@@ -218,7 +218,7 @@ def main() -> int:
 
     # By its own name: `benchmarks` is taken (xdsl installs a top-level package so called).
     from _common import format_table, interleaved_medians, machine_lines
-    from backends.numpy.chunks import THREADS
+    from tilegraph.backends.numpy.chunks import THREADS
     from tilegraph.testing import relative_error, tolerance
 
     seqs = [int(s) for s in args.seq.split(",")] if args.seq else list(QUICK_SEQS if args.quick else SEQS)

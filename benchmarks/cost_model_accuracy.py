@@ -59,13 +59,13 @@ import torch  # noqa: E402
 from scipy.stats import spearmanr  # noqa: E402
 
 import tilegraph  # noqa: E402
-from backends.numpy.chunks import THREADS, run_chunks, single_threaded_blas  # noqa: E402
-from backends.numpy.emit import emit_profiled  # noqa: E402
-from ir.dialect import FusionOp  # noqa: E402
-from ir.shapes import info_of  # noqa: E402
-from passes.cost.hardware import hardware  # noqa: E402
-from passes.cost.model import at, fusion_cost, op_cost, op_flops  # noqa: E402
-from passes.registry import DEFAULT_PIPELINE, run_pipeline  # noqa: E402
+from tilegraph.backends.numpy.chunks import THREADS, run_chunks, single_threaded_blas  # noqa: E402
+from tilegraph.backends.numpy.emit import emit_profiled  # noqa: E402
+from tilegraph.ir.dialect import FusionOp  # noqa: E402
+from tilegraph.ir.shapes import info_of  # noqa: E402
+from tilegraph.passes.cost.hardware import hardware  # noqa: E402
+from tilegraph.passes.cost.model import at, fusion_cost, op_cost, op_flops  # noqa: E402
+from tilegraph.passes.registry import DEFAULT_PIPELINE, run_pipeline  # noqa: E402
 from tests import models  # noqa: E402
 
 MODELS = ("minilm", "gpt2", "cnn")
@@ -366,7 +366,7 @@ def worst_table(rows: list[dict], n: int | None) -> str:
 
 def main(args) -> int:
     if args.calibrate:
-        from passes.cost import calibrate
+        from tilegraph.passes.cost import calibrate
 
         calibrate.run(quick=False)
     hw = hardware("cpu")

@@ -85,8 +85,8 @@ import onnxruntime as ort  # noqa: E402
 import torch  # noqa: E402
 
 import tilegraph  # noqa: E402
-from passes.registry import DEFAULT_PIPELINE, UNFUSED_PIPELINE  # noqa: E402
-from ir.shapes import info_of  # noqa: E402
+from tilegraph.passes.registry import DEFAULT_PIPELINE, UNFUSED_PIPELINE  # noqa: E402
+from tilegraph.ir.shapes import info_of  # noqa: E402
 from tilegraph.testing import PEER_RELATIVE_ERROR, relative_error  # noqa: E402
 from tests import models  # noqa: E402
 

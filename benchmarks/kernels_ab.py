@@ -35,8 +35,8 @@ from _common import format_table, interleaved_samples, load_kernels, machine_lin
 
 import numpy as np  # noqa: E402
 
-from backends.numpy.chunks import THREADS  # noqa: E402
-from ir import kernels  # noqa: E402
+from tilegraph.backends.numpy.chunks import THREADS  # noqa: E402
+from tilegraph.ir import kernels  # noqa: E402
 
 
 def cases(rng: np.random.Generator) -> dict[str, tuple]:

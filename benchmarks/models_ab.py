@@ -67,7 +67,7 @@ def emit(checkout: Path, key: str, out: Path) -> tuple[Path, Path]:
 def load(source: Path, weights: Path, kernels=None):
     """The forward function of an emitted module (imports resolve to this checkout; `K`
     to `kernels` when given)."""
-    from ir.model import WeightStore
+    from tilegraph.ir.model import WeightStore
 
     namespace: dict = {}
     exec(compile(source.read_text(), str(source), "exec"), namespace)  # noqa: S102 - our own emitted code

@@ -44,8 +44,8 @@ from cost_model_accuracy import label_of, profile  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 
 import tilegraph  # noqa: E402
-from backends.numpy.emit import emit_profiled  # noqa: E402
-from passes.registry import DEFAULT_PIPELINE, run_pipeline  # noqa: E402
+from tilegraph.backends.numpy.emit import emit_profiled  # noqa: E402
+from tilegraph.passes.registry import DEFAULT_PIPELINE, run_pipeline  # noqa: E402
 from tests import models  # noqa: E402
 
 CASES = {"minilm1": ("MiniLM b1 s128", lambda: (models.minilm_model(), models.minilm_inputs(1, 128)),

@@ -32,10 +32,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import tilegraph  # noqa: E402
-from backends.onnx_export import save_onnx  # noqa: E402
-from passes.gptq import hessians  # noqa: E402
-from passes.quantize import SCHEMES, calibrate, linear_layers, save_calibration, save_hessians  # noqa: E402
-from passes.registry import UNFUSED_PIPELINE, run_pipeline  # noqa: E402
+from tilegraph.backends.onnx_export import save_onnx  # noqa: E402
+from tilegraph.passes.gptq import hessians  # noqa: E402
+from tilegraph.passes.quantize import SCHEMES, calibrate, linear_layers, save_calibration, save_hessians  # noqa: E402
+from tilegraph.passes.registry import UNFUSED_PIPELINE, run_pipeline  # noqa: E402
 from tests.models import export_onnx, minilm_model, minilm_tokenizer  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -48,7 +48,7 @@ THREADS = 2
 
 
 def gemm_table(repeats: int) -> str:
-    from ir.quant import matmul_integer
+    from tilegraph.ir.quant import matmul_integer
 
     m, k, n = GEMM_SHAPE
     rng = np.random.default_rng(0)
@@ -180,7 +180,7 @@ def tilegraph_variants(model, calib_batches) -> dict[str, object]:
 def tg_weight_bytes(m) -> tuple[int, int]:
     """(bytes of the linear layers' weights and scales: what reaches a GEMM through dequantize or
     scales its int32 result, all stored bytes)."""
-    from ir.dtypes import dtype_name, storage_bytes
+    from tilegraph.ir.dtypes import dtype_name, storage_bytes
 
     def op_name(v):
         return getattr(v.owner, "op_name", None)
@@ -277,9 +277,9 @@ def minilm_table(repeats: int) -> str:
 def mixed_table(model, cal_batches, inputs, cosine, repeats: int) -> str:
     """For each target and budget: the layers left in float (or given w8a8 instead of mxfp4), the
     predicted speed of the linear layers, and (cpu: the NumPy backend here) the measured one."""
-    from ir.interpreter import bind_inputs
-    from passes.cost.hardware import hardware
-    from passes.quantize import layer_time, mixed_precision
+    from tilegraph.ir.interpreter import bind_inputs
+    from tilegraph.passes.cost.hardware import hardware
+    from tilegraph.passes.quantize import layer_time, mixed_precision
 
     base = run_pipeline(model, UNFUSED_PIPELINE)
     sizes = bind_inputs(base, list(inputs))[1]  # predicted at the held-out batch's shape

@@ -96,9 +96,9 @@ def main(argv=None) -> int:
     ap.add_argument("--inference", action="store_true", help="a forward pass instead of a training step")
     args = ap.parse_args(argv)
 
-    from passes.cost.collectives import Mesh
-    from passes.cost.hardware import hardware
-    from passes.shard import LayoutError, ShardError, plan
+    from tilegraph.passes.cost.collectives import Mesh
+    from tilegraph.passes.cost.hardware import hardware
+    from tilegraph.passes.shard import LayoutError, ShardError, plan
     from tests.models import GPT2_PADDED_VOCAB, gpt_graph
 
     hw = hardware("h100")

@@ -224,8 +224,8 @@ def run_quantized(args, cuda: bool, device) -> dict:
     import torch
 
     import models
-    from passes.registry import UNFUSED_PIPELINE, default_pipeline
-    from backends.triton import HARDWARE
+    from tilegraph.passes.registry import UNFUSED_PIPELINE, default_pipeline
+    from tilegraph.backends.triton import HARDWARE
 
     layers, (batch, seq) = (1, (1, 8)) if args.dry_run else (None, (32, 128))
     model, note = minilm(args.random_weights, layers=layers)
@@ -716,7 +716,7 @@ def main(args) -> int:
         return 0
     import triton
 
-    from backends.triton import HARDWARE
+    from tilegraph.backends.triton import HARDWARE
 
     device = torch.device("cuda" if cuda else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = False  # every peer in IEEE fp32, as tilegraph's tl.dot

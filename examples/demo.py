@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import tilegraph  # noqa: E402
-from ir import interpret  # noqa: E402
-from passes.registry import DEFAULT_PIPELINE  # noqa: E402
+from tilegraph.ir import interpret  # noqa: E402
+from tilegraph.passes.registry import DEFAULT_PIPELINE  # noqa: E402
 from tilegraph.testing import PEER_RELATIVE_ERROR, relative_error  # noqa: E402
 
 MODEL = ROOT / "examples" / "tiny_encoder.onnx"

@@ -1,6 +1,6 @@
 """Frontends: PyTorch (torch.export) and ONNX onto the tg dialect, through ir.builder."""
 
-from ir.errors import TilegraphError
+from tilegraph.ir.errors import TilegraphError
 
 
 class FrontendError(TilegraphError):

@@ -41,14 +41,14 @@ from typing import Any, Callable, Sequence, Union
 import numpy as np
 import sympy
 
-from frontends import FrontendError
-from ir import dtypes
-from ir.builder import INLINE_CONSTANT_LIMIT, Graph, Tensor
-from ir.errors import TilegraphError
-from ir.interpreter import GLOBALS, dtype_code, shape_code
-from ir.model import Model
-from ir.ops import OPS, REQUIRED, infer, normalize_attrs, render
-from ir.shapes import Dim, ShapeError, TensorInfo, broadcast_shapes, is_static, normalize_dim, numel, symbol
+from tilegraph.frontends import FrontendError
+from tilegraph.ir import dtypes
+from tilegraph.ir.builder import INLINE_CONSTANT_LIMIT, Graph, Tensor
+from tilegraph.ir.errors import TilegraphError
+from tilegraph.ir.interpreter import GLOBALS, dtype_code, shape_code
+from tilegraph.ir.model import Model
+from tilegraph.ir.ops import OPS, REQUIRED, infer, normalize_attrs, render
+from tilegraph.ir.shapes import Dim, ShapeError, TensorInfo, broadcast_shapes, is_static, normalize_dim, numel, symbol
 
 MIN_OPSET = 13  # the oldest default-domain opset whose op definitions this frontend implements
 DEFAULT_DOMAINS = ("", "ai.onnx")
@@ -224,7 +224,7 @@ def _symbol_name(param: str) -> str:
     import builtins
     import keyword
 
-    from ir.interpreter import GLOBALS
+    from tilegraph.ir.interpreter import GLOBALS
 
     while param in GLOBALS or hasattr(builtins, param) or keyword.iskeyword(param):
         param += "_"

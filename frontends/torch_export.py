@@ -43,13 +43,13 @@ import numpy as np
 import sympy
 import torch
 
-from frontends import FrontendError
-from ir import dtypes
-from ir.builder import Graph, Tensor
-from ir.errors import TilegraphError
-from ir.interpreter import GLOBALS as _INTERPRETER_NAMES
-from ir.model import Model
-from ir.shapes import Dim, TensorInfo, broadcast_shapes, dims_equal, normalize_dim, numel, shape_str, symbol
+from tilegraph.frontends import FrontendError
+from tilegraph.ir import dtypes
+from tilegraph.ir.builder import Graph, Tensor
+from tilegraph.ir.errors import TilegraphError
+from tilegraph.ir.interpreter import GLOBALS as _INTERPRETER_NAMES
+from tilegraph.ir.model import Model
+from tilegraph.ir.shapes import Dim, TensorInfo, broadcast_shapes, dims_equal, normalize_dim, numel, shape_str, symbol
 
 aten = torch.ops.aten
 

@@ -21,11 +21,11 @@ from xdsl.dialects.builtin import ArrayAttr, DictionaryAttr, FunctionType, Modul
 from xdsl.dialects.func import FuncOp, ReturnOp
 from xdsl.ir import Block, Region, SSAValue
 
-from ir import dtypes
-from ir.dialect import make_op
-from ir.model import NAME_ATTR, Model, WeightStore, ssa_hint
-from ir.ops import OPS
-from ir.shapes import Dim, ShapeError, TensorInfo, as_shape, info_of, normalize_dim, numel, tensor_type
+from tilegraph.ir import dtypes
+from tilegraph.ir.dialect import make_op
+from tilegraph.ir.model import NAME_ATTR, Model, WeightStore, ssa_hint
+from tilegraph.ir.ops import OPS
+from tilegraph.ir.shapes import Dim, ShapeError, TensorInfo, as_shape, info_of, normalize_dim, numel, tensor_type
 
 # Arrays up to this many elements print inline as tg.constant; larger ones go to the
 # weight store so the IR text stays readable.

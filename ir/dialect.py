@@ -36,9 +36,9 @@ from xdsl.printer import Printer
 from xdsl.traits import IsolatedFromAbove, IsTerminator, Pure
 from xdsl.utils.exceptions import VerifyException
 
-from ir import dtypes
-from ir.ops import OPS, REQUIRED, OpSpec, infer, normalize_attrs
-from ir.shapes import ShapeError, TensorInfo, info_of, tensor_type
+from tilegraph.ir import dtypes
+from tilegraph.ir.ops import OPS, REQUIRED, OpSpec, infer, normalize_attrs
+from tilegraph.ir.shapes import ShapeError, TensorInfo, info_of, tensor_type
 
 
 def attr_to_py(attr: Attribute, kind: str) -> Any:

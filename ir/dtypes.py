@@ -22,7 +22,7 @@ from xdsl.dialects.builtin import (
 )
 from xdsl.ir import Attribute
 
-from ir.errors import TilegraphError
+from tilegraph.ir.errors import TilegraphError
 
 # MLIR spelling -> (xDSL element type, NumPy dtype)
 _TABLE: dict[str, tuple[Attribute, np.dtype]] = {

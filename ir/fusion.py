@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ir.dialect import FusionOp, TgOp
-from ir.dtypes import numpy_dtype
-from ir.shapes import TensorInfo, dims_equal, info_of, numel
+from tilegraph.ir.dialect import FusionOp, TgOp
+from tilegraph.ir.dtypes import numpy_dtype
+from tilegraph.ir.shapes import TensorInfo, dims_equal, info_of, numel
 
 # Ops that move or name data without computing: free on the CPU (NumPy views), and
 # folded into the indexing of a fused GPU kernel.

@@ -14,12 +14,12 @@ from typing import Any, Mapping, Sequence
 import ml_dtypes
 import numpy as np
 
-from ir import dtypes, kernels
-from ir.dialect import FusionOp, TgOp
-from ir.model import Model, ModelError
-from ir.ops import render
-from ir.signature import SHAPE_FUNCTIONS, Signature
-from ir.shapes import Dim
+from tilegraph.ir import dtypes, kernels
+from tilegraph.ir.dialect import FusionOp, TgOp
+from tilegraph.ir.model import Model, ModelError
+from tilegraph.ir.ops import render
+from tilegraph.ir.signature import SHAPE_FUNCTIONS, Signature
+from tilegraph.ir.shapes import Dim
 
 
 def dtype_code(name: str, float64: bool = False) -> str:

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from ir.quant import dequantize, dynamic_quantize, matmul_integer, quantize  # noqa: F401 - op templates
+from tilegraph.ir.quant import dequantize, dynamic_quantize, matmul_integer, quantize  # noqa: F401 - op templates
 
 try:  # scipy's erf is exact to the last bit; math.erf is the fallback.
     from scipy.special import erf as _erf

@@ -20,10 +20,10 @@ from xdsl.parser import Parser
 from xdsl.printer import Printer
 from xdsl.utils.exceptions import ParseError, VerifyException
 
-from ir import dtypes
-from ir.dialect import TG, TgOp
-from ir.errors import TilegraphError
-from ir.shapes import TensorInfo, info_of
+from tilegraph.ir import dtypes
+from tilegraph.ir.dialect import TG, TgOp
+from tilegraph.ir.errors import TilegraphError
+from tilegraph.ir.shapes import TensorInfo, info_of
 
 NAME_ATTR = "tg.name"  # argument / result attribute carrying the user's tensor name
 
@@ -37,7 +37,7 @@ def context() -> Context:
     ctx.load_dialect(Builtin)
     ctx.load_dialect(Func)
     ctx.load_dialect(TG)
-    from ir.shard import SHARD  # device grids, sharding annotations, collectives (passes/shard.py)
+    from tilegraph.ir.shard import SHARD  # device grids, sharding annotations, collectives (passes/shard.py)
 
     ctx.load_dialect(SHARD)
     return ctx

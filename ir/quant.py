@@ -48,7 +48,7 @@ class Format:
 
     @property
     def numpy(self) -> np.dtype:
-        from ir import dtypes
+        from tilegraph.ir import dtypes
 
         return dtypes.numpy_dtype(self.name)
 

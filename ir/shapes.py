@@ -18,8 +18,8 @@ import sympy
 from xdsl.dialects.builtin import ArrayAttr, NoneAttr, StringAttr, TensorType
 from xdsl.ir import Attribute
 
-from ir.dtypes import dtype_name, element_type
-from ir.errors import TilegraphError
+from tilegraph.ir.dtypes import dtype_name, element_type
+from tilegraph.ir.errors import TilegraphError
 
 Dim = Union[int, sympy.Expr]
 Shape = tuple[Dim, ...]

@@ -20,9 +20,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ir import dtypes
-from ir.dtypes import DTypeError
-from ir.shapes import ShapeError
+from tilegraph.ir import dtypes
+from tilegraph.ir.dtypes import DTypeError
+from tilegraph.ir.shapes import ShapeError
 
 # Names that symbolic shape expressions use, for the code that evaluates them.
 SHAPE_FUNCTIONS = {"floor": math.floor, "ceiling": math.ceil, "Max": max, "Min": min}

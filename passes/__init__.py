@@ -14,6 +14,6 @@
 `run_pipeline`; `passes.rewrite` the small rule vocabulary the rewrites share.
 """
 
-from passes.registry import DEFAULT_PIPELINE, PASSES, get_pass_class, parse_pipeline, run_pipeline
+from tilegraph.passes.registry import DEFAULT_PIPELINE, PASSES, get_pass_class, parse_pipeline, run_pipeline
 
 __all__ = ["DEFAULT_PIPELINE", "PASSES", "get_pass_class", "parse_pipeline", "run_pipeline"]

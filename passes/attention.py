@@ -24,7 +24,7 @@ from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.passes import ModulePass
 
-from passes.rewrite import Rule, constant_array, info, producer, run_rules
+from tilegraph.passes.rewrite import Rule, constant_array, info, producer, run_rules
 
 
 def _only_use(value) -> bool:

@@ -25,9 +25,9 @@ from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.passes import ModulePass
 
-from ir import dtypes
-from ir.ops import REQUIRED
-from passes.rewrite import ANY_OP, Rule, constant_array, info, is_splat, producer, run_rules, static_dim
+from tilegraph.ir import dtypes
+from tilegraph.ir.ops import REQUIRED
+from tilegraph.passes.rewrite import ANY_OP, Rule, constant_array, info, is_splat, producer, run_rules, static_dim
 
 REDUCTIONS = ("reduce_sum", "reduce_mean", "reduce_max", "reduce_min", "reduce_prod")
 

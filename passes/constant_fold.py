@@ -29,14 +29,14 @@ from xdsl.passes import ModulePass
 from xdsl.pattern_rewriter import GreedyRewritePatternApplier, PatternRewriter, PatternRewriteWalker, RewritePattern
 from xdsl.transforms.dead_code_elimination import region_dce
 
-from ir import dtypes
-from ir.builder import INLINE_CONSTANT_LIMIT
-from ir.dialect import TgOp, make_op
-from ir.interpreter import GLOBALS, evaluate
-from ir.model import WeightStore, weights_of
-from ir.shapes import TensorInfo, is_static, numel
-from passes.dce import prune_weights
-from passes.rewrite import info
+from tilegraph.ir import dtypes
+from tilegraph.ir.builder import INLINE_CONSTANT_LIMIT
+from tilegraph.ir.dialect import TgOp, make_op
+from tilegraph.ir.interpreter import GLOBALS, evaluate
+from tilegraph.ir.model import WeightStore, weights_of
+from tilegraph.ir.shapes import TensorInfo, is_static, numel
+from tilegraph.passes.dce import prune_weights
+from tilegraph.passes.rewrite import info
 
 SOURCES = ("constant", "weight")
 # Ops never folded: a dequantized weight folded back would be stored in float again,

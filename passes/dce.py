@@ -16,8 +16,8 @@ from xdsl.dialects.builtin import ModuleOp
 from xdsl.passes import ModulePass
 from xdsl.transforms.dead_code_elimination import region_dce
 
-from ir.dialect import TgOp
-from ir.model import weights_of
+from tilegraph.ir.dialect import TgOp
+from tilegraph.ir.model import weights_of
 
 
 def referenced_weights(module: ModuleOp) -> set[str]:

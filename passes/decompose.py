@@ -27,9 +27,9 @@ from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.passes import ModulePass
 
-from ir.errors import TilegraphError
-from ir.shapes import TensorInfo, normalize_dim
-from passes.rewrite import Emit, Rule, info, run_rules
+from tilegraph.ir.errors import TilegraphError
+from tilegraph.ir.shapes import TensorInfo, normalize_dim
+from tilegraph.passes.rewrite import Emit, Rule, info, run_rules
 
 # The constants of ir.kernels.gelu.
 SQRT_HALF = 0.7071067811865476  # 1/sqrt(2)

@@ -42,12 +42,12 @@ from xdsl.dialects.builtin import ModuleOp
 from xdsl.dialects.func import FuncOp
 from xdsl.ir import Block, SSAValue
 
-from ir.dialect import FusionOp, TgOp, YieldOp
-from ir.shapes import info_of
-from ir.fusion import ANCHORS, VIEW_OPS, flat_ok, live_row_bytes, operand_rows, row_reshape, siblings
-from passes.cost.model import at_nominal, group_cost, op_cost
-from passes.cost.hardware import check_target, hardware
-from passes.remarks import listening, remark
+from tilegraph.ir.dialect import FusionOp, TgOp, YieldOp
+from tilegraph.ir.shapes import info_of
+from tilegraph.ir.fusion import ANCHORS, VIEW_OPS, flat_ok, live_row_bytes, operand_rows, row_reshape, siblings
+from tilegraph.passes.cost.model import at_nominal, group_cost, op_cost
+from tilegraph.passes.cost.hardware import check_target, hardware
+from tilegraph.passes.remarks import listening, remark
 from xdsl.passes import ModulePass
 
 # Ops that stay outside groups: they move data by index (gather, scatter, concat)

@@ -45,8 +45,8 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from ir.kernels import OneBlasThread
-from ir.quant import Format, dequantize, expand_scale, quantize
+from tilegraph.ir.kernels import OneBlasThread
+from tilegraph.ir.quant import Format, dequantize, expand_scale, quantize
 
 # Dampening added to H's diagonal, as a fraction of its mean: GPTQ's default (percdamp = .01).
 DAMP = 0.01
@@ -59,8 +59,8 @@ def hessians(model, batches: Iterable[Sequence[np.ndarray]],
              progress: Callable[[Iterable], Iterable] = iter) -> dict[str, np.ndarray]:
     """{layer name: H = X^T X / rows (float64, [K, K])} of every linear layer the quantize pass
     rewrites, X its input over the calibration batches (the interpreter, float32)."""
-    from ir.interpreter import interpret
-    from passes.quantize import QuantizeError, layer_name, linear_layers
+    from tilegraph.ir.interpreter import interpret
+    from tilegraph.passes.quantize import QuantizeError, layer_name, linear_layers
 
     layers = linear_layers(model.func.body.block.ops, model.weights)
     if not layers:

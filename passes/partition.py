@@ -31,14 +31,14 @@ from xdsl.dialects.builtin import BytesAttr, DenseArrayBase, FlatSymbolRefAttr, 
 from xdsl.dialects.func import FuncOp, ReturnOp
 from xdsl.ir import Block, Region, SSAValue
 
-from ir.dialect import TgOp, make_op
-from ir.errors import TilegraphError
-from ir.model import Model, WeightStore
-from ir.shapes import TensorInfo, info_of, tensor_type, type_of
-from ir.shard import AllGatherOp, AllReduceOp, AllSliceOp, AllToAllOp, GridOp, ReduceScatterOp, ReductionKind, \
+from tilegraph.ir.dialect import TgOp, make_op
+from tilegraph.ir.errors import TilegraphError
+from tilegraph.ir.model import Model, WeightStore
+from tilegraph.ir.shapes import TensorInfo, info_of, tensor_type, type_of
+from tilegraph.ir.shard import AllGatherOp, AllReduceOp, AllSliceOp, AllToAllOp, GridOp, ReduceScatterOp, ReductionKind, \
     ReductionKindAttr, ShardingOp, ShardOp, piece
-from passes.shard import GRID, read_annotations
-from passes.sharding import Spec, apply_step, loops_of, replicated, reshard_steps, shards
+from tilegraph.passes.shard import GRID, read_annotations
+from tilegraph.passes.sharding import Spec, apply_step, loops_of, replicated, reshard_steps, shards
 
 
 class PartitionError(TilegraphError):

@@ -66,13 +66,13 @@ from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import Operation, SSAValue
 from xdsl.passes import ModulePass
 
-from ir import dtypes
-from ir.dialect import TgOp, make_op
-from ir.errors import TilegraphError
-from ir.model import Model, weights_of
-from ir.quant import FORMATS, MX_BLOCK, Format, absmax_scale, dequantize, mx_scale, quantize
-from ir.shapes import TensorInfo, info_of
-from passes.gptq import gptq
+from tilegraph.ir import dtypes
+from tilegraph.ir.dialect import TgOp, make_op
+from tilegraph.ir.errors import TilegraphError
+from tilegraph.ir.model import Model, weights_of
+from tilegraph.ir.quant import FORMATS, MX_BLOCK, Format, absmax_scale, dequantize, mx_scale, quantize
+from tilegraph.ir.shapes import TensorInfo, info_of
+from tilegraph.passes.gptq import gptq
 
 
 class QuantizeError(TilegraphError):
@@ -298,7 +298,7 @@ def calibrate(model: Model, batches: Iterable[Sequence[np.ndarray]], observer: s
               progress: Callable[[Iterable], Iterable] = iter) -> dict[str, tuple[float, float]]:
     """Run `model` (the interpreter, float32) on calibration batches and observe the activation of every
     linear layer the pass would quantize; returns {weight name: (lo, hi)}."""
-    from ir.interpreter import interpret
+    from tilegraph.ir.interpreter import interpret
 
     layers = linear_layers(model.func.body.block.ops, model.weights)
     if not layers:
@@ -582,7 +582,7 @@ def relative_error(model: Model, quantized: Model, batches: Sequence[Sequence[np
 
 
 def _outputs(model: Model, batches) -> list[list[np.ndarray]]:
-    from ir.interpreter import interpret
+    from tilegraph.ir.interpreter import interpret
 
     return [[np.asarray(y, np.float64) for y in interpret(model, list(b), float64=False)] for b in batches]
 
@@ -606,9 +606,9 @@ def output_agreement(reference: list, got: list) -> tuple[float, float]:
 def layer_time(m: int, k: int, n: int, scheme: str, hw) -> float:
     """Predicted seconds of one linear layer [m, k] @ [k, n] on `hw` (passes/cost), in float (scheme
     'none') or quantized by `scheme`: the quantize pass's rewrite of that layer alone, costed op by op."""
-    from ir import Graph
-    from passes.cost.model import at, module_cost
-    from passes.registry import run_pipeline
+    from tilegraph.ir import Graph
+    from tilegraph.passes.cost.model import at, module_cost
+    from tilegraph.passes.registry import run_pipeline
 
     g = Graph()
     x = g.input("x", (m, k))
@@ -651,11 +651,11 @@ def mixed_precision(model: Model, batches: Sequence[Sequence[np.ndarray]], schem
     A remark per layer (passes.remarks, and in the returned plan) says why it got its format.
     `memo`: measurements kept between calls on the same model and batches (another budget).
     """
-    from ir.interpreter import bind_inputs
-    from passes.cost.hardware import hardware
-    from passes.cost.model import at
-    from passes.registry import run_pipeline
-    from passes.remarks import remark
+    from tilegraph.ir.interpreter import bind_inputs
+    from tilegraph.passes.cost.hardware import hardware
+    from tilegraph.passes.cost.model import at
+    from tilegraph.passes.registry import run_pipeline
+    from tilegraph.passes.remarks import remark
 
     for sch in schemes:
         if sch not in SCHEMES:

@@ -25,72 +25,72 @@ from xdsl.passes import ModulePass
 from xdsl.utils.arg_spec import parse_pipeline as _parse_specs
 from xdsl.utils.exceptions import ArgSpecParseError
 
-from ir.errors import TilegraphError
-from ir.model import Model, ModelError, WeightStore, context
+from tilegraph.ir.errors import TilegraphError
+from tilegraph.ir.model import Model, ModelError, WeightStore, context
 
 
 def _canonicalize():
-    from passes.canonicalize import Canonicalize
+    from tilegraph.passes.canonicalize import Canonicalize
 
     return Canonicalize
 
 
 def _cse():
-    from passes.cse import CommonSubexpressionElimination
+    from tilegraph.passes.cse import CommonSubexpressionElimination
 
     return CommonSubexpressionElimination
 
 
 def _dce():
-    from passes.dce import DeadCodeElimination
+    from tilegraph.passes.dce import DeadCodeElimination
 
     return DeadCodeElimination
 
 
 def _constant_fold():
-    from passes.constant_fold import ConstantFold
+    from tilegraph.passes.constant_fold import ConstantFold
 
     return ConstantFold
 
 
 def _simplify_shapes():
-    from passes.simplify_shapes import SimplifyShapes
+    from tilegraph.passes.simplify_shapes import SimplifyShapes
 
     return SimplifyShapes
 
 
 def _decompose():
-    from passes.decompose import Decompose
+    from tilegraph.passes.decompose import Decompose
 
     return Decompose
 
 
 def _fuse():
-    from passes.fuse import Fuse
+    from tilegraph.passes.fuse import Fuse
 
     return Fuse
 
 
 def _attention():
-    from passes.attention import FoldAttention
+    from tilegraph.passes.attention import FoldAttention
 
     return FoldAttention
 
 
 def _tile():
-    from passes.tile import Tile
+    from tilegraph.passes.tile import Tile
 
     return Tile
 
 
 def _shard():
-    from passes.shard import Shard
+    from tilegraph.passes.shard import Shard
 
     return Shard
 
 
 def _quantize():
-    from passes.quantize import Quantize
+    from tilegraph.passes.quantize import Quantize
 
     return Quantize
 
@@ -172,7 +172,7 @@ def run_pipeline(model: Model, pipeline: str | Sequence[ModulePass], *, verify_e
                 out.verify()
             except ModelError as e:
                 raise ModelError(f"the IR after pass '{p.name}' does not verify: {e}") from None
-    from passes.dce import referenced_weights
+    from tilegraph.passes.dce import referenced_weights
 
     used = referenced_weights(out.module)
     return Model(out.module, WeightStore({k: v for k, v in out.weights.items() if k in used}))

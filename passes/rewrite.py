@@ -24,8 +24,8 @@ from xdsl.ir import Operation, SSAValue
 from xdsl.pattern_rewriter import GreedyRewritePatternApplier, PatternRewriter, PatternRewriteWalker, RewritePattern
 from xdsl.transforms.dead_code_elimination import region_dce
 
-from ir.dialect import TgOp, make_op
-from ir.shapes import ShapeError, TensorInfo, info_of
+from tilegraph.ir.dialect import TgOp, make_op
+from tilegraph.ir.shapes import ShapeError, TensorInfo, info_of
 
 ANY_OP = "*"  # a rule that looks at every tg op
 
@@ -55,7 +55,7 @@ class Emit:
         return op
 
     def constant(self, value: Any, dtype: str) -> SSAValue:
-        from ir import dtypes
+        from tilegraph.ir import dtypes
 
         array = np.asarray(value, dtype=dtypes.numpy_dtype(dtype))
         return self("constant", value=array, result=TensorInfo(tuple(array.shape), dtype))

@@ -57,16 +57,16 @@ from xdsl.ir import Block, SSAValue
 from xdsl.passes import ModulePass
 from xdsl.rewriter import InsertPoint, Rewriter
 
-from ir import dtypes
-from ir.dialect import TgOp, make_op
-from ir.errors import TilegraphError
-from ir.shapes import TensorInfo, info_of, type_of
-from ir.shard import GridOp, ShardAxesArrayAttr, ShardingOp, ShardingType, ShardOp
-from passes.cost.collectives import Mesh, parse_mesh
-from passes.cost.hardware import check_target, hardware
-from passes.cost.model import at, op_cost
-from passes.remarks import remark
-from passes.sharding import (Spec, Strategy, apply_step, local_info, nbytes, pre_scatter, replicated, reshard_steps,
+from tilegraph.ir import dtypes
+from tilegraph.ir.dialect import TgOp, make_op
+from tilegraph.ir.errors import TilegraphError
+from tilegraph.ir.shapes import TensorInfo, info_of, type_of
+from tilegraph.ir.shard import GridOp, ShardAxesArrayAttr, ShardingOp, ShardingType, ShardOp
+from tilegraph.passes.cost.collectives import Mesh, parse_mesh
+from tilegraph.passes.cost.hardware import check_target, hardware
+from tilegraph.passes.cost.model import at, op_cost
+from tilegraph.passes.remarks import remark
+from tilegraph.passes.sharding import (Spec, Strategy, apply_step, local_info, nbytes, pre_scatter, replicated, reshard_steps,
                              source_strategies, spec_axes, spec_str, strategies)
 
 # Backward of a layer costs about twice its forward (two GEMMs per forward GEMM: the

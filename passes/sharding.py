@@ -31,9 +31,9 @@ from typing import Sequence
 
 import sympy
 
-from ir import dtypes
-from ir.dialect import TgOp
-from ir.shapes import Dim, TensorInfo, dims_equal, info_of, normalize_dim, numel
+from tilegraph.ir import dtypes
+from tilegraph.ir.dialect import TgOp
+from tilegraph.ir.shapes import Dim, TensorInfo, dims_equal, info_of, normalize_dim, numel
 
 Spec = tuple[tuple[int, ...], ...]
 

@@ -28,10 +28,10 @@ from xdsl.dialects.func import FuncOp, ReturnOp
 from xdsl.passes import ModulePass
 from xdsl.rewriter import Rewriter
 
-from ir.ops import OPS, infer
-from ir.shapes import dims_equal, info_of, numel, type_of
-from passes.canonicalize import LAYOUT
-from passes.rewrite import Rule, info, producer, run_rules, static_dim
+from tilegraph.ir.ops import OPS, infer
+from tilegraph.ir.shapes import dims_equal, info_of, numel, type_of
+from tilegraph.passes.canonicalize import LAYOUT
+from tilegraph.passes.rewrite import Rule, info, producer, run_rules, static_dim
 
 # Elementwise ops of two or more operands broadcast NumPy-style (ir.ops).
 BROADCASTING = tuple(n for n, s in OPS.items() if s.category == "elementwise" and len(s.operands) >= 2)

@@ -39,13 +39,13 @@ from xdsl.context import Context
 from xdsl.dialects.builtin import ArrayAttr, DictionaryAttr, IntegerAttr, ModuleOp, i64
 from xdsl.passes import ModulePass
 
-from ir import dtypes
-from ir.dialect import FusionOp
-from ir.shapes import info_of
-from ir.fusion import ANCHORS, VIEW_OPS, cols_ok, flat_rows_ok, live_row_bytes, row_gemm, row_local, widest
-from passes.cost.model import at_nominal, group_cost
-from passes.cost.hardware import check_target, hardware
-from passes.remarks import listening, remark
+from tilegraph.ir import dtypes
+from tilegraph.ir.dialect import FusionOp
+from tilegraph.ir.shapes import info_of
+from tilegraph.ir.fusion import ANCHORS, VIEW_OPS, cols_ok, flat_rows_ok, live_row_bytes, row_gemm, row_local, widest
+from tilegraph.passes.cost.model import at_nominal, group_cost
+from tilegraph.passes.cost.hardware import check_target, hardware
+from tilegraph.passes.remarks import listening, remark
 
 # Attention: keys per block. 128 query rows x 512 keys of f32 scores is 256 KB, half
 # of this machine's 512 KB L2 per core (lscpu), leaving room for q, k, v blocks.

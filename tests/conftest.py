@@ -11,11 +11,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from backends import interpret_triton_without_gpu
+from tilegraph.backends import interpret_triton_without_gpu
 
 interpret_triton_without_gpu()
 
-from passes.cost.hardware import PROFILE_FORMAT, cpu_profile_path, load_profile  # noqa: E402
+from tilegraph.passes.cost.hardware import PROFILE_FORMAT, cpu_profile_path, load_profile  # noqa: E402
 
 # The passes decide fusion and tiling against the CPU profile that hardware("cpu")
 # measures on first use. On a shared VM that measurement moves from run to run (the

@@ -306,8 +306,8 @@ def gpt_graph(layers: int, d_model: int, heads: int, batch="B", seq: int | str =
     """
     import numpy as np
 
-    from ir import Graph
-    from ir.dtypes import numpy_dtype
+    from tilegraph.ir import Graph
+    from tilegraph.ir.dtypes import numpy_dtype
 
     g = Graph()
     np_dtype = numpy_dtype(dtype)

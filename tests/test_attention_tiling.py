@@ -22,7 +22,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from ir import kernels as K
+from tilegraph.ir import kernels as K
 from tilegraph.testing import assert_close
 
 DTYPES = {"f16": np.float16, "f32": np.float32, "f64": np.float64}

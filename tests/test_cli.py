@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ir import Graph, Model
+from tilegraph.ir import Graph, Model
 from tilegraph.cli import main as tilegraph_main
 from tilegraph.opt import main as opt_main
 
@@ -65,9 +65,9 @@ def test_compile_writes_a_triton_module_that_runs(tmp_path, capsys):
     assert "attention: attention" in out  # the encoder's attention became one flash kernel
     assert "ops on the host (no kernel covers them): none" in out
     # The written module runs as is (here in Triton's interpreter) and agrees with the interpreter.
-    from backends.triton import load
-    from ir.interpreter import interpret
-    from ir.model import WeightStore
+    from tilegraph.backends.triton import load
+    from tilegraph.ir.interpreter import interpret
+    from tilegraph.ir.model import WeightStore
     from tilegraph.testing import assert_close, random_inputs
 
     import tilegraph
@@ -93,9 +93,9 @@ def test_written_triton_file_imports_and_runs_as_a_plain_module(tmp_path, capsys
     import torch
 
     import tilegraph  # noqa: F401 - before the module imports triton
-    from backends.triton.runtime import to_torch
-    from ir.interpreter import interpret
-    from ir.model import WeightStore
+    from tilegraph.backends.triton.runtime import to_torch
+    from tilegraph.ir.interpreter import interpret
+    from tilegraph.ir.model import WeightStore
     from tilegraph.testing import assert_close, random_inputs
 
     out_path = tmp_path / "model_triton.py"
@@ -121,7 +121,7 @@ def test_written_triton_file_imports_and_runs_as_a_plain_module(tmp_path, capsys
 def test_explicit_pipeline_for_triton_still_fuses_and_tiles_for_the_gpu(tmp_path, capsys):
     """`-p` without a target option: fuse and tile decide for the Triton backend's GPU (several
     ranked candidates per GEMM for the autotuner), not for the CPU (one configuration)."""
-    from backends.triton import HARDWARE
+    from tilegraph.backends.triton import HARDWARE
 
     argv = ["compile", EXAMPLE, "--target", "triton", "-p", "canonicalize,cse,fuse,tile", "-o",
             tmp_path / "enc.py", "--report"]

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import tilegraph
-from ir import Graph, Model, ModelError, TilegraphError, interpret
+from tilegraph.ir import Graph, Model, ModelError, TilegraphError, interpret
 from tilegraph.testing import assert_close
 
 WIDTH = 8
@@ -73,7 +73,7 @@ def test_torch_tensors_are_accepted_as_inputs():
 def test_bf16_torch_tensors_are_accepted_as_their_values():
     """NumPy has no bfloat16: a bf16 tensor arrives as ml_dtypes' bfloat16 with the same bits."""
     torch = pytest.importorskip("torch")
-    from ir import dtypes
+    from tilegraph.ir import dtypes
 
     g = Graph()
     model = g.build(g.op("cast", g.input("x", ("B", WIDTH), "bf16"), to="f32"), names=["y"])
@@ -127,7 +127,7 @@ def test_a_torch_module_needs_example_inputs():
 
 def test_a_torch_module_compiles_when_the_frontend_is_there():
     torch = pytest.importorskip("torch")
-    pytest.importorskip("frontends.torch_export")
+    pytest.importorskip("tilegraph.frontends.torch_export")
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(WIDTH, 4), torch.nn.ReLU()).eval()
     x = torch.randn(3, WIDTH)
@@ -139,7 +139,7 @@ def test_a_torch_module_compiles_when_the_frontend_is_there():
 
 def test_an_onnx_file_compiles_when_the_frontend_is_there(tmp_path):
     onnx = pytest.importorskip("onnx")
-    pytest.importorskip("frontends.onnx")
+    pytest.importorskip("tilegraph.frontends.onnx")
     from onnx import TensorProto, helper
 
     node = helper.make_node("Relu", ["x"], ["y"])

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import sympy
 
-from ir import Graph
-from ir.dtypes import numpy_dtype
-from ir.shapes import info_of, numel, symbol
+from tilegraph.ir import Graph
+from tilegraph.ir.dtypes import numpy_dtype
+from tilegraph.ir.shapes import info_of, numel, symbol
 from tilegraph.cli import main as tilegraph_main
 from tilegraph.cli import with_target
 from tilegraph.opt import main as opt_main

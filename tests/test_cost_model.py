@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 import sympy
 
-from backends.numpy import compile_model
-from ir import Graph, Model
-from ir.dialect import FusionOp, TgOp
-from ir.shapes import symbol
-from passes.cost.hardware import hardware
-from passes.cost.model import at, fusion_cost, module_cost, op_bytes, op_cost, op_flops
-from passes.registry import DEFAULT_PIPELINE, run_pipeline
+from tilegraph.backends.numpy import compile_model
+from tilegraph.ir import Graph, Model
+from tilegraph.ir.dialect import FusionOp, TgOp
+from tilegraph.ir.shapes import symbol
+from tilegraph.passes.cost.hardware import hardware
+from tilegraph.passes.cost.model import at, fusion_cost, module_cost, op_bytes, op_cost, op_flops
+from tilegraph.passes.registry import DEFAULT_PIPELINE, run_pipeline
 
 F32 = 4  # bytes per f32 element
 RNG = np.random.default_rng(0)

@@ -12,14 +12,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from backends import distributed, simulated_mesh
-from ir import interpret
-from ir.interpreter import bind_inputs
-from passes.cost.collectives import Mesh
-from passes.cost.hardware import H100
-from passes.partition import partition
-from passes.registry import run_pipeline
-from passes.shard import annotate, chosen_plan, plan
+from tilegraph.backends import distributed, simulated_mesh
+from tilegraph.ir import interpret
+from tilegraph.ir.interpreter import bind_inputs
+from tilegraph.passes.cost.collectives import Mesh
+from tilegraph.passes.cost.hardware import H100
+from tilegraph.passes.partition import partition
+from tilegraph.passes.registry import run_pipeline
+from tilegraph.passes.shard import annotate, chosen_plan, plan
 from tests.models import gpt_graph
 from tilegraph.testing import assert_close, narrowest_float, random_inputs, reduction_length
 
@@ -62,7 +62,7 @@ def test_tilegraph_run_on_two_processes_agrees(tmp_path, capsys):
 @pytest.mark.parametrize("devices", [2, 4])
 def test_minilm_sharded_on_local_processes_matches_one_device(devices):
     import tilegraph
-    from passes.registry import UNFUSED_PIPELINE
+    from tilegraph.passes.registry import UNFUSED_PIPELINE
     from tests.models import minilm_inputs, minilm_model
 
     ids, mask = minilm_inputs(batch=4, seq=16)

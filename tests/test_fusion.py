@@ -12,11 +12,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from backends.numpy import compile_model, emit
-from ir import Graph, Model, interpret
-from ir.dialect import FusionOp
-from passes.registry import DEFAULT_PIPELINE, UNFUSED_PIPELINE, run_pipeline
-from passes.remarks import collect
+from tilegraph.backends.numpy import compile_model, emit
+from tilegraph.ir import Graph, Model, interpret
+from tilegraph.ir.dialect import FusionOp
+from tilegraph.passes.registry import DEFAULT_PIPELINE, UNFUSED_PIPELINE, run_pipeline
+from tilegraph.passes.remarks import collect
 from tilegraph.testing import assert_close, random_inputs, reduction_length
 
 RNG = np.random.default_rng(0)
@@ -133,7 +133,7 @@ def test_long_attention_is_tiled_flash_style():
 
 
 def test_gpu_tiles_fit_shared_memory_and_registers(block):
-    from passes.cost.hardware import hardware
+    from tilegraph.passes.cost.hardware import hardware
 
     model = run_pipeline(block, f"{UNFUSED_PIPELINE},fuse{{target=h100}},tile{{target=h100}}")
     h100 = hardware("h100")
@@ -146,8 +146,8 @@ def test_gpu_tiles_fit_shared_memory_and_registers(block):
 
 
 def test_fusion_lowers_the_predicted_time(block):
-    from passes.cost.hardware import hardware
-    from passes.cost.model import NOMINAL_DIM, at, module_cost
+    from tilegraph.passes.cost.hardware import hardware
+    from tilegraph.passes.cost.model import NOMINAL_DIM, at, module_cost
 
     # At the sizes the passes decide for (a symbolic dim is priced at NOMINAL_DIM).
     hw, sizes = hardware("cpu"), {"B": NOMINAL_DIM}
@@ -173,10 +173,10 @@ def test_a_chain_of_two_gemms_is_priced_for_both_gemms():
     # chain 128x384 @ 384x1536 -> relu -> @ 1536x384 looked 1 ms faster than its two halves:
     # "would have saved 957.6 us". Fused, it saves at most the 128x1536 intermediate's trip
     # through memory; its two GEMMs cannot run faster than two groups run them.
-    from ir.dialect import TgOp
-    from ir.shapes import info_of
-    from passes.cost.hardware import hardware
-    from passes.cost.model import at_nominal, group_cost
+    from tilegraph.ir.dialect import TgOp
+    from tilegraph.ir.shapes import info_of
+    from tilegraph.passes.cost.hardware import hardware
+    from tilegraph.passes.cost.model import at_nominal, group_cost
 
     g = Graph()
     x = g.input("x", (128, 384))
@@ -231,8 +231,8 @@ def test_a_linear_layer_exported_between_reshapes_still_fuses_with_what_follows(
 
 
 def test_a_profiled_module_times_every_kernel_and_computes_the_same(fused, block):
-    from backends.numpy.emit import emit_profiled
-    from backends.numpy.runtime import load
+    from tilegraph.backends.numpy.emit import emit_profiled
+    from tilegraph.backends.numpy.runtime import load
 
     source, kernels = emit_profiled(fused)
     compiled = load(source, fused.weights, fused)

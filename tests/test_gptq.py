@@ -17,10 +17,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ir.quant import FORMATS, MX_BLOCK, dequantize, quantize
-from passes.gptq import _round_rows, gptq, hessians, ledoit_wolf, output_error
-from passes.quantize import SCHEMES, QuantizeError, Quantize, relative_error, save_hessians, weight_scale
-from passes.registry import run_pipeline
+from tilegraph.ir.quant import FORMATS, MX_BLOCK, dequantize, quantize
+from tilegraph.passes.gptq import _round_rows, gptq, hessians, ledoit_wolf, output_error
+from tilegraph.passes.quantize import SCHEMES, QuantizeError, Quantize, relative_error, save_hessians, weight_scale
+from tilegraph.passes.registry import run_pipeline
 from tests.test_quantize import mlp
 from tilegraph.testing import assert_within_quantization_bound
 
@@ -126,7 +126,7 @@ def test_gptq_without_or_with_a_wrong_hessians_file_is_a_named_error(tmp_path):
 
 def test_cli_quantize_rounds_by_gptq_from_the_calibration_samples_and_refuses_without_them(tmp_path, capsys):
     import tilegraph
-    from ir import Model
+    from tilegraph.ir import Model
     from tests.test_quantize import EXAMPLE_ONNX, _cli
 
     model = tilegraph.import_model(EXAMPLE_ONNX)

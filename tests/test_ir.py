@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from ir import Graph, Model, ModelError, ShapeError, interpret
+from tilegraph.ir import Graph, Model, ModelError, ShapeError, interpret
 from tilegraph.testing import assert_close
 
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from passes.cost.hardware import hardware
-from passes.quantize import QuantizeError, Quantize, layer_time, mixed_precision
-from passes.registry import run_pipeline
-from passes.remarks import collect
+from tilegraph.passes.cost.hardware import hardware
+from tilegraph.passes.quantize import QuantizeError, Quantize, layer_time, mixed_precision
+from tilegraph.passes.registry import run_pipeline
+from tilegraph.passes.remarks import collect
 from tests.test_quantize import mlp
 
 

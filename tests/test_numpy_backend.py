@@ -22,12 +22,12 @@ from xdsl.ir import Block, Region
 from xdsl.irdl import IRDLOperation, irdl_op_definition, region_def, var_operand_def, var_result_def
 from xdsl.dialects.func import ReturnOp
 
-from backends.numpy import compile_model, emit, liveness, load
-from backends.numpy.runtime import MODULE_FILENAME
-from ir import Graph, ShapeError, interpret
-from ir.model import ModelError
-from ir.dtypes import DTypeError, numpy_dtype
-from ir.ops import OPS
+from tilegraph.backends.numpy import compile_model, emit, liveness, load
+from tilegraph.backends.numpy.runtime import MODULE_FILENAME
+from tilegraph.ir import Graph, ShapeError, interpret
+from tilegraph.ir.model import ModelError
+from tilegraph.ir.dtypes import DTypeError, numpy_dtype
+from tilegraph.ir.ops import OPS
 from tilegraph.testing import assert_close, op_examples
 
 EXAMPLES = op_examples()
@@ -273,7 +273,7 @@ ERF32_BOUND = 1.5e-7
 def test_f32_erf_and_gelu_kernels_stay_within_their_bound(values, kind):
     from scipy.special import erf, ndtr
 
-    from ir import kernels as K
+    from tilegraph.ir import kernels as K
 
     x = np.asarray(values, np.float32)
     if kind == "sweep":  # a dense sweep of the range where the polynomial matters
@@ -291,7 +291,7 @@ def test_f32_erf_and_gelu_kernels_stay_within_their_bound(values, kind):
 
 
 def test_f32_erf_and_gelu_kernels_keep_non_finite_values():
-    from ir import kernels as K
+    from tilegraph.ir import kernels as K
 
     x = np.array([np.inf, -np.inf, np.nan], np.float32)
     with np.errstate(all="ignore"):
@@ -305,7 +305,7 @@ def test_f32_erf_and_gelu_kernels_keep_non_finite_values():
 def test_negative_is_exact_on_strided_views(dtype, in_step, out_step):
     """neg on every stride pair a chunk loop makes: NumPy 2.1-2.4's own SIMD negative
     reads a 4-element-strided input wrongly when the output is strided (ir/kernels.negative)."""
-    from ir import kernels
+    from tilegraph.ir import kernels
 
     np_dtype = numpy_dtype(dtype)
     values = np.arange(-100, 100).astype(np_dtype)
@@ -323,7 +323,7 @@ def test_negative_is_exact_on_strided_views(dtype, in_step, out_step):
 def test_window_kernels_write_into_any_out_they_are_given(kernel):
     """The emitter hands conv and the pools their group's buffer (`out=`), so no copy
     follows them; a strided `out` (a window of a wider buffer) gets the same values."""
-    from ir import kernels
+    from tilegraph.ir import kernels
 
     rng = np.random.default_rng(3)
     x = rng.standard_normal((2, 4, 7, 6)).astype(np.float32)

@@ -21,7 +21,7 @@ import pytest
 from onnx.backend.test.loader import load_model_tests
 from onnx.backend.test.runner import Runner
 
-from ir.errors import TilegraphError
+from tilegraph.ir.errors import TilegraphError
 from tilegraph.onnx_backend import Backend
 
 pytestmark = pytest.mark.slow

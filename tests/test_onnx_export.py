@@ -29,13 +29,13 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from backends.onnx_export import ExportError, export, save_onnx, to_onnx
-from ir import Graph, interpret
-from ir import dtypes
-from ir.interpreter import GLOBALS, bind_inputs, evaluate
-from ir.quant import FORMATS
-from ir.shapes import info_of
-from passes.registry import DEFAULT_PIPELINE, UNFUSED_PIPELINE, run_pipeline
+from tilegraph.backends.onnx_export import ExportError, export, save_onnx, to_onnx
+from tilegraph.ir import Graph, interpret
+from tilegraph.ir import dtypes
+from tilegraph.ir.interpreter import GLOBALS, bind_inputs, evaluate
+from tilegraph.ir.quant import FORMATS
+from tilegraph.ir.shapes import info_of
+from tilegraph.passes.registry import DEFAULT_PIPELINE, UNFUSED_PIPELINE, run_pipeline
 from tilegraph.testing import (assert_close, graphs, narrowest_float, op_examples, random_inputs,
                                reduction_length)
 
@@ -169,7 +169,7 @@ def test_quantize_linear_gives_tg_quantize_codes_bit_for_bit(to, layout, seed, t
     rng = np.random.default_rng(seed)
     shape = (4, 20)
     scale, attrs = _scale(layout, shape, rng)
-    from ir.quant import expand_scale
+    from tilegraph.ir.quant import expand_scale
 
     full = np.broadcast_to(expand_scale(scale, shape, attrs.get("axis", 1), attrs.get("block_size", 0)), shape)
     steps = rng.integers(-40, 40, shape) + 0.5  # exact halves of a step: the ties
@@ -321,7 +321,7 @@ MIN_TOKEN_COSINE = 0.995
 
 @pytest.mark.parametrize("scheme", ["w8a8", "w8a8-calibrated", "fp8", "mxfp8"])
 def test_minilm_quantized_activations_every_node_computes_its_tg_op(minilm, scheme, tmp_path):
-    from passes.quantize import calibrate, save_calibration
+    from tilegraph.passes.quantize import calibrate, save_calibration
 
     base, inputs = minilm
     spec = scheme

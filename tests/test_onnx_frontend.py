@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
-from frontends import FrontendError
-from frontends.onnx import StaticInputNeeded, from_onnx
-from ir.interpreter import interpret
-from ir.shapes import symbol
+from tilegraph.frontends import FrontendError
+from tilegraph.frontends.onnx import StaticInputNeeded, from_onnx
+from tilegraph.ir.interpreter import interpret
+from tilegraph.ir.shapes import symbol
 from tilegraph.testing import assert_close, reduction_length
 
 F32 = TensorProto.FLOAT
@@ -382,7 +382,7 @@ def test_a_corrupted_file_imports_and_runs_or_is_a_frontend_error(data):
     project: it imports, compiles and runs, or the error is a TilegraphError naming the
     problem (a mutation fuzzer found an onnx KeyError this way)."""
     import tilegraph
-    from ir.errors import TilegraphError
+    from tilegraph.ir.errors import TilegraphError
     from tilegraph.testing import random_inputs
 
     model = _small_model()

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 from xdsl.passes import ModulePass
 
-from ir import Graph, Model, TensorInfo, interpret
-from ir.errors import TilegraphError
-from ir.model import ModelError
-from ir.ops import OPS
-from passes.registry import DEFAULT_PIPELINE, PASSES, PipelineError, get_pass_class, parse_pipeline, run_pipeline
+from tilegraph.ir import Graph, Model, TensorInfo, interpret
+from tilegraph.ir.errors import TilegraphError
+from tilegraph.ir.model import ModelError
+from tilegraph.ir.ops import OPS
+from tilegraph.passes.registry import DEFAULT_PIPELINE, PASSES, PipelineError, get_pass_class, parse_pipeline, run_pipeline
 from tilegraph.testing import assert_close, assert_preserves_semantics, random_inputs
 
 
@@ -180,7 +180,7 @@ def test_canonicalize_folds_casts_only_through_lossless_types():
         CHECK: tg.cast %x0 {to = "f32"} : tensor<4xf32>
         CHECK-NOT: tg.cast
     """)
-    from passes.canonicalize import lossless_cast
+    from tilegraph.passes.canonicalize import lossless_cast
 
     assert lossless_cast("bf16", "f32") and lossless_cast("i1", "f16") and lossless_cast("i16", "f32")
     assert not any([lossless_cast("f32", "f16"), lossless_cast("f16", "bf16"), lossless_cast("i32", "f32"),
@@ -478,8 +478,8 @@ def test_bad_pipelines_are_reported_by_name(text, message):
 
 
 def test_registry_imports_passes_lazily():
-    code = ("import sys, passes.registry as r; assert 'passes.decompose' not in sys.modules; "
-            "r.PASSES['decompose'](); assert 'passes.decompose' in sys.modules")
+    code = ("import sys, tilegraph.passes.registry as r; assert 'tilegraph.passes.decompose' not in sys.modules; "
+            "r.PASSES['decompose'](); assert 'tilegraph.passes.decompose' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
 
 
@@ -519,7 +519,7 @@ def test_assert_preserves_semantics_names_the_pipeline_and_shows_the_ir():
         name = "exp-to-tanh"
 
         def apply(self, ctx, op) -> None:
-            from passes.rewrite import Rule, run_rules
+            from tilegraph.passes.rewrite import Rule, run_rules
 
             run_rules(op, [Rule(("exp",), lambda o, emit: emit("tanh", o.operands[0]))])
 
@@ -540,7 +540,7 @@ def test_the_default_pipeline_and_decompose_keep_minilm_within_tolerance():
     """all-MiniLM-L6-v2 through torch.export, symbolic batch and sequence: the passes keep it exact
     within the f32 tolerance at another (batch, seq) than the one it was exported with."""
     torch = pytest.importorskip("torch")
-    from frontends.torch_export import from_torch
+    from tilegraph.frontends.torch_export import from_torch
     from tests.models import minilm_inputs, minilm_model
 
     ids, mask = minilm_inputs(2, 16)

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 
-from ir import Graph, Model, interpret
-from ir.interpreter import bind_inputs
-from passes.registry import DEFAULT_PIPELINE, PASSES, UNFUSED_PIPELINE, get_pass_class
+from tilegraph.ir import Graph, Model, interpret
+from tilegraph.ir.interpreter import bind_inputs
+from tilegraph.passes.registry import DEFAULT_PIPELINE, PASSES, UNFUSED_PIPELINE, get_pass_class
 from tilegraph.testing import (
     LAYOUT_OPS,
     assert_close,

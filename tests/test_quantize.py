@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from ir import Graph, Model, ShapeError, interpret
-from ir.model import WeightStore
-from ir.quant import FORMATS, MX_BLOCK, dequantize, absmax_scale, matmul_integer, mx_scale, quantize
+from tilegraph.ir import Graph, Model, ShapeError, interpret
+from tilegraph.ir.model import WeightStore
+from tilegraph.ir.quant import FORMATS, MX_BLOCK, dequantize, absmax_scale, matmul_integer, mx_scale, quantize
 from tilegraph.testing import op_examples
 
 QUANT_OPS = ("quantize", "dequantize", "dynamic_quantize", "matmul_integer")
@@ -179,7 +179,7 @@ def test_matmul_integer_is_the_exact_integer_product(m, k, n, seed, zero_point):
 @example(w=np.array([[1.0, 127.0], [3.0, 0.0]], np.float32), fmt="i8", group=0)  # per tensor exact on column 0
 @example(w=np.array([[31.0, 38.0], [11.0, 11.0]], np.float32), fmt="i4", group=0)  # per tensor's clipping won
 def test_finer_granularity_is_never_worse_than_per_tensor_with_the_mse_observer(w, fmt, group):
-    from passes.quantize import _round_trip, weight_scale
+    from tilegraph.passes.quantize import _round_trip, weight_scale
 
     f = FORMATS[fmt]
 
@@ -194,8 +194,8 @@ def test_finer_granularity_is_never_worse_than_per_tensor_with_the_mse_observer(
 
 # --- the quantize pass ---------------------------------------------------------------------
 
-from passes.quantize import SCHEMES, Quantize, QuantizeError, calibrate, save_calibration  # noqa: E402
-from passes.registry import run_pipeline  # noqa: E402
+from tilegraph.passes.quantize import SCHEMES, Quantize, QuantizeError, calibrate, save_calibration  # noqa: E402
+from tilegraph.passes.registry import run_pipeline  # noqa: E402
 from tilegraph.testing import (assert_close, assert_within_quantization_bound, graphs,  # noqa: E402
                                random_inputs, reduction_length, rounding_violations)
 
@@ -227,7 +227,7 @@ def test_each_scheme_stores_its_weight_type_and_keeps_its_bound(scheme):
     for name in ("fc1.weight", "fc2.weight"):
         assert name not in after.weights
         assert str(after.weights[name + ".q"].dtype) == str(np.dtype(
-            __import__("ir.dtypes", fromlist=["x"]).numpy_dtype(WEIGHT_TYPES[scheme])))
+            __import__("tilegraph.ir.dtypes", fromlist=["x"]).numpy_dtype(WEIGHT_TYPES[scheme])))
     before, now = model.weights.nbytes(), after.weights.nbytes()
     assert now < before / (6 if scheme in ("w4a16", "mxfp4") else 3.5)  # scales and the f32 bias stay
 
@@ -305,7 +305,7 @@ def test_a_broken_rounding_is_caught_by_the_bound_check():
     class Broken(Quantize):
         def apply(self, ctx, op):
             super().apply(ctx, op)
-            store = __import__("ir.model", fromlist=["x"]).weights_of(op)
+            store = __import__("tilegraph.ir.model", fromlist=["x"]).weights_of(op)
             store["fc2.weight.q"] = (store["fc2.weight.q"].astype(np.int16) // 2).astype(np.int8)
 
     with pytest.raises(AssertionError, match="against the fake-quantized reference"):
@@ -313,7 +313,7 @@ def test_a_broken_rounding_is_caught_by_the_bound_check():
 
 
 def test_bad_options_are_named_errors():
-    from passes.registry import parse_pipeline
+    from tilegraph.passes.registry import parse_pipeline
 
     for spec, words in [("quantize{scheme=int3}", "unknown scheme 'int3'"),
                         ("quantize{observer=percentile}", "percentile is for calibrated activations"),

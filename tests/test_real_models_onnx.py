@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import tilegraph
-from frontends.onnx import from_onnx
-from ir.shapes import symbol
+from tilegraph.frontends.onnx import from_onnx
+from tilegraph.ir.shapes import symbol
 from tilegraph.testing import PEER_RELATIVE_ERROR, relative_error
 from tests.models import (
     export_onnx,

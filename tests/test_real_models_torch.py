@@ -17,7 +17,7 @@ import torch
 from torch.export import Dim
 
 import tilegraph
-from frontends.torch_export import from_torch
+from tilegraph.frontends.torch_export import from_torch
 from tilegraph.testing import PEER_RELATIVE_ERROR, relative_error
 from tests.models import minilm_inputs, minilm_model, small_cnn, small_cnn_inputs
 
@@ -109,7 +109,7 @@ def test_gpt2_decoder_matches_torch_eager_and_float64():
     """tests/models.py's GPT-2 decoder (transformers' blocks, small config): its sdpa
     attention arrives as one causal tg.attention, and the compiled model agrees with
     torch eager (peer bound) and with the float64 interpreter (fp32 tolerance)."""
-    from ir import interpret
+    from tilegraph.ir import interpret
     from tilegraph.testing import assert_close, reduction_length
     from tests.models import gpt2_inputs, gpt2_model
 

@@ -20,16 +20,16 @@ import sympy
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from backends.simulated_mesh import groups, run
-from ir import Model, interpret
-from ir.interpreter import bind_inputs
-from passes.cost import collectives as C
-from passes.cost.collectives import Mesh
-from passes.cost.hardware import H100, NCCL_BASE_LATENCY, hardware
-from passes.partition import PartitionError, partition
-from passes.registry import PipelineError, parse_pipeline, run_pipeline
-from passes.remarks import collect
-from passes.shard import ShardError, annotate, chosen_plan, plan
+from tilegraph.backends.simulated_mesh import groups, run
+from tilegraph.ir import Model, interpret
+from tilegraph.ir.interpreter import bind_inputs
+from tilegraph.passes.cost import collectives as C
+from tilegraph.passes.cost.collectives import Mesh
+from tilegraph.passes.cost.hardware import H100, NCCL_BASE_LATENCY, hardware
+from tilegraph.passes.partition import PartitionError, partition
+from tilegraph.passes.registry import PipelineError, parse_pipeline, run_pipeline
+from tilegraph.passes.remarks import collect
+from tilegraph.passes.shard import ShardError, annotate, chosen_plan, plan
 from tests.models import gpt_graph
 from tilegraph.testing import assert_close, graphs, narrowest_float, random_inputs, reduction_length
 
@@ -94,7 +94,7 @@ COLLECTIVES_TEXT = """builtin.module {
 
 
 def test_the_shard_dialect_and_its_added_collectives_round_trip():
-    from ir.model import parse_module, print_module
+    from tilegraph.ir.model import parse_module, print_module
 
     text = print_module(parse_module(COLLECTIVES_TEXT))
     assert print_module(parse_module(text)) == text
@@ -220,8 +220,8 @@ def test_a_user_annotation_is_kept_and_the_plan_adapts_around_it():
     text = model.text.replace("builtin.module {", 'builtin.module {\n  shard.grid @mesh(shape = 8)', 1)
     pinned = Model.parse(text, model.weights)
     func = pinned.func
-    from ir.shard import ShardOp
-    from passes.shard import sharding_op
+    from tilegraph.ir.shard import ShardOp
+    from tilegraph.passes.shard import sharding_op
 
     fc1 = next(op for op in func.walk() if op.name == "tg.weight" and op.attr("name") == "h0.mlp.fc1")
     uses = list(fc1.results[0].uses)
@@ -358,7 +358,7 @@ def test_the_shard_command_reports_bad_input_in_one_paragraph(tmp_path, capsys, 
 
 def _scalar_weight_model():
     """A rank-0 weight: its device copy must stay rank 0 (np.ascontiguousarray makes it 1-d)."""
-    from ir import Graph
+    from tilegraph.ir import Graph
 
     g = Graph()
     x, y = g.input("x", ()), g.input("y", ("B", 2))
@@ -368,7 +368,7 @@ def _scalar_weight_model():
 
 def _split_model():
     """An op with several results (split): the partitioner maps every result, not just the first."""
-    from ir import Graph
+    from tilegraph.ir import Graph
 
     g = Graph()
     x = g.input("x", ("B", 4))

@@ -20,9 +20,9 @@ from torch import nn
 from torch.export import Dim
 
 import tilegraph
-from frontends import FrontendError
-from frontends.torch_export import from_exported_program, from_torch, load_pt2
-from ir import dtypes
+from tilegraph.frontends import FrontendError
+from tilegraph.frontends.torch_export import from_exported_program, from_torch, load_pt2
+from tilegraph.ir import dtypes
 from tilegraph.testing import assert_close
 
 
@@ -538,7 +538,7 @@ def test_pt2_file_loads(tmp_path):
 
 def test_converter_table_names_real_ops():
     """Every op name the converter table registers exists in the pinned torch (no typos)."""
-    from frontends.torch_export import CONVERTERS, UNKNOWN_NAMES
+    from tilegraph.frontends.torch_export import CONVERTERS, UNKNOWN_NAMES
 
     assert UNKNOWN_NAMES == []
     assert len(CONVERTERS) > 200

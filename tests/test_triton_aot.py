@@ -16,8 +16,8 @@ import sys
 
 import pytest
 
-from backends.triton.aot import ROOT, Build, BuildError, build, build_many, config_builds, parse_target, specialized
-from backends.triton.kernels import POINTER_TYPES
+from tilegraph.backends.triton.aot import ROOT, Build, BuildError, build, build_many, config_builds, parse_target, specialized
+from tilegraph.backends.triton.kernels import POINTER_TYPES
 
 KERNEL_SOURCE = '''
 import triton
@@ -218,7 +218,7 @@ def test_command_line_prints_a_table_and_one_error_line_per_failure(tmp_path):
     paths = [tmp_path / "model_triton.py", tmp_path / "other_triton.py"]
     for path in paths:
         path.write_text(module_source())
-    done = subprocess.run([sys.executable, "-m", "backends.triton.aot", *map(str, paths), "--targets", "cuda:90"],
+    done = subprocess.run([sys.executable, "-m", "tilegraph.backends.triton.aot", *map(str, paths), "--targets", "cuda:90"],
                           capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr

@@ -20,10 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-import backends.triton as tilegraph_triton
-from backends.triton.autotune import Autotuner
-from ir import Graph
-from ir.interpreter import interpret
+import tilegraph.backends.triton as tilegraph_triton
+from tilegraph.backends.triton.autotune import Autotuner
+from tilegraph.ir import Graph
+from tilegraph.ir.interpreter import interpret
 from tilegraph.testing import assert_close
 
 pytestmark = pytest.mark.filterwarnings("ignore:autotuning in Triton's interpreter")

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 import tilegraph  # chooses Triton's interpreter before triton is imported
-from backends.triton import emit
-from backends.triton.aot import build_many
-from ir import Graph
-from passes.cost.hardware import hardware
-from passes.registry import default_pipeline, run_pipeline
+from tilegraph.backends.triton import emit
+from tilegraph.backends.triton.aot import build_many
+from tilegraph.ir import Graph
+from tilegraph.passes.cost.hardware import hardware
+from tilegraph.passes.registry import default_pipeline, run_pipeline
 
 pytestmark = pytest.mark.xdist_group("triton_build")
 
@@ -34,7 +34,7 @@ def _weight(g, name, shape, dtype):
 
 
 def _numpy(dtype):
-    from ir import dtypes
+    from tilegraph.ir import dtypes
 
     return dtypes.numpy_dtype(dtype)
 

@@ -19,11 +19,11 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 import tilegraph  # noqa: F401,E402 - chooses Triton's interpreter before triton is imported
-from backends.triton import emit, load
-from ir.interpreter import interpret
-from passes.registry import default_pipeline, run_pipeline
+from tilegraph.backends.triton import emit, load
+from tilegraph.ir.interpreter import interpret
+from tilegraph.passes.registry import default_pipeline, run_pipeline
 from tests.test_triton_build import MODELS
-from ir import Graph, dtypes
+from tilegraph.ir import Graph, dtypes
 from tilegraph.testing import (BINARY_OPS, COMPARE_OPS, COMPOSITE_OPS, LAYOUT_OPS, REDUCE_OPS, UNARY_OPS, assert_close,
                                graphs, op_examples, random_inputs, reduction_length)
 

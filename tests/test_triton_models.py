@@ -32,7 +32,7 @@ import torch
 from torch.export import Dim
 
 import tilegraph
-from ir import dtypes, interpret
+from tilegraph.ir import dtypes, interpret
 from tests.models import gpt2_inputs, gpt2_model, minilm_inputs, minilm_model
 from tilegraph.testing import PEER_RELATIVE_ERROR, assert_close, reduction_length, relative_error
 

@@ -27,14 +27,14 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 import tilegraph  # noqa: F401 - chooses Triton's interpreter before triton is imported
-from backends.triton import emit, load
-from backends.triton.aot import build_many
-from backends.triton.runtime import pack_k, to_numpy, to_torch
-from ir import Graph, dtypes
-from ir.interpreter import interpret
-from ir.quant import FORMATS, mx_scale, quantize
-from passes.quantize import calibrate, save_calibration
-from passes.registry import default_pipeline, run_pipeline
+from tilegraph.backends.triton import emit, load
+from tilegraph.backends.triton.aot import build_many
+from tilegraph.backends.triton.runtime import pack_k, to_numpy, to_torch
+from tilegraph.ir import Graph, dtypes
+from tilegraph.ir.interpreter import interpret
+from tilegraph.ir.quant import FORMATS, mx_scale, quantize
+from tilegraph.passes.quantize import calibrate, save_calibration
+from tilegraph.passes.registry import default_pipeline, run_pipeline
 from tilegraph.testing import assert_close, reduction_length
 
 pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"), pytest.mark.xdist_group("triton_quant")]

@@ -18,12 +18,19 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+# Installed, `tilegraph.ir` (and passes, backends, frontends) lie inside this package,
+# as the wheel's package-dir mapping puts them. In a checkout they are the repository's
+# top-level folders; the subpackages are found there, and under no other name.
+_CHECKOUT = Path(__file__).resolve().parent.parent
+if not (Path(__file__).parent / "ir").is_dir() and (_CHECKOUT / "ir" / "ops.py").is_file():
+    __path__.append(str(_CHECKOUT))  # noqa: F821  (a package's __path__)
+
 import numpy as np
 
-from backends import interpret_triton_without_gpu
-from ir import Model
-from ir.errors import TilegraphError
-from ir.model import ModelError
+from tilegraph.backends import interpret_triton_without_gpu
+from tilegraph.ir import Model
+from tilegraph.ir.errors import TilegraphError
+from tilegraph.ir.model import ModelError
 
 __all__ = ["compile", "import_model", "Compiled", "TilegraphError"]
 
@@ -49,7 +56,7 @@ def import_model(source: Any, example_inputs: Sequence[Any] | None = None, dynam
         return _import_file(Path(source))
     onnx = sys.modules.get("onnx")  # an onnx object exists only if onnx was imported
     if onnx is not None and isinstance(source, onnx.ModelProto):
-        from frontends.onnx import from_onnx
+        from tilegraph.frontends.onnx import from_onnx
 
         return from_onnx(source)
     torch = sys.modules.get("torch")  # likewise for torch
@@ -61,11 +68,11 @@ def import_model(source: Any, example_inputs: Sequence[Any] | None = None, dynam
                                      "a tuple of tensors to trace it with torch.export")
             if not isinstance(example_inputs, (tuple, list)):
                 example_inputs = (example_inputs,)
-            from frontends.torch_export import from_torch
+            from tilegraph.frontends.torch_export import from_torch
 
             return from_torch(source, tuple(example_inputs), dynamic_shapes=dynamic_shapes)
         if export is not None and isinstance(source, export.ExportedProgram):
-            from frontends.torch_export import from_exported_program
+            from tilegraph.frontends.torch_export import from_exported_program
 
             return from_exported_program(source)
     hint = " (call .build(...) on the Graph first)" if type(source).__name__ == "Graph" else ""
@@ -82,11 +89,11 @@ def _import_file(path: Path) -> Model:
     if not path.is_file():
         raise ModelError(f"no such model file: {path}")
     if suffix == ".onnx":
-        from frontends.onnx import from_onnx
+        from tilegraph.frontends.onnx import from_onnx
 
         return from_onnx(path)
     if suffix == ".pt2":
-        from frontends.torch_export import load_pt2
+        from tilegraph.frontends.torch_export import load_pt2
 
         return load_pt2(path)
     return Model.load(path)
@@ -94,9 +101,9 @@ def _import_file(path: Path) -> Model:
 
 def _run_passes(model: Model, pipeline: str | Sequence | None, hardware: str = "cpu") -> Model:
     try:
-        registry = importlib.import_module("passes.registry")
+        registry = importlib.import_module("tilegraph.passes.registry")
     except ModuleNotFoundError as e:
-        if e.name != "passes.registry":
+        if e.name != "tilegraph.passes.registry":
             raise
         # The pass registry is not part of this checkout (yet): the default is then
         # no passes; an explicit pipeline cannot be honoured and says so.
@@ -149,7 +156,7 @@ def compile(model: Any, example_inputs: Sequence[Any] | None = None, target: str
     pipeline: None runs the default pipeline; a pipeline string
     (`"canonicalize,cse"`) or list of passes runs those; "" or [] runs none.
     """
-    from backends import backend
+    from tilegraph.backends import backend
 
     codegen = backend(target)  # an unknown target fails before any import work
     imported = import_model(model, example_inputs, dynamic_shapes)

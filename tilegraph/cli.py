@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from passes.registry import with_target  # noqa: F401 - tilegraph.opt and tests import it from here
+from tilegraph.passes.registry import with_target  # noqa: F401 - tilegraph.opt and tests import it from here
 from tilegraph.errors import run_reporting_errors
 
 EXIT_MISMATCH = 1
@@ -36,7 +36,7 @@ DEFAULT_DIM = 128
 
 
 def _parser() -> argparse.ArgumentParser:
-    from backends import TARGETS  # the code generators tilegraph.compile knows
+    from tilegraph.backends import TARGETS  # the code generators tilegraph.compile knows
 
     p = argparse.ArgumentParser(prog="tilegraph", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -67,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="integer inputs are drawn from [0, N) (default 2: valid ids, masks and flags)")
 
     # --- quantize: calibrate activations, then the quantize pass (passes/quantize.py) ---
-    from passes.quantize import OBSERVERS, SCHEMES
+    from tilegraph.passes.quantize import OBSERVERS, SCHEMES
 
     qz = sub.add_parser("quantize", help="calibrate on sample inputs and quantize the linear layers",
                         description="Import the model, simplify it (the unfused default pipeline), run it on "
@@ -187,7 +187,7 @@ def _import(args) -> int:
 
 def _compile(args) -> int:
     import tilegraph
-    from backends import backend
+    from tilegraph.backends import backend
 
     dims = parse_dims(args.dim)
     # Fusion and tiling are decided for the target's hardware (backends.triton.HARDWARE for
@@ -209,9 +209,9 @@ def _compile(args) -> int:
 
 def _quantize(args) -> int:
     import tilegraph
-    from ir.errors import TilegraphError
-    from passes.quantize import DEFAULT_PERCENTILE, SCHEMES, calibrate, linear_layers, save_calibration
-    from passes.registry import UNFUSED_PIPELINE, run_pipeline
+    from tilegraph.ir.errors import TilegraphError
+    from tilegraph.passes.quantize import DEFAULT_PERCENTILE, SCHEMES, calibrate, linear_layers, save_calibration
+    from tilegraph.passes.registry import UNFUSED_PIPELINE, run_pipeline
 
     if args.batch_size < 1:
         raise TilegraphError(f"--batch-size must be at least 1, got {args.batch_size}")
@@ -227,7 +227,7 @@ def _quantize(args) -> int:
     if args.min_cosine is not None and not -1 <= args.min_cosine <= 1:
         raise TilegraphError(f"--min-cosine must be a cosine similarity in [-1, 1], got {args.min_cosine}")
     if mixed:
-        from passes.cost.hardware import check_target
+        from tilegraph.passes.cost.hardware import check_target
 
         try:
             check_target(args.target)
@@ -261,8 +261,8 @@ def _quantize(args) -> int:
         if args.rounding == "gptq":
             from tqdm import tqdm
 
-            from passes.gptq import hessians
-            from passes.quantize import save_hessians
+            from tilegraph.passes.gptq import hessians
+            from tilegraph.passes.quantize import save_hessians
 
             found = hessians(model, batches, progress=lambda it: tqdm(it, desc="gptq inputs", unit="batch",
                                                                        file=sys.stderr))
@@ -274,7 +274,7 @@ def _quantize(args) -> int:
         if mixed:
             from tqdm import tqdm
 
-            from passes.quantize import mixed_precision
+            from tilegraph.passes.quantize import mixed_precision
 
             schemes = [args.scheme] + ([args.fallback] if args.fallback not in ("none", args.scheme) else [])
             plan = mixed_precision(
@@ -286,7 +286,7 @@ def _quantize(args) -> int:
         quantized = run_pipeline(model, pipeline)
         proto = None
         if args.export_onnx:  # before anything is written: an op ONNX cannot hold stops it all
-            from backends.onnx_export import to_onnx
+            from tilegraph.backends.onnx_export import to_onnx
 
             proto = to_onnx(quantized, Path(args.export_onnx).stem)
         quantized.save(out)
@@ -301,7 +301,7 @@ def _quantize(args) -> int:
     print(f"weights: {format_count(model.weights.nbytes())}B -> {format_count(quantized.weights.nbytes())}B")
     print(f"wrote {out} and {out.with_suffix('.weights.npz').name}" + (f" and {calib_path.name}" if ranges else ""))
     if proto is not None:
-        from backends.onnx_export import summary, write_onnx
+        from tilegraph.backends.onnx_export import summary, write_onnx
 
         print(f"wrote {write_onnx(proto, args.export_onnx)}: {summary(proto)}")
     return 0
@@ -309,9 +309,9 @@ def _quantize(args) -> int:
 
 def _export(args) -> int:
     import tilegraph
-    from ir.errors import TilegraphError
-    from backends.onnx_export import summary, to_onnx, write_onnx
-    from passes.registry import UNFUSED_PIPELINE, run_pipeline
+    from tilegraph.ir.errors import TilegraphError
+    from tilegraph.backends.onnx_export import summary, to_onnx, write_onnx
+    from tilegraph.passes.registry import UNFUSED_PIPELINE, run_pipeline
 
     out = Path(args.output)
     if not out.parent.is_dir():
@@ -328,7 +328,7 @@ def _calibration_batches(path: Path, model, batch_size: int) -> list[list]:
     """The samples of an .npz (one array per model input, samples along axis 0) in batches."""
     import numpy as np
 
-    from ir.errors import TilegraphError
+    from tilegraph.ir.errors import TilegraphError
 
     if not path.is_file():
         raise TilegraphError(f"no such calibration file: {path}")
@@ -353,7 +353,7 @@ def _report(compiled, dims: dict[str, int], hardware: str = "cpu", before=None) 
     """What the backend planned, read back from the PLAN the emitted module carries."""
     import sympy
 
-    from ir.errors import TilegraphError
+    from tilegraph.ir.errors import TilegraphError
 
     if compiled.target == "triton":
         return _triton_report(compiled, hardware)
@@ -404,8 +404,8 @@ def _check(args) -> int:
     import numpy as np
 
     import tilegraph
-    from ir.errors import TilegraphError
-    from ir.interpreter import bind_inputs
+    from tilegraph.ir.errors import TilegraphError
+    from tilegraph.ir.interpreter import bind_inputs
     from tilegraph.testing import random_inputs, reduction_length, relative_error, tolerance
 
     path = Path(args.model)
@@ -449,7 +449,7 @@ def _onnxruntime(path: Path, names, inputs):
     try:
         import onnxruntime as ort
     except ImportError:
-        from ir.errors import TilegraphError
+        from tilegraph.ir.errors import TilegraphError
 
         raise TilegraphError("tilegraph check needs onnxruntime: pip install 'tilegraph[onnx]'") from None
     options = ort.SessionOptions()
@@ -459,7 +459,7 @@ def _onnxruntime(path: Path, names, inputs):
 
 
 def _calibrate(args) -> int:
-    from passes.cost import calibrate
+    from tilegraph.passes.cost import calibrate
 
     calibrate.run(quick=args.quick, output=args.output)
     return 0
@@ -469,9 +469,9 @@ def _calibrate(args) -> int:
 
 def _cost(args) -> int:
     import tilegraph
-    from passes.cost.hardware import hardware
-    from passes.cost.model import module_cost
-    from passes.registry import DEFAULT_PIPELINE, run_pipeline
+    from tilegraph.passes.cost.hardware import hardware
+    from tilegraph.passes.cost.model import module_cost
+    from tilegraph.passes.registry import DEFAULT_PIPELINE, run_pipeline
 
     hw = hardware(args.target)  # an unknown target or a bad --dim fails before any import work
     dims = parse_dims(args.dim)
@@ -493,7 +493,7 @@ def _cost(args) -> int:
 
 
 def _print_table(cost, sizes: dict[str, int]) -> None:
-    from passes.cost.model import at
+    from tilegraph.passes.cost.model import at
 
     total = at(cost.time, sizes)
     unit, scale = _time_unit(total)
@@ -564,7 +564,7 @@ def format_count(x: float) -> str:
 
 def parse_dims(items: Sequence[str]) -> dict[str, int]:
     """`["batch=8", "seq=128"]` -> {"batch": 8, "seq": 128}; a TilegraphError for anything else."""
-    from ir.errors import TilegraphError
+    from tilegraph.ir.errors import TilegraphError
 
     sizes: dict[str, int] = {}
     for item in items:
@@ -588,7 +588,7 @@ def describe_sizes(sizes: dict[str, int], defaulted: Sequence[str]) -> str:
 
 
 def check_dims(dims: dict[str, int], symbols: set[str]) -> None:
-    from ir.errors import TilegraphError
+    from tilegraph.ir.errors import TilegraphError
 
     unknown = sorted(dims.keys() - symbols)
     if unknown:
@@ -620,11 +620,11 @@ def _subs(expr, dims: dict[str, int]):
 
 def _shard(args) -> int:
     import tilegraph
-    from ir.errors import TilegraphError
-    from passes.cost.collectives import Mesh, parse_mesh
-    from passes.cost.hardware import GPUS, hardware
-    from passes.registry import UNFUSED_PIPELINE, run_pipeline
-    from passes.shard import parse_memory, plan
+    from tilegraph.ir.errors import TilegraphError
+    from tilegraph.passes.cost.collectives import Mesh, parse_mesh
+    from tilegraph.passes.cost.hardware import GPUS, hardware
+    from tilegraph.passes.registry import UNFUSED_PIPELINE, run_pipeline
+    from tilegraph.passes.shard import parse_memory, plan
 
     try:
         shape, budget = parse_mesh(args.mesh), parse_memory(args.memory)
@@ -693,13 +693,13 @@ def _run(args) -> int:
     import numpy as np
 
     import tilegraph
-    from backends import distributed
-    from ir import interpret
-    from ir.errors import TilegraphError
-    from ir.interpreter import bind_inputs
-    from passes.cost.collectives import parse_mesh
-    from passes.partition import partition
-    from passes.registry import UNFUSED_PIPELINE, run_pipeline
+    from tilegraph.backends import distributed
+    from tilegraph.ir import interpret
+    from tilegraph.ir.errors import TilegraphError
+    from tilegraph.ir.interpreter import bind_inputs
+    from tilegraph.passes.cost.collectives import parse_mesh
+    from tilegraph.passes.partition import partition
+    from tilegraph.passes.registry import UNFUSED_PIPELINE, run_pipeline
     from tilegraph.testing import narrowest_float, random_inputs, reduction_length, relative_error, tolerance
 
     try:
@@ -739,7 +739,7 @@ def _run(args) -> int:
 
 
 def spec_text(spec) -> str:
-    from passes.sharding import spec_str
+    from tilegraph.passes.sharding import spec_str
 
     return spec_str(spec)
 

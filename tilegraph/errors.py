@@ -13,7 +13,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     """The exceptions that mean 'the input is wrong', not 'tilegraph is broken'."""
     from xdsl.utils.exceptions import DiagnosticException, ParseError, VerifyException
 
-    from ir.errors import TilegraphError
+    from tilegraph.ir.errors import TilegraphError
 
     return (TilegraphError, ParseError, VerifyException, DiagnosticException, OSError)
 

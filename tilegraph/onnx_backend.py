@@ -22,10 +22,10 @@ from onnx.backend.base import Backend as _OnnxBackend
 from onnx.backend.base import BackendRep as _OnnxBackendRep
 from onnx.backend.base import Device, DeviceType, namedtupledict
 
-from frontends import FrontendError
-from frontends.onnx import StaticInputNeeded, from_onnx, load_model
-from ir import dtypes
-from ir.model import Model
+from tilegraph.frontends import FrontendError
+from tilegraph.frontends.onnx import StaticInputNeeded, from_onnx, load_model
+from tilegraph.ir import dtypes
+from tilegraph.ir.model import Model
 
 
 # The pass pipeline conformance runs through: None is tilegraph's default pipeline.

@@ -30,7 +30,7 @@ from xdsl.dialects.builtin import ModuleOp
 from xdsl.passes import ModulePass, PassPipeline
 from xdsl.xdsl_opt_main import xDSLOptMain
 
-from ir.model import _WEIGHTS_OF, Model, WeightStore, parse_module, print_module, weights_path
+from tilegraph.ir.model import _WEIGHTS_OF, Model, WeightStore, parse_module, print_module, weights_path
 
 
 class TilegraphOptMain(xDSLOptMain):
@@ -40,13 +40,13 @@ class TilegraphOptMain(xDSLOptMain):
         from xdsl.dialects.builtin import Builtin
         from xdsl.dialects.func import Func
 
-        from ir.dialect import TG
+        from tilegraph.ir.dialect import TG
 
         for dialect in (Builtin, Func, TG):
             self.ctx.register_dialect(dialect.name, lambda d=dialect: d)
 
     def register_all_passes(self) -> None:
-        from passes.registry import PASSES
+        from tilegraph.passes.registry import PASSES
 
         for name, factory in PASSES.items():
             self.register_pass(name, factory)
@@ -96,14 +96,14 @@ class TilegraphOptMain(xDSLOptMain):
                                      "(default: 128 each)")
 
     def setup_pipeline(self) -> None:
-        from passes.registry import parse_pipeline
+        from tilegraph.passes.registry import parse_pipeline
         from tilegraph.cli import parse_dims, with_target
 
         parse_pipeline(self.args.passes)  # a clear error naming an unknown pass, before xDSL's
         spec = self.args.passes
         self._cost = None
         if self.args.hardware is not None or self.args.print_cost_after_all:
-            from passes.cost.hardware import hardware
+            from tilegraph.passes.cost.hardware import hardware
 
             hw = hardware(self.args.hardware or "cpu")  # an unknown target: a clear error, before any work
             self._cost = _CostPrinter(hw, parse_dims(self.args.dim))
@@ -142,7 +142,7 @@ class TilegraphOptMain(xDSLOptMain):
         return self._held if self.args.output_file else sys.stdout
 
     def run(self) -> None:
-        from passes.remarks import collect
+        from tilegraph.passes.remarks import collect
 
         self._held = _HeldOutput()
         self._result: ModuleOp | None = None
@@ -173,7 +173,7 @@ class _CostPrinter:
     def show(self, after: ModulePass | None, module: ModuleOp) -> None:
         import sympy
 
-        from passes.cost.model import at, module_cost
+        from tilegraph.passes.cost.model import at, module_cost
         from tilegraph.cli import check_dims, describe_sizes, format_count, format_time, sizes_for
 
         cost = module_cost(module, self.hw)

@@ -45,7 +45,7 @@ import math
 
 import numpy as np
 
-from ir import dtypes
+from tilegraph.ir import dtypes
 
 # Unit roundoff of each float type (half the distance from 1.0 to the next number).
 EPS = {"f64": 2.0 ** -53, "f32": 2.0 ** -24, "f16": 2.0 ** -11, "bf16": 2.0 ** -8,
@@ -129,7 +129,7 @@ class OpExample:
 
 def op_examples() -> dict[str, list[OpExample]]:
     """op name -> its examples; fresh models on every call, fixed inputs (seeded)."""
-    from ir import Graph, TensorInfo
+    from tilegraph.ir import Graph, TensorInfo
 
     rng = np.random.default_rng(20240601)
     out: dict[str, list[OpExample]] = {}
@@ -484,7 +484,7 @@ class _GraphDrawer:
     """Draws one graph, op by op, from a pool of the values made so far."""
 
     def __init__(self, draw, dtype: str, symbolic: bool, ops: Sequence[str]):
-        from ir import Graph
+        from tilegraph.ir import Graph
 
         self.draw, self.dtype, self.symbolic, self.ops = draw, dtype, symbolic, list(ops)
         self.g = Graph()
@@ -582,7 +582,7 @@ class _GraphDrawer:
 
     def partner(self, x: _Val, lo=-1.0, hi=1.0, positive=False) -> _Val:
         """A second operand for x: from the pool when shapes broadcast, else fresh."""
-        from ir.shapes import ShapeError, broadcast_shapes
+        from tilegraph.ir.shapes import ShapeError, broadcast_shapes
 
         how = self.choice(["pool", "fresh", "scalar", "self"], label="partner")
         if how == "self" and not positive:
@@ -662,7 +662,7 @@ class _GraphDrawer:
         raise AssertionError(f"graphs(): no generator for op '{name}'")
 
     def _binary(self, name, x, y):
-        from ir.shapes import broadcast_shapes
+        from tilegraph.ir.shapes import broadcast_shapes
 
         if _size(broadcast_shapes(x.shape, y.shape)) > MAX_ELEMENTS:
             return None
@@ -694,7 +694,7 @@ class _GraphDrawer:
         return self._binary("min", x, self.partner(x))
 
     def op_div(self, x):
-        from ir.shapes import broadcast_shapes
+        from tilegraph.ir.shapes import broadcast_shapes
 
         y = self.partner(x, positive=True)
         if _size(broadcast_shapes(x.shape, y.shape)) > MAX_ELEMENTS:
@@ -708,7 +708,7 @@ class _GraphDrawer:
             base = self.bounded(self.positive(x), 4.0)
             y = self.partner(base, lo=-2.0, hi=2.0)
             y = self.bounded(y, 2.0)
-            from ir.shapes import broadcast_shapes
+            from tilegraph.ir.shapes import broadcast_shapes
 
             if _size(broadcast_shapes(base.shape, y.shape)) > MAX_ELEMENTS:
                 return None
@@ -732,7 +732,7 @@ class _GraphDrawer:
         cmp = self.choice(["lt", "gt", "le", "ge"], label="comparison")
         cond = self.g.op(cmp, c.t, self.fresh(self.broadcastable_shape(c.shape)).t)
         y = x if self.flag("where(c, x, x)") and self.flag("really") else self.partner(x)
-        from ir.shapes import ShapeError, broadcast_shapes
+        from tilegraph.ir.shapes import ShapeError, broadcast_shapes
 
         try:
             if _size(broadcast_shapes(cond.shape, x.shape, y.shape)) > MAX_ELEMENTS:
@@ -764,7 +764,7 @@ class _GraphDrawer:
 
 
     def op_matmul(self, x):
-        from ir.shapes import dims_equal
+        from tilegraph.ir.shapes import dims_equal
 
         if x.t.rank == 0:
             return None
@@ -784,7 +784,7 @@ class _GraphDrawer:
             y = self.fresh((k,))
         else:
             y = self.fresh((k, n))
-        from ir.shapes import ShapeError
+        from tilegraph.ir.shapes import ShapeError
 
         try:
             t = x.t @ y.t
@@ -1065,7 +1065,7 @@ class _GraphDrawer:
 
     def op_compare(self, cmp: str, x):
         """where(cmp(a, b), x, y), sometimes with the condition combined by not/and/or/xor."""
-        from ir.shapes import ShapeError, broadcast_shapes
+        from tilegraph.ir.shapes import ShapeError, broadcast_shapes
 
         cond = self._condition(cmp, x)
         if cond is None:
@@ -1176,7 +1176,7 @@ def random_inputs(model, seed: int = 0, sizes: Mapping[str, int] | None = None) 
     1..MAX_SYMBOL_SIZE from the seed, so that a size of 1 (broadcasting corner
     cases) comes up too.
     """
-    from ir.shapes import concrete, free_symbols
+    from tilegraph.ir.shapes import concrete, free_symbols
 
     rng = np.random.default_rng(seed)
     sizes = dict(sizes or {})
@@ -1203,8 +1203,8 @@ def reduction_length(model, sizes: Mapping[str, int] | None = None) -> int:
     max/min reductions round nothing and count 0), and take the largest. Symbolic
     dims take `sizes`.
     """
-    from ir.dialect import TgOp
-    from ir.shapes import concrete, info_of
+    from tilegraph.ir.dialect import TgOp
+    from tilegraph.ir.shapes import concrete, info_of
 
     sizes = dict(sizes or {})
 
@@ -1253,9 +1253,9 @@ def reduction_length(model, sizes: Mapping[str, int] | None = None) -> int:
 
 def narrowest_float(model) -> str | None:
     """The float type of the model with the largest rounding error (None without floats)."""
-    from ir.shapes import info_of
+    from tilegraph.ir.shapes import info_of
 
-    from ir.dialect import TgOp
+    from tilegraph.ir.dialect import TgOp
 
     def storage(op) -> bool:
         # Quantized values (tg.quantize results, weights only dequantize reads) are exact in both
@@ -1287,9 +1287,9 @@ def assert_preserves_semantics(pipeline, model, inputs=None, *, seed: int = 0) -
     Fails with an AssertionError naming the pipeline and showing the IR before and
     after. Returns the transformed model.
     """
-    from ir import interpret
-    from ir.interpreter import bind_inputs
-    from passes.registry import run_pipeline
+    from tilegraph.ir import interpret
+    from tilegraph.ir.interpreter import bind_inputs
+    from tilegraph.passes.registry import run_pipeline
 
     name = pipeline if isinstance(pipeline, str) else ",".join(
         str(p) for p in (pipeline if isinstance(pipeline, (list, tuple)) else [pipeline]))
@@ -1346,9 +1346,9 @@ def rounding_violations(model, inputs) -> list[str]:
     |result - x| <= half an ulp of the format times the scale, plus how far x lies beyond the
     representable range [(lo - zero point) * scale, (hi - zero point) * scale] (a calibrated
     clipping). Returns one line per pair that breaks its bound."""
-    from ir import interpret
-    from ir.dialect import TgOp
-    from ir.quant import FORMATS, expand_scale
+    from tilegraph.ir import interpret
+    from tilegraph.ir.dialect import TgOp
+    from tilegraph.ir.quant import FORMATS, expand_scale
 
     values: dict = {}
     interpret(model, inputs, values=values)
@@ -1391,9 +1391,9 @@ def assert_within_quantization_bound(pipeline, model, inputs=None, *, seed: int 
        its scale of x (`rounding_violations`).
     Returns the transformed model.
     """
-    from ir import interpret
-    from ir.interpreter import bind_inputs
-    from passes.registry import parse_pipeline, run_pipeline
+    from tilegraph.ir import interpret
+    from tilegraph.ir.interpreter import bind_inputs
+    from tilegraph.passes.registry import parse_pipeline, run_pipeline
 
     passes = parse_pipeline(pipeline) if isinstance(pipeline, str) else list(
         pipeline if isinstance(pipeline, (list, tuple)) else [pipeline])

@@ -7,8 +7,8 @@
 `compile_model(model)` does both.
 """
 
-from backends.numpy.emit import emit, liveness
-from backends.numpy.runtime import CompiledModel, load
+from tilegraph.backends.numpy.emit import emit, liveness
+from tilegraph.backends.numpy.runtime import CompiledModel, load
 
 
 def compile_model(model, name=None) -> CompiledModel:

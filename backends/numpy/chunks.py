@@ -17,7 +17,7 @@ import os
 from contextlib import contextmanager
 from typing import Callable
 
-from ir.kernels import OneBlasThread, blas_libraries, parallel_for
+from tilegraph.ir.kernels import OneBlasThread, blas_libraries, parallel_for
 
 # Threads a compiled model uses: every core this process may run on, or TILEGRAPH_NUM_THREADS.
 THREADS = max(1, int(os.environ.get("TILEGRAPH_NUM_THREADS") or 0) or (

@@ -32,14 +32,14 @@ import numpy as np
 import sympy
 from xdsl.ir import Operation, SSAValue
 
-from ir import dtypes
-from ir.dialect import FusionOp, TgOp
-from ir.interpreter import SHAPE_FUNCTIONS, dtype_code, shape_code
-from ir.model import Model, ModelError
-from ir.ops import render
-from ir.shapes import Dim, TensorInfo, dims_equal, info_of, numel
-from backends.numpy.groups import GroupCode, GroupEmitter
-from backends.program import (PYTHON_RESERVED, Namer, Program, array_literal, flatten, liveness,  # noqa: F401
+from tilegraph.ir import dtypes
+from tilegraph.ir.dialect import FusionOp, TgOp
+from tilegraph.ir.interpreter import SHAPE_FUNCTIONS, dtype_code, shape_code
+from tilegraph.ir.model import Model, ModelError
+from tilegraph.ir.ops import render
+from tilegraph.ir.shapes import Dim, TensorInfo, dims_equal, info_of, numel
+from tilegraph.backends.numpy.groups import GroupCode, GroupEmitter
+from tilegraph.backends.program import (PYTHON_RESERVED, Namer, Program, array_literal, flatten, liveness,  # noqa: F401
                               literal, sanitize, signature_rows, str_literal, tuple_lines)
 
 # Names the generated module defines or imports; nothing else may take them.
@@ -197,15 +197,15 @@ class _Emitter:
         quiet = all(not isinstance(op, FusionOp) and op.SPEC.category in SILENT_CATEGORIES for op in prog.steps)
 
         out = self._header()
-        out += ["import numpy as np", "import ml_dtypes", "", "from ir import kernels as K"]
+        out += ["import numpy as np", "import ml_dtypes", "", "from tilegraph.ir import kernels as K"]
         if self.profile:
             out += ["from time import perf_counter", "", "# kernel -> [seconds, calls], accumulated over calls",
                     f"PROFILE = {{name: [0.0, 0] for name in {self.kernel_names!r}}}"]
         if self.group_functions:
-            out.append("from backends.numpy.chunks import THREADS, blas_threads, run_chunks, single_threaded_blas")
+            out.append("from tilegraph.backends.numpy.chunks import THREADS, blas_threads, run_chunks, single_threaded_blas")
         shape_fns = sorted({f for f in SHAPE_FUNCTIONS if re.search(rf"\b{f}\(", "\n".join(body))})
         if shape_fns:
-            out.append("from ir.interpreter import SHAPE_FUNCTIONS")
+            out.append("from tilegraph.ir.interpreter import SHAPE_FUNCTIONS")
             out.append(f"{', '.join(shape_fns)} = " + ", ".join(f"SHAPE_FUNCTIONS[{f!r}]" for f in shape_fns))
         out += ["", "# The signature: (name, shape, dtype); a str dim is a symbol or an expression of symbols.",
                 *tuple_lines("INPUTS", signature_rows(m.input_names, m.inputs)),

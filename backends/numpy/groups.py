@@ -42,12 +42,12 @@ from typing import Callable
 import numpy as np
 from xdsl.ir import SSAValue
 
-from ir import kernels
-from ir.dialect import FusionOp, TgOp
-from ir.fusion import ANCHORS, cols_ok, flat_rows_ok, operand_rows, row_gemm, row_local, widest
-from ir.interpreter import dtype_code
-from ir.ops import render
-from ir.shapes import TensorInfo, info_of
+from tilegraph.ir import kernels
+from tilegraph.ir.dialect import FusionOp, TgOp
+from tilegraph.ir.fusion import ANCHORS, cols_ok, flat_rows_ok, operand_rows, row_gemm, row_local, widest
+from tilegraph.ir.interpreter import dtype_code
+from tilegraph.ir.ops import render
+from tilegraph.ir.shapes import TensorInfo, info_of
 
 INDENT = "    "
 _CALL = re.compile(r"^(np|K)\.(\w+)\((.*)\)$", re.S)

@@ -16,10 +16,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from ir import dtypes
-from ir.model import Model, ModelError
-from ir.shapes import ShapeError
-from ir.signature import Signature
+from tilegraph.ir import dtypes
+from tilegraph.ir.model import Model, ModelError
+from tilegraph.ir.shapes import ShapeError
+from tilegraph.ir.signature import Signature
 
 
 # An emitted module's filename, as tracebacks and linecache show it: this, its digest, ">".

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import os
 
-from backends import interpret_triton_without_gpu
+from tilegraph.backends import interpret_triton_without_gpu
 
 interpret_triton_without_gpu()
 import torch  # noqa: E402
 
-from backends.triton.emit import emit  # noqa: E402
-from backends.triton.runtime import CompiledModel, load  # noqa: E402
+from tilegraph.backends.triton.emit import emit  # noqa: E402
+from tilegraph.backends.triton.runtime import CompiledModel, load  # noqa: E402
 
 # The hardware description (passes/cost/hardware.py) fusion and tiling are decided for:
 # the attached GPU when it is one described there, else an H100.

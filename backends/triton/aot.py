@@ -51,7 +51,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from ir.errors import TilegraphError
+from tilegraph.ir.errors import TilegraphError
 
 DEFAULT_TARGETS = ("cuda:90", "hip:gfx942")
 # Warp (wavefront) size per backend: 32 on NVIDIA, 64 on CDNA (Triton's GPUTarget.warp_size).
@@ -108,7 +108,7 @@ def build_many(modules: Sequence[str | Path], targets=DEFAULT_TARGETS, all_confi
                 paths.append(Path(tmp) / f"module{i or ''}_triton.py")
                 paths[-1].write_text(module)
         env = {**os.environ, "TRITON_INTERPRET": "0"}
-        cmd = [sys.executable, "-m", "backends.triton.aot", *map(str, paths), "--targets", ",".join(targets), "--json"]
+        cmd = [sys.executable, "-m", "tilegraph.backends.triton.aot", *map(str, paths), "--targets", ",".join(targets), "--json"]
         if all_configs:
             cmd.append("--all-configs")
         if not specialize:
@@ -276,7 +276,7 @@ def main(argv=None) -> int:
     os.environ["TRITON_INTERPRET"] = "0"
     # Triton 3.9's default, said explicitly: otherwise it warns on every run that it will change.
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    for helpers in ("backends.triton.tlmath", "backends.triton.tlquant"):
+    for helpers in ("tilegraph.backends.triton.tlmath", "tilegraph.backends.triton.tlquant"):
         if helpers in sys.modules:
             importlib.reload(sys.modules[helpers])
     try:

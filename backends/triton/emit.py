@@ -34,16 +34,16 @@ from xdsl.ir import Block, SSAValue
 from xdsl.pattern_rewriter import GreedyRewritePatternApplier, PatternRewriteWalker
 from xdsl.rewriter import Rewriter
 
-from ir.dialect import FusionOp, TgOp, YieldOp, make_op
-from ir.dtypes import PACKED_4BIT
-from ir.interpreter import SHAPE_FUNCTIONS, dtype_code
-from ir.model import Model, ModelError
-from ir.ops import render
-from ir.shapes import Dim, TensorInfo, info_of, numel, tensor_type
-from backends.program import (PYTHON_RESERVED, Namer, array_literal, flatten, liveness, literal, signature_rows,
+from tilegraph.ir.dialect import FusionOp, TgOp, YieldOp, make_op
+from tilegraph.ir.dtypes import PACKED_4BIT
+from tilegraph.ir.interpreter import SHAPE_FUNCTIONS, dtype_code
+from tilegraph.ir.model import Model, ModelError
+from tilegraph.ir.ops import render
+from tilegraph.ir.shapes import Dim, TensorInfo, info_of, numel, tensor_type
+from tilegraph.backends.program import (PYTHON_RESERVED, Namer, array_literal, flatten, liveness, literal, signature_rows,
                               str_literal, tuple_lines)
-from backends.triton.kernels import INDENT, TORCH_TYPES, KernelCode, KernelWriter, Unsupported
-from backends.triton.quant import QUANT_OPS, QuantKernelWriter, group_quantized
+from tilegraph.backends.triton.kernels import INDENT, TORCH_TYPES, KernelCode, KernelWriter, Unsupported
+from tilegraph.backends.triton.quant import QUANT_OPS, QuantKernelWriter, group_quantized
 
 # What a symbolic dim is taken to be for an ahead-of-time build (passes/cost/model.py prices
 # symbolic dims at the same size).
@@ -71,7 +71,7 @@ class _Sizes:
 def emit(model: Model, name: str | None = None, hardware: str | None = None) -> str:
     """The Python source of a module computing `model` with Triton kernels (see the module docstring),
     for the GPU `hardware` names (passes/cost/hardware.py; default: backends.triton.HARDWARE)."""
-    from backends.triton import HARDWARE
+    from tilegraph.backends.triton import HARDWARE
 
     return _Emitter(model, hardware or HARDWARE).source()
 
@@ -79,8 +79,8 @@ def emit(model: Model, name: str | None = None, hardware: str | None = None) -> 
 def prepare(model: Model) -> Model:
     """A copy of the model where every compute op sits in a tg.fusion group and groups hold
     no composites but attention."""
-    from passes.decompose import DECOMPOSITIONS
-    from passes.rewrite import Rule, RuleSet
+    from tilegraph.passes.decompose import DECOMPOSITIONS
+    from tilegraph.passes.rewrite import Rule, RuleSet
 
     module = model.module.clone()
     copy = Model(module, model.weights)
@@ -158,7 +158,7 @@ def _axes_last(op: TgOp):
 
 class _Emitter:
     def __init__(self, model: Model, hardware: str):
-        from passes.cost.hardware import hardware as describe
+        from tilegraph.passes.cost.hardware import hardware as describe
 
         gpu = describe(hardware)
         self.shared_memory = gpu.shared_memory_per_block or gpu.shared_memory_per_core
@@ -426,13 +426,13 @@ class _Emitter:
                + (f", {sum(self.host_ops.values())} ops on the host ({', '.join(sorted(self.host_ops))})"
                   if self.host_ops else "") + ". Generated code; edit the model, not this file.",
                "import numpy as np", "import ml_dtypes", "import torch", "import triton", "import triton.language as tl",
-               "", "from ir import kernels as K",
-               "from ir.interpreter import SHAPE_FUNCTIONS",
-               "from backends.triton.runtime import device, host, host_tensor, pack_k, pick"]
+               "", "from tilegraph.ir import kernels as K",
+               "from tilegraph.ir.interpreter import SHAPE_FUNCTIONS",
+               "from tilegraph.backends.triton.runtime import device, host, host_tensor, pack_k, pick"]
         if self.uses_tlmath:
-            out.append("from backends.triton import tlmath")
+            out.append("from tilegraph.backends.triton import tlmath")
         if self.uses_tlquant:
-            out.append("from backends.triton import tlquant")
+            out.append("from tilegraph.backends.triton import tlquant")
         out += [f"{f} = SHAPE_FUNCTIONS[{f!r}]" for f in sorted(SHAPE_FUNCTIONS)]
         out += ["", *tuple_lines("INPUTS", signature_rows(m.input_names, m.inputs)),
                 *tuple_lines("OUTPUTS", signature_rows(m.output_names, m.outputs)),

@@ -35,11 +35,11 @@ from typing import Callable, Sequence
 
 from xdsl.ir import SSAValue
 
-from ir import dtypes
-from ir.dialect import TgOp
-from ir.fusion import row_reshape
-from ir.ops import TRITON, TRITON_INT, py_literal
-from ir.shapes import Dim, TensorInfo, dims_equal, info_of, numel
+from tilegraph.ir import dtypes
+from tilegraph.ir.dialect import TgOp
+from tilegraph.ir.fusion import row_reshape
+from tilegraph.ir.ops import TRITON, TRITON_INT, py_literal
+from tilegraph.ir.shapes import Dim, TensorInfo, dims_equal, info_of, numel
 
 INDENT = "    "
 # GEMM tile when the tile pass wrote none (a group made by the emitter itself).

@@ -55,11 +55,11 @@ from typing import Sequence
 from xdsl.ir import Block, Operation, SSAValue
 from xdsl.rewriter import Rewriter
 
-from ir import dtypes
-from ir.dialect import FusionOp, TgOp, YieldOp
-from ir.quant import FORMATS, MIN_SCALE, MX_BLOCK
-from ir.shapes import TensorInfo, dims_equal, info_of, numel
-from backends.triton.kernels import (GEMM_TILE, GROUP_M, INDENT, POINTER_TYPES, ROW_TILE_ELEMENTS, TL_TYPES,
+from tilegraph.ir import dtypes
+from tilegraph.ir.dialect import FusionOp, TgOp, YieldOp
+from tilegraph.ir.quant import FORMATS, MIN_SCALE, MX_BLOCK
+from tilegraph.ir.shapes import TensorInfo, dims_equal, info_of, numel
+from tilegraph.backends.triton.kernels import (GEMM_TILE, GROUP_M, INDENT, POINTER_TYPES, ROW_TILE_ELEMENTS, TL_TYPES,
                                      TORCH_TYPES, KernelCode, KernelWriter, Unsupported, Value, compute_type)
 
 QUANT_OPS = ("dynamic_quantize", "quantize", "dequantize", "matmul_integer")

@@ -28,11 +28,11 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from ir import dtypes
-from ir.errors import TilegraphError
-from ir.model import Model, ModelError
-from ir.shapes import ShapeError
-from ir.signature import Signature
+from tilegraph.ir import dtypes
+from tilegraph.ir.errors import TilegraphError
+from tilegraph.ir.model import Model, ModelError
+from tilegraph.ir.shapes import ShapeError
+from tilegraph.ir.signature import Signature
 
 # The module being built: `host_tensor` puts its constants on this device.
 _BUILD_DEVICE: list[torch.device] = [torch.device("cpu")]
@@ -132,7 +132,7 @@ class BoundTuner:
 
 
 def module_dir() -> Path:
-    from passes.cost.hardware import cache_dir
+    from tilegraph.passes.cost.hardware import cache_dir
 
     return cache_dir() / "triton"
 
@@ -168,7 +168,7 @@ class CompiledModel:
             raise ModelError("weights missing for the compiled model: " + ", ".join(missing))
         tuner = None
         if autotune:
-            from backends.triton.autotune import Autotuner
+            from tilegraph.backends.triton.autotune import Autotuner
 
             name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu-interpreter"
             tuner = BoundTuner(Autotuner(enabled=True), module.SOURCE_HASH, name)

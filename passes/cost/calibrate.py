@@ -36,7 +36,7 @@ from typing import Callable
 
 import numpy as np
 
-from passes.cost.hardware import Hardware, clear_cache, cpu_model, cpu_profile_path, save_profile
+from tilegraph.passes.cost.hardware import Hardware, clear_cache, cpu_model, cpu_profile_path, save_profile
 
 # (m, n, k) of the GEMMs timed: tiny (call-overhead bound), one attention head of
 # MiniLM (seq 128, head dim 32: Q@K^T and P@V), a MiniLM projection at batch 1,
@@ -135,7 +135,7 @@ def median_times(fns, budget: float) -> list[float]:
 
 def _ufuncs(n: int, rng: np.random.Generator) -> dict[str, Callable[[], object]]:
     """One f32 NumPy call per cost-model function over arrays of `n` elements."""
-    from ir import kernels as K
+    from tilegraph.ir import kernels as K
 
     # Values in [0.5, 2): no NaN, inf, denormal or domain-error slow paths.
     x = rng.uniform(0.5, 2.0, n).astype(np.float32)
@@ -244,7 +244,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
     memory_bandwidth = 12 * n_stream / _add_time(n_stream, budget)
 
     samples = []
-    from backends.numpy.chunks import single_threaded_blas
+    from tilegraph.backends.numpy.chunks import single_threaded_blas
 
     with single_threaded_blas():  # per core, as the NumPy backend runs its GEMM chunks
         for m, n, k in shapes:
@@ -312,7 +312,7 @@ CHUNK_ROWS, CHUNK_CALLS, CHUNKS = 16, 4, 64
 
 
 def _chunk_call_time(budget) -> float:
-    from backends.numpy.chunks import run_chunks
+    from tilegraph.backends.numpy.chunks import run_chunks
 
     data = np.zeros((CHUNK_ROWS * CHUNKS, CALL_ELEMENTS), np.float32)
 
@@ -345,7 +345,7 @@ def _parallel_costs(budget, rng) -> tuple[float, float, float, float]:
     """(one fork/join of the chunk pool, all cores' GEMM rate over cores x one core's with
     a chunk of rows per core on the pool, the same with one GEMM on BLAS's threads, what a
     tiny GEMM's call on BLAS's threads costs beyond the same call on one)."""
-    from backends.numpy.chunks import THREADS, blas_threads, run_chunks, single_threaded_blas
+    from tilegraph.backends.numpy.chunks import THREADS, blas_threads, run_chunks, single_threaded_blas
 
     if THREADS == 1:
         return 0.0, 1.0, 0.0, 0.0
@@ -382,8 +382,8 @@ def _parallel_costs(budget, rng) -> tuple[float, float, float, float]:
 def _attention_rates(budget, rng) -> tuple[tuple[tuple[int, float], ...], float]:
     """((head dim, FLOP/s on one core) of K.attention_tiled for each of ATTENTION_HEAD_DIMS,
     its speedup on all cores at the largest head dim)."""
-    from backends.numpy.chunks import THREADS
-    from ir import kernels
+    from tilegraph.backends.numpy.chunks import THREADS
+    from tilegraph.ir import kernels
 
     rates, speedup = [], 1.0
     for d in ATTENTION_HEAD_DIMS:
@@ -406,7 +406,7 @@ def _attention_rates(budget, rng) -> tuple[tuple[tuple[int, float], ...], float]
 
 
 def _conv_rate(budget, rng) -> float:
-    from ir import kernels
+    from tilegraph.ir import kernels
 
     xs, ws = CONV_SHAPES
     x = rng.standard_normal(xs, dtype=np.float32)

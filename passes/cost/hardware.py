@@ -320,7 +320,7 @@ def check_target(name: str) -> None:
 def hardware(name: str) -> Hardware:
     """The description of `name` (one of TARGETS, any case); "cpu" is this machine's
     measured profile, calibrated quickly on first use."""
-    from ir.errors import TilegraphError
+    from tilegraph.ir.errors import TilegraphError
 
     key = str(name).strip().lower()
     if key in GPUS:
@@ -341,7 +341,7 @@ def clear_cache() -> None:
 
 @lru_cache(maxsize=None)
 def _cpu_profile(path: str) -> Hardware:
-    from passes.cost import calibrate
+    from tilegraph.passes.cost import calibrate
 
     profile = load_profile(path)
     if profile is not None:

@@ -59,11 +59,11 @@ import numpy as np
 import sympy
 from xdsl.ir import BlockArgument, Operation, SSAValue
 
-from ir import dtypes
-from ir.dialect import FusionOp, TgOp
-from ir.fusion import ANCHORS, VIEW_OPS, flat_ok, row_gemm, siblings, widest
-from ir.kernels import MIN_PARALLEL_SCORES
-from ir.shapes import Dim, TensorInfo, info_of, numel
+from tilegraph.ir import dtypes
+from tilegraph.ir.dialect import FusionOp, TgOp
+from tilegraph.ir.fusion import ANCHORS, VIEW_OPS, flat_ok, row_gemm, siblings, widest
+from tilegraph.ir.kernels import MIN_PARALLEL_SCORES
+from tilegraph.ir.shapes import Dim, TensorInfo, info_of, numel
 
 
 # FLOPs per result element (conventional counts; the FLOPs-only baseline uses these).
