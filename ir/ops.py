@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from ir import dtypes
-from ir.shapes import (
+from tilegraph.ir import dtypes
+from tilegraph.ir.shapes import (
     Dim,
     ShapeError,
     TensorInfo,
@@ -201,6 +201,8 @@ def _spatial_attrs(op, x, attrs, kernel):
     pads = attrs.get("pads") or (0,) * (2 * nd)
     if len(strides) != nd or len(dil) != nd or len(pads) != 2 * nd:
         raise _fail(op, f"strides {strides}, dilations {dil} and pads {pads} do not fit {nd} spatial dims")
+    if any(p < 0 for p in pads):  # ONNX and torch pad windows; a crop is a slice, not a pad
+        raise _fail(op, f"pads {tuple(pads)} must not be negative")
     try:
         return tuple(
             _window_out(x.shape[2 + i], kernel[i], strides[i], pads[i], pads[i + nd], dil[i], attrs.get("ceil_mode", False))
@@ -710,7 +712,7 @@ for _name in ("expm1", "log1p"):
 
 
 def _scale_operands(op, x, scale, zero_point, attrs, storage):
-    from ir.quant import SCALE_TYPES, scale_layout
+    from tilegraph.ir.quant import SCALE_TYPES, scale_layout
 
     if scale.dtype not in SCALE_TYPES:
         raise _fail(op, f"scale {scale} must be one of {', '.join(SCALE_TYPES)}")
@@ -741,7 +743,7 @@ def _scale_operands(op, x, scale, zero_point, attrs, storage):
 
 
 def _quantize(ins, attrs, given):
-    from ir.quant import STORAGE_TYPES
+    from tilegraph.ir.quant import STORAGE_TYPES
 
     x, scale, zp = (list(ins) + [None])[:3]
     if not dtypes.is_float(x.dtype):
@@ -753,7 +755,7 @@ def _quantize(ins, attrs, given):
 
 
 def _dequantize(ins, attrs, given):
-    from ir.quant import DEQUANTIZE_TYPES
+    from tilegraph.ir.quant import DEQUANTIZE_TYPES
 
     q, scale, zp = (list(ins) + [None])[:3]
     if q.dtype not in DEQUANTIZE_TYPES:
@@ -765,7 +767,7 @@ def _dequantize(ins, attrs, given):
 
 
 def _dynamic_quantize(ins, attrs, given):
-    from ir.quant import FORMATS, STORAGE_TYPES
+    from tilegraph.ir.quant import FORMATS, STORAGE_TYPES
 
     (x,) = ins
     to, block = attrs["to"], attrs["block_size"]

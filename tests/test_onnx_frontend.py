@@ -393,3 +393,15 @@ def test_a_corrupted_file_imports_and_runs_or_is_a_frontend_error(data):
         compiled(*random_inputs(compiled.model, seed=0))
     except TilegraphError as e:
         assert str(e)
+
+
+def test_a_negative_conv_pad_is_an_error_naming_it():
+    """Found by the corruption test above: pads=[-1, 0, 1, 1] on the small model's Conv
+    imported, then failed inside the NumPy kernel. A window op's pads are never negative."""
+    from tilegraph.ir.errors import TilegraphError
+
+    model = _small_model()
+    conv = next(n for n in model.graph.node if n.op_type == "Conv")
+    conv.attribute[0].ints[:] = [-1, 0, 1, 1]
+    with pytest.raises(TilegraphError, match=r"pads \(-1, 0, 1, 1\) must not be negative"):
+        from_onnx(model.SerializeToString())
