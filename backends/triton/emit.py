@@ -42,7 +42,7 @@ from tilegraph.ir.ops import render
 from tilegraph.ir.shapes import Dim, TensorInfo, info_of, numel, tensor_type
 from tilegraph.backends.program import (PYTHON_RESERVED, Namer, array_literal, flatten, liveness, literal, signature_rows,
                               str_literal, tuple_lines)
-from tilegraph.backends.triton.kernels import INDENT, TORCH_TYPES, KernelCode, KernelWriter, Unsupported
+from tilegraph.backends.triton.kernels import AXIS_OPS, INDENT, TORCH_TYPES, KernelCode, KernelWriter, Unsupported
 from tilegraph.backends.triton.quant import QUANT_OPS, QuantKernelWriter, group_quantized
 
 # What a symbolic dim is taken to be for an ahead-of-time build (passes/cost/model.py prices
@@ -55,7 +55,6 @@ TORCH_LAYOUT = {
     "reshape": "{x}.reshape({out_shape})",
     "broadcast": "{x}.expand({out_shape})",
     "transpose": "{x}.permute({perm})",
-    "identity": "{x}",
     "concat": "torch.cat({inputs}, dim={axis})",
 }
 MODULE_NAMES = {"torch", "triton", "tl", "tlmath", "tlquant", "pack_k", "np", "K", "ml_dtypes", "build", "forward", "DEVICE", "KERNELS",
@@ -119,11 +118,6 @@ def _wrap(op: TgOp, rewriter: Rewriter) -> None:
     rewriter.replace_op(op, group, list(group.results))
 
 
-# Ops over an axis (or axes) that a row kernel computes once the axes are moved last.
-AXIS_OPS = {"reduce_sum", "reduce_mean", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin",
-            "cumsum", "cumprod"}
-
-
 def _axes_last(op: TgOp):
     """For a reduction or scan over axes other than (only) the last, keeping dims: the permutation
     moving them last, the same op over the last axis of that view (in a block of its own) and the
@@ -134,7 +128,7 @@ def _axes_last(op: TgOp):
     x = info_of(op.operands[0].type)
     if x.rank == 0:
         return None
-    axes = tuple(sorted(a % x.rank for a in (op.attr("axes") if op.op_name.startswith("reduce_") else
+    axes = tuple(sorted(a % x.rank for a in (op.attr("axes") if op.SPEC.reduction else
                                              [op.attr("axis")])))
     kept = tuple(a for a in range(x.rank) if a not in axes)
     keepdims = op.op_name in ("cumsum", "cumprod") or op.attr("keepdims")
@@ -144,7 +138,7 @@ def _axes_last(op: TgOp):
     rows = TensorInfo(tuple(x.shape[a] for a in kept) + (numel(tuple(x.shape[a] for a in axes)),), x.dtype)
     block = Block(arg_types=[tensor_type(rows.dtype, rows.shape)])
     attrs = op.py_attrs()
-    if op.op_name.startswith("reduce_"):
+    if op.SPEC.reduction:
         attrs |= {"axes": (rows.rank - 1,), "keepdims": True}
     elif op.op_name in ("argmax", "argmin"):
         attrs |= {"axis": rows.rank - 1, "keepdims": True}
