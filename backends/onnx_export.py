@@ -50,6 +50,7 @@ from tilegraph.ir.model import Model
 from tilegraph.ir.ops import OPS
 from tilegraph.ir.quant import FORMATS, MIN_SCALE, E8M0_EXPONENTS, scale_layout
 from tilegraph.ir.shapes import TensorInfo, dims_equal, info_of
+from tilegraph.backends.lowering import table
 from tilegraph.frontends import onnx as onnx_frontend
 
 # int8 codes a MatMulInteger reads are written as uint8 codes + SHIFT (see _dynamic_quantize).
@@ -754,6 +755,8 @@ _EXPORT: dict[str, Callable] = {
     "dequantize": _dequantize, "dynamic_quantize": _dynamic_quantize, "matmul_integer": _matmul_integer,
 }
 EXPORTABLE = frozenset(_EXPORT) | frozenset(UNARY) | frozenset(BINARY) | frozenset(REDUCE) | {"ne"}
+# The lowering table (backends/lowering.py): ONNX nodes, or the stated refusal.
+LOWERINGS = table(template=sorted(EXPORTABLE), fallback={n: f"refused: {r}" for n, r in NO_ONNX_OP.items()})
 
 
 # --- entry points ------------------------------------------------------------------------------------

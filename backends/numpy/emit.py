@@ -36,8 +36,9 @@ from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.interpreter import SHAPE_FUNCTIONS, dtype_code, shape_code
 from tilegraph.ir.model import Model, ModelError
-from tilegraph.ir.ops import render
+from tilegraph.ir.ops import OPS, render
 from tilegraph.ir.shapes import Dim, TensorInfo, dims_equal, info_of, numel
+from tilegraph.backends.lowering import table
 from tilegraph.backends.numpy.groups import GroupCode, GroupEmitter
 from tilegraph.backends.program import (PYTHON_RESERVED, Namer, Program, array_literal, flatten, liveness,  # noqa: F401
                               literal, sanitize, signature_rows, str_literal, tuple_lines)
@@ -49,6 +50,8 @@ RESERVED = MODULE_NAMES | PYTHON_RESERVED
 # Op categories whose NumPy code cannot raise a floating-point warning (they move
 # or name data, never compute on it); a body of only these needs no np.errstate.
 SILENT_CATEGORIES = {"layout", "source"}
+# The lowering table (backends/lowering.py): every op is its NumPy template in ir/ops.py.
+LOWERINGS = table(template=[name for name, spec in OPS.items() if spec.numpy])
 INDENT = "    "
 
 

@@ -42,21 +42,13 @@ from tilegraph.ir.ops import render
 from tilegraph.ir.shapes import Dim, TensorInfo, info_of, numel, tensor_type
 from tilegraph.backends.program import (PYTHON_RESERVED, Namer, array_literal, flatten, liveness, literal, signature_rows,
                               str_literal, tuple_lines)
+from tilegraph.backends.triton.lowering import DECOMPOSED, TORCH_LAYOUT
 from tilegraph.backends.triton.kernels import AXIS_OPS, INDENT, TORCH_TYPES, KernelCode, KernelWriter, Unsupported
 from tilegraph.backends.triton.quant import QUANT_OPS, QuantKernelWriter, group_quantized
 
 # What a symbolic dim is taken to be for an ahead-of-time build (passes/cost/model.py prices
 # symbolic dims at the same size).
 NOMINAL_DIM = 256
-# Composites spelled out before kernels are written (attention keeps its own kernel).
-DECOMPOSED = ("softmax", "layer_norm", "gelu")
-# Layout ops as torch calls (views where torch can); others run on the host.
-TORCH_LAYOUT = {
-    "reshape": "{x}.reshape({out_shape})",
-    "broadcast": "{x}.expand({out_shape})",
-    "transpose": "{x}.permute({perm})",
-    "concat": "torch.cat({inputs}, dim={axis})",
-}
 MODULE_NAMES = {"torch", "triton", "tl", "tlmath", "tlquant", "pack_k", "np", "K", "ml_dtypes", "build", "forward", "DEVICE", "KERNELS",
                 "CONFIGS", "INPUTS", "OUTPUTS", "WEIGHTS", "HOST_OPS", "SPLIT_GROUPS", "HOST_FLOPS", "TUNER", "pick", "host", "launch", "cfg",
                 *SHAPE_FUNCTIONS}

@@ -22,7 +22,7 @@ GEMM's operands enter tl.dot in their own type (bf16/fp16 tensor cores) with fp3
 accumulation, and fp32 operands use IEEE precision ("ieee"), not TF32, as torch
 does by default.
 
-Elementwise ops are rendered from `ir.ops.TRITON` / `TRITON_INT`; composites
+Elementwise ops are rendered from `lowering.TRITON` / `TRITON_INT`; composites
 (softmax, layer_norm, gelu) were spelled out by `passes.decompose`'s rules before
 (`emit.py`), so no op's semantics is written twice here. A group this module
 cannot express raises `Unsupported`; the emitter then runs its ops one by one.
@@ -38,8 +38,9 @@ from xdsl.ir import SSAValue
 from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.fusion import ANCHORS, row_reshape
-from tilegraph.ir.ops import OPS, TRITON, TRITON_INT, py_literal
+from tilegraph.ir.ops import OPS, py_literal
 from tilegraph.ir.shapes import Dim, TensorInfo, dims_equal, info_of, numel
+from tilegraph.backends.triton.lowering import TRITON, TRITON_INT
 
 INDENT = "    "
 # GEMM tile when the tile pass wrote none (a group made by the emitter itself).
