@@ -47,7 +47,7 @@ from tilegraph.ir.shapes import info_of
 from tilegraph.ir.fusion import ANCHORS, VIEW_OPS, flat_ok, live_row_bytes, operand_rows, row_reshape, siblings
 from tilegraph.ir.ops import REDUCE
 from tilegraph.passes.cost.model import at_nominal, group_cost, op_cost
-from tilegraph.passes.cost.hardware import check_target, hardware
+from tilegraph.ir.hardware import check_target, hardware
 from tilegraph.passes.remarks import listening, remark
 from xdsl.passes import ModulePass
 

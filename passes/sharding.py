@@ -34,7 +34,7 @@ import sympy
 from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.loops import Loops
-from tilegraph.ir.shapes import Dim, TensorInfo, dims_equal, info_of, normalize_dim, numel
+from tilegraph.ir.shapes import Dim, TensorInfo, info_of, normalize_dim, numel
 
 Spec = tuple[tuple[int, ...], ...]
 

@@ -23,7 +23,7 @@ def test_every_op_has_a_lowering_or_a_stated_fallback(backend):
 
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 def test_what_a_backend_decomposes_has_a_decomposition(backend):
-    from tilegraph.passes.decompose import DECOMPOSITIONS
+    from tilegraph.ir.decompositions import DECOMPOSITIONS
 
     undefined = [n for n, how in lowerings(backend).items() if how == DECOMPOSE and n not in DECOMPOSITIONS]
     assert not undefined, f"{backend} decomposes {undefined}, which the decomposition library does not spell out"

@@ -103,7 +103,7 @@ class TilegraphOptMain(xDSLOptMain):
         spec = self.args.passes
         self._cost = None
         if self.args.hardware is not None or self.args.print_cost_after_all:
-            from tilegraph.passes.cost.hardware import hardware
+            from tilegraph.ir.hardware import hardware
 
             hw = hardware(self.args.hardware or "cpu")  # an unknown target: a clear error, before any work
             self._cost = _CostPrinter(hw, parse_dims(self.args.dim))

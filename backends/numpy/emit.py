@@ -45,7 +45,7 @@ from tilegraph.backends.program import (PYTHON_RESERVED, Namer, Program, array_l
 
 # Names the generated module defines or imports; nothing else may take them.
 MODULE_NAMES = {"np", "ml_dtypes", "K", "W", "build", "forward", "INPUTS", "OUTPUTS", "WEIGHTS", *SHAPE_FUNCTIONS,
-                "THREADS", "blas_threads", "run_chunks", "single_threaded_blas"}
+                "THREADS", "blas_threads", "run_chunks", "single_threaded_blas", "attention_tiled"}
 RESERVED = MODULE_NAMES | PYTHON_RESERVED
 # Op categories whose NumPy code cannot raise a floating-point warning (they move
 # or name data, never compute on it); a body of only these needs no np.errstate.
@@ -206,6 +206,8 @@ class _Emitter:
                     f"PROFILE = {{name: [0.0, 0] for name in {self.kernel_names!r}}}"]
         if self.group_functions:
             out.append("from tilegraph.backends.numpy.chunks import THREADS, blas_threads, run_chunks, single_threaded_blas")
+        if any(re.search(r"\battention_tiled\(", line) for function in self.group_functions for line in function):
+            out.append("from tilegraph.backends.numpy.attention import attention_tiled")
         shape_fns = sorted({f for f in SHAPE_FUNCTIONS if re.search(rf"\b{f}\(", "\n".join(body))})
         if shape_fns:
             out.append("from tilegraph.ir.interpreter import SHAPE_FUNCTIONS")

@@ -31,9 +31,9 @@ from typing import Sequence
 import numpy as np
 import sympy
 from xdsl.ir import Block, SSAValue
-from xdsl.pattern_rewriter import GreedyRewritePatternApplier, PatternRewriteWalker
 from xdsl.rewriter import Rewriter
 
+from tilegraph.ir.decompositions import expand
 from tilegraph.ir.dialect import FusionOp, TgOp, YieldOp, make_op
 from tilegraph.ir.dtypes import PACKED_4BIT
 from tilegraph.ir.interpreter import SHAPE_FUNCTIONS, dtype_code
@@ -70,9 +70,6 @@ def emit(model: Model, name: str | None = None, hardware: str | None = None) -> 
 def prepare(model: Model) -> Model:
     """A copy of the model where every compute op sits in a tg.fusion group and groups hold
     no composites but attention."""
-    from tilegraph.passes.decompose import DECOMPOSITIONS
-    from tilegraph.passes.rewrite import Rule, RuleSet
-
     module = model.module.clone()
     copy = Model(module, model.weights)
     group_quantized(copy.func)  # quantized GEMMs: their dequantize prologues and epilogues in one group
@@ -80,10 +77,9 @@ def prepare(model: Model) -> Model:
     for op in list(copy.func.body.walk()):
         if isinstance(op, TgOp) and _kernel_op(op) and not isinstance(op.parent_op(), FusionOp):
             _wrap(op, rewriter)
-    rules = [Rule((n,), DECOMPOSITIONS[n], f"{n} -> primitives") for n in DECOMPOSED]
-    for group in [op for op in module.walk() if isinstance(op, FusionOp)]:
-        walker = PatternRewriteWalker(GreedyRewritePatternApplier([RuleSet(rules)]))
-        walker.rewrite_region(group.body)
+    for group in [op for op in module.walk() if isinstance(op, FusionOp)]:  # the decomposition library's
+        for op in [op for op in group.ops if op.op_name in DECOMPOSED]:
+            expand(op)
     return copy
 
 
@@ -144,7 +140,7 @@ def _axes_last(op: TgOp):
 
 class _Emitter:
     def __init__(self, model: Model, hardware: str):
-        from tilegraph.passes.cost.hardware import hardware as describe
+        from tilegraph.ir.hardware import hardware as describe
 
         gpu = describe(hardware)
         self.shared_memory = gpu.shared_memory_per_block or gpu.shared_memory_per_core

@@ -62,7 +62,7 @@ from xdsl.ir import BlockArgument, Operation, SSAValue
 from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.fusion import ANCHORS, VIEW_OPS, flat_ok, row_gemm, siblings, widest
-from tilegraph.ir.kernels import MIN_PARALLEL_SCORES
+from tilegraph.ir.hardware import MIN_PARALLEL_SCORES
 from tilegraph.ir.ops import OPS
 from tilegraph.ir.shapes import Dim, TensorInfo, info_of, numel
 
@@ -199,7 +199,7 @@ def _cpu_passes_time(hw, name: str, elements: sympy.Expr, in_cache: bool, bytes_
 
 
 # Bytes per element that a pass keeps in L2: two f32 operands, a result, and the rest of
-# the chunk's live values (calibrate.SPILLED_ELEMENTS spills at 1 MiB per array).
+# the chunk's live values (backends/numpy/calibrate.SPILLED_ELEMENTS spills at 1 MiB per array).
 SPILL_ELEMENT_BYTES = 16
 
 

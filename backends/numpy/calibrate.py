@@ -36,7 +36,7 @@ from typing import Callable
 
 import numpy as np
 
-from tilegraph.passes.cost.hardware import Hardware, clear_cache, cpu_model, cpu_profile_path, save_profile
+from tilegraph.ir.hardware import Hardware, clear_cache, cpu_model, cpu_profile_path, save_profile
 
 # (m, n, k) of the GEMMs timed: tiny (call-overhead bound), one attention head of
 # MiniLM (seq 128, head dim 32: Q@K^T and P@V), a MiniLM projection at batch 1,
@@ -382,8 +382,8 @@ def _parallel_costs(budget, rng) -> tuple[float, float, float, float]:
 def _attention_rates(budget, rng) -> tuple[tuple[tuple[int, float], ...], float]:
     """((head dim, FLOP/s on one core) of K.attention_tiled for each of ATTENTION_HEAD_DIMS,
     its speedup on all cores at the largest head dim)."""
+    from tilegraph.backends.numpy.attention import attention_tiled
     from tilegraph.backends.numpy.chunks import THREADS
-    from tilegraph.ir import kernels
 
     rates, speedup = [], 1.0
     for d in ATTENTION_HEAD_DIMS:
@@ -393,8 +393,8 @@ def _attention_rates(budget, rng) -> tuple[tuple[tuple[int, float], ...], float]
         out = np.empty(q.shape, np.float32)
 
         def attend(threads):
-            return lambda: kernels.attention_tiled(q, k, v, None, 0.125, False, ATTENTION_SEQ, ATTENTION_SEQ,
-                                                   threads=threads, out=out)
+            return lambda: attention_tiled(q, k, v, None, 0.125, False, ATTENTION_SEQ, ATTENTION_SEQ,
+                                           threads=threads, out=out)
 
         one, = median_times((attend(1),), budget)
         # (the FLOP count of passes/cost/model.op_flops: two GEMMs and the softmax's passes)
