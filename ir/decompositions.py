@@ -28,27 +28,34 @@ from xdsl.ir import Operation, SSAValue
 from xdsl.rewriter import Rewriter
 
 from tilegraph.ir.dialect import TgOp, make_op
-from tilegraph.ir.shapes import TensorInfo, info_of, normalize_dim
+from tilegraph.ir.shapes import ShapeError, TensorInfo, info_of, normalize_dim
 
 
 def info(value) -> TensorInfo:
     return info_of(value.type)
 
 
+class Inapplicable(Exception):
+    """The shape rules refused an op a rewrite made: the rewrite does not apply here (a
+    finding about the IR, not an error; any other exception inside a rule is a bug)."""
+
+
 class Emit:
-    """Makes tg ops for one rewrite; they enter the IR only if the rewrite is applied."""
+    """Makes tg ops for one rewrite; they enter the IR only if the rewrite is applied.
+    An op the shape rules refuse raises Inapplicable."""
 
     def __init__(self) -> None:
         self.ops: list[Operation] = []
 
     def __call__(self, name: str, *operands: SSAValue, result: TensorInfo | None = None, **attrs: Any) -> SSAValue:
-        op = make_op(name, list(operands), attrs, result)
-        self.ops.append(op)
-        return op.results[0]
+        return self.op(name, operands, attrs, result).results[0]
 
     def op(self, name: str, operands: Sequence[SSAValue], attrs: dict | None = None,
            result: TensorInfo | list[TensorInfo] | None = None) -> TgOp:
-        op = make_op(name, list(operands), attrs, result)
+        try:
+            op = make_op(name, list(operands), attrs, result)
+        except ShapeError as e:
+            raise Inapplicable(str(e)) from e
         self.ops.append(op)
         return op
 
@@ -146,7 +153,10 @@ def expand(op: TgOp) -> bool:
     """Replace `op` in place by its decomposition; False (the op kept) where it has none
     (an attention with a symbolic causal offset) or the spelled-out type would differ."""
     emit = Emit()
-    new = DECOMPOSITIONS[op.op_name](op, emit)
+    try:
+        new = DECOMPOSITIONS[op.op_name](op, emit)
+    except Inapplicable:
+        new = None
     values = [] if new is None else [new] if isinstance(new, SSAValue) else list(new)
     if new is None or len(values) != len(op.results) or any(v.type != r.type for v, r in zip(values, op.results)):
         emit.discard()

@@ -24,9 +24,9 @@ from xdsl.ir import Operation, SSAValue
 from xdsl.pattern_rewriter import GreedyRewritePatternApplier, PatternRewriter, PatternRewriteWalker, RewritePattern
 from xdsl.transforms.dead_code_elimination import region_dce
 
-from tilegraph.ir.decompositions import Emit
+from tilegraph.ir.decompositions import Emit, Inapplicable
 from tilegraph.ir.dialect import TgOp
-from tilegraph.ir.shapes import ShapeError, TensorInfo, info_of
+from tilegraph.ir.shapes import TensorInfo, info_of
 
 ANY_OP = "*"  # a rule that looks at every tg op
 
@@ -60,8 +60,8 @@ def apply_rule(rule: Rule, op: TgOp, rewriter: PatternRewriter) -> bool:
     emit = Emit()
     try:
         new = rule.apply(op, emit)
-    except ShapeError:
-        new = None  # the rule built something the shape rules refuse: it does not apply
+    except Inapplicable:
+        new = None  # the rule built something the shape rules refuse: it does not apply (a bug propagates)
     if new is None:
         emit.discard()
         return False
