@@ -105,7 +105,7 @@ class Hardware:
     # same other dims; the volume curve (`gemm_samples`) alone cannot tell 8 x 3072 x 768
     # (35 GFLOP/s on one core here) from 128 x 384 x 384 (89).
     skinny_gemm: tuple[tuple[int, float], ...] = ()
-    # CPU only: (head dim, FLOP/s) of the NumPy attention kernel (K.attention_tiled, one
+    # CPU only: (head dim, FLOP/s) of the NumPy attention kernel (backends/numpy/attention.py, one
     # core): its batched small GEMMs over strided heads and its softmax passes run far
     # below the GEMM curve; and its speedup on all cores. Empty: priced from the GEMM curve.
     attention_rates: tuple[tuple[int, float], ...] = ()

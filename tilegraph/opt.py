@@ -169,21 +169,15 @@ class TilegraphOptMain(xDSLOptMain):
 
 
 def _load_plugin(plugin: str) -> None:
-    """Import a pass plugin: a module name, or the path of a .py file (the user's own code, by their choice)."""
+    """Import a pass plugin: a module name, or a .py file run as a script (the user's own code, by their choice)."""
     import importlib
-    import importlib.util
+    import runpy
 
     from tilegraph.ir.errors import TilegraphError
 
     try:
-        if plugin.endswith(".py"):
-            spec = importlib.util.spec_from_file_location(Path(plugin).stem, plugin)
-            if spec is None or not Path(plugin).is_file():
-                raise ImportError(f"no such file: {plugin}")
-            spec.loader.exec_module(importlib.util.module_from_spec(spec))
-        else:
-            importlib.import_module(plugin)
-    except ImportError as e:
+        runpy.run_path(plugin) if plugin.endswith(".py") else importlib.import_module(plugin)
+    except (ImportError, OSError) as e:
         raise TilegraphError(f"cannot load the pass plugin '{plugin}': {e}") from None
 
 

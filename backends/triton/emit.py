@@ -61,7 +61,7 @@ class _Sizes:
 
 def emit(model: Model, name: str | None = None, hardware: str | None = None) -> str:
     """The Python source of a module computing `model` with Triton kernels (see the module docstring),
-    for the GPU `hardware` names (passes/cost/hardware.py; default: backends.triton.HARDWARE)."""
+    for the GPU `hardware` names (ir/hardware.py; default: backends.triton.HARDWARE)."""
     from tilegraph.backends.triton import HARDWARE
 
     return _Emitter(model, hardware or HARDWARE).source()

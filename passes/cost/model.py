@@ -215,8 +215,8 @@ def _anchor_time(op: TgOp, hw, cores: int) -> sympy.Expr:
         return flops / hw.conv_rate
     if op.op_name != "attention":
         return flops / (_gemm_rate(hw, op) * _parallel(hw, cores))
-    # K.attention_tiled: QK^T and PV GEMMs and a softmax over the scores, on all cores
-    # only above the kernel's own threshold (ir/kernels.py).
+    # attention_tiled (backends/numpy/attention.py): QK^T and PV GEMMs and a softmax over the scores, on all cores
+    # only above the kernel's own threshold (ir/hardware.MIN_PARALLEL_SCORES).
     m, n, d = _matmul_shape(op)
     if hw.attention_rates:  # the kernel as calibrated: its batched small GEMMs are far off the GEMM curve
         one_core = flops / _interpolate(hw.attention_rates, at_nominal(d))
