@@ -1,5 +1,6 @@
 """Layers only point down (DESIGN.md): ir imports no pass, backend, frontend or command;
-backends import no pass or frontend; passes import no backend or frontend.
+backends import no pass or frontend; passes import no backend or frontend; frontends
+import no pass or backend.
 
 Checked on the source, by parsing every import statement (and every importlib.import_module
 of a literal name) of each package, including imports inside functions.
@@ -17,6 +18,7 @@ FORBIDDEN = {
            "threadpoolctl", "concurrent"),
     "backends": ("tilegraph.passes", "tilegraph.frontends"),
     "passes": ("tilegraph.backends", "tilegraph.frontends"),
+    "frontends": ("tilegraph.passes", "tilegraph.backends", "tilegraph.cli"),  # frontends build IR, nothing more
 }
 
 
