@@ -3,8 +3,10 @@
 This table is the one description of what an op means. The dialect generates its
 xDSL op classes from it, the builder and the verifier run its shape rules, and the
 reference interpreter and the NumPy emitter both render its `numpy` template (the
-interpreter in float64, the emitter in the graph's dtypes). Adding an op is adding
-one `OpSpec` here.
+interpreter in float64, the emitter in the graph's dtypes). Each op also carries the
+traits passes read instead of lists of op names (fusion pattern kind, reduction kind,
+FLOPs, loop space). Adding an op is adding one `OpSpec` here, and one entry in each
+backend's lowering table (backends/lowering.py; a test fails until there is one).
 
 Templates name operands and attributes in braces: `np.sum({x}, axis={axes}, ...)`.
 `{out_shape}` is the result shape as Python (symbolic dims are local variables of
