@@ -307,6 +307,16 @@ class _Importer:
                 declared = onnx_dtype(out.type.tensor_type.elem_type, f"graph output '{out.name}'")
                 if declared != t.dtype:
                     raise FrontendError(f"graph output '{out.name}' is declared {declared} but computes {t.dtype}")
+            if out.type.tensor_type.HasField("shape"):
+                # A declared shape is checked where it is certain: its rank and its fixed dims
+                # (a scalar output computed as a 1-element array is an importer bug, not a model's).
+                dims = out.type.tensor_type.shape.dim
+                shape = t.info.shape
+                if len(dims) != len(shape) or any(d.HasField("dim_value") and isinstance(s, int) and d.dim_value != s
+                                                  for d, s in zip(dims, shape)):
+                    declared = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in dims)
+                    raise FrontendError(f"graph output '{out.name}' is declared with shape {declared} "
+                                        f"but computes {t.info}")
             outputs.append(t)
         return self.g.build(*outputs, names=[o.name for o in graph.output])
 
@@ -463,8 +473,9 @@ class _Importer:
         if a.dtype == object:
             a = _as_int_array(v)
             if a is None:
-                raise FrontendError(f"{what} = {v.tolist()} depends on symbolic dims and cannot be a tensor "
-                                    "(tg has no op reading a shape at run time)")
+                t = self.symbolic_tensor(v, what)
+                self._materialized[id(v)] = (v, t)
+                return t
         name = self._names.get(id(v))
         if name is not None and a.size > INLINE_CONSTANT_LIMIT:
             base, k = name, 0
@@ -476,6 +487,48 @@ class _Importer:
             t = self.g.constant(a)
         self._materialized[id(v)] = (v, t)
         return t
+
+    def symbolic_tensor(self, v: np.ndarray, what: str) -> Tensor:
+        """An i64 shape value with symbolic entries (a sequence length fed to Range, Mul, Add) as
+        tg ops computing it at run time.
+
+        tg has no op reading a shape, so a symbol `s` is the sum of an s-long vector of ones:
+        every backend runs it, it is exact in i64 (also for s = 0), and its O(s) cost is noise
+        beside the ops that consume it. Sums, products, floor divisions and remainders of
+        symbols (what Shape arithmetic folds to) become add, mul, div and mod."""
+        g = self.g
+
+        def build(e) -> Tensor:
+            e = sympy.sympify(e)
+            if e.is_Integer:
+                return g.constant(np.asarray(int(e), dtype=np.int64))
+            if e.is_Symbol:
+                ones = g.op("broadcast", g.constant(np.asarray(1, dtype=np.int64)),
+                            result=TensorInfo((e,), "i64"))
+                return g.op("reduce_sum", ones, axes=(0,), keepdims=False)
+            if isinstance(e, (sympy.Add, sympy.Mul)) and all(a.is_integer for a in e.args):
+                out = build(e.args[0])
+                for arg in e.args[1:]:
+                    out = g.op("add" if isinstance(e, sympy.Add) else "mul", out, build(arg))
+                return out
+            if isinstance(e, sympy.floor):
+                num, den = sympy.fraction(sympy.together(e.args[0]))
+                if num.is_integer and den.is_integer:
+                    # shape values are >= 0, where the truncating div is floor division
+                    return g.op("div", build(num), build(den))
+            if isinstance(e, sympy.Mod) and all(a.is_integer for a in e.args):
+                return g.op("mod", build(e.args[0]), build(e.args[1]))
+            raise FrontendError(f"{what} = {v.tolist()} depends on symbolic dims through {e}, "
+                                "which cannot be computed at run time")
+
+        parts = [build(e) for e in v.reshape(-1).tolist()]
+        if v.ndim == 0:
+            return parts[0]
+        flat = (parts[0] if len(parts) == 1 else
+                g.op("concat", *(g.op("reshape", p, result=TensorInfo((1,), "i64")) for p in parts), axis=0))
+        if len(parts) == 1:
+            flat = g.op("reshape", flat, result=TensorInfo((1,), "i64"))
+        return flat if v.shape == (len(parts),) else g.op("reshape", flat, result=TensorInfo(v.shape, "i64"))
 
     def op(self, name: str, *vals: Value | None, result: TensorInfo | None = None, **attrs) -> Any:
         """Make tg op `name`, or fold it when every operand is known."""
@@ -526,7 +579,8 @@ class _Importer:
                 ints = _as_int_array(a)
                 a = ints if ints is not None else a
             if a.dtype != object:
-                a = np.ascontiguousarray(a.astype(dtypes.numpy_dtype(info.dtype), copy=False))
+                # np.array keeps 0-d values 0-d (np.ascontiguousarray returns at least 1-d).
+                a = np.array(a, dtype=dtypes.numpy_dtype(info.dtype), order="C")
             results.append(a)
         return tuple(results) if len(results) > 1 else results[0]
 
@@ -879,7 +933,7 @@ def _clip(n):
 # --- casts ---
 
 # Largest finite values of the float8 types: what saturate=1 clamps to (ONNX Cast spec).
-FLOAT8_MAX = {"f8E4M3FN": 448.0, "f8E5M2": 57344.0}
+FLOAT8_MAX = {"f8E4M3FN": 448.0, "f8E5M2": 57344.0, "f8E4M3FNUZ": 240.0, "f8E5M2FNUZ": 57344.0}
 
 
 def _cast_to(n, x, to: str):
@@ -1592,7 +1646,9 @@ def _lrn(n):
 # --- quantization ---
 
 # The integer ranges QuantizeLinear saturates to (ONNX spec).
-QUANT_RANGES = {"ui8": (0, 255), "i8": (-128, 127), "ui16": (0, 65535), "i16": (-32768, 32767)}
+QUANT_RANGES = {"ui8": (0, 255), "i8": (-128, 127), "ui16": (0, 65535), "i16": (-32768, 32767),
+                "ui4": (0, 15), "i4": (-8, 7), "ui2": (0, 3), "i2": (-2, 1)}
+FLOAT4_MAX = 6.0  # the largest finite f4E2M1FN (OCP MX spec), what QuantizeLinear saturates to
 
 
 def _quant_param(n, v, x, axis: int, block: int):
@@ -1629,9 +1685,11 @@ def _quantize(n):
     y = n.op("div", x, n.cast(_quant_param(n, scale, x, axis, block), n.dtype(x)))
     if to in FLOAT8_MAX:
         return _cast_to(n, y, to)
+    if to == "f4E2M1FN":
+        return n.cast(n.op("min", n.op("max", y, -FLOAT4_MAX), FLOAT4_MAX), to)
     if to not in QUANT_RANGES:
         raise FrontendError(f"quantizing to {to} is not supported "
-                            f"(supported: {sorted(QUANT_RANGES)}, f8E4M3FN, f8E5M2)")
+                            f"(supported: {sorted(QUANT_RANGES)}, {', '.join(FLOAT8_MAX)}, f4E2M1FN)")
     # round half to even, then add the zero point in int32 and saturate (the ONNX reference's order)
     q = n.cast(n.op("round", y), "i32")
     if zp is not None:

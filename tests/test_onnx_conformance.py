@@ -29,7 +29,6 @@ pytestmark = pytest.mark.slow
 # At least this many node cases must pass (the project's target; 1884 cases in onnx 1.23).
 TARGET_PASSES = 900
 
-_DTYPES_2_4_BIT = "dtype not supported: tg has no 2-bit, unsigned 4-bit or float8 FNUZ element types"
 _E8M0_ROUNDING = "dtype not supported: casts to E8M0 round up in ONNX, to nearest in tg (ml_dtypes)"
 _SUBGRAPHS = "op not supported: control flow with subgraphs (If, Loop, Scan); tg graphs have no regions"
 _SEQUENCES = "op not supported: sequence and optional values; tg values are tensors"
@@ -40,10 +39,7 @@ _DATA_SHAPE = "op not supported: the output shape depends on the input values"
 # regex over case names -> why tilegraph rejects those cases
 EXCLUDED: dict[str, str] = {
     # element types
-    r"^test_cast(like)?_.*(UINT4|INT2|UINT2|FNUZ)": _DTYPES_2_4_BIT,
     r"^test_cast(like)?_e8m0_FLOAT(16)?_to_FLOAT8E8M0": _E8M0_ROUNDING,
-    r"^test_dequantizelinear_(uint4|int2|uint2)$": _DTYPES_2_4_BIT,
-    r"^test_quantizelinear_(int4|uint4|int2|uint2|float4e2m1)$": "op not supported: QuantizeLinear to 2- and 4-bit types",
     r"^test_equal_string": _STRINGS,
     # control flow, sequences, optionals, strings, randomness
     r"^test_(if|loop11|loop13_seq|loop16_seq_none|scan_sum|scan9_)": _SUBGRAPHS,
