@@ -53,6 +53,9 @@ from tilegraph.ir.shapes import Dim, ShapeError, TensorInfo, broadcast_shapes, i
 MIN_OPSET = 13  # the oldest default-domain opset whose op definitions this frontend implements
 DEFAULT_DOMAINS = ("", "ai.onnx")
 INT64_MAX = (1 << 63) - 1  # ONNX's and tg.slice's "to the end"
+# Ops whose definitions from this opset to 13 changed only in types tg does not have (sequences,
+# optionals) or in what they refuse (Scan 9 took no negative axes): the converters take them.
+UNCHANGED_SINCE = {"If": 11, "Loop": 11, "Scan": 9}
 MAX_FUNCTION_DEPTH = 8  # function bodies calling functions: a guard against runaway recursion
 # Ops with a function body that is random or otherwise not a computation tg can hold.
 NOT_EXPANDED = {"Bernoulli", "SequenceMap"}
@@ -154,7 +157,7 @@ def unsupported_ops(proto) -> dict[str, list[str]]:
             continue  # expanded into its function body at import
         if key not in CONVERTERS:
             reason = key
-        elif opset < MIN_OPSET and _changed_since(node.op_type, opset):
+        elif opset < MIN_OPSET and opset < UNCHANGED_SINCE.get(key, MIN_OPSET) and _changed_since(node.op_type, opset):
             reason = f"{key} (opset {opset}; only its opset-{MIN_OPSET}+ definition is supported)"
         else:
             continue
@@ -229,6 +232,40 @@ def _symbol_name(param: str) -> str:
     while param in GLOBALS or hasattr(builtins, param) or keyword.iskeyword(param):
         param += "_"
     return param
+
+
+def _renamed(b, rename: Callable[[str], str], attrs: dict):
+    """A copy of function-body node `b` with every value name mapped by `rename` (inside its
+    subgraphs too, so a Scan body in a function body sees the renamed outer names) and its
+    attribute references resolved against the calling node's `attrs`."""
+    from onnx import AttributeProto, NodeProto
+
+    n = NodeProto()
+    n.CopyFrom(b)
+    del n.input[:], n.output[:], n.attribute[:]
+    n.input.extend(rename(i) for i in b.input)
+    n.output.extend(rename(o) for o in b.output)
+    for a in b.attribute:
+        if a.ref_attr_name:
+            if a.ref_attr_name in attrs:
+                ref = AttributeProto()
+                ref.CopyFrom(attrs[a.ref_attr_name])
+                ref.name = a.name
+                n.attribute.append(ref)
+            continue
+        a2 = AttributeProto()
+        a2.CopyFrom(a)
+        for g in ([a2.g] if a2.type == AttributeProto.GRAPH else
+                  list(a2.graphs) if a2.type == AttributeProto.GRAPHS else []):
+            nodes = [_renamed(sub, rename, attrs) for sub in g.node]
+            del g.node[:]
+            g.node.extend(nodes)
+            for v in list(g.input) + list(g.output) + list(g.value_info):
+                v.name = rename(v.name)
+            for t in g.initializer:
+                t.name = rename(t.name)
+        n.attribute.append(a2)
+    return n
 
 
 def _dim_value(v: Any) -> Dim:
@@ -425,26 +462,33 @@ class _Importer:
         attrs = {a.name: a for a in node.attribute}
         out = []
         for b in body.node:
-            if any(a.type in (AttributeProto.GRAPH, AttributeProto.GRAPHS) for a in b.attribute):
-                raise FrontendError(f"{where}: its function body has subgraphs")
-            n = NodeProto()
-            n.CopyFrom(b)
+            n = _renamed(b, lambda v: rename.get(v, prefix + v) if v else "", attrs)
             n.name = prefix + (b.name or b.output[0])
-            del n.input[:], n.output[:], n.attribute[:]
-            n.input.extend(rename.get(i, prefix + i) if i else "" for i in b.input)
-            n.output.extend(rename.get(o, prefix + o) if o else "" for o in b.output)
-            for a in b.attribute:
-                if a.ref_attr_name:
-                    if a.ref_attr_name in attrs:
-                        ref = AttributeProto()
-                        ref.CopyFrom(attrs[a.ref_attr_name])
-                        ref.name = a.name
-                        n.attribute.append(ref)
-                else:
-                    n.attribute.append(a)
             out.append(n)
             self.producers.update({o: n for o in n.output if o})
         return out
+
+    def run_subgraph(self, graph, args: Sequence[Value], where: str) -> list[Value]:
+        """The outputs of subgraph `graph` (an If branch, a Loop or Scan body) on `args`, its nodes
+        converted in place. It sees the names of the enclosing scope; its own names are dropped
+        after, so the next iteration of an unrolled loop binds them afresh."""
+        if len(args) != len(graph.input):
+            raise FrontendError(f"{where}: its subgraph takes {len(graph.input)} inputs, given {len(args)}")
+        saved = dict(self.env)
+        try:
+            for formal, v in zip(graph.input, args):
+                self.env[formal.name] = v
+            for t in graph.initializer:
+                self.bind(t.name, tensor_array(t, f"{where}: subgraph initializer '{t.name}'"))
+            for node in graph.node:
+                self.producers.update({o: node for o in node.output if o})
+                self.convert(node)
+            missing = [o.name for o in graph.output if o.name not in self.env]
+            if missing:
+                raise FrontendError(f"{where}: subgraph outputs {missing} are computed by no node")
+            return [self.env[o.name] for o in graph.output]
+        finally:
+            self.env = saved
 
     def upstream_inputs(self, name: str) -> list[str]:
         """The run-time graph inputs that value `name` is computed from."""
@@ -2181,3 +2225,99 @@ def _recurrent(n):
         yh = n.transpose(yh, (1, 0, 2))
         yc = None if yc is None else n.transpose(yc, (1, 0, 2))
     return (y, yh, yc) if kind == "LSTM" else (y, yh)
+
+
+# --- control flow, unrolled ---
+
+# Iterations a Loop or Scan is unrolled to at most: past it the graph would be mostly copies
+# of one body, better served by a run-time loop tg does not have yet.
+MAX_UNROLL = 1024
+
+
+def _stack(n, values: list, axis: int = 0) -> Value:
+    """values (same shape) stacked along a new `axis`."""
+    parts = [n.unsqueeze(v, [axis]) for v in values]
+    return parts[0] if len(parts) == 1 else n.op("concat", *parts, axis=axis)
+
+
+@_conv("If")
+def _if(n):
+    """A condition known at import picks its branch; a run-time one runs both branches and
+    selects with where, when they give values of one type (their ops have no side effects)."""
+    cond = n.x(0)
+    then, other = n.attr("then_branch").g, n.attr("else_branch").g
+    if isinstance(cond, np.ndarray):
+        return n.imp.run_subgraph(then if bool(cond.reshape(-1)[0]) else other, [], n.where())
+    a, b = n.imp.run_subgraph(then, [], n.where()), n.imp.run_subgraph(other, [], n.where())
+    if [info(v) for v in a] != [info(v) for v in b]:
+        raise FrontendError(f"its condition is computed at run time and its branches give different types "
+                            f"({[str(info(v)) for v in a]} and {[str(info(v)) for v in b]})")
+    c = n.reshape(cond, ())
+    return [n.op("where", c, x, y) for x, y in zip(a, b)]
+
+
+@_conv("Loop")
+def _loop(n):
+    """Unrolled: the trip count and the condition must be known at import at every iteration."""
+    body = n.attr("body").g
+    trips = n.static(0)
+    trips = None if trips is None else int(trips.reshape(-1)[0])
+    cond = n.static(1)
+    cond = True if cond is None else bool(cond.reshape(-1)[0])
+    carried = list(n.inputs[2:])
+    scans: list[list] = []
+    i = 0
+    while cond and (trips is None or i < trips):
+        if i >= MAX_UNROLL:
+            raise FrontendError(f"it runs more than {MAX_UNROLL} iterations; it is unrolled at import")
+        outs = n.imp.run_subgraph(body, [np.array(i, np.int64), np.array(cond), *carried], n.where())
+        c = outs[0]
+        if not isinstance(c, np.ndarray):
+            raise FrontendError("its condition is computed at run time; it is unrolled at import")
+        cond = bool(c.reshape(-1)[0])
+        carried = outs[1:1 + len(carried)]
+        for k, v in enumerate(outs[1 + len(carried):]):
+            if k >= len(scans):
+                scans.append([])
+            scans[k].append(v)
+        i += 1
+    n_scans = len(body.output) - 1 - len(carried)
+    if n_scans and not scans:
+        raise FrontendError("it runs no iteration, so its scan outputs have no known shape")
+    return [*carried, *(_stack(n, vs) for vs in scans)]
+
+
+@_conv("Scan")
+def _scan(n):
+    """Unrolled over the static length of its scan inputs (opset 9+ form)."""
+    body = n.attr("body").g
+    m = n.attr("num_scan_inputs")
+    states, xs = list(n.inputs[:len(n.inputs) - m]), n.inputs[len(n.inputs) - m:]
+    in_axes = [_axis(a, n.rank(x)) for a, x in zip(n.attr("scan_input_axes", [0] * m), xs)]
+    in_dirs = n.attr("scan_input_directions", [0] * m)
+    lengths = {n.shape(x)[a] for x, a in zip(xs, in_axes)}
+    if len(lengths) != 1 or not isinstance(next(iter(lengths)), int):
+        raise FrontendError(f"its scan inputs must have one static length, got {sorted(map(str, lengths))}")
+    steps = lengths.pop()
+    if steps > MAX_UNROLL:
+        raise FrontendError(f"it runs {steps} iterations, more than {MAX_UNROLL}; it is unrolled at import")
+    k = len(body.output) - len(states)
+    out_axes = n.attr("scan_output_axes", [0] * k)
+    out_dirs = n.attr("scan_output_directions", [0] * k)
+    scans: list[list] = [[] for _ in range(k)]
+    for t in range(steps):
+        slices = []
+        for x, a, d in zip(xs, in_axes, in_dirs):
+            j = steps - 1 - t if d else t
+            slices.append(n.reshape(n.slice(x, a, j, j + 1), [s for i, s in enumerate(n.shape(x)) if i != a]))
+        outs = n.imp.run_subgraph(body, [*states, *slices], n.where())
+        states = outs[:len(states)]
+        for j, v in enumerate(outs[len(states):]):
+            scans[j].append(v)
+    if k and not steps:
+        raise FrontendError("it runs no iteration, so its scan outputs have no known shape")
+    stacked = []
+    for vs, a, d in zip(scans, out_axes, out_dirs):
+        vs = vs[::-1] if d else vs
+        stacked.append(_stack(n, vs, _axis(a, n.rank(vs[0]) + 1)))
+    return [*states, *stacked]

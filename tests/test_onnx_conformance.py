@@ -30,7 +30,6 @@ pytestmark = pytest.mark.slow
 TARGET_PASSES = 900
 
 _E8M0_ROUNDING = "dtype not supported: casts to E8M0 round up in ONNX, to nearest in tg (ml_dtypes)"
-_SUBGRAPHS = "op not supported: control flow with subgraphs (If, Loop, Scan); tg graphs have no regions"
 _SEQUENCES = "op not supported: sequence and optional values; tg values are tensors"
 _STRINGS = "op not supported: string tensors; tg has no string element type"
 _RANDOM = "op not supported: random number generation (tg models are deterministic)"
@@ -42,11 +41,9 @@ EXCLUDED: dict[str, str] = {
     r"^test_cast(like)?_e8m0_FLOAT(16)?_to_FLOAT8E8M0": _E8M0_ROUNDING,
     r"^test_equal_string": _STRINGS,
     # control flow, sequences, optionals, strings, randomness
-    r"^test_(if|loop11|loop13_seq|loop16_seq_none|scan_sum|scan9_)": _SUBGRAPHS,
-    r"^test_range_.*_expanded$": _SUBGRAPHS + " (Range's function body is a Loop)",
-    r"^test_affine_grid_": _SUBGRAPHS + " (AffineGrid's function body has an If)",
-    r"^test_linear_attention_": _SUBGRAPHS + " (LinearAttention's function body is a Scan)",
     r"^test_(sequence_|split_to_sequence_|optional_|identity_opt|identity_sequence)": _SEQUENCES,
+    r"^test_(if_opt|if_seq|loop13_seq|loop16_seq_none)$": _SEQUENCES + " (If and Loop, unrolled at import, "
+                                                          "carry or return them here)",
     r"^test_(string_|strnormalizer_|regex_full_match_|ai_onnx_ml_label_encoder_|tfidfvectorizer_)": _STRINGS,
     r"^test_(bernoulli|training_dropout(_default)?(_mask)?$)": _RANDOM,
     r"^test_(nonzero_|unique_|nonmaxsuppression_)": _DATA_SHAPE,
@@ -68,7 +65,7 @@ EXCLUDED: dict[str, str] = {
     r"^test_maxpool_with_argmax_": "output not supported: MaxPool's Indices",
     # definitions older than opset 13 that changed since
     r"^test_(dropout_default_old|dropout_random_old|upsample_nearest|scatter_with_axis|scatter_without_axis|"
-    r"dynamicquantizelinear\w*_expanded)$":
+    r"dynamicquantizelinear\w*_expanded|scan_sum)$":
         "opset not supported: an op definition older than opset 13 that has changed since",
 }
 

@@ -482,3 +482,22 @@ def test_a_scalar_output_imports_as_a_0d_tensor_and_a_wrong_declared_shape_is_an
     assert model.outputs[0].shape == ()
     with pytest.raises(FrontendError, match=r"graph output 'y' is declared with shape \(1,\)"):
         from_onnx(make_model(nodes, [vi("x", F32, [3])], [vi("y", F32, [1])]))
+
+
+def test_an_if_on_a_run_time_condition_runs_both_branches_and_selects_as_onnxruntime_does():
+    """If, Loop and Scan are unrolled at import (the conformance suite holds the static cases);
+    a condition known only at run time selects between branches of one type with where."""
+    def branch(name, op, c):
+        node = helper.make_node(op, ["x", f"{name}_c"], [f"{name}_y"])
+        const = helper.make_node("Constant", [], [f"{name}_c"], value=numpy_helper.from_array(np.float32(c)))
+        return helper.make_graph([const, node], name, [], [vi(f"{name}_y", F32, [3])])
+
+    nodes = [helper.make_node("If", ["cond"], ["y"], then_branch=branch("then", "Add", 1.0),
+                              else_branch=branch("else", "Mul", 2.0))]
+    onnx_model = make_model(nodes, [vi("cond", TensorProto.BOOL, []), vi("x", F32, [3])], [vi("y", F32, [3])])
+    model = from_onnx(onnx_model)
+    assert "tg.where" in model.text
+    x = np.array([1.0, -2.0, 3.5], np.float32)
+    for c in (True, False):
+        (ref,) = run_ort(onnx_model, {"cond": np.array(c), "x": x})
+        np.testing.assert_array_equal(interpret(model, [np.array(c), x], float64=False)[0], ref)
