@@ -33,6 +33,7 @@ What it decides and how:
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from pathlib import Path
@@ -2321,3 +2322,180 @@ def _scan(n):
         vs = vs[::-1] if d else vs
         stacked.append(_stack(n, vs, _axis(a, n.rank(vs[0]) + 1)))
     return [*states, *stacked]
+
+
+# --- GridSample, as gathers of taps ---
+
+# Keys' cubic convolution parameter ONNX and torch use for bicubic sampling.
+CUBIC_ALPHA = -0.75
+
+
+def _cubic_weights(n, t):
+    """Keys' weights of the taps at -1, 0, 1, 2 for fractional offset t (t in [0, 1))."""
+    a = CUBIC_ALPHA
+
+    def near(x):  # |x| <= 1
+        return n.op("add", n.op("mul", n.op("mul", n.op("sub", n.op("mul", x, a + 2), a + 3), x), x), 1)
+
+    def far(x):  # 1 < |x| < 2
+        inner = n.op("add", n.op("mul", n.op("sub", n.op("mul", x, a), 5 * a), x), 8 * a)
+        return n.op("sub", n.op("mul", inner, x), 4 * a)
+
+    one_minus = n.op("sub", 1, t)
+    return [far(n.op("add", t, 1)), near(t), near(one_minus), far(n.op("add", one_minus, 1))]
+
+
+def _reflect(n, x, lo: float, hi: float):
+    """Reflect x into [lo, hi] by its borders, as many times as it takes (ONNX's _gs_reflect)."""
+    span = hi - lo
+    below = n.op("lt", x, lo)
+    dx = n.op("where", below, n.op("sub", lo, x), n.op("sub", x, hi))
+    k = n.op("floor", n.op("div", dx, span))
+    r = n.op("sub", dx, n.op("mul", k, span))
+    even = n.op("eq", n.op("mod", k, 2.0), 0.0)
+    from_lo, from_hi = n.op("add", r, lo), n.op("sub", hi, r)
+    reflected = n.op("where", below, n.op("where", even, from_lo, from_hi), n.op("where", even, from_hi, from_lo))
+    return n.op("where", n.op("or", below, n.op("gt", x, hi)), reflected, x)
+
+
+@_conv("GridSample")
+def _grid_sample(n):
+    """Each output point is a weighted sum of taps of X: 1 (nearest), 2 (linear) or 4 (cubic) per
+    spatial dim, their indices and weights computed from the grid at run time and the taps read
+    with gather_elements over X's flattened spatial dims."""
+    x, grid = n.x(0), n.x(1)
+    mode = {"bilinear": "linear", "bicubic": "cubic"}.get(n.attr("mode", "linear"), n.attr("mode", "linear"))
+    padding = n.attr("padding_mode", "zeros")
+    corners = bool(n.attr("align_corners", 0))
+    if mode not in ("nearest", "linear", "cubic") or padding not in ("zeros", "border", "reflection"):
+        raise FrontendError(f"mode '{mode}' with padding_mode '{padding}' is not supported")
+    batch, channels, *dims = n.shape(x)
+    out = n.shape(grid)[1:-1]
+    r = len(dims)
+    if not all(isinstance(d, int) for d in dims) or n.shape(grid)[-1] != r:
+        raise FrontendError(f"X's spatial dims {dims} must be static and match the grid's last dim")
+    dt = n.dtype(x)
+    g = n.cast(grid, dt)
+    taps = []  # per spatial dim: [(index (N, *out) i64, weight or None)]
+    for d, size in enumerate(dims):
+        c = n.reshape(n.slice(g, len(out) + 1, r - 1 - d, r - d), (batch, *out))  # the grid lists x (width) first
+        pos = (n.op("mul", n.op("add", c, 1), (size - 1) / 2) if corners else
+               n.op("div", n.op("sub", n.op("mul", n.op("add", c, 1), float(size)), 1), 2))
+        lo, hi = (0.0, size - 1.0) if corners else (-0.5, size - 0.5)
+        if mode == "nearest":
+            pos = n.op("round", pos)
+        if padding == "border":
+            outside = n.op("or", n.op("lt", pos, lo), n.op("gt", pos, hi))
+            pos = n.op("where", outside, n.op("min", n.op("max", pos, 0.0), size - 1.0), pos)
+        elif padding == "reflection":
+            pos = _reflect(n, pos, lo, hi)
+        if mode == "nearest":
+            first, weights = pos, [None]  # truncated toward zero, as the reference's astype(int32)
+        else:
+            first = n.op("floor", pos)
+            t = n.op("sub", pos, first)
+            weights = [n.op("sub", 1, t), t] if mode == "linear" else _cubic_weights(n, t)
+            first = n.op("sub", first, 1.0) if mode == "cubic" else first
+        dim_taps = []
+        for k, w in enumerate(weights):
+            i = n.op("add", first, float(k))
+            if padding == "zeros":
+                valid = n.cast(n.op("and", n.op("ge", i, 0.0), n.op("le", i, size - 1.0)), dt)
+                w = valid if w is None else n.op("mul", w, valid)
+            elif padding == "reflection":
+                i = _reflect(n, i, lo, hi)
+            i = n.op("min", n.op("max", n.cast(i, "i64"), 0), size - 1)
+            dim_taps.append((i, w))
+        taps.append(dim_taps)
+    points = numel(out)
+    flat = n.reshape(x, (batch, channels, numel(dims)))
+    total = None
+    strides = [math.prod(dims[d + 1:]) for d in range(r)]
+    for combo in itertools.product(*taps):
+        index, weight = None, None
+        for (i, w), stride in zip(combo, strides):
+            part = n.op("mul", i, stride)
+            index = part if index is None else n.op("add", index, part)
+            if w is not None:
+                weight = w if weight is None else n.op("mul", weight, w)
+        index = n.broadcast(n.reshape(index, (batch, 1, points)), (batch, channels, points))
+        v = n.op("gather_elements", flat, index, axis=2)
+        if weight is not None:
+            v = n.op("mul", v, n.reshape(weight, (batch, 1, points)))
+        total = v if total is None else n.op("add", total, v)
+    return n.reshape(total, (batch, channels, *out))
+
+
+# --- DFT and STFT, as matmuls ---
+
+
+def _dft_matrix(length_in: int, complex_in: bool, length: int, inverse: bool, onesided: bool) -> np.ndarray:
+    """The real matrix of ONNX's DFT along one axis: (length_in * c_in, K * c_out), where a row
+    is an input (real[, imag]) pair and a column an output one. The transform is linear, so it is
+    np.fft itself applied to the basis vectors (padding or truncating to `length` as ONNX does)."""
+    c_in = 2 if complex_in else 1
+    basis = np.eye(length_in * c_in).reshape(-1, length_in, c_in)
+    z = basis[..., 0] + 1j * basis[..., 1] if complex_in else basis[..., 0]
+    if inverse and onesided:
+        out = np.fft.irfft(z, n=length, axis=1)[..., None]
+    else:
+        f = np.fft.ifft(z, n=length, axis=1) if inverse else np.fft.fft(z, n=length, axis=1)
+        if onesided:
+            f = f[:, :length // 2 + 1]
+        out = np.stack([f.real, f.imag], axis=-1)
+    return out.reshape(length_in * c_in, -1)
+
+
+def _along_last_two(n, x, axis: int, matrix: np.ndarray, c_out: int):
+    """Apply `matrix` to the (axis, last) dims of x, the result keeping x's dim order."""
+    r = n.rank(x)
+    perm = [d for d in range(r - 1) if d != axis] + [axis, r - 1]
+    moved = n.transpose(x, perm)
+    lead = n.shape(moved)[:-2]
+    flat = n.reshape(moved, (*lead, matrix.shape[0]))
+    y = n.op("matmul", flat, n.const(matrix, n.dtype(x)))
+    y = n.reshape(y, (*lead, matrix.shape[1] // c_out, c_out))
+    return n.transpose(y, [perm.index(d) for d in range(r)])
+
+
+@_conv("DFT")
+def _dft(n):
+    x = n.x(0)
+    r = n.rank(x)
+    if n.opset >= 20:
+        axis = n.static_ints(2)[0] if n.opt(2) is not None else -2
+    else:
+        axis = n.attr("axis", 1)
+    axis = _axis(int(axis), r)
+    if axis == r - 1:
+        raise FrontendError("the DFT axis cannot be the last (real, imaginary) dim")
+    inverse, onesided = bool(n.attr("inverse", 0)), bool(n.attr("onesided", 0))
+    size, c_in = n.shape(x)[axis], n.shape(x)[-1]
+    if not isinstance(size, int) or c_in not in (1, 2):
+        raise FrontendError(f"the signal length must be static and the last dim 1 or 2, got {n.info(x)}")
+    length = n.static_ints(1)[0] if n.opt(1) is not None else (2 * (size - 1) if inverse and onesided else size)
+    matrix = _dft_matrix(size, c_in == 2, int(length), inverse, onesided)
+    return _along_last_two(n, x, axis, matrix, 1 if inverse and onesided else 2)
+
+
+@_conv("STFT")
+def _stft(n):
+    """Frames gathered by a constant index, weighted by the window, then one DFT matmul."""
+    x, window = n.x(0), n.opt(2)
+    step = int(n.static_ints(1)[0])
+    batch, size, c_in = n.shape(x)
+    if n.opt(3) is not None:
+        frame = int(n.static_ints(3)[0])
+    elif window is not None:
+        frame = n.shape(window)[0]
+    else:
+        frame = size
+    if not all(isinstance(d, int) for d in (size, frame)) or step <= 0 or not 0 < frame <= size:
+        raise FrontendError(f"frame_step {step} and frame length {frame} must be static and fit {n.info(x)}")
+    frames = 1 + (size - frame) // step
+    index = np.arange(frames)[:, None] * step + np.arange(frame)[None, :]
+    framed = n.op("gather", x, n.const(index, "i64"), axis=1)  # (batch, frames, frame, c_in)
+    if window is not None:
+        framed = n.op("mul", framed, n.reshape(n.cast(window, n.dtype(x)), (1, 1, frame, 1)))
+    matrix = _dft_matrix(frame, c_in == 2, frame, False, bool(n.attr("onesided", 1)))
+    return _along_last_two(n, framed, 2, matrix, 2)

@@ -50,9 +50,9 @@ EXCLUDED: dict[str, str] = {
     r"^test_image_decoder_": "op not supported: ImageDecoder (image file decoding)",
     # ops without a tg op or composition yet
     r"^test_tensorscatter": "op not supported: TensorScatter",
-    r"^test_(dft|stft)": "op not supported: DFT, STFT (complex values)",
+    r"^test_dft_inverse(_opset19)?$": "tolerance: the expected output holds float32 FFT rounding noise (1.9e-7) "
+                                       "where the exact value is 0, above the case's atol of 1e-7",
     r"^test_melweightmatrix": "op not supported: MelWeightMatrix",
-    r"^test_gridsample": "op not supported: GridSample",
     r"^test_roialign_": "op not supported: RoiAlign",
     r"^test_(basic_deform_conv|deform_conv)": "op not supported: DeformConv",
     r"^test_col2im": "op not supported: Col2Im",
