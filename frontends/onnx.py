@@ -2499,3 +2499,218 @@ def _stft(n):
         framed = n.op("mul", framed, n.reshape(n.cast(window, n.dtype(x)), (1, 1, frame, 1)))
     matrix = _dft_matrix(frame, c_in == 2, frame, False, bool(n.attr("onesided", 1)))
     return _along_last_two(n, framed, 2, matrix, 2)
+
+
+# --- scatters into a buffer: MaxUnpool, Col2Im, TensorScatter ---
+
+
+def _zeros(n, shape, dtype: str) -> Value:
+    return n.broadcast(n.const(0, dtype).reshape((1,) * len(shape)), tuple(shape))
+
+
+@_conv("MaxUnpool")
+def _max_unpool(n):
+    """Each value written at its flat index (MaxPool's Indices index the whole tensor) into
+    zeros of the inferred shape, then padded at the end to output_shape when one is given."""
+    x, idx = n.x(0), n.x(1)
+    kernel = n.attr("kernel_shape")
+    k = len(kernel)
+    strides = n.attr("strides", [1] * k)
+    pads = n.attr("pads", [0] * 2 * k)
+    shape = list(n.shape(x))
+    if not all(isinstance(d, int) for d in shape):
+        raise FrontendError(f"its input shape must be static, got {n.info(x)}")
+    inferred = shape[:2] + [(shape[2 + d] - 1) * strides[d] - pads[d] - pads[k + d] + kernel[d] for d in range(k)]
+    flat = n.op("scatter_elements", _zeros(n, (numel(inferred),), n.dtype(x)),
+                n.reshape(n.cast(idx, "i64"), (numel(shape),)), n.reshape(x, (numel(shape),)), axis=0)
+    y = n.reshape(flat, inferred)
+    wanted = n.static_ints(2)
+    if wanted is None or [int(v) for v in wanted] == inferred:
+        return y
+    extra = [int(w) - i for w, i in zip(wanted, inferred)]
+    if len(extra) != len(inferred) or min(extra) < 0:
+        raise FrontendError(f"output_shape {wanted} is smaller than the unpooled shape {inferred}")
+    return n.op("pad", y, pads=tuple([0] * len(extra) + extra))
+
+
+@_conv("Col2Im")
+def _col2im(n):
+    """The adjoint of im2col: every column entry added at its image position (a constant index
+    computed here) into the zero-padded image, whose padding is then cut off."""
+    x = n.x(0)
+    image = [int(v) for v in n.static_ints(1)]
+    block = [int(v) for v in n.static_ints(2)]
+    r = len(image)
+    dil = n.attr("dilations", [1] * r)
+    strides = n.attr("strides", [1] * r)
+    pads = n.attr("pads", [0] * 2 * r)
+    batch, rows, cols = n.shape(x)
+    kernel = math.prod(block)
+    padded = [image[d] + pads[d] + pads[r + d] for d in range(r)]
+    blocks = [(padded[d] - dil[d] * (block[d] - 1) - 1) // strides[d] + 1 for d in range(r)]
+    if not isinstance(rows, int) or rows % kernel or cols != math.prod(blocks) or min(blocks) < 1:
+        raise FrontendError(f"input {n.info(x)} does not fit image {image}, block {block} and "
+                            f"{math.prod(blocks)} sliding blocks")
+    channels = rows // kernel
+    k_pos = np.stack(np.meshgrid(*[np.arange(b) for b in block], indexing="ij"), -1).reshape(-1, r)
+    l_pos = np.stack(np.meshgrid(*[np.arange(b) for b in blocks], indexing="ij"), -1).reshape(-1, r)
+    coords = k_pos[:, None, :] * np.array(dil) + l_pos[None, :, :] * np.array(strides)  # (K, L, r) in the padded image
+    index = np.ravel_multi_index(tuple(np.moveaxis(coords, -1, 0)), padded).reshape(1, 1, kernel * cols)
+    cols_ = n.reshape(x, (batch, channels, kernel * cols))
+    index_t = n.broadcast(n.const(index, "i64"), (batch, channels, kernel * cols))
+    image_t = n.op("scatter_elements", _zeros(n, (batch, channels, math.prod(padded)), n.dtype(x)), index_t, cols_,
+                   axis=2, reduction="add")
+    image_t = n.reshape(image_t, (batch, channels, *padded))
+    for d in range(r):
+        image_t = n.slice(image_t, 2 + d, pads[d], pads[d] + image[d])
+    return image_t
+
+
+@_conv("TensorScatter")
+def _tensor_scatter(n):
+    """update written into the cache along axis at each batch row's write index (mod the cache
+    length in circular mode): a scatter_elements whose index is that offset plus an iota."""
+    cache, update, where = n.x(0), n.x(1), n.opt(2)
+    r = n.rank(cache)
+    axis = _axis(n.attr("axis", -2), r)
+    mode = n.attr("mode", "linear")
+    if mode not in ("linear", "circular"):
+        raise FrontendError(f"mode '{mode}' is not supported")
+    if axis == 0:
+        raise FrontendError("axis 0 is the batch axis that write_indices index")
+    shape = n.shape(update)
+    index = n.iota(shape, axis)
+    if where is not None:
+        index = n.op("add", index, n.reshape(n.cast(where, "i64"), (shape[0],) + (1,) * (r - 1)))
+    if mode == "circular":
+        index = n.op("mod", index, n.shape(cache)[axis])
+    return n.op("scatter_elements", cache, index, update, axis=axis)
+
+
+# --- small closed forms ---
+
+
+@_conv("Det")
+def _det(n):
+    """Determinants of 1x1, 2x2 and 3x3 matrices by their cofactor expansions."""
+    x = n.x(0)
+    size = n.shape(x)[-1]
+    if size not in (1, 2, 3) or n.shape(x)[-2] != size:
+        raise FrontendError(f"only 1x1, 2x2 and 3x3 matrices are supported, got {n.info(x)}")
+    lead = n.shape(x)[:-2]
+    a = [[n.reshape(n.slice(n.slice(x, n.rank(x) - 2, i, i + 1), n.rank(x) - 1, j, j + 1), lead)
+          for j in range(size)] for i in range(size)]
+    mul, sub = (lambda p, q: n.op("mul", p, q)), (lambda p, q: n.op("sub", p, q))
+    if size == 1:
+        return a[0][0]
+    if size == 2:
+        return sub(mul(a[0][0], a[1][1]), mul(a[0][1], a[1][0]))
+    minors = [sub(mul(a[1][(j + 1) % 3], a[2][(j + 2) % 3]), mul(a[1][(j + 2) % 3], a[2][(j + 1) % 3]))
+              for j in range(3)]
+    return n.op("add", n.op("add", mul(a[0][0], minors[0]), mul(a[0][1], minors[1])), mul(a[0][2], minors[2]))
+
+
+@_conv("OptionalHasElement")
+def _optional_has_element(n):
+    """Only tensors reach here (optional-typed graph values are refused at the inputs): present
+    is true, an absent input false."""
+    return np.array(n.opt(0) is not None)
+
+
+@_conv("OptionalGetElement")
+def _optional_get_element(n):
+    return n.x(0)
+
+
+@_conv("ai.onnx.ml.Binarizer")
+def _binarizer(n):
+    x = n.x(0)
+    return n.cast(n.op("gt", x, float(n.attr("threshold", 0.0))), n.dtype(x))
+
+
+@_conv("ai.onnx.ml.ArrayFeatureExtractor")
+def _array_feature_extractor(n):
+    """x[..., indices] with the indices flattened; a 1-D x gives one row (as onnxruntime does)."""
+    x, idx = n.x(0), n.x(1)
+    idx = n.reshape(n.cast(idx, "i64"), (numel(n.shape(idx)),))
+    y = n.op("gather", x, idx, axis=n.rank(x) - 1)
+    return n.reshape(y, (1, numel(n.shape(idx)))) if n.rank(x) == 1 else y
+
+
+# --- the training optimizers (ai.onnx.preview.training), one update step ---
+
+TRAINING = "ai.onnx.preview.training."
+
+
+def _optimizer_groups(n, per: int) -> list[list]:
+    """The (X, G, state...) tensors of each optimized tensor: inputs after R and T, grouped by kind."""
+    rest = n.inputs[2:]
+    k = len(rest) // per
+    if k * per != len(rest) or not k:
+        raise FrontendError(f"expects R, T and {per} tensors per optimized tensor, got {len(n.inputs)} inputs")
+    return [[rest[j * k + i] for j in range(per)] for i in range(k)]
+
+
+def _regularized(n, x, g):
+    return n.op("add", n.op("mul", x, float(n.attr("norm_coefficient", 0.0))), g)
+
+
+@_conv(TRAINING + "Adagrad")
+def _adagrad(n):
+    r, t = n.x(0), n.cast(n.x(1), n.dtype(n.x(0)))
+    rate = n.op("div", r, n.op("add", n.op("mul", t, float(n.attr("decay_factor", 0.0))), 1.0))
+    xs, hs = [], []
+    for x, g, h in _optimizer_groups(n, 3):
+        gr = _regularized(n, x, g)
+        h_new = n.op("add", h, n.op("mul", gr, gr))
+        step = n.op("div", n.op("mul", n.cast(rate, n.dtype(x)), gr),
+                    n.op("add", n.op("sqrt", h_new), float(n.attr("epsilon", 0.0))))
+        xs.append(n.op("sub", x, step))
+        hs.append(h_new)
+    return xs + hs
+
+
+@_conv(TRAINING + "Adam")
+def _adam(n):
+    dt = n.dtype(n.x(0))
+    r, t = n.x(0), n.cast(n.x(1), dt)
+    alpha, beta = float(n.attr("alpha", 0.9)), float(n.attr("beta", 0.999))
+    # r * sqrt(1 - beta^t) / (1 - alpha^t) once steps were taken (t > 0), else r
+    power = lambda base: n.op("pow", n.const(base, dt), t)  # noqa: E731
+    corrected = n.op("div", n.op("mul", r, n.op("sqrt", n.op("sub", 1.0, power(beta)))), n.op("sub", 1.0, power(alpha)))
+    rate = n.op("where", n.op("gt", t, 0.0), corrected, r)
+    xs, vs, hs = [], [], []
+    for x, g, v, h in _optimizer_groups(n, 4):
+        gr = _regularized(n, x, g)
+        v_new = n.op("add", n.op("mul", v, alpha), n.op("mul", gr, 1 - alpha))
+        h_new = n.op("add", n.op("mul", h, beta), n.op("mul", n.op("mul", gr, gr), 1 - beta))
+        denom = n.op("add", n.op("sqrt", h_new), float(n.attr("epsilon", 0.0)))
+        x_new = n.op("sub", x, n.op("mul", n.cast(rate, n.dtype(x)), n.op("div", v_new, denom)))
+        xs.append(n.op("mul", x_new, 1.0 - float(n.attr("norm_coefficient_post", 0.0))))
+        vs.append(v_new)
+        hs.append(h_new)
+    return xs + vs + hs
+
+
+@_conv(TRAINING + "Momentum")
+def _momentum(n):
+    dt = n.dtype(n.x(0))
+    r, t = n.x(0), n.cast(n.x(1), dt)
+    alpha, beta = float(n.attr("alpha")), float(n.attr("beta"))
+    nesterov = n.attr("mode") == "nesterov"
+    scale = n.op("where", n.op("gt", t, 0.0), n.const(beta, dt), n.const(1.0, dt))  # beta once steps were taken
+    xs, vs = [], []
+    for x, g, v in _optimizer_groups(n, 3):
+        gr = _regularized(n, x, g)
+        v_new = n.op("add", n.op("mul", v, alpha), n.op("mul", n.cast(scale, n.dtype(x)), gr))
+        direction = n.op("add", gr, n.op("mul", v_new, alpha)) if nesterov else v_new
+        xs.append(n.op("sub", x, n.op("mul", n.cast(r, n.dtype(x)), direction)))
+        vs.append(v_new)
+    return xs + vs
+
+
+@_conv("BitCast")
+def _bitcast(n):
+    x = n.x(0)
+    to = onnx_dtype(n.attr("to"), "attribute 'to'")
+    return n.op("bitcast", x, to=to, source=n.dtype(x))
