@@ -29,7 +29,7 @@ What it decides, and how:
   `torch.result_type` of their operands.
 * Errors. A first pass lists every unsupported op, with its count and first node,
   in one FrontendError; a converter that cannot handle its arguments (a
-  transposed convolution, dropout in training mode) names the node and the op.
+  dropout in training mode) names the node and the op.
 """
 
 from __future__ import annotations
@@ -76,6 +76,8 @@ KEEP_WHOLE = [
     "logsumexp.default", "flatten.using_ints", "unflatten.int", "pad.default", "batch_norm.default",
     "dropout.default", "var.correction", "std.correction", "linalg_vector_norm.default",
     *[f"{kind}{n}d.{o}" for kind in ("upsample_nearest", "_upsample_nearest_exact") for n in (1, 2, 3)
+      for o in ("default", "vec")],
+    *[f"{kind}.{o}" for kind in ("upsample_linear1d", "upsample_bilinear2d", "upsample_trilinear3d")
       for o in ("default", "vec")],
 ]
 
@@ -1137,8 +1139,44 @@ def _conv(cv, x, w, bias, stride, padding, dilation, groups):
 @converts("convolution.default", "_convolution.default")
 def _convolution(cv, node, a):
     if a.transposed:
-        raise FrontendError("transposed convolution is not supported")
+        nd = a.weight.rank - 2
+        return _unbatched(cv, a.input, nd, lambda xb: _conv_transpose(
+            cv, xb, a.weight, a.bias, _ntuple(a.stride, nd), _ntuple(a.padding, nd), _ntuple(a.dilation, nd),
+            _ntuple(a.output_padding, nd), a.groups))
     return _conv(cv, a.input, a.weight, a.bias, a.stride, a.padding, a.dilation, a.groups)
+
+
+def _conv_transpose(cv, x, w, bias, stride, padding, dilation, output_padding, groups):
+    """The transposed convolution as a stride-1 convolution of x with stride-1 zeros between its
+    elements, padded by dilation*(k-1) - padding (cropped where that is negative; output_padding
+    more at the end), with the kernel flipped and its in/out channels swapped per group."""
+    g, nd = cv.g, w.rank - 2
+    if not all(isinstance(d, int) for d in x.shape[2:]):
+        raise FrontendError(f"transposed convolution of symbolic spatial dims {x.shape[2:]}")
+    for i, s in enumerate(stride):
+        a = 2 + i
+        if s > 1:
+            shape = x.shape
+            pads = [0] * (2 * (x.rank + 1))
+            pads[x.rank + 1 + a + 1] = s - 1  # s - 1 zeros after each element, on a new axis
+            grown = g.pad(g.reshape(x, shape[:a + 1] + (1,) + shape[a + 1:]), pads)
+            grown = g.reshape(grown, shape[:a] + (shape[a] * s,) + shape[a + 1:])
+            x = g.slice(grown, [0], [(shape[a] - 1) * s + 1], axes=[a])
+    for i in range(nd):
+        a, k = 2 + i, w.shape[2 + i]
+        lo = dilation[i] * (k - 1) - padding[i]
+        hi = lo + output_padding[i]
+        if lo < 0 or hi < 0:
+            x = g.slice(x, [max(-lo, 0)], [x.shape[a] - max(-hi, 0)], axes=[a])
+        if lo > 0 or hi > 0:
+            pads = [0] * (2 * x.rank)
+            pads[a], pads[x.rank + a] = max(lo, 0), max(hi, 0)
+            x = g.pad(x, pads)
+    cin, cout_g, *kernel = w.shape
+    wt = g.reshape(w, (groups, cin // groups, cout_g, *kernel))
+    wt = g.reshape(g.transpose(wt, (0, 2, 1, *range(3, 3 + nd))), (groups * cout_g, cin // groups, *kernel))
+    wt = g.slice(wt, [-1] * nd, [-(1 << 63) + 1] * nd, axes=list(range(2, 2 + nd)), steps=[-1] * nd)  # flipped
+    return g.conv(x, wt, bias, strides=(1,) * nd, pads=(0,) * (2 * nd), dilations=tuple(dilation), groups=groups)
 
 
 @converts("conv1d.default", "conv2d.default", "conv3d.default", "conv1d.padding", "conv2d.padding",
@@ -1238,6 +1276,43 @@ def _upsample_nearest(cv, node, a):
         src = np.minimum(np.floor(dst * scale).astype(np.int64), size - 1)
         if not (n == size and np.array_equal(src, np.arange(n))):
             x = cv.g.gather(x, cv.g.constant(src), axis=2 + i)
+    return x
+
+
+_LINEAR = [f"{kind}.{o}" for kind in ("upsample_linear1d", "upsample_bilinear2d", "upsample_trilinear3d")
+           for o in ("default", "vec")]
+
+
+@converts(*_LINEAR)
+def _upsample_linear(cv, node, a):
+    """(Bi/tri)linear upsampling, one axis at a time: two gathers of torch's source taps and
+    their weights, all computed here from the static sizes (ATen's upsample_linear rules)."""
+    x = a.get("input", a.get("self"))
+    nd = x.rank - 2
+    out = cv.meta_shape(node)[2:]
+    scales = a.get("scale_factors") or [v for k, v in a.items() if k.startswith("scales")] or [None] * nd
+    corners = bool(a.align_corners)
+    dtype = dtypes.numpy_dtype(x.dtype)
+    for i in range(nd):
+        size, n = x.shape[2 + i], out[i]
+        if not (isinstance(size, int) and isinstance(n, int)):
+            raise FrontendError(f"linear upsampling of a symbolic size ({size} -> {n})")
+        # area_pixel_compute_scale / _source_index, in float32 as ATen computes them for float32
+        if corners:
+            scale = np.float32((size - 1) / (n - 1) if n > 1 else 0.0)
+            src = np.arange(n, dtype=np.float32) * scale
+        else:
+            scale = np.float32(1.0 / scales[i] if scales[i] else size / n)
+            src = np.maximum((np.arange(n, dtype=np.float32) + np.float32(0.5)) * scale - np.float32(0.5), 0)
+        lo = src.astype(np.int64)
+        hi = np.minimum(lo + 1, size - 1)
+        frac = (src - lo).astype(dtype)
+        shape = [1] * x.rank
+        shape[2 + i] = n
+        near = cv.g.gather(x, cv.g.constant(lo), axis=2 + i)
+        far = cv.g.gather(x, cv.g.constant(hi), axis=2 + i)
+        x = (near * cv.g.constant((1 - frac).reshape(shape).astype(dtype))
+             + far * cv.g.constant(frac.reshape(shape)))
     return x
 
 
