@@ -1485,12 +1485,17 @@ def _window_attrs(n, x, kernel: Sequence[int]) -> dict:
     auto = n.attr("auto_pad", "NOTSET")
     if auto in ("SAME_UPPER", "SAME_LOWER"):
         spatial = n.shape(x)[2:]
-        if not all(isinstance(d, int) for d in spatial):
-            raise FrontendError(f"auto_pad {auto} needs static spatial dims, got {spatial}")
+        # With stride 1 the total padding is dilation * (kernel - 1) whatever the size; with a
+        # larger stride it depends on the size modulo the stride, which must then be known.
+        if not all(isinstance(d, int) or s == 1 for d, s in zip(spatial, strides)):
+            raise FrontendError(f"auto_pad {auto} with strides {strides} needs static spatial dims, got {spatial}")
         pads = [0] * (2 * nd)
         for i in range(nd):
-            out = -(-spatial[i] // strides[i])
-            total = max(0, (out - 1) * strides[i] + dilations[i] * (kernel[i] - 1) + 1 - spatial[i])
+            if strides[i] == 1:
+                total = dilations[i] * (kernel[i] - 1)
+            else:
+                out = -(-spatial[i] // strides[i])
+                total = max(0, (out - 1) * strides[i] + dilations[i] * (kernel[i] - 1) + 1 - spatial[i])
             lo = total // 2 if auto == "SAME_UPPER" else total - total // 2
             pads[i], pads[i + nd] = lo, total - lo
     elif auto == "VALID":

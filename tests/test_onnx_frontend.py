@@ -501,3 +501,17 @@ def test_an_if_on_a_run_time_condition_runs_both_branches_and_selects_as_onnxrun
     for c in (True, False):
         (ref,) = run_ort(onnx_model, {"cond": np.array(c), "x": x})
         np.testing.assert_array_equal(interpret(model, [np.array(c), x], float64=False)[0], ref)
+
+
+def test_same_padding_with_stride_1_keeps_symbolic_spatial_dims_and_matches_onnxruntime():
+    """auto_pad SAME_UPPER with stride 1 pads kernel - 1 whatever the size (the odd one at the end)."""
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((4, 3, 3, 2)).astype(np.float32), "w")
+    nodes = [helper.make_node("Conv", ["x", "w"], ["y"], auto_pad="SAME_UPPER")]  # onnxruntime: no dilation with SAME
+    onnx_model = make_model(nodes, [vi("x", F32, [1, 3, "h", "w_"])], [vi("y", F32, [1, 4, "h", "w_"])], [w])
+    model = from_onnx(onnx_model)
+    assert model.outputs[0].shape == (1, 4, symbol("h"), symbol("w_"))
+    for shape in [(1, 3, 5, 6), (1, 3, 8, 3)]:
+        x = rng.standard_normal(shape).astype(np.float32)
+        (ref,) = run_ort(onnx_model, {"x": x})
+        assert_close(interpret(model, [x])[0], ref, "f32", 18)
