@@ -135,14 +135,14 @@ ARCHS = [
     Arch("dinov2", "vision", "dinov2", dict(VIT, image_size=IMAGE), "image"),
     Arch("swin", "vision", "swin", dict(image_size=IMAGE, patch_size=4, embed_dim=16, depths=[1, 1],
                                         num_heads=[2, 2], window_size=4), "image"),
-    Arch("convnext", "vision", "convnext", dict(hidden_sizes=[8, 16], depths=[1, 1]), "image"),
-    Arch("convnextv2", "vision", "convnextv2", dict(hidden_sizes=[8, 16], depths=[1, 1]), "image"),
+    Arch("convnext", "vision", "convnext", dict(num_stages=2, hidden_sizes=[8, 16], depths=[1, 1]), "image"),
+    Arch("convnextv2", "vision", "convnextv2", dict(num_stages=2, hidden_sizes=[8, 16], depths=[1, 1]), "image"),
     Arch("resnet", "vision", "resnet", dict(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1]), "image"),
     Arch("regnet", "vision", "regnet", dict(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
                                             groups_width=4), "image"),
     Arch("mobilenet-v2", "vision", "mobilenet_v2", dict(depth_multiplier=0.25, image_size=IMAGE), "image"),
     Arch("efficientnet", "vision", "efficientnet", dict(width_coefficient=0.25, depth_coefficient=0.2,
-                                                        image_size=IMAGE, hidden_dim=64), "image"),
+                                                        image_size=IMAGE, hidden_dim=320), "image"),
     Arch("segformer", "vision", "segformer", dict(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1],
                                                   hidden_sizes=[8, 16], num_attention_heads=[1, 2],
                                                   patch_sizes=[7, 3], strides=[4, 2], mlp_ratios=[2, 2],
@@ -204,8 +204,9 @@ def example_inputs(kind: str, config=None) -> dict:
     raise KeyError(kind)
 
 
-def build(arch: Arch):
-    """(module returning one tensor, names of its inputs, example input tensors)."""
+def build(arch: Arch, **model_kwargs):
+    """(module returning one tensor, names of its inputs, example input tensors); `model_kwargs`
+    go to transformers' from_config (experts_implementation)."""
     import torch
 
     torch.manual_seed(0)
@@ -216,7 +217,7 @@ def build(arch: Arch):
         from transformers import AutoConfig, AutoModel
 
         config = AutoConfig.for_model(arch.model_type, **arch.config)
-        model = AutoModel.from_config(config, attn_implementation="eager")
+        model = AutoModel.from_config(config, attn_implementation="eager", **model_kwargs)
         module = FirstOutput(model.eval(), "use_cache" in model.forward.__code__.co_varnames)
         inputs = example_inputs(arch.inputs, config)
         module.names = list(inputs)
@@ -321,7 +322,16 @@ def run_one(arch: Arch, target: str, time_it: bool, repeat: int) -> dict:
     # ONNX route
     with tempfile.TemporaryDirectory() as d:
         try:
-            path = export_onnx(module, inputs, Path(d) / "m.onnx", names, ["out"])
+            try:
+                path = export_onnx(module, inputs, Path(d) / "m.onnx", names, ["out"])
+            except Exception:
+                if arch.family != "moe":
+                    raise
+                # transformers' default experts path calls its own custom op, which the TorchScript
+                # exporter cannot write; its batched_mm path (same weights, same results) exports.
+                path = export_onnx(build(arch, experts_implementation="batched_mm")[0], inputs,
+                                   Path(d) / "m.onnx", names, ["out"])
+                row["onnx_note"] = "exported with experts_implementation=batched_mm"
         except Exception as e:
             row["onnx"] = row["ort"] = "export failed"
             row["onnx_detail"] = short(e)
@@ -362,11 +372,20 @@ def main() -> int:
     p.add_argument("--time", action="store_true", help="also time tilegraph, torch eager and onnxruntime")
     p.add_argument("--repeat", type=int, default=7, help="timed rounds per model with --time (median)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per model")
+    p.add_argument("--save", help="write the rows as JSON to this file")
+    p.add_argument("--report", help="print the report of saved rows (comma-separated files, later rows "
+                                    "replacing earlier ones of the same model) instead of running")
     p.add_argument("--one", help=argparse.SUPPRESS)  # the child process: one model, a JSON line out
     args = p.parse_args()
     by_name = {a.name: a for a in ARCHS}
     if args.one:
         print("RESULT " + json.dumps(run_one(by_name[args.one], args.target, args.time, args.repeat)))
+        return 0
+    if args.report:
+        merged: dict[str, dict] = {}
+        for f in args.report.split(","):
+            merged.update({r["name"]: r for r in json.loads(Path(f).read_text())})
+        report([merged[a.name] for a in ARCHS if a.name in merged], args)
         return 0
     archs = ARCHS
     if args.only:
@@ -393,6 +412,8 @@ def main() -> int:
         rows.append(row)
         print(f"{arch.name:14s} torch: {row['torch']:28s} onnx: {row['onnx']:28s} ort: {row.get('ort', '-')}  "
               f"({row['seconds']:.0f} s)", flush=True)
+        if args.save:
+            Path(args.save).write_text(json.dumps(rows, indent=1))
     report(rows, args)
     return 0
 
@@ -432,6 +453,9 @@ def report(rows: list[dict], args) -> None:
             ratios = [r["times"][a] / r["times"][b] for r in rows if a in r.get("times", {}) and b in r["times"]]
             if ratios:
                 print(f"{a}/{b}: geometric mean {float(np.exp(np.mean(np.log(ratios)))):.2f} over {len(ratios)} models")
+    for r in rows:
+        if "onnx_note" in r:
+            print(f"  {r['name']}: ONNX file {r['onnx_note']}")
     failures = [(r["name"], route, r.get(f"{route}_detail", "")) for r in rows for route in ("torch", "onnx")
                 if r[route] != "ok"]
     if failures:
