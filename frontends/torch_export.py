@@ -1193,6 +1193,16 @@ def _pool_nd(node) -> int:
     return 3 if "3d" in name else 1 if "1d" in name else 2
 
 
+def _fit_window(x, kernel, pads, ceil_mode):
+    """With ceil_mode torch accepts a window larger than the padded input (EfficientNet's pooler:
+    320 over 1x1) and makes one window of the whole padded input of it; tg's pools take that
+    window at its real size, which gives the same single output."""
+    if not ceil_mode:
+        return kernel
+    spatial = x.shape[-len(kernel):]
+    return tuple(min(k, s + 2 * p) if isinstance(s, int) else k for k, s, p in zip(kernel, spatial, pads))
+
+
 @converts("max_pool1d.default", "max_pool2d.default", "max_pool3d.default", "max_pool2d_with_indices.default",
           "max_pool3d_with_indices.default", "max_pool1d_with_indices.default")
 def _max_pool(cv, node, a):
@@ -1200,6 +1210,7 @@ def _max_pool(cv, node, a):
     kernel = _ntuple(a.kernel_size, nd)
     stride = _ntuple(a.stride, nd) if a.stride else kernel
     pads = _ntuple(a.padding, nd)
+    kernel = _fit_window(a.self, kernel, pads, a.ceil_mode)
     y = _unbatched(cv, a.self, nd, lambda xb: cv.g.max_pool(xb, kernel=kernel, strides=stride, pads=pads + pads,
                                                              dilations=_ntuple(a.dilation, nd), ceil_mode=a.ceil_mode))
     return (y, None) if "indices" in str(node.target) else y
@@ -1211,6 +1222,7 @@ def _avg_pool(cv, node, a):
     kernel = _ntuple(a.kernel_size, nd)
     stride = _ntuple(a.stride, nd) if a.stride else kernel
     pads = _ntuple(a.padding, nd)
+    kernel = _fit_window(a.self, kernel, pads, a.ceil_mode)
     divisor = a.get("divisor_override")
     if divisor is not None and a.ceil_mode:
         raise FrontendError("avg_pool with both divisor_override and ceil_mode is not supported")

@@ -239,7 +239,9 @@ CONTRACTIONS = {
                                 F.avg_pool2d(x, 2), F.avg_pool2d(x, 3, 2, 1, count_include_pad=False),
                                 F.avg_pool2d(x, 3, 2, 1, ceil_mode=True), F.avg_pool2d(x, 2, divisor_override=3),
                                 F.adaptive_avg_pool2d(x, (3, 1)), F.adaptive_avg_pool2d(x, 1),
-                                F.adaptive_max_pool2d(x, 3), F.max_pool2d(x, 3, 1, dilation=2))),
+                                F.adaptive_max_pool2d(x, 3), F.max_pool2d(x, 3, 1, dilation=2),
+                                # ceil_mode windows larger than the input (EfficientNet's pooler)
+                                F.avg_pool2d(x, 12, ceil_mode=True), F.max_pool2d(x, (10, 2), ceil_mode=True))),
                (r(2, 3, 9, 9),), 9),
     "upsample_nearest": (Fn(lambda m, x: (F.interpolate(x, scale_factor=2), F.interpolate(x, size=(7, 4)),
                                           F.interpolate(x, scale_factor=1.5, mode="nearest-exact"),
