@@ -16,7 +16,8 @@ tilegraph). Each model runs in a child process of its own with a time limit, so 
 crash or hang costs one row.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/arch_sweep.py [--only bert,vit] [--family text]
-        [--target numpy] [--time [--repeat 5]] [--timeout 600]
+        [--target numpy] [--time [--repeat 7] [--threads N]] [--timeout 600] [--save rows.json]
+    .venv/bin/python benchmarks/arch_sweep.py --report run1.json,run2.json   # merged rows, no run
 
 `--time` adds the median latency of tilegraph (torch route), torch eager and onnxruntime
 (round-robin, benchmarks/_common.py) and the ratios tilegraph/eager and tilegraph/onnxruntime.
@@ -281,7 +282,7 @@ def short(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:160]}"
 
 
-def run_one(arch: Arch, target: str, time_it: bool, repeat: int) -> dict:
+def run_one(arch: Arch, target: str, time_it: bool, repeat: int, threads: int | None = None) -> dict:
     import numpy as np
     import torch
 
@@ -293,6 +294,8 @@ def run_one(arch: Arch, target: str, time_it: bool, repeat: int) -> dict:
 
     global FirstOutput
     FirstOutput = _first_output_class()
+    if threads:
+        torch.set_num_threads(threads)
     row: dict = {"name": arch.name, "family": arch.family}
     module, names, inputs = build(arch)
     with torch.no_grad():
@@ -345,6 +348,8 @@ def run_one(arch: Arch, target: str, time_it: bool, repeat: int) -> dict:
                 # its pool threads would otherwise spin after each call and take the cores
                 # from the runner timed next
                 opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+                if threads:
+                    opts.intra_op_num_threads = threads
                 sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
                 runners["onnxruntime"] = lambda: sess.run(None, feeds)
             except Exception as e:
@@ -371,6 +376,8 @@ def main() -> int:
     p.add_argument("--target", default="numpy", help="tilegraph.compile's target (default numpy)")
     p.add_argument("--time", action="store_true", help="also time tilegraph, torch eager and onnxruntime")
     p.add_argument("--repeat", type=int, default=7, help="timed rounds per model with --time (median)")
+    p.add_argument("--threads", type=int, help="intra-op threads of torch and onnxruntime with --time (default: "
+                                                "theirs); on a loaded machine pools of 2 threads wait for cores")
     p.add_argument("--timeout", type=float, default=600, help="seconds per model")
     p.add_argument("--save", help="write the rows as JSON to this file")
     p.add_argument("--report", help="print the report of saved rows (comma-separated files, later rows "
@@ -379,7 +386,7 @@ def main() -> int:
     args = p.parse_args()
     by_name = {a.name: a for a in ARCHS}
     if args.one:
-        print("RESULT " + json.dumps(run_one(by_name[args.one], args.target, args.time, args.repeat)))
+        print("RESULT " + json.dumps(run_one(by_name[args.one], args.target, args.time, args.repeat, args.threads)))
         return 0
     if args.report:
         merged: dict[str, dict] = {}
@@ -396,6 +403,7 @@ def main() -> int:
     for arch in archs:
         cmd = [sys.executable, __file__, "--one", arch.name, "--target", args.target, "--repeat", str(args.repeat)]
         cmd += ["--time"] if args.time else []
+        cmd += ["--threads", str(args.threads)] if args.threads else []
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
