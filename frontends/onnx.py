@@ -33,6 +33,7 @@ What it decides and how:
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from pathlib import Path
@@ -54,6 +55,9 @@ from tilegraph.ir.shapes import Dim, ShapeError, TensorInfo, broadcast_shapes, i
 MIN_OPSET = 13  # the oldest default-domain opset whose op definitions this frontend implements
 DEFAULT_DOMAINS = ("", "ai.onnx")
 INT64_MAX = (1 << 63) - 1  # ONNX's and tg.slice's "to the end"
+# Ops whose definitions from this opset to 13 changed only in types tg does not have (sequences,
+# optionals) or in what they refuse (Scan 9 took no negative axes): the converters take them.
+UNCHANGED_SINCE = {"If": 11, "Loop": 11, "Scan": 9}
 MAX_FUNCTION_DEPTH = 8  # function bodies calling functions: a guard against runaway recursion
 # Ops with a function body that is random or otherwise not a computation tg can hold.
 NOT_EXPANDED = {"Bernoulli", "SequenceMap"}
@@ -155,7 +159,7 @@ def unsupported_ops(proto) -> dict[str, list[str]]:
             continue  # expanded into its function body at import
         if key not in CONVERTERS:
             reason = key
-        elif opset < MIN_OPSET and _changed_since(node.op_type, opset):
+        elif opset < MIN_OPSET and opset < UNCHANGED_SINCE.get(key, MIN_OPSET) and _changed_since(node.op_type, opset):
             reason = f"{key} (opset {opset}; only its opset-{MIN_OPSET}+ definition is supported)"
         else:
             continue
@@ -230,6 +234,40 @@ def _symbol_name(param: str) -> str:
     while param in GLOBALS or hasattr(builtins, param) or keyword.iskeyword(param):
         param += "_"
     return param
+
+
+def _renamed(b, rename: Callable[[str], str], attrs: dict):
+    """A copy of function-body node `b` with every value name mapped by `rename` (inside its
+    subgraphs too, so a Scan body in a function body sees the renamed outer names) and its
+    attribute references resolved against the calling node's `attrs`."""
+    from onnx import AttributeProto, NodeProto
+
+    n = NodeProto()
+    n.CopyFrom(b)
+    del n.input[:], n.output[:], n.attribute[:]
+    n.input.extend(rename(i) for i in b.input)
+    n.output.extend(rename(o) for o in b.output)
+    for a in b.attribute:
+        if a.ref_attr_name:
+            if a.ref_attr_name in attrs:
+                ref = AttributeProto()
+                ref.CopyFrom(attrs[a.ref_attr_name])
+                ref.name = a.name
+                n.attribute.append(ref)
+            continue
+        a2 = AttributeProto()
+        a2.CopyFrom(a)
+        for g in ([a2.g] if a2.type == AttributeProto.GRAPH else
+                  list(a2.graphs) if a2.type == AttributeProto.GRAPHS else []):
+            nodes = [_renamed(sub, rename, attrs) for sub in g.node]
+            del g.node[:]
+            g.node.extend(nodes)
+            for v in list(g.input) + list(g.output) + list(g.value_info):
+                v.name = rename(v.name)
+            for t in g.initializer:
+                t.name = rename(t.name)
+        n.attribute.append(a2)
+    return n
 
 
 def _dim_value(v: Any) -> Dim:
@@ -308,6 +346,16 @@ class _Importer:
                 declared = onnx_dtype(out.type.tensor_type.elem_type, f"graph output '{out.name}'")
                 if declared != t.dtype:
                     raise FrontendError(f"graph output '{out.name}' is declared {declared} but computes {t.dtype}")
+            if out.type.tensor_type.HasField("shape"):
+                # A declared shape is checked where it is certain: its rank and its fixed dims
+                # (a scalar output computed as a 1-element array is an importer bug, not a model's).
+                dims = out.type.tensor_type.shape.dim
+                shape = t.info.shape
+                if len(dims) != len(shape) or any(d.HasField("dim_value") and isinstance(s, int) and d.dim_value != s
+                                                  for d, s in zip(dims, shape)):
+                    declared = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in dims)
+                    raise FrontendError(f"graph output '{out.name}' is declared with shape {declared} "
+                                        f"but computes {t.info}")
             outputs.append(t)
         return self.g.build(*outputs, names=[o.name for o in graph.output])
 
@@ -416,26 +464,33 @@ class _Importer:
         attrs = {a.name: a for a in node.attribute}
         out = []
         for b in body.node:
-            if any(a.type in (AttributeProto.GRAPH, AttributeProto.GRAPHS) for a in b.attribute):
-                raise FrontendError(f"{where}: its function body has subgraphs")
-            n = NodeProto()
-            n.CopyFrom(b)
+            n = _renamed(b, lambda v: rename.get(v, prefix + v) if v else "", attrs)
             n.name = prefix + (b.name or b.output[0])
-            del n.input[:], n.output[:], n.attribute[:]
-            n.input.extend(rename.get(i, prefix + i) if i else "" for i in b.input)
-            n.output.extend(rename.get(o, prefix + o) if o else "" for o in b.output)
-            for a in b.attribute:
-                if a.ref_attr_name:
-                    if a.ref_attr_name in attrs:
-                        ref = AttributeProto()
-                        ref.CopyFrom(attrs[a.ref_attr_name])
-                        ref.name = a.name
-                        n.attribute.append(ref)
-                else:
-                    n.attribute.append(a)
             out.append(n)
             self.producers.update({o: n for o in n.output if o})
         return out
+
+    def run_subgraph(self, graph, args: Sequence[Value], where: str) -> list[Value]:
+        """The outputs of subgraph `graph` (an If branch, a Loop or Scan body) on `args`, its nodes
+        converted in place. It sees the names of the enclosing scope; its own names are dropped
+        after, so the next iteration of an unrolled loop binds them afresh."""
+        if len(args) != len(graph.input):
+            raise FrontendError(f"{where}: its subgraph takes {len(graph.input)} inputs, given {len(args)}")
+        saved = dict(self.env)
+        try:
+            for formal, v in zip(graph.input, args):
+                self.env[formal.name] = v
+            for t in graph.initializer:
+                self.bind(t.name, tensor_array(t, f"{where}: subgraph initializer '{t.name}'"))
+            for node in graph.node:
+                self.producers.update({o: node for o in node.output if o})
+                self.convert(node)
+            missing = [o.name for o in graph.output if o.name not in self.env]
+            if missing:
+                raise FrontendError(f"{where}: subgraph outputs {missing} are computed by no node")
+            return [self.env[o.name] for o in graph.output]
+        finally:
+            self.env = saved
 
     def upstream_inputs(self, name: str) -> list[str]:
         """The run-time graph inputs that value `name` is computed from."""
@@ -464,8 +519,9 @@ class _Importer:
         if a.dtype == object:
             a = _as_int_array(v)
             if a is None:
-                raise FrontendError(f"{what} = {v.tolist()} depends on symbolic dims and cannot be a tensor "
-                                    "(tg has no op reading a shape at run time)")
+                t = self.symbolic_tensor(v, what)
+                self._materialized[id(v)] = (v, t)
+                return t
         name = self._names.get(id(v))
         if name is not None and a.size > INLINE_CONSTANT_LIMIT:
             base, k = name, 0
@@ -477,6 +533,48 @@ class _Importer:
             t = self.g.constant(a)
         self._materialized[id(v)] = (v, t)
         return t
+
+    def symbolic_tensor(self, v: np.ndarray, what: str) -> Tensor:
+        """An i64 shape value with symbolic entries (a sequence length fed to Range, Mul, Add) as
+        tg ops computing it at run time.
+
+        tg has no op reading a shape, so a symbol `s` is the sum of an s-long vector of ones:
+        every backend runs it, it is exact in i64 (also for s = 0), and its O(s) cost is noise
+        beside the ops that consume it. Sums, products, floor divisions and remainders of
+        symbols (what Shape arithmetic folds to) become add, mul, div and mod."""
+        g = self.g
+
+        def build(e) -> Tensor:
+            e = sympy.sympify(e)
+            if e.is_Integer:
+                return g.constant(np.asarray(int(e), dtype=np.int64))
+            if e.is_Symbol:
+                ones = g.op("broadcast", g.constant(np.asarray(1, dtype=np.int64)),
+                            result=TensorInfo((e,), "i64"))
+                return g.op("reduce_sum", ones, axes=(0,), keepdims=False)
+            if isinstance(e, (sympy.Add, sympy.Mul)) and all(a.is_integer for a in e.args):
+                out = build(e.args[0])
+                for arg in e.args[1:]:
+                    out = g.op("add" if isinstance(e, sympy.Add) else "mul", out, build(arg))
+                return out
+            if isinstance(e, sympy.floor):
+                num, den = sympy.fraction(sympy.together(e.args[0]))
+                if num.is_integer and den.is_integer:
+                    # shape values are >= 0, where the truncating div is floor division
+                    return g.op("div", build(num), build(den))
+            if isinstance(e, sympy.Mod) and all(a.is_integer for a in e.args):
+                return g.op("mod", build(e.args[0]), build(e.args[1]))
+            raise FrontendError(f"{what} = {v.tolist()} depends on symbolic dims through {e}, "
+                                "which cannot be computed at run time")
+
+        parts = [build(e) for e in v.reshape(-1).tolist()]
+        if v.ndim == 0:
+            return parts[0]
+        flat = (parts[0] if len(parts) == 1 else
+                g.op("concat", *(g.op("reshape", p, result=TensorInfo((1,), "i64")) for p in parts), axis=0))
+        if len(parts) == 1:
+            flat = g.op("reshape", flat, result=TensorInfo((1,), "i64"))
+        return flat if v.shape == (len(parts),) else g.op("reshape", flat, result=TensorInfo(v.shape, "i64"))
 
     def op(self, name: str, *vals: Value | None, result: TensorInfo | None = None, **attrs) -> Any:
         """Make tg op `name`, or fold it when every operand is known."""
@@ -527,7 +625,8 @@ class _Importer:
                 ints = _as_int_array(a)
                 a = ints if ints is not None else a
             if a.dtype != object:
-                a = np.ascontiguousarray(a.astype(dtypes.numpy_dtype(info.dtype), copy=False))
+                # np.array keeps 0-d values 0-d (np.ascontiguousarray returns at least 1-d).
+                a = np.array(a, dtype=dtypes.numpy_dtype(info.dtype), order="C")
             results.append(a)
         return tuple(results) if len(results) > 1 else results[0]
 
@@ -868,7 +967,7 @@ def _clip(n):
 # --- casts ---
 
 # Largest finite values of the float8 types: what saturate=1 clamps to (ONNX Cast spec).
-FLOAT8_MAX = {"f8E4M3FN": 448.0, "f8E5M2": 57344.0}
+FLOAT8_MAX = {"f8E4M3FN": 448.0, "f8E5M2": 57344.0, "f8E4M3FNUZ": 240.0, "f8E5M2FNUZ": 57344.0}
 
 
 def _cast_to(n, x, to: str):
@@ -1370,12 +1469,17 @@ def _window_attrs(n, x, kernel: Sequence[int]) -> dict:
     auto = n.attr("auto_pad", "NOTSET")
     if auto in ("SAME_UPPER", "SAME_LOWER"):
         spatial = n.shape(x)[2:]
-        if not all(isinstance(d, int) for d in spatial):
-            raise FrontendError(f"auto_pad {auto} needs static spatial dims, got {spatial}")
+        # With stride 1 the total padding is dilation * (kernel - 1) whatever the size; with a
+        # larger stride it depends on the size modulo the stride, which must then be known.
+        if not all(isinstance(d, int) or s == 1 for d, s in zip(spatial, strides)):
+            raise FrontendError(f"auto_pad {auto} with strides {strides} needs static spatial dims, got {spatial}")
         pads = [0] * (2 * nd)
         for i in range(nd):
-            out = -(-spatial[i] // strides[i])
-            total = max(0, (out - 1) * strides[i] + dilations[i] * (kernel[i] - 1) + 1 - spatial[i])
+            if strides[i] == 1:
+                total = dilations[i] * (kernel[i] - 1)
+            else:
+                out = -(-spatial[i] // strides[i])
+                total = max(0, (out - 1) * strides[i] + dilations[i] * (kernel[i] - 1) + 1 - spatial[i])
             lo = total // 2 if auto == "SAME_UPPER" else total - total // 2
             pads[i], pads[i + nd] = lo, total - lo
     elif auto == "VALID":
@@ -1576,7 +1680,9 @@ def _lrn(n):
 # --- quantization ---
 
 # The integer ranges QuantizeLinear saturates to (ONNX spec).
-QUANT_RANGES = {"ui8": (0, 255), "i8": (-128, 127), "ui16": (0, 65535), "i16": (-32768, 32767)}
+QUANT_RANGES = {"ui8": (0, 255), "i8": (-128, 127), "ui16": (0, 65535), "i16": (-32768, 32767),
+                "ui4": (0, 15), "i4": (-8, 7), "ui2": (0, 3), "i2": (-2, 1)}
+FLOAT4_MAX = 6.0  # the largest finite f4E2M1FN (OCP MX spec), what QuantizeLinear saturates to
 
 
 def _quant_param(n, v, x, axis: int, block: int):
@@ -1613,9 +1719,11 @@ def _quantize(n):
     y = n.op("div", x, n.cast(_quant_param(n, scale, x, axis, block), n.dtype(x)))
     if to in FLOAT8_MAX:
         return _cast_to(n, y, to)
+    if to == "f4E2M1FN":
+        return n.cast(n.op("min", n.op("max", y, -FLOAT4_MAX), FLOAT4_MAX), to)
     if to not in QUANT_RANGES:
         raise FrontendError(f"quantizing to {to} is not supported "
-                            f"(supported: {sorted(QUANT_RANGES)}, f8E4M3FN, f8E5M2)")
+                            f"(supported: {sorted(QUANT_RANGES)}, {', '.join(FLOAT8_MAX)}, f4E2M1FN)")
     # round half to even, then add the zero point in int32 and saturate (the ONNX reference's order)
     q = n.cast(n.op("round", y), "i32")
     if zp is not None:
@@ -2107,3 +2215,491 @@ def _recurrent(n):
         yh = n.transpose(yh, (1, 0, 2))
         yc = None if yc is None else n.transpose(yc, (1, 0, 2))
     return (y, yh, yc) if kind == "LSTM" else (y, yh)
+
+
+# --- control flow, unrolled ---
+
+# Iterations a Loop or Scan is unrolled to at most: past it the graph would be mostly copies
+# of one body, better served by a run-time loop tg does not have yet.
+MAX_UNROLL = 1024
+
+
+def _stack(n, values: list, axis: int = 0) -> Value:
+    """values (same shape) stacked along a new `axis`."""
+    parts = [n.unsqueeze(v, [axis]) for v in values]
+    return parts[0] if len(parts) == 1 else n.op("concat", *parts, axis=axis)
+
+
+@_conv("If")
+def _if(n):
+    """A condition known at import picks its branch; a run-time one runs both branches and
+    selects with where, when they give values of one type (their ops have no side effects)."""
+    cond = n.x(0)
+    then, other = n.attr("then_branch").g, n.attr("else_branch").g
+    if isinstance(cond, np.ndarray):
+        return n.imp.run_subgraph(then if bool(cond.reshape(-1)[0]) else other, [], n.where())
+    a, b = n.imp.run_subgraph(then, [], n.where()), n.imp.run_subgraph(other, [], n.where())
+    if [info(v) for v in a] != [info(v) for v in b]:
+        raise FrontendError(f"its condition is computed at run time and its branches give different types "
+                            f"({[str(info(v)) for v in a]} and {[str(info(v)) for v in b]})")
+    c = n.reshape(cond, ())
+    return [n.op("where", c, x, y) for x, y in zip(a, b)]
+
+
+@_conv("Loop")
+def _loop(n):
+    """Unrolled: the trip count and the condition must be known at import at every iteration."""
+    body = n.attr("body").g
+    trips = n.static(0)
+    trips = None if trips is None else int(trips.reshape(-1)[0])
+    cond = n.static(1)
+    cond = True if cond is None else bool(cond.reshape(-1)[0])
+    carried = list(n.inputs[2:])
+    scans: list[list] = []
+    i = 0
+    while cond and (trips is None or i < trips):
+        if i >= MAX_UNROLL:
+            raise FrontendError(f"it runs more than {MAX_UNROLL} iterations; it is unrolled at import")
+        outs = n.imp.run_subgraph(body, [np.array(i, np.int64), np.array(cond), *carried], n.where())
+        c = outs[0]
+        if not isinstance(c, np.ndarray):
+            raise FrontendError("its condition is computed at run time; it is unrolled at import")
+        cond = bool(c.reshape(-1)[0])
+        carried = outs[1:1 + len(carried)]
+        for k, v in enumerate(outs[1 + len(carried):]):
+            if k >= len(scans):
+                scans.append([])
+            scans[k].append(v)
+        i += 1
+    n_scans = len(body.output) - 1 - len(carried)
+    if n_scans and not scans:
+        raise FrontendError("it runs no iteration, so its scan outputs have no known shape")
+    return [*carried, *(_stack(n, vs) for vs in scans)]
+
+
+@_conv("Scan")
+def _scan(n):
+    """Unrolled over the static length of its scan inputs (opset 9+ form)."""
+    body = n.attr("body").g
+    m = n.attr("num_scan_inputs")
+    states, xs = list(n.inputs[:len(n.inputs) - m]), n.inputs[len(n.inputs) - m:]
+    in_axes = [_axis(a, n.rank(x)) for a, x in zip(n.attr("scan_input_axes", [0] * m), xs)]
+    in_dirs = n.attr("scan_input_directions", [0] * m)
+    lengths = {n.shape(x)[a] for x, a in zip(xs, in_axes)}
+    if len(lengths) != 1 or not isinstance(next(iter(lengths)), int):
+        raise FrontendError(f"its scan inputs must have one static length, got {sorted(map(str, lengths))}")
+    steps = lengths.pop()
+    if steps > MAX_UNROLL:
+        raise FrontendError(f"it runs {steps} iterations, more than {MAX_UNROLL}; it is unrolled at import")
+    k = len(body.output) - len(states)
+    out_axes = n.attr("scan_output_axes", [0] * k)
+    out_dirs = n.attr("scan_output_directions", [0] * k)
+    scans: list[list] = [[] for _ in range(k)]
+    for t in range(steps):
+        slices = []
+        for x, a, d in zip(xs, in_axes, in_dirs):
+            j = steps - 1 - t if d else t
+            slices.append(n.reshape(n.slice(x, a, j, j + 1), [s for i, s in enumerate(n.shape(x)) if i != a]))
+        outs = n.imp.run_subgraph(body, [*states, *slices], n.where())
+        states = outs[:len(states)]
+        for j, v in enumerate(outs[len(states):]):
+            scans[j].append(v)
+    if k and not steps:
+        raise FrontendError("it runs no iteration, so its scan outputs have no known shape")
+    stacked = []
+    for vs, a, d in zip(scans, out_axes, out_dirs):
+        vs = vs[::-1] if d else vs
+        stacked.append(_stack(n, vs, _axis(a, n.rank(vs[0]) + 1)))
+    return [*states, *stacked]
+
+
+# --- GridSample, as gathers of taps ---
+
+# Keys' cubic convolution parameter ONNX and torch use for bicubic sampling.
+CUBIC_ALPHA = -0.75
+
+
+def _cubic_weights(n, t):
+    """Keys' weights of the taps at -1, 0, 1, 2 for fractional offset t (t in [0, 1))."""
+    a = CUBIC_ALPHA
+
+    def near(x):  # |x| <= 1
+        return n.op("add", n.op("mul", n.op("mul", n.op("sub", n.op("mul", x, a + 2), a + 3), x), x), 1)
+
+    def far(x):  # 1 < |x| < 2
+        inner = n.op("add", n.op("mul", n.op("sub", n.op("mul", x, a), 5 * a), x), 8 * a)
+        return n.op("sub", n.op("mul", inner, x), 4 * a)
+
+    one_minus = n.op("sub", 1, t)
+    return [far(n.op("add", t, 1)), near(t), near(one_minus), far(n.op("add", one_minus, 1))]
+
+
+def _reflect(n, x, lo: float, hi: float):
+    """Reflect x into [lo, hi] by its borders, as many times as it takes (ONNX's _gs_reflect)."""
+    span = hi - lo
+    below = n.op("lt", x, lo)
+    dx = n.op("where", below, n.op("sub", lo, x), n.op("sub", x, hi))
+    k = n.op("floor", n.op("div", dx, span))
+    r = n.op("sub", dx, n.op("mul", k, span))
+    even = n.op("eq", n.op("mod", k, 2.0), 0.0)
+    from_lo, from_hi = n.op("add", r, lo), n.op("sub", hi, r)
+    reflected = n.op("where", below, n.op("where", even, from_lo, from_hi), n.op("where", even, from_hi, from_lo))
+    return n.op("where", n.op("or", below, n.op("gt", x, hi)), reflected, x)
+
+
+@_conv("GridSample")
+def _grid_sample(n):
+    """Each output point is a weighted sum of taps of X: 1 (nearest), 2 (linear) or 4 (cubic) per
+    spatial dim, their indices and weights computed from the grid at run time and the taps read
+    with gather_elements over X's flattened spatial dims."""
+    x, grid = n.x(0), n.x(1)
+    mode = {"bilinear": "linear", "bicubic": "cubic"}.get(n.attr("mode", "linear"), n.attr("mode", "linear"))
+    padding = n.attr("padding_mode", "zeros")
+    corners = bool(n.attr("align_corners", 0))
+    if mode not in ("nearest", "linear", "cubic") or padding not in ("zeros", "border", "reflection"):
+        raise FrontendError(f"mode '{mode}' with padding_mode '{padding}' is not supported")
+    batch, channels, *dims = n.shape(x)
+    out = n.shape(grid)[1:-1]
+    r = len(dims)
+    if not all(isinstance(d, int) for d in dims) or n.shape(grid)[-1] != r:
+        raise FrontendError(f"X's spatial dims {dims} must be static and match the grid's last dim")
+    dt = n.dtype(x)
+    g = n.cast(grid, dt)
+    taps = []  # per spatial dim: [(index (N, *out) i64, weight or None)]
+    for d, size in enumerate(dims):
+        c = n.reshape(n.slice(g, len(out) + 1, r - 1 - d, r - d), (batch, *out))  # the grid lists x (width) first
+        pos = (n.op("mul", n.op("add", c, 1), (size - 1) / 2) if corners else
+               n.op("div", n.op("sub", n.op("mul", n.op("add", c, 1), float(size)), 1), 2))
+        lo, hi = (0.0, size - 1.0) if corners else (-0.5, size - 0.5)
+        if mode == "nearest":
+            pos = n.op("round", pos)
+        if padding == "border":
+            outside = n.op("or", n.op("lt", pos, lo), n.op("gt", pos, hi))
+            pos = n.op("where", outside, n.op("min", n.op("max", pos, 0.0), size - 1.0), pos)
+        elif padding == "reflection":
+            pos = _reflect(n, pos, lo, hi)
+        if mode == "nearest":
+            first, weights = pos, [None]  # truncated toward zero, as the reference's astype(int32)
+        else:
+            first = n.op("floor", pos)
+            t = n.op("sub", pos, first)
+            weights = [n.op("sub", 1, t), t] if mode == "linear" else _cubic_weights(n, t)
+            first = n.op("sub", first, 1.0) if mode == "cubic" else first
+        dim_taps = []
+        for k, w in enumerate(weights):
+            i = n.op("add", first, float(k))
+            if padding == "zeros":
+                valid = n.cast(n.op("and", n.op("ge", i, 0.0), n.op("le", i, size - 1.0)), dt)
+                w = valid if w is None else n.op("mul", w, valid)
+            elif padding == "reflection":
+                i = _reflect(n, i, lo, hi)
+            i = n.op("min", n.op("max", n.cast(i, "i64"), 0), size - 1)
+            dim_taps.append((i, w))
+        taps.append(dim_taps)
+    points = numel(out)
+    flat = n.reshape(x, (batch, channels, numel(dims)))
+    total = None
+    strides = [math.prod(dims[d + 1:]) for d in range(r)]
+    for combo in itertools.product(*taps):
+        index, weight = None, None
+        for (i, w), stride in zip(combo, strides):
+            part = n.op("mul", i, stride)
+            index = part if index is None else n.op("add", index, part)
+            if w is not None:
+                weight = w if weight is None else n.op("mul", weight, w)
+        index = n.broadcast(n.reshape(index, (batch, 1, points)), (batch, channels, points))
+        v = n.op("gather_elements", flat, index, axis=2)
+        if weight is not None:
+            v = n.op("mul", v, n.reshape(weight, (batch, 1, points)))
+        total = v if total is None else n.op("add", total, v)
+    return n.reshape(total, (batch, channels, *out))
+
+
+# --- DFT and STFT, as matmuls ---
+
+
+def _dft_matrix(length_in: int, complex_in: bool, length: int, inverse: bool, onesided: bool) -> np.ndarray:
+    """The real matrix of ONNX's DFT along one axis: (length_in * c_in, K * c_out), where a row
+    is an input (real[, imag]) pair and a column an output one. The transform is linear, so it is
+    np.fft itself applied to the basis vectors (padding or truncating to `length` as ONNX does)."""
+    c_in = 2 if complex_in else 1
+    basis = np.eye(length_in * c_in).reshape(-1, length_in, c_in)
+    z = basis[..., 0] + 1j * basis[..., 1] if complex_in else basis[..., 0]
+    if inverse and onesided:
+        out = np.fft.irfft(z, n=length, axis=1)[..., None]
+    else:
+        f = np.fft.ifft(z, n=length, axis=1) if inverse else np.fft.fft(z, n=length, axis=1)
+        if onesided:
+            f = f[:, :length // 2 + 1]
+        out = np.stack([f.real, f.imag], axis=-1)
+    return out.reshape(length_in * c_in, -1)
+
+
+def _along_last_two(n, x, axis: int, matrix: np.ndarray, c_out: int):
+    """Apply `matrix` to the (axis, last) dims of x, the result keeping x's dim order."""
+    r = n.rank(x)
+    perm = [d for d in range(r - 1) if d != axis] + [axis, r - 1]
+    moved = n.transpose(x, perm)
+    lead = n.shape(moved)[:-2]
+    flat = n.reshape(moved, (*lead, matrix.shape[0]))
+    y = n.op("matmul", flat, n.const(matrix, n.dtype(x)))
+    y = n.reshape(y, (*lead, matrix.shape[1] // c_out, c_out))
+    return n.transpose(y, [perm.index(d) for d in range(r)])
+
+
+@_conv("DFT")
+def _dft(n):
+    x = n.x(0)
+    r = n.rank(x)
+    if n.opset >= 20:
+        axis = n.static_ints(2)[0] if n.opt(2) is not None else -2
+    else:
+        axis = n.attr("axis", 1)
+    axis = _axis(int(axis), r)
+    if axis == r - 1:
+        raise FrontendError("the DFT axis cannot be the last (real, imaginary) dim")
+    inverse, onesided = bool(n.attr("inverse", 0)), bool(n.attr("onesided", 0))
+    size, c_in = n.shape(x)[axis], n.shape(x)[-1]
+    if not isinstance(size, int) or c_in not in (1, 2):
+        raise FrontendError(f"the signal length must be static and the last dim 1 or 2, got {n.info(x)}")
+    length = n.static_ints(1)[0] if n.opt(1) is not None else (2 * (size - 1) if inverse and onesided else size)
+    matrix = _dft_matrix(size, c_in == 2, int(length), inverse, onesided)
+    return _along_last_two(n, x, axis, matrix, 1 if inverse and onesided else 2)
+
+
+@_conv("STFT")
+def _stft(n):
+    """Frames gathered by a constant index, weighted by the window, then one DFT matmul."""
+    x, window = n.x(0), n.opt(2)
+    step = int(n.static_ints(1)[0])
+    batch, size, c_in = n.shape(x)
+    if n.opt(3) is not None:
+        frame = int(n.static_ints(3)[0])
+    elif window is not None:
+        frame = n.shape(window)[0]
+    else:
+        frame = size
+    if not all(isinstance(d, int) for d in (size, frame)) or step <= 0 or not 0 < frame <= size:
+        raise FrontendError(f"frame_step {step} and frame length {frame} must be static and fit {n.info(x)}")
+    frames = 1 + (size - frame) // step
+    index = np.arange(frames)[:, None] * step + np.arange(frame)[None, :]
+    framed = n.op("gather", x, n.const(index, "i64"), axis=1)  # (batch, frames, frame, c_in)
+    if window is not None:
+        framed = n.op("mul", framed, n.reshape(n.cast(window, n.dtype(x)), (1, 1, frame, 1)))
+    matrix = _dft_matrix(frame, c_in == 2, frame, False, bool(n.attr("onesided", 1)))
+    return _along_last_two(n, framed, 2, matrix, 2)
+
+
+# --- scatters into a buffer: MaxUnpool, Col2Im, TensorScatter ---
+
+
+def _zeros(n, shape, dtype: str) -> Value:
+    return n.broadcast(n.const(0, dtype).reshape((1,) * len(shape)), tuple(shape))
+
+
+@_conv("MaxUnpool")
+def _max_unpool(n):
+    """Each value written at its flat index (MaxPool's Indices index the whole tensor) into
+    zeros of the inferred shape, then padded at the end to output_shape when one is given."""
+    x, idx = n.x(0), n.x(1)
+    kernel = n.attr("kernel_shape")
+    k = len(kernel)
+    strides = n.attr("strides", [1] * k)
+    pads = n.attr("pads", [0] * 2 * k)
+    shape = list(n.shape(x))
+    if not all(isinstance(d, int) for d in shape):
+        raise FrontendError(f"its input shape must be static, got {n.info(x)}")
+    inferred = shape[:2] + [(shape[2 + d] - 1) * strides[d] - pads[d] - pads[k + d] + kernel[d] for d in range(k)]
+    flat = n.op("scatter_elements", _zeros(n, (numel(inferred),), n.dtype(x)),
+                n.reshape(n.cast(idx, "i64"), (numel(shape),)), n.reshape(x, (numel(shape),)), axis=0)
+    y = n.reshape(flat, inferred)
+    wanted = n.static_ints(2)
+    if wanted is None or [int(v) for v in wanted] == inferred:
+        return y
+    extra = [int(w) - i for w, i in zip(wanted, inferred)]
+    if len(extra) != len(inferred) or min(extra) < 0:
+        raise FrontendError(f"output_shape {wanted} is smaller than the unpooled shape {inferred}")
+    return n.op("pad", y, pads=tuple([0] * len(extra) + extra))
+
+
+@_conv("Col2Im")
+def _col2im(n):
+    """The adjoint of im2col: every column entry added at its image position (a constant index
+    computed here) into the zero-padded image, whose padding is then cut off."""
+    x = n.x(0)
+    image = [int(v) for v in n.static_ints(1)]
+    block = [int(v) for v in n.static_ints(2)]
+    r = len(image)
+    dil = n.attr("dilations", [1] * r)
+    strides = n.attr("strides", [1] * r)
+    pads = n.attr("pads", [0] * 2 * r)
+    batch, rows, cols = n.shape(x)
+    kernel = math.prod(block)
+    padded = [image[d] + pads[d] + pads[r + d] for d in range(r)]
+    blocks = [(padded[d] - dil[d] * (block[d] - 1) - 1) // strides[d] + 1 for d in range(r)]
+    if not isinstance(rows, int) or rows % kernel or cols != math.prod(blocks) or min(blocks) < 1:
+        raise FrontendError(f"input {n.info(x)} does not fit image {image}, block {block} and "
+                            f"{math.prod(blocks)} sliding blocks")
+    channels = rows // kernel
+    k_pos = np.stack(np.meshgrid(*[np.arange(b) for b in block], indexing="ij"), -1).reshape(-1, r)
+    l_pos = np.stack(np.meshgrid(*[np.arange(b) for b in blocks], indexing="ij"), -1).reshape(-1, r)
+    coords = k_pos[:, None, :] * np.array(dil) + l_pos[None, :, :] * np.array(strides)  # (K, L, r) in the padded image
+    index = np.ravel_multi_index(tuple(np.moveaxis(coords, -1, 0)), padded).reshape(1, 1, kernel * cols)
+    cols_ = n.reshape(x, (batch, channels, kernel * cols))
+    index_t = n.broadcast(n.const(index, "i64"), (batch, channels, kernel * cols))
+    image_t = n.op("scatter_elements", _zeros(n, (batch, channels, math.prod(padded)), n.dtype(x)), index_t, cols_,
+                   axis=2, reduction="add")
+    image_t = n.reshape(image_t, (batch, channels, *padded))
+    for d in range(r):
+        image_t = n.slice(image_t, 2 + d, pads[d], pads[d] + image[d])
+    return image_t
+
+
+@_conv("TensorScatter")
+def _tensor_scatter(n):
+    """update written into the cache along axis at each batch row's write index (mod the cache
+    length in circular mode): a scatter_elements whose index is that offset plus an iota."""
+    cache, update, where = n.x(0), n.x(1), n.opt(2)
+    r = n.rank(cache)
+    axis = _axis(n.attr("axis", -2), r)
+    mode = n.attr("mode", "linear")
+    if mode not in ("linear", "circular"):
+        raise FrontendError(f"mode '{mode}' is not supported")
+    if axis == 0:
+        raise FrontendError("axis 0 is the batch axis that write_indices index")
+    shape = n.shape(update)
+    index = n.iota(shape, axis)
+    if where is not None:
+        index = n.op("add", index, n.reshape(n.cast(where, "i64"), (shape[0],) + (1,) * (r - 1)))
+    if mode == "circular":
+        index = n.op("mod", index, n.shape(cache)[axis])
+    return n.op("scatter_elements", cache, index, update, axis=axis)
+
+
+# --- small closed forms ---
+
+
+@_conv("Det")
+def _det(n):
+    """Determinants of 1x1, 2x2 and 3x3 matrices by their cofactor expansions."""
+    x = n.x(0)
+    size = n.shape(x)[-1]
+    if size not in (1, 2, 3) or n.shape(x)[-2] != size:
+        raise FrontendError(f"only 1x1, 2x2 and 3x3 matrices are supported, got {n.info(x)}")
+    lead = n.shape(x)[:-2]
+    a = [[n.reshape(n.slice(n.slice(x, n.rank(x) - 2, i, i + 1), n.rank(x) - 1, j, j + 1), lead)
+          for j in range(size)] for i in range(size)]
+    mul, sub = (lambda p, q: n.op("mul", p, q)), (lambda p, q: n.op("sub", p, q))
+    if size == 1:
+        return a[0][0]
+    if size == 2:
+        return sub(mul(a[0][0], a[1][1]), mul(a[0][1], a[1][0]))
+    minors = [sub(mul(a[1][(j + 1) % 3], a[2][(j + 2) % 3]), mul(a[1][(j + 2) % 3], a[2][(j + 1) % 3]))
+              for j in range(3)]
+    return n.op("add", n.op("add", mul(a[0][0], minors[0]), mul(a[0][1], minors[1])), mul(a[0][2], minors[2]))
+
+
+@_conv("OptionalHasElement")
+def _optional_has_element(n):
+    """Only tensors reach here (optional-typed graph values are refused at the inputs): present
+    is true, an absent input false."""
+    return np.array(n.opt(0) is not None)
+
+
+@_conv("OptionalGetElement")
+def _optional_get_element(n):
+    return n.x(0)
+
+
+@_conv("ai.onnx.ml.Binarizer")
+def _binarizer(n):
+    x = n.x(0)
+    return n.cast(n.op("gt", x, float(n.attr("threshold", 0.0))), n.dtype(x))
+
+
+@_conv("ai.onnx.ml.ArrayFeatureExtractor")
+def _array_feature_extractor(n):
+    """x[..., indices] with the indices flattened; a 1-D x gives one row (as onnxruntime does)."""
+    x, idx = n.x(0), n.x(1)
+    idx = n.reshape(n.cast(idx, "i64"), (numel(n.shape(idx)),))
+    y = n.op("gather", x, idx, axis=n.rank(x) - 1)
+    return n.reshape(y, (1, numel(n.shape(idx)))) if n.rank(x) == 1 else y
+
+
+# --- the training optimizers (ai.onnx.preview.training), one update step ---
+
+TRAINING = "ai.onnx.preview.training."
+
+
+def _optimizer_groups(n, per: int) -> list[list]:
+    """The (X, G, state...) tensors of each optimized tensor: inputs after R and T, grouped by kind."""
+    rest = n.inputs[2:]
+    k = len(rest) // per
+    if k * per != len(rest) or not k:
+        raise FrontendError(f"expects R, T and {per} tensors per optimized tensor, got {len(n.inputs)} inputs")
+    return [[rest[j * k + i] for j in range(per)] for i in range(k)]
+
+
+def _regularized(n, x, g):
+    return n.op("add", n.op("mul", x, float(n.attr("norm_coefficient", 0.0))), g)
+
+
+@_conv(TRAINING + "Adagrad")
+def _adagrad(n):
+    r, t = n.x(0), n.cast(n.x(1), n.dtype(n.x(0)))
+    rate = n.op("div", r, n.op("add", n.op("mul", t, float(n.attr("decay_factor", 0.0))), 1.0))
+    xs, hs = [], []
+    for x, g, h in _optimizer_groups(n, 3):
+        gr = _regularized(n, x, g)
+        h_new = n.op("add", h, n.op("mul", gr, gr))
+        step = n.op("div", n.op("mul", n.cast(rate, n.dtype(x)), gr),
+                    n.op("add", n.op("sqrt", h_new), float(n.attr("epsilon", 0.0))))
+        xs.append(n.op("sub", x, step))
+        hs.append(h_new)
+    return xs + hs
+
+
+@_conv(TRAINING + "Adam")
+def _adam(n):
+    dt = n.dtype(n.x(0))
+    r, t = n.x(0), n.cast(n.x(1), dt)
+    alpha, beta = float(n.attr("alpha", 0.9)), float(n.attr("beta", 0.999))
+    # r * sqrt(1 - beta^t) / (1 - alpha^t) once steps were taken (t > 0), else r
+    power = lambda base: n.op("pow", n.const(base, dt), t)  # noqa: E731
+    corrected = n.op("div", n.op("mul", r, n.op("sqrt", n.op("sub", 1.0, power(beta)))), n.op("sub", 1.0, power(alpha)))
+    rate = n.op("where", n.op("gt", t, 0.0), corrected, r)
+    xs, vs, hs = [], [], []
+    for x, g, v, h in _optimizer_groups(n, 4):
+        gr = _regularized(n, x, g)
+        v_new = n.op("add", n.op("mul", v, alpha), n.op("mul", gr, 1 - alpha))
+        h_new = n.op("add", n.op("mul", h, beta), n.op("mul", n.op("mul", gr, gr), 1 - beta))
+        denom = n.op("add", n.op("sqrt", h_new), float(n.attr("epsilon", 0.0)))
+        x_new = n.op("sub", x, n.op("mul", n.cast(rate, n.dtype(x)), n.op("div", v_new, denom)))
+        xs.append(n.op("mul", x_new, 1.0 - float(n.attr("norm_coefficient_post", 0.0))))
+        vs.append(v_new)
+        hs.append(h_new)
+    return xs + vs + hs
+
+
+@_conv(TRAINING + "Momentum")
+def _momentum(n):
+    dt = n.dtype(n.x(0))
+    r, t = n.x(0), n.cast(n.x(1), dt)
+    alpha, beta = float(n.attr("alpha")), float(n.attr("beta"))
+    nesterov = n.attr("mode") == "nesterov"
+    scale = n.op("where", n.op("gt", t, 0.0), n.const(beta, dt), n.const(1.0, dt))  # beta once steps were taken
+    xs, vs = [], []
+    for x, g, v in _optimizer_groups(n, 3):
+        gr = _regularized(n, x, g)
+        v_new = n.op("add", n.op("mul", v, alpha), n.op("mul", n.cast(scale, n.dtype(x)), gr))
+        direction = n.op("add", gr, n.op("mul", v_new, alpha)) if nesterov else v_new
+        xs.append(n.op("sub", x, n.op("mul", n.cast(r, n.dtype(x)), direction)))
+        vs.append(v_new)
+    return xs + vs
+
+
+@_conv("BitCast")
+def _bitcast(n):
+    x = n.x(0)
+    to = onnx_dtype(n.attr("to"), "attribute 'to'")
+    return n.op("bitcast", x, to=to, source=n.dtype(x))

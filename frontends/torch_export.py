@@ -29,7 +29,7 @@ What it decides, and how:
   `torch.result_type` of their operands.
 * Errors. A first pass lists every unsupported op, with its count and first node,
   in one FrontendError; a converter that cannot handle its arguments (a
-  transposed convolution, dropout in training mode) names the node and the op.
+  dropout in training mode) names the node and the op.
 """
 
 from __future__ import annotations
@@ -76,6 +76,8 @@ KEEP_WHOLE = [
     "logsumexp.default", "flatten.using_ints", "unflatten.int", "pad.default", "batch_norm.default",
     "dropout.default", "var.correction", "std.correction", "linalg_vector_norm.default",
     *[f"{kind}{n}d.{o}" for kind in ("upsample_nearest", "_upsample_nearest_exact") for n in (1, 2, 3)
+      for o in ("default", "vec")],
+    *[f"{kind}.{o}" for kind in ("upsample_linear1d", "upsample_bilinear2d", "upsample_trilinear3d")
       for o in ("default", "vec")],
 ]
 
@@ -1137,8 +1139,44 @@ def _conv(cv, x, w, bias, stride, padding, dilation, groups):
 @converts("convolution.default", "_convolution.default")
 def _convolution(cv, node, a):
     if a.transposed:
-        raise FrontendError("transposed convolution is not supported")
+        nd = a.weight.rank - 2
+        return _unbatched(cv, a.input, nd, lambda xb: _conv_transpose(
+            cv, xb, a.weight, a.bias, _ntuple(a.stride, nd), _ntuple(a.padding, nd), _ntuple(a.dilation, nd),
+            _ntuple(a.output_padding, nd), a.groups))
     return _conv(cv, a.input, a.weight, a.bias, a.stride, a.padding, a.dilation, a.groups)
+
+
+def _conv_transpose(cv, x, w, bias, stride, padding, dilation, output_padding, groups):
+    """The transposed convolution as a stride-1 convolution of x with stride-1 zeros between its
+    elements, padded by dilation*(k-1) - padding (cropped where that is negative; output_padding
+    more at the end), with the kernel flipped and its in/out channels swapped per group."""
+    g, nd = cv.g, w.rank - 2
+    if not all(isinstance(d, int) for d in x.shape[2:]):
+        raise FrontendError(f"transposed convolution of symbolic spatial dims {x.shape[2:]}")
+    for i, s in enumerate(stride):
+        a = 2 + i
+        if s > 1:
+            shape = x.shape
+            pads = [0] * (2 * (x.rank + 1))
+            pads[x.rank + 1 + a + 1] = s - 1  # s - 1 zeros after each element, on a new axis
+            grown = g.pad(g.reshape(x, shape[:a + 1] + (1,) + shape[a + 1:]), pads)
+            grown = g.reshape(grown, shape[:a] + (shape[a] * s,) + shape[a + 1:])
+            x = g.slice(grown, [0], [(shape[a] - 1) * s + 1], axes=[a])
+    for i in range(nd):
+        a, k = 2 + i, w.shape[2 + i]
+        lo = dilation[i] * (k - 1) - padding[i]
+        hi = lo + output_padding[i]
+        if lo < 0 or hi < 0:
+            x = g.slice(x, [max(-lo, 0)], [x.shape[a] - max(-hi, 0)], axes=[a])
+        if lo > 0 or hi > 0:
+            pads = [0] * (2 * x.rank)
+            pads[a], pads[x.rank + a] = max(lo, 0), max(hi, 0)
+            x = g.pad(x, pads)
+    cin, cout_g, *kernel = w.shape
+    wt = g.reshape(w, (groups, cin // groups, cout_g, *kernel))
+    wt = g.reshape(g.transpose(wt, (0, 2, 1, *range(3, 3 + nd))), (groups * cout_g, cin // groups, *kernel))
+    wt = g.slice(wt, [-1] * nd, [-(1 << 63) + 1] * nd, axes=list(range(2, 2 + nd)), steps=[-1] * nd)  # flipped
+    return g.conv(x, wt, bias, strides=(1,) * nd, pads=(0,) * (2 * nd), dilations=tuple(dilation), groups=groups)
 
 
 @converts("conv1d.default", "conv2d.default", "conv3d.default", "conv1d.padding", "conv2d.padding",
@@ -1155,6 +1193,16 @@ def _pool_nd(node) -> int:
     return 3 if "3d" in name else 1 if "1d" in name else 2
 
 
+def _fit_window(x, kernel, pads, ceil_mode):
+    """With ceil_mode torch accepts a window larger than the padded input (EfficientNet's pooler:
+    320 over 1x1) and makes one window of the whole padded input of it; tg's pools take that
+    window at its real size, which gives the same single output."""
+    if not ceil_mode:
+        return kernel
+    spatial = x.shape[-len(kernel):]
+    return tuple(min(k, s + 2 * p) if isinstance(s, int) else k for k, s, p in zip(kernel, spatial, pads))
+
+
 @converts("max_pool1d.default", "max_pool2d.default", "max_pool3d.default", "max_pool2d_with_indices.default",
           "max_pool3d_with_indices.default", "max_pool1d_with_indices.default")
 def _max_pool(cv, node, a):
@@ -1162,6 +1210,7 @@ def _max_pool(cv, node, a):
     kernel = _ntuple(a.kernel_size, nd)
     stride = _ntuple(a.stride, nd) if a.stride else kernel
     pads = _ntuple(a.padding, nd)
+    kernel = _fit_window(a.self, kernel, pads, a.ceil_mode)
     y = _unbatched(cv, a.self, nd, lambda xb: cv.g.max_pool(xb, kernel=kernel, strides=stride, pads=pads + pads,
                                                              dilations=_ntuple(a.dilation, nd), ceil_mode=a.ceil_mode))
     return (y, None) if "indices" in str(node.target) else y
@@ -1173,6 +1222,7 @@ def _avg_pool(cv, node, a):
     kernel = _ntuple(a.kernel_size, nd)
     stride = _ntuple(a.stride, nd) if a.stride else kernel
     pads = _ntuple(a.padding, nd)
+    kernel = _fit_window(a.self, kernel, pads, a.ceil_mode)
     divisor = a.get("divisor_override")
     if divisor is not None and a.ceil_mode:
         raise FrontendError("avg_pool with both divisor_override and ceil_mode is not supported")
@@ -1238,6 +1288,43 @@ def _upsample_nearest(cv, node, a):
         src = np.minimum(np.floor(dst * scale).astype(np.int64), size - 1)
         if not (n == size and np.array_equal(src, np.arange(n))):
             x = cv.g.gather(x, cv.g.constant(src), axis=2 + i)
+    return x
+
+
+_LINEAR = [f"{kind}.{o}" for kind in ("upsample_linear1d", "upsample_bilinear2d", "upsample_trilinear3d")
+           for o in ("default", "vec")]
+
+
+@converts(*_LINEAR)
+def _upsample_linear(cv, node, a):
+    """(Bi/tri)linear upsampling, one axis at a time: two gathers of torch's source taps and
+    their weights, all computed here from the static sizes (ATen's upsample_linear rules)."""
+    x = a.get("input", a.get("self"))
+    nd = x.rank - 2
+    out = cv.meta_shape(node)[2:]
+    scales = a.get("scale_factors") or [v for k, v in a.items() if k.startswith("scales")] or [None] * nd
+    corners = bool(a.align_corners)
+    dtype = dtypes.numpy_dtype(x.dtype)
+    for i in range(nd):
+        size, n = x.shape[2 + i], out[i]
+        if not (isinstance(size, int) and isinstance(n, int)):
+            raise FrontendError(f"linear upsampling of a symbolic size ({size} -> {n})")
+        # area_pixel_compute_scale / _source_index, in float32 as ATen computes them for float32
+        if corners:
+            scale = np.float32((size - 1) / (n - 1) if n > 1 else 0.0)
+            src = np.arange(n, dtype=np.float32) * scale
+        else:
+            scale = np.float32(1.0 / scales[i] if scales[i] else size / n)
+            src = np.maximum((np.arange(n, dtype=np.float32) + np.float32(0.5)) * scale - np.float32(0.5), 0)
+        lo = src.astype(np.int64)
+        hi = np.minimum(lo + 1, size - 1)
+        frac = (src - lo).astype(dtype)
+        shape = [1] * x.rank
+        shape[2 + i] = n
+        near = cv.g.gather(x, cv.g.constant(lo), axis=2 + i)
+        far = cv.g.gather(x, cv.g.constant(hi), axis=2 + i)
+        x = (near * cv.g.constant((1 - frac).reshape(shape).astype(dtype))
+             + far * cv.g.constant(frac.reshape(shape)))
     return x
 
 
@@ -1624,6 +1711,47 @@ def _trilu(cv, node, a):
     return cv.g.trilu(a.self, k=a.diagonal, upper="triu" in str(node.target))
 
 
+# mixture of experts -----------------------------------------------------------------------
+
+
+@converts("histc.default")
+def _histc(cv, node, a):
+    """Counts of values per equal-width bin of [min, max] (the last bin closed), values outside
+    ignored: one comparison against every bin, summed. The bins are static; MoE routing counts
+    the tokens sent to each expert with it."""
+    x, bins = a.self, int(a.get("bins", 100))
+    lo, hi = float(a.get("min", 0)), float(a.get("max", 0))
+    if not hi > lo:
+        raise FrontendError(f"histc over [{lo}, {hi}]: a range taken from the data is not supported")
+    g, dt = cv.g, x.dtype
+    const = lambda v: g.constant(np.asarray(v, dtypes.numpy_dtype(dt)))  # noqa: E731
+    flat = g.reshape(x, (numel(x.shape),))
+    index = g.op("floor", (flat - lo) * (bins / (hi - lo)))
+    index = g.where(g.op("eq", flat, const(hi)), const(bins - 1), index)
+    inside = g.op("and", flat >= lo, flat <= hi)
+    index = g.where(inside, index, const(-1))
+    hits = g.op("eq", g.reshape(index, (flat.shape[0], 1)), g.constant(np.arange(bins, dtype=dtypes.numpy_dtype(dt))))
+    return g.sum(g.cast(hits, dt), axes=(0,))
+
+
+def _grouped_mm(cv, node, a):
+    """transformers' grouped_mm_fallback: rows sorted by expert, offs the cumulative row count of
+    each expert; row s is multiplied by the weight of the expert whose range holds s (rows past
+    the last offset are zero). Each row gathers its own expert's weight, so the work is that of
+    the experts actually chosen, one row-matmul per routed token."""
+    g, x, w, offs = cv.g, a.input, a.weight, a.offs
+    rows, experts = x.shape[0], w.shape[0]
+    row = g.op("iota", result=TensorInfo((rows, 1), offs.dtype), axis=0)
+    expert = g.sum(g.cast(g.op("ge", row, g.reshape(offs, (1, experts))), "i64"), axes=(1,))  # (rows,)
+    used = g.cast(g.op("lt", expert, g.constant(np.asarray(experts, np.int64))), x.dtype)
+    chosen = g.gather(w, g.op("min", expert, g.constant(np.asarray(experts - 1, np.int64))), axis=0)
+    out = g.reshape(g.matmul(g.reshape(x, (rows, 1, x.shape[1])), chosen), (rows, w.shape[2]))
+    return out * g.reshape(used, (rows, 1))
+
+
+CONVERTERS["transformers.grouped_mm_fallback.default"] = _grouped_mm
+
+
 # creation ------------------------------------------------------------------------------
 
 
@@ -1635,7 +1763,7 @@ def _filled(cv, node, value):
 
 
 @converts("zeros.default", "zeros_like.default", "new_zeros.default", "empty.memory_format", "empty_like.default",
-          "new_empty.default", "empty_strided.default", "new_empty_strided.default")
+          "new_empty.default", "empty_strided.default", "new_empty_strided.default", "empty_permuted.default")
 def _zeros(cv, node, a):
     return _filled(cv, node, 0)  # torch leaves empty() uninitialized: any value is right, 0 is stable
 

@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 
+from tilegraph.ir import dtypes
 from tilegraph.ir.quant import dequantize, dynamic_quantize, matmul_integer, quantize  # noqa: F401 - op templates
 
 try:  # scipy's erf is exact to the last bit; math.erf is the fallback.
@@ -374,6 +375,11 @@ def trilu(x, k, upper):
 
 
 # --- kernels added for the ONNX frontend ---
+
+
+def bitcast(x, source, to):
+    bits = np.ascontiguousarray(np.asarray(x).astype(dtypes.numpy_dtype(source)))
+    return bits.view(dtypes.numpy_dtype(to)).reshape(np.shape(x))
 
 
 def iota(shape, axis, dtype):

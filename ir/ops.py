@@ -585,6 +585,24 @@ _op("isinf", ["x"], _unary("isinf", "i1"), "K.isinf({x}, {detect_positive}, {det
     {"detect_positive": ("bool", True), "detect_negative": ("bool", True)})
 _op("cast", ["x"], _cast, "{x}.astype({dtype})", "elementwise", {"to": ("str", REQUIRED)})
 
+
+def _bitcast(ins, attrs, given):
+    (x,) = ins
+    if attrs["source"] != x.dtype:
+        raise _fail("bitcast", f"source {attrs['source']} is not the operand's type {x}")
+    bits = [dtypes.numpy_dtype(t).itemsize for t in (x.dtype, attrs["to"])]
+    if bits[0] != bits[1] or dtypes.PACKED_4BIT.count(x.dtype) != dtypes.PACKED_4BIT.count(attrs["to"]):
+        raise _fail("bitcast", f"{x.dtype} and {attrs['to']} differ in width")
+    return [TensorInfo(x.shape, attrs["to"])]
+
+
+# Both types are named (`source` repeats the operand's) because the reference interpreter holds
+# floats widened to f64 and renders `{dtype}` as f64: the kernel narrows the operand back to its
+# own type and reinterprets the bits as `to`, in every backend alike.
+_op("bitcast", ["x"], _bitcast, "K.bitcast({x}, {source}, {to})", "layout",
+    {"to": ("str", REQUIRED), "source": ("str", REQUIRED)},
+    doc="the bits of each element reinterpreted as type `to` of the same width (ONNX BitCast)")
+
 BINARY = {
     # (NumPy backend) ufunc calls rather than operators, so that a fused group can add `out=`.
     "add": "np.add({lhs}, {rhs})",

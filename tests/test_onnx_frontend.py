@@ -405,3 +405,113 @@ def test_a_negative_conv_pad_is_an_error_naming_it():
     conv.attribute[0].ints[:] = [-1, 0, 1, 1]
     with pytest.raises(TilegraphError, match=r"pads \(-1, 0, 1, 1\) must not be negative"):
         from_onnx(model.SerializeToString())
+
+
+# --- folding at import keeps ONNX's shapes ------------------------------------------
+
+# ONNX ops the importer folds when every input is known, each with the inputs it takes:
+# a function of the drawn constant `a` (float32) and `i` (int64, same shape) to
+# (inputs, attributes). Shapes are what onnx's reference evaluator gives.
+def _scalar_index(a):
+    return np.array(0, np.int64)
+
+
+FOLDABLE = {
+    "Neg": lambda a, i: ([i], {}),
+    "Abs": lambda a, i: ([a], {}),
+    "Sqrt": lambda a, i: ([np.abs(a)], {}),
+    "Floor": lambda a, i: ([a], {}),
+    "Cast": lambda a, i: ([i], {"to": TensorProto.FLOAT}),
+    "Add": lambda a, i: ([i, i], {}),
+    "Sub": lambda a, i: ([a, np.float32(1.5)], {}),
+    "Mul": lambda a, i: ([i, np.array(3, np.int64)], {}),
+    "Div": lambda a, i: ([a, np.float32(2.0)], {}),
+    "Mod": lambda a, i: ([i, np.array(3, np.int64)], {}),
+    "Max": lambda a, i: ([i, np.array(1, np.int64)], {}),
+    "Equal": lambda a, i: ([i, np.array(1, np.int64)], {}),
+    "Less": lambda a, i: ([a, np.float32(0.0)], {}),
+    "Where": lambda a, i: ([a > 0, i, np.array(-1, np.int64)], {}),
+    "Identity": lambda a, i: ([i], {}),
+    "Shape": lambda a, i: ([a], {}),
+    "Size": lambda a, i: ([a], {}),
+    "Unsqueeze": lambda a, i: ([i, np.array([0], np.int64)], {}),
+    "Reshape": lambda a, i: ([i, np.array([-1], np.int64)], {}),
+    "Expand": lambda a, i: ([i, np.array([2] + [1] * i.ndim, np.int64)], {}),
+    "ReduceSum": lambda a, i: ([i], {"keepdims": 0}),
+    "ReduceMax": lambda a, i: ([a], {"keepdims": 1}),
+    # On 1-d and n-d data only (a 0-d tensor has no axis to gather, squeeze or concatenate along).
+    "Gather": lambda a, i: ([i, _scalar_index(i)], {"axis": 0}),
+    "Squeeze": lambda a, i: ([i[:1], np.array([0], np.int64)], {}),
+    "Concat": lambda a, i: ([i, i], {"axis": 0}),
+    "Slice": lambda a, i: ([i, np.array([0], np.int64), np.array([1], np.int64)], {}),
+    "Transpose": lambda a, i: ([i], {}),
+}
+NEEDS_AXIS = {"Gather", "Squeeze", "Concat", "Slice"}
+
+
+@settings(max_examples=150, deadline=None)
+@given(op=st.sampled_from(sorted(FOLDABLE)), shape=st.sampled_from([(), (1,), (3,), (2, 1, 3)]),
+       seed=st.integers(0, 2**16))
+def test_folding_at_import_gives_the_shapes_and_dtypes_of_onnx_reference_evaluator(op, shape, seed):
+    """A node whose inputs are all Constants folds at import; the value it folds to has the shape,
+    dtype and values onnx's reference evaluator gives, 0-d values staying 0-d (not (1,))."""
+    from onnx.reference import ReferenceEvaluator
+
+    if op in NEEDS_AXIS and not shape:
+        shape = (3,)
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal(shape).astype(np.float32)
+    i = rng.integers(-5, 6, shape).astype(np.int64)
+    inputs, attrs = FOLDABLE[op](a, i)
+    nodes = [helper.make_node("Constant", [], [f"c{k}"], value=numpy_helper.from_array(np.asarray(v)))
+             for k, v in enumerate(inputs)]
+    nodes.append(helper.make_node(op, [f"c{k}" for k in range(len(inputs))], ["y"], **attrs))
+    model = make_model(nodes, [], [helper.make_empty_tensor_value_info("y")])
+    (expected,) = ReferenceEvaluator(model).run(None, {})
+    imported = from_onnx(model)
+    assert imported.outputs[0].shape == expected.shape
+    assert imported.outputs[0].dtype == {"float32": "f32", "int64": "i64", "bool": "i1"}[expected.dtype.name]
+    np.testing.assert_array_equal(interpret(imported, [], float64=False)[0], expected)
+
+
+def test_a_scalar_output_imports_as_a_0d_tensor_and_a_wrong_declared_shape_is_an_error():
+    """ReduceSum to a scalar: the declared shape () is what the IR says; a declared (1,) would be
+    a mismatch the import reports rather than compiles."""
+    nodes = [helper.make_node("ReduceSum", ["x"], ["y"], keepdims=0)]
+    model = from_onnx(make_model(nodes, [vi("x", F32, [3])], [vi("y", F32, [])]))
+    assert model.outputs[0].shape == ()
+    with pytest.raises(FrontendError, match=r"graph output 'y' is declared with shape \(1,\)"):
+        from_onnx(make_model(nodes, [vi("x", F32, [3])], [vi("y", F32, [1])]))
+
+
+def test_an_if_on_a_run_time_condition_runs_both_branches_and_selects_as_onnxruntime_does():
+    """If, Loop and Scan are unrolled at import (the conformance suite holds the static cases);
+    a condition known only at run time selects between branches of one type with where."""
+    def branch(name, op, c):
+        node = helper.make_node(op, ["x", f"{name}_c"], [f"{name}_y"])
+        const = helper.make_node("Constant", [], [f"{name}_c"], value=numpy_helper.from_array(np.float32(c)))
+        return helper.make_graph([const, node], name, [], [vi(f"{name}_y", F32, [3])])
+
+    nodes = [helper.make_node("If", ["cond"], ["y"], then_branch=branch("then", "Add", 1.0),
+                              else_branch=branch("else", "Mul", 2.0))]
+    onnx_model = make_model(nodes, [vi("cond", TensorProto.BOOL, []), vi("x", F32, [3])], [vi("y", F32, [3])])
+    model = from_onnx(onnx_model)
+    assert "tg.where" in model.text
+    x = np.array([1.0, -2.0, 3.5], np.float32)
+    for c in (True, False):
+        (ref,) = run_ort(onnx_model, {"cond": np.array(c), "x": x})
+        np.testing.assert_array_equal(interpret(model, [np.array(c), x], float64=False)[0], ref)
+
+
+def test_same_padding_with_stride_1_keeps_symbolic_spatial_dims_and_matches_onnxruntime():
+    """auto_pad SAME_UPPER with stride 1 pads kernel - 1 whatever the size (the odd one at the end)."""
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((4, 3, 3, 2)).astype(np.float32), "w")
+    nodes = [helper.make_node("Conv", ["x", "w"], ["y"], auto_pad="SAME_UPPER")]  # onnxruntime: no dilation with SAME
+    onnx_model = make_model(nodes, [vi("x", F32, [1, 3, "h", "w_"])], [vi("y", F32, [1, 4, "h", "w_"])], [w])
+    model = from_onnx(onnx_model)
+    assert model.outputs[0].shape == (1, 4, symbol("h"), symbol("w_"))
+    for shape in [(1, 3, 5, 6), (1, 3, 8, 3)]:
+        x = rng.standard_normal(shape).astype(np.float32)
+        (ref,) = run_ort(onnx_model, {"x": x})
+        assert_close(interpret(model, [x])[0], ref, "f32", 18)

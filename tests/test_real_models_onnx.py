@@ -16,6 +16,7 @@ from tilegraph.ir.shapes import symbol
 from tilegraph.testing import PEER_RELATIVE_ERROR, relative_error
 from tests.models import (
     export_onnx,
+    minilm_bert,
     minilm_inputs,
     minilm_model,
     small_cnn,
@@ -50,6 +51,14 @@ def eager(model, *inputs):
         return model(*inputs).numpy()
 
 
+def assert_matches_at_two_sizes(compiled, module):
+    for b, s in [(BATCH, SEQ), (3, 9)]:
+        ids, mask = minilm_inputs(b, s)
+        out = compiled(ids.numpy(), mask.numpy())
+        assert out.shape == (b, s, 384)
+        assert relative_error(out, eager(module, ids, mask)) <= PEER_RELATIVE_ERROR
+
+
 def test_minilm_static_export_matches_torch(minilm, minilm_files):
     ids, mask = minilm_inputs(BATCH, SEQ)
     compiled = tilegraph.compile(minilm_files[0])
@@ -62,12 +71,29 @@ def test_minilm_dynamic_export_is_symbolic_and_matches_torch_at_two_sizes(minilm
     assert model.inputs[0].shape == (batch, seq) and model.outputs[0].shape == (batch, seq, 384)
     # The shape subgraphs folded away: no op of the IR computes on shapes.
     assert "Shape" not in model.text and "tg.concat" not in model.text
-    compiled = tilegraph.compile(model)
-    for b, s in [(BATCH, SEQ), (3, 9)]:
-        ids, mask = minilm_inputs(b, s)
-        out = compiled(ids.numpy(), mask.numpy())
-        assert out.shape == (b, s, 384)
-        assert relative_error(out, eager(minilm, ids, mask)) <= PEER_RELATIVE_ERROR
+    assert_matches_at_two_sizes(tilegraph.compile(model), minilm)
+
+
+class BertHidden(torch.nn.Module):
+    """transformers' own BertModel.forward, mask building included (no wrapper simplifying it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bert = minilm_bert()
+
+    def forward(self, input_ids, attention_mask):
+        return self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+
+def test_transformers_own_bert_exported_with_dynamic_axes_imports_and_matches_torch(tmp_path):
+    """transformers 5.x builds the mask from Range(batch) * seq and scalar Gathers of Shape: the
+    0-d values stay 0-d at import, and the symbolic ones are computed at run time."""
+    bert = BertHidden().eval()
+    ids, mask = minilm_inputs(BATCH, SEQ)
+    axes = {n: {0: "batch", 1: "seq"} for n in ("input_ids", "attention_mask", "hidden")}
+    path = export_onnx(bert, (ids, mask), tmp_path / "bert.onnx", ["input_ids", "attention_mask"], ["hidden"],
+                       dynamic_axes=axes)
+    assert_matches_at_two_sizes(tilegraph.compile(path), bert)
 
 
 def test_small_cnn_matches_torch(tmp_path):

@@ -123,3 +123,45 @@ def test_gpt2_decoder_matches_torch_eager_and_float64():
     assert out.dtype == np.float32 and out.shape == (BATCH, SEQ, 64)
     assert relative_error(out, eager(gpt2, inputs)) <= PEER_RELATIVE_ERROR
     assert_close(out, interpret(model, inputs)[0], "f32", reduction_length(model))
+
+
+class MixtralHidden(torch.nn.Module):
+    """A 2-layer Mixtral (4 experts, top-2) from its config, random weights; transformers' default
+    experts path (sort by expert, histc counts, grouped_mm_fallback) is what torch.export sees."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import MixtralConfig, MixtralModel
+
+        torch.manual_seed(0)
+        config = MixtralConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               intermediate_size=64, vocab_size=128, num_local_experts=4, num_experts_per_tok=2)
+        self.model = MixtralModel(config).eval()
+
+    def forward(self, ids):
+        return self.model(input_ids=ids, use_cache=False).last_hidden_state
+
+
+def test_a_mixture_of_experts_decoder_routes_tokens_as_torch_does():
+    """Compiled once; inputs routing different tokens to each expert give torch's results."""
+    moe = MixtralHidden().eval()
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    program = torch.export.export(moe, (ids,))
+    assert any("grouped_mm_fallback" in str(n.target) for n in program.graph.nodes)
+    compiled = tilegraph.compile(program)
+    for seed in (0, 1, 2):
+        ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            expected = moe(ids).numpy()
+        assert relative_error(compiled(ids.numpy()), expected) <= PEER_RELATIVE_ERROR
+
+
+@pytest.mark.parametrize("bins, lo, hi", [(4, 0, 3), (5, -1.0, 2.5)])
+def test_histc_counts_as_torch_does_including_the_max_and_values_outside(bins, lo, hi):
+    class Histc(torch.nn.Module):
+        def forward(self, x):
+            return torch.histc(x, bins=bins, min=lo, max=hi)
+
+    x = torch.tensor([0.0, 3.0, 2.5, -1.0, 1.2, 7.0, -3.0, 1.0, 2.0, 3.0])
+    compiled = tilegraph.compile(Histc(), (x,))
+    np.testing.assert_array_equal(compiled(x.numpy()), torch.histc(x, bins=bins, min=lo, max=hi).numpy())

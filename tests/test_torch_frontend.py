@@ -239,12 +239,24 @@ CONTRACTIONS = {
                                 F.avg_pool2d(x, 2), F.avg_pool2d(x, 3, 2, 1, count_include_pad=False),
                                 F.avg_pool2d(x, 3, 2, 1, ceil_mode=True), F.avg_pool2d(x, 2, divisor_override=3),
                                 F.adaptive_avg_pool2d(x, (3, 1)), F.adaptive_avg_pool2d(x, 1),
-                                F.adaptive_max_pool2d(x, 3), F.max_pool2d(x, 3, 1, dilation=2))),
+                                F.adaptive_max_pool2d(x, 3), F.max_pool2d(x, 3, 1, dilation=2),
+                                # ceil_mode windows larger than the input (EfficientNet's pooler)
+                                F.avg_pool2d(x, 12, ceil_mode=True), F.max_pool2d(x, (10, 2), ceil_mode=True))),
                (r(2, 3, 9, 9),), 9),
     "upsample_nearest": (Fn(lambda m, x: (F.interpolate(x, scale_factor=2), F.interpolate(x, size=(7, 4)),
                                           F.interpolate(x, scale_factor=1.5, mode="nearest-exact"),
                                           F.interpolate(x[:, :, 0], scale_factor=3), m.up(x)),
                             up=nn.Upsample(scale_factor=(2, 1))), (r(1, 2, 3, 5),), 1),
+    "conv_transpose": (Fn(lambda m, x: (m.a(x), m.b(x), m.c(x[:, :, 0]), m.a(x[0])),
+                          a=nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1),
+                          b=nn.ConvTranspose2d(4, 6, (3, 2), stride=(2, 3), padding=(2, 0), dilation=2, groups=2),
+                          c=nn.ConvTranspose1d(4, 2, 4, stride=3, padding=2, bias=False)), (r(2, 4, 5, 5),), 24),
+    "upsample_linear": (Fn(lambda m, x: (F.interpolate(x, scale_factor=2, mode="bilinear"),
+                                         F.interpolate(x, size=(7, 4), mode="bilinear", align_corners=True),
+                                         F.interpolate(x, scale_factor=1.7, mode="bilinear"),
+                                         F.interpolate(x[:, :, 0], size=9, mode="linear"),
+                                         F.interpolate(x[:, :, None], scale_factor=2, mode="trilinear"))),
+                        (r(1, 2, 3, 5),), 2),
     "pool1d": (Fn(lambda m, x: (F.max_pool1d(x, 3, 2), F.avg_pool1d(x, 2), F.adaptive_avg_pool1d(x, 4),
                                 F.max_pool2d(x, 2))), (r(2, 3, 8),), 3),
 }
@@ -496,8 +508,8 @@ def test_export_failure_is_a_frontend_error():
 
 def test_unsupported_arguments_name_the_node():
     module = Fn(lambda m, x: m.up(x), up=nn.ConvTranspose2d(2, 2, 3))
-    with pytest.raises(FrontendError, match=r"node '\w+' \(aten\.\w+\.\w+\).*transposed convolution"):
-        from_torch(module, (r(1, 2, 5, 5),))
+    with pytest.raises(FrontendError, match=r"node '\w+' \(aten\.\w+\.\w+\).*transposed convolution of symbolic"):
+        from_torch(module, (r(1, 2, 5, 5),), dynamic_shapes=(({2: Dim("h", min=2, max=64)},),))
 
 
 # --- weights, modes, files ----------------------------------------------------------------

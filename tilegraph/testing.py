@@ -183,6 +183,9 @@ def op_examples() -> dict[str, list[OpExample]]:
     unary("cast", ints(3, 5, dtype=np.int64), "i64-to-f32", to="f32")
     unary("cast", f32(3, 5), "f32-to-f16", to="f16")
     unary("cast", f32(3, 5), "f32-to-i1", to="i1")
+    special_bits = np.array([[1.0, -0.0, np.inf, np.nan, 3.5e-41]], dtype=np.float32)  # a subnormal among them
+    unary("bitcast", special_bits, "f32-to-i32", to="i32", source="f32")
+    unary("bitcast", ints(3, 5, dtype=np.int16), "i16-to-f16", to="f16", source="i16")
 
     # Elementwise binary: broadcasting (3, 4) with (4,).
     for op in ("add", "sub", "mul", "max", "min"):
