@@ -756,7 +756,9 @@ _EXPORT: dict[str, Callable] = {
 }
 EXPORTABLE = frozenset(_EXPORT) | frozenset(UNARY) | frozenset(BINARY) | frozenset(REDUCE) | {"ne"}
 # The lowering table (backends/lowering.py): ONNX nodes, or the stated refusal.
-LOWERINGS = table(template=sorted(EXPORTABLE), fallback={n: f"refused: {r}" for n, r in NO_ONNX_OP.items()})
+LOWERINGS = table(template=sorted(EXPORTABLE), fallback={
+    **{n: f"refused: {r}" for n, r in NO_ONNX_OP.items()},
+    "bitcast": "refused by name: ONNX BitCast came in opset 26, this exporter writes opset 21"})
 
 
 # --- entry points ------------------------------------------------------------------------------------

@@ -63,7 +63,7 @@ TORCH_LAYOUT = {
 # Composites spelled out before kernels are written (attention keeps its own kernel).
 DECOMPOSED = ("softmax", "layer_norm", "gelu")
 _HOST = "no kernel: its NumPy template runs on host copies (HOST_OPS)"
-HOST = {name: _HOST for name in ("einsum", "max_pool", "avg_pool", "gather_elements", "pad", "tile",
+HOST = {name: _HOST for name in ("einsum", "max_pool", "avg_pool", "gather_elements", "pad", "tile", "bitcast",
                                  "scatter_elements", "scatter_nd", "topk")}
 KERNELS = ("trilu", "argmax", "argmin", "cumsum", "cumprod", "matmul", "conv", "attention", "gather",
            "quantize", "dequantize", "dynamic_quantize", "matmul_integer")
