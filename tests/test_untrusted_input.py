@@ -247,3 +247,47 @@ def _c_unescape(body: str) -> bytes:
             out += c.encode()
             i += 1
     return bytes(out)
+
+
+def _pt2_with(tmp_path, replace: dict) -> Path:
+    """A .pt2 of a small Linear with the archive members named in `replace` overwritten."""
+    import io
+    import zipfile
+
+    import torch
+
+    ep = torch.export.export(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU()), (torch.randn(2, 4),))
+    plain, evil = tmp_path / "plain.pt2", tmp_path / "evil.pt2"
+    torch.export.save(ep, plain)
+    with zipfile.ZipFile(plain) as src, zipfile.ZipFile(evil, "w") as out:
+        for name in src.namelist():
+            data = src.read(name)
+            for suffix, make in replace.items():
+                if name.endswith(suffix):
+                    buffer = io.BytesIO()
+                    torch.save(make(), buffer)
+                    data = buffer.getvalue() if not isinstance(make(), bytes) else make()
+            out.writestr(name, data)
+    return evil
+
+
+class _Touch:
+    def __reduce__(self):
+        return (exec, (RUN,))
+
+
+def test_a_pt2_whose_pickles_name_code_is_refused_before_torch_unpickles_it(tmp_path):
+    """torch.export.load retries a sample-inputs pickle that weights_only refuses with
+    weights_only=False, which ran this file's code; tilegraph checks every pickle first."""
+    from tilegraph.frontends import FrontendError
+    from tilegraph.frontends.torch_export import load_pt2
+
+    evil = _pt2_with(tmp_path, {"sample_inputs/model.pt": _Touch})
+    with pytest.raises(FrontendError, match="not plain tensor data"):
+        load_pt2(evil)
+    assert not MARKER.exists()
+    pickled = _pt2_with(tmp_path, {"weights_config.json": lambda: b'{"config": {"0.weight": {"path_name": '
+                                                                  b'"weight_0", "is_param": true, "use_pickle": true}}}'})
+    with pytest.raises(FrontendError, match="pickled object"):
+        load_pt2(pickled)
+    assert load_pt2(tmp_path / "plain.pt2").input_names
