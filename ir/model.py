@@ -43,6 +43,18 @@ def context() -> Context:
     return ctx
 
 
+def _linear_string_literals() -> None:
+    """xDSL's lexer matches a string literal with `"(?:[^"\\...]+|\\...)*"`: on an unterminated
+    one the nested quantifiers backtrack exponentially (a truncated .mlir file of 548 bytes hung
+    the parser: found by tilegraph/fuzz.py). The same language, matched possessively: linear."""
+    from xdsl.utils.mlir_lexer import MLIRLexer
+
+    MLIRLexer._unescaped_characters_regex = re.compile(r'"(?:[^"\\\n\v\f]|\\(?:["nt\\]|[0-9A-Fa-f]{2}))*+"')
+
+
+_linear_string_literals()
+
+
 def parse_module(text: str, source: str = "<string>") -> ModuleOp:
     try:
         op = Parser(context(), text, source).parse_module()

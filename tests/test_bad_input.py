@@ -241,3 +241,12 @@ def test_shard_reports_the_budget_it_was_given_and_marks_a_tied_runner_up(tmp_pa
     best = next(line for line in out.splitlines() if line.startswith("predicted step time"))
     if runner.split()[1:3] == best.split()[3:5]:  # the same predicted time
         assert "predicted as fast" in runner
+
+
+def test_an_unterminated_string_in_a_mlir_file_fails_fast():
+    """xDSL's string-literal regex backtracked exponentially on a string with no closing quote:
+    a truncated 548-byte .mlir hung the parser (found by tilegraph/fuzz.py). 2**60 steps before."""
+    from tilegraph.ir.model import ModelError, parse_module
+
+    with pytest.raises(ModelError, match="closing string literal"):
+        parse_module('builtin.module {\n  func.func @f(%x : tensor<?xf32, ["' + "S" * 60 + "]>)")

@@ -18,7 +18,7 @@ A case passes when it succeeds or fails with one of the errors a user is meant t
 (tilegraph.errors.user_errors(): TilegraphError and the parser's and verifier's; for
 the command line: exit status 0, 1 or 2 with no traceback printed). Anything else is a
 crash: its input is saved under --out as a reproducer with the traceback, and the run
-exits 1. `make test` runs a few hundred cases of each kind (tests/test_fuzz.py).
+exits 1; so is a case that takes longer than CASE_TIME_LIMIT (a hang). `make test` runs a few hundred cases of each kind (tests/test_fuzz.py).
 """
 
 from __future__ import annotations
@@ -47,8 +47,18 @@ MLIR_TOKENS = ["tg.add", "tg.matmul", "tg.fusion", "tg.yield", "tg.weight", "ten
                "tile = {rows = 4 : i64}", 'name = "w"', "dense<1.0>", "\n", "\x00", "\xff"]
 
 
+# Seconds one case may take before it counts as a hang (a crash): the slowest legitimate cases
+# (a shard solve, a calibration) take a few seconds on the 2-core dev VM.
+CASE_TIME_LIMIT = 60
+
+
 class Crash(Exception):
     pass
+
+
+class Hang(BaseException):
+    """A case past CASE_TIME_LIMIT (a BaseException: no `except Exception` in the code under
+    test may swallow it)."""
 
 
 def _repeated(field) -> bool:
@@ -339,19 +349,35 @@ class Fuzzer:
         """Run `n` cases of `kind`; returns one line per crash (its reproducer saved under out)."""
         from tilegraph.errors import user_errors
 
+        import signal
+        import threading
+
         case = getattr(self, f"{kind}_case")
         crashes = []
+        timed = threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGALRM")
+
+        def hang(*_):
+            raise Hang(f"no result after {CASE_TIME_LIMIT} s")
+
+        previous = signal.signal(signal.SIGALRM, hang) if timed else None
         for i in range(n):
             rng = np.random.default_rng([seed, KINDS.index(kind), i])
             self._case = {}
             try:
+                if timed:
+                    signal.alarm(CASE_TIME_LIMIT)
                 case(rng)
             except user_errors():
                 pass
-            except (Exception, RecursionError) as e:  # noqa: BLE001 - anything else is what we look for
+            except (Exception, RecursionError, Hang) as e:  # noqa: BLE001 - anything else is what we look for
                 crashes.append(self._save(kind, seed, i, e))
+            finally:
+                if timed:
+                    signal.alarm(0)
             if progress and (i + 1) % 500 == 0:
                 print(f"  {kind}: {i + 1}/{n}, {len(crashes)} crashes", file=sys.stderr, flush=True)
+        if timed:
+            signal.signal(signal.SIGALRM, previous)
         return crashes
 
     def _save(self, kind: str, seed: int, i: int, e: BaseException) -> str:
