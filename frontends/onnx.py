@@ -238,12 +238,16 @@ def _dim_value(v: Any) -> Dim:
 def tensor_array(t, what: str) -> np.ndarray:
     """The array of a TensorProto; FrontendError naming `what` for an unknown element type
     or data that does not fill its dims (a malformed file)."""
+    import onnx
     from onnx import numpy_helper
 
     onnx_dtype(t.data_type, what)
+    if t.data_location == onnx.TensorProto.EXTERNAL:  # load_model read the external data it could
+        raise FrontendError(f"{what}: its data is in an external file that was not read (a model given as "
+                            "bytes, or an external tensor outside the model's graph)")
     try:
         return numpy_helper.to_array(t)
-    except (ValueError, TypeError, KeyError) as e:
+    except (ValueError, TypeError, KeyError, onnx.checker.ValidationError) as e:
         raise FrontendError(f"{what}: {e}") from None
 
 

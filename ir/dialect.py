@@ -332,6 +332,8 @@ class FusionOp(IRDLOperation):
         for op in block.ops:
             if not isinstance(op, (TgOp, YieldOp)):
                 raise VerifyException(f"tg.fusion: {op.name} cannot be fused; a group holds tg ops only")
+        if any(v in block.args for v in block.last_op.operands):  # backends write results into buffers of their own
+            raise VerifyException("tg.fusion: yields one of its arguments unchanged; a group yields what its ops compute")
         tile = self.attributes.get("tile")
         if tile is not None and not _all_integers(tile):
             # Backends write tile sizes into generated code: integers only, whatever a file says.

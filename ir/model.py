@@ -60,6 +60,12 @@ def parse_module(text: str, source: str = "<string>") -> ModuleOp:
         op = Parser(context(), text, source).parse_module()
     except ParseError as e:
         raise ModelError(f"{source} is not valid tg IR:\n{e}") from None
+    except TilegraphError:
+        raise
+    except (OverflowError, ValueError, IndexError, KeyError, TypeError, AssertionError, RecursionError) as e:
+        # xDSL's parser lets some malformed text through to its attribute constructors
+        # (a dense<9223372036854775807> of f32 overflows struct.pack): still a bad file.
+        raise ModelError(f"{source} is not valid tg IR: {type(e).__name__}: {e}") from None
     return op
 
 

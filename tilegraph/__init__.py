@@ -170,6 +170,7 @@ def compile(model: Any, example_inputs: Sequence[Any] | None = None, target: str
         raise TilegraphError(f"target {target!r} takes no option {', '.join(unknown)}"
                              + (f" (its options: {', '.join(sorted(accepted))})" if accepted else ""))
     imported = import_model(model, example_inputs, dynamic_shapes)
+    imported.verify()  # passes assume verified IR (a Model parsed from text has not been)
     # Fusion and tiling are decided for the hardware the backend runs on.
     optimized = _run_passes(imported, pipeline, getattr(codegen, "HARDWARE", "cpu"))
     optimized.verify()

@@ -153,6 +153,28 @@ def mutate_bytes(data: bytes, rng: np.random.Generator, tokens: list[bytes] | No
     return bytes(b)
 
 
+def mutate_mlir_token(text: bytes, rng: np.random.Generator) -> bytes:
+    """One token of the IR text replaced by another of its class: an integer, a string, an op
+    name, an element type or an SSA name."""
+    import re
+
+    from tilegraph.ir.ops import OPS
+
+    classes = [(rb"(?<![\w%.])-?\d+(?![\w.])", [str(v).encode() for v in ODD_INTS + [4, 8, 16, 32768]]),
+               (rb'"[^"\n]*"', [b'"' + "".join(c if c.isalnum() else f"\\{b:02X}" for c in v
+                                                 for b in c.encode()).encode() + b'"' for v in ODD_STRINGS]),
+               (rb"tg\.[a-z_]+", [f"tg.{name}".encode() for name in sorted(OPS)]),
+               (rb"(?<=x)(f32|i64|f16|i8|i1)\b|(?<=<)(f32|i64)\b", [b"f32", b"i64", b"f16", b"bf16", b"i8", b"i1",
+                                                                  b"i4", b"f64", b"f8E4M3FN", b"ui8"]),
+               (rb"%\w+", [b"%0", b"%1", b"%2", b"%5", b"%x", b"%ids", b"%99"])]
+    pattern, replacements = classes[int(rng.integers(0, len(classes)))]
+    found = list(re.finditer(pattern, text))
+    if not found:
+        return text
+    m = found[int(rng.integers(0, len(found)))]
+    return text[:m.start()] + replacements[int(rng.integers(0, len(replacements)))] + text[m.end():]
+
+
 def mutate_proto(message, rng: np.random.Generator) -> None:
     """Set one field somewhere in `message` (a protobuf) to an odd value of its type."""
     from google.protobuf.descriptor import FieldDescriptor as F
@@ -232,8 +254,13 @@ class Fuzzer:
             model = seed_model()
             self._mlir = (seed_mlir_text().encode(), {k: np.asarray(v) for k, v in model.weights.items()})
         text, weights = self._mlir
-        data = mutate_bytes(text, rng, [t.encode("utf-8", "surrogateescape") if t != "\xff" else b"\xff"
-                                        for t in MLIR_TOKENS])
+        if rng.random() < 0.6:  # edits that keep the text parseable, so the verifier and backends see it
+            data = text
+            for _ in range(int(rng.integers(1, 4))):
+                data = mutate_mlir_token(data, rng)
+        else:
+            data = mutate_bytes(text, rng, [t.encode("utf-8", "surrogateescape") if t != "\xff" else b"\xff"
+                                            for t in MLIR_TOKENS])
         self._case = {"model.mlir": data}
         _compile_and_run(lambda: Model.parse(decode_text(data, "model.mlir"), dict(weights)), rng)
         return self._case

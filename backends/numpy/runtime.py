@@ -48,7 +48,7 @@ class CompiledModel:
             # A shape the model computes may be absurd (a corrupted file's 2**40 padding):
             # name the emitted line, which names the value and its op, not NumPy's allocator.
             raise ModelError(f"out of memory running the model, at `{_emitted_line(e)}`: {e}") from None
-        except (IndexError, ValueError, ZeroDivisionError) as e:
+        except (IndexError, ValueError, TypeError, ZeroDivisionError) as e:
             # Inputs valid for the signature that the model's own computation cannot take (a
             # position past its table): the emitted line names the value and its op.
             if _emitted_line(e) == "?":
