@@ -3,14 +3,15 @@
 `flatten` turns the model's function into the list of ops that compute (tg ops and
 tg.fusion groups), looking through single-block region ops; `liveness` says when
 each computed value is dead; `Namer` hands out Python identifiers. The NumPy and
-Triton emitters both build on these.
+Triton emitters both build on these. A model's strings enter their source only through
+`ir/escape.py` (re-exported here): identifiers from `sanitize`, literals from
+`str_literal`/`literal`, comments through `py_comment`.
 """
 
 from __future__ import annotations
 
 import builtins
 import keyword
-import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -21,6 +22,7 @@ from xdsl.ir import Operation, SSAValue
 
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir import dtypes
+from tilegraph.ir.escape import identifier, py_comment, py_string  # noqa: F401 - the emitters' one escaping point
 from tilegraph.ir.model import Model, ModelError
 from tilegraph.ir.ops import py_literal
 from tilegraph.ir.shapes import TensorInfo
@@ -29,9 +31,8 @@ PYTHON_RESERVED = set(keyword.kwlist) | set(dir(builtins))
 
 
 def sanitize(name: str, prefix: str = "v") -> str:
-    """A Python identifier close to `name`: 'encoder.layer.0.w' -> 'encoder_layer_0_w'."""
-    ident = re.sub(r"[^0-9A-Za-z_]+", "_", name).strip("_") or prefix
-    return f"{prefix}_{ident}" if ident[0].isdigit() else ident
+    """A Python identifier close to `name` (the one sanitiser, `ir/escape.py`)."""
+    return identifier(name, prefix)
 
 
 class Namer:
@@ -125,7 +126,7 @@ def liveness(steps: Sequence[TgOp | FusionOp], outputs: Sequence[SSAValue], cano
 
 def str_literal(s: str) -> str:
     """A string literal in double quotes where that is plain (weight names), else repr."""
-    return f'"{s}"' if s.isprintable() and '"' not in s and "\\" not in s else repr(s)
+    return py_string(s)
 
 
 def signature_rows(names: Sequence[str], infos: Sequence[TensorInfo]) -> list[str]:

@@ -103,10 +103,10 @@ def load_model(model: Any):
             raise FrontendError(f"{model} is not an ONNX model (it has no graph)")
     try:
         for f in proto.graph.initializer:
-            if f.data_location == onnx.TensorProto.EXTERNAL and not isinstance(model, onnx.ModelProto):
+            if f.data_location == onnx.TensorProto.EXTERNAL and isinstance(model, (str, Path)):
                 onnx.external_data_helper.load_external_data_for_model(proto, str(Path(model).parent))
                 break
-    except OSError as e:
+    except (OSError, onnx.checker.ValidationError) as e:  # missing, or outside the model's folder
         raise FrontendError(f"cannot read the external data of {model}: {e}") from None
     return proto
 
@@ -127,7 +127,7 @@ def _changed_since(op_type: str, opset: int) -> bool:
     try:
         old = onnx.defs.get_schema(op_type, opset).since_version
         new = onnx.defs.get_schema(op_type, max(opset, MIN_OPSET)).since_version
-    except onnx.defs.SchemaError:
+    except (onnx.defs.SchemaError, TypeError):  # TypeError: an opset version past int32 (a corrupt file)
         return True
     return old != new
 
@@ -143,7 +143,7 @@ def function_schema(node, opset: int):
     try:
         schema = onnx.defs.get_schema(node.op_type, opset if node.domain in DEFAULT_DOMAINS else 1 << 30,
                                       "" if node.domain in DEFAULT_DOMAINS else node.domain)
-    except onnx.defs.SchemaError:
+    except (onnx.defs.SchemaError, TypeError):  # TypeError: an opset version past int32 (a corrupt file)
         return None
     versions = list(schema.function_opset_versions) + list(schema.context_dependent_function_opset_versions)
     return schema if versions else None
@@ -277,12 +277,16 @@ def _dim_value(v: Any) -> Dim:
 def tensor_array(t, what: str) -> np.ndarray:
     """The array of a TensorProto; FrontendError naming `what` for an unknown element type
     or data that does not fill its dims (a malformed file)."""
+    import onnx
     from onnx import numpy_helper
 
     onnx_dtype(t.data_type, what)
+    if t.data_location == onnx.TensorProto.EXTERNAL:  # load_model read the external data it could
+        raise FrontendError(f"{what}: its data is in an external file that was not read (a model given as "
+                            "bytes, or an external tensor outside the model's graph)")
     try:
         return numpy_helper.to_array(t)
-    except (ValueError, TypeError, KeyError) as e:
+    except (ValueError, TypeError, KeyError, onnx.checker.ValidationError) as e:
         raise FrontendError(f"{what}: {e}") from None
 
 
@@ -293,11 +297,14 @@ def _attr_value(a, what: str) -> Any:
         return tensor_array(a.t, f"{what}: attribute '{a.name}'")
     if a.type in (AttributeProto.GRAPH, AttributeProto.GRAPHS):
         return a  # no converter takes subgraphs; kept so the error can name it
-    v = helper.get_attribute_value(a)
-    if isinstance(v, bytes):
-        return v.decode("utf-8")
-    if isinstance(v, list) and v and isinstance(v[0], bytes):
-        return [s.decode("utf-8") for s in v]
+    try:
+        v = helper.get_attribute_value(a)
+        if isinstance(v, bytes):
+            return v.decode("utf-8")
+        if isinstance(v, list) and v and isinstance(v[0], bytes):
+            return [s.decode("utf-8") for s in v]
+    except (ValueError, UnicodeDecodeError) as e:  # a reference to a function's attribute, bytes not UTF-8
+        raise FrontendError(f"{what}: attribute '{a.name}' cannot be read: {str(e).splitlines()[0]}") from None
     return v
 
 
@@ -357,6 +364,8 @@ class _Importer:
                     raise FrontendError(f"graph output '{out.name}' is declared with shape {declared} "
                                         f"but computes {t.info}")
             outputs.append(t)
+        if not outputs:
+            raise FrontendError("the graph has no outputs: nothing to compute")
         return self.g.build(*outputs, names=[o.name for o in graph.output])
 
     def input_type(self, inp) -> tuple[str, tuple[Dim, ...]]:

@@ -23,7 +23,7 @@ from xdsl.ir import Block, Region, SSAValue
 
 from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import make_op
-from tilegraph.ir.model import NAME_ATTR, Model, WeightStore, ssa_hint
+from tilegraph.ir.model import NAME_ATTR, Model, ModelError, WeightStore, ssa_hint  # ModelError is a ValueError
 from tilegraph.ir.ops import OPS
 from tilegraph.ir.shapes import Dim, ShapeError, TensorInfo, as_shape, info_of, normalize_dim, numel, tensor_type
 
@@ -97,7 +97,7 @@ class Graph:
 
     def input(self, name: str, shape: Sequence[Dim | str], dtype: str = "f32") -> Tensor:
         if name in self.input_names:
-            raise ValueError(f"input '{name}' is defined twice")
+            raise ModelError(f"input '{name}' is defined twice")
         arg = self.block.insert_arg(tensor_type(dtype, shape), len(self.block.args))
         arg.name_hint = ssa_hint(name)
         self.input_names.append(name)
@@ -106,7 +106,7 @@ class Graph:
     def weight(self, name: str, array: Any) -> Tensor:
         array = np.asarray(array)
         if name in self.weights and self.weights[name] is not array:
-            raise ValueError(f"weight '{name}' is defined twice")
+            raise ModelError(f"weight '{name}' is defined twice")
         self.weights[name] = array
         return self.op("weight", name=name, result=TensorInfo(tuple(array.shape), dtypes.dtype_name(array.dtype)))
 
@@ -134,7 +134,7 @@ class Graph:
         values = [t.value for t in operands if t is not None]
         for t in operands:
             if t is not None and t.graph is not self:
-                raise ValueError(f"tg.{opname}: operand {t} belongs to another graph")
+                raise ModelError(f"tg.{opname}: operand {t} belongs to another graph")
         op = make_op(opname, values, attrs, result)
         self.block.add_op(op)
         outs = tuple(Tensor(self, r) for r in op.results)
@@ -240,10 +240,10 @@ class Graph:
     def build(self, *outputs: Tensor, names: Sequence[str] | None = None) -> Model:
         """Close the graph: returns a Model whose @forward returns `outputs`."""
         if not outputs:
-            raise ValueError("a graph needs at least one output")
+            raise ModelError("a graph needs at least one output")
         names = list(names) if names is not None else [f"output{i}" for i in range(len(outputs))]
         if len(names) != len(outputs):
-            raise ValueError(f"{len(outputs)} outputs but {len(names)} names")
+            raise ModelError(f"{len(outputs)} outputs but {len(names)} names")
         self.block.add_op(ReturnOp(*[t.value for t in outputs]))
         in_types = [a.type for a in self.block.args]
         out_types = [t.value.type for t in outputs]

@@ -305,14 +305,14 @@ class FusionOp(IRDLOperation):
         def value(v: Attribute) -> Any:
             if isinstance(v, IntegerAttr):
                 return v.value.data
-            if isinstance(v, StringAttr):
-                return v.data
             if isinstance(v, ArrayAttr):  # the autotuner's candidate configurations
                 return [value(x) for x in v.data]
             if isinstance(v, DictionaryAttr):
                 return {k: value(x) for k, x in v.data.items()}
             return v
 
+        if not _all_integers(tile):
+            raise VerifyException(f"tg.fusion: its tile must hold integers, got {tile}")
         return {k: value(v) for k, v in tile.data.items()}
 
     def verify_(self) -> None:
@@ -332,9 +332,17 @@ class FusionOp(IRDLOperation):
         for op in block.ops:
             if not isinstance(op, (TgOp, YieldOp)):
                 raise VerifyException(f"tg.fusion: {op.name} cannot be fused; a group holds tg ops only")
+        if any(v in block.args for v in block.last_op.operands):  # backends write results into buffers of their own
+            raise VerifyException("tg.fusion: yields one of its arguments unchanged; a group yields what its ops compute")
+        tile = self.attributes.get("tile")
+        if tile is not None and not _all_integers(tile):
+            # Backends write tile sizes into generated code: integers only, whatever a file says.
+            raise VerifyException(f"tg.fusion: its tile must hold integers (and arrays and dicts of them), got {tile}")
 
     def print(self, printer: Printer) -> None:
-        printer.print_string(f' "{self.kind}" (')
+        printer.print_string(" ")
+        printer.print_string_literal(self.kind)
+        printer.print_string(" (")
         printer.print_list(zip(self.block.args, self.operands), lambda pair: _print_binding(printer, *pair))
         printer.print_string(")")
         printer.print_op_attributes({k: v for k, v in self.attributes.items() if k != "kind"})
@@ -362,6 +370,16 @@ class FusionOp(IRDLOperation):
         region = parser.parse_region(args)
         return cls.create(operands=operands, result_types=types, attributes={"kind": StringAttr(kind), **attrs},
                           regions=[region])
+
+
+def _all_integers(attr: Attribute) -> bool:
+    if isinstance(attr, IntegerAttr):
+        return True
+    if isinstance(attr, ArrayAttr):
+        return all(_all_integers(a) for a in attr.data)
+    if isinstance(attr, DictionaryAttr):
+        return all(_all_integers(a) for a in attr.data.values())
+    return False
 
 
 def _print_binding(printer: Printer, arg: SSAValue, value: SSAValue) -> None:

@@ -43,11 +43,29 @@ def context() -> Context:
     return ctx
 
 
+def _linear_string_literals() -> None:
+    """xDSL's lexer matches a string literal with `"(?:[^"\\...]+|\\...)*"`: on an unterminated
+    one the nested quantifiers backtrack exponentially (a truncated .mlir file of 548 bytes hung
+    the parser: found by tilegraph/fuzz.py). The same language, matched possessively: linear."""
+    from xdsl.utils.mlir_lexer import MLIRLexer
+
+    MLIRLexer._unescaped_characters_regex = re.compile(r'"(?:[^"\\\n\v\f]|\\(?:["nt\\]|[0-9A-Fa-f]{2}))*+"')
+
+
+_linear_string_literals()
+
+
 def parse_module(text: str, source: str = "<string>") -> ModuleOp:
     try:
         op = Parser(context(), text, source).parse_module()
     except ParseError as e:
         raise ModelError(f"{source} is not valid tg IR:\n{e}") from None
+    except TilegraphError:
+        raise
+    except (OverflowError, ValueError, IndexError, KeyError, TypeError, AssertionError, RecursionError) as e:
+        # xDSL's parser lets some malformed text through to its attribute constructors
+        # (a dense<9223372036854775807> of f32 overflows struct.pack): still a bad file.
+        raise ModelError(f"{source} is not valid tg IR: {type(e).__name__}: {e}") from None
     return op
 
 
@@ -57,6 +75,40 @@ def print_module(module: Operation) -> str:
     out = io.StringIO()
     Printer(stream=out).print_op(module)
     return out.getvalue() + "\n"
+
+
+def read_npz(path: str | Path, what: str = "an .npz file") -> dict[str, np.ndarray]:
+    """Every array of the .npz at `path`, read whole; a ModelError naming the file for anything
+    else (a missing, corrupt or truncated zip, a .npy, pickled objects: never unpickled)."""
+    import zipfile
+    import zlib
+
+    path = Path(path)
+    if not path.is_file():
+        raise ModelError(f"no such file: {path} ({what})")
+    try:
+        data = np.load(path, allow_pickle=False)
+        if not isinstance(data, np.lib.npyio.NpzFile):
+            raise ModelError(f"{path} is a single .npy array, not {what} (an .npz of named arrays)")
+        with data:
+            return {k: data[k] for k in data.files}
+    except ModelError:
+        raise
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error, NotImplementedError) as e:
+        raise ModelError(f"{path} is not {what}: {type(e).__name__}: {e}") from None
+
+
+def read_text(path: str | Path, what: str = "tg IR text") -> str:
+    """A text file as UTF-8; a ModelError naming the file and the offending byte otherwise."""
+    return decode_text(Path(path).read_bytes(), str(path), what)
+
+
+def decode_text(data: bytes, source: str, what: str = "tg IR text") -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ModelError(f"{source} is not {what}: byte {e.object[e.start]:#04x} at offset {e.start} is not UTF-8 "
+                         "(a binary file?)") from None
 
 
 class WeightStore(dict):
@@ -91,9 +143,12 @@ class WeightStore(dict):
                 return unpack_4bit(raw, shape, name)
             return raw.view(dtypes.numpy_dtype(meta[k]))
 
-        with np.load(path, allow_pickle=False) as data:
+        data = read_npz(path, "a weights file")
+        try:
             meta = ast.literal_eval(str(data["__dtypes__"])) if "__dtypes__" in data else {}
-            return cls({k: restore(k, data[k], meta) for k in data.files if k != "__dtypes__"})
+            return cls({k: restore(k, v, meta) for k, v in data.items() if k != "__dtypes__"})
+        except (ValueError, TypeError, KeyError, SyntaxError, MemoryError, RecursionError) as e:
+            raise ModelError(f"{path}: the weights' element types (__dtypes__) are malformed: {e}") from None
 
     def nbytes(self) -> int:
         """Bytes the arrays take when saved (4-bit types two to a byte)."""
@@ -222,7 +277,7 @@ class Model:
         path = Path(path)
         if not path.is_file():
             raise ModelError(f"no such file: {path}")
-        module = parse_module(path.read_text(), str(path))
+        module = parse_module(read_text(path), str(path))
         wpath = weights_path(path)
         weights = WeightStore.load(wpath) if wpath.is_file() else WeightStore()
         model = cls(module, weights)

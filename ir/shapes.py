@@ -8,8 +8,9 @@ only type: `tensor<?x128x?xf32, ["B", "S*2"]>`.
 
 from __future__ import annotations
 
+import ast
 import math
-import re
+import operator
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Iterable, Sequence, Union
@@ -36,8 +37,6 @@ def symbol(name: str) -> sympy.Symbol:
     return sympy.Symbol(name, integer=True, positive=True)
 
 
-_IDENT = re.compile(r"[A-Za-z_][A-Za-z_0-9]*")
-DIM_FUNCTIONS = ("floor", "ceiling", "Max", "Min")  # how sympy prints them; the interpreter defines them
 
 
 def parse_dim(text: str | int | sympy.Expr) -> Dim:
@@ -48,15 +47,48 @@ def parse_dim(text: str | int | sympy.Expr) -> Dim:
 
 
 # --- NumPy backend: every read of a type (info_of) parses its dim names again, and
-# sympy.parse_expr costs ~1 ms a call; dims are immutable, so each text is parsed once.
+# parsing costs ~1 ms a call; dims are immutable, so each text is parsed once.
 @lru_cache(maxsize=4096)
 def _parse_dim_text(text: str) -> Dim:
-    # (ONNX frontend) Names of the functions a printed dim may hold (floor(S/2)) are not symbols.
-    names = {n: symbol(n) for n in _IDENT.findall(text) if n not in DIM_FUNCTIONS}
+    # A dim's text comes from files (a .mlir type's names): it is parsed, never evaluated
+    # (sympy.parse_expr runs eval, and `().__class__...` reaches os.system through it).
     try:
-        return normalize_dim(sympy.parse_expr(text, local_dict=names))
-    except (SyntaxError, TypeError, sympy.SympifyError) as e:
-        raise ShapeError(f"cannot read dimension '{text}': {e}") from None
+        tree = ast.parse(text.strip(), mode="eval")
+        return normalize_dim(sympy.sympify(_dim_tree(tree.body)))
+    except (SyntaxError, TypeError, ValueError, RecursionError, MemoryError, ZeroDivisionError, sympy.SympifyError) as e:
+        raise ShapeError(f"cannot read dimension {text!r}: {e}") from None
+
+
+_DIM_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+                  ast.FloorDiv: lambda a, b: sympy.floor(a / b), ast.Pow: operator.pow}
+# How sympy prints the functions a dim may hold (floor(S/2)); the interpreter defines them.
+DIM_FUNCTIONS = {"floor": sympy.floor, "ceiling": sympy.ceiling, "Max": sympy.Max, "Min": sympy.Min}
+MAX_DIM_EXPONENT = 8  # S**2 appears (a flattened square); a larger power is no dimension but a way to hang sympy
+MAX_DIM_DIGITS = 30
+
+
+def _dim_tree(node: ast.expr) -> Dim:
+    """A dim expression from its syntax tree: integers, names (symbols), + - * / // % **,
+    and DIM_FUNCTIONS; anything else is refused."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        if len(str(node.value)) > MAX_DIM_DIGITS:
+            raise ValueError("an integer too large for a dimension")
+        return sympy.Integer(node.value)
+    if isinstance(node, ast.Name):
+        return symbol(node.id)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        value = _dim_tree(node.operand)
+        return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.BinOp) and type(node.op) in _DIM_OPERATORS:
+        left, right = _dim_tree(node.left), _dim_tree(node.right)
+        if isinstance(node.op, ast.Pow) and not (right.is_Integer and abs(int(right)) <= MAX_DIM_EXPONENT):
+            raise ValueError(f"a power other than a small integer one ({MAX_DIM_EXPONENT} at most)")
+        return _DIM_OPERATORS[type(node.op)](left, right)
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in DIM_FUNCTIONS
+            and node.args and not node.keywords):
+        return DIM_FUNCTIONS[node.func.id](*[_dim_tree(a) for a in node.args])
+    raise ValueError("not an expression of sizes (integers, names, + - * / // **, "
+                     f"{', '.join(DIM_FUNCTIONS)})")
 
 
 def normalize_dim(d: Dim) -> Dim:

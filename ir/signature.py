@@ -65,18 +65,59 @@ def _input_spec(name: str, shape: Sequence[int | str], dtype: str) -> _Input:
     return _Input(name, dtypes.numpy_dtype(dtype), text, len(shape), tuple(static), tuple(symbols), tuple(exprs))
 
 
-class Signature:
-    """Built from rows (name, shape with str symbolic dims, dtype spelling)."""
+@dataclass(frozen=True)
+class IndexCheck:
+    """An input that indexes a table (an embedding's ids): its values must lie in [-size, size)."""
 
-    def __init__(self, rows: Sequence[tuple[str, Sequence[int | str], str]]):
+    input: int
+    op: str  # for messages: "tg.gather (axis 0 of f32(30522, 384))"
+    size: int
+
+
+def index_checks(model) -> tuple[IndexCheck, ...]:
+    """The inputs that reach a gather's indices unchanged (through views and casts, and into
+    fused groups), with the static size of the axis they index: the ids a caller passes
+    are checked up front, as onnxruntime does, not left to fail inside the emitted code."""
+    from xdsl.ir import BlockArgument
+
+    from tilegraph.ir.dialect import FusionOp, TgOp
+    from tilegraph.ir.shapes import info_of
+
+    args = list(model.func.args)
+    checks = []
+    for op in model.func.walk():
+        if not (isinstance(op, TgOp) and op.op_name == "gather"):
+            continue
+        v = op.operands[1]
+        while True:
+            if isinstance(v, BlockArgument) and isinstance(v.owner.parent_op(), FusionOp):
+                v = v.owner.parent_op().operands[v.index]
+            elif isinstance(v.owner, TgOp) and (v.owner.op_name == "cast" or v.owner.SPEC.category == "layout"
+                                                and v.owner.op_name not in ("gather", "gather_elements")):
+                v = v.owner.operands[0]
+            else:
+                break
+        table = info_of(op.operands[0].type)
+        axis = op.attr("axis") % max(table.rank, 1)
+        if v in args and table.rank and isinstance(table.shape[axis], int):
+            checks.append(IndexCheck(args.index(v), f"tg.gather (axis {axis} of {table})", table.shape[axis]))
+    return tuple(checks)
+
+
+class Signature:
+    """Built from rows (name, shape with str symbolic dims, dtype spelling), and the inputs
+    that index tables (`index_checks`)."""
+
+    def __init__(self, rows: Sequence[tuple[str, Sequence[int | str], str]], indices: Sequence[IndexCheck] = ()):
         self._inputs = tuple(_input_spec(*row) for row in rows)
         self._any_exprs = any(spec.exprs for spec in self._inputs)
         self.names = [row[0] for row in rows]
+        self.indices = tuple(indices)
 
     @classmethod
     def of(cls, model) -> "Signature":
         return cls([(name, tuple(d if isinstance(d, int) else str(d) for d in info.shape), info.dtype)
-                    for name, info in zip(model.input_names, model.inputs)])
+                    for name, info in zip(model.input_names, model.inputs)], index_checks(model))
 
     def bind(self, values: Sequence[Any] | Mapping[str, Any]) -> tuple[list[np.ndarray], dict[str, int]]:
         """The inputs as arrays of the declared dtypes, and the size of every symbol.
@@ -101,6 +142,9 @@ class Signature:
                 if shape[axis] != size:
                     raise _shape_error(spec, shape)
             for axis, sym in spec.symbols:
+                if shape[axis] < 1:  # symbols are positive: shapes, reshapes and the cost model assume it
+                    raise ShapeError(f"input '{spec.name}' has {sym} = {shape[axis]} (shape {shape}); a symbolic "
+                                     "dimension is at least 1")
                 n = sizes.setdefault(sym, shape[axis])
                 if n != shape[axis]:
                     raise ShapeError(f"input '{spec.name}' has {sym} = {shape[axis]} (shape {shape}), but an "
@@ -112,6 +156,15 @@ class Signature:
                 for axis, _text, code in spec.exprs:
                     if eval(code, env) != a.shape[axis]:  # noqa: S307 - our own shape expression
                         raise _shape_error(spec, a.shape)
+        for check in self.indices:
+            a = arrays[check.input]
+            if a.size and a.dtype.kind in "iu":
+                low, high = a.min(), a.max()
+                if low < -check.size or high >= check.size:
+                    bad = low if low < -check.size else high
+                    at = tuple(int(i) for i in np.argwhere(a == bad)[0])
+                    raise ShapeError(f"input '{self.names[check.input]}' holds {bad} at {list(at)}, outside the "
+                                     f"valid range [{-check.size}, {check.size - 1}] of the {check.op} it indexes")
         return arrays, sizes
 
     def _by_name(self, named: Mapping[str, Any]) -> tuple:

@@ -329,16 +329,16 @@ def save_hessians(path: str | Path, hessians: dict[str, np.ndarray]) -> Path:
 
 
 def load_calibration(path: str | Path) -> dict[str, tuple[float, float]]:
+    from tilegraph.ir.model import read_npz
+
     if not Path(path).is_file():
         raise QuantizeError(f"quantize: no calibration file {path}")
-    with np.load(path, allow_pickle=False) as data:
-        out = {}
-        for k in data.files:
-            v = data[k]
-            if v.shape != (2,):
-                raise QuantizeError(f"quantize: calibration entry '{k}' in {path} is not a (lo, hi) pair")
-            out[k] = (float(v[0]), float(v[1]))
-        return out
+    out = {}
+    for k, v in read_npz(path, "a calibration ranges file").items():
+        if v.shape != (2,):
+            raise QuantizeError(f"quantize: calibration entry '{k}' in {path} is not a (lo, hi) pair")
+        out[k] = (float(v[0]), float(v[1]))
+    return out
 
 
 # --- the pass -------------------------------------------------------------------------------

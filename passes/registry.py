@@ -181,6 +181,13 @@ def parse_pipeline(text: str) -> list[ModulePass]:
         except (ValueError, TypeError) as e:
             options = ", ".join(f"{f.name.replace('_', '-')}={f.default}" for f in dataclasses.fields(cls)) or "none"
             raise PipelineError(f"pass '{spec.name}': {e} (its options: {options})") from None
+        # A count or size option (an int whose default is >= 0: max-elements, max-rows, max-ops,
+        # group-size) is never negative; 0 keeps its documented meaning ("none", "the default").
+        for f in dataclasses.fields(cls):
+            value = getattr(passes[-1], f.name)
+            if (type(f.default) is int and f.default >= 0 and type(value) is int and value < 0):
+                raise PipelineError(f"pass '{spec.name}': {f.name.replace('_', '-')}={value} is negative; it "
+                                    f"counts or sizes something (default {f.default})")
     return passes
 
 

@@ -84,6 +84,9 @@ DEFAULT_DIM = 128
 GRID = "mesh"  # the shard.grid symbol the annotations name
 # HiGHS's relative MIP gap: plans within 0.1% of the best are not worth more search.
 MIP_GAP = 1e-3
+# Seconds HiGHS may search per solve before the best plan found so far is taken: a 5-axis mesh
+# of a one-matmul MLP solved for 140 s with nothing shown (issue 17); plans say when it was cut short.
+SOLVE_TIME_LIMIT = 20.0
 US = 1e6  # the objective in microseconds keeps HiGHS's absolute tolerances meaningful
 
 
@@ -129,6 +132,8 @@ class Plan:
     runner_up: "Plan | None" = None
     forward: list[tuple[str, tuple[int, ...], str]] = field(default_factory=list)  # (collective, axes, where)
     variables: int = 0
+    budget: float = 0.0  # bytes per device the plan had to fit
+    cut_short: bool = False  # the solver hit SOLVE_TIME_LIMIT: the best plan found, not proven best
 
     @property
     def time(self) -> float:
@@ -264,6 +269,9 @@ def find_layers(nodes: list[Node]) -> tuple[int, int, int]:
 
 # --- the integer program ---------------------------------------------------------------
 
+_CUT_SHORT: list[bool] = []  # set by _solve during one plan()
+
+
 def _solve(cost, mem, edges, budget, allowed, exclude=None):
     """min c.x over one-hot x per class; edges (P, C, matrix) linearized; `exclude`: a choice to cut off
     (the runner-up). Returns (strategy index per class or None when infeasible, variable count)."""
@@ -318,9 +326,11 @@ def _solve(cost, mem, edges, budget, allowed, exclude=None):
     integrality = np.zeros(n)
     integrality[:nx] = 1
     res = milp(obj, constraints=[LinearConstraint(A, lo, hi)], integrality=integrality,
-               bounds=Bounds(np.zeros(n), upper), options={"mip_rel_gap": MIP_GAP})
+               bounds=Bounds(np.zeros(n), upper), options={"mip_rel_gap": MIP_GAP, "time_limit": SOLVE_TIME_LIMIT})
     if res.x is None:
         return None, n
+    if res.status == 1:  # the time limit: the incumbent is a valid plan, maybe not the best
+        _CUT_SHORT.append(True)
     return [int(np.argmax(res.x[offsets[k]:offsets[k] + len(c)])) for k, c in enumerate(cost)], n
 
 
@@ -435,6 +445,7 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
                                  f"{mesh} (it has {[st.name for st in node.strategies]})")
             allowed[slot[cls[i]]] &= ok
 
+    _CUT_SHORT.clear()
     choice, nvars = _solve(cost, mem, edges, budget, allowed)
     if choice is None:
         least = sum(min(m) for m in mem)
@@ -464,7 +475,7 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
             choices.append(Choice(node, st, at(cp, sizes), at(cm + incoming, sizes), at(m, sizes)))
         return Plan(mesh, choices, sum(c.compute for c in choices), sum(c.comm for c in choices),
                     sum(c.memory for c in choices), formula_c + formula_m, solve_time, (start, period, copies),
-                    forward=forward, variables=nvars)
+                    forward=forward, variables=nvars, budget=budget, cut_short=bool(_CUT_SHORT))
 
     best = build(choice)
     if second is not None:

@@ -333,7 +333,7 @@ def test_the_shard_command_prints_the_plan_per_layer_time_split_and_memory(tmp_p
     path = gpt_graph(3, 64, 4, seq=16, vocab=128, dtype="f32", weights="random").save(tmp_path / "gpt.mlir")
     assert main(["shard", str(path), "--mesh", "4", "--target", "h100", "--symbolic", "--dim", "B=64"]) == 0
     out = capsys.readouterr().out
-    assert "each of 3 layers" in out and "before the layers" in out and "after the layers" in out
+    assert "each of 3 repeated blocks" in out and "before the layers" in out and "after the layers" in out
     assert "predicted step time:" in out and "communication" in out and "memory per device:" in out
     assert "step time [s] =" in out
     assert main(["shard", str(path), "--mesh", "8", "--symbolic"]) == 0  # B not given: a formula of B

@@ -171,7 +171,18 @@ def compile(model: Any, example_inputs: Sequence[Any] | None = None, target: str
     from tilegraph.backends import backend
 
     codegen = backend(target)  # an unknown target fails before any import work
+    if pipeline is not None and not isinstance(pipeline, (str, list, tuple)):
+        raise TilegraphError(f"pipeline must be a string like 'canonicalize,cse' or a list of passes, "
+                             f"got {type(pipeline).__name__} {pipeline!r}")
+    import inspect
+
+    accepted = set(inspect.signature(codegen.load).parameters) - {"source", "weights", "model"}
+    unknown = sorted(set(options) - accepted)
+    if unknown:
+        raise TilegraphError(f"target {target!r} takes no option {', '.join(unknown)}"
+                             + (f" (its options: {', '.join(sorted(accepted))})" if accepted else ""))
     imported = import_model(model, example_inputs, dynamic_shapes)
+    imported.verify()  # passes assume verified IR (a Model parsed from text has not been)
     # Fusion and tiling are decided for the hardware the backend runs on.
     optimized = _run_passes(imported, pipeline, getattr(codegen, "HARDWARE", "cpu"))
     optimized.verify()

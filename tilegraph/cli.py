@@ -60,11 +60,12 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="run tilegraph and onnxruntime on the same random inputs and compare")
     check.add_argument("model", help="model.onnx")
     check.add_argument("-p", "--pipeline", default=None, help="pass pipeline (default: the default pipeline)")
-    check.add_argument("--seed", type=int, default=0)
+    check.add_argument("--seed", type=_non_negative, default=0)
     check.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
                        help="size of a symbolic dimension, e.g. --dim batch=2 (default: drawn from the seed)")
-    check.add_argument("--int-high", type=int, default=2, metavar="N",
-                       help="integer inputs are drawn from [0, N) (default 2: valid ids, masks and flags)")
+    check.add_argument("--int-high", type=_positive, default=2, metavar="N",
+                       help="integer inputs are drawn from [0, N) (default 2: masks and flags in {0, 1}); "
+                            "ids of an embedding from its whole table")
 
     # --- quantize: calibrate activations, then the quantize pass (passes/quantize.py) ---
     from tilegraph.passes.quantize import OBSERVERS, SCHEMES
@@ -170,13 +171,40 @@ def _parser() -> argparse.ArgumentParser:
                       help="passes before sharding (default: the unfused default pipeline)")
     dist.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
                       help="size of a symbolic dimension (default: the number of devices)")
-    dist.add_argument("--seed", type=int, default=0)
+    dist.add_argument("--seed", type=_non_negative, default=0)
     return p
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def refuse_overwriting(model: str | Path, *outputs: str | Path) -> None:
+    """A TilegraphError when a file a command writes is the model it reads (or its weights)."""
+    from tilegraph.ir.errors import TilegraphError
+
+    inputs = {Path(model).resolve()}
+    if Path(model).suffix == ".mlir":  # its weights are read from beside it
+        inputs.add(Path(model).with_suffix(".weights.npz").resolve())
+    for out in outputs:
+        if out is not None and Path(out).resolve() in inputs:
+            raise TilegraphError(f"-o {out} would overwrite the model being read ({model}); write elsewhere")
 
 
 def _import(args) -> int:
     import tilegraph
 
+    refuse_overwriting(args.model, args.output, Path(args.output).with_suffix(".weights.npz"))
     model = tilegraph.import_model(args.model)
     out = Path(args.output)
     model.save(out)
@@ -190,6 +218,7 @@ def _compile(args) -> int:
     from tilegraph.backends import backend
 
     dims = parse_dims(args.dim)
+    refuse_overwriting(args.model, args.output)
     # Fusion and tiling are decided for the target's hardware (backends.triton.HARDWARE for
     # triton): the default pipeline does so, and a given one too where it names no target.
     hardware = getattr(backend(args.target), "HARDWARE", "cpu")
@@ -215,6 +244,7 @@ def _quantize(args) -> int:
 
     if args.batch_size < 1:
         raise TilegraphError(f"--batch-size must be at least 1, got {args.batch_size}")
+    refuse_overwriting(args.model, args.output, Path(args.output).with_suffix(".weights.npz"), args.export_onnx)
     if args.export_onnx and not Path(args.export_onnx).parent.is_dir():
         raise TilegraphError(f"--export-onnx {args.export_onnx}: no such directory {Path(args.export_onnx).parent}")
     # Flags that cannot work are refused before the import and the calibration run.
@@ -293,8 +323,16 @@ def _quantize(args) -> int:
         if ranges is not None:
             save_calibration(calib_path, ranges)
     layers = len(linear_layers(model.func.body.block.ops, model.weights))
-    how = f", mixed with {args.fallback} and float for {args.target}" if mixed else ""
-    print(f"quantized {layers} linear layers ({args.scheme}{how}"
+    what, how = f"{layers} linear layers ({args.scheme}", ""
+    if mixed:  # say what the search chose, not what it was offered
+        from collections import Counter
+
+        got = Counter(plan.formats.values())
+        floats = got.pop("none", 0)
+        what = f"{layers - floats} of {layers} linear layers ("
+        how = ", ".join([f"{n} {scheme}" for scheme, n in got.most_common()] + ([f"{floats} float"] if floats else [])
+                        ) + f"; chosen for {args.target}"
+    print(f"quantized {what}{how}"
           + (f", activations calibrated by {args.observer} on {args.calib}" if ranges else
              ", activation scales from the data at run time" if SCHEMES[args.scheme].activation else "")
           + ")")
@@ -316,6 +354,7 @@ def _export(args) -> int:
     out = Path(args.output)
     if not out.parent.is_dir():
         raise TilegraphError(f"-o {out}: no such directory {out.parent}")
+    refuse_overwriting(args.model, out)
     model = run_pipeline(tilegraph.import_model(args.model), UNFUSED_PIPELINE if args.pipeline is None
                          else args.pipeline)
     proto = to_onnx(model, out.stem)
@@ -329,13 +368,11 @@ def _calibration_batches(path: Path, model, batch_size: int) -> list[list]:
     import numpy as np
 
     from tilegraph.ir.errors import TilegraphError
+    from tilegraph.ir.model import read_npz
 
     if not path.is_file():
         raise TilegraphError(f"no such calibration file: {path}")
-    try:
-        data = dict(np.load(path, allow_pickle=False))
-    except (OSError, ValueError) as e:
-        raise TilegraphError(f"{path} is not an .npz file: {e}") from None
+    data = read_npz(path, "a calibration .npz")
     missing = [n for n in model.input_names if n not in data]
     if missing:
         raise TilegraphError(f"{path} has no array for input(s) {', '.join(missing)} (it has: "
@@ -345,6 +382,11 @@ def _calibration_batches(path: Path, model, batch_size: int) -> list[list]:
     if len(set(counts.values())) != 1 or not next(iter(counts.values())):
         raise TilegraphError(f"{path}: the inputs must hold the same number (> 0) of samples along axis 0, "
                              f"got {counts}")
+    for n in model.input_names:
+        if data[n].dtype.kind in "fc" and not np.all(np.isfinite(data[n])):
+            bad = int(np.sum(~np.isfinite(data[n])))
+            raise TilegraphError(f"{path}: input {n} holds {bad} NaN or infinite value(s); calibration ranges "
+                                 "come from the samples, so every sample must be finite")
     total = next(iter(counts.values()))
     return [[data[n][i:i + batch_size] for n in model.input_names] for i in range(0, total, batch_size)]
 
@@ -354,13 +396,15 @@ def _report(compiled, dims: dict[str, int], hardware: str = "cpu", before=None) 
     import sympy
 
     from tilegraph.ir.errors import TilegraphError
+    from tilegraph.ir.shapes import parse_dim
 
     if compiled.target == "triton":
         return _triton_report(compiled, hardware)
     plan = _module_constant(compiled.source, "PLAN")
     if plan is None:
         raise TilegraphError(f"the {compiled.target} backend does not report a memory plan (no PLAN in its module)")
-    peak = sympy.sympify(plan["peak_bytes"])
+    # Parsed as a dim is (names stay symbols: sympify reads a dim named S as sympy's S registry).
+    peak = sympy.sympify(parse_dim(plan["peak_bytes"]))
     check_dims(dims, {s.name for s in peak.free_symbols} | _input_symbols(compiled.model))
     peak = _subs(peak, dims)
     if peak.free_symbols:
@@ -414,8 +458,7 @@ def _check(args) -> int:
     sizes = parse_dims(args.dim)
     compiled = tilegraph.compile(str(path), pipeline=args.pipeline)
     imported = tilegraph.import_model(str(path))
-    inputs = [a % args.int_high if a.dtype.kind in "iu" else a
-              for a in random_inputs(imported, seed=args.seed, sizes=sizes)]
+    inputs = random_inputs(imported, seed=args.seed, sizes=sizes, int_high=args.int_high)
     ours = compiled.run(*inputs)
     theirs = _onnxruntime(path, imported.input_names, inputs)
     n = reduction_length(imported, bind_inputs(imported, inputs)[1])
@@ -428,7 +471,7 @@ def _check(args) -> int:
             ok = False
             continue
         finite = np.isfinite(e64)
-        if not np.array_equal(np.isnan(a64), np.isnan(e64)) or not np.array_equal(a64[~finite], e64[~finite]):
+        if nonfinite_differ(a64, e64):
             print(f"{name:<24} NaN/inf where onnxruntime has none (or the reverse)")
             ok = False
             continue
@@ -443,6 +486,20 @@ def _check(args) -> int:
               f"{'ok' if good else 'MISMATCH'}")
     print("agree" if ok else "outputs differ from onnxruntime")
     return 0 if ok else EXIT_MISMATCH
+
+
+# Random integer inputs of `run`: masks and flags in {0, 1} (ids of an embedding span its table).
+VALID_INT_HIGH = 2
+
+
+def nonfinite_differ(actual, expected) -> bool:
+    """Whether NaN or inf stand in different places (the same NaN in both is agreement)."""
+    import numpy as np
+
+    a, e = np.asarray(actual, dtype=np.float64), np.asarray(expected, dtype=np.float64)
+    finite = np.isfinite(e)
+    return a.shape != e.shape or not np.array_equal(np.isnan(a), np.isnan(e)) or \
+        not np.array_equal(a[~finite], e[~finite])
 
 
 def _onnxruntime(path: Path, names, inputs):
@@ -532,10 +589,20 @@ def _print_formulas(cost, dims: dict[str, int]) -> None:
 FORMULA_DIGITS = 4
 
 
+# sympy.simplify's time grows exponentially in Piecewise/Min/Max/ceiling terms (the CPU cost
+# model's regimes: `cost --target cpu --symbolic` sat in piecewise_fold for 14 minutes on
+# MiniLM); past this size, or with such terms, the formula is only expanded (about 1 s).
+SIMPLIFY_MAX_OPS = 200
+
+
 def _formula(expr, dims: dict[str, int]) -> str:
     import sympy
 
-    expr = sympy.expand(sympy.simplify(_subs(sympy.sympify(expr), dims)))  # simplify cancels, expand lists terms
+    expr = _subs(sympy.sympify(expr), dims)
+    regimes = expr.has(sympy.Piecewise, sympy.Min, sympy.Max, sympy.floor, sympy.ceiling)
+    if not regimes and sympy.count_ops(expr) <= SIMPLIFY_MAX_OPS:
+        expr = sympy.simplify(expr)  # cancels
+    expr = sympy.expand(expr)  # lists terms
     return str(expr.xreplace({f: sympy.Float(f, FORMULA_DIGITS) for f in expr.atoms(sympy.Float)}))
 
 
@@ -569,8 +636,11 @@ def parse_dims(items: Sequence[str]) -> dict[str, int]:
     sizes: dict[str, int] = {}
     for item in items:
         name, _, size = item.partition("=")
-        if not name.strip() or not size.strip().isdigit() or int(size) < 1:
+        if not name.strip() or not (size.strip().isdecimal() and size.strip().isascii()) or int(size) < 1:
             raise TilegraphError(f"--dim takes NAME=SIZE with a positive integer size, got '{item}'")
+        if name.strip() in sizes:
+            raise TilegraphError(f"--dim {name.strip()} is given twice ({name.strip()}={sizes[name.strip()]} and "
+                                 f"{item}); give each dimension once")
         sizes[name.strip()] = int(size)
     return sizes
 
@@ -652,11 +722,13 @@ def _shard(args) -> int:
 
 
 def _print_plan(p) -> None:
+    from tilegraph.passes.shard import SOLVE_TIME_LIMIT
+
     start, period, copies = p.layers
     parts = [("", 0, len(p.choices))] if not copies else [
         ("before the layers", 0, start),
-        (f"each of {copies} layers (ops {start}..{start + period - 1}, the same plan in every layer)", start,
-         start + period),
+        (f"each of {copies} repeated blocks (ops {start}..{start + period - 1}, the same plan in every block; "
+         "ops that differ are listed before and after)", start, start + period),
         ("after the layers", start + period * copies, len(p.choices))]
     for title, lo, hi in parts:
         rows = p.choices[lo:hi]
@@ -682,11 +754,15 @@ def _print_plan(p) -> None:
     share = p.comm / p.time if p.time else 0.0
     print(f"predicted step time: {format_time(p.time)} = compute {format_time(p.compute)} + communication "
           f"{format_time(p.comm)} ({100 * share:.1f}% communication)")
-    print(f"memory per device: {p.memory / 1e9:.4g} GB (of {p.mesh.hw.memory_bytes / 1e9:.4g} GB)")
+    budget = p.budget or p.mesh.hw.memory_bytes
+    print(f"memory per device: {p.memory / 1e9:.4g} GB (budget {budget / 1e9:.4g} GB"
+          + (f" of {p.mesh.hw.memory_bytes / 1e9:.4g} GB" if budget != p.mesh.hw.memory_bytes else "") + ")")
     if p.runner_up is not None:
+        tie = " (a different layout, predicted as fast)" if p.runner_up.time <= p.time * (1 + 1e-9) else ""
         print(f"runner-up: {format_time(p.runner_up.time)} (compute {format_time(p.runner_up.compute)} + "
-              f"communication {format_time(p.runner_up.comm)})")
-    print(f"solved in {p.solve_time:.2f} s ({p.variables} variables)")
+              f"communication {format_time(p.runner_up.comm)}){tie}")
+    cut = f"; stopped at the {SOLVE_TIME_LIMIT:g} s limit: the best plan found, not proven best" if p.cut_short else ""
+    print(f"solved in {p.solve_time:.2f} s ({p.variables} variables{cut})")
 
 
 def _run(args) -> int:
@@ -718,7 +794,7 @@ def _run(args) -> int:
     mesh = "x".join(map(str, shape))
     annotated = run_pipeline(model, f'shard{{mesh={mesh} target={args.target} inference=true sizes="{given}"}}')
     program = partition(annotated, sizes)
-    inputs = random_inputs(model, seed=args.seed, sizes=sizes)
+    inputs = random_inputs(model, seed=args.seed, sizes=sizes, int_high=VALID_INT_HIGH)
     got = distributed.run(program, inputs)
     expected = interpret(model, inputs)
     n = reduction_length(model, bind_inputs(model, inputs)[1])
@@ -730,7 +806,7 @@ def _run(args) -> int:
         dtype = narrowest_float(model) or "f32"
         rtol, _ = tolerance(dtype, n)
         err = relative_error(a, e)
-        good = a.shape == e.shape and err <= rtol
+        good = a.shape == e.shape and not nonfinite_differ(a, e) and err <= rtol
         ok &= good
         print(f"{name}: shape {a.shape}, relative error vs one device (float64) {err:.3e} "
               f"(tolerance {rtol:.1e}) {'ok' if good else 'MISMATCH'}")

@@ -7,6 +7,7 @@ import textwrap
 from typing import Callable
 
 EXIT_USAGE = 2  # bad input: a missing file, a malformed model, an unsupported op, a shape mismatch
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports a process killed by SIGINT (128 + 2)
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -21,6 +22,10 @@ def user_errors() -> tuple[type[BaseException], ...]:
 def run_reporting_errors(tool: str, body: Callable[[], object]) -> int:
     try:
         result = body()
+    except KeyboardInterrupt:
+        # Outputs are written last, whole, so an interrupted command leaves no partial file.
+        print(f"{tool}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except user_errors() as e:
         message = str(e).strip() or type(e).__name__
         if isinstance(e, OSError) and e.filename:

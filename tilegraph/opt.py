@@ -30,7 +30,7 @@ from xdsl.dialects.builtin import ModuleOp
 from xdsl.passes import ModulePass, PassPipeline
 from xdsl.xdsl_opt_main import xDSLOptMain
 
-from tilegraph.ir.model import _WEIGHTS_OF, Model, WeightStore, parse_module, print_module, weights_path
+from tilegraph.ir.model import _WEIGHTS_OF, Model, ModelError, WeightStore, decode_text, parse_module, print_module, weights_path
 
 
 class TilegraphOptMain(xDSLOptMain):
@@ -53,22 +53,28 @@ class TilegraphOptMain(xDSLOptMain):
 
     def register_all_frontends(self) -> None:
         def from_mlir(io: IO[bytes]) -> ModuleOp:
-            module = parse_module(io.read().decode(), self.get_input_name())
+            module = parse_module(decode_text(io.read(), self.get_input_name()), self.get_input_name())
             store = WeightStore()
             if self.args.input_file and weights_path(Path(self.args.input_file)).is_file():
                 store = WeightStore.load(weights_path(Path(self.args.input_file)))
             Model(module, store).verify()
             return module
 
-        def imported(io: IO[bytes]) -> ModuleOp:
-            import tilegraph
+        def imported(kind: str):
+            def frontend(io: IO[bytes]) -> ModuleOp:
+                import tilegraph
 
-            io.close()
-            return tilegraph.import_model(self.args.input_file).module
+                io.close()
+                path = Path(self.args.input_file or "")
+                if path.suffix.lower() != f".{kind}":  # import_model goes by the suffix: -f must agree
+                    raise ModelError(f"-f {kind}: {path} is not a .{kind} file (tilegraph-opt reads a file as "
+                                     "its suffix says; leave out -f)")
+                return tilegraph.import_model(path).module
+            return frontend
 
         self.available_frontends["mlir"] = from_mlir
-        self.available_frontends["onnx"] = imported
-        self.available_frontends["pt2"] = imported
+        self.available_frontends["onnx"] = imported("onnx")
+        self.available_frontends["pt2"] = imported("pt2")
 
     def register_all_arguments(self, arg_parser: argparse.ArgumentParser) -> None:
         super().register_all_arguments(arg_parser)
@@ -138,6 +144,7 @@ class TilegraphOptMain(xDSLOptMain):
         self.pipeline = PassPipeline.parse_spec(self.available_passes, spec, callback)
 
     def apply_passes(self, prog: ModuleOp) -> None:
+        self._weights_before = set(_WEIGHTS_OF.get(prog) or ())
         if self.pipeline.passes:
             self.pipeline.apply(self.ctx, prog)
         elif self.args.print_cost_after_all:
@@ -161,11 +168,16 @@ class TilegraphOptMain(xDSLOptMain):
             finally:  # what the passes explained is shown even when a later pass fails
                 for r in remarks:
                     print(r, file=sys.stderr)
+        store = _WEIGHTS_OF.get(self._result) if self._result is not None else None
         if self.args.output_file:
             Path(self.args.output_file).write_text(self._held.getvalue())
-            store = _WEIGHTS_OF.get(self._result) if self._result is not None else None
             if store:
                 store.save(weights_path(Path(self.args.output_file)))
+        elif store and set(store) - self._weights_before:
+            # The printed IR names weights the passes made (quantized ones): only -o saves them.
+            new = sorted(set(store) - self._weights_before)
+            print(f"tilegraph-opt: note: the passes made {len(new)} new weight(s) ({', '.join(new[:3])}"
+                  f"{', ...' if len(new) > 3 else ''}) that are saved only with -o OUT.mlir", file=sys.stderr)
 
 
 def _load_plugin(plugin: str) -> None:

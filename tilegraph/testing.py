@@ -1174,8 +1174,12 @@ def graphs(*, ops: Sequence[str] | None = None, max_ops: int = 12, dtype: str = 
     return draw_graph()
 
 
-def random_inputs(model, seed: int = 0, sizes: Mapping[str, int] | None = None) -> list[np.ndarray]:
+def random_inputs(model, seed: int = 0, sizes: Mapping[str, int] | None = None,
+                  int_high: int | None = None) -> list[np.ndarray]:
     """Inputs for `model`: floats uniform in [-1, 1], integers in [0, 4), booleans fair coins.
+
+    With `int_high` (the commands' valid inputs), integers are in [0, int_high) (2: masks and
+    flags in {0, 1}), and those that index a table (an embedding's ids) below its size.
 
     Symbolic dims take `sizes` (e.g. {"B": 2}); a symbol not given is drawn in
     1..MAX_SYMBOL_SIZE from the seed, so that a size of 1 (broadcasting corner
@@ -1188,7 +1192,17 @@ def random_inputs(model, seed: int = 0, sizes: Mapping[str, int] | None = None) 
     for name in sorted(set().union(*(free_symbols(t.shape) for t in model.inputs))):
         sizes.setdefault(name, int(rng.integers(1, MAX_SYMBOL_SIZE + 1)))
     arrays = []
-    for info in model.inputs:
+    if int_high is not None and int_high < 1:
+        from tilegraph.ir.errors import TilegraphError
+
+        raise TilegraphError(f"integer inputs are drawn from [0, N): N must be at least 1, got {int_high}")
+    tables: dict[int, int] = {}
+    if int_high is not None:
+        from tilegraph.ir.signature import index_checks
+
+        for check in index_checks(model):
+            tables[check.input] = min(tables.get(check.input, check.size), check.size)
+    for i, info in enumerate(model.inputs):
         shape = concrete(info.shape, sizes)
         dt = dtypes.numpy_dtype(info.dtype)
         if info.dtype == "i1":
@@ -1196,7 +1210,8 @@ def random_inputs(model, seed: int = 0, sizes: Mapping[str, int] | None = None) 
         elif dtypes.is_float(info.dtype):
             arrays.append(rng.uniform(-1.0, 1.0, shape).astype(dt))
         else:
-            arrays.append(rng.integers(0, 4, shape).astype(dt))
+            high = tables.get(i, 4 if int_high is None else int_high)
+            arrays.append(rng.integers(0, high, shape).astype(dt))
     return arrays
 
 

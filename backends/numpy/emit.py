@@ -41,7 +41,7 @@ from tilegraph.ir.shapes import Dim, TensorInfo, dims_equal, info_of, numel
 from tilegraph.backends.lowering import table
 from tilegraph.backends.numpy.groups import GroupCode, GroupEmitter
 from tilegraph.backends.program import (PYTHON_RESERVED, Namer, Program, array_literal, flatten, liveness,  # noqa: F401
-                              literal, sanitize, signature_rows, str_literal, tuple_lines)
+                              literal, py_comment, sanitize, signature_rows, str_literal, tuple_lines)
 
 # Names the generated module defines or imports; nothing else may take them.
 MODULE_NAMES = {"np", "ml_dtypes", "K", "W", "build", "forward", "INPUTS", "OUTPUTS", "WEIGHTS", *SHAPE_FUNCTIONS,
@@ -177,7 +177,7 @@ class _Emitter:
         expr = render(op.SPEC, [self._value(v) for v in op.operands], self._attrs(op),
                       self._dims(outs[0].shape), dtype_code(outs[0].dtype))
         self.names.update(zip(op.results, targets))
-        return f"{', '.join(targets)} = {expr}  # {', '.join(map(str, outs))}"
+        return f"{', '.join(targets)} = {expr}  # {py_comment(', '.join(map(str, outs)))}"
 
     # --- the module -------------------------------------------------------------
 
@@ -271,7 +271,7 @@ class _Emitter:
             self.names[inner[value]] = targets[-1]
         args = ", ".join([self._value(v) for v in code.params] + buffers)
         types = ", ".join(str(r) for r in (info_of(r.type) for r in group.results))
-        lines.append(f"{', '.join(targets)}{',' if len(targets) == 1 else ''} = {name}({args})  # {types}")
+        lines.append(f"{', '.join(targets)}{',' if len(targets) == 1 else ''} = {name}({args})  # {py_comment(types)}")
         return lines
 
     def _concat_weights(self, weights: list[SSAValue]) -> str:
@@ -314,9 +314,9 @@ class _Emitter:
         sources = kinds.pop("weight", 0), kinds.pop("constant", 0)
         lines = [f"# tilegraph NumPy backend: model {self.name!r}. Generated code; edit the model, not this file.",
                  "# inputs:"]
-        lines += [f"#   {n}: {info}" for n, info in zip(m.input_names, m.inputs)]
+        lines += [f"#   {py_comment(n)}: {py_comment(info)}" for n, info in zip(m.input_names, m.inputs)]
         lines += ["# outputs:"]
-        lines += [f"#   {n}: {info}" for n, info in zip(m.output_names, m.outputs)]
+        lines += [f"#   {py_comment(n)}: {py_comment(info)}" for n, info in zip(m.output_names, m.outputs)]
         groups = sum(isinstance(op, FusionOp) for op in self.prog.steps)
         lines.append(f"# {sum(kinds.values())} ops ({', '.join(f'{n} {k}' for k, n in kinds.most_common())}), "
                      f"{_count(sources[0], 'weight')}, {_count(sources[1], 'constant')}"

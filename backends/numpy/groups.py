@@ -44,6 +44,7 @@ from xdsl.ir import SSAValue
 
 from tilegraph.ir import kernels
 from tilegraph.ir.dialect import FusionOp, TgOp
+from tilegraph.ir.escape import py_docstring
 from tilegraph.ir.fusion import ANCHORS, cols_ok, flat_rows_ok, operand_rows, row_gemm, row_local, widest
 from tilegraph.ir.interpreter import dtype_code
 from tilegraph.ir.ops import render
@@ -232,7 +233,7 @@ class GroupEmitter:
         body.append(f"return {', '.join(returns)}" + ("," if len(returns) == 1 else ""))
         params_code = ", ".join([self.home[a].base for a in group.block.args] + [b.name for b in self.buffers])
         tile = ", ".join(f"{k}={v}" for k, v in self.tile.items())
-        doc = f'"""{group.kind}: {" ".join(op.op_name for op in self.ops)}' + (f"; tile {tile}" if tile else "") + '"""'
+        doc = py_docstring(f'{group.kind}: {" ".join(op.op_name for op in self.ops)}' + (f"; tile {tile}" if tile else ""))
         function = [f"def {self.name}({params_code}):", INDENT + doc] + [INDENT + line for line in body]
         return GroupCode(function, self.name, params, self.buffers, results)
 

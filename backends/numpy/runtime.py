@@ -19,7 +19,7 @@ import numpy as np
 from tilegraph.ir import dtypes
 from tilegraph.ir.model import Model, ModelError
 from tilegraph.ir.shapes import ShapeError
-from tilegraph.ir.signature import Signature
+from tilegraph.ir.signature import Signature, index_checks
 
 
 # An emitted module's filename, as tracebacks and linecache show it: this, its digest, ">".
@@ -31,7 +31,7 @@ class CompiledModel:
 
     def __init__(self, forward: Callable[..., list], inputs, outputs, source: str, model: Model | None = None):
         self._forward = forward
-        self._signature = Signature(inputs)
+        self._signature = Signature(inputs, index_checks(model) if model is not None else ())
         self.source = source
         self.model = model
         self.input_names = [row[0] for row in inputs]
@@ -48,6 +48,13 @@ class CompiledModel:
             # A shape the model computes may be absurd (a corrupted file's 2**40 padding):
             # name the emitted line, which names the value and its op, not NumPy's allocator.
             raise ModelError(f"out of memory running the model, at `{_emitted_line(e)}`: {e}") from None
+        except (IndexError, ValueError, TypeError, ZeroDivisionError) as e:
+            # Inputs valid for the signature that the model's own computation cannot take (a
+            # position past its table): the emitted line names the value and its op.
+            if _emitted_line(e) == "?":
+                raise
+            raise ModelError(f"the model cannot run on these inputs, at `{_emitted_line(e)}`: "
+                             f"{type(e).__name__}: {e}") from e  # the cause keeps the emitted frames
 
     def check(self, values: Sequence[Any] | Mapping[str, Any]) -> list[np.ndarray]:
         """The inputs as arrays of the declared dtypes; ShapeError/DTypeError naming the input otherwise."""

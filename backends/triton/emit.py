@@ -25,6 +25,7 @@ What it decides and how:
 
 from __future__ import annotations
 
+import ast
 from collections import Counter
 from typing import Sequence
 
@@ -40,8 +41,8 @@ from tilegraph.ir.interpreter import SHAPE_FUNCTIONS, dtype_code
 from tilegraph.ir.model import Model, ModelError
 from tilegraph.ir.ops import render
 from tilegraph.ir.shapes import Dim, TensorInfo, info_of, numel, tensor_type
-from tilegraph.backends.program import (PYTHON_RESERVED, Namer, array_literal, flatten, liveness, literal, signature_rows,
-                              str_literal, tuple_lines)
+from tilegraph.backends.program import (PYTHON_RESERVED, Namer, array_literal, flatten, liveness, literal, py_comment,
+                              signature_rows, str_literal, tuple_lines)
 from tilegraph.backends.triton.lowering import DECOMPOSED, TORCH_LAYOUT
 from tilegraph.backends.triton.kernels import AXIS_OPS, INDENT, TORCH_TYPES, KernelCode, KernelWriter, Unsupported
 from tilegraph.backends.triton.quant import QUANT_OPS, QuantKernelWriter, group_quantized
@@ -242,7 +243,7 @@ class _Emitter:
         else:
             return None
         target = self._result(op.results[0], name)
-        return f"{target} = {expr}  # {out[0]}"
+        return f"{target} = {expr}  # {py_comment(out[0])}"
 
     def _host_line(self, op: TgOp) -> str:
         """An op no kernel covers: its NumPy template on host copies (the op table's own semantics)."""
@@ -252,7 +253,7 @@ class _Emitter:
         expr = render(op.SPEC, operands, op.py_attrs(), self._shape(outs[0].shape), dtype_code(outs[0].dtype))
         targets = [self._result(r, f"{op.op_name}_{i}") for i, r in enumerate(op.results)]
         if len(targets) == 1:
-            return f"{targets[0]} = device(np.asarray({expr}))  # on the host: {outs[0]}"
+            return f"{targets[0]} = device(np.asarray({expr}))  # on the host: {py_comment(outs[0])}"
         return f"{', '.join(targets)} = [device(np.asarray(a)) for a in {expr}]  # on the host"
 
     def _group_lines(self, group: FusionOp, counts: Counter) -> list[str]:
@@ -270,7 +271,7 @@ class _Emitter:
         targets = [self._result(r, f"{name}_out{i}") for i, r in enumerate(group.results)]
         args = [outer[a] for a in inputs] + [v for v, _, _ in sorted(self.symbols.values())]
         types = ", ".join(str(info_of(r.type)) for r in group.results)
-        return [f"{', '.join(targets)}, = {name}_host({', '.join(args)})  # {types}"]
+        return [f"{', '.join(targets)}, = {name}_host({', '.join(args)})  # {py_comment(types)}"]
 
     def _kernel(self, name, kind, ops, inputs, outputs, tile) -> KernelCode:
         constants = [op for op in ops if op.op_name == "constant" and np.asarray(op.attr("value")).size != 1]
@@ -313,7 +314,7 @@ class _Emitter:
             view = tuple(-1 if i == axis else 1 for i in range(len(out.shape)))
             target = self._result(op.results[0], "iota")
             return [f"{target} = torch.arange({self.dim(out.shape[axis])}, device=DEVICE, "
-                    f"dtype={TORCH_TYPES[out.dtype]}).reshape({view}).expand({self._shape(out.shape)})  # {out}"]
+                    f"dtype={TORCH_TYPES[out.dtype]}).reshape({view}).expand({self._shape(out.shape)})  # {py_comment(out)}"]
         layout = self._layout_line(op) if op.SPEC.category == "layout" and op.op_name != "gather" else None
         if layout is not None:
             return [layout]
@@ -338,7 +339,7 @@ class _Emitter:
             shape = info_of(inner.operands[0].type).shape
             operands[0] = f"{operands[0]}.permute({perm}).reshape({self._shape(shape)})"
         args = operands + [v for v, _, _ in sorted(self.symbols.values())]
-        line = f"{', '.join(targets)}, = {name}_host({', '.join(args)})  # {op.result_infos()[0]}"
+        line = f"{', '.join(targets)}, = {name}_host({', '.join(args)})  # {py_comment(op.result_infos()[0])}"
         if moved is None:
             return [line]
         out = op.result_infos()[0]
@@ -433,7 +434,7 @@ class _Emitter:
             builds = [{"constexprs": self._nominal_blocks(k, c), "options": self._nominal_options(k, c),
                        "args": self._nominal_args(k, c)} for c in k.configs]
             out.append(f"    {k.name!r}: {{'signature': {sig!r}, 'configs': {k.configs!r}, 'builds': {builds!r}, "
-                       f"'group': {k.kernel[2].strip().strip(chr(34))!r}, 'flops': {k.flops!r}}},")
+                       f"'group': {ast.literal_eval(k.kernel[2].strip())!r}, 'flops': {k.flops!r}}},")
         out += ["}", "CONFIGS = {name: entry['configs'] for name, entry in KERNELS.items()}",
                 "# The FLOPs of each launcher's launch (kernels are shared between layers of other sizes).",
                 f"HOST_FLOPS = {self.host_flops!r}", ""]

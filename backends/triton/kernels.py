@@ -37,6 +37,7 @@ from xdsl.ir import SSAValue
 
 from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import TgOp
+from tilegraph.ir.escape import py_docstring
 from tilegraph.ir.fusion import ANCHORS, row_reshape
 from tilegraph.ir.ops import OPS, py_literal
 from tilegraph.ir.shapes import Dim, TensorInfo, dims_equal, info_of, numel
@@ -749,7 +750,7 @@ class KernelWriter:
             self.params.append(Param(b, "constexpr"))
         params = ", ".join(p.name if p.kind != "constexpr" else f"{p.name}: tl.constexpr" for p in self.params)
         kernel = ["@triton.jit", f"def {self.name}({params}):",
-                  f'{INDENT}"""{self.kind}: {" ".join(op.op_name for op in self.ops)}"""']
+                  INDENT + py_docstring(f'{self.kind}: {" ".join(op.op_name for op in self.ops)}')]
         kernel += [INDENT + line for line in self.body]
         launch = [f"{b} = {expr}" for b, expr in blocks.items()]
         launch.append(f"num_stages = {stages or CONFIG_STAGES}")

@@ -21,6 +21,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -32,8 +33,9 @@ from tilegraph.ir import dtypes
 from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.model import Model, ModelError
 from tilegraph.ir.shapes import ShapeError
-from tilegraph.ir.signature import Signature
+from tilegraph.ir.signature import Signature, index_checks
 
+_INTERPRETER_LOCK = threading.RLock()
 # The module being built: `host_tensor` puts its constants on this device.
 _BUILD_DEVICE: list[torch.device] = [torch.device("cpu")]
 
@@ -175,7 +177,7 @@ class CompiledModel:
         module.TUNER = tuner
         _BUILD_DEVICE[0] = self.device
         self._forward = module.build({w: to_torch(weights[w], self.device) for w in module.WEIGHTS}, self.device)
-        self._signature = Signature(module.INPUTS)
+        self._signature = Signature(module.INPUTS, index_checks(model) if model is not None else ())
         self.input_names = [row[0] for row in module.INPUTS]
         self.output_names = [row[0] for row in module.OUTPUTS]
         self.host_ops: dict[str, int] = dict(module.HOST_OPS)
@@ -183,8 +185,15 @@ class CompiledModel:
 
     def forward_torch(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
         """Tensors on the device in, tensors on the device out (no checks, no copies)."""
-        _BUILD_DEVICE[0] = self.device
-        return self._forward(*inputs)
+        if self.device.type == "cuda":
+            _BUILD_DEVICE[0] = self.device
+            return self._forward(*inputs)
+        # Triton's interpreter keeps per-launch state in globals (its builder, the grid):
+        # two threads launching at once corrupted each other's kernels (InterpreterError).
+        # On the CPU, calls run one at a time; on a GPU they run concurrently as streams allow.
+        with _INTERPRETER_LOCK:
+            _BUILD_DEVICE[0] = self.device
+            return self._forward(*inputs)
 
     def __call__(self, *inputs: Any, **named: Any) -> list[np.ndarray]:
         if named:
