@@ -121,7 +121,10 @@ def _matmuls(p):
             if c.node.op is not None and c.node.op.op_name == "matmul"}
 
 
-WIDE = {"B": 1, "S": 2048}  # one sequence of 2048 tokens
+# One sequence of 2048 tokens. These tests price collectives without overlap (as Megatron-LM's
+# papers do): overlapped, a replicated weight's gradient all-reduce hides behind the backward and
+# the planner may prefer splitting a block's tokens (test_overlap_... below).
+WIDE = {"B": 1, "S": 2048}
 BLOCKS = [("mlp_only", ("mlp.fc1",), "mlp.fc2"),
           ("attention_only", ("attn.wq", "attn.wk", "attn.wv"), "attn.wo")]
 
@@ -132,7 +135,7 @@ def test_a_wide_gpt_block_on_8_h100s_gets_megatrons_layout(block, columns, rows)
     sequence parallelism): replicated weights would need a gradient all-reduce of 0.5-1 GB per
     block, Megatron's layout one 32 MB activation all-reduce forward (and one backward): first
     matmul(s) split by columns (heads), the last by rows."""
-    p = plan(gpt_graph(1, 8192, 64, **{block: True}).module, H100x8, sizes=WIDE, reduce_scatter=False)
+    p = plan(gpt_graph(1, 8192, 64, **{block: True}).module, H100x8, sizes=WIDE, reduce_scatter=False, overlap=False)
     mm = _matmuls(p)
     for w in columns:
         assert mm[f"h0.{w}"] == "n@0", mm
@@ -148,8 +151,8 @@ def test_with_reduce_scatter_the_row_split_block_scatters_its_sums_and_is_cheape
     all-reduce by a reduce-scatter over the sequence (Megatron's sequence parallelism): the
     residual add then runs split, and the plan is predicted faster."""
     model = gpt_graph(1, 8192, 64, **{block: True})
-    classic = plan(model.module, H100x8, sizes=WIDE, reduce_scatter=False)
-    sp = plan(model.module, H100x8, sizes=WIDE)
+    classic = plan(model.module, H100x8, sizes=WIDE, reduce_scatter=False, overlap=False)
+    sp = plan(model.module, H100x8, sizes=WIDE, overlap=False)
     mm = _matmuls(sp)
     assert all(mm[f"h0.{w}"] == "n@0" for w in columns) and mm[f"h0.{rows}"].startswith("k@0>"), mm
     assert [(kind, where.split("(")[1]) for kind, _, where in sp.forward] == [("reduce_scatter", f"h0.{rows})")]
@@ -160,7 +163,7 @@ def test_a_wide_gpt_decoder_keeps_megatrons_splits_in_every_layer():
     """Two whole layers: every block column/row split, its partial sums combined by exactly one
     collective (a reduce-scatter over the sequence), the only other forward collective an
     all-gather before the next column split: Megatron-LM with sequence parallelism."""
-    p = plan(gpt_graph(2, 8192, 64).module, H100x8, sizes=WIDE)
+    p = plan(gpt_graph(2, 8192, 64).module, H100x8, sizes=WIDE, overlap=False)
     mm = _matmuls(p)
     for i in range(2):
         for w in ("attn.wq", "attn.wk", "attn.wv", "mlp.fc1"):
@@ -272,7 +275,7 @@ def test_the_planned_gpt_on_a_simulated_mesh_computes_what_one_device_does(pipel
 
 def test_megatrons_layout_on_a_simulated_mesh_computes_what_one_device_does():
     """The wide model's plan (heads, columns and rows split 8 ways) applied to a narrow copy of it."""
-    wide = plan(gpt_graph(1, 8192, 64).module, H100x8, sizes={"B": 1, "S": 2048})
+    wide = plan(gpt_graph(1, 8192, 64).module, H100x8, sizes={"B": 1, "S": 2048}, overlap=False)
     names = iter([c.strategy.name for c in wide.choices])
     model = gpt_graph(1, 64, 8, batch=2, seq=8, dtype="f32", weights="random")
     annotated = model.clone()
@@ -386,3 +389,74 @@ def test_found_cases_preserve_semantics_on_the_simulated_mesh(make, last):
                                            lambda n: len(n.strategies) - 1 if last else 0, {"B": 4}))
     inputs = random_inputs(model, seed=0, sizes={"B": 4})
     _check_on_mesh(model, annotated, inputs, {"B": 4})
+
+
+# --- training memory, ZeRO, recomputation, overlap -------------------------------------------------
+
+H100x1 = Mesh((1,), H100)
+
+
+def _weights(p):
+    return sum(c.memory for c in p.choices if c.node.op is not None and c.node.op.op_name == "weight")
+
+
+def test_training_memory_is_weights_gradients_adam_state_and_what_the_backward_reads():
+    """bf16 weights train with 16 bytes per parameter (weight, gradient, two f32 Adam moments, an f32
+    master copy: ZeRO section 3.1); a GPT layer keeps 32 bytes per token and hidden unit for its
+    backward (Korthikanti et al. 2022, eq. 1's 34sbh without dropout's masks, flash attention
+    keeping no s x s matrix)."""
+    model = gpt_graph(4, 2048, 16, seq=2048)
+    p = plan(model.module, H100x1, sizes={"B": 4})
+    params = sum(int(np.prod(c.node.info.shape)) for c in p.choices
+                 if c.node.op is not None and c.node.op.op_name == "weight")
+    assert _weights(p) == pytest.approx(16 * params)
+    start, period, copies = p.layers
+    layer = sum(c.memory for c in p.choices[start:start + period] if c.node.op.op_name != "weight")
+    assert layer == pytest.approx(32 * 4 * 2048 * 2048)
+    assert p.memory == pytest.approx(_weights(p) + copies * layer + 2 * 4 * 2048 * 2048)  # + the input x
+    assert not p.recompute and p.zero == 0
+
+
+def test_activations_over_the_budget_are_recomputed_at_the_price_of_a_forward():
+    """Under a budget the activations of 4 layers exceed but one layer's plus the checkpoints fit,
+    the plan recomputes the layers; its compute grows by about the forward (1/3 of the step)."""
+    model = gpt_graph(4, 1024, 16, seq=2048)
+    free = plan(model.module, H100x1, sizes={"B": 4})
+    budget = _weights(free) + 0.5 * (free.memory - _weights(free))
+    tight = plan(model.module, H100x1, sizes={"B": 4}, budget=budget)
+    assert tight.recompute and tight.memory <= budget
+    assert 1.25 < tight.compute / free.compute < 1.35
+    with pytest.raises(ShardError, match="fits"):
+        plan(model.module, H100x1, sizes={"B": 4}, budget=budget, recompute=False)
+
+
+def test_zero_partitions_optimizer_state_over_the_data_parallel_axis_when_weights_do_not_fit():
+    """Data parallel on 8 devices, a budget under the replicated weights' 16 bytes per parameter:
+    ZeRO-1 (optimizer state 12/8 bytes per parameter) or 2 (and the gradient 2/8) on enough of the
+    weights makes it fit at the cost of collectives' latencies, the computation still data parallel."""
+    model = gpt_graph(2, 256, 4)
+    sizes = {"B": 64, "S": 512}
+    free = plan(model.module, H100x8, sizes=sizes)
+    assert free.zero == 0 and set(_matmuls(free).values()) <= {"b0@0", "m@0"}
+    budget = free.memory - 0.6 * _weights(free)
+    zero = plan(model.module, H100x8, sizes=sizes, budget=budget)
+    assert zero.zero in (1, 2) and zero.memory <= budget and set(_matmuls(zero).values()) <= {"b0@0", "m@0"}
+    assert free.time <= zero.time < 1.05 * free.time
+    per_param = {0: 16, 1: 2 + 2 + 12 / 8, 2: 2 + (2 + 12) / 8}  # bytes; the spec replicated on 8 devices
+    for c in zero.choices:
+        if c.node.op is not None and c.node.op.op_name == "weight":
+            assert c.memory == pytest.approx(per_param[c.strategy.zero] * int(np.prod(c.node.info.shape)))
+
+
+def test_overlapped_gradient_all_reduce_hides_behind_the_backward():
+    """Data parallelism's gradient all-reduce does not depend on the backward of the layers before it:
+    overlapped, it costs its exposed part plus OVERLAP_INTERFERENCE of itself."""
+    from tilegraph.passes.shard import OVERLAP_INTERFERENCE
+
+    model = gpt_graph(2, 512, 8)
+    only = lambda n: {"R"} if n.op is not None and n.op.op_name == "weight" else None  # noqa: E731
+    sizes = {"B": 64, "S": 512}
+    serial = plan(model.module, H100x8, sizes=sizes, overlap=False, only=only)
+    hidden = plan(model.module, H100x8, sizes=sizes, overlap=True, only=only)
+    assert serial.compute == pytest.approx(hidden.compute)
+    assert serial.comm > 0 and hidden.comm == pytest.approx(OVERLAP_INTERFERENCE * serial.comm, rel=0.05)
