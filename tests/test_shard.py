@@ -460,3 +460,80 @@ def test_overlapped_gradient_all_reduce_hides_behind_the_backward():
     hidden = plan(model.module, H100x8, sizes=sizes, overlap=True, only=only)
     assert serial.compute == pytest.approx(hidden.compute)
     assert serial.comm > 0 and hidden.comm == pytest.approx(OVERLAP_INTERFERENCE * serial.comm, rel=0.05)
+
+
+# --- planning from shapes alone ----------------------------------------------------------------
+
+LLAMA_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=32, vocab_size=32000)  # Llama-2-7B's config.json
+
+
+def _materialised(model) -> int:
+    """Bytes the weight store really holds (a zero-strided view holds one element)."""
+    return sum(a.itemsize if not any(a.strides) else a.nbytes for a in map(np.asarray, model.weights.values()))
+
+
+def test_a_llama_7b_config_plans_on_8_h100s_without_materialising_its_weights():
+    """6.7 billion parameters described by their config: the weight store holds a few bytes, and the
+    plan (training, 8 x 4096 tokens) fits 80 GB per device, with its ZeRO stage or recomputation."""
+    from tilegraph.frontends.config import from_config
+
+    model = from_config(LLAMA_7B)
+    params = sum(int(np.prod(np.shape(a))) for a in model.weights.values())
+    assert 6.6e9 < params < 6.8e9 and _materialised(model) < 10_000
+    p = plan(model.module, H100x8, sizes={"B": 8, "S": 4096})
+    assert p.memory <= H100.memory_bytes and (p.zero or p.recompute or p.describe() != "all replicated")
+    with pytest.raises(ShardError, match="fits"):
+        plan(model.module, H100x1, sizes={"B": 8, "S": 4096})  # 16 bytes x 6.7e9 parameters > 80 GB
+
+
+def test_a_torch_module_on_the_meta_device_imports_and_plans():
+    """A Llama (grouped-query attention) built on torch's meta device: no values anywhere, its weights
+    import as zero-strided views and the planner plans it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import tilegraph
+
+    config = LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=8,
+                         num_key_value_heads=4, vocab_size=512, use_cache=False)
+    with torch.device("meta"):
+        llama = LlamaForCausalLM(config).eval()
+
+    class Logits(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, ids):
+            return self.m(ids, use_cache=False).logits
+
+    model = tilegraph.import_model(Logits(llama), example_inputs=(torch.zeros((2, 32), dtype=torch.long,
+                                                                              device="meta"),))
+    assert _materialised(model) < 10_000
+    p = plan(model.module, Mesh((4,), H100))
+    assert p.time > 0 and p.memory > sum(np.asarray(a).size for a in model.weights.values()) * 12
+
+
+def test_a_small_llama_config_sharded_computes_what_one_device_does():
+    """Grouped-query attention (K/V heads broadcast to query heads), RMSNorm and SwiGLU, planned on a
+    2x2 mesh and run on the simulated mesh."""
+    from tilegraph.frontends.config import from_config
+
+    config = dict(LLAMA_7B, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=64)
+    model = from_config(config, seq=8, dtype="f32", weights="random")
+    sizes = {"B": 4}
+    annotated = run_pipeline(model, 'shard{mesh=2x2 sizes="B=4"}')
+    _check_on_mesh(model, annotated, random_inputs(model, seed=5, sizes=sizes), sizes)
+
+
+def test_a_config_of_no_known_model_is_a_clear_error():
+    from tilegraph.frontends.config import ConfigError, from_config
+
+    with pytest.raises(ConfigError, match="neither GPT-2"):
+        from_config({"d_model": 512})
+    with pytest.raises(ConfigError, match="non-integer"):
+        from_config(dict(LLAMA_7B, hidden_size="wide"))
+    with pytest.raises(ConfigError, match="multiple"):
+        from_config(dict(LLAMA_7B, num_key_value_heads=5))
