@@ -177,6 +177,7 @@ def _label(op: TgOp, index: int) -> str:
 def _nodes(func: FuncOp, names: Sequence[str], mesh_shape, sizes, zero: bool = False) -> list[Node]:
     index: dict[SSAValue, int] = {}
     nodes: list[Node] = []
+    seen: dict[tuple, list[Strategy]] = {}
     for arg, name in zip(func.body.block.args, names):
         info = info_of(arg.type)
         index[arg] = len(nodes)
@@ -187,7 +188,11 @@ def _nodes(func: FuncOp, names: Sequence[str], mesh_shape, sizes, zero: bool = F
         index[op.results[0]] = len(nodes)
         for extra in op.results[1:]:
             index[extra] = len(nodes)
-        sts = strategies(op, mesh_shape, sizes)
+        key = (op.name, str(op.attributes) if op.op_name != "weight" else "", tuple(str(v.type) for v in op.operands),
+               str(op.results[0].type))
+        if key not in seen:  # the strategies of an op depend only on its kind, attributes and types
+            seen[key] = strategies(op, mesh_shape, sizes)
+        sts = seen[key]
         if op.op_name == "constant":  # a value printed inline is the same on every device
             sts = sts[:1]
         if zero and op.op_name == "weight" and dtypes.is_float(op.result_infos()[0].dtype):
@@ -303,6 +308,11 @@ def _node_cost(node: Node, st: Strategy, nodes: list[Node], mesh: Mesh, hw, trai
     elif saved:
         cost["A"] = out_bytes
     return cost
+
+
+# Node costs by (signature, mesh, ...) and strategy: formulas of the symbolic dims, so a search
+# planning one model many times (passes/pipeline.py) prices each op once per mesh.
+_NODE_COSTS: dict[tuple, dict | None] = {}
 
 
 @lru_cache(maxsize=1 << 16)
@@ -475,7 +485,7 @@ def _solve(objective: Linear, rows: list[tuple[Linear, float, float]], counts: l
 def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: dict[str, int] | None = None,
          training: bool = True, constraints: dict[SSAValue, Spec] | None = None, names: Sequence[str] = (),
          only=None, reduce_scatter: bool = True, stages: int = 1, micro_batches: int = 1, batch: str = "B",
-         overlap: bool = True, recompute: bool = True, zero: bool = True) -> Plan:
+         overlap: bool = True, recompute: bool = True, zero: bool = True, runner_up: bool = True) -> Plan:
     """The cheapest sharding of @forward on `mesh` under `budget` bytes per device (default: the device's memory).
 
     `only(node)`: the strategy names (without ZeRO stage) a node may take, or None for any (a hand
@@ -526,11 +536,16 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
     for c in classes:
         node = nodes[c]
         ok = []
+        key = (_signature(node), mesh, training, saved[c], tuple(
+            (_needs_grad(nodes[i]), _is_weight(nodes[i]), sum(1 for _ in nodes[i].value.uses)) for i in node.operands))
         for st in node.strategies:
-            try:
-                ok.append((st, _node_cost(node, st, nodes, mesh, hw, training, saved[c])))
-            except TilegraphError:  # a split the op's shape rule rejects at local shapes: keep what works
-                pass
+            if (key, st) not in _NODE_COSTS:
+                try:
+                    _NODE_COSTS[key, st] = _node_cost(node, st, nodes, mesh, hw, training, saved[c])
+                except TilegraphError:  # a split the op's shape rule rejects at local shapes: keep what works
+                    _NODE_COSTS[key, st] = None
+            if _NODE_COSTS[key, st] is not None:
+                ok.append((st, _NODE_COSTS[key, st]))
         node.strategies = [st for st, _ in ok]
         exprs[c] = [e for _, e in ok]
     for i, c in enumerate(cls):
@@ -671,7 +686,9 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
         least = sum(float(m.min()) for m in memory.nodes.values())
         raise ShardError(f"no sharding on mesh {mesh} fits {budget / 1e9:.3g} GB per device (with the annotations "
                          f"given): the smallest plan needs {least / 1e9:.3g} GB")
-    second, second_extra, _ = _solve(objective, rows, counts, edges, extras, allowed, exclude=choice)
+    second, second_extra = None, []
+    if runner_up:
+        second, second_extra, _ = _solve(objective, rows, counts, edges, extras, allowed, exclude=choice)
     solve_time = _time.perf_counter() - started
 
     def build(ch, xs) -> Plan:

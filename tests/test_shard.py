@@ -537,3 +537,36 @@ def test_a_config_of_no_known_model_is_a_clear_error():
         from_config(dict(LLAMA_7B, hidden_size="wide"))
     with pytest.raises(ConfigError, match="multiple"):
         from_config(dict(LLAMA_7B, num_key_value_heads=5))
+
+
+# --- pipeline stages and the degree search ----------------------------------------------------------
+
+def test_a_pipeline_stage_pays_the_1f1b_bubble():
+    """Two stages of a layer stack (no embedding or head), m micro-batches: a stage runs half the
+    layers in m + 1 slots, so its compute is (m + 1) / (2m) of one device running all of them in m;
+    the bubble is 1/(m + 1) of the stage's step, and stage 0 keeps two micro-batches' activations."""
+    model = gpt_graph(4, 512, 8)
+    sizes = {"B": 16, "S": 512}
+    for m in (2, 8):
+        whole = plan(model.module, H100x1, sizes=sizes, micro_batches=m, recompute=False)
+        stage = plan(model.module, H100x1, sizes=sizes, stages=2, micro_batches=m, recompute=False)
+        assert stage.compute / whole.compute == pytest.approx((m + 1) / (2 * m), rel=1e-3)
+        assert stage.bubble == pytest.approx(stage.compute / (m + 1), rel=0.05)
+        assert stage.comm > 0 and stage.stages == 2 and stage.micro_batches == m
+    with pytest.raises(ShardError, match="divide"):
+        plan(model.module, H100x1, sizes=sizes, stages=3)
+
+
+def test_the_degree_search_prices_every_layout_and_keeps_the_cheapest():
+    """On 8 devices the search tries pipeline, tensor and data degrees (and micro-batch counts); the
+    winner is the cheapest that fits, and its degrees multiply to the device count."""
+    from tilegraph.passes.pipeline import mfu, model_flops, search
+
+    model = gpt_graph(2, 512, 8)
+    sizes = {"B": 16, "S": 1024}
+    best, tried = search(model.module, 8, H100, sizes, tensor_degrees=(1, 2), pipelines=(1, 2))
+    assert best is not None and best.time == min(lay.time for lay in tried)
+    assert {(lay.pipeline, lay.plan.mesh.shape) for lay in tried} >= {(1, (8,)), (1, (4, 2)), (2, (4,)), (2, (2, 2))}
+    d = best.degrees
+    assert d["data"] * d["tensor"] * d["sequence"] * d["pipeline"] == 8
+    assert 0.05 < mfu(best, model_flops(model.module, sizes), 8) < 1
