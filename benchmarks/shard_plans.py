@@ -185,8 +185,8 @@ def training_table(args) -> None:
             for name, lay in results.items():
                 rows.append([n if name == "planner" else ""] + _row(name, lay, flops, n))
             rows[-3][-1] = f"{took:.0f} ({len(tried)} plans)"
-        print(f"\n{title}: {model_flops(model.module, sizes) / args.batch / 1e12:.1f} TFLOP per sequence "
-              f"(forward + backward), sequence {sizes.get('S', seq)}")
+        print(f"\n{title}: {flops / args.batch / 1e12:.1f} TFLOP per sequence (forward + backward), sequence "
+              f"{seq or config['n_positions']}")
         print(format_table(["devices", "layout", "plan", "step ms", "MFU %", "bubble %", "GB/dev",
                             "solve s"], rows))
 

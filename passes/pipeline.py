@@ -77,13 +77,12 @@ def degrees(p: Plan, pipeline: int = 1) -> dict[str, int]:
 
 
 def micro_batch_counts(batch: int, data: int, stages: int) -> list[int]:
-    """Micro-batch counts to try: one (no pipeline), else the most (one sequence per replica per
-    micro-batch: the smallest bubble) and half that."""
-    per_replica = batch // data
-    if stages == 1:
-        return [1]
-    most = per_replica
-    return sorted({m for m in (most, most // 2) if m >= 1 and per_replica % m == 0})
+    """Micro-batch counts to try, each replica's micro-batches whole sequences: without a pipeline
+    one (no accumulation) and the most (one sequence per micro-batch: the least activation memory,
+    gradient accumulation); with one the most (the smallest bubble) and half that."""
+    most = batch // data
+    tries = (1, most) if stages == 1 else (most, most // 2)
+    return sorted({m for m in tries if m >= 1 and most % m == 0})
 
 
 def model_flops(module, sizes: dict[str, int]) -> float:
@@ -132,3 +131,60 @@ def search(module, devices: int, hw, sizes: dict[str, int], batch: str = "B", bu
 def mfu(layout: Layout, flops: float, devices: int, dtype: str = "bf16") -> float:
     """Model-FLOPs utilisation: the model's FLOPs per step over what `devices` deliver at peak."""
     return flops / (layout.time * devices * layout.plan.mesh.hw.peak_flops[dtype])
+
+
+# --- the stages as programs ------------------------------------------------------------------
+
+def split_stages(model, stages: int) -> list:
+    """`model` cut into `stages` models at layer boundaries (each stage an equal share of the repeated
+    layers; the first also runs what comes before them, the last what comes after). Stage k's inputs
+    are stage k-1's outputs: every value a later stage (or the model's result) still needs, model
+    inputs passed along."""
+    from xdsl.dialects.builtin import ModuleOp
+    from xdsl.dialects.func import FuncOp, ReturnOp
+    from xdsl.ir import Block, Region
+
+    from tilegraph.ir.model import Model, WeightStore
+    from tilegraph.passes.shard import _nodes
+
+    func = model.func
+    args = list(func.body.block.args)
+    nodes = _nodes(func, [f"input{i}" for i in range(len(args))], (1,), {})
+    start, period, copies = find_layers(nodes)
+    if stages < 1 or copies < stages or copies % stages:
+        raise LayoutError(f"{stages} pipeline stages need repeated layers they divide; found {copies} layers")
+    ops = [op for op in func.body.block.ops if not isinstance(op, ReturnOp)]
+    ret = func.body.block.last_op
+    if len(nodes) != len(args) + len(ops):
+        raise LayoutError("pipeline stages need a @forward of tg ops only")
+    cuts = [0] + [start + period * (copies // stages) * k - len(args) for k in range(1, stages)] + [len(ops)]
+    pieces = [ops[a:b] for a, b in zip(cuts, cuts[1:])]
+    stage_of = {r: k for k, piece in enumerate(pieces) for op in piece for r in op.results}
+    for a in args:
+        stage_of[a] = -1
+    live_in = list(args)
+    result = []
+    for k, piece in enumerate(pieces):
+        later = [o for op in (o for p in pieces[k + 1:] for o in p) for o in op.operands] + list(ret.operands)
+        live_out = list(dict.fromkeys(v for v in later if stage_of[v] <= k))
+        block = Block(arg_types=[v.type for v in live_in])
+        mapping = dict(zip(live_in, block.args))
+        for v, new in zip(live_in, block.args):
+            new.name_hint = v.name_hint
+        for op in piece:
+            new = op.clone(value_mapper=mapping)
+            block.add_op(new)
+            mapping.update(zip(op.results, new.results))
+        block.add_op(ReturnOp(*[mapping[v] for v in live_out]))
+        from xdsl.dialects.builtin import FunctionType
+
+        stage_func = FuncOp("forward", FunctionType.from_lists([v.type for v in live_in],
+                                                               [v.type for v in live_out]), Region(block))
+        if k == 0:
+            stage_func.arg_attrs = func.arg_attrs
+        if k == len(pieces) - 1:
+            stage_func.res_attrs = func.res_attrs
+        used = {op.attr("name") for op in piece if getattr(op, "op_name", "") == "weight"}
+        result.append(Model(ModuleOp([stage_func]), WeightStore({n: model.weights[n] for n in used})))
+        live_in = live_out
+    return result
