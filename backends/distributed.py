@@ -15,6 +15,10 @@ before any compute) and waited for where its result is first used; gloo runs it 
 own thread while this one computes. `timings` collects each repetition's step time (the
 slowest rank's).
 
+Compiled (`compiled=True`): each run of tg ops between two collectives is cut out of the
+per-device program (`ir.extract`) and emitted as a module by the NumPy backend, compiled
+once per process; the collectives stay calls between those modules.
+
 Pipelines (`run_stages`): stage k's program runs on its own devices (ranks numbered
 stage after stage), on each of `micro_batches` micro-batches in turn; a stage gathers its
 outputs inside its devices and sends them (`dist.send`) to the next stage's devices, which
@@ -55,14 +59,14 @@ def _free_port() -> int:
 
 
 def run(p, inputs: Sequence[Any], timeout_s: float = JOIN_TIMEOUT_S, overlap: bool = True, repeats: int = 1,
-        timings: list | None = None) -> list[np.ndarray]:
+        timings: list | None = None, compiled: bool = False) -> list[np.ndarray]:
     """Run `p` (a passes.partition.Partitioned) on len(devices) local processes; the gathered outputs."""
-    return run_stages([p], inputs, 1, timeout_s, overlap, repeats, timings)
+    return run_stages([p], inputs, 1, timeout_s, overlap, repeats, timings, compiled)
 
 
 def run_stages(stages: Sequence[Any], inputs: Sequence[Any], micro_batches: int = 1,
                timeout_s: float = JOIN_TIMEOUT_S, overlap: bool = True, repeats: int = 1,
-               timings: list | None = None) -> list[np.ndarray]:
+               timings: list | None = None, compiled: bool = False) -> list[np.ndarray]:
     """Run pipeline stages (each a Partitioned: stage k's outputs are stage k+1's inputs) on
     sum(devices) local processes, the inputs cut into `micro_batches` along dim 0."""
     import torch.multiprocessing as mp
@@ -90,7 +94,7 @@ def run_stages(stages: Sequence[Any], inputs: Sequence[Any], micro_batches: int 
                          *[np.array(piece(x, spec, stages[0].mesh, local)) for x, spec in zip(batch, stages[0].in_specs)])
         try:
             mp.spawn(_worker, args=(world, _free_port(), str(tmp), config, micro_batches, overlap, repeats,
-                                    timeout_s), nprocs=world, join=True)
+                                    timeout_s, compiled), nprocs=world, join=True)
         except mp.ProcessRaisedException as e:
             raise DistributedError(f"a process of the {world}-device run failed:\n{e}") from None
         if timings is not None:
@@ -99,21 +103,54 @@ def run_stages(stages: Sequence[Any], inputs: Sequence[Any], micro_batches: int 
             return [data[f"arr_{i}"] for i in range(len(data.files))]
 
 
-def _execute(program, weights, inputs, handles, overlap: bool, torch, dist) -> list[np.ndarray]:
-    """One device's program: tg ops in order; collectives synchronous, or (overlap) issued as soon as
-    their operand is ready and waited for at their result's first use."""
+def _steps(program, weights, overlap: bool, compiled: bool) -> list[tuple]:
+    """The program as steps: ("op", tg op) run through the op table's NumPy template, ("segment", a
+    compiled model, its input values, its output values) for each run of tg ops between collectives
+    (the NumPy backend's emitted module), ("collective", op)."""
     from tilegraph.ir.dialect import TgOp
+    from tilegraph.ir.extract import extract, live_after
+    from tilegraph.ir.model import Model
+
+    ops = [op for op in program.func.body.block.ops if op.name != "func.return"]
+    ret = program.func.body.block.last_op
+    if overlap:  # weights first: their collectives (ZeRO-3's gathers) can start before any compute
+        ops = [op for op in ops if getattr(op, "op_name", "") == "weight"] + \
+              [op for op in ops if getattr(op, "op_name", "") != "weight"]
+    if not compiled:
+        return [("op" if isinstance(op, TgOp) else "collective", op) for op in ops]
+    from tilegraph.backends.numpy import compile_model
+
+    source = Model(program.module, weights)
+    steps, run = [], []
+
+    def close(i):
+        if run:
+            defined = {r for op in run for r in op.results}
+            ins = list(dict.fromkeys(v for op in run for v in op.operands if v not in defined))
+            outs = live_after(run, ops[i:], ret.operands)
+            steps.append(("segment", compile_model(extract(source, run, ins, outs)), ins, outs))
+            run.clear()
+
+    for i, op in enumerate(ops):
+        if isinstance(op, TgOp):
+            run.append(op)
+        else:
+            close(i)
+            steps.append(("collective", op))
+    close(len(ops))
+    return steps
+
+
+def _execute(program, steps, weights, inputs, handles, overlap: bool, torch, dist) -> list[np.ndarray]:
+    """One device's program: its steps in order; collectives synchronous, or (overlap) issued as soon
+    as their operand is ready and waited for at their result's first use."""
     from tilegraph.ir.interpreter import GLOBALS, evaluate
 
     env: dict = dict(zip(program.func.args, inputs))
     pending: dict = {}
-    ops = list(program.func.body.block.ops)
-    if overlap:  # weights first: their collectives (ZeRO-3's gathers) can start before any compute
-        ops = [op for op in ops if getattr(op, "op_name", "") == "weight"] + \
-              [op for op in ops if getattr(op, "op_name", "") != "weight"]
     consumers: dict = {}
-    for op in ops:
-        if op.name.startswith("shard."):
+    for kind, op, *_ in steps:
+        if kind == "collective":
             consumers.setdefault(op.operands[0], []).append(op)
 
     def value(v):
@@ -123,32 +160,38 @@ def _execute(program, weights, inputs, handles, overlap: bool, torch, dist) -> l
             env[v] = finish()
         return env[v]
 
+    issued = set()
+
+    def issue_users(results):
+        for user in (u for r in results for u in consumers.get(r, [])):
+            issue(user)
+            issued.add(user)
+
     def issue(op):
         handle, pos, n = handles[tuple(op.grid_axes.get_values())]
         work, finish = _collective(op, np.asarray(value(op.operands[0])), handle, pos, n, torch, dist, overlap)
-        if work is None:
+        if work is None or not overlap:
+            if work is not None:
+                work.wait()
             env[op.results[0]] = finish()
-        elif overlap:
-            pending[op.results[0]] = (work, finish)
         else:
-            work.wait()
-            env[op.results[0]] = finish()
+            pending[op.results[0]] = (work, finish)
 
-    issued = set()
-    for op in ops:
-        if op.name == "func.return":
-            return [np.asarray(value(v)) for v in op.operands]
-        if isinstance(op, TgOp):
+    for kind, op, *rest in steps:
+        if kind == "op":
             env.update(zip(op.results, evaluate(op, [value(v) for v in op.operands], weights, dict(GLOBALS),
                                                 float64=False)))
-            if overlap:
-                for user in (u for r in op.results for u in consumers.get(r, [])):
-                    issue(user)
-                    issued.add(user)
+            results = op.results
+        elif kind == "segment":
+            ins, results = rest
+            env.update(zip(results, op(*[value(v) for v in ins])))
+        else:
+            if op not in issued:
+                issue(op)
             continue
-        if op not in issued:
-            issue(op)
-    raise DistributedError("the program has no func.return")
+        if overlap:
+            issue_users(results)
+    return [np.asarray(value(v)) for v in program.func.body.block.last_op.operands]
 
 
 _DTYPES = ("float32", "float64", "float16", "int64", "int32", "bool", "int8", "uint8")
@@ -173,7 +216,7 @@ def _recv(src: int, torch, dist) -> np.ndarray:
 
 
 def _worker(rank: int, world: int, port: int, tmp: str, config: list, micro_batches: int, overlap: bool,
-            repeats: int, timeout_s: float) -> None:
+            repeats: int, timeout_s: float, compiled: bool) -> None:
     import datetime
     import time
 
@@ -213,6 +256,7 @@ def _worker(rank: int, world: int, port: int, tmp: str, config: list, micro_batc
             for m in range(micro_batches):
                 with np.load(tmp_path / f"inputs{local}_{m}.npz") as data:
                     batches.append([data[f"arr_{i}"] for i in range(len(data.files))])
+        steps = _steps(program, weights, overlap, compiled)
         times, results = [], []
         for _ in range(repeats):
             dist.barrier()
@@ -225,7 +269,7 @@ def _worker(rank: int, world: int, port: int, tmp: str, config: list, micro_batc
                     before = config[k - 1]
                     src = before["offset"] + local % math.prod(before["mesh"])
                     inputs = [np.array(piece(_recv(src, torch, dist), spec, mesh, local)) for spec in stage["in_specs"]]
-                outs = _execute(program, weights, inputs, handles, overlap, torch, dist)
+                outs = _execute(program, steps, weights, inputs, handles, overlap, torch, dist)
                 full = []
                 for x, spec in zip(outs, stage["out_specs"]):
                     t = torch.from_numpy(np.ascontiguousarray(x).reshape(x.shape))

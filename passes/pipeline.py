@@ -140,11 +140,9 @@ def split_stages(model, stages: int) -> list:
     layers; the first also runs what comes before them, the last what comes after). Stage k's inputs
     are stage k-1's outputs: every value a later stage (or the model's result) still needs, model
     inputs passed along."""
-    from xdsl.dialects.builtin import ModuleOp
-    from xdsl.dialects.func import FuncOp, ReturnOp
-    from xdsl.ir import Block, Region
+    from xdsl.dialects.func import ReturnOp
 
-    from tilegraph.ir.model import Model, WeightStore
+    from tilegraph.ir.extract import extract
     from tilegraph.passes.shard import _nodes
 
     func = model.func
@@ -165,26 +163,10 @@ def split_stages(model, stages: int) -> list:
     live_in = list(args)
     result = []
     for k, piece in enumerate(pieces):
-        later = [o for op in (o for p in pieces[k + 1:] for o in p) for o in op.operands] + list(ret.operands)
-        live_out = list(dict.fromkeys(v for v in later if stage_of[v] <= k))
-        block = Block(arg_types=[v.type for v in live_in])
-        mapping = dict(zip(live_in, block.args))
-        for v, new in zip(live_in, block.args):
-            new.name_hint = v.name_hint
-        for op in piece:
-            new = op.clone(value_mapper=mapping)
-            block.add_op(new)
-            mapping.update(zip(op.results, new.results))
-        block.add_op(ReturnOp(*[mapping[v] for v in live_out]))
-        from xdsl.dialects.builtin import FunctionType
-
-        stage_func = FuncOp("forward", FunctionType.from_lists([v.type for v in live_in],
-                                                               [v.type for v in live_out]), Region(block))
-        if k == 0:
-            stage_func.arg_attrs = func.arg_attrs
-        if k == len(pieces) - 1:
-            stage_func.res_attrs = func.res_attrs
-        used = {op.attr("name") for op in piece if getattr(op, "op_name", "") == "weight"}
-        result.append(Model(ModuleOp([stage_func]), WeightStore({n: model.weights[n] for n in used})))
+        later = [op for p in pieces[k + 1:] for op in p]
+        live_out = list(dict.fromkeys(v for v in [o for op in later for o in op.operands] + list(ret.operands)
+                                      if stage_of[v] <= k))
+        result.append(extract(model, piece, live_in, live_out, func.arg_attrs if k == 0 else None,
+                              func.res_attrs if k == len(pieces) - 1 else None))
         live_in = live_out
     return result

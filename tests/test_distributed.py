@@ -2,7 +2,8 @@
 
 - a GPT layer in Megatron's layout (collectives in every block) on 2 processes gives what one
   device gives (the float64 interpreter, the dtype's tolerance) and what the simulated mesh gives;
-- `tilegraph run --devices 2` plans, partitions, runs and agrees;
+- `tilegraph run --devices 2` plans, partitions, runs each device's program as NumPy-backend modules
+  between its collectives, agrees, and times itself against the op-by-op run and one process;
 - all-MiniLM-L6-v2 as the planner shards it on 2 and 4 processes agrees with one device (slow:
   torch.export of the model and a process per device);
 - two pipeline stages, each on a 2x2 (data x tensor) mesh, two micro-batches, on 8 processes agree;
@@ -55,9 +56,10 @@ def test_tilegraph_run_on_two_processes_agrees(tmp_path, capsys):
     from tilegraph.cli import main
 
     path = gpt_graph(1, 32, 4, seq=8, vocab=64, dtype="f32", weights="random").save(tmp_path / "gpt.mlir")
-    assert main(["run", str(path), "--devices", "2"]) == 0
+    assert main(["run", str(path), "--devices", "2", "--compare"]) == 0
     out = capsys.readouterr().out
     assert "2 processes" in out and out.strip().endswith("agree")
+    assert "compiled (NumPy backend between collectives)" in out and "op by op:" in out and "one process" in out
 
 
 @pytest.mark.slow
