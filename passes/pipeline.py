@@ -140,9 +140,6 @@ def split_stages(model, stages: int) -> list:
     layers; the first also runs what comes before them, the last what comes after). Stage k's inputs
     are stage k-1's outputs: every value a later stage (or the model's result) still needs, model
     inputs passed along."""
-    from xdsl.dialects.func import ReturnOp
-
-    from tilegraph.ir.extract import extract
     from tilegraph.passes.shard import _nodes
 
     func = model.func
@@ -151,11 +148,23 @@ def split_stages(model, stages: int) -> list:
     start, period, copies = find_layers(nodes)
     if stages < 1 or copies < stages or copies % stages:
         raise LayoutError(f"{stages} pipeline stages need repeated layers they divide; found {copies} layers")
+    if len(nodes) != len(args) + sum(1 for op in func.body.block.ops) - 1:
+        raise LayoutError("pipeline stages need a @forward of tg ops only")
+    return cut(model, [start + period * (copies // stages) * k - len(args) for k in range(1, stages)])
+
+
+def cut(model, positions: Sequence[int]) -> list:
+    """`model` cut before each of the op indices `positions` into a chain of models: piece k's inputs
+    are piece k-1's outputs (every value a later piece or the model's result needs, inputs included)."""
+    from xdsl.dialects.func import ReturnOp
+
+    from tilegraph.ir.extract import extract
+
+    func = model.func
+    args = list(func.body.block.args)
     ops = [op for op in func.body.block.ops if not isinstance(op, ReturnOp)]
     ret = func.body.block.last_op
-    if len(nodes) != len(args) + len(ops):
-        raise LayoutError("pipeline stages need a @forward of tg ops only")
-    cuts = [0] + [start + period * (copies // stages) * k - len(args) for k in range(1, stages)] + [len(ops)]
+    cuts = [0] + sorted(positions) + [len(ops)]
     pieces = [ops[a:b] for a, b in zip(cuts, cuts[1:])]
     stage_of = {r: k for k, piece in enumerate(pieces) for op in piece for r in op.results}
     for a in args:

@@ -912,7 +912,8 @@ class Shard(ModulePass):
 def report(p: Plan) -> None:
     remark("shard", f"mesh {p.mesh} ({p.mesh.hw.name}): predicted step {p.time * 1e3:.4g} ms = compute "
                     f"{p.compute * 1e3:.4g} ms + communication {p.comm * 1e3:.4g} ms, memory "
-                    f"{p.memory / 1e9:.4g} GB per device; plan: {p.describe()}")
+                    f"{p.memory / 1e9:.4g} GB per device (ZeRO stage {p.zero}, "
+                    f"{'layers recomputed' if p.recompute else 'no recomputation'}); plan: {p.describe()}")
     if p.runner_up is not None:
         r = p.runner_up
         diff = [f"{b.node.label}: {b.strategy.name} instead of {a.strategy.name}"

@@ -328,6 +328,32 @@ def test_any_valid_plan_preserves_semantics_on_the_simulated_mesh(model, mesh, d
     _check_on_mesh(model, annotated, inputs, bound)
 
 
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(model=graphs(max_ops=8), mesh=st.sampled_from(MESHES), data=st.data())
+def test_pipeline_stages_with_any_valid_plan_each_preserve_semantics(model, mesh, data):
+    """Random graphs cut into pipeline stages at random places (`pipeline.cut`, what split_stages
+    does at layer boundaries), each stage given its own random plan (ZeRO variants and weights
+    gathered at use among them), run stage after stage on the simulated mesh: the single-device result."""
+    from tilegraph.passes.pipeline import cut
+
+    sizes = {"B": 4}
+    ops = len(list(model.func.body.block.ops)) - 1
+    positions = sorted(set(data.draw(st.lists(st.integers(1, max(1, ops - 1)), max_size=2), label="cuts")))
+    stages = cut(model, [p for p in positions if 0 < p < ops])
+    inputs = random_inputs(model, seed=2, sizes=sizes)
+    _, bound = bind_inputs(model, inputs)
+    values = inputs
+    for k, stage in enumerate(stages):
+        p = chosen_plan(stage.module, Mesh(mesh, H100),
+                        lambda n: data.draw(st.integers(0, len(n.strategies) - 1), label=f"{k}:{n.label}"), sizes)
+        annotate(stage.module, p)
+        values = run(partition(stage, bound), values)
+    expected = interpret(model, inputs)
+    n = reduction_length(model, bound)
+    for name, a, e in zip(model.output_names, values, expected):
+        assert_close(a, e, narrowest_float(model) or "f32", n, name=f"output '{name}' after {len(stages)} stages")
+
+
 # --- the command line -----------------------------------------------------------------------
 
 def test_the_shard_command_prints_the_plan_per_layer_time_split_and_memory(tmp_path, capsys):
