@@ -45,22 +45,15 @@ def main(argv=None) -> int:
     from tilegraph.passes.partition import partition
     from tilegraph.passes.shard import annotate, chosen_plan
     from tilegraph.testing import random_inputs
+    from tests.models import zero3_pick
 
     print("\n".join(machine_lines()))
     n = args.devices
     sizes = {"B": 4 * n}
     model = gpt(args.layers, args.hidden, 8, seq=128, vocab=4096, dtype="f32", weights="random")
 
-    def zero3(node):
-        names = [s.name for s in node.strategies]
-        if node.op is not None and node.op.op_name == "weight":
-            return names.index("d0@0") if "d0@0" in names else 0
-        want = {None: "d0@0", "matmul": "b0@0", "attention": "d0@0", "gather": "d0@0"}.get(
-            node.op.op_name if node.op is not None else None)
-        return names.index(want) if want in names else 0
-
     annotated = model.clone()
-    annotate(annotated.module, chosen_plan(annotated.module, Mesh((n,), hardware("h100")), zero3, sizes))
+    annotate(annotated.module, chosen_plan(annotated.module, Mesh((n,), hardware("h100")), zero3_pick, sizes))
     program = partition(annotated, sizes)
     gathers = program.model.text.count("shard.all_gather")
     inputs = random_inputs(model, seed=0, sizes=sizes)

@@ -304,3 +304,14 @@ def gpt_graph(layers: int, d_model: int, heads: int, batch="B", seq: int | str =
     from tilegraph.frontends.config import gpt
 
     return gpt(layers, d_model, heads, batch, seq, vocab, dtype, weights, seed, mlp_only, attention_only)
+
+
+def zero3_pick(node) -> int:
+    """A strategy index for `shard.chosen_plan`: ZeRO-3 with data parallelism over mesh axis 0 (every
+    weight stored split by its first dim and gathered where used; the batch split)."""
+    names = [s.name for s in node.strategies]
+    if node.op is not None and node.op.op_name == "weight":
+        return names.index("d0@0") if "d0@0" in names else 0
+    want = {None: "d0@0", "matmul": "b0@0", "attention": "d0@0", "gather": "d0@0"}.get(
+        node.op.op_name if node.op is not None else None)
+    return names.index(want) if want in names else 0

@@ -23,7 +23,7 @@ from tilegraph.passes.cost.hardware import H100
 from tilegraph.passes.partition import partition
 from tilegraph.passes.registry import run_pipeline
 from tilegraph.passes.shard import annotate, chosen_plan, plan
-from tests.models import gpt_graph
+from tests.models import gpt_graph, zero3_pick
 from tilegraph.testing import assert_close, narrowest_float, random_inputs, reduction_length
 
 
@@ -120,15 +120,7 @@ def test_overlapped_collectives_give_the_same_result():
     annotated = model.clone()
     mesh = Mesh((2,), H100)
 
-    def pick(node):
-        names = [s.name for s in node.strategies]
-        if node.op is not None and node.op.op_name == "weight":
-            return names.index("d0@0") if "d0@0" in names else 0
-        want = {None: "d0@0", "matmul": "b0@0", "attention": "d0@0", "gather": "d0@0"}.get(
-            node.op.op_name if node.op is not None else None)
-        return names.index(want) if want in names else 0
-
-    annotate(annotated.module, chosen_plan(annotated.module, mesh, pick, {"B": 2}))
+    annotate(annotated.module, chosen_plan(annotated.module, mesh, zero3_pick, {"B": 2}))
     program = partition(annotated, {"B": 2})
     assert program.model.text.count("shard.all_gather") >= 8
     inputs = random_inputs(model, seed=7, sizes={"B": 2})
