@@ -690,7 +690,8 @@ def _print_plan(p) -> None:
     share = p.comm / p.time if p.time else 0.0
     print(f"predicted step time: {format_time(p.time)} = compute {format_time(p.compute)} + communication "
           f"{format_time(p.comm)} ({100 * share:.1f}% communication)")
-    print(f"memory per device: {p.memory / 1e9:.4g} GB (of {p.mesh.hw.memory_bytes / 1e9:.4g} GB)")
+    print(f"memory per device: {p.memory / 1e9:.4g} GB (of {p.mesh.hw.memory_bytes / 1e9:.4g} GB); ZeRO stage "
+          f"{p.zero}, {'every layer recomputed in the backward' if p.recompute else 'no recomputation'}")
     if p.runner_up is not None:
         print(f"runner-up: {format_time(p.runner_up.time)} (compute {format_time(p.runner_up.compute)} + "
               f"communication {format_time(p.runner_up.comm)})")
