@@ -103,6 +103,7 @@ GRID = "mesh"  # the shard.grid symbol the annotations name
 # HiGHS's relative MIP gap: plans within 0.1% of the best are not worth more search.
 MIP_GAP = 1e-3
 US = 1e6  # the objective in microseconds keeps HiGHS's absolute tolerances meaningful
+GB = 1e9  # memory rows in GB, for the same reason
 
 
 class ShardError(TilegraphError):
@@ -643,12 +644,12 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
             a = len(extras)
             extras.append((0, np.inf, 0))
             memory.extra[a] = per_stage * inflight - 1
-            rows.append((Linear({k: comp["A"][k]}, {}, {a: -1.0, r: -float(comp["A"][k].max())}), -np.inf, 0))
+            rows.append((Linear({k: comp["A"][k] / GB}, {}, {a: -1.0, r: -float(comp["A"][k].max()) / GB}), -np.inf, 0))
         c = len(extras)
         extras.append((0, np.inf, 0))
         memory.extra[c] = per_stage * inflight
-        big = sum(float(b.max()) for b in ckpt_bytes.values())
-        rows.append((Linear(dict(ckpt_bytes), {}, {c: -1.0, r: big}), -np.inf, big))
+        big = sum(float(b.max()) for b in ckpt_bytes.values()) / GB
+        rows.append((Linear({k: b / GB for k, b in ckpt_bytes.items()}, {}, {c: -1.0, r: big}), -np.inf, big))
         forward = {k: (comp["C"][k] / FWD_BWD + comp["B"][k] / 2) * US for k in layer}
         e = len(extras)
         extras.append((0, np.inf, 0))
@@ -659,7 +660,8 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
     if stages > 1:  # each micro-batch's activation sent to the next stage, its gradient back
         for k in ckpt:
             objective.nodes[k] = objective.nodes[k] + slots * 2 * US * ckpt_bytes[k] / p2p_link.beta
-    rows.append((memory, -np.inf, budget))
+    # The memory row in GB (a_k and c are in GB too): bytes next to 0/1 variables scale badly in HiGHS.
+    rows.append((Linear({k: a / GB for k, a in memory.nodes.items()}, {}, dict(memory.extra)), -np.inf, budget / GB))
 
     allowed = [np.ones(len(comp["C"][k]), bool) for k in range(len(classes))]
     for val, spec in constraints.items():
