@@ -495,7 +495,8 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
     `stages`, `micro_batches`: the mesh is one of `stages` pipeline stages, each holding that share of
     the repeated layers, the global batch (`sizes[batch]`) run as `micro_batches` micro-batches in a
     1F1B schedule. `overlap`, `recompute`, `zero`: whether independent collectives hide behind the
-    backward, layers may be recomputed, weights may take ZeRO stages 1-2."""
+    backward, layers may be recomputed ("always": must be, as a published configuration did), weights
+    may take ZeRO stages 1-2."""
     started = _time.perf_counter()
     func = next(f for f in module.walk() if isinstance(f, FuncOp) and f.sym_name.data == "forward")
     hw = mesh.hw
@@ -638,7 +639,7 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
         # backward; the peak then holds one layer's activations. Linearized with big-M bounds:
         # a_k = A_k(x) when r = 0 else 0; c = checkpoint bytes when r = 1 else 0; e = forward time when r = 1.
         r = len(extras)
-        extras.append((0, 1, 1))
+        extras.append((1 if recompute == "always" else 0, 1, 1))
         for k in layer:
             memory.nodes[k] = memory.nodes[k] - comp["A"][k] * (per_stage * inflight - 1)
             a = len(extras)

@@ -454,6 +454,8 @@ def test_activations_over_the_budget_are_recomputed_at_the_price_of_a_forward():
     assert 1.25 < tight.compute / free.compute < 1.35
     with pytest.raises(ShardError, match="fits"):
         plan(model.module, H100x1, sizes={"B": 4}, budget=budget, recompute=False)
+    always = plan(model.module, H100x1, sizes={"B": 4}, recompute="always")  # as a published configuration
+    assert always.recompute and always.compute == pytest.approx(tight.compute, rel=0.01)
 
 
 def test_zero_partitions_optimizer_state_over_the_data_parallel_axis_when_weights_do_not_fit():
