@@ -21,7 +21,6 @@ tokens or by heads / columns / rows.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
