@@ -9,6 +9,21 @@ inputs: tg ops through the op table's NumPy templates in the program's own dtype
 the shard collectives through torch.distributed on the group of the mesh axes they
 name. Rank 0 all-gathers every output's pieces and returns the whole tensors.
 
+Overlap (`overlap=True`): every collective is issued asynchronously (`async_op=True`) as
+soon as its operand exists (weights are read first, so a weight's all-gather starts
+before any compute) and waited for where its result is first used; gloo runs it on its
+own thread while this one computes. `timings` collects each repetition's step time (the
+slowest rank's).
+
+Compiled (`compiled=True`): each run of tg ops between two collectives is cut out of the
+per-device program (`ir.extract`) and emitted as a module by the NumPy backend, compiled
+once per process; the collectives stay calls between those modules.
+
+Pipelines (`run_stages`): stage k's program runs on its own devices (ranks numbered
+stage after stage), on each of `micro_batches` micro-batches in turn; a stage gathers its
+outputs inside its devices and sends them (`dist.send`) to the next stage's devices, which
+take their pieces; the last stage concatenates the micro-batches' outputs.
+
 gloo has all_reduce and all_gather but no all_to_all or reduce_scatter on CPU
 tensors: those two run as all_gather + local slice, and all_reduce + local slice
 (the same result; more bytes on the wire than NCCL would move).
@@ -43,38 +58,172 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(p, inputs: Sequence[Any], timeout_s: float = JOIN_TIMEOUT_S) -> list[np.ndarray]:
+def run(p, inputs: Sequence[Any], timeout_s: float = JOIN_TIMEOUT_S, overlap: bool = True, repeats: int = 1,
+        timings: list | None = None, compiled: bool = False) -> list[np.ndarray]:
     """Run `p` (a passes.partition.Partitioned) on len(devices) local processes; the gathered outputs."""
+    return run_stages([p], inputs, 1, timeout_s, overlap, repeats, timings, compiled)
+
+
+def run_stages(stages: Sequence[Any], inputs: Sequence[Any], micro_batches: int = 1,
+               timeout_s: float = JOIN_TIMEOUT_S, overlap: bool = True, repeats: int = 1,
+               timings: list | None = None, compiled: bool = False) -> list[np.ndarray]:
+    """Run pipeline stages (each a Partitioned: stage k's outputs are stage k+1's inputs) on
+    sum(devices) local processes, the inputs cut into `micro_batches` along dim 0."""
     import torch.multiprocessing as mp
 
-    world = math.prod(p.mesh)
+    sizes = [math.prod(s.mesh) for s in stages]
+    world = sum(sizes)
+    inputs = [np.asarray(x) for x in inputs]
+    if micro_batches < 1 or any(x.ndim == 0 or x.shape[0] % micro_batches for x in inputs):
+        raise DistributedError(f"{micro_batches} micro-batches do not divide the inputs' first dims "
+                               f"{[x.shape[:1] for x in inputs]}")
     with tempfile.TemporaryDirectory(prefix="tilegraph-dist-") as tmp:
         tmp = Path(tmp)
-        p.model.save(tmp / "program.mlir")
-        for rank, store in enumerate(p.weights):
-            store.save(tmp / f"weights{rank}.npz")
-        pieces = [[np.array(piece(np.asarray(x), spec, p.mesh, rank)) for x, spec in zip(inputs, p.in_specs)]
-                  for rank in range(world)]
-        for rank, arrays in enumerate(pieces):
-            np.savez(tmp / f"inputs{rank}.npz", *arrays)
+        config = []
+        for k, s in enumerate(stages):
+            s.model.save(tmp / f"program{k}.mlir")
+            for local, store in enumerate(s.weights):
+                store.save(tmp / f"weights{k}_{local}.npz")
+            axes = sorted({tuple(op.grid_axes.get_values()) for op in s.model.func.walk()
+                           if op.name.startswith("shard.") and hasattr(op, "grid_axes")})
+            config.append(dict(mesh=tuple(s.mesh), offset=sum(sizes[:k]), in_specs=s.in_specs,
+                               out_specs=s.out_specs, axes=axes))
+        for m, batch in enumerate(zip(*(np.split(x, micro_batches) for x in inputs)) if inputs else []):
+            for local in range(sizes[0]):
+                np.savez(tmp / f"inputs{local}_{m}.npz",
+                         *[np.array(piece(x, spec, stages[0].mesh, local)) for x, spec in zip(batch, stages[0].in_specs)])
         try:
-            mp.spawn(_worker, args=(world, _free_port(), str(tmp), tuple(p.mesh), p.out_specs, timeout_s),
-                     nprocs=world, join=True)
+            mp.spawn(_worker, args=(world, _free_port(), str(tmp), config, micro_batches, overlap, repeats,
+                                    timeout_s, compiled), nprocs=world, join=True)
         except mp.ProcessRaisedException as e:
             raise DistributedError(f"a process of the {world}-device run failed:\n{e}") from None
+        if timings is not None:
+            timings.extend(np.load(tmp / "times.npy").tolist())
         with np.load(tmp / "outputs.npz") as data:
             return [data[f"arr_{i}"] for i in range(len(data.files))]
 
 
-def _worker(rank: int, world: int, port: int, tmp: str, mesh: tuple[int, ...], out_specs, timeout_s: float) -> None:
+def _steps(program, weights, overlap: bool, compiled: bool) -> list[tuple]:
+    """The program as steps: ("op", tg op) run through the op table's NumPy template, ("segment", a
+    compiled model, its input values, its output values) for each run of tg ops between collectives
+    (the NumPy backend's emitted module), ("collective", op)."""
+    from tilegraph.ir.dialect import TgOp
+    from tilegraph.ir.extract import extract, live_after
+    from tilegraph.ir.model import Model
+
+    ops = [op for op in program.func.body.block.ops if op.name != "func.return"]
+    ret = program.func.body.block.last_op
+    if overlap:  # weights first: their collectives (ZeRO-3's gathers) can start before any compute
+        ops = [op for op in ops if getattr(op, "op_name", "") == "weight"] + \
+              [op for op in ops if getattr(op, "op_name", "") != "weight"]
+    if not compiled:
+        return [("op" if isinstance(op, TgOp) else "collective", op) for op in ops]
+    from tilegraph.backends.numpy import compile_model
+
+    source = Model(program.module, weights)
+    steps, run = [], []
+
+    def close(i):
+        if run:
+            defined = {r for op in run for r in op.results}
+            ins = list(dict.fromkeys(v for op in run for v in op.operands if v not in defined))
+            outs = live_after(run, ops[i:], ret.operands)
+            steps.append(("segment", compile_model(extract(source, run, ins, outs)), ins, outs))
+            run.clear()
+
+    for i, op in enumerate(ops):
+        if isinstance(op, TgOp):
+            run.append(op)
+        else:
+            close(i)
+            steps.append(("collective", op))
+    close(len(ops))
+    return steps
+
+
+def _execute(program, steps, weights, inputs, handles, overlap: bool, torch, dist) -> list[np.ndarray]:
+    """One device's program: its steps in order; collectives synchronous, or (overlap) issued as soon
+    as their operand is ready and waited for at their result's first use."""
+    from tilegraph.ir.interpreter import GLOBALS, evaluate
+
+    env: dict = dict(zip(program.func.args, inputs))
+    pending: dict = {}
+    consumers: dict = {}
+    for kind, op, *_ in steps:
+        if kind == "collective":
+            consumers.setdefault(op.operands[0], []).append(op)
+
+    def value(v):
+        if v in pending:
+            work, finish = pending.pop(v)
+            work.wait()
+            env[v] = finish()
+        return env[v]
+
+    issued = set()
+
+    def issue_users(results):
+        for user in (u for r in results for u in consumers.get(r, [])):
+            issue(user)
+            issued.add(user)
+
+    def issue(op):
+        handle, pos, n = handles[tuple(op.grid_axes.get_values())]
+        work, finish = _collective(op, np.asarray(value(op.operands[0])), handle, pos, n, torch, dist, overlap)
+        if work is None or not overlap:
+            if work is not None:
+                work.wait()
+            env[op.results[0]] = finish()
+        else:
+            pending[op.results[0]] = (work, finish)
+
+    for kind, op, *rest in steps:
+        if kind == "op":
+            env.update(zip(op.results, evaluate(op, [value(v) for v in op.operands], weights, dict(GLOBALS),
+                                                float64=False)))
+            results = op.results
+        elif kind == "segment":
+            ins, results = rest
+            env.update(zip(results, op(*[value(v) for v in ins])))
+        else:
+            if op not in issued:
+                issue(op)
+            continue
+        if overlap:
+            issue_users(results)
+    return [np.asarray(value(v)) for v in program.func.body.block.last_op.operands]
+
+
+_DTYPES = ("float32", "float64", "float16", "int64", "int32", "bool", "int8", "uint8")
+_HEADER = 10  # dtype, rank, up to 8 dims
+
+
+def _send(x: np.ndarray, dst: int, torch, dist) -> None:
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    header[0], header[1] = _DTYPES.index(x.dtype.name), x.ndim
+    header[2:2 + x.ndim] = torch.tensor(x.shape, dtype=torch.int64)
+    dist.send(header, dst)
+    dist.send(torch.from_numpy(np.ascontiguousarray(x)), dst)
+
+
+def _recv(src: int, torch, dist) -> np.ndarray:
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    dist.recv(header, src)
+    shape = tuple(int(d) for d in header[2:2 + int(header[1])])
+    t = torch.from_numpy(np.empty(shape, dtype=_DTYPES[int(header[0])]))
+    dist.recv(t, src)
+    return t.numpy()
+
+
+def _worker(rank: int, world: int, port: int, tmp: str, config: list, micro_batches: int, overlap: bool,
+            repeats: int, timeout_s: float, compiled: bool) -> None:
     import datetime
+    import time
 
     import torch
     import torch.distributed as dist
 
     from tilegraph.backends.simulated_mesh import gather, groups
-    from tilegraph.ir.dialect import TgOp
-    from tilegraph.ir.interpreter import GLOBALS, evaluate
     from tilegraph.ir.model import Model, WeightStore
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -82,62 +231,99 @@ def _worker(rank: int, world: int, port: int, tmp: str, mesh: tuple[int, ...], o
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:
+        k = max(i for i, c in enumerate(config) if c["offset"] <= rank)
+        stage, local = config[k], rank - config[k]["offset"]
+        mesh = stage["mesh"]
+        n = math.prod(mesh)
         tmp_path = Path(tmp)
-        program = Model.load(tmp_path / "program.mlir")
-        weights = WeightStore.load(tmp_path / f"weights{rank}.npz")
-        with np.load(tmp_path / f"inputs{rank}.npz") as data:
-            inputs = [data[f"arr_{i}"] for i in range(len(data.files))]
+        program = Model.load(tmp_path / f"program{k}.mlir")
+        weights = WeightStore.load(tmp_path / f"weights{k}_{local}.npz")
         # Every rank creates every group, in the same order (torch.distributed's rule).
         handles: dict[tuple[int, ...], tuple[Any, int, int]] = {}
-        for axes in sorted({tuple(op.grid_axes.get_values()) for op in program.func.walk()
-                            if op.name.startswith("shard.") and hasattr(op, "grid_axes")}):
-            for members in groups(mesh, axes):
-                handle = dist.new_group(members)
-                if rank in members:
-                    handles[axes] = (handle, members.index(rank), len(members))
-        env: dict = dict(zip(program.func.args, inputs))
-        for op in program.func.body.block.ops:
-            if op.name == "func.return":
-                outs = [np.asarray(env[v]) for v in op.operands]
-                break
-            if isinstance(op, TgOp):
-                env.update(zip(op.results, evaluate(op, [env[v] for v in op.operands], weights, dict(GLOBALS),
-                                                    float64=False)))
-                continue
-            handle, pos, n = handles[tuple(op.grid_axes.get_values())]
-            env[op.results[0]] = _collective(op, np.asarray(env[op.operands[0]]), handle, pos, n, torch, dist)
-        gathered = []
-        for x, spec in zip(outs, out_specs):
-            t = torch.from_numpy(np.ascontiguousarray(x).reshape(x.shape))
-            parts = [torch.empty_like(t) for _ in range(world)]
-            dist.all_gather(parts, t)
-            gathered.append(gather([q.numpy() for q in parts], spec, mesh))
-        if rank == 0:
-            np.savez(Path(tmp) / "outputs.npz", *gathered)
+        whole = None
+        for i, c in enumerate(config):
+            for axes in c["axes"]:
+                for members in groups(c["mesh"], axes):
+                    handle = dist.new_group([c["offset"] + m for m in members])
+                    if i == k and local in members:
+                        handles[axes] = (handle, members.index(local), len(members))
+            group = dist.new_group(list(range(c["offset"], c["offset"] + math.prod(c["mesh"])))) \
+                if len(config) > 1 else None
+            if i == k:
+                whole = group
+        batches = []
+        if k == 0:
+            for m in range(micro_batches):
+                with np.load(tmp_path / f"inputs{local}_{m}.npz") as data:
+                    batches.append([data[f"arr_{i}"] for i in range(len(data.files))])
+        steps = _steps(program, weights, overlap, compiled)
+        times, results = [], []
+        for _ in range(repeats):
+            dist.barrier()
+            started = time.perf_counter()
+            results = []
+            for m in range(micro_batches):
+                if k == 0:
+                    inputs = batches[m]
+                else:
+                    before = config[k - 1]
+                    src = before["offset"] + local % math.prod(before["mesh"])
+                    inputs = [np.array(piece(_recv(src, torch, dist), spec, mesh, local)) for spec in stage["in_specs"]]
+                outs = _execute(program, steps, weights, inputs, handles, overlap, torch, dist)
+                full = []
+                for x, spec in zip(outs, stage["out_specs"]):
+                    t = torch.from_numpy(np.ascontiguousarray(x).reshape(x.shape))
+                    parts = [torch.empty_like(t) for _ in range(n)]
+                    dist.all_gather(parts, t, group=whole)
+                    full.append(gather([q.numpy() for q in parts], spec, mesh))
+                if k + 1 < len(config):
+                    after = config[k + 1]
+                    for j in range(math.prod(after["mesh"])):
+                        if j % n == local:
+                            for x in full:
+                                _send(x, after["offset"] + j, torch, dist)
+                else:
+                    results.append(full)
+            times.append(time.perf_counter() - started)
+        slowest = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        if k == len(config) - 1 and local == 0:
+            np.savez(tmp_path / "outputs.npz", *[np.concatenate(parts) if len(parts) > 1 else parts[0]
+                                                 for parts in zip(*results)])
+            np.save(tmp_path / "times.npy", slowest.numpy())
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def _collective(op, x: np.ndarray, group, pos: int, n: int, torch, dist) -> np.ndarray:
+def _collective(op, x: np.ndarray, group, pos: int, n: int, torch, dist, async_op: bool = False):
+    """Start `op` on `group`: (work or None, finish) where finish() gives the result once work is done."""
     t = torch.from_numpy(np.array(x))  # a writable copy: collectives work in place
     if op.name in ("shard.all_reduce", "shard.reduce_scatter"):
         kind = op.reduction.data.value
         reduce_op = {"sum": dist.ReduceOp.SUM, "average": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
                      "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}[kind]
-        dist.all_reduce(t, op=reduce_op, group=group)
-        out = t.numpy() / n if kind == "average" else t.numpy()
-        if op.name == "shard.reduce_scatter":
-            out = np.array_split(out, n, axis=op.scatter_axis.value.data)[pos]
-        return out.astype(x.dtype)
+        work = dist.all_reduce(t, op=reduce_op, group=group, async_op=async_op)
+
+        def finish():
+            out = t.numpy() / n if kind == "average" else t.numpy()
+            if op.name == "shard.reduce_scatter":
+                out = np.array_split(out, n, axis=op.scatter_axis.value.data)[pos]
+            return out.astype(x.dtype)
+
+        return work, finish
     if op.name == "shard.all_slice":
-        return np.array_split(x, n, axis=op.slice_axis.value.data)[pos]
+        return None, lambda: np.array_split(x, n, axis=op.slice_axis.value.data)[pos]
+    if op.name not in ("shard.all_gather", "shard.all_to_all"):
+        raise DistributedError(f"no torch.distributed lowering for {op.name}")
     parts = [torch.empty_like(t) for _ in range(n)]
-    dist.all_gather(parts, t, group=group)
-    xs = [q.numpy() for q in parts]
-    if op.name == "shard.all_gather":
-        return np.concatenate(xs, axis=op.gather_axis.value.data)
-    if op.name == "shard.all_to_all":
+    work = dist.all_gather(parts, t, group=group, async_op=async_op)
+
+    def finish():
+        xs = [q.numpy() for q in parts]
+        if op.name == "shard.all_gather":
+            return np.concatenate(xs, axis=op.gather_axis.value.data)
         split, concat = op.split_axis.value.data, op.concat_axis.value.data
         return np.concatenate([np.array_split(q, n, axis=split)[pos] for q in xs], axis=concat)
-    raise DistributedError(f"no torch.distributed lowering for {op.name}")
+
+    return work, finish

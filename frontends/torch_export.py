@@ -522,8 +522,10 @@ def torch_dtype(dt: torch.dtype) -> str:
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
     """A weight as a NumPy array of its own dtype (a copy: the IR must not alias the module)."""
-    t = t.detach().cpu()
     name = torch_dtype(t.dtype)
+    if t.is_meta:  # a module on the meta device has shapes, no values: plan it, never run it
+        return np.broadcast_to(np.zeros((), dtypes.numpy_dtype(name)), tuple(t.shape))
+    t = t.detach().cpu()
     if name in ("bf16", "f8E4M3FN", "f8E5M2"):
         raw = t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.uint8).numpy()
         return raw.view(dtypes.numpy_dtype(name)).copy()

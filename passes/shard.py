@@ -10,24 +10,38 @@ How (Zheng et al., "Alpa", OSDI 2022, section 4; alpa/shard_parallel/auto_shardi
     1. per op, its strategies (`passes/sharding.py`): replicated, or mesh axes
        assigned to loop dims (a matmul's rows m, columns n, or contraction k, whose
        partial sums are all-reduced, or reduce-scattered onto a result dim)
-    2. per strategy, on each device, for one training step (forward + backward):
+    2. per strategy, on each device, for one training step (forward + backward), as components
+       the program weighs differently (`COMPONENTS`):
          compute    the cost model's time of the op at its local shapes (`passes/cost`)
                     x FWD_BWD (backward costs twice the forward)
          collective the all-reduce (or reduce-scatter, and its all-gather backward) of a
-                    split contraction's partial sums (forward), and
-                    of the gradient of an operand replicated over an axis the op is
-                    split on (backward: Megatron's `f`, data parallelism's gradient sync,
-                    weights' gradients bucketed as DDP does)
-         memory     its local result, kept for the backward pass (no recomputation;
-                    for a forward pass an upper bound: every value counted as live);
-                    a weight's local part with its gradient and Adam state
+                    split contraction's partial sums, and of the gradient of an activation
+                    replicated over an axis the op is split on (Megatron's `f`); a weight's
+                    gradient (data parallelism's sync, reduce-scattered under ZeRO) and
+                    the gathers of a weight stored split (ZeRO-3) are priced on its edge, as
+                    collectives that do not depend on the compute beside them: overlapped
+                    (T3, DDP's buckets), they cost what the backward cannot hide plus
+                    OVERLAP_INTERFERENCE of themselves
+         memory     a weight with its gradient and Adam state (16 bytes per bf16 parameter;
+                    ZeRO-1/2 variants of its strategy partition the optimizer state and the
+                    gradient over the axes it is replicated on); an activation only if the
+                    backward reads it (`saved_for_backward`: 32 bytes per token and hidden
+                    unit for a GPT layer, Korthikanti et al. 2022 without dropout)
     3. per edge producer -> consumer, the resharding between the producer's sharding
        and the one the consumer wants (`reshard_steps`, priced by
        `passes/cost/collectives.py`), forward and its adjoint backward
-    4. minimize  sum(node costs) + sum(edge costs)  subject to  one strategy per op,
-       memory per device <= budget,  with scipy's milp (HiGHS); edge choices are
-       linearized as in Alpa (e[i,j] sums to x_producer[i] over j, to x_consumer[j]
-       over i)
+    4. minimize the step time  (m + p - 1) x (compute + collectives of one micro-batch)
+       + exposed overlapped collectives + recomputation, subject to one strategy per op and
+       weights + in-flight activations <= budget, with scipy's milp (HiGHS); edge choices are
+       linearized as in Alpa (e[i,j] sums to x_producer[i] over j, to x_consumer[j] over i).
+       Recomputation is one binary: every layer keeps only its input and re-runs its forward
+       in the backward (big-M rows switch the layers' activations for their checkpoints and
+       add the forward's time). `stages` > 1 prices one of p pipeline stages (its share of
+       the layers, the embedding and head both counted: the slowest stage, overestimated)
+       under 1F1B: m micro-batches take m + p - 1 slots (the bubble (p-1)/m of the work),
+       stage 0 holds min(p, m) micro-batches' activations, and each micro-batch's boundary
+       activation and its gradient cross to the next stage (`passes/pipeline.py` searches
+       the degrees).
 
 Repeated layers: ops are matched by signature (op, attributes, types); the longest
 stretch that repeats with one period is a stack of layers, and the ops at the same
@@ -62,12 +76,12 @@ from tilegraph.ir.dialect import TgOp, make_op
 from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.shapes import TensorInfo, info_of, type_of
 from tilegraph.ir.shard import GridOp, ShardAxesArrayAttr, ShardingOp, ShardingType, ShardOp
-from tilegraph.passes.cost.collectives import Mesh, parse_mesh
-from tilegraph.ir.hardware import check_target, hardware
+from tilegraph.passes.cost.collectives import GPUS_PER_NODE, Mesh, parse_mesh
+from tilegraph.passes.cost.hardware import check_target, hardware
 from tilegraph.passes.cost.model import at, op_cost
 from tilegraph.passes.remarks import remark
-from tilegraph.passes.sharding import (Spec, Strategy, apply_step, local_info, nbytes, pre_scatter, replicated, reshard_steps,
-                             source_strategies, spec_axes, spec_str, strategies)
+from tilegraph.passes.sharding import (Spec, Strategy, apply_step, base_name, local_info, nbytes, pre_scatter, replicated,
+                                      reshard_steps, source_strategies, spec_axes, spec_str, strategies, zero_variants)
 
 # Backward of a layer costs about twice its forward (two GEMMs per forward GEMM: the
 # input and the weight gradient): the "6N FLOPs per token" of Kaplan et al. 2020 and
@@ -78,6 +92,10 @@ FWD_BWD = 3
 # et al. 2020, section 3.1: 16 bytes per parameter for mixed-precision Adam).
 ADAM_MOMENTS = 8
 MASTER_COPY = 4
+# Communication overlapped with compute is not free: NCCL's kernels take SMs and memory bandwidth
+# from the GEMMs they run beside (Pati et al., "T3", ASPLOS 2024, section 2.3, measure such
+# slowdowns of 10-20%). A hidden collective costs this share of its own time.
+OVERLAP_INTERFERENCE = 0.1
 # A symbolic dim the pass is given no size for is planned at this size (a batch or
 # sequence of a hundred-odd, as `tilegraph cost` assumes).
 DEFAULT_DIM = 128
@@ -88,6 +106,7 @@ MIP_GAP = 1e-3
 # of a one-matmul MLP solved for 140 s with nothing shown (issue 17); plans say when it was cut short.
 SOLVE_TIME_LIMIT = 20.0
 US = 1e6  # the objective in microseconds keeps HiGHS's absolute tolerances meaningful
+GB = 1e9  # memory rows in GB, for the same reason
 
 
 class ShardError(TilegraphError):
@@ -134,6 +153,11 @@ class Plan:
     variables: int = 0
     budget: float = 0.0  # bytes per device the plan had to fit
     cut_short: bool = False  # the solver hit SOLVE_TIME_LIMIT: the best plan found, not proven best
+    stages: int = 1  # pipeline stages (the mesh is one of them)
+    micro_batches: int = 1
+    recompute: bool = False  # every layer recomputes its forward in the backward
+    zero: int = 0  # the ZeRO stage (`zero_stage`)
+    bubble: float = 0.0  # s of the step the 1F1B schedule's bubble idles
 
     @property
     def time(self) -> float:
@@ -156,9 +180,10 @@ def _label(op: TgOp, index: int) -> str:
     return f"{op.op_name} %{index}" + (f" ({weights[0]})" if weights else "")
 
 
-def _nodes(func: FuncOp, names: Sequence[str], mesh_shape, sizes) -> list[Node]:
+def _nodes(func: FuncOp, names: Sequence[str], mesh_shape, sizes, zero: bool = False) -> list[Node]:
     index: dict[SSAValue, int] = {}
     nodes: list[Node] = []
+    seen: dict[tuple, list[Strategy]] = {}
     for arg, name in zip(func.body.block.args, names):
         info = info_of(arg.type)
         index[arg] = len(nodes)
@@ -169,15 +194,40 @@ def _nodes(func: FuncOp, names: Sequence[str], mesh_shape, sizes) -> list[Node]:
         index[op.results[0]] = len(nodes)
         for extra in op.results[1:]:
             index[extra] = len(nodes)
-        sts = strategies(op, mesh_shape, sizes)
+        key = (op.name, str(op.attributes) if op.op_name != "weight" else "", tuple(str(v.type) for v in op.operands),
+               str(op.results[0].type))
+        if key not in seen:  # the strategies of an op depend only on its kind, attributes and types
+            seen[key] = strategies(op, mesh_shape, sizes)
+        sts = seen[key]
         if op.op_name == "constant":  # a value printed inline is the same on every device
             sts = sts[:1]
+        if zero and op.op_name == "weight" and dtypes.is_float(op.result_infos()[0].dtype):
+            sts = sts + [v for st in sts for v in zero_variants(st, mesh_shape)]
         nodes.append(Node(op.results[0], op, _label(op, len(nodes)), op.result_infos()[0], sts,
                           [index[v] for v in op.operands]))
     return nodes
 
 
 # --- costs --------------------------------------------------------------------------
+#
+# Every cost is a dict of components (sympy expressions in the symbolic dims), because the
+# integer program weighs them differently:
+#   C    compute of one micro-batch (forward + backward)        x (m + p - 1) slots of 1F1B
+#   B    collectives on the critical path, per micro-batch      x (m + p - 1)
+#   Omb  collectives independent of the compute beside them, per micro-batch (ZeRO-3's weight
+#        gathers, ZeRO-2/3's gradient reduce-scatters): hidden behind the backward when overlapped
+#   Ost  the same once per step (gradient all-reduce after accumulation, ZeRO-1/2's all-gather of
+#        updated weights)
+#   W    bytes per device once per step: a weight with its gradient and optimizer state
+#   A    bytes per device per micro-batch: an activation the backward needs (live at its peak)
+
+COMPONENTS = ("C", "B", "Omb", "Ost", "W", "A")
+# Ops whose backward needs none of their inputs: their inputs need not be kept for it.
+GRAD_FREE = frozenset({"add", "sub", "neg", "cast", "concat", "slice", "split", "pad", "broadcast"})
+# Ops that are views of their input in a training framework: what the backward keeps of them is
+# their input's storage.
+VIEWS = frozenset({"reshape", "transpose"})
+
 
 def _local_time(op: TgOp, st: Strategy, mesh: Mesh, hw) -> sympy.Expr:
     """The cost model's time of `op` at the local shapes `st` gives it on one device."""
@@ -193,11 +243,46 @@ def _needs_grad(node: Node) -> bool:
     return node.op is not None and node.op.op_name != "constant" and dtypes.is_float(node.info.dtype)
 
 
-def _node_cost(node: Node, st: Strategy, nodes: list[Node], mesh: Mesh, hw, training: bool):
-    """(compute, collectives, memory) of one strategy, as sympy expressions."""
-    compute = _local_time(node.op, st, mesh, hw) if node.op is not None else sympy.Integer(0)
+def _is_weight(node: Node) -> bool:
+    return node.op is not None and node.op.op_name == "weight"
+
+
+def saved_for_backward(nodes: list[Node]) -> list[bool]:
+    """Which values a training step keeps from the forward for the backward: those some consumer's
+    backward reads (every consumer but GRAD_FREE ops), through views to the value they view."""
+    users: dict[int, list[int]] = {}
+    for j, n in enumerate(nodes):
+        for i in n.operands:
+            users.setdefault(i, []).append(j)
+    needed = [False] * len(nodes)
+    for i in reversed(range(len(nodes))):
+        for j in users.get(i, []):
+            name = nodes[j].op.op_name
+            if (name in VIEWS and needed[j]) or (name not in VIEWS and name not in GRAD_FREE):
+                needed[i] = True
+    return [needed[i] and not _is_weight(n) and (n.op is None or n.op.op_name not in VIEWS | {"constant"})
+            for i, n in enumerate(nodes)]
+
+
+def weight_bytes(info: TensorInfo, st: Strategy, mesh: Mesh) -> sympy.Expr:
+    """A float weight's bytes per device in training: itself, its gradient, Adam's two f32 moments and
+    an f32 master copy when narrower (ZeRO, section 3.1: 16 bytes per parameter in mixed precision);
+    ZeRO-1 partitions the optimizer state, ZeRO-2 the gradient too, over the axes the spec leaves free."""
+    local = nbytes(local_info(info, st.out, mesh.shape))
+    size = dtypes.numpy_dtype(info.dtype).itemsize
+    optimizer = local * sympy.Rational(ADAM_MOMENTS + (MASTER_COPY if size < 4 else 0), size)
+    free = mesh.group_size([a for a in range(len(mesh.shape)) if a not in spec_axes(st.out)])
+    grad = local / free if st.zero >= 2 else local
+    return local + grad + (optimizer / free if st.zero >= 1 else optimizer)
+
+
+def _node_cost(node: Node, st: Strategy, nodes: list[Node], mesh: Mesh, hw, training: bool, saved: bool) -> dict:
+    """The components of one strategy (see COMPONENTS)."""
+    zero = sympy.Integer(0)
+    cost = dict.fromkeys(COMPONENTS, zero)
+    compute = _local_time(node.op, st, mesh, hw) if node.op is not None else zero
     out_bytes = nbytes(local_info(node.info, st.out, mesh.shape))
-    comm = sympy.Integer(0)
+    comm = zero
     if st.scatter is not None:  # forward reduce-scatter; backward its adjoint, an all-gather of the gradient
         summed = nbytes(local_info(node.info, pre_scatter(st), mesh.shape))
         comm = mesh.collective("reduce_scatter", st.partial, summed)
@@ -205,24 +290,63 @@ def _node_cost(node: Node, st: Strategy, nodes: list[Node], mesh: Mesh, hw, trai
             comm += mesh.collective("all_gather", st.partial, summed)
     elif st.partial:
         comm = mesh.collective("all_reduce", st.partial, out_bytes)
-    memory = out_bytes
-    if training:
-        compute = compute * FWD_BWD if dtypes.is_float(node.info.dtype) else compute
-        for i, spec in zip(node.operands, st.ins):
-            missing = [a for a in st.split if a not in spec_axes(spec)]
-            if missing and _needs_grad(nodes[i]):
-                # A value's gradient is summed over its uses on each device and all-reduced once:
-                # each use pays its share (exact when they agree, as Q, K and V projections do).
-                uses = sum(1 for u in nodes[i].value.uses if isinstance(u.operation, TgOp))
-                grad = nbytes(local_info(nodes[i].info, spec, mesh.shape))
-                # weight gradients go in buckets (collectives.GRADIENT_BUCKET); activations' one at a time
-                sync = mesh.bucketed if nodes[i].op.op_name == "weight" else mesh.collective
-                comm += sync("all_reduce", missing, grad) / max(1, uses)
-        if node.op is not None and node.op.op_name == "weight" and dtypes.is_float(node.info.dtype):
-            per_param = 2 * dtypes.numpy_dtype(node.info.dtype).itemsize + ADAM_MOMENTS + \
-                (MASTER_COPY if dtypes.numpy_dtype(node.info.dtype).itemsize < 4 else 0)
-            memory = out_bytes * sympy.Rational(per_param, dtypes.numpy_dtype(node.info.dtype).itemsize)
-    return compute, comm, memory
+    if not training:
+        cost.update(C=compute, B=comm, A=out_bytes)
+        return cost
+    compute = compute * FWD_BWD if dtypes.is_float(node.info.dtype) else compute
+    for i, spec in zip(node.operands, st.ins):
+        missing = [a for a in st.split if a not in spec_axes(spec)]
+        if missing and _needs_grad(nodes[i]) and not _is_weight(nodes[i]):
+            # An activation's gradient is summed over its uses on each device and all-reduced once:
+            # each use pays its share (exact when they agree, as Q, K and V projections do). A
+            # weight's is priced on its edge (`_weight_edge`): it depends on the weight's ZeRO stage.
+            uses = sum(1 for u in nodes[i].value.uses if isinstance(u.operation, TgOp))
+            grad = nbytes(local_info(nodes[i].info, spec, mesh.shape))
+            comm += mesh.collective("all_reduce", missing, grad) / max(1, uses)
+    cost.update(C=compute, B=comm)
+    if _is_weight(node) and dtypes.is_float(node.info.dtype):
+        cost["W"] = weight_bytes(node.info, st, mesh)
+        if st.zero:  # the updated slices all-gathered after the optimizer step
+            free = [a for a in range(len(mesh.shape)) if a not in spec_axes(st.out)]
+            cost["Ost"] = mesh.collective("all_gather", free, out_bytes)
+    elif _is_weight(node):
+        cost["W"] = out_bytes
+    elif saved:
+        cost["A"] = out_bytes
+    return cost
+
+
+# Node costs by (signature, mesh, ...) and strategy: formulas of the symbolic dims, so a search
+# planning one model many times (passes/pipeline.py) prices each op once per mesh.
+_NODE_COSTS: dict[tuple, dict | None] = {}
+
+
+@lru_cache(maxsize=1 << 16)
+def _weight_edge(info: TensorInfo, sp: Strategy, want: Spec, split: tuple[int, ...], mesh: Mesh, uses: int) -> dict:
+    """A training step's collectives between a float weight and one use of it: the all-gather of a
+    weight stored split (ZeRO-3 / FSDP: forward, and again in the backward, the gathered copy being
+    freed between), and the gradient's reduction over the axes the consumer splits its work on but
+    the weight is not split on: reduce-scattered onto the stored slices where the weight was gathered,
+    else all-reduced once per step (gradients accumulate over micro-batches) or, at ZeRO-1/2,
+    reduce-scattered onto the optimizer's partition (per micro-batch at ZeRO-2, whose gradient is
+    kept partitioned). Weight gradients are bucketed (collectives.GRADIENT_BUCKET)."""
+    gather = reshard_cost(info, sp.out, want, mesh)
+    gathered = spec_axes(sp.out) - spec_axes(want)
+    missing = [a for a in split if a not in spec_axes(want)]
+    grad = nbytes(local_info(info, want, mesh.shape))
+    scatter = [a for a in missing if a in gathered]
+    reduce = [a for a in missing if a not in gathered]
+    per_mb = 2 * gather  # backward: gathered again (or the gradient moved back to the stored layout)
+    per_step = sympy.Integer(0)
+    if scatter:
+        per_mb += mesh.bucketed("reduce_scatter", scatter, grad)
+    if reduce:
+        kind = "all_reduce" if sp.zero == 0 else "reduce_scatter"
+        if sp.zero >= 2:
+            per_mb += mesh.bucketed(kind, reduce, grad)
+        else:
+            per_step += mesh.bucketed(kind, reduce, grad)
+    return {"Omb": per_mb / uses, "Ost": per_step / uses}
 
 
 @lru_cache(maxsize=1 << 16)  # a plan asks about the same few (shape, spec, spec) many times
@@ -237,6 +361,15 @@ def reshard_cost(info: TensorInfo, src: Spec, dst: Spec, mesh: Mesh) -> sympy.Ex
             total += mesh.collective("all_to_all", [step.axis], nbytes(local_info(info, spec, mesh.shape)))
         spec = after
     return total
+
+
+def _edge_cost(prod: Node, sp: Strategy, cons: Node, sc: Strategy, pos: int, mesh: Mesh, training: bool) -> dict:
+    if training and _is_weight(prod) and _needs_grad(prod):
+        uses = max(1, sum(1 for u in prod.value.uses if isinstance(u.operation, TgOp)))
+        return {"B": sympy.Integer(0), **_weight_edge(prod.info, sp, sc.ins[pos], sc.split, mesh, uses)}
+    fwd = reshard_cost(prod.info, sp.out, sc.ins[pos], mesh)
+    back = reshard_cost(prod.info, sc.ins[pos], sp.out, mesh) if training and _needs_grad(prod) else 0
+    return {"B": fwd + back, "Omb": sympy.Integer(0), "Ost": sympy.Integer(0)}
 
 
 # --- repeated layers ------------------------------------------------------------------
@@ -269,79 +402,111 @@ def find_layers(nodes: list[Node]) -> tuple[int, int, int]:
 
 # --- the integer program ---------------------------------------------------------------
 
+@dataclass
+class Linear:
+    """A linear expression over the program's variables: per class an array over its strategies, per
+    edge (index into the edge list) a matrix over (producer, consumer) strategies, per extra variable
+    a coefficient."""
+
+    nodes: dict[int, np.ndarray] = field(default_factory=dict)
+    edges: dict[int, np.ndarray] = field(default_factory=dict)
+    extra: dict[int, float] = field(default_factory=dict)
+
+    def value(self, choice: Sequence[int], edges, extra_values: Sequence[float] = ()) -> float:
+        total = sum(float(a[choice[k]]) for k, a in self.nodes.items())
+        total += sum(float(M[choice[edges[e][0]], choice[edges[e][1]]]) for e, M in self.edges.items())
+        return total + sum(c * extra_values[v] for v, c in self.extra.items())
+
+
 _CUT_SHORT: list[bool] = []  # set by _solve during one plan()
 
 
-def _solve(cost, mem, edges, budget, allowed, exclude=None):
-    """min c.x over one-hot x per class; edges (P, C, matrix) linearized; `exclude`: a choice to cut off
-    (the runner-up). Returns (strategy index per class or None when infeasible, variable count)."""
-    from scipy.optimize import LinearConstraint, Bounds, milp
+def _solve(objective: Linear, rows: list[tuple[Linear, float, float]], counts: list[int], edges, extras,
+           allowed, exclude=None):
+    """min objective over one-hot x per class (counts[k] strategies), edge variables linearized as in
+    Alpa, `extras` [(low, high, integer)] further variables, subject to `rows` (Linear, low, high).
+    `exclude`: a choice to cut off (the runner-up). Returns (strategy per class or None when
+    infeasible, values of the extras, variable count)."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_array
 
     offsets, n = [], 0
-    for c in cost:
+    for c in counts:
         offsets.append(n)
-        n += len(c)
+        n += c
     nx = n
     e_off = []
-    for P, C, M in edges:
+    for P, C in edges:
         e_off.append(n)
-        n += M.size
-    obj = np.zeros(n)
-    for k, c in enumerate(cost):
-        obj[offsets[k]:offsets[k] + len(c)] = c
-    for (P, C, M), off in zip(edges, e_off):
-        obj[off:off + M.size] = M.ravel()
-    rows, cols, vals, lo, hi = [], [], [], [], []
+        n += counts[P] * counts[C]
+    v_off = n
+    n += len(extras)
+    rows_i, cols, vals, lo, hi = [], [], [], [], []
     r = 0
+
+    def columns(lin: Linear) -> list[tuple[int, float]]:
+        out = [(offsets[k] + s, float(v)) for k, a in lin.nodes.items() for s, v in enumerate(a) if v]
+        out += [(e_off[e] + i, float(v)) for e, M in lin.edges.items() for i, v in enumerate(M.ravel()) if v]
+        return out + [(v_off + v, float(c)) for v, c in lin.extra.items()]
 
     def add(entries, low, high):
         nonlocal r
         for col, v in entries:
-            rows.append(r)
+            rows_i.append(r)
             cols.append(col)
             vals.append(v)
         lo.append(low)
         hi.append(high)
         r += 1
 
-    for k, c in enumerate(cost):
-        add([(offsets[k] + s, 1.0) for s in range(len(c))], 1, 1)
-    for (P, C, M), off in zip(edges, e_off):
-        kp, kc = M.shape
+    for k, c in enumerate(counts):
+        add([(offsets[k] + s, 1.0) for s in range(c)], 1, 1)
+    for (P, C), off in zip(edges, e_off):
+        kp, kc = counts[P], counts[C]
         for sp in range(kp):
             add([(off + sp * kc + sc, 1.0) for sc in range(kc)] + [(offsets[P] + sp, -1.0)], 0, 0)
         for sc in range(kc):
             add([(off + sp * kc + sc, 1.0) for sp in range(kp)] + [(offsets[C] + sc, -1.0)], 0, 0)
-    add([(offsets[k] + s, float(m)) for k, ms in enumerate(mem) for s, m in enumerate(ms)], -np.inf, budget)
+    for lin, low, high in rows:
+        add(columns(lin), low, high)
     if exclude is not None:
-        multi = [k for k, c in enumerate(cost) if len(c) > 1]
+        multi = [k for k, c in enumerate(counts) if c > 1]
         add([(offsets[k] + exclude[k], 1.0) for k in multi], -np.inf, len(multi) - 1)
-    A = coo_array((vals, (rows, cols)), shape=(r, n)).tocsr()
-    upper = np.ones(n)
+    obj = np.zeros(n)
+    for col, v in columns(objective):
+        obj[col] += v
+    A = coo_array((vals, (rows_i, cols)), shape=(r, n)).tocsr()
+    lower, upper = np.zeros(n), np.ones(n)
     for k, ok in enumerate(allowed):
-        for s in range(len(cost[k])):
-            if not ok[s]:
-                upper[offsets[k] + s] = 0
+        upper[offsets[k]:offsets[k] + counts[k]] = ok
     integrality = np.zeros(n)
     integrality[:nx] = 1
+    for v, (low, high, integer) in enumerate(extras):
+        lower[v_off + v], upper[v_off + v], integrality[v_off + v] = low, high, integer
     res = milp(obj, constraints=[LinearConstraint(A, lo, hi)], integrality=integrality,
-               bounds=Bounds(np.zeros(n), upper), options={"mip_rel_gap": MIP_GAP, "time_limit": SOLVE_TIME_LIMIT})
+               bounds=Bounds(lower, upper), options={"mip_rel_gap": MIP_GAP, "time_limit": SOLVE_TIME_LIMIT})
     if res.x is None:
-        return None, n
+        return None, [], n
     if res.status == 1:  # the time limit: the incumbent is a valid plan, maybe not the best
         _CUT_SHORT.append(True)
-    return [int(np.argmax(res.x[offsets[k]:offsets[k] + len(c)])) for k, c in enumerate(cost)], n
+    choice = [int(np.argmax(res.x[offsets[k]:offsets[k] + c])) for k, c in enumerate(counts)]
+    return choice, [float(x) for x in res.x[v_off:]], n
 
 
 def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: dict[str, int] | None = None,
          training: bool = True, constraints: dict[SSAValue, Spec] | None = None, names: Sequence[str] = (),
-         only=None, reduce_scatter: bool = True) -> Plan:
+         only=None, reduce_scatter: bool = True, stages: int = 1, micro_batches: int = 1, batch: str = "B",
+         overlap: bool = True, recompute: bool = True, zero: bool = True, runner_up: bool = True) -> Plan:
     """The cheapest sharding of @forward on `mesh` under `budget` bytes per device (default: the device's memory).
 
-    `only(node)`: the strategy names a node may take, or None for any (a hand layout to price:
-    benchmarks/shard_plans.py pins Megatron's and data parallelism's this way). `reduce_scatter=False`:
-    partial sums are only all-reduced (Megatron-LM without sequence parallelism)."""
+    `only(node)`: the strategy names (without ZeRO stage) a node may take, or None for any (a hand
+    layout to price: benchmarks/shard_plans.py pins Megatron's and data parallelism's this way).
+    `reduce_scatter=False`: partial sums are only all-reduced (Megatron-LM without sequence parallelism).
+    `stages`, `micro_batches`: the mesh is one of `stages` pipeline stages, each holding that share of
+    the repeated layers, the global batch (`sizes[batch]`) run as `micro_batches` micro-batches in a
+    1F1B schedule. `overlap`, `recompute`, `zero`: whether independent collectives hide behind the
+    backward, layers may be recomputed ("always": must be, as a published configuration did), weights
+    may take ZeRO stages 1-2."""
     started = _time.perf_counter()
     func = next(f for f in module.walk() if isinstance(f, FuncOp) and f.sym_name.data == "forward")
     hw = mesh.hw
@@ -351,40 +516,54 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
                for s in sympy.sympify(d).free_symbols}
     for s in symbols:
         sizes.setdefault(s, DEFAULT_DIM)
+    if micro_batches > 1:
+        if batch not in sizes or sizes[batch] % micro_batches:
+            raise LayoutError(f"{micro_batches} micro-batches need a batch dim '{batch}' that they divide "
+                              f"(sizes {sizes})")
+        sizes[batch] //= micro_batches
+    slots = micro_batches + stages - 1 if training else 1  # 1F1B: m micro-batches and p - 1 of bubble
+    inflight = min(stages, micro_batches) if training else 1  # micro-batches stage 0 holds activations of
     names = list(names) or [f"input{i}" for i in range(len(func.body.block.args))]
-    nodes = _nodes(func, names, mesh.shape, sizes)
+    nodes = _nodes(func, names, mesh.shape, sizes, zero=training and zero)
     if not reduce_scatter:
         for node in nodes:
             node.strategies = [st for st in node.strategies if st.scatter is None]
     constraints = constraints or {}
 
     start, period, copies = find_layers(nodes)
+    if stages > 1 and (copies < stages or copies % stages):
+        raise LayoutError(f"{stages} pipeline stages need repeated layers they divide; found {copies} layers")
+    per_stage = copies // stages if copies else 0
     cls = list(range(len(nodes)))
     for i in range(start + period, start + period * copies):
         cls[i] = start + (i - start) % period
     classes = sorted(set(cls))
     slot = {c: k for k, c in enumerate(classes)}
+    layer = {slot[c] for c in range(start, start + period)} if copies else set()
+    in_layers = lambda i: copies and start <= i < start + period * copies  # noqa: E731
+    saved = saved_for_backward(nodes) if training else [True] * len(nodes)
 
-    # Node costs, computed once per class and counted once per member.
-    exprs: dict[int, list[tuple]] = {}
+    # Node costs, computed once per class and counted once per member (layers: those of one stage).
+    exprs: dict[int, list[dict]] = {}
     for c in classes:
         node = nodes[c]
-        try:
-            exprs[c] = [_node_cost(node, st, nodes, mesh, hw, training) for st in node.strategies]
-        except TilegraphError:  # a split the op's shape rule rejects at local shapes: keep what works
-            ok = []
-            for st in node.strategies:
+        ok = []
+        key = (_signature(node), mesh, training, saved[c], tuple(
+            (_needs_grad(nodes[i]), _is_weight(nodes[i]), sum(1 for _ in nodes[i].value.uses)) for i in node.operands))
+        for st in node.strategies:
+            if (key, st) not in _NODE_COSTS:
                 try:
-                    ok.append((st, _node_cost(node, st, nodes, mesh, hw, training)))
-                except TilegraphError:
-                    pass
-            node.strategies = [st for st, _ in ok]
-            exprs[c] = [e for _, e in ok]
+                    _NODE_COSTS[key, st] = _node_cost(node, st, nodes, mesh, hw, training, saved[c])
+                except TilegraphError:  # a split the op's shape rule rejects at local shapes: keep what works
+                    _NODE_COSTS[key, st] = None
+            if _NODE_COSTS[key, st] is not None:
+                ok.append((st, _NODE_COSTS[key, st]))
+        node.strategies = [st for st, _ in ok]
+        exprs[c] = [e for _, e in ok]
     for i, c in enumerate(cls):
         nodes[i].strategies = nodes[c].strategies
-    count = {c: cls.count(c) for c in classes}
-    cost = [np.array([at(cp + cm, sizes) * US for cp, cm, _ in exprs[c]]) * count[c] for c in classes]
-    mem = [np.array([at(m, sizes) for _, _, m in exprs[c]]) * count[c] for c in classes]
+    count = [per_stage if k in layer else cls.count(c) for k, c in enumerate(classes)]
+    comp = {name: [np.array([at(e[name], sizes) for e in exprs[c]]) for c in classes] for name in COMPONENTS}
 
     values: dict[sympy.Expr, float] = {}
 
@@ -393,101 +572,211 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
             values[e] = at(e, sizes)
         return values[e]
 
-    # Edges, aggregated per (producer class, consumer class, operand).
-    edge_cache: dict[tuple, tuple[np.ndarray, list]] = {}
-    agg: dict[tuple[int, int], np.ndarray] = {}
-    edge_list = []
+    # Edges, aggregated per (producer class, consumer class); an edge inside the layers counts once
+    # per layer of a stage.
+    edge_cache: dict[tuple, tuple[dict, list]] = {}
+    agg: dict[tuple[int, int], dict[str, np.ndarray]] = {}
     for j, node in enumerate(nodes):
         for pos, i in enumerate(node.operands):
             key = (cls[i], cls[j], pos, str(nodes[i].info))
             if key not in edge_cache:
-                prod, cons = nodes[i], node
-                back = training and _needs_grad(prod)
-                ex = [[reshard_cost(prod.info, sp.out, sc.ins[pos], mesh) +
-                       (reshard_cost(prod.info, sc.ins[pos], sp.out, mesh) if back else 0)
-                       for sc in cons.strategies] for sp in prod.strategies]
-                edge_cache[key] = (np.array([[value(e) * US for e in row] for row in ex]), ex)
-            edge_list.append((i, j, pos, key))
-            M = edge_cache[key][0]
-            P, C = slot[cls[i]], slot[cls[j]]
-            agg[(P, C)] = agg.get((P, C), 0) + M
-    edges = []
-    for (P, C), M in agg.items():
-        if not M.any():
+                prod = nodes[i]
+                ex = [[_edge_cost(prod, sp, node, sc, pos, mesh, training) for sc in node.strategies]
+                      for sp in prod.strategies]
+                edge_cache[key] = ({k: np.array([[value(e[k]) for e in row] for row in ex]) for k in ex[0][0]}, ex)
+            weight = per_stage / copies if in_layers(j) else 1
+            slot_pair = agg.setdefault((slot[cls[i]], slot[cls[j]]), {})
+            for k, M in edge_cache[key][0].items():
+                slot_pair[k] = slot_pair.get(k, 0) + M * weight
+    edges, edge_comp = [], {k: {} for k in ("B", "Omb", "Ost")}
+    for (P, C), ms in agg.items():
+        if not any(M.any() for M in ms.values()):
             continue
-        if P == C:
-            cost[P] = cost[P] + np.diag(M)
-        elif M.shape[0] == 1:
-            cost[C] = cost[C] + M[0]
-        elif M.shape[1] == 1:
-            cost[P] = cost[P] + M[:, 0]
-        else:
-            edges.append((P, C, M))
+        if P == C or ms["B"].shape[0] == 1 or ms["B"].shape[1] == 1:  # folds into a node's own costs
+            for k, M in ms.items():
+                if P == C:
+                    comp[k][P] = comp[k][P] + np.diag(M)
+                elif M.shape[0] == 1:
+                    comp[k][C] = comp[k][C] + M[0]
+                else:
+                    comp[k][P] = comp[k][P] + M[:, 0]
+            continue
+        for k, M in ms.items():
+            edge_comp[k][len(edges)] = M
+        edges.append((P, C))
 
-    allowed = [np.ones(len(cost[k]), bool) for k in range(len(classes))]
-    for value, spec in constraints.items():
-        i = next((k for k, n in enumerate(nodes) if n.value == value), None)
+    def total(name: str, classes_=None, scale=None) -> Linear:
+        ks = range(len(classes)) if classes_ is None else classes_
+        nodes_ = {k: comp[name][k] * (count[k] if scale is None else scale) for k in ks}
+        return Linear(nodes_, dict(edge_comp.get(name, {})) if classes_ is None else {})
+
+    # The objective (us) and the rows: see the module docstring.
+    eta = (FWD_BWD - 1) / FWD_BWD if overlap and training else 0.0  # the backward's share of compute
+    compute, blocking = total("C"), total("B")
+    extras: list[tuple[float, float, int]] = []
+    objective = Linear({k: slots * US * (compute.nodes[k] + blocking.nodes[k]) for k in compute.nodes},
+                       {e: slots * US * M for e, M in blocking.edges.items()})
+    rows: list[tuple[Linear, float, float]] = []
+    exposed = []
+    for name, per in (("Omb", slots), ("Ost", 1)):
+        o = total(name)
+        if not any(a.any() for a in o.nodes.values()) and not o.edges:
+            continue
+        h = len(extras)
+        extras.append((0, np.inf, 0))
+        objective.extra[h] = per * US
+        rows.append((Linear({k: o.nodes[k] - eta * compute.nodes[k] for k in o.nodes}, o.edges, {h: -1.0}),
+                     -np.inf, 0))
+        if eta:  # even hidden, a collective slows the compute it overlaps
+            for k in o.nodes:
+                objective.nodes[k] = objective.nodes[k] + per * US * OVERLAP_INTERFERENCE * o.nodes[k]
+            for e_, M in o.edges.items():
+                objective.edges[e_] = objective.edges.get(e_, 0) + per * US * OVERLAP_INTERFERENCE * M
+        exposed.append((name, per, h))
+
+    memory = Linear({k: comp["W"][k] * count[k] for k in range(len(classes))})
+    for k in range(len(classes)):
+        scale = 1 if k not in layer else per_stage
+        memory.nodes[k] = memory.nodes[k] + comp["A"][k] * scale * inflight
+    can_recompute = training and recompute and copies >= 2
+    ckpt = sorted({slot[cls[i]] for j in range(start + period, start + 2 * period) for i in nodes[j].operands
+                   if start <= i < start + period}) if copies >= 2 else []
+    ckpt_bytes = {k: np.array([value(nbytes(local_info(nodes[classes[k]].info, st.out, mesh.shape)))
+                               for st in nodes[classes[k]].strategies]) for k in ckpt}
+    r = None
+    if can_recompute:
+        # r = 1: every layer keeps only its input (the checkpoint) and recomputes its forward in the
+        # backward; the peak then holds one layer's activations. Linearized with big-M bounds:
+        # a_k = A_k(x) when r = 0 else 0; c = checkpoint bytes when r = 1 else 0; e = forward time when r = 1.
+        r = len(extras)
+        extras.append((1 if recompute == "always" else 0, 1, 1))
+        for k in layer:
+            memory.nodes[k] = memory.nodes[k] - comp["A"][k] * (per_stage * inflight - 1)
+            a = len(extras)
+            extras.append((0, np.inf, 0))
+            memory.extra[a] = per_stage * inflight - 1
+            rows.append((Linear({k: comp["A"][k] / GB}, {}, {a: -1.0, r: -float(comp["A"][k].max()) / GB}), -np.inf, 0))
+        c = len(extras)
+        extras.append((0, np.inf, 0))
+        memory.extra[c] = per_stage * inflight
+        big = sum(float(b.max()) for b in ckpt_bytes.values()) / GB
+        rows.append((Linear({k: b / GB for k, b in ckpt_bytes.items()}, {}, {c: -1.0, r: big}), -np.inf, big))
+        forward = {k: (comp["C"][k] / FWD_BWD + comp["B"][k] / 2) * US for k in layer}
+        e = len(extras)
+        extras.append((0, np.inf, 0))
+        big = sum(float(f.max()) for f in forward.values())
+        rows.append((Linear(forward, {}, {e: -1.0, r: big}), -np.inf, big))
+        objective.extra[e] = slots * per_stage
+    p2p_link = mesh.hw.links["infiniband" if mesh.devices >= GPUS_PER_NODE else mesh.intra_node]
+    if stages > 1:  # each micro-batch's activation sent to the next stage, its gradient back
+        for k in ckpt:
+            objective.nodes[k] = objective.nodes[k] + slots * 2 * US * ckpt_bytes[k] / p2p_link.beta
+    # The memory row in GB (a_k and c are in GB too): bytes next to 0/1 variables scale badly in HiGHS.
+    rows.append((Linear({k: a / GB for k, a in memory.nodes.items()}, {}, dict(memory.extra)), -np.inf, budget / GB))
+
+    allowed = [np.ones(len(comp["C"][k]), bool) for k in range(len(classes))]
+    for val, spec in constraints.items():
+        i = next((k for k, n in enumerate(nodes) if n.value == val), None)
         if i is None:
             continue
-        k = slot[cls[i]]
         ok = np.array([st.out == spec for st in nodes[i].strategies])
         if not ok.any():
             raise ShardError(f"the annotation {spec_str(spec)} on {nodes[i].label} ({nodes[i].info}) is not a "
                              f"sharding the op can produce on mesh {mesh}")
-        allowed[k] &= ok
-
+        allowed[slot[cls[i]]] &= ok
     for i, node in enumerate(nodes):
         names_ok = only(node) if only is not None else None
         if names_ok is not None:
-            ok = np.array([st.name in names_ok for st in node.strategies])
+            ok = np.array([base_name(st.name) in names_ok for st in node.strategies])
             if not ok.any():
                 raise LayoutError(f"{node.label}: none of the strategies {sorted(names_ok)} is possible on mesh "
-                                 f"{mesh} (it has {[st.name for st in node.strategies]})")
+                                  f"{mesh} (it has {[st.name for st in node.strategies]})")
             allowed[slot[cls[i]]] &= ok
 
+    counts = [len(a) for a in comp["C"]]
     _CUT_SHORT.clear()
-    choice, nvars = _solve(cost, mem, edges, budget, allowed)
+    choice, extra_values, nvars = _solve(objective, rows, counts, edges, extras, allowed)
     if choice is None:
-        least = sum(min(m) for m in mem)
+        least = sum(float(m.min()) for m in memory.nodes.values())
         raise ShardError(f"no sharding on mesh {mesh} fits {budget / 1e9:.3g} GB per device (with the annotations "
                          f"given): the smallest plan needs {least / 1e9:.3g} GB")
-    second, _ = _solve(cost, mem, edges, budget, allowed, exclude=choice)
+    second, second_extra = None, []
+    if runner_up:
+        second, second_extra, _ = _solve(objective, rows, counts, edges, extras, allowed, exclude=choice)
     solve_time = _time.perf_counter() - started
 
-    def build(ch) -> Plan:
+    def build(ch, xs) -> Plan:
         picked = [ch[slot[cls[i]]] for i in range(len(nodes))]
-        choices, formula_c, formula_m = [], sympy.Integer(0), sympy.Integer(0)
-        forward = []
+        re = bool(r is not None and xs[r] > 0.5)
+        c_total, b_total = compute.value(ch, edges), blocking.value(ch, edges)
+        felt = OVERLAP_INTERFERENCE if eta else 0.0
+        exposed = {}
+        for name in ("Omb", "Ost"):
+            o = total(name).value(ch, edges)
+            exposed[name] = max(0.0, o - eta * c_total) + felt * o
+        redo = slots * per_stage * sum(float(comp["C"][k][ch[k]]) / FWD_BWD + float(comp["B"][k][ch[k]]) / 2
+                                       for k in layer) if re else 0.0
+        p2p = slots * 2 * sum(p2p_link.alpha + float(ckpt_bytes[k][ch[k]]) / p2p_link.beta
+                              for k in ckpt) if stages > 1 else 0.0
+        choices, forward = [], []
+        fc, fb, fo = sympy.Integer(0), sympy.Integer(0), {"Omb": sympy.Integer(0), "Ost": sympy.Integer(0)}
         for i, node in enumerate(nodes):
-            cp, cm, m = exprs[cls[i]][picked[i]]
+            ex = exprs[cls[i]][picked[i]]
             st = node.strategies[picked[i]]
-            incoming = sympy.Integer(0)
+            w = per_stage / copies if in_layers(i) else 1
+            incoming = {"B": sympy.Integer(0), "Omb": sympy.Integer(0), "Ost": sympy.Integer(0)}
             for pos, p in enumerate(node.operands):
                 key = (cls[p], cls[i], pos, str(nodes[p].info))
-                incoming += edge_cache[key][1][picked[p]][picked[i]]
+                for k, v in edge_cache[key][1][picked[p]][picked[i]].items():
+                    incoming[k] += v
                 for step in reshard_steps(nodes[p].strategies[picked[p]].out, st.ins[pos]):
                     if step.kind != "all_slice":
                         forward.append((step.kind, (step.axis,), node.label))
             if st.partial:
                 forward.append(("all_reduce" if st.scatter is None else "reduce_scatter", st.partial, node.label))
-            formula_c += cp
-            formula_m += cm + incoming
-            choices.append(Choice(node, st, at(cp, sizes), at(cm + incoming, sizes), at(m, sizes)))
-        return Plan(mesh, choices, sum(c.compute for c in choices), sum(c.comm for c in choices),
-                    sum(c.memory for c in choices), formula_c + formula_m, solve_time, (start, period, copies),
-                    forward=forward, variables=nvars, budget=budget, cut_short=bool(_CUT_SHORT))
+            fc += ex["C"] * w
+            fb += (ex["B"] + incoming["B"]) * w
+            for k in fo:
+                fo[k] += (ex[k] + incoming[k]) * w
+            comm = ex["B"] + incoming["B"] + ex["Omb"] + incoming["Omb"] + ex["Ost"] + incoming["Ost"]
+            choices.append(Choice(node, st, at(ex["C"], sizes), at(comm, sizes), at(ex["W"] + ex["A"], sizes)))
+        formula = slots * (fc + fb) + sum((slots if k == "Omb" else 1) * (sympy.Max(0, fo[k] - eta * fc) + felt * fo[k])
+                                          for k in fo)
+        weights = sum(float(comp["W"][k][ch[k]]) * count[k] for k in range(len(classes)))
+        acts = sum(float(comp["A"][k][ch[k]]) for k in range(len(classes)) if k not in layer)
+        one_layer = sum(float(comp["A"][k][ch[k]]) for k in layer)
+        kept = one_layer + inflight * per_stage * sum(float(ckpt_bytes[k][ch[k]]) for k in ckpt) if re \
+            else inflight * per_stage * one_layer
+        p = Plan(mesh, choices, slots * c_total + redo, slots * b_total + slots * exposed["Omb"] + exposed["Ost"] + p2p,
+                 weights + inflight * acts + kept, formula + redo + p2p, solve_time, (start, period, copies),
+                 forward=forward, variables=nvars, budget=budget, cut_short=bool(_CUT_SHORT))
+        p.stages, p.micro_batches, p.recompute = stages, micro_batches, re
+        p.bubble = (stages - 1) * (c_total + b_total) if training else 0.0
+        p.zero = zero_stage(p)
+        return p
 
-    best = build(choice)
+    best = build(choice, extra_values)
     if second is not None:
-        best.runner_up = build(second)
+        best.runner_up = build(second, second_extra)
     return best
+
+
+def zero_stage(p: Plan) -> int:
+    """The plan's ZeRO stage: 3 when a weight is stored split and gathered where used, else the highest
+    stage a weight takes (0: every weight's optimizer state whole on each device it is replicated on)."""
+    for u in p.choices:
+        for pos, o in enumerate(u.node.operands):
+            w = p.choices[o]
+            if _is_weight(w.node) and spec_axes(w.strategy.out) - spec_axes(u.strategy.ins[pos]):
+                return 3
+    return max((c.strategy.zero for c in p.choices), default=0)
 
 
 def chosen_plan(module: ModuleOp, mesh: Mesh, pick, sizes: dict[str, int] | None = None) -> Plan:
     """A plan of given choices (`pick(node) -> strategy index`), not costed: to annotate any valid
-    plan, as the tests of the partitioner do."""
+    plan, as the tests of the partitioner do (ZeRO variants included)."""
     func = next(f for f in module.walk() if isinstance(f, FuncOp) and f.sym_name.data == "forward")
-    nodes = _nodes(func, [f"input{i}" for i in range(len(func.body.block.args))], mesh.shape, sizes or {})
+    nodes = _nodes(func, [f"input{i}" for i in range(len(func.body.block.args))], mesh.shape, sizes or {}, zero=True)
     choices = [Choice(n, n.strategies[pick(n)], 0.0, 0.0, 0.0) for n in nodes]
     return Plan(mesh, choices, 0.0, 0.0, 0.0, sympy.Integer(0), 0.0, (0, 0, 0))
 
@@ -637,7 +926,8 @@ class Shard(ModulePass):
 def report(p: Plan) -> None:
     remark("shard", f"mesh {p.mesh} ({p.mesh.hw.name}): predicted step {p.time * 1e3:.4g} ms = compute "
                     f"{p.compute * 1e3:.4g} ms + communication {p.comm * 1e3:.4g} ms, memory "
-                    f"{p.memory / 1e9:.4g} GB per device; plan: {p.describe()}")
+                    f"{p.memory / 1e9:.4g} GB per device (ZeRO stage {p.zero}, "
+                    f"{'layers recomputed' if p.recompute else 'no recomputation'}); plan: {p.describe()}")
     if p.runner_up is not None:
         r = p.runner_up
         diff = [f"{b.node.label}: {b.strategy.name} instead of {a.strategy.name}"

@@ -24,6 +24,7 @@ all-to-all instead.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -88,6 +89,8 @@ class Strategy:
     kind: str = "sum"
     split: tuple[int, ...] = ()  # mesh axes the op's work is divided over
     scatter: int | None = None  # partial sums reduce-scattered onto this result dim, not all-reduced
+    zero: int = 0  # a weight's ZeRO stage (1: optimizer state, 2: and gradients partitioned over the axes its
+    #                spec leaves free); stage 3 is a weight stored split and all-gathered where it is used
 
 
 def replicate_strategy(op_ranks: Sequence[int], out_rank: int) -> Strategy:
@@ -142,6 +145,20 @@ def _scattered(st: Strategy, loops: Loops, shape, mesh_shape: Sequence[int], siz
         spec = tuple(ax + st.partial if i == d else ax for i, ax in enumerate(st.out))
         out.append(Strategy(f"{st.name}>d{d}", spec, st.ins, st.partial, st.kind, st.split, scatter=d))
     return out
+
+
+def zero_variants(st: Strategy, mesh_shape: Sequence[int]) -> list[Strategy]:
+    """A weight's strategy with ZeRO stages 1 and 2 over the mesh axes its spec does not split (the axes
+    it is replicated on): the same forward program, less optimizer state (and gradient) per device."""
+    free = [a for a in range(len(mesh_shape)) if a not in spec_axes(st.out) and mesh_shape[a] > 1]
+    if not free:
+        return []
+    return [dataclasses.replace(st, name=f"{st.name}+z{k}", zero=k) for k in (1, 2)]
+
+
+def base_name(name: str) -> str:
+    """A strategy's name without its ZeRO stage: "R+z1" -> "R"."""
+    return name.split("+z")[0]
 
 
 def pre_scatter(st: Strategy) -> Spec:

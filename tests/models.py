@@ -295,51 +295,23 @@ GPT2_PADDED_VOCAB = 50304
 def gpt_graph(layers: int, d_model: int, heads: int, batch="B", seq: int | str = "S", vocab: int | None = None,
               dtype: str = "bf16", weights: str = "zeros", seed: int = 0, mlp_only: bool = False,
               attention_only: bool = False):
-    """A GPT-2-style pre-LN decoder as a tg model: per layer LN -> Q, K, V projections -> causal
-    attention -> output projection -> residual, LN -> 4x MLP (gelu) -> residual. With `vocab`,
-    token and position embeddings in front and a final LN + LM head behind; else the input is
-    the hidden state x (batch, seq, d_model).
+    """A GPT-2-style pre-LN decoder as a tg model (`tilegraph.frontends.config.gpt`).
 
     weights="zeros": every weight a zero-strided view of one zero (np.broadcast_to), so a 1.3B
     model costs no memory and can be planned but not meaningfully run; "random": small normal
     values, for running it.
     """
-    import numpy as np
+    from tilegraph.frontends.config import gpt
 
-    from tilegraph.ir import Graph
-    from tilegraph.ir.dtypes import numpy_dtype
+    return gpt(layers, d_model, heads, batch, seq, vocab, dtype, weights, seed, mlp_only, attention_only)
 
-    g = Graph()
-    np_dtype = numpy_dtype(dtype)
-    rng = np.random.default_rng(seed)
 
-    def w(name, *shape):
-        if weights == "zeros":
-            return g.weight(name, np.broadcast_to(np.zeros((), np_dtype), shape))
-        return g.weight(name, (rng.standard_normal(shape) * 0.2).astype(np_dtype))
-
-    if vocab is not None:
-        ids = g.input("ids", (batch, seq), "i64")
-        x = g.embedding(w("wte", vocab, d_model), ids) + w("wpe", seq, d_model)
-    else:
-        x = g.input("x", (batch, seq, d_model), dtype)
-    dh = d_model // heads
-
-    def split_heads(t):
-        return t.reshape(batch, seq, heads, dh).transpose(0, 2, 1, 3)
-
-    for i in range(layers):
-        p = f"h{i}."
-        if not mlp_only:
-            h = g.layer_norm(x, w(p + "ln1.g", d_model), w(p + "ln1.b", d_model))
-            q, k, v = (split_heads(h @ w(p + f"attn.w{c}", d_model, d_model) + w(p + f"attn.b{c}", d_model))
-                       for c in "qkv")
-            a = g.attention(q, k, v, causal=True).transpose(0, 2, 1, 3).reshape(batch, seq, d_model)
-            x = x + (a @ w(p + "attn.wo", d_model, d_model) + w(p + "attn.bo", d_model))
-        if not attention_only:
-            h = g.layer_norm(x, w(p + "ln2.g", d_model), w(p + "ln2.b", d_model))
-            h = g.gelu(h @ w(p + "mlp.fc1", d_model, 4 * d_model) + w(p + "mlp.b1", 4 * d_model))
-            x = x + (h @ w(p + "mlp.fc2", 4 * d_model, d_model) + w(p + "mlp.b2", d_model))
-    if vocab is not None:
-        x = g.layer_norm(x, w("ln_f.g", d_model), w("ln_f.b", d_model)) @ w("lm_head", d_model, vocab)
-    return g.build(x, names=["logits" if vocab is not None else "hidden"])
+def zero3_pick(node) -> int:
+    """A strategy index for `shard.chosen_plan`: ZeRO-3 with data parallelism over mesh axis 0 (every
+    weight stored split by its first dim and gathered where used; the batch split)."""
+    names = [s.name for s in node.strategies]
+    if node.op is not None and node.op.op_name == "weight":
+        return names.index("d0@0") if "d0@0" in names else 0
+    want = {None: "d0@0", "matmul": "b0@0", "attention": "d0@0", "gather": "d0@0"}.get(
+        node.op.op_name if node.op is not None else None)
+    return names.index(want) if want in names else 0

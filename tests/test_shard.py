@@ -121,7 +121,10 @@ def _matmuls(p):
             if c.node.op is not None and c.node.op.op_name == "matmul"}
 
 
-WIDE = {"B": 1, "S": 2048}  # one sequence of 2048 tokens
+# One sequence of 2048 tokens. These tests price collectives without overlap (as Megatron-LM's
+# papers do): overlapped, a replicated weight's gradient all-reduce hides behind the backward and
+# the planner may prefer splitting a block's tokens (test_overlap_... below).
+WIDE = {"B": 1, "S": 2048}
 BLOCKS = [("mlp_only", ("mlp.fc1",), "mlp.fc2"),
           ("attention_only", ("attn.wq", "attn.wk", "attn.wv"), "attn.wo")]
 
@@ -132,7 +135,7 @@ def test_a_wide_gpt_block_on_8_h100s_gets_megatrons_layout(block, columns, rows)
     sequence parallelism): replicated weights would need a gradient all-reduce of 0.5-1 GB per
     block, Megatron's layout one 32 MB activation all-reduce forward (and one backward): first
     matmul(s) split by columns (heads), the last by rows."""
-    p = plan(gpt_graph(1, 8192, 64, **{block: True}).module, H100x8, sizes=WIDE, reduce_scatter=False)
+    p = plan(gpt_graph(1, 8192, 64, **{block: True}).module, H100x8, sizes=WIDE, reduce_scatter=False, overlap=False)
     mm = _matmuls(p)
     for w in columns:
         assert mm[f"h0.{w}"] == "n@0", mm
@@ -148,8 +151,8 @@ def test_with_reduce_scatter_the_row_split_block_scatters_its_sums_and_is_cheape
     all-reduce by a reduce-scatter over the sequence (Megatron's sequence parallelism): the
     residual add then runs split, and the plan is predicted faster."""
     model = gpt_graph(1, 8192, 64, **{block: True})
-    classic = plan(model.module, H100x8, sizes=WIDE, reduce_scatter=False)
-    sp = plan(model.module, H100x8, sizes=WIDE)
+    classic = plan(model.module, H100x8, sizes=WIDE, reduce_scatter=False, overlap=False)
+    sp = plan(model.module, H100x8, sizes=WIDE, overlap=False)
     mm = _matmuls(sp)
     assert all(mm[f"h0.{w}"] == "n@0" for w in columns) and mm[f"h0.{rows}"].startswith("k@0>"), mm
     assert [(kind, where.split("(")[1]) for kind, _, where in sp.forward] == [("reduce_scatter", f"h0.{rows})")]
@@ -160,7 +163,7 @@ def test_a_wide_gpt_decoder_keeps_megatrons_splits_in_every_layer():
     """Two whole layers: every block column/row split, its partial sums combined by exactly one
     collective (a reduce-scatter over the sequence), the only other forward collective an
     all-gather before the next column split: Megatron-LM with sequence parallelism."""
-    p = plan(gpt_graph(2, 8192, 64).module, H100x8, sizes=WIDE)
+    p = plan(gpt_graph(2, 8192, 64).module, H100x8, sizes=WIDE, overlap=False)
     mm = _matmuls(p)
     for i in range(2):
         for w in ("attn.wq", "attn.wk", "attn.wv", "mlp.fc1"):
@@ -272,7 +275,7 @@ def test_the_planned_gpt_on_a_simulated_mesh_computes_what_one_device_does(pipel
 
 def test_megatrons_layout_on_a_simulated_mesh_computes_what_one_device_does():
     """The wide model's plan (heads, columns and rows split 8 ways) applied to a narrow copy of it."""
-    wide = plan(gpt_graph(1, 8192, 64).module, H100x8, sizes={"B": 1, "S": 2048})
+    wide = plan(gpt_graph(1, 8192, 64).module, H100x8, sizes={"B": 1, "S": 2048}, overlap=False)
     names = iter([c.strategy.name for c in wide.choices])
     model = gpt_graph(1, 64, 8, batch=2, seq=8, dtype="f32", weights="random")
     annotated = model.clone()
@@ -323,6 +326,32 @@ def test_any_valid_plan_preserves_semantics_on_the_simulated_mesh(model, mesh, d
     for kind in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "all_slice"):
         event(f"{kind} in the program: {f'shard.{kind} ' in text}")
     _check_on_mesh(model, annotated, inputs, bound)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(model=graphs(max_ops=8), mesh=st.sampled_from(MESHES), data=st.data())
+def test_pipeline_stages_with_any_valid_plan_each_preserve_semantics(model, mesh, data):
+    """Random graphs cut into pipeline stages at random places (`pipeline.cut`, what split_stages
+    does at layer boundaries), each stage given its own random plan (ZeRO variants and weights
+    gathered at use among them), run stage after stage on the simulated mesh: the single-device result."""
+    from tilegraph.passes.pipeline import cut
+
+    sizes = {"B": 4}
+    ops = len(list(model.func.body.block.ops)) - 1
+    positions = sorted(set(data.draw(st.lists(st.integers(1, max(1, ops - 1)), max_size=2), label="cuts")))
+    stages = cut(model, [p for p in positions if 0 < p < ops])
+    inputs = random_inputs(model, seed=2, sizes=sizes)
+    _, bound = bind_inputs(model, inputs)
+    values = inputs
+    for k, stage in enumerate(stages):
+        p = chosen_plan(stage.module, Mesh(mesh, H100),
+                        lambda n: data.draw(st.integers(0, len(n.strategies) - 1), label=f"{k}:{n.label}"), sizes)
+        annotate(stage.module, p)
+        values = run(partition(stage, bound), values)
+    expected = interpret(model, inputs)
+    n = reduction_length(model, bound)
+    for name, a, e in zip(model.output_names, values, expected):
+        assert_close(a, e, narrowest_float(model) or "f32", n, name=f"output '{name}' after {len(stages)} stages")
 
 
 # --- the command line -----------------------------------------------------------------------
@@ -386,3 +415,224 @@ def test_found_cases_preserve_semantics_on_the_simulated_mesh(make, last):
                                            lambda n: len(n.strategies) - 1 if last else 0, {"B": 4}))
     inputs = random_inputs(model, seed=0, sizes={"B": 4})
     _check_on_mesh(model, annotated, inputs, {"B": 4})
+
+
+# --- training memory, ZeRO, recomputation, overlap -------------------------------------------------
+
+H100x1 = Mesh((1,), H100)
+
+
+def _weights(p):
+    return sum(c.memory for c in p.choices if c.node.op is not None and c.node.op.op_name == "weight")
+
+
+def test_training_memory_is_weights_gradients_adam_state_and_what_the_backward_reads():
+    """bf16 weights train with 16 bytes per parameter (weight, gradient, two f32 Adam moments, an f32
+    master copy: ZeRO section 3.1); a GPT layer keeps 32 bytes per token and hidden unit for its
+    backward (Korthikanti et al. 2022, eq. 1's 34sbh without dropout's masks, flash attention
+    keeping no s x s matrix)."""
+    model = gpt_graph(4, 2048, 16, seq=2048)
+    p = plan(model.module, H100x1, sizes={"B": 4})
+    params = sum(int(np.prod(c.node.info.shape)) for c in p.choices
+                 if c.node.op is not None and c.node.op.op_name == "weight")
+    assert _weights(p) == pytest.approx(16 * params)
+    start, period, copies = p.layers
+    layer = sum(c.memory for c in p.choices[start:start + period] if c.node.op.op_name != "weight")
+    assert layer == pytest.approx(32 * 4 * 2048 * 2048)
+    assert p.memory == pytest.approx(_weights(p) + copies * layer + 2 * 4 * 2048 * 2048)  # + the input x
+    assert not p.recompute and p.zero == 0
+
+
+def test_activations_over_the_budget_are_recomputed_at_the_price_of_a_forward():
+    """Under a budget the activations of 4 layers exceed but one layer's plus the checkpoints fit,
+    the plan recomputes the layers; its compute grows by about the forward (1/3 of the step)."""
+    model = gpt_graph(4, 1024, 16, seq=2048)
+    free = plan(model.module, H100x1, sizes={"B": 4})
+    budget = _weights(free) + 0.5 * (free.memory - _weights(free))
+    tight = plan(model.module, H100x1, sizes={"B": 4}, budget=budget)
+    assert tight.recompute and tight.memory <= budget
+    assert 1.25 < tight.compute / free.compute < 1.35
+    with pytest.raises(ShardError, match="fits"):
+        plan(model.module, H100x1, sizes={"B": 4}, budget=budget, recompute=False)
+    always = plan(model.module, H100x1, sizes={"B": 4}, recompute="always")  # as a published configuration
+    assert always.recompute and always.compute == pytest.approx(tight.compute, rel=0.01)
+
+
+def test_zero_partitions_optimizer_state_over_the_data_parallel_axis_when_weights_do_not_fit():
+    """Data parallel on 8 devices, a budget under the replicated weights' 16 bytes per parameter:
+    ZeRO-1 (optimizer state 12/8 bytes per parameter) or 2 (and the gradient 2/8) on enough of the
+    weights makes it fit at the cost of collectives' latencies, the computation still data parallel."""
+    model = gpt_graph(2, 256, 4)
+    sizes = {"B": 64, "S": 512}
+    free = plan(model.module, H100x8, sizes=sizes)
+    assert free.zero == 0 and set(_matmuls(free).values()) <= {"b0@0", "m@0"}
+    budget = free.memory - 0.6 * _weights(free)
+    zero = plan(model.module, H100x8, sizes=sizes, budget=budget)
+    assert zero.zero in (1, 2) and zero.memory <= budget and set(_matmuls(zero).values()) <= {"b0@0", "m@0"}
+    assert free.time <= zero.time < 1.05 * free.time
+    per_param = {0: 16, 1: 2 + 2 + 12 / 8, 2: 2 + (2 + 12) / 8}  # bytes; the spec replicated on 8 devices
+    for c in zero.choices:
+        if c.node.op is not None and c.node.op.op_name == "weight":
+            assert c.memory == pytest.approx(per_param[c.strategy.zero] * int(np.prod(c.node.info.shape)))
+
+
+def test_overlapped_gradient_all_reduce_hides_behind_the_backward():
+    """Data parallelism's gradient all-reduce does not depend on the backward of the layers before it:
+    overlapped, it costs its exposed part plus OVERLAP_INTERFERENCE of itself."""
+    from tilegraph.passes.shard import OVERLAP_INTERFERENCE
+
+    model = gpt_graph(2, 512, 8)
+    only = lambda n: {"R"} if n.op is not None and n.op.op_name == "weight" else None  # noqa: E731
+    sizes = {"B": 64, "S": 512}
+    serial = plan(model.module, H100x8, sizes=sizes, overlap=False, only=only)
+    hidden = plan(model.module, H100x8, sizes=sizes, overlap=True, only=only)
+    assert serial.compute == pytest.approx(hidden.compute)
+    assert serial.comm > 0 and hidden.comm == pytest.approx(OVERLAP_INTERFERENCE * serial.comm, rel=0.05)
+
+
+# --- planning from shapes alone ----------------------------------------------------------------
+
+LLAMA_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=32, vocab_size=32000)  # Llama-2-7B's config.json
+
+
+def _materialised(model) -> int:
+    """Bytes the weight store really holds (a zero-strided view holds one element)."""
+    return sum(a.itemsize if not any(a.strides) else a.nbytes for a in map(np.asarray, model.weights.values()))
+
+
+def test_a_llama_7b_config_plans_on_8_h100s_without_materialising_its_weights():
+    """6.7 billion parameters described by their config: the weight store holds a few bytes, and the
+    plan (training, 8 x 4096 tokens) fits 80 GB per device, with its ZeRO stage or recomputation."""
+    from tilegraph.frontends.config import from_config
+
+    model = from_config(LLAMA_7B)
+    params = sum(int(np.prod(np.shape(a))) for a in model.weights.values())
+    assert 6.6e9 < params < 6.8e9 and _materialised(model) < 10_000
+    p = plan(model.module, H100x8, sizes={"B": 8, "S": 4096})
+    assert p.memory <= H100.memory_bytes and (p.zero or p.recompute or p.describe() != "all replicated")
+    with pytest.raises(ShardError, match="fits"):
+        plan(model.module, H100x1, sizes={"B": 8, "S": 4096})  # 16 bytes x 6.7e9 parameters > 80 GB
+
+
+def test_a_torch_module_on_the_meta_device_imports_and_plans():
+    """A Llama (grouped-query attention) built on torch's meta device: no values anywhere, its weights
+    import as zero-strided views and the planner plans it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import tilegraph
+
+    config = LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=8,
+                         num_key_value_heads=4, vocab_size=512, use_cache=False)
+    with torch.device("meta"):
+        llama = LlamaForCausalLM(config).eval()
+
+    class Logits(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, ids):
+            return self.m(ids, use_cache=False).logits
+
+    model = tilegraph.import_model(Logits(llama), example_inputs=(torch.zeros((2, 32), dtype=torch.long,
+                                                                              device="meta"),))
+    assert _materialised(model) < 10_000
+    p = plan(model.module, Mesh((4,), H100))
+    assert p.time > 0 and p.memory > sum(np.asarray(a).size for a in model.weights.values()) * 12
+
+
+def test_a_small_llama_config_sharded_computes_what_one_device_does():
+    """Grouped-query attention (K/V heads broadcast to query heads), RMSNorm and SwiGLU, planned on a
+    2x2 mesh and run on the simulated mesh."""
+    from tilegraph.frontends.config import from_config
+
+    config = dict(LLAMA_7B, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=64)
+    model = from_config(config, seq=8, dtype="f32", weights="random")
+    sizes = {"B": 4}
+    annotated = run_pipeline(model, 'shard{mesh=2x2 sizes="B=4"}')
+    _check_on_mesh(model, annotated, random_inputs(model, seed=5, sizes=sizes), sizes)
+
+
+def test_a_config_of_no_known_model_is_a_clear_error():
+    from tilegraph.frontends.config import ConfigError, from_config
+
+    with pytest.raises(ConfigError, match="neither GPT-2"):
+        from_config({"d_model": 512})
+    with pytest.raises(ConfigError, match="non-integer"):
+        from_config(dict(LLAMA_7B, hidden_size="wide"))
+    with pytest.raises(ConfigError, match="multiple"):
+        from_config(dict(LLAMA_7B, num_key_value_heads=5))
+
+
+# --- pipeline stages and the degree search ----------------------------------------------------------
+
+def test_a_pipeline_stage_pays_the_1f1b_bubble():
+    """Two stages of a layer stack (no embedding or head), m micro-batches: a stage runs half the
+    layers in m + 1 slots, so its compute is (m + 1) / (2m) of one device running all of them in m;
+    the bubble is 1/(m + 1) of the stage's step, and stage 0 keeps two micro-batches' activations."""
+    model = gpt_graph(4, 512, 8)
+    sizes = {"B": 16, "S": 512}
+    for m in (2, 8):
+        whole = plan(model.module, H100x1, sizes=sizes, micro_batches=m, recompute=False)
+        stage = plan(model.module, H100x1, sizes=sizes, stages=2, micro_batches=m, recompute=False)
+        assert stage.compute / whole.compute == pytest.approx((m + 1) / (2 * m), rel=1e-3)
+        assert stage.bubble == pytest.approx(stage.compute / (m + 1), rel=0.05)
+        assert stage.comm > 0 and stage.stages == 2 and stage.micro_batches == m
+    with pytest.raises(ShardError, match="divide"):
+        plan(model.module, H100x1, sizes=sizes, stages=3)
+
+
+def test_the_degree_search_prices_every_layout_and_keeps_the_cheapest():
+    """On 8 devices the search tries pipeline, tensor and data degrees (and micro-batch counts); the
+    winner is the cheapest that fits, and its degrees multiply to the device count."""
+    from tilegraph.passes.pipeline import mfu, model_flops, search
+
+    model = gpt_graph(2, 512, 8)
+    sizes = {"B": 16, "S": 1024}
+    best, tried = search(model.module, 8, H100, sizes, tensor_degrees=(1, 2), pipelines=(1, 2))
+    assert best is not None and best.time == min(lay.time for lay in tried)
+    assert {(lay.pipeline, lay.plan.mesh.shape) for lay in tried} >= {(1, (8,)), (1, (4, 2)), (2, (4,)), (2, (2, 2))}
+    d = best.degrees
+    assert d["data"] * d["tensor"] * d["sequence"] * d["pipeline"] == 8
+    assert 0.05 < mfu(best, model_flops(model.module, sizes), 8) < 1
+
+
+# --- Ulysses sequence parallelism ------------------------------------------------------------------
+
+def _tensor_parallel(node):
+    """Megatron-LM's layout on axis 0 (to price against)."""
+    op = node.op
+    if op is None or op.op_name not in ("matmul", "attention"):
+        return None
+    if op.op_name == "attention":
+        return {"d1@0"}
+    w = node.label.split("(")[1].rstrip(")")
+    return {s.name for s in node.strategies if s.name.split(">")[0] == ("k@0" if w.endswith(("wo", "fc2")) else "n@0")}
+
+
+def test_a_long_sequence_with_many_heads_gets_ulysses_sequence_parallelism():
+    """One sequence of 32768 tokens, 32 heads, hidden 2048 on 8 H100s (DeepSpeed-Ulysses' setting): every
+    matmul split by tokens, attention by heads, and the only forward collectives four all-to-alls
+    (Q, K, V to heads, the output back to tokens), each moving 1/8 of what Megatron's all-gathers and
+    reduce-scatters of the whole activation move; the planner's plan is faster than Megatron's."""
+    model = gpt_graph(1, 2048, 32)
+    sizes = {"B": 1, "S": 32768}
+    p = plan(model.module, H100x8, sizes=sizes, runner_up=False)
+    ops = {c.node.label: c.strategy.name for c in p.choices
+           if c.node.op is not None and c.node.op.op_name in ("matmul", "attention")}
+    assert all(name == ("d1@0" if label.startswith("attention") else "m@0") for label, name in ops.items()), ops
+    assert [kind for kind, _, _ in p.forward] == ["all_to_all"] * 4
+    megatron = plan(model.module, H100x8, sizes=sizes, only=_tensor_parallel, runner_up=False)
+    assert p.time < megatron.time and p.comm < megatron.comm
+
+    # the same choices on a narrow copy compute what one device computes
+    names = iter([c.strategy.name for c in p.choices])
+    small = gpt_graph(1, 64, 8, batch=1, seq=16, dtype="f32", weights="random")
+    annotated = small.clone()
+    annotate(annotated.module, chosen_plan(annotated.module, H100x8,
+                                           lambda n: [s.name for s in n.strategies].index(next(names))))
+    assert partition(annotated).model.text.count("shard.all_to_all") == 4
+    _check_on_mesh(small, annotated, random_inputs(small, seed=4), {})

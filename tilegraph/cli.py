@@ -172,6 +172,14 @@ def _parser() -> argparse.ArgumentParser:
     dist.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
                       help="size of a symbolic dimension (default: the number of devices)")
     dist.add_argument("--seed", type=_non_negative, default=0)
+    dist.add_argument("--op-by-op", action="store_true",
+                      help="run each device's ops through the op table's NumPy templates one at a time instead of "
+                           "the NumPy backend's emitted modules between collectives")
+    dist.add_argument("--no-overlap", action="store_true",
+                      help="wait for every collective where it is issued (default: asynchronous, waited at first use)")
+    dist.add_argument("--compare", action="store_true",
+                      help="also time the op-by-op run and the whole model on one process (NumPy backend)")
+    dist.add_argument("--repeats", type=int, default=3, help="timed steps per run (the median is reported)")
     return p
 
 
@@ -756,7 +764,8 @@ def _print_plan(p) -> None:
           f"{format_time(p.comm)} ({100 * share:.1f}% communication)")
     budget = p.budget or p.mesh.hw.memory_bytes
     print(f"memory per device: {p.memory / 1e9:.4g} GB (budget {budget / 1e9:.4g} GB"
-          + (f" of {p.mesh.hw.memory_bytes / 1e9:.4g} GB" if budget != p.mesh.hw.memory_bytes else "") + ")")
+          + (f" of {p.mesh.hw.memory_bytes / 1e9:.4g} GB" if budget != p.mesh.hw.memory_bytes else "") + "); "
+          f"ZeRO stage {p.zero}, {'every layer recomputed in the backward' if p.recompute else 'no recomputation'}")
     if p.runner_up is not None:
         tie = " (a different layout, predicted as fast)" if p.runner_up.time <= p.time * (1 + 1e-9) else ""
         print(f"runner-up: {format_time(p.runner_up.time)} (compute {format_time(p.runner_up.compute)} + "
@@ -795,12 +804,36 @@ def _run(args) -> int:
     annotated = run_pipeline(model, f'shard{{mesh={mesh} target={args.target} inference=true sizes="{given}"}}')
     program = partition(annotated, sizes)
     inputs = random_inputs(model, seed=args.seed, sizes=sizes, int_high=VALID_INT_HIGH)
-    got = distributed.run(program, inputs)
+    repeats = max(1, args.repeats)
+    times: list[float] = []
+    got = distributed.run(program, inputs, overlap=not args.no_overlap, repeats=repeats, timings=times,
+                          compiled=not args.op_by_op)
     expected = interpret(model, inputs)
     n = reduction_length(model, bind_inputs(model, inputs)[1])
     collectives = sum(1 for op in program.model.func.walk() if op.name.startswith("shard."))
     print(f"{Path(args.model).name}: {args.devices} processes (mesh {mesh}, gloo), {collectives} collectives per "
           f"device; sizes {given}")
+    step = float(np.median(times))
+    how = "op by op" if args.op_by_op else "compiled (NumPy backend between collectives)"
+    print(f"step: {step * 1e3:.2f} ms {how}, median of {repeats}, the slowest process"
+          f"{'' if args.no_overlap else ', collectives overlapped'}")
+    if args.compare:
+        import time
+
+        from tilegraph.backends.numpy import compile_model
+
+        other: list[float] = []
+        distributed.run(program, inputs, overlap=not args.no_overlap, repeats=repeats, timings=other,
+                        compiled=args.op_by_op)
+        one = compile_model(model)
+        single = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            one(*inputs)
+            single.append(time.perf_counter() - t0)
+        print(f"{'compiled' if args.op_by_op else 'op by op'}: {float(np.median(other)) * 1e3:.2f} ms "
+              f"({float(np.median(other)) / step:.2f}x this run); one process, NumPy backend: "
+              f"{float(np.median(single)) * 1e3:.2f} ms ({float(np.median(single)) / step:.2f}x this run)")
     ok = True
     for name, a, e in zip(model.output_names, got, expected):
         dtype = narrowest_float(model) or "f32"

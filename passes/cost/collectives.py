@@ -122,7 +122,8 @@ class Mesh:
         """`collective` for a gradient all-reduced in a bucket with others (GRADIENT_BUCKET): its bytes
         at full cost, its share of the bucket's latency."""
         latency = self.collective(kind, axes, 0)
-        share = sympy.Min(1, sympy.sympify(nbytes) / GRADIENT_BUCKET)
+        share = sympy.sympify(nbytes) / GRADIENT_BUCKET
+        share = sympy.Min(1, share) if share.free_symbols else min(sympy.Integer(1), share)
         return self.collective(kind, axes, nbytes) - latency + latency * share
 
     def __str__(self) -> str:
