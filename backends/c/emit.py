@@ -49,7 +49,7 @@ FLOATS = ("f32", "f64")
 # Elementwise ops as C expressions of their operands, computed in the operands' type
 # (floats: tgmath picks the float or double function).
 C_UNARY_FLOAT = {
-    "neg": "(-{x})", "abs": "fabs({x})", "exp": "exp({x})", "log": "log({x})", "sqrt": "sqrt({x})",
+    "neg": "(-{x})", "abs": "fabs({x})", "exp": "{exp}({x})", "log": "log({x})", "sqrt": "sqrt({x})",
     "rsqrt": "(1 / sqrt({x}))", "reciprocal": "(1 / {x})", "tanh": "tanh({x})", "erf": "erf({x})",
     "relu": "(({x}) > 0 || ({x}) != ({x}) ? ({x}) : 0)", "sin": "sin({x})", "cos": "cos({x})", "tan": "tan({x})",
     "asin": "asin({x})", "acos": "acos({x})", "atan": "atan({x})", "sinh": "sinh({x})", "cosh": "cosh({x})",
@@ -247,8 +247,17 @@ class CEmitter:
         if view.literal is not None:
             return View(None, 0, tuple(shape), (0,) * len(shape), view.dtype, view.literal, view.value)
         if not self.is_contiguous(view):
-            raise Unsupported("reshape of a strided view")
+            view = self.materialize(view)
         return View(view.buf, view.offset, tuple(shape), contiguous_strides(shape), view.dtype)
+
+    def materialize(self, view: View) -> View:
+        """A contiguous copy of a strided view (a reshape of a transpose needs one)."""
+        if view.dtype not in CTYPES:
+            raise Unsupported(f"{view.dtype} has no C type here")
+        out = self._new_buffer("temp", view.dtype, view.shape)
+        lines = self.loop(view.shape, [(view, False), (out, True)], lambda refs: [f"{refs[1]} = {refs[0]};"])
+        self._step("copy into a contiguous buffer", lines, [view], [out])
+        return out
 
     @staticmethod
     def transpose(view: View, perm) -> View:
@@ -481,7 +490,7 @@ class CEmitter:
         names = dict(zip(op.SPEC.operand_names, args))
         for table in ((C_UNARY_FLOAT, C_BINARY_FLOAT) if is_float else (C_UNARY_INT, C_BINARY_INT)) + (C_BINARY,):
             if name in table:
-                return table[name].format(**names)
+                return table[name].format(**names, exp="tg_expf" if operand_dtypes[-1] == "f32" else "exp")
         raise Unsupported(name)
 
     def elementwise(self, ops: list[TgOp], inner: dict, inputs: dict, outputs: list[tuple[SSAValue, View]],
@@ -809,6 +818,13 @@ class CEmitter:
                         dims, strides = geometry(self.broadcast(o, out_shape))
                     except Unsupported:
                         break
+                    # Only a whole tensor or one value per column (a bias): oneDNN 3.2's
+                    # GEMM kernels, cached by a key that omits the broadcast, gave wrong
+                    # results for a per-row-vector operand (MiniLM's attention mask) once
+                    # a kernel with a whole-tensor operand had been made.
+                    if not (all(_is_one(d) for d in dims[:-1]) or all(not _is_one(d) or _is_one(o_d)
+                                                                      for d, o_d in zip(dims, out_shape))):
+                        break
                     posts.append(f"{{1, {DNNL_BINARY[name]}, 0.f, 0.f, {len(dims)}, "
                                  f"{{{', '.join(self.ints(d) for d in dims)}}}, "
                                  f"{{{', '.join(self.ints(s) for s in strides)}}}}}")
@@ -890,10 +906,9 @@ class CEmitter:
             c = out
 
             def geometry(full: View):
-                lead = rank - full.rank
-                dims = [1] * lead + [1 if _eq(st, 0) else d for d, st in zip(full.shape, full.strides)]
-                strides = [0] * lead + list(full.strides)
-                return dims, _plain_strides(dims, strides)
+                # Batched GEMMs take no binary post-ops: oneDNN 3.2 gave MiniLM's attention
+                # scores plus a broadcast mask wrong results in some processes, not others.
+                raise Unsupported("a binary post-op on a batched GEMM")
         posts, post_views, covered = self._posts(chain, op.results[0], env, info.shape, geometry)
         a = self._lead(a, rank)
         b = self._lead(b, rank)
@@ -1010,7 +1025,9 @@ class CProgram:
     steps: list[Step]
 
 
-def emit_program(model: Model, name: str | None = None) -> CProgram:
+def emit_program(model: Model, name: str | None = None, per_step: bool = False) -> CProgram:
+    """The module; `per_step=True` makes every native step a segment of its own (one
+    native call each), so a profiler or a debugger can look between steps."""
     em = CEmitter(model)
     em.run()
     outputs = em.outputs()
@@ -1020,7 +1037,7 @@ def emit_program(model: Model, name: str | None = None) -> CProgram:
               for a, n, i in zip(model.func.args, model.input_names, model.inputs)]
     lines += [" * outputs:"]
     lines += [f" *   {c_comment(n)}: {c_comment(str(i))}" for n, i in zip(model.output_names, model.outputs)]
-    lines += [" */", '#include "runtime.h"', "#include <tgmath.h>", ""]
+    lines += [" */", *_gelu_defines(), '#include "runtime.h"', "#include <tgmath.h>", ""]
     nprim = max(em.gemm_count, 1)
     lines += [f"static tg_packed tg_packs[{nprim}];  /* weights packed once, shared by every shape binding */",
               f"typedef struct {{ tg_prim prim[{nprim}]; }} tg_state;  /* primitives of one shape binding */", ""]
@@ -1041,7 +1058,7 @@ def emit_program(model: Model, name: str | None = None) -> CProgram:
         lines += [f"/* step {i}: {c_comment(step.comment)} */",
                   f"static int tg_step_{i}(tg_state *st, const int64_t *s, void *const *p) {{"]
         lines += ["    " + line for line in step.lines] + ["    return 0;", "}", ""]
-        if not plan or plan[-1][0] != "segment":
+        if per_step or not plan or plan[-1][0] != "segment":
             plan.append(("segment", len(segments)))
             segments.append([])
         segments[-1].append(i)
@@ -1052,6 +1069,15 @@ def emit_program(model: Model, name: str | None = None) -> CProgram:
         lines += ["    return 0;", "}", ""]
     del outputs
     return CProgram("\n".join(lines), em, plan, em.steps)
+
+
+def _gelu_defines() -> list[str]:
+    """kernels.py's float32 gelu fit, for runtime.h's tg_gelu_erf: one fit, two backends."""
+    from tilegraph.ir import kernels
+
+    lines = [f"#define TG_GELU_CLIP {kernels._GELU32_CLIP!r}f"]
+    lines += [f"#define TG_GELU_P{i} {c!r}f" for i, c in enumerate(kernels._GELU32_EXP)]
+    return lines
 
 
 def _model_name(model: Model) -> str:

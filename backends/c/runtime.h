@@ -284,18 +284,23 @@ static int tg_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64
 
 /* --- row kernels: rows of n contiguous floats --- */
 
+#pragma omp declare simd notinbranch
+static inline float tg_expf(float x);
+
 /* In place is fine (y == x). */
 static void tg_softmax_rows(const float *x, float *y, int64_t rows, int64_t n) {
 #pragma omp parallel for if (rows * n > 16384)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * n;
         float *yr = y + r * n;
+        /* A NaN in the row needs no special case: x - m carries it into the sum. */
         float m = -INFINITY;
-        for (int64_t j = 0; j < n; j++) m = xr[j] > m || xr[j] != xr[j] ? xr[j] : m;
+#pragma omp simd reduction(max : m)
+        for (int64_t j = 0; j < n; j++) m = xr[j] > m ? xr[j] : m;
         float s = 0.f;
 #pragma omp simd reduction(+ : s)
         for (int64_t j = 0; j < n; j++) {
-            float e = expf(xr[j] - m);
+            float e = tg_expf(xr[j] - m);
             yr[j] = e;
             s += e;
         }
@@ -329,14 +334,45 @@ static void tg_layer_norm_rows(const float *x, float *y, const float *scale, con
     }
 }
 
-/* gelu as the interpreter computes it: x * Phi(x), or the tanh formula. */
-static inline float tg_gelu_erf(float x) { return 0.5f * x * (1.f + erff(x * 0.70710678118654752f)); }
+/* exp for float32 in straight-line code the compiler vectorises (libm's expf is a
+ * call per element): e^x = 2^n e^r, n = round(x log2 e), |r| <= ln2/2, e^r by a
+ * degree-6 Taylor polynomial (max relative error 2e-7 on that interval); 2^n built
+ * in the exponent bits. Overflow gives inf, underflow 0, NaN stays NaN. */
+#pragma omp declare simd notinbranch
+static inline float tg_expf(float x) {
+    float t = x > 88.72283f ? 88.72283f : (x < -87.33654f ? -87.33654f : x);
+    float n = __builtin_rintf(t * 1.44269504088896341f);
+    float r = t - n * 0.693145751953125f;
+    r = r - n * 1.428606765330187e-06f;
+    float p = 1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720))))));
+    union { float f; int32_t i; } scale;
+    scale.i = ((int32_t)n + 127) << 23;
+    float y = p * scale.f;
+    y = x > 88.72283f ? INFINITY : y;
+    y = x < -87.33654f ? 0.f : y;
+    return x != x ? x : y;
+}
+
+/* gelu as the NumPy backend computes float32 gelu (ir/kernels.py): x * Phi(x) =
+ * x / (1 + exp(x G(x^2))), G the polynomial TG_GELU_P the module defines from
+ * kernels.py's fit, x clipped for G only. The tanh form: x * sigmoid(2u). */
+#pragma omp declare simd notinbranch
+static inline float tg_gelu_erf(float x) {
+    float t = x > TG_GELU_CLIP ? TG_GELU_CLIP : (x < -TG_GELU_CLIP ? -TG_GELU_CLIP : x);
+    float t2 = t * t, p = TG_GELU_P6;
+    p = p * t2 + TG_GELU_P5; p = p * t2 + TG_GELU_P4; p = p * t2 + TG_GELU_P3;
+    p = p * t2 + TG_GELU_P2; p = p * t2 + TG_GELU_P1; p = p * t2 + TG_GELU_P0;
+    return x / (1.f + tg_expf(p * x));
+}
+#pragma omp declare simd notinbranch
 static inline float tg_gelu_tanh(float x) {
-    return 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+    float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+    return x / (1.f + tg_expf(-2.f * u));
 }
 static inline double tg_gelu_erf_d(double x) { return 0.5 * x * (1. + erf(x * 0.70710678118654752)); }
 static inline double tg_gelu_tanh_d(double x) {
     return 0.5 * x * (1. + tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)));
 }
-static inline float tg_sigmoid(float x) { float e = expf(-fabsf(x)); return x >= 0 ? 1.f / (1.f + e) : e / (1.f + e); }
+#pragma omp declare simd notinbranch
+static inline float tg_sigmoid(float x) { float e = tg_expf(-fabsf(x)); return x >= 0 ? 1.f / (1.f + e) : e / (1.f + e); }
 static inline double tg_sigmoid_d(double x) { double e = exp(-fabs(x)); return x >= 0 ? 1. / (1. + e) : e / (1. + e); }
