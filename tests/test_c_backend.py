@@ -75,3 +75,21 @@ def test_a_gemm_epilogue_of_a_scale_then_a_mask_then_softmax_matches():
     inputs = [rng.standard_normal((2, 16, 4, 8)).astype(np.float32) for _ in range(2)]
     inputs.append(np.where(rng.random((2, 1, 1, 16)) < 0.3, np.float32(-1e30), np.float32(0)))
     assert_close(compiled(*inputs), interpret(model, inputs)[0], "f32", reduction_length=16)
+
+
+def test_a_row_op_never_overwrites_a_value_its_group_also_yields():
+    """GPT-2's residual stream: h = x @ W + b + r feeds the next layer and layer_norm(h).
+    The C backend normalises in place only where layer_norm is h's one reader (it once
+    normalised the residual itself)."""
+    from tilegraph.ir import Graph
+
+    rng = np.random.default_rng(0)
+    g = Graph()
+    x, r = g.input("x", ("S", 16)), g.input("r", ("S", 16))
+    h = x @ g.weight("w", rng.standard_normal((16, 16)).astype(np.float32)) + \
+        g.weight("b", rng.standard_normal(16).astype(np.float32)) + r
+    model = g.build(h, g.layer_norm(h, epsilon=1e-5), g.softmax(h), names=["h", "ln", "p"])
+    compiled = tilegraph.compile(model, target="c")
+    inputs = [rng.standard_normal((8, 16)).astype(np.float32) for _ in range(2)]
+    for got, want, name in zip(compiled.run(*inputs), interpret(model, inputs), model.output_names):
+        assert_close(got, want, "f32", reduction_length=16, name=name)

@@ -605,7 +605,7 @@ class CEmitter:
                         inputs[v] = env[v]
             self.elementwise(pro, {r: None for r in inner}, inputs, [(x, out)], group)
             env[x] = out
-        result = self.row_op(last, [env[v] for v in last.operands], in_place=bool(pro))
+        result = self.row_op(last, [env[v] for v in last.operands], in_place=bool(pro) and _only_use(x, last))
         env[last.results[0]] = result
         return True
 
@@ -875,7 +875,7 @@ class CEmitter:
                 self.elementwise(pro, {r: None for r in inner}, inputs, [(x, out)], group)
                 env[x] = out
             env[last.results[0]] = self.row_op(last, [env.get(v) or self.view(v) for v in last.operands],
-                                               in_place=True)
+                                               in_place=_only_use(x, last))
             return True
         except Unsupported:
             return False
@@ -997,6 +997,12 @@ class CEmitter:
 
     def outputs(self) -> list[View]:
         return [self.view(v) for v in self.prog.outputs]
+
+
+def _only_use(value: SSAValue, user) -> bool:
+    """Whether `user` is the one reader of `value` (which a group may also yield): only
+    then may it overwrite value's buffer."""
+    return all(use.operation is user for use in value.uses)
 
 
 def _plain_strides(dims, strides) -> list:
