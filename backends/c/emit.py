@@ -87,7 +87,6 @@ C_BINARY_INT = {
 # host runs it with the op table's NumPy semantics between native segments.
 HOST_FALLBACK = {
     "einsum": "NumPy's einsum on the host",
-    "attention": "the host's tiled kernel (K.attention)",
     "gather_elements": "host", "scatter_elements": "host", "scatter_nd": "host", "pad": "host", "tile": "host",
     "cumsum": "host", "cumprod": "host", "trilu": "host", "iota": "host", "topk": "host", "argmax": "host",
     "argmin": "host", "quantize": "host", "dequantize": "host", "dynamic_quantize": "host",
@@ -394,7 +393,48 @@ class CEmitter:
             return [self.conv(op, xs, [], {})[0]]
         if name in ("max_pool", "avg_pool"):
             return [self.pool(op, xs[0])]
+        if name == "attention":
+            return [self.attention(op, xs)]
         raise Unsupported(name)
+
+    def attention(self, op: TgOp, xs: list[View]) -> View:
+        """runtime.h's flash-style kernel; q, k, v rows must be contiguous (copied if not)."""
+        info = op.result_infos()[0]
+        if info.dtype != "f32" or any(x.literal is not None for x in xs[:3]):
+            raise Unsupported("attention in f32")
+        q, k, v = (x if _eq(x.strides[-1], 1) else self.materialize(x) for x in xs[:3])
+        mask = xs[3] if len(xs) > 3 else None
+        out = self._temp(info)
+        batch = info.shape[:-2]
+        lq, lk = q.shape[-2], k.shape[-2]
+
+        def batch_strides(x: View, rows) -> list:
+            full = self.broadcast(View(x.buf, x.offset, x.shape[:-2] + (1, 1), x.strides[:-2] + (0, 0), x.dtype),
+                                  tuple(batch) + (1, 1))
+            return list(full.strides[:-2])
+
+        arr = lambda xs_: "{" + ", ".join(self.ints(e) for e in xs_) + "}" if xs_ else "{0}"  # noqa: E731
+        mask_kind, mask_ptr, mr, mc, mb = 0, "NULL", 0, 0, [0] * len(batch)
+        if mask is not None:
+            if mask.literal is not None:
+                raise Unsupported("a scalar attention mask")
+            full = self.broadcast(mask, tuple(batch) + (lq, lk))
+            mask_kind = 1 if mask.dtype == "i1" else 2
+            mask_ptr, mr, mc, mb = self.ptr(mask), full.strides[-2], full.strides[-1], list(full.strides[:-2])
+        lines = [
+            "{",
+            f"    const int64_t bd[] = {arr(batch)}, qb[] = {arr(batch_strides(q, lq))}, kb[] = "
+            f"{arr(batch_strides(k, lk))}, vb[] = {arr(batch_strides(v, lk))};",
+            f"    const int64_t mb[] = {arr(mb)}, ob[] = {arr(out.strides[:-2])};",
+            f"    if (tg_attention({len(batch)}, bd, qb, kb, vb, mb, ob, {self.ptr(q)}, {self.ptr(k)}, {self.ptr(v)}, "
+            f"{mask_ptr}, {self.ptr(out, False)}, {self.ints(lq)}, {self.ints(lk)}, {self.ints(q.shape[-1])}, "
+            f"{self.ints(v.shape[-1])}, {self.ints(q.strides[-2])}, {self.ints(k.strides[-2])}, "
+            f"{self.ints(v.strides[-2])}, {self.ints(out.strides[-2])}, {mask_kind}, {self.ints(mr)}, {self.ints(mc)}, "
+            f"{c_float(op.attr('scale'), 'f32')}, {int(bool(op.attr('causal')))})) return 1;",
+            "}",
+        ]
+        self._step(_describe(op), lines, [q, k, v] + ([mask] if mask is not None else []), [out])
+        return out
 
     def host(self, op: TgOp, xs: list[View]) -> list[View]:
         outs = [self._temp(info) for info in op.result_infos()]
@@ -736,21 +776,30 @@ class CEmitter:
         return out
 
     def pool(self, op: TgOp, x: View) -> View:
+        """Max and average pools over 1-D or 2-D windows (a 1-D pool is a 2-D one of height 1)."""
         info = op.result_infos()[0]
         kernel = list(op.attr("kernel"))
-        if len(kernel) != 2 or x.dtype != "f32" or any(d != 1 for d in (op.attr("dilations") or [1, 1])):
-            raise Unsupported("pools: 2-D, f32, no dilation")
-        if op.op_name == "avg_pool" and not op.attr("count_include_pad") and any(op.attr("pads") or []):
-            raise Unsupported("avg_pool excluding padding")
+        nd = len(kernel)
+        if nd not in (1, 2) or x.dtype != "f32" or any(d != 1 for d in (op.attr("dilations") or [1] * nd)):
+            raise Unsupported("pools: 1-D or 2-D, f32, no dilation")
+        if op.op_name == "avg_pool" and op.attr("ceil_mode"):
+            raise Unsupported("avg_pool with ceil_mode")
+        strides = list(op.attr("strides") or [1] * nd)
+        pads = list(op.attr("pads") or [0] * (2 * nd))
         out = self._temp(info)
-        strides = list(op.attr("strides") or [1, 1])
-        pads = list(op.attr("pads") or [0, 0, 0, 0])
+        out_shape = tuple(info.shape)
+        if nd == 1:  # (N, C, W) as (N, C, 1, W)
+            x = View(x.buf, x.offset, x.shape[:2] + (1,) + x.shape[2:], x.strides[:2] + (0,) + x.strides[2:], x.dtype)
+            out_shape = out_shape[:2] + (1,) + out_shape[2:]
+            kernel, strides, pads = [1] + kernel, [1] + strides, [0, pads[0], 0, pads[1]]
         n, c, h, w = (self.ints(d) for d in x.shape)
-        oh, ow = (self.ints(d) for d in info.shape[2:])
-        sn, sc, sh, sw = (self.ints(s) for s in x.strides)
+        oh, ow = (self.ints(d) for d in out_shape[2:])
+        sn, sc, sh, sw = (self.ints(st) for st in x.strides)
         is_max = op.op_name == "max_pool"
+        include_pad = is_max or op.attr("count_include_pad")
         kh, kw = kernel
-        area = kh * kw
+        # The divisor: the whole window, or (count_include_pad false) the taps inside the input.
+        divisor = f"{kh * kw}.f" if include_pad else "(float)count"
         lines = [
             "{",
             f"    const float *x = {self.ptr(x)};",
@@ -761,6 +810,7 @@ class CEmitter:
             f"    for (int64_t oy = 0; oy < {oh}; oy++)",
             f"    for (int64_t ox = 0; ox < {ow}; ox++) {{",
             f"        float acc = {'-INFINITY' if is_max else '0.f'};",
+            "        int64_t count = 0;",
             f"        for (int64_t ky = 0; ky < {kh}; ky++) {{",
             f"            int64_t iy = oy * {strides[0]} - {pads[0]} + ky;",
             f"            if (iy < 0 || iy >= {h}) continue;",
@@ -769,14 +819,13 @@ class CEmitter:
             f"                if (ix < 0 || ix >= {w}) continue;",
             f"                float v = x[b * {sn} + ch * {sc} + iy * {sh} + ix * {sw}];",
             "                " + ("acc = v > acc || v != v ? v : acc;" if is_max else "acc += v;"),
+            "                count++;",
             "            }",
             "        }",
-            f"        y[((b * {c} + ch) * {oh} + oy) * {ow} + ox] = {'acc' if is_max else f'acc / {area}.f'};",
+            f"        y[((b * {c} + ch) * {oh} + oy) * {ow} + ox] = {'acc' if is_max else f'acc / {divisor}'};",
             "    }",
             "}",
         ]
-        if op.attr("ceil_mode") and not is_max:
-            raise Unsupported("avg_pool with ceil_mode")
         self._step(_describe(op), lines, [x], [out])
         return out
 
@@ -949,8 +998,9 @@ class CEmitter:
         info = op.result_infos()[0]
         x, w = xs[0], xs[1]
         bias = xs[2] if len(xs) > 2 else None
-        if info.dtype != "f32" or self.buffers[w.buf].kind not in ("weight", "constant"):
-            raise Unsupported("conv: f32 with a constant weight")
+        if info.dtype != "f32" or w.literal is not None or x.literal is not None:
+            raise Unsupported("conv: f32 tensors")
+        constant_weight = self.buffers[w.buf].kind in ("weight", "constant")
         if bias is not None and (bias.literal is not None or not self.is_contiguous(bias)):
             raise Unsupported("conv bias")
         groups = op.attr("groups")
@@ -982,7 +1032,8 @@ class CEmitter:
             f"    const int64_t str[] = {arr(strides)}, dil[] = {arr(dil)}, pad[] = {arr(pads)};",
             f"    const tg_post posts[] = {{{', '.join(posts) or '{0}'}}};",
             f"    if (tg_conv_create(&st->prim[{k}], {nd}, xd, xs, {len(wd)}, wd, ws, yd, ys, {int(bias is not None)}, "
-            f"str, dil, pad, {self.ptr(w)}, &tg_packs[{k}], {len(posts)}, posts)) return 1;",
+            f"str, dil, pad, {self.ptr(w) if constant_weight else 'NULL'}, &tg_packs[{k}], {len(posts)}, posts)) "
+            "return 1;",
             "}",
         ]
         post_ptrs = ", ".join(self.ptr(v) for v in post_views) or "NULL"

@@ -376,3 +376,98 @@ static inline double tg_gelu_tanh_d(double x) {
 #pragma omp declare simd notinbranch
 static inline float tg_sigmoid(float x) { float e = tg_expf(-fabsf(x)); return x >= 0 ? 1.f / (1.f + e) : e / (1.f + e); }
 static inline double tg_sigmoid_d(double x) { double e = exp(-fabs(x)); return x >= 0 ? 1. / (1. + e) : e / (1. + e); }
+
+/* --- attention: softmax(q k^T * scale + mask) v, flash-style ---
+ *
+ * Per (batch, block of TG_ATT_BQ query rows) task, keys in blocks of TG_ATT_BK with
+ * an online softmax (running max and sum, the accumulator rescaled when the max
+ * grows): memory is one key block and one accumulator row per query, never the
+ * Lq x Lk scores. Each key block is transposed into kt[D][BK] once per task, so both
+ * products vectorise along a contiguous axis (keys for q.k, value columns for p.v).
+ * Batch dims are flattened: dims bd[nb] and each tensor's strides over them. mask_kind:
+ * 0 none, 1 bool (keep where true), 2 float (added). Causal keeps j <= i + Lk - Lq. */
+#define TG_ATT_BQ 16
+#define TG_ATT_BK 64
+
+static int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb, const int64_t *vb,
+                        const int64_t *mb, const int64_t *ob, const float *q, const float *k, const float *v,
+                        const void *mask, float *o, int64_t lq, int64_t lk, int64_t d, int64_t dv, int64_t qr,
+                        int64_t kr, int64_t vr, int64_t orow, int mask_kind, int64_t mr, int64_t mc, float scale,
+                        int causal) {
+    int64_t batches = 1;
+    for (int i = 0; i < nb; i++) batches *= bd[i];
+    int64_t qblocks = (lq + TG_ATT_BQ - 1) / TG_ATT_BQ;
+    int failed = 0;
+#pragma omp parallel for collapse(2) schedule(dynamic) if (batches * lq * lk * d > 65536)
+    for (int64_t bi = 0; bi < batches; bi++)
+        for (int64_t qbk = 0; qbk < qblocks; qbk++) {
+            int64_t oq = 0, ok = 0, ov = 0, om = 0, oo = 0, rest = bi;
+            for (int i = nb - 1; i >= 0; i--) {
+                int64_t idx = rest % bd[i];
+                rest /= bd[i];
+                oq += idx * qb[i]; ok += idx * kb[i]; ov += idx * vb[i]; om += idx * mb[i]; oo += idx * ob[i];
+            }
+            int64_t i0 = qbk * TG_ATT_BQ, i1 = i0 + TG_ATT_BQ < lq ? i0 + TG_ATT_BQ : lq, nq = i1 - i0;
+            float *kt = malloc(sizeof(float) * (d * TG_ATT_BK + TG_ATT_BQ * (dv + TG_ATT_BK + 2)));
+            if (!kt) { failed = 1; continue; }
+            float *acc = kt + d * TG_ATT_BK, *s = acc + TG_ATT_BQ * dv, *mx = s + TG_ATT_BQ * TG_ATT_BK;
+            float *sum = mx + TG_ATT_BQ;
+            for (int64_t i = 0; i < nq; i++) {
+                mx[i] = -INFINITY;
+                sum[i] = 0.f;
+                for (int64_t c = 0; c < dv; c++) acc[i * dv + c] = 0.f;
+            }
+            for (int64_t j0 = 0; j0 < lk; j0 += TG_ATT_BK) {
+                int64_t nk = j0 + TG_ATT_BK < lk ? TG_ATT_BK : lk - j0;
+                if (causal && j0 > i1 - 1 + lk - lq) break;
+                for (int64_t j = 0; j < nk; j++)
+                    for (int64_t c = 0; c < d; c++) kt[c * TG_ATT_BK + j] = k[ok + (j0 + j) * kr + c];
+                for (int64_t i = 0; i < nq; i++) {
+                    float *si = s + i * TG_ATT_BK;
+                    const float *qi = q + oq + (i0 + i) * qr;
+                    for (int64_t j = 0; j < nk; j++) si[j] = 0.f;
+                    for (int64_t c = 0; c < d; c++) {
+                        float qc = qi[c] * scale;
+#pragma omp simd
+                        for (int64_t j = 0; j < nk; j++) si[j] += qc * kt[c * TG_ATT_BK + j];
+                    }
+                    for (int64_t j = 0; j < nk; j++) {
+                        int64_t jj = j0 + j;
+                        if (causal && jj > i0 + i + lk - lq) si[j] = -INFINITY;
+                        if (mask_kind == 1 && !((const uint8_t *)mask)[om + (i0 + i) * mr + jj * mc]) si[j] = -INFINITY;
+                        if (mask_kind == 2) si[j] += ((const float *)mask)[om + (i0 + i) * mr + jj * mc];
+                    }
+                    float m = mx[i];
+                    for (int64_t j = 0; j < nk; j++) m = si[j] > m ? si[j] : m;
+                    /* all -inf so far: nothing to weigh yet (exp(-inf - -inf) would be NaN) */
+                    float corr = m == -INFINITY ? 1.f : tg_expf(mx[i] - m), l = 0.f;
+#pragma omp simd reduction(+ : l)
+                    for (int64_t j = 0; j < nk; j++) {
+                        float p = m == -INFINITY ? 0.f : tg_expf(si[j] - m);
+                        si[j] = p;
+                        l += p;
+                    }
+                    sum[i] = sum[i] * corr + l;
+                    mx[i] = m;
+                    float *ai = acc + i * dv;
+#pragma omp simd
+                    for (int64_t c = 0; c < dv; c++) ai[c] *= corr;
+                    for (int64_t j = 0; j < nk; j++) {
+                        const float *vj = v + ov + (j0 + j) * vr;
+                        float p = si[j];
+#pragma omp simd
+                        for (int64_t c = 0; c < dv; c++) ai[c] += p * vj[c];
+                    }
+                }
+            }
+            for (int64_t i = 0; i < nq; i++) {
+                /* a row with every key masked: NaN, as softmax over all -inf is */
+                float inv = sum[i] > 0.f ? 1.f / sum[i] : NAN;
+                float *oi = o + oo + (i0 + i) * orow;
+                for (int64_t c = 0; c < dv; c++) oi[c] = acc[i * dv + c] * inv;
+            }
+            free(kt);
+        }
+    if (failed) TG_FAIL("attention: out of memory for its working blocks");
+    return 0;
+}
