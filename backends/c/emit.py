@@ -831,7 +831,8 @@ class CEmitter:
 
     # --- GEMMs and convolutions on oneDNN ------------------------------------------------
 
-    def _posts(self, chain: list[TgOp], acc: SSAValue, env: dict, out_shape, geometry) -> tuple[list[str], list[View], int]:
+    def _posts(self, chain: list[TgOp], acc: SSAValue, env: dict, out_shape, geometry,
+               conv: bool = False) -> tuple[list[str], list[View], int]:
         """oneDNN post-ops for the leading ops of `chain` that it can fuse: returns the C
         initialiser lines of a tg_post array, the views their binary operands read, and
         how many ops of the chain they cover. `geometry(view)` gives an operand, broadcast
@@ -870,9 +871,11 @@ class CEmitter:
                     # Only a whole tensor or one value per column (a bias): oneDNN 3.2's
                     # GEMM kernels, cached by a key that omits the broadcast, gave wrong
                     # results for a per-row-vector operand (MiniLM's attention mask) once
-                    # a kernel with a whole-tensor operand had been made.
+                    # a kernel with a whole-tensor operand had been made. Convolutions also
+                    # take one value per channel (a folded batch norm).
                     if not (all(_is_one(d) for d in dims[:-1]) or all(not _is_one(d) or _is_one(o_d)
-                                                                      for d, o_d in zip(dims, out_shape))):
+                                                                      for d, o_d in zip(dims, out_shape))
+                            or (conv and all(_is_one(d) for i, d in enumerate(dims) if i != 1))):
                         break
                     posts.append(f"{{1, {DNNL_BINARY[name]}, 0.f, 0.f, {len(dims)}, "
                                  f"{{{', '.join(self.ints(d) for d in dims)}}}, "
@@ -1020,7 +1023,7 @@ class CEmitter:
         def geometry(full: View):
             dims = [1 if _eq(st, 0) else d for d, st in zip(full.shape, full.strides)]
             return dims, _plain_strides(dims, list(full.strides))
-        posts, post_views, covered = self._posts(chain, op.results[0], env, info.shape, geometry)
+        posts, post_views, covered = self._posts(chain, op.results[0], env, info.shape, geometry, conv=True)
         k = self.gemm_count
         self.gemm_count += 1
         arr = lambda xs: "{" + ", ".join(self.ints(x) for x in xs) + "}"  # noqa: E731

@@ -136,6 +136,7 @@ class CompiledModel:
             return self._run([np.ascontiguousarray(a) for a in arrays], sizes)
 
     def set_threads(self, n: int) -> None:
+        """OpenMP's thread count for this process's C modules (one pool serves them all)."""
         self._lib.tg_set_threads(int(n))
 
     def _binding(self, sizes: dict[str, int]) -> _Binding:
@@ -216,8 +217,12 @@ def _lifetimes(program: CProgram) -> dict[int, tuple[int, int]]:
 _LOADED: dict[str, ctypes.CDLL] = {}
 
 
-def load(source: str, weights: Mapping[str, np.ndarray], model: Model | None = None) -> CompiledModel:
-    """Build (or find in the cache) the module's library and bind its weights."""
+def load(source: str, weights: Mapping[str, np.ndarray], model: Model | None = None,
+         threads: int | None = None) -> CompiledModel:
+    """Build (or find in the cache) the module's library and bind its weights. `threads`
+    caps the OpenMP threads its kernels and oneDNN use (default: OpenMP's, one per core)."""
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+        raise TilegraphError(f"threads= must be a positive integer, got {threads!r}")
     if model is None:
         raise TilegraphError("the C backend loads a module with the model it was emitted from (load(source, "
                              "weights, model))")
@@ -228,4 +233,7 @@ def load(source: str, weights: Mapping[str, np.ndarray], model: Model | None = N
     library = _LOADED.get(path)
     if library is None:
         library = _LOADED[path] = ctypes.CDLL(path)
-    return CompiledModel(program, library, weights, model)
+    compiled = CompiledModel(program, library, weights, model)
+    if threads is not None:
+        compiled.set_threads(threads)
+    return compiled
