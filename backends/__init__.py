@@ -3,6 +3,8 @@
 A backend module has `emit(model) -> str` and `load(source, weights, model=None)`
 returning a callable (inputs in, list of NumPy arrays out). `TARGETS` maps each
 target name that `tilegraph.compile` accepts to its module, imported only when used.
+Each backend also declares how it lowers every op of the table, registered in
+`backends/lowering.py`'s `BACKENDS` (the module docstring there says how).
 """
 
 from __future__ import annotations

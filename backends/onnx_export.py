@@ -43,14 +43,14 @@ from typing import Callable, Sequence
 import numpy as np
 import sympy
 
-from tilegraph.ir import dtypes
+from tilegraph.ir import dtypes, onnx_names
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.model import Model
 from tilegraph.ir.ops import OPS
 from tilegraph.ir.quant import FORMATS, MIN_SCALE, E8M0_EXPONENTS, scale_layout
 from tilegraph.ir.shapes import TensorInfo, dims_equal, info_of
-from tilegraph.frontends import onnx as onnx_frontend
+from tilegraph.backends.lowering import table
 
 # int8 codes a MatMulInteger reads are written as uint8 codes + SHIFT (see _dynamic_quantize).
 SHIFT = 128
@@ -77,12 +77,13 @@ def _onnx_types() -> dict[str, int]:
 # MX types: exported exactly in a wider type onnxruntime runs (see the module docstring).
 WIDENED = {"f4E2M1FN": "f8E4M3FN", "f6E2M3FN": "f8E4M3FN", "f8E8M0FNU": "f32"}
 
-# The frontend's ONNX -> tg name tables, inverted (one table per direction would drift apart),
-# plus the tg ops the frontend reaches another way (Pow, variadic Max/Min, Where).
-UNARY = {tg: onnx_op for onnx_op, tg in onnx_frontend.UNARY.items()}
-BINARY = {tg: onnx_op for onnx_op, tg in onnx_frontend.BINARY.items()} | {
+# The frontend's ONNX -> tg name tables (ir/onnx_names.py), inverted (one table per direction
+# would drift apart), plus the tg ops the frontend reaches another way (Pow, variadic Max/Min, Where).
+UNARY = {tg: onnx_op for onnx_op, tg in onnx_names.UNARY.items()}
+BINARY = {tg: onnx_op for onnx_op, tg in onnx_names.BINARY.items()} | {
     "pow": "Pow", "max": "Max", "min": "Min", "where": "Where"}
-REDUCE = {f"reduce_{kind}": onnx_op for onnx_op, kind in onnx_frontend.REDUCE.items() if f"reduce_{kind}" in OPS}
+REDUCE = {name: onnx_op for onnx_op, kind in onnx_names.REDUCE.items() for name, spec in OPS.items()
+          if spec.reduction == kind}
 # Ops whose ONNX form computes a shape from the symbolic dims (Reshape, Expand, Range, ...): each symbol
 # must be an input's dim, read by Shape at run time.
 SHAPE_COMPUTING = ("reshape", "broadcast", "iota", "attention", "layer_norm")
@@ -386,7 +387,7 @@ def _generic(ex: _Exporter, op: TgOp, ins: list[str]) -> list[str]:
         # ReduceSum/Prod/Mean take no 8- or 16-bit integers: in 64 bits, then cast back (wrapping, as NumPy's
         # sum in the operand's own dtype wraps).
         wide = {"i8": "i64", "i16": "i64", "ui8": "ui64", "ui16": "ui64"}.get(out.dtype) \
-            if name in ("reduce_sum", "reduce_prod", "reduce_mean") else None
+            if op.SPEC.reduction in ("sum", "prod", "mean") else None
         x = ex.cast(ins[0], out.dtype, wide) if wide else ins[0]
         y = ex.one(REDUCE[name], x, ex.const(axes), keepdims=int(op.attr("keepdims")),
                    noop_with_empty_axes=1 if not axes else None)
@@ -754,6 +755,8 @@ _EXPORT: dict[str, Callable] = {
     "dequantize": _dequantize, "dynamic_quantize": _dynamic_quantize, "matmul_integer": _matmul_integer,
 }
 EXPORTABLE = frozenset(_EXPORT) | frozenset(UNARY) | frozenset(BINARY) | frozenset(REDUCE) | {"ne"}
+# The lowering table (backends/lowering.py): ONNX nodes, or the stated refusal.
+LOWERINGS = table(template=sorted(EXPORTABLE), fallback={n: f"refused: {r}" for n, r in NO_ONNX_OP.items()})
 
 
 # --- entry points ------------------------------------------------------------------------------------

@@ -102,13 +102,22 @@ def paired_ratio(samples: dict[str, list[float]], a: str, b: str) -> tuple[float
     return float(median), float(q1), float(q3)
 
 
-def load_kernels(checkout: Path):
-    """`ir/kernels.py` of another checkout, as a module of its own name (exits 2 if absent)."""
+def load_kernels(checkout: Path, name: str = "base"):
+    """`ir/kernels.py` of a checkout, as a module of its own name (exits 2 if absent), with
+    `attention_tiled` from backends/numpy/attention.py where it lives there (since issue 15)."""
     path = checkout / "ir" / "kernels.py"
     if not path.is_file():
         print(f"--base {checkout}: no ir/kernels.py there", file=sys.stderr)
         sys.exit(2)
-    spec = importlib.util.spec_from_file_location("base_kernels", path)
+    module = _load_file(f"{name}_kernels", path)
+    tiled = checkout / "backends" / "numpy" / "attention.py"
+    if tiled.is_file():
+        module.attention_tiled = _load_file(f"{name}_attention", tiled).attention_tiled
+    return module
+
+
+def _load_file(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

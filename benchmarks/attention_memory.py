@@ -3,7 +3,7 @@
 
 Variants, all on the same seeded q, k, v of shape [1, 12, N, 64]:
   naive          K.attention: materialises the [12, N, N] scores (805 MB at N = 4096)
-  tiled t1/tN    K.attention_tiled in the tile pass's blocks (passes.tile FLASH_BLOCK_Q x
+  tiled t1/tN    attention_tiled (backends/numpy/attention.py) in the tile pass's blocks (passes.tile FLASH_BLOCK_Q x
                  FLASH_BLOCK_KV), on 1 and on all cores: online softmax over key blocks
   tilegraph      a graph of one tg.attention compiled by tilegraph.compile (default
                  pipeline, NumPy backend): what a user of tilegraph gets end to end
@@ -96,6 +96,7 @@ def onnx_model(seq: int, fused: bool):
 
 def make_runner(variant: str, seq: int, blocks: tuple[int, int]):
     """A zero-argument callable computing the attention of `inputs(seq)` one way."""
+    from tilegraph.backends.numpy.attention import attention_tiled
     from tilegraph.backends.numpy.chunks import THREADS
     from tilegraph.ir import kernels as K
 
@@ -105,7 +106,7 @@ def make_runner(variant: str, seq: int, blocks: tuple[int, int]):
         return lambda: K.attention(q, k, v, None, s, False)
     if variant in ("tiled t1", "tiled tN"):
         threads = 1 if variant == "tiled t1" else THREADS
-        return lambda: K.attention_tiled(q, k, v, None, s, False, *blocks, threads=threads)
+        return lambda: attention_tiled(q, k, v, None, s, False, *blocks, threads=threads)
     if variant == "tilegraph":
         import tilegraph
         from tilegraph.ir import Graph

@@ -222,7 +222,7 @@ def measure(case: Case, hw, repeat: int) -> tuple[list[Kernel], dict]:
 # measured one-thread time: drift since calibration. `speedup` = one thread's time / all
 # threads' time: the cores this process really got. Another process on the shared
 # 2-core machine shows as a speedup near 1; quiet, this machine gives 1.65-1.9 on 2.
-CHECK_GEMM = (256, 1536, 384)  # (m, n, k): one of the calibrated shapes (passes/cost/calibrate.py)
+CHECK_GEMM = (256, 1536, 384)  # (m, n, k): one of the calibrated shapes (backends/numpy/calibrate.py)
 CHECK_ROWS = 128
 CHECK_CALLS = 11
 DISTURBED_SPEEDUP = 0.7  # x THREADS: below this another process had a core: say so
@@ -366,7 +366,7 @@ def worst_table(rows: list[dict], n: int | None) -> str:
 
 def main(args) -> int:
     if args.calibrate:
-        from tilegraph.passes.cost import calibrate
+        from tilegraph.backends.numpy import calibrate
 
         calibrate.run(quick=False)
     hw = hardware("cpu")

@@ -36,7 +36,6 @@ from _common import format_table, interleaved_samples, load_kernels, machine_lin
 import numpy as np  # noqa: E402
 
 from tilegraph.backends.numpy.chunks import THREADS  # noqa: E402
-from tilegraph.ir import kernels  # noqa: E402
 
 
 def cases(rng: np.random.Generator) -> dict[str, tuple]:
@@ -93,6 +92,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=21, help="timed rounds (default 21)")
     args = ap.parse_args(argv)
     base = load_kernels(args.base)
+    kernels = load_kernels(Path(__file__).resolve().parent.parent, "this")
     for line in machine_lines():
         print(line)
     print(f"median of {args.repeat} round-robin rounds; peer: {args.base / 'ir' / 'kernels.py'}; {THREADS} threads\n")

@@ -47,6 +47,7 @@ from tilegraph.ir.builder import INLINE_CONSTANT_LIMIT, Graph, Tensor
 from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.interpreter import GLOBALS, dtype_code, shape_code
 from tilegraph.ir.model import Model
+from tilegraph.ir.onnx_names import BINARY, REDUCE, UNARY
 from tilegraph.ir.ops import OPS, REQUIRED, infer, normalize_attrs, render
 from tilegraph.ir.shapes import Dim, ShapeError, TensorInfo, broadcast_shapes, is_static, normalize_dim, numel, symbol
 
@@ -693,21 +694,9 @@ def _conv(*names: str):
     return deco
 
 
-UNARY = {
-    "Abs": "abs", "Neg": "neg", "Exp": "exp", "Log": "log", "Sqrt": "sqrt", "Reciprocal": "reciprocal",
-    "Tanh": "tanh", "Sigmoid": "sigmoid", "Relu": "relu", "Erf": "erf", "Sin": "sin", "Cos": "cos", "Tan": "tan",
-    "Asin": "asin", "Acos": "acos", "Atan": "atan", "Sinh": "sinh", "Cosh": "cosh", "Asinh": "asinh",
-    "Acosh": "acosh", "Atanh": "atanh", "Floor": "floor", "Ceil": "ceil", "Round": "round", "Sign": "sign",
-    "Not": "not", "IsNaN": "isnan", "BitwiseNot": "bitwise_not",
-}
 for _onnx, _tg in UNARY.items():
     CONVERTERS[_onnx] = lambda n, _tg=_tg: n.op(_tg, n.x(0))
 
-BINARY = {
-    "Add": "add", "Sub": "sub", "Mul": "mul", "Div": "div", "BitwiseAnd": "bitwise_and",
-    "BitwiseOr": "bitwise_or", "BitwiseXor": "bitwise_xor", "And": "and", "Or": "or", "Xor": "xor",
-    "Equal": "eq", "Less": "lt", "LessOrEqual": "le", "Greater": "gt", "GreaterOrEqual": "ge",
-}
 for _onnx, _tg in BINARY.items():
     CONVERTERS[_onnx] = lambda n, _tg=_tg: n.op(_tg, n.x(0), n.x(1))
 
@@ -1252,11 +1241,6 @@ def _dropout(n):
 
 
 # --- reductions ---
-
-REDUCE = {"ReduceSum": "sum", "ReduceMean": "mean", "ReduceMax": "max", "ReduceMin": "min", "ReduceProd": "prod",
-          "ReduceL1": "l1", "ReduceL2": "l2", "ReduceLogSum": "log_sum", "ReduceLogSumExp": "log_sum_exp",
-          "ReduceSumSquare": "sum_square"}
-
 
 def _reduce_axes(n, x) -> list[int] | None:
     """The axes to reduce; None: the identity (noop_with_empty_axes with no axes)."""

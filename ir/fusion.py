@@ -11,14 +11,15 @@ from typing import Callable
 
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.dtypes import numpy_dtype
+from tilegraph.ir.ops import ANCHOR, ELEMWISE, OPS
 from tilegraph.ir.shapes import TensorInfo, dims_equal, info_of, numel
 
-# Ops that move or name data without computing: free on the CPU (NumPy views), and
-# folded into the indexing of a fused GPU kernel.
-VIEW_OPS = {"reshape", "transpose", "broadcast", "slice", "identity", "weight", "constant"}
-# Anchors: ops a group is built around; at most one per group (horizontal fusion of
-# siblings sharing an input makes one wider anchor out of several).
-ANCHORS = {"matmul", "einsum", "conv", "attention"}
+# Both read off the op table's traits (ir/ops.py). Views: ops that move or name data
+# without computing, free on the CPU (NumPy views) and folded into the indexing of a
+# fused GPU kernel. Anchors: ops a group is built around; at most one per group
+# (horizontal fusion of siblings sharing an input makes one wider anchor out of several).
+VIEW_OPS = frozenset(name for name, spec in OPS.items() if spec.view)
+ANCHORS = frozenset(name for name, spec in OPS.items() if spec.pattern == ANCHOR)
 
 
 def row_reshape(op: TgOp) -> bool:
@@ -32,16 +33,14 @@ def row_reshape(op: TgOp) -> bool:
 
 def row_local(op: TgOp) -> bool:
     """Whether the op computes each row (all but the last axis) from the same row of its operands."""
-    if op.op_name == "trilu":  # elementwise, but which elements depends on the row index
-        return False
     if op.op_name == "reshape":
         return row_reshape(op)
-    if op.op_name in ANCHORS or op.SPEC.category == "elementwise" or op.op_name == "gelu":
+    if op.SPEC.pattern in (ANCHOR, ELEMWISE):  # (trilu is injective: which elements depends on the row)
         return True
     rank = info_of(op.operands[0].type).rank
     if op.op_name in ("softmax", "layer_norm"):
         return op.attr("axis") % rank == rank - 1
-    if op.op_name.startswith("reduce_"):
+    if op.SPEC.reduction:
         return [a % rank for a in op.attr("axes")] == [rank - 1] and op.attr("keepdims")
     return False
 
@@ -115,7 +114,7 @@ def cols_ok(group: FusionOp) -> bool:
         return False
     width = info_of(anchors[0].results[0].type).shape[-1]
     for op in group.ops[1:]:
-        if not (op.SPEC.category == "elementwise" or op.op_name == "gelu" or row_reshape(op)):
+        if not (op.SPEC.pattern == ELEMWISE or row_reshape(op)):
             return False
         for v in (*op.operands, *op.results):
             info = info_of(v.type)

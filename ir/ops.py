@@ -3,8 +3,10 @@
 This table is the one description of what an op means. The dialect generates its
 xDSL op classes from it, the builder and the verifier run its shape rules, and the
 reference interpreter and the NumPy emitter both render its `numpy` template (the
-interpreter in float64, the emitter in the graph's dtypes). Adding an op is adding
-one `OpSpec` here.
+interpreter in float64, the emitter in the graph's dtypes). Each op also carries the
+traits passes read instead of lists of op names (fusion pattern kind, reduction kind,
+FLOPs, loop space). Adding an op is adding one `OpSpec` here, and one entry in each
+backend's lowering table (backends/lowering.py; a test fails until there is one).
 
 Templates name operands and attributes in braces: `np.sum({x}, axis={axes}, ...)`.
 `{out_shape}` is the result shape as Python (symbolic dims are local variables of
@@ -13,10 +15,10 @@ the generated code), `{dtype}` the result's NumPy dtype. `K` is `ir.kernels`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from tilegraph.ir import dtypes
+from tilegraph.ir import dtypes, loops
 from tilegraph.ir.shapes import (
     Dim,
     ShapeError,
@@ -30,6 +32,17 @@ from tilegraph.ir.shapes import (
 
 REQUIRED = object()  # attribute default meaning "must be given"
 
+# Fusion pattern kinds, after TVM's OpPatternKind (include/tvm/relax/op_attr_types.h):
+# what a fused loop may do with the op. `fuse`, `tile` and the backends read these.
+ELEMWISE = "elementwise"  # result[i] from operands[i] (broadcast included): fuses anywhere
+INJECTIVE = "injective"  # each result element copies one operand element (layout ops, trilu)
+REDUCE = "reduce"  # reads along an axis: reductions, scans, pools, softmax, layer_norm
+ANCHOR = "anchor"  # TVM's out-elementwise-fusable: a GEMM-like op a group is built around
+OPAQUE = "opaque"  # never fused: sources and number-format changes
+PATTERNS = (ELEMWISE, INJECTIVE, REDUCE, ANCHOR, OPAQUE)
+PATTERN_OF_CATEGORY = {"elementwise": ELEMWISE, "layout": INJECTIVE, "reduction": REDUCE, "composite": REDUCE,
+                       "contraction": ANCHOR, "source": OPAQUE, "quantize": OPAQUE}
+
 
 @dataclass(frozen=True)
 class OpSpec:
@@ -39,13 +52,42 @@ class OpSpec:
     attrs: dict[str, tuple[str, Any]]  # name -> (kind, default); kinds below
     infer: Callable[[list[TensorInfo], dict, Sequence[TensorInfo] | None], list[TensorInfo]]
     numpy: str | Callable[..., str]
-    # How fusion and cost see it: elementwise, reduction, contraction, layout,
-    # composite, source.
+    # What kind of op it is: elementwise, reduction, contraction, layout, composite,
+    # source, quantize.
     category: str
     doc: str = ""
     # The result type is given by the user and checked, not derived (reshape, broadcast, cast).
     result_given: bool = False
-    extra: dict = field(default_factory=dict)
+    # --- traits: what passes and backends read instead of lists of op names ---
+    # Fusion pattern kind (PATTERNS below); by default from the category.
+    pattern: str = ""
+    # Which reduction a reduce op computes: sum, mean, max, min or prod (None: not a reduce op).
+    reduction: str | None = None
+    # Moves or names data without computing: a NumPy view, indexing in a fused GPU kernel.
+    view: bool = False
+    # FLOPs per result element (per operand element for a reduction), or a function
+    # of the shapes (ins, outs) -> FLOPs for the ops whose count depends on more than one shape.
+    flops: int | Callable[..., Any] = 1
+    # The NumPy template's passes over its data on the CPU, as (calibrated ufunc, count)
+    # per result element, and its NumPy calls where that is not one per pass (the cost
+    # model prices them; read off the templates and ir/kernels.py). () = one simple pass.
+    cpu_passes: tuple[tuple[str, int], ...] = ()
+    numpy_calls: int = 0
+    # The iteration space (ir/loops.py) the sharding planner splits; None: runs replicated.
+    loops: Callable[..., Any] | None = None
+
+    def flop_count(self, ins: Sequence[TensorInfo], outs: Sequence[TensorInfo]):
+        """FLOPs of one op at these shapes (multiply-add = 2), a sympy expression."""
+        import sympy
+
+        if callable(self.flops):
+            return sympy.sympify(self.flops(ins, outs))
+        return self.flops * sympy.sympify(numel((ins[0] if self.category == "reduction" else outs[0]).shape))
+
+    def __post_init__(self):
+        if not self.pattern:
+            object.__setattr__(self, "pattern", PATTERN_OF_CATEGORY[self.category])
+        assert self.pattern in PATTERNS, self.pattern
 
     @property
     def variadic(self) -> bool:
@@ -68,6 +110,11 @@ OPS: dict[str, OpSpec] = {}
 
 
 def _op(name, operands, infer, numpy, category, attrs=None, doc="", **kw) -> None:
+    kw.setdefault("flops", 0 if category in ("layout", "source") else 1)  # copies compute nothing
+    kw.setdefault("pattern", PATTERN_OF_CATEGORY[category])
+    kw.setdefault("cpu_passes", CPU_PASSES.get(name, ()))
+    if kw["pattern"] == ELEMWISE:
+        kw.setdefault("loops", loops.elementwise)
     OPS[name] = OpSpec(name, tuple(operands), dict(attrs or {}), infer, numpy, category, doc, **kw)
 
 
@@ -449,7 +496,46 @@ def _constant(ins, attrs, given):
     return [out]
 
 
+# --- FLOPs of the ops whose count depends on more than their result's size ---
+
+SOFTMAX_FLOPS = 5  # per element: max, subtract, exp, sum, divide (conventional counts)
+
+
+def _matmul_flops(ins, outs):
+    return 2 * numel(outs[0].shape) * ins[0].shape[-1]
+
+
+def _conv_flops(ins, outs):
+    return 2 * numel(outs[0].shape) * numel(ins[1].shape[1:])
+
+
+def _attention_flops(ins, outs):
+    import sympy
+
+    q, k, v = ins[:3]
+    batch_q = sympy.sympify(numel(outs[0].shape)) / v.shape[-1]  # batch * Lq
+    return batch_q * k.shape[-2] * (2 * q.shape[-1] + 2 * v.shape[-1] + SOFTMAX_FLOPS)
+
+
+def _einsum_flops(ins, outs):
+    return 2 * max(numel(t.shape) for t in ins)  # (einsum shapes are concrete)
+
+
 # --- the table ---------------------------------------------------------------
+
+# The NumPy templates' passes per result element on the CPU (OpSpec.cpu_passes), for the
+# ops made by the loops below; the ops defined one by one name theirs where they are.
+CPU_PASSES: dict[str, tuple[tuple[str, int], ...]] = {
+    "add": (("add", 1),), "sub": (("add", 1),), "mul": (("mul", 1),), "div": (("div", 1),),
+    "max": (("maximum", 1),), "min": (("maximum", 1),), "relu": (("maximum", 1),),
+    "exp": (("exp", 1),), "tanh": (("tanh", 1),), "sqrt": (("sqrt", 1),), "rsqrt": (("sqrt", 1), ("div", 1)),
+    "reciprocal": (("div", 1),), "erf": (("erf", 1),), "where": (("where", 1),),
+    "pow": (("exp", 1), ("log", 1)),  # float np.power: exp(y log x), at about their cost
+    "sigmoid": (("exp", 1), ("add", 3), ("div", 2), ("where", 1)),
+    **{f"reduce_{kind}": (("sum", 1),) for kind in ("sum", "mean", "max", "min", "prod")},
+}
+# FLOPs per element where not 1 (conventional counts; the cost model's FLOPs-only baseline).
+UNARY_FLOPS = {"sigmoid": 4, "erf": 8, "rsqrt": 2}
 
 # Unary elementwise: name -> template
 UNARY = {
@@ -483,45 +569,16 @@ UNARY = {
 }
 FLOAT_ONLY = {"exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "erf", "sin", "cos", "tan", "asin", "acos",
               "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "gelu"}
-# The Triton expression of each elementwise op, for the Triton backend's kernels
-# (backends/triton/kernels.py). Operands are Triton tensors: floats computed in fp32
-# (fp64 for f64), ints and bools in their own type; `{dtype}` is the result's compute
-# type, `{storage}` its storage type. The NumPy templates stay the semantics these
-# must match; `tlmath` holds what Triton's interpreter lacks (backends/triton/tlmath.py).
-_NAN_ALL = "propagate_nan=tl.PropagateNan.ALL"  # np.maximum/np.minimum propagate nan
-TRITON: dict[str, str] = {
-    "neg": "-{x}", "abs": "tl.abs({x})", "exp": "tl.exp({x})", "log": "tl.log({x})", "sqrt": "tl.sqrt({x})",
-    "rsqrt": "1.0 / tl.sqrt({x})", "reciprocal": "1.0 / {x}", "tanh": "tlmath.tanh({x})",
-    "sigmoid": "tlmath.sigmoid({x})", "relu": f"tl.maximum({{x}}, 0.0, {_NAN_ALL})", "erf": "tl.math.erf({x})",
-    "sin": "tl.sin({x})", "cos": "tl.cos({x})", "tan": "tl.sin({x}) / tl.cos({x})", "asin": "tlmath.asin({x})",
-    "acos": "tlmath.acos({x})", "atan": "tlmath.atan({x})", "sinh": "tlmath.sinh({x})", "cosh": "tlmath.cosh({x})",
-    "asinh": "tlmath.asinh({x})", "acosh": "tlmath.acosh({x})", "atanh": "tlmath.atanh({x})",
-    "floor": "tl.floor({x})", "ceil": "tl.ceil({x})", "round": "tlmath.rint({x})", "sign": "tlmath.sign({x})",
-    "bitwise_not": "~{x}", "not": "{x} == 0", "isnan": "{x} != {x}",
-    "isinf": "(({x} == float('inf')) & {detect_positive}) | (({x} == float('-inf')) & {detect_negative})",
-    "cast": "{x}.to({storage}).to({dtype})",
-    "add": "{lhs} + {rhs}", "sub": "{lhs} - {rhs}", "mul": "{lhs} * {rhs}", "div": "{lhs} / {rhs}",
-    "pow": "tlmath.pow({lhs}, {rhs})", "max": f"tl.maximum({{lhs}}, {{rhs}}, {_NAN_ALL})",
-    "min": f"tl.minimum({{lhs}}, {{rhs}}, {_NAN_ALL})", "bitwise_and": "{lhs} & {rhs}",
-    "bitwise_or": "{lhs} | {rhs}", "bitwise_xor": "{lhs} ^ {rhs}", "shift_left": "{lhs} << {rhs}",
-    "shift_right": "{lhs} >> {rhs}", "mod": "tlmath.mod({lhs}, {rhs}, {fmod})",
-    "and": "({lhs} != 0) & ({rhs} != 0)", "or": "({lhs} != 0) | ({rhs} != 0)", "xor": "({lhs} != 0) ^ ({rhs} != 0)",
-    "eq": "{lhs} == {rhs}", "ne": "{lhs} != {rhs}", "lt": "{lhs} < {rhs}", "le": "{lhs} <= {rhs}",
-    "gt": "{lhs} > {rhs}", "ge": "{lhs} >= {rhs}", "where": "tl.where({cond}, {lhs}, {rhs})",
-    "expm1": "tlmath.expm1({x})", "log1p": "tlmath.log1p({x})",
-}
-# Where the integer (and bool) form differs: `//` truncates toward zero as K.div does.
-TRITON_INT: dict[str, str] = {
-    "relu": "tl.maximum({x}, 0)", "floor": "{x}", "ceil": "{x}", "round": "{x}",
-    "sign": "tl.where({x} > 0, 1, tl.where({x} < 0, -1, 0)).to({dtype})", "div": "{lhs} // {rhs}",
-    "pow": "tlmath.ipow({lhs}, {rhs})", "max": "tl.maximum({lhs}, {rhs})", "min": "tl.minimum({lhs}, {rhs})",
-    "isnan": "{x} != {x}", "abs": "tl.abs({x})",
-}
-
 for _name, _tpl in UNARY.items():
-    _op(_name, ["x"], _unary(_name, floats_only=_name in FLOAT_ONLY), _tpl, "elementwise")
+    # K.erf evaluates its polynomial in 2 NumPy calls per coefficient (7) plus clip, square, multiply, tanh.
+    _op(_name, ["x"], _unary(_name, floats_only=_name in FLOAT_ONLY), _tpl, "elementwise",
+        flops=UNARY_FLOPS.get(_name, 1), numpy_calls=16 if _name == "erf" else 0)
+# Composite (decompose spells it out), but elementwise to fusion, tiling and sharding.
+# (f32, K.gelu) clip, square, the erf polynomial's 12 passes, multiply, exp, add, divide;
+# 18 NumPy calls per block of ERF_BLOCK elements.
 _op("gelu", ["x"], _unary("gelu", floats_only=True), "K.gelu({x}, {approximate})", "composite",
-    {"approximate": ("str", "none")}, doc="x * Phi(x); approximate='tanh' uses the tanh formula")
+    {"approximate": ("str", "none")}, doc="x * Phi(x); approximate='tanh' uses the tanh formula",
+    pattern=ELEMWISE, flops=8, cpu_passes=(("add", 15), ("exp", 1), ("add", 1), ("div", 1)), numpy_calls=18)
 _op("not", ["x"], _unary("not", "i1"), "np.logical_not({x})", "elementwise")
 _op("isnan", ["x"], _unary("isnan", "i1"), "np.isnan({x})", "elementwise")
 _op("isinf", ["x"], _unary("isinf", "i1"), "K.isinf({x}, {detect_positive}, {detect_negative})", "elementwise",
@@ -565,7 +622,7 @@ REDUCE = {
 }
 for _name, _tpl in REDUCE.items():
     _op("reduce_" + _name, ["x"], _reduce("reduce_" + _name), _tpl, "reduction",
-        {"axes": ("ints", REQUIRED), "keepdims": ("bool", False)})
+        {"axes": ("ints", REQUIRED), "keepdims": ("bool", False)}, reduction=_name, loops=loops.reduce(_name))
 for _name in ("argmax", "argmin"):
     _op(_name, ["x"], _arg_reduce(_name), f"K.{_name}({{x}}, {{axis}}, {{keepdims}}, {{select_last_index}})",
         "reduction", {"axis": ("int", REQUIRED), "keepdims": ("bool", False), "select_last_index": ("bool", False)})
@@ -577,11 +634,13 @@ def _render_matmul(operands, attrs, out_shape, dtype):
 
 
 _op("matmul", ["lhs", "rhs"], _matmul, _render_matmul, "contraction",
-    doc="NumPy matmul: batched, broadcasting, 1-D operands promoted and squeezed")
-_op("einsum", ["*inputs"], _einsum, "np.einsum({equation}, *{inputs})", "contraction", {"equation": ("str", REQUIRED)})
+    doc="NumPy matmul: batched, broadcasting, 1-D operands promoted and squeezed", flops=_matmul_flops,
+    loops=loops.matmul)
+_op("einsum", ["*inputs"], _einsum, "np.einsum({equation}, *{inputs})", "contraction", {"equation": ("str", REQUIRED)},
+    flops=_einsum_flops)
 _op("conv", ["x", "w", "bias?"], _conv, "K.conv({x}, {w}, {bias}, {strides}, {pads}, {dilations}, {groups})",
     "contraction", {"strides": ("ints", ()), "pads": ("ints", ()), "dilations": ("ints", ()), "groups": ("int", 1)},
-    doc="N-d convolution (conv2d when x is NCHW); pads are all begins, then all ends")
+    doc="N-d convolution (conv2d when x is NCHW); pads are all begins, then all ends", flops=_conv_flops)
 _POOL = {"kernel": ("ints", REQUIRED), "strides": ("ints", ()), "pads": ("ints", ()), "dilations": ("ints", ()),
          "ceil_mode": ("bool", False)}
 _op("max_pool", ["x"], _pool("max_pool"),
@@ -590,25 +649,33 @@ _op("avg_pool", ["x"], _pool("avg_pool"),
     "K.avg_pool({x}, {kernel}, {strides}, {pads}, {dilations}, {ceil_mode}, {count_include_pad})", "reduction",
     {**_POOL, "count_include_pad": ("bool", False)})
 
-_op("softmax", ["x"], _softmax, "K.softmax({x}, {axis})", "composite", {"axis": ("int", -1)})
+# K.softmax: max, subtract, exp, sum, divide.
+_op("softmax", ["x"], _softmax, "K.softmax({x}, {axis})", "composite", {"axis": ("int", -1)},
+    flops=SOFTMAX_FLOPS, cpu_passes=(("sum", 2), ("add", 1), ("exp", 1), ("div", 1)), loops=loops.normalized(False))
+# K.layer_norm: mean, subtract, square, mean, add eps + sqrt + divide, scale, shift.
 _op("layer_norm", ["x", "scale?", "bias?"], _layer_norm, "K.layer_norm({x}, {scale}, {bias}, {axis}, {epsilon})",
-    "composite", {"axis": ("int", -1), "epsilon": ("float", 1e-5)}, doc="normalizes over dims axis.. of x")
+    "composite", {"axis": ("int", -1), "epsilon": ("float", 1e-5)}, doc="normalizes over dims axis.. of x",
+    flops=8, cpu_passes=(("sum", 2), ("add", 2), ("mul", 2), ("sqrt", 1), ("div", 1)), loops=loops.normalized(True))
+# A GEMM-like anchor to fusion (its epilogue fuses on); composite to decompose.
 _op("attention", ["q", "k", "v", "mask?"], _attention, "K.attention({q}, {k}, {v}, {mask}, {scale}, {causal})",
     "composite", {"scale": ("float", REQUIRED), "causal": ("bool", False)},
-    doc="softmax(q @ k^T * scale + mask) @ v; an i1 mask keeps where true, a float mask is added")
+    doc="softmax(q @ k^T * scale + mask) @ v; an i1 mask keeps where true, a float mask is added",
+    pattern=ANCHOR, flops=_attention_flops, loops=loops.attention)
 
-_op("reshape", ["x"], _given("reshape", _check_reshape), "np.reshape({x}, {out_shape})", "layout", result_given=True)
+_op("reshape", ["x"], _given("reshape", _check_reshape), "np.reshape({x}, {out_shape})", "layout", result_given=True,
+    view=True, loops=loops.reshape)
 _op("broadcast", ["x"], _given("broadcast", _check_broadcast), "np.broadcast_to({x}, {out_shape})", "layout",
-    result_given=True)
-_op("transpose", ["x"], _transpose, "np.transpose({x}, {perm})", "layout", {"perm": ("ints", REQUIRED)})
+    result_given=True, view=True, loops=loops.elementwise)
+_op("transpose", ["x"], _transpose, "np.transpose({x}, {perm})", "layout", {"perm": ("ints", REQUIRED)}, view=True,
+    loops=loops.transpose)
 _op("concat", ["*inputs"], _concat, "np.concatenate({inputs}, axis={axis})", "layout", {"axis": ("int", REQUIRED)})
 _op("split", ["x"], _split, "K.split({x}, {axis}, {sizes})", "layout",
     {"axis": ("int", REQUIRED), "sizes": ("ints", REQUIRED)})
 _op("slice", ["x"], _slice, _render_slice, "layout",
     {"starts": ("ints", REQUIRED), "ends": ("ints", REQUIRED), "steps": ("ints", REQUIRED)},
-    doc="Python slicing per dim: start, end (clamped), step")
+    doc="Python slicing per dim: start, end (clamped), step", view=True)
 _op("gather", ["x", "indices"], _gather, "np.take({x}, {indices}, axis={axis})", "layout", {"axis": ("int", 0)},
-    doc="np.take: embedding lookup is gather on axis 0; negative indices count from the end")
+    doc="np.take: embedding lookup is gather on axis 0; negative indices count from the end", loops=loops.gather)
 _op("gather_elements", ["x", "indices"], _gather_elements, "K.gather_elements({x}, {indices}, {axis})", "layout",
     {"axis": ("int", 0)})
 _op("pad", ["x"], _pad, "K.pad({x}, {pads}, {mode}, {value})", "layout",
@@ -616,12 +683,14 @@ _op("pad", ["x"], _pad, "K.pad({x}, {pads}, {mode}, {value})", "layout",
 _op("tile", ["x"], _tile, "np.tile({x}, {repeats})", "layout", {"repeats": ("ints", REQUIRED)})
 _op("cumsum", ["x"], _same_as_input("cumsum"), "K.cumsum({x}, {axis}, {exclusive}, {reverse})", "reduction",
     {"axis": ("int", REQUIRED), "exclusive": ("bool", False), "reverse": ("bool", False)})
-_op("trilu", ["x"], _trilu, "K.trilu({x}, {k}, {upper})", "elementwise", {"k": ("int", 0), "upper": ("bool", True)})
+# Elementwise, but which elements depends on the index: no row chunks, no splits.
+_op("trilu", ["x"], _trilu, "K.trilu({x}, {k}, {upper})", "elementwise", {"k": ("int", 0), "upper": ("bool", True)},
+    pattern=INJECTIVE)
 
 _op("constant", [], _constant, "{value}", "source", {"value": ("dense", REQUIRED)}, result_given=True,
-    doc="a small inline constant; large arrays go in the weight store")
+    doc="a small inline constant; large arrays go in the weight store", view=True)
 _op("weight", [], _source, "{name}", "source", {"name": ("str", REQUIRED)}, result_given=True,
-    doc="a named array of the weight store")
+    doc="a named array of the weight store", view=True, loops=loops.source)
 
 
 # --- ops added for the ONNX frontend ---

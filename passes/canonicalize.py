@@ -26,10 +26,10 @@ from xdsl.dialects.builtin import ModuleOp
 from xdsl.passes import ModulePass
 
 from tilegraph.ir import dtypes
-from tilegraph.ir.ops import REQUIRED
+from tilegraph.ir.ops import OPS, REQUIRED
 from tilegraph.passes.rewrite import ANY_OP, Rule, constant_array, info, is_splat, producer, run_rules, static_dim
 
-REDUCTIONS = ("reduce_sum", "reduce_mean", "reduce_max", "reduce_min", "reduce_prod")
+REDUCTIONS = tuple(name for name, spec in OPS.items() if spec.reduction)
 
 
 # --- identities: op(x, c) -> x --------------------------------------------------

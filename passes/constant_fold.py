@@ -81,7 +81,10 @@ class FoldOp(RewritePattern):
             return  # the verifier reports the missing weight; folding would hide it
         try:
             values = evaluate(op, [self._value(s) for s in sources], self.store, dict(GLOBALS), float64=False)
-        except (ValueError, IndexError, TypeError, FloatingPointError, ZeroDivisionError):
+        except (ValueError, IndexError, FloatingPointError, ZeroDivisionError):
+            # What the values can make NumPy refuse (an index out of range, an integer
+            # division by zero): left unfolded, so running the model reports it. A
+            # TilegraphError or a TypeError here is a bug, and propagates.
             return
         arrays = [np.asarray(v) for v in values]
         if any(a.shape != r.shape for a, r in zip(arrays, results)):

@@ -45,8 +45,9 @@ from xdsl.ir import Block, SSAValue
 from tilegraph.ir.dialect import FusionOp, TgOp, YieldOp
 from tilegraph.ir.shapes import info_of
 from tilegraph.ir.fusion import ANCHORS, VIEW_OPS, flat_ok, live_row_bytes, operand_rows, row_reshape, siblings
+from tilegraph.ir.ops import REDUCE
 from tilegraph.passes.cost.model import at_nominal, group_cost, op_cost
-from tilegraph.passes.cost.hardware import check_target, hardware
+from tilegraph.ir.hardware import check_target, hardware
 from tilegraph.passes.remarks import listening, remark
 from xdsl.passes import ModulePass
 
@@ -84,7 +85,7 @@ def _kind(ops: list[TgOp]) -> str:
         return "horizontal_matmul"
     if anchors:
         return anchors[0] if anchors[0] == "attention" or len(ops) == 1 else f"{anchors[0]}_epilogue"
-    if any(op.SPEC.category in ("reduction", "composite") and op.op_name != "gelu" for op in ops):
+    if any(op.SPEC.pattern == REDUCE for op in ops):
         return "reduction"
     return "elementwise"
 

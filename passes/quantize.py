@@ -652,7 +652,7 @@ def mixed_precision(model: Model, batches: Sequence[Sequence[np.ndarray]], schem
     `memo`: measurements kept between calls on the same model and batches (another budget).
     """
     from tilegraph.ir.interpreter import bind_inputs
-    from tilegraph.passes.cost.hardware import hardware
+    from tilegraph.ir.hardware import hardware
     from tilegraph.passes.cost.model import at
     from tilegraph.passes.registry import run_pipeline
     from tilegraph.passes.remarks import remark

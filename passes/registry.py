@@ -9,7 +9,9 @@ not discovered three passes later) and drops the weights no longer referenced.
 
 The property-based suite (tests/test_properties.py) runs every pass registered
 here on random graphs against the float64 interpreter: registering a pass is
-enough to have it checked. A lossy pass (class attribute `LOSSY = True`, e.g.
+enough to have it checked. A pass written outside tilegraph registers by name with
+`register_pass` (the one public call; `tilegraph-opt --load-pass-plugin` imports
+the module that calls it). A lossy pass (class attribute `LOSSY = True`, e.g.
 `quantize`) is checked within its stated error bound instead: it gives a
 `reference()` pass whose output it must match exactly (up to float rounding), and
 the reference's roundings are each checked against their bound
@@ -108,6 +110,28 @@ PASSES: dict[str, Callable[[], type[ModulePass]]] = {
     "shard": _shard,
     "quantize": _quantize,
 }
+
+
+
+def register_pass(pass_class: type[ModulePass] | None = None, *, name: str | None = None):
+    """Make a pass written outside tilegraph runnable by name in every pipeline
+    (`tilegraph-opt -p my-pass`, `tilegraph.compile(..., pipeline=...)`, `run_pipeline`).
+
+    `pass_class` is an xDSL ModulePass class (a dataclass whose fields are its options);
+    it is registered under `name`, by default its own `name` attribute. Usable as a
+    decorator, bare or as `@register_pass(name=...)`. A name already taken is refused.
+    """
+    if pass_class is None:
+        return lambda cls: register_pass(cls, name=name)
+    if not (isinstance(pass_class, type) and issubclass(pass_class, ModulePass)):
+        raise PipelineError(f"register_pass: {pass_class!r} is not an xDSL ModulePass class")
+    key = name or getattr(pass_class, "name", "")
+    if not key or key in PASSES:
+        raise PipelineError(f"register_pass: {'the name ' + repr(key) + ' is taken' if key else 'a pass needs a name'}"
+                            f"; the passes are: {', '.join(sorted(PASSES))}")
+    PASSES[key] = lambda: pass_class
+    return pass_class
+
 
 # Simplify first (so folding and cse see one spelling), fold what is known, merge
 # equal ops, tidy layout ops, drop what no output needs. Composites stay whole:

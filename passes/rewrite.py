@@ -24,8 +24,9 @@ from xdsl.ir import Operation, SSAValue
 from xdsl.pattern_rewriter import GreedyRewritePatternApplier, PatternRewriter, PatternRewriteWalker, RewritePattern
 from xdsl.transforms.dead_code_elimination import region_dce
 
-from tilegraph.ir.dialect import TgOp, make_op
-from tilegraph.ir.shapes import ShapeError, TensorInfo, info_of
+from tilegraph.ir.decompositions import Emit, Inapplicable
+from tilegraph.ir.dialect import TgOp
+from tilegraph.ir.shapes import TensorInfo, info_of
 
 ANY_OP = "*"  # a rule that looks at every tg op
 
@@ -35,36 +36,6 @@ class Rule:
     ops: tuple[str, ...]
     apply: Callable[[TgOp, "Emit"], SSAValue | Sequence[SSAValue] | None]
     doc: str = ""
-
-
-class Emit:
-    """Makes tg ops for one rewrite; they enter the IR only if the rewrite is applied."""
-
-    def __init__(self) -> None:
-        self.ops: list[Operation] = []
-
-    def __call__(self, name: str, *operands: SSAValue, result: TensorInfo | None = None, **attrs: Any) -> SSAValue:
-        op = make_op(name, list(operands), attrs, result)
-        self.ops.append(op)
-        return op.results[0]
-
-    def op(self, name: str, operands: Sequence[SSAValue], attrs: dict | None = None,
-           result: TensorInfo | list[TensorInfo] | None = None) -> TgOp:
-        op = make_op(name, list(operands), attrs, result)
-        self.ops.append(op)
-        return op
-
-    def constant(self, value: Any, dtype: str) -> SSAValue:
-        from tilegraph.ir import dtypes
-
-        array = np.asarray(value, dtype=dtypes.numpy_dtype(dtype))
-        return self("constant", value=array, result=TensorInfo(tuple(array.shape), dtype))
-
-    def discard(self) -> None:
-        # A made op already counts as a use of its operands: drop those uses.
-        for op in reversed(self.ops):
-            op.drop_all_references()
-        self.ops.clear()
 
 
 class RuleSet(RewritePattern):
@@ -89,8 +60,8 @@ def apply_rule(rule: Rule, op: TgOp, rewriter: PatternRewriter) -> bool:
     emit = Emit()
     try:
         new = rule.apply(op, emit)
-    except ShapeError:
-        new = None  # the rule built something the shape rules refuse: it does not apply
+    except Inapplicable:
+        new = None  # the rule built something the shape rules refuse: it does not apply (a bug propagates)
     if new is None:
         emit.discard()
         return False

@@ -63,7 +63,7 @@ from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.shapes import TensorInfo, info_of, type_of
 from tilegraph.ir.shard import GridOp, ShardAxesArrayAttr, ShardingOp, ShardingType, ShardOp
 from tilegraph.passes.cost.collectives import Mesh, parse_mesh
-from tilegraph.passes.cost.hardware import check_target, hardware
+from tilegraph.ir.hardware import check_target, hardware
 from tilegraph.passes.cost.model import at, op_cost
 from tilegraph.passes.remarks import remark
 from tilegraph.passes.sharding import (Spec, Strategy, apply_step, local_info, nbytes, pre_scatter, replicated, reshard_steps,

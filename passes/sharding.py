@@ -33,13 +33,10 @@ import sympy
 
 from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import TgOp
-from tilegraph.ir.shapes import Dim, TensorInfo, dims_equal, info_of, normalize_dim, numel
+from tilegraph.ir.loops import Loops
+from tilegraph.ir.shapes import Dim, TensorInfo, info_of, normalize_dim, numel
 
 Spec = tuple[tuple[int, ...], ...]
-
-# Reductions whose partial results combine with one all-reduce: op -> shard.partial kind.
-REDUCE_KINDS = {"reduce_sum": "sum", "reduce_mean": "average", "reduce_max": "max", "reduce_min": "min",
-                "reduce_prod": "product"}
 
 
 def replicated(rank: int) -> Spec:
@@ -71,119 +68,13 @@ def spec_str(spec: Spec) -> str:
     return "[" + ", ".join("[" + ", ".join(map(str, axes)) + "]" for axes in spec) + "]"
 
 
-# --- iteration spaces --------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Loops:
-    sizes: tuple[Dim, ...]  # what a split of each loop must divide
-    labels: tuple[str, ...]  # how the plan names them: m, n, k for a matmul; d0, d1, ... otherwise
-    out: tuple[int | None, ...]  # result dim -> loop
-    ins: tuple[tuple[int | None, ...], ...]  # operand dim -> loop
-    reduce: frozenset[int] = frozenset()
-    kind: str = "sum"  # how partial results of a split reduction loop combine
-    fixed: frozenset[int] = frozenset()
-
-
-def _aligned(info: TensorInfo, onto: Sequence[Dim], loops: Sequence[int]) -> tuple[int | None, ...]:
-    """Broadcasting: operand dims right-aligned onto `onto`; a dim of another size (1) maps to no loop."""
-    off = len(onto) - info.rank
-    return tuple(loops[off + j] if off + j >= 0 and dims_equal(d, onto[off + j]) else None
-                 for j, d in enumerate(info.shape))
-
-
-def _nominal(d: Dim) -> float:
-    return float(sympy.sympify(d).subs({s: 1000 for s in sympy.sympify(d).free_symbols}))
-
-
-def _reshape_loops(x: TensorInfo, y: TensorInfo) -> Loops:
-    """A reshape cuts the dims into segments of equal product; a split of a segment's major
-    result dim is a split of its major operand dim when both divide (heads of [B, S, H*Dh])."""
-    X, Y = x.shape, y.shape
-    in_map: list[int | None] = [None] * len(X)
-    sizes = list(Y)
-    splittable: set[int] = set()
-    i = j = 0
-    while i < len(X) and j < len(Y):
-        i0, j0 = i, j
-        px, py = sympy.sympify(X[i]), sympy.sympify(Y[j])
-        i, j = i + 1, j + 1
-        while not dims_equal(px, py):
-            if (_nominal(px) < _nominal(py) and i < len(X)) or j >= len(Y):
-                if i >= len(X):
-                    break
-                px, i = px * X[i], i + 1
-            else:
-                py, j = py * Y[j], j + 1
-        a, b = X[i0], Y[j0]
-        if isinstance(a, int) and isinstance(b, int):
-            sizes[j0] = math.gcd(a, b)
-        elif not dims_equal(a, b):
-            continue
-        in_map[i0] = j0
-        splittable.add(j0)
-    fixed = frozenset(range(len(Y))) - splittable
-    return Loops(tuple(sizes), tuple(f"d{k}" for k in range(len(Y))), tuple(range(len(Y))), (tuple(in_map),),
-                 fixed=fixed)
-
+# --- iteration spaces: the op table's `loops` trait (ir/loops.py) ---------------
 
 def loops_of(op: TgOp) -> Loops | None:
     """The iteration space of `op`, or None when it only runs replicated."""
-    name, category = op.op_name, op.SPEC.category
-    ins = [info_of(v.type) for v in op.operands]
-    if len(op.results) != 1:
+    if len(op.results) != 1 or op.SPEC.loops is None:
         return None
-    out = op.result_infos()[0]
-    R = out.rank
-    dims = tuple(range(R))
-    labels = tuple(f"d{i}" for i in dims)
-    if name == "weight":
-        return Loops(out.shape, labels, dims, ())
-    if (category == "elementwise" and name != "trilu") or name in ("gelu", "broadcast"):
-        return Loops(out.shape, labels, dims, tuple(_aligned(i, out.shape, dims) for i in ins))
-    if name in ("softmax", "layer_norm"):
-        axis = op.attr("axis") % R
-        fixed = {axis} if name == "softmax" else set(range(axis, R))
-        return Loops(out.shape, labels, dims, tuple(_aligned(i, out.shape, dims) for i in ins), fixed=frozenset(fixed))
-    if name in REDUCE_KINDS:
-        x = ins[0]
-        axes = {a % x.rank for a in op.attr("axes")}
-        keep = op.attr("keepdims")
-        out_map = tuple(None if i in axes else i for i in range(x.rank) if keep or i not in axes)
-        return Loops(x.shape, tuple(f"d{i}" for i in range(x.rank)), out_map, (tuple(range(x.rank)),),
-                     reduce=frozenset(axes), kind=REDUCE_KINDS[name])
-    if name == "matmul" and ins[0].rank >= 2 and ins[1].rank >= 2:
-        a, b = ins
-        k = R
-        batch = out.shape[:-2]
-        amap = _aligned(TensorInfo(a.shape[:-2], a.dtype), batch, dims[:-2]) + (R - 2, k)
-        bmap = _aligned(TensorInfo(b.shape[:-2], b.dtype), batch, dims[:-2]) + (k, R - 1)
-        return Loops(out.shape + (a.shape[-1],), tuple(f"b{i}" for i in range(R - 2)) + ("m", "n", "k"),
-                     dims, (amap, bmap), reduce=frozenset({k}))
-    if name == "attention":
-        q, kk, v = ins[:3]
-        lk, d = R, R + 1
-        batch = out.shape[:-2]
-        bdims = dims[:-2]
-        qmap = _aligned(TensorInfo(q.shape[:-2], q.dtype), batch, bdims) + (R - 2, d)
-        kmap = _aligned(TensorInfo(kk.shape[:-2], kk.dtype), batch, bdims) + (lk, d)
-        vmap = _aligned(TensorInfo(v.shape[:-2], v.dtype), batch, bdims) + (lk, R - 1)
-        maps = [qmap, kmap, vmap]
-        if len(ins) == 4:
-            maps.append(_aligned(ins[3], batch + (q.shape[-2], kk.shape[-2]), bdims + (R - 2, lk)))
-        # Only batch and head dims split: a causal mask is built from local positions.
-        return Loops(out.shape + (kk.shape[-2], q.shape[-1]), labels[:-2] + ("q", "dv", "kv", "dh"), dims,
-                     tuple(maps), fixed=frozenset({R - 2, R - 1, lk, d}))
-    if name == "transpose":
-        perm = op.attr("perm")
-        return Loops(out.shape, labels, dims, (tuple(perm.index(j) for j in range(R)),))
-    if name == "reshape":
-        return _reshape_loops(ins[0], out)
-    if name == "gather" and op.attr("axis") % ins[0].rank == 0:
-        x, idx = ins
-        rows = R
-        return Loops(out.shape + (x.shape[0],), labels + ("rows",), dims,
-                     ((rows,) + tuple(range(idx.rank, R)), tuple(range(idx.rank))), fixed=frozenset({rows}))
-    return None
+    return op.SPEC.loops([info_of(v.type) for v in op.operands], op.result_infos()[0], op.py_attrs())
 
 
 # --- strategies --------------------------------------------------------------------

@@ -29,7 +29,7 @@ from xdsl.passes import ModulePass
 from xdsl.rewriter import Rewriter
 
 from tilegraph.ir.ops import OPS, infer
-from tilegraph.ir.shapes import dims_equal, info_of, numel, type_of
+from tilegraph.ir.shapes import ShapeError, dims_equal, info_of, numel, type_of
 from tilegraph.passes.canonicalize import LAYOUT
 from tilegraph.passes.rewrite import Rule, info, producer, run_rules, static_dim
 
@@ -71,7 +71,11 @@ def _bypass_broadcasts(op, emit):
         if x is None:
             continue
         trial = operands[:i] + [x] + operands[i + 1:]
-        if infer(op.spec, [info(t) for t in trial], op.py_attrs()) == want:
+        try:
+            fits = infer(op.spec, [info(t) for t in trial], op.py_attrs()) == want
+        except ShapeError:  # x does not broadcast against the other operands
+            fits = False
+        if fits:
             operands, changed = trial, True
     return list(emit.op(op.op_name, operands, op.py_attrs()).results) if changed else None
 

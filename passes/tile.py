@@ -44,7 +44,7 @@ from tilegraph.ir.dialect import FusionOp
 from tilegraph.ir.shapes import info_of
 from tilegraph.ir.fusion import ANCHORS, VIEW_OPS, cols_ok, flat_rows_ok, live_row_bytes, row_gemm, row_local, widest
 from tilegraph.passes.cost.model import at_nominal, group_cost
-from tilegraph.passes.cost.hardware import check_target, hardware
+from tilegraph.ir.hardware import check_target, hardware
 from tilegraph.passes.remarks import listening, remark
 
 # Attention: keys per block. 128 query rows x 512 keys of f32 scores is 256 KB, half

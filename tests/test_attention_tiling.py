@@ -1,4 +1,4 @@
-"""Flash-style tiled attention (`K.attention_tiled`) computes what `K.attention` computes.
+"""Flash-style tiled attention (`T.attention_tiled`) computes what `K.attention` computes.
 
 * on random shapes (broadcasting batch dims, Lq != Lk, block sizes that do and do not
   divide the lengths, blocks longer than the sequence), causal or not, boolean or
@@ -6,7 +6,7 @@
   agrees with `K.attention` evaluated in float64 within the dtype's tolerance, NaN
   rows included, and returns the input dtype;
 * keys that are NaN or infinite give what `attention` gives: dropped by a mask, they
-  change nothing (the fast mask's fallback, `K._apply_masks`);
+  change nothing (the fast mask's fallback, `_apply_masks`);
 * causal key blocks wholly above the diagonal are never read;
 * extra memory grows with the sequence times the block, not with Lq x Lk;
 * `out=` receives the result in place.
@@ -22,6 +22,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from tilegraph.backends.numpy import attention as T
 from tilegraph.ir import kernels as K
 from tilegraph.testing import assert_close
 
@@ -103,12 +104,12 @@ SCALE = 0.37
 @contextmanager
 def threaded_even_when_small():
     """The kernel keeps small problems on one thread; these tests' problems are all small."""
-    saved = K.MIN_PARALLEL_SCORES
-    K.MIN_PARALLEL_SCORES = 0
+    saved = T.MIN_PARALLEL_SCORES
+    T.MIN_PARALLEL_SCORES = 0
     try:
         yield
     finally:
-        K.MIN_PARALLEL_SCORES = saved
+        T.MIN_PARALLEL_SCORES = saved
 
 
 @settings(max_examples=150, deadline=None)
@@ -122,7 +123,7 @@ def test_tiled_attention_matches_the_float64_reference(case):
     q, k, v, mask = case["q"], case["k"], case["v"], case["mask"]
     expected = reference(q, k, v, mask, SCALE, case["causal"])
     with threaded_even_when_small():
-        got = K.attention_tiled(q, k, v, mask, SCALE, case["causal"], case["block_q"], case["block_kv"],
+        got = T.attention_tiled(q, k, v, mask, SCALE, case["causal"], case["block_q"], case["block_kv"],
                                 threads=case["threads"])
     assert got.dtype == q.dtype
     # assert_close compares NaNs by position: a row attention leaves NaN must be NaN here too.
@@ -145,7 +146,7 @@ def test_a_nan_key_the_mask_drops_changes_nothing(causal, mask_kind, block_q, bl
         k[..., 5, :] = np.nan  # causal: the last key, dropped for all but the last row
     expected = reference(case["q"], k, case["v"], mask, SCALE, causal)
     assert np.isfinite(expected[..., :5, :]).all()
-    got = K.attention_tiled(case["q"], k, case["v"], mask, SCALE, causal, block_q, block_kv)
+    got = T.attention_tiled(case["q"], k, case["v"], mask, SCALE, causal, block_q, block_kv)
     assert_close(got, expected, "f32", reduction_length=6, name="attention_tiled")
 
 
@@ -156,7 +157,7 @@ def test_causal_blocks_above_the_diagonal_are_never_read():
     k, v = case["k"].copy(), case["v"].copy()
     k[..., 4:, :] = np.nan
     v[..., 4:, :] = np.nan
-    got = K.attention_tiled(case["q"], k, v, None, SCALE, True, 2, 2)
+    got = T.attention_tiled(case["q"], k, v, None, SCALE, True, 2, 2)
     assert np.isfinite(got[..., :4, :]).all()
     expected = reference(case["q"][..., :4, :], k[..., :4, :], v[..., :4, :], None, SCALE, True)
     assert_close(got[..., :4, :], expected, "f32", reduction_length=4)
@@ -170,7 +171,7 @@ def test_extra_memory_grows_with_the_block_not_with_lq_times_lk():
     scores_bytes = heads * length * length * 4  # what `attention` materialises: 8 MiB
     tracemalloc.start()
     try:
-        K.attention_tiled(q, k, v, padding, SCALE, True, 64, 128)
+        T.attention_tiled(q, k, v, padding, SCALE, True, 64, 128)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -185,7 +186,7 @@ def test_out_receives_the_result_in_place(threads, blocks):
     case = _case(40, 40, causal=True, block_q=blocks[0], block_kv=blocks[1], mask_kind="bool", threads=threads)
     out = np.full((2, 3, 40, 3), 7.0, dtype=np.float32)
     with threaded_even_when_small():
-        got = K.attention_tiled(case["q"], case["k"], case["v"], case["mask"], SCALE, True, *blocks,
+        got = T.attention_tiled(case["q"], case["k"], case["v"], case["mask"], SCALE, True, *blocks,
                                 threads=threads, out=out)
     assert got is out
     assert_close(out, reference(case["q"], case["k"], case["v"], case["mask"], SCALE, True), "f32",

@@ -129,7 +129,7 @@ def test_long_attention_is_tiled_flash_style():
     (group,) = groups(model)
     tile = group.tile()
     assert tile["block_kv"] < 4096 and tile["block_q"] < 4096
-    assert "K.attention_tiled(" in emit(model)
+    assert "attention_tiled(" in emit(model)
 
 
 def test_gpu_tiles_fit_shared_memory_and_registers(block):

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from tilegraph.ir.errors import TilegraphError
-from tilegraph.passes.cost import calibrate
+from tilegraph.backends.numpy import calibrate
 from tilegraph.passes.cost.hardware import (GPU_TILE_M, GPU_TILE_N, TARGETS, Hardware, clear_cache, cpu_profile_path,
                                   hardware, load_profile, save_profile)
 from tilegraph.cli import main as tilegraph_main

@@ -29,6 +29,7 @@ import numpy as np
 
 from tilegraph.backends import interpret_triton_without_gpu
 from tilegraph.ir import Model
+from tilegraph.ir import hardware as _hardware
 from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.model import ModelError
 
@@ -37,6 +38,17 @@ __all__ = ["compile", "import_model", "Compiled", "TilegraphError"]
 # With no GPU, the Triton backend runs its kernels in Triton's interpreter, which
 # must be chosen before anything (a transformers model) imports triton.
 interpret_triton_without_gpu()
+
+
+def _calibrate_cpu(quick: bool = True):
+    from tilegraph.backends.numpy import calibrate
+
+    return calibrate.measure(quick=quick)
+
+
+# The cost model's CPU profile is measured by the NumPy backend's calibration of its own
+# kernels; ir/hardware.py, below both, is handed the function from here, the layer above.
+_hardware.CALIBRATE = _calibrate_cpu
 
 # File suffixes import_model reads, and what reads them.
 SUFFIXES = {".onnx": "ONNX (frontends.onnx)", ".mlir": "tg IR text (Model.load)",

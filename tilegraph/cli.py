@@ -114,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("-p", "--pipeline", default=None,
                      help="pass pipeline before export (default: the unfused default pipeline)")
 
-    # --- calibrate: the measured CPU profile the cost model uses (passes/cost/calibrate.py) ---
+    # --- calibrate: the measured CPU profile the cost model uses (backends/numpy/calibrate.py) ---
     cal = sub.add_parser("calibrate", help="measure this machine for the cost model (under a minute)")
     cal.add_argument("--quick", action="store_true", help="a rougher measurement in a couple of seconds")
     cal.add_argument("-o", "--output", default=None,
@@ -227,7 +227,7 @@ def _quantize(args) -> int:
     if args.min_cosine is not None and not -1 <= args.min_cosine <= 1:
         raise TilegraphError(f"--min-cosine must be a cosine similarity in [-1, 1], got {args.min_cosine}")
     if mixed:
-        from tilegraph.passes.cost.hardware import check_target
+        from tilegraph.ir.hardware import check_target
 
         try:
             check_target(args.target)
@@ -459,7 +459,7 @@ def _onnxruntime(path: Path, names, inputs):
 
 
 def _calibrate(args) -> int:
-    from tilegraph.passes.cost import calibrate
+    from tilegraph.backends.numpy import calibrate
 
     calibrate.run(quick=args.quick, output=args.output)
     return 0
@@ -469,7 +469,7 @@ def _calibrate(args) -> int:
 
 def _cost(args) -> int:
     import tilegraph
-    from tilegraph.passes.cost.hardware import hardware
+    from tilegraph.ir.hardware import hardware
     from tilegraph.passes.cost.model import module_cost
     from tilegraph.passes.registry import DEFAULT_PIPELINE, run_pipeline
 
@@ -622,7 +622,7 @@ def _shard(args) -> int:
     import tilegraph
     from tilegraph.ir.errors import TilegraphError
     from tilegraph.passes.cost.collectives import Mesh, parse_mesh
-    from tilegraph.passes.cost.hardware import GPUS, hardware
+    from tilegraph.ir.hardware import GPUS, hardware
     from tilegraph.passes.registry import UNFUSED_PIPELINE, run_pipeline
     from tilegraph.passes.shard import parse_memory, plan
 

@@ -91,19 +91,27 @@ class TilegraphOptMain(xDSLOptMain):
         target.help = ("hardware to cost on (--print-cost-after-all) and to give the passes' target "
                        "option (fuse, tile): h100, h200, a100 or cpu (default: cpu)")
         arg_parser.set_defaults(target="mlir")  # the output format xDSL's driver reads
+        arg_parser.add_argument("--load-pass-plugin", action="append", default=[], metavar="MODULE",
+                                help="import a Python module (a name, or a .py file) that registers passes "
+                                     "with tilegraph.passes.registry.register_pass, before the pipeline is read")
         arg_parser.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
                                 help="size of a symbolic dimension for --print-cost-after-all "
                                      "(default: 128 each)")
 
     def setup_pipeline(self) -> None:
-        from tilegraph.passes.registry import parse_pipeline
+        from tilegraph.passes.registry import PASSES, parse_pipeline
         from tilegraph.cli import parse_dims, with_target
 
+        for plugin in self.args.load_pass_plugin:
+            _load_plugin(plugin)
+        for name, factory in PASSES.items():  # what the plugins registered
+            if name not in self.available_passes:
+                self.register_pass(name, factory)
         parse_pipeline(self.args.passes)  # a clear error naming an unknown pass, before xDSL's
         spec = self.args.passes
         self._cost = None
         if self.args.hardware is not None or self.args.print_cost_after_all:
-            from tilegraph.passes.cost.hardware import hardware
+            from tilegraph.ir.hardware import hardware
 
             hw = hardware(self.args.hardware or "cpu")  # an unknown target: a clear error, before any work
             self._cost = _CostPrinter(hw, parse_dims(self.args.dim))
@@ -158,6 +166,19 @@ class TilegraphOptMain(xDSLOptMain):
             store = _WEIGHTS_OF.get(self._result) if self._result is not None else None
             if store:
                 store.save(weights_path(Path(self.args.output_file)))
+
+
+def _load_plugin(plugin: str) -> None:
+    """Import a pass plugin: a module name, or a .py file run as a script (the user's own code, by their choice)."""
+    import importlib
+    import runpy
+
+    from tilegraph.ir.errors import TilegraphError
+
+    try:
+        runpy.run_path(plugin) if plugin.endswith(".py") else importlib.import_module(plugin)
+    except (ImportError, OSError) as e:
+        raise TilegraphError(f"cannot load the pass plugin '{plugin}': {e}") from None
 
 
 class _CostPrinter:

@@ -373,6 +373,8 @@ def op_examples() -> dict[str, list[OpExample]]:
 import math as _math  # noqa: E402 - this block is self-contained
 from typing import Callable, Mapping, Sequence  # noqa: E402
 
+from tilegraph.ir.ops import OPS  # noqa: E402
+
 # Graph sizes: dims of 1..MAX_DIM, at most MAX_ELEMENTS elements per tensor (with
 # every symbol at MAX_SYMBOL_SIZE), so that a graph runs in microseconds and
 # hypothesis can afford hundreds of them.
@@ -404,7 +406,7 @@ LAYER_NORM_EPSILONS = (1e-2, 1e-1)
 UNARY_OPS = ("neg", "abs", "exp", "log", "sqrt", "rsqrt", "reciprocal", "tanh", "sigmoid", "relu", "erf",
              "sin", "cos", "atan", "gelu")
 BINARY_OPS = ("add", "sub", "mul", "div", "pow", "max", "min")
-REDUCE_OPS = ("reduce_sum", "reduce_mean", "reduce_max", "reduce_min", "reduce_prod")
+REDUCE_OPS = tuple(name for name, spec in OPS.items() if spec.reduction)
 LAYOUT_OPS = ("reshape", "transpose", "slice", "concat", "broadcast", "split")
 COMPOSITE_OPS = ("softmax", "layer_norm", "gelu", "attention")
 # Windowed ops on NCHW values (a fresh rank-4 input or weight is made when the
@@ -1214,7 +1216,7 @@ def reduction_length(model, sizes: Mapping[str, int] | None = None) -> int:
     def own(op) -> int:
         name, ins = op.op_name, [info_of(v.type).shape for v in op.operands]
         a = op.py_attrs()
-        if name in ("reduce_sum", "reduce_mean", "reduce_prod"):
+        if op.SPEC.reduction in ("sum", "mean", "prod"):  # rounding grows with the length reduced
             return n([ins[0][ax] for ax in a["axes"]])
         if name == "cumsum":
             return n([ins[0][a["axis"]]])

@@ -36,19 +36,22 @@ from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.interpreter import SHAPE_FUNCTIONS, dtype_code, shape_code
 from tilegraph.ir.model import Model, ModelError
-from tilegraph.ir.ops import render
+from tilegraph.ir.ops import OPS, render
 from tilegraph.ir.shapes import Dim, TensorInfo, dims_equal, info_of, numel
+from tilegraph.backends.lowering import table
 from tilegraph.backends.numpy.groups import GroupCode, GroupEmitter
 from tilegraph.backends.program import (PYTHON_RESERVED, Namer, Program, array_literal, flatten, liveness,  # noqa: F401
                               literal, sanitize, signature_rows, str_literal, tuple_lines)
 
 # Names the generated module defines or imports; nothing else may take them.
 MODULE_NAMES = {"np", "ml_dtypes", "K", "W", "build", "forward", "INPUTS", "OUTPUTS", "WEIGHTS", *SHAPE_FUNCTIONS,
-                "THREADS", "blas_threads", "run_chunks", "single_threaded_blas"}
+                "THREADS", "blas_threads", "run_chunks", "single_threaded_blas", "attention_tiled"}
 RESERVED = MODULE_NAMES | PYTHON_RESERVED
 # Op categories whose NumPy code cannot raise a floating-point warning (they move
 # or name data, never compute on it); a body of only these needs no np.errstate.
 SILENT_CATEGORIES = {"layout", "source"}
+# The lowering table (backends/lowering.py): every op is its NumPy template in ir/ops.py.
+LOWERINGS = table(template=[name for name, spec in OPS.items() if spec.numpy])
 INDENT = "    "
 
 
@@ -203,6 +206,8 @@ class _Emitter:
                     f"PROFILE = {{name: [0.0, 0] for name in {self.kernel_names!r}}}"]
         if self.group_functions:
             out.append("from tilegraph.backends.numpy.chunks import THREADS, blas_threads, run_chunks, single_threaded_blas")
+        if any(re.search(r"\battention_tiled\(", line) for function in self.group_functions for line in function):
+            out.append("from tilegraph.backends.numpy.attention import attention_tiled")
         shape_fns = sorted({f for f in SHAPE_FUNCTIONS if re.search(rf"\b{f}\(", "\n".join(body))})
         if shape_fns:
             out.append("from tilegraph.ir.interpreter import SHAPE_FUNCTIONS")

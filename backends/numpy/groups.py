@@ -279,7 +279,7 @@ class GroupEmitter:
         if op.op_name == "attention" and "block_kv" in self.tile:
             q, k, v = operands[:3]
             mask = operands[3] if len(operands) > 3 else "None"
-            return [f"K.attention_tiled({q}, {k}, {v}, {mask}, {op.attr('scale')!r}, {op.attr('causal')}, "
+            return [f"attention_tiled({q}, {k}, {v}, {mask}, {op.attr('scale')!r}, {op.attr('causal')}, "
                     f"{self.tile['block_q']}, {self.tile['block_kv']}, threads=THREADS, out={name})"]
         if row_gemm(op):  # one GEMM of all rows: NumPy would loop over the batch dims
             lhs = operands[0]

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from tilegraph.backends.triton.emit import emit  # noqa: E402
 from tilegraph.backends.triton.runtime import CompiledModel, load  # noqa: E402
 
-# The hardware description (passes/cost/hardware.py) fusion and tiling are decided for:
+# The hardware description (ir/hardware.py) fusion and tiling are decided for:
 # the attached GPU when it is one described there, else an H100.
 GPUS = {"H100": "h100", "H200": "h200", "A100": "a100"}
 HARDWARE = next((target for name, target in GPUS.items()

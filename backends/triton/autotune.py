@@ -28,7 +28,7 @@ CPU_RUNS = 2
 
 
 def default_cache_dir() -> Path:
-    from tilegraph.passes.cost.hardware import cache_dir
+    from tilegraph.ir.hardware import cache_dir
 
     return cache_dir() / "autotune"
 

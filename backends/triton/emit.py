@@ -31,9 +31,9 @@ from typing import Sequence
 import numpy as np
 import sympy
 from xdsl.ir import Block, SSAValue
-from xdsl.pattern_rewriter import GreedyRewritePatternApplier, PatternRewriteWalker
 from xdsl.rewriter import Rewriter
 
+from tilegraph.ir.decompositions import expand
 from tilegraph.ir.dialect import FusionOp, TgOp, YieldOp, make_op
 from tilegraph.ir.dtypes import PACKED_4BIT
 from tilegraph.ir.interpreter import SHAPE_FUNCTIONS, dtype_code
@@ -42,22 +42,13 @@ from tilegraph.ir.ops import render
 from tilegraph.ir.shapes import Dim, TensorInfo, info_of, numel, tensor_type
 from tilegraph.backends.program import (PYTHON_RESERVED, Namer, array_literal, flatten, liveness, literal, signature_rows,
                               str_literal, tuple_lines)
-from tilegraph.backends.triton.kernels import INDENT, TORCH_TYPES, KernelCode, KernelWriter, Unsupported
+from tilegraph.backends.triton.lowering import DECOMPOSED, TORCH_LAYOUT
+from tilegraph.backends.triton.kernels import AXIS_OPS, INDENT, TORCH_TYPES, KernelCode, KernelWriter, Unsupported
 from tilegraph.backends.triton.quant import QUANT_OPS, QuantKernelWriter, group_quantized
 
 # What a symbolic dim is taken to be for an ahead-of-time build (passes/cost/model.py prices
 # symbolic dims at the same size).
 NOMINAL_DIM = 256
-# Composites spelled out before kernels are written (attention keeps its own kernel).
-DECOMPOSED = ("softmax", "layer_norm", "gelu")
-# Layout ops as torch calls (views where torch can); others run on the host.
-TORCH_LAYOUT = {
-    "reshape": "{x}.reshape({out_shape})",
-    "broadcast": "{x}.expand({out_shape})",
-    "transpose": "{x}.permute({perm})",
-    "identity": "{x}",
-    "concat": "torch.cat({inputs}, dim={axis})",
-}
 MODULE_NAMES = {"torch", "triton", "tl", "tlmath", "tlquant", "pack_k", "np", "K", "ml_dtypes", "build", "forward", "DEVICE", "KERNELS",
                 "CONFIGS", "INPUTS", "OUTPUTS", "WEIGHTS", "HOST_OPS", "SPLIT_GROUPS", "HOST_FLOPS", "TUNER", "pick", "host", "launch", "cfg",
                 *SHAPE_FUNCTIONS}
@@ -70,7 +61,7 @@ class _Sizes:
 
 def emit(model: Model, name: str | None = None, hardware: str | None = None) -> str:
     """The Python source of a module computing `model` with Triton kernels (see the module docstring),
-    for the GPU `hardware` names (passes/cost/hardware.py; default: backends.triton.HARDWARE)."""
+    for the GPU `hardware` names (ir/hardware.py; default: backends.triton.HARDWARE)."""
     from tilegraph.backends.triton import HARDWARE
 
     return _Emitter(model, hardware or HARDWARE).source()
@@ -79,9 +70,6 @@ def emit(model: Model, name: str | None = None, hardware: str | None = None) -> 
 def prepare(model: Model) -> Model:
     """A copy of the model where every compute op sits in a tg.fusion group and groups hold
     no composites but attention."""
-    from tilegraph.passes.decompose import DECOMPOSITIONS
-    from tilegraph.passes.rewrite import Rule, RuleSet
-
     module = model.module.clone()
     copy = Model(module, model.weights)
     group_quantized(copy.func)  # quantized GEMMs: their dequantize prologues and epilogues in one group
@@ -89,10 +77,9 @@ def prepare(model: Model) -> Model:
     for op in list(copy.func.body.walk()):
         if isinstance(op, TgOp) and _kernel_op(op) and not isinstance(op.parent_op(), FusionOp):
             _wrap(op, rewriter)
-    rules = [Rule((n,), DECOMPOSITIONS[n], f"{n} -> primitives") for n in DECOMPOSED]
-    for group in [op for op in module.walk() if isinstance(op, FusionOp)]:
-        walker = PatternRewriteWalker(GreedyRewritePatternApplier([RuleSet(rules)]))
-        walker.rewrite_region(group.body)
+    for group in [op for op in module.walk() if isinstance(op, FusionOp)]:  # the decomposition library's
+        for op in [op for op in group.ops if op.op_name in DECOMPOSED]:
+            expand(op)
     return copy
 
 
@@ -119,11 +106,6 @@ def _wrap(op: TgOp, rewriter: Rewriter) -> None:
     rewriter.replace_op(op, group, list(group.results))
 
 
-# Ops over an axis (or axes) that a row kernel computes once the axes are moved last.
-AXIS_OPS = {"reduce_sum", "reduce_mean", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin",
-            "cumsum", "cumprod"}
-
-
 def _axes_last(op: TgOp):
     """For a reduction or scan over axes other than (only) the last, keeping dims: the permutation
     moving them last, the same op over the last axis of that view (in a block of its own) and the
@@ -134,7 +116,7 @@ def _axes_last(op: TgOp):
     x = info_of(op.operands[0].type)
     if x.rank == 0:
         return None
-    axes = tuple(sorted(a % x.rank for a in (op.attr("axes") if op.op_name.startswith("reduce_") else
+    axes = tuple(sorted(a % x.rank for a in (op.attr("axes") if op.SPEC.reduction else
                                              [op.attr("axis")])))
     kept = tuple(a for a in range(x.rank) if a not in axes)
     keepdims = op.op_name in ("cumsum", "cumprod") or op.attr("keepdims")
@@ -144,7 +126,7 @@ def _axes_last(op: TgOp):
     rows = TensorInfo(tuple(x.shape[a] for a in kept) + (numel(tuple(x.shape[a] for a in axes)),), x.dtype)
     block = Block(arg_types=[tensor_type(rows.dtype, rows.shape)])
     attrs = op.py_attrs()
-    if op.op_name.startswith("reduce_"):
+    if op.SPEC.reduction:
         attrs |= {"axes": (rows.rank - 1,), "keepdims": True}
     elif op.op_name in ("argmax", "argmin"):
         attrs |= {"axis": rows.rank - 1, "keepdims": True}
@@ -158,7 +140,7 @@ def _axes_last(op: TgOp):
 
 class _Emitter:
     def __init__(self, model: Model, hardware: str):
-        from tilegraph.passes.cost.hardware import hardware as describe
+        from tilegraph.ir.hardware import hardware as describe
 
         gpu = describe(hardware)
         self.shared_memory = gpu.shared_memory_per_block or gpu.shared_memory_per_core

@@ -22,7 +22,7 @@ GEMM's operands enter tl.dot in their own type (bf16/fp16 tensor cores) with fp3
 accumulation, and fp32 operands use IEEE precision ("ieee"), not TF32, as torch
 does by default.
 
-Elementwise ops are rendered from `ir.ops.TRITON` / `TRITON_INT`; composites
+Elementwise ops are rendered from `lowering.TRITON` / `TRITON_INT`; composites
 (softmax, layer_norm, gelu) were spelled out by `passes.decompose`'s rules before
 (`emit.py`), so no op's semantics is written twice here. A group this module
 cannot express raises `Unsupported`; the emitter then runs its ops one by one.
@@ -37,9 +37,10 @@ from xdsl.ir import SSAValue
 
 from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import TgOp
-from tilegraph.ir.fusion import row_reshape
-from tilegraph.ir.ops import TRITON, TRITON_INT, py_literal
+from tilegraph.ir.fusion import ANCHORS, row_reshape
+from tilegraph.ir.ops import OPS, py_literal
 from tilegraph.ir.shapes import Dim, TensorInfo, dims_equal, info_of, numel
+from tilegraph.backends.triton.lowering import TRITON, TRITON_INT
 
 INDENT = "    "
 # GEMM tile when the tile pass wrote none (a group made by the emitter itself).
@@ -59,10 +60,13 @@ TL_TYPES = {"f64": "tl.float64", "f32": "tl.float32", "f16": "tl.float16", "bf16
 POINTER_TYPES = {"f64": "*fp64", "f32": "*fp32", "f16": "*fp16", "bf16": "*bf16", "i1": "*i1", "i8": "*i8",
                  "i16": "*i16", "i32": "*i32", "i64": "*i64", "ui8": "*u8", "ui16": "*u16", "ui32": "*u32",
                  "ui64": "*u64"}
-# The reductions a row kernel does over the last axis: (tl call, neutral element for padding).
-ROW_REDUCTIONS = {"reduce_sum": ("tl.sum", "0"), "reduce_mean": ("tl.sum", "0"),
-                  "reduce_max": ("tl.max", "float('-inf')"), "reduce_min": ("tl.min", "float('inf')"),
-                  "reduce_prod": ("tl.reduce", "1")}
+# How a row kernel does each reduction kind of the op table over the last axis:
+# (tl call, neutral element for padding).
+ROW_REDUCTIONS = {"sum": ("tl.sum", "0"), "mean": ("tl.sum", "0"), "max": ("tl.max", "float('-inf')"),
+                  "min": ("tl.min", "float('inf')"), "prod": ("tl.reduce", "1")}
+# Ops over an axis (or axes) that a row kernel computes once the axes are moved last:
+# the op table's reductions, and the arg-reductions and scans.
+AXIS_OPS = {name for name, spec in OPS.items() if spec.reduction} | {"argmax", "argmin", "cumsum", "cumprod"}
 
 
 # A GEMM program's output tile: programs walk the output in groups of GROUP_M block rows, column
@@ -146,7 +150,7 @@ class KernelWriter:
         self.input_names = {v: f"in{i}" for i, v in enumerate(self.inputs)}
         self.helpers: set[str] = set()
         self._counter = 0
-        self.anchors = [op for op in self.ops if op.op_name in ("matmul", "conv", "attention", "einsum")]
+        self.anchors = [op for op in self.ops if op.op_name in ANCHORS]
         self._check_values()
 
     # --- the group's geometry ---------------------------------------------------
@@ -269,7 +273,7 @@ class KernelWriter:
         name = op.op_name
         if name == "constant":
             return self._constant(op, out)
-        if name in ("reshape", "identity") and (name == "identity" or row_reshape(op)):
+        if name == "reshape" and row_reshape(op):
             src = self.value(op.operands[0])
             return Value(src.var, out, src.wide)
         if name == "broadcast" and dims_equal(numel(info_of(op.operands[0].type).shape), numel(out.shape)):
@@ -277,7 +281,7 @@ class KernelWriter:
             return Value(src.var, out, src.wide)
         args = [self.value(v) for v in op.operands]
         var = self._fresh("t")
-        if name in ROW_REDUCTIONS:
+        if op.SPEC.reduction:
             return self._row_reduction(op, args[0], out, var)
         if name in ("argmax", "argmin"):
             return self._arg_reduction(op, args[0], out, var)
@@ -323,18 +327,19 @@ class KernelWriter:
             raise Unsupported(f"tg.{op.op_name} over axes {op.attr('axes')} in a row kernel")
         if not self.whole_rows:
             raise Unsupported("a row reduction in a tile that does not hold whole rows")
-        fn, neutral = ROW_REDUCTIONS[op.op_name]
+        kind = op.SPEC.reduction
+        fn, neutral = ROW_REDUCTIONS[kind]
         ct = compute_type(out.dtype)
         n = "N" if x.wide else "1"
-        masked = f"tl.where(row_ok & (cols < {n}), {x.var}, {neutral if dtypes.is_float(out.dtype) else _int_neutral(op.op_name, out.dtype)})"
-        if op.op_name == "reduce_prod":
+        masked = f"tl.where(row_ok & (cols < {n}), {x.var}, {neutral if dtypes.is_float(out.dtype) else _int_neutral(kind, out.dtype)})"
+        if kind == "prod":
             self.helpers.add("_multiply")
             self.body.append(f"{var} = tl.reduce({masked}, 1, _multiply, keep_dims=True)")
         else:
             self.body.append(f"{var} = {fn}({masked}, axis=1, keep_dims=True)")
-        if op.op_name == "reduce_mean":
+        if kind == "mean":
             self.body.append(f"{var} = {var} / {n}")
-        if op.op_name in ("reduce_max", "reduce_min") and dtypes.is_float(out.dtype):
+        if kind in ("max", "min") and dtypes.is_float(out.dtype):
             # np.max/np.min propagate NaN; tl.max/tl.min need not.
             self.body.append(f"{var} = tl.where(tl.max(tl.where(row_ok & (cols < {n}), ({x.var} != {x.var}).to(tl.int32), 0), "
                              f"axis=1, keep_dims=True) > 0, float('nan'), {var})")
@@ -428,8 +433,7 @@ class KernelWriter:
 
     def _whole_rows(self, ops: Sequence[TgOp]) -> bool:
         """Whether the ops need a program to hold whole rows (reductions and scans over the last axis)."""
-        return any(op.op_name in ROW_REDUCTIONS or op.op_name in ("argmax", "argmin", "cumsum", "cumprod")
-                   for op in ops)
+        return any(op.SPEC.reduction or op.op_name in ("argmax", "argmin", "cumsum", "cumprod") for op in ops)
 
     def _rows_kernel(self) -> KernelCode:
         self.whole_rows = self._whole_rows(self.ops)
@@ -760,15 +764,15 @@ class KernelWriter:
                           host_args=list(self.host_args), stages=stages or CONFIG_STAGES, helpers=self.helpers)
 
 
-def _int_neutral(op_name: str, dtype: str) -> str:
+def _int_neutral(kind: str, dtype: str) -> str:
     import numpy as np
 
     info = np.iinfo(dtypes.numpy_dtype(dtype)) if dtype != "i1" else None
-    if op_name == "reduce_max":
+    if kind == "max":
         return str(info.min) if info else "0"
-    if op_name == "reduce_min":
+    if kind == "min":
         return str(info.max) if info else "1"
-    return "1" if op_name == "reduce_prod" else "0"
+    return "1" if kind == "prod" else "0"
 
 
 TORCH_TYPES = {"f64": "torch.float64", "f32": "torch.float32", "f16": "torch.float16", "bf16": "torch.bfloat16",

@@ -57,10 +57,11 @@ from xdsl.rewriter import Rewriter
 
 from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import FusionOp, TgOp, YieldOp
+from tilegraph.ir.fusion import ANCHORS
 from tilegraph.ir.quant import FORMATS, MIN_SCALE, MX_BLOCK
 from tilegraph.ir.shapes import TensorInfo, dims_equal, info_of, numel
-from tilegraph.backends.triton.kernels import (GEMM_TILE, GROUP_M, INDENT, POINTER_TYPES, ROW_TILE_ELEMENTS, TL_TYPES,
-                                     TORCH_TYPES, KernelCode, KernelWriter, Unsupported, Value, compute_type)
+from tilegraph.backends.triton.kernels import (AXIS_OPS, GEMM_TILE, GROUP_M, INDENT, POINTER_TYPES, ROW_TILE_ELEMENTS,
+                                     TL_TYPES, TORCH_TYPES, KernelCode, KernelWriter, Unsupported, Value, compute_type)
 
 QUANT_OPS = ("dynamic_quantize", "quantize", "dequantize", "matmul_integer")
 # Element types only these kernels read or write (Triton's names for them); E8M0 scales and
@@ -112,7 +113,7 @@ def _matmul_of(op: Operation) -> TgOp | None:
     if isinstance(op, TgOp):
         return op if op.op_name == "matmul" else None
     if isinstance(op, FusionOp):
-        mms = [o for o in op.ops if o.op_name in ("matmul", "conv", "attention", "einsum")]
+        mms = [o for o in op.ops if o.op_name in ANCHORS]
         return mms[0] if len(mms) == 1 and mms[0].op_name == "matmul" else None
     return None
 
@@ -162,8 +163,7 @@ def _group_float(group: Operation, rewriter: Rewriter) -> None:
 
 # Ops that need a program to hold whole rows (kernels.py's row reductions and scans, and the
 # composites made of them, not yet spelled out when quantized GEMMs are grouped).
-WHOLE_ROW_OPS = ("reduce_sum", "reduce_mean", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin",
-                 "cumsum", "cumprod", "softmax", "layer_norm")
+WHOLE_ROW_OPS = AXIS_OPS | {"softmax", "layer_norm"}
 
 
 def _unwrap(group: FusionOp, rewriter: Rewriter) -> list[TgOp]:

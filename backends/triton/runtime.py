@@ -132,7 +132,7 @@ class BoundTuner:
 
 
 def module_dir() -> Path:
-    from tilegraph.passes.cost.hardware import cache_dir
+    from tilegraph.ir.hardware import cache_dir
 
     return cache_dir() / "triton"
 

@@ -1,7 +1,7 @@
-"""The cost model's inputs and formulas.
+"""The cost model's formulas (model.py) and collectives (collectives.py).
 
-    hardware.py   what a machine can do: datasheet GPUs and this machine's measured CPU profile
-    calibrate.py  measures this machine (`tilegraph calibrate`)
-
-Nothing is imported here, so `import passes.cost.hardware` stays cheap.
+What a machine can do lives below passes and backends, in `ir/hardware.py`
+(`passes.cost.hardware` is the same module); the NumPy backend measures this
+machine's CPU profile (`backends/numpy/calibrate.py`, `tilegraph calibrate`).
+Nothing is imported here, so importing a submodule stays cheap.
 """

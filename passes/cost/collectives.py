@@ -32,7 +32,7 @@ from typing import Sequence
 
 import sympy
 
-from tilegraph.passes.cost.hardware import NCCL_BASE_LATENCY, Hardware, Link
+from tilegraph.ir.hardware import NCCL_BASE_LATENCY, Hardware, Link
 
 # GPUs that share one NVLink/NVSwitch fabric: an HGX/DGX H100, H200 or A100 board
 # holds 8 (DGX H100 user guide; DGX A100 user guide).

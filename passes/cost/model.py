@@ -21,7 +21,7 @@ differently:
   cut into chunks or run on BLAS's threads. The attention kernel runs at its own
   calibrated rate by head dim (`Hardware.attention_rates`): its batched small GEMMs
   over strided heads are far off the GEMM curve. NumPy makes one pass over memory per
-  ufunc call, so an op costs the passes its kernel makes (`CPU_PASSES`) at the
+  ufunc call, so an op costs the passes its kernel makes (the op table's `cpu_passes`) at the
   calibrated rate of each ufunc, or, for the kernels the profile timed whole (gelu,
   layer_norm, softmax), one pass at that kernel's rate; cache-resident rates for
   operands that fit one core's L2, spilled rates for bigger ones. Plus the fixed
@@ -62,33 +62,13 @@ from xdsl.ir import BlockArgument, Operation, SSAValue
 from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.fusion import ANCHORS, VIEW_OPS, flat_ok, row_gemm, siblings, widest
-from tilegraph.ir.kernels import MIN_PARALLEL_SCORES
+from tilegraph.ir.hardware import MIN_PARALLEL_SCORES
+from tilegraph.ir.ops import OPS
 from tilegraph.ir.shapes import Dim, TensorInfo, info_of, numel
 
 
-# FLOPs per result element (conventional counts; the FLOPs-only baseline uses these).
-FLOPS_PER_ELEMENT = {"softmax": 5, "layer_norm": 8, "gelu": 8, "sigmoid": 4, "erf": 8, "rsqrt": 2}
-
-# NumPy calls per result element each op costs on the CPU: (calibrated ufunc, count).
-# Read off the templates in ir/ops.py and the kernels in ir/kernels.py; a ufunc not
-# calibrated falls back to "add" (one pass of simple arithmetic).
-CPU_PASSES: dict[str, tuple[tuple[str, int], ...]] = {
-    "add": (("add", 1),), "sub": (("add", 1),), "mul": (("mul", 1),), "div": (("div", 1),),
-    "max": (("maximum", 1),), "min": (("maximum", 1),), "relu": (("maximum", 1),),
-    "exp": (("exp", 1),), "tanh": (("tanh", 1),), "sqrt": (("sqrt", 1),), "rsqrt": (("sqrt", 1), ("div", 1)),
-    "reciprocal": (("div", 1),), "erf": (("erf", 1),), "where": (("where", 1),),
-    "pow": (("exp", 1), ("log", 1)),  # float np.power: exp(y log x), at about their cost
-    "sigmoid": (("exp", 1), ("add", 3), ("div", 2), ("where", 1)),
-    # (f32, K.gelu) clip, square, the erf polynomial's 12 passes, multiply, exp, add, divide
-    "gelu": (("add", 15), ("exp", 1), ("add", 1), ("div", 1)),
-    # max, subtract, exp, sum, divide (K.softmax)
-    "softmax": (("sum", 2), ("add", 1), ("exp", 1), ("div", 1)),
-    # mean, subtract, square, mean, add eps + sqrt + divide, scale, shift (K.layer_norm)
-    "layer_norm": (("sum", 2), ("add", 2), ("mul", 2), ("sqrt", 1), ("div", 1)),
-    "reduce_sum": (("sum", 1),), "reduce_mean": (("sum", 1),), "reduce_max": (("sum", 1),),
-    "reduce_min": (("sum", 1),), "reduce_prod": (("sum", 1),),
-}
-
+# FLOPs and the NumPy templates' passes per element are traits of the op table
+# (OpSpec.flops, cpu_passes, numpy_calls in ir/ops.py).
 
 # Cost of one astype between float32 and a storage type, in f32 add passes (ns per element
 # over an f32 add's), measured on this project's 2-core Xeon with NumPy 2.4 / ml_dtypes on
@@ -157,29 +137,8 @@ def _prod(dims: Iterable[Dim]) -> sympy.Expr:
 
 
 def op_flops(op: TgOp) -> sympy.Expr:
-    """FLOPs of one op (multiply-add = 2)."""
-    name = op.op_name
-    ins = [info_of(v.type) for v in op.operands]
-    out = op.result_infos()[0]
-    if name in VIEW_OPS or op.SPEC.category in ("layout", "source"):
-        return sympy.Integer(0)
-    if name == "matmul":
-        k = ins[0].shape[-1]
-        return 2 * _elements(out) * sympy.sympify(k)
-    if name == "conv":
-        w = ins[1]
-        return 2 * _elements(out) * _prod(w.shape[1:])
-    if name == "attention":
-        q, k, v = ins[:3]
-        batch_q = _elements(out) / sympy.sympify(v.shape[-1])  # batch * Lq
-        lk, d, dv = sympy.sympify(k.shape[-2]), sympy.sympify(q.shape[-1]), sympy.sympify(v.shape[-1])
-        return batch_q * lk * (2 * d + 2 * dv + FLOPS_PER_ELEMENT["softmax"])
-    if name == "einsum":
-        return 2 * max((_elements(i) for i in ins), key=lambda e: at(e.subs({s: 64 for s in e.free_symbols})))
-    per = FLOPS_PER_ELEMENT.get(name, 1)
-    if op.SPEC.category == "reduction":
-        return per * _elements(ins[0])
-    return per * _elements(out)
+    """FLOPs of one op (multiply-add = 2): the op table's `flops` trait at its shapes."""
+    return op.SPEC.flop_count([info_of(v.type) for v in op.operands], op.result_infos())
 
 
 def op_bytes(op: Operation) -> sympy.Expr:
@@ -226,7 +185,7 @@ def _cpu_passes_time(hw, name: str, elements: sympy.Expr, in_cache: bool, bytes_
     By the op's whole size, not its chunk's: pricing chunks that fit at the cache rate
     made `tile` pick chunks of 16-32 rows on MiniLM and GPT-2, whose per-chunk costs in a
     running model (pool wake-ups, BLAS threads still spinning) it underprices."""
-    passes = ((name, 1),) if name in hw.ufunc_rates else CPU_PASSES.get(name, (("add", 1),))
+    passes = ((name, 1),) if name in hw.ufunc_rates else OPS[name].cpu_passes or (("add", 1),)
     compute = sympy.Integer(0)
     for ufunc, count in passes:
         rate = hw.ufunc_rates.get(ufunc) or hw.ufunc_rates.get("add") or hw.cache_bandwidth / 8
@@ -240,18 +199,13 @@ def _cpu_passes_time(hw, name: str, elements: sympy.Expr, in_cache: bool, bytes_
 
 
 # Bytes per element that a pass keeps in L2: two f32 operands, a result, and the rest of
-# the chunk's live values (calibrate.SPILLED_ELEMENTS spills at 1 MiB per array).
+# the chunk's live values (backends/numpy/calibrate.SPILLED_ELEMENTS spills at 1 MiB per array).
 SPILL_ELEMENT_BYTES = 16
 
 
-# NumPy calls a kernel makes where that is not one per pass: K.erf evaluates its
-# polynomial in 2 calls per coefficient (ir/kernels.py, 7 coefficients) plus clip,
-# square, multiply and tanh; K.gelu makes 18 calls per block of ERF_BLOCK elements.
-NUMPY_CALLS = {"erf": 16, "gelu": 18}
-
-
 def _calls(name: str) -> int:
-    return NUMPY_CALLS.get(name) or sum(count for _, count in CPU_PASSES.get(name, (("add", 1),)))
+    spec = OPS[name]
+    return spec.numpy_calls or sum(count for _, count in spec.cpu_passes or (("add", 1),))
 
 
 def _anchor_time(op: TgOp, hw, cores: int) -> sympy.Expr:
@@ -261,8 +215,8 @@ def _anchor_time(op: TgOp, hw, cores: int) -> sympy.Expr:
         return flops / hw.conv_rate
     if op.op_name != "attention":
         return flops / (_gemm_rate(hw, op) * _parallel(hw, cores))
-    # K.attention_tiled: QK^T and PV GEMMs and a softmax over the scores, on all cores
-    # only above the kernel's own threshold (ir/kernels.py).
+    # attention_tiled (backends/numpy/attention.py): QK^T and PV GEMMs and a softmax over the scores, on all cores
+    # only above the kernel's own threshold (ir/hardware.MIN_PARALLEL_SCORES).
     m, n, d = _matmul_shape(op)
     if hw.attention_rates:  # the kernel as calibrated: its batched small GEMMs are far off the GEMM curve
         one_core = flops / _interpolate(hw.attention_rates, at_nominal(d))

@@ -36,7 +36,7 @@ from typing import Callable
 
 import numpy as np
 
-from tilegraph.passes.cost.hardware import Hardware, clear_cache, cpu_model, cpu_profile_path, save_profile
+from tilegraph.ir.hardware import Hardware, clear_cache, cpu_model, cpu_profile_path, save_profile
 
 # (m, n, k) of the GEMMs timed: tiny (call-overhead bound), one attention head of
 # MiniLM (seq 128, head dim 32: Q@K^T and P@V), a MiniLM projection at batch 1,
@@ -337,7 +337,7 @@ TINY_GEMM = (32, 16, 64)
 CONV_SHAPES = ((32, 8, 16, 16), (16, 8, 3, 3))
 # Batch, heads, sequence and head dims of the attention measurement: MiniLM's (32) and
 # GPT-2's (64) heads, at enough scores (4 x 12 x 128 x 128) that the kernel runs on all
-# cores (ir/kernels.MIN_PARALLEL_SCORES).
+# cores (ir/hardware.MIN_PARALLEL_SCORES).
 ATTENTION_BATCH, ATTENTION_HEADS, ATTENTION_SEQ, ATTENTION_HEAD_DIMS = 4, 12, 128, (32, 64)
 
 
@@ -380,10 +380,10 @@ def _parallel_costs(budget, rng) -> tuple[float, float, float, float]:
 
 
 def _attention_rates(budget, rng) -> tuple[tuple[tuple[int, float], ...], float]:
-    """((head dim, FLOP/s on one core) of K.attention_tiled for each of ATTENTION_HEAD_DIMS,
+    """((head dim, FLOP/s on one core) of attention_tiled (attention.py) for each of ATTENTION_HEAD_DIMS,
     its speedup on all cores at the largest head dim)."""
+    from tilegraph.backends.numpy.attention import attention_tiled
     from tilegraph.backends.numpy.chunks import THREADS
-    from tilegraph.ir import kernels
 
     rates, speedup = [], 1.0
     for d in ATTENTION_HEAD_DIMS:
@@ -393,8 +393,8 @@ def _attention_rates(budget, rng) -> tuple[tuple[tuple[int, float], ...], float]
         out = np.empty(q.shape, np.float32)
 
         def attend(threads):
-            return lambda: kernels.attention_tiled(q, k, v, None, 0.125, False, ATTENTION_SEQ, ATTENTION_SEQ,
-                                                   threads=threads, out=out)
+            return lambda: attention_tiled(q, k, v, None, 0.125, False, ATTENTION_SEQ, ATTENTION_SEQ,
+                                           threads=threads, out=out)
 
         one, = median_times((attend(1),), budget)
         # (the FLOP count of passes/cost/model.op_flops: two GEMMs and the softmax's passes)
@@ -445,7 +445,7 @@ def summary(hw: Hardware) -> str:
         ("the same, one GEMM on BLAS's threads", f"{hw.blas_parallel_efficiency:.2f}"),
         ("a call on BLAS's threads, beyond one on one thread", f"{hw.blas_call_overhead * 1e6:.1f} us"),
         ("convolution kernel (K.conv)", f"{hw.conv_rate / 1e9:.1f} GFLOP/s"),
-        ("attention kernel (K.attention_tiled, one core, by head dim)",
+        ("attention kernel (attention_tiled, one core, by head dim)",
          " ".join(f"{d}:{r / 1e9:.1f}" for d, r in hw.attention_rates) + " GFLOP/s"),
         ("attention kernel: all cores / one core", f"{hw.attention_speedup:.2f}x"),
         ("skinny GEMM efficiency (rows: share of a tall one)",

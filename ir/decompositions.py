@@ -1,0 +1,165 @@
+"""The decomposition library: each composite op (softmax, layer_norm, gelu, attention)
+spelled out in primitive tg ops, written once.
+
+The `decompose` pass (passes/decompose.py) runs these as rewrite rules, and a backend
+that declares DECOMPOSE for an op (backends/lowering.py) expands it with `expand`:
+both below passes and backends, so a backend needs no pass to do it.
+
+One function per composite, written as the kernel in `ir/kernels.py` computes
+it, in the same order of operations, so the decomposed graph evaluates to the
+same numbers in the model's dtype (up to the rounding of the few constants, which
+take the dtype of x as NumPy's weak Python scalars do):
+  softmax    e = exp(x - max(x)); e / sum(e)            (max subtracted first)
+  layer_norm c = x - mean(x); c / sqrt(mean(c*c) + eps) * scale + bias
+  gelu       0.5*x * (1 + erf(x * 1/sqrt(2)))    or the tanh formula
+  attention  softmax(q @ k^T * scale, masked) @ v; the causal mask is
+             trilu(true, k = Lk - Lq), masked scores are -inf
+An attention whose causal offset Lk - Lq is not a known integer is left whole.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+import sympy
+from xdsl.ir import Operation, SSAValue
+from xdsl.rewriter import Rewriter
+
+from tilegraph.ir.dialect import TgOp, make_op
+from tilegraph.ir.shapes import ShapeError, TensorInfo, info_of, normalize_dim
+
+
+def info(value) -> TensorInfo:
+    return info_of(value.type)
+
+
+class Inapplicable(Exception):
+    """The shape rules refused an op a rewrite made: the rewrite does not apply here (a
+    finding about the IR, not an error; any other exception inside a rule is a bug)."""
+
+
+class Emit:
+    """Makes tg ops for one rewrite; they enter the IR only if the rewrite is applied.
+    An op the shape rules refuse raises Inapplicable."""
+
+    def __init__(self) -> None:
+        self.ops: list[Operation] = []
+
+    def __call__(self, name: str, *operands: SSAValue, result: TensorInfo | None = None, **attrs: Any) -> SSAValue:
+        return self.op(name, operands, attrs, result).results[0]
+
+    def op(self, name: str, operands: Sequence[SSAValue], attrs: dict | None = None,
+           result: TensorInfo | list[TensorInfo] | None = None) -> TgOp:
+        try:
+            op = make_op(name, list(operands), attrs, result)
+        except ShapeError as e:
+            raise Inapplicable(str(e)) from e
+        self.ops.append(op)
+        return op
+
+    def constant(self, value: Any, dtype: str) -> SSAValue:
+        from tilegraph.ir import dtypes
+
+        array = np.asarray(value, dtype=dtypes.numpy_dtype(dtype))
+        return self("constant", value=array, result=TensorInfo(tuple(array.shape), dtype))
+
+    def discard(self) -> None:
+        # A made op already counts as a use of its operands: drop those uses.
+        for op in reversed(self.ops):
+            op.drop_all_references()
+        self.ops.clear()
+
+
+# The constants of ir.kernels.gelu.
+SQRT_HALF = 0.7071067811865476  # 1/sqrt(2)
+SQRT_2_OVER_PI = 0.7978845608028654  # sqrt(2/pi), tanh approximation (Hendrycks & Gimpel 2016)
+GELU_CUBIC = 0.044715
+
+
+def softmax(emit: Emit, x, axis: int):
+    axis %= max(info(x).rank, 1)
+    m = emit("reduce_max", x, axes=(axis,), keepdims=True)
+    e = emit("exp", emit("sub", x, m))
+    return emit("div", e, emit("reduce_sum", e, axes=(axis,), keepdims=True))
+
+
+def _softmax(op, emit):
+    return softmax(emit, op.operands[0], op.attr("axis"))
+
+
+def _layer_norm(op, emit):
+    x, *affine = op.operands
+    t = info(x)
+    axes = tuple(range(op.attr("axis") % t.rank, t.rank))
+    mean = emit("reduce_mean", x, axes=axes, keepdims=True)
+    centered = emit("sub", x, mean)
+    var = emit("reduce_mean", emit("mul", centered, centered), axes=axes, keepdims=True)
+    y = emit("div", centered, emit("sqrt", emit("add", var, emit.constant(op.attr("epsilon"), t.dtype))))
+    if len(affine) >= 1:
+        y = emit("mul", y, affine[0])
+    if len(affine) == 2:
+        y = emit("add", y, affine[1])
+    return y
+
+
+def _gelu(op, emit):
+    x = op.operands[0]
+    dt = info(x).dtype
+    half_x = emit("mul", x, emit.constant(0.5, dt))
+    if op.attr("approximate") == "tanh":
+        cubic = emit("mul", emit("mul", emit("mul", x, emit.constant(GELU_CUBIC, dt)), x), x)
+        inner = emit("tanh", emit("mul", emit("add", x, cubic), emit.constant(SQRT_2_OVER_PI, dt)))
+    else:
+        inner = emit("erf", emit("mul", x, emit.constant(SQRT_HALF, dt)))
+    return emit("mul", half_x, emit("add", inner, emit.constant(1.0, dt)))
+
+
+def _attention(op, emit):
+    q, k, v, *mask = op.operands
+    dt, rank = info(q).dtype, info(q).rank
+    perm = tuple(range(rank - 2)) + (rank - 1, rank - 2)
+    scores = emit("mul", emit("matmul", q, emit("transpose", k, perm=perm)), emit.constant(op.attr("scale"), dt))
+    shape = info(scores).shape
+    minus_inf = None
+    if op.attr("causal"):
+        offset = normalize_dim(sympy.sympify(shape[-1]) - sympy.sympify(shape[-2]))
+        if not isinstance(offset, int):
+            return None
+        ones = emit("broadcast", emit.constant(True, "i1"), result=TensorInfo(shape[-2:], "i1"))
+        keep = emit("trilu", ones, k=offset, upper=False)
+        minus_inf = emit.constant(-math.inf, dt)
+        scores = emit("where", keep, scores, minus_inf)
+    if mask:
+        if info(mask[0]).dtype == "i1":
+            scores = emit("where", mask[0], scores, minus_inf or emit.constant(-math.inf, dt))
+        else:
+            scores = emit("add", scores, mask[0])
+        if info(scores).shape != shape:
+            return None  # a mask with more batch dims than q, k, v: kept whole
+    return emit("matmul", softmax(emit, scores, -1), v)
+
+
+DECOMPOSITIONS = {
+    "softmax": _softmax,
+    "layer_norm": _layer_norm,
+    "gelu": _gelu,
+    "attention": _attention,
+}
+
+
+def expand(op: TgOp) -> bool:
+    """Replace `op` in place by its decomposition; False (the op kept) where it has none
+    (an attention with a symbolic causal offset) or the spelled-out type would differ."""
+    emit = Emit()
+    try:
+        new = DECOMPOSITIONS[op.op_name](op, emit)
+    except Inapplicable:
+        new = None
+    values = [] if new is None else [new] if isinstance(new, SSAValue) else list(new)
+    if new is None or len(values) != len(op.results) or any(v.type != r.type for v, r in zip(values, op.results)):
+        emit.discard()
+        return False
+    Rewriter.replace_op(op, emit.ops, values)
+    return True

@@ -1,0 +1,462 @@
+"""What a machine can do, as data: the numbers every cost-model decision is made against.
+
+A `Hardware` holds peak FLOP/s per dtype, memory and cache bandwidth and sizes,
+per-kernel (GPU) or per-NumPy-call (CPU) fixed costs, and interconnect links
+(latency alpha, bandwidth beta). `hardware(name)` gives one:
+
+- "h100", "h200", "a100": the SXM parts, typed in from NVIDIA's datasheets and
+  whitepapers (each number says where it comes from). FLOP/s are dense: the
+  datasheets print the 2:4-sparse figure for tensor cores, which is twice this.
+- "cpu": this machine, *measured* by the NumPy backend's calibration of its own
+  kernels (`backends/numpy/calibrate.py`, `tilegraph calibrate`) and kept as JSON in
+  the user's cache directory, keyed by CPU model and core count. With no profile yet,
+  the first call runs the quick calibration (a couple of seconds) and saves it;
+  `clear_cache()` makes the next call re-read the file.
+
+It lies below passes and backends, which both read it (the cost model; the Triton
+backend's GPU description and cache directory): it imports neither. The measuring
+function is handed in from above (`CALIBRATE`, set by `import tilegraph`).
+
+Two helpers turn the table into rates the cost model divides by:
+`Hardware.flops(dtype)` (falls back to the type the part really computes in) and
+`Hardware.matmul_rate(m, n, k, dtype)` (measured curve on the CPU, tile and wave
+quantization on GPUs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import asdict, dataclass, field, replace
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable, Mapping
+
+# (The NumPy backend's attention kernel, backends/numpy/attention.py, and the cost model.)
+# Below this many scores (batch x Lq x Lk) one thread does the work: handing items
+# to the pool costs more than it saves. Measured on the 2-core machine: MiniLM b1
+# (196K scores, ~1 ms) ran no faster on 2 threads (0.50-0.62x of K.attention
+# against 0.54x on one), GPT-2 b1 s256 causal (786K) did (0.48x against 0.69x).
+MIN_PARALLEL_SCORES = 1 << 19
+
+PROFILE_FORMAT = 8  # (2: per-core GEMM samples; 3: chunk_call_overhead; 4: parallel costs, conv rate; 5: skinny GEMMs; 6: BLAS threads; 7: attention, fused kernels, spilled rates; 8: BLAS call overhead) bump when the JSON layout changes: older profiles are then re-measured
+
+
+@dataclass(frozen=True)
+class Link:
+    name: str
+    alpha: float  # s, latency of one message (one step of a ring collective)
+    beta: float  # bytes/s, bandwidth per direction per device
+    source: str = ""
+
+    def time(self, nbytes: float) -> float:
+        """Seconds to send one message of `nbytes`: alpha + nbytes / beta."""
+        return self.alpha + nbytes / self.beta
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str  # "h100", "h200", "a100", "cpu"
+    kind: str  # "gpu" or "cpu"
+    peak_flops: Mapping[str, float]  # tg dtype name -> dense FLOP/s (i8: ops/s); only what the part has
+    memory_bandwidth: float  # bytes/s, DRAM/HBM streaming (CPU: one NumPy call, 2 reads + 1 write per element)
+    cache_bandwidth: float  # bytes/s for data resident in `cache_bytes`
+    cache_bytes: int  # GPU: L2 size; CPU: L2 per core (what a fused group's working set should fit in)
+    memory_bytes: int  # HBM capacity / RAM
+    cores: int  # SMs / CPU cores
+    shared_memory_per_core: int  # GPU: shared memory per SM (bytes); CPU: L1d per core
+    registers_per_core: int  # GPU: 32-bit registers per SM; CPU: 0
+    launch_overhead: float  # s: GPU kernel launch; CPU: fixed cost of one NumPy call on a small array
+    alloc_overhead: float  # s: allocating a temporary (CPU: ~1 MB np.empty + first touch); GPU: 0
+    links: Mapping[str, Link]  # GPU: "nvlink", "infiniband", "pcie"; CPU: empty
+    # CPU only (empty on GPUs): measured throughput.
+    # (m, n, k, FLOP/s) of one f32 np.matmul, net of launch_overhead: time = launch + 2mnk / rate
+    gemm_samples: tuple[tuple[int, int, int, float], ...] = ()
+    ufunc_rates: Mapping[str, float] = field(default_factory=dict)  # elements/s, f32, cache-resident
+    # elements/s, f32, of the same calls over a chunk whose arrays spill out of one core's L2
+    # (what a row chunk of a wide layer sees); empty: `ufunc_rates` at every size.
+    ufunc_rates_spilled: Mapping[str, float] = field(default_factory=dict)
+    source: str = ""  # datasheet URLs, or "calibrated <date> on <cpu model> ..."
+    # GPU only: the most shared memory one thread block may use (the tile pass's limit).
+    shared_memory_per_block: int = 0
+    # CPU only: the fixed cost of one NumPy call inside a fused group's chunk loop running
+    # on all cores (slicing the chunk's views, and the GIL the threads share between
+    # calls); 0: launch_overhead.
+    chunk_call_overhead: float = 0.0
+    # CPU only: one fork/join of the chunk pool (waking the workers, waiting for them),
+    # and how much of `cores` x the one-core GEMM rate all cores get together (shared
+    # caches, memory bus, clocks); 1.0 when not measured.
+    parallel_overhead: float = 0.0
+    parallel_efficiency: float = 1.0
+    # CPU only: the same for one whole GEMM with BLAS on all cores (its own threads, which
+    # share packed panels and spin rather than sleep between calls); 0: not measured,
+    # and `tile` never chooses it.
+    blas_parallel_efficiency: float = 0.0
+    # CPU only: what running a GEMM on BLAS's threads adds to its call, whatever its size
+    # (handing BLAS all cores and taking them back): 12 us on the 2-core dev machine
+    # against 3.4 us for the whole 32x144x10 GEMM of the small CNN's classifier.
+    blas_call_overhead: float = 0.0
+    # CPU only: FLOP/s of the NumPy convolution kernel (K.conv: im2col, small batched GEMMs),
+    # which is far from the GEMM curve; 0: priced as a GEMM.
+    conv_rate: float = 0.0
+    # CPU only: (rows, efficiency) of a GEMM with that few rows against a tall one of the
+    # same other dims; the volume curve (`gemm_samples`) alone cannot tell 8 x 3072 x 768
+    # (35 GFLOP/s on one core here) from 128 x 384 x 384 (89).
+    skinny_gemm: tuple[tuple[int, float], ...] = ()
+    # CPU only: (head dim, FLOP/s) of the NumPy attention kernel (backends/numpy/attention.py, one
+    # core): its batched small GEMMs over strided heads and its softmax passes run far
+    # below the GEMM curve; and its speedup on all cores. Empty: priced from the GEMM curve.
+    attention_rates: tuple[tuple[int, float], ...] = ()
+    attention_speedup: float = 0.0
+
+    # Dict fields make the generated hash fail; these three identify a profile.
+    def __hash__(self) -> int:
+        return hash((self.name, self.kind, self.source))
+
+    def flops(self, dtype: str) -> float:
+        """Peak FLOP/s for `dtype`; a dtype the part has no rate for runs at the rate of
+        the type it is computed in (bf16 on the CPU: f32, since NumPy widens it; fp8 on
+        A100: bf16; integers wider than 8 bits: f32)."""
+        for name in (dtype, *_computed_as(dtype)):
+            if name in self.peak_flops:
+                return self.peak_flops[name]
+        raise AssertionError(f"hardware {self.name} has no f32 rate")  # every profile has one
+
+    def matmul_rate(self, m: int, n: int, k: int, dtype: str = "f32") -> float:
+        """FLOP/s expected for one (m x k) @ (k x n) GEMM at concrete sizes.
+
+        CPU: the measured f32 np.matmul rates on one core (`gemm_samples`), interpolated linearly
+        in log(m*n*k) and clamped at the smallest and largest sample, scaled by
+        flops(dtype) / flops("f32").
+
+        GPU: peak times the fraction of issued tensor-core work that is useful when
+        the output is cut into GPU_TILE_M x GPU_TILE_N tiles, one per SM per wave,
+        each stepping through k in GPU_TILE_K slices:
+            tiles      = ceil(m / TM) * ceil(n / TN)
+            waves      = ceil(tiles / cores)
+            efficiency = m*n*k / (waves * cores * TM*TN * ceil(k / TK)*TK)
+        (tile quantization for ragged edges, wave quantization for a last wave that
+        leaves SMs idle). An upper bound: it ignores pipeline fill for small k.
+        """
+        m, n, k = int(m), int(n), int(k)
+        if min(m, n, k) <= 0:
+            raise ValueError(f"matmul_rate needs positive sizes, got {m}x{n}x{k}")
+        if self.kind == "gpu":
+            tiles = math.ceil(m / GPU_TILE_M) * math.ceil(n / GPU_TILE_N)
+            waves = math.ceil(tiles / self.cores)
+            issued = waves * self.cores * GPU_TILE_M * GPU_TILE_N * math.ceil(k / GPU_TILE_K) * GPU_TILE_K
+            return self.flops(dtype) * (m * n * k) / issued
+        if not self.gemm_samples:
+            return self.flops(dtype)
+        curve = _gemm_curve(self.gemm_samples)
+        rate = _interp(math.log(m * n * k), curve)
+        if self.skinny_gemm:  # few rows (or columns): BLAS's register blocking is left half empty
+            rate *= min(1.0, _interp(math.log(min(m, n)), tuple((math.log(r), e) for r, e in self.skinny_gemm)))
+        return rate * self.flops(dtype) / self.flops("f32")
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able data; `from_dict` gives back an equal Hardware."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Hardware":
+        d = dict(d)
+        d["links"] = {k: Link(**v) for k, v in d.get("links", {}).items()}
+        d["gemm_samples"] = tuple((int(m), int(n), int(k), float(r)) for m, n, k, r in d.get("gemm_samples", ()))
+        d["skinny_gemm"] = tuple((int(r), float(e)) for r, e in d.get("skinny_gemm", ()))
+        d["attention_rates"] = tuple((int(h), float(r)) for h, r in d.get("attention_rates", ()))
+        return cls(**d)
+
+
+def _computed_as(dtype: str) -> tuple[str, ...]:
+    """The types `dtype` is computed in where the part has no rate of its own, best first."""
+    if dtype in ("bf16", "f16"):
+        return ("f16" if dtype == "bf16" else "bf16", "f32")
+    if dtype.startswith(("f8", "f6", "f4")):  # narrow floats: the nearest tensor-core type there is
+        return ("f8E4M3FN", "f8E5M2", "bf16", "f16", "f32")
+    if re.fullmatch(r"u?i[1-8]", dtype):
+        return ("i8", "f32")
+    return ("f32",)  # tf32, wider integers, i1, f64 where absent
+
+
+def _gemm_curve(samples) -> tuple[tuple[float, float], ...]:
+    """(log(m*n*k), FLOP/s) sorted by size; samples of equal m*n*k are averaged."""
+    by_size: dict[int, list[float]] = {}
+    for m, n, k, rate in samples:
+        by_size.setdefault(m * n * k, []).append(rate)
+    return tuple((math.log(s), sum(r) / len(r)) for s, r in sorted(by_size.items()))
+
+
+def _interp(x: float, curve) -> float:
+    if x <= curve[0][0]:
+        return curve[0][1]
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return curve[-1][1]
+
+
+# --- GPUs -------------------------------------------------------------------------
+
+# Output tile of one thread block in the GPU matmul efficiency model: 128x128 is
+# cuBLAS's / CUTLASS's usual tile for large bf16 GEMMs on Ampere and Hopper, and the
+# one NVIDIA's "Matrix Multiplication Background" guide uses to explain tile and wave
+# quantization (https://docs.nvidia.com/deeplearning/performance/dl-performance-matrix-multiplication/).
+GPU_TILE_M = GPU_TILE_N = 128
+GPU_TILE_K = 64  # k slice per main-loop step of those kernels (64 bf16 = one 128-byte row)
+
+# Sources shared by the parts below.
+CUDA_GUIDE = ("https://docs.nvidia.com/cuda/cuda-c-programming-guide/"
+              "#features-and-technical-specifications-technical-specifications-per-compute-capability")
+NCCL_TUNING = "https://github.com/NVIDIA/nccl/blob/master/src/graph/tuning.cc"
+CUDA_GRAPHS_BLOG = "https://developer.nvidia.com/blog/cuda-graphs/"
+
+GIB, KIB, MIB = 2**30, 2**10, 2**20
+REGISTERS_PER_SM = 65536  # 32-bit registers per SM, compute capability 8.0 and 9.0 (CUDA_GUIDE)
+# Launching one kernel costs a few us of CPU/driver time before it runs; NVIDIA's CUDA
+# Graphs post (CUDA_GRAPHS_BLOG) measures back-to-back short kernels at a few us each,
+# and graphs exist to remove exactly that. 4 us: the usual figure for a PyTorch/Triton launch.
+KERNEL_LAUNCH = 4e-6
+
+# Interconnect latency alpha per message = NCCL's own per-step ring latency (hwLat,
+# Ring/LL128, in us) in its tuning model (NCCL_TUNING): NVLink 1.9, PCI 2.5, network 4.0.
+# NCCL adds a base latency per collective on top (baseLat, Ring/Simple 8.4 us).
+ALPHA_NVLINK, ALPHA_PCIE, ALPHA_NET = 1.9e-6, 2.5e-6, 4.0e-6
+NCCL_BASE_LATENCY = 8.4e-6  # s, once per collective launch (NCCL_TUNING baseLat Ring/Simple)
+
+# H100 SXM5 datasheet (dense = half the printed sparse tensor figures):
+H100_DATASHEET = "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet"
+# L2 size, SM count, shared memory: the Hopper architecture whitepaper.
+HOPPER_WHITEPAPER = "https://resources.nvidia.com/en-us-tensor-core/gtc22-whitepaper-hopper"
+HOPPER_FLOPS = {
+    "f64": 67e12,  # FP64 Tensor Core 67 TFLOPS (vector FP64 is 34; GEMMs use the tensor cores)
+    "f32": 67e12,  # FP32 67 TFLOPS (CUDA cores)
+    "tf32": 494.5e12,  # TF32 Tensor Core 989 TFLOPS with sparsity
+    "bf16": 989.5e12,  # BF16 Tensor Core 1,979 TFLOPS with sparsity
+    "f16": 989.5e12,  # FP16 Tensor Core 1,979 TFLOPS with sparsity
+    "f8E4M3FN": 1979e12,  # FP8 Tensor Core 3,958 TFLOPS with sparsity
+    "f8E5M2": 1979e12,
+    "i8": 1979e12,  # INT8 Tensor Core 3,958 TOPS with sparsity
+}  # no FP4 on Hopper (Blackwell adds it)
+HOPPER_L2 = 50 * MIB  # whitepaper: 50 MB L2 (cudaDeviceProp.l2CacheSize = 52428800)
+HOPPER_SMS = 132  # SXM5: 132 SMs (whitepaper)
+HOPPER_SMEM_PER_SM = 228 * KIB  # compute capability 9.0: 228 KB shared memory per SM (CUDA_GUIDE)
+HOPPER_SMEM_PER_BLOCK = 227 * KIB  # ... of which 227 KB per thread block
+# L2 bandwidth is not on NVIDIA's datasheets. Estimate: the 5,120 bytes/clock L2 read
+# bandwidth the Ampere whitepaper gives for A100, at the H100 SXM boost clock of
+# 1.98 GHz. Only its ratio to HBM matters to fusion (L2-resident beats HBM by ~3x).
+HOPPER_L2_BANDWIDTH = 5120 * 1.98e9
+# NVLink 4: 900 GB/s total bandwidth per GPU (datasheet) = 450 GB/s each direction.
+HOPPER_NVLINK = 450e9
+# InfiniBand NDR 400 Gb/s, one ConnectX-7 per GPU in DGX/HGX H100 (DGX H100 user guide:
+# https://docs.nvidia.com/dgx/dgxh100-user-guide/introduction-to-dgxh100.html) = 50 GB/s.
+NDR_PER_GPU = 400e9 / 8
+PCIE_GEN5_X16 = 64e9  # datasheet "PCIe Gen5: 128 GB/s" counts both directions
+
+H100 = Hardware(
+    name="h100", kind="gpu", peak_flops=HOPPER_FLOPS,
+    memory_bandwidth=3.35e12,  # H100 SXM: 3.35 TB/s HBM3 (datasheet)
+    cache_bandwidth=HOPPER_L2_BANDWIDTH, cache_bytes=HOPPER_L2,
+    memory_bytes=80 * 10**9,  # 80 GB HBM3 (datasheet)
+    cores=HOPPER_SMS, shared_memory_per_core=HOPPER_SMEM_PER_SM, registers_per_core=REGISTERS_PER_SM,
+    launch_overhead=KERNEL_LAUNCH, alloc_overhead=0.0,  # a caching allocator: temporaries cost no call
+    links={
+        "nvlink": Link("nvlink", ALPHA_NVLINK, HOPPER_NVLINK, f"{H100_DATASHEET}; alpha: {NCCL_TUNING}"),
+        "infiniband": Link("infiniband", ALPHA_NET, NDR_PER_GPU, f"NDR 400 Gb/s per GPU; alpha: {NCCL_TUNING}"),
+        "pcie": Link("pcie", ALPHA_PCIE, PCIE_GEN5_X16, f"{H100_DATASHEET}; alpha: {NCCL_TUNING}"),
+    },
+    source=f"{H100_DATASHEET}; {HOPPER_WHITEPAPER}; {CUDA_GUIDE}",
+    shared_memory_per_block=HOPPER_SMEM_PER_BLOCK,
+)
+
+# H200 SXM: the same GH100 die and clocks as H100 SXM (same FLOP/s, SMs, L2, NVLink),
+# with 141 GB of HBM3e at 4.8 TB/s (https://www.nvidia.com/en-us/data-center/h200/).
+H200_PAGE = "https://www.nvidia.com/en-us/data-center/h200/"
+H200 = replace(
+    H100, name="h200",
+    memory_bandwidth=4.8e12,  # 4.8 TB/s HBM3e
+    memory_bytes=141 * 10**9,  # 141 GB HBM3e
+    # The page lists H100's NVLink (900 GB/s) and PCIe Gen5 (128 GB/s): the links are H100's.
+    source=f"{H200_PAGE}; {HOPPER_WHITEPAPER}; {CUDA_GUIDE}",
+)
+
+# A100 SXM4 80GB datasheet (dense = half the printed sparse tensor figures):
+A100_DATASHEET = ("https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
+                  "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf")
+AMPERE_WHITEPAPER = ("https://images.nvidia.com/aem-dam/en-zz/Solutions/data-center/"
+                     "nvidia-ampere-architecture-whitepaper.pdf")
+A100 = Hardware(
+    name="a100", kind="gpu",
+    peak_flops={
+        "f64": 19.5e12,  # FP64 Tensor Core 19.5 TFLOPS (vector FP64 9.7)
+        "f32": 19.5e12,  # FP32 19.5 TFLOPS
+        "tf32": 156e12,  # TF32 Tensor Core 156 TFLOPS (312 with sparsity)
+        "bf16": 312e12,  # BF16 Tensor Core 312 TFLOPS (624 with sparsity)
+        "f16": 312e12,  # FP16 Tensor Core 312 TFLOPS
+        "i8": 624e12,  # INT8 Tensor Core 624 TOPS (1,248 with sparsity)
+    },  # no FP8 (Hopper adds it): flops("f8E4M3FN") falls back to bf16
+    memory_bandwidth=2.039e12,  # A100 80GB SXM: 2,039 GB/s HBM2e
+    # Ampere whitepaper: L2 read bandwidth 5,120 bytes/clock, at the 1.41 GHz boost clock.
+    cache_bandwidth=5120 * 1.41e9,
+    cache_bytes=40 * MIB,  # 40 MB L2 (whitepaper; cudaDeviceProp.l2CacheSize = 41943040)
+    memory_bytes=80 * 10**9,
+    cores=108,  # 108 SMs (whitepaper)
+    shared_memory_per_core=164 * KIB,  # compute capability 8.0: 164 KB per SM, 163 KB per block (CUDA_GUIDE)
+    registers_per_core=REGISTERS_PER_SM,
+    launch_overhead=KERNEL_LAUNCH, alloc_overhead=0.0,
+    links={
+        # NVLink 3: 600 GB/s total per GPU (datasheet) = 300 GB/s each direction.
+        "nvlink": Link("nvlink", ALPHA_NVLINK, 300e9, f"{A100_DATASHEET}; alpha: {NCCL_TUNING}"),
+        # DGX A100: one ConnectX-6 HDR 200 Gb/s per GPU = 25 GB/s
+        # (https://docs.nvidia.com/dgx/dgxa100-user-guide/introduction-to-dgxa100.html).
+        "infiniband": Link("infiniband", ALPHA_NET, 200e9 / 8, f"HDR 200 Gb/s per GPU; alpha: {NCCL_TUNING}"),
+        # PCIe Gen4 x16: the datasheet's 64 GB/s counts both directions.
+        "pcie": Link("pcie", ALPHA_PCIE, 32e9, f"{A100_DATASHEET}; alpha: {NCCL_TUNING}"),
+    },
+    source=f"{A100_DATASHEET}; {AMPERE_WHITEPAPER}; {CUDA_GUIDE}",
+    shared_memory_per_block=163 * KIB,
+)
+
+GPUS = {"h100": H100, "h200": H200, "a100": A100}
+TARGETS: tuple[str, ...] = (*GPUS, "cpu")
+
+
+def check_target(name: str) -> None:
+    """ValueError naming the choices unless `name` is a hardware target (a pass option's check)."""
+    if str(name).strip().lower() not in TARGETS:
+        raise ValueError(f"unknown hardware target '{name}': choose one of {', '.join(TARGETS)}")
+
+
+def hardware(name: str) -> Hardware:
+    """The description of `name` (one of TARGETS, any case); "cpu" is this machine's
+    measured profile, calibrated quickly on first use."""
+    from tilegraph.ir.errors import TilegraphError
+
+    key = str(name).strip().lower()
+    if key in GPUS:
+        return GPUS[key]
+    if key == "cpu":
+        profile = _cpu_profile(str(cpu_profile_path()))
+        # The NumPy backend runs on TILEGRAPH_NUM_THREADS threads when it is set
+        # (backends/numpy/chunks.py): decide for the cores it will use.
+        threads = int(os.environ.get("TILEGRAPH_NUM_THREADS") or 0)
+        return replace(profile, cores=threads) if threads and threads != profile.cores else profile
+    raise TilegraphError(f"unknown hardware target '{name}': choose one of {', '.join(TARGETS)}")
+
+
+def clear_cache() -> None:
+    """Forget the loaded CPU profile, so the next hardware("cpu") reads the file again."""
+    _cpu_profile.cache_clear()
+
+
+# Measures this machine quickly when it has no profile yet (quick=True): the NumPy backend's
+# calibration, set by `tilegraph/__init__.py`, the layer above both this module and the backend.
+CALIBRATE: Callable[..., Hardware] | None = None
+
+
+def _measure() -> Hardware:
+    from tilegraph.ir.errors import TilegraphError
+
+    if CALIBRATE is None:
+        raise TilegraphError("no CPU profile and no calibration to measure one: import tilegraph first")
+    return CALIBRATE(quick=True)
+
+
+@lru_cache(maxsize=None)
+def _cpu_profile(path: str) -> Hardware:
+    profile = load_profile(path)
+    if profile is not None:
+        return profile
+    try:
+        with _locked(Path(path)):  # one pytest-xdist worker calibrates, the others wait and read it
+            profile = load_profile(path)
+            if profile is None:
+                profile = _measure()
+                save_profile(profile, path)
+    except OSError:  # no writable cache directory: the measurement serves this process only
+        profile = profile or _measure()
+    return profile
+
+
+# --- the CPU profile on disk ---------------------------------------------------------
+
+def cache_dir() -> Path:
+    """$TILEGRAPH_CACHE_DIR, else $XDG_CACHE_HOME/tilegraph, else ~/.cache/tilegraph."""
+    if os.environ.get("TILEGRAPH_CACHE_DIR"):
+        return Path(os.environ["TILEGRAPH_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "tilegraph"
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name (/proc/cpuinfo), or the platform's best guess."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith(("model name", "hardware", "cpu model")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine() or "unknown-cpu"
+
+
+def cpu_profile_path() -> Path:
+    """Where this machine's profile lives: one file per CPU model, core count and profile
+    format. The format is in the name so that two checkouts of different versions on one
+    machine do not each re-measure and overwrite the other's profile on every run."""
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", cpu_model()).strip("-").lower() or "cpu"
+    return cache_dir() / f"cpu-{slug}-{os.cpu_count() or 1}cores-v{PROFILE_FORMAT}.json"
+
+
+def load_profile(path) -> Hardware | None:
+    """The profile saved at `path`, or None when it is missing, unreadable or of an older format."""
+    try:
+        data = json.loads(Path(path).read_text())
+        if data.get("format") != PROFILE_FORMAT:
+            return None
+        hw = Hardware.from_dict(data["hardware"])
+        return hw if "f32" in hw.peak_flops else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save_profile(hw: Hardware, path) -> Path:
+    """Write `hw` as JSON atomically (temporary file + rename: readers never see half a file)."""
+    import tempfile
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"format": PROFILE_FORMAT, "hardware": hw.to_dict()}, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+class _locked:
+    """An exclusive lock on `path`.lock while one process calibrates (no-op without fcntl)."""
+
+    def __init__(self, path: Path):
+        self.path = path.with_name(path.name + ".lock")
+        self.file = None
+
+    def __enter__(self):
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - not POSIX: racing writers still write whole files
+            return self
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.path, "w")
+        fcntl.flock(self.file, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        if self.file is not None:
+            self.file.close()  # closing releases the lock
