@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from tilegraph.ir.errors import TilegraphError
+from tilegraph.ir.hardware import cache_dir
 
 RUNTIME_H = Path(__file__).with_name("runtime.h")
 # -fwrapv: signed integer overflow wraps, as NumPy's does. -fno-math-errno lets the
@@ -70,16 +71,10 @@ def _toolchain_id() -> str:
     return "\n".join([cc, version, cpu, native, " ".join(CFLAGS), RUNTIME_H.read_text()])
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("TILEGRAPH_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tilegraph")
-    return Path(root) / "c"
-
-
 def build(source: str) -> Path:
     """The shared library of `source`, compiled now or found in the cache."""
     key = hashlib.sha256((_toolchain_id() + "\n" + source).encode()).hexdigest()[:24]
-    target = cache_dir() / f"tg_{key}.so"
+    target = cache_dir() / "c" / f"tg_{key}.so"
     if target.exists():
         return target
     include, libdir = onednn()

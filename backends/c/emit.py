@@ -36,10 +36,12 @@ import numpy as np
 import sympy
 from xdsl.ir import SSAValue
 
+from tilegraph.backends.lowering import table
 from tilegraph.backends.program import flatten
 from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.model import Model
+from tilegraph.ir.ops import OPS
 from tilegraph.ir.shapes import Dim, info_of, numel
 
 CTYPES = {"f32": "float", "f64": "double", "i64": "int64_t", "i32": "int32_t", "i16": "int16_t", "i8": "int8_t",
@@ -84,15 +86,22 @@ C_BINARY_INT = {
 # is undefined out of range. Those run on the host (HOST_FALLBACK).
 
 # What every op of the table does in this backend when it is not lowered to C: the
-# host runs it with the op table's NumPy semantics between native segments.
+# host runs it with the op table's NumPy semantics between native segments. (An op
+# lowered in C also runs on the host in a case its lowering refuses, a dtype without
+# a C type or a layout it does not take; tests/test_c_backend.py checks each op
+# lowered here runs natively on at least one of its examples.)
 HOST_FALLBACK = {
     "einsum": "NumPy's einsum on the host",
     "gather_elements": "host", "scatter_elements": "host", "scatter_nd": "host", "pad": "host", "tile": "host",
     "cumsum": "host", "cumprod": "host", "trilu": "host", "iota": "host", "topk": "host", "argmax": "host",
     "argmin": "host", "quantize": "host", "dequantize": "host", "dynamic_quantize": "host",
     "matmul_integer": "host", "mod": "host", "isinf": "host", "reduce_prod": "host",
-    "div": "host for integers", "pow": "host for integers", "shift_left": "host", "shift_right": "host",
+    "div": "C for floats, the host for integers", "pow": "C for floats, the host for integers",
+    "shift_left": "host", "shift_right": "host",
 }
+LOWERINGS = table(template=[op for op in OPS if op not in HOST_FALLBACK],
+                  fallback={op: f"runs on the host between native segments ({why})"
+                            for op, why in HOST_FALLBACK.items()})
 
 # oneDNN algorithm kinds (dnnl_types.h) for epilogues it fuses into a GEMM or convolution.
 DNNL_ELTWISE = {"relu": "dnnl_eltwise_relu", "tanh": "dnnl_eltwise_tanh", "exp": "dnnl_eltwise_exp",
