@@ -127,3 +127,18 @@ def test_a_row_op_never_overwrites_a_value_its_group_also_yields():
     inputs = [rng.standard_normal((8, 16)).astype(np.float32) for _ in range(2)]
     for got, want, name in zip(compiled.run(*inputs), interpret(model, inputs), model.output_names):
         assert_close(got, want, "f32", reduction_length=16, name=name)
+
+
+def test_two_models_of_one_source_keep_their_own_packed_weights():
+    """Models that differ only in their weights emit the same C source and share one
+    library; each packs its own weights (they were once packed per library, and the
+    second model multiplied by the first one's weights)."""
+    from tilegraph.ir import Graph
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 32)).astype(np.float32)
+    for seed in (1, 2):
+        g = Graph()
+        w = np.random.default_rng(seed).standard_normal((32, 64)).astype(np.float32)
+        model = g.build(g.input("x", ("B", 32)) @ g.weight("w", w), names=["y"])
+        assert_close(tilegraph.compile(model, target="c")(x), interpret(model, [x])[0], "f32", reduction_length=32)

@@ -1108,15 +1108,23 @@ def emit_program(model: Model, name: str | None = None, per_step: bool = False) 
     lines += [f" *   {c_comment(n)}: {c_comment(str(i))}" for n, i in zip(model.output_names, model.outputs)]
     lines += [" */", *_gelu_defines(), '#include "runtime.h"', "#include <tgmath.h>", ""]
     nprim = max(em.gemm_count, 1)
-    lines += [f"static tg_packed tg_packs[{nprim}];  /* weights packed once, shared by every shape binding */",
-              f"typedef struct {{ tg_prim prim[{nprim}]; }} tg_state;  /* primitives of one shape binding */", ""]
-    lines += ["static int tg_state_init(tg_state *st, const int64_t *s, void *const *p) {"]
+    # A loaded model owns its packed weights (two models of one source share the library,
+    # not their weights); each shape binding owns its primitives.
+    lines += [f"typedef struct {{ tg_packed w[{nprim}]; }} tg_packs;  /* weights packed once, for every binding */",
+              f"typedef struct {{ tg_prim prim[{nprim}]; tg_packs *packs; }} tg_state;  /* one shape binding */",
+              "",
+              "void *tg_packs_new(void) { return calloc(1, sizeof(tg_packs)); }",
+              "",
+              "static int tg_state_init(tg_state *st, const int64_t *s, void *const *p) {",
+              "    tg_packed *tg_packs = st->packs->w;"]
     for step in em.steps:
         lines += ["    " + line for line in step.state]
     lines += ["    return 0;", "}", "",
-              "void *tg_state_new(const int64_t *s, void *const *p) {",
+              "void *tg_state_new(void *packs, const int64_t *s, void *const *p) {",
               "    tg_state *st = calloc(1, sizeof *st);",
-              "    if (st && tg_state_init(st, s, p)) { free(st); return NULL; }",
+              "    if (!st) return NULL;",
+              "    st->packs = packs;",
+              "    if (tg_state_init(st, s, p)) { free(st); return NULL; }",
               "    return st;", "}", ""]
     plan: list[tuple[str, int]] = []
     segments: list[list[int]] = []

@@ -123,8 +123,12 @@ class CompiledModel:
                 fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
                 fn.restype = ctypes.c_int
                 self._segments[k] = fn
-        library.tg_state_new.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        library.tg_state_new.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         library.tg_state_new.restype = ctypes.c_void_p
+        library.tg_packs_new.restype = ctypes.c_void_p
+        self._packs = library.tg_packs_new()  # this model's packed weights, filled by its first binding
+        if not self._packs:
+            raise ModelError("out of memory creating the C module's weight table")
         library.tg_error.restype = ctypes.c_char_p
         self._bindings: dict[tuple, _Binding] = {}
 
@@ -155,7 +159,7 @@ class CompiledModel:
                 b.pointers[i] = arrays[buf.index].ctypes.data
         ints = b.ints.ctypes.data
         if b.state is None:
-            b.state = self._lib.tg_state_new(ints, b.pointers)
+            b.state = self._lib.tg_state_new(self._packs, ints, b.pointers)
             if not b.state:
                 raise ModelError(f"the C module could not prepare its kernels: {self._error()}")
         for kind, k in self.program.plan:
