@@ -431,13 +431,20 @@ static int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int6
 #pragma omp simd
                         for (int64_t j = 0; j < nk; j++) si[j] += qc * kt[c * TG_ATT_BK + j];
                     }
-                    for (int64_t j = 0; j < nk; j++) {
-                        int64_t jj = j0 + j;
-                        if (causal && jj > i0 + i + lk - lq) si[j] = -INFINITY;
-                        if (mask_kind == 1 && !((const uint8_t *)mask)[om + (i0 + i) * mr + jj * mc]) si[j] = -INFINITY;
-                        if (mask_kind == 2) si[j] += ((const float *)mask)[om + (i0 + i) * mr + jj * mc];
+                    if (causal) { /* keys past i + lk - lq are the future */
+                        int64_t first = i0 + i + lk - lq + 1 - j0;
+                        for (int64_t j = first < 0 ? 0 : first; j < nk; j++) si[j] = -INFINITY;
+                    }
+                    if (mask_kind == 1) {
+                        const uint8_t *mi = (const uint8_t *)mask + om + (i0 + i) * mr + j0 * mc;
+                        for (int64_t j = 0; j < nk; j++) if (!mi[j * mc]) si[j] = -INFINITY;
+                    } else if (mask_kind == 2) {
+                        const float *mi = (const float *)mask + om + (i0 + i) * mr + j0 * mc;
+#pragma omp simd
+                        for (int64_t j = 0; j < nk; j++) si[j] += mi[j * mc];
                     }
                     float m = mx[i];
+#pragma omp simd reduction(max : m)
                     for (int64_t j = 0; j < nk; j++) m = si[j] > m ? si[j] : m;
                     /* all -inf so far: nothing to weigh yet (exp(-inf - -inf) would be NaN) */
                     float corr = m == -INFINITY ? 1.f : tg_expf(mx[i] - m), l = 0.f;

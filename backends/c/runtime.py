@@ -25,7 +25,7 @@ from tilegraph.ir import dtypes
 from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.interpreter import GLOBALS, evaluate
 from tilegraph.ir.model import Model, ModelError
-from tilegraph.ir.shapes import ShapeError
+from tilegraph.ir.shapes import ShapeError, numel
 from tilegraph.ir.signature import Signature
 
 ALIGN = 64  # bytes: a cache line, and what oneDNN's vector loads like
@@ -115,7 +115,15 @@ class CompiledModel:
                 self.fixed.append(np.ascontiguousarray(em.constants[b.index], dtype=dtypes.numpy_dtype(b.dtype)))
             else:
                 self.fixed.append(None)
-        self.lifetimes = _lifetimes(program)
+        # An output that is a whole intermediate buffer is written straight into a fresh
+        # array of the caller's (no arena bytes, no copy); other outputs are copied out.
+        self._direct: dict[int, int] = {}  # output index -> its buffer
+        for i, v in enumerate(em.outputs()):
+            if (v.literal is None and em.buffers[v.buf].kind == "temp" and v.buf not in self._direct.values()
+                    and sympy.sympify(v.offset) == 0 and em.is_contiguous(v)
+                    and sympy.expand(sympy.sympify(numel(v.shape)) - em.buffers[v.buf].elements) == 0):
+                self._direct[i] = v.buf
+        self.lifetimes = {b: t for b, t in _lifetimes(program).items() if b not in self._direct.values()}
         self._segments = {}
         for kind, k in program.plan:
             if kind == "segment":
@@ -157,6 +165,13 @@ class CompiledModel:
             if buf.kind == "input":
                 b.bases[i] = arrays[buf.index]
                 b.pointers[i] = arrays[buf.index].ctypes.data
+        outputs = em.outputs()
+        fresh = {}
+        for i, buf in self._direct.items():
+            fresh[i] = np.empty(tuple(int(sympy.sympify(d).xreplace(b._subs)) for d in outputs[i].shape),
+                                dtypes.numpy_dtype(outputs[i].dtype))
+            b.bases[buf] = fresh[i].reshape(-1)
+            b.pointers[buf] = fresh[i].ctypes.data
         ints = b.ints.ctypes.data
         if b.state is None:
             b.state = self._lib.tg_state_new(self._packs, ints, b.pointers)
@@ -169,12 +184,12 @@ class CompiledModel:
             else:
                 self._host(self.program.steps[k], b, sizes)
         outs = []
-        for v in em.outputs():
-            outs.append(np.array(b.view(v)) if v.literal is None else
+        for i, v in enumerate(outputs):
+            outs.append(fresh[i] if i in fresh else np.array(b.view(v)) if v.literal is None else
                         np.full(tuple(int(sympy.sympify(d).xreplace(b._subs)) for d in v.shape), v.value,
                                 dtypes.numpy_dtype(v.dtype)))
-        for i, buf in enumerate(em.buffers):
-            if buf.kind == "input":
+        for i, buf in enumerate(em.buffers):  # the caller's arrays are not the module's to keep
+            if buf.kind == "input" or i in self._direct.values():
                 b.bases[i] = None
         return outs
 
