@@ -19,6 +19,7 @@ from tilegraph.ir.errors import TilegraphError
 TARGETS: dict[str, str] = {
     "numpy": "tilegraph.backends.numpy",
     "triton": "tilegraph.backends.triton",
+    "c": "tilegraph.backends.c",
 }
 
 

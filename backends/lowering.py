@@ -43,6 +43,7 @@ BACKENDS: dict[str, str] = {
     "numpy": "tilegraph.backends.numpy.emit:LOWERINGS",
     "triton": "tilegraph.backends.triton.lowering:LOWERINGS",
     "onnx": "tilegraph.backends.onnx_export:LOWERINGS",
+    "c": "tilegraph.backends.c.emit:LOWERINGS",
 }
 
 

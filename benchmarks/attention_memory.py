@@ -7,6 +7,8 @@ Variants, all on the same seeded q, k, v of shape [1, 12, N, 64]:
                  FLASH_BLOCK_KV), on 1 and on all cores: online softmax over key blocks
   tilegraph      a graph of one tg.attention compiled by tilegraph.compile (default
                  pipeline, NumPy backend): what a user of tilegraph gets end to end
+  tilegraph C    the same graph on the C backend (target "c"): its flash-style kernel
+  torch SDPA     torch.nn.functional.scaled_dot_product_attention (torch's CPU flash kernel)
   ort matmul     onnxruntime (default optimizations, CPU) on the graph an exporter
                  writes for eager attention: MatMul(Q, Transpose(K)) * scale, Softmax, MatMul V
   ort Attention  onnxruntime on the ONNX Attention op (opset 23), ORT's own fused kernel
@@ -54,7 +56,8 @@ QUICK_SEQS = (512, 1024)
 REPEAT, QUICK_REPEAT = 3, 1
 NUMPY_VARIANTS = ("naive", "tiled t1", "tiled tN", "tilegraph")
 ORT_VARIANTS = ("ort matmul", "ort Attention")
-VARIANTS = NUMPY_VARIANTS + ORT_VARIANTS
+NATIVE_VARIANTS = ("tilegraph C", "torch SDPA")
+VARIANTS = NUMPY_VARIANTS + NATIVE_VARIANTS + ORT_VARIANTS
 # ONNX's own Attention op arrived in opset 23; the installed onnxruntime reads IR
 # version 10 models at that opset (onnx.helper would stamp its newest IR, 11+).
 ONNX_ATTENTION_OPSET, ONNX_IR_VERSION = 23, 10
@@ -117,6 +120,25 @@ def make_runner(variant: str, seq: int, blocks: tuple[int, int]):
         if "attention_tiled" not in compiled.source:
             raise SystemExit("tilegraph.compile did not tile the attention: the default pipeline lacks `tile`?")
         return lambda: compiled(q, k, v)
+    if variant == "tilegraph C":
+        import tilegraph
+        from tilegraph.ir import Graph
+
+        g = Graph()
+        tq, tk, tv = (g.input(n, (BATCH, HEADS, seq, HEAD_DIM), "f32") for n in "qkv")
+        compiled = tilegraph.compile(g.build(g.attention(tq, tk, tv, None, s, False), names=["y"]), target="c")
+        if "tg_attention(" not in compiled.source:
+            raise SystemExit("the C backend did not lower the attention to its kernel")
+        return lambda: compiled(q, k, v)
+    if variant == "torch SDPA":
+        import torch
+
+        tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+
+        def sdpa():
+            with torch.inference_mode():
+                return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, scale=s).numpy()
+        return sdpa
     if variant in ORT_VARIANTS:
         import onnxruntime as ort
 
@@ -256,23 +278,25 @@ def main() -> int:
         rows = []
         ort_rss = results.get(("ort matmul", seq), {}).get("rss")
         naive = results["naive", seq]
+        result_bytes = BATCH * HEADS * seq * HEAD_DIM * 4
         for variant in VARIANTS:
             r = results[variant, seq]
             if "error" in r:
-                rows.append([variant, "error: " + r["error"][:60]] + [""] * 7)
+                rows.append([variant, "error: " + r["error"][:60]] + [""] * 9)
                 failed = True
                 continue
             ok = r["relerr"] is None or r["relerr"] <= bound[seq]
             failed |= not ok
-            rows.append([variant, mb(r["rss"]), mb(r["traced"]), ratio(r["rss"], naive.get("rss")),
-                         ratio(r["rss"], ort_rss), f"{r['median_s'] * 1e3:,.0f}",
+            rows.append([variant, mb(r["rss"]), mb(r["traced"]), ratio(r["rss"], result_bytes),
+                         ratio(r["rss"], naive.get("rss")), ratio(r["rss"], ort_rss), f"{r['median_s'] * 1e3:,.0f}",
                          ratio(r["median_s"], naive.get("median_s")),
                          ratio(r["median_s"], results.get(("ort matmul", seq), {}).get("median_s")),
+                         ratio(r["median_s"], results.get(("torch SDPA", seq), {}).get("median_s")),
                          "ref" if r["relerr"] is None else f"{r['relerr']:.1e} {'ok' if ok else 'FAIL'}"])
         print(f"N = {seq}: scores would be {HEADS * seq * seq * 4 / 1e6:,.0f} MB; result {HEADS * seq * HEAD_DIM * 4 / 1e6:.1f} MB; "
               f"median of {repeat}; error bound {bound[seq]:.1e}")
-        print(format_table(["variant", "RSS MB", "traced MB", "RSS/naive", "RSS/ort", "ms", "t/naive", "t/ort",
-                            "rel err vs naive"], rows))
+        print(format_table(["variant", "RSS MB", "traced MB", "RSS/result", "RSS/naive", "RSS/ort", "ms", "t/naive",
+                            "t/ort", "t/SDPA", "rel err vs naive"], rows))
         print()
 
     if len(seqs) > 1:  # how each grows: tiled ~ N (N d, plus fixed blocks), naive and ort ~ N^2

@@ -1,35 +1,35 @@
-"""CPU latency: tilegraph NumPy against onnxruntime and torch eager (issue 3, "Speed on the CPU").
+"""CPU latency: tilegraph's C backend against onnxruntime, torch eager and torch.compile.
 
 For each model, in one run on the same inputs, the median latency of
-  * tilegraph NumPy, default pipeline        (passes.registry.DEFAULT_PIPELINE)
-  * tilegraph NumPy without fusion/tiling    (passes.registry.UNFUSED_PIPELINE)
-  * onnxruntime, default optimizations, CPUExecutionProvider, default threads
+  * tilegraph C, default pipeline            (target "c": emitted C + OpenMP, GEMMs on
+    oneDNN with weights packed once; passes.registry.DEFAULT_PIPELINE)
+  * tilegraph C without fusion/tiling        (passes.registry.UNFUSED_PIPELINE): what
+    the fusion decisions buy on this backend
+  * tilegraph NumPy, default pipeline        (the readable reference backend)
+  * onnxruntime, default optimizations, CPUExecutionProvider
     (the model exported with tests/models.py's export_onnx)
-  * torch eager under torch.inference_mode, default threads
-  * "NumPy GEMMs": the model's matrix products alone (every tg.matmul of the unfused
-    graph, its weights the model's own arrays, its activations random arrays of the
-    same shapes), one np.matmul each on BLAS's own threads. No NumPy backend can run
-    the model faster than its BLAS runs these, so GEMMs/ORT says how close to the
-    target the BLAS NumPy links (OpenBLAS here) lets tilegraph come at all.
+  * torch eager under torch.inference_mode
+  * torch.compile (Inductor's CPU C++ backend), timed after its warm-up calls
+    (--no-compile leaves it out: its first call compiles for a minute on big models)
 timed round-robin (benchmarks/_common.py) so load on the shared machine hits all
 of them alike, in two ways: "settled", each timed call after a 50 ms pause (every
 library's threads asleep, as for a lone request), and "back to back", each timed call
 right after an untimed one of the same peer (pools awake, weights in cache, as in a
-serving loop). On the 2-core dev VM the two differ by up to 2x for onnxruntime, whose
-pool and prepacked weights gain most from staying warm. Ratios (tilegraph/ORT, ...)
-are medians over rounds of the ratio within each round, with the quartiles of those
-ratios: the machine's speed drifts 20-40% over minutes, far less within one round.
-Every output is checked against onnxruntime's (relative error <=
-tilegraph.testing.PEER_RELATIVE_ERROR) and printed beside the time, so a fast wrong
-result cannot pass: the script exits 1 when one is off.
+serving loop). Ratios (C/ORT, ...) are medians over rounds of the ratio within each
+round, with the quartiles of those ratios: the machine's speed drifts 20-40% over
+minutes, far less within one round. Every output is checked against onnxruntime's
+(relative error <= tilegraph.testing.PEER_RELATIVE_ERROR) and printed beside the
+time, so a fast wrong result cannot pass: the script exits 1 when one is off.
 
 Models (tests/models.py): all-MiniLM-L6-v2 at batch 1 and 8, sequence 128 (eager
 attention, as benchmarks/compile_minilm.py); a GPT-2-small-shaped decoder
 (random init from GPT2Config, batch 1, sequence 256); the small CNN at batch 32.
-Issue 3's target: tilegraph at or below onnxruntime on the transformer models.
+The native CPU backend's target: tilegraph C at or below 0.9x onnxruntime and 0.8x
+torch eager on every model, with default threads and with --threads 1.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/cpu_speed.py [--models minilm,gpt2,cnn] [--repeat N] [--quick]
                                                               [--threads N] [--mode settled|back-to-back|both]
+                                                              [--no-compile]
 
 --threads N gives every peer N threads (NumPy's BLAS, torch, onnxruntime's
 intra-op pool) instead of each library's default: on a machine shared with other
@@ -59,6 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=None, help="threads for every peer (default: each library's own)")
     ap.add_argument("--mode", choices=("settled", "back-to-back", "both"), default="both",
                     help="how calls are timed (default both; see the module docstring)")
+    ap.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
     args = ap.parse_args(argv)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = sorted(set(args.models) - set(MODELS))
@@ -86,7 +87,6 @@ import torch  # noqa: E402
 
 import tilegraph  # noqa: E402
 from tilegraph.passes.registry import DEFAULT_PIPELINE, UNFUSED_PIPELINE  # noqa: E402
-from tilegraph.ir.shapes import info_of  # noqa: E402
 from tilegraph.testing import PEER_RELATIVE_ERROR, relative_error  # noqa: E402
 from tests import models  # noqa: E402
 
@@ -95,11 +95,12 @@ GPT2_BATCH, GPT2_SEQ = 1, 256  # issue 3
 # The small CNN is tiny (16x16 inputs, ~0.2 MFLOP per image): batch 32 gives its
 # convolutions a few MFLOP per call, so the time is not per-call overhead alone.
 CNN_BATCH = 32
-TRANSFORMERS = ("minilm", "gpt2")  # the models the issue's target is about
-PEERS = ("tilegraph", "tilegraph unfused", "onnxruntime", "torch eager", "NumPy GEMMs")
-RATIOS = (("tilegraph", "onnxruntime"), ("tilegraph", "torch eager"), ("tilegraph unfused", "tilegraph"),
-          ("NumPy GEMMs", "onnxruntime"))
-RATIO_LABELS = (("tg", "ORT"), ("tg", "eager"), ("unfused", "tg"), ("GEMMs", "ORT"))
+PEERS = ("tilegraph C", "C unfused", "tilegraph NumPy", "onnxruntime", "torch eager", "torch.compile")
+RATIOS = (("tilegraph C", "onnxruntime"), ("tilegraph C", "torch eager"), ("tilegraph C", "torch.compile"),
+          ("C unfused", "tilegraph C"), ("tilegraph NumPy", "tilegraph C"))
+RATIO_LABELS = (("C", "ORT"), ("C", "eager"), ("C", "compile"), ("unfused", "C"), ("NumPy", "C"))
+# The native CPU backend's targets (latency ratios, per model and timing mode).
+TARGET_ORT, TARGET_EAGER = 0.9, 0.8
 
 
 @dataclass
@@ -134,32 +135,7 @@ def ort_session(module, inputs, names, tmp: Path, threads: int | None) -> ort.In
     return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
 
 
-def gemm_floor(model) -> Callable[[], None]:
-    """A runner doing only the matrix products of `model` (a tilegraph Model at concrete
-    sizes), in graph order: the floor any NumPy backend of it stands on."""
-    rng = np.random.default_rng(0)
-    calls = []
-    for op in model.ops():
-        if getattr(op, "op_name", None) != "matmul":
-            continue
-        operands = []
-        for v in op.operands:
-            owner = v.owner
-            if getattr(owner, "op_name", None) == "weight":
-                operands.append(np.asarray(model.weights[owner.attr("name")]))
-            else:
-                info = info_of(v.type)
-                operands.append(rng.standard_normal(tuple(int(d) for d in info.shape)).astype(np.float32))
-        out = np.matmul(*operands)
-        calls.append((operands[0], operands[1], out))
-
-    def run():
-        for a, b, out in calls:
-            np.matmul(a, b, out=out)
-    return run
-
-
-def measure(case: Case, module, repeat: int, threads: int | None, modes: list[str]) -> dict:
+def measure(case: Case, module, repeat: int, threads: int | None, modes: list[str], peers: list[str]) -> dict:
     """Build every peer for `case`, check its output against onnxruntime's, time them all."""
     arrays = [t.numpy() for t in case.inputs]
     torch_inputs = tuple(torch.from_numpy(a) for a in arrays)  # the same memory as `arrays`
@@ -168,20 +144,36 @@ def measure(case: Case, module, repeat: int, threads: int | None, modes: list[st
     with tempfile.TemporaryDirectory() as tmp:
         session, t_ort = timed(lambda: ort_session(module, case.inputs, case.input_names, Path(tmp), threads))
     imported, t_import = timed(lambda: tilegraph.import_model(module, case.inputs))
-    fused, t_fused = timed(lambda: tilegraph.compile(imported, pipeline=DEFAULT_PIPELINE))
-    unfused, t_unfused = timed(lambda: tilegraph.compile(imported, pipeline=UNFUSED_PIPELINE))
-    floor = gemm_floor(unfused.model)
-    print(f"  {case.label}: ONNX export+session {t_ort:.1f} s, torch.export+import {t_import:.1f} s, "
-          f"passes+emit {t_fused:.1f} s (default) / {t_unfused:.1f} s (unfused)", flush=True)
+    native, t_c = timed(lambda: tilegraph.compile(imported, target="c", pipeline=DEFAULT_PIPELINE))
+    unfused = tilegraph.compile(imported, target="c", pipeline=UNFUSED_PIPELINE)
+    numpy_backend = tilegraph.compile(imported, target="numpy", pipeline=DEFAULT_PIPELINE)
+    if threads:
+        for compiled in (native, unfused):
+            compiled._runner.set_threads(threads)
 
     def eager():
         with torch.inference_mode():
             return module(*torch_inputs)
 
-    runners = {"tilegraph": lambda: fused(*arrays), "tilegraph unfused": lambda: unfused(*arrays),
-               "onnxruntime": lambda: session.run(None, feeds), "torch eager": eager, "NumPy GEMMs": floor}
+    runners = {"tilegraph C": lambda: native(*arrays), "C unfused": lambda: unfused(*arrays),
+               "tilegraph NumPy": lambda: numpy_backend(*arrays), "onnxruntime": lambda: session.run(None, feeds),
+               "torch eager": eager}
+    outputs = {"tilegraph C": native(*arrays), "C unfused": unfused(*arrays),
+               "tilegraph NumPy": numpy_backend(*arrays), "torch eager": eager().numpy()}
+    t_compile = 0.0
+    if "torch.compile" in peers:
+        compiled_module = torch.compile(module)
+
+        def inductor():
+            with torch.inference_mode():
+                return compiled_module(*torch_inputs)
+        out, t_compile = timed(inductor)  # the first call compiles
+        inductor()
+        runners["torch.compile"] = inductor
+        outputs["torch.compile"] = out.numpy()
+    print(f"  {case.label}: ONNX export+session {t_ort:.1f} s, torch.export+import {t_import:.1f} s, "
+          f"tilegraph C passes+emit+build {t_c:.1f} s, torch.compile first call {t_compile:.1f} s", flush=True)
     reference = session.run(None, feeds)[0]
-    outputs = {"tilegraph": fused(*arrays), "tilegraph unfused": unfused(*arrays), "torch eager": eager().numpy()}
     errors = {name: relative_error(out, reference) for name, out in outputs.items()}
     samples = {mode: interleaved_samples(runners, repeat, back_to_back=mode == "back-to-back") for mode in modes}
     return {"samples": samples, "errors": errors}
@@ -196,38 +188,36 @@ def main(args: argparse.Namespace) -> int:
                               onnxruntime=f"{ort.__version__} ({ort_threads})"):
         print(line)
     print(f"tilegraph default pipeline: {DEFAULT_PIPELINE}")
-    if DEFAULT_PIPELINE == UNFUSED_PIPELINE:
-        print("  (the same as the unfused one: fuse and tile are not in the default pipeline yet)")
-    else:
-        print(f"tilegraph unfused pipeline: {UNFUSED_PIPELINE}")
+    print(f"tilegraph unfused pipeline: {UNFUSED_PIPELINE}")
     print(f"median of {repeat} round-robin rounds after one warm-up each, per timing mode; errors are "
-          f"max|a-o|/max|o| against "
-          f"onnxruntime's output o (bound {PEER_RELATIVE_ERROR:.0e})\n", flush=True)
+          f"max|a-o|/max|o| against onnxruntime's output o (bound {PEER_RELATIVE_ERROR:.0e})\n", flush=True)
 
     modes = ["settled", "back-to-back"] if args.mode == "both" else [args.mode]
+    peers = [p for p in PEERS if p != "torch.compile" or not args.no_compile]
+    ratios = [pair for pair in RATIOS if set(pair) <= set(peers)]
+    labels = [lab for pair, lab in zip(RATIOS, RATIO_LABELS) if pair in ratios]
     rows, failures, target = [], [], []
     built: dict[str, torch.nn.Module] = {}
     for case in cases(args.models):
         if case.model not in built:
             built[case.model] = case.module()
-        r = measure(case, built[case.model], repeat, args.threads, modes)
+        r = measure(case, built[case.model], repeat, args.threads, modes, peers)
         e = r["errors"]
         failures += [f"{case.label}: {name} {err:.1e}" for name, err in e.items() if not err <= PEER_RELATIVE_ERROR]
         for mode, samples in r["samples"].items():
-            ratio = {pair: paired_ratio(samples, *pair) for pair in RATIOS}
-            if case.model in TRANSFORMERS:
-                target.append(ratio[("tilegraph", "onnxruntime")][0] <= 1.0)
-            rows.append([case.label, mode] + [f"{1e3 * np.median(samples[p]):.1f}" for p in PEERS]
+            ratio = {pair: paired_ratio(samples, *pair) for pair in ratios}
+            target.append(ratio[("tilegraph C", "onnxruntime")][0] <= TARGET_ORT
+                          and ratio[("tilegraph C", "torch eager")][0] <= TARGET_EAGER)
+            rows.append([case.label, mode] + [f"{1e3 * np.median(samples[p]):.2f}" for p in peers]
                         + [f"{m:.2f}x ({lo:.2f}-{hi:.2f})" for m, lo, hi in ratio.values()]
-                        + [f"{e[p]:.0e}" for p in ("tilegraph", "tilegraph unfused", "torch eager")])
+                        + [f"{e[p]:.0e}" for p in peers if p in e])
 
-    header = (["model", "timed"] + [f"{p} ms" for p in PEERS] + [f"{a}/{b}" for a, b in RATIO_LABELS]
-              + ["err tg", "err unfused", "err eager"])
+    header = (["model", "timed"] + [f"{p} ms" for p in peers] + [f"{a}/{b}" for a, b in labels]
+              + [f"err {p}" for p in peers if p != "onnxruntime"])
     print("\n" + format_table(header, rows))
     print("\nratios: median over rounds of the ratio within a round (quartiles in brackets)")
-    if target:
-        print(f"target (issue 3) tilegraph <= onnxruntime on the transformer models: "
-              f"{'met' if all(target) else 'not met'} ({sum(target)} of {len(target)} model x timing rows)")
+    print(f"target: tilegraph C <= {TARGET_ORT}x onnxruntime and <= {TARGET_EAGER}x torch eager: "
+          f"{'met' if all(target) else 'not met'} ({sum(target)} of {len(target)} model x timing rows)")
     if failures:
         print("\nOUTPUT CHECK FAILED (relative error above the bound): " + "; ".join(failures))
         return 1

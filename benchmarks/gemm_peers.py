@@ -1,6 +1,6 @@
-"""One GEMM, four ways: NumPy's BLAS (what the NumPy backend runs) vs onnxruntime's
-MLAS vs torch.mm vs MKL on a prepacked weight, at the transformer shapes of
-benchmarks/cpu_speed.py.
+"""One GEMM, five ways: NumPy's BLAS (what the NumPy backend runs) vs onnxruntime's
+MLAS vs torch.mm vs MKL on a prepacked weight vs oneDNN on a prepacked weight (what
+the C backend runs), at the transformer shapes of benchmarks/cpu_speed.py.
 
 GEMMs are most of MiniLM's and GPT-2's time, so this ratio bounds what the NumPy
 backend can reach against onnxruntime however well it fuses and tiles. Each shape
@@ -15,6 +15,11 @@ running op after op does not, so those rows favour no one in particular.
 `mkl._mkl_reorder_linear_weight` (MKL's cblas_sgemm_pack), as TorchInductor runs
 linear layers on the CPU after freezing: what a backend gains by packing its weights
 once, as onnxruntime does, which OpenBLAS (NumPy's BLAS) cannot.
+
+"oneDNN packed" is a one-matmul model compiled by tilegraph's C backend (target "c"):
+oneDNN's matmul primitive on the weight reordered once into the layout the primitive
+prefers, called through the backend's own runtime (input checks included), so it is
+the GEMM as a compiled model runs it.
 
 Every peer's product is checked against the float64 one (relative error <=
 tilegraph.testing.PEER_RELATIVE_ERROR); the script exits 1 when one is off.
@@ -35,13 +40,15 @@ import torch  # noqa: E402
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 from threadpoolctl import threadpool_limits  # noqa: E402
 
+import tilegraph  # noqa: E402
+from tilegraph.ir import Graph  # noqa: E402
 from tilegraph.testing import PEER_RELATIVE_ERROR, relative_error  # noqa: E402
 
 # (m, k, n): MiniLM at batch 1 and 8 (seq 128: 128 and 1024 rows; hidden 384, FFN 1536),
 # GPT-2 small at seq 256 (hidden 768: Q/K/V 2304, FFN 3072).
 SHAPES = ((128, 384, 384), (128, 384, 1536), (128, 1536, 384), (1024, 384, 1536), (1024, 1536, 384),
           (256, 768, 2304), (256, 768, 3072), (256, 3072, 768))
-PEERS = ("numpy", "onnxruntime", "torch", "MKL packed")
+PEERS = ("numpy", "onnxruntime", "torch", "MKL packed", "oneDNN packed")
 
 
 def ort_matmul(w: np.ndarray, m: int, threads: int) -> ort.InferenceSession:
@@ -54,6 +61,13 @@ def ort_matmul(w: np.ndarray, m: int, threads: int) -> ort.InferenceSession:
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+def onednn_matmul(w: np.ndarray, m: int, threads: int):
+    """x @ w as tilegraph's C backend compiles it (oneDNN, w packed once)."""
+    g = Graph()
+    model = g.build(g.input("x", (m, w.shape[0])) @ g.weight("w", w), names=["y"])
+    return tilegraph.compile(model, target="c", pipeline="", threads=threads)
 
 
 def main(argv=None) -> int:
@@ -82,6 +96,8 @@ def main(argv=None) -> int:
                 tw_nk = tw.t().contiguous()  # (n, k), nn.Linear's layout
                 packed = torch.ops.mkl._mkl_reorder_linear_weight(tw_nk, m)
                 peers["MKL packed"] = lambda: torch.ops.mkl._mkl_linear(tx, packed, tw_nk, None, m)
+            native = onednn_matmul(w, m, threads)
+            peers["oneDNN packed"] = lambda: native(x)
             reference = x.astype(np.float64) @ w.astype(np.float64)
             for name, run in peers.items():  # a fast wrong product must not pass
                 result = run()

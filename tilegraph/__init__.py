@@ -162,9 +162,11 @@ def compile(model: Any, example_inputs: Sequence[Any] | None = None, target: str
             pipeline: str | Sequence | None = None, dynamic_shapes: Any = None, **options: Any) -> Compiled:  # noqa: A001
     """Import `model` (see import_model), run `pipeline` on it and build it for `target`.
 
-    target: "numpy" (the local CPU) or "triton" (a GPU; without one, Triton's
-    interpreter on the CPU). `options` go to the backend's loader
-    (triton: `autotune=True` times the tile pass's candidate configurations).
+    target: "numpy" (the local CPU, the readable reference), "c" (the local CPU,
+    native: emitted C with OpenMP, GEMMs on oneDNN) or "triton" (a GPU; without one,
+    Triton's interpreter on the CPU). `options` go to the backend's loader
+    (triton: `autotune=True` times the tile pass's candidate configurations;
+    c: `threads=N` caps its OpenMP threads).
     pipeline: None runs the default pipeline; a pipeline string
     (`"canonicalize,cse"`) or list of passes runs those; "" or [] runs none.
     """

@@ -1,0 +1,25 @@
+"""The native CPU backend: a model becomes one C module, compiled and loaded in-process.
+
+    source = emit(model)                      # C11 + OpenMP source (see emit.py)
+    compiled = load(source, model.weights, model)
+    outputs = compiled(x)                     # list of np.ndarray
+
+GEMMs and convolutions run on oneDNN with weights packed once; everything else is
+emitted loops. Ops it does not lower run on the host (emit.HOST_FALLBACK).
+"""
+
+from tilegraph.backends.c.emit import HOST_FALLBACK, emit_program
+from tilegraph.backends.c.runtime import CompiledModel, load
+
+HARDWARE = "cpu"
+
+
+def emit(model, name=None) -> str:
+    return emit_program(model, name).source
+
+
+def compile_model(model, name=None) -> CompiledModel:
+    return load(emit(model, name), model.weights, model)
+
+
+__all__ = ["emit", "load", "compile_model", "CompiledModel", "HOST_FALLBACK"]

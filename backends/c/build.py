@@ -1,0 +1,92 @@
+"""Compiling an emitted C module: the system C compiler, oneDNN from its wheel, a cache.
+
+The shared library is cached on disk under a key of everything that decides its
+bytes: the source, runtime.h, the compiler's identity, the flags and the
+processor's features (a module built with -march=native on one CPU must never be
+loaded on another: these machines change between AVX-512 and older processors).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from tilegraph.ir.errors import TilegraphError
+from tilegraph.ir.hardware import cache_dir
+
+RUNTIME_H = Path(__file__).with_name("runtime.h")
+# -fwrapv: signed integer overflow wraps, as NumPy's does. -fno-math-errno lets the
+# compiler inline and vectorise math functions (errno is never read). No -ffast-math:
+# NaN, infinities and signed zeros keep their IEEE meaning.
+CFLAGS = ["-std=gnu11", "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fwrapv", "-fno-math-errno", "-w"]
+
+
+class BuildError(TilegraphError):
+    """The C backend cannot build here (no compiler, no oneDNN, a compiler error)."""
+
+
+def compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise BuildError("the C backend needs a C compiler with OpenMP: install gcc (Debian/Ubuntu: "
+                         "`apt-get install gcc`), or set CC; target='numpy' runs without one")
+    return cc
+
+
+@functools.lru_cache(maxsize=1)
+def onednn() -> tuple[Path, Path]:
+    """(include dir, lib dir) of oneDNN as the onednn-cpu-gomp wheels install it."""
+    try:
+        files = importlib.metadata.files("onednn-devel-cpu-gomp") or []
+        header = next(f for f in files if str(f).endswith("oneapi/dnnl/dnnl.h"))
+        lib_files = importlib.metadata.files("onednn-cpu-gomp") or []
+        lib = next(f for f in lib_files if str(f).endswith("libdnnl.so"))
+    except (importlib.metadata.PackageNotFoundError, StopIteration):
+        raise BuildError("the C backend needs oneDNN: pip install onednn-cpu-gomp onednn-devel-cpu-gomp "
+                         "(the 'c' extra of tilegraph)") from None
+    include = Path(header.locate()).resolve().parents[2]
+    return include, Path(lib.locate()).resolve().parent
+
+
+@functools.lru_cache(maxsize=1)
+def _toolchain_id() -> str:
+    cc = compiler()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise BuildError(f"the C compiler {cc} does not run: {e}") from None
+    cpu = ""
+    try:
+        cpu = "\n".join(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                        if line.startswith(("flags", "model name")))[:4096]
+    except OSError:
+        pass
+    native = subprocess.run([cc, "-march=native", "-Q", "--help=target"], capture_output=True, text=True).stdout
+    return "\n".join([cc, version, cpu, native, " ".join(CFLAGS), RUNTIME_H.read_text()])
+
+
+def build(source: str) -> Path:
+    """The shared library of `source`, compiled now or found in the cache."""
+    key = hashlib.sha256((_toolchain_id() + "\n" + source).encode()).hexdigest()[:24]
+    target = cache_dir() / "c" / f"tg_{key}.so"
+    if target.exists():
+        return target
+    include, libdir = onednn()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        src = Path(tmp) / "module.c"
+        src.write_text(source)
+        out = Path(tmp) / "module.so"
+        cmd = [compiler(), *CFLAGS, f"-I{RUNTIME_H.parent}", f"-I{include}", str(src), "-o", str(out),
+               f"-L{libdir}", "-ldnnl", f"-Wl,-rpath,{libdir}", "-lm"]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise BuildError(f"the C compiler failed on the emitted module:\n{done.stderr[-4000:]}")
+        os.replace(out, target)  # atomic: a concurrent build of the same key is harmless
+    return target

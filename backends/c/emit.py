@@ -1,0 +1,1162 @@
+"""The C code generator: one C11 + OpenMP source per model, the fast CPU path.
+
+What it decides and how:
+
+* Every value lives in a *view*: a buffer, an offset and strides (in elements).
+  Layout ops that move no data (reshape of a contiguous value, transpose,
+  broadcast, slice, split) make a new view of the same buffer, so they cost
+  nothing; an op reading a view reads it through its strides.
+* Every computing op, or fused group, is one *step*: a static C function with the
+  IR it computes as its comment. Elementwise groups are one loop nest with one
+  straight-line body per element; GEMM and convolution groups run on oneDNN with
+  their weights reordered once into the primitive's packed layout (runtime.h) and
+  as much of their epilogue as oneDNN fuses (bias, scaling, residual, activation)
+  applied to each output block while it is in cache; softmax and layer_norm are
+  one pass per row.
+* Consecutive C steps form one *segment*, one native call. An op the C backend does
+  not lower (HOST_FALLBACK says why for each) runs on the host between segments,
+  through the op table's NumPy semantics, on the same buffers: every op of the
+  table runs, and a model of only lowered ops is one native call per forward.
+* Shapes, strides and offsets that depend on symbolic dims are entries of an int64
+  table `s[]` that the Python side evaluates once per shape binding; a static model
+  gets literals. One compiled module serves every batch and sequence length.
+* Buffers are indices into a pointer table `p[]` (inputs, weights, constants and
+  intermediates); the runtime plans intermediates into one arena per binding.
+
+No string from the model enters the source: names are `p[i]` and `s[i]`, and the
+IR in comments goes through `c_comment`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import sympy
+from xdsl.ir import SSAValue
+
+from tilegraph.backends.lowering import table
+from tilegraph.backends.program import flatten
+from tilegraph.ir import dtypes
+from tilegraph.ir.dialect import FusionOp, TgOp
+from tilegraph.ir.model import Model
+from tilegraph.ir.ops import OPS
+from tilegraph.ir.shapes import Dim, info_of, numel
+
+CTYPES = {"f32": "float", "f64": "double", "i64": "int64_t", "i32": "int32_t", "i16": "int16_t", "i8": "int8_t",
+          "ui8": "uint8_t", "ui16": "uint16_t", "ui32": "uint32_t", "ui64": "uint64_t", "i1": "uint8_t"}
+FLOATS = ("f32", "f64")
+
+# Elementwise ops as C expressions of their operands, computed in the operands' type
+# (floats: tgmath picks the float or double function).
+C_UNARY_FLOAT = {
+    "neg": "(-{x})", "abs": "fabs({x})", "exp": "{exp}({x})", "log": "log({x})", "sqrt": "sqrt({x})",
+    "rsqrt": "(1 / sqrt({x}))", "reciprocal": "(1 / {x})", "tanh": "tanh({x})", "erf": "erf({x})",
+    "relu": "(({x}) > 0 || ({x}) != ({x}) ? ({x}) : 0)", "sin": "sin({x})", "cos": "cos({x})", "tan": "tan({x})",
+    "asin": "asin({x})", "acos": "acos({x})", "atan": "atan({x})", "sinh": "sinh({x})", "cosh": "cosh({x})",
+    "asinh": "asinh({x})", "acosh": "acosh({x})", "atanh": "atanh({x})", "floor": "floor({x})",
+    "ceil": "ceil({x})", "round": "rint({x})", "sign": "(({x}) > 0 ? 1 : (({x}) < 0 ? -1 : ({x})))",
+    "expm1": "expm1({x})", "log1p": "log1p({x})", "isnan": "(({x}) != ({x}))", "not": "(!({x}))",
+}
+C_UNARY_INT = {
+    "neg": "(-{x})", "abs": "(({x}) < 0 ? -({x}) : ({x}))", "relu": "(({x}) > 0 ? ({x}) : 0)", "floor": "({x})",
+    "ceil": "({x})", "round": "({x})", "sign": "((({x}) > 0) - (({x}) < 0))", "bitwise_not": "(~({x}))",
+    "not": "(!({x}))", "isnan": "0",
+}
+C_BINARY = {
+    "add": "(({lhs}) + ({rhs}))", "sub": "(({lhs}) - ({rhs}))", "mul": "(({lhs}) * ({rhs}))",
+    "and": "(({lhs}) != 0 && ({rhs}) != 0)", "or": "(({lhs}) != 0 || ({rhs}) != 0)",
+    "xor": "((({lhs}) != 0) != (({rhs}) != 0))", "eq": "(({lhs}) == ({rhs}))", "ne": "(({lhs}) != ({rhs}))",
+    "lt": "(({lhs}) < ({rhs}))", "le": "(({lhs}) <= ({rhs}))", "gt": "(({lhs}) > ({rhs}))",
+    "ge": "(({lhs}) >= ({rhs}))", "where": "(({cond}) ? ({lhs}) : ({rhs}))",
+}
+C_BINARY_FLOAT = {
+    "div": "(({lhs}) / ({rhs}))", "pow": "pow({lhs}, {rhs})",
+    # NumPy's maximum and minimum propagate NaN from either side.
+    "max": "(({lhs}) > ({rhs}) || ({lhs}) != ({lhs}) ? ({lhs}) : ({rhs}))",
+    "min": "(({lhs}) < ({rhs}) || ({lhs}) != ({lhs}) ? ({lhs}) : ({rhs}))",
+}
+C_BINARY_INT = {
+    "max": "(({lhs}) > ({rhs}) ? ({lhs}) : ({rhs}))", "min": "(({lhs}) < ({rhs}) ? ({lhs}) : ({rhs}))",
+    "bitwise_and": "(({lhs}) & ({rhs}))", "bitwise_or": "(({lhs}) | ({rhs}))", "bitwise_xor": "(({lhs}) ^ ({rhs}))",
+}
+# Integer division, modulo, power and shifts trap or are undefined in C where NumPy
+# defines a result (x / 0, INT_MIN / -1, shifts past the width); a float to int cast
+# is undefined out of range. Those run on the host (HOST_FALLBACK).
+
+# What every op of the table does in this backend when it is not lowered to C: the
+# host runs it with the op table's NumPy semantics between native segments. (An op
+# lowered in C also runs on the host in a case its lowering refuses, a dtype without
+# a C type or a layout it does not take; tests/test_c_backend.py checks each op
+# lowered here runs natively on at least one of its examples.)
+HOST_FALLBACK = {
+    "einsum": "NumPy's einsum on the host",
+    "gather_elements": "host", "scatter_elements": "host", "scatter_nd": "host", "pad": "host", "tile": "host",
+    "cumsum": "host", "cumprod": "host", "trilu": "host", "iota": "host", "topk": "host", "argmax": "host",
+    "argmin": "host", "quantize": "host", "dequantize": "host", "dynamic_quantize": "host",
+    "matmul_integer": "host", "mod": "host", "isinf": "host", "reduce_prod": "host",
+    "div": "C for floats, the host for integers", "pow": "C for floats, the host for integers",
+    "shift_left": "host", "shift_right": "host",
+}
+LOWERINGS = table(template=[op for op in OPS if op not in HOST_FALLBACK],
+                  fallback={op: f"runs on the host between native segments ({why})"
+                            for op, why in HOST_FALLBACK.items()})
+
+# oneDNN algorithm kinds (dnnl_types.h) for epilogues it fuses into a GEMM or convolution.
+DNNL_ELTWISE = {"relu": "dnnl_eltwise_relu", "tanh": "dnnl_eltwise_tanh", "exp": "dnnl_eltwise_exp",
+                "sigmoid": "dnnl_eltwise_logistic", "linear": "dnnl_eltwise_linear",
+                "gelu_tanh": "dnnl_eltwise_gelu_tanh", "gelu_erf": "dnnl_eltwise_gelu_erf"}
+DNNL_BINARY = {"add": "dnnl_binary_add", "mul": "dnnl_binary_mul", "sub": "dnnl_binary_sub"}
+# Work below this many elements runs on one thread: an OpenMP fork/join costs more.
+PARALLEL_MIN = 32768
+
+
+def c_comment(text: str) -> str:
+    """`text` as the inside of a C block comment: one line, no comment terminator, no
+    trigraph, nothing outside printable ASCII (model names reach comments via the IR)."""
+    out = []
+    for ch in text:
+        if ch == "\n":
+            out.append(" | ")
+        elif " " <= ch <= "~":
+            out.append(ch)
+        else:
+            out.append(f"\\u{ord(ch):04x}")
+    return "".join(out).replace("*/", "* /").replace("/*", "/ *").replace("??", "?\\?")
+
+
+def c_float(value: float, dtype: str) -> str:
+    if np.isnan(value):
+        return "NAN"
+    if np.isinf(value):
+        return "INFINITY" if value > 0 else "(-INFINITY)"
+    text = repr(float(value))
+    return text + "f" if dtype == "f32" else text
+
+
+@dataclass(frozen=True)
+class View:
+    """A value in memory: element (offset, strides) into buffer `buf`, or a scalar literal."""
+
+    buf: int | None
+    offset: Any
+    shape: tuple
+    strides: tuple
+    dtype: str
+    literal: str | None = None  # the C text of a scalar constant
+    value: Any = None  # and its value, for the host
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+
+@dataclass
+class Buffer:
+    kind: str  # input, weight, constant, temp
+    dtype: str
+    elements: Any  # sympy expression
+    index: int | str | None = None  # the input position, or the weight / constant key
+
+
+@dataclass
+class Step:
+    """One kernel: C lines (a native step) or an op the host runs."""
+
+    comment: str
+    lines: list[str] | None = None
+    host_op: TgOp | None = None
+    host_in: list[View] = field(default_factory=list)
+    host_out: list[View] = field(default_factory=list)
+    reads: set[int] = field(default_factory=set)
+    writes: set[int] = field(default_factory=set)
+    state: list[str] = field(default_factory=list)  # per-binding primitive setup lines
+    gemms: int = 0
+
+
+def contiguous_strides(shape: Sequence[Dim]) -> tuple:
+    strides, acc = [], sympy.Integer(1)
+    for d in reversed(shape):
+        strides.append(acc)
+        acc = acc * d
+    return tuple(reversed(strides))
+
+
+def _eq(a, b) -> bool:
+    return sympy.expand(sympy.sympify(a) - sympy.sympify(b)) == 0
+
+
+def _is_one(d) -> bool:
+    return _eq(d, 1)
+
+
+class Unsupported(Exception):
+    """This op or group has no C lowering here; the caller falls back (host or per-op)."""
+
+
+class Ints:
+    """Shape, stride and offset expressions as C: a literal when known, else s[k], an
+    entry the runtime evaluates once per shape binding."""
+
+    def __init__(self):
+        self.exprs: list[sympy.Expr] = []
+        self._index: dict[sympy.Expr, int] = {}
+
+    def __call__(self, e) -> str:
+        e = sympy.sympify(e)
+        if e.is_number:
+            return str(int(e))
+        e = sympy.expand(e)
+        if e not in self._index:
+            self._index[e] = len(self.exprs)
+            self.exprs.append(e)
+        return f"s[{self._index[e]}]"
+
+
+class CEmitter:
+    def __init__(self, model: Model):
+        self.model = model
+        self.prog = flatten(model)
+        self.ints = Ints()
+        self.buffers: list[Buffer] = []
+        self.views: dict[SSAValue, View] = {}
+        self.steps: list[Step] = []
+        self.gemm_count = 0
+        self.constants: list[np.ndarray] = []  # arrays of the constants too big to be literals
+        for arg_i, (arg, info) in enumerate(zip(model.func.args, model.inputs)):
+            self.views[arg] = self._new_buffer("input", info.dtype, info.shape, arg_i)
+
+    # --- buffers and views ------------------------------------------------------
+
+    def _new_buffer(self, kind: str, dtype: str, shape, index=None) -> View:
+        self.buffers.append(Buffer(kind, dtype, sympy.sympify(numel(tuple(shape))), index))
+        return View(len(self.buffers) - 1, sympy.Integer(0), tuple(shape), contiguous_strides(shape), dtype)
+
+    def view(self, v: SSAValue) -> View:
+        return self.views[self.prog.canon(v)]
+
+    def ptr(self, view: View, const: bool = True) -> str:
+        """A C pointer expression to a view's first element."""
+        ctype = CTYPES[view.dtype]
+        off = self.ints(view.offset)
+        base = f"(({'const ' if const else ''}{ctype} *)p[{view.buf}])"
+        return base if off == "0" else f"({base} + {off})"
+
+    def is_contiguous(self, view: View) -> bool:
+        if view.literal is not None:
+            return False
+        want = contiguous_strides(view.shape)
+        return all(_is_one(d) or _eq(s, w) for d, s, w in zip(view.shape, view.strides, want))
+
+    # --- view ops (no data moves) ------------------------------------------------
+
+    def reshape(self, view: View, shape) -> View:
+        if view.literal is not None:
+            return View(None, 0, tuple(shape), (0,) * len(shape), view.dtype, view.literal, view.value)
+        if not self.is_contiguous(view):
+            view = self.materialize(view)
+        return View(view.buf, view.offset, tuple(shape), contiguous_strides(shape), view.dtype)
+
+    def materialize(self, view: View) -> View:
+        """A contiguous copy of a strided view (a reshape of a transpose needs one)."""
+        if view.dtype not in CTYPES:
+            raise Unsupported(f"{view.dtype} has no C type here")
+        out = self._new_buffer("temp", view.dtype, view.shape)
+        lines = self.loop(view.shape, [(view, False), (out, True)], lambda refs: [f"{refs[1]} = {refs[0]};"])
+        self._step("copy into a contiguous buffer", lines, [view], [out])
+        return out
+
+    @staticmethod
+    def transpose(view: View, perm) -> View:
+        return View(view.buf, view.offset, tuple(view.shape[p] for p in perm), tuple(view.strides[p] for p in perm),
+                    view.dtype, view.literal, view.value)
+
+    @staticmethod
+    def broadcast(view: View, shape) -> View:
+        """`view` broadcast to `shape` (NumPy's rules, right-aligned): stride 0 where it repeats."""
+        shape = tuple(shape)
+        lead = len(shape) - view.rank
+        strides = []
+        for i, d in enumerate(shape):
+            j = i - lead
+            if j < 0 or (_is_one(view.shape[j]) and not _is_one(d)):
+                strides.append(sympy.Integer(0))
+            else:
+                strides.append(view.strides[j])
+        return View(view.buf, view.offset, shape, tuple(strides), view.dtype, view.literal, view.value)
+
+    def slice(self, view: View, starts, ends, steps) -> View:
+        offset, shape, strides = view.offset, [], []
+        for d, st, s, e, k in zip(view.shape, view.strides, starts, ends, steps):
+            if (s, e, k) == (0, (1 << 63) - 1, 1):
+                shape.append(d)
+                strides.append(st)
+                continue
+            if not isinstance(d, int) and not (isinstance(d, sympy.Integer)):
+                raise Unsupported("slice of a symbolic dim")
+            r = range(*slice(s, e, k).indices(int(d)))
+            offset = offset + (r.start if len(r) else 0) * st
+            shape.append(len(r))
+            strides.append(st * k)
+        return View(view.buf, offset, tuple(shape), tuple(strides), view.dtype, view.literal, view.value)
+
+    # --- the program --------------------------------------------------------------
+
+    def run(self) -> None:
+        for op in self.prog.steps:
+            if isinstance(op, FusionOp):
+                self.group(op)
+            else:
+                self.op(op)
+
+    def op(self, op: TgOp, env: dict | None = None) -> None:
+        """Lower one op (top level, or inside a group lowered op by op with `env`
+        mapping its block arguments)."""
+        views = self.views if env is None else env
+        get = (lambda v: views[self.prog.canon(v)]) if env is None else (lambda v: env.get(v) or self.view(v))
+        name = op.op_name
+        if name == "weight":
+            info = op.result_infos()[0]
+            views[op.results[0]] = self._new_buffer("weight", info.dtype, info.shape, op.attr("name"))
+            return
+        if name == "constant":
+            views[op.results[0]] = self.constant(op)
+            return
+        try:
+            operands = [get(v) for v in op.operands]
+            outs = self.layout(op, operands)
+            if outs is None:
+                outs = self.compute(op, operands)
+        except Unsupported:
+            outs = self.host(op, [get(v) for v in op.operands])
+        views.update(zip(op.results, outs))
+
+    def constant(self, op: TgOp) -> View:
+        info = op.result_infos()[0]
+        value = np.asarray(op.attr("value"))
+        if value.size == 1 and info.dtype in CTYPES:
+            scalar = value.reshape(())[()]
+            text = (c_float(float(scalar), info.dtype) if info.dtype in FLOATS
+                    else str(int(bool(scalar))) if info.dtype == "i1" else f"(({CTYPES[info.dtype]}){int(scalar)})")
+            return View(None, 0, tuple(info.shape), (sympy.Integer(0),) * len(info.shape), info.dtype, text, scalar)
+        self.constants.append(value)
+        return self._new_buffer("constant", info.dtype, info.shape, len(self.constants) - 1)
+
+    def layout(self, op: TgOp, xs: list[View]) -> list[View] | None:
+        """View-only layout ops; None when `op` computes."""
+        name, outs = op.op_name, op.result_infos()
+        if name == "reshape":
+            return [self.reshape(xs[0], outs[0].shape)]
+        if name == "transpose":
+            return [self.transpose(xs[0], op.attr("perm"))]
+        if name == "broadcast":
+            return [self.broadcast(xs[0], outs[0].shape)]
+        if name == "slice":
+            return [self.slice(xs[0], op.attr("starts"), op.attr("ends"), op.attr("steps"))]
+        if name == "split":
+            axis = op.attr("axis") % xs[0].rank
+            views, start = [], 0
+            for size in op.attr("sizes"):
+                starts = [0] * xs[0].rank
+                ends = [(1 << 63) - 1] * xs[0].rank
+                steps = [1] * xs[0].rank
+                starts[axis], ends[axis] = start, start + size
+                v = xs[0]
+                views.append(View(v.buf, v.offset + start * v.strides[axis],
+                                  v.shape[:axis] + (size,) + v.shape[axis + 1:], v.strides, v.dtype, v.literal,
+                                  v.value))
+                start += size
+            return views
+        return None
+
+    # --- computing ops ------------------------------------------------------------
+
+    def _temp(self, info) -> View:
+        return self._new_buffer("temp", info.dtype, info.shape)
+
+    def _check_dtypes(self, op: TgOp, xs: list[View]) -> None:
+        for t in [*(x.dtype for x in xs), *(i.dtype for i in op.result_infos())]:
+            if t not in CTYPES:
+                raise Unsupported(f"{t} has no C type here")
+
+    def compute(self, op: TgOp, xs: list[View]) -> list[View]:
+        name = op.op_name
+        self._check_dtypes(op, xs)
+        if op.SPEC.category == "elementwise" or name == "gelu":
+            out = self._temp(op.result_infos()[0])
+            self.elementwise([op], {r: None for r in op.results}, dict(zip(op.operands, xs)), [(op.results[0], out)],
+                             op)
+            return [out]
+        if name == "matmul":
+            return [self.matmul(op, xs[0], xs[1], [], {})[0]]
+        if name in ("softmax", "layer_norm"):
+            return [self.row_op(op, xs)]
+        if name in ("reduce_sum", "reduce_mean", "reduce_max", "reduce_min"):
+            return [self.reduce(op, xs[0])]
+        if name == "gather":
+            return [self.gather(op, xs[0], xs[1])]
+        if name == "concat":
+            return [self.concat(op, xs)]
+        if name == "conv":
+            return [self.conv(op, xs, [], {})[0]]
+        if name in ("max_pool", "avg_pool"):
+            return [self.pool(op, xs[0])]
+        if name == "attention":
+            return [self.attention(op, xs)]
+        raise Unsupported(name)
+
+    def attention(self, op: TgOp, xs: list[View]) -> View:
+        """runtime.h's flash-style kernel; q, k, v rows must be contiguous (copied if not)."""
+        info = op.result_infos()[0]
+        if info.dtype != "f32" or any(x.literal is not None for x in xs[:3]):
+            raise Unsupported("attention in f32")
+        q, k, v = (x if _eq(x.strides[-1], 1) else self.materialize(x) for x in xs[:3])
+        mask = xs[3] if len(xs) > 3 else None
+        out = self._temp(info)
+        batch = info.shape[:-2]
+        lq, lk = q.shape[-2], k.shape[-2]
+
+        def batch_strides(x: View, rows) -> list:
+            full = self.broadcast(View(x.buf, x.offset, x.shape[:-2] + (1, 1), x.strides[:-2] + (0, 0), x.dtype),
+                                  tuple(batch) + (1, 1))
+            return list(full.strides[:-2])
+
+        arr = lambda xs_: "{" + ", ".join(self.ints(e) for e in xs_) + "}" if xs_ else "{0}"  # noqa: E731
+        mask_kind, mask_ptr, mr, mc, mb = 0, "NULL", 0, 0, [0] * len(batch)
+        if mask is not None:
+            if mask.literal is not None:
+                raise Unsupported("a scalar attention mask")
+            full = self.broadcast(mask, tuple(batch) + (lq, lk))
+            mask_kind = 1 if mask.dtype == "i1" else 2
+            mask_ptr, mr, mc, mb = self.ptr(mask), full.strides[-2], full.strides[-1], list(full.strides[:-2])
+        lines = [
+            "{",
+            f"    const int64_t bd[] = {arr(batch)}, qb[] = {arr(batch_strides(q, lq))}, kb[] = "
+            f"{arr(batch_strides(k, lk))}, vb[] = {arr(batch_strides(v, lk))};",
+            f"    const int64_t mb[] = {arr(mb)}, ob[] = {arr(out.strides[:-2])};",
+            f"    if (tg_attention({len(batch)}, bd, qb, kb, vb, mb, ob, {self.ptr(q)}, {self.ptr(k)}, {self.ptr(v)}, "
+            f"{mask_ptr}, {self.ptr(out, False)}, {self.ints(lq)}, {self.ints(lk)}, {self.ints(q.shape[-1])}, "
+            f"{self.ints(v.shape[-1])}, {self.ints(q.strides[-2])}, {self.ints(k.strides[-2])}, "
+            f"{self.ints(v.strides[-2])}, {self.ints(out.strides[-2])}, {mask_kind}, {self.ints(mr)}, {self.ints(mc)}, "
+            f"{c_float(op.attr('scale'), 'f32')}, {int(bool(op.attr('causal')))})) return 1;",
+            "}",
+        ]
+        self._step(_describe(op), lines, [q, k, v] + ([mask] if mask is not None else []), [out])
+        return out
+
+    def host(self, op: TgOp, xs: list[View]) -> list[View]:
+        outs = [self._temp(info) for info in op.result_infos()]
+        self.steps.append(Step(f"{op.op_name} (host)", host_op=op, host_in=xs, host_out=outs,
+                               reads={x.buf for x in xs if x.buf is not None}, writes={o.buf for o in outs}))
+        return outs
+
+    def _step(self, comment: str, lines: list[str], reads: Sequence[View], writes: Sequence[View],
+              state: list[str] | None = None, gemms: int = 0) -> None:
+        self.steps.append(Step(comment, lines=lines, reads={v.buf for v in reads if v.buf is not None},
+                               writes={v.buf for v in writes}, state=state or [], gemms=gemms))
+
+    # --- loops ----------------------------------------------------------------------
+
+    def loop(self, shape, accesses: list[tuple[View, bool]], body) -> list[str]:
+        """A loop nest over `shape` reading and writing `accesses` (views of that shape,
+        broadcast already; flag: written). `body(refs)` gets each access's C element
+        expression and returns the innermost lines. Axes that every access walks
+        contiguously are merged; the outer loops run on OpenMP threads."""
+        dims = [(d, [a.strides[i] for a, _ in accesses]) for i, d in enumerate(shape) if not _is_one(d)]
+        merged: list[tuple[Any, list]] = []
+        for d, strides in dims:
+            if merged and all(_eq(ps, s * d) for ps, s in zip(merged[-1][1], strides)):
+                merged[-1] = (merged[-1][0] * d, strides)
+            else:
+                merged.append((d, strides))
+        lines = ["{"]
+        bases = []
+        for k, (a, written) in enumerate(accesses):
+            if a.literal is not None:
+                bases.append(None)
+                continue
+            lines.append(f"    {'' if written else 'const '}{CTYPES[a.dtype]} *b{k} = {self.ptr(a, not written)};")
+            bases.append(f"b{k}")
+        if not merged:
+            refs = [a.literal if b is None else f"{b}[0]" for (a, _), b in zip(accesses, bases)]
+            lines += ["    " + line for line in body(refs)] + ["}"]
+            return lines
+        total = self.ints(numel(tuple(d for d, _ in merged)))
+        outer, (inner_n, inner_strides) = merged[:-1], merged[-1]
+        indent = "    "
+        if outer:
+            collapse = f" collapse({len(outer)})" if len(outer) > 1 else ""
+            lines.append(f"{indent}#pragma omp parallel for{collapse} if ({total} > {PARALLEL_MIN})")
+            for i, (d, _) in enumerate(outer):
+                lines.append(f"{indent}for (int64_t i{i} = 0; i{i} < {self.ints(d)}; i{i}++)")
+            lines.append(indent + "{")
+            indent += "    "
+            for k, b in enumerate(bases):
+                if b is None:
+                    continue
+                terms = [f"i{i} * {self.ints(st[k])}" for i, (_, st) in enumerate(outer) if self.ints(st[k]) != "0"]
+                const = "" if accesses[k][1] else "const "
+                lines.append(f"{indent}{const}{CTYPES[accesses[k][0].dtype]} *r{k} = {b}"
+                             + "".join(f" + {t}" for t in terms) + ";")
+            lines.append(f"{indent}#pragma omp simd")
+        else:
+            lines.append(f"{indent}#pragma omp parallel for simd if ({total} > {PARALLEL_MIN})")
+        refs = []
+        for k, b in enumerate(bases):
+            if b is None:
+                refs.append(accesses[k][0].literal)
+                continue
+            row = f"r{k}" if outer else b
+            st = self.ints(inner_strides[k])
+            refs.append(f"{row}[0]" if st == "0" else f"{row}[j]" if st == "1" else f"{row}[j * {st}]")
+        lines.append(f"{indent}for (int64_t j = 0; j < {self.ints(inner_n)}; j++) {{")
+        lines += [indent + "    " + line for line in body(refs)]
+        lines.append(indent + "}")
+        if outer:
+            lines.append("    }")
+        lines.append("}")
+        return lines
+
+    # --- elementwise ------------------------------------------------------------------
+
+    def expr(self, op: TgOp, args: list[str], operand_dtypes: list[str]) -> str:
+        """The C expression of one elementwise op on C operand expressions."""
+        name, out = op.op_name, op.result_infos()[0]
+        if name == "gelu":
+            suffix = "" if out.dtype == "f32" else "_d"
+            return f"tg_gelu_{'tanh' if op.attr('approximate') == 'tanh' else 'erf'}{suffix}({args[0]})"
+        if name == "sigmoid":
+            return f"tg_sigmoid{'' if out.dtype == 'f32' else '_d'}({args[0]})"
+        if name == "cast":
+            src, dst = operand_dtypes[0], out.dtype
+            if dst == "i1":
+                return f"(({args[0]}) != 0)"
+            if src in FLOATS and dst not in FLOATS:
+                raise Unsupported("float to integer cast")
+            return f"(({CTYPES[dst]})({args[0]}))"
+        is_float = operand_dtypes[-1] in FLOATS
+        names = dict(zip(op.SPEC.operand_names, args))
+        for table in ((C_UNARY_FLOAT, C_BINARY_FLOAT) if is_float else (C_UNARY_INT, C_BINARY_INT)) + (C_BINARY,):
+            if name in table:
+                return table[name].format(**names, exp="tg_expf" if operand_dtypes[-1] == "f32" else "exp")
+        raise Unsupported(name)
+
+    def elementwise(self, ops: list[TgOp], inner: dict, inputs: dict, outputs: list[tuple[SSAValue, View]],
+                    describe) -> None:
+        """One loop computing `ops` (elementwise, in order) at every element of the
+        outputs' shape: `inputs` maps outside values to views, `inner` the values
+        computed in the loop, `outputs` (value, view) pairs of one shape."""
+        shape = outputs[0][1].shape
+        reads: list[View] = []
+        operand_ref: dict[SSAValue, int] = {}
+        for v, view in inputs.items():
+            if view.rank > len(shape):
+                raise Unsupported("an input larger than the loop")
+            operand_ref[v] = len(reads)
+            reads.append(self.broadcast(view, shape))
+        accesses = [(r, False) for r in reads] + [(o, True) for _, o in outputs]
+
+        def body(refs):
+            lines, local = [], {}
+            for v, k in operand_ref.items():
+                local[v] = refs[k]
+            for i, op in enumerate(ops):
+                args = [local[v] for v in op.operands]
+                dts = [info_of(v.type).dtype for v in op.operands]
+                out = op.result_infos()[0]
+                lines.append(f"const {CTYPES[out.dtype]} t{i} = {self.expr(op, args, dts)};")
+                local[op.results[0]] = f"t{i}"
+            for k, (v, _) in enumerate(outputs):
+                lines.append(f"{refs[len(reads) + k]} = {local[v]};")
+            return lines
+
+        lines = self.loop(shape, accesses, body)
+        self._step(_describe(describe), lines, reads, [o for _, o in outputs])
+
+    # --- groups -------------------------------------------------------------------------
+
+    def group(self, group: FusionOp) -> None:
+        ops = group.ops
+        env: dict[SSAValue, View] = {a: self.view(v) for a, v in zip(group.block.args, group.operands)}
+        yields = list(group.block.last_op.operands)
+        done = False
+        try:
+            if group.kind == "elementwise":
+                done = self.fused_elementwise(group, ops, env, yields)
+            elif ops and ops[0].op_name in ("matmul", "conv") and group.kind in ("matmul_epilogue", "conv_epilogue",
+                                                                                  "matmul", "reduction"):
+                done = self.fused_contraction(group, ops, env, yields)
+            elif group.kind == "reduction":
+                done = self.fused_row(group, ops, env, yields)
+        except Unsupported:
+            done = False
+        if not done:
+            for op in ops:
+                self.op(op, env)
+        for r, y in zip(group.results, yields):
+            self.views[r] = env[y] if y in env else self.view(y)
+
+    def fused_elementwise(self, group: FusionOp, ops, env, yields) -> bool:
+        """A group of elementwise ops (and views of its inputs) as one loop."""
+        computed: dict[SSAValue, None] = {}
+        inputs: dict[SSAValue, View] = {}
+        body = []
+        shape = info_of(yields[0].type).shape
+        for op in ops:
+            if op.op_name == "constant":
+                env[op.results[0]] = self.constant(op)
+                continue
+            if op.op_name in ("reshape", "transpose", "broadcast") and op.operands[0] not in computed:
+                env[op.results[0]] = self.layout(op, [env[op.operands[0]]])[0]
+                continue
+            if not (op.SPEC.category == "elementwise" or op.op_name == "gelu"):
+                return False
+            self._check_dtypes(op, [env[v] for v in op.operands if v in env])
+            for v in op.operands:
+                if v not in computed and v not in inputs:
+                    inputs[v] = env[v]
+            computed[op.results[0]] = None
+            body.append(op)
+        if not body or any(y not in computed for y in yields):
+            return False
+        if any(len(info_of(y.type).shape) != len(shape) or
+               not all(_eq(a, b) for a, b in zip(info_of(y.type).shape, shape)) for y in yields):
+            return False
+        outs = [(y, self._temp(info_of(y.type))) for y in yields]
+        # Operands are named by the values the loop reads.
+        self.elementwise(body, computed, inputs, outs, group)
+        env.update({y: o for y, o in outs})
+        return True
+
+    def fused_row(self, group: FusionOp, ops, env, yields) -> bool:
+        """Elementwise ops then softmax or layer_norm over the last axis: the prologue
+        as one loop into the result buffer, then the row op in place."""
+        last = ops[-1]
+        if last.op_name not in ("softmax", "layer_norm") or len(yields) != 1 or yields[0] is not last.results[0]:
+            return False
+        pro = ops[:-1]
+        x = last.operands[0]
+        if pro:
+            if any(not (o.SPEC.category == "elementwise" or o.op_name == "gelu") for o in pro) or \
+                    pro[-1].results[0] is not x:
+                return False
+            inner = {o.results[0] for o in pro}
+            if any(v in inner for o in [last] for v in o.operands[1:]):
+                return False
+            for o in pro:
+                self._check_dtypes(o, [env[v] for v in o.operands if v in env])
+            out = self._temp(info_of(x.type))
+            inputs = {}
+            for o in pro:
+                for v in o.operands:
+                    if v not in inner and v not in inputs:
+                        inputs[v] = env[v]
+            self.elementwise(pro, {r: None for r in inner}, inputs, [(x, out)], group)
+            env[x] = out
+        result = self.row_op(last, [env[v] for v in last.operands], in_place=bool(pro) and _only_use(x, last))
+        env[last.results[0]] = result
+        return True
+
+    def row_op(self, op: TgOp, xs: list[View], in_place: bool = False) -> View:
+        info = op.result_infos()[0]
+        if info.dtype != "f32" or any(x.dtype != "f32" for x in xs):
+            raise Unsupported("row ops in f32 only")
+        x = xs[0]
+        rank = x.rank
+        axis = op.attr("axis") % rank
+        if op.op_name == "softmax" and axis != rank - 1:
+            raise Unsupported("softmax over a leading axis")
+        if not self.is_contiguous(x):
+            raise Unsupported("row op on a strided view")
+        out = x if in_place else self._temp(info)
+        n = numel(x.shape[axis:])
+        rows = numel(x.shape[:axis])
+        if op.op_name == "softmax":
+            call = f"tg_softmax_rows({self.ptr(x)}, {self.ptr(out, False)}, {self.ints(rows)}, {self.ints(n)});"
+            reads = [x]
+        else:
+            params = []
+            reads = [x]
+            for p in xs[1:3]:
+                if p is None:
+                    params.append("NULL")
+                    continue
+                full = self.broadcast(p, x.shape[axis:])
+                if p.literal is not None or not self.is_contiguous(full):
+                    raise Unsupported("layer_norm scale or bias not one value per element of a row")
+                params.append(self.ptr(full))
+                reads.append(p)
+            while len(params) < 2:
+                params.append("NULL")
+            call = (f"tg_layer_norm_rows({self.ptr(x)}, {self.ptr(out, False)}, {params[0]}, {params[1]}, "
+                    f"{self.ints(rows)}, {self.ints(n)}, {c_float(op.attr('epsilon'), 'f32')});")
+        self._step(_describe(op), [call], reads, [out])
+        return out
+
+    # --- reductions, gathers, copies ----------------------------------------------------
+
+    def reduce(self, op: TgOp, x: View) -> View:
+        info = op.result_infos()[0]
+        kind = op.op_name[len("reduce_"):]
+        axes = sorted(a % x.rank for a in op.attr("axes")) if op.attr("axes") else list(range(x.rank))
+        if kind == "mean" and x.dtype not in FLOATS:
+            raise Unsupported("integer mean")
+        out = self._temp(info)
+        keep = [i for i in range(x.rank) if i not in axes]
+        kept_shape = tuple(x.shape[i] for i in keep)
+        out_view = View(out.buf, 0, kept_shape, contiguous_strides(kept_shape), out.dtype)
+        red = View(x.buf, x.offset, tuple(x.shape[i] for i in axes), tuple(x.strides[i] for i in axes), x.dtype,
+                   x.literal)
+        n = numel(red.shape)
+        ctype = CTYPES[x.dtype]
+        acc_type = "double" if x.dtype in FLOATS else ctype
+        init = {"sum": "0", "mean": "0", "max": "-INFINITY" if x.dtype in FLOATS else "",
+                "min": "INFINITY" if x.dtype in FLOATS else ""}[kind]
+        if not init:
+            raise Unsupported("integer max/min reduction")
+        step = {"sum": "acc += v;", "mean": "acc += v;", "max": "acc = v > acc || v != v ? v : acc;",
+                "min": "acc = v < acc || v != v ? v : acc;"}[kind]
+        finish = f"acc / (double){self.ints(n)}" if kind == "mean" else "acc"
+        # Each output element walks its reduced axes as a nest of loops.
+        kept_view = View(x.buf, x.offset, kept_shape, tuple(x.strides[i] for i in keep), x.dtype, x.literal)
+
+        def body(refs):
+            lines = [f"const {ctype} *base = &{refs[0]};", f"{acc_type} acc = {init};"]
+            idx = []
+            for i, (d, st) in enumerate(zip(red.shape, red.strides)):
+                lines.append("    " * i + f"for (int64_t k{i} = 0; k{i} < {self.ints(d)}; k{i}++)")
+                idx.append(f"k{i} * {self.ints(st)}")
+            depth = "    " * len(red.shape)
+            lines.append(depth + "{ " + f"const {acc_type} v = base[{' + '.join(idx) or '0'}]; " + step + " }")
+            lines.append(f"{refs[1]} = ({CTYPES[info.dtype]})({finish});")
+            return lines
+
+        if x.literal is not None:
+            raise Unsupported("reduction of a literal")
+        lines = self.loop(kept_shape, [(kept_view, False), (out_view, True)], body)
+        lines = [line.replace("#pragma omp simd", "") for line in lines]
+        self._step(_describe(op), lines, [x], [out])
+        return out
+
+    def gather(self, op: TgOp, table: View, ids: View) -> View:
+        """Rows of a table by index (embedding lookups); an index out of range is an
+        error naming the op and the range, never a read outside the table."""
+        info = op.result_infos()[0]
+        axis = op.attr("axis") % table.rank
+        if axis != 0 or not self.is_contiguous(table) or not self.is_contiguous(ids) or ids.dtype not in ("i64", "i32"):
+            raise Unsupported("gather other than rows of a contiguous table")
+        out = self._temp(info)
+        rows = self.ints(table.shape[0])
+        width = self.ints(numel(table.shape[1:]))
+        count = self.ints(numel(ids.shape))
+        ctype = CTYPES[table.dtype]
+        lines = [
+            "{",
+            f"    const {CTYPES[ids.dtype]} *ids = {self.ptr(ids)};",
+            f"    const {ctype} *table = {self.ptr(table)};",
+            f"    {ctype} *out = {self.ptr(out, False)};",
+            f"    for (int64_t i = 0; i < {count}; i++) {{",
+            "        int64_t r = ids[i];",
+            f"        if (r < -{rows} || r >= {rows})",
+            f'            TG_FAIL("gather: index %lld is out of range [-%lld, %lld) of the table (op %d)", '
+            f"(long long)r, (long long){rows}, (long long){rows}, {len(self.steps)});",
+            f"        if (r < 0) r += {rows};",
+            f"        memcpy(out + i * {width}, table + r * {width}, sizeof({ctype}) * {width});",
+            "    }",
+            "}",
+        ]
+        self._step(_describe(op), lines, [table, ids], [out])
+        return out
+
+    def concat(self, op: TgOp, xs: list[View]) -> View:
+        info = op.result_infos()[0]
+        out = self._temp(info)
+        axis = op.attr("axis") % len(info.shape)
+        start = sympy.Integer(0)
+        lines = []
+        for x in xs:
+            if x.literal is not None and x.rank:
+                raise Unsupported("concat of a literal")
+            part = View(out.buf, start * out.strides[axis], x.shape, out.strides, out.dtype)
+            lines += self.loop(x.shape, [(x, False), (part, True)], lambda refs: [f"{refs[1]} = {refs[0]};"])
+            start = start + x.shape[axis]
+        self._step(_describe(op), lines, xs, [out])
+        return out
+
+    def pool(self, op: TgOp, x: View) -> View:
+        """Max and average pools over 1-D or 2-D windows (a 1-D pool is a 2-D one of height 1)."""
+        info = op.result_infos()[0]
+        kernel = list(op.attr("kernel"))
+        nd = len(kernel)
+        if nd not in (1, 2) or x.dtype != "f32" or any(d != 1 for d in (op.attr("dilations") or [1] * nd)):
+            raise Unsupported("pools: 1-D or 2-D, f32, no dilation")
+        if op.op_name == "avg_pool" and op.attr("ceil_mode"):
+            raise Unsupported("avg_pool with ceil_mode")
+        strides = list(op.attr("strides") or [1] * nd)
+        pads = list(op.attr("pads") or [0] * (2 * nd))
+        out = self._temp(info)
+        out_shape = tuple(info.shape)
+        if nd == 1:  # (N, C, W) as (N, C, 1, W)
+            x = View(x.buf, x.offset, x.shape[:2] + (1,) + x.shape[2:], x.strides[:2] + (0,) + x.strides[2:], x.dtype)
+            out_shape = out_shape[:2] + (1,) + out_shape[2:]
+            kernel, strides, pads = [1] + kernel, [1] + strides, [0, pads[0], 0, pads[1]]
+        n, c, h, w = (self.ints(d) for d in x.shape)
+        oh, ow = (self.ints(d) for d in out_shape[2:])
+        sn, sc, sh, sw = (self.ints(st) for st in x.strides)
+        is_max = op.op_name == "max_pool"
+        include_pad = is_max or op.attr("count_include_pad")
+        kh, kw = kernel
+        # The divisor: the whole window, or (count_include_pad false) the taps inside the input.
+        divisor = f"{kh * kw}.f" if include_pad else "(float)count"
+        lines = [
+            "{",
+            f"    const float *x = {self.ptr(x)};",
+            f"    float *y = {self.ptr(out, False)};",
+            f"    #pragma omp parallel for collapse(2) if ({self.ints(numel(info.shape))} > {PARALLEL_MIN})",
+            f"    for (int64_t b = 0; b < {n}; b++)",
+            f"    for (int64_t ch = 0; ch < {c}; ch++)",
+            f"    for (int64_t oy = 0; oy < {oh}; oy++)",
+            f"    for (int64_t ox = 0; ox < {ow}; ox++) {{",
+            f"        float acc = {'-INFINITY' if is_max else '0.f'};",
+            "        int64_t count = 0;",
+            f"        for (int64_t ky = 0; ky < {kh}; ky++) {{",
+            f"            int64_t iy = oy * {strides[0]} - {pads[0]} + ky;",
+            f"            if (iy < 0 || iy >= {h}) continue;",
+            f"            for (int64_t kx = 0; kx < {kw}; kx++) {{",
+            f"                int64_t ix = ox * {strides[1]} - {pads[1]} + kx;",
+            f"                if (ix < 0 || ix >= {w}) continue;",
+            f"                float v = x[b * {sn} + ch * {sc} + iy * {sh} + ix * {sw}];",
+            "                " + ("acc = v > acc || v != v ? v : acc;" if is_max else "acc += v;"),
+            "                count++;",
+            "            }",
+            "        }",
+            f"        y[((b * {c} + ch) * {oh} + oy) * {ow} + ox] = {'acc' if is_max else f'acc / {divisor}'};",
+            "    }",
+            "}",
+        ]
+        self._step(_describe(op), lines, [x], [out])
+        return out
+
+    # --- GEMMs and convolutions on oneDNN ------------------------------------------------
+
+    def _posts(self, chain: list[TgOp], acc: SSAValue, env: dict, out_shape, geometry,
+               conv: bool = False) -> tuple[list[str], list[View], int]:
+        """oneDNN post-ops for the leading ops of `chain` that it can fuse: returns the C
+        initialiser lines of a tg_post array, the views their binary operands read, and
+        how many ops of the chain they cover. `geometry(view)` gives an operand, broadcast
+        to the result's shape, as the primitive's destination sees it (dims, strides)."""
+        posts, operands = [], []
+        current = acc
+        for op in chain:
+            name = op.op_name
+            if op.operands[0] is not current and not (name in ("add", "mul") and op.operands[1] is current):
+                break
+            if info_of(op.results[0].type).dtype != "f32" or len(posts) == 8:
+                break
+            other = [v for v in op.operands if v is not current]
+            if name in ("relu", "tanh", "exp", "sigmoid") and not other:
+                posts.append(f"{{0, {DNNL_ELTWISE[name]}, 0.f, 0.f, 0, {{0}}, {{0}}}}")
+            elif name == "gelu":
+                alg = DNNL_ELTWISE["gelu_tanh" if op.attr("approximate") == "tanh" else "gelu_erf"]
+                posts.append(f"{{0, {alg}, 0.f, 0.f, 0, {{0}}, {{0}}}}")
+            elif name in ("add", "mul", "sub") and len(other) == 1:
+                o = env.get(other[0]) or self.view(other[0])
+                if name == "sub" and op.operands[0] is not current:
+                    break
+                if o.dtype != "f32":
+                    break
+                if o.literal is not None:
+                    alpha, beta = ("1.f", o.literal) if name == "add" else (o.literal, "0.f") if name == "mul" \
+                        else ("1.f", f"-({o.literal})")
+                    posts.append(f"{{0, {DNNL_ELTWISE['linear']}, {alpha}, {beta}, 0, {{0}}, {{0}}}}")
+                else:
+                    if o.rank > len(out_shape):
+                        break
+                    try:
+                        dims, strides = geometry(self.broadcast(o, out_shape))
+                    except Unsupported:
+                        break
+                    # Only a whole tensor or one value per column (a bias): oneDNN 3.2's
+                    # GEMM kernels, cached by a key that omits the broadcast, gave wrong
+                    # results for a per-row-vector operand (MiniLM's attention mask) once
+                    # a kernel with a whole-tensor operand had been made. Convolutions also
+                    # take one value per channel (a folded batch norm).
+                    if not (all(_is_one(d) for d in dims[:-1]) or all(not _is_one(d) or _is_one(o_d)
+                                                                      for d, o_d in zip(dims, out_shape))
+                            or (conv and all(_is_one(d) for i, d in enumerate(dims) if i != 1))):
+                        break
+                    posts.append(f"{{1, {DNNL_BINARY[name]}, 0.f, 0.f, {len(dims)}, "
+                                 f"{{{', '.join(self.ints(d) for d in dims)}}}, "
+                                 f"{{{', '.join(self.ints(s) for s in strides)}}}}}")
+                    operands.append(o)
+            else:
+                break
+            current = op.results[0]
+            if not info_of(current.type).shape == tuple(out_shape) and \
+                    not all(_eq(a, b) for a, b in zip(info_of(current.type).shape, out_shape)):
+                posts.pop()
+                break
+        return posts, operands, len(posts)
+
+    def fused_contraction(self, group: FusionOp, ops, env, yields) -> bool:
+        """A GEMM or convolution, its epilogue on oneDNN where it fuses, the rest of the
+        group op by op on the result (in place where elementwise)."""
+        head, chain = ops[0], ops[1:]
+        xs = [env.get(v) or self.view(v) for v in head.operands]
+        self._check_dtypes(head, xs)
+        if head.op_name == "matmul":
+            result, covered = self.matmul(head, xs[0], xs[1], chain, env)
+        else:
+            result, covered = self.conv(head, xs, chain, env)
+        env[chain[covered - 1].results[0] if covered else head.results[0]] = result
+        rest = chain[covered:]
+        if rest:
+            last = rest[-1]
+            if last.op_name in ("softmax", "layer_norm") and all(
+                    o.SPEC.category == "elementwise" for o in rest[:-1]) and self._row_prologue(rest, env, group):
+                pass
+            else:
+                for op in rest:
+                    self.op(op, env)
+        return True
+
+    def _row_prologue(self, rest, env, group) -> bool:
+        try:
+            pro, last = rest[:-1], rest[-1]
+            x = last.operands[0]
+            if pro:
+                inner = {o.results[0] for o in pro}
+                inputs = {}
+                for o in pro:
+                    for v in o.operands:
+                        if v not in inner and v not in inputs:
+                            inputs[v] = env.get(v) or self.view(v)
+                out = self._temp(info_of(x.type))
+                self.elementwise(pro, {r: None for r in inner}, inputs, [(x, out)], group)
+                env[x] = out
+            env[last.results[0]] = self.row_op(last, [env.get(v) or self.view(v) for v in last.operands],
+                                               in_place=_only_use(x, last))
+            return True
+        except Unsupported:
+            return False
+
+    def matmul(self, op: TgOp, a: View, b: View, chain: list[TgOp], env: dict) -> tuple[View, int]:
+        info = op.result_infos()[0]
+        if info.dtype != "f32" or a.literal is not None or b.literal is not None:
+            raise Unsupported("matmul: f32 tensors only")
+        if a.rank < 2 or b.rank < 2:
+            raise Unsupported("matmul of a vector")
+        out = self._temp(info)
+        weight = self.buffers[b.buf].kind in ("weight", "constant") and b.rank == 2
+        rank = max(a.rank, b.rank)
+        if weight and a.rank > 2 and self._collapsible(a):
+            # x[..., M, K] @ W[K, N] is one 2-D GEMM over all rows.
+            rows = numel(a.shape[:-1])
+            a = View(a.buf, a.offset, (rows, a.shape[-1]), (a.strides[-2], a.strides[-1]), a.dtype)
+            c = View(out.buf, 0, (rows, info.shape[-1]), (info.shape[-1], 1), out.dtype)
+            rank = 2
+
+            def geometry(full: View):  # the operand over all rows, as (rows, N)
+                if not self._collapsible(full) and not all(_eq(st, 0) for st in full.strides[:-1]):
+                    raise Unsupported("an epilogue operand whose rows do not collapse")
+                rows_bc = all(_eq(st, 0) for st in full.strides[:-1])
+                dims = [1 if rows_bc else rows, 1 if _eq(full.strides[-1], 0) else info.shape[-1]]
+                return dims, [full.strides[-2] if not rows_bc else dims[1], full.strides[-1] if dims[1] != 1 else 1]
+        else:
+            c = out
+
+            def geometry(full: View):
+                # Batched GEMMs take no binary post-ops: oneDNN 3.2 gave MiniLM's attention
+                # scores plus a broadcast mask wrong results in some processes, not others.
+                raise Unsupported("a binary post-op on a batched GEMM")
+        posts, post_views, covered = self._posts(chain, op.results[0], env, info.shape, geometry)
+        a = self._lead(a, rank)
+        b = self._lead(b, rank)
+        c = self._lead(c, rank)
+        k = self.gemm_count
+        self.gemm_count += 1
+        arr = lambda xs: "{" + ", ".join(self.ints(x) for x in xs) + "}"  # noqa: E731
+        state = [
+            "{",
+            f"    const int64_t ad[] = {arr(a.shape)}, as[] = {arr(a.strides)};",
+            f"    const int64_t bd[] = {arr(b.shape)}, bs[] = {arr(b.strides)};",
+            f"    const int64_t cd[] = {arr(c.shape)}, cs[] = {arr(c.strides)};",
+            f"    const tg_post posts[] = {{{', '.join(posts) or '{0}'}}};",
+            f"    if (tg_matmul_create(&st->prim[{k}], {rank}, ad, as, bd, bs, cd, cs, "
+            f"{self.ptr(b) if weight else 'NULL'}, &tg_packs[{k}], {len(posts)}, posts)) return 1;",
+            "}",
+        ]
+        post_ptrs = ", ".join(self.ptr(v) for v in post_views) or "NULL"
+        lines = ["{", f"    void *const post[] = {{{post_ptrs}}};",
+                 f"    if (tg_prim_run(&st->prim[{k}], {self.ptr(a)}, {self.ptr(b)}, NULL, {self.ptr(c, False)}, "
+                 "post)) return 1;", "}"]
+        self._step(_describe(op), lines, [a, b, *post_views], [out], state, gemms=1)
+        return out, covered
+
+    def _collapsible(self, a: View) -> bool:
+        """Whether a's leading dims and rows walk memory as one run of rows."""
+        for i in range(a.rank - 2):
+            if not (_is_one(a.shape[i]) or _eq(a.strides[i], a.strides[i + 1] * a.shape[i + 1])):
+                return False
+        return True
+
+    @staticmethod
+    def _lead(v: View, rank: int) -> View:
+        extra = rank - v.rank
+        return View(v.buf, v.offset, (1,) * extra + v.shape, (0,) * extra + v.strides, v.dtype, v.literal, v.value)
+
+    def conv(self, op: TgOp, xs: list[View], chain: list[TgOp], env: dict) -> tuple[View, int]:
+        info = op.result_infos()[0]
+        x, w = xs[0], xs[1]
+        bias = xs[2] if len(xs) > 2 else None
+        if info.dtype != "f32" or w.literal is not None or x.literal is not None:
+            raise Unsupported("conv: f32 tensors")
+        constant_weight = self.buffers[w.buf].kind in ("weight", "constant")
+        if bias is not None and (bias.literal is not None or not self.is_contiguous(bias)):
+            raise Unsupported("conv bias")
+        groups = op.attr("groups")
+        out = self._temp(info)
+        nd = x.rank
+        sp = nd - 2
+        strides = list(op.attr("strides") or [1] * sp)
+        dil = list(op.attr("dilations") or [1] * sp)
+        pads = list(op.attr("pads") or [0] * (2 * sp))
+        if groups > 1:
+            o, i = w.shape[0], w.shape[1]
+            wd = (groups, sympy.sympify(o) / groups) + (i,) + tuple(w.shape[2:])
+            ws = (w.strides[0] * (sympy.sympify(o) / groups),) + tuple(w.strides)
+        else:
+            wd, ws = w.shape, w.strides
+
+        def geometry(full: View):
+            dims = [1 if _eq(st, 0) else d for d, st in zip(full.shape, full.strides)]
+            return dims, _plain_strides(dims, list(full.strides))
+        posts, post_views, covered = self._posts(chain, op.results[0], env, info.shape, geometry, conv=True)
+        k = self.gemm_count
+        self.gemm_count += 1
+        arr = lambda xs: "{" + ", ".join(self.ints(x) for x in xs) + "}"  # noqa: E731
+        state = [
+            "{",
+            f"    const int64_t xd[] = {arr(x.shape)}, xs[] = {arr(x.strides)};",
+            f"    const int64_t wd[] = {arr(wd)}, ws[] = {arr(ws)};",
+            f"    const int64_t yd[] = {arr(out.shape)}, ys[] = {arr(out.strides)};",
+            f"    const int64_t str[] = {arr(strides)}, dil[] = {arr(dil)}, pad[] = {arr(pads)};",
+            f"    const tg_post posts[] = {{{', '.join(posts) or '{0}'}}};",
+            f"    if (tg_conv_create(&st->prim[{k}], {nd}, xd, xs, {len(wd)}, wd, ws, yd, ys, {int(bias is not None)}, "
+            f"str, dil, pad, {self.ptr(w) if constant_weight else 'NULL'}, &tg_packs[{k}], {len(posts)}, posts)) "
+            "return 1;",
+            "}",
+        ]
+        post_ptrs = ", ".join(self.ptr(v) for v in post_views) or "NULL"
+        lines = ["{", f"    void *const post[] = {{{post_ptrs}}};",
+                 f"    if (tg_prim_run(&st->prim[{k}], {self.ptr(x)}, {self.ptr(w)}, "
+                 f"{self.ptr(bias) if bias is not None else 'NULL'}, {self.ptr(out, False)}, post)) return 1;", "}"]
+        self._step(_describe(op), lines, [x, w, *([bias] if bias is not None else []), *post_views], [out], state,
+                   gemms=1)
+        return out, covered
+
+    # --- outputs -------------------------------------------------------------------------
+
+    def outputs(self) -> list[View]:
+        return [self.view(v) for v in self.prog.outputs]
+
+
+def _only_use(value: SSAValue, user) -> bool:
+    """Whether `user` is the one reader of `value` (which a group may also yield): only
+    then may it overwrite value's buffer."""
+    return all(use.operation is user for use in value.uses)
+
+
+def _plain_strides(dims, strides) -> list:
+    """Strides for a oneDNN descriptor: a broadcast (size-1) dim gets the stride a dense
+    layout would give it, as oneDNN checks strides even where it never steps."""
+    return [numel(tuple(dims[i + 1:])) if _is_one(d) else st for i, (d, st) in enumerate(zip(dims, strides))]
+
+
+def _describe(op) -> str:
+    """One line of IR for a step's comment (escaped by the caller)."""
+    if isinstance(op, FusionOp):
+        return f"fusion {op.kind}: " + ", ".join(o.op_name for o in op.ops)
+    return f"{op.op_name} -> {', '.join(str(i) for i in op.result_infos())}"
+
+
+# --- the module ---------------------------------------------------------------------------
+
+
+@dataclass
+class CProgram:
+    """An emitted module: its C source and what the runtime needs to call it."""
+
+    source: str
+    emitter: CEmitter
+    plan: list[tuple[str, int]]  # ("segment", k) or ("host", step index), in order
+    steps: list[Step]
+
+
+def emit_program(model: Model, name: str | None = None, per_step: bool = False) -> CProgram:
+    """The module; `per_step=True` makes every native step a segment of its own (one
+    native call each), so a profiler or a debugger can look between steps."""
+    em = CEmitter(model)
+    em.run()
+    outputs = em.outputs()
+    lines = [f"/* tilegraph C backend: model {c_comment(name or _model_name(model))}. Generated code; edit the model, "
+             "not this file.", " * inputs:"]
+    lines += [f" *   p[{em.views[a].buf}] {c_comment(n)}: {c_comment(str(i))}"
+              for a, n, i in zip(model.func.args, model.input_names, model.inputs)]
+    lines += [" * outputs:"]
+    lines += [f" *   {c_comment(n)}: {c_comment(str(i))}" for n, i in zip(model.output_names, model.outputs)]
+    lines += [" */", *_gelu_defines(), '#include "runtime.h"', "#include <tgmath.h>", ""]
+    nprim = max(em.gemm_count, 1)
+    # A loaded model owns its packed weights (two models of one source share the library,
+    # not their weights); each shape binding owns its primitives.
+    lines += [f"typedef struct {{ tg_packed w[{nprim}]; }} tg_packs;  /* weights packed once, for every binding */",
+              f"typedef struct {{ tg_prim prim[{nprim}]; tg_packs *packs; }} tg_state;  /* one shape binding */",
+              "",
+              "void *tg_packs_new(void) { return calloc(1, sizeof(tg_packs)); }",
+              "",
+              "static int tg_state_init(tg_state *st, const int64_t *s, void *const *p) {",
+              "    tg_packed *tg_packs = st->packs->w;"]
+    for step in em.steps:
+        lines += ["    " + line for line in step.state]
+    lines += ["    return 0;", "}", "",
+              "void *tg_state_new(void *packs, const int64_t *s, void *const *p) {",
+              "    tg_state *st = calloc(1, sizeof *st);",
+              "    if (!st) return NULL;",
+              "    st->packs = packs;",
+              "    if (tg_state_init(st, s, p)) { free(st); return NULL; }",
+              "    return st;", "}", ""]
+    plan: list[tuple[str, int]] = []
+    segments: list[list[int]] = []
+    for i, step in enumerate(em.steps):
+        if step.host_op is not None:
+            plan.append(("host", i))
+            continue
+        lines += [f"/* step {i}: {c_comment(step.comment)} */",
+                  f"static int tg_step_{i}(tg_state *st, const int64_t *s, void *const *p) {{"]
+        lines += ["    " + line for line in step.lines] + ["    return 0;", "}", ""]
+        if per_step or not plan or plan[-1][0] != "segment":
+            plan.append(("segment", len(segments)))
+            segments.append([])
+        segments[-1].append(i)
+    for k, members in enumerate(segments):
+        lines += [f"int tg_segment_{k}(void *state, const int64_t *s, void *const *p) {{",
+                  "    tg_state *st = state;"]
+        lines += [f"    if (tg_step_{i}(st, s, p)) return 1;" for i in members]
+        lines += ["    return 0;", "}", ""]
+    del outputs
+    return CProgram("\n".join(lines), em, plan, em.steps)
+
+
+def _gelu_defines() -> list[str]:
+    """kernels.py's float32 gelu fit, for runtime.h's tg_gelu_erf: one fit, two backends."""
+    from tilegraph.ir import kernels
+
+    lines = [f"#define TG_GELU_CLIP {kernels._GELU32_CLIP!r}f"]
+    lines += [f"#define TG_GELU_P{i} {c!r}f" for i, c in enumerate(kernels._GELU32_EXP)]
+    return lines
+
+
+def _model_name(model: Model) -> str:
+    name = getattr(model.module, "sym_name", None)
+    return name.data if name is not None else "forward"

@@ -1,0 +1,258 @@
+"""Loading and calling an emitted C module.
+
+`load` builds (or finds in the cache) the module's shared library and binds the
+weights. A call checks the inputs against the signature (the project's one input
+check, `ir.signature`) before any C runs, so a wrong call is a TilegraphError,
+never a write outside a buffer. Per shape binding (the values of the symbolic
+dims), it evaluates the module's int table once, plans every intermediate into one
+arena (buffers whose lifetimes do not overlap share bytes) and creates the oneDNN
+primitives; later calls with the same binding reuse all of it, so a forward
+allocates nothing but its outputs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import sympy
+
+from tilegraph.backends.c.build import build
+from tilegraph.backends.c.emit import CProgram, View, emit_program
+from tilegraph.ir import dtypes
+from tilegraph.ir.errors import TilegraphError
+from tilegraph.ir.interpreter import GLOBALS, evaluate
+from tilegraph.ir.model import Model, ModelError
+from tilegraph.ir.shapes import ShapeError, numel
+from tilegraph.ir.signature import Signature
+
+ALIGN = 64  # bytes: a cache line, and what oneDNN's vector loads like
+
+
+class _Binding:
+    """Everything one set of symbol values needs: ints, arena, pointers, primitives."""
+
+    def __init__(self, module: "CompiledModel", sizes: dict[str, int]):
+        prog = module.program
+        em = prog.emitter
+        subs = {sympy.Symbol(k, integer=True, positive=True): v for k, v in sizes.items()}
+        self._subs = subs
+        self.ints = np.array([int(e.xreplace(subs)) for e in em.ints.exprs] or [0], dtype=np.int64)
+        self.bases: list[np.ndarray | None] = list(module.fixed)
+        elements = [int(sympy.sympify(b.elements).xreplace(subs)) for b in em.buffers]
+        offsets, size = _plan_arena(module, elements)
+        self.arena = np.empty(size + ALIGN, dtype=np.uint8)
+        start = (-self.arena.ctypes.data) % ALIGN
+        for i, off in offsets.items():
+            dt = dtypes.numpy_dtype(em.buffers[i].dtype)
+            self.bases[i] = self.arena[start + off: start + off + elements[i] * dt.itemsize].view(dt)
+        self.pointers = (ctypes.c_void_p * len(em.buffers))()
+        for i, base in enumerate(self.bases):
+            if base is not None:
+                self.pointers[i] = base.ctypes.data
+        self.state = None
+
+    def view(self, v: View) -> np.ndarray:
+        if v.literal is not None:
+            raise ModelError("a literal has no array")
+        base = self.bases[v.buf]
+        ints = lambda e: int(sympy.sympify(e).xreplace(self._subs))  # noqa: E731
+        shape = tuple(ints(d) for d in v.shape)
+        strides = tuple(ints(s) * base.itemsize for s in v.strides)
+        flat = base.reshape(-1)[ints(v.offset):]
+        if flat.dtype.type.__module__ == "numpy":
+            return np.lib.stride_tricks.as_strided(flat, shape, strides, writeable=True)
+        # ml_dtypes' types (bf16, fp8, fp4) have no strided-view support: stride the bytes.
+        raw = np.lib.stride_tricks.as_strided(flat.view(f"u{base.itemsize}"), shape, strides, writeable=True)
+        return raw.view(flat.dtype)
+
+
+def _plan_arena(module: "CompiledModel", elements: list[int]) -> tuple[dict[int, int], int]:
+    """Byte offsets of the temporaries: first fit, largest first, among the buffers whose
+    lifetimes (first write to last read, in steps) overlap."""
+    em = module.program.emitter
+    live = module.lifetimes
+    order = sorted(live, key=lambda i: -elements[i] * dtypes.numpy_dtype(em.buffers[i].dtype).itemsize)
+    placed: list[tuple[int, int, int]] = []  # (offset, end, buffer)
+    offsets: dict[int, int] = {}
+    for i in order:
+        nbytes = elements[i] * dtypes.numpy_dtype(em.buffers[i].dtype).itemsize
+        nbytes = (nbytes + ALIGN - 1) // ALIGN * ALIGN
+        a, b = live[i]
+        clashes = sorted((off, end) for off, end, j in placed if not (live[j][1] < a or b < live[j][0]))
+        off = 0
+        for c_off, c_end in clashes:
+            if off + nbytes <= c_off:
+                break
+            off = max(off, c_end)
+        offsets[i] = off
+        placed.append((off, off + nbytes, i))
+    return offsets, max((end for _, end, _ in placed), default=0)
+
+
+class CompiledModel:
+    """A loaded C module: call it with the model inputs, get the list of outputs."""
+
+    def __init__(self, program: CProgram, library: ctypes.CDLL, weights: Mapping[str, np.ndarray], model: Model):
+        self.program = program
+        self.source = program.source
+        self.model = model
+        self.input_names = list(model.input_names)
+        self.output_names = list(model.output_names)
+        self._signature = Signature.of(model)
+        self._lib = library
+        self._lock = threading.Lock()  # one binding's arena is shared: calls take turns
+        em = program.emitter
+        self.fixed: list[np.ndarray | None] = []
+        for b in em.buffers:
+            if b.kind == "weight":
+                if b.index not in weights:
+                    raise ModelError(f"weights missing for the compiled model: {b.index}")
+                self.fixed.append(np.ascontiguousarray(weights[b.index], dtype=dtypes.numpy_dtype(b.dtype)))
+            elif b.kind == "constant":
+                self.fixed.append(np.ascontiguousarray(em.constants[b.index], dtype=dtypes.numpy_dtype(b.dtype)))
+            else:
+                self.fixed.append(None)
+        # An output that is a whole intermediate buffer is written straight into a fresh
+        # array of the caller's (no arena bytes, no copy); other outputs are copied out.
+        self._direct: dict[int, int] = {}  # output index -> its buffer
+        for i, v in enumerate(em.outputs()):
+            if (v.literal is None and em.buffers[v.buf].kind == "temp" and v.buf not in self._direct.values()
+                    and sympy.sympify(v.offset) == 0 and em.is_contiguous(v)
+                    and sympy.expand(sympy.sympify(numel(v.shape)) - em.buffers[v.buf].elements) == 0):
+                self._direct[i] = v.buf
+        self.lifetimes = {b: t for b, t in _lifetimes(program).items() if b not in self._direct.values()}
+        self._segments = {}
+        for kind, k in program.plan:
+            if kind == "segment":
+                fn = getattr(library, f"tg_segment_{k}")
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+                fn.restype = ctypes.c_int
+                self._segments[k] = fn
+        library.tg_state_new.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        library.tg_state_new.restype = ctypes.c_void_p
+        library.tg_packs_new.restype = ctypes.c_void_p
+        self._packs = library.tg_packs_new()  # this model's packed weights, filled by its first binding
+        if not self._packs:
+            raise ModelError("out of memory creating the C module's weight table")
+        library.tg_error.restype = ctypes.c_char_p
+        self._bindings: dict[tuple, _Binding] = {}
+
+    def __call__(self, *inputs: Any, **named: Any) -> list[np.ndarray]:
+        if named and inputs:
+            raise ShapeError("give the inputs either all by position or all by name")
+        arrays, sizes = self._signature.bind(named if named else inputs)
+        with self._lock:
+            return self._run([np.ascontiguousarray(a) for a in arrays], sizes)
+
+    def set_threads(self, n: int) -> None:
+        """OpenMP's thread count for this process's C modules (one pool serves them all)."""
+        self._lib.tg_set_threads(int(n))
+
+    def _binding(self, sizes: dict[str, int]) -> _Binding:
+        key = tuple(sorted(sizes.items()))
+        b = self._bindings.get(key)
+        if b is None:
+            b = self._bindings[key] = _Binding(self, sizes)
+        return b
+
+    def _run(self, arrays: list[np.ndarray], sizes: dict[str, int]) -> list[np.ndarray]:
+        b = self._binding(sizes)
+        em = self.program.emitter
+        for i, buf in enumerate(em.buffers):
+            if buf.kind == "input":
+                b.bases[i] = arrays[buf.index]
+                b.pointers[i] = arrays[buf.index].ctypes.data
+        outputs = em.outputs()
+        fresh = {}
+        for i, buf in self._direct.items():
+            fresh[i] = np.empty(tuple(int(sympy.sympify(d).xreplace(b._subs)) for d in outputs[i].shape),
+                                dtypes.numpy_dtype(outputs[i].dtype))
+            b.bases[buf] = fresh[i].reshape(-1)
+            b.pointers[buf] = fresh[i].ctypes.data
+        ints = b.ints.ctypes.data
+        if b.state is None:
+            b.state = self._lib.tg_state_new(self._packs, ints, b.pointers)
+            if not b.state:
+                raise ModelError(f"the C module could not prepare its kernels: {self._error()}")
+        for kind, k in self.program.plan:
+            if kind == "segment":
+                if self._segments[k](b.state, ints, b.pointers):
+                    raise ModelError(f"running the C module: {self._error()}")
+            else:
+                self._host(self.program.steps[k], b, sizes)
+        outs = []
+        for i, v in enumerate(outputs):
+            outs.append(fresh[i] if i in fresh else np.array(b.view(v)) if v.literal is None else
+                        np.full(tuple(int(sympy.sympify(d).xreplace(b._subs)) for d in v.shape), v.value,
+                                dtypes.numpy_dtype(v.dtype)))
+        for i, buf in enumerate(em.buffers):  # the caller's arrays are not the module's to keep
+            if buf.kind == "input" or i in self._direct.values():
+                b.bases[i] = None
+        return outs
+
+    def _host(self, step, b: _Binding, sizes: dict[str, int]) -> None:
+        operands = [b.view(v) if v.literal is None else _literal_array(v, b._subs) for v in step.host_in]
+        glob = {**GLOBALS, **sizes}
+        results = evaluate(step.host_op, operands, {}, glob, float64=False)
+        for out, value in zip(step.host_out, results):
+            target = b.view(out)
+            np.copyto(target, np.asarray(value).astype(target.dtype, copy=False))
+
+    def _error(self) -> str:
+        return (self._lib.tg_error() or b"").decode(errors="replace")
+
+    def __repr__(self) -> str:
+        return f"CompiledModel[c]({', '.join(self.input_names)} -> {', '.join(self.output_names)})"
+
+
+def _literal_array(v: View, subs) -> np.ndarray:
+    return np.full(tuple(int(sympy.sympify(d).xreplace(subs)) for d in v.shape), v.value, dtypes.numpy_dtype(v.dtype))
+
+
+def _lifetimes(program: CProgram) -> dict[int, tuple[int, int]]:
+    """Temp buffer -> (first step writing it, last step reading it); outputs live to the end."""
+    em = program.emitter
+    live: dict[int, list[int]] = {}
+    for i, step in enumerate(program.steps):
+        for buf in step.writes:
+            if em.buffers[buf].kind == "temp":
+                live.setdefault(buf, [i, i])[1] = i
+        for buf in step.reads:
+            if buf in live:
+                live[buf][1] = max(live[buf][1], i)
+    end = len(program.steps)
+    for v in em.outputs():
+        if v.buf in live:
+            live[v.buf][1] = end
+    for i, buf in enumerate(em.buffers):  # a temp no step writes (never happens) still gets bytes
+        if buf.kind == "temp" and i not in live:
+            live[i] = [0, end]
+    return {k: (a, z) for k, (a, z) in live.items()}
+
+
+_LOADED: dict[str, ctypes.CDLL] = {}
+
+
+def load(source: str, weights: Mapping[str, np.ndarray], model: Model | None = None,
+         threads: int | None = None) -> CompiledModel:
+    """Build (or find in the cache) the module's library and bind its weights. `threads`
+    caps the OpenMP threads its kernels and oneDNN use (default: OpenMP's, one per core)."""
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+        raise TilegraphError(f"threads= must be a positive integer, got {threads!r}")
+    if model is None:
+        raise TilegraphError("the C backend loads a module with the model it was emitted from (load(source, "
+                             "weights, model))")
+    program = emit_program(model)
+    if program.source != source:
+        raise TilegraphError("this C source was not emitted from this model")
+    path = str(build(source))
+    library = _LOADED.get(path)
+    if library is None:
+        library = _LOADED[path] = ctypes.CDLL(path)
+    compiled = CompiledModel(program, library, weights, model)
+    if threads is not None:
+        compiled.set_threads(threads)
+    return compiled
