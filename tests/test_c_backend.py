@@ -142,3 +142,15 @@ def test_two_models_of_one_source_keep_their_own_packed_weights():
         w = np.random.default_rng(seed).standard_normal((32, 64)).astype(np.float32)
         model = g.build(g.input("x", ("B", 32)) @ g.weight("w", w), names=["y"])
         assert_close(tilegraph.compile(model, target="c")(x), interpret(model, [x])[0], "f32", reduction_length=32)
+
+
+def test_a_reduction_over_no_axes_reduces_nothing():
+    """np.sum(x, axis=()) is x: the C loop once took an empty axes list for all of them
+    (found by the random-graph property above)."""
+    from tilegraph.ir import Graph
+
+    g = Graph()
+    x = g.input("x", (1, 1, 1, 2))
+    model = g.build(g.op("reduce_sum", x, axes=(), keepdims=False), names=["y"])
+    xs = np.array([[[[-0.5, 2.0]]]], np.float32)
+    np.testing.assert_array_equal(compile_model(model)(xs)[0], interpret(model, [xs])[0])

@@ -38,7 +38,7 @@ from xdsl.ir import SSAValue
 
 from tilegraph.backends.lowering import table
 from tilegraph.backends.program import flatten
-from tilegraph.ir import dtypes
+from tilegraph.ir import dtypes, escape
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.model import Model
 from tilegraph.ir.ops import OPS
@@ -97,7 +97,7 @@ HOST_FALLBACK = {
     "argmin": "host", "quantize": "host", "dequantize": "host", "dynamic_quantize": "host",
     "matmul_integer": "host", "mod": "host", "isinf": "host", "reduce_prod": "host",
     "div": "C for floats, the host for integers", "pow": "C for floats, the host for integers",
-    "shift_left": "host", "shift_right": "host",
+    "shift_left": "host", "shift_right": "host", "bitcast": "host",
 }
 LOWERINGS = table(template=[op for op in OPS if op not in HOST_FALLBACK],
                   fallback={op: f"runs on the host between native segments ({why})"
@@ -113,17 +113,9 @@ PARALLEL_MIN = 32768
 
 
 def c_comment(text: str) -> str:
-    """`text` as the inside of a C block comment: one line, no comment terminator, no
-    trigraph, nothing outside printable ASCII (model names reach comments via the IR)."""
-    out = []
-    for ch in text:
-        if ch == "\n":
-            out.append(" | ")
-        elif " " <= ch <= "~":
-            out.append(ch)
-        else:
-            out.append(f"\\u{ord(ch):04x}")
-    return "".join(out).replace("*/", "* /").replace("/*", "/ *").replace("??", "?\\?")
+    """`text` as the inside of a C block comment, through the project's one escaping
+    point for generated source (ir/escape.py): model names reach comments via the IR."""
+    return escape.c_comment(text)[len("/* "):-len(" */")]
 
 
 def c_float(value: float, dtype: str) -> str:
@@ -699,7 +691,7 @@ class CEmitter:
     def reduce(self, op: TgOp, x: View) -> View:
         info = op.result_infos()[0]
         kind = op.op_name[len("reduce_"):]
-        axes = sorted(a % x.rank for a in op.attr("axes")) if op.attr("axes") else list(range(x.rank))
+        axes = sorted(a % x.rank for a in op.attr("axes"))  # none: nothing is reduced (np.sum(axis=()))
         if kind == "mean" and x.dtype not in FLOATS:
             raise Unsupported("integer mean")
         out = self._temp(info)
