@@ -2,7 +2,8 @@
 
 Prints two tables, every number measured in this one run on the same inputs:
   1. compile time: tilegraph (import + passes + emit + load, from torch.export and
-     from ONNX) vs torch.compile's first call (Inductor, default mode);
+     from ONNX; the C backend cold, its C compiler included, and from its module cache)
+     vs torch.compile's first call (Inductor, default mode);
   2. latency (median of round-robin runs, benchmarks/_common.py) at batch 1 and 8, sequence 128: tilegraph
      NumPy vs torch eager vs onnxruntime (default optimizations), with ratios.
 
@@ -52,6 +53,11 @@ def main() -> None:
                     dynamic_axes={"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"},
                                   "last_hidden_state": {0: "batch", 1: "seq"}})
         compiled_onnx, t_tg_onnx = timed(lambda: tilegraph.compile(str(onnx_path)))
+        # The C backend cold (an empty module cache: the C compiler runs) and from its cache.
+        # The CPU profile the passes read is already loaded in this process.
+        os.environ["TILEGRAPH_CACHE_DIR"] = tempfile.mkdtemp(prefix="tilegraph-c-")
+        compiled_c, t_c_cold = timed(lambda: tilegraph.compile(str(onnx_path), target="c"))
+        _, t_c_cached = timed(lambda: tilegraph.compile(str(onnx_path), target="c"))
         import onnxruntime as ort
 
         session, t_ort = timed(lambda: ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"]))
@@ -63,6 +69,8 @@ def main() -> None:
     print("compile time                                   seconds   vs torch.compile")
     for name, t in [("tilegraph, from torch.export (export+import+passes+emit)", t_tg_torch),
                     ("tilegraph, from ONNX (import+passes+emit)", t_tg_onnx),
+                    ("tilegraph C, from ONNX, cold (import+passes+emit+cc)", t_c_cold),
+                    ("tilegraph C, from ONNX, module cached", t_c_cached),
                     ("onnxruntime InferenceSession (graph optimization)", t_ort),
                     ("torch.compile first call (Inductor)", t_inductor)]:
         print(f"  {name:<58} {t:7.2f}   {t / t_inductor:6.2f}x")
@@ -76,6 +84,7 @@ def main() -> None:
             reference = model(ids, mask).numpy()
         ours = compiled_onnx(feeds["input_ids"], feeds["attention_mask"])
         err = relative_error(ours, reference)
+        err_c = relative_error(compiled_c(feeds["input_ids"], feeds["attention_mask"]), reference)
 
         def no_grad(fn):
             def run():
@@ -84,11 +93,12 @@ def main() -> None:
             return run
 
         t = interleaved_medians({"ours": lambda: compiled_onnx(feeds["input_ids"], feeds["attention_mask"]),
+                                 "c": lambda: compiled_c(feeds["input_ids"], feeds["attention_mask"]),
                                  "eager": no_grad(model), "inductor": no_grad(inductor),
                                  "ort": lambda: session.run(None, feeds)}, args.repeats)
         t_ours, t_eager, t_inductor, t_ort = t["ours"], t["eager"], t["inductor"], t["ort"]
-        print(f"batch {batch} (tilegraph max rel err vs eager {err:.1e})")
-        for name, t in [("tilegraph NumPy", t_ours), ("torch eager", t_eager),
+        print(f"batch {batch} (max rel err vs eager: tilegraph NumPy {err:.1e}, C {err_c:.1e})")
+        for name, t in [("tilegraph NumPy", t_ours), ("tilegraph C", t["c"]), ("torch eager", t_eager),
                         ("torch.compile (steady state)", t_inductor), ("onnxruntime", t_ort)]:
             print(f"  {name:<30} {1e3 * t:9.2f}   {t / t_eager:8.2f}x   {t / t_ort:12.2f}x")
 
