@@ -113,3 +113,14 @@ def test_minilm_with_a_wrong_pass_names_it(tmp_path, capsys, wrong_passes):
     assert code == 1, err
     assert "pass 'drop-last-activation' changed what the model computes" in err
     assert "output 'hidden'" in err
+
+
+def test_a_lossy_pass_is_held_to_its_stated_bound(tmp_path, capsys):
+    # quantize changes results beyond rounding, by design: it is checked against its fake-quantized
+    # reference (and each rounding against half an ulp), which then becomes the baseline
+    path = small_model(tmp_path)
+    code = opt_main([str(path), "-p", "canonicalize,quantize{scheme=w8},cse,fuse", "--check-semantics",
+                     "--check-dir", str(tmp_path)])
+    _, err = capsys.readouterr()
+    assert code == 0, err
+    assert "check-semantics: 4 passes" in err
