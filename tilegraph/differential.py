@@ -1,7 +1,7 @@
 """Differential fuzzing: random valid graphs through every backend that runs here, compared pairwise.
 
-    python -m tilegraph.fuzz --minutes 30 --out fuzz-cases          # progress on stderr, a summary at the end
-    python -m tilegraph.fuzz --replay fuzz-cases/case-0/model.mlir   # run a saved reproducer again
+    python -m tilegraph.differential --minutes 30 --out fuzz-cases          # progress on stderr, a summary at the end
+    python -m tilegraph.differential --replay fuzz-cases/case-0/model.mlir   # run a saved reproducer again
 
 Graphs come from `tilegraph.testing.graphs()` (the property suite's strategy), inputs from
 `random_inputs`. Each backend of `BACKENDS` runs the graph; every pair of outputs is compared
@@ -177,7 +177,7 @@ def save_case(out: Path, model, inputs, found: list[Divergence], backends: list[
     case.mkdir()
     path = model.save(case / "model.mlir")
     np.savez(case / "inputs.npz", *inputs)
-    command = f"python -m tilegraph.fuzz --replay {path} --backends {','.join(backends)}"
+    command = f"python -m tilegraph.differential --replay {path} --backends {','.join(backends)}"
     (case / "replay.sh").write_text(command + "\n")
     (case / "divergence.txt").write_text("\n".join(f"{d.backend} vs {d.against}: {d.detail}" for d in found) + "\n")
     return case
@@ -244,7 +244,7 @@ def replay(path: Path, backends: list[str]) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tilegraph.fuzz", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tilegraph.differential", description=__doc__.split("\n")[0])
     ap.add_argument("--minutes", type=float, default=1.0)
     ap.add_argument("--out", default="fuzz-cases", type=Path)
     ap.add_argument("--backends", default=None, help=f"comma-separated, of: {', '.join(BACKENDS)} (default: all available)")

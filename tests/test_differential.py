@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from tilegraph import fuzz
+from tilegraph import differential as fuzz
 
 
 def _off_by_a_bit(model, inputs):
