@@ -41,3 +41,7 @@ def test_a_dropped_guard_is_refuted():
     assert proofs.fires(rule, claim, "f32") == (True, True)
     assert proofs.prove_z3(claim, "f32")[0] == "refuted"
     assert proofs.fires(Rule(("mul",), _identity_operand(1, (1, 0)), "guarded"), claim, "f32")[0] is False
+    # and every claim checks that its rule fires for its constants only
+    assert proofs.fires_beyond(rule, proofs.Claim("x * 1 -> x", "mul(x, 1)", "x"))
+    assert not proofs.fires_beyond(Rule(("mul",), _identity_operand(1, (1, 0)), "guarded"),
+                                   proofs.Claim("x * 1 -> x", "mul(x, 1)", "x"))

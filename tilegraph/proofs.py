@@ -473,8 +473,22 @@ def rules_by_doc():
     return rules
 
 
+def fires_beyond(rule, claim: Claim, dtype: str = "f32") -> bool:
+    """Does the rule also fire with the claim's constants replaced by another value? Then the claim
+    (proven for those constants only) does not cover what the rule does: its value guard is missing."""
+    import re
+
+    if claim.commutes or not re.search(r"\b\d+\b", claim.before):
+        return False
+    other = Claim(claim.rule, re.sub(r"\b\d+\b", "7", claim.before), claim.after)
+    return fires(rule, other, dtype)[0]
+
+
 def check_claim(rule, claim: Claim) -> list[Result]:
     out = []
+    if fires_beyond(rule, claim):
+        return [Result(claim.rule, f"{claim.before} -> {claim.after}", "f32", "refuted",
+                       "the rule fires for other constants too (a guard is missing)")]
     for dt in claim.dtypes:
         fired, matches = fires(rule, claim, dt)
         name = f"{claim.before} -> {claim.after}"
