@@ -45,3 +45,17 @@ def test_a_dropped_guard_is_refuted():
     assert proofs.fires_beyond(rule, proofs.Claim("x * 1 -> x", "mul(x, 1)", "x"))
     assert not proofs.fires_beyond(Rule(("mul",), _identity_operand(1, (1, 0)), "guarded"),
                                    proofs.Claim("x * 1 -> x", "mul(x, 1)", "x"))
+
+
+def test_a_whole_reversing_slice_is_not_the_identity():
+    # The slice lemma assumes step 1, the rule's guard: a reversed slice has the operand's type but
+    # not its values. graphs() draws no negative steps; fault seeding found this guard unchecked.
+    import numpy as np
+
+    from tilegraph.ir import Graph
+    from tilegraph.testing import assert_preserves_semantics
+
+    g = Graph()
+    x = g.input("x", (4,))
+    model = g.build(g.slice(x, [-1], [-(1 << 62)], steps=[-1]))
+    assert "tg.slice" in assert_preserves_semantics("canonicalize", model, [np.arange(4, dtype=np.float32)]).text
