@@ -29,6 +29,9 @@ from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.shapes import TensorInfo, info_of
 
 ANY_OP = "*"  # a rule that looks at every tg op
+# Called as f(rule, op_name) after each applied rewrite: `tilegraph-opt --check-semantics
+# --check-each-rewrite` runs the interpreter there to name the rule that changed a result.
+OBSERVERS: list[Callable[["Rule", str], None]] = []
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,10 @@ def apply_rule(rule: Rule, op: TgOp, rewriter: PatternRewriter) -> bool:
     if len(values) != len(op.results) or any(v.type != r.type for v, r in zip(values, op.results)):
         emit.discard()
         return False
+    name = op.op_name
     rewriter.replace(op, emit.ops, values)
+    for observe in OBSERVERS:
+        observe(rule, name)
     return True
 
 

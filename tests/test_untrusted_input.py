@@ -182,7 +182,8 @@ def _mlir_string(s: str) -> str:
     "[c for c in ().__class__.__base__.__subclasses__() if c.__name__ == '_wrap_close'][0]"
     f".__init__.__globals__['system']('touch {MARKER}')",
     RUN, "B.real", "lambda: 1", "S**99999999", "9" * 5000, "(" * 500 + "S" + ")" * 500, "S; import os",
-])
+], ids=["os-system", "pathlib-touch", "attribute", "lambda", "huge-power", "long-number", "deep-parens",
+        "statement"])  # (ids without the marker's per-process path: xdist workers must collect alike)
 def test_a_dim_in_a_mlir_file_is_parsed_never_evaluated(dim):
     """Issue 17: dim names in a type's encoding went through sympy.parse_expr (eval); the first
     string here ran os.system. Now anything but an expression of sizes is a ShapeError."""

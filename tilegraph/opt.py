@@ -102,7 +102,18 @@ class TilegraphOptMain(xDSLOptMain):
                                      "with tilegraph.passes.registry.register_pass, before the pipeline is read")
         arg_parser.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
                                 help="size of a symbolic dimension for --print-cost-after-all "
-                                     "(default: 128 each)")
+                                     "(default: 128 each) and --check-semantics (default: 3 each)")
+        # --- semantic checking (tilegraph/check_semantics.py) ---
+        arg_parser.add_argument("--check-semantics", action="store_true",
+                                help="run the float64 interpreter on seeded random valid inputs before the "
+                                     "pipeline and after each pass; on a divergence name the pass, write the IR "
+                                     "before and after, exit 1")
+        arg_parser.add_argument("--check-each-rewrite", action="store_true",
+                                help="with --check-semantics: check after every rewrite of a rule-driven pass "
+                                     "too, naming the rule")
+        arg_parser.add_argument("--check-seed", type=int, default=0, help="seed of the checked inputs (default 0)")
+        arg_parser.add_argument("--check-dir", default=".",
+                                help="where --check-semantics writes the IR before and after a divergence")
 
     def setup_pipeline(self) -> None:
         from tilegraph.passes.registry import PASSES, parse_pipeline
@@ -145,11 +156,32 @@ class TilegraphOptMain(xDSLOptMain):
 
     def apply_passes(self, prog: ModuleOp) -> None:
         self._weights_before = set(_WEIGHTS_OF.get(prog) or ())
+        if self.args.check_semantics or self.args.check_each_rewrite:
+            self._check_semantics(prog)
         if self.pipeline.passes:
             self.pipeline.apply(self.ctx, prog)
         elif self.args.print_cost_after_all:
             self._cost.show(None, prog)
         self._result = prog
+
+    def _check_semantics(self, prog: ModuleOp) -> None:
+        import time
+
+        from tilegraph.check_semantics import check_pipeline
+        from tilegraph.cli import parse_dims
+        from tilegraph.ir.model import weights_of
+
+        start = time.perf_counter()
+        passes = [p for p in self.pipeline.passes]
+        stem = Path(self.args.input_file).stem if self.args.input_file else "model"
+        checker = check_pipeline(Model(prog, weights_of(prog)), passes, seed=self.args.check_seed,
+                                 sizes=parse_dims(self.args.dim), out_dir=self.args.check_dir, stem=stem,
+                                 each_rewrite=self.args.check_each_rewrite)
+        sizes = ", ".join(f"{k}={v}" for k, v in sorted(checker.sizes.items()))
+        print(f"// check-semantics: {len(passes)} pass{'es' if len(passes) != 1 else ''} ({checker.checks} checks) "
+              f"keep every output within tolerance on seeded inputs{' at ' + sizes if sizes else ''}; "
+              f"{time.perf_counter() - start:.1f} s, {checker.seconds:.1f} s of it in the interpreter",
+              file=sys.stderr)
 
     def prepare_output(self) -> IO[str]:
         # With -o, the output is held in memory and written only once the whole run
@@ -233,10 +265,18 @@ class _HeldOutput(io.StringIO):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from tilegraph.check_semantics import SemanticDivergence
     from tilegraph.errors import run_reporting_errors
 
-    return run_reporting_errors("tilegraph-opt", lambda: TilegraphOptMain(
-        description="Run tilegraph passes on a model and print the resulting IR.", args=argv).run())
+    def body() -> int:
+        try:
+            TilegraphOptMain(description="Run tilegraph passes on a model and print the resulting IR.", args=argv).run()
+        except SemanticDivergence as e:  # not a mistake of the user's: a pass is wrong (exit 1, not 2)
+            print(f"tilegraph-opt: semantic check failed: {e}", file=sys.stderr)
+            return 1
+        return 0
+
+    return run_reporting_errors("tilegraph-opt", body)
 
 
 if __name__ == "__main__":
