@@ -13,7 +13,7 @@ it does not lower, a TilegraphError) sits that graph out; any other exception is
 A divergence is shrunk by hypothesis to a smallest graph that still diverges, then saved as
 `case-N/model.mlir` + `model.weights.npz` + `inputs.npz` with `replay.sh` holding the command.
 
-Adding a backend is one line (`register`): the native C backend is `register("c", _compiled("c"))`
+Adding a backend is one line (`register`), as the native C backend's is
 once `tilegraph.compile(..., target="c")` exists.
 """
 
@@ -62,6 +62,17 @@ def _compiled(target: str) -> Runner:
     return run
 
 
+def _c_builds() -> bool:
+    """Whether the C backend can build here (a C compiler and oneDNN's wheels)."""
+    from tilegraph.backends.c.build import BuildError, compiler, onednn
+
+    try:
+        compiler(), onednn()
+    except BuildError:
+        return False
+    return True
+
+
 def _onnxruntime(model, inputs):
     import onnxruntime as ort
 
@@ -86,6 +97,7 @@ def _has(module: str) -> Callable[[], bool]:
 
 register("interpreter", _interpreter)
 register("numpy", _compiled("numpy"))
+register("c", _compiled("c"), _c_builds)
 register("triton", _compiled("triton"), _has("triton"))
 register("onnxruntime", _onnxruntime, _has("onnxruntime"))
 
