@@ -52,7 +52,7 @@ FLOATS = ("f32", "f64")
 # (floats: tgmath picks the float or double function).
 C_UNARY_FLOAT = {
     "neg": "(-{x})", "abs": "fabs({x})", "exp": "{exp}({x})", "log": "log({x})", "sqrt": "sqrt({x})",
-    "rsqrt": "(1 / sqrt({x}))", "reciprocal": "(1 / {x})", "tanh": "tanh({x})", "erf": "erf({x})",
+    "rsqrt": "(1 / sqrt({x}))", "reciprocal": "(1 / {x})", "tanh": "{tanh}({x})", "erf": "erf({x})",
     "relu": "(({x}) > 0 || ({x}) != ({x}) ? ({x}) : 0)", "sin": "sin({x})", "cos": "cos({x})", "tan": "tan({x})",
     "asin": "asin({x})", "acos": "acos({x})", "atan": "atan({x})", "sinh": "sinh({x})", "cosh": "cosh({x})",
     "asinh": "asinh({x})", "acosh": "acosh({x})", "atanh": "atanh({x})", "floor": "floor({x})",
@@ -531,7 +531,11 @@ class CEmitter:
         names = dict(zip(op.SPEC.operand_names, args))
         for table in ((C_UNARY_FLOAT, C_BINARY_FLOAT) if is_float else (C_UNARY_INT, C_BINARY_INT)) + (C_BINARY,):
             if name in table:
-                return table[name].format(**names, exp="tg_expf" if operand_dtypes[-1] == "f32" else "exp")
+                f32 = operand_dtypes[-1] == "f32"
+                if name == "pow" and f32 and args[1] in ("2.0f", "3.0f"):  # a literal exponent (gelu_new's
+                    # x ** 3): products, not a libm call per element
+                    return "(" + " * ".join([f"({args[0]})"] * int(float(args[1][:-1]))) + ")"
+                return table[name].format(**names, exp="tg_expf" if f32 else "exp", tanh="tg_tanhf" if f32 else "tanh")
         raise Unsupported(name)
 
     def elementwise(self, ops: list[TgOp], inner: dict, inputs: dict, outputs: list[tuple[SSAValue, View]],
@@ -872,11 +876,11 @@ class CEmitter:
                     # Only a whole tensor or one value per column (a bias): oneDNN 3.2's
                     # GEMM kernels, cached by a key that omits the broadcast, gave wrong
                     # results for a per-row-vector operand (MiniLM's attention mask) once
-                    # a kernel with a whole-tensor operand had been made. Convolutions also
-                    # take one value per channel (a folded batch norm).
+                    # a kernel with a whole-tensor operand had been made. (A convolution's
+                    # per-channel operand, a folded batch norm, sent the small CNN's first
+                    # convolution to a kernel 20x slower: it runs as a loop after it.)
                     if not (all(_is_one(d) for d in dims[:-1]) or all(not _is_one(d) or _is_one(o_d)
-                                                                      for d, o_d in zip(dims, out_shape))
-                            or (conv and all(_is_one(d) for i, d in enumerate(dims) if i != 1))):
+                                                                      for d, o_d in zip(dims, out_shape))):
                         break
                     posts.append(f"{{1, {DNNL_BINARY[name]}, 0.f, 0.f, {len(dims)}, "
                                  f"{{{', '.join(self.ints(d) for d in dims)}}}, "
