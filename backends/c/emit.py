@@ -414,7 +414,7 @@ class CEmitter:
                                   tuple(batch) + (1, 1))
             return list(full.strides[:-2])
 
-        arr = lambda xs_: "{" + ", ".join(self.ints(e) for e in xs_) + "}" if xs_ else "{0}"  # noqa: E731
+        arr = self._c_array
         mask_kind, mask_ptr, mr, mc, mb = 0, "NULL", 0, 0, [0] * len(batch)
         if mask is not None:
             if mask.literal is not None:
@@ -442,6 +442,15 @@ class CEmitter:
         self.steps.append(Step(f"{op.op_name} (host)", host_op=op, host_in=xs, host_out=outs,
                                reads={x.buf for x in xs if x.buf is not None}, writes={o.buf for o in outs}))
         return outs
+
+    def _c_array(self, values) -> str:
+        """A C initializer of int64 values (literals, or s[] entries); {0} when empty."""
+        return "{" + ", ".join(self.ints(v) for v in values) + "}" if len(values) else "{0}"
+
+    def _new_prim(self) -> int:
+        """The index of a new oneDNN primitive: st->prim[k], its weights in tg_packs[k]."""
+        self.gemm_count += 1
+        return self.gemm_count - 1
 
     def _step(self, comment: str, lines: list[str], reads: Sequence[View], writes: Sequence[View],
               state: list[str] | None = None, gemms: int = 0) -> None:
@@ -836,8 +845,8 @@ class CEmitter:
 
     # --- GEMMs and convolutions on oneDNN ------------------------------------------------
 
-    def _posts(self, chain: list[TgOp], acc: SSAValue, env: dict, out_shape, geometry,
-               conv: bool = False) -> tuple[list[str], list[View], int]:
+    def _posts(self, chain: list[TgOp], acc: SSAValue, env: dict, out_shape,
+               geometry) -> tuple[list[str], list[View], int]:
         """oneDNN post-ops for the leading ops of `chain` that it can fuse: returns the C
         initialiser lines of a tg_post array, the views their binary operands read, and
         how many ops of the chain they cover. `geometry(view)` gives an operand, broadcast
@@ -970,9 +979,8 @@ class CEmitter:
         a = self._lead(a, rank)
         b = self._lead(b, rank)
         c = self._lead(c, rank)
-        k = self.gemm_count
-        self.gemm_count += 1
-        arr = lambda xs: "{" + ", ".join(self.ints(x) for x in xs) + "}"  # noqa: E731
+        k = self._new_prim()
+        arr = self._c_array
         state = [
             "{",
             f"    const int64_t ad[] = {arr(a.shape)}, as[] = {arr(a.strides)};",
@@ -1028,10 +1036,9 @@ class CEmitter:
         def geometry(full: View):
             dims = [1 if _eq(st, 0) else d for d, st in zip(full.shape, full.strides)]
             return dims, _plain_strides(dims, list(full.strides))
-        posts, post_views, covered = self._posts(chain, op.results[0], env, info.shape, geometry, conv=True)
-        k = self.gemm_count
-        self.gemm_count += 1
-        arr = lambda xs: "{" + ", ".join(self.ints(x) for x in xs) + "}"  # noqa: E731
+        posts, post_views, covered = self._posts(chain, op.results[0], env, info.shape, geometry)
+        k = self._new_prim()
+        arr = self._c_array
         state = [
             "{",
             f"    const int64_t xd[] = {arr(x.shape)}, xs[] = {arr(x.strides)};",
