@@ -38,7 +38,7 @@ from xdsl.ir import SSAValue
 
 from tilegraph.backends.lowering import table
 from tilegraph.backends.program import flatten
-from tilegraph.ir import dtypes, escape
+from tilegraph.ir import escape
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.model import Model
 from tilegraph.ir.ops import OPS
@@ -164,7 +164,6 @@ class Step:
     reads: set[int] = field(default_factory=set)
     writes: set[int] = field(default_factory=set)
     state: list[str] = field(default_factory=list)  # per-binding primitive setup lines
-    gemms: int = 0
 
 
 def contiguous_strides(shape: Sequence[Dim]) -> tuple:
@@ -349,11 +348,7 @@ class CEmitter:
         if name == "split":
             axis = op.attr("axis") % xs[0].rank
             views, start = [], 0
-            for size in op.attr("sizes"):
-                starts = [0] * xs[0].rank
-                ends = [(1 << 63) - 1] * xs[0].rank
-                steps = [1] * xs[0].rank
-                starts[axis], ends[axis] = start, start + size
+            for size in op.attr("sizes"):  # each piece: the same strides, an offset along `axis`
                 v = xs[0]
                 views.append(View(v.buf, v.offset + start * v.strides[axis],
                                   v.shape[:axis] + (size,) + v.shape[axis + 1:], v.strides, v.dtype, v.literal,
@@ -453,9 +448,9 @@ class CEmitter:
         return self.gemm_count - 1
 
     def _step(self, comment: str, lines: list[str], reads: Sequence[View], writes: Sequence[View],
-              state: list[str] | None = None, gemms: int = 0) -> None:
+              state: list[str] | None = None) -> None:
         self.steps.append(Step(comment, lines=lines, reads={v.buf for v in reads if v.buf is not None},
-                               writes={v.buf for v in writes}, state=state or [], gemms=gemms))
+                               writes={v.buf for v in writes}, state=state or []))
 
     # --- loops ----------------------------------------------------------------------
 
@@ -538,13 +533,13 @@ class CEmitter:
             return f"(({CTYPES[dst]})({args[0]}))"
         is_float = operand_dtypes[-1] in FLOATS
         names = dict(zip(op.SPEC.operand_names, args))
-        for table in ((C_UNARY_FLOAT, C_BINARY_FLOAT) if is_float else (C_UNARY_INT, C_BINARY_INT)) + (C_BINARY,):
-            if name in table:
+        for templates in ((C_UNARY_FLOAT, C_BINARY_FLOAT) if is_float else (C_UNARY_INT, C_BINARY_INT)) + (C_BINARY,):
+            if name in templates:
                 f32 = operand_dtypes[-1] == "f32"
                 if name == "pow" and f32 and args[1] in ("2.0f", "3.0f"):  # a literal exponent (gelu_new's
                     # x ** 3): products, not a libm call per element
                     return "(" + " * ".join([f"({args[0]})"] * int(float(args[1][:-1]))) + ")"
-                return table[name].format(**names, exp="tg_expf" if f32 else "exp", tanh="tg_tanhf" if f32 else "tanh")
+                return templates[name].format(**names, exp="tg_expf" if f32 else "exp", tanh="tg_tanhf" if f32 else "tanh")
         raise Unsupported(name)
 
     def elementwise(self, ops: list[TgOp], inner: dict, inputs: dict, outputs: list[tuple[SSAValue, View]],
@@ -995,7 +990,7 @@ class CEmitter:
         lines = ["{", f"    void *const post[] = {{{post_ptrs}}};",
                  f"    if (tg_prim_run(&st->prim[{k}], {self.ptr(a)}, {self.ptr(b)}, NULL, {self.ptr(c, False)}, "
                  "post)) return 1;", "}"]
-        self._step(_describe(op), lines, [a, b, *post_views], [out], state, gemms=1)
+        self._step(_describe(op), lines, [a, b, *post_views], [out], state)
         return out, covered
 
     def _collapsible(self, a: View) -> bool:
@@ -1055,8 +1050,7 @@ class CEmitter:
         lines = ["{", f"    void *const post[] = {{{post_ptrs}}};",
                  f"    if (tg_prim_run(&st->prim[{k}], {self.ptr(x)}, {self.ptr(w)}, "
                  f"{self.ptr(bias) if bias is not None else 'NULL'}, {self.ptr(out, False)}, post)) return 1;", "}"]
-        self._step(_describe(op), lines, [x, w, *([bias] if bias is not None else []), *post_views], [out], state,
-                   gemms=1)
+        self._step(_describe(op), lines, [x, w, *([bias] if bias is not None else []), *post_views], [out], state)
         return out, covered
 
     # --- outputs -------------------------------------------------------------------------
@@ -1102,7 +1096,6 @@ def emit_program(model: Model, name: str | None = None, per_step: bool = False) 
     native call each), so a profiler or a debugger can look between steps."""
     em = CEmitter(model)
     em.run()
-    outputs = em.outputs()
     lines = [f"/* tilegraph C backend: model {c_comment(name or _model_name(model))}. Generated code; edit the model, "
              "not this file.", " * inputs:"]
     lines += [f" *   p[{em.views[a].buf}] {c_comment(n)}: {c_comment(str(i))}"
@@ -1147,7 +1140,6 @@ def emit_program(model: Model, name: str | None = None, per_step: bool = False) 
                   "    tg_state *st = state;"]
         lines += [f"    if (tg_step_{i}(st, s, p)) return 1;" for i in members]
         lines += ["    return 0;", "}", ""]
-    del outputs
     return CProgram("\n".join(lines), em, plan, em.steps)
 
 

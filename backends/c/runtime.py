@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import numpy as np
 import sympy
