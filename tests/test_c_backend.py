@@ -154,3 +154,17 @@ def test_a_reduction_over_no_axes_reduces_nothing():
     model = g.build(g.op("reduce_sum", x, axes=(), keepdims=False), names=["y"])
     xs = np.array([[[[-0.5, 2.0]]]], np.float32)
     np.testing.assert_array_equal(compile_model(model)(xs)[0], interpret(model, [xs])[0])
+
+
+def test_a_module_emitted_under_a_name_loads():
+    """load() takes the program emit() made (with its name in the header), not a re-emission
+    under the default name, which would not match the source it is given."""
+    from tilegraph.backends.c import emit, load
+    from tilegraph.ir import Graph
+
+    g = Graph()
+    model = g.build(g.relu(g.input("x", ("B", 4))), names=["y"])
+    source = emit(model, name="my_model")
+    assert "my_model" in source
+    x = np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4)
+    np.testing.assert_array_equal(load(source, model.weights, model)(x)[0], np.maximum(x, 0))

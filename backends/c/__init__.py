@@ -9,13 +9,13 @@ emitted loops. Ops it does not lower run on the host (emit.HOST_FALLBACK).
 """
 
 from tilegraph.backends.c.emit import HOST_FALLBACK, emit_program
-from tilegraph.backends.c.runtime import CompiledModel, load
+from tilegraph.backends.c.runtime import CompiledModel, load, remember
 
 HARDWARE = "cpu"
 
 
 def emit(model, name=None) -> str:
-    return emit_program(model, name).source
+    return remember(model, emit_program(model, name))
 
 
 def compile_model(model, name=None) -> CompiledModel:

@@ -54,6 +54,10 @@ class _Binding:
                 self.pointers[i] = base.ctypes.data
         self.state = None
 
+    def shape(self, dims) -> tuple[int, ...]:
+        """Concrete sizes of symbolic dims under this binding."""
+        return tuple(int(sympy.sympify(d).xreplace(self._subs)) for d in dims)
+
     def view(self, v: View) -> np.ndarray:
         if v.literal is not None:
             raise ModelError("a literal has no array")
@@ -168,8 +172,7 @@ class CompiledModel:
         outputs = em.outputs()
         fresh = {}
         for i, buf in self._direct.items():
-            fresh[i] = np.empty(tuple(int(sympy.sympify(d).xreplace(b._subs)) for d in outputs[i].shape),
-                                dtypes.numpy_dtype(outputs[i].dtype))
+            fresh[i] = np.empty(b.shape(outputs[i].shape), dtypes.numpy_dtype(outputs[i].dtype))
             b.bases[buf] = fresh[i].reshape(-1)
             b.pointers[buf] = fresh[i].ctypes.data
         ints = b.ints.ctypes.data
@@ -186,15 +189,14 @@ class CompiledModel:
         outs = []
         for i, v in enumerate(outputs):
             outs.append(fresh[i] if i in fresh else np.array(b.view(v)) if v.literal is None else
-                        np.full(tuple(int(sympy.sympify(d).xreplace(b._subs)) for d in v.shape), v.value,
-                                dtypes.numpy_dtype(v.dtype)))
+                        _literal_array(v, b))
         for i, buf in enumerate(em.buffers):  # the caller's arrays are not the module's to keep
             if buf.kind == "input" or i in self._direct.values():
                 b.bases[i] = None
         return outs
 
     def _host(self, step, b: _Binding, sizes: dict[str, int]) -> None:
-        operands = [b.view(v) if v.literal is None else _literal_array(v, b._subs) for v in step.host_in]
+        operands = [b.view(v) if v.literal is None else _literal_array(v, b) for v in step.host_in]
         glob = {**GLOBALS, **sizes}
         results = evaluate(step.host_op, operands, {}, glob, float64=False)
         for out, value in zip(step.host_out, results):
@@ -208,8 +210,8 @@ class CompiledModel:
         return f"CompiledModel[c]({', '.join(self.input_names)} -> {', '.join(self.output_names)})"
 
 
-def _literal_array(v: View, subs) -> np.ndarray:
-    return np.full(tuple(int(sympy.sympify(d).xreplace(subs)) for d in v.shape), v.value, dtypes.numpy_dtype(v.dtype))
+def _literal_array(v: View, b: _Binding) -> np.ndarray:
+    return np.full(b.shape(v.shape), v.value, dtypes.numpy_dtype(v.dtype))
 
 
 def _lifetimes(program: CProgram) -> dict[int, tuple[int, int]]:
@@ -234,6 +236,15 @@ def _lifetimes(program: CProgram) -> dict[int, tuple[int, int]]:
 
 
 _LOADED: dict[str, ctypes.CDLL] = {}
+# The program emit() made last, by its source: load() needs its buffer table too, and
+# re-emitting it would drop the name= emit() was given (the sources would then differ).
+_emitted: dict[str, tuple[Model, CProgram]] = {}
+
+
+def remember(model: Model, program: CProgram) -> str:
+    _emitted.clear()
+    _emitted[program.source] = (model, program)
+    return program.source
 
 
 def load(source: str, weights: Mapping[str, np.ndarray], model: Model | None = None,
@@ -245,7 +256,10 @@ def load(source: str, weights: Mapping[str, np.ndarray], model: Model | None = N
     if model is None:
         raise TilegraphError("the C backend loads a module with the model it was emitted from (load(source, "
                              "weights, model))")
-    program = emit_program(model)
+    last = _emitted.get(source)
+    # Only from the same model: two models of one source may differ in constants, which
+    # the program holds as data, not text.
+    program = last[1] if last is not None and last[0] is model else emit_program(model)
     if program.source != source:
         raise TilegraphError("this C source was not emitted from this model")
     path = str(build(source))
