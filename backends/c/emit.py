@@ -42,7 +42,8 @@ from tilegraph.ir import escape
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.model import Model
 from tilegraph.ir.ops import OPS
-from tilegraph.ir.shapes import Dim, info_of, numel
+from tilegraph.ir.quant import FORMATS
+from tilegraph.ir.shapes import Dim, TensorInfo, info_of, numel
 
 CTYPES = {"f32": "float", "f64": "double", "i64": "int64_t", "i32": "int32_t", "i16": "int16_t", "i8": "int8_t",
           "ui8": "uint8_t", "ui16": "uint16_t", "ui32": "uint32_t", "ui64": "uint64_t", "i1": "uint8_t"}
@@ -94,9 +95,12 @@ HOST_FALLBACK = {
     "einsum": "NumPy's einsum on the host",
     "gather_elements": "host", "scatter_elements": "host", "scatter_nd": "host", "pad": "host", "tile": "host",
     "cumsum": "host", "cumprod": "host", "trilu": "host", "iota": "host", "topk": "host", "argmax": "host",
-    "argmin": "host", "quantize": "host", "dequantize": "host", "dynamic_quantize": "host",
-    "matmul_integer": "host", "mod": "host", "isinf": "host", "reduce_prod": "host",
+    "argmin": "host", "mod": "host", "isinf": "host", "reduce_prod": "host",
     "div": "C for floats, the host for integers", "pow": "C for floats, the host for integers",
+    "quantize": "C for integer formats, the host for float formats and block scales",
+    "dequantize": "C for scales per tensor or channel, the host for block scales",
+    "dynamic_quantize": "C for rows to i8, the host for other formats and MX blocks",
+    "matmul_integer": "oneDNN for i8/ui8 x i8 without a zero point, else the host",
     "shift_left": "host", "shift_right": "host", "bitcast": "host",
 }
 LOWERINGS = table(template=[op for op in OPS if op not in HOST_FALLBACK],
@@ -108,6 +112,7 @@ DNNL_ELTWISE = {"relu": "dnnl_eltwise_relu", "tanh": "dnnl_eltwise_tanh", "exp":
                 "sigmoid": "dnnl_eltwise_logistic", "linear": "dnnl_eltwise_linear",
                 "gelu_tanh": "dnnl_eltwise_gelu_tanh", "gelu_erf": "dnnl_eltwise_gelu_erf"}
 DNNL_BINARY = {"add": "dnnl_binary_add", "mul": "dnnl_binary_mul", "sub": "dnnl_binary_sub"}
+DNNL_TYPES = {"f32": "dnnl_f32", "i8": "dnnl_s8", "ui8": "dnnl_u8", "i32": "dnnl_s32"}
 # Work below this many elements runs on one thread: an OpenMP fork/join costs more.
 PARALLEL_MIN = 32768
 
@@ -215,6 +220,7 @@ class CEmitter:
         self.steps: list[Step] = []
         self.gemm_count = 0
         self.constants: list[np.ndarray] = []  # arrays of the constants too big to be literals
+        self.folded: dict[TgOp, View] = {}  # ops computed inside an earlier step: their results
         for arg_i, (arg, info) in enumerate(zip(model.func.args, model.inputs)):
             self.views[arg] = self._new_buffer("input", info.dtype, info.shape, arg_i)
 
@@ -307,6 +313,11 @@ class CEmitter:
         views = self.views if env is None else env
         get = (lambda v: views[self.prog.canon(v)]) if env is None else (lambda v: env.get(v) or self.view(v))
         name = op.op_name
+        if op in self.folded:
+            views[op.results[0]] = self.folded.pop(op)
+            return
+        if env is None and name in ("weight", "constant") and op.results[0] in views:
+            return  # made early, for a step that folded in its reader
         if name == "weight":
             info = op.result_infos()[0]
             views[op.results[0]] = self._new_buffer("weight", info.dtype, info.shape, op.attr("name"))
@@ -391,7 +402,73 @@ class CEmitter:
             return [self.pool(op, xs[0])]
         if name == "attention":
             return [self.attention(op, xs)]
+        if name == "matmul_integer":
+            return [self.matmul_integer(op, xs)]
+        if name == "dynamic_quantize":
+            return self.dynamic_quantize(op, xs[0])
+        if name in ("quantize", "dequantize"):
+            return [self.requantize(op, xs)]
         raise Unsupported(name)
+
+    # --- quantized ops (ir/quant.py's semantics) ------------------------------------
+
+    def dynamic_quantize(self, op: TgOp, x: View) -> list[View]:
+        q_info, s_info = op.result_infos()
+        if op.attr("block_size") or q_info.dtype != "i8" or x.dtype != "f32" or x.literal is not None or \
+                not self.is_contiguous(x):
+            raise Unsupported("dynamic_quantize: rows of f32 to i8")
+        q, scale = self._temp(q_info), self._temp(s_info)
+        n = x.shape[-1]
+        self._step(_describe(op), [f"tg_dynamic_quantize_rows({self.ptr(x)}, {self.ptr(q, False)}, "
+                                   f"{self.ptr(scale, False)}, {self.ints(numel(x.shape[:-1]))}, {self.ints(n)});"],
+                   [x], [q, scale])
+        return [q, scale]
+
+    def requantize(self, op: TgOp, xs: list[View]) -> View:
+        """quantize / dequantize with a scale per tensor, per channel or broadcast, as one loop."""
+        info = op.result_infos()[0]
+        x = xs[0]
+        if op.attr("block_size") or x.literal is not None:
+            raise Unsupported("block scales")
+        if op.op_name == "quantize" and (not FORMATS[op.attr("to")].integer or x.dtype not in FLOATS):
+            raise Unsupported("quantize to a float format")
+        self._check_dtypes(op, xs)
+        operands = {}
+        for v, view in zip(op.operands, xs):
+            if v is not op.operands[0] and view.rank == 1 and x.rank > 1:  # per channel: along `axis`
+                axis = op.attr("axis") % x.rank
+                view = self.reshape(view, tuple(view.shape[0] if i == axis else 1 for i in range(x.rank)))
+            operands[v] = view
+        out = self._temp(info)
+        self.elementwise([op], {op.results[0]: None}, operands, [(op.results[0], out)], op)
+        return out
+
+    def matmul_integer(self, op: TgOp, xs: list[View]) -> View:
+        """int8 x int8 -> int32 on oneDNN (VNNI where the processor has it). When the one
+        reader of the result dequantizes it by one f32 scale per column, oneDNN applies
+        that scale and writes f32: the dequantize is folded into the GEMM."""
+        if len(xs) > 2:
+            raise Unsupported("matmul_integer with a zero point")
+        a, b = xs
+        users = {use.operation for use in op.results[0].uses}
+        user = users.pop() if len(users) == 1 else None
+        scales = None
+        if (getattr(user, "op_name", None) == "dequantize" and len(user.operands) == 2
+                and not user.attr("block_size") and user.result_infos()[0].dtype == "f32"):
+            source = user.operands[1].owner
+            if self.prog.canon(user.operands[1]) not in self.views and getattr(source, "op_name", None) in (
+                    "weight", "constant"):
+                self.op(source)
+            s = self.views.get(self.prog.canon(user.operands[1]))
+            n = op.result_infos()[0].shape[-1]
+            if s is not None and s.literal is None and s.rank == 1 and _eq(s.shape[0], n) and \
+                    user.attr("axis") % len(op.result_infos()[0].shape) == len(op.result_infos()[0].shape) - 1 \
+                    and self.is_contiguous(s):
+                scales = s
+        out = self.matmul(op, a, b, [], {}, scales=scales)[0]
+        if scales is not None:
+            self.folded[user] = out
+        return out
 
     def attention(self, op: TgOp, xs: list[View]) -> View:
         """runtime.h's flash-style kernel; q, k, v rows must be contiguous (copied if not)."""
@@ -531,6 +608,15 @@ class CEmitter:
             if src in FLOATS and dst not in FLOATS:
                 raise Unsupported("float to integer cast")
             return f"(({CTYPES[dst]})({args[0]}))"
+        if name in ("quantize", "dequantize"):
+            ct = "double" if out.dtype == "f64" else "float"
+            x, scale = (f"(({ct})({arg}))" for arg in args[:2])
+            zp = f"(({ct})({args[2]}))" if len(args) > 2 else None
+            if name == "dequantize":
+                return f"(({x}{f' - {zp}' if zp else ''}) * {scale})"
+            fmt = FORMATS[op.attr("to")]
+            rounded = f"rintf({x} / {scale}){f' + {zp}' if zp else ''}"
+            return f"(({CTYPES[out.dtype]})tg_saturate({rounded}, {fmt.lo}.f, {fmt.hi}.f))"
         is_float = operand_dtypes[-1] in FLOATS
         names = dict(zip(op.SPEC.operand_names, args))
         for templates in ((C_UNARY_FLOAT, C_BINARY_FLOAT) if is_float else (C_UNARY_INT, C_BINARY_INT)) + (C_BINARY,):
@@ -941,10 +1027,17 @@ class CEmitter:
         except Unsupported:
             return False
 
-    def matmul(self, op: TgOp, a: View, b: View, chain: list[TgOp], env: dict) -> tuple[View, int]:
+    def matmul(self, op: TgOp, a: View, b: View, chain: list[TgOp], env: dict,
+               scales: View | None = None) -> tuple[View, int]:
+        """A GEMM on oneDNN: f32, or integer (a i8/ui8, b i8) into i32, or into f32 times
+        `scales` (one per column)."""
         info = op.result_infos()[0]
-        if info.dtype != "f32" or a.literal is not None or b.literal is not None:
-            raise Unsupported("matmul: f32 tensors only")
+        if scales is not None:
+            info = TensorInfo(info.shape, "f32")
+        types = (a.dtype, b.dtype, info.dtype)
+        if types not in (("f32", "f32", "f32"), ("i8", "i8", "i32"), ("ui8", "i8", "i32"), ("i8", "i8", "f32"),
+                         ("ui8", "i8", "f32")) or a.literal is not None or b.literal is not None:
+            raise Unsupported(f"matmul of {a.dtype} x {b.dtype} -> {info.dtype}")
         if a.rank < 2 or b.rank < 2:
             raise Unsupported("matmul of a vector")
         out = self._temp(info)
@@ -982,15 +1075,16 @@ class CEmitter:
             f"    const int64_t bd[] = {arr(b.shape)}, bs[] = {arr(b.strides)};",
             f"    const int64_t cd[] = {arr(c.shape)}, cs[] = {arr(c.strides)};",
             f"    const tg_post posts[] = {{{', '.join(posts) or '{0}'}}};",
-            f"    if (tg_matmul_create(&st->prim[{k}], {rank}, ad, as, bd, bs, cd, cs, "
+            f"    const int types[] = {{{', '.join(DNNL_TYPES[t] for t in types)}}};",
+            f"    if (tg_matmul_create(&st->prim[{k}], {rank}, ad, as, bd, bs, cd, cs, types, {int(scales is not None)}, "
             f"{self.ptr(b) if weight else 'NULL'}, &tg_packs[{k}], {len(posts)}, posts)) return 1;",
             "}",
         ]
         post_ptrs = ", ".join(self.ptr(v) for v in post_views) or "NULL"
         lines = ["{", f"    void *const post[] = {{{post_ptrs}}};",
-                 f"    if (tg_prim_run(&st->prim[{k}], {self.ptr(a)}, {self.ptr(b)}, NULL, {self.ptr(c, False)}, "
-                 "post)) return 1;", "}"]
-        self._step(_describe(op), lines, [a, b, *post_views], [out], state)
+                 f"    if (tg_prim_run(&st->prim[{k}], {self.ptr(a)}, {self.ptr(b)}, "
+                 f"{self.ptr(scales) if scales is not None else 'NULL'}, {self.ptr(c, False)}, post)) return 1;", "}"]
+        self._step(_describe(op), lines, [a, b, *post_views, *([scales] if scales is not None else [])], [out], state)
         return out, covered
 
     def _collapsible(self, a: View) -> bool:
