@@ -199,3 +199,24 @@ def test_a_quantized_linear_layer_matches_the_interpreter(m, k, n, batch, scheme
     if scheme in ("w8a8", "w8a8 calibrated symmetric"):
         assert all(kind == "segment" for kind, _ in compiled.program.plan), scheme
     assert_close(compiled(xs)[0], interpret(q, [xs])[0], "f32", k, name=scheme)
+
+
+@pytest.mark.parametrize("contraction", ["matmul", "conv"])
+def test_an_epilogue_that_reads_the_raw_product_again_matches(contraction):
+    """silu(x @ w) = p * sigmoid(p): the sigmoid may not run as oneDNN's post-op in place,
+    since the mul reads p itself (found by the ONNX conformance cases on this backend)."""
+    from tilegraph.ir import Graph
+
+    rng = np.random.default_rng(0)
+    g = Graph()
+    if contraction == "matmul":
+        x = g.input("x", ("B", 12))
+        p = x @ g.weight("w", rng.standard_normal((12, 5)).astype(np.float32))
+        xs = rng.standard_normal((3, 12)).astype(np.float32)
+    else:
+        x = g.input("x", ("B", 3, 9))
+        p = g.op("conv", x, g.weight("w", rng.standard_normal((4, 3, 2)).astype(np.float32)))
+        xs = rng.standard_normal((2, 3, 9)).astype(np.float32)
+    model = g.build(g.op("mul", p, g.op("sigmoid", p)), names=["y"])
+    q = tilegraph.compile(model, target="c")
+    assert_close(q(xs), interpret(model, [xs])[0], "f32", 12, name=contraction)

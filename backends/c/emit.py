@@ -264,6 +264,13 @@ class CEmitter:
         self._step("copy into a contiguous buffer", lines, [view], [out])
         return out
 
+    def for_onednn(self, view: View) -> View:
+        """`view` as oneDNN can describe it: its memory descriptors take no negative stride
+        (a flipped view, as ConvTranspose's kernel is), so such a view is copied first."""
+        if any(sympy.sympify(st).is_negative for st in view.strides):
+            return self.materialize(view)
+        return view
+
     @staticmethod
     def transpose(view: View, perm) -> View:
         return View(view.buf, view.offset, tuple(view.shape[p] for p in perm), tuple(view.strides[p] for p in perm),
@@ -934,6 +941,7 @@ class CEmitter:
         to the result's shape, as the primitive's destination sees it (dims, strides)."""
         posts, operands = [], []
         current = acc
+        computed = {acc}  # values the primitive makes: no binary operand may be one
         for op in chain:
             name = op.op_name
             if op.operands[0] is not current and not (name in ("add", "mul") and op.operands[1] is current):
@@ -941,6 +949,8 @@ class CEmitter:
             if info_of(op.results[0].type).dtype != "f32" or len(posts) == 8:
                 break
             other = [v for v in op.operands if v is not current]
+            if any(v in computed for v in other) or not _only_use(current, op):
+                break  # the epilogue overwrites `current`: nothing else may read it
             if name in ("relu", "tanh", "exp", "sigmoid") and not other:
                 posts.append(f"{{0, {DNNL_ELTWISE[name]}, 0.f, 0.f, 0, {{0}}, {{0}}}}")
             elif name == "gelu":
@@ -979,6 +989,7 @@ class CEmitter:
             else:
                 break
             current = op.results[0]
+            computed.add(current)
             if not info_of(current.type).shape == tuple(out_shape) and \
                     not all(_eq(a, b) for a, b in zip(info_of(current.type).shape, out_shape)):
                 posts.pop()
@@ -1038,6 +1049,7 @@ class CEmitter:
         if types not in (("f32", "f32", "f32"), ("i8", "i8", "i32"), ("ui8", "i8", "i32"), ("i8", "i8", "f32"),
                          ("ui8", "i8", "f32")) or a.literal is not None or b.literal is not None:
             raise Unsupported(f"matmul of {a.dtype} x {b.dtype} -> {info.dtype}")
+        a, b = self.for_onednn(a), self.for_onednn(b)
         if a.rank < 2 or b.rank < 2:
             raise Unsupported("matmul of a vector")
         out = self._temp(info)
@@ -1101,7 +1113,7 @@ class CEmitter:
 
     def conv(self, op: TgOp, xs: list[View], chain: list[TgOp], env: dict) -> tuple[View, int]:
         info = op.result_infos()[0]
-        x, w = xs[0], xs[1]
+        x, w = (self.for_onednn(v) for v in xs[:2])
         bias = xs[2] if len(xs) > 2 else None
         if info.dtype != "f32" or w.literal is not None or x.literal is not None:
             raise Unsupported("conv: f32 tensors")
