@@ -179,6 +179,18 @@ def contiguous_strides(shape: Sequence[Dim]) -> tuple:
     return tuple(reversed(strides))
 
 
+def channels_last_strides(shape: Sequence[Dim]) -> tuple:
+    """Strides of (N, C, *spatial) laid out as (N, *spatial, C): what oneDNN's fast
+    convolution kernels read and write on these processors (plain NCHW goes through
+    im2col and a GEMM, several times slower at small channel counts)."""
+    order = (0, *range(2, len(shape)), 1)
+    dense = contiguous_strides(tuple(shape[i] for i in order))
+    strides = [None] * len(shape)
+    for pos, axis in enumerate(order):
+        strides[axis] = dense[pos]
+    return tuple(strides)
+
+
 def _eq(a, b) -> bool:
     return sympy.expand(sympy.sympify(a) - sympy.sympify(b)) == 0
 
@@ -255,11 +267,14 @@ class CEmitter:
             view = self.materialize(view)
         return View(view.buf, view.offset, tuple(shape), contiguous_strides(shape), view.dtype)
 
-    def materialize(self, view: View) -> View:
-        """A contiguous copy of a strided view (a reshape of a transpose needs one)."""
+    def materialize(self, view: View, channels_last: bool = False) -> View:
+        """A contiguous (or channels-last) copy of a strided view (a reshape of a transpose
+        needs one)."""
         if view.dtype not in CTYPES:
             raise Unsupported(f"{view.dtype} has no C type here")
         out = self._new_buffer("temp", view.dtype, view.shape)
+        if channels_last:
+            out = View(out.buf, out.offset, out.shape, channels_last_strides(out.shape), out.dtype)
         lines = self.loop(view.shape, [(view, False), (out, True)], lambda refs: [f"{refs[1]} = {refs[0]};"])
         self._step("copy into a contiguous buffer", lines, [view], [out])
         return out
@@ -377,8 +392,17 @@ class CEmitter:
 
     # --- computing ops ------------------------------------------------------------
 
-    def _temp(self, info) -> View:
-        return self._new_buffer("temp", info.dtype, info.shape)
+    def _temp(self, info, like: View | None = None) -> View:
+        """A new intermediate; channels-last when `like`, a value of its rank, is."""
+        view = self._new_buffer("temp", info.dtype, info.shape)
+        if like is not None and self.is_channels_last(like) and like.rank == len(info.shape):
+            view = View(view.buf, view.offset, view.shape, channels_last_strides(view.shape), view.dtype)
+        return view
+
+    def is_channels_last(self, view: View) -> bool:
+        return (view.literal is None and view.rank >= 3 and not self.is_contiguous(view)
+                and all(_is_one(d) or _eq(st, want) for d, st, want in
+                        zip(view.shape, view.strides, channels_last_strides(view.shape))))
 
     def _check_dtypes(self, op: TgOp, xs: list[View]) -> None:
         for t in [*(x.dtype for x in xs), *(i.dtype for i in op.result_infos())]:
@@ -389,7 +413,7 @@ class CEmitter:
         name = op.op_name
         self._check_dtypes(op, xs)
         if op.SPEC.category == "elementwise" or name == "gelu":
-            out = self._temp(op.result_infos()[0])
+            out = self._temp(op.result_infos()[0], like=xs[0])
             self.elementwise([op], {r: None for r in op.results}, dict(zip(op.operands, xs)), [(op.results[0], out)],
                              op)
             return [out]
@@ -543,7 +567,11 @@ class CEmitter:
         broadcast already; flag: written). `body(refs)` gets each access's C element
         expression and returns the innermost lines. Axes that every access walks
         contiguously are merged; the outer loops run on OpenMP threads."""
-        dims = [(d, [a.strides[i] for a, _ in accesses]) for i, d in enumerate(shape) if not _is_one(d)]
+        order = list(range(len(shape)))
+        written = next((a for a, w in accesses if w), None)
+        if written is not None and self.is_channels_last(written):  # walk memory in the output's order
+            order = [0, *range(2, len(shape)), 1]
+        dims = [(shape[i], [a.strides[i] for a, _ in accesses]) for i in order if not _is_one(shape[i])]
         merged: list[tuple[Any, list]] = []
         for d, strides in dims:
             if merged and all(_eq(ps, s * d) for ps, s in zip(merged[-1][1], strides)):
@@ -716,7 +744,8 @@ class CEmitter:
         if any(len(info_of(y.type).shape) != len(shape) or
                not all(_eq(a, b) for a, b in zip(info_of(y.type).shape, shape)) for y in yields):
             return False
-        outs = [(y, self._temp(info_of(y.type))) for y in yields]
+        like = next((v for v in inputs.values() if self.is_channels_last(v)), None)
+        outs = [(y, self._temp(info_of(y.type), like=like)) for y in yields]
         # Operands are named by the values the loop reads.
         self.elementwise(body, computed, inputs, outs, group)
         env.update({y: o for y, o in outs})
@@ -888,15 +917,21 @@ class CEmitter:
             raise Unsupported("avg_pool with ceil_mode")
         strides = list(op.attr("strides") or [1] * nd)
         pads = list(op.attr("pads") or [0] * (2 * nd))
-        out = self._temp(info)
-        out_shape = tuple(info.shape)
+        out = self._temp(info, like=x if self.is_channels_last(x) else None)
+        channels_last = self.is_channels_last(x)
+        out_view = out
         if nd == 1:  # (N, C, W) as (N, C, 1, W)
             x = View(x.buf, x.offset, x.shape[:2] + (1,) + x.shape[2:], x.strides[:2] + (0,) + x.strides[2:], x.dtype)
-            out_shape = out_shape[:2] + (1,) + out_shape[2:]
+            out_view = View(out.buf, out.offset, out.shape[:2] + (1,) + out.shape[2:],
+                            out.strides[:2] + (0,) + out.strides[2:], out.dtype)
             kernel, strides, pads = [1] + kernel, [1] + strides, [0, pads[0], 0, pads[1]]
         n, c, h, w = (self.ints(d) for d in x.shape)
-        oh, ow = (self.ints(d) for d in out_shape[2:])
+        oh, ow = (self.ints(d) for d in out_view.shape[2:])
         sn, sc, sh, sw = (self.ints(st) for st in x.strides)
+        yn, yc, yh, yw = (self.ints(st) for st in out_view.strides)
+        # channels innermost when they are contiguous in memory
+        axes = ([f"b < {n}", f"oy < {oh}", f"ox < {ow}", f"ch < {c}"] if channels_last else
+                [f"b < {n}", f"ch < {c}", f"oy < {oh}", f"ox < {ow}"])
         is_max = op.op_name == "max_pool"
         include_pad = is_max or op.attr("count_include_pad")
         kh, kw = kernel
@@ -907,10 +942,8 @@ class CEmitter:
             f"    const float *x = {self.ptr(x)};",
             f"    float *y = {self.ptr(out, False)};",
             f"    #pragma omp parallel for collapse(2) if ({self.ints(numel(info.shape))} > {PARALLEL_MIN})",
-            f"    for (int64_t b = 0; b < {n}; b++)",
-            f"    for (int64_t ch = 0; ch < {c}; ch++)",
-            f"    for (int64_t oy = 0; oy < {oh}; oy++)",
-            f"    for (int64_t ox = 0; ox < {ow}; ox++) {{",
+            *(f"    for (int64_t {a.split()[0]} = 0; {a}; {a.split()[0]}++)" for a in axes[:3]),
+            f"    for (int64_t {axes[3].split()[0]} = 0; {axes[3]}; {axes[3].split()[0]}++) {{",
             f"        float acc = {'-INFINITY' if is_max else '0.f'};",
             "        int64_t count = 0;",
             f"        for (int64_t ky = 0; ky < {kh}; ky++) {{",
@@ -924,7 +957,7 @@ class CEmitter:
             "                count++;",
             "            }",
             "        }",
-            f"        y[((b * {c} + ch) * {oh} + oy) * {ow} + ox] = {'acc' if is_max else f'acc / {divisor}'};",
+            f"        y[b * {yn} + ch * {yc} + oy * {yh} + ox * {yw}] = {'acc' if is_max else f'acc / {divisor}'};",
             "    }",
             "}",
         ]
@@ -1114,6 +1147,8 @@ class CEmitter:
     def conv(self, op: TgOp, xs: list[View], chain: list[TgOp], env: dict) -> tuple[View, int]:
         info = op.result_infos()[0]
         x, w = (self.for_onednn(v) for v in xs[:2])
+        if not self.is_channels_last(x):
+            x = self.materialize(x, channels_last=True)
         bias = xs[2] if len(xs) > 2 else None
         if info.dtype != "f32" or w.literal is not None or x.literal is not None:
             raise Unsupported("conv: f32 tensors")
@@ -1122,6 +1157,7 @@ class CEmitter:
             raise Unsupported("conv bias")
         groups = op.attr("groups")
         out = self._temp(info)
+        out = View(out.buf, out.offset, out.shape, channels_last_strides(out.shape), out.dtype)
         nd = x.rank
         sp = nd - 2
         strides = list(op.attr("strides") or [1] * sp)
