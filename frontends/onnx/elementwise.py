@@ -5,7 +5,7 @@ from __future__ import annotations
 from tilegraph.frontends import FrontendError
 from tilegraph.frontends.onnx.node import CONVERTERS, _conv
 from tilegraph.frontends.onnx.values import onnx_dtype
-from tilegraph.ir import dtypes
+from tilegraph.ir import decompositions as D, dtypes
 from tilegraph.ir.onnx_names import BINARY, UNARY
 
 
@@ -91,8 +91,7 @@ def _prelu(n):
 
 @_conv("Elu")
 def _elu(n):
-    x = n.x(0)
-    return n.op("where", n.op("lt", x, 0), n.op("mul", n.op("sub", n.op("exp", x), 1), n.attr("alpha", 1.0)), x)
+    return D.elu(n.emit, n.x(0), n.attr("alpha", 1.0), expm1=False)  # ONNX: alpha * (exp(x) - 1)
 
 
 @_conv("Selu")
@@ -113,22 +112,17 @@ def _celu(n):
 
 @_conv("HardSigmoid")
 def _hard_sigmoid(n):
-    return _hard_sigmoid_of(n, n.x(0), n.attr("alpha", 0.2), n.attr("beta", 0.5))
-
-
-def _hard_sigmoid_of(n, x, alpha, beta):
-    return n.op("max", n.op("min", n.op("add", n.op("mul", x, alpha), beta), 1), 0)
+    return D.hard_sigmoid(n.emit, n.x(0), n.attr("alpha", 0.2), n.attr("beta", 0.5))
 
 
 @_conv("HardSwish")
 def _hard_swish(n):
-    x = n.x(0)
-    return n.op("mul", x, _hard_sigmoid_of(n, x, 1 / 6, 0.5))
+    return D.hard_swish(n.emit, n.x(0))
 
 
 @_conv("Softplus")
 def _softplus(n):
-    return n.op("log", n.op("add", n.op("exp", n.x(0)), 1))
+    return D.softplus(n.emit, n.x(0), log1p=False)  # ONNX: log(exp(x) + 1)
 
 
 @_conv("Softsign")
@@ -154,8 +148,7 @@ def _shrink(n):
 
 @_conv("Mish")
 def _mish(n):
-    x = n.x(0)
-    return n.op("mul", x, n.op("tanh", _softplus(n)))
+    return D.mish(n.emit, n.x(0), log1p=False)
 
 
 @_conv("Swish")

@@ -8,7 +8,8 @@ from typing import Sequence
 from tilegraph.frontends import FrontendError
 from tilegraph.frontends.onnx.node import _axis, _conv
 from tilegraph.frontends.onnx.values import INT64_MAX
-from tilegraph.ir.shapes import is_static, numel
+from tilegraph.ir import decompositions as D
+from tilegraph.ir.shapes import is_static
 
 
 # --- contractions and windows ---
@@ -121,33 +122,21 @@ def _global_pool(n):
 # --- normalizations ---
 
 
-def _channel(n, v, rank):
-    """A per-channel (C,) vector shaped to broadcast against (N, C, ...)."""
-    return n.reshape(v, (n.shape(v)[0],) + (1,) * (rank - 2))
-
-
 @_conv("BatchNormalization")
 def _batch_norm(n):
     x, scale, bias, mean, var = (n.x(i) for i in range(5))
-    r = n.rank(x)
     eps = n.attr("epsilon", 1e-5)
-    outputs = ()
     if n.attr("training_mode", 0):
         # Normalize with the batch's statistics (population variance); the running
         # statistics are updated with `momentum` (ONNX spec, opset 14+).
-        axes = [0] + list(range(2, r))
-        batch_mean = n.reduce("mean", x, axes, False)
-        centered = n.op("sub", x, _channel(n, batch_mean, r))
-        batch_var = n.reduce("mean", n.op("mul", centered, centered), axes, False)
+        y, batch_mean, batch_var = D.batch_norm_training(n.emit, x, scale, bias, eps)
+        batch_mean, batch_var = (n.reshape(s, n.shape(mean)) for s in (batch_mean, batch_var))
         momentum = n.attr("momentum", 0.9)
-        outputs = (n.op("add", n.op("mul", mean, momentum), n.op("mul", batch_mean, 1 - momentum)),
-                   n.op("add", n.op("mul", var, momentum), n.op("mul", batch_var, 1 - momentum)))
-        mean, var = batch_mean, batch_var
-    elif n.n_outputs > 1:
+        return (y, n.op("add", n.op("mul", mean, momentum), n.op("mul", batch_mean, 1 - momentum)),
+                n.op("add", n.op("mul", var, momentum), n.op("mul", batch_var, 1 - momentum)))
+    if n.n_outputs > 1:
         raise FrontendError("running mean/var outputs need training_mode=1")
-    inv = n.op("div", _channel(n, scale, r), n.op("sqrt", n.op("add", _channel(n, var, r), eps)))
-    y = n.op("add", n.op("mul", n.op("sub", x, _channel(n, mean, r)), inv), _channel(n, bias, r))
-    return (y,) + outputs
+    return D.batch_norm(n.emit, x, scale, bias, mean, var, eps)
 
 
 def _normalize(n, x, axes, eps):
@@ -164,7 +153,7 @@ def _instance_norm(n):
     x, scale, bias = n.x(0), n.x(1), n.x(2)
     r = n.rank(x)
     y, _, _ = _normalize(n, x, range(2, r), n.attr("epsilon", 1e-5))
-    return n.op("add", n.op("mul", y, _channel(n, scale, r)), _channel(n, bias, r))
+    return D.affine(n.emit, y, scale, bias)
 
 
 def _stashed(n, x):
@@ -212,10 +201,8 @@ def _group_norm(n):
         raise FrontendError(f"scale {n.info(scale)} must have one entry per channel ({c}); "
                             "the opset-18 per-group form is not supported")
     xs, dtype = _stashed(n, x)
-    grouped = n.reshape(xs, (shape[0], groups, numel(shape[1:]) // groups))
-    y, _, _ = _normalize(n, grouped, [2], n.attr("epsilon", 1e-5))
-    y = n.cast(n.reshape(y, shape), dtype)
-    return n.op("add", n.op("mul", y, _channel(n, scale, len(shape))), _channel(n, bias, len(shape)))
+    y = n.cast(D.group_norm(n.emit, xs, groups, None, None, n.attr("epsilon", 1e-5)), dtype)
+    return D.affine(n.emit, y, scale, bias)
 
 
 @_conv("MeanVarianceNormalization")

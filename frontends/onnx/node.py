@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
@@ -9,7 +10,7 @@ import sympy
 
 from tilegraph.frontends import FrontendError
 from tilegraph.frontends.onnx.values import INT64_MAX, StaticInputNeeded, Value, _attr_value, _dim_value, info
-from tilegraph.ir import dtypes
+from tilegraph.ir import decompositions as D, dtypes
 from tilegraph.ir.builder import Tensor
 from tilegraph.ir.ops import REQUIRED
 from tilegraph.ir.shapes import Dim, TensorInfo, normalize_dim
@@ -101,6 +102,11 @@ class Node:
 
     def const(self, value: Any, dtype: str) -> np.ndarray:
         return np.asarray(value, dtype=dtypes.numpy_dtype(dtype))
+
+    @functools.cached_property
+    def emit(self) -> D.Builder:
+        """This node's op maker for the composites of ir.decompositions."""
+        return D.Builder(self.op, self.const, self.info)
 
     def info(self, v: Value) -> TensorInfo:
         return info(v)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from tilegraph.frontends import FrontendError
 from tilegraph.frontends.onnx.elementwise import FLOAT8_MAX, _cast_to
-from tilegraph.frontends.onnx.nn import _channel, _window_attrs
+from tilegraph.frontends.onnx.nn import _window_attrs
 from tilegraph.frontends.onnx.node import _axis, _conv
 from tilegraph.frontends.onnx.values import onnx_dtype
+from tilegraph.ir import decompositions as D
 from tilegraph.ir.shapes import numel
 
 
@@ -139,7 +140,7 @@ def _qlinear_conv(n):
     bias = n.opt(8)
     acc = _conv_integer_acc(n, x, w, x_zp, w_zp, None if bias is None else n.cast(bias, "i32"))
     if n.rank(w_scale) == 1 and numel(n.shape(w_scale)) > 1:  # per output channel
-        w_scale = _channel(n, w_scale, n.rank(x))
+        w_scale = D.channel(n.emit, w_scale, n.rank(x))
     multiplier = n.op("div", n.op("mul", x_scale, w_scale), y_scale)
     return _requantize(n, acc, multiplier, y_zp, n.dtype(x), round_first=False)
 

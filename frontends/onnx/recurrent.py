@@ -7,8 +7,8 @@ from typing import Callable
 import numpy as np
 
 from tilegraph.frontends import FrontendError
-from tilegraph.frontends.onnx.elementwise import _hard_sigmoid_of
 from tilegraph.frontends.onnx.node import _conv
+from tilegraph.ir import decompositions as D
 
 
 # --- RNN, GRU, LSTM: unrolled over the (static) sequence length ---
@@ -22,7 +22,7 @@ RNN_ACTIVATIONS = {
     "softsign": (lambda n, x, a, b: n.op("div", x, n.op("add", n.op("abs", x), 1)), None, None),
     "affine": (lambda n, x, a, b: n.op("add", n.op("mul", x, a), b), 1.0, 0.0),
     "leakyrelu": (lambda n, x, a, b: n.op("where", n.op("lt", x, 0), n.op("mul", x, a), x), 0.01, None),
-    "hardsigmoid": (lambda n, x, a, b: _hard_sigmoid_of(n, x, a, b), 0.2, 0.5),
+    "hardsigmoid": (lambda n, x, a, b: D.hard_sigmoid(n.emit, x, a, b), 0.2, 0.5),
     "scaledtanh": (lambda n, x, a, b: n.op("mul", n.op("tanh", n.op("mul", x, b)), a), 1.0, 1.0),
 }
 # The gates of each op (ONNX order within W, R, B) and its default activations per direction.
