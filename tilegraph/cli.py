@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Sequence
 
 from tilegraph.passes.registry import with_target  # noqa: F401 - tilegraph.opt and tests import it from here
-from tilegraph.errors import run_reporting_errors
+from tilegraph.reporting import run_reporting_errors
 
 EXIT_MISMATCH = 1
 # A symbolic dim the user gave no --dim for is costed at this size (and the output
