@@ -836,7 +836,7 @@ def _gelu(cv, node, a):
 
 @converts("silu.default")
 def _silu(cv, node, a):
-    return a.self * cv.g.sigmoid(a.self)
+    return D.swish(cv.emit, a.self)
 
 
 @converts("mish.default")
@@ -861,8 +861,7 @@ def _hardswish(cv, node, a):
 
 @converts("leaky_relu.default")
 def _leaky_relu(cv, node, a):
-    x = a.self
-    return cv.g.where(x > 0, x, x * a.negative_slope)
+    return D.leaky_relu(cv.emit, a.self, a.negative_slope)
 
 
 @converts("elu.default")
@@ -1041,7 +1040,7 @@ def _rms_norm(cv, node, a):
     x = a.input
     axes = tuple(range(x.rank - len(a.normalized_shape), x.rank))
     eps = a.eps if a.eps is not None else float(torch.finfo(_TG_TO_TORCH[x.dtype]).eps)
-    y = x * cv.g.rsqrt(cv.g.mean(x * x, axes, keepdims=True) + eps)
+    y = D.rms_norm(cv.emit, x, axes, eps)
     return y if a.weight is None else y * a.weight
 
 
@@ -1194,14 +1193,18 @@ def _fit_window(x, kernel, pads, ceil_mode):
     return tuple(min(k, s + 2 * p) if isinstance(s, int) else k for k, s, p in zip(kernel, spatial, pads))
 
 
+def _window(node, a):
+    """A pool's spatial rank, window (fitted, see _fit_window), strides (the window by default) and pads."""
+    nd = _pool_nd(node)
+    kernel = _ntuple(a.kernel_size, nd)
+    pads = _ntuple(a.padding, nd)
+    return nd, _fit_window(a.self, kernel, pads, a.ceil_mode), _ntuple(a.stride, nd) if a.stride else kernel, pads
+
+
 @converts("max_pool1d.default", "max_pool2d.default", "max_pool3d.default", "max_pool2d_with_indices.default",
           "max_pool3d_with_indices.default", "max_pool1d_with_indices.default")
 def _max_pool(cv, node, a):
-    nd = _pool_nd(node)
-    kernel = _ntuple(a.kernel_size, nd)
-    stride = _ntuple(a.stride, nd) if a.stride else kernel
-    pads = _ntuple(a.padding, nd)
-    kernel = _fit_window(a.self, kernel, pads, a.ceil_mode)
+    nd, kernel, stride, pads = _window(node, a)
     y = _unbatched(cv, a.self, nd, lambda xb: cv.g.max_pool(xb, kernel=kernel, strides=stride, pads=pads + pads,
                                                              dilations=_ntuple(a.dilation, nd), ceil_mode=a.ceil_mode))
     return (y, None) if "indices" in str(node.target) else y
@@ -1209,11 +1212,7 @@ def _max_pool(cv, node, a):
 
 @converts("avg_pool1d.default", "avg_pool2d.default", "avg_pool3d.default")
 def _avg_pool(cv, node, a):
-    nd = _pool_nd(node)
-    kernel = _ntuple(a.kernel_size, nd)
-    stride = _ntuple(a.stride, nd) if a.stride else kernel
-    pads = _ntuple(a.padding, nd)
-    kernel = _fit_window(a.self, kernel, pads, a.ceil_mode)
+    nd, kernel, stride, pads = _window(node, a)
     divisor = a.get("divisor_override")
     if divisor is not None and a.ceil_mode:
         raise FrontendError("avg_pool with both divisor_override and ceil_mode is not supported")

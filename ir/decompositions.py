@@ -17,9 +17,10 @@ take the dtype of x as NumPy's weak Python scalars do):
 An attention whose causal offset Lk - Lq is not a known integer is left whole.
 
 Below them, the composites both frontends build for ops tg has none of (Elu, Softplus,
-HardSwish, Mish, BatchNorm, GroupNorm), each spelled once; a frontend passes what its op's
-definition says (torch's softplus threshold, elu's scales, ONNX's exp(x) - 1 where torch
-has expm1) through a `Builder` over its own op maker.
+Mish, HardSigmoid, HardSwish, LeakyReLU/PReLU, Swish/SiLU, BatchNorm, GroupNorm, RMSNorm),
+each spelled once; a frontend passes what its op's definition says (torch's softplus
+threshold, elu's scales, ONNX's exp(x) - 1 where torch has expm1) through a `Builder` over
+its own op maker.
 """
 
 from __future__ import annotations
@@ -177,6 +178,17 @@ def elu(emit, x, alpha: float = 1.0, scale: float = 1.0, input_scale: float = 1.
     return emit("where", emit("gt", x, _scalar(emit, x, 0.0)), _times(emit, x, scale), neg)
 
 
+def leaky_relu(emit, x, slope):
+    """x where x > 0, else x * slope (a number, or a tensor that broadcasts: PReLU)."""
+    s = _scalar(emit, x, slope) if isinstance(slope, (int, float)) else slope
+    return emit("where", emit("gt", x, _scalar(emit, x, 0.0)), x, emit("mul", x, s))
+
+
+def swish(emit, x, alpha: float = 1.0):
+    """x * sigmoid(alpha * x); torch's SiLU is alpha = 1."""
+    return emit("mul", x, emit("sigmoid", _times(emit, x, alpha)))
+
+
 def softplus(emit, x, beta: float = 1.0, threshold: float | None = None, log1p: bool = True):
     """log(1 + exp(beta * x)) / beta, x itself where beta * x > threshold (torch's; ONNX has none);
     by log1p (torch) or, as ONNX defines Softplus (and can export it), by log of a sum."""
@@ -202,6 +214,12 @@ def hard_sigmoid(emit, x, alpha: float, beta: float):
 
 def hard_swish(emit, x):
     return emit("mul", x, hard_sigmoid(emit, x, 1 / 6, 0.5))
+
+
+def rms_norm(emit, x, axes: Sequence[int], eps: float):
+    """x / sqrt(mean(x * x) + eps) over axes, as x * rsqrt(...) (torch's spelling)."""
+    ms = emit("reduce_mean", emit("mul", x, x), axes=tuple(axes), keepdims=True)
+    return emit("mul", x, emit("rsqrt", emit("add", ms, _scalar(emit, x, eps))))
 
 
 def channel(emit, v, rank: int):

@@ -79,14 +79,12 @@ def _isinf(n):
 
 @_conv("LeakyRelu")
 def _leaky_relu(n):
-    x = n.x(0)
-    return n.op("where", n.op("lt", x, 0), n.op("mul", x, n.attr("alpha", 0.01)), x)
+    return D.leaky_relu(n.emit, n.x(0), n.attr("alpha", 0.01))
 
 
 @_conv("PRelu")
 def _prelu(n):
-    x, slope = n.x(0), n.x(1)
-    return n.op("where", n.op("lt", x, 0), n.op("mul", x, slope), x)
+    return D.leaky_relu(n.emit, n.x(0), n.x(1))
 
 
 @_conv("Elu")
@@ -153,8 +151,7 @@ def _mish(n):
 
 @_conv("Swish")
 def _swish(n):
-    x = n.x(0)
-    return n.op("mul", x, n.op("sigmoid", n.op("mul", x, n.attr("alpha", 1.0))))
+    return D.swish(n.emit, n.x(0), n.attr("alpha", 1.0))
 
 
 @_conv("Gelu")

@@ -11,9 +11,11 @@ import numpy as np
 import sympy
 
 from tilegraph.frontends import FrontendError
-from tilegraph.frontends.onnx.load import DEFAULT_DOMAINS, MAX_FUNCTION_DEPTH, NOT_EXPANDED, _op_key, check_supported, default_opset, function_schema, load_model
+from tilegraph.frontends.onnx.load import (DEFAULT_DOMAINS, MAX_FUNCTION_DEPTH, NOT_EXPANDED, _op_key, check_supported,
+                                           default_opset, function_schema, load_model)
 from tilegraph.frontends.onnx.node import CONVERTERS, Node
-from tilegraph.frontends.onnx.values import FOLD_MAX_NEW_ELEMENTS, StaticInputNeeded, Value, _as_int_array, _symbol_name, info, known_dtype, onnx_dtype, tensor_array
+from tilegraph.frontends.onnx.values import (FOLD_MAX_NEW_ELEMENTS, StaticInputNeeded, Value, _as_int_array,
+                                             _symbol_name, info, known_dtype, onnx_dtype, tensor_array)
 from tilegraph.ir import dtypes
 from tilegraph.ir.builder import INLINE_CONSTANT_LIMIT, Graph, Tensor
 from tilegraph.ir.errors import TilegraphError
