@@ -34,6 +34,7 @@ What it decides, and how:
 
 from __future__ import annotations
 
+import functools
 import keyword
 import math
 from pathlib import Path
@@ -44,7 +45,7 @@ import sympy
 import torch
 
 from tilegraph.frontends import FrontendError
-from tilegraph.ir import dtypes
+from tilegraph.ir import decompositions as D, dtypes
 from tilegraph.ir.builder import Graph, Tensor
 from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.interpreter import GLOBALS as _INTERPRETER_NAMES
@@ -364,6 +365,11 @@ class _Importer:
 
     def const(self, value: Any, dtype: str) -> Tensor:
         return self.g.constant(np.asarray(value).astype(dtypes.numpy_dtype(dtype)))
+
+    @functools.cached_property
+    def emit(self) -> D.Builder:
+        """This graph's op maker for the composites of ir.decompositions."""
+        return D.Builder(self.g.op, self.const, lambda t: t.info)
 
     def operand(self, v: Any, dtype: str) -> Tensor:
         """A Tensor cast to dtype; a Python scalar (or symbolic size) as a dtype constant."""
@@ -830,56 +836,37 @@ def _gelu(cv, node, a):
 
 @converts("silu.default")
 def _silu(cv, node, a):
-    return a.self * cv.g.sigmoid(a.self)
+    return D.swish(cv.emit, a.self)
 
 
 @converts("mish.default")
 def _mish(cv, node, a):
-    x = a.self
-    return x * cv.g.tanh(_softplus_of(cv, x, 1.0, 20.0))
-
-
-def _softplus_of(cv, x, beta, threshold):
-    # torch: x when beta*x > threshold, else log1p(exp(beta*x)) / beta
-    bx = x * beta if beta != 1 else x
-    soft = cv.g.log1p(cv.g.exp(bx))
-    if beta != 1:
-        soft = soft / beta
-    return cv.g.where(bx > threshold, x, soft)
+    return D.mish(cv.emit, a.self, threshold=20.0)  # torch's softplus threshold
 
 
 @converts("softplus.default")
 def _softplus(cv, node, a):
-    return _softplus_of(cv, a.self, a.beta, a.threshold)
-
-
-def _relu6(cv, x):
-    return cv.g.min(cv.g.max(x, cv.const(0.0, x.dtype)), cv.const(6.0, x.dtype))
+    return D.softplus(cv.emit, a.self, a.beta, a.threshold)
 
 
 @converts("hardsigmoid.default")
 def _hardsigmoid(cv, node, a):
-    return _relu6(cv, a.self + 3.0) / 6.0  # torch: relu6(x + 3) / 6
+    return D.hard_sigmoid(cv.emit, a.self, 1 / 6, 0.5)  # torch: relu6(x + 3) / 6
 
 
 @converts("hardswish.default")
 def _hardswish(cv, node, a):
-    return a.self * _relu6(cv, a.self + 3.0) / 6.0
+    return D.hard_swish(cv.emit, a.self)
 
 
 @converts("leaky_relu.default")
 def _leaky_relu(cv, node, a):
-    x = a.self
-    return cv.g.where(x > 0, x, x * a.negative_slope)
+    return D.leaky_relu(cv.emit, a.self, a.negative_slope)
 
 
 @converts("elu.default")
 def _elu(cv, node, a):
-    x = a.self  # torch: x > 0 ? scale * x : alpha * scale * expm1(input_scale * x)
-    pos = x * a.scale if a.scale != 1 else x
-    inner = x * a.input_scale if a.input_scale != 1 else x
-    neg = cv.g.expm1(inner) * (a.alpha * a.scale)
-    return cv.g.where(x > 0, pos, neg)
+    return D.elu(cv.emit, a.self, a.alpha, a.scale, a.input_scale)
 
 
 # reductions -------------------------------------------------------------------------
@@ -1053,72 +1040,31 @@ def _rms_norm(cv, node, a):
     x = a.input
     axes = tuple(range(x.rank - len(a.normalized_shape), x.rank))
     eps = a.eps if a.eps is not None else float(torch.finfo(_TG_TO_TORCH[x.dtype]).eps)
-    y = x * cv.g.rsqrt(cv.g.mean(x * x, axes, keepdims=True) + eps)
+    y = D.rms_norm(cv.emit, x, axes, eps)
     return y if a.weight is None else y * a.weight
-
-
-def _channel(cv, t: Tensor, rank: int) -> Tensor:
-    """A per-channel (C,) vector shaped (C, 1, ...) to broadcast against NC... tensors."""
-    return cv.g.reshape(t, (t.shape[0],) + (1,) * (rank - 2))
-
-
-def _batch_norm_eval(cv, x, weight, bias, mean, var, eps):
-    # torch's CPU inference kernel: y = x * alpha + beta, alpha = w / sqrt(var + eps),
-    # beta = b - mean * alpha. alpha and beta depend on weights only, so constant
-    # folding turns batch norm into one multiply-add.
-    alpha = cv.g.rsqrt(var + eps)
-    if weight is not None:
-        alpha = alpha * weight
-    beta = -(mean * alpha)
-    if bias is not None:
-        beta = beta + bias
-    return x * _channel(cv, alpha, x.rank) + _channel(cv, beta, x.rank)
-
-
-def _batch_norm_batch_stats(cv, x, weight, bias, eps):
-    # Normalized by the statistics of this batch (per channel, biased variance), as
-    # torch computes in training mode and InstanceNorm always does. The running
-    # statistics torch would also update are state, not output: they are dropped.
-    axes = (0,) + tuple(range(2, x.rank))
-    centered = x - cv.g.mean(x, axes, keepdims=True)
-    y = centered * cv.g.rsqrt(cv.g.mean(centered * centered, axes, keepdims=True) + eps)
-    if weight is not None:
-        y = y * _channel(cv, weight, x.rank)
-    if bias is not None:
-        y = y + _channel(cv, bias, x.rank)
-    return y
 
 
 @converts("batch_norm.default", "_native_batch_norm_legit_no_training.default", "native_batch_norm.default",
           "_native_batch_norm_legit.default", "_native_batch_norm_legit.no_stats")
 def _batch_norm(cv, node, a):
     if a.get("training"):
-        y = _batch_norm_batch_stats(cv, a.input, a.weight, a.bias, a.eps)
+        # The running statistics torch would also update are state, not output: dropped.
+        y, _, _ = D.batch_norm_training(cv.emit, a.input, a.weight, a.bias, a.eps)
     elif a.get("running_mean") is None or a.get("running_var") is None:
         raise FrontendError("batch_norm in eval mode without running statistics")
     else:
-        y = _batch_norm_eval(cv, a.input, a.weight, a.bias, a.running_mean, a.running_var, a.eps)
+        y = D.batch_norm(cv.emit, a.input, a.weight, a.bias, a.running_mean, a.running_var, a.eps)
     return y if str(node.target) == "aten.batch_norm.default" else (y, None, None)
-
-
-def _group_norm_of(cv, x, groups, weight, bias, eps):
-    grouped = cv.g.reshape(x, (x.shape[0], groups, -1))
-    y = cv.g.reshape(cv.g.layer_norm(grouped, axis=-1, epsilon=eps), x.shape)
-    if weight is not None:
-        y = y * _channel(cv, weight, x.rank)
-    if bias is not None:
-        y = y + _channel(cv, bias, x.rank)
-    return y
 
 
 @converts("group_norm.default")
 def _group_norm(cv, node, a):
-    return _group_norm_of(cv, a.input, a.num_groups, a.weight, a.bias, a.eps)
+    return D.group_norm(cv.emit, a.input, a.num_groups, a.weight, a.bias, a.eps)
 
 
 @converts("native_group_norm.default")
 def _native_group_norm(cv, node, a):
-    return (_group_norm_of(cv, a.input, a.group, a.weight, a.bias, a.eps), None, None)
+    return (D.group_norm(cv.emit, a.input, a.group, a.weight, a.bias, a.eps), None, None)
 
 
 # contractions ----------------------------------------------------------------------
@@ -1247,14 +1193,18 @@ def _fit_window(x, kernel, pads, ceil_mode):
     return tuple(min(k, s + 2 * p) if isinstance(s, int) else k for k, s, p in zip(kernel, spatial, pads))
 
 
+def _window(node, a):
+    """A pool's spatial rank, window (fitted, see _fit_window), strides (the window by default) and pads."""
+    nd = _pool_nd(node)
+    kernel = _ntuple(a.kernel_size, nd)
+    pads = _ntuple(a.padding, nd)
+    return nd, _fit_window(a.self, kernel, pads, a.ceil_mode), _ntuple(a.stride, nd) if a.stride else kernel, pads
+
+
 @converts("max_pool1d.default", "max_pool2d.default", "max_pool3d.default", "max_pool2d_with_indices.default",
           "max_pool3d_with_indices.default", "max_pool1d_with_indices.default")
 def _max_pool(cv, node, a):
-    nd = _pool_nd(node)
-    kernel = _ntuple(a.kernel_size, nd)
-    stride = _ntuple(a.stride, nd) if a.stride else kernel
-    pads = _ntuple(a.padding, nd)
-    kernel = _fit_window(a.self, kernel, pads, a.ceil_mode)
+    nd, kernel, stride, pads = _window(node, a)
     y = _unbatched(cv, a.self, nd, lambda xb: cv.g.max_pool(xb, kernel=kernel, strides=stride, pads=pads + pads,
                                                              dilations=_ntuple(a.dilation, nd), ceil_mode=a.ceil_mode))
     return (y, None) if "indices" in str(node.target) else y
@@ -1262,11 +1212,7 @@ def _max_pool(cv, node, a):
 
 @converts("avg_pool1d.default", "avg_pool2d.default", "avg_pool3d.default")
 def _avg_pool(cv, node, a):
-    nd = _pool_nd(node)
-    kernel = _ntuple(a.kernel_size, nd)
-    stride = _ntuple(a.stride, nd) if a.stride else kernel
-    pads = _ntuple(a.padding, nd)
-    kernel = _fit_window(a.self, kernel, pads, a.ceil_mode)
+    nd, kernel, stride, pads = _window(node, a)
     divisor = a.get("divisor_override")
     if divisor is not None and a.ceil_mode:
         raise FrontendError("avg_pool with both divisor_override and ceil_mode is not supported")

@@ -46,7 +46,9 @@ from tilegraph.backends.program import (PYTHON_RESERVED, Namer, Program, array_l
 # Names the generated module defines or imports; nothing else may take them.
 MODULE_NAMES = {"np", "ml_dtypes", "K", "W", "build", "forward", "INPUTS", "OUTPUTS", "WEIGHTS", *SHAPE_FUNCTIONS,
                 "THREADS", "blas_threads", "run_chunks", "single_threaded_blas", "attention_tiled"}
-RESERVED = MODULE_NAMES | PYTHON_RESERVED
+# A fused group's body is `def chunk(s)`: a value named `s` or `chunk` there would be shadowed
+# (an ONNX BatchNormalization's scale input named "s" was).
+RESERVED = MODULE_NAMES | PYTHON_RESERVED | {"chunk", "s"}
 # Op categories whose NumPy code cannot raise a floating-point warning (they move
 # or name data, never compute on it); a body of only these needs no np.errstate.
 SILENT_CATEGORIES = {"layout", "source"}

@@ -3,7 +3,7 @@ and a host program over torch tensors that launches them.
 
 What it decides and how:
 
-* Every `tg.fusion` group becomes one kernel (`kernels.py`) with the tile sizes the
+* Every `tg.fusion` group becomes one kernel (`group_kernels.py`) with the tile sizes the
   `tile` pass wrote; a compute op outside any group (a pipeline without `fuse`)
   is a group of its own. Composites in a group (softmax, layer_norm, gelu) are first
   spelled out by the rules of `passes.decompose`, the same rules the reference
@@ -44,7 +44,7 @@ from tilegraph.ir.shapes import Dim, TensorInfo, info_of, numel, tensor_type
 from tilegraph.backends.program import (PYTHON_RESERVED, Namer, array_literal, flatten, liveness, literal, py_comment,
                               signature_rows, str_literal, tuple_lines)
 from tilegraph.backends.triton.lowering import DECOMPOSED, TORCH_LAYOUT
-from tilegraph.backends.triton.kernels import AXIS_OPS, INDENT, TORCH_TYPES, KernelCode, KernelWriter, Unsupported
+from tilegraph.backends.triton.group_kernels import AXIS_OPS, INDENT, TORCH_TYPES, KernelCode, KernelWriter, Unsupported
 from tilegraph.backends.triton.quant import QUANT_OPS, QuantKernelWriter, group_quantized
 
 # What a symbolic dim is taken to be for an ahead-of-time build (passes/cost/model.py prices
