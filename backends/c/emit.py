@@ -506,7 +506,9 @@ class CEmitter:
         info = op.result_infos()[0]
         if info.dtype != "f32" or any(x.literal is not None for x in xs[:3]):
             raise Unsupported("attention in f32")
-        q, k, v = (x if _eq(x.strides[-1], 1) else self.materialize(x) for x in xs[:3])
+        # rows contiguous, row strides at least a row (what sgemm's leading dimensions take)
+        q, k, v = (x if _eq(x.strides[-1], 1) and sympy.sympify(x.strides[-2] - x.shape[-1]).is_nonnegative
+                   else self.materialize(x) for x in xs[:3])
         mask = xs[3] if len(xs) > 3 else None
         out = self._temp(info)
         batch = info.shape[:-2]

@@ -447,12 +447,14 @@ static void tg_dynamic_quantize_rows(const float *x, int8_t *q, float *scale, in
  *
  * Per (batch, block of TG_ATT_BQ query rows) task, keys in blocks of TG_ATT_BK with
  * an online softmax (running max and sum, the accumulator rescaled when the max
- * grows): memory is one key block and one accumulator row per query, never the
- * Lq x Lk scores. Each key block is transposed into kt[D][BK] once per task, so both
- * products vectorise along a contiguous axis (keys for q.k, value columns for p.v).
- * Batch dims are flattened: dims bd[nb] and each tensor's strides over them. mask_kind:
- * 0 none, 1 bool (keep where true), 2 float (added). Causal keeps j <= i + Lk - Lq. */
-#define TG_ATT_BQ 16
+ * grows): memory is one block of scores and one accumulator row per query, never the
+ * Lq x Lk scores. The two products of a block (scores = q k^T, acc += p v) are small
+ * GEMMs on oneDNN's sgemm (row-major), which keeps its operands in registers as a
+ * loop here cannot. Batch dims are flattened: dims bd[nb] and each tensor's strides
+ * over them; rows of q, k, v are contiguous with row strides qr, kr, vr (>= the row).
+ * mask_kind: 0 none, 1 bool (keep where true), 2 float (added). Causal keeps
+ * j <= i + Lk - Lq. */
+#define TG_ATT_BQ 64
 #define TG_ATT_BK 64
 
 static int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb, const int64_t *vb,
@@ -474,10 +476,9 @@ static int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int6
                 oq += idx * qb[i]; ok += idx * kb[i]; ov += idx * vb[i]; om += idx * mb[i]; oo += idx * ob[i];
             }
             int64_t i0 = qbk * TG_ATT_BQ, i1 = i0 + TG_ATT_BQ < lq ? i0 + TG_ATT_BQ : lq, nq = i1 - i0;
-            float *kt = malloc(sizeof(float) * (d * TG_ATT_BK + TG_ATT_BQ * (dv + TG_ATT_BK + 2)));
-            if (!kt) { failed = 1; continue; }
-            float *acc = kt + d * TG_ATT_BK, *s = acc + TG_ATT_BQ * dv, *mx = s + TG_ATT_BQ * TG_ATT_BK;
-            float *sum = mx + TG_ATT_BQ;
+            float *s = malloc(sizeof(float) * (TG_ATT_BQ * TG_ATT_BK + TG_ATT_BQ * (dv + 2)));
+            if (!s) { failed = 1; continue; }
+            float *acc = s + TG_ATT_BQ * TG_ATT_BK, *mx = acc + TG_ATT_BQ * dv, *sum = mx + TG_ATT_BQ;
             for (int64_t i = 0; i < nq; i++) {
                 mx[i] = -INFINITY;
                 sum[i] = 0.f;
@@ -486,17 +487,15 @@ static int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int6
             for (int64_t j0 = 0; j0 < lk; j0 += TG_ATT_BK) {
                 int64_t nk = j0 + TG_ATT_BK < lk ? TG_ATT_BK : lk - j0;
                 if (causal && j0 > i1 - 1 + lk - lq) break;
-                for (int64_t j = 0; j < nk; j++)
-                    for (int64_t c = 0; c < d; c++) kt[c * TG_ATT_BK + j] = k[ok + (j0 + j) * kr + c];
+                if (d == 0) {
+                    for (int64_t i = 0; i < nq * TG_ATT_BK; i++) s[i] = 0.f;
+                } else if (dnnl_sgemm('N', 'T', nq, nk, d, scale, q + oq + i0 * qr, qr, k + ok + j0 * kr, kr, 0.f, s,
+                                      TG_ATT_BK) != dnnl_success) {
+                    failed = 2;
+                    break;
+                }
                 for (int64_t i = 0; i < nq; i++) {
                     float *si = s + i * TG_ATT_BK;
-                    const float *qi = q + oq + (i0 + i) * qr;
-                    for (int64_t j = 0; j < nk; j++) si[j] = 0.f;
-                    for (int64_t c = 0; c < d; c++) {
-                        float qc = qi[c] * scale;
-#pragma omp simd
-                        for (int64_t j = 0; j < nk; j++) si[j] += qc * kt[c * TG_ATT_BK + j];
-                    }
                     if (causal) { /* keys past i + lk - lq are the future */
                         int64_t first = i0 + i + lk - lq + 1 - j0;
                         for (int64_t j = first < 0 ? 0 : first; j < nk; j++) si[j] = -INFINITY;
@@ -525,12 +524,11 @@ static int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int6
                     float *ai = acc + i * dv;
 #pragma omp simd
                     for (int64_t c = 0; c < dv; c++) ai[c] *= corr;
-                    for (int64_t j = 0; j < nk; j++) {
-                        const float *vj = v + ov + (j0 + j) * vr;
-                        float p = si[j];
-#pragma omp simd
-                        for (int64_t c = 0; c < dv; c++) ai[c] += p * vj[c];
-                    }
+                }
+                if (dv && dnnl_sgemm('N', 'N', nq, dv, nk, 1.f, s, TG_ATT_BK, v + ov + j0 * vr, vr, 1.f, acc, dv)
+                              != dnnl_success) {
+                    failed = 2;
+                    break;
                 }
             }
             for (int64_t i = 0; i < nq; i++) {
@@ -539,8 +537,9 @@ static int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int6
                 float *oi = o + oo + (i0 + i) * orow;
                 for (int64_t c = 0; c < dv; c++) oi[c] = acc[i * dv + c] * inv;
             }
-            free(kt);
+            free(s);
         }
+    if (failed == 2) TG_FAIL("attention: oneDNN's sgemm failed on a block");
     if (failed) TG_FAIL("attention: out of memory for its working blocks");
     return 0;
 }
