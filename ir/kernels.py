@@ -430,3 +430,30 @@ def topk(x, k, axis, largest):
         order = np.argsort(x, axis=axis, kind="stable")
     idx = np.take(order, np.arange(k), axis=axis)
     return np.take_along_axis(x, idx, axis=axis), idx.astype(np.int64)
+
+
+# --- data-dependent sizes (ir/ops.py: nonzero, unique, narrow) ---
+
+
+def nonzero(x):
+    return np.array(np.nonzero(x), dtype=np.int64).reshape(x.ndim, -1)
+
+
+def unique(x, flatten, axis, sorted_):
+    """ONNX Unique: values, first-occurrence indices, inverse indices, counts (i64)."""
+    axis = None if flatten else axis % x.ndim
+    values, first, inverse, counts = np.unique(x, return_index=True, return_inverse=True, return_counts=True,
+                                               axis=axis)
+    inverse = inverse.reshape(-1)
+    if not sorted_:  # in order of first occurrence, as ONNX's reference reorders np.unique's
+        order = np.argsort(first, kind="stable")
+        rank = np.empty_like(order)
+        rank[order] = np.arange(len(order))
+        values = np.take(values, order, axis=0 if axis is None else axis)
+        first, counts, inverse = first[order], counts[order], rank[inverse]
+    return values, first.astype(np.int64), inverse.astype(np.int64), counts.astype(np.int64)
+
+
+def narrow(x, length, axis):
+    n = min(max(int(length), 0), x.shape[axis])
+    return x[(slice(None),) * axis + (slice(0, n),)]

@@ -75,6 +75,10 @@ class OpSpec:
     numpy_calls: int = 0
     # The iteration space (ir/loops.py) the sharding planner splits; None: runs replicated.
     loops: Callable[..., Any] | None = None
+    # Data-dependent size (nonzero, unique, narrow): the op's `size` attribute names a dim of
+    # its results known only at run time; this gives its upper bound from the operands,
+    # (ins, attrs) -> Dim. None: every result dim follows from the operands' shapes.
+    bound: Callable[..., Any] | None = None
 
     def flop_count(self, ins: Sequence[TensorInfo], outs: Sequence[TensorInfo]):
         """FLOPs of one op at these shapes (multiply-add = 2), a sympy expression."""
@@ -792,6 +796,105 @@ _op("topk", ["x"], _topk, "K.topk({x}, {k}, {axis}, {largest})", "reduction",
 for _name in ("expm1", "log1p"):
     _op(_name, ["x"], _unary(_name, floats_only=True), f"np.{_name}({{x}})", "elementwise")
 
+
+
+# --- data-dependent sizes ---
+# A dim known only at run time ("unbacked" in torch's words: ONNX NonZero, Unique, a boolean
+# mask, TopK with a computed k) is a named symbol like any other (`u0`), introduced by the one
+# op whose result it sizes: its `size` attribute names it, and the shape rule puts it in the
+# result type. Backends bind it from that result's shape right after the op runs, as they
+# bind input symbols from the inputs; everything downstream is ordinary symbolic shapes.
+# The cost model prices it at `expected` times the op's upper bound (OpSpec.bound), a fraction
+# stated per op below (XLA and IREE keep such dims bounded; torch keeps only the symbol).
+
+
+def _size_symbol(op: str, attrs) -> Dim:
+    import sympy
+
+    from tilegraph.ir.shapes import parse_dim
+
+    name = attrs["size"]
+    dim = parse_dim(name) if isinstance(name, str) and name.isidentifier() else None
+    if not isinstance(dim, sympy.Symbol):
+        raise _fail(op, f"size {name!r} must name a symbol (an identifier)")
+    if not 0.0 <= attrs["expected"] <= 1.0:
+        raise _fail(op, f"expected fraction {attrs['expected']} of the bound is not in [0, 1]")
+    return dim
+
+
+def _nonzero(ins, attrs, given):
+    (x,) = ins
+    if x.rank == 0:
+        raise _fail("nonzero", f"operand {x} must have rank >= 1")
+    return [TensorInfo((x.rank, _size_symbol("nonzero", attrs)), "i64")]
+
+
+def _unique(ins, attrs, given):
+    (x,) = ins
+    u = _size_symbol("unique", attrs)
+    if attrs["flatten"]:
+        return [TensorInfo((u,), x.dtype)] + [TensorInfo(s, "i64") for s in ((u,), (numel(x.shape),), (u,))]
+    (axis,) = _axes("unique", [attrs["axis"]], x.rank)
+    values = x.shape[:axis] + (u,) + x.shape[axis + 1:]
+    return [TensorInfo(values, x.dtype)] + [TensorInfo(s, "i64") for s in ((u,), (x.shape[axis],), (u,))]
+
+
+def _narrow(ins, attrs, given):
+    x, length = ins
+    (axis,) = _axes("narrow", [attrs["axis"]], x.rank)
+    if length.rank != 0 or not dtypes.is_int(length.dtype):
+        raise _fail("narrow", f"length {length} must be an integer scalar")
+    return [TensorInfo(x.shape[:axis] + (_size_symbol("narrow", attrs),) + x.shape[axis + 1:], x.dtype)]
+
+
+def _unique_bound(ins, attrs):
+    return numel(ins[0].shape) if attrs["flatten"] else ins[0].shape[attrs["axis"] % ins[0].rank]
+
+
+_SIZE = {"size": ("str", REQUIRED)}
+# Half the elements of a mask are set: a guess with nothing better known (a MoE router's
+# mask for one expert holds top_k/experts of its rows; a frontend that knows states it).
+_op("nonzero", ["x"], _nonzero, "K.nonzero({x})", "reduction", {**_SIZE, "expected": ("float", 0.5)},
+    doc="the indices of the nonzero elements, one column per element in row-major order (ONNX NonZero; "
+        "torch.nonzero is its transpose)", pattern=OPAQUE, bound=lambda ins, attrs: numel(ins[0].shape))
+# Unique values: priced as all distinct (the bound), the case a model's cost must cover.
+_op("unique", ["x"], _unique, "K.unique({x}, {flatten}, {axis}, {sorted})", "reduction",
+    {**_SIZE, "expected": ("float", 1.0), "flatten": ("bool", True), "axis": ("int", 0), "sorted": ("bool", True)},
+    doc="the distinct values (or slices along axis), the index of each one's first occurrence, the inverse "
+        "indices and the counts; sorted, or in order of first occurrence (ONNX Unique)", pattern=OPAQUE,
+    bound=_unique_bound)
+# A run-time length (TopK with a computed k, x[:n] with n from .item()): priced as the whole dim.
+_op("narrow", ["x", "length"], _narrow, "K.narrow({x}, {length}, {axis})", "layout",
+    {**_SIZE, "expected": ("float", 1.0), "axis": ("int", 0)},
+    doc="x[..., :length] along axis, length a run-time integer clamped to [0, dim] (a view)", pattern=OPAQUE,
+    view=True, bound=lambda ins, attrs: ins[0].shape[attrs["axis"] % ins[0].rank])
+
+
+def size_definitions(op) -> list[tuple[int, int, str]]:
+    """(result index, axis, symbol name) of the run-time dim a tg op defines: its first
+    appearance in the results (a backend binds the symbol from that result's shape)."""
+    if getattr(op, "SPEC", None) is None or op.SPEC.bound is None:
+        return []
+    import sympy
+
+    name = op.attr("size")
+    for i, r in enumerate(op.result_infos()):
+        for axis, d in enumerate(r.shape):
+            if isinstance(d, sympy.Symbol) and d.name == name:
+                return [(i, axis, name)]
+    return []
+
+
+def expected_sizes(ops) -> dict[str, Any]:
+    """symbol name -> the size the cost model prices it at, for every run-time dim the ops define."""
+    out = {}
+    for op in ops:
+        for _i, _axis, name in size_definitions(op):
+            from tilegraph.ir.shapes import info_of
+
+            ins = [info_of(v.type) for v in op.operands]
+            out[name] = normalize_dim(op.attr("expected") * op.SPEC.bound(ins, op.py_attrs()))
+    return out
 
 
 # --- quantization (ir/quant.py: formats, scale layouts, the kernels) ---

@@ -318,6 +318,20 @@ def op_examples() -> dict[str, list[OpExample]]:
     add("topk", lambda g, a: g.op("topk", a, k=4, axis=1), [ties], label="largest-ties")
     add("topk", lambda g, a: g.op("topk", a, k=2, axis=0, largest=False), [f32(5, 3)], label="smallest")
 
+    # --- data-dependent sizes: a dim known only at run time (u0), used downstream ---
+    add("nonzero", lambda g, a: g.op("transpose", g.op("nonzero", g.op("gt", a, g.constant(np.float32(0.5))),
+                                                        size="u0"), perm=[1, 0]), [f32(3, 4)], label="mask")
+    picked = lambda g, a: (lambda i: g.op("gather", g.reshape(a, [-1]), g.reshape(i, ["u0"])))(  # noqa: E731
+        g.op("nonzero", g.op("ne", g.reshape(a, [-1]), g.constant(np.int32(0))), size="u0"))
+    add("nonzero", lambda g, a: g.op("reduce_sum", picked(g, a), axes=[0], keepdims=True),
+        [ints(2, 5, lo=-2, hi=3)], 10, label="masked-sum-symbolic", shapes=[("B", 5)])
+    dupes = np.array([[2.0, 1.0, 2.0, 0.5], [1.0, 3.0, 0.5, 2.0]], np.float32)
+    add("unique", lambda g, a: g.op("unique", a, size="u0"), [dupes], label="sorted-flat")
+    add("unique", lambda g, a: g.op("unique", a, size="u0", flatten=False, axis=1, sorted=False),
+        [np.array([[1, 2, 1, 3], [4, 0, 4, 0]], np.int64)], label="first-occurrence-axis1")
+    add("narrow", lambda g, a, k: g.op("narrow", g.op("topk", a, k=6, axis=1)[0], k, axis=1, size="u0") * 2.0,
+        [f32(3, 6), np.array(4, np.int64)], label="topk-computed-k")
+
     # --- quantization (ir/quant.py) ---
     # The quantized values are the same in both: x / scale is rounded in float32 by both.
     import ml_dtypes
@@ -1268,6 +1282,8 @@ def reduction_length(model, sizes: Mapping[str, int] | None = None) -> int:
         t = max([terms.get(v, 0) for v in op.operands], default=0) + own(op)
         for r in op.results:
             terms[r] = t
+        if op.SPEC.bound is not None:  # a dim known only at run time: at its upper bound
+            sizes[op.attr("size")] = n([op.SPEC.bound([info_of(v.type) for v in op.operands], op.py_attrs())])
     return max(1, longest)
 
 

@@ -98,6 +98,8 @@ HOST_FALLBACK = {
     "matmul_integer": "host", "mod": "host", "isinf": "host", "reduce_prod": "host",
     "div": "C for floats, the host for integers", "pow": "C for floats, the host for integers",
     "shift_left": "host", "shift_right": "host", "bitcast": "host",
+    # Data-dependent sizes: the runtime finds them before planning (ir.interpreter.run_time_sizes).
+    "nonzero": "host", "unique": "host", "narrow": "host",
 }
 LOWERINGS = table(template=[op for op in OPS if op not in HOST_FALLBACK],
                   fallback={op: f"runs on the host between native segments ({why})"
