@@ -2021,6 +2021,87 @@ def _topk(n):
     return n.op("topk", x, k=k, axis=_axis(n.attr("axis", -1), n.rank(x)), largest=bool(n.attr("largest", 1)))
 
 
+# --- data-dependent sizes (issue 18): NonZero, Unique, Compress and TopK on run-time values ---
+# The result's size is a symbol that one tg op defines (ir/ops.py, "data-dependent sizes"),
+# named u0, u1, ... (a name no graph input uses); with known inputs these fold at import.
+
+
+def _run_time_size(n) -> str:
+    imp = n.imp
+    taken = {p.dim_param for i in imp.proto.graph.input for p in i.type.tensor_type.shape.dim}
+    k = getattr(imp, "_run_time_sizes", 0)
+    while f"u{k}" in taken:
+        k += 1
+    imp._run_time_sizes = k + 1
+    return f"u{k}"
+
+
+@_conv("NonZero")
+def _nonzero(n):
+    x = n.x(0)
+    if isinstance(x, np.ndarray):
+        return np.array(np.nonzero(x), dtype=np.int64).reshape(x.ndim, -1)
+    if n.rank(x) == 0:
+        raise FrontendError("NonZero of a scalar computed at run time")
+    mask = x if n.dtype(x) == "i1" else n.op("ne", x, 0)
+    return n.op("nonzero", mask, size=_run_time_size(n))
+
+
+@_conv("Unique")
+def _unique(n):
+    x = n.x(0)
+    flatten = "axis" not in n.attrs
+    axis = 0 if flatten else _axis(n.attrs["axis"], n.rank(x))
+    sort = bool(n.attr("sorted", 1))
+    if isinstance(x, np.ndarray):
+        from tilegraph.ir.kernels import unique
+
+        return unique(x, flatten, axis, sort)
+    return n.op("unique", x, size=_run_time_size(n), flatten=flatten, axis=axis, sorted=sort)
+
+
+_static_compress = CONVERTERS["Compress"]
+
+
+@_conv("Compress")
+def _compress_run_time(n):
+    """Compress on a condition computed at run time: the rows of its nonzero entries."""
+    if isinstance(n.opt(1), np.ndarray):
+        return _static_compress(n)
+    x, cond = n.x(0), n.x(1)
+    if "axis" not in n.attrs:
+        x = n.reshape(x, (numel(n.shape(x)),))
+        axis = 0
+    else:
+        axis = _axis(n.attrs["axis"], n.rank(x))
+    length, dim = n.shape(cond)[0], n.shape(x)[axis]
+    if not (isinstance(length, int) and isinstance(dim, int)) and not sympy.simplify(length - dim) == 0:
+        raise FrontendError(f"a run-time condition of length {length} over a dim of {dim}")
+    if isinstance(length, int) and isinstance(dim, int) and length > dim:
+        cond = n.slice(cond, 0, 0, dim)  # (ONNX: a longer condition's extra entries are ignored)
+    size = _run_time_size(n)
+    rows = n.op("nonzero", n.cast(cond, "i1"), size=size)
+    return n.op("gather", x, n.reshape(rows, (symbol(size),)), axis=axis)
+
+
+_static_topk = CONVERTERS["TopK"]
+
+
+@_conv("TopK")
+def _topk_run_time_k(n):
+    """TopK with k computed at run time: the whole axis sorted, then both results narrowed to k."""
+    if isinstance(n.opt(1), np.ndarray):
+        return _static_topk(n)
+    x = n.x(0)
+    axis = _axis(n.attr("axis", -1), n.rank(x))
+    if not isinstance(n.shape(x)[axis], int):
+        raise FrontendError(f"TopK with a run-time k over symbolic dim {axis} of {info(x)}")
+    k = n.reshape(n.cast(n.x(1), "i64"), ())
+    size = _run_time_size(n)
+    full = n.op("topk", x, k=n.shape(x)[axis], axis=axis, largest=bool(n.attr("largest", 1)))
+    return tuple(n.op("narrow", t, k, axis=axis, size=size) for t in full)
+
+
 # --- integer (quantized) matmul and conv: exact int32 arithmetic, then requantization ---
 
 

@@ -887,13 +887,16 @@ def size_definitions(op) -> list[tuple[int, int, str]]:
 
 def expected_sizes(ops) -> dict[str, Any]:
     """symbol name -> the size the cost model prices it at, for every run-time dim the ops define."""
+    import sympy
+
     out = {}
     for op in ops:
         for _i, _axis, name in size_definitions(op):
             from tilegraph.ir.shapes import info_of
 
             ins = [info_of(v.type) for v in op.operands]
-            out[name] = normalize_dim(op.attr("expected") * op.SPEC.bound(ins, op.py_attrs()))
+            fraction = sympy.nsimplify(op.attr("expected"))  # 0.5 as 1/2: sizes stay exact expressions
+            out[name] = normalize_dim(fraction * sympy.sympify(op.SPEC.bound(ins, op.py_attrs())))
     return out
 
 
