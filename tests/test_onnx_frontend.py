@@ -54,7 +54,7 @@ def test_every_unsupported_op_is_listed_in_one_error_before_converting():
         helper.make_node("Relu", ["x"], ["a"], name="relu0"),
         helper.make_node("Frobnicate", ["a"], ["b"], name="frob0"),
         helper.make_node("Frobnicate", ["b"], ["c"], name="frob1"),
-        helper.make_node("Unique", ["c"], ["d"], name="uniq0"),
+        helper.make_node("DeformConv", ["c"], ["d"], name="deform0"),
         helper.make_node("Wibble", ["d"], ["y"], name="wib0", domain="com.example"),
     ]
     model = make_model(nodes, [vi("x", F32, [4])], [vi("y", F32, [4])])
@@ -64,7 +64,7 @@ def test_every_unsupported_op_is_listed_in_one_error_before_converting():
     msg = str(err.value)
     assert "3 unsupported op types (4 nodes)" in msg
     assert "Frobnicate: 2 nodes (e.g. 'frob0')" in msg
-    assert "Unique: 1 node (e.g. 'uniq0')" in msg
+    assert "DeformConv: 1 node (e.g. 'deform0')" in msg
     assert "com.example.Wibble: 1 node (e.g. 'wib0')" in msg
     assert "Relu" not in msg
 
