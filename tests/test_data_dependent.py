@@ -333,3 +333,21 @@ def test_a_mixture_of_experts_routed_by_nonzero_matches_eager_at_several_routing
     # each expert's rows are priced at the expected count, not at every token
     cost = module_cost(routed.module, hardware("cpu"))
     assert len(cost.expected) == 4
+
+
+# --- passes -------------------------------------------------------------------------------------
+
+
+def _data_dependent_examples():
+    from tilegraph.testing import op_examples
+
+    examples = op_examples()
+    return [ex for op in ("nonzero", "unique", "narrow") for ex in examples[op]]
+
+
+@pytest.mark.parametrize("pass_name", sorted(__import__("tilegraph.passes.registry", fromlist=["PASSES"]).PASSES))
+def test_every_registered_pass_keeps_the_meaning_of_models_with_run_time_dims(pass_name):
+    from tilegraph.testing import assert_preserves_semantics
+
+    for ex in _data_dependent_examples():
+        assert_preserves_semantics(pass_name, ex.model, list(ex.inputs))
