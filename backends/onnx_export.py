@@ -631,6 +631,10 @@ def _unique(ex, op, ins):
     return ex.node("Unique", [ins[0]], 4, sorted=int(op.attr("sorted")), **axis)
 
 
+def _non_max_suppression(ex, op, ins):
+    return [ex.one("NonMaxSuppression", *ins, center_point_box=op.attr("center_point_box"))]
+
+
 def _narrow(ex, op, ins):
     # tg.narrow clamps a negative length to 0; Slice would count a negative end from the back.
     length = ex.one("Max", _index(ex, op, op.operands[1], ins[1], ("i64",)), ex.const(0))
@@ -775,7 +779,7 @@ _EXPORT: dict[str, Callable] = {
     "cumsum": _cumsum, "trilu": _trilu, "constant": _constant, "weight": _weight, "iota": _iota,
     "scatter_elements": _scatter_elements, "scatter_nd": _scatter_nd, "topk": _topk, "quantize": _quantize,
     "dequantize": _dequantize, "dynamic_quantize": _dynamic_quantize, "matmul_integer": _matmul_integer,
-    "nonzero": _nonzero, "unique": _unique, "narrow": _narrow,
+    "nonzero": _nonzero, "unique": _unique, "narrow": _narrow, "non_max_suppression": _non_max_suppression,
 }
 EXPORTABLE = frozenset(_EXPORT) | frozenset(UNARY) | frozenset(BINARY) | frozenset(REDUCE) | {"ne"}
 # The lowering table (backends/lowering.py): ONNX nodes, or the stated refusal.

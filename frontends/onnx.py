@@ -2102,6 +2102,18 @@ def _topk_run_time_k(n):
     return tuple(n.op("narrow", t, k, axis=axis, size=size) for t in full)
 
 
+@_conv("NonMaxSuppression")
+def _non_max_suppression(n):
+    boxes, scores = n.x(0), n.x(1)
+    # Absent inputs take the spec's defaults (no boxes kept, IoU 0); an absent score threshold
+    # filters nothing, so it stays absent.
+    count = n.opt(2) if n.opt(2) is not None else np.zeros(1, np.int64)
+    iou = n.opt(3) if n.opt(3) is not None else np.zeros(1, np.float32)
+    rest = [n.opt(4)] if n.opt(4) is not None else []
+    return n.op("non_max_suppression", boxes, scores, count, iou, *rest, size=_run_time_size(n),
+                center_point_box=int(n.attr("center_point_box", 0)))
+
+
 # --- integer (quantized) matmul and conv: exact int32 arithmetic, then requantization ---
 
 

@@ -457,3 +457,43 @@ def unique(x, flatten, axis, sorted_):
 def narrow(x, length, axis):
     n = min(max(int(length), 0), x.shape[axis])
     return x[(slice(None),) * axis + (slice(0, n),)]
+
+
+def non_max_suppression(boxes, scores, max_output, iou_threshold, score_threshold, center_point_box):
+    """ONNX NonMaxSuppression, as onnx's reference computes it: IoU in float32 whatever the
+    arrays arrive in (the float64 interpreter selects the same boxes as a float32 backend)."""
+    boxes, scores = np.asarray(boxes, np.float32), np.asarray(scores, np.float32)
+    keep_most = 0 if max_output is None else max(int(np.asarray(max_output).reshape(-1)[0]), 0)
+    iou_limit = np.float32(0 if iou_threshold is None else np.asarray(iou_threshold).reshape(-1)[0])
+    rows = []
+    for b in range(boxes.shape[0]):
+        box = boxes[b]
+        if center_point_box:
+            half = box[:, 2:] / np.float32(2)
+            xs, ys = (box[:, 0] - half[:, 0], box[:, 0] + half[:, 0]), (box[:, 1] - half[:, 1], box[:, 1] + half[:, 1])
+        else:  # [y1, x1, y2, x2], either corner first
+            xs = (np.minimum(box[:, 1], box[:, 3]), np.maximum(box[:, 1], box[:, 3]))
+            ys = (np.minimum(box[:, 0], box[:, 2]), np.maximum(box[:, 0], box[:, 2]))
+        area = (xs[1] - xs[0]) * (ys[1] - ys[0])
+        for c in range(scores.shape[1]):
+            s = scores[b, c]
+            candidates = np.arange(len(s)) if score_threshold is None else \
+                np.flatnonzero(s > np.float32(np.asarray(score_threshold).reshape(-1)[0]))
+            # by falling score, equal scores by rising index (the reference's order)
+            candidates = candidates[np.lexsort((candidates, -s[candidates]))]
+            kept: list[int] = []
+            for i in candidates:
+                if len(kept) >= keep_most:
+                    break
+                k = np.array(kept, dtype=np.int64)
+                w = np.minimum(xs[1][k], xs[1][i]) - np.maximum(xs[0][k], xs[0][i])
+                h = np.minimum(ys[1][k], ys[1][i]) - np.maximum(ys[0][k], ys[0][i])
+                inter = w * h
+                union = area[k] + area[i] - inter
+                with np.errstate(all="ignore"):
+                    overlap = (w > 0) & (h > 0) & (inter > 0) & (area[k] > 0) & (area[i] > 0) & (union > 0) & \
+                        (inter / union > iou_limit)
+                if not overlap.any():
+                    kept.append(int(i))
+                    rows.append((b, c, int(i)))
+    return np.array(rows, dtype=np.int64).reshape(-1, 3)

@@ -870,6 +870,32 @@ _op("narrow", ["x", "length"], _narrow, "K.narrow({x}, {length}, {axis})", "layo
     view=True, bound=lambda ins, attrs: ins[0].shape[attrs["axis"] % ins[0].rank])
 
 
+def _non_max_suppression(ins, attrs, given):
+    boxes, scores = ins[:2]
+    if boxes.rank != 3 or boxes.shape[2] != 4 or scores.rank != 3 or not (
+            dims_equal(boxes.shape[0], scores.shape[0]) and dims_equal(boxes.shape[1], scores.shape[2])):
+        raise _fail("non_max_suppression", f"boxes {boxes} must be (batch, boxes, 4) and scores {scores} "
+                                           "(batch, classes, boxes)")
+    if any(not dtypes.is_float(t.dtype) for t in (boxes, scores, *ins[3:])) or (
+            len(ins) > 2 and not dtypes.is_int(ins[2].dtype)):
+        raise _fail("non_max_suppression", "boxes, scores and thresholds must be floats, the box count an integer")
+    if any(numel(t.shape) != 1 for t in ins[2:]):
+        raise _fail("non_max_suppression", "the box count and thresholds must be one value each")
+    return [TensorInfo((_size_symbol("non_max_suppression", attrs), 3), "i64")]
+
+
+# Boxes kept: priced at half of every box of every class, as nonzero (a detector's own
+# max_output_boxes_per_class usually caps it far lower).
+_op("non_max_suppression", ["boxes", "scores", "max_output?", "iou_threshold?", "score_threshold?"],
+    _non_max_suppression,
+    "K.non_max_suppression({boxes}, {scores}, {max_output}, {iou_threshold}, {score_threshold}, {center_point_box})",
+    "reduction", {**_SIZE, "expected": ("float", 0.5), "center_point_box": ("int", 0)},
+    doc="ONNX NonMaxSuppression: per batch and class, boxes by falling score (above score_threshold, if "
+        "given), each kept unless its IoU with a kept box exceeds iou_threshold, at most max_output; rows "
+        "(batch, class, box)", pattern=OPAQUE,
+    bound=lambda ins, attrs: numel(ins[1].shape), flops=lambda ins, outs: 0)
+
+
 def size_definitions(op) -> list[tuple[int, int, str]]:
     """(result index, axis, symbol name) of the run-time dim a tg op defines: its first
     appearance in the results (a backend binds the symbol from that result's shape)."""

@@ -329,6 +329,12 @@ def op_examples() -> dict[str, list[OpExample]]:
     add("unique", lambda g, a: g.op("unique", a, size="u0"), [dupes], label="sorted-flat")
     add("unique", lambda g, a: g.op("unique", a, size="u0", flatten=False, axis=1, sorted=False),
         [np.array([[1, 2, 1, 3], [4, 0, 4, 0]], np.int64)], label="first-occurrence-axis1")
+    corners = np.array([[[0, 0, 1, 1], [0, 0.1, 1, 1.1], [0, -0.1, 1, 0.9], [0, 10, 1, 11], [1, 1, 0, 0]]],
+                       np.float32)  # overlapping pairs, a far box, a box given by its other corners
+    add("non_max_suppression", lambda g, b, s: g.op("non_max_suppression", b, s, g.constant(np.array([3])),
+                                                    g.constant(np.array([0.5], np.float32)), size="u0"),
+        [corners, np.array([[[0.9, 0.75, 0.6, 0.95, 0.5], [0.1, 0.2, 0.3, 0.4, 0.5]]], np.float32)],
+        label="two-classes")
     add("narrow", lambda g, a, k: g.op("narrow", g.op("topk", a, k=6, axis=1)[0], k, axis=1, size="u0") * 2.0,
         [f32(3, 6), np.array(4, np.int64)], label="topk-computed-k")
 

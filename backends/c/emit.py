@@ -99,7 +99,7 @@ HOST_FALLBACK = {
     "div": "C for floats, the host for integers", "pow": "C for floats, the host for integers",
     "shift_left": "host", "shift_right": "host", "bitcast": "host",
     # Data-dependent sizes: the runtime finds them before planning (ir.interpreter.run_time_sizes).
-    "nonzero": "host", "unique": "host", "narrow": "host",
+    "nonzero": "host", "unique": "host", "narrow": "host", "non_max_suppression": "host",
 }
 LOWERINGS = table(template=[op for op in OPS if op not in HOST_FALLBACK],
                   fallback={op: f"runs on the host between native segments ({why})"
