@@ -2114,6 +2114,81 @@ def _non_max_suppression(n):
                 center_point_box=int(n.attr("center_point_box", 0)))
 
 
+# --- Resize on symbolic spatial dims (issue 18): integer scale factors, taps made at run time ---
+# With an integer factor s and a coordinate transformation that does not depend on the input
+# length, output o reads source taps floor(o / s) + offset[o % s] with weights[o % s]: the
+# taps repeat with period s. The tables (s rows) come from the same _resize_taps as the static
+# case, taken well inside a longer axis; the edge clamp becomes an edge pad of the input.
+_PERIODIC_CTM = ("half_pixel", "half_pixel_symmetric", "pytorch_half_pixel", "asymmetric")
+_static_resize = CONVERTERS["Resize"]
+
+
+def _symbolic_resize_factors(n, shape, axes) -> dict[int, int] | None:
+    """axis -> integer factor when a resized axis is symbolic (None: the static converter's case)."""
+    if all(isinstance(shape[a], int) for a in axes):
+        return None
+    scales, sizes = n.opt(2), n.opt(3)
+    factors = {}
+    for i, a in enumerate(axes):
+        if sizes is not None and isinstance(sizes, np.ndarray) and sizes.size:
+            f = sympy.simplify(sympy.sympify(sizes.reshape(-1)[i]) / sympy.sympify(shape[a]))
+        elif scales is not None and isinstance(scales, np.ndarray) and scales.size:
+            f = sympy.nsimplify(float(scales.reshape(-1)[i]))
+        else:
+            return None
+        if not (f.is_Integer and f >= 1):
+            raise FrontendError(f"Resize of symbolic dim {a} ({shape[a]}) by {f}: only integer factors can be "
+                                "resized on symbolic dims")
+        factors[a] = int(f)
+    return factors
+
+
+@_conv("Resize")
+def _resize_symbolic(n):
+    x = n.x(0)
+    shape, r = n.shape(x), n.rank(x)
+    axes = [_axis(a, r) for a in n.attr("axes", range(r))]
+    factors = _symbolic_resize_factors(n, shape, axes)
+    if factors is None:
+        return _static_resize(n)
+    mode, ctm = n.attr("mode", "nearest"), n.attr("coordinate_transformation_mode", "half_pixel")
+    if ctm not in _PERIODIC_CTM or n.attr("exclude_outside", 0) or mode not in ("nearest", "linear", "cubic") or \
+            n.attr("keep_aspect_ratio_policy", "stretch") != "stretch":
+        raise FrontendError(f"Resize on symbolic dims supports integer factors with {', '.join(_PERIODIC_CTM)}, "
+                            f"stretch, no exclude_outside; got mode {mode}, {ctm}")
+    if mode != "nearest" and not dtypes.is_float(n.dtype(x)):
+        raise FrontendError(f"Resize mode '{mode}' needs a float input")
+    inside = 4  # the table rows are taken at source position `inside` of a 2 * inside + 1 long axis
+    for a in axes:
+        s = factors[a]
+        if s == 1:
+            continue
+        idx, coeffs, _ = _resize_taps(n, 2 * inside + 1, s * (2 * inside + 1), float(s), (0.0, 1.0))
+        offsets, coeffs = idx[inside * s:(inside + 1) * s] - inside, coeffs[inside * s:(inside + 1) * s]
+        if mode == "nearest":
+            offsets = offsets[np.arange(s), np.argmax(coeffs, axis=1)][:, None]
+        pad = int(np.abs(offsets).max())
+        padded = x
+        if pad:
+            pads = [0] * (2 * r)
+            pads[a] = pads[a + r] = pad
+            padded = n.op("pad", x, pads=tuple(pads), mode="edge")
+        out = normalize_dim(s * sympy.sympify(shape[a]))
+        o = n.iota((out,), 0)
+        phase = n.op("mod", o, np.int64(s))
+        source = n.op("add", n.op("div", o, np.int64(s)), np.int64(pad))  # floor(o / s) on the padded axis
+        taps = n.op("add", n.reshape(source, (out, 1)), n.op("gather", offsets.astype(np.int64), phase, axis=0))
+        if mode == "nearest":
+            x = n.op("gather", padded, n.reshape(taps, (out,)), axis=a)
+            continue
+        dt = dtypes.numpy_dtype(n.dtype(x))
+        gathered = n.op("gather", padded, taps, axis=a)  # (..., out, taps, ...)
+        w = n.op("gather", coeffs.astype(dt), phase, axis=0)
+        w = n.reshape(w, (out, coeffs.shape[1]) + (1,) * (r - a - 1))
+        x = n.reduce("sum", n.op("mul", gathered, w), [a + 1], False)
+    return x
+
+
 # --- integer (quantized) matmul and conv: exact int32 arithmetic, then requantization ---
 
 

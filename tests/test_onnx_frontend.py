@@ -17,7 +17,7 @@ from tilegraph.frontends import FrontendError
 from tilegraph.frontends.onnx import StaticInputNeeded, from_onnx
 from tilegraph.ir.interpreter import interpret
 from tilegraph.ir.shapes import symbol
-from tilegraph.testing import assert_close, reduction_length
+from tilegraph.testing import PEER_RELATIVE_ERROR, assert_close, reduction_length, relative_error
 
 F32 = TensorProto.FLOAT
 I64 = TensorProto.INT64
@@ -515,3 +515,44 @@ def test_same_padding_with_stride_1_keeps_symbolic_spatial_dims_and_matches_onnx
         x = rng.standard_normal(shape).astype(np.float32)
         (ref,) = run_ort(onnx_model, {"x": x})
         assert_close(interpret(model, [x])[0], ref, "f32", 18)
+
+
+# --- Resize on symbolic spatial dims (issue 18) ------------------------------------------------
+
+
+def _symbolic_resize_model(mode, ctm, by_sizes, factors=(2, 3)):
+    inits = [helper.make_tensor("roi", F32, [0], [])]
+    if by_sizes:  # sizes computed from the input's Shape, as exporters write an upsample
+        inits.append(helper.make_tensor("k", I64, [4], [1, 1, *factors]))
+        nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Mul", ["s", "k"], ["sizes"]),
+                 helper.make_node("Resize", ["x", "roi", "", "sizes"], ["y"], mode=mode,
+                                  coordinate_transformation_mode=ctm)]
+    else:
+        inits.append(helper.make_tensor("scales", F32, [4], [1, 1, *factors]))
+        nodes = [helper.make_node("Resize", ["x", "roi", "scales"], ["y"], mode=mode,
+                                  coordinate_transformation_mode=ctm)]
+    return make_model(nodes, [vi("x", F32, [1, 2, "H", "W"])], [vi("y", F32, None)], inits, opset=19)
+
+
+@pytest.mark.parametrize("mode", ["nearest", "linear", "cubic"])
+@pytest.mark.parametrize("ctm,by_sizes", [("half_pixel", False), ("asymmetric", True), ("pytorch_half_pixel", True),
+                                          ("half_pixel_symmetric", False)])
+def test_resize_on_symbolic_spatial_dims_matches_onnxruntime_at_every_size(mode, ctm, by_sizes):
+    """One import serves every H and W: the taps of an integer factor repeat with its period."""
+    proto = _symbolic_resize_model(mode, ctm, by_sizes)
+    model = from_onnx(proto)
+    assert [str(d) for d in model.outputs[0].shape] == ["1", "2", "2*H", "3*W"]
+    rng = np.random.default_rng(7)
+    for h, w in ((3, 4), (5, 2), (1, 1)):
+        x = rng.normal(size=(1, 2, h, w)).astype(np.float32)
+        (want,) = run_ort(proto, {"x": x})
+        (got,) = interpret(model, [x], float64=False)
+        (exact,) = interpret(model, [x])
+        assert got.shape == want.shape == (1, 2, 2 * h, 3 * w)
+        assert_close(got, exact, "f32", reduction_length(model, {"H": h, "W": w}))
+        assert relative_error(got, want) <= PEER_RELATIVE_ERROR
+
+
+def test_resize_of_a_symbolic_dim_by_a_fraction_is_a_clear_error():
+    with pytest.raises(FrontendError, match="only integer factors"):
+        from_onnx(_symbolic_resize_model("linear", "half_pixel", False, factors=(1.5, 2)))
