@@ -635,6 +635,23 @@ def _non_max_suppression(ex, op, ins):
     return [ex.one("NonMaxSuppression", *ins, center_point_box=op.attr("center_point_box"))]
 
 
+def _rnn(ex, op, ins):
+    """One direction of ONNX RNN/GRU/LSTM: tg's operands and results are ONNX's without their
+    num_directions axis (sequence_lens is absent: every sequence runs its whole length)."""
+    cell = op.attr("cell")
+    hidden = info_of(op.operands[2].type).shape[1]
+    with_axis = [ex.one("Unsqueeze", v, ex.const([0])) for v in ins[1:]]  # W, R, B, initial_h, initial_c, P
+    onnx_inputs = [ins[0], *with_axis[:3]] + ([""] + with_axis[3:] if len(with_axis) > 3 else [])
+    attrs = {"hidden_size": int(hidden), "direction": "reverse" if op.attr("reverse") else "forward"}
+    if op.attr("clip"):
+        attrs["clip"] = float(op.attr("clip"))
+    if cell == "gru":
+        attrs["linear_before_reset"] = int(op.attr("linear_before_reset"))
+    outs = ex.node({"rnn": "RNN", "gru": "GRU", "lstm": "LSTM"}[cell], onnx_inputs, 3 if cell == "lstm" else 2,
+                   **attrs)
+    return [ex.one("Squeeze", outs[0], ex.const([1]))] + [ex.one("Squeeze", o, ex.const([0])) for o in outs[1:]]
+
+
 def _narrow(ex, op, ins):
     # tg.narrow clamps a negative length to 0; Slice would count a negative end from the back.
     length = ex.one("Max", _index(ex, op, op.operands[1], ins[1], ("i64",)), ex.const(0))
@@ -780,6 +797,7 @@ _EXPORT: dict[str, Callable] = {
     "scatter_elements": _scatter_elements, "scatter_nd": _scatter_nd, "topk": _topk, "quantize": _quantize,
     "dequantize": _dequantize, "dynamic_quantize": _dynamic_quantize, "matmul_integer": _matmul_integer,
     "nonzero": _nonzero, "unique": _unique, "narrow": _narrow, "non_max_suppression": _non_max_suppression,
+    "rnn": _rnn,
 }
 EXPORTABLE = frozenset(_EXPORT) | frozenset(UNARY) | frozenset(BINARY) | frozenset(REDUCE) | {"ne"}
 # The lowering table (backends/lowering.py): ONNX nodes, or the stated refusal.

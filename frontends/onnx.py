@@ -2394,6 +2394,63 @@ def _recurrent(n):
     return (y, yh, yc) if kind == "LSTM" else (y, yh)
 
 
+# --- RNN, GRU, LSTM over a symbolic number of steps (issue 18): tg.rnn, a loop inside one op ---
+_unrolled_recurrent = CONVERTERS["LSTM"]
+
+
+@_conv("RNN", "GRU", "LSTM")
+def _recurrent_loop(n):
+    """A static sequence is unrolled (_recurrent); a symbolic one becomes one tg.rnn per direction."""
+    kind = n.op_type
+    x = n.x(0)
+    layout = n.attr("layout", 0)
+    if isinstance(n.shape(x)[1 if layout else 0], int):
+        return _unrolled_recurrent(n)
+    w, r, b, lens, h0 = n.x(1), n.x(2), n.opt(3), n.opt(4), n.opt(5)
+    c0, p = (n.opt(6), n.opt(7)) if kind == "LSTM" else (None, None)
+    if lens is not None or n.attr("input_forget", 0) or \
+            [a.lower() for a in n.attr("activations", [])] not in ([], [a.lower() for a in RNN_DEFAULT_ACTIVATIONS[kind]]
+                                                                    * n.shape(w)[0]):
+        raise FrontendError(f"{kind} over a symbolic sequence supports the default activations, no "
+                            "sequence_lens, no input_forget")
+    if layout:
+        x = n.transpose(x, (1, 0, 2))
+        h0 = None if h0 is None else n.transpose(h0, (1, 0, 2))
+        c0 = None if c0 is None else n.transpose(c0, (1, 0, 2))
+    _, batch, _ = n.shape(x)
+    directions, gh = n.shape(w)[0], n.shape(w)[1]
+    hidden = gh // RNN_GATES[kind]
+    direction = n.attr("direction", "forward")
+    if (direction == "bidirectional") != (directions == 2):
+        raise FrontendError(f"direction '{direction}' does not fit W {n.info(w)}")
+    zeros = n.broadcast(n.const(0, n.dtype(x)).reshape(1, 1), (batch, hidden))
+    ys, hs, cs = [], [], []
+    for d in range(directions):
+        def pick(v, shape):
+            return n.reshape(n.slice(v, 0, d, d + 1), shape)
+
+        operands = [x, pick(w, (gh, n.shape(w)[2])), pick(r, (gh, hidden)),
+                    pick(b, (2 * gh,)) if b is not None else n.const(np.zeros(2 * gh), n.dtype(x)),
+                    pick(h0, (batch, hidden)) if h0 is not None else zeros]
+        if kind == "LSTM":
+            operands.append(pick(c0, (batch, hidden)) if c0 is not None else zeros)
+            if p is not None:
+                operands.append(pick(p, (3 * hidden,)))
+        outs = n.op("rnn", *operands, cell=kind.lower(), reverse=direction == "reverse" or d == 1,
+                    clip=float(n.attrs.get("clip", 0.0)), linear_before_reset=bool(n.attr("linear_before_reset", 0)))
+        ys.append(n.unsqueeze(outs[0], [1]))
+        hs.append(n.unsqueeze(outs[1], [0]))
+        cs.append(n.unsqueeze(outs[2], [0]) if kind == "LSTM" else None)
+    y = ys[0] if directions == 1 else n.op("concat", *ys, axis=1)
+    yh = hs[0] if directions == 1 else n.op("concat", *hs, axis=0)
+    yc = None if kind != "LSTM" else (cs[0] if directions == 1 else n.op("concat", *cs, axis=0))
+    if layout:
+        y = n.transpose(y, (2, 0, 1, 3))
+        yh = n.transpose(yh, (1, 0, 2))
+        yc = None if yc is None else n.transpose(yc, (1, 0, 2))
+    return (y, yh, yc) if kind == "LSTM" else (y, yh)
+
+
 # --- control flow, unrolled ---
 
 # Iterations a Loop or Scan is unrolled to at most: past it the graph would be mostly copies

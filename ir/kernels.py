@@ -497,3 +497,47 @@ def non_max_suppression(boxes, scores, max_output, iou_threshold, score_threshol
                     kept.append(int(i))
                     rows.append((b, c, int(i)))
     return np.array(rows, dtype=np.int64).reshape(-1, 3)
+
+
+# --- recurrences (ir/ops.py: rnn) ---
+
+
+def _sigmoid(v):
+    return 1 / (1 + np.exp(-v))
+
+
+def rnn(x, w, r, bias, h0, c0, peephole, cell, reverse, clip, linear_before_reset):
+    """One direction of ONNX RNN/GRU/LSTM with its default activations, a loop over the steps."""
+    steps, batch, _ = x.shape
+    hidden = r.shape[1]
+    gh = r.shape[0]
+    bias = np.zeros(2 * gh, x.dtype) if bias is None else bias
+    xw = np.matmul(x, w.T) + bias[:gh]  # every step's input projection at once
+    rb = bias[gh:]
+    h = np.zeros((batch, hidden), x.dtype) if h0 is None else h0
+    c = np.zeros((batch, hidden), x.dtype) if c0 is None else c0
+    clipped = (lambda v: v) if not clip else (lambda v: np.clip(v, -clip, clip))
+    ys = np.empty((steps, batch, hidden), x.dtype)
+    for t in (range(steps - 1, -1, -1) if reverse else range(steps)):
+        if cell == "rnn":
+            h = np.tanh(clipped(xw[t] + h @ r.T + rb))
+        elif cell == "lstm":
+            g = xw[t] + h @ r.T + rb
+            i, o, f, z = (g[:, k * hidden:(k + 1) * hidden] for k in range(4))
+            if peephole is not None:
+                i, f = i + peephole[:hidden] * c, f + peephole[2 * hidden:] * c
+            i, f = _sigmoid(clipped(i)), _sigmoid(clipped(f))
+            c = f * c + i * np.tanh(clipped(z))
+            if peephole is not None:
+                o = o + peephole[hidden:2 * hidden] * c
+            h = _sigmoid(clipped(o)) * np.tanh(c)
+        else:  # gru: update z, reset r, hidden gate
+            rz, rr, rh = (r[k * hidden:(k + 1) * hidden] for k in range(3))
+            bz, br, bh = (rb[k * hidden:(k + 1) * hidden] for k in range(3))
+            xz, xr, xh = (xw[t][:, k * hidden:(k + 1) * hidden] for k in range(3))
+            z = _sigmoid(clipped(xz + h @ rz.T + bz))
+            reset = _sigmoid(clipped(xr + h @ rr.T + br))
+            inner = reset * (h @ rh.T + bh) if linear_before_reset else (reset * h) @ rh.T + bh
+            h = (1 - z) * np.tanh(clipped(xh + inner)) + z * h
+        ys[t] = h
+    return (ys, h, c) if cell == "lstm" else (ys, h)

@@ -896,6 +896,52 @@ _op("non_max_suppression", ["boxes", "scores", "max_output?", "iou_threshold?", 
     bound=lambda ins, attrs: numel(ins[1].shape), flops=lambda ins, outs: 0)
 
 
+# --- recurrences: a loop over a sequence of any length ---
+
+
+def _rnn(ins, attrs, given):
+    x, w, r = ins[:3]
+    cell = attrs["cell"]
+    gates = {"rnn": 1, "gru": 3, "lstm": 4}.get(cell)
+    if gates is None:
+        raise _fail("rnn", f"cell '{cell}' is not one of rnn, gru, lstm")
+    if x.rank != 3 or w.rank != 2 or r.rank != 2 or not isinstance(r.shape[0], int):
+        raise _fail("rnn", f"x {x} must be (steps, batch, inputs), w {w} (gates*hidden, inputs), r {r} "
+                           "(gates*hidden, hidden)")
+    steps, batch, _ = x.shape
+    hidden = r.shape[1]
+    if not (dims_equal(w.shape[0], gates * hidden) and dims_equal(r.shape[0], gates * hidden)
+            and dims_equal(w.shape[1], x.shape[2])):
+        raise _fail("rnn", f"w {w} and r {r} do not hold {gates} gates of {hidden} for x {x}")
+    _same_dtype("rnn", [t for t in ins if t is not None])
+    want = {"bias": (2 * gates * hidden,), "h0": (batch, hidden), "c0": (batch, hidden), "peephole": (3 * hidden,)}
+    for name, t in zip(("bias", "h0", "c0", "peephole"), ins[3:]):
+        if not all(dims_equal(a, b) for a, b in zip(t.shape, want[name])) or t.rank != len(want[name]):
+            raise _fail("rnn", f"{name} {t} must be {shape_str(want[name])}")
+    if cell != "lstm" and len(ins) > 5:
+        raise _fail("rnn", f"a {cell} cell has no cell state or peepholes")
+    out = [TensorInfo((steps, batch, hidden), x.dtype), TensorInfo((batch, hidden), x.dtype)]
+    return out + ([TensorInfo((batch, hidden), x.dtype)] if cell == "lstm" else [])
+
+
+def _rnn_flops(ins, outs):
+    x, w, r = ins[:3]
+    steps, batch, inputs = x.shape
+    gh, hidden = r.shape
+    # the input projection and the recurrent matmul per step, ~3 elementwise ops per gate value
+    return steps * batch * (2 * gh * inputs + 2 * gh * hidden + 3 * gh)
+
+
+# The sequence is a loop in the op (as onnxruntime's LSTM kernel): one op for any length, not
+# an unrolled copy per step. Default activations (sigmoid, tanh), ONNX's gate order and formulas.
+_op("rnn", ["x", "w", "r", "bias?", "h0?", "c0?", "peephole?"], _rnn,
+    "K.rnn({x}, {w}, {r}, {bias}, {h0}, {c0}, {peephole}, {cell}, {reverse}, {clip}, {linear_before_reset})",
+    "composite", {"cell": ("str", REQUIRED), "reverse": ("bool", False), "clip": ("float", 0.0),
+                  "linear_before_reset": ("bool", False)},
+    doc="one direction of ONNX RNN/GRU/LSTM over x (steps, batch, inputs): all hidden states, the last "
+        "hidden (and cell) state; clip 0 means none", pattern=OPAQUE, flops=_rnn_flops)
+
+
 def size_definitions(op) -> list[tuple[int, int, str]]:
     """(result index, axis, symbol name) of the run-time dim a tg op defines: its first
     appearance in the results (a backend binds the symbol from that result's shape)."""

@@ -342,12 +342,24 @@ def _data_dependent_examples():
     from tilegraph.testing import op_examples
 
     examples = op_examples()
-    return [ex for op in ("nonzero", "unique", "narrow") for ex in examples[op]]
+    return [ex for op in ("nonzero", "unique", "narrow", "non_max_suppression", "rnn") for ex in examples[op]]
 
 
 @pytest.mark.parametrize("pass_name", sorted(__import__("tilegraph.passes.registry", fromlist=["PASSES"]).PASSES))
-def test_every_registered_pass_keeps_the_meaning_of_models_with_run_time_dims(pass_name):
+def test_every_registered_pass_keeps_the_meaning_of_models_with_run_time_dims_and_loops(pass_name):
     from tilegraph.testing import assert_preserves_semantics
 
     for ex in _data_dependent_examples():
         assert_preserves_semantics(pass_name, ex.model, list(ex.inputs))
+
+
+def test_the_cost_of_a_recurrence_grows_with_its_symbolic_length():
+    from tilegraph.testing import op_examples
+
+    lstm = next(ex for ex in op_examples()["rnn"] if ex.label == "lstm-peepholes-clip")
+    cost = module_cost(lstm.model.module, hardware("cpu"))
+    T = symbol("T")
+    (rnn,) = [c for what, c in cost.rows if what == "rnn"]
+    # 4 gates of 3 over 2 inputs and 3 hidden, batch 2, per step: the two matmuls and the gate arithmetic
+    assert sympy.expand(rnn.flops - (2 * 12 * 2 + 2 * 12 * 3 + 3 * 12) * 2 * T) == 0
+    assert sympy.sympify(cost.time).has(T)

@@ -556,3 +556,57 @@ def test_resize_on_symbolic_spatial_dims_matches_onnxruntime_at_every_size(mode,
 def test_resize_of_a_symbolic_dim_by_a_fraction_is_a_clear_error():
     with pytest.raises(FrontendError, match="only integer factors"):
         from_onnx(_symbolic_resize_model("linear", "half_pixel", False, factors=(1.5, 2)))
+
+
+# --- RNN, GRU, LSTM over a symbolic number of steps (issue 18) ----------------------------------
+
+
+def _recurrent_model(kind, direction, layout=0, peepholes=False, lbr=0, seed=0):
+    rng = np.random.default_rng(seed)
+    gates, hidden, inputs = {"RNN": 1, "GRU": 3, "LSTM": 4}[kind], 3, 2
+    dirs = 2 if direction == "bidirectional" else 1
+    inits = [numpy_helper.from_array(rng.uniform(-1, 1, (dirs, gates * hidden, inputs)).astype(np.float32), "W"),
+             numpy_helper.from_array(rng.uniform(-1, 1, (dirs, gates * hidden, hidden)).astype(np.float32), "R"),
+             numpy_helper.from_array(rng.uniform(-0.5, 0.5, (dirs, 2 * gates * hidden)).astype(np.float32), "B")]
+    names = ["x", "W", "R", "B", "", "h0"]
+    if peepholes:
+        inits.append(numpy_helper.from_array(rng.uniform(-0.5, 0.5, (dirs, 3 * hidden)).astype(np.float32), "P"))
+        names += ["", "P"]
+    extra = {"linear_before_reset": lbr} if kind == "GRU" else {}
+    outs = ["y", "yh"] + (["yc"] if kind == "LSTM" else [])
+    node = helper.make_node(kind, names, outs, hidden_size=hidden, direction=direction, layout=layout, **extra)
+    seq = ["B", "T", inputs] if layout else ["T", "B", inputs]
+    h0 = ["B", dirs, hidden] if layout else [dirs, "B", hidden]
+    return make_model([node], [vi("x", F32, seq), vi("h0", F32, h0)], [vi(o, F32, None) for o in outs], inits,
+                      opset=14)
+
+
+@pytest.mark.parametrize("kind,direction,layout,peepholes,lbr", [
+    ("LSTM", "forward", 0, True, 0), ("LSTM", "bidirectional", 1, False, 0), ("GRU", "reverse", 0, False, 1),
+    ("GRU", "bidirectional", 0, False, 0), ("RNN", "forward", 1, False, 0)])
+def test_recurrences_over_a_symbolic_sequence_are_one_loop_op_and_match_onnxruntime(kind, direction, layout,
+                                                                                   peepholes, lbr):
+    proto = _recurrent_model(kind, direction, layout, peepholes, lbr)
+    model = from_onnx(proto)
+    loops = [op for op in model.func.walk() if getattr(op, "op_name", "") == "rnn"]
+    assert len(loops) == (2 if direction == "bidirectional" else 1)  # not one copy per step
+    import tilegraph
+
+    compiled = tilegraph.compile(proto, target="c")
+    rng = np.random.default_rng(1)
+    dirs = 2 if direction == "bidirectional" else 1
+    for steps in (1, 4, 9):
+        x = rng.normal(size=(2, steps, 2) if layout else (steps, 2, 2)).astype(np.float32)
+        h0 = rng.normal(size=(2, dirs, 3) if layout else (dirs, 2, 3)).astype(np.float32)
+        if layout:  # onnxruntime has no batch-first recurrences: the same weights time-major, transposed
+            want = run_ort(_recurrent_model(kind, direction, 0, peepholes, lbr),
+                           {"x": x.transpose(1, 0, 2), "h0": h0.transpose(1, 0, 2)})
+            want = [want[0].transpose(2, 0, 1, 3)] + [v.transpose(1, 0, 2) for v in want[1:]]
+        else:
+            want = run_ort(proto, {"x": x, "h0": h0})
+        exact = interpret(model, [x, h0])
+        for got in (interpret(model, [x, h0], float64=False), compiled.run(x, h0)):
+            for g, w, e in zip(got, want, exact):
+                assert g.shape == w.shape
+                assert_close(g, e, "f32", reduction_length(model, {"T": steps, "B": 2}))
+                assert relative_error(g, w) <= PEER_RELATIVE_ERROR

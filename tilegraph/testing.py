@@ -335,6 +335,19 @@ def op_examples() -> dict[str, list[OpExample]]:
                                                     g.constant(np.array([0.5], np.float32)), size="u0"),
         [corners, np.array([[[0.9, 0.75, 0.6, 0.95, 0.5], [0.1, 0.2, 0.3, 0.4, 0.5]]], np.float32)],
         label="two-classes")
+    # Recurrences over a symbolic number of steps T (one op, a loop inside)
+    lstm_w, lstm_r = f32(4 * 3, 2, lo=-1, hi=1), f32(4 * 3, 3, lo=-1, hi=1)
+    add("rnn", lambda g, x, b, h, c, p: g.op("rnn", x, g.weight("lstm.w", lstm_w), g.weight("lstm.r", lstm_r),
+                                          b, h, c, p, cell="lstm", clip=2.0),
+        [f32(4, 2, 2), f32(24, lo=-0.5, hi=0.5), f32(2, 3), f32(2, 3), f32(9, lo=-0.5, hi=0.5)], 12,
+        label="lstm-peepholes-clip", shapes=[("T", 2, 2), (24,), (2, 3), (2, 3), (9,)])
+    gru_w, gru_r = f32(3 * 3, 2, lo=-1, hi=1), f32(3 * 3, 3, lo=-1, hi=1)
+    add("rnn", lambda g, x, b, h: g.op("rnn", x, g.weight("gru.w", gru_w), g.weight("gru.r", gru_r), b, h,
+                                       cell="gru", reverse=True, linear_before_reset=True),
+        [f32(5, 2, 2), f32(18, lo=-0.5, hi=0.5), f32(2, 3)], 12, label="gru-reverse",
+        shapes=[("T", 2, 2), (18,), (2, 3)])
+    add("rnn", lambda g, x: g.op("rnn", x, g.weight("rnn.w", gru_w[:3]), g.weight("rnn.r", gru_r[:3]), cell="rnn"),
+        [f32(3, 2, 2)], 12, label="tanh")
     add("narrow", lambda g, a, k: g.op("narrow", g.op("topk", a, k=6, axis=1)[0], k, axis=1, size="u0") * 2.0,
         [f32(3, 6), np.array(4, np.int64)], label="topk-computed-k")
 
