@@ -797,7 +797,7 @@ _EXPORT: dict[str, Callable] = {
     "scatter_elements": _scatter_elements, "scatter_nd": _scatter_nd, "topk": _topk, "quantize": _quantize,
     "dequantize": _dequantize, "dynamic_quantize": _dynamic_quantize, "matmul_integer": _matmul_integer,
     "nonzero": _nonzero, "unique": _unique, "narrow": _narrow, "non_max_suppression": _non_max_suppression,
-    "rnn": _rnn,
+    "rnn": _rnn, "assert_size": lambda ex, op, ins: [ex.one("Identity", ins[0])],
 }
 EXPORTABLE = frozenset(_EXPORT) | frozenset(UNARY) | frozenset(BINARY) | frozenset(REDUCE) | {"ne"}
 # The lowering table (backends/lowering.py): ONNX nodes, or the stated refusal.

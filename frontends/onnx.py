@@ -2394,6 +2394,32 @@ def _recurrent(n):
     return (y, yh, yc) if kind == "LSTM" else (y, yh)
 
 
+# --- Split of a run-time size into static parts (issue 18) ---
+# torch's TorchScript exporter unrolls a Python loop over a nonzero's rows at the count it saw,
+# splitting a (u0, ...) value into that many static parts: the count is checked when the model
+# runs (tg.assert_size), as onnxruntime fails a Split whose parts do not add up.
+_static_split = CONVERTERS["Split"]
+
+
+@_conv("Split")
+def _split_run_time_size(n):
+    x = n.x(0)
+    axis = _axis(n.attr("axis", 0), n.rank(x))
+    dim = n.shape(x)[axis]
+    sizes = n.ints_attr_or_input("split", 1) if isinstance(dim, sympy.Symbol) else None
+    if sizes is not None and all(isinstance(s, int) for s in sizes) and not isinstance(x, np.ndarray) \
+            and _defined_at_run_time(n, dim):
+        n.inputs[0] = n.op("assert_size", x, axis=axis, size=sum(sizes))
+    return _static_split(n)
+
+
+def _defined_at_run_time(n, dim) -> bool:
+    """Whether symbol `dim` is a size some tg op of the graph so far defines (not a graph input's)."""
+    from tilegraph.ir.ops import size_definitions
+
+    return any(name == dim.name for op in n.imp.g.block.ops for _, _, name in size_definitions(op))
+
+
 # --- RNN, GRU, LSTM over a symbolic number of steps (issue 18): tg.rnn, a loop inside one op ---
 _unrolled_recurrent = CONVERTERS["LSTM"]
 

@@ -541,3 +541,12 @@ def rnn(x, w, r, bias, h0, c0, peephole, cell, reverse, clip, linear_before_rese
             h = (1 - z) * np.tanh(clipped(xh + inner)) + z * h
         ys[t] = h
     return (ys, h, c) if cell == "lstm" else (ys, h)
+
+
+def assert_size(x, axis, size):
+    if x.shape[axis] != size:
+        from tilegraph.ir.shapes import ShapeError
+
+        raise ShapeError(f"a run-time size is {x.shape[axis]} where the model was built for {size} "
+                         f"(dim {axis} of a value of shape {x.shape})")
+    return x

@@ -896,6 +896,22 @@ _op("non_max_suppression", ["boxes", "scores", "max_output?", "iou_threshold?", 
     bound=lambda ins, attrs: numel(ins[1].shape), flops=lambda ins, outs: 0)
 
 
+def _assert_size(ins, attrs, given):
+    (x,) = ins
+    (axis,) = _axes("assert_size", [attrs["axis"]], x.rank)
+    if isinstance(x.shape[axis], int) and x.shape[axis] != attrs["size"]:
+        raise _fail("assert_size", f"dim {axis} of {x} is not {attrs['size']}")
+    return [TensorInfo(x.shape[:axis] + (attrs["size"],) + x.shape[axis + 1:], x.dtype)]
+
+
+# What a traced model assumed of a run-time size (torch's TorchScript exporter unrolls a loop over
+# a nonzero's rows at the count it saw; torch.export writes _assert_scalar(u0 == 4)): checked when
+# it runs, a static dim after it.
+_op("assert_size", ["x"], _assert_size, "K.assert_size({x}, {axis}, {size})", "layout",
+    {"axis": ("int", REQUIRED), "size": ("int", REQUIRED)},
+    doc="x itself, its dim `axis` (a run-time size) checked to be `size` when it runs", view=True)
+
+
 # --- recurrences: a loop over a sequence of any length ---
 
 

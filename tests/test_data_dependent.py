@@ -342,7 +342,8 @@ def _data_dependent_examples():
     from tilegraph.testing import op_examples
 
     examples = op_examples()
-    return [ex for op in ("nonzero", "unique", "narrow", "non_max_suppression", "rnn") for ex in examples[op]]
+    return [ex for op in ("nonzero", "unique", "narrow", "non_max_suppression", "rnn", "assert_size")
+            for ex in examples[op]]
 
 
 @pytest.mark.parametrize("pass_name", sorted(__import__("tilegraph.passes.registry", fromlist=["PASSES"]).PASSES))
@@ -363,3 +364,23 @@ def test_the_cost_of_a_recurrence_grows_with_its_symbolic_length():
     # 4 gates of 3 over 2 inputs and 3 hidden, batch 2, per step: the two matmuls and the gate arithmetic
     assert sympy.expand(rnn.flops - (2 * 12 * 2 + 2 * 12 * 3 + 3 * 12) * 2 * T) == 0
     assert sympy.sympify(cost.time).has(T)
+
+
+def test_a_traced_split_of_a_run_time_count_is_checked_when_it_runs():
+    """torch's TorchScript exporter unrolls `for i in mask.nonzero()` at the count it saw: the
+    ONNX Split of NonZero's rows into that many parts runs when the count matches and is a
+    clear error (as in onnxruntime) when it does not."""
+    nodes = [helper.make_node("NonZero", ["x"], ["nz"]), helper.make_node("Transpose", ["nz"], ["t"], perm=[1, 0]),
+             helper.make_node("Split", ["t", "parts"], ["a", "b"], axis=0),
+             helper.make_node("Concat", ["b", "a"], ["y"], axis=0)]
+    parts = helper.make_tensor("parts", I64, [2], [1, 2])
+    graph = helper.make_graph(nodes, "g", [vi("x", I64, [5])], [vi("y", I64, [3, 1])], initializer=[parts])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    model = from_onnx(proto)
+    assert any(op.name == "tg.assert_size" for op in model.func.walk())
+    x = np.array([0, 4, 0, 2, 7], np.int64)
+    for target in TARGETS:
+        compiled = tilegraph.compile(proto, target=target)
+        check_against(compiled, model, [x], run_ort(proto, {"x": x}))
+        with pytest.raises(ShapeError, match="run-time size is 2 where the model was built for 3"):
+            compiled.run(np.array([0, 4, 0, 0, 7], np.int64))

@@ -348,6 +348,9 @@ def op_examples() -> dict[str, list[OpExample]]:
         shapes=[("T", 2, 2), (18,), (2, 3)])
     add("rnn", lambda g, x: g.op("rnn", x, g.weight("rnn.w", gru_w[:3]), g.weight("rnn.r", gru_r[:3]), cell="rnn"),
         [f32(3, 2, 2)], 12, label="tanh")
+    add("assert_size", lambda g, a: g.op("assert_size", g.op("nonzero", g.op("ne", a, g.constant(np.int32(0))),
+                                                             size="u0"), axis=1, size=4) * 3,
+        [np.array([0, 5, 0, 1, 2, 3], np.int32)], label="nonzero-count-as-traced")
     add("narrow", lambda g, a, k: g.op("narrow", g.op("topk", a, k=6, axis=1)[0], k, axis=1, size="u0") * 2.0,
         [f32(3, 6), np.array(4, np.int64)], label="topk-computed-k")
 
