@@ -275,6 +275,12 @@ class Unique(torch.nn.Module):
         return values, inverse, counts * 2
 
 
+class UniqueRows(torch.nn.Module):
+    def forward(self, x):
+        values, inverse, counts = torch.unique(x, dim=0, return_inverse=True, return_counts=True)
+        return values, inverse, counts
+
+
 class TinyMoE(torch.nn.Module):
     """Mixtral's sparse block as transformers wrote it before grouped_mm: per expert, the tokens
     routed to it (torch.where on the one-hot mask: a nonzero), their rows, scatter-added back."""
@@ -302,7 +308,8 @@ class TinyMoE(torch.nn.Module):
     (NonzeroRows(), [torch.randn(3, 4)]),
     (TopKItem(), [torch.randn(2, 6), torch.tensor(3)]),
     (Unique(), [torch.tensor([[3, 1, 3], [2, 1, 0]])]),
-], ids=["mask-index", "nonzero-masked-select", "topk-item", "unique"])
+    (UniqueRows(), [torch.tensor([[3, 1], [2, 1], [3, 1], [0, 0]])]),
+], ids=["mask-index", "nonzero-masked-select", "topk-item", "unique", "unique-rows"])
 @pytest.mark.parametrize("target", TARGETS)
 def test_torch_export_data_dependent_ops_match_eager(module, inputs, target):
     compiled = tilegraph.compile(module, tuple(inputs), target=target)
