@@ -28,26 +28,10 @@ from tilegraph.passes.cost.model import expected_sizes, module_cost, op_bytes
 from tilegraph.ir.hardware import hardware
 from tilegraph.testing import PEER_RELATIVE_ERROR, assert_close, reduction_length, relative_error
 
+from tests.test_onnx_frontend import make_model, run_ort, vi
+
 F32, I64, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
 TARGETS = ("numpy", "c")
-
-
-def make_model(nodes, inputs, outputs, opset=17):
-    graph = helper.make_graph(nodes, "g", inputs, outputs)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
-
-
-def vi(name, elem, shape):
-    return helper.make_tensor_value_info(name, elem, shape)
-
-
-def run_ort(model, feeds):
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = 1
-    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    return sess.run(None, feeds)
 
 
 def check_against(compiled, model, inputs, want):
