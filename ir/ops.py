@@ -809,14 +809,19 @@ for _name in ("expm1", "log1p"):
 
 
 def _size_symbol(op: str, attrs) -> Dim:
+    import keyword
+
     import sympy
 
-    from tilegraph.ir.shapes import parse_dim
+    from tilegraph.ir.shapes import DIM_FUNCTIONS, parse_dim
 
     name = attrs["size"]
-    dim = parse_dim(name) if isinstance(name, str) and name.isidentifier() else None
+    # The symbol is a variable of generated code, next to these names: it may not take one.
+    taken = name in ("np", "K", "ml_dtypes", *DIM_FUNCTIONS) or keyword.iskeyword(name)
+    dim = parse_dim(name) if isinstance(name, str) and name.isidentifier() and not taken else None
     if not isinstance(dim, sympy.Symbol):
-        raise _fail(op, f"size {name!r} must name a symbol (an identifier)")
+        raise _fail(op, f"size {name!r} must name a symbol (an identifier that is not a Python or "
+                        "generated-code name)")
     if not 0.0 <= attrs["expected"] <= 1.0:
         raise _fail(op, f"expected fraction {attrs['expected']} of the bound is not in [0, 1]")
     return dim

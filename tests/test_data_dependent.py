@@ -72,6 +72,9 @@ def test_a_size_attribute_must_name_a_symbol():
     x = g.input("x", (3,), "i1")
     with pytest.raises(ShapeError, match="must name a symbol"):
         g.op("nonzero", x, size="2*u0")
+    for name in ("np", "lambda", "floor"):  # names of the generated code and Python's
+        with pytest.raises(ShapeError, match="must name a symbol"):
+            g.op("nonzero", x, size=name)
     with pytest.raises(ShapeError, match="expected fraction"):
         g.op("nonzero", x, size="u0", expected=1.5)
 
