@@ -1561,6 +1561,11 @@ def _arange(cv, length: Dim, start: Any, step: Any, dtype: str) -> Tensor:
 @converts("slice.Tensor")
 def _slice(cv, node, a):
     x = a.self
+    if isinstance(a.end, sympy.Symbol) and a.end.name in cv.run_time_values and a.start in (0, None) \
+            and a.step == 1:  # x[:n] with n from .item(): a run-time length (torch names the clamped size anew)
+        axis = _axis(a.dim, x.rank)
+        return cv.g.op("narrow", x, cv.run_time_values[a.end.name], axis=axis,
+                       size=_run_time_size(cv, node.meta["val"].shape[axis]))
     return _slice_axis(cv, x, _axis(a.dim, x.rank), a.start, a.end, a.step)
 
 

@@ -256,6 +256,11 @@ class TopKItem(torch.nn.Module):
         return values * 2, indices
 
 
+class PrefixItem(torch.nn.Module):
+    def forward(self, x, n):
+        return x[:, : n.item()].exp()
+
+
 class Unique(torch.nn.Module):
     def forward(self, x):
         values, inverse, counts = torch.unique(x, return_inverse=True, return_counts=True)
@@ -296,15 +301,16 @@ class TinyMoE(torch.nn.Module):
     (TopKItem(), [torch.randn(2, 6), torch.tensor(3)]),
     (Unique(), [torch.tensor([[3, 1, 3], [2, 1, 0]])]),
     (UniqueRows(), [torch.tensor([[3, 1], [2, 1], [3, 1], [0, 0]])]),
-], ids=["mask-index", "nonzero-masked-select", "topk-item", "unique", "unique-rows"])
+    (PrefixItem(), [torch.randn(2, 6), torch.tensor(4)]),
+], ids=["mask-index", "nonzero-masked-select", "topk-item", "unique", "unique-rows", "prefix-item"])
 @pytest.mark.parametrize("target", TARGETS)
 def test_torch_export_data_dependent_ops_match_eager(module, inputs, target):
     compiled = tilegraph.compile(module, tuple(inputs), target=target)
     torch.manual_seed(5)
     runs = [inputs, [torch.randn_like(inputs[0]) if inputs[0].is_floating_point() else
                      torch.randint(0, 4, inputs[0].shape)] + inputs[1:]]
-    if isinstance(module, TopKItem):
-        runs.append([inputs[0], torch.tensor(5)])  # another k, the same compiled model
+    if isinstance(module, (TopKItem, PrefixItem)):
+        runs.append([inputs[0], torch.tensor(5)])  # another run-time size, the same compiled model
     for args in runs:
         want = module(*args)
         want = [w.numpy() for w in (want if isinstance(want, tuple) else (want,))]
