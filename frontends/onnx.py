@@ -569,8 +569,11 @@ class _Importer:
             if isinstance(e, sympy.floor):
                 num, den = sympy.fraction(sympy.together(e.args[0]))
                 if num.is_integer and den.is_integer:
-                    # shape values are >= 0, where the truncating div is floor division
-                    return g.op("div", build(num), build(den))
+                    # (issue 18) a numerator may be negative (floor(1/2 - H/2) is how sympy writes
+                    # a part of a SAME padding): floor division as (a - a mod b) / b, exact, with
+                    # mod taking the divisor's sign, where the truncating div alone is wrong.
+                    a, b = build(num), build(den)
+                    return g.op("div", g.op("sub", a, g.op("mod", a, b)), b)
             if isinstance(e, sympy.Mod) and all(a.is_integer for a in e.args):
                 return g.op("mod", build(e.args[0]), build(e.args[1]))
             raise FrontendError(f"{what} = {v.tolist()} depends on symbolic dims through {e}, "
@@ -2418,6 +2421,63 @@ def _defined_at_run_time(n, dim) -> bool:
     from tilegraph.ir.ops import size_definitions
 
     return any(name == dim.name for op in n.imp.g.block.ops for _, _, name in size_definitions(op))
+
+
+# --- SAME padding with stride > 1 on symbolic spatial dims (issue 18) ---
+# The padding then depends on the size modulo the stride. The window positions are the same as
+# over the input's rows lo - P .. lo - P + L - 1 of a generously padded copy (P rows each side),
+# with L = (ceil(H / s) - 1) * s + k_eff the padded length and lo the run-time begin padding: a
+# gather of those rows (lo computed at run time from H), then the op without padding on that axis.
+# Conv pads with zeros and MaxPool with the lowest value; an AveragePool's count of padding is
+# not a gathered row, so it stays refused.
+_static_window_ops = {name: CONVERTERS[name] for name in ("Conv", "MaxPool")}
+
+
+@_conv("Conv", "MaxPool")
+def _same_padding_on_symbolic_dims(n):
+    convert = _static_window_ops[n.op_type]
+    auto = n.attr("auto_pad", "NOTSET")
+    x = n.x(0)
+    spatial = n.shape(x)[2:]
+    nd = len(spatial)
+    strides = list(n.attr("strides", [1] * nd))
+    if auto not in ("SAME_UPPER", "SAME_LOWER") or all(isinstance(d, int) or st == 1
+                                                        for d, st in zip(spatial, strides)):
+        return convert(n)
+    kernel = list(n.attr("kernel_shape", list(n.shape(n.x(1))[2:]) if n.op_type == "Conv" else None))
+    dilations = list(n.attr("dilations", [1] * nd))
+    if n.op_type == "MaxPool" and (n.attr("ceil_mode", 0) or n.wants_output(1)):
+        return convert(n)  # (its own error)
+    dt = n.dtype(x)
+    low = float(np.finfo(dtypes.numpy_dtype(dt)).min) if dtypes.is_float(dt) else \
+        float(np.iinfo(dtypes.numpy_dtype(dt)).min)
+    fill = 0.0 if n.op_type == "Conv" else low
+    pads = [0] * (2 * nd)
+    for i, (h, st, k, dil) in enumerate(zip(spatial, strides, kernel, dilations)):
+        span = dil * (k - 1) + 1
+        if isinstance(h, int) or st == 1:  # as the static converter pads it
+            total = span - 1 if st == 1 else max(0, (-(-h // st) - 1) * st + span - h)
+            pads[i] = total // 2 if auto == "SAME_UPPER" else total - total // 2
+            pads[i + nd] = total - pads[i]
+            continue
+        if span < st:
+            raise FrontendError(f"auto_pad {auto} with a window of {span} under stride {st} on symbolic dim {h}")
+        length = normalize_dim((sympy.floor((h + st - 1) / st) - 1) * st + span)
+        # at run time, from h: total = (ceil(h / s) - 1) * s + span - h, lo its SAME share
+        size = n.imp.symbolic_tensor(np.array(h, dtype=object), "a SAME padding")
+        steps = n.op("div", n.op("add", size, np.int64(st - 1)), np.int64(st))
+        total = n.op("sub", n.op("add", n.op("mul", n.op("sub", steps, np.int64(1)), np.int64(st)), np.int64(span)), size)
+        half = n.op("div", total, np.int64(2))
+        lo = half if auto == "SAME_UPPER" else n.op("sub", total, half)
+        edge = [0] * (2 * (nd + 2))
+        edge[2 + i] = edge[2 + i + nd + 2] = span
+        padded = n.op("pad", x, pads=tuple(edge), value=fill)
+        rows = n.op("add", n.iota((length,), 0), n.op("sub", np.int64(span), lo))
+        x = n.op("gather", padded, rows, axis=2 + i)
+    n.inputs[0] = x
+    n.attrs["auto_pad"] = "NOTSET"
+    n.attrs["pads"] = pads
+    return convert(n)
 
 
 # --- RNN, GRU, LSTM over a symbolic number of steps (issue 18): tg.rnn, a loop inside one op ---

@@ -610,3 +610,49 @@ def test_recurrences_over_a_symbolic_sequence_are_one_loop_op_and_match_onnxrunt
                 assert g.shape == w.shape
                 assert_close(g, e, "f32", reduction_length(model, {"T": steps, "B": 2}))
                 assert relative_error(g, w) <= PEER_RELATIVE_ERROR
+
+
+# --- SAME padding with stride > 1 on symbolic spatial dims (issue 18) ---------------------------
+
+
+def _same_model(op, auto, k, s):
+    rng = np.random.default_rng(3)
+    inits, extra = [], {}
+    if op == "Conv":
+        inits.append(numpy_helper.from_array(rng.normal(size=(3, 2, k, k)).astype(np.float32), "w"))
+    node = helper.make_node(op, ["x", "w"] if op == "Conv" else ["x"], ["y"], auto_pad=auto, strides=[s, s],
+                            kernel_shape=[k, k], **extra)
+    return make_model([node], [vi("x", F32, [1, 2, "H", "W"])], [vi("y", F32, None)], inits)
+
+
+@pytest.mark.parametrize("op,auto,k,s", [("Conv", "SAME_UPPER", 3, 2), ("Conv", "SAME_LOWER", 3, 2),
+                                         ("Conv", "SAME_UPPER", 4, 3), ("MaxPool", "SAME_UPPER", 3, 2),
+                                         ("MaxPool", "SAME_LOWER", 2, 2)])
+def test_same_padding_with_a_stride_on_symbolic_dims_matches_onnxruntime_at_every_size(op, auto, k, s):
+    """The padding depends on the size modulo the stride: found at run time, one import for all sizes."""
+    proto = _same_model(op, auto, k, s)
+    model = from_onnx(proto)
+    rng = np.random.default_rng(4)
+    for h, w in ((5, 6), (7, 4), (8, 9), (3, 3)):
+        x = rng.normal(size=(1, 2, h, w)).astype(np.float32)
+        (want,) = run_ort(proto, {"x": x})
+        (got,) = interpret(model, [x], float64=False)
+        assert got.shape == want.shape == (1, 3 if op == "Conv" else 2, -(-h // s), -(-w // s))
+        assert_close(got, interpret(model, [x])[0], "f32", 2 * k * k)
+        assert relative_error(got, want) <= PEER_RELATIVE_ERROR
+
+
+def test_a_symbolic_shape_value_floors_a_negative_numerator():
+    """Regression: floor(1/2 - H/2) (sympy's form of part of a SAME padding) was computed by the
+    truncating integer div, 1 too high for even H."""
+    from tilegraph.frontends.onnx import _Importer
+    from tilegraph.ir import Graph
+
+    H = symbol("H")
+    imp = _Importer.__new__(_Importer)
+    imp.g = Graph()
+    x = imp.g.input("x", ("H",), "f32")
+    value = imp.symbolic_tensor(np.array(sympy.floor((1 - H) / 2), dtype=object), "a test value")
+    model = imp.g.build(value, x)
+    for h in range(1, 7):
+        assert int(interpret(model, [np.zeros(h, np.float32)])[0]) == (1 - h) // 2
