@@ -2024,7 +2024,7 @@ def _topk(n):
     return n.op("topk", x, k=k, axis=_axis(n.attr("axis", -1), n.rank(x)), largest=bool(n.attr("largest", 1)))
 
 
-# --- data-dependent sizes (issue 18): NonZero, Unique, Compress and TopK on run-time values ---
+# --- data-dependent sizes (issue 18): NonZero, Unique, Compress, TopK on run-time values, NonMaxSuppression ---
 # The result's size is a symbol that one tg op defines (ir/ops.py, "data-dependent sizes"),
 # named u0, u1, ... (a name no graph input uses); with known inputs these fold at import.
 
