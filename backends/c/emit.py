@@ -102,6 +102,9 @@ HOST_FALLBACK = {
     "dynamic_quantize": "C for rows to i8, the host for other formats and MX blocks",
     "matmul_integer": "oneDNN for i8/ui8 x i8 without a zero point, else the host",
     "shift_left": "host", "shift_right": "host", "bitcast": "host",
+    # Data-dependent sizes: the runtime finds them before planning (ir.interpreter.run_time_sizes).
+    "nonzero": "host", "unique": "host", "narrow": "host", "non_max_suppression": "host",
+    "rnn": "host (a loop over the steps, NumPy's matmul per step)", "assert_size": "host",
 }
 LOWERINGS = table(template=[op for op in OPS if op not in HOST_FALLBACK],
                   fallback={op: f"runs on the host between native segments ({why})"

@@ -64,7 +64,8 @@ TORCH_LAYOUT = {
 DECOMPOSED = ("softmax", "layer_norm", "gelu")
 _HOST = "no kernel: its NumPy template runs on host copies (HOST_OPS)"
 HOST = {name: _HOST for name in ("einsum", "max_pool", "avg_pool", "gather_elements", "pad", "tile", "bitcast",
-                                 "scatter_elements", "scatter_nd", "topk")}
+                                 "scatter_elements", "scatter_nd", "topk", "nonzero", "unique", "narrow",
+                                 "non_max_suppression", "rnn", "assert_size")}
 KERNELS = ("trilu", "argmax", "argmin", "cumsum", "cumprod", "matmul", "conv", "attention", "gather",
            "quantize", "dequantize", "dynamic_quantize", "matmul_integer")
 TORCH_CALLS = (*TORCH_LAYOUT, "split", "slice", "iota", "constant", "weight")

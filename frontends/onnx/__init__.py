@@ -34,12 +34,15 @@ The package, by job: `load` (loading and checking), `values` (Values, ONNX tenso
 attributes as NumPy), `node` (the `Node` view and the `CONVERTERS` registry), `importer`
 (the graph walk, function-body expansion, folding); the converters by op family:
 `elementwise`, `layout`, `reductions`, `nn`, `quantized`, `sampling`, `scatter`,
-`recurrent`, `control_flow`, `spectral`, `closed_forms`, `training`.
+`recurrent`, `control_flow`, `spectral`, `closed_forms`, `training`, and `run_time` (sizes known
+only at run time: NonZero, Unique, computed TopK k, symbolic Resize, SAME padding and RNN lengths).
 """
 
-# Importing each family registers its converters in CONVERTERS.
+# Importing each family registers its converters in CONVERTERS; run_time last, as it
+# wraps some of the others' converters.
 from tilegraph.frontends.onnx import (closed_forms, control_flow, elementwise, layout, nn, quantized,  # noqa: F401
                                       recurrent, reductions, sampling, scatter, spectral, training)
+from tilegraph.frontends.onnx import run_time  # noqa: F401,E402
 from tilegraph.frontends.onnx.importer import from_onnx
 from tilegraph.frontends.onnx.load import MIN_OPSET, check_supported, load_model, unsupported_ops
 from tilegraph.frontends.onnx.node import CONVERTERS, Node

@@ -320,8 +320,11 @@ class _Importer:
             if isinstance(e, sympy.floor):
                 num, den = sympy.fraction(sympy.together(e.args[0]))
                 if num.is_integer and den.is_integer:
-                    # shape values are >= 0, where the truncating div is floor division
-                    return g.op("div", build(num), build(den))
+                    # a numerator may be negative (floor(1/2 - H/2) is how sympy writes a part of
+                    # a SAME padding): floor division as (a - a mod b) / b, exact, with mod taking
+                    # the divisor's sign, where the truncating div alone is wrong.
+                    a, b = build(num), build(den)
+                    return g.op("div", g.op("sub", a, g.op("mod", a, b)), b)
             if isinstance(e, sympy.Mod) and all(a.is_integer for a in e.args):
                 return g.op("mod", build(e.args[0]), build(e.args[1]))
             raise FrontendError(f"{what} = {v.tolist()} depends on symbolic dims through {e}, "

@@ -107,6 +107,8 @@ def reduction_length(model, sizes: Mapping[str, int] | None = None) -> int:
         t = max([terms.get(v, 0) for v in op.operands], default=0) + own(op)
         for r in op.results:
             terms[r] = t
+        if op.SPEC.bound is not None:  # a dim known only at run time: at its upper bound
+            sizes[op.attr("size")] = n([op.SPEC.bound([info_of(v.type) for v in op.operands], op.py_attrs())])
     return max(1, longest)
 
 

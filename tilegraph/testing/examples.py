@@ -223,6 +223,42 @@ def op_examples() -> dict[str, list[OpExample]]:
     ties = np.array([[3, 1, 3, 2, 1, 3], [0, 0, 5, 5, -1, 2]], np.int32)  # equal values come out in index order
     add("topk", lambda g, a: g.op("topk", a, k=4, axis=1), [ties], label="largest-ties")
     add("topk", lambda g, a: g.op("topk", a, k=2, axis=0, largest=False), [f32(5, 3)], label="smallest")
+    # --- data-dependent sizes: a dim known only at run time (u0), used downstream ---
+    add("nonzero", lambda g, a: g.op("transpose", g.op("nonzero", g.op("gt", a, g.constant(np.float32(0.5))),
+                                                        size="u0"), perm=[1, 0]), [f32(3, 4)], label="mask")
+    picked = lambda g, a: (lambda i: g.op("gather", g.reshape(a, [-1]), g.reshape(i, ["u0"])))(  # noqa: E731
+        g.op("nonzero", g.op("ne", g.reshape(a, [-1]), g.constant(np.int32(0))), size="u0"))
+    add("nonzero", lambda g, a: g.op("reduce_sum", picked(g, a), axes=[0], keepdims=True),
+        [ints(2, 5, lo=-2, hi=3)], 10, label="masked-sum-symbolic", shapes=[("B", 5)])
+    dupes = np.array([[2.0, 1.0, 2.0, 0.5], [1.0, 3.0, 0.5, 2.0]], np.float32)
+    add("unique", lambda g, a: g.op("unique", a, size="u0"), [dupes], label="sorted-flat")
+    add("unique", lambda g, a: g.op("unique", a, size="u0", flatten=False, axis=1, sorted=False),
+        [np.array([[1, 2, 1, 3], [4, 0, 4, 0]], np.int64)], label="first-occurrence-axis1")
+    corners = np.array([[[0, 0, 1, 1], [0, 0.1, 1, 1.1], [0, -0.1, 1, 0.9], [0, 10, 1, 11], [1, 1, 0, 0]]],
+                       np.float32)  # overlapping pairs, a far box, a box given by its other corners
+    add("non_max_suppression", lambda g, b, s: g.op("non_max_suppression", b, s, g.constant(np.array([3])),
+                                                    g.constant(np.array([0.5], np.float32)), size="u0"),
+        [corners, np.array([[[0.9, 0.75, 0.6, 0.95, 0.5], [0.1, 0.2, 0.3, 0.4, 0.5]]], np.float32)],
+        label="two-classes")
+    # Recurrences over a symbolic number of steps T (one op, a loop inside)
+    lstm_w, lstm_r = f32(4 * 3, 2, lo=-1, hi=1), f32(4 * 3, 3, lo=-1, hi=1)
+    add("rnn", lambda g, x, b, h, c, p: g.op("rnn", x, g.weight("lstm.w", lstm_w), g.weight("lstm.r", lstm_r),
+                                          b, h, c, p, cell="lstm", clip=2.0),
+        [f32(4, 2, 2), f32(24, lo=-0.5, hi=0.5), f32(2, 3), f32(2, 3), f32(9, lo=-0.5, hi=0.5)], 12,
+        label="lstm-peepholes-clip", shapes=[("T", 2, 2), (24,), (2, 3), (2, 3), (9,)])
+    gru_w, gru_r = f32(3 * 3, 2, lo=-1, hi=1), f32(3 * 3, 3, lo=-1, hi=1)
+    add("rnn", lambda g, x, b, h: g.op("rnn", x, g.weight("gru.w", gru_w), g.weight("gru.r", gru_r), b, h,
+                                       cell="gru", reverse=True, linear_before_reset=True),
+        [f32(5, 2, 2), f32(18, lo=-0.5, hi=0.5), f32(2, 3)], 12, label="gru-reverse",
+        shapes=[("T", 2, 2), (18,), (2, 3)])
+    add("rnn", lambda g, x: g.op("rnn", x, g.weight("rnn.w", gru_w[:3]), g.weight("rnn.r", gru_r[:3]), cell="rnn"),
+        [f32(3, 2, 2)], 12, label="tanh")
+    add("assert_size", lambda g, a: g.op("assert_size", g.op("nonzero", g.op("ne", a, g.constant(np.int32(0))),
+                                                             size="u0"), axis=1, size=4) * 3,
+        [np.array([0, 5, 0, 1, 2, 3], np.int32)], label="nonzero-count-as-traced")
+    add("narrow", lambda g, a, k: g.op("narrow", g.op("topk", a, k=6, axis=1)[0], k, axis=1, size="u0") * 2.0,
+        [f32(3, 6), np.array(4, np.int64)], label="topk-computed-k")
+
 
     # --- quantization (ir/quant.py) ---
     # The quantized values are the same in both: x / scale is rounded in float32 by both.
