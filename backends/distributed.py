@@ -267,8 +267,14 @@ def _worker(rank: int, world: int, port: int, tmp: str, config: list, micro_batc
     from tilegraph.backends.simulated_mesh import gather, groups
     from tilegraph.ir.model import Model, WeightStore
 
+    # Each process is one device, the processes share the cores: one thread each (OpenMP, torch,
+    # BLAS, the NumPy backend's GEMM pool; it reads TILEGRAPH_NUM_THREADS when first imported, later).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("TILEGRAPH_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:
