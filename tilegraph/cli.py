@@ -734,7 +734,7 @@ def _shard(args) -> int:
 
 
 def _print_plan(p) -> None:
-    from tilegraph.passes.shard import SOLVE_TIME_LIMIT
+    from tilegraph.passes.shard import SOLVE_TIME_LIMIT, recompute_text
 
     start, period, copies = p.layers
     parts = [("", 0, len(p.choices))] if not copies else [
@@ -769,7 +769,7 @@ def _print_plan(p) -> None:
     budget = p.budget or p.mesh.hw.memory_bytes
     print(f"memory per device: {p.memory / 1e9:.4g} GB (budget {budget / 1e9:.4g} GB"
           + (f" of {p.mesh.hw.memory_bytes / 1e9:.4g} GB" if budget != p.mesh.hw.memory_bytes else "") + "); "
-          f"ZeRO stage {p.zero}, {'every layer recomputed in the backward' if p.recompute else 'no recomputation'}")
+          f"ZeRO stage {p.zero}, {recompute_text(p)} in the backward")
     if p.runner_up is not None:
         tie = " (a different layout, predicted as fast)" if p.runner_up.time <= p.time * (1 + 1e-9) else ""
         print(f"runner-up: {format_time(p.runner_up.time)} (compute {format_time(p.runner_up.compute)} + "
