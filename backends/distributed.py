@@ -10,14 +10,20 @@ the shard collectives through torch.distributed on the group of the mesh axes th
 name. Rank 0 all-gathers every output's pieces and returns the whole tensors.
 
 Overlap (`overlap=True`): every collective is issued asynchronously (`async_op=True`) as
-soon as its operand exists (weights are read first, so a weight's all-gather starts
-before any compute) and waited for where its result is first used; gloo runs it on its
-own thread while this one computes. `timings` collects each repetition's step time (the
-slowest rank's).
+soon as its operand exists (a weight a collective reads is read first, so its all-gather
+starts before any compute) and waited for where its result is first used; gloo runs it on
+its own thread while this one computes. `timings` collects each repetition's step time
+(the slowest rank's).
 
-Compiled (`compiled=True`): each run of tg ops between two collectives is cut out of the
-per-device program (`ir.extract`) and emitted as a module by the NumPy backend, compiled
-once per process; the collectives stay calls between those modules.
+Compiled (`backend="numpy"` or `"c"`): each run of tg ops between two collectives is cut
+out of the per-device program (`ir.extract`) and emitted as a module by that backend
+(`tilegraph.backends.backend(target)`: its public emit/load), compiled once per process
+(the C backend with one OpenMP thread: the processes share the cores); the collectives
+stay calls between those modules. `backend=None` runs op by op.
+
+`compare(stages, inputs, modes)` runs several (backend, overlap) modes in one launch,
+interleaved: every repetition runs each mode once, the order reversed every other
+repetition (ABBA), so a burst of load on the shared machine lands on all modes alike.
 
 Pipelines (`run_stages`): stage k's program runs on its own devices (ranks numbered
 stage after stage), on each of `micro_batches` micro-batches in turn; a stage gathers its
@@ -59,17 +65,35 @@ def _free_port() -> int:
 
 
 def run(p, inputs: Sequence[Any], timeout_s: float = JOIN_TIMEOUT_S, overlap: bool = True, repeats: int = 1,
-        timings: list | None = None, compiled: bool = False) -> list[np.ndarray]:
+        timings: list | None = None, backend: str | None = None) -> list[np.ndarray]:
     """Run `p` (a passes.partition.Partitioned) on len(devices) local processes; the gathered outputs."""
-    return run_stages([p], inputs, 1, timeout_s, overlap, repeats, timings, compiled)
+    return run_stages([p], inputs, 1, timeout_s, overlap, repeats, timings, backend)
 
 
 def run_stages(stages: Sequence[Any], inputs: Sequence[Any], micro_batches: int = 1,
                timeout_s: float = JOIN_TIMEOUT_S, overlap: bool = True, repeats: int = 1,
-               timings: list | None = None, compiled: bool = False) -> list[np.ndarray]:
+               timings: list | None = None, backend: str | None = None) -> list[np.ndarray]:
     """Run pipeline stages (each a Partitioned: stage k's outputs are stage k+1's inputs) on
     sum(devices) local processes, the inputs cut into `micro_batches` along dim 0."""
+    outputs, times = compare(stages, inputs, [(backend, overlap)], repeats, micro_batches, timeout_s)
+    if timings is not None:
+        timings.extend(times[0])
+    return outputs[0]
+
+
+def compare(stages: Sequence[Any], inputs: Sequence[Any], modes: Sequence[tuple[str | None, bool]],
+            repeats: int = 1, micro_batches: int = 1,
+            timeout_s: float = JOIN_TIMEOUT_S) -> tuple[list[list[np.ndarray]], list[list[float]]]:
+    """Run the stages in every (backend, overlap) mode of `modes`, interleaved in one launch:
+    (each mode's gathered outputs, each mode's step times: one per repetition, the slowest rank's)."""
     import torch.multiprocessing as mp
+
+    from tilegraph.backends import backend as backend_module
+
+    modes = [(b, bool(o)) for b, o in modes]
+    for b, _ in modes:
+        if b is not None:
+            backend_module(b)  # an unknown target fails here, not in every process
 
     sizes = [math.prod(s.mesh) for s in stages]
     world = sum(sizes)
@@ -93,42 +117,59 @@ def run_stages(stages: Sequence[Any], inputs: Sequence[Any], micro_batches: int 
                 np.savez(tmp / f"inputs{local}_{m}.npz",
                          *[np.array(piece(x, spec, stages[0].mesh, local)) for x, spec in zip(batch, stages[0].in_specs)])
         try:
-            mp.spawn(_worker, args=(world, _free_port(), str(tmp), config, micro_batches, overlap, repeats,
-                                    timeout_s, compiled), nprocs=world, join=True)
+            mp.spawn(_worker, args=(world, _free_port(), str(tmp), config, micro_batches, modes, repeats,
+                                    timeout_s), nprocs=world, join=True)
         except mp.ProcessRaisedException as e:
             raise DistributedError(f"a process of the {world}-device run failed:\n{e}") from None
-        if timings is not None:
-            timings.extend(np.load(tmp / "times.npy").tolist())
-        with np.load(tmp / "outputs.npz") as data:
-            return [data[f"arr_{i}"] for i in range(len(data.files))]
+        times = np.load(tmp / "times.npy")
+        outputs = []
+        for i in range(len(modes)):
+            with np.load(tmp / f"outputs{i}.npz") as data:
+                outputs.append([data[f"arr_{j}"] for j in range(len(data.files))])
+        return outputs, [times[:, i].tolist() for i in range(len(modes))]
 
 
-def _steps(program, weights, overlap: bool, compiled: bool) -> list[tuple]:
+def compile_for(model, target: str):
+    """`model` built by the backend `target` through its public emit/load (the C backend on one
+    OpenMP thread: each process is one device, and the processes share the machine's cores)."""
+    import inspect
+
+    from tilegraph.backends import backend
+
+    codegen = backend(target)
+    options = {"threads": 1} if "threads" in inspect.signature(codegen.load).parameters else {}
+    return codegen.load(codegen.emit(model), model.weights, model, **options)
+
+
+def _steps(program, weights, backend: str | None) -> list[tuple]:
     """The program as steps: ("op", tg op) run through the op table's NumPy template, ("segment", a
     compiled model, its input values, its output values) for each run of tg ops between collectives
-    (the NumPy backend's emitted module), ("collective", op)."""
+    (the backend's emitted module; backend=None: none, every op a step), ("collective", op).
+
+    A weight that a collective reads comes first (so, overlapped, its gather, ZeRO-3's, starts
+    before any compute), as an op of its own: a compiled segment would copy it out. Other weights
+    stay in the segments that read them (the C backend packs them once)."""
     from tilegraph.ir.dialect import TgOp
     from tilegraph.ir.extract import extract, live_after
     from tilegraph.ir.model import Model
 
     ops = [op for op in program.func.body.block.ops if op.name != "func.return"]
     ret = program.func.body.block.last_op
-    if overlap:  # weights first: their collectives (ZeRO-3's gathers) can start before any compute
-        ops = [op for op in ops if getattr(op, "op_name", "") == "weight"] + \
-              [op for op in ops if getattr(op, "op_name", "") != "weight"]
-    if not compiled:
-        return [("op" if isinstance(op, TgOp) else "collective", op) for op in ops]
-    from tilegraph.backends.numpy import compile_model
-
+    fed = {op.operands[0] for op in ops if not isinstance(op, TgOp)}
+    early = [op for op in ops if getattr(op, "op_name", "") == "weight" and op.results[0] in fed]
+    ops = [op for op in ops if op not in early]
+    steps = [("op", op) for op in early]
+    if backend is None:
+        return steps + [("op" if isinstance(op, TgOp) else "collective", op) for op in ops]
     source = Model(program.module, weights)
-    steps, run = [], []
+    run = []
 
     def close(i):
         if run:
             defined = {r for op in run for r in op.results}
             ins = list(dict.fromkeys(v for op in run for v in op.operands if v not in defined))
             outs = live_after(run, ops[i:], ret.operands)
-            steps.append(("segment", compile_model(extract(source, run, ins, outs)), ins, outs))
+            steps.append(("segment", compile_for(extract(source, run, ins, outs), backend), ins, outs))
             run.clear()
 
     for i, op in enumerate(ops):
@@ -215,8 +256,8 @@ def _recv(src: int, torch, dist) -> np.ndarray:
     return t.numpy()
 
 
-def _worker(rank: int, world: int, port: int, tmp: str, config: list, micro_batches: int, overlap: bool,
-            repeats: int, timeout_s: float, compiled: bool) -> None:
+def _worker(rank: int, world: int, port: int, tmp: str, config: list, micro_batches: int, modes: list,
+            repeats: int, timeout_s: float) -> None:
     import datetime
     import time
 
@@ -226,8 +267,14 @@ def _worker(rank: int, world: int, port: int, tmp: str, config: list, micro_batc
     from tilegraph.backends.simulated_mesh import gather, groups
     from tilegraph.ir.model import Model, WeightStore
 
+    # Each process is one device, the processes share the cores: one thread each (OpenMP, torch,
+    # BLAS, the NumPy backend's GEMM pool; it reads TILEGRAPH_NUM_THREADS when first imported, later).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("TILEGRAPH_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:
@@ -256,11 +303,10 @@ def _worker(rank: int, world: int, port: int, tmp: str, config: list, micro_batc
             for m in range(micro_batches):
                 with np.load(tmp_path / f"inputs{local}_{m}.npz") as data:
                     batches.append([data[f"arr_{i}"] for i in range(len(data.files))])
-        steps = _steps(program, weights, overlap, compiled)
-        times, results = [], []
-        for _ in range(repeats):
-            dist.barrier()
-            started = time.perf_counter()
+        steps = {b: _steps(program, weights, b) for b in dict.fromkeys(b for b, _ in modes)}
+
+        def step(steps, overlap) -> list:
+            """One step over every micro-batch; the last stage's gathered outputs per micro-batch."""
             results = []
             for m in range(micro_batches):
                 if k == 0:
@@ -284,12 +330,23 @@ def _worker(rank: int, world: int, port: int, tmp: str, config: list, micro_batc
                                 _send(x, after["offset"] + j, torch, dist)
                 else:
                     results.append(full)
-            times.append(time.perf_counter() - started)
-        slowest = torch.tensor(times, dtype=torch.float64)
+            return results
+
+        times = np.zeros((repeats, len(modes)))
+        results: list = [[] for _ in modes]
+        for r in range(repeats):
+            order = list(range(len(modes)))
+            for i in order if r % 2 == 0 else order[::-1]:  # ABBA: drift lands on every mode alike
+                dist.barrier()
+                started = time.perf_counter()
+                results[i] = step(steps[modes[i][0]], modes[i][1])
+                times[r, i] = time.perf_counter() - started
+        slowest = torch.from_numpy(times)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         if k == len(config) - 1 and local == 0:
-            np.savez(tmp_path / "outputs.npz", *[np.concatenate(parts) if len(parts) > 1 else parts[0]
-                                                 for parts in zip(*results)])
+            for i, per_batch in enumerate(results):
+                np.savez(tmp_path / f"outputs{i}.npz", *[np.concatenate(parts) if len(parts) > 1 else parts[0]
+                                                         for parts in zip(*per_batch)])
             np.save(tmp_path / "times.npy", slowest.numpy())
         dist.barrier()
     finally:

@@ -196,7 +196,7 @@ def anchors(args) -> None:
     from tilegraph.frontends.config import gpt
     from tilegraph.passes.cost.collectives import Mesh
     from tilegraph.passes.cost.hardware import hardware
-    from tilegraph.passes.pipeline import Layout, degrees, mfu, model_flops
+    from tilegraph.passes.pipeline import Layout, degrees, mfu, model_flops, recompute_tag
     from tilegraph.passes.shard import plan
 
     hw = hardware("a100")
@@ -210,7 +210,7 @@ def anchors(args) -> None:
         s, v, h, l_ = 2048, 51200, hidden, layers
         paper_flops = 96 * 512 * s * l_ * h * h * (1 + s / (6 * h) + v / (16 * l_ * h))
         lay = Layout(pl, p, 1, degrees(pl, p))
-        rows.append([name, gpus, f"t{t} p{p} d{d}", f"zero{pl.zero}{' recompute' if pl.recompute else ''}",
+        rows.append([name, gpus, f"t{t} p{p} d{d}", f"zero{pl.zero}{recompute_tag(pl)}",
                      f"{pl.time:.2f}", f"{paper_flops / pl.time / gpus / 1e12:.0f}", reported,
                      f"{paper_flops / pl.time / gpus / 1e12 / reported:.2f}",
                      f"{100 * mfu(lay, model_flops(model.module, sizes), gpus):.0f}"])

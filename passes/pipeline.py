@@ -49,7 +49,13 @@ class Layout:
     def describe(self) -> str:
         d = self.degrees
         return (f"dp{d['data']} tp{d['tensor']} pp{d['pipeline']} sp{d['sequence']} m{self.micro_batches} "
-                f"zero{self.plan.zero}{' recompute' if self.plan.recompute else ''}")
+                f"zero{self.plan.zero}{recompute_tag(self.plan)}")
+
+
+def recompute_tag(p: Plan) -> str:
+    """' recompute' when every layer of a stage recomputes, ' recompute r/L' for r of L, else ''."""
+    layers = p.layers[2] // max(1, p.stages)
+    return "" if not p.recompute else " recompute" if p.recompute == layers else f" recompute {p.recompute}/{layers}"
 
 
 def degrees(p: Plan, pipeline: int = 1) -> dict[str, int]:
@@ -177,4 +183,44 @@ def cut(model, positions: Sequence[int]) -> list:
         result.append(extract(model, piece, live_in, live_out, func.arg_attrs if k == 0 else None,
                               func.res_attrs if k == len(pieces) - 1 else None))
         live_in = live_out
+    return result
+
+
+def stage_plans(model, p: Plan, sizes: dict[str, int] | None = None) -> list:
+    """`model` cut into `p.stages` stage models (`split_stages`), each with the plan `p` made for the
+    whole model (`plan(..., stages=p.stages)` prices every stage with one set of strategies), as
+    [(stage model, its Plan)] to annotate and partition: an op keeps its strategy, a stage's input
+    the sharding its producer's strategy gives it."""
+    from tilegraph.passes.shard import _nodes, chosen_plan
+
+    args = list(model.func.body.block.args)
+    whole = _nodes(model.func, [f"input{i}" for i in range(len(args))], p.mesh.shape, sizes or {}, zero=True)
+    start, period, copies = find_layers(whole)
+    if p.stages < 1 or copies < p.stages or copies % p.stages:
+        raise LayoutError(f"{p.stages} pipeline stages need repeated layers they divide; found {copies} layers")
+    ops = [op for op in model.func.body.block.ops if op.name != "func.return"]
+    node_of = {v: i for i, v in enumerate(args)}
+    node_of.update({op.results[0]: len(args) + q for q, op in enumerate(ops) if op.results})
+    per_stage = copies // p.stages
+    first = [0] + [start + period * per_stage * k - len(args) for k in range(1, p.stages)]
+    result = []
+    producers = [node_of[v] for v in args]  # whole-model nodes of stage 0's inputs
+    for k, stage in enumerate(split_stages(model, p.stages)):
+        stage_ops = [op for op in stage.func.body.block.ops if op.name != "func.return"]
+        index = producers + [len(args) + first[k] + j for j in range(len(stage_ops))]
+        wanted = iter(index)
+
+        def pick(node, wanted=wanted):
+            chosen = p.choices[next(wanted)].strategy
+            names = [s.name for s in node.strategies]
+            if node.op is not None:
+                return names.index(chosen.name)
+            return next(i for i, s in enumerate(node.strategies) if s.out == chosen.out)
+
+        result.append((stage, chosen_plan(stage.module, p.mesh, pick, sizes)))
+        if k + 1 < p.stages:  # the next stage's inputs: this stage's outputs, in order
+            ret = stage.func.body.block.last_op
+            local = {v: index[i] for i, v in enumerate(list(stage.func.body.block.args) +
+                                                        [op.results[0] for op in stage_ops if op.results])}
+            producers = [local[v] for v in ret.operands]
     return result

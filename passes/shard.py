@@ -34,14 +34,15 @@ How (Zheng et al., "Alpa", OSDI 2022, section 4; alpa/shard_parallel/auto_shardi
        + exposed overlapped collectives + recomputation, subject to one strategy per op and
        weights + in-flight activations <= budget, with scipy's milp (HiGHS); edge choices are
        linearized as in Alpa (e[i,j] sums to x_producer[i] over j, to x_consumer[j] over i).
-       Recomputation is one binary: every layer keeps only its input and re-runs its forward
-       in the backward (big-M rows switch the layers' activations for their checkpoints and
-       add the forward's time). `stages` > 1 prices one of p pipeline stages (its share of
-       the layers, the embedding and head both counted: the slowest stage, overestimated)
-       under 1F1B: m micro-batches take m + p - 1 slots (the bubble (p-1)/m of the work),
-       stage 0 holds min(p, m) micro-batches' activations, and each micro-batch's boundary
-       activation and its gradient cross to the next stage (`passes/pipeline.py` searches
-       the degrees).
+       Recomputation is an integer r of the program: r of a stage's layers keep only their
+       input and re-run their forward in the backward (binary digits of r times the layers'
+       activations, checkpoints and forward time, linearized with big-M rows). `stages` > 1
+       prices p pipeline stages under 1F1B: m micro-batches take m + p - 1 slots (the bubble
+       (p-1)/m of the work); the first stage holds the ops before the layers (embedding) and
+       min(p, m) micro-batches' activations, the last the ops after them (head) and one
+       micro-batch's, each its share of the layers; the slower sets the step and both must
+       fit; each micro-batch's boundary activation and its gradient cross to the next stage
+       (`passes/pipeline.py` searches the degrees).
 
 Repeated layers: ops are matched by signature (op, attributes, types); the longest
 stretch that repeats with one period is a stack of layers, and the ops at the same
@@ -155,7 +156,9 @@ class Plan:
     cut_short: bool = False  # the solver hit SOLVE_TIME_LIMIT: the best plan found, not proven best
     stages: int = 1  # pipeline stages (the mesh is one of them)
     micro_batches: int = 1
-    recompute: bool = False  # every layer recomputes its forward in the backward
+    recompute: int = 0  # layers of a stage that recompute their forward in the backward (0: none)
+    stage_times: tuple = ()  # s: each priced stage's step (one; or the first and the last)
+    stage_memory: tuple = ()  # bytes per device of each priced stage
     zero: int = 0  # the ZeRO stage (`zero_stage`)
     bubble: float = 0.0  # s of the step the 1F1B schedule's bubble idles
 
@@ -612,69 +615,143 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
         nodes_ = {k: comp[name][k] * (count[k] if scale is None else scale) for k in ks}
         return Linear(nodes_, dict(edge_comp.get(name, {})) if classes_ is None else {})
 
-    # The objective (us) and the rows: see the module docstring.
-    eta = (FWD_BWD - 1) / FWD_BWD if overlap and training else 0.0  # the backward's share of compute
-    compute, blocking = total("C"), total("B")
-    extras: list[tuple[float, float, int]] = []
-    objective = Linear({k: slots * US * (compute.nodes[k] + blocking.nodes[k]) for k in compute.nodes},
-                       {e: slots * US * M for e, M in blocking.edges.items()})
-    rows: list[tuple[Linear, float, float]] = []
-    exposed = []
-    for name, per in (("Omb", slots), ("Ost", 1)):
-        o = total(name)
-        if not any(a.any() for a in o.nodes.values()) and not o.edges:
-            continue
-        h = len(extras)
-        extras.append((0, np.inf, 0))
-        objective.extra[h] = per * US
-        rows.append((Linear({k: o.nodes[k] - eta * compute.nodes[k] for k in o.nodes}, o.edges, {h: -1.0}),
-                     -np.inf, 0))
-        if eta:  # even hidden, a collective slows the compute it overlaps
-            for k in o.nodes:
-                objective.nodes[k] = objective.nodes[k] + per * US * OVERLAP_INTERFERENCE * o.nodes[k]
-            for e_, M in o.edges.items():
-                objective.edges[e_] = objective.edges.get(e_, 0) + per * US * OVERLAP_INTERFERENCE * M
-        exposed.append((name, per, h))
+    # Which stage holds what. One stage holds everything; of several, the first holds the ops before
+    # the layers (the embedding) and the last those after them (the head), each its share of the
+    # layers; the slower of the two sets the pace (a middle stage holds layers only: never slower).
+    # A weight outside the layers goes with its users (a tied embedding is on both, as in Megatron).
+    users: dict[int, list[int]] = {}
+    for j, node in enumerate(nodes):
+        for i in node.operands:
+            users.setdefault(i, []).append(j)
 
-    memory = Linear({k: comp["W"][k] * count[k] for k in range(len(classes))})
-    for k in range(len(classes)):
-        scale = 1 if k not in layer else per_stage
-        memory.nodes[k] = memory.nodes[k] + comp["A"][k] * scale * inflight
-    can_recompute = training and recompute and copies >= 2
+    def side(i: int) -> set:
+        if in_layers(i):
+            return {"layer"}
+        if _is_weight(nodes[i]) and users.get(i):
+            return set().union(*(side(j) for j in users[i]))
+        return {"pre" if i < start else "post"}
+
+    parts: dict[int, set] = {}
+    for i in range(len(nodes)):
+        parts.setdefault(slot[cls[i]], set()).update(side(i))
+    if stages == 1:
+        stage_sets = [(set(range(len(classes))), inflight)]
+    else:  # 1F1B: the first stage holds min(p, m) micro-batches' activations, the last one's
+        stage_sets = [({k for k, ps in parts.items() if ps & {"pre", "layer"}}, inflight),
+                      ({k for k, ps in parts.items() if ps & {"layer", "post"}}, 1)]
+
+    def restrict(lin: Linear, ks) -> Linear:
+        """lin over the classes in ks and the edges into them."""
+        return Linear({k: a for k, a in lin.nodes.items() if k in ks},
+                      {e: M for e, M in lin.edges.items() if edges[e][1] in ks})
+
+    def add(into: Linear, lin: Linear, scale: float = 1.0) -> None:
+        for k, a in lin.nodes.items():
+            into.nodes[k] = into.nodes.get(k, 0) + scale * a
+        for e_, M in lin.edges.items():
+            into.edges[e_] = into.edges.get(e_, 0) + scale * M
+        for v, c_ in lin.extra.items():
+            into.extra[v] = into.extra.get(v, 0) + scale * c_
+
+    extras: list[tuple[float, float, int]] = []
+    rows: list[tuple[Linear, float, float]] = []
+
+    def var(low: float = 0, high: float = np.inf, integer: int = 0) -> int:
+        extras.append((low, high, integer))
+        return len(extras) - 1
+
+    # Recomputation: r of a stage's L layers (its first r, Megatron's `--recompute-method block`) keep
+    # only their input (the checkpoint) and re-run their forward in the backward. The backward reaches
+    # them after the other L - r layers freed their activations, so a recomputing layer's activations
+    # add to the peak only when r = L: peak = held x ((L - r) A + r K) + [r = L] A. r is an integer of
+    # the program, r = sum_j 2^j b_j over binaries b_j, and each product of b_j with an expression of
+    # the strategies is linearized with big-M bounds: u_j = b_j A (one layer's activations, GB),
+    # v_j = b_j K (its checkpoint, GB), e_j = b_j F (its forward, us); w = A when g = [r = L].
     ckpt = sorted({slot[cls[i]] for j in range(start + period, start + 2 * period) for i in nodes[j].operands
                    if start <= i < start + period}) if copies >= 2 else []
     ckpt_bytes = {k: np.array([value(nbytes(local_info(nodes[classes[k]].info, st.out, mesh.shape)))
                                for st in nodes[classes[k]].strategies]) for k in ckpt}
+    forward = {k: (comp["C"][k] / FWD_BWD + comp["B"][k] / 2) * US for k in layer}
     r = None
-    if can_recompute:
-        # r = 1: every layer keeps only its input (the checkpoint) and recomputes its forward in the
-        # backward; the peak then holds one layer's activations. Linearized with big-M bounds:
-        # a_k = A_k(x) when r = 0 else 0; c = checkpoint bytes when r = 1 else 0; e = forward time when r = 1.
-        r = len(extras)
-        extras.append((1 if recompute == "always" else 0, 1, 1))
-        for k in layer:
-            memory.nodes[k] = memory.nodes[k] - comp["A"][k] * (per_stage * inflight - 1)
-            a = len(extras)
-            extras.append((0, np.inf, 0))
-            memory.extra[a] = per_stage * inflight - 1
-            rows.append((Linear({k: comp["A"][k] / GB}, {}, {a: -1.0, r: -float(comp["A"][k].max()) / GB}), -np.inf, 0))
-        c = len(extras)
-        extras.append((0, np.inf, 0))
-        memory.extra[c] = per_stage * inflight
-        big = sum(float(b.max()) for b in ckpt_bytes.values()) / GB
-        rows.append((Linear({k: b / GB for k, b in ckpt_bytes.items()}, {}, {c: -1.0, r: big}), -np.inf, big))
-        forward = {k: (comp["C"][k] / FWD_BWD + comp["B"][k] / 2) * US for k in layer}
-        e = len(extras)
-        extras.append((0, np.inf, 0))
-        big = sum(float(f.max()) for f in forward.values())
-        rows.append((Linear(forward, {}, {e: -1.0, r: big}), -np.inf, big))
-        objective.extra[e] = slots * per_stage
+    bits: list[tuple[int, int, int, int]] = []  # (2^j, u_j, v_j, e_j)
+    w_var = None
+    if training and recompute is not False and copies >= 2 and per_stage:
+        fixed = per_stage if recompute == "always" else recompute if not isinstance(recompute, bool) else None
+        if fixed is not None and not 0 <= fixed <= per_stage:
+            raise LayoutError(f"recompute={fixed}: a stage has {per_stage} layers")
+        r = var(*((fixed, fixed) if fixed is not None else (0, per_stage)), 1)
+        act = {k: comp["A"][k] / GB for k in layer}
+        big_a = sum(float(a.max()) for a in act.values())
+        big_k = sum(float(b.max()) for b in ckpt_bytes.values()) / GB
+        big_f = sum(float(f.max()) for f in forward.values())
+        g, w_var = var(0, 1, 1), var()
+        rows.append((Linear(act, {}, {w_var: -1.0, g: big_a}), -np.inf, big_a))  # w >= A - big_a (1 - g)
+        rows.append((Linear({}, {}, {r: 1.0, g: -1.0}), -np.inf, per_stage - 1))  # g >= r - L + 1
+        link = {r: 1.0}
+        for j in range(per_stage.bit_length()):
+            b, u, v, e = var(0, 1, 1), var(), var(), var()
+            link[b] = -float(2 ** j)
+            bits.append((2 ** j, u, v, e))
+            rows.append((Linear({k: -a for k, a in act.items()}, {}, {u: 1.0}), -np.inf, 0))  # u_j <= A
+            rows.append((Linear({}, {}, {u: 1.0, b: -big_a}), -np.inf, 0))  # u_j <= big_a b_j
+            rows.append((Linear({k: kb / GB for k, kb in ckpt_bytes.items()}, {}, {v: -1.0, b: big_k}),
+                         -np.inf, big_k))  # v_j >= K - big_k (1 - b_j)
+            rows.append((Linear(forward, {}, {e: -1.0, b: big_f}), -np.inf, big_f))  # e_j >= F - big_f (1 - b_j)
+        rows.append((Linear({}, {}, link), 0, 0))  # r = sum 2^j b_j
+
+    # Each stage's step (us): (m + p - 1) x (compute + blocking collectives + exposed overlapped ones
+    # of a micro-batch + recomputed forwards + the boundary activation and its gradient) + the exposed
+    # per-step collectives.
+    eta = (FWD_BWD - 1) / FWD_BWD if overlap and training else 0.0  # the backward's share of compute
+    compute, blocking = total("C"), total("B")
     p2p_link = mesh.hw.links["infiniband" if mesh.devices >= GPUS_PER_NODE else mesh.intra_node]
-    if stages > 1:  # each micro-batch's activation sent to the next stage, its gradient back
-        for k in ckpt:
-            objective.nodes[k] = objective.nodes[k] + slots * 2 * US * ckpt_bytes[k] / p2p_link.beta
-    # The memory row in GB (a_k and c are in GB too): bytes next to 0/1 variables scale badly in HiGHS.
-    rows.append((Linear({k: a / GB for k, a in memory.nodes.items()}, {}, dict(memory.extra)), -np.inf, budget / GB))
+    stage_times = []
+    for ks, _ in stage_sets:
+        t = Linear()
+        add(t, restrict(compute, ks), slots * US)
+        add(t, restrict(blocking, ks), slots * US)
+        for name, per in (("Omb", slots), ("Ost", 1)):
+            o = restrict(total(name), ks)
+            if not any(np.any(a) for a in o.nodes.values()) and not any(np.any(M) for M in o.edges.values()):
+                continue
+            h = var()
+            t.extra[h] = per * US
+            row = Linear({}, {}, {h: -1.0})
+            add(row, o)
+            add(row, restrict(compute, ks), -eta)
+            rows.append((row, -np.inf, 0))  # h >= overlapped - what the backward hides
+            if eta:  # even hidden, a collective slows the compute it overlaps
+                add(t, o, per * US * OVERLAP_INTERFERENCE)
+        for scale, _, _, e in bits:
+            t.extra[e] = slots * scale
+        if stages > 1:  # each micro-batch's activation sent to the next stage, its gradient back
+            for k in ckpt:
+                t.nodes[k] = t.nodes.get(k, 0) + slots * 2 * US * ckpt_bytes[k] / p2p_link.beta
+        stage_times.append(t)
+    if len(stage_times) == 1:
+        objective = stage_times[0]
+    else:  # the slowest stage sets the pace: T (ms) >= every stage's step
+        pace = var()
+        objective = Linear({}, {}, {pace: US / 1e3})
+        for t in stage_times:
+            row = Linear({}, {}, {pace: -1.0})
+            add(row, t, 1e3 / US)
+            rows.append((row, -np.inf, 0))
+
+    # Memory per stage (GB: bytes next to 0/1 variables scale badly in HiGHS): weights with their
+    # gradients and optimizer state, the activations of the micro-batches in flight, the
+    # recomputation's trade (see above).
+    memories = []
+    for ks, held in stage_sets:
+        mem = Linear({k: (comp["W"][k] * count[k] + comp["A"][k] * (per_stage if k in layer else 1) * held) / GB
+                      for k in ks})
+        if bits:
+            mem.extra[w_var] = 1.0
+            for scale, u, v, _ in bits:
+                mem.extra[u] = -held * scale
+                mem.extra[v] = held * scale
+        rows.append((mem, -np.inf, budget / GB))
+        memories.append(mem)
 
     allowed = [np.ones(len(comp["C"][k]), bool) for k in range(len(classes))]
     for val, spec in constraints.items():
@@ -699,7 +776,7 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
     _CUT_SHORT.clear()
     choice, extra_values, nvars = _solve(objective, rows, counts, edges, extras, allowed)
     if choice is None:
-        least = sum(float(m.min()) for m in memory.nodes.values())
+        least = max(sum(float(m.min()) for m in mem.nodes.values()) * GB for mem in memories)
         raise ShardError(f"no sharding on mesh {mesh} fits {budget / 1e9:.3g} GB per device (with the annotations "
                          f"given): the smallest plan needs {least / 1e9:.3g} GB")
     second, second_extra = None, []
@@ -709,17 +786,30 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
 
     def build(ch, xs) -> Plan:
         picked = [ch[slot[cls[i]]] for i in range(len(nodes))]
-        re = bool(r is not None and xs[r] > 0.5)
-        c_total, b_total = compute.value(ch, edges), blocking.value(ch, edges)
+        re = int(round(xs[r])) if r is not None else 0
         felt = OVERLAP_INTERFERENCE if eta else 0.0
-        exposed = {}
-        for name in ("Omb", "Ost"):
-            o = total(name).value(ch, edges)
-            exposed[name] = max(0.0, o - eta * c_total) + felt * o
-        redo = slots * per_stage * sum(float(comp["C"][k][ch[k]]) / FWD_BWD + float(comp["B"][k][ch[k]]) / 2
-                                       for k in layer) if re else 0.0
+        redo = slots * re * sum(float(comp["C"][k][ch[k]]) / FWD_BWD + float(comp["B"][k][ch[k]]) / 2
+                                for k in layer)
         p2p = slots * 2 * sum(p2p_link.alpha + float(ckpt_bytes[k][ch[k]]) / p2p_link.beta
                               for k in ckpt) if stages > 1 else 0.0
+        one_layer = sum(float(comp["A"][k][ch[k]]) for k in layer)
+        kept_ckpt = sum(float(ckpt_bytes[k][ch[k]]) for k in ckpt)
+        # Per stage: (step, compute, communication, compute + blocking per micro-batch, memory).
+        per = []
+        for ks, held in stage_sets:
+            c_s, b_s = restrict(compute, ks).value(ch, edges), restrict(blocking, ks).value(ch, edges)
+            exposed = {}
+            for name in ("Omb", "Ost"):
+                o = restrict(total(name), ks).value(ch, edges)
+                exposed[name] = max(0.0, o - eta * c_s) + felt * o
+            comm_s = slots * b_s + slots * exposed["Omb"] + exposed["Ost"] + p2p
+            weights = sum(float(comp["W"][k][ch[k]]) * count[k] for k in ks)
+            acts = sum(float(comp["A"][k][ch[k]]) for k in ks if k not in layer)
+            kept = (per_stage - re) * held * one_layer + re * held * kept_ckpt + (one_layer if re == per_stage else 0.0)
+            per.append((slots * c_s + redo + comm_s, slots * c_s + redo, comm_s, c_s + b_s,
+                        weights + held * acts + kept))
+        slowest = max(range(len(per)), key=lambda s: per[s][0])
+        ks_slow = stage_sets[slowest][0]
         choices, forward = [], []
         fc, fb, fo = sympy.Integer(0), sympy.Integer(0), {"Omb": sympy.Integer(0), "Ost": sympy.Integer(0)}
         for i, node in enumerate(nodes):
@@ -736,24 +826,22 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
                         forward.append((step.kind, (step.axis,), node.label))
             if st.partial:
                 forward.append(("all_reduce" if st.scatter is None else "reduce_scatter", st.partial, node.label))
-            fc += ex["C"] * w
-            fb += (ex["B"] + incoming["B"]) * w
-            for k in fo:
-                fo[k] += (ex[k] + incoming[k]) * w
+            if slot[cls[i]] in ks_slow:  # the formula is the slowest stage's
+                fc += ex["C"] * w
+                fb += (ex["B"] + incoming["B"]) * w
+                for k in fo:
+                    fo[k] += (ex[k] + incoming[k]) * w
             comm = ex["B"] + incoming["B"] + ex["Omb"] + incoming["Omb"] + ex["Ost"] + incoming["Ost"]
             choices.append(Choice(node, st, at(ex["C"], sizes), at(comm, sizes), at(ex["W"] + ex["A"], sizes)))
         formula = slots * (fc + fb) + sum((slots if k == "Omb" else 1) * (sympy.Max(0, fo[k] - eta * fc) + felt * fo[k])
                                           for k in fo)
-        weights = sum(float(comp["W"][k][ch[k]]) * count[k] for k in range(len(classes)))
-        acts = sum(float(comp["A"][k][ch[k]]) for k in range(len(classes)) if k not in layer)
-        one_layer = sum(float(comp["A"][k][ch[k]]) for k in layer)
-        kept = one_layer + inflight * per_stage * sum(float(ckpt_bytes[k][ch[k]]) for k in ckpt) if re \
-            else inflight * per_stage * one_layer
-        p = Plan(mesh, choices, slots * c_total + redo, slots * b_total + slots * exposed["Omb"] + exposed["Ost"] + p2p,
-                 weights + inflight * acts + kept, formula + redo + p2p, solve_time, (start, period, copies),
-                 forward=forward, variables=nvars, budget=budget, cut_short=bool(_CUT_SHORT))
+        _, c_time, comm_time, slot_time, _ = per[slowest]
+        p = Plan(mesh, choices, c_time, comm_time, max(s[4] for s in per), formula + redo + p2p, solve_time,
+                 (start, period, copies), forward=forward, variables=nvars, budget=budget, cut_short=bool(_CUT_SHORT))
         p.stages, p.micro_batches, p.recompute = stages, micro_batches, re
-        p.bubble = (stages - 1) * (c_total + b_total) if training else 0.0
+        p.stage_times = tuple(s[0] for s in per)
+        p.stage_memory = tuple(s[4] for s in per)
+        p.bubble = (stages - 1) * slot_time if training else 0.0
         p.zero = zero_stage(p)
         return p
 
@@ -761,6 +849,11 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
     if second is not None:
         best.runner_up = build(second, second_extra)
     return best
+
+
+def recompute_text(p: Plan) -> str:
+    layers = p.layers[2] // max(1, p.stages)
+    return f"{p.recompute} of {layers} layers recomputed" if p.recompute else "no recomputation"
 
 
 def zero_stage(p: Plan) -> int:
@@ -929,7 +1022,7 @@ def report(p: Plan) -> None:
     remark("shard", f"mesh {p.mesh} ({p.mesh.hw.name}): predicted step {p.time * 1e3:.4g} ms = compute "
                     f"{p.compute * 1e3:.4g} ms + communication {p.comm * 1e3:.4g} ms, memory "
                     f"{p.memory / 1e9:.4g} GB per device (ZeRO stage {p.zero}, "
-                    f"{'layers recomputed' if p.recompute else 'no recomputation'}); plan: {p.describe()}")
+                    f"{recompute_text(p)}); plan: {p.describe()}")
     if p.runner_up is not None:
         r = p.runner_up
         diff = [f"{b.node.label}: {b.strategy.name} instead of {a.strategy.name}"

@@ -2,12 +2,14 @@
 
 - a GPT layer in Megatron's layout (collectives in every block) on 2 processes gives what one
   device gives (the float64 interpreter, the dtype's tolerance) and what the simulated mesh gives;
-- `tilegraph run --devices 2` plans, partitions, runs each device's program as NumPy-backend modules
-  between its collectives, agrees, and times itself against the op-by-op run and one process;
+- the same with each device's program as C-backend modules between its collectives;
+- `tilegraph run --devices 2 --backend c` plans, partitions, runs each device's program as C-backend
+  modules between its collectives, agrees, and times itself against the op-by-op run and one process;
 - all-MiniLM-L6-v2 as the planner shards it on 2 and 4 processes agrees with one device (slow:
   torch.export of the model and a process per device);
 - two pipeline stages, each on a 2x2 (data x tensor) mesh, two micro-batches, on 8 processes agree;
-- collectives issued asynchronously and waited for at first use (overlap) give bit-identical outputs.
+- collectives issued asynchronously and waited for at first use (overlap) give bit-identical outputs;
+  several modes interleaved in one launch (op by op, NumPy and C backends) each agree.
 """
 
 from __future__ import annotations
@@ -46,20 +48,22 @@ def test_megatrons_layout_on_two_processes_computes_what_one_device_does():
     text = program.model.text
     assert text.count("shard.all_reduce") + text.count("shard.reduce_scatter") == 2  # one per block
     inputs = random_inputs(model, seed=2)
-    got = distributed.run(program, inputs)
+    (got, native), _ = distributed.compare([program], inputs, [(None, True), ("c", True)])
     _agrees(model, got, inputs, "2 gloo processes")
     for a, b in zip(got, simulated_mesh.run(program, inputs, float64=False)):
         np.testing.assert_array_equal(a, b)  # same ops in the same dtypes: the simulated mesh is exact
+    # Each device's program as C modules between its all-reduces (one inside every block).
+    _agrees(model, native, inputs, "2 gloo processes, C backend between collectives")
 
 
 def test_tilegraph_run_on_two_processes_agrees(tmp_path, capsys):
     from tilegraph.cli import main
 
     path = gpt_graph(1, 32, 4, seq=8, vocab=64, dtype="f32", weights="random").save(tmp_path / "gpt.mlir")
-    assert main(["run", str(path), "--devices", "2", "--compare"]) == 0
+    assert main(["run", str(path), "--devices", "2", "--backend", "c", "--compare"]) == 0
     out = capsys.readouterr().out
     assert "2 processes" in out and out.strip().endswith("agree")
-    assert "compiled (NumPy backend between collectives)" in out and "op by op:" in out and "one process" in out
+    assert "compiled (C backend between collectives)" in out and "op by op:" in out and "one process, C" in out
 
 
 @pytest.mark.slow
@@ -124,10 +128,11 @@ def test_overlapped_collectives_give_the_same_result():
     program = partition(annotated, {"B": 2})
     assert program.model.text.count("shard.all_gather") >= 8
     inputs = random_inputs(model, seed=7, sizes={"B": 2})
-    times = []
-    eager = distributed.run(program, inputs, overlap=True, timings=times)
-    serial = distributed.run(program, inputs, overlap=False)
+    modes = [(None, True), (None, False), ("numpy", True), ("c", False)]
+    (eager, serial, numpy_backend, native), times = distributed.compare([program], inputs, modes, repeats=2)
     for a, b in zip(eager, serial):
         np.testing.assert_array_equal(a, b)
-    assert len(times) == 1 and times[0] > 0
+    assert [len(t) for t in times] == [2] * 4 and all(t > 0 for ts in times for t in ts)
     _agrees(model, eager, inputs, "overlapped collectives")
+    _agrees(model, numpy_backend, inputs, "NumPy-backend segments, overlapped")
+    _agrees(model, native, inputs, "C-backend segments")

@@ -172,13 +172,17 @@ def _parser() -> argparse.ArgumentParser:
     dist.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
                       help="size of a symbolic dimension (default: the number of devices)")
     dist.add_argument("--seed", type=_non_negative, default=0)
+    dist.add_argument("--backend", default="numpy", choices=["numpy", "c"],
+                      help="the backend that compiles each device's ops between its collectives (default numpy; "
+                           "c: the native C backend, one thread per process)")
     dist.add_argument("--op-by-op", action="store_true",
                       help="run each device's ops through the op table's NumPy templates one at a time instead of "
-                           "the NumPy backend's emitted modules between collectives")
+                           "the --backend's emitted modules between collectives")
     dist.add_argument("--no-overlap", action="store_true",
                       help="wait for every collective where it is issued (default: asynchronous, waited at first use)")
     dist.add_argument("--compare", action="store_true",
-                      help="also time the op-by-op run and the whole model on one process (NumPy backend)")
+                      help="also time the op-by-op run (interleaved with this one) and the whole model on one "
+                           "process (--backend)")
     dist.add_argument("--repeats", type=int, default=3, help="timed steps per run (the median is reported)")
     return p
 
@@ -702,7 +706,7 @@ def _shard(args) -> int:
 
 
 def _print_plan(p) -> None:
-    from tilegraph.passes.shard import SOLVE_TIME_LIMIT
+    from tilegraph.passes.shard import SOLVE_TIME_LIMIT, recompute_text
 
     start, period, copies = p.layers
     parts = [("", 0, len(p.choices))] if not copies else [
@@ -737,7 +741,7 @@ def _print_plan(p) -> None:
     budget = p.budget or p.mesh.hw.memory_bytes
     print(f"memory per device: {p.memory / 1e9:.4g} GB (budget {budget / 1e9:.4g} GB"
           + (f" of {p.mesh.hw.memory_bytes / 1e9:.4g} GB" if budget != p.mesh.hw.memory_bytes else "") + "); "
-          f"ZeRO stage {p.zero}, {'every layer recomputed in the backward' if p.recompute else 'no recomputation'}")
+          f"ZeRO stage {p.zero}, {recompute_text(p)} in the backward")
     if p.runner_up is not None:
         tie = " (a different layout, predicted as fast)" if p.runner_up.time <= p.time * (1 + 1e-9) else ""
         print(f"runner-up: {format_time(p.runner_up.time)} (compute {format_time(p.runner_up.compute)} + "
@@ -777,34 +781,36 @@ def _run(args) -> int:
     program = partition(annotated, sizes)
     inputs = random_inputs(model, seed=args.seed, sizes=sizes, int_high=VALID_INT_HIGH)
     repeats = max(1, args.repeats)
-    times: list[float] = []
-    got = distributed.run(program, inputs, overlap=not args.no_overlap, repeats=repeats, timings=times,
-                          compiled=not args.op_by_op)
+    overlap = not args.no_overlap
+    # --compare: the other run interleaved with this one in the same processes (distributed.compare).
+    modes = [(None if args.op_by_op else args.backend, overlap)]
+    if args.compare:
+        modes.append((args.backend if args.op_by_op else None, overlap))
+    runs, times = distributed.compare([program], inputs, modes, repeats)
+    got = runs[0]
     expected = interpret(model, inputs)
     n = reduction_length(model, bind_inputs(model, inputs)[1])
     collectives = sum(1 for op in program.model.func.walk() if op.name.startswith("shard."))
     print(f"{Path(args.model).name}: {args.devices} processes (mesh {mesh}, gloo), {collectives} collectives per "
           f"device; sizes {given}")
-    step = float(np.median(times))
-    how = "op by op" if args.op_by_op else "compiled (NumPy backend between collectives)"
+    step = float(np.median(times[0]))
+    backend_name = {"numpy": "NumPy", "c": "C"}[args.backend]
+    how = "op by op" if args.op_by_op else f"compiled ({backend_name} backend between collectives)"
     print(f"step: {step * 1e3:.2f} ms {how}, median of {repeats}, the slowest process"
           f"{'' if args.no_overlap else ', collectives overlapped'}")
     if args.compare:
         import time
 
-        from tilegraph.backends.numpy import compile_model
-
-        other: list[float] = []
-        distributed.run(program, inputs, overlap=not args.no_overlap, repeats=repeats, timings=other,
-                        compiled=args.op_by_op)
-        one = compile_model(model)
+        one = distributed.compile_for(model, args.backend)
+        one(*inputs)  # binds: the C backend packs its weights on the first call
         single = []
         for _ in range(repeats):
             t0 = time.perf_counter()
             one(*inputs)
             single.append(time.perf_counter() - t0)
-        print(f"{'compiled' if args.op_by_op else 'op by op'}: {float(np.median(other)) * 1e3:.2f} ms "
-              f"({float(np.median(other)) / step:.2f}x this run); one process, NumPy backend: "
+        other = float(np.median(times[1]))
+        print(f"{f'compiled ({backend_name})' if args.op_by_op else 'op by op'}: {other * 1e3:.2f} ms "
+              f"({other / step:.2f}x this run); one process, {backend_name} backend: "
               f"{float(np.median(single)) * 1e3:.2f} ms ({float(np.median(single)) / step:.2f}x this run)")
     ok = True
     for name, a, e in zip(model.output_names, got, expected):
@@ -815,6 +821,10 @@ def _run(args) -> int:
         ok &= good
         print(f"{name}: shape {a.shape}, relative error vs one device (float64) {err:.3e} "
               f"(tolerance {rtol:.1e}) {'ok' if good else 'MISMATCH'}")
+    for a, e in ((a, e) for other in runs[1:] for a, e in zip(other, expected)):
+        if not (a.shape == e.shape and not nonfinite_differ(a, e) and relative_error(a, e) <= rtol):
+            ok = False
+            print(f"the compared run differs from one device: relative error {relative_error(a, e):.3e}")
     print("agree" if ok else "the distributed run differs from one device")
     return 0 if ok else EXIT_MISMATCH
 
