@@ -220,3 +220,17 @@ def test_an_epilogue_that_reads_the_raw_product_again_matches(contraction):
     model = g.build(g.op("mul", p, g.op("sigmoid", p)), names=["y"])
     q = tilegraph.compile(model, target="c")
     assert_close(q(xs), interpret(model, [xs])[0], "f32", 12, name=contraction)
+
+
+def test_the_vectorised_erf_holds_the_float32_tolerance_everywhere():
+    """tg_erff (a rational approximation, not libm) across magnitudes, signed zeros, the
+    saturated tails, infinities and NaN."""
+    from tilegraph.ir import Graph
+
+    g = Graph()
+    model = g.build(g.op("erf", g.input("x", ("N",))), names=["y"])
+    x = np.concatenate([np.linspace(-6, 6, 4001), np.geomspace(1e-38, 1.0, 400), -np.geomspace(1e-38, 1.0, 400),
+                        [0.0, -0.0, np.inf, -np.inf, np.nan]]).astype(np.float32)
+    got = compile_model(model)(x)[0]
+    assert_close(got, interpret(model, [x])[0], "f32", 1, name="erf")
+    assert np.signbit(got[-4]) and np.isnan(got[-1])

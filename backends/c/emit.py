@@ -53,7 +53,7 @@ FLOATS = ("f32", "f64")
 # (floats: tgmath picks the float or double function).
 C_UNARY_FLOAT = {
     "neg": "(-{x})", "abs": "fabs({x})", "exp": "{exp}({x})", "log": "log({x})", "sqrt": "sqrt({x})",
-    "rsqrt": "(1 / sqrt({x}))", "reciprocal": "(1 / {x})", "tanh": "{tanh}({x})", "erf": "erf({x})",
+    "rsqrt": "(1 / sqrt({x}))", "reciprocal": "(1 / {x})", "tanh": "{tanh}({x})", "erf": "{erf}({x})",
     "relu": "(({x}) > 0 || ({x}) != ({x}) ? ({x}) : 0)", "sin": "sin({x})", "cos": "cos({x})", "tan": "tan({x})",
     "asin": "asin({x})", "acos": "acos({x})", "atan": "atan({x})", "sinh": "sinh({x})", "cosh": "cosh({x})",
     "asinh": "asinh({x})", "acosh": "acosh({x})", "atanh": "atanh({x})", "floor": "floor({x})",
@@ -665,7 +665,8 @@ class CEmitter:
                 if name == "pow" and f32 and args[1] in ("2.0f", "3.0f"):  # a literal exponent (gelu_new's
                     # x ** 3): products, not a libm call per element
                     return "(" + " * ".join([f"({args[0]})"] * int(float(args[1][:-1]))) + ")"
-                return templates[name].format(**names, exp="tg_expf" if f32 else "exp", tanh="tg_tanhf" if f32 else "tanh")
+                return templates[name].format(**names, exp="tg_expf" if f32 else "exp", tanh="tg_tanhf" if f32 else "tanh",
+                                              erf="tg_erff" if f32 else "erf")
         raise Unsupported(name)
 
     def elementwise(self, ops: list[TgOp], inner: dict, inputs: dict, outputs: list[tuple[SSAValue, View]],
