@@ -250,3 +250,32 @@ def test_an_unterminated_string_in_a_mlir_file_fails_fast():
 
     with pytest.raises(ModelError, match="closing string literal"):
         parse_module('builtin.module {\n  func.func @f(%x : tensor<?xf32, ["' + "S" * 60 + "]>)")
+
+
+def test_fuse_and_tile_price_candidates_as_numbers_and_decide_as_the_formulas_would(monkeypatch):
+    """`cost --target cpu --symbolic` on MiniLM with dynamic batch and seq took ~50 s, most of it in
+    fuse and tile building each candidate's cost as a formula in the dims (sympy collapsing
+    Piecewise regimes and Max/Min of symbolic terms) only to evaluate it at the nominal size.
+    They now price at that size from the start: every cost they build is a number, and the
+    groups and tiles are those that pricing by formulas chooses."""
+    import contextlib
+
+    import tilegraph.passes.fuse as fuse
+    import tilegraph.passes.tile as tile
+    from tilegraph.passes.registry import run_pipeline
+
+    pipeline = 'canonicalize,cse,simplify-shapes,dce,fuse{target="cpu"},tile{target="cpu"}'
+    priced = []
+    for module in (fuse, tile):
+        def recording(*args, _real=module.group_cost, **kwargs):
+            cost = _real(*args, **kwargs)
+            priced.append(cost.time)
+            return cost
+        monkeypatch.setattr(module, "group_cost", recording)
+    by_numbers = str(run_pipeline(tilegraph.import_model(str(EXAMPLE)), pipeline).module)
+    assert priced and not [t for t in priced if getattr(t, "free_symbols", None)]
+    assert "batch" in by_numbers  # the model stays symbolic: only the pricing is at the nominal size
+    for module in (fuse, tile):
+        monkeypatch.setattr(module, "nominal_sizes", contextlib.nullcontext)
+    by_formulas = str(run_pipeline(tilegraph.import_model(str(EXAMPLE)), pipeline).module)
+    assert by_numbers == by_formulas
