@@ -133,6 +133,21 @@ def test_no_command_writes_over_the_model_it_reads(tmp_path, capsys, command):
     assert_clean_error(code, err, "would overwrite the model being read")
 
 
+def test_compile_never_writes_over_the_weights_of_the_mlir_it_reads(tmp_path, capsys):
+    """`tilegraph compile m.mlir -o m.py` replaced m.weights.npz, m.mlir's own weights, with the
+    weights after the passes (fuse concatenates sibling weights, quantize adds new ones): m.mlir
+    no longer loaded, or loaded with the wrong arrays."""
+    mlir = small_model(tmp_path)
+    weights = mlir.with_suffix(".weights.npz")
+    before = weights.read_bytes()
+    code, _, err = run(tilegraph_main, ["compile", mlir, "-o", mlir.with_suffix(".py")], capsys)
+    assert_clean_error(code, err, "small.weights.npz would overwrite the weights of the model being read")
+    assert weights.read_bytes() == before and not mlir.with_suffix(".py").exists()
+    code, _, err = run(tilegraph_main, ["compile", mlir, "-o", tmp_path / "small_np.py"], capsys)
+    assert code == 0, err
+    assert weights.read_bytes() == before and (tmp_path / "small_np.weights.npz").is_file()
+
+
 def test_calibration_samples_that_are_not_finite_are_refused(tmp_path, capsys):
     """NaN samples gave a broken quantized model, exit 0."""
     model = small_model(tmp_path)

@@ -201,12 +201,16 @@ def refuse_overwriting(model: str | Path, *outputs: str | Path) -> None:
     """A TilegraphError when a file a command writes is the model it reads (or its weights)."""
     from tilegraph.ir.errors import TilegraphError
 
-    inputs = {Path(model).resolve()}
+    inputs = {Path(model).resolve(): "the model being read"}
     if Path(model).suffix == ".mlir":  # its weights are read from beside it
-        inputs.add(Path(model).with_suffix(".weights.npz").resolve())
+        inputs[Path(model).with_suffix(".weights.npz").resolve()] = "the weights of the model being read"
     for out in outputs:
         if out is not None and Path(out).resolve() in inputs:
-            raise TilegraphError(f"-o {out} would overwrite the model being read ({model}); write elsewhere")
+            what = inputs[Path(out).resolve()]
+            if Path(out).name.endswith(".weights.npz"):  # the weights a command writes beside its output
+                raise TilegraphError(f"the output's weights file {out} would overwrite {what} ({model}): "
+                                     f"name the output differently from the model")
+            raise TilegraphError(f"-o {out} would overwrite {what} ({model}); write elsewhere")
 
 
 def _import(args) -> int:
@@ -226,7 +230,7 @@ def _compile(args) -> int:
     from tilegraph.backends import backend
 
     dims = parse_dims(args.dim)
-    refuse_overwriting(args.model, args.output)
+    refuse_overwriting(args.model, args.output, Path(args.output).with_suffix(".weights.npz"))
     # Fusion and tiling are decided for the target's hardware (backends.triton.HARDWARE for
     # triton): the default pipeline does so, and a given one too where it names no target.
     hardware = getattr(backend(args.target), "HARDWARE", "cpu")
