@@ -294,3 +294,28 @@ def test_fuse_and_tile_price_candidates_as_numbers_and_decide_as_the_formulas_wo
         monkeypatch.setattr(module, "nominal_sizes", contextlib.nullcontext)
     by_formulas = str(run_pipeline(tilegraph.import_model(str(EXAMPLE)), pipeline).module)
     assert by_numbers == by_formulas
+
+
+@pytest.mark.parametrize("op,dtype", [("shift_left", np.float32), ("shift_right", np.float16),
+                                      ("bitwise_and", np.float32), ("bitwise_or", np.float64),
+                                      ("bitwise_xor", np.float32), ("bitwise_not", np.float32),
+                                      ("shift_left", np.bool_)])
+def test_integer_only_ops_refuse_float_operands_naming_the_op_and_type(op, dtype):
+    """The shape rules took f32 operands for the shift ops: the fuzzer's .mlir reached
+    np.left_shift on floats (a TypeError inside the emitted code)."""
+    from tilegraph.ir.dtypes import dtype_name
+    from tilegraph.ir.shapes import ShapeError
+
+    g = Graph()
+    x = g.input("x", (2, 3), dtype_name(np.dtype(dtype)))
+    with pytest.raises(ShapeError, match=rf"tg\.{op}: needs integer operands.*{dtype_name(np.dtype(dtype))}"):
+        g.op(op, x) if op == "bitwise_not" else g.op(op, x, x)
+
+
+def test_a_mlir_file_shifting_floats_is_a_named_error(tmp_path, capsys):
+    text = ('func.func @forward(%x : tensor<4xf32>) -> tensor<4xf32> {\n'
+            '  %y = "tg.shift_left"(%x, %x) : (tensor<4xf32>, tensor<4xf32>) -> tensor<4xf32>\n'
+            '  func.return %y : tensor<4xf32>\n}\n')
+    (tmp_path / "s.mlir").write_text(text)
+    code, _, err = run(tilegraph_main, ["compile", tmp_path / "s.mlir", "-o", tmp_path / "s_np.py"], capsys)
+    assert_clean_error(code, err, "tg.shift_left", "needs integer operands", "f32")
