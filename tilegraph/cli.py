@@ -562,15 +562,16 @@ def _cost(args) -> int:
 
 
 def _print_table(cost, sizes: dict[str, int]) -> None:
+    from tilegraph.ir.escape import terminal_text
     from tilegraph.passes.cost.model import at
 
     total = at(cost.time, sizes)
     unit, scale = _time_unit(total)
-    labels = [label for label, _ in cost.rows]
+    labels = [terminal_text(label) for label, _ in cost.rows]  # a .mlir file names its groups' kinds
     width = max([len("kernel"), *map(len, labels)])
     print(f"{'#':>3}  {'kernel':<{width}}  {'FLOPs':>9}  {'bytes':>9}  {'FLOP/B':>7}  {f'time ({unit})':>10}  "
           f"{'%':>5}  {'bound':<8}  ops")
-    for i, (label, c) in enumerate(cost.rows):
+    for i, (label, (_, c)) in enumerate(zip(labels, cost.rows)):
         flops, nbytes, time = at(c.flops, sizes), at(c.bytes, sizes), at(c.time, sizes)
         intensity = f"{flops / nbytes:.3g}" if nbytes else "-"
         ops = " ".join(c.ops) if label.startswith("fusion") else ""
@@ -582,6 +583,8 @@ def _print_table(cost, sizes: dict[str, int]) -> None:
 
 def _print_formulas(cost, dims: dict[str, int]) -> None:
     """Totals and per-kernel cost as sympy formulas of the symbolic dims (those without a --dim)."""
+    from tilegraph.ir.escape import terminal_text
+
     if dims:
         print(f"with {', '.join(f'{k}={v}' for k, v in sorted(dims.items()))}")
     print(f"FLOPs = {_formula(cost.flops, dims)}")
@@ -591,7 +594,7 @@ def _print_formulas(cost, dims: dict[str, int]) -> None:
     print("per kernel:")
     for i, (label, c) in enumerate(cost.rows):
         ops = f" ({' '.join(c.ops)})" if label.startswith("fusion") else ""
-        print(f"{i:>3}  {label}{ops}")
+        print(f"{i:>3}  {terminal_text(label)}{ops}")
         print(f"       FLOPs = {_formula(c.flops, dims)}; bytes = {_formula(c.bytes, dims)}; "
               f"time [s] = {_formula(c.time, dims)}")
 
