@@ -1,6 +1,7 @@
 """Bad input a user can give, each a named error (exit 2, no traceback) or the right
 behaviour, never a traceback from deep inside or a silent wrong answer (issue 17, parts 2-4)."""
 
+import io
 from pathlib import Path
 
 import numpy as np
@@ -319,3 +320,30 @@ def test_a_mlir_file_shifting_floats_is_a_named_error(tmp_path, capsys):
     (tmp_path / "s.mlir").write_text(text)
     code, _, err = run(tilegraph_main, ["compile", tmp_path / "s.mlir", "-o", tmp_path / "s_np.py"], capsys)
     assert_clean_error(code, err, "tg.shift_left", "needs integer operands", "f32")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_shard_shows_what_it_is_doing_on_a_terminal_and_with_progress(tmp_path, capsys, monkeypatch):
+    """`--mesh 2x2x2x2x2` on a one-matmul MLP solved for 140 s with nothing shown."""
+    import sys
+
+    model = small_model(tmp_path)
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert tilegraph_main(["shard", str(model), "--mesh", "2x2"]) == 0
+    shown = terminal.getvalue()
+    assert "\r\x1b[Ktilegraph shard: solving the integer program" in shown
+    assert shown.endswith("\r\x1b[K")  # the status line is gone before the plan is printed
+    assert "predicted step time" in capsys.readouterr().out
+    monkeypatch.undo()
+    # Not a terminal: nothing by default, one line per stage with --progress.
+    code, out, err = run(tilegraph_main, ["shard", model, "--mesh", "2x2"], capsys)
+    assert code == 0 and err == ""
+    code, out, err = run(tilegraph_main, ["shard", model, "--mesh", "2x2", "--progress"], capsys)
+    lines = err.splitlines()
+    assert code == 0 and "\r" not in err and lines[0].startswith("tilegraph shard: importing the model (")
+    assert any(line.startswith("tilegraph shard: solving the integer program") for line in lines)

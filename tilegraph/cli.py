@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -154,6 +157,9 @@ def _parser() -> argparse.ArgumentParser:
                        help=f"size of a symbolic dimension to plan at (default: {DEFAULT_DIM} each)")
     shard.add_argument("--symbolic", action="store_true",
                        help="also print the plan's step time as a formula of the symbolic dims")
+    shard.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                       help="show what the planner is doing and for how long on stderr (default: when stderr "
+                            "is a terminal)")
 
     # --- run: the sharded program on N local processes (backends/distributed.py) ---
     dist = sub.add_parser("run", help="run the sharded model on N local processes (torch.distributed, gloo) and "
@@ -719,13 +725,17 @@ def _shard(args) -> int:
         raise TilegraphError(f"--target {args.target}: sharding plans are for GPUs ({', '.join(GPUS)})")
     hw = hardware(args.target)
     dims = parse_dims(args.dim)
-    model = run_pipeline(tilegraph.import_model(args.model),
-                         UNFUSED_PIPELINE if args.pipeline is None else args.pipeline)
-    symbols = _input_symbols(model)
-    check_dims(dims, symbols)
-    sizes, defaulted = sizes_for(symbols, dims)
-    p = plan(model.module, Mesh(shape, hw), budget=budget, sizes=sizes, training=not args.inference,
-             names=model.input_names)
+    show = sys.stderr.isatty() if args.progress is None else args.progress
+    with StatusLine("tilegraph shard") if show else contextlib.nullcontext() as status:
+        if status:
+            status("importing the model")
+        model = run_pipeline(tilegraph.import_model(args.model),
+                             UNFUSED_PIPELINE if args.pipeline is None else args.pipeline)
+        symbols = _input_symbols(model)
+        check_dims(dims, symbols)
+        sizes, defaulted = sizes_for(symbols, dims)
+        p = plan(model.module, Mesh(shape, hw), budget=budget, sizes=sizes, training=not args.inference,
+                 names=model.input_names, progress=status)
     print(f"{Path(args.model).name} on {p.mesh} x {hw.name} ({p.mesh.devices} devices), "
           f"{'forward pass' if args.inference else 'training step'}")
     if sizes:
@@ -734,6 +744,56 @@ def _shard(args) -> int:
     if args.symbolic:
         print(f"step time [s] = {_formula(p.formula, dims)}")
     return 0
+
+
+# How often a status line on a terminal is redrawn (its elapsed time ticks while a stage runs).
+STATUS_REFRESH_S = 0.5
+
+
+class StatusLine:
+    """A long command's progress on stderr: the stage it is in and how long it has run.
+
+    On a terminal, one line redrawn in place (by a thread, so the time ticks while one call,
+    such as the integer program's solve, runs) and cleared at the end. Elsewhere (--progress
+    into a file or a pipe), one line per stage, so a log is not filled with redraws."""
+
+    def __init__(self, tool: str, stream=None):
+        self.tool, self.stream = tool, stream or sys.stderr
+        self.live = self.stream.isatty()
+        self.stage, self.started = "", time.perf_counter()
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __call__(self, stage: str) -> None:
+        with self._lock:
+            self.stage = stage
+            if self.live:
+                self._draw()
+            else:
+                print(f"{self.tool}: {stage} ({time.perf_counter() - self.started:.1f} s)", file=self.stream,
+                      flush=True)
+
+    def _draw(self) -> None:
+        self.stream.write(f"\r\x1b[K{self.tool}: {self.stage} ({time.perf_counter() - self.started:.0f} s)")
+        self.stream.flush()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(STATUS_REFRESH_S):
+            with self._lock:
+                self._draw()
+
+    def __enter__(self) -> "StatusLine":
+        if self.live:
+            self._thread = threading.Thread(target=self._tick, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self.stream.write("\r\x1b[K")  # the line goes: the plan (or the error) is printed next
+            self.stream.flush()
 
 
 def _print_plan(p) -> None:
