@@ -67,12 +67,27 @@ def test_a_binary_mlir_file_is_a_named_error_in_both_commands(tmp_path, capsys):
         assert_clean_error(code, err, "is not tg IR text", "0xff", "offset 16")
 
 
+def _encrypted_npz() -> bytes:
+    """An .npz whose member is flagged encrypted (general purpose bit 0): zipfile raised a
+    RuntimeError asking for a password (found by tilegraph/fuzz.py, npz seed 21 case 913)."""
+    buf = io.BytesIO()
+    np.savez(buf, x=np.zeros((8, 4), np.float32))
+    data = bytearray(buf.getvalue())
+    for signature, flags in ((b"PK\x03\x04", 6), (b"PK\x01\x02", 8)):  # local header, central directory
+        at = data.index(signature) + flags
+        data[at] |= 1
+    return bytes(data)
+
+
 @pytest.mark.parametrize("content,needle", [(b"PK\x03\x04 not a zip", "BadZipFile"),
-                                            (None, "is a single .npy array")])
+                                            (None, "is a single .npy array"),
+                                            ("encrypted", "is encrypted")])
 def test_a_corrupt_or_npy_weights_or_calibration_file_is_a_named_error(tmp_path, capsys, content, needle):
     model = small_model(tmp_path)
     bad = tmp_path / "bad.npz"
-    if content is None:
+    if content == "encrypted":
+        bad.write_bytes(_encrypted_npz())
+    elif content is None:
         np.save(tmp_path / "a.npy", np.zeros(3))
         (tmp_path / "a.npy").rename(bad)
     else:
