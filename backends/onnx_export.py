@@ -47,7 +47,7 @@ from tilegraph.ir import dtypes, onnx_names
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.model import Model
-from tilegraph.ir.ops import OPS
+from tilegraph.ir.ops import OPS, size_definitions
 from tilegraph.ir.quant import FORMATS, MIN_SCALE, E8M0_EXPONENTS, scale_layout
 from tilegraph.ir.shapes import TensorInfo, dims_equal, info_of
 from tilegraph.backends.lowering import table
@@ -172,6 +172,10 @@ class _SymbolTable:
             for axis, d in enumerate(info.shape):
                 if isinstance(d, sympy.Symbol) and d.name not in self.where:
                     self.where[d.name] = (name, axis)
+        # A dim known only at run time is read off its defining op's result once that is exported.
+        for op in model.func.walk():
+            for _, axis, name in size_definitions(op):
+                self.where.setdefault(name, ("", axis))
 
     def resolvable(self, d) -> bool:
         return all(s.name in self.where for s in sympy.sympify(d).free_symbols)
@@ -362,6 +366,8 @@ class _Exporter:
             outs = _EXPORT.get(op.op_name, _generic)(self, op, ins)
             for r, o in zip(op.results, outs):
                 self.names[r] = o
+            for r, axis, name in size_definitions(op):
+                self.symbols.where[name] = (outs[r], axis)
 
 
 def _dims(shape) -> list:
@@ -616,6 +622,43 @@ def _scatter_nd(ex, op, ins):
                    reduction=op.attr("reduction"))]
 
 
+def _nonzero(ex, op, ins):
+    return [ex.one("NonZero", ins[0])]
+
+
+def _unique(ex, op, ins):
+    axis = {} if op.attr("flatten") else {"axis": op.attr("axis")}
+    return ex.node("Unique", [ins[0]], 4, sorted=int(op.attr("sorted")), **axis)
+
+
+def _non_max_suppression(ex, op, ins):
+    return [ex.one("NonMaxSuppression", *ins, center_point_box=op.attr("center_point_box"))]
+
+
+def _rnn(ex, op, ins):
+    """One direction of ONNX RNN/GRU/LSTM: tg's operands and results are ONNX's without their
+    num_directions axis (sequence_lens is absent: every sequence runs its whole length)."""
+    cell = op.attr("cell")
+    hidden = info_of(op.operands[2].type).shape[1]
+    with_axis = [ex.one("Unsqueeze", v, ex.const([0])) for v in ins[1:]]  # W, R, B, initial_h, initial_c, P
+    onnx_inputs = [ins[0], *with_axis[:3]] + ([""] + with_axis[3:] if len(with_axis) > 3 else [])
+    attrs = {"hidden_size": int(hidden), "direction": "reverse" if op.attr("reverse") else "forward"}
+    if op.attr("clip"):
+        attrs["clip"] = float(op.attr("clip"))
+    if cell == "gru":
+        attrs["linear_before_reset"] = int(op.attr("linear_before_reset"))
+    outs = ex.node({"rnn": "RNN", "gru": "GRU", "lstm": "LSTM"}[cell], onnx_inputs, 3 if cell == "lstm" else 2,
+                   **attrs)
+    return [ex.one("Squeeze", outs[0], ex.const([1]))] + [ex.one("Squeeze", o, ex.const([0])) for o in outs[1:]]
+
+
+def _narrow(ex, op, ins):
+    # tg.narrow clamps a negative length to 0; Slice would count a negative end from the back.
+    length = ex.one("Max", _index(ex, op, op.operands[1], ins[1], ("i64",)), ex.const(0))
+    return [ex.one("Slice", ins[0], ex.const([0]), ex.one("Reshape", length, ex.const([1])),
+                   ex.const([op.attr("axis")]))]
+
+
 def _topk(ex, op, ins):
     return ex.node("TopK", [ins[0], ex.const([op.attr("k")])], 2, axis=op.attr("axis"),
                    largest=int(op.attr("largest")), sorted=1)
@@ -753,6 +796,8 @@ _EXPORT: dict[str, Callable] = {
     "cumsum": _cumsum, "trilu": _trilu, "constant": _constant, "weight": _weight, "iota": _iota,
     "scatter_elements": _scatter_elements, "scatter_nd": _scatter_nd, "topk": _topk, "quantize": _quantize,
     "dequantize": _dequantize, "dynamic_quantize": _dynamic_quantize, "matmul_integer": _matmul_integer,
+    "nonzero": _nonzero, "unique": _unique, "narrow": _narrow, "non_max_suppression": _non_max_suppression,
+    "rnn": _rnn, "assert_size": lambda ex, op, ins: [ex.one("Identity", ins[0])],
 }
 EXPORTABLE = frozenset(_EXPORT) | frozenset(UNARY) | frozenset(BINARY) | frozenset(REDUCE) | {"ne"}
 # The lowering table (backends/lowering.py): ONNX nodes, or the stated refusal.

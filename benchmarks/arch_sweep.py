@@ -205,6 +205,10 @@ def example_inputs(kind: str, config=None) -> dict:
     raise KeyError(kind)
 
 
+# The experts paths tried, in order, for an MoE ONNX file (see the ONNX route in run_one).
+MOE_ONNX_FALLBACKS = ("eager", "batched_mm")
+
+
 def build(arch: Arch, **model_kwargs):
     """(module returning one tensor, names of its inputs, example input tensors); `model_kwargs`
     go to transformers' from_config (experts_implementation)."""
@@ -331,10 +335,19 @@ def run_one(arch: Arch, target: str, time_it: bool, repeat: int, threads: int | 
                 if arch.family != "moe":
                     raise
                 # transformers' default experts path calls its own custom op, which the TorchScript
-                # exporter cannot write; its batched_mm path (same weights, same results) exports.
-                path = export_onnx(build(arch, experts_implementation="batched_mm")[0], inputs,
-                                   Path(d) / "m.onnx", names, ["out"])
-                row["onnx_note"] = "exported with experts_implementation=batched_mm"
+                # exporter cannot write. Its eager path (same weights, same results) exports: a loop
+                # over the experts hit, routed by NonZero (data-dependent sizes; the trace keeps the
+                # count of experts it saw, which tilegraph checks when it runs); batched_mm if not.
+                for impl in MOE_ONNX_FALLBACKS:
+                    try:
+                        path = export_onnx(build(arch, experts_implementation=impl)[0], inputs,
+                                           Path(d) / "m.onnx", names, ["out"])
+                    except Exception:
+                        if impl == MOE_ONNX_FALLBACKS[-1]:
+                            raise
+                        continue
+                    row["onnx_note"] = f"exported with experts_implementation={impl}"
+                    break
         except Exception as e:
             row["onnx"] = row["ort"] = "export failed"
             row["onnx_detail"] = short(e)

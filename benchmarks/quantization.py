@@ -15,7 +15,7 @@ the sentences / the training digits; accuracy is measured on the held-out half /
 Weight bytes are as stored: tilegraph's weight store (4-bit types two to a byte), onnxruntime's
 initializers. Latency: median of round-robin runs (benchmarks/_common.py), 2 threads each.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/quantization.py [--repeats 10]
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/quantization.py [--repeats 10] [--targets numpy,c] [--only minilm]
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ HERE = Path(__file__).resolve().parent
 # Where the MiniLM FFN multiplies: 8 sentences x 32 tokens by the 384 -> 1536 up-projection.
 GEMM_SHAPE = (256, 384, 1536)
 THREADS = 2
+TARGETS = ["numpy", "c"]  # tilegraph's CPU backends, each variant compiled for each (--targets)
 
 
 # --- 1. the integer GEMM -------------------------------------------------------------------
@@ -210,7 +211,7 @@ def kb(n: int) -> str:
     return f"{n / 1e3:,.0f}"
 
 
-def minilm_table(repeats: int) -> str:
+def minilm_table(repeats: int, mixed: bool = True) -> str:
     sentences = [s.strip() for s in (HERE / "sentences.txt").read_text().splitlines() if s.strip()]
     half = len(sentences) // 2
     calib_s, eval_s = sentences[:half], sentences[half:]
@@ -259,9 +260,11 @@ def minilm_table(repeats: int) -> str:
             rows[name] = (*cosine(sess.run(None, feed)[0]), *map(kb, onnx_weight_bytes(path)))
             runners[name] = (lambda s, f: lambda: s.run(None, f))(sess, feed)
         for name, q in variants.items():
-            compiled = tilegraph.compile(q)
-            rows[name] = (*cosine(compiled(ids, mask)), *map(kb, tg_weight_bytes(q)))
-            runners[name] = (lambda c: lambda: c(ids, mask))(compiled)
+            for target in TARGETS:
+                label = f"{name} [{target}]"
+                compiled = tilegraph.compile(q, target=target)
+                rows[label] = (*cosine(compiled(ids, mask)), *map(kb, tg_weight_bytes(q)))
+                runners[label] = (lambda c: lambda: c(ids, mask))(compiled)
         with torch.no_grad():
             times = interleaved_medians(runners, repeat=repeats)
     base = times["onnxruntime fp32"]
@@ -271,7 +274,8 @@ def minilm_table(repeats: int) -> str:
     return (f"all-MiniLM-L6-v2: {len(eval_s)} held-out sentences (batch {ids.shape[0]}, {ids.shape[1]} tokens), "
             f"calibrated on {len(calib_s)}\n"
             + format_table(["model", "cos mean", "cos min", "linear kB", "all kB", "ms", "vs ort fp32"], table)
-            + "\n\n" + mixed_table(model, [list(b) for b in cal_batches], (ids, mask), cosine, repeats))
+            + ("\n\n" + mixed_table(model, [list(b) for b in cal_batches], (ids, mask), cosine, repeats)
+               if mixed else ""))
 
 
 def mixed_table(model, cal_batches, inputs, cosine, repeats: int) -> str:
@@ -382,17 +386,22 @@ def digits_table(repeats: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--targets", default=",".join(TARGETS), help="tilegraph backends to compile for (numpy,c)")
+    ap.add_argument("--only", choices=["gemm", "digits", "minilm", "minilm-without-mixed"],
+                    help="one table (default: all)")
     args = ap.parse_args()
+    TARGETS[:] = args.targets.split(",")
     torch.set_num_threads(THREADS)
     import onnxruntime
 
     print("\n".join(machine_lines(torch=torch.__version__, onnxruntime=onnxruntime.__version__)))
     print()
-    print(gemm_table(args.repeats))
-    print()
-    print(digits_table(args.repeats))
-    print()
-    print(minilm_table(args.repeats))
+    tables = {"gemm": lambda: gemm_table(args.repeats), "digits": lambda: digits_table(args.repeats),
+              "minilm": lambda: minilm_table(args.repeats),
+              "minilm-without-mixed": lambda: minilm_table(args.repeats, mixed=False)}
+    for name in [args.only] if args.only else ["gemm", "digits", "minilm"]:
+        print(tables[name]())
+        print()
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ What it decides, and how:
 
 from __future__ import annotations
 
+import functools
 import keyword
 import math
 from pathlib import Path
@@ -44,7 +45,7 @@ import sympy
 import torch
 
 from tilegraph.frontends import FrontendError
-from tilegraph.ir import dtypes
+from tilegraph.ir import decompositions as D, dtypes
 from tilegraph.ir.builder import Graph, Tensor
 from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.interpreter import GLOBALS as _INTERPRETER_NAMES
@@ -216,7 +217,7 @@ def _unsupported(ep) -> dict[str, list[str]]:
             continue
         key = _key(node.target) if node.op == "call_function" else f"{node.op} {node.target}"
         if node.op == "call_function" and (key in SKIP or key in CONVERTERS or key == "getitem"
-                                           or _is_sym_scalar(node.meta.get("val"))):
+                                           or key in RUN_TIME_SCALARS or _is_sym_scalar(node.meta.get("val"))):
             continue
         found.setdefault(key, []).append(node.name)
     return found
@@ -258,6 +259,9 @@ class _Importer:
         self.g = Graph()
         self.env: dict[Any, Any] = {}
         self.symbols = self._symbol_table()
+        # Sizes read off tensors at run time (`k.item()`): tg symbol name -> the 0-d i64 tensor
+        # holding it; an op using it as a size (topk's k, a slice end) defines it with tg.narrow.
+        self.run_time_values: dict[str, Tensor] = {}
 
     # symbolic dims ----------------------------------------------------------
 
@@ -365,6 +369,11 @@ class _Importer:
     def const(self, value: Any, dtype: str) -> Tensor:
         return self.g.constant(np.asarray(value).astype(dtypes.numpy_dtype(dtype)))
 
+    @functools.cached_property
+    def emit(self) -> D.Builder:
+        """This graph's op maker for the composites of ir.decompositions."""
+        return D.Builder(self.g.op, self.const, lambda t: t.info)
+
     def operand(self, v: Any, dtype: str) -> Tensor:
         """A Tensor cast to dtype; a Python scalar (or symbolic size) as a dtype constant."""
         if isinstance(v, Tensor):
@@ -451,6 +460,12 @@ class _Importer:
             return
         val = node.meta.get("val")
         try:
+            if key in RUN_TIME_SCALARS:  # .item(): a value known only at run time, used as a size
+                self.env[node] = RUN_TIME_SCALARS[key](self, node, self.bind(node))
+                return
+            if isinstance(val, torch.SymBool) and not val.node.expr.is_number:
+                self.env[node] = None  # a condition on run-time sizes: only torch's own asserts read it
+                return
             if _is_sym_scalar(val):  # size arithmetic: its value is in the metadata
                 self.env[node] = self.dim(val)
                 return
@@ -830,56 +845,37 @@ def _gelu(cv, node, a):
 
 @converts("silu.default")
 def _silu(cv, node, a):
-    return a.self * cv.g.sigmoid(a.self)
+    return D.swish(cv.emit, a.self)
 
 
 @converts("mish.default")
 def _mish(cv, node, a):
-    x = a.self
-    return x * cv.g.tanh(_softplus_of(cv, x, 1.0, 20.0))
-
-
-def _softplus_of(cv, x, beta, threshold):
-    # torch: x when beta*x > threshold, else log1p(exp(beta*x)) / beta
-    bx = x * beta if beta != 1 else x
-    soft = cv.g.log1p(cv.g.exp(bx))
-    if beta != 1:
-        soft = soft / beta
-    return cv.g.where(bx > threshold, x, soft)
+    return D.mish(cv.emit, a.self, threshold=20.0)  # torch's softplus threshold
 
 
 @converts("softplus.default")
 def _softplus(cv, node, a):
-    return _softplus_of(cv, a.self, a.beta, a.threshold)
-
-
-def _relu6(cv, x):
-    return cv.g.min(cv.g.max(x, cv.const(0.0, x.dtype)), cv.const(6.0, x.dtype))
+    return D.softplus(cv.emit, a.self, a.beta, a.threshold)
 
 
 @converts("hardsigmoid.default")
 def _hardsigmoid(cv, node, a):
-    return _relu6(cv, a.self + 3.0) / 6.0  # torch: relu6(x + 3) / 6
+    return D.hard_sigmoid(cv.emit, a.self, 1 / 6, 0.5)  # torch: relu6(x + 3) / 6
 
 
 @converts("hardswish.default")
 def _hardswish(cv, node, a):
-    return a.self * _relu6(cv, a.self + 3.0) / 6.0
+    return D.hard_swish(cv.emit, a.self)
 
 
 @converts("leaky_relu.default")
 def _leaky_relu(cv, node, a):
-    x = a.self
-    return cv.g.where(x > 0, x, x * a.negative_slope)
+    return D.leaky_relu(cv.emit, a.self, a.negative_slope)
 
 
 @converts("elu.default")
 def _elu(cv, node, a):
-    x = a.self  # torch: x > 0 ? scale * x : alpha * scale * expm1(input_scale * x)
-    pos = x * a.scale if a.scale != 1 else x
-    inner = x * a.input_scale if a.input_scale != 1 else x
-    neg = cv.g.expm1(inner) * (a.alpha * a.scale)
-    return cv.g.where(x > 0, pos, neg)
+    return D.elu(cv.emit, a.self, a.alpha, a.scale, a.input_scale)
 
 
 # reductions -------------------------------------------------------------------------
@@ -1001,6 +997,8 @@ def _cumprod(cv, node, a):
 @converts("topk.default")
 def _topk(cv, node, a):
     x = a.self
+    if isinstance(a.k, sympy.Symbol) and a.k.name in cv.run_time_values:
+        return _topk_run_time_k(cv, node, a)
     if not isinstance(a.k, int):
         raise FrontendError(f"topk with a symbolic k ({a.k})")
     # tg.topk is sorted, equal values by index: a valid answer for sorted=False too.
@@ -1053,72 +1051,31 @@ def _rms_norm(cv, node, a):
     x = a.input
     axes = tuple(range(x.rank - len(a.normalized_shape), x.rank))
     eps = a.eps if a.eps is not None else float(torch.finfo(_TG_TO_TORCH[x.dtype]).eps)
-    y = x * cv.g.rsqrt(cv.g.mean(x * x, axes, keepdims=True) + eps)
+    y = D.rms_norm(cv.emit, x, axes, eps)
     return y if a.weight is None else y * a.weight
-
-
-def _channel(cv, t: Tensor, rank: int) -> Tensor:
-    """A per-channel (C,) vector shaped (C, 1, ...) to broadcast against NC... tensors."""
-    return cv.g.reshape(t, (t.shape[0],) + (1,) * (rank - 2))
-
-
-def _batch_norm_eval(cv, x, weight, bias, mean, var, eps):
-    # torch's CPU inference kernel: y = x * alpha + beta, alpha = w / sqrt(var + eps),
-    # beta = b - mean * alpha. alpha and beta depend on weights only, so constant
-    # folding turns batch norm into one multiply-add.
-    alpha = cv.g.rsqrt(var + eps)
-    if weight is not None:
-        alpha = alpha * weight
-    beta = -(mean * alpha)
-    if bias is not None:
-        beta = beta + bias
-    return x * _channel(cv, alpha, x.rank) + _channel(cv, beta, x.rank)
-
-
-def _batch_norm_batch_stats(cv, x, weight, bias, eps):
-    # Normalized by the statistics of this batch (per channel, biased variance), as
-    # torch computes in training mode and InstanceNorm always does. The running
-    # statistics torch would also update are state, not output: they are dropped.
-    axes = (0,) + tuple(range(2, x.rank))
-    centered = x - cv.g.mean(x, axes, keepdims=True)
-    y = centered * cv.g.rsqrt(cv.g.mean(centered * centered, axes, keepdims=True) + eps)
-    if weight is not None:
-        y = y * _channel(cv, weight, x.rank)
-    if bias is not None:
-        y = y + _channel(cv, bias, x.rank)
-    return y
 
 
 @converts("batch_norm.default", "_native_batch_norm_legit_no_training.default", "native_batch_norm.default",
           "_native_batch_norm_legit.default", "_native_batch_norm_legit.no_stats")
 def _batch_norm(cv, node, a):
     if a.get("training"):
-        y = _batch_norm_batch_stats(cv, a.input, a.weight, a.bias, a.eps)
+        # The running statistics torch would also update are state, not output: dropped.
+        y, _, _ = D.batch_norm_training(cv.emit, a.input, a.weight, a.bias, a.eps)
     elif a.get("running_mean") is None or a.get("running_var") is None:
         raise FrontendError("batch_norm in eval mode without running statistics")
     else:
-        y = _batch_norm_eval(cv, a.input, a.weight, a.bias, a.running_mean, a.running_var, a.eps)
+        y = D.batch_norm(cv.emit, a.input, a.weight, a.bias, a.running_mean, a.running_var, a.eps)
     return y if str(node.target) == "aten.batch_norm.default" else (y, None, None)
-
-
-def _group_norm_of(cv, x, groups, weight, bias, eps):
-    grouped = cv.g.reshape(x, (x.shape[0], groups, -1))
-    y = cv.g.reshape(cv.g.layer_norm(grouped, axis=-1, epsilon=eps), x.shape)
-    if weight is not None:
-        y = y * _channel(cv, weight, x.rank)
-    if bias is not None:
-        y = y + _channel(cv, bias, x.rank)
-    return y
 
 
 @converts("group_norm.default")
 def _group_norm(cv, node, a):
-    return _group_norm_of(cv, a.input, a.num_groups, a.weight, a.bias, a.eps)
+    return D.group_norm(cv.emit, a.input, a.num_groups, a.weight, a.bias, a.eps)
 
 
 @converts("native_group_norm.default")
 def _native_group_norm(cv, node, a):
-    return (_group_norm_of(cv, a.input, a.group, a.weight, a.bias, a.eps), None, None)
+    return (D.group_norm(cv.emit, a.input, a.group, a.weight, a.bias, a.eps), None, None)
 
 
 # contractions ----------------------------------------------------------------------
@@ -1247,14 +1204,18 @@ def _fit_window(x, kernel, pads, ceil_mode):
     return tuple(min(k, s + 2 * p) if isinstance(s, int) else k for k, s, p in zip(kernel, spatial, pads))
 
 
+def _window(node, a):
+    """A pool's spatial rank, window (fitted, see _fit_window), strides (the window by default) and pads."""
+    nd = _pool_nd(node)
+    kernel = _ntuple(a.kernel_size, nd)
+    pads = _ntuple(a.padding, nd)
+    return nd, _fit_window(a.self, kernel, pads, a.ceil_mode), _ntuple(a.stride, nd) if a.stride else kernel, pads
+
+
 @converts("max_pool1d.default", "max_pool2d.default", "max_pool3d.default", "max_pool2d_with_indices.default",
           "max_pool3d_with_indices.default", "max_pool1d_with_indices.default")
 def _max_pool(cv, node, a):
-    nd = _pool_nd(node)
-    kernel = _ntuple(a.kernel_size, nd)
-    stride = _ntuple(a.stride, nd) if a.stride else kernel
-    pads = _ntuple(a.padding, nd)
-    kernel = _fit_window(a.self, kernel, pads, a.ceil_mode)
+    nd, kernel, stride, pads = _window(node, a)
     y = _unbatched(cv, a.self, nd, lambda xb: cv.g.max_pool(xb, kernel=kernel, strides=stride, pads=pads + pads,
                                                              dilations=_ntuple(a.dilation, nd), ceil_mode=a.ceil_mode))
     return (y, None) if "indices" in str(node.target) else y
@@ -1262,11 +1223,7 @@ def _max_pool(cv, node, a):
 
 @converts("avg_pool1d.default", "avg_pool2d.default", "avg_pool3d.default")
 def _avg_pool(cv, node, a):
-    nd = _pool_nd(node)
-    kernel = _ntuple(a.kernel_size, nd)
-    stride = _ntuple(a.stride, nd) if a.stride else kernel
-    pads = _ntuple(a.padding, nd)
-    kernel = _fit_window(a.self, kernel, pads, a.ceil_mode)
+    nd, kernel, stride, pads = _window(node, a)
     divisor = a.get("divisor_override")
     if divisor is not None and a.ceil_mode:
         raise FrontendError("avg_pool with both divisor_override and ceil_mode is not supported")
@@ -1550,6 +1507,11 @@ def _arange(cv, length: Dim, start: Any, step: Any, dtype: str) -> Tensor:
 @converts("slice.Tensor")
 def _slice(cv, node, a):
     x = a.self
+    if isinstance(a.end, sympy.Symbol) and a.end.name in cv.run_time_values and a.start in (0, None) \
+            and a.step == 1:  # x[:n] with n from .item(): a run-time length (torch names the clamped size anew)
+        axis = _axis(a.dim, x.rank)
+        return cv.g.op("narrow", x, cv.run_time_values[a.end.name], axis=axis,
+                       size=_run_time_size(cv, node.meta["val"].shape[axis]))
     return _slice_axis(cv, x, _axis(a.dim, x.rank), a.start, a.end, a.step)
 
 
@@ -1581,7 +1543,10 @@ def _index(cv, node, a):
     x = a.self
     given = [(d, t) for d, t in enumerate(a.indices) if t is not None]
     if any(t.dtype == "i1" for _, t in given):
-        raise FrontendError("boolean-mask indexing gives a data-dependent shape")
+        if len(given) != 1:
+            raise FrontendError("a boolean mask together with other index tensors (x[mask, i])")
+        (axis, mask), = given
+        return _masked_rows(cv, x, mask, axis, _run_time_size(cv, node.meta["val"].shape[axis]))
     if len(given) == 1:
         (axis, idx), = given
         return cv.g.gather(x, idx, axis=axis)  # np.take counts negative indices from the end, as torch
@@ -1833,3 +1798,87 @@ def _arange_op(cv, node, a):
     start = a.get("start", 0)
     step = a.get("step", 1)
     return _arange(cv, length, start, step, cv.meta_dtype(node))
+
+
+# --- data-dependent sizes --------------------------------------------------------------------
+# torch.export names a size known only at run time with an unbacked symbol (u0) in the node's
+# metadata and checks its range with _assert_scalar / sym_constrain_range_for_size (skipped:
+# tg's ops keep their sizes in range by construction, narrow clamps). The converter of the op
+# that makes the size gives its symbol a tg name, and the tg op that defines it (ir/ops.py,
+# "data-dependent sizes") carries that name; later metadata holding u0 then reads as that symbol.
+
+
+def _run_time_size(cv, d: Any) -> str:
+    """The tg name of torch's unbacked size d (a SymInt that is one symbol), made on first use."""
+    e = sympy.sympify(d.node.expr if isinstance(d, torch.SymInt) else d)
+    if not e.is_Symbol:
+        raise FrontendError(f"a data-dependent size {e} that is not one symbol")
+    if e not in cv.symbols:
+        taken = {s.name for s in cv.symbols.values()}
+        name = _identifier(str(e))
+        while name in taken or name in _RESERVED:
+            name += "_"
+        cv.symbols[e] = symbol(name)
+    return cv.symbols[e].name
+
+
+def _masked_rows(cv, x: Tensor, mask: Tensor, axis: int, size: str) -> Tensor:
+    """x[..., mask] where mask covers dims axis.. of x: those dims flattened, the rows of the
+    nonzero mask entries gathered (row-major order, as torch)."""
+    dims = x.shape[axis:axis + mask.rank]
+    if len(dims) != mask.rank or not all(dims_equal(a, b) for a, b in zip(dims, mask.shape)):
+        raise FrontendError(f"mask {mask.info} does not cover dims {axis}.. of {x.info}")
+    flat = cv.g.reshape(x, x.shape[:axis] + (numel(dims),) + x.shape[axis + mask.rank:])
+    rows = cv.g.op("nonzero", cv.g.reshape(mask, (numel(mask.shape),)), size=size)
+    return cv.g.gather(flat, cv.g.reshape(rows, (symbol(size),)), axis=axis)
+
+
+@converts("nonzero.default")
+def _nonzero(cv, node, a):
+    x = a.self
+    mask = x if x.dtype == "i1" else cv.g.op("ne", x, cv.const(0, x.dtype))
+    return cv.g.transpose(cv.g.op("nonzero", mask, size=_run_time_size(cv, node.meta["val"].shape[0])), [1, 0])
+
+
+@converts("masked_select.default")
+def _masked_select(cv, node, a):
+    shape = broadcast_shapes(a.self.shape, a.mask.shape)
+    x, mask = cv.g.broadcast(a.self, shape), cv.g.broadcast(a.mask, shape)
+    return _masked_rows(cv, cv.g.reshape(x, (numel(shape),)), cv.g.reshape(mask, (numel(shape),)), 0,
+                        _run_time_size(cv, node.meta["val"].shape[0]))
+
+
+@converts("_unique2.default", "unique_dim.default")
+def _unique(cv, node, a):
+    """torch.unique (always sorted on CPU): values, inverse indices shaped as the input, counts."""
+    x = a.self
+    flatten = "dim" not in a
+    axis = 0 if flatten else _axis(a.dim, x.rank)
+    values = node.meta["val"][0]
+    size = _run_time_size(cv, values.shape[axis])
+    out, _first, inverse, counts = cv.g.op("unique", x, size=size, flatten=flatten, axis=axis)
+    return out, cv.g.reshape(inverse, x.shape if flatten else (x.shape[axis],)), counts
+
+
+def _item(cv, node, a):
+    """x.item() used as a size: its symbol, with the tensor that holds it at run time."""
+    x = a.self
+    if not dtypes.is_int(x.dtype) or numel(x.shape) != 1:
+        raise FrontendError(f".item() of {x.info} used as a size: only an integer of one element can be")
+    name = _run_time_size(cv, node.meta["val"])
+    cv.run_time_values[name] = cv.g.cast(cv.g.reshape(x, ()), "i64")
+    return symbol(name)
+
+
+RUN_TIME_SCALARS = {"aten.item.default": _item, "aten._local_scalar_dense.default": _item}
+
+
+def _topk_run_time_k(cv, node, a):
+    """topk with k from .item(): the whole axis sorted, then both results narrowed to k."""
+    x = a.self
+    axis = _axis(a.dim, x.rank)
+    if not isinstance(x.shape[axis], int):
+        raise FrontendError(f"topk with a run-time k over symbolic dim {axis} of {x.info}")
+    k = cv.run_time_values[a.k.name]
+    full = cv.g.topk(x, k=x.shape[axis], axis=axis, largest=a.largest)
+    return tuple(cv.g.op("narrow", t, k, axis=axis, size=a.k.name) for t in full)

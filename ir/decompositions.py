@@ -15,6 +15,12 @@ take the dtype of x as NumPy's weak Python scalars do):
   attention  softmax(q @ k^T * scale, masked) @ v; the causal mask is
              trilu(true, k = Lk - Lq), masked scores are -inf
 An attention whose causal offset Lk - Lq is not a known integer is left whole.
+
+Below them, the composites both frontends build for ops tg has none of (Elu, Softplus,
+Mish, HardSigmoid, HardSwish, LeakyReLU/PReLU, Swish/SiLU, BatchNorm, GroupNorm, RMSNorm),
+each spelled once; a frontend passes what its op's definition says (torch's softplus
+threshold, elu's scales, ONNX's exp(x) - 1 where torch has expm1) through a `Builder` over
+its own op maker.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from xdsl.ir import Operation, SSAValue
 from xdsl.rewriter import Rewriter
 
 from tilegraph.ir.dialect import TgOp, make_op
-from tilegraph.ir.shapes import ShapeError, TensorInfo, info_of, normalize_dim
+from tilegraph.ir.shapes import ShapeError, TensorInfo, info_of, normalize_dim, numel
 
 
 def info(value) -> TensorInfo:
@@ -139,6 +145,133 @@ def _attention(op, emit):
         if info(scores).shape != shape:
             return None  # a mask with more batch dims than q, k, v: kept whole
     return emit("matmul", softmax(emit, scores, -1), v)
+
+
+# --- composites the frontends build ---------------------------------------------------
+
+
+class Builder:
+    """What the composites below build with: emit(name, *operands, **attrs), emit.constant(value,
+    dtype) and emit.info(value), over a frontend's own op maker (its values may be arrays it folds)."""
+
+    def __init__(self, op, constant, info):
+        self.op, self.constant, self.info = op, constant, info
+
+    def __call__(self, name: str, *operands, **attrs):
+        return self.op(name, *operands, **attrs)
+
+
+def _scalar(emit, like, value):
+    return emit.constant(value, emit.info(like).dtype)
+
+
+def _times(emit, x, factor):
+    return x if factor == 1 else emit("mul", x, _scalar(emit, x, factor))
+
+
+def elu(emit, x, alpha: float = 1.0, scale: float = 1.0, input_scale: float = 1.0, expm1: bool = True):
+    """x > 0 ? scale * x : alpha * scale * (exp(input_scale * x) - 1), by expm1 (torch) or, as ONNX
+    defines Elu (and can export it), by exp and a subtraction."""
+    inner = _times(emit, x, input_scale)
+    e = emit("expm1", inner) if expm1 else emit("sub", emit("exp", inner), _scalar(emit, x, 1.0))
+    neg = emit("mul", e, _scalar(emit, x, alpha * scale))
+    return emit("where", emit("gt", x, _scalar(emit, x, 0.0)), _times(emit, x, scale), neg)
+
+
+def leaky_relu(emit, x, slope):
+    """x where x > 0, else x * slope (a number, or a tensor that broadcasts: PReLU)."""
+    s = _scalar(emit, x, slope) if isinstance(slope, (int, float)) else slope
+    return emit("where", emit("gt", x, _scalar(emit, x, 0.0)), x, emit("mul", x, s))
+
+
+def swish(emit, x, alpha: float = 1.0):
+    """x * sigmoid(alpha * x); torch's SiLU is alpha = 1."""
+    return emit("mul", x, emit("sigmoid", _times(emit, x, alpha)))
+
+
+def softplus(emit, x, beta: float = 1.0, threshold: float | None = None, log1p: bool = True):
+    """log(1 + exp(beta * x)) / beta, x itself where beta * x > threshold (torch's; ONNX has none);
+    by log1p (torch) or, as ONNX defines Softplus (and can export it), by log of a sum."""
+    bx = _times(emit, x, beta)
+    e = emit("exp", bx)
+    soft = emit("log1p", e) if log1p else emit("log", emit("add", e, _scalar(emit, x, 1.0)))
+    if beta != 1:
+        soft = emit("div", soft, _scalar(emit, x, beta))
+    if threshold is None:
+        return soft
+    return emit("where", emit("gt", bx, _scalar(emit, x, threshold)), x, soft)
+
+
+def mish(emit, x, threshold: float | None = None, log1p: bool = True):
+    return emit("mul", x, emit("tanh", softplus(emit, x, 1.0, threshold, log1p)))
+
+
+def hard_sigmoid(emit, x, alpha: float, beta: float):
+    """max(min(alpha * x + beta, 1), 0); torch's relu6(x + 3) / 6 is alpha = 1/6, beta = 1/2."""
+    y = emit("add", emit("mul", x, _scalar(emit, x, alpha)), _scalar(emit, x, beta))
+    return emit("max", emit("min", y, _scalar(emit, x, 1.0)), _scalar(emit, x, 0.0))
+
+
+def hard_swish(emit, x):
+    return emit("mul", x, hard_sigmoid(emit, x, 1 / 6, 0.5))
+
+
+def rms_norm(emit, x, axes: Sequence[int], eps: float):
+    """x / sqrt(mean(x * x) + eps) over axes, as x * rsqrt(...) (torch's spelling)."""
+    ms = emit("reduce_mean", emit("mul", x, x), axes=tuple(axes), keepdims=True)
+    return emit("mul", x, emit("rsqrt", emit("add", ms, _scalar(emit, x, eps))))
+
+
+def channel(emit, v, rank: int):
+    """A per-channel (C,) vector shaped (C, 1, ...) to broadcast against (N, C, ...)."""
+    t = emit.info(v)
+    shape = (t.shape[0],) + (1,) * (rank - 2)
+    return v if shape == t.shape else emit("reshape", v, result=TensorInfo(shape, t.dtype))
+
+
+def affine(emit, y, weight, bias):
+    """y * weight + bias, per channel; either may be None."""
+    rank = emit.info(y).rank
+    if weight is not None:
+        y = emit("mul", y, channel(emit, weight, rank))
+    if bias is not None:
+        y = emit("add", y, channel(emit, bias, rank))
+    return y
+
+
+def batch_norm(emit, x, weight, bias, mean, var, eps: float):
+    """With running statistics: x * a + b, a = weight / sqrt(var + eps), b = bias - mean * a, as
+    torch's CPU kernel computes it; a and b depend on weights only, so constant folding leaves
+    one multiply-add."""
+    a = emit("rsqrt", emit("add", var, _scalar(emit, var, eps)))
+    if weight is not None:
+        a = emit("mul", a, weight)
+    b = emit("neg", emit("mul", mean, a))
+    if bias is not None:
+        b = emit("add", b, bias)
+    rank = emit.info(x).rank
+    return emit("add", emit("mul", x, channel(emit, a, rank)), channel(emit, b, rank))
+
+
+def batch_norm_training(emit, x, weight, bias, eps: float):
+    """Normalized by this batch's statistics (per channel, biased variance), as in training;
+    returns y and the batch mean and variance (kept dims)."""
+    rank = emit.info(x).rank
+    axes = (0,) + tuple(range(2, rank))
+    mean = emit("reduce_mean", x, axes=axes, keepdims=True)
+    centered = emit("sub", x, mean)
+    var = emit("reduce_mean", emit("mul", centered, centered), axes=axes, keepdims=True)
+    y = emit("mul", centered, emit("rsqrt", emit("add", var, _scalar(emit, x, eps))))
+    return affine(emit, y, weight, bias), mean, var
+
+
+def group_norm(emit, x, groups: int, weight, bias, eps: float):
+    """layer_norm over each group of channels (with what follows them), then per-channel scale and bias."""
+    t = emit.info(x)
+    rest = normalize_dim(sympy.sympify(numel(t.shape[1:])) / groups)
+    grouped = emit("reshape", x, result=TensorInfo((t.shape[0], groups, rest), t.dtype))
+    y = emit("reshape", emit("layer_norm", grouped, axis=-1, epsilon=float(eps)), result=t)
+    return affine(emit, y, weight, bias)
 
 
 DECOMPOSITIONS = {

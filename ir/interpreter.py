@@ -13,11 +13,12 @@ from typing import Any, Mapping, Sequence
 
 import ml_dtypes
 import numpy as np
+from xdsl.ir import OpResult
 
 from tilegraph.ir import dtypes, kernels
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.model import Model, ModelError
-from tilegraph.ir.ops import render
+from tilegraph.ir.ops import render, size_definitions
 from tilegraph.ir.signature import SHAPE_FUNCTIONS, Signature
 from tilegraph.ir.shapes import Dim
 
@@ -87,7 +88,14 @@ def _run_block(block, env: dict, weights, glob: dict, float64: bool, widen) -> l
         else:
             raise ModelError(f"the interpreter cannot run {op.name}")
         env.update(zip(op.results, results))  # type: ignore[arg-type]
+        bind_sizes(op, results, glob)
     return None
+
+
+def bind_sizes(op, results: Sequence[Any], sizes: dict) -> None:
+    """Bind the run-time dims an op defines (tg.nonzero's count...) from its results' shapes."""
+    for i, axis, name in size_definitions(op):
+        sizes[name] = int(np.shape(results[i])[axis])
 
 
 def evaluate(op: TgOp, operands: list[Any], weights: Mapping[str, np.ndarray], glob: dict, float64: bool,
@@ -104,3 +112,36 @@ def evaluate(op: TgOp, operands: list[Any], weights: Mapping[str, np.ndarray], g
     with np.errstate(all="ignore"):
         value = eval(_compile(expr), glob, local)
     return list(value) if len(outs) > 1 else [value]
+
+
+def run_time_sizes(model: Model, arrays: Sequence[np.ndarray], sizes: dict[str, int]) -> tuple[dict[str, int], dict]:
+    """For a backend that plans its memory per binding of the sizes (C): the dims known only
+    at run time, found by running (in the model's dtypes) just the ops that the ops defining
+    them depend on. Returns all sizes, and each defining op's results, for the backend to use
+    as that op's results (so its shapes are the ones planned for)."""
+    block = model.func.body.block
+    wanted = [op for op in block.ops if size_definitions(op)]
+    needed: set = set()
+    stack = list(wanted)
+    while stack:
+        op = stack.pop()
+        if op in needed:
+            continue
+        needed.add(op)
+        stack += [v.owner for v in op.operands if isinstance(v, OpResult) and v.owner.parent_block() is block]
+    env: dict[Any, Any] = dict(zip(model.func.args, arrays))
+    glob = {**GLOBALS, **sizes}
+    known = {}
+    for op in block.ops:
+        if op not in needed:
+            continue
+        if isinstance(op, FusionOp):
+            env.update(zip(op.block.args, (env[v] for v in op.operands)))
+            results = _run_block(op.block, env, model.weights, glob, False, lambda a: a)
+        else:
+            results = evaluate(op, [env[v] for v in op.operands], model.weights, glob, False)
+        env.update(zip(op.results, results))
+        if size_definitions(op):
+            known[op] = results
+        bind_sizes(op, results, glob)
+    return {**sizes, **{name: glob[name] for op in wanted for _, _, name in size_definitions(op)}}, known

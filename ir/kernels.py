@@ -430,3 +430,123 @@ def topk(x, k, axis, largest):
         order = np.argsort(x, axis=axis, kind="stable")
     idx = np.take(order, np.arange(k), axis=axis)
     return np.take_along_axis(x, idx, axis=axis), idx.astype(np.int64)
+
+
+# --- data-dependent sizes (ir/ops.py: nonzero, unique, narrow) ---
+
+
+def nonzero(x):
+    return np.array(np.nonzero(x), dtype=np.int64).reshape(x.ndim, -1)
+
+
+def unique(x, flatten, axis, sorted_):
+    """ONNX Unique: values, first-occurrence indices, inverse indices, counts (i64)."""
+    axis = None if flatten else axis % x.ndim
+    values, first, inverse, counts = np.unique(x, return_index=True, return_inverse=True, return_counts=True,
+                                               axis=axis)
+    inverse = inverse.reshape(-1)
+    if not sorted_:  # in order of first occurrence, as ONNX's reference reorders np.unique's
+        order = np.argsort(first, kind="stable")
+        rank = np.empty_like(order)
+        rank[order] = np.arange(len(order))
+        values = np.take(values, order, axis=0 if axis is None else axis)
+        first, counts, inverse = first[order], counts[order], rank[inverse]
+    return values, first.astype(np.int64), inverse.astype(np.int64), counts.astype(np.int64)
+
+
+def narrow(x, length, axis):
+    n = min(max(int(length), 0), x.shape[axis])
+    return x[(slice(None),) * axis + (slice(0, n),)]
+
+
+def non_max_suppression(boxes, scores, max_output, iou_threshold, score_threshold, center_point_box):
+    """ONNX NonMaxSuppression, as onnx's reference computes it: IoU in float32 whatever the
+    arrays arrive in (the float64 interpreter selects the same boxes as a float32 backend)."""
+    boxes, scores = np.asarray(boxes, np.float32), np.asarray(scores, np.float32)
+    keep_most = 0 if max_output is None else max(int(np.asarray(max_output).reshape(-1)[0]), 0)
+    iou_limit = np.float32(0 if iou_threshold is None else np.asarray(iou_threshold).reshape(-1)[0])
+    rows = []
+    for b in range(boxes.shape[0]):
+        box = boxes[b]
+        if center_point_box:
+            half = box[:, 2:] / np.float32(2)
+            xs, ys = (box[:, 0] - half[:, 0], box[:, 0] + half[:, 0]), (box[:, 1] - half[:, 1], box[:, 1] + half[:, 1])
+        else:  # [y1, x1, y2, x2], either corner first
+            xs = (np.minimum(box[:, 1], box[:, 3]), np.maximum(box[:, 1], box[:, 3]))
+            ys = (np.minimum(box[:, 0], box[:, 2]), np.maximum(box[:, 0], box[:, 2]))
+        area = (xs[1] - xs[0]) * (ys[1] - ys[0])
+        for c in range(scores.shape[1]):
+            s = scores[b, c]
+            candidates = np.arange(len(s)) if score_threshold is None else \
+                np.flatnonzero(s > np.float32(np.asarray(score_threshold).reshape(-1)[0]))
+            # by falling score, equal scores by rising index (the reference's order)
+            candidates = candidates[np.lexsort((candidates, -s[candidates]))]
+            kept: list[int] = []
+            for i in candidates:
+                if len(kept) >= keep_most:
+                    break
+                k = np.array(kept, dtype=np.int64)
+                w = np.minimum(xs[1][k], xs[1][i]) - np.maximum(xs[0][k], xs[0][i])
+                h = np.minimum(ys[1][k], ys[1][i]) - np.maximum(ys[0][k], ys[0][i])
+                inter = w * h
+                union = area[k] + area[i] - inter
+                with np.errstate(all="ignore"):
+                    overlap = (w > 0) & (h > 0) & (inter > 0) & (area[k] > 0) & (area[i] > 0) & (union > 0) & \
+                        (inter / union > iou_limit)
+                if not overlap.any():
+                    kept.append(int(i))
+                    rows.append((b, c, int(i)))
+    return np.array(rows, dtype=np.int64).reshape(-1, 3)
+
+
+# --- recurrences (ir/ops.py: rnn) ---
+
+
+def _sigmoid(v):
+    return 1 / (1 + np.exp(-v))
+
+
+def rnn(x, w, r, bias, h0, c0, peephole, cell, reverse, clip, linear_before_reset):
+    """One direction of ONNX RNN/GRU/LSTM with its default activations, a loop over the steps."""
+    steps, batch, _ = x.shape
+    hidden = r.shape[1]
+    gh = r.shape[0]
+    bias = np.zeros(2 * gh, x.dtype) if bias is None else bias
+    xw = np.matmul(x, w.T) + bias[:gh]  # every step's input projection at once
+    rb = bias[gh:]
+    h = np.zeros((batch, hidden), x.dtype) if h0 is None else h0
+    c = np.zeros((batch, hidden), x.dtype) if c0 is None else c0
+    clipped = (lambda v: v) if not clip else (lambda v: np.clip(v, -clip, clip))
+    ys = np.empty((steps, batch, hidden), x.dtype)
+    for t in (range(steps - 1, -1, -1) if reverse else range(steps)):
+        if cell == "rnn":
+            h = np.tanh(clipped(xw[t] + h @ r.T + rb))
+        elif cell == "lstm":
+            g = xw[t] + h @ r.T + rb
+            i, o, f, z = (g[:, k * hidden:(k + 1) * hidden] for k in range(4))
+            if peephole is not None:
+                i, f = i + peephole[:hidden] * c, f + peephole[2 * hidden:] * c
+            i, f = _sigmoid(clipped(i)), _sigmoid(clipped(f))
+            c = f * c + i * np.tanh(clipped(z))
+            if peephole is not None:
+                o = o + peephole[hidden:2 * hidden] * c
+            h = _sigmoid(clipped(o)) * np.tanh(c)
+        else:  # gru: update z, reset r, hidden gate
+            rz, rr, rh = (r[k * hidden:(k + 1) * hidden] for k in range(3))
+            bz, br, bh = (rb[k * hidden:(k + 1) * hidden] for k in range(3))
+            xz, xr, xh = (xw[t][:, k * hidden:(k + 1) * hidden] for k in range(3))
+            z = _sigmoid(clipped(xz + h @ rz.T + bz))
+            reset = _sigmoid(clipped(xr + h @ rr.T + br))
+            inner = reset * (h @ rh.T + bh) if linear_before_reset else (reset * h) @ rh.T + bh
+            h = (1 - z) * np.tanh(clipped(xh + inner)) + z * h
+        ys[t] = h
+    return (ys, h, c) if cell == "lstm" else (ys, h)
+
+
+def assert_size(x, axis, size):
+    if x.shape[axis] != size:
+        from tilegraph.ir.shapes import ShapeError
+
+        raise ShapeError(f"a run-time size is {x.shape[axis]} where the model was built for {size} "
+                         f"(dim {axis} of a value of shape {x.shape})")
+    return x

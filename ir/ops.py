@@ -75,6 +75,10 @@ class OpSpec:
     numpy_calls: int = 0
     # The iteration space (ir/loops.py) the sharding planner splits; None: runs replicated.
     loops: Callable[..., Any] | None = None
+    # Data-dependent size (nonzero, unique, narrow): the op's `size` attribute names a dim of
+    # its results known only at run time; this gives its upper bound from the operands,
+    # (ins, attrs) -> Dim. None: every result dim follows from the operands' shapes.
+    bound: Callable[..., Any] | None = None
 
     def flop_count(self, ins: Sequence[TensorInfo], outs: Sequence[TensorInfo]):
         """FLOPs of one op at these shapes (multiply-add = 2), a sympy expression."""
@@ -808,6 +812,201 @@ _op("topk", ["x"], _topk, "K.topk({x}, {k}, {axis}, {largest})", "reduction",
 for _name in ("expm1", "log1p"):
     _op(_name, ["x"], _unary(_name, floats_only=True), f"np.{_name}({{x}})", "elementwise")
 
+
+
+# --- data-dependent sizes ---
+# A dim known only at run time ("unbacked" in torch's words: ONNX NonZero, Unique, a boolean
+# mask, TopK with a computed k) is a named symbol like any other (`u0`), introduced by the one
+# op whose result it sizes: its `size` attribute names it, and the shape rule puts it in the
+# result type. Backends bind it from that result's shape right after the op runs, as they
+# bind input symbols from the inputs; everything downstream is ordinary symbolic shapes.
+# The cost model prices it at `expected` times the op's upper bound (OpSpec.bound), a fraction
+# stated per op below (XLA and IREE keep such dims bounded; torch keeps only the symbol).
+
+
+def _size_symbol(op: str, attrs) -> Dim:
+    import keyword
+
+    import sympy
+
+    from tilegraph.ir.shapes import DIM_FUNCTIONS, parse_dim
+
+    name = attrs["size"]
+    # The symbol is a variable of generated code, next to these names: it may not take one.
+    taken = name in ("np", "K", "ml_dtypes", *DIM_FUNCTIONS) or keyword.iskeyword(name)
+    dim = parse_dim(name) if isinstance(name, str) and name.isidentifier() and not taken else None
+    if not isinstance(dim, sympy.Symbol):
+        raise _fail(op, f"size {name!r} must name a symbol (an identifier that is not a Python or "
+                        "generated-code name)")
+    if not 0.0 <= attrs["expected"] <= 1.0:
+        raise _fail(op, f"expected fraction {attrs['expected']} of the bound is not in [0, 1]")
+    return dim
+
+
+def _nonzero(ins, attrs, given):
+    (x,) = ins
+    if x.rank == 0:
+        raise _fail("nonzero", f"operand {x} must have rank >= 1")
+    return [TensorInfo((x.rank, _size_symbol("nonzero", attrs)), "i64")]
+
+
+def _unique(ins, attrs, given):
+    (x,) = ins
+    u = _size_symbol("unique", attrs)
+    if attrs["flatten"]:
+        return [TensorInfo((u,), x.dtype)] + [TensorInfo(s, "i64") for s in ((u,), (numel(x.shape),), (u,))]
+    (axis,) = _axes("unique", [attrs["axis"]], x.rank)
+    values = x.shape[:axis] + (u,) + x.shape[axis + 1:]
+    return [TensorInfo(values, x.dtype)] + [TensorInfo(s, "i64") for s in ((u,), (x.shape[axis],), (u,))]
+
+
+def _narrow(ins, attrs, given):
+    x, length = ins
+    (axis,) = _axes("narrow", [attrs["axis"]], x.rank)
+    if length.rank != 0 or not dtypes.is_int(length.dtype):
+        raise _fail("narrow", f"length {length} must be an integer scalar")
+    return [TensorInfo(x.shape[:axis] + (_size_symbol("narrow", attrs),) + x.shape[axis + 1:], x.dtype)]
+
+
+def _unique_bound(ins, attrs):
+    return numel(ins[0].shape) if attrs["flatten"] else ins[0].shape[attrs["axis"] % ins[0].rank]
+
+
+_SIZE = {"size": ("str", REQUIRED)}
+# Half the elements of a mask are set: a guess with nothing better known (a MoE router's
+# mask for one expert holds top_k/experts of its rows; a frontend that knows states it).
+_op("nonzero", ["x"], _nonzero, "K.nonzero({x})", "reduction", {**_SIZE, "expected": ("float", 0.5)},
+    doc="the indices of the nonzero elements, one column per element in row-major order (ONNX NonZero; "
+        "torch.nonzero is its transpose)", pattern=OPAQUE, bound=lambda ins, attrs: numel(ins[0].shape))
+# Unique values: priced as all distinct (the bound), the case a model's cost must cover.
+_op("unique", ["x"], _unique, "K.unique({x}, {flatten}, {axis}, {sorted})", "reduction",
+    {**_SIZE, "expected": ("float", 1.0), "flatten": ("bool", True), "axis": ("int", 0), "sorted": ("bool", True)},
+    doc="the distinct values (or slices along axis), the index of each one's first occurrence, the inverse "
+        "indices and the counts; sorted, or in order of first occurrence (ONNX Unique)", pattern=OPAQUE,
+    bound=_unique_bound)
+# A run-time length (TopK with a computed k, x[:n] with n from .item()): priced as the whole dim.
+_op("narrow", ["x", "length"], _narrow, "K.narrow({x}, {length}, {axis})", "layout",
+    {**_SIZE, "expected": ("float", 1.0), "axis": ("int", 0)},
+    doc="x[..., :length] along axis, length a run-time integer clamped to [0, dim] (a view)", pattern=OPAQUE,
+    view=True, bound=lambda ins, attrs: ins[0].shape[attrs["axis"] % ins[0].rank])
+
+
+def _non_max_suppression(ins, attrs, given):
+    boxes, scores = ins[:2]
+    if boxes.rank != 3 or boxes.shape[2] != 4 or scores.rank != 3 or not (
+            dims_equal(boxes.shape[0], scores.shape[0]) and dims_equal(boxes.shape[1], scores.shape[2])):
+        raise _fail("non_max_suppression", f"boxes {boxes} must be (batch, boxes, 4) and scores {scores} "
+                                           "(batch, classes, boxes)")
+    if any(not dtypes.is_float(t.dtype) for t in (boxes, scores, *ins[3:])) or (
+            len(ins) > 2 and not dtypes.is_int(ins[2].dtype)):
+        raise _fail("non_max_suppression", "boxes, scores and thresholds must be floats, the box count an integer")
+    if any(numel(t.shape) != 1 for t in ins[2:]):
+        raise _fail("non_max_suppression", "the box count and thresholds must be one value each")
+    return [TensorInfo((_size_symbol("non_max_suppression", attrs), 3), "i64")]
+
+
+# Boxes kept: priced at half of every box of every class, as nonzero (a detector's own
+# max_output_boxes_per_class usually caps it far lower).
+_op("non_max_suppression", ["boxes", "scores", "max_output?", "iou_threshold?", "score_threshold?"],
+    _non_max_suppression,
+    "K.non_max_suppression({boxes}, {scores}, {max_output}, {iou_threshold}, {score_threshold}, {center_point_box})",
+    "reduction", {**_SIZE, "expected": ("float", 0.5), "center_point_box": ("int", 0)},
+    doc="ONNX NonMaxSuppression: per batch and class, boxes by falling score (above score_threshold, if "
+        "given), each kept unless its IoU with a kept box exceeds iou_threshold, at most max_output; rows "
+        "(batch, class, box)", pattern=OPAQUE,
+    bound=lambda ins, attrs: numel(ins[1].shape), flops=lambda ins, outs: 0)
+
+
+def _assert_size(ins, attrs, given):
+    (x,) = ins
+    (axis,) = _axes("assert_size", [attrs["axis"]], x.rank)
+    if isinstance(x.shape[axis], int) and x.shape[axis] != attrs["size"]:
+        raise _fail("assert_size", f"dim {axis} of {x} is not {attrs['size']}")
+    return [TensorInfo(x.shape[:axis] + (attrs["size"],) + x.shape[axis + 1:], x.dtype)]
+
+
+# What a traced model assumed of a run-time size (torch's TorchScript exporter unrolls a loop over
+# a nonzero's rows at the count it saw; torch.export writes _assert_scalar(u0 == 4)): checked when
+# it runs, a static dim after it.
+_op("assert_size", ["x"], _assert_size, "K.assert_size({x}, {axis}, {size})", "layout",
+    {"axis": ("int", REQUIRED), "size": ("int", REQUIRED)},
+    doc="x itself, its dim `axis` (a run-time size) checked to be `size` when it runs", view=True)
+
+
+# --- recurrences: a loop over a sequence of any length ---
+
+
+def _rnn(ins, attrs, given):
+    x, w, r = ins[:3]
+    cell = attrs["cell"]
+    gates = {"rnn": 1, "gru": 3, "lstm": 4}.get(cell)
+    if gates is None:
+        raise _fail("rnn", f"cell '{cell}' is not one of rnn, gru, lstm")
+    if x.rank != 3 or w.rank != 2 or r.rank != 2 or not isinstance(r.shape[0], int):
+        raise _fail("rnn", f"x {x} must be (steps, batch, inputs), w {w} (gates*hidden, inputs), r {r} "
+                           "(gates*hidden, hidden)")
+    steps, batch, _ = x.shape
+    hidden = r.shape[1]
+    if not (dims_equal(w.shape[0], gates * hidden) and dims_equal(r.shape[0], gates * hidden)
+            and dims_equal(w.shape[1], x.shape[2])):
+        raise _fail("rnn", f"w {w} and r {r} do not hold {gates} gates of {hidden} for x {x}")
+    _same_dtype("rnn", [t for t in ins if t is not None])
+    want = {"bias": (2 * gates * hidden,), "h0": (batch, hidden), "c0": (batch, hidden), "peephole": (3 * hidden,)}
+    for name, t in zip(("bias", "h0", "c0", "peephole"), ins[3:]):
+        if not all(dims_equal(a, b) for a, b in zip(t.shape, want[name])) or t.rank != len(want[name]):
+            raise _fail("rnn", f"{name} {t} must be {shape_str(want[name])}")
+    if cell != "lstm" and len(ins) > 5:
+        raise _fail("rnn", f"a {cell} cell has no cell state or peepholes")
+    out = [TensorInfo((steps, batch, hidden), x.dtype), TensorInfo((batch, hidden), x.dtype)]
+    return out + ([TensorInfo((batch, hidden), x.dtype)] if cell == "lstm" else [])
+
+
+def _rnn_flops(ins, outs):
+    x, w, r = ins[:3]
+    steps, batch, inputs = x.shape
+    gh, hidden = r.shape
+    # the input projection and the recurrent matmul per step, ~3 elementwise ops per gate value
+    return steps * batch * (2 * gh * inputs + 2 * gh * hidden + 3 * gh)
+
+
+# The sequence is a loop in the op (as onnxruntime's LSTM kernel): one op for any length, not
+# an unrolled copy per step. Default activations (sigmoid, tanh), ONNX's gate order and formulas.
+_op("rnn", ["x", "w", "r", "bias?", "h0?", "c0?", "peephole?"], _rnn,
+    "K.rnn({x}, {w}, {r}, {bias}, {h0}, {c0}, {peephole}, {cell}, {reverse}, {clip}, {linear_before_reset})",
+    "composite", {"cell": ("str", REQUIRED), "reverse": ("bool", False), "clip": ("float", 0.0),
+                  "linear_before_reset": ("bool", False)},
+    doc="one direction of ONNX RNN/GRU/LSTM over x (steps, batch, inputs): all hidden states, the last "
+        "hidden (and cell) state; clip 0 means none", pattern=OPAQUE, flops=_rnn_flops)
+
+
+def size_definitions(op) -> list[tuple[int, int, str]]:
+    """(result index, axis, symbol name) of the run-time dim a tg op defines: its first
+    appearance in the results (a backend binds the symbol from that result's shape)."""
+    if getattr(op, "SPEC", None) is None or op.SPEC.bound is None:
+        return []
+    import sympy
+
+    name = op.attr("size")
+    for i, r in enumerate(op.result_infos()):
+        for axis, d in enumerate(r.shape):
+            if isinstance(d, sympy.Symbol) and d.name == name:
+                return [(i, axis, name)]
+    return []
+
+
+def expected_sizes(ops) -> dict[str, Any]:
+    """symbol name -> the size the cost model prices it at, for every run-time dim the ops define."""
+    import sympy
+
+    out = {}
+    for op in ops:
+        for _i, _axis, name in size_definitions(op):
+            from tilegraph.ir.shapes import info_of
+
+            ins = [info_of(v.type) for v in op.operands]
+            fraction = sympy.nsimplify(op.attr("expected"))  # 0.5 as 1/2: sizes stay exact expressions
+            out[name] = normalize_dim(fraction * sympy.sympify(op.SPEC.bound(ins, op.py_attrs())))
+    return out
 
 
 # --- quantization (ir/quant.py: formats, scale layouts, the kernels) ---

@@ -45,7 +45,7 @@ from xdsl.ir import Block, SSAValue
 from tilegraph.ir.dialect import FusionOp, TgOp, YieldOp
 from tilegraph.ir.shapes import info_of
 from tilegraph.ir.fusion import ANCHORS, VIEW_OPS, flat_ok, live_row_bytes, operand_rows, row_reshape, siblings
-from tilegraph.ir.ops import REDUCE
+from tilegraph.ir.ops import OPAQUE, REDUCE
 from tilegraph.passes.cost.model import at_nominal, group_cost, nominal_sizes, op_cost
 from tilegraph.ir.hardware import check_target, hardware
 from tilegraph.passes.remarks import listening, remark
@@ -76,7 +76,7 @@ def fusable(op) -> bool:
     if isinstance(op, TgOp) and row_reshape(op):
         return True
     return isinstance(op, TgOp) and op.SPEC.category not in UNFUSABLE_CATEGORIES and op.op_name not in VIEW_OPS \
-        and len(op.results) == 1
+        and len(op.results) == 1 and op.SPEC.pattern != OPAQUE  # (opaque: tg.nonzero, its size known only after)
 
 
 def _kind(ops: list[TgOp]) -> str:

@@ -74,11 +74,11 @@ from xdsl.rewriter import InsertPoint, Rewriter
 from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import TgOp, make_op
 from tilegraph.ir.errors import TilegraphError
-from tilegraph.ir.shapes import TensorInfo, info_of, type_of
+from tilegraph.ir.shapes import TensorInfo, info_of, symbol, type_of
 from tilegraph.ir.shard import GridOp, ShardAxesArrayAttr, ShardingOp, ShardingType, ShardOp
 from tilegraph.passes.cost.collectives import GPUS_PER_NODE, Mesh, parse_mesh
 from tilegraph.passes.cost.hardware import check_target, hardware
-from tilegraph.passes.cost.model import at, op_cost
+from tilegraph.passes.cost.model import at, expected_sizes, op_cost
 from tilegraph.passes.remarks import remark
 from tilegraph.passes.sharding import (Spec, Strategy, apply_step, base_name, local_info, nbytes, pre_scatter, replicated,
                                       reshard_steps, source_strategies, spec_axes, spec_str, strategies, zero_variants)
@@ -518,6 +518,8 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
                for s in sympy.sympify(d).free_symbols}
     for s in symbols:
         sizes.setdefault(s, DEFAULT_DIM)
+    for s, e in expected_sizes(module).items():  # dims known only at run time: at their expected size
+        sizes.setdefault(s, max(1, round(float(sympy.sympify(e).subs({symbol(k): v for k, v in sizes.items()})))))
     if micro_batches > 1:
         if batch not in sizes or sizes[batch] % micro_batches:
             raise LayoutError(f"{micro_batches} micro-batches need a batch dim '{batch}' that they divide "

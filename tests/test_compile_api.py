@@ -158,3 +158,55 @@ def test_importing_tilegraph_imports_neither_torch_nor_onnx():
     repo = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_model_file_compiled_again_comes_from_the_compile_cache(tmp_path, monkeypatch):
+    """The second compile of an unchanged file runs no import and no pass; a changed file, a
+    changed weights file beside it, another pipeline or a damaged entry compile afresh."""
+    monkeypatch.setenv("TILEGRAPH_CACHE_DIR", str(tmp_path / "cache"))
+    path = mlp().save(tmp_path / "m.mlir")
+    x = inputs()
+    first = tilegraph.compile(path)
+    passes = []
+    real = tilegraph._run_passes
+    monkeypatch.setattr(tilegraph, "_run_passes", lambda *a: passes.append(a) or real(*a))
+    again = tilegraph.compile(path)
+    assert passes == [] and again.source == first.source
+    np.testing.assert_array_equal(again(x), first(x))
+
+    tilegraph.compile(path, pipeline="canonicalize")  # another pipeline: another entry
+    assert len(passes) == 1
+    weights = dict(np.load(tmp_path / "m.weights.npz"))
+    weights["fc1.bias"] = weights["fc1.bias"] + 1
+    np.savez(tmp_path / "m.weights.npz", **weights)
+    changed = tilegraph.compile(path)
+    assert len(passes) == 2
+    assert_close(changed(x), interpret(Model.load(path), [x])[0], "f32", WIDTH)
+
+    for entry in (tmp_path / "cache" / "compiled").glob("*.mlir"):
+        entry.write_text("not IR")
+    assert_close(tilegraph.compile(path)(x), interpret(Model.load(path), [x])[0], "f32", WIDTH)
+    assert len(passes) == 3
+    monkeypatch.setenv("TILEGRAPH_COMPILE_CACHE", "0")
+    tilegraph.compile(path)
+    tilegraph.compile(path)
+    assert len(passes) == 5
+
+
+def test_the_compile_cache_key_holds_an_onnx_models_external_data(tmp_path, monkeypatch):
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    monkeypatch.setenv("TILEGRAPH_CACHE_DIR", str(tmp_path / "cache"))
+    x = np.ones((2, 3), np.float32)
+
+    node = helper.make_node("Add", ["x", "b"], ["y"])
+    graph = helper.make_graph([node], "add", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+                              [numpy_helper.from_array(np.full(3, 1.0, np.float32), "b")])
+    path = tmp_path / "add.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path,
+              save_as_external_data=True, location="add.data", size_threshold=0)
+    assert tilegraph.compile(path)(x)[0, 0] == 2.0
+    (tmp_path / "add.data").write_bytes(np.full(3, 5.0, np.float32).tobytes())  # the same .onnx bytes
+    assert tilegraph.compile(path)(x)[0, 0] == 6.0

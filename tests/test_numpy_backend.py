@@ -22,6 +22,7 @@ from xdsl.ir import Block, Region
 from xdsl.irdl import IRDLOperation, irdl_op_definition, region_def, var_operand_def, var_result_def
 from xdsl.dialects.func import ReturnOp
 
+import tilegraph
 from tilegraph.backends.numpy import compile_model, emit, liveness, load
 from tilegraph.backends.numpy.runtime import MODULE_FILENAME
 from tilegraph.ir import Graph, ShapeError, interpret
@@ -260,6 +261,18 @@ def test_awkward_names_become_distinct_identifiers():
     compiled = load(source, model.weights)
     x, y = np.ones((3, 2), np.float32), np.full((3, 2), 10, np.float32)
     np.testing.assert_array_equal(compiled(x, y)[0], np.full(6, 21, np.float32))
+
+
+def test_values_named_like_a_fused_groups_own_names_keep_their_values():
+    # Regression: a fused group's body is `def chunk(s)`; an input named "s" (an ONNX
+    # BatchNormalization's scale in the conformance suite) read the row slice instead.
+    g = Graph()
+    s, chunk = g.input("s", (3,)), g.input("chunk", (3,))
+    model = g.build(g.sqrt(s) * s + chunk)
+    compiled = tilegraph.compile(model)  # the default pipeline fuses the three ops into one group
+    assert "def chunk(s)" in compiled.source
+    x = np.array([1.0, 4.0, 9.0], np.float32)
+    np.testing.assert_array_equal(compiled.run(x, x)[0], np.array([2.0, 12.0, 36.0], np.float32))
 
 
 # The float32 erf and gelu kernels (ir/kernels.py) are approximations with a stated

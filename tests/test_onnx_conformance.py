@@ -33,7 +33,6 @@ _E8M0_ROUNDING = "dtype not supported: casts to E8M0 round up in ONNX, to neares
 _SEQUENCES = "op not supported: sequence and optional values; tg values are tensors"
 _STRINGS = "op not supported: string tensors; tg has no string element type"
 _RANDOM = "op not supported: random number generation (tg models are deterministic)"
-_DATA_SHAPE = "op not supported: the output shape depends on the input values"
 
 # regex over case names -> why tilegraph rejects those cases
 EXCLUDED: dict[str, str] = {
@@ -47,7 +46,6 @@ EXCLUDED: dict[str, str] = {
                                                           "carry or return them here)",
     r"^test_(string_|strnormalizer_|regex_full_match_|ai_onnx_ml_label_encoder_|tfidfvectorizer_)": _STRINGS,
     r"^test_(bernoulli|training_dropout(_default)?(_mask)?$)": _RANDOM,
-    r"^test_(nonzero_|unique_|nonmaxsuppression_)": _DATA_SHAPE,
     r"^test_image_decoder_": "op not supported: ImageDecoder (image file decoding)",
     # ops without a tg op or composition yet
     r"^test_melweightmatrix": "op not supported: MelWeightMatrix",

@@ -17,7 +17,7 @@ from tilegraph.frontends import FrontendError
 from tilegraph.frontends.onnx import StaticInputNeeded, from_onnx
 from tilegraph.ir.interpreter import interpret
 from tilegraph.ir.shapes import symbol
-from tilegraph.testing import assert_close, reduction_length
+from tilegraph.testing import PEER_RELATIVE_ERROR, assert_close, reduction_length, relative_error
 
 F32 = TensorProto.FLOAT
 I64 = TensorProto.INT64
@@ -54,7 +54,7 @@ def test_every_unsupported_op_is_listed_in_one_error_before_converting():
         helper.make_node("Relu", ["x"], ["a"], name="relu0"),
         helper.make_node("Frobnicate", ["a"], ["b"], name="frob0"),
         helper.make_node("Frobnicate", ["b"], ["c"], name="frob1"),
-        helper.make_node("Unique", ["c"], ["d"], name="uniq0"),
+        helper.make_node("DeformConv", ["c"], ["d"], name="deform0"),
         helper.make_node("Wibble", ["d"], ["y"], name="wib0", domain="com.example"),
     ]
     model = make_model(nodes, [vi("x", F32, [4])], [vi("y", F32, [4])])
@@ -64,7 +64,7 @@ def test_every_unsupported_op_is_listed_in_one_error_before_converting():
     msg = str(err.value)
     assert "3 unsupported op types (4 nodes)" in msg
     assert "Frobnicate: 2 nodes (e.g. 'frob0')" in msg
-    assert "Unique: 1 node (e.g. 'uniq0')" in msg
+    assert "DeformConv: 1 node (e.g. 'deform0')" in msg
     assert "com.example.Wibble: 1 node (e.g. 'wib0')" in msg
     assert "Relu" not in msg
 
@@ -515,3 +515,144 @@ def test_same_padding_with_stride_1_keeps_symbolic_spatial_dims_and_matches_onnx
         x = rng.standard_normal(shape).astype(np.float32)
         (ref,) = run_ort(onnx_model, {"x": x})
         assert_close(interpret(model, [x])[0], ref, "f32", 18)
+
+
+# --- Resize on symbolic spatial dims (issue 18) ------------------------------------------------
+
+
+def _symbolic_resize_model(mode, ctm, by_sizes, factors=(2, 3)):
+    inits = [helper.make_tensor("roi", F32, [0], [])]
+    if by_sizes:  # sizes computed from the input's Shape, as exporters write an upsample
+        inits.append(helper.make_tensor("k", I64, [4], [1, 1, *factors]))
+        nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Mul", ["s", "k"], ["sizes"]),
+                 helper.make_node("Resize", ["x", "roi", "", "sizes"], ["y"], mode=mode,
+                                  coordinate_transformation_mode=ctm)]
+    else:
+        inits.append(helper.make_tensor("scales", F32, [4], [1, 1, *factors]))
+        nodes = [helper.make_node("Resize", ["x", "roi", "scales"], ["y"], mode=mode,
+                                  coordinate_transformation_mode=ctm)]
+    return make_model(nodes, [vi("x", F32, [1, 2, "H", "W"])], [vi("y", F32, None)], inits, opset=19)
+
+
+@pytest.mark.parametrize("mode", ["nearest", "linear", "cubic"])
+@pytest.mark.parametrize("ctm,by_sizes", [("half_pixel", False), ("asymmetric", True), ("pytorch_half_pixel", True),
+                                          ("half_pixel_symmetric", False)])
+def test_resize_on_symbolic_spatial_dims_matches_onnxruntime_at_every_size(mode, ctm, by_sizes):
+    """One import serves every H and W: the taps of an integer factor repeat with its period."""
+    proto = _symbolic_resize_model(mode, ctm, by_sizes)
+    model = from_onnx(proto)
+    assert [str(d) for d in model.outputs[0].shape] == ["1", "2", "2*H", "3*W"]
+    rng = np.random.default_rng(7)
+    for h, w in ((3, 4), (5, 2), (1, 1)):
+        x = rng.normal(size=(1, 2, h, w)).astype(np.float32)
+        (want,) = run_ort(proto, {"x": x})
+        (got,) = interpret(model, [x], float64=False)
+        (exact,) = interpret(model, [x])
+        assert got.shape == want.shape == (1, 2, 2 * h, 3 * w)
+        assert_close(got, exact, "f32", reduction_length(model, {"H": h, "W": w}))
+        assert relative_error(got, want) <= PEER_RELATIVE_ERROR
+
+
+def test_resize_of_a_symbolic_dim_by_a_fraction_is_a_clear_error():
+    with pytest.raises(FrontendError, match="only integer factors"):
+        from_onnx(_symbolic_resize_model("linear", "half_pixel", False, factors=(1.5, 2)))
+
+
+# --- RNN, GRU, LSTM over a symbolic number of steps (issue 18) ----------------------------------
+
+
+def _recurrent_model(kind, direction, layout=0, peepholes=False, lbr=0, seed=0):
+    rng = np.random.default_rng(seed)
+    gates, hidden, inputs = {"RNN": 1, "GRU": 3, "LSTM": 4}[kind], 3, 2
+    dirs = 2 if direction == "bidirectional" else 1
+    inits = [numpy_helper.from_array(rng.uniform(-1, 1, (dirs, gates * hidden, inputs)).astype(np.float32), "W"),
+             numpy_helper.from_array(rng.uniform(-1, 1, (dirs, gates * hidden, hidden)).astype(np.float32), "R"),
+             numpy_helper.from_array(rng.uniform(-0.5, 0.5, (dirs, 2 * gates * hidden)).astype(np.float32), "B")]
+    names = ["x", "W", "R", "B", "", "h0"]
+    if peepholes:
+        inits.append(numpy_helper.from_array(rng.uniform(-0.5, 0.5, (dirs, 3 * hidden)).astype(np.float32), "P"))
+        names += ["", "P"]
+    extra = {"linear_before_reset": lbr} if kind == "GRU" else {}
+    outs = ["y", "yh"] + (["yc"] if kind == "LSTM" else [])
+    node = helper.make_node(kind, names, outs, hidden_size=hidden, direction=direction, layout=layout, **extra)
+    seq = ["B", "T", inputs] if layout else ["T", "B", inputs]
+    h0 = ["B", dirs, hidden] if layout else [dirs, "B", hidden]
+    return make_model([node], [vi("x", F32, seq), vi("h0", F32, h0)], [vi(o, F32, None) for o in outs], inits,
+                      opset=14)
+
+
+@pytest.mark.parametrize("kind,direction,layout,peepholes,lbr", [
+    ("LSTM", "forward", 0, True, 0), ("LSTM", "bidirectional", 1, False, 0), ("GRU", "reverse", 0, False, 1),
+    ("GRU", "bidirectional", 0, False, 0), ("RNN", "forward", 1, False, 0)])
+def test_recurrences_over_a_symbolic_sequence_are_one_loop_op_and_match_onnxruntime(kind, direction, layout,
+                                                                                   peepholes, lbr):
+    proto = _recurrent_model(kind, direction, layout, peepholes, lbr)
+    model = from_onnx(proto)
+    loops = [op for op in model.func.walk() if getattr(op, "op_name", "") == "rnn"]
+    assert len(loops) == (2 if direction == "bidirectional" else 1)  # not one copy per step
+    import tilegraph
+
+    compiled = tilegraph.compile(proto, target="c")
+    rng = np.random.default_rng(1)
+    dirs = 2 if direction == "bidirectional" else 1
+    for steps in (1, 4, 9):
+        x = rng.normal(size=(2, steps, 2) if layout else (steps, 2, 2)).astype(np.float32)
+        h0 = rng.normal(size=(2, dirs, 3) if layout else (dirs, 2, 3)).astype(np.float32)
+        if layout:  # onnxruntime has no batch-first recurrences: the same weights time-major, transposed
+            want = run_ort(_recurrent_model(kind, direction, 0, peepholes, lbr),
+                           {"x": x.transpose(1, 0, 2), "h0": h0.transpose(1, 0, 2)})
+            want = [want[0].transpose(2, 0, 1, 3)] + [v.transpose(1, 0, 2) for v in want[1:]]
+        else:
+            want = run_ort(proto, {"x": x, "h0": h0})
+        exact = interpret(model, [x, h0])
+        for got in (interpret(model, [x, h0], float64=False), compiled.run(x, h0)):
+            for g, w, e in zip(got, want, exact):
+                assert g.shape == w.shape
+                assert_close(g, e, "f32", reduction_length(model, {"T": steps, "B": 2}))
+                assert relative_error(g, w) <= PEER_RELATIVE_ERROR
+
+
+# --- SAME padding with stride > 1 on symbolic spatial dims (issue 18) ---------------------------
+
+
+def _same_model(op, auto, k, s):
+    rng = np.random.default_rng(3)
+    inits, extra = [], {}
+    if op == "Conv":
+        inits.append(numpy_helper.from_array(rng.normal(size=(3, 2, k, k)).astype(np.float32), "w"))
+    node = helper.make_node(op, ["x", "w"] if op == "Conv" else ["x"], ["y"], auto_pad=auto, strides=[s, s],
+                            kernel_shape=[k, k], **extra)
+    return make_model([node], [vi("x", F32, [1, 2, "H", "W"])], [vi("y", F32, None)], inits)
+
+
+@pytest.mark.parametrize("op,auto,k,s", [("Conv", "SAME_UPPER", 3, 2), ("Conv", "SAME_LOWER", 3, 2),
+                                         ("Conv", "SAME_UPPER", 4, 3), ("MaxPool", "SAME_UPPER", 3, 2),
+                                         ("MaxPool", "SAME_LOWER", 2, 2)])
+def test_same_padding_with_a_stride_on_symbolic_dims_matches_onnxruntime_at_every_size(op, auto, k, s):
+    """The padding depends on the size modulo the stride: found at run time, one import for all sizes."""
+    proto = _same_model(op, auto, k, s)
+    model = from_onnx(proto)
+    rng = np.random.default_rng(4)
+    for h, w in ((5, 6), (7, 4), (8, 9), (3, 3)):
+        x = rng.normal(size=(1, 2, h, w)).astype(np.float32)
+        (want,) = run_ort(proto, {"x": x})
+        (got,) = interpret(model, [x], float64=False)
+        assert got.shape == want.shape == (1, 3 if op == "Conv" else 2, -(-h // s), -(-w // s))
+        assert_close(got, interpret(model, [x])[0], "f32", 2 * k * k)
+        assert relative_error(got, want) <= PEER_RELATIVE_ERROR
+
+
+def test_a_symbolic_shape_value_floors_a_negative_numerator():
+    """Regression: floor(1/2 - H/2) (sympy's form of part of a SAME padding) was computed by the
+    truncating integer div, 1 too high for even H."""
+    from tilegraph.frontends.onnx.importer import _Importer
+    from tilegraph.ir import Graph
+
+    H = symbol("H")
+    imp = _Importer.__new__(_Importer)
+    imp.g = Graph()
+    x = imp.g.input("x", ("H",), "f32")
+    value = imp.symbolic_tensor(np.array(sympy.floor((1 - H) / 2), dtype=object), "a test value")
+    model = imp.g.build(value, x)
+    for h in range(1, 7):
+        assert int(interpret(model, [np.zeros(h, np.float32)])[0]) == (1 - h) // 2

@@ -293,6 +293,26 @@ def test_calibrated_w8a8_uses_static_scales_and_keeps_its_bound(tmp_path):
     assert mlo < lo < 0 < hi < mhi  # percentile clips what min/max keeps
 
 
+def test_quantize_model_is_the_calibrated_pass_the_command_runs(tmp_path):
+    """The library entry point: calibrating where the scheme quantizes activations gives the
+    model the pass makes from a saved calibration, and a weight-only scheme calibrates nothing."""
+    from tilegraph.passes.quantize import quantize_model
+
+    model = mlp()
+    rng = np.random.default_rng(5)
+    batches = [[rng.standard_normal((8, 64)).astype(np.float32)] for _ in range(2)]
+    got = quantize_model(model, "w8a8", batches=batches)
+    assert got.layers == 2 and set(got.ranges) == {"fc1.weight", "fc2.weight"} and got.plan is None
+    path = save_calibration(tmp_path / "calib.npz", calibrate(model, batches))
+    by_pass = run_pipeline(model, f'quantize{{scheme=w8a8 calib="{path}"}}')
+    assert str(got.model.module) == str(by_pass.module) and got.model.weights.keys() == by_pass.weights.keys()
+    for name, w in by_pass.weights.items():
+        np.testing.assert_array_equal(got.model.weights[name], w)
+    assert quantize_model(model, "w8", batches=batches).ranges is None
+    with pytest.raises(QuantizeError, match="need calibration batches"):
+        quantize_model(model, "w8", rounding="gptq")
+
+
 def test_a_broken_rounding_is_caught_by_the_bound_check():
     """The checks can fail: a dequantize reading another scale than its quantize breaks the
     half-ulp bound, and a stored weight off by one step breaks the match with the reference."""

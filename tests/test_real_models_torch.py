@@ -19,7 +19,7 @@ from torch.export import Dim
 import tilegraph
 from tilegraph.frontends.torch_export import from_torch
 from tilegraph.testing import PEER_RELATIVE_ERROR, relative_error
-from tests.models import minilm_inputs, minilm_model, small_cnn, small_cnn_inputs
+from tests.models import gpt2_inputs, gpt2_model, minilm_inputs, minilm_model, small_cnn, small_cnn_inputs
 
 pytestmark = pytest.mark.slow
 
@@ -36,10 +36,15 @@ def eager(module, inputs) -> np.ndarray:
         return module(*inputs).numpy()
 
 
-def test_minilm_matches_torch_eager(minilm):
+# Every CPU backend: NumPy (the reference) and the native C backend.
+TARGETS = ["numpy", "c"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_minilm_matches_torch_eager(minilm, target):
     inputs = minilm_inputs(BATCH, SEQ)
     model = from_torch(minilm, inputs)
-    out = tilegraph.compile(model)(*inputs)
+    out = tilegraph.compile(model, target=target)(*inputs)
     assert out.dtype == np.float32 and out.shape == (BATCH, SEQ, 384)
     assert relative_error(out, eager(minilm, inputs)) <= PEER_RELATIVE_ERROR
     # The import is one-to-one: BERT's composites arrive whole, weights keep their names.
@@ -48,13 +53,14 @@ def test_minilm_matches_torch_eager(minilm):
     assert 'tg.weight {name = "bert.encoder.layer.5.output.dense.weight"}' in text
 
 
-def test_minilm_dynamic_batch_and_sequence(minilm):
+@pytest.mark.parametrize("target", TARGETS)
+def test_minilm_dynamic_batch_and_sequence(minilm, target):
     """One import with symbolic batch and sequence runs at two sizes."""
     batch, seq = Dim("batch", max=64), Dim("seq", max=512)
     model = from_torch(minilm, minilm_inputs(BATCH, SEQ),
                        dynamic_shapes=({0: batch, 1: seq}, {0: batch, 1: seq}))
     assert model.inputs[0].shape[0].name == "batch" and model.inputs[0].shape[1].name == "seq"
-    compiled = tilegraph.compile(model)
+    compiled = tilegraph.compile(model, target=target)
     for b, s in ((BATCH, SEQ), (3, 9)):
         inputs = minilm_inputs(b, s)
         out = compiled(*inputs)
@@ -62,11 +68,21 @@ def test_minilm_dynamic_batch_and_sequence(minilm):
         assert relative_error(out, eager(minilm, inputs)) <= PEER_RELATIVE_ERROR
 
 
-def test_small_cnn_matches_torch_eager():
+@pytest.mark.parametrize("target", TARGETS)
+def test_small_cnn_matches_torch_eager(target):
     cnn, inputs = small_cnn(), small_cnn_inputs(BATCH)
-    out = tilegraph.compile(cnn, inputs)(*inputs)
+    out = tilegraph.compile(cnn, inputs, target=target)(*inputs)
     assert out.shape == (BATCH, 10)
     assert relative_error(out, eager(cnn, inputs)) <= PEER_RELATIVE_ERROR
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_gpt2_shaped_decoder_matches_torch_eager(target):
+    """GPT-2's blocks (causal sdpa, gelu_new, tied layer norms), two layers, a cut vocabulary."""
+    gpt2, inputs = gpt2_model(n_layer=2, n_embd=96, n_head=4, vocab_size=500), gpt2_inputs(2, 33, vocab_size=500)
+    out = tilegraph.compile(gpt2, inputs, target=target)(*inputs)
+    assert out.shape == (2, 33, 96)
+    assert relative_error(out, eager(gpt2, inputs)) <= PEER_RELATIVE_ERROR
 
 
 class _HiddenState(torch.nn.Module):

@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from tilegraph.backends.triton.aot import ROOT, Build, BuildError, build, build_many, config_builds, parse_target, specialized
-from tilegraph.backends.triton.kernels import POINTER_TYPES
+from tilegraph.backends.triton.group_kernels import POINTER_TYPES
 
 KERNEL_SOURCE = '''
 import triton

@@ -30,6 +30,7 @@ from tilegraph.testing import (BINARY_OPS, COMPARE_OPS, COMPOSITE_OPS, LAYOUT_OP
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 # Ops with no kernel yet: they run on the host through their NumPy template (HOST_OPS).
 HOST_OPS = {"einsum", "max_pool", "avg_pool", "gather_elements", "pad", "tile", "scatter_elements", "scatter_nd",
+            "nonzero", "unique", "narrow", "non_max_suppression", "rnn", "assert_size",
             "topk", "matmul", "conv", "slice", "cumprod", "bitcast",
             # quantization ops no kernel of backends/triton/quant.py covers: tg.quantize per channel or
             # to 4 bits, tg.dequantize by scales along another axis than the last, outside a GEMM

@@ -22,7 +22,7 @@ from tilegraph.frontends.onnx import from_onnx
 from tilegraph.ir.escape import c_comment, c_string_literal, identifier, py_comment, py_docstring, py_string
 from tilegraph.ir.model import Model
 from tilegraph.ir.errors import TilegraphError
-from tilegraph.errors import user_errors
+from tilegraph.reporting import user_errors
 
 MARKER = Path(tempfile.gettempdir()) / f"tilegraph-injected-{os.getpid()}"
 RUN = f"__import__('pathlib').Path({str(MARKER)!r}).touch()"

@@ -183,10 +183,19 @@ def compile(model: Any, example_inputs: Sequence[Any] | None = None, target: str
     if unknown:
         raise TilegraphError(f"target {target!r} takes no option {', '.join(unknown)}"
                              + (f" (its options: {', '.join(sorted(accepted))})" if accepted else ""))
-    imported = import_model(model, example_inputs, dynamic_shapes)
-    imported.verify()  # passes assume verified IR (a Model parsed from text has not been)
-    # Fusion and tiling are decided for the hardware the backend runs on.
-    optimized = _run_passes(imported, pipeline, getattr(codegen, "HARDWARE", "cpu"))
-    optimized.verify()
+    hardware = getattr(codegen, "HARDWARE", "cpu")  # fusion and tiling decide for what the backend runs on
+    cache_key = None
+    if isinstance(model, (str, os.PathLike)) and not isinstance(pipeline, (list, tuple)):
+        from tilegraph import compile_cache
+
+        cache_key = compile_cache.key(Path(model), pipeline, hardware)
+    optimized = compile_cache.lookup(cache_key) if cache_key else None
+    if optimized is None:
+        imported = import_model(model, example_inputs, dynamic_shapes)
+        imported.verify()  # passes assume verified IR (a Model parsed from text has not been)
+        optimized = _run_passes(imported, pipeline, hardware)
+        optimized.verify()
+        if cache_key:
+            compile_cache.store(cache_key, optimized)
     runner = codegen.load(codegen.emit(optimized), optimized.weights, optimized, **options)
     return Compiled(optimized, runner, target)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Sequence
 
 from tilegraph.passes.registry import with_target  # noqa: F401 - tilegraph.opt and tests import it from here
-from tilegraph.errors import run_reporting_errors
+from tilegraph.reporting import run_reporting_errors
 
 EXIT_MISMATCH = 1
 # A symbolic dim the user gave no --dim for is costed at this size (and the output
@@ -257,7 +257,7 @@ def _compile(args) -> int:
 def _quantize(args) -> int:
     import tilegraph
     from tilegraph.ir.errors import TilegraphError
-    from tilegraph.passes.quantize import DEFAULT_PERCENTILE, SCHEMES, calibrate, linear_layers, save_calibration
+    from tilegraph.passes.quantize import SCHEMES, linear_layers, quantize_model, save_calibration
     from tilegraph.passes.registry import UNFUSED_PIPELINE, run_pipeline
 
     if args.batch_size < 1:
@@ -289,58 +289,30 @@ def _quantize(args) -> int:
         raise TilegraphError(f"{args.model} has no matmul by a 2-D float weight: nothing to quantize")
     out = Path(args.output)
     calib_path = out.with_suffix(".calib.npz")
-    spec = f"scheme={args.scheme} observer={args.weight_observer} symmetric={str(args.symmetric).lower()}"
-    ranges = None
     batches = _calibration_batches(Path(args.calib), model, args.batch_size) if args.calib is not None else None
     if batches is not None and not SCHEMES[args.scheme].activation and not mixed and args.rounding == "nearest":
         print(f"{args.scheme} is weight-only: --calib is not needed (ignored)", file=sys.stderr)
-    elif batches is not None and SCHEMES[args.scheme].activation:
-        from tqdm import tqdm
+        batches = None
+    from tqdm import tqdm
 
-        ranges = calibrate(model, batches, args.observer, percentile=args.percentile or DEFAULT_PERCENTILE,
-                           symmetric=args.symmetric,
-                           progress=lambda it: tqdm(it, desc="calibrating", unit="batch", file=sys.stderr))
-    import tempfile
+    units = {"calibrating": "batch", "gptq inputs": "batch", "sensitivity": "layer"}
+    result = quantize_model(
+        model, args.scheme, batches=batches, observer=args.observer, percentile=args.percentile,
+        weight_observer=args.weight_observer, symmetric=args.symmetric, rounding=args.rounding,
+        act_order=args.act_order, max_error=args.max_error, min_cosine=args.min_cosine, fallback=args.fallback,
+        target=args.target, progress=lambda it, what: tqdm(it, desc=what, unit=units[what], file=sys.stderr))
+    quantized, ranges, plan = result.model, result.ranges, result.plan
+    for line in plan.remarks if plan else []:
+        print(line)
+    proto = None
+    if args.export_onnx:  # before anything is written: an op ONNX cannot hold stops it all
+        from tilegraph.backends.onnx_export import to_onnx
 
-    with tempfile.TemporaryDirectory() as tmp:  # nothing is written next to the output until all succeeded
-        options = {"observer": args.weight_observer, "symmetric": str(args.symmetric).lower()}
-        if ranges is not None:
-            options["calib"] = f'"{save_calibration(Path(tmp) / "calib.npz", ranges)}"'
-        if args.rounding == "gptq":
-            from tqdm import tqdm
-
-            from tilegraph.passes.gptq import hessians
-            from tilegraph.passes.quantize import save_hessians
-
-            found = hessians(model, batches, progress=lambda it: tqdm(it, desc="gptq inputs", unit="batch",
-                                                                       file=sys.stderr))
-            options.update(rounding="gptq", hessians=f'"{save_hessians(Path(tmp) / "hessians.npz", found)}"',
-                           act_order=str(args.act_order).lower())
-            spec += f" rounding=gptq hessians={options['hessians']} act-order={options['act_order']}"
-        spec += f" calib={options['calib']}" if "calib" in options else ""
-        pipeline = f"quantize{{{spec}}}"
-        if mixed:
-            from tqdm import tqdm
-
-            from tilegraph.passes.quantize import mixed_precision
-
-            schemes = [args.scheme] + ([args.fallback] if args.fallback not in ("none", args.scheme) else [])
-            plan = mixed_precision(
-                model, batches, schemes, args.max_error, args.min_cosine, args.target,
-                progress=lambda it: tqdm(it, desc="sensitivity", unit="layer", file=sys.stderr), **options)
-            pipeline = plan.pipeline
-            for line in plan.remarks:
-                print(line)
-        quantized = run_pipeline(model, pipeline)
-        proto = None
-        if args.export_onnx:  # before anything is written: an op ONNX cannot hold stops it all
-            from tilegraph.backends.onnx_export import to_onnx
-
-            proto = to_onnx(quantized, Path(args.export_onnx).stem)
-        quantized.save(out)
-        if ranges is not None:
-            save_calibration(calib_path, ranges)
-    layers = len(linear_layers(model.func.body.block.ops, model.weights))
+        proto = to_onnx(quantized, Path(args.export_onnx).stem)
+    quantized.save(out)
+    if ranges is not None:
+        save_calibration(calib_path, ranges)
+    layers = result.layers
     what, how = f"{layers} linear layers ({args.scheme}", ""
     if mixed:  # say what the search chose, not what it was offered
         from collections import Counter

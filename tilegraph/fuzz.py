@@ -15,7 +15,7 @@ Kinds:
          values, run in this process.
 
 A case passes when it succeeds or fails with one of the errors a user is meant to see
-(tilegraph.errors.user_errors(): TilegraphError and the parser's and verifier's; for
+(tilegraph.reporting.user_errors(): TilegraphError and the parser's and verifier's; for
 the command line: exit status 0, 1 or 2 with no traceback printed). Anything else is a
 crash: its input is saved under --out as a reproducer with the traceback, and the run
 exits 1; so is a case that takes longer than CASE_TIME_LIMIT (a hang). `make test` runs a few hundred cases of each kind (tests/test_fuzz.py).
@@ -374,7 +374,7 @@ class Fuzzer:
 
     def run(self, kind: str, n: int, seed: int = 0, progress: bool = False) -> list[str]:
         """Run `n` cases of `kind`; returns one line per crash (its reproducer saved under out)."""
-        from tilegraph.errors import user_errors
+        from tilegraph.reporting import user_errors
 
         import signal
         import threading

@@ -14,6 +14,8 @@ function, `executable`.
 
 from __future__ import annotations
 
+import os
+
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -30,6 +32,8 @@ from tilegraph.ir.model import Model
 
 # The pass pipeline conformance runs through: None is tilegraph's default pipeline.
 PIPELINE = None
+# The backend the cases run on ("numpy", the reference, or "c").
+TARGET = os.environ.get("TILEGRAPH_ONNX_BACKEND_TARGET", "numpy")
 
 
 def executable(model: Model) -> Callable[[Sequence[np.ndarray]], list[np.ndarray]]:
@@ -40,7 +44,7 @@ def executable(model: Model) -> Callable[[Sequence[np.ndarray]], list[np.ndarray
     """
     import tilegraph
 
-    compiled = tilegraph.compile(model, target="numpy", pipeline=PIPELINE)
+    compiled = tilegraph.compile(model, target=TARGET, pipeline=PIPELINE)
     out_dtypes = [dtypes.numpy_dtype(t.dtype) for t in model.outputs]
 
     def run(inputs: Sequence[np.ndarray]) -> list[np.ndarray]:

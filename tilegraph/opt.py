@@ -268,7 +268,7 @@ class _HeldOutput(io.StringIO):
 
 def main(argv: Sequence[str] | None = None) -> int:
     from tilegraph.check_semantics import SemanticDivergence
-    from tilegraph.errors import run_reporting_errors
+    from tilegraph.reporting import run_reporting_errors
 
     def body() -> int:
         try:

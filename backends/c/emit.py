@@ -42,7 +42,8 @@ from tilegraph.ir import escape
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.model import Model
 from tilegraph.ir.ops import OPS
-from tilegraph.ir.shapes import Dim, info_of, numel
+from tilegraph.ir.quant import FORMATS
+from tilegraph.ir.shapes import Dim, TensorInfo, info_of, numel
 
 CTYPES = {"f32": "float", "f64": "double", "i64": "int64_t", "i32": "int32_t", "i16": "int16_t", "i8": "int8_t",
           "ui8": "uint8_t", "ui16": "uint16_t", "ui32": "uint32_t", "ui64": "uint64_t", "i1": "uint8_t"}
@@ -94,10 +95,16 @@ HOST_FALLBACK = {
     "einsum": "NumPy's einsum on the host",
     "gather_elements": "host", "scatter_elements": "host", "scatter_nd": "host", "pad": "host", "tile": "host",
     "cumsum": "host", "cumprod": "host", "trilu": "host", "iota": "host", "topk": "host", "argmax": "host",
-    "argmin": "host", "quantize": "host", "dequantize": "host", "dynamic_quantize": "host",
-    "matmul_integer": "host", "mod": "host", "isinf": "host", "reduce_prod": "host",
+    "argmin": "host", "mod": "host", "isinf": "host", "reduce_prod": "host",
     "div": "C for floats, the host for integers", "pow": "C for floats, the host for integers",
+    "quantize": "C for integer formats, the host for float formats and block scales",
+    "dequantize": "C for scales per tensor or channel, the host for block scales",
+    "dynamic_quantize": "C for rows to i8, the host for other formats and MX blocks",
+    "matmul_integer": "oneDNN for i8/ui8 x i8 without a zero point, else the host",
     "shift_left": "host", "shift_right": "host", "bitcast": "host",
+    # Data-dependent sizes: the runtime finds them before planning (ir.interpreter.run_time_sizes).
+    "nonzero": "host", "unique": "host", "narrow": "host", "non_max_suppression": "host",
+    "rnn": "host (a loop over the steps, NumPy's matmul per step)", "assert_size": "host",
 }
 LOWERINGS = table(template=[op for op in OPS if op not in HOST_FALLBACK],
                   fallback={op: f"runs on the host between native segments ({why})"
@@ -108,6 +115,7 @@ DNNL_ELTWISE = {"relu": "dnnl_eltwise_relu", "tanh": "dnnl_eltwise_tanh", "exp":
                 "sigmoid": "dnnl_eltwise_logistic", "linear": "dnnl_eltwise_linear",
                 "gelu_tanh": "dnnl_eltwise_gelu_tanh", "gelu_erf": "dnnl_eltwise_gelu_erf"}
 DNNL_BINARY = {"add": "dnnl_binary_add", "mul": "dnnl_binary_mul", "sub": "dnnl_binary_sub"}
+DNNL_TYPES = {"f32": "dnnl_f32", "i8": "dnnl_s8", "ui8": "dnnl_u8", "i32": "dnnl_s32"}
 # Work below this many elements runs on one thread: an OpenMP fork/join costs more.
 PARALLEL_MIN = 32768
 
@@ -174,6 +182,18 @@ def contiguous_strides(shape: Sequence[Dim]) -> tuple:
     return tuple(reversed(strides))
 
 
+def channels_last_strides(shape: Sequence[Dim]) -> tuple:
+    """Strides of (N, C, *spatial) laid out as (N, *spatial, C): what oneDNN's fast
+    convolution kernels read and write on these processors (plain NCHW goes through
+    im2col and a GEMM, several times slower at small channel counts)."""
+    order = (0, *range(2, len(shape)), 1)
+    dense = contiguous_strides(tuple(shape[i] for i in order))
+    strides = [None] * len(shape)
+    for pos, axis in enumerate(order):
+        strides[axis] = dense[pos]
+    return tuple(strides)
+
+
 def _eq(a, b) -> bool:
     return sympy.expand(sympy.sympify(a) - sympy.sympify(b)) == 0
 
@@ -215,6 +235,7 @@ class CEmitter:
         self.steps: list[Step] = []
         self.gemm_count = 0
         self.constants: list[np.ndarray] = []  # arrays of the constants too big to be literals
+        self.folded: dict[TgOp, View] = {}  # ops computed inside an earlier step: their results
         for arg_i, (arg, info) in enumerate(zip(model.func.args, model.inputs)):
             self.views[arg] = self._new_buffer("input", info.dtype, info.shape, arg_i)
 
@@ -249,14 +270,24 @@ class CEmitter:
             view = self.materialize(view)
         return View(view.buf, view.offset, tuple(shape), contiguous_strides(shape), view.dtype)
 
-    def materialize(self, view: View) -> View:
-        """A contiguous copy of a strided view (a reshape of a transpose needs one)."""
+    def materialize(self, view: View, channels_last: bool = False) -> View:
+        """A contiguous (or channels-last) copy of a strided view (a reshape of a transpose
+        needs one)."""
         if view.dtype not in CTYPES:
             raise Unsupported(f"{view.dtype} has no C type here")
         out = self._new_buffer("temp", view.dtype, view.shape)
+        if channels_last:
+            out = View(out.buf, out.offset, out.shape, channels_last_strides(out.shape), out.dtype)
         lines = self.loop(view.shape, [(view, False), (out, True)], lambda refs: [f"{refs[1]} = {refs[0]};"])
         self._step("copy into a contiguous buffer", lines, [view], [out])
         return out
+
+    def for_onednn(self, view: View) -> View:
+        """`view` as oneDNN can describe it: its memory descriptors take no negative stride
+        (a flipped view, as ConvTranspose's kernel is), so such a view is copied first."""
+        if any(sympy.sympify(st).is_negative for st in view.strides):
+            return self.materialize(view)
+        return view
 
     @staticmethod
     def transpose(view: View, perm) -> View:
@@ -307,6 +338,11 @@ class CEmitter:
         views = self.views if env is None else env
         get = (lambda v: views[self.prog.canon(v)]) if env is None else (lambda v: env.get(v) or self.view(v))
         name = op.op_name
+        if op in self.folded:
+            views[op.results[0]] = self.folded.pop(op)
+            return
+        if env is None and name in ("weight", "constant") and op.results[0] in views:
+            return  # made early, for a step that folded in its reader
         if name == "weight":
             info = op.result_infos()[0]
             views[op.results[0]] = self._new_buffer("weight", info.dtype, info.shape, op.attr("name"))
@@ -359,8 +395,17 @@ class CEmitter:
 
     # --- computing ops ------------------------------------------------------------
 
-    def _temp(self, info) -> View:
-        return self._new_buffer("temp", info.dtype, info.shape)
+    def _temp(self, info, like: View | None = None) -> View:
+        """A new intermediate; channels-last when `like`, a value of its rank, is."""
+        view = self._new_buffer("temp", info.dtype, info.shape)
+        if like is not None and self.is_channels_last(like) and like.rank == len(info.shape):
+            view = View(view.buf, view.offset, view.shape, channels_last_strides(view.shape), view.dtype)
+        return view
+
+    def is_channels_last(self, view: View) -> bool:
+        return (view.literal is None and view.rank >= 3 and not self.is_contiguous(view)
+                and all(_is_one(d) or _eq(st, want) for d, st, want in
+                        zip(view.shape, view.strides, channels_last_strides(view.shape))))
 
     def _check_dtypes(self, op: TgOp, xs: list[View]) -> None:
         for t in [*(x.dtype for x in xs), *(i.dtype for i in op.result_infos())]:
@@ -371,7 +416,7 @@ class CEmitter:
         name = op.op_name
         self._check_dtypes(op, xs)
         if op.SPEC.category == "elementwise" or name == "gelu":
-            out = self._temp(op.result_infos()[0])
+            out = self._temp(op.result_infos()[0], like=xs[0])
             self.elementwise([op], {r: None for r in op.results}, dict(zip(op.operands, xs)), [(op.results[0], out)],
                              op)
             return [out]
@@ -391,14 +436,82 @@ class CEmitter:
             return [self.pool(op, xs[0])]
         if name == "attention":
             return [self.attention(op, xs)]
+        if name == "matmul_integer":
+            return [self.matmul_integer(op, xs)]
+        if name == "dynamic_quantize":
+            return self.dynamic_quantize(op, xs[0])
+        if name in ("quantize", "dequantize"):
+            return [self.requantize(op, xs)]
         raise Unsupported(name)
+
+    # --- quantized ops (ir/quant.py's semantics) ------------------------------------
+
+    def dynamic_quantize(self, op: TgOp, x: View) -> list[View]:
+        q_info, s_info = op.result_infos()
+        if op.attr("block_size") or q_info.dtype != "i8" or x.dtype != "f32" or x.literal is not None or \
+                not self.is_contiguous(x):
+            raise Unsupported("dynamic_quantize: rows of f32 to i8")
+        q, scale = self._temp(q_info), self._temp(s_info)
+        n = x.shape[-1]
+        self._step(_describe(op), [f"tg_dynamic_quantize_rows({self.ptr(x)}, {self.ptr(q, False)}, "
+                                   f"{self.ptr(scale, False)}, {self.ints(numel(x.shape[:-1]))}, {self.ints(n)});"],
+                   [x], [q, scale])
+        return [q, scale]
+
+    def requantize(self, op: TgOp, xs: list[View]) -> View:
+        """quantize / dequantize with a scale per tensor, per channel or broadcast, as one loop."""
+        info = op.result_infos()[0]
+        x = xs[0]
+        if op.attr("block_size") or x.literal is not None:
+            raise Unsupported("block scales")
+        if op.op_name == "quantize" and (not FORMATS[op.attr("to")].integer or x.dtype not in FLOATS):
+            raise Unsupported("quantize to a float format")
+        self._check_dtypes(op, xs)
+        operands = {}
+        for v, view in zip(op.operands, xs):
+            if v is not op.operands[0] and view.rank == 1 and x.rank > 1:  # per channel: along `axis`
+                axis = op.attr("axis") % x.rank
+                view = self.reshape(view, tuple(view.shape[0] if i == axis else 1 for i in range(x.rank)))
+            operands[v] = view
+        out = self._temp(info)
+        self.elementwise([op], {op.results[0]: None}, operands, [(op.results[0], out)], op)
+        return out
+
+    def matmul_integer(self, op: TgOp, xs: list[View]) -> View:
+        """int8 x int8 -> int32 on oneDNN (VNNI where the processor has it). When the one
+        reader of the result dequantizes it by one f32 scale per column, oneDNN applies
+        that scale and writes f32: the dequantize is folded into the GEMM."""
+        if len(xs) > 2:
+            raise Unsupported("matmul_integer with a zero point")
+        a, b = xs
+        users = {use.operation for use in op.results[0].uses}
+        user = users.pop() if len(users) == 1 else None
+        scales = None
+        if (getattr(user, "op_name", None) == "dequantize" and len(user.operands) == 2
+                and not user.attr("block_size") and user.result_infos()[0].dtype == "f32"):
+            source = user.operands[1].owner
+            if self.prog.canon(user.operands[1]) not in self.views and getattr(source, "op_name", None) in (
+                    "weight", "constant"):
+                self.op(source)
+            s = self.views.get(self.prog.canon(user.operands[1]))
+            n = op.result_infos()[0].shape[-1]
+            if s is not None and s.literal is None and s.rank == 1 and _eq(s.shape[0], n) and \
+                    user.attr("axis") % len(op.result_infos()[0].shape) == len(op.result_infos()[0].shape) - 1 \
+                    and self.is_contiguous(s):
+                scales = s
+        out = self.matmul(op, a, b, [], {}, scales=scales)[0]
+        if scales is not None:
+            self.folded[user] = out
+        return out
 
     def attention(self, op: TgOp, xs: list[View]) -> View:
         """runtime.h's flash-style kernel; q, k, v rows must be contiguous (copied if not)."""
         info = op.result_infos()[0]
         if info.dtype != "f32" or any(x.literal is not None for x in xs[:3]):
             raise Unsupported("attention in f32")
-        q, k, v = (x if _eq(x.strides[-1], 1) else self.materialize(x) for x in xs[:3])
+        # rows contiguous, row strides at least a row (what sgemm's leading dimensions take)
+        q, k, v = (x if _eq(x.strides[-1], 1) and sympy.sympify(x.strides[-2] - x.shape[-1]).is_nonnegative
+                   else self.materialize(x) for x in xs[:3])
         mask = xs[3] if len(xs) > 3 else None
         out = self._temp(info)
         batch = info.shape[:-2]
@@ -459,7 +572,11 @@ class CEmitter:
         broadcast already; flag: written). `body(refs)` gets each access's C element
         expression and returns the innermost lines. Axes that every access walks
         contiguously are merged; the outer loops run on OpenMP threads."""
-        dims = [(d, [a.strides[i] for a, _ in accesses]) for i, d in enumerate(shape) if not _is_one(d)]
+        order = list(range(len(shape)))
+        written = next((a for a, w in accesses if w), None)
+        if written is not None and self.is_channels_last(written):  # walk memory in the output's order
+            order = [0, *range(2, len(shape)), 1]
+        dims = [(shape[i], [a.strides[i] for a, _ in accesses]) for i in order if not _is_one(shape[i])]
         merged: list[tuple[Any, list]] = []
         for d, strides in dims:
             if merged and all(_eq(ps, s * d) for ps, s in zip(merged[-1][1], strides)):
@@ -531,6 +648,15 @@ class CEmitter:
             if src in FLOATS and dst not in FLOATS:
                 raise Unsupported("float to integer cast")
             return f"(({CTYPES[dst]})({args[0]}))"
+        if name in ("quantize", "dequantize"):
+            ct = "double" if out.dtype == "f64" else "float"
+            x, scale = (f"(({ct})({arg}))" for arg in args[:2])
+            zp = f"(({ct})({args[2]}))" if len(args) > 2 else None
+            if name == "dequantize":
+                return f"(({x}{f' - {zp}' if zp else ''}) * {scale})"
+            fmt = FORMATS[op.attr("to")]
+            rounded = f"rintf({x} / {scale}){f' + {zp}' if zp else ''}"
+            return f"(({CTYPES[out.dtype]})tg_saturate({rounded}, {fmt.lo}.f, {fmt.hi}.f))"
         is_float = operand_dtypes[-1] in FLOATS
         names = dict(zip(op.SPEC.operand_names, args))
         for templates in ((C_UNARY_FLOAT, C_BINARY_FLOAT) if is_float else (C_UNARY_INT, C_BINARY_INT)) + (C_BINARY,):
@@ -623,7 +749,8 @@ class CEmitter:
         if any(len(info_of(y.type).shape) != len(shape) or
                not all(_eq(a, b) for a, b in zip(info_of(y.type).shape, shape)) for y in yields):
             return False
-        outs = [(y, self._temp(info_of(y.type))) for y in yields]
+        like = next((v for v in inputs.values() if self.is_channels_last(v)), None)
+        outs = [(y, self._temp(info_of(y.type), like=like)) for y in yields]
         # Operands are named by the values the loop reads.
         self.elementwise(body, computed, inputs, outs, group)
         env.update({y: o for y, o in outs})
@@ -795,15 +922,21 @@ class CEmitter:
             raise Unsupported("avg_pool with ceil_mode")
         strides = list(op.attr("strides") or [1] * nd)
         pads = list(op.attr("pads") or [0] * (2 * nd))
-        out = self._temp(info)
-        out_shape = tuple(info.shape)
+        out = self._temp(info, like=x if self.is_channels_last(x) else None)
+        channels_last = self.is_channels_last(x)
+        out_view = out
         if nd == 1:  # (N, C, W) as (N, C, 1, W)
             x = View(x.buf, x.offset, x.shape[:2] + (1,) + x.shape[2:], x.strides[:2] + (0,) + x.strides[2:], x.dtype)
-            out_shape = out_shape[:2] + (1,) + out_shape[2:]
+            out_view = View(out.buf, out.offset, out.shape[:2] + (1,) + out.shape[2:],
+                            out.strides[:2] + (0,) + out.strides[2:], out.dtype)
             kernel, strides, pads = [1] + kernel, [1] + strides, [0, pads[0], 0, pads[1]]
         n, c, h, w = (self.ints(d) for d in x.shape)
-        oh, ow = (self.ints(d) for d in out_shape[2:])
+        oh, ow = (self.ints(d) for d in out_view.shape[2:])
         sn, sc, sh, sw = (self.ints(st) for st in x.strides)
+        yn, yc, yh, yw = (self.ints(st) for st in out_view.strides)
+        # channels innermost when they are contiguous in memory
+        axes = ([f"b < {n}", f"oy < {oh}", f"ox < {ow}", f"ch < {c}"] if channels_last else
+                [f"b < {n}", f"ch < {c}", f"oy < {oh}", f"ox < {ow}"])
         is_max = op.op_name == "max_pool"
         include_pad = is_max or op.attr("count_include_pad")
         kh, kw = kernel
@@ -814,10 +947,8 @@ class CEmitter:
             f"    const float *x = {self.ptr(x)};",
             f"    float *y = {self.ptr(out, False)};",
             f"    #pragma omp parallel for collapse(2) if ({self.ints(numel(info.shape))} > {PARALLEL_MIN})",
-            f"    for (int64_t b = 0; b < {n}; b++)",
-            f"    for (int64_t ch = 0; ch < {c}; ch++)",
-            f"    for (int64_t oy = 0; oy < {oh}; oy++)",
-            f"    for (int64_t ox = 0; ox < {ow}; ox++) {{",
+            *(f"    for (int64_t {a.split()[0]} = 0; {a}; {a.split()[0]}++)" for a in axes[:3]),
+            f"    for (int64_t {axes[3].split()[0]} = 0; {axes[3]}; {axes[3].split()[0]}++) {{",
             f"        float acc = {'-INFINITY' if is_max else '0.f'};",
             "        int64_t count = 0;",
             f"        for (int64_t ky = 0; ky < {kh}; ky++) {{",
@@ -831,7 +962,7 @@ class CEmitter:
             "                count++;",
             "            }",
             "        }",
-            f"        y[((b * {c} + ch) * {oh} + oy) * {ow} + ox] = {'acc' if is_max else f'acc / {divisor}'};",
+            f"        y[b * {yn} + ch * {yc} + oy * {yh} + ox * {yw}] = {'acc' if is_max else f'acc / {divisor}'};",
             "    }",
             "}",
         ]
@@ -848,6 +979,7 @@ class CEmitter:
         to the result's shape, as the primitive's destination sees it (dims, strides)."""
         posts, operands = [], []
         current = acc
+        computed = {acc}  # values the primitive makes: no binary operand may be one
         for op in chain:
             name = op.op_name
             if op.operands[0] is not current and not (name in ("add", "mul") and op.operands[1] is current):
@@ -855,6 +987,8 @@ class CEmitter:
             if info_of(op.results[0].type).dtype != "f32" or len(posts) == 8:
                 break
             other = [v for v in op.operands if v is not current]
+            if any(v in computed for v in other) or not _only_use(current, op):
+                break  # the epilogue overwrites `current`: nothing else may read it
             if name in ("relu", "tanh", "exp", "sigmoid") and not other:
                 posts.append(f"{{0, {DNNL_ELTWISE[name]}, 0.f, 0.f, 0, {{0}}, {{0}}}}")
             elif name == "gelu":
@@ -893,6 +1027,7 @@ class CEmitter:
             else:
                 break
             current = op.results[0]
+            computed.add(current)
             if not info_of(current.type).shape == tuple(out_shape) and \
                     not all(_eq(a, b) for a, b in zip(info_of(current.type).shape, out_shape)):
                 posts.pop()
@@ -941,10 +1076,18 @@ class CEmitter:
         except Unsupported:
             return False
 
-    def matmul(self, op: TgOp, a: View, b: View, chain: list[TgOp], env: dict) -> tuple[View, int]:
+    def matmul(self, op: TgOp, a: View, b: View, chain: list[TgOp], env: dict,
+               scales: View | None = None) -> tuple[View, int]:
+        """A GEMM on oneDNN: f32, or integer (a i8/ui8, b i8) into i32, or into f32 times
+        `scales` (one per column)."""
         info = op.result_infos()[0]
-        if info.dtype != "f32" or a.literal is not None or b.literal is not None:
-            raise Unsupported("matmul: f32 tensors only")
+        if scales is not None:
+            info = TensorInfo(info.shape, "f32")
+        types = (a.dtype, b.dtype, info.dtype)
+        if types not in (("f32", "f32", "f32"), ("i8", "i8", "i32"), ("ui8", "i8", "i32"), ("i8", "i8", "f32"),
+                         ("ui8", "i8", "f32")) or a.literal is not None or b.literal is not None:
+            raise Unsupported(f"matmul of {a.dtype} x {b.dtype} -> {info.dtype}")
+        a, b = self.for_onednn(a), self.for_onednn(b)
         if a.rank < 2 or b.rank < 2:
             raise Unsupported("matmul of a vector")
         out = self._temp(info)
@@ -982,15 +1125,16 @@ class CEmitter:
             f"    const int64_t bd[] = {arr(b.shape)}, bs[] = {arr(b.strides)};",
             f"    const int64_t cd[] = {arr(c.shape)}, cs[] = {arr(c.strides)};",
             f"    const tg_post posts[] = {{{', '.join(posts) or '{0}'}}};",
-            f"    if (tg_matmul_create(&st->prim[{k}], {rank}, ad, as, bd, bs, cd, cs, "
+            f"    const int types[] = {{{', '.join(DNNL_TYPES[t] for t in types)}}};",
+            f"    if (tg_matmul_create(&st->prim[{k}], {rank}, ad, as, bd, bs, cd, cs, types, {int(scales is not None)}, "
             f"{self.ptr(b) if weight else 'NULL'}, &tg_packs[{k}], {len(posts)}, posts)) return 1;",
             "}",
         ]
         post_ptrs = ", ".join(self.ptr(v) for v in post_views) or "NULL"
         lines = ["{", f"    void *const post[] = {{{post_ptrs}}};",
-                 f"    if (tg_prim_run(&st->prim[{k}], {self.ptr(a)}, {self.ptr(b)}, NULL, {self.ptr(c, False)}, "
-                 "post)) return 1;", "}"]
-        self._step(_describe(op), lines, [a, b, *post_views], [out], state)
+                 f"    if (tg_prim_run(&st->prim[{k}], {self.ptr(a)}, {self.ptr(b)}, "
+                 f"{self.ptr(scales) if scales is not None else 'NULL'}, {self.ptr(c, False)}, post)) return 1;", "}"]
+        self._step(_describe(op), lines, [a, b, *post_views, *([scales] if scales is not None else [])], [out], state)
         return out, covered
 
     def _collapsible(self, a: View) -> bool:
@@ -1007,7 +1151,9 @@ class CEmitter:
 
     def conv(self, op: TgOp, xs: list[View], chain: list[TgOp], env: dict) -> tuple[View, int]:
         info = op.result_infos()[0]
-        x, w = xs[0], xs[1]
+        x, w = (self.for_onednn(v) for v in xs[:2])
+        if not self.is_channels_last(x):
+            x = self.materialize(x, channels_last=True)
         bias = xs[2] if len(xs) > 2 else None
         if info.dtype != "f32" or w.literal is not None or x.literal is not None:
             raise Unsupported("conv: f32 tensors")
@@ -1016,6 +1162,7 @@ class CEmitter:
             raise Unsupported("conv bias")
         groups = op.attr("groups")
         out = self._temp(info)
+        out = View(out.buf, out.offset, out.shape, channels_last_strides(out.shape), out.dtype)
         nd = x.rank
         sp = nd - 2
         strides = list(op.attr("strides") or [1] * sp)

@@ -38,19 +38,19 @@ static int tg_runtime_init(void) {
     return 0;
 }
 
-static dnnl_memory_desc_t tg_md(int nd, const int64_t *dims, const int64_t *strides) {
+static dnnl_memory_desc_t tg_md(int nd, const int64_t *dims, const int64_t *strides, dnnl_data_type_t dt) {
     dnnl_memory_desc_t md = NULL;
     dnnl_dims_t d, s;
     for (int i = 0; i < nd; i++) { d[i] = dims[i]; s[i] = strides[i]; }
-    if (dnnl_memory_desc_create_with_strides(&md, nd, d, dnnl_f32, s) != dnnl_success) return NULL;
+    if (dnnl_memory_desc_create_with_strides(&md, nd, d, dt, s) != dnnl_success) return NULL;
     return md;
 }
 
-static dnnl_memory_desc_t tg_md_any(int nd, const int64_t *dims) {
+static dnnl_memory_desc_t tg_md_any(int nd, const int64_t *dims, dnnl_data_type_t dt) {
     dnnl_memory_desc_t md = NULL;
     dnnl_dims_t d;
     for (int i = 0; i < nd; i++) d[i] = dims[i];
-    if (dnnl_memory_desc_create_with_tag(&md, nd, d, dnnl_f32, dnnl_format_tag_any) != dnnl_success) return NULL;
+    if (dnnl_memory_desc_create_with_tag(&md, nd, d, dt, dnnl_format_tag_any) != dnnl_success) return NULL;
     return md;
 }
 
@@ -74,19 +74,23 @@ typedef struct {
 
 typedef struct {
     dnnl_primitive_t prim;
-    dnnl_memory_t src, wei, bias, dst, post[TG_MAX_POST];
-    int npost, has_bias;
+    dnnl_memory_t src, wei, bias, dst, post[TG_MAX_POST], wei_scales;
+    int npost, has_bias, scaled; /* scaled: one weight scale per column, given at run as `bias` */
     const void *wei_handle; /* the packed copy, or NULL: the caller's pointer each run */
 } tg_prim;
 
-static int tg_attr(dnnl_primitive_attr_t *attr, int npost, const tg_post *posts) {
+/* scale_mask: 0, or the mask of the weights' dim that has one scale per index
+ * (oneDNN multiplies the accumulator by it before the post-ops). */
+static int tg_attr(dnnl_primitive_attr_t *attr, int npost, const tg_post *posts, int scale_mask) {
     dnnl_post_ops_t po;
     TG_DNNL(dnnl_primitive_attr_create(attr), "attr_create");
+    if (scale_mask)
+        TG_DNNL(dnnl_primitive_attr_set_scales_mask(*attr, DNNL_ARG_WEIGHTS, scale_mask), "set_scales_mask");
     if (!npost) return 0;
     TG_DNNL(dnnl_post_ops_create(&po), "post_ops_create");
     for (int i = 0; i < npost; i++) {
         if (posts[i].binary) {
-            dnnl_memory_desc_t md = tg_md(posts[i].nd, posts[i].dims, posts[i].strides);
+            dnnl_memory_desc_t md = tg_md(posts[i].nd, posts[i].dims, posts[i].strides, dnnl_f32);
             if (!md) TG_FAIL("oneDNN rejected an epilogue operand's layout");
             TG_DNNL(dnnl_post_ops_append_binary(po, (dnnl_alg_kind_t)posts[i].alg, md), "append_binary");
             dnnl_memory_desc_destroy(md);
@@ -154,15 +158,18 @@ typedef dnnl_status_t (*tg_pd_fn)(dnnl_primitive_desc_t *, const void *ctx, cons
 
 static int tg_prim_create(tg_prim *g, tg_pd_fn make, const void *ctx, const_dnnl_memory_desc_t plain_wei,
                           const void *weight, tg_packed *pack, int npost, const tg_post *posts, int nd_w,
-                          const int64_t *wdims) {
+                          const int64_t *wdims, int scale_mask) {
     dnnl_primitive_attr_t attr;
     dnnl_primitive_desc_t pd = NULL;
-    if (tg_attr(&attr, npost, posts)) return 1;
+    dnnl_data_type_t wdt;
+    if (tg_attr(&attr, npost, posts, scale_mask)) return 1;
+    TG_DNNL(dnnl_memory_desc_query(plain_wei, dnnl_query_data_type, &wdt), "memory_desc_query");
+    g->scaled = scale_mask != 0;
     g->wei_handle = NULL;
     if (weight && pack->data && make(&pd, ctx, pack->md, attr) == dnnl_success) {
         g->wei_handle = pack->data;
     } else if (weight && !pack->data) {
-        dnnl_memory_desc_t any = tg_md_any(nd_w, wdims);
+        dnnl_memory_desc_t any = tg_md_any(nd_w, wdims, wdt);
         if (any && make(&pd, ctx, any, attr) == dnnl_success) {
             const_dnnl_memory_desc_t want = dnnl_primitive_desc_query_md(pd, dnnl_query_weights_md, 0);
             if (!dnnl_memory_desc_equal(want, plain_wei)) {
@@ -182,9 +189,10 @@ static int tg_prim_create(tg_prim *g, tg_pd_fn make, const void *ctx, const_dnnl
     return rc;
 }
 
+/* bias: the convolution's bias, or the matmul's weight scales (one per column). */
 static int tg_prim_run(tg_prim *g, const void *src, const void *wei, const void *bias, void *dst,
                        void *const *post) {
-    dnnl_exec_arg_t args[4 + TG_MAX_POST];
+    dnnl_exec_arg_t args[5 + TG_MAX_POST];
     int n = 0;
     dnnl_memory_set_data_handle(g->src, (void *)src);
     dnnl_memory_set_data_handle(g->wei, (void *)(g->wei_handle ? g->wei_handle : wei));
@@ -195,6 +203,10 @@ static int tg_prim_run(tg_prim *g, const void *src, const void *wei, const void 
     if (g->has_bias) {
         dnnl_memory_set_data_handle(g->bias, (void *)bias);
         args[n++] = (dnnl_exec_arg_t){DNNL_ARG_BIAS, g->bias};
+    }
+    if (g->scaled) {
+        dnnl_memory_set_data_handle(g->wei_scales, (void *)bias);
+        args[n++] = (dnnl_exec_arg_t){DNNL_ARG_ATTR_SCALES | DNNL_ARG_WEIGHTS, g->wei_scales};
     }
     /* post[] holds the second operands of the binary post-ops only, in order. */
     for (int i = 0, b = 0; i < g->npost; i++) {
@@ -207,7 +219,9 @@ static int tg_prim_run(tg_prim *g, const void *src, const void *wei, const void 
     return 0;
 }
 
-/* --- matmul: C[..., M, N] = A[..., M, K] @ B[..., K, N], batch dims broadcast --- */
+/* --- matmul: C[..., M, N] = A[..., M, K] @ B[..., K, N], batch dims broadcast ---
+ * types: oneDNN data types of A, B, C (f32 x f32 -> f32; s8 or u8 x s8 -> s32, or
+ * -> f32 with one weight scale per column of B: `scaled`). */
 
 typedef struct {
     dnnl_memory_desc_t src, dst;
@@ -220,14 +234,22 @@ static dnnl_status_t tg_matmul_pd(dnnl_primitive_desc_t *pd, const void *ctx, co
 }
 
 static int tg_matmul_create(tg_prim *g, int nd, const int64_t *a_dims, const int64_t *a_str, const int64_t *b_dims,
-                            const int64_t *b_str, const int64_t *c_dims, const int64_t *c_str, const void *weight,
-                            tg_packed *pack, int npost, const tg_post *posts) {
-    tg_matmul_ctx ctx = {tg_md(nd, a_dims, a_str), tg_md(nd, c_dims, c_str)};
-    dnnl_memory_desc_t wei = tg_md(nd, b_dims, b_str);
+                            const int64_t *b_str, const int64_t *c_dims, const int64_t *c_str, const int *types,
+                            int scaled, const void *weight, tg_packed *pack, int npost, const tg_post *posts) {
+    tg_matmul_ctx ctx = {tg_md(nd, a_dims, a_str, types[0]), tg_md(nd, c_dims, c_str, types[2])};
+    dnnl_memory_desc_t wei = tg_md(nd, b_dims, b_str, types[1]);
     if (tg_runtime_init()) return 1;
     if (!ctx.src || !ctx.dst || !wei) TG_FAIL("oneDNN rejected a matmul operand's layout");
     g->has_bias = 0;
-    int rc = tg_prim_create(g, tg_matmul_pd, &ctx, wei, weight, pack, npost, posts, nd, b_dims);
+    int rc = tg_prim_create(g, tg_matmul_pd, &ctx, wei, weight, pack, npost, posts, nd, b_dims,
+                            scaled ? 1 << (nd - 1) : 0);
+    if (!rc && scaled) { /* the scales: f32, one per column */
+        int64_t one = 1;
+        dnnl_memory_desc_t md = tg_md(1, &b_dims[nd - 1], &one, dnnl_f32);
+        if (!md) TG_FAIL("oneDNN rejected the weight scales' layout");
+        TG_DNNL(dnnl_memory_create(&g->wei_scales, md, tg_engine, DNNL_MEMORY_NONE), "memory_create");
+        dnnl_memory_desc_destroy(md);
+    }
     dnnl_memory_desc_destroy(ctx.src);
     dnnl_memory_desc_destroy(ctx.dst);
     dnnl_memory_desc_destroy(wei);
@@ -258,12 +280,12 @@ static int tg_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64
     tg_conv_ctx ctx;
     int sp = nd - 2;
     if (tg_runtime_init()) return 1;
-    ctx.src = tg_md(nd, x_dims, x_str);
-    ctx.dst = tg_md(nd, y_dims, y_str);
+    ctx.src = tg_md(nd, x_dims, x_str, dnnl_f32);
+    ctx.dst = tg_md(nd, y_dims, y_str, dnnl_f32);
     ctx.bias = NULL;
     if (has_bias) {
         int64_t o = y_dims[1], one = 1;
-        ctx.bias = tg_md(1, &o, &one);
+        ctx.bias = tg_md(1, &o, &one, dnnl_f32);
     }
     for (int i = 0; i < sp; i++) {
         ctx.strides[i] = strides[i];
@@ -271,10 +293,10 @@ static int tg_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64
         ctx.pad_l[i] = pads[i];
         ctx.pad_r[i] = pads[i + sp];
     }
-    dnnl_memory_desc_t wei = tg_md(w_nd, w_dims, w_str);
+    dnnl_memory_desc_t wei = tg_md(w_nd, w_dims, w_str, dnnl_f32);
     if (!ctx.src || !ctx.dst || !wei) TG_FAIL("oneDNN rejected a convolution operand's layout");
     g->has_bias = has_bias;
-    int rc = tg_prim_create(g, tg_conv_pd, &ctx, wei, weight, pack, npost, posts, w_nd, w_dims);
+    int rc = tg_prim_create(g, tg_conv_pd, &ctx, wei, weight, pack, npost, posts, w_nd, w_dims, 0);
     dnnl_memory_desc_destroy(ctx.src);
     dnnl_memory_desc_destroy(ctx.dst);
     if (ctx.bias) dnnl_memory_desc_destroy(ctx.bias);
@@ -389,16 +411,50 @@ static inline double tg_gelu_tanh_d(double x) {
 static inline float tg_sigmoid(float x) { float e = tg_expf(-fabsf(x)); return x >= 0 ? 1.f / (1.f + e) : e / (1.f + e); }
 static inline double tg_sigmoid_d(double x) { double e = exp(-fabs(x)); return x >= 0 ? 1. / (1. + e) : e / (1. + e); }
 
+/* --- quantization, as ir/quant.py defines it --- */
+
+/* y clamped into [lo, hi]; NaN gives 0 (what NumPy's cast of NaN to an integer gives here). */
+#pragma omp declare simd notinbranch
+static inline float tg_saturate(float y, float lo, float hi) {
+    y = y < lo ? lo : y;
+    y = y > hi ? hi : y;
+    return y != y ? 0.f : y;
+}
+
+/* tg.dynamic_quantize to i8, one scale per row of n: max|x| / 127 (at least FLT_MIN;
+ * 1 for a row of zeros or with a NaN), q = saturate(rint(x / scale)). */
+static void tg_dynamic_quantize_rows(const float *x, int8_t *q, float *scale, int64_t rows, int64_t n) {
+#pragma omp parallel for if (rows * n > 16384)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        int8_t *qr = q + r * n;
+        float m = 0.f;
+        int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+        for (int64_t j = 0; j < n; j++) {
+            float a = fabsf(xr[j]);
+            m = a > m ? a : m;
+            nan |= a != a;
+        }
+        float s = m > 0.f && !nan ? fmaxf(m / 127.f, 1.17549435e-38f) : 1.f;
+        scale[r] = s;
+#pragma omp simd
+        for (int64_t j = 0; j < n; j++) qr[j] = (int8_t)tg_saturate(rintf(xr[j] / s), -128.f, 127.f);
+    }
+}
+
 /* --- attention: softmax(q k^T * scale + mask) v, flash-style ---
  *
  * Per (batch, block of TG_ATT_BQ query rows) task, keys in blocks of TG_ATT_BK with
  * an online softmax (running max and sum, the accumulator rescaled when the max
- * grows): memory is one key block and one accumulator row per query, never the
- * Lq x Lk scores. Each key block is transposed into kt[D][BK] once per task, so both
- * products vectorise along a contiguous axis (keys for q.k, value columns for p.v).
- * Batch dims are flattened: dims bd[nb] and each tensor's strides over them. mask_kind:
- * 0 none, 1 bool (keep where true), 2 float (added). Causal keeps j <= i + Lk - Lq. */
-#define TG_ATT_BQ 16
+ * grows): memory is one block of scores and one accumulator row per query, never the
+ * Lq x Lk scores. The two products of a block (scores = q k^T, acc += p v) are small
+ * GEMMs on oneDNN's sgemm (row-major), which keeps its operands in registers as a
+ * loop here cannot. Batch dims are flattened: dims bd[nb] and each tensor's strides
+ * over them; rows of q, k, v are contiguous with row strides qr, kr, vr (>= the row).
+ * mask_kind: 0 none, 1 bool (keep where true), 2 float (added). Causal keeps
+ * j <= i + Lk - Lq. */
+#define TG_ATT_BQ 64
 #define TG_ATT_BK 64
 
 static int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb, const int64_t *vb,
@@ -420,10 +476,9 @@ static int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int6
                 oq += idx * qb[i]; ok += idx * kb[i]; ov += idx * vb[i]; om += idx * mb[i]; oo += idx * ob[i];
             }
             int64_t i0 = qbk * TG_ATT_BQ, i1 = i0 + TG_ATT_BQ < lq ? i0 + TG_ATT_BQ : lq, nq = i1 - i0;
-            float *kt = malloc(sizeof(float) * (d * TG_ATT_BK + TG_ATT_BQ * (dv + TG_ATT_BK + 2)));
-            if (!kt) { failed = 1; continue; }
-            float *acc = kt + d * TG_ATT_BK, *s = acc + TG_ATT_BQ * dv, *mx = s + TG_ATT_BQ * TG_ATT_BK;
-            float *sum = mx + TG_ATT_BQ;
+            float *s = malloc(sizeof(float) * (TG_ATT_BQ * TG_ATT_BK + TG_ATT_BQ * (dv + 2)));
+            if (!s) { failed = 1; continue; }
+            float *acc = s + TG_ATT_BQ * TG_ATT_BK, *mx = acc + TG_ATT_BQ * dv, *sum = mx + TG_ATT_BQ;
             for (int64_t i = 0; i < nq; i++) {
                 mx[i] = -INFINITY;
                 sum[i] = 0.f;
@@ -432,17 +487,15 @@ static int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int6
             for (int64_t j0 = 0; j0 < lk; j0 += TG_ATT_BK) {
                 int64_t nk = j0 + TG_ATT_BK < lk ? TG_ATT_BK : lk - j0;
                 if (causal && j0 > i1 - 1 + lk - lq) break;
-                for (int64_t j = 0; j < nk; j++)
-                    for (int64_t c = 0; c < d; c++) kt[c * TG_ATT_BK + j] = k[ok + (j0 + j) * kr + c];
+                if (d == 0) {
+                    for (int64_t i = 0; i < nq * TG_ATT_BK; i++) s[i] = 0.f;
+                } else if (dnnl_sgemm('N', 'T', nq, nk, d, scale, q + oq + i0 * qr, qr, k + ok + j0 * kr, kr, 0.f, s,
+                                      TG_ATT_BK) != dnnl_success) {
+                    failed = 2;
+                    break;
+                }
                 for (int64_t i = 0; i < nq; i++) {
                     float *si = s + i * TG_ATT_BK;
-                    const float *qi = q + oq + (i0 + i) * qr;
-                    for (int64_t j = 0; j < nk; j++) si[j] = 0.f;
-                    for (int64_t c = 0; c < d; c++) {
-                        float qc = qi[c] * scale;
-#pragma omp simd
-                        for (int64_t j = 0; j < nk; j++) si[j] += qc * kt[c * TG_ATT_BK + j];
-                    }
                     if (causal) { /* keys past i + lk - lq are the future */
                         int64_t first = i0 + i + lk - lq + 1 - j0;
                         for (int64_t j = first < 0 ? 0 : first; j < nk; j++) si[j] = -INFINITY;
@@ -471,12 +524,11 @@ static int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int6
                     float *ai = acc + i * dv;
 #pragma omp simd
                     for (int64_t c = 0; c < dv; c++) ai[c] *= corr;
-                    for (int64_t j = 0; j < nk; j++) {
-                        const float *vj = v + ov + (j0 + j) * vr;
-                        float p = si[j];
-#pragma omp simd
-                        for (int64_t c = 0; c < dv; c++) ai[c] += p * vj[c];
-                    }
+                }
+                if (dv && dnnl_sgemm('N', 'N', nq, dv, nk, 1.f, s, TG_ATT_BK, v + ov + j0 * vr, vr, 1.f, acc, dv)
+                              != dnnl_success) {
+                    failed = 2;
+                    break;
                 }
             }
             for (int64_t i = 0; i < nq; i++) {
@@ -485,8 +537,9 @@ static int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int6
                 float *oi = o + oo + (i0 + i) * orow;
                 for (int64_t c = 0; c < dv; c++) oi[c] = acc[i * dv + c] * inv;
             }
-            free(kt);
+            free(s);
         }
+    if (failed == 2) TG_FAIL("attention: oneDNN's sgemm failed on a block");
     if (failed) TG_FAIL("attention: out of memory for its working blocks");
     return 0;
 }

@@ -23,7 +23,8 @@ from tilegraph.backends.c.build import build
 from tilegraph.backends.c.emit import CProgram, View, emit_program
 from tilegraph.ir import dtypes
 from tilegraph.ir.errors import TilegraphError
-from tilegraph.ir.interpreter import GLOBALS, evaluate
+from tilegraph.ir.interpreter import GLOBALS, evaluate, run_time_sizes
+from tilegraph.ir.ops import size_definitions
 from tilegraph.ir.model import Model, ModelError
 from tilegraph.ir.shapes import ShapeError, numel
 from tilegraph.ir.signature import Signature
@@ -143,13 +144,17 @@ class CompiledModel:
             raise ModelError("out of memory creating the C module's weight table")
         library.tg_error.restype = ctypes.c_char_p
         self._bindings: dict[tuple, _Binding] = {}
+        self._run_time_sizes = any(size_definitions(op) for op in model.func.body.block.ops)
 
     def __call__(self, *inputs: Any, **named: Any) -> list[np.ndarray]:
         if named and inputs:
             raise ShapeError("give the inputs either all by position or all by name")
         arrays, sizes = self._signature.bind(named if named else inputs)
+        known = {}
+        if self._run_time_sizes:  # dims known only at run time: found first, then planned as any binding
+            sizes, known = run_time_sizes(self.model, arrays, sizes)
         with self._lock:
-            return self._run([np.ascontiguousarray(a) for a in arrays], sizes)
+            return self._run([np.ascontiguousarray(a) for a in arrays], sizes, known)
 
     def set_threads(self, n: int) -> None:
         """OpenMP's thread count for this process's C modules (one pool serves them all)."""
@@ -162,7 +167,7 @@ class CompiledModel:
             b = self._bindings[key] = _Binding(self, sizes)
         return b
 
-    def _run(self, arrays: list[np.ndarray], sizes: dict[str, int]) -> list[np.ndarray]:
+    def _run(self, arrays: list[np.ndarray], sizes: dict[str, int], known: dict | None = None) -> list[np.ndarray]:
         b = self._binding(sizes)
         em = self.program.emitter
         for i, buf in enumerate(em.buffers):
@@ -185,7 +190,7 @@ class CompiledModel:
                 if self._segments[k](b.state, ints, b.pointers):
                     raise ModelError(f"running the C module: {self._error()}")
             else:
-                self._host(self.program.steps[k], b, sizes)
+                self._host(self.program.steps[k], b, sizes, known or {})
         outs = []
         for i, v in enumerate(outputs):
             outs.append(fresh[i] if i in fresh else np.array(b.view(v)) if v.literal is None else
@@ -195,10 +200,11 @@ class CompiledModel:
                 b.bases[i] = None
         return outs
 
-    def _host(self, step, b: _Binding, sizes: dict[str, int]) -> None:
-        operands = [b.view(v) if v.literal is None else _literal_array(v, b) for v in step.host_in]
-        glob = {**GLOBALS, **sizes}
-        results = evaluate(step.host_op, operands, {}, glob, float64=False)
+    def _host(self, step, b: _Binding, sizes: dict[str, int], known: dict) -> None:
+        results = known.get(step.host_op)
+        if results is None:
+            operands = [b.view(v) if v.literal is None else _literal_array(v, b) for v in step.host_in]
+            results = evaluate(step.host_op, operands, {}, {**GLOBALS, **sizes}, float64=False)
         for out, value in zip(step.host_out, results):
             target = b.view(out)
             np.copyto(target, np.asarray(value).astype(target.dtype, copy=False))

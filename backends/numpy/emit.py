@@ -36,7 +36,7 @@ from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.interpreter import SHAPE_FUNCTIONS, dtype_code, shape_code
 from tilegraph.ir.model import Model, ModelError
-from tilegraph.ir.ops import OPS, render
+from tilegraph.ir.ops import OPS, render, size_definitions
 from tilegraph.ir.shapes import Dim, TensorInfo, dims_equal, info_of, numel
 from tilegraph.backends.lowering import table
 from tilegraph.backends.numpy.groups import GroupCode, GroupEmitter
@@ -46,7 +46,9 @@ from tilegraph.backends.program import (PYTHON_RESERVED, Namer, Program, array_l
 # Names the generated module defines or imports; nothing else may take them.
 MODULE_NAMES = {"np", "ml_dtypes", "K", "W", "build", "forward", "INPUTS", "OUTPUTS", "WEIGHTS", *SHAPE_FUNCTIONS,
                 "THREADS", "blas_threads", "run_chunks", "single_threaded_blas", "attention_tiled"}
-RESERVED = MODULE_NAMES | PYTHON_RESERVED
+# A fused group's body is `def chunk(s)`: a value named `s` or `chunk` there would be shadowed
+# (an ONNX BatchNormalization's scale input named "s" was).
+RESERVED = MODULE_NAMES | PYTHON_RESERVED | {"chunk", "s"}
 # Op categories whose NumPy code cannot raise a floating-point warning (they move
 # or name data, never compute on it); a body of only these needs no np.errstate.
 SILENT_CATEGORIES = {"layout", "source"}
@@ -111,12 +113,14 @@ class _Emitter:
         for op in self.prog.steps:
             for info in (info_of(r.type) for r in op.results):
                 used |= {s.name for d in info.shape if isinstance(d, sympy.Expr) for s in d.free_symbols}
-        unbound = sorted(used - set(plain))
+        # Dims known only at run time (tg.nonzero's count...): bound right after the op defining them.
+        self.defined = {name for op in self.prog.steps for _, _, name in size_definitions(op)}
+        unbound = sorted(used - set(plain) - self.defined)
         if unbound:
             raise ModelError(f"symbolic dims {', '.join(unbound)} are not the size of any input dimension; "
                              "the NumPy backend binds each symbol from an input's shape")
         # Symbols keep their own name where they can (shape code is written in them).
-        self.symbol_vars = {s: self.namer.fresh(s, "dim") for s in sorted(plain)}
+        self.symbol_vars = {s: self.namer.fresh(s, "dim") for s in sorted(set(plain) | self.defined)}
         for i, (arg, name) in enumerate(zip(m.func.args, m.input_names)):
             self.names[arg] = self.namer.fresh(name, "input")
         return {s: (self.symbol_vars[s], self.names[m.func.args[i]], axis) for s, (i, axis) in plain.items()}
@@ -194,6 +198,8 @@ class _Emitter:
                 line = self._line(op, counts)
                 if line is not None:
                     body += self._timed([line], op) if op.SPEC.category not in SILENT_CATEGORIES else [line]
+                body += [f"{self.symbol_vars[name]} = {self.names[op.results[r]]}.shape[{axis}]  # known only now"
+                         for r, axis, name in size_definitions(op)]
             if dead:
                 body.append("del " + ", ".join(self.names[v] for v in dead))
             plan.step_done(i)

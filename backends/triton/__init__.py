@@ -1,6 +1,6 @@
 """The Triton backend: a model becomes @triton.jit kernels and a host program over torch.
 
-    source = emit(model)                      # the module's text (see emit.py, kernels.py)
+    source = emit(model)                      # the module's text (see emit.py, group_kernels.py)
     compiled = load(source, model.weights)    # imported once; weights on the device once
     outputs = compiled(x)                     # list of np.ndarray (.forward_torch: tensors)
 

@@ -9,7 +9,7 @@ target=GPUTarget(...))` runs Triton's whole pipeline, to PTX and a cubin for sm_
 on a GPU fails here, named with its group and the line of the module at fault.
 
 What is compiled: the kernel's `signature` (pointer types from
-`backends.triton.kernels.POINTER_TYPES`), with the constexprs and options of its
+`backends.triton.group_kernels.POINTER_TYPES`), with the constexprs and options of its
 first configuration (every one with --all-configs). The emitter writes those per
 configuration at nominal sizes (`builds`: [{"constexprs", "options"}]); a module
 without `builds` takes the constexprs from each configuration (falling back to the

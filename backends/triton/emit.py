@@ -3,7 +3,7 @@ and a host program over torch tensors that launches them.
 
 What it decides and how:
 
-* Every `tg.fusion` group becomes one kernel (`kernels.py`) with the tile sizes the
+* Every `tg.fusion` group becomes one kernel (`group_kernels.py`) with the tile sizes the
   `tile` pass wrote; a compute op outside any group (a pipeline without `fuse`)
   is a group of its own. Composites in a group (softmax, layer_norm, gelu) are first
   spelled out by the rules of `passes.decompose`, the same rules the reference
@@ -39,12 +39,12 @@ from tilegraph.ir.dialect import FusionOp, TgOp, YieldOp, make_op
 from tilegraph.ir.dtypes import PACKED_4BIT
 from tilegraph.ir.interpreter import SHAPE_FUNCTIONS, dtype_code
 from tilegraph.ir.model import Model, ModelError
-from tilegraph.ir.ops import render
+from tilegraph.ir.ops import render, size_definitions
 from tilegraph.ir.shapes import Dim, TensorInfo, info_of, numel, tensor_type
 from tilegraph.backends.program import (PYTHON_RESERVED, Namer, array_literal, flatten, liveness, literal, py_comment,
                               signature_rows, str_literal, tuple_lines)
 from tilegraph.backends.triton.lowering import DECOMPOSED, TORCH_LAYOUT
-from tilegraph.backends.triton.kernels import AXIS_OPS, INDENT, TORCH_TYPES, KernelCode, KernelWriter, Unsupported
+from tilegraph.backends.triton.group_kernels import AXIS_OPS, INDENT, TORCH_TYPES, KernelCode, KernelWriter, Unsupported
 from tilegraph.backends.triton.quant import QUANT_OPS, QuantKernelWriter, group_quantized
 
 # What a symbolic dim is taken to be for an ahead-of-time build (passes/cost/model.py prices
@@ -86,7 +86,7 @@ def prepare(model: Model) -> Model:
 
 def _kernel_op(op: TgOp) -> bool:
     """Ops that compute (and so get a kernel): everything but sources and views."""
-    return op.SPEC.category not in ("source", "layout") or op.op_name == "gather"
+    return (op.SPEC.category not in ("source", "layout") or op.op_name == "gather") and op.SPEC.bound is None
 
 
 def _in_block(op: TgOp) -> tuple[Block, TgOp]:
@@ -173,6 +173,11 @@ class _Emitter:
             for axis, d in enumerate(info.shape):
                 if isinstance(d, sympy.Symbol) and d.name not in bound:
                     bound[d.name] = (self.namer.fresh(f"d_{d.name}"), self.names[arg], axis)
+        # A dim known only at run time (tg.nonzero's count) is bound once its op has run on the
+        # host; until then its variable holds 0 (kernels take every symbol, and none before uses it).
+        for op in self.prog.steps:
+            for _, _, name in size_definitions(op):
+                bound.setdefault(name, (self.namer.fresh(f"d_{name}"), None, None))
         return bound
 
     def dim(self, d: Dim | str) -> str:
@@ -308,6 +313,10 @@ class _Emitter:
         return lines
 
     def _single(self, op: TgOp, counts: Counter) -> list[str]:
+        if op.SPEC.bound is not None:  # a data-dependent size: on the host, then its symbol is bound
+            line = self._host_line(op)
+            return [line] + [f"{self.symbols[name][0]} = {self.names[op.results[r]]}.shape[{axis}]"
+                             for r, axis, name in size_definitions(op)]
         if op.op_name == "iota":  # an index along one axis, made on the device
             out = op.result_infos()[0]
             axis = op.attr("axis") % len(out.shape)
@@ -446,7 +455,7 @@ class _Emitter:
         params = ", ".join(self.names[a] for a in m.func.args)
         out += ["", f"{INDENT}def forward({params}):"]
         for s, (var, arg, axis) in sorted(self.symbols.items()):
-            out.append(f"{INDENT * 2}{var} = {arg}.shape[{axis}]")
+            out.append(f"{INDENT * 2}{var} = {arg}.shape[{axis}]" if arg else f"{INDENT * 2}{var} = 0  # known at run time")
         out += [INDENT * 2 + line for line in body]
         out.append(f"{INDENT * 2}return [{', '.join(self._value(v) for v in prog.outputs)}]")
         out += ["", f"{INDENT}return forward", ""]

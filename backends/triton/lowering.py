@@ -2,7 +2,7 @@
 
 Every op of the table is lowered one of three ways:
 - a kernel or a torch call: elementwise ops from `TRITON` / `TRITON_INT` below in row
-  kernels (backends/triton/kernels.py), reductions and scans as row kernels, matmul /
+  kernels (backends/triton/group_kernels.py), reductions and scans as row kernels, matmul /
   conv / attention / gather as their own kernels, quantization ops in
   backends/triton/quant.py, layout ops as torch calls (`TORCH_LAYOUT`, `split`, `slice`
   in emit.py), `iota` as torch.arange, sources as inputs;
@@ -19,7 +19,7 @@ from tilegraph.ir.ops import OPS
 from tilegraph.backends.lowering import table
 
 # The Triton expression of each elementwise op, for the Triton backend's kernels
-# (backends/triton/kernels.py). Operands are Triton tensors: floats computed in fp32
+# (backends/triton/group_kernels.py). Operands are Triton tensors: floats computed in fp32
 # (fp64 for f64), ints and bools in their own type; `{dtype}` is the result's compute
 # type, `{storage}` its storage type. The NumPy templates stay the semantics these
 # must match; `tlmath` holds what Triton's interpreter lacks (backends/triton/tlmath.py).
@@ -64,7 +64,8 @@ TORCH_LAYOUT = {
 DECOMPOSED = ("softmax", "layer_norm", "gelu")
 _HOST = "no kernel: its NumPy template runs on host copies (HOST_OPS)"
 HOST = {name: _HOST for name in ("einsum", "max_pool", "avg_pool", "gather_elements", "pad", "tile", "bitcast",
-                                 "scatter_elements", "scatter_nd", "topk")}
+                                 "scatter_elements", "scatter_nd", "topk", "nonzero", "unique", "narrow",
+                                 "non_max_suppression", "rnn", "assert_size")}
 KERNELS = ("trilu", "argmax", "argmin", "cumsum", "cumprod", "matmul", "conv", "attention", "gather",
            "quantize", "dequantize", "dynamic_quantize", "matmul_integer")
 TORCH_CALLS = (*TORCH_LAYOUT, "split", "slice", "iota", "constant", "weight")

@@ -60,7 +60,7 @@ from tilegraph.ir.dialect import FusionOp, TgOp, YieldOp
 from tilegraph.ir.fusion import ANCHORS
 from tilegraph.ir.quant import FORMATS, MIN_SCALE, MX_BLOCK
 from tilegraph.ir.shapes import TensorInfo, dims_equal, info_of, numel
-from tilegraph.backends.triton.kernels import (AXIS_OPS, GEMM_TILE, GROUP_M, INDENT, POINTER_TYPES, ROW_TILE_ELEMENTS,
+from tilegraph.backends.triton.group_kernels import (AXIS_OPS, GEMM_TILE, GROUP_M, INDENT, POINTER_TYPES, ROW_TILE_ELEMENTS,
                                      TL_TYPES, TORCH_TYPES, KernelCode, KernelWriter, Unsupported, Value, compute_type)
 
 QUANT_OPS = ("dynamic_quantize", "quantize", "dequantize", "matmul_integer")
@@ -161,7 +161,7 @@ def _group_float(group: Operation, rewriter: Rewriter) -> None:
     _merge(items, "quantized_matmul", group.attributes.get("tile") if isinstance(group, FusionOp) else None, rewriter)
 
 
-# Ops that need a program to hold whole rows (kernels.py's row reductions and scans, and the
+# Ops that need a program to hold whole rows (group_kernels.py's row reductions and scans, and the
 # composites made of them, not yet spelled out when quantized GEMMs are grouped).
 WHOLE_ROW_OPS = AXIS_OPS | {"softmax", "layer_norm"}
 
@@ -422,7 +422,7 @@ class QuantKernelWriter(KernelWriter):
         self.body.append(f"y = tl.minimum(tl.maximum(y, {_f32(fmt.lo)}), {hi})")
         self.body.append(f"tl.store(q + rows * {qs[0]} + cols * {qs[1]}, y.to({q_type}), mask=row_ok & col_ok)")
         blocks = {"BLOCK_N": f"max({max(16, block)}, triton.next_power_of_2({k}))",
-                  "BLOCK_M": f"max(1, min(64, {ROW_TILE_ELEMENTS} // BLOCK_N))"}  # as kernels.py's row kernels
+                  "BLOCK_M": f"max(1, min(64, {ROW_TILE_ELEMENTS} // BLOCK_N))"}  # as group_kernels.py's row kernels
         return self._finish(results, blocks, f"(triton.cdiv({rows}, BLOCK_M),)", [{"num_warps": 4, "num_stages": 1}])
 
     # --- the quantized GEMM ---------------------------------------------------------------------------------
@@ -548,7 +548,7 @@ class QuantKernelWriter(KernelWriter):
                   "BLOCK_K": f"max({min_k}, cfg['BLOCK_K'])", "GROUP_M": str(GROUP_M)}
         stages = None
         if self.whole_rows:
-            # As kernels.py's GEMM with a row reduction after it: whole rows per program, BLOCK_M from
+            # As group_kernels.py's GEMM with a row reduction after it: whole rows per program, BLOCK_M from
             # the accumulator's size, but not below what reaches the low-precision instructions (a
             # bigger accumulator than the float GEMM's: the GPU run will say what it costs).
             blocks["BLOCK_N"] = f"max({MIN_BLOCK_MN}, triton.next_power_of_2({n}))"

@@ -31,6 +31,10 @@ differently:
   its inputs and outputs unless they fit one core's L2; added to compute, not
   overlapped, since NumPy makes one pass at a time.
 
+A dim known only at run time (tg.nonzero's count, ir/ops.py) is priced at its expected size,
+the defining op's stated fraction of its upper bound (`expected_sizes`); `module_cost` states
+the sizes it used in `ModelCost.expected`.
+
 Quantization ops (tg.quantize, tg.dequantize, tg.dynamic_quantize, tg.matmul_integer) are
 costed as each target runs them:
 
@@ -67,7 +71,8 @@ from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.fusion import ANCHORS, VIEW_OPS, flat_ok, row_gemm, siblings, widest
 from tilegraph.ir.hardware import MIN_PARALLEL_SCORES
 from tilegraph.ir.ops import OPS
-from tilegraph.ir.shapes import Dim, TensorInfo, info_of, numel
+from tilegraph.ir.ops import expected_sizes as op_expected_sizes
+from tilegraph.ir.shapes import Dim, TensorInfo, info_of, numel, symbol
 
 
 # FLOPs and the NumPy templates' passes per element are traits of the op table
@@ -595,6 +600,8 @@ class ModelCost:
     """Per-kernel costs of a whole module and their totals."""
 
     rows: list[tuple[str, Cost]]  # (what: op name or "fusion <kind>", its cost)
+    # The dims known only at run time and the sizes they are priced at (expected_sizes).
+    expected: dict[str, sympy.Expr] = field(default_factory=dict)
 
     @property
     def time(self) -> sympy.Expr:
@@ -622,8 +629,28 @@ def module_cost(module: Operation, hw) -> ModelCost:
         elif isinstance(op, TgOp) and not isinstance(op.parent_op(), FusionOp):
             if op.op_name not in ("weight", "constant"):
                 rows.append((op.op_name, op_cost(op, hw)))
-    return ModelCost(rows)
+    expected = expected_sizes(module)
+    if expected:
+        subs = {symbol(k): v for k, v in expected.items()}
+        rows = [(what, Cost(*(sympy.sympify(getattr(c, f)).xreplace(subs) for f in _PRICED), kernels=c.kernels,
+                            label=c.label, ops=c.ops)) for what, c in rows]
+    return ModelCost(rows, expected)
+
+
+_PRICED = ("flops", "bytes", "time", "compute_time", "memory_time", "overhead")
+
+
+def expected_sizes(module: Operation) -> dict[str, sympy.Expr]:
+    """The size each dim known only at run time is priced at: the defining op's `expected`
+    fraction of its upper bound (ir/ops.py), in the input symbols (a bound may itself hold an
+    earlier run-time dim: a nonzero over a nonzero's result)."""
+    expected: dict[str, sympy.Expr] = {}
+    for op in module.walk():
+        if isinstance(op, TgOp):
+            for name, size in op_expected_sizes([op]).items():
+                expected[name] = sympy.sympify(size).xreplace({symbol(k): v for k, v in expected.items()})
+    return expected
 
 
 __all__ = ["Cost", "ModelCost", "op_cost", "op_flops", "op_bytes", "group_cost", "fusion_cost", "module_cost", "at",
-           "nominal_sizes", "ANCHORS", "VIEW_OPS"]
+           "expected_sizes", "nominal_sizes", "ANCHORS", "VIEW_OPS"]
