@@ -14,6 +14,9 @@ only through one of these functions:
 
 Anything not printable (Unicode categories C* and Z* but the space) is written as
 its escape (`\\n`, `\\x00`, `\\u2028`), so a reader of the generated file sees it.
+
+The same holds for the terminal: messages that quote a model's strings (errors,
+remarks, the cost table's group kinds) are printed through `terminal_text`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,16 @@ def visible(text: str) -> str:
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else _escape(c) for c in text)
+
+
+def terminal_text(text: str) -> str:
+    """`text` safe to print on a terminal (an error message quoting a model's strings): its
+    line breaks (`\\n`) and tabs stay, every other unprintable character is written as its
+    escape, so no escape sequence (ESC, CSI and the other C0 and C1 controls) reaches the
+    terminal and no bidi control (U+202A-U+202E, U+2066-U+2069, marks) reorders what is shown."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c in "\n\t" else _escape(c) for c in text)
 
 
 def _escape(c: str) -> str:

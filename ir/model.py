@@ -96,6 +96,8 @@ def read_npz(path: str | Path, what: str = "an .npz file") -> dict[str, np.ndarr
         raise
     except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error, NotImplementedError) as e:
         raise ModelError(f"{path} is not {what}: {type(e).__name__}: {e}") from None
+    except RuntimeError as e:  # zipfile's only RuntimeError on reading: a member flagged encrypted
+        raise ModelError(f"{path} is not {what}: {e}") from None
 
 
 def read_text(path: str | Path, what: str = "tg IR text") -> str:

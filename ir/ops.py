@@ -141,14 +141,30 @@ def _unary(op, result_dtype=None, floats_only=False):
         (x,) = ins
         if floats_only and not dtypes.is_float(x.dtype):
             raise _fail(op, f"needs a float operand, got {x}")
+        _check_ints(op, ins)
         return [TensorInfo(x.shape, result_dtype or x.dtype)]
 
     return infer
 
 
+# Ops defined on integers only (NumPy, Triton and C have no float shift or bitwise and);
+# the bitwise ones on i1 as well, as NumPy's logical and/or/xor/not.
+INTS_ONLY = {"shift_left": False, "shift_right": False, "bitwise_and": True, "bitwise_or": True,
+             "bitwise_xor": True, "bitwise_not": True}  # op: whether i1 operands are allowed
+
+
+def _check_ints(op, ins: Sequence[TensorInfo]) -> None:
+    if op not in INTS_ONLY:
+        return
+    for t in ins:
+        if not (dtypes.is_int(t.dtype) or (INTS_ONLY[op] and dtypes.is_bool(t.dtype))):
+            raise _fail(op, f"needs integer operands{' (or i1)' if INTS_ONLY[op] else ''}, got {t}")
+
+
 def _binary(op, result_dtype=None):
     def infer(ins, attrs, given):
         dt = _same_dtype(op, ins)
+        _check_ints(op, ins)
         try:
             shape = broadcast_shapes(*(t.shape for t in ins))
         except ShapeError as e:

@@ -46,7 +46,7 @@ from tilegraph.ir.dialect import FusionOp, TgOp, YieldOp
 from tilegraph.ir.shapes import info_of
 from tilegraph.ir.fusion import ANCHORS, VIEW_OPS, flat_ok, live_row_bytes, operand_rows, row_reshape, siblings
 from tilegraph.ir.ops import OPAQUE, REDUCE
-from tilegraph.passes.cost.model import at_nominal, group_cost, op_cost
+from tilegraph.passes.cost.model import at_nominal, group_cost, nominal_sizes, op_cost
 from tilegraph.ir.hardware import check_target, hardware
 from tilegraph.passes.remarks import listening, remark
 from xdsl.passes import ModulePass
@@ -106,8 +106,9 @@ class Fuse(ModulePass):
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         hw = hardware(self.target)
-        for func in [f for f in op.walk() if isinstance(f, FuncOp)]:
-            _Fuser(func, hw, self.max_ops).run()
+        with nominal_sizes():  # it ranks merges by costs at the nominal size: numbers, not formulas
+            for func in [f for f in op.walk() if isinstance(f, FuncOp)]:
+                _Fuser(func, hw, self.max_ops).run()
 
 
 class _Fuser:

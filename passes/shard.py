@@ -60,7 +60,7 @@ from __future__ import annotations
 import time as _time
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import sympy
@@ -499,7 +499,8 @@ def _solve(objective: Linear, rows: list[tuple[Linear, float, float]], counts: l
 def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: dict[str, int] | None = None,
          training: bool = True, constraints: dict[SSAValue, Spec] | None = None, names: Sequence[str] = (),
          only=None, reduce_scatter: bool = True, stages: int = 1, micro_batches: int = 1, batch: str = "B",
-         overlap: bool = True, recompute: bool = True, zero: bool = True, runner_up: bool = True) -> Plan:
+         overlap: bool = True, recompute: bool = True, zero: bool = True, runner_up: bool = True,
+         progress: Callable[[str], object] | None = None) -> Plan:
     """The cheapest sharding of @forward on `mesh` under `budget` bytes per device (default: the device's memory).
 
     `only(node)`: the strategy names (without ZeRO stage) a node may take, or None for any (a hand
@@ -509,7 +510,8 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
     the repeated layers, the global batch (`sizes[batch]`) run as `micro_batches` micro-batches in a
     1F1B schedule. `overlap`, `recompute`, `zero`: whether independent collectives hide behind the
     backward, layers may be recomputed ("always": must be, as a published configuration did), weights
-    may take ZeRO stages 1-2."""
+    may take ZeRO stages 1-2. `progress(stage)`: told what the planner is doing (tilegraph shard's status line)."""
+    say = progress or (lambda stage: None)
     started = _time.perf_counter()
     func = next(f for f in module.walk() if isinstance(f, FuncOp) and f.sym_name.data == "forward")
     hw = mesh.hw
@@ -550,7 +552,8 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
 
     # Node costs, computed once per class and counted once per member (layers: those of one stage).
     exprs: dict[int, list[dict]] = {}
-    for c in classes:
+    for done, c in enumerate(classes):
+        say(f"pricing each op's shardings: {done + 1} of {len(classes)} ops")
         node = nodes[c]
         ok = []
         key = (_signature(node), mesh, training, saved[c], tuple(
@@ -582,6 +585,7 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
     edge_cache: dict[tuple, tuple[dict, list]] = {}
     agg: dict[tuple[int, int], dict[str, np.ndarray]] = {}
     for j, node in enumerate(nodes):
+        say(f"pricing the resharding between ops: into {j + 1} of {len(nodes)} ops")
         for pos, i in enumerate(node.operands):
             key = (cls[i], cls[j], pos, str(nodes[i].info))
             if key not in edge_cache:
@@ -774,6 +778,7 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
 
     counts = [len(a) for a in comp["C"]]
     _CUT_SHORT.clear()
+    say(f"solving the integer program (at most {SOLVE_TIME_LIMIT:.0f} s)")
     choice, extra_values, nvars = _solve(objective, rows, counts, edges, extras, allowed)
     if choice is None:
         least = max(sum(float(m.min()) for m in mem.nodes.values()) * GB for mem in memories)
@@ -781,6 +786,7 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
                          f"given): the smallest plan needs {least / 1e9:.3g} GB")
     second, second_extra = None, []
     if runner_up:
+        say(f"solving for the runner-up plan (at most {SOLVE_TIME_LIMIT:.0f} s)")
         second, second_extra, _ = _solve(objective, rows, counts, edges, extras, allowed, exclude=choice)
     solve_time = _time.perf_counter() - started
 

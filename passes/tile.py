@@ -43,7 +43,7 @@ from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import FusionOp
 from tilegraph.ir.shapes import info_of
 from tilegraph.ir.fusion import ANCHORS, VIEW_OPS, cols_ok, flat_rows_ok, live_row_bytes, row_gemm, row_local, widest
-from tilegraph.passes.cost.model import at_nominal, group_cost
+from tilegraph.passes.cost.model import at_nominal, group_cost, nominal_sizes
 from tilegraph.ir.hardware import check_target, hardware
 from tilegraph.passes.remarks import listening, remark
 
@@ -102,7 +102,9 @@ class Tile(ModulePass):
         for group in [g for g in op.walk() if isinstance(g, FusionOp)]:
             # Written even when empty (the group runs whole, as one chunk): the cost model
             # then prices it so, not as the best way it might have been tiled.
-            group.attributes["tile"] = tile_attr(choose_tile(group, hw, self.max_rows, self.max_cols, self.blas_gemm))
+            with nominal_sizes():  # tiles are chosen by costs at the nominal size: numbers, not formulas
+                tile = choose_tile(group, hw, self.max_rows, self.max_cols, self.blas_gemm)
+            group.attributes["tile"] = tile_attr(tile)
 
 
 def tile_attr(tile: dict) -> DictionaryAttr:

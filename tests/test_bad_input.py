@@ -1,6 +1,7 @@
 """Bad input a user can give, each a named error (exit 2, no traceback) or the right
 behaviour, never a traceback from deep inside or a silent wrong answer (issue 17, parts 2-4)."""
 
+import io
 from pathlib import Path
 
 import numpy as np
@@ -66,12 +67,27 @@ def test_a_binary_mlir_file_is_a_named_error_in_both_commands(tmp_path, capsys):
         assert_clean_error(code, err, "is not tg IR text", "0xff", "offset 16")
 
 
+def _encrypted_npz() -> bytes:
+    """An .npz whose member is flagged encrypted (general purpose bit 0): zipfile raised a
+    RuntimeError asking for a password (found by tilegraph/fuzz.py, npz seed 21 case 913)."""
+    buf = io.BytesIO()
+    np.savez(buf, x=np.zeros((8, 4), np.float32))
+    data = bytearray(buf.getvalue())
+    for signature, flags in ((b"PK\x03\x04", 6), (b"PK\x01\x02", 8)):  # local header, central directory
+        at = data.index(signature) + flags
+        data[at] |= 1
+    return bytes(data)
+
+
 @pytest.mark.parametrize("content,needle", [(b"PK\x03\x04 not a zip", "BadZipFile"),
-                                            (None, "is a single .npy array")])
+                                            (None, "is a single .npy array"),
+                                            ("encrypted", "is encrypted")])
 def test_a_corrupt_or_npy_weights_or_calibration_file_is_a_named_error(tmp_path, capsys, content, needle):
     model = small_model(tmp_path)
     bad = tmp_path / "bad.npz"
-    if content is None:
+    if content == "encrypted":
+        bad.write_bytes(_encrypted_npz())
+    elif content is None:
         np.save(tmp_path / "a.npy", np.zeros(3))
         (tmp_path / "a.npy").rename(bad)
     else:
@@ -131,6 +147,21 @@ def test_no_command_writes_over_the_model_it_reads(tmp_path, capsys, command):
     mlir = small_model(tmp_path)
     code, _, err = run(tilegraph_main, ["quantize", mlir, "--scheme", "w8", "-o", mlir], capsys)
     assert_clean_error(code, err, "would overwrite the model being read")
+
+
+def test_compile_never_writes_over_the_weights_of_the_mlir_it_reads(tmp_path, capsys):
+    """`tilegraph compile m.mlir -o m.py` replaced m.weights.npz, m.mlir's own weights, with the
+    weights after the passes (fuse concatenates sibling weights, quantize adds new ones): m.mlir
+    no longer loaded, or loaded with the wrong arrays."""
+    mlir = small_model(tmp_path)
+    weights = mlir.with_suffix(".weights.npz")
+    before = weights.read_bytes()
+    code, _, err = run(tilegraph_main, ["compile", mlir, "-o", mlir.with_suffix(".py")], capsys)
+    assert_clean_error(code, err, "small.weights.npz would overwrite the weights of the model being read")
+    assert weights.read_bytes() == before and not mlir.with_suffix(".py").exists()
+    code, _, err = run(tilegraph_main, ["compile", mlir, "-o", tmp_path / "small_np.py"], capsys)
+    assert code == 0, err
+    assert weights.read_bytes() == before and (tmp_path / "small_np.weights.npz").is_file()
 
 
 def test_calibration_samples_that_are_not_finite_are_refused(tmp_path, capsys):
@@ -250,3 +281,84 @@ def test_an_unterminated_string_in_a_mlir_file_fails_fast():
 
     with pytest.raises(ModelError, match="closing string literal"):
         parse_module('builtin.module {\n  func.func @f(%x : tensor<?xf32, ["' + "S" * 60 + "]>)")
+
+
+def test_fuse_and_tile_price_candidates_as_numbers_and_decide_as_the_formulas_would(monkeypatch):
+    """`cost --target cpu --symbolic` on MiniLM with dynamic batch and seq took ~50 s, most of it in
+    fuse and tile building each candidate's cost as a formula in the dims (sympy collapsing
+    Piecewise regimes and Max/Min of symbolic terms) only to evaluate it at the nominal size.
+    They now price at that size from the start: every cost they build is a number, and the
+    groups and tiles are those that pricing by formulas chooses."""
+    import contextlib
+
+    import tilegraph.passes.fuse as fuse
+    import tilegraph.passes.tile as tile
+    from tilegraph.passes.registry import run_pipeline
+
+    pipeline = 'canonicalize,cse,simplify-shapes,dce,fuse{target="cpu"},tile{target="cpu"}'
+    priced = []
+    for module in (fuse, tile):
+        def recording(*args, _real=module.group_cost, **kwargs):
+            cost = _real(*args, **kwargs)
+            priced.append(cost.time)
+            return cost
+        monkeypatch.setattr(module, "group_cost", recording)
+    by_numbers = str(run_pipeline(tilegraph.import_model(str(EXAMPLE)), pipeline).module)
+    assert priced and not [t for t in priced if getattr(t, "free_symbols", None)]
+    assert "batch" in by_numbers  # the model stays symbolic: only the pricing is at the nominal size
+    for module in (fuse, tile):
+        monkeypatch.setattr(module, "nominal_sizes", contextlib.nullcontext)
+    by_formulas = str(run_pipeline(tilegraph.import_model(str(EXAMPLE)), pipeline).module)
+    assert by_numbers == by_formulas
+
+
+@pytest.mark.parametrize("op,dtype", [("shift_left", np.float32), ("shift_right", np.float16),
+                                      ("bitwise_and", np.float32), ("bitwise_or", np.float64),
+                                      ("bitwise_xor", np.float32), ("bitwise_not", np.float32),
+                                      ("shift_left", np.bool_)])
+def test_integer_only_ops_refuse_float_operands_naming_the_op_and_type(op, dtype):
+    """The shape rules took f32 operands for the shift ops: the fuzzer's .mlir reached
+    np.left_shift on floats (a TypeError inside the emitted code)."""
+    from tilegraph.ir.dtypes import dtype_name
+    from tilegraph.ir.shapes import ShapeError
+
+    g = Graph()
+    x = g.input("x", (2, 3), dtype_name(np.dtype(dtype)))
+    with pytest.raises(ShapeError, match=rf"tg\.{op}: needs integer operands.*{dtype_name(np.dtype(dtype))}"):
+        g.op(op, x) if op == "bitwise_not" else g.op(op, x, x)
+
+
+def test_a_mlir_file_shifting_floats_is_a_named_error(tmp_path, capsys):
+    text = ('func.func @forward(%x : tensor<4xf32>) -> tensor<4xf32> {\n'
+            '  %y = "tg.shift_left"(%x, %x) : (tensor<4xf32>, tensor<4xf32>) -> tensor<4xf32>\n'
+            '  func.return %y : tensor<4xf32>\n}\n')
+    (tmp_path / "s.mlir").write_text(text)
+    code, _, err = run(tilegraph_main, ["compile", tmp_path / "s.mlir", "-o", tmp_path / "s_np.py"], capsys)
+    assert_clean_error(code, err, "tg.shift_left", "needs integer operands", "f32")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_shard_shows_what_it_is_doing_on_a_terminal_and_with_progress(tmp_path, capsys, monkeypatch):
+    """`--mesh 2x2x2x2x2` on a one-matmul MLP solved for 140 s with nothing shown."""
+    import sys
+
+    model = small_model(tmp_path)
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert tilegraph_main(["shard", str(model), "--mesh", "2x2"]) == 0
+    shown = terminal.getvalue()
+    assert "\r\x1b[Ktilegraph shard: solving the integer program" in shown
+    assert shown.endswith("\r\x1b[K")  # the status line is gone before the plan is printed
+    assert "predicted step time" in capsys.readouterr().out
+    monkeypatch.undo()
+    # Not a terminal: nothing by default, one line per stage with --progress.
+    code, out, err = run(tilegraph_main, ["shard", model, "--mesh", "2x2"], capsys)
+    assert code == 0 and err == ""
+    code, out, err = run(tilegraph_main, ["shard", model, "--mesh", "2x2", "--progress"], capsys)
+    lines = err.splitlines()
+    assert code == 0 and "\r" not in err and lines[0].startswith("tilegraph shard: importing the model (")
+    assert any(line.startswith("tilegraph shard: solving the integer program") for line in lines)

@@ -164,7 +164,7 @@ def test_remarks_show_each_fuse_decision_with_its_prediction(tmp_path, capsys):
 
 def test_report_plans_less_memory_than_all_intermediates(tmp_path, capsys):
     model, path = mlp_model(tmp_path)
-    code, out, err = run(tilegraph_main, ["compile", path, "-o", tmp_path / "mlp.py", "--report", "--dim", "B=32"],
+    code, out, err = run(tilegraph_main, ["compile", path, "-o", tmp_path / "mlp_np.py", "--report", "--dim", "B=32"],
                          capsys)
     assert code == 0, err
     kernels = int(re.search(r"^kernels: (\d+)", out, re.M)[1])
@@ -178,7 +178,7 @@ def test_report_plans_less_memory_than_all_intermediates(tmp_path, capsys):
     assert 0 < peak < intermediates
     assert re.search(r"weights: 4 arrays, 65.54kB", out)  # 4 x 64 x 64 float32
     # without sizes, the peak is the planner's formula in the symbolic batch
-    code, out, _ = run(tilegraph_main, ["compile", path, "-o", tmp_path / "mlp.py", "--report"], capsys)
+    code, out, _ = run(tilegraph_main, ["compile", path, "-o", tmp_path / "mlp_np.py", "--report"], capsys)
     formula = re.search(r"planned peak of intermediates.*: (.+) bytes", out)[1]
     assert float(sympy.sympify(formula).subs("B", 32)) == pytest.approx(peak, rel=1e-3)
 

@@ -376,7 +376,7 @@ def test_cli_quantize_calibrates_with_a_progress_bar_and_compile_reports_weight_
     assert "activations calibrated by minmax" in stdout
     quantized = Model.load(out)
     assert "tg.matmul_integer" in quantized.text and (tmp_path / "enc_q.calib.npz").is_file()
-    code, stdout, err = _cli(["compile", out, "-o", tmp_path / "enc_q.py", "--report"], capsys)
+    code, stdout, err = _cli(["compile", out, "-o", tmp_path / "enc_q_np.py", "--report"], capsys)
     assert code == 0, err
     from tilegraph.cli import format_count
 

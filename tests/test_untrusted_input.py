@@ -292,3 +292,58 @@ def test_a_pt2_whose_pickles_name_code_is_refused_before_torch_unpickles_it(tmp_
     with pytest.raises(FrontendError, match="pickled object"):
         load_pt2(pickled)
     assert load_pt2(tmp_path / "plain.pt2").input_names
+
+
+# Terminal escape sequences: OSC (set the window title), CSI (clear the screen, colours), the
+# 8-bit CSI, BEL, backspace and carriage return (overwrite what was printed), and the bidi
+# controls that reorder what a reader sees (Trojan Source).
+TERMINAL_ATTACKS = ["\x1b]0;pwned\x07", "\x1b[2J\x1b[31m", "\x9b31m", "ok\rtilegraph: fine", "a\x08\x08b",
+                    "\u202eevil\u202c", "\u2066x\u2069", "\u200fy", "\x1bP+q\x1b\\", "\x85\u2028"]
+
+
+@given(st.lists(st.sampled_from(TERMINAL_ATTACKS) | st.text(max_size=8), min_size=1, max_size=4)
+       .map(lambda parts: "".join(parts).replace("\n", "")))
+@settings(max_examples=60, deadline=None)
+def test_terminal_text_writes_every_control_and_bidi_character_escaped(text):
+    from tilegraph.ir.escape import terminal_text
+
+    shown = terminal_text(text + "\n" + text)
+    lines = shown.split("\n")
+    assert len(lines) == 2 and lines[0] == lines[1]  # the message's own line breaks stay
+    assert all(c.isprintable() or c == "\t" for c in lines[0])
+
+
+def test_a_model_string_in_an_error_message_reaches_the_terminal_escaped(tmp_path, capsys):
+    """An unsupported op's type and node name are quoted in the error: before, the escape
+    sequences in them went to the terminal raw (retitle the window, clear the screen, hide text)."""
+    from tilegraph.cli import main
+
+    evil = "".join(TERMINAL_ATTACKS)
+    node = helper.make_node("Evil" + evil, ["x"], ["y"], name="n" + evil, domain="ai.attack")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.attack", 1)])
+    (tmp_path / "m.onnx").write_bytes(model.SerializeToString())
+    code = main(["compile", str(tmp_path / "m.onnx"), "-o", str(tmp_path / "m.py")])
+    err = capsys.readouterr().err
+    assert code == 2 and "unsupported op" in err
+    assert not [c for c in err if not (c.isprintable() or c == "\n")], repr(err)
+    assert "\\x1b]0;pwned\\x07" in err and "\\u202eevil" in err
+
+
+def test_a_fusion_kind_from_a_mlir_file_reaches_the_cost_table_escaped(tmp_path, capsys):
+    from tilegraph.cli import main
+    from tilegraph.ir import Graph
+    from tilegraph.passes.registry import run_pipeline
+
+    g = Graph()
+    x = g.input("x", ("B", 4))
+    y = g.relu(x @ g.weight("w", np.eye(4, dtype=np.float32)) + 1.0)
+    text = run_pipeline(g.build(y, names=["y"]), "fuse").save(tmp_path / "k.mlir").read_text()
+    # (xDSL reads a string with escapes and non-ASCII text as bytes, not a string: two kinds)
+    for kind in ('"\\1B]0;pwned\\07\\1B[2J\\0D"', '"pwned\u202eevil\u2066\x9b31m"'):
+        (tmp_path / "k.mlir").write_text(text.replace('"matmul_epilogue"', kind), encoding="utf-8")
+        for symbolic in ([], ["--symbolic"]):
+            assert main(["cost", str(tmp_path / "k.mlir"), "--dim", "B=4", *symbolic]) == 0
+            out = capsys.readouterr().out
+            assert "pwned" in out and not [c for c in out if not (c.isprintable() or c == "\n")], repr(out)

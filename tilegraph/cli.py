@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -154,6 +157,9 @@ def _parser() -> argparse.ArgumentParser:
                        help=f"size of a symbolic dimension to plan at (default: {DEFAULT_DIM} each)")
     shard.add_argument("--symbolic", action="store_true",
                        help="also print the plan's step time as a formula of the symbolic dims")
+    shard.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                       help="show what the planner is doing and for how long on stderr (default: when stderr "
+                            "is a terminal)")
 
     # --- run: the sharded program on N local processes (backends/distributed.py) ---
     dist = sub.add_parser("run", help="run the sharded model on N local processes (torch.distributed, gloo) and "
@@ -205,12 +211,16 @@ def refuse_overwriting(model: str | Path, *outputs: str | Path) -> None:
     """A TilegraphError when a file a command writes is the model it reads (or its weights)."""
     from tilegraph.ir.errors import TilegraphError
 
-    inputs = {Path(model).resolve()}
+    inputs = {Path(model).resolve(): "the model being read"}
     if Path(model).suffix == ".mlir":  # its weights are read from beside it
-        inputs.add(Path(model).with_suffix(".weights.npz").resolve())
+        inputs[Path(model).with_suffix(".weights.npz").resolve()] = "the weights of the model being read"
     for out in outputs:
         if out is not None and Path(out).resolve() in inputs:
-            raise TilegraphError(f"-o {out} would overwrite the model being read ({model}); write elsewhere")
+            what = inputs[Path(out).resolve()]
+            if Path(out).name.endswith(".weights.npz"):  # the weights a command writes beside its output
+                raise TilegraphError(f"the output's weights file {out} would overwrite {what} ({model}): "
+                                     f"name the output differently from the model")
+            raise TilegraphError(f"-o {out} would overwrite {what} ({model}); write elsewhere")
 
 
 def _import(args) -> int:
@@ -230,7 +240,7 @@ def _compile(args) -> int:
     from tilegraph.backends import backend
 
     dims = parse_dims(args.dim)
-    refuse_overwriting(args.model, args.output)
+    refuse_overwriting(args.model, args.output, Path(args.output).with_suffix(".weights.npz"))
     # Fusion and tiling are decided for the target's hardware (backends.triton.HARDWARE for
     # triton): the default pipeline does so, and a given one too where it names no target.
     hardware = getattr(backend(args.target), "HARDWARE", "cpu")
@@ -534,15 +544,16 @@ def _cost(args) -> int:
 
 
 def _print_table(cost, sizes: dict[str, int]) -> None:
+    from tilegraph.ir.escape import terminal_text
     from tilegraph.passes.cost.model import at
 
     total = at(cost.time, sizes)
     unit, scale = _time_unit(total)
-    labels = [label for label, _ in cost.rows]
+    labels = [terminal_text(label) for label, _ in cost.rows]  # a .mlir file names its groups' kinds
     width = max([len("kernel"), *map(len, labels)])
     print(f"{'#':>3}  {'kernel':<{width}}  {'FLOPs':>9}  {'bytes':>9}  {'FLOP/B':>7}  {f'time ({unit})':>10}  "
           f"{'%':>5}  {'bound':<8}  ops")
-    for i, (label, c) in enumerate(cost.rows):
+    for i, (label, (_, c)) in enumerate(zip(labels, cost.rows)):
         flops, nbytes, time = at(c.flops, sizes), at(c.bytes, sizes), at(c.time, sizes)
         intensity = f"{flops / nbytes:.3g}" if nbytes else "-"
         ops = " ".join(c.ops) if label.startswith("fusion") else ""
@@ -554,6 +565,8 @@ def _print_table(cost, sizes: dict[str, int]) -> None:
 
 def _print_formulas(cost, dims: dict[str, int]) -> None:
     """Totals and per-kernel cost as sympy formulas of the symbolic dims (those without a --dim)."""
+    from tilegraph.ir.escape import terminal_text
+
     if dims:
         print(f"with {', '.join(f'{k}={v}' for k, v in sorted(dims.items()))}")
     print(f"FLOPs = {_formula(cost.flops, dims)}")
@@ -563,7 +576,7 @@ def _print_formulas(cost, dims: dict[str, int]) -> None:
     print("per kernel:")
     for i, (label, c) in enumerate(cost.rows):
         ops = f" ({' '.join(c.ops)})" if label.startswith("fusion") else ""
-        print(f"{i:>3}  {label}{ops}")
+        print(f"{i:>3}  {terminal_text(label)}{ops}")
         print(f"       FLOPs = {_formula(c.flops, dims)}; bytes = {_formula(c.bytes, dims)}; "
               f"time [s] = {_formula(c.time, dims)}")
 
@@ -688,13 +701,17 @@ def _shard(args) -> int:
         raise TilegraphError(f"--target {args.target}: sharding plans are for GPUs ({', '.join(GPUS)})")
     hw = hardware(args.target)
     dims = parse_dims(args.dim)
-    model = run_pipeline(tilegraph.import_model(args.model),
-                         UNFUSED_PIPELINE if args.pipeline is None else args.pipeline)
-    symbols = _input_symbols(model)
-    check_dims(dims, symbols)
-    sizes, defaulted = sizes_for(symbols, dims)
-    p = plan(model.module, Mesh(shape, hw), budget=budget, sizes=sizes, training=not args.inference,
-             names=model.input_names)
+    show = sys.stderr.isatty() if args.progress is None else args.progress
+    with StatusLine("tilegraph shard") if show else contextlib.nullcontext() as status:
+        if status:
+            status("importing the model")
+        model = run_pipeline(tilegraph.import_model(args.model),
+                             UNFUSED_PIPELINE if args.pipeline is None else args.pipeline)
+        symbols = _input_symbols(model)
+        check_dims(dims, symbols)
+        sizes, defaulted = sizes_for(symbols, dims)
+        p = plan(model.module, Mesh(shape, hw), budget=budget, sizes=sizes, training=not args.inference,
+                 names=model.input_names, progress=status)
     print(f"{Path(args.model).name} on {p.mesh} x {hw.name} ({p.mesh.devices} devices), "
           f"{'forward pass' if args.inference else 'training step'}")
     if sizes:
@@ -703,6 +720,56 @@ def _shard(args) -> int:
     if args.symbolic:
         print(f"step time [s] = {_formula(p.formula, dims)}")
     return 0
+
+
+# How often a status line on a terminal is redrawn (its elapsed time ticks while a stage runs).
+STATUS_REFRESH_S = 0.5
+
+
+class StatusLine:
+    """A long command's progress on stderr: the stage it is in and how long it has run.
+
+    On a terminal, one line redrawn in place (by a thread, so the time ticks while one call,
+    such as the integer program's solve, runs) and cleared at the end. Elsewhere (--progress
+    into a file or a pipe), one line per stage, so a log is not filled with redraws."""
+
+    def __init__(self, tool: str, stream=None):
+        self.tool, self.stream = tool, stream or sys.stderr
+        self.live = self.stream.isatty()
+        self.stage, self.started = "", time.perf_counter()
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __call__(self, stage: str) -> None:
+        with self._lock:
+            self.stage = stage
+            if self.live:
+                self._draw()
+            else:
+                print(f"{self.tool}: {stage} ({time.perf_counter() - self.started:.1f} s)", file=self.stream,
+                      flush=True)
+
+    def _draw(self) -> None:
+        self.stream.write(f"\r\x1b[K{self.tool}: {self.stage} ({time.perf_counter() - self.started:.0f} s)")
+        self.stream.flush()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(STATUS_REFRESH_S):
+            with self._lock:
+                self._draw()
+
+    def __enter__(self) -> "StatusLine":
+        if self.live:
+            self._thread = threading.Thread(target=self._tick, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self.stream.write("\r\x1b[K")  # the line goes: the plan (or the error) is printed next
+            self.stream.flush()
 
 
 def _print_plan(p) -> None:

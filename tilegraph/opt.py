@@ -30,6 +30,7 @@ from xdsl.dialects.builtin import ModuleOp
 from xdsl.passes import ModulePass, PassPipeline
 from xdsl.xdsl_opt_main import xDSLOptMain
 
+from tilegraph.ir.escape import terminal_text
 from tilegraph.ir.model import _WEIGHTS_OF, Model, ModelError, WeightStore, decode_text, parse_module, print_module, weights_path
 
 
@@ -198,8 +199,8 @@ class TilegraphOptMain(xDSLOptMain):
             try:
                 super().run()
             finally:  # what the passes explained is shown even when a later pass fails
-                for r in remarks:
-                    print(r, file=sys.stderr)
+                for r in remarks:  # (they quote fusion kinds, which a .mlir file names)
+                    print(terminal_text(str(r)), file=sys.stderr)
         store = _WEIGHTS_OF.get(self._result) if self._result is not None else None
         if self.args.output_file:
             Path(self.args.output_file).write_text(self._held.getvalue())
@@ -208,8 +209,9 @@ class TilegraphOptMain(xDSLOptMain):
         elif store and set(store) - self._weights_before:
             # The printed IR names weights the passes made (quantized ones): only -o saves them.
             new = sorted(set(store) - self._weights_before)
-            print(f"tilegraph-opt: note: the passes made {len(new)} new weight(s) ({', '.join(new[:3])}"
-                  f"{', ...' if len(new) > 3 else ''}) that are saved only with -o OUT.mlir", file=sys.stderr)
+            print(terminal_text(f"tilegraph-opt: note: the passes made {len(new)} new weight(s) ({', '.join(new[:3])}"
+                                f"{', ...' if len(new) > 3 else ''}) that are saved only with -o OUT.mlir"),
+                  file=sys.stderr)
 
 
 def _load_plugin(plugin: str) -> None:

@@ -20,6 +20,8 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 
 def run_reporting_errors(tool: str, body: Callable[[], object]) -> int:
+    from tilegraph.ir.escape import terminal_text
+
     try:
         result = body()
     except KeyboardInterrupt:
@@ -30,6 +32,7 @@ def run_reporting_errors(tool: str, body: Callable[[], object]) -> int:
         message = str(e).strip() or type(e).__name__
         if isinstance(e, OSError) and e.filename:
             message = f"{e.strerror}: {e.filename}"
+        message = terminal_text(message)  # it quotes the model's strings: no escape sequence runs
         first, _, rest = message.partition("\n")
         print(f"{tool}: error: {first}", file=sys.stderr)
         if rest:

@@ -53,6 +53,9 @@ costed as each target runs them:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 import math
 
 from dataclasses import dataclass, field
@@ -87,6 +90,9 @@ CAST_PASSES = {  # storage type: (to float32, from float32)
 # np.clip with scalar bounds, in f32 add passes (7.1 ns an element against 0.28, same measurement).
 CLIP_PASSES = 25
 QUANT_OPS = ("quantize", "dequantize", "dynamic_quantize", "matmul_integer")
+
+# Entries per memoized term before its cache starts over (a BERT's passes make a few thousand).
+MEMO_ENTRIES = 20_000
 
 
 @dataclass
@@ -129,21 +135,57 @@ def at(expr, sizes: Mapping[str, int] | None = None) -> float:
     return float(expr)
 
 
+# --- pricing at the nominal size ----------------------------------------------------
+# `fuse` and `tile` decide by costs at NOMINAL_DIM (at_nominal), not by formulas. Built
+# from symbolic dims, each candidate's cost is a formula sympy must collapse (Piecewise
+# regimes, Max and Min of symbolic terms, compared under the dims' assumptions) only to
+# have the dims substituted at the end: most of their time on a model with dynamic
+# batch and sequence. Within `nominal_sizes()` every size enters the model already at
+# NOMINAL_DIM, so the same arithmetic runs on numbers; shapes without symbols are unchanged.
+_NOMINAL = contextvars.ContextVar("tilegraph_cost_nominal", default=False)
+
+
+@contextlib.contextmanager
+def nominal_sizes():
+    """Within: costs are numbers, the symbolic dims at NOMINAL_DIM (what at_nominal gives)."""
+    token = _NOMINAL.set(True)
+    try:
+        yield
+    finally:
+        _NOMINAL.reset(token)
+
+
+def _sized(expr) -> sympy.Expr:
+    """A size (a dim, an element or FLOP count) as the model prices it now."""
+    expr = sympy.sympify(expr)
+    return _at_nominal_dims(expr) if _NOMINAL.get() and expr.free_symbols else expr
+
+
+@functools.lru_cache(maxsize=MEMO_ENTRIES)
+def _at_nominal_dims(expr: sympy.Expr) -> sympy.Expr:
+    return expr.subs({s: NOMINAL_DIM for s in expr.free_symbols})
+
+
 def _nbytes(info: TensorInfo) -> sympy.Expr:
-    return sympy.sympify(numel(info.shape)) * dtypes.numpy_dtype(info.dtype).itemsize
+    return _elements(info) * dtypes.numpy_dtype(info.dtype).itemsize
 
 
 def _elements(info: TensorInfo) -> sympy.Expr:
-    return sympy.sympify(numel(info.shape))
+    return _sized(_numel(info.shape))
+
+
+@functools.lru_cache(maxsize=MEMO_ENTRIES)
+def _numel(shape) -> sympy.Expr:
+    return sympy.sympify(numel(shape))
 
 
 def _prod(dims: Iterable[Dim]) -> sympy.Expr:
-    return reduce(lambda a, b: a * b, (sympy.sympify(d) for d in dims), sympy.Integer(1))
+    return _sized(reduce(lambda a, b: a * b, (sympy.sympify(d) for d in dims), sympy.Integer(1)))
 
 
 def op_flops(op: TgOp) -> sympy.Expr:
     """FLOPs of one op (multiply-add = 2): the op table's `flops` trait at its shapes."""
-    return op.SPEC.flop_count([info_of(v.type) for v in op.operands], op.result_infos())
+    return _sized(op.SPEC.flop_count([info_of(v.type) for v in op.operands], op.result_infos()))
 
 
 def op_bytes(op: Operation) -> sympy.Expr:
@@ -158,13 +200,13 @@ def _matmul_shape(op: TgOp) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr]:
     out = op.result_infos()[0]
     if op.op_name == "conv":
         w = ins[1]
-        n = sympy.sympify(w.shape[0])
+        n = _sized(w.shape[0])
         return _elements(out) / n, n, _prod(w.shape[1:])
     if op.op_name == "attention":
         q, k = ins[0], ins[1]
-        return _elements(out) / sympy.sympify(q.shape[-1]), sympy.sympify(k.shape[-2]), sympy.sympify(q.shape[-1])
-    k = sympy.sympify(ins[0].shape[-1])
-    n = sympy.sympify(out.shape[-1]) if ins[1].rank > 1 else sympy.Integer(1)
+        return _elements(out) / _sized(q.shape[-1]), _sized(k.shape[-2]), _sized(q.shape[-1])
+    k = _sized(ins[0].shape[-1])
+    n = _sized(out.shape[-1]) if ins[1].rank > 1 else sympy.Integer(1)
     return _elements(out) / n, n, k
 
 
@@ -182,6 +224,28 @@ def _gemm_rate(hw, op: TgOp) -> float:
     return hw.matmul_rate(max(1, int(m)), max(1, int(n)), max(1, int(k)), op.result_infos()[0].dtype)
 
 
+def _memo_hw(fn):
+    """`fn(hw, *args)` memoized: the cost model rebuilds the same sympy terms for every
+    op and candidate group, and on symbolic dims building a Piecewise (sympy collapses and
+    compares its conditions) costs milliseconds each. The Hardware is
+    keyed by identity (its dict fields make it unhashable) and kept alive by the entry,
+    so its id is never reused while the entry is there."""
+    cache: dict = {}
+
+    def memo(hw, *args):
+        key = (id(hw), *args)
+        hit = cache.get(key)
+        if hit is None or hit[0] is not hw:
+            if len(cache) > MEMO_ENTRIES:
+                cache.clear()
+            hit = cache[key] = (hw, fn(hw, *args))
+        return hit[1]
+
+    memo.__doc__, memo.__name__ = fn.__doc__, fn.__name__
+    return memo
+
+
+@_memo_hw
 def _cpu_passes_time(hw, name: str, elements: sympy.Expr, in_cache: bool, bytes_: sympy.Expr) -> sympy.Expr:
     """Time of the NumPy passes an op makes over `elements` values. A kernel the profile
     timed whole (gelu, layer_norm, softmax) is one pass at its own rate; operands too big
@@ -251,6 +315,11 @@ def _uncached(hw, bytes_: sympy.Expr, ops: Sequence[Operation]) -> sympy.Expr:
     weights = {v: None for op in ops for v in map(_through_views, op.operands)
                if isinstance(v.owner, TgOp) and v.owner.op_name == "weight"}
     cold = sum((_nbytes(info_of(v.type)) for v in weights), sympy.Integer(0))
+    return _from_memory(hw, bytes_, cold)
+
+
+@_memo_hw
+def _from_memory(hw, bytes_: sympy.Expr, cold: sympy.Expr) -> sympy.Expr:
     return sympy.Piecewise((cold, bytes_ <= hw.cache_bytes), (bytes_, True)) / hw.memory_bandwidth
 
 
@@ -266,6 +335,7 @@ def _through_views(v: SSAValue) -> SSAValue:
             return v
 
 
+@_memo_hw
 def _parallel(hw, workers) -> sympy.Expr:
     """The speedup of `workers` cores (a sympy expression), at the calibrated efficiency."""
     workers = sympy.sympify(workers)
@@ -398,6 +468,7 @@ def _quant_cost(op: TgOp, hw) -> Cost:
                 ops=[name])
 
 
+@functools.lru_cache(maxsize=MEMO_ENTRIES)
 def at_nominal(expr: sympy.Expr) -> float:
     expr = sympy.sympify(expr)
     return at(expr.subs({s: NOMINAL_DIM for s in expr.free_symbols}))
@@ -513,9 +584,9 @@ def fusion_cost(group: FusionOp, hw) -> Cost:
     if rows or cols:  # as many chunks as they make at these sizes (`chunks` on the tile is at nominal ones)
         ref = widest(group)
         if cols:
-            total = sympy.sympify(ref.shape[-1])
+            total = _sized(ref.shape[-1])
         else:
-            total = _prod(ref.shape[:-1]) if tile.get("flat") else sympy.sympify(ref.shape[tile.get("axis", 0)])
+            total = _prod(ref.shape[:-1]) if tile.get("flat") else _sized(ref.shape[tile.get("axis", 0)])
         # (backends/numpy/chunks.py) never fewer chunks than cores while there are rows for them
         chunks = sympy.Max(sympy.ceiling(total / (cols or rows)), sympy.Min(total, hw.cores))
     rows = rows if tile.get("flat") else None
@@ -582,5 +653,4 @@ def expected_sizes(module: Operation) -> dict[str, sympy.Expr]:
 
 
 __all__ = ["Cost", "ModelCost", "op_cost", "op_flops", "op_bytes", "group_cost", "fusion_cost", "module_cost", "at",
-           "expected_sizes",
-           "ANCHORS", "VIEW_OPS"]
+           "expected_sizes", "nominal_sizes", "ANCHORS", "VIEW_OPS"]
