@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import numpy as np
 import sympy
 
-from tilegraph.backends.c.build import build
+from tilegraph.backends.c.build import build, sanitizer
 from tilegraph.backends.c.emit import CProgram, View, emit_program
 from tilegraph.ir import dtypes
 from tilegraph.ir.errors import TilegraphError
@@ -47,7 +47,10 @@ class _Binding:
         start = (-self.arena.ctypes.data) % ALIGN
         for i, off in offsets.items():
             dt = dtypes.numpy_dtype(em.buffers[i].dtype)
-            self.bases[i] = self.arena[start + off: start + off + elements[i] * dt.itemsize].view(dt)
+            # Under a sanitizer each temp is an allocation of its own, so that AddressSanitizer
+            # sees its bounds (inside one arena, a write past a buffer lands in its neighbour).
+            self.bases[i] = (np.empty(elements[i], dt) if sanitizer() else
+                             self.arena[start + off: start + off + elements[i] * dt.itemsize].view(dt))
         self.pointers = (ctypes.c_void_p * len(em.buffers))()
         for i, base in enumerate(self.bases):
             if base is not None:
@@ -114,9 +117,9 @@ class CompiledModel:
             if b.kind == "weight":
                 if b.index not in weights:
                     raise ModelError(f"weights missing for the compiled model: {b.index}")
-                self.fixed.append(np.ascontiguousarray(weights[b.index], dtype=dtypes.numpy_dtype(b.dtype)))
+                self.fixed.append(_c_array(weights[b.index], dtypes.numpy_dtype(b.dtype)))
             elif b.kind == "constant":
-                self.fixed.append(np.ascontiguousarray(em.constants[b.index], dtype=dtypes.numpy_dtype(b.dtype)))
+                self.fixed.append(_c_array(em.constants[b.index], dtypes.numpy_dtype(b.dtype)))
             else:
                 self.fixed.append(None)
         # An output that is a whole intermediate buffer is written straight into a fresh
@@ -149,7 +152,7 @@ class CompiledModel:
             raise ShapeError("give the inputs either all by position or all by name")
         arrays, sizes = self._signature.bind(named if named else inputs)
         with self._lock:
-            return self._run([np.ascontiguousarray(a) for a in arrays], sizes)
+            return self._run([_c_array(a) for a in arrays], sizes)
 
     def set_threads(self, n: int) -> None:
         """OpenMP's thread count for this process's C modules (one pool serves them all)."""
@@ -208,6 +211,13 @@ class CompiledModel:
 
     def __repr__(self) -> str:
         return f"CompiledModel[c]({', '.join(self.input_names)} -> {', '.join(self.output_names)})"
+
+
+def _c_array(a, dtype=None) -> np.ndarray:
+    """`a` as C reads it, copied if it is not already: C-contiguous and aligned to its itemsize
+    (an array from np.frombuffer at an odd offset is contiguous but not aligned: the C loops'
+    vector loads assume alignment), of `dtype` in native byte order where one is given."""
+    return np.require(a, dtype, ("C", "A"))
 
 
 def _literal_array(v: View, b: _Binding) -> np.ndarray:
