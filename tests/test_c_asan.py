@@ -100,6 +100,40 @@ def test_an_input_reaches_c_contiguous_and_aligned():
         assert all(binding.pointers[i] % 4 == 0 for i in inputs), "a misaligned input went to C"
 
 
+def test_weights_of_another_size_are_refused_at_load():
+    """load() takes the weights apart from the model: a table of the wrong size would have
+    oneDNN read past it (it once packed whatever it was given)."""
+    from tilegraph.backends.c import emit, load
+    from tilegraph.ir import TilegraphError
+
+    model, _ = _model_and_input()
+    source = emit(model)
+    for w in (np.zeros((37, 18), np.float32), np.zeros((36, 19), np.float32), np.zeros(3, np.float32)):
+        with pytest.raises(TilegraphError, match="weight 'w' has shape"):
+            load(source, {"w": w}, model)
+    load(source, {"w": np.zeros((19, 37), np.float32).T}, model)  # transposed storage is copied, not refused
+
+
+def test_a_host_view_outside_its_buffer_is_an_error():
+    """The host fallback views buffers with as_strided, which checks nothing: a view
+    reaching past its buffer (an emitter bug) is a TilegraphError, not a stray read."""
+    from tilegraph.backends.c import compile_model
+    from tilegraph.backends.c.emit import View
+    from tilegraph.ir import TilegraphError
+
+    model, x = _model_and_input()
+    compiled = compile_model(model)
+    compiled(x)
+    binding = compiled._binding({"B": 5})
+    inp = next(i for i, buf in enumerate(compiled.program.emitter.buffers) if buf.kind == "input")
+    binding.bases[inp] = x
+    assert binding.view(View(inp, 36, (5, 1), (37, 1), "f32")).shape == (5, 1)
+    for offset, shape, strides in ((37, (5, 1), (37, 1)), (0, (5, 38), (37, 1)), (1, (2, 37), (37, -1)),
+                                   (-1, (1,), (1,))):
+        with pytest.raises(TilegraphError, match="outside its buffer"):
+            binding.view(View(inp, offset, shape, strides, "f32"))
+
+
 # ---------------------------------------------------------------------------------------
 # The child: everything below runs in the sanitized process.
 
@@ -203,28 +237,24 @@ def _conv_net():
 
 
 def _attention():
+    """Query and key counts that leave partial blocks, causal with lq != lk, boolean and
+    float masks broadcast over heads and rows, two batch sizes per module."""
     from tilegraph.backends.c import compile_model
     from tilegraph.ir import Graph
+    from tilegraph.testing import random_inputs
 
-    rng = np.random.default_rng(0)
-    for lq, lk, d, heads, causal, mask in [(1, 1, 1, 1, False, "none"), (7, 130, 33, 2, True, "bool"),
-                                           (65, 3, 8, 3, False, "float"), (33, 33, 64, 1, True, "none"),
-                                           (70, 139, 8, 2, False, "bool")]:
+    for lq, lk, d, heads, causal, mask in [(1, 1, 1, 1, False, None), (7, 130, 33, 2, True, "i1"),
+                                           (65, 3, 8, 3, False, "f32"), (33, 33, 64, 1, True, None),
+                                           (70, 139, 8, 2, False, "i1")]:
         g = Graph()
-        q, k, v = g.input("q", ("B", heads, lq, d)), g.input("k", ("B", heads, lk, d)), g.input("v", ("B", heads, lk, 5))
-        inputs = [rng.standard_normal(s).astype(np.float32) for s in ((2, heads, lq, d), (2, heads, lk, d),
-                                                                        (2, heads, lk, 5))]
-        if mask == "none":
-            y = g.attention(q, k, v, causal=causal)
-        else:
-            m = g.input("m", ("B", 1, 1, lk), "i1" if mask == "bool" else "f32")
-            y = g.attention(q, k, v, m, causal=causal)
-            inputs.append(rng.random((2, 1, 1, lk)) < 0.8 if mask == "bool" else
-                          rng.standard_normal((2, 1, 1, lk)).astype(np.float32))
-        model = g.build(y, names=["y"])
+        qkv = [g.input(name, ("B", heads, n, width)) for name, n, width in (("q", lq, d), ("k", lk, d), ("v", lk, 5))]
+        masks = [g.input("m", ("B", 1, 1, lk), mask)] if mask else []
+        model = g.build(g.attention(*qkv, *masks, causal=causal), names=["y"])
         compiled = compile_model(model)
         assert all(kind == "segment" for kind, _ in compiled.program.plan)
-        _close(model, compiled(*inputs), inputs, lk + d)
+        for batch in (2, 1):
+            inputs = random_inputs(model, seed=lq + batch, sizes={"B": batch})
+            _close(model, compiled(*inputs), inputs, lk + d)
     print("attention: done", flush=True)
 
 

@@ -67,8 +67,13 @@ class _Binding:
         base = self.bases[v.buf]
         ints = lambda e: int(sympy.sympify(e).xreplace(self._subs))  # noqa: E731
         shape = tuple(ints(d) for d in v.shape)
+        offset = ints(v.offset)
+        if all(shape):  # as_strided checks nothing: the elements the view reaches lie in its buffer
+            reach = [(n - 1) * ints(s) for n, s in zip(shape, v.strides)]
+            if offset + sum(r for r in reach if r < 0) < 0 or offset + sum(r for r in reach if r > 0) >= base.size:
+                raise ModelError(f"a view of the C module reaches outside its buffer {v.buf} ({base.size} elements)")
         strides = tuple(ints(s) * base.itemsize for s in v.strides)
-        flat = base.reshape(-1)[ints(v.offset):]
+        flat = base.reshape(-1)[offset:]
         if flat.dtype.type.__module__ == "numpy":
             return np.lib.stride_tricks.as_strided(flat, shape, strides, writeable=True)
         # ml_dtypes' types (bf16, fp8, fp4) have no strided-view support: stride the bytes.
@@ -117,7 +122,11 @@ class CompiledModel:
             if b.kind == "weight":
                 if b.index not in weights:
                     raise ModelError(f"weights missing for the compiled model: {b.index}")
-                self.fixed.append(_c_array(weights[b.index], dtypes.numpy_dtype(b.dtype)))
+                array = _c_array(weights[b.index], dtypes.numpy_dtype(b.dtype))
+                if sympy.sympify(b.elements) != array.size:  # C would read past it, or stop short
+                    raise ModelError(f"weight '{b.index}' has shape {array.shape}, {array.size} elements; the "
+                                     f"model's has {b.elements}")
+                self.fixed.append(array)
             elif b.kind == "constant":
                 self.fixed.append(_c_array(em.constants[b.index], dtypes.numpy_dtype(b.dtype)))
             else:
