@@ -134,6 +134,22 @@ def test_a_host_view_outside_its_buffer_is_an_error():
             binding.view(View(inp, offset, shape, strides, "f32"))
 
 
+def test_a_bf16_max_pool_on_the_host_matches():
+    """The C backend runs a bf16 max pool on the host at bf16 (ml_dtypes' bfloat16, which
+    NumPy does not count as floating): its padding fill was once taken for an integer's
+    (found by the sanitized random graphs in bf16)."""
+    from tilegraph.backends.c import compile_model
+    from tilegraph.ir import Graph, interpret
+    from tilegraph.ir.dtypes import numpy_dtype
+    from tilegraph.testing import assert_close
+
+    g = Graph()
+    model = g.build(g.op("max_pool", g.input("x", ("B", 2, 5, 4), "bf16"), kernel=(2, 2), pads=(1, 1, 0, 0)),
+                    names=["y"])
+    x = np.random.default_rng(0).uniform(-1, 1, (3, 2, 5, 4)).astype(numpy_dtype("bf16"))
+    assert_close(np.asarray(compile_model(model)(x)[0], np.float64), interpret(model, [x])[0], "bf16")
+
+
 # ---------------------------------------------------------------------------------------
 # The child: everything below runs in the sanitized process.
 
@@ -260,7 +276,7 @@ def _attention():
 
 def _wrong_calls(conv, conv_model):
     """Wrong calls are TilegraphErrors before any C runs; arrays C cannot take as they are
-    (strided, reversed, Fortran-ordered, misaligned, byte-swapped, wider) are copied."""
+    (strided, reversed, Fortran-ordered, broadcast, misaligned, byte-swapped, wider) are copied."""
     import tilegraph
     from tilegraph.ir import Graph, TilegraphError
 
@@ -284,7 +300,8 @@ def _wrong_calls(conv, conv_model):
             raise AssertionError("a call with wrong names ran")
     big = rng.standard_normal((3, 6, 26, 22)).astype(np.float32)
     for ok in (big[:, ::2, ::2, ::2], big[:, :3, :13, :11], xs[::-1], np.asfortranarray(xs), _misaligned(xs),
-               xs.astype(">f4"), xs.astype(np.float64), xs.transpose(0, 1, 3, 2).copy().transpose(0, 1, 3, 2)):
+               xs.astype(">f4"), xs.astype(np.float64), xs.transpose(0, 1, 3, 2).copy().transpose(0, 1, 3, 2),
+               np.broadcast_to(xs[:1], xs.shape)):
         _close(conv_model, [conv(ok)], [np.array(ok, np.float32)], 3 * 3 * 8)
 
     g = Graph()  # an embedding: ids out of range, ids of a float dtype
