@@ -192,8 +192,9 @@ def _random_graphs():
     from tilegraph.passes.registry import DEFAULT_PIPELINE
     from tilegraph.testing import graphs, random_inputs
 
-    @settings(max_examples=12, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(model=graphs(), pipeline=st.sampled_from(["", DEFAULT_PIPELINE]))
+    @settings(max_examples=15, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(model=st.sampled_from(["f32", "f32", "f16", "bf16"]).flatmap(lambda dtype: graphs(dtype=dtype)),
+           pipeline=st.sampled_from(["", DEFAULT_PIPELINE]))
     def check(model, pipeline):
         compiled = tilegraph.compile(model, target="c", pipeline=pipeline)
         for seed in (1, 2, 1):  # two bindings of the symbols, then the first again
@@ -212,7 +213,7 @@ def _quantized():
 
     rng = np.random.default_rng(0)
     for m, k, n, scheme in [(3, 77, 13, "w8a8"), (1, 5, 70, "w8a8"), (17, 130, 9, "calibrated"), (5, 33, 7, "w8"),
-                            (2, 64, 31, "fp8"), (4, 96, 5, "mxfp4")]:
+                            (2, 64, 31, "fp8"), (4, 96, 5, "mxfp4"), (3, 64, 11, "w4a16"), (2, 64, 9, "mxfp8")]:
         g = Graph()
         x = g.input("x", ("B", k))
         model = g.build(x @ g.weight("w", rng.standard_normal((k, n)).astype(np.float32)), names=["y"])
