@@ -298,7 +298,7 @@ def _pool_pads(x, kernel, strides, pads, dilations, ceil_mode):
 def max_pool(x, kernel, strides, pads, dilations, ceil_mode, out=None):
     strides, pads, dilations = _window_defaults(len(kernel), strides, pads, dilations)
     pads = _pool_pads(x, kernel, strides, pads, dilations, ceil_mode)
-    fill = -np.inf if np.issubdtype(x.dtype, np.floating) else np.iinfo(x.dtype).min
+    fill = np.iinfo(x.dtype).min if np.issubdtype(x.dtype, np.integer) else -np.inf  # ml_dtypes floats too
     return _window_reduce(_pad_spatial(x, pads, fill), kernel, strides, dilations, np.maximum, out)
 
 

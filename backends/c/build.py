@@ -25,6 +25,9 @@ RUNTIME_H = Path(__file__).with_name("runtime.h")
 # compiler inline and vectorise math functions (errno is never read). No -ffast-math:
 # NaN, infinities and signed zeros keep their IEEE meaning.
 CFLAGS = ["-std=gnu11", "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fwrapv", "-fno-math-errno", "-w"]
+# TILEGRAPH_C_SANITIZE=address builds modules with AddressSanitizer (tests/test_c_asan.py
+# runs them in a process with libasan preloaded); the flags are part of the cache key.
+SANITIZERS = {"address": ["-fsanitize=address", "-fno-omit-frame-pointer"]}
 
 
 class BuildError(TilegraphError):
@@ -71,9 +74,22 @@ def _toolchain_id() -> str:
     return "\n".join([cc, version, cpu, native, " ".join(CFLAGS), RUNTIME_H.read_text()])
 
 
+def sanitizer() -> str:
+    """The sanitizer TILEGRAPH_C_SANITIZE names, or "" (read per build, so a test can set it)."""
+    name = os.environ.get("TILEGRAPH_C_SANITIZE", "")
+    if name and name not in SANITIZERS:
+        raise BuildError(f"TILEGRAPH_C_SANITIZE={name!r} is not one of {sorted(SANITIZERS)}")
+    return name
+
+
+def flags() -> list[str]:
+    return CFLAGS + SANITIZERS.get(sanitizer(), [])
+
+
 def build(source: str) -> Path:
     """The shared library of `source`, compiled now or found in the cache."""
-    key = hashlib.sha256((_toolchain_id() + "\n" + source).encode()).hexdigest()[:24]
+    cflags = flags()
+    key = hashlib.sha256((_toolchain_id() + "\n" + " ".join(cflags) + "\n" + source).encode()).hexdigest()[:24]
     target = cache_dir() / "c" / f"tg_{key}.so"
     if target.exists():
         return target
@@ -83,7 +99,7 @@ def build(source: str) -> Path:
         src = Path(tmp) / "module.c"
         src.write_text(source)
         out = Path(tmp) / "module.so"
-        cmd = [compiler(), *CFLAGS, f"-I{RUNTIME_H.parent}", f"-I{include}", str(src), "-o", str(out),
+        cmd = [compiler(), *cflags, f"-I{RUNTIME_H.parent}", f"-I{include}", str(src), "-o", str(out),
                f"-L{libdir}", "-ldnnl", f"-Wl,-rpath,{libdir}", "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import numpy as np
 import sympy
 
-from tilegraph.backends.c.build import build
+from tilegraph.backends.c.build import build, sanitizer
 from tilegraph.backends.c.emit import CProgram, View, emit_program
 from tilegraph.ir import dtypes
 from tilegraph.ir.errors import TilegraphError
@@ -48,7 +48,10 @@ class _Binding:
         start = (-self.arena.ctypes.data) % ALIGN
         for i, off in offsets.items():
             dt = dtypes.numpy_dtype(em.buffers[i].dtype)
-            self.bases[i] = self.arena[start + off: start + off + elements[i] * dt.itemsize].view(dt)
+            # Under a sanitizer each temp is an allocation of its own, so that AddressSanitizer
+            # sees its bounds (inside one arena, a write past a buffer lands in its neighbour).
+            self.bases[i] = (np.empty(elements[i], dt) if sanitizer() else
+                             self.arena[start + off: start + off + elements[i] * dt.itemsize].view(dt))
         self.pointers = (ctypes.c_void_p * len(em.buffers))()
         for i, base in enumerate(self.bases):
             if base is not None:
@@ -65,8 +68,13 @@ class _Binding:
         base = self.bases[v.buf]
         ints = lambda e: int(sympy.sympify(e).xreplace(self._subs))  # noqa: E731
         shape = tuple(ints(d) for d in v.shape)
+        offset = ints(v.offset)
+        if all(shape):  # as_strided checks nothing: the elements the view reaches lie in its buffer
+            reach = [(n - 1) * ints(s) for n, s in zip(shape, v.strides)]
+            if offset + sum(r for r in reach if r < 0) < 0 or offset + sum(r for r in reach if r > 0) >= base.size:
+                raise ModelError(f"a view of the C module reaches outside its buffer {v.buf} ({base.size} elements)")
         strides = tuple(ints(s) * base.itemsize for s in v.strides)
-        flat = base.reshape(-1)[ints(v.offset):]
+        flat = base.reshape(-1)[offset:]
         if flat.dtype.type.__module__ == "numpy":
             return np.lib.stride_tricks.as_strided(flat, shape, strides, writeable=True)
         # ml_dtypes' types (bf16, fp8, fp4) have no strided-view support: stride the bytes.
@@ -115,9 +123,13 @@ class CompiledModel:
             if b.kind == "weight":
                 if b.index not in weights:
                     raise ModelError(f"weights missing for the compiled model: {b.index}")
-                self.fixed.append(np.ascontiguousarray(weights[b.index], dtype=dtypes.numpy_dtype(b.dtype)))
+                array = _c_array(weights[b.index], dtypes.numpy_dtype(b.dtype))
+                if sympy.sympify(b.elements) != array.size:  # C would read past it, or stop short
+                    raise ModelError(f"weight '{b.index}' has shape {array.shape}, {array.size} elements; the "
+                                     f"model's has {b.elements}")
+                self.fixed.append(array)
             elif b.kind == "constant":
-                self.fixed.append(np.ascontiguousarray(em.constants[b.index], dtype=dtypes.numpy_dtype(b.dtype)))
+                self.fixed.append(_c_array(em.constants[b.index], dtypes.numpy_dtype(b.dtype)))
             else:
                 self.fixed.append(None)
         # An output that is a whole intermediate buffer is written straight into a fresh
@@ -154,7 +166,7 @@ class CompiledModel:
         if self._run_time_sizes:  # dims known only at run time: found first, then planned as any binding
             sizes, known = run_time_sizes(self.model, arrays, sizes)
         with self._lock:
-            return self._run([np.ascontiguousarray(a) for a in arrays], sizes, known)
+            return self._run([_c_array(a) for a in arrays], sizes, known)
 
     def set_threads(self, n: int) -> None:
         """OpenMP's thread count for this process's C modules (one pool serves them all)."""
@@ -214,6 +226,13 @@ class CompiledModel:
 
     def __repr__(self) -> str:
         return f"CompiledModel[c]({', '.join(self.input_names)} -> {', '.join(self.output_names)})"
+
+
+def _c_array(a, dtype=None) -> np.ndarray:
+    """`a` as C reads it, copied if it is not already: C-contiguous and aligned to its itemsize
+    (an array from np.frombuffer at an odd offset is contiguous but not aligned: the C loops'
+    vector loads assume alignment), of `dtype` in native byte order where one is given."""
+    return np.require(a, dtype, ("C", "A"))
 
 
 def _literal_array(v: View, b: _Binding) -> np.ndarray:
