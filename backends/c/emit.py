@@ -574,7 +574,11 @@ class CEmitter:
         contiguously are merged; the outer loops run on OpenMP threads."""
         order = list(range(len(shape)))
         written = next((a for a, w in accesses if w), None)
-        if written is not None and self.is_channels_last(written):  # walk memory in the output's order
+        # Walk memory in a channels-last output's order, unless its channels are fewer than a
+        # vector (an image's 3 planes copied into channels-last: read along rows instead).
+        if written is not None and self.is_channels_last(written) and not (
+                sympy.sympify(shape[1]).is_number and int(shape[1]) < 16 and any(not w and self.is_contiguous(a)
+                                                                   for a, w in accesses if a.literal is None)):
             order = [0, *range(2, len(shape)), 1]
         dims = [(shape[i], [a.strides[i] for a, _ in accesses]) for i in order if not _is_one(shape[i])]
         merged: list[tuple[Any, list]] = []
