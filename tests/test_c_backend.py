@@ -220,3 +220,16 @@ def test_an_epilogue_that_reads_the_raw_product_again_matches(contraction):
     model = g.build(g.op("mul", p, g.op("sigmoid", p)), names=["y"])
     q = tilegraph.compile(model, target="c")
     assert_close(q(xs), interpret(model, [xs])[0], "f32", 12, name=contraction)
+
+
+def test_bitwise_not_of_a_bool_is_its_negation():
+    """~mask on a bool (DeBERTa's attention mask through torch.export) is logical not:
+    C's ~ on the byte once gave 0xFE/0xFF, both true (found by benchmarks/arch_sweep.py)."""
+    from tilegraph.ir import Graph
+
+    g = Graph()
+    x, a = g.input("m", ("B", 6), dtype="i1"), g.input("a", ("B", 6))
+    model = g.build(g.op("where", g.op("bitwise_not", x), a, g.constant(np.float32(-1))), names=["y"])
+    ms = np.array([[True, False, True, True, False, False]] * 2)
+    xs = np.arange(12, dtype=np.float32).reshape(2, 6)
+    np.testing.assert_array_equal(compile_model(model)(ms, xs)[0], interpret(model, [ms, xs])[0])
