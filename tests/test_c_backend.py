@@ -233,3 +233,15 @@ def test_bitwise_not_of_a_bool_is_its_negation():
     ms = np.array([[True, False, True, True, False, False]] * 2)
     xs = np.arange(12, dtype=np.float32).reshape(2, 6)
     np.testing.assert_array_equal(compile_model(model)(ms, xs)[0], interpret(model, [ms, xs])[0])
+
+
+def test_a_sum_of_bools_is_their_or():
+    """NumPy's bool + bool is True + True = True; C's + on the bytes gave 2, which a
+    cast to float then read as 2.0."""
+    from tilegraph.ir import Graph
+
+    g = Graph()
+    x, y = g.input("x", (4,), dtype="i1"), g.input("y", (4,), dtype="i1")
+    model = g.build(g.op("cast", g.op("add", x, y), to="f32"), names=["o"])
+    xs, ys = np.array([1, 1, 0, 0], bool), np.array([1, 0, 1, 0], bool)
+    np.testing.assert_array_equal(compile_model(model)(xs, ys)[0], interpret(model, [xs, ys])[0])
