@@ -15,12 +15,14 @@ of eager's. A failure of torch's own exporter is listed apart (it says nothing a
 tilegraph). Each model runs in a child process of its own with a time limit, so one
 crash or hang costs one row.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/arch_sweep.py [--only bert,vit] [--family text]
-        [--target numpy] [--time [--repeat 7] [--threads N]] [--timeout 600] [--save rows.json]
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/arch_sweep.py [--only bert,vit] [--family text] [--quick]
+        [--target numpy] [--time [--repeat 7] [--threads N] [--inductor]] [--timeout 600] [--save rows.json]
     .venv/bin/python benchmarks/arch_sweep.py --report run1.json,run2.json   # merged rows, no run
 
 `--time` adds the median latency of tilegraph (torch route), torch eager and onnxruntime
-(round-robin, benchmarks/_common.py) and the ratios tilegraph/eager and tilegraph/onnxruntime.
+(round-robin, benchmarks/_common.py) and the ratios tilegraph/eager and tilegraph/onnxruntime
+with their geometric means; `--inductor` adds torch.compile (timed after its compiling call) as a
+third peer. `--quick` keeps only the QUICK architectures, the ones that build and run fastest.
 """
 
 from __future__ import annotations
@@ -172,6 +174,14 @@ ARCHS = [
 ]
 
 
+# 31 architectures of every family but the slowest to build and export (MoE, encoder-decoders,
+# raw audio): `--quick` runs these, e.g. for a timed C-backend sweep (their correctness run
+# with --target c took 14 min on the loaded 2-core machine, 30 min for all 65).
+QUICK = ["bert", "roberta", "distilbert", "albert", "electra", "gpt2", "opt", "llama", "mistral", "qwen2", "qwen3", "phi", "phi3", "gemma", "falcon", "bloom",
+         "stablelm", "gpt-neox", "olmo", "granite", "vit", "deit", "dinov2", "convnext", "resnet", "regnet",
+         "mobilenet-v2", "poolformer", "cnn", "lstm", "gru"]
+
+
 # --- building ------------------------------------------------------------------------------
 
 
@@ -286,7 +296,8 @@ def short(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:160]}"
 
 
-def run_one(arch: Arch, target: str, time_it: bool, repeat: int, threads: int | None = None) -> dict:
+def run_one(arch: Arch, target: str, time_it: bool, repeat: int, threads: int | None = None,
+            inductor: bool = False) -> dict:
     import numpy as np
     import torch
 
@@ -300,7 +311,7 @@ def run_one(arch: Arch, target: str, time_it: bool, repeat: int, threads: int | 
     FirstOutput = _first_output_class()
     if threads:
         torch.set_num_threads(threads)
-    row: dict = {"name": arch.name, "family": arch.family}
+    row: dict = {"name": arch.name, "family": arch.family, "target": target}
     module, names, inputs = build(arch)
     with torch.no_grad():
         ref = module(*inputs).numpy()
@@ -373,6 +384,14 @@ def run_one(arch: Arch, target: str, time_it: bool, repeat: int, threads: int | 
                 runners.setdefault("tilegraph", lambda: compiled_onnx(*arrays))
             except Exception as e:
                 row["onnx"], row["onnx_detail"] = "error", short(e)
+    if time_it and inductor:
+        try:
+            fast = torch.compile(module)
+            with torch.no_grad():
+                fast(*inputs)  # compiles
+            runners["inductor"] = lambda: fast(*inputs)
+        except Exception as e:
+            row["inductor_detail"] = short(e)
     if time_it:
         with torch.no_grad():
             row["times"] = interleaved_medians(runners, repeat)
@@ -391,6 +410,8 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=7, help="timed rounds per model with --time (median)")
     p.add_argument("--threads", type=int, help="intra-op threads of torch and onnxruntime with --time (default: "
                                                 "theirs); on a loaded machine pools of 2 threads wait for cores")
+    p.add_argument("--inductor", action="store_true", help="with --time, also time torch.compile (Inductor)")
+    p.add_argument("--quick", action="store_true", help=f"only the QUICK architectures ({len(QUICK)})")
     p.add_argument("--timeout", type=float, default=600, help="seconds per model")
     p.add_argument("--save", help="write the rows as JSON to this file")
     p.add_argument("--report", help="print the report of saved rows (comma-separated files, later rows "
@@ -399,7 +420,8 @@ def main() -> int:
     args = p.parse_args()
     by_name = {a.name: a for a in ARCHS}
     if args.one:
-        print("RESULT " + json.dumps(run_one(by_name[args.one], args.target, args.time, args.repeat, args.threads)))
+        print("RESULT " + json.dumps(run_one(by_name[args.one], args.target, args.time, args.repeat, args.threads,
+                                             args.inductor)))
         return 0
     if args.report:
         merged: dict[str, dict] = {}
@@ -410,6 +432,8 @@ def main() -> int:
     archs = ARCHS
     if args.only:
         archs = [by_name[n] for n in args.only.split(",")]
+    if args.quick:
+        archs = [a for a in archs if a.name in QUICK]
     if args.family:
         archs = [a for a in archs if a.family in args.family.split(",")]
     rows = []
@@ -417,6 +441,7 @@ def main() -> int:
         cmd = [sys.executable, __file__, "--one", arch.name, "--target", args.target, "--repeat", str(args.repeat)]
         cmd += ["--time"] if args.time else []
         cmd += ["--threads", str(args.threads)] if args.threads else []
+        cmd += ["--inductor"] if args.inductor else []
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -444,19 +469,21 @@ def report(rows: list[dict], args) -> None:
 
     print()
     print("\n".join(machine_lines()))
-    print(f"target: {args.target}")
+    print(f"target: {', '.join(sorted({r.get('target', args.target) for r in rows}))}")
     header = ["model", "family", "torch.export", "ONNX", "onnxruntime"]
-    if args.time:
-        header += ["tg ms", "eager ms", "ort ms", "tg/eager", "tg/ort"]
+    timed = any("times" in r for r in rows)  # so --report shows a --time run's times too
+    inductor = any("inductor" in r.get("times", {}) for r in rows)
+    if timed:
+        header += ["tg ms", "eager ms", "ort ms", "tg/eager", "tg/ort"] + ["inductor ms", "tg/inductor"] * inductor
     table = []
     for r in rows:
         line = [r["name"], r["family"], r["torch"], r["onnx"], r.get("ort", "-")]
-        if args.time:
+        if timed:
             t = r.get("times", {})
             ms = lambda k: f"{t[k] * 1e3:.2f}" if k in t else "-"  # noqa: E731
             ratio = lambda a, b: f"{t[a] / t[b]:.2f}" if a in t and b in t else "-"  # noqa: E731
             line += [ms("tilegraph"), ms("eager"), ms("onnxruntime"), ratio("tilegraph", "eager"),
-                     ratio("tilegraph", "onnxruntime")]
+                     ratio("tilegraph", "onnxruntime")] + [ms("inductor"), ratio("tilegraph", "inductor")] * inductor
         table.append(line)
     print(format_table(header, table, "lllll" + "r" * (len(header) - 5)))
     print()
@@ -469,8 +496,8 @@ def report(rows: list[dict], args) -> None:
     either = sum(r["torch"] == "ok" or r["onnx"] == "ok" for r in rows)
     ort_ok = sum(r.get("ort") == "ok" for r in rows)
     print(f"correct through at least one route: {either}/{n}; onnxruntime correct on {ort_ok} exported files")
-    if args.time:
-        for a, b in (("tilegraph", "eager"), ("tilegraph", "onnxruntime")):
+    if timed:
+        for a, b in (("tilegraph", "eager"), ("tilegraph", "onnxruntime"), ("tilegraph", "inductor")):
             ratios = [r["times"][a] / r["times"][b] for r in rows if a in r.get("times", {}) and b in r["times"]]
             if ratios:
                 print(f"{a}/{b}: geometric mean {float(np.exp(np.mean(np.log(ratios)))):.2f} over {len(ratios)} models")

@@ -234,3 +234,28 @@ def test_the_vectorised_erf_holds_the_float32_tolerance_everywhere():
     got = compile_model(model)(x)[0]
     assert_close(got, interpret(model, [x])[0], "f32", 1, name="erf")
     assert np.signbit(got[-4]) and np.isnan(got[-1])
+
+
+def test_bitwise_not_of_a_bool_is_its_negation():
+    """~mask on a bool (DeBERTa's attention mask through torch.export) is logical not:
+    C's ~ on the byte once gave 0xFE/0xFF, both true (found by benchmarks/arch_sweep.py)."""
+    from tilegraph.ir import Graph
+
+    g = Graph()
+    x, a = g.input("m", ("B", 6), dtype="i1"), g.input("a", ("B", 6))
+    model = g.build(g.op("where", g.op("bitwise_not", x), a, g.constant(np.float32(-1))), names=["y"])
+    ms = np.array([[True, False, True, True, False, False]] * 2)
+    xs = np.arange(12, dtype=np.float32).reshape(2, 6)
+    np.testing.assert_array_equal(compile_model(model)(ms, xs)[0], interpret(model, [ms, xs])[0])
+
+
+def test_a_sum_of_bools_is_their_or():
+    """NumPy's bool + bool is True + True = True; C's + on the bytes gave 2, which a
+    cast to float then read as 2.0."""
+    from tilegraph.ir import Graph
+
+    g = Graph()
+    x, y = g.input("x", (4,), dtype="i1"), g.input("y", (4,), dtype="i1")
+    model = g.build(g.op("cast", g.op("add", x, y), to="f32"), names=["o"])
+    xs, ys = np.array([1, 1, 0, 0], bool), np.array([1, 0, 1, 0], bool)
+    np.testing.assert_array_equal(compile_model(model)(xs, ys)[0], interpret(model, [xs, ys])[0])

@@ -661,6 +661,10 @@ class CEmitter:
             fmt = FORMATS[op.attr("to")]
             rounded = f"rintf({x} / {scale}){f' + {zp}' if zp else ''}"
             return f"(({CTYPES[out.dtype]})tg_saturate({rounded}, {fmt.lo}.f, {fmt.hi}.f))"
+        if name == "bitwise_not" and out.dtype == "i1":  # ~ of a bool byte is 0xFE/0xFF, both true
+            return f"(!({args[0]}))"
+        if name == "add" and out.dtype == "i1":  # NumPy's True + True is True, C's is 2
+            return f"(({args[0]}) != 0 || ({args[1]}) != 0)"
         is_float = operand_dtypes[-1] in FLOATS
         names = dict(zip(op.SPEC.operand_names, args))
         for templates in ((C_UNARY_FLOAT, C_BINARY_FLOAT) if is_float else (C_UNARY_INT, C_BINARY_INT)) + (C_BINARY,):
