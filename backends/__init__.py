@@ -9,9 +9,11 @@ Each backend also declares how it lowers every op of the table, registered in
 
 from __future__ import annotations
 
+import functools
 import glob
 import importlib
 import os
+import warnings
 from types import ModuleType
 
 from tilegraph.ir.errors import TilegraphError
@@ -21,6 +23,21 @@ TARGETS: dict[str, str] = {
     "triton": "tilegraph.backends.triton",
     "c": "tilegraph.backends.c",
 }
+
+
+@functools.lru_cache(maxsize=1)
+def default_cpu_target() -> str:
+    """The CPU backend `tilegraph.compile` uses when given no target: the native one ("c")
+    where a C compiler and oneDNN are installed, else NumPy, saying why once."""
+    from tilegraph.backends.c.build import BuildError, compiler, onednn
+
+    try:
+        compiler()
+        onednn()
+    except BuildError as e:
+        warnings.warn(f"tilegraph compiles for target 'numpy', not the native 'c': {e}", stacklevel=3)
+        return "numpy"
+    return "c"
 
 
 def backend(target: str) -> ModuleType:

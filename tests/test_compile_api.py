@@ -40,7 +40,7 @@ def inputs(batch=3):
 
 def test_compile_a_built_graph_matches_the_interpreter():
     model = mlp()
-    compiled = tilegraph.compile(model)
+    compiled = tilegraph.compile(model, target="numpy")
     x = inputs()
     got = compiled(x)
     assert isinstance(got, np.ndarray) and got.shape == (3, WIDTH)
@@ -210,3 +210,28 @@ def test_the_compile_cache_key_holds_an_onnx_models_external_data(tmp_path, monk
     assert tilegraph.compile(path)(x)[0, 0] == 2.0
     (tmp_path / "add.data").write_bytes(np.full(3, 5.0, np.float32).tobytes())  # the same .onnx bytes
     assert tilegraph.compile(path)(x)[0, 0] == 6.0
+
+
+def test_the_default_target_is_the_native_backend_where_it_builds(monkeypatch):
+    """No target: "c" where a C compiler and oneDNN are installed (they are here), else
+    NumPy with one warning saying why."""
+    from tilegraph import backends
+    from tilegraph.backends.c import build
+
+    model, x = mlp(), inputs()
+    compiled = tilegraph.compile(model)
+    assert compiled.target == "c" and "#include \"runtime.h\"" in compiled.source
+    assert_close(compiled(x), interpret(model, [x])[0], "f32", reduction_length=WIDTH)
+
+    def no_compiler():
+        raise build.BuildError("the C backend needs a C compiler with OpenMP: install gcc")
+
+    monkeypatch.setattr(build, "compiler", no_compiler)
+    backends.default_cpu_target.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="target 'numpy', not the native 'c': the C backend needs a C compiler"):
+            fallback = tilegraph.compile(model)
+        assert fallback.target == "numpy"
+        assert_close(fallback(x), interpret(model, [x])[0], "f32", reduction_length=WIDTH)
+    finally:
+        backends.default_cpu_target.cache_clear()

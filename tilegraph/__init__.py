@@ -158,20 +158,23 @@ class Compiled:
                 f"{len(self.source.splitlines())} lines)")
 
 
-def compile(model: Any, example_inputs: Sequence[Any] | None = None, target: str = "numpy",
+def compile(model: Any, example_inputs: Sequence[Any] | None = None, target: str | None = None,
             pipeline: str | Sequence | None = None, dynamic_shapes: Any = None, **options: Any) -> Compiled:  # noqa: A001
     """Import `model` (see import_model), run `pipeline` on it and build it for `target`.
 
-    target: "numpy" (the local CPU, the readable reference), "c" (the local CPU,
-    native: emitted C with OpenMP, GEMMs on oneDNN) or "triton" (a GPU; without one,
-    Triton's interpreter on the CPU). `options` go to the backend's loader
+    target: "c" (the local CPU, native: emitted C with OpenMP, GEMMs on oneDNN),
+    "numpy" (the local CPU, the readable reference) or "triton" (a GPU; without one,
+    Triton's interpreter on the CPU). None: "c" where a C compiler and oneDNN are
+    installed, else "numpy" (with a warning saying why). `options` go to the backend's loader
     (triton: `autotune=True` times the tile pass's candidate configurations;
     c: `threads=N` caps its OpenMP threads).
     pipeline: None runs the default pipeline; a pipeline string
     (`"canonicalize,cse"`) or list of passes runs those; "" or [] runs none.
     """
-    from tilegraph.backends import backend
+    from tilegraph.backends import backend, default_cpu_target
 
+    if target is None:
+        target = default_cpu_target()
     codegen = backend(target)  # an unknown target fails before any import work
     if pipeline is not None and not isinstance(pipeline, (str, list, tuple)):
         raise TilegraphError(f"pipeline must be a string like 'canonicalize,cse' or a list of passes, "

@@ -13,6 +13,7 @@ allocates nothing but its outputs.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from typing import Any, Mapping
 
@@ -44,7 +45,11 @@ class _Binding:
         self.bases: list[np.ndarray | None] = list(module.fixed)
         elements = [int(sympy.sympify(b.elements).xreplace(subs)) for b in em.buffers]
         offsets, size = _plan_arena(module, elements)
-        self.arena = np.empty(size + ALIGN, dtype=np.uint8)
+        try:
+            self.arena = np.empty(size + ALIGN, dtype=np.uint8)
+        except (MemoryError, ValueError) as e:  # ValueError: past NumPy's largest array
+            raise ModelError(f"the C module's intermediates need {size:,} bytes at "
+                             f"{', '.join(f'{k}={v}' for k, v in sizes.items()) or 'its sizes'}: {e}") from None
         start = (-self.arena.ctypes.data) % ALIGN
         for i, off in offsets.items():
             dt = dtypes.numpy_dtype(em.buffers[i].dtype)
@@ -189,7 +194,10 @@ class CompiledModel:
         outputs = em.outputs()
         fresh = {}
         for i, buf in self._direct.items():
-            fresh[i] = np.empty(b.shape(outputs[i].shape), dtypes.numpy_dtype(outputs[i].dtype))
+            try:
+                fresh[i] = np.empty(b.shape(outputs[i].shape), dtypes.numpy_dtype(outputs[i].dtype))
+            except (MemoryError, ValueError) as e:
+                raise ModelError(f"output {self.output_names[i]} would be {b.shape(outputs[i].shape)}: {e}") from None
             b.bases[buf] = fresh[i].reshape(-1)
             b.pointers[buf] = fresh[i].ctypes.data
         ints = b.ints.ctypes.data
@@ -216,7 +224,14 @@ class CompiledModel:
         results = known.get(step.host_op)
         if results is None:
             operands = [b.view(v) if v.literal is None else _literal_array(v, b) for v in step.host_in]
-            results = evaluate(step.host_op, operands, {}, {**GLOBALS, **sizes}, float64=False)
+            try:
+                results = evaluate(step.host_op, operands, {}, {**GLOBALS, **sizes}, float64=False)
+            except (IndexError, ValueError, TypeError, ZeroDivisionError, MemoryError) as e:
+                # Inputs valid for the signature that the model's own computation cannot take (a
+                # position past its table): name the op and what the host ran for it.
+                op = step.host_op
+                raise ModelError(f"the model cannot run on these inputs, at `{step.comment}`, run on the host as "
+                                 f"`{op.SPEC.numpy if isinstance(op.SPEC.numpy, str) else op.op_name}`: {e}") from None
         for out, value in zip(step.host_out, results):
             target = b.view(out)
             np.copyto(target, np.asarray(value).astype(target.dtype, copy=False))
@@ -261,6 +276,15 @@ def _lifetimes(program: CProgram) -> dict[int, tuple[int, int]]:
 
 
 _LOADED: dict[str, ctypes.CDLL] = {}
+
+
+def _passive_openmp() -> None:
+    """OpenMP threads that wait by sleeping, not spinning, unless the user chose: read once,
+    when libgomp loads with the first module. A spinning worker on a machine whose cores
+    other processes also use takes the core the next step needs: MiniLM ran 25x slower at
+    a load of 2 on 2 cores. A sleeping one costs a wake-up per parallel region instead."""
+    if not any(v in os.environ for v in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")):
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 # The program emit() made last, by its source: load() needs its buffer table too, and
 # re-emitting it would drop the name= emit() was given (the sources would then differ).
 _emitted: dict[str, tuple[Model, CProgram]] = {}
@@ -290,6 +314,7 @@ def load(source: str, weights: Mapping[str, np.ndarray], model: Model | None = N
     path = str(build(source))
     library = _LOADED.get(path)
     if library is None:
+        _passive_openmp()
         library = _LOADED[path] = ctypes.CDLL(path)
     compiled = CompiledModel(program, library, weights, model)
     if threads is not None:
