@@ -77,10 +77,13 @@ def test_a_model_compiles_and_runs_beside_folders_that_shadow_the_old_names(whee
         x = g.input("x", ("B", 4))
         w = g.weight("w", np.arange(16, dtype=np.float32).reshape(4, 4) / 8)
         model = g.build(g.softmax(g.relu(x @ w)), names=["y"])
-        compiled = tilegraph.compile(model)
+        compiled = tilegraph.compile(model, target="numpy")
         x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
         np.testing.assert_allclose(compiled(x), interpret(model, [x])[0], rtol=1e-5)
         assert "from tilegraph." in compiled.source
+        native = tilegraph.compile(model)  # the default target: C (runtime.h comes with the wheel)
+        assert native.target == "c"
+        np.testing.assert_allclose(native(x), interpret(model, [x])[0], rtol=1e-5)
         print(tilegraph.__file__)
     """)
     done = subprocess.run([python, "-c", script], cwd=work, capture_output=True, text=True,
