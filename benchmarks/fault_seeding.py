@@ -34,6 +34,7 @@ import ast
 import json
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -55,8 +56,8 @@ class Fault:
     old: str
     new: str
     what: str
-    # Why the fault cannot change any result (an equivalent mutant), proven from the code around it.
-    # It still runs (a catch would mean the reasoning is wrong); the score leaves it out.
+    # Why the fault cannot change what the pass or backend produces (an equivalent mutant), proven
+    # from the code around it. It still runs; escaped, it is left out of the score (caught, it counts).
     equivalent: str = ""
 
 
@@ -108,7 +109,9 @@ FAULTS = [
           equivalent="the guard is tg.reshape's own shape rule (ir/ops.py _check_reshape, the same dims_equal of "
                      "the same numel): without it Emit raises Inapplicable and the rule does not apply"),
     Fault("passes/simplify_shapes.py", "if k > 0 and all(static_dim(d, 1) for d in out[:k]) and",
-          "if k > 0 and", "unbroadcast: leading-ones guard dropped"),
+          "if k > 0 and", "unbroadcast: leading-ones guard dropped",
+          equivalent="every tg.reshape keeps its element count (its shape rule): with the trailing dims equal to "
+                     "x's, the prepended dims multiply to 1, so they are all 1 (or x is empty: so is the result)"),
     Fault("passes/simplify_shapes.py", "            fits = infer(op.spec, [info(t) for t in trial], op.py_attrs()) == want",
           "            fits = True", "bypass broadcast: result-type guard dropped"),
     # --- constant-fold, dce -------------------------------------------------------------------
@@ -142,12 +145,16 @@ FAULTS = [
     # --- added in the second session: a wrong reduction axis, chunk-axis slips in fused groups ---
     Fault("passes/canonicalize.py", '    axes = [a % len(shape) for a in op.attr("axes")] if shape else []',
           '    axes = [(a + 1) % len(shape) for a in op.attr("axes")] if shape else []',
-          "reduce over size-1 axes -> reshape: the wrong axis checked",
-          equivalent="the driver's type check: with keepdims the rule returns x, whose type equals the result's "
-                     "only if every reduced dim is 1; without, tg.reshape refuses a changed element count, which "
-                     "is unchanged only if the reduced dims multiply to 1 or the result is empty"),
+          "reduce over size-1 axes -> reshape: the wrong axis checked"),
     Fault("backends/numpy/groups.py", '                attrs["axis"] = -1', '                attrs["axis"] = 0',
           "fused group (flat): softmax/layer_norm over the wrong axis"),
+    # --- decompose (ir/decompositions.py: the decompose pass and the Triton emitter's expansions) ---
+    Fault("ir/decompositions.py", 'emit("reduce_sum", e, axes=(axis,), keepdims=True)',
+          'emit("reduce_sum", e, axes=(0,), keepdims=True)', "softmax decomposition: the sum over the wrong axis"),
+    Fault("ir/decompositions.py", 'emit("mul", centered, centered)', 'emit("mul", x, x)',
+          "layer_norm decomposition: the variance of x, not of x - mean"),
+    Fault("ir/decompositions.py", 'emit("mul", x, emit.constant(SQRT_HALF, dt))', 'emit("mul", x, emit.constant(0.5, dt))',
+          "gelu decomposition: a wrong constant"),
     Fault("backends/numpy/groups.py", "return f\"{self._flat(buf.name, 'full')}.shape[{1 if self.cols else 0}]\"",
           "return f\"{self._flat(buf.name, 'full')}.shape[{0 if self.cols else 1}]\"",
           "fused group: the chunk count read off the wrong axis"),
@@ -215,7 +222,7 @@ def run_suite(tree: Path, timeout: float, seed: int, env_extra: dict) -> tuple[b
         return True, ""
     if p.returncode == 5:  # no tests collected: nothing was selected
         return True, ""
-    failed = re.findall(r"^FAILED (\S+)", p.stdout, re.M)
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", p.stdout, re.M)
     return False, failed[0] if failed else p.stdout.strip().splitlines()[-1:][0] if p.stdout.strip() else "error"
 
 
@@ -294,16 +301,18 @@ def main() -> int:
                     "FAULT_SEEDING_MODE": "select", "FAULT_SEEDING_TESTS": str(Path(tmp) / "tests.json")})
             finally:
                 path.write_text(original)
-            if f.equivalent:
+            if f.equivalent and ok:
                 equivalent += 1
-                verdict = "CAUGHT (but equivalent?)" if not ok else "equivalent"
-            else:
+                verdict = "equivalent"
+            else:  # a caught fault is not equivalent, whatever its note says
                 total += 1
                 caught += not ok
                 verdict = "caught " if not ok else "ESCAPED"
             print(f"{i:2d} {verdict} {f.what} [{f.path}]"
                   f"{' by ' + why if not ok else ''} ({len(tests)} tests see it; {time.perf_counter() - t:.0f} s)",
                   flush=True)
+        cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
+        print(f"CPU time of the suite runs: {cpu.ru_utime + cpu.ru_stime:.0f} s")
         if total:
             print(f"caught {caught} of {total} seeded faults ({100 * caught / total:.0f}%); "
                   f"{equivalent} equivalent faults (they compute the same) left out")
