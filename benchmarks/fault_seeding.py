@@ -146,6 +146,11 @@ FAULTS = [
     Fault("passes/canonicalize.py", '    axes = [a % len(shape) for a in op.attr("axes")] if shape else []',
           '    axes = [(a + 1) % len(shape) for a in op.attr("axes")] if shape else []',
           "reduce over size-1 axes -> reshape: the wrong axis checked"),
+    Fault("backends/numpy/groups.py", "return f\"{self._flat(buf.name, 'full')}.shape[{1 if self.cols else 0}]\"",
+          "return f\"{self._flat(buf.name, 'full')}.shape[{0 if self.cols else 1}]\"",
+          "fused group: the chunk count read off the wrong axis"),
+    Fault("backends/numpy/groups.py", "        if axis < 0 or (isinstance(info.shape[axis], int) and info.shape[axis] == 1):",
+          "        if axis < 0:", "fused group: a size-1 (broadcast) axis cut into chunks"),
     Fault("backends/numpy/groups.py", '                attrs["axis"] = -1', '                attrs["axis"] = 0',
           "fused group (flat): softmax/layer_norm over the wrong axis"),
     # --- decompose (ir/decompositions.py: the decompose pass and the Triton emitter's expansions) ---
@@ -155,11 +160,6 @@ FAULTS = [
           "layer_norm decomposition: the variance of x, not of x - mean"),
     Fault("ir/decompositions.py", 'emit("mul", x, emit.constant(SQRT_HALF, dt))', 'emit("mul", x, emit.constant(0.5, dt))',
           "gelu decomposition: a wrong constant"),
-    Fault("backends/numpy/groups.py", "return f\"{self._flat(buf.name, 'full')}.shape[{1 if self.cols else 0}]\"",
-          "return f\"{self._flat(buf.name, 'full')}.shape[{0 if self.cols else 1}]\"",
-          "fused group: the chunk count read off the wrong axis"),
-    Fault("backends/numpy/groups.py", "        if axis < 0 or (isinstance(info.shape[axis], int) and info.shape[axis] == 1):",
-          "        if axis < 0:", "fused group: a size-1 (broadcast) axis cut into chunks"),
 ]
 
 
