@@ -467,23 +467,33 @@ def _conv(ex, op, ins):
 def _pool(ex, op, ins):
     a = _attrs(op)
     extra = {"count_include_pad": int(a["count_include_pad"])} if op.op_name == "avg_pool" else {}
+    ceil_mode, axes, ends = int(a["ceil_mode"]), [], []
+    if ceil_mode:
+        # Opset 21's ceil_mode keeps a last window that starts in the end padding; tg (and PyTorch,
+        # and opset 22) drop it. onnxruntime 1.32's kernel drops it at every opset while ONNX's shape
+        # inference of opset 21 keeps it, and its memory planner, trusting the inferred (larger) size,
+        # hands the pool's buffer to a later value: a crash (differential fuzzing found it). So
+        # ceil_mode is written only where both rules agree: where the floor rule already gives tg's
+        # size (the dropped-window case), ceil_mode=0; where opset 21's rule does, ceil_mode=1; a
+        # mix of the two (or a symbolic size) keeps ceil_mode=1 and slices the extra window off.
+        x, out = info_of(op.operands[0].type), op.result_infos()[0]
+        nd = len(a["kernel"])
+        strides, pads, dil = a["strides"] or (1,) * nd, a["pads"] or (0,) * 2 * nd, a["dilations"] or (1,) * nd
+        floor_ok = True
+        for i in range(nd):
+            size, want = x.shape[2 + i], out.shape[2 + i]
+            if not (isinstance(size, int) and isinstance(want, int)):
+                floor_ok = False
+                continue
+            span = size + pads[i] + pads[i + nd] - dil[i] * (a["kernel"][i] - 1) - 1
+            floor_ok &= span // strides[i] + 1 == want
+            if -(-span // strides[i]) + 1 != want:
+                axes.append(2 + i)
+                ends.append(want)
+        if floor_ok:
+            ceil_mode, axes = 0, []
     y = ex.one("MaxPool" if op.op_name == "max_pool" else "AveragePool", ins[0], kernel_shape=list(a["kernel"]),
-               ceil_mode=int(a["ceil_mode"]), **_window_attrs(op), **extra)
-    if not a["ceil_mode"]:
-        return [y]
-    # ONNX's ceil_mode keeps a last window that starts in the end padding; tg (and PyTorch) drop it.
-    x, out = info_of(op.operands[0].type), op.result_infos()[0]
-    nd = len(a["kernel"])
-    strides, pads, dil = a["strides"] or (1,) * nd, a["pads"] or (0,) * 2 * nd, a["dilations"] or (1,) * nd
-    axes, ends = [], []
-    for i in range(nd):
-        size, want = x.shape[2 + i], out.shape[2 + i]
-        if not (isinstance(size, int) and isinstance(want, int)):
-            continue
-        onnx_out = -(-(size + pads[i] + pads[i + nd] - dil[i] * (a["kernel"][i] - 1) - 1) // strides[i]) + 1
-        if onnx_out != want:
-            axes.append(2 + i)
-            ends.append(want)
+               ceil_mode=ceil_mode, **_window_attrs(op), **extra)
     if not axes:
         return [y]
     return [ex.one("Slice", y, ex.const([0] * len(axes)), ex.const(ends), ex.const(axes))]

@@ -423,3 +423,18 @@ def test_outputs_that_are_inputs_weights_or_repeated_get_their_own_names():
     proto = to_onnx(model)
     assert [o.name for o in proto.graph.output] == ["y", "y_again", "x_out", "w_out"]
     assert_runs_as_interpreted(model, [np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)], proto)
+
+
+def test_a_ceil_mode_pool_whose_last_window_starts_in_the_padding_runs_in_onnxruntime():
+    # Found by differential fuzzing (python -m tilegraph.differential): onnxruntime 1.32's MaxPool
+    # drops that window at opset 21 while ONNX's shape inference keeps it, and its memory planner
+    # then reused the pool's buffer (inferred one column wider) for the attention's scores.
+    # Exported with ceil_mode=0 (the same windows), both agree.
+    g = Graph()
+    x = g.input("x", ("B", 3, 2, 5))
+    k, v = g.input("k", ("B", 3, 4, 3)), g.input("v", ("B", 3, 4, 1))
+    p = g.op("max_pool", x, kernel=(2, 2), strides=(1, 2), pads=(0, 1, 0, 1), ceil_mode=True)
+    model = g.build(g.attention(p, k, v, g.weight("m", np.linspace(-1, 1, 4, dtype=np.float32).reshape(1, 4))),
+                    g.op("reduce_sum", p, axes=(0, 2), keepdims=True))
+    assert [n.op_type for n in to_onnx(model).graph.node].count("Slice") == 0
+    assert_runs_as_interpreted(model, random_inputs(model, seed=0, sizes={"B": 3}))

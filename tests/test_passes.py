@@ -365,6 +365,17 @@ def test_simplify_shapes_keeps_a_broadcast_that_makes_the_result_shape():
     """)
 
 
+def test_simplify_shapes_bypasses_the_broadcast_that_can_go_when_the_other_cannot():
+    # Each operand is tried alone: dropping the (4,) -> (3, 4) broadcast keeps the add's type, dropping
+    # the (1,) one as well would make it (4,). One broadcast goes, the one that makes the shape stays.
+    g, (a, b) = graph_with((4,), (1,))
+    after("simplify-shapes", g.build(g.broadcast(a, (3, 4)) + g.broadcast(b, (3, 4))), """
+        CHECK: %0 = tg.broadcast %x1 : tensor<3x4xf32>
+        CHECK-NEXT: tg.add %x0, %0 : tensor<3x4xf32>
+        CHECK-NOT: tg.broadcast
+    """)
+
+
 def test_simplify_shapes_turns_data_free_layout_ops_into_reshapes():
     g, (x,) = graph_with((3, 1, 4))
     t = g.transpose(x, (1, 0, 2))  # moves only the unit dim

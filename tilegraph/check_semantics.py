@@ -170,44 +170,70 @@ class Checker:
                                  f"IR after: {after}")
 
 
-def check_pipeline(model, passes, *, seed: int = 0, sizes: Mapping[str, int] | None = None,
-                   out_dir: Path | str = ".", stem: str = "model", each_rewrite: bool = False,
-                   log=None) -> Checker:
-    """Run `passes` on a copy of `model`, checking after each pass (and each rewrite); returns the
-    Checker (its `seconds` are the interpreter's). Raises SemanticDivergence on the first divergence."""
-    from tilegraph.ir.model import Model, context, weights_of
-    from tilegraph.passes import rewrite
-    from tilegraph.passes.registry import parse_pipeline
-    from tilegraph.testing import rounding_violations
+class PipelineCheck:
+    """A pipeline checked as it runs: `before(p, model)` ahead of each pass, `after(p, model)` once it
+    ran, on the module the pipeline itself rewrites (tilegraph-opt calls them from its pass callback,
+    so the passes run once). `close()` stops observing rewrites, also when a pass raised."""
 
-    passes = parse_pipeline(passes) if isinstance(passes, str) else list(passes)
-    checker = Checker(model, seed=seed, sizes=sizes, out_dir=out_dir, stem=stem)
-    current = model.clone()
-    ctx = context()
-    for p in passes:
+    def __init__(self, model, *, each_rewrite: bool = False, log=None, **checker_args):
+        self.checker = Checker(model, **checker_args)
+        self.each_rewrite, self.log = each_rewrite, log
+        self._observer = None
+
+    def before(self, p, model) -> None:
+        from tilegraph.ir.model import Model, context, weights_of
+        from tilegraph.passes import rewrite
+        from tilegraph.testing import rounding_violations
+
+        checker = self.checker
         if getattr(p, "LOSSY", False):
-            ref = current.clone()
-            p.reference().apply(ctx, ref.module)
+            ref = model.clone()
+            p.reference().apply(context(), ref.module)
             ref = Model(ref.module, weights_of(ref.module))
             bad = rounding_violations(ref, checker.inputs)
             if bad:
                 checker._fail(f"pass '{p.name}' (its fake-quantized reference)",
                               "a rounding breaks its bound: " + "; ".join(bad[:3]), ref.text)
             checker.rebase(ref)  # the pass must now compute what its reference computes
-        observer = None
-        if each_rewrite:
-            module_model = current
-
-            def observer(rule, op_name, _m=module_model, _p=p):
-                checker.check(Model(_m.module, weights_of(_m.module)), f"pass '{_p.name}', rule '{rule.doc}' on tg.{op_name}")
+        if self.each_rewrite:
+            def observer(rule, op_name, module=model.module):
+                checker.check(Model(module, weights_of(module)), f"pass '{p.name}', rule '{rule.doc}' on tg.{op_name}")
+            self._observer = observer
             rewrite.OBSERVERS.append(observer)
-        try:
+
+    def after(self, p, model) -> None:
+        self.close()
+        self.checker.check(model, f"pass '{p.name}'")
+        if self.log:
+            self.log(f"// check-semantics: after {p.name}: outputs agree")
+
+    def close(self) -> None:
+        from tilegraph.passes import rewrite
+
+        if self._observer is not None:
+            rewrite.OBSERVERS.remove(self._observer)
+            self._observer = None
+
+
+def check_pipeline(model, passes, *, seed: int = 0, sizes: Mapping[str, int] | None = None,
+                   out_dir: Path | str = ".", stem: str = "model", each_rewrite: bool = False,
+                   log=None) -> Checker:
+    """Run `passes` on a copy of `model`, checking after each pass (and each rewrite); returns the
+    Checker (its `seconds` are the interpreter's). Raises SemanticDivergence on the first divergence."""
+    from tilegraph.ir.model import Model, context, weights_of
+    from tilegraph.passes.registry import parse_pipeline
+
+    passes = parse_pipeline(passes) if isinstance(passes, str) else list(passes)
+    check = PipelineCheck(model, each_rewrite=each_rewrite, log=log, seed=seed, sizes=sizes, out_dir=out_dir,
+                          stem=stem)
+    current = model.clone()
+    ctx = context()
+    try:
+        for p in passes:
+            check.before(p, current)
             p.apply(ctx, current.module)
-        finally:
-            if observer is not None:
-                rewrite.OBSERVERS.remove(observer)
-        current = Model(current.module, weights_of(current.module))
-        checker.check(current, f"pass '{p.name}'")
-        if log:
-            log(f"// check-semantics: after {p.name}: outputs agree")
-    return checker
+            current = Model(current.module, weights_of(current.module))
+            check.after(p, current)
+    finally:
+        check.close()
+    return check.checker

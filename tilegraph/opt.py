@@ -136,10 +136,18 @@ class TilegraphOptMain(xDSLOptMain):
             if self.args.hardware is not None:
                 spec = with_target(spec, hw.name)
         last_text: list[str] = []
+        self._check = None  # a check_semantics.PipelineCheck while --check-semantics runs the pipeline
 
         def callback(previous: ModulePass | None, module: ModuleOp, following: ModulePass | None) -> None:
             if self.args.verify_each and not self.args.disable_verify:
                 module.verify()
+            if self._check is not None:
+                from tilegraph.ir.model import weights_of
+
+                if previous is not None:
+                    self._check.after(previous, Model(module, weights_of(module)))
+                if following is not None:
+                    self._check.before(following, Model(module, weights_of(module)))
             if self.args.print_cost_after_all:
                 self._cost.show(previous, module)
             if previous is None:
@@ -159,25 +167,32 @@ class TilegraphOptMain(xDSLOptMain):
         self._weights_before = set(_WEIGHTS_OF.get(prog) or ())
         if self.args.check_semantics or self.args.check_each_rewrite:
             self._check_semantics(prog)
-        if self.pipeline.passes:
+        elif self.pipeline.passes:
             self.pipeline.apply(self.ctx, prog)
         elif self.args.print_cost_after_all:
             self._cost.show(None, prog)
         self._result = prog
 
     def _check_semantics(self, prog: ModuleOp) -> None:
+        """Run the pipeline once, with the pass callback checking each pass' result (and, with
+        --check-each-rewrite, each rewrite) against the float64 reference."""
         import time
 
-        from tilegraph.check_semantics import check_pipeline
+        from tilegraph.check_semantics import PipelineCheck
         from tilegraph.cli import parse_dims
         from tilegraph.ir.model import weights_of
 
         start = time.perf_counter()
         passes = [p for p in self.pipeline.passes]
         stem = Path(self.args.input_file).stem if self.args.input_file else "model"
-        checker = check_pipeline(Model(prog, weights_of(prog)), passes, seed=self.args.check_seed,
-                                 sizes=parse_dims(self.args.dim), out_dir=self.args.check_dir, stem=stem,
-                                 each_rewrite=self.args.check_each_rewrite)
+        self._check = PipelineCheck(Model(prog, weights_of(prog)), each_rewrite=self.args.check_each_rewrite,
+                                    seed=self.args.check_seed, sizes=parse_dims(self.args.dim),
+                                    out_dir=self.args.check_dir, stem=stem)
+        try:
+            self.pipeline.apply(self.ctx, prog)
+        finally:
+            self._check.close()
+        checker, self._check = self._check.checker, None
         sizes = ", ".join(f"{k}={v}" for k, v in sorted(checker.sizes.items()))
         print(f"// check-semantics: {len(passes)} pass{'es' if len(passes) != 1 else ''} ({checker.checks} checks) "
               f"keep every output within tolerance on seeded inputs{' at ' + sizes if sizes else ''}; "

@@ -137,7 +137,9 @@ class GroupEmitter:
         self.axis = self.tile.get("axis", self.ref.rank - 2)
         self.home: dict[SSAValue, Home] = {}  # full-size values: params, buffers, views of them
         self.temp: dict[SSAValue, str] = {}  # chunk temporaries
-        self.used_names: set[str] = set()
+        # The chunk loop's own names: a parameter named `s` (a weight 's', found by hypothesis) was
+        # read as the chunk's slice.
+        self.used_names: set[str] = {"chunk", "s"}
         self.buffers: list[Buffer] = []
         self.buffer_of: dict[SSAValue, tuple[int, str]] = {}
         self.prelude: list[str] = []  # lines before the chunk loop
