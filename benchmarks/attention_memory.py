@@ -116,7 +116,7 @@ def make_runner(variant: str, seq: int, blocks: tuple[int, int]):
 
         g = Graph()
         tq, tk, tv = (g.input(n, (BATCH, HEADS, seq, HEAD_DIM), "f32") for n in "qkv")
-        compiled = tilegraph.compile(g.build(g.attention(tq, tk, tv, None, s, False), names=["y"]))
+        compiled = tilegraph.compile(g.build(g.attention(tq, tk, tv, None, s, False), names=["y"]), target="numpy")
         if "attention_tiled" not in compiled.source:
             raise SystemExit("tilegraph.compile did not tile the attention: the default pipeline lacks `tile`?")
         return lambda: compiled(q, k, v)

@@ -47,14 +47,14 @@ def main() -> None:
     print(f"all-MiniLM-L6-v2, sequence {SEQ}, torch {torch.__version__}, {torch.get_num_threads()} threads\n")
 
     # --- compile time ---
-    compiled_torch, t_tg_torch = timed(lambda: tilegraph.compile(model, example_inputs=example))
+    compiled_torch, t_tg_torch = timed(lambda: tilegraph.compile(model, example_inputs=example, target="numpy"))
     with tempfile.TemporaryDirectory() as tmp:
         onnx_path = Path(tmp) / "minilm.onnx"
         export_onnx(model, example, onnx_path, input_names=["input_ids", "attention_mask"],
                     output_names=["last_hidden_state"],
                     dynamic_axes={"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"},
                                   "last_hidden_state": {0: "batch", 1: "seq"}})
-        compiled_onnx, t_tg_onnx = timed(lambda: tilegraph.compile(str(onnx_path)))
+        compiled_onnx, t_tg_onnx = timed(lambda: tilegraph.compile(str(onnx_path), target="numpy"))
         # The C backend cold (empty caches: the passes and the C compiler run) and from the
         # caches (tilegraph/compile_cache.py: no import, no passes; the C module built).
         # The CPU profile the passes read is already loaded in this process.

@@ -46,7 +46,7 @@ EMIT = """
 import sys
 import tilegraph
 from tests import models
-compiled = tilegraph.compile({module}, {inputs})
+compiled = tilegraph.compile({module}, {inputs}, target="numpy")
 open(sys.argv[1], "w").write(compiled.source)
 compiled.model.weights.save(sys.argv[2])
 """

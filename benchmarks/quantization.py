@@ -287,7 +287,7 @@ def mixed_table(model, cal_batches, inputs, cosine, repeats: int) -> str:
 
     base = run_pipeline(model, UNFUSED_PIPELINE)
     sizes = bind_inputs(base, list(inputs))[1]  # predicted at the held-out batch's shape
-    fp32 = tilegraph.compile(base)
+    fp32 = tilegraph.compile(base, target="numpy")
     rows, lines, runners = [], [], {"fp32": lambda: fp32(*inputs)}
     for target in MIXED_TARGETS:
         memo: dict = {}  # the sensitivities measured for one budget serve the other
@@ -301,7 +301,7 @@ def mixed_table(model, cal_batches, inputs, cosine, repeats: int) -> str:
             lines.append(f"{label}: float: {', '.join(kept) if len(kept) < len(formats) else 'every layer'}")
             measured = ""
             if hardware(target).kind == "cpu":
-                compiled = tilegraph.compile(run_pipeline(base, plan.pipeline))
+                compiled = tilegraph.compile(run_pipeline(base, plan.pipeline), target="numpy")
                 runners[label] = (lambda c: lambda: c(*inputs))(compiled)
                 measured = label
             rows.append([label, *(str(counts[f]) for f in ("none", *MIXED_SCHEMES)), f"{plan.error:.4f}",
@@ -315,7 +315,8 @@ def mixed_table(model, cal_batches, inputs, cosine, repeats: int) -> str:
             label = f"{target} every layer {scheme}"
             measured = ""
             if hw.kind == "cpu":
-                compiled = tilegraph.compile(run_pipeline(base, f"quantize{{scheme={scheme} embeddings=false}}"))
+                compiled = tilegraph.compile(run_pipeline(base, f"quantize{{scheme={scheme} embeddings=false}}"),
+                                             target="numpy")
                 runners[label] = (lambda c: lambda: c(*inputs))(compiled)
                 measured = label
             rows.append([label, *(str(len(formats)) if f == scheme else "0" for f in ("none", *MIXED_SCHEMES)), "",
@@ -372,7 +373,7 @@ def digits_table(repeats: int) -> str:
             rows[name] = (acc(sess.run(None, {"x": xte})[0]), *map(kb, onnx_weight_bytes(path)))
             runners[name] = (lambda s: lambda: s.run(None, {"x": xte}))(sess)
         for name, q in variants.items():
-            compiled = tilegraph.compile(q)
+            compiled = tilegraph.compile(q, target="numpy")
             rows[name] = (acc(compiled(xte)), *map(kb, tg_weight_bytes(q)))
             runners[name] = (lambda c: lambda: c(xte))(compiled)
         with torch.no_grad():

@@ -481,10 +481,10 @@ static int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int6
     for (int i = 0; i < nb; i++) batches *= bd[i];
     int64_t qblocks = (lq + TG_ATT_BQ - 1) / TG_ATT_BQ;
     int failed = 0;
-    /* The blocks run one after another, each product on all threads inside sgemm: sgemm
-     * called from inside a parallel region of ours ran ~100x slower (its own threading
-     * meets an inactive nested team), and letting OpenMP shrink teams (omp_set_dynamic)
-     * made it skip rows. */
+    /* sgemm inside a task runs on the task's thread (no nested team). With OpenMP's
+     * spinning waits on a shared machine this ran 100x slower (runtime.py makes them
+     * passive); letting OpenMP shrink teams (omp_set_dynamic) made sgemm skip rows. */
+#pragma omp parallel for collapse(2) schedule(dynamic) if (batches * lq * lk * d > 65536)
     for (int64_t bi = 0; bi < batches; bi++)
         for (int64_t qbk = 0; qbk < qblocks; qbk++) {
             int64_t oq = 0, ok = 0, ov = 0, om = 0, oo = 0, rest = bi;
