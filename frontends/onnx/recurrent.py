@@ -82,6 +82,19 @@ def _rnn_step(n, kind, acts, xw, h, c, r, rb, p, clip):
     return n.op("add", n.op("mul", n.op("sub", 1, z), ht), n.op("mul", z, h)), None
 
 
+def rnn_outputs(n, kind: str, ys: list, hs: list, cs: list, layout: int):
+    """ONNX's Y, Y_h (and Y_c) from each direction's sequence, last hidden and last cell
+    state ((steps, 1, batch, hidden) and (1, batch, hidden) each), in the node's layout."""
+    y = ys[0] if len(ys) == 1 else n.op("concat", *ys, axis=1)
+    yh = hs[0] if len(hs) == 1 else n.op("concat", *hs, axis=0)
+    yc = None if kind != "LSTM" else (cs[0] if len(cs) == 1 else n.op("concat", *cs, axis=0))
+    if layout:
+        y = n.transpose(y, (2, 0, 1, 3))
+        yh = n.transpose(yh, (1, 0, 2))
+        yc = None if yc is None else n.transpose(yc, (1, 0, 2))
+    return (y, yh, yc) if kind == "LSTM" else (y, yh)
+
+
 @_conv("RNN", "GRU", "LSTM")
 def _recurrent(n):
     kind = n.op_type
@@ -129,11 +142,4 @@ def _recurrent(n):
         ys.append(n.op("concat", *[outs[t] for t in range(steps)], axis=0) if steps > 1 else outs[0])
         hs.append(n.reshape(h, (1, batch, hidden)))
         cs.append(None if c is None else n.reshape(c, (1, batch, hidden)))
-    y = ys[0] if directions == 1 else n.op("concat", *ys, axis=1)
-    yh = hs[0] if directions == 1 else n.op("concat", *hs, axis=0)
-    yc = None if kind != "LSTM" else (cs[0] if directions == 1 else n.op("concat", *cs, axis=0))
-    if layout:
-        y = n.transpose(y, (2, 0, 1, 3))
-        yh = n.transpose(yh, (1, 0, 2))
-        yc = None if yc is None else n.transpose(yc, (1, 0, 2))
-    return (y, yh, yc) if kind == "LSTM" else (y, yh)
+    return rnn_outputs(n, kind, ys, hs, cs, layout)

@@ -14,7 +14,7 @@ import sympy
 
 from tilegraph.frontends import FrontendError
 from tilegraph.frontends.onnx.node import CONVERTERS, _axis, _conv
-from tilegraph.frontends.onnx.recurrent import RNN_DEFAULT_ACTIVATIONS, RNN_GATES
+from tilegraph.frontends.onnx.recurrent import RNN_DEFAULT_ACTIVATIONS, RNN_GATES, rnn_outputs
 from tilegraph.frontends.onnx.sampling import _resize_taps
 from tilegraph.ir import dtypes
 from tilegraph.ir.shapes import normalize_dim, numel, symbol
@@ -318,11 +318,4 @@ def _recurrent_loop(n):
         ys.append(n.unsqueeze(outs[0], [1]))
         hs.append(n.unsqueeze(outs[1], [0]))
         cs.append(n.unsqueeze(outs[2], [0]) if kind == "LSTM" else None)
-    y = ys[0] if directions == 1 else n.op("concat", *ys, axis=1)
-    yh = hs[0] if directions == 1 else n.op("concat", *hs, axis=0)
-    yc = None if kind != "LSTM" else (cs[0] if directions == 1 else n.op("concat", *cs, axis=0))
-    if layout:
-        y = n.transpose(y, (2, 0, 1, 3))
-        yh = n.transpose(yh, (1, 0, 2))
-        yc = None if yc is None else n.transpose(yc, (1, 0, 2))
-    return (y, yh, yc) if kind == "LSTM" else (y, yh)
+    return rnn_outputs(n, kind, ys, hs, cs, layout)
