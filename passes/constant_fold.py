@@ -16,6 +16,14 @@ computed at run time. Two bounds keep the work and the store in check:
   costs memory and saves nothing, as XLA's folder also reasons.
 An op whose evaluation fails (an index out of range) is left for run time, where
 the error names it. `tg.dequantize` is never folded: it keeps quantized weights quantized.
+
+It also folds a known per-output-channel scale or shift into the contraction before
+it (`scale_folds`): conv(x, W, b) * s + t becomes conv(x, W*s, b*s + t), and
+matmul(x, W) * s becomes matmul(x, W*s), the new weights folded as above. This is a
+batch norm or a layer scale after a convolution or a linear layer, which then costs
+nothing at run time (onnxruntime's ConvBNFusion and ConvMulFusion do the same). It
+rounds differently (each product is rounded once, not twice), and applies only for
+finite scales, so that no inf * 0 appears that the unfolded model did not compute.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from tilegraph.ir.interpreter import GLOBALS, evaluate
 from tilegraph.ir.model import WeightStore, weights_of
 from tilegraph.ir.shapes import TensorInfo, is_static, numel
 from tilegraph.passes.dce import prune_weights
-from tilegraph.passes.rewrite import info
+from tilegraph.passes.rewrite import Rule, RuleSet, info, producer
 
 SOURCES = ("constant", "weight")
 # Ops never folded: a dequantized weight folded back would be stored in float again,
@@ -108,6 +116,84 @@ class FoldOp(RewritePattern):
         return source.attr("value")
 
 
+# --- a known per-channel scale or shift into the contraction's weights ------------------
+
+
+def _known(value) -> bool:
+    return producer(value, *SOURCES) is not None and is_static(info(value).shape)
+
+
+def _contraction_of(op, names: tuple[str, ...]):
+    """(contraction, the other operand) where one operand of `op` is the only use of a
+    contraction among `names` whose weight (and bias) is known."""
+    for side in (0, 1):
+        head = producer(op.operands[side], *names)
+        if head is not None and sum(1 for _ in head.results[0].uses) == 1 and all(_known(v) for v in head.operands[1:]):
+            return head, op.operands[1 - side]
+    return None, None
+
+
+def scale_folds(store: WeightStore) -> list[Rule]:
+    """The rules folding a known per-output-channel scale or shift into a contraction."""
+
+    def per_channel(value, out_rank: int, axis: int, channels) -> tuple[int, ...] | None:
+        """`value`'s shape as a vector over the result's channel `axis` (size 1 or
+        `channels`), when it is a known finite float array varying along no other axis."""
+        if not _known(value) or not dtypes.is_float(info(value).dtype) or info(value).rank > out_rank:
+            return None
+        full = (1,) * (out_rank - info(value).rank) + tuple(info(value).shape)
+        axis %= out_rank
+        if any(d != 1 for i, d in enumerate(full) if i != axis) or full[axis] not in (1, channels):
+            return None
+        source = producer(value)
+        array = source.attr("value") if source.op_name == "constant" else store.get(source.attr("name"))
+        if array is None or not np.all(np.isfinite(np.asarray(array, dtype=np.float64))):
+            return None
+        return (full[axis],)
+
+    def fold_scale(op, emit):
+        head, s = _contraction_of(op, ("conv", "matmul"))
+        if head is None:
+            return None
+        out, w = info(head.results[0]), info(head.operands[1])
+        if head.op_name == "conv":
+            vector = per_channel(s, out.rank, 1, w.shape[0])
+            if vector is None:
+                return None
+            weight = emit("mul", head.operands[1],
+                          emit("reshape", s, result=TensorInfo(vector + (1,) * (w.rank - 1), out.dtype)))
+            rest = [emit("mul", b, emit("reshape", s, result=TensorInfo(vector, out.dtype)))
+                    for b in head.operands[2:]]
+        else:
+            vector = per_channel(s, out.rank, -1, w.shape[-1]) if w.rank == 2 else None
+            if vector is None:
+                return None
+            weight, rest = emit("mul", head.operands[1], emit("reshape", s, result=TensorInfo(vector, out.dtype))), []
+        return emit.op(head.op_name, [head.operands[0], weight, *rest], head.py_attrs()).results[0]
+
+    def fold_shift(op, emit):
+        head, t = _contraction_of(op, ("conv",))
+        if head is None:
+            return None
+        out = info(head.results[0])
+        channels = info(head.operands[1]).shape[0]
+        vector = per_channel(t, out.rank, 1, channels)
+        if vector is None:
+            return None
+        bias = emit("broadcast", emit("reshape", t, result=TensorInfo(vector, out.dtype)),
+                    result=TensorInfo((channels,), out.dtype))
+        if len(head.operands) > 2:
+            bias = emit("add", head.operands[2], bias)
+        return emit.op("conv", [head.operands[0], head.operands[1], bias], head.py_attrs()).results[0]
+
+    return [
+        Rule(("mul",), fold_scale, "conv(x, W, b) * s -> conv(x, W*s, b*s), matmul(x, W) * s -> matmul(x, W*s) "
+                                   "(s known, finite, one value per output channel)"),
+        Rule(("add",), fold_shift, "conv(x, W, b) + t -> conv(x, W, b + t) (t known, finite, one value per "
+                                   "output channel)"),
+    ]
+
+
 @dataclass(frozen=True)
 class ConstantFold(ModulePass):
     name = "constant-fold"
@@ -115,6 +201,7 @@ class ConstantFold(ModulePass):
     max_elements: int = DEFAULT_MAX_ELEMENTS
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
-        applier = GreedyRewritePatternApplier([FoldOp(weights_of(op), self.max_elements)], ctx=ctx)
+        applier = GreedyRewritePatternApplier([FoldOp(weights_of(op), self.max_elements), RuleSet(scale_folds(weights_of(op)))],
+                                              ctx=ctx)
         PatternRewriteWalker(applier, post_walk_func=region_dce).rewrite_module(op)
         prune_weights(op)  # the arrays folded away are no longer named by the IR

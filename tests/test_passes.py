@@ -330,6 +330,53 @@ def test_constant_fold_respects_max_elements_and_does_not_materialize_broadcasts
     assert set(out.weights) == {"w.exp", "b"}
 
 
+def test_constant_fold_folds_a_batch_norm_into_the_convolution_before_it():
+    rng = np.random.default_rng(0)
+    g, (x,) = graph_with(("N", 3, 9, 7))
+    w = rng.standard_normal((5, 3, 3, 3)).astype(np.float32)
+    scale = rng.uniform(0.5, 1.5, (5, 1, 1)).astype(np.float32)
+    shift = rng.uniform(-1, 1, (5, 1, 1)).astype(np.float32)
+    y = g.conv(x, g.weight("conv.weight", w), g.weight("conv.bias", rng.standard_normal(5).astype(np.float32)),
+               pads=(1, 1, 1, 1))
+    out = after("constant-fold", g.build(g.relu(y * g.constant(scale) + g.constant(shift))), """
+        CHECK: tg.weight {name = "conv.weight.mul"} : tensor<5x3x3x3xf32>
+        CHECK: tg.conv %x0
+        CHECK-NOT: tg.mul
+        CHECK-NOT: tg.add
+        CHECK: tg.relu
+    """)
+    np.testing.assert_allclose(out.weights["conv.weight.mul"], w * scale[:, :, :, None], rtol=1e-6)
+
+
+def test_constant_fold_folds_a_per_column_scale_into_a_linear_weight_and_no_other_scale():
+    rng = np.random.default_rng(1)
+    g, (x,) = graph_with(("B", 8))
+    w = g.weight("fc.weight", rng.standard_normal((8, 6)).astype(np.float32))
+    gamma = g.weight("gamma", rng.uniform(0.5, 1.5, 6).astype(np.float32))
+    after("constant-fold", g.build((x @ w) * gamma), """
+        CHECK: tg.weight {name = "fc.weight.mul"} : tensor<8x6xf32>
+        CHECK: tg.matmul %x0
+        CHECK-NOT: tg.mul
+    """)
+    # Not folded: a scale per row (it varies along the rows), a scale that is not finite
+    # (inf * 0 where the weight is 0 would make a nan the model never computed), and a
+    # product whose contraction has another user.
+    weight = rng.standard_normal((8, 6)).astype(np.float32)
+
+    def scaled(scale: np.ndarray, other_user: bool = False) -> Model:
+        g, (x,) = graph_with((4, 8))
+        y = x @ g.weight("fc.weight", weight)
+        return g.build(y * g.constant(scale), *([g.relu(y)] if other_user else []))
+
+    for model in (scaled(rng.uniform(0.5, 1.5, (4, 1)).astype(np.float32)),
+                  scaled(np.array([1, 2, np.inf, 1, 1, 1], np.float32)),
+                  scaled(np.full(6, 2, np.float32), other_user=True)):
+        filecheck(run_pipeline(model, "constant-fold").text, """
+            CHECK: tg.matmul %x0
+            CHECK: tg.mul
+        """)
+
+
 def test_constant_fold_leaves_ops_on_inputs_and_ops_that_fail():
     g, (x,) = graph_with((3,))
     table = g.weight("table", np.ones((4, 2), np.float32))

@@ -1060,10 +1060,18 @@ class CEmitter:
             if last.op_name in ("softmax", "layer_norm") and all(
                     o.SPEC.category == "elementwise" for o in rest[:-1]) and self._row_prologue(rest, env, group):
                 pass
-            else:
+            elif not self._elementwise_rest(group, rest, env, yields):
                 for op in rest:
                     self.op(op, env)
         return True
+
+    def _elementwise_rest(self, group, rest, env, yields) -> bool:
+        """The ops oneDNN's post-ops did not take, as one loop over the result (not a
+        pass over memory per op) where they are all elementwise."""
+        try:
+            return self.fused_elementwise(group, rest, env, yields)
+        except Unsupported:
+            return False
 
     def _row_prologue(self, rest, env, group) -> bool:
         try:
@@ -1102,8 +1110,8 @@ class CEmitter:
         out = self._temp(info)
         weight = self.buffers[b.buf].kind in ("weight", "constant") and b.rank == 2
         rank = max(a.rank, b.rank)
-        if weight and a.rank > 2 and self._collapsible(a):
-            # x[..., M, K] @ W[K, N] is one 2-D GEMM over all rows.
+        if weight and self._collapsible(a):
+            # x[..., M, K] @ W[K, N] is one 2-D GEMM over all rows, which takes post-ops.
             rows = numel(a.shape[:-1])
             a = View(a.buf, a.offset, (rows, a.shape[-1]), (a.strides[-2], a.strides[-1]), a.dtype)
             c = View(out.buf, 0, (rows, info.shape[-1]), (info.shape[-1], 1), out.dtype)
