@@ -322,6 +322,7 @@ def run_one(arch: Arch, target: str, time_it: bool, repeat: int, threads: int | 
         return "ok" if err <= PEER_RELATIVE_ERROR else f"wrong (rel. error {err:.1e})"
 
     runners = {"eager": lambda: module(*inputs)}
+    options = {"threads": threads} if threads and target == "c" else {}  # the peers' thread count
     # torch route
     try:
         from torch.export import export
@@ -332,7 +333,7 @@ def run_one(arch: Arch, target: str, time_it: bool, repeat: int, threads: int | 
         row["torch"], row["torch_detail"] = "export failed", short(e)
     else:
         try:
-            compiled = tilegraph.compile(program, target=target)
+            compiled = tilegraph.compile(program, target=target, **options)
             row["torch"] = check(compiled(*arrays))
             runners["tilegraph"] = lambda: compiled(*arrays)
         except Exception as e:
@@ -379,7 +380,7 @@ def run_one(arch: Arch, target: str, time_it: bool, repeat: int, threads: int | 
             except Exception as e:
                 row["ort"] = "error: " + short(e)
             try:
-                compiled_onnx = tilegraph.compile(str(path), target=target)
+                compiled_onnx = tilegraph.compile(str(path), target=target, **options)
                 row["onnx"] = check(compiled_onnx(*arrays))
                 runners.setdefault("tilegraph", lambda: compiled_onnx(*arrays))
             except Exception as e:
@@ -408,7 +409,7 @@ def main() -> int:
     p.add_argument("--target", default="numpy", help="tilegraph.compile's target (default numpy)")
     p.add_argument("--time", action="store_true", help="also time tilegraph, torch eager and onnxruntime")
     p.add_argument("--repeat", type=int, default=7, help="timed rounds per model with --time (median)")
-    p.add_argument("--threads", type=int, help="intra-op threads of torch and onnxruntime with --time (default: "
+    p.add_argument("--threads", type=int, help="threads of torch, onnxruntime and the C backend with --time (default: "
                                                 "theirs); on a loaded machine pools of 2 threads wait for cores")
     p.add_argument("--inductor", action="store_true", help="with --time, also time torch.compile (Inductor)")
     p.add_argument("--quick", action="store_true", help=f"only the QUICK architectures ({len(QUICK)})")

@@ -6,13 +6,14 @@ so each step is one native call; a step's time is the median over rounds of that
 The sum of the steps is a little above the whole module's time (one call per step instead
 of one per run of steps).
 
-    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/c_steps.py [--models cnn,minilm,gpt2] [--repeat N] [--threads N]
-                                                            [--top N]
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/c_steps.py [--models cnn,minilm,gpt2] [--archs resnet,lstm]
+                                                            [--repeat N] [--threads N] [--top N]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import sys
 import tempfile
 import time
@@ -23,65 +24,68 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+import arch_sweep  # noqa: E402
 import cpu_speed  # noqa: E402
 import torch  # noqa: E402
 
 import tilegraph  # noqa: E402
 from tilegraph.backends.c.build import build  # noqa: E402
 from tilegraph.backends.c.emit import emit_program  # noqa: E402
-from tilegraph.backends.c.runtime import CompiledModel, _c_array  # noqa: E402
+from tilegraph.backends.c.runtime import CompiledModel  # noqa: E402
 from tilegraph.passes.registry import DEFAULT_PIPELINE  # noqa: E402
 
 
 def step_times(optimized, arrays: list[np.ndarray], repeat: int, threads: int | None) -> tuple[list, float]:
-    """(comment, median seconds) per step of the per-step module, and the whole call's median."""
-    import ctypes
-
+    """(description, median seconds) per step of the per-step module (native steps, and
+    ops run on the host), and the whole call's median."""
     program = emit_program(optimized, per_step=True)
     compiled = CompiledModel(program, ctypes.CDLL(str(build(program.source))), optimized.weights, optimized)
     if threads:
         compiled.set_threads(threads)
     compiled(*arrays)  # binds, packs the weights, plans the arena
-    samples: dict[int, list[float]] = {}
-    calls = {k: fn for k, fn in compiled._segments.items()}
-    segment_of = {}
-    for kind, k in program.plan:
-        if kind == "segment":
-            segment_of[k] = k
+    samples: dict[int, list[float]] = {}  # step index -> seconds per call
+
+    def timed(fn, step: int):
+        def call(*args):
+            t = time.perf_counter()
+            rc = fn(*args)
+            samples.setdefault(step, []).append(time.perf_counter() - t)
+            return rc
+        return call
+
+    # Per step, the plan has one entry a step, in order: ("segment", k) or ("host", i).
+    segment_step = {k: i for i, (kind, k) in enumerate(program.plan) if kind == "segment"}
+    for k, step in segment_step.items():
+        compiled._segments[k] = timed(compiled._segments[k], step)
+    host = compiled._host
+    compiled._host = lambda step, *rest: timed(host, program.steps.index(step))(step, *rest)
     whole = []
-    original = compiled._segments
     for _ in range(repeat):
-        timers = {}
-        for k, fn in calls.items():
-            def timed_call(state, ints, ptrs, fn=fn, k=k):
-                t = time.perf_counter()
-                rc = fn(state, ints, ptrs)
-                timers[k] = time.perf_counter() - t
-                return rc
-            original[k] = timed_call
         t = time.perf_counter()
-        compiled(*[_c_array(a) for a in arrays])
+        compiled(*arrays)
         whole.append(time.perf_counter() - t)
-        for k, dt in timers.items():
-            samples.setdefault(k, []).append(dt)
-    steps = []
-    segments = [k for kind, k in program.plan if kind == "segment"]
-    step_of_segment = [i for i, s in enumerate(program.steps) if s.host_op is None]
-    for k, i in zip(segments, step_of_segment):
-        steps.append((f"step {i}: {program.steps[i].comment}", float(np.median(samples[k]))))
+    steps = [(f"step {i}{' (host)' if program.steps[i].host_op is not None else ''}: {program.steps[i].comment}",
+              float(np.median(ts[-repeat:]))) for i, ts in samples.items()]
     return steps, float(np.median(whole))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="cnn", help="comma-separated, of: " + ", ".join(cpu_speed.MODELS))
+    ap.add_argument("--archs", default="", help="comma-separated names of benchmarks/arch_sweep.py's architectures")
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--top", type=int, default=15, help="steps listed, slowest first")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    for case in cpu_speed.cases(args.models.split(",")):
+    chosen = cpu_speed.cases(args.models.split(",")) if args.models else []
+    for name in filter(None, args.archs.split(",")):
+        arch = next(a for a in arch_sweep.ARCHS if a.name == name)
+        arch_sweep.FirstOutput = arch_sweep._first_output_class()
+        module, names, inputs = arch_sweep.build(arch)
+        chosen.append(cpu_speed.Case(name, name, lambda module=module: module, inputs, names))
+    for case in chosen:
         module = case.module()
         arrays = [t.numpy() for t in case.inputs]
         with tempfile.TemporaryDirectory() as tmp:

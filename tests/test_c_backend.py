@@ -259,3 +259,55 @@ def test_a_sum_of_bools_is_their_or():
     model = g.build(g.op("cast", g.op("add", x, y), to="f32"), names=["o"])
     xs, ys = np.array([1, 1, 0, 0], bool), np.array([1, 0, 1, 0], bool)
     np.testing.assert_array_equal(compile_model(model)(xs, ys)[0], interpret(model, [xs, ys])[0])
+
+
+def _natively(model):
+    compiled = compile_model(model)
+    assert all(kind == "segment" for kind, _ in compiled.program.plan), "a step ran on the host"
+    return compiled
+
+
+@settings(max_examples=20, deadline=None)
+@given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=3), data=st.data())
+def test_indexing_ops_along_any_axis_match_the_interpreter(shape, data):
+    """gather, gather_elements and cumsum in C, on every axis, with negative indices."""
+    from tilegraph.ir import Graph
+
+    rank = len(shape)
+    axis = data.draw(st.integers(-rank, rank - 1), label="axis")
+    n = shape[axis]
+    rng = np.random.default_rng(data.draw(st.integers(0, 99), label="seed"))
+    x = rng.standard_normal(shape).astype(np.float32)
+    ids = rng.integers(-n, n, size=data.draw(st.lists(st.integers(1, 4), min_size=1, max_size=2))).astype(np.int64)
+    elements = rng.integers(-n, n, size=shape).astype(np.int64)
+    g = Graph()
+    xv, iv, ev = g.input("x", tuple(shape)), g.input("i", ids.shape, dtype="i64"), g.input("e", shape, dtype="i64")
+    flags = dict(exclusive=data.draw(st.booleans()), reverse=data.draw(st.booleans()))
+    model = g.build(g.op("gather", xv, iv, axis=axis), g.op("gather_elements", xv, ev, axis=axis),
+                    g.op("cumsum", xv, axis=axis % rank, **flags), names=["g", "ge", "cs"])
+    inputs = [x, ids, elements]
+    for got, want, name in zip(_natively(model)(*inputs), interpret(model, inputs), model.output_names):
+        assert_close(got, want, "f32", reduction_length=n, name=name)
+    bad = elements.copy()
+    bad.reshape(-1)[0] = n  # one past the end: an error naming the op, not a read outside x
+    with pytest.raises(tilegraph.TilegraphError, match="gather_elements: index"):
+        _natively(model)(x, ids, bad)
+
+
+def test_a_zero_pad_before_a_convolution_is_its_padding():
+    """MobileNet's explicit zero pads: the convolution pads itself (no pad step); a pad of
+    another value, or one its convolution does not read alone, is computed in C."""
+    from tilegraph.ir import Graph
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    x = rng.standard_normal((2, 3, 7, 6)).astype(np.float32)
+    for value, also_output, pad_steps in ((0.0, False, 0), (0.5, False, 1), (0.0, True, 1)):
+        g = Graph()
+        padded = g.op("pad", g.input("x", ("N", 3, 7, 6)), pads=(0, 0, 1, 2, 0, 0, 2, 0), value=value)
+        y = g.op("conv", padded, g.weight("w", w), strides=(2, 1))
+        model = g.build(y, *([padded] if also_output else []))
+        compiled = _natively(model)
+        assert sum(s.comment.startswith("pad") for s in compiled.program.steps) == pad_steps
+        for got, want in zip(compiled(x), interpret(model, [x])):
+            assert_close(got, want, "f32", reduction_length=27)

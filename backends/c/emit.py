@@ -93,8 +93,10 @@ C_BINARY_INT = {
 # lowered here runs natively on at least one of its examples.)
 HOST_FALLBACK = {
     "einsum": "NumPy's einsum on the host",
-    "gather_elements": "host", "scatter_elements": "host", "scatter_nd": "host", "pad": "host", "tile": "host",
-    "cumsum": "host", "cumprod": "host", "trilu": "host", "iota": "host", "topk": "host", "argmax": "host",
+    "scatter_elements": "host", "scatter_nd": "host", "tile": "host",
+    "pad": "C for constant padding (into a convolution's own padding where that reads it), the host for "
+           "reflect/edge/wrap and negative pads",
+    "cumprod": "host", "trilu": "host", "iota": "host", "topk": "host", "argmax": "host",
     "argmin": "host", "mod": "host", "isinf": "host", "reduce_prod": "host",
     "div": "C for floats, the host for integers", "pow": "C for floats, the host for integers",
     "quantize": "C for integer formats, the host for float formats and block scales",
@@ -113,7 +115,7 @@ LOWERINGS = table(template=[op for op in OPS if op not in HOST_FALLBACK],
 # oneDNN algorithm kinds (dnnl_types.h) for epilogues it fuses into a GEMM or convolution.
 DNNL_ELTWISE = {"relu": "dnnl_eltwise_relu", "tanh": "dnnl_eltwise_tanh", "exp": "dnnl_eltwise_exp",
                 "sigmoid": "dnnl_eltwise_logistic", "linear": "dnnl_eltwise_linear",
-                "gelu_tanh": "dnnl_eltwise_gelu_tanh", "gelu_erf": "dnnl_eltwise_gelu_erf"}
+                "gelu_tanh": "dnnl_eltwise_gelu_tanh", "gelu_erf": "dnnl_eltwise_gelu_erf", "clip": "dnnl_eltwise_clip"}
 DNNL_BINARY = {"add": "dnnl_binary_add", "mul": "dnnl_binary_mul", "sub": "dnnl_binary_sub"}
 DNNL_TYPES = {"f32": "dnnl_f32", "i8": "dnnl_s8", "ui8": "dnnl_u8", "i32": "dnnl_s32"}
 # Work below this many elements runs on one thread: an OpenMP fork/join costs more.
@@ -326,6 +328,7 @@ class CEmitter:
     # --- the program --------------------------------------------------------------
 
     def run(self) -> None:
+        self.padding_convs = self._padding_convs()
         for op in self.prog.steps:
             if isinstance(op, FusionOp):
                 self.group(op)
@@ -350,6 +353,9 @@ class CEmitter:
         if name == "constant":
             views[op.results[0]] = self.constant(op)
             return
+        if name == "pad" and any(pad is op for pad, _ in self.padding_convs.values()):
+            views[op.results[0]] = get(op.operands[0])  # the convolution reading it pads itself
+            return
         try:
             operands = [get(v) for v in op.operands]
             outs = self.layout(op, operands)
@@ -358,6 +364,30 @@ class CEmitter:
         except Unsupported:
             outs = self.host(op, [get(v) for v in op.operands])
         views.update(zip(op.results, outs))
+
+    def _padding_convs(self) -> dict:
+        """{conv: its input's zero padding} for each zero `pad` over only the spatial dims
+        whose one reader is a convolution's input: the convolution pads instead (oneDNN
+        skips the taps outside the input), and the pad is never written."""
+        found = {}
+        for op in self.prog.steps:
+            if not isinstance(op, TgOp) or op.op_name != "pad" or op.attr("mode") != "constant" or op.attr("value"):
+                continue
+            pads, nd = list(op.attr("pads")), op.result_infos()[0].rank
+            if nd < 3 or any(pads[i] or pads[nd + i] for i in (0, 1)) or any(p < 0 for p in pads):
+                continue
+            uses = list(op.results[0].uses)
+            if len(uses) != 1:
+                continue
+            user, index = uses[0].operation, uses[0].index
+            if isinstance(user, FusionOp):  # the group's block argument, read only by its head conv
+                arg_uses = list(user.block.args[index].uses)
+                if len(arg_uses) != 1 or arg_uses[0].index != 0 or arg_uses[0].operation is not user.ops[0]:
+                    continue
+                user, index = arg_uses[0].operation, 0
+            if isinstance(user, TgOp) and user.op_name == "conv" and index == 0:
+                found[user] = (op, pads[2:nd] + pads[nd + 2:])
+        return found
 
     def constant(self, op: TgOp) -> View:
         info = op.result_infos()[0]
@@ -434,6 +464,12 @@ class CEmitter:
             return [self.conv(op, xs, [], {})[0]]
         if name in ("max_pool", "avg_pool"):
             return [self.pool(op, xs[0])]
+        if name == "pad":
+            return [self.pad(op, xs[0])]
+        if name == "gather_elements":
+            return [self.gather_elements(op, xs[0], xs[1])]
+        if name == "cumsum":
+            return [self.cumsum(op, xs[0])]
         if name == "attention":
             return [self.attention(op, xs)]
         if name == "matmul_integer":
@@ -546,6 +582,9 @@ class CEmitter:
         return out
 
     def host(self, op: TgOp, xs: list[View]) -> list[View]:
+        if op in self.padding_convs:  # a convolution C does not run reads its input padded after all
+            pad = self.padding_convs.pop(op)[0]
+            xs = [self.pad(pad, xs[0]), *xs[1:]]
         outs = [self._temp(info) for info in op.result_infos()]
         self.steps.append(Step(f"{op.op_name} (host)", host_op=op, host_in=xs, host_out=outs,
                                reads={x.buf for x in xs if x.buf is not None}, writes={o.buf for o in outs}))
@@ -876,15 +915,17 @@ class CEmitter:
         return out
 
     def gather(self, op: TgOp, table: View, ids: View) -> View:
-        """Rows of a table by index (embedding lookups); an index out of range is an
-        error naming the op and the range, never a read outside the table."""
+        """Slices of a table along an axis by index (rows: embedding lookups); an index out
+        of range is an error naming the op and the range, never a read outside the table."""
         info = op.result_infos()[0]
         axis = op.attr("axis") % table.rank
-        if axis != 0 or not self.is_contiguous(table) or not self.is_contiguous(ids) or ids.dtype not in ("i64", "i32"):
-            raise Unsupported("gather other than rows of a contiguous table")
+        if ids.dtype not in ("i64", "i32"):
+            raise Unsupported("gather by i64 or i32 indices")
+        table, ids = (v if self.is_contiguous(v) else self.materialize(v) for v in (table, ids))
         out = self._temp(info)
-        rows = self.ints(table.shape[0])
-        width = self.ints(numel(table.shape[1:]))
+        rows = self.ints(table.shape[axis])
+        outer = self.ints(numel(table.shape[:axis]))
+        width = self.ints(numel(table.shape[axis + 1:]))
         count = self.ints(numel(ids.shape))
         ctype = CTYPES[table.dtype]
         lines = [
@@ -892,17 +933,79 @@ class CEmitter:
             f"    const {CTYPES[ids.dtype]} *ids = {self.ptr(ids)};",
             f"    const {ctype} *table = {self.ptr(table)};",
             f"    {ctype} *out = {self.ptr(out, False)};",
+            f"    for (int64_t o = 0; o < {outer}; o++)",
             f"    for (int64_t i = 0; i < {count}; i++) {{",
             "        int64_t r = ids[i];",
             f"        if (r < -{rows} || r >= {rows})",
             f'            TG_FAIL("gather: index %lld is out of range [-%lld, %lld) of the table (op %d)", '
             f"(long long)r, (long long){rows}, (long long){rows}, {len(self.steps)});",
             f"        if (r < 0) r += {rows};",
-            f"        memcpy(out + i * {width}, table + r * {width}, sizeof({ctype}) * {width});",
+            f"        memcpy(out + (o * {count} + i) * {width}, table + (o * {rows} + r) * {width}, "
+            f"sizeof({ctype}) * {width});",
             "    }",
             "}",
         ]
         self._step(_describe(op), lines, [table, ids], [out])
+        return out
+
+    def _nest(self, shape, skip: int | None, inner: list[str]) -> list[str]:
+        """Loops c0, c1, ... over `shape` (leaving out axis `skip`) around `inner`."""
+        dims = [d for d in range(len(shape)) if d != skip]
+        lines = [f"{'    ' * k}for (int64_t c{d} = 0; c{d} < {self.ints(shape[d])}; c{d}++)" for k, d in enumerate(dims)]
+        return lines + ["    " * len(dims) + line for line in inner]
+
+    def _at(self, view: View, coords: dict[int, str]) -> str:
+        """The element offset of `view` at C coordinate expressions (dims of size 1: 0)."""
+        terms = [f"{c} * {self.ints(view.strides[d])}" for d, c in coords.items() if not _is_one(view.shape[d])]
+        return " + ".join(terms) or "0"
+
+    def gather_elements(self, op: TgOp, x: View, ids: View) -> View:
+        """out[c] = x[c with c[axis] = ids[c]], an index out of range an error."""
+        info = op.result_infos()[0]
+        axis = op.attr("axis") % x.rank
+        if ids.dtype not in ("i64", "i32") or ids.literal is not None or x.literal is not None or any(
+                d != axis and not (_is_one(xd) or _eq(xd, od)) for d, (xd, od) in enumerate(zip(x.shape, ids.shape))):
+            raise Unsupported("gather_elements: i64/i32 indices, x as large as them but along the axis")
+        out = self._temp(info)
+        coords = {d: f"c{d}" for d in range(x.rank)}
+        rows = self.ints(x.shape[axis])
+        ctype = CTYPES[x.dtype]
+        lines = ["{", f"    const {CTYPES[ids.dtype]} *ids = {self.ptr(ids)};", f"    const {ctype} *x = {self.ptr(x)};",
+                 f"    {ctype} *out = {self.ptr(out, False)};"]
+        lines += ["    " + line for line in self._nest(info.shape, None, [
+            "{",
+            f"    int64_t r = ids[{self._at(ids, coords)}];",
+            f"    if (r < -{rows} || r >= {rows})",
+            f'        TG_FAIL("gather_elements: index %lld is out of range [-%lld, %lld) (op %d)", (long long)r, '
+            f"(long long){rows}, (long long){rows}, {len(self.steps)});",
+            f"    if (r < 0) r += {rows};",
+            f"    out[{self._at(out, coords)}] = x[{self._at(x, {**coords, axis: 'r'})}];",
+            "}"])]
+        lines.append("}")
+        self._step(_describe(op), lines, [x, ids], [out])
+        return out
+
+    def cumsum(self, op: TgOp, x: View) -> View:
+        """Running sums along an axis, in the order of the axis (or reversed), exclusive or not."""
+        info = op.result_infos()[0]
+        axis = op.attr("axis") % max(x.rank, 1)
+        if x.literal is not None or x.rank == 0:
+            raise Unsupported("cumsum of a tensor")
+        out = self._temp(info)
+        n = self.ints(x.shape[axis])
+        ctype = CTYPES[info.dtype]
+        k = f"({n} - 1 - k)" if op.attr("reverse") else "k"
+        coords = {d: f"c{d}" for d in range(x.rank) if d != axis}
+        at_x = self._at(x, {**coords, axis: k})
+        at_out = self._at(out, {**coords, axis: k})
+        step = [f"out[{at_out}] = acc;", f"acc += x[{at_x}];"] if op.attr("exclusive") else \
+            [f"acc += x[{at_x}];", f"out[{at_out}] = acc;"]
+        lines = ["{", f"    const {ctype} *x = {self.ptr(x)};", f"    {ctype} *out = {self.ptr(out, False)};"]
+        lines += ["    " + line for line in self._nest(info.shape, axis, [
+            "{", f"    {ctype} acc = 0;", f"    for (int64_t k = 0; k < {n}; k++) {{",
+            *("        " + line for line in step), "    }", "}"])]
+        lines.append("}")
+        self._step(_describe(op), lines, [x], [out])
         return out
 
     def concat(self, op: TgOp, xs: list[View]) -> View:
@@ -978,6 +1081,25 @@ class CEmitter:
         self._step(_describe(op), lines, [x], [out])
         return out
 
+    def pad(self, op: TgOp, x: View) -> View:
+        """Constant padding: the output filled with the value, then x copied into its interior."""
+        pads = list(op.attr("pads"))
+        if op.attr("mode") != "constant" or any(not (isinstance(p, int) and p >= 0) for p in pads):
+            raise Unsupported("pad: constant mode, pads >= 0")
+        info = op.result_infos()[0]
+        out = self._temp(info, like=x)
+        value = op.attr("value")
+        literal = (c_float(value, info.dtype) if info.dtype in FLOATS
+                   else f"(({CTYPES[info.dtype]}){int(value)})")
+        fill = View(None, 0, out.shape, (sympy.Integer(0),) * out.rank, out.dtype, literal, value)
+        interior = View(out.buf, out.offset + sum(p * st for p, st in zip(pads, out.strides)), x.shape, out.strides,
+                        out.dtype)
+        copy = lambda refs: [f"{refs[1]} = {refs[0]};"]  # noqa: E731
+        lines = self.loop(out.shape, [(fill, False), (out, True)], copy) + \
+            self.loop(x.shape, [(x, False), (interior, True)], copy)
+        self._step(_describe(op), lines, [x], [out])
+        return out
+
     # --- GEMMs and convolutions on oneDNN ------------------------------------------------
 
     def _posts(self, chain: list[TgOp], acc: SSAValue, env: dict, out_shape,
@@ -1003,6 +1125,11 @@ class CEmitter:
             elif name == "gelu":
                 alg = DNNL_ELTWISE["gelu_tanh" if op.attr("approximate") == "tanh" else "gelu_erf"]
                 posts.append(f"{{0, {alg}, 0.f, 0.f, 0, {{0}}, {{0}}}}")
+            elif name in ("max", "min") and len(other) == 1 and \
+                    (env.get(other[0]) or self.view(other[0])).literal is not None:
+                bound = (env.get(other[0]) or self.view(other[0])).literal  # relu6 is max then min: a clip each
+                lo, hi = (bound, "INFINITY") if name == "max" else ("-INFINITY", bound)
+                posts.append(f"{{0, {DNNL_ELTWISE['clip']}, {lo}, {hi}, 0, {{0}}, {{0}}}}")
             elif name in ("add", "mul", "sub") and len(other) == 1:
                 o = env.get(other[0]) or self.view(other[0])
                 if name == "sub" and op.operands[0] is not current:
@@ -1102,8 +1229,10 @@ class CEmitter:
             info = TensorInfo(info.shape, "f32")
         types = (a.dtype, b.dtype, info.dtype)
         if types not in (("f32", "f32", "f32"), ("i8", "i8", "i32"), ("ui8", "i8", "i32"), ("i8", "i8", "f32"),
-                         ("ui8", "i8", "f32")) or a.literal is not None or b.literal is not None:
+                         ("ui8", "i8", "f32")):
             raise Unsupported(f"matmul of {a.dtype} x {b.dtype} -> {info.dtype}")
+        # A broadcast scalar (an RNN's zero first state) becomes an array: GEMMs read memory.
+        a, b = (self.materialize(v) if v.literal is not None else v for v in (a, b))
         a, b = self.for_onednn(a), self.for_onednn(b)
         if a.rank < 2 or b.rank < 2:
             raise Unsupported("matmul of a vector")
@@ -1173,7 +1302,9 @@ class CEmitter:
     def conv(self, op: TgOp, xs: list[View], chain: list[TgOp], env: dict) -> tuple[View, int]:
         info = op.result_infos()[0]
         x, w = (self.for_onednn(v) for v in xs[:2])
-        if not self.is_channels_last(x):
+        if self.is_contiguous(x) and all(_is_one(d) for d in x.shape[2:]):  # (N, C, 1, 1): the same memory
+            x = View(x.buf, x.offset, x.shape, channels_last_strides(x.shape), x.dtype)
+        elif not self.is_channels_last(x):
             x = self.materialize(x, channels_last=True)
         bias = xs[2] if len(xs) > 2 else None
         if info.dtype != "f32" or w.literal is not None or x.literal is not None:
@@ -1189,6 +1320,8 @@ class CEmitter:
         strides = list(op.attr("strides") or [1] * sp)
         dil = list(op.attr("dilations") or [1] * sp)
         pads = list(op.attr("pads") or [0] * (2 * sp))
+        if op in self.padding_convs:
+            pads = [a + b for a, b in zip(pads, self.padding_convs[op][1])]
         if groups > 1:
             o, i = w.shape[0], w.shape[1]
             wd = (groups, sympy.sympify(o) / groups) + (i,) + tuple(w.shape[2:])

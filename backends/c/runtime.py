@@ -62,10 +62,27 @@ class _Binding:
             if base is not None:
                 self.pointers[i] = base.ctypes.data
         self.state = None
+        self._arrays: dict[int, np.ndarray] = {}  # id(view) -> its array (views live as long as the program)
+        outputs = module._outputs
+        self.out_shapes = {i: (self.shape(outputs[i].shape), dtypes.numpy_dtype(outputs[i].dtype))
+                           for i in module._direct}
+        # Outputs copied out of the arena, a weight or a constant: their views, made once.
+        self.out_views = {i: self.view(v) for i, v in enumerate(outputs)
+                          if v.literal is None and i not in module._direct and self.bases[v.buf] is not None}
 
     def shape(self, dims) -> tuple[int, ...]:
         """Concrete sizes of symbolic dims under this binding."""
         return tuple(int(sympy.sympify(d).xreplace(self._subs)) for d in dims)
+
+    def array(self, v: View, per_call: set[int]) -> np.ndarray:
+        """view(v), made once per binding where v's buffer is the binding's own (an
+        input's or a direct output's array changes every call)."""
+        if v.buf in per_call:
+            return self.view(v)
+        a = self._arrays.get(id(v))
+        if a is None:
+            a = self._arrays[id(v)] = self.view(v)
+        return a
 
     def view(self, v: View) -> np.ndarray:
         if v.literal is not None:
@@ -146,6 +163,10 @@ class CompiledModel:
                     and sympy.expand(sympy.sympify(numel(v.shape)) - em.buffers[v.buf].elements) == 0):
                 self._direct[i] = v.buf
         self.lifetimes = {b: t for b, t in _lifetimes(program).items() if b not in self._direct.values()}
+        self._outputs = em.outputs()
+        self._inputs = [(i, b.index) for i, b in enumerate(em.buffers) if b.kind == "input"]
+        self._per_call = [i for i, _ in self._inputs] + list(self._direct.values())  # buffers each call binds
+        self._per_call_set = set(self._per_call)
         self._segments = {}
         for kind, k in program.plan:
             if kind == "segment":
@@ -186,18 +207,16 @@ class CompiledModel:
 
     def _run(self, arrays: list[np.ndarray], sizes: dict[str, int], known: dict | None = None) -> list[np.ndarray]:
         b = self._binding(sizes)
-        em = self.program.emitter
-        for i, buf in enumerate(em.buffers):
-            if buf.kind == "input":
-                b.bases[i] = arrays[buf.index]
-                b.pointers[i] = arrays[buf.index].ctypes.data
-        outputs = em.outputs()
+        for i, index in self._inputs:
+            b.bases[i] = arrays[index]
+            b.pointers[i] = arrays[index].ctypes.data
         fresh = {}
         for i, buf in self._direct.items():
+            shape, dtype = b.out_shapes[i]
             try:
-                fresh[i] = np.empty(b.shape(outputs[i].shape), dtypes.numpy_dtype(outputs[i].dtype))
+                fresh[i] = np.empty(shape, dtype)
             except (MemoryError, ValueError) as e:
-                raise ModelError(f"output {self.output_names[i]} would be {b.shape(outputs[i].shape)}: {e}") from None
+                raise ModelError(f"output {self.output_names[i]} would be {shape}: {e}") from None
             b.bases[buf] = fresh[i].reshape(-1)
             b.pointers[buf] = fresh[i].ctypes.data
         ints = b.ints.ctypes.data
@@ -212,18 +231,18 @@ class CompiledModel:
             else:
                 self._host(self.program.steps[k], b, sizes, known or {})
         outs = []
-        for i, v in enumerate(outputs):
-            outs.append(fresh[i] if i in fresh else np.array(b.view(v)) if v.literal is None else
-                        _literal_array(v, b))
-        for i, buf in enumerate(em.buffers):  # the caller's arrays are not the module's to keep
-            if buf.kind == "input" or i in self._direct.values():
-                b.bases[i] = None
+        for i, v in enumerate(self._outputs):
+            outs.append(fresh[i] if i in fresh else _literal_array(v, b) if v.literal is not None else
+                        np.array(b.out_views[i] if i in b.out_views else b.view(v)))
+        for i in self._per_call:  # the caller's arrays are not the module's to keep
+            b.bases[i] = None
         return outs
 
     def _host(self, step, b: _Binding, sizes: dict[str, int], known: dict) -> None:
         results = known.get(step.host_op)
         if results is None:
-            operands = [b.view(v) if v.literal is None else _literal_array(v, b) for v in step.host_in]
+            operands = [b.array(v, self._per_call_set) if v.literal is None else _literal_array(v, b)
+                        for v in step.host_in]
             try:
                 results = evaluate(step.host_op, operands, {}, {**GLOBALS, **sizes}, float64=False)
             except (IndexError, ValueError, TypeError, ZeroDivisionError, MemoryError) as e:
@@ -233,7 +252,7 @@ class CompiledModel:
                 raise ModelError(f"the model cannot run on these inputs, at `{step.comment}`, run on the host as "
                                  f"`{op.SPEC.numpy if isinstance(op.SPEC.numpy, str) else op.op_name}`: {e}") from None
         for out, value in zip(step.host_out, results):
-            target = b.view(out)
+            target = b.array(out, self._per_call_set)
             np.copyto(target, np.asarray(value).astype(target.dtype, copy=False))
 
     def _error(self) -> str:
