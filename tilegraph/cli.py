@@ -897,7 +897,7 @@ def _run(args) -> int:
 
 
 def spec_text(spec) -> str:
-    from tilegraph.passes.sharding import spec_str
+    from tilegraph.passes.shard_strategies import spec_str
 
     return spec_str(spec)
 
