@@ -405,10 +405,6 @@ def _generic(ex: _Exporter, op: TgOp, ins: list[str]) -> list[str]:
     raise ExportError(f"tg.{name} has no ONNX exporter")  # unsupported() lists these first
 
 
-def _attrs(op: TgOp) -> dict:
-    return op.py_attrs()
-
-
 def _rsqrt(ex, op, ins):
     return [ex.one("Reciprocal", ex.one("Sqrt", ins[0]))]
 
@@ -459,7 +455,7 @@ def _einsum(ex, op, ins):
 
 
 def _window_attrs(op: TgOp) -> dict:
-    a = _attrs(op)
+    a = op.py_attrs()
     return {"strides": list(a["strides"]) or None, "pads": list(a["pads"]) or None,
             "dilations": list(a["dilations"]) or None}
 
@@ -469,7 +465,7 @@ def _conv(ex, op, ins):
 
 
 def _pool(ex, op, ins):
-    a = _attrs(op)
+    a = op.py_attrs()
     extra = {"count_include_pad": int(a["count_include_pad"])} if op.op_name == "avg_pool" else {}
     ceil_mode, axes, ends = int(a["ceil_mode"]), [], []
     if ceil_mode:
@@ -544,7 +540,7 @@ def _split(ex, op, ins):
 
 
 def _slice(ex, op, ins):
-    a = _attrs(op)
+    a = op.py_attrs()
     rank = len(a["starts"])
     return [ex.one("Slice", ins[0], ex.const(list(a["starts"])), ex.const(list(a["ends"])),
                    ex.const(list(range(rank))), ex.const(list(a["steps"])))]
@@ -564,7 +560,7 @@ def _gather_elements(ex, op, ins):
 
 
 def _pad(ex, op, ins):
-    a = _attrs(op)
+    a = op.py_attrs()
     dt = op.result_infos()[0].dtype
     args = [ins[0], ex.const(list(a["pads"]))] + ([ex.const(a["value"], dt)] if a["mode"] == "constant" else [])
     return [ex.one("Pad", *args, mode=a["mode"])]
