@@ -12,7 +12,7 @@ take the dtype of x as NumPy's weak Python scalars do):
   softmax    e = exp(x - max(x)); e / sum(e)            (max subtracted first)
   layer_norm c = x - mean(x); c / sqrt(mean(c*c) + eps) * scale + bias
   gelu       0.5*x * (1 + erf(x * 1/sqrt(2)))    or the tanh formula
-  attention  softmax(q @ k^T * scale, masked) @ v; the causal mask is
+  attention  softmax(q @ k^T * scale, masked) @ v, the softmax as its op; the causal mask is
              trilu(true, k = Lk - Lq), masked scores are -inf; where Lk - Lq is
              symbolic, the same band from indices counted at run time
 
@@ -144,7 +144,8 @@ def _attention(op, emit):
             scores = emit("where", mask[0], scores, minus_inf or emit.constant(-math.inf, dt))
         else:
             scores = emit("add", scores, mask[0])
-    return emit("matmul", softmax(emit, scores, -1), v)
+    # the softmax op, which a backend that has one keeps (ONNX Softmax) and `decompose` spells out too
+    return emit("matmul", emit("softmax", scores, axis=-1), v)
 
 
 def _count_after(emit, n, axis: int):

@@ -450,7 +450,7 @@ def test_attention_is_exported_as_its_decomposition_and_its_result_keeps_a_name(
     model = g.build(g.op("neg", a), names=["y"])
     proto, names, _ = export(model)
     kinds = [n.op_type for n in proto.graph.node]
-    assert "CumSum" in kinds and "Trilu" not in kinds and "Softmax" not in kinds
+    assert "CumSum" in kinds and "Trilu" not in kinds and kinds.count("Softmax") == 1  # tg.softmax is ONNX's
     attention = next(op for op in model.func.body.block.ops if op.op_name == "attention")
     assert names[attention.results[0]] in {o for n in proto.graph.node for o in n.output}
     for sizes in ({"B": 2, "S": 3, "T": 5}, {"B": 1, "S": 4, "T": 4}):
