@@ -2,9 +2,10 @@
 
 One tg op becomes one ONNX node where ONNX has the op (tg.quantize -> QuantizeLinear,
 tg.dequantize -> DequantizeLinear, tg.matmul_integer -> MatMulInteger, tg.softmax ->
-Softmax, ...), a few nodes where it has not (tg.attention: MatMul, Mul, mask, Softmax,
-MatMul; tg.dynamic_quantize: the scale computed from the row or block maximum, then
-QuantizeLinear). Weights become initializers in their storage type (int8, uint8, INT4
+Softmax, ...), a few nodes where it has not (tg.dynamic_quantize: the scale computed from
+the row or block maximum, then QuantizeLinear). tg.attention, which ONNX 21 has no op for,
+is exported as the decomposition library spells it out (ir/decompositions.py), in a copy
+of the module: the one definition of its ops, the causal band included. Weights become initializers in their storage type (int8, uint8, INT4
 packed two to a byte, FLOAT8E4M3FN/E5M2) with their scales and zero points; a
 `tg.fusion` group is exported as its body (the kernel boundaries mean nothing to ONNX), so
 a module can be exported before or after `fuse`/`tile`. Symbolic dims stay symbolic:
@@ -44,6 +45,7 @@ import numpy as np
 import sympy
 
 from tilegraph.ir import dtypes, onnx_names
+from tilegraph.ir.decompositions import expand
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.model import Model
@@ -87,6 +89,8 @@ REDUCE = {name: onnx_op for onnx_op, kind in onnx_names.REDUCE.items() for name,
 # Ops whose ONNX form computes a shape from the symbolic dims (Reshape, Expand, Range, ...): each symbol
 # must be an input's dim, read by Shape at run time.
 SHAPE_COMPUTING = ("reshape", "broadcast", "iota", "attention", "layer_norm")
+# Composites ONNX has no operator for, exported as their decomposition (ir/decompositions.py).
+DECOMPOSED = ("attention",)
 # tg ops ONNX has no operator for; each is refused with this reason.
 NO_ONNX_OP = {"expm1": "ONNX has no Expm1 (exp(x) - 1 loses every digit for small x)",
               "log1p": "ONNX has no Log1p (log(1 + x) loses every digit for small x)",
@@ -401,10 +405,6 @@ def _generic(ex: _Exporter, op: TgOp, ins: list[str]) -> list[str]:
     raise ExportError(f"tg.{name} has no ONNX exporter")  # unsupported() lists these first
 
 
-def _attrs(op: TgOp) -> dict:
-    return op.py_attrs()
-
-
 def _rsqrt(ex, op, ins):
     return [ex.one("Reciprocal", ex.one("Sqrt", ins[0]))]
 
@@ -455,7 +455,7 @@ def _einsum(ex, op, ins):
 
 
 def _window_attrs(op: TgOp) -> dict:
-    a = _attrs(op)
+    a = op.py_attrs()
     return {"strides": list(a["strides"]) or None, "pads": list(a["pads"]) or None,
             "dilations": list(a["dilations"]) or None}
 
@@ -465,7 +465,7 @@ def _conv(ex, op, ins):
 
 
 def _pool(ex, op, ins):
-    a = _attrs(op)
+    a = op.py_attrs()
     extra = {"count_include_pad": int(a["count_include_pad"])} if op.op_name == "avg_pool" else {}
     ceil_mode, axes, ends = int(a["ceil_mode"]), [], []
     if ceil_mode:
@@ -517,27 +517,6 @@ def _layer_norm(ex, op, ins):
     return [ex.one("LayerNormalization", *args, axis=axis, epsilon=op.attr("epsilon"))]
 
 
-def _attention(ex, op, ins):
-    """softmax(q k^T * scale (+ mask)) v, with the causal band kept as tg keeps it (tril, k = Lk - Lq)."""
-    q, k, v = (info_of(x.type) for x in op.operands[:3])
-    dt = q.dtype
-    perm = list(range(k.rank - 2)) + [k.rank - 1, k.rank - 2]
-    scores = ex.one("Mul", ex.one("MatMul", ins[0], ex.one("Transpose", ins[1], perm=perm)),
-                    ex.const(op.attr("scale"), dt))
-    if op.attr("causal"):
-        lq, lk = q.shape[-2], k.shape[-2]
-        ones = ex.one("ConstantOfShape", ex.shape((lq, lk)), value=ex.h.make_tensor("one", ex.types["f32"], [1], [1.0]))
-        offset = ex.one("Sub", ex.scalar(lk), ex.scalar(lq)) if not (isinstance(lq, int) and isinstance(lk, int)) \
-            else ex.const(lk - lq)
-        keep = ex.one("Cast", ex.one("Trilu", ones, offset, upper=0), to=ex.types["i1"])
-        scores = ex.one("Where", keep, scores, ex.const(-np.inf, dt))
-    if len(ins) == 4:
-        mask = info_of(op.operands[3].type)
-        scores = ex.one("Where", ins[3], scores, ex.const(-np.inf, dt)) if mask.dtype == "i1" else \
-            ex.one("Add", scores, ins[3])
-    return [ex.one("MatMul", ex.one("Softmax", scores, axis=-1), ins[2])]
-
-
 def _reshape(ex, op, ins):
     return [ex.one("Reshape", ins[0], ex.shape(op.result_infos()[0].shape), allowzero=1)]
 
@@ -561,7 +540,7 @@ def _split(ex, op, ins):
 
 
 def _slice(ex, op, ins):
-    a = _attrs(op)
+    a = op.py_attrs()
     rank = len(a["starts"])
     return [ex.one("Slice", ins[0], ex.const(list(a["starts"])), ex.const(list(a["ends"])),
                    ex.const(list(range(rank))), ex.const(list(a["steps"])))]
@@ -581,7 +560,7 @@ def _gather_elements(ex, op, ins):
 
 
 def _pad(ex, op, ins):
-    a = _attrs(op)
+    a = op.py_attrs()
     dt = op.result_infos()[0].dtype
     args = [ins[0], ex.const(list(a["pads"]))] + ([ex.const(a["value"], dt)] if a["mode"] == "constant" else [])
     return [ex.one("Pad", *args, mode=a["mode"])]
@@ -800,7 +779,7 @@ def _matmul_integer(ex, op, ins):
 _EXPORT: dict[str, Callable] = {
     "rsqrt": _rsqrt, "gelu": _gelu, "isinf": _isinf, "cast": _cast, "mod": _mod, "shift_left": _shift,
     "shift_right": _shift, "argmax": _arg, "argmin": _arg, "matmul": _matmul, "einsum": _einsum, "conv": _conv,
-    "max_pool": _pool, "avg_pool": _pool, "softmax": _softmax, "layer_norm": _layer_norm, "attention": _attention,
+    "max_pool": _pool, "avg_pool": _pool, "softmax": _softmax, "layer_norm": _layer_norm,
     "reshape": _reshape, "broadcast": _broadcast, "transpose": _transpose, "concat": _concat, "split": _split,
     "slice": _slice, "gather": _gather, "gather_elements": _gather_elements, "pad": _pad, "tile": _tile,
     "cumsum": _cumsum, "trilu": _trilu, "constant": _constant, "weight": _weight, "iota": _iota,
@@ -809,9 +788,10 @@ _EXPORT: dict[str, Callable] = {
     "nonzero": _nonzero, "unique": _unique, "narrow": _narrow, "non_max_suppression": _non_max_suppression,
     "rnn": _rnn, "assert_size": lambda ex, op, ins: [ex.one("Identity", ins[0])],
 }
-EXPORTABLE = frozenset(_EXPORT) | frozenset(UNARY) | frozenset(BINARY) | frozenset(REDUCE) | {"ne"}
-# The lowering table (backends/lowering.py): ONNX nodes, or the stated refusal.
-LOWERINGS = table(template=sorted(EXPORTABLE), fallback={
+TEMPLATES = frozenset(_EXPORT) | frozenset(UNARY) | frozenset(BINARY) | frozenset(REDUCE) | {"ne"}
+EXPORTABLE = TEMPLATES | frozenset(DECOMPOSED)
+# The lowering table (backends/lowering.py): ONNX nodes, decompositions, or the stated refusal.
+LOWERINGS = table(template=sorted(TEMPLATES), decompose=DECOMPOSED, fallback={
     **{n: f"refused: {r}" for n, r in NO_ONNX_OP.items()},
     "bitcast": "refused by name: ONNX BitCast came in opset 26, this exporter writes opset 21"})
 
@@ -836,13 +816,31 @@ def export(model: Model, name: str = "tilegraph"):
     if refused:
         raise ExportError(f"cannot export to ONNX: {len(refused)} unsupported op{'s' if len(refused) > 1 else ''} "
                           "or types:\n" + "\n".join(refused))
-    exporter = _Exporter(model)
+    spelled, where = _decomposed(model)
+    exporter = _Exporter(spelled)
     proto = exporter.build(name)
     try:
         onnx.checker.check_model(proto, full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
         raise ExportError(f"the exported ONNX model does not check (an exporter bug): {e}") from None
-    return proto, dict(exporter.names), dict(exporter.code_offsets)
+    names = {v: exporter.names[c] for v, c in where.items() if c in exporter.names}
+    return proto, names, dict(exporter.code_offsets)
+
+
+def _decomposed(model: Model) -> tuple[Model, dict]:
+    """A copy of `model` with the DECOMPOSED ops spelled out, and where each value of `model` is in
+    it: its copy, or for a decomposed op's result the value that replaces it."""
+    where: dict = {}
+    copy = Model(model.module.clone(value_mapper=where), model.weights)
+    replaced = {}
+    for i, op in enumerate(list(_walk(copy.func.body.block))):
+        if isinstance(op, TgOp) and op.op_name in DECOMPOSED:
+            results = list(op.results)
+            new = expand(op)
+            if new is None:  # not reached for any attention the shape rules accept; an exporter bug if so
+                raise ExportError(f"cannot export to ONNX: {op.name} (op {i}) has no decomposition here")
+            replaced.update(zip(results, new))
+    return copy, {v: replaced.get(c, c) for v, c in where.items()}
 
 
 def save_onnx(model: Model, path: str | os.PathLike, name: str | None = None) -> Path:

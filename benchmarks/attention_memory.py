@@ -97,6 +97,14 @@ def onnx_model(seq: int, fused: bool):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=ONNX_IR_VERSION)
 
 
+# tilegraph's variants: the target, what its source shows when the attention got its kernel, and else why not
+COMPILED = {
+    "tilegraph": ("numpy", "attention_tiled",
+                  "tilegraph.compile did not tile the attention: the default pipeline lacks `tile`?"),
+    "tilegraph C": ("c", "tg_attention(", "the C backend did not lower the attention to its kernel"),
+}
+
+
 def make_runner(variant: str, seq: int, blocks: tuple[int, int]):
     """A zero-argument callable computing the attention of `inputs(seq)` one way."""
     from tilegraph.backends.numpy.attention import attention_tiled
@@ -110,25 +118,16 @@ def make_runner(variant: str, seq: int, blocks: tuple[int, int]):
     if variant in ("tiled t1", "tiled tN"):
         threads = 1 if variant == "tiled t1" else THREADS
         return lambda: attention_tiled(q, k, v, None, s, False, *blocks, threads=threads)
-    if variant == "tilegraph":
+    if variant in COMPILED:
         import tilegraph
         from tilegraph.ir import Graph
 
+        target, marker, missing = COMPILED[variant]
         g = Graph()
         tq, tk, tv = (g.input(n, (BATCH, HEADS, seq, HEAD_DIM), "f32") for n in "qkv")
-        compiled = tilegraph.compile(g.build(g.attention(tq, tk, tv, None, s, False), names=["y"]), target="numpy")
-        if "attention_tiled" not in compiled.source:
-            raise SystemExit("tilegraph.compile did not tile the attention: the default pipeline lacks `tile`?")
-        return lambda: compiled(q, k, v)
-    if variant == "tilegraph C":
-        import tilegraph
-        from tilegraph.ir import Graph
-
-        g = Graph()
-        tq, tk, tv = (g.input(n, (BATCH, HEADS, seq, HEAD_DIM), "f32") for n in "qkv")
-        compiled = tilegraph.compile(g.build(g.attention(tq, tk, tv, None, s, False), names=["y"]), target="c")
-        if "tg_attention(" not in compiled.source:
-            raise SystemExit("the C backend did not lower the attention to its kernel")
+        compiled = tilegraph.compile(g.build(g.attention(tq, tk, tv, None, s, False), names=["y"]), target=target)
+        if marker not in compiled.source:
+            raise SystemExit(missing)
         return lambda: compiled(q, k, v)
     if variant == "torch SDPA":
         import torch

@@ -260,12 +260,7 @@ def run_quantized(args, cuda: bool, device) -> dict:
         cosine = torch.nn.functional.cosine_similarity
         result["cosine"] = {n: float(cosine(e, ref, dim=-1).min()) for n, e in pooled.items()}
         result["finite"] = {n: bool(torch.isfinite(e).all()) for n, e in pooled.items()}
-        clock = call_seconds(cuda)
-        for fn in runners.values():
-            for _ in range(0 if args.dry_run else WARMUP_CALLS):
-                fn()
-        rounds = 1 if args.dry_run else (QUICK_ROUNDS if args.quick else ROUNDS)
-        result["seconds"] = interleaved(runners, rounds, clock)
+        result["seconds"] = warm_and_time(runners, args, cuda, dry_run_warmup=0)
     result["wrong"] = sorted(n for n, ok in result["finite"].items() if not ok)
     print_quantized(result, cuda)
     return result
@@ -327,6 +322,16 @@ def interleaved(runners: dict[str, Callable], rounds: int, clock) -> dict[str, l
         for name in names[shift:] + names[:shift]:
             samples[name].append(clock(runners[name]))
     return samples
+
+
+def warm_and_time(runners: dict[str, Callable], args, cuda: bool, dry_run_warmup: int) -> dict[str, list[float]]:
+    """WARMUP_CALLS untimed calls of each runner (dry_run_warmup with --dry-run), then the rounds
+    --quick / --dry-run ask for, interleaved."""
+    clock = call_seconds(cuda)
+    for fn in runners.values():
+        for _ in range(dry_run_warmup if args.dry_run else WARMUP_CALLS):
+            fn()
+    return interleaved(runners, 1 if args.dry_run else (QUICK_ROUNDS if args.quick else ROUNDS), clock)
 
 
 def median(xs) -> float:
@@ -615,12 +620,7 @@ def run_case(case: Case, args, cuda: bool, device, ceiling: tuple[float, float] 
 
         result["errors"] = errors
         result["wrong"] = sorted(n for n, e in errors.items() if not e <= PEER_RELATIVE_ERROR)
-        clock = call_seconds(cuda)
-        for fn in runners.values():
-            for _ in range(1 if args.dry_run else WARMUP_CALLS):
-                fn()
-        rounds = 1 if args.dry_run else (QUICK_ROUNDS if args.quick else ROUNDS)
-        result["seconds"] = interleaved(runners, rounds, clock)
+        result["seconds"] = warm_and_time(runners, args, cuda, dry_run_warmup=1)
     result["kernels"] = kernel_profile(compiled, inputs, cuda, args.quick or args.dry_run)
     result["host_ops"] = dict(runner.host_ops)
     result["n_kernels"] = len(runner.kernels)

@@ -12,9 +12,9 @@ take the dtype of x as NumPy's weak Python scalars do):
   softmax    e = exp(x - max(x)); e / sum(e)            (max subtracted first)
   layer_norm c = x - mean(x); c / sqrt(mean(c*c) + eps) * scale + bias
   gelu       0.5*x * (1 + erf(x * 1/sqrt(2)))    or the tanh formula
-  attention  softmax(q @ k^T * scale, masked) @ v; the causal mask is
-             trilu(true, k = Lk - Lq), masked scores are -inf
-An attention whose causal offset Lk - Lq is not a known integer is left whole.
+  attention  softmax(q @ k^T * scale, masked) @ v, the softmax as its op; the causal mask is
+             trilu(true, k = Lk - Lq), masked scores are -inf; where Lk - Lq is
+             symbolic, the same band from indices counted at run time
 
 Below them, the composites both frontends build for ops tg has none of (Elu, Softplus,
 Mish, HardSigmoid, HardSwish, LeakyReLU/PReLU, Swish/SiLU, BatchNorm, GroupNorm, RMSNorm),
@@ -130,11 +130,13 @@ def _attention(op, emit):
     shape = info(scores).shape
     minus_inf = None
     if op.attr("causal"):
-        offset = normalize_dim(sympy.sympify(shape[-1]) - sympy.sympify(shape[-2]))
-        if not isinstance(offset, int):
-            return None
-        ones = emit("broadcast", emit.constant(True, "i1"), result=TensorInfo(shape[-2:], "i1"))
-        keep = emit("trilu", ones, k=offset, upper=False)
+        lq, lk = shape[-2:]
+        offset = normalize_dim(sympy.sympify(lk) - sympy.sympify(lq))
+        if isinstance(offset, int):
+            ones = emit("broadcast", emit.constant(True, "i1"), result=TensorInfo((lq, lk), "i1"))
+            keep = emit("trilu", ones, k=offset, upper=False)
+        else:  # j - i <= Lk - Lq as (Lk - 1 - j) >= (Lq - 1 - i): counted at run time, no size needed
+            keep = emit("ge", _count_after(emit, lk, 1), _count_after(emit, lq, 0))
         minus_inf = emit.constant(-math.inf, dt)
         scores = emit("where", keep, scores, minus_inf)
     if mask:
@@ -142,9 +144,15 @@ def _attention(op, emit):
             scores = emit("where", mask[0], scores, minus_inf or emit.constant(-math.inf, dt))
         else:
             scores = emit("add", scores, mask[0])
-        if info(scores).shape != shape:
-            return None  # a mask with more batch dims than q, k, v: kept whole
-    return emit("matmul", softmax(emit, scores, -1), v)
+    # the softmax op, which a backend that has one keeps (ONNX Softmax) and `decompose` spells out too
+    return emit("matmul", emit("softmax", scores, axis=-1), v)
+
+
+def _count_after(emit, n, axis: int):
+    """n - 1 - index along `axis` of a (n, 1) or (1, n) i64 tensor: an exclusive reverse cumsum of ones."""
+    shape = (n, 1) if axis == 0 else (1, n)
+    ones = emit("broadcast", emit.constant(1, "i64"), result=TensorInfo(shape, "i64"))
+    return emit("cumsum", ones, axis=axis, exclusive=True, reverse=True)
 
 
 # --- composites the frontends build ---------------------------------------------------
@@ -282,9 +290,9 @@ DECOMPOSITIONS = {
 }
 
 
-def expand(op: TgOp) -> bool:
-    """Replace `op` in place by its decomposition; False (the op kept) where it has none
-    (an attention with a symbolic causal offset) or the spelled-out type would differ."""
+def expand(op: TgOp) -> list[SSAValue] | None:
+    """Replace `op` in place by its decomposition and return the values that replace its results;
+    None (the op kept) where the shape rules refuse a step or the spelled-out type would differ."""
     emit = Emit()
     try:
         new = DECOMPOSITIONS[op.op_name](op, emit)
@@ -293,6 +301,6 @@ def expand(op: TgOp) -> bool:
     values = [] if new is None else [new] if isinstance(new, SSAValue) else list(new)
     if new is None or len(values) != len(op.results) or any(v.type != r.type for v, r in zip(values, op.results)):
         emit.discard()
-        return False
+        return None
     Rewriter.replace_op(op, emit.ops, values)
-    return True
+    return values

@@ -5,7 +5,7 @@ the result which loop dim each tensor dim runs over (None: a broadcast dim of si
 1, or a dim no loop splits). `reduce` names the loops whose split leaves partial
 results (a matmul's k, a reduce_sum's axes), combined as `kind`; loops in `fixed`
 cannot be split (a softmax's axis, attention's key and head dims, a gathered table's
-rows). The sharding planner (`passes/sharding.py`) splits these; an op whose `loops`
+rows). The sharding planner (`passes/shard_strategies.py`) splits these; an op whose `loops`
 is None, or whose function returns None, runs replicated.
 
 Each function takes (operand infos, result info, attributes).

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from xdsl.context import Context
 from xdsl.dialects.builtin import Builtin, DictionaryAttr, ModuleOp, StringAttr
-from xdsl.dialects.func import Func, FuncOp, ReturnOp
+from xdsl.dialects.func import Func, FuncOp
 from xdsl.ir import Operation
 from xdsl.parser import Parser
 from xdsl.printer import Printer
@@ -314,7 +314,3 @@ def ssa_hint(name: str) -> str | None:
     if not hint or hint[0].isdigit() or not _SSA_NAME.match(hint):
         hint = "v_" + hint
     return hint if not re.fullmatch(r"_?\d+", hint) else None
-
-
-def return_op(values) -> ReturnOp:
-    return ReturnOp(*values)

@@ -108,8 +108,6 @@ class OpSpec:
         return (required, len(self.operands))
 
 
-ATTR_KINDS = ("int", "float", "bool", "str", "ints", "floats", "dense")
-
 OPS: dict[str, OpSpec] = {}
 
 
@@ -1114,13 +1112,6 @@ _op("matmul_integer", ["lhs", "rhs", "lhs_zero_point?"], _matmul_integer,
     "K.matmul_integer({lhs}, {rhs}, {lhs_zero_point})", "quantize",
     doc="(lhs - lhs_zero_point) @ rhs on integers, exact, accumulated in i32 (ONNX MatMulInteger with a "
         "symmetric rhs)")
-
-def op_spec(name: str) -> OpSpec:
-    try:
-        return OPS[name.removeprefix("tg.")]
-    except KeyError:
-        raise KeyError(f"unknown op tg.{name}") from None
-
 
 def normalize_attrs(spec: OpSpec, attrs: dict[str, Any]) -> dict[str, Any]:
     """Fill defaults and check names; raise a ShapeError naming the op otherwise."""

@@ -37,66 +37,36 @@ _TENSOR = MemRefType.constr() | TensorType.constr()
 _AXIS = IntegerAttr.constr(IndexTypeConstr)
 
 
-@irdl_op_definition
-class AllGatherOp(CollectiveCommunicationOp):
-    """Concatenate the group's tensors along `gather_axis`, on every member.
-
-    See [MLIR](https://mlir.llvm.org/docs/Dialects/Shard/#shardall_gather-shardallgatherop)."""
-
-    name = "shard.all_gather"
-    input = operand_def(_TENSOR)
-    gather_axis = prop_def(_AXIS)
-    result = result_def(_TENSOR)
-    traits = traits_def(Pure())
-    assembly_format = ("$input `on` $grid (`grid_axes` `=` $grid_axes^)? `gather_axis` `=` $gather_axis "
-                       "attr-dict `:` type($input) `->` type($result)")
-
-
-@irdl_op_definition
-class ReduceScatterOp(CollectiveCommunicationOp):
-    """Reduce the group's tensors and keep this member's slice along `scatter_axis`.
-
-    See [MLIR](https://mlir.llvm.org/docs/Dialects/Shard/#shardreduce_scatter-shardreducescatterop)."""
-
-    name = "shard.reduce_scatter"
-    input = operand_def(_TENSOR)
-    reduction = prop_def(ReductionKindAttr, default_value=ReductionKindAttr(ReductionKind.SUM))
-    scatter_axis = prop_def(_AXIS)
-    result = result_def(_TENSOR)
-    traits = traits_def(Pure())
-    assembly_format = ("$input `on` $grid (`grid_axes` `=` $grid_axes^)? (`reduction` `=` $reduction^)? "
-                       "`scatter_axis` `=` $scatter_axis attr-dict `:` type($input) `->` type($result)")
+def _collective(cls_name: str, name: str, doc: str, anchor: str, *axes: str, reduction: bool = False) -> type:
+    """A collective of MLIR's shape: one tensor in, one out, on `grid` over `grid_axes`, with the
+    index properties `axes` (and a reduction kind); its syntax is MLIR's, derived from those fields."""
+    fields = {"__doc__": f"{doc}\n\n    See [MLIR](https://mlir.llvm.org/docs/Dialects/Shard/#{anchor}).",
+              "__module__": __name__, "__qualname__": cls_name, "name": name, "input": operand_def(_TENSOR)}
+    if reduction:
+        fields["reduction"] = prop_def(ReductionKindAttr, default_value=ReductionKindAttr(ReductionKind.SUM))
+    fields.update({axis: prop_def(_AXIS) for axis in axes})
+    fields.update(result=result_def(_TENSOR), traits=traits_def(Pure()))
+    fields["assembly_format"] = " ".join(
+        ["$input `on` $grid (`grid_axes` `=` $grid_axes^)?", *(["(`reduction` `=` $reduction^)?"] if reduction else []),
+         *(f"`{axis}` `=` ${axis}" for axis in axes), "attr-dict `:` type($input) `->` type($result)"])
+    return irdl_op_definition(type(cls_name, (CollectiveCommunicationOp,), fields))
 
 
-@irdl_op_definition
-class AllToAllOp(CollectiveCommunicationOp):
-    """Piece j of the tensor cut along `split_axis` goes to member j; arrivals concatenate along `concat_axis`.
-
-    See [MLIR](https://mlir.llvm.org/docs/Dialects/Shard/#shardall_to_all-shardalltoallop)."""
-
-    name = "shard.all_to_all"
-    input = operand_def(_TENSOR)
-    split_axis = prop_def(_AXIS)
-    concat_axis = prop_def(_AXIS)
-    result = result_def(_TENSOR)
-    traits = traits_def(Pure())
-    assembly_format = ("$input `on` $grid (`grid_axes` `=` $grid_axes^)? `split_axis` `=` $split_axis "
-                       "`concat_axis` `=` $concat_axis attr-dict `:` type($input) `->` type($result)")
-
-
-@irdl_op_definition
-class AllSliceOp(CollectiveCommunicationOp):
-    """Keep this member's slice along `slice_axis` of a tensor the group holds alike (no communication).
-
-    See [MLIR](https://mlir.llvm.org/docs/Dialects/Shard/#shardall_slice-shardallsliceop)."""
-
-    name = "shard.all_slice"
-    input = operand_def(_TENSOR)
-    slice_axis = prop_def(_AXIS)
-    result = result_def(_TENSOR)
-    traits = traits_def(Pure())
-    assembly_format = ("$input `on` $grid (`grid_axes` `=` $grid_axes^)? `slice_axis` `=` $slice_axis "
-                       "attr-dict `:` type($input) `->` type($result)")
+AllGatherOp = _collective(
+    "AllGatherOp", "shard.all_gather", "Concatenate the group's tensors along `gather_axis`, on every member.",
+    "shardall_gather-shardallgatherop", "gather_axis")
+ReduceScatterOp = _collective(
+    "ReduceScatterOp", "shard.reduce_scatter",
+    "Reduce the group's tensors and keep this member's slice along `scatter_axis`.",
+    "shardreduce_scatter-shardreducescatterop", "scatter_axis", reduction=True)
+AllToAllOp = _collective(
+    "AllToAllOp", "shard.all_to_all",
+    "Piece j of the tensor cut along `split_axis` goes to member j; arrivals concatenate along `concat_axis`.",
+    "shardall_to_all-shardalltoallop", "split_axis", "concat_axis")
+AllSliceOp = _collective(
+    "AllSliceOp", "shard.all_slice",
+    "Keep this member's slice along `slice_axis` of a tensor the group holds alike (no communication).",
+    "shardall_slice-shardallsliceop", "slice_axis")
 
 
 ADDED = [AllGatherOp, ReduceScatterOp, AllToAllOp, AllSliceOp]

@@ -3,7 +3,8 @@
 What it decides: nothing clever. Frontends keep composites as single ops so the
 mapping stays one-to-one; this pass spells each one out in reductions,
 elementwise ops, transposes and matmuls, for the passes (fusion) and backends that
-want primitives. `decompose{ops=softmax,gelu}` restricts it to some composites.
+want primitives. `decompose{ops=softmax,gelu}` restricts it to some composites
+(attention spells out into a softmax op among others: `ops=attention` leaves that one).
 
 How: one rule per composite, from the decomposition library (ir/decompositions.py),
 which the backends that lack an op use too.

@@ -11,7 +11,7 @@ new @forward at local shapes, for concrete sizes of the symbolic dims:
     follows, over those mesh axes, with the op's reduction kind, or a
     `shard.reduce_scatter` when the result's annotation is split over them too;
   - where a consumer wants another sharding than the producer gave, the
-    collectives of `passes.sharding.reshard_steps` go between
+    collectives of `passes.shard_strategies.reshard_steps` go between
     (`shard.all_gather`, `shard.all_slice`, `shard.all_to_all`);
   - results are returned as local pieces, with their shardings in
     `Partitioned.out_specs` (`backends/simulated_mesh.py` gathers them).
@@ -38,7 +38,7 @@ from tilegraph.ir.shapes import TensorInfo, info_of, tensor_type, type_of
 from tilegraph.ir.shard import AllGatherOp, AllReduceOp, AllSliceOp, AllToAllOp, GridOp, ReduceScatterOp, ReductionKind, \
     ReductionKindAttr, ShardingOp, ShardOp, piece
 from tilegraph.passes.shard import GRID, read_annotations
-from tilegraph.passes.sharding import Spec, apply_step, loops_of, replicated, reshard_steps, shards
+from tilegraph.passes.shard_strategies import Spec, apply_step, loops_of, replicated, reshard_steps, shards
 
 
 class PartitionError(TilegraphError):

@@ -28,7 +28,7 @@ from tilegraph.ir.dialect import TgOp
 from tilegraph.passes.cost.collectives import GPUS_PER_NODE, Mesh
 from tilegraph.passes.cost.model import at, op_flops
 from tilegraph.passes.shard import FWD_BWD, LayoutError, Plan, ShardError, find_layers, plan
-from tilegraph.passes.sharding import base_name
+from tilegraph.passes.shard_strategies import base_name
 
 # Tensor-parallel degrees tried: powers of two up to a node (Megatron-LM keeps tensor
 # parallelism inside a node, Narayanan et al. 2021, takeaway #1).

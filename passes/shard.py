@@ -7,7 +7,7 @@ mesh axes each dim is split over), written into the IR as `shard.grid`,
 
 How (Zheng et al., "Alpa", OSDI 2022, section 4; alpa/shard_parallel/auto_sharding.py):
 
-    1. per op, its strategies (`passes/sharding.py`): replicated, or mesh axes
+    1. per op, its strategies (`passes/shard_strategies.py`): replicated, or mesh axes
        assigned to loop dims (a matmul's rows m, columns n, or contraction k, whose
        partial sums are all-reduced, or reduce-scattered onto a result dim)
     2. per strategy, on each device, for one training step (forward + backward), as components
@@ -81,7 +81,7 @@ from tilegraph.passes.cost.collectives import GPUS_PER_NODE, Mesh, parse_mesh
 from tilegraph.passes.cost.hardware import check_target, hardware
 from tilegraph.passes.cost.model import at, expected_sizes, op_cost
 from tilegraph.passes.remarks import remark
-from tilegraph.passes.sharding import (Spec, Strategy, apply_step, base_name, local_info, nbytes, pre_scatter, replicated,
+from tilegraph.passes.shard_strategies import (Spec, Strategy, apply_step, base_name, local_info, nbytes, pre_scatter, replicated,
                                       reshard_steps, source_strategies, spec_axes, spec_str, strategies, zero_variants)
 
 # Backward of a layer costs about twice its forward (two GEMMs per forward GEMM: the

@@ -438,3 +438,24 @@ def test_a_ceil_mode_pool_whose_last_window_starts_in_the_padding_runs_in_onnxru
                     g.op("reduce_sum", p, axes=(0, 2), keepdims=True))
     assert [n.op_type for n in to_onnx(model).graph.node].count("Slice") == 0
     assert_runs_as_interpreted(model, random_inputs(model, seed=0, sizes={"B": 3}))
+
+
+def test_attention_is_exported_as_its_decomposition_and_its_result_keeps_a_name():
+    """ONNX 21 has no Attention: the export writes the decomposition library's spelling of tg.attention,
+    the causal band included where Lk - Lq is symbolic (counted at run time); the attention's result
+    keeps an ONNX name, so the teacher-forced comparison checks the op as a whole."""
+    g = Graph()
+    q, k, v = g.input("q", ("B", "S", 8)), g.input("k", ("B", "T", 8)), g.input("v", ("B", "T", 3))
+    a = g.attention(q, k, v, g.input("m", ("B", "S", "T"), "i1"), scale=0.3, causal=True)
+    model = g.build(g.op("neg", a), names=["y"])
+    proto, names, _ = export(model)
+    kinds = [n.op_type for n in proto.graph.node]
+    assert "CumSum" in kinds and "Trilu" not in kinds and kinds.count("Softmax") == 1  # tg.softmax is ONNX's
+    attention = next(op for op in model.func.body.block.ops if op.op_name == "attention")
+    assert names[attention.results[0]] in {o for n in proto.graph.node for o in n.output}
+    for sizes in ({"B": 2, "S": 3, "T": 5}, {"B": 1, "S": 4, "T": 4}):
+        inputs = random_inputs(model, seed=1, sizes=sizes)
+        inputs[3] = inputs[3] | np.eye(sizes["S"], sizes["T"], sizes["T"] - sizes["S"], dtype=bool)  # no empty row
+        bad, _ = _teacher_forced_mismatches(model, inputs)
+        assert not bad, "\n".join(bad)
+        assert_runs_as_interpreted(model, inputs)

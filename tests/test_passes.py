@@ -491,6 +491,22 @@ def test_decompose_leaves_no_composite_ops():
         assert_close(a, b, "f32", 16)
 
 
+def test_decompose_spells_out_a_causal_band_whose_offset_is_symbolic():
+    # Lk - Lq = T - S is known only at run time: the band comes from indices counted then.
+    g, (q, k, v) = graph_with(("S", 8), ("T", 8), ("T", 3))
+    model = g.build(g.attention(q, k, v, causal=True))
+    out = after("decompose", model, """
+        CHECK: tg.cumsum %{{[0-9]+}} {axis = 1 : i64, exclusive = true, reverse = true} : tensor<1x?xi64, ["T"]>
+        CHECK: tg.cumsum %{{[0-9]+}} {axis = 0 : i64, exclusive = true, reverse = true} : tensor<?x1xi64, ["S"]>
+        CHECK: tg.ge
+    """)
+    assert composite_ops(out) == set()
+    for sizes in ({"S": 2, "T": 5}, {"S": 5, "T": 5}):
+        xs = random_inputs(model, seed=0, sizes=sizes)
+        # in f32, as above: the decomposition's scale constant is rounded to the model's dtype
+        assert_close(interpret(out, xs, float64=False)[0], interpret(model, xs, float64=False)[0], "f32", 8)
+
+
 def test_decompose_can_be_restricted_and_rejects_unknown_ops():
     g, (x,) = graph_with((2, 3))
     out = after("decompose{ops=softmax}", g.build(g.gelu(g.softmax(x))), """

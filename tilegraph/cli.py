@@ -45,27 +45,21 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     imp = sub.add_parser("import", help="import an .onnx or .pt2 model into tg IR")
-    imp.add_argument("model", help="model.onnx, model.pt2 or model.mlir")
-    imp.add_argument("-o", "--output", required=True, help="where to write the .mlir (weights go beside it)")
+    _shared(imp, output="where to write the .mlir (weights go beside it)")
 
     comp = sub.add_parser("compile", help="compile a model and write the emitted source")
-    comp.add_argument("model", help="model.onnx, model.pt2 or model.mlir")
+    _shared(comp, output="where to write the emitted source (.py)", pipeline=PIPELINE,
+            dim="with --report: evaluate the planned peak at this size of a symbolic dimension")
     comp.add_argument("--target", default="numpy", choices=list(TARGETS),
                       help="code generator: numpy, or triton (@triton.jit kernels for a GPU, fused and tiled "
                            "for it) (default: numpy)")
-    comp.add_argument("-p", "--pipeline", default=None, help="pass pipeline (default: the default pipeline)")
-    comp.add_argument("-o", "--output", required=True, help="where to write the emitted source (.py)")
     comp.add_argument("--report", action="store_true",
                       help="print kernel count, planned buffers, planned peak memory and weight bytes")
-    comp.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
-                      help="with --report: evaluate the planned peak at this size of a symbolic dimension")
 
     check = sub.add_parser("check", help="run tilegraph and onnxruntime on the same random inputs and compare")
-    check.add_argument("model", help="model.onnx")
-    check.add_argument("-p", "--pipeline", default=None, help="pass pipeline (default: the default pipeline)")
+    _shared(check, model="model.onnx", pipeline=PIPELINE,
+            dim="size of a symbolic dimension, e.g. --dim batch=2 (default: drawn from the seed)")
     check.add_argument("--seed", type=_non_negative, default=0)
-    check.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
-                       help="size of a symbolic dimension, e.g. --dim batch=2 (default: drawn from the seed)")
     check.add_argument("--int-high", type=_positive, default=2, metavar="N",
                        help="integer inputs are drawn from [0, N) (default 2: masks and flags in {0, 1}); "
                             "ids of an embedding from its whole table")
@@ -78,8 +72,7 @@ def _parser() -> argparse.ArgumentParser:
                                     "the calibration samples to observe every linear layer's activation range, "
                                     "and quantize by the scheme. Writes the quantized IR, its weights (4-bit "
                                     "ones two to a byte) and the activation ranges (.calib.npz) beside it.")
-    qz.add_argument("model", help="model.onnx, model.pt2 or model.mlir")
-    qz.add_argument("-o", "--output", required=True, help="where to write the quantized .mlir")
+    _shared(qz, output="where to write the quantized .mlir")
     qz.add_argument("--scheme", default="w8a8", choices=list(SCHEMES), help="(default: w8a8)")
     qz.add_argument("--calib", default=None, metavar="SAMPLES.npz",
                     help="calibration inputs, one array per model input named as it is, samples along the "
@@ -113,10 +106,8 @@ def _parser() -> argparse.ArgumentParser:
                                      "onnxruntime runs: quantized weights as int8/uint8/int4/float8 initializers "
                                      "with QuantizeLinear/DequantizeLinear/MatMulInteger nodes; MX formats "
                                      "widened exactly to float8 elements and float32 scales.")
-    exp.add_argument("model", help="model.onnx, model.pt2 or model.mlir (e.g. from tilegraph quantize)")
-    exp.add_argument("-o", "--output", required=True, help="the .onnx to write")
-    exp.add_argument("-p", "--pipeline", default=None,
-                     help="pass pipeline before export (default: the unfused default pipeline)")
+    _shared(exp, model=f"{MODEL} (e.g. from tilegraph quantize)", output="the .onnx to write",
+            pipeline="pass pipeline before export (default: the unfused default pipeline)")
 
     # --- calibrate: the measured CPU profile the cost model uses (backends/numpy/calibrate.py) ---
     cal = sub.add_parser("calibrate", help="measure this machine for the cost model (under a minute)")
@@ -130,12 +121,10 @@ def _parser() -> argparse.ArgumentParser:
                                       "kernel (fused group or unfused op) and the totals. Passes with a "
                                       "`target` option (fuse, tile) decide for --target unless the pipeline "
                                       "names one, e.g. -p 'canonicalize,fuse{target=cpu}'.")
-    cost.add_argument("model", help="model.onnx, model.pt2 or model.mlir")
+    _shared(cost, pipeline=PIPELINE,
+            dim=f"size of a symbolic dimension, e.g. --dim batch=8 (default: {DEFAULT_DIM} each)")
     cost.add_argument("--target", default="cpu",
                       help="hardware: h100, h200, a100 or cpu (this machine's calibrated profile; default)")
-    cost.add_argument("-p", "--pipeline", default=None, help="pass pipeline (default: the default pipeline)")
-    cost.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
-                      help=f"size of a symbolic dimension, e.g. --dim batch=8 (default: {DEFAULT_DIM} each)")
     cost.add_argument("--symbolic", action="store_true",
                       help="print the formulas (FLOPs, bytes, time as functions of the symbolic dims)")
 
@@ -146,15 +135,12 @@ def _parser() -> argparse.ArgumentParser:
                                        "predicted training step time (compute + collectives) under the "
                                        "per-device memory budget. Prints the plan per layer, the step time, "
                                        "its compute/communication split and the memory per device.")
-    shard.add_argument("model", help="model.onnx, model.pt2 or model.mlir")
+    _shared(shard, pipeline="passes to run before planning (default: the unfused default pipeline)",
+            dim=f"size of a symbolic dimension to plan at (default: {DEFAULT_DIM} each)")
     shard.add_argument("--mesh", default="8", help="device mesh: 8, or 2x4 (axes; the last inside a node)")
     shard.add_argument("--target", default="h100", help="the devices: h100, h200 or a100")
     shard.add_argument("--memory", default="", help="memory budget per device, e.g. 40GB (default: the device's)")
     shard.add_argument("--inference", action="store_true", help="plan a forward pass, not a training step")
-    shard.add_argument("-p", "--pipeline", default=None,
-                       help="passes to run before planning (default: the unfused default pipeline)")
-    shard.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
-                       help=f"size of a symbolic dimension to plan at (default: {DEFAULT_DIM} each)")
     shard.add_argument("--symbolic", action="store_true",
                        help="also print the plan's step time as a formula of the symbolic dims")
     shard.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
@@ -169,14 +155,11 @@ def _parser() -> argparse.ArgumentParser:
                                       "local processes joined by torch.distributed (gloo), and compare the "
                                       "gathered outputs with the single-device float64 interpreter on random "
                                       "inputs. Exit 1 when they differ beyond the dtype's tolerance.")
-    dist.add_argument("model", help="model.onnx, model.pt2 or model.mlir")
+    _shared(dist, pipeline="passes before sharding (default: the unfused default pipeline)",
+            dim="size of a symbolic dimension (default: the number of devices)")
     dist.add_argument("--devices", type=int, required=True, help="how many processes (the mesh, unless --mesh)")
     dist.add_argument("--mesh", default=None, help="mesh shape, e.g. 2x2 (default: --devices on one axis)")
     dist.add_argument("--target", default="h100", help="the hardware the plan is costed for (default h100)")
-    dist.add_argument("-p", "--pipeline", default=None,
-                      help="passes before sharding (default: the unfused default pipeline)")
-    dist.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
-                      help="size of a symbolic dimension (default: the number of devices)")
     dist.add_argument("--seed", type=_non_negative, default=0)
     dist.add_argument("--backend", default="numpy", choices=["numpy", "c"],
                       help="the backend that compiles each device's ops between its collectives (default numpy; "
@@ -191,6 +174,23 @@ def _parser() -> argparse.ArgumentParser:
                            "process (--backend)")
     dist.add_argument("--repeats", type=int, default=3, help="timed steps per run (the median is reported)")
     return p
+
+
+MODEL = "model.onnx, model.pt2 or model.mlir"
+PIPELINE = "pass pipeline (default: the default pipeline)"
+
+
+def _shared(parser: argparse.ArgumentParser, model: str = MODEL, output: str | None = None,
+            pipeline: str | None = None, dim: str | None = None) -> None:
+    """The options commands share, each added with the command's help text (None: it has none): the
+    model file, -o/--output (required), -p/--pipeline and --dim NAME=SIZE (repeatable)."""
+    parser.add_argument("model", help=model)
+    if output:
+        parser.add_argument("-o", "--output", required=True, help=output)
+    if pipeline:
+        parser.add_argument("-p", "--pipeline", default=None, help=pipeline)
+    if dim:
+        parser.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE", help=dim)
 
 
 def _non_negative(text: str) -> int:
@@ -897,7 +897,7 @@ def _run(args) -> int:
 
 
 def spec_text(spec) -> str:
-    from tilegraph.passes.sharding import spec_str
+    from tilegraph.passes.shard_strategies import spec_str
 
     return spec_str(spec)
 

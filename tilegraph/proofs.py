@@ -248,34 +248,34 @@ class Claim:
     commutes: bool = False
 
 
+REDUCE_OVER_NOTHING = "reduce over no axes or size-1 axes -> x (or its reshape)"
+
+
+def _forms(rule: str, *pairs: tuple[str, str], **kw) -> list[Claim]:
+    """One rule's claims: a (before, after) pair for each form it rewrites, the same options for all."""
+    return [Claim(rule, before, after, **kw) for before, after in pairs]
+
+
 CLAIMS: list[Claim] = [
-    Claim("x + 0 -> x, 0 + x -> x", "add(x, 0)", "x", nsz=True),
-    Claim("x + 0 -> x, 0 + x -> x", "add(0, x)", "x", nsz=True),
+    *_forms("x + 0 -> x, 0 + x -> x", ("add(x, 0)", "x"), ("add(0, x)", "x"), nsz=True),
     Claim("x - 0 -> x", "sub(x, 0)", "x", nsz=True, note="x - (-0) is x + 0"),
-    Claim("x * 1 -> x, 1 * x -> x", "mul(x, 1)", "x"),
-    Claim("x * 1 -> x, 1 * x -> x", "mul(1, x)", "x"),
+    *_forms("x * 1 -> x, 1 * x -> x", ("mul(x, 1)", "x"), ("mul(1, x)", "x")),
     Claim("x / 1 -> x", "div(x, 1)", "x"),
     Claim("x ** 1 -> x", "pow(x, 1)", "x"),
     Claim("x ** 2 -> x * x", "pow(x, 2)", "mul(x, x)"),
     Claim("x ** 3 -> x * x * x (integers)", "pow(x, 3)", "mul(mul(x, x), x)"),
     Claim("x - (-y) -> x + y", "sub(x, neg(y))", "add(x, y)"),
-    Claim("x + (-y) -> x - y, (-y) + x -> x - y", "add(x, neg(y))", "sub(x, y)"),
-    Claim("x + (-y) -> x - y, (-y) + x -> x - y", "add(neg(y), x)", "sub(x, y)"),
+    *_forms("x + (-y) -> x - y, (-y) + x -> x - y", ("add(x, neg(y))", "sub(x, y)"), ("add(neg(y), x)", "sub(x, y)")),
     Claim("0 - x -> -x", "sub(0, x)", "neg(x)", nsz=True),
-    Claim("c + x -> x + c, c * x -> x * c", "add(3, x)", "add(x, 3)", commutes=True),
-    Claim("c + x -> x + c, c * x -> x * c", "mul(3, x)", "mul(x, 3)", commutes=True),
-    Claim("neg(neg x) -> x, not(not x) -> x", "neg(neg(x))", "x"),
-    Claim("neg(neg x) -> x, not(not x) -> x", "not_(not_(x))", "x"),
-    Claim("abs(abs x) -> abs x, relu(relu x) -> relu x", "abs(abs(x))", "abs(x)"),
-    Claim("abs(abs x) -> abs x, relu(relu x) -> relu x", "relu(relu(x))", "relu(x)"),
+    *_forms("c + x -> x + c, c * x -> x * c", ("add(3, x)", "add(x, 3)"), ("mul(3, x)", "mul(x, 3)"), commutes=True),
+    *_forms("neg(neg x) -> x, not(not x) -> x", ("neg(neg(x))", "x"), ("not_(not_(x))", "x")),
+    *_forms("abs(abs x) -> abs x, relu(relu x) -> relu x", ("abs(abs(x))", "abs(x)"), ("relu(relu(x))", "relu(x)")),
     Claim("abs(neg x) -> abs x (signed and float types)", "abs(neg(x))", "abs(x)"),
     Claim("where(c, x, x) -> x", "where(c, x, x)", "x"),
-    Claim("where(true, x, y) -> x, where(false, x, y) -> y (broadcast to the result)", "where(True, x, y)", "x"),
-    Claim("where(true, x, y) -> x, where(false, x, y) -> y (broadcast to the result)", "where(False, x, y)", "y"),
-    *[Claim("reduce over no axes or size-1 axes -> x (or its reshape)", f"reduce_{k}(x)", "x")
-      for k in ("max", "min", "prod")],
-    *[Claim("reduce over no axes or size-1 axes -> x (or its reshape)", f"reduce_{k}(x)", "x", nsz=True)
-      for k in ("sum", "mean")],
+    *_forms("where(true, x, y) -> x, where(false, x, y) -> y (broadcast to the result)",
+            ("where(True, x, y)", "x"), ("where(False, x, y)", "y")),
+    *_forms(REDUCE_OVER_NOTHING, *((f"reduce_{k}(x)", "x") for k in ("max", "min", "prod"))),
+    *_forms(REDUCE_OVER_NOTHING, *((f"reduce_{k}(x)", "x") for k in ("sum", "mean")), nsz=True),
 ]
 
 # Claims that are false, each with the restriction it led to: the test asserts they stay refuted
@@ -619,8 +619,9 @@ def _broadcastable(z3, small, big):
     return z3.And([z3.Or(s == 1, s == big[k + a]) for a, s in enumerate(small)] or [z3.BoolVal(True)])
 
 
-def lemma_broadcast_broadcast(r1, r2, r3) -> bool:
-    """broadcast(broadcast(x, s2), s3) reads x where broadcast(x, s3) does (ranks r1 <= r2 <= r3)."""
+def _two_broadcasts_read_as_one(r1, r2, r3, *, direct_shape_checked: bool = False) -> bool:
+    """Broadcasting x (rank r1) to s2 (rank r2) and then to s3 (rank r3) reads x at every index of s3
+    where broadcasting x to s3 at once does (unsat: no shapes and index where they differ)."""
     import z3
 
     d1 = [z3.Int(f"a{i}") for i in range(r1)]
@@ -630,27 +631,23 @@ def lemma_broadcast_broadcast(r1, r2, r3) -> bool:
     s = z3.Solver()
     _add(s, [d >= 1 for d in d1 + d2 + d3], [z3.And(i >= 0, i < d) for i, d in zip(i3, d3)])
     _add(s, _broadcastable(z3, d1, d2), _broadcastable(z3, d2, d3))
+    if direct_shape_checked:
+        _add(s, _broadcastable(z3, d1, d3))
     via = _broadcast_map(z3, _broadcast_map(z3, i3, d2), d1)
     direct = _broadcast_map(z3, i3, d1)
     _add(s, z3.Not(z3.And([a == b for a, b in zip(via, direct)] or [z3.BoolVal(True)])))
     return s.check() == z3.unsat
 
 
+def lemma_broadcast_broadcast(r1, r2, r3) -> bool:
+    """broadcast(broadcast(x, s2), s3) reads x where broadcast(x, s3) does (ranks r1 <= r2 <= r3)."""
+    return _two_broadcasts_read_as_one(r1, r2, r3)
+
+
 def lemma_broadcast_direct(r1, r2, r3) -> bool:
     """op(x, broadcast(b, s)) -> op(x, b) when the result shape is unchanged: the elementwise op's own
     broadcast of b to the result reads b where broadcasting b to s, then s to the result, does."""
-    import z3
-
-    d1 = [z3.Int(f"a{i}") for i in range(r1)]
-    d2 = [z3.Int(f"b{i}") for i in range(r2)]
-    d3 = [z3.Int(f"c{i}") for i in range(r3)]
-    i3 = [z3.Int(f"i{i}") for i in range(r3)]
-    s = z3.Solver()
-    _add(s, [d >= 1 for d in d1 + d2 + d3], [z3.And(i >= 0, i < d) for i, d in zip(i3, d3)])
-    _add(s, _broadcastable(z3, d1, d2), _broadcastable(z3, d2, d3), _broadcastable(z3, d1, d3))
-    via = _broadcast_map(z3, _broadcast_map(z3, i3, d2), d1)
-    _add(s, z3.Not(z3.And([a == b for a, b in zip(via, _broadcast_map(z3, i3, d1))] or [z3.BoolVal(True)])))
-    return s.check() == z3.unsat
+    return _two_broadcasts_read_as_one(r1, r2, r3, direct_shape_checked=True)
 
 
 def lemma_broadcast_as_reshape(r1, r2) -> bool:
@@ -663,10 +660,8 @@ def lemma_broadcast_as_reshape(r1, r2) -> bool:
     _add(s, [d >= 1 for d in d1 + d2], _broadcastable(z3, d1, d2))
     _add(s, z3.Product(d1) == z3.Product(d2) if d1 else z3.Product(d2) == 1)
     k = r2 - r1
-    new = d2[:k] + [b for a, b in zip(d1, d2[k:])]
     # every dim the broadcast repeats along is 1: new leading dims, and dims where x has 1
     _add(s, z3.Not(z3.And([d == 1 for d in d2[:k]] + [z3.Or(a != 1, b == 1) for a, b in zip(d1, d2[k:])])))
-    del new
     return s.check() == z3.unsat
 
 

@@ -93,10 +93,6 @@ def compute_type(dtype: str) -> str:
     return TL_TYPES[dtype]
 
 
-def next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
 @dataclass
 class Param:
     name: str

@@ -221,6 +221,13 @@ class _Layer:
             return None
         return activation_params(self.rng, self.s.activation, self.p.symmetric)
 
+    def _quantize_static(self, a: SSAValue, static) -> tuple[SSAValue, SSAValue | None, SSAValue]:
+        """(scale, zero point or None, codes) of `a` quantized by the calibrated `static` parameters."""
+        scale, zp, storage = static
+        sv = self.emit("constant", value=scale, result=TensorInfo((), "f32")).results[0]
+        zv = self.emit("constant", value=zp, result=TensorInfo((), storage)).results[0] if zp is not None else None
+        return sv, zv, self.emit("quantize", a, sv, zv, to=storage).results[0]
+
     def _fake_quant_activation(self, a: SSAValue) -> SSAValue:
         s = self.s
         rank = info_of(a.type).rank
@@ -229,10 +236,7 @@ class _Layer:
             q, qs = self.emit("dynamic_quantize", a, to=s.activation, block_size=MX_BLOCK if s.mx else 0).results
             return self.emit("dequantize", q, qs, to=self.dtype, axis=rank - 1,
                              block_size=MX_BLOCK if s.mx else 0).results[0]
-        scale, zp, storage = static
-        sv = self.emit("constant", value=scale, result=TensorInfo((), "f32")).results[0]
-        zv = self.emit("constant", value=zp, result=TensorInfo((), storage)).results[0] if zp is not None else None
-        q = self.emit("quantize", a, sv, zv, to=storage).results[0]
+        sv, zv, q = self._quantize_static(a, static)
         return self.emit("dequantize", q, sv, zv, to=self.dtype).results[0]
 
     def _integer_gemm(self, a: SSAValue, wq: SSAValue, wscale: np.ndarray) -> SSAValue:
@@ -246,11 +250,8 @@ class _Layer:
             y = self.emit("dequantize", acc, ws, to=self.dtype, axis=rank - 1).results[0]
             rs = row_scale if self.dtype == "f32" else self.emit("cast", row_scale, to=self.dtype).results[0]
             return self.emit("mul", y, rs).results[0]
-        scale, zp, storage = static
-        sv = self.emit("constant", value=scale, result=TensorInfo((), "f32")).results[0]
-        zv = self.emit("constant", value=zp, result=TensorInfo((), storage)).results[0] if zp is not None else None
-        q = self.emit("quantize", a, sv, zv, to=storage).results[0]
+        _, zv, q = self._quantize_static(a, static)
         acc = self.emit("matmul_integer", q, wq, zv).results[0]
-        combined = (np.float32(scale) * np.asarray(wscale, np.float32)).astype(np.float32)
+        combined = (np.float32(static[0]) * np.asarray(wscale, np.float32)).astype(np.float32)
         cs = self.array(self.name + ".acc_scale", np.broadcast_to(combined, (info_of(wq.type).shape[1],)))
         return self.emit("dequantize", acc, cs, to=self.dtype, axis=rank - 1).results[0]

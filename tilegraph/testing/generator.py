@@ -270,7 +270,8 @@ class _GraphDrawer:
         made = getattr(self, "op_" + kind, None)
         if made is None:
             # Families drawn by one method that takes the op's name.
-            family = self.op_reduce if kind in REDUCE_OPS else self.op_compare if kind in COMPARE_OPS else self.op_unary
+            family = self.op_reduce if kind in REDUCE_OPS else self.op_compare if kind in COMPARE_OPS else \
+                self.op_binary if kind in BINARY_OPS else self.op_unary
             v = family(kind, x)
         else:
             v = made(x)
@@ -306,9 +307,11 @@ class _GraphDrawer:
             return _Val(g.op(name, x.t), -1.0, 1.0)
         raise AssertionError(f"graphs(): no generator for op '{name}'")
 
-    def _binary(self, name, x, y):
+    def op_binary(self, name, x):
+        """add, sub, mul, max, min of x and a partner, with the bounds interval arithmetic gives."""
         from tilegraph.ir.shapes import broadcast_shapes
 
+        y = self.partner(x)
         if _size(broadcast_shapes(x.shape, y.shape)) > MAX_ELEMENTS:
             return None
         if self.flag("swap operands"):
@@ -322,21 +325,6 @@ class _GraphDrawer:
             "min": (min(x.lo, y.lo), min(x.hi, y.hi)),
         }[name]
         return _Val(self.g.op(name, x.t, y.t), lo, hi)
-
-    def op_add(self, x):
-        return self._binary("add", x, self.partner(x))
-
-    def op_sub(self, x):
-        return self._binary("sub", x, self.partner(x))
-
-    def op_mul(self, x):
-        return self._binary("mul", x, self.partner(x))
-
-    def op_max(self, x):
-        return self._binary("max", x, self.partner(x))
-
-    def op_min(self, x):
-        return self._binary("min", x, self.partner(x))
 
     def op_div(self, x):
         from tilegraph.ir.shapes import broadcast_shapes
