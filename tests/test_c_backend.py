@@ -311,3 +311,41 @@ def test_a_zero_pad_before_a_convolution_is_its_padding():
         assert sum(s.comment.startswith("pad") for s in compiled.program.steps) == pad_steps
         for got, want in zip(compiled(x), interpret(model, [x])):
             assert_close(got, want, "f32", reduction_length=27)
+
+
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(1, 9), width=st.integers(1, 70), seed=st.integers(0, 99))
+def test_a_group_of_row_reductions_is_one_pass_over_the_rows(rows, width, seed):
+    """An RMS norm and a softmax spelled out in ops (Llama's, a hand-written one): each
+    fused group is one native step, whatever the row width, and matches the interpreter."""
+    from tilegraph.ir import Graph
+
+    rng = np.random.default_rng(seed)
+    g = Graph()
+    x = g.input("x", ("S", width))
+    w = g.weight("w", rng.standard_normal(width).astype(np.float32))
+    rms = x * g.rsqrt(g.reduce_mean(x * x, axes=(-1,), keepdims=True) + g.constant(np.float32(1e-6))) * w
+    e = g.exp(x - g.reduce_max(x, axes=(-1,), keepdims=True))
+    model = g.build(rms, e / g.reduce_sum(e, axes=(-1,), keepdims=True), names=["rms", "softmax"])
+    compiled = tilegraph.compile(model, target="c", pipeline="fuse")
+    assert [s.comment.split(":")[0] for s in compiled._runner.program.steps] == ["fusion elementwise"] * 2
+    xs = rng.standard_normal((rows, width)).astype(np.float32)
+    for got, want, name in zip(compiled.run(xs), interpret(model, [xs]), model.output_names):
+        assert_close(got, want, "f32", reduction_length=width, name=name)
+
+
+def test_a_gated_mlp_runs_its_sibling_gemms_then_one_loop():
+    """Llama's MLP: silu(x @ Wg) * (x @ Wu), fused as sibling GEMMs of one input: two
+    GEMMs and one elementwise loop (it once fell back to a step per op)."""
+    from tilegraph.ir import Graph
+
+    rng = np.random.default_rng(0)
+    g = Graph()
+    x = g.input("x", ("B", 16, 32))
+    gate = x @ g.weight("wg", rng.standard_normal((32, 64)).astype(np.float32))
+    up = x @ g.weight("wu", rng.standard_normal((32, 64)).astype(np.float32))
+    model = g.build(gate * g.sigmoid(gate) * up, names=["h"])
+    compiled = tilegraph.compile(model, target="c")
+    assert [s.comment.split(" ")[0] for s in compiled._runner.program.steps] == ["matmul", "matmul", "fusion"]
+    xs = rng.standard_normal((2, 16, 32)).astype(np.float32)
+    assert_close(compiled(xs), interpret(model, [xs])[0], "f32", reduction_length=32)

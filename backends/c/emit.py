@@ -757,12 +757,14 @@ class CEmitter:
         done = False
         try:
             if group.kind == "elementwise":
-                done = self.fused_elementwise(group, ops, env, yields)
+                done = self.fused_elementwise(group, ops, env, yields) or self.fused_rows(group, ops, env, yields)
             elif ops and ops[0].op_name in ("matmul", "conv") and group.kind in ("matmul_epilogue", "conv_epilogue",
                                                                                   "matmul", "reduction"):
                 done = self.fused_contraction(group, ops, env, yields)
+            elif group.kind == "horizontal_matmul":
+                done = self.fused_siblings(group, ops, env, yields)
             elif group.kind == "reduction":
-                done = self.fused_row(group, ops, env, yields)
+                done = self.fused_row(group, ops, env, yields) or self.fused_rows(group, ops, env, yields)
         except Unsupported:
             done = False
         if not done:
@@ -831,6 +833,141 @@ class CEmitter:
             env[x] = out
         result = self.row_op(last, [env[v] for v in last.operands], in_place=bool(pro) and _only_use(x, last))
         env[last.results[0]] = result
+        return True
+
+    def fused_rows(self, group: FusionOp, ops, env, yields) -> bool:
+        """Elementwise ops and reductions over the last axis (keepdims) that keep the rows
+        (an RMS norm, a hand-written softmax): one pass over the rows, each reduction a loop
+        over its row, every other value an expression computed where it is read (a row
+        stays in cache: no intermediate goes through memory)."""
+        widths: dict[SSAValue, Any] = {}  # computed value -> its last dim (the row's width, or 1)
+        inputs: dict[SSAValue, View] = {}
+        body: list[TgOp] = []
+        shapes = [info_of(y.type).shape for y in yields]
+        if not shapes or not all(shapes):
+            return False
+        full = next((sh for sh in shapes if not _is_one(sh[-1])), shapes[0])  # rows of width 1: all of them
+        lead, width = tuple(full[:-1]), full[-1]
+        for op in ops:
+            if op.op_name == "constant":
+                env[op.results[0]] = self.constant(op)
+                continue
+            if op.op_name in ("reshape", "transpose", "broadcast") and op.operands[0] not in widths:
+                env[op.results[0]] = self.layout(op, [env[op.operands[0]]])[0]
+                continue
+            shape = info_of(op.results[0].type).shape
+            if len(shape) != len(full) or not all(_eq(a, b) for a, b in zip(shape[:-1], lead)) or \
+                    not (_is_one(shape[-1]) or _eq(shape[-1], width)) or len(op.results) != 1:
+                return False
+            if op.op_name in ("reduce_sum", "reduce_mean", "reduce_max", "reduce_min"):
+                src = op.operands[0]
+                if [a % len(full) for a in op.attr("axes")] != [len(full) - 1] or not op.attr("keepdims") or \
+                        info_of(src.type).dtype not in FLOATS or not _eq(info_of(src.type).shape[-1], width):
+                    return False
+            elif not (op.SPEC.category == "elementwise" or op.op_name == "gelu"):
+                return False
+            self._check_dtypes(op, [env[v] for v in op.operands if v in env])
+            for v in op.operands:
+                if v not in widths and v not in inputs:
+                    if env[v].rank > len(full):
+                        return False
+                    inputs[v] = env[v]
+            widths[op.results[0]] = 1 if _is_one(shape[-1]) else width
+            body.append(op)
+        if not any(o.op_name.startswith("reduce_") for o in body) or any(y not in widths for y in yields):
+            return False
+        # Inputs broadcast to a row of the group: (lead..., width) or (lead..., 1).
+        reads = {v: self.broadcast(view, lead + ((1,) if _is_one(view.shape[-1]) and view.rank else (width,)))
+                 if view.rank else self.broadcast(view, lead + (1,)) for v, view in inputs.items()}
+        outs = {y: self._temp(info_of(y.type)) for y in dict.fromkeys(yields)}
+        views = list(reads.values()) + list(outs.values())
+        index = {v: k for k, v in enumerate(list(reads) + list(outs))}
+        n_lead = len(lead)
+
+        def ref(v: SSAValue, view: View, at_j: bool) -> str:
+            if view.literal is not None:
+                return view.literal
+            st = self.ints(view.strides[-1]) if at_j and not _is_one(view.shape[-1]) else "0"
+            return f"r{index[v]}[{'0' if st == '0' else 'j' if st == '1' else f'j * {st}'}]"
+
+        def row_values(targets: list[SSAValue]) -> tuple[list[str], dict]:
+            """Statements computing `targets` (full-width values) at column j, and their names."""
+            names: dict[SSAValue, str] = {}
+            need: set[SSAValue] = set()
+            stack = list(targets)
+            while stack:
+                v = stack.pop()
+                if v in need or v not in widths or widths[v] == 1:
+                    continue
+                need.add(v)
+                stack += list(v.owner.operands)
+            lines = []
+            for k, o in enumerate(body):
+                if o.results[0] in need:
+                    args = [arg(v, names) for v in o.operands]
+                    dts = [info_of(v.type).dtype for v in o.operands]
+                    lines.append(f"const {CTYPES[o.result_infos()[0].dtype]} e{k} = {self.expr(o, args, dts)};")
+                    names[o.results[0]] = f"e{k}"
+            return lines, names
+
+        scalars: dict[SSAValue, str] = {}
+
+        def arg(v: SSAValue, names: dict) -> str:
+            if v in names:
+                return names[v]
+            if v in scalars:
+                return scalars[v]
+            return ref(v, reads[v], True)
+
+        inner = []
+        for k, o in enumerate(body):
+            if widths[o.results[0]] != 1:
+                continue
+            out_t = CTYPES[o.result_infos()[0].dtype]
+            if o.op_name.startswith("reduce_"):
+                kind = o.op_name[len("reduce_"):]
+                lines, names = row_values([o.operands[0]])
+                init = {"sum": "0", "mean": "0", "max": "-INFINITY", "min": "INFINITY"}[kind]
+                step = {"sum": "acc += v;", "mean": "acc += v;", "max": "acc = v > acc || v != v ? v : acc;",
+                        "min": "acc = v < acc || v != v ? v : acc;"}[kind]
+                inner += [f"{out_t} s{k};", "{", f"    double acc = {init};",
+                          f"    for (int64_t j = 0; j < {self.ints(width)}; j++) {{",
+                          *("        " + line for line in lines),
+                          f"        const double v = {arg(o.operands[0], names)};", "        " + step, "    }",
+                          f"    s{k} = ({out_t})(" + (f"acc / (double){self.ints(width)}" if kind == "mean" else "acc")
+                          + ");", "}"]
+            else:
+                dts = [info_of(v.type).dtype for v in o.operands]
+                inner.append(f"const {out_t} s{k} = {self.expr(o, [arg(v, {}) for v in o.operands], dts)};")
+            scalars[o.results[0]] = f"s{k}"
+        full_yields = [y for y in outs if widths[y] != 1]
+        for y in outs:
+            if widths[y] == 1:
+                inner.append(f"r{index[y]}[0] = {scalars[y]};")
+        if full_yields:
+            lines, names = row_values(full_yields)
+            inner += [f"for (int64_t j = 0; j < {self.ints(width)}; j++) {{", *("    " + line for line in lines)]
+            inner += [f"    r{index[y]}[j] = {names[y]};" for y in full_yields] + ["}"]
+        lines = ["{"]
+        for k, view in enumerate(views):
+            written = k >= len(reads)
+            if view.literal is None:
+                lines.append(f"    {'' if written else 'const '}{CTYPES[view.dtype]} *b{k} = {self.ptr(view, not written)};")
+        rows = self.ints(numel(lead)) if lead else "1"
+        if n_lead:
+            lines.append(f"    #pragma omp parallel for{f' collapse({n_lead})' if n_lead > 1 else ''} "
+                         f"if ({rows} * {self.ints(width)} > {PARALLEL_MIN})")
+            lines += [f"    for (int64_t i{d} = 0; i{d} < {self.ints(n)}; i{d}++)" for d, n in enumerate(lead)]
+        lines.append("    {")
+        for k, view in enumerate(views):
+            if view.literal is None:
+                written = k >= len(reads)
+                terms = "".join(f" + i{d} * {self.ints(view.strides[d])}" for d in range(n_lead)
+                                if self.ints(view.strides[d]) != "0")
+                lines.append(f"        {'' if written else 'const '}{CTYPES[view.dtype]} *r{k} = b{k}{terms};")
+        lines += ["        " + line for line in inner] + ["    }", "}"]
+        self._step(_describe(group), lines, list(reads.values()), list(outs.values()))
+        env.update(outs)
         return True
 
     def row_op(self, op: TgOp, xs: list[View], in_place: bool = False) -> View:
@@ -1190,6 +1327,20 @@ class CEmitter:
             elif not self._elementwise_rest(group, rest, env, yields):
                 for op in rest:
                     self.op(op, env)
+        return True
+
+    def fused_siblings(self, group: FusionOp, ops, env, yields) -> bool:
+        """Sibling GEMMs of one input (a gated MLP's gate and up projections), each on
+        oneDNN, then the ops that combine them as one loop."""
+        heads = [op for op in ops if op.op_name == "matmul"]
+        rest = [op for op in ops if op.op_name != "matmul"]
+        if any(v in {r for h in heads for r in h.results} for h in heads for v in h.operands):
+            return False
+        for head in heads:
+            env[head.results[0]] = self.matmul(head, *(env.get(v) or self.view(v) for v in head.operands), [], env)[0]
+        if rest and not self._elementwise_rest(group, rest, env, yields):
+            for op in rest:
+                self.op(op, env)
         return True
 
     def _elementwise_rest(self, group, rest, env, yields) -> bool:
