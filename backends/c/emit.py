@@ -773,6 +773,16 @@ class CEmitter:
         for r, y in zip(group.results, yields):
             self.views[r] = env[y] if y in env else self.view(y)
 
+    def _made_outside(self, op: TgOp, env: dict, computed) -> bool:
+        """A constant, or a view of a value from outside the loop: made here, not in it."""
+        if op.op_name == "constant":
+            env[op.results[0]] = self.constant(op)
+            return True
+        if op.op_name in ("reshape", "transpose", "broadcast") and op.operands[0] not in computed:
+            env[op.results[0]] = self.layout(op, [env[op.operands[0]]])[0]
+            return True
+        return False
+
     def fused_elementwise(self, group: FusionOp, ops, env, yields) -> bool:
         """A group of elementwise ops (and views of its inputs) as one loop."""
         computed: dict[SSAValue, None] = {}
@@ -780,11 +790,7 @@ class CEmitter:
         body = []
         shape = info_of(yields[0].type).shape
         for op in ops:
-            if op.op_name == "constant":
-                env[op.results[0]] = self.constant(op)
-                continue
-            if op.op_name in ("reshape", "transpose", "broadcast") and op.operands[0] not in computed:
-                env[op.results[0]] = self.layout(op, [env[op.operands[0]]])[0]
+            if self._made_outside(op, env, computed):
                 continue
             if not (op.SPEC.category == "elementwise" or op.op_name == "gelu"):
                 return False
@@ -849,11 +855,7 @@ class CEmitter:
         full = next((sh for sh in shapes if not _is_one(sh[-1])), shapes[0])  # rows of width 1: all of them
         lead, width = tuple(full[:-1]), full[-1]
         for op in ops:
-            if op.op_name == "constant":
-                env[op.results[0]] = self.constant(op)
-                continue
-            if op.op_name in ("reshape", "transpose", "broadcast") and op.operands[0] not in widths:
-                env[op.results[0]] = self.layout(op, [env[op.operands[0]]])[0]
+            if self._made_outside(op, env, widths):
                 continue
             shape = info_of(op.results[0].type).shape
             if len(shape) != len(full) or not all(_eq(a, b) for a, b in zip(shape[:-1], lead)) or \
