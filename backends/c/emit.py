@@ -39,7 +39,7 @@ from xdsl.ir import SSAValue
 from tilegraph.backends.lowering import table
 from tilegraph.backends.program import flatten
 from tilegraph.ir import escape
-from tilegraph.ir.dialect import FusionOp, TgOp
+from tilegraph.ir.dialect import FusionOp, TgOp, YieldOp
 from tilegraph.ir.model import Model
 from tilegraph.ir.ops import OPS
 from tilegraph.ir.quant import FORMATS
@@ -268,9 +268,13 @@ class CEmitter:
     def reshape(self, view: View, shape) -> View:
         if view.literal is not None:
             return View(None, 0, tuple(shape), (0,) * len(shape), view.dtype, view.literal, view.value)
-        if not self.is_contiguous(view):
+        if self.is_contiguous(view):
+            return View(view.buf, view.offset, tuple(shape), contiguous_strides(shape), view.dtype)
+        strides = _reshaped_strides(view, tuple(shape))
+        if strides is None:  # dims merged that do not walk memory as one run: a copy
             view = self.materialize(view)
-        return View(view.buf, view.offset, tuple(shape), contiguous_strides(shape), view.dtype)
+            strides = contiguous_strides(shape)
+        return View(view.buf, view.offset, tuple(shape), strides, view.dtype)
 
     def materialize(self, view: View, channels_last: bool = False) -> View:
         """A contiguous (or channels-last) copy of a strided view (a reshape of a transpose
@@ -550,6 +554,15 @@ class CEmitter:
                    else self.materialize(x) for x in xs[:3])
         mask = xs[3] if len(xs) > 3 else None
         out = self._temp(info)
+        reader = _sole_reader(op.results[0])
+        perm = tuple(reader.attr("perm")) if isinstance(reader, TgOp) and reader.op_name == "transpose" else None
+        if perm is not None and perm[-1] == len(perm) - 1:
+            # Written in the layout its one reader, a transpose (heads back between the rows
+            # and the features), wants: the transpose is then free, and so is a reshape after it.
+            moved = tuple(info.shape[p] for p in perm)
+            inverse = [perm.index(i) for i in range(len(perm))]
+            out = View(out.buf, out.offset, info.shape, tuple(contiguous_strides(moved)[i] for i in inverse),
+                       out.dtype)
         batch = info.shape[:-2]
         lq, lk = q.shape[-2], k.shape[-2]
 
@@ -717,7 +730,7 @@ class CEmitter:
         raise Unsupported(name)
 
     def elementwise(self, ops: list[TgOp], inner: dict, inputs: dict, outputs: list[tuple[SSAValue, View]],
-                    describe) -> None:
+                    describe, alias: dict | None = None) -> None:
         """One loop computing `ops` (elementwise, in order) at every element of the
         outputs' shape: `inputs` maps outside values to views, `inner` the values
         computed in the loop, `outputs` (value, view) pairs of one shape."""
@@ -731,18 +744,23 @@ class CEmitter:
             reads.append(self.broadcast(view, shape))
         accesses = [(r, False) for r in reads] + [(o, True) for _, o in outputs]
 
+        def viewed(v: SSAValue) -> SSAValue:  # a view made in the loop is the value it views
+            while alias and v in alias:
+                v = alias[v]
+            return v
+
         def body(refs):
             lines, local = [], {}
             for v, k in operand_ref.items():
                 local[v] = refs[k]
             for i, op in enumerate(ops):
-                args = [local[v] for v in op.operands]
+                args = [local[viewed(v)] for v in op.operands]
                 dts = [info_of(v.type).dtype for v in op.operands]
                 out = op.result_infos()[0]
                 lines.append(f"const {CTYPES[out.dtype]} t{i} = {self.expr(op, args, dts)};")
                 local[op.results[0]] = f"t{i}"
             for k, (v, _) in enumerate(outputs):
-                lines.append(f"{refs[len(reads) + k]} = {local[v]};")
+                lines.append(f"{refs[len(reads) + k]} = {local[viewed(v)]};")
             return lines
 
         lines = self.loop(shape, accesses, body)
@@ -784,12 +802,22 @@ class CEmitter:
         return False
 
     def fused_elementwise(self, group: FusionOp, ops, env, yields) -> bool:
-        """A group of elementwise ops (and views of its inputs) as one loop."""
+        """A group of elementwise ops (and views of its inputs) as one loop. A reshape of a
+        value computed in the loop that keeps the last dim (a linear layer's 2-D product
+        back to its batch shape) is nothing in a loop over (rows, last dim)."""
         computed: dict[SSAValue, None] = {}
         inputs: dict[SSAValue, View] = {}
+        consumer: dict[SSAValue, tuple] = {}  # input -> the shape of the first op reading it
+        alias: dict[SSAValue, SSAValue] = {}
         body = []
         shape = info_of(yields[0].type).shape
         for op in ops:
+            if op.op_name == "reshape" and op.operands[0] in computed and shape and \
+                    _eq(info_of(op.operands[0].type).shape[-1:][0] if info_of(op.operands[0].type).shape else 1,
+                        op.result_infos()[0].shape[-1:][0] if op.result_infos()[0].shape else 1):
+                alias[op.results[0]] = op.operands[0]
+                computed[op.results[0]] = None
+                continue
             if self._made_outside(op, env, computed):
                 continue
             if not (op.SPEC.category == "elementwise" or op.op_name == "gelu"):
@@ -798,10 +826,25 @@ class CEmitter:
             for v in op.operands:
                 if v not in computed and v not in inputs:
                     inputs[v] = env[v]
+                    consumer[v] = op.result_infos()[0].shape
             computed[op.results[0]] = None
             body.append(op)
         if not body or any(y not in computed for y in yields):
             return False
+        if alias:  # one loop over (rows, last dim), every operand seen that way
+            width = shape[-1]
+            if any(not _eq(info_of(op.results[0].type).shape[-1:][0] if info_of(op.results[0].type).shape else 1,
+                           width) or not _eq(numel(info_of(op.results[0].type).shape), numel(shape))
+                   for op in body) or any(not _eq(numel(info_of(y.type).shape), numel(shape)) for y in yields):
+                return False
+            rows_shape = (sympy.sympify(numel(shape)) / sympy.sympify(width), width)
+            inputs = {v: self._as_rows(self.broadcast(view, consumer[v]), rows_shape) for v, view in inputs.items()}
+            outs = [(y, self._temp(info_of(y.type))) for y in yields]
+            loop_outs = [(y, View(o.buf, o.offset, rows_shape, contiguous_strides(rows_shape), o.dtype))
+                         for y, o in outs]
+            self.elementwise(body, computed, inputs, loop_outs, group, alias)
+            env.update({y: o for y, o in outs})
+            return True
         if any(len(info_of(y.type).shape) != len(shape) or
                not all(_eq(a, b) for a, b in zip(info_of(y.type).shape, shape)) for y in yields):
             return False
@@ -811,6 +854,17 @@ class CEmitter:
         self.elementwise(body, computed, inputs, outs, group)
         env.update({y: o for y, o in outs})
         return True
+
+    def _as_rows(self, view: View, rows_shape) -> View:
+        """A view (broadcast to its reader's shape) as (rows, last dim): it must repeat
+        along all leading dims, or walk them as one run of rows."""
+        if view.literal is not None:
+            return self.broadcast(view, rows_shape)
+        if view.rank < 2 or all(_eq(st, 0) for st in view.strides[:-1]):
+            return View(view.buf, view.offset, tuple(rows_shape), (sympy.Integer(0), view.strides[-1]), view.dtype)
+        if not self._collapsible(view):
+            raise Unsupported("an operand whose rows do not collapse")
+        return View(view.buf, view.offset, tuple(rows_shape), (view.strides[-2], view.strides[-1]), view.dtype)
 
     def fused_row(self, group: FusionOp, ops, env, yields) -> bool:
         """Elementwise ops then softmax or layer_norm over the last axis: the prologue
@@ -1511,6 +1565,45 @@ class CEmitter:
 
     def outputs(self) -> list[View]:
         return [self.view(v) for v in self.prog.outputs]
+
+
+def _reshaped_strides(view: View, shape: tuple) -> tuple | None:
+    """Strides that show `view` in `shape` without a copy, or None (NumPy's no-copy reshape):
+    the dims are cut into runs of equal size, and each run of the old dims must walk memory
+    as one run."""
+    old = [(d, st) for d, st in zip(view.shape, view.strides) if not _is_one(d)]
+    new = [k for k, d in enumerate(shape) if not _is_one(d)]
+    strides: list = [sympy.Integer(0)] * len(shape)
+    oi = ni = 0
+    while oi < len(old) and ni < len(new):
+        oj, nj = oi + 1, ni + 1
+        po, pn = sympy.sympify(old[oi][0]), sympy.sympify(shape[new[ni]])
+        while not _eq(po, pn):
+            if not (po.is_number and pn.is_number):
+                return None
+            if po < pn and oj < len(old):
+                po, oj = po * old[oj][0], oj + 1
+            elif pn < po and nj < len(new):
+                pn, nj = pn * shape[new[nj]], nj + 1
+            else:
+                return None
+        if any(not _eq(old[k][1], old[k + 1][1] * old[k + 1][0]) for k in range(oi, oj - 1)):
+            return None
+        st = old[oj - 1][1]
+        for k in reversed(new[ni:nj]):
+            strides[k] = st
+            st = st * shape[k]
+        oi, ni = oj, nj
+    return tuple(strides) if oi == len(old) and ni == len(new) else None
+
+
+def _sole_reader(value: SSAValue):
+    """The one op reading `value`, seen through the yield of its fusion group; else None."""
+    uses = list(value.uses)
+    while len(uses) == 1 and isinstance(uses[0].operation, YieldOp):
+        group = uses[0].operation.parent_op()
+        uses = list(group.results[uses[0].index].uses) if isinstance(group, FusionOp) else []
+    return uses[0].operation if len(uses) == 1 else None
 
 
 def _only_use(value: SSAValue, user) -> bool:
