@@ -372,7 +372,13 @@ def _float_cost(op: TgOp, hw) -> Cost:
         return Cost(zero, zero, overhead, zero, zero, overhead, kernels=0, label=name, ops=[name])
     if hw.backend == "c":  # an op alone is a step of its own: a group of one
         if op.SPEC.category in ("layout", "source"):  # copies: gather, concat, pad, ...
-            memory = _c_memory(hw, bytes_, _cold_bytes([op]))
+            # A copy reads what it writes (a gather reads its rows, not the whole table);
+            # the rows of a weight (an embedding) come from memory.
+            moved = _nbytes(out)
+            cold = moved if any(_through_views(v).owner is not None and
+                                getattr(_through_views(v).owner, "op_name", "") == "weight" for v in op.operands) \
+                else sympy.Integer(0)
+            memory = _c_memory(hw, 2 * moved, cold)
             overhead = _c_step(hw, _elements(out))
             return Cost(flops, bytes_, memory + overhead, zero, memory, overhead, label=name, ops=[name])
         return group_cost([op], [info_of(v.type) for v in op.operands], op.result_infos(), hw, label=name)
