@@ -128,6 +128,15 @@ def _call(module, *arrays):
     return lambda: module(*arrays)
 
 
+def _threads() -> int:
+    """The threads a module runs on: OpenMP's default, OMP_NUM_THREADS where it is set
+    (`OMP_NUM_THREADS=1 tilegraph calibrate --target c` measures a one-thread profile)."""
+    try:
+        return max(1, int(os.environ.get("OMP_NUM_THREADS", "").split(",")[0]))
+    except ValueError:
+        return os.cpu_count() or 1
+
+
 def _all_then_one(model, inputs, budget: float, cores: int) -> tuple[float, float]:
     """Seconds of one call of `model` on all threads, then on one. Each on a module loaded
     afresh: oneDNN fixes a primitive's threads when the first call creates it, so a module
@@ -158,7 +167,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
     shapes = QUICK_GEMM_SHAPES if quick else GEMM_SHAPES
     loop_ops = QUICK_LOOP_OPS if quick else LOOP_OPS
     caches = cache_sizes()
-    cores = os.cpu_count() or 1
+    cores = _threads()
     rng = np.random.default_rng(0)
     bar = Progress(7 + len(loop_ops) + len(shapes), sys.stderr.isatty() if progress is None else progress)
 
@@ -288,7 +297,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         conv_rate=conv_rate,
         attention_rates=tuple(attention_rates),
         attention_speedup=speedup,
-        source=f"calibrated {stamp} on {cpu_model()} ({cores} cores, C backend{', quick' if quick else ''})",
+        source=f"calibrated {stamp} on {cpu_model()} ({cores} threads, C backend{', quick' if quick else ''})",
     )
 
 
