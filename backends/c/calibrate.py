@@ -4,8 +4,8 @@ Every number is the time of a real compiled C module (built by this backend from
 graph, cached like any other module), called as a model is called:
 
 - The module call: one add over 16 elements (`launch_overhead`: the input check, the
-  ctypes call, the fresh output); one more step, a C function, in the same module
-  (`chunk_call_overhead`: slope over a chain of tiny unfused adds).
+  ctypes call, the fresh output); one more step, a C function, in a module
+  (`chunk_call_overhead`: a chain of tiny unfused adds against one).
 - Elementwise passes: a chain of unfused adds, one step each, over arrays that fit the
   cores' L2 at two sizes: the slope is a step's bytes (2 reads, 1 write a element) over
   `cache_bandwidth`, the intercept the fixed cost of a step that opens an OpenMP region
@@ -54,7 +54,7 @@ QUICK_GEMM_SHAPES = ((32, 384, 384), (128, 384, 384), (1024, 384, 1536))
 # compiler folds into the call). Others are priced at `add`'s rate.
 LOOP_OPS = ("add", "mul", "div", "sqrt", "exp", "tanh", "erf", "sigmoid", "gelu")
 QUICK_LOOP_OPS = ("add", "exp", "tanh", "erf", "gelu")
-CHAIN = 9  # ops in the longer chain (one in the shorter)
+CHAIN = 9  # ops (steps, unfused) in the longer chain (one in the shorter)
 ROW = 256  # row length of the softmax and layer_norm timed (a hidden state's row)
 TINY = 16  # elements of "a tiny step": its fixed cost dominates
 # Elements per array of the in-cache passes: 2 arrays in and 1 out of both sizes fit the
@@ -101,8 +101,9 @@ def _fuse_all(model, kind: str):
     return model
 
 
-def _chain(n: int, length: int, op: str = "add", fused: bool = False):
-    """z = op(...op(x)...) `length` times over n f32 elements (binary ops: with y)."""
+def _chain(n, length: int, op: str = "add", fused: bool = False):
+    """z = op(...op(x)...) `length` times over n f32 elements (binary ops: with y); n may
+    be a symbol, so one module serves every size."""
     g = Graph()
     x, y = g.input("x", (n,)), g.input("y", (n,))
     z = x
@@ -171,23 +172,23 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
     rng = np.random.default_rng(0)
     bar = Progress(7 + len(loop_ops) + len(shapes), sys.stderr.isatty() if progress is None else progress)
 
+    # One chain of unfused adds, short and long, serves every size: its length is symbolic.
+    short, long_ = _module(_chain("n", 1)), _module(_chain("n", CHAIN))
+
+    def step_time(n: int, budget: float) -> tuple[float, float]:
+        """(one call of the short chain, one more step) over n elements."""
+        x, y = _inputs(rng, n)
+        t_short, t_long = median_times((_call(short, x, y), _call(long_, x, y)), budget)
+        return t_short, (t_long - t_short) / (CHAIN - 1)
+
     # The module call, and one more tiny step in it (no OpenMP region below the threshold).
     bar.step("module call")
-    x, y = _inputs(rng, TINY)
-    one, many = _module(_chain(TINY, 1)), _module(_chain(TINY, 1 + 16))
-    t_one, t_many = median_times((_call(one, x, y), _call(many, x, y)), budget)
-    launch = t_one
-    step = max(0.0, (t_many - t_one) / 16)
+    launch, step = step_time(TINY, budget)
+    step = max(0.0, step)
 
     # Unfused steps in cache at two sizes: bytes per element over bandwidth, plus a fixed cost.
     bar.step("passes in cache")
-    per_step = []
-    for n in CACHE_SIZES:
-        x, y = _inputs(rng, n)
-        short, long_ = _module(_chain(n, 1)), _module(_chain(n, CHAIN))
-        t_short, t_long = median_times((_call(short, x, y), _call(long_, x, y)), budget)
-        per_step.append(max((t_long - t_short) / (CHAIN - 1), 1e-9))
-    (n1, n2), (p1, p2) = CACHE_SIZES, per_step
+    (n1, n2), (p1, p2) = CACHE_SIZES, (max(step_time(n, budget)[1], 1e-9) for n in CACHE_SIZES)
     slope = (p2 - p1) / (n2 - n1)
     if slope <= 0:  # noise on a busy machine: the whole step at the larger size, no fixed part
         slope, fork_join = p2 / n2, 0.0
@@ -195,16 +196,13 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         fork_join = max(0.0, p1 - slope * n1)
     cache_bandwidth = 12 / slope
 
+    # The same steps over arrays beyond L3 (the steps' buffers are the arena's: no page faults).
     bar.step("stream bandwidth")
     n_stream = STREAM_QUICK if quick else max(STREAM_QUICK, 2 * caches["l3"] // 4)
-    x, y = _inputs(rng, n_stream)
-    short, long_ = _module(_chain(n_stream, 1)), _module(_chain(n_stream, 3))
-    t_short, t_long = median_times((_call(short, x, y), _call(long_, x, y)), max(budget, 0.2))
-    # Two more steps (arena buffers, no page faults); when noise leaves no difference, the
-    # one step's whole call (its fresh output's page faults make that an underestimate).
-    per_step = (t_long - t_short) / 2 if t_long > 1.5 * t_short else t_short - launch
+    t_short, per_step = step_time(n_stream, max(budget, 0.2))
+    if per_step <= 0:  # noise left no difference: the one step's whole call (its fresh output's page faults too)
+        per_step = t_short - launch
     memory_bandwidth = min(12 * n_stream / max(per_step - fork_join, 1e-9), cache_bandwidth)
-    del x, y, short, long_
 
     # Each more op in one fused loop, in cache, all threads.
     rates = {}
@@ -212,22 +210,20 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
     for op in loop_ops:
         bar.step(f"{op} in a fused loop")
         x, y = _inputs(rng, n, op)
-        short, long_ = _module(_chain(n, 1, op, fused=True)), _module(_chain(n, CHAIN, op, fused=True))
-        t_short, t_long = median_times((_call(short, x, y), _call(long_, x, y)), budget)
-        extra = t_long - t_short
-        rates[op] = (CHAIN - 1) * n / extra if extra > 0 else n / max(t_short - launch, 1e-9)
+        one, chain = _module(_chain("n", 1, op, fused=True)), _module(_chain("n", CHAIN, op, fused=True))
+        t_one, t_chain = median_times((_call(one, x, y), _call(chain, x, y)), budget)
+        extra = t_chain - t_one
+        rates[op] = (CHAIN - 1) * n / extra if extra > 0 else n / max(t_one - launch, 1e-9)
 
     bar.step("softmax and layer_norm rows")
     for op in ("softmax", "layer_norm"):
-        times = []
-        for rows in (CACHE_SIZES[0] // ROW, CACHE_SIZES[1] // ROW):
-            g = Graph()
-            xin = g.input("x", (rows, ROW))
-            z = g.softmax(xin) if op == "softmax" else g.layer_norm(xin)
-            module = _module(g.build(z, names=["z"]))
-            times.append((rows * ROW, _call(module, rng.standard_normal((rows, ROW), dtype=np.float32))))
-        t_small, t_big = median_times([fn for _, fn in times], budget)
-        (e_small, _), (e_big, _) = times
+        g = Graph()
+        xin = g.input("x", ("rows", ROW))
+        module = _module(g.build(g.softmax(xin) if op == "softmax" else g.layer_norm(xin), names=["z"]))
+        sizes = [n // ROW for n in CACHE_SIZES]
+        t_small, t_big = median_times([_call(module, rng.standard_normal((r, ROW), dtype=np.float32))
+                                       for r in sizes], budget)
+        e_small, e_big = (r * ROW for r in sizes)
         rates[op] = (e_big - e_small) / (t_big - t_small) if t_big > t_small * 1.05 else \
             e_big / max(t_big - launch, 1e-9)
 
