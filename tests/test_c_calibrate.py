@@ -117,3 +117,17 @@ def test_the_cost_model_knows_where_c_loops_go_parallel():
     from tilegraph.backends.c.emit import PARALLEL_MIN
 
     assert C_PARALLEL_MIN == PARALLEL_MIN
+
+
+def test_a_gather_is_priced_by_the_rows_it_copies_not_the_table():
+    """An embedding lookup in C copies its rows: the table's size does not enter its price."""
+    def lookup_cost(vocab: int) -> float:
+        g = Graph()
+        table = g.weight("table", np.zeros((vocab, 384), np.float32))
+        ids = g.input("ids", (1, 128), "i64")
+        model = g.build(g.embedding(table, ids), names=["e"])
+        op = next(op for op in model.func.body.block.ops if getattr(op, "op_name", None) == "gather")
+        return at(op_cost(op, hardware("c")).time)
+
+    assert lookup_cost(30522) == pytest.approx(lookup_cost(1024))
+    assert lookup_cost(30522) < 10 * lookup_cost(4)  # not the 47 MB table from memory (1000x the rows)

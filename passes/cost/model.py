@@ -372,12 +372,13 @@ def _float_cost(op: TgOp, hw) -> Cost:
         return Cost(zero, zero, overhead, zero, zero, overhead, kernels=0, label=name, ops=[name])
     if hw.backend == "c":  # an op alone is a step of its own: a group of one
         if op.SPEC.category in ("layout", "source"):  # copies: gather, concat, pad, ...
-            # A copy reads what it writes (a gather reads its rows, not the whole table);
-            # the rows of a weight (an embedding) come from memory.
-            moved = _nbytes(out)
-            cold = moved if any(_through_views(v).owner is not None and
-                                getattr(_through_views(v).owner, "op_name", "") == "weight" for v in op.operands) \
-                else sympy.Integer(0)
+            # A copy reads what it writes (a gather reads its rows, not the whole table; a
+            # split writes every part); rows of a weight (an embedding) come from memory,
+            # at most the whole table.
+            moved = sum((_nbytes(info) for info in op.result_infos()), zero)
+            tables = [v for v in map(_through_views, op.operands)
+                      if isinstance(v.owner, TgOp) and v.owner.op_name == "weight"]
+            cold = sympy.Min(moved, sum((_nbytes(info_of(v.type)) for v in tables), zero)) if tables else zero
             memory = _c_memory(hw, 2 * moved, cold)
             overhead = _c_step(hw, _elements(out))
             return Cost(flops, bytes_, memory + overhead, zero, memory, overhead, label=name, ops=[name])
