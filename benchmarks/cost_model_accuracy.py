@@ -25,9 +25,10 @@ so a kernel is timed alone instead: every distinct kernel of the model compiled 
 `default_pipeline("c")` (a `tg.fusion` group, or an op left outside one; views cost
 nothing in C and are skipped) is extracted with the weights it reads into a model of
 its own (ir/extract.py), compiled by the C backend, called on inputs of the run's
-shapes (floats random, integers 0: every index valid), and its median call time less
-the profile's module-call cost is the measured time (medians of batches of calls,
-as the calibration times: KERNEL_BUDGET); predicted is `fusion_cost` /
+shapes (floats random, integers 0: every index valid, but a gather's indices spread
+over its table), and its median call time less
+that of a module of one 16-element add, timed beside it, is the measured time (medians
+of batches of calls, as the calibration times: KERNEL_BUDGET); predicted is `fusion_cost` /
 `op_cost` with hardware("c") (`tilegraph calibrate --target c`). The same tables follow,
 and for the whole model the predicted sum (kernels plus one module call) against the
 compiled model's measured forward. A kernel timed alone writes a fresh output array
@@ -259,15 +260,26 @@ def kernel_model(model, op):
 
 
 def kernel_inputs(kernel, sizes, rng) -> list[np.ndarray]:
-    """Inputs of the run's shapes: floats random, integers and booleans 0 (any index is valid)."""
+    """Inputs of the run's shapes: floats random, integers and booleans 0 (any index is valid),
+    but a gather's indices spread over its table (all 0, it would read one row from cache)."""
     from tilegraph.ir.dtypes import numpy_dtype
 
+    block = kernel.func.body.block
+    bounds = {}
+    for op in block.ops:
+        if getattr(op, "op_name", None) == "gather" and op.operands[1] in block.args:
+            table = info_of(op.operands[0].type)
+            bounds[block.args.index(op.operands[1])] = table.shape[op.attr("axis") % table.rank]
     arrays = []
-    for info in kernel.inputs:
+    for i, info in enumerate(kernel.inputs):
         shape = tuple(int(sympy.sympify(d).subs(sizes)) for d in info.shape)
         dtype = numpy_dtype(info.dtype)
-        arrays.append(rng.standard_normal(shape).astype(dtype) if np.issubdtype(dtype, np.floating)
-                      else np.zeros(shape, dtype))
+        if np.issubdtype(dtype, np.floating):
+            arrays.append(rng.standard_normal(shape).astype(dtype))
+        elif i in bounds:
+            arrays.append(rng.integers(0, int(sympy.sympify(bounds[i]).subs(sizes)), shape).astype(dtype))
+        else:
+            arrays.append(np.zeros(shape, dtype))
     return arrays
 
 
@@ -276,6 +288,7 @@ def measure_c(case: Case, hw, repeat: int) -> tuple[list[Kernel], dict]:
     from tilegraph.backends.c import compile_model
     from tilegraph.backends.numpy.calibrate import median_times
     from tilegraph.ir.fusion import VIEW_OPS
+    from tilegraph.ir import Graph
     from tilegraph.ir.dialect import TgOp
 
     arrays = [t.numpy() for t in case.inputs]
@@ -285,6 +298,9 @@ def measure_c(case: Case, hw, repeat: int) -> tuple[list[Kernel], dict]:
     whole = compile_model(compiled)
     (forward,) = median_times((lambda: whole(*arrays),), KERNEL_BUDGET * repeat)
     rng = np.random.default_rng(0)
+    g = Graph()
+    x = g.input("x", (16,))
+    call, tiny = compile_model(g.build(x + x, names=["y"])), np.ones(16, np.float32)
     kernels, seen = [], {}
     ops = [op for op in compiled.func.body.block.ops
            if isinstance(op, FusionOp) or isinstance(op, TgOp) and op.op_name not in (*VIEW_OPS, "weight", "constant")]
@@ -294,8 +310,9 @@ def measure_c(case: Case, hw, repeat: int) -> tuple[list[Kernel], dict]:
             sub = kernel_model(compiled, op)
             module = compile_model(sub)
             inputs = kernel_inputs(sub, sizes, rng)
-            (t,) = median_times((lambda: module(*inputs),), KERNEL_BUDGET)
-            seen[label] = max(t - hw.launch_overhead, 1e-7)
+            # Interleaved with a module of one 16-element add: what a call costs now, besides its kernel.
+            t, t_call = median_times((lambda: module(*inputs), lambda: call(tiny)), KERNEL_BUDGET)
+            seen[label] = max(t - t_call, 1e-7)
         cost = fusion_cost(op, hw) if isinstance(op, FusionOp) else op_cost(op, hw)
         flops = sum(at(op_flops(o), sizes) for o in op.ops) if isinstance(op, FusionOp) else at(op_flops(op), sizes)
         kernels.append(Kernel(case.label, f"{kind}_{i}", kind, label, seen[label], at(cost.time, sizes), flops,
@@ -480,7 +497,7 @@ def report(target: str, args) -> None:
     print(f"  peak f32 {peak / 1e9:.1f} GFLOP/s (the FLOPs-only baseline divides by it), stream "
           f"{hw.memory_bandwidth / 1e9:.1f} GB/s, call {hw.launch_overhead * 1e6:.2f} us")
     print(f"pipeline: {pipeline}")
-    how = ("each distinct kernel compiled and called alone, median less the module call"
+    how = ("each distinct kernel compiled and called alone, median less a tiny module's call"
            if target == "c" else f"median per call over {args.repeat} forward calls after {WARMUP} warm-up calls")
     print(f"measured: {how}; load average at start {os.getloadavg()[0]:.2f}\n", flush=True)
 
