@@ -131,3 +131,15 @@ def test_a_gather_is_priced_by_the_rows_it_copies_not_the_table():
 
     assert lookup_cost(30522) == pytest.approx(lookup_cost(1024))
     assert lookup_cost(30522) < 10 * lookup_cost(4)  # not the 47 MB table from memory (1000x the rows)
+
+
+def test_causal_attention_is_priced_at_about_half_the_full_one_for_c():
+    """The C flash kernel stops at the diagonal, so a causal attention does about half the work."""
+    def attention_cost(causal: bool) -> float:
+        g = Graph()
+        q, k, v = (g.input(name, (1, 12, 256, 64)) for name in "qkv")
+        model = g.build(g.attention(q, k, v, causal=causal), names=["o"])
+        op = next(op for op in model.func.body.block.ops if getattr(op, "op_name", None) == "attention")
+        return at(op_cost(op, hardware("c")).compute_time)
+
+    assert attention_cost(True) / attention_cost(False) == pytest.approx((256 + 1) / 2 / 256)

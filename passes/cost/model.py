@@ -649,7 +649,11 @@ def _c_anchor_time(op: TgOp, hw) -> sympy.Expr:
     if op.op_name == "conv" and hw.conv_rate:
         return flops / hw.conv_rate
     if op.op_name == "attention" and hw.attention_rates:
-        d = _matmul_shape(op)[2]
+        q, k = (info_of(v.type) for v in op.operands[:2])
+        d = _sized(q.shape[-1])
+        if op.attr("causal"):  # the flash kernel stops at the diagonal: the visible share of the keys
+            lq, lk = (max(1.0, at_nominal(_sized(x.shape[-2]))) for x in (q, k))
+            flops = flops * min(1.0, (max(lk - lq, 0.0) + (lq + 1) / 2) / lk)
         return flops / (_interpolate(hw.attention_rates, at_nominal(d)) * max(hw.attention_speedup, 1.0))
     if op.op_name == "einsum":
         return flops / _gemm_rate(hw, op) / _parallel(hw, hw.cores)
