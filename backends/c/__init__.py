@@ -11,7 +11,8 @@ emitted loops. Ops it does not lower run on the host (emit.HOST_FALLBACK).
 from tilegraph.backends.c.emit import HOST_FALLBACK, emit_program
 from tilegraph.backends.c.runtime import CompiledModel, load, remember
 
-HARDWARE = "cpu"
+# fuse and tile decide against this backend's own calibrated kernels (backends/c/calibrate.py).
+HARDWARE = "c"
 
 
 def emit(model, name=None) -> str:
