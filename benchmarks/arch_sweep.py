@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _common import ROOT, format_table, interleaved_medians, machine_lines  # noqa: E402
+from _common import ROOT, format_table, interleaved_samples, machine_lines  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -297,7 +297,7 @@ def short(e: BaseException) -> str:
 
 
 def run_one(arch: Arch, target: str, time_it: bool, repeat: int, threads: int | None = None,
-            inductor: bool = False) -> dict:
+            inductor: bool = False, back_to_back: bool = False) -> dict:
     import numpy as np
     import torch
 
@@ -395,7 +395,8 @@ def run_one(arch: Arch, target: str, time_it: bool, repeat: int, threads: int | 
             row["inductor_detail"] = short(e)
     if time_it:
         with torch.no_grad():
-            row["times"] = interleaved_medians(runners, repeat)
+            samples = interleaved_samples(runners, repeat, back_to_back=back_to_back)
+            row["times"] = {name: float(np.median(s)) for name, s in samples.items()}
     return row
 
 
@@ -412,6 +413,9 @@ def main() -> int:
     p.add_argument("--threads", type=int, help="threads of torch, onnxruntime and the C backend with --time (default: "
                                                 "theirs); on a loaded machine pools of 2 threads wait for cores")
     p.add_argument("--inductor", action="store_true", help="with --time, also time torch.compile (Inductor)")
+    p.add_argument("--back-to-back", action="store_true",
+                   help="with --time, time each call right after an untimed one of the same runner (pools awake, "
+                        "caches warm, as in a serving loop; benchmarks/_common.py) instead of after a pause")
     p.add_argument("--quick", action="store_true", help=f"only the QUICK architectures ({len(QUICK)})")
     p.add_argument("--timeout", type=float, default=600, help="seconds per model")
     p.add_argument("--save", help="write the rows as JSON to this file")
@@ -422,7 +426,7 @@ def main() -> int:
     by_name = {a.name: a for a in ARCHS}
     if args.one:
         print("RESULT " + json.dumps(run_one(by_name[args.one], args.target, args.time, args.repeat, args.threads,
-                                             args.inductor)))
+                                             args.inductor, args.back_to_back)))
         return 0
     if args.report:
         merged: dict[str, dict] = {}
@@ -443,6 +447,7 @@ def main() -> int:
         cmd += ["--time"] if args.time else []
         cmd += ["--threads", str(args.threads)] if args.threads else []
         cmd += ["--inductor"] if args.inductor else []
+        cmd += ["--back-to-back"] if args.back_to_back else []
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -471,6 +476,10 @@ def report(rows: list[dict], args) -> None:
     print()
     print("\n".join(machine_lines()))
     print(f"target: {', '.join(sorted({r.get('target', args.target) for r in rows}))}")
+    if any("times" in r for r in rows) and not args.report:
+        print(f"timed: medians of {args.repeat} round-robin rounds, "
+              f"{'back to back' if args.back_to_back else 'each call after a pause (settled)'}, threads: "
+              f"{args.threads or 'each library default'}")
     header = ["model", "family", "torch.export", "ONNX", "onnxruntime"]
     timed = any("times" in r for r in rows)  # so --report shows a --time run's times too
     inductor = any("inductor" in r.get("times", {}) for r in rows)

@@ -436,6 +436,19 @@ class CEmitter:
             view = View(view.buf, view.offset, view.shape, channels_last_strides(view.shape), view.dtype)
         return view
 
+    @staticmethod
+    def _laid_out_for_reader(op: TgOp, out: View) -> View:
+        """`out` (a fresh buffer) laid out as its one reader wants it, where that is a
+        transpose keeping the last axis (attention's heads merged back between the rows
+        and the features): the transpose is then contiguous, and a reshape after it free."""
+        reader = _sole_reader(op.results[0])
+        perm = tuple(reader.attr("perm")) if isinstance(reader, TgOp) and reader.op_name == "transpose" else None
+        if perm is None or perm[-1] != len(perm) - 1:
+            return out
+        moved = tuple(out.shape[p] for p in perm)
+        inverse = [perm.index(i) for i in range(len(perm))]
+        return View(out.buf, out.offset, out.shape, tuple(contiguous_strides(moved)[i] for i in inverse), out.dtype)
+
     def is_channels_last(self, view: View) -> bool:
         return (view.literal is None and view.rank >= 3 and not self.is_contiguous(view)
                 and all(_is_one(d) or _eq(st, want) for d, st, want in
@@ -553,16 +566,7 @@ class CEmitter:
         q, k, v = (x if _eq(x.strides[-1], 1) and sympy.sympify(x.strides[-2] - x.shape[-1]).is_nonnegative
                    else self.materialize(x) for x in xs[:3])
         mask = xs[3] if len(xs) > 3 else None
-        out = self._temp(info)
-        reader = _sole_reader(op.results[0])
-        perm = tuple(reader.attr("perm")) if isinstance(reader, TgOp) and reader.op_name == "transpose" else None
-        if perm is not None and perm[-1] == len(perm) - 1:
-            # Written in the layout its one reader, a transpose (heads back between the rows
-            # and the features), wants: the transpose is then free, and so is a reshape after it.
-            moved = tuple(info.shape[p] for p in perm)
-            inverse = [perm.index(i) for i in range(len(perm))]
-            out = View(out.buf, out.offset, info.shape, tuple(contiguous_strides(moved)[i] for i in inverse),
-                       out.dtype)
+        out = self._laid_out_for_reader(op, self._temp(info))
         batch = info.shape[:-2]
         lq, lk = q.shape[-2], k.shape[-2]
 
@@ -1254,19 +1258,18 @@ class CEmitter:
             f"    #pragma omp parallel for collapse(2) if ({self.ints(numel(info.shape))} > {PARALLEL_MIN})",
             *(f"    for (int64_t {a.split()[0]} = 0; {a}; {a.split()[0]}++)" for a in axes[:3]),
             f"    for (int64_t {axes[3].split()[0]} = 0; {axes[3]}; {axes[3].split()[0]}++) {{",
+            # The window's taps inside the input, as bounds (GCC 12 at -O3 miscompiled the
+            # loop that skipped the outside taps with `continue`: averages of 3 of 4 taps).
+            f"        const int64_t y0 = oy * {strides[0]} - {pads[0]}, x0 = ox * {strides[1]} - {pads[1]};",
+            f"        const int64_t ky0 = y0 < 0 ? -y0 : 0, ky1 = {h} - y0 < {kh} ? {h} - y0 : {kh};",
+            f"        const int64_t kx0 = x0 < 0 ? -x0 : 0, kx1 = {w} - x0 < {kw} ? {w} - x0 : {kw};",
             f"        float acc = {'-INFINITY' if is_max else '0.f'};",
-            "        int64_t count = 0;",
-            f"        for (int64_t ky = 0; ky < {kh}; ky++) {{",
-            f"            int64_t iy = oy * {strides[0]} - {pads[0]} + ky;",
-            f"            if (iy < 0 || iy >= {h}) continue;",
-            f"            for (int64_t kx = 0; kx < {kw}; kx++) {{",
-            f"                int64_t ix = ox * {strides[1]} - {pads[1]} + kx;",
-            f"                if (ix < 0 || ix >= {w}) continue;",
-            f"                float v = x[b * {sn} + ch * {sc} + iy * {sh} + ix * {sw}];",
+            "        for (int64_t ky = ky0; ky < ky1; ky++)",
+            "            for (int64_t kx = kx0; kx < kx1; kx++) {",
+            f"                float v = x[b * {sn} + ch * {sc} + (y0 + ky) * {sh} + (x0 + kx) * {sw}];",
             "                " + ("acc = v > acc || v != v ? v : acc;" if is_max else "acc += v;"),
-            "                count++;",
             "            }",
-            "        }",
+            "        const int64_t count = (ky1 > ky0 ? ky1 - ky0 : 0) * (kx1 > kx0 ? kx1 - kx0 : 0);",
             f"        y[b * {yn} + ch * {yc} + oy * {yh} + ox * {yw}] = {'acc' if is_max else f'acc / {divisor}'};",
             "    }",
             "}",
@@ -1460,7 +1463,7 @@ class CEmitter:
                 dims = [1 if rows_bc else rows, 1 if _eq(full.strides[-1], 0) else info.shape[-1]]
                 return dims, [full.strides[-2] if not rows_bc else dims[1], full.strides[-1] if dims[1] != 1 else 1]
         else:
-            c = out
+            c = out = self._laid_out_for_reader(op, out)
 
             def geometry(full: View):
                 # Batched GEMMs take no binary post-ops: oneDNN 3.2 gave MiniLM's attention
