@@ -93,7 +93,7 @@ C_BINARY_INT = {
 # lowered here runs natively on at least one of its examples.)
 HOST_FALLBACK = {
     "einsum": "NumPy's einsum on the host",
-    "scatter_elements": "host", "scatter_nd": "host", "tile": "host",
+    "scatter_elements": "host", "scatter_nd": "host",
     "pad": "C for constant padding (into a convolution's own padding where that reads it), the host for "
            "reflect/edge/wrap and negative pads",
     "cumprod": "host", "trilu": "host", "iota": "host", "topk": "host", "argmax": "host",
@@ -120,6 +120,7 @@ DNNL_BINARY = {"add": "dnnl_binary_add", "mul": "dnnl_binary_mul", "sub": "dnnl_
 DNNL_TYPES = {"f32": "dnnl_f32", "i8": "dnnl_s8", "ui8": "dnnl_u8", "i32": "dnnl_s32"}
 # Work below this many elements runs on one thread: an OpenMP fork/join costs more.
 PARALLEL_MIN = 32768
+SIMD_BLOCK = 4096  # elements a thread takes at a time in a flat parallel loop
 
 
 def c_comment(text: str) -> str:
@@ -293,7 +294,13 @@ class CEmitter:
         (a flipped view, as ConvTranspose's kernel is), so such a view is copied first."""
         if any(sympy.sympify(st).is_negative for st in view.strides):
             return self.materialize(view)
-        return view
+        # A dim of size 1 with stride 0 (a broadcast, or a reshape's new dim) sends a matmul to
+        # oneDNN's reference kernel: give it the stride it would have if contiguous.
+        strides = list(view.strides)
+        for k in reversed(range(view.rank)):
+            if _is_one(view.shape[k]) and _eq(strides[k], 0):
+                strides[k] = strides[k + 1] * view.shape[k + 1] if k + 1 < view.rank else sympy.Integer(1)
+        return View(view.buf, view.offset, view.shape, tuple(strides), view.dtype, view.literal, view.value)
 
     @staticmethod
     def transpose(view: View, perm) -> View:
@@ -485,6 +492,8 @@ class CEmitter:
             return [self.pad(op, xs[0])]
         if name == "gather_elements":
             return [self.gather_elements(op, xs[0], xs[1])]
+        if name == "tile":
+            return [self.tile(op, xs[0])]
         if name == "cumsum":
             return [self.cumsum(op, xs[0])]
         if name == "attention":
@@ -623,6 +632,15 @@ class CEmitter:
 
     # --- loops ----------------------------------------------------------------------
 
+    def _parallel_for(self, total, loops: int) -> list[str]:
+        """The OpenMP pragma sharing `loops` nested loops of `total` work among the threads:
+        none where `total` is known and small (a team of one still costs a region)."""
+        n = sympy.sympify(total)
+        if n.is_number and int(n) <= PARALLEL_MIN:
+            return []
+        return [f"#pragma omp parallel for{f' collapse({loops})' if loops > 1 else ''} "
+                f"if ({self.ints(n)} > {PARALLEL_MIN})"]
+
     def loop(self, shape, accesses: list[tuple[View, bool]], body) -> list[str]:
         """A loop nest over `shape` reading and writing `accesses` (views of that shape,
         broadcast already; flag: written). `body(refs)` gets each access's C element
@@ -655,12 +673,11 @@ class CEmitter:
             refs = [a.literal if b is None else f"{b}[0]" for (a, _), b in zip(accesses, bases)]
             lines += ["    " + line for line in body(refs)] + ["}"]
             return lines
-        total = self.ints(numel(tuple(d for d, _ in merged)))
+        total = numel(tuple(d for d, _ in merged))
         outer, (inner_n, inner_strides) = merged[:-1], merged[-1]
         indent = "    "
         if outer:
-            collapse = f" collapse({len(outer)})" if len(outer) > 1 else ""
-            lines.append(f"{indent}#pragma omp parallel for{collapse} if ({total} > {PARALLEL_MIN})")
+            lines += [indent + line for line in self._parallel_for(total, len(outer))]
             for i, (d, _) in enumerate(outer):
                 lines.append(f"{indent}for (int64_t i{i} = 0; i{i} < {self.ints(d)}; i{i}++)")
             lines.append(indent + "{")
@@ -673,8 +690,17 @@ class CEmitter:
                 lines.append(f"{indent}{const}{CTYPES[accesses[k][0].dtype]} *r{k} = {b}"
                              + "".join(f" + {t}" for t in terms) + ";")
             lines.append(f"{indent}#pragma omp simd")
+            loop = f"for (int64_t j = 0; j < {self.ints(inner_n)}; j++) {{"
+        elif self._parallel_for(total, 1):
+            # Blocks over the threads, each a simd loop: GCC's combined `parallel for simd`
+            # ran 10x slower on one thread, its if(false) path included.
+            n = self.ints(inner_n)
+            lines += [indent + line for line in self._parallel_for(total, 1)]
+            lines += [f"{indent}for (int64_t j0 = 0; j0 < {n}; j0 += {SIMD_BLOCK})", f"{indent}#pragma omp simd"]
+            loop = f"for (int64_t j = j0; j < (j0 + {SIMD_BLOCK} < {n} ? j0 + {SIMD_BLOCK} : {n}); j++) {{"
         else:
-            lines.append(f"{indent}#pragma omp parallel for simd if ({total} > {PARALLEL_MIN})")
+            lines.append(f"{indent}#pragma omp simd")
+            loop = f"for (int64_t j = 0; j < {self.ints(inner_n)}; j++) {{"
         refs = []
         for k, b in enumerate(bases):
             if b is None:
@@ -683,7 +709,7 @@ class CEmitter:
             row = f"r{k}" if outer else b
             st = self.ints(inner_strides[k])
             refs.append(f"{row}[0]" if st == "0" else f"{row}[j]" if st == "1" else f"{row}[j * {st}]")
-        lines.append(f"{indent}for (int64_t j = 0; j < {self.ints(inner_n)}; j++) {{")
+        lines.append(indent + loop)
         lines += [indent + "    " + line for line in body(refs)]
         lines.append(indent + "}")
         if outer:
@@ -1013,10 +1039,8 @@ class CEmitter:
             written = k >= len(reads)
             if view.literal is None:
                 lines.append(f"    {'' if written else 'const '}{CTYPES[view.dtype]} *b{k} = {self.ptr(view, not written)};")
-        rows = self.ints(numel(lead)) if lead else "1"
         if n_lead:
-            lines.append(f"    #pragma omp parallel for{f' collapse({n_lead})' if n_lead > 1 else ''} "
-                         f"if ({rows} * {self.ints(width)} > {PARALLEL_MIN})")
+            lines += ["    " + line for line in self._parallel_for(numel(lead) * sympy.sympify(width), n_lead)]
             lines += [f"    for (int64_t i{d} = 0; i{d} < {self.ints(n)}; i{d}++)" for d, n in enumerate(lead)]
         lines.append("    {")
         for k, view in enumerate(views):
@@ -1145,6 +1169,21 @@ class CEmitter:
         self._step(_describe(op), lines, [table, ids], [out])
         return out
 
+    def tile(self, op: TgOp, x: View) -> View:
+        """np.tile as one copy: the output seen as (r0, d0, r1, d1, ...) reads x repeated
+        (stride 0) along each r."""
+        info = op.result_infos()[0]
+        reps = list(op.attr("repeats"))
+        if x.literal is not None or len(reps) != x.rank:
+            raise Unsupported("tile of a tensor, one repeat per dim")
+        out = self._temp(info)
+        split = tuple(d for r, n in zip(reps, x.shape) for d in (r, n))
+        dst = View(out.buf, out.offset, split, contiguous_strides(split), out.dtype)
+        src = View(x.buf, x.offset, split, tuple(st for s_ in x.strides for st in (sympy.Integer(0), s_)), x.dtype)
+        self._step(_describe(op), self.loop(split, [(src, False), (dst, True)], lambda refs: [f"{refs[1]} = {refs[0]};"]),
+                   [x], [out])
+        return out
+
     def _nest(self, shape, skip: int | None, inner: list[str]) -> list[str]:
         """Loops c0, c1, ... over `shape` (leaving out axis `skip`) around `inner`."""
         dims = [d for d in range(len(shape)) if d != skip]
@@ -1255,7 +1294,7 @@ class CEmitter:
             "{",
             f"    const float *x = {self.ptr(x)};",
             f"    float *y = {self.ptr(out, False)};",
-            f"    #pragma omp parallel for collapse(2) if ({self.ints(numel(info.shape))} > {PARALLEL_MIN})",
+            *("    " + line for line in self._parallel_for(numel(info.shape), 2)),
             *(f"    for (int64_t {a.split()[0]} = 0; {a}; {a.split()[0]}++)" for a in axes[:3]),
             f"    for (int64_t {axes[3].split()[0]} = 0; {axes[3]}; {axes[3].split()[0]}++) {{",
             # The window's taps inside the input, as bounds (GCC 12 at -O3 miscompiled the
@@ -1597,7 +1636,14 @@ def _reshaped_strides(view: View, shape: tuple) -> tuple | None:
             strides[k] = st
             st = st * shape[k]
         oi, ni = oj, nj
-    return tuple(strides) if oi == len(old) and ni == len(new) else None
+    if oi != len(old) or ni != len(new):
+        return None
+    # A dim of size 1 gets the stride it would have if contiguous, never 0: oneDNN runs a
+    # matmul with a zero batch stride on its reference kernel (100x slower).
+    for k in reversed(range(len(shape))):
+        if _is_one(shape[k]):
+            strides[k] = strides[k + 1] * shape[k + 1] if k + 1 < len(shape) else sympy.Integer(1)
+    return tuple(strides)
 
 
 def _sole_reader(value: SSAValue):
