@@ -121,6 +121,8 @@ DNNL_TYPES = {"f32": "dnnl_f32", "i8": "dnnl_s8", "ui8": "dnnl_u8", "i32": "dnnl
 # Work below this many elements runs on one thread: an OpenMP fork/join costs more.
 PARALLEL_MIN = 32768
 SIMD_BLOCK = 4096  # elements a thread takes at a time in a flat parallel loop
+# Multiply-adds below which a GEMM runs as emitted loops: a oneDNN call costs ~1.5 us.
+SMALL_GEMM = 16384
 
 
 def c_comment(text: str) -> str:
@@ -1485,6 +1487,10 @@ class CEmitter:
         a, b = self.for_onednn(a), self.for_onednn(b)
         if a.rank < 2 or b.rank < 2:
             raise Unsupported("matmul of a vector")
+        if types == ("f32", "f32", "f32") and scales is None and all(
+                sympy.sympify(d).is_number for d in info.shape + a.shape[-1:]) and \
+                int(numel(info.shape)) * int(a.shape[-1]) <= SMALL_GEMM:
+            return self._small_matmul(op, a, b, info), 0
         out = self._temp(info)
         weight = self.buffers[b.buf].kind in ("weight", "constant") and b.rank == 2
         rank = max(a.rank, b.rank)
@@ -1531,6 +1537,37 @@ class CEmitter:
                  f"{self.ptr(scales) if scales is not None else 'NULL'}, {self.ptr(c, False)}, post)) return 1;", "}"]
         self._step(_describe(op), lines, [a, b, *post_views, *([scales] if scales is not None else [])], [out], state)
         return out, covered
+
+    def _small_matmul(self, op: TgOp, a: View, b: View, info) -> View:
+        """A GEMM too small for a library call to pay (an RNN step, a tiny model's heads) as
+        loops: each row of the result accumulates rows of b, one simd loop over the columns."""
+        out = self._laid_out_for_reader(op, self._temp(info))
+        batch = tuple(info.shape[:-2])
+        m, n, k = info.shape[-2], info.shape[-1], a.shape[-1]
+        a_b, b_b = (self.broadcast(View(v.buf, v.offset, v.shape[:-2], v.strides[:-2], v.dtype), batch)
+                    for v in (a, b))
+        at = lambda view, batched: " + ".join([f"t{d} * {self.ints(st)}"  # noqa: E731
+                                               for d, st in enumerate(batched.strides)] + ["0"])
+        lines = ["{", f"    const float *A = {self.ptr(a)}, *B = {self.ptr(b)};", f"    float *C = {self.ptr(out, False)};"]
+        lines += [f"    for (int64_t t{d} = 0; t{d} < {self.ints(n_)}; t{d}++)" for d, n_ in enumerate(batch)]
+        lines += [
+            f"    for (int64_t i = 0; i < {m}; i++) {{",
+            f"        const float *ai = A + {at(a, a_b)} + i * {self.ints(a.strides[-2])};",
+            f"        float *ci = C + {at(out, View(None, 0, batch, out.strides[:-2], 'f32'))} + "
+            f"i * {self.ints(out.strides[-2])};",
+            "        #pragma omp simd",
+            f"        for (int64_t j = 0; j < {n}; j++) ci[j] = 0.f;",
+            f"        for (int64_t p = 0; p < {k}; p++) {{",
+            f"            const float aip = ai[p * {self.ints(a.strides[-1])}];",
+            f"            const float *bp = B + {at(b, b_b)} + p * {self.ints(b.strides[-2])};",
+            "            #pragma omp simd",
+            f"            for (int64_t j = 0; j < {n}; j++) ci[j] += aip * bp[j * {self.ints(b.strides[-1])}];",
+            "        }",
+            "    }",
+            "}",
+        ]
+        self._step(_describe(op), lines, [a, b], [out])
+        return out
 
     def _collapsible(self, a: View) -> bool:
         """Whether a's leading dims and rows walk memory as one run of rows."""
