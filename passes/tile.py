@@ -21,9 +21,10 @@ What it decides, per `tg.fusion` group, against the cost model of the target:
 * Attention (any target): flash-style tiling, `block_q` query rows against
   `block_kv` keys with an online softmax, so the scores never exist whole and
   memory grows with N·d, not N². A sequence that fits one block is computed whole.
-* CPU, the C backend (target "c"): nothing yet. Its emitted loops and oneDNN's GEMMs
-  block themselves and read no tile; a group gets an empty one (it runs whole, which
-  is how the cost model prices it for "c").
+* CPU, the C backend (target "c"): attention's `block_q` and `block_kv`, the largest
+  blocks whose scores, accumulator and K/V rows fit one core's cache with two tasks
+  per core. Its other loops and oneDNN's GEMMs block themselves and read no tile;
+  those groups get an empty one (they run whole, as the cost model prices them for "c").
 * GPU (read by the Triton backend): for GEMM groups `block_m/n/k`, `num_warps`,
   `num_stages` within the shared-memory and register limits, chosen by predicted
   time (waves of tiles over the SMs); for row groups one `block` covering a row.
@@ -57,6 +58,8 @@ FLASH_BLOCK_KV = 512
 # On a GPU the scores block is held in registers: 128 queries x 64 keys of fp32 is 64
 # registers per thread over 4 warps, as FlashAttention-2's Triton kernel (Dao 2023;
 # Triton's tutorial 06) uses for head dims up to 128 (8 warps above 64).
+# The C backend's flash blocks (queries, keys), tried largest first.
+C_FLASH_BLOCKS = ((128, 256), (128, 128), (64, 128), (64, 64), (32, 64))
 GPU_FLASH_BLOCK_Q = 128
 GPU_FLASH_BLOCK_KV = 64
 # A chunk's working set may outgrow the core's L2 into the shared L3 before its passes
@@ -124,8 +127,9 @@ def tile_attr(tile: dict) -> DictionaryAttr:
 
 def choose_tile(group: FusionOp, hw, max_rows: int = 0, max_cols: int = 0, blas_gemm: bool = False) -> dict[str, int]:
     tile: dict[str, int] = {}
-    if hw.backend == "c":  # (module docstring) the C backend reads no tile
-        return tile
+    if hw.backend == "c":  # (module docstring) the C backend reads only attention's blocks
+        attention = [op for op in group.ops if op.op_name == "attention"]
+        return _c_attention_tile(attention[0], hw) if attention else tile
     anchors = [op for op in group.ops if op.op_name in ANCHORS]
     if any(op.op_name == "attention" for op in anchors):
         tile |= _attention_tile(group, next(op for op in anchors if op.op_name == "attention"), hw)
@@ -152,6 +156,28 @@ def _attention_tile(group: FusionOp, op, hw) -> dict[str, int]:
         remark("tile", f"attention {lq:.0f}x{lk:.0f}: blocks of {tile['block_q']} queries x {tile['block_kv']} keys "
                        f"(online softmax): scores {tile['block_q'] * tile['block_kv']} values per head at a time "
                        f"instead of {lq * lk:.0f}; memory grows with N*d = {lq * d:.0f}")
+    return tile
+
+
+def _c_attention_tile(op, hw) -> dict[str, int]:
+    """The C backend's flash kernel: blocks of `block_q` queries against `block_kv` keys
+    per task, each block's scores, accumulator and K/V rows within one core's cache, as
+    large as that allows (each block is two sgemm calls), with at least two tasks per
+    core while the queries allow it (tasks are a batch row times a block of queries)."""
+    q, k, v = (info_of(x.type).shape for x in op.operands[:3])
+    lq, lk, d, dv = (int(at_nominal(x)) for x in (q[-2], k[-2], q[-1], v[-1]))
+    tasks_per_block = int(at_nominal(math.prod(q[:-2]))) if len(q) > 2 else 1
+    best = (C_FLASH_BLOCKS[0][0], C_FLASH_BLOCKS[0][1])
+    for bq, bk in C_FLASH_BLOCKS:  # largest first
+        live = 4 * (bq * bk + bq * (d + dv) + bk * (d + dv))
+        if live <= hw.cache_bytes and (tasks_per_block * math.ceil(lq / bq) >= 2 * hw.cores or bq == C_FLASH_BLOCKS[-1][0]):
+            best = (bq, bk)
+            break
+    tile = {"block_q": min(best[0], max(lq, 1)), "block_kv": min(best[1], max(lk, 1))}
+    if listening():
+        remark("tile", f"attention {lq}x{lk}, head dims {d}/{dv} on the C backend: blocks of {tile['block_q']} "
+                       f"queries x {tile['block_kv']} keys ({4 * (best[0] * best[1] + best[0] * (d + dv) + best[1] * (d + dv)) // 1024} "
+                       f"KiB live of {hw.cache_bytes // 1024} KiB of cache per core)")
     return tile
 
 
