@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 from tilegraph.ir.errors import TilegraphError
@@ -35,6 +36,9 @@ CFLAGS = ["-std=gnu11", "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", 
 # TILEGRAPH_C_SANITIZE=address builds modules with AddressSanitizer (tests/test_c_asan.py
 # runs them in a process with libasan preloaded); the flags are part of the cache key.
 SANITIZERS = {"address": ["-fsanitize=address", "-fno-omit-frame-pointer"]}
+# A model's module is compiled with these after CFLAGS (the last -O wins); the runtime,
+# compiled once, keeps -O3. See MODULE_OPT_MEASURED.
+MODULE_OPT = ["-O3"]
 
 
 class BuildError(TilegraphError):
@@ -97,22 +101,47 @@ def _key(*parts: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
 
 
+_runtime_lock = threading.Lock()  # one build of the runtime at a time; a second caller waits for it
+
+
 def runtime(cflags: list[str] | None = None) -> Path:
     """The runtime's shared library for these flags, compiled now or found in the cache."""
     cflags = flags() if cflags is None else cflags
-    key = _key(_toolchain_id(), " ".join(cflags), RUNTIME_H.read_text(), RUNTIME_C.read_text())
-    target = cache_dir() / "c" / f"tgrt_{key}.so"
-    if not target.exists():
-        # The soname is the file's name: a module records it and finds it beside itself.
-        _compile(RUNTIME_C.read_text(), target, cflags, [f"-Wl,-soname,{target.name}"], "the runtime (runtime.c)")
+    with _runtime_lock:
+        key = _key(_toolchain_id(), " ".join(cflags), RUNTIME_H.read_text(), RUNTIME_C.read_text())
+        target = cache_dir() / "c" / f"tgrt_{key}.so"
+        if not target.exists():
+            # The soname is the file's name: a module records it and finds it beside itself.
+            _compile(RUNTIME_C.read_text(), target, cflags, [f"-Wl,-soname,{target.name}"],
+                     "the runtime (runtime.c)")
     return target
+
+
+def prepare() -> None:
+    """Starts finding or building the runtime in a background thread: `tilegraph.compile`
+    calls it before its import and passes, which run in Python on one core while the C
+    compiler takes another, so a first build on a machine overlaps them. A failure is
+    left for `build` to raise where it is reported."""
+    def work(cflags):
+        try:
+            runtime(cflags)
+        except Exception:  # noqa: BLE001 - build() meets it again and says what it is
+            pass
+
+    try:
+        cflags = flags()
+    except BuildError:
+        return
+    threading.Thread(target=work, args=(cflags,), name="tilegraph-c-runtime", daemon=True).start()
 
 
 def build(source: str) -> Path:
     """The shared library of `source`, compiled now or found in the cache."""
     cflags = flags()
     rt = runtime(cflags)  # (also when the module is cached: it is the module's dependency)
-    target = cache_dir() / "c" / f"tg_{_key(rt.name, source)}.so"  # rt.name holds the runtime's key
+    cflags = cflags + MODULE_OPT
+    # rt.name holds the runtime's key: the toolchain, the base flags, runtime.h and runtime.c.
+    target = cache_dir() / "c" / f"tg_{_key(rt.name, ' '.join(cflags), source)}.so"
     if not target.exists():
         # Always a dependency (the caller reads tg_error and tg_set_threads through the module),
         # even where the module calls nothing of it and the linker drops unused libraries.
