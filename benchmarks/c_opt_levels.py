@@ -5,7 +5,9 @@ attention) is compiled once at -O3 whatever the level; this chooses the level of
 model's own emitted loops (backends/c/build.MODULE_OPT). One MiniLM module (from ONNX,
 dynamic batch and sequence, the default pipeline) is compiled at each level (the C
 compiler's time, best of --builds), and the modules are timed side by side in this one
-process on one thread (round-robin, benchmarks/_common.py), at batch 1 and 8, sequence 128.
+process on one thread (round-robin, benchmarks/_common.py), at batch 1 and 8, sequence 128;
+each level's time over the last level's is the median of the ratio within each round
+(quartiles in brackets).
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/c_opt_levels.py [--repeat 9] [--levels -O1,-O2,-O3]
 """
@@ -18,8 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-from _common import interleaved_medians, machine_lines  # noqa: E402
+from _common import interleaved_samples, machine_lines, paired_ratio  # noqa: E402
 
 import tilegraph  # noqa: E402
 from tilegraph.backends.c import build, emit, load  # noqa: E402
@@ -33,7 +37,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=9)
     ap.add_argument("--builds", type=int, default=3, help="compiles per level (the best is reported)")
-    ap.add_argument("--levels", default="-O1,-O2,-O3")
+    ap.add_argument("--levels", default="-O1,-O2,-O3", help="comma-separated flag sets, the reference last")
     args = ap.parse_args()
     levels = args.levels.split(",")
     print("\n".join(machine_lines()))
@@ -53,16 +57,15 @@ def main() -> None:
             for i in range(args.builds):  # each into a file of its own: the C compiler runs every time
                 target = Path(tmp) / f"module{level}-{i}.so"
                 t = time.perf_counter()
-                build._compile(source, target, build.flags() + [level],
+                build._compile(source, target, build.flags() + level.split(),
                                ["-Wl,--push-state,--no-as-needed", str(rt), "-Wl,--pop-state"],
                                "the emitted module")
                 best = min(best, time.perf_counter() - t)
             cc[level] = best
-            build.MODULE_OPT = [level]
+            build.MODULE_OPT = level.split()
             compiled[level] = load(source, optimized.weights, optimized, threads=1)
     print(f"all-MiniLM-L6-v2 from ONNX (dynamic batch, seq), sequence {SEQ}, one thread; "
           f"the C compiler's time per module: best of {args.builds}\n")
-    print(f"{'level':<6} {'cc s':>6}" + "".join(f" {f'b{b} ms':>9} {'vs ' + levels[-1]:>8}" for b in (1, 8)))
     times = {}
     for batch in (1, 8):
         ids, mask = (t.numpy() for t in minilm_inputs(batch, SEQ))
@@ -70,12 +73,18 @@ def main() -> None:
         for level, c in compiled.items():
             err = relative_error(c(ids, mask)[0], with_torch)
             assert err < 1e-4, f"{level}: error {err:.1e} against torch"
-        times[batch] = interleaved_medians({lv: (lambda c=c: c(ids, mask)) for lv, c in compiled.items()},
+        times[batch] = interleaved_samples({lv: (lambda c=c: c(ids, mask)) for lv, c in compiled.items()},
                                            args.repeat)
     ref = levels[-1]
+    width = max(map(len, levels))
+    print(f"{'flags':<{width}}  {'cc s':>5}" + "".join(f"  {f'b{b} ms':>8}  {'vs ' + ref:>{len(ref) + 19}}"
+                                                       for b in (1, 8)))
     for level in levels:
-        cells = "".join(f" {1e3 * times[b][level]:9.2f} {times[b][level] / times[b][ref]:7.2f}x" for b in (1, 8))
-        print(f"{level:<6} {cc[level]:6.2f}{cells}")
+        cells = ""
+        for b in (1, 8):
+            r, q1, q3 = paired_ratio(times[b], level, ref)
+            cells += f"  {1e3 * float(np.median(times[b][level])):8.2f}  {r:.2f}x ({q1:.2f}-{q3:.2f}){'':>{len(ref) + 4}}"
+        print(f"{level:<{width}}  {cc[level]:5.2f}{cells}")
 
 
 if __name__ == "__main__":

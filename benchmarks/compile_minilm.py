@@ -29,15 +29,17 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# A fresh Inductor cache, so its first call compiles for real rather than loading
-# kernels an earlier run left on disk.
-os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-")
-# Likewise tilegraph's caches (compiled models, C modules), so that "cold" is cold.
-os.environ["TILEGRAPH_CACHE_DIR"] = tempfile.mkdtemp(prefix="tilegraph-")
+if "--child-compile" not in sys.argv:  # (a child is handed its cache folder)
+    # A fresh Inductor cache, so its first call compiles for real rather than loading
+    # kernels an earlier run left on disk.
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-")
+    # Likewise tilegraph's caches (compiled models, C modules), so that "cold" is cold.
+    os.environ["TILEGRAPH_CACHE_DIR"] = tempfile.mkdtemp(prefix="tilegraph-")
 # This directory is on sys.path when run as a script; _common adds the repository root.
 from _common import interleaved_medians, machine_lines, timed  # noqa: E402
 
@@ -67,18 +69,26 @@ def child_compile(onnx_path: str) -> None:
     imported = time.perf_counter() - t0
     stages: dict[str, float] = {}
 
+    inside = threading.local()  # a stage within another (a verify inside the cache's read) is the outer one's
+
     def timing(owner, attr, label):
         fn = getattr(owner, attr, None)
         if fn is None:  # (an older checkout, measured with this script for a before/after)
             return
 
         def timed_fn(*a, **k):
+            depth = getattr(inside, "depth", 0)
+            inside.depth = depth + 1
             t = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
+                inside.depth = depth
                 name = label(*a) if callable(label) else label
-                stages[name] = stages.get(name, 0.0) + time.perf_counter() - t
+                if threading.current_thread() is not threading.main_thread():
+                    name = BACKGROUND + name
+                if not depth:
+                    stages[name] = stages.get(name, 0.0) + time.perf_counter() - t
         setattr(owner, attr, timed_fn)
 
     timing(onnx_frontend, "from_onnx", "ONNX import")
@@ -89,9 +99,13 @@ def child_compile(onnx_path: str) -> None:
         if "apply" in cls.__dict__:
             timing(cls, "apply", f"pass {cls.name}")
     timing(compile_cache, "store", "compile cache: store the result")
+    timing(compile_cache, "key", "compile cache: key (hash the file and the library)")
+    timing(compile_cache, "lookup", "compile cache: read the compiled model")
     timing(cbackend, "emit_program", "emit C")
     timing(build, "_toolchain_id", "compiler identity (cc --version)")
-    timing(build, "_compile", lambda source, target, *a: BACKGROUND + "cc: the runtime library (once per machine)"
+    if not hasattr(build, "_compile"):  # (an older checkout: the runtime compiled into every module)
+        timing(build, "build", "cc: the model's module (the runtime in it)")
+    timing(build, "_compile", lambda source, target, *a: "cc: the runtime library (once per machine)"
            if target.name.startswith("tgrt_") else "cc: the model's module")
     timing(runtime, "CompiledModel", "load the library, bind weights")
     t = time.perf_counter()
@@ -100,7 +114,8 @@ def child_compile(onnx_path: str) -> None:
     print(json.dumps({"total": total, "import": imported, "stages": stages}))
 
 
-# A stage run in a thread of its own beside the others (build.prepare): not in their sum.
+# A stage run in a thread of its own beside the others (build.prepare starts the runtime's
+# build): not in their sum.
 BACKGROUND = "(beside the passes) "
 
 
@@ -190,6 +205,7 @@ def main() -> None:
         row(name, result["total"])
         breakdown(result["stages"], result["total"])
     row("tilegraph C, from ONNX, cached (compile cache + module on disk)", c_cached["total"])
+    breakdown(c_cached["stages"], c_cached["total"])
     row("onnxruntime InferenceSession (graph optimization)", t_ort)
     row("torch.compile first call (Inductor)", t_inductor)
 
