@@ -20,15 +20,32 @@ reads and scheduler noise of a shared 2-core machine dominate). Then the
 per-kind summary and the worst-predicted kernels: what to improve in the model.
 Issue 3's target: Spearman >= 0.9, MAPE <= 25 %, clearly better than FLOPs-only.
 
+The C backend (`--targets c`, run by default after NumPy): its module is one native call,
+so a kernel is timed alone instead: every distinct kernel of the model compiled with
+`default_pipeline("c")` (a `tg.fusion` group, or an op left outside one; views cost
+nothing in C and are skipped) is extracted with the weights it reads into a model of
+its own (ir/extract.py), compiled by the C backend, called on inputs of the run's
+shapes (floats random, integers 0: every index valid, but a gather's indices spread
+over its table), and its median call time less
+that of a module of one 16-element add, timed beside it, is the measured time (medians
+of batches of calls, as the calibration times: KERNEL_BUDGET); predicted is `fusion_cost` /
+`op_cost` with hardware("c") (`tilegraph calibrate --target c`). The same tables follow,
+and for the whole model the predicted sum (kernels plus one module call) against the
+compiled model's measured forward. A kernel timed alone writes a fresh output array
+(the whole model writes its intermediates into the arena it planned), so large outputs
+read a little slow.
+
 Models (tests/models.py): all-MiniLM-L6-v2 (sdpa attention) at batch 1 and 8,
 sequence 128; the GPT-2-small-shaped decoder at batch 1, sequence 256; the small
 CNN at batch 32.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/cost_model_accuracy.py [--models minilm,gpt2,cnn]
-        [--repeat N] [--quick] [--calibrate] [--all] [--json PATH] [--minilm-attention sdpa|eager]
+        [--targets numpy,c] [--repeat N] [--quick] [--calibrate] [--all] [--json PATH]
+        [--minilm-attention sdpa|eager]
 
 --quick: a 2-layer GPT-2 and fewer rounds (a smoke run). --calibrate re-measures
-this machine first (`tilegraph calibrate`); by default the saved profile is used.
+this machine first (`tilegraph calibrate`, and `--target c` for the C backend); by
+default the saved profiles are used.
 --all prints every kernel, not only the worst; --json writes them all to a file.
 
 The machine is shared: before and after each model a chunked GEMM is timed on one
@@ -65,15 +82,19 @@ from tilegraph.ir.dialect import FusionOp  # noqa: E402
 from tilegraph.ir.shapes import info_of  # noqa: E402
 from tilegraph.passes.cost.hardware import hardware  # noqa: E402
 from tilegraph.passes.cost.model import at, fusion_cost, op_cost, op_flops  # noqa: E402
-from tilegraph.passes.registry import DEFAULT_PIPELINE, run_pipeline  # noqa: E402
+from tilegraph.passes.registry import DEFAULT_PIPELINE, default_pipeline, run_pipeline  # noqa: E402
 from tests import models  # noqa: E402
 
 MODELS = ("minilm", "gpt2", "cnn")
+TARGETS = ("numpy", "c")
 MINILM_SEQ, MINILM_BATCHES = 128, (1, 8)  # issue 3
 GPT2_BATCH, GPT2_SEQ = 1, 256  # issue 3
 GPT2_LAYERS, QUICK_GPT2_LAYERS = 12, 2  # GPT-2 small; --quick keeps two blocks (same kernels, fewer copies)
 CNN_BATCH = 32  # as benchmarks/cpu_speed.py: a few MFLOP per conv, not call overhead alone
 REPEAT, QUICK_REPEAT = 21, 7  # timed forward calls per model (median per kernel)
+# (C) Seconds of timing per kernel timed alone, as the calibration times its modules
+# (median of batches: backends/numpy/calibrate.median_times); the whole forward gets `repeat` x this.
+KERNEL_BUDGET = 0.1
 WARMUP = 3  # untimed calls first: first-touch page faults, thread-pool start, BLAS buffers
 
 # Kernels measured below this many seconds are reported but also left out of the
@@ -115,9 +136,20 @@ def model_list(text: str) -> list[str]:
     return names
 
 
+def target_list(text: str) -> list[str]:
+    """--targets: comma-separated names out of TARGETS."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = sorted(set(names) - set(TARGETS))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown target(s) {', '.join(unknown)}; choose from {', '.join(TARGETS)}")
+    return names
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", type=model_list, default=list(MODELS), help=f"comma-separated, of: {', '.join(MODELS)}")
+    ap.add_argument("--targets", type=target_list, default=list(TARGETS),
+                    help=f"backends whose kernels to predict and time, of: {', '.join(TARGETS)} (default: both)")
     ap.add_argument("--repeat", type=int, default=None, help=f"timed forward calls per model (default {REPEAT})")
     ap.add_argument("--quick", action="store_true",
                     help=f"{QUICK_GPT2_LAYERS}-layer GPT-2, {QUICK_REPEAT} rounds: a smoke run")
@@ -214,6 +246,80 @@ def measure(case: Case, hw, repeat: int) -> tuple[list[Kernel], dict]:
                               op.tile() if isinstance(op, FusionOp) else {}))
     info = {"import_s": t_import, "compile_s": t_compile, "forward_s": forward,
             "kernel_sum_s": sum(k.measured for k in kernels)}
+    return kernels, info
+
+
+def kernel_model(model, op):
+    """`op` (a top-level kernel of `model`) as a model of its own, with the weights it reads."""
+    from tilegraph.ir.extract import extract
+
+    sources = [v.owner for v in op.operands if getattr(v.owner, "op_name", None) in ("weight", "constant")]
+    sources = list(dict.fromkeys(sources))
+    inputs = list(dict.fromkeys(v for v in op.operands if v.owner not in sources))
+    return extract(model, [*sources, op], inputs, list(op.results))
+
+
+def kernel_inputs(kernel, sizes, rng) -> list[np.ndarray]:
+    """Inputs of the run's shapes: floats random, integers and booleans 0 (any index is valid),
+    but a gather's indices spread over its table (all 0, it would read one row from cache)."""
+    from tilegraph.ir.dtypes import numpy_dtype
+
+    block = kernel.func.body.block
+    bounds = {}
+    for op in block.ops:
+        if getattr(op, "op_name", None) == "gather" and op.operands[1] in block.args:
+            table = info_of(op.operands[0].type)
+            bounds[block.args.index(op.operands[1])] = table.shape[op.attr("axis") % table.rank]
+    arrays = []
+    for i, info in enumerate(kernel.inputs):
+        shape = tuple(int(sympy.sympify(d).subs(sizes)) for d in info.shape)
+        dtype = numpy_dtype(info.dtype)
+        if np.issubdtype(dtype, np.floating):
+            arrays.append(rng.standard_normal(shape).astype(dtype))
+        elif i in bounds:
+            arrays.append(rng.integers(0, int(sympy.sympify(bounds[i]).subs(sizes)), shape).astype(dtype))
+        else:
+            arrays.append(np.zeros(shape, dtype))
+    return arrays
+
+
+def measure_c(case: Case, hw, repeat: int) -> tuple[list[Kernel], dict]:
+    """The C backend's kernels of `case`, each timed alone (module docstring)."""
+    from tilegraph.backends.c import compile_model
+    from tilegraph.backends.numpy.calibrate import median_times
+    from tilegraph.ir.fusion import VIEW_OPS
+    from tilegraph.ir import Graph
+    from tilegraph.ir.dialect import TgOp
+
+    arrays = [t.numpy() for t in case.inputs]
+    imported, t_import = timed(lambda: tilegraph.import_model(case.build(), case.inputs))
+    compiled, t_compile = timed(lambda: run_pipeline(imported, default_pipeline("c")))
+    sizes = sizes_of(compiled, arrays)
+    whole = compile_model(compiled)
+    (forward,) = median_times((lambda: whole(*arrays),), KERNEL_BUDGET * repeat)
+    rng = np.random.default_rng(0)
+    g = Graph()
+    x = g.input("x", (16,))
+    call, tiny = compile_model(g.build(x + x, names=["y"])), np.ones(16, np.float32)
+    kernels, seen = [], {}
+    ops = [op for op in compiled.func.body.block.ops
+           if isinstance(op, FusionOp) or isinstance(op, TgOp) and op.op_name not in (*VIEW_OPS, "weight", "constant")]
+    for i, op in enumerate(ops):
+        kind, label = label_of(op)
+        if label not in seen:  # one timing per distinct kernel (a layer's copies are alike)
+            sub = kernel_model(compiled, op)
+            module = compile_model(sub)
+            inputs = kernel_inputs(sub, sizes, rng)
+            # Interleaved with a module of one 16-element add: what a call costs now, besides its kernel.
+            t, t_call = median_times((lambda: module(*inputs), lambda: call(tiny)), KERNEL_BUDGET)
+            seen[label] = max(t - t_call, 1e-7)
+        cost = fusion_cost(op, hw) if isinstance(op, FusionOp) else op_cost(op, hw)
+        flops = sum(at(op_flops(o), sizes) for o in op.ops) if isinstance(op, FusionOp) else at(op_flops(op), sizes)
+        kernels.append(Kernel(case.label, f"{kind}_{i}", kind, label, seen[label], at(cost.time, sizes), flops,
+                              tuple(at(t, sizes) for t in (cost.compute_time, cost.memory_time, cost.overhead))))
+    info = {"import_s": t_import, "compile_s": t_compile, "forward_s": forward,
+            "kernel_sum_s": sum(k.measured for k in kernels),
+            "predicted_forward_s": sum(k.predicted for k in kernels) + hw.launch_overhead}
     return kernels, info
 
 
@@ -368,30 +474,53 @@ def main(args) -> int:
     if args.calibrate:
         from tilegraph.backends.numpy import calibrate
 
-        calibrate.run(quick=False)
-    hw = hardware("cpu")
-    peak = hw.flops("f32")
+        if "numpy" in args.targets:
+            calibrate.run(quick=False)
+        if "c" in args.targets:
+            from tilegraph.backends.c import calibrate as calibrate_c
+
+            calibrate_c.run(quick=False)
     for line in machine_lines(torch=torch.__version__):
         print(line)
+    for target in args.targets:
+        report(target, args)
+    return 0
+
+
+def report(target: str, args) -> None:
+    """Predict and time every kernel of the models on `target`'s backend; print the tables."""
+    hw = hardware("c" if target == "c" else "cpu")
+    peak = hw.flops("f32")
+    pipeline = default_pipeline("c") if target == "c" else DEFAULT_PIPELINE
+    print(f"\n=== target {target} ===")
     print(f"cost model profile: {hw.source}")
     print(f"  peak f32 {peak / 1e9:.1f} GFLOP/s (the FLOPs-only baseline divides by it), stream "
           f"{hw.memory_bandwidth / 1e9:.1f} GB/s, call {hw.launch_overhead * 1e6:.2f} us")
-    print(f"pipeline: {DEFAULT_PIPELINE}")
-    print(f"measured: median per call over {args.repeat} forward calls after {WARMUP} warm-up calls; "
-          f"load average at start {os.getloadavg()[0]:.2f}\n", flush=True)
+    print(f"pipeline: {pipeline}")
+    how = ("each distinct kernel compiled and called alone, median less a tiny module's call"
+           if target == "c" else f"median per call over {args.repeat} forward calls after {WARMUP} warm-up calls")
+    print(f"measured: {how}; load average at start {os.getloadavg()[0]:.2f}\n", flush=True)
 
     everything: list[Kernel] = []
     per_case: list[tuple[str, list[Kernel]]] = []
     checks = []
     for case in cases(args):
-        before = machine_check(hw)
-        kernels, info = measure(case, hw, args.repeat)
-        checks += [before, machine_check(hw)]
-        print(f"  {case.label}: {len(kernels)} kernels; import {info['import_s']:.1f} s, passes "
-              f"{info['compile_s']:.1f} s; forward {1e3 * info['forward_s']:.1f} ms, of which timed kernels "
-              f"{1e3 * info['kernel_sum_s']:.1f} ms; check GEMM before/after: one thread at "
-              f"{before[0]:.0%}/{checks[-1][0]:.0%} of calibrated, {THREADS} threads {before[1]:.2f}x/"
-              f"{checks[-1][1]:.2f}x one", flush=True)
+        if target == "c":
+            kernels, info = measure_c(case, hw, args.repeat)
+            print(f"  {case.label}: {len(kernels)} kernels, {len({k.label for k in kernels})} distinct; import "
+                  f"{info['import_s']:.1f} s, passes {info['compile_s']:.1f} s; forward measured "
+                  f"{1e3 * info['forward_s']:.2f} ms, predicted {1e3 * info['predicted_forward_s']:.2f} ms "
+                  f"(pred/meas {info['predicted_forward_s'] / info['forward_s']:.2f}); kernels timed alone sum to "
+                  f"{1e3 * info['kernel_sum_s']:.2f} ms", flush=True)
+        else:
+            before = machine_check(hw)
+            kernels, info = measure(case, hw, args.repeat)
+            checks += [before, machine_check(hw)]
+            print(f"  {case.label}: {len(kernels)} kernels; import {info['import_s']:.1f} s, passes "
+                  f"{info['compile_s']:.1f} s; forward {1e3 * info['forward_s']:.1f} ms, of which timed kernels "
+                  f"{1e3 * info['kernel_sum_s']:.1f} ms; check GEMM before/after: one thread at "
+                  f"{before[0]:.0%}/{checks[-1][0]:.0%} of calibrated, {THREADS} threads {before[1]:.2f}x/"
+                  f"{checks[-1][1]:.2f}x one", flush=True)
         per_case.append((case.label, kernels))
         everything += kernels
 
@@ -399,7 +528,7 @@ def main(args) -> int:
     for label, kernels in per_case + [("overall", everything)]:
         rows.append(metric_row(label, "all", metrics(kernels, peak)))
         rows.append(metric_row("", f">= {MIN_US} us", metrics(large(kernels), peak)))
-    print("\nSpearman rank correlation and MAPE, cost model vs FLOPs-only baseline")
+    print(f"\nSpearman rank correlation and MAPE, cost model vs FLOPs-only baseline (target {target})")
     print("  (baseline MAPE uses its best single scale factor, fitted on the same kernels: x s; "
           "'total' = sum predicted / sum measured, cost model)")
     print(format_table(["model", "kernels", "n", "rho model", "rho FLOPs", "MAPE model", "MAPE FLOPs (fit)",
@@ -413,7 +542,7 @@ def main(args) -> int:
               f"{which} kernels: {'met' if meets(m) else 'not met'} "
               f"(rho {m['rho']:.3f} vs {m['rho_flops']:.3f}, MAPE {m['mape']:.0%} vs {m['mape_flops']:.0%})")
 
-    print("\nper kind, all models (pred/meas > 1: the model predicts too slow)")
+    print(f"\nper kind, all models, target {target} (pred/meas > 1: the model predicts too slow)")
     print(kind_table(everything))
     merged = by_label(everything)
     big = [r for r in merged if r["meas"] >= MIN_US * 1e-6]
@@ -424,9 +553,11 @@ def main(args) -> int:
         print(f"\nworst-predicted kernels measured < {MIN_US} us (timer and scheduler noise dominate these)")
         print(worst_table(small, None if args.all else 5))
     if args.json:
-        rows = [asdict(k) for k in everything]
-        Path(args.json).write_text(json.dumps(rows, indent=1))
-        print(f"\nwrote {len(rows)} kernels to {args.json}")
+        rows = [asdict(k) | {"target": target} for k in everything]
+        path = Path(args.json)
+        path = path if len(args.targets) == 1 else path.with_name(f"{path.stem}-{target}{path.suffix}")
+        path.write_text(json.dumps(rows, indent=1))
+        print(f"\nwrote {len(rows)} kernels to {path}")
     print(f"\nload average at end {os.getloadavg()[0]:.2f} (this script's own threads count)")
     if checks:
         single, speedup = [c[0] for c in checks], [c[1] for c in checks]
@@ -436,7 +567,6 @@ def main(args) -> int:
         if min(speedup) < DISTURBED_SPEEDUP * THREADS:
             print(f"WARNING: {THREADS} threads ran below {DISTURBED_SPEEDUP * THREADS:.1f}x one at times: another "
                   "process had a core and measured times are inflated; rerun when the machine is quiet")
-    return 0
 
 
 if __name__ == "__main__":

@@ -12,6 +12,11 @@ per-kernel (GPU) or per-NumPy-call (CPU) fixed costs, and interconnect links
   the user's cache directory, keyed by CPU model and core count. With no profile yet,
   the first call runs the quick calibration (a couple of seconds) and saves it;
   `clear_cache()` makes the next call re-read the file.
+- "c": this machine again, as the native C backend runs on it: its own kernels (oneDNN
+  GEMMs, fused C loops, row kernels, flash attention, convolution, the module call)
+  measured by `backends/c/calibrate.py` (`tilegraph calibrate --target c`), kept beside
+  the "cpu" profile and measured quickly on first use the same way. Its `backend` is
+  "c", which is how the cost model knows a group is one C pass, not NumPy calls.
 
 It lies below passes and backends, which both read it (the cost model; the Triton
 backend's GPU description and cache directory): it imports neither. The measuring
@@ -110,6 +115,18 @@ class Hardware:
     # below the GEMM curve; and its speedup on all cores. Empty: priced from the GEMM curve.
     attention_rates: tuple[tuple[int, float], ...] = ()
     attention_speedup: float = 0.0
+    # Which CPU backend's kernels were measured: "numpy" (the fields as described above) or
+    # "c" (backends/c/calibrate.py). In a "c" profile: launch_overhead is one call of a
+    # compiled module from Python; chunk_call_overhead one more step (C function) in it when
+    # the step runs on one thread, parallel_overhead when it opens an OpenMP region;
+    # ufunc_rates elements/s of each op inside a fused C loop on all threads (softmax,
+    # layer_norm: a whole row kernel); cache_bandwidth and memory_bandwidth bytes/s of one
+    # fused loop's pass; conv_rate oneDNN's convolution on all threads; attention_rates the
+    # C flash kernel on one thread (attention_speedup: on all).
+    backend: str = "numpy"
+    # CPU "c" only: (m, n, k, FLOP/s) of oneDNN's GEMM on a prepacked weight with all
+    # threads (`gemm_samples` holds the same on one thread). Empty: `gemm_samples` x cores.
+    gemm_samples_threaded: tuple[tuple[int, int, int, float], ...] = ()
 
     # Dict fields make the generated hash fail; these three identify a profile.
     def __hash__(self) -> int:
@@ -124,7 +141,7 @@ class Hardware:
                 return self.peak_flops[name]
         raise AssertionError(f"hardware {self.name} has no f32 rate")  # every profile has one
 
-    def matmul_rate(self, m: int, n: int, k: int, dtype: str = "f32") -> float:
+    def matmul_rate(self, m: int, n: int, k: int, dtype: str = "f32", threaded: bool = False) -> float:
         """FLOP/s expected for one (m x k) @ (k x n) GEMM at concrete sizes.
 
         CPU: the measured f32 np.matmul rates on one core (`gemm_samples`), interpolated linearly
@@ -139,6 +156,9 @@ class Hardware:
             efficiency = m*n*k / (waves * cores * TM*TN * ceil(k / TK)*TK)
         (tile quantization for ragged edges, wave quantization for a last wave that
         leaves SMs idle). An upper bound: it ignores pipeline fill for small k.
+
+        `threaded` (CPU): the rate of one GEMM on all cores, from `gemm_samples_threaded`
+        where the profile has them (the C backend's oneDNN GEMMs thread themselves).
         """
         m, n, k = int(m), int(n), int(k)
         if min(m, n, k) <= 0:
@@ -150,6 +170,9 @@ class Hardware:
             return self.flops(dtype) * (m * n * k) / issued
         if not self.gemm_samples:
             return self.flops(dtype)
+        if threaded and self.gemm_samples_threaded:
+            return _interp(math.log(m * n * k), _gemm_curve(self.gemm_samples_threaded)) \
+                * self.flops(dtype) / self.flops("f32")
         curve = _gemm_curve(self.gemm_samples)
         rate = _interp(math.log(m * n * k), curve)
         if self.skinny_gemm:  # few rows (or columns): BLAS's register blocking is left half empty
@@ -164,7 +187,8 @@ class Hardware:
     def from_dict(cls, d: Mapping) -> "Hardware":
         d = dict(d)
         d["links"] = {k: Link(**v) for k, v in d.get("links", {}).items()}
-        d["gemm_samples"] = tuple((int(m), int(n), int(k), float(r)) for m, n, k, r in d.get("gemm_samples", ()))
+        for key in ("gemm_samples", "gemm_samples_threaded"):
+            d[key] = tuple((int(m), int(n), int(k), float(r)) for m, n, k, r in d.get(key, ()))
         d["skinny_gemm"] = tuple((int(r), float(e)) for r, e in d.get("skinny_gemm", ()))
         d["attention_rates"] = tuple((int(h), float(r)) for h, r in d.get("attention_rates", ()))
         return cls(**d)
@@ -320,7 +344,7 @@ A100 = Hardware(
 )
 
 GPUS = {"h100": H100, "h200": H200, "a100": A100}
-TARGETS: tuple[str, ...] = (*GPUS, "cpu")
+TARGETS: tuple[str, ...] = (*GPUS, "cpu", "c")
 
 
 def check_target(name: str) -> None:
@@ -331,12 +355,14 @@ def check_target(name: str) -> None:
 
 def hardware(name: str) -> Hardware:
     """The description of `name` (one of TARGETS, any case); "cpu" is this machine's
-    measured profile, calibrated quickly on first use."""
+    measured profile, calibrated quickly on first use; "c" the same for the C backend."""
     from tilegraph.ir.errors import TilegraphError
 
     key = str(name).strip().lower()
     if key in GPUS:
         return GPUS[key]
+    if key == "c":
+        return _cpu_profile(str(c_profile_path()), native=True)
     if key == "cpu":
         profile = _cpu_profile(str(cpu_profile_path()))
         # The NumPy backend runs on TILEGRAPH_NUM_THREADS threads when it is set
@@ -356,16 +382,24 @@ def clear_cache() -> None:
 CALIBRATE: Callable[..., Hardware] | None = None
 
 
-def _measure() -> Hardware:
+# The same for the C backend's profile ("c"), by backends/c/calibrate.py.
+CALIBRATE_C: Callable[..., Hardware] | None = None
+
+
+def _measure(native: bool = False) -> Hardware:
     from tilegraph.ir.errors import TilegraphError
 
-    if CALIBRATE is None:
-        raise TilegraphError("no CPU profile and no calibration to measure one: import tilegraph first")
-    return CALIBRATE(quick=True)
+    calibrate = CALIBRATE_C if native else CALIBRATE
+    if calibrate is None:
+        raise TilegraphError(f"no {'C backend' if native else 'CPU'} profile and no calibration to measure one: "
+                             "import tilegraph first")
+    return calibrate(quick=True)
 
 
 @lru_cache(maxsize=None)
-def _cpu_profile(path: str) -> Hardware:
+def _cpu_profile(path: str, native: bool = False) -> Hardware:
+    """The profile at `path`, measured now (quickly) if there is none: by the NumPy
+    backend's calibration, or where `native`, the C backend's."""
     profile = load_profile(path)
     if profile is not None:
         return profile
@@ -373,10 +407,10 @@ def _cpu_profile(path: str) -> Hardware:
         with _locked(Path(path)):  # one pytest-xdist worker calibrates, the others wait and read it
             profile = load_profile(path)
             if profile is None:
-                profile = _measure()
+                profile = _measure(native)
                 save_profile(profile, path)
     except OSError:  # no writable cache directory: the measurement serves this process only
-        profile = profile or _measure()
+        profile = profile or _measure(native)
     return profile
 
 
@@ -409,6 +443,11 @@ def cpu_profile_path() -> Path:
     machine do not each re-measure and overwrite the other's profile on every run."""
     slug = re.sub(r"[^A-Za-z0-9]+", "-", cpu_model()).strip("-").lower() or "cpu"
     return cache_dir() / f"cpu-{slug}-{os.cpu_count() or 1}cores-v{PROFILE_FORMAT}.json"
+
+
+def c_profile_path() -> Path:
+    """Where this machine's C backend profile lives (as cpu_profile_path, prefixed "c-")."""
+    return cpu_profile_path().with_name("c-" + cpu_profile_path().name)
 
 
 def load_profile(path) -> Hardware | None:

@@ -148,6 +148,8 @@ def default_pipeline(target: str = "cpu") -> str:
     the Triton backend has a flash kernel for it."""
     if target == "cpu":
         return DEFAULT_PIPELINE
+    if target == "c":  # the C backend: as the NumPy one, its groups priced as C steps
+        return UNFUSED_PIPELINE + ",fuse{target=c},tile{target=c}"
     return UNFUSED_PIPELINE + f",attention,fuse{{target={target}}},tile{{target={target}}}"
 
 

@@ -21,6 +21,9 @@ What it decides, per `tg.fusion` group, against the cost model of the target:
 * Attention (any target): flash-style tiling, `block_q` query rows against
   `block_kv` keys with an online softmax, so the scores never exist whole and
   memory grows with N·d, not N². A sequence that fits one block is computed whole.
+* CPU, the C backend (target "c"): nothing yet. Its emitted loops and oneDNN's GEMMs
+  block themselves and read no tile; a group gets an empty one (it runs whole, which
+  is how the cost model prices it for "c").
 * GPU (read by the Triton backend): for GEMM groups `block_m/n/k`, `num_warps`,
   `num_stages` within the shared-memory and register limits, chosen by predicted
   time (waves of tiles over the SMs); for row groups one `block` covering a row.
@@ -121,6 +124,8 @@ def tile_attr(tile: dict) -> DictionaryAttr:
 
 def choose_tile(group: FusionOp, hw, max_rows: int = 0, max_cols: int = 0, blas_gemm: bool = False) -> dict[str, int]:
     tile: dict[str, int] = {}
+    if hw.backend == "c":  # (module docstring) the C backend reads no tile
+        return tile
     anchors = [op for op in group.ops if op.op_name in ANCHORS]
     if any(op.op_name == "attention" for op in anchors):
         tile |= _attention_tile(group, next(op for op in anchors if op.op_name == "attention"), hw)

@@ -15,7 +15,7 @@ from tilegraph.backends import interpret_triton_without_gpu
 
 interpret_triton_without_gpu()
 
-from tilegraph.passes.cost.hardware import PROFILE_FORMAT, cpu_profile_path, load_profile  # noqa: E402
+from tilegraph.passes.cost.hardware import PROFILE_FORMAT, c_profile_path, cpu_profile_path, load_profile  # noqa: E402
 
 # The passes decide fusion and tiling against the CPU profile that hardware("cpu")
 # measures on first use. On a shared VM that measurement moves from run to run (the
@@ -28,10 +28,14 @@ from tilegraph.passes.cost.hardware import PROFILE_FORMAT, cpu_profile_path, loa
 _CACHE = tempfile.mkdtemp(prefix="tilegraph-tests-")
 atexit.register(shutil.rmtree, _CACHE, True)
 os.environ["TILEGRAPH_CACHE_DIR"] = _CACHE
-shutil.copy(Path(__file__).with_name("cpu_profile.json"), cpu_profile_path())
-if load_profile(cpu_profile_path()) is None:
-    raise RuntimeError(f"tests/cpu_profile.json is not a profile of format {PROFILE_FORMAT}: "
-                       "run `tilegraph calibrate` and copy the profile it writes there")
+# The same for the C backend's decisions (target "c"): tests/c_profile.json, from
+# `tilegraph calibrate --target c` on the same VM.
+for _name, _path, _command in (("cpu_profile.json", cpu_profile_path(), "tilegraph calibrate"),
+                               ("c_profile.json", c_profile_path(), "tilegraph calibrate --target c")):
+    shutil.copy(Path(__file__).with_name(_name), _path)
+    if load_profile(_path) is None:
+        raise RuntimeError(f"tests/{_name} is not a profile of format {PROFILE_FORMAT}: "
+                           f"run `{_command}` and copy the profile it writes there")
 
 CONFORMANCE_TEST = "test_onnx_conformance.py::test_node_case_matches_the_onnx_reference"
 

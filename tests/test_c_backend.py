@@ -311,3 +311,85 @@ def test_a_zero_pad_before_a_convolution_is_its_padding():
         assert sum(s.comment.startswith("pad") for s in compiled.program.steps) == pad_steps
         for got, want in zip(compiled(x), interpret(model, [x])):
             assert_close(got, want, "f32", reduction_length=27)
+
+
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(1, 9), width=st.integers(1, 70), seed=st.integers(0, 99))
+def test_a_group_of_row_reductions_is_one_pass_over_the_rows(rows, width, seed):
+    """An RMS norm and a softmax spelled out in ops (Llama's, a hand-written one): each
+    fused group is one native step, whatever the row width, and matches the interpreter."""
+    from tilegraph.ir import Graph
+
+    rng = np.random.default_rng(seed)
+    g = Graph()
+    x = g.input("x", ("S", width))
+    w = g.weight("w", rng.standard_normal(width).astype(np.float32))
+    rms = x * g.rsqrt(g.reduce_mean(x * x, axes=(-1,), keepdims=True) + g.constant(np.float32(1e-6))) * w
+    e = g.exp(x - g.reduce_max(x, axes=(-1,), keepdims=True))
+    model = g.build(rms, e / g.reduce_sum(e, axes=(-1,), keepdims=True), names=["rms", "softmax"])
+    compiled = tilegraph.compile(model, target="c", pipeline="fuse")
+    assert [s.comment.split(":")[0] for s in compiled._runner.program.steps] == ["fusion elementwise"] * 2
+    xs = rng.standard_normal((rows, width)).astype(np.float32)
+    for got, want, name in zip(compiled.run(xs), interpret(model, [xs]), model.output_names):
+        assert_close(got, want, "f32", reduction_length=width, name=name)
+
+
+def test_a_gated_mlp_runs_its_sibling_gemms_then_one_loop():
+    """Llama's MLP: silu(x @ Wg) * (x @ Wu), fused as sibling GEMMs of one input: two
+    GEMMs and one elementwise loop (it once fell back to a step per op)."""
+    from tilegraph.ir import Graph
+
+    rng = np.random.default_rng(0)
+    g = Graph()
+    x = g.input("x", ("B", 16, 32))
+    gate = x @ g.weight("wg", rng.standard_normal((32, 64)).astype(np.float32))
+    up = x @ g.weight("wu", rng.standard_normal((32, 64)).astype(np.float32))
+    model = g.build(gate * g.sigmoid(gate) * up, names=["h"])
+    compiled = tilegraph.compile(model, target="c")
+    assert [s.comment.split(" ")[0] for s in compiled._runner.program.steps] == ["matmul", "matmul", "fusion"]
+    xs = rng.standard_normal((2, 16, 32)).astype(np.float32)
+    assert_close(compiled(xs), interpret(model, [xs])[0], "f32", reduction_length=32)
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=st.lists(st.integers(1, 4), min_size=1, max_size=4), data=st.data())
+def test_a_reshape_is_a_view_exactly_where_numpy_makes_one(shape, data):
+    """The emitter's no-copy reshape (the split Q, K and V heads of a fused projection)
+    agrees with NumPy on whether a strided view can be reshaped without a copy, and on
+    the strides it then has."""
+    from tilegraph.backends.c.emit import View, _reshaped_strides
+
+    base = np.arange(int(np.prod(shape)) * 2, dtype=np.float32).reshape(*shape[:-1], shape[-1] * 2)
+    view = np.transpose(base, data.draw(st.permutations(range(len(shape)))))
+    view = view[tuple(slice(None) if data.draw(st.booleans()) else slice(None, None, 2) for _ in shape)]
+    sizes = [int(d) for d in view.shape]
+    new = data.draw(st.sampled_from([[int(np.prod(sizes))], sizes[::-1], [*sizes, 1], [1, *sizes]]
+                                    + ([[sizes[0] * sizes[1], *sizes[2:]]] if len(sizes) > 1 else [])))
+    strides = _reshaped_strides(View(0, 0, tuple(sizes), tuple(s // 4 for s in view.strides), "f32"), tuple(new))
+    try:
+        reshaped = view.view()
+        reshaped.shape = new  # raises where NumPy needs a copy
+    except AttributeError:
+        assert strides is None
+        return
+    assert strides is not None
+    assert [s for d, s in zip(new, strides) if d != 1] == [s // 4 for d, s in zip(new, reshaped.strides) if d != 1]
+
+
+def test_attention_heads_split_from_one_projection_and_merged_back_need_no_copy():
+    """GPT-2's attention: Q, K, V split from one fused projection and reshaped into heads
+    are strided views the kernel reads as they are; its output is written in the layout of
+    the transpose that merges the heads back, so no step copies."""
+    from tilegraph.ir import Graph
+
+    rng = np.random.default_rng(0)
+    g = Graph()
+    x = g.input("x", ("S", 32))
+    qkv = g.reshape(x @ g.weight("w", rng.standard_normal((32, 96)).astype(np.float32)), (1, "S", 96))
+    heads = [g.transpose(g.reshape(part, (1, "S", 4, 8)), (0, 2, 1, 3)) for part in g.split(qkv, (32, 32, 32), 2)]
+    att = g.op("attention", *heads, scale=0.35, causal=True)
+    model = g.build(g.reshape(g.transpose(att, (0, 2, 1, 3)), ("S", 32)), names=["y"])
+    compiled = tilegraph.compile(model, target="c")
+    assert not any("copy" in s.comment for s in compiled._runner.program.steps)
+    xs = rng.standard_normal((11, 32)).astype(np.float32)
+    assert_close(compiled(xs), interpret(model, [xs])[0], "f32", reduction_length=32)

@@ -142,3 +142,44 @@ def test_onnx_backend_test_runner_drives_the_backend():
     result = unittest.TextTestRunner(verbosity=0, stream=io.StringIO()).run(backend_test.test_suite)
     ran = result.testsRun - len(result.skipped)
     assert ran == 4 and not result.failures and not result.errors, (result.failures, result.errors)
+
+
+# The C backend (target "c") on a sample of the cases, in every suite run: the whole suite on it
+# (TILEGRAPH_ONNX_BACKEND_TARGET=c, 5 min here against NumPy's 1.5) is run by hand. The sample: the
+# first case by name of every fourth family (the op types a case's model holds, families in
+# sorted order), and cases of the ops lowered in C, each of which must run wholly in C.
+WHOLLY_IN_C = [f"test_{n}" for n in (
+    "matmul_4d", "gemm_default_matrix_bias", "conv_with_strides_padding", "convtranspose", "maxpool_2d_ceil",
+    "averagepool_2d_pads", "globalaveragepool", "softmax_example", "layer_normalization_4d_axis1",
+    "batchnorm_epsilon", "instancenorm_example", "lrn", "lstm_defaults", "attention_4d", "cumsum_1d_exclusive",
+    "cumsum_2d_axis_1", "gather_elements_1", "gather_negative_indices", "constant_pad_axes",
+    "resize_upsample_scales_linear", "reduce_mean_keepdims_example", "gelu_tanh_1", "erf", "sigmoid", "relu", "clip")]
+
+
+def _c_sample() -> list[str]:
+    families: dict[tuple, str] = {}
+    for name in RUN:  # sorted: the first case of a family is its first by name
+        families.setdefault(tuple(sorted({n.op_type for n in CASES[name].model.graph.node})), name)
+    return sorted(set(sorted(families.values())[::4]) | set(WHOLLY_IN_C))
+
+
+@pytest.mark.parametrize("name", _c_sample())
+def test_sampled_case_matches_on_the_c_backend(name, monkeypatch):
+    import tilegraph
+    from tilegraph import onnx_backend
+
+    compiled = []
+    compile_ = tilegraph.compile
+
+    def spy(*args, **kwargs):
+        compiled.append(compile_(*args, **kwargs))
+        return compiled[-1]
+
+    monkeypatch.setattr(onnx_backend, "TARGET", "c")
+    monkeypatch.setattr(tilegraph, "compile", spy)
+    run_case(CASES[name])
+    assert compiled and all(c.target == "c" for c in compiled)
+    if name in WHOLLY_IN_C:
+        host = [step.comment for c in compiled for kind, k in c._runner.program.plan if kind != "segment"
+                for step in [c._runner.program.steps[k]]]
+        assert not host, f"{name} ran steps on the host: {host}"

@@ -46,9 +46,17 @@ def _calibrate_cpu(quick: bool = True):
     return calibrate.measure(quick=quick)
 
 
+def _calibrate_c(quick: bool = True):
+    from tilegraph.backends.c import calibrate
+
+    return calibrate.measure(quick=quick)
+
+
 # The cost model's CPU profile is measured by the NumPy backend's calibration of its own
-# kernels; ir/hardware.py, below both, is handed the function from here, the layer above.
+# kernels (target "c": the C backend's of its); ir/hardware.py, below both, is handed the
+# functions from here, the layer above.
 _hardware.CALIBRATE = _calibrate_cpu
+_hardware.CALIBRATE_C = _calibrate_c
 
 # File suffixes import_model reads, and what reads them.
 SUFFIXES = {".onnx": "ONNX (frontends.onnx)", ".mlir": "tg IR text (Model.load)",

@@ -5,6 +5,7 @@
     tilegraph compile model.onnx --target triton -o model_triton.py --report
     tilegraph check model.onnx                         # tilegraph vs onnxruntime
     tilegraph calibrate                                # measure this CPU for the cost model
+    tilegraph calibrate --target c                     # ... as the native C backend runs on it
     tilegraph cost model.onnx --target h100 --dim batch=8   # predicted time, kernel by kernel
     tilegraph cost model.onnx --target cpu --symbolic       # ... as formulas of the symbolic dims
     tilegraph compile model.onnx -o model_np.py --report    # + kernels, buffers, planned peak memory
@@ -111,9 +112,13 @@ def _parser() -> argparse.ArgumentParser:
 
     # --- calibrate: the measured CPU profile the cost model uses (backends/numpy/calibrate.py) ---
     cal = sub.add_parser("calibrate", help="measure this machine for the cost model (under a minute)")
+    cal.add_argument("--target", default="numpy", choices=("numpy", "c"),
+                     help="whose kernels to measure: the NumPy backend's (default; the profile of hardware "
+                          "target cpu) or the C backend's (the profile of hardware target c)")
     cal.add_argument("--quick", action="store_true", help="a rougher measurement in a couple of seconds")
     cal.add_argument("-o", "--output", default=None,
-                     help="where to write the profile (default: the cache file `--target cpu` reads)")
+                     help="where to write the profile (default: the cache file the cost model reads for "
+                          "hardware target cpu, or c with --target c)")
 
     # --- cost: the cost model's prediction, kernel by kernel (passes/cost/model.py) ---
     cost = sub.add_parser("cost", help="predict FLOPs, bytes and time of every kernel on a target",
@@ -124,7 +129,8 @@ def _parser() -> argparse.ArgumentParser:
     _shared(cost, pipeline=PIPELINE,
             dim=f"size of a symbolic dimension, e.g. --dim batch=8 (default: {DEFAULT_DIM} each)")
     cost.add_argument("--target", default="cpu",
-                      help="hardware: h100, h200, a100 or cpu (this machine's calibrated profile; default)")
+                      help="hardware: h100, h200, a100, cpu (this machine's calibrated profile for the NumPy "
+                           "backend; default) or c (the same for the C backend)")
     cost.add_argument("--symbolic", action="store_true",
                       help="print the formulas (FLOPs, bytes, time as functions of the symbolic dims)")
 
@@ -510,7 +516,10 @@ def _onnxruntime(path: Path, names, inputs):
 
 
 def _calibrate(args) -> int:
-    from tilegraph.backends.numpy import calibrate
+    if args.target == "c":
+        from tilegraph.backends.c import calibrate
+    else:
+        from tilegraph.backends.numpy import calibrate
 
     calibrate.run(quick=args.quick, output=args.output)
     return 0

@@ -96,7 +96,7 @@ class TilegraphOptMain(xDSLOptMain):
         target = next(a for a in arg_parser._actions if "--target" in a.option_strings)
         target.dest, target.default, target.metavar = "hardware", None, "HARDWARE"
         target.help = ("hardware to cost on (--print-cost-after-all) and to give the passes' target "
-                       "option (fuse, tile): h100, h200, a100 or cpu (default: cpu)")
+                       "option (fuse, tile): h100, h200, a100, cpu or c (the C backend's profile; default: cpu)")
         arg_parser.set_defaults(target="mlir")  # the output format xDSL's driver reads
         arg_parser.add_argument("--load-pass-plugin", action="append", default=[], metavar="MODULE",
                                 help="import a Python module (a name, or a .py file) that registers passes "

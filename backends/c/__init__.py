@@ -12,7 +12,8 @@ from tilegraph.backends.c.build import prepare
 from tilegraph.backends.c.emit import HOST_FALLBACK, emit_program
 from tilegraph.backends.c.runtime import CompiledModel, load, remember
 
-HARDWARE = "cpu"
+# fuse and tile decide against this backend's own calibrated kernels (backends/c/calibrate.py).
+HARDWARE = "c"
 
 
 def emit(model, name=None) -> str:

@@ -39,7 +39,7 @@ from xdsl.ir import SSAValue
 from tilegraph.backends.lowering import table
 from tilegraph.backends.program import flatten
 from tilegraph.ir import escape
-from tilegraph.ir.dialect import FusionOp, TgOp
+from tilegraph.ir.dialect import FusionOp, TgOp, YieldOp
 from tilegraph.ir.model import Model
 from tilegraph.ir.ops import OPS
 from tilegraph.ir.quant import FORMATS
@@ -268,9 +268,13 @@ class CEmitter:
     def reshape(self, view: View, shape) -> View:
         if view.literal is not None:
             return View(None, 0, tuple(shape), (0,) * len(shape), view.dtype, view.literal, view.value)
-        if not self.is_contiguous(view):
+        if self.is_contiguous(view):
+            return View(view.buf, view.offset, tuple(shape), contiguous_strides(shape), view.dtype)
+        strides = _reshaped_strides(view, tuple(shape))
+        if strides is None:  # dims merged that do not walk memory as one run: a copy
             view = self.materialize(view)
-        return View(view.buf, view.offset, tuple(shape), contiguous_strides(shape), view.dtype)
+            strides = contiguous_strides(shape)
+        return View(view.buf, view.offset, tuple(shape), strides, view.dtype)
 
     def materialize(self, view: View, channels_last: bool = False) -> View:
         """A contiguous (or channels-last) copy of a strided view (a reshape of a transpose
@@ -550,6 +554,15 @@ class CEmitter:
                    else self.materialize(x) for x in xs[:3])
         mask = xs[3] if len(xs) > 3 else None
         out = self._temp(info)
+        reader = _sole_reader(op.results[0])
+        perm = tuple(reader.attr("perm")) if isinstance(reader, TgOp) and reader.op_name == "transpose" else None
+        if perm is not None and perm[-1] == len(perm) - 1:
+            # Written in the layout its one reader, a transpose (heads back between the rows
+            # and the features), wants: the transpose is then free, and so is a reshape after it.
+            moved = tuple(info.shape[p] for p in perm)
+            inverse = [perm.index(i) for i in range(len(perm))]
+            out = View(out.buf, out.offset, info.shape, tuple(contiguous_strides(moved)[i] for i in inverse),
+                       out.dtype)
         batch = info.shape[:-2]
         lq, lk = q.shape[-2], k.shape[-2]
 
@@ -717,7 +730,7 @@ class CEmitter:
         raise Unsupported(name)
 
     def elementwise(self, ops: list[TgOp], inner: dict, inputs: dict, outputs: list[tuple[SSAValue, View]],
-                    describe) -> None:
+                    describe, alias: dict | None = None) -> None:
         """One loop computing `ops` (elementwise, in order) at every element of the
         outputs' shape: `inputs` maps outside values to views, `inner` the values
         computed in the loop, `outputs` (value, view) pairs of one shape."""
@@ -731,18 +744,23 @@ class CEmitter:
             reads.append(self.broadcast(view, shape))
         accesses = [(r, False) for r in reads] + [(o, True) for _, o in outputs]
 
+        def viewed(v: SSAValue) -> SSAValue:  # a view made in the loop is the value it views
+            while alias and v in alias:
+                v = alias[v]
+            return v
+
         def body(refs):
             lines, local = [], {}
             for v, k in operand_ref.items():
                 local[v] = refs[k]
             for i, op in enumerate(ops):
-                args = [local[v] for v in op.operands]
+                args = [local[viewed(v)] for v in op.operands]
                 dts = [info_of(v.type).dtype for v in op.operands]
                 out = op.result_infos()[0]
                 lines.append(f"const {CTYPES[out.dtype]} t{i} = {self.expr(op, args, dts)};")
                 local[op.results[0]] = f"t{i}"
             for k, (v, _) in enumerate(outputs):
-                lines.append(f"{refs[len(reads) + k]} = {local[v]};")
+                lines.append(f"{refs[len(reads) + k]} = {local[viewed(v)]};")
             return lines
 
         lines = self.loop(shape, accesses, body)
@@ -757,12 +775,14 @@ class CEmitter:
         done = False
         try:
             if group.kind == "elementwise":
-                done = self.fused_elementwise(group, ops, env, yields)
+                done = self.fused_elementwise(group, ops, env, yields) or self.fused_rows(group, ops, env, yields)
             elif ops and ops[0].op_name in ("matmul", "conv") and group.kind in ("matmul_epilogue", "conv_epilogue",
                                                                                   "matmul", "reduction"):
                 done = self.fused_contraction(group, ops, env, yields)
+            elif group.kind == "horizontal_matmul":
+                done = self.fused_siblings(group, ops, env, yields)
             elif group.kind == "reduction":
-                done = self.fused_row(group, ops, env, yields)
+                done = self.fused_row(group, ops, env, yields) or self.fused_rows(group, ops, env, yields)
         except Unsupported:
             done = False
         if not done:
@@ -771,18 +791,34 @@ class CEmitter:
         for r, y in zip(group.results, yields):
             self.views[r] = env[y] if y in env else self.view(y)
 
+    def _made_outside(self, op: TgOp, env: dict, computed) -> bool:
+        """A constant, or a view of a value from outside the loop: made here, not in it."""
+        if op.op_name == "constant":
+            env[op.results[0]] = self.constant(op)
+            return True
+        if op.op_name in ("reshape", "transpose", "broadcast") and op.operands[0] not in computed:
+            env[op.results[0]] = self.layout(op, [env[op.operands[0]]])[0]
+            return True
+        return False
+
     def fused_elementwise(self, group: FusionOp, ops, env, yields) -> bool:
-        """A group of elementwise ops (and views of its inputs) as one loop."""
+        """A group of elementwise ops (and views of its inputs) as one loop. A reshape of a
+        value computed in the loop that keeps the last dim (a linear layer's 2-D product
+        back to its batch shape) is nothing in a loop over (rows, last dim)."""
         computed: dict[SSAValue, None] = {}
         inputs: dict[SSAValue, View] = {}
+        consumer: dict[SSAValue, tuple] = {}  # input -> the shape of the first op reading it
+        alias: dict[SSAValue, SSAValue] = {}
         body = []
         shape = info_of(yields[0].type).shape
         for op in ops:
-            if op.op_name == "constant":
-                env[op.results[0]] = self.constant(op)
+            if op.op_name == "reshape" and op.operands[0] in computed and shape and \
+                    _eq(info_of(op.operands[0].type).shape[-1:][0] if info_of(op.operands[0].type).shape else 1,
+                        op.result_infos()[0].shape[-1:][0] if op.result_infos()[0].shape else 1):
+                alias[op.results[0]] = op.operands[0]
+                computed[op.results[0]] = None
                 continue
-            if op.op_name in ("reshape", "transpose", "broadcast") and op.operands[0] not in computed:
-                env[op.results[0]] = self.layout(op, [env[op.operands[0]]])[0]
+            if self._made_outside(op, env, computed):
                 continue
             if not (op.SPEC.category == "elementwise" or op.op_name == "gelu"):
                 return False
@@ -790,10 +826,25 @@ class CEmitter:
             for v in op.operands:
                 if v not in computed and v not in inputs:
                     inputs[v] = env[v]
+                    consumer[v] = op.result_infos()[0].shape
             computed[op.results[0]] = None
             body.append(op)
         if not body or any(y not in computed for y in yields):
             return False
+        if alias:  # one loop over (rows, last dim), every operand seen that way
+            width = shape[-1]
+            if any(not _eq(info_of(op.results[0].type).shape[-1:][0] if info_of(op.results[0].type).shape else 1,
+                           width) or not _eq(numel(info_of(op.results[0].type).shape), numel(shape))
+                   for op in body) or any(not _eq(numel(info_of(y.type).shape), numel(shape)) for y in yields):
+                return False
+            rows_shape = (sympy.sympify(numel(shape)) / sympy.sympify(width), width)
+            inputs = {v: self._as_rows(self.broadcast(view, consumer[v]), rows_shape) for v, view in inputs.items()}
+            outs = [(y, self._temp(info_of(y.type))) for y in yields]
+            loop_outs = [(y, View(o.buf, o.offset, rows_shape, contiguous_strides(rows_shape), o.dtype))
+                         for y, o in outs]
+            self.elementwise(body, computed, inputs, loop_outs, group, alias)
+            env.update({y: o for y, o in outs})
+            return True
         if any(len(info_of(y.type).shape) != len(shape) or
                not all(_eq(a, b) for a, b in zip(info_of(y.type).shape, shape)) for y in yields):
             return False
@@ -803,6 +854,17 @@ class CEmitter:
         self.elementwise(body, computed, inputs, outs, group)
         env.update({y: o for y, o in outs})
         return True
+
+    def _as_rows(self, view: View, rows_shape) -> View:
+        """A view (broadcast to its reader's shape) as (rows, last dim): it must repeat
+        along all leading dims, or walk them as one run of rows."""
+        if view.literal is not None:
+            return self.broadcast(view, rows_shape)
+        if view.rank < 2 or all(_eq(st, 0) for st in view.strides[:-1]):
+            return View(view.buf, view.offset, tuple(rows_shape), (sympy.Integer(0), view.strides[-1]), view.dtype)
+        if not self._collapsible(view):
+            raise Unsupported("an operand whose rows do not collapse")
+        return View(view.buf, view.offset, tuple(rows_shape), (view.strides[-2], view.strides[-1]), view.dtype)
 
     def fused_row(self, group: FusionOp, ops, env, yields) -> bool:
         """Elementwise ops then softmax or layer_norm over the last axis: the prologue
@@ -831,6 +893,137 @@ class CEmitter:
             env[x] = out
         result = self.row_op(last, [env[v] for v in last.operands], in_place=bool(pro) and _only_use(x, last))
         env[last.results[0]] = result
+        return True
+
+    def fused_rows(self, group: FusionOp, ops, env, yields) -> bool:
+        """Elementwise ops and reductions over the last axis (keepdims) that keep the rows
+        (an RMS norm, a hand-written softmax): one pass over the rows, each reduction a loop
+        over its row, every other value an expression computed where it is read (a row
+        stays in cache: no intermediate goes through memory)."""
+        widths: dict[SSAValue, Any] = {}  # computed value -> its last dim (the row's width, or 1)
+        inputs: dict[SSAValue, View] = {}
+        body: list[TgOp] = []
+        shapes = [info_of(y.type).shape for y in yields]
+        if not shapes or not all(shapes):
+            return False
+        full = next((sh for sh in shapes if not _is_one(sh[-1])), shapes[0])  # rows of width 1: all of them
+        lead, width = tuple(full[:-1]), full[-1]
+        for op in ops:
+            if self._made_outside(op, env, widths):
+                continue
+            shape = info_of(op.results[0].type).shape
+            if len(shape) != len(full) or not all(_eq(a, b) for a, b in zip(shape[:-1], lead)) or \
+                    not (_is_one(shape[-1]) or _eq(shape[-1], width)) or len(op.results) != 1:
+                return False
+            if op.op_name in ("reduce_sum", "reduce_mean", "reduce_max", "reduce_min"):
+                src = op.operands[0]
+                if [a % len(full) for a in op.attr("axes")] != [len(full) - 1] or not op.attr("keepdims") or \
+                        info_of(src.type).dtype not in FLOATS or not _eq(info_of(src.type).shape[-1], width):
+                    return False
+            elif not (op.SPEC.category == "elementwise" or op.op_name == "gelu"):
+                return False
+            self._check_dtypes(op, [env[v] for v in op.operands if v in env])
+            for v in op.operands:
+                if v not in widths and v not in inputs:
+                    if env[v].rank > len(full):
+                        return False
+                    inputs[v] = env[v]
+            widths[op.results[0]] = 1 if _is_one(shape[-1]) else width
+            body.append(op)
+        if not any(o.op_name.startswith("reduce_") for o in body) or any(y not in widths for y in yields):
+            return False
+        # Inputs broadcast to a row of the group: (lead..., width) or (lead..., 1).
+        reads = {v: self.broadcast(view, lead + ((1,) if _is_one(view.shape[-1]) and view.rank else (width,)))
+                 if view.rank else self.broadcast(view, lead + (1,)) for v, view in inputs.items()}
+        outs = {y: self._temp(info_of(y.type)) for y in dict.fromkeys(yields)}
+        views = list(reads.values()) + list(outs.values())
+        index = {v: k for k, v in enumerate(list(reads) + list(outs))}
+        n_lead = len(lead)
+
+        def ref(v: SSAValue, view: View, at_j: bool) -> str:
+            if view.literal is not None:
+                return view.literal
+            st = self.ints(view.strides[-1]) if at_j and not _is_one(view.shape[-1]) else "0"
+            return f"r{index[v]}[{'0' if st == '0' else 'j' if st == '1' else f'j * {st}'}]"
+
+        def row_values(targets: list[SSAValue]) -> tuple[list[str], dict]:
+            """Statements computing `targets` (full-width values) at column j, and their names."""
+            names: dict[SSAValue, str] = {}
+            need: set[SSAValue] = set()
+            stack = list(targets)
+            while stack:
+                v = stack.pop()
+                if v in need or v not in widths or widths[v] == 1:
+                    continue
+                need.add(v)
+                stack += list(v.owner.operands)
+            lines = []
+            for k, o in enumerate(body):
+                if o.results[0] in need:
+                    args = [arg(v, names) for v in o.operands]
+                    dts = [info_of(v.type).dtype for v in o.operands]
+                    lines.append(f"const {CTYPES[o.result_infos()[0].dtype]} e{k} = {self.expr(o, args, dts)};")
+                    names[o.results[0]] = f"e{k}"
+            return lines, names
+
+        scalars: dict[SSAValue, str] = {}
+
+        def arg(v: SSAValue, names: dict) -> str:
+            if v in names:
+                return names[v]
+            if v in scalars:
+                return scalars[v]
+            return ref(v, reads[v], True)
+
+        inner = []
+        for k, o in enumerate(body):
+            if widths[o.results[0]] != 1:
+                continue
+            out_t = CTYPES[o.result_infos()[0].dtype]
+            if o.op_name.startswith("reduce_"):
+                kind = o.op_name[len("reduce_"):]
+                lines, names = row_values([o.operands[0]])
+                init = {"sum": "0", "mean": "0", "max": "-INFINITY", "min": "INFINITY"}[kind]
+                step = {"sum": "acc += v;", "mean": "acc += v;", "max": "acc = v > acc || v != v ? v : acc;",
+                        "min": "acc = v < acc || v != v ? v : acc;"}[kind]
+                inner += [f"{out_t} s{k};", "{", f"    double acc = {init};",
+                          f"    for (int64_t j = 0; j < {self.ints(width)}; j++) {{",
+                          *("        " + line for line in lines),
+                          f"        const double v = {arg(o.operands[0], names)};", "        " + step, "    }",
+                          f"    s{k} = ({out_t})(" + (f"acc / (double){self.ints(width)}" if kind == "mean" else "acc")
+                          + ");", "}"]
+            else:
+                dts = [info_of(v.type).dtype for v in o.operands]
+                inner.append(f"const {out_t} s{k} = {self.expr(o, [arg(v, {}) for v in o.operands], dts)};")
+            scalars[o.results[0]] = f"s{k}"
+        full_yields = [y for y in outs if widths[y] != 1]
+        for y in outs:
+            if widths[y] == 1:
+                inner.append(f"r{index[y]}[0] = {scalars[y]};")
+        if full_yields:
+            lines, names = row_values(full_yields)
+            inner += [f"for (int64_t j = 0; j < {self.ints(width)}; j++) {{", *("    " + line for line in lines)]
+            inner += [f"    r{index[y]}[j] = {names[y]};" for y in full_yields] + ["}"]
+        lines = ["{"]
+        for k, view in enumerate(views):
+            written = k >= len(reads)
+            if view.literal is None:
+                lines.append(f"    {'' if written else 'const '}{CTYPES[view.dtype]} *b{k} = {self.ptr(view, not written)};")
+        rows = self.ints(numel(lead)) if lead else "1"
+        if n_lead:
+            lines.append(f"    #pragma omp parallel for{f' collapse({n_lead})' if n_lead > 1 else ''} "
+                         f"if ({rows} * {self.ints(width)} > {PARALLEL_MIN})")
+            lines += [f"    for (int64_t i{d} = 0; i{d} < {self.ints(n)}; i{d}++)" for d, n in enumerate(lead)]
+        lines.append("    {")
+        for k, view in enumerate(views):
+            if view.literal is None:
+                written = k >= len(reads)
+                terms = "".join(f" + i{d} * {self.ints(view.strides[d])}" for d in range(n_lead)
+                                if self.ints(view.strides[d]) != "0")
+                lines.append(f"        {'' if written else 'const '}{CTYPES[view.dtype]} *r{k} = b{k}{terms};")
+        lines += ["        " + line for line in inner] + ["    }", "}"]
+        self._step(_describe(group), lines, list(reads.values()), list(outs.values()))
+        env.update(outs)
         return True
 
     def row_op(self, op: TgOp, xs: list[View], in_place: bool = False) -> View:
@@ -1192,6 +1385,20 @@ class CEmitter:
                     self.op(op, env)
         return True
 
+    def fused_siblings(self, group: FusionOp, ops, env, yields) -> bool:
+        """Sibling GEMMs of one input (a gated MLP's gate and up projections), each on
+        oneDNN, then the ops that combine them as one loop."""
+        heads = [op for op in ops if op.op_name == "matmul"]
+        rest = [op for op in ops if op.op_name != "matmul"]
+        if any(v in {r for h in heads for r in h.results} for h in heads for v in h.operands):
+            return False
+        for head in heads:
+            env[head.results[0]] = self.matmul(head, *(env.get(v) or self.view(v) for v in head.operands), [], env)[0]
+        if rest and not self._elementwise_rest(group, rest, env, yields):
+            for op in rest:
+                self.op(op, env)
+        return True
+
     def _elementwise_rest(self, group, rest, env, yields) -> bool:
         """The ops oneDNN's post-ops did not take, as one loop over the result (not a
         pass over memory per op) where they are all elementwise."""
@@ -1358,6 +1565,45 @@ class CEmitter:
 
     def outputs(self) -> list[View]:
         return [self.view(v) for v in self.prog.outputs]
+
+
+def _reshaped_strides(view: View, shape: tuple) -> tuple | None:
+    """Strides that show `view` in `shape` without a copy, or None (NumPy's no-copy reshape):
+    the dims are cut into runs of equal size, and each run of the old dims must walk memory
+    as one run."""
+    old = [(d, st) for d, st in zip(view.shape, view.strides) if not _is_one(d)]
+    new = [k for k, d in enumerate(shape) if not _is_one(d)]
+    strides: list = [sympy.Integer(0)] * len(shape)
+    oi = ni = 0
+    while oi < len(old) and ni < len(new):
+        oj, nj = oi + 1, ni + 1
+        po, pn = sympy.sympify(old[oi][0]), sympy.sympify(shape[new[ni]])
+        while not _eq(po, pn):
+            if not (po.is_number and pn.is_number):
+                return None
+            if po < pn and oj < len(old):
+                po, oj = po * old[oj][0], oj + 1
+            elif pn < po and nj < len(new):
+                pn, nj = pn * shape[new[nj]], nj + 1
+            else:
+                return None
+        if any(not _eq(old[k][1], old[k + 1][1] * old[k + 1][0]) for k in range(oi, oj - 1)):
+            return None
+        st = old[oj - 1][1]
+        for k in reversed(new[ni:nj]):
+            strides[k] = st
+            st = st * shape[k]
+        oi, ni = oj, nj
+    return tuple(strides) if oi == len(old) and ni == len(new) else None
+
+
+def _sole_reader(value: SSAValue):
+    """The one op reading `value`, seen through the yield of its fusion group; else None."""
+    uses = list(value.uses)
+    while len(uses) == 1 and isinstance(uses[0].operation, YieldOp):
+        group = uses[0].operation.parent_op()
+        uses = list(group.results[uses[0].index].uses) if isinstance(group, FusionOp) else []
+    return uses[0].operation if len(uses) == 1 else None
 
 
 def _only_use(value: SSAValue, user) -> bool:

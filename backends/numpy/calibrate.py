@@ -457,22 +457,35 @@ def summary(hw: Hardware) -> str:
     rows += [(f"f32 {name} (in cache / spilled)",
               f"{rate / 1e9:.2f} / {hw.ufunc_rates_spilled.get(name, rate) / 1e9:.2f} Gelem/s")
              for name, rate in hw.ufunc_rates.items()]
+    return table(hw.source, rows)
+
+
+def table(title: str, rows: list[tuple[str, str]]) -> str:
+    """(measurement, value) rows under `title`, in two aligned columns."""
     width = max(len(r[0]) for r in rows)
-    lines = [hw.source, f"{'measurement':<{width}}  {'value':>16}"]
-    lines += [f"{name:<{width}}  {value:>16}" for name, value in rows]
+    value = max(16, *(len(r[1]) for r in rows))
+    lines = [title, f"{'measurement':<{width}}  {'value':>{value}}"]
+    lines += [f"{name:<{width}}  {v:>{value}}" for name, v in rows]
     return "\n".join(lines)
 
 
 def run(quick: bool = False, output: str | Path | None = None, progress: bool = True) -> Path:
     """Measure, save (default: the cache file hardware("cpu") reads), print the table."""
+    return measure_and_save(measure, summary, output if output is not None else cpu_profile_path(), quick, progress,
+                            "tilegraph calibrate")
+
+
+def measure_and_save(measure_fn, summary_fn, path, quick: bool, progress: bool, command: str) -> Path:
+    """Measure with `measure_fn`, save to `path`, print `summary_fn`'s table, warn when the
+    CPU was busy (`command` says how to measure again)."""
     busy = _load_average()  # before we add our own
-    hw = measure(quick=quick, progress=progress)
-    path = save_profile(hw, output if output is not None else cpu_profile_path())
+    hw = measure_fn(quick=quick, progress=progress)
+    path = save_profile(hw, path)
     clear_cache()
-    print(summary(hw))
+    print(summary_fn(hw))
     if busy > BUSY_LOAD * hw.cores:
         print(f"warning: load average {busy:.1f} on {hw.cores} cores: other processes shared the CPU "
-              f"while measuring (multithreaded GEMMs suffer most); rerun `tilegraph calibrate` when idle")
+              f"while measuring (multithreaded GEMMs suffer most); rerun `{command}` when idle")
     print(f"wrote {path}")
     return path
 

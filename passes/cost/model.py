@@ -31,6 +31,16 @@ differently:
   its inputs and outputs unless they fit one core's L2; added to compute, not
   overlapped, since NumPy makes one pass at a time.
 
+* CPU (the C backend, a profile of `backend` "c": backends/c/calibrate.py): a group is
+  one step of the compiled module, one loop over memory whatever its length, its GEMM or
+  convolution on oneDNN with all threads (`Hardware.matmul_rate(threaded=True)`), its
+  attention on the flash kernel. So a group costs its step's fixed cost (an OpenMP region
+  when it is large enough for one, `C_PARALLEL_MIN`), its anchors, and the roofline of its
+  loop: the calibrated per-element rate of each op in the loop on all threads against its
+  inputs and outputs at the pass bandwidth (L2 while they fit the cores' caches, weights
+  always from memory). Fusing a chain thus saves a step and the intermediate passes,
+  never a NumPy call. `_c_group_cost`.
+
 A dim known only at run time (tg.nonzero's count, ir/ops.py) is priced at its expected size,
 the defining op's stated fraction of its upper bound (`expected_sizes`); `module_cost` states
 the sizes it used in `ModelCost.expected`.
@@ -358,8 +368,21 @@ def _float_cost(op: TgOp, hw) -> Cost:
     if name in ("weight", "constant"):
         return Cost(zero, zero, zero, zero, zero, zero, kernels=0, label=name, ops=[name])
     if name in VIEW_OPS:  # nothing moves: a NumPy view, or index arithmetic in the consumer's GPU kernel
-        overhead = sympy.Float(hw.launch_overhead if hw.kind == "cpu" else 0)
+        overhead = sympy.Float(hw.launch_overhead if hw.kind == "cpu" and hw.backend != "c" else 0)
         return Cost(zero, zero, overhead, zero, zero, overhead, kernels=0, label=name, ops=[name])
+    if hw.backend == "c":  # an op alone is a step of its own: a group of one
+        if op.SPEC.category in ("layout", "source"):  # copies: gather, concat, pad, ...
+            # A copy reads what it writes (a gather reads its rows, not the whole table; a
+            # split writes every part); rows of a weight (an embedding) come from memory,
+            # at most the whole table.
+            moved = sum((_nbytes(info) for info in op.result_infos()), zero)
+            tables = [v for v in map(_through_views, op.operands)
+                      if isinstance(v.owner, TgOp) and v.owner.op_name == "weight"]
+            cold = sympy.Min(moved, sum((_nbytes(info_of(v.type)) for v in tables), zero)) if tables else zero
+            memory = _c_memory(hw, 2 * moved, cold)
+            overhead = _c_step(hw, _elements(out))
+            return Cost(flops, bytes_, memory + overhead, zero, memory, overhead, label=name, ops=[name])
+        return group_cost([op], [info_of(v.type) for v in op.operands], op.result_infos(), hw, label=name)
     if hw.kind == "gpu":
         memory = bytes_ / hw.memory_bandwidth
         compute = flops / (_gemm_rate(hw, op) if name in ANCHORS else hw.flops(out.dtype))
@@ -493,6 +516,8 @@ def group_cost(ops: Sequence[TgOp], inputs: Sequence[TensorInfo], outputs: Seque
     memory = bytes_ / hw.memory_bandwidth
     anchors = [op for op in ops if op.op_name in ANCHORS]
     rest = [op for op in ops if op.op_name not in ANCHORS and op.op_name not in VIEW_OPS]
+    if hw.backend == "c":
+        return _c_group_cost(ops, anchors, rest, inputs, outputs, hw, label)
     if hw.kind == "gpu":
         compute = sum((op_flops(op) / _gemm_rate(hw, op) for op in anchors), sympy.Integer(0))
         compute += sum((op_flops(op) for op in rest), sympy.Integer(0)) / hw.flops(outputs[0].dtype)
@@ -556,6 +581,107 @@ def group_cost(ops: Sequence[TgOp], inputs: Sequence[TensorInfo], outputs: Seque
     memory = _uncached(hw, bytes_, ops)
     return Cost(flops, bytes_, compute + memory + overhead, compute, memory, overhead,
                 kernels=1, label=label, ops=names)
+
+
+# (backends/c/emit.PARALLEL_MIN) A C loop over more elements than this opens an OpenMP
+# region; a smaller one runs on the calling thread. tests/test_c_calibrate.py checks they agree.
+C_PARALLEL_MIN = 32768
+# Ops the C loops compute through a libm call: priced at `exp`'s calibrated rate when the
+# profile has no rate of their own. The rest are a few vector instructions: `add`'s.
+C_ROW_KERNELS = ("softmax", "layer_norm")  # (runtime.h) one call per group of rows, rate calibrated whole
+C_LIBM = {"log", "pow", "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh",
+          "expm1", "log1p", "sigmoid", "erf", "tanh", "exp", "gelu"}
+
+
+def _c_group_cost(ops, anchors, rest, inputs, outputs, hw, label: str) -> Cost:
+    """(CPU, the C backend) One step of a compiled module (module docstring), as
+
+        steps x step cost + anchors + row kernels + max(loop compute, loop memory)
+
+    Anchors (oneDNN's GEMM and convolution on a packed weight, the flash kernel) and the
+    row kernels (softmax, layer_norm) run at their calibrated rates, which include their own
+    traffic; the loop (every other op, one pass) is a roofline of its ops' calibrated rates
+    against the bytes the group moves beyond what its anchors read and write."""
+    names = [op.op_name for op in ops]
+    zero = sympy.Integer(0)
+    inside = set(ops)
+    flops = sum((op_flops(op) for op in ops), zero)
+    bytes_ = sum((_nbytes(i) for i in inputs), zero) + sum((_nbytes(o) for o in outputs), zero)
+    anchor_time = sum((_c_anchor_time(op, hw) for op in anchors), zero)
+    # What the anchors read from outside and write out of the group: in their rates.
+    anchor_in = {v: None for op in anchors for v in op.operands if v.owner not in inside}
+    anchor_out = [r for op in anchors for r in op.results if any(u.operation not in inside for u in r.uses)]
+    anchor_io = sum((_nbytes(info_of(v.type)) for v in [*anchor_in, *anchor_out]), zero)
+    rows = [op for op in rest if op.op_name in C_ROW_KERNELS]
+    row_time = sum((_elements(op.result_infos()[0]) / _c_rate(hw, op.op_name) for op in rows), zero)
+    loop = zero
+    for op in rest:
+        if op.op_name in C_ROW_KERNELS:
+            continue
+        elements = _elements(op.result_infos()[0]) if op.SPEC.category != "reduction" \
+            else _elements(info_of(op.operands[0].type))
+        loop += elements / _c_rate(hw, op.op_name)
+    loop_bytes = sympy.Max(bytes_ - anchor_io, zero)
+    memory = _c_memory(hw, loop_bytes, _cold_bytes([op for op in ops if op not in anchors]))
+    compute = anchor_time + row_time + loop
+    # One step per anchor (an epilogue rides on oneDNN's post-ops or the step's own loop),
+    # one more for a row kernel or reduction after it; a group without anchors is one step.
+    after = any(op.op_name in C_ROW_KERNELS or op.SPEC.category == "reduction" for op in rest)
+    steps = max(1, len(anchors) + (1 if anchors and after else 0))
+    size = max((_elements(o) for o in outputs), key=at_nominal) if outputs else zero
+    overhead = steps * _c_step(hw, size)
+    time = overhead + anchor_time + row_time + sympy.Max(loop, memory)
+    return Cost(flops, bytes_, time, compute, memory, overhead, kernels=1, label=label, ops=names)
+
+
+def _c_rate(hw, name: str) -> float:
+    rates = hw.ufunc_rates
+    if name in rates:
+        return rates[name]
+    if name in C_LIBM and "exp" in rates:
+        return rates["exp"]
+    return rates.get("add") or hw.cache_bandwidth / 12
+
+
+def _c_anchor_time(op: TgOp, hw) -> sympy.Expr:
+    """(C) An anchor's compute: oneDNN's GEMM or convolution on all threads, the flash kernel."""
+    flops = op_flops(op)
+    if op.op_name == "conv" and hw.conv_rate:
+        return flops / hw.conv_rate
+    if op.op_name == "attention" and hw.attention_rates:
+        q, k = (info_of(v.type) for v in op.operands[:2])
+        d = _sized(q.shape[-1])
+        if op.attr("causal"):  # the flash kernel stops at the diagonal: the visible share of the keys
+            lq, lk = (max(1.0, at_nominal(_sized(x.shape[-2]))) for x in (q, k))
+            flops = flops * min(1.0, (max(lk - lq, 0.0) + (lq + 1) / 2) / lk)
+        return flops / (_interpolate(hw.attention_rates, at_nominal(d)) * max(hw.attention_speedup, 1.0))
+    if op.op_name == "einsum":
+        return flops / _gemm_rate(hw, op) / _parallel(hw, hw.cores)
+    m, n, k = (max(1, int(at_nominal(d))) for d in _matmul_shape(op))
+    return flops / hw.matmul_rate(m, n, k, op.result_infos()[0].dtype, threaded=True)
+
+
+def _cold_bytes(ops: Sequence[TgOp]) -> sympy.Expr:
+    """Bytes of the weights `ops` read: from memory on every forward."""
+    weights = {v: None for op in ops for v in map(_through_views, op.operands)
+               if isinstance(v.owner, TgOp) and v.owner.op_name == "weight"}
+    return sum((_nbytes(info_of(v.type)) for v in weights), sympy.Integer(0))
+
+
+@_memo_hw
+def _c_memory(hw, bytes_: sympy.Expr, cold: sympy.Expr) -> sympy.Expr:
+    """(C) One pass over a step's inputs and outputs: at the cache rate while they fit the
+    cores' L2 (the step before ran on every core), weights from memory; else all from memory."""
+    fits = bytes_ <= hw.cache_bytes * hw.cores
+    return sympy.Piecewise((cold / hw.memory_bandwidth + (bytes_ - cold) / hw.cache_bandwidth, fits),
+                           (bytes_ / hw.memory_bandwidth, True))
+
+
+@_memo_hw
+def _c_step(hw, elements: sympy.Expr) -> sympy.Expr:
+    """(C) The fixed cost of one step: a function call, and an OpenMP region when it is big enough."""
+    return sympy.Piecewise((hw.chunk_call_overhead, elements <= C_PARALLEL_MIN),
+                           (hw.chunk_call_overhead + hw.parallel_overhead, True))
 
 
 def _one_gemm(anchors: Sequence[TgOp]) -> bool:

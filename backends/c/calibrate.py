@@ -1,0 +1,325 @@
+"""Measure this machine as the C backend runs on it: what `tilegraph calibrate --target c` runs.
+
+Every number is the time of a real compiled C module (built by this backend from a tiny
+graph, cached like any other module), called as a model is called:
+
+- The module call: one add over 16 elements (`launch_overhead`: the input check, the
+  ctypes call, the fresh output); one more step, a C function, in a module
+  (`chunk_call_overhead`: a chain of tiny unfused adds against one).
+- Elementwise passes: a chain of unfused adds, one step each, over arrays that fit the
+  cores' L2 at two sizes: the slope is a step's bytes (2 reads, 1 write a element) over
+  `cache_bandwidth`, the intercept the fixed cost of a step that opens an OpenMP region
+  (`parallel_overhead`). The same chain over arrays beyond L3 gives `memory_bandwidth`.
+- Fused loops: one `tg.fusion` of k ops of one kind against one of a single op, all
+  threads, in cache: the difference is what each more op costs in the loop
+  (`ufunc_rates`, elements/s). Softmax and layer_norm: the row kernels, elements/s
+  from two row counts.
+- GEMMs: x @ W with W a weight (oneDNN, reordered once to its packed layout at load),
+  at MiniLM's and GPT-2's shapes, on one thread (`gemm_samples`) and on all
+  (`gemm_samples_threaded`), net of the module call.
+- Attention: the flash kernel at MiniLM's and GPT-2's head dims on one thread
+  (`attention_rates`) and at the largest on all (`attention_speedup`); convolution: a
+  small CNN's on oneDNN, all threads (`conv_rate`).
+
+The quick run (what the first hardware("c") runs when there is no profile) takes a few
+seconds, most of it compiling the modules the first time; the full one under a minute.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from tilegraph.backends.c.build import BuildError
+from tilegraph.backends.numpy.calibrate import (
+    ATTENTION_BATCH, ATTENTION_HEADS, ATTENTION_HEAD_DIMS, ATTENTION_SEQ, CONV_SHAPES, Progress, _physical_memory,
+    cache_sizes, measure_and_save, median_times, table)
+from tilegraph.ir import Graph
+from tilegraph.ir.dialect import FusionOp, TgOp, YieldOp
+from tilegraph.ir.errors import TilegraphError
+from tilegraph.ir.hardware import Hardware, c_profile_path, cpu_model
+from xdsl.ir import Block
+
+# (m, n, k) of x @ W timed: a MiniLM projection at batch 1 (128 tokens) and a short
+# sequence, its FFN at batch 8 (1024 tokens, 384 <-> 1536), a GPT-2 row block, a large square.
+GEMM_SHAPES = ((32, 384, 384), (128, 384, 384), (256, 1536, 384), (256, 384, 1536), (256, 3072, 768),
+               (1024, 1536, 384), (1024, 384, 1536), (1024, 1024, 1024))
+QUICK_GEMM_SHAPES = ((32, 384, 384), (128, 384, 384), (1024, 384, 1536))
+# Ops timed inside one fused loop, each as a chain that keeps values in [0.1, 2] (no
+# overflow, NaN or denormal slow paths): exp reads its negated input (a sign flip the
+# compiler folds into the call). Others are priced at `add`'s rate.
+LOOP_OPS = ("add", "mul", "div", "sqrt", "exp", "tanh", "erf", "sigmoid", "gelu")
+QUICK_LOOP_OPS = ("add", "exp", "tanh", "erf", "gelu")
+CHAIN = 9  # ops (steps, unfused) in the longer chain (one in the shorter)
+ROW = 256  # row length of the softmax and layer_norm timed (a hidden state's row)
+TINY = 16  # elements of "a tiny step": its fixed cost dominates
+# Elements per array of the in-cache passes: 2 arrays in and 1 out of both sizes fit the
+# two cores' L2 (1 MiB each here) and both are above the emitted loops' OpenMP threshold.
+CACHE_SIZES = (1 << 16, 1 << 17)
+STREAM_QUICK = 1 << 23  # 32 MiB per array: three of them overflow a 32 MiB L3
+# Seconds of timing per measurement. Quick: enough batches that a neighbour's time slice
+# spoils a minority of them on the shared 2-core machine (at 0.03 s, three samples each,
+# a quick profile taken at a load of 2 had tanh 100x slower than a quiet one).
+BUDGET, QUICK_BUDGET = 0.4, 0.1
+
+
+def _module(model):
+    from tilegraph.backends.c import compile_model
+
+    return compile_model(model)
+
+
+def _fuse_all(model, kind: str):
+    """`model` with every computing op in one tg.fusion of `kind` (what `fuse` makes; the
+    backend may not import the pass, so the group is written here as the pass writes it)."""
+    block = model.func.body.block
+    ret = block.last_op
+    ops = [op for op in block.ops if isinstance(op, TgOp) and op.op_name not in ("weight", "constant")]
+    inside = set(ops)
+    inputs = list(dict.fromkeys(v for op in ops for v in op.operands if v.owner not in inside))
+    outputs = list(dict.fromkeys(v for v in ret.operands if v.owner in inside))
+    inner = Block(arg_types=[v.type for v in inputs])
+    arg_of = dict(zip(inputs, inner.args))
+    for op in ops:
+        op.detach()
+        inner.add_op(op)
+        for i, v in enumerate(op.operands):
+            if v in arg_of:
+                op.operands[i] = arg_of[v]
+    fusion = FusionOp.build_group(kind, inputs, [v.type for v in outputs], inner)
+    for value, result in zip(outputs, fusion.results):
+        for use in list(value.uses):
+            if use.operation not in inside:
+                use.operation.operands[use.index] = result
+    inner.add_op(YieldOp.create(operands=outputs))
+    block.insert_op_before(fusion, ret)
+    model.verify()
+    return model
+
+
+def _chain(n, length: int, op: str = "add", fused: bool = False):
+    """z = op(...op(x)...) `length` times over n f32 elements (binary ops: with y); n may
+    be a symbol, so one module serves every size."""
+    g = Graph()
+    x, y = g.input("x", (n,)), g.input("y", (n,))
+    z = x
+    for _ in range(length):
+        if op in ("add", "mul", "div"):
+            z = g.op(op, z, y)
+        elif op == "exp":
+            z = g.op("exp", g.op("neg", z))
+        else:
+            z = g.op(op, z)
+    model = g.build(z, names=["z"])
+    return _fuse_all(model, "elementwise") if fused else model
+
+
+def _inputs(rng, n: int, op: str = "add") -> tuple[np.ndarray, np.ndarray]:
+    x = rng.uniform(0.5, 2.0, n).astype(np.float32)
+    # y keeps a chain of adds, multiplies and divides near its start: + ~0, x ~1, / ~1
+    y = np.full(n, {"add": 1e-3, "mul": 1.0, "div": 1.0}.get(op, 1.0), np.float32)
+    return x, y
+
+
+def _call(module, *arrays):
+    return lambda: module(*arrays)
+
+
+def _threads() -> int:
+    """The threads a module runs on: OpenMP's default, OMP_NUM_THREADS where it is set
+    (`OMP_NUM_THREADS=1 tilegraph calibrate --target c` measures a one-thread profile)."""
+    try:
+        return max(1, int(os.environ.get("OMP_NUM_THREADS", "").split(",")[0]))
+    except ValueError:
+        return os.cpu_count() or 1
+
+
+def _all_then_one(model, inputs, budget: float, cores: int) -> tuple[float, float]:
+    """Seconds of one call of `model` on all threads, then on one. Each on a module loaded
+    afresh: oneDNN fixes a primitive's threads when the first call creates it, so a module
+    first called on one thread stays on one."""
+    module = _module(model)
+    (all_threads,) = median_times((_call(module, *inputs),), budget)
+    if cores == 1:
+        return all_threads, all_threads
+    module.set_threads(1)
+    try:
+        one = _module(model)
+        (one_thread,) = median_times((_call(one, *inputs),), budget)
+    finally:
+        module.set_threads(cores)
+    return all_threads, one_thread
+
+
+def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
+    """Time this machine's C backend and return its profile (not saved: see `run`)."""
+    try:
+        from tilegraph.backends.c.build import compiler, onednn
+
+        compiler()
+        onednn()
+    except BuildError as e:
+        raise TilegraphError(f"cannot calibrate the C backend: {e}") from None
+    budget = QUICK_BUDGET if quick else BUDGET
+    shapes = QUICK_GEMM_SHAPES if quick else GEMM_SHAPES
+    loop_ops = QUICK_LOOP_OPS if quick else LOOP_OPS
+    caches = cache_sizes()
+    cores = _threads()
+    rng = np.random.default_rng(0)
+    bar = Progress(7 + len(loop_ops) + len(shapes), sys.stderr.isatty() if progress is None else progress)
+
+    # One chain of unfused adds, short and long, serves every size: its length is symbolic.
+    short, long_ = _module(_chain("n", 1)), _module(_chain("n", CHAIN))
+
+    def step_time(n: int, budget: float) -> tuple[float, float]:
+        """(one call of the short chain, one more step) over n elements."""
+        x, y = _inputs(rng, n)
+        t_short, t_long = median_times((_call(short, x, y), _call(long_, x, y)), budget)
+        return t_short, (t_long - t_short) / (CHAIN - 1)
+
+    # The module call, and one more tiny step in it (no OpenMP region below the threshold).
+    bar.step("module call")
+    launch, step = step_time(TINY, budget)
+    step = max(0.0, step)
+
+    # Unfused steps in cache at two sizes: bytes per element over bandwidth, plus a fixed cost.
+    bar.step("passes in cache")
+    (n1, n2), (p1, p2) = CACHE_SIZES, (max(step_time(n, budget)[1], 1e-9) for n in CACHE_SIZES)
+    slope = (p2 - p1) / (n2 - n1)
+    if slope <= 0:  # noise on a busy machine: the whole step at the larger size, no fixed part
+        slope, fork_join = p2 / n2, 0.0
+    else:
+        fork_join = max(0.0, p1 - slope * n1)
+    cache_bandwidth = 12 / slope
+
+    # The same steps over arrays beyond L3 (the steps' buffers are the arena's: no page faults).
+    bar.step("stream bandwidth")
+    n_stream = STREAM_QUICK if quick else max(STREAM_QUICK, 2 * caches["l3"] // 4)
+    t_short, per_step = step_time(n_stream, max(budget, 0.2))
+    if per_step <= 0:  # noise left no difference: the one step's whole call (its fresh output's page faults too)
+        per_step = t_short - launch
+    memory_bandwidth = min(12 * n_stream / max(per_step - fork_join, 1e-9), cache_bandwidth)
+
+    # Each more op in one fused loop, in cache, all threads.
+    rates = {}
+    n = CACHE_SIZES[-1]
+    for op in loop_ops:
+        bar.step(f"{op} in a fused loop")
+        x, y = _inputs(rng, n, op)
+        one, chain = _module(_chain("n", 1, op, fused=True)), _module(_chain("n", CHAIN, op, fused=True))
+        t_one, t_chain = median_times((_call(one, x, y), _call(chain, x, y)), budget)
+        extra = t_chain - t_one
+        rates[op] = (CHAIN - 1) * n / extra if extra > 0 else n / max(t_one - launch, 1e-9)
+
+    bar.step("softmax and layer_norm rows")
+    for op in ("softmax", "layer_norm"):
+        g = Graph()
+        xin = g.input("x", ("rows", ROW))
+        module = _module(g.build(g.softmax(xin) if op == "softmax" else g.layer_norm(xin), names=["z"]))
+        sizes = [n // ROW for n in CACHE_SIZES]
+        t_small, t_big = median_times([_call(module, rng.standard_normal((r, ROW), dtype=np.float32))
+                                       for r in sizes], budget)
+        e_small, e_big = (r * ROW for r in sizes)
+        rates[op] = (e_big - e_small) / (t_big - t_small) if t_big > t_small * 1.05 else \
+            e_big / max(t_big - launch, 1e-9)
+
+    # GEMMs on a packed weight, one thread and all threads.
+    samples, threaded = [], []
+    for m, n_, k in shapes:
+        bar.step(f"gemm {m}x{n_}x{k}")
+        g = Graph()
+        a = g.input("x", (m, k))
+        w = g.weight("w", (rng.standard_normal((k, n_)) / np.sqrt(k)).astype(np.float32))
+        model = g.build(g.matmul(a, w), names=["y"])
+        xa = rng.standard_normal((m, k), dtype=np.float32)
+        flops = 2 * m * n_ * k
+        tn, t1 = _all_then_one(model, (xa,), budget, cores)
+        samples.append((m, n_, k, flops / max(t1 - launch, t1 / 10)))
+        threaded.append((m, n_, k, flops / max(tn - launch, tn / 10)))
+    biggest = max(range(len(shapes)), key=lambda i: shapes[i][0] * shapes[i][1] * shapes[i][2])
+    efficiency = min(1.0, threaded[biggest][3] / (cores * samples[biggest][3]))
+
+    bar.step("attention")
+    attention_rates, speedup = [], 1.0
+    for d in ATTENTION_HEAD_DIMS:
+        g = Graph()
+        shape = (ATTENTION_BATCH, ATTENTION_HEADS, ATTENTION_SEQ, d)
+        q, k, v = (g.input(name, shape) for name in "qkv")
+        model = g.build(g.attention(q, k, v), names=["o"])
+        qkv = [rng.standard_normal(shape, dtype=np.float32) for _ in range(3)]
+        flops = ATTENTION_BATCH * ATTENTION_HEADS * ATTENTION_SEQ ** 2 * (4 * d + 5)  # as cost.model.op_flops
+        tn, t1 = _all_then_one(model, qkv, budget, cores)
+        attention_rates.append((d, flops / max(t1 - launch, t1 / 10)))
+        if d == ATTENTION_HEAD_DIMS[-1]:
+            speedup = (t1 - launch) / max(tn - launch, 1e-9)
+
+    bar.step("convolution")
+    (xs, ws) = CONV_SHAPES
+    g = Graph()
+    xin = g.input("x", xs)
+    w = g.weight("w", rng.standard_normal(ws, dtype=np.float32))
+    out = g.op("conv", xin, w)
+    module = _module(g.build(out, names=["y"]))
+    xc = rng.standard_normal(xs, dtype=np.float32)
+    (t,) = median_times((_call(module, xc),), budget)
+    conv_flops = 2 * int(np.prod(out.shape)) * int(np.prod(ws[1:]))
+    conv_rate = conv_flops / max(t - launch, t / 10)
+    bar.close()
+
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    return Hardware(
+        name="c", kind="cpu", backend="c",
+        peak_flops={"f32": max(r for *_, r in threaded)},
+        memory_bandwidth=memory_bandwidth,
+        cache_bandwidth=cache_bandwidth,
+        cache_bytes=caches["l2"],
+        memory_bytes=_physical_memory(),
+        cores=cores,
+        shared_memory_per_core=caches["l1d"],
+        registers_per_core=0,
+        launch_overhead=launch,
+        alloc_overhead=0.0,  # intermediates live in the module's arena, planned once per binding
+        links={},
+        gemm_samples=tuple(samples),
+        gemm_samples_threaded=tuple(threaded),
+        ufunc_rates=rates,
+        chunk_call_overhead=step,
+        parallel_overhead=fork_join,
+        parallel_efficiency=efficiency,
+        conv_rate=conv_rate,
+        attention_rates=tuple(attention_rates),
+        attention_speedup=speedup,
+        source=f"calibrated {stamp} on {cpu_model()} ({cores} threads, C backend{', quick' if quick else ''})",
+    )
+
+
+def summary(hw: Hardware) -> str:
+    """The measured numbers as a table."""
+    rows = [
+        ("module call (one add, 16 elements)", f"{hw.launch_overhead * 1e6:.2f} us"),
+        ("one more step in a module (tiny, one thread)", f"{hw.chunk_call_overhead * 1e6:.2f} us"),
+        ("one more step that opens an OpenMP region", f"{hw.parallel_overhead * 1e6:.2f} us"),
+        (f"pass bandwidth, in cache ({hw.cache_bytes // 1024} KiB L2 per core)", f"{hw.cache_bandwidth / 1e9:.1f} GB/s"),
+        ("pass bandwidth, beyond L3", f"{hw.memory_bandwidth / 1e9:.1f} GB/s"),
+        ("oneDNN GEMM all threads / (cores x one thread)", f"{hw.parallel_efficiency:.2f}"),
+        ("convolution (oneDNN, all threads)", f"{hw.conv_rate / 1e9:.1f} GFLOP/s"),
+        ("attention (flash kernel, one thread, by head dim)",
+         " ".join(f"{d}:{r / 1e9:.1f}" for d, r in hw.attention_rates) + " GFLOP/s"),
+        ("attention: all threads / one thread", f"{hw.attention_speedup:.2f}x"),
+    ]
+    rows += [(f"GEMM f32 {m}x{n}x{k} (one thread / all)", f"{r / 1e9:.1f} / {t / 1e9:.1f} GFLOP/s")
+             for (m, n, k, r), (*_, t) in zip(hw.gemm_samples, hw.gemm_samples_threaded)]
+    rows += [(f"f32 {name} {'row kernel' if name in ('softmax', 'layer_norm') else 'in a fused loop'} (all threads)",
+              f"{rate / 1e9:.2f} Gelem/s")
+             for name, rate in hw.ufunc_rates.items()]
+    return table(hw.source, rows)
+
+
+def run(quick: bool = False, output: str | Path | None = None, progress: bool = True) -> Path:
+    """Measure, save (default: the cache file hardware("c") reads), print the table."""
+    return measure_and_save(measure, summary, output if output is not None else c_profile_path(), quick, progress,
+                            "tilegraph calibrate --target c")

@@ -1,0 +1,145 @@
+"""The C backend's calibration and the cost model's prices for target "c".
+
+What holds: `tilegraph calibrate --target c` runs end to end on real compiled modules and
+writes a profile whose numbers are positive and finite and read back equal; the cost
+model prices a group for "c" from those numbers, not NumPy's, and a fused elementwise
+chain below the same ops unfused; `fuse` fuses for "c" by those prices and `tile` leaves
+the C backend's groups whole (it reads no tile).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import tilegraph
+from tilegraph.ir import Graph, interpret
+from tilegraph.ir.dialect import FusionOp
+from tilegraph.ir.hardware import Hardware, hardware, load_profile
+from tilegraph.ir.shapes import info_of
+from tilegraph.passes.cost.model import C_PARALLEL_MIN, at, at_nominal, group_cost, module_cost, op_cost
+from tilegraph.passes.registry import default_pipeline, run_pipeline
+from tilegraph.testing import assert_close
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    """One quick calibration through the CLI, as a user runs it (a few seconds)."""
+    path = tmp_path_factory.mktemp("calibrate") / "c.json"
+    done = subprocess.run([sys.executable, "-m", "tilegraph.cli", "calibrate", "--target", "c", "--quick",
+                           "-o", str(path)], capture_output=True, text=True, timeout=120)
+    return done, path
+
+
+def test_cli_calibrate_target_c_writes_a_profile(calibrated):
+    done, path = calibrated
+    assert done.returncode == 0, done.stderr
+    assert "C backend" in done.stdout and f"wrote {path}" in done.stdout
+    assert "GEMM f32 128x384x384 (one thread / all)" in done.stdout
+
+
+def _numbers(hw: Hardware) -> list[float]:
+    return [hw.launch_overhead, hw.chunk_call_overhead, hw.cache_bandwidth, hw.memory_bandwidth, hw.conv_rate,
+            hw.attention_speedup, hw.parallel_efficiency, *hw.peak_flops.values(), *hw.ufunc_rates.values(),
+            *(r for *_, r in hw.gemm_samples), *(r for *_, r in hw.gemm_samples_threaded),
+            *(r for _, r in hw.attention_rates)]
+
+
+def test_the_c_profile_is_positive_finite_and_round_trips(calibrated):
+    done, path = calibrated
+    hw = load_profile(path)
+    assert hw is not None, path.read_text()[:500]
+    assert hw.backend == "c" and hw.name == "c" and hw.kind == "cpu"
+    assert all(math.isfinite(x) and x > 0 for x in _numbers(hw)), hw
+    assert hw.parallel_overhead >= 0 and math.isfinite(hw.parallel_overhead)
+    # every kernel class measured: GEMM one thread and all, loop ops, row kernels, attention
+    assert len(hw.gemm_samples) == len(hw.gemm_samples_threaded) >= 3
+    assert {"add", "exp", "gelu", "softmax", "layer_norm"} <= set(hw.ufunc_rates)
+    assert [d for d, _ in hw.attention_rates] == [32, 64]
+    assert Hardware.from_dict(json.loads(path.read_text())["hardware"]) == hw
+
+
+def _chain(ops: int):
+    g = Graph()
+    x, y = g.input("x", ("B", 384)), g.input("y", ("B", 384))
+    z = x
+    for i in range(ops):
+        z = g.op("tanh", z) if i % 3 == 2 else z * y if i % 3 else z + y
+    return g.build(z, names=["z"])
+
+
+def _chain_ops(model):
+    return [op for op in model.func.body.block.ops if getattr(op, "op_name", None) in ("add", "mul", "tanh")]
+
+
+def _fused_cost(ops, hw):
+    """The chain's ops as one group: reads x and y, writes the last result."""
+    return group_cost(ops, [info_of(v.type) for v in ops[0].operands], [info_of(ops[-1].results[0].type)], hw)
+
+
+def test_a_fused_elementwise_chain_is_priced_below_its_ops_for_c():
+    c, cpu = hardware("c"), hardware("cpu")
+    assert c.backend == "c" and cpu.backend == "numpy"
+    ops = _chain_ops(_chain(6))
+    for sizes in ({"B": 4}, {"B": 256}, {"B": 8192}):  # a tiny step, in cache, beyond the caches
+        unfused = sum(at(op_cost(op, c).time, sizes) for op in ops)
+        fused = at(_fused_cost(ops, c).time, sizes)
+        assert 0 < fused < unfused, (sizes, fused, unfused)
+    # priced from the C numbers, not NumPy's: the same group differs between the targets
+    assert at(_fused_cost(ops, c).time, {"B": 256}) != at(_fused_cost(ops, cpu).time, {"B": 256})
+
+
+def test_fuse_for_c_makes_one_group_of_the_chain_and_tile_leaves_it_whole():
+    model = run_pipeline(_chain(6), default_pipeline("c"))
+    groups = [op for op in model.func.body.block.ops if isinstance(op, FusionOp)]
+    assert len(groups) == 1 and len(groups[0].ops) == 6
+    assert groups[0].tile() == {}  # the C backend blocks its own loops
+    before = sum(at_nominal(op_cost(op, hardware("c")).time) for op in _chain_ops(_chain(6)))
+    assert at_nominal(module_cost(model.module, hardware("c")).time) < before
+
+
+def test_compile_for_c_fuses_by_the_c_prices_and_still_computes_the_same():
+    assert tilegraph.backends.backend("c").HARDWARE == "c"
+    model = _chain(7)
+    compiled = tilegraph.compile(model, target="c")
+    assert sum(isinstance(op, FusionOp) for op in compiled.model.func.body.block.ops) == 1
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal((5, 384)).astype(np.float32) for _ in range(2)]
+    assert_close(compiled(*inputs), interpret(model, inputs)[0], "f32")
+
+
+def test_the_cost_model_knows_where_c_loops_go_parallel():
+    from tilegraph.backends.c.emit import PARALLEL_MIN
+
+    assert C_PARALLEL_MIN == PARALLEL_MIN
+
+
+def test_a_gather_is_priced_by_the_rows_it_copies_not_the_table():
+    """An embedding lookup in C copies its rows: the table's size does not enter its price."""
+    def lookup_cost(vocab: int) -> float:
+        g = Graph()
+        table = g.weight("table", np.zeros((vocab, 384), np.float32))
+        ids = g.input("ids", (1, 128), "i64")
+        model = g.build(g.embedding(table, ids), names=["e"])
+        op = next(op for op in model.func.body.block.ops if getattr(op, "op_name", None) == "gather")
+        return at(op_cost(op, hardware("c")).time)
+
+    assert lookup_cost(30522) == pytest.approx(lookup_cost(1024))
+    assert lookup_cost(30522) < 10 * lookup_cost(4)  # not the 47 MB table from memory (1000x the rows)
+
+
+def test_causal_attention_is_priced_at_about_half_the_full_one_for_c():
+    """The C flash kernel stops at the diagonal, so a causal attention does about half the work."""
+    def attention_cost(causal: bool) -> float:
+        g = Graph()
+        q, k, v = (g.input(name, (1, 12, 256, 64)) for name in "qkv")
+        model = g.build(g.attention(q, k, v, causal=causal), names=["o"])
+        op = next(op for op in model.func.body.block.ops if getattr(op, "op_name", None) == "attention")
+        return at(op_cost(op, hardware("c")).compute_time)
+
+    assert attention_cost(True) / attention_cost(False) == pytest.approx((256 + 1) / 2 / 256)
