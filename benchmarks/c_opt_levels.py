@@ -77,13 +77,13 @@ def main() -> None:
                                            args.repeat)
     ref = levels[-1]
     width = max(map(len, levels))
-    print(f"{'flags':<{width}}  {'cc s':>5}" + "".join(f"  {f'b{b} ms':>8}  {'vs ' + ref:>{len(ref) + 19}}"
+    print(f"{'flags':<{width}}  {'cc s':>5}" + "".join(f"  {f'b{b} ms':>8}  {'vs ' + ref:>{len(ref) + 15}}"
                                                        for b in (1, 8)))
     for level in levels:
         cells = ""
         for b in (1, 8):
             r, q1, q3 = paired_ratio(times[b], level, ref)
-            cells += f"  {1e3 * float(np.median(times[b][level])):8.2f}  {r:.2f}x ({q1:.2f}-{q3:.2f}){'':>{len(ref) + 4}}"
+            cells += f"  {1e3 * float(np.median(times[b][level])):8.2f}  {f'{r:.2f}x ({q1:.2f}-{q3:.2f})':>{len(ref) + 15}}"
         print(f"{level:<{width}}  {cc[level]:5.2f}{cells}")
 
 
