@@ -81,7 +81,7 @@ def test_a_model_compiles_and_runs_beside_folders_that_shadow_the_old_names(whee
         x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
         np.testing.assert_allclose(compiled(x), interpret(model, [x])[0], rtol=1e-5)
         assert "from tilegraph." in compiled.source
-        native = tilegraph.compile(model)  # the default target: C (runtime.h comes with the wheel)
+        native = tilegraph.compile(model)  # the default target: C (runtime.h and runtime.c come with the wheel)
         assert native.target == "c"
         np.testing.assert_allclose(native(x), interpret(model, [x])[0], rtol=1e-5)
         print(tilegraph.__file__)

@@ -194,6 +194,8 @@ def compile(model: Any, example_inputs: Sequence[Any] | None = None, target: str
     if unknown:
         raise TilegraphError(f"target {target!r} takes no option {', '.join(unknown)}"
                              + (f" (its options: {', '.join(sorted(accepted))})" if accepted else ""))
+    if hasattr(codegen, "prepare"):  # what the backend can build ahead (the C runtime) while the passes run
+        codegen.prepare()
     hardware = getattr(codegen, "HARDWARE", "cpu")  # fusion and tiling decide for what the backend runs on
     cache_key = None
     if isinstance(model, (str, os.PathLike)) and not isinstance(pipeline, (list, tuple)):

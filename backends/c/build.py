@@ -1,9 +1,15 @@
 """Compiling an emitted C module: the system C compiler, oneDNN from its wheel, a cache.
 
-The shared library is cached on disk under a key of everything that decides its
-bytes: the source, runtime.h, the compiler's identity, the flags and the
-processor's features (a module built with -march=native on one CPU must never be
-loaded on another: these machines change between AVX-512 and older processors).
+Two shared libraries, each cached on disk under a key of everything that decides its
+bytes: the compiler's identity, the flags and the processor's features (a library
+built with -march=native on one CPU must never be loaded on another: these machines
+change between AVX-512 and older processors), and its sources.
+  - The runtime (runtime.c with runtime.h: oneDNN's glue, the row kernels, flash
+    attention), compiled once per toolchain and flags: `runtime()`.
+  - Each model's module (its emitted source), linked against that runtime, which it
+    finds beside itself in the cache folder ($ORIGIN): `build()`. Its key holds the
+    runtime's, so a changed runtime or header makes new modules.
+A model's build thus compiles only its own code.
 """
 
 from __future__ import annotations
@@ -15,12 +21,14 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.hardware import cache_dir
 
 RUNTIME_H = Path(__file__).with_name("runtime.h")
+RUNTIME_C = Path(__file__).with_name("runtime.c")
 # -fwrapv: signed integer overflow wraps, as NumPy's does. -fno-math-errno lets the
 # compiler inline and vectorise math functions (errno is never read). No -ffast-math:
 # NaN, infinities and signed zeros keep their IEEE meaning.
@@ -28,6 +36,13 @@ CFLAGS = ["-std=gnu11", "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", 
 # TILEGRAPH_C_SANITIZE=address builds modules with AddressSanitizer (tests/test_c_asan.py
 # runs them in a process with libasan preloaded); the flags are part of the cache key.
 SANITIZERS = {"address": ["-fsanitize=address", "-fno-omit-frame-pointer"]}
+# A model's module is compiled with these after CFLAGS (the last -O wins); the runtime,
+# compiled once, keeps -O3. Measured (benchmarks/c_opt_levels.py, MiniLM, one thread,
+# 2026-11-24): -O1 compiles the module in half the time (0.56 vs 1.08 s) and runs as fast
+# (0.98x and 0.99x -O3 at batch 1 and 8; its 47 `omp simd` loops are vectorised at both
+# levels), but the CNN's pooling loops over channels, which carry no `omp simd`, are
+# vectorised only at -O3; so -O3 until the emitter marks them.
+MODULE_OPT = ["-O3"]
 
 
 class BuildError(TilegraphError):
@@ -71,7 +86,7 @@ def _toolchain_id() -> str:
     except OSError:
         pass
     native = subprocess.run([cc, "-march=native", "-Q", "--help=target"], capture_output=True, text=True).stdout
-    return "\n".join([cc, version, cpu, native, " ".join(CFLAGS), RUNTIME_H.read_text()])
+    return "\n".join([cc, version, cpu, native])
 
 
 def sanitizer() -> str:
@@ -86,23 +101,69 @@ def flags() -> list[str]:
     return CFLAGS + SANITIZERS.get(sanitizer(), [])
 
 
+def _key(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
+
+
+_runtime_lock = threading.Lock()  # one build of the runtime at a time; a second caller waits for it
+
+
+def runtime(cflags: list[str] | None = None) -> Path:
+    """The runtime's shared library for these flags, compiled now or found in the cache."""
+    cflags = flags() if cflags is None else cflags
+    with _runtime_lock:
+        key = _key(_toolchain_id(), " ".join(cflags), RUNTIME_H.read_text(), RUNTIME_C.read_text())
+        target = cache_dir() / "c" / f"tgrt_{key}.so"
+        if not target.exists():
+            # The soname is the file's name: a module records it and finds it beside itself.
+            _compile(RUNTIME_C.read_text(), target, cflags, [f"-Wl,-soname,{target.name}"],
+                     "the runtime (runtime.c)")
+    return target
+
+
+def prepare() -> None:
+    """Starts finding or building the runtime in a background thread: `tilegraph.compile`
+    calls it before its import and passes, which run in Python on one core while the C
+    compiler takes another, so a first build on a machine overlaps them. A failure is
+    left for `build` to raise where it is reported."""
+    def work(cflags):
+        try:
+            runtime(cflags)
+        except Exception:  # noqa: BLE001 - build() meets it again and says what it is
+            pass
+
+    try:
+        cflags = flags()
+    except BuildError:
+        return
+    threading.Thread(target=work, args=(cflags,), name="tilegraph-c-runtime", daemon=True).start()
+
+
 def build(source: str) -> Path:
     """The shared library of `source`, compiled now or found in the cache."""
     cflags = flags()
-    key = hashlib.sha256((_toolchain_id() + "\n" + " ".join(cflags) + "\n" + source).encode()).hexdigest()[:24]
-    target = cache_dir() / "c" / f"tg_{key}.so"
-    if target.exists():
-        return target
+    rt = runtime(cflags)  # (also when the module is cached: it is the module's dependency)
+    cflags = cflags + MODULE_OPT
+    # rt.name holds the runtime's key: the toolchain, the base flags, runtime.h and runtime.c.
+    target = cache_dir() / "c" / f"tg_{_key(rt.name, ' '.join(cflags), source)}.so"
+    if not target.exists():
+        # Always a dependency (the caller reads tg_error and tg_set_threads through the module),
+        # even where the module calls nothing of it and the linker drops unused libraries.
+        link = ["-Wl,--push-state,--no-as-needed", str(rt), "-Wl,--pop-state", "-Wl,-rpath,$ORIGIN"]
+        _compile(source, target, cflags, link, "the emitted module")
+    return target
+
+
+def _compile(source: str, target: Path, cflags: list[str], link: list[str], what: str) -> None:
     include, libdir = onednn()
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         src = Path(tmp) / "module.c"
         src.write_text(source)
         out = Path(tmp) / "module.so"
-        cmd = [compiler(), *cflags, f"-I{RUNTIME_H.parent}", f"-I{include}", str(src), "-o", str(out),
+        cmd = [compiler(), *cflags, f"-I{RUNTIME_H.parent}", f"-I{include}", str(src), "-o", str(out), *link,
                f"-L{libdir}", "-ldnnl", f"-Wl,-rpath,{libdir}", "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
-            raise BuildError(f"the C compiler failed on the emitted module:\n{done.stderr[-4000:]}")
+            raise BuildError(f"the C compiler failed on {what}:\n{done.stderr[-4000:]}")
         os.replace(out, target)  # atomic: a concurrent build of the same key is harmless
-    return target

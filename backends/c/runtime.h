@@ -1,9 +1,14 @@
 /* tilegraph C backend: the runtime every emitted module includes.
  *
- * What lives here rather than in emitted code: the calls into oneDNN (matmul and
+ * What lives in the runtime rather than in emitted code: the calls into oneDNN (matmul and
  * convolution primitives, their weights reordered once into the layout the primitive
- * prefers), the row kernels (softmax, layer_norm) and an error slot. Emitted code
- * is the model: loops over its shapes, and calls to these.
+ * prefers), the row kernels (softmax, layer_norm), flash attention and an error slot.
+ * Emitted code is the model: loops over its shapes, and calls to these.
+ *
+ * This header declares them and defines the inline element functions the emitted
+ * loops vectorise (exp, tanh, erf, gelu, ...); runtime.c defines the rest. runtime.c is
+ * compiled once into a shared library of its own (build.py), which every module links
+ * against, so a model's build compiles only its own code.
  *
  * Every entry point returns 0 on success; on failure it writes one line into
  * tg_err (what failed and why) and returns nonzero, and the Python side raises it.
@@ -19,40 +24,13 @@
 #define TG_MAX_POST 8
 #define TG_MAX_DIMS 12
 
-static char tg_err[1024];
-static dnnl_engine_t tg_engine;
-static dnnl_stream_t tg_stream;
-
-const char *tg_error(void) { return tg_err; }
-
-void tg_set_threads(int n) { if (n > 0) omp_set_num_threads(n); }
+extern char tg_err[1024];
+const char *tg_error(void);
+void tg_set_threads(int n);
 
 #define TG_FAIL(...) do { snprintf(tg_err, sizeof tg_err, __VA_ARGS__); return 1; } while (0)
 #define TG_DNNL(call, what) do { dnnl_status_t st_ = (call); \
     if (st_ != dnnl_success) TG_FAIL("oneDNN %s failed (status %d)", what, (int)st_); } while (0)
-
-static int tg_runtime_init(void) {
-    if (tg_engine) return 0;
-    TG_DNNL(dnnl_engine_create(&tg_engine, dnnl_cpu, 0), "engine_create");
-    TG_DNNL(dnnl_stream_create(&tg_stream, tg_engine, dnnl_stream_default_flags), "stream_create");
-    return 0;
-}
-
-static dnnl_memory_desc_t tg_md(int nd, const int64_t *dims, const int64_t *strides, dnnl_data_type_t dt) {
-    dnnl_memory_desc_t md = NULL;
-    dnnl_dims_t d, s;
-    for (int i = 0; i < nd; i++) { d[i] = dims[i]; s[i] = strides[i]; }
-    if (dnnl_memory_desc_create_with_strides(&md, nd, d, dt, s) != dnnl_success) return NULL;
-    return md;
-}
-
-static dnnl_memory_desc_t tg_md_any(int nd, const int64_t *dims, dnnl_data_type_t dt) {
-    dnnl_memory_desc_t md = NULL;
-    dnnl_dims_t d;
-    for (int i = 0; i < nd; i++) d[i] = dims[i];
-    if (dnnl_memory_desc_create_with_tag(&md, nd, d, dt, dnnl_format_tag_any) != dnnl_success) return NULL;
-    return md;
-}
 
 /* An epilogue step oneDNN applies to each output block while it is in cache:
  * an eltwise function (alg, alpha, beta) or a binary op with a second tensor
@@ -79,282 +57,25 @@ typedef struct {
     const void *wei_handle; /* the packed copy, or NULL: the caller's pointer each run */
 } tg_prim;
 
-/* scale_mask: 0, or the mask of the weights' dim that has one scale per index
- * (oneDNN multiplies the accumulator by it before the post-ops). */
-static int tg_attr(dnnl_primitive_attr_t *attr, int npost, const tg_post *posts, int scale_mask) {
-    dnnl_post_ops_t po;
-    TG_DNNL(dnnl_primitive_attr_create(attr), "attr_create");
-    if (scale_mask)
-        TG_DNNL(dnnl_primitive_attr_set_scales_mask(*attr, DNNL_ARG_WEIGHTS, scale_mask), "set_scales_mask");
-    if (!npost) return 0;
-    TG_DNNL(dnnl_post_ops_create(&po), "post_ops_create");
-    for (int i = 0; i < npost; i++) {
-        if (posts[i].binary) {
-            dnnl_memory_desc_t md = tg_md(posts[i].nd, posts[i].dims, posts[i].strides, dnnl_f32);
-            if (!md) TG_FAIL("oneDNN rejected an epilogue operand's layout");
-            TG_DNNL(dnnl_post_ops_append_binary(po, (dnnl_alg_kind_t)posts[i].alg, md), "append_binary");
-            dnnl_memory_desc_destroy(md);
-        } else {
-            TG_DNNL(dnnl_post_ops_append_eltwise(po, (dnnl_alg_kind_t)posts[i].alg, posts[i].alpha, posts[i].beta),
-                    "append_eltwise");
-        }
-    }
-    TG_DNNL(dnnl_primitive_attr_set_post_ops(*attr, po), "set_post_ops");
-    dnnl_post_ops_destroy(po);
-    return 0;
-}
-
-/* Reorders `plain` (the weight as the model holds it) into pack->md once. */
-static int tg_pack(tg_packed *pack, const_dnnl_memory_desc_t plain_md, const void *plain, const_dnnl_memory_desc_t want) {
-    dnnl_primitive_desc_t rpd;
-    dnnl_primitive_t reorder;
-    dnnl_memory_t from, to;
-    size_t size = dnnl_memory_desc_get_size(want);
-    pack->data = aligned_alloc(64, (size + 63) / 64 * 64);
-    if (!pack->data) TG_FAIL("out of memory packing a weight (%zu bytes)", size);
-    TG_DNNL(dnnl_memory_desc_clone(&pack->md, want), "md_clone");
-    TG_DNNL(dnnl_reorder_primitive_desc_create(&rpd, plain_md, tg_engine, want, tg_engine, NULL), "reorder_pd");
-    TG_DNNL(dnnl_primitive_create(&reorder, rpd), "reorder");
-    TG_DNNL(dnnl_memory_create(&from, plain_md, tg_engine, (void *)plain), "memory_create");
-    TG_DNNL(dnnl_memory_create(&to, want, tg_engine, pack->data), "memory_create");
-    dnnl_exec_arg_t args[2] = {{DNNL_ARG_FROM, from}, {DNNL_ARG_TO, to}};
-    TG_DNNL(dnnl_primitive_execute(reorder, tg_stream, 2, args), "reorder");
-    TG_DNNL(dnnl_stream_wait(tg_stream), "stream_wait");
-    dnnl_primitive_destroy(reorder);
-    dnnl_primitive_desc_destroy(rpd);
-    dnnl_memory_destroy(from);
-    dnnl_memory_destroy(to);
-    return 0;
-}
-
-/* The memory objects a primitive runs on; handles are set on every run. */
-static int tg_prim_memories(tg_prim *g, dnnl_primitive_desc_t pd, int npost) {
-    TG_DNNL(dnnl_memory_create(&g->src, dnnl_primitive_desc_query_md(pd, dnnl_query_src_md, 0), tg_engine,
-                               DNNL_MEMORY_NONE), "memory_create");
-    TG_DNNL(dnnl_memory_create(&g->wei, dnnl_primitive_desc_query_md(pd, dnnl_query_weights_md, 0), tg_engine,
-                               DNNL_MEMORY_NONE), "memory_create");
-    TG_DNNL(dnnl_memory_create(&g->dst, dnnl_primitive_desc_query_md(pd, dnnl_query_dst_md, 0), tg_engine,
-                               DNNL_MEMORY_NONE), "memory_create");
-    if (g->has_bias)
-        TG_DNNL(dnnl_memory_create(&g->bias, dnnl_primitive_desc_query_md(pd, dnnl_query_weights_md, 1), tg_engine,
-                                   DNNL_MEMORY_NONE), "memory_create");
-    g->npost = 0;
-    for (int i = 0; i < npost; i++) {
-        const_dnnl_memory_desc_t md = dnnl_primitive_desc_query_md(
-            pd, dnnl_query_exec_arg_md, DNNL_ARG_ATTR_MULTIPLE_POST_OP(i) | DNNL_ARG_SRC_1);
-        g->post[i] = NULL;
-        if (md && dnnl_memory_desc_get_size(md))
-            TG_DNNL(dnnl_memory_create(&g->post[i], md, tg_engine, DNNL_MEMORY_NONE), "memory_create");
-    }
-    g->npost = npost;
-    TG_DNNL(dnnl_primitive_create(&g->prim, pd), "primitive_create");
-    return 0;
-}
-
-/* Chooses the weight layout: the packed one already made for this weight if the
- * primitive takes it, else the one the primitive prefers (packed now, once). */
-typedef dnnl_status_t (*tg_pd_fn)(dnnl_primitive_desc_t *, const void *ctx, const_dnnl_memory_desc_t wei,
-                                  const_dnnl_primitive_attr_t attr);
-
-static int tg_prim_create(tg_prim *g, tg_pd_fn make, const void *ctx, const_dnnl_memory_desc_t plain_wei,
-                          const void *weight, tg_packed *pack, int npost, const tg_post *posts, int nd_w,
-                          const int64_t *wdims, int scale_mask) {
-    dnnl_primitive_attr_t attr;
-    dnnl_primitive_desc_t pd = NULL;
-    dnnl_data_type_t wdt;
-    if (tg_attr(&attr, npost, posts, scale_mask)) return 1;
-    TG_DNNL(dnnl_memory_desc_query(plain_wei, dnnl_query_data_type, &wdt), "memory_desc_query");
-    g->scaled = scale_mask != 0;
-    g->wei_handle = NULL;
-    if (weight && pack->data && make(&pd, ctx, pack->md, attr) == dnnl_success) {
-        g->wei_handle = pack->data;
-    } else if (weight && !pack->data) {
-        dnnl_memory_desc_t any = tg_md_any(nd_w, wdims, wdt);
-        if (any && make(&pd, ctx, any, attr) == dnnl_success) {
-            const_dnnl_memory_desc_t want = dnnl_primitive_desc_query_md(pd, dnnl_query_weights_md, 0);
-            if (!dnnl_memory_desc_equal(want, plain_wei)) {
-                if (tg_pack(pack, plain_wei, weight, want)) return 1;
-                g->wei_handle = pack->data;
-            } else {
-                dnnl_primitive_desc_destroy(pd);
-                pd = NULL;
-            }
-        }
-        if (any) dnnl_memory_desc_destroy(any);
-    }
-    if (!pd) TG_DNNL(make(&pd, ctx, plain_wei, attr), "primitive_desc_create");
-    int rc = tg_prim_memories(g, pd, npost);
-    dnnl_primitive_desc_destroy(pd);
-    dnnl_primitive_attr_destroy(attr);
-    return rc;
-}
-
-/* bias: the convolution's bias, or the matmul's weight scales (one per column). */
-static int tg_prim_run(tg_prim *g, const void *src, const void *wei, const void *bias, void *dst,
-                       void *const *post) {
-    dnnl_exec_arg_t args[5 + TG_MAX_POST];
-    int n = 0;
-    dnnl_memory_set_data_handle(g->src, (void *)src);
-    dnnl_memory_set_data_handle(g->wei, (void *)(g->wei_handle ? g->wei_handle : wei));
-    dnnl_memory_set_data_handle(g->dst, dst);
-    args[n++] = (dnnl_exec_arg_t){DNNL_ARG_SRC, g->src};
-    args[n++] = (dnnl_exec_arg_t){DNNL_ARG_WEIGHTS, g->wei};
-    args[n++] = (dnnl_exec_arg_t){DNNL_ARG_DST, g->dst};
-    if (g->has_bias) {
-        dnnl_memory_set_data_handle(g->bias, (void *)bias);
-        args[n++] = (dnnl_exec_arg_t){DNNL_ARG_BIAS, g->bias};
-    }
-    if (g->scaled) {
-        dnnl_memory_set_data_handle(g->wei_scales, (void *)bias);
-        args[n++] = (dnnl_exec_arg_t){DNNL_ARG_ATTR_SCALES | DNNL_ARG_WEIGHTS, g->wei_scales};
-    }
-    /* post[] holds the second operands of the binary post-ops only, in order. */
-    for (int i = 0, b = 0; i < g->npost; i++) {
-        if (!g->post[i]) continue;
-        dnnl_memory_set_data_handle(g->post[i], post[b++]);
-        args[n++] = (dnnl_exec_arg_t){DNNL_ARG_ATTR_MULTIPLE_POST_OP(i) | DNNL_ARG_SRC_1, g->post[i]};
-    }
-    TG_DNNL(dnnl_primitive_execute(g->prim, tg_stream, n, args), "execute");
-    TG_DNNL(dnnl_stream_wait(tg_stream), "stream_wait");
-    return 0;
-}
-
-/* --- matmul: C[..., M, N] = A[..., M, K] @ B[..., K, N], batch dims broadcast ---
- * types: oneDNN data types of A, B, C (f32 x f32 -> f32; s8 or u8 x s8 -> s32, or
- * -> f32 with one weight scale per column of B: `scaled`). */
-
-typedef struct {
-    dnnl_memory_desc_t src, dst;
-} tg_matmul_ctx;
-
-static dnnl_status_t tg_matmul_pd(dnnl_primitive_desc_t *pd, const void *ctx, const_dnnl_memory_desc_t wei,
-                                  const_dnnl_primitive_attr_t attr) {
-    const tg_matmul_ctx *c = ctx;
-    return dnnl_matmul_primitive_desc_create(pd, tg_engine, c->src, wei, NULL, c->dst, attr);
-}
-
-static int tg_matmul_create(tg_prim *g, int nd, const int64_t *a_dims, const int64_t *a_str, const int64_t *b_dims,
-                            const int64_t *b_str, const int64_t *c_dims, const int64_t *c_str, const int *types,
-                            int scaled, const void *weight, tg_packed *pack, int npost, const tg_post *posts) {
-    tg_matmul_ctx ctx = {tg_md(nd, a_dims, a_str, types[0]), tg_md(nd, c_dims, c_str, types[2])};
-    dnnl_memory_desc_t wei = tg_md(nd, b_dims, b_str, types[1]);
-    if (tg_runtime_init()) return 1;
-    if (!ctx.src || !ctx.dst || !wei) TG_FAIL("oneDNN rejected a matmul operand's layout");
-    g->has_bias = 0;
-    int rc = tg_prim_create(g, tg_matmul_pd, &ctx, wei, weight, pack, npost, posts, nd, b_dims,
-                            scaled ? 1 << (nd - 1) : 0);
-    if (!rc && scaled) { /* the scales: f32, one per column */
-        int64_t one = 1;
-        dnnl_memory_desc_t md = tg_md(1, &b_dims[nd - 1], &one, dnnl_f32);
-        if (!md) TG_FAIL("oneDNN rejected the weight scales' layout");
-        TG_DNNL(dnnl_memory_create(&g->wei_scales, md, tg_engine, DNNL_MEMORY_NONE), "memory_create");
-        dnnl_memory_desc_destroy(md);
-    }
-    dnnl_memory_desc_destroy(ctx.src);
-    dnnl_memory_desc_destroy(ctx.dst);
-    dnnl_memory_desc_destroy(wei);
-    return rc;
-}
-
-/* --- convolution: NC<spatial> activations, (G)OI<spatial> weights --- */
-
-typedef struct {
-    dnnl_memory_desc_t src, bias, dst;
-    dnnl_dims_t strides, dilates, pad_l, pad_r;
-} tg_conv_ctx;
-
-static dnnl_status_t tg_conv_pd(dnnl_primitive_desc_t *pd, const void *ctx, const_dnnl_memory_desc_t wei,
-                                const_dnnl_primitive_attr_t attr) {
-    const tg_conv_ctx *c = ctx;
-    return dnnl_convolution_forward_primitive_desc_create(pd, tg_engine, dnnl_forward_inference,
-                                                          dnnl_convolution_direct, c->src, wei, c->bias, c->dst,
-                                                          c->strides, c->dilates, c->pad_l, c->pad_r, attr);
-}
-
-/* w_dims/w_str: OI<spatial> (groups == 1) or GOI<spatial>; dilations in torch's
- * convention (1 = dense), oneDNN's is one less. */
-static int tg_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_str, int w_nd,
-                          const int64_t *w_dims, const int64_t *w_str, const int64_t *y_dims, const int64_t *y_str,
-                          int has_bias, const int64_t *strides, const int64_t *dilations, const int64_t *pads,
-                          const void *weight, tg_packed *pack, int npost, const tg_post *posts) {
-    tg_conv_ctx ctx;
-    int sp = nd - 2;
-    if (tg_runtime_init()) return 1;
-    ctx.src = tg_md(nd, x_dims, x_str, dnnl_f32);
-    ctx.dst = tg_md(nd, y_dims, y_str, dnnl_f32);
-    ctx.bias = NULL;
-    if (has_bias) {
-        int64_t o = y_dims[1], one = 1;
-        ctx.bias = tg_md(1, &o, &one, dnnl_f32);
-    }
-    for (int i = 0; i < sp; i++) {
-        ctx.strides[i] = strides[i];
-        ctx.dilates[i] = dilations[i] - 1;
-        ctx.pad_l[i] = pads[i];
-        ctx.pad_r[i] = pads[i + sp];
-    }
-    dnnl_memory_desc_t wei = tg_md(w_nd, w_dims, w_str, dnnl_f32);
-    if (!ctx.src || !ctx.dst || !wei) TG_FAIL("oneDNN rejected a convolution operand's layout");
-    g->has_bias = has_bias;
-    int rc = tg_prim_create(g, tg_conv_pd, &ctx, wei, weight, pack, npost, posts, w_nd, w_dims, 0);
-    dnnl_memory_desc_destroy(ctx.src);
-    dnnl_memory_desc_destroy(ctx.dst);
-    if (ctx.bias) dnnl_memory_desc_destroy(ctx.bias);
-    dnnl_memory_desc_destroy(wei);
-    return rc;
-}
-
-/* --- row kernels: rows of n contiguous floats --- */
-
-#pragma omp declare simd notinbranch
-static inline float tg_expf(float x);
-
-/* In place is fine (y == x). */
-static void tg_softmax_rows(const float *x, float *y, int64_t rows, int64_t n) {
-#pragma omp parallel for if (rows * n > 16384)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * n;
-        float *yr = y + r * n;
-        /* A NaN in the row needs no special case: x - m carries it into the sum. */
-        float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-        for (int64_t j = 0; j < n; j++) m = xr[j] > m ? xr[j] : m;
-        float s = 0.f;
-#pragma omp simd reduction(+ : s)
-        for (int64_t j = 0; j < n; j++) {
-            float e = tg_expf(xr[j] - m);
-            yr[j] = e;
-            s += e;
-        }
-        float inv = 1.f / s;
-#pragma omp simd
-        for (int64_t j = 0; j < n; j++) yr[j] *= inv;
-    }
-}
-
-/* Normalizes each row of n over all of it; scale and bias (n each) may be NULL. */
-static void tg_layer_norm_rows(const float *x, float *y, const float *scale, const float *bias, int64_t rows,
-                               int64_t n, float eps) {
-#pragma omp parallel for if (rows * n > 16384)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * n;
-        float *yr = y + r * n;
-        float s = 0.f;
-#pragma omp simd reduction(+ : s)
-        for (int64_t j = 0; j < n; j++) s += xr[j];
-        float mean = s / (float)n, v = 0.f;
-#pragma omp simd reduction(+ : v)
-        for (int64_t j = 0; j < n; j++) v += (xr[j] - mean) * (xr[j] - mean);
-        float inv = 1.f / sqrtf(v / (float)n + eps);
-#pragma omp simd
-        for (int64_t j = 0; j < n; j++) {
-            float t = (xr[j] - mean) * inv;
-            if (scale) t *= scale[j];
-            if (bias) t += bias[j];
-            yr[j] = t;
-        }
-    }
-}
+/* The runtime's entry points (runtime.c says what each does). */
+int tg_prim_run(tg_prim *g, const void *src, const void *wei, const void *bias, void *dst,
+                void *const *post);
+int tg_matmul_create(tg_prim *g, int nd, const int64_t *a_dims, const int64_t *a_str, const int64_t *b_dims,
+                     const int64_t *b_str, const int64_t *c_dims, const int64_t *c_str, const int *types,
+                     int scaled, const void *weight, tg_packed *pack, int npost, const tg_post *posts);
+int tg_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_str, int w_nd,
+                   const int64_t *w_dims, const int64_t *w_str, const int64_t *y_dims, const int64_t *y_str,
+                   int has_bias, const int64_t *strides, const int64_t *dilations, const int64_t *pads,
+                   const void *weight, tg_packed *pack, int npost, const tg_post *posts);
+void tg_softmax_rows(const float *x, float *y, int64_t rows, int64_t n);
+void tg_layer_norm_rows(const float *x, float *y, const float *scale, const float *bias, int64_t rows,
+                        int64_t n, float eps);
+void tg_dynamic_quantize_rows(const float *x, int8_t *q, float *scale, int64_t rows, int64_t n);
+int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb, const int64_t *vb,
+                 const int64_t *mb, const int64_t *ob, const float *q, const float *k, const float *v,
+                 const void *mask, float *o, int64_t lq, int64_t lk, int64_t d, int64_t dv, int64_t qr,
+                 int64_t kr, int64_t vr, int64_t orow, int mask_kind, int64_t mr, int64_t mc, float scale,
+                 int causal);
 
 /* exp for float32 in straight-line code the compiler vectorises (libm's expf is a
  * call per element): e^x = 2^n e^r, n = round(x log2 e), |r| <= ln2/2, e^r by a
@@ -405,6 +126,7 @@ static inline float tg_erff(float v) {
 /* gelu as the NumPy backend computes float32 gelu (ir/kernels.py): x * Phi(x) =
  * x / (1 + exp(x G(x^2))), G the polynomial TG_GELU_P the module defines from
  * kernels.py's fit, x clipped for G only. The tanh form: x * sigmoid(2u). */
+#ifdef TG_GELU_CLIP /* defined by the module (emit._gelu_defines) */
 #pragma omp declare simd notinbranch
 static inline float tg_gelu_erf(float x) {
     float t = x > TG_GELU_CLIP ? TG_GELU_CLIP : (x < -TG_GELU_CLIP ? -TG_GELU_CLIP : x);
@@ -413,6 +135,7 @@ static inline float tg_gelu_erf(float x) {
     p = p * t2 + TG_GELU_P2; p = p * t2 + TG_GELU_P1; p = p * t2 + TG_GELU_P0;
     return x / (1.f + tg_expf(p * x));
 }
+#endif
 #pragma omp declare simd notinbranch
 static inline float tg_gelu_tanh(float x) {
     float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
@@ -434,130 +157,4 @@ static inline float tg_saturate(float y, float lo, float hi) {
     y = y < lo ? lo : y;
     y = y > hi ? hi : y;
     return y != y ? 0.f : y;
-}
-
-/* tg.dynamic_quantize to i8, one scale per row of n: max|x| / 127 (at least FLT_MIN;
- * 1 for a row of zeros or with a NaN), q = saturate(rint(x / scale)). */
-static void tg_dynamic_quantize_rows(const float *x, int8_t *q, float *scale, int64_t rows, int64_t n) {
-#pragma omp parallel for if (rows * n > 16384)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * n;
-        int8_t *qr = q + r * n;
-        float m = 0.f;
-        int nan = 0;
-#pragma omp simd reduction(max : m) reduction(| : nan)
-        for (int64_t j = 0; j < n; j++) {
-            float a = fabsf(xr[j]);
-            m = a > m ? a : m;
-            nan |= a != a;
-        }
-        float s = m > 0.f && !nan ? fmaxf(m / 127.f, 1.17549435e-38f) : 1.f;
-        scale[r] = s;
-#pragma omp simd
-        for (int64_t j = 0; j < n; j++) qr[j] = (int8_t)tg_saturate(rintf(xr[j] / s), -128.f, 127.f);
-    }
-}
-
-/* --- attention: softmax(q k^T * scale + mask) v, flash-style ---
- *
- * Per (batch, block of TG_ATT_BQ query rows) task, keys in blocks of TG_ATT_BK with
- * an online softmax (running max and sum, the accumulator rescaled when the max
- * grows): memory is one block of scores and one accumulator row per query, never the
- * Lq x Lk scores. The two products of a block (scores = q k^T, acc += p v) are small
- * GEMMs on oneDNN's sgemm (row-major), which keeps its operands in registers as a
- * loop here cannot. Batch dims are flattened: dims bd[nb] and each tensor's strides
- * over them; rows of q, k, v are contiguous with row strides qr, kr, vr (>= the row).
- * mask_kind: 0 none, 1 bool (keep where true), 2 float (added). Causal keeps
- * j <= i + Lk - Lq. */
-#define TG_ATT_BQ 64
-#define TG_ATT_BK 64
-
-static int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb, const int64_t *vb,
-                        const int64_t *mb, const int64_t *ob, const float *q, const float *k, const float *v,
-                        const void *mask, float *o, int64_t lq, int64_t lk, int64_t d, int64_t dv, int64_t qr,
-                        int64_t kr, int64_t vr, int64_t orow, int mask_kind, int64_t mr, int64_t mc, float scale,
-                        int causal) {
-    int64_t batches = 1;
-    for (int i = 0; i < nb; i++) batches *= bd[i];
-    int64_t qblocks = (lq + TG_ATT_BQ - 1) / TG_ATT_BQ;
-    int failed = 0;
-    /* sgemm inside a task runs on the task's thread (no nested team). With OpenMP's
-     * spinning waits on a shared machine this ran 100x slower (runtime.py makes them
-     * passive); letting OpenMP shrink teams (omp_set_dynamic) made sgemm skip rows. */
-#pragma omp parallel for collapse(2) schedule(dynamic) if (batches * lq * lk * d > 65536)
-    for (int64_t bi = 0; bi < batches; bi++)
-        for (int64_t qbk = 0; qbk < qblocks; qbk++) {
-            int64_t oq = 0, ok = 0, ov = 0, om = 0, oo = 0, rest = bi;
-            for (int i = nb - 1; i >= 0; i--) {
-                int64_t idx = rest % bd[i];
-                rest /= bd[i];
-                oq += idx * qb[i]; ok += idx * kb[i]; ov += idx * vb[i]; om += idx * mb[i]; oo += idx * ob[i];
-            }
-            int64_t i0 = qbk * TG_ATT_BQ, i1 = i0 + TG_ATT_BQ < lq ? i0 + TG_ATT_BQ : lq, nq = i1 - i0;
-            float *s = malloc(sizeof(float) * (TG_ATT_BQ * TG_ATT_BK + TG_ATT_BQ * (dv + 2)));
-            if (!s) { failed = 1; continue; }
-            float *acc = s + TG_ATT_BQ * TG_ATT_BK, *mx = acc + TG_ATT_BQ * dv, *sum = mx + TG_ATT_BQ;
-            for (int64_t i = 0; i < nq; i++) {
-                mx[i] = -INFINITY;
-                sum[i] = 0.f;
-                for (int64_t c = 0; c < dv; c++) acc[i * dv + c] = 0.f;
-            }
-            for (int64_t j0 = 0; j0 < lk; j0 += TG_ATT_BK) {
-                int64_t nk = j0 + TG_ATT_BK < lk ? TG_ATT_BK : lk - j0;
-                if (causal && j0 > i1 - 1 + lk - lq) break;
-                if (d == 0) {
-                    for (int64_t i = 0; i < nq * TG_ATT_BK; i++) s[i] = 0.f;
-                } else if (dnnl_sgemm('N', 'T', nq, nk, d, scale, q + oq + i0 * qr, qr, k + ok + j0 * kr, kr, 0.f, s,
-                                      TG_ATT_BK) != dnnl_success) {
-                    failed = 2;
-                    break;
-                }
-                for (int64_t i = 0; i < nq; i++) {
-                    float *si = s + i * TG_ATT_BK;
-                    if (causal) { /* keys past i + lk - lq are the future */
-                        int64_t first = i0 + i + lk - lq + 1 - j0;
-                        for (int64_t j = first < 0 ? 0 : first; j < nk; j++) si[j] = -INFINITY;
-                    }
-                    if (mask_kind == 1) {
-                        const uint8_t *mi = (const uint8_t *)mask + om + (i0 + i) * mr + j0 * mc;
-                        for (int64_t j = 0; j < nk; j++) if (!mi[j * mc]) si[j] = -INFINITY;
-                    } else if (mask_kind == 2) {
-                        const float *mi = (const float *)mask + om + (i0 + i) * mr + j0 * mc;
-#pragma omp simd
-                        for (int64_t j = 0; j < nk; j++) si[j] += mi[j * mc];
-                    }
-                    float m = mx[i];
-#pragma omp simd reduction(max : m)
-                    for (int64_t j = 0; j < nk; j++) m = si[j] > m ? si[j] : m;
-                    /* all -inf so far: nothing to weigh yet (exp(-inf - -inf) would be NaN) */
-                    float corr = m == -INFINITY ? 1.f : tg_expf(mx[i] - m), l = 0.f;
-#pragma omp simd reduction(+ : l)
-                    for (int64_t j = 0; j < nk; j++) {
-                        float p = m == -INFINITY ? 0.f : tg_expf(si[j] - m);
-                        si[j] = p;
-                        l += p;
-                    }
-                    sum[i] = sum[i] * corr + l;
-                    mx[i] = m;
-                    float *ai = acc + i * dv;
-#pragma omp simd
-                    for (int64_t c = 0; c < dv; c++) ai[c] *= corr;
-                }
-                if (dv && dnnl_sgemm('N', 'N', nq, dv, nk, 1.f, s, TG_ATT_BK, v + ov + j0 * vr, vr, 1.f, acc, dv)
-                              != dnnl_success) {
-                    failed = 2;
-                    break;
-                }
-            }
-            for (int64_t i = 0; i < nq; i++) {
-                /* a row with every key masked: NaN, as softmax over all -inf is */
-                float inv = sum[i] > 0.f ? 1.f / sum[i] : NAN;
-                float *oi = o + oo + (i0 + i) * orow;
-                for (int64_t c = 0; c < dv; c++) oi[c] = acc[i * dv + c] * inv;
-            }
-            free(s);
-        }
-    if (failed == 2) TG_FAIL("attention: oneDNN's sgemm failed on a block");
-    if (failed) TG_FAIL("attention: out of memory for its working blocks");
-    return 0;
 }
