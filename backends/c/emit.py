@@ -578,6 +578,8 @@ class CEmitter:
                    else self.materialize(x) for x in xs[:3])
         mask = xs[3] if len(xs) > 3 else None
         out = self._laid_out_for_reader(op, self._temp(info))
+        group = op.parent_op()
+        tile = group.tile() if isinstance(group, FusionOp) else {}  # the flash blocks `tile` chose
         batch = info.shape[:-2]
         lq, lk = q.shape[-2], k.shape[-2]
 
@@ -603,7 +605,8 @@ class CEmitter:
             f"{mask_ptr}, {self.ptr(out, False)}, {self.ints(lq)}, {self.ints(lk)}, {self.ints(q.shape[-1])}, "
             f"{self.ints(v.shape[-1])}, {self.ints(q.strides[-2])}, {self.ints(k.strides[-2])}, "
             f"{self.ints(v.strides[-2])}, {self.ints(out.strides[-2])}, {mask_kind}, {self.ints(mr)}, {self.ints(mc)}, "
-            f"{c_float(op.attr('scale'), 'f32')}, {int(bool(op.attr('causal')))})) return 1;",
+            f"{c_float(op.attr('scale'), 'f32')}, {int(bool(op.attr('causal')))}, {tile.get('block_q', 64)}, "
+            f"{tile.get('block_kv', 64)})) return 1;",
             "}",
         ]
         self._step(_describe(op), lines, [q, k, v] + ([mask] if mask is not None else []), [out])

@@ -332,7 +332,8 @@ void tg_dynamic_quantize_rows(const float *x, int8_t *q, float *scale, int64_t r
 
 /* --- attention: softmax(q k^T * scale + mask) v, flash-style ---
  *
- * Per (batch, block of TG_ATT_BQ query rows) task, keys in blocks of TG_ATT_BK with
+ * Per (batch, block of bq query rows) task, keys in blocks of bk (the `tile` pass's
+ * block_q and block_kv) with
  * an online softmax (running max and sum, the accumulator rescaled when the max
  * grows): memory is one block of scores and one accumulator row per query, never the
  * Lq x Lk scores. The two products of a block (scores = q k^T, acc += p v) are small
@@ -341,17 +342,14 @@ void tg_dynamic_quantize_rows(const float *x, int8_t *q, float *scale, int64_t r
  * over them; rows of q, k, v are contiguous with row strides qr, kr, vr (>= the row).
  * mask_kind: 0 none, 1 bool (keep where true), 2 float (added). Causal keeps
  * j <= i + Lk - Lq. */
-#define TG_ATT_BQ 64
-#define TG_ATT_BK 64
-
 int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb, const int64_t *vb,
                  const int64_t *mb, const int64_t *ob, const float *q, const float *k, const float *v,
                  const void *mask, float *o, int64_t lq, int64_t lk, int64_t d, int64_t dv, int64_t qr,
                  int64_t kr, int64_t vr, int64_t orow, int mask_kind, int64_t mr, int64_t mc, float scale,
-                 int causal) {
+                 int causal, int64_t bq, int64_t bk) {
     int64_t batches = 1;
     for (int i = 0; i < nb; i++) batches *= bd[i];
-    int64_t qblocks = (lq + TG_ATT_BQ - 1) / TG_ATT_BQ;
+    int64_t qblocks = (lq + bq - 1) / bq;
     int failed = 0;
     /* sgemm inside a task runs on the task's thread (no nested team). With OpenMP's
      * spinning waits on a shared machine this ran 100x slower (runtime.py makes them
@@ -365,27 +363,27 @@ int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb
                 rest /= bd[i];
                 oq += idx * qb[i]; ok += idx * kb[i]; ov += idx * vb[i]; om += idx * mb[i]; oo += idx * ob[i];
             }
-            int64_t i0 = qbk * TG_ATT_BQ, i1 = i0 + TG_ATT_BQ < lq ? i0 + TG_ATT_BQ : lq, nq = i1 - i0;
-            float *s = malloc(sizeof(float) * (TG_ATT_BQ * TG_ATT_BK + TG_ATT_BQ * (dv + 2)));
+            int64_t i0 = qbk * bq, i1 = i0 + bq < lq ? i0 + bq : lq, nq = i1 - i0;
+            float *s = malloc(sizeof(float) * (bq * bk + bq * (dv + 2)));
             if (!s) { failed = 1; continue; }
-            float *acc = s + TG_ATT_BQ * TG_ATT_BK, *mx = acc + TG_ATT_BQ * dv, *sum = mx + TG_ATT_BQ;
+            float *acc = s + bq * bk, *mx = acc + bq * dv, *sum = mx + bq;
             for (int64_t i = 0; i < nq; i++) {
                 mx[i] = -INFINITY;
                 sum[i] = 0.f;
                 for (int64_t c = 0; c < dv; c++) acc[i * dv + c] = 0.f;
             }
-            for (int64_t j0 = 0; j0 < lk; j0 += TG_ATT_BK) {
-                int64_t nk = j0 + TG_ATT_BK < lk ? TG_ATT_BK : lk - j0;
+            for (int64_t j0 = 0; j0 < lk; j0 += bk) {
+                int64_t nk = j0 + bk < lk ? bk : lk - j0;
                 if (causal && j0 > i1 - 1 + lk - lq) break;
                 if (d == 0) {
-                    for (int64_t i = 0; i < nq * TG_ATT_BK; i++) s[i] = 0.f;
+                    for (int64_t i = 0; i < nq * bk; i++) s[i] = 0.f;
                 } else if (dnnl_sgemm('N', 'T', nq, nk, d, scale, q + oq + i0 * qr, qr, k + ok + j0 * kr, kr, 0.f, s,
-                                      TG_ATT_BK) != dnnl_success) {
+                                      bk) != dnnl_success) {
                     failed = 2;
                     break;
                 }
                 for (int64_t i = 0; i < nq; i++) {
-                    float *si = s + i * TG_ATT_BK;
+                    float *si = s + i * bk;
                     if (causal) { /* keys past i + lk - lq are the future */
                         int64_t first = i0 + i + lk - lq + 1 - j0;
                         for (int64_t j = first < 0 ? 0 : first; j < nk; j++) si[j] = -INFINITY;
@@ -415,7 +413,7 @@ int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb
 #pragma omp simd
                     for (int64_t c = 0; c < dv; c++) ai[c] *= corr;
                 }
-                if (dv && dnnl_sgemm('N', 'N', nq, dv, nk, 1.f, s, TG_ATT_BK, v + ov + j0 * vr, vr, 1.f, acc, dv)
+                if (dv && dnnl_sgemm('N', 'N', nq, dv, nk, 1.f, s, bk, v + ov + j0 * vr, vr, 1.f, acc, dv)
                               != dnnl_success) {
                     failed = 2;
                     break;

@@ -75,7 +75,7 @@ int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb
                  const int64_t *mb, const int64_t *ob, const float *q, const float *k, const float *v,
                  const void *mask, float *o, int64_t lq, int64_t lk, int64_t d, int64_t dv, int64_t qr,
                  int64_t kr, int64_t vr, int64_t orow, int mask_kind, int64_t mr, int64_t mc, float scale,
-                 int causal);
+                 int causal, int64_t bq, int64_t bk);
 
 /* exp for float32 in straight-line code the compiler vectorises (libm's expf is a
  * call per element): e^x = 2^n e^r, n = round(x log2 e), |r| <= ln2/2, e^r by a
