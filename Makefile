@@ -28,6 +28,7 @@ bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/triton_gpu.py
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/shard_plans.py
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/quantization.py
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/arch_sweep.py --target c --quick --time --threads 1 --back-to-back
 
 clean:
 	rm -rf $(VENV) build *.egg-info
