@@ -1163,7 +1163,7 @@ class CEmitter:
             f"    for (int64_t i = 0; i < {count}; i++) {{",
             "        int64_t r = ids[i];",
             f"        if (r < -{rows} || r >= {rows})",
-            f'            TG_FAIL("gather: index %lld is out of range [-%lld, %lld) of the table (op %d)", '
+            f'            TG_FAIL("gather: index %lld is out of range [-%lld, %lld) of the table (step %d)", '
             f"(long long)r, (long long){rows}, (long long){rows}, {len(self.steps)});",
             f"        if (r < 0) r += {rows};",
             f"        memcpy(out + (o * {count} + i) * {width}, table + (o * {rows} + r) * {width}, "
@@ -1217,7 +1217,7 @@ class CEmitter:
             "{",
             f"    int64_t r = ids[{self._at(ids, coords)}];",
             f"    if (r < -{rows} || r >= {rows})",
-            f'        TG_FAIL("gather_elements: index %lld is out of range [-%lld, %lld) (op %d)", (long long)r, '
+            f'        TG_FAIL("gather_elements: index %lld is out of range [-%lld, %lld) (step %d)", (long long)r, '
             f"(long long){rows}, (long long){rows}, {len(self.steps)});",
             f"    if (r < 0) r += {rows};",
             f"    out[{self._at(out, coords)}] = x[{self._at(x, {**coords, axis: 'r'})}];",

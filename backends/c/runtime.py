@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import threading
 from typing import Any, Mapping
 
@@ -227,7 +228,7 @@ class CompiledModel:
         for kind, k in self.program.plan:
             if kind == "segment":
                 if self._segments[k](b.state, ints, b.pointers):
-                    raise ModelError(f"running the C module: {self._error()}")
+                    raise ModelError(self._run_error())
             else:
                 self._host(self.program.steps[k], b, sizes, known or {})
         outs = []
@@ -254,6 +255,16 @@ class CompiledModel:
         for out, value in zip(step.host_out, results):
             target = b.array(out, self._per_call_set)
             np.copyto(target, np.asarray(value).astype(target.dtype, copy=False))
+
+    def _run_error(self) -> str:
+        """What a failed native call reports, at the step that refused its inputs (an index
+        past a table) where the kernel named it, as a host step's error does."""
+        message = self._error()
+        step = re.search(r" \(step (\d+)\)$", message)
+        if step is None or int(step.group(1)) >= len(self.program.steps):
+            return f"running the C module: {message}"
+        return (f"the model cannot run on these inputs, at `{self.program.steps[int(step.group(1))].comment}`: "
+                f"{message[:step.start()]}")
 
     def _error(self) -> str:
         return (self._lib.tg_error() or b"").decode(errors="replace")
