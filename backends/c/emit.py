@@ -895,11 +895,10 @@ class CEmitter:
         along all leading dims, or walk them as one run of rows."""
         if view.literal is not None:
             return self.broadcast(view, rows_shape)
-        if view.rank < 2 or all(_eq(st, 0) for st in view.strides[:-1]):
-            return View(view.buf, view.offset, tuple(rows_shape), (sympy.Integer(0), view.strides[-1]), view.dtype)
-        if not self._collapsible(view):
+        row = _row_stride(view)
+        if row is None:
             raise Unsupported("an operand whose rows do not collapse")
-        return View(view.buf, view.offset, tuple(rows_shape), (view.strides[-2], view.strides[-1]), view.dtype)
+        return View(view.buf, view.offset, tuple(rows_shape), (row, view.strides[-1]), view.dtype)
 
     def fused_row(self, group: FusionOp, ops, env, yields) -> bool:
         """Elementwise ops then softmax or layer_norm over the last axis: the prologue
@@ -1505,11 +1504,12 @@ class CEmitter:
             rank = 2
 
             def geometry(full: View):  # the operand over all rows, as (rows, N)
-                if not self._collapsible(full) and not all(_eq(st, 0) for st in full.strides[:-1]):
+                row = _row_stride(full)
+                if row is None:
                     raise Unsupported("an epilogue operand whose rows do not collapse")
-                rows_bc = all(_eq(st, 0) for st in full.strides[:-1])
+                rows_bc = _eq(row, 0)
                 dims = [1 if rows_bc else rows, 1 if _eq(full.strides[-1], 0) else info.shape[-1]]
-                return dims, [full.strides[-2] if not rows_bc else dims[1], full.strides[-1] if dims[1] != 1 else 1]
+                return dims, [row if not rows_bc else dims[1], full.strides[-1] if dims[1] != 1 else 1]
         else:
             c = out = self._laid_out_for_reader(op, out)
 
@@ -1684,6 +1684,18 @@ def _reshaped_strides(view: View, shape: tuple) -> tuple | None:
         if _is_one(shape[k]):
             strides[k] = strides[k + 1] * shape[k + 1] if k + 1 < len(shape) else sympy.Integer(1)
     return tuple(strides)
+
+
+def _row_stride(view: View):
+    """The stride between consecutive rows when `view`'s leading dims are seen as one dim of
+    rows (0 where it repeats along all of them), or None where they do not walk memory as one
+    run. Dims of size 1 are skipped: their stride means nothing."""
+    lead = [(d, st) for d, st in zip(view.shape[:-1], view.strides[:-1]) if not _is_one(d)]
+    if all(_eq(st, 0) for _, st in lead):
+        return sympy.Integer(0)
+    if any(not _eq(outer[1], inner[1] * inner[0]) for outer, inner in zip(lead, lead[1:])):
+        return None
+    return lead[-1][1]
 
 
 def _sole_reader(value: SSAValue):
