@@ -421,3 +421,28 @@ def test_a_loop_over_regrouped_rows_reads_a_broadcast_operand_once_per_row():
     inputs = random_inputs(model, seed=1)
     got = tilegraph.compile(model, target="c", pipeline="fuse").run(*inputs)
     assert_close(got[0], interpret(model, inputs)[0], "f32", reduction_length=1)
+
+
+def test_a_weights_block_dequantization_runs_once_and_its_gemm_packs_the_result():
+    """A 4-bit weight with a scale per block of rows (w4a16, MXFP4) is dequantized on the
+    host once per shape binding, before the GEMM packs it as it packs any weight: later
+    calls run only native steps, whatever the batch."""
+    import ml_dtypes
+
+    from tilegraph.ir import Graph
+
+    rng = np.random.default_rng(0)
+    g = Graph()
+    w = g.op("dequantize", g.weight("w.i4", rng.integers(-8, 8, (64, 48)).astype(ml_dtypes.int4)),
+             g.weight("w.scale", rng.uniform(0.01, 0.1, (2, 48)).astype(np.float32)), axis=0, block_size=32)
+    model = g.build(g.relu(g.input("x", ("B", 64)) @ w), names=["y"])
+    compiled = compile_model(model)
+    once = [s for s in compiled.program.steps if s.host_op is not None]
+    assert [s.once for s in once] == [True]
+    calls = []
+    host = compiled._host
+    compiled._host = lambda step, *rest: calls.append(step) or host(step, *rest)
+    for batch in (3, 5, 3, 5):
+        xs = rng.standard_normal((batch, 64)).astype(np.float32)
+        assert_close(compiled(xs)[0], interpret(model, [xs])[0], "f32", reduction_length=64)
+    assert len(calls) == 2  # once per binding

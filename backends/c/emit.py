@@ -120,6 +120,7 @@ DNNL_BINARY = {"add": "dnnl_binary_add", "mul": "dnnl_binary_mul", "sub": "dnnl_
 DNNL_TYPES = {"f32": "dnnl_f32", "i8": "dnnl_s8", "ui8": "dnnl_u8", "i32": "dnnl_s32"}
 # Work below this many elements runs on one thread: an OpenMP fork/join costs more.
 PARALLEL_MIN = 32768
+KNOWN = ("weight", "constant", "folded")  # buffers whose values no input changes
 SIMD_BLOCK = 4096  # elements a thread takes at a time in a flat parallel loop
 # Multiply-adds below which a GEMM runs as emitted loops: a oneDNN call costs ~1.5 us.
 SMALL_GEMM = 16384
@@ -159,7 +160,7 @@ class View:
 
 @dataclass
 class Buffer:
-    kind: str  # input, weight, constant, temp
+    kind: str  # input, weight, constant, temp, or folded (made once from weights, kept)
     dtype: str
     elements: Any  # sympy expression
     index: int | str | None = None  # the input position, or the weight / constant key
@@ -177,6 +178,7 @@ class Step:
     reads: set[int] = field(default_factory=set)
     writes: set[int] = field(default_factory=set)
     state: list[str] = field(default_factory=list)  # per-binding primitive setup lines
+    once: bool = False  # a host op of weights and constants only: run once, before the kernels are set up
 
 
 def contiguous_strides(shape: Sequence[Dim]) -> tuple:
@@ -617,8 +619,15 @@ class CEmitter:
             pad = self.padding_convs.pop(op)[0]
             xs = [self.pad(pad, xs[0]), *xs[1:]]
         outs = [self._temp(info) for info in op.result_infos()]
-        self.steps.append(Step(f"{op.op_name} (host)", host_op=op, host_in=xs, host_out=outs,
-                               reads={x.buf for x in xs if x.buf is not None}, writes={o.buf for o in outs}))
+        # A weight's dequantization (block scales, 4-bit formats) depends on no input: done once,
+        # into buffers of its own that the GEMM then packs as it packs a weight.
+        once = all(x.literal is not None or self.buffers[x.buf].kind in KNOWN for x in xs) and all(
+            sympy.sympify(self.buffers[o.buf].elements).is_number for o in outs)
+        for o in outs if once else []:
+            self.buffers[o.buf].kind = "folded"
+        self.steps.append(Step(f"{op.op_name} (host{', once' if once else ''})", host_op=op, host_in=xs,
+                               host_out=outs, reads={x.buf for x in xs if x.buf is not None},
+                               writes={o.buf for o in outs}, once=once))
         return outs
 
     def _c_array(self, values) -> str:
@@ -1494,7 +1503,7 @@ class CEmitter:
                 int(numel(info.shape)) * int(a.shape[-1]) <= SMALL_GEMM:
             return self._small_matmul(op, a, b, info), 0
         out = self._temp(info)
-        weight = self.buffers[b.buf].kind in ("weight", "constant") and b.rank == 2
+        weight = self.buffers[b.buf].kind in KNOWN and b.rank == 2
         rank = max(a.rank, b.rank)
         if weight and self._collapsible(a):
             # x[..., M, K] @ W[K, N] is one 2-D GEMM over all rows, which takes post-ops.
@@ -1598,7 +1607,7 @@ class CEmitter:
         bias = xs[2] if len(xs) > 2 else None
         if info.dtype != "f32" or w.literal is not None or x.literal is not None:
             raise Unsupported("conv: f32 tensors")
-        constant_weight = self.buffers[w.buf].kind in ("weight", "constant")
+        constant_weight = self.buffers[w.buf].kind in KNOWN
         if bias is not None and (bias.literal is not None or not self.is_contiguous(bias)):
             raise Unsupported("conv bias")
         groups = op.attr("groups")

@@ -58,6 +58,9 @@ class _Binding:
             # sees its bounds (inside one arena, a write past a buffer lands in its neighbour).
             self.bases[i] = (np.empty(elements[i], dt) if sanitizer() else
                              self.arena[start + off: start + off + elements[i] * dt.itemsize].view(dt))
+        for i, buf in enumerate(em.buffers):  # made once per binding by the steps marked `once`
+            if buf.kind == "folded":
+                self.bases[i] = np.empty(elements[i], dtypes.numpy_dtype(buf.dtype))
         self.pointers = (ctypes.c_void_p * len(em.buffers))()
         for i, base in enumerate(self.bases):
             if base is not None:
@@ -222,6 +225,9 @@ class CompiledModel:
             b.pointers[buf] = fresh[i].ctypes.data
         ints = b.ints.ctypes.data
         if b.state is None:
+            for kind, k in self.program.plan:  # weights' dequantizations first: the kernels pack them
+                if kind == "host" and self.program.steps[k].once:
+                    self._host(self.program.steps[k], b, sizes, known or {})
             b.state = self._lib.tg_state_new(self._packs, ints, b.pointers)
             if not b.state:
                 raise ModelError(f"the C module could not prepare its kernels: {self._error()}")
@@ -229,7 +235,7 @@ class CompiledModel:
             if kind == "segment":
                 if self._segments[k](b.state, ints, b.pointers):
                     raise ModelError(self._run_error())
-            else:
+            elif not self.program.steps[k].once:
                 self._host(self.program.steps[k], b, sizes, known or {})
         outs = []
         for i, v in enumerate(self._outputs):
