@@ -446,3 +446,20 @@ def test_a_weights_block_dequantization_runs_once_and_its_gemm_packs_the_result(
         xs = rng.standard_normal((batch, 64)).astype(np.float32)
         assert_close(compiled(xs)[0], interpret(model, [xs])[0], "f32", reduction_length=64)
     assert len(calls) == 2  # once per binding
+
+
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(1, 7), k=st.integers(1, 300), n=st.integers(1, 40), zero=st.integers(0, 255),
+       seed=st.integers(0, 99))
+def test_an_integer_gemm_with_an_activation_zero_point_is_exact(rows, k, n, zero, seed):
+    """(a - z) @ b for uint8 a, int8 weight b, z a run-time input: oneDNN's GEMM, then the
+    zero point times b's column sums subtracted, in C and exactly as the interpreter's."""
+    from tilegraph.ir import Graph
+
+    rng = np.random.default_rng(seed)
+    g = Graph()
+    a, z = g.input("a", ("R", k), dtype="ui8"), g.input("z", (), dtype="ui8")
+    model = g.build(g.op("matmul_integer", a, g.weight("b", rng.integers(-128, 128, (k, n)).astype(np.int8)), z))
+    compiled = _natively(model)
+    xs = [rng.integers(0, 256, (rows, k)).astype(np.uint8), np.uint8(zero)]
+    np.testing.assert_array_equal(compiled(*xs)[0], interpret(model, xs)[0])

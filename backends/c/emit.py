@@ -102,7 +102,7 @@ HOST_FALLBACK = {
     "quantize": "C for integer formats, the host for float formats and block scales",
     "dequantize": "C for scales per tensor or channel, the host for block scales",
     "dynamic_quantize": "C for rows to i8, the host for other formats and MX blocks",
-    "matmul_integer": "oneDNN for i8/ui8 x i8 without a zero point, else the host",
+    "matmul_integer": "oneDNN for i8/ui8 x i8 (a zero point subtracted after, by b's column sums), else the host",
     "shift_left": "host", "shift_right": "host", "bitcast": "host",
     # Data-dependent sizes: the runtime finds them before planning (ir.interpreter.run_time_sizes).
     "nonzero": "host", "unique": "host", "narrow": "host", "non_max_suppression": "host",
@@ -548,7 +548,7 @@ class CEmitter:
         reader of the result dequantizes it by one f32 scale per column, oneDNN applies
         that scale and writes f32: the dequantize is folded into the GEMM."""
         if len(xs) > 2:
-            raise Unsupported("matmul_integer with a zero point")
+            return self._matmul_integer_zero_point(op, *xs)
         a, b = xs
         users = {use.operation for use in op.results[0].uses}
         user = users.pop() if len(users) == 1 else None
@@ -568,6 +568,38 @@ class CEmitter:
         out = self.matmul(op, a, b, [], {}, scales=scales)[0]
         if scales is not None:
             self.folded[user] = out
+        return out
+
+    def _matmul_integer_zero_point(self, op: TgOp, a: View, b: View, zero: View) -> View:
+        """(a - z) @ b = a @ b - z * (column sums of b), exactly, in int32: the GEMM on oneDNN
+        without the zero point, then one pass subtracting z times b's column sums (an
+        asymmetric uint8 activation times an int8 weight, calibrated w8a8)."""
+        if b.rank != 2 or not _is_one(numel(zero.shape)) or op.result_infos()[0].dtype != "i32":
+            raise Unsupported("matmul_integer: one zero point, a 2-D right operand, int32")
+        out = self.matmul(op, a, b, [], {})[0]
+        if not self.is_contiguous(out):
+            raise Unsupported("matmul_integer: a strided result")
+        k, n = b.shape
+        sums = self._temp(TensorInfo((n,), "i32"))
+        z = zero.literal if zero.literal is not None else f"({self.ptr(zero)})[0]"
+        lines = [
+            "{",
+            f"    const {CTYPES[b.dtype]} *B = {self.ptr(b)};",
+            f"    int32_t *S = {self.ptr(sums, False)}, *C = {self.ptr(out, False)};",
+            f"    const int32_t z = (int32_t){z};",
+            f"    for (int64_t j = 0; j < {self.ints(n)}; j++) S[j] = 0;",
+            f"    for (int64_t p = 0; p < {self.ints(k)}; p++)",
+            "        #pragma omp simd",
+            f"        for (int64_t j = 0; j < {self.ints(n)}; j++) S[j] += (int32_t)B[p * {self.ints(b.strides[0])} + "
+            f"j * {self.ints(b.strides[1])}];",
+            *("    " + line for line in self._parallel_for(numel(out.shape), 1)),
+            f"    for (int64_t r = 0; r < {self.ints(numel(out.shape[:-1]))}; r++)",
+            "        #pragma omp simd",
+            f"        for (int64_t j = 0; j < {self.ints(n)}; j++) C[r * {self.ints(n)} + j] -= z * S[j];",
+            "}",
+        ]
+        self._step("matmul_integer: the zero point times the column sums", lines,
+                   [b, out] + ([zero] if zero.literal is None else []), [out, sums])
         return out
 
     def attention(self, op: TgOp, xs: list[View]) -> View:
