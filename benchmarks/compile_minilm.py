@@ -40,6 +40,10 @@ if "--child-compile" not in sys.argv:  # (a child is handed its cache folder)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-")
     # Likewise tilegraph's caches (compiled models, C modules), so that "cold" is cold.
     os.environ["TILEGRAPH_CACHE_DIR"] = tempfile.mkdtemp(prefix="tilegraph-")
+# torch and the C backend share one libgomp, which reads its wait policy once, when torch
+# loads it: Inductor's spinning threads otherwise take the cores from the C module timed after
+# them (MiniLM b1: 33 ms, 19 ms with this). The README asks users to do the same.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # This directory is on sys.path when run as a script; _common adds the repository root.
 from _common import interleaved_medians, machine_lines, timed  # noqa: E402
 
