@@ -463,3 +463,20 @@ def test_an_integer_gemm_with_an_activation_zero_point_is_exact(rows, k, n, zero
     compiled = _natively(model)
     xs = [rng.integers(0, 256, (rows, k)).astype(np.uint8), np.uint8(zero)]
     np.testing.assert_array_equal(compiled(*xs)[0], interpret(model, xs)[0])
+
+
+def test_a_small_forward_runs_on_one_thread_and_leaves_the_thread_count_as_it_was():
+    """A forward of little work runs on one thread (waking sleeping threads for each of
+    its kernels costs more than they save); a large one on all; the count is restored."""
+    from tilegraph.ir import Graph
+
+    rng = np.random.default_rng(0)
+    g = Graph()
+    model = g.build(g.input("x", ("B", 1024)) @ g.weight("w", rng.standard_normal((1024, 1024)).astype(np.float32)))
+    compiled = compile_model(model)
+    before = compiled._lib.tg_max_threads()
+    for batch, serial in ((2, True), (16, False)):
+        xs = rng.standard_normal((batch, 1024)).astype(np.float32)
+        assert_close(compiled(xs)[0], interpret(model, [xs])[0], "f32", reduction_length=1024)
+        assert compiled._bindings[(("B", batch),)].serial is serial
+        assert compiled._lib.tg_max_threads() == before

@@ -10,6 +10,7 @@ static dnnl_stream_t tg_stream;
 const char *tg_error(void) { return tg_err; }
 
 void tg_set_threads(int n) { if (n > 0) omp_set_num_threads(n); }
+int tg_max_threads(void) { return omp_get_max_threads(); }
 
 static int tg_runtime_init(void) {
     if (tg_engine) return 0;

@@ -27,6 +27,7 @@
 extern char tg_err[1024];
 const char *tg_error(void);
 void tg_set_threads(int n);
+int tg_max_threads(void);
 
 #define TG_FAIL(...) do { snprintf(tg_err, sizeof tg_err, __VA_ARGS__); return 1; } while (0)
 #define TG_DNNL(call, what) do { dnnl_status_t st_ = (call); \

@@ -24,14 +24,16 @@ import sympy
 from tilegraph.backends.c.build import build, sanitizer
 from tilegraph.backends.c.emit import CProgram, View, emit_program
 from tilegraph.ir import dtypes
+from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.interpreter import GLOBALS, evaluate, run_time_sizes
 from tilegraph.ir.ops import size_definitions
 from tilegraph.ir.model import Model, ModelError
-from tilegraph.ir.shapes import ShapeError, numel
+from tilegraph.ir.shapes import ShapeError, info_of, numel
 from tilegraph.ir.signature import Signature
 
 ALIGN = 64  # bytes: a cache line, and what oneDNN's vector loads like
+SERIAL_WORK = 20_000_000  # a forward of fewer FLOPs plus elements written runs on one thread (~0.2 ms)
 
 
 class _Binding:
@@ -66,6 +68,10 @@ class _Binding:
             if base is not None:
                 self.pointers[i] = base.ctypes.data
         self.state = None
+        # Less work than this runs on one thread: waking the other threads for each kernel
+        # (they sleep between calls) costs more than they save.
+        work = sympy.sympify(sympy.sympify(module.work).xreplace(subs))
+        self.serial = bool(work.is_number and work < SERIAL_WORK)
         self._arrays: dict[int, np.ndarray] = {}  # id(view) -> its array (views live as long as the program)
         outputs = module._outputs
         self.out_shapes = {i: (self.shape(outputs[i].shape), dtypes.numpy_dtype(outputs[i].dtype))
@@ -185,6 +191,11 @@ class CompiledModel:
         if not self._packs:
             raise ModelError("out of memory creating the C module's weight table")
         library.tg_error.restype = ctypes.c_char_p
+        library.tg_max_threads.restype = ctypes.c_int
+        # The forward's work: its FLOPs and the elements it writes (a pass over memory is work too).
+        self.work = sum((op.SPEC.flop_count([info_of(v.type) for v in op.operands], op.result_infos())
+                         + sum(numel(r.shape) for r in op.result_infos())
+                         for op in model.module.walk() if isinstance(op, TgOp)), sympy.Integer(0))
         self._bindings: dict[tuple, _Binding] = {}
         self._run_time_sizes = any(size_definitions(op) for op in model.func.body.block.ops)
 
@@ -223,6 +234,16 @@ class CompiledModel:
                 raise ModelError(f"output {self.output_names[i]} would be {shape}: {e}") from None
             b.bases[buf] = fresh[i].reshape(-1)
             b.pointers[buf] = fresh[i].ctypes.data
+        threads = self._lib.tg_max_threads() if b.serial else 1
+        if threads > 1:
+            self._lib.tg_set_threads(1)
+        try:
+            return self._run_native(b, sizes, known, fresh)
+        finally:
+            if threads > 1:
+                self._lib.tg_set_threads(threads)
+
+    def _run_native(self, b: _Binding, sizes: dict[str, int], known: dict | None, fresh: dict) -> list[np.ndarray]:
         ints = b.ints.ctypes.data
         if b.state is None:
             for kind, k in self.program.plan:  # weights' dequantizations first: the kernels pack them
