@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from tilegraph.ir.dialect import FusionOp, TgOp
+from xdsl.ir import Block, Operation, SSAValue
+
+from tilegraph.ir.dialect import FusionOp, TgOp, YieldOp
 from tilegraph.ir.dtypes import numpy_dtype
 from tilegraph.ir.ops import ANCHOR, ELEMWISE, OPS
 from tilegraph.ir.shapes import TensorInfo, dims_equal, info_of, numel
@@ -156,3 +158,27 @@ def live_row_bytes(ops: list[TgOp], keep: set, size: Callable[[object], float]) 
             if last_use.get(v) == i and v not in keep:
                 live.pop(v, None)
     return peak
+
+
+def outline(ops: list[TgOp], kind: str, inputs: list[SSAValue], outputs: list[SSAValue],
+            before: Operation) -> FusionOp:
+    """Move `ops` (in order) into a new tg.fusion of `kind` placed before `before`: `inputs`
+    become its block arguments, `outputs` its results, and their readers outside the group
+    read the results."""
+    inner = Block(arg_types=[v.type for v in inputs])
+    arg_of = dict(zip(inputs, inner.args))
+    for op in ops:
+        op.detach()
+        inner.add_op(op)
+        for i, v in enumerate(op.operands):
+            if v in arg_of:
+                op.operands[i] = arg_of[v]
+    fusion = FusionOp.build_group(kind, inputs, [v.type for v in outputs], inner)
+    inside = set(ops)
+    for value, result in zip(outputs, fusion.results):
+        for use in list(value.uses):
+            if use.operation not in inside:
+                use.operation.operands[use.index] = result
+    inner.add_op(YieldOp.create(operands=outputs))
+    before.parent_block().insert_op_before(fusion, before)
+    return fusion

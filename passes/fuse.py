@@ -40,11 +40,12 @@ import networkx as nx
 from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.dialects.func import FuncOp
-from xdsl.ir import Block, SSAValue
+from xdsl.ir import SSAValue
 
-from tilegraph.ir.dialect import FusionOp, TgOp, YieldOp
+from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.shapes import info_of
-from tilegraph.ir.fusion import ANCHORS, VIEW_OPS, flat_ok, live_row_bytes, operand_rows, row_reshape, siblings
+from tilegraph.ir.fusion import (ANCHORS, VIEW_OPS, flat_ok, live_row_bytes, operand_rows, outline, row_reshape,
+                                 siblings)
 from tilegraph.ir.ops import OPAQUE, REDUCE
 from tilegraph.passes.cost.model import at_nominal, group_cost, nominal_sizes, op_cost
 from tilegraph.ir.hardware import check_target, hardware
@@ -306,22 +307,7 @@ class _Fuser:
                 op.detach()
                 self.block.insert_op_before(op, before)
             return
-        inner = Block(arg_types=[v.type for v in inputs])
-        arg_of = dict(zip(inputs, inner.args))
-        for op in group.ops:
-            op.detach()
-            inner.add_op(op)
-            for i, v in enumerate(op.operands):
-                if v in arg_of:
-                    op.operands[i] = arg_of[v]
-        fusion = FusionOp.build_group(_kind(group.ops), inputs, [v.type for v in outputs], inner)
-        inside = set(group.ops)
-        for value, result in zip(outputs, fusion.results):
-            for use in list(value.uses):
-                if use.operation not in inside:
-                    use.operation.operands[use.index] = result
-        inner.add_op(YieldOp.create(operands=outputs))
-        self.block.insert_op_before(fusion, before)
+        outline(group.ops, _kind(group.ops), inputs, outputs, before)
 
 
 def _horizontal(anchors: list[TgOp]) -> bool:

@@ -39,10 +39,10 @@ from tilegraph.backends.numpy.calibrate import (
     ATTENTION_BATCH, ATTENTION_HEADS, ATTENTION_HEAD_DIMS, ATTENTION_SEQ, CONV_SHAPES, Progress, _physical_memory,
     cache_sizes, measure_and_save, median_times, table)
 from tilegraph.ir import Graph
-from tilegraph.ir.dialect import FusionOp, TgOp, YieldOp
+from tilegraph.ir.dialect import TgOp
+from tilegraph.ir.fusion import outline
 from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.hardware import Hardware, c_profile_path, cpu_model
-from xdsl.ir import Block
 
 # (m, n, k) of x @ W timed: a MiniLM projection at batch 1 (128 tokens) and a short
 # sequence, its FFN at batch 8 (1024 tokens, 384 <-> 1536), a GPT-2 row block, a large square.
@@ -74,29 +74,14 @@ def _module(model):
 
 
 def _fuse_all(model, kind: str):
-    """`model` with every computing op in one tg.fusion of `kind` (what `fuse` makes; the
-    backend may not import the pass, so the group is written here as the pass writes it)."""
+    """`model` with every computing op in one tg.fusion of `kind`, as `fuse` outlines a group."""
     block = model.func.body.block
     ret = block.last_op
     ops = [op for op in block.ops if isinstance(op, TgOp) and op.op_name not in ("weight", "constant")]
     inside = set(ops)
     inputs = list(dict.fromkeys(v for op in ops for v in op.operands if v.owner not in inside))
     outputs = list(dict.fromkeys(v for v in ret.operands if v.owner in inside))
-    inner = Block(arg_types=[v.type for v in inputs])
-    arg_of = dict(zip(inputs, inner.args))
-    for op in ops:
-        op.detach()
-        inner.add_op(op)
-        for i, v in enumerate(op.operands):
-            if v in arg_of:
-                op.operands[i] = arg_of[v]
-    fusion = FusionOp.build_group(kind, inputs, [v.type for v in outputs], inner)
-    for value, result in zip(outputs, fusion.results):
-        for use in list(value.uses):
-            if use.operation not in inside:
-                use.operation.operands[use.index] = result
-    inner.add_op(YieldOp.create(operands=outputs))
-    block.insert_op_before(fusion, ret)
+    outline(ops, kind, inputs, outputs, ret)
     model.verify()
     return model
 

@@ -120,7 +120,12 @@ DNNL_BINARY = {"add": "dnnl_binary_add", "mul": "dnnl_binary_mul", "sub": "dnnl_
 DNNL_TYPES = {"f32": "dnnl_f32", "i8": "dnnl_s8", "ui8": "dnnl_u8", "i32": "dnnl_s32"}
 # Work below this many elements runs on one thread: an OpenMP fork/join costs more.
 PARALLEL_MIN = 32768
-KNOWN = ("weight", "constant", "folded")  # buffers whose values no input changes
+KNOWN = ("weight", "constant", "folded")
+# A reduction's accumulator (double for floats) at its start and per value v; max and min
+# keep a NaN, as NumPy's do.
+REDUCE_INIT = {"sum": "0", "mean": "0", "max": "-INFINITY", "min": "INFINITY"}
+REDUCE_STEP = {"sum": "acc += v;", "mean": "acc += v;", "max": "acc = v > acc || v != v ? v : acc;",
+               "min": "acc = v < acc || v != v ? v : acc;"}  # buffers whose values no input changes
 SIMD_BLOCK = 4096  # elements a thread takes at a time in a flat parallel loop
 # Multiply-adds below which a GEMM runs as emitted loops: a oneDNN call costs ~1.5 us.
 SMALL_GEMM = 16384
@@ -298,13 +303,9 @@ class CEmitter:
         (a flipped view, as ConvTranspose's kernel is), so such a view is copied first."""
         if any(sympy.sympify(st).is_negative for st in view.strides):
             return self.materialize(view)
-        # A dim of size 1 with stride 0 (a broadcast, or a reshape's new dim) sends a matmul to
-        # oneDNN's reference kernel: give it the stride it would have if contiguous.
-        strides = list(view.strides)
-        for k in reversed(range(view.rank)):
-            if _is_one(view.shape[k]) and _eq(strides[k], 0):
-                strides[k] = strides[k + 1] * view.shape[k + 1] if k + 1 < view.rank else sympy.Integer(1)
-        return View(view.buf, view.offset, view.shape, tuple(strides), view.dtype, view.literal, view.value)
+        # A dim of size 1 with stride 0 (a broadcast's) sends a matmul to oneDNN's reference kernel.
+        return View(view.buf, view.offset, view.shape, _unit_dims_strided(view.shape, view.strides), view.dtype,
+                    view.literal, view.value)
 
     @staticmethod
     def transpose(view: View, perm) -> View:
@@ -1058,9 +1059,7 @@ class CEmitter:
             if o.op_name.startswith("reduce_"):
                 kind = o.op_name[len("reduce_"):]
                 lines, names = row_values([o.operands[0]])
-                init = {"sum": "0", "mean": "0", "max": "-INFINITY", "min": "INFINITY"}[kind]
-                step = {"sum": "acc += v;", "mean": "acc += v;", "max": "acc = v > acc || v != v ? v : acc;",
-                        "min": "acc = v < acc || v != v ? v : acc;"}[kind]
+                init, step = REDUCE_INIT[kind], REDUCE_STEP[kind]
                 inner += [f"{out_t} s{k};", "{", f"    double acc = {init};",
                           f"    for (int64_t j = 0; j < {self.ints(width)}; j++) {{",
                           *("        " + line for line in lines),
@@ -1152,12 +1151,10 @@ class CEmitter:
         n = numel(red.shape)
         ctype = CTYPES[x.dtype]
         acc_type = "double" if x.dtype in FLOATS else ctype
-        init = {"sum": "0", "mean": "0", "max": "-INFINITY" if x.dtype in FLOATS else "",
-                "min": "INFINITY" if x.dtype in FLOATS else ""}[kind]
+        init = REDUCE_INIT[kind] if x.dtype in FLOATS or kind in ("sum", "mean") else ""
         if not init:
             raise Unsupported("integer max/min reduction")
-        step = {"sum": "acc += v;", "mean": "acc += v;", "max": "acc = v > acc || v != v ? v : acc;",
-                "min": "acc = v < acc || v != v ? v : acc;"}[kind]
+        step = REDUCE_STEP[kind]
         finish = f"acc / (double){self.ints(n)}" if kind == "mean" else "acc"
         # Each output element walks its reduced axes as a nest of loops.
         kept_view = View(x.buf, x.offset, kept_shape, tuple(x.strides[i] for i in keep), x.dtype, x.literal)
@@ -1690,6 +1687,17 @@ class CEmitter:
         return [self.view(v) for v in self.prog.outputs]
 
 
+def _unit_dims_strided(shape, strides) -> tuple:
+    """`strides` with each dim of size 1 given the stride it would have if contiguous, never 0
+    (it addresses nothing, but oneDNN runs a matmul with a zero batch stride on its reference
+    kernel, 100x slower)."""
+    strides = list(strides)
+    for k in reversed(range(len(shape))):
+        if _is_one(shape[k]):
+            strides[k] = strides[k + 1] * shape[k + 1] if k + 1 < len(shape) else sympy.Integer(1)
+    return tuple(strides)
+
+
 def _reshaped_strides(view: View, shape: tuple) -> tuple | None:
     """Strides that show `view` in `shape` without a copy, or None (NumPy's no-copy reshape):
     the dims are cut into runs of equal size, and each run of the old dims must walk memory
@@ -1719,12 +1727,7 @@ def _reshaped_strides(view: View, shape: tuple) -> tuple | None:
         oi, ni = oj, nj
     if oi != len(old) or ni != len(new):
         return None
-    # A dim of size 1 gets the stride it would have if contiguous, never 0: oneDNN runs a
-    # matmul with a zero batch stride on its reference kernel (100x slower).
-    for k in reversed(range(len(shape))):
-        if _is_one(shape[k]):
-            strides[k] = strides[k + 1] * shape[k + 1] if k + 1 < len(shape) else sympy.Integer(1)
-    return tuple(strides)
+    return _unit_dims_strided(shape, strides)
 
 
 def _row_stride(view: View):
