@@ -480,3 +480,22 @@ def test_a_small_forward_runs_on_one_thread_and_leaves_the_thread_count_as_it_wa
         assert_close(compiled(xs)[0], interpret(model, [xs])[0], "f32", reduction_length=1024)
         assert compiled._bindings[(("B", batch),)].serial is serial
         assert compiled._lib.tg_max_threads() == before
+
+
+def test_a_gemm_group_yielding_a_value_of_its_row_op_prologue_keeps_it():
+    """Found by hypothesis (test_c_asan's random graphs): a GEMM, elementwise ops, then
+    layer_norm, the group also yielding one of the elementwise values. The prologue loop
+    wrote only the row op's input, and the yielded value had no buffer."""
+    from tilegraph.ir import Graph
+
+    rng = np.random.default_rng(0)
+    g = Graph()
+    a, b = g.input("a", ("B", 2, 4, 3)), g.input("b", ("B", 2, 3, 4))
+    h = g.op("neg", g.op("where", g.op("lt", g.constant(np.float32(0.1)), a @ b), a @ b, g.constant(np.float32(0))))
+    model = g.build(g.op("layer_norm", h + g.weight("w", rng.standard_normal((2, 4, 4)).astype(np.float32)),
+                         axis=1, epsilon=1e-2), h, names=["ln", "h"])
+    inputs = random_inputs(model, seed=0)
+    for pipeline in ("fuse", DEFAULT_PIPELINE):
+        got = tilegraph.compile(model, target="c", pipeline=pipeline).run(*inputs)
+        for name, a_, e in zip(model.output_names, got, interpret(model, inputs)):
+            assert_close(a_, e, "f32", reduction_length=32, name=name)

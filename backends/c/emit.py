@@ -1461,8 +1461,8 @@ class CEmitter:
         rest = chain[covered:]
         if rest:
             last = rest[-1]
-            if last.op_name in ("softmax", "layer_norm") and all(
-                    o.SPEC.category == "elementwise" for o in rest[:-1]) and self._row_prologue(rest, env, group):
+            if last.op_name in ("softmax", "layer_norm") and all(o.SPEC.category == "elementwise" for o in rest[:-1]) \
+                    and self._row_prologue(rest, env, group, yields):
                 pass
             elif not self._elementwise_rest(group, rest, env, yields):
                 for op in rest:
@@ -1491,20 +1491,28 @@ class CEmitter:
         except Unsupported:
             return False
 
-    def _row_prologue(self, rest, env, group) -> bool:
+    def _row_prologue(self, rest, env, group, yields) -> bool:
+        """Elementwise ops then softmax or layer_norm after a GEMM: the ops as one loop into
+        the row op's input (and into every value of theirs the group also yields), then the
+        row op, in place where it is its input's one reader."""
         try:
             pro, last = rest[:-1], rest[-1]
             x = last.operands[0]
             if pro:
                 inner = {o.results[0] for o in pro}
+                shape = info_of(x.type).shape
+                kept = [y for y in dict.fromkeys(yields) if y in inner and y is not x]
+                if x not in inner or any(v in inner for v in last.operands[1:]) or any(
+                        info_of(y.type).shape != shape for y in kept):
+                    return False  # (checked before anything is emitted)
                 inputs = {}
                 for o in pro:
                     for v in o.operands:
                         if v not in inner and v not in inputs:
                             inputs[v] = env.get(v) or self.view(v)
-                out = self._temp(info_of(x.type))
-                self.elementwise(pro, {r: None for r in inner}, inputs, [(x, out)], group)
-                env[x] = out
+                outs = [(v, self._temp(info_of(v.type))) for v in [x, *kept]]
+                self.elementwise(pro, {r: None for r in inner}, inputs, outs, group)
+                env.update(outs)
             env[last.results[0]] = self.row_op(last, [env.get(v) or self.view(v) for v in last.operands],
                                                in_place=_only_use(x, last))
             return True
