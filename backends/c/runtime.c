@@ -22,6 +22,7 @@ static int tg_runtime_init(void) {
 static dnnl_memory_desc_t tg_md(int nd, const int64_t *dims, const int64_t *strides, dnnl_data_type_t dt) {
     dnnl_memory_desc_t md = NULL;
     dnnl_dims_t d, s;
+    if (nd < 0 || nd > DNNL_MAX_NDIMS) return NULL; /* d and s hold DNNL_MAX_NDIMS entries */
     for (int i = 0; i < nd; i++) { d[i] = dims[i]; s[i] = strides[i]; }
     if (dnnl_memory_desc_create_with_strides(&md, nd, d, dt, s) != dnnl_success) return NULL;
     return md;
@@ -30,6 +31,7 @@ static dnnl_memory_desc_t tg_md(int nd, const int64_t *dims, const int64_t *stri
 static dnnl_memory_desc_t tg_md_any(int nd, const int64_t *dims, dnnl_data_type_t dt) {
     dnnl_memory_desc_t md = NULL;
     dnnl_dims_t d;
+    if (nd < 0 || nd > DNNL_MAX_NDIMS) return NULL;
     for (int i = 0; i < nd; i++) d[i] = dims[i];
     if (dnnl_memory_desc_create_with_tag(&md, nd, d, dt, dnnl_format_tag_any) != dnnl_success) return NULL;
     return md;
@@ -349,6 +351,11 @@ int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb
                  int64_t kr, int64_t vr, int64_t orow, int mask_kind, int64_t mr, int64_t mc, float scale,
                  int causal, int64_t bq, int64_t bk) {
     int64_t batches = 1;
+    /* Block sizes come from the IR (a .mlir file, a cache entry): the emitter checks them, and
+     * so does this, as the one place a zero (division), a negative or a huge block (the
+     * working block's size overflows) would do harm. */
+    if (bq < 1 || bk < 1 || bq > TG_MAX_BLOCK || bk > TG_MAX_BLOCK || lq < 0 || lk < 0 || d < 0 || dv < 0)
+        TG_FAIL("attention: block sizes or lengths out of range");
     for (int i = 0; i < nb; i++) batches *= bd[i];
     int64_t qblocks = (lq + bq - 1) / bq;
     int failed = 0;

@@ -23,6 +23,9 @@
 
 #define TG_MAX_POST 8
 #define TG_MAX_DIMS 12
+/* The largest attention block (query rows or keys) tg_attention takes: its working block
+ * of bq*bk + bq*(dv+2) floats stays far from overflow; the tile pass picks 16 to 256. */
+#define TG_MAX_BLOCK 16384
 
 extern char tg_err[1024];
 const char *tg_error(void);

@@ -30,7 +30,7 @@ from tilegraph.ir.interpreter import GLOBALS, evaluate, run_time_sizes
 from tilegraph.ir.ops import size_definitions
 from tilegraph.ir.model import Model, ModelError
 from tilegraph.ir.shapes import ShapeError, info_of, numel
-from tilegraph.ir.signature import Signature
+from tilegraph.ir.signature import Signature, SizeConditions
 
 ALIGN = 64  # bytes: a cache line, and what oneDNN's vector loads like
 SERIAL_WORK = 20_000_000  # a forward of fewer FLOPs plus elements written runs on one thread (~0.2 ms)
@@ -42,11 +42,13 @@ class _Binding:
     def __init__(self, module: "CompiledModel", sizes: dict[str, int]):
         prog = module.program
         em = prog.emitter
+        module.conditions.check(sizes)  # every value's dims: non-negative integers, before any C runs
         subs = {sympy.Symbol(k, integer=True, positive=True): v for k, v in sizes.items()}
         self._subs = subs
         self.ints = np.array([int(e.xreplace(subs)) for e in em.ints.exprs] or [0], dtype=np.int64)
         self.bases: list[np.ndarray | None] = list(module.fixed)
         elements = [int(sympy.sympify(b.elements).xreplace(subs)) for b in em.buffers]
+        self._check_extents(module, elements)
         offsets, size = _plan_arena(module, elements)
         try:
             self.arena = np.empty(size + ALIGN, dtype=np.uint8)
@@ -79,6 +81,36 @@ class _Binding:
         # Outputs copied out of the arena, a weight or a constant: their views, made once.
         self.out_views = {i: self.view(v) for i, v in enumerate(outputs)
                           if v.literal is None and i not in module._direct and self.bases[v.buf] is not None}
+
+    def _check_extents(self, module: "CompiledModel", elements: list[int]) -> None:
+        """Every view the program reads or writes lies inside its buffer at these sizes: checked
+        once per binding, so that no C kernel is handed an extent past its memory."""
+        at = lambda: ", ".join(f"{k}={v}" for k, v in self._subs.items()) or "its sizes"  # noqa: E731
+        for i, n in enumerate(elements):
+            if n < 0:
+                raise ModelError(f"at {at()}, buffer {i} of the C module would hold {n} elements")
+        memo: dict = {}
+
+        def value(e) -> int:
+            if isinstance(e, int):
+                return e
+            if e not in memo:
+                memo[e] = int(sympy.sympify(e).xreplace(self._subs))
+            return memo[e]
+
+        for v in module.views:
+            ints = [value(e) for e in (v.offset, *v.shape, *v.strides)]
+            offset, shape, strides = ints[0], ints[1:1 + v.rank], ints[1 + v.rank:]
+            if any(d < 0 for d in shape):
+                raise ModelError(f"at {at()}, a view of the C module's buffer {v.buf} would have shape {shape}")
+            if 0 in shape:
+                continue
+            low = offset + sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
+            high = offset + sum((n - 1) * s for n, s in zip(shape, strides) if s > 0)
+            if low < 0 or high >= elements[v.buf]:
+                raise ModelError(f"at {at()}, a view of the C module (shape {shape}, offset {offset}, strides "
+                                 f"{strides}) reaches elements [{low}, {high}] of buffer {v.buf}, which holds "
+                                 f"{elements[v.buf]}")
 
     def shape(self, dims) -> tuple[int, ...]:
         """Concrete sizes of symbolic dims under this binding."""
@@ -150,6 +182,12 @@ class CompiledModel:
         self._lib = library
         self._lock = threading.Lock()  # one binding's arena is shared: calls take turns
         em = program.emitter
+        for step in program.steps:  # the caller's arrays, weights and constants are read, never written
+            kept = sorted(b for b in step.writes if em.buffers[b].kind in ("input", "weight", "constant"))
+            if kept:
+                b = em.buffers[kept[0]]
+                raise ModelError(f"the C module would write into {b.kind} {b.index!r} at `{step.comment}`; a compiled "
+                                 "model never writes into an array it is given")
         self.fixed: list[np.ndarray | None] = []
         for b in em.buffers:
             if b.kind == "weight":
@@ -197,6 +235,11 @@ class CompiledModel:
                          + sum(numel(r.shape) for r in op.result_infos())
                          for op in model.module.walk() if isinstance(op, TgOp)), sympy.Integer(0))
         self._bindings: dict[tuple, _Binding] = {}
+        self.conditions = SizeConditions.of(model)
+        # Every view a kernel or host step touches, for each binding's extent check.
+        self.views = list({id(v): v for v in (*em.views.values(), *em.outputs(),
+                                               *(x for s in program.steps for x in (*s.host_in, *s.host_out)))
+                           if v.literal is None and v.buf is not None}.values())
         self._run_time_sizes = any(size_definitions(op) for op in model.func.body.block.ops)
 
     def __call__(self, *inputs: Any, **named: Any) -> list[np.ndarray]:
