@@ -16,8 +16,8 @@ are sympy constructors of numbers and names and whose targets are ATen/prims ops
 integer arithmetic) and writes those members, and only those, into a new archive in memory:
 torch reads the bytes that were checked, never a second zip reader's view of the file.
 
-This is an allow-list over torch's deserializer, which was not written for untrusted
-input; `load_pt2` therefore also asks the caller to say a `.pt2` is trusted (README).
+torch's deserializer still runs, on bytes that hold nothing but the above; `load_pt2(...,
+trust_pickle=True)` skips all of this for a file the caller made (pickled tensor subclasses).
 """
 
 from __future__ import annotations
