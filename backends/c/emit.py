@@ -395,7 +395,11 @@ def emit_program(model: Model, name: str | None = None, per_step: bool = False) 
               "    if (!st) return NULL;",
               "    st->packs = packs;",
               "    if (tg_state_init(st, s, p)) { free(st); return NULL; }",
-              "    return st;", "}", ""]
+              "    return st;", "}", "",
+              "void tg_state_free(void *state) {  /* a binding the runtime evicts */",
+              "    tg_state *st = state;",
+              f"    for (int i = 0; i < {nprim}; i++) tg_prim_destroy(&st->prim[i]);",
+              "    free(st);", "}", ""]
     plan: list[tuple[str, int]] = []
     segments: list[list[int]] = []
     for i, step in enumerate(em.steps):

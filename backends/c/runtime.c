@@ -147,6 +147,18 @@ static int tg_prim_create(tg_prim *g, tg_pd_fn make, const void *ctx, const_dnnl
     return rc;
 }
 
+/* Frees what tg_prim_create made (a binding evicted from a model's cache); a zeroed
+ * tg_prim (never created) is left as is. */
+void tg_prim_destroy(tg_prim *g) {
+    dnnl_memory_t mems[] = {g->src, g->wei, g->bias, g->dst, g->wei_scales};
+    for (int i = 0; i < (int)(sizeof mems / sizeof *mems); i++)
+        if (mems[i]) dnnl_memory_destroy(mems[i]);
+    for (int i = 0; i < g->npost && i < TG_MAX_POST; i++)
+        if (g->post[i]) dnnl_memory_destroy(g->post[i]);
+    if (g->prim) dnnl_primitive_destroy(g->prim);
+    memset(g, 0, sizeof *g);
+}
+
 /* bias: the convolution's bias, or the matmul's weight scales (one per column). */
 int tg_prim_run(tg_prim *g, const void *src, const void *wei, const void *bias, void *dst,
                 void *const *post) {

@@ -62,6 +62,7 @@ typedef struct {
 } tg_prim;
 
 /* The runtime's entry points (runtime.c says what each does). */
+void tg_prim_destroy(tg_prim *g);
 int tg_prim_run(tg_prim *g, const void *src, const void *wei, const void *bias, void *dst,
                 void *const *post);
 int tg_matmul_create(tg_prim *g, int nd, const int64_t *a_dims, const int64_t *a_str, const int64_t *b_dims,

@@ -16,15 +16,17 @@ import ctypes
 import os
 import re
 import threading
+from collections import OrderedDict
+from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 import sympy
 
-from tilegraph.backends.c.build import build, sanitizer
+from tilegraph.backends.c.build import BuildError, build, sanitizer
 from tilegraph.backends.c.emit import CProgram, emit_program
 from tilegraph.backends.c.views import View
-from tilegraph.ir import dtypes
+from tilegraph.ir import cache, dtypes
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.interpreter import GLOBALS, evaluate, run_time_sizes
@@ -34,6 +36,10 @@ from tilegraph.ir.shapes import ShapeError, info_of, numel
 from tilegraph.ir.signature import Signature, SizeConditions
 
 ALIGN = 64  # bytes: a cache line, and what oneDNN's vector loads like
+# Shape bindings a compiled model keeps (each holds an arena and oneDNN primitives): a
+# stranger's stream of distinct shapes grew a process by 650 MiB over 300 of them. A serving
+# loop uses a few shapes; a ninth evicts the least recently used, which a later call remakes.
+MAX_BINDINGS = 8
 SERIAL_WORK = 20_000_000  # a forward of fewer FLOPs plus elements written runs on one thread (~0.2 ms)
 
 
@@ -226,6 +232,8 @@ class CompiledModel:
         library.tg_state_new.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         library.tg_state_new.restype = ctypes.c_void_p
         library.tg_packs_new.restype = ctypes.c_void_p
+        library.tg_state_free.argtypes = [ctypes.c_void_p]
+        library.tg_state_free.restype = None
         self._packs = library.tg_packs_new()  # this model's packed weights, filled by its first binding
         if not self._packs:
             raise ModelError("out of memory creating the C module's weight table")
@@ -235,7 +243,7 @@ class CompiledModel:
         self.work = sum((op.SPEC.flop_count([info_of(v.type) for v in op.operands], op.result_infos())
                          + sum(numel(r.shape) for r in op.result_infos())
                          for op in model.module.walk() if isinstance(op, TgOp)), sympy.Integer(0))
-        self._bindings: dict[tuple, _Binding] = {}
+        self._bindings: OrderedDict[tuple, _Binding] = OrderedDict()  # least recently used first
         self.conditions = SizeConditions.of(model)
         # Every view a kernel or host step touches, for each binding's extent check.
         self.views = list({id(v): v for v in (*em.views.values(), *em.outputs(),
@@ -262,6 +270,13 @@ class CompiledModel:
         b = self._bindings.get(key)
         if b is None:
             b = self._bindings[key] = _Binding(self, sizes)
+            while len(self._bindings) > MAX_BINDINGS:  # the least recently used goes, arena and primitives
+                _, old = self._bindings.popitem(last=False)
+                if old.state:
+                    self._lib.tg_state_free(old.state)
+                    old.state = None
+        else:
+            self._bindings.move_to_end(key)
         return b
 
     def _run(self, arrays: list[np.ndarray], sizes: dict[str, int], known: dict | None = None) -> list[np.ndarray]:
@@ -416,7 +431,16 @@ def load(source: str, weights: Mapping[str, np.ndarray], model: Model | None = N
     library = _LOADED.get(path)
     if library is None:
         _passive_openmp()
-        library = _LOADED[path] = ctypes.CDLL(path)
+        try:
+            library = ctypes.CDLL(path)
+        except OSError:  # a module that does not load (its digest matched: a half-written build) is rebuilt once
+            cache.remove(Path(path))
+            path = str(build(source))
+            try:
+                library = ctypes.CDLL(path)
+            except OSError as e:
+                raise BuildError(f"the C module built at {path} does not load: {e}") from None
+        _LOADED[path] = library
     compiled = CompiledModel(program, library, weights, model)
     if threads is not None:
         compiled.set_threads(threads)
