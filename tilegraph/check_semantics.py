@@ -57,13 +57,13 @@ def _index_bound(model) -> dict[int, int]:
                 op = use.operation
                 if not isinstance(op, TgOp):
                     continue
-                if op.op_name in ("gather", "embedding", "gather_elements") and use.index == 1:
+                if op.SPEC.indexed and use.index == 1:
                     table = info_of(op.operands[0].type).shape
                     axis = op.attr("axis") if "axis" in op.spec.attrs else 0
                     dim = table[axis % len(table)] if table else None
                     if isinstance(dim, int):
                         bound = dim if bound is None else min(bound, dim)
-                elif op.SPEC.category in ("layout",) or op.op_name in ("cast", "identity"):
+                elif op.SPEC.category == "layout" or op.op_name == "cast":
                     todo.extend(op.results)
         if bound is not None:
             bounds[i] = bound
@@ -132,7 +132,7 @@ class Checker:
         finally:
             self.seconds += time.perf_counter() - t
             self.checks += 1
-        for name, info, a, e in zip(self.names, self.out_infos, got, self.expected):
+        for name, info, a, e in zip(self.names, self.out_infos, got, self.expected):  # type: ignore[misc]
             dtype = self.coarsest if dtypes.is_float(info.dtype) and self.coarsest else info.dtype
             try:
                 assert_close(a, e, dtype, self.n, name=f"output '{name}'")
@@ -198,7 +198,7 @@ class PipelineCheck:
         if self.each_rewrite:
             def observer(rule, op_name, module=model.module):
                 checker.check(Model(module, weights_of(module)), f"pass '{p.name}', rule '{rule.doc}' on tg.{op_name}")
-            self._observer = observer
+            self._observer = observer  # type: ignore[assignment]
             rewrite.OBSERVERS.append(observer)
 
     def after(self, p, model) -> None:

@@ -34,21 +34,34 @@ from typing import Sequence
 
 import numpy as np
 import sympy
-from xdsl.ir import SSAValue
-
-from tilegraph.backends.lowering import table
-from tilegraph.backends.program import flatten
-from tilegraph.ir.dialect import FusionOp, TgOp
-from tilegraph.ir.model import Model, ModelError
-from tilegraph.ir.ops import OPS
 from tilegraph.backends.c.groups import Groups
 from tilegraph.backends.c.kernels import Kernels
 from tilegraph.backends.c.loops import Loops
 from tilegraph.backends.c.onednn import OneDNN
 from tilegraph.backends.c.quant import Quantized
 from tilegraph.backends.c.tables import CTYPES, FLOATS, KNOWN
-from tilegraph.backends.c.views import Buffer, Ints, Step, Unsupported, View, Views, _describe, _eq, _is_one, _sole_reader, c_comment, c_float, channels_last_strides, contiguous_strides
-
+from tilegraph.backends.c.views import (
+    Buffer,
+    Ints,
+    Step,
+    Unsupported,
+    View,
+    Views,
+    _describe,
+    _eq,
+    _is_one,
+    _sole_reader,
+    c_comment,
+    c_float,
+    channels_last_strides,
+    contiguous_strides,
+)
+from tilegraph.backends.lowering import table
+from tilegraph.backends.program import flatten
+from tilegraph.ir.dialect import FusionOp, TgOp
+from tilegraph.ir.model import Model, ModelError
+from tilegraph.ir.ops import OPS
+from xdsl.ir import SSAValue
 
 # What every op of the table does in this backend when it is not lowered to C: the
 # host runs it with the op table's NumPy semantics between native segments. (An op
@@ -228,14 +241,14 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized):
     def compute(self, op: TgOp, xs: list[View]) -> list[View]:
         name = op.op_name
         self._check_dtypes(op, xs)
-        if op.SPEC.category == "elementwise" or name == "gelu":
+        if op.SPEC.pointwise:
             out = self._temp(op.result_infos()[0], like=xs[0])
             self.elementwise([op], {r: None for r in op.results}, dict(zip(op.operands, xs)), [(op.results[0], out)],
                              op)
             return [out]
         if name == "matmul":
             return [self.matmul(op, xs[0], xs[1], [], {})[0]]
-        if name in ("softmax", "layer_norm"):
+        if op.SPEC.row_normalizing:
             return [self.row_op(op, xs)]
         if name in ("reduce_sum", "reduce_mean", "reduce_max", "reduce_min"):
             return [self.reduce(op, xs[0])]
@@ -327,7 +340,7 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized):
             self.buffers[o.buf].kind = "folded"
         self.steps.append(Step(f"{op.op_name} (host{', once' if once else ''})", host_op=op, host_in=xs,
                                host_out=outs, reads={x.buf for x in xs if x.buf is not None},
-                               writes={o.buf for o in outs}, once=once))
+                               writes={o.buf for o in outs}, once=once))  # type: ignore[misc]
         return outs
 
     def _c_array(self, values) -> str:
@@ -342,7 +355,7 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized):
     def _step(self, comment: str, lines: list[str], reads: Sequence[View], writes: Sequence[View],
               state: list[str] | None = None) -> None:
         self.steps.append(Step(comment, lines=lines, reads={v.buf for v in reads if v.buf is not None},
-                               writes={v.buf for v in writes}, state=state or []))
+                               writes={v.buf for v in writes}, state=state or []))  # type: ignore[misc]
 
     # --- outputs -------------------------------------------------------------------------
 

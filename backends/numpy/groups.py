@@ -267,7 +267,7 @@ class GroupEmitter:
         out = op.result_infos()[0]
         attrs = self.attrs(op)
         if self.flat:  # values are [rows, last]: a last-axis reduction is over axis -1
-            if "axis" in attrs and op.op_name in ("softmax", "layer_norm"):
+            if "axis" in attrs and op.SPEC.row_normalizing:
                 attrs["axis"] = -1
             if "axes" in attrs:
                 attrs["axes"] = (-1,)
@@ -311,7 +311,7 @@ class GroupEmitter:
         ref = anchors[0].result_infos()[0]
         combined = self._buffer(TensorInfo(ref.shape[:-1] + (sum(widths),), ref.dtype))
         # The weights are block arguments here; build() concatenates the values they stand for.
-        weights = self.concat_weights([self.group.operands[op.operands[1].index] for op in anchors])
+        weights = self.concat_weights([self.group.operands[op.operands[1].index] for op in anchors])  # type: ignore[attr-defined]
         lhs = self.home[anchors[0].operands[0]].base
         offset = 0
         for op, width in zip(anchors, widths):
