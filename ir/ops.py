@@ -449,18 +449,24 @@ def _render_slice(operands, attrs, **_):
     return f"{operands['x']}[{', '.join(parts) or '...'}]"
 
 
+def _signed_indices(idx: TensorInfo) -> bool:
+    """Indices are signed integers (ONNX's int32/int64): an unsigned one past the signed range
+    (uint64 2**64 - 1) reads as -1 in every kernel, a valid index counted from the end."""
+    return dtypes.is_int(idx.dtype) and not idx.dtype.startswith("ui") and idx.dtype != "i1"
+
+
 def _gather(ins, attrs, given):
     x, idx = ins
-    if not dtypes.is_int(idx.dtype):
-        raise _fail("gather", f"indices {idx} must be integers")
+    if not _signed_indices(idx):
+        raise _fail("gather", f"indices {idx} must be signed integers")
     (axis,) = _axes("gather", [attrs["axis"]], x.rank)
     return [TensorInfo(x.shape[:axis] + idx.shape + x.shape[axis + 1:], x.dtype)]
 
 
 def _gather_elements(ins, attrs, given):
     x, idx = ins
-    if not dtypes.is_int(idx.dtype) or idx.rank != x.rank:
-        raise _fail("gather_elements", f"indices {idx} must be integers of the rank of {x}")
+    if not _signed_indices(idx) or idx.rank != x.rank:
+        raise _fail("gather_elements", f"indices {idx} must be signed integers of the rank of {x}")
     _axes("gather_elements", [attrs["axis"]], x.rank)
     return [TensorInfo(idx.shape, x.dtype)]
 
@@ -763,8 +769,8 @@ SCATTER_REDUCTIONS = ("none", "add", "mul", "max", "min")
 
 
 def _scatter_common(op, x, updates, indices, attrs):
-    if not dtypes.is_int(indices.dtype):
-        raise _fail(op, f"indices {indices} must be integers")
+    if not _signed_indices(indices):
+        raise _fail(op, f"indices {indices} must be signed integers")
     if updates.dtype != x.dtype:
         raise _fail(op, f"updates {updates} must have the element type of {x}")
     if attrs["reduction"] not in SCATTER_REDUCTIONS:
