@@ -280,6 +280,9 @@ def _spatial_attrs(op, x, attrs, kernel):
         raise _fail(op, f"strides {strides}, dilations {dil} and pads {pads} do not fit {nd} spatial dims")
     if any(p < 0 for p in pads):  # ONNX and torch pad windows; a crop is a slice, not a pad
         raise _fail(op, f"pads {tuple(pads)} must not be negative")
+    if any(isinstance(v, int) and v < 1 for v in (*kernel, *strides, *dil)):  # an empty window has no value
+        raise _fail(op, f"window {tuple(kernel)}, strides {tuple(strides)} and dilations {tuple(dil)} must be "
+                        "at least 1")
     try:
         return tuple(
             _window_out(x.shape[2 + i], kernel[i], strides[i], pads[i], pads[i + nd], dil[i], attrs.get("ceil_mode", False))
