@@ -51,7 +51,12 @@ class _Binding:
         module.conditions.check(sizes)  # every value's dims: non-negative integers, before any C runs
         subs = {sympy.Symbol(k, integer=True, positive=True): v for k, v in sizes.items()}
         self._subs = subs
-        self.ints = np.array([int(e.xreplace(subs)) for e in em.ints.exprs] or [0], dtype=np.int64)
+        ints = [int(e.xreplace(subs)) for e in em.ints.exprs] or [0]
+        if not all(-(2 ** 63) <= v < 2 ** 63 for v in ints):  # C's int64_t sizes, strides and offsets
+            at = ", ".join(f"{k}={v}" for k, v in sizes.items()) or "its sizes"
+            raise ModelError(f"at {at}, a size, stride or offset of the C module does not fit 64 bits "
+                             f"({max(ints, key=abs)})")
+        self.ints = np.array(ints, dtype=np.int64)
         self.bases: list[np.ndarray | None] = list(module.fixed)
         elements = [int(sympy.sympify(b.elements).xreplace(subs)) for b in em.buffers]
         self._check_extents(module, elements)
