@@ -19,10 +19,62 @@ static int tg_runtime_init(void) {
     return 0;
 }
 
+/* Whether the dims of size > 1, walked in `order` (outermost first), have non-increasing strides. */
+static int tg_follows(int nd, const int64_t *dims, const int64_t *s, const int *order) {
+    int64_t last = INT64_MAX;
+    for (int k = 0; k < nd; k++) {
+        int d = order[k];
+        if (dims[d] == 1) continue;
+        if (s[d] > last) return 0;
+        last = s[d];
+    }
+    return 1;
+}
+
+/* Gives each dim of size 1 the stride a dense layout would give it. oneDNN picks its
+ * kernels by matching strides against the layouts they take (plain, channels-last,
+ * blocked), strides of size-1 dims included: a batch-1 NHWC source whose batch stride
+ * was C read as layout `cdab`, which only the reference convolution takes (100-200x
+ * slower). The other dims' strides say which layout is meant: plain (dims in order),
+ * channels-last (dim 1 innermost) or a transposed last pair (a matmul's B^T); a size-1
+ * dim goes where that layout puts it. Anything else: outside every dim after it. */
+static void tg_unit_strides(int nd, const int64_t *dims, int64_t *s) {
+    int orders[3][TG_MAX_DIMS], chosen = -1, any_unit = 0;
+    for (int i = 0; i < nd; i++) any_unit |= dims[i] == 1;
+    if (!any_unit) return;
+    for (int i = 0; i < nd; i++) {
+        orders[0][i] = i;
+        orders[1][i] = i == 0 ? 0 : i == nd - 1 ? 1 : i + 1;
+        orders[2][i] = i < nd - 2 ? i : (i == nd - 2 ? nd - 1 : nd - 2);
+    }
+    for (int c = 0; c < 3 && chosen < 0; c++)
+        if ((c != 1 || nd >= 3) && (c != 2 || nd >= 2) && tg_follows(nd, dims, s, orders[c])) chosen = c;
+    if (chosen >= 0) {
+        int64_t inner = 1; /* the extent of what lies inside, walking outwards */
+        for (int k = nd - 1; k >= 0; k--) {
+            int d = orders[chosen][k];
+            if (dims[d] == 1) s[d] = inner;
+            else if (s[d] * dims[d] > inner) inner = s[d] * dims[d];
+        }
+        return;
+    }
+    for (int i = nd - 1; i >= 0; i--) {
+        if (dims[i] != 1) continue;
+        int64_t outer = 1;
+        for (int j = i + 1; j < nd; j++)
+            if (dims[j] != 1 && s[j] * dims[j] > outer) outer = s[j] * dims[j];
+        s[i] = outer;
+    }
+}
+
 static dnnl_memory_desc_t tg_md(int nd, const int64_t *dims, const int64_t *strides, dnnl_data_type_t dt) {
     dnnl_memory_desc_t md = NULL;
     dnnl_dims_t d, s;
-    for (int i = 0; i < nd; i++) { d[i] = dims[i]; s[i] = strides[i]; }
+    int64_t st[TG_MAX_DIMS];
+    if (nd > TG_MAX_DIMS) return NULL;
+    for (int i = 0; i < nd; i++) st[i] = strides[i];
+    tg_unit_strides(nd, dims, st);
+    for (int i = 0; i < nd; i++) { d[i] = dims[i]; s[i] = st[i]; }
     if (dnnl_memory_desc_create_with_strides(&md, nd, d, dt, s) != dnnl_success) return NULL;
     return md;
 }
