@@ -16,6 +16,7 @@ import ctypes
 import os
 import re
 import threading
+import warnings
 from typing import Any, Mapping
 
 import numpy as np
@@ -192,6 +193,11 @@ class CompiledModel:
             raise ModelError("out of memory creating the C module's weight table")
         library.tg_error.restype = ctypes.c_char_p
         library.tg_max_threads.restype = ctypes.c_int
+        library.tg_reference_count.restype = ctypes.c_int
+        library.tg_reference_report.restype = ctypes.c_char_p
+        # The primitives that run on oneDNN's reference kernel, one line each (its first
+        # binding's and later ones': they are created at a binding's first call).
+        self.reference_kernels: list[str] = []
         # The forward's work: its FLOPs and the elements it writes (a pass over memory is work too).
         self.work = sum((op.SPEC.flop_count([info_of(v.type) for v in op.operands], op.result_infos())
                          + sum(numel(r.shape) for r in op.result_infos())
@@ -249,9 +255,11 @@ class CompiledModel:
             for kind, k in self.program.plan:  # weights' dequantizations first: the kernels pack them
                 if kind == "host" and self.program.steps[k].once:
                     self._host(self.program.steps[k], b, sizes, known or {})
+            refs = self._lib.tg_reference_count()
             b.state = self._lib.tg_state_new(self._packs, ints, b.pointers)
             if not b.state:
                 raise ModelError(f"the C module could not prepare its kernels: {self._error()}")
+            self._note_reference_kernels(self._lib.tg_reference_count() - refs)
         for kind, k in self.program.plan:
             if kind == "segment":
                 if self._segments[k](b.state, ints, b.pointers):
@@ -265,6 +273,18 @@ class CompiledModel:
         for i in self._per_call:  # the caller's arrays are not the module's to keep
             b.bases[i] = None
         return outs
+
+    def _note_reference_kernels(self, new: int) -> None:
+        """Records (in `reference_kernels`, the compiled model's report of them) and warns of
+        the primitives just created that run on oneDNN's reference implementation: no layout
+        was found that a fast kernel takes, and such a kernel runs 10-1000x slower."""
+        if new <= 0:
+            return
+        lines = (self._lib.tg_reference_report() or b"").decode(errors="replace").splitlines()[-new:]
+        self.reference_kernels += lines
+        warnings.warn(f"{len(lines)} oneDNN primitive(s) of this C module run on oneDNN's reference kernel "
+                      f"(slow): {'; '.join(lines[:4])}{' ...' if len(lines) > 4 else ''}", RuntimeWarning,
+                      stacklevel=4)
 
     def _host(self, step, b: _Binding, sizes: dict[str, int], known: dict) -> None:
         results = known.get(step.host_op)
