@@ -212,6 +212,10 @@ class Kernels:
         kh, kw = kernel
         # The divisor: the whole window, or (count_include_pad false) the taps inside the input.
         divisor = f"{kh * kw}.f" if include_pad else "(float)count"
+        if channels_last and _eq(x.strides[1], 1) and _eq(out_view.strides[1], 1):
+            lines = self._pool_channels_last(x, out, out_view, kernel, strides, pads, is_max, divisor, numel(info.shape))
+            self._step(_describe(op), lines, [x], [out])
+            return out
         lines = [
             "{",
             f"    const float *x = {self.ptr(x)};",
@@ -237,6 +241,46 @@ class Kernels:
         ]
         self._step(_describe(op), lines, [x], [out])
         return out
+
+    def _pool_channels_last(self, x: View, out: View, out_view: View, kernel, strides, pads, is_max: bool,
+                            divisor: str, total) -> list[str]:
+        """A pool over NHWC: per output pixel, the window's taps each one simd pass over the
+        channels, accumulating in the output row (the loop with channels outermost walks
+        each tap at a stride of C floats and does not vectorise: ResNet-50's stem pool ran
+        10 ms, against ~0.3 ms this way)."""
+        n, c, h, w = (self.ints(d) for d in x.shape)
+        oh, ow = (self.ints(d) for d in out_view.shape[2:])
+        sn, _, sh, sw = (self.ints(st) for st in x.strides)
+        yn, _, yh, yw = (self.ints(st) for st in out_view.strides)
+        kh, kw = kernel
+        step = "yr[ch] = v > yr[ch] || v != v ? v : yr[ch];" if is_max else "yr[ch] += v;"
+        return [
+            "{",
+            f"    const float *x = {self.ptr(x)};",
+            f"    float *y = {self.ptr(out, False)};",
+            *("    " + line for line in self._parallel_for(total, 3)),
+            f"    for (int64_t b = 0; b < {n}; b++)",
+            f"    for (int64_t oy = 0; oy < {oh}; oy++)",
+            f"    for (int64_t ox = 0; ox < {ow}; ox++) {{",
+            f"        const int64_t y0 = oy * {strides[0]} - {pads[0]}, x0 = ox * {strides[1]} - {pads[1]};",
+            f"        const int64_t ky0 = y0 < 0 ? -y0 : 0, ky1 = {h} - y0 < {kh} ? {h} - y0 : {kh};",
+            f"        const int64_t kx0 = x0 < 0 ? -x0 : 0, kx1 = {w} - x0 < {kw} ? {w} - x0 : {kw};",
+            "        const int64_t count = (ky1 > ky0 ? ky1 - ky0 : 0) * (kx1 > kx0 ? kx1 - kx0 : 0);",
+            f"        float *restrict yr = y + b * {yn} + oy * {yh} + ox * {yw};",
+            "        #pragma omp simd",
+            f"        for (int64_t ch = 0; ch < {c}; ch++) yr[ch] = {'-INFINITY' if is_max else '0.f'};",
+            "        for (int64_t ky = ky0; ky < ky1; ky++)",
+            "            for (int64_t kx = kx0; kx < kx1; kx++) {",
+            f"                const float *restrict xr = x + b * {sn} + (y0 + ky) * {sh} + (x0 + kx) * {sw};",
+            "                #pragma omp simd",
+            f"                for (int64_t ch = 0; ch < {c}; ch++) {{ const float v = xr[ch]; {step} }}",
+            "            }",
+            *([] if is_max else ["        #pragma omp simd",
+                                 f"        for (int64_t ch = 0; ch < {c}; ch++) yr[ch] /= {divisor};"]),
+            "        (void)count;",
+            "    }",
+            "}",
+        ]
 
     def pad(self, op: TgOp, x: View) -> View:
         """Constant padding: the output filled with the value, then x copied into its interior."""
