@@ -9,12 +9,34 @@ static dnnl_stream_t tg_stream;
 
 const char *tg_error(void) { return tg_err; }
 
-/* The primitives left on oneDNN's reference implementation (no layout found that a fast
- * kernel takes): a count and one line each, which the Python side reports and warns of. */
-static int tg_refs;
-static char tg_ref_lines[8192];
-int tg_reference_count(void) { return tg_refs; }
-const char *tg_reference_report(void) { return tg_ref_lines; }
+/* Every primitive created, one line each (kind, source dims, the implementation oneDNN
+ * chose), and a count: the Python side reads the lines a binding added, reports the
+ * kernels (`primitives`) and warns of any left on oneDNN's reference implementation. */
+static int tg_prims;
+static char tg_prim_lines[1 << 18];
+int tg_primitive_count(void) { return tg_prims; }
+const char *tg_primitive_report(void) { return tg_prim_lines; }
+
+/* The precision of the GEMMs and convolutions created next: strict f32, or bf16 products
+ * with f32 accumulation (oneDNN's fpmath mode: operands stay f32 in memory, its kernels
+ * convert blocks to bf16 for the processor's AMX or AVX-512 BF16 units). The loader sets it
+ * around a shape binding's primitive creation (runtime.py), so modules of either precision
+ * live side by side in one process. */
+static dnnl_fpmath_mode_t tg_fpmath = dnnl_fpmath_mode_strict;
+
+/* Whether this processor (as oneDNN dispatches on it) has bf16 dot products. */
+int tg_bf16_supported(void) {
+    dnnl_cpu_isa_t isa = dnnl_get_effective_cpu_isa();
+    return ((int)isa & (int)dnnl_cpu_isa_avx512_core_bf16) == (int)dnnl_cpu_isa_avx512_core_bf16;
+}
+
+/* Whether the processor has AMX tiles for bf16 (else AVX-512 BF16 runs them). */
+int tg_amx_supported(void) {
+    dnnl_cpu_isa_t isa = dnnl_get_effective_cpu_isa();
+    return ((int)isa & (int)dnnl_cpu_isa_avx512_core_amx) == (int)dnnl_cpu_isa_avx512_core_amx;
+}
+
+void tg_set_bf16(int on) { tg_fpmath = on ? dnnl_fpmath_mode_bf16 : dnnl_fpmath_mode_strict; }
 
 static const char *tg_impl(const_dnnl_primitive_desc_t pd) {
     const char *impl = NULL;
@@ -23,6 +45,25 @@ static const char *tg_impl(const_dnnl_primitive_desc_t pd) {
 }
 
 static int tg_is_ref(const_dnnl_primitive_desc_t pd) { return strncmp(tg_impl(pd), "ref", 3) == 0; }
+
+static void tg_log_primitive(const_dnnl_primitive_desc_t pd, const_dnnl_memory_desc_t src) {
+    char line[256];
+    int nd = 0, k;
+    const dnnl_dims_t *dims = NULL;
+    dnnl_primitive_kind_t kind = dnnl_undefined_primitive;
+    dnnl_primitive_desc_query(pd, dnnl_query_primitive_kind, 0, &kind);
+    dnnl_memory_desc_query(src, dnnl_query_ndims_s32, &nd);
+    dnnl_memory_desc_query(src, dnnl_query_dims, &dims);
+    k = snprintf(line, sizeof line, "%s of a ", kind == dnnl_convolution ? "convolution" : kind == dnnl_matmul ?
+                 "matmul" : "primitive");
+    for (int i = 0; i < nd && dims && k < 160; i++) k += snprintf(line + k, sizeof line - k, i ? "x%lld" : "%lld",
+                                                                 (long long)(*dims)[i]);
+    snprintf(line + k, sizeof line - k, " source: %s\n", tg_impl(pd));
+    size_t used = strlen(tg_prim_lines), n = strlen(line);
+    if (used + n >= sizeof tg_prim_lines) used = tg_prim_lines[0] = 0; /* full: the reader took the old lines */
+    memcpy(tg_prim_lines + used, line, n + 1);
+    tg_prims++;
+}
 
 void tg_set_threads(int n) { if (n > 0) omp_set_num_threads(n); }
 int tg_max_threads(void) { return omp_get_max_threads(); }
@@ -107,6 +148,8 @@ static dnnl_memory_desc_t tg_md_any(int nd, const int64_t *dims, dnnl_data_type_
 static int tg_attr(dnnl_primitive_attr_t *attr, int npost, const tg_post *posts, int scale_mask) {
     dnnl_post_ops_t po;
     TG_DNNL(dnnl_primitive_attr_create(attr), "attr_create");
+    if (tg_fpmath != dnnl_fpmath_mode_strict)
+        TG_DNNL(dnnl_primitive_attr_set_fpmath_mode(*attr, tg_fpmath), "set_fpmath_mode");
     if (scale_mask)
         TG_DNNL(dnnl_primitive_attr_set_scales_mask(*attr, DNNL_ARG_WEIGHTS, scale_mask), "set_scales_mask");
     if (!npost) return 0;
@@ -203,7 +246,7 @@ static int tg_reorder_step(dnnl_primitive_t *re, dnnl_memory_t *user_mem, void *
 /* `pd` runs on the reference kernel in the caller's layouts: asks oneDNN for the layouts
  * it has a fast kernel for (source, weight and destination all `any`) and, where that
  * kernel is not ref, takes it with reorders around it (the weight packed once if it is
- * constant). Replaces *pd then; else leaves it and records the primitive as ref. */
+ * constant). Replaces *pd then; else leaves it (and the log says ref). */
 static int tg_relayout(tg_prim *g, dnnl_primitive_desc_t *pd, tg_pd_fn make, const void *ctx, size_t ctx_size,
                        const_dnnl_memory_desc_t plain_wei, const void *weight, tg_packed *pack,
                        const_dnnl_primitive_attr_t attr, int nd_w, const int64_t *wdims, dnnl_data_type_t wdt) {
@@ -252,18 +295,6 @@ static int tg_relayout(tg_prim *g, dnnl_primitive_desc_t *pd, tg_pd_fn make, con
         }
         dnnl_primitive_desc_destroy(*pd);
         *pd = fast;
-    } else {
-        int used = (int)strlen(tg_ref_lines);
-        dnnl_primitive_kind_t kind = dnnl_undefined_primitive;
-        dnnl_primitive_desc_query(*pd, dnnl_query_primitive_kind, 0, &kind);
-        char shape[160] = "";
-        for (int i = 0, k = 0; i < nd_s && k < (int)sizeof shape - 24; i++)
-            k += snprintf(shape + k, sizeof shape - k, i ? "x%lld" : "%lld", (long long)(*sd)[i]);
-        if (used + 240 < (int)sizeof tg_ref_lines)
-            snprintf(tg_ref_lines + used, sizeof tg_ref_lines - used, "%s of a %s source: %s\n",
-                     kind == dnnl_convolution ? "convolution" : kind == dnnl_matmul ? "matmul" : "primitive", shape,
-                     tg_impl(*pd));
-        tg_refs++;
     }
     if (any_io->src) dnnl_memory_desc_destroy(any_io->src);
     if (any_io->dst) dnnl_memory_desc_destroy(any_io->dst);
@@ -300,6 +331,7 @@ static int tg_prim_create(tg_prim *g, tg_pd_fn make, const void *ctx, size_t ctx
     if (!pd) TG_DNNL(make(&pd, ctx, plain_wei, attr), "primitive_desc_create");
     if (tg_is_ref(pd) && tg_relayout(g, &pd, make, ctx, ctx_size, plain_wei, weight, pack, attr, nd_w, wdims, wdt))
         return 1;
+    tg_log_primitive(pd, ((const tg_io *)ctx)->src);
     int rc = tg_prim_memories(g, pd, npost);
     dnnl_primitive_desc_destroy(pd);
     dnnl_primitive_attr_destroy(attr);

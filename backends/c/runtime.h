@@ -74,8 +74,11 @@ int tg_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_s
                    const int64_t *w_dims, const int64_t *w_str, const int64_t *y_dims, const int64_t *y_str,
                    int has_bias, const int64_t *strides, const int64_t *dilations, const int64_t *pads,
                    const void *weight, tg_packed *pack, int npost, const tg_post *posts);
-int tg_reference_count(void);
-const char *tg_reference_report(void);
+int tg_bf16_supported(void);
+int tg_amx_supported(void);
+void tg_set_bf16(int on);
+int tg_primitive_count(void);
+const char *tg_primitive_report(void);
 void tg_softmax_rows(const float *x, float *y, int64_t rows, int64_t n);
 void tg_layer_norm_rows(const float *x, float *y, const float *scale, const float *bias, int64_t rows,
                         int64_t n, float eps);

@@ -142,7 +142,8 @@ def _plan_arena(module: "CompiledModel", elements: list[int]) -> tuple[dict[int,
 class CompiledModel:
     """A loaded C module: call it with the model inputs, get the list of outputs."""
 
-    def __init__(self, program: CProgram, library: ctypes.CDLL, weights: Mapping[str, np.ndarray], model: Model):
+    def __init__(self, program: CProgram, library: ctypes.CDLL, weights: Mapping[str, np.ndarray], model: Model,
+                 precision: str = "f32"):
         self.program = program
         self.source = program.source
         self.model = model
@@ -194,10 +195,19 @@ class CompiledModel:
             raise ModelError("out of memory creating the C module's weight table")
         library.tg_error.restype = ctypes.c_char_p
         library.tg_max_threads.restype = ctypes.c_int
-        library.tg_reference_count.restype = ctypes.c_int
-        library.tg_reference_report.restype = ctypes.c_char_p
-        # The primitives that run on oneDNN's reference kernel, one line each (its first
-        # binding's and later ones': they are created at a binding's first call).
+        library.tg_primitive_count.restype = ctypes.c_int
+        library.tg_primitive_report.restype = ctypes.c_char_p
+        library.tg_bf16_supported.restype = ctypes.c_int
+        # The GEMMs' and convolutions' products: "f32", or "bf16" (f32 accumulation) where the
+        # processor has bf16 units; asked for elsewhere, f32 with a warning.
+        self.precision = precision
+        if precision == "bf16" and not library.tg_bf16_supported():
+            warnings.warn("precision='bf16': this processor has no bf16 dot products (AVX-512 BF16 or AMX); "
+                          "the C module runs in f32", RuntimeWarning, stacklevel=3)
+            self.precision = "f32"
+        # The oneDNN primitives of every binding so far (made at its first call), one line
+        # each with the implementation oneDNN chose; those on its reference kernel apart.
+        self.primitives: list[str] = []
         self.reference_kernels: list[str] = []
         # The forward's work: its FLOPs and the elements it writes (a pass over memory is work too).
         self.work = sum((op.SPEC.flop_count([info_of(v.type) for v in op.operands], op.result_infos())
@@ -256,11 +266,15 @@ class CompiledModel:
             for kind, k in self.program.plan:  # weights' dequantizations first: the kernels pack them
                 if kind == "host" and self.program.steps[k].once:
                     self._host(self.program.steps[k], b, sizes, known or {})
-            refs = self._lib.tg_reference_count()
-            b.state = self._lib.tg_state_new(self._packs, ints, b.pointers)
+            made = self._lib.tg_primitive_count()
+            self._lib.tg_set_bf16(int(self.precision == "bf16"))  # for this module's primitives only
+            try:
+                b.state = self._lib.tg_state_new(self._packs, ints, b.pointers)
+            finally:
+                self._lib.tg_set_bf16(0)
             if not b.state:
                 raise ModelError(f"the C module could not prepare its kernels: {self._error()}")
-            self._note_reference_kernels(self._lib.tg_reference_count() - refs)
+            self._note_primitives(self._lib.tg_primitive_count() - made)
         for kind, k in self.program.plan:
             if kind == "segment":
                 if self._segments[k](b.state, ints, b.pointers):
@@ -275,17 +289,21 @@ class CompiledModel:
             b.bases[i] = None
         return outs
 
-    def _note_reference_kernels(self, new: int) -> None:
-        """Records (in `reference_kernels`, the compiled model's report of them) and warns of
-        the primitives just created that run on oneDNN's reference implementation: no layout
-        was found that a fast kernel takes, and such a kernel runs 10-1000x slower."""
+    def _note_primitives(self, new: int) -> None:
+        """Records the oneDNN primitives a binding just made (`primitives`: kind, source dims,
+        the implementation oneDNN chose) and warns of those on oneDNN's reference kernel
+        (`reference_kernels`): no layout was found that a fast kernel takes, and such a kernel
+        runs 10-1000x slower."""
         if new <= 0:
             return
-        lines = (self._lib.tg_reference_report() or b"").decode(errors="replace").splitlines()[-new:]
-        self.reference_kernels += lines
-        warnings.warn(f"{len(lines)} oneDNN primitive(s) of this C module run on oneDNN's reference kernel "
-                      f"(slow): {'; '.join(lines[:4])}{' ...' if len(lines) > 4 else ''}", RuntimeWarning,
-                      stacklevel=4)
+        lines = (self._lib.tg_primitive_report() or b"").decode(errors="replace").splitlines()[-new:]
+        self.primitives += lines
+        refs = [line for line in lines if line.split(" source: ")[-1].startswith("ref")]
+        if refs:
+            self.reference_kernels += refs
+            warnings.warn(f"{len(refs)} oneDNN primitive(s) of this C module run on oneDNN's reference kernel "
+                          f"(slow): {'; '.join(refs[:4])}{' ...' if len(refs) > 4 else ''}", RuntimeWarning,
+                          stacklevel=4)
 
     def _host(self, step, b: _Binding, sizes: dict[str, int], known: dict) -> None:
         results = known.get(step.host_op)
@@ -374,10 +392,17 @@ def remember(model: Model, program: CProgram) -> str:
     return program.source
 
 
+PRECISIONS = ("f32", "bf16")
+
+
 def load(source: str, weights: Mapping[str, np.ndarray], model: Model | None = None,
-         threads: int | None = None) -> CompiledModel:
+         threads: int | None = None, precision: str = "f32") -> CompiledModel:
     """Build (or find in the cache) the module's library and bind its weights. `threads`
-    caps the OpenMP threads its kernels and oneDNN use (default: OpenMP's, one per core)."""
+    caps the OpenMP threads its kernels and oneDNN use (default: OpenMP's, one per core).
+    `precision="bf16"`: GEMMs and convolutions multiply in bf16 on the processor's AMX or
+    AVX-512 BF16 units, accumulating in f32 (everything else stays f32)."""
+    if precision not in PRECISIONS:
+        raise TilegraphError(f"precision= must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
         raise TilegraphError(f"threads= must be a positive integer, got {threads!r}")
     if model is None:
@@ -394,7 +419,7 @@ def load(source: str, weights: Mapping[str, np.ndarray], model: Model | None = N
     if library is None:
         _passive_openmp()
         library = _LOADED[path] = ctypes.CDLL(path)
-    compiled = CompiledModel(program, library, weights, model)
+    compiled = CompiledModel(program, library, weights, model, precision)
     if threads is not None:
         compiled.set_threads(threads)
     return compiled
