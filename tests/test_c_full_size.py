@@ -36,3 +36,35 @@ def test_a_pool_after_a_convolution_runs_over_channels_last_rows(pool, batch):
     compiled = compile_model(model)
     assert "yr[ch]" in compiled.source, "the pool did not take the channels-last loop"
     assert_close(compiled(xs)[0], interpret(model, [xs])[0], "f32", reduction_length=45)
+
+
+def test_a_forward_starts_fewer_threads_while_other_processes_take_the_cores():
+    """With a busy child process on every core, a forward runs on one thread (a team that
+    waits for a core at every barrier is slower than one thread); the thread count asked
+    for is restored after the call."""
+    import subprocess
+    import sys
+
+    from tilegraph.backends.c.runtime import CORES
+
+    rng = np.random.default_rng(0)
+    g = Graph()
+    x = g.input("x", (256, 512))
+    y = g.gelu(g.matmul(x, g.weight("w", rng.standard_normal((512, 512)).astype(np.float32) / 20)))
+    model = g.build(y, names=["y"])
+    compiled = compile_model(model)
+    compiled.set_threads(2)
+    xs = rng.standard_normal((256, 512)).astype(np.float32)
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(CORES + 1)]
+    try:
+        import time
+
+        time.sleep(0.5)  # the children get scheduled
+        got = compiled(xs)[0]
+        assert compiled.last_threads == 1
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert compiled._lib.tg_max_threads() == 2
+    assert_close(got, interpret(model, [xs])[0], "f32", reduction_length=512)
