@@ -28,6 +28,7 @@ from tilegraph.backends.c.views import View
 from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.errors import TilegraphError
+from tilegraph.ir.hardware import others_running
 from tilegraph.ir.interpreter import GLOBALS, evaluate, run_time_sizes
 from tilegraph.ir.ops import size_definitions
 from tilegraph.ir.model import Model, ModelError
@@ -347,20 +348,15 @@ CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (o
 
 def _uncontended_threads(threads: int) -> int:
     """The threads a forward starts with: at most `threads`, and no more than the cores other
-    processes' runnable threads leave free right now (/proc/loadavg's running count, less
-    this caller). A team of OpenMP threads moves in lockstep, every parallel region ending
-    in a barrier, and oneDNN splits each kernel evenly among them: one thread waiting for
-    a core stalls the whole team at every barrier, a scheduler time slice each. With
-    another process busy on one of 2 cores, MiniLM b8 on 2 threads ran 8.5x its quiet
-    time (onnxruntime 3.1x, its pool lending work to whichever thread runs)."""
+    processes' runnable threads leave free right now (hardware.others_running). A team of
+    OpenMP threads moves in lockstep, every parallel region ending in a barrier, and oneDNN
+    splits each kernel evenly among them: one thread waiting for a core stalls the whole
+    team at every barrier, a scheduler time slice each. With another process busy on one
+    of 2 cores, MiniLM b8 on 2 threads ran 8.5x its quiet time (onnxruntime 3.1x, its pool
+    lending work to whichever thread runs)."""
     if threads <= 1:
         return threads
-    try:
-        with open("/proc/loadavg", "rb") as f:
-            running = int(f.read().split()[3].split(b"/")[0])
-    except (OSError, ValueError, IndexError):  # not Linux: as asked
-        return threads
-    return max(1, min(threads, CORES - (running - 1)))
+    return max(1, min(threads, CORES - others_running()))
 
 
 def _c_array(a, dtype=None) -> np.ndarray:
