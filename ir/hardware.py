@@ -410,10 +410,10 @@ def others_running() -> int:
         return 0
 
 
-def _trusted(profile: Hardware | None) -> bool:
+def _trusted(profile: Hardware) -> bool:
     """A profile to use as is: one measured on a quiet machine, or a busy one's while the
     machine is still busy (measuring again would be no better)."""
-    return profile is not None and (not profile.measured_busy or others_running() > 0)
+    return not profile.measured_busy or others_running() > 0
 
 
 def _measure_noting_load(native: bool) -> Hardware:
@@ -430,12 +430,12 @@ def _cpu_profile(path: str, native: bool = False) -> Hardware:
     under load and the machine is quiet now: by the NumPy backend's calibration, or where
     `native`, the C backend's."""
     profile = load_profile(path)
-    if _trusted(profile):
+    if profile is not None and _trusted(profile):
         return profile
     try:
         with _locked(Path(path)):  # one pytest-xdist worker calibrates, the others wait and read it
             profile = load_profile(path)
-            if not _trusted(profile):
+            if profile is None or not _trusted(profile):
                 profile = _measure_noting_load(native)
                 save_profile(profile, path)
     except OSError:  # no writable cache directory: the measurement serves this process only
