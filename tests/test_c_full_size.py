@@ -68,3 +68,32 @@ def test_a_forward_starts_fewer_threads_while_other_processes_take_the_cores():
             p.wait()
     assert compiled._lib.tg_max_threads() == 2
     assert_close(got, interpret(model, [xs])[0], "f32", reduction_length=512)
+
+
+@pytest.mark.parametrize("case", ["pool-nhwc", "pool-nhwc-wide", "columns", "sequence-mean"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_reduction_over_outer_positions_adds_rows_of_channels(case, batch):
+    """A sum or mean whose kept innermost dim is contiguous (squeeze-excite's global pool
+    over a convolution's NHWC output, column sums, a mean over a sequence) adds whole rows
+    of channels in one pass, in blocks of channels (300 > one block), and agrees with the
+    interpreter."""
+    rng = np.random.default_rng(1)
+    g = Graph()
+    if case.startswith("pool"):
+        c = 300 if case.endswith("wide") else 24
+        x = g.input("x", (batch, 5, 9, 11))
+        a = g.op("conv", x, g.weight("w", rng.standard_normal((c, 5, 3, 3)).astype(np.float32)), pads=(1, 1, 1, 1))
+        y = g.reduce_mean(a, axes=(2, 3), keepdims=True)
+        xs, n = rng.standard_normal((batch, 5, 9, 11)).astype(np.float32), 99 + 45
+    elif case == "columns":
+        x = g.input("x", (batch * 40, 33))
+        y = g.reduce_sum(x, axes=(0,))
+        xs, n = rng.standard_normal((batch * 40, 33)).astype(np.float32), batch * 40
+    else:
+        x = g.input("x", (batch, 17, 40))
+        y = g.reduce_mean(x, axes=(1,), keepdims=False)
+        xs, n = rng.standard_normal((batch, 17, 40)).astype(np.float32), 17
+    model = g.build(y, names=["y"])
+    compiled = compile_model(model)
+    assert "acc[j] += row[j]" in compiled.source, "the reduction did not take the rows-of-channels loop"
+    assert_close(compiled(xs)[0], interpret(model, [xs])[0], "f32", reduction_length=n)
