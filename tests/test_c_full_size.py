@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import tilegraph
+
 from tilegraph.backends.c import compile_model
 from tilegraph.ir import Graph, interpret
 from tilegraph.testing import assert_close
@@ -97,3 +99,28 @@ def test_a_reduction_over_outer_positions_adds_rows_of_channels(case, batch):
     compiled = compile_model(model)
     assert "acc[j] += row[j]" in compiled.source, "the reduction did not take the rows-of-channels loop"
     assert_close(compiled(xs)[0], interpret(model, [xs])[0], "f32", reduction_length=n)
+
+
+@pytest.mark.parametrize("case", ["conv-silu", "linear-silu", "silu-also-read"])
+def test_silu_after_a_gemm_or_convolution_is_onednns_swish_epilogue(case):
+    """x * sigmoid(x) after a convolution (EfficientNet) or a linear layer (Llama's gate)
+    is one swish post-op applied while the output block is in cache; where x has another
+    reader the epilogue may not overwrite it, and the result still agrees."""
+    rng = np.random.default_rng(2)
+    g = Graph()
+    if case == "conv-silu":
+        x = g.input("x", (1, 6, 10, 10))
+        a = g.op("conv", x, g.weight("w", rng.standard_normal((16, 6, 3, 3)).astype(np.float32)), pads=(1, 1, 1, 1))
+        y = a * g.sigmoid(a)
+        xs, n = rng.standard_normal((1, 6, 10, 10)).astype(np.float32), 54
+    else:
+        x = g.input("x", (64, 96))
+        a = g.matmul(x, g.weight("w", rng.standard_normal((96, 80)).astype(np.float32) / 10))
+        y = g.sigmoid(a) * a
+        if case == "silu-also-read":
+            y = y + a
+        xs, n = rng.standard_normal((64, 96)).astype(np.float32), 96
+    model = g.build(y, names=["y"])
+    compiled = tilegraph.compile(model, target="c")  # fuse makes the epilogue group
+    assert ("dnnl_eltwise_swish" in compiled.source) == (case != "silu-also-read")
+    assert_close(compiled.run(xs)[0], interpret(model, [xs])[0], "f32", reduction_length=n)
