@@ -5,15 +5,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from tilegraph.cli.common import (
-    _input_symbols,
-    _subs,
-    check_dims,
-    format_count,
-    parse_dims,
-    refuse_overwriting,
-    write_together,
-)
+from tilegraph.cli.common import (_input_symbols, _subs, check_dims, format_count, parse_dims, refuse_overwriting,
+                                  write_together)
 from tilegraph.ir.model import weights_path
 from tilegraph.passes.registry import with_target
 
