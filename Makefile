@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo bench clean
+.PHONY: test demo chat bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,9 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) examples/demo.py
+
+chat: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) examples/chat_demo.py
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/compile_minilm.py
