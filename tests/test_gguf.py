@@ -204,3 +204,18 @@ def test_a_hostile_template_in_a_file_exits_2(tmp_path, capsys):
     assert main(["chat", str(path), "-p", "hi", "--target", "numpy"]) == 2
     err = capsys.readouterr().err
     assert "sandbox" in err and "Traceback" not in err
+
+
+def test_cost_decode_prices_the_bytes_a_token_reads(tiny, capsys):
+    path, _ = tiny
+    assert main(["cost", str(path), "--decode", "--depth", "7"]) == 0
+    out = capsys.readouterr().out
+    f = GGUFFile(path)
+    # every weight once (the untied embedding: one row), the cache's K and V for 8 positions
+    weights = sum(t.nbytes for n, t in f.tensors.items() if n != "token_embd.weight") + \
+        f.tensors["token_embd.weight"].raw.shape[1]
+    cache = 2 * 2 * 2 * 8 * 64 * 4
+    line = next(s for s in out.splitlines() if s.startswith("bytes read per step"))
+    from tilegraph.cli.common import format_count
+    assert format_count(weights) in line and format_count(cache) in line, line
+    assert "tokens/s" in out and "% of the bound" in out
