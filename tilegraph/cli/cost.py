@@ -105,9 +105,8 @@ def _decode_cost(args, hw) -> int:
     c = LlamaConfig.of(f)
     if args.depth + 1 > c.context:
         raise TilegraphError(f"--depth {args.depth} is past the model's context of {c.context}")
-    weights = load_weights(f, c)
-    batch = args.batch
-    formats = weights.formats  # the block-format weights: read whole each step (the embedding: B rows)
+    weights, formats = load_weights(f, c)
+    batch = args.batch  # the block-format weights are read whole each step (the embedding: B rows)
     weight_bytes = sum(int(weights[n].nbytes) for n in formats if n != "token_embd.weight")
     embed = weights["token_embd.weight"]
     weight_bytes += int(embed.nbytes) if "output.weight" not in formats else batch * int(embed.shape[1])
@@ -116,7 +115,7 @@ def _decode_cost(args, hw) -> int:
     cache_bytes = 2 * c.layers * batch * c.kv_heads * (args.depth + 1) * c.head_dim * 4
     per_step = weight_bytes + cache_bytes
     bound = hw.memory_bandwidth / per_step * batch
-    model = run_pipeline(build(c, weights, batch, 1, args.depth + 1), DEFAULT_PIPELINE)
+    model = run_pipeline(build(c, weights, formats, batch, 1, args.depth + 1), DEFAULT_PIPELINE)
     predicted = float(at(module_cost(model.module, hw).time, {}))
     print(f"{Path(args.model).name}: {c.arch}, {c.layers} layers, decode of {batch} sequence(s) at cache depth "
           f"{args.depth}, on {hw.name}" + (f" ({hw.source})" if hw.kind == "cpu" else ""))
