@@ -76,6 +76,22 @@ def test_prefill_and_decode_logits_match_transformers_in_float64(tiny):
         assert made[i] == int(np.argmax(want[len(prompt) - 1 + i]))
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_files_match_transformers_in_float64(tmp_path, arch):
+    """qwen2 (Q/K/V biases) and qwen3 (a norm on each Q/K head): GGUF keeps their rotary halves as
+    transformers has them, where llama's are interleaved."""
+    path = tmp_path / f"{arch}.gguf"
+    write_tiny_llama(path, arch=arch, layers=1)
+    lm = LanguageModel(path, target="numpy", cache_len=16)
+    assert (lm.config.qkv_bias, lm.config.qk_norm) == (arch == "qwen2", arch == "qwen3")
+    prompt, steps = [5, 70, 71, 100], []
+    made = [t for _, t in lm.generate_ids([prompt], 3, Sampling(), stop=False,
+                                          on_logits=lambda i, logits: steps.append(logits[0].copy()))]
+    want = _transformers_logits(path, prompt + made)
+    for i, got in enumerate(steps):
+        assert_close(got, want[len(prompt) - 1 + i], "f32", 256, name=f"{arch} step {i}")
+
+
 def test_prompts_decoded_together_give_what_each_gives_alone(tiny):
     path, _ = tiny
     lm = LanguageModel(path, target="numpy", cache_len=32)
