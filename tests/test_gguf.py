@@ -235,3 +235,12 @@ def test_cost_decode_prices_the_bytes_a_token_reads(tiny, capsys):
     from tilegraph.cli.common import format_count
     assert format_count(weights) in line and format_count(cache) in line, line
     assert "tokens/s" in out and "% of the bound" in out
+
+
+def test_generate_command_streams_several_prompts_and_prints_tokens_per_second(tiny, capsys):
+    path, _ = tiny
+    assert main(["generate", str(path), "-p", "the", "-p", "in a", "-n", "3", "--threads", "1",
+                 "--target", "numpy", "--cache-len", "16", "--temperature", "0.5", "--seed", "3"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("[0] the") and "\n[1] in a" in captured.out
+    assert "prompt: " in captured.err and "tokens/s" in captured.err and "generation: 6 tokens" in captured.err

@@ -163,7 +163,14 @@ class LanguageModel:
         """One call: logits [B, vocab]; the caches are updated (in place where the backend writes in place)."""
         batch = tokens.shape[0]
         caches = self.caches(batch)
-        outs = self.entry(batch, kind).run(tokens, pos, last, *caches)
+        entry = self.entry(batch, kind)
+        if self.threads and self._target() == "numpy":  # the C backend takes threads= at compile
+            from threadpoolctl import threadpool_limits
+
+            with threadpool_limits(limits=self.threads):
+                outs = entry.run(tokens, pos, last, *caches)
+        else:
+            outs = entry.run(tokens, pos, last, *caches)
         for i, new in enumerate(outs[1:]):
             if new is not caches[i]:  # a backend that returned a copy: keep its result
                 caches[i] = new
