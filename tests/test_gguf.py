@@ -57,7 +57,9 @@ def _transformers_logits(path, ids):
     """transformers' float64 forward of the whole sequence (no cache): logits of every position."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name).double().eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(  # dense, on the dequantized weights
+        str(path.parent), gguf_file=path.name, dtype=torch.float64,
+        quantization_config=transformers.GgufConfig(dequantize=True)).eval()
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].numpy()
 

@@ -172,8 +172,11 @@ def compare_with_transformers(lm, prompts: list[str], new_tokens: int, batch_tog
         for j, b in enumerate(group):
             ours[b] = sub[j]
     path = Path(lm.path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                              dtype=torch.float64).eval()
+    # dequantize=True: the dense model on the dequantized weights (transformers otherwise keeps
+    # supported files packed and runs its GGUF kernels in float32, whatever the dtype asked)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float64,
+        quantization_config=transformers.GgufConfig(dequantize=True)).eval()
     results = []
     hidden = max(lm.config.hidden, lm.config.ffn)
     rtol, atol = tolerance("f32", hidden)
