@@ -69,8 +69,12 @@ def test_prefill_and_decode_logits_match_transformers_in_float64(tiny):
     lm = LanguageModel(path, target="numpy", cache_len=32)
     prompt = [5, 70, 71, 100, 3, 250, 9]
     steps = []
+    caches = list(lm.caches(1))
     made = [t for _, t in lm.generate_ids([prompt], 6, Sampling(), stop=False,
                                           on_logits=lambda i, logits: steps.append(logits[0].copy()))]
+    # the same preallocated buffers, written in place: 7 prompt + 5 decoded positions, the rest untouched
+    assert all(a is b for a, b in zip(lm.caches(1), caches))
+    assert all(c[:, :, :12].any() and not c[:, :, 12:].any() for c in caches)
     want = _transformers_logits(path, prompt + made)
     for i, got in enumerate(steps):
         # step i's logits come from position len(prompt) - 1 + i (prefill, then decode over the cache)
