@@ -55,3 +55,36 @@ def test_cache_writes_become_in_place_cache_writes():
             assert_close(outs[0], reference[0], "f32", 16)
             np.testing.assert_allclose(outs[0], want, rtol=1e-5, atol=1e-5)
             np.testing.assert_allclose(caches[0], module.k_cache.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_transformers_llama_with_a_static_cache_decodes_in_place():
+    """LlamaForCausalLM (random weights, GQA) exported by transformers' own ExecuTorch wrapper
+    with a StaticCache: one token per call, the caches donated and written in place, logits
+    equal to transformers' forward of the whole sequence."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+    from tilegraph.testing import PEER_RELATIVE_ERROR, relative_error
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(config).eval()
+    llama.generation_config.cache_implementation = "static"
+    llama.generation_config.cache_config = {"batch_size": 1, "max_cache_len": 32}
+    ep = TorchExportableModuleForDecoderOnlyLM(llama).export(input_ids=torch.tensor([[1]]),
+                                                             cache_position=torch.tensor([0]))
+    model = tilegraph.import_model(ep)
+    ops = [op.op_name for op in model.ops() if hasattr(op, "op_name")]
+    assert ops.count("cache_write") == 4 and len(model.aliases) == 4
+    caches = {n: np.zeros(tuple(i.shape), np.float32) for n, i in zip(model.input_names, model.inputs)
+              if n.startswith(("key_cache", "value_cache"))}
+    f = tilegraph.compile(model, target="numpy")
+    ids = [5, 17, 99, 3, 42]
+    with torch.no_grad():
+        want = llama(torch.tensor([ids])).logits[0].numpy()
+    for position, token in enumerate(ids):
+        feed = dict(caches, input_ids=np.array([[token]], np.int64), cache_position=np.array([position], np.int64))
+        outs = f.run(*[feed[n] for n in model.input_names])
+        assert outs[1] is caches[model.input_names[0]]
+        assert relative_error(outs[0][0, -1], want[position]) <= PEER_RELATIVE_ERROR
