@@ -1250,6 +1250,13 @@ def _block_matmul_flops(ins, outs):
     return 2 * numel(outs[0].shape) * ins[0].shape[-1]
 
 
+def _gemm_of_block_matmul(ins, outs):
+    import sympy
+
+    n = sympy.sympify(ins[1].shape[0])
+    return sympy.sympify(numel(outs[0].shape)) / n, n, sympy.sympify(ins[0].shape[-1])
+
+
 def _cache_attention_flops(ins, outs):
     # per query: scores and the weighted sum over the whole cache length (an upper bound: pos + T of S)
     q, k = ins[0], ins[1]
@@ -1259,7 +1266,8 @@ def _cache_attention_flops(ins, outs):
 _BLOCK = {"format": ("str", REQUIRED), "k": ("int", REQUIRED)}
 _op("block_matmul", ["x", "w"], _block_matmul, "K.block_matmul({x}, {w}, {format}, {k})", "quantize", _BLOCK,
     doc="x[..., k] @ dequantize(w).T -> [..., N], w ui8[N, row_bytes] in a GGUF block format "
-        "(ir/block_formats.py), read as stored: never widened to f32 whole", flops=_block_matmul_flops)
+        "(ir/block_formats.py), read as stored: never widened to f32 whole", flops=_block_matmul_flops,
+    gemm=_gemm_of_block_matmul)
 _op("block_gather", ["w", "indices"], _block_gather, "K.block_gather({w}, {indices}, {format}, {k})", "quantize",
     _BLOCK, doc="rows `indices` of dequantize(w) -> f32[*indices, k]: an embedding lookup in a block format")
 _op("cache_write", ["cache", "x", "pos"], _cache_write, "K.cache_write({cache}, {x}, {pos})", "layout",
