@@ -92,7 +92,7 @@ def weights_to_inputs(model: Model, names: Sequence[str]) -> Model:
         arg = block.insert_arg(tensor_type(dtypes.dtype_name(w.dtype), tuple(w.shape)), len(block.args))
         arg.name_hint = ssa_hint(name)
         for op in [op for op in block.ops if isinstance(op, TgOp) and op.op_name == "weight" and op.attr("name") == name]:
-            op.results[0].replace_by(arg)
+            op.results[0].replace_all_uses_with(arg)
             block.erase_op(op)
         in_names.append(name)
     store = WeightStore({k: v for k, v in model.weights.items() if k not in set(names)})

@@ -1,0 +1,91 @@
+"""tilegraph.train_step: forward, loss, backward and optimizer in one compiled program, weights
+and optimizer state updated in place, against torch eager's training from the same start."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import tilegraph
+from tests.models import CharGPT, char_batches, char_corpus
+from tilegraph.testing import PEER_RELATIVE_ERROR, relative_error
+from tilegraph.train import SGD, AdamW, TrainError, updates
+
+
+def torch_losses(module, batches, optimizer, clip_norm=None):
+    losses = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        logits = module(x)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+        if clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), clip_norm)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.mark.parametrize("target", ["numpy", "c"])
+def test_a_char_gpt_learns_as_torch_eager_does(target):
+    chars, batches = char_batches(char_corpus(), steps=10, batch=4, block=16)
+    torch.manual_seed(0)
+    module = CharGPT(len(chars), layers=1, hidden=32, heads=2, block=16)
+    reference = copy.deepcopy(module)
+    step = tilegraph.train_step(module, "cross_entropy", AdamW(lr=1e-2, weight_decay=0.1),
+                                example_inputs=(batches[0][0],), clip_norm=1.0, target=target)
+    before = {k: v for k, v in step.weights.items()}
+    ours = [step(x, targets=y) for x, y in batches]
+    theirs = torch_losses(reference, batches, torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1),
+                          clip_norm=1.0)
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert abs(a - b) <= PEER_RELATIVE_ERROR * abs(b), f"step {i}: {a} vs torch {b}"
+    assert ours[-1] < ours[0] - 0.5
+    # in place: the same arrays, now holding torch's trained weights, to each tensor's scale: the
+    # key bias's gradient is zero but for rounding in both, and AdamW's m / sqrt(v) turns that
+    # noise into steps of lr's size, different in each
+    for name, p in reference.named_parameters():
+        assert step.weights[name] is before[name]
+        assert relative_error(step.weights[name], p.detach().numpy()) <= 1e-3, name
+
+
+def test_sgd_with_momentum_weight_decay_and_nesterov_matches_torch():
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 5))
+    reference = copy.deepcopy(module)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 6, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(6)]
+    opt = SGD(lr=0.1, momentum=0.9, weight_decay=1e-2, nesterov=True)
+    step = tilegraph.train_step(module, "cross_entropy", opt, example_inputs=(batches[0][0],), target="numpy")
+    ours = [step(x, targets=y) for x, y in batches]
+    theirs = torch_losses(reference, batches, torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9,
+                                                              weight_decay=1e-2, nesterov=True))
+    np.testing.assert_allclose(ours, theirs, rtol=PEER_RELATIVE_ERROR)
+
+
+def test_the_step_marks_what_it_updates_in_place():
+    torch.manual_seed(0)
+    module = torch.nn.Linear(4, 3)
+    step = tilegraph.train_step(module, "cross_entropy", AdamW(), example_inputs=(torch.randn(2, 4),), target="numpy")
+    marked = updates(step.model)
+    names = step.model.output_names
+    assert names[0] == "loss" and 0 not in marked
+    # every weight and moment is a result that replaces the input of its name
+    assert sorted(marked.values()) == sorted(["weight", "bias", "exp_avg.weight", "exp_avg.bias",
+                                              "exp_avg_sq.weight", "exp_avg_sq.bias"])
+    assert all(names[i] == marked[i] for i in marked)
+    assert all(name in step.model.input_names for name in marked.values())
+
+
+def test_bad_requests_are_named_errors():
+    module = torch.nn.Linear(4, 3)
+    x = (torch.randn(2, 4),)
+    with pytest.raises(TrainError, match="unknown loss 'hinge'"):
+        tilegraph.train_step(module, "hinge", example_inputs=x, target="numpy")
+    with pytest.raises(TrainError, match="optimizer must be"):
+        tilegraph.train_step(module, optimizer=torch.optim.SGD, example_inputs=x, target="numpy")
+    with pytest.raises(TrainError, match="no weight named nope"):
+        tilegraph.train_step(module, params=["nope"], example_inputs=x, target="numpy")
