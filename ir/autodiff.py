@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from xdsl.dialects.builtin import ArrayAttr, DictionaryAttr, FunctionType, StringAttr
+from xdsl.dialects.builtin import ArrayAttr, DictionaryAttr, FunctionType, IntegerAttr, StringAttr
 from xdsl.dialects.func import ReturnOp
 from xdsl.ir import OpResult, SSAValue
 
 from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import FusionOp, TgOp
-from tilegraph.ir.model import NAME_ATTR, Model, ModelError, ssa_hint
+from tilegraph.ir.model import ALIAS_ATTR, NAME_ATTR, Model, ModelError, ssa_hint
 from tilegraph.ir.shapes import TensorInfo, info_of, tensor_type
 from tilegraph.ir.vjp import NO_GRADIENT, VJPS, Backward
 
@@ -140,18 +140,20 @@ def _transform(model: Model, wrt, seeds: str, keep_outputs: bool) -> Model:
 
 
 def set_signature(model: Model, input_names: Sequence[str], values: Sequence[SSAValue], names: Sequence[str],
-                  extra: Sequence[dict] | None = None) -> Model:
-    """`model` returning `values` named `names` (each result's attributes plus `extra`'s), its
-    arguments named `input_names`; verified."""
+                  aliases: dict[str, str] | None = None) -> Model:
+    """`model` returning `values` named `names`, its arguments named `input_names`; `aliases`
+    maps an input name to the result name that is its buffer (Model.aliases: a donated input,
+    updated in place). Verified."""
     func = model.func
     block = func.body.block
     ret = block.last_op
     block.insert_op_before(ReturnOp(*values), ret)
     block.erase_op(ret)
+    aliases = aliases or {}
     func.function_type = FunctionType.from_lists([a.type for a in block.args], [v.type for v in values])
-    func.arg_attrs = ArrayAttr([DictionaryAttr({NAME_ATTR: StringAttr(n)}) for n in input_names])
-    extra = extra or [{} for _ in names]
-    func.res_attrs = ArrayAttr([DictionaryAttr({NAME_ATTR: StringAttr(n), **more}) for n, more in zip(names, extra)])
+    func.arg_attrs = ArrayAttr([DictionaryAttr({NAME_ATTR: StringAttr(n), **(
+        {ALIAS_ATTR: IntegerAttr(list(names).index(aliases[n]), 64)} if n in aliases else {})}) for n in input_names])
+    func.res_attrs = ArrayAttr([DictionaryAttr({NAME_ATTR: StringAttr(n)}) for n in names])
     model.verify()
     return model
 

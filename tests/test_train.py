@@ -12,7 +12,7 @@ import torch
 import tilegraph
 from tests.models import CharGPT, char_batches, char_corpus
 from tilegraph.testing import PEER_RELATIVE_ERROR, relative_error
-from tilegraph.train import SGD, AdamW, TrainError, updates
+from tilegraph.train import SGD, AdamW, TrainError
 
 
 def torch_losses(module, batches, optimizer, clip_norm=None):
@@ -70,14 +70,12 @@ def test_the_step_marks_what_it_updates_in_place():
     torch.manual_seed(0)
     module = torch.nn.Linear(4, 3)
     step = tilegraph.train_step(module, "cross_entropy", AdamW(), example_inputs=(torch.randn(2, 4),), target="numpy")
-    marked = updates(step.model)
-    names = step.model.output_names
-    assert names[0] == "loss" and 0 not in marked
-    # every weight and moment is a result that replaces the input of its name
-    assert sorted(marked.values()) == sorted(["weight", "bias", "exp_avg.weight", "exp_avg.bias",
-                                              "exp_avg_sq.weight", "exp_avg_sq.bias"])
-    assert all(names[i] == marked[i] for i in marked)
-    assert all(name in step.model.input_names for name in marked.values())
+    ins, outs = step.model.input_names, step.model.output_names
+    donated = {ins[i]: outs[r] for i, r in step.model.aliases.items()}
+    # every weight and moment is donated to the result of its name; the data and the loss are not
+    assert donated == {n: n for n in ("weight", "bias", "exp_avg.weight", "exp_avg.bias", "exp_avg_sq.weight",
+                                      "exp_avg_sq.bias")}
+    assert outs[0] == "loss"
 
 
 def test_bad_requests_are_named_errors():

@@ -10,23 +10,22 @@ The step is one tg function (`step.model`):
     @forward(inputs..., targets, <param>..., <optimizer state>..., lr, step)
         -> (loss, <param>..., <optimizer state>...)
 
-the backward made by `ir/autodiff.py`, the optimizer written in tg ops here. Each result
-that replaces an input carries `tg.updates = "<input name>"` (XLA's input/output aliasing,
-DESIGN.md "State across calls"): the step writes it into that input's array, so the
-arrays in `step.weights` and `step.state` are the same objects from call to call. The
-backends still compute each updated value into a buffer of their own and the step copies
-it over (the minimal version: no backend writes an aliased input where it lies yet).
+the backward made by `ir/autodiff.py`, the optimizer written in tg ops here. Each weight and
+state input is donated to the result of its name (`Model.aliases`, the `tg.aliases` argument
+attribute: XLA's input/output aliasing, DESIGN.md "State across calls", as generation's KV
+cache uses it): the step writes that result into the input's array, so the arrays in
+`step.weights` and `step.state` are the same objects from call to call. The backends still
+compute each updated value into a buffer of their own and the step copies it over (the
+minimal version: no backend writes an optimizer's update where the input lies yet).
 """
 
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
-from xdsl.dialects.builtin import StringAttr
 from xdsl.ir import SSAValue
 
 from tilegraph.ir import dtypes
@@ -37,7 +36,6 @@ from tilegraph.ir.model import NAME_ATTR, Model, WeightStore, ssa_hint
 from tilegraph.ir.shapes import TensorInfo, info_of, tensor_type
 from tilegraph.ir.vjp import Backward
 
-UPDATES_ATTR = "tg.updates"  # on a result: the name of the input it replaces, in place
 LOSSES = ("cross_entropy", "mean")
 
 
@@ -69,17 +67,6 @@ class AdamW:
 
     def state_names(self) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq")
-
-
-def updates(model: Model) -> dict[int, str]:
-    """result index -> the name of the input that result updates in place."""
-    out = {}
-    attrs = model.func.res_attrs
-    for i, d in enumerate(attrs.data if attrs is not None else ()):
-        v = d.data.get(UPDATES_ATTR)
-        if isinstance(v, StringAttr):
-            out[i] = v.data
-    return out
 
 
 def weights_to_inputs(model: Model, names: Sequence[str]) -> Model:
@@ -168,7 +155,7 @@ def build_step(model: Model, loss: str, optimizer: SGD | AdamW, params: Sequence
         norm = b("sqrt", total)
         coef = b("min", b("div", b.const(clip_norm, "f32"), b("add", norm, b.const(1e-6, "f32"))), b.const(1.0, "f32"))
         grads = [b("mul", g, coef) for g in grads]
-    results, names, extra = [loss_value], ["loss"], [{}]
+    results, names = [loss_value], ["loss"]
     state_inputs = []
     for name, g in zip(params, grads):
         p = args[name]
@@ -204,13 +191,11 @@ def build_step(model: Model, loss: str, optimizer: SGD | AdamW, params: Sequence
             new_state = {"exp_avg": m1, "exp_avg_sq": m2}
         results.append(new_p)
         names.append(name)
-        extra.append({UPDATES_ATTR: StringAttr(name)})
         for s in optimizer.state_names():
             results.append(new_state[s])
             names.append(f"{s}.{name}")
-            extra.append({UPDATES_ATTR: StringAttr(f"{s}.{name}")})
     block.insert_ops_before(b.ops, ret)
-    return set_signature(m, in_names, results, names, extra)
+    return set_signature(m, in_names, results, names, aliases={n: n for n in names[1:]})
 
 
 class TrainStep:
@@ -223,8 +208,8 @@ class TrainStep:
         self.weights = {k: np.array(v, copy=True) for k, v in params.items()}
         self.state = {f"{s}.{k}": np.zeros_like(v) for k, v in self.weights.items() for s in optimizer.state_names()}
         self.steps = 0
-        self._updates = updates(step_model)
         names = step_model.input_names
+        self._updates = {r: names[i] for i, r in step_model.aliases.items()}
         self._data = names[:names.index("lr")]
         self._data = [n for n in self._data if n not in self.weights and n not in self.state]
 
