@@ -18,7 +18,7 @@ from typing import Sequence
 
 from xdsl.dialects.builtin import ArrayAttr, DictionaryAttr, FunctionType, IntegerAttr, StringAttr
 from xdsl.dialects.func import ReturnOp
-from xdsl.ir import OpResult, SSAValue
+from xdsl.ir import SSAValue
 
 from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import FusionOp, TgOp
@@ -54,7 +54,7 @@ def _sources(model: Model, wrt: Sequence[str] | None) -> tuple[list[str], dict[s
     for name in names:
         if name in inputs and name in reads:
             raise ModelError(f"'{name}' names both an input and a weight: differentiate against one of them")
-        values = [inputs[name]] if name in inputs else reads.get(name)
+        values: list[SSAValue] | None = [inputs[name]] if name in inputs else reads.get(name)
         if values is None:
             if name in model.weights:  # a weight the function never reads: its gradient is zero
                 values = []

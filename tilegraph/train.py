@@ -32,8 +32,8 @@ from tilegraph.ir import dtypes
 from tilegraph.ir.autodiff import float_weights, set_signature, value_and_grad
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.errors import TilegraphError
-from tilegraph.ir.model import NAME_ATTR, Model, WeightStore, ssa_hint
-from tilegraph.ir.shapes import TensorInfo, info_of, tensor_type
+from tilegraph.ir.model import Model, WeightStore, ssa_hint
+from tilegraph.ir.shapes import info_of, tensor_type
 from tilegraph.ir.vjp import Backward
 
 LOSSES = ("cross_entropy", "mean")
@@ -156,7 +156,6 @@ def build_step(model: Model, loss: str, optimizer: SGD | AdamW, params: Sequence
         coef = b("min", b("div", b.const(clip_norm, "f32"), b("add", norm, b.const(1e-6, "f32"))), b.const(1.0, "f32"))
         grads = [b("mul", g, coef) for g in grads]
     results, names = [loss_value], ["loss"]
-    state_inputs = []
     for name, g in zip(params, grads):
         p = args[name]
         dt = info_of(p.type).dtype
@@ -166,9 +165,8 @@ def build_step(model: Model, loss: str, optimizer: SGD | AdamW, params: Sequence
             arg = block.insert_arg(p.type, len(block.args))
             arg.name_hint = ssa_hint(f"{s}.{name}")
             in_names.append(f"{s}.{name}")
-            state_inputs.append((f"{s}.{name}", info_of(p.type)))
             state[s] = arg
-        c = lambda v: b.const(v, dt)  # noqa: E731
+        c = lambda v, dt=dt: b.const(v, dt)  # noqa: E731
         new_state = {}
         if isinstance(optimizer, SGD):
             if optimizer.weight_decay:
