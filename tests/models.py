@@ -354,6 +354,13 @@ class CharGPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+def char_gpt(vocab: int, layers: int = 2, hidden: int = 64, heads: int = 4, block: int = 32, seed: int = 0) -> CharGPT:
+    """A CharGPT initialised from `seed` (the same weights in every process that calls it)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return CharGPT(vocab, layers, hidden, heads, block)
+
+
 def char_corpus() -> str:
     """A real text that ships with Python itself: the standard library's `this`-free source of
     `textwrap` (a few thousand lines of English docstrings and code)."""

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import tilegraph
-from tests.models import CharGPT, char_batches, char_corpus
+from tests.models import CharGPT, char_batches, char_corpus, char_gpt
+from tilegraph.ir import Model
 from tilegraph.testing import PEER_RELATIVE_ERROR, relative_error
 from tilegraph.train import SGD, AdamW, TrainError
 
@@ -87,3 +88,26 @@ def test_bad_requests_are_named_errors():
         tilegraph.train_step(module, optimizer=torch.optim.SGD, example_inputs=x, target="numpy")
     with pytest.raises(TrainError, match="no weight named nope"):
         tilegraph.train_step(module, params=["nope"], example_inputs=x, target="numpy")
+
+
+def test_data_parallelism_on_two_processes_trains_as_one_process_does():
+    """Two gloo processes, each half of every batch, gradients all-reduced: the loss at each step is
+    the one-process step's on the whole batch."""
+    import functools
+
+    from tilegraph.train import train_data_parallel
+
+    chars, batches = char_batches(char_corpus(), steps=5, batch=4, block=16)
+    module = char_gpt(len(chars), 1, 32, 2, 16)
+    optimizer = AdamW(lr=1e-2, weight_decay=0.1)
+    one = tilegraph.train_step(module, "cross_entropy", optimizer, example_inputs=(batches[0][0],), clip_norm=1.0,
+                               target="numpy", pipeline="")
+    alone = [one(x, targets=y) for x, y in batches]
+    # the processes get the model as tg IR at their half of the batch (no torch.export in each), and
+    # compile with no passes: each compiles two modules, and fusion's search is what costs there
+    half = tilegraph.import_model(module, example_inputs=(batches[0][0][:2],))
+    make = functools.partial(Model.parse, half.text, dict(half.weights))
+    result = train_data_parallel(make, batches, world=2, optimizer=optimizer, clip_norm=1.0, target="numpy",
+                                 pipeline="")
+    np.testing.assert_allclose(result["losses"], alone, rtol=PEER_RELATIVE_ERROR)
+    assert len(result["seconds"]) == len(batches)

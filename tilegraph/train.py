@@ -123,17 +123,41 @@ def cross_entropy(b: Backward, logits: SSAValue, targets: SSAValue) -> SSAValue:
     return b("reduce_mean", b("sub", lse, picked), axes=tuple(range(t.rank)))
 
 
-def build_step(model: Model, loss: str, optimizer: SGD | AdamW, params: Sequence[str],
-               clip_norm: float | None = None) -> Model:
-    """The step's tg function (see the module docstring)."""
+def build_gradients(model: Model, loss: str, params: Sequence[str]) -> Model:
+    """@forward(inputs..., targets, <param>...) -> (loss, grad_<param>...): the step's forward and backward."""
     missing = [p for p in params if p not in model.weights]
     if missing:
         raise TrainError(f"no weight named {', '.join(missing)} to train")
-    m = weights_to_inputs(_with_loss(model, loss), params)
-    m = value_and_grad(m, wrt=list(params))
+    return value_and_grad(weights_to_inputs(_with_loss(model, loss), params), wrt=list(params))
+
+
+def build_step(model: Model, loss: str, optimizer: SGD | AdamW, params: Sequence[str],
+               clip_norm: float | None = None) -> Model:
+    """The step's tg function (see the module docstring)."""
+    m = build_gradients(model, loss, params)
+    loss_value, *grads = m.func.body.block.last_op.operands
+    return _with_update(m, params, grads, optimizer, clip_norm, [("loss", loss_value)])
+
+
+def build_update(params: dict[str, np.ndarray], optimizer: SGD | AdamW, clip_norm: float | None = None) -> Model:
+    """@forward(<param>..., grad_<param>..., <optimizer state>..., lr, step) -> (<param>..., <state>...):
+    the optimizer alone, for gradients reduced between the backward and the update (data parallelism)."""
+    from tilegraph.ir import Graph
+
+    g = Graph()
+    for name, w in params.items():
+        g.input(name, tuple(w.shape), dtypes.dtype_name(w.dtype))
+    grads = [g.input("grad_" + name, tuple(w.shape), dtypes.dtype_name(w.dtype)) for name, w in params.items()]
+    m = g.build(grads[0])
+    return _with_update(m, list(params), [t.value for t in grads], optimizer, clip_norm, [])
+
+
+def _with_update(m: Model, params: Sequence[str], grads: list[SSAValue], optimizer: SGD | AdamW,
+                 clip_norm: float | None, leading: list[tuple[str, SSAValue]]) -> Model:
+    """`m` (its arguments include the params by name) returning `leading`, then each param updated
+    from its gradient and its optimizer state (new inputs: the state, lr and step), each donated."""
     block = m.func.body.block
     ret = block.last_op
-    loss_value, *grads = ret.operands
     in_names = m.input_names
     b = Backward()
     args = {name: a for name, a in zip(in_names, block.args)}
@@ -155,7 +179,7 @@ def build_step(model: Model, loss: str, optimizer: SGD | AdamW, params: Sequence
         norm = b("sqrt", total)
         coef = b("min", b("div", b.const(clip_norm, "f32"), b("add", norm, b.const(1e-6, "f32"))), b.const(1.0, "f32"))
         grads = [b("mul", g, coef) for g in grads]
-    results, names = [loss_value], ["loss"]
+    results, names = [v for _, v in leading], [n for n, _ in leading]
     for name, g in zip(params, grads):
         p = args[name]
         dt = info_of(p.type).dtype
@@ -193,7 +217,7 @@ def build_step(model: Model, loss: str, optimizer: SGD | AdamW, params: Sequence
             results.append(new_state[s])
             names.append(f"{s}.{name}")
     block.insert_ops_before(b.ops, ret)
-    return set_signature(m, in_names, results, names, aliases={n: n for n in names[1:]})
+    return set_signature(m, in_names, results, names, aliases={n: n for n in names[len(leading):]})
 
 
 class TrainStep:
@@ -243,13 +267,124 @@ def train_step(model: Any, loss: str = "cross_entropy", optimizer: SGD | AdamW |
     if not isinstance(optimizer, (SGD, AdamW)):
         raise TrainError(f"optimizer must be tilegraph.train.SGD or AdamW, got {type(optimizer).__name__}")
     imported = tilegraph.import_model(model, example_inputs)
-    if params is None:
-        torch = sys.modules.get("torch")
-        if torch is not None and isinstance(model, torch.nn.Module):
-            params = [n for n, _ in model.named_parameters() if n in imported.weights]
-        else:
-            params = float_weights(imported)
+    params = list(params) if params is not None else _default_params(model, imported)
     step_model = build_step(imported, loss, optimizer, list(params), clip_norm)
     initial = {name: np.asarray(imported.weights[name]) for name in params}
     compiled = tilegraph.compile(step_model, target=target, pipeline=pipeline, **options)
     return TrainStep(step_model, compiled, initial, optimizer)
+
+
+# --- data parallelism: N local processes, gradients all-reduced between backward and update ---
+
+
+class DataParallelStep:
+    """One rank's training step under data parallelism: its slice of the batch forward and
+    backward (one compiled module), the gradients and loss averaged over the ranks with one
+    torch.distributed all-reduce, then the optimizer (a second compiled module) on the same
+    averaged gradients on every rank, so the replicas stay identical (DDP's scheme; ZeRO's
+    sharded states are not built)."""
+
+    def __init__(self, grads: Any, update: Any, params: dict[str, np.ndarray], optimizer, world: int):
+        self.grads, self.update, self.optimizer, self.world = grads, update, optimizer, world
+        self.weights = {k: np.array(v, copy=True) for k, v in params.items()}
+        self.state = {f"{s}.{k}": np.zeros_like(v) for k, v in self.weights.items() for s in optimizer.state_names()}
+        self.steps = 0
+        self._data = [n for n in grads.model.input_names if n not in self.weights]
+        names = update.model.input_names
+        self._updates = {r: names[i] for i, r in update.model.aliases.items()}
+
+    def __call__(self, *inputs: Any, targets: Any = None, lr: float | None = None) -> float:
+        import torch
+        import torch.distributed as dist
+
+        self.steps += 1
+        arrays = dict(zip(self._data, [_numpy(a) for a in (*inputs, targets)]))
+        loss, *grads = self.grads.run(**arrays, **self.weights)
+        flat = torch.from_numpy(np.concatenate([np.ravel(g).astype(np.float32) for g in grads] + [np.ravel(loss)]))
+        dist.all_reduce(flat)  # one collective for every gradient: gloo's per-call cost dominates small tensors
+        flat = flat.numpy() / self.world
+        feed, at = {}, 0
+        for name, w in self.weights.items():
+            feed["grad_" + name] = flat[at:at + w.size].reshape(w.shape).astype(w.dtype)
+            at += w.size
+        rate = self.optimizer.lr if lr is None else lr
+        outs = self.update.run(**self.weights, **feed, **self.state, lr=np.float32(rate), step=np.float32(self.steps))
+        for i, name in self._updates.items():
+            np.copyto(self.weights[name] if name in self.weights else self.state[name], outs[i])
+        return float(flat[-1])
+
+
+def data_parallel_step(model: Any, loss: str = "cross_entropy", optimizer: SGD | AdamW | None = None, *,
+                       example_inputs: Sequence[Any], world: int, params: Sequence[str] | None = None,
+                       clip_norm: float | None = None, target: str = "numpy", **options) -> DataParallelStep:
+    """This rank's DataParallelStep (call inside a process of an initialised torch.distributed group of
+    `world` ranks); example_inputs: this rank's slice of a batch."""
+    import tilegraph
+
+    optimizer = optimizer or AdamW()
+    imported = tilegraph.import_model(model, example_inputs)
+    params = list(params) if params is not None else _default_params(model, imported)
+    initial = {name: np.asarray(imported.weights[name]) for name in params}
+    grads = tilegraph.compile(build_gradients(imported, loss, params), target=target, **options)
+    update = tilegraph.compile(build_update(initial, optimizer, clip_norm), target=target, **options)
+    return DataParallelStep(grads, update, initial, optimizer, world)
+
+
+def _default_params(model: Any, imported: Model) -> list[str]:
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(model, torch.nn.Module):
+        return [n for n, _ in model.named_parameters() if n in imported.weights]
+    return float_weights(imported)
+
+
+def train_data_parallel(make_model, batches: Sequence[tuple[Any, Any]], world: int, optimizer: SGD | AdamW,
+                        clip_norm: float | None = None, target: str = "numpy", pipeline: Any = None,
+                        timeout_s: float = 900.0) -> dict:
+    """Train `make_model()` (a picklable function returning a torch module; every rank calls it, so
+    it must give the same initial weights) on `batches` [(inputs, targets)] with data parallelism over
+    `world` local processes joined by gloo, each taking its contiguous 1/world of every batch's rows
+    (pipeline: the passes each process compiles its modules with; None: the default).
+    Returns {"losses": the averaged loss per step, "seconds": rank 0's time per step}."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from tilegraph.backends.distributed import _free_port
+
+    if any(int(x.shape[0]) % world for x, _ in batches):
+        raise TrainError(f"every batch's rows must split evenly over {world} processes")
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_data_parallel_worker, args=(world, _free_port(), make_model, list(batches), optimizer, clip_norm,
+                                              target, pipeline, tmp, timeout_s), nprocs=world, join=True)
+        with np.load(f"{tmp}/result.npz") as f:
+            return {"losses": f["losses"].tolist(), "seconds": f["seconds"].tolist()}
+
+
+def _data_parallel_worker(rank: int, world: int, port: int, make_model, batches, optimizer, clip_norm, target: str,
+                          pipeline: Any, tmp: str, timeout_s: float) -> None:
+    import datetime
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # the processes share the cores
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        def mine(a):
+            rows = a.shape[0] // world
+            return a[rank * rows:(rank + 1) * rows]
+
+        options = {"threads": 1} if target == "c" else {}
+        step = data_parallel_step(make_model(), "cross_entropy", optimizer, example_inputs=(mine(batches[0][0]),),
+                                  world=world, clip_norm=clip_norm, target=target, pipeline=pipeline, **options)
+        losses, seconds = [], []
+        for x, y in batches:
+            t = time.perf_counter()
+            losses.append(step(mine(x), targets=mine(y)))
+            seconds.append(time.perf_counter() - t)
+        if rank == 0:
+            np.savez(f"{tmp}/result.npz", losses=np.array(losses), seconds=np.array(seconds))
+    finally:
+        dist.destroy_process_group()
