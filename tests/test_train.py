@@ -111,3 +111,21 @@ def test_data_parallelism_on_two_processes_trains_as_one_process_does():
                                  pipeline="")
     np.testing.assert_allclose(result["losses"], alone, rtol=PEER_RELATIVE_ERROR)
     assert len(result["seconds"]) == len(batches)
+
+
+def test_a_builder_model_trains_one_sgd_step_by_its_own_gradient():
+    from tilegraph.ir import Graph, interpret
+    from tilegraph.train import build_gradients
+
+    rng = np.random.default_rng(0)
+    g = Graph()
+    x = g.input("x", (6, 3))
+    w = g.weight("w", rng.standard_normal((3, 4)).astype(np.float32))
+    model = g.build(g.tanh(x @ w) * 2.0, names=["logits"])
+    xs = rng.standard_normal((6, 3)).astype(np.float32)
+    ys = rng.integers(0, 4, 6)
+    grads = build_gradients(model, "cross_entropy", ["w"])
+    loss, gw = interpret(grads, [xs, ys, model.weights["w"]])
+    step = tilegraph.train_step(model, "cross_entropy", SGD(lr=0.5), target="numpy")
+    assert abs(step(xs, targets=ys) - loss) <= PEER_RELATIVE_ERROR * abs(loss)
+    np.testing.assert_allclose(step.weights["w"], model.weights["w"] - 0.5 * gw, rtol=PEER_RELATIVE_ERROR, atol=1e-6)
