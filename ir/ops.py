@@ -65,6 +65,12 @@ class OpSpec:
     reduction: str | None = None
     # Moves or names data without computing: a NumPy view, indexing in a fused GPU kernel.
     view: bool = False
+    # Normalizes each row along `axis` (softmax, layer_norm): reads a whole row before it
+    # writes any of it, so a loop computes it one row at a time (a row kernel).
+    row_normalizing: bool = False
+    # Operand 1 holds indices into operand 0 along its `axis` attribute (gather, gather_elements):
+    # each must lie in that dim (checked at the call, bounded by the fuzzers' inputs).
+    indexed: bool = False
     # FLOPs per result element (per operand element for a reduction), or a function
     # of the shapes (ins, outs) -> FLOPs for the ops whose count depends on more than one shape.
     flops: int | Callable[..., Any] = 1
@@ -92,6 +98,12 @@ class OpSpec:
         if not self.pattern:
             object.__setattr__(self, "pattern", PATTERN_OF_CATEGORY[self.category])
         assert self.pattern in PATTERNS, self.pattern
+
+    @property
+    def pointwise(self) -> bool:
+        """result[i] from operands[i] alone (elementwise ops and gelu): an expression any loop
+        over the result can compute where it needs it."""
+        return self.pattern == ELEMWISE
 
     @property
     def variadic(self) -> bool:
@@ -687,11 +699,13 @@ _op("avg_pool", ["x"], _pool("avg_pool"),
 
 # K.softmax: max, subtract, exp, sum, divide.
 _op("softmax", ["x"], _softmax, "K.softmax({x}, {axis})", "composite", {"axis": ("int", -1)},
-    flops=SOFTMAX_FLOPS, cpu_passes=(("sum", 2), ("add", 1), ("exp", 1), ("div", 1)), loops=loops.normalized(False))
+    flops=SOFTMAX_FLOPS, cpu_passes=(("sum", 2), ("add", 1), ("exp", 1), ("div", 1)), loops=loops.normalized(False),
+    row_normalizing=True)
 # K.layer_norm: mean, subtract, square, mean, add eps + sqrt + divide, scale, shift.
 _op("layer_norm", ["x", "scale?", "bias?"], _layer_norm, "K.layer_norm({x}, {scale}, {bias}, {axis}, {epsilon})",
     "composite", {"axis": ("int", -1), "epsilon": ("float", 1e-5)}, doc="normalizes over dims axis.. of x",
-    flops=8, cpu_passes=(("sum", 2), ("add", 2), ("mul", 2), ("sqrt", 1), ("div", 1)), loops=loops.normalized(True))
+    flops=8, cpu_passes=(("sum", 2), ("add", 2), ("mul", 2), ("sqrt", 1), ("div", 1)), loops=loops.normalized(True),
+    row_normalizing=True)
 # A GEMM-like anchor to fusion (its epilogue fuses on); composite to decompose.
 _op("attention", ["q", "k", "v", "mask?"], _attention, "K.attention({q}, {k}, {v}, {mask}, {scale}, {causal})",
     "composite", {"scale": ("float", REQUIRED), "causal": ("bool", False)},
@@ -711,9 +725,10 @@ _op("slice", ["x"], _slice, _render_slice, "layout",
     {"starts": ("ints", REQUIRED), "ends": ("ints", REQUIRED), "steps": ("ints", REQUIRED)},
     doc="Python slicing per dim: start, end (clamped), step", view=True)
 _op("gather", ["x", "indices"], _gather, "np.take({x}, {indices}, axis={axis})", "layout", {"axis": ("int", 0)},
-    doc="np.take: embedding lookup is gather on axis 0; negative indices count from the end", loops=loops.gather)
+    doc="np.take: embedding lookup is gather on axis 0; negative indices count from the end", loops=loops.gather,
+    indexed=True)
 _op("gather_elements", ["x", "indices"], _gather_elements, "K.gather_elements({x}, {indices}, {axis})", "layout",
-    {"axis": ("int", 0)})
+    {"axis": ("int", 0)}, indexed=True)
 _op("pad", ["x"], _pad, "K.pad({x}, {pads}, {mode}, {value})", "layout",
     {"pads": ("ints", REQUIRED), "mode": ("str", "constant"), "value": ("float", 0.0)})
 _op("tile", ["x"], _tile, "np.tile({x}, {repeats})", "layout", {"repeats": ("ints", REQUIRED)})
@@ -1171,3 +1186,7 @@ def render(spec: OpSpec, operands: Sequence[str | None], attrs: dict[str, Any], 
     if callable(spec.numpy):
         return spec.numpy(env, attrs, out_shape=out_shape, dtype=dtype)
     return spec.numpy.format(**env, **lits, out_shape=out_shape, dtype=dtype)
+
+# Ops that convert between number formats (quantize, dequantize, dynamic_quantize, matmul_integer):
+# priced and grouped apart from float arithmetic.
+QUANTIZATION_OPS = frozenset(name for name, spec in OPS.items() if spec.category == "quantize")
