@@ -432,7 +432,15 @@ def _matmul(b, op, g):
         yshape.append(1)
     gy = b.reshape(gy, tuple(yshape))
     ga = b("matmul", gy, _swap_last(b, w2))
-    gw = b("matmul", _swap_last(b, a2), gy)
+    ta2 = info(a2)
+    if info(w2).rank == 2 and ta2.rank > 2:
+        # a weight shared by every batch row (a linear layer): one GEMM over all rows, not a
+        # batched product summed afterwards (which holds batch x the weight's size)
+        k, n = info(w2).shape
+        rows = numel(ta2.shape[:-1])
+        gw = b("matmul", _swap_last(b, b.reshape(a2, (rows, k))), b.reshape(gy, (rows, n)))
+    else:
+        gw = b("matmul", _swap_last(b, a2), gy)
     ga = b.sum_to(ga, info(a2).shape) if info(ga).rank > info(a2).rank or info(ga).shape != info(a2).shape else ga
     gw = b.sum_to(gw, info(w2).shape) if info(gw).rank > info(w2).rank or info(gw).shape != info(w2).shape else gw
     return [b.reshape(ga, ta.shape), b.reshape(gw, tw.shape)]
