@@ -71,6 +71,9 @@ class OpSpec:
     # Operand 1 holds indices into operand 0 along its `axis` attribute (gather, gather_elements):
     # each must lie in that dim (checked at the call, bounded by the fuzzers' inputs).
     indexed: bool = False
+    # The GEMM an anchor makes, (ins, outs) -> (m, n, k) as sympy expressions, m counting every
+    # batch row: what the cost model prices and a GPU tile covers. None: not a GEMM.
+    gemm: Callable[..., Any] | None = None
     # FLOPs per result element (per operand element for a reduction), or a function
     # of the shapes (ins, outs) -> FLOPs for the ops whose count depends on more than one shape.
     flops: int | Callable[..., Any] = 1
@@ -98,6 +101,12 @@ class OpSpec:
         if not self.pattern:
             object.__setattr__(self, "pattern", PATTERN_OF_CATEGORY[self.category])
         assert self.pattern in PATTERNS, self.pattern
+
+    def gemm_dims(self, ins: Sequence[TensorInfo], outs: Sequence[TensorInfo]) -> tuple[Any, Any, Any]:
+        """(m, n, k) of the GEMM this anchor makes at these shapes (`gemm`)."""
+        if self.gemm is None:
+            raise ValueError(f"tg.{self.name} makes no GEMM")
+        return self.gemm(ins, outs)
 
     @property
     def pointwise(self) -> bool:
@@ -681,14 +690,40 @@ def _render_matmul(operands, attrs, out_shape, dtype):
     return f"{expr}.astype({dtype})" if dtype.startswith("ml_dtypes.") else expr
 
 
+def _gemm_of_matmul(ins, outs):
+    import sympy
+
+    out = outs[0]
+    n = sympy.sympify(out.shape[-1]) if ins[1].rank > 1 else sympy.Integer(1)
+    return sympy.sympify(numel(out.shape)) / n, n, sympy.sympify(ins[0].shape[-1])
+
+
+def _gemm_of_conv(ins, outs):
+    """im2col's GEMM: a row per output pixel (and batch), a column per filter, k = C/groups x window."""
+    import sympy
+
+    n = sympy.sympify(ins[1].shape[0])
+    return sympy.sympify(numel(outs[0].shape)) / n, n, sympy.sympify(numel(ins[1].shape[1:]))
+
+
+def _gemm_of_attention(ins, outs):
+    """QK^T's GEMM: a row per query (and batch, head), a column per key, k = head dim."""
+    import sympy
+
+    q, k = ins[0], ins[1]
+    return sympy.sympify(numel(outs[0].shape)) / sympy.sympify(q.shape[-1]), sympy.sympify(k.shape[-2]), \
+        sympy.sympify(q.shape[-1])
+
+
 _op("matmul", ["lhs", "rhs"], _matmul, _render_matmul, "contraction",
     doc="NumPy matmul: batched, broadcasting, 1-D operands promoted and squeezed", flops=_matmul_flops,
-    loops=loops.matmul)
+    loops=loops.matmul, gemm=_gemm_of_matmul)
 _op("einsum", ["*inputs"], _einsum, "np.einsum({equation}, *{inputs})", "contraction", {"equation": ("str", REQUIRED)},
     flops=_einsum_flops)
 _op("conv", ["x", "w", "bias?"], _conv, "K.conv({x}, {w}, {bias}, {strides}, {pads}, {dilations}, {groups})",
     "contraction", {"strides": ("ints", ()), "pads": ("ints", ()), "dilations": ("ints", ()), "groups": ("int", 1)},
-    doc="N-d convolution (conv2d when x is NCHW); pads are all begins, then all ends", flops=_conv_flops)
+    doc="N-d convolution (conv2d when x is NCHW); pads are all begins, then all ends", flops=_conv_flops,
+    gemm=_gemm_of_conv)
 _POOL = {"kernel": ("ints", REQUIRED), "strides": ("ints", ()), "pads": ("ints", ()), "dilations": ("ints", ()),
          "ceil_mode": ("bool", False)}
 _op("max_pool", ["x"], _pool("max_pool"),
@@ -710,7 +745,7 @@ _op("layer_norm", ["x", "scale?", "bias?"], _layer_norm, "K.layer_norm({x}, {sca
 _op("attention", ["q", "k", "v", "mask?"], _attention, "K.attention({q}, {k}, {v}, {mask}, {scale}, {causal})",
     "composite", {"scale": ("float", REQUIRED), "causal": ("bool", False)},
     doc="softmax(q @ k^T * scale + mask) @ v; an i1 mask keeps where true, a float mask is added",
-    pattern=ANCHOR, flops=_attention_flops, loops=loops.attention)
+    pattern=ANCHOR, flops=_attention_flops, loops=loops.attention, gemm=_gemm_of_attention)
 
 _op("reshape", ["x"], _given("reshape", _check_reshape), "np.reshape({x}, {out_shape})", "layout", result_given=True,
     view=True, loops=loops.reshape)

@@ -204,19 +204,9 @@ def op_bytes(op: Operation) -> sympy.Expr:
 
 
 def _matmul_shape(op: TgOp) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr]:
-    """(m, n, k) of the GEMM a matmul or conv makes, m counting every batch row."""
-    ins = [info_of(v.type) for v in op.operands]
-    out = op.result_infos()[0]
-    if op.op_name == "conv":
-        w = ins[1]
-        n = _sized(w.shape[0])
-        return _elements(out) / n, n, _prod(w.shape[1:])
-    if op.op_name == "attention":
-        q, k = ins[0], ins[1]
-        return _elements(out) / _sized(q.shape[-1]), _sized(k.shape[-2]), _sized(q.shape[-1])
-    k = _sized(ins[0].shape[-1])
-    n = _sized(out.shape[-1]) if ins[1].rank > 1 else sympy.Integer(1)
-    return _elements(out) / n, n, k
+    """(m, n, k) of the GEMM an anchor makes (the op table's `gemm`), as the model prices sizes now."""
+    m, n, k = op.SPEC.gemm_dims([info_of(v.type) for v in op.operands], op.result_infos())
+    return _sized(m), _sized(n), _sized(k)
 
 
 # A symbolic GEMM dim is costed at this size when the formula is printed symbolically:
