@@ -4,8 +4,7 @@ What it decides: which values a function keeps alive across a long stretch of th
 program (a training step's forward activations, kept for its backward) are recomputed
 instead, so that the predicted peak of live intermediates fits `budget`, a fraction of the
 save-everything peak. As AOTAutograd's partitioner under `activation_memory_budget`,
-only some ops are recomputed: elementwise ones (AOTAutograd's pointwise) and matmuls,
-never a reduction (softmax, layer_norm, sums), whose result would cost its whole input
+only some ops are recomputed: pointwise ones (AOTAutograd's) and GEMMs, never a reduction (softmax, layer_norm, sums), whose result would cost its whole input
 to rebuild.
 
 How: a liveness walk over the function's order prices the peak (each op's result bytes
@@ -35,15 +34,17 @@ from xdsl.passes import ModulePass
 
 from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import TgOp
-from tilegraph.ir.ops import ELEMWISE
 from tilegraph.ir.shapes import info_of, numel
 from tilegraph.passes.remarks import remark
 
 NAME = "recompute"
-# Besides elementwise ops: the contractions whose operands a backward keeps anyway (a layer's
-# input and its weight), last in the greedy order, since they cost the most FLOPs per byte
-# (AOTAutograd's knapsack recomputes matmuls too when the budget asks for it).
-RECOMPUTABLE = ("matmul",)
+
+
+def recomputable(op: TgOp) -> bool:
+    """Pointwise ops, and the GEMMs (matmul, conv, attention) whose operands a backward keeps
+    anyway (a layer's input and its weight): last in the greedy order, as they cost the most
+    FLOPs per byte (AOTAutograd's knapsack recomputes matmuls too when the budget asks)."""
+    return len(op.results) == 1 and (op.SPEC.pointwise or op.SPEC.gemm is not None)
 
 
 def value_bytes(v: SSAValue) -> int:
@@ -107,8 +108,7 @@ def _chain(op: TgOp, at: int, root: dict, last: dict, depth: int = 3) -> list[Tg
         if _resident(o) or last.get(root.get(o, o), -1) >= at:
             continue  # there anyway
         owner = o.owner if isinstance(o, OpResult) else None
-        if isinstance(owner, TgOp) and len(owner.results) == 1 and depth > 0 and (
-                owner.SPEC.view or owner.op_name in RECOMPUTABLE or owner.SPEC.pattern == ELEMWISE):
+        if isinstance(owner, TgOp) and len(owner.results) == 1 and depth > 0 and (owner.SPEC.view or recomputable(owner)):
             out += _chain(owner, at, root, last, depth - 1)
     return out
 
@@ -118,8 +118,7 @@ def _candidates(block: Block, min_gap: int) -> list[tuple[float, TgOp, SSAValue,
     pos = {op: i for i, op in enumerate(ops)}
     out = []
     for op in ops:
-        if not isinstance(op, TgOp) or op.op_name not in RECOMPUTABLE and op.SPEC.pattern != ELEMWISE \
-                or len(op.results) != 1:
+        if not isinstance(op, TgOp) or not recomputable(op):
             continue
         v = op.results[0]
         uses = sorted(((pos[u.operation], u) for u in v.uses if u.operation in pos), key=lambda t: t[0])
