@@ -116,11 +116,11 @@ def _chain(op: TgOp, at: int, root: dict, last: dict, depth: int = 3) -> list[Tg
 def _candidates(block: Block, min_gap: int) -> list[tuple[float, TgOp, SSAValue, list]]:
     ops = list(block.ops)
     pos = {op: i for i, op in enumerate(ops)}
-    out = []
+    out: list[tuple[float, TgOp, SSAValue, list]] = []
     for op in ops:
         if not isinstance(op, TgOp) or not recomputable(op):
             continue
-        v = op.results[0]
+        v: SSAValue = op.results[0]
         uses = sorted(((pos[u.operation], u) for u in v.uses if u.operation in pos), key=lambda t: t[0])
         if not uses or uses[-1][0] == pos[op] + 1:
             continue

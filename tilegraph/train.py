@@ -300,9 +300,9 @@ class DataParallelStep:
         self.steps += 1
         arrays = dict(zip(self._data, [_numpy(a) for a in (*inputs, targets)]))
         loss, *grads = self.grads.run(**arrays, **self.weights)
-        flat = torch.from_numpy(np.concatenate([np.ravel(g).astype(np.float32) for g in grads] + [np.ravel(loss)]))
-        dist.all_reduce(flat)  # one collective for every gradient: gloo's per-call cost dominates small tensors
-        flat = flat.numpy() / self.world
+        packed = torch.from_numpy(np.concatenate([np.ravel(g).astype(np.float32) for g in grads] + [np.ravel(loss)]))
+        dist.all_reduce(packed)  # one collective for every gradient: gloo's per-call cost dominates small tensors
+        flat = packed.numpy() / self.world
         feed, at = {}, 0
         for name, w in self.weights.items():
             feed["grad_" + name] = flat[at:at + w.size].reshape(w.shape).astype(w.dtype)
