@@ -41,9 +41,8 @@ from typing import Callable, Mapping
 
 # (The NumPy backend's attention kernel, backends/numpy/attention.py, and the cost model.)
 # Below this many scores (batch x Lq x Lk) one thread does the work: handing items
-# to the pool costs more than it saves. Measured on the 2-core machine: MiniLM b1
-# (196K scores, ~1 ms) ran no faster on 2 threads (0.50-0.62x of K.attention
-# against 0.54x on one), GPT-2 b1 s256 causal (786K) did (0.48x against 0.69x).
+# to the pool costs more than it saves: MiniLM's attention at batch 1 (196K scores)
+# gains nothing from a second thread, GPT-2's at 256 tokens (786K) does.
 MIN_PARALLEL_SCORES = 1 << 19
 
 PROFILE_FORMAT = 8  # (2: per-core GEMM samples; 3: chunk_call_overhead; 4: parallel costs, conv rate; 5: skinny GEMMs; 6: BLAS threads; 7: attention, fused kernels, spilled rates; 8: BLAS call overhead) bump when the JSON layout changes: older profiles are then re-measured
@@ -100,8 +99,8 @@ class Hardware:
     # and `tile` never chooses it.
     blas_parallel_efficiency: float = 0.0
     # CPU only: what running a GEMM on BLAS's threads adds to its call, whatever its size
-    # (handing BLAS all cores and taking them back): 12 us on the 2-core dev machine
-    # against 3.4 us for the whole 32x144x10 GEMM of the small CNN's classifier.
+    # (handing BLAS all cores and taking them back), calibrated: it can exceed the whole
+    # of a small GEMM (a small CNN's classifier), which then stays on one thread.
     blas_call_overhead: float = 0.0
     # CPU only: FLOP/s of the NumPy convolution kernel (K.conv: im2col, small batched GEMMs),
     # which is far from the GEMM curve; 0: priced as a GEMM.

@@ -288,8 +288,8 @@ class OneDNN(EmitterParts):
     @staticmethod
     def _lead(v: View, rank: int) -> View:
         # The new size-1 dims get the stride of a whole operand, not 0: oneDNN 3.x runs a matmul
-        # with a zero batch stride (an activation times a gathered 2-D weight, issue 20's
-        # per-device programs) on its reference kernel, ~2000x slower than brgemm.
+        # with a zero batch stride (an activation times a gathered 2-D weight, as in sharded
+        # per-device programs) on its reference kernel, orders of magnitude slower than brgemm.
         extra = rank - v.rank
         return View(v.buf, v.offset, (1,) * extra + v.shape, (numel(v.shape),) * extra + v.strides, v.dtype,
                     v.literal, v.value)
