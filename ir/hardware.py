@@ -126,6 +126,10 @@ class Hardware:
     # CPU "c" only: (m, n, k, FLOP/s) of oneDNN's GEMM on a prepacked weight with all
     # threads (`gemm_samples` holds the same on one thread). Empty: `gemm_samples` x cores.
     gemm_samples_threaded: tuple[tuple[int, int, int, float], ...] = ()
+    # CPU only: other processes' runnable threads seen while it was measured (0: a quiet
+    # machine). A profile taken under load (GEMMs priced 3-41x too slow) is used, but
+    # measured again by the first process that finds the machine quiet (_cpu_profile).
+    measured_busy: int = 0
 
     # Dict fields make the generated hash fail; these three identify a profile.
     def __hash__(self) -> int:
@@ -395,21 +399,46 @@ def _measure(native: bool = False) -> Hardware:
     return calibrate(quick=True)
 
 
+def others_running() -> int:
+    """Runnable threads of other processes right now (/proc/loadavg's running count, less
+    the caller); 0 where the system does not say."""
+    try:
+        with open("/proc/loadavg", "rb") as f:
+            return max(0, int(f.read().split()[3].split(b"/")[0]) - 1)
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _trusted(profile: Hardware) -> bool:
+    """A profile to use as is: one measured on a quiet machine, or a busy one's while the
+    machine is still busy (measuring again would be no better)."""
+    return not profile.measured_busy or others_running() > 0
+
+
+def _measure_noting_load(native: bool) -> Hardware:
+    """A quick measurement, marked with the most other runnable threads seen around it."""
+    busy = others_running()
+    profile = _measure(native)
+    busy = max(busy, others_running())
+    return replace(profile, measured_busy=busy) if busy else profile
+
+
 @lru_cache(maxsize=None)
 def _cpu_profile(path: str, native: bool = False) -> Hardware:
-    """The profile at `path`, measured now (quickly) if there is none: by the NumPy
-    backend's calibration, or where `native`, the C backend's."""
+    """The profile at `path`, measured now (quickly) if there is none, or if it was taken
+    under load and the machine is quiet now: by the NumPy backend's calibration, or where
+    `native`, the C backend's."""
     profile = load_profile(path)
-    if profile is not None:
+    if profile is not None and _trusted(profile):
         return profile
     try:
         with _locked(Path(path)):  # one pytest-xdist worker calibrates, the others wait and read it
             profile = load_profile(path)
-            if profile is None:
-                profile = _measure(native)
+            if profile is None or not _trusted(profile):
+                profile = _measure_noting_load(native)
                 save_profile(profile, path)
     except OSError:  # no writable cache directory: the measurement serves this process only
-        profile = profile or _measure(native)
+        profile = profile or _measure_noting_load(native)
     return profile
 
 

@@ -8,16 +8,8 @@ import threading
 import time
 from pathlib import Path
 
-from tilegraph.cli.common import (
-    _formula,
-    _input_symbols,
-    check_dims,
-    describe_sizes,
-    format_time,
-    parse_dims,
-    sizes_for,
-    spec_text,
-)
+from tilegraph.cli.common import (_formula, _input_symbols, check_dims, describe_sizes, format_time, parse_dims,
+                                  sizes_for, spec_text)
 
 
 def _shard(args) -> int:
