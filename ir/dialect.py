@@ -47,6 +47,8 @@ def attr_to_py(attr: Attribute, kind: str) -> Any:
     if kind in ("ints", "floats"):
         if not isinstance(attr, DenseArrayBase):
             raise VerifyException(f"expected array<...>, got {attr}")
+        if kind == "ints" and not isinstance(attr.elt_type, IntegerType):  # array<f64: 2.5> is no list of sizes
+            raise VerifyException(f"expected an array of integers, got {attr}")
         return tuple(attr.get_values())
     if kind == "str":
         if not isinstance(attr, StringAttr):

@@ -289,6 +289,9 @@ def _spatial_attrs(op, x, attrs, kernel):
         raise _fail(op, f"strides {strides}, dilations {dil} and pads {pads} do not fit {nd} spatial dims")
     if any(p < 0 for p in pads):  # ONNX and torch pad windows; a crop is a slice, not a pad
         raise _fail(op, f"pads {tuple(pads)} must not be negative")
+    if any(isinstance(v, int) and v < 1 for v in (*kernel, *strides, *dil)):  # an empty window has no value
+        raise _fail(op, f"window {tuple(kernel)}, strides {tuple(strides)} and dilations {tuple(dil)} must be "
+                        "at least 1")
     try:
         return tuple(
             _window_out(x.shape[2 + i], kernel[i], strides[i], pads[i], pads[i + nd], dil[i], attrs.get("ceil_mode", False))
@@ -458,18 +461,24 @@ def _render_slice(operands, attrs, **_):
     return f"{operands['x']}[{', '.join(parts) or '...'}]"
 
 
+def _signed_indices(idx: TensorInfo) -> bool:
+    """Indices are signed integers (ONNX's int32/int64): an unsigned one past the signed range
+    (uint64 2**64 - 1) reads as -1 in every kernel, a valid index counted from the end."""
+    return dtypes.is_int(idx.dtype) and not idx.dtype.startswith("ui") and idx.dtype != "i1"
+
+
 def _gather(ins, attrs, given):
     x, idx = ins
-    if not dtypes.is_int(idx.dtype):
-        raise _fail("gather", f"indices {idx} must be integers")
+    if not _signed_indices(idx):
+        raise _fail("gather", f"indices {idx} must be signed integers")
     (axis,) = _axes("gather", [attrs["axis"]], x.rank)
     return [TensorInfo(x.shape[:axis] + idx.shape + x.shape[axis + 1:], x.dtype)]
 
 
 def _gather_elements(ins, attrs, given):
     x, idx = ins
-    if not dtypes.is_int(idx.dtype) or idx.rank != x.rank:
-        raise _fail("gather_elements", f"indices {idx} must be integers of the rank of {x}")
+    if not _signed_indices(idx) or idx.rank != x.rank:
+        raise _fail("gather_elements", f"indices {idx} must be signed integers of the rank of {x}")
     _axes("gather_elements", [attrs["axis"]], x.rank)
     return [TensorInfo(idx.shape, x.dtype)]
 
@@ -690,12 +699,20 @@ def _render_matmul(operands, attrs, out_shape, dtype):
     return f"{expr}.astype({dtype})" if dtype.startswith("ml_dtypes.") else expr
 
 
+def _gemm_rows(out, per_row):
+    """The rows of a result of `per_row` values each: none where a row is empty (not 0/0,
+    which priced a zero-size batched matmul as NaN)."""
+    import sympy
+
+    return sympy.Integer(0) if per_row == 0 else sympy.sympify(numel(out.shape)) / per_row
+
+
 def _gemm_of_matmul(ins, outs):
     import sympy
 
     out = outs[0]
     n = sympy.sympify(out.shape[-1]) if ins[1].rank > 1 else sympy.Integer(1)
-    return sympy.sympify(numel(out.shape)) / n, n, sympy.sympify(ins[0].shape[-1])
+    return _gemm_rows(out, n), n, sympy.sympify(ins[0].shape[-1])
 
 
 def _gemm_of_conv(ins, outs):
@@ -703,7 +720,7 @@ def _gemm_of_conv(ins, outs):
     import sympy
 
     n = sympy.sympify(ins[1].shape[0])
-    return sympy.sympify(numel(outs[0].shape)) / n, n, sympy.sympify(numel(ins[1].shape[1:]))
+    return _gemm_rows(outs[0], n), n, sympy.sympify(numel(ins[1].shape[1:]))
 
 
 def _gemm_of_attention(ins, outs):
@@ -711,8 +728,7 @@ def _gemm_of_attention(ins, outs):
     import sympy
 
     q, k = ins[0], ins[1]
-    return sympy.sympify(numel(outs[0].shape)) / sympy.sympify(q.shape[-1]), sympy.sympify(k.shape[-2]), \
-        sympy.sympify(q.shape[-1])
+    return _gemm_rows(outs[0], sympy.sympify(q.shape[-1])), sympy.sympify(k.shape[-2]), sympy.sympify(q.shape[-1])
 
 
 _op("matmul", ["lhs", "rhs"], _matmul, _render_matmul, "contraction",
@@ -798,8 +814,8 @@ SCATTER_REDUCTIONS = ("none", "add", "mul", "max", "min")
 
 
 def _scatter_common(op, x, updates, indices, attrs):
-    if not dtypes.is_int(indices.dtype):
-        raise _fail(op, f"indices {indices} must be integers")
+    if not _signed_indices(indices):
+        raise _fail(op, f"indices {indices} must be signed integers")
     if updates.dtype != x.dtype:
         raise _fail(op, f"updates {updates} must have the element type of {x}")
     if attrs["reduction"] not in SCATTER_REDUCTIONS:
@@ -1161,7 +1177,7 @@ _op("dynamic_quantize", ["x"], _dynamic_quantize, "K.dynamic_quantize({x}, {to},
 _op("matmul_integer", ["lhs", "rhs", "lhs_zero_point?"], _matmul_integer,
     "K.matmul_integer({lhs}, {rhs}, {lhs_zero_point})", "quantize",
     doc="(lhs - lhs_zero_point) @ rhs on integers, exact, accumulated in i32 (ONNX MatMulInteger with a "
-        "symmetric rhs)")
+        "symmetric rhs)", gemm=_gemm_of_matmul)
 
 # --- generation (DESIGN.md "State across calls"): block-format weights, the KV cache ---
 # A block-format weight is its raw bytes, ui8[N, row_bytes], read with the format named in

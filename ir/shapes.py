@@ -32,6 +32,22 @@ class ShapeError(TilegraphError):
     """A shape rule was broken; the message names the op and the shapes."""
 
 
+# The largest rank any backend takes: oneDNN's DNNL_MAX_NDIMS, the size of the stack arrays
+# the C runtime copies dims and strides into (a rank-13 MatMul overflowed them). A type of
+# more dims is refused where it is made or read, so no backend sees one.
+MAX_RANK = 12
+
+
+def check_dims(dims: Sequence, where: str) -> None:
+    """ShapeError unless `dims` is at most MAX_RANK long and no static dim is negative: every
+    tensor type is made (tensor_type) or read (info_of) through here."""
+    if len(dims) > MAX_RANK:
+        raise ShapeError(f"{where} has rank {len(dims)}; tilegraph takes tensors of rank {MAX_RANK} at most")
+    for d in dims:
+        if isinstance(d, int) and d < 0:
+            raise ShapeError(f"{where} would have a negative dimension ({shape_str(dims)})")
+
+
 @lru_cache(maxsize=None)
 def symbol(name: str) -> sympy.Symbol:
     return sympy.Symbol(name, integer=True, positive=True)
@@ -213,6 +229,7 @@ class TensorInfo:
 
 def tensor_type(dtype: str, shape: Sequence[Dim | str]) -> TensorType:
     dims = as_shape(shape)
+    check_dims(dims, f"a {dtype} tensor")
     symbolic = [d for d in dims if not isinstance(d, int)]
     encoding: Attribute = NoneAttr()
     if symbolic:
@@ -243,6 +260,7 @@ def _tensor_info(t: TensorType) -> TensorInfo:
             dims.append(parse_dim(name))
         else:
             dims.append(d)
+    check_dims(dims, f"type {t}")
     return TensorInfo(tuple(dims), dtype_name(t.element_type))
 
 

@@ -184,3 +184,55 @@ def _cast(spec: _Input, a: np.ndarray) -> np.ndarray:
         raise DTypeError(f"input '{spec.name}' is {a.dtype}, the model expects {dtypes.dtype_name(spec.dtype)} "
                          f"({spec.dtype}); cast it first")
     return a.astype(spec.dtype)
+
+
+@dataclass(frozen=True)
+class SizeConditions:
+    """Every symbolic size a model's values take, with the first op that makes each: a shape
+    binding checks them all once, before any kernel runs (`check`).
+
+    Shape rules compute a result's dims from the operands' symbols (a pool's L - 3, a
+    reshape's 3*B/2, a split's S - 4), and each must come out a non-negative integer at the
+    sizes of a call: a negative one made C write before its buffer, a fractional one was
+    truncated. Checking every value's type here covers every rule, whichever op made it.
+    """
+
+    exprs: tuple  # ((sympy expression, what makes it), ...)
+
+    @classmethod
+    def of(cls, model) -> "SizeConditions":
+        from xdsl.dialects.builtin import TensorType
+
+        from tilegraph.ir.shapes import info_of
+
+        found: dict = {}
+        for index, op in enumerate(model.module.walk()):
+            for k, r in enumerate(op.results):
+                if not isinstance(r.type, TensorType):
+                    continue
+                info = info_of(r.type)
+                for d in info.shape:
+                    if not isinstance(d, int) and d not in found:
+                        name = f"%{r.name_hint}" if r.name_hint else f"result {k}"
+                        found[d] = f"{op.name} ({name} of op {index}, {info})"
+        return cls(tuple(found.items()))
+
+    def check(self, sizes: Mapping[str, int]) -> None:
+        """ModelError naming the op, its result and the sizes where a dim is not a
+        non-negative integer at `sizes`."""
+        if not self.exprs:
+            return
+        import sympy
+
+        from tilegraph.ir.model import ModelError
+        from tilegraph.ir.shapes import symbol
+
+        subs = {symbol(k): sympy.Integer(v) for k, v in sizes.items()}
+        for expr, where in self.exprs:
+            value = sympy.sympify(expr).xreplace(subs)
+            if value.free_symbols:  # a size only the run finds (NonZero's count): checked by its op
+                continue
+            if not (value.is_Integer and value >= 0):
+                at = ", ".join(f"{k}={v}" for k, v in sizes.items())
+                raise ModelError(f"the model cannot run at {at}: {where} has a dimension {expr} = {value}, "
+                                 "not a non-negative integer")

@@ -50,7 +50,8 @@ def _sanitized_child(mode: str, tmp_path) -> subprocess.CompletedProcess:
     env = {**os.environ, "LD_PRELOAD": lib, "TILEGRAPH_C_SANITIZE": "address",
            "TILEGRAPH_CACHE_DIR": str(tmp_path / "cache"),
            # CPython and oneDNN keep allocations until exit by design: leaks are not the question.
-           "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0:halt_on_error=1",
+           # A huge size a mutated model declares is a MemoryError (a named error), as unsanitized.
+           "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0:halt_on_error=1:allocator_may_return_null=1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     return subprocess.run([sys.executable, __file__, mode], env=env, capture_output=True, text=True, timeout=1200,
                           cwd=ROOT)
@@ -212,6 +213,44 @@ def _random_graphs():
     print("random graphs: done", flush=True)
 
 
+def _small_sizes():
+    """Random graphs with every symbolic dim bound to 1, 2 or 3 at call time, and the fuzzer's
+    shape mutations on C (tilegraph/fuzz.py's shapes_c: repeats, split sizes, pads, windows,
+    ranks rewritten): windows, splits and slices go empty or negative, which must be a
+    TilegraphError before any C runs, or a right answer; never a stray read or write."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    import tilegraph
+    from tilegraph.fuzz import Fuzzer
+    from tilegraph.ir import TilegraphError
+    from tilegraph.ir.shapes import free_symbols
+    from tilegraph.passes.registry import DEFAULT_PIPELINE
+    from tilegraph.testing import graphs, random_inputs
+
+    @settings(max_examples=15, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(model=graphs(dtype="f32"), pipeline=st.sampled_from(["", DEFAULT_PIPELINE]),
+           size=st.integers(1, 3))
+    def check(model, pipeline, size):
+        compiled = tilegraph.compile(model, target="c", pipeline=pipeline)
+        symbols = sorted(set().union(*(free_symbols(t.shape) for t in model.inputs)))
+        for sizes in ({s: size for s in symbols}, {s: 1 + (i + size) % 3 for i, s in enumerate(symbols)}):
+            inputs = random_inputs(model, seed=size, sizes=sizes)
+            try:
+                got = compiled.run(*inputs)
+            except TilegraphError:
+                continue
+            _close(model, got, inputs)
+
+    check()
+    crashes = Fuzzer().run("shapes_c", SHAPE_CASES, seed=5)
+    assert not crashes, "\n".join(crashes)
+    print(f"small sizes: done ({SHAPE_CASES} shape mutations)", flush=True)
+
+
+SHAPE_CASES = 150  # C shape mutations in the sanitized child (the long run: python -m tilegraph.fuzz)
+
+
 def _quantized():
     from tilegraph.backends.c import compile_model
     from tilegraph.ir import Graph
@@ -355,11 +394,16 @@ def _child(mode: str) -> None:
     if mode == "canary":
         _canary()
         return
+    if mode == "small":  # the small-sizes section alone (python tests/test_c_asan.py small, under ASan)
+        _small_sizes()
+        print("sanitized child: done", flush=True)
+        return
     conv, conv_model = _conv_net()
     _wrong_calls(conv, conv_model)
     _attention()
     _quantized()
     _random_graphs()
+    _small_sizes()
     _op_examples()
     print("sanitized child: done", flush=True)
 

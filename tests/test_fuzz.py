@@ -7,7 +7,7 @@ import pytest
 from tilegraph.fuzz import Fuzzer
 
 # Cases per kind here: what fits in about a minute for all four on the 2-core dev VM.
-CASES = {"mlir": 300, "onnx": 150, "npz": 150, "cli": 150}
+CASES = {"mlir": 300, "onnx": 150, "npz": 150, "cli": 150, "shapes": 150, "shapes_c": 60}
 
 
 @pytest.mark.parametrize("kind", list(CASES))

@@ -284,12 +284,12 @@ def test_a_pt2_whose_pickles_name_code_is_refused_before_torch_unpickles_it(tmp_
     from tilegraph.frontends.torch_export import load_pt2
 
     evil = _pt2_with(tmp_path, {"sample_inputs/model.pt": _Touch})
-    with pytest.raises(FrontendError, match="not plain tensor data"):
+    with pytest.raises(FrontendError, match="sample_inputs/model.pt is not what torch"):
         load_pt2(evil)
     assert not MARKER.exists()
     pickled = _pt2_with(tmp_path, {"weights_config.json": lambda: b'{"config": {"0.weight": {"path_name": '
                                                                   b'"weight_0", "is_param": true, "use_pickle": true}}}'})
-    with pytest.raises(FrontendError, match="pickled object"):
+    with pytest.raises(FrontendError, match="pickled object|not a weight record"):
         load_pt2(pickled)
     assert load_pt2(tmp_path / "plain.pt2").input_names
 

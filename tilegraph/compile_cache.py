@@ -9,6 +9,8 @@ are). Their result depends only on what the key holds:
   - the library's own source, so a changed pass never reuses an old result.
 The value is the model after the passes, as `.mlir` text and weights (`Model.save`), read
 back with `Model.load`, which parses and verifies it: nothing in the cache is run as code.
+Entries live in a folder only this user can write (`ir/cache.py`), each with a digest
+checked before it is read: an edited or damaged entry is compiled afresh, never used.
 TILEGRAPH_COMPILE_CACHE=0 turns it off.
 """
 
@@ -21,7 +23,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from tilegraph.ir.hardware import cache_dir
+from tilegraph.ir import cache
+from tilegraph.ir.cache import private_dir
 from tilegraph.ir.model import Model, weights_path
 
 MAX_BYTES = 2 << 30
@@ -60,7 +63,10 @@ def _companions(path: Path, data: bytes) -> list[Path] | None:
         for t in _get_all_tensors(onnx.load_model_from_string(data)):
             if uses_external_data(t):
                 location = next((e.value for e in t.external_data if e.key == "location"), "")
-                files.add(path.parent / location)
+                file = (path.parent / location).resolve()
+                if path.parent.resolve() not in file.parents:  # outside the model's folder: the importer
+                    return None  # refuses it, and the key must not read it first
+                files.add(file)
     except Exception:  # noqa: BLE001 - a file onnx cannot read is the importer's to report
         return None
     return sorted(files)
@@ -82,12 +88,12 @@ def key(path: Path, pipeline: str | None, hardware: str) -> str | None:
 
 
 def _entry(k: str) -> Path:
-    return cache_dir() / "compiled" / f"{k}.mlir"
+    return private_dir("compiled") / f"{k}.mlir"
 
 
 def lookup(k: str) -> Model | None:
     path = _entry(k)
-    if not path.is_file():
+    if not (cache.verified(path) and cache.verified(weights_path(path))):  # absent, damaged or edited
         return None
     try:
         model = Model.load(path)
@@ -103,8 +109,8 @@ def store(k: str, model: Model) -> None:
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         saved = model.save(Path(tmp) / path.name)
         # The weights first: an entry exists once its .mlir does.
-        os.replace(weights_path(saved), weights_path(path))
-        os.replace(saved, path)
+        cache.place(weights_path(saved), weights_path(path))
+        cache.place(saved, path)
     _trim(path.parent)
 
 
@@ -122,5 +128,5 @@ def _trim(folder: Path) -> None:
         if total <= MAX_BYTES:
             break
         for part in (f, weights_path(f)):
-            part.unlink(missing_ok=True)
+            cache.remove(part)
         total -= size

@@ -12,7 +12,14 @@ Kinds:
   npz    the weights file beside a .mlir and a calibration samples file, as bytes
          mutated or as odd arrays (wrong dtypes, shapes, names, non-finite values);
   cli    `tilegraph` and `tilegraph-opt` command lines drawn from their options with odd
-         values, run in this process.
+         values, run in this process;
+  shapes, shapes_c   a valid ONNX model of shape-making ops (Tile, Split, Pad, MaxPool,
+         Reshape, Concat, Slice, MatMul, Gather) with its sizes rewritten: entries of its
+         integer tensors (repeats, split sizes, pads, shape, slice bounds), integer attributes
+         (windows, strides, axes), input dims and ranks; compiled for NumPy (shapes) or C
+         (shapes_c) and run with every symbolic dim bound to 1, 2 or 3, so that windows,
+         splits and slices go empty or negative. Under TILEGRAPH_C_SANITIZE=address (the
+         AddressSanitizer child of tests/test_c_asan.py) shapes_c checks memory too.
 
 A case passes when it succeeds or fails with one of the errors a user is meant to see
 (tilegraph.reporting.user_errors(): TilegraphError and the parser's and verifier's; for
@@ -34,7 +41,9 @@ from typing import Callable
 
 import numpy as np
 
-KINDS = ("mlir", "onnx", "npz", "cli")
+KINDS = ("mlir", "onnx", "npz", "cli", "shapes", "shapes_c")
+# Sizes a shape mutation writes: small, zero, negative, one past, huge.
+SHAPE_INTS = [-(2 ** 62), -7, -3, -2, -1, 0, 1, 2, 3, 4, 5, 8, 13, 2 ** 31, 2 ** 62]
 # Strings a broken exporter or an attacker writes: line breaks, quotes, code, huge numbers.
 ODD_STRINGS = ["", "x", "\n", "\x00", '"', "'''", "*/", "\u2028", "B", "?", "-1", "0", "1e309", "nan",
                "__import__('os')", "9" * 40, "é", "tensor<", "%0", "{", "}"]
@@ -109,6 +118,68 @@ def seed_onnx():
                                               helper.make_tensor_value_info("ids", TensorProto.INT64, ["B"])],
                               [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+def seed_shapes_onnx():
+    """Valid, symbolic, and made of the ops whose sizes come from the file: what the shape
+    mutations rewrite."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    ints = lambda name, values: numpy_helper.from_array(np.array(values, np.int64), name)  # noqa: E731
+    inits = [ints("reps", [1, 2, 1]), ints("split", [4, 4]), ints("pads", [0, 0, 1, 0, 0, 2]),
+             ints("shape", [-1, 2]), ints("starts", [1]), ints("ends", [-1]), ints("axes", [1]),
+             ints("ids", [0, 1]), numpy_helper.from_array(rng.standard_normal((2, 3)).astype(np.float32), "w")]
+    nodes = [helper.make_node("Tile", ["x", "reps"], ["t"], name="tile"),
+             helper.make_node("MaxPool", ["t"], ["p"], name="pool", kernel_shape=[2], strides=[1]),
+             helper.make_node("Pad", ["p", "pads"], ["q"], name="pad"),
+             helper.make_node("Split", ["q", "split"], ["s0", "s1"], name="split", axis=1),
+             helper.make_node("Concat", ["s1", "s0"], ["c"], name="cat", axis=2),
+             helper.make_node("Slice", ["c", "starts", "ends", "axes"], ["sl"], name="slice"),
+             helper.make_node("Gather", ["sl", "ids"], ["g"], name="gather", axis=1),
+             helper.make_node("Reshape", ["g", "shape"], ["r"], name="reshape"),
+             helper.make_node("MatMul", ["r", "w"], ["y"], name="mm")]
+    graph = helper.make_graph(nodes, "shapes", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 4, "L"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def mutate_shapes(proto, rng: np.random.Generator) -> None:
+    """One rewrite of a size: an entry of an integer initializer, an integer attribute, an
+    input dim (a number, a symbol, or the rank itself)."""
+    from onnx import numpy_helper
+
+    graph = proto.graph
+    pick = lambda seq: seq[int(rng.integers(0, len(seq)))]  # noqa: E731
+    choice = int(rng.integers(0, 3))
+    if choice == 0:
+        t = pick([t for t in graph.initializer if t.data_type == 7])  # INT64
+        a = numpy_helper.to_array(t).copy()
+        if a.size and rng.random() < 0.8:
+            a.reshape(-1)[int(rng.integers(0, a.size))] = pick(SHAPE_INTS)
+        else:  # grown or shrunk
+            a = np.append(a, pick(SHAPE_INTS)) if rng.random() < 0.5 or not a.size else a[:-1]
+        t.CopyFrom(numpy_helper.from_array(a.astype(np.int64), t.name))
+    elif choice == 1:
+        node = pick([n for n in graph.node if any(at.type in (2, 7) for at in n.attribute)])  # INT, INTS
+        attr = pick([at for at in node.attribute if at.type in (2, 7)])
+        if attr.type == 2:
+            attr.i = pick(SHAPE_INTS)
+        elif attr.ints:
+            attr.ints[int(rng.integers(0, len(attr.ints)))] = pick(SHAPE_INTS)
+    else:
+        dims = graph.input[0].type.tensor_type.shape.dim
+        r = rng.random()
+        if r < 0.2 and len(dims) < 14:
+            dims.add().dim_value = int(rng.integers(1, 4))
+        elif r < 0.35 and len(dims) > 1:
+            del dims[int(rng.integers(0, len(dims)))]
+        else:
+            d = dims[int(rng.integers(0, len(dims)))]
+            if rng.random() < 0.5:
+                d.dim_param = pick(["B", "L", "S", "N"])
+            else:
+                d.dim_value = pick([v for v in SHAPE_INTS if 0 <= v <= 13])  # inputs the harness can make
 
 
 # --- running one model -------------------------------------------------------------------------
@@ -278,6 +349,31 @@ class Fuzzer:
         self._case = {"model.onnx": data}
         _compile_and_run(lambda: from_onnx(data), rng)
         return self._case
+
+    def shapes_case(self, rng: np.random.Generator, target: str = "numpy") -> dict[str, bytes]:
+        import onnx
+
+        import tilegraph
+        from tilegraph.frontends.onnx import from_onnx
+        from tilegraph.ir.shapes import free_symbols
+        from tilegraph.testing import random_inputs
+
+        if getattr(self, "_shapes", None) is None:
+            self._shapes = seed_shapes_onnx().SerializeToString()
+        proto = onnx.load_model_from_string(self._shapes)
+        for _ in range(int(rng.integers(1, 4))):
+            mutate_shapes(proto, rng)
+        data = proto.SerializeToString()
+        self._case = {"model.onnx": data}
+        compiled = tilegraph.compile(from_onnx(data), target=target, pipeline=None if rng.random() < 0.3 else "")
+        symbols = sorted(set().union(*(free_symbols(t.shape) for t in compiled.model.inputs)))
+        for _ in range(2):  # two bindings: small sizes make windows, splits and slices empty or negative
+            sizes = {name: int(rng.integers(1, 4)) for name in symbols}
+            compiled.run(*random_inputs(compiled.model, seed=int(rng.integers(1 << 30)), sizes=sizes, int_high=2))
+        return self._case
+
+    def shapes_c_case(self, rng: np.random.Generator) -> dict[str, bytes]:
+        return self.shapes_case(rng, target="c")
 
     def npz_case(self, rng: np.random.Generator) -> dict[str, bytes]:
         from tilegraph.cli.quantize import _calibration_batches

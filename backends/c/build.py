@@ -24,8 +24,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from tilegraph.ir import cache
 from tilegraph.ir.errors import TilegraphError
-from tilegraph.ir.hardware import cache_dir
 
 RUNTIME_H = Path(__file__).with_name("runtime.h")
 RUNTIME_C = Path(__file__).with_name("runtime.c")
@@ -113,8 +113,8 @@ def runtime(cflags: list[str] | None = None) -> Path:
     cflags = flags() if cflags is None else cflags
     with _runtime_lock:
         key = _key(_toolchain_id(), " ".join(cflags), RUNTIME_H.read_text(), RUNTIME_C.read_text())
-        target = cache_dir() / "c" / f"tgrt_{key}.so"
-        if not target.exists():
+        target = cache.private_dir("c") / f"tgrt_{key}.so"
+        if not cache.verified(target):  # absent, or damaged, edited or planted: built afresh
             # The soname is the file's name: a module records it and finds it beside itself.
             _compile(RUNTIME_C.read_text(), target, cflags, [f"-Wl,-soname,{target.name}"],
                      "the runtime (runtime.c)")
@@ -145,8 +145,8 @@ def build(source: str) -> Path:
     rt = runtime(cflags)  # (also when the module is cached: it is the module's dependency)
     cflags = cflags + MODULE_OPT
     # rt.name holds the runtime's key: the toolchain, the base flags, runtime.h and runtime.c.
-    target = cache_dir() / "c" / f"tg_{_key(rt.name, ' '.join(cflags), source)}.so"
-    if not target.exists():
+    target = rt.parent / f"tg_{_key(rt.name, ' '.join(cflags), source)}.so"
+    if not cache.verified(target):
         # Always a dependency (the caller reads tg_error and tg_set_threads through the module),
         # even where the module calls nothing of it and the linker drops unused libraries.
         link = ["-Wl,--push-state,--no-as-needed", str(rt), "-Wl,--pop-state", "-Wl,-rpath,$ORIGIN"]
@@ -156,7 +156,6 @@ def build(source: str) -> Path:
 
 def _compile(source: str, target: Path, cflags: list[str], link: list[str], what: str) -> None:
     include, libdir = onednn()
-    target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         src = Path(tmp) / "module.c"
         src.write_text(source)
@@ -166,4 +165,4 @@ def _compile(source: str, target: Path, cflags: list[str], link: list[str], what
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise BuildError(f"the C compiler failed on {what}:\n{done.stderr[-4000:]}")
-        os.replace(out, target)  # atomic: a concurrent build of the same key is harmless
+        cache.place(out, target)  # atomic, 0600, with its digest: a concurrent build of the same key is harmless

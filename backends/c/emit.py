@@ -47,7 +47,7 @@ from tilegraph.backends.c.views import (Buffer, Ints, Step, Unsupported, View, V
 from tilegraph.backends.lowering import table
 from tilegraph.backends.program import flatten
 from tilegraph.ir.dialect import FusionOp, TgOp
-from tilegraph.ir.model import Model
+from tilegraph.ir.model import Model, ModelError
 from tilegraph.ir.ops import OPS
 
 # What every op of the table does in this backend when it is not lowered to C: the
@@ -55,6 +55,9 @@ from tilegraph.ir.ops import OPS
 # lowered in C also runs on the host in a case its lowering refuses, a dtype without
 # a C type or a layout it does not take; tests/test_c_backend.py checks each op
 # lowered here runs natively on at least one of its examples.)
+# The largest attention block the kernel takes: runtime.h's TG_MAX_BLOCK (which says why).
+MAX_ATTENTION_BLOCK = 16384
+
 HOST_FALLBACK = {
     "einsum": "NumPy's einsum on the host",
     "scatter_elements": "host", "scatter_nd": "host",
@@ -278,6 +281,12 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized):
         out = self._laid_out_for_reader(op, self._temp(info))
         group = op.parent_op()
         tile = group.tile() if isinstance(group, FusionOp) else {}  # the flash blocks `tile` chose
+        blocks = [tile.get("block_q", 64), tile.get("block_kv", 64)]
+        # Read from the IR (a .mlir file, a cache entry), not only written by `tile`: a zero
+        # divides, a negative or a huge one overflows the kernel's working block.
+        if not all(type(b) is int and 1 <= b <= MAX_ATTENTION_BLOCK for b in blocks):
+            raise ModelError(f"attention's tile has block_q, block_kv = {blocks}; each must be an integer in "
+                             f"[1, {MAX_ATTENTION_BLOCK}]")
         batch = info.shape[:-2]
         lq, lk = q.shape[-2], k.shape[-2]
 
@@ -303,8 +312,7 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized):
             f"{mask_ptr}, {self.ptr(out, False)}, {self.ints(lq)}, {self.ints(lk)}, {self.ints(q.shape[-1])}, "
             f"{self.ints(v.shape[-1])}, {self.ints(q.strides[-2])}, {self.ints(k.strides[-2])}, "
             f"{self.ints(v.strides[-2])}, {self.ints(out.strides[-2])}, {mask_kind}, {self.ints(mr)}, {self.ints(mc)}, "
-            f"{c_float(op.attr('scale'), 'f32')}, {int(bool(op.attr('causal')))}, {tile.get('block_q', 64)}, "
-            f"{tile.get('block_kv', 64)})) return 1;",
+            f"{c_float(op.attr('scale'), 'f32')}, {int(bool(op.attr('causal')))}, {blocks[0]}, {blocks[1]})) return 1;",
             "}",
         ]
         self._step(_describe(op), lines, [q, k, v] + ([mask] if mask is not None else []), [out])
@@ -391,7 +399,11 @@ def emit_program(model: Model, name: str | None = None, per_step: bool = False) 
               "    if (!st) return NULL;",
               "    st->packs = packs;",
               "    if (tg_state_init(st, s, p)) { free(st); return NULL; }",
-              "    return st;", "}", ""]
+              "    return st;", "}", "",
+              "void tg_state_free(void *state) {  /* a binding the runtime evicts */",
+              "    tg_state *st = state;",
+              f"    for (int i = 0; i < {nprim}; i++) tg_prim_destroy(&st->prim[i]);",
+              "    free(st);", "}", ""]
     plan: list[tuple[str, int]] = []
     segments: list[list[int]] = []
     for i, step in enumerate(em.steps):

@@ -304,7 +304,8 @@ class Groups(EmitterParts):
             raise Unsupported("softmax over a leading axis")
         if not self.is_contiguous(x):
             raise Unsupported("row op on a strided view")
-        out = x if in_place else self._temp(info)
+        # In place only on a temporary: an input, weight or constant is not the module's to write.
+        out = x if in_place and self.buffers[x.buf].kind == "temp" else self._temp(info)
         n = numel(x.shape[axis:])
         rows = numel(x.shape[:axis])
         if op.op_name == "softmax":

@@ -127,7 +127,7 @@ static dnnl_memory_desc_t tg_md(int nd, const int64_t *dims, const int64_t *stri
     dnnl_memory_desc_t md = NULL;
     dnnl_dims_t d, s;
     int64_t st[TG_MAX_DIMS];
-    if (nd > TG_MAX_DIMS) return NULL;
+    if (nd < 0 || nd > TG_MAX_DIMS) return NULL; /* st, d and s hold TG_MAX_DIMS entries */
     for (int i = 0; i < nd; i++) st[i] = strides[i];
     tg_unit_strides(nd, dims, st);
     for (int i = 0; i < nd; i++) { d[i] = dims[i]; s[i] = st[i]; }
@@ -138,6 +138,7 @@ static dnnl_memory_desc_t tg_md(int nd, const int64_t *dims, const int64_t *stri
 static dnnl_memory_desc_t tg_md_any(int nd, const int64_t *dims, dnnl_data_type_t dt) {
     dnnl_memory_desc_t md = NULL;
     dnnl_dims_t d;
+    if (nd < 0 || nd > DNNL_MAX_NDIMS) return NULL;
     for (int i = 0; i < nd; i++) d[i] = dims[i];
     if (dnnl_memory_desc_create_with_tag(&md, nd, d, dt, dnnl_format_tag_any) != dnnl_success) return NULL;
     return md;
@@ -336,6 +337,26 @@ static int tg_prim_create(tg_prim *g, tg_pd_fn make, const void *ctx, size_t ctx
     dnnl_primitive_desc_destroy(pd);
     dnnl_primitive_attr_destroy(attr);
     return rc;
+}
+
+/* Frees what tg_prim_create made (a binding evicted from a model's cache); a zeroed
+ * tg_prim (never created) is left as is. */
+void tg_prim_destroy(tg_prim *g) {
+    dnnl_memory_t mems[] = {g->src, g->wei, g->bias, g->dst, g->wei_scales};
+    for (int i = 0; i < (int)(sizeof mems / sizeof *mems); i++)
+        if (mems[i]) dnnl_memory_destroy(mems[i]);
+    for (int i = 0; i < g->npost && i < TG_MAX_POST; i++)
+        if (g->post[i]) dnnl_memory_destroy(g->post[i]);
+    dnnl_memory_t users[] = {g->user_src, g->user_wei, g->user_dst};
+    for (int i = 0; i < 3; i++)
+        if (users[i]) dnnl_memory_destroy(users[i]);
+    dnnl_primitive_t prims[] = {g->prim, g->re_src, g->re_wei, g->re_dst};
+    for (int i = 0; i < 4; i++)
+        if (prims[i]) dnnl_primitive_destroy(prims[i]);
+    free(g->tmp_src);
+    free(g->tmp_wei);
+    free(g->tmp_dst);
+    memset(g, 0, sizeof *g);
 }
 
 /* Runs a tg_relayout reorder between the caller's buffer (user_mem, handle `user`) and
@@ -555,6 +576,11 @@ int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb
                  int64_t kr, int64_t vr, int64_t orow, int mask_kind, int64_t mr, int64_t mc, float scale,
                  int causal, int64_t bq, int64_t bk) {
     int64_t batches = 1;
+    /* Block sizes come from the IR (a .mlir file, a cache entry): the emitter checks them, and
+     * so does this, as the one place a zero (division), a negative or a huge block (the
+     * working block's size overflows) would do harm. */
+    if (bq < 1 || bk < 1 || bq > TG_MAX_BLOCK || bk > TG_MAX_BLOCK || lq < 0 || lk < 0 || d < 0 || dv < 0)
+        TG_FAIL("attention: block sizes or lengths out of range");
     for (int i = 0; i < nb; i++) batches *= bd[i];
     int64_t qblocks = (lq + bq - 1) / bq;
     int failed = 0;

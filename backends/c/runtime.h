@@ -23,6 +23,9 @@
 
 #define TG_MAX_POST 8
 #define TG_MAX_DIMS 12
+/* The largest attention block (query rows or keys) tg_attention takes: its working block
+ * of bq*bk + bq*(dv+2) floats stays far from overflow; the tile pass picks 16 to 256. */
+#define TG_MAX_BLOCK 16384
 
 extern char tg_err[1024];
 const char *tg_error(void);
@@ -65,6 +68,7 @@ typedef struct {
 } tg_prim;
 
 /* The runtime's entry points (runtime.c says what each does). */
+void tg_prim_destroy(tg_prim *g);
 int tg_prim_run(tg_prim *g, const void *src, const void *wei, const void *bias, void *dst,
                 void *const *post);
 int tg_matmul_create(tg_prim *g, int nd, const int64_t *a_dims, const int64_t *a_str, const int64_t *b_dims,

@@ -17,15 +17,17 @@ import os
 import re
 import threading
 import warnings
+from collections import OrderedDict
+from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 import sympy
 
-from tilegraph.backends.c.build import build, sanitizer
+from tilegraph.backends.c.build import BuildError, build, sanitizer
 from tilegraph.backends.c.emit import CProgram, emit_program
 from tilegraph.backends.c.views import View
-from tilegraph.ir import dtypes
+from tilegraph.ir import cache, dtypes
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.hardware import others_running
@@ -33,9 +35,13 @@ from tilegraph.ir.interpreter import GLOBALS, evaluate, run_time_sizes
 from tilegraph.ir.model import Model, ModelError
 from tilegraph.ir.ops import size_definitions
 from tilegraph.ir.shapes import ShapeError, info_of, numel
-from tilegraph.ir.signature import Signature
+from tilegraph.ir.signature import Signature, SizeConditions
 
 ALIGN = 64  # bytes: a cache line, and what oneDNN's vector loads like
+# Shape bindings a compiled model keeps (each holds an arena and oneDNN primitives): a
+# stranger's stream of distinct shapes grew a process by 650 MiB over 300 of them. A serving
+# loop uses a few shapes; a ninth evicts the least recently used, which a later call remakes.
+MAX_BINDINGS = 8
 SERIAL_WORK = 20_000_000  # a forward of fewer FLOPs plus elements written runs on one thread (~0.2 ms)
 
 
@@ -45,11 +51,18 @@ class _Binding:
     def __init__(self, module: "CompiledModel", sizes: dict[str, int]):
         prog = module.program
         em = prog.emitter
+        module.conditions.check(sizes)  # every value's dims: non-negative integers, before any C runs
         subs = {sympy.Symbol(k, integer=True, positive=True): v for k, v in sizes.items()}
         self._subs = subs
-        self.ints = np.array([int(e.xreplace(subs)) for e in em.ints.exprs] or [0], dtype=np.int64)
+        ints = [int(e.xreplace(subs)) for e in em.ints.exprs] or [0]
+        if not all(-(2 ** 63) <= v < 2 ** 63 for v in ints):  # C's int64_t sizes, strides and offsets
+            at = ", ".join(f"{k}={v}" for k, v in sizes.items()) or "its sizes"
+            raise ModelError(f"at {at}, a size, stride or offset of the C module does not fit 64 bits "
+                             f"({max(ints, key=abs)})")
+        self.ints = np.array(ints, dtype=np.int64)
         self.bases: list[np.ndarray | None] = list(module.fixed)
         elements = [int(sympy.sympify(b.elements).xreplace(subs)) for b in em.buffers]
+        self._check_extents(module, elements)
         offsets, size = _plan_arena(module, elements)
         try:
             self.arena = np.empty(size + ALIGN, dtype=np.uint8)
@@ -82,6 +95,36 @@ class _Binding:
         # Outputs copied out of the arena, a weight or a constant: their views, made once.
         self.out_views = {i: self.view(v) for i, v in enumerate(outputs)
                           if v.literal is None and i not in module._direct and self.bases[v.buf] is not None}
+
+    def _check_extents(self, module: "CompiledModel", elements: list[int]) -> None:
+        """Every view the program reads or writes lies inside its buffer at these sizes: checked
+        once per binding, so that no C kernel is handed an extent past its memory."""
+        at = lambda: ", ".join(f"{k}={v}" for k, v in self._subs.items()) or "its sizes"  # noqa: E731
+        for i, n in enumerate(elements):
+            if n < 0:
+                raise ModelError(f"at {at()}, buffer {i} of the C module would hold {n} elements")
+        memo: dict = {}
+
+        def value(e) -> int:
+            if isinstance(e, int):
+                return e
+            if e not in memo:
+                memo[e] = int(sympy.sympify(e).xreplace(self._subs))
+            return memo[e]
+
+        for v in module.views:
+            ints = [value(e) for e in (v.offset, *v.shape, *v.strides)]
+            offset, shape, strides = ints[0], ints[1:1 + v.rank], ints[1 + v.rank:]
+            if any(d < 0 for d in shape):
+                raise ModelError(f"at {at()}, a view of the C module's buffer {v.buf} would have shape {shape}")
+            if 0 in shape:
+                continue
+            low = offset + sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
+            high = offset + sum((n - 1) * s for n, s in zip(shape, strides) if s > 0)
+            if low < 0 or high >= elements[v.buf]:
+                raise ModelError(f"at {at()}, a view of the C module (shape {shape}, offset {offset}, strides "
+                                 f"{strides}) reaches elements [{low}, {high}] of buffer {v.buf}, which holds "
+                                 f"{elements[v.buf]}")
 
     def shape(self, dims) -> tuple[int, ...]:
         """Concrete sizes of symbolic dims under this binding."""
@@ -154,6 +197,12 @@ class CompiledModel:
         self._lib = library
         self._lock = threading.Lock()  # one binding's arena is shared: calls take turns
         em = program.emitter
+        for step in program.steps:  # the caller's arrays, weights and constants are read, never written
+            kept = sorted(b for b in step.writes if em.buffers[b].kind in ("input", "weight", "constant"))
+            if kept:
+                b = em.buffers[kept[0]]
+                raise ModelError(f"the C module would write into {b.kind} {b.index!r} at `{step.comment}`; a compiled "
+                                 "model never writes into an array it is given")
         self.fixed: list[np.ndarray | None] = []
         for b in em.buffers:
             if b.kind == "weight":
@@ -191,6 +240,8 @@ class CompiledModel:
         library.tg_state_new.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         library.tg_state_new.restype = ctypes.c_void_p
         library.tg_packs_new.restype = ctypes.c_void_p
+        library.tg_state_free.argtypes = [ctypes.c_void_p]
+        library.tg_state_free.restype = None
         self._packs = library.tg_packs_new()  # this model's packed weights, filled by its first binding
         if not self._packs:
             raise ModelError("out of memory creating the C module's weight table")
@@ -214,7 +265,12 @@ class CompiledModel:
         self.work = sum((op.SPEC.flop_count([info_of(v.type) for v in op.operands], op.result_infos())
                          + sum(numel(r.shape) for r in op.result_infos())
                          for op in model.module.walk() if isinstance(op, TgOp)), sympy.Integer(0))
-        self._bindings: dict[tuple, _Binding] = {}
+        self._bindings: OrderedDict[tuple, _Binding] = OrderedDict()  # least recently used first
+        self.conditions = SizeConditions.of(model)
+        # Every view a kernel or host step touches, for each binding's extent check.
+        self.views = list({id(v): v for v in (*em.views.values(), *em.outputs(),
+                                               *(x for s in program.steps for x in (*s.host_in, *s.host_out)))
+                           if v.literal is None and v.buf is not None}.values())
         self.last_threads = 0  # the threads the last call started with (_uncontended_threads)
         self._run_time_sizes = any(size_definitions(op) for op in model.func.body.block.ops)
 
@@ -237,6 +293,13 @@ class CompiledModel:
         b = self._bindings.get(key)
         if b is None:
             b = self._bindings[key] = _Binding(self, sizes)
+            while len(self._bindings) > MAX_BINDINGS:  # the least recently used goes, arena and primitives
+                _, old = self._bindings.popitem(last=False)
+                if old.state:
+                    self._lib.tg_state_free(old.state)
+                    old.state = None
+        else:
+            self._bindings.move_to_end(key)
         return b
 
     def _run(self, arrays: list[np.ndarray], sizes: dict[str, int], known: dict | None = None) -> list[np.ndarray]:
@@ -438,7 +501,16 @@ def load(source: str, weights: Mapping[str, np.ndarray], model: Model | None = N
     library = _LOADED.get(path)
     if library is None:
         _passive_openmp()
-        library = _LOADED[path] = ctypes.CDLL(path)
+        try:
+            library = ctypes.CDLL(path)
+        except OSError:  # a module that does not load (its digest matched: a half-written build) is rebuilt once
+            cache.remove(Path(path))
+            path = str(build(source))
+            try:
+                library = ctypes.CDLL(path)
+            except OSError as e:
+                raise BuildError(f"the C module built at {path} does not load: {e}") from None
+        _LOADED[path] = library
     compiled = CompiledModel(program, library, weights, model, precision)
     if threads is not None:
         compiled.set_threads(threads)

@@ -19,7 +19,7 @@ import numpy as np
 from tilegraph.ir import dtypes
 from tilegraph.ir.model import Model, ModelError
 from tilegraph.ir.shapes import ShapeError
-from tilegraph.ir.signature import Signature, index_checks
+from tilegraph.ir.signature import Signature, SizeConditions, index_checks
 
 
 # An emitted module's filename, as tracebacks and linecache show it: this, its digest, ">".
@@ -37,18 +37,28 @@ class CompiledModel:
         self.input_names = [row[0] for row in inputs]
         self.output_names = [row[0] for row in outputs]
         self.output_dtypes = [dtypes.numpy_dtype(row[2]) for row in outputs]
+        self._conditions: SizeConditions | None = None
+        self._checked_sizes: set[tuple] = set()
 
     def __call__(self, *inputs: Any, **named: Any) -> list[np.ndarray]:
         if named and inputs:
             raise ShapeError("give the inputs either all by position or all by name")
-        arrays = self.check(named if named else inputs)
+        arrays, sizes = self._signature.bind(named if named else inputs)
+        key = tuple(sorted(sizes.items()))
+        if self.model is not None and key not in self._checked_sizes:
+            # every value's dims non-negative integers at these sizes, as the C backend checks
+            if self._conditions is None:
+                self._conditions = SizeConditions.of(self.model)
+            self._conditions.check(sizes)
+            if len(self._checked_sizes) < 1024:
+                self._checked_sizes.add(key)
         try:
             return self._forward(*arrays)
         except MemoryError as e:
             # A shape the model computes may be absurd (a corrupted file's 2**40 padding):
             # name the emitted line, which names the value and its op, not NumPy's allocator.
             raise ModelError(f"out of memory running the model, at `{_emitted_line(e)}`: {e}") from None
-        except (IndexError, ValueError, TypeError, ZeroDivisionError) as e:
+        except (IndexError, ValueError, TypeError, ZeroDivisionError, OverflowError) as e:
             # Inputs valid for the signature that the model's own computation cannot take (a
             # position past its table): the emitted line names the value and its op.
             if _emitted_line(e) == "?":

@@ -48,9 +48,34 @@ def load_model(model: Any):
             if f.data_location == onnx.TensorProto.EXTERNAL and isinstance(model, (str, Path)):
                 onnx.external_data_helper.load_external_data_for_model(proto, str(Path(model).parent))
                 break
-    except (OSError, onnx.checker.ValidationError) as e:  # missing, or outside the model's folder
+    except (OSError, ValueError, TypeError, onnx.checker.ValidationError) as e:
+        # missing, outside the model's folder, or an offset or length past the file or malformed
         raise FrontendError(f"cannot read the external data of {model}: {e}") from None
+    newest = onnx.defs.onnx_opset_version()
+    for o in proto.opset_import:
+        if o.domain in DEFAULT_DOMAINS and not 1 <= o.version <= newest:
+            raise FrontendError(f"{model} imports opset {o.version} of the default domain; the ONNX installed "
+                                f"here defines opsets 1 to {newest}")
+    _check_single_writers(proto.graph, model)
     return proto
+
+
+def _check_single_writers(graph, model) -> None:
+    """Every value of a graph (and of each subgraph) is written once: by one node, or as a
+    graph input or initializer. A second writer makes which one a reader sees an accident."""
+    written = {v.name: "a graph input" for v in graph.input}
+    written.update((t.name, "an initializer") for t in graph.initializer)
+    for node in graph.node:
+        for name in node.output:
+            if not name:
+                continue  # an optional output left out
+            if name in written:
+                raise FrontendError(f"{model}: value {name!r} is written by node {node.name or node.op_type!r} "
+                                    f"and by {written[name]}; a value has one writer")
+            written[name] = f"node {node.name or node.op_type!r}"
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.HasField("g") else list(attr.graphs):
+                _check_single_writers(sub, model)
 
 
 def default_opset(proto) -> int:

@@ -33,7 +33,7 @@ What it decides, and how:
 """
 
 from tilegraph.frontends.torch_export.importer import (  # noqa: F401
-    from_exported_program, from_torch, load_pt2, refuse_pickled_code, decomposition_table, torch_dtype, to_numpy)
+    from_exported_program, from_torch, load_pt2, decomposition_table, torch_dtype, to_numpy)
 from tilegraph.frontends.torch_export.registry import CONVERTERS, UNKNOWN_NAMES  # noqa: F401
 # The converter families register themselves on import.
 from tilegraph.frontends.torch_export import creation, elementwise, layout, nn, reductions, run_time  # noqa: F401,E402

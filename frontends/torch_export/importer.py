@@ -84,55 +84,21 @@ def from_torch(module: torch.nn.Module, example_inputs: tuple, dynamic_shapes=No
     return from_exported_program(ep)
 
 
-def load_pt2(path: str | Path) -> Model:
-    """Convert a program saved with `torch.export.save`."""
-    refuse_pickled_code(path)
+def load_pt2(path: str | Path, *, trust_pickle: bool = False) -> Model:
+    """Convert a program saved with `torch.export.save`.
+
+    torch.export.load runs code a file carries in several ways (frontends/pt2_archive.py
+    lists them); torch reads only an archive rebuilt from the members of its plain layout,
+    each checked. `trust_pickle=True` hands torch the file itself, as torch.export.load
+    would: for a file you made, whose tensors torch pickled (subclasses, opaque objects)."""
+    from tilegraph.frontends.pt2_archive import checked_archive
+
+    source = str(path) if trust_pickle else checked_archive(path)
     try:
-        ep = torch.export.load(str(path))
+        ep = torch.export.load(source)
     except Exception as e:
         raise FrontendError(f"cannot load the exported program {path}: {_first_lines(e)}") from e
     return from_exported_program(ep)
-
-
-def refuse_pickled_code(path: str | Path) -> None:
-    """FrontendError unless every pickle in the .pt2 archive at `path` is plain data.
-
-    torch.export.load (torch 2.13) unpickles with weights_only=False, which runs any code a
-    pickle names: weights and constants marked `use_pickle`, custom and opaque objects, and,
-    when the restricted unpickler refuses them, the sample inputs (`.pt`, a fallback). What
-    torch.export.save writes for a plain model is tensors in raw files and one `.pt` of
-    sample inputs that the restricted (weights_only) unpickler reads; anything else is refused
-    here, before torch sees it, so that loading an untrusted .pt2 never runs its code."""
-    import io
-    import json
-    import zipfile
-
-    from torch.export.pt2_archive.constants import TENSOR_CONSTANT_FILENAME_PREFIX
-
-    try:
-        archive = zipfile.ZipFile(path)
-    except (OSError, zipfile.BadZipFile) as e:
-        raise FrontendError(f"cannot load the exported program {path}: not a .pt2 archive ({e})") from None
-    with archive:
-        for name in archive.namelist():
-            if name.endswith(("_weights_config.json", "_constants_config.json")):
-                try:
-                    entries = json.loads(archive.read(name))["config"].values()
-                except (ValueError, KeyError, TypeError, AttributeError, zipfile.BadZipFile) as e:
-                    raise FrontendError(f"cannot load the exported program {path}: {name} is malformed ({e})") from None
-                for meta in entries:
-                    pickled = not isinstance(meta, dict) or meta.get("use_pickle") is not False or (
-                        name.endswith("_constants_config.json")
-                        and not str(meta.get("path_name", "")).startswith(TENSOR_CONSTANT_FILENAME_PREFIX))
-                    if pickled:
-                        raise FrontendError(f"refusing {path}: {name} holds a pickled object, and unpickling "
-                                            "runs code; tilegraph loads .pt2 files whose weights are plain tensors")
-            elif name.endswith(".pt"):
-                try:
-                    torch.load(io.BytesIO(archive.read(name)), weights_only=True)
-                except Exception as e:  # noqa: BLE001 - whatever the restricted unpickler refuses
-                    raise FrontendError(f"refusing {path}: {name} is not plain tensor data ({_first_lines(e)}); "
-                                        "unpickling it would run code") from None
 
 
 def from_exported_program(ep: torch.export.ExportedProgram) -> Model:

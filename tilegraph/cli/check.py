@@ -65,7 +65,13 @@ def _onnxruntime(path: Path, names, inputs):
         from tilegraph.ir.errors import TilegraphError
 
         raise TilegraphError("tilegraph check needs onnxruntime: pip install 'tilegraph[onnx]'") from None
+    from tilegraph.ir.errors import TilegraphError
+
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    return session.run(None, dict(zip(names, inputs)))
+    try:
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        return session.run(None, dict(zip(names, inputs)))
+    except Exception as e:  # noqa: BLE001 - whatever onnxruntime refuses, it says why: the model is the cause
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TilegraphError(f"onnxruntime cannot run {path}, so there is nothing to compare against: {first}") from None

@@ -29,6 +29,29 @@ def refuse_overwriting(model: str | Path, *outputs: str | Path) -> None:
 
 
 
+def write_together(writers: dict) -> None:
+    """Writes {path: write(path)} so that a failure leaves none of them new: each is written
+    whole to a temporary name beside it, then moved into place in the order given (the
+    weights first: a module or model is never left without the weights it loads)."""
+    import os
+
+    made: list[tuple[Path, Path]] = []
+    try:
+        for path, write in writers.items():
+            path = Path(path)
+            tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")  # same suffix: np.savez keeps the name
+            made.append((tmp, path))
+            write(tmp)
+        for tmp, path in made:
+            try:
+                os.replace(tmp, path)
+            except OSError as e:  # named by the file the user asked for, not the temporary one
+                raise OSError(e.errno, e.strerror, str(path)) from None
+    finally:
+        for tmp, _ in made:
+            tmp.unlink(missing_ok=True)
+
+
 # Random integer inputs of `run`: masks and flags in {0, 1} (ids of an embedding span its table).
 VALID_INT_HIGH = 2
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from tilegraph.cli.common import _input_symbols, _subs, check_dims, format_count, parse_dims, refuse_overwriting
+from tilegraph.cli.common import (_input_symbols, _subs, check_dims, format_count, parse_dims, refuse_overwriting,
+                                  write_together)
+from tilegraph.ir.model import weights_path
 from tilegraph.passes.registry import with_target
 
 
@@ -15,7 +17,7 @@ def _import(args) -> int:
     refuse_overwriting(args.model, args.output, Path(args.output).with_suffix(".weights.npz"))
     model = tilegraph.import_model(args.model)
     out = Path(args.output)
-    model.save(out)
+    write_together({weights_path(out): model.weights.save, out: lambda p: p.write_text(model.text)})
     print(f"wrote {out} ({len(model.ops())} ops) and {out.with_suffix('.weights.npz').name} "
           f"({len(model.weights)} weights)")
     return 0
@@ -36,8 +38,7 @@ def _compile(args) -> int:
     report = _report(compiled, dims, hardware, imported) if args.report else []  # a bad --dim fails before anything is written
     out = Path(args.output)
     weights = out.with_suffix(".weights.npz")
-    out.write_text(compiled.source)
-    compiled.model.weights.save(weights)
+    write_together({weights: compiled.model.weights.save, out: lambda p: p.write_text(compiled.source)})
     print(f"wrote {out} ({len(compiled.source.splitlines())} lines) and {weights.name}")
     for line in report:
         print(line)

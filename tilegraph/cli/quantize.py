@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tilegraph.cli.common import format_count, refuse_overwriting
+from tilegraph.cli.common import format_count, refuse_overwriting, write_together
+from tilegraph.ir.model import weights_path
 
 
 def _quantize(args) -> int:
@@ -68,7 +69,7 @@ def _quantize(args) -> int:
         from tilegraph.backends.onnx_export import to_onnx
 
         proto = to_onnx(quantized, Path(args.export_onnx).stem)
-    quantized.save(out)
+    write_together({weights_path(out): quantized.weights.save, out: lambda p: p.write_text(quantized.text)})
     if ranges is not None:
         save_calibration(calib_path, ranges)
     layers = result.layers

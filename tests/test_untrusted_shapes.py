@@ -1,0 +1,155 @@
+"""Shapes from a stranger's file are checked where they are made, so the C backend never
+writes or reads outside its buffers: a static dim is never negative and a rank never past
+what oneDNN's arrays hold (every type made or read, `ir.shapes.check_dims`); every symbolic
+dim is a non-negative integer at a call's sizes, checked once per shape binding before any
+C runs (`ir.signature.SizeConditions`); views lie inside their buffers; attention's block
+sizes are checked where the IR is read; and no kernel writes into an array the caller owns.
+
+Each model below is an attacker's file from issue 26: on the code before these checks each
+wrote outside a buffer (a crash, heap corruption) or returned a truncated or wrong answer.
+"""
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import tilegraph
+from tilegraph.ir import interpret
+from tilegraph.ir.errors import TilegraphError
+from tilegraph.ir.model import ModelError
+from tilegraph.ir.shapes import MAX_RANK
+from tilegraph.testing import assert_close
+
+TARGETS = ["c", "numpy"]
+
+
+def _onnx(nodes, inputs, outputs, inits=()):
+    graph = helper.make_graph(nodes, "g", inputs, outputs, list(inits))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _f32(name, shape):
+    return helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+
+
+def _ints(name, values):
+    return numpy_helper.from_array(np.array(values, np.int64), name)
+
+
+STATIC = {
+    # Tile by -3 then Concat: the concat wrote before its output array ("double free or corruption")
+    "tile with a negative repeat": _onnx(
+        [helper.make_node("Tile", ["x", "r"], ["t"], name="tile"), helper.make_node("Concat", ["t", "x"], ["y"], axis=0)],
+        [_f32("x", [2, 3])], [_f32("y", None)], [_ints("r", [-3, 1])]),
+    # Split sizes -2 and 6 of 4 rows: read before and past the input
+    "split with negative sizes": _onnx(
+        [helper.make_node("Split", ["x", "s"], ["a", "b"], axis=0, name="split")],
+        [_f32("x", [4, 3])], [_f32("a", None), _f32("b", None)], [_ints("s", [-2, 6])]),
+}
+
+
+@pytest.mark.parametrize("case", STATIC)
+def test_a_negative_static_dimension_is_refused_where_its_op_is_imported(case):
+    with pytest.raises(TilegraphError, match="negative dimension"):
+        tilegraph.import_model(STATIC[case])
+
+
+@pytest.mark.parametrize("op", ["MatMul", "Conv"])
+def test_a_rank_past_what_onednn_holds_is_refused_before_any_backend(op):
+    """A batched MatMul (or a Conv) of rank 13 overflowed a 12-entry array in runtime.c."""
+    shape = [1] * (MAX_RANK - 1) + [2, 2]
+    nodes = [helper.make_node(op, ["x", "x"], ["y"])]
+    with pytest.raises(TilegraphError, match=f"rank {MAX_RANK + 1}"):
+        tilegraph.compile(_onnx(nodes, [_f32("x", shape)], [_f32("y", None)]), target="c")
+
+
+def _pool_then_concat():
+    """A window of 4 over a length L bound at call time: at L = 2 the pool's L - 3 is
+    negative; the concat after it wrote outside its output, and the sum returned a number."""
+    return _onnx([helper.make_node("MaxPool", ["x"], ["p"], kernel_shape=[4], name="pool"),
+                  helper.make_node("Concat", ["p", "x"], ["c"], axis=2, name="cat"),
+                  helper.make_node("ReduceSum", ["c"], ["y"], keepdims=0, name="sum")],
+                 [_f32("x", [1, 1, "L"])], [_f32("y", None)])
+
+
+def _reshape_minus_one():
+    """Reshape(x, [-1, 2]) of a (B, 3) input: at an odd B, 3*B/2 is no size (it was truncated
+    and the rows past it were uninitialized memory)."""
+    return _onnx([helper.make_node("Reshape", ["x", "s"], ["y"], name="reshape")],
+                 [_f32("x", ["B", 3])], [_f32("y", None)], [_ints("s", [-1, 2])])
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("make,bad,good,message", [
+    (_pool_then_concat, (1, 1, 2), (1, 1, 9), r"L=2.*L - 3 = -1"),
+    (_reshape_minus_one, (3, 3), (4, 3), r"B=3.*3\*B/2 = 9/2"),
+])
+def test_symbolic_sizes_are_checked_at_each_binding_before_any_kernel_runs(target, make, bad, good, message):
+    model = tilegraph.import_model(make())
+    f = tilegraph.compile(model, target=target)
+    x = np.random.default_rng(0).standard_normal(good).astype(np.float32)
+    assert_close(_one(f(x)), interpret(model, [x])[0], "f32", 4)
+    with pytest.raises(ModelError, match=message if target == "c" else None):
+        f(np.ones(bad, np.float32))
+    assert_close(_one(f(x)), interpret(model, [x])[0], "f32", 4)  # a refused binding leaves the model usable
+
+
+def _one(out):
+    return out if isinstance(out, np.ndarray) else out[0]
+
+
+def _attention_mlir(tmp_path, block_q):
+    from tilegraph.ir.builder import Graph
+
+    g = Graph()
+    q, k, v = (g.input(n, (2, "S", 8)) for n in "qkv")
+    model = tilegraph.compile(g.build(g.attention(q, k, v)), target="c").model
+    text = str(model)
+    assert "block_q = " in text
+    path = tmp_path / "attention.mlir"
+    path.write_text(text.replace(text[text.index("block_q = "):].split(" :")[0], f"block_q = {block_q}"))
+    return path
+
+
+@pytest.mark.parametrize("block", [0, -3, 2 ** 62])
+def test_attention_block_sizes_read_from_a_file_are_checked(tmp_path, block):
+    """Block sizes of 0, 2^62 or negative crashed with SIGFPE, overflowed the heap, or
+    returned uninitialized memory."""
+    path = _attention_mlir(tmp_path, block)
+    x = np.ones((2, 5, 8), np.float32)
+    with pytest.raises(TilegraphError, match="block"):
+        tilegraph.compile(str(path), target="c", pipeline="")(x, x, x)
+
+
+IN_PLACE = """builtin.module {
+  func.func @forward(%x: tensor<8x8xf32> {tg.name = "x"}) -> (tensor<8x8xf32> {tg.name = "a"}, tensor<8x8xf32> {tg.name = "b"}) {
+    %0 = tg.weight {name = "w"} : tensor<8x8xf32>
+    %1, %2 = tg.fusion "matmul" (%3 = %x, %4 = %0) {tile = {}} : tensor<8x8xf32>, tensor<8x8xf32> {
+      %5 = tg.matmul %4, %4 : tensor<8x8xf32>
+      %6 = tg.softmax %3 : tensor<8x8xf32>
+      tg.yield %5, %6
+    }
+    func.return %1, %2 : tensor<8x8xf32>, tensor<8x8xf32>
+  }
+}
+"""
+
+
+def test_a_crafted_fusion_never_runs_a_kernel_in_place_on_the_callers_array(tmp_path):
+    """A softmax in a GEMM's group reading the group's argument ran in place on it: the
+    caller's input array came back overwritten."""
+    path = tmp_path / "inplace.mlir"
+    path.write_text(IN_PLACE)
+    np.savez(tmp_path / "inplace.weights.npz", w=np.eye(8, dtype=np.float32))
+    x = np.arange(64, dtype=np.float32).reshape(8, 8) / 64
+    keep = x.copy()
+    try:
+        f = tilegraph.compile(str(path), target="c", pipeline="")
+        out = f(x)
+    except ModelError as e:
+        assert "never writes into an array it is given" in str(e)
+    else:
+        expected = interpret(f.model, [keep])
+        for got, want in zip(out, expected):
+            assert_close(got, want, "f32", 8)
+    np.testing.assert_array_equal(x, keep)
