@@ -1,0 +1,490 @@
+/* tilegraph C backend: matmuls on GGUF block-format weights, and a KV cache written in place
+ * and attended over (blockq.h declares them). Compiled into the runtime library (build.py).
+ *
+ * Decode reads every weight once per token, so its speed is the weights' bytes over memory
+ * bandwidth, if the arithmetic keeps up. It does here as in llama.cpp (ggml's vec_dot_q*_q8):
+ * the activation row is quantized to int8 once per matmul (a scale per 32 values, and each
+ * 32's sum), and each weight block meets it in integer dot products (AVX512-VNNI vpdpbusd,
+ * or AVX2 maddubs), one float multiply-add per 32 products. Dequantizing the weight to
+ * float in registers instead costs a conversion and a float FMA per 8 values, 4x the
+ * instructions per weight byte: benchmarks/blockq_kernels.py measures the two.
+ *
+ * The instruction set is chosen at run time (tg_blockq_isa: __builtin_cpu_supports), each
+ * variant compiled under its own #pragma GCC target from blockq_simd.h; the scalar variant
+ * here is the fallback and the tests' second opinion. */
+#ifndef TG_MAX_POST /* runtime.h has no include guard; runtime.c includes this file after it */
+#include "runtime.h"
+#endif
+#include "blockq.h"
+#include <immintrin.h>
+
+#define BQ_MAXR 4   /* activation rows sharing one unpacked weight block (a prompt's rows) */
+#define BQ_TILE 16  /* weight rows a thread takes at a time: 16 rows of K = 1536 in q4 are 15 KB, in L1 */
+/* Below this many weight bytes times rows a matmul runs on one thread: waking a sleeping
+ * OpenMP team costs some microseconds, what one core takes for ~64 KB from cache. */
+#define BQ_PARALLEL_BYTES 65536
+
+/* A row of q8 activations: q[K], a scale per 32 (d), the sums of q per 32 (s) and per 16 (s16). */
+typedef struct {
+    int8_t *q;
+    float *d;
+    int32_t *s;
+    int16_t *s16;
+} tg_q8row;
+
+typedef void (*bq_dot_fn)(const uint8_t *w, const tg_q8row *a, int R, int64_t nb, float *y);
+typedef struct {
+    void (*quantize)(const float *x, int64_t k, tg_q8row *a);
+    bq_dot_fn dot[TG_BQ_COUNT];
+} tg_bq_kernels;
+
+/* Elements per block and bytes per block of each format (GGUF's; ir/block_formats.py). */
+static const int64_t BQ_BLOCK[TG_BQ_COUNT] = {1, 1, 1, 32, 32, 32, 256, 256};
+static const int64_t BQ_BYTES[TG_BQ_COUNT] = {4, 2, 2, 18, 20, 34, 144, 210};
+
+static inline float bq_half(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0x1F) bits = sign | 0x7F800000u | (man << 13);               /* inf, NaN */
+    else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);          /* normal */
+    else if (!man) bits = sign;                                              /* zero */
+    else { float f = (float)man * (1.f / 16777216.f); memcpy(&bits, &f, 4); bits |= sign; }  /* subnormal */
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+static inline float bq_half_at(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return bq_half(h); }
+
+/* q4_k's 12 bytes: eight 6-bit scales and eight 6-bit mins (ggml's get_scale_min_k4). */
+static inline void tg_q4k_scales(const uint8_t *q, uint8_t *sc, uint8_t *mn) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = q[j] & 63;
+        mn[j] = q[j + 4] & 63;
+        sc[j + 4] = (q[j + 8] & 0x0F) | ((q[j] >> 6) << 4);
+        mn[j + 4] = (q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4);
+    }
+}
+
+/* One block of a format to floats (BQ_BLOCK[fmt] of them). */
+static void bq_dequant_block(int fmt, const uint8_t *w, float *out) {
+    switch (fmt) {
+    case TG_BQ_F32: memcpy(out, w, 4); break;
+    case TG_BQ_F16: out[0] = bq_half_at(w); break;
+    case TG_BQ_BF16: { uint32_t b = (uint32_t)(w[0] | (w[1] << 8)) << 16; memcpy(out, &b, 4); break; }
+    case TG_BQ_Q4_0: {
+        float d = bq_half_at(w);
+        for (int j = 0; j < 16; j++) {
+            out[j] = ((w[2 + j] & 0x0F) - 8) * d;
+            out[j + 16] = ((w[2 + j] >> 4) - 8) * d;
+        }
+        break;
+    }
+    case TG_BQ_Q4_1: {
+        float d = bq_half_at(w), m = bq_half_at(w + 2);
+        for (int j = 0; j < 16; j++) {
+            out[j] = (w[4 + j] & 0x0F) * d + m;
+            out[j + 16] = (w[4 + j] >> 4) * d + m;
+        }
+        break;
+    }
+    case TG_BQ_Q8_0: {
+        float d = bq_half_at(w);
+        for (int j = 0; j < 32; j++) out[j] = (int8_t)w[2 + j] * d;
+        break;
+    }
+    case TG_BQ_Q4_K: {
+        float d = bq_half_at(w), dmin = bq_half_at(w + 2);
+        uint8_t sc[8], mn[8];
+        tg_q4k_scales(w + 4, sc, mn);
+        for (int c = 0; c < 4; c++)
+            for (int l = 0; l < 32; l++) {
+                uint8_t q = w[16 + 32 * c + l];
+                out[64 * c + l] = d * sc[2 * c] * (q & 0x0F) - dmin * mn[2 * c];
+                out[64 * c + 32 + l] = d * sc[2 * c + 1] * (q >> 4) - dmin * mn[2 * c + 1];
+            }
+        break;
+    }
+    case TG_BQ_Q6_K: {
+        const uint8_t *ql = w, *qh = w + 128;
+        const int8_t *sc = (const int8_t *)(w + 192);
+        float d = bq_half_at(w + 208);
+        for (int h = 0; h < 2; h++, ql += 64, qh += 32, sc += 8, out += 128)
+            for (int l = 0; l < 32; l++) {
+                int is = l / 16;
+                int q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) - 32;
+                int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                out[l] = d * sc[is] * q1;
+                out[l + 32] = d * sc[is + 2] * q2;
+                out[l + 64] = d * sc[is + 4] * q3;
+                out[l + 96] = d * sc[is + 6] * q4;
+            }
+        break;
+    }
+    }
+}
+
+/* --- the scalar variant: the same q8 activations, each weight block dequantized --- */
+
+static void bq_quantize_scalar(const float *x, int64_t k, tg_q8row *a) {
+    int8_t *q = a->q;
+    for (int64_t b = 0; b < k / 32; b++) {
+        float amax = 0.f;
+        for (int i = 0; i < 32; i++) { float v = fabsf(x[32 * b + i]); amax = v > amax ? v : amax; }
+        float id = amax > 0.f ? 127.f / amax : 0.f;
+        int32_t h[2] = {0, 0};
+        for (int i = 0; i < 32; i++) {
+            long v = lrintf(x[32 * b + i] * id);  /* nearest, ties to even: as cvtps2dq */
+            q[32 * b + i] = (int8_t)(v > 127 ? 127 : v < -128 ? -128 : v);
+            h[i / 16] += q[32 * b + i];
+        }
+        a->d[b] = amax / 127.f;
+        a->s16[2 * b] = (int16_t)h[0];
+        a->s16[2 * b + 1] = (int16_t)h[1];
+        a->s[b] = h[0] + h[1];
+    }
+}
+
+static void bq_dot_scalar(int fmt, const uint8_t *w, const tg_q8row *a, int R, int64_t nb, float *y) {
+    float buf[256];
+    int64_t blk = BQ_BLOCK[fmt], bytes = BQ_BYTES[fmt];
+    for (int r = 0; r < R; r++) y[r] = 0.f;
+    for (int64_t b = 0; b < nb; b++, w += bytes) {
+        bq_dequant_block(fmt, w, buf);
+        for (int r = 0; r < R; r++) {
+            float acc = 0.f;
+            for (int64_t i = 0; i < blk; i++) {
+                int64_t e = b * blk + i;
+                acc += buf[i] * (a[r].q[e] * a[r].d[e / 32]);
+            }
+            y[r] += acc;
+        }
+    }
+}
+#define BQ_SCALAR(name, fmt) \
+    static void name(const uint8_t *w, const tg_q8row *a, int R, int64_t nb, float *y) { bq_dot_scalar(fmt, w, a, R, nb, y); }
+BQ_SCALAR(bq_dot_q4_0_scalar, TG_BQ_Q4_0)
+BQ_SCALAR(bq_dot_q4_1_scalar, TG_BQ_Q4_1)
+BQ_SCALAR(bq_dot_q8_0_scalar, TG_BQ_Q8_0)
+BQ_SCALAR(bq_dot_q4_k_scalar, TG_BQ_Q4_K)
+BQ_SCALAR(bq_dot_q6_k_scalar, TG_BQ_Q6_K)
+static const tg_bq_kernels bq_kernels_scalar = {
+    .quantize = bq_quantize_scalar,
+    .dot = {[TG_BQ_Q4_0] = bq_dot_q4_0_scalar, [TG_BQ_Q4_1] = bq_dot_q4_1_scalar, [TG_BQ_Q8_0] = bq_dot_q8_0_scalar,
+            [TG_BQ_Q4_K] = bq_dot_q4_k_scalar, [TG_BQ_Q6_K] = bq_dot_q6_k_scalar},
+};
+
+/* --- the SIMD variants --- */
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#define BQ_SUFFIX _avx2
+#define BQ_DP(acc, u, s) (acc) = _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1)))
+#include "blockq_simd.h"
+#undef BQ_SUFFIX
+#undef BQ_DP
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+#define BQ_SUFFIX _vnni
+#define BQ_DP(acc, u, s) (acc) = _mm256_dpbusd_epi32((acc), (u), (s))
+#include "blockq_simd.h"
+#undef BQ_SUFFIX
+#undef BQ_DP
+#pragma GCC pop_options
+
+static const tg_bq_kernels *bq_active;
+static int bq_level = -1;
+
+int tg_blockq_isa(int want) {
+    __builtin_cpu_init();
+    int have = 0;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        have = 1;  /* f16c comes with every AVX2 processor; __builtin_cpu_supports cannot name it in GCC 12 */
+        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+            have = 2;
+    }
+    int level = want < 0 || want > have ? have : want;
+    bq_active = level == 2 ? &bq_kernels_vnni : level == 1 ? &bq_kernels_avx2 : &bq_kernels_scalar;
+    bq_level = level;
+    return level;
+}
+
+static const tg_bq_kernels *bq_kernels(void) {
+    if (!bq_active) tg_blockq_isa(-1);
+    return bq_active;
+}
+
+/* A thread's scratch, grown (never shrunk) to the largest request: after a model's first
+ * step at its largest size, a step allocates nothing. */
+static __thread void *bq_scratch;
+static __thread size_t bq_scratch_size;
+static void *bq_scratch_get(size_t bytes) {
+    if (bytes > bq_scratch_size) {
+        void *p = NULL;
+        if (posix_memalign(&p, 64, bytes)) return NULL;
+        free(bq_scratch);
+        bq_scratch = p;
+        bq_scratch_size = bytes;
+    }
+    return bq_scratch;
+}
+
+static int bq_check(int fmt, int64_t K, int64_t N, int64_t row_bytes) {
+    if (fmt < 0 || fmt >= TG_BQ_COUNT) TG_FAIL("block matmul: unknown block format %d", fmt);
+    if (K < 0 || N < 0 || K % BQ_BLOCK[fmt]) TG_FAIL("block matmul: K = %lld is not a whole number of %lld-value blocks",
+                                                   (long long)K, (long long)BQ_BLOCK[fmt]);
+    if (row_bytes != K / BQ_BLOCK[fmt] * BQ_BYTES[fmt])
+        TG_FAIL("block matmul: rows of %lld bytes, but K = %lld needs %lld", (long long)row_bytes, (long long)K,
+                (long long)(K / BQ_BLOCK[fmt] * BQ_BYTES[fmt]));
+    return 0;
+}
+
+static inline float bq_f16c(uint16_t h) { return bq_half(h); }
+
+/* Float formats: the weight row converted as it is read, multiplied in float. */
+static void bq_float_rows(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t n0, int64_t n1,
+                          int64_t row_bytes, int fmt, float *y, int64_t ldy) {
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = w + n * row_bytes;
+        for (int64_t m = 0; m < M; m++) {
+            const float *xm = x + m * K;
+            float acc = 0.f;
+            if (fmt == TG_BQ_F32) {
+                const float *wr = (const float *)row;
+#pragma omp simd reduction(+ : acc)
+                for (int64_t k = 0; k < K; k++) acc += xm[k] * wr[k];
+            } else if (fmt == TG_BQ_BF16) {
+                const uint16_t *wr = (const uint16_t *)row;
+#pragma omp simd reduction(+ : acc)
+                for (int64_t k = 0; k < K; k++) {
+                    union { uint32_t u; float f; } c = {.u = (uint32_t)wr[k] << 16};
+                    acc += xm[k] * c.f;
+                }
+            } else {
+                const uint16_t *wr = (const uint16_t *)row;
+                for (int64_t k = 0; k < K; k++) acc += xm[k] * bq_f16c(wr[k]);
+            }
+            y[m * ldy + n] = acc;
+        }
+    }
+}
+
+int tg_block_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes,
+                    int fmt, float *y, int64_t ldy) {
+    if (bq_check(fmt, K, N, row_bytes)) return 1;
+    if (M <= 0 || N == 0) return 0;
+    int64_t tiles = (N + BQ_TILE - 1) / BQ_TILE;
+    int parallel = N * row_bytes * (M < 8 ? M : 8) > BQ_PARALLEL_BYTES;
+    if (BQ_BLOCK[fmt] == 1) {
+#pragma omp parallel for schedule(static) if (parallel)
+        for (int64_t t = 0; t < tiles; t++) {
+            int64_t n0 = t * BQ_TILE, n1 = n0 + BQ_TILE < N ? n0 + BQ_TILE : N;
+            bq_float_rows(x, M, K, w, n0, n1, row_bytes, fmt, y, ldy);
+        }
+        return 0;
+    }
+    const tg_bq_kernels *kern = bq_kernels();
+    /* the q8 rows: K bytes, K / 32 scales and sums, K / 16 half-sums each */
+    int64_t nb32 = K / 32, per_row = K + nb32 * 8 + nb32 * 4 + 64;
+    uint8_t *scratch = bq_scratch_get((size_t)(M * per_row + M * sizeof(tg_q8row)));
+    if (!scratch) TG_FAIL("block matmul: out of memory for %lld quantized activation rows", (long long)M);
+    tg_q8row *rows = (tg_q8row *)(scratch + M * per_row);
+#pragma omp parallel for schedule(static) if (M >= 16 && parallel)
+    for (int64_t m = 0; m < M; m++) {
+        uint8_t *base = scratch + m * per_row;
+        float *d = (float *)base;
+        int32_t *s = (int32_t *)(d + nb32);
+        int16_t *s16 = (int16_t *)(s + nb32);
+        int8_t *q = (int8_t *)(base + nb32 * 12 + 32);
+        rows[m] = (tg_q8row){q, d, s, s16};
+        kern->quantize(x + m * K, K, &rows[m]);
+    }
+    bq_dot_fn dot = kern->dot[fmt];
+    int64_t nb = K / BQ_BLOCK[fmt];
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t t = 0; t < tiles; t++) {
+        int64_t n0 = t * BQ_TILE, n1 = n0 + BQ_TILE < N ? n0 + BQ_TILE : N;
+        for (int64_t m = 0; m < M; m += BQ_MAXR) {
+            int R = M - m < BQ_MAXR ? (int)(M - m) : BQ_MAXR;
+            for (int64_t n = n0; n < n1; n++) {
+                float out[BQ_MAXR];
+                dot(w + n * row_bytes, rows + m, R, nb, out);
+                for (int r = 0; r < R; r++) y[(m + r) * ldy + n] = out[r];
+            }
+        }
+    }
+    return 0;
+}
+
+int tg_block_rows(const uint8_t *w, int64_t N, int64_t K, int64_t row_bytes, int fmt, const int64_t *idx,
+                  int64_t n, float *out) {
+    if (bq_check(fmt, K, N, row_bytes)) return 1;
+    for (int64_t i = 0; i < n; i++)
+        if (idx[i] < 0 || idx[i] >= N)
+            TG_FAIL("embedding lookup: index %lld is outside the table's %lld rows", (long long)idx[i], (long long)N);
+    int64_t blk = BQ_BLOCK[fmt], nb = K / blk;
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *row = w + idx[i] * row_bytes;
+        for (int64_t b = 0; b < nb; b++) bq_dequant_block(fmt, row + b * BQ_BYTES[fmt], out + i * K + b * blk);
+    }
+    return 0;
+}
+
+int tg_cache_write(void *cache, const void *x, int64_t B, int64_t Hkv, int64_t S, int64_t T, int64_t D,
+                   int64_t elem, const int64_t *pos, int64_t pstride) {
+    for (int64_t b = 0; b < B; b++) {
+        int64_t p = pos[b * pstride];
+        if (p < 0 || T < 0 || p > S - T)
+            TG_FAIL("cache write: %lld new rows at position %lld do not fit a cache of %lld", (long long)T,
+                    (long long)p, (long long)S);
+    }
+    size_t row = (size_t)(D * elem);
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < Hkv; h++)
+            memcpy((char *)cache + (size_t)((b * Hkv + h) * S + pos[b * pstride]) * row,
+                   (const char *)x + (size_t)((b * Hkv + h) * T) * row, row * (size_t)T);
+    return 0;
+}
+
+/* Decode attention: a work unit is (batch, KV head, a block of queries, a span of keys); the
+ * H / Hkv heads sharing a KV head and the block's queries all meet each key row while it is
+ * in L1, so the cache is read once per step. Keys go 64 at a time: scores, then the online
+ * softmax update (exp vectorised over the 64), then p v. With few units (one sequence, a
+ * few KV heads) the keys split into spans, combined after by their maxima and sums (as
+ * flash-decoding does), so every thread has keys to read. */
+#define CA_KEYS 64
+#define CA_QMAX 64  /* query rows per unit */
+int tg_cache_attention(const float *q, const float *k, const float *v, float *o, int64_t B, int64_t H,
+                       int64_t Hkv, int64_t T, int64_t S, int64_t D, const int64_t *pos, int64_t pstride,
+                       float scale) {
+    if (Hkv <= 0 || H % Hkv) TG_FAIL("cache attention: %lld heads do not share %lld KV heads evenly", (long long)H,
+                                      (long long)Hkv);
+    int64_t pmax = 0;
+    for (int64_t b = 0; b < B; b++) {
+        int64_t p = pos[b * pstride];
+        if (p < 0 || T < 0 || p > S - T)
+            TG_FAIL("cache attention: %lld queries at position %lld reach past a cache of %lld", (long long)T,
+                    (long long)p, (long long)S);
+        pmax = p > pmax ? p : pmax;
+    }
+    if (T == 0 || B == 0 || H == 0) return 0;
+    int64_t G = H / Hkv;
+    if (G > CA_QMAX) TG_FAIL("cache attention: %lld heads per KV head (at most %d)", (long long)G, CA_QMAX);
+    if (T > 16) {
+        /* a prompt: many query blocks, each a few small GEMMs (tg_attention, on oneDNN's sgemm);
+         * the G heads of a KV head are a batch dim of stride 0 in K and V */
+        int64_t bd[2] = {Hkv, G}, qb[2] = {G * T * D, T * D}, kb[2] = {S * D, 0}, mb[2] = {0, 0};
+        for (int64_t b = 0; b < B; b++)  /* one call per sequence: each its own position */
+            if (tg_attention(2, bd, qb, kb, kb, mb, qb, q + b * H * T * D, k + b * Hkv * S * D, v + b * Hkv * S * D,
+                             NULL, o + b * H * T * D, T, pos[b * pstride] + T, D, D, D, D, D, D, 0, 0, 0, scale, 1,
+                             64, 256))
+                return 1;
+        return 0;
+    }
+    int64_t tq = CA_QMAX / G < T ? CA_QMAX / G : T;  /* queries per unit */
+    int64_t qblocks = (T + tq - 1) / tq, items = B * Hkv * qblocks, L = pmax + T;
+    int threads = omp_get_max_threads();
+    int64_t spans = (2 * threads + items - 1) / items, most = (L + 255) / 256;
+    spans = spans < 1 ? 1 : spans > most ? (most < 1 ? 1 : most) : spans;
+    int64_t span = (L + spans - 1) / spans;
+    span = (span + CA_KEYS - 1) / CA_KEYS * CA_KEYS;
+    int64_t QB = G * tq, unit = QB * (D + 2);
+    float *part = bq_scratch_get((size_t)(items * spans * unit) * sizeof(float));
+    if (!part) TG_FAIL("cache attention: out of memory for its partial sums");
+    int parallel = B * H * T * L * D > 32768;  /* below, a fork costs more than the work */
+#pragma omp parallel for collapse(2) schedule(static) if (parallel)
+    for (int64_t it = 0; it < items; it++)
+        for (int64_t sp = 0; sp < spans; sp++) {
+            int64_t b = it / (Hkv * qblocks), kh = it / qblocks % Hkv, t0 = it % qblocks * tq;
+            int64_t nt = T - t0 < tq ? T - t0 : tq, nq = G * nt, pb = pos[b * pstride];
+            float *acc = part + (it * spans + sp) * unit, *mx = acc + QB * D, *sum = mx + QB;
+            const float *kb = k + (b * Hkv + kh) * S * D, *vb = v + (b * Hkv + kh) * S * D;
+            const float *qr[CA_QMAX];
+            int64_t lim[CA_QMAX];
+            for (int64_t r = 0; r < nq; r++) {
+                int64_t g = r / nt, t = t0 + r % nt;
+                qr[r] = q + ((b * H + kh * G + g) * T + t) * D;
+                lim[r] = pb + t + 1;
+                mx[r] = -INFINITY;
+                sum[r] = 0.f;
+                for (int64_t c = 0; c < D; c++) acc[r * D + c] = 0.f;
+            }
+            int64_t j_lo = sp * span, j_hi = j_lo + span < pb + t0 + nt ? j_lo + span : pb + t0 + nt;
+            float s[CA_QMAX][CA_KEYS];
+            for (int64_t j0 = j_lo; j0 < j_hi; j0 += CA_KEYS) {
+                int64_t nk = j_hi - j0 < CA_KEYS ? j_hi - j0 : CA_KEYS;
+                for (int64_t jj = 0; jj < nk; jj++) {
+                    const float *kr = kb + (j0 + jj) * D;
+                    for (int64_t r = 0; r < nq; r++) {
+                        const float *qv = qr[r];
+                        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                        for (int64_t c = 0; c < D; c++) dot += qv[c] * kr[c];
+                        s[r][jj] = j0 + jj < lim[r] ? dot * scale : -INFINITY;
+                    }
+                }
+                for (int64_t r = 0; r < nq; r++) {
+                    float m = mx[r];
+                    for (int64_t jj = 0; jj < nk; jj++) m = s[r][jj] > m ? s[r][jj] : m;
+                    if (m == -INFINITY) {  /* every key of the block is past this query */
+                        for (int64_t jj = 0; jj < nk; jj++) s[r][jj] = 0.f;
+                        continue;
+                    }
+                    float corr = tg_expf(mx[r] - m), l = 0.f;
+                    float *sr = s[r];
+#pragma omp simd reduction(+ : l)
+                    for (int64_t jj = 0; jj < nk; jj++) {
+                        float p = tg_expf(sr[jj] - m);
+                        sr[jj] = p;
+                        l += p;
+                    }
+                    sum[r] = sum[r] * corr + l;
+                    mx[r] = m;
+                    if (corr != 1.f) {
+                        float *ar = acc + r * D;
+#pragma omp simd
+                        for (int64_t c = 0; c < D; c++) ar[c] *= corr;
+                    }
+                }
+                for (int64_t jj = 0; jj < nk; jj++) {
+                    const float *vr = vb + (j0 + jj) * D;
+                    for (int64_t r = 0; r < nq; r++) {
+                        float p = s[r][jj], *ar = acc + r * D;
+#pragma omp simd
+                        for (int64_t c = 0; c < D; c++) ar[c] += p * vr[c];
+                    }
+                }
+            }
+        }
+    /* combine the spans of each unit's queries */
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t it = 0; it < items; it++) {
+        int64_t b = it / (Hkv * qblocks), kh = it / qblocks % Hkv, t0 = it % qblocks * tq;
+        int64_t nt = T - t0 < tq ? T - t0 : tq, nq = G * nt;
+        for (int64_t r = 0; r < nq; r++) {
+            int64_t g = r / nt, t = t0 + r % nt;
+            float m = -INFINITY;
+            for (int64_t sp = 0; sp < spans; sp++) {
+                float ms = part[(it * spans + sp) * unit + QB * D + r];
+                m = ms > m ? ms : m;
+            }
+            float *out = o + ((b * H + kh * G + g) * T + t) * D, total = 0.f;
+            for (int64_t c = 0; c < D; c++) out[c] = 0.f;
+            for (int64_t sp = 0; sp < spans; sp++) {
+                const float *acc = part + (it * spans + sp) * unit;
+                float ms = acc[QB * D + r];
+                if (ms == -INFINITY) continue;
+                float wgt = tg_expf(ms - m);
+                total += wgt * acc[QB * D + QB + r];
+#pragma omp simd
+                for (int64_t c = 0; c < D; c++) out[c] += wgt * acc[r * D + c];
+            }
+            float inv = 1.f / total;
+            for (int64_t c = 0; c < D; c++) out[c] *= inv;
+        }
+    }
+    return 0;
+}
