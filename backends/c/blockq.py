@@ -69,7 +69,9 @@ def block_rows(w: np.ndarray, fmt: str, k: int, idx: np.ndarray) -> np.ndarray:
 
 
 def _positions(pos, batch: int) -> tuple[np.ndarray, int]:
-    pos = np.ascontiguousarray(pos, np.int64)
+    pos = np.array(pos, np.int64)  # (np.ascontiguousarray would make a scalar 1-d)
+    if pos.ndim > 1 or (pos.ndim == 1 and pos.size != batch):
+        raise KernelError(f"pos must be a scalar or one per sequence ({batch}), got shape {pos.shape}")
     return pos, (0 if pos.ndim == 0 else 1)
 
 
@@ -92,3 +94,28 @@ def cache_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos, scale: flo
     _check(library().tg_cache_attention(q.ctypes.data, k.ctypes.data, v.ctypes.data, o.ctypes.data, B, H, k.shape[1],
                                         T, k.shape[2], D, p.ctypes.data, stride, scale))
     return o
+
+
+# --- what the integer path computes, and how far that is from the op's float semantics ----
+
+def quantize_activations(x: np.ndarray) -> np.ndarray:
+    """x as the kernels see it (float64): each 32 values rounded to d * q, d = max|x| / 127,
+    q = round-half-even(x / d) in int8, as ggml's quantize_row_q8_0 and blockq.c's bq_quantize."""
+    x = np.asarray(x, np.float32)
+    xb = x.reshape(x.shape[:-1] + (-1, 32))
+    amax = np.abs(xb).max(-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint((xb * inv).astype(np.float32)), -128, 127)
+    return (q.astype(np.float64) * (amax / np.float32(127)).astype(np.float64)).reshape(x.shape)
+
+
+def activation_error_bound(x: np.ndarray, w_dequantized: np.ndarray) -> np.ndarray:
+    """The lowering's stated bound on |block_matmul's C result - x @ w.T| beyond float rounding:
+    each activation moves by at most half its block's step, max|x_block| / 254, so an output
+    moves by at most sum_k (max|x_block(k)| / 254) |w[n, k]|. (The float formats f32, f16, bf16
+    multiply x unquantized: no such term.)"""
+    x = np.asarray(x, np.float64)
+    xb = x.reshape(x.shape[:-1] + (-1, 32))
+    half_step = np.broadcast_to(np.abs(xb).max(-1, keepdims=True) / 254.0, xb.shape).reshape(x.shape)
+    return half_step @ np.abs(np.asarray(w_dequantized, np.float64)).T

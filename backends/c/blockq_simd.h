@@ -18,6 +18,14 @@
 #define BQ_CAT(a, b) BQ_CAT2(a, b)
 #define BQ_FN(name) BQ_CAT(name, BQ_SUFFIX)
 
+/* Each kernel's body takes R as a parameter and is inlined into wrappers where R is a
+ * constant (1: decode; BQ_MAXR: a prompt), so its accumulators live in registers. */
+#define BQ_WRAP(fmt) \
+    static void BQ_FN(bq_dot_##fmt)(const uint8_t *w, const tg_q8row *a, int R, int64_t nb, float *y) { \
+        if (R == BQ_MAXR) BQ_FN(bq_body_##fmt)(w, a, BQ_MAXR, nb, y); \
+        else for (int r = 0; r < R; r++) BQ_FN(bq_body_##fmt)(w, a + r, 1, nb, y + r); \
+    }
+
 static inline float BQ_FN(bq_hsum)(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -38,7 +46,8 @@ static inline float BQ_FN(bq_f16)(const uint8_t *p) {
 }
 
 /* q4_0: 18 bytes per 32 (f16 d, 16 bytes of nibbles q); w = d (q - 8). */
-static void BQ_FN(bq_dot_q4_0)(const uint8_t *w, const tg_q8row *a, int R, int64_t nb, float *y) {
+static inline __attribute__((always_inline)) void BQ_FN(bq_body_q4_0)(const uint8_t *w, const tg_q8row *a, const int R,
+                                                                    int64_t nb, float *y) {
     __m256 acc[BQ_MAXR];
     float off[BQ_MAXR];
     for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); off[r] = 0.f; }
@@ -58,7 +67,8 @@ static void BQ_FN(bq_dot_q4_0)(const uint8_t *w, const tg_q8row *a, int R, int64
 }
 
 /* q4_1: 20 bytes per 32 (f16 d, f16 m, nibbles q); w = d q + m. */
-static void BQ_FN(bq_dot_q4_1)(const uint8_t *w, const tg_q8row *a, int R, int64_t nb, float *y) {
+static inline __attribute__((always_inline)) void BQ_FN(bq_body_q4_1)(const uint8_t *w, const tg_q8row *a, const int R,
+                                                                    int64_t nb, float *y) {
     __m256 acc[BQ_MAXR];
     float off[BQ_MAXR];
     for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); off[r] = 0.f; }
@@ -78,7 +88,8 @@ static void BQ_FN(bq_dot_q4_1)(const uint8_t *w, const tg_q8row *a, int R, int64
 }
 
 /* q8_0: 34 bytes per 32 (f16 d, int8 q); w = d q. Signed x signed through |w| and sign(a, w). */
-static void BQ_FN(bq_dot_q8_0)(const uint8_t *w, const tg_q8row *a, int R, int64_t nb, float *y) {
+static inline __attribute__((always_inline)) void BQ_FN(bq_body_q8_0)(const uint8_t *w, const tg_q8row *a, const int R,
+                                                                    int64_t nb, float *y) {
     __m256 acc[BQ_MAXR];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 34) {
@@ -98,7 +109,8 @@ static void BQ_FN(bq_dot_q8_0)(const uint8_t *w, const tg_q8row *a, int R, int64
 /* q4_k: 144 bytes per 256 (f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of
  * nibbles); sub-block j of 32: w = d sc_j q - dmin m_j, its nibbles the low (j even) or high
  * (j odd) halves of bytes 32 (j / 2) .. 32 (j / 2) + 31. */
-static void BQ_FN(bq_dot_q4_k)(const uint8_t *w, const tg_q8row *a, int R, int64_t nb, float *y) {
+static inline __attribute__((always_inline)) void BQ_FN(bq_body_q4_k)(const uint8_t *w, const tg_q8row *a, const int R,
+                                                                    int64_t nb, float *y) {
     __m256 acc[BQ_MAXR];
     float off[BQ_MAXR];
     for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); off[r] = 0.f; }
@@ -132,7 +144,8 @@ static void BQ_FN(bq_dot_q4_k)(const uint8_t *w, const tg_q8row *a, int R, int64
  * l+64, l+96 (l < 32) take ql[l] low, ql[l+32] low, ql[l] high, ql[l+32] high and bits 0-1,
  * 2-3, 4-5, 6-7 of qh[l]. In a vpdpbusd result, lanes 0-3 sum elements 0..15 of a sub-block
  * and lanes 4-7 elements 16..31: the two scales of the sub-block, lane-wise. */
-static void BQ_FN(bq_dot_q6_k)(const uint8_t *w, const tg_q8row *a, int R, int64_t nb, float *y) {
+static inline __attribute__((always_inline)) void BQ_FN(bq_body_q6_k)(const uint8_t *w, const tg_q8row *a, const int R,
+                                                                    int64_t nb, float *y) {
     __m256 acc[BQ_MAXR];
     float off[BQ_MAXR];
     for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); off[r] = 0.f; }
@@ -210,6 +223,11 @@ static void BQ_FN(bq_quantize)(const float *x, int64_t k, tg_q8row *a) {
     }
 }
 
+BQ_WRAP(q4_0)
+BQ_WRAP(q4_1)
+BQ_WRAP(q8_0)
+BQ_WRAP(q4_k)
+BQ_WRAP(q6_k)
 static const tg_bq_kernels BQ_FN(bq_kernels) = {
     .quantize = BQ_FN(bq_quantize),
     .dot = {[TG_BQ_Q4_0] = BQ_FN(bq_dot_q4_0), [TG_BQ_Q4_1] = BQ_FN(bq_dot_q4_1), [TG_BQ_Q8_0] = BQ_FN(bq_dot_q8_0),
@@ -217,5 +235,6 @@ static const tg_bq_kernels BQ_FN(bq_kernels) = {
 };
 
 #undef BQ_FN
+#undef BQ_WRAP
 #undef BQ_CAT
 #undef BQ_CAT2
