@@ -125,7 +125,7 @@ def test_a_host_view_outside_its_buffer_is_an_error():
     """The host fallback views buffers with as_strided, which checks nothing: a view
     reaching past its buffer (an emitter bug) is a TilegraphError, not a stray read."""
     from tilegraph.backends.c import compile_model
-    from tilegraph.backends.c.emit import View
+    from tilegraph.backends.c.views import View
     from tilegraph.ir import TilegraphError
 
     model, x = _model_and_input()

@@ -357,7 +357,7 @@ def test_a_reshape_is_a_view_exactly_where_numpy_makes_one(shape, data):
     """The emitter's no-copy reshape (the split Q, K and V heads of a fused projection)
     agrees with NumPy on whether a strided view can be reshaped without a copy, and on
     the strides it then has."""
-    from tilegraph.backends.c.emit import View, _reshaped_strides
+    from tilegraph.backends.c.views import View, _reshaped_strides
 
     base = np.arange(int(np.prod(shape)) * 2, dtype=np.float32).reshape(*shape[:-1], shape[-1] * 2)
     view = np.transpose(base, data.draw(st.permutations(range(len(shape)))))

@@ -114,7 +114,7 @@ def test_compile_for_c_fuses_by_the_c_prices_and_still_computes_the_same():
 
 
 def test_the_cost_model_knows_where_c_loops_go_parallel():
-    from tilegraph.backends.c.emit import PARALLEL_MIN
+    from tilegraph.backends.c.tables import PARALLEL_MIN
 
     assert C_PARALLEL_MIN == PARALLEL_MIN
 

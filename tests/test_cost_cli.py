@@ -17,7 +17,7 @@ from tilegraph.ir import Graph
 from tilegraph.ir.dtypes import numpy_dtype
 from tilegraph.ir.shapes import info_of, numel, symbol
 from tilegraph.cli import main as tilegraph_main
-from tilegraph.cli import with_target
+from tilegraph.passes.registry import with_target
 from tilegraph.opt import main as opt_main
 
 SI = {"": 1.0, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}

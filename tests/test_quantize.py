@@ -378,7 +378,7 @@ def test_cli_quantize_calibrates_with_a_progress_bar_and_compile_reports_weight_
     assert "tg.matmul_integer" in quantized.text and (tmp_path / "enc_q.calib.npz").is_file()
     code, stdout, err = _cli(["compile", out, "-o", tmp_path / "enc_q_np.py", "--report"], capsys)
     assert code == 0, err
-    from tilegraph.cli import format_count
+    from tilegraph.cli.common import format_count
 
     line = next(l for l in stdout.splitlines() if l.startswith("weights:"))
     after, before = quantized.weights.nbytes(), model.weights.nbytes()

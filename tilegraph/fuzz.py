@@ -281,7 +281,7 @@ class Fuzzer:
         return self._case
 
     def npz_case(self, rng: np.random.Generator) -> dict[str, bytes]:
-        from tilegraph.cli import _calibration_batches
+        from tilegraph.cli.quantize import _calibration_batches
         from tilegraph.ir.model import Model
 
         model = seed_model()

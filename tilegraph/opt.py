@@ -117,8 +117,8 @@ class TilegraphOptMain(xDSLOptMain):
                                 help="where --check-semantics writes the IR before and after a divergence")
 
     def setup_pipeline(self) -> None:
-        from tilegraph.passes.registry import PASSES, parse_pipeline
-        from tilegraph.cli import parse_dims, with_target
+        from tilegraph.cli.common import parse_dims
+        from tilegraph.passes.registry import PASSES, parse_pipeline, with_target
 
         for plugin in self.args.load_pass_plugin:
             _load_plugin(plugin)
@@ -179,7 +179,7 @@ class TilegraphOptMain(xDSLOptMain):
         import time
 
         from tilegraph.check_semantics import PipelineCheck
-        from tilegraph.cli import parse_dims
+        from tilegraph.cli.common import parse_dims
         from tilegraph.ir.model import weights_of
 
         start = time.perf_counter()
@@ -256,7 +256,7 @@ class _CostPrinter:
         import sympy
 
         from tilegraph.passes.cost.model import at, module_cost
-        from tilegraph.cli import check_dims, describe_sizes, format_count, format_time, sizes_for
+        from tilegraph.cli.common import check_dims, describe_sizes, format_count, format_time, sizes_for
 
         cost = module_cost(module, self.hw)
         symbols = {s.name for s in sympy.sympify(cost.time).free_symbols}

@@ -22,7 +22,8 @@ import numpy as np
 import sympy
 
 from tilegraph.backends.c.build import build, sanitizer
-from tilegraph.backends.c.emit import CProgram, View, emit_program
+from tilegraph.backends.c.emit import CProgram, emit_program
+from tilegraph.backends.c.views import View
 from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.errors import TilegraphError

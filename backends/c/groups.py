@@ -1,0 +1,308 @@
+"""Fused groups: one step per tg.fusion (elementwise loops, row ops, rows with reductions)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sympy
+from xdsl.ir import SSAValue
+
+from tilegraph.ir.dialect import FusionOp, TgOp
+from tilegraph.ir.shapes import info_of, numel
+from tilegraph.backends.c.tables import CTYPES, FLOATS, REDUCE_INIT, REDUCE_STEP
+from tilegraph.backends.c.views import Unsupported, View, _describe, _eq, _is_one, _only_use, _row_stride, c_float, contiguous_strides
+
+
+class Groups:
+    """Lowers a tg.fusion as one step where it can."""
+
+    # --- groups -------------------------------------------------------------------------
+
+    def group(self, group: FusionOp) -> None:
+        ops = group.ops
+        env: dict[SSAValue, View] = {a: self.view(v) for a, v in zip(group.block.args, group.operands)}
+        yields = list(group.block.last_op.operands)
+        done = False
+        try:
+            if group.kind == "elementwise":
+                done = self.fused_elementwise(group, ops, env, yields) or self.fused_rows(group, ops, env, yields)
+            elif ops and ops[0].op_name in ("matmul", "conv") and group.kind in ("matmul_epilogue", "conv_epilogue",
+                                                                                  "matmul", "reduction"):
+                done = self.fused_contraction(group, ops, env, yields)
+            elif group.kind == "horizontal_matmul":
+                done = self.fused_siblings(group, ops, env, yields)
+            elif group.kind == "reduction":
+                done = self.fused_row(group, ops, env, yields) or self.fused_rows(group, ops, env, yields)
+        except Unsupported:
+            done = False
+        if not done:
+            for op in ops:
+                self.op(op, env)
+        for r, y in zip(group.results, yields):
+            self.views[r] = env[y] if y in env else self.view(y)
+
+    def _made_outside(self, op: TgOp, env: dict, computed) -> bool:
+        """A constant, or a view of a value from outside the loop: made here, not in it."""
+        if op.op_name == "constant":
+            env[op.results[0]] = self.constant(op)
+            return True
+        if op.op_name in ("reshape", "transpose", "broadcast") and op.operands[0] not in computed:
+            env[op.results[0]] = self.layout(op, [env[op.operands[0]]])[0]
+            return True
+        return False
+
+    def fused_elementwise(self, group: FusionOp, ops, env, yields) -> bool:
+        """A group of elementwise ops (and views of its inputs) as one loop. A reshape of a
+        value computed in the loop that keeps the last dim (a linear layer's 2-D product
+        back to its batch shape) is nothing in a loop over (rows, last dim)."""
+        computed: dict[SSAValue, None] = {}
+        inputs: dict[SSAValue, View] = {}
+        consumer: dict[SSAValue, tuple] = {}  # input -> the shape of the first op reading it
+        alias: dict[SSAValue, SSAValue] = {}
+        body = []
+        shape = info_of(yields[0].type).shape
+        for op in ops:
+            if op.op_name == "reshape" and op.operands[0] in computed and shape and \
+                    _eq(info_of(op.operands[0].type).shape[-1:][0] if info_of(op.operands[0].type).shape else 1,
+                        op.result_infos()[0].shape[-1:][0] if op.result_infos()[0].shape else 1):
+                alias[op.results[0]] = op.operands[0]
+                computed[op.results[0]] = None
+                continue
+            if self._made_outside(op, env, computed):
+                continue
+            if not (op.SPEC.category == "elementwise" or op.op_name == "gelu"):
+                return False
+            self._check_dtypes(op, [env[v] for v in op.operands if v in env])
+            for v in op.operands:
+                if v not in computed and v not in inputs:
+                    inputs[v] = env[v]
+                    consumer[v] = op.result_infos()[0].shape
+            computed[op.results[0]] = None
+            body.append(op)
+        if not body or any(y not in computed for y in yields):
+            return False
+        if alias:  # one loop over (rows, last dim), every operand seen that way
+            width = shape[-1]
+            if any(not _eq(info_of(op.results[0].type).shape[-1:][0] if info_of(op.results[0].type).shape else 1,
+                           width) or not _eq(numel(info_of(op.results[0].type).shape), numel(shape))
+                   for op in body) or any(not _eq(numel(info_of(y.type).shape), numel(shape)) for y in yields):
+                return False
+            rows_shape = (sympy.sympify(numel(shape)) / sympy.sympify(width), width)
+            inputs = {v: self._as_rows(self.broadcast(view, consumer[v]), rows_shape) for v, view in inputs.items()}
+            outs = [(y, self._temp(info_of(y.type))) for y in yields]
+            loop_outs = [(y, View(o.buf, o.offset, rows_shape, contiguous_strides(rows_shape), o.dtype))
+                         for y, o in outs]
+            self.elementwise(body, computed, inputs, loop_outs, group, alias)
+            env.update({y: o for y, o in outs})
+            return True
+        if any(len(info_of(y.type).shape) != len(shape) or
+               not all(_eq(a, b) for a, b in zip(info_of(y.type).shape, shape)) for y in yields):
+            return False
+        like = next((v for v in inputs.values() if self.is_channels_last(v)), None)
+        outs = [(y, self._temp(info_of(y.type), like=like)) for y in yields]
+        # Operands are named by the values the loop reads.
+        self.elementwise(body, computed, inputs, outs, group)
+        env.update({y: o for y, o in outs})
+        return True
+
+    def _as_rows(self, view: View, rows_shape) -> View:
+        """A view (broadcast to its reader's shape) as (rows, last dim): it must repeat
+        along all leading dims, or walk them as one run of rows."""
+        if view.literal is not None:
+            return self.broadcast(view, rows_shape)
+        row = _row_stride(view)
+        if row is None:
+            raise Unsupported("an operand whose rows do not collapse")
+        return View(view.buf, view.offset, tuple(rows_shape), (row, view.strides[-1]), view.dtype)
+
+    def fused_row(self, group: FusionOp, ops, env, yields) -> bool:
+        """Elementwise ops then softmax or layer_norm over the last axis: the prologue
+        as one loop into the result buffer, then the row op in place."""
+        last = ops[-1]
+        if last.op_name not in ("softmax", "layer_norm") or len(yields) != 1 or yields[0] is not last.results[0]:
+            return False
+        pro = ops[:-1]
+        x = last.operands[0]
+        if pro:
+            if any(not (o.SPEC.category == "elementwise" or o.op_name == "gelu") for o in pro) or \
+                    pro[-1].results[0] is not x:
+                return False
+            inner = {o.results[0] for o in pro}
+            if any(v in inner for o in [last] for v in o.operands[1:]):
+                return False
+            for o in pro:
+                self._check_dtypes(o, [env[v] for v in o.operands if v in env])
+            out = self._temp(info_of(x.type))
+            inputs = {}
+            for o in pro:
+                for v in o.operands:
+                    if v not in inner and v not in inputs:
+                        inputs[v] = env[v]
+            self.elementwise(pro, {r: None for r in inner}, inputs, [(x, out)], group)
+            env[x] = out
+        result = self.row_op(last, [env[v] for v in last.operands], in_place=bool(pro) and _only_use(x, last))
+        env[last.results[0]] = result
+        return True
+
+    def fused_rows(self, group: FusionOp, ops, env, yields) -> bool:
+        """Elementwise ops and reductions over the last axis (keepdims) that keep the rows
+        (an RMS norm, a hand-written softmax): one pass over the rows, each reduction a loop
+        over its row, every other value an expression computed where it is read (a row
+        stays in cache: no intermediate goes through memory)."""
+        widths: dict[SSAValue, Any] = {}  # computed value -> its last dim (the row's width, or 1)
+        inputs: dict[SSAValue, View] = {}
+        body: list[TgOp] = []
+        shapes = [info_of(y.type).shape for y in yields]
+        if not shapes or not all(shapes):
+            return False
+        full = next((sh for sh in shapes if not _is_one(sh[-1])), shapes[0])  # rows of width 1: all of them
+        lead, width = tuple(full[:-1]), full[-1]
+        for op in ops:
+            if self._made_outside(op, env, widths):
+                continue
+            shape = info_of(op.results[0].type).shape
+            if len(shape) != len(full) or not all(_eq(a, b) for a, b in zip(shape[:-1], lead)) or \
+                    not (_is_one(shape[-1]) or _eq(shape[-1], width)) or len(op.results) != 1:
+                return False
+            if op.op_name in ("reduce_sum", "reduce_mean", "reduce_max", "reduce_min"):
+                src = op.operands[0]
+                if [a % len(full) for a in op.attr("axes")] != [len(full) - 1] or not op.attr("keepdims") or \
+                        info_of(src.type).dtype not in FLOATS or not _eq(info_of(src.type).shape[-1], width):
+                    return False
+            elif not (op.SPEC.category == "elementwise" or op.op_name == "gelu"):
+                return False
+            self._check_dtypes(op, [env[v] for v in op.operands if v in env])
+            for v in op.operands:
+                if v not in widths and v not in inputs:
+                    if env[v].rank > len(full):
+                        return False
+                    inputs[v] = env[v]
+            widths[op.results[0]] = 1 if _is_one(shape[-1]) else width
+            body.append(op)
+        if not any(o.op_name.startswith("reduce_") for o in body) or any(y not in widths for y in yields):
+            return False
+        # Inputs broadcast to a row of the group: (lead..., width) or (lead..., 1).
+        reads = {v: self.broadcast(view, lead + ((1,) if _is_one(view.shape[-1]) and view.rank else (width,)))
+                 if view.rank else self.broadcast(view, lead + (1,)) for v, view in inputs.items()}
+        outs = {y: self._temp(info_of(y.type)) for y in dict.fromkeys(yields)}
+        views = list(reads.values()) + list(outs.values())
+        index = {v: k for k, v in enumerate(list(reads) + list(outs))}
+        n_lead = len(lead)
+
+        def ref(v: SSAValue, view: View, at_j: bool) -> str:
+            if view.literal is not None:
+                return view.literal
+            st = self.ints(view.strides[-1]) if at_j and not _is_one(view.shape[-1]) else "0"
+            return f"r{index[v]}[{'0' if st == '0' else 'j' if st == '1' else f'j * {st}'}]"
+
+        def row_values(targets: list[SSAValue]) -> tuple[list[str], dict]:
+            """Statements computing `targets` (full-width values) at column j, and their names."""
+            names: dict[SSAValue, str] = {}
+            need: set[SSAValue] = set()
+            stack = list(targets)
+            while stack:
+                v = stack.pop()
+                if v in need or v not in widths or widths[v] == 1:
+                    continue
+                need.add(v)
+                stack += list(v.owner.operands)
+            lines = []
+            for k, o in enumerate(body):
+                if o.results[0] in need:
+                    args = [arg(v, names) for v in o.operands]
+                    dts = [info_of(v.type).dtype for v in o.operands]
+                    lines.append(f"const {CTYPES[o.result_infos()[0].dtype]} e{k} = {self.expr(o, args, dts)};")
+                    names[o.results[0]] = f"e{k}"
+            return lines, names
+
+        scalars: dict[SSAValue, str] = {}
+
+        def arg(v: SSAValue, names: dict) -> str:
+            if v in names:
+                return names[v]
+            if v in scalars:
+                return scalars[v]
+            return ref(v, reads[v], True)
+
+        inner = []
+        for k, o in enumerate(body):
+            if widths[o.results[0]] != 1:
+                continue
+            out_t = CTYPES[o.result_infos()[0].dtype]
+            if o.op_name.startswith("reduce_"):
+                kind = o.op_name[len("reduce_"):]
+                lines, names = row_values([o.operands[0]])
+                init, step = REDUCE_INIT[kind], REDUCE_STEP[kind]
+                inner += [f"{out_t} s{k};", "{", f"    double acc = {init};",
+                          f"    for (int64_t j = 0; j < {self.ints(width)}; j++) {{",
+                          *("        " + line for line in lines),
+                          f"        const double v = {arg(o.operands[0], names)};", "        " + step, "    }",
+                          f"    s{k} = ({out_t})(" + (f"acc / (double){self.ints(width)}" if kind == "mean" else "acc")
+                          + ");", "}"]
+            else:
+                dts = [info_of(v.type).dtype for v in o.operands]
+                inner.append(f"const {out_t} s{k} = {self.expr(o, [arg(v, {}) for v in o.operands], dts)};")
+            scalars[o.results[0]] = f"s{k}"
+        full_yields = [y for y in outs if widths[y] != 1]
+        for y in outs:
+            if widths[y] == 1:
+                inner.append(f"r{index[y]}[0] = {scalars[y]};")
+        if full_yields:
+            lines, names = row_values(full_yields)
+            inner += [f"for (int64_t j = 0; j < {self.ints(width)}; j++) {{", *("    " + line for line in lines)]
+            inner += [f"    r{index[y]}[j] = {names[y]};" for y in full_yields] + ["}"]
+        lines = ["{"]
+        for k, view in enumerate(views):
+            written = k >= len(reads)
+            if view.literal is None:
+                lines.append(f"    {'' if written else 'const '}{CTYPES[view.dtype]} *b{k} = {self.ptr(view, not written)};")
+        if n_lead:
+            lines += ["    " + line for line in self._parallel_for(numel(lead) * sympy.sympify(width), n_lead)]
+            lines += [f"    for (int64_t i{d} = 0; i{d} < {self.ints(n)}; i{d}++)" for d, n in enumerate(lead)]
+        lines.append("    {")
+        for k, view in enumerate(views):
+            if view.literal is None:
+                written = k >= len(reads)
+                terms = "".join(f" + i{d} * {self.ints(view.strides[d])}" for d in range(n_lead)
+                                if self.ints(view.strides[d]) != "0")
+                lines.append(f"        {'' if written else 'const '}{CTYPES[view.dtype]} *r{k} = b{k}{terms};")
+        lines += ["        " + line for line in inner] + ["    }", "}"]
+        self._step(_describe(group), lines, list(reads.values()), list(outs.values()))
+        env.update(outs)
+        return True
+
+    def row_op(self, op: TgOp, xs: list[View], in_place: bool = False) -> View:
+        info = op.result_infos()[0]
+        if info.dtype != "f32" or any(x.dtype != "f32" for x in xs):
+            raise Unsupported("row ops in f32 only")
+        x = xs[0]
+        rank = x.rank
+        axis = op.attr("axis") % rank
+        if op.op_name == "softmax" and axis != rank - 1:
+            raise Unsupported("softmax over a leading axis")
+        if not self.is_contiguous(x):
+            raise Unsupported("row op on a strided view")
+        out = x if in_place else self._temp(info)
+        n = numel(x.shape[axis:])
+        rows = numel(x.shape[:axis])
+        if op.op_name == "softmax":
+            call = f"tg_softmax_rows({self.ptr(x)}, {self.ptr(out, False)}, {self.ints(rows)}, {self.ints(n)});"
+            reads = [x]
+        else:
+            params = []
+            reads = [x]
+            for p in xs[1:3]:
+                if p is None:
+                    params.append("NULL")
+                    continue
+                full = self.broadcast(p, x.shape[axis:])
+                if p.literal is not None or not self.is_contiguous(full):
+                    raise Unsupported("layer_norm scale or bias not one value per element of a row")
+                params.append(self.ptr(full))
+                reads.append(p)
+            while len(params) < 2:
+                params.append("NULL")
+            call = (f"tg_layer_norm_rows({self.ptr(x)}, {self.ptr(out, False)}, {params[0]}, {params[1]}, "
+                    f"{self.ints(rows)}, {self.ints(n)}, {c_float(op.attr('epsilon'), 'f32')});")
+        self._step(_describe(op), [call], reads, [out])
+        return out

@@ -1,0 +1,258 @@
+"""Reductions, gathers, copies, pools and pads as emitted loops."""
+
+from __future__ import annotations
+
+
+import sympy
+
+from tilegraph.ir.dialect import TgOp
+from tilegraph.ir.shapes import numel
+from tilegraph.backends.c.tables import CTYPES, FLOATS, REDUCE_INIT, REDUCE_STEP
+from tilegraph.backends.c.views import Unsupported, View, _describe, _eq, _is_one, c_float, contiguous_strides
+
+
+class Kernels:
+    """Ops lowered as loops of their own."""
+
+    # --- reductions, gathers, copies ----------------------------------------------------
+
+    def reduce(self, op: TgOp, x: View) -> View:
+        info = op.result_infos()[0]
+        kind = op.op_name[len("reduce_"):]
+        axes = sorted(a % x.rank for a in op.attr("axes"))  # none: nothing is reduced (np.sum(axis=()))
+        if kind == "mean" and x.dtype not in FLOATS:
+            raise Unsupported("integer mean")
+        out = self._temp(info)
+        keep = [i for i in range(x.rank) if i not in axes]
+        kept_shape = tuple(x.shape[i] for i in keep)
+        out_view = View(out.buf, 0, kept_shape, contiguous_strides(kept_shape), out.dtype)
+        red = View(x.buf, x.offset, tuple(x.shape[i] for i in axes), tuple(x.strides[i] for i in axes), x.dtype,
+                   x.literal)
+        n = numel(red.shape)
+        ctype = CTYPES[x.dtype]
+        acc_type = "double" if x.dtype in FLOATS else ctype
+        init = REDUCE_INIT[kind] if x.dtype in FLOATS or kind in ("sum", "mean") else ""
+        if not init:
+            raise Unsupported("integer max/min reduction")
+        step = REDUCE_STEP[kind]
+        finish = f"acc / (double){self.ints(n)}" if kind == "mean" else "acc"
+        # Each output element walks its reduced axes as a nest of loops.
+        kept_view = View(x.buf, x.offset, kept_shape, tuple(x.strides[i] for i in keep), x.dtype, x.literal)
+
+        def body(refs):
+            lines = [f"const {ctype} *base = &{refs[0]};", f"{acc_type} acc = {init};"]
+            idx = []
+            for i, (d, st) in enumerate(zip(red.shape, red.strides)):
+                lines.append("    " * i + f"for (int64_t k{i} = 0; k{i} < {self.ints(d)}; k{i}++)")
+                idx.append(f"k{i} * {self.ints(st)}")
+            depth = "    " * len(red.shape)
+            lines.append(depth + "{ " + f"const {acc_type} v = base[{' + '.join(idx) or '0'}]; " + step + " }")
+            lines.append(f"{refs[1]} = ({CTYPES[info.dtype]})({finish});")
+            return lines
+
+        if x.literal is not None:
+            raise Unsupported("reduction of a literal")
+        lines = self.loop(kept_shape, [(kept_view, False), (out_view, True)], body)
+        lines = [line.replace("#pragma omp simd", "") for line in lines]
+        self._step(_describe(op), lines, [x], [out])
+        return out
+
+    def gather(self, op: TgOp, table: View, ids: View) -> View:
+        """Slices of a table along an axis by index (rows: embedding lookups); an index out
+        of range is an error naming the op and the range, never a read outside the table."""
+        info = op.result_infos()[0]
+        axis = op.attr("axis") % table.rank
+        if ids.dtype not in ("i64", "i32"):
+            raise Unsupported("gather by i64 or i32 indices")
+        table, ids = (v if self.is_contiguous(v) else self.materialize(v) for v in (table, ids))
+        out = self._temp(info)
+        rows = self.ints(table.shape[axis])
+        outer = self.ints(numel(table.shape[:axis]))
+        width = self.ints(numel(table.shape[axis + 1:]))
+        count = self.ints(numel(ids.shape))
+        ctype = CTYPES[table.dtype]
+        lines = [
+            "{",
+            f"    const {CTYPES[ids.dtype]} *ids = {self.ptr(ids)};",
+            f"    const {ctype} *table = {self.ptr(table)};",
+            f"    {ctype} *out = {self.ptr(out, False)};",
+            f"    for (int64_t o = 0; o < {outer}; o++)",
+            f"    for (int64_t i = 0; i < {count}; i++) {{",
+            "        int64_t r = ids[i];",
+            f"        if (r < -{rows} || r >= {rows})",
+            f'            TG_FAIL("gather: index %lld is out of range [-%lld, %lld) of the table (step %d)", '
+            f"(long long)r, (long long){rows}, (long long){rows}, {len(self.steps)});",
+            f"        if (r < 0) r += {rows};",
+            f"        memcpy(out + (o * {count} + i) * {width}, table + (o * {rows} + r) * {width}, "
+            f"sizeof({ctype}) * {width});",
+            "    }",
+            "}",
+        ]
+        self._step(_describe(op), lines, [table, ids], [out])
+        return out
+
+    def tile(self, op: TgOp, x: View) -> View:
+        """np.tile as one copy: the output seen as (r0, d0, r1, d1, ...) reads x repeated
+        (stride 0) along each r."""
+        info = op.result_infos()[0]
+        reps = list(op.attr("repeats"))
+        if x.literal is not None or len(reps) != x.rank:
+            raise Unsupported("tile of a tensor, one repeat per dim")
+        out = self._temp(info)
+        split = tuple(d for r, n in zip(reps, x.shape) for d in (r, n))
+        dst = View(out.buf, out.offset, split, contiguous_strides(split), out.dtype)
+        src = View(x.buf, x.offset, split, tuple(st for s_ in x.strides for st in (sympy.Integer(0), s_)), x.dtype)
+        self._step(_describe(op), self.loop(split, [(src, False), (dst, True)], lambda refs: [f"{refs[1]} = {refs[0]};"]),
+                   [x], [out])
+        return out
+
+    def _nest(self, shape, skip: int | None, inner: list[str]) -> list[str]:
+        """Loops c0, c1, ... over `shape` (leaving out axis `skip`) around `inner`."""
+        dims = [d for d in range(len(shape)) if d != skip]
+        lines = [f"{'    ' * k}for (int64_t c{d} = 0; c{d} < {self.ints(shape[d])}; c{d}++)" for k, d in enumerate(dims)]
+        return lines + ["    " * len(dims) + line for line in inner]
+
+    def _at(self, view: View, coords: dict[int, str]) -> str:
+        """The element offset of `view` at C coordinate expressions (dims of size 1: 0)."""
+        terms = [f"{c} * {self.ints(view.strides[d])}" for d, c in coords.items() if not _is_one(view.shape[d])]
+        return " + ".join(terms) or "0"
+
+    def gather_elements(self, op: TgOp, x: View, ids: View) -> View:
+        """out[c] = x[c with c[axis] = ids[c]], an index out of range an error."""
+        info = op.result_infos()[0]
+        axis = op.attr("axis") % x.rank
+        if ids.dtype not in ("i64", "i32") or ids.literal is not None or x.literal is not None or any(
+                d != axis and not (_is_one(xd) or _eq(xd, od)) for d, (xd, od) in enumerate(zip(x.shape, ids.shape))):
+            raise Unsupported("gather_elements: i64/i32 indices, x as large as them but along the axis")
+        out = self._temp(info)
+        coords = {d: f"c{d}" for d in range(x.rank)}
+        rows = self.ints(x.shape[axis])
+        ctype = CTYPES[x.dtype]
+        lines = ["{", f"    const {CTYPES[ids.dtype]} *ids = {self.ptr(ids)};", f"    const {ctype} *x = {self.ptr(x)};",
+                 f"    {ctype} *out = {self.ptr(out, False)};"]
+        lines += ["    " + line for line in self._nest(info.shape, None, [
+            "{",
+            f"    int64_t r = ids[{self._at(ids, coords)}];",
+            f"    if (r < -{rows} || r >= {rows})",
+            f'        TG_FAIL("gather_elements: index %lld is out of range [-%lld, %lld) (step %d)", (long long)r, '
+            f"(long long){rows}, (long long){rows}, {len(self.steps)});",
+            f"    if (r < 0) r += {rows};",
+            f"    out[{self._at(out, coords)}] = x[{self._at(x, {**coords, axis: 'r'})}];",
+            "}"])]
+        lines.append("}")
+        self._step(_describe(op), lines, [x, ids], [out])
+        return out
+
+    def cumsum(self, op: TgOp, x: View) -> View:
+        """Running sums along an axis, in the order of the axis (or reversed), exclusive or not."""
+        info = op.result_infos()[0]
+        axis = op.attr("axis") % max(x.rank, 1)
+        if x.literal is not None or x.rank == 0:
+            raise Unsupported("cumsum of a tensor")
+        out = self._temp(info)
+        n = self.ints(x.shape[axis])
+        ctype = CTYPES[info.dtype]
+        k = f"({n} - 1 - k)" if op.attr("reverse") else "k"
+        coords = {d: f"c{d}" for d in range(x.rank) if d != axis}
+        at_x = self._at(x, {**coords, axis: k})
+        at_out = self._at(out, {**coords, axis: k})
+        step = [f"out[{at_out}] = acc;", f"acc += x[{at_x}];"] if op.attr("exclusive") else \
+            [f"acc += x[{at_x}];", f"out[{at_out}] = acc;"]
+        lines = ["{", f"    const {ctype} *x = {self.ptr(x)};", f"    {ctype} *out = {self.ptr(out, False)};"]
+        lines += ["    " + line for line in self._nest(info.shape, axis, [
+            "{", f"    {ctype} acc = 0;", f"    for (int64_t k = 0; k < {n}; k++) {{",
+            *("        " + line for line in step), "    }", "}"])]
+        lines.append("}")
+        self._step(_describe(op), lines, [x], [out])
+        return out
+
+    def concat(self, op: TgOp, xs: list[View]) -> View:
+        info = op.result_infos()[0]
+        out = self._temp(info)
+        axis = op.attr("axis") % len(info.shape)
+        start = sympy.Integer(0)
+        lines = []
+        for x in xs:
+            if x.literal is not None and x.rank:
+                raise Unsupported("concat of a literal")
+            part = View(out.buf, start * out.strides[axis], x.shape, out.strides, out.dtype)
+            lines += self.loop(x.shape, [(x, False), (part, True)], lambda refs: [f"{refs[1]} = {refs[0]};"])
+            start = start + x.shape[axis]
+        self._step(_describe(op), lines, xs, [out])
+        return out
+
+    def pool(self, op: TgOp, x: View) -> View:
+        """Max and average pools over 1-D or 2-D windows (a 1-D pool is a 2-D one of height 1)."""
+        info = op.result_infos()[0]
+        kernel = list(op.attr("kernel"))
+        nd = len(kernel)
+        if nd not in (1, 2) or x.dtype != "f32" or any(d != 1 for d in (op.attr("dilations") or [1] * nd)):
+            raise Unsupported("pools: 1-D or 2-D, f32, no dilation")
+        if op.op_name == "avg_pool" and op.attr("ceil_mode"):
+            raise Unsupported("avg_pool with ceil_mode")
+        strides = list(op.attr("strides") or [1] * nd)
+        pads = list(op.attr("pads") or [0] * (2 * nd))
+        out = self._temp(info, like=x if self.is_channels_last(x) else None)
+        channels_last = self.is_channels_last(x)
+        out_view = out
+        if nd == 1:  # (N, C, W) as (N, C, 1, W)
+            x = View(x.buf, x.offset, x.shape[:2] + (1,) + x.shape[2:], x.strides[:2] + (0,) + x.strides[2:], x.dtype)
+            out_view = View(out.buf, out.offset, out.shape[:2] + (1,) + out.shape[2:],
+                            out.strides[:2] + (0,) + out.strides[2:], out.dtype)
+            kernel, strides, pads = [1] + kernel, [1] + strides, [0, pads[0], 0, pads[1]]
+        n, c, h, w = (self.ints(d) for d in x.shape)
+        oh, ow = (self.ints(d) for d in out_view.shape[2:])
+        sn, sc, sh, sw = (self.ints(st) for st in x.strides)
+        yn, yc, yh, yw = (self.ints(st) for st in out_view.strides)
+        # channels innermost when they are contiguous in memory
+        axes = ([f"b < {n}", f"oy < {oh}", f"ox < {ow}", f"ch < {c}"] if channels_last else
+                [f"b < {n}", f"ch < {c}", f"oy < {oh}", f"ox < {ow}"])
+        is_max = op.op_name == "max_pool"
+        include_pad = is_max or op.attr("count_include_pad")
+        kh, kw = kernel
+        # The divisor: the whole window, or (count_include_pad false) the taps inside the input.
+        divisor = f"{kh * kw}.f" if include_pad else "(float)count"
+        lines = [
+            "{",
+            f"    const float *x = {self.ptr(x)};",
+            f"    float *y = {self.ptr(out, False)};",
+            *("    " + line for line in self._parallel_for(numel(info.shape), 2)),
+            *(f"    for (int64_t {a.split()[0]} = 0; {a}; {a.split()[0]}++)" for a in axes[:3]),
+            f"    for (int64_t {axes[3].split()[0]} = 0; {axes[3]}; {axes[3].split()[0]}++) {{",
+            # The window's taps inside the input, as bounds (GCC 12 at -O3 miscompiled the
+            # loop that skipped the outside taps with `continue`: averages of 3 of 4 taps).
+            f"        const int64_t y0 = oy * {strides[0]} - {pads[0]}, x0 = ox * {strides[1]} - {pads[1]};",
+            f"        const int64_t ky0 = y0 < 0 ? -y0 : 0, ky1 = {h} - y0 < {kh} ? {h} - y0 : {kh};",
+            f"        const int64_t kx0 = x0 < 0 ? -x0 : 0, kx1 = {w} - x0 < {kw} ? {w} - x0 : {kw};",
+            f"        float acc = {'-INFINITY' if is_max else '0.f'};",
+            "        for (int64_t ky = ky0; ky < ky1; ky++)",
+            "            for (int64_t kx = kx0; kx < kx1; kx++) {",
+            f"                float v = x[b * {sn} + ch * {sc} + (y0 + ky) * {sh} + (x0 + kx) * {sw}];",
+            "                " + ("acc = v > acc || v != v ? v : acc;" if is_max else "acc += v;"),
+            "            }",
+            "        const int64_t count = (ky1 > ky0 ? ky1 - ky0 : 0) * (kx1 > kx0 ? kx1 - kx0 : 0);",
+            f"        y[b * {yn} + ch * {yc} + oy * {yh} + ox * {yw}] = {'acc' if is_max else f'acc / {divisor}'};",
+            "    }",
+            "}",
+        ]
+        self._step(_describe(op), lines, [x], [out])
+        return out
+
+    def pad(self, op: TgOp, x: View) -> View:
+        """Constant padding: the output filled with the value, then x copied into its interior."""
+        pads = list(op.attr("pads"))
+        if op.attr("mode") != "constant" or any(not (isinstance(p, int) and p >= 0) for p in pads):
+            raise Unsupported("pad: constant mode, pads >= 0")
+        info = op.result_infos()[0]
+        out = self._temp(info, like=x)
+        value = op.attr("value")
+        literal = (c_float(value, info.dtype) if info.dtype in FLOATS
+                   else f"(({CTYPES[info.dtype]}){int(value)})")
+        fill = View(None, 0, out.shape, (sympy.Integer(0),) * out.rank, out.dtype, literal, value)
+        interior = View(out.buf, out.offset + sum(p * st for p, st in zip(pads, out.strides)), x.shape, out.strides,
+                        out.dtype)
+        copy = lambda refs: [f"{refs[1]} = {refs[0]};"]  # noqa: E731
+        lines = self.loop(out.shape, [(fill, False), (out, True)], copy) + \
+            self.loop(x.shape, [(x, False), (interior, True)], copy)
+        self._step(_describe(op), lines, [x], [out])
+        return out

@@ -1,0 +1,184 @@
+"""Loop nests and elementwise bodies: how the C emitter writes a loop over a view's shape."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sympy
+from xdsl.ir import SSAValue
+
+from tilegraph.ir.dialect import TgOp
+from tilegraph.ir.quant import FORMATS
+from tilegraph.ir.shapes import info_of, numel
+from tilegraph.backends.c.tables import CTYPES, C_BINARY, C_BINARY_FLOAT, C_BINARY_INT, C_UNARY_FLOAT, C_UNARY_INT, FLOATS, PARALLEL_MIN, SIMD_BLOCK
+from tilegraph.backends.c.views import Unsupported, View, _describe, _eq, _is_one
+
+
+class Loops:
+    """Loop nests over views and straight-line elementwise bodies."""
+
+    # --- loops ----------------------------------------------------------------------
+
+    def _parallel_for(self, total, loops: int) -> list[str]:
+        """The OpenMP pragma sharing `loops` nested loops of `total` work among the threads:
+        none where `total` is known and small (a team of one still costs a region)."""
+        n = sympy.sympify(total)
+        if n.is_number and int(n) <= PARALLEL_MIN:
+            return []
+        return [f"#pragma omp parallel for{f' collapse({loops})' if loops > 1 else ''} "
+                f"if ({self.ints(n)} > {PARALLEL_MIN})"]
+
+    def loop(self, shape, accesses: list[tuple[View, bool]], body) -> list[str]:
+        """A loop nest over `shape` reading and writing `accesses` (views of that shape,
+        broadcast already; flag: written). `body(refs)` gets each access's C element
+        expression and returns the innermost lines. Axes that every access walks
+        contiguously are merged; the outer loops run on OpenMP threads."""
+        order = list(range(len(shape)))
+        written = next((a for a, w in accesses if w), None)
+        # Walk memory in a channels-last output's order, unless its channels are fewer than a
+        # vector (an image's 3 planes copied into channels-last: read along rows instead).
+        if written is not None and self.is_channels_last(written) and not (
+                sympy.sympify(shape[1]).is_number and int(shape[1]) < 16 and any(not w and self.is_contiguous(a)
+                                                                   for a, w in accesses if a.literal is None)):
+            order = [0, *range(2, len(shape)), 1]
+        dims = [(shape[i], [a.strides[i] for a, _ in accesses]) for i in order if not _is_one(shape[i])]
+        merged: list[tuple[Any, list]] = []
+        for d, strides in dims:
+            if merged and all(_eq(ps, s * d) for ps, s in zip(merged[-1][1], strides)):
+                merged[-1] = (merged[-1][0] * d, strides)
+            else:
+                merged.append((d, strides))
+        lines = ["{"]
+        bases = []
+        for k, (a, written) in enumerate(accesses):
+            if a.literal is not None:
+                bases.append(None)
+                continue
+            lines.append(f"    {'' if written else 'const '}{CTYPES[a.dtype]} *b{k} = {self.ptr(a, not written)};")
+            bases.append(f"b{k}")
+        if not merged:
+            refs = [a.literal if b is None else f"{b}[0]" for (a, _), b in zip(accesses, bases)]
+            lines += ["    " + line for line in body(refs)] + ["}"]
+            return lines
+        total = numel(tuple(d for d, _ in merged))
+        outer, (inner_n, inner_strides) = merged[:-1], merged[-1]
+        indent = "    "
+        if outer:
+            lines += [indent + line for line in self._parallel_for(total, len(outer))]
+            for i, (d, _) in enumerate(outer):
+                lines.append(f"{indent}for (int64_t i{i} = 0; i{i} < {self.ints(d)}; i{i}++)")
+            lines.append(indent + "{")
+            indent += "    "
+            for k, b in enumerate(bases):
+                if b is None:
+                    continue
+                terms = [f"i{i} * {self.ints(st[k])}" for i, (_, st) in enumerate(outer) if self.ints(st[k]) != "0"]
+                const = "" if accesses[k][1] else "const "
+                lines.append(f"{indent}{const}{CTYPES[accesses[k][0].dtype]} *r{k} = {b}"
+                             + "".join(f" + {t}" for t in terms) + ";")
+            lines.append(f"{indent}#pragma omp simd")
+            loop = f"for (int64_t j = 0; j < {self.ints(inner_n)}; j++) {{"
+        elif self._parallel_for(total, 1):
+            # Blocks over the threads, each a simd loop: GCC's combined `parallel for simd`
+            # ran 10x slower on one thread, its if(false) path included.
+            n = self.ints(inner_n)
+            lines += [indent + line for line in self._parallel_for(total, 1)]
+            lines += [f"{indent}for (int64_t j0 = 0; j0 < {n}; j0 += {SIMD_BLOCK})", f"{indent}#pragma omp simd"]
+            loop = f"for (int64_t j = j0; j < (j0 + {SIMD_BLOCK} < {n} ? j0 + {SIMD_BLOCK} : {n}); j++) {{"
+        else:
+            lines.append(f"{indent}#pragma omp simd")
+            loop = f"for (int64_t j = 0; j < {self.ints(inner_n)}; j++) {{"
+        refs = []
+        for k, b in enumerate(bases):
+            if b is None:
+                refs.append(accesses[k][0].literal)
+                continue
+            row = f"r{k}" if outer else b
+            st = self.ints(inner_strides[k])
+            refs.append(f"{row}[0]" if st == "0" else f"{row}[j]" if st == "1" else f"{row}[j * {st}]")
+        lines.append(indent + loop)
+        lines += [indent + "    " + line for line in body(refs)]
+        lines.append(indent + "}")
+        if outer:
+            lines.append("    }")
+        lines.append("}")
+        return lines
+
+    # --- elementwise ------------------------------------------------------------------
+
+    def expr(self, op: TgOp, args: list[str], operand_dtypes: list[str]) -> str:
+        """The C expression of one elementwise op on C operand expressions."""
+        name, out = op.op_name, op.result_infos()[0]
+        if name == "gelu":
+            suffix = "" if out.dtype == "f32" else "_d"
+            return f"tg_gelu_{'tanh' if op.attr('approximate') == 'tanh' else 'erf'}{suffix}({args[0]})"
+        if name == "sigmoid":
+            return f"tg_sigmoid{'' if out.dtype == 'f32' else '_d'}({args[0]})"
+        if name == "cast":
+            src, dst = operand_dtypes[0], out.dtype
+            if dst == "i1":
+                return f"(({args[0]}) != 0)"
+            if src in FLOATS and dst not in FLOATS:
+                raise Unsupported("float to integer cast")
+            return f"(({CTYPES[dst]})({args[0]}))"
+        if name in ("quantize", "dequantize"):
+            ct = "double" if out.dtype == "f64" else "float"
+            x, scale = (f"(({ct})({arg}))" for arg in args[:2])
+            zp = f"(({ct})({args[2]}))" if len(args) > 2 else None
+            if name == "dequantize":
+                return f"(({x}{f' - {zp}' if zp else ''}) * {scale})"
+            fmt = FORMATS[op.attr("to")]
+            rounded = f"rintf({x} / {scale}){f' + {zp}' if zp else ''}"
+            return f"(({CTYPES[out.dtype]})tg_saturate({rounded}, {fmt.lo}.f, {fmt.hi}.f))"
+        if name == "bitwise_not" and out.dtype == "i1":  # ~ of a bool byte is 0xFE/0xFF, both true
+            return f"(!({args[0]}))"
+        if name == "add" and out.dtype == "i1":  # NumPy's True + True is True, C's is 2
+            return f"(({args[0]}) != 0 || ({args[1]}) != 0)"
+        is_float = operand_dtypes[-1] in FLOATS
+        names = dict(zip(op.SPEC.operand_names, args))
+        for templates in ((C_UNARY_FLOAT, C_BINARY_FLOAT) if is_float else (C_UNARY_INT, C_BINARY_INT)) + (C_BINARY,):
+            if name in templates:
+                f32 = operand_dtypes[-1] == "f32"
+                if name == "pow" and f32 and args[1] in ("2.0f", "3.0f"):  # a literal exponent (gelu_new's
+                    # x ** 3): products, not a libm call per element
+                    return "(" + " * ".join([f"({args[0]})"] * int(float(args[1][:-1]))) + ")"
+                return templates[name].format(**names, exp="tg_expf" if f32 else "exp", tanh="tg_tanhf" if f32 else "tanh",
+                                              erf="tg_erff" if f32 else "erf")
+        raise Unsupported(name)
+
+    def elementwise(self, ops: list[TgOp], inner: dict, inputs: dict, outputs: list[tuple[SSAValue, View]],
+                    describe, alias: dict | None = None) -> None:
+        """One loop computing `ops` (elementwise, in order) at every element of the
+        outputs' shape: `inputs` maps outside values to views, `inner` the values
+        computed in the loop, `outputs` (value, view) pairs of one shape."""
+        shape = outputs[0][1].shape
+        reads: list[View] = []
+        operand_ref: dict[SSAValue, int] = {}
+        for v, view in inputs.items():
+            if view.rank > len(shape):
+                raise Unsupported("an input larger than the loop")
+            operand_ref[v] = len(reads)
+            reads.append(self.broadcast(view, shape))
+        accesses = [(r, False) for r in reads] + [(o, True) for _, o in outputs]
+
+        def viewed(v: SSAValue) -> SSAValue:  # a view made in the loop is the value it views
+            while alias and v in alias:
+                v = alias[v]
+            return v
+
+        def body(refs):
+            lines, local = [], {}
+            for v, k in operand_ref.items():
+                local[v] = refs[k]
+            for i, op in enumerate(ops):
+                args = [local[viewed(v)] for v in op.operands]
+                dts = [info_of(v.type).dtype for v in op.operands]
+                out = op.result_infos()[0]
+                lines.append(f"const {CTYPES[out.dtype]} t{i} = {self.expr(op, args, dts)};")
+                local[op.results[0]] = f"t{i}"
+            for k, (v, _) in enumerate(outputs):
+                lines.append(f"{refs[len(reads) + k]} = {local[viewed(v)]};")
+            return lines
+
+        lines = self.loop(shape, accesses, body)
+        self._step(_describe(describe), lines, reads, [o for _, o in outputs])

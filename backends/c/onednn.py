@@ -1,0 +1,328 @@
+"""GEMMs and convolutions on oneDNN, with the epilogues oneDNN fuses; tiny GEMMs as loops."""
+
+from __future__ import annotations
+
+
+import sympy
+from xdsl.ir import SSAValue
+
+from tilegraph.ir.dialect import FusionOp, TgOp
+from tilegraph.ir.shapes import TensorInfo, info_of, numel
+from tilegraph.backends.c.tables import DNNL_BINARY, DNNL_ELTWISE, DNNL_TYPES, KNOWN, SMALL_GEMM
+from tilegraph.backends.c.views import Unsupported, View, _describe, _eq, _is_one, _only_use, _plain_strides, _row_stride, channels_last_strides
+
+
+class OneDNN:
+    """Contractions on oneDNN primitives."""
+
+    # --- GEMMs and convolutions on oneDNN ------------------------------------------------
+
+    def _posts(self, chain: list[TgOp], acc: SSAValue, env: dict, out_shape,
+               geometry) -> tuple[list[str], list[View], int]:
+        """oneDNN post-ops for the leading ops of `chain` that it can fuse: returns the C
+        initialiser lines of a tg_post array, the views their binary operands read, and
+        how many ops of the chain they cover. `geometry(view)` gives an operand, broadcast
+        to the result's shape, as the primitive's destination sees it (dims, strides)."""
+        posts, operands = [], []
+        current = acc
+        computed = {acc}  # values the primitive makes: no binary operand may be one
+        for op in chain:
+            name = op.op_name
+            if op.operands[0] is not current and not (name in ("add", "mul") and op.operands[1] is current):
+                break
+            if info_of(op.results[0].type).dtype != "f32" or len(posts) == 8:
+                break
+            other = [v for v in op.operands if v is not current]
+            if any(v in computed for v in other) or not _only_use(current, op):
+                break  # the epilogue overwrites `current`: nothing else may read it
+            if name in ("relu", "tanh", "exp", "sigmoid") and not other:
+                posts.append(f"{{0, {DNNL_ELTWISE[name]}, 0.f, 0.f, 0, {{0}}, {{0}}}}")
+            elif name == "gelu":
+                alg = DNNL_ELTWISE["gelu_tanh" if op.attr("approximate") == "tanh" else "gelu_erf"]
+                posts.append(f"{{0, {alg}, 0.f, 0.f, 0, {{0}}, {{0}}}}")
+            elif name in ("max", "min") and len(other) == 1 and \
+                    (env.get(other[0]) or self.view(other[0])).literal is not None:
+                bound = (env.get(other[0]) or self.view(other[0])).literal  # relu6 is max then min: a clip each
+                lo, hi = (bound, "INFINITY") if name == "max" else ("-INFINITY", bound)
+                posts.append(f"{{0, {DNNL_ELTWISE['clip']}, {lo}, {hi}, 0, {{0}}, {{0}}}}")
+            elif name in ("add", "mul", "sub") and len(other) == 1:
+                o = env.get(other[0]) or self.view(other[0])
+                if name == "sub" and op.operands[0] is not current:
+                    break
+                if o.dtype != "f32":
+                    break
+                if o.literal is not None:
+                    alpha, beta = ("1.f", o.literal) if name == "add" else (o.literal, "0.f") if name == "mul" \
+                        else ("1.f", f"-({o.literal})")
+                    posts.append(f"{{0, {DNNL_ELTWISE['linear']}, {alpha}, {beta}, 0, {{0}}, {{0}}}}")
+                else:
+                    if o.rank > len(out_shape):
+                        break
+                    try:
+                        dims, strides = geometry(self.broadcast(o, out_shape))
+                    except Unsupported:
+                        break
+                    # Only a whole tensor or one value per column (a bias): oneDNN 3.2's
+                    # GEMM kernels, cached by a key that omits the broadcast, gave wrong
+                    # results for a per-row-vector operand (MiniLM's attention mask) once
+                    # a kernel with a whole-tensor operand had been made. (A convolution's
+                    # per-channel operand, a folded batch norm, sent the small CNN's first
+                    # convolution to a kernel 20x slower: it runs as a loop after it.)
+                    if not (all(_is_one(d) for d in dims[:-1]) or all(not _is_one(d) or _is_one(o_d)
+                                                                      for d, o_d in zip(dims, out_shape))):
+                        break
+                    posts.append(f"{{1, {DNNL_BINARY[name]}, 0.f, 0.f, {len(dims)}, "
+                                 f"{{{', '.join(self.ints(d) for d in dims)}}}, "
+                                 f"{{{', '.join(self.ints(s) for s in strides)}}}}}")
+                    operands.append(o)
+            else:
+                break
+            current = op.results[0]
+            computed.add(current)
+            if not info_of(current.type).shape == tuple(out_shape) and \
+                    not all(_eq(a, b) for a, b in zip(info_of(current.type).shape, out_shape)):
+                posts.pop()
+                break
+        return posts, operands, len(posts)
+
+    def fused_contraction(self, group: FusionOp, ops, env, yields) -> bool:
+        """A GEMM or convolution, its epilogue on oneDNN where it fuses, the rest of the
+        group op by op on the result (in place where elementwise)."""
+        head, chain = ops[0], ops[1:]
+        xs = [env.get(v) or self.view(v) for v in head.operands]
+        self._check_dtypes(head, xs)
+        if head.op_name == "matmul":
+            result, covered = self.matmul(head, xs[0], xs[1], chain, env)
+        else:
+            result, covered = self.conv(head, xs, chain, env)
+        env[chain[covered - 1].results[0] if covered else head.results[0]] = result
+        rest = chain[covered:]
+        if rest:
+            last = rest[-1]
+            if last.op_name in ("softmax", "layer_norm") and all(o.SPEC.category == "elementwise" for o in rest[:-1]) \
+                    and self._row_prologue(rest, env, group, yields):
+                pass
+            elif not self._elementwise_rest(group, rest, env, yields):
+                for op in rest:
+                    self.op(op, env)
+        return True
+
+    def fused_siblings(self, group: FusionOp, ops, env, yields) -> bool:
+        """Sibling GEMMs of one input (a gated MLP's gate and up projections), each on
+        oneDNN, then the ops that combine them as one loop."""
+        heads = [op for op in ops if op.op_name == "matmul"]
+        rest = [op for op in ops if op.op_name != "matmul"]
+        if any(v in {r for h in heads for r in h.results} for h in heads for v in h.operands):
+            return False
+        for head in heads:
+            env[head.results[0]] = self.matmul(head, *(env.get(v) or self.view(v) for v in head.operands), [], env)[0]
+        if rest and not self._elementwise_rest(group, rest, env, yields):
+            for op in rest:
+                self.op(op, env)
+        return True
+
+    def _elementwise_rest(self, group, rest, env, yields) -> bool:
+        """The ops oneDNN's post-ops did not take, as one loop over the result (not a
+        pass over memory per op) where they are all elementwise."""
+        try:
+            return self.fused_elementwise(group, rest, env, yields)
+        except Unsupported:
+            return False
+
+    def _row_prologue(self, rest, env, group, yields) -> bool:
+        """Elementwise ops then softmax or layer_norm after a GEMM: the ops as one loop into
+        the row op's input (and into every value of theirs the group also yields), then the
+        row op, in place where it is its input's one reader."""
+        try:
+            pro, last = rest[:-1], rest[-1]
+            x = last.operands[0]
+            if pro:
+                inner = {o.results[0] for o in pro}
+                shape = info_of(x.type).shape
+                kept = [y for y in dict.fromkeys(yields) if y in inner and y is not x]
+                if x not in inner or any(v in inner for v in last.operands[1:]) or any(
+                        info_of(y.type).shape != shape for y in kept):
+                    return False  # (checked before anything is emitted)
+                inputs = {}
+                for o in pro:
+                    for v in o.operands:
+                        if v not in inner and v not in inputs:
+                            inputs[v] = env.get(v) or self.view(v)
+                outs = [(v, self._temp(info_of(v.type))) for v in [x, *kept]]
+                self.elementwise(pro, {r: None for r in inner}, inputs, outs, group)
+                env.update(outs)
+            env[last.results[0]] = self.row_op(last, [env.get(v) or self.view(v) for v in last.operands],
+                                               in_place=_only_use(x, last))
+            return True
+        except Unsupported:
+            return False
+
+    def matmul(self, op: TgOp, a: View, b: View, chain: list[TgOp], env: dict,
+               scales: View | None = None) -> tuple[View, int]:
+        """A GEMM on oneDNN: f32, or integer (a i8/ui8, b i8) into i32, or into f32 times
+        `scales` (one per column)."""
+        info = op.result_infos()[0]
+        if scales is not None:
+            info = TensorInfo(info.shape, "f32")
+        types = (a.dtype, b.dtype, info.dtype)
+        if types not in (("f32", "f32", "f32"), ("i8", "i8", "i32"), ("ui8", "i8", "i32"), ("i8", "i8", "f32"),
+                         ("ui8", "i8", "f32")):
+            raise Unsupported(f"matmul of {a.dtype} x {b.dtype} -> {info.dtype}")
+        # A broadcast scalar (an RNN's zero first state) becomes an array: GEMMs read memory.
+        a, b = (self.materialize(v) if v.literal is not None else v for v in (a, b))
+        a, b = self.for_onednn(a), self.for_onednn(b)
+        if a.rank < 2 or b.rank < 2:
+            raise Unsupported("matmul of a vector")
+        if types == ("f32", "f32", "f32") and scales is None and all(
+                sympy.sympify(d).is_number for d in info.shape + a.shape[-1:]) and \
+                int(numel(info.shape)) * int(a.shape[-1]) <= SMALL_GEMM:
+            return self._small_matmul(op, a, b, info), 0
+        out = self._temp(info)
+        weight = self.buffers[b.buf].kind in KNOWN and b.rank == 2
+        rank = max(a.rank, b.rank)
+        if weight and self._collapsible(a):
+            # x[..., M, K] @ W[K, N] is one 2-D GEMM over all rows, which takes post-ops.
+            rows = numel(a.shape[:-1])
+            a = View(a.buf, a.offset, (rows, a.shape[-1]), (a.strides[-2], a.strides[-1]), a.dtype)
+            c = View(out.buf, 0, (rows, info.shape[-1]), (info.shape[-1], 1), out.dtype)
+            rank = 2
+
+            def geometry(full: View):  # the operand over all rows, as (rows, N)
+                row = _row_stride(full)
+                if row is None:
+                    raise Unsupported("an epilogue operand whose rows do not collapse")
+                rows_bc = _eq(row, 0)
+                dims = [1 if rows_bc else rows, 1 if _eq(full.strides[-1], 0) else info.shape[-1]]
+                return dims, [row if not rows_bc else dims[1], full.strides[-1] if dims[1] != 1 else 1]
+        else:
+            c = out = self._laid_out_for_reader(op, out)
+
+            def geometry(full: View):
+                # Batched GEMMs take no binary post-ops: oneDNN 3.2 gave MiniLM's attention
+                # scores plus a broadcast mask wrong results in some processes, not others.
+                raise Unsupported("a binary post-op on a batched GEMM")
+        posts, post_views, covered = self._posts(chain, op.results[0], env, info.shape, geometry)
+        a = self._lead(a, rank)
+        b = self._lead(b, rank)
+        c = self._lead(c, rank)
+        k = self._new_prim()
+        arr = self._c_array
+        state = [
+            "{",
+            f"    const int64_t ad[] = {arr(a.shape)}, as[] = {arr(a.strides)};",
+            f"    const int64_t bd[] = {arr(b.shape)}, bs[] = {arr(b.strides)};",
+            f"    const int64_t cd[] = {arr(c.shape)}, cs[] = {arr(c.strides)};",
+            f"    const tg_post posts[] = {{{', '.join(posts) or '{0}'}}};",
+            f"    const int types[] = {{{', '.join(DNNL_TYPES[t] for t in types)}}};",
+            f"    if (tg_matmul_create(&st->prim[{k}], {rank}, ad, as, bd, bs, cd, cs, types, {int(scales is not None)}, "
+            f"{self.ptr(b) if weight else 'NULL'}, &tg_packs[{k}], {len(posts)}, posts)) return 1;",
+            "}",
+        ]
+        post_ptrs = ", ".join(self.ptr(v) for v in post_views) or "NULL"
+        lines = ["{", f"    void *const post[] = {{{post_ptrs}}};",
+                 f"    if (tg_prim_run(&st->prim[{k}], {self.ptr(a)}, {self.ptr(b)}, "
+                 f"{self.ptr(scales) if scales is not None else 'NULL'}, {self.ptr(c, False)}, post)) return 1;", "}"]
+        self._step(_describe(op), lines, [a, b, *post_views, *([scales] if scales is not None else [])], [out], state)
+        return out, covered
+
+    def _small_matmul(self, op: TgOp, a: View, b: View, info) -> View:
+        """A GEMM too small for a library call to pay (an RNN step, a tiny model's heads) as
+        loops: each row of the result accumulates rows of b, one simd loop over the columns."""
+        out = self._laid_out_for_reader(op, self._temp(info))
+        batch = tuple(info.shape[:-2])
+        m, n, k = info.shape[-2], info.shape[-1], a.shape[-1]
+        a_b, b_b = (self.broadcast(View(v.buf, v.offset, v.shape[:-2], v.strides[:-2], v.dtype), batch)
+                    for v in (a, b))
+        at = lambda view, batched: " + ".join([f"t{d} * {self.ints(st)}"  # noqa: E731
+                                               for d, st in enumerate(batched.strides)] + ["0"])
+        lines = ["{", f"    const float *A = {self.ptr(a)}, *B = {self.ptr(b)};", f"    float *C = {self.ptr(out, False)};"]
+        lines += [f"    for (int64_t t{d} = 0; t{d} < {self.ints(n_)}; t{d}++)" for d, n_ in enumerate(batch)]
+        lines += [
+            f"    for (int64_t i = 0; i < {m}; i++) {{",
+            f"        const float *ai = A + {at(a, a_b)} + i * {self.ints(a.strides[-2])};",
+            f"        float *ci = C + {at(out, View(None, 0, batch, out.strides[:-2], 'f32'))} + "
+            f"i * {self.ints(out.strides[-2])};",
+            "        #pragma omp simd",
+            f"        for (int64_t j = 0; j < {n}; j++) ci[j] = 0.f;",
+            f"        for (int64_t p = 0; p < {k}; p++) {{",
+            f"            const float aip = ai[p * {self.ints(a.strides[-1])}];",
+            f"            const float *bp = B + {at(b, b_b)} + p * {self.ints(b.strides[-2])};",
+            "            #pragma omp simd",
+            f"            for (int64_t j = 0; j < {n}; j++) ci[j] += aip * bp[j * {self.ints(b.strides[-1])}];",
+            "        }",
+            "    }",
+            "}",
+        ]
+        self._step(_describe(op), lines, [a, b], [out])
+        return out
+
+    def _collapsible(self, a: View) -> bool:
+        """Whether a's leading dims and rows walk memory as one run of rows."""
+        for i in range(a.rank - 2):
+            if not (_is_one(a.shape[i]) or _eq(a.strides[i], a.strides[i + 1] * a.shape[i + 1])):
+                return False
+        return True
+
+    @staticmethod
+    def _lead(v: View, rank: int) -> View:
+        # The new size-1 dims get the stride of a whole operand, not 0: oneDNN 3.x runs a matmul
+        # with a zero batch stride (an activation times a gathered 2-D weight, issue 20's
+        # per-device programs) on its reference kernel, ~2000x slower than brgemm.
+        extra = rank - v.rank
+        return View(v.buf, v.offset, (1,) * extra + v.shape, (numel(v.shape),) * extra + v.strides, v.dtype,
+                    v.literal, v.value)
+
+    def conv(self, op: TgOp, xs: list[View], chain: list[TgOp], env: dict) -> tuple[View, int]:
+        info = op.result_infos()[0]
+        x, w = (self.for_onednn(v) for v in xs[:2])
+        if self.is_contiguous(x) and all(_is_one(d) for d in x.shape[2:]):  # (N, C, 1, 1): the same memory
+            x = View(x.buf, x.offset, x.shape, channels_last_strides(x.shape), x.dtype)
+        elif not self.is_channels_last(x):
+            x = self.materialize(x, channels_last=True)
+        bias = xs[2] if len(xs) > 2 else None
+        if info.dtype != "f32" or w.literal is not None or x.literal is not None:
+            raise Unsupported("conv: f32 tensors")
+        constant_weight = self.buffers[w.buf].kind in KNOWN
+        if bias is not None and (bias.literal is not None or not self.is_contiguous(bias)):
+            raise Unsupported("conv bias")
+        groups = op.attr("groups")
+        out = self._temp(info)
+        out = View(out.buf, out.offset, out.shape, channels_last_strides(out.shape), out.dtype)
+        nd = x.rank
+        sp = nd - 2
+        strides = list(op.attr("strides") or [1] * sp)
+        dil = list(op.attr("dilations") or [1] * sp)
+        pads = list(op.attr("pads") or [0] * (2 * sp))
+        if op in self.padding_convs:
+            pads = [a + b for a, b in zip(pads, self.padding_convs[op][1])]
+        if groups > 1:
+            o, i = w.shape[0], w.shape[1]
+            wd = (groups, sympy.sympify(o) / groups) + (i,) + tuple(w.shape[2:])
+            ws = (w.strides[0] * (sympy.sympify(o) / groups),) + tuple(w.strides)
+        else:
+            wd, ws = w.shape, w.strides
+
+        def geometry(full: View):
+            dims = [1 if _eq(st, 0) else d for d, st in zip(full.shape, full.strides)]
+            return dims, _plain_strides(dims, list(full.strides))
+        posts, post_views, covered = self._posts(chain, op.results[0], env, info.shape, geometry)
+        k = self._new_prim()
+        arr = self._c_array
+        state = [
+            "{",
+            f"    const int64_t xd[] = {arr(x.shape)}, xs[] = {arr(x.strides)};",
+            f"    const int64_t wd[] = {arr(wd)}, ws[] = {arr(ws)};",
+            f"    const int64_t yd[] = {arr(out.shape)}, ys[] = {arr(out.strides)};",
+            f"    const int64_t str[] = {arr(strides)}, dil[] = {arr(dil)}, pad[] = {arr(pads)};",
+            f"    const tg_post posts[] = {{{', '.join(posts) or '{0}'}}};",
+            f"    if (tg_conv_create(&st->prim[{k}], {nd}, xd, xs, {len(wd)}, wd, ws, yd, ys, {int(bias is not None)}, "
+            f"str, dil, pad, {self.ptr(w) if constant_weight else 'NULL'}, &tg_packs[{k}], {len(posts)}, posts)) "
+            "return 1;",
+            "}",
+        ]
+        post_ptrs = ", ".join(self.ptr(v) for v in post_views) or "NULL"
+        lines = ["{", f"    void *const post[] = {{{post_ptrs}}};",
+                 f"    if (tg_prim_run(&st->prim[{k}], {self.ptr(x)}, {self.ptr(w)}, "
+                 f"{self.ptr(bias) if bias is not None else 'NULL'}, {self.ptr(out, False)}, post)) return 1;", "}"]
+        self._step(_describe(op), lines, [x, w, *([bias] if bias is not None else []), *post_views], [out], state)
+        return out, covered

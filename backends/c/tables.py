@@ -1,0 +1,66 @@
+"""The C backend's tables: C types, operator spellings, oneDNN names and the emitter's thresholds."""
+
+from __future__ import annotations
+
+
+
+
+
+CTYPES = {"f32": "float", "f64": "double", "i64": "int64_t", "i32": "int32_t", "i16": "int16_t", "i8": "int8_t",
+          "ui8": "uint8_t", "ui16": "uint16_t", "ui32": "uint32_t", "ui64": "uint64_t", "i1": "uint8_t"}
+FLOATS = ("f32", "f64")
+
+# Elementwise ops as C expressions of their operands, computed in the operands' type
+# (floats: tgmath picks the float or double function).
+C_UNARY_FLOAT = {
+    "neg": "(-{x})", "abs": "fabs({x})", "exp": "{exp}({x})", "log": "log({x})", "sqrt": "sqrt({x})",
+    "rsqrt": "(1 / sqrt({x}))", "reciprocal": "(1 / {x})", "tanh": "{tanh}({x})", "erf": "{erf}({x})",
+    "relu": "(({x}) > 0 || ({x}) != ({x}) ? ({x}) : 0)", "sin": "sin({x})", "cos": "cos({x})", "tan": "tan({x})",
+    "asin": "asin({x})", "acos": "acos({x})", "atan": "atan({x})", "sinh": "sinh({x})", "cosh": "cosh({x})",
+    "asinh": "asinh({x})", "acosh": "acosh({x})", "atanh": "atanh({x})", "floor": "floor({x})",
+    "ceil": "ceil({x})", "round": "rint({x})", "sign": "(({x}) > 0 ? 1 : (({x}) < 0 ? -1 : ({x})))",
+    "expm1": "expm1({x})", "log1p": "log1p({x})", "isnan": "(({x}) != ({x}))", "not": "(!({x}))",
+}
+C_UNARY_INT = {
+    "neg": "(-{x})", "abs": "(({x}) < 0 ? -({x}) : ({x}))", "relu": "(({x}) > 0 ? ({x}) : 0)", "floor": "({x})",
+    "ceil": "({x})", "round": "({x})", "sign": "((({x}) > 0) - (({x}) < 0))", "bitwise_not": "(~({x}))",
+    "not": "(!({x}))", "isnan": "0",
+}
+C_BINARY = {
+    "add": "(({lhs}) + ({rhs}))", "sub": "(({lhs}) - ({rhs}))", "mul": "(({lhs}) * ({rhs}))",
+    "and": "(({lhs}) != 0 && ({rhs}) != 0)", "or": "(({lhs}) != 0 || ({rhs}) != 0)",
+    "xor": "((({lhs}) != 0) != (({rhs}) != 0))", "eq": "(({lhs}) == ({rhs}))", "ne": "(({lhs}) != ({rhs}))",
+    "lt": "(({lhs}) < ({rhs}))", "le": "(({lhs}) <= ({rhs}))", "gt": "(({lhs}) > ({rhs}))",
+    "ge": "(({lhs}) >= ({rhs}))", "where": "(({cond}) ? ({lhs}) : ({rhs}))",
+}
+C_BINARY_FLOAT = {
+    "div": "(({lhs}) / ({rhs}))", "pow": "pow({lhs}, {rhs})",
+    # NumPy's maximum and minimum propagate NaN from either side.
+    "max": "(({lhs}) > ({rhs}) || ({lhs}) != ({lhs}) ? ({lhs}) : ({rhs}))",
+    "min": "(({lhs}) < ({rhs}) || ({lhs}) != ({lhs}) ? ({lhs}) : ({rhs}))",
+}
+C_BINARY_INT = {
+    "max": "(({lhs}) > ({rhs}) ? ({lhs}) : ({rhs}))", "min": "(({lhs}) < ({rhs}) ? ({lhs}) : ({rhs}))",
+    "bitwise_and": "(({lhs}) & ({rhs}))", "bitwise_or": "(({lhs}) | ({rhs}))", "bitwise_xor": "(({lhs}) ^ ({rhs}))",
+}
+# Integer division, modulo, power and shifts trap or are undefined in C where NumPy
+# defines a result (x / 0, INT_MIN / -1, shifts past the width); a float to int cast
+# is undefined out of range. Those run on the host (HOST_FALLBACK).
+
+# oneDNN algorithm kinds (dnnl_types.h) for epilogues it fuses into a GEMM or convolution.
+DNNL_ELTWISE = {"relu": "dnnl_eltwise_relu", "tanh": "dnnl_eltwise_tanh", "exp": "dnnl_eltwise_exp",
+                "sigmoid": "dnnl_eltwise_logistic", "linear": "dnnl_eltwise_linear",
+                "gelu_tanh": "dnnl_eltwise_gelu_tanh", "gelu_erf": "dnnl_eltwise_gelu_erf", "clip": "dnnl_eltwise_clip"}
+DNNL_BINARY = {"add": "dnnl_binary_add", "mul": "dnnl_binary_mul", "sub": "dnnl_binary_sub"}
+DNNL_TYPES = {"f32": "dnnl_f32", "i8": "dnnl_s8", "ui8": "dnnl_u8", "i32": "dnnl_s32"}
+# Work below this many elements runs on one thread: an OpenMP fork/join costs more.
+PARALLEL_MIN = 32768
+KNOWN = ("weight", "constant", "folded")
+# A reduction's accumulator (double for floats) at its start and per value v; max and min
+# keep a NaN, as NumPy's do.
+REDUCE_INIT = {"sum": "0", "mean": "0", "max": "-INFINITY", "min": "INFINITY"}
+REDUCE_STEP = {"sum": "acc += v;", "mean": "acc += v;", "max": "acc = v > acc || v != v ? v : acc;",
+               "min": "acc = v < acc || v != v ? v : acc;"}  # buffers whose values no input changes
+SIMD_BLOCK = 4096  # elements a thread takes at a time in a flat parallel loop
+# Multiply-adds below which a GEMM runs as emitted loops: a oneDNN call costs ~1.5 us.
+SMALL_GEMM = 16384

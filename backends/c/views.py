@@ -1,0 +1,301 @@
+"""Buffers, views and steps of the C emitter: a value is a view (buffer, offset, strides) of a buffer; layout ops make new views, never copies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import sympy
+from xdsl.ir import SSAValue
+
+from tilegraph.ir import escape
+from tilegraph.ir.dialect import FusionOp, TgOp, YieldOp
+from tilegraph.ir.shapes import Dim, numel
+from tilegraph.backends.c.tables import CTYPES
+
+
+def c_comment(text: str) -> str:
+    """`text` as the inside of a C block comment, through the project's one escaping
+    point for generated source (ir/escape.py): model names reach comments via the IR."""
+    return escape.c_comment(text)[len("/* "):-len(" */")]
+
+
+def c_float(value: float, dtype: str) -> str:
+    if np.isnan(value):
+        return "NAN"
+    if np.isinf(value):
+        return "INFINITY" if value > 0 else "(-INFINITY)"
+    text = repr(float(value))
+    return text + "f" if dtype == "f32" else text
+
+
+@dataclass(frozen=True)
+class View:
+    """A value in memory: element (offset, strides) into buffer `buf`, or a scalar literal."""
+
+    buf: int | None
+    offset: Any
+    shape: tuple
+    strides: tuple
+    dtype: str
+    literal: str | None = None  # the C text of a scalar constant
+    value: Any = None  # and its value, for the host
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+
+@dataclass
+class Buffer:
+    kind: str  # input, weight, constant, temp, or folded (made once from weights, kept)
+    dtype: str
+    elements: Any  # sympy expression
+    index: int | str | None = None  # the input position, or the weight / constant key
+
+
+@dataclass
+class Step:
+    """One kernel: C lines (a native step) or an op the host runs."""
+
+    comment: str
+    lines: list[str] | None = None
+    host_op: TgOp | None = None
+    host_in: list[View] = field(default_factory=list)
+    host_out: list[View] = field(default_factory=list)
+    reads: set[int] = field(default_factory=set)
+    writes: set[int] = field(default_factory=set)
+    state: list[str] = field(default_factory=list)  # per-binding primitive setup lines
+    once: bool = False  # a host op of weights and constants only: run once, before the kernels are set up
+
+
+def contiguous_strides(shape: Sequence[Dim]) -> tuple:
+    strides, acc = [], sympy.Integer(1)
+    for d in reversed(shape):
+        strides.append(acc)
+        acc = acc * d
+    return tuple(reversed(strides))
+
+
+def channels_last_strides(shape: Sequence[Dim]) -> tuple:
+    """Strides of (N, C, *spatial) laid out as (N, *spatial, C): what oneDNN's fast
+    convolution kernels read and write on these processors (plain NCHW goes through
+    im2col and a GEMM, several times slower at small channel counts)."""
+    order = (0, *range(2, len(shape)), 1)
+    dense = contiguous_strides(tuple(shape[i] for i in order))
+    strides = [None] * len(shape)
+    for pos, axis in enumerate(order):
+        strides[axis] = dense[pos]
+    return tuple(strides)
+
+
+def _eq(a, b) -> bool:
+    return sympy.expand(sympy.sympify(a) - sympy.sympify(b)) == 0
+
+
+def _is_one(d) -> bool:
+    return _eq(d, 1)
+
+
+class Unsupported(Exception):
+    """This op or group has no C lowering here; the caller falls back (host or per-op)."""
+
+
+class Ints:
+    """Shape, stride and offset expressions as C: a literal when known, else s[k], an
+    entry the runtime evaluates once per shape binding."""
+
+    def __init__(self):
+        self.exprs: list[sympy.Expr] = []
+        self._index: dict[sympy.Expr, int] = {}
+
+    def __call__(self, e) -> str:
+        e = sympy.sympify(e)
+        if e.is_number:
+            return str(int(e))
+        e = sympy.expand(e)
+        if e not in self._index:
+            self._index[e] = len(self.exprs)
+            self.exprs.append(e)
+        return f"s[{self._index[e]}]"
+
+
+
+
+class Views:
+    """Buffers and the layout ops that only make views."""
+
+    # --- buffers and views ------------------------------------------------------
+
+    def _new_buffer(self, kind: str, dtype: str, shape, index=None) -> View:
+        self.buffers.append(Buffer(kind, dtype, sympy.sympify(numel(tuple(shape))), index))
+        return View(len(self.buffers) - 1, sympy.Integer(0), tuple(shape), contiguous_strides(shape), dtype)
+
+    def view(self, v: SSAValue) -> View:
+        return self.views[self.prog.canon(v)]
+
+    def ptr(self, view: View, const: bool = True) -> str:
+        """A C pointer expression to a view's first element."""
+        ctype = CTYPES[view.dtype]
+        off = self.ints(view.offset)
+        base = f"(({'const ' if const else ''}{ctype} *)p[{view.buf}])"
+        return base if off == "0" else f"({base} + {off})"
+
+    def is_contiguous(self, view: View) -> bool:
+        if view.literal is not None:
+            return False
+        want = contiguous_strides(view.shape)
+        return all(_is_one(d) or _eq(s, w) for d, s, w in zip(view.shape, view.strides, want))
+
+    # --- view ops (no data moves) ------------------------------------------------
+
+    def reshape(self, view: View, shape) -> View:
+        if view.literal is not None:
+            return View(None, 0, tuple(shape), (0,) * len(shape), view.dtype, view.literal, view.value)
+        if self.is_contiguous(view):
+            return View(view.buf, view.offset, tuple(shape), contiguous_strides(shape), view.dtype)
+        strides = _reshaped_strides(view, tuple(shape))
+        if strides is None:  # dims merged that do not walk memory as one run: a copy
+            view = self.materialize(view)
+            strides = contiguous_strides(shape)
+        return View(view.buf, view.offset, tuple(shape), strides, view.dtype)
+
+    def materialize(self, view: View, channels_last: bool = False) -> View:
+        """A contiguous (or channels-last) copy of a strided view (a reshape of a transpose
+        needs one)."""
+        if view.dtype not in CTYPES:
+            raise Unsupported(f"{view.dtype} has no C type here")
+        out = self._new_buffer("temp", view.dtype, view.shape)
+        if channels_last:
+            out = View(out.buf, out.offset, out.shape, channels_last_strides(out.shape), out.dtype)
+        lines = self.loop(view.shape, [(view, False), (out, True)], lambda refs: [f"{refs[1]} = {refs[0]};"])
+        self._step("copy into a contiguous buffer", lines, [view], [out])
+        return out
+
+    def for_onednn(self, view: View) -> View:
+        """`view` as oneDNN can describe it: its memory descriptors take no negative stride
+        (a flipped view, as ConvTranspose's kernel is), so such a view is copied first."""
+        if any(sympy.sympify(st).is_negative for st in view.strides):
+            return self.materialize(view)
+        # A dim of size 1 with stride 0 (a broadcast's) sends a matmul to oneDNN's reference kernel.
+        return View(view.buf, view.offset, view.shape, _unit_dims_strided(view.shape, view.strides), view.dtype,
+                    view.literal, view.value)
+
+    @staticmethod
+    def transpose(view: View, perm) -> View:
+        return View(view.buf, view.offset, tuple(view.shape[p] for p in perm), tuple(view.strides[p] for p in perm),
+                    view.dtype, view.literal, view.value)
+
+    @staticmethod
+    def broadcast(view: View, shape) -> View:
+        """`view` broadcast to `shape` (NumPy's rules, right-aligned): stride 0 where it repeats."""
+        shape = tuple(shape)
+        lead = len(shape) - view.rank
+        strides = []
+        for i, d in enumerate(shape):
+            j = i - lead
+            if j < 0 or (_is_one(view.shape[j]) and not _is_one(d)):
+                strides.append(sympy.Integer(0))
+            else:
+                strides.append(view.strides[j])
+        return View(view.buf, view.offset, shape, tuple(strides), view.dtype, view.literal, view.value)
+
+    def slice(self, view: View, starts, ends, steps) -> View:
+        offset, shape, strides = view.offset, [], []
+        for d, st, s, e, k in zip(view.shape, view.strides, starts, ends, steps):
+            if (s, e, k) == (0, (1 << 63) - 1, 1):
+                shape.append(d)
+                strides.append(st)
+                continue
+            if not isinstance(d, int) and not (isinstance(d, sympy.Integer)):
+                raise Unsupported("slice of a symbolic dim")
+            r = range(*slice(s, e, k).indices(int(d)))
+            offset = offset + (r.start if len(r) else 0) * st
+            shape.append(len(r))
+            strides.append(st * k)
+        return View(view.buf, offset, tuple(shape), tuple(strides), view.dtype, view.literal, view.value)
+
+
+
+def _unit_dims_strided(shape, strides) -> tuple:
+    """`strides` with each dim of size 1 given the stride it would have if contiguous, never 0
+    (it addresses nothing, but oneDNN runs a matmul with a zero batch stride on its reference
+    kernel, 100x slower)."""
+    strides = list(strides)
+    for k in reversed(range(len(shape))):
+        if _is_one(shape[k]):
+            strides[k] = strides[k + 1] * shape[k + 1] if k + 1 < len(shape) else sympy.Integer(1)
+    return tuple(strides)
+
+
+def _reshaped_strides(view: View, shape: tuple) -> tuple | None:
+    """Strides that show `view` in `shape` without a copy, or None (NumPy's no-copy reshape):
+    the dims are cut into runs of equal size, and each run of the old dims must walk memory
+    as one run."""
+    old = [(d, st) for d, st in zip(view.shape, view.strides) if not _is_one(d)]
+    new = [k for k, d in enumerate(shape) if not _is_one(d)]
+    strides: list = [sympy.Integer(0)] * len(shape)
+    oi = ni = 0
+    while oi < len(old) and ni < len(new):
+        oj, nj = oi + 1, ni + 1
+        po, pn = sympy.sympify(old[oi][0]), sympy.sympify(shape[new[ni]])
+        while not _eq(po, pn):
+            if not (po.is_number and pn.is_number):
+                return None
+            if po < pn and oj < len(old):
+                po, oj = po * old[oj][0], oj + 1
+            elif pn < po and nj < len(new):
+                pn, nj = pn * shape[new[nj]], nj + 1
+            else:
+                return None
+        if any(not _eq(old[k][1], old[k + 1][1] * old[k + 1][0]) for k in range(oi, oj - 1)):
+            return None
+        st = old[oj - 1][1]
+        for k in reversed(new[ni:nj]):
+            strides[k] = st
+            st = st * shape[k]
+        oi, ni = oj, nj
+    if oi != len(old) or ni != len(new):
+        return None
+    return _unit_dims_strided(shape, strides)
+
+
+def _row_stride(view: View):
+    """The stride between consecutive rows when `view`'s leading dims are seen as one dim of
+    rows (0 where it repeats along all of them), or None where they do not walk memory as one
+    run. Dims of size 1 are skipped: their stride means nothing."""
+    lead = [(d, st) for d, st in zip(view.shape[:-1], view.strides[:-1]) if not _is_one(d)]
+    if all(_eq(st, 0) for _, st in lead):
+        return sympy.Integer(0)
+    if any(not _eq(outer[1], inner[1] * inner[0]) for outer, inner in zip(lead, lead[1:])):
+        return None
+    return lead[-1][1]
+
+
+def _sole_reader(value: SSAValue):
+    """The one op reading `value`, seen through the yield of its fusion group; else None."""
+    uses = list(value.uses)
+    while len(uses) == 1 and isinstance(uses[0].operation, YieldOp):
+        group = uses[0].operation.parent_op()
+        uses = list(group.results[uses[0].index].uses) if isinstance(group, FusionOp) else []
+    return uses[0].operation if len(uses) == 1 else None
+
+
+def _only_use(value: SSAValue, user) -> bool:
+    """Whether `user` is the one reader of `value` (which a group may also yield): only
+    then may it overwrite value's buffer."""
+    return all(use.operation is user for use in value.uses)
+
+
+def _plain_strides(dims, strides) -> list:
+    """Strides for a oneDNN descriptor: a broadcast (size-1) dim gets the stride a dense
+    layout would give it, as oneDNN checks strides even where it never steps."""
+    return [numel(tuple(dims[i + 1:])) if _is_one(d) else st for i, (d, st) in enumerate(zip(dims, strides))]
+
+
+def _describe(op) -> str:
+    """One line of IR for a step's comment (escaped by the caller)."""
+    if isinstance(op, FusionOp):
+        return f"fusion {op.kind}: " + ", ".join(o.op_name for o in op.ops)
+    return f"{op.op_name} -> {', '.join(str(i) for i in op.result_infos())}"

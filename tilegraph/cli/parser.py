@@ -1,0 +1,183 @@
+"""The command line: one argparse subcommand per command, with the options they share."""
+
+from __future__ import annotations
+
+import argparse
+
+from tilegraph.cli.common import DEFAULT_DIM
+
+
+def _parser() -> argparse.ArgumentParser:
+    from tilegraph.backends import (
+        TARGETS,  # the code generators tilegraph.compile knows
+    )
+
+    p = argparse.ArgumentParser(prog="tilegraph", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    imp = sub.add_parser("import", help="import an .onnx or .pt2 model into tg IR")
+    _shared(imp, output="where to write the .mlir (weights go beside it)")
+
+    comp = sub.add_parser("compile", help="compile a model and write the emitted source")
+    _shared(comp, output="where to write the emitted source (.py)", pipeline=PIPELINE,
+            dim="with --report: evaluate the planned peak at this size of a symbolic dimension")
+    comp.add_argument("--target", default="numpy", choices=list(TARGETS),
+                      help="code generator: numpy, or triton (@triton.jit kernels for a GPU, fused and tiled "
+                           "for it) (default: numpy)")
+    comp.add_argument("--report", action="store_true",
+                      help="print kernel count, planned buffers, planned peak memory and weight bytes")
+
+    check = sub.add_parser("check", help="run tilegraph and onnxruntime on the same random inputs and compare")
+    _shared(check, model="model.onnx", pipeline=PIPELINE,
+            dim="size of a symbolic dimension, e.g. --dim batch=2 (default: drawn from the seed)")
+    check.add_argument("--seed", type=_non_negative, default=0)
+    check.add_argument("--int-high", type=_positive, default=2, metavar="N",
+                       help="integer inputs are drawn from [0, N) (default 2: masks and flags in {0, 1}); "
+                            "ids of an embedding from its whole table")
+
+    # --- quantize: calibrate activations, then the quantize pass (passes/quantize.py) ---
+    from tilegraph.passes.quantize import OBSERVERS, SCHEMES
+
+    qz = sub.add_parser("quantize", help="calibrate on sample inputs and quantize the linear layers",
+                        description="Import the model, simplify it (the unfused default pipeline), run it on "
+                                    "the calibration samples to observe every linear layer's activation range, "
+                                    "and quantize by the scheme. Writes the quantized IR, its weights (4-bit "
+                                    "ones two to a byte) and the activation ranges (.calib.npz) beside it.")
+    _shared(qz, output="where to write the quantized .mlir")
+    qz.add_argument("--scheme", default="w8a8", choices=list(SCHEMES), help="(default: w8a8)")
+    qz.add_argument("--calib", default=None, metavar="SAMPLES.npz",
+                    help="calibration inputs, one array per model input named as it is, samples along the "
+                         "first axis; without it, activation scales come from the data at run time")
+    qz.add_argument("--observer", default="minmax", choices=OBSERVERS, help="activation ranges (default: minmax)")
+    qz.add_argument("--percentile", type=float, default=None, help="with --observer percentile (default 99.99)")
+    qz.add_argument("--weight-observer", default="minmax", choices=("minmax", "mse"), help="(default: minmax)")
+    qz.add_argument("--symmetric", action="store_true", help="int8 activations as i8 without a zero point")
+    qz.add_argument("--rounding", default="nearest", choices=("nearest", "gptq"),
+                    help="weights: round to nearest, or GPTQ (needs --calib: rounds each layer to keep its output "
+                         "on the calibration samples; passes/gptq.py) (default: nearest)")
+    qz.add_argument("--act-order", action="store_true", help="with --rounding gptq: largest inputs first")
+    qz.add_argument("--batch-size", type=int, default=8, help="calibration samples per run (default: 8)")
+    qz.add_argument("--max-error", type=float, default=None,
+                    help="mixed precision (needs --calib): each linear layer gets --scheme, --fallback or stays "
+                         "float, whichever is predicted fastest on --target, keeping the relative output error on "
+                         "the calibration samples within this")
+    qz.add_argument("--min-cosine", type=float, default=None,
+                    help="mixed precision, as --max-error: keep the outputs' mean cosine similarity at least this")
+    qz.add_argument("--fallback", default="w8", choices=["none", *SCHEMES],
+                    help="with --max-error / --min-cosine: a second scheme a layer may get (default: w8)")
+    qz.add_argument("--target", default="cpu", help="with --max-error / --min-cosine: the hardware the speed is "
+                                                   "predicted for: h100, h200, a100 or cpu (default)")
+    qz.add_argument("--export-onnx", default=None, metavar="OUT.onnx",
+                    help="also write the quantized model as ONNX in QDQ form (backends/onnx_export.py)")
+
+    # --- export: ONNX for onnxruntime (backends/onnx_export.py) ---
+    exp = sub.add_parser("export", help="export a model to ONNX; a quantized one (tilegraph quantize) in QDQ form",
+                         description="Import the model, run the pipeline (default: the unfused default pipeline; "
+                                     "fused groups are exported as their ops) and write ONNX (opset 21) that "
+                                     "onnxruntime runs: quantized weights as int8/uint8/int4/float8 initializers "
+                                     "with QuantizeLinear/DequantizeLinear/MatMulInteger nodes; MX formats "
+                                     "widened exactly to float8 elements and float32 scales.")
+    _shared(exp, model=f"{MODEL} (e.g. from tilegraph quantize)", output="the .onnx to write",
+            pipeline="pass pipeline before export (default: the unfused default pipeline)")
+
+    # --- calibrate: the measured CPU profile the cost model uses (backends/numpy/calibrate.py) ---
+    cal = sub.add_parser("calibrate", help="measure this machine for the cost model (under a minute)")
+    cal.add_argument("--target", default="numpy", choices=("numpy", "c"),
+                     help="whose kernels to measure: the NumPy backend's (default; the profile of hardware "
+                          "target cpu) or the C backend's (the profile of hardware target c)")
+    cal.add_argument("--quick", action="store_true", help="a rougher measurement in a couple of seconds")
+    cal.add_argument("-o", "--output", default=None,
+                     help="where to write the profile (default: the cache file the cost model reads for "
+                          "hardware target cpu, or c with --target c)")
+
+    # --- cost: the cost model's prediction, kernel by kernel (passes/cost/model.py) ---
+    cost = sub.add_parser("cost", help="predict FLOPs, bytes and time of every kernel on a target",
+                          description="Run the pipeline, then print the cost model's prediction for every "
+                                      "kernel (fused group or unfused op) and the totals. Passes with a "
+                                      "`target` option (fuse, tile) decide for --target unless the pipeline "
+                                      "names one, e.g. -p 'canonicalize,fuse{target=cpu}'.")
+    _shared(cost, pipeline=PIPELINE,
+            dim=f"size of a symbolic dimension, e.g. --dim batch=8 (default: {DEFAULT_DIM} each)")
+    cost.add_argument("--target", default="cpu",
+                      help="hardware: h100, h200, a100, cpu (this machine's calibrated profile for the NumPy "
+                           "backend; default) or c (the same for the C backend)")
+    cost.add_argument("--symbolic", action="store_true",
+                      help="print the formulas (FLOPs, bytes, time as functions of the symbolic dims)")
+
+    # --- shard: the sharding planner's plan (passes/shard.py) ---
+    shard = sub.add_parser("shard", help="plan how to split a model over a device mesh (predicted step time)",
+                           description="Run the pipeline, then the `shard` pass's planner: for every op a "
+                                       "sharding on the mesh, chosen by an integer program minimizing the "
+                                       "predicted training step time (compute + collectives) under the "
+                                       "per-device memory budget. Prints the plan per layer, the step time, "
+                                       "its compute/communication split and the memory per device.")
+    _shared(shard, pipeline="passes to run before planning (default: the unfused default pipeline)",
+            dim=f"size of a symbolic dimension to plan at (default: {DEFAULT_DIM} each)")
+    shard.add_argument("--mesh", default="8", help="device mesh: 8, or 2x4 (axes; the last inside a node)")
+    shard.add_argument("--target", default="h100", help="the devices: h100, h200 or a100")
+    shard.add_argument("--memory", default="", help="memory budget per device, e.g. 40GB (default: the device's)")
+    shard.add_argument("--inference", action="store_true", help="plan a forward pass, not a training step")
+    shard.add_argument("--symbolic", action="store_true",
+                       help="also print the plan's step time as a formula of the symbolic dims")
+    shard.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                       help="show what the planner is doing and for how long on stderr (default: when stderr "
+                            "is a terminal)")
+
+    # --- run: the sharded program on N local processes (backends/distributed.py) ---
+    dist = sub.add_parser("run", help="run the sharded model on N local processes (torch.distributed, gloo) and "
+                                      "compare with one device",
+                          description="Plan a sharding for --devices devices (the `shard` pass, forward pass), "
+                                      "partition the model into the per-device program, run it on that many "
+                                      "local processes joined by torch.distributed (gloo), and compare the "
+                                      "gathered outputs with the single-device float64 interpreter on random "
+                                      "inputs. Exit 1 when they differ beyond the dtype's tolerance.")
+    _shared(dist, pipeline="passes before sharding (default: the unfused default pipeline)",
+            dim="size of a symbolic dimension (default: the number of devices)")
+    dist.add_argument("--devices", type=int, required=True, help="how many processes (the mesh, unless --mesh)")
+    dist.add_argument("--mesh", default=None, help="mesh shape, e.g. 2x2 (default: --devices on one axis)")
+    dist.add_argument("--target", default="h100", help="the hardware the plan is costed for (default h100)")
+    dist.add_argument("--seed", type=_non_negative, default=0)
+    dist.add_argument("--backend", default="numpy", choices=["numpy", "c"],
+                      help="the backend that compiles each device's ops between its collectives (default numpy; "
+                           "c: the native C backend, one thread per process)")
+    dist.add_argument("--op-by-op", action="store_true",
+                      help="run each device's ops through the op table's NumPy templates one at a time instead of "
+                           "the --backend's emitted modules between collectives")
+    dist.add_argument("--no-overlap", action="store_true",
+                      help="wait for every collective where it is issued (default: asynchronous, waited at first use)")
+    dist.add_argument("--compare", action="store_true",
+                      help="also time the op-by-op run (interleaved with this one) and the whole model on one "
+                           "process (--backend)")
+    dist.add_argument("--repeats", type=int, default=3, help="timed steps per run (the median is reported)")
+    return p
+
+
+MODEL = "model.onnx, model.pt2 or model.mlir"
+PIPELINE = "pass pipeline (default: the default pipeline)"
+
+
+def _shared(parser: argparse.ArgumentParser, model: str = MODEL, output: str | None = None,
+            pipeline: str | None = None, dim: str | None = None) -> None:
+    """The options commands share, each added with the command's help text (None: it has none): the
+    model file, -o/--output (required), -p/--pipeline and --dim NAME=SIZE (repeatable)."""
+    parser.add_argument("model", help=model)
+    if output:
+        parser.add_argument("-o", "--output", required=True, help=output)
+    if pipeline:
+        parser.add_argument("-p", "--pipeline", default=None, help=pipeline)
+    if dim:
+        parser.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE", help=dim)
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
