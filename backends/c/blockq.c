@@ -322,12 +322,12 @@ int tg_block_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int6
 int tg_block_rows(const uint8_t *w, int64_t N, int64_t K, int64_t row_bytes, int fmt, const int64_t *idx,
                   int64_t n, float *out) {
     if (bq_check(fmt, K, N, row_bytes)) return 1;
-    for (int64_t i = 0; i < n; i++)
-        if (idx[i] < 0 || idx[i] >= N)
+    for (int64_t i = 0; i < n; i++)  /* [-N, N), as np.take */
+        if (idx[i] < -N || idx[i] >= N)
             TG_FAIL("embedding lookup: index %lld is outside the table's %lld rows", (long long)idx[i], (long long)N);
     int64_t blk = BQ_BLOCK[fmt], nb = K / blk;
     for (int64_t i = 0; i < n; i++) {
-        const uint8_t *row = w + idx[i] * row_bytes;
+        const uint8_t *row = w + (idx[i] < 0 ? idx[i] + N : idx[i]) * row_bytes;
         for (int64_t b = 0; b < nb; b++) bq_dequant_block(fmt, row + b * BQ_BYTES[fmt], out + i * K + b * blk);
     }
     return 0;
@@ -487,4 +487,99 @@ int tg_cache_attention(const float *q, const float *k, const float *v, float *o,
         }
     }
     return 0;
+}
+
+void tg_rms_norm_rows(const float *x, float *y, const float *scale, int64_t rows, int64_t n, float eps) {
+#pragma omp parallel for schedule(static) if (rows * n > 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        float *yr = y + r * n;
+        double ss = 0.;  /* double: a row's sum of squares stays exact to f32 at any length */
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < n; i++) ss += (double)xr[i] * xr[i];
+        float inv = (float)(1. / sqrt(ss / (double)n + (double)eps));
+        if (scale) {
+#pragma omp simd
+            for (int64_t i = 0; i < n; i++) yr[i] = xr[i] * inv * scale[i];
+        } else {
+#pragma omp simd
+            for (int64_t i = 0; i < n; i++) yr[i] = xr[i] * inv;
+        }
+    }
+}
+
+/* --- the alternative, measured against: the weight dequantized to float in registers ---
+ * (benchmarks/blockq_kernels.py times it beside tg_block_matmul; only the two formats of
+ * the bundled model.) Per 32 weights: nibbles or bytes widened to 2 x 16 int32, converted
+ * to float and multiplied into the float activations, the block's scale applied once. */
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl")
+static float bq_f32dq_row(int fmt, const uint8_t *w, const float *x, const float *xsum, int64_t nb) {
+    __m512 acc = _mm512_setzero_ps();
+    float off = 0.f;
+    for (int64_t b = 0; b < nb; b++) {
+        __m128i lo16, hi16;
+        float d, m = 0.f;
+        if (fmt == TG_BQ_Q8_0) {
+            d = bq_half_at(w);
+            lo16 = _mm_loadu_si128((const __m128i *)(w + 2));
+            hi16 = _mm_loadu_si128((const __m128i *)(w + 18));
+            w += 34;
+        } else {
+            d = bq_half_at(w), m = bq_half_at(w + 2);
+            __m128i q = _mm_loadu_si128((const __m128i *)(w + 4)), mask = _mm_set1_epi8(0x0F);
+            lo16 = _mm_and_si128(q, mask);
+            hi16 = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+            w += 20;
+        }
+        __m512 q0 = _mm512_cvtepi32_ps(fmt == TG_BQ_Q8_0 ? _mm512_cvtepi8_epi32(lo16) : _mm512_cvtepu8_epi32(lo16));
+        __m512 q1 = _mm512_cvtepi32_ps(fmt == TG_BQ_Q8_0 ? _mm512_cvtepi8_epi32(hi16) : _mm512_cvtepu8_epi32(hi16));
+        __m512 p = _mm512_mul_ps(q0, _mm512_loadu_ps(x + 32 * b));
+        p = _mm512_fmadd_ps(q1, _mm512_loadu_ps(x + 32 * b + 16), p);
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(d), p, acc);
+        off += m * xsum[b];
+    }
+    return _mm512_reduce_add_ps(acc) + off;
+}
+#pragma GCC pop_options
+
+int tg_block_matmul_f32dq(const float *x, int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes, int fmt,
+                          float *y) {
+    if (bq_check(fmt, K, N, row_bytes)) return 1;
+    if (fmt != TG_BQ_Q8_0 && fmt != TG_BQ_Q4_1) TG_FAIL("the float-dequantizing kernel takes q4_1 and q8_0");
+    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw"))
+        TG_FAIL("the float-dequantizing kernel needs AVX512");
+    float *xsum = bq_scratch_get((size_t)(K / 32) * sizeof(float));
+    if (!xsum) TG_FAIL("out of memory");
+    for (int64_t b = 0; b < K / 32; b++) {
+        float s = 0.f;
+        for (int i = 0; i < 32; i++) s += x[32 * b + i];
+        xsum[b] = s;
+    }
+#pragma omp parallel for schedule(static) if (N * row_bytes > BQ_PARALLEL_BYTES)
+    for (int64_t n = 0; n < N; n++) y[n] = bq_f32dq_row(fmt, w + n * row_bytes, x, xsum, K / 32);
+    return 0;
+}
+
+/* Memory bandwidth probes (the benchmarks report decode as a share of them): a sum over
+ * x (bytes read), and a copy (bytes read + written, as STREAM counts them). */
+double tg_probe_read(const float *x, int64_t n) {
+    double total = 0.;
+#pragma omp parallel for reduction(+ : total) schedule(static)
+    for (int64_t i0 = 0; i0 < n; i0 += 4096) {
+        int64_t i1 = i0 + 4096 < n ? i0 + 4096 : n;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t i = i0; i < i1; i++) s += x[i];
+        total += s;
+    }
+    return total;
+}
+
+void tg_probe_copy(float *dst, const float *src, int64_t n) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i0 = 0; i0 < n; i0 += 1 << 16) {
+        int64_t i1 = i0 + (1 << 16) < n ? i0 + (1 << 16) : n;
+        memcpy(dst + i0, src + i0, (size_t)(i1 - i0) * sizeof(float));
+    }
 }

@@ -26,6 +26,8 @@ int tg_cache_write(void *cache, const void *x, int64_t B, int64_t Hkv, int64_t S
 int tg_cache_attention(const float *q, const float *k, const float *v, float *o, int64_t B, int64_t H,
                        int64_t Hkv, int64_t T, int64_t S, int64_t D, const int64_t *pos, int64_t pstride,
                        float scale);
+/* y = x / sqrt(mean(x^2 over each row of n) + eps) * scale (scale may be NULL). */
+void tg_rms_norm_rows(const float *x, float *y, const float *scale, int64_t rows, int64_t n, float eps);
 /* The instruction set the block kernels use: asked 0 scalar, 1 AVX2, 2 AVX512-VNNI, -1 the best
  * this processor has; returns the one chosen (never more than the processor has). */
 int tg_blockq_isa(int want);

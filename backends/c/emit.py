@@ -41,6 +41,7 @@ from tilegraph.backends.program import flatten
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.model import Model
 from tilegraph.ir.ops import OPS
+from tilegraph.backends.c.generation import GENERATION_OPS, Generation
 from tilegraph.backends.c.groups import Groups
 from tilegraph.backends.c.kernels import Kernels
 from tilegraph.backends.c.loops import Loops
@@ -77,7 +78,7 @@ LOWERINGS = table(template=[op for op in OPS if op not in HOST_FALLBACK],
                             for op, why in HOST_FALLBACK.items()})
 
 
-class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized):
+class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
     def __init__(self, model: Model):
         self.model = model
         self.prog = flatten(model)
@@ -88,6 +89,7 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized):
         self.gemm_count = 0
         self.constants: list[np.ndarray] = []  # arrays of the constants too big to be literals
         self.folded: dict[TgOp, View] = {}  # ops computed inside an earlier step: their results
+        self.donated: set[int] = set()  # input buffers a step updates in place (a KV cache)
         for arg_i, (arg, info) in enumerate(zip(model.func.args, model.inputs)):
             self.views[arg] = self._new_buffer("input", info.dtype, info.shape, arg_i)
 
@@ -254,6 +256,8 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized):
             return [self.cumsum(op, xs[0])]
         if name == "attention":
             return [self.attention(op, xs)]
+        if name in GENERATION_OPS:
+            return self.generation(op, xs)
         if name == "matmul_integer":
             return [self.matmul_integer(op, xs)]
         if name == "dynamic_quantize":
@@ -368,7 +372,7 @@ def emit_program(model: Model, name: str | None = None, per_step: bool = False) 
               for a, n, i in zip(model.func.args, model.input_names, model.inputs)]
     lines += [" * outputs:"]
     lines += [f" *   {c_comment(n)}: {c_comment(str(i))}" for n, i in zip(model.output_names, model.outputs)]
-    lines += [" */", *_gelu_defines(), '#include "runtime.h"', "#include <tgmath.h>", ""]
+    lines += [" */", *_gelu_defines(), '#include "runtime.h"', '#include "blockq.h"', "#include <tgmath.h>", ""]
     nprim = max(em.gemm_count, 1)
     # A loaded model owns its packed weights (two models of one source share the library,
     # not their weights); each shape binding owns its primitives.
