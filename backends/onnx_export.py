@@ -94,7 +94,14 @@ DECOMPOSED = ("attention",)
 # tg ops ONNX has no operator for; each is refused with this reason.
 NO_ONNX_OP = {"expm1": "ONNX has no Expm1 (exp(x) - 1 loses every digit for small x)",
               "log1p": "ONNX has no Log1p (log(1 + x) loses every digit for small x)",
-              "cumprod": "ONNX has no CumProd"}
+              "cumprod": "ONNX has no CumProd",
+              "block_matmul": "ONNX has no GGUF block formats (MatMulNBits is 4-bit groups with another layout)",
+              "block_gather": "ONNX has no GGUF block formats",
+              "cache_write": "an in-place cache write is not an ONNX op (onnxruntime-genai shares past/present "
+                             "buffers outside the graph)",
+              "cache_attention": "ONNX Attention with a KV cache came in opset 23; this exporter writes opset 21",
+              "rms_norm": "ONNX RMSNormalization came in opset 23; this exporter writes opset 21",
+              "rope": "ONNX RotaryEmbedding came in opset 23; this exporter writes opset 21"}
 
 
 # --- what cannot be exported ----------------------------------------------------------------

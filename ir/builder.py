@@ -17,13 +17,13 @@ from typing import Any, Sequence
 
 import numpy as np
 import sympy
-from xdsl.dialects.builtin import ArrayAttr, DictionaryAttr, FunctionType, ModuleOp, StringAttr
+from xdsl.dialects.builtin import ArrayAttr, DictionaryAttr, FunctionType, IntegerAttr, ModuleOp, StringAttr
 from xdsl.dialects.func import FuncOp, ReturnOp
 from xdsl.ir import Block, Region, SSAValue
 
 from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import make_op
-from tilegraph.ir.model import NAME_ATTR, Model, ModelError, WeightStore, ssa_hint  # ModelError is a ValueError
+from tilegraph.ir.model import ALIAS_ATTR, NAME_ATTR, Model, ModelError, WeightStore, ssa_hint  # ModelError is a ValueError
 from tilegraph.ir.ops import OPS
 from tilegraph.ir.shapes import Dim, ShapeError, TensorInfo, as_shape, info_of, normalize_dim, numel, tensor_type
 
@@ -237,8 +237,10 @@ class Graph:
 
     # --- finishing -----------------------------------------------------------
 
-    def build(self, *outputs: Tensor, names: Sequence[str] | None = None) -> Model:
-        """Close the graph: returns a Model whose @forward returns `outputs`."""
+    def build(self, *outputs: Tensor, names: Sequence[str] | None = None,
+              aliases: dict[str, str] | None = None) -> Model:
+        """Close the graph: returns a Model whose @forward returns `outputs`. `aliases` maps
+        an input name to the output name that is its buffer: a donated input updated in place."""
         if not outputs:
             raise ModelError("a graph needs at least one output")
         names = list(names) if names is not None else [f"output{i}" for i in range(len(outputs))]
@@ -248,7 +250,13 @@ class Graph:
         in_types = [a.type for a in self.block.args]
         out_types = [t.value.type for t in outputs]
         func = FuncOp("forward", FunctionType.from_lists(in_types, out_types), Region(self.block))
-        func.arg_attrs = ArrayAttr([DictionaryAttr({NAME_ATTR: StringAttr(n)}) for n in self.input_names])
+        aliases = dict(aliases or {})
+        unknown = [k for k in aliases if k not in self.input_names] + [v for v in aliases.values() if v not in names]
+        if unknown:
+            raise ModelError(f"aliases name no such input or output: {', '.join(unknown)}")
+        func.arg_attrs = ArrayAttr([DictionaryAttr({NAME_ATTR: StringAttr(n), **(
+            {ALIAS_ATTR: IntegerAttr(names.index(aliases[n]), 64)} if n in aliases else {})})
+            for n in self.input_names])
         func.res_attrs = ArrayAttr([DictionaryAttr({NAME_ATTR: StringAttr(n)}) for n in names])
         model = Model(ModuleOp([func]), self.weights)
         model.verify()

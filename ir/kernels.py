@@ -550,3 +550,70 @@ def assert_size(x, axis, size):
         raise ShapeError(f"a run-time size is {x.shape[axis]} where the model was built for {size} "
                          f"(dim {axis} of a value of shape {x.shape})")
     return x
+
+
+# --- generation: block-format weights, the KV cache, RMSNorm, RoPE ---------------------------
+# (block_matmul and block_gather are ir/block_formats.py's, where each format is described.)
+from tilegraph.ir.block_formats import block_gather, block_matmul  # noqa: E402,F401 - op templates
+
+
+class CachePositionError(IndexError):
+    """A cache position outside the cache (pos < 0 or pos + T past its length)."""
+
+
+def _positions(pos, batch: int, steps: int, length: int) -> np.ndarray:
+    """pos (a scalar or one per sequence) as int64[batch], each checked: [pos, pos + steps) in the cache."""
+    p = np.broadcast_to(np.asarray(pos, dtype=np.int64).reshape(-1), (batch,))
+    if p.size and (p.min() < 0 or p.max() + steps > length):
+        raise CachePositionError(f"cache positions {p.tolist()} + {steps} new entries fall outside the cache of "
+                                 f"{length} positions")
+    return p
+
+
+def cache_write(cache, x, pos):
+    """cache[b, :, pos_b : pos_b + T] = x[b], in place: the result is `cache` itself (its
+    operand is donated, as XLA's aliased buffers), so nothing of the cache is copied."""
+    b, _, t, _ = x.shape
+    p = _positions(pos, b, t, cache.shape[2])
+    if p.size and (p == p[0]).all():
+        cache[:, :, p[0]:p[0] + t] = x
+    else:
+        for i in range(b):
+            cache[i, :, p[i]:p[i] + t] = x[i]
+    return cache
+
+
+def cache_attention(q, k_cache, v_cache, pos, scale):
+    """Causal grouped-query attention of the T new queries q[B, H, T, D] over the cache:
+    query t of sequence b (at position pos_b + t) attends to cache positions 0..pos_b + t.
+    Query head h reads K/V head h // (H / Hkv), never a repeated copy."""
+    b, h, t, _ = q.shape
+    hkv = k_cache.shape[1]
+    group = h // hkv
+    p = _positions(pos, b, t, k_cache.shape[2])
+    out = np.empty(q.shape[:3] + (v_cache.shape[-1],), np.result_type(q, v_cache))
+    for i in range(b):
+        n = int(p[i]) + t
+        qi = q[i].reshape(hkv, group * t, q.shape[-1])  # the group's query heads share their K/V head
+        scores = np.matmul(qi, np.swapaxes(k_cache[i, :, :n], -1, -2)) * np.asarray(scale, dtype=qi.dtype)
+        keep = np.arange(n)[None, :] <= (p[i] + np.arange(t))[:, None]  # [T, n]
+        scores = np.where(np.tile(keep, (group, 1))[None], scores, -np.inf)
+        out[i] = np.matmul(softmax(scores, -1), v_cache[i, :, :n]).reshape(h, t, -1)
+    return out
+
+
+def rms_norm(x, scale, axis, epsilon):
+    """x / sqrt(mean(x^2 over dims axis..) + epsilon) * scale."""
+    axes = tuple(range(axis % x.ndim, x.ndim))
+    ms = np.mean(np.square(x), axis=axes, keepdims=True)
+    ms += np.asarray(epsilon, dtype=ms.dtype)
+    y = x / np.sqrt(ms)
+    return y if scale is None else y * scale
+
+
+def rope(x, cos, sin):
+    """Rotary embedding, the two halves of the last dim rotated as pairs (i, i + D/2), as
+    GPT-NeoX and transformers' rotate_half: [x1 cos - x2 sin, x2 cos + x1 sin]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

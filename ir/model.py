@@ -26,6 +26,9 @@ from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.shapes import TensorInfo, info_of
 
 NAME_ATTR = "tg.name"  # argument / result attribute carrying the user's tensor name
+# Argument attribute: this input is donated, updated in place, and result number N is its
+# buffer (XLA's input/output aliasing): a KV cache, a weight or moment a step updates.
+ALIAS_ATTR = "tg.aliases"
 
 
 class ModelError(TilegraphError):
@@ -238,6 +241,18 @@ class Model:
     def outputs(self) -> list[TensorInfo]:
         return [info_of(t) for t in self.func.function_type.outputs.data]
 
+    @property
+    def aliases(self) -> dict[int, int]:
+        """Donated inputs: input index -> the index of the result that is its buffer, updated in place."""
+        from xdsl.dialects.builtin import IntegerAttr
+
+        out = {}
+        for i in range(len(self.func.args)):
+            d = self.func.arg_attrs.data[i] if self.func.arg_attrs is not None else None
+            if isinstance(d, DictionaryAttr) and isinstance(d.data.get(ALIAS_ATTR), IntegerAttr):
+                out[i] = d.data[ALIAS_ATTR].value.data
+        return out
+
     def ops(self) -> list[Operation]:
         return [op for op in self.func.body.block.ops]
 
@@ -267,6 +282,11 @@ class Model:
                     )
         if missing:
             raise ModelError("weights missing from the store: " + ", ".join(sorted(missing)))
+        outputs = self.outputs
+        for i, r in self.aliases.items():
+            if not 0 <= r < len(outputs) or outputs[r] != self.inputs[i]:
+                raise ModelError(f"input {self.input_names[i]} is donated to result {r}, which is "
+                                 f"{outputs[r] if 0 <= r < len(outputs) else 'not a result'}, not {self.inputs[i]}")
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)

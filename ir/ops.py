@@ -1113,6 +1113,122 @@ _op("matmul_integer", ["lhs", "rhs", "lhs_zero_point?"], _matmul_integer,
     doc="(lhs - lhs_zero_point) @ rhs on integers, exact, accumulated in i32 (ONNX MatMulInteger with a "
         "symmetric rhs)")
 
+# --- generation (DESIGN.md "State across calls"): block-format weights, the KV cache ---
+# A block-format weight is its raw bytes, ui8[N, row_bytes], read with the format named in
+# `format` (ir/block_formats.py describes each); a cache is a donated input updated in place.
+
+
+def _block_weight(op, w, attrs):
+    from tilegraph.ir.block_formats import BlockFormatError, block_format
+
+    try:
+        row = block_format(attrs["format"]).row_bytes(attrs["k"])
+    except BlockFormatError as e:
+        raise _fail(op, str(e)) from None
+    if w.dtype != "ui8" or w.rank != 2 or not dims_equal(w.shape[1], row):
+        raise _fail(op, f"weight {w} must be ui8[N, {row}]: rows of {attrs['k']} {attrs['format']} values")
+
+
+def _block_matmul(ins, attrs, given):
+    x, w = ins
+    _block_weight("block_matmul", w, attrs)
+    if not dtypes.is_float(x.dtype) or x.rank < 1 or not dims_equal(x.shape[-1], attrs["k"]):
+        raise _fail("block_matmul", f"x {x} must be float with last dim k = {attrs['k']}")
+    return [TensorInfo(x.shape[:-1] + (w.shape[0],), x.dtype)]
+
+
+def _block_gather(ins, attrs, given):
+    w, indices = ins
+    _block_weight("block_gather", w, attrs)
+    if not dtypes.is_int(indices.dtype):
+        raise _fail("block_gather", f"indices {indices} must be integers")
+    return [TensorInfo(indices.shape + (attrs["k"],), "f32")]
+
+
+def _positions(op, pos, batch):
+    if pos.dtype not in ("i32", "i64") or not (pos.rank == 0 or (pos.rank == 1 and dims_equal(pos.shape[0], batch))):
+        raise _fail(op, f"pos {pos} must be an i64 scalar or one i64 per sequence ({shape_str((batch,))})")
+
+
+def _cache_write(ins, attrs, given):
+    cache, x, pos = ins
+    if cache.rank != 4 or x.rank != 4 or x.dtype != cache.dtype or not all(
+            dims_equal(a, b) for i, (a, b) in enumerate(zip(cache.shape, x.shape)) if i != 2):
+        raise _fail("cache_write", f"x {x} must be [B, Hkv, T, D] of the cache {cache} ([B, Hkv, S, D])")
+    _positions("cache_write", pos, cache.shape[0])
+    return [cache]
+
+
+def _cache_attention(ins, attrs, given):
+    q, k, v, pos = ins
+    if q.rank != 4 or k.rank != 4 or v.rank != 4 or not (q.dtype == k.dtype == v.dtype):
+        raise _fail("cache_attention", f"q {q}, k_cache {k}, v_cache {v} must be rank 4 of one dtype")
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if not (dims_equal(q.shape[0], k.shape[0]) and all(dims_equal(a, b) for a, b in zip(k.shape[:3], v.shape[:3]))
+            and dims_equal(q.shape[3], k.shape[3])):
+        raise _fail("cache_attention", f"q {q} [B, H, T, D], k_cache {k} [B, Hkv, S, D], v_cache {v} "
+                                       "[B, Hkv, S, Dv] do not match")
+    if isinstance(heads, int) and isinstance(kv_heads, int) and heads % kv_heads:
+        raise _fail("cache_attention", f"{heads} query heads are not a multiple of {kv_heads} K/V heads")
+    _positions("cache_attention", pos, q.shape[0])
+    return [TensorInfo(q.shape[:3] + (v.shape[3],), q.dtype)]
+
+
+def _rms_norm(ins, attrs, given):
+    x = ins[0]
+    (axis,) = _axes("rms_norm", [attrs["axis"]], x.rank)
+    if len(ins) == 2 and (ins[1].dtype != x.dtype or broadcast_shapes(x.shape[axis:], ins[1].shape) != x.shape[axis:]):
+        raise _fail("rms_norm", f"scale {ins[1]} must be {x.dtype} broadcasting to {shape_str(x.shape[axis:])}")
+    return [x]
+
+
+def _rope(ins, attrs, given):
+    x, cos, sin = ins
+    half = x.shape[-1] // 2 if x.rank and isinstance(x.shape[-1], int) and x.shape[-1] % 2 == 0 else None
+    if half is None or cos.dtype != x.dtype or sin.dtype != x.dtype:
+        raise _fail("rope", f"x {x} needs an even last dim, cos {cos} and sin {sin} its dtype")
+    try:
+        for t in (cos, sin):
+            if broadcast_shapes(x.shape[:-1] + (half,), t.shape) != x.shape[:-1] + (half,):
+                raise ShapeError("")
+    except ShapeError:
+        raise _fail("rope", f"cos {cos} and sin {sin} must broadcast to {shape_str(x.shape[:-1] + (half,))}") from None
+    return [x]
+
+
+def _block_matmul_flops(ins, outs):
+    return 2 * numel(outs[0].shape) * ins[0].shape[-1]
+
+
+def _cache_attention_flops(ins, outs):
+    # per query: scores and the weighted sum over the whole cache length (an upper bound: pos + T of S)
+    q, k = ins[0], ins[1]
+    return 4 * numel(q.shape) * k.shape[2]
+
+
+_BLOCK = {"format": ("str", REQUIRED), "k": ("int", REQUIRED)}
+_op("block_matmul", ["x", "w"], _block_matmul, "K.block_matmul({x}, {w}, {format}, {k})", "quantize", _BLOCK,
+    doc="x[..., k] @ dequantize(w).T -> [..., N], w ui8[N, row_bytes] in a GGUF block format "
+        "(ir/block_formats.py), read as stored: never widened to f32 whole", flops=_block_matmul_flops)
+_op("block_gather", ["w", "indices"], _block_gather, "K.block_gather({w}, {indices}, {format}, {k})", "quantize",
+    _BLOCK, doc="rows `indices` of dequantize(w) -> f32[*indices, k]: an embedding lookup in a block format")
+_op("cache_write", ["cache", "x", "pos"], _cache_write, "K.cache_write({cache}, {x}, {pos})", "layout",
+    doc="cache[b, :, pos_b : pos_b + T] = x[b], in place: the result aliases `cache` (a donated input); "
+        "pos is an i64 scalar or one per sequence, and a position outside the cache is an error",
+    pattern=OPAQUE, flops=0)
+_op("cache_attention", ["q", "k_cache", "v_cache", "pos"], _cache_attention,
+    "K.cache_attention({q}, {k_cache}, {v_cache}, {pos}, {scale})", "composite", {"scale": ("float", REQUIRED)},
+    doc="causal attention of q[B, H, T, D] (positions pos_b..pos_b + T - 1) over cache positions "
+        "[0, pos_b + T) of k_cache/v_cache[B, Hkv, S, D]; query head h reads K/V head h // (H / Hkv)",
+    pattern=OPAQUE, flops=_cache_attention_flops)
+_op("rms_norm", ["x", "scale?"], _rms_norm, "K.rms_norm({x}, {scale}, {axis}, {epsilon})", "composite",
+    {"axis": ("int", -1), "epsilon": ("float", 1e-6)}, doc="x / sqrt(mean(x^2 over dims axis..) + epsilon) * scale",
+    pattern=OPAQUE, flops=4)
+_op("rope", ["x", "cos", "sin"], _rope, "K.rope({x}, {cos}, {sin})", "composite",
+    doc="rotary embedding of the last dim as pairs (i, i + D/2) (GPT-NeoX, transformers' rotate_half): "
+        "[x1 cos - x2 sin, x2 cos + x1 sin], cos/sin broadcasting to x[..., D/2]", pattern=OPAQUE, flops=3)
+
+
 def normalize_attrs(spec: OpSpec, attrs: dict[str, Any]) -> dict[str, Any]:
     """Fill defaults and check names; raise a ShapeError naming the op otherwise."""
     unknown = set(attrs) - set(spec.attrs)

@@ -244,7 +244,7 @@ class _Emitter:
             # errstate: same as the interpreter, IEEE results (inf, nan) are the semantics, not warnings.
             out.append(f'{INDENT * 2}with {", ".join(contexts)}:')
         out += [inner + line for line in body]
-        out.append(f"{inner}return [{', '.join(self._output(v) for v in prog.outputs)}]")
+        out.append(f"{inner}return [{', '.join(self._output(v, i) for i, v in enumerate(prog.outputs))}]")
         out += ["", f"{INDENT}return forward", ""]
         return "\n".join(out)
 
@@ -291,8 +291,10 @@ class _Emitter:
                                      f"{len(names)} sibling matmuls")
         return self._concatenated[key]
 
-    def _output(self, v: SSAValue) -> str:
+    def _output(self, v: SSAValue, index: int) -> str:
         v = self.prog.canon(v)
+        if index in self.model.aliases.values():
+            return self.names[v]  # a donated input's buffer, updated in place: the caller's own array
         # An output that is, or may be a view of, an input, a weight or a constant is
         # copied, so that the caller cannot write into the module's arrays (or its
         # own inputs) through it; a computed output is returned as is.

@@ -65,7 +65,10 @@ DECOMPOSED = ("softmax", "layer_norm", "gelu")
 _HOST = "no kernel: its NumPy template runs on host copies (HOST_OPS)"
 HOST = {name: _HOST for name in ("einsum", "max_pool", "avg_pool", "gather_elements", "pad", "tile", "bitcast",
                                  "scatter_elements", "scatter_nd", "topk", "nonzero", "unique", "narrow",
-                                 "non_max_suppression", "rnn", "assert_size")}
+                                 "non_max_suppression", "rnn", "assert_size",
+                                 # generation's ops have kernels in the C backend only so far
+                                 "block_matmul", "block_gather", "cache_write", "cache_attention",
+                                 "rms_norm", "rope")}
 KERNELS = ("trilu", "argmax", "argmin", "cumsum", "cumprod", "matmul", "conv", "attention", "gather",
            "quantize", "dequantize", "dynamic_quantize", "matmul_integer")
 TORCH_CALLS = (*TORCH_LAYOUT, "split", "slice", "iota", "constant", "weight")

@@ -302,6 +302,32 @@ def op_examples() -> dict[str, list[OpExample]]:
         [ints(3, 1100, lo=0, hi=256, dtype=np.uint8), ints(1100, 4, lo=-128, hi=128, dtype=np.int8)],
         label="ui8-zero-point-long-k")
 
+    # --- generation: block-format weights, the KV cache, RMSNorm, RoPE ---
+    from tilegraph.ir.block_formats import FORMATS
+
+    for fmt, k in (("q4_1", 64), ("q8_0", 64), ("q4_k", 256), ("q6_k", 256), ("bf16", 8)):
+        raw = FORMATS[fmt].quantize(f32(5, k))
+        add("block_matmul", lambda g, a, raw=raw, fmt=fmt, k=k: g.op("block_matmul", a, g.weight(f"w.{fmt}", raw),
+                                                                       format=fmt, k=k),
+            [f32(2, 3, k)], k, label=fmt)
+    table = FORMATS["q4_0"].quantize(f32(10, 64))
+    add("block_gather", lambda g, i: g.op("block_gather", g.weight("embed.q4_0", table), i, format="q4_0", k=64),
+        [ints(2, 3, lo=0, hi=10, dtype=np.int64)], label="q4_0-embedding")
+    # Writing the same rows again gives the same cache: the in-place write may run twice on one input.
+    add("cache_write", lambda g, c, x, p: g.op("cache_write", c, x, p),
+        [f32(2, 2, 8, 4), f32(2, 2, 3, 4), np.int64(2)], label="prefill-at-2")
+    add("cache_write", lambda g, c, x, p: g.op("cache_write", c, x, p),
+        [f32(2, 2, 8, 4), f32(2, 2, 1, 4), np.array([0, 7], np.int64)], label="decode-per-sequence")
+    add("cache_attention", lambda g, q, k, v, p: g.op("cache_attention", q, k, v, p, scale=0.35),
+        [f32(2, 4, 3, 8), f32(2, 2, 10, 8), f32(2, 2, 10, 8), np.array([0, 7], np.int64)], 10, label="gqa-2-per-kv")
+    add("cache_attention", lambda g, q, k, v, p: g.op("cache_attention", q, k, v, p, scale=0.5),
+        [f32(1, 3, 1, 4), f32(1, 3, 6, 4), f32(1, 3, 6, 4), np.int64(5)], 6, label="decode-last-position")
+    add("rms_norm", lambda g, a, w: g.op("rms_norm", a, w, epsilon=1e-5), [f32(3, 5, 16), f32(16)], 16,
+        label="scaled")
+    add("rms_norm", lambda g, a: g.op("rms_norm", a), [f32(4, 8)], 8, label="unscaled")
+    add("rope", lambda g, a, c, s_: g.op("rope", a, c, s_), [f32(2, 3, 4, 8), f32(2, 1, 4, 4, lo=-1, hi=1),
+                                                            f32(2, 1, 4, 4, lo=-1, hi=1)], 2, label="per-batch")
+
     # --- ops added for the torch frontend ---
     tiny = np.array([1e-9, -3e-8, 1e-4, -0.5, 2.0], np.float32)  # where exp(x)-1 and log(1+x) cancel
     unary("expm1", tiny, "tiny-and-large")
