@@ -8,13 +8,15 @@ reference, at every instruction set this processor has (scalar, AVX2, AVX512-VNN
 - block_rows is the dequantization, bit for bit; cache_write writes exactly the rows it is
   given, in place; cache_attention is ir/kernels.py's causal grouped-query attention."""
 
+import functools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from tilegraph.backends.c import blockq
 from tilegraph.ir import kernels
-from tilegraph.ir.block_formats import FORMATS
+from tilegraph.ir.block_formats import FORMATS, quantize_activations
 from tilegraph.testing.tolerances import assert_close, tolerance
 
 WEIGHT_FORMATS = ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "f16", "bf16", "f32"]
@@ -70,7 +72,7 @@ def test_block_matmul_is_its_reference(fmt, isa, m, n, blocks, seed, scale):
     if f.block == 1:
         assert_close(y, exact, "f32", k, name=f"{fmt} x @ w.T")
         return
-    assert_close(y, blockq.quantize_activations(x) @ wd.T, "f32", k, name=f"{fmt} q8(x) @ w.T ({isa})")
+    assert_close(y, quantize_activations(x.astype(np.float64)) @ wd.T, "f32", k, name=f"{fmt} q8(x) @ w.T ({isa})")
     rtol, _ = tolerance("f32", k)
     slack = blockq.activation_error_bound(x, wd) + rtol * (np.abs(x) @ np.abs(wd).T) + 1e-30
     assert (np.abs(y - exact) <= slack).all(), f"{fmt} ({isa}): outside the activation bound"
@@ -156,3 +158,93 @@ def test_cache_attention_past_the_cache_is_refused():
     with pytest.raises(blockq.KernelError, match="share"):
         blockq.cache_attention(np.zeros((1, 3, 1, 4), np.float32), np.zeros((1, 2, 8, 4), np.float32),
                                np.zeros((1, 2, 8, 4), np.float32), np.int64(0), 0.5)
+
+
+# --- the lowering: a decoder layer's step is native C end to end, its caches written in place ---
+
+def decoder_layer(fmt: str, b: int, hidden: int, heads: int, kv_heads: int, d: int, s: int, per_sequence: bool):
+    """One Llama layer's step on T new tokens: rms_norm, q/k/v block matmuls, rope, the caches
+    written, attention over them, the output projection and the residual."""
+    from tilegraph.ir import Graph
+
+    rng = np.random.default_rng(7)
+    f = FORMATS[fmt]
+    g = Graph()
+    x = g.input("x", (b, "T", hidden))
+    kc, vc = g.input("k_cache", (b, kv_heads, s, d)), g.input("v_cache", (b, kv_heads, s, d))
+    pos = g.input("pos", (b,) if per_sequence else (), "i64")
+    cos, sin = g.input("cos", (b, 1, "T", d // 2)), g.input("sin", (b, 1, "T", d // 2))
+
+    def linear(v, n, k, name):
+        w = g.weight(name, f.quantize((rng.standard_normal((n, k)) / k ** 0.5).astype(np.float32)))
+        return g.op("block_matmul", v, w, format=fmt, k=k, activation="q8")
+
+    h = g.op("rms_norm", x, g.weight("norm", rng.uniform(0.5, 1.5, hidden).astype(np.float32)), epsilon=1e-5)
+
+    def heads_of(v, n):
+        return g.transpose(g.reshape(v, (b, "T", n, d)), (0, 2, 1, 3))
+
+    q = g.op("rope", heads_of(linear(h, heads * d, hidden, "wq"), heads), cos, sin)
+    k = g.op("rope", heads_of(linear(h, kv_heads * d, hidden, "wk"), kv_heads), cos, sin)
+    v = heads_of(linear(h, kv_heads * d, hidden, "wv"), kv_heads)
+    kc2, vc2 = g.op("cache_write", kc, k, pos), g.op("cache_write", vc, v, pos)
+    a = g.op("cache_attention", q, kc2, vc2, pos, scale=d ** -0.5)
+    a = g.reshape(g.transpose(a, (0, 2, 1, 3)), (b, "T", heads * d))
+    y = g.add(x, linear(a, hidden, heads * d, "wo"))
+    return g.build(y, kc2, vc2, names=["y", "k_cache_out", "v_cache_out"],
+                   aliases={"k_cache": "k_cache_out", "v_cache": "v_cache_out"})
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_layer(fmt: str, per_sequence: bool):
+    from tilegraph.backends.c import compile_model
+
+    model = decoder_layer(fmt, 2, 64, 4, 2, 16, 32, per_sequence)
+    return model, compile_model(model)
+
+
+@settings(max_examples=12, deadline=None)
+@given(fmt=st.sampled_from(["q4_1", "q8_0"]), t=st.sampled_from([1, 3, 20]), per_sequence=st.booleans(),
+       seed=st.integers(0, 2**31))
+def test_a_decoder_layer_step_runs_natively_and_writes_its_caches_in_place(fmt, t, per_sequence, seed):
+    from tilegraph.ir.interpreter import interpret
+
+    b, hidden, kv_heads, d, s = 2, 64, 2, 16, 32
+    model, compiled = _compiled_layer(fmt, per_sequence)
+    assert all(kind == "segment" for kind, _ in compiled.program.plan), "a step ran on the host"
+    assert len(compiled.program.plan) == 1, "the step is one native call"
+    rng = np.random.default_rng(seed)
+    pos = rng.integers(0, s - t + 1, b) if per_sequence else np.int64(rng.integers(0, s - t + 1))
+    angles = rng.uniform(-3, 3, (b, 1, t, d // 2))
+    inputs = [rng.standard_normal((b, t, hidden)).astype(np.float32),
+              rng.standard_normal((b, kv_heads, s, d)).astype(np.float32),
+              rng.standard_normal((b, kv_heads, s, d)).astype(np.float32), pos,
+              np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)]
+    before = inputs[1].copy()
+    want = interpret(model, [a.copy() if isinstance(a, np.ndarray) else a for a in inputs])
+    k_cache, v_cache = inputs[1], inputs[2]
+    got = compiled(*inputs)
+    assert got[1] is k_cache and got[2] is v_cache, "the caches are the caller's arrays, written in place"
+    written = np.zeros(k_cache.shape, bool)
+    for i, p in enumerate(np.broadcast_to(pos, (b,))):
+        written[i, :, p:p + t] = True
+    np.testing.assert_array_equal(k_cache[~written], before[~written])  # no other row touched
+    # q8 activations: the interpreter rounds x the same way, so f32 rounding is all that differs
+    assert_close(k_cache, want[1], "f32", hidden, name="k_cache")
+    assert_close(got[0], want[0], "f32", hidden + s, name="y")
+
+
+def test_a_cache_that_would_be_copied_is_refused():
+    """A cache that is not the writable C-contiguous f32 array the kernel writes (the call would
+    write a copy, and the caller's cache would silently stay stale) is refused before any C runs."""
+    from tilegraph.ir.model import ModelError
+
+    _, compiled = _compiled_layer("q8_0", False)
+    x = np.zeros((2, 1, 64), np.float32)
+    c = np.zeros((2, 2, 32, 16), np.float32)
+    trig = np.zeros((2, 1, 1, 8), np.float32)
+    readonly = c.copy()
+    readonly.flags.writeable = False
+    for bad in (np.zeros((2, 2, 32, 32), np.float32)[..., ::2], c.astype(np.float64), np.asfortranarray(c), readonly):
+        with pytest.raises(ModelError, match="updated in place"):
+            compiled(x, bad, c.copy(), np.int64(0), trig, trig)

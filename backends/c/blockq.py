@@ -96,22 +96,10 @@ def cache_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos, scale: flo
     return o
 
 
-# --- what the integer path computes, and how far that is from the op's float semantics ----
-
-def quantize_activations(x: np.ndarray) -> np.ndarray:
-    """x as the kernels see it (float64): each 32 values rounded to d * q, d = max|x| / 127,
-    q = round-half-even(x / d) in int8, as ggml's quantize_row_q8_0 and blockq.c's bq_quantize."""
-    x = np.asarray(x, np.float32)
-    xb = x.reshape(x.shape[:-1] + (-1, 32))
-    amax = np.abs(xb).max(-1, keepdims=True)
-    with np.errstate(divide="ignore"):
-        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
-    q = np.clip(np.rint((xb * inv).astype(np.float32)), -128, 127)
-    return (q.astype(np.float64) * (amax / np.float32(127)).astype(np.float64)).reshape(x.shape)
-
+# --- how far the integer path (activation='q8') is from the op's float semantics ----
 
 def activation_error_bound(x: np.ndarray, w_dequantized: np.ndarray) -> np.ndarray:
-    """The lowering's stated bound on |block_matmul's C result - x @ w.T| beyond float rounding:
+    """The bound on |block_matmul(activation='q8') - block_matmul(activation='f32')| beyond rounding:
     each activation moves by at most half its block's step, max|x_block| / 254, so an output
     moves by at most sum_k (max|x_block(k)| / 254) |w[n, k]|. (The float formats f32, f16, bf16
     multiply x unquantized: no such term.)"""

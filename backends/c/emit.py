@@ -72,10 +72,8 @@ HOST_FALLBACK = {
     # Data-dependent sizes: the runtime finds them before planning (ir.interpreter.run_time_sizes).
     "nonzero": "host", "unique": "host", "narrow": "host", "non_max_suppression": "host",
     "rnn": "host (a loop over the steps, NumPy's matmul per step)", "assert_size": "host",
-    # Generation's ops: the host until their decode kernels land (block-format GEMV/GEMM,
-    # attention over the cache, the cache written in place).
-    "block_matmul": "host", "block_gather": "host", "cache_write": "host", "cache_attention": "host",
-    "rms_norm": "host", "rope": "host",
+    "block_matmul": "C for f32/f16/bf16 weights and for activation='q8' (integer dot products), the host for "
+                    "a quantized format's activation='f32'",
 }
 LOWERINGS = table(template=[op for op in OPS if op not in HOST_FALLBACK],
                   fallback={op: f"runs on the host between native segments ({why})"

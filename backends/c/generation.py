@@ -3,9 +3,10 @@
 Each is a call into the runtime's kernels (blockq.c) on views the emitter already has:
 
 * `block_matmul` and `block_gather` read a weight as its GGUF bytes (ui8[N, row_bytes]),
-  never widened: the matmul quantizes the activation rows to q8 and takes integer dot
-  products (blockq.c says why), so its result is within `blockq.activation_error_bound`
-  of the op's float semantics, as llama.cpp's is.
+  never widened. A quantized format's matmul runs here with activation='q8': the
+  activation rows rounded to int8 per 32 (block_formats.quantize_activations) and integer
+  dot products (blockq.c says why), as llama.cpp's; that is within
+  `blockq.activation_error_bound` of activation='f32', which runs on the host.
 * `cache_write` writes the new rows into the cache operand's own buffer, which must be a
   model input read by nothing else (the op donates it, as XLA's aliased buffers): its
   result is that buffer, and the runtime hands the caller's array back as the output,
@@ -50,6 +51,8 @@ class Generation:
         fmt, k = op.attr("format"), int(op.attr("k"))
         if x.dtype != "f32" or x.literal is not None or fmt not in FORMATS:
             raise Unsupported("block_matmul of f32 activations in a format the kernels know")
+        if block_format(fmt).block > 1 and op.attr("activation") != "q8":
+            raise Unsupported("block_matmul in a quantized format with activation='q8' (integer dot products)")
         w = self._weight_bytes(w)
         x = self._rows(x)
         out = self._temp(op.result_infos()[0])

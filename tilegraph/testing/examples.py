@@ -310,6 +310,11 @@ def op_examples() -> dict[str, list[OpExample]]:
         add("block_matmul", lambda g, a, raw=raw, fmt=fmt, k=k: g.op("block_matmul", a, g.weight(f"w.{fmt}", raw),
                                                                        format=fmt, k=k),
             [f32(2, 3, k)], k, label=fmt)
+        # activation='q8': x rounded to int8 per 32 first (the integer dot products the C backend runs)
+        if k % 32 == 0:
+            add("block_matmul", lambda g, a, raw=raw, fmt=fmt, k=k: g.op(
+                "block_matmul", a, g.weight(f"w.{fmt}", raw), format=fmt, k=k, activation="q8"),
+                [f32(2, 3, k)], k, label=f"{fmt}-q8")
     table = FORMATS["q4_0"].quantize(f32(10, 64))
     add("block_gather", lambda g, i: g.op("block_gather", g.weight("embed.q4_0", table), i, format="q4_0", k=64),
         [ints(2, 3, lo=0, hi=10, dtype=np.int64)], label="q4_0-embedding")
