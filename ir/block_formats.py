@@ -91,18 +91,24 @@ def _f16(raw: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)
 
 
+def _f16_at(blocks: np.ndarray, byte: int) -> np.ndarray:
+    """float32[n, 1] of the f16 at (even) byte offset `byte` of each block: a strided read, no copy
+    of the blocks (every block's size is even)."""
+    return blocks.view(np.uint16)[:, byte // 2].view(np.float16).astype(np.float32)[:, None]
+
+
 def _f16_bytes(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(x, np.float32).astype(np.float16)).view(np.uint8)
 
 
-# nibble table: byte -> (low, high) nibble, so unpacking is one gather
-_NIBBLES = np.stack([np.arange(256) & 0x0F, np.arange(256) >> 4], axis=-1).astype(np.uint8)
-
-
 def _unpack_nibbles(qs: np.ndarray) -> np.ndarray:
-    """uint8[n, 16] (element i low, i + 16 high) -> uint8[n, 32]."""
-    pairs = _NIBBLES[qs]  # [n, 16, 2]
-    return np.concatenate([pairs[..., 0], pairs[..., 1]], axis=-1)
+    """uint8[n, 16] (element i low, i + 16 high) -> float32[n, 32]: two masked passes written
+    straight into the float result (a byte -> pair lookup table gathers 4x slower)."""
+    out = np.empty(qs.shape[:-1] + (2 * qs.shape[-1],), np.float32)
+    half = qs.shape[-1]
+    np.bitwise_and(qs, 0x0F, out=out[..., :half], casting="unsafe")
+    np.right_shift(qs, 4, out=out[..., half:], casting="unsafe")
+    return out
 
 
 def _pack_nibbles(q: np.ndarray) -> np.ndarray:
@@ -149,8 +155,11 @@ def _bf16_quantize(x: np.ndarray) -> np.ndarray:
 
 
 def _q4_0_dequantize(b):
-    d = _f16(b[:, :2])
-    return (_unpack_nibbles(b[:, 2:]).astype(np.float32) - 8.0) * d
+    d = _f16_at(b, 0)
+    q = _unpack_nibbles(b[:, 2:])
+    q -= 8.0
+    q *= d
+    return q
 
 
 def _q4_0_quantize(x):
@@ -162,8 +171,11 @@ def _q4_0_quantize(x):
 
 
 def _q4_1_dequantize(b):
-    d, m = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    return _unpack_nibbles(b[:, 4:]).astype(np.float32) * d + m
+    d, m = _f16_at(b, 0), _f16_at(b, 2)
+    q = _unpack_nibbles(b[:, 4:])
+    q *= d
+    q += m
+    return q
 
 
 def _q4_1_quantize(x):
@@ -174,7 +186,9 @@ def _q4_1_quantize(x):
 
 
 def _q8_0_dequantize(b):
-    return b[:, 2:].view(np.int8).astype(np.float32) * _f16(b[:, :2])
+    q = b[:, 2:].view(np.int8).astype(np.float32)
+    q *= _f16_at(b, 0)
+    return q
 
 
 def _q8_0_quantize(x):
@@ -218,12 +232,11 @@ def _pack_k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
 
 def _q4_k_dequantize(b):
     n = b.shape[0]
-    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    d, dmin = _f16_at(b, 0), _f16_at(b, 2)
     sc, mn = _unpack_k_scales(b[:, 4:16])
     scale = (d * sc.astype(np.float32))[:, :, None]  # [n, 8, 1]
     offset = (dmin * mn.astype(np.float32))[:, :, None]
-    pairs = _NIBBLES[b[:, 16:].reshape(n, 4, 32)]  # [n, 4 chunks, 32, (low, high)]
-    q = pairs.transpose(0, 1, 3, 2).reshape(n, 8, 32).astype(np.float32)  # sub-block 2i low, 2i+1 high
+    q = _unpack_nibbles(b[:, 16:].reshape(n, 4, 32)).reshape(n, 8, 32)  # sub-block 2i low, 2i+1 high
     return (scale * q - offset).reshape(n, QK_K)
 
 
@@ -251,7 +264,7 @@ def _q6_k_dequantize(b):
     n = b.shape[0]
     ql, qh = b[:, 0:128].reshape(n, 2, 64), b[:, 128:192].reshape(n, 2, 32)
     scales = b[:, 192:208].view(np.int8).astype(np.float32)
-    d = _f16(b[:, 208:210])
+    d = _f16_at(b, 208)
     # per half of 128: elements [32 l-groups] j*32 + l for j = 0..3 take
     # ql[l] low, ql[l+32] low, ql[l] high, ql[l+32] high, with qh[l] bits 2j..2j+1 on top
     low = np.stack([ql[:, :, :32] & 0x0F, ql[:, :, 32:] & 0x0F, ql[:, :, :32] >> 4, ql[:, :, 32:] >> 4], axis=2)
