@@ -61,7 +61,7 @@ HOST_FALLBACK = {
     "scatter_elements": "host", "scatter_nd": "host",
     "pad": "C for constant padding (into a convolution's own padding where that reads it), the host for "
            "reflect/edge/wrap and negative pads",
-    "cumprod": "host", "trilu": "host", "iota": "host", "topk": "host", "argmax": "host",
+    "cumprod": "host", "trilu": "host", "topk": "host", "argmax": "host",
     "argmin": "host", "mod": "host", "isinf": "host", "reduce_prod": "host",
     "div": "C for floats, the host for integers", "pow": "C for floats, the host for integers",
     "quantize": "C for integer formats, the host for float formats and block scales",

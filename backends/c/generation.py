@@ -12,7 +12,8 @@ Each is a call into the runtime's kernels (blockq.c) on views the emitter alread
   result is that buffer, and the runtime hands the caller's array back as the output,
   never a copy (runtime.py, `donated`). Anything else runs on the host.
 * `cache_attention` reads each cache row once for the heads that share it.
-* `rms_norm` is one pass per row; `rope` one loop over the two halves of each row.
+* `rms_norm` is one pass per row; `rope` one loop over the two halves of each row;
+  `iota` (the new tokens' positions) a loop, so a decode step stays one native call.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from tilegraph.ir.block_formats import block_format
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.shapes import numel
 
-GENERATION_OPS = ("block_matmul", "block_gather", "cache_write", "cache_attention", "rms_norm", "rope")
+GENERATION_OPS = ("block_matmul", "block_gather", "cache_write", "cache_attention", "rms_norm", "rope", "iota")
 ELEMENT_BYTES = {"f32": 4, "f64": 8, "i64": 8, "i32": 4, "i16": 2, "i8": 1, "ui8": 1, "ui16": 2, "ui32": 4,
                  "ui64": 8, "i1": 1}
 
@@ -163,4 +164,17 @@ class Generation:
                           lambda r: [f"{{ const float a = {r[0]}, b = {r[1]}, c = {r[2]}, s = {r[3]};",
                                      f"  {r[4]} = a * c - b * s; {r[5]} = b * c + a * s; }}"])
         self._step(_describe(op), lines, [x, cos, sin], [out])
+        return out
+
+    def _gen_iota(self, op: TgOp, xs: list[View]) -> View:
+        info = op.result_infos()[0]
+        if info.dtype not in CTYPES:
+            raise Unsupported(f"iota of {info.dtype}")
+        out = self._temp(info)
+        axis = op.attr("axis") % len(info.shape)
+        inner = numel(info.shape[axis + 1:])
+        self._step(_describe(op), [
+            f"for (int64_t i = 0; i < {self.ints(numel(info.shape))}; i++)",
+            f"    (({CTYPES[info.dtype]} *)p[{out.buf}])[i] = ({CTYPES[info.dtype]})(i / {self.ints(inner)} % "
+            f"{self.ints(info.shape[axis])});"], [], [out])
         return out
