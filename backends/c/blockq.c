@@ -30,6 +30,7 @@ typedef struct {
     float *d;
     int32_t *s;
     int16_t *s16;
+    float *ds;  /* per 32: d, then d * s (one 8-byte load gives a block's two terms) */
 } tg_q8row;
 
 typedef void (*bq_dot_fn)(const uint8_t *w, const tg_q8row *a, int R, int64_t nb, float *y);
@@ -142,6 +143,8 @@ static void bq_quantize_scalar(const float *x, int64_t k, tg_q8row *a) {
         a->s16[2 * b] = (int16_t)h[0];
         a->s16[2 * b + 1] = (int16_t)h[1];
         a->s[b] = h[0] + h[1];
+        a->ds[2 * b] = a->d[b];
+        a->ds[2 * b + 1] = a->d[b] * (float)a->s[b];
     }
 }
 
@@ -193,6 +196,91 @@ static const tg_bq_kernels bq_kernels_scalar = {
 #undef BQ_SUFFIX
 #undef BQ_DP
 #pragma GCC pop_options
+
+/* Decode's hot formats on 512-bit registers, two 32-blocks per step (AVX512-VNNI): one
+ * vpdpbusd, one conversion and one FMA per 64 weights; both blocks' f16 scales converted
+ * together and multiplied by the activation's (d, d * sum) pairs in one go. Rows of R < 4
+ * activations (a decode step's) take these, one row at a time. */
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512dq")
+static inline __m512i bq_zmm_nibbles2(const uint8_t *p0, const uint8_t *p1) {
+    __m256i raw = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)p1), _mm_loadu_si128((const __m128i *)p0));
+    __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
+                              _mm256_permute2x128_si256(lo, hi, 0x31), 1);
+}
+static inline uint32_t bq_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline uint16_t bq_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+
+/* fmt's blocks: the two f16 pairs (scale, min-or-scale) of blocks b, b+1 -> [x0, y0, x1, y1] */
+#define BQ_ZMM_KERNEL(name, BYTES, UNPACK, PAIR, OFFSET)                                                          \
+    static void name(const uint8_t *w, const tg_q8row *a, int R, int64_t nb, float *y) {                        \
+        for (int r = 0; r < R; r++, a++) {                                                                        \
+            const uint8_t *wb = w;                                                                                \
+            __m512 acc = _mm512_setzero_ps();                                                                     \
+            __m128 off = _mm_setzero_ps();                                                                        \
+            const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);               \
+            int64_t b = 0;                                                                                        \
+            for (; b + 1 < nb; b += 2, wb += 2 * (BYTES)) {                                                       \
+                __m512i u = UNPACK;                                                                               \
+                __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(a->q + 32 * b));    \
+                __m128 f = _mm_mul_ps(_mm_cvtph_ps(PAIR), _mm_loadu_ps(a->ds + 2 * b));                             \
+                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(f)), \
+                                      acc);                                                                       \
+                off = _mm_add_ps(off, f);                                                                         \
+            }                                                                                                     \
+            float o[4];                                                                                           \
+            _mm_storeu_ps(o, off);                                                                                \
+            float rest = 0.f;                                                                                     \
+            if (b < nb) bq_body_tail(w, a, b, nb, &rest);                                                         \
+            y[r] = _mm512_reduce_add_ps(acc) + (OFFSET) + rest;                                                   \
+        }                                                                                                         \
+    }
+
+/* q4_1: [d, m] per block; off lanes 1, 3 are m * da * sum */
+#define bq_body_tail(w, a, b, nb, rest) bq_dot_q4_1_vnni((w) + (b) * 20, &(tg_q8row){(a)->q + 32 * (b), (a)->d + (b), \
+                                                                  (a)->s + (b), (a)->s16 + 2 * (b), (a)->ds + 2 * (b)}, 1, (nb) - (b), (rest))
+BQ_ZMM_KERNEL(bq_zmm_q4_1, 20, bq_zmm_nibbles2(wb + 4, wb + 24),
+              _mm_set_epi32(0, 0, (int)bq_u32(wb + 20), (int)bq_u32(wb)), o[1] + o[3])
+#undef bq_body_tail
+/* q4_0: [d, d] per block (w = d (q - 8)); off lanes 1, 3 are d * da * sum */
+#define bq_body_tail(w, a, b, nb, rest) bq_dot_q4_0_vnni((w) + (b) * 18, &(tg_q8row){(a)->q + 32 * (b), (a)->d + (b), \
+                                                                  (a)->s + (b), (a)->s16 + 2 * (b), (a)->ds + 2 * (b)}, 1, (nb) - (b), (rest))
+BQ_ZMM_KERNEL(bq_zmm_q4_0, 18, bq_zmm_nibbles2(wb + 2, wb + 20),
+              _mm_set_epi16(0, 0, 0, 0, (short)bq_u16(wb + 18), (short)bq_u16(wb + 18), (short)bq_u16(wb),
+                            (short)bq_u16(wb)), -8.f * (o[1] + o[3]))
+#undef bq_body_tail
+/* q8_0: signed weights through |w| and sign(a, w) */
+static void bq_zmm_q8_0(const uint8_t *w, const tg_q8row *a, int R, int64_t nb, float *y) {
+    for (int r = 0; r < R; r++, a++) {
+        const uint8_t *wb = w;
+        __m512 acc = _mm512_setzero_ps();
+        const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+        int64_t b = 0;
+        for (; b + 1 < nb; b += 2, wb += 68) {
+            __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(wb + 2))),
+                                           _mm256_loadu_si256((const __m256i *)(wb + 36)), 1);
+            __m512i s = _mm512_loadu_si512(a->q + 32 * b);
+            /* sign(a, w): negate a where w < 0, zero where w == 0 */
+            __mmask64 neg = _mm512_movepi8_mask(q), zero = _mm512_testn_epi8_mask(q, q);
+            s = _mm512_mask_sub_epi8(s, neg, _mm512_setzero_si512(), s);
+            s = _mm512_maskz_mov_epi8(~zero, s);
+            __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(q), s);
+            __m128 f = _mm_mul_ps(_mm_cvtph_ps(_mm_set_epi16(0, 0, 0, 0, 0, (short)bq_u16(wb + 34), 0, (short)bq_u16(wb))),
+                                  _mm_loadu_ps(a->ds + 2 * b));
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(f)), acc);
+        }
+        float rest = 0.f;
+        if (b < nb)
+            bq_dot_q8_0_vnni(w + b * 34, &(tg_q8row){a->q + 32 * b, a->d + b, a->s + b, a->s16 + 2 * b, a->ds + 2 * b},
+                             1, nb - b, &rest);
+        y[r] = _mm512_reduce_add_ps(acc) + rest;
+    }
+}
+#pragma GCC pop_options
+static const bq_dot_fn bq_zmm[TG_BQ_COUNT] = {[TG_BQ_Q4_0] = bq_zmm_q4_0, [TG_BQ_Q4_1] = bq_zmm_q4_1,
+                                              [TG_BQ_Q8_0] = bq_zmm_q8_0};
 
 static const tg_bq_kernels *bq_active;
 static int bq_level = -1;
@@ -288,7 +376,7 @@ int tg_block_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int6
     }
     const tg_bq_kernels *kern = bq_kernels();
     /* the q8 rows: K bytes, K / 32 scales and sums, K / 16 half-sums each */
-    int64_t nb32 = K / 32, per_row = K + nb32 * 8 + nb32 * 4 + 64;
+    int64_t nb32 = K / 32, per_row = K + nb32 * 16 + nb32 * 8 + nb32 * 4 + 64;
     uint8_t *scratch = bq_scratch_get((size_t)(M * per_row + M * sizeof(tg_q8row)));
     if (!scratch) TG_FAIL("block matmul: out of memory for %lld quantized activation rows", (long long)M);
     tg_q8row *rows = (tg_q8row *)(scratch + M * per_row);
@@ -298,11 +386,13 @@ int tg_block_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int6
         float *d = (float *)base;
         int32_t *s = (int32_t *)(d + nb32);
         int16_t *s16 = (int16_t *)(s + nb32);
-        int8_t *q = (int8_t *)(base + nb32 * 12 + 32);
-        rows[m] = (tg_q8row){q, d, s, s16};
+        float *ds = (float *)(base + nb32 * 12);
+        int8_t *q = (int8_t *)(base + nb32 * 20 + 32);
+        rows[m] = (tg_q8row){q, d, s, s16, ds};
         kern->quantize(x + m * K, K, &rows[m]);
     }
     bq_dot_fn dot = kern->dot[fmt];
+    if (M < BQ_MAXR && bq_level == 2 && bq_zmm[fmt]) dot = bq_zmm[fmt];  /* decode: two blocks per zmm */
     int64_t nb = K / BQ_BLOCK[fmt];
 #pragma omp parallel for schedule(static) if (parallel)
     for (int64_t t = 0; t < tiles; t++) {

@@ -220,6 +220,8 @@ static void BQ_FN(bq_quantize)(const float *x, int64_t k, tg_q8row *a) {
         a->s16[2 * b] = (int16_t)h0;
         a->s16[2 * b + 1] = (int16_t)h1;
         a->s[b] = h0 + h1;
+        a->ds[2 * b] = d;
+        a->ds[2 * b + 1] = d * (float)(h0 + h1);
     }
 }
 
