@@ -107,7 +107,14 @@ def render_chat_template(template: str, messages: list[dict], add_generation_pro
     def raise_exception(message):
         raise ChatTemplateError(f"the chat template raised: {message}")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    class Sandbox(ImmutableSandboxedEnvironment):
+        # The sandbox's own answer to `x.__class__` is an Undefined that renders as "" and fails
+        # only when used further; here any reach for an unsafe attribute fails at once.
+        def unsafe_undefined(self, obj, attribute):
+            raise jinja2.exceptions.SecurityError(
+                f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is unsafe")
+
+    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = raise_exception
     try:
         return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,

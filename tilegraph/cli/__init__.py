@@ -13,6 +13,8 @@
     tilegraph run model.onnx --devices 4 --dim batch=4      # the sharded program on 4 local processes (gloo)
     tilegraph quantize model.onnx --calib samples.npz --scheme w8a8 -o model_q.mlir   # calibrate, quantize
     tilegraph export model_q.mlir -o model_q.onnx      # to ONNX (QDQ form if quantized) for onnxruntime
+    tilegraph generate model.gguf -p "Once upon a time" -n 64   # stream text, print tokens/s
+    tilegraph chat model.gguf                          # chat through the file's chat template
 
 Every mistake in the input (a missing file, a malformed model, an unsupported op,
 a shape mismatch) is one paragraph on stderr and exit status 2; `check` exits 1
@@ -29,6 +31,7 @@ from tilegraph.cli.check import _check
 from tilegraph.cli.compile import _compile, _import
 from tilegraph.cli.cost import _cost
 from tilegraph.cli.export import _export
+from tilegraph.cli.generate import _chat, _generate
 from tilegraph.cli.parser import _parser
 from tilegraph.cli.quantize import _quantize
 from tilegraph.cli.run import _run
@@ -36,7 +39,8 @@ from tilegraph.cli.shard import _shard
 from tilegraph.reporting import run_reporting_errors
 
 COMMANDS = {"import": _import, "compile": _compile, "check": _check, "calibrate": _calibrate, "cost": _cost,
-            "quantize": _quantize, "shard": _shard, "run": _run, "export": _export}
+            "quantize": _quantize, "shard": _shard, "run": _run, "export": _export, "generate": _generate,
+            "chat": _chat}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

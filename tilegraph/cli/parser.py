@@ -90,6 +90,29 @@ def _parser() -> argparse.ArgumentParser:
                      help="where to write the profile (default: the cache file the cost model reads for "
                           "hardware target cpu, or c with --target c)")
 
+    # --- generate, chat: a language model from a .gguf file (tilegraph/generation.py) ---
+    for name, help_text in (("generate", "generate text from a prompt with a .gguf language model"),
+                            ("chat", "chat with a .gguf language model through its chat template (stdin, "
+                                     "or one -p prompt)")):
+        gen = sub.add_parser(name, help=help_text)
+        gen.add_argument("model", help="model.gguf")
+        gen.add_argument("-p", "--prompt", action="append", default=None,
+                         help="the prompt (repeat it to decode several prompts together)" if name == "generate"
+                         else "one user message: answer it and exit (default: read messages from stdin)")
+        gen.add_argument("-n", "--max-new-tokens", type=_positive, default=128 if name == "chat" else 64)
+        gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+        gen.add_argument("--top-k", type=_non_negative, default=0)
+        gen.add_argument("--top-p", type=float, default=1.0)
+        gen.add_argument("--repetition-penalty", type=float, default=1.0)
+        gen.add_argument("--seed", type=_non_negative, default=0)
+        gen.add_argument("--threads", type=_positive, default=None, help="CPU threads (target c)")
+        gen.add_argument("--target", default=None, choices=("numpy", "c"),
+                         help="backend (default: c where it builds, else numpy)")
+        gen.add_argument("--cache-len", type=_positive, default=None,
+                         help="KV cache positions per sequence (default: 2048 or the model's context)")
+        if name == "generate":
+            gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+
     # --- cost: the cost model's prediction, kernel by kernel (passes/cost/model.py) ---
     cost = sub.add_parser("cost", help="predict FLOPs, bytes and time of every kernel on a target",
                           description="Run the pipeline, then print the cost model's prediction for every "
