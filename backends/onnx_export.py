@@ -377,7 +377,7 @@ class _Exporter:
             outs = _EXPORT.get(op.op_name, _generic)(self, op, ins)
             for r, o in zip(op.results, outs):
                 self.names[r] = o
-            for r, axis, name in size_definitions(op):
+            for r, axis, name in size_definitions(op):  # type: ignore[assignment]
                 self.symbols.where[name] = (outs[r], axis)
 
 
@@ -679,7 +679,7 @@ def _scale_args(ex, op, ins) -> tuple[str, dict, str | None]:
     if layout == "block":
         return scale, {"axis": axis, "block_size": block}, zp
     fit = _block_axis(x, s)
-    return scale, (None if fit is None else {"axis": fit[0], "block_size": fit[1]}), zp
+    return scale, (None if fit is None else {"axis": fit[0], "block_size": fit[1]}), zp  # type: ignore[return-value]
 
 
 def _quantize(ex, op, ins):

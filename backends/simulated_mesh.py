@@ -60,13 +60,13 @@ def _collective(op, values: list[Any], mesh: Sequence[int]) -> list[Any]:
         n = len(members)
         for pos, d in enumerate(members):
             if op.name == "shard.all_reduce":
-                out[d] = REDUCE[op.reduction.data.value](np.stack(xs))
+                out[d] = REDUCE[op.reduction.data.value](np.stack(xs))  # type: ignore[operator]
             elif op.name == "shard.all_gather":
                 out[d] = np.concatenate(xs, axis=op.gather_axis.value.data)
             elif op.name == "shard.all_slice":
                 out[d] = np.array_split(xs[pos], n, axis=op.slice_axis.value.data)[pos]
             elif op.name == "shard.reduce_scatter":
-                total = REDUCE[op.reduction.data.value](np.stack(xs))
+                total = REDUCE[op.reduction.data.value](np.stack(xs))  # type: ignore[operator]
                 out[d] = np.array_split(total, n, axis=op.scatter_axis.value.data)[pos]
             elif op.name == "shard.all_to_all":
                 split, concat = op.split_axis.value.data, op.concat_axis.value.data

@@ -90,8 +90,8 @@ def numpy_to_dense(array: np.ndarray, info: TensorInfo | None = None) -> DenseIn
     t = tensor_type(name, array.shape)
     flat = array.reshape(-1)
     if dtypes.is_float(name):
-        return DenseIntOrFPElementsAttr.from_list(t, [float(v) for v in flat.astype(np.float64)])
-    return DenseIntOrFPElementsAttr.from_list(t, [int(v) for v in flat.astype(np.int64)])
+        return DenseIntOrFPElementsAttr.from_list(t, [float(v) for v in flat.astype(np.float64)])  # type: ignore[return-value]
+    return DenseIntOrFPElementsAttr.from_list(t, [int(v) for v in flat.astype(np.int64)])  # type: ignore[return-value]
 
 
 def dense_to_numpy(attr: Attribute) -> np.ndarray:

@@ -25,9 +25,9 @@ def extract(model: Model, ops: Sequence[Operation], inputs: Sequence[SSAValue], 
     for v, new in zip(inputs, block.args):
         new.name_hint = v.name_hint
     for op in ops:
-        new = op.clone(value_mapper=mapping)
+        new = op.clone(value_mapper=mapping)  # type: ignore[assignment]
         block.add_op(new)
-        mapping.update(zip(op.results, new.results))
+        mapping.update(zip(op.results, new.results))  # type: ignore[attr-defined]
     block.add_op(ReturnOp(*[mapping[v] for v in outputs]))
     func = FuncOp("forward", FunctionType.from_lists([v.type for v in inputs], [v.type for v in outputs]),
                   Region(block))
@@ -35,7 +35,7 @@ def extract(model: Model, ops: Sequence[Operation], inputs: Sequence[SSAValue], 
         func.arg_attrs = arg_attrs
     if res_attrs is not None:
         func.res_attrs = res_attrs
-    used = {op.attributes["name"].data for op in ops if op.name == "tg.weight"}
+    used = {op.attributes["name"].data for op in ops if op.name == "tg.weight"}  # type: ignore[attr-defined]
     return Model(ModuleOp([func]), WeightStore({n: model.weights[n] for n in used}))
 
 

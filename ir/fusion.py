@@ -7,13 +7,14 @@ the decisions (and these facts) off the IR. None of it is op semantics (that is
 
 from __future__ import annotations
 
+import enum
 from typing import Callable
 
 from xdsl.ir import Block, Operation, SSAValue
 
 from tilegraph.ir.dialect import FusionOp, TgOp, YieldOp
 from tilegraph.ir.dtypes import numpy_dtype
-from tilegraph.ir.ops import ANCHOR, ELEMWISE, OPS
+from tilegraph.ir.ops import ANCHOR, ELEMWISE, OPS, REDUCE
 from tilegraph.ir.shapes import TensorInfo, dims_equal, info_of, numel
 
 # Both read off the op table's traits (ir/ops.py). Views: ops that move or name data
@@ -22,6 +23,58 @@ from tilegraph.ir.shapes import TensorInfo, dims_equal, info_of, numel
 # (horizontal fusion of siblings sharing an input makes one wider anchor out of several).
 VIEW_OPS = frozenset(name for name, spec in OPS.items() if spec.view)
 ANCHORS = frozenset(name for name, spec in OPS.items() if spec.pattern == ANCHOR)
+
+
+class GroupKind(str, enum.Enum):
+    """What a tg.fusion computes: `fuse` labels every group with one, and a backend lowers
+    each kind as one step (tests/test_group_lowering.py). The value is the `kind` printed
+    in the IR."""
+
+    ELEMENTWISE = "elementwise"  # elementwise ops (and row reshapes): one loop
+    REDUCTION = "reduction"  # elementwise ops with reductions or row ops (softmax, layer_norm) over rows
+    HORIZONTAL_MATMUL = "horizontal_matmul"  # sibling matmuls sharing their left operand: one wider GEMM
+    MATMUL = "matmul"
+    MATMUL_EPILOGUE = "matmul_epilogue"
+    CONV = "conv"
+    CONV_EPILOGUE = "conv_epilogue"
+    EINSUM = "einsum"
+    EINSUM_EPILOGUE = "einsum_epilogue"
+    ATTENTION = "attention"  # attention takes no epilogue into its kernel
+    # Made by the Triton backend, not by `fuse`: a block-scaled GEMM with its dequantizations.
+    QUANTIZED_MATMUL = "quantized_matmul"
+
+    @staticmethod
+    def around(anchor: str, epilogue: bool) -> "GroupKind":
+        """The kind of a group built around one anchor op, with or without ops after it."""
+        if anchor == "attention":
+            return GroupKind.ATTENTION
+        return GroupKind(f"{anchor}_epilogue" if epilogue else anchor)
+
+    @staticmethod
+    def of(ops: list[TgOp]) -> "GroupKind":
+        """The kind of a group of these ops."""
+        anchors = [op.op_name for op in ops if op.op_name in ANCHORS]
+        if len(anchors) > 1:
+            return GroupKind.HORIZONTAL_MATMUL
+        if anchors:
+            return GroupKind.around(anchors[0], epilogue=len(ops) > 1)
+        if any(op.SPEC.pattern == REDUCE for op in ops):
+            return GroupKind.REDUCTION
+        return GroupKind.ELEMENTWISE
+
+
+# Every anchor of the op table has its kinds: an anchor added without them fails here, at import.
+for _anchor in ANCHORS:
+    GroupKind.around(_anchor, False), GroupKind.around(_anchor, True)
+
+
+def group_kind(group: FusionOp) -> GroupKind | None:
+    """The kind of a tg.fusion as read from the IR; None for a kind `fuse` never makes
+    (a hand-written or backend-made group), which a backend lowers op by op."""
+    try:
+        return GroupKind(group.kind)
+    except ValueError:
+        return None
 
 
 def row_reshape(op: TgOp) -> bool:
@@ -160,7 +213,7 @@ def live_row_bytes(ops: list[TgOp], keep: set, size: Callable[[object], float]) 
     return peak
 
 
-def outline(ops: list[TgOp], kind: str, inputs: list[SSAValue], outputs: list[SSAValue],
+def outline(ops: list[TgOp], kind: GroupKind, inputs: list[SSAValue], outputs: list[SSAValue],
             before: Operation) -> FusionOp:
     """Move `ops` (in order) into a new tg.fusion of `kind` placed before `before`: `inputs`
     become its block arguments, `outputs` its results, and their readers outside the group
@@ -173,7 +226,7 @@ def outline(ops: list[TgOp], kind: str, inputs: list[SSAValue], outputs: list[SS
         for i, v in enumerate(op.operands):
             if v in arg_of:
                 op.operands[i] = arg_of[v]
-    fusion = FusionOp.build_group(kind, inputs, [v.type for v in outputs], inner)
+    fusion = FusionOp.build_group(kind.value, inputs, [v.type for v in outputs], inner)
     inside = set(ops)
     for value, result in zip(outputs, fusion.results):
         for use in list(value.uses):

@@ -144,4 +144,4 @@ def run_time_sizes(model: Model, arrays: Sequence[np.ndarray], sizes: dict[str, 
         if size_definitions(op):
             known[op] = results
         bind_sizes(op, results, glob)
-    return {**sizes, **{name: glob[name] for op in wanted for _, _, name in size_definitions(op)}}, known
+    return {**sizes, **{name: glob[name] for op in wanted for _, _, name in size_definitions(op)}}, known  # type: ignore[misc]

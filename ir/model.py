@@ -131,7 +131,7 @@ class WeightStore(dict):
                 meta[k] = (name, tuple(int(d) for d in v.shape))
             elif v.dtype.kind not in "biuf" or name in dtypes.BIT_STORED:
                 plain[k] = v.view(np.uint8 if v.dtype.itemsize == 1 else np.uint16)
-                meta[k] = name
+                meta[k] = name  # type: ignore[assignment]
             else:
                 plain[k] = v
         np.savez(path, **plain, __dtypes__=np.array(repr(meta)))

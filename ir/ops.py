@@ -649,14 +649,14 @@ for _name, _fn in COMPARE.items():
 _op("where", ["cond", "lhs", "rhs"], _where, "np.where({cond}, {lhs}, {rhs})", "elementwise")
 
 # (NumPy backend) sum and prod name their dtype: NumPy would widen small integers to int64.
-REDUCE = {
+REDUCTION_TEMPLATES = {
     "sum": "np.sum({x}, axis={axes}, keepdims={keepdims}, dtype={dtype})",
     "mean": "np.mean({x}, axis={axes}, keepdims={keepdims})",
     "max": "np.max({x}, axis={axes}, keepdims={keepdims})",
     "min": "np.min({x}, axis={axes}, keepdims={keepdims})",
     "prod": "np.prod({x}, axis={axes}, keepdims={keepdims}, dtype={dtype})",
 }
-for _name, _tpl in REDUCE.items():
+for _name, _tpl in REDUCTION_TEMPLATES.items():
     _op("reduce_" + _name, ["x"], _reduce("reduce_" + _name), _tpl, "reduction",
         {"axes": ("ints", REQUIRED), "keepdims": ("bool", False)}, reduction=_name, loops=loops.reduce(_name))
 for _name in ("argmax", "argmin"):
@@ -1289,7 +1289,7 @@ def render(spec: OpSpec, operands: Sequence[str | None], attrs: dict[str, Any], 
     if spec.variadic:
         env = {names[0]: "[" + ", ".join(operands) + "]"}  # type: ignore[arg-type]
     else:
-        env = {n: (operands[i] if i < len(operands) and operands[i] is not None else "None") for i, n in enumerate(names)}
+        env = {n: (operands[i] if i < len(operands) and operands[i] is not None else "None") for i, n in enumerate(names)}  # type: ignore[misc]
     lits = {k: py_literal(v) for k, v in attrs.items()}
     if callable(spec.numpy):
         return spec.numpy(env, attrs, out_shape=out_shape, dtype=dtype)

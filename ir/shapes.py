@@ -25,7 +25,7 @@ from tilegraph.ir.errors import TilegraphError
 Dim = Union[int, sympy.Expr]
 Shape = tuple[Dim, ...]
 
-from xdsl.dialects.builtin import DYNAMIC_INDEX as DYNAMIC  # how TensorType spells "?"
+from xdsl.dialects.builtin import DYNAMIC_INDEX as DYNAMIC  # how TensorType spells "?"  # noqa: E402
 
 
 class ShapeError(TilegraphError):

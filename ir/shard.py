@@ -83,7 +83,7 @@ def coords(device: int, mesh: Sequence[int]) -> tuple[int, ...]:
     return tuple(int(c) for c in np.unravel_index(device, tuple(mesh)))
 
 
-def piece(array: np.ndarray, spec: Spec, mesh: Sequence[int], device: int) -> np.ndarray:
+def piece(array: np.ndarray, spec: tuple[tuple[int, ...], ...], mesh: Sequence[int], device: int) -> np.ndarray:
     """The part of `array` that `device` holds under `spec`."""
     c = coords(device, mesh)
     index = []

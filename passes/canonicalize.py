@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import ml_dtypes
-import numpy as np
 from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.passes import ModulePass

@@ -44,9 +44,9 @@ from xdsl.ir import SSAValue
 
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.shapes import info_of
-from tilegraph.ir.fusion import (ANCHORS, VIEW_OPS, flat_ok, live_row_bytes, operand_rows, outline, row_reshape,
+from tilegraph.ir.fusion import (ANCHORS, VIEW_OPS, GroupKind, flat_ok, live_row_bytes, operand_rows, outline, row_reshape,
                                  siblings)
-from tilegraph.ir.ops import OPAQUE, REDUCE
+from tilegraph.ir.ops import OPAQUE
 from tilegraph.passes.cost.model import at_nominal, group_cost, nominal_sizes, op_cost
 from tilegraph.ir.hardware import check_target, hardware
 from tilegraph.passes.remarks import listening, remark
@@ -78,17 +78,6 @@ def fusable(op) -> bool:
         return True
     return isinstance(op, TgOp) and op.SPEC.category not in UNFUSABLE_CATEGORIES and op.op_name not in VIEW_OPS \
         and len(op.results) == 1 and op.SPEC.pattern != OPAQUE  # (opaque: tg.nonzero, its size known only after)
-
-
-def _kind(ops: list[TgOp]) -> str:
-    anchors = [op.op_name for op in ops if op.op_name in ANCHORS]
-    if len(anchors) > 1:
-        return "horizontal_matmul"
-    if anchors:
-        return anchors[0] if anchors[0] == "attention" or len(ops) == 1 else f"{anchors[0]}_epilogue"
-    if any(op.SPEC.pattern == REDUCE for op in ops):
-        return "reduction"
-    return "elementwise"
 
 
 @dataclass(frozen=True)
@@ -272,7 +261,7 @@ class _Fuser:
             after = self.time(a.ops + b.ops)
             merged = self._merge_nodes(a, b)
             if listening():
-                remark("fuse", f"fused {_describe(a)} + {_describe(b)} -> {_kind(merged.ops)} group of "
+                remark("fuse", f"fused {_describe(a)} + {_describe(b)} -> {GroupKind.of(merged.ops).value} group of "
                                f"{len(merged.ops)} ops: predicted {_us(before)} -> {_us(after)}, saves {_us(saving)}")
             for x, y in self._candidates(merged):
                 self._push(heap, x, y, counter)
@@ -307,7 +296,7 @@ class _Fuser:
                 op.detach()
                 self.block.insert_op_before(op, before)
             return
-        outline(group.ops, _kind(group.ops), inputs, outputs, before)
+        outline(group.ops, GroupKind.of(group.ops), inputs, outputs, before)
 
 
 def _horizontal(anchors: list[TgOp]) -> bool:
@@ -322,7 +311,7 @@ def _is_weight(v: SSAValue) -> bool:
 
 def _describe(g: Group) -> str:
     names = [op.op_name for op in g.ops]
-    return names[0] if len(names) == 1 else f"[{_kind(g.ops)}: {' '.join(names)}]"
+    return names[0] if len(names) == 1 else f"[{GroupKind.of(g.ops).value}: {' '.join(names)}]"
 
 
 def _us(seconds: float) -> str:

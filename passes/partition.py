@@ -55,8 +55,8 @@ class Partitioned:
     sizes: dict[str, int]
 
 
-def _spec(sharding: ShardingOp) -> Spec:
-    return tuple(tuple(a.get_values()) for a in sharding.split_axes.axes.data)
+def _spec(sharding: ShardingOp) -> Spec:  # type: ignore[valid-type]
+    return tuple(tuple(a.get_values()) for a in sharding.split_axes.axes.data)  # type: ignore[attr-defined]
 
 
 def _axes_attr(axes: Sequence[int]) -> DenseArrayBase:
@@ -126,13 +126,13 @@ def partition(model: Model, sizes: Mapping[str, int] | None = None) -> Partition
             out_type = tensor_type(info.dtype, _local(info, after, mesh, "resharded value").shape)
             props = {"grid": grid, "grid_axes": _axes_attr([step.axis])}
             if step.kind == "all_gather":
-                op = AllGatherOp.create(operands=[value], result_types=[out_type],
+                op = AllGatherOp.create(operands=[value], result_types=[out_type],  # type: ignore[attr-defined]
                                         properties=props | {"gather_axis": _index(step.dim)})
             elif step.kind == "all_slice":
-                op = AllSliceOp.create(operands=[value], result_types=[out_type],
+                op = AllSliceOp.create(operands=[value], result_types=[out_type],  # type: ignore[attr-defined]
                                        properties=props | {"slice_axis": _index(step.dim)})
             else:
-                op = AllToAllOp.create(operands=[value], result_types=[out_type],
+                op = AllToAllOp.create(operands=[value], result_types=[out_type],  # type: ignore[attr-defined]
                                        properties=props | {"split_axis": _index(step.dim),
                                                            "concat_axis": _index(step.concat)})
             emit(op)
@@ -145,7 +145,7 @@ def partition(model: Model, sizes: Mapping[str, int] | None = None) -> Partition
         if isinstance(op, (ShardingOp, GridOp)):
             continue
         if isinstance(op, ShardOp):
-            local, spec, info = env[op.src]
+            local, spec, info = env[op.src]  # type: ignore[assignment]
             want = _spec(op.sharding.owner)
             env[op.result] = (reshard(local, spec, want, info), want, info)
             continue
@@ -180,7 +180,7 @@ def partition(model: Model, sizes: Mapping[str, int] | None = None) -> Partition
             if scatter is None:
                 red = AllReduceOp.create(operands=[value], result_types=[value.type], properties=props)
             else:  # each device keeps its slice of the sum
-                red = ReduceScatterOp.create(operands=[value], result_types=[type_of(local_out)],
+                red = ReduceScatterOp.create(operands=[value], result_types=[type_of(local_out)],  # type: ignore[attr-defined]
                                              properties=props | {"scatter_axis": _index(scatter)})
             emit(red)
             value = red.results[0]

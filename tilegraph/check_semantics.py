@@ -132,7 +132,7 @@ class Checker:
         finally:
             self.seconds += time.perf_counter() - t
             self.checks += 1
-        for name, info, a, e in zip(self.names, self.out_infos, got, self.expected):
+        for name, info, a, e in zip(self.names, self.out_infos, got, self.expected):  # type: ignore[misc]
             dtype = self.coarsest if dtypes.is_float(info.dtype) and self.coarsest else info.dtype
             try:
                 assert_close(a, e, dtype, self.n, name=f"output '{name}'")
@@ -198,7 +198,7 @@ class PipelineCheck:
         if self.each_rewrite:
             def observer(rule, op_name, module=model.module):
                 checker.check(Model(module, weights_of(module)), f"pass '{p.name}', rule '{rule.doc}' on tg.{op_name}")
-            self._observer = observer
+            self._observer = observer  # type: ignore[assignment]
             rewrite.OBSERVERS.append(observer)
 
     def after(self, p, model) -> None:

@@ -154,7 +154,7 @@ def compare(model, inputs, backends: list[str], stats: Stats | None = None) -> l
         if stats is not None:
             stats.runs[name] = stats.runs.get(name, 0) + 1
     for name, got in outs.items():
-        for i, (info, e) in enumerate(zip(model.outputs, expected)):
+        for i, (info, e) in enumerate(zip(model.outputs, expected)):  # type: ignore[misc]
             dtype = coarsest if dtypes.is_float(info.dtype) and coarsest else info.dtype
             if i >= len(got):
                 found.append(Divergence(name, "float64 interpreter", f"output {i} missing"))
@@ -220,7 +220,7 @@ def fuzz(minutes: float, out: Path, backends: list[str], seed: int = 0, max_ops:
             stats.graphs += 1
             found = compare(model, inputs, backends, stats)
             if found:
-                failing[:] = [(model, inputs, found)]
+                failing[:] = [(model, inputs, found)]  # noqa: B023
                 raise AssertionError(found[0].detail)
 
         try:
@@ -274,7 +274,7 @@ def main(argv=None) -> int:
     stats = fuzz(args.minutes, args.out, names, args.seed, args.max_ops)
     print(f"{stats.graphs} graphs in {args.minutes:g} min on {', '.join(names)}; ran: "
           + ", ".join(f"{k} {v}" for k, v in stats.runs.items())
-          + (f"; refused: " + ", ".join(f"{k} {v}" for k, v in stats.refused.items()) if stats.refused else "")
+          + ("; refused: " + ", ".join(f"{k} {v}" for k, v in stats.refused.items()) if stats.refused else "")
           + f"; {len(stats.cases)} divergence(s)")
     for case, found in stats.cases:
         print(f"  {case}: " + "; ".join(f"{d.backend} vs {d.against}: {d.detail[:200]}" for d in found[:3]))

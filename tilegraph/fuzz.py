@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import os
 import sys
 import tempfile
 import traceback
@@ -252,8 +251,8 @@ class Fuzzer:
 
         if self._mlir is None:
             model = seed_model()
-            self._mlir = (seed_mlir_text().encode(), {k: np.asarray(v) for k, v in model.weights.items()})
-        text, weights = self._mlir
+            self._mlir = (seed_mlir_text().encode(), {k: np.asarray(v) for k, v in model.weights.items()})  # type: ignore[assignment]
+        text, weights = self._mlir  # type: ignore[misc]
         if rng.random() < 0.6:  # edits that keep the text parseable, so the verifier and backends see it
             data = text
             for _ in range(int(rng.integers(1, 4))):
@@ -367,7 +366,7 @@ class Fuzzer:
             try:
                 code = main(argv)
             except SystemExit as e:  # argparse's refusal of an option
-                code = e.code
+                code = e.code if isinstance(e.code, int) else int(e.code is not None)
         if code not in (0, 1, 2) or "Traceback" in err.getvalue():
             raise Crash(f"exit {code}: {err.getvalue()[-2000:]}")
         return self._case

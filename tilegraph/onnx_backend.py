@@ -65,7 +65,7 @@ class BackendRep(_OnnxBackendRep):
         self.static_inputs: tuple[str, ...] = ()  # inputs the import needs the values of
         self._models: dict[tuple, Callable] = {}
         try:
-            self._models[()] = self._compile(from_onnx(proto))
+            self._models[()] = self._compile(from_onnx(proto))  # type: ignore[assignment]
         except StaticInputNeeded as e:
             self.static_inputs = tuple(sorted(e.inputs))
             if not self.static_inputs:
@@ -101,7 +101,7 @@ class BackendRep(_OnnxBackendRep):
         while True:
             key = tuple((n, arrays[n].dtype.str, arrays[n].shape, arrays[n].tobytes()) for n in self.static_inputs)
             if key in self._models:
-                return self._models[key]
+                return self._models[key]  # type: ignore[return-value]
             try:
                 model = from_onnx(self.proto, constant_inputs={n: arrays[n] for n in self.static_inputs})
             except StaticInputNeeded as e:
@@ -110,8 +110,8 @@ class BackendRep(_OnnxBackendRep):
                     raise
                 self.static_inputs = tuple(sorted(set(self.static_inputs) | more))
                 continue
-            self._models[key] = self._compile(model)
-            return self._models[key]
+            self._models[key] = self._compile(model)  # type: ignore[assignment]
+            return self._models[key]  # type: ignore[return-value]
 
 
 class Backend(_OnnxBackend):

@@ -44,7 +44,7 @@ class TilegraphOptMain(xDSLOptMain):
         from tilegraph.ir.dialect import TG
 
         for dialect in (Builtin, Func, TG):
-            self.ctx.register_dialect(dialect.name, lambda d=dialect: d)
+            self.ctx.register_dialect(dialect.name, lambda d=dialect: d)  # type: ignore[misc]
 
     def register_all_passes(self) -> None:
         from tilegraph.passes.registry import PASSES
@@ -185,14 +185,14 @@ class TilegraphOptMain(xDSLOptMain):
         start = time.perf_counter()
         passes = [p for p in self.pipeline.passes]
         stem = Path(self.args.input_file).stem if self.args.input_file else "model"
-        self._check = PipelineCheck(Model(prog, weights_of(prog)), each_rewrite=self.args.check_each_rewrite,
+        self._check = PipelineCheck(Model(prog, weights_of(prog)), each_rewrite=self.args.check_each_rewrite,  # type: ignore[assignment]
                                     seed=self.args.check_seed, sizes=parse_dims(self.args.dim),
                                     out_dir=self.args.check_dir, stem=stem)
         try:
             self.pipeline.apply(self.ctx, prog)
         finally:
-            self._check.close()
-        checker, self._check = self._check.checker, None
+            self._check.close()  # type: ignore[attr-defined]
+        checker, self._check = self._check.checker, None  # type: ignore[attr-defined]
         sizes = ", ".join(f"{k}={v}" for k, v in sorted(checker.sizes.items()))
         print(f"// check-semantics: {len(passes)} pass{'es' if len(passes) != 1 else ''} ({checker.checks} checks) "
               f"keep every output within tolerance on seeded inputs{' at ' + sizes if sizes else ''}; "
@@ -208,9 +208,9 @@ class TilegraphOptMain(xDSLOptMain):
         from tilegraph.passes.remarks import collect
 
         self._held = _HeldOutput()
-        self._result: ModuleOp | None = None
+        self._result: ModuleOp | None = None  # type: ignore[assignment, no-redef]
         # Passes format remarks only while someone collects them: only with --remarks.
-        with collect() if self.args.remarks else contextlib.nullcontext([]) as remarks:
+        with collect() if self.args.remarks else contextlib.nullcontext([]) as remarks:  # type: ignore[attr-defined]
             try:
                 super().run()
             finally:  # what the passes explained is shown even when a later pass fails

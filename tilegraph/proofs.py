@@ -33,7 +33,7 @@ Refuted and therefore restricted (kept as regression claims in `REFUTED`):
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -322,7 +322,7 @@ def _graph_of(expr: str, dtype: str, n: int = 2):
         # over a dim of size 1: (2,) -> (2, 1), reduced along axis 1
         ns[f"reduce_{k}"] = lambda x, k=k: g.op(f"reduce_{k}", g.reshape(x, (n, 1)), axes=(1,), keepdims=True)
     try:
-        return g.build(eval(expr, {"__builtins__": {}}, {**ns, **ins}))
+        return g.build(eval(expr, {"__builtins__": {}}, {**ns, **ins}))  # type: ignore[dict-item]
     except (ShapeError, TilegraphError, TypeError, ValueError):
         return None
 
@@ -767,22 +767,22 @@ def lemma_transpose_as_reshape(rank) -> bool:
 MAX_RANK = 4
 LAYOUT_LEMMAS: dict[str, list[tuple[str, Callable[[], bool]]]] = {
     "transpose(transpose x) -> one transpose, or x": [
-        (f"rank {r}", lambda r=r: lemma_transpose_transpose(r)) for r in range(1, MAX_RANK + 1)],
+        (f"rank {r}", lambda r=r: lemma_transpose_transpose(r)) for r in range(1, MAX_RANK + 1)],  # type: ignore[misc]
     "transpose(x, identity) -> x": [
-        (f"rank {r}", lambda r=r: lemma_transpose_transpose(r)) for r in range(1, 2)],
+        (f"rank {r}", lambda r=r: lemma_transpose_transpose(r)) for r in range(1, 2)],  # type: ignore[misc]
     "broadcast(broadcast x) -> broadcast x": [
-        (f"ranks {a}<={b}<={c}", lambda a=a, b=b, c=c: lemma_broadcast_broadcast(a, b, c))
+        (f"ranks {a}<={b}<={c}", lambda a=a, b=b, c=c: lemma_broadcast_broadcast(a, b, c))  # type: ignore[misc]
         for c in range(MAX_RANK + 1) for b in range(c + 1) for a in range(b + 1)],
     "add(x, broadcast b) -> add(x, b) when the result type is unchanged": [
-        (f"ranks {a}<={b}<={c}", lambda a=a, b=b, c=c: lemma_broadcast_direct(a, b, c))
+        (f"ranks {a}<={b}<={c}", lambda a=a, b=b, c=c: lemma_broadcast_direct(a, b, c))  # type: ignore[misc]
         for c in range(MAX_RANK + 1) for b in range(c + 1) for a in range(b + 1)],
     "broadcast adding only size-1 dims -> reshape": [
-        (f"ranks {a}<={b}", lambda a=a, b=b: lemma_broadcast_as_reshape(a, b))
+        (f"ranks {a}<={b}", lambda a=a, b=b: lemma_broadcast_as_reshape(a, b))  # type: ignore[misc]
         for b in range(MAX_RANK + 1) for a in range(b + 1)],
     "transpose moving only size-1 dims -> reshape": [
-        (f"rank {r}", lambda r=r: lemma_transpose_as_reshape(r)) for r in range(1, MAX_RANK + 1)],
+        (f"rank {r}", lambda r=r: lemma_transpose_as_reshape(r)) for r in range(1, MAX_RANK + 1)],  # type: ignore[misc]
     "concat(concat(a, b), c) on one axis -> concat(a, b, c)": [
-        (f"{n} operands, inner at {p}", lambda n=n, p=p: lemma_concat_concat(n, p))
+        (f"{n} operands, inner at {p}", lambda n=n, p=p: lemma_concat_concat(n, p))  # type: ignore[misc]
         for n in range(1, 4) for p in range(n)],
     "slice of everything -> x": [("any n, starts, ends", lemma_slice_everything)],
 }

@@ -33,15 +33,24 @@ import sys
 from pathlib import Path
 
 import numpy as np
-
 from tilegraph.backends.c.build import BuildError
 from tilegraph.backends.numpy.calibrate import (
-    ATTENTION_BATCH, ATTENTION_HEADS, ATTENTION_HEAD_DIMS, ATTENTION_SEQ, CONV_SHAPES, Progress, _physical_memory,
-    cache_sizes, measure_and_save, median_times, table)
+    ATTENTION_BATCH,
+    ATTENTION_HEAD_DIMS,
+    ATTENTION_HEADS,
+    ATTENTION_SEQ,
+    CONV_SHAPES,
+    Progress,
+    _physical_memory,
+    cache_sizes,
+    measure_and_save,
+    median_times,
+    table,
+)
 from tilegraph.ir import Graph
 from tilegraph.ir.dialect import TgOp
-from tilegraph.ir.fusion import outline
 from tilegraph.ir.errors import TilegraphError
+from tilegraph.ir.fusion import GroupKind, outline
 from tilegraph.ir.hardware import Hardware, c_profile_path, cpu_model
 
 # (m, n, k) of x @ W timed: a MiniLM projection at batch 1 (128 tokens) and a short
@@ -73,7 +82,7 @@ def _module(model):
     return compile_model(model)
 
 
-def _fuse_all(model, kind: str):
+def _fuse_all(model, kind: GroupKind):
     """`model` with every computing op in one tg.fusion of `kind`, as `fuse` outlines a group."""
     block = model.func.body.block
     ret = block.last_op
@@ -100,7 +109,7 @@ def _chain(n, length: int, op: str = "add", fused: bool = False):
         else:
             z = g.op(op, z)
     model = g.build(z, names=["z"])
-    return _fuse_all(model, "elementwise") if fused else model
+    return _fuse_all(model, GroupKind.ELEMENTWISE) if fused else model
 
 
 def _inputs(rng, n: int, op: str = "add") -> tuple[np.ndarray, np.ndarray]:
@@ -233,7 +242,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
     for d in ATTENTION_HEAD_DIMS:
         g = Graph()
         shape = (ATTENTION_BATCH, ATTENTION_HEADS, ATTENTION_SEQ, d)
-        q, k, v = (g.input(name, shape) for name in "qkv")
+        q, k, v = (g.input(name, shape) for name in "qkv")  # type: ignore[assignment]
         model = g.build(g.attention(q, k, v), names=["o"])
         qkv = [rng.standard_normal(shape, dtype=np.float32) for _ in range(3)]
         flops = ATTENTION_BATCH * ATTENTION_HEADS * ATTENTION_SEQ ** 2 * (4 * d + 5)  # as cost.model.op_flops

@@ -34,13 +34,6 @@ from typing import Sequence
 
 import numpy as np
 import sympy
-from xdsl.ir import SSAValue
-
-from tilegraph.backends.lowering import table
-from tilegraph.backends.program import flatten
-from tilegraph.ir.dialect import FusionOp, TgOp
-from tilegraph.ir.model import Model
-from tilegraph.ir.ops import OPS
 from tilegraph.backends.c.generation import GENERATION_OPS, Generation
 from tilegraph.backends.c.groups import Groups
 from tilegraph.backends.c.kernels import Kernels
@@ -48,8 +41,28 @@ from tilegraph.backends.c.loops import Loops
 from tilegraph.backends.c.onednn import OneDNN
 from tilegraph.backends.c.quant import Quantized
 from tilegraph.backends.c.tables import CTYPES, FLOATS, KNOWN
-from tilegraph.backends.c.views import Buffer, Ints, Step, Unsupported, View, Views, _describe, _eq, _is_one, _sole_reader, c_comment, c_float, channels_last_strides, contiguous_strides
-
+from tilegraph.backends.c.views import (
+    Buffer,
+    Ints,
+    Step,
+    Unsupported,
+    View,
+    Views,
+    _describe,
+    _eq,
+    _is_one,
+    _sole_reader,
+    c_comment,
+    c_float,
+    channels_last_strides,
+    contiguous_strides,
+)
+from tilegraph.backends.lowering import table
+from tilegraph.backends.program import flatten
+from tilegraph.ir.dialect import FusionOp, TgOp
+from tilegraph.ir.model import Model
+from tilegraph.ir.ops import OPS
+from xdsl.ir import SSAValue
 
 # What every op of the table does in this backend when it is not lowered to C: the
 # host runs it with the op table's NumPy semantics between native segments. (An op
@@ -325,7 +338,7 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
             self.buffers[o.buf].kind = "folded"
         self.steps.append(Step(f"{op.op_name} (host{', once' if once else ''})", host_op=op, host_in=xs,
                                host_out=outs, reads={x.buf for x in xs if x.buf is not None},
-                               writes={o.buf for o in outs}, once=once))
+                               writes={o.buf for o in outs}, once=once))  # type: ignore[misc]
         return outs
 
     def _c_array(self, values) -> str:
@@ -340,7 +353,7 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
     def _step(self, comment: str, lines: list[str], reads: Sequence[View], writes: Sequence[View],
               state: list[str] | None = None) -> None:
         self.steps.append(Step(comment, lines=lines, reads={v.buf for v in reads if v.buf is not None},
-                               writes={v.buf for v in writes}, state=state or []))
+                               writes={v.buf for v in writes}, state=state or []))  # type: ignore[misc]
 
     # --- outputs -------------------------------------------------------------------------
 

@@ -5,15 +5,27 @@ from __future__ import annotations
 from typing import Any
 
 import sympy
+from tilegraph.backends.c.tables import CTYPES, FLOATS, REDUCE_INIT, REDUCE_STEP
+from tilegraph.backends.c.views import (
+    EmitterParts,
+    Step,
+    Unsupported,
+    View,
+    _describe,
+    _eq,
+    _is_one,
+    _only_use,
+    _row_stride,
+    c_float,
+    contiguous_strides,
+)
+from tilegraph.ir.dialect import FusionOp, TgOp
+from tilegraph.ir.fusion import GroupKind, group_kind
+from tilegraph.ir.shapes import info_of, numel
 from xdsl.ir import SSAValue
 
-from tilegraph.ir.dialect import FusionOp, TgOp
-from tilegraph.ir.shapes import info_of, numel
-from tilegraph.backends.c.tables import CTYPES, FLOATS, REDUCE_INIT, REDUCE_STEP
-from tilegraph.backends.c.views import Unsupported, View, _describe, _eq, _is_one, _only_use, _row_stride, c_float, contiguous_strides
 
-
-class Groups:
+class Groups(EmitterParts):
     """Lowers a tg.fusion as one step where it can."""
 
     # --- groups -------------------------------------------------------------------------
@@ -24,14 +36,15 @@ class Groups:
         yields = list(group.block.last_op.operands)
         done = False
         try:
-            if group.kind == "elementwise":
+            kind = group_kind(group)
+            if kind is GroupKind.ELEMENTWISE:
                 done = self.fused_elementwise(group, ops, env, yields) or self.fused_rows(group, ops, env, yields)
-            elif ops and ops[0].op_name in ("matmul", "conv") and group.kind in ("matmul_epilogue", "conv_epilogue",
-                                                                                  "matmul", "reduction"):
+            elif kind in (GroupKind.MATMUL, GroupKind.MATMUL_EPILOGUE, GroupKind.CONV, GroupKind.CONV_EPILOGUE) and \
+                    ops[0].op_name in ("matmul", "conv"):
                 done = self.fused_contraction(group, ops, env, yields)
-            elif group.kind == "horizontal_matmul":
+            elif kind is GroupKind.HORIZONTAL_MATMUL:
                 done = self.fused_siblings(group, ops, env, yields)
-            elif group.kind == "reduction":
+            elif kind is GroupKind.REDUCTION:
                 done = self.fused_row(group, ops, env, yields) or self.fused_rows(group, ops, env, yields)
         except Unsupported:
             done = False
@@ -51,7 +64,7 @@ class Groups:
             return True
         return False
 
-    def fused_elementwise(self, group: FusionOp, ops, env, yields) -> bool:
+    def fused_elementwise(self, group: FusionOp, ops, env, yields, into: View | None = None) -> bool:
         """A group of elementwise ops (and views of its inputs) as one loop. A reshape of a
         value computed in the loop that keeps the last dim (a linear layer's 2-D product
         back to its batch shape) is nothing in a loop over (rows, last dim)."""
@@ -99,7 +112,13 @@ class Groups:
                not all(_eq(a, b) for a, b in zip(info_of(y.type).shape, shape)) for y in yields):
             return False
         like = next((v for v in inputs.values() if self.is_channels_last(v)), None)
-        outs = [(y, self._temp(info_of(y.type), like=like)) for y in yields]
+        # `into`: a value the loop reads and nothing reads after it (a GEMM's result), of the
+        # result's shape: each element is read, then written, at the same place.
+        if into is not None and len(yields) == 1 and into.dtype == info_of(yields[0].type).dtype and \
+                into.rank == len(shape) and all(_eq(a, b) for a, b in zip(into.shape, shape)):
+            outs = [(yields[0], into)]
+        else:
+            outs = [(y, self._temp(info_of(y.type), like=like)) for y in yields]
         # Operands are named by the values the loop reads.
         self.elementwise(body, computed, inputs, outs, group)
         env.update({y: o for y, o in outs})
@@ -123,6 +142,7 @@ class Groups:
             return False
         pro = ops[:-1]
         x = last.operands[0]
+        first = len(self.steps)
         if pro:
             if any(not (o.SPEC.category == "elementwise" or o.op_name == "gelu") for o in pro) or \
                     pro[-1].results[0] is not x:
@@ -142,7 +162,19 @@ class Groups:
             env[x] = out
         result = self.row_op(last, [env[v] for v in last.operands], in_place=bool(pro) and _only_use(x, last))
         env[last.results[0]] = result
+        self._one_step(first, group)
         return True
+
+    def _one_step(self, first: int, group: FusionOp) -> None:
+        """The native steps emitted since `first`, as one step of `group` (each body in a block
+        of its own): a group is one kernel, whatever loops it takes."""
+        parts = self.steps[first:]
+        if len(parts) < 2 or any(p.lines is None for p in parts):
+            return
+        lines = [line for p in parts for line in ["{", *("    " + x for x in p.lines or []), "}"]]
+        self.steps[first:] = [Step(_describe(group), lines=lines, reads=set().union(*(p.reads for p in parts)),
+                                   writes=set().union(*(p.writes for p in parts)),
+                                   state=[line for p in parts for line in p.state])]
 
     def fused_rows(self, group: FusionOp, ops, env, yields) -> bool:
         """Elementwise ops and reductions over the last axis (keepdims) that keep the rows

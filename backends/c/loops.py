@@ -5,16 +5,32 @@ from __future__ import annotations
 from typing import Any
 
 import sympy
-from xdsl.ir import SSAValue
-
+from tilegraph.backends.c.tables import (
+    C_BINARY,
+    C_BINARY_FLOAT,
+    C_BINARY_INT,
+    C_UNARY_FLOAT,
+    C_UNARY_INT,
+    CTYPES,
+    FLOATS,
+    PARALLEL_MIN,
+    SIMD_BLOCK,
+)
+from tilegraph.backends.c.views import (
+    EmitterParts,
+    Unsupported,
+    View,
+    _describe,
+    _eq,
+    _is_one,
+)
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.quant import FORMATS
 from tilegraph.ir.shapes import info_of, numel
-from tilegraph.backends.c.tables import CTYPES, C_BINARY, C_BINARY_FLOAT, C_BINARY_INT, C_UNARY_FLOAT, C_UNARY_INT, FLOATS, PARALLEL_MIN, SIMD_BLOCK
-from tilegraph.backends.c.views import Unsupported, View, _describe, _eq, _is_one
+from xdsl.ir import SSAValue
 
 
-class Loops:
+class Loops(EmitterParts):
     """Loop nests over views and straight-line elementwise bodies."""
 
     # --- loops ----------------------------------------------------------------------
@@ -50,7 +66,7 @@ class Loops:
                 merged.append((d, strides))
         lines = ["{"]
         bases = []
-        for k, (a, written) in enumerate(accesses):
+        for k, (a, written) in enumerate(accesses):  # type: ignore[assignment]
             if a.literal is not None:
                 bases.append(None)
                 continue

@@ -2,17 +2,32 @@
 
 from __future__ import annotations
 
-
 import sympy
-from xdsl.ir import SSAValue
-
+from tilegraph.backends.c.tables import (
+    DNNL_BINARY,
+    DNNL_ELTWISE,
+    DNNL_TYPES,
+    KNOWN,
+    SMALL_GEMM,
+)
+from tilegraph.backends.c.views import (
+    EmitterParts,
+    Unsupported,
+    View,
+    _describe,
+    _eq,
+    _is_one,
+    _only_use,
+    _plain_strides,
+    _row_stride,
+    channels_last_strides,
+)
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.shapes import TensorInfo, info_of, numel
-from tilegraph.backends.c.tables import DNNL_BINARY, DNNL_ELTWISE, DNNL_TYPES, KNOWN, SMALL_GEMM
-from tilegraph.backends.c.views import Unsupported, View, _describe, _eq, _is_one, _only_use, _plain_strides, _row_stride, channels_last_strides
+from xdsl.ir import SSAValue
 
 
-class OneDNN:
+class OneDNN(EmitterParts):
     """Contractions on oneDNN primitives."""
 
     # --- GEMMs and convolutions on oneDNN ------------------------------------------------
@@ -91,20 +106,23 @@ class OneDNN:
         head, chain = ops[0], ops[1:]
         xs = [env.get(v) or self.view(v) for v in head.operands]
         self._check_dtypes(head, xs)
+        first = len(self.steps)
         if head.op_name == "matmul":
             result, covered = self.matmul(head, xs[0], xs[1], chain, env)
         else:
             result, covered = self.conv(head, xs, chain, env)
-        env[chain[covered - 1].results[0] if covered else head.results[0]] = result
+        acc = chain[covered - 1].results[0] if covered else head.results[0]
+        env[acc] = result
         rest = chain[covered:]
         if rest:
             last = rest[-1]
             if last.op_name in ("softmax", "layer_norm") and all(o.SPEC.category == "elementwise" for o in rest[:-1]) \
                     and self._row_prologue(rest, env, group, yields):
                 pass
-            elif not self._elementwise_rest(group, rest, env, yields):
+            elif not self._elementwise_rest(group, rest, env, yields, into=None if acc in yields else result):
                 for op in rest:
                     self.op(op, env)
+        self._one_step(first, group)
         return True
 
     def fused_siblings(self, group: FusionOp, ops, env, yields) -> bool:
@@ -114,18 +132,22 @@ class OneDNN:
         rest = [op for op in ops if op.op_name != "matmul"]
         if any(v in {r for h in heads for r in h.results} for h in heads for v in h.operands):
             return False
+        first = len(self.steps)
         for head in heads:
-            env[head.results[0]] = self.matmul(head, *(env.get(v) or self.view(v) for v in head.operands), [], env)[0]
-        if rest and not self._elementwise_rest(group, rest, env, yields):
+            env[head.results[0]] = self.matmul(head, *(env.get(v) or self.view(v) for v in head.operands), [], env)[0]  # type: ignore[call-arg]
+        gate = heads[0].results[0]
+        if rest and not self._elementwise_rest(group, rest, env, yields, into=None if gate in yields else env[gate]):
             for op in rest:
                 self.op(op, env)
+        self._one_step(first, group)
         return True
 
-    def _elementwise_rest(self, group, rest, env, yields) -> bool:
+    def _elementwise_rest(self, group, rest, env, yields, into: View | None = None) -> bool:
         """The ops oneDNN's post-ops did not take, as one loop over the result (not a
-        pass over memory per op) where they are all elementwise."""
+        pass over memory per op) where they are all elementwise; written `into` the GEMM's
+        result where nothing else reads that."""
         try:
-            return self.fused_elementwise(group, rest, env, yields)
+            return self.fused_elementwise(group, rest, env, yields, into)
         except Unsupported:
             return False
 

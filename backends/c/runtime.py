@@ -20,7 +20,6 @@ from typing import Any, Mapping
 
 import numpy as np
 import sympy
-
 from tilegraph.backends.c.build import build, sanitizer
 from tilegraph.backends.c.emit import CProgram, emit_program
 from tilegraph.backends.c.views import View
@@ -28,8 +27,8 @@ from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.interpreter import GLOBALS, evaluate, run_time_sizes
-from tilegraph.ir.ops import size_definitions
 from tilegraph.ir.model import Model, ModelError
+from tilegraph.ir.ops import size_definitions
 from tilegraph.ir.shapes import ShapeError, info_of, numel
 from tilegraph.ir.signature import Signature
 
@@ -172,7 +171,7 @@ class CompiledModel:
             if (v.literal is None and em.buffers[v.buf].kind == "temp" and v.buf not in self._direct.values()
                     and sympy.sympify(v.offset) == 0 and em.is_contiguous(v)
                     and sympy.expand(sympy.sympify(numel(v.shape)) - em.buffers[v.buf].elements) == 0):
-                self._direct[i] = v.buf
+                self._direct[i] = v.buf  # type: ignore[assignment]
         self.lifetimes = {b: t for b, t in _lifetimes(program).items() if b not in self._direct.values()}
         self._outputs = em.outputs()
         # Inputs a step updates in place (a KV cache: DESIGN.md, "State across calls"): the
@@ -347,8 +346,8 @@ def _lifetimes(program: CProgram) -> dict[int, tuple[int, int]]:
     for v in em.outputs():
         if v.buf in live:
             live[v.buf][1] = end
-    for i, buf in enumerate(em.buffers):  # a temp no step writes (never happens) still gets bytes
-        if buf.kind == "temp" and i not in live:
+    for i, buf in enumerate(em.buffers):   # type: ignore[assignment]  # a temp no step writes (never happens) still gets bytes
+        if buf.kind == "temp" and i not in live:  # type: ignore[attr-defined]
             live[i] = [0, end]
     return {k: (a, z) for k, (a, z) in live.items()}
 

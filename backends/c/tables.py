@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-
-
-
-
 CTYPES = {"f32": "float", "f64": "double", "i64": "int64_t", "i32": "int32_t", "i16": "int16_t", "i8": "int8_t",
           "ui8": "uint8_t", "ui16": "uint16_t", "ui32": "uint32_t", "ui64": "uint64_t", "i1": "uint8_t"}
 FLOATS = ("f32", "f64")

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import sympy
-from xdsl.ir import SSAValue
-
+from tilegraph.backends.c.tables import CTYPES
 from tilegraph.ir import escape
 from tilegraph.ir.dialect import FusionOp, TgOp, YieldOp
+from tilegraph.ir.model import Model
 from tilegraph.ir.shapes import Dim, numel
-from tilegraph.backends.c.tables import CTYPES
+from xdsl.ir import SSAValue
 
 
 def c_comment(text: str) -> str:
@@ -123,7 +123,25 @@ class Ints:
 
 
 
-class Views:
+class EmitterParts:
+    """What every part of the C emitter (the mixins CEmitter is made of) shares: its state,
+    and for the type checker, each other's methods (a part calls what another defines)."""
+
+    model: Model
+    prog: Any
+    ints: Ints
+    buffers: list[Buffer]
+    views: dict[SSAValue, View]
+    steps: list[Step]
+    gemm_count: int
+    constants: list[np.ndarray]
+    folded: dict[TgOp, View]
+
+    if TYPE_CHECKING:
+        def __getattr__(self, name: str) -> Any: ...
+
+
+class Views(EmitterParts):
     """Buffers and the layout ops that only make views."""
 
     # --- buffers and views ------------------------------------------------------

@@ -393,8 +393,8 @@ def _attention_rates(budget, rng) -> tuple[tuple[tuple[int, float], ...], float]
         out = np.empty(q.shape, np.float32)
 
         def attend(threads):
-            return lambda: attention_tiled(q, k, v, None, 0.125, False, ATTENTION_SEQ, ATTENTION_SEQ,
-                                           threads=threads, out=out)
+            return lambda: attention_tiled(q, k, v, None, 0.125, False, ATTENTION_SEQ, ATTENTION_SEQ,  # noqa: B023
+                                           threads=threads, out=out)  # noqa: B023
 
         one, = median_times((attend(1),), budget)
         # (the FLOP count of passes/cost/model.op_flops: two GEMMs and the softmax's passes)

@@ -121,7 +121,7 @@ class _Emitter:
                              "the NumPy backend binds each symbol from an input's shape")
         # Symbols keep their own name where they can (shape code is written in them).
         self.symbol_vars = {s: self.namer.fresh(s, "dim") for s in sorted(set(plain) | self.defined)}
-        for i, (arg, name) in enumerate(zip(m.func.args, m.input_names)):
+        for i, (arg, name) in enumerate(zip(m.func.args, m.input_names)):  # noqa: B007
             self.names[arg] = self.namer.fresh(name, "input")
         return {s: (self.symbol_vars[s], self.names[m.func.args[i]], axis) for s, (i, axis) in plain.items()}
 
@@ -234,7 +234,7 @@ class _Emitter:
             out += [""] + [INDENT + line for line in function]
         params = ", ".join(self.names[a] for a in m.func.args)
         out += ["", f"{INDENT}def forward({params}):"]
-        for s, (var, arg, axis) in sorted(self.symbols.items()):
+        for _s, (var, arg, axis) in sorted(self.symbols.items()):
             out.append(f"{INDENT * 2}{var} = {arg}.shape[{axis}]")
         contexts = [] if quiet else ['np.errstate(all="ignore")']
         if self.group_functions:  # groups run GEMM rows on their own threads (backends/numpy/chunks.py)

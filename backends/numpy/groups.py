@@ -311,7 +311,7 @@ class GroupEmitter:
         ref = anchors[0].result_infos()[0]
         combined = self._buffer(TensorInfo(ref.shape[:-1] + (sum(widths),), ref.dtype))
         # The weights are block arguments here; build() concatenates the values they stand for.
-        weights = self.concat_weights([self.group.operands[op.operands[1].index] for op in anchors])
+        weights = self.concat_weights([self.group.operands[op.operands[1].index] for op in anchors])  # type: ignore[attr-defined]
         lhs = self.home[anchors[0].operands[0]].base
         offset = 0
         for op, width in zip(anchors, widths):

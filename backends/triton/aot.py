@@ -179,7 +179,7 @@ def describe_error(e: Exception, fn, kernel: str, group: str) -> str:
     chain, c = [], e
     while c is not None and len(chain) < 16:
         chain.append(c)
-        c = c.__cause__
+        c = c.__cause__  # type: ignore[assignment]
     message = next((c.error_message for c in chain if isinstance(c, CompilationError) and c.error_message), None)
     if message is None:
         inner = chain[-1]

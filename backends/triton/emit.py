@@ -454,7 +454,7 @@ class _Emitter:
         out += [INDENT + line for line in self.weight_lines + self.constants]
         params = ", ".join(self.names[a] for a in m.func.args)
         out += ["", f"{INDENT}def forward({params}):"]
-        for s, (var, arg, axis) in sorted(self.symbols.items()):
+        for _s, (var, arg, axis) in sorted(self.symbols.items()):
             out.append(f"{INDENT * 2}{var} = {arg}.shape[{axis}]" if arg else f"{INDENT * 2}{var} = 0  # known at run time")
         out += [INDENT * 2 + line for line in body]
         out.append(f"{INDENT * 2}return [{', '.join(self._value(v) for v in prog.outputs)}]")

@@ -57,7 +57,7 @@ from xdsl.rewriter import Rewriter
 
 from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import FusionOp, TgOp, YieldOp
-from tilegraph.ir.fusion import ANCHORS
+from tilegraph.ir.fusion import ANCHORS, GroupKind
 from tilegraph.ir.quant import FORMATS, MIN_SCALE, MX_BLOCK
 from tilegraph.ir.shapes import TensorInfo, dims_equal, info_of, numel
 from tilegraph.backends.triton.group_kernels import (AXIS_OPS, GEMM_TILE, GROUP_M, INDENT, POINTER_TYPES, ROW_TILE_ELEMENTS,
@@ -155,10 +155,10 @@ def _group_float(group: Operation, rewriter: Rewriter) -> None:
             # rows of a wide layer in one program: the row reductions after the GEMM (layer_norm)
             # become a kernel of their own, reading what the GEMM stores.
             head = _unwrap(group, rewriter)
-            items = items[:-1] + head[:cut]
+            items = items[:-1] + head[:cut]  # type: ignore[operator]
             tail = head[cut:]
-            _merge(tail, "reduction", None, rewriter)
-    _merge(items, "quantized_matmul", group.attributes.get("tile") if isinstance(group, FusionOp) else None, rewriter)
+            _merge(tail, GroupKind.REDUCTION, None, rewriter)
+    _merge(items, GroupKind.QUANTIZED_MATMUL, group.attributes.get("tile") if isinstance(group, FusionOp) else None, rewriter)
 
 
 # Ops that need a program to hold whole rows (group_kernels.py's row reductions and scans, and the
@@ -210,14 +210,14 @@ def _group_integer(mi: TgOp, rewriter: Rewriter) -> None:
                 all(o.SPEC.category == "elementwise" for o in after.ops) and \
                 all(_same_shape(info_of(r.type), out) for r in after.results):
             items.append(after)
-    _merge(items, "quantized_matmul", None, rewriter)
+    _merge(items, GroupKind.QUANTIZED_MATMUL, None, rewriter)
 
 
 def _same_shape(a: TensorInfo, b: TensorInfo) -> bool:
     return a.rank == b.rank and all(dims_equal(x, y) for x, y in zip(a.shape, b.shape))
 
 
-def _merge(items: Sequence[Operation], kind: str, tile, rewriter: Rewriter) -> FusionOp:
+def _merge(items: Sequence[Operation], kind: GroupKind, tile, rewriter: Rewriter) -> FusionOp:
     """One tg.fusion computing `items` (ops and groups of one block, in program order), placed
     where the last of them was; values they make that others read are its results."""
     inside = set(items)
@@ -239,7 +239,7 @@ def _merge(items: Sequence[Operation], kind: str, tile, rewriter: Rewriter) -> F
             block.add_op(it.clone(value_mapper=mapper))
     outputs = [r for it in items for r in it.results if any(u.operation not in inside for u in r.uses)]
     block.add_op(YieldOp.create(operands=[mapper[r] for r in outputs]))
-    group = FusionOp.build_group(kind, inputs, [r.type for r in outputs], block, {"tile": tile} if tile else None)
+    group = FusionOp.build_group(kind.value, inputs, [r.type for r in outputs], block, {"tile": tile} if tile else None)
     rewriter.insert_op(group, _before(items[-1]))
     for r, new in zip(outputs, group.results):
         r.replace_all_uses_with(new)

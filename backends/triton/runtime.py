@@ -66,7 +66,7 @@ def to_torch(array: Any, device: torch.device) -> torch.Tensor:
         # torch has no int4 / fp4 / fp6 tensors to compute with: the bits travel as uint8 and
         # name their type, for the host ops (tg.dequantize) that read them back.
         tensor = bits.to(device)
-        tensor.tg_dtype = array.dtype
+        tensor.tg_dtype = array.dtype  # type: ignore[attr-defined]
         return tensor
     return torch.from_numpy(contiguous).to(device)
 
@@ -80,7 +80,7 @@ def pack_k(tensor: torch.Tensor) -> torch.Tensor:
     if k % 2:
         nibbles = torch.cat([nibbles, torch.zeros_like(nibbles[:1])])
     packed = (nibbles[0::2] | (nibbles[1::2] << 4)).contiguous()
-    packed.tg_dtype, packed.tg_packed_rows = tensor.tg_dtype, k
+    packed.tg_dtype, packed.tg_packed_rows = tensor.tg_dtype, k  # type: ignore[attr-defined]
     return packed
 
 
@@ -90,14 +90,14 @@ def to_numpy(tensor: torch.Tensor) -> np.ndarray:
         packed = tensor.detach().cpu().numpy()
         nibbles = np.empty((packed.shape[0] * 2,) + packed.shape[1:], np.uint8)
         nibbles[0::2], nibbles[1::2] = packed & 0x0F, packed >> 4
-        return nibbles[:rows].view(tensor.tg_dtype)
+        return nibbles[:rows].view(tensor.tg_dtype)  # type: ignore[attr-defined]
     tensor = tensor.detach().cpu() if tensor.device.type != "cpu" or tensor.requires_grad else tensor
     if tensor.dtype == torch.bfloat16:
         return tensor.contiguous().view(torch.uint16).numpy().view(dtypes.numpy_dtype("bf16"))
     if str(tensor.dtype)[6:] in _TORCH_FLOAT8:
         return tensor.contiguous().view(torch.uint8).numpy().view(np.dtype(getattr(ml_dtypes, str(tensor.dtype)[6:])))
     if getattr(tensor, "tg_dtype", None) is not None:
-        return tensor.numpy().view(tensor.tg_dtype)
+        return tensor.numpy().view(tensor.tg_dtype)  # type: ignore[attr-defined]
     return tensor.numpy()
 
 
@@ -154,7 +154,7 @@ def import_source(source: str):
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)  # type: ignore[union-attr]
-    module.SOURCE_HASH = digest
+    module.SOURCE_HASH = digest  # type: ignore[attr-defined]
     return module
 
 
@@ -260,7 +260,7 @@ def _interpret_bf16_as_gpus_do() -> None:
         a, b = (self.cast_impl(x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x for x in (a, b))
         return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 
-    cast_impl.bf16_as_gpus_do = True
+    cast_impl.bf16_as_gpus_do = True  # type: ignore[attr-defined]
     builder.cast_impl, builder.create_dot = cast_impl, create_dot
 
 
@@ -304,7 +304,7 @@ def _interpret_fp8_as_gpus_do() -> None:
             a, b = (TensorHandle(value(x).astype(np.float32), tl.float32) for x in (a, b))
         return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 
-    create_fp_to_fp.fp8_as_gpus_do = True
+    create_fp_to_fp.fp8_as_gpus_do = True  # type: ignore[attr-defined]
     builder.create_fp_to_fp, builder.create_dot = create_fp_to_fp, create_dot
 
 

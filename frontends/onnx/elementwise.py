@@ -10,10 +10,10 @@ from tilegraph.ir.onnx_names import BINARY, UNARY
 
 
 for _onnx, _tg in UNARY.items():
-    CONVERTERS[_onnx] = lambda n, _tg=_tg: n.op(_tg, n.x(0))
+    CONVERTERS[_onnx] = lambda n, _tg=_tg: n.op(_tg, n.x(0))  # type: ignore[misc]
 
 for _onnx, _tg in BINARY.items():
-    CONVERTERS[_onnx] = lambda n, _tg=_tg: n.op(_tg, n.x(0), n.x(1))
+    CONVERTERS[_onnx] = lambda n, _tg=_tg: n.op(_tg, n.x(0), n.x(1))  # type: ignore[misc]
 
 VARIADIC = {"Max": "max", "Min": "min", "Sum": "add"}
 for _onnx, _tg in VARIADIC.items():

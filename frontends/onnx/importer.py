@@ -111,7 +111,7 @@ class _Importer:
                 shape = t.info.shape
                 if len(dims) != len(shape) or any(d.HasField("dim_value") and isinstance(s, int) and d.dim_value != s
                                                   for d, s in zip(dims, shape)):
-                    declared = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in dims)
+                    declared = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in dims)  # type: ignore[assignment]
                     raise FrontendError(f"graph output '{out.name}' is declared with shape {declared} "
                                         f"but computes {t.info}")
             outputs.append(t)
@@ -277,7 +277,7 @@ class _Importer:
             return hit[1]
         a = v
         if a.dtype == object:
-            a = _as_int_array(v)
+            a = _as_int_array(v)  # type: ignore[assignment]
             if a is None:
                 t = self.symbolic_tensor(v, what)
                 self._materialized[id(v)] = (v, t)
@@ -382,7 +382,7 @@ class _Importer:
             raise
         values = list(value) if len(outs) > 1 else [value]
         results = []
-        for info, v in zip(outs, values):
+        for info, v in zip(outs, values):  # noqa: F402
             a = np.asarray(v)
             if a.dtype == object:
                 ints = _as_int_array(a)

@@ -87,7 +87,7 @@ def function_schema(node, opset: int):
                                       "" if node.domain in DEFAULT_DOMAINS else node.domain)
     except (onnx.defs.SchemaError, TypeError):  # TypeError: an opset version past int32 (a corrupt file)
         return None
-    versions = list(schema.function_opset_versions) + list(schema.context_dependent_function_opset_versions)
+    versions = list(schema.function_opset_versions) + list(schema.context_dependent_function_opset_versions)  # type: ignore[attr-defined]
     return schema if versions else None
 
 

@@ -64,7 +64,7 @@ def _reduce(n, kind):
 
 
 for _onnx, _kind in REDUCE.items():
-    CONVERTERS[_onnx] = lambda n, _kind=_kind: _reduce(n, _kind)
+    CONVERTERS[_onnx] = lambda n, _kind=_kind: _reduce(n, _kind)  # type: ignore[misc]
 
 
 @_conv("ArgMax", "ArgMin")

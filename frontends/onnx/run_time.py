@@ -304,7 +304,7 @@ def _recurrent_loop(n):
     ys, hs, cs = [], [], []
     for d in range(directions):
         def pick(v, shape):
-            return n.reshape(n.slice(v, 0, d, d + 1), shape)
+            return n.reshape(n.slice(v, 0, d, d + 1), shape)  # noqa: B023
 
         operands = [x, pick(w, (gh, n.shape(w)[2])), pick(r, (gh, hidden)),
                     pick(b, (2 * gh,)) if b is not None else n.const(np.zeros(2 * gh), n.dtype(x)),

@@ -657,7 +657,7 @@ def _c_anchor_time(op: TgOp, hw) -> sympy.Expr:
         return flops / (_interpolate(hw.attention_rates, at_nominal(d)) * max(hw.attention_speedup, 1.0))
     if op.op_name == "einsum":
         return flops / _gemm_rate(hw, op) / _parallel(hw, hw.cores)
-    m, n, k = (max(1, int(at_nominal(d))) for d in _matmul_shape(op))
+    m, n, k = (max(1, int(at_nominal(d))) for d in _matmul_shape(op))  # type: ignore[assignment]
     return flops / hw.matmul_rate(m, n, k, op.result_infos()[0].dtype, threaded=True)
 
 
@@ -758,7 +758,7 @@ def module_cost(module: Operation, hw) -> ModelCost:
     expected = expected_sizes(module)
     if expected:
         subs = {symbol(k): v for k, v in expected.items()}
-        rows = [(what, Cost(*(sympy.sympify(getattr(c, f)).xreplace(subs) for f in _PRICED), kernels=c.kernels,
+        rows = [(what, Cost(*(sympy.sympify(getattr(c, f)).xreplace(subs) for f in _PRICED), kernels=c.kernels,  # type: ignore[misc]
                             label=c.label, ops=c.ops)) for what, c in rows]
     return ModelCost(rows, expected)
 

@@ -118,7 +118,7 @@ def mixed_precision(model: Model, batches: Sequence[Sequence[np.ndarray]], schem
     def predicted(name: str, sch: str) -> float:
         key = (shapes[name], sch)
         if key not in times:
-            times[key] = layer_time(*shapes[name], sch, hw)
+            times[key] = layer_time(*shapes[name], sch, hw)  # type: ignore[call-arg]
         return times[key]
 
     saving = {(n, sch): predicted(n, "none") - predicted(n, sch) for n in layers for sch in schemes}

@@ -135,7 +135,7 @@ class Quantize(ModulePass):
             deq = layer.emit("dequantize", q, sv, to=dtype).results[0]
             out = layer.emit("gather", deq, ids).results[0]
         else:
-            q = layer.array(name + ".q", quantize(t, scale, None, 1, 0, "i8", fmt.numpy))
+            q = layer.array(name + ".q", quantize(t, scale, None, 1, 0, "i8", fmt.numpy))  # type: ignore[assignment]
             rows = layer.emit("gather", q, ids).results[0]
             row_scales = sv if per_tensor else layer.emit("gather", sv, ids).results[0]
             out = layer.emit("dequantize", rows, row_scales, to=dtype).results[0]
@@ -183,7 +183,7 @@ class _Layer:
             src = self.array(name + ".gptq", w) if p.rounding == "gptq" else self.w.results[0]
             q = self.emit("quantize", src, sv, to=s.weight, axis=waxis, block_size=wblock).results[0]
         else:
-            q = self.array(name + ".q", quantize(w, scale, None, waxis, wblock, s.weight, fmt.numpy))
+            q = self.array(name + ".q", quantize(w, scale, None, waxis, wblock, s.weight, fmt.numpy))  # type: ignore[assignment]
         a = self.mm.operands[0]
         if s.integer_gemm and not p.simulate:
             out = self._integer_gemm(a, q, scale)
@@ -236,7 +236,7 @@ class _Layer:
             q, qs = self.emit("dynamic_quantize", a, to=s.activation, block_size=MX_BLOCK if s.mx else 0).results
             return self.emit("dequantize", q, qs, to=self.dtype, axis=rank - 1,
                              block_size=MX_BLOCK if s.mx else 0).results[0]
-        sv, zv, q = self._quantize_static(a, static)
+        sv, zv, q = self._quantize_static(a, static)  # type: ignore[assignment]
         return self.emit("dequantize", q, sv, zv, to=self.dtype).results[0]
 
     def _integer_gemm(self, a: SSAValue, wq: SSAValue, wscale: np.ndarray) -> SSAValue:
@@ -250,7 +250,7 @@ class _Layer:
             y = self.emit("dequantize", acc, ws, to=self.dtype, axis=rank - 1).results[0]
             rs = row_scale if self.dtype == "f32" else self.emit("cast", row_scale, to=self.dtype).results[0]
             return self.emit("mul", y, rs).results[0]
-        _, zv, q = self._quantize_static(a, static)
+        _, zv, q = self._quantize_static(a, static)  # type: ignore[assignment]
         acc = self.emit("matmul_integer", q, wq, zv).results[0]
         combined = (np.float32(static[0]) * np.asarray(wscale, np.float32)).astype(np.float32)
         cs = self.array(self.name + ".acc_scale", np.broadcast_to(combined, (info_of(wq.type).shape[1],)))

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
+
 
 def _calibrate(args) -> int:
-    if args.target == "c":
-        from tilegraph.backends.c import calibrate
-    else:
-        from tilegraph.backends.numpy import calibrate
-
+    backend = "c" if args.target == "c" else "numpy"
+    calibrate = importlib.import_module(f"tilegraph.backends.{backend}.calibrate")
     calibrate.run(quick=args.quick, output=args.output)
     return 0

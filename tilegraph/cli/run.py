@@ -83,17 +83,17 @@ def _run(args) -> int:
               f"({other / step:.2f}x this run); one process, {backend_name} backend: "
               f"{float(np.median(single)) * 1e3:.2f} ms ({float(np.median(single)) / step:.2f}x this run)")
     ok = True
-    for name, a, e in zip(model.output_names, got, expected):
+    for name, a, want in zip(model.output_names, got, expected):
         dtype = narrowest_float(model) or "f32"
         rtol, _ = tolerance(dtype, n)
-        err = relative_error(a, e)
-        good = a.shape == e.shape and not nonfinite_differ(a, e) and err <= rtol
+        err = relative_error(a, want)
+        good = a.shape == want.shape and not nonfinite_differ(a, want) and err <= rtol
         ok &= good
         print(f"{name}: shape {a.shape}, relative error vs one device (float64) {err:.3e} "
               f"(tolerance {rtol:.1e}) {'ok' if good else 'MISMATCH'}")
-    for a, e in ((a, e) for other in runs[1:] for a, e in zip(other, expected)):
-        if not (a.shape == e.shape and not nonfinite_differ(a, e) and relative_error(a, e) <= rtol):
+    for a, want in ((a, w) for other in runs[1:] for a, w in zip(other, expected)):
+        if not (a.shape == want.shape and not nonfinite_differ(a, want) and relative_error(a, want) <= rtol):
             ok = False
-            print(f"the compared run differs from one device: relative error {relative_error(a, e):.3e}")
+            print(f"the compared run differs from one device: relative error {relative_error(a, want):.3e}")
     print("agree" if ok else "the distributed run differs from one device")
     return 0 if ok else EXIT_MISMATCH

@@ -220,7 +220,7 @@ class _GraphDrawer:
         """A shape that broadcasts against `shape` to `shape` (a suffix, some dims 1)."""
         k = self.draw(st.integers(0, len(shape)), label="suffix rank")
         out = list(shape[len(shape) - k:])
-        for i, d in enumerate(out):
+        for i, _d in enumerate(out):
             if self.flag("unit dim"):
                 out[i] = 1
         return tuple(out)
@@ -240,7 +240,7 @@ class _GraphDrawer:
                         fits.append(v)
                 except ShapeError:
                     pass
-            v = self.pick(fits)
+            v = self.pick(fits)  # type: ignore[assignment]
             if v is not None:
                 return self.positive(v) if positive else v
         if how == "scalar":
@@ -679,13 +679,13 @@ class _GraphDrawer:
                 b = self.rng.integers(0, 3, shape[len(shape) - self.draw(st.integers(0, len(shape)),
                                                                            label="rhs rank"):])
                 return g.op(cmp, g.constant(a.astype(np.int32)), g.constant(b.astype(np.int32)))
-            a = self.weight(shape)
+            a = self.weight(shape)  # type: ignore[assignment]
             array = self.g.weights[f"w{self.n_weights - 1}"]
             changed = self.rng.random(array.shape) < 0.5
             other = np.where(changed, self.rng.uniform(-1, 1, array.shape), array).astype(array.dtype)
             self.n_weights += 1
-            b = g.weight(f"w{self.n_weights - 1}", other)
-            return g.op(cmp, a.t, b) if self.flag("swap") else g.op(cmp, b, a.t)
+            b = g.weight(f"w{self.n_weights - 1}", other)  # type: ignore[assignment]
+            return g.op(cmp, a.t, b) if self.flag("swap") else g.op(cmp, b, a.t)  # type: ignore[attr-defined]
         c = self.pick()
         if c is None or c.t.dtype != self.dtype:
             return None
@@ -732,7 +732,7 @@ class _GraphDrawer:
                             "transpose_id", "reshape_id", "zero_minus", "one_times"], label="identity form")
         t = x.t
         if form == "negneg":
-            return _Val(-(-t), x.lo, x.hi)
+            return _Val(-(-t), x.lo, x.hi)  # noqa: B002
         if form == "zero_minus":
             return _Val(0.0 - t, -x.hi, -x.lo)
         if form == "one_times":
@@ -755,7 +755,7 @@ class _GraphDrawer:
 try:
     from hypothesis import strategies as st
 except ImportError:  # pragma: no cover - hypothesis is in the dev extra
-    st = None
+    st = None  # type: ignore[assignment]
 
 
 def graphs(*, ops: Sequence[str] | None = None, max_ops: int = 12, dtype: str = "f32", symbolic: bool = True,
