@@ -22,7 +22,7 @@ import sympy
 
 from tilegraph.backends.c.blockq import FORMATS
 from tilegraph.backends.c.tables import CTYPES
-from tilegraph.backends.c.views import Unsupported, View, _describe, _eq, _only_use, c_float
+from tilegraph.backends.c.views import EmitterParts, Unsupported, View, _describe, _eq, _only_use, c_float
 from tilegraph.ir.block_formats import block_format
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.shapes import numel
@@ -32,7 +32,7 @@ ELEMENT_BYTES = {"f32": 4, "f64": 8, "i64": 8, "i32": 4, "i16": 2, "i8": 1, "ui8
                  "ui64": 8, "i1": 1}
 
 
-class Generation:
+class Generation(EmitterParts):
     """Lowerings of GENERATION_OPS (CEmitter.compute dispatches here)."""
 
     def generation(self, op: TgOp, xs: list[View]) -> list[View]:

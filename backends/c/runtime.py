@@ -178,7 +178,7 @@ class CompiledModel:
         # caller's own array is written, so it must reach C uncopied; an output that is such
         # an input whole is that array, returned as given (copying a cache out per token
         # would cost what the in-place write saves).
-        self._donated = {em.buffers[i].index for i in em.donated}
+        self._donated = {int(em.buffers[i].index or 0) for i in em.donated}  # (an input's index is its position)
         self._aliased = {i: v.buf for i, v in enumerate(self._outputs)
                          if v.literal is None and v.buf in em.donated and em.is_contiguous(v)
                          and sympy.sympify(v.offset) == 0 and sympy.expand(
