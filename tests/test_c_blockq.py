@@ -1,7 +1,8 @@
 """The C runtime's block-format and KV-cache kernels (backends/c/blockq.c) against the float64
 reference, at every instruction set this processor has (scalar, AVX2, AVX512-VNNI):
 
-- block_matmul multiplies the q8 activations it makes (quantize_activations) by the exact
+- block_matmul with activation='f32' is x times the dequantized weight; with 'q8' it
+  multiplies the q8 activations it makes (quantize_activations) by the exact
   dequantized weight, within f32 rounding over K; and the op's float result within the stated
   activation bound (activation_error_bound), so a kernel that dropped a block's offset or min
   (an error of the weight's size) fails both;
@@ -53,6 +54,21 @@ cache_attention_ref = getattr(kernels, "cache_attention", _cache_attention_ref)
 def _best_isa():
     yield
     blockq.isa(None)
+
+
+@settings(max_examples=40, deadline=None)
+@given(fmt=st.sampled_from(WEIGHT_FORMATS), m=st.sampled_from([1, 2, 5, 8, 9, 20]), n=st.integers(1, 40),
+       blocks=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
+def test_block_matmul_with_float_activations_is_x_times_the_dequantized_weight(fmt, m, n, blocks, seed):
+    """activation='f32': decode rows (register kernels or a dequantized row) and prompt rows
+    (dequantized panels into sgemm) within f32 rounding of the float64 product."""
+    f = FORMATS[fmt]
+    k = blocks * max(f.block, 32)
+    rng = np.random.default_rng(seed)
+    w = f.quantize(rng.standard_normal((n, k)).astype(np.float32))
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    y = blockq.block_matmul(x, w, fmt, k, activation="f32")
+    assert_close(y, x.astype(np.float64) @ f.dequantize(w, (n, k)).astype(np.float64).T, "f32", k, name=fmt)
 
 
 @settings(max_examples=40, deadline=None)

@@ -109,7 +109,7 @@ class LanguageModel:
     size, sharing one weight store, and their caches."""
 
     def __init__(self, path: str | Path, target: str | None = None, cache_len: int | None = None,
-                 threads: int | None = None, pipeline=None, activation: str = "q8"):
+                 threads: int | None = None, pipeline=None, activation: str = "f32"):
         from tilegraph.frontends.gguf.llama import LlamaConfig, load_weights
         from tilegraph.frontends.gguf.reader import GGUFFile
         from tilegraph.frontends.gguf.tokenizer import GGUFTokenizer
@@ -121,8 +121,9 @@ class LanguageModel:
         self.weights = load_weights(f, self.config)
         self.cache_len = min(cache_len or DEFAULT_CACHE_LEN, self.config.context)
         self.target, self.threads, self.pipeline = target, threads, pipeline
-        # 'q8': block-format matmuls round activations to int8 per 32 (as llama.cpp does), which
-        # the C backend runs as integer dot products; 'f32': exact float products (on the host in C)
+        # 'f32': block-format matmuls multiply the float activations (exact, as transformers on the
+        # dequantized weights); 'q8': activations rounded to int8 per 32 first, as llama.cpp does,
+        # which the C backend runs as integer dot products
         self.activation = activation
         self._compiled: dict[tuple[int, str], object] = {}
         self._caches: dict[int, list[np.ndarray]] = {}

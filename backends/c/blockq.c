@@ -615,6 +615,12 @@ static float bq_f32dq_row(int fmt, const uint8_t *w, const float *x, const float
             lo16 = _mm_loadu_si128((const __m128i *)(w + 2));
             hi16 = _mm_loadu_si128((const __m128i *)(w + 18));
             w += 34;
+        } else if (fmt == TG_BQ_Q4_0) {  /* d (q - 8): the min is -8 d */
+            d = bq_half_at(w), m = -8.f * d;
+            __m128i q = _mm_loadu_si128((const __m128i *)(w + 2)), mask = _mm_set1_epi8(0x0F);
+            lo16 = _mm_and_si128(q, mask);
+            hi16 = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+            w += 18;
         } else {
             d = bq_half_at(w), m = bq_half_at(w + 2);
             __m128i q = _mm_loadu_si128((const __m128i *)(w + 4)), mask = _mm_set1_epi8(0x0F);
@@ -636,7 +642,8 @@ static float bq_f32dq_row(int fmt, const uint8_t *w, const float *x, const float
 int tg_block_matmul_f32dq(const float *x, int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes, int fmt,
                           float *y) {
     if (bq_check(fmt, K, N, row_bytes)) return 1;
-    if (fmt != TG_BQ_Q8_0 && fmt != TG_BQ_Q4_1) TG_FAIL("the float-dequantizing kernel takes q4_1 and q8_0");
+    if (fmt != TG_BQ_Q8_0 && fmt != TG_BQ_Q4_1 && fmt != TG_BQ_Q4_0)
+        TG_FAIL("the float-dequantizing kernel takes q4_0, q4_1 and q8_0");
     if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw"))
         TG_FAIL("the float-dequantizing kernel needs AVX512");
     float *xsum = bq_scratch_get((size_t)(K / 32) * sizeof(float));
@@ -648,6 +655,64 @@ int tg_block_matmul_f32dq(const float *x, int64_t K, const uint8_t *w, int64_t N
     }
 #pragma omp parallel for schedule(static) if (N * row_bytes > BQ_PARALLEL_BYTES)
     for (int64_t n = 0; n < N; n++) y[n] = bq_f32dq_row(fmt, w + n * row_bytes, x, xsum, K / 32);
+    return 0;
+}
+
+/* activation='f32': the weight dequantized, the activations multiplied as they are. Rows of
+ * few activations (decode) take the register kernel above where it has the format (the row's
+ * block sums of x precomputed once), else each weight row is dequantized into a thread's
+ * buffer in L1 and dotted with every activation row; a prompt's rows (M > BQ_SGEMM_ROWS) get
+ * BQ_TILE dequantized weight rows at a time as a panel of one sgemm (oneDNN's). */
+#define BQ_SGEMM_ROWS 8
+int tg_block_matmul_f32(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes,
+                        int fmt, float *y, int64_t ldy) {
+    if (bq_check(fmt, K, N, row_bytes)) return 1;
+    if (M <= 0 || N == 0) return 0;
+    if (BQ_BLOCK[fmt] == 1) return tg_block_matmul(x, M, K, w, N, row_bytes, fmt, y, ldy);
+    int regs = M <= BQ_SGEMM_ROWS && (fmt == TG_BQ_Q4_0 || fmt == TG_BQ_Q4_1 || fmt == TG_BQ_Q8_0) &&
+               __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    int64_t nb32 = K / 32;
+    float *xsum = bq_scratch_get((size_t)(M * nb32) * sizeof(float));
+    if (!xsum) TG_FAIL("block matmul: out of memory");
+    if (regs)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t b = 0; b < nb32; b++) {
+                float t = 0.f;
+                for (int i = 0; i < 32; i++) t += x[m * K + 32 * b + i];
+                xsum[m * nb32 + b] = t;
+            }
+    int64_t tiles = (N + BQ_TILE - 1) / BQ_TILE, blk = BQ_BLOCK[fmt], bytes = BQ_BYTES[fmt];
+    int parallel = N * row_bytes * (M < 8 ? M : 8) > BQ_PARALLEL_BYTES, failed = 0;
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t t = 0; t < tiles; t++) {
+        int64_t n0 = t * BQ_TILE, n1 = n0 + BQ_TILE < N ? n0 + BQ_TILE : N;
+        if (regs) {
+            for (int64_t n = n0; n < n1; n++)
+                for (int64_t m = 0; m < M; m++)
+                    y[m * ldy + n] = bq_f32dq_row(fmt, w + n * row_bytes, x + m * K, xsum + m * nb32, nb32);
+            continue;
+        }
+        float *panel = malloc(sizeof(float) * (size_t)(BQ_TILE * K));  /* per tile: a prompt's GEMM, not decode's */
+        if (!panel) { failed = 1; continue; }
+        for (int64_t n = n0; n < n1; n++)
+            for (int64_t b = 0; b < K / blk; b++)
+                bq_dequant_block(fmt, w + n * row_bytes + b * bytes, panel + (n - n0) * K + b * blk);
+        if (M > BQ_SGEMM_ROWS) {
+            if (dnnl_sgemm('N', 'T', M, n1 - n0, K, 1.f, x, K, panel, K, 0.f, y + n0, ldy) != dnnl_success) failed = 2;
+        } else {
+            for (int64_t n = n0; n < n1; n++)
+                for (int64_t m = 0; m < M; m++) {
+                    const float *xm = x + m * K, *pn = panel + (n - n0) * K;
+                    float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+                    for (int64_t k = 0; k < K; k++) acc += xm[k] * pn[k];
+                    y[m * ldy + n] = acc;
+                }
+        }
+        free(panel);
+    }
+    if (failed == 2) TG_FAIL("block matmul: oneDNN's sgemm failed on a panel");
+    if (failed) TG_FAIL("block matmul: out of memory for a dequantized panel");
     return 0;
 }
 

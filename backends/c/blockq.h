@@ -13,6 +13,9 @@ enum { TG_BQ_F32 = 0, TG_BQ_F16, TG_BQ_BF16, TG_BQ_Q4_0, TG_BQ_Q4_1, TG_BQ_Q8_0,
 /* y[M, N] = x[M, K] @ dequant(w)^T, x and y contiguous rows (x row stride K, y row stride ldy). */
 int tg_block_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes,
                     int fmt, float *y, int64_t ldy);
+/* The same with activation='f32': x multiplied as it is, each weight block dequantized to float. */
+int tg_block_matmul_f32(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes,
+                        int fmt, float *y, int64_t ldy);
 /* out[i, :] = dequant(w[idx[i], :]) for i < n (an embedding lookup); each idx checked < N. */
 int tg_block_rows(const uint8_t *w, int64_t N, int64_t K, int64_t row_bytes, int fmt, const int64_t *idx,
                   int64_t n, float *out);

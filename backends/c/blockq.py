@@ -27,6 +27,7 @@ _i64, _p = ctypes.c_int64, ctypes.c_void_p
 def library() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(runtime()))
     lib.tg_block_matmul.argtypes = [_p, _i64, _i64, _p, _i64, _i64, ctypes.c_int, _p, _i64]
+    lib.tg_block_matmul_f32.argtypes = [_p, _i64, _i64, _p, _i64, _i64, ctypes.c_int, _p, _i64]
     lib.tg_block_rows.argtypes = [_p, _i64, _i64, _i64, ctypes.c_int, _p, _i64, _p]
     lib.tg_cache_write.argtypes = [_p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _p, _i64]
     lib.tg_cache_attention.argtypes = [_p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _p, _i64, ctypes.c_float]
@@ -50,11 +51,12 @@ def isa(name: str | None = None) -> str:
     return {v: k for k, v in ISAS.items()}[got]
 
 
-def block_matmul(x: np.ndarray, w: np.ndarray, fmt: str, k: int) -> np.ndarray:
+def block_matmul(x: np.ndarray, w: np.ndarray, fmt: str, k: int, activation: str = "q8") -> np.ndarray:
     x = np.ascontiguousarray(x, np.float32).reshape(-1, k)
     w = np.ascontiguousarray(w, np.uint8)
     y = np.empty((x.shape[0], w.shape[0]), np.float32)
-    _check(library().tg_block_matmul(x.ctypes.data, x.shape[0], k, w.ctypes.data, w.shape[0], w.shape[1],
+    fn = library().tg_block_matmul if activation == "q8" else library().tg_block_matmul_f32
+    _check(fn(x.ctypes.data, x.shape[0], k, w.ctypes.data, w.shape[0], w.shape[1],
                                      FORMATS[fmt], y.ctypes.data, w.shape[0]))
     return y
 

@@ -85,8 +85,6 @@ HOST_FALLBACK = {
     # Data-dependent sizes: the runtime finds them before planning (ir.interpreter.run_time_sizes).
     "nonzero": "host", "unique": "host", "narrow": "host", "non_max_suppression": "host",
     "rnn": "host (a loop over the steps, NumPy's matmul per step)", "assert_size": "host",
-    "block_matmul": "C for f32/f16/bf16 weights and for activation='q8' (integer dot products), the host for "
-                    "a quantized format's activation='f32'",
 }
 LOWERINGS = table(template=[op for op in OPS if op not in HOST_FALLBACK],
                   fallback={op: f"runs on the host between native segments ({why})"

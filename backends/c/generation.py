@@ -3,10 +3,11 @@
 Each is a call into the runtime's kernels (blockq.c) on views the emitter already has:
 
 * `block_matmul` and `block_gather` read a weight as its GGUF bytes (ui8[N, row_bytes]),
-  never widened. A quantized format's matmul runs here with activation='q8': the
-  activation rows rounded to int8 per 32 (block_formats.quantize_activations) and integer
-  dot products (blockq.c says why), as llama.cpp's; that is within
-  `blockq.activation_error_bound` of activation='f32', which runs on the host.
+  never widened. With activation='q8' the activation rows are rounded to int8 per 32
+  (block_formats.quantize_activations) and meet the weight in integer dot products
+  (blockq.c says why), as in llama.cpp, within `blockq.activation_error_bound` of
+  activation='f32', which dequantizes each weight block to float in registers (a prompt:
+  a dequantized panel at a time into an sgemm).
 * `cache_write` writes the new rows into the cache operand's own buffer, which must be a
   model input read by nothing else (the op donates it, as XLA's aliased buffers): its
   result is that buffer, and the runtime hands the caller's array back as the output,
@@ -52,15 +53,13 @@ class Generation(EmitterParts):
         fmt, k = op.attr("format"), int(op.attr("k"))
         if x.dtype != "f32" or x.literal is not None or fmt not in FORMATS:
             raise Unsupported("block_matmul of f32 activations in a format the kernels know")
-        if block_format(fmt).block > 1 and op.attr("activation") != "q8":
-            raise Unsupported("block_matmul in a quantized format with activation='q8' (integer dot products)")
         w = self._weight_bytes(w)
         x = self._rows(x)
         out = self._temp(op.result_infos()[0])
         n, row_bytes = w.shape[0], block_format(fmt).row_bytes(k)
         rows = numel(x.shape[:-1])
         self._step(_describe(op), [
-            f"if (tg_block_matmul({self.ptr(x)}, {self.ints(rows)}, {k}, {self.ptr(w)}, {self.ints(n)}, {row_bytes}, "
+            f"if (tg_block_matmul{'' if op.attr('activation') == 'q8' else '_f32'}({self.ptr(x)}, {self.ints(rows)}, {k}, {self.ptr(w)}, {self.ints(n)}, {row_bytes}, "
             f"{FORMATS[fmt]}, {self.ptr(out, False)}, {self.ints(n)})) return 1;"], [x, w], [out])
         return out
 
