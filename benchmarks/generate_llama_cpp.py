@@ -11,7 +11,8 @@ at 1 thread and at all threads. Each decode row also prints the bytes it reads p
 llama.cpp) times tokens/s, as a share of this machine's copy bandwidth, measured here at 1
 thread and all (STREAM's copy: bytes read + written over a 1 GiB copy; the read-only sum is
 printed beside it). tilegraph runs activation='q8' (block_matmul rounds activations to int8
-per 32 values, as llama.cpp's kernels do).
+per 32 values, as llama.cpp's kernels do), and, beside it, activation='f32' (exact float
+activations, the weight dequantized in registers).
 
     python benchmarks/generate_llama_cpp.py [--rounds 3] [--tg 128] [--depth-tokens 64]
 
@@ -66,10 +67,10 @@ def bandwidth(lib, threads: int, gib: float = 1.0) -> tuple[float, float]:
 
 
 class Tilegraph:
-    def __init__(self, path: Path, threads: int, ctx: int):
-        from tilegraph.generate import LanguageModel
+    def __init__(self, path: Path, threads: int, ctx: int, activation: str):
+        from tilegraph.generation import LanguageModel
 
-        self.lm = LanguageModel(path, target="c", cache_len=ctx, threads=threads, activation="q8")
+        self.lm = LanguageModel(path, target="c", cache_len=ctx, threads=threads, activation=activation)
         self.threads = threads
         self.prefill, self.decode = self.lm.entry(1, "prefill"), self.lm.entry(1, "decode")
         self.caches = self.lm.caches(1)
@@ -142,7 +143,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     rows = []
     for threads in threads_list:
-        tg = Tilegraph(path, threads, ctx)
+        tg = Tilegraph(path, threads, ctx, "q8")
+        tg32 = Tilegraph(path, threads, ctx, "f32")
         lc = LlamaCpp(path, threads, ctx)
         c = tg.lm.config
         lc.cache_row_bytes = 2 * c.layers * c.kv_heads * c.head_dim * 2
@@ -150,14 +152,15 @@ def main() -> None:
         short = rng.integers(0, vocab, 8).astype(np.int64)
         deep = rng.integers(0, vocab, args.depth).astype(np.int64)
         prompt = rng.integers(0, vocab, args.pp).astype(np.int64)
-        runners = {"tilegraph": tg, "llama.cpp": lc}
+        runners = {"tilegraph": tg, "tilegraph f32": tg32, "llama.cpp": lc}
         # one untimed pass of each (compiles, first touches)
         for r in runners.values():
             r.prompt(short)
             r.generate(short.size, 2, 1)
         results: dict[tuple[str, str], list[float]] = {}
         for rnd in range(args.rounds):
-            order = list(runners.items())[::1 if rnd % 2 == 0 else -1]
+            items = list(runners.items())
+            order = items[rnd % len(items):] + items[:rnd % len(items)]
             for name, r in order:
                 r.prompt(short)
                 results.setdefault(("tg", name), []).append(args.tg / r.generate(short.size, args.tg, 1))
@@ -181,12 +184,15 @@ def main() -> None:
                 shares.append(f"{per_token / 1e6:.0f} MB/tok {per_token * tps[name] / 1e9:.1f} GB/s "
                               f"{per_token * tps[name] / 1e9 / copy_bw:.0%}")
             rows.append([threads, labels[kind], f"{tps['tilegraph']:.1f}", f"{tps['llama.cpp']:.1f}",
-                         f"{tps['tilegraph'] / tps['llama.cpp']:.2f}x", shares[0], shares[1]])
-        del tg, lc
+                         f"{tps['tilegraph'] / tps['llama.cpp']:.2f}x", f"{tps['tilegraph f32']:.1f}",
+                         f"{tps['tilegraph f32'] / tps['llama.cpp']:.2f}x", shares[0], shares[2]])
+        del tg, tg32, lc
     print(f"load average {os.getloadavg()[0]:.2f} after the run (other agents share this machine); "
           f"medians of {args.rounds} interleaved rounds")
-    print(format_table(["threads", "test", "tilegraph tok/s", "llama.cpp tok/s", "ratio",
-                        "tilegraph bytes x tok/s (share of copy bw)", "llama.cpp"], rows))
+    print(format_table(["threads", "test", "tilegraph q8", "llama.cpp", "ratio", "tilegraph f32", "ratio",
+                        "tilegraph q8: bytes x tok/s (share of copy bw)", "llama.cpp"], rows))
+    print("tok/s, medians; 'tilegraph q8' rounds activations to int8 per 32 as llama.cpp does, 'tilegraph f32' "
+          "multiplies them exact (the library's default)")
 
 
 if __name__ == "__main__":

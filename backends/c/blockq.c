@@ -23,6 +23,10 @@
 /* Below this many weight bytes times rows a matmul runs on one thread: waking a sleeping
  * OpenMP team costs some microseconds, what one core takes for ~64 KB from cache. */
 #define BQ_PARALLEL_BYTES 65536
+/* A prompt's rows (more than this) take dequantized weight panels into sgemm: faster than the
+ * integer kernels there (benchmarks/generate_llama_cpp.py's pp rows), as a GEMM reuses each
+ * dequantized weight across all rows; with activation='q8' the rows are rounded first. */
+#define BQ_SGEMM_ROWS 8
 
 /* A row of q8 activations: q[K], a scale per 32 (d), the sums of q per 32 (s) and per 16 (s16). */
 typedef struct {
@@ -360,6 +364,9 @@ static void bq_float_rows(const float *x, int64_t M, int64_t K, const uint8_t *w
     }
 }
 
+static int bq_panels(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes, int fmt,
+                     float *y, int64_t ldy);
+
 int tg_block_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes,
                     int fmt, float *y, int64_t ldy) {
     if (bq_check(fmt, K, N, row_bytes)) return 1;
@@ -390,6 +397,16 @@ int tg_block_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int6
         int8_t *q = (int8_t *)(base + nb32 * 20 + 32);
         rows[m] = (tg_q8row){q, d, s, s16, ds};
         kern->quantize(x + m * K, K, &rows[m]);
+    }
+    if (M > BQ_SGEMM_ROWS) {
+        /* the rows as the q8 values they round to, in float, then panels into sgemm */
+        float *xq = malloc(sizeof(float) * (size_t)(M * K));
+        if (!xq) TG_FAIL("block matmul: out of memory for %lld activation rows", (long long)M);
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t k = 0; k < K; k++) xq[m * K + k] = (float)rows[m].q[k] * rows[m].d[k / 32];
+        int rc = bq_panels(xq, M, K, w, N, row_bytes, fmt, y, ldy);
+        free(xq);
+        return rc;
     }
     bq_dot_fn dot = kern->dot[fmt];
     if (M < BQ_MAXR && bq_level == 2 && bq_zmm[fmt]) dot = bq_zmm[fmt];  /* decode: two blocks per zmm */
@@ -598,6 +615,18 @@ void tg_rms_norm_rows(const float *x, float *y, const float *scale, int64_t rows
     }
 }
 
+#define BQ_ROW_MAX 8192  /* a weight row dequantized whole on the stack (32 KB) */
+/* a long row: a block at a time */
+static float bq_dot_float_blocks(int fmt, const uint8_t *w, const float *x, int64_t K) {
+    float buf[256], acc = 0.f;
+    int64_t blk = BQ_BLOCK[fmt];
+    for (int64_t b = 0; b < K / blk; b++) {
+        bq_dequant_block(fmt, w + b * BQ_BYTES[fmt], buf);
+        for (int64_t i = 0; i < blk; i++) acc += buf[i] * x[b * blk + i];
+    }
+    return acc;
+}
+
 /* --- the alternative, measured against: the weight dequantized to float in registers ---
  * (benchmarks/blockq_kernels.py times it beside tg_block_matmul; only the two formats of
  * the bundled model.) Per 32 weights: nibbles or bytes widened to 2 x 16 int32, converted
@@ -663,56 +692,68 @@ int tg_block_matmul_f32dq(const float *x, int64_t K, const uint8_t *w, int64_t N
  * block sums of x precomputed once), else each weight row is dequantized into a thread's
  * buffer in L1 and dotted with every activation row; a prompt's rows (M > BQ_SGEMM_ROWS) get
  * BQ_TILE dequantized weight rows at a time as a panel of one sgemm (oneDNN's). */
-#define BQ_SGEMM_ROWS 8
+/* y[M, N] = x @ dequant(w)^T for a prompt's rows: BQ_TILE weight rows at a time dequantized into a
+ * panel, one sgemm (oneDNN's, on the thread's own core) per panel. */
+static int bq_panels(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes, int fmt,
+                     float *y, int64_t ldy) {
+    int64_t tiles = (N + BQ_TILE - 1) / BQ_TILE, blk = BQ_BLOCK[fmt], bytes = BQ_BYTES[fmt];
+    int failed = 0;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        int64_t n0 = t * BQ_TILE, n1 = n0 + BQ_TILE < N ? n0 + BQ_TILE : N;
+        float *panel = malloc(sizeof(float) * (size_t)(BQ_TILE * K));  /* per panel of a prompt: not per token */
+        if (!panel) { failed = 1; continue; }
+        for (int64_t n = n0; n < n1; n++)
+            for (int64_t b = 0; b < K / blk; b++)
+                bq_dequant_block(fmt, w + n * row_bytes + b * bytes, panel + (n - n0) * K + b * blk);
+        if (dnnl_sgemm('N', 'T', M, n1 - n0, K, 1.f, x, K, panel, K, 0.f, y + n0, ldy) != dnnl_success) failed = 2;
+        free(panel);
+    }
+    if (failed == 2) TG_FAIL("block matmul: oneDNN's sgemm failed on a panel");
+    if (failed) TG_FAIL("block matmul: out of memory for a dequantized panel");
+    return 0;
+}
+
 int tg_block_matmul_f32(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes,
                         int fmt, float *y, int64_t ldy) {
     if (bq_check(fmt, K, N, row_bytes)) return 1;
     if (M <= 0 || N == 0) return 0;
     if (BQ_BLOCK[fmt] == 1) return tg_block_matmul(x, M, K, w, N, row_bytes, fmt, y, ldy);
-    int regs = M <= BQ_SGEMM_ROWS && (fmt == TG_BQ_Q4_0 || fmt == TG_BQ_Q4_1 || fmt == TG_BQ_Q8_0) &&
+    if (M > BQ_SGEMM_ROWS) return bq_panels(x, M, K, w, N, row_bytes, fmt, y, ldy);
+    int regs = (fmt == TG_BQ_Q4_0 || fmt == TG_BQ_Q4_1 || fmt == TG_BQ_Q8_0) &&
                __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-    int64_t nb32 = K / 32;
+    int64_t nb32 = K / 32, blk = BQ_BLOCK[fmt], bytes = BQ_BYTES[fmt];
     float *xsum = bq_scratch_get((size_t)(M * nb32) * sizeof(float));
     if (!xsum) TG_FAIL("block matmul: out of memory");
-    if (regs)
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t b = 0; b < nb32; b++) {
-                float t = 0.f;
-                for (int i = 0; i < 32; i++) t += x[m * K + 32 * b + i];
-                xsum[m * nb32 + b] = t;
-            }
-    int64_t tiles = (N + BQ_TILE - 1) / BQ_TILE, blk = BQ_BLOCK[fmt], bytes = BQ_BYTES[fmt];
-    int parallel = N * row_bytes * (M < 8 ? M : 8) > BQ_PARALLEL_BYTES, failed = 0;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < nb32; b++) {
+            float t = 0.f;
+            for (int i = 0; i < 32; i++) t += x[m * K + 32 * b + i];
+            xsum[m * nb32 + b] = t;
+        }
+    int64_t tiles = (N + BQ_TILE - 1) / BQ_TILE;
+    int parallel = N * row_bytes * M > BQ_PARALLEL_BYTES;
 #pragma omp parallel for schedule(static) if (parallel)
     for (int64_t t = 0; t < tiles; t++) {
         int64_t n0 = t * BQ_TILE, n1 = n0 + BQ_TILE < N ? n0 + BQ_TILE : N;
-        if (regs) {
-            for (int64_t n = n0; n < n1; n++)
+        float row[BQ_ROW_MAX];
+        for (int64_t n = n0; n < n1; n++) {
+            if (regs || K > BQ_ROW_MAX) {
                 for (int64_t m = 0; m < M; m++)
-                    y[m * ldy + n] = bq_f32dq_row(fmt, w + n * row_bytes, x + m * K, xsum + m * nb32, nb32);
-            continue;
-        }
-        float *panel = malloc(sizeof(float) * (size_t)(BQ_TILE * K));  /* per tile: a prompt's GEMM, not decode's */
-        if (!panel) { failed = 1; continue; }
-        for (int64_t n = n0; n < n1; n++)
-            for (int64_t b = 0; b < K / blk; b++)
-                bq_dequant_block(fmt, w + n * row_bytes + b * bytes, panel + (n - n0) * K + b * blk);
-        if (M > BQ_SGEMM_ROWS) {
-            if (dnnl_sgemm('N', 'T', M, n1 - n0, K, 1.f, x, K, panel, K, 0.f, y + n0, ldy) != dnnl_success) failed = 2;
-        } else {
-            for (int64_t n = n0; n < n1; n++)
-                for (int64_t m = 0; m < M; m++) {
-                    const float *xm = x + m * K, *pn = panel + (n - n0) * K;
-                    float acc = 0.f;
+                    y[m * ldy + n] = regs ? bq_f32dq_row(fmt, w + n * row_bytes, x + m * K, xsum + m * nb32, nb32)
+                                          : bq_dot_float_blocks(fmt, w + n * row_bytes, x + m * K, K);
+                continue;
+            }
+            for (int64_t b = 0; b < K / blk; b++) bq_dequant_block(fmt, w + n * row_bytes + b * bytes, row + b * blk);
+            for (int64_t m = 0; m < M; m++) {
+                const float *xm = x + m * K;
+                float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-                    for (int64_t k = 0; k < K; k++) acc += xm[k] * pn[k];
-                    y[m * ldy + n] = acc;
-                }
+                for (int64_t k = 0; k < K; k++) acc += xm[k] * row[k];
+                y[m * ldy + n] = acc;
+            }
         }
-        free(panel);
     }
-    if (failed == 2) TG_FAIL("block matmul: oneDNN's sgemm failed on a panel");
-    if (failed) TG_FAIL("block matmul: out of memory for a dequantized panel");
     return 0;
 }
 
