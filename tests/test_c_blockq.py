@@ -264,3 +264,25 @@ def test_a_cache_that_would_be_copied_is_refused():
     for bad in (np.zeros((2, 2, 32, 32), np.float32)[..., ::2], c.astype(np.float64), np.asfortranarray(c), readonly):
         with pytest.raises(ModelError, match="updated in place"):
             compiled(x, bad, c.copy(), np.int64(0), trig, trig)
+
+
+def test_decode_steps_allocate_nothing_that_stays():
+    """Memory is flat across steps: after the first steps (the arena, the kernels' scratch at
+    their largest), 200 more steps at growing positions leave the process's resident size
+    where it was (each call's only new array is its output, freed by the caller)."""
+    _, compiled = _compiled_layer("q4_1", False)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 1, 64)).astype(np.float32)
+    k_cache, v_cache = np.zeros((2, 2, 32, 16), np.float32), np.zeros((2, 2, 32, 16), np.float32)
+    trig = np.ones((2, 1, 1, 8), np.float32)
+
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    for p in range(4):
+        compiled(x, k_cache, v_cache, np.int64(p), trig, trig)
+    before = resident()
+    for step in range(200):
+        compiled(x, k_cache, v_cache, np.int64(step % 32), trig, trig)
+    assert resident() - before < 1 << 20
