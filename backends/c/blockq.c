@@ -464,6 +464,56 @@ int tg_cache_write(void *cache, const void *x, int64_t B, int64_t Hkv, int64_t S
  * flash-decoding does), so every thread has keys to read. */
 #define CA_KEYS 64
 #define CA_QMAX 64  /* query rows per unit */
+/* One unit's span of keys [j_lo, j_hi), CA_KEYS at a time: scores, the online softmax update,
+ * then p v. Query-major loops over a block whose K and V rows (64 x D floats each) stay in L1:
+ * with D a constant (the callers' 64 and 128) a query's vector and its accumulator live in
+ * registers across the block's keys. */
+static inline __attribute__((always_inline)) void ca_span(const int64_t D, int64_t nq, int64_t j_lo, int64_t j_hi,
+                                                          const float *const *qr, const int64_t *lim, const float *kb,
+                                                          const float *vb, float scale, float *acc, float *mx,
+                                                          float *sum) {
+    float s[CA_KEYS];
+    for (int64_t j0 = j_lo; j0 < j_hi; j0 += CA_KEYS) {
+        int64_t nk = j_hi - j0 < CA_KEYS ? j_hi - j0 : CA_KEYS;
+        const float *kblk = kb + j0 * D, *vblk = vb + j0 * D;
+        for (int64_t r = 0; r < nq; r++) {
+            const float *qv = qr[r];
+            int64_t live = lim[r] - j0 < nk ? lim[r] - j0 : nk;  /* keys at or before this query */
+            if (live <= 0) continue;
+            for (int64_t jj = 0; jj < live; jj++) {
+                const float *kr = kblk + jj * D;
+                float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t c = 0; c < D; c++) dot += qv[c] * kr[c];
+                s[jj] = dot * scale;
+            }
+            float m = mx[r];
+            for (int64_t jj = 0; jj < live; jj++) m = s[jj] > m ? s[jj] : m;
+            float corr = tg_expf(mx[r] - m), l = 0.f;
+#pragma omp simd reduction(+ : l)
+            for (int64_t jj = 0; jj < live; jj++) {
+                float p = tg_expf(s[jj] - m);
+                s[jj] = p;
+                l += p;
+            }
+            sum[r] = sum[r] * corr + l;
+            mx[r] = m;
+            float *ar = acc + r * D;
+            float a[D];
+#pragma omp simd
+            for (int64_t c = 0; c < D; c++) a[c] = ar[c] * corr;
+            for (int64_t jj = 0; jj < live; jj++) {
+                const float *vr = vblk + jj * D;
+                float p = s[jj];
+#pragma omp simd
+                for (int64_t c = 0; c < D; c++) a[c] += p * vr[c];
+            }
+#pragma omp simd
+            for (int64_t c = 0; c < D; c++) ar[c] = a[c];
+        }
+    }
+}
+
 int tg_cache_attention(const float *q, const float *k, const float *v, float *o, int64_t B, int64_t H,
                        int64_t Hkv, int64_t T, int64_t S, int64_t D, const int64_t *pos, int64_t pstride,
                        float scale) {
@@ -520,51 +570,9 @@ int tg_cache_attention(const float *q, const float *k, const float *v, float *o,
                 for (int64_t c = 0; c < D; c++) acc[r * D + c] = 0.f;
             }
             int64_t j_lo = sp * span, j_hi = j_lo + span < pb + t0 + nt ? j_lo + span : pb + t0 + nt;
-            float s[CA_QMAX][CA_KEYS];
-            for (int64_t j0 = j_lo; j0 < j_hi; j0 += CA_KEYS) {
-                int64_t nk = j_hi - j0 < CA_KEYS ? j_hi - j0 : CA_KEYS;
-                for (int64_t jj = 0; jj < nk; jj++) {
-                    const float *kr = kb + (j0 + jj) * D;
-                    for (int64_t r = 0; r < nq; r++) {
-                        const float *qv = qr[r];
-                        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-                        for (int64_t c = 0; c < D; c++) dot += qv[c] * kr[c];
-                        s[r][jj] = j0 + jj < lim[r] ? dot * scale : -INFINITY;
-                    }
-                }
-                for (int64_t r = 0; r < nq; r++) {
-                    float m = mx[r];
-                    for (int64_t jj = 0; jj < nk; jj++) m = s[r][jj] > m ? s[r][jj] : m;
-                    if (m == -INFINITY) {  /* every key of the block is past this query */
-                        for (int64_t jj = 0; jj < nk; jj++) s[r][jj] = 0.f;
-                        continue;
-                    }
-                    float corr = tg_expf(mx[r] - m), l = 0.f;
-                    float *sr = s[r];
-#pragma omp simd reduction(+ : l)
-                    for (int64_t jj = 0; jj < nk; jj++) {
-                        float p = tg_expf(sr[jj] - m);
-                        sr[jj] = p;
-                        l += p;
-                    }
-                    sum[r] = sum[r] * corr + l;
-                    mx[r] = m;
-                    if (corr != 1.f) {
-                        float *ar = acc + r * D;
-#pragma omp simd
-                        for (int64_t c = 0; c < D; c++) ar[c] *= corr;
-                    }
-                }
-                for (int64_t jj = 0; jj < nk; jj++) {
-                    const float *vr = vb + (j0 + jj) * D;
-                    for (int64_t r = 0; r < nq; r++) {
-                        float p = s[r][jj], *ar = acc + r * D;
-#pragma omp simd
-                        for (int64_t c = 0; c < D; c++) ar[c] += p * vr[c];
-                    }
-                }
-            }
+            if (D == 64) ca_span(64, nq, j_lo, j_hi, qr, lim, kb, vb, scale, acc, mx, sum);
+            else if (D == 128) ca_span(128, nq, j_lo, j_hi, qr, lim, kb, vb, scale, acc, mx, sum);
+            else ca_span(D, nq, j_lo, j_hi, qr, lim, kb, vb, scale, acc, mx, sum);
         }
     /* combine the spans of each unit's queries */
 #pragma omp parallel for schedule(static) if (parallel)

@@ -43,34 +43,28 @@ class Generation(EmitterParts):
         """x with contiguous rows (a copy if it is strided)."""
         return x if self.is_contiguous(x) else self.materialize(x)
 
-    def _weight_bytes(self, w: View) -> View:
+    def _block_operands(self, op: TgOp, w: View, x: View, ok: bool, what: str):
+        """(format, k, the weight's bytes, x with contiguous rows, a new result) of a block-format op."""
+        fmt, k = op.attr("format"), int(op.attr("k"))
+        if not ok or x.literal is not None or fmt not in FORMATS:
+            raise Unsupported(what)
         if w.literal is not None or w.dtype != "ui8" or not self.is_contiguous(w) or not _eq(w.offset, 0):
             raise Unsupported("a block-format weight as whole contiguous bytes")
-        return w
+        return fmt, k, w, self._rows(x), self._temp(op.result_infos()[0])
 
     def _gen_block_matmul(self, op: TgOp, xs: list[View]) -> View:
-        x, w = xs
-        fmt, k = op.attr("format"), int(op.attr("k"))
-        if x.dtype != "f32" or x.literal is not None or fmt not in FORMATS:
-            raise Unsupported("block_matmul of f32 activations in a format the kernels know")
-        w = self._weight_bytes(w)
-        x = self._rows(x)
-        out = self._temp(op.result_infos()[0])
-        n, row_bytes = w.shape[0], block_format(fmt).row_bytes(k)
-        rows = numel(x.shape[:-1])
+        fmt, k, w, x, out = self._block_operands(op, xs[1], xs[0], xs[0].dtype == "f32",
+                                                 "block_matmul of f32 activations in a format the kernels know")
+        kernel = "tg_block_matmul" if op.attr("activation") == "q8" else "tg_block_matmul_f32"
+        n = self.ints(w.shape[0])
         self._step(_describe(op), [
-            f"if (tg_block_matmul{'' if op.attr('activation') == 'q8' else '_f32'}({self.ptr(x)}, {self.ints(rows)}, {k}, {self.ptr(w)}, {self.ints(n)}, {row_bytes}, "
-            f"{FORMATS[fmt]}, {self.ptr(out, False)}, {self.ints(n)})) return 1;"], [x, w], [out])
+            f"if ({kernel}({self.ptr(x)}, {self.ints(numel(x.shape[:-1]))}, {k}, {self.ptr(w)}, {n}, "
+            f"{block_format(fmt).row_bytes(k)}, {FORMATS[fmt]}, {self.ptr(out, False)}, {n})) return 1;"], [x, w], [out])
         return out
 
     def _gen_block_gather(self, op: TgOp, xs: list[View]) -> View:
-        w, idx = xs
-        fmt, k = op.attr("format"), int(op.attr("k"))
-        if idx.dtype != "i64" or idx.literal is not None or fmt not in FORMATS:
-            raise Unsupported("block_gather with i64 indices")
-        w = self._weight_bytes(w)
-        idx = self._rows(idx)
-        out = self._temp(op.result_infos()[0])
+        fmt, k, w, idx, out = self._block_operands(op, xs[0], xs[1], xs[1].dtype == "i64",
+                                                   "block_gather with i64 indices")
         self._step(_describe(op), [
             f"if (tg_block_rows({self.ptr(w)}, {self.ints(w.shape[0])}, {k}, {block_format(fmt).row_bytes(k)}, "
             f"{FORMATS[fmt]}, {self.ptr(idx)}, {self.ints(numel(idx.shape))}, {self.ptr(out, False)})) return 1;"],
