@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint demo bench clean
+.PHONY: test lint demo chat bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,9 @@ lint: $(STAMP)
 
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) examples/demo.py
+
+chat: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) examples/chat_demo.py
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/compile_minilm.py

@@ -93,7 +93,7 @@ def row_local(op: TgOp) -> bool:
     if op.SPEC.pattern in (ANCHOR, ELEMWISE):  # (trilu is injective: which elements depends on the row)
         return True
     rank = info_of(op.operands[0].type).rank
-    if op.op_name in ("softmax", "layer_norm"):
+    if op.SPEC.row_normalizing:
         return op.attr("axis") % rank == rank - 1
     if op.SPEC.reduction:
         return [a % rank for a in op.attr("axes")] == [rank - 1] and op.attr("keepdims")

@@ -249,8 +249,9 @@ class Model:
         out = {}
         for i in range(len(self.func.args)):
             d = self.func.arg_attrs.data[i] if self.func.arg_attrs is not None else None
-            if isinstance(d, DictionaryAttr) and isinstance(d.data.get(ALIAS_ATTR), IntegerAttr):
-                out[i] = d.data[ALIAS_ATTR].value.data
+            alias = d.data.get(ALIAS_ATTR) if isinstance(d, DictionaryAttr) else None
+            if isinstance(alias, IntegerAttr):
+                out[i] = alias.value.data
         return out
 
     def ops(self) -> list[Operation]:

@@ -65,6 +65,15 @@ class OpSpec:
     reduction: str | None = None
     # Moves or names data without computing: a NumPy view, indexing in a fused GPU kernel.
     view: bool = False
+    # Normalizes each row along `axis` (softmax, layer_norm): reads a whole row before it
+    # writes any of it, so a loop computes it one row at a time (a row kernel).
+    row_normalizing: bool = False
+    # Operand 1 holds indices into operand 0 along its `axis` attribute (gather, gather_elements):
+    # each must lie in that dim (checked at the call, bounded by the fuzzers' inputs).
+    indexed: bool = False
+    # The GEMM an anchor makes, (ins, outs) -> (m, n, k) as sympy expressions, m counting every
+    # batch row: what the cost model prices and a GPU tile covers. None: not a GEMM.
+    gemm: Callable[..., Any] | None = None
     # FLOPs per result element (per operand element for a reduction), or a function
     # of the shapes (ins, outs) -> FLOPs for the ops whose count depends on more than one shape.
     flops: int | Callable[..., Any] = 1
@@ -92,6 +101,18 @@ class OpSpec:
         if not self.pattern:
             object.__setattr__(self, "pattern", PATTERN_OF_CATEGORY[self.category])
         assert self.pattern in PATTERNS, self.pattern
+
+    def gemm_dims(self, ins: Sequence[TensorInfo], outs: Sequence[TensorInfo]) -> tuple[Any, Any, Any]:
+        """(m, n, k) of the GEMM this anchor makes at these shapes (`gemm`)."""
+        if self.gemm is None:
+            raise ValueError(f"tg.{self.name} makes no GEMM")
+        return self.gemm(ins, outs)
+
+    @property
+    def pointwise(self) -> bool:
+        """result[i] from operands[i] alone (elementwise ops and gelu): an expression any loop
+        over the result can compute where it needs it."""
+        return self.pattern == ELEMWISE
 
     @property
     def variadic(self) -> bool:
@@ -669,14 +690,40 @@ def _render_matmul(operands, attrs, out_shape, dtype):
     return f"{expr}.astype({dtype})" if dtype.startswith("ml_dtypes.") else expr
 
 
+def _gemm_of_matmul(ins, outs):
+    import sympy
+
+    out = outs[0]
+    n = sympy.sympify(out.shape[-1]) if ins[1].rank > 1 else sympy.Integer(1)
+    return sympy.sympify(numel(out.shape)) / n, n, sympy.sympify(ins[0].shape[-1])
+
+
+def _gemm_of_conv(ins, outs):
+    """im2col's GEMM: a row per output pixel (and batch), a column per filter, k = C/groups x window."""
+    import sympy
+
+    n = sympy.sympify(ins[1].shape[0])
+    return sympy.sympify(numel(outs[0].shape)) / n, n, sympy.sympify(numel(ins[1].shape[1:]))
+
+
+def _gemm_of_attention(ins, outs):
+    """QK^T's GEMM: a row per query (and batch, head), a column per key, k = head dim."""
+    import sympy
+
+    q, k = ins[0], ins[1]
+    return sympy.sympify(numel(outs[0].shape)) / sympy.sympify(q.shape[-1]), sympy.sympify(k.shape[-2]), \
+        sympy.sympify(q.shape[-1])
+
+
 _op("matmul", ["lhs", "rhs"], _matmul, _render_matmul, "contraction",
     doc="NumPy matmul: batched, broadcasting, 1-D operands promoted and squeezed", flops=_matmul_flops,
-    loops=loops.matmul)
+    loops=loops.matmul, gemm=_gemm_of_matmul)
 _op("einsum", ["*inputs"], _einsum, "np.einsum({equation}, *{inputs})", "contraction", {"equation": ("str", REQUIRED)},
     flops=_einsum_flops)
 _op("conv", ["x", "w", "bias?"], _conv, "K.conv({x}, {w}, {bias}, {strides}, {pads}, {dilations}, {groups})",
     "contraction", {"strides": ("ints", ()), "pads": ("ints", ()), "dilations": ("ints", ()), "groups": ("int", 1)},
-    doc="N-d convolution (conv2d when x is NCHW); pads are all begins, then all ends", flops=_conv_flops)
+    doc="N-d convolution (conv2d when x is NCHW); pads are all begins, then all ends", flops=_conv_flops,
+    gemm=_gemm_of_conv)
 _POOL = {"kernel": ("ints", REQUIRED), "strides": ("ints", ()), "pads": ("ints", ()), "dilations": ("ints", ()),
          "ceil_mode": ("bool", False)}
 _op("max_pool", ["x"], _pool("max_pool"),
@@ -687,16 +734,18 @@ _op("avg_pool", ["x"], _pool("avg_pool"),
 
 # K.softmax: max, subtract, exp, sum, divide.
 _op("softmax", ["x"], _softmax, "K.softmax({x}, {axis})", "composite", {"axis": ("int", -1)},
-    flops=SOFTMAX_FLOPS, cpu_passes=(("sum", 2), ("add", 1), ("exp", 1), ("div", 1)), loops=loops.normalized(False))
+    flops=SOFTMAX_FLOPS, cpu_passes=(("sum", 2), ("add", 1), ("exp", 1), ("div", 1)), loops=loops.normalized(False),
+    row_normalizing=True)
 # K.layer_norm: mean, subtract, square, mean, add eps + sqrt + divide, scale, shift.
 _op("layer_norm", ["x", "scale?", "bias?"], _layer_norm, "K.layer_norm({x}, {scale}, {bias}, {axis}, {epsilon})",
     "composite", {"axis": ("int", -1), "epsilon": ("float", 1e-5)}, doc="normalizes over dims axis.. of x",
-    flops=8, cpu_passes=(("sum", 2), ("add", 2), ("mul", 2), ("sqrt", 1), ("div", 1)), loops=loops.normalized(True))
+    flops=8, cpu_passes=(("sum", 2), ("add", 2), ("mul", 2), ("sqrt", 1), ("div", 1)), loops=loops.normalized(True),
+    row_normalizing=True)
 # A GEMM-like anchor to fusion (its epilogue fuses on); composite to decompose.
 _op("attention", ["q", "k", "v", "mask?"], _attention, "K.attention({q}, {k}, {v}, {mask}, {scale}, {causal})",
     "composite", {"scale": ("float", REQUIRED), "causal": ("bool", False)},
     doc="softmax(q @ k^T * scale + mask) @ v; an i1 mask keeps where true, a float mask is added",
-    pattern=ANCHOR, flops=_attention_flops, loops=loops.attention)
+    pattern=ANCHOR, flops=_attention_flops, loops=loops.attention, gemm=_gemm_of_attention)
 
 _op("reshape", ["x"], _given("reshape", _check_reshape), "np.reshape({x}, {out_shape})", "layout", result_given=True,
     view=True, loops=loops.reshape)
@@ -711,9 +760,10 @@ _op("slice", ["x"], _slice, _render_slice, "layout",
     {"starts": ("ints", REQUIRED), "ends": ("ints", REQUIRED), "steps": ("ints", REQUIRED)},
     doc="Python slicing per dim: start, end (clamped), step", view=True)
 _op("gather", ["x", "indices"], _gather, "np.take({x}, {indices}, axis={axis})", "layout", {"axis": ("int", 0)},
-    doc="np.take: embedding lookup is gather on axis 0; negative indices count from the end", loops=loops.gather)
+    doc="np.take: embedding lookup is gather on axis 0; negative indices count from the end", loops=loops.gather,
+    indexed=True)
 _op("gather_elements", ["x", "indices"], _gather_elements, "K.gather_elements({x}, {indices}, {axis})", "layout",
-    {"axis": ("int", 0)})
+    {"axis": ("int", 0)}, indexed=True)
 _op("pad", ["x"], _pad, "K.pad({x}, {pads}, {mode}, {value})", "layout",
     {"pads": ("ints", REQUIRED), "mode": ("str", "constant"), "value": ("float", 0.0)})
 _op("tile", ["x"], _tile, "np.tile({x}, {repeats})", "layout", {"repeats": ("ints", REQUIRED)})
@@ -1294,3 +1344,7 @@ def render(spec: OpSpec, operands: Sequence[str | None], attrs: dict[str, Any], 
     if callable(spec.numpy):
         return spec.numpy(env, attrs, out_shape=out_shape, dtype=dtype)
     return spec.numpy.format(**env, **lits, out_shape=out_shape, dtype=dtype)
+
+# Ops that convert between number formats (quantize, dequantize, dynamic_quantize, matmul_integer):
+# priced and grouped apart from float arithmetic.
+QUANTIZATION_OPS = frozenset(name for name, spec in OPS.items() if spec.category == "quantize")

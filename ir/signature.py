@@ -86,21 +86,21 @@ def index_checks(model) -> tuple[IndexCheck, ...]:
     args = list(model.func.args)
     checks = []
     for op in model.func.walk():
-        if not (isinstance(op, TgOp) and op.op_name == "gather"):
+        if not (isinstance(op, TgOp) and op.SPEC.indexed):
             continue
         v = op.operands[1]
         while True:
             if isinstance(v, BlockArgument) and isinstance(v.owner.parent_op(), FusionOp):
                 v = v.owner.parent_op().operands[v.index]
             elif isinstance(v.owner, TgOp) and (v.owner.op_name == "cast" or v.owner.SPEC.category == "layout"
-                                                and v.owner.op_name not in ("gather", "gather_elements")):
+                                                and not v.owner.SPEC.indexed):
                 v = v.owner.operands[0]
             else:
                 break
         table = info_of(op.operands[0].type)
         axis = op.attr("axis") % max(table.rank, 1)
         if v in args and table.rank and isinstance(table.shape[axis], int):
-            checks.append(IndexCheck(args.index(v), f"tg.gather (axis {axis} of {table})", table.shape[axis]))
+            checks.append(IndexCheck(args.index(v), f"tg.{op.op_name} (axis {axis} of {table})", table.shape[axis]))
     return tuple(checks)
 
 

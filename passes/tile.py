@@ -278,14 +278,12 @@ def _gpu_tile(group: FusionOp, hw) -> dict[str, int]:
     anchors = [op for op in group.ops if op.op_name in ("matmul", "conv")]
     ref = widest(group)
     if not anchors:
-        n = int(at_nominal(ref.shape[-1])) if ref.rank else 1
-        block = 1 << max(4, (n - 1).bit_length())
+        width = int(at_nominal(ref.shape[-1])) if ref.rank else 1
+        block = 1 << max(4, (width - 1).bit_length())
         return {"block": block, "num_warps": 4 if block <= 2048 else 8}
     op = anchors[0]
     out = info_of(op.results[0].type)
-    m = at_nominal(sympy.sympify(math.prod(out.shape[:-1]))) if out.rank > 1 else 1
-    n = at_nominal(out.shape[-1]) if out.rank else 1   # type: ignore[assignment]  # a vector . vector matmul is a scalar
-    k = at_nominal(info_of(op.operands[0].type).shape[-1])
+    m, n, k = (at_nominal(d) for d in op.SPEC.gemm_dims([info_of(v.type) for v in op.operands], [out]))
     size = dtypes.numpy_dtype(out.dtype).itemsize
     priced = []
     for bm, bn, bk, warps, stages in GPU_BLOCKS:

@@ -57,7 +57,9 @@ def _transformers_logits(path, ids):
     """transformers' float64 forward of the whole sequence (no cache): logits of every position."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name).double().eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(  # dense, on the dequantized weights
+        str(path.parent), gguf_file=path.name, dtype=torch.float64,
+        quantization_config=transformers.GgufConfig(dequantize=True)).eval()
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].numpy()
 
@@ -67,13 +69,33 @@ def test_prefill_and_decode_logits_match_transformers_in_float64(tiny):
     lm = LanguageModel(path, target="numpy", cache_len=32)
     prompt = [5, 70, 71, 100, 3, 250, 9]
     steps = []
+    caches = list(lm.caches(1))
     made = [t for _, t in lm.generate_ids([prompt], 6, Sampling(), stop=False,
                                           on_logits=lambda i, logits: steps.append(logits[0].copy()))]
+    # the same preallocated buffers, written in place: 7 prompt + 5 decoded positions, the rest untouched
+    assert all(a is b for a, b in zip(lm.caches(1), caches))
+    assert all(c[:, :, :12].any() and not c[:, :, 12:].any() for c in caches)
     want = _transformers_logits(path, prompt + made)
     for i, got in enumerate(steps):
         # step i's logits come from position len(prompt) - 1 + i (prefill, then decode over the cache)
         assert_close(got, want[len(prompt) - 1 + i], "f32", 256, name=f"step {i}")
         assert made[i] == int(np.argmax(want[len(prompt) - 1 + i]))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_files_match_transformers_in_float64(tmp_path, arch):
+    """qwen2 (Q/K/V biases) and qwen3 (a norm on each Q/K head): GGUF keeps their rotary halves as
+    transformers has them, where llama's are interleaved."""
+    path = tmp_path / f"{arch}.gguf"
+    write_tiny_llama(path, arch=arch, layers=1)
+    lm = LanguageModel(path, target="numpy", cache_len=16)
+    assert (lm.config.qkv_bias, lm.config.qk_norm) == (arch == "qwen2", arch == "qwen3")
+    prompt, steps = [5, 70, 71, 100], []
+    made = [t for _, t in lm.generate_ids([prompt], 3, Sampling(), stop=False,
+                                          on_logits=lambda i, logits: steps.append(logits[0].copy()))]
+    want = _transformers_logits(path, prompt + made)
+    for i, got in enumerate(steps):
+        assert_close(got, want[len(prompt) - 1 + i], "f32", 256, name=f"{arch} step {i}")
 
 
 def test_prompts_decoded_together_give_what_each_gives_alone(tiny):
@@ -204,3 +226,27 @@ def test_a_hostile_template_in_a_file_exits_2(tmp_path, capsys):
     assert main(["chat", str(path), "-p", "hi", "--target", "numpy"]) == 2
     err = capsys.readouterr().err
     assert "sandbox" in err and "Traceback" not in err
+
+
+def test_cost_decode_prices_the_bytes_a_token_reads(tiny, capsys):
+    path, _ = tiny
+    assert main(["cost", str(path), "--decode", "--depth", "7"]) == 0
+    out = capsys.readouterr().out
+    f = GGUFFile(path)
+    # every weight once (the untied embedding: one row), the cache's K and V for 8 positions
+    weights = sum(t.nbytes for n, t in f.tensors.items() if n != "token_embd.weight") + \
+        f.tensors["token_embd.weight"].raw.shape[1]
+    cache = 2 * 2 * 2 * 8 * 64 * 4
+    line = next(s for s in out.splitlines() if s.startswith("bytes read per step"))
+    from tilegraph.cli.common import format_count
+    assert format_count(weights) in line and format_count(cache) in line, line
+    assert "tokens/s" in out and "% of the bound" in out
+
+
+def test_generate_command_streams_several_prompts_and_prints_tokens_per_second(tiny, capsys):
+    path, _ = tiny
+    assert main(["generate", str(path), "-p", "the", "-p", "in a", "-n", "3", "--threads", "1",
+                 "--target", "numpy", "--cache-len", "16", "--temperature", "0.5", "--seed", "3"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("[0] the") and "\n[1] in a" in captured.out
+    assert "prompt: " in captured.err and "tokens/s" in captured.err and "generation: 6 tokens" in captured.err

@@ -25,7 +25,9 @@ from tilegraph.ir.model import WeightStore
 from tilegraph.ir.quant import FORMATS, MX_BLOCK, dequantize, absmax_scale, matmul_integer, mx_scale, quantize
 from tilegraph.testing import op_examples
 
-QUANT_OPS = ("quantize", "dequantize", "dynamic_quantize", "matmul_integer")
+from tilegraph.ir.ops import QUANTIZATION_OPS
+
+QUANT_OPS = sorted(QUANTIZATION_OPS)
 PROPERTY = settings(max_examples=60, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 

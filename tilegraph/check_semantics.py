@@ -57,13 +57,13 @@ def _index_bound(model) -> dict[int, int]:
                 op = use.operation
                 if not isinstance(op, TgOp):
                     continue
-                if op.op_name in ("gather", "embedding", "gather_elements") and use.index == 1:
+                if op.SPEC.indexed and use.index == 1:
                     table = info_of(op.operands[0].type).shape
                     axis = op.attr("axis") if "axis" in op.spec.attrs else 0
                     dim = table[axis % len(table)] if table else None
                     if isinstance(dim, int):
                         bound = dim if bound is None else min(bound, dim)
-                elif op.SPEC.category in ("layout",) or op.op_name in ("cast", "identity"):
+                elif op.SPEC.category == "layout" or op.op_name == "cast":
                     todo.extend(op.results)
         if bound is not None:
             bounds[i] = bound

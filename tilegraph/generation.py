@@ -21,7 +21,7 @@ on each step's logits [B, vocab].
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -118,7 +118,7 @@ class LanguageModel:
         f = GGUFFile(self.path)
         self.config = LlamaConfig.of(f)
         self.tokenizer = GGUFTokenizer(f)
-        self.weights = load_weights(f, self.config)
+        self.weights, self.formats = load_weights(f, self.config)
         self.cache_len = min(cache_len or DEFAULT_CACHE_LEN, self.config.context)
         self.target, self.threads, self.pipeline = target, threads, pipeline
         # 'f32': block-format matmuls multiply the float activations (exact, as transformers on the
@@ -143,8 +143,8 @@ class LanguageModel:
             import tilegraph
             from tilegraph.frontends.gguf.llama import build
 
-            model = build(self.config, self.weights, batch, "T" if kind == "prefill" else 1, self.cache_len,
-                          self.activation)
+            model = build(self.config, self.weights, self.formats, batch, "T" if kind == "prefill" else 1,
+                          self.cache_len, self.activation)
             options = {"threads": self.threads} if self.threads and self._target() == "c" else {}
             self._compiled[key] = tilegraph.compile(model, target=self._target(), pipeline=self.pipeline, **options)
         return self._compiled[key]
@@ -168,7 +168,14 @@ class LanguageModel:
         """One call: logits [B, vocab]; the caches are updated (in place where the backend writes in place)."""
         batch = tokens.shape[0]
         caches = self.caches(batch)
-        outs = self.entry(batch, kind).run(tokens, pos, last, *caches)
+        entry = self.entry(batch, kind)
+        if self.threads and self._target() == "numpy":  # the C backend takes threads= at compile
+            from threadpoolctl import threadpool_limits
+
+            with threadpool_limits(limits=self.threads):
+                outs = entry.run(tokens, pos, last, *caches)
+        else:
+            outs = entry.run(tokens, pos, last, *caches)
         for i, new in enumerate(outs[1:]):
             if new is not caches[i]:  # a backend that returned a copy: keep its result
                 caches[i] = new
@@ -182,28 +189,28 @@ class LanguageModel:
         """Yields (sequence, token id) as tokens are made; prompts are lists of token ids.
         `on_logits(step, logits)` sees every step's logits [B, vocab] (tests compare them)."""
         sampling.check()
-        prompts = [list(p) for p in prompts]
-        if not prompts or any(not p for p in prompts):
+        rows = [list(p) for p in prompts]
+        if not rows or any(not p for p in rows):
             raise TilegraphError("generate needs at least one prompt, each of at least one token")
-        batch, lengths = len(prompts), [len(p) for p in prompts]
+        batch, lengths = len(rows), [len(p) for p in rows]
         if max(lengths) + max_new_tokens > self.cache_len:
             raise TilegraphError(f"a prompt of {max(lengths)} tokens plus {max_new_tokens} new ones needs "
                                  f"{max(lengths) + max_new_tokens} cache positions; this model has {self.cache_len} "
                                  "(cache_len=)")
         vocab = self.config.vocab
-        if any(not 0 <= t < vocab for p in prompts for t in p):
+        if any(not 0 <= t < vocab for p in rows for t in p):
             raise TilegraphError(f"a prompt token id is outside the vocabulary of {vocab}")
         rng = np.random.default_rng(sampling.seed)
         steps = max(lengths)
         pad = self.tokenizer.eos_id if self.tokenizer.eos_id is not None else 0
-        tokens = np.array([p + [pad] * (steps - len(p)) for p in prompts], np.int64)
+        tokens = np.array([p + [pad] * (steps - len(p)) for p in rows], np.int64)
         pos = np.zeros(batch, np.int64)
         last = np.array([b * steps + n - 1 for b, n in enumerate(lengths)], np.int64)
         start = time.perf_counter()
         logits = self.forward(tokens, pos, last, "prefill")
         self.stats.prompt_tokens += sum(lengths)
         self.stats.prompt_seconds += time.perf_counter() - start
-        seen = [list(p) for p in prompts]
+        seen = [list(p) for p in rows]
         done = [False] * batch
         pos = np.array(lengths, np.int64)
         for step in range(max_new_tokens):

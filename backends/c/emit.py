@@ -240,14 +240,14 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
     def compute(self, op: TgOp, xs: list[View]) -> list[View]:
         name = op.op_name
         self._check_dtypes(op, xs)
-        if op.SPEC.category == "elementwise" or name == "gelu":
+        if op.SPEC.pointwise:
             out = self._temp(op.result_infos()[0], like=xs[0])
             self.elementwise([op], {r: None for r in op.results}, dict(zip(op.operands, xs)), [(op.results[0], out)],
                              op)
             return [out]
         if name == "matmul":
             return [self.matmul(op, xs[0], xs[1], [], {})[0]]
-        if name in ("softmax", "layer_norm"):
+        if op.SPEC.row_normalizing:
             return [self.row_op(op, xs)]
         if name in ("reduce_sum", "reduce_mean", "reduce_max", "reduce_min"):
             return [self.reduce(op, xs[0])]

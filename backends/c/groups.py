@@ -83,7 +83,7 @@ class Groups(EmitterParts):
                 continue
             if self._made_outside(op, env, computed):
                 continue
-            if not (op.SPEC.category == "elementwise" or op.op_name == "gelu"):
+            if not op.SPEC.pointwise:
                 return False
             self._check_dtypes(op, [env[v] for v in op.operands if v in env])
             for v in op.operands:
@@ -138,13 +138,13 @@ class Groups(EmitterParts):
         """Elementwise ops then softmax or layer_norm over the last axis: the prologue
         as one loop into the result buffer, then the row op in place."""
         last = ops[-1]
-        if last.op_name not in ("softmax", "layer_norm") or len(yields) != 1 or yields[0] is not last.results[0]:
+        if not last.SPEC.row_normalizing or len(yields) != 1 or yields[0] is not last.results[0]:
             return False
         pro = ops[:-1]
         x = last.operands[0]
         first = len(self.steps)
         if pro:
-            if any(not (o.SPEC.category == "elementwise" or o.op_name == "gelu") for o in pro) or \
+            if any(not o.SPEC.pointwise for o in pro) or \
                     pro[-1].results[0] is not x:
                 return False
             inner = {o.results[0] for o in pro}
@@ -201,7 +201,7 @@ class Groups(EmitterParts):
                 if [a % len(full) for a in op.attr("axes")] != [len(full) - 1] or not op.attr("keepdims") or \
                         info_of(src.type).dtype not in FLOATS or not _eq(info_of(src.type).shape[-1], width):
                     return False
-            elif not (op.SPEC.category == "elementwise" or op.op_name == "gelu"):
+            elif not op.SPEC.pointwise:
                 return False
             self._check_dtypes(op, [env[v] for v in op.operands if v in env])
             for v in op.operands:

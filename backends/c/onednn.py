@@ -116,7 +116,7 @@ class OneDNN(EmitterParts):
         rest = chain[covered:]
         if rest:
             last = rest[-1]
-            if last.op_name in ("softmax", "layer_norm") and all(o.SPEC.category == "elementwise" for o in rest[:-1]) \
+            if last.SPEC.row_normalizing and all(o.SPEC.pointwise for o in rest[:-1]) \
                     and self._row_prologue(rest, env, group, yields):
                 pass
             elif not self._elementwise_rest(group, rest, env, yields, into=None if acc in yields else result):

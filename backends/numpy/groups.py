@@ -267,7 +267,7 @@ class GroupEmitter:
         out = op.result_infos()[0]
         attrs = self.attrs(op)
         if self.flat:  # values are [rows, last]: a last-axis reduction is over axis -1
-            if "axis" in attrs and op.op_name in ("softmax", "layer_norm"):
+            if "axis" in attrs and op.SPEC.row_normalizing:
                 attrs["axis"] = -1
             if "axes" in attrs:
                 attrs["axes"] = (-1,)

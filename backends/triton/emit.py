@@ -39,13 +39,13 @@ from tilegraph.ir.dialect import FusionOp, TgOp, YieldOp, make_op
 from tilegraph.ir.dtypes import PACKED_4BIT
 from tilegraph.ir.interpreter import SHAPE_FUNCTIONS, dtype_code
 from tilegraph.ir.model import Model, ModelError
-from tilegraph.ir.ops import render, size_definitions
+from tilegraph.ir.ops import QUANTIZATION_OPS, render, size_definitions
 from tilegraph.ir.shapes import Dim, TensorInfo, info_of, numel, tensor_type
 from tilegraph.backends.program import (PYTHON_RESERVED, Namer, array_literal, flatten, liveness, literal, py_comment,
                               signature_rows, str_literal, tuple_lines)
 from tilegraph.backends.triton.lowering import DECOMPOSED, TORCH_LAYOUT
 from tilegraph.backends.triton.group_kernels import AXIS_OPS, INDENT, TORCH_TYPES, KernelCode, KernelWriter, Unsupported
-from tilegraph.backends.triton.quant import QUANT_OPS, QuantKernelWriter, group_quantized
+from tilegraph.backends.triton.quant import QuantKernelWriter, group_quantized
 
 # What a symbolic dim is taken to be for an ahead-of-time build (passes/cost/model.py prices
 # symbolic dims at the same size).
@@ -282,7 +282,7 @@ class _Emitter:
         constants = [op for op in ops if op.op_name == "constant" and np.asarray(op.attr("value")).size != 1]
         if constants:
             raise Unsupported("a constant array inside a group")
-        writer = QuantKernelWriter if any(op.op_name in QUANT_OPS for op in ops) else KernelWriter
+        writer = QuantKernelWriter if any(op.op_name in QUANTIZATION_OPS for op in ops) else KernelWriter
         code = writer(f"{name}_kernel", kind, ops, inputs, outputs, tile, self.dim, self.shared_memory).write()
         # A kernel the module has already (the same layer again) is launched, not written twice:
         # fewer kernels for Triton to compile when the model first runs.

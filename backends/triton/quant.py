@@ -56,6 +56,7 @@ from xdsl.ir import Block, Operation, SSAValue
 from xdsl.rewriter import Rewriter
 
 from tilegraph.ir import dtypes
+from tilegraph.ir.ops import OPS, QUANTIZATION_OPS
 from tilegraph.ir.dialect import FusionOp, TgOp, YieldOp
 from tilegraph.ir.fusion import ANCHORS, GroupKind
 from tilegraph.ir.quant import FORMATS, MIN_SCALE, MX_BLOCK
@@ -63,7 +64,6 @@ from tilegraph.ir.shapes import TensorInfo, dims_equal, info_of, numel
 from tilegraph.backends.triton.group_kernels import (AXIS_OPS, GEMM_TILE, GROUP_M, INDENT, POINTER_TYPES, ROW_TILE_ELEMENTS,
                                      TL_TYPES, TORCH_TYPES, KernelCode, KernelWriter, Unsupported, Value, compute_type)
 
-QUANT_OPS = ("dynamic_quantize", "quantize", "dequantize", "matmul_integer")
 # Element types only these kernels read or write (Triton's names for them); E8M0 scales and
 # 4-bit values travel as their bytes (uint8).
 FP8_TYPES = {"f8E4M3FN": "tl.float8e4nv", "f8E5M2": "tl.float8e5"}
@@ -163,7 +163,7 @@ def _group_float(group: Operation, rewriter: Rewriter) -> None:
 
 # Ops that need a program to hold whole rows (group_kernels.py's row reductions and scans, and the
 # composites made of them, not yet spelled out when quantized GEMMs are grouped).
-WHOLE_ROW_OPS = AXIS_OPS | {"softmax", "layer_norm"}
+WHOLE_ROW_OPS = AXIS_OPS | {name for name, spec in OPS.items() if spec.row_normalizing}
 
 
 def _unwrap(group: FusionOp, rewriter: Rewriter) -> list[TgOp]:
@@ -325,7 +325,7 @@ class QuantKernelWriter(KernelWriter):
 
     def _op(self, op: TgOp) -> Value:
         if op.op_name != "dequantize":
-            if op.op_name in QUANT_OPS:
+            if op.op_name in QUANTIZATION_OPS:
                 raise Unsupported(f"tg.{op.op_name} in a GEMM's epilogue")
             return super()._op(op)
         x, scale, *zp = (self.value(v) for v in op.operands)
@@ -651,4 +651,4 @@ def _f32(x: float) -> str:
     return repr(float(x))
 
 
-__all__ = ["group_quantized", "QuantKernelWriter", "QUANT_OPS"]
+__all__ = ["group_quantized", "QuantKernelWriter"]

@@ -18,5 +18,5 @@ def from_gguf(path: str | Path, batch: int = 1, steps="T", cache_len: int | None
 
     f = GGUFFile(path)
     config = LlamaConfig.of(f)
-    weights = load_weights(f, config)
-    return build(config, weights, batch, steps, cache_len or config.context)
+    weights, formats = load_weights(f, config)
+    return build(config, weights, formats, batch, steps, cache_len or config.context)

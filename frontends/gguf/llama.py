@@ -77,9 +77,10 @@ class LlamaConfig:
         return config
 
 
-def load_weights(f: GGUFFile, c: LlamaConfig) -> WeightStore:
+def load_weights(f: GGUFFile, c: LlamaConfig) -> tuple[WeightStore, dict[str, str]]:
     """The weight store: block-format rows as views of the file's map (Q/K of `llama` rows reordered),
-    norms and biases as f32, the rotary tables for the model's context length."""
+    norms and biases as f32, the rotary tables for the model's context length; and the block format
+    of each block-format weight."""
     w = WeightStore()
     q_dim, kv_dim = c.heads * c.head_dim, c.kv_heads * c.head_dim
 
@@ -122,16 +123,16 @@ def load_weights(f: GGUFFile, c: LlamaConfig) -> WeightStore:
     angles = np.arange(c.context, dtype=np.float64)[:, None] * inv[None, :]
     w["rope.cos"] = np.cos(angles).astype(np.float32)
     w["rope.sin"] = np.sin(angles).astype(np.float32)
-    w.formats = formats  # type: ignore[attr-defined]
-    return w
+    return w, formats
 
 
-def build(c: LlamaConfig, weights: WeightStore, batch: int, steps, cache_len: int, activation: str = "f32") -> Model:
+def build(c: LlamaConfig, weights: WeightStore, formats: dict[str, str], batch: int, steps, cache_len: int,
+          activation: str = "f32") -> Model:
     """The model for `batch` sequences of `steps` new tokens (an int, or a symbol name for prefill)
-    over caches of `cache_len` positions. activation='q8': every block-format matmul first rounds
-    its input to int8 per 32 values (tg.block_matmul's activation, ggml's numerics), what the C
-    backend's integer kernels take; 'f32' multiplies the float activations as they are."""
-    formats = weights.formats  # type: ignore[attr-defined]
+    over caches of `cache_len` positions; `formats`: load_weights' block format of each weight.
+    activation='q8': every block-format matmul first rounds its input to int8 per 32 values
+    (tg.block_matmul's activation, ggml's numerics), what the C backend's integer kernels take;
+    'f32' multiplies the float activations as they are."""
     g = Graph(weights)
     B, T, S, D = batch, steps, cache_len, c.head_dim
     tokens = g.input("tokens", (B, T), "i64")
@@ -161,10 +162,10 @@ def build(c: LlamaConfig, weights: WeightStore, batch: int, steps, cache_len: in
     for i, (kc, vc) in enumerate(caches):
         p = f"blk.{i}."
         a = g.op("rms_norm", h, weight(p + "attn_norm.weight"), epsilon=c.eps)
-        bias = (lambda n: p + f"attn_{n}.bias") if c.qkv_bias else (lambda n: None)
-        q = heads(linear(a, p + "attn_q.weight", c.hidden, bias("q")), c.heads)
-        k = heads(linear(a, p + "attn_k.weight", c.hidden, bias("k")), c.kv_heads)
-        v = heads(linear(a, p + "attn_v.weight", c.hidden, bias("v")), c.kv_heads)
+        bias = {n: p + f"attn_{n}.bias" if c.qkv_bias else None for n in "qkv"}
+        q = heads(linear(a, p + "attn_q.weight", c.hidden, bias["q"]), c.heads)
+        k = heads(linear(a, p + "attn_k.weight", c.hidden, bias["k"]), c.kv_heads)
+        v = heads(linear(a, p + "attn_v.weight", c.hidden, bias["v"]), c.kv_heads)
         if c.qk_norm:
             q = g.op("rms_norm", q, weight(p + "attn_q_norm.weight"), epsilon=c.eps)
             k = g.op("rms_norm", k, weight(p + "attn_k_norm.weight"), epsilon=c.eps)

@@ -199,6 +199,31 @@ def _has_mutation(ep) -> bool:
                for n in ep.graph.nodes if n.op == "call_function")
 
 
+def _cache_buffers(ep) -> set[str]:
+    """The buffers whose only update is a cache write: cache.index_copy(2, positions, x) or
+    cache[:, :, positions] = x on a rank-4 buffer."""
+    placeholders = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+    buffer_of = {s.arg.name: s.target for s in ep.graph_signature.input_specs if hasattr(s.arg, "name")}
+    nodes = {n.name: n for n in ep.graph.nodes}
+    out = set()
+    for node_name, target in ep.graph_signature.buffers_to_mutate.items():
+        node = nodes.get(node_name)
+        if node is None or node.op != "call_function" or not node.args:
+            continue
+        base = node.args[0]
+        if not (isinstance(base, torch.fx.Node) and base.name in placeholders and buffer_of.get(base.name) == target
+                and len(getattr(base.meta.get("val"), "shape", ())) == 4):
+            continue
+        key = _key(node.target)
+        if key == "aten.index_copy.default" and node.args[1] in (2, -2):
+            out.add(target)
+        elif key.startswith(("aten.index_put", "aten._unsafe_index_put")) and len(node.args) > 1:
+            index = list(node.args[1])
+            if len(index) == 3 and index[0] is None and index[1] is None:
+                out.add(target)
+    return out
+
+
 def _first_lines(e: Exception, n: int = 8) -> str:
     text = f"{type(e).__name__}: {e}".strip().splitlines()
     return "\n".join(text[:n]) + ("\n  ..." if len(text) > n else "")
@@ -233,6 +258,12 @@ class _Importer:
         # Sizes read off tensors at run time (`k.item()`): tg symbol name -> the 0-d i64 tensor
         # holding it; an op using it as a size (topk's k, a slice end) defines it with tg.narrow.
         self.run_time_values: dict[str, Tensor] = {}
+        # Buffers the program writes as a KV cache (index_copy / index_put along dim 2 of a
+        # rank-4 buffer): donated inputs of the model, each updated in place and returned as the
+        # output aliasing it. Other buffer writes (batch norm's running statistics) are dropped:
+        # inference keeps the weights fixed. input name -> its Tensor.
+        self.donated_targets = _cache_buffers(self.ep)
+        self.donated: dict[str, Tensor] = {}
 
     # symbolic dims ----------------------------------------------------------
 
@@ -417,6 +448,9 @@ class _Importer:
             if not isinstance(val, torch.Tensor):
                 raise FrontendError(f"input '{node.name}' is a {type(val).__name__}; only tensor inputs are supported")
             self.env[node] = self.g.input(node.name, self.meta_shape(node), self.meta_dtype(node))
+        elif spec.kind == InputKind.BUFFER and spec.target in self.donated_targets:
+            name = _identifier(spec.target)
+            self.env[node] = self.donated[name] = self.g.input(name, self.meta_shape(node), self.meta_dtype(node))
         elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             source = self.ep.state_dict if spec.target in self.ep.state_dict else self.ep.constants
             if spec.target not in source:
@@ -477,17 +511,26 @@ class _Importer:
     def finish(self, outputs) -> Model:
         from torch.export.graph_signature import OutputKind
 
-        results = []
+        results, names, aliases = [], [], {}
+        updates = []
         for i, (spec, node) in enumerate(zip(self.ep.graph_signature.output_specs, outputs)):
+            if spec.kind == OutputKind.BUFFER_MUTATION and _identifier(spec.target) in self.donated:
+                updates.append((_identifier(spec.target), self.value(node)))
+                continue
             if spec.kind != OutputKind.USER_OUTPUT:
-                continue  # buffer updates: inference keeps the weights fixed
+                continue  # other buffer updates: inference keeps the weights fixed
             v = self.value(node) if isinstance(node, torch.fx.Node) else node
             if not isinstance(v, Tensor):
                 raise FrontendError(f"model output {i} is {v!r}, not a tensor")
             results.append(v)
+            names.append(f"output{len(names)}")
         if not results:
             raise FrontendError("the exported program has no tensor outputs")
-        return self.g.build(*results)
+        for name, v in updates:  # the new buffer, as the output that is the donated input's buffer
+            results.append(v)
+            names.append(name + ".out")
+            aliases[name] = name + ".out"
+        return self.g.build(*results, names=names, aliases=aliases)
 
 
 def _same_dim(a: Dim, b: Dim) -> bool:

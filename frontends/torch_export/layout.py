@@ -12,7 +12,7 @@ import torch
 from tilegraph.frontends import FrontendError
 from tilegraph.ir import dtypes
 from tilegraph.ir.builder import Tensor
-from tilegraph.ir.shapes import Dim, TensorInfo, broadcast_shapes, normalize_dim, numel
+from tilegraph.ir.shapes import Dim, ShapeError, TensorInfo, broadcast_shapes, normalize_dim, numel
 from tilegraph.frontends.torch_export.importer import BIG, TO_END, _same_dim
 from tilegraph.frontends.torch_export.registry import _axes, _axis, converts
 from tilegraph.frontends.torch_export.run_time import _masked_rows, _run_time_size
@@ -199,14 +199,46 @@ def _index(cv, node, a):
     return cv.g.gather(flat, flat_index, axis=first)
 
 
+def _cache_write(cv, x, values, index):
+    """cache[:, :, index] = values on a buffer the program writes (a static KV cache
+    [B, H, S, D], `index` its cache_position [T]): tg.cache_write in place at index[0], which
+    takes the T positions to be consecutive, as a generation step's cache_position is. None
+    where the write is not of that form (it is then an ordinary functional scatter)."""
+    donated = getattr(cv, "donated", {})
+    if not any(x.value is t.value for t in donated.values()) or x.rank != 4 or index.rank != 1 or values.rank > 4:
+        return None
+    rows = x.shape[:2] + (index.shape[0],) + x.shape[3:]
+    try:
+        if broadcast_shapes(values.shape, rows) != rows:
+            return None
+    except ShapeError:
+        return None
+    start = cv.g.reshape(cv.g.slice(cv.g.cast(index, "i64"), [0], [1]), ())
+    return cv.g.op("cache_write", x, cv.g.broadcast(cv.g.cast(values, x.dtype), rows), start)
+
+
+@converts("index_copy.default")
+def _index_copy(cv, node, a):
+    """x.index_copy(dim, index, source): transformers' StaticCache writes its keys and values so."""
+    written = _cache_write(cv, a.self, a.source, a.index) if _axis(a.dim, a.self.rank) == 2 else None
+    if written is None:
+        raise FrontendError("index_copy is supported on a static KV cache buffer along dim 2 only")
+    return written
+
+
 @converts("index_put.default", "_unsafe_index_put.default", "index_put.hacked_twin",
           "_unsafe_index_put.hacked_twin")
 def _index_put(cv, node, a):
-    """x[i, j] = v (or += with accumulate): a scatter_nd; x[bool_mask] = one value: a where."""
+    """x[i, j] = v (or += with accumulate): a scatter_nd; x[bool_mask] = one value: a where;
+    cache[:, :, positions] = v on a static KV cache: an in-place tg.cache_write."""
     x, values = a.self, cv.g.cast(a["values"], a.self.dtype)
     indices = list(a.indices)
     while indices and indices[-1] is None:
         indices.pop()
+    if len(indices) == 3 and indices[0] is None and indices[1] is None and not a.accumulate:
+        written = _cache_write(cv, x, values, indices[2])
+        if written is not None:
+            return written
     if not indices or any(t is None for t in indices):
         raise FrontendError("index assignment needs index tensors on the leading dims (x[i, j] = v)")
     if indices[0].dtype == "i1":

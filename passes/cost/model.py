@@ -80,7 +80,7 @@ from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.fusion import ANCHORS, VIEW_OPS, flat_ok, row_gemm, siblings, widest
 from tilegraph.ir.hardware import MIN_PARALLEL_SCORES
-from tilegraph.ir.ops import OPS
+from tilegraph.ir.ops import OPS, QUANTIZATION_OPS
 from tilegraph.ir.ops import expected_sizes as op_expected_sizes
 from tilegraph.ir.shapes import Dim, TensorInfo, info_of, numel, symbol
 
@@ -99,7 +99,6 @@ CAST_PASSES = {  # storage type: (to float32, from float32)
 }
 # np.clip with scalar bounds, in f32 add passes (7.1 ns an element against 0.28, same measurement).
 CLIP_PASSES = 25
-QUANT_OPS = ("quantize", "dequantize", "dynamic_quantize", "matmul_integer")
 
 # Entries per memoized term before its cache starts over (a BERT's passes make a few thousand).
 MEMO_ENTRIES = 20_000
@@ -205,19 +204,9 @@ def op_bytes(op: Operation) -> sympy.Expr:
 
 
 def _matmul_shape(op: TgOp) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr]:
-    """(m, n, k) of the GEMM a matmul or conv makes, m counting every batch row."""
-    ins = [info_of(v.type) for v in op.operands]
-    out = op.result_infos()[0]
-    if op.op_name == "conv":
-        w = ins[1]
-        n = _sized(w.shape[0])
-        return _elements(out) / n, n, _prod(w.shape[1:])
-    if op.op_name == "attention":
-        q, k = ins[0], ins[1]
-        return _elements(out) / _sized(q.shape[-1]), _sized(k.shape[-2]), _sized(q.shape[-1])
-    k = _sized(ins[0].shape[-1])
-    n = _sized(out.shape[-1]) if ins[1].rank > 1 else sympy.Integer(1)
-    return _elements(out) / n, n, k
+    """(m, n, k) of the GEMM an anchor makes (the op table's `gemm`), as the model prices sizes now."""
+    m, n, k = op.SPEC.gemm_dims([info_of(v.type) for v in op.operands], op.result_infos())
+    return _sized(m), _sized(n), _sized(k)
 
 
 # A symbolic GEMM dim is costed at this size when the formula is printed symbolically:
@@ -354,7 +343,7 @@ def _parallel(hw, workers) -> sympy.Expr:
 
 def op_cost(op: TgOp, hw) -> Cost:
     """The predicted cost of one op run on its own (an unfused kernel / NumPy call)."""
-    if op.op_name in QUANT_OPS or (op.op_name == "matmul" and any(_dequantized(v) for v in op.operands)):
+    if op.op_name in QUANTIZATION_OPS or (op.op_name == "matmul" and any(_dequantized(v) for v in op.operands)):
         return _quant_cost(op, hw)
     return _float_cost(op, hw)
 
@@ -588,7 +577,6 @@ def group_cost(ops: Sequence[TgOp], inputs: Sequence[TensorInfo], outputs: Seque
 C_PARALLEL_MIN = 32768
 # Ops the C loops compute through a libm call: priced at `exp`'s calibrated rate when the
 # profile has no rate of their own. The rest are a few vector instructions: `add`'s.
-C_ROW_KERNELS = ("softmax", "layer_norm")  # (runtime.h) one call per group of rows, rate calibrated whole
 C_LIBM = {"log", "pow", "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh",
           "expm1", "log1p", "sigmoid", "erf", "tanh", "exp", "gelu"}
 
@@ -612,11 +600,12 @@ def _c_group_cost(ops, anchors, rest, inputs, outputs, hw, label: str) -> Cost:
     anchor_in = {v: None for op in anchors for v in op.operands if v.owner not in inside}
     anchor_out = [r for op in anchors for r in op.results if any(u.operation not in inside for u in r.uses)]
     anchor_io = sum((_nbytes(info_of(v.type)) for v in [*anchor_in, *anchor_out]), zero)
-    rows = [op for op in rest if op.op_name in C_ROW_KERNELS]
+    # Row ops (runtime.h): one call per group of rows, their rate calibrated whole.
+    rows = [op for op in rest if op.SPEC.row_normalizing]
     row_time = sum((_elements(op.result_infos()[0]) / _c_rate(hw, op.op_name) for op in rows), zero)
     loop = zero
     for op in rest:
-        if op.op_name in C_ROW_KERNELS:
+        if op.SPEC.row_normalizing:
             continue
         elements = _elements(op.result_infos()[0]) if op.SPEC.category != "reduction" \
             else _elements(info_of(op.operands[0].type))
@@ -626,7 +615,7 @@ def _c_group_cost(ops, anchors, rest, inputs, outputs, hw, label: str) -> Cost:
     compute = anchor_time + row_time + loop
     # One step per anchor (an epilogue rides on oneDNN's post-ops or the step's own loop),
     # one more for a row kernel or reduction after it; a group without anchors is one step.
-    after = any(op.op_name in C_ROW_KERNELS or op.SPEC.category == "reduction" for op in rest)
+    after = any(op.SPEC.row_normalizing or op.SPEC.category == "reduction" for op in rest)
     steps = max(1, len(anchors) + (1 if anchors and after else 0))
     size = max((_elements(o) for o in outputs), key=at_nominal) if outputs else zero
     overhead = steps * _c_step(hw, size)

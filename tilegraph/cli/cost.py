@@ -25,6 +25,8 @@ def _cost(args) -> int:
     from tilegraph.passes.registry import DEFAULT_PIPELINE, run_pipeline
 
     hw = hardware(args.target)  # an unknown target or a bad --dim fails before any import work
+    if getattr(args, "decode", False):
+        return _decode_cost(args, hw)
     dims = parse_dims(args.dim)
     pipeline = with_target(DEFAULT_PIPELINE if args.pipeline is None else args.pipeline, hw.name)
     model = run_pipeline(tilegraph.import_model(args.model), pipeline)
@@ -83,3 +85,43 @@ def _print_formulas(cost, dims: dict[str, int]) -> None:
 
 # Significant digits of the coefficients in a printed formula: the calibrated rates
 # behind them are good to a few percent, more digits would be noise.
+
+
+def _decode_cost(args, hw) -> int:
+    """One decode step of a .gguf model at cache depth --depth: the bytes it must read (every
+    weight once, in its block format; the cache's K and V up to the depth), the bound that
+    memory bandwidth puts on tokens/s, and the cost model's prediction of the step."""
+    import numpy as np
+
+    from tilegraph.frontends.gguf.llama import LlamaConfig, build, load_weights
+    from tilegraph.frontends.gguf.reader import GGUFFile
+    from tilegraph.ir.errors import TilegraphError
+    from tilegraph.passes.cost.model import at, module_cost
+    from tilegraph.passes.registry import DEFAULT_PIPELINE, run_pipeline
+
+    if Path(args.model).suffix.lower() != ".gguf":
+        raise TilegraphError(f"--decode prices a language model's decode step: it needs a .gguf file, not {args.model}")
+    f = GGUFFile(args.model)
+    c = LlamaConfig.of(f)
+    if args.depth + 1 > c.context:
+        raise TilegraphError(f"--depth {args.depth} is past the model's context of {c.context}")
+    weights, formats = load_weights(f, c)
+    batch = args.batch  # the block-format weights are read whole each step (the embedding: B rows)
+    weight_bytes = sum(int(weights[n].nbytes) for n in formats if n != "token_embd.weight")
+    embed = weights["token_embd.weight"]
+    weight_bytes += int(embed.nbytes) if "output.weight" not in formats else batch * int(embed.shape[1])
+    weight_bytes += sum(int(np.asarray(v).nbytes) for n, v in weights.items()
+                        if n not in formats and not n.startswith("rope."))
+    cache_bytes = 2 * c.layers * batch * c.kv_heads * (args.depth + 1) * c.head_dim * 4
+    per_step = weight_bytes + cache_bytes
+    bound = hw.memory_bandwidth / per_step * batch
+    model = run_pipeline(build(c, weights, formats, batch, 1, args.depth + 1), DEFAULT_PIPELINE)
+    predicted = float(at(module_cost(model.module, hw).time, {}))
+    print(f"{Path(args.model).name}: {c.arch}, {c.layers} layers, decode of {batch} sequence(s) at cache depth "
+          f"{args.depth}, on {hw.name}" + (f" ({hw.source})" if hw.kind == "cpu" else ""))
+    print(f"bytes read per step: {format_count(weight_bytes)} of weights + {format_count(cache_bytes)} of KV cache "
+          f"= {format_count(per_step)}")
+    print(f"memory bandwidth {hw.memory_bandwidth / 1e9:.1f} GB/s: at most {bound:.1f} tokens/s")
+    print(f"cost model: {predicted * 1e3:.2f} ms per step, {batch / predicted:.1f} tokens/s "
+          f"({100 * batch / predicted / bound:.0f}% of the bound)")
+    return 0

@@ -126,6 +126,12 @@ def _parser() -> argparse.ArgumentParser:
                            "backend; default) or c (the same for the C backend)")
     cost.add_argument("--symbolic", action="store_true",
                       help="print the formulas (FLOPs, bytes, time as functions of the symbolic dims)")
+    cost.add_argument("--decode", action="store_true",
+                      help="a .gguf language model: price one decode step (bytes of weights and cache read per "
+                           "token against the target's memory bandwidth): predicted tokens/s and the bound")
+    cost.add_argument("--depth", type=_non_negative, default=0,
+                      help="with --decode: positions already in the cache (default 0)")
+    cost.add_argument("--batch", type=_positive, default=1, help="with --decode: sequences decoded together")
 
     # --- shard: the sharding planner's plan (passes/shard.py) ---
     shard = sub.add_parser("shard", help="plan how to split a model over a device mesh (predicted step time)",

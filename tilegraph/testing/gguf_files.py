@@ -45,6 +45,8 @@ def write_tiny_llama(path: str | Path, arch: str = "llama", template: str = TEMP
 
     rng = np.random.default_rng(seed)
     hidden, ffn, heads, kv_heads, head_dim = 256, 256, 4, 2, 64
+    if arch == "qwen3":  # transformers reads no head dim from a qwen3 file: it takes Qwen3Config's 128
+        heads, kv_heads, head_dim = 2, 1, 128
     byte_tokens = _byte_tokens()
     merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a"]
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -62,6 +64,9 @@ def write_tiny_llama(path: str | Path, arch: str = "llama", template: str = TEMP
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(head_dim)
+    if arch == "qwen3":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_vocab_size(len(tokens))
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt2")
@@ -80,10 +85,15 @@ def write_tiny_llama(path: str | Path, arch: str = "llama", template: str = TEMP
                        p + "attn_v.weight": (kv_heads * head_dim, hidden), p + "attn_output.weight": (hidden, heads * head_dim),
                        p + "ffn_gate.weight": (ffn, hidden), p + "ffn_up.weight": (ffn, hidden),
                        p + "ffn_down.weight": (hidden, ffn)})
+        if arch == "qwen2":  # biases on the Q, K and V projections
+            shapes.update({p + "attn_q.bias": (heads * head_dim,), p + "attn_k.bias": (kv_heads * head_dim,),
+                           p + "attn_v.bias": (kv_heads * head_dim,)})
+        if arch == "qwen3":  # RMSNorm of each query and key head before the rotation
+            shapes.update({p + "attn_q_norm.weight": (head_dim,), p + "attn_k_norm.weight": (head_dim,)})
     values = {}
     for name, shape in shapes.items():
         if len(shape) == 1:
-            x = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+            x = ((0.0 if name.endswith(".bias") else 1.0) + 0.1 * rng.standard_normal(shape)).astype(np.float32)
             w.add_tensor(name, x)
             values[name] = x
             continue
@@ -162,8 +172,11 @@ def compare_with_transformers(lm, prompts: list[str], new_tokens: int, batch_tog
         for j, b in enumerate(group):
             ours[b] = sub[j]
     path = Path(lm.path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                              dtype=torch.float64).eval()
+    # dequantize=True: the dense model on the dequantized weights (transformers otherwise keeps
+    # supported files packed and runs its GGUF kernels in float32, whatever the dtype asked)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float64,
+        quantization_config=transformers.GgufConfig(dequantize=True)).eval()
     results = []
     hidden = max(lm.config.hidden, lm.config.ffn)
     rtol, atol = tolerance("f32", hidden)
