@@ -178,7 +178,8 @@ def test_cache_attention_past_the_cache_is_refused():
 
 # --- the lowering: a decoder layer's step is native C end to end, its caches written in place ---
 
-def decoder_layer(fmt: str, b: int, hidden: int, heads: int, kv_heads: int, d: int, s: int, per_sequence: bool):
+def decoder_layer(fmt: str, b: int, hidden: int, heads: int, kv_heads: int, d: int, s: int, per_sequence: bool,
+                  activation: str):
     """One Llama layer's step on T new tokens: rms_norm, q/k/v block matmuls, rope, the caches
     written, attention over them, the output projection and the residual."""
     from tilegraph.ir import Graph
@@ -193,7 +194,7 @@ def decoder_layer(fmt: str, b: int, hidden: int, heads: int, kv_heads: int, d: i
 
     def linear(v, n, k, name):
         w = g.weight(name, f.quantize((rng.standard_normal((n, k)) / k ** 0.5).astype(np.float32)))
-        return g.op("block_matmul", v, w, format=fmt, k=k, activation="q8")
+        return g.op("block_matmul", v, w, format=fmt, k=k, activation=activation)
 
     h = g.op("rms_norm", x, g.weight("norm", rng.uniform(0.5, 1.5, hidden).astype(np.float32)), epsilon=1e-5)
 
@@ -212,21 +213,24 @@ def decoder_layer(fmt: str, b: int, hidden: int, heads: int, kv_heads: int, d: i
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_layer(fmt: str, per_sequence: bool):
+def _compiled_layer(fmt: str, per_sequence: bool, activation: str = "f32"):
     from tilegraph.backends.c import compile_model
 
-    model = decoder_layer(fmt, 2, 64, 4, 2, 16, 32, per_sequence)
+    model = decoder_layer(fmt, 2, 64, 4, 2, 16, 32, per_sequence, activation)
     return model, compile_model(model)
 
 
 @settings(max_examples=12, deadline=None)
 @given(fmt=st.sampled_from(["q4_1", "q8_0"]), t=st.sampled_from([1, 3, 20]), per_sequence=st.booleans(),
-       seed=st.integers(0, 2**31))
-def test_a_decoder_layer_step_runs_natively_and_writes_its_caches_in_place(fmt, t, per_sequence, seed):
+       activation=st.sampled_from(["f32", "q8"]), seed=st.integers(0, 2**31))
+def test_a_decoder_layer_step_runs_natively_and_writes_its_caches_in_place(fmt, t, per_sequence, activation, seed):
+    """Values against the interpreter with exact activations; with 'q8' only what is structural
+    (native, in place, no other row touched): rounding to int8 is discontinuous, so an f32-level
+    difference upstream (an rms_norm's last bit) may round a value the other way, a full q8 step."""
     from tilegraph.ir.interpreter import interpret
 
     b, hidden, kv_heads, d, s = 2, 64, 2, 16, 32
-    model, compiled = _compiled_layer(fmt, per_sequence)
+    model, compiled = _compiled_layer(fmt, per_sequence, activation)
     assert all(kind == "segment" for kind, _ in compiled.program.plan), "a step ran on the host"
     assert len(compiled.program.plan) == 1, "the step is one native call"
     rng = np.random.default_rng(seed)
@@ -245,7 +249,8 @@ def test_a_decoder_layer_step_runs_natively_and_writes_its_caches_in_place(fmt, 
     for i, p in enumerate(np.broadcast_to(pos, (b,))):
         written[i, :, p:p + t] = True
     np.testing.assert_array_equal(k_cache[~written], before[~written])  # no other row touched
-    # q8 activations: the interpreter rounds x the same way, so f32 rounding is all that differs
+    if activation == "q8":
+        return
     assert_close(k_cache, want[1], "f32", hidden, name="k_cache")
     assert_close(got[0], want[0], "f32", hidden + s, name="y")
 
