@@ -1,5 +1,5 @@
 """Sharding plans for training GPT- and Llama-shaped models on H100s: the planner's layout
-(passes/pipeline.py's degree search around passes/shard.py's integer program) against data
+(passes/parallel_degrees.py's degree search around passes/shard.py's integer program) against data
 parallelism and Megatron-LM's hand layout, priced by the same cost model in the same run,
 and the planner's predictions beside throughputs the Megatron-LM paper reports.
 
@@ -138,7 +138,7 @@ ANCHORS = [("1.7B", 24, 2304, 24, 1, 1, 32, 137), ("3.6B", 32, 3072, 30, 2, 1, 6
 
 
 def _row(name, lay, flops, devices):
-    from tilegraph.passes.pipeline import mfu
+    from tilegraph.passes.parallel_degrees import mfu
 
     if isinstance(lay, str):
         return [name, lay, "-", "-", "-", "-", "-"]
@@ -151,7 +151,7 @@ def training_table(args) -> None:
     from tilegraph.frontends.config import from_config
     from tilegraph.passes.cost.collectives import GPUS_PER_NODE, Mesh
     from tilegraph.passes.cost.hardware import hardware
-    from tilegraph.passes.pipeline import Layout, degrees, model_flops, search
+    from tilegraph.passes.parallel_degrees import Layout, degrees, model_flops, search
     from tilegraph.passes.shard import LayoutError, ShardError, plan
 
     hw = hardware("h100")
@@ -196,7 +196,7 @@ def anchors(args) -> None:
     from tilegraph.frontends.config import gpt
     from tilegraph.passes.cost.collectives import Mesh
     from tilegraph.passes.cost.hardware import hardware
-    from tilegraph.passes.pipeline import Layout, degrees, mfu, model_flops, recompute_tag
+    from tilegraph.passes.parallel_degrees import Layout, degrees, mfu, model_flops, recompute_tag
     from tilegraph.passes.shard import plan
 
     hw = hardware("a100")

@@ -2,7 +2,7 @@
 
 `extract(model, ops, inputs, outputs)`: a new @forward whose arguments are `inputs`
 (values defined before `ops`), whose body is a copy of `ops`, and which returns
-`outputs`, with the weights those ops read. Pipeline stages (passes/pipeline.py) and the
+`outputs`, with the weights those ops read. Pipeline stages (passes/parallel_degrees.py) and the
 compiled segments between a per-device program's collectives (backends/distributed.py)
 are made this way.
 """

@@ -43,6 +43,11 @@ def shape_code(shape: Sequence[Dim]) -> str:
 GLOBALS = {"np": np, "K": kernels, "ml_dtypes": ml_dtypes, **SHAPE_FUNCTIONS}
 
 
+def evaluate_rendered(expr: str, local: dict[str, Any]) -> Any:
+    """An op's rendered template (ops.render) evaluated on the values `local` names."""
+    return eval(expr, dict(GLOBALS), local)
+
+
 @lru_cache(maxsize=4096)
 def _compile(expr: str):
     return compile(expr, "<tg op>", "eval")

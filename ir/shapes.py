@@ -13,7 +13,7 @@ import math
 import operator
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Iterable, Sequence, Union
+from typing import Collection, Iterable, Sequence, Union
 
 import sympy
 from xdsl.dialects.builtin import ArrayAttr, NoneAttr, StringAttr, TensorType
@@ -35,6 +35,23 @@ class ShapeError(TilegraphError):
 @lru_cache(maxsize=None)
 def symbol(name: str) -> sympy.Symbol:
     return sympy.Symbol(name, integer=True, positive=True)
+
+
+def symbol_named(text: str, taken: Collection[str] = ()) -> sympy.Symbol:
+    """A symbolic dim named after `text` (a user's dim name, torch's `s43`, an ONNX dim_param):
+    made an identifier, then given trailing underscores until it is none of `taken`, Python's
+    keywords and builtins, and the names generated code evaluates shapes with (np, K, floor, ...),
+    since shapes are written as Python in every emitted module."""
+    import builtins
+    import keyword
+
+    from tilegraph.ir.interpreter import GLOBALS
+
+    name = "".join(c if c.isalnum() or c == "_" else "_" for c in text)
+    name = name if name and not name[0].isdigit() else "d_" + name
+    while name in taken or name in GLOBALS or hasattr(builtins, name) or keyword.iskeyword(name):
+        name += "_"
+    return symbol(name)
 
 
 

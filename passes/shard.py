@@ -42,7 +42,7 @@ How (Zheng et al., "Alpa", OSDI 2022, section 4; alpa/shard_parallel/auto_shardi
        min(p, m) micro-batches' activations, the last the ops after them (head) and one
        micro-batch's, each its share of the layers; the slower sets the step and both must
        fit; each micro-batch's boundary activation and its gradient cross to the next stage
-       (`passes/pipeline.py` searches the degrees).
+       (`passes/parallel_degrees.py` searches the degrees).
 
 Repeated layers: ops are matched by signature (op, attributes, types); the longest
 stretch that repeats with one period is a stack of layers, and the ops at the same
@@ -60,7 +60,7 @@ from __future__ import annotations
 import time as _time
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import sympy
@@ -81,6 +81,7 @@ from tilegraph.passes.cost.collectives import GPUS_PER_NODE, Mesh, parse_mesh
 from tilegraph.passes.cost.hardware import check_target, hardware  # type: ignore[attr-defined]
 from tilegraph.passes.cost.model import at, expected_sizes, op_cost
 from tilegraph.passes.remarks import remark
+from tilegraph.passes.shard_milp import CUT_SHORT, SOLVE_TIME_LIMIT, Linear, solve
 from tilegraph.passes.shard_strategies import (Spec, Strategy, apply_step, base_name, local_info, nbytes, pre_scatter, replicated,
                                       reshard_steps, source_strategies, spec_axes, spec_str, strategies, zero_variants)
 
@@ -101,11 +102,6 @@ OVERLAP_INTERFERENCE = 0.1
 # sequence of a hundred-odd, as `tilegraph cost` assumes).
 DEFAULT_DIM = 128
 GRID = "mesh"  # the shard.grid symbol the annotations name
-# HiGHS's relative MIP gap: plans within 0.1% of the best are not worth more search.
-MIP_GAP = 1e-3
-# Seconds HiGHS may search per solve before the best plan found so far is taken: a 5-axis mesh
-# of a one-matmul MLP solved for 140 s with nothing shown (issue 17); plans say when it was cut short.
-SOLVE_TIME_LIMIT = 20.0
 US = 1e6  # the objective in microseconds keeps HiGHS's absolute tolerances meaningful
 GB = 1e9  # memory rows in GB, for the same reason
 
@@ -320,7 +316,7 @@ def _node_cost(node: Node, st: Strategy, nodes: list[Node], mesh: Mesh, hw, trai
 
 
 # Node costs by (signature, mesh, ...) and strategy: formulas of the symbolic dims, so a search
-# planning one model many times (passes/pipeline.py) prices each op once per mesh.
+# planning one model many times (passes/parallel_degrees.py) prices each op once per mesh.
 _NODE_COSTS: dict[tuple, dict | None] = {}
 
 
@@ -403,99 +399,6 @@ def find_layers(nodes: list[Node]) -> tuple[int, int, int]:
     return best
 
 
-# --- the integer program ---------------------------------------------------------------
-
-@dataclass
-class Linear:
-    """A linear expression over the program's variables: per class an array over its strategies, per
-    edge (index into the edge list) a matrix over (producer, consumer) strategies, per extra variable
-    a coefficient."""
-
-    nodes: dict[int, np.ndarray] = field(default_factory=dict)
-    edges: dict[int, np.ndarray] = field(default_factory=dict)
-    extra: dict[int, float] = field(default_factory=dict)
-
-    def value(self, choice: Sequence[int], edges, extra_values: Sequence[float] = ()) -> float:
-        total = sum(float(a[choice[k]]) for k, a in self.nodes.items())
-        total += sum(float(M[choice[edges[e][0]], choice[edges[e][1]]]) for e, M in self.edges.items())
-        return total + sum(c * extra_values[v] for v, c in self.extra.items())
-
-
-_CUT_SHORT: list[bool] = []  # set by _solve during one plan()
-
-
-def _solve(objective: Linear, rows: list[tuple[Linear, float, float]], counts: list[int], edges, extras,
-           allowed, exclude=None):
-    """min objective over one-hot x per class (counts[k] strategies), edge variables linearized as in
-    Alpa, `extras` [(low, high, integer)] further variables, subject to `rows` (Linear, low, high).
-    `exclude`: a choice to cut off (the runner-up). Returns (strategy per class or None when
-    infeasible, values of the extras, variable count)."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import coo_array
-
-    offsets, n = [], 0
-    for c in counts:
-        offsets.append(n)
-        n += c
-    nx = n
-    e_off = []
-    for P, C in edges:
-        e_off.append(n)
-        n += counts[P] * counts[C]
-    v_off = n
-    n += len(extras)
-    rows_i, cols, vals, lo, hi = [], [], [], [], []
-    r = 0
-
-    def columns(lin: Linear) -> list[tuple[int, float]]:
-        out = [(offsets[k] + s, float(v)) for k, a in lin.nodes.items() for s, v in enumerate(a) if v]
-        out += [(e_off[e] + i, float(v)) for e, M in lin.edges.items() for i, v in enumerate(M.ravel()) if v]
-        return out + [(v_off + v, float(c)) for v, c in lin.extra.items()]
-
-    def add(entries, low, high):
-        nonlocal r
-        for col, v in entries:
-            rows_i.append(r)
-            cols.append(col)
-            vals.append(v)
-        lo.append(low)
-        hi.append(high)
-        r += 1
-
-    for k, c in enumerate(counts):
-        add([(offsets[k] + s, 1.0) for s in range(c)], 1, 1)
-    for (P, C), off in zip(edges, e_off):
-        kp, kc = counts[P], counts[C]
-        for sp in range(kp):
-            add([(off + sp * kc + sc, 1.0) for sc in range(kc)] + [(offsets[P] + sp, -1.0)], 0, 0)
-        for sc in range(kc):
-            add([(off + sp * kc + sc, 1.0) for sp in range(kp)] + [(offsets[C] + sc, -1.0)], 0, 0)
-    for lin, low, high in rows:
-        add(columns(lin), low, high)
-    if exclude is not None:
-        multi = [k for k, c in enumerate(counts) if c > 1]
-        add([(offsets[k] + exclude[k], 1.0) for k in multi], -np.inf, len(multi) - 1)
-    obj = np.zeros(n)
-    for col, v in columns(objective):
-        obj[col] += v
-    A = coo_array((vals, (rows_i, cols)), shape=(r, n)).tocsr()
-    lower, upper = np.zeros(n), np.ones(n)
-    for k, ok in enumerate(allowed):
-        upper[offsets[k]:offsets[k] + counts[k]] = ok
-    integrality = np.zeros(n)
-    integrality[:nx] = 1
-    for v, (low, high, integer) in enumerate(extras):
-        lower[v_off + v], upper[v_off + v], integrality[v_off + v] = low, high, integer
-    res = milp(obj, constraints=[LinearConstraint(A, lo, hi)], integrality=integrality,
-               bounds=Bounds(lower, upper), options={"mip_rel_gap": MIP_GAP, "time_limit": SOLVE_TIME_LIMIT})
-    if res.x is None:
-        return None, [], n
-    if res.status == 1:  # the time limit: the incumbent is a valid plan, maybe not the best
-        _CUT_SHORT.append(True)
-    choice = [int(np.argmax(res.x[offsets[k]:offsets[k] + c])) for k, c in enumerate(counts)]
-    return choice, [float(x) for x in res.x[v_off:]], n
-
-
 def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: dict[str, int] | None = None,
          training: bool = True, constraints: dict[SSAValue, Spec] | None = None, names: Sequence[str] = (),
          only=None, reduce_scatter: bool = True, stages: int = 1, micro_batches: int = 1, batch: str = "B",
@@ -513,6 +416,75 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
     may take ZeRO stages 1-2. `progress(stage)`: told what the planner is doing (tilegraph shard's status line)."""
     say = progress or (lambda stage: None)
     started = _time.perf_counter()
+    prog = _build(module, mesh, budget=budget, sizes=sizes, training=training, constraints=constraints, names=names, only=only, reduce_scatter=reduce_scatter, stages=stages, micro_batches=micro_batches, batch=batch, overlap=overlap, recompute=recompute, zero=zero, say=say)
+    counts = [len(a) for a in prog.comp["C"]]
+    CUT_SHORT.clear()
+    say(f"solving the integer program (at most {SOLVE_TIME_LIMIT:.0f} s)")
+    choice, extra_values, nvars = solve(prog.objective, prog.rows, counts, prog.edges, prog.extras, prog.allowed)
+    if choice is None:
+        least = max(sum(float(m.min()) for m in mem.nodes.values()) * GB for mem in prog.memories)
+        raise ShardError(f"no sharding on mesh {mesh} fits {prog.budget / 1e9:.3g} GB per device (with the annotations "
+                         f"given): the smallest plan needs {least / 1e9:.3g} GB")
+    second, second_extra = None, []
+    if runner_up:
+        say(f"solving for the runner-up plan (at most {SOLVE_TIME_LIMIT:.0f} s)")
+        second, second_extra, _ = solve(prog.objective, prog.rows, counts, prog.edges, prog.extras, prog.allowed, exclude=choice)
+    solve_time = _time.perf_counter() - started
+
+    best = _read_back(prog, choice, extra_values, solve_time, nvars)
+    if second is not None:
+        best.runner_up = _read_back(prog, second, second_extra, solve_time, nvars)
+    return best
+
+
+@dataclass
+class _Program:
+    """plan()'s integer program as built: what its variables mean (classes of nodes, their strategies,
+    the edges between classes), the objective and rows `solve` takes, and what reading a solution
+    back needs."""
+
+    mesh: Mesh
+    sizes: dict[str, int]
+    budget: float
+    training: bool
+    stages: int
+    micro_batches: int
+    nodes: list[Node]
+    cls: list[int]  # per node: its class (the first node at its place in the repeated layers)
+    slot: dict[int, int]  # class -> its index among the program's classes
+    count: list[int]  # per class index: the nodes it stands for (a stage's layers: one each)
+    layer: set[int]  # the class indices of one layer
+    start: int  # the repeated layers: first node, nodes per layer, layers
+    period: int
+    copies: int
+    per_stage: int  # layers per pipeline stage
+    exprs: dict[int, list[dict]]  # class -> per strategy, its cost expressions
+    comp: dict[str, list[np.ndarray]]  # cost component -> per class index, its value per strategy
+    edges: list[tuple[int, int]]
+    edge_cache: dict[tuple, tuple[dict, list]]
+    stage_sets: list[tuple[set, int]]  # per stage: its class indices, the micro-batches it holds
+    slots: int
+    eta: float
+    p2p_link: Any  # the link a pipeline stage sends its boundary activation over
+    ckpt: list[int]
+    ckpt_bytes: dict[int, np.ndarray]
+    r: int | None  # the extra variable counting recomputed layers
+    objective: Linear
+    rows: list[tuple[Linear, float, float]]
+    extras: list[tuple[float, float, int]]
+    allowed: list[np.ndarray]
+    memories: list[Linear]
+    totals: dict[str, Linear]  # each cost component over the whole program
+
+    def in_layers(self, i: int) -> bool:
+        return bool(self.copies) and self.start <= i < self.start + self.period * self.copies
+
+
+def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints, names, only, reduce_scatter,
+           stages, micro_batches, batch, overlap, recompute, zero, say) -> _Program:
+    """plan()'s integer program: nodes grouped into classes (one per place in the repeated layers),
+    each class's and edge's costs per strategy, the recomputation's variables, each stage's step and
+    memory as rows; the objective the slowest stage's step."""
     func = next(f for f in module.walk() if isinstance(f, FuncOp) and f.sym_name.data == "forward")
     hw = mesh.hw
     budget = float(hw.memory_bytes if budget is None else budget)
@@ -547,7 +519,9 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
     classes = sorted(set(cls))
     slot = {c: k for k, c in enumerate(classes)}
     layer = {slot[c] for c in range(start, start + period)} if copies else set()
-    in_layers = lambda i: copies and start <= i < start + period * copies  # noqa: E731
+    def in_layers(i: int) -> bool:
+        return bool(copies) and start <= i < start + period * copies
+
     saved = saved_for_backward(nodes) if training else [True] * len(nodes)
 
     # Node costs, computed once per class and counted once per member (layers: those of one stage).
@@ -644,19 +618,6 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
         stage_sets = [({k for k, ps in parts.items() if ps & {"pre", "layer"}}, inflight),
                       ({k for k, ps in parts.items() if ps & {"layer", "post"}}, 1)]
 
-    def restrict(lin: Linear, ks) -> Linear:
-        """lin over the classes in ks and the edges into them."""
-        return Linear({k: a for k, a in lin.nodes.items() if k in ks},
-                      {e: M for e, M in lin.edges.items() if edges[e][1] in ks})
-
-    def add(into: Linear, lin: Linear, scale: float = 1.0) -> None:
-        for k, a in lin.nodes.items():
-            into.nodes[k] = into.nodes.get(k, 0) + scale * a
-        for e_, M in lin.edges.items():
-            into.edges[e_] = into.edges.get(e_, 0) + scale * M
-        for v, c_ in lin.extra.items():
-            into.extra[v] = into.extra.get(v, 0) + scale * c_
-
     extras: list[tuple[float, float, int]] = []
     rows: list[tuple[Linear, float, float]] = []
 
@@ -712,20 +673,20 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
     stage_times = []
     for ks, _ in stage_sets:
         t = Linear()
-        add(t, restrict(compute, ks), slots * US)
-        add(t, restrict(blocking, ks), slots * US)
+        t.add(compute.restricted(ks, edges), slots * US)
+        t.add(blocking.restricted(ks, edges), slots * US)
         for name, per in (("Omb", slots), ("Ost", 1)):
-            o = restrict(total(name), ks)
+            o = total(name).restricted(ks, edges)
             if not any(np.any(a) for a in o.nodes.values()) and not any(np.any(M) for M in o.edges.values()):
                 continue
             h = var()
             t.extra[h] = per * US
             row = Linear({}, {}, {h: -1.0})
-            add(row, o)
-            add(row, restrict(compute, ks), -eta)
+            row.add(o)
+            row.add(compute.restricted(ks, edges), -eta)
             rows.append((row, -np.inf, 0))  # h >= overlapped - what the backward hides
             if eta:  # even hidden, a collective slows the compute it overlaps
-                add(t, o, per * US * OVERLAP_INTERFERENCE)
+                t.add(o, per * US * OVERLAP_INTERFERENCE)
         for scale, _, _, e in bits:
             t.extra[e] = slots * scale
         if stages > 1:  # each micro-batch's activation sent to the next stage, its gradient back
@@ -739,7 +700,7 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
         objective = Linear({}, {}, {pace: US / 1e3})
         for t in stage_times:
             row = Linear({}, {}, {pace: -1.0})
-            add(row, t, 1e3 / US)
+            row.add(t, 1e3 / US)
             rows.append((row, -np.inf, 0))
 
     # Memory per stage (GB: bytes next to 0/1 variables scale badly in HiGHS): weights with their
@@ -775,86 +736,80 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
                 raise LayoutError(f"{node.label}: none of the strategies {sorted(names_ok)} is possible on mesh "
                                   f"{mesh} (it has {[st.name for st in node.strategies]})")
             allowed[slot[cls[i]]] &= ok
+    totals = {name: total(name) for name in ("C", "B", "Omb", "Ost")}
+    return _Program(mesh=mesh, sizes=sizes, budget=budget, training=training, stages=stages, micro_batches=micro_batches, nodes=nodes, cls=cls, slot=slot, count=count, layer=layer, start=start, period=period, copies=copies, per_stage=per_stage, exprs=exprs, comp=comp, edges=edges, edge_cache=edge_cache, stage_sets=stage_sets, slots=slots, eta=eta, p2p_link=p2p_link, ckpt=ckpt, ckpt_bytes=ckpt_bytes, r=r, objective=objective, rows=rows, extras=extras, allowed=allowed, memories=memories, totals=totals)
 
-    counts = [len(a) for a in comp["C"]]
-    _CUT_SHORT.clear()
-    say(f"solving the integer program (at most {SOLVE_TIME_LIMIT:.0f} s)")
-    choice, extra_values, nvars = _solve(objective, rows, counts, edges, extras, allowed)
-    if choice is None:
-        least = max(sum(float(m.min()) for m in mem.nodes.values()) * GB for mem in memories)
-        raise ShardError(f"no sharding on mesh {mesh} fits {budget / 1e9:.3g} GB per device (with the annotations "
-                         f"given): the smallest plan needs {least / 1e9:.3g} GB")
-    second, second_extra = None, []
-    if runner_up:
-        say(f"solving for the runner-up plan (at most {SOLVE_TIME_LIMIT:.0f} s)")
-        second, second_extra, _ = _solve(objective, rows, counts, edges, extras, allowed, exclude=choice)
-    solve_time = _time.perf_counter() - started
 
-    def build(ch, xs) -> Plan:
-        picked = [ch[slot[cls[i]]] for i in range(len(nodes))]
-        re = int(round(xs[r])) if r is not None else 0
-        felt = OVERLAP_INTERFERENCE if eta else 0.0
-        redo = slots * re * sum(float(comp["C"][k][ch[k]]) / FWD_BWD + float(comp["B"][k][ch[k]]) / 2
-                                for k in layer)
-        p2p = slots * 2 * sum(p2p_link.alpha + float(ckpt_bytes[k][ch[k]]) / p2p_link.beta
-                              for k in ckpt) if stages > 1 else 0.0
-        one_layer = sum(float(comp["A"][k][ch[k]]) for k in layer)
-        kept_ckpt = sum(float(ckpt_bytes[k][ch[k]]) for k in ckpt)
-        # Per stage: (step, compute, communication, compute + blocking per micro-batch, memory).
-        per = []
-        for ks, held in stage_sets:
-            c_s, b_s = restrict(compute, ks).value(ch, edges), restrict(blocking, ks).value(ch, edges)
-            exposed = {}
-            for name in ("Omb", "Ost"):
-                o = restrict(total(name), ks).value(ch, edges)
-                exposed[name] = max(0.0, o - eta * c_s) + felt * o
-            comm_s = slots * b_s + slots * exposed["Omb"] + exposed["Ost"] + p2p
-            weights = sum(float(comp["W"][k][ch[k]]) * count[k] for k in ks)
-            acts = sum(float(comp["A"][k][ch[k]]) for k in ks if k not in layer)
-            kept = (per_stage - re) * held * one_layer + re * held * kept_ckpt + (one_layer if re == per_stage else 0.0)
-            per.append((slots * c_s + redo + comm_s, slots * c_s + redo, comm_s, c_s + b_s,
-                        weights + held * acts + kept))
-        slowest = max(range(len(per)), key=lambda s: per[s][0])
-        ks_slow = stage_sets[slowest][0]
-        choices, forward = [], []
-        fc, fb, fo = sympy.Integer(0), sympy.Integer(0), {"Omb": sympy.Integer(0), "Ost": sympy.Integer(0)}
-        for i, node in enumerate(nodes):
-            ex = exprs[cls[i]][picked[i]]
-            st = node.strategies[picked[i]]
-            w = per_stage / copies if in_layers(i) else 1
-            incoming = {"B": sympy.Integer(0), "Omb": sympy.Integer(0), "Ost": sympy.Integer(0)}
-            for pos, p in enumerate(node.operands):
-                key = (cls[p], cls[i], pos, str(nodes[p].info))
-                for k, v in edge_cache[key][1][picked[p]][picked[i]].items():
-                    incoming[k] += v
-                for step in reshard_steps(nodes[p].strategies[picked[p]].out, st.ins[pos]):
-                    if step.kind != "all_slice":
-                        forward.append((step.kind, (step.axis,), node.label))
-            if st.partial:
-                forward.append(("all_reduce" if st.scatter is None else "reduce_scatter", st.partial, node.label))
-            if slot[cls[i]] in ks_slow:  # the formula is the slowest stage's
-                fc += ex["C"] * w
-                fb += (ex["B"] + incoming["B"]) * w
-                for k in fo:
-                    fo[k] += (ex[k] + incoming[k]) * w
-            comm = ex["B"] + incoming["B"] + ex["Omb"] + incoming["Omb"] + ex["Ost"] + incoming["Ost"]
-            choices.append(Choice(node, st, at(ex["C"], sizes), at(comm, sizes), at(ex["W"] + ex["A"], sizes)))
-        formula = slots * (fc + fb) + sum((slots if k == "Omb" else 1) * (sympy.Max(0, fo[k] - eta * fc) + felt * fo[k])
-                                          for k in fo)
-        _, c_time, comm_time, slot_time, _ = per[slowest]
-        p = Plan(mesh, choices, c_time, comm_time, max(s[4] for s in per), formula + redo + p2p, solve_time,  # type: ignore[assignment]
-                 (start, period, copies), forward=forward, variables=nvars, budget=budget, cut_short=bool(_CUT_SHORT))
-        p.stages, p.micro_batches, p.recompute = stages, micro_batches, re  # type: ignore[attr-defined]
-        p.stage_times = tuple(s[0] for s in per)  # type: ignore[attr-defined]
-        p.stage_memory = tuple(s[4] for s in per)  # type: ignore[attr-defined]
-        p.bubble = (stages - 1) * slot_time if training else 0.0  # type: ignore[attr-defined]
-        p.zero = zero_stage(p)  # type: ignore[attr-defined]
-        return p  # type: ignore[return-value]
-
-    best = build(choice, extra_values)
-    if second is not None:
-        best.runner_up = build(second, second_extra)
-    return best
+def _read_back(prog: _Program, ch: list[int], xs: list[float], solve_time: float, nvars: int) -> Plan:
+    """The plan a solution of the program stands for: each node's strategy, the predicted step (the
+    slowest stage's, as a formula of the symbolic dims too), its compute, communication and memory."""
+    nodes, cls, slot, count, layer, start, period, copies, per_stage = \
+        prog.nodes, prog.cls, prog.slot, prog.count, prog.layer, prog.start, prog.period, prog.copies, prog.per_stage
+    exprs, comp, edges, edge_cache, stage_sets, slots, eta, p2p_link, ckpt = \
+        prog.exprs, prog.comp, prog.edges, prog.edge_cache, prog.stage_sets, prog.slots, prog.eta, prog.p2p_link, prog.ckpt
+    ckpt_bytes, r, totals, mesh, sizes, budget, training, stages, micro_batches = \
+        prog.ckpt_bytes, prog.r, prog.totals, prog.mesh, prog.sizes, prog.budget, prog.training, prog.stages, prog.micro_batches
+    in_layers = prog.in_layers
+    compute, blocking = totals["C"], totals["B"]
+    picked = [ch[slot[cls[i]]] for i in range(len(nodes))]
+    re = int(round(xs[r])) if r is not None else 0
+    felt = OVERLAP_INTERFERENCE if eta else 0.0
+    redo = slots * re * sum(float(comp["C"][k][ch[k]]) / FWD_BWD + float(comp["B"][k][ch[k]]) / 2
+                            for k in layer)
+    p2p = slots * 2 * sum(p2p_link.alpha + float(ckpt_bytes[k][ch[k]]) / p2p_link.beta
+                          for k in ckpt) if stages > 1 else 0.0
+    one_layer = sum(float(comp["A"][k][ch[k]]) for k in layer)
+    kept_ckpt = sum(float(ckpt_bytes[k][ch[k]]) for k in ckpt)
+    # Per stage: (step, compute, communication, compute + blocking per micro-batch, memory).
+    per = []
+    for ks, held in stage_sets:
+        c_s, b_s = compute.restricted(ks, edges).value(ch, edges), blocking.restricted(ks, edges).value(ch, edges)
+        exposed = {}
+        for name in ("Omb", "Ost"):
+            o = totals[name].restricted(ks, edges).value(ch, edges)
+            exposed[name] = max(0.0, o - eta * c_s) + felt * o
+        comm_s = slots * b_s + slots * exposed["Omb"] + exposed["Ost"] + p2p
+        weights = sum(float(comp["W"][k][ch[k]]) * count[k] for k in ks)
+        acts = sum(float(comp["A"][k][ch[k]]) for k in ks if k not in layer)
+        kept = (per_stage - re) * held * one_layer + re * held * kept_ckpt + (one_layer if re == per_stage else 0.0)
+        per.append((slots * c_s + redo + comm_s, slots * c_s + redo, comm_s, c_s + b_s,
+                    weights + held * acts + kept))
+    slowest = max(range(len(per)), key=lambda s: per[s][0])
+    ks_slow = stage_sets[slowest][0]
+    choices, forward = [], []
+    fc, fb, fo = sympy.Integer(0), sympy.Integer(0), {"Omb": sympy.Integer(0), "Ost": sympy.Integer(0)}
+    for i, node in enumerate(nodes):
+        ex = exprs[cls[i]][picked[i]]
+        st = node.strategies[picked[i]]
+        w = per_stage / copies if in_layers(i) else 1
+        incoming = {"B": sympy.Integer(0), "Omb": sympy.Integer(0), "Ost": sympy.Integer(0)}
+        for pos, p in enumerate(node.operands):
+            key = (cls[p], cls[i], pos, str(nodes[p].info))
+            for k, v in edge_cache[key][1][picked[p]][picked[i]].items():
+                incoming[k] += v
+            for step in reshard_steps(nodes[p].strategies[picked[p]].out, st.ins[pos]):
+                if step.kind != "all_slice":
+                    forward.append((step.kind, (step.axis,), node.label))
+        if st.partial:
+            forward.append(("all_reduce" if st.scatter is None else "reduce_scatter", st.partial, node.label))
+        if slot[cls[i]] in ks_slow:  # the formula is the slowest stage's
+            fc += ex["C"] * w
+            fb += (ex["B"] + incoming["B"]) * w
+            for k in fo:
+                fo[k] += (ex[k] + incoming[k]) * w
+        comm = ex["B"] + incoming["B"] + ex["Omb"] + incoming["Omb"] + ex["Ost"] + incoming["Ost"]
+        choices.append(Choice(node, st, at(ex["C"], sizes), at(comm, sizes), at(ex["W"] + ex["A"], sizes)))
+    formula = slots * (fc + fb) + sum((slots if k == "Omb" else 1) * (sympy.Max(0, fo[k] - eta * fc) + felt * fo[k])
+                                      for k in fo)
+    _, c_time, comm_time, slot_time, _ = per[slowest]
+    p = Plan(mesh, choices, c_time, comm_time, max(s[4] for s in per), formula + redo + p2p, solve_time,  # type: ignore[assignment]
+             (start, period, copies), forward=forward, variables=nvars, budget=budget, cut_short=bool(CUT_SHORT))
+    p.stages, p.micro_batches, p.recompute = stages, micro_batches, re  # type: ignore[attr-defined]
+    p.stage_times = tuple(s[0] for s in per)  # type: ignore[attr-defined]
+    p.stage_memory = tuple(s[4] for s in per)  # type: ignore[attr-defined]
+    p.bubble = (stages - 1) * slot_time if training else 0.0  # type: ignore[attr-defined]
+    p.zero = zero_stage(p)  # type: ignore[attr-defined]
+    return p  # type: ignore[return-value]
 
 
 def recompute_text(p: Plan) -> str:

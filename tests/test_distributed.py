@@ -101,7 +101,7 @@ def _layout(node):
 def test_tensor_pipeline_and_data_parallelism_on_eight_processes_computes_what_one_device_does():
     """Two pipeline stages of two layers each, every stage on a 2x2 mesh (data x tensor), two
     micro-batches: eight gloo processes, stage 0 sending its activations to stage 1."""
-    from tilegraph.passes.pipeline import split_stages
+    from tilegraph.passes.parallel_degrees import split_stages
 
     model = gpt_graph(4, 32, 4, seq=8, vocab=64, dtype="f32", weights="random")
     mesh = Mesh((2, 2), H100)

@@ -334,7 +334,7 @@ def test_pipeline_stages_with_any_valid_plan_each_preserve_semantics(model, mesh
     """Random graphs cut into pipeline stages at random places (`pipeline.cut`, what split_stages
     does at layer boundaries), each stage given its own random plan (ZeRO variants and weights
     gathered at use among them), run stage after stage on the simulated mesh: the single-device result."""
-    from tilegraph.passes.pipeline import cut
+    from tilegraph.passes.parallel_degrees import cut
 
     sizes = {"B": 4}
     ops = len(list(model.func.body.block.ops)) - 1
@@ -606,7 +606,7 @@ def test_pipeline_stages_are_priced_each_with_its_own_ops_and_the_slowest_sets_t
     stage (no collectives) the last is slower by exactly the head's compute less the embedding's per
     slot, and it sets the step; the first keeps min(p, m) micro-batches' activations, the last one's.
     The plan, cut into its stages, computes what one device computes."""
-    from tilegraph.passes.pipeline import stage_plans
+    from tilegraph.passes.parallel_degrees import stage_plans
 
     model = gpt_graph(4, 256, 4, seq=64, vocab=8192)
     m, sizes = 4, {"B": 8}
@@ -650,7 +650,7 @@ def test_pipeline_stages_are_priced_each_with_its_own_ops_and_the_slowest_sets_t
 def test_the_degree_search_prices_every_layout_and_keeps_the_cheapest():
     """On 8 devices the search tries pipeline, tensor and data degrees (and micro-batch counts); the
     winner is the cheapest that fits, and its degrees multiply to the device count."""
-    from tilegraph.passes.pipeline import mfu, model_flops, search
+    from tilegraph.passes.parallel_degrees import mfu, model_flops, search
 
     model = gpt_graph(2, 512, 8)
     sizes = {"B": 16, "S": 1024}

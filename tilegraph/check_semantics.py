@@ -75,7 +75,7 @@ def valid_inputs(model, seed: int = 0, sizes: Mapping[str, int] | None = None) -
     [-1, 1], booleans fair coins), with ids below their table's size and other integers (masks) in
     {0, 1}; symbolic dims `sizes`, else DEFAULT_SIZE."""
     from tilegraph.ir.shapes import free_symbols
-    from tilegraph.testing import random_inputs
+    from tilegraph.accuracy import random_inputs
 
     symbols = set().union(*(free_symbols(t.shape) for t in model.inputs))
     arrays = random_inputs(model, seed, {s: dict(sizes or {}).get(s, DEFAULT_SIZE) for s in symbols})
@@ -104,7 +104,7 @@ class Checker:
 
     def __init__(self, model, *, seed: int = 0, sizes: Mapping[str, int] | None = None,
                  out_dir: Path | str = ".", stem: str = "model"):
-        from tilegraph.testing import narrowest_float, reduction_length
+        from tilegraph.accuracy import narrowest_float, reduction_length
         from tilegraph.ir.interpreter import bind_inputs
         from tilegraph.ir import interpret
 
@@ -122,7 +122,7 @@ class Checker:
 
     def _diverges(self, model) -> str | None:
         from tilegraph.ir import interpret
-        from tilegraph.testing import assert_close
+        from tilegraph.accuracy import assert_close
 
         t = time.perf_counter()
         try:
@@ -183,7 +183,7 @@ class PipelineCheck:
     def before(self, p, model) -> None:
         from tilegraph.ir.model import Model, context, weights_of
         from tilegraph.passes import rewrite
-        from tilegraph.testing import rounding_violations
+        from tilegraph.accuracy import rounding_violations
 
         checker = self.checker
         if getattr(p, "LOSSY", False):

@@ -15,14 +15,14 @@ from tilegraph.frontends.onnx.load import (DEFAULT_DOMAINS, MAX_FUNCTION_DEPTH, 
                                            default_opset, function_schema, load_model)
 from tilegraph.frontends.onnx.node import CONVERTERS, Node
 from tilegraph.frontends.onnx.values import (FOLD_MAX_NEW_ELEMENTS, StaticInputNeeded, Value, _as_int_array,
-                                             _symbol_name, info, known_dtype, onnx_dtype, tensor_array)
+                                             info, known_dtype, onnx_dtype, tensor_array)
 from tilegraph.ir import dtypes
 from tilegraph.ir.builder import INLINE_CONSTANT_LIMIT, Graph, Tensor
 from tilegraph.ir.errors import TilegraphError
-from tilegraph.ir.interpreter import GLOBALS, dtype_code, shape_code
+from tilegraph.ir.interpreter import dtype_code, evaluate_rendered, shape_code
 from tilegraph.ir.model import Model
 from tilegraph.ir.ops import OPS, infer, normalize_attrs, render
-from tilegraph.ir.shapes import Dim, TensorInfo, is_static, symbol
+from tilegraph.ir.shapes import Dim, TensorInfo, is_static, symbol, symbol_named
 
 
 def _renamed(b, rename: Callable[[str], str], attrs: dict):
@@ -132,7 +132,7 @@ class _Importer:
             if d.HasField("dim_value"):
                 shape.append(int(d.dim_value))
             elif d.HasField("dim_param") and re.fullmatch(r"[A-Za-z_][A-Za-z_0-9]*", d.dim_param):
-                shape.append(symbol(_symbol_name(d.dim_param)))
+                shape.append(symbol_named(d.dim_param))
             else:
                 shape.append(self.fresh_symbol())
         return dtype, tuple(shape)
@@ -375,7 +375,7 @@ class _Importer:
                     value = np.vectorize(lambda a, b: sympy.floor(sympy.sympify(a) / sympy.sympify(b)),
                                          otypes=[object])(*arrays)
                 else:
-                    value = eval(expr, GLOBALS, local)
+                    value = evaluate_rendered(expr, local)
         except (TypeError, ValueError, AttributeError):
             if symbolic:
                 return None

@@ -74,18 +74,6 @@ def _as_int_array(a: np.ndarray) -> np.ndarray | None:
     return np.asarray(out, dtype=np.int64).reshape(a.shape)
 
 
-def _symbol_name(param: str) -> str:
-    """A dim_param as a symbol name that generated code can use as a variable (not `np`, `K`, `int`, `in`)."""
-    import builtins
-    import keyword
-
-    from tilegraph.ir.interpreter import GLOBALS
-
-    while param in GLOBALS or hasattr(builtins, param) or keyword.iskeyword(param):
-        param += "_"
-    return param
-
-
 def _dim_value(v: Any) -> Dim:
     return normalize_dim(v) if isinstance(v, sympy.Expr) else int(v)
 

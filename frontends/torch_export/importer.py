@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import functools
-import keyword
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +15,8 @@ from tilegraph.frontends import FrontendError
 from tilegraph.ir import decompositions as D, dtypes
 from tilegraph.ir.builder import Graph, Tensor
 from tilegraph.ir.errors import TilegraphError
-from tilegraph.ir.interpreter import GLOBALS as _INTERPRETER_NAMES
 from tilegraph.ir.model import Model
-from tilegraph.ir.shapes import Dim, dims_equal, normalize_dim, shape_str, symbol
+from tilegraph.ir.shapes import Dim, dims_equal, normalize_dim, shape_str, symbol_named
 from tilegraph.frontends.torch_export.registry import CONVERTERS, RUN_TIME_SCALARS
 
 aten = torch.ops.aten
@@ -62,7 +60,6 @@ SKIP = {
 
 # Names a symbolic dim cannot take: the generated code evaluates shapes with the
 # symbols as Python variables next to these.
-_RESERVED = set(_INTERPRETER_NAMES) | set(keyword.kwlist) | {"None", "True", "False"}
 
 
 # --- public entry points -------------------------------------------------------
@@ -286,13 +283,9 @@ class _Importer:
                     if name in env.source_name_to_debug_name:
                         debug[sym] = env.source_name_to_debug_name[name]
                         break
-        out, used = {}, set()
+        out: dict = {}
         for sym in sorted(torch_syms, key=str):
-            name = _identifier(debug.get(sym, str(sym)))
-            while name in used or name in _RESERVED:
-                name += "_"
-            used.add(name)
-            out[sym] = symbol(name)
+            out[sym] = symbol_named(debug.get(sym, str(sym)), {s.name for s in out.values()})
         return out
 
     def expr(self, e: Any) -> Dim:
@@ -535,11 +528,6 @@ class _Importer:
 
 def _same_dim(a: Dim, b: Dim) -> bool:
     return a == b or (not isinstance(a, int) or not isinstance(b, int)) and dims_equal(a, b)
-
-
-def _identifier(name: str) -> str:
-    out = "".join(c if c.isalnum() or c == "_" else "_" for c in name)
-    return out if out and not out[0].isdigit() else "d_" + out
 
 
 def torch_dtype(dt: torch.dtype) -> str:

@@ -11,8 +11,7 @@ import torch
 from tilegraph.frontends import FrontendError
 from tilegraph.ir import dtypes
 from tilegraph.ir.builder import Tensor
-from tilegraph.ir.shapes import broadcast_shapes, dims_equal, numel, symbol
-from tilegraph.frontends.torch_export.importer import _RESERVED, _identifier
+from tilegraph.ir.shapes import broadcast_shapes, dims_equal, numel, symbol, symbol_named
 from tilegraph.frontends.torch_export.registry import RUN_TIME_SCALARS, _axis, converts
 
 aten = torch.ops.aten
@@ -33,11 +32,7 @@ def _run_time_size(cv, d: Any) -> str:
     if not e.is_Symbol:
         raise FrontendError(f"a data-dependent size {e} that is not one symbol")
     if e not in cv.symbols:
-        taken = {s.name for s in cv.symbols.values()}
-        name = _identifier(str(e))
-        while name in taken or name in _RESERVED:
-            name += "_"
-        cv.symbols[e] = symbol(name)
+        cv.symbols[e] = symbol_named(str(e), {s.name for s in cv.symbols.values()})
     return cv.symbols[e].name
 
 

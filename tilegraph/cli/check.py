@@ -13,7 +13,7 @@ def _check(args) -> int:
     import tilegraph
     from tilegraph.ir.errors import TilegraphError
     from tilegraph.ir.interpreter import bind_inputs
-    from tilegraph.testing import (
+    from tilegraph.accuracy import (
         random_inputs,
         reduction_length,
         relative_error,

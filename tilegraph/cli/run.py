@@ -25,7 +25,7 @@ def _run(args) -> int:
     from tilegraph.passes.cost.collectives import parse_mesh
     from tilegraph.passes.partition import partition
     from tilegraph.passes.registry import UNFUSED_PIPELINE, run_pipeline
-    from tilegraph.testing import (
+    from tilegraph.accuracy import (
         narrowest_float,
         random_inputs,
         reduction_length,

@@ -50,8 +50,7 @@ from tilegraph.testing.generator import (ALL_OPS, BINARY_OPS, COMPARE_OPS, COMPO
                                          LAYER_NORM_EPSILONS, LAYOUT_OPS, MAX_DIM, MAX_ELEMENTS, MAX_KERNEL, MAX_RANK,
                                          MAX_SPATIAL, MAX_SYMBOL_SIZE, MIN_POSITIVE, OP_FAMILIES, OTHER_OPS,
                                          REDUCE_OPS, SPATIAL_OPS, SYMBOLS, UNARY_OPS, VALUE_LIMIT, graphs)
-from tilegraph.testing.tolerances import (EPS, PEER_RELATIVE_ERROR, ROUNDING_BUDGET, assert_close, relative_error,
-                                          tolerance)
+from tilegraph.accuracy import EPS, PEER_RELATIVE_ERROR, ROUNDING_BUDGET, assert_close, relative_error, tolerance
 
 __all__ = ["ALL_OPS", "BINARY_OPS", "COMPARE_OPS", "COMPOSITE_OPS", "EPS", "EXP_LIMIT", "INDEX_OPS",
            "LAYER_NORM_EPSILONS", "LAYOUT_OPS", "MAX_DIM", "MAX_ELEMENTS", "MAX_KERNEL", "MAX_RANK", "MAX_SPATIAL",

@@ -7,6 +7,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from tilegraph.accuracy import MAX_SYMBOL_SIZE
 from tilegraph.ir import dtypes
 from tilegraph.ir.ops import OPS
 
@@ -24,7 +25,6 @@ from tilegraph.ir.ops import OPS
 MAX_DIM = 4
 MAX_RANK = 3
 MAX_ELEMENTS = 512
-MAX_SYMBOL_SIZE = 3
 SYMBOLS = ("B",)
 
 # Value ranges. Inputs and weights are uniform in [-1, 1]. Every intermediate is

@@ -1,4 +1,4 @@
-"""`search`: the (data, tensor, pipeline, sequence) degrees of a training step on N devices.
+"""`search`: the data, tensor, pipeline and sequence parallelism degrees of a training step on N devices.
 
 What it decides, as Alpa's inter-operator pass does around its intra-operator ILP (Zheng et
 al., OSDI 2022, section 5), in the enumerate-and-price form of Narayanan et al. (SC21,
