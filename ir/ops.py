@@ -1266,7 +1266,7 @@ _op("block_matmul", ["x", "w"], _block_matmul, "K.block_matmul({x}, {w}, {format
         "(ir/block_formats.py), read as stored: never widened to f32 whole. activation='q8' first rounds x "
         "to int8 per 32 values (block_formats.quantize_activations, ggml's vec_dot numerics: the integer dot "
         "products llama.cpp and the C backend's decode kernels take); 'f32' multiplies x as it is",
-    flops=_block_matmul_flops)
+    flops=_block_matmul_flops, gemm=_gemm_of_matmul)
 _op("block_gather", ["w", "indices"], _block_gather, "K.block_gather({w}, {indices}, {format}, {k})", "quantize",
     _BLOCK, doc="rows `indices` of dequantize(w) -> f32[*indices, k]: an embedding lookup in a block format")
 _op("cache_write", ["cache", "x", "pos"], _cache_write, "K.cache_write({cache}, {x}, {pos})", "layout",

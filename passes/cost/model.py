@@ -467,6 +467,9 @@ def _quant_cost(op: TgOp, hw) -> Cost:
     elif name == "dynamic_quantize":  # |x|, row max, then quantize by the row (or block) scale
         passes = x * (3 + 2 + CLIP_PASSES + CAST_PASSES.get(out.dtype, (1, 1))[1])
         calls = 10
+    elif op.SPEC.gemm is None and name != "matmul_integer":  # a lookup (block_gather): a pass over its result
+        passes = _elements(out)
+        calls = 1
     else:  # matmul_integer: both operands to float32, one sgemm per 2^24-safe chunk of K, int32 adds
         m, n, k = _matmul_shape(op)
         passes = x * 2 + _elements(ins[1]) + 2 * _elements(out)
