@@ -7,6 +7,7 @@ The sum of the steps is a little above the whole module's time (one call per ste
 of one per run of steps).
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/c_steps.py [--models cnn,minilm,gpt2] [--archs resnet,lstm]
+                                                            [--full resnet50,bert-base [--batch N]]
                                                             [--repeat N] [--threads N] [--top N]
 """
 
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import arch_sweep  # noqa: E402
 import cpu_speed  # noqa: E402
+import full_size_sweep  # noqa: E402
 import torch  # noqa: E402
 
 import tilegraph  # noqa: E402
@@ -73,6 +75,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="cnn", help="comma-separated, of: " + ", ".join(cpu_speed.MODELS))
     ap.add_argument("--archs", default="", help="comma-separated names of benchmarks/arch_sweep.py's architectures")
+    ap.add_argument("--full", default="", help="comma-separated names of benchmarks/full_size_sweep.py's models")
+    ap.add_argument("--batch", type=int, default=1, help="batch of the --full models")
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--top", type=int, default=15, help="steps listed, slowest first")
@@ -84,6 +88,9 @@ def main(argv=None) -> int:
         arch = next(a for a in arch_sweep.ARCHS if a.name == name)
         arch_sweep.FirstOutput = arch_sweep._first_output_class()
         module, names, inputs = arch_sweep.build(arch)
+        chosen.append(cpu_speed.Case(name, name, lambda module=module: module, inputs, names))
+    for name in filter(None, args.full.split(",")):
+        module, names, inputs = full_size_sweep.build(name, args.batch)
         chosen.append(cpu_speed.Case(name, name, lambda module=module: module, inputs, names))
     for case in chosen:
         module = case.module()

@@ -41,9 +41,8 @@ from typing import Callable, Mapping
 
 # (The NumPy backend's attention kernel, backends/numpy/attention.py, and the cost model.)
 # Below this many scores (batch x Lq x Lk) one thread does the work: handing items
-# to the pool costs more than it saves. Measured on the 2-core machine: MiniLM b1
-# (196K scores, ~1 ms) ran no faster on 2 threads (0.50-0.62x of K.attention
-# against 0.54x on one), GPT-2 b1 s256 causal (786K) did (0.48x against 0.69x).
+# to the pool costs more than it saves: MiniLM's attention at batch 1 (196K scores)
+# gains nothing from a second thread, GPT-2's at 256 tokens (786K) does.
 MIN_PARALLEL_SCORES = 1 << 19
 
 PROFILE_FORMAT = 8  # (2: per-core GEMM samples; 3: chunk_call_overhead; 4: parallel costs, conv rate; 5: skinny GEMMs; 6: BLAS threads; 7: attention, fused kernels, spilled rates; 8: BLAS call overhead) bump when the JSON layout changes: older profiles are then re-measured
@@ -100,8 +99,8 @@ class Hardware:
     # and `tile` never chooses it.
     blas_parallel_efficiency: float = 0.0
     # CPU only: what running a GEMM on BLAS's threads adds to its call, whatever its size
-    # (handing BLAS all cores and taking them back): 12 us on the 2-core dev machine
-    # against 3.4 us for the whole 32x144x10 GEMM of the small CNN's classifier.
+    # (handing BLAS all cores and taking them back), calibrated: it can exceed the whole
+    # of a small GEMM (a small CNN's classifier), which then stays on one thread.
     blas_call_overhead: float = 0.0
     # CPU only: FLOP/s of the NumPy convolution kernel (K.conv: im2col, small batched GEMMs),
     # which is far from the GEMM curve; 0: priced as a GEMM.
@@ -127,6 +126,10 @@ class Hardware:
     # CPU "c" only: (m, n, k, FLOP/s) of oneDNN's GEMM on a prepacked weight with all
     # threads (`gemm_samples` holds the same on one thread). Empty: `gemm_samples` x cores.
     gemm_samples_threaded: tuple[tuple[int, int, int, float], ...] = ()
+    # CPU only: other processes' runnable threads seen while it was measured (0: a quiet
+    # machine). A profile taken under load (GEMMs priced 3-41x too slow) is used, but
+    # measured again by the first process that finds the machine quiet (_cpu_profile).
+    measured_busy: int = 0
 
     # Dict fields make the generated hash fail; these three identify a profile.
     def __hash__(self) -> int:
@@ -396,21 +399,46 @@ def _measure(native: bool = False) -> Hardware:
     return calibrate(quick=True)
 
 
+def others_running() -> int:
+    """Runnable threads of other processes right now (/proc/loadavg's running count, less
+    the caller); 0 where the system does not say."""
+    try:
+        with open("/proc/loadavg", "rb") as f:
+            return max(0, int(f.read().split()[3].split(b"/")[0]) - 1)
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _trusted(profile: Hardware) -> bool:
+    """A profile to use as is: one measured on a quiet machine, or a busy one's while the
+    machine is still busy (measuring again would be no better)."""
+    return not profile.measured_busy or others_running() > 0
+
+
+def _measure_noting_load(native: bool) -> Hardware:
+    """A quick measurement, marked with the most other runnable threads seen around it."""
+    busy = others_running()
+    profile = _measure(native)
+    busy = max(busy, others_running())
+    return replace(profile, measured_busy=busy) if busy else profile
+
+
 @lru_cache(maxsize=None)
 def _cpu_profile(path: str, native: bool = False) -> Hardware:
-    """The profile at `path`, measured now (quickly) if there is none: by the NumPy
-    backend's calibration, or where `native`, the C backend's."""
+    """The profile at `path`, measured now (quickly) if there is none, or if it was taken
+    under load and the machine is quiet now: by the NumPy backend's calibration, or where
+    `native`, the C backend's."""
     profile = load_profile(path)
-    if profile is not None:
+    if profile is not None and _trusted(profile):
         return profile
     try:
         with _locked(Path(path)):  # one pytest-xdist worker calibrates, the others wait and read it
             profile = load_profile(path)
-            if profile is None:
-                profile = _measure(native)
+            if profile is None or not _trusted(profile):
+                profile = _measure_noting_load(native)
                 save_profile(profile, path)
     except OSError:  # no writable cache directory: the measurement serves this process only
-        profile = profile or _measure(native)
+        profile = profile or _measure_noting_load(native)
     return profile
 
 

@@ -48,10 +48,9 @@ def erf(x, out=None):
     return _into(_erf32(x, np.empty(x.shape, np.float32)).astype(x.dtype, copy=False), out)
 
 
-# Elements per block of the f32 gelu: its 18 passes then run over temporaries that
-# stay in one core's L2 (three of 256 KiB). Measured on the 2-core dev machine
-# (1.25 MiB L2 per core) with the previous 28-pass gelu on 1024x1536 f32: 38 ms in one
-# piece, 22 ms in blocks of 16K elements, 14 ms in blocks of 64K.
+# Elements per block of the f32 gelu: its 18 passes then run over temporaries (three of
+# 256 KiB) that stay in a core's L2 instead of streaming a whole activation through memory
+# each pass; larger blocks than this stop fitting, smaller ones pay NumPy's per-call cost.
 ERF_BLOCK = 1 << 16
 
 

@@ -51,8 +51,9 @@ from tilegraph.passes.cost.model import at_nominal, group_cost, nominal_sizes
 from tilegraph.ir.hardware import check_target, hardware
 from tilegraph.passes.remarks import listening, remark
 
-# Attention: keys per block. 128 query rows x 512 keys of f32 scores is 256 KB, half
-# of this machine's 512 KB L2 per core (lscpu), leaving room for q, k, v blocks.
+# Attention: keys per block. 128 query rows x 512 keys of f32 scores is 256 KB, half of
+# a 512 KB L2 (the smallest per-core L2 of the CPUs this runs on), leaving room for the
+# q, k, v blocks.
 FLASH_BLOCK_Q = 128
 FLASH_BLOCK_KV = 512
 # On a GPU the scores block is held in registers: 128 queries x 64 keys of fp32 is 64
@@ -63,10 +64,9 @@ C_FLASH_BLOCKS = ((128, 256), (128, 128), (64, 128), (64, 64), (32, 64))
 GPU_FLASH_BLOCK_Q = 128
 GPU_FLASH_BLOCK_KV = 64
 # A chunk's working set may outgrow the core's L2 into the shared L3 before its passes
-# slow down: on this machine (512 KiB L2, 32 MiB L3) MiniLM's FFN group (GEMM rows +
-# bias + gelu, 1024 x 384 @ 384 x 1536 on 2 threads) ran fastest at 128-256 rows,
-# 2.5-5 MB live: 10.8 ms against 11.4 at 64 rows and 19.5 at 512 (a one-off timing
-# during issue 3; not calibrated yet: the calibration measures L2 only).
+# slow down: MiniLM's FFN group (GEMM rows + bias + gelu) ran fastest with 5-10x an L2
+# live, slower at both a quarter and twice that (a one-off timing, not calibrated: the
+# calibration measures L2 only).
 SPILL_FACTOR = 8
 # Column chunks are at least this wide: BLAS's register blocking wants a few dozen
 # columns, and the calibrated skinny-GEMM curve starts at 4.

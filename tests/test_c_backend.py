@@ -290,7 +290,7 @@ def test_indexing_ops_along_any_axis_match_the_interpreter(shape, data):
         assert_close(got, want, "f32", reduction_length=n, name=name)
     bad = elements.copy()
     bad.reshape(-1)[0] = n  # one past the end: an error naming the op, not a read outside x
-    with pytest.raises(tilegraph.TilegraphError, match="gather_elements: index"):
+    with pytest.raises(tilegraph.TilegraphError, match="gather_elements"):
         _natively(model)(x, ids, bad)
 
 
@@ -335,8 +335,9 @@ def test_a_group_of_row_reductions_is_one_pass_over_the_rows(rows, width, seed):
 
 
 def test_a_gated_mlp_runs_its_sibling_gemms_then_one_loop():
-    """Llama's MLP: silu(x @ Wg) * (x @ Wu): one GEMM, then the other with the loop that
-    combines them as one step (it once fell back to a step per op)."""
+    """Llama's MLP: silu(x @ Wg) * (x @ Wu): one GEMM, then the other with what combines
+    them as one step (its oneDNN epilogue where the gate comes second: swish, then a binary
+    mul by the first; it once fell back to a step per op)."""
     from tilegraph.ir import Graph
 
     rng = np.random.default_rng(0)
@@ -346,7 +347,8 @@ def test_a_gated_mlp_runs_its_sibling_gemms_then_one_loop():
     up = x @ g.weight("wu", rng.standard_normal((32, 64)).astype(np.float32))
     model = g.build(gate * g.sigmoid(gate) * up, names=["h"])
     compiled = tilegraph.compile(model, target="c")
-    assert [s.comment.split(" ")[0] for s in compiled._runner.program.steps] == ["matmul", "fusion"]
+    assert [s.comment.split(" ")[0] for s in compiled._runner.program.steps] in (["matmul", "fusion"],
+                                                                                 ["matmul", "matmul"])
     xs = rng.standard_normal((2, 16, 32)).astype(np.float32)
     assert_close(compiled(xs), interpret(model, [xs])[0], "f32", reduction_length=32)
 

@@ -170,6 +170,18 @@ class Compiled:
     def run(self, *inputs: Any, **named: Any) -> list[np.ndarray]:
         return self._runner(*inputs, **named)
 
+    @property
+    def reference_kernels(self) -> list[str]:
+        """(target "c") The GEMMs and convolutions left on oneDNN's slow reference kernel,
+        one line each: none is the rule (they are made at a shape's first call)."""
+        return list(getattr(self._runner, "reference_kernels", []))
+
+    @property
+    def primitives(self) -> list[str]:
+        """(target "c") Every oneDNN GEMM and convolution made so far, one line each with the
+        implementation oneDNN chose for it (brgconv:avx512_core_amx, ...)."""
+        return list(getattr(self._runner, "primitives", []))
+
     def __call__(self, *inputs: Any, **named: Any):
         outs = self._runner(*inputs, **named)
         return outs[0] if len(outs) == 1 else tuple(outs)

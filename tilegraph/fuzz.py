@@ -47,7 +47,7 @@ MLIR_TOKENS = ["tg.add", "tg.matmul", "tg.fusion", "tg.yield", "tg.weight", "ten
 
 
 # Seconds one case may take before it counts as a hang (a crash): the slowest legitimate cases
-# (a shard solve, a calibration) take a few seconds on the 2-core dev VM.
+# (a shard solve, a calibration) take a few seconds.
 CASE_TIME_LIMIT = 60
 
 

@@ -66,13 +66,13 @@ QUICK_LOOP_OPS = ("add", "exp", "tanh", "erf", "gelu")
 CHAIN = 9  # ops (steps, unfused) in the longer chain (one in the shorter)
 ROW = 256  # row length of the softmax and layer_norm timed (a hidden state's row)
 TINY = 16  # elements of "a tiny step": its fixed cost dominates
-# Elements per array of the in-cache passes: 2 arrays in and 1 out of both sizes fit the
-# two cores' L2 (1 MiB each here) and both are above the emitted loops' OpenMP threshold.
+# Elements per array of the in-cache passes: 2 arrays in and 1 out of both sizes fit two cores'
+# L2 of 1 MiB or more, and both are above the emitted loops' OpenMP threshold.
 CACHE_SIZES = (1 << 16, 1 << 17)
 STREAM_QUICK = 1 << 23  # 32 MiB per array: three of them overflow a 32 MiB L3
 # Seconds of timing per measurement. Quick: enough batches that a neighbour's time slice
-# spoils a minority of them on the shared 2-core machine (at 0.03 s, three samples each,
-# a quick profile taken at a load of 2 had tanh 100x slower than a quiet one).
+# spoils a minority of them on a shared machine (with three samples each, a quick profile
+# taken under load had tanh 100x slower than a quiet one).
 BUDGET, QUICK_BUDGET = 0.4, 0.1
 
 

@@ -41,8 +41,19 @@ class OneDNN(EmitterParts):
         posts, operands = [], []
         current = acc
         computed = {acc}  # values the primitive makes: no binary operand may be one
-        for op in chain:
+        covered = 0  # ops of the chain the posts cover (a swish covers two)
+        swish_mul = None
+        for i, op in enumerate(chain):
+            if op is swish_mul:
+                continue
             name = op.op_name
+            swish_mul = _swish_mul(chain[i:], current) if len(posts) < 8 else None
+            if swish_mul is not None:  # x * sigmoid(x) (SiLU): oneDNN's swish, one post-op
+                posts.append(f"{{0, {DNNL_ELTWISE['swish']}, 1.f, 0.f, 0, {{0}}, {{0}}}}")
+                current = swish_mul.results[0]
+                computed.add(current)
+                covered += 2
+                continue
             if op.operands[0] is not current and not (name in ("add", "mul") and op.operands[1] is current):
                 break
             if info_of(op.results[0].type).dtype != "f32" or len(posts) == 8:
@@ -98,7 +109,8 @@ class OneDNN(EmitterParts):
                     not all(_eq(a, b) for a, b in zip(info_of(current.type).shape, out_shape)):
                 posts.pop()
                 break
-        return posts, operands, len(posts)
+            covered += 1
+        return posts, operands, covered
 
     def fused_contraction(self, group: FusionOp, ops, env, yields) -> bool:
         """A GEMM or convolution, its epilogue on oneDNN where it fuses, the rest of the
@@ -288,8 +300,8 @@ class OneDNN(EmitterParts):
     @staticmethod
     def _lead(v: View, rank: int) -> View:
         # The new size-1 dims get the stride of a whole operand, not 0: oneDNN 3.x runs a matmul
-        # with a zero batch stride (an activation times a gathered 2-D weight, issue 20's
-        # per-device programs) on its reference kernel, ~2000x slower than brgemm.
+        # with a zero batch stride (an activation times a gathered 2-D weight, as in sharded
+        # per-device programs) on its reference kernel, orders of magnitude slower than brgemm.
         extra = rank - v.rank
         return View(v.buf, v.offset, (1,) * extra + v.shape, (numel(v.shape),) * extra + v.strides, v.dtype,
                     v.literal, v.value)
@@ -348,3 +360,18 @@ class OneDNN(EmitterParts):
                  f"{self.ptr(bias) if bias is not None else 'NULL'}, {self.ptr(out, False)}, post)) return 1;", "}"]
         self._step(_describe(op), lines, [x, w, *([bias] if bias is not None else []), *post_views], [out], state)
         return out, covered
+
+
+def _swish_mul(chain: list[TgOp], current: SSAValue) -> TgOp | None:
+    """The `mul` of `sigmoid(current) * current` (SiLU) when those are the chain's next two
+    ops and nothing else reads `current` or the sigmoid (the epilogue overwrites them)."""
+    if len(chain) < 2 or chain[0].op_name != "sigmoid" or chain[0].operands[0] is not current:
+        return None
+    sig, mul = chain[0], chain[1]
+    if mul.op_name != "mul" or {id(v) for v in mul.operands} != {id(current), id(sig.results[0])}:
+        return None
+    if info_of(mul.results[0].type).dtype != "f32":
+        return None
+    if not (all(u.operation in (sig, mul) for u in current.uses) and _only_use(sig.results[0], mul)):
+        return None
+    return mul

@@ -9,6 +9,62 @@ static dnnl_stream_t tg_stream;
 
 const char *tg_error(void) { return tg_err; }
 
+/* Every primitive created, one line each (kind, source dims, the implementation oneDNN
+ * chose), and a count: the Python side reads the lines a binding added, reports the
+ * kernels (`primitives`) and warns of any left on oneDNN's reference implementation. */
+static int tg_prims;
+static char tg_prim_lines[1 << 18];
+int tg_primitive_count(void) { return tg_prims; }
+const char *tg_primitive_report(void) { return tg_prim_lines; }
+
+/* The precision of the GEMMs and convolutions created next: strict f32, or bf16 products
+ * with f32 accumulation (oneDNN's fpmath mode: operands stay f32 in memory, its kernels
+ * convert blocks to bf16 for the processor's AMX or AVX-512 BF16 units). The loader sets it
+ * around a shape binding's primitive creation (runtime.py), so modules of either precision
+ * live side by side in one process. */
+static dnnl_fpmath_mode_t tg_fpmath = dnnl_fpmath_mode_strict;
+
+/* Whether this processor (as oneDNN dispatches on it) has bf16 dot products. */
+int tg_bf16_supported(void) {
+    dnnl_cpu_isa_t isa = dnnl_get_effective_cpu_isa();
+    return ((int)isa & (int)dnnl_cpu_isa_avx512_core_bf16) == (int)dnnl_cpu_isa_avx512_core_bf16;
+}
+
+/* Whether the processor has AMX tiles for bf16 (else AVX-512 BF16 runs them). */
+int tg_amx_supported(void) {
+    dnnl_cpu_isa_t isa = dnnl_get_effective_cpu_isa();
+    return ((int)isa & (int)dnnl_cpu_isa_avx512_core_amx) == (int)dnnl_cpu_isa_avx512_core_amx;
+}
+
+void tg_set_bf16(int on) { tg_fpmath = on ? dnnl_fpmath_mode_bf16 : dnnl_fpmath_mode_strict; }
+
+static const char *tg_impl(const_dnnl_primitive_desc_t pd) {
+    const char *impl = NULL;
+    if (dnnl_primitive_desc_query(pd, dnnl_query_impl_info_str, 0, &impl) != dnnl_success || !impl) return "?";
+    return impl;
+}
+
+static int tg_is_ref(const_dnnl_primitive_desc_t pd) { return strncmp(tg_impl(pd), "ref", 3) == 0; }
+
+static void tg_log_primitive(const_dnnl_primitive_desc_t pd, const_dnnl_memory_desc_t src) {
+    char line[256];
+    int nd = 0, k;
+    const dnnl_dims_t *dims = NULL;
+    dnnl_primitive_kind_t kind = dnnl_undefined_primitive;
+    dnnl_primitive_desc_query(pd, dnnl_query_primitive_kind, 0, &kind);
+    dnnl_memory_desc_query(src, dnnl_query_ndims_s32, &nd);
+    dnnl_memory_desc_query(src, dnnl_query_dims, &dims);
+    k = snprintf(line, sizeof line, "%s of a ", kind == dnnl_convolution ? "convolution" : kind == dnnl_matmul ?
+                 "matmul" : "primitive");
+    for (int i = 0; i < nd && dims && k < 160; i++) k += snprintf(line + k, sizeof line - k, i ? "x%lld" : "%lld",
+                                                                 (long long)(*dims)[i]);
+    snprintf(line + k, sizeof line - k, " source: %s\n", tg_impl(pd));
+    size_t used = strlen(tg_prim_lines), n = strlen(line);
+    if (used + n >= sizeof tg_prim_lines) used = tg_prim_lines[0] = 0; /* full: the reader took the old lines */
+    memcpy(tg_prim_lines + used, line, n + 1);
+    tg_prims++;
+}
+
 void tg_set_threads(int n) { if (n > 0) omp_set_num_threads(n); }
 int tg_max_threads(void) { return omp_get_max_threads(); }
 
@@ -19,10 +75,62 @@ static int tg_runtime_init(void) {
     return 0;
 }
 
+/* Whether the dims of size > 1, walked in `order` (outermost first), have non-increasing strides. */
+static int tg_follows(int nd, const int64_t *dims, const int64_t *s, const int *order) {
+    int64_t last = INT64_MAX;
+    for (int k = 0; k < nd; k++) {
+        int d = order[k];
+        if (dims[d] == 1) continue;
+        if (s[d] > last) return 0;
+        last = s[d];
+    }
+    return 1;
+}
+
+/* Gives each dim of size 1 the stride a dense layout would give it. oneDNN picks its
+ * kernels by matching strides against the layouts they take (plain, channels-last,
+ * blocked), strides of size-1 dims included: a batch-1 NHWC source whose batch stride
+ * was C read as layout `cdab`, which only the reference convolution takes (100-200x
+ * slower). The other dims' strides say which layout is meant: plain (dims in order),
+ * channels-last (dim 1 innermost) or a transposed last pair (a matmul's B^T); a size-1
+ * dim goes where that layout puts it. Anything else: outside every dim after it. */
+static void tg_unit_strides(int nd, const int64_t *dims, int64_t *s) {
+    int orders[3][TG_MAX_DIMS], chosen = -1, any_unit = 0;
+    for (int i = 0; i < nd; i++) any_unit |= dims[i] == 1;
+    if (!any_unit) return;
+    for (int i = 0; i < nd; i++) {
+        orders[0][i] = i;
+        orders[1][i] = i == 0 ? 0 : i == nd - 1 ? 1 : i + 1;
+        orders[2][i] = i < nd - 2 ? i : (i == nd - 2 ? nd - 1 : nd - 2);
+    }
+    for (int c = 0; c < 3 && chosen < 0; c++)
+        if ((c != 1 || nd >= 3) && (c != 2 || nd >= 2) && tg_follows(nd, dims, s, orders[c])) chosen = c;
+    if (chosen >= 0) {
+        int64_t inner = 1; /* the extent of what lies inside, walking outwards */
+        for (int k = nd - 1; k >= 0; k--) {
+            int d = orders[chosen][k];
+            if (dims[d] == 1) s[d] = inner;
+            else if (s[d] * dims[d] > inner) inner = s[d] * dims[d];
+        }
+        return;
+    }
+    for (int i = nd - 1; i >= 0; i--) {
+        if (dims[i] != 1) continue;
+        int64_t outer = 1;
+        for (int j = i + 1; j < nd; j++)
+            if (dims[j] != 1 && s[j] * dims[j] > outer) outer = s[j] * dims[j];
+        s[i] = outer;
+    }
+}
+
 static dnnl_memory_desc_t tg_md(int nd, const int64_t *dims, const int64_t *strides, dnnl_data_type_t dt) {
     dnnl_memory_desc_t md = NULL;
     dnnl_dims_t d, s;
-    for (int i = 0; i < nd; i++) { d[i] = dims[i]; s[i] = strides[i]; }
+    int64_t st[TG_MAX_DIMS];
+    if (nd > TG_MAX_DIMS) return NULL;
+    for (int i = 0; i < nd; i++) st[i] = strides[i];
+    tg_unit_strides(nd, dims, st);
+    for (int i = 0; i < nd; i++) { d[i] = dims[i]; s[i] = st[i]; }
     if (dnnl_memory_desc_create_with_strides(&md, nd, d, dt, s) != dnnl_success) return NULL;
     return md;
 }
@@ -40,6 +148,8 @@ static dnnl_memory_desc_t tg_md_any(int nd, const int64_t *dims, dnnl_data_type_
 static int tg_attr(dnnl_primitive_attr_t *attr, int npost, const tg_post *posts, int scale_mask) {
     dnnl_post_ops_t po;
     TG_DNNL(dnnl_primitive_attr_create(attr), "attr_create");
+    if (tg_fpmath != dnnl_fpmath_mode_strict)
+        TG_DNNL(dnnl_primitive_attr_set_fpmath_mode(*attr, tg_fpmath), "set_fpmath_mode");
     if (scale_mask)
         TG_DNNL(dnnl_primitive_attr_set_scales_mask(*attr, DNNL_ARG_WEIGHTS, scale_mask), "set_scales_mask");
     if (!npost) return 0;
@@ -112,7 +222,87 @@ static int tg_prim_memories(tg_prim *g, dnnl_primitive_desc_t pd, int npost) {
 typedef dnnl_status_t (*tg_pd_fn)(dnnl_primitive_desc_t *, const void *ctx, const_dnnl_memory_desc_t wei,
                                   const_dnnl_primitive_attr_t attr);
 
-static int tg_prim_create(tg_prim *g, tg_pd_fn make, const void *ctx, const_dnnl_memory_desc_t plain_wei,
+/* The head every primitive's context starts with: its source and destination. */
+typedef struct {
+    dnnl_memory_desc_t src, dst;
+} tg_io;
+
+/* A reorder between the caller's layout `user` and the primitive's `want`, through a
+ * scratch buffer the primitive owns; `into`: user -> want (else want -> user). */
+static int tg_reorder_step(dnnl_primitive_t *re, dnnl_memory_t *user_mem, void **tmp,
+                           const_dnnl_memory_desc_t user, const_dnnl_memory_desc_t want, int into) {
+    dnnl_primitive_desc_t rpd;
+    size_t size = dnnl_memory_desc_get_size(want);
+    *tmp = aligned_alloc(64, (size + 63) / 64 * 64 + 64);
+    if (!*tmp) TG_FAIL("out of memory for a reorder's scratch (%zu bytes)", size);
+    TG_DNNL(dnnl_reorder_primitive_desc_create(&rpd, into ? user : want, tg_engine, into ? want : user, tg_engine,
+                                               NULL), "reorder_pd");
+    TG_DNNL(dnnl_primitive_create(re, rpd), "reorder");
+    dnnl_primitive_desc_destroy(rpd);
+    TG_DNNL(dnnl_memory_create(user_mem, user, tg_engine, DNNL_MEMORY_NONE), "memory_create");
+    return 0;
+}
+
+/* `pd` runs on the reference kernel in the caller's layouts: asks oneDNN for the layouts
+ * it has a fast kernel for (source, weight and destination all `any`) and, where that
+ * kernel is not ref, takes it with reorders around it (the weight packed once if it is
+ * constant). Replaces *pd then; else leaves it (and the log says ref). */
+static int tg_relayout(tg_prim *g, dnnl_primitive_desc_t *pd, tg_pd_fn make, const void *ctx, size_t ctx_size,
+                       const_dnnl_memory_desc_t plain_wei, const void *weight, tg_packed *pack,
+                       const_dnnl_primitive_attr_t attr, int nd_w, const int64_t *wdims, dnnl_data_type_t wdt) {
+    const tg_io *io = ctx;
+    char any_ctx[512];
+    dnnl_primitive_desc_t fast = NULL;
+    int nd_s, nd_d;
+    const dnnl_dims_t *sd, *dd;
+    dnnl_data_type_t st, dt;
+    if (ctx_size > sizeof any_ctx) TG_FAIL("tg_relayout: context too large");
+    memcpy(any_ctx, ctx, ctx_size);
+    tg_io *any_io = (tg_io *)any_ctx;
+    dnnl_memory_desc_query(io->src, dnnl_query_ndims_s32, &nd_s);
+    dnnl_memory_desc_query(io->src, dnnl_query_dims, &sd);
+    dnnl_memory_desc_query(io->src, dnnl_query_data_type, &st);
+    dnnl_memory_desc_query(io->dst, dnnl_query_ndims_s32, &nd_d);
+    dnnl_memory_desc_query(io->dst, dnnl_query_dims, &dd);
+    dnnl_memory_desc_query(io->dst, dnnl_query_data_type, &dt);
+    any_io->src = tg_md_any(nd_s, *sd, st);
+    any_io->dst = tg_md_any(nd_d, *dd, dt);
+    dnnl_memory_desc_t any_w = tg_md_any(nd_w, wdims, wdt);
+    if (any_io->src && any_io->dst && any_w && make(&fast, any_ctx, any_w, attr) == dnnl_success && tg_is_ref(fast)) {
+        dnnl_primitive_desc_destroy(fast);
+        fast = NULL;
+    }
+    int rc = 0;
+    if (fast) {
+        const_dnnl_memory_desc_t ws = dnnl_primitive_desc_query_md(fast, dnnl_query_src_md, 0);
+        const_dnnl_memory_desc_t ww = dnnl_primitive_desc_query_md(fast, dnnl_query_weights_md, 0);
+        const_dnnl_memory_desc_t wd = dnnl_primitive_desc_query_md(fast, dnnl_query_dst_md, 0);
+        if (!dnnl_memory_desc_equal(ws, io->src))
+            rc = rc || tg_reorder_step(&g->re_src, &g->user_src, &g->tmp_src, io->src, ws, 1);
+        if (!dnnl_memory_desc_equal(wd, io->dst))
+            rc = rc || tg_reorder_step(&g->re_dst, &g->user_dst, &g->tmp_dst, io->dst, wd, 0);
+        if (!dnnl_memory_desc_equal(ww, plain_wei)) {
+            /* (a constant weight another binding packed for another layout: reordered each run) */
+            if (weight && (!pack->data || dnnl_memory_desc_equal(ww, pack->md))) {
+                if (!pack->data) rc = rc || tg_pack(pack, plain_wei, weight, ww);
+                g->wei_handle = pack->data;
+            } else {
+                g->wei_handle = NULL;
+                rc = rc || tg_reorder_step(&g->re_wei, &g->user_wei, &g->tmp_wei, plain_wei, ww, 1);
+            }
+        } else {
+            g->wei_handle = NULL;
+        }
+        dnnl_primitive_desc_destroy(*pd);
+        *pd = fast;
+    }
+    if (any_io->src) dnnl_memory_desc_destroy(any_io->src);
+    if (any_io->dst) dnnl_memory_desc_destroy(any_io->dst);
+    if (any_w) dnnl_memory_desc_destroy(any_w);
+    return rc;
+}
+
+static int tg_prim_create(tg_prim *g, tg_pd_fn make, const void *ctx, size_t ctx_size, const_dnnl_memory_desc_t plain_wei,
                           const void *weight, tg_packed *pack, int npost, const tg_post *posts, int nd_w,
                           const int64_t *wdims, int scale_mask) {
     dnnl_primitive_attr_t attr;
@@ -139,10 +329,23 @@ static int tg_prim_create(tg_prim *g, tg_pd_fn make, const void *ctx, const_dnnl
         if (any) dnnl_memory_desc_destroy(any);
     }
     if (!pd) TG_DNNL(make(&pd, ctx, plain_wei, attr), "primitive_desc_create");
+    if (tg_is_ref(pd) && tg_relayout(g, &pd, make, ctx, ctx_size, plain_wei, weight, pack, attr, nd_w, wdims, wdt))
+        return 1;
+    tg_log_primitive(pd, ((const tg_io *)ctx)->src);
     int rc = tg_prim_memories(g, pd, npost);
     dnnl_primitive_desc_destroy(pd);
     dnnl_primitive_attr_destroy(attr);
     return rc;
+}
+
+/* Runs a tg_relayout reorder between the caller's buffer (user_mem, handle `user`) and
+ * the primitive's own memory `mine` (its handle the scratch): into mine, or out of it. */
+static int tg_reorder_run(dnnl_primitive_t re, dnnl_memory_t user_mem, void *user, dnnl_memory_t mine, int into) {
+    dnnl_memory_set_data_handle(user_mem, user);
+    dnnl_exec_arg_t args[2] = {{DNNL_ARG_FROM, into ? user_mem : mine}, {DNNL_ARG_TO, into ? mine : user_mem}};
+    TG_DNNL(dnnl_primitive_execute(re, tg_stream, 2, args), "reorder");
+    TG_DNNL(dnnl_stream_wait(tg_stream), "stream_wait");
+    return 0;
 }
 
 /* bias: the convolution's bias, or the matmul's weight scales (one per column). */
@@ -150,9 +353,11 @@ int tg_prim_run(tg_prim *g, const void *src, const void *wei, const void *bias, 
                 void *const *post) {
     dnnl_exec_arg_t args[5 + TG_MAX_POST];
     int n = 0;
-    dnnl_memory_set_data_handle(g->src, (void *)src);
-    dnnl_memory_set_data_handle(g->wei, (void *)(g->wei_handle ? g->wei_handle : wei));
-    dnnl_memory_set_data_handle(g->dst, dst);
+    dnnl_memory_set_data_handle(g->src, g->re_src ? g->tmp_src : (void *)src);
+    dnnl_memory_set_data_handle(g->wei, g->re_wei ? g->tmp_wei : (void *)(g->wei_handle ? g->wei_handle : wei));
+    dnnl_memory_set_data_handle(g->dst, g->re_dst ? g->tmp_dst : dst);
+    if (g->re_src && tg_reorder_run(g->re_src, g->user_src, (void *)src, g->src, 1)) return 1;
+    if (g->re_wei && tg_reorder_run(g->re_wei, g->user_wei, (void *)wei, g->wei, 1)) return 1;
     args[n++] = (dnnl_exec_arg_t){DNNL_ARG_SRC, g->src};
     args[n++] = (dnnl_exec_arg_t){DNNL_ARG_WEIGHTS, g->wei};
     args[n++] = (dnnl_exec_arg_t){DNNL_ARG_DST, g->dst};
@@ -172,6 +377,7 @@ int tg_prim_run(tg_prim *g, const void *src, const void *wei, const void *bias, 
     }
     TG_DNNL(dnnl_primitive_execute(g->prim, tg_stream, n, args), "execute");
     TG_DNNL(dnnl_stream_wait(tg_stream), "stream_wait");
+    if (g->re_dst && tg_reorder_run(g->re_dst, g->user_dst, dst, g->dst, 0)) return 1;
     return 0;
 }
 
@@ -180,7 +386,7 @@ int tg_prim_run(tg_prim *g, const void *src, const void *wei, const void *bias, 
  * -> f32 with one weight scale per column of B: `scaled`). */
 
 typedef struct {
-    dnnl_memory_desc_t src, dst;
+    dnnl_memory_desc_t src, dst; /* tg_io */
 } tg_matmul_ctx;
 
 static dnnl_status_t tg_matmul_pd(dnnl_primitive_desc_t *pd, const void *ctx, const_dnnl_memory_desc_t wei,
@@ -197,7 +403,7 @@ int tg_matmul_create(tg_prim *g, int nd, const int64_t *a_dims, const int64_t *a
     if (tg_runtime_init()) return 1;
     if (!ctx.src || !ctx.dst || !wei) TG_FAIL("oneDNN rejected a matmul operand's layout");
     g->has_bias = 0;
-    int rc = tg_prim_create(g, tg_matmul_pd, &ctx, wei, weight, pack, npost, posts, nd, b_dims,
+    int rc = tg_prim_create(g, tg_matmul_pd, &ctx, sizeof ctx, wei, weight, pack, npost, posts, nd, b_dims,
                             scaled ? 1 << (nd - 1) : 0);
     if (!rc && scaled) { /* the scales: f32, one per column */
         int64_t one = 1;
@@ -215,7 +421,7 @@ int tg_matmul_create(tg_prim *g, int nd, const int64_t *a_dims, const int64_t *a
 /* --- convolution: NC<spatial> activations, (G)OI<spatial> weights --- */
 
 typedef struct {
-    dnnl_memory_desc_t src, bias, dst;
+    dnnl_memory_desc_t src, dst, bias; /* src, dst first: tg_io */
     dnnl_dims_t strides, dilates, pad_l, pad_r;
 } tg_conv_ctx;
 
@@ -252,7 +458,7 @@ int tg_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_s
     dnnl_memory_desc_t wei = tg_md(w_nd, w_dims, w_str, dnnl_f32);
     if (!ctx.src || !ctx.dst || !wei) TG_FAIL("oneDNN rejected a convolution operand's layout");
     g->has_bias = has_bias;
-    int rc = tg_prim_create(g, tg_conv_pd, &ctx, wei, weight, pack, npost, posts, w_nd, w_dims, 0);
+    int rc = tg_prim_create(g, tg_conv_pd, &ctx, sizeof ctx, wei, weight, pack, npost, posts, w_nd, w_dims, 0);
     dnnl_memory_desc_destroy(ctx.src);
     dnnl_memory_desc_destroy(ctx.dst);
     if (ctx.bias) dnnl_memory_desc_destroy(ctx.bias);

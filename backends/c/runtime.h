@@ -56,6 +56,12 @@ typedef struct {
     dnnl_memory_t src, wei, bias, dst, post[TG_MAX_POST], wei_scales;
     int npost, has_bias, scaled; /* scaled: one weight scale per column, given at run as `bias` */
     const void *wei_handle; /* the packed copy, or NULL: the caller's pointer each run */
+    /* Where the operands' own layouts have only oneDNN's reference kernel: reorders into
+     * (src, a non-constant weight) and out of (dst) the layouts a fast kernel takes, each
+     * run, through scratch buffers of the primitive's own (runtime.c, tg_relayout). */
+    dnnl_primitive_t re_src, re_wei, re_dst;
+    dnnl_memory_t user_src, user_wei, user_dst;
+    void *tmp_src, *tmp_wei, *tmp_dst;
 } tg_prim;
 
 /* The runtime's entry points (runtime.c says what each does). */
@@ -68,6 +74,11 @@ int tg_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_s
                    const int64_t *w_dims, const int64_t *w_str, const int64_t *y_dims, const int64_t *y_str,
                    int has_bias, const int64_t *strides, const int64_t *dilations, const int64_t *pads,
                    const void *weight, tg_packed *pack, int npost, const tg_post *posts);
+int tg_bf16_supported(void);
+int tg_amx_supported(void);
+void tg_set_bf16(int on);
+int tg_primitive_count(void);
+const char *tg_primitive_report(void);
 void tg_softmax_rows(const float *x, float *y, int64_t rows, int64_t n);
 void tg_layer_norm_rows(const float *x, float *y, const float *scale, const float *bias, int64_t rows,
                         int64_t n, float eps);

@@ -16,6 +16,7 @@ import ctypes
 import os
 import re
 import threading
+import warnings
 from typing import Any, Mapping
 
 import numpy as np
@@ -26,6 +27,7 @@ from tilegraph.backends.c.views import View
 from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.errors import TilegraphError
+from tilegraph.ir.hardware import others_running
 from tilegraph.ir.interpreter import GLOBALS, evaluate, run_time_sizes
 from tilegraph.ir.model import Model, ModelError
 from tilegraph.ir.ops import size_definitions
@@ -140,7 +142,8 @@ def _plan_arena(module: "CompiledModel", elements: list[int]) -> tuple[dict[int,
 class CompiledModel:
     """A loaded C module: call it with the model inputs, get the list of outputs."""
 
-    def __init__(self, program: CProgram, library: ctypes.CDLL, weights: Mapping[str, np.ndarray], model: Model):
+    def __init__(self, program: CProgram, library: ctypes.CDLL, weights: Mapping[str, np.ndarray], model: Model,
+                 precision: str = "f32"):
         self.program = program
         self.source = program.source
         self.model = model
@@ -201,11 +204,26 @@ class CompiledModel:
             raise ModelError("out of memory creating the C module's weight table")
         library.tg_error.restype = ctypes.c_char_p
         library.tg_max_threads.restype = ctypes.c_int
+        library.tg_primitive_count.restype = ctypes.c_int
+        library.tg_primitive_report.restype = ctypes.c_char_p
+        library.tg_bf16_supported.restype = ctypes.c_int
+        # The GEMMs' and convolutions' products: "f32", or "bf16" (f32 accumulation) where the
+        # processor has bf16 units; asked for elsewhere, f32 with a warning.
+        self.precision = precision
+        if precision == "bf16" and not library.tg_bf16_supported():
+            warnings.warn("precision='bf16': this processor has no bf16 dot products (AVX-512 BF16 or AMX); "
+                          "the C module runs in f32", RuntimeWarning, stacklevel=3)
+            self.precision = "f32"
+        # The oneDNN primitives of every binding so far (made at its first call), one line
+        # each with the implementation oneDNN chose; those on its reference kernel apart.
+        self.primitives: list[str] = []
+        self.reference_kernels: list[str] = []
         # The forward's work: its FLOPs and the elements it writes (a pass over memory is work too).
         self.work = sum((op.SPEC.flop_count([info_of(v.type) for v in op.operands], op.result_infos())
                          + sum(numel(r.shape) for r in op.result_infos())
                          for op in model.module.walk() if isinstance(op, TgOp)), sympy.Integer(0))
         self._bindings: dict[tuple, _Binding] = {}
+        self.last_threads = 0  # the threads the last call started with (_uncontended_threads)
         self._run_time_sizes = any(size_definitions(op) for op in model.func.body.block.ops)
 
     def __call__(self, *inputs: Any, **named: Any) -> list[np.ndarray]:
@@ -251,13 +269,15 @@ class CompiledModel:
                 raise ModelError(f"output {self.output_names[i]} would be {shape}: {e}") from None
             b.bases[buf] = fresh[i].reshape(-1)
             b.pointers[buf] = fresh[i].ctypes.data
-        threads = self._lib.tg_max_threads() if b.serial else 1
-        if threads > 1:
-            self._lib.tg_set_threads(1)
+        threads = self._lib.tg_max_threads()
+        use = 1 if b.serial else _uncontended_threads(threads)
+        self.last_threads = use
+        if use < threads:
+            self._lib.tg_set_threads(use)
         try:
             return self._run_native(b, sizes, known, fresh)
         finally:
-            if threads > 1:
+            if use < threads:
                 self._lib.tg_set_threads(threads)
 
     def _run_native(self, b: _Binding, sizes: dict[str, int], known: dict | None, fresh: dict) -> list[np.ndarray]:
@@ -266,9 +286,15 @@ class CompiledModel:
             for kind, k in self.program.plan:  # weights' dequantizations first: the kernels pack them
                 if kind == "host" and self.program.steps[k].once:
                     self._host(self.program.steps[k], b, sizes, known or {})
-            b.state = self._lib.tg_state_new(self._packs, ints, b.pointers)
+            made = self._lib.tg_primitive_count()
+            self._lib.tg_set_bf16(int(self.precision == "bf16"))  # for this module's primitives only
+            try:
+                b.state = self._lib.tg_state_new(self._packs, ints, b.pointers)
+            finally:
+                self._lib.tg_set_bf16(0)
             if not b.state:
                 raise ModelError(f"the C module could not prepare its kernels: {self._error()}")
+            self._note_primitives(self._lib.tg_primitive_count() - made)
         for kind, k in self.program.plan:
             if kind == "segment":
                 if self._segments[k](b.state, ints, b.pointers):
@@ -285,6 +311,22 @@ class CompiledModel:
         for i in self._per_call:  # the caller's arrays are not the module's to keep
             b.bases[i] = None
         return outs
+
+    def _note_primitives(self, new: int) -> None:
+        """Records the oneDNN primitives a binding just made (`primitives`: kind, source dims,
+        the implementation oneDNN chose) and warns of those on oneDNN's reference kernel
+        (`reference_kernels`): no layout was found that a fast kernel takes, and such a kernel
+        runs 10-1000x slower."""
+        if new <= 0:
+            return
+        lines = (self._lib.tg_primitive_report() or b"").decode(errors="replace").splitlines()[-new:]
+        self.primitives += lines
+        refs = [line for line in lines if line.split(" source: ")[-1].startswith("ref")]
+        if refs:
+            self.reference_kernels += refs
+            warnings.warn(f"{len(refs)} oneDNN primitive(s) of this C module run on oneDNN's reference kernel "
+                          f"(slow): {'; '.join(refs[:4])}{' ...' if len(refs) > 4 else ''}", RuntimeWarning,
+                          stacklevel=4)
 
     def _host(self, step, b: _Binding, sizes: dict[str, int], known: dict) -> None:
         results = known.get(step.host_op)
@@ -318,6 +360,22 @@ class CompiledModel:
 
     def __repr__(self) -> str:
         return f"CompiledModel[c]({', '.join(self.input_names)} -> {', '.join(self.output_names)})"
+
+
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _uncontended_threads(threads: int) -> int:
+    """The threads a forward starts with: at most `threads`, and no more than the cores other
+    processes' runnable threads leave free right now (hardware.others_running). A team of
+    OpenMP threads moves in lockstep, every parallel region ending in a barrier, and oneDNN
+    splits each kernel evenly among them: one thread waiting for a core stalls the whole
+    team at every barrier, a scheduler time slice each. With another process busy on one
+    of 2 cores, MiniLM b8 on 2 threads ran 8.5x its quiet time (onnxruntime 3.1x, its pool
+    lending work to whichever thread runs)."""
+    if threads <= 1:
+        return threads
+    return max(1, min(threads, CORES - others_running()))
 
 
 def _c_array(a, dtype=None) -> np.ndarray:
@@ -373,10 +431,17 @@ def remember(model: Model, program: CProgram) -> str:
     return program.source
 
 
+PRECISIONS = ("f32", "bf16")
+
+
 def load(source: str, weights: Mapping[str, np.ndarray], model: Model | None = None,
-         threads: int | None = None) -> CompiledModel:
+         threads: int | None = None, precision: str = "f32") -> CompiledModel:
     """Build (or find in the cache) the module's library and bind its weights. `threads`
-    caps the OpenMP threads its kernels and oneDNN use (default: OpenMP's, one per core)."""
+    caps the OpenMP threads its kernels and oneDNN use (default: OpenMP's, one per core).
+    `precision="bf16"`: GEMMs and convolutions multiply in bf16 on the processor's AMX or
+    AVX-512 BF16 units, accumulating in f32 (everything else stays f32)."""
+    if precision not in PRECISIONS:
+        raise TilegraphError(f"precision= must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
         raise TilegraphError(f"threads= must be a positive integer, got {threads!r}")
     if model is None:
@@ -393,7 +458,7 @@ def load(source: str, weights: Mapping[str, np.ndarray], model: Model | None = N
     if library is None:
         _passive_openmp()
         library = _LOADED[path] = ctypes.CDLL(path)
-    compiled = CompiledModel(program, library, weights, model)
+    compiled = CompiledModel(program, library, weights, model, precision)
     if threads is not None:
         compiled.set_threads(threads)
     return compiled

@@ -59,7 +59,7 @@ STREAM_MIN_BYTES = 64 * 2**20  # each streaming array: at least 2x L3 and this .
 STREAM_MAX_BYTES = 256 * 2**20  # ... but at most this (servers with huge L3)
 
 # Seconds of timing per measurement: the full run (~30 steps) stays well under a
-# minute, the quick one around two seconds even on a busy 2-core machine.
+# minute, the quick one around two seconds even on a busy machine.
 BUDGET, QUICK_BUDGET = 0.6, 0.03
 # Calls are timed in batches at least this long, so the timer's ~0.1 us is noise; no
 # longer, so a neighbour's time slice (ms) spoils as few samples as it can.
@@ -104,9 +104,9 @@ def median_times(fns, budget: float) -> list[float]:
     load on a shared machine falls on all of them alike (what a difference needs).
 
     The median, not the best: a core running alone is clocked higher than two running
-    together (turbo, AVX-512 licences), so the best single-core batch on the 2-core dev
-    machine was 30% faster than its median, and a parallel efficiency from best times
-    swung between 0.47 and 0.81 from run to run where medians gave 0.9.
+    together (turbo, AVX-512 licences), so the best single-core batch can be far faster
+    than its median, and a parallel efficiency from best times swings from run to run
+    where medians hold steady.
     """
     once = []
     for fn in fns:

@@ -6,10 +6,8 @@ hundred KB each run truly in parallel on a thread pool.
 
 BLAS runs single-threaded while a model runs (`single_threaded_blas`): the
 backend parallelises GEMMs itself, a chunk of rows per thread with its epilogue
-applied while the rows are in cache. Measured on this 2-core machine (MiniLM's
-1024x384 @ 384x1536 plus bias and gelu): 10.5 ms this way against 16 ms for one
-2-thread BLAS call followed by a threaded epilogue, whose idle BLAS threads spin
-on the cores the epilogue needs.
+applied while the rows are in cache. One multi-threaded BLAS call followed by a
+threaded epilogue is slower: BLAS's idle threads spin on the cores the epilogue needs.
 """
 
 from __future__ import annotations
@@ -33,9 +31,8 @@ class _Worker:
 
     A raw lock is a futex: releasing `go` wakes the thread with nothing allocated, the
     cheapest handoff CPython has. A fork/join through concurrent.futures (a Future,
-    a queue, a Condition per call) measured 54 us best / 71 us median on the 2-core
-    dev machine against 11 / 18 us this way, and MiniLM at batch 1 has ~40 parallel
-    loops per forward.
+    a queue, a Condition per call) costs several times as much, and MiniLM at batch 1
+    has ~40 parallel loops per forward.
     """
 
     def __init__(self):
@@ -87,12 +84,9 @@ def blas_libraries() -> tuple:
 class OneBlasThread:
     """BLAS on one thread while the kernel runs, so `threads` is the number of cores it
     uses. OpenBLAS otherwise starts its own threads for every block's small matmul,
-    which spin on the cores our threads (or other processes) need. Measured on the
-    2-core dev machine, 12x4096x64 f32 in 128x512 blocks: threads=2 took 0.67 s
-    pinned and 1.76 s with OpenBLAS free; threads=1 took 1.10 s pinned and 1.04 s
-    free when the machine was idle, but 13-31 s free (1.3-1.7 s pinned) while
-    other jobs loaded it. At MiniLM shapes (8x12x128x32, one block) threads=2 took
-    0.69x of K.attention's time with OpenBLAS free and 0.40x pinned. The setting is
+    which spin on the cores our threads (or other processes) need: with OpenBLAS free,
+    blocked attention on two threads ran at less than half the speed of pinned BLAS, and
+    on a loaded machine ten times slower. The setting is
     process-wide: the first caller in saves it and the last one out restores it,
     so concurrent calls nest."""
 

@@ -1,6 +1,6 @@
 """Quantized layers on the Triton backend: low-precision GEMMs for real, activations quantized on the device.
 
-The `quantize` pass (passes/quantize.py) writes every scheme in the IR's own terms:
+The `quantize` pass (passes/quantize/) writes every scheme in the IR's own terms:
 int8 x int8 -> int32 as tg.matmul_integer, and the float formats as the product of
 dequantized operands, `matmul(dequantize(qa, sa), dequantize(qw, sw))` (fp8, MXFP8) or
 `matmul(a, dequantize(qw, sw))` (weight-only: w8, w4a16, MXFP4). The NumPy backend

@@ -19,7 +19,7 @@ from tilegraph.frontends.onnx.sampling import _resize_taps
 from tilegraph.ir import dtypes
 from tilegraph.ir.shapes import normalize_dim, numel, symbol
 
-# --- data-dependent sizes (issue 18): NonZero, Unique, Compress, TopK on run-time values, NonMaxSuppression ---
+# --- data-dependent sizes: NonZero, Unique, Compress, TopK on run-time values, NonMaxSuppression ---
 # The result's size is a symbol that one tg op defines (ir/ops.py, "data-dependent sizes"),
 # named u0, u1, ... (a name no graph input uses); with known inputs these fold at import.
 
@@ -112,7 +112,7 @@ def _non_max_suppression(n):
                 center_point_box=int(n.attr("center_point_box", 0)))
 
 
-# --- Resize on symbolic spatial dims (issue 18): integer scale factors, taps made at run time ---
+# --- Resize on symbolic spatial dims: integer scale factors, taps made at run time ---
 # With an integer factor s and a coordinate transformation that does not depend on the input
 # length, output o reads source taps floor(o / s) + offset[o % s] with weights[o % s]: the
 # taps repeat with period s. The tables (s rows) come from the same _resize_taps as the static
@@ -188,7 +188,7 @@ def _resize_symbolic(n):
 
 
 
-# --- Split of a run-time size into static parts (issue 18) ---
+# --- Split of a run-time size into static parts ---
 # torch's TorchScript exporter unrolls a Python loop over a nonzero's rows at the count it saw,
 # splitting a (u0, ...) value into that many static parts: the count is checked when the model
 # runs (tg.assert_size), as onnxruntime fails a Split whose parts do not add up.
@@ -214,7 +214,7 @@ def _defined_at_run_time(n, dim) -> bool:
     return any(name == dim.name for op in n.imp.g.block.ops for _, _, name in size_definitions(op))
 
 
-# --- SAME padding with stride > 1 on symbolic spatial dims (issue 18) ---
+# --- SAME padding with stride > 1 on symbolic spatial dims ---
 # The padding then depends on the size modulo the stride. The window positions are the same as
 # over the input's rows lo - P .. lo - P + L - 1 of a generously padded copy (P rows each side),
 # with L = (ceil(H / s) - 1) * s + k_eff the padded length and lo the run-time begin padding: a
@@ -271,7 +271,7 @@ def _same_padding_on_symbolic_dims(n):
     return convert(n)
 
 
-# --- RNN, GRU, LSTM over a symbolic number of steps (issue 18): tg.rnn, a loop inside one op ---
+# --- RNN, GRU, LSTM over a symbolic number of steps: tg.rnn, a loop inside one op ---
 _unrolled_recurrent = CONVERTERS["LSTM"]
 
 

@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="integer inputs are drawn from [0, N) (default 2: masks and flags in {0, 1}); "
                             "ids of an embedding from its whole table")
 
-    # --- quantize: calibrate activations, then the quantize pass (passes/quantize.py) ---
+    # --- quantize: calibrate activations, then the quantize pass (passes/quantize/) ---
     from tilegraph.passes.quantize import OBSERVERS, SCHEMES
 
     qz = sub.add_parser("quantize", help="calibrate on sample inputs and quantize the linear layers",

@@ -1,0 +1,66 @@
+"""precision="bf16" on the C backend: GEMMs and convolutions multiply in bf16 on the
+processor's AMX or AVX-512 BF16 units (found at run time), accumulating in f32.
+
+What holds: the result agrees with the float64 interpreter within bf16's tolerance; where
+the processor has bf16 units every GEMM and convolution runs on a kernel that uses them
+(oneDNN's implementation name says so), and an f32 module loaded beside it in the same
+process stays f32; where it has none, the module says so and runs f32; a precision the
+backend does not know is a named error.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import tilegraph
+from tilegraph.backends.c.runtime import CompiledModel
+from tilegraph.ir import Graph, interpret
+from tilegraph.testing import assert_close
+
+
+def _model():
+    rng = np.random.default_rng(0)
+    g = Graph()
+    x = g.input("x", (2, 8, 12, 12))
+    a = g.relu(g.op("conv", x, g.weight("w", rng.standard_normal((32, 8, 3, 3)).astype(np.float32) / 8),
+                    pads=(1, 1, 1, 1)))
+    rows = a.reshape(2, 32, 144).transpose(0, 2, 1)  # (2, 144, 32)
+    y = g.gelu(g.matmul(rows, g.weight("m", rng.standard_normal((32, 64)).astype(np.float32) / 6)))
+    return g.build(y, names=["y"]), [rng.standard_normal((2, 8, 12, 12)).astype(np.float32)]
+
+
+def _runs_on_bf16_units(line: str) -> bool:
+    impl = line.split(" source: ")[-1]
+    return "amx" in impl or "bf16" in impl
+
+
+def test_bf16_gemms_and_convolutions_run_on_the_processors_bf16_units():
+    model, xs = _model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        bf16 = tilegraph.compile(model, target="c", precision="bf16")
+        got = bf16.run(*xs)[0]
+    f32 = tilegraph.compile(model, target="c")
+    exact = f32.run(*xs)[0]
+    want = interpret(model, xs)[0]
+    assert_close(got, want, "bf16", reduction_length=8 * 9 + 32)
+    assert_close(exact, want, "f32", reduction_length=8 * 9 + 32)
+    runner: CompiledModel = bf16._runner
+    assert len(runner.primitives) == 2, runner.primitives  # the convolution and the GEMM
+    assert not any(_runs_on_bf16_units(line) for line in f32._runner.primitives), f32._runner.primitives
+    if runner._lib.tg_bf16_supported():
+        assert runner.precision == "bf16"
+        assert all(_runs_on_bf16_units(line) for line in runner.primitives), runner.primitives
+        assert not np.array_equal(got, exact)  # the products were rounded to bf16
+    else:
+        assert runner.precision == "f32"
+        assert any("no bf16 dot products" in str(w.message) for w in caught)
+
+
+def test_an_unknown_precision_is_a_named_error():
+    model, _ = _model()
+    with pytest.raises(tilegraph.TilegraphError, match="precision= must be one of f32, bf16"):
+        tilegraph.compile(model, target="c", precision="fp16")

@@ -1,0 +1,126 @@
+"""The C backend's fixes for the cliffs of the full-size sweep (benchmarks/full_size_sweep.py)
+keep its results: each fast path is taken where it applies and agrees with the float64
+interpreter.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tilegraph
+
+from tilegraph.backends.c import compile_model
+from tilegraph.ir import Graph, interpret
+from tilegraph.testing import assert_close
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("pool", ["max", "avg", "avg-exclude-pad", "max-1d"])
+def test_a_pool_after_a_convolution_runs_over_channels_last_rows(pool, batch):
+    """A pool reading a convolution's NHWC output (ResNet's stem) takes the channels-last
+    loop (one simd pass over the channels per tap), pads and partial windows included."""
+    rng = np.random.default_rng(0)
+    g = Graph()
+    if pool == "max-1d":
+        x = g.input("x", (batch, 5, 33))
+        a = g.op("conv", x, g.weight("w", rng.standard_normal((24, 5, 3)).astype(np.float32)), pads=(1, 1))
+        y = g.op("max_pool", a, kernel=(3,), strides=(2,), pads=(1, 1))
+        xs = rng.standard_normal((batch, 5, 33)).astype(np.float32)
+    else:
+        x = g.input("x", (batch, 5, 17, 15))
+        a = g.op("conv", x, g.weight("w", rng.standard_normal((24, 5, 3, 3)).astype(np.float32)), pads=(1, 1, 1, 1))
+        kind = "max_pool" if pool == "max" else "avg_pool"
+        extra = {"count_include_pad": pool == "avg"} if kind == "avg_pool" else {}
+        y = g.op(kind, a, kernel=(3, 3), strides=(2, 2), pads=(1, 1, 1, 1), **extra)
+        xs = rng.standard_normal((batch, 5, 17, 15)).astype(np.float32)
+    model = g.build(y, names=["y"])
+    compiled = compile_model(model)
+    assert "yr[ch]" in compiled.source, "the pool did not take the channels-last loop"
+    assert_close(compiled(xs)[0], interpret(model, [xs])[0], "f32", reduction_length=45)
+
+
+def test_a_forward_starts_fewer_threads_while_other_processes_take_the_cores():
+    """With a busy child process on every core, a forward runs on one thread (a team that
+    waits for a core at every barrier is slower than one thread); the thread count asked
+    for is restored after the call."""
+    import subprocess
+    import sys
+
+    from tilegraph.backends.c.runtime import CORES
+
+    rng = np.random.default_rng(0)
+    g = Graph()
+    x = g.input("x", (256, 512))
+    y = g.gelu(g.matmul(x, g.weight("w", rng.standard_normal((512, 512)).astype(np.float32) / 20)))
+    model = g.build(y, names=["y"])
+    compiled = compile_model(model)
+    compiled.set_threads(2)
+    xs = rng.standard_normal((256, 512)).astype(np.float32)
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(CORES + 1)]
+    try:
+        import time
+
+        time.sleep(0.5)  # the children get scheduled
+        got = compiled(xs)[0]
+        assert compiled.last_threads == 1
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert compiled._lib.tg_max_threads() == 2
+    assert_close(got, interpret(model, [xs])[0], "f32", reduction_length=512)
+
+
+@pytest.mark.parametrize("case", ["pool-nhwc", "pool-nhwc-wide", "columns", "sequence-mean"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_reduction_over_outer_positions_adds_rows_of_channels(case, batch):
+    """A sum or mean whose kept innermost dim is contiguous (squeeze-excite's global pool
+    over a convolution's NHWC output, column sums, a mean over a sequence) adds whole rows
+    of channels in one pass, in blocks of channels (300 > one block), and agrees with the
+    interpreter."""
+    rng = np.random.default_rng(1)
+    g = Graph()
+    if case.startswith("pool"):
+        c = 300 if case.endswith("wide") else 24
+        x = g.input("x", (batch, 5, 9, 11))
+        a = g.op("conv", x, g.weight("w", rng.standard_normal((c, 5, 3, 3)).astype(np.float32)), pads=(1, 1, 1, 1))
+        y = g.reduce_mean(a, axes=(2, 3), keepdims=True)
+        xs, n = rng.standard_normal((batch, 5, 9, 11)).astype(np.float32), 99 + 45
+    elif case == "columns":
+        x = g.input("x", (batch * 40, 33))
+        y = g.reduce_sum(x, axes=(0,))
+        xs, n = rng.standard_normal((batch * 40, 33)).astype(np.float32), batch * 40
+    else:
+        x = g.input("x", (batch, 17, 40))
+        y = g.reduce_mean(x, axes=(1,), keepdims=False)
+        xs, n = rng.standard_normal((batch, 17, 40)).astype(np.float32), 17
+    model = g.build(y, names=["y"])
+    compiled = compile_model(model)
+    assert "acc[j] += row[j]" in compiled.source, "the reduction did not take the rows-of-channels loop"
+    assert_close(compiled(xs)[0], interpret(model, [xs])[0], "f32", reduction_length=n)
+
+
+@pytest.mark.parametrize("case", ["conv-silu", "linear-silu", "silu-also-read"])
+def test_silu_after_a_gemm_or_convolution_is_onednns_swish_epilogue(case):
+    """x * sigmoid(x) after a convolution (EfficientNet) or a linear layer (Llama's gate)
+    is one swish post-op applied while the output block is in cache; where x has another
+    reader the epilogue may not overwrite it, and the result still agrees."""
+    rng = np.random.default_rng(2)
+    g = Graph()
+    if case == "conv-silu":
+        x = g.input("x", (1, 6, 10, 10))
+        a = g.op("conv", x, g.weight("w", rng.standard_normal((16, 6, 3, 3)).astype(np.float32)), pads=(1, 1, 1, 1))
+        y = a * g.sigmoid(a)
+        xs, n = rng.standard_normal((1, 6, 10, 10)).astype(np.float32), 54
+    else:
+        x = g.input("x", (64, 96))
+        a = g.matmul(x, g.weight("w", rng.standard_normal((96, 80)).astype(np.float32) / 10))
+        y = g.sigmoid(a) * a
+        if case == "silu-also-read":
+            y = y + a
+        xs, n = rng.standard_normal((64, 96)).astype(np.float32), 96
+    model = g.build(y, names=["y"])
+    compiled = tilegraph.compile(model, target="c")  # fuse makes the epilogue group
+    assert ("dnnl_eltwise_swish" in compiled.source) == (case != "silu-also-read")
+    assert_close(compiled.run(xs)[0], interpret(model, [xs])[0], "f32", reduction_length=n)

@@ -1,0 +1,70 @@
+"""A calibration taken while other processes keep the cores busy is noticed: the profile
+says so (`measured_busy`), and the first process that finds the machine quiet measures
+again instead of trusting it for good. (A busy first compile's quick calibration priced
+GEMMs 3-41x too slow, and every compile after decided by it.)
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tilegraph.ir import hardware
+from tilegraph.ir.hardware import load_profile
+
+
+@pytest.fixture
+def quick_measure(monkeypatch):
+    """The quick C calibration replaced by reading the suite's fixed profile (the load
+    detection around it is what is tested, not the timings); counts its calls."""
+    calls = []
+    fixed = load_profile(Path(__file__).with_name("c_profile.json"))
+
+    def measure(quick=True):
+        calls.append(quick)
+        return fixed
+
+    monkeypatch.setattr(hardware, "CALIBRATE_C", measure)
+    hardware._cpu_profile.cache_clear()
+    yield calls
+    hardware._cpu_profile.cache_clear()
+
+
+def test_a_calibration_under_load_is_marked_and_measured_again_once_quiet(tmp_path, quick_measure, monkeypatch):
+    path = str(tmp_path / "c-profile.json")
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        time.sleep(0.5)  # the children get scheduled
+        assert hardware.others_running() >= 1
+        profile = hardware._cpu_profile(path, True)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert profile.measured_busy >= 1
+    assert load_profile(path).measured_busy >= 1  # saved with the mark
+    assert len(quick_measure) == 1
+    # A later process on a quiet machine does not trust it: it measures again.
+    hardware._cpu_profile.cache_clear()
+    monkeypatch.setattr(hardware, "others_running", lambda: 0)
+    again = hardware._cpu_profile(path, True)
+    assert len(quick_measure) == 2 and again.measured_busy == 0
+    assert load_profile(path).measured_busy == 0
+    # ... and a quiet profile is used as is.
+    hardware._cpu_profile.cache_clear()
+    hardware._cpu_profile(path, True)
+    assert len(quick_measure) == 2
+
+
+def test_a_busy_profile_is_used_while_the_machine_stays_busy(tmp_path, quick_measure, monkeypatch):
+    path = tmp_path / "c-profile.json"
+    fixed = load_profile(Path(__file__).with_name("c_profile.json"))
+    hardware.save_profile(replace(fixed, measured_busy=3), path)
+    monkeypatch.setattr(hardware, "others_running", lambda: 2)
+    assert hardware._cpu_profile(str(path), True).measured_busy == 3
+    assert quick_measure == []
