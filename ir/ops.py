@@ -1253,6 +1253,13 @@ def _block_matmul_flops(ins, outs):
     return 2 * numel(outs[0].shape) * ins[0].shape[-1]
 
 
+def _gemm_of_block_matmul(ins, outs):
+    import sympy
+
+    n = sympy.sympify(ins[1].shape[0])
+    return sympy.sympify(numel(outs[0].shape)) / n, n, sympy.sympify(ins[0].shape[-1])
+
+
 def _cache_attention_flops(ins, outs):
     # per query: scores and the weighted sum over the whole cache length (an upper bound: pos + T of S)
     q, k = ins[0], ins[1]
@@ -1266,7 +1273,7 @@ _op("block_matmul", ["x", "w"], _block_matmul, "K.block_matmul({x}, {w}, {format
         "(ir/block_formats.py), read as stored: never widened to f32 whole. activation='q8' first rounds x "
         "to int8 per 32 values (block_formats.quantize_activations, ggml's vec_dot numerics: the integer dot "
         "products llama.cpp and the C backend's decode kernels take); 'f32' multiplies x as it is",
-    flops=_block_matmul_flops, gemm=_gemm_of_matmul)
+    flops=_block_matmul_flops, gemm=_gemm_of_block_matmul)
 _op("block_gather", ["w", "indices"], _block_gather, "K.block_gather({w}, {indices}, {format}, {k})", "quantize",
     _BLOCK, doc="rows `indices` of dequantize(w) -> f32[*indices, k]: an embedding lookup in a block format")
 _op("cache_write", ["cache", "x", "pos"], _cache_write, "K.cache_write({cache}, {x}, {pos})", "layout",

@@ -16,6 +16,7 @@ from tilegraph.ir import decompositions as D, dtypes
 from tilegraph.ir.builder import Graph, Tensor
 from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.model import Model
+from tilegraph.ir.escape import identifier
 from tilegraph.ir.shapes import Dim, dims_equal, normalize_dim, shape_str, symbol_named
 from tilegraph.frontends.torch_export.registry import CONVERTERS, RUN_TIME_SCALARS
 
@@ -442,7 +443,7 @@ class _Importer:
                 raise FrontendError(f"input '{node.name}' is a {type(val).__name__}; only tensor inputs are supported")
             self.env[node] = self.g.input(node.name, self.meta_shape(node), self.meta_dtype(node))
         elif spec.kind == InputKind.BUFFER and spec.target in self.donated_targets:
-            name = _identifier(spec.target)
+            name = identifier(spec.target)
             self.env[node] = self.donated[name] = self.g.input(name, self.meta_shape(node), self.meta_dtype(node))
         elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             source = self.ep.state_dict if spec.target in self.ep.state_dict else self.ep.constants
@@ -507,8 +508,8 @@ class _Importer:
         results, names, aliases = [], [], {}
         updates = []
         for i, (spec, node) in enumerate(zip(self.ep.graph_signature.output_specs, outputs)):
-            if spec.kind == OutputKind.BUFFER_MUTATION and _identifier(spec.target) in self.donated:
-                updates.append((_identifier(spec.target), self.value(node)))
+            if spec.kind == OutputKind.BUFFER_MUTATION and identifier(spec.target) in self.donated:
+                updates.append((identifier(spec.target), self.value(node)))
                 continue
             if spec.kind != OutputKind.USER_OUTPUT:
                 continue  # other buffer updates: inference keeps the weights fixed

@@ -80,6 +80,7 @@ from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.fusion import ANCHORS, VIEW_OPS, flat_ok, row_gemm, siblings, widest
 from tilegraph.ir.hardware import MIN_PARALLEL_SCORES
+from tilegraph.ir.block_formats import PANEL_ELEMENTS
 from tilegraph.ir.ops import OPS, QUANTIZATION_OPS
 from tilegraph.ir.ops import expected_sizes as op_expected_sizes
 from tilegraph.ir.shapes import Dim, TensorInfo, info_of, numel, symbol
@@ -415,12 +416,17 @@ def _storage_bytes(info: TensorInfo) -> sympy.Expr:
     return _elements(info) * bits / 8
 
 
+# Passes over each value a block format dequantizes (ir/block_formats.py's q4: two masked
+# unpacks into the f32 panel, the scale, the offset; q8 and the k-quants about as many).
+BLOCK_DEQUANT_PASSES = 4
+
+
 def _quant_cost(op: TgOp, hw) -> Cost:
     """A quantization op, or a GEMM reading dequantized operands, as the target runs it (module docstring)."""
     name, zero = op.op_name, sympy.Integer(0)
     ins = [info_of(v.type) for v in op.operands]
     out = op.result_infos()[0]
-    flops = op_flops(op) if name == "matmul" else zero
+    flops = op_flops(op) if name in ("matmul", "block_matmul") else zero
     if name == "matmul_integer":
         m, n, k = _matmul_shape(op)
         flops = 2 * m * n * k
@@ -464,12 +470,15 @@ def _quant_cost(op: TgOp, hw) -> Cost:
     elif name == "quantize":  # divide, rint, (add zero point), clip, cast
         passes = x * (2 + CLIP_PASSES + CAST_PASSES.get(out.dtype, (1, 1))[1] + (1 if len(ins) > 2 else 0))
         calls = 6
+    elif name in ("block_matmul", "block_gather"):  # ir/block_formats.py: unpack, scale, offset per value
+        values = _elements(out) if name == "block_gather" else _elements(ins[1]) / ins[1].shape[1] * op.attr("k")
+        passes = values * BLOCK_DEQUANT_PASSES
+        if name == "block_matmul":  # then one sgemm per panel of dequantized rows
+            passes += flops / (_gemm_rate(hw, op) * _parallel(hw, hw.cores)) * add
+        calls = 4 * (1 + values // PANEL_ELEMENTS)
     elif name == "dynamic_quantize":  # |x|, row max, then quantize by the row (or block) scale
         passes = x * (3 + 2 + CLIP_PASSES + CAST_PASSES.get(out.dtype, (1, 1))[1])
         calls = 10
-    elif op.SPEC.gemm is None and name != "matmul_integer":  # a lookup (block_gather): a pass over its result
-        passes = _elements(out)
-        calls = 1
     else:  # matmul_integer: both operands to float32, one sgemm per 2^24-safe chunk of K, int32 adds
         m, n, k = _matmul_shape(op)
         passes = x * 2 + _elements(ins[1]) + 2 * _elements(out)

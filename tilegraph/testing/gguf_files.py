@@ -153,7 +153,7 @@ def compare_with_transformers(lm, prompts: list[str], new_tokens: int, batch_tog
     import transformers
 
     from tilegraph.generation import Sampling
-    from tilegraph.accuracy import tolerance
+    from tilegraph.testing import tolerance
 
     ids = [lm.tokenizer.encode(lm.tokenizer.apply_chat_template([{"role": "user", "content": p}])) for p in prompts]
     ours: list[list[int]] = [[] for _ in prompts]
