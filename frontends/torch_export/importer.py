@@ -531,12 +531,6 @@ def _same_dim(a: Dim, b: Dim) -> bool:
     return a == b or (not isinstance(a, int) or not isinstance(b, int)) and dims_equal(a, b)
 
 
-def _identifier(name: str) -> str:
-    """A buffer's name (a donated cache input's) as an identifier."""
-    out = "".join(c if c.isalnum() or c == "_" else "_" for c in name)
-    return out if out and not out[0].isdigit() else "d_" + out
-
-
 def torch_dtype(dt: torch.dtype) -> str:
     try:
         return _TORCH_DTYPES[dt]
