@@ -127,6 +127,37 @@ def _field(config: Any, name: str):
     return config.get(name) if isinstance(config, dict) else getattr(config, name, None)
 
 
+# Named shapes `tilegraph shard --config NAME` plans: the published configurations' fields.
+NAMED_CONFIGS: dict[str, dict[str, int]] = {
+    "llama-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=32, vocab_size=32000),  # Llama-2-7B's config.json
+    "llama-13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
+                      num_key_value_heads=40, vocab_size=32000),
+    "llama-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                      num_key_value_heads=8, vocab_size=32000),
+    "gpt2": dict(n_embd=768, n_layer=12, n_head=12, n_positions=1024, vocab_size=50257),
+    "gpt2-xl": dict(n_embd=1600, n_layer=48, n_head=25, n_positions=1024, vocab_size=50257),
+}
+
+
+def read_config(path) -> dict:
+    """A config.json as a dict; a ConfigError naming the file for anything that is not one
+    (a missing file, bytes that are not UTF-8 JSON, JSON that is not an object)."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--config {path}: no such file, and not a named shape ({', '.join(NAMED_CONFIGS)})")
+    try:
+        config = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ConfigError(f"{path} is not a JSON configuration: {e}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} holds a JSON {type(config).__name__}, not an object of configuration fields")
+    return config
+
+
 def from_config(config: Any, batch="B", seq: int | str | None = None, dtype: str = "bf16",
                 weights: str = "zeros"):
     """The model a GPT-2 or Llama configuration describes (see the module docstring); `seq` defaults

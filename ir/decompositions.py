@@ -124,12 +124,18 @@ def _gelu(op, emit):
 
 def _attention(op, emit):
     q, k, v, *mask = op.operands
+    probs = attention_probabilities(emit, q, k, mask[0] if mask else None, op.attr("scale"), op.attr("causal"))
+    return emit("matmul", probs, v)
+
+
+def attention_probabilities(emit, q, k, mask, scale: float, causal: bool):
+    """softmax(q @ k^T * scale, masked): attention's weights (its VJP recomputes them from here)."""
     dt, rank = info(q).dtype, info(q).rank
     perm = tuple(range(rank - 2)) + (rank - 1, rank - 2)
-    scores = emit("mul", emit("matmul", q, emit("transpose", k, perm=perm)), emit.constant(op.attr("scale"), dt))
+    scores = emit("mul", emit("matmul", q, emit("transpose", k, perm=perm)), emit.constant(scale, dt))
     shape = info(scores).shape
     minus_inf = None
-    if op.attr("causal"):
+    if causal:
         lq, lk = shape[-2:]
         offset = normalize_dim(sympy.sympify(lk) - sympy.sympify(lq))
         if isinstance(offset, int):
@@ -139,13 +145,13 @@ def _attention(op, emit):
             keep = emit("ge", _count_after(emit, lk, 1), _count_after(emit, lq, 0))
         minus_inf = emit.constant(-math.inf, dt)
         scores = emit("where", keep, scores, minus_inf)
-    if mask:
-        if info(mask[0]).dtype == "i1":
-            scores = emit("where", mask[0], scores, minus_inf or emit.constant(-math.inf, dt))
+    if mask is not None:
+        if info(mask).dtype == "i1":
+            scores = emit("where", mask, scores, minus_inf or emit.constant(-math.inf, dt))
         else:
-            scores = emit("add", scores, mask[0])
+            scores = emit("add", scores, mask)
     # the softmax op, which a backend that has one keeps (ONNX Softmax) and `decompose` spells out too
-    return emit("matmul", emit("softmax", scores, axis=-1), v)
+    return emit("softmax", scores, axis=-1)
 
 
 def _count_after(emit, n, axis: int):

@@ -97,6 +97,12 @@ def _quantize():
     return Quantize
 
 
+def _recompute():
+    from tilegraph.passes.recompute import Recompute
+
+    return Recompute
+
+
 PASSES: dict[str, Callable[[], type[ModulePass]]] = {
     "canonicalize": _canonicalize,
     "cse": _cse,
@@ -109,6 +115,7 @@ PASSES: dict[str, Callable[[], type[ModulePass]]] = {
     "tile": _tile,
     "shard": _shard,
     "quantize": _quantize,
+    "recompute": _recompute,
 }
 
 

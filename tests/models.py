@@ -315,3 +315,70 @@ def zero3_pick(node) -> int:
     want = {None: "d0@0", "matmul": "b0@0", "attention": "d0@0", "gather": "d0@0"}.get(
         node.op.op_name if node.op is not None else None)
     return names.index(want) if want in names else 0
+
+
+# --- a character-level GPT for training (tilegraph.train against torch eager) ---
+
+
+class CharGPT(nn.Module):
+    """A nanoGPT-style pre-LN decoder over characters: token and position embeddings, `layers`
+    blocks of causal self-attention (SDPA) and a GELU MLP, a final LayerNorm and an LM head.
+    ``forward(ids (B, T))`` returns the logits ``(B, T, vocab)``. No dropout."""
+
+    def __init__(self, vocab: int, layers: int = 2, hidden: int = 64, heads: int = 4, block: int = 32):
+        super().__init__()
+        self.heads = heads
+        self.tok = nn.Embedding(vocab, hidden)
+        self.pos = nn.Embedding(block, hidden)
+        self.blocks = nn.ModuleList(nn.ModuleDict({
+            "ln1": nn.LayerNorm(hidden), "qkv": nn.Linear(hidden, 3 * hidden), "proj": nn.Linear(hidden, hidden),
+            "ln2": nn.LayerNorm(hidden), "fc": nn.Linear(hidden, 4 * hidden), "out": nn.Linear(4 * hidden, hidden),
+        }) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+        for name, p in self.named_parameters():  # GPT-2's initialisation
+            if p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        b, t = ids.shape
+        x = self.tok(ids) + self.pos.weight[:t]
+        for blk in self.blocks:
+            q, k, v = blk["qkv"](blk["ln1"](x)).split(x.shape[-1], dim=-1)
+            q, k, v = (z.reshape(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + blk["proj"](a.transpose(1, 2).reshape(b, t, -1))
+            x = x + blk["out"](torch.nn.functional.gelu(blk["fc"](blk["ln2"](x))))
+        return self.head(self.ln_f(x))
+
+
+def char_gpt(vocab: int, layers: int = 2, hidden: int = 64, heads: int = 4, block: int = 32, seed: int = 0) -> CharGPT:
+    """A CharGPT initialised from `seed` (the same weights in every process that calls it)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return CharGPT(vocab, layers, hidden, heads, block)
+
+
+def char_corpus() -> str:
+    """A real text that ships with Python itself: the standard library's `this`-free source of
+    `textwrap` (a few thousand lines of English docstrings and code)."""
+    import textwrap
+
+    return Path(textwrap.__file__).read_text(encoding="utf-8")
+
+
+def char_batches(text: str, steps: int, batch: int, block: int, seed: int = 0):
+    """(vocabulary, [(inputs, targets)] * steps): random windows of the text, targets shifted by one."""
+    chars = sorted(set(text))
+    index = {c: i for i, c in enumerate(chars)}
+    data = torch.tensor([index[c] for c in text], dtype=torch.int64)
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        starts = torch.randint(0, len(data) - block - 1, (batch,), generator=g)
+        x = torch.stack([data[s:s + block] for s in starts])
+        y = torch.stack([data[s + 1:s + block + 1] for s in starts])
+        out.append((x, y))
+    return chars, out

@@ -227,3 +227,28 @@ def test_entry_points_are_installed():
     for tool in ("tilegraph", "tilegraph-opt"):
         result = subprocess.run([bindir / tool, "--help"], capture_output=True, text=True)
         assert result.returncode == 0 and "usage" in result.stdout
+
+
+def test_shard_plans_from_a_configuration_without_weights(tmp_path, capsys):
+    import json
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=4, vocab_size=512)))
+    code, out, err = run(tilegraph_main, ["shard", "--config", config, "--mesh", "8", "--target", "h100",
+                                          "--dim", "B=8", "--dim", "S=1024", "--no-progress"], capsys)
+    assert code == 0, err
+    assert "config.json on" in out and "predicted step time" in out
+
+
+def test_shard_config_bad_input_is_a_named_error(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    code, _, err = run(tilegraph_main, ["shard", "--config", bad], capsys)
+    assert_clean_error(code, err, "not an object")
+    code, _, err = run(tilegraph_main, ["shard", "--config", "llama-9000"], capsys)
+    assert_clean_error(code, err, "not a named shape", "llama-7b")
+    code, _, err = run(tilegraph_main, ["shard", small_model(tmp_path), "--config", "llama-7b"], capsys)
+    assert_clean_error(code, err, "give exactly one")
+    code, _, err = run(tilegraph_main, ["shard"], capsys)
+    assert_clean_error(code, err, "give exactly one")

@@ -521,6 +521,9 @@ def test_a_llama_7b_config_plans_on_8_h100s_without_materialising_its_weights():
     plan (training, 8 x 4096 tokens) fits 80 GB per device, with its ZeRO stage or recomputation."""
     from tilegraph.frontends.config import from_config
 
+    from tilegraph.frontends.config import NAMED_CONFIGS
+
+    assert NAMED_CONFIGS["llama-7b"] == LLAMA_7B  # what `tilegraph shard --config llama-7b` plans
     model = from_config(LLAMA_7B)
     params = sum(int(np.prod(np.shape(a))) for a in model.weights.values())
     assert 6.6e9 < params < 6.8e9 and _materialised(model) < 10_000

@@ -33,7 +33,8 @@ from tilegraph.ir import hardware as _hardware  # noqa: E402
 from tilegraph.ir.errors import TilegraphError  # noqa: E402
 from tilegraph.ir.model import ModelError  # noqa: E402
 
-__all__ = ["compile", "import_model", "generate", "Compiled", "TilegraphError"]
+__all__ = ["compile", "import_model", "generate", "Compiled", "TilegraphError", "grad", "value_and_grad", "vjp",
+           "train_step"]
 
 # With no GPU, the Triton backend runs its kernels in Triton's interpreter, which
 # must be chosen before anything (a transformers model) imports triton.
@@ -248,3 +249,34 @@ def compile(model: Any, example_inputs: Sequence[Any] | None = None, target: str
             compile_cache.store(cache_key, optimized)
     runner = codegen.load(codegen.emit(optimized), optimized.weights, optimized, **options)
     return Compiled(optimized, runner, target)
+
+
+def grad(model: Any, wrt: Sequence[str] | None = None, example_inputs: Sequence[Any] | None = None) -> Model:
+    """The gradients of `model`'s first output, a scalar loss, against `wrt` (input and weight
+    names; default every float weight), as a new model @forward(inputs) -> (grad_<name>...):
+    ordinary tg IR, for `compile` like any model (ir/autodiff.py)."""
+    from tilegraph.ir import autodiff
+
+    return autodiff.grad(import_model(model, example_inputs), wrt)
+
+
+def value_and_grad(model: Any, wrt: Sequence[str] | None = None, example_inputs: Sequence[Any] | None = None) -> Model:
+    """As `grad`, the model's own outputs first: @forward(inputs) -> (outputs..., grad_<name>...)."""
+    from tilegraph.ir import autodiff
+
+    return autodiff.value_and_grad(import_model(model, example_inputs), wrt)
+
+
+def vjp(model: Any, wrt: Sequence[str] | None = None, example_inputs: Sequence[Any] | None = None) -> Model:
+    """The vector-Jacobian product: @forward(inputs, cotangent_<output>...) -> (outputs..., grad_<name>...)."""
+    from tilegraph.ir import autodiff
+
+    return autodiff.vjp(import_model(model, example_inputs), wrt)
+
+
+def train_step(model: Any, loss: str = "cross_entropy", optimizer: Any = None, **kw: Any):
+    """One compiled training step (forward, loss, backward, optimizer update, weights and optimizer
+    state updated in place): see tilegraph.train.train_step."""
+    from tilegraph.train import train_step as _train_step
+
+    return _train_step(model, loss, optimizer, **kw)

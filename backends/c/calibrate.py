@@ -33,20 +33,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
+
 from tilegraph.backends.c.build import BuildError
-from tilegraph.backends.numpy.calibrate import (
-    ATTENTION_BATCH,
-    ATTENTION_HEAD_DIMS,
-    ATTENTION_HEADS,
-    ATTENTION_SEQ,
-    CONV_SHAPES,
-    Progress,
-    _physical_memory,
-    cache_sizes,
-    measure_and_save,
-    median_times,
-    table,
-)
+from tilegraph.backends.numpy.calibrate import (ATTENTION_BATCH, ATTENTION_HEAD_DIMS, ATTENTION_HEADS, ATTENTION_SEQ,
+                                                CONV_SHAPES, Progress, _physical_memory, cache_sizes, measure_and_save,
+                                                median_times, table)
 from tilegraph.ir import Graph
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.errors import TilegraphError

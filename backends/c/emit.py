@@ -34,6 +34,8 @@ from typing import Sequence
 
 import numpy as np
 import sympy
+from xdsl.ir import SSAValue
+
 from tilegraph.backends.c.generation import GENERATION_OPS, Generation
 from tilegraph.backends.c.groups import Groups
 from tilegraph.backends.c.kernels import Kernels
@@ -41,28 +43,13 @@ from tilegraph.backends.c.loops import Loops
 from tilegraph.backends.c.onednn import OneDNN
 from tilegraph.backends.c.quant import Quantized
 from tilegraph.backends.c.tables import CTYPES, FLOATS, KNOWN
-from tilegraph.backends.c.views import (
-    Buffer,
-    Ints,
-    Step,
-    Unsupported,
-    View,
-    Views,
-    _describe,
-    _eq,
-    _is_one,
-    _sole_reader,
-    c_comment,
-    c_float,
-    channels_last_strides,
-    contiguous_strides,
-)
+from tilegraph.backends.c.views import (Buffer, Ints, Step, Unsupported, View, Views, _describe, _eq, _is_one,
+                                        _sole_reader, c_comment, c_float, channels_last_strides, contiguous_strides)
 from tilegraph.backends.lowering import table
 from tilegraph.backends.program import flatten
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.model import Model
 from tilegraph.ir.ops import OPS
-from xdsl.ir import SSAValue
 
 # What every op of the table does in this backend when it is not lowered to C: the
 # host runs it with the op table's NumPy semantics between native segments. (An op

@@ -5,24 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 import sympy
+from xdsl.ir import SSAValue
+
 from tilegraph.backends.c.tables import CTYPES, FLOATS, REDUCE_INIT, REDUCE_STEP
-from tilegraph.backends.c.views import (
-    EmitterParts,
-    Step,
-    Unsupported,
-    View,
-    _describe,
-    _eq,
-    _is_one,
-    _only_use,
-    _row_stride,
-    c_float,
-    contiguous_strides,
-)
+from tilegraph.backends.c.views import (EmitterParts, Step, Unsupported, View, _describe, _eq, _is_one, _only_use,
+                                        _row_stride, c_float, contiguous_strides)
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.fusion import GroupKind, group_kind
 from tilegraph.ir.shapes import info_of, numel
-from xdsl.ir import SSAValue
 
 
 class Groups(EmitterParts):

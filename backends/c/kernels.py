@@ -3,17 +3,10 @@
 from __future__ import annotations
 
 import sympy
+
 from tilegraph.backends.c.tables import CTYPES, FLOATS, REDUCE_INIT, REDUCE_STEP
-from tilegraph.backends.c.views import (
-    EmitterParts,
-    Unsupported,
-    View,
-    _describe,
-    _eq,
-    _is_one,
-    c_float,
-    contiguous_strides,
-)
+from tilegraph.backends.c.views import (EmitterParts, Unsupported, View, _describe, _eq, _is_one, c_float,
+                                        contiguous_strides)
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.shapes import numel
 

@@ -5,29 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 import sympy
-from tilegraph.backends.c.tables import (
-    C_BINARY,
-    C_BINARY_FLOAT,
-    C_BINARY_INT,
-    C_UNARY_FLOAT,
-    C_UNARY_INT,
-    CTYPES,
-    FLOATS,
-    PARALLEL_MIN,
-    SIMD_BLOCK,
-)
-from tilegraph.backends.c.views import (
-    EmitterParts,
-    Unsupported,
-    View,
-    _describe,
-    _eq,
-    _is_one,
-)
+from xdsl.ir import SSAValue
+
+from tilegraph.backends.c.tables import (C_BINARY, C_BINARY_FLOAT, C_BINARY_INT, C_UNARY_FLOAT, C_UNARY_INT, CTYPES,
+                                         FLOATS, PARALLEL_MIN, SIMD_BLOCK)
+from tilegraph.backends.c.views import EmitterParts, Unsupported, View, _describe, _eq, _is_one
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.quant import FORMATS
 from tilegraph.ir.shapes import info_of, numel
-from xdsl.ir import SSAValue
 
 
 class Loops(EmitterParts):

@@ -3,28 +3,13 @@
 from __future__ import annotations
 
 import sympy
-from tilegraph.backends.c.tables import (
-    DNNL_BINARY,
-    DNNL_ELTWISE,
-    DNNL_TYPES,
-    KNOWN,
-    SMALL_GEMM,
-)
-from tilegraph.backends.c.views import (
-    EmitterParts,
-    Unsupported,
-    View,
-    _describe,
-    _eq,
-    _is_one,
-    _only_use,
-    _plain_strides,
-    _row_stride,
-    channels_last_strides,
-)
+from xdsl.ir import SSAValue
+
+from tilegraph.backends.c.tables import DNNL_BINARY, DNNL_ELTWISE, DNNL_TYPES, KNOWN, SMALL_GEMM
+from tilegraph.backends.c.views import (EmitterParts, Unsupported, View, _describe, _eq, _is_one, _only_use,
+                                        _plain_strides, _row_stride, channels_last_strides)
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.shapes import TensorInfo, info_of, numel
-from xdsl.ir import SSAValue
 
 
 class OneDNN(EmitterParts):

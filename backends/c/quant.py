@@ -3,14 +3,7 @@
 from __future__ import annotations
 
 from tilegraph.backends.c.tables import CTYPES, FLOATS
-from tilegraph.backends.c.views import (
-    EmitterParts,
-    Unsupported,
-    View,
-    _describe,
-    _eq,
-    _is_one,
-)
+from tilegraph.backends.c.views import EmitterParts, Unsupported, View, _describe, _eq, _is_one
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.quant import FORMATS
 from tilegraph.ir.shapes import TensorInfo, numel

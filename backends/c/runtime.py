@@ -21,6 +21,7 @@ from typing import Any, Mapping
 
 import numpy as np
 import sympy
+
 from tilegraph.backends.c.build import build, sanitizer
 from tilegraph.backends.c.emit import CProgram, emit_program
 from tilegraph.backends.c.views import View

@@ -7,12 +7,13 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import sympy
+from xdsl.ir import SSAValue
+
 from tilegraph.backends.c.tables import CTYPES
 from tilegraph.ir import escape
 from tilegraph.ir.dialect import FusionOp, TgOp, YieldOp
 from tilegraph.ir.model import Model
 from tilegraph.ir.shapes import Dim, numel
-from xdsl.ir import SSAValue
 
 
 def c_comment(text: str) -> str:

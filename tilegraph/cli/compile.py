@@ -5,14 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from tilegraph.cli.common import (
-    _input_symbols,
-    _subs,
-    check_dims,
-    format_count,
-    parse_dims,
-    refuse_overwriting,
-)
+from tilegraph.cli.common import _input_symbols, _subs, check_dims, format_count, parse_dims, refuse_overwriting
 from tilegraph.passes.registry import with_target
 
 

@@ -4,17 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tilegraph.cli.common import (
-    _cost_symbols,
-    _formula,
-    _input_symbols,
-    _time_unit,
-    check_dims,
-    describe_sizes,
-    format_count,
-    parse_dims,
-    sizes_for,
-)
+from tilegraph.cli.common import (_cost_symbols, _formula, _input_symbols, _time_unit, check_dims, describe_sizes,
+                                  format_count, parse_dims, sizes_for)
 from tilegraph.passes.registry import with_target
 
 

@@ -141,7 +141,11 @@ def _parser() -> argparse.ArgumentParser:
                                        "per-device memory budget. Prints the plan per layer, the step time, "
                                        "its compute/communication split and the memory per device.")
     _shared(shard, pipeline="passes to run before planning (default: the unfused default pipeline)",
-            dim=f"size of a symbolic dimension to plan at (default: {DEFAULT_DIM} each)")
+            dim=f"size of a symbolic dimension to plan at (default: {DEFAULT_DIM} each)", model_optional=True)
+    shard.add_argument("--config", default=None,
+                       help="plan the model a configuration describes instead of a model file: a transformers-style "
+                            "config.json (GPT-2's or Llama's fields) or a named shape (llama-7b, llama-13b, "
+                            "llama-70b, gpt2, gpt2-xl); its weights are never materialised")
     shard.add_argument("--mesh", default="8", help="device mesh: 8, or 2x4 (axes; the last inside a node)")
     shard.add_argument("--target", default="h100", help="the devices: h100, h200 or a100")
     shard.add_argument("--memory", default="", help="memory budget per device, e.g. 40GB (default: the device's)")
@@ -186,10 +190,11 @@ PIPELINE = "pass pipeline (default: the default pipeline)"
 
 
 def _shared(parser: argparse.ArgumentParser, model: str = MODEL, output: str | None = None,
-            pipeline: str | None = None, dim: str | None = None) -> None:
+            pipeline: str | None = None, dim: str | None = None, model_optional: bool = False) -> None:
     """The options commands share, each added with the command's help text (None: it has none): the
-    model file, -o/--output (required), -p/--pipeline and --dim NAME=SIZE (repeatable)."""
-    parser.add_argument("model", help=model)
+    model file (optional where another option can name the model), -o/--output (required),
+    -p/--pipeline and --dim NAME=SIZE (repeatable)."""
+    parser.add_argument("model", help=model, nargs="?" if model_optional else None)
     if output:
         parser.add_argument("-o", "--output", required=True, help=output)
     if pipeline:

@@ -4,14 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tilegraph.cli.common import (
-    EXIT_MISMATCH,
-    VALID_INT_HIGH,
-    _input_symbols,
-    check_dims,
-    nonfinite_differ,
-    parse_dims,
-)
+from tilegraph.cli.common import EXIT_MISMATCH, VALID_INT_HIGH, _input_symbols, check_dims, nonfinite_differ, parse_dims
 
 
 def _run(args) -> int:

@@ -8,20 +8,11 @@ import threading
 import time
 from pathlib import Path
 
-from tilegraph.cli.common import (
-    _formula,
-    _input_symbols,
-    check_dims,
-    describe_sizes,
-    format_time,
-    parse_dims,
-    sizes_for,
-    spec_text,
-)
+from tilegraph.cli.common import (_formula, _input_symbols, check_dims, describe_sizes, format_time, parse_dims,
+                                  sizes_for, spec_text)
 
 
 def _shard(args) -> int:
-    import tilegraph
     from tilegraph.ir.errors import TilegraphError
     from tilegraph.ir.hardware import GPUS, hardware
     from tilegraph.passes.cost.collectives import Mesh, parse_mesh
@@ -40,14 +31,13 @@ def _shard(args) -> int:
     with StatusLine("tilegraph shard") if show else contextlib.nullcontext() as status:
         if status:
             status("importing the model")
-        model = run_pipeline(tilegraph.import_model(args.model),
-                             UNFUSED_PIPELINE if args.pipeline is None else args.pipeline)
+        model = run_pipeline(_model_to_plan(args), UNFUSED_PIPELINE if args.pipeline is None else args.pipeline)
         symbols = _input_symbols(model)
         check_dims(dims, symbols)
         sizes, defaulted = sizes_for(symbols, dims)
         p = plan(model.module, Mesh(shape, hw), budget=budget, sizes=sizes, training=not args.inference,
                  names=model.input_names, progress=status)
-    print(f"{Path(args.model).name} on {p.mesh} x {hw.name} ({p.mesh.devices} devices), "
+    print(f"{Path(args.model).name if args.model else args.config} on {p.mesh} x {hw.name} ({p.mesh.devices} devices), "
           f"{'forward pass' if args.inference else 'training step'}")
     if sizes:
         print(f"sizes: {describe_sizes(sizes, defaulted)}")
@@ -55,6 +45,22 @@ def _shard(args) -> int:
     if args.symbolic:
         print(f"step time [s] = {_formula(p.formula, dims)}")
     return 0
+
+
+def _model_to_plan(args):
+    """The model file, or the model --config describes (a config.json or a named shape), never both."""
+    import tilegraph
+    from tilegraph.ir.errors import TilegraphError
+
+    if (args.model is None) == (args.config is None):
+        raise TilegraphError("tilegraph shard plans a model file or a --config (a config.json or a named shape "
+                             "such as llama-7b): give exactly one")
+    if args.model is not None:
+        return tilegraph.import_model(args.model)
+    from tilegraph.frontends.config import NAMED_CONFIGS, from_config, read_config
+
+    config = NAMED_CONFIGS.get(args.config.lower()) or read_config(args.config)
+    return from_config(config)
 
 
 # How often a status line on a terminal is redrawn (its elapsed time ticks while a stage runs).

@@ -1,0 +1,227 @@
+"""Reverse-mode autodiff (ir/autodiff.py, ir/vjp.py): every op's VJP against float64 finite
+differences, on each op's examples and on random graphs, and whole models' parameter
+gradients against torch.autograd."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tilegraph.ir import Graph, Model, dtypes, interpret
+from tilegraph.ir import autodiff, vjp
+from tilegraph.ir.autodiff import NotDifferentiable
+from tilegraph.ir.dialect import TgOp
+from tilegraph.ir.model import ModelError, WeightStore
+from tilegraph.ir.ops import OPS
+from tilegraph.testing import (ALL_OPS, PEER_RELATIVE_ERROR, graphs, op_examples, random_inputs, reduction_length,
+                               relative_error, tolerance)
+
+# Central differences in float64 with this step: truncation ~h^2 |f'''| and rounding
+# ~2^-53 |f| / h, both below 1e-9 of the scale for the bounded values the generator draws,
+# far inside float32's tolerance, the one the check uses.
+STEP = 1e-6
+
+
+def test_every_op_has_a_vjp_or_a_stated_reason():
+    assert vjp.missing() == [], f"ops with neither a VJP nor a reason in ir/vjp.py NO_GRADIENT: {vjp.missing()}"
+    assert not set(vjp.VJPS) & set(vjp.NO_GRADIENT)
+
+
+def test_a_rule_for_an_op_the_table_lacks_fails_at_registration():
+    with pytest.raises(KeyError, match="no op 'softmx'"):
+        vjp.vjp("softmx")
+    with pytest.raises(KeyError, match="already has a rule"):
+        vjp.vjp("add")
+
+
+def as_float64(model: Model) -> Model:
+    """The same graph in f64 (finite differences need perturbations f32 inputs would round away)."""
+    text = re.sub(r"\bf32\b", "f64", model.text)
+    text = re.sub(r"(\d|x|<)f32>", r"\1f64>", text)
+    weights = WeightStore({k: (v.astype(np.float64) if v.dtype == np.float32 else v) for k, v in
+                           model.weights.items()})
+    m = Model.parse(text, weights)
+    m.verify()
+    return m
+
+
+def check_against_finite_differences(model: Model, inputs, seed: int = 0) -> None:
+    """<vjp(cotangent), direction> against the central difference of <f(x + h d), cotangent>,
+    for random cotangents and directions over every float input and weight."""
+    model = as_float64(model)
+    inputs = [np.asarray(a, np.float64) if np.asarray(a).dtype.kind == "f" else np.asarray(a) for a in inputs]
+    rng = np.random.default_rng(seed)
+    float_inputs = [n for n, t in zip(model.input_names, model.inputs) if t.dtype == "f64"]
+    # Values only compared (the generator's eq/ne between exactly equal weights) are left still:
+    # moving them moves where a comparison flips, which is no derivative.
+    compared = {name for name in float_inputs + autodiff.float_weights(model) if _only_compared(model, name)}
+    wrt = [n for n in float_inputs + autodiff.float_weights(model) if n not in compared]
+    if not wrt:
+        return
+    outs = interpret(model, inputs)
+    float_outs = [i for i, t in enumerate(model.outputs) if dtypes.is_float(t.dtype)]
+    cots = [rng.standard_normal(np.shape(outs[i])) for i in float_outs]
+    vm = autodiff.vjp(model, wrt)
+    grads = interpret(vm, inputs + cots)[len(outs):]
+    dirs = {n: rng.standard_normal(np.shape(g)) for n, g in zip(wrt, grads)}
+
+    def objective(t: float) -> float:
+        moved = [a + t * dirs[n] if n in dirs else a for n, a in zip(model.input_names, inputs)]
+        m = Model(model.module, WeightStore({k: (v + t * dirs[k] if k in dirs else v)
+                                             for k, v in model.weights.items()}))
+        ys = interpret(m, moved)
+        return float(sum(np.sum(ys[i] * c) for i, c in zip(float_outs, cots)))
+
+    fd = (objective(STEP) - objective(-STEP)) / (2 * STEP)
+    terms = [np.asarray(g) * dirs[n] for n, g in zip(wrt, grads)]
+    analytic = float(sum(np.sum(t) for t in terms))
+    scale = max(1.0, float(sum(np.sum(np.abs(t)) for t in terms)))
+    rtol, _ = tolerance("f32", reduction_length(model))
+    assert abs(analytic - fd) <= rtol * scale, f"VJP {analytic} vs finite differences {fd} (scale {scale})\n{model}"
+
+
+# Piecewise-constant ops' examples sit on their jumps on purpose (round's halves, sign's 0),
+# where finite differences see the jump; their VJP (zero) is checked on the random graphs' side.
+PIECEWISE_CONSTANT = ("floor", "ceil", "round", "sign")
+def _only_compared(model: Model, name: str) -> bool:
+    values = [a for n, a in zip(model.input_names, model.func.args) if n == name] + [
+        op.results[0] for op in model.ops() if getattr(op, "op_name", "") == "weight" and op.attr("name") == name]
+    uses = [u.operation for v in values for u in v.uses]
+    return bool(uses) and all(getattr(op, "op_name", "") in ("eq", "ne", "lt", "le", "gt", "ge") for op in uses)
+
+
+EXAMPLES = [ex for name, exs in op_examples().items() if name in vjp.VJPS and name not in PIECEWISE_CONSTANT
+            for ex in exs]
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[ex.id for ex in EXAMPLES])
+def test_each_vjp_matches_finite_differences(example):
+    rounded = [t for op in as_float64(example.model).ops() if isinstance(op, TgOp) for t in op.result_infos()
+               if dtypes.is_float(t.dtype) and t.dtype != "f64"]
+    if rounded:
+        pytest.skip(f"rounds to {rounded[0].dtype} on the way: finite differences would measure the rounding")
+    try:
+        check_against_finite_differences(example.model, example.inputs)
+    except NotDifferentiable as e:
+        # a rule that refuses these attributes says which, and only for what it states
+        assert "not written" in str(e) or "symbolic" in str(e) or "run-time" in str(e), e
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(model=graphs(ops=ALL_OPS, symbolic=False), seed=st.integers(0, 2 ** 16))
+def test_vjps_of_random_graphs_match_finite_differences(model, seed):
+    check_against_finite_differences(model, random_inputs(model, seed), seed)
+
+
+def small_mlp():
+    rng = np.random.default_rng(0)
+    g = Graph()
+    x = g.input("x", (4, 3))
+    w = g.weight("w", rng.standard_normal((3, 5)).astype(np.float32))
+    y = g.sum(g.relu(x @ w) * (x @ w))  # w read twice: both reads' cotangents are summed
+    return g.build(y, names=["loss"])
+
+
+def test_grad_and_value_and_grad_name_their_results():
+    model = small_mlp()
+    vg = autodiff.value_and_grad(model)
+    assert vg.output_names == ["loss", "grad_w"]
+    assert autodiff.grad(model, wrt=["x", "w"]).output_names == ["grad_x", "grad_w"]
+    x = np.random.default_rng(1).standard_normal((4, 3)).astype(np.float32)
+    loss, gw = interpret(vg, [x])
+    h = x @ model.weights["w"].astype(np.float64)
+    np.testing.assert_allclose(gw, x.T.astype(np.float64) @ (2 * np.maximum(h, 0)), rtol=1e-12)
+
+
+def test_bad_requests_are_named_errors():
+    model = small_mlp()
+    with pytest.raises(ModelError, match="no input or weight has that name"):
+        autodiff.grad(model, wrt=["nope"])
+    g = Graph()
+    x = g.input("x", (3,))
+    nonscalar = g.build(g.exp(x))
+    with pytest.raises(ModelError, match="scalar float loss"):
+        autodiff.grad(nonscalar, wrt=["x"])
+    g = Graph()
+    x = g.input("x", (2, 3))
+    q = g.op("quantize", x, g.constant(np.float32(0.1)), to="i8")
+    deq = g.op("dequantize", q, g.constant(np.float32(0.1)))
+    with pytest.raises(NotDifferentiable, match="tg.dequantize"):
+        autodiff.grad(g.build(g.sum(deq)), wrt=["x"])
+
+
+# --- whole models against torch.autograd ---
+
+
+def torch_gradients(module, inputs, wrt_prefix=""):
+    """The module's loss and its parameters' gradients from torch.autograd."""
+    for p in module.parameters():
+        p.grad = None
+    loss = module(*inputs)
+    loss.backward()
+    return float(loss), {wrt_prefix + n: p.grad.numpy() for n, p in module.named_parameters()}
+
+
+def check_parameter_gradients(module, inputs, padding: dict | None = None):
+    from tilegraph.frontends.torch_export import from_torch
+
+    model = from_torch(module, inputs)
+    params = [n for n, _ in module.named_parameters()]
+    vg = autodiff.value_and_grad(model, wrt=[n for n in params if n in model.weights])
+    outs = interpret(vg, [t.numpy() for t in inputs])
+    loss, grads = torch_gradients(module, inputs)
+    assert relative_error(outs[0], loss) <= PEER_RELATIVE_ERROR
+    checked = 0
+    largest = max(float(np.max(np.abs(g))) for g in grads.values() if g is not None)
+    for name, g in zip(vg.output_names[1:], outs[1:]):
+        name = name[len("grad_"):]
+        want = grads[name]
+        if name in (padding or {}):
+            # torch's nn.Embedding(padding_idx=p) leaves row p out of the gradient by definition
+            # (an attribute of the module, not of the function torch.export writes down)
+            assert not want[padding[name]].any()
+            g, want = np.delete(g, padding[name], axis=0), np.delete(want, padding[name], axis=0)
+        if np.max(np.abs(want)) < 1e-6 * largest:
+            # zero but for rounding (a key bias: softmax ignores what it adds to every score of a
+            # row): float32's tolerance for a sum over the tokens, at the largest gradient's scale
+            rtol, _ = tolerance("f32", int(np.prod(inputs[0].shape)))
+            assert np.max(np.abs(g - want)) <= rtol * largest, name
+        else:
+            assert relative_error(g, want) <= PEER_RELATIVE_ERROR, name
+        checked += 1
+    assert checked >= len(params) - 1  # every parameter the export reads (MiniLM's pooler is not built)
+
+
+def summed_against(module, shape):
+    import torch
+
+    weights = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+
+    class Loss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = module
+
+        def forward(self, *xs):
+            return (self.m(*xs) * weights).sum()
+
+    return Loss()
+
+
+def test_gpt2_shaped_parameter_gradients_match_torch_autograd():
+    from tests.models import gpt2_inputs, gpt2_model
+
+    module = gpt2_model(n_layer=2, n_embd=64, n_head=4, n_positions=32, vocab_size=128)
+    check_parameter_gradients(summed_against(module, (2, 16, 64)), gpt2_inputs(2, 16, vocab_size=128))
+
+
+def test_minilm_parameter_gradients_match_torch_autograd():
+    from tests.models import MINILM_HIDDEN, minilm_inputs, minilm_model
+
+    module = minilm_model()
+    padding = {"m.bert.embeddings.word_embeddings.weight": module.bert.embeddings.word_embeddings.padding_idx}
+    check_parameter_gradients(summed_against(module, (2, 8, MINILM_HIDDEN)), minilm_inputs(2, 8), padding)

@@ -1,0 +1,131 @@
+"""tilegraph.train_step: forward, loss, backward and optimizer in one compiled program, weights
+and optimizer state updated in place, against torch eager's training from the same start."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import tilegraph
+from tests.models import CharGPT, char_batches, char_corpus, char_gpt
+from tilegraph.ir import Model
+from tilegraph.testing import PEER_RELATIVE_ERROR, relative_error
+from tilegraph.train import SGD, AdamW, TrainError
+
+
+def torch_losses(module, batches, optimizer, clip_norm=None):
+    losses = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        logits = module(x)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+        if clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), clip_norm)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.mark.parametrize("target", ["numpy", "c"])
+def test_a_char_gpt_learns_as_torch_eager_does(target):
+    chars, batches = char_batches(char_corpus(), steps=10, batch=4, block=16)
+    torch.manual_seed(0)
+    module = CharGPT(len(chars), layers=1, hidden=32, heads=2, block=16)
+    reference = copy.deepcopy(module)
+    step = tilegraph.train_step(module, "cross_entropy", AdamW(lr=1e-2, weight_decay=0.1),
+                                example_inputs=(batches[0][0],), clip_norm=1.0, target=target)
+    before = {k: v for k, v in step.weights.items()}
+    ours = [step(x, targets=y) for x, y in batches]
+    theirs = torch_losses(reference, batches, torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1),
+                          clip_norm=1.0)
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert abs(a - b) <= PEER_RELATIVE_ERROR * abs(b), f"step {i}: {a} vs torch {b}"
+    assert ours[-1] < ours[0] - 0.5
+    # in place: the same arrays, now holding torch's trained weights, to each tensor's scale: the
+    # key bias's gradient is zero but for rounding in both, and AdamW's m / sqrt(v) turns that
+    # noise into steps of lr's size, different in each
+    for name, p in reference.named_parameters():
+        assert step.weights[name] is before[name]
+        assert relative_error(step.weights[name], p.detach().numpy()) <= 1e-3, name
+
+
+def test_sgd_with_momentum_weight_decay_and_nesterov_matches_torch():
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 5))
+    reference = copy.deepcopy(module)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 6, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(6)]
+    opt = SGD(lr=0.1, momentum=0.9, weight_decay=1e-2, nesterov=True)
+    step = tilegraph.train_step(module, "cross_entropy", opt, example_inputs=(batches[0][0],), target="numpy")
+    ours = [step(x, targets=y) for x, y in batches]
+    theirs = torch_losses(reference, batches, torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9,
+                                                              weight_decay=1e-2, nesterov=True))
+    np.testing.assert_allclose(ours, theirs, rtol=PEER_RELATIVE_ERROR)
+
+
+def test_the_step_marks_what_it_updates_in_place():
+    torch.manual_seed(0)
+    module = torch.nn.Linear(4, 3)
+    step = tilegraph.train_step(module, "cross_entropy", AdamW(), example_inputs=(torch.randn(2, 4),), target="numpy")
+    ins, outs = step.model.input_names, step.model.output_names
+    donated = {ins[i]: outs[r] for i, r in step.model.aliases.items()}
+    # every weight and moment is donated to the result of its name; the data and the loss are not
+    assert donated == {n: n for n in ("weight", "bias", "exp_avg.weight", "exp_avg.bias", "exp_avg_sq.weight",
+                                      "exp_avg_sq.bias")}
+    assert outs[0] == "loss"
+
+
+def test_bad_requests_are_named_errors():
+    module = torch.nn.Linear(4, 3)
+    x = (torch.randn(2, 4),)
+    with pytest.raises(TrainError, match="unknown loss 'hinge'"):
+        tilegraph.train_step(module, "hinge", example_inputs=x, target="numpy")
+    with pytest.raises(TrainError, match="optimizer must be"):
+        tilegraph.train_step(module, optimizer=torch.optim.SGD, example_inputs=x, target="numpy")
+    with pytest.raises(TrainError, match="no weight named nope"):
+        tilegraph.train_step(module, params=["nope"], example_inputs=x, target="numpy")
+
+
+def test_data_parallelism_on_two_processes_trains_as_one_process_does():
+    """Two gloo processes, each half of every batch, gradients all-reduced: the loss at each step is
+    the one-process step's on the whole batch."""
+    import functools
+
+    from tilegraph.train import train_data_parallel
+
+    chars, batches = char_batches(char_corpus(), steps=5, batch=4, block=16)
+    module = char_gpt(len(chars), 1, 32, 2, 16)
+    optimizer = AdamW(lr=1e-2, weight_decay=0.1)
+    one = tilegraph.train_step(module, "cross_entropy", optimizer, example_inputs=(batches[0][0],), clip_norm=1.0,
+                               target="numpy", pipeline="")
+    alone = [one(x, targets=y) for x, y in batches]
+    # the processes get the model as tg IR at their half of the batch (no torch.export in each), and
+    # compile with no passes: each compiles two modules, and fusion's search is what costs there
+    half = tilegraph.import_model(module, example_inputs=(batches[0][0][:2],))
+    make = functools.partial(Model.parse, half.text, dict(half.weights))
+    result = train_data_parallel(make, batches, world=2, optimizer=optimizer, clip_norm=1.0, target="numpy",
+                                 pipeline="")
+    np.testing.assert_allclose(result["losses"], alone, rtol=PEER_RELATIVE_ERROR)
+    assert len(result["seconds"]) == len(batches)
+
+
+def test_a_builder_model_trains_one_sgd_step_by_its_own_gradient():
+    from tilegraph.ir import Graph, interpret
+    from tilegraph.train import build_gradients
+
+    rng = np.random.default_rng(0)
+    g = Graph()
+    x = g.input("x", (6, 3))
+    w = g.weight("w", rng.standard_normal((3, 4)).astype(np.float32))
+    model = g.build(g.tanh(x @ w) * 2.0, names=["logits"])
+    xs = rng.standard_normal((6, 3)).astype(np.float32)
+    ys = rng.integers(0, 4, 6)
+    grads = build_gradients(model, "cross_entropy", ["w"])
+    loss, gw = interpret(grads, [xs, ys, model.weights["w"]])
+    step = tilegraph.train_step(model, "cross_entropy", SGD(lr=0.5), target="numpy")
+    assert abs(step(xs, targets=ys) - loss) <= PEER_RELATIVE_ERROR * abs(loss)
+    np.testing.assert_allclose(step.weights["w"], model.weights["w"] - 0.5 * gw, rtol=PEER_RELATIVE_ERROR, atol=1e-6)
