@@ -345,9 +345,29 @@ def block_format(name: str) -> BlockFormat:
 PANEL_ELEMENTS = 1 << 20
 
 
-def block_matmul(x: np.ndarray, w: np.ndarray, format: str, k: int, dtype=None) -> np.ndarray:  # noqa: A002
+def quantize_activations(x: np.ndarray) -> np.ndarray:
+    """x as an integer dot product sees it (block_matmul's activation='q8'): each 32 values
+    rounded to d * q with d = max|x| / 127 and q = round-half-even(x * 127 / max|x|) in int8,
+    computed in float32 (as the C kernels' vector code: cvtps2dq rounds half to even), d kept
+    in float32; returned in x's float type. ggml's quantize_row_q8_0 (x86) rounds the same q."""
+    x = np.asarray(x)
+    xb = x.astype(np.float32).reshape(x.shape[:-1] + (-1, QK))
+    amax = np.abs(xb).max(-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint((xb * inv).astype(np.float32)), -128, 127)
+    d = (amax / np.float32(127)).astype(np.float32)
+    dtype = x.dtype if np.issubdtype(x.dtype, np.floating) else np.float32
+    return (q.astype(dtype) * d.astype(dtype)).reshape(x.shape)
+
+
+def block_matmul(x: np.ndarray, w: np.ndarray, format: str, k: int, dtype=None,  # noqa: A002
+                 activation: str = "f32") -> np.ndarray:
     """x[..., k] @ dequantize(w[N, row_bytes]).T -> [..., N], a panel of rows at a time (the f32
-    weight never exists whole); computed in x's float type (float64 in the interpreter)."""
+    weight never exists whole); computed in x's float type (float64 in the interpreter).
+    activation='q8': x as quantize_activations rounds it."""
+    if activation == "q8":
+        x = quantize_activations(x)
     fmt = block_format(format)
     n = w.shape[0]
     out_dtype = np.result_type(x.dtype, np.float32) if dtype is None else dtype

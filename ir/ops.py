@@ -1198,6 +1198,9 @@ def _block_weight(op, w, attrs):
 def _block_matmul(ins, attrs, given):
     x, w = ins
     _block_weight("block_matmul", w, attrs)
+    if attrs["activation"] not in ("f32", "q8") or (attrs["activation"] == "q8" and attrs["k"] % 32):
+        raise _fail("block_matmul", f"activation={attrs['activation']!r} must be 'f32', or 'q8' with k a "
+                                    "multiple of 32")
     if not dtypes.is_float(x.dtype) or x.rank < 1 or not dims_equal(x.shape[-1], attrs["k"]):
         raise _fail("block_matmul", f"x {x} must be float with last dim k = {attrs['k']}")
     return [TensorInfo(x.shape[:-1] + (w.shape[0],), x.dtype)]
@@ -1280,10 +1283,13 @@ def _cache_attention_flops(ins, outs):
 
 
 _BLOCK = {"format": ("str", REQUIRED), "k": ("int", REQUIRED)}
-_op("block_matmul", ["x", "w"], _block_matmul, "K.block_matmul({x}, {w}, {format}, {k})", "quantize", _BLOCK,
+_op("block_matmul", ["x", "w"], _block_matmul, "K.block_matmul({x}, {w}, {format}, {k}, activation={activation})",
+    "quantize", {**_BLOCK, "activation": ("str", "f32")},
     doc="x[..., k] @ dequantize(w).T -> [..., N], w ui8[N, row_bytes] in a GGUF block format "
-        "(ir/block_formats.py), read as stored: never widened to f32 whole", flops=_block_matmul_flops,
-    gemm=_gemm_of_block_matmul)
+        "(ir/block_formats.py), read as stored: never widened to f32 whole. activation='q8' first rounds x "
+        "to int8 per 32 values (block_formats.quantize_activations, ggml's vec_dot numerics: the integer dot "
+        "products llama.cpp and the C backend's decode kernels take); 'f32' multiplies x as it is",
+    flops=_block_matmul_flops, gemm=_gemm_of_block_matmul)
 _op("block_gather", ["w", "indices"], _block_gather, "K.block_gather({w}, {indices}, {format}, {k})", "quantize",
     _BLOCK, doc="rows `indices` of dequantize(w) -> f32[*indices, k]: an embedding lookup in a block format")
 _op("cache_write", ["cache", "x", "pos"], _cache_write, "K.cache_write({cache}, {x}, {pos})", "layout",

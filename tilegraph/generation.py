@@ -109,7 +109,7 @@ class LanguageModel:
     size, sharing one weight store, and their caches."""
 
     def __init__(self, path: str | Path, target: str | None = None, cache_len: int | None = None,
-                 threads: int | None = None, pipeline=None):
+                 threads: int | None = None, pipeline=None, activation: str = "f32"):
         from tilegraph.frontends.gguf.llama import LlamaConfig, load_weights
         from tilegraph.frontends.gguf.reader import GGUFFile
         from tilegraph.frontends.gguf.tokenizer import GGUFTokenizer
@@ -121,6 +121,10 @@ class LanguageModel:
         self.weights, self.formats = load_weights(f, self.config)
         self.cache_len = min(cache_len or DEFAULT_CACHE_LEN, self.config.context)
         self.target, self.threads, self.pipeline = target, threads, pipeline
+        # 'f32': block-format matmuls multiply the float activations (exact, as transformers on the
+        # dequantized weights); 'q8': activations rounded to int8 per 32 first, as llama.cpp does,
+        # which the C backend runs as integer dot products
+        self.activation = activation
         self._compiled: dict[tuple[int, str], object] = {}
         self._caches: dict[int, list[np.ndarray]] = {}
         self.stats = Stats()
@@ -139,7 +143,8 @@ class LanguageModel:
             import tilegraph
             from tilegraph.frontends.gguf.llama import build
 
-            model = build(self.config, self.weights, self.formats, batch, "T" if kind == "prefill" else 1, self.cache_len)
+            model = build(self.config, self.weights, self.formats, batch, "T" if kind == "prefill" else 1,
+                          self.cache_len, self.activation)
             options = {"threads": self.threads} if self.threads and self._target() == "c" else {}
             self._compiled[key] = tilegraph.compile(model, target=self._target(), pipeline=self.pipeline, **options)
         return self._compiled[key]

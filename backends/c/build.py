@@ -29,6 +29,9 @@ from tilegraph.ir.errors import TilegraphError
 
 RUNTIME_H = Path(__file__).with_name("runtime.h")
 RUNTIME_C = Path(__file__).with_name("runtime.c")
+# Compiled into the runtime beside runtime.c: the block-format and KV-cache kernels
+# (blockq.c, with its header and the SIMD variants it includes).
+RUNTIME_EXTRA = [Path(__file__).with_name(n) for n in ("blockq.h", "blockq_simd.h", "blockq.c")]
 # -fwrapv: signed integer overflow wraps, as NumPy's does. -fno-math-errno lets the
 # compiler inline and vectorise math functions (errno is never read). No -ffast-math:
 # NaN, infinities and signed zeros keep their IEEE meaning.
@@ -112,11 +115,13 @@ def runtime(cflags: list[str] | None = None) -> Path:
     """The runtime's shared library for these flags, compiled now or found in the cache."""
     cflags = flags() if cflags is None else cflags
     with _runtime_lock:
-        key = _key(_toolchain_id(), " ".join(cflags), RUNTIME_H.read_text(), RUNTIME_C.read_text())
+        key = _key(_toolchain_id(), " ".join(cflags), RUNTIME_H.read_text(), RUNTIME_C.read_text(),
+                   *(p.read_text() for p in RUNTIME_EXTRA))
         target = cache.private_dir("c") / f"tgrt_{key}.so"
         if not cache.verified(target):  # absent, or damaged, edited or planted: built afresh
+            source = RUNTIME_C.read_text() + '\n#include "blockq.c"\n'
             # The soname is the file's name: a module records it and finds it beside itself.
-            _compile(RUNTIME_C.read_text(), target, cflags, [f"-Wl,-soname,{target.name}"],
+            _compile(source, target, cflags, [f"-Wl,-soname,{target.name}"],
                      "the runtime (runtime.c)")
     return target
 

@@ -36,6 +36,7 @@ import numpy as np
 import sympy
 from xdsl.ir import SSAValue
 
+from tilegraph.backends.c.generation import GENERATION_OPS, Generation
 from tilegraph.backends.c.groups import Groups
 from tilegraph.backends.c.kernels import Kernels
 from tilegraph.backends.c.loops import Loops
@@ -63,7 +64,7 @@ HOST_FALLBACK = {
     "scatter_elements": "host", "scatter_nd": "host",
     "pad": "C for constant padding (into a convolution's own padding where that reads it), the host for "
            "reflect/edge/wrap and negative pads",
-    "cumprod": "host", "trilu": "host", "iota": "host", "topk": "host", "argmax": "host",
+    "cumprod": "host", "trilu": "host", "topk": "host", "argmax": "host",
     "argmin": "host", "mod": "host", "isinf": "host", "reduce_prod": "host",
     "div": "C for floats, the host for integers", "pow": "C for floats, the host for integers",
     "quantize": "C for integer formats, the host for float formats and block scales",
@@ -74,17 +75,13 @@ HOST_FALLBACK = {
     # Data-dependent sizes: the runtime finds them before planning (ir.interpreter.run_time_sizes).
     "nonzero": "host", "unique": "host", "narrow": "host", "non_max_suppression": "host",
     "rnn": "host (a loop over the steps, NumPy's matmul per step)", "assert_size": "host",
-    # Generation's ops: the host until their decode kernels land (block-format GEMV/GEMM,
-    # attention over the cache, the cache written in place).
-    "block_matmul": "host", "block_gather": "host", "cache_write": "host", "cache_attention": "host",
-    "rms_norm": "host", "rope": "host",
 }
 LOWERINGS = table(template=[op for op in OPS if op not in HOST_FALLBACK],
                   fallback={op: f"runs on the host between native segments ({why})"
                             for op, why in HOST_FALLBACK.items()})
 
 
-class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized):
+class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
     def __init__(self, model: Model):
         self.model = model
         self.prog = flatten(model)
@@ -95,6 +92,7 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized):
         self.gemm_count = 0
         self.constants: list[np.ndarray] = []  # arrays of the constants too big to be literals
         self.folded: dict[TgOp, View] = {}  # ops computed inside an earlier step: their results
+        self.donated: set[int] = set()  # input buffers a step updates in place (a KV cache)
         for arg_i, (arg, info) in enumerate(zip(model.func.args, model.inputs)):
             self.views[arg] = self._new_buffer("input", info.dtype, info.shape, arg_i)
 
@@ -261,6 +259,8 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized):
             return [self.cumsum(op, xs[0])]
         if name == "attention":
             return [self.attention(op, xs)]
+        if name in GENERATION_OPS:
+            return self.generation(op, xs)
         if name == "matmul_integer":
             return [self.matmul_integer(op, xs)]
         if name == "dynamic_quantize":
@@ -380,7 +380,7 @@ def emit_program(model: Model, name: str | None = None, per_step: bool = False) 
               for a, n, i in zip(model.func.args, model.input_names, model.inputs)]
     lines += [" * outputs:"]
     lines += [f" *   {c_comment(n)}: {c_comment(str(i))}" for n, i in zip(model.output_names, model.outputs)]
-    lines += [" */", *_gelu_defines(), '#include "runtime.h"', "#include <tgmath.h>", ""]
+    lines += [" */", *_gelu_defines(), '#include "runtime.h"', '#include "blockq.h"', "#include <tgmath.h>", ""]
     nprim = max(em.gemm_count, 1)
     # A loaded model owns its packed weights (two models of one source share the library,
     # not their weights); each shape binding owns its primitives.

@@ -197,8 +197,11 @@ class CompiledModel:
         self._lib = library
         self._lock = threading.Lock()  # one binding's arena is shared: calls take turns
         em = program.emitter
-        for step in program.steps:  # the caller's arrays, weights and constants are read, never written
-            kept = sorted(b for b in step.writes if em.buffers[b].kind in ("input", "weight", "constant"))
+        # The caller's arrays, weights and constants are read, never written; an input the model
+        # donates (Model.aliases: a KV cache) is written where it lies.
+        for step in program.steps:
+            kept = sorted(b for b in step.writes
+                          if em.buffers[b].kind in ("input", "weight", "constant") and b not in em.donated)
             if kept:
                 b = em.buffers[kept[0]]
                 raise ModelError(f"the C module would write into {b.kind} {b.index!r} at `{step.comment}`; a compiled "
@@ -227,6 +230,15 @@ class CompiledModel:
                 self._direct[i] = v.buf  # type: ignore[assignment]
         self.lifetimes = {b: t for b, t in _lifetimes(program).items() if b not in self._direct.values()}
         self._outputs = em.outputs()
+        # Inputs a step updates in place (a KV cache: DESIGN.md, "State across calls"): the
+        # caller's own array is written, so it must reach C uncopied; an output that is such
+        # an input whole is that array, returned as given (copying a cache out per token
+        # would cost what the in-place write saves).
+        self._donated = {int(em.buffers[i].index or 0) for i in em.donated}  # (an input's index is its position)
+        self._aliased = {i: v.buf for i, v in enumerate(self._outputs)
+                         if v.literal is None and v.buf in em.donated and em.is_contiguous(v)
+                         and sympy.sympify(v.offset) == 0 and sympy.expand(
+                             sympy.sympify(numel(v.shape)) - em.buffers[v.buf].elements) == 0}
         self._inputs = [(i, b.index) for i, b in enumerate(em.buffers) if b.kind == "input"]
         self._per_call = [i for i, _ in self._inputs] + list(self._direct.values())  # buffers each call binds
         self._per_call_set = set(self._per_call)
@@ -281,8 +293,16 @@ class CompiledModel:
         known = {}
         if self._run_time_sizes:  # dims known only at run time: found first, then planned as any binding
             sizes, known = run_time_sizes(self.model, arrays, sizes)
+        arrays = [_c_array(a) for a in arrays]
+        for j in self._donated:
+            given = named.get(self.input_names[j]) if named else inputs[j] if j < len(inputs) else None
+            if arrays[j] is not given or not arrays[j].flags.writeable:
+                spec = self.model.inputs[j]
+                raise ModelError(f"input '{self.input_names[j]}' is updated in place (a cache): pass a writable, "
+                                 f"C-contiguous numpy array of {spec.dtype} (np.require(a, dtype, 'CAW')), "
+                                 "which the call then writes")
         with self._lock:
-            return self._run([_c_array(a) for a in arrays], sizes, known)
+            return self._run(arrays, sizes, known)
 
     def set_threads(self, n: int) -> None:
         """OpenMP's thread count for this process's C modules (one pool serves them all)."""
@@ -350,6 +370,9 @@ class CompiledModel:
                 self._host(self.program.steps[k], b, sizes, known or {})
         outs = []
         for i, v in enumerate(self._outputs):
+            if i in self._aliased:
+                outs.append(b.bases[self._aliased[i]])
+                continue
             outs.append(fresh[i] if i in fresh else _literal_array(v, b) if v.literal is not None else
                         np.array(b.out_views[i] if i in b.out_views else b.view(v)))
         for i in self._per_call:  # the caller's arrays are not the module's to keep

@@ -137,6 +137,7 @@ class EmitterParts:
     gemm_count: int
     constants: list[np.ndarray]
     folded: dict[TgOp, View]
+    donated: set[int]
 
     if TYPE_CHECKING:
         def __getattr__(self, name: str) -> Any: ...

@@ -126,9 +126,13 @@ def load_weights(f: GGUFFile, c: LlamaConfig) -> tuple[WeightStore, dict[str, st
     return w, formats
 
 
-def build(c: LlamaConfig, weights: WeightStore, formats: dict[str, str], batch: int, steps, cache_len: int) -> Model:
+def build(c: LlamaConfig, weights: WeightStore, formats: dict[str, str], batch: int, steps, cache_len: int,
+          activation: str = "f32") -> Model:
     """The model for `batch` sequences of `steps` new tokens (an int, or a symbol name for prefill)
-    over caches of `cache_len` positions; `formats`: load_weights' block format of each weight."""
+    over caches of `cache_len` positions; `formats`: load_weights' block format of each weight.
+    activation='q8': every block-format matmul first rounds its input to int8 per 32 values
+    (tg.block_matmul's activation, ggml's numerics), what the C backend's integer kernels take;
+    'f32' multiplies the float activations as they are."""
     g = Graph(weights)
     B, T, S, D = batch, steps, cache_len, c.head_dim
     tokens = g.input("tokens", (B, T), "i64")
@@ -143,7 +147,7 @@ def build(c: LlamaConfig, weights: WeightStore, formats: dict[str, str], batch: 
                                                            else "f32"))
 
     def linear(x, name, k, bias=None):
-        y = g.op("block_matmul", x, weight(name), format=formats[name], k=k)
+        y = g.op("block_matmul", x, weight(name), format=formats[name], k=k, activation=activation)
         return y if bias is None else y + weight(bias)
 
     def heads(x, n):  # [B, T, n*D] -> [B, n, T, D]

@@ -49,13 +49,14 @@ def op_examples() -> dict[str, list[OpExample]]:
     def bools(*shape):
         return rng.random(shape) < 0.5
 
-    def add(op, build, inputs, reduction_length=1, label="", shapes=None):
-        """`build(g, *tensors)` makes the output(s) from inputs x0, x1, ... (shapes may name symbols)."""
+    def add(op, build, inputs, reduction_length=1, label="", shapes=None, aliases=None):
+        """`build(g, *tensors)` makes the output(s) from inputs x0, x1, ... (shapes may name symbols);
+        `aliases` (input name -> output name) donates inputs the model updates in place."""
         g = Graph()
         ts = [g.input(f"x{i}", (shapes[i] if shapes else a.shape), dtypes.dtype_name(a.dtype))
               for i, a in enumerate(inputs)]
         result = build(g, *ts)
-        model = g.build(*(result if isinstance(result, tuple) else (result,)))
+        model = g.build(*(result if isinstance(result, tuple) else (result,)), aliases=aliases)
         out.setdefault(op, []).append(OpExample(op, label, model, tuple(inputs), reduction_length))
 
     def unary(op, x, label="", **attrs):
@@ -310,6 +311,11 @@ def op_examples() -> dict[str, list[OpExample]]:
         add("block_matmul", lambda g, a, raw=raw, fmt=fmt, k=k: g.op("block_matmul", a, g.weight(f"w.{fmt}", raw),
                                                                        format=fmt, k=k),
             [f32(2, 3, k)], k, label=fmt)
+        # activation='q8': x rounded to int8 per 32 first (the integer dot products the C backend runs)
+        if k % 32 == 0:
+            add("block_matmul", lambda g, a, raw=raw, fmt=fmt, k=k: g.op(
+                "block_matmul", a, g.weight(f"w.{fmt}", raw), format=fmt, k=k, activation="q8"),
+                [f32(2, 3, k)], k, label=f"{fmt}-q8")
     table = FORMATS["q4_0"].quantize(f32(10, 64))
     add("block_gather", lambda g, i: g.op("block_gather", g.weight("embed.q4_0", table), i, format="q4_0", k=64),
         [ints(2, 3, lo=0, hi=10, dtype=np.int64)], label="q4_0-embedding")
@@ -318,6 +324,10 @@ def op_examples() -> dict[str, list[OpExample]]:
         [f32(2, 2, 8, 4), f32(2, 2, 3, 4), np.int64(2)], label="prefill-at-2")
     add("cache_write", lambda g, c, x, p: g.op("cache_write", c, x, p),
         [f32(2, 2, 8, 4), f32(2, 2, 1, 4), np.array([0, 7], np.int64)], label="decode-per-sequence")
+    # A donated cache (a compiled decoder's): written where it lies.
+    add("cache_write", lambda g, c, x, p: g.op("cache_write", c, x, p),
+        [f32(2, 2, 8, 4), f32(2, 2, 1, 4), np.array([3, 5], np.int64)], label="decode-donated",
+        aliases={"x0": "output0"})
     add("cache_attention", lambda g, q, k, v, p: g.op("cache_attention", q, k, v, p, scale=0.35),
         [f32(2, 4, 3, 8), f32(2, 2, 10, 8), f32(2, 2, 10, 8), np.array([0, 7], np.int64)], 10, label="gqa-2-per-kv")
     add("cache_attention", lambda g, q, k, v, p: g.op("cache_attention", q, k, v, p, scale=0.5),

@@ -1,0 +1,789 @@
+/* tilegraph C backend: matmuls on GGUF block-format weights, and a KV cache written in place
+ * and attended over (blockq.h declares them). Compiled into the runtime library (build.py).
+ *
+ * Decode reads every weight once per token, so its speed is the weights' bytes over memory
+ * bandwidth, if the arithmetic keeps up. It does here as in llama.cpp (ggml's vec_dot_q*_q8):
+ * the activation row is quantized to int8 once per matmul (a scale per 32 values, and each
+ * 32's sum), and each weight block meets it in integer dot products (AVX512-VNNI vpdpbusd,
+ * or AVX2 maddubs), one float multiply-add per 32 products. Dequantizing the weight to
+ * float in registers instead costs a conversion and a float FMA per 8 values, 4x the
+ * instructions per weight byte: benchmarks/blockq_kernels.py measures the two.
+ *
+ * The instruction set is chosen at run time (tg_blockq_isa: __builtin_cpu_supports), each
+ * variant compiled under its own #pragma GCC target from blockq_simd.h; the scalar variant
+ * here is the fallback and the tests' second opinion. */
+#ifndef TG_MAX_POST /* runtime.h has no include guard; runtime.c includes this file after it */
+#include "runtime.h"
+#endif
+#include "blockq.h"
+#include <immintrin.h>
+
+#define BQ_MAXR 4   /* activation rows sharing one unpacked weight block (a prompt's rows) */
+#define BQ_TILE 16  /* weight rows a thread takes at a time: 16 rows of K = 1536 in q4 are 15 KB, in L1 */
+/* Below this many weight bytes times rows a matmul runs on one thread: waking a sleeping
+ * OpenMP team costs some microseconds, what one core takes for ~64 KB from cache. */
+#define BQ_PARALLEL_BYTES 65536
+/* A prompt's rows (more than this) take dequantized weight panels into sgemm: faster than the
+ * integer kernels there (benchmarks/generate_llama_cpp.py's pp rows), as a GEMM reuses each
+ * dequantized weight across all rows; with activation='q8' the rows are rounded first. */
+#define BQ_SGEMM_ROWS 8
+
+/* A row of q8 activations: q[K], a scale per 32 (d), the sums of q per 32 (s) and per 16 (s16). */
+typedef struct {
+    int8_t *q;
+    float *d;
+    int32_t *s;
+    int16_t *s16;
+    float *ds;  /* per 32: d, then d * s (one 8-byte load gives a block's two terms) */
+} tg_q8row;
+
+typedef void (*bq_dot_fn)(const uint8_t *w, const tg_q8row *a, int R, int64_t nb, float *y);
+typedef struct {
+    void (*quantize)(const float *x, int64_t k, tg_q8row *a);
+    bq_dot_fn dot[TG_BQ_COUNT];
+} tg_bq_kernels;
+
+/* Elements per block and bytes per block of each format (GGUF's; ir/block_formats.py). */
+static const int64_t BQ_BLOCK[TG_BQ_COUNT] = {1, 1, 1, 32, 32, 32, 256, 256};
+static const int64_t BQ_BYTES[TG_BQ_COUNT] = {4, 2, 2, 18, 20, 34, 144, 210};
+
+static inline float bq_half(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0x1F) bits = sign | 0x7F800000u | (man << 13);               /* inf, NaN */
+    else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);          /* normal */
+    else if (!man) bits = sign;                                              /* zero */
+    else { float f = (float)man * (1.f / 16777216.f); memcpy(&bits, &f, 4); bits |= sign; }  /* subnormal */
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+static inline float bq_half_at(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return bq_half(h); }
+
+/* q4_k's 12 bytes: eight 6-bit scales and eight 6-bit mins (ggml's get_scale_min_k4). */
+static inline void tg_q4k_scales(const uint8_t *q, uint8_t *sc, uint8_t *mn) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = q[j] & 63;
+        mn[j] = q[j + 4] & 63;
+        sc[j + 4] = (q[j + 8] & 0x0F) | ((q[j] >> 6) << 4);
+        mn[j + 4] = (q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4);
+    }
+}
+
+/* One block of a format to floats (BQ_BLOCK[fmt] of them). */
+static void bq_dequant_block(int fmt, const uint8_t *w, float *out) {
+    switch (fmt) {
+    case TG_BQ_F32: memcpy(out, w, 4); break;
+    case TG_BQ_F16: out[0] = bq_half_at(w); break;
+    case TG_BQ_BF16: { uint32_t b = (uint32_t)(w[0] | (w[1] << 8)) << 16; memcpy(out, &b, 4); break; }
+    case TG_BQ_Q4_0: {
+        float d = bq_half_at(w);
+        for (int j = 0; j < 16; j++) {
+            out[j] = ((w[2 + j] & 0x0F) - 8) * d;
+            out[j + 16] = ((w[2 + j] >> 4) - 8) * d;
+        }
+        break;
+    }
+    case TG_BQ_Q4_1: {
+        float d = bq_half_at(w), m = bq_half_at(w + 2);
+        for (int j = 0; j < 16; j++) {
+            out[j] = (w[4 + j] & 0x0F) * d + m;
+            out[j + 16] = (w[4 + j] >> 4) * d + m;
+        }
+        break;
+    }
+    case TG_BQ_Q8_0: {
+        float d = bq_half_at(w);
+        for (int j = 0; j < 32; j++) out[j] = (int8_t)w[2 + j] * d;
+        break;
+    }
+    case TG_BQ_Q4_K: {
+        float d = bq_half_at(w), dmin = bq_half_at(w + 2);
+        uint8_t sc[8], mn[8];
+        tg_q4k_scales(w + 4, sc, mn);
+        for (int c = 0; c < 4; c++)
+            for (int l = 0; l < 32; l++) {
+                uint8_t q = w[16 + 32 * c + l];
+                out[64 * c + l] = d * sc[2 * c] * (q & 0x0F) - dmin * mn[2 * c];
+                out[64 * c + 32 + l] = d * sc[2 * c + 1] * (q >> 4) - dmin * mn[2 * c + 1];
+            }
+        break;
+    }
+    case TG_BQ_Q6_K: {
+        const uint8_t *ql = w, *qh = w + 128;
+        const int8_t *sc = (const int8_t *)(w + 192);
+        float d = bq_half_at(w + 208);
+        for (int h = 0; h < 2; h++, ql += 64, qh += 32, sc += 8, out += 128)
+            for (int l = 0; l < 32; l++) {
+                int is = l / 16;
+                int q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) - 32;
+                int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                out[l] = d * sc[is] * q1;
+                out[l + 32] = d * sc[is + 2] * q2;
+                out[l + 64] = d * sc[is + 4] * q3;
+                out[l + 96] = d * sc[is + 6] * q4;
+            }
+        break;
+    }
+    }
+}
+
+/* --- the scalar variant: the same q8 activations, each weight block dequantized --- */
+
+static void bq_quantize_scalar(const float *x, int64_t k, tg_q8row *a) {
+    int8_t *q = a->q;
+    for (int64_t b = 0; b < k / 32; b++) {
+        float amax = 0.f;
+        for (int i = 0; i < 32; i++) { float v = fabsf(x[32 * b + i]); amax = v > amax ? v : amax; }
+        float id = amax > 0.f ? 127.f / amax : 0.f;
+        int32_t h[2] = {0, 0};
+        for (int i = 0; i < 32; i++) {
+            long v = lrintf(x[32 * b + i] * id);  /* nearest, ties to even: as cvtps2dq */
+            q[32 * b + i] = (int8_t)(v > 127 ? 127 : v < -128 ? -128 : v);
+            h[i / 16] += q[32 * b + i];
+        }
+        a->d[b] = amax / 127.f;
+        a->s16[2 * b] = (int16_t)h[0];
+        a->s16[2 * b + 1] = (int16_t)h[1];
+        a->s[b] = h[0] + h[1];
+        a->ds[2 * b] = a->d[b];
+        a->ds[2 * b + 1] = a->d[b] * (float)a->s[b];
+    }
+}
+
+static void bq_dot_scalar(int fmt, const uint8_t *w, const tg_q8row *a, int R, int64_t nb, float *y) {
+    float buf[256];
+    int64_t blk = BQ_BLOCK[fmt], bytes = BQ_BYTES[fmt];
+    for (int r = 0; r < R; r++) y[r] = 0.f;
+    for (int64_t b = 0; b < nb; b++, w += bytes) {
+        bq_dequant_block(fmt, w, buf);
+        for (int r = 0; r < R; r++) {
+            float acc = 0.f;
+            for (int64_t i = 0; i < blk; i++) {
+                int64_t e = b * blk + i;
+                acc += buf[i] * (a[r].q[e] * a[r].d[e / 32]);
+            }
+            y[r] += acc;
+        }
+    }
+}
+#define BQ_SCALAR(name, fmt) \
+    static void name(const uint8_t *w, const tg_q8row *a, int R, int64_t nb, float *y) { bq_dot_scalar(fmt, w, a, R, nb, y); }
+BQ_SCALAR(bq_dot_q4_0_scalar, TG_BQ_Q4_0)
+BQ_SCALAR(bq_dot_q4_1_scalar, TG_BQ_Q4_1)
+BQ_SCALAR(bq_dot_q8_0_scalar, TG_BQ_Q8_0)
+BQ_SCALAR(bq_dot_q4_k_scalar, TG_BQ_Q4_K)
+BQ_SCALAR(bq_dot_q6_k_scalar, TG_BQ_Q6_K)
+static const tg_bq_kernels bq_kernels_scalar = {
+    .quantize = bq_quantize_scalar,
+    .dot = {[TG_BQ_Q4_0] = bq_dot_q4_0_scalar, [TG_BQ_Q4_1] = bq_dot_q4_1_scalar, [TG_BQ_Q8_0] = bq_dot_q8_0_scalar,
+            [TG_BQ_Q4_K] = bq_dot_q4_k_scalar, [TG_BQ_Q6_K] = bq_dot_q6_k_scalar},
+};
+
+/* --- the SIMD variants --- */
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#define BQ_SUFFIX _avx2
+#define BQ_DP(acc, u, s) (acc) = _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1)))
+#include "blockq_simd.h"
+#undef BQ_SUFFIX
+#undef BQ_DP
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+#define BQ_SUFFIX _vnni
+#define BQ_DP(acc, u, s) (acc) = _mm256_dpbusd_epi32((acc), (u), (s))
+#include "blockq_simd.h"
+#undef BQ_SUFFIX
+#undef BQ_DP
+#pragma GCC pop_options
+
+/* Decode's hot formats on 512-bit registers, two 32-blocks per step (AVX512-VNNI): one
+ * vpdpbusd, one conversion and one FMA per 64 weights; both blocks' f16 scales converted
+ * together and multiplied by the activation's (d, d * sum) pairs in one go. Rows of R < 4
+ * activations (a decode step's) take these, one row at a time. */
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512dq")
+static inline __m512i bq_zmm_nibbles2(const uint8_t *p0, const uint8_t *p1) {
+    __m256i raw = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)p1), _mm_loadu_si128((const __m128i *)p0));
+    __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
+                              _mm256_permute2x128_si256(lo, hi, 0x31), 1);
+}
+static inline uint32_t bq_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline uint16_t bq_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+
+/* fmt's blocks: the two f16 pairs (scale, min-or-scale) of blocks b, b+1 -> [x0, y0, x1, y1] */
+#define BQ_ZMM_KERNEL(name, BYTES, UNPACK, PAIR, OFFSET)                                                          \
+    static void name(const uint8_t *w, const tg_q8row *a, int R, int64_t nb, float *y) {                        \
+        for (int r = 0; r < R; r++, a++) {                                                                        \
+            const uint8_t *wb = w;                                                                                \
+            __m512 acc = _mm512_setzero_ps();                                                                     \
+            __m128 off = _mm_setzero_ps();                                                                        \
+            const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);               \
+            int64_t b = 0;                                                                                        \
+            for (; b + 1 < nb; b += 2, wb += 2 * (BYTES)) {                                                       \
+                __m512i u = UNPACK;                                                                               \
+                __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(a->q + 32 * b));    \
+                __m128 f = _mm_mul_ps(_mm_cvtph_ps(PAIR), _mm_loadu_ps(a->ds + 2 * b));                             \
+                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(f)), \
+                                      acc);                                                                       \
+                off = _mm_add_ps(off, f);                                                                         \
+            }                                                                                                     \
+            float o[4];                                                                                           \
+            _mm_storeu_ps(o, off);                                                                                \
+            float rest = 0.f;                                                                                     \
+            if (b < nb) bq_body_tail(w, a, b, nb, &rest);                                                         \
+            y[r] = _mm512_reduce_add_ps(acc) + (OFFSET) + rest;                                                   \
+        }                                                                                                         \
+    }
+
+/* q4_1: [d, m] per block; off lanes 1, 3 are m * da * sum */
+#define bq_body_tail(w, a, b, nb, rest) bq_dot_q4_1_vnni((w) + (b) * 20, &(tg_q8row){(a)->q + 32 * (b), (a)->d + (b), \
+                                                                  (a)->s + (b), (a)->s16 + 2 * (b), (a)->ds + 2 * (b)}, 1, (nb) - (b), (rest))
+BQ_ZMM_KERNEL(bq_zmm_q4_1, 20, bq_zmm_nibbles2(wb + 4, wb + 24),
+              _mm_set_epi32(0, 0, (int)bq_u32(wb + 20), (int)bq_u32(wb)), o[1] + o[3])
+#undef bq_body_tail
+/* q4_0: [d, d] per block (w = d (q - 8)); off lanes 1, 3 are d * da * sum */
+#define bq_body_tail(w, a, b, nb, rest) bq_dot_q4_0_vnni((w) + (b) * 18, &(tg_q8row){(a)->q + 32 * (b), (a)->d + (b), \
+                                                                  (a)->s + (b), (a)->s16 + 2 * (b), (a)->ds + 2 * (b)}, 1, (nb) - (b), (rest))
+BQ_ZMM_KERNEL(bq_zmm_q4_0, 18, bq_zmm_nibbles2(wb + 2, wb + 20),
+              _mm_set_epi16(0, 0, 0, 0, (short)bq_u16(wb + 18), (short)bq_u16(wb + 18), (short)bq_u16(wb),
+                            (short)bq_u16(wb)), -8.f * (o[1] + o[3]))
+#undef bq_body_tail
+/* q8_0: signed weights through |w| and sign(a, w) */
+static void bq_zmm_q8_0(const uint8_t *w, const tg_q8row *a, int R, int64_t nb, float *y) {
+    for (int r = 0; r < R; r++, a++) {
+        const uint8_t *wb = w;
+        __m512 acc = _mm512_setzero_ps();
+        const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+        int64_t b = 0;
+        for (; b + 1 < nb; b += 2, wb += 68) {
+            __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(wb + 2))),
+                                           _mm256_loadu_si256((const __m256i *)(wb + 36)), 1);
+            __m512i s = _mm512_loadu_si512(a->q + 32 * b);
+            /* sign(a, w): negate a where w < 0, zero where w == 0 */
+            __mmask64 neg = _mm512_movepi8_mask(q), zero = _mm512_testn_epi8_mask(q, q);
+            s = _mm512_mask_sub_epi8(s, neg, _mm512_setzero_si512(), s);
+            s = _mm512_maskz_mov_epi8(~zero, s);
+            __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(q), s);
+            __m128 f = _mm_mul_ps(_mm_cvtph_ps(_mm_set_epi16(0, 0, 0, 0, 0, (short)bq_u16(wb + 34), 0, (short)bq_u16(wb))),
+                                  _mm_loadu_ps(a->ds + 2 * b));
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(f)), acc);
+        }
+        float rest = 0.f;
+        if (b < nb)
+            bq_dot_q8_0_vnni(w + b * 34, &(tg_q8row){a->q + 32 * b, a->d + b, a->s + b, a->s16 + 2 * b, a->ds + 2 * b},
+                             1, nb - b, &rest);
+        y[r] = _mm512_reduce_add_ps(acc) + rest;
+    }
+}
+#pragma GCC pop_options
+static const bq_dot_fn bq_zmm[TG_BQ_COUNT] = {[TG_BQ_Q4_0] = bq_zmm_q4_0, [TG_BQ_Q4_1] = bq_zmm_q4_1,
+                                              [TG_BQ_Q8_0] = bq_zmm_q8_0};
+
+static const tg_bq_kernels *bq_active;
+static int bq_level = -1;
+
+int tg_blockq_isa(int want) {
+    __builtin_cpu_init();
+    int have = 0;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        have = 1;  /* f16c comes with every AVX2 processor; __builtin_cpu_supports cannot name it in GCC 12 */
+        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+            have = 2;
+    }
+    int level = want < 0 || want > have ? have : want;
+    bq_active = level == 2 ? &bq_kernels_vnni : level == 1 ? &bq_kernels_avx2 : &bq_kernels_scalar;
+    bq_level = level;
+    return level;
+}
+
+static const tg_bq_kernels *bq_kernels(void) {
+    if (!bq_active) tg_blockq_isa(-1);
+    return bq_active;
+}
+
+/* A thread's scratch, grown (never shrunk) to the largest request: after a model's first
+ * step at its largest size, a step allocates nothing. */
+static __thread void *bq_scratch;
+static __thread size_t bq_scratch_size;
+static void *bq_scratch_get(size_t bytes) {
+    if (bytes > bq_scratch_size) {
+        void *p = NULL;
+        if (posix_memalign(&p, 64, bytes)) return NULL;
+        free(bq_scratch);
+        bq_scratch = p;
+        bq_scratch_size = bytes;
+    }
+    return bq_scratch;
+}
+
+static int bq_check(int fmt, int64_t K, int64_t N, int64_t row_bytes) {
+    if (fmt < 0 || fmt >= TG_BQ_COUNT) TG_FAIL("block matmul: unknown block format %d", fmt);
+    if (K < 0 || N < 0 || K % BQ_BLOCK[fmt]) TG_FAIL("block matmul: K = %lld is not a whole number of %lld-value blocks",
+                                                   (long long)K, (long long)BQ_BLOCK[fmt]);
+    if (row_bytes != K / BQ_BLOCK[fmt] * BQ_BYTES[fmt])
+        TG_FAIL("block matmul: rows of %lld bytes, but K = %lld needs %lld", (long long)row_bytes, (long long)K,
+                (long long)(K / BQ_BLOCK[fmt] * BQ_BYTES[fmt]));
+    return 0;
+}
+
+static inline float bq_f16c(uint16_t h) { return bq_half(h); }
+
+/* Float formats: the weight row converted as it is read, multiplied in float. */
+static void bq_float_rows(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t n0, int64_t n1,
+                          int64_t row_bytes, int fmt, float *y, int64_t ldy) {
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = w + n * row_bytes;
+        for (int64_t m = 0; m < M; m++) {
+            const float *xm = x + m * K;
+            float acc = 0.f;
+            if (fmt == TG_BQ_F32) {
+                const float *wr = (const float *)row;
+#pragma omp simd reduction(+ : acc)
+                for (int64_t k = 0; k < K; k++) acc += xm[k] * wr[k];
+            } else if (fmt == TG_BQ_BF16) {
+                const uint16_t *wr = (const uint16_t *)row;
+#pragma omp simd reduction(+ : acc)
+                for (int64_t k = 0; k < K; k++) {
+                    union { uint32_t u; float f; } c = {.u = (uint32_t)wr[k] << 16};
+                    acc += xm[k] * c.f;
+                }
+            } else {
+                const uint16_t *wr = (const uint16_t *)row;
+                for (int64_t k = 0; k < K; k++) acc += xm[k] * bq_f16c(wr[k]);
+            }
+            y[m * ldy + n] = acc;
+        }
+    }
+}
+
+static int bq_panels(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes, int fmt,
+                     float *y, int64_t ldy);
+
+int tg_block_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes,
+                    int fmt, float *y, int64_t ldy) {
+    if (bq_check(fmt, K, N, row_bytes)) return 1;
+    if (M <= 0 || N == 0) return 0;
+    int64_t tiles = (N + BQ_TILE - 1) / BQ_TILE;
+    int parallel = N * row_bytes * (M < 8 ? M : 8) > BQ_PARALLEL_BYTES;
+    if (BQ_BLOCK[fmt] == 1) {
+#pragma omp parallel for schedule(static) if (parallel)
+        for (int64_t t = 0; t < tiles; t++) {
+            int64_t n0 = t * BQ_TILE, n1 = n0 + BQ_TILE < N ? n0 + BQ_TILE : N;
+            bq_float_rows(x, M, K, w, n0, n1, row_bytes, fmt, y, ldy);
+        }
+        return 0;
+    }
+    const tg_bq_kernels *kern = bq_kernels();
+    /* the q8 rows: K bytes, K / 32 scales and sums, K / 16 half-sums each */
+    int64_t nb32 = K / 32, per_row = K + nb32 * 16 + nb32 * 8 + nb32 * 4 + 64;
+    uint8_t *scratch = bq_scratch_get((size_t)(M * per_row + M * sizeof(tg_q8row)));
+    if (!scratch) TG_FAIL("block matmul: out of memory for %lld quantized activation rows", (long long)M);
+    tg_q8row *rows = (tg_q8row *)(scratch + M * per_row);
+#pragma omp parallel for schedule(static) if (M >= 16 && parallel)
+    for (int64_t m = 0; m < M; m++) {
+        uint8_t *base = scratch + m * per_row;
+        float *d = (float *)base;
+        int32_t *s = (int32_t *)(d + nb32);
+        int16_t *s16 = (int16_t *)(s + nb32);
+        float *ds = (float *)(base + nb32 * 12);
+        int8_t *q = (int8_t *)(base + nb32 * 20 + 32);
+        rows[m] = (tg_q8row){q, d, s, s16, ds};
+        kern->quantize(x + m * K, K, &rows[m]);
+    }
+    if (M > BQ_SGEMM_ROWS) {
+        /* the rows as the q8 values they round to, in float, then panels into sgemm */
+        float *xq = malloc(sizeof(float) * (size_t)(M * K));
+        if (!xq) TG_FAIL("block matmul: out of memory for %lld activation rows", (long long)M);
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t k = 0; k < K; k++) xq[m * K + k] = (float)rows[m].q[k] * rows[m].d[k / 32];
+        int rc = bq_panels(xq, M, K, w, N, row_bytes, fmt, y, ldy);
+        free(xq);
+        return rc;
+    }
+    bq_dot_fn dot = kern->dot[fmt];
+    if (M < BQ_MAXR && bq_level == 2 && bq_zmm[fmt]) dot = bq_zmm[fmt];  /* decode: two blocks per zmm */
+    int64_t nb = K / BQ_BLOCK[fmt];
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t t = 0; t < tiles; t++) {
+        int64_t n0 = t * BQ_TILE, n1 = n0 + BQ_TILE < N ? n0 + BQ_TILE : N;
+        for (int64_t m = 0; m < M; m += BQ_MAXR) {
+            int R = M - m < BQ_MAXR ? (int)(M - m) : BQ_MAXR;
+            for (int64_t n = n0; n < n1; n++) {
+                float out[BQ_MAXR];
+                dot(w + n * row_bytes, rows + m, R, nb, out);
+                for (int r = 0; r < R; r++) y[(m + r) * ldy + n] = out[r];
+            }
+        }
+    }
+    return 0;
+}
+
+int tg_block_rows(const uint8_t *w, int64_t N, int64_t K, int64_t row_bytes, int fmt, const int64_t *idx,
+                  int64_t n, float *out) {
+    if (bq_check(fmt, K, N, row_bytes)) return 1;
+    for (int64_t i = 0; i < n; i++)  /* [-N, N), as np.take */
+        if (idx[i] < -N || idx[i] >= N)
+            TG_FAIL("embedding lookup: index %lld is outside the table's %lld rows", (long long)idx[i], (long long)N);
+    int64_t blk = BQ_BLOCK[fmt], nb = K / blk;
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *row = w + (idx[i] < 0 ? idx[i] + N : idx[i]) * row_bytes;
+        for (int64_t b = 0; b < nb; b++) bq_dequant_block(fmt, row + b * BQ_BYTES[fmt], out + i * K + b * blk);
+    }
+    return 0;
+}
+
+int tg_cache_write(void *cache, const void *x, int64_t B, int64_t Hkv, int64_t S, int64_t T, int64_t D,
+                   int64_t elem, const int64_t *pos, int64_t pstride) {
+    for (int64_t b = 0; b < B; b++) {
+        int64_t p = pos[b * pstride];
+        if (p < 0 || T < 0 || p > S - T)
+            TG_FAIL("cache write: %lld new rows at position %lld do not fit a cache of %lld", (long long)T,
+                    (long long)p, (long long)S);
+    }
+    size_t row = (size_t)(D * elem);
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < Hkv; h++)
+            memcpy((char *)cache + (size_t)((b * Hkv + h) * S + pos[b * pstride]) * row,
+                   (const char *)x + (size_t)((b * Hkv + h) * T) * row, row * (size_t)T);
+    return 0;
+}
+
+/* Decode attention: a work unit is (batch, KV head, a block of queries, a span of keys); the
+ * H / Hkv heads sharing a KV head and the block's queries all meet each key row while it is
+ * in L1, so the cache is read once per step. Keys go 64 at a time: scores, then the online
+ * softmax update (exp vectorised over the 64), then p v. With few units (one sequence, a
+ * few KV heads) the keys split into spans, combined after by their maxima and sums (as
+ * flash-decoding does), so every thread has keys to read. */
+#define CA_KEYS 64
+#define CA_QMAX 64  /* query rows per unit */
+/* One unit's span of keys [j_lo, j_hi), CA_KEYS at a time: scores, the online softmax update,
+ * then p v. Query-major loops over a block whose K and V rows (64 x D floats each) stay in L1:
+ * with D a constant (the callers' 64 and 128) a query's vector and its accumulator live in
+ * registers across the block's keys. */
+static inline __attribute__((always_inline)) void ca_span(const int64_t D, int64_t nq, int64_t j_lo, int64_t j_hi,
+                                                          const float *const *qr, const int64_t *lim, const float *kb,
+                                                          const float *vb, float scale, float *acc, float *mx,
+                                                          float *sum) {
+    float s[CA_KEYS];
+    for (int64_t j0 = j_lo; j0 < j_hi; j0 += CA_KEYS) {
+        int64_t nk = j_hi - j0 < CA_KEYS ? j_hi - j0 : CA_KEYS;
+        const float *kblk = kb + j0 * D, *vblk = vb + j0 * D;
+        for (int64_t r = 0; r < nq; r++) {
+            const float *qv = qr[r];
+            int64_t live = lim[r] - j0 < nk ? lim[r] - j0 : nk;  /* keys at or before this query */
+            if (live <= 0) continue;
+            for (int64_t jj = 0; jj < live; jj++) {
+                const float *kr = kblk + jj * D;
+                float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t c = 0; c < D; c++) dot += qv[c] * kr[c];
+                s[jj] = dot * scale;
+            }
+            float m = mx[r];
+            for (int64_t jj = 0; jj < live; jj++) m = s[jj] > m ? s[jj] : m;
+            float corr = tg_expf(mx[r] - m), l = 0.f;
+#pragma omp simd reduction(+ : l)
+            for (int64_t jj = 0; jj < live; jj++) {
+                float p = tg_expf(s[jj] - m);
+                s[jj] = p;
+                l += p;
+            }
+            sum[r] = sum[r] * corr + l;
+            mx[r] = m;
+            float *ar = acc + r * D;
+            float a[D];
+#pragma omp simd
+            for (int64_t c = 0; c < D; c++) a[c] = ar[c] * corr;
+            for (int64_t jj = 0; jj < live; jj++) {
+                const float *vr = vblk + jj * D;
+                float p = s[jj];
+#pragma omp simd
+                for (int64_t c = 0; c < D; c++) a[c] += p * vr[c];
+            }
+#pragma omp simd
+            for (int64_t c = 0; c < D; c++) ar[c] = a[c];
+        }
+    }
+}
+
+int tg_cache_attention(const float *q, const float *k, const float *v, float *o, int64_t B, int64_t H,
+                       int64_t Hkv, int64_t T, int64_t S, int64_t D, const int64_t *pos, int64_t pstride,
+                       float scale) {
+    if (Hkv <= 0 || H % Hkv) TG_FAIL("cache attention: %lld heads do not share %lld KV heads evenly", (long long)H,
+                                      (long long)Hkv);
+    int64_t pmax = 0;
+    for (int64_t b = 0; b < B; b++) {
+        int64_t p = pos[b * pstride];
+        if (p < 0 || T < 0 || p > S - T)
+            TG_FAIL("cache attention: %lld queries at position %lld reach past a cache of %lld", (long long)T,
+                    (long long)p, (long long)S);
+        pmax = p > pmax ? p : pmax;
+    }
+    if (T == 0 || B == 0 || H == 0) return 0;
+    int64_t G = H / Hkv;
+    if (G > CA_QMAX) TG_FAIL("cache attention: %lld heads per KV head (at most %d)", (long long)G, CA_QMAX);
+    if (T > 16) {
+        /* a prompt: many query blocks, each a few small GEMMs (tg_attention, on oneDNN's sgemm);
+         * the G heads of a KV head are a batch dim of stride 0 in K and V */
+        int64_t bd[2] = {Hkv, G}, qb[2] = {G * T * D, T * D}, kb[2] = {S * D, 0}, mb[2] = {0, 0};
+        for (int64_t b = 0; b < B; b++)  /* one call per sequence: each its own position */
+            if (tg_attention(2, bd, qb, kb, kb, mb, qb, q + b * H * T * D, k + b * Hkv * S * D, v + b * Hkv * S * D,
+                             NULL, o + b * H * T * D, T, pos[b * pstride] + T, D, D, D, D, D, D, 0, 0, 0, scale, 1,
+                             64, 256))
+                return 1;
+        return 0;
+    }
+    int64_t tq = CA_QMAX / G < T ? CA_QMAX / G : T;  /* queries per unit */
+    int64_t qblocks = (T + tq - 1) / tq, items = B * Hkv * qblocks, L = pmax + T;
+    int threads = omp_get_max_threads();
+    int64_t spans = (2 * threads + items - 1) / items, most = (L + 255) / 256;
+    spans = spans < 1 ? 1 : spans > most ? (most < 1 ? 1 : most) : spans;
+    int64_t span = (L + spans - 1) / spans;
+    span = (span + CA_KEYS - 1) / CA_KEYS * CA_KEYS;
+    int64_t QB = G * tq, unit = QB * (D + 2);
+    float *part = bq_scratch_get((size_t)(items * spans * unit) * sizeof(float));
+    if (!part) TG_FAIL("cache attention: out of memory for its partial sums");
+    int parallel = B * H * T * L * D > 32768;  /* below, a fork costs more than the work */
+#pragma omp parallel for collapse(2) schedule(static) if (parallel)
+    for (int64_t it = 0; it < items; it++)
+        for (int64_t sp = 0; sp < spans; sp++) {
+            int64_t b = it / (Hkv * qblocks), kh = it / qblocks % Hkv, t0 = it % qblocks * tq;
+            int64_t nt = T - t0 < tq ? T - t0 : tq, nq = G * nt, pb = pos[b * pstride];
+            float *acc = part + (it * spans + sp) * unit, *mx = acc + QB * D, *sum = mx + QB;
+            const float *kb = k + (b * Hkv + kh) * S * D, *vb = v + (b * Hkv + kh) * S * D;
+            const float *qr[CA_QMAX];
+            int64_t lim[CA_QMAX];
+            for (int64_t r = 0; r < nq; r++) {
+                int64_t g = r / nt, t = t0 + r % nt;
+                qr[r] = q + ((b * H + kh * G + g) * T + t) * D;
+                lim[r] = pb + t + 1;
+                mx[r] = -INFINITY;
+                sum[r] = 0.f;
+                for (int64_t c = 0; c < D; c++) acc[r * D + c] = 0.f;
+            }
+            int64_t j_lo = sp * span, j_hi = j_lo + span < pb + t0 + nt ? j_lo + span : pb + t0 + nt;
+            if (D == 64) ca_span(64, nq, j_lo, j_hi, qr, lim, kb, vb, scale, acc, mx, sum);
+            else if (D == 128) ca_span(128, nq, j_lo, j_hi, qr, lim, kb, vb, scale, acc, mx, sum);
+            else ca_span(D, nq, j_lo, j_hi, qr, lim, kb, vb, scale, acc, mx, sum);
+        }
+    /* combine the spans of each unit's queries */
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t it = 0; it < items; it++) {
+        int64_t b = it / (Hkv * qblocks), kh = it / qblocks % Hkv, t0 = it % qblocks * tq;
+        int64_t nt = T - t0 < tq ? T - t0 : tq, nq = G * nt;
+        for (int64_t r = 0; r < nq; r++) {
+            int64_t g = r / nt, t = t0 + r % nt;
+            float m = -INFINITY;
+            for (int64_t sp = 0; sp < spans; sp++) {
+                float ms = part[(it * spans + sp) * unit + QB * D + r];
+                m = ms > m ? ms : m;
+            }
+            float *out = o + ((b * H + kh * G + g) * T + t) * D, total = 0.f;
+            for (int64_t c = 0; c < D; c++) out[c] = 0.f;
+            for (int64_t sp = 0; sp < spans; sp++) {
+                const float *acc = part + (it * spans + sp) * unit;
+                float ms = acc[QB * D + r];
+                if (ms == -INFINITY) continue;
+                float wgt = tg_expf(ms - m);
+                total += wgt * acc[QB * D + QB + r];
+#pragma omp simd
+                for (int64_t c = 0; c < D; c++) out[c] += wgt * acc[r * D + c];
+            }
+            float inv = 1.f / total;
+            for (int64_t c = 0; c < D; c++) out[c] *= inv;
+        }
+    }
+    return 0;
+}
+
+void tg_rms_norm_rows(const float *x, float *y, const float *scale, int64_t rows, int64_t n, float eps) {
+#pragma omp parallel for schedule(static) if (rows * n > 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        float *yr = y + r * n;
+        double ss = 0.;  /* double: a row's sum of squares stays exact to f32 at any length */
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < n; i++) ss += (double)xr[i] * xr[i];
+        float inv = (float)(1. / sqrt(ss / (double)n + (double)eps));
+        if (scale) {
+#pragma omp simd
+            for (int64_t i = 0; i < n; i++) yr[i] = xr[i] * inv * scale[i];
+        } else {
+#pragma omp simd
+            for (int64_t i = 0; i < n; i++) yr[i] = xr[i] * inv;
+        }
+    }
+}
+
+#define BQ_ROW_MAX 8192  /* a weight row dequantized whole on the stack (32 KB) */
+/* a long row: a block at a time */
+static float bq_dot_float_blocks(int fmt, const uint8_t *w, const float *x, int64_t K) {
+    float buf[256], acc = 0.f;
+    int64_t blk = BQ_BLOCK[fmt];
+    for (int64_t b = 0; b < K / blk; b++) {
+        bq_dequant_block(fmt, w + b * BQ_BYTES[fmt], buf);
+        for (int64_t i = 0; i < blk; i++) acc += buf[i] * x[b * blk + i];
+    }
+    return acc;
+}
+
+/* --- the alternative, measured against: the weight dequantized to float in registers ---
+ * (benchmarks/blockq_kernels.py times it beside tg_block_matmul; only the two formats of
+ * the bundled model.) Per 32 weights: nibbles or bytes widened to 2 x 16 int32, converted
+ * to float and multiplied into the float activations, the block's scale applied once. */
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl")
+static float bq_f32dq_row(int fmt, const uint8_t *w, const float *x, const float *xsum, int64_t nb) {
+    __m512 acc = _mm512_setzero_ps();
+    float off = 0.f;
+    for (int64_t b = 0; b < nb; b++) {
+        __m128i lo16, hi16;
+        float d, m = 0.f;
+        if (fmt == TG_BQ_Q8_0) {
+            d = bq_half_at(w);
+            lo16 = _mm_loadu_si128((const __m128i *)(w + 2));
+            hi16 = _mm_loadu_si128((const __m128i *)(w + 18));
+            w += 34;
+        } else if (fmt == TG_BQ_Q4_0) {  /* d (q - 8): the min is -8 d */
+            d = bq_half_at(w), m = -8.f * d;
+            __m128i q = _mm_loadu_si128((const __m128i *)(w + 2)), mask = _mm_set1_epi8(0x0F);
+            lo16 = _mm_and_si128(q, mask);
+            hi16 = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+            w += 18;
+        } else {
+            d = bq_half_at(w), m = bq_half_at(w + 2);
+            __m128i q = _mm_loadu_si128((const __m128i *)(w + 4)), mask = _mm_set1_epi8(0x0F);
+            lo16 = _mm_and_si128(q, mask);
+            hi16 = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+            w += 20;
+        }
+        __m512 q0 = _mm512_cvtepi32_ps(fmt == TG_BQ_Q8_0 ? _mm512_cvtepi8_epi32(lo16) : _mm512_cvtepu8_epi32(lo16));
+        __m512 q1 = _mm512_cvtepi32_ps(fmt == TG_BQ_Q8_0 ? _mm512_cvtepi8_epi32(hi16) : _mm512_cvtepu8_epi32(hi16));
+        __m512 p = _mm512_mul_ps(q0, _mm512_loadu_ps(x + 32 * b));
+        p = _mm512_fmadd_ps(q1, _mm512_loadu_ps(x + 32 * b + 16), p);
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(d), p, acc);
+        off += m * xsum[b];
+    }
+    return _mm512_reduce_add_ps(acc) + off;
+}
+#pragma GCC pop_options
+
+int tg_block_matmul_f32dq(const float *x, int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes, int fmt,
+                          float *y) {
+    if (bq_check(fmt, K, N, row_bytes)) return 1;
+    if (fmt != TG_BQ_Q8_0 && fmt != TG_BQ_Q4_1 && fmt != TG_BQ_Q4_0)
+        TG_FAIL("the float-dequantizing kernel takes q4_0, q4_1 and q8_0");
+    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw"))
+        TG_FAIL("the float-dequantizing kernel needs AVX512");
+    float *xsum = bq_scratch_get((size_t)(K / 32) * sizeof(float));
+    if (!xsum) TG_FAIL("out of memory");
+    for (int64_t b = 0; b < K / 32; b++) {
+        float s = 0.f;
+        for (int i = 0; i < 32; i++) s += x[32 * b + i];
+        xsum[b] = s;
+    }
+#pragma omp parallel for schedule(static) if (N * row_bytes > BQ_PARALLEL_BYTES)
+    for (int64_t n = 0; n < N; n++) y[n] = bq_f32dq_row(fmt, w + n * row_bytes, x, xsum, K / 32);
+    return 0;
+}
+
+/* activation='f32': the weight dequantized, the activations multiplied as they are. Rows of
+ * few activations (decode) take the register kernel above where it has the format (the row's
+ * block sums of x precomputed once), else each weight row is dequantized into a thread's
+ * buffer in L1 and dotted with every activation row; a prompt's rows (M > BQ_SGEMM_ROWS) get
+ * BQ_TILE dequantized weight rows at a time as a panel of one sgemm (oneDNN's). */
+/* y[M, N] = x @ dequant(w)^T for a prompt's rows: BQ_TILE weight rows at a time dequantized into a
+ * panel, one sgemm (oneDNN's, on the thread's own core) per panel. */
+static int bq_panels(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes, int fmt,
+                     float *y, int64_t ldy) {
+    int64_t tiles = (N + BQ_TILE - 1) / BQ_TILE, blk = BQ_BLOCK[fmt], bytes = BQ_BYTES[fmt];
+    int failed = 0;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        int64_t n0 = t * BQ_TILE, n1 = n0 + BQ_TILE < N ? n0 + BQ_TILE : N;
+        float *panel = malloc(sizeof(float) * (size_t)(BQ_TILE * K));  /* per panel of a prompt: not per token */
+        if (!panel) { failed = 1; continue; }
+        for (int64_t n = n0; n < n1; n++)
+            for (int64_t b = 0; b < K / blk; b++)
+                bq_dequant_block(fmt, w + n * row_bytes + b * bytes, panel + (n - n0) * K + b * blk);
+        if (dnnl_sgemm('N', 'T', M, n1 - n0, K, 1.f, x, K, panel, K, 0.f, y + n0, ldy) != dnnl_success) failed = 2;
+        free(panel);
+    }
+    if (failed == 2) TG_FAIL("block matmul: oneDNN's sgemm failed on a panel");
+    if (failed) TG_FAIL("block matmul: out of memory for a dequantized panel");
+    return 0;
+}
+
+int tg_block_matmul_f32(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes,
+                        int fmt, float *y, int64_t ldy) {
+    if (bq_check(fmt, K, N, row_bytes)) return 1;
+    if (M <= 0 || N == 0) return 0;
+    if (BQ_BLOCK[fmt] == 1) return tg_block_matmul(x, M, K, w, N, row_bytes, fmt, y, ldy);
+    if (M > BQ_SGEMM_ROWS) return bq_panels(x, M, K, w, N, row_bytes, fmt, y, ldy);
+    int regs = (fmt == TG_BQ_Q4_0 || fmt == TG_BQ_Q4_1 || fmt == TG_BQ_Q8_0) &&
+               __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    int64_t nb32 = K / 32, blk = BQ_BLOCK[fmt], bytes = BQ_BYTES[fmt];
+    float *xsum = bq_scratch_get((size_t)(M * nb32) * sizeof(float));
+    if (!xsum) TG_FAIL("block matmul: out of memory");
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < nb32; b++) {
+            float t = 0.f;
+            for (int i = 0; i < 32; i++) t += x[m * K + 32 * b + i];
+            xsum[m * nb32 + b] = t;
+        }
+    int64_t tiles = (N + BQ_TILE - 1) / BQ_TILE;
+    int parallel = N * row_bytes * M > BQ_PARALLEL_BYTES;
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t t = 0; t < tiles; t++) {
+        int64_t n0 = t * BQ_TILE, n1 = n0 + BQ_TILE < N ? n0 + BQ_TILE : N;
+        float row[BQ_ROW_MAX];
+        for (int64_t n = n0; n < n1; n++) {
+            if (regs || K > BQ_ROW_MAX) {
+                for (int64_t m = 0; m < M; m++)
+                    y[m * ldy + n] = regs ? bq_f32dq_row(fmt, w + n * row_bytes, x + m * K, xsum + m * nb32, nb32)
+                                          : bq_dot_float_blocks(fmt, w + n * row_bytes, x + m * K, K);
+                continue;
+            }
+            for (int64_t b = 0; b < K / blk; b++) bq_dequant_block(fmt, w + n * row_bytes + b * bytes, row + b * blk);
+            for (int64_t m = 0; m < M; m++) {
+                const float *xm = x + m * K;
+                float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+                for (int64_t k = 0; k < K; k++) acc += xm[k] * row[k];
+                y[m * ldy + n] = acc;
+            }
+        }
+    }
+    return 0;
+}
+
+/* Memory bandwidth probes (the benchmarks report decode as a share of them): a sum over
+ * x (bytes read), and a copy (bytes read + written, as STREAM counts them). */
+double tg_probe_read(const float *x, int64_t n) {
+    double total = 0.;
+#pragma omp parallel for reduction(+ : total) schedule(static)
+    for (int64_t i0 = 0; i0 < n; i0 += 4096) {
+        int64_t i1 = i0 + 4096 < n ? i0 + 4096 : n;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t i = i0; i < i1; i++) s += x[i];
+        total += s;
+    }
+    return total;
+}
+
+void tg_probe_copy(float *dst, const float *src, int64_t n) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i0 = 0; i0 < n; i0 += 1 << 16) {
+        int64_t i1 = i0 + (1 << 16) < n ? i0 + (1 << 16) : n;
+        memcpy(dst + i0, src + i0, (size_t)(i1 - i0) * sizeof(float));
+    }
+}

@@ -1,0 +1,293 @@
+"""The C runtime's block-format and KV-cache kernels (backends/c/blockq.c) against the float64
+reference, at every instruction set this processor has (scalar, AVX2, AVX512-VNNI):
+
+- block_matmul with activation='f32' is x times the dequantized weight; with 'q8' it
+  multiplies the q8 activations it makes (quantize_activations) by the exact
+  dequantized weight, within f32 rounding over K; and the op's float result within the stated
+  activation bound (activation_error_bound), so a kernel that dropped a block's offset or min
+  (an error of the weight's size) fails both;
+- block_rows is the dequantization, bit for bit; cache_write writes exactly the rows it is
+  given, in place; cache_attention is ir/kernels.py's causal grouped-query attention."""
+
+import functools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from tilegraph.backends.c import blockq
+from tilegraph.ir import kernels
+from tilegraph.ir.block_formats import FORMATS, quantize_activations
+from tilegraph.accuracy import assert_close, tolerance
+
+WEIGHT_FORMATS = ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "f16", "bf16", "f32"]
+ISAS = sorted({blockq.isa(name) for name in blockq.ISAS}, key=blockq.ISAS.get)  # those the processor has
+
+
+def _cache_write_ref(cache, x, pos):  # until ir/kernels.py's lands from issue-27-gguf
+    p = np.broadcast_to(np.asarray(pos).reshape(-1), (x.shape[0],))
+    for i in range(x.shape[0]):
+        cache[i, :, p[i]:p[i] + x.shape[2]] = x[i]
+    return cache
+
+
+def _cache_attention_ref(q, k, v, pos, scale):
+    b, h, t, _ = q.shape
+    g = h // k.shape[1]
+    p = np.broadcast_to(np.asarray(pos).reshape(-1), (b,))
+    out = np.empty(q.shape)
+    for i in range(b):
+        n = int(p[i]) + t
+        kk, vv = np.repeat(k[i, :, :n], g, 0), np.repeat(v[i, :, :n], g, 0)
+        sc = q[i] @ kk.transpose(0, 2, 1) * scale
+        sc = np.where(np.arange(n)[None, None, :] <= (p[i] + np.arange(t))[None, :, None], sc, -np.inf)
+        e = np.exp(sc - sc.max(-1, keepdims=True))
+        out[i] = (e / e.sum(-1, keepdims=True)) @ vv
+    return out
+
+
+cache_write_ref = getattr(kernels, "cache_write", _cache_write_ref)
+cache_attention_ref = getattr(kernels, "cache_attention", _cache_attention_ref)
+
+
+@pytest.fixture(autouse=True)
+def _best_isa():
+    yield
+    blockq.isa(None)
+
+
+@settings(max_examples=40, deadline=None)
+@given(fmt=st.sampled_from(WEIGHT_FORMATS), m=st.sampled_from([1, 2, 5, 8, 9, 20]), n=st.integers(1, 40),
+       blocks=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
+def test_block_matmul_with_float_activations_is_x_times_the_dequantized_weight(fmt, m, n, blocks, seed):
+    """activation='f32': decode rows (register kernels or a dequantized row) and prompt rows
+    (dequantized panels into sgemm) within f32 rounding of the float64 product."""
+    f = FORMATS[fmt]
+    k = blocks * max(f.block, 32)
+    rng = np.random.default_rng(seed)
+    w = f.quantize(rng.standard_normal((n, k)).astype(np.float32))
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    y = blockq.block_matmul(x, w, fmt, k, activation="f32")
+    assert_close(y, x.astype(np.float64) @ f.dequantize(w, (n, k)).astype(np.float64).T, "f32", k, name=fmt)
+
+
+@settings(max_examples=40, deadline=None)
+@given(fmt=st.sampled_from(WEIGHT_FORMATS), isa=st.sampled_from(ISAS), m=st.integers(1, 9), n=st.integers(1, 40),
+       blocks=st.integers(1, 3), seed=st.integers(0, 2**32 - 1), scale=st.sampled_from([1e-3, 1.0, 30.0]))
+def test_block_matmul_is_its_reference(fmt, isa, m, n, blocks, seed, scale):
+    f = FORMATS[fmt]
+    k = blocks * max(f.block, 32)
+    rng = np.random.default_rng(seed)
+    w = f.quantize(rng.standard_normal((n, k)).astype(np.float32))
+    x = (rng.standard_normal((m, k)) * scale).astype(np.float32)
+    x[rng.random((m, k)) < 0.1] = 0.0  # blocks of zeros and lone values: the scale's edge cases
+    wd = f.dequantize(w, (n, k)).astype(np.float64)
+    blockq.isa(isa)
+    y = blockq.block_matmul(x, w, fmt, k)
+    exact = x.astype(np.float64) @ wd.T
+    if f.block == 1:
+        assert_close(y, exact, "f32", k, name=f"{fmt} x @ w.T")
+        return
+    assert_close(y, quantize_activations(x.astype(np.float64)) @ wd.T, "f32", k, name=f"{fmt} q8(x) @ w.T ({isa})")
+    rtol, _ = tolerance("f32", k)
+    slack = blockq.activation_error_bound(x, wd) + rtol * (np.abs(x) @ np.abs(wd).T) + 1e-30
+    assert (np.abs(y - exact) <= slack).all(), f"{fmt} ({isa}): outside the activation bound"
+
+
+def test_the_activation_bound_is_tight_enough_to_fail():
+    """A kernel that ignored q4_1's minimum would be off by m * sum(x): far outside the bound."""
+    f = FORMATS["q4_1"]
+    rng = np.random.default_rng(1)
+    w = f.quantize(rng.standard_normal((8, 64)).astype(np.float32) + 3.0)
+    x = rng.standard_normal((1, 64)).astype(np.float32) + 1.0
+    wd = f.dequantize(w, (8, 64)).astype(np.float64)
+    no_min = f.dequantize(w, (8, 64)).astype(np.float64) - np.repeat(
+        w.reshape(8, 2, 20)[:, :, 2:4].copy().view(np.float16).astype(np.float64), 32, axis=1).reshape(8, 64)
+    assert (np.abs(x @ no_min.T - x @ wd.T) > blockq.activation_error_bound(x, wd)).any()
+
+
+@pytest.mark.parametrize("fmt", WEIGHT_FORMATS)
+def test_block_rows_dequantize_exactly(fmt):
+    f = FORMATS[fmt]
+    k = 2 * max(f.block, 32)
+    w = f.quantize(np.random.default_rng(2).standard_normal((7, k)).astype(np.float32))
+    idx = np.array([6, 0, 3, 3])
+    np.testing.assert_array_equal(blockq.block_rows(w, fmt, k, idx), f.dequantize(w, (7, k))[idx])
+    with pytest.raises(blockq.KernelError, match="outside the table"):
+        blockq.block_rows(w, fmt, k, np.array([7]))
+
+
+def test_a_row_that_is_not_whole_blocks_is_refused():
+    w = np.zeros((2, 18), np.uint8)
+    with pytest.raises(blockq.KernelError, match="rows of 18 bytes"):
+        blockq.block_matmul(np.zeros((1, 64), np.float32), w, "q4_0", 64)
+
+
+@settings(max_examples=30, deadline=None)
+@given(b=st.integers(1, 3), h=st.integers(1, 3), s=st.integers(1, 12), t=st.integers(1, 4), d=st.integers(1, 9),
+       per_sequence=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_cache_write_writes_in_place(b, h, s, t, d, per_sequence, seed):
+    rng = np.random.default_rng(seed)
+    t = min(t, s)
+    cache = rng.standard_normal((b, h, s, d)).astype(np.float32)
+    x = rng.standard_normal((b, h, t, d)).astype(np.float32)
+    pos = rng.integers(0, s - t + 1, b) if per_sequence else np.int64(rng.integers(0, s - t + 1))
+    want = cache_write_ref(cache.copy(), x, pos)
+    address = cache.ctypes.data
+    blockq.cache_write(cache, x, pos)
+    assert cache.ctypes.data == address
+    np.testing.assert_array_equal(cache, want)
+
+
+def test_cache_write_past_the_end_is_refused():
+    cache = np.zeros((1, 1, 4, 2), np.float32)
+    with pytest.raises(blockq.KernelError, match="do not fit a cache of 4"):
+        blockq.cache_write(cache, np.ones((1, 1, 2, 2), np.float32), np.int64(3))
+    with pytest.raises(blockq.KernelError, match="position -1"):
+        blockq.cache_write(cache, np.ones((1, 1, 1, 2), np.float32), np.int64(-1))
+    assert not cache.any()
+
+
+@settings(max_examples=40, deadline=None)
+@given(b=st.integers(1, 2), kv=st.integers(1, 3), group=st.integers(1, 4), t=st.sampled_from([1, 2, 5, 17, 24]),
+       d=st.sampled_from([1, 8, 64]), extra=st.integers(0, 300), per_sequence=st.booleans(),
+       seed=st.integers(0, 2**32 - 1))
+def test_cache_attention_is_its_reference(b, kv, group, t, d, extra, per_sequence, seed):
+    """Decode (T <= 16: spans of keys split across threads and combined) and prompt (T > 16) paths."""
+    rng = np.random.default_rng(seed)
+    s = t + extra
+    q = rng.standard_normal((b, kv * group, t, d)).astype(np.float32)
+    k = rng.standard_normal((b, kv, s, d)).astype(np.float32)
+    v = rng.standard_normal((b, kv, s, d)).astype(np.float32)
+    pos = rng.integers(0, s - t + 1, b) if per_sequence else np.int64(rng.integers(0, s - t + 1))
+    scale = d ** -0.5
+    got = blockq.cache_attention(q, k, v, pos, scale)
+    want = cache_attention_ref(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), pos, scale)
+    assert_close(got, want, "f32", max(d, int(np.max(pos)) + t), name="cache_attention")
+
+
+def test_cache_attention_past_the_cache_is_refused():
+    q = np.zeros((1, 2, 3, 4), np.float32)
+    k = np.zeros((1, 1, 8, 4), np.float32)
+    with pytest.raises(blockq.KernelError, match="reach past a cache of 8"):
+        blockq.cache_attention(q, k, k, np.int64(6), 0.5)
+    with pytest.raises(blockq.KernelError, match="share"):
+        blockq.cache_attention(np.zeros((1, 3, 1, 4), np.float32), np.zeros((1, 2, 8, 4), np.float32),
+                               np.zeros((1, 2, 8, 4), np.float32), np.int64(0), 0.5)
+
+
+# --- the lowering: a decoder layer's step is native C end to end, its caches written in place ---
+
+def decoder_layer(fmt: str, b: int, hidden: int, heads: int, kv_heads: int, d: int, s: int, per_sequence: bool,
+                  activation: str):
+    """One Llama layer's step on T new tokens: rms_norm, q/k/v block matmuls, rope, the caches
+    written, attention over them, the output projection and the residual."""
+    from tilegraph.ir import Graph
+
+    rng = np.random.default_rng(7)
+    f = FORMATS[fmt]
+    g = Graph()
+    x = g.input("x", (b, "T", hidden))
+    kc, vc = g.input("k_cache", (b, kv_heads, s, d)), g.input("v_cache", (b, kv_heads, s, d))
+    pos = g.input("pos", (b,) if per_sequence else (), "i64")
+    cos, sin = g.input("cos", (b, 1, "T", d // 2)), g.input("sin", (b, 1, "T", d // 2))
+
+    def linear(v, n, k, name):
+        w = g.weight(name, f.quantize((rng.standard_normal((n, k)) / k ** 0.5).astype(np.float32)))
+        return g.op("block_matmul", v, w, format=fmt, k=k, activation=activation)
+
+    h = g.op("rms_norm", x, g.weight("norm", rng.uniform(0.5, 1.5, hidden).astype(np.float32)), epsilon=1e-5)
+
+    def heads_of(v, n):
+        return g.transpose(g.reshape(v, (b, "T", n, d)), (0, 2, 1, 3))
+
+    q = g.op("rope", heads_of(linear(h, heads * d, hidden, "wq"), heads), cos, sin)
+    k = g.op("rope", heads_of(linear(h, kv_heads * d, hidden, "wk"), kv_heads), cos, sin)
+    v = heads_of(linear(h, kv_heads * d, hidden, "wv"), kv_heads)
+    kc2, vc2 = g.op("cache_write", kc, k, pos), g.op("cache_write", vc, v, pos)
+    a = g.op("cache_attention", q, kc2, vc2, pos, scale=d ** -0.5)
+    a = g.reshape(g.transpose(a, (0, 2, 1, 3)), (b, "T", heads * d))
+    y = g.add(x, linear(a, hidden, heads * d, "wo"))
+    return g.build(y, kc2, vc2, names=["y", "k_cache_out", "v_cache_out"],
+                   aliases={"k_cache": "k_cache_out", "v_cache": "v_cache_out"})
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_layer(fmt: str, per_sequence: bool, activation: str = "f32"):
+    from tilegraph.backends.c import compile_model
+
+    model = decoder_layer(fmt, 2, 64, 4, 2, 16, 32, per_sequence, activation)
+    return model, compile_model(model)
+
+
+@settings(max_examples=12, deadline=None)
+@given(fmt=st.sampled_from(["q4_1", "q8_0"]), t=st.sampled_from([1, 3, 20]), per_sequence=st.booleans(),
+       activation=st.sampled_from(["f32", "q8"]), seed=st.integers(0, 2**31))
+def test_a_decoder_layer_step_runs_natively_and_writes_its_caches_in_place(fmt, t, per_sequence, activation, seed):
+    """Values against the interpreter with exact activations; with 'q8' only what is structural
+    (native, in place, no other row touched): rounding to int8 is discontinuous, so an f32-level
+    difference upstream (an rms_norm's last bit) may round a value the other way, a full q8 step."""
+    from tilegraph.ir.interpreter import interpret
+
+    b, hidden, kv_heads, d, s = 2, 64, 2, 16, 32
+    model, compiled = _compiled_layer(fmt, per_sequence, activation)
+    assert all(kind == "segment" for kind, _ in compiled.program.plan), "a step ran on the host"
+    assert len(compiled.program.plan) == 1, "the step is one native call"
+    rng = np.random.default_rng(seed)
+    pos = rng.integers(0, s - t + 1, b) if per_sequence else np.int64(rng.integers(0, s - t + 1))
+    angles = rng.uniform(-3, 3, (b, 1, t, d // 2))
+    inputs = [rng.standard_normal((b, t, hidden)).astype(np.float32),
+              rng.standard_normal((b, kv_heads, s, d)).astype(np.float32),
+              rng.standard_normal((b, kv_heads, s, d)).astype(np.float32), pos,
+              np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)]
+    before = inputs[1].copy()
+    want = interpret(model, [a.copy() if isinstance(a, np.ndarray) else a for a in inputs])
+    k_cache, v_cache = inputs[1], inputs[2]
+    got = compiled(*inputs)
+    assert got[1] is k_cache and got[2] is v_cache, "the caches are the caller's arrays, written in place"
+    written = np.zeros(k_cache.shape, bool)
+    for i, p in enumerate(np.broadcast_to(pos, (b,))):
+        written[i, :, p:p + t] = True
+    np.testing.assert_array_equal(k_cache[~written], before[~written])  # no other row touched
+    if activation == "q8":
+        return
+    assert_close(k_cache, want[1], "f32", hidden, name="k_cache")
+    assert_close(got[0], want[0], "f32", hidden + s, name="y")
+
+
+def test_a_cache_that_would_be_copied_is_refused():
+    """A cache that is not the writable C-contiguous f32 array the kernel writes (the call would
+    write a copy, and the caller's cache would silently stay stale) is refused before any C runs."""
+    from tilegraph.ir.model import ModelError
+
+    _, compiled = _compiled_layer("q8_0", False)
+    x = np.zeros((2, 1, 64), np.float32)
+    c = np.zeros((2, 2, 32, 16), np.float32)
+    trig = np.zeros((2, 1, 1, 8), np.float32)
+    readonly = c.copy()
+    readonly.flags.writeable = False
+    for bad in (np.zeros((2, 2, 32, 32), np.float32)[..., ::2], c.astype(np.float64), np.asfortranarray(c), readonly):
+        with pytest.raises(ModelError, match="updated in place"):
+            compiled(x, bad, c.copy(), np.int64(0), trig, trig)
+
+
+def test_decode_steps_allocate_nothing_that_stays():
+    """Memory is flat across steps: after the first steps (the arena, the kernels' scratch at
+    their largest), 200 more steps at growing positions leave the process's resident size
+    where it was (each call's only new array is its output, freed by the caller)."""
+    _, compiled = _compiled_layer("q4_1", False)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 1, 64)).astype(np.float32)
+    k_cache, v_cache = np.zeros((2, 2, 32, 16), np.float32), np.zeros((2, 2, 32, 16), np.float32)
+    trig = np.ones((2, 1, 1, 8), np.float32)
+
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    for p in range(4):
+        compiled(x, k_cache, v_cache, np.int64(p), trig, trig)
+    before = resident()
+    for step in range(200):
+        compiled(x, k_cache, v_cache, np.int64(step % 32), trig, trig)
+    assert resident() - before < 1 << 20
