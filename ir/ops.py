@@ -669,7 +669,7 @@ _op("matmul_integer", ["lhs", "rhs", "lhs_zero_point?"], _matmul_integer,
     doc="(lhs - lhs_zero_point) @ rhs on integers, exact, accumulated in i32 (ONNX MatMulInteger with a "
         "symmetric rhs)", gemm=_gemm_of_matmul)
 
-# --- generation (DESIGN.md "State across calls"): block-format weights, the KV cache ---
+# --- generation: block-format weights, the KV cache (state a compiled model keeps across calls) ---
 # A block-format weight is its raw bytes, ui8[N, row_bytes], read with the format named in
 # `format` (ir/block_formats.py describes each); a cache is a donated input updated in place.
 

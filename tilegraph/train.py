@@ -12,7 +12,7 @@ The step is one tg function (`step.model`):
 
 the backward made by `ir/autodiff.py`, the optimizer written in tg ops here. Each weight and
 state input is donated to the result of its name (`Model.aliases`, the `tg.aliases` argument
-attribute: XLA's input/output aliasing, DESIGN.md "State across calls", as generation's KV
+attribute: XLA's input/output aliasing, as generation's KV
 cache uses it): the step writes that result into the input's array, so the arrays in
 `step.weights` and `step.state` are the same objects from call to call. The backends still
 compute each updated value into a buffer of their own and the step copies it over (the

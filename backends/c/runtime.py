@@ -230,7 +230,7 @@ class CompiledModel:
                 self._direct[i] = v.buf  # type: ignore[assignment]
         self.lifetimes = {b: t for b, t in _lifetimes(program).items() if b not in self._direct.values()}
         self._outputs = em.outputs()
-        # Inputs a step updates in place (a KV cache: DESIGN.md, "State across calls"): the
+        # Inputs a step updates in place (a KV cache, donated: Model.aliases): the
         # caller's own array is written, so it must reach C uncopied; an output that is such
         # an input whole is that array, returned as given (copying a cache out per token
         # would cost what the in-place write saves).

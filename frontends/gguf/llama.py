@@ -1,6 +1,6 @@
 """The Llama family (llama, qwen2, qwen3) from a GGUF file, as tg IR with a KV cache.
 
-One builder makes both entry points of a compiled model (DESIGN.md "State across calls"):
+One builder makes both entry points of a compiled model:
 prefill (T = the prompt's length, a symbol) and decode (T = 1), over the same weight store
 and the same caches. Inputs: `tokens` i64[B, T], `pos` i64[B] (where each sequence's T new
 tokens go in the cache), `last` i64[B] (which of the B*T positions each sequence's logits
