@@ -174,3 +174,10 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence], align: str | N
 
     rule = "  ".join("-" * w for w in widths)
     return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])
+
+
+def char_gpt_options(ap, *, layers: int, hidden: int, heads: int, block: int, batch: int) -> None:
+    """The character GPT's shape (tests/models.py `char_gpt`) as options, with a script's defaults."""
+    for name, value in (("layers", layers), ("hidden", hidden), ("heads", heads), ("block", block),
+                        ("batch", batch)):
+        ap.add_argument(f"--{name}", type=int, default=value)

@@ -37,11 +37,7 @@ from tilegraph.train import AdamW  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--block", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=8)
+    _common.char_gpt_options(ap, layers=4, hidden=128, heads=4, block=64, batch=8)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--target", default="c")
     ap.add_argument("--threads", type=int, default=None, help="torch's and the C module's threads (default: all)")

@@ -30,11 +30,7 @@ from tilegraph.train import build_gradients  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=2)
-    ap.add_argument("--block", type=int, default=32)
-    ap.add_argument("--batch", type=int, default=8)
+    _common.char_gpt_options(ap, layers=2, hidden=256, heads=2, block=32, batch=8)
     ap.add_argument("--repeat", type=int, default=10)
     args = ap.parse_args()
     for line in _common.machine_lines():

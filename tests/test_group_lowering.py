@@ -17,7 +17,7 @@ import tilegraph
 from tilegraph.ir import Graph, interpret
 from tilegraph.ir.dialect import FusionOp
 from tilegraph.ir.fusion import GroupKind
-from tilegraph.testing import assert_close
+from tilegraph.testing import assert_close, reduction_length
 
 RNG = np.random.default_rng(0)
 
@@ -58,9 +58,11 @@ def _model(kind: GroupKind):
     return g.build(out, names=["out"])
 
 
+SIZES = {"S": 5, "N": 2, "B": 2}
+
+
 def _inputs(model):
-    sizes = {"S": 5, "N": 2, "B": 2}
-    return [RNG.standard_normal([d if isinstance(d, int) else sizes[str(d)] for d in info.shape]).astype(np.float32)
+    return [RNG.standard_normal([d if isinstance(d, int) else SIZES[str(d)] for d in info.shape]).astype(np.float32)
             for info in model.inputs]
 
 
@@ -98,7 +100,7 @@ def test_the_c_backend_lowers_each_kind_as_one_step(kind):
     assert len(temps) == len(model.outputs) + EXTRA_BUFFERS.get(kind, 0)
     xs = _inputs(model)
     for got, want in zip(compiled.run(*xs), interpret(model, xs)):
-        assert_close(got, want, "f32", reduction_length=64)
+        assert_close(got, want, "f32", reduction_length=reduction_length(model, SIZES))
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.value)
@@ -109,4 +111,4 @@ def test_the_numpy_backend_lowers_each_kind_as_one_function(kind):
     assert f"'buffers': {len(model.outputs)}," in compiled.source  # the memory plan: the results, nothing else
     xs = _inputs(model)
     for got, want in zip(compiled.run(*xs), interpret(model, xs)):
-        assert_close(got, want, "f32", reduction_length=64)
+        assert_close(got, want, "f32", reduction_length=reduction_length(model, SIZES))
