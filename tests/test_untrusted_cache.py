@@ -136,6 +136,27 @@ def test_an_edited_compile_cache_entry_is_compiled_afresh(cache, tmp_path):
     _check(tilegraph.compile(str(path), target="numpy"), path)
 
 
+@pytest.mark.parametrize("how", ["group-writable", "world-writable", "another user's"])
+def test_an_entry_others_could_have_written_is_compiled_afresh_even_with_a_matching_digest(cache, tmp_path, how):
+    """Digests catch damage; who could write an entry is what says it is ours: one that is
+    group- or world-writable, or owned by another user (planted while the folder was open),
+    is not used, however well its digest matches."""
+    import hashlib
+
+    path = _model_file(tmp_path)
+    tilegraph.compile(str(path), target="numpy")
+    (entry,) = (cache / "compiled").glob("*.mlir")
+    entry.write_text(entry.read_text().replace("dense<2.000000e+00>", "dense<5.000000e+00>"))
+    entry.with_name(entry.name + ".sha256").write_text(hashlib.sha256(entry.read_bytes()).hexdigest())
+    if how == "another user's":
+        if os.getuid() != 0:
+            pytest.skip("giving a file to another user needs root")
+        os.chown(entry, 12345, -1)
+    else:
+        os.chmod(entry, 0o620 if how == "group-writable" else 0o602)
+    _check(tilegraph.compile(str(path), target="numpy"), path)
+
+
 @pytest.mark.parametrize("how", ["world-writable", "group-writable", "another user's"])
 def test_a_cache_folder_others_can_write_to_is_refused_with_a_warning(cache, tmp_path, how):
     import hashlib
