@@ -37,6 +37,7 @@ from xdsl.rewriter import Rewriter
 from tilegraph.ir.decompositions import expand
 from tilegraph.ir.dialect import FusionOp, TgOp, YieldOp, make_op
 from tilegraph.ir.dtypes import PACKED_4BIT
+from tilegraph.ir.fusion import ANCHORS, GroupKind
 from tilegraph.ir.interpreter import SHAPE_FUNCTIONS, dtype_code
 from tilegraph.ir.model import Model, ModelError
 from tilegraph.ir.ops import QUANTIZATION_OPS, render, size_definitions
@@ -44,7 +45,8 @@ from tilegraph.ir.shapes import Dim, TensorInfo, info_of, numel, tensor_type
 from tilegraph.backends.program import (PYTHON_RESERVED, Namer, array_literal, flatten, liveness, literal, py_comment,
                               signature_rows, str_literal, tuple_lines)
 from tilegraph.backends.triton.lowering import DECOMPOSED, TORCH_LAYOUT
-from tilegraph.backends.triton.group_kernels import AXIS_OPS, INDENT, TORCH_TYPES, KernelCode, KernelWriter, Unsupported
+from tilegraph.backends.triton.group_kernels import (AXIS_OPS, INDENT, TORCH_TYPES, KernelCode, KernelWriter, RowsTooWide,
+                                                    Unsupported, needs_whole_rows)
 from tilegraph.backends.triton.quant import QuantKernelWriter, group_quantized
 
 # What a symbolic dim is taken to be for an ahead-of-time build (passes/cost/model.py prices
@@ -269,6 +271,8 @@ class _Emitter:
         counts["fusion"] += 1
         try:
             code = self._kernel(name, group.kind, group.ops, inputs, outputs, group.tile())
+        except RowsTooWide:
+            return self._gemm_then_rows(group, name)
         except Unsupported as why:
             self.split_groups.append(f"{group.kind} ({' '.join(op.op_name for op in group.ops)}): {why}")
             return self._split(group, counts)
@@ -297,6 +301,40 @@ class _Emitter:
         self.uses_tlmath |= "tlmath" in code.helpers
         self.uses_tlquant |= "tlquant" in code.helpers
         return code
+
+    def _gemm_then_rows(self, group: FusionOp, name: str) -> list[str]:
+        """A GEMM group whose epilogue reduces rows too wide for one program (RowsTooWide) as two
+        kernels: the GEMM with the elementwise ops that need no whole row, then the row ops
+        (layer_norm, softmax) reading its result, as a group of kind reduction would."""
+        rows: set[TgOp] = set()
+        for op in group.ops:
+            if op.op_name not in ANCHORS and (needs_whole_rows(op) or any(
+                    isinstance(v.owner, TgOp) and v.owner in rows for v in op.operands)):
+                rows.add(op)
+        scalars = [op for op in group.ops if op.op_name == "constant"]  # inline in either kernel
+        first = [op for op in group.ops if op not in rows]
+        second = scalars + [op for op in group.ops if op in rows]
+        made_first = {r for op in first if op.op_name != "constant" for r in op.results}
+        yielded = list(group.block.last_op.operands)
+        outer: dict[SSAValue, str] = {arg: self._value(v) for arg, v in zip(group.block.args, group.operands)}
+        lines = []
+        for suffix, kind, ops, later in (("a", GroupKind.around("matmul", len(first) > len(scalars) + 1).value, first,
+                                          second),
+                                         ("b", GroupKind.REDUCTION.value, second, [])):
+            made = {r for op in ops for r in op.results}
+            inputs = list(dict.fromkeys(v for op in ops for v in op.operands if v not in made))
+            outputs = list(dict.fromkeys(
+                [v for v in yielded if v in made] +
+                [v for op in later for v in op.operands if v in made and v in made_first]))
+            code = self._kernel(f"{name}{suffix}", kind, ops, inputs, outputs, group.tile())
+            self._host_function(f"{name}{suffix}", code, len(inputs))
+            args = [outer.get(v) or self.names[v] for v in inputs] + [v for v, _, _ in sorted(self.symbols.values())]
+            targets = [self._result(v, f"{name}{suffix}_out{i}") for i, v in enumerate(outputs)]
+            types = ", ".join(str(info_of(v.type)) for v in outputs)
+            lines.append(f"{', '.join(targets)}, = {name}{suffix}_host({', '.join(args)})  # {py_comment(types)}")
+        for r, v in zip(group.results, yielded):
+            self.names[r] = outer.get(v) or self.names[v]
+        return lines
 
     def _split(self, group: FusionOp, counts: Counter) -> list[str]:
         """A group no one kernel can express: each op on its own (values renamed through the region)."""

@@ -13,11 +13,10 @@ factor out of the GEMM or ride along with it:
              ui8 activations with a zero point z:    (a - z) w = (a - 128) w + (128 - z) sum_k w
     fp8      f8E4M3FN x f8E4M3FN -> fp32 (tl.dot)    per-row x per-column: on the accumulator
     mxfp8    e4m3 x e4m3, tl.dot_scaled              E8M0 blocks of 32 along K, inside dot_scaled
-    mxfp4    bf16/fp16 x e2m1, tl.dot_scaled         the weight's E8M0 blocks, inside dot_scaled
-             (fp32 activations: see below)
-    w8, w4a16 (and mxfp4 on fp32 activations): the weight is read in its storage type,
-             decoded and scaled in registers (4-bit values unpacked from bytes), and
-             multiplied in the activation's precision
+             (and an MXFP8 activation times an MXFP4 weight: e4m3 x e2m1)
+    w8, w4a16, mxfp4 (weight-only): the weight is read in its storage type, decoded and
+             scaled in registers (4-bit values unpacked from bytes), and multiplied in
+             the activation's precision
 
 `group_quantized` does this at the IR level, on the backend's private copy of the module:
 it moves the tg.dequantize ops that feed a matmul (and the tg.dequantize reading a
@@ -28,11 +27,13 @@ tiles. tg.dynamic_quantize and tg.quantize of activations are row kernels of the
 live on the device two to a byte along K ([ceil(K/2), N] uint8: `runtime.pack_k`), the
 layout tl.dot_scaled reads e2m1 in; the 4-bit GEMMs unpack them in registers.
 
-Why fp32 activations do not go through tl.dot_scaled for MXFP4: its operand formats are
-e2m1, e4m3, e5m2, bf16 and fp16, so an fp32 activation would be rounded to bf16 first,
-a quantization the IR does not say (a weight-only scheme keeps activations float); the
-kernel decodes the weight tile to fp32 and uses tl.dot in IEEE fp32 instead. A bf16 or
-fp16 model's activations enter dot_scaled unchanged.
+Why weight-only MXFP4 does not go through tl.dot_scaled: its operand formats are e2m1,
+e4m3, e5m2, bf16 and fp16, so an fp32 activation would be rounded to bf16 first, a
+quantization the IR does not say (a weight-only scheme keeps activations float). For bf16
+activations no target multiplies bf16 x e2m1 natively (sm_90 and sm_100 both upcast the
+weight to bf16 first, as the decoded path does), and on an H100 with Triton 3.6 dot_scaled
+with an unscaled bf16 operand returned wrong products (relative error ~1 against the
+interpreter, where decoding the tile in registers agreed to bf16 rounding).
 
 Numerics, against the float64 interpreter of the quantized module: integer accumulators
 are exact (int8 x int8 products summed in int32, as tg.matmul_integer); fp8 and MX
@@ -42,8 +43,9 @@ no ties-to-even, no carry into the exponent); `runtime.py` gives it the conversi
 a GPU makes (cvt.rn.satfinite), as it does for bf16.
 
 What the hardware does with it (checked by tests/test_triton_quant.py on the PTX of
-ahead-of-time builds): on sm_90 tl.dot of int8 and fp8 tiles becomes wgmma with s8 and
-e4m3 operands; tl.dot_scaled is native on sm_100 (tcgen05.mma with block scales) and
+ahead-of-time builds): on sm_90 tl.dot of int8 tiles becomes wgmma with s8 operands, and of
+fp8 tiles mma.sync on operands widened to f16 (wgmma's own fp8 accumulation keeps fewer bits
+than fp32, and the kernels accumulate as the IR says: in fp32); tl.dot_scaled is native on sm_100 (tcgen05.mma with block scales) and
 emulated on sm_90 (operands upcast to bf16, then wgmma).
 """
 
@@ -62,7 +64,7 @@ from tilegraph.ir.fusion import ANCHORS, GroupKind
 from tilegraph.ir.quant import FORMATS, MIN_SCALE, MX_BLOCK
 from tilegraph.ir.shapes import TensorInfo, dims_equal, info_of, numel
 from tilegraph.backends.triton.group_kernels import (AXIS_OPS, GEMM_TILE, GROUP_M, INDENT, POINTER_TYPES, ROW_TILE_ELEMENTS,
-                                     TL_TYPES, TORCH_TYPES, KernelCode, KernelWriter, Unsupported, Value, compute_type)
+                                     TL_TYPES, TORCH_TYPES, KernelCode, KernelWriter, Unsupported, Value, compute_type, dot_precision)
 
 # Element types only these kernels read or write (Triton's names for them); E8M0 scales and
 # 4-bit values travel as their bytes (uint8).
@@ -91,6 +93,13 @@ MIN_BLOCK_M_8BIT = 64
 MIN_BLOCK_M_SCALED = 128
 # An E8M0 byte for a scale of 1 (2^0): what masked-off blocks of dot_scaled read.
 E8M0_ONE = 127
+# tl.dot's accumulator type must be its out_dtype, which is float32 unless named: an int32
+# accumulator needs out_dtype=tl.int32 (the interpreter does not check; the compiler asserts).
+INTEGER_DOT = "acc = tl.dot(a_tile, b_tile, acc, out_dtype=tl.int32)"
+# On sm_90 Triton lets fp8 wgmma accumulate in the tensor core's reduced precision across the
+# whole K loop unless told otherwise; 0 asks for every product added into the fp32 accumulator,
+# so the result is what the float64 interpreter computes within fp32 rounding.
+FP8_DOT = "acc = tl.dot(a_tile, b_tile, acc, max_num_imprecise_acc=0)"
 
 
 # --- grouping: the prologue and epilogue of each quantized GEMM in one tg.fusion ----------------------------
@@ -474,9 +483,6 @@ class QuantKernelWriter(KernelWriter):
             raise Unsupported(f"a matmul of {a.dtype}")
         if b.scale is None:
             raise Unsupported("a float matmul in a quantized group")
-        if b.mx and b.layout == "block" and b.block == MX_BLOCK and a.dtype in ("bf16", "f16") \
-                and b.dtype in SCALED_FORMATS:
-            return "scaled"
         return "dequant"
 
     def _quantized_gemm_kernel(self) -> KernelCode:
@@ -523,7 +529,7 @@ class QuantKernelWriter(KernelWriter):
         if mode == "integer":
             loop += self._integer_loop(a, body, after)
         elif mode == "raw":
-            loop.append("acc = tl.dot(a_tile, b_tile, acc)")
+            loop.append(FP8_DOT)
         elif mode == "scaled":
             loop += self._scaled_loop(a, b, k_dim)
         else:
@@ -568,7 +574,7 @@ class QuantKernelWriter(KernelWriter):
         difference made good after the loop: (a - z) w = (a - 128) w + (128 - z) colsum(w)."""
         shift = 128 if a.dtype == "ui8" else 0
         if not shift and a.zero_point is None:
-            return ["acc = tl.dot(a_tile, b_tile, acc)"]
+            return [INTEGER_DOT]
         body.append("wsum = tl.zeros([BLOCK_N], dtype=tl.int32)")
         correction = str(shift)
         if a.zero_point is not None:
@@ -576,7 +582,7 @@ class QuantKernelWriter(KernelWriter):
             correction = f"({shift} - tl.load(zp).to(tl.int32))"
         after.append(f"acc = acc + {correction} * wsum[None, :]")
         return [f"a_tile = (a_tile.to(tl.int32) - {shift}).to(tl.int8)",
-                "acc = tl.dot(a_tile, b_tile, acc)",
+                INTEGER_DOT,
                 "wsum += tl.sum(b_tile.to(tl.int32), axis=0)"]
 
     def _block_scale(self, side: Side, name: str, transposed: bool) -> tuple[list[str], str]:
@@ -625,7 +631,7 @@ class QuantKernelWriter(KernelWriter):
                 self.helpers.add("tlquant")
                 s = f"tlquant.e8m0({s})"
             lines.append(f"w = w * {s}.to(tl.float32)")
-        precision = ', input_precision="ieee"' if a.dtype in ("f32", "f64") else ""
+        precision = dot_precision(a.dtype)
         lines.append(f"acc = tl.dot(a_tile, w.to(a_tile.dtype), acc{precision})")
         return lines
 
