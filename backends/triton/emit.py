@@ -40,7 +40,7 @@ from tilegraph.ir.dtypes import PACKED_4BIT
 from tilegraph.ir.fusion import ANCHORS, GroupKind
 from tilegraph.ir.interpreter import SHAPE_FUNCTIONS, dtype_code
 from tilegraph.ir.model import Model, ModelError
-from tilegraph.ir.ops import QUANTIZATION_OPS, render, size_definitions
+from tilegraph.ir.ops import Op, QUANTIZATION_OPS, render, size_definitions
 from tilegraph.ir.shapes import Dim, TensorInfo, info_of, numel, tensor_type
 from tilegraph.backends.program import (PYTHON_RESERVED, Namer, array_literal, flatten, liveness, literal, py_comment,
                               signature_rows, str_literal, tuple_lines)
@@ -88,7 +88,7 @@ def prepare(model: Model) -> Model:
 
 def _kernel_op(op: TgOp) -> bool:
     """Ops that compute (and so get a kernel): everything but sources and views."""
-    return (op.SPEC.category not in ("source", "layout") or op.op_name == "gather") and op.SPEC.bound is None
+    return (op.SPEC.category not in ("source", "layout") or op.op_name == Op.gather) and op.SPEC.bound is None
 
 
 def _in_block(op: TgOp) -> tuple[Block, TgOp]:
@@ -122,7 +122,7 @@ def _axes_last(op: TgOp):
     axes = tuple(sorted(a % x.rank for a in (op.attr("axes") if op.SPEC.reduction else
                                              [op.attr("axis")])))
     kept = tuple(a for a in range(x.rank) if a not in axes)
-    keepdims = op.op_name in ("cumsum", "cumprod") or op.attr("keepdims")
+    keepdims = op.op_name in (Op.cumsum, Op.cumprod) or op.attr("keepdims")
     if axes == (x.rank - 1,) and keepdims:
         return None
     perm = kept + axes
@@ -131,13 +131,13 @@ def _axes_last(op: TgOp):
     attrs = op.py_attrs()
     if op.SPEC.reduction:
         attrs |= {"axes": (rows.rank - 1,), "keepdims": True}
-    elif op.op_name in ("argmax", "argmin"):
+    elif op.op_name in (Op.argmax, Op.argmin):
         attrs |= {"axis": rows.rank - 1, "keepdims": True}
     else:
         attrs |= {"axis": rows.rank - 1}
     inner = make_op(op.op_name, [block.args[0]], attrs)
     block.add_op(inner)
-    undo = tuple(perm.index(a) for a in range(x.rank)) if op.op_name in ("cumsum", "cumprod") else None
+    undo = tuple(perm.index(a) for a in range(x.rank)) if op.op_name in (Op.cumsum, Op.cumprod) else None
     return perm, inner, undo
 
 
@@ -214,7 +214,7 @@ class _Emitter:
 
     def _source_op(self, op: TgOp) -> None:
         info = op.result_infos()[0]
-        if op.op_name == "weight":
+        if op.op_name == Op.weight:
             wname = op.attr("name")
             if wname not in self._weights:
                 self._weights[wname] = self.namer.fresh(wname, "w")
@@ -235,11 +235,11 @@ class _Emitter:
         out = op.result_infos()
         name = op.op_name
         operands = [self._value(v) for v in op.operands]
-        if name == "split":
+        if name == Op.split:
             sizes = op.attr("sizes")
             targets = [self._result(r, f"split_{i}") for i, r in enumerate(op.results)]
             return f"{', '.join(targets)}, = torch.split({operands[0]}, {list(sizes)}, dim={op.attr('axis')})"
-        if name == "slice" and all(s > 0 for s in op.attr("steps")):
+        if name == Op.slice and all(s > 0 for s in op.attr("steps")):
             expr = render(op.SPEC, operands, op.py_attrs(), self._shape(out[0].shape), "")
         elif name in TORCH_LAYOUT:
             attrs = {k: literal(tuple(v)) if isinstance(v, (list, tuple)) else literal(v)
@@ -283,7 +283,7 @@ class _Emitter:
         return [f"{', '.join(targets)}, = {name}_host({', '.join(args)})  # {py_comment(types)}"]
 
     def _kernel(self, name, kind, ops, inputs, outputs, tile) -> KernelCode:
-        constants = [op for op in ops if op.op_name == "constant" and np.asarray(op.attr("value")).size != 1]
+        constants = [op for op in ops if op.op_name == Op.constant and np.asarray(op.attr("value")).size != 1]
         if constants:
             raise Unsupported("a constant array inside a group")
         writer = QuantKernelWriter if any(op.op_name in QUANTIZATION_OPS for op in ops) else KernelWriter
@@ -311,10 +311,10 @@ class _Emitter:
             if op.op_name not in ANCHORS and (needs_whole_rows(op) or any(
                     isinstance(v.owner, TgOp) and v.owner in rows for v in op.operands)):
                 rows.add(op)
-        scalars = [op for op in group.ops if op.op_name == "constant"]  # inline in either kernel
+        scalars = [op for op in group.ops if op.op_name == Op.constant]  # inline in either kernel
         first = [op for op in group.ops if op not in rows]
         second = scalars + [op for op in group.ops if op in rows]
-        made_first = {r for op in first if op.op_name != "constant" for r in op.results}
+        made_first = {r for op in first if op.op_name != Op.constant for r in op.results}
         yielded = list(group.block.last_op.operands)
         outer: dict[SSAValue, str] = {arg: self._value(v) for arg, v in zip(group.block.args, group.operands)}
         lines = []
@@ -342,7 +342,7 @@ class _Emitter:
             self.names[arg] = self._value(v)
         lines = []
         for op in group.ops:
-            if op.op_name == "constant":
+            if op.op_name == Op.constant:
                 self._source_op(op)
                 continue
             lines += self._single(op, counts)
@@ -355,17 +355,17 @@ class _Emitter:
             line = self._host_line(op)
             return [line] + [f"{self.symbols[name][0]} = {self.names[op.results[r]]}.shape[{axis}]"
                              for r, axis, name in size_definitions(op)]
-        if op.op_name == "iota":  # an index along one axis, made on the device
+        if op.op_name == Op.iota:  # an index along one axis, made on the device
             out = op.result_infos()[0]
             axis = op.attr("axis") % len(out.shape)
             view = tuple(-1 if i == axis else 1 for i in range(len(out.shape)))
             target = self._result(op.results[0], "iota")
             return [f"{target} = torch.arange({self.dim(out.shape[axis])}, device=DEVICE, "
                     f"dtype={TORCH_TYPES[out.dtype]}).reshape({view}).expand({self._shape(out.shape)})  # {py_comment(out)}"]
-        layout = self._layout_line(op) if op.SPEC.category == "layout" and op.op_name != "gather" else None
+        layout = self._layout_line(op) if op.SPEC.category == "layout" and op.op_name != Op.gather else None
         if layout is not None:
             return [layout]
-        if op.SPEC.category == "layout" and op.op_name != "gather":
+        if op.SPEC.category == "layout" and op.op_name != Op.gather:
             return [self._host_line(op)]
         name = self.namer.fresh(f"{op.op_name}_{counts[op.op_name]}")
         counts[op.op_name] += 1
@@ -445,7 +445,7 @@ class _Emitter:
         for op, dead in zip(prog.steps, dies):
             if isinstance(op, FusionOp):
                 body += self._group_lines(op, counts)
-            elif op.SPEC.category == "source" and op.op_name in ("weight", "constant"):
+            elif op.SPEC.category == "source" and op.op_name in (Op.weight, Op.constant):
                 self._source_op(op)
             else:
                 body += self._single(op, counts)

@@ -39,7 +39,7 @@ from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.escape import py_docstring
 from tilegraph.ir.fusion import ANCHORS, row_reshape
-from tilegraph.ir.ops import OPS, py_literal
+from tilegraph.ir.ops import Op, OPS, py_literal
 from tilegraph.ir.shapes import Dim, TensorInfo, dims_equal, info_of, numel
 from tilegraph.backends.triton.lowering import TRITON, TRITON_INT
 
@@ -113,7 +113,7 @@ class RowsTooWide(Unsupported):
 
 def needs_whole_rows(op: TgOp) -> bool:
     """Whether `op` needs a program to hold whole rows (reductions and scans over the last axis)."""
-    return bool(op.SPEC.reduction) or op.op_name in ("argmax", "argmin", "cumsum", "cumprod")
+    return bool(op.SPEC.reduction) or op.op_name in (Op.argmax, Op.argmin, Op.cumsum, Op.cumprod)
 
 
 def compute_type(dtype: str) -> str:
@@ -194,7 +194,7 @@ class KernelWriter:
         self.ref = ref
         self.lead: tuple[Dim, ...] = tuple(ref.shape[:-1])
         # The tile's columns: the one last dim (other than 1) of the non-anchor values.
-        epilogue = [op for op in self.ops if op not in self.anchors and op.op_name != "gather"]
+        epilogue = [op for op in self.ops if op not in self.anchors and op.op_name != Op.gather]
         lasts = [i.shape[-1] for op in epilogue for i in (info_of(v.type) for v in [*op.operands, *op.results])
                  if i.rank and not _is_one(i.shape[-1])]
         if any(not dims_equal(d, lasts[0]) for d in lasts):
@@ -300,23 +300,23 @@ class KernelWriter:
     def _op(self, op: TgOp) -> Value:
         out = op.result_infos()[0]
         name = op.op_name
-        if name == "constant":
+        if name == Op.constant:
             return self._constant(op, out)
-        if name == "reshape" and row_reshape(op):
+        if name == Op.reshape and row_reshape(op):
             src = self.value(op.operands[0])
             return Value(src.var, out, src.wide)
-        if name == "broadcast" and dims_equal(numel(info_of(op.operands[0].type).shape), numel(out.shape)):
+        if name == Op.broadcast and dims_equal(numel(info_of(op.operands[0].type).shape), numel(out.shape)):
             src = self.value(op.operands[0])
             return Value(src.var, out, src.wide)
         args = [self.value(v) for v in op.operands]
         var = self._fresh("t")
         if op.SPEC.reduction:
             return self._row_reduction(op, args[0], out, var)
-        if name in ("argmax", "argmin"):
+        if name in (Op.argmax, Op.argmin):
             return self._arg_reduction(op, args[0], out, var)
-        if name in ("cumsum", "cumprod"):
+        if name in (Op.cumsum, Op.cumprod):
             return self._scan(op, args[0], out, var)
-        if name == "trilu":
+        if name == Op.trilu:
             x = args[0]
             keep = f"(cols - c{len(self.lead) - 1}) {'>=' if op.attr('upper') else '<='} {op.attr('k')}"
             if len(self.lead) < 1 or not x.wide:
@@ -379,13 +379,13 @@ class KernelWriter:
         rank = info_of(op.operands[0].type).rank
         if op.attr("axis") % rank != rank - 1 or not op.attr("keepdims") or not self.whole_rows:
             raise Unsupported(f"tg.{op.op_name} over a non-last axis in a row kernel")
-        neutral = "float('-inf')" if op.op_name == "argmax" else "float('inf')"
-        fn = "tl.argmax" if op.op_name == "argmax" else "tl.argmin"
+        neutral = "float('-inf')" if op.op_name == Op.argmax else "float('inf')"
+        fn = "tl.argmax" if op.op_name == Op.argmax else "tl.argmin"
         valid = f"tl.where(cols < N, {x.var}, {neutral})"
         if op.attr("select_last_index"):
             # tl.argmax(tie_break_left=False) breaks ties either way (its fast path), not to the
             # last index: the last column holding the extreme value.
-            extreme = "tl.max" if op.op_name == "argmax" else "tl.min"
+            extreme = "tl.max" if op.op_name == Op.argmax else "tl.min"
             self.body.append(f"{var} = {valid}")
             self.body.append(f"{var} = tl.max(tl.where({var} == {extreme}({var}, axis=1, keep_dims=True), cols, -1), "
                              f"axis=1, keep_dims=True).to({TL_TYPES[out.dtype]})")
@@ -397,12 +397,12 @@ class KernelWriter:
         rank = info_of(op.operands[0].type).rank
         if op.attr("axis") % rank != rank - 1 or not self.whole_rows:
             raise Unsupported(f"tg.{op.op_name} over a non-last axis in a row kernel")
-        if op.op_name == "cumprod" and op.attr("exclusive"):
+        if op.op_name == Op.cumprod and op.attr("exclusive"):
             raise Unsupported("exclusive cumprod")
         reverse = bool(op.attr("reverse"))
-        neutral = "0" if op.op_name == "cumsum" else "1"
+        neutral = "0" if op.op_name == Op.cumsum else "1"
         masked = f"tl.where(cols < N, {x.var}, {neutral})"
-        if op.op_name == "cumsum":
+        if op.op_name == Op.cumsum:
             self.body.append(f"{var} = tl.cumsum({masked}, axis=1, reverse={reverse})")
             if op.attr("exclusive"):
                 self.body.append(f"{var} = {var} - {x.var}")
@@ -436,7 +436,7 @@ class KernelWriter:
 
     def write(self) -> KernelCode:
         kinds = {op.op_name for op in self.anchors}
-        if [op.op_name for op in self.ops] == ["gather"]:
+        if [op.op_name for op in self.ops] == [Op.gather]:
             return self._gather_kernel()
         if not kinds:
             return self._rows_kernel()
@@ -453,7 +453,7 @@ class KernelWriter:
         its rows (row reshapes allowed) and its row width or one value per row."""
         rows = numel(out.shape[:-1])
         for op in epilogue:
-            if op.op_name == "constant":
+            if op.op_name == Op.constant:
                 continue  # a scalar, inline (the emitter takes arrays out of groups)
             for r in op.result_infos():
                 if not r.rank or not dims_equal(numel(r.shape[:-1]), rows) or not (
@@ -687,10 +687,10 @@ class KernelWriter:
         if xi.rank != 4 or not dtypes.is_float(xi.dtype) or any(v not in self.input_names for v in op.operands):
             raise Unsupported("a conv that is not 2-D, or reads a value computed in its own group")
         epilogue = [o for o in self.ops if o is not op]
-        if self._whole_rows(epilogue) or any(o.op_name == "trilu" for o in epilogue):
+        if self._whole_rows(epilogue) or any(o.op_name == Op.trilu for o in epilogue):
             raise Unsupported("a reduction after a conv (its tile's columns are channels, not the last axis)")
         if any(r.rank != out.rank or not all(dims_equal(a, b) for a, b in zip(r.shape, out.shape))
-               for o in epilogue if o.op_name != "constant" for r in o.result_infos()):
+               for o in epilogue if o.op_name != Op.constant for r in o.result_infos()):
             raise Unsupported("an epilogue broadcasting the conv's result to another shape (the tile is its pixels)")
         strides = op.attr("strides") or (1, 1)
         pads = op.attr("pads") or (0, 0, 0, 0)

@@ -58,7 +58,7 @@ from xdsl.ir import Block, Operation, SSAValue
 from xdsl.rewriter import Rewriter
 
 from tilegraph.ir import dtypes
-from tilegraph.ir.ops import OPS, QUANTIZATION_OPS
+from tilegraph.ir.ops import Op, OPS, QUANTIZATION_OPS
 from tilegraph.ir.dialect import FusionOp, TgOp, YieldOp
 from tilegraph.ir.fusion import ANCHORS, GroupKind
 from tilegraph.ir.quant import FORMATS, MIN_SCALE, MX_BLOCK
@@ -111,7 +111,7 @@ def group_quantized(func) -> None:
     for op in list(func.body.block.ops):
         if op.parent_block() is None:
             continue  # merged already
-        if isinstance(op, TgOp) and op.op_name == "matmul_integer":
+        if isinstance(op, TgOp) and op.op_name == Op.matmul_integer:
             _group_integer(op, rewriter)
         elif _matmul_of(op) is not None:
             _group_float(op, rewriter)
@@ -120,10 +120,10 @@ def group_quantized(func) -> None:
 def _matmul_of(op: Operation) -> TgOp | None:
     """The one matmul a lone op or a fused group is (or is anchored on)."""
     if isinstance(op, TgOp):
-        return op if op.op_name == "matmul" else None
+        return op if op.op_name == Op.matmul else None
     if isinstance(op, FusionOp):
         mms = [o for o in op.ops if o.op_name in ANCHORS]
-        return mms[0] if len(mms) == 1 and mms[0].op_name == "matmul" else None
+        return mms[0] if len(mms) == 1 and mms[0].op_name == Op.matmul else None
     return None
 
 
@@ -141,7 +141,7 @@ def _only_user(v: SSAValue) -> Operation | None:
 
 def _top_dequantize(v: SSAValue, reader: Operation) -> TgOp | None:
     owner = v.owner
-    if isinstance(owner, TgOp) and owner.op_name == "dequantize" and owner.parent_block() is reader.parent_block() \
+    if isinstance(owner, TgOp) and owner.op_name == Op.dequantize and owner.parent_block() is reader.parent_block() \
             and _only_user(owner.results[0]) is reader:
         return owner
     return None
@@ -152,7 +152,7 @@ def _group_float(group: Operation, rewriter: Rewriter) -> None:
     a, w = (_outer(group, v) for v in mm.operands)
     wdeq = _top_dequantize(w, group)
     if wdeq is None or not (isinstance(wdeq.operands[0].owner, TgOp) and
-                            wdeq.operands[0].owner.op_name in ("weight", "constant")) \
+                            wdeq.operands[0].owner.op_name in (Op.weight, Op.constant)) \
             or info_of(wdeq.operands[0].type).rank != 2 or info_of(a.type).rank < 2:
         return
     adeq = _top_dequantize(a, group) or _own_copy(a, group, rewriter)
@@ -194,7 +194,7 @@ def _own_copy(a: SSAValue, reader: Operation, rewriter: Rewriter) -> TgOp | None
     it for `reader` alone, so that each GEMM multiplies the quantized values itself; the original
     goes when the last reader has its copy."""
     deq = a.owner
-    if not (isinstance(deq, TgOp) and deq.op_name == "dequantize" and deq.parent_block() is reader.parent_block()):
+    if not (isinstance(deq, TgOp) and deq.op_name == Op.dequantize and deq.parent_block() is reader.parent_block()):
         return None
     copy = deq.clone()
     rewriter.insert_op(copy, _after(deq))
@@ -209,7 +209,7 @@ def _own_copy(a: SSAValue, reader: Operation, rewriter: Rewriter) -> TgOp | None
 def _group_integer(mi: TgOp, rewriter: Rewriter) -> None:
     items: list[Operation] = [mi]
     deq = _only_user(mi.results[0])
-    if isinstance(deq, TgOp) and deq.op_name == "dequantize" and deq.parent_block() is mi.parent_block():
+    if isinstance(deq, TgOp) and deq.op_name == Op.dequantize and deq.parent_block() is mi.parent_block():
         items.append(deq)
         after = _only_user(deq.results[0])
         # The elementwise group after it (the row scale of dynamic quantization, bias, activation)
@@ -300,7 +300,7 @@ class QuantKernelWriter(KernelWriter):
         infos = [info_of(v.type) for op in self.ops for v in [*op.operands, *op.results]]
         if any(i.dtype not in allowed for i in infos):
             raise Unsupported("an element type without a Triton type")
-        self.anchor = next((op for op in self.ops if op.op_name in ("matmul", "matmul_integer")), None)
+        self.anchor = next((op for op in self.ops if op.op_name in (Op.matmul, Op.matmul_integer)), None)
         self.prologue = self._prologue()
         ends = [op for op in self.ops if op is not self.anchor and op not in self.prologue]
         ref = max((info_of(r.type) for op in (ends or self.ops) for r in op.results), key=lambda i: i.rank)
@@ -312,10 +312,10 @@ class QuantKernelWriter(KernelWriter):
         self.conv_layout = False
 
     def _prologue(self) -> list[TgOp]:
-        if self.anchor is None or self.anchor.op_name != "matmul":
+        if self.anchor is None or self.anchor.op_name != Op.matmul:
             return []
         return [v.owner for v in self.anchor.operands[:2]
-                if isinstance(v.owner, TgOp) and v.owner.op_name == "dequantize" and v.owner in self.ops]
+                if isinstance(v.owner, TgOp) and v.owner.op_name == Op.dequantize and v.owner in self.ops]
 
     def _pointer(self, name: str, dtype: str, host: str) -> str:
         return self._param(name, QUANT_POINTERS[dtype], host)
@@ -326,14 +326,14 @@ class QuantKernelWriter(KernelWriter):
             return self._quantize_rows_kernel()
         if self.anchor is not None:
             return self._quantized_gemm_kernel()
-        if all(op.op_name == "dequantize" or op.SPEC.category == "elementwise" for op in self.ops):
+        if all(op.op_name == Op.dequantize or op.SPEC.category == "elementwise" for op in self.ops):
             return self._rows_kernel()  # integers to float, elementwise (`_op` below)
         raise Unsupported(f"quantization ops ({' '.join(names)}) outside a quantized GEMM")
 
     # --- tg.dequantize of integers, scales along the last axis: elementwise (the GEMM's accumulator) ---------
 
     def _op(self, op: TgOp) -> Value:
-        if op.op_name != "dequantize":
+        if op.op_name != Op.dequantize:
             if op.op_name in QUANTIZATION_OPS:
                 raise Unsupported(f"tg.{op.op_name} in a GEMM's epilogue")
             return super()._op(op)
@@ -362,7 +362,7 @@ class QuantKernelWriter(KernelWriter):
         fmt = FORMATS[to]
         if xi.rank == 0 or to in PACKED or dtypes.is_float(to) and to not in FP8_TYPES:
             raise Unsupported(f"quantizing to {to} on the device")
-        dynamic = op.op_name == "dynamic_quantize"
+        dynamic = op.op_name == Op.dynamic_quantize
         block = op.attr("block_size")
         if not dynamic and (op.attr("block_size") or info_of(op.operands[1].type).rank != 0):
             raise Unsupported("tg.quantize by a scale other than one per tensor")
@@ -438,7 +438,7 @@ class QuantKernelWriter(KernelWriter):
 
     def _sides(self) -> tuple[Side, Side]:
         mm = self.anchor
-        if mm.op_name == "matmul_integer":
+        if mm.op_name == Op.matmul_integer:
             zp = mm.operands[2] if len(mm.operands) > 2 else None
             return Side(mm.operands[0], zero_point=zp), Side(mm.operands[1])
         sides = []
@@ -466,7 +466,7 @@ class QuantKernelWriter(KernelWriter):
     def _mode(self, a: Side, b: Side) -> str:
         """integer | raw (8-bit floats, scales outside the K sum) | scaled (tl.dot_scaled) | dequant (the
         weight decoded in registers)."""
-        if self.anchor.op_name == "matmul_integer":
+        if self.anchor.op_name == Op.matmul_integer:
             if a.dtype not in ("i8", "ui8") or b.dtype != "i8":
                 raise Unsupported(f"an integer GEMM of {a.dtype} x {b.dtype}")
             return "integer"
