@@ -226,7 +226,7 @@ FAULTS = [
     Fault("backends/c/loops.py", "            if merged and all(_eq(ps, s * d) for ps, s in zip(merged[-1][1], strides)):",
           "            if merged and _eq(merged[-1][1][0], strides[0] * d):",
           "loop nest: dims merged when only the first access runs on across them"),
-    Fault("backends/c/onednn.py", '                if name == "sub" and op.operands[0] is not current:',
+    Fault("backends/c/onednn.py", '                if name == Op.sub and op.operands[0] is not current:',
           "                if False:", "GEMM epilogue: c - x fused as x - c"),
     Fault("backends/c/onednn.py", '                        else ("1.f", f"-({o.literal})")',
           '                        else ("1.f", f"({o.literal})")', "GEMM epilogue: x - c fused as x + c"),
