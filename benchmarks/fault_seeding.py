@@ -3,21 +3,31 @@
 Each fault is a source patch (a line of a pass, a rule, a kernel or the chunk loop changed the way
 a compiler engineer's slip changes it: a flipped comparison, an off-by-one block bound, a dropped
 guard, swapped operands, a wrong reduction axis, an ignored mask, a wrong remainder). For each,
-the tree is copied to a temporary directory, the patch applied there, and the property suite (SUITE:
-files of `make test`, at their own hypothesis settings, slow tests left out) run on the copy. A fault
-is caught when the suite fails. The untouched tree must pass first.
+the tree is copied to a temporary directory, the patch applied there, and the focused test files of
+its layer (LAYERS: the property suite for passes, ir/ and the NumPy backend; the C backend's tests for
+the C emitter and runtime.c/blockq.c; each frontend's, quantize's, shard's and the caches' own; files
+of `make test`, at their own hypothesis settings, slow tests left out) run on the copy. A fault is
+caught when they fail. The untouched tree must pass first. The score is printed per layer.
 
-Affordable on one core: each fault runs only the tests of SUITE that can see it. The baseline run
+Affordable: each fault runs only the tests of its layer's files that can see it. The baseline run
 records, with coverage.py, which test executes which line of the faulted files; a fault then runs
 the tests that executed the body of the function around its line (the whole file's tests for a line
 that runs at import, such as a rule table), in suite order, with -x. Every run uses one hypothesis
 seed (--seed) and no example database, so a test runs the same code up to the faulted line as it
 did in the baseline: a test that never reached that function cannot fail because of the fault.
 Selection by coverage is the usual test selection of mutation testing; no test is written for a
-fault's text.
+fault's text. A fault in runtime.c or blockq.c names the runtime's entry points its line runs
+under (`calls`); it runs the tests that built a module calling one (the baseline records each
+test's emitted C) or ran a Python function of the C backend that calls one through ctypes.
+
+On two cores shared with other work: `-j` runs that many faults at once, each in its own copy
+of the tree; the C backend's compiled libraries live in one cache for all runs (keyed by their
+source, so a faulted emitter or runtime builds its own); `--time-limit` starts no fault past
+that many seconds and scores those that ran.
 
     python benchmarks/fault_seeding.py                  # every fault
     python benchmarks/fault_seeding.py --only 1-8,12    # some of them
+    python benchmarks/fault_seeding.py --layers "C runtime,quantize" -j 2 --time-limit 3600
     python benchmarks/fault_seeding.py --list
 
 Prints one line per fault (caught by which test, or escaped) and the share caught. A fault proven
@@ -40,7 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from queue import Queue
@@ -520,6 +530,8 @@ def main() -> int:
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per suite run")
     ap.add_argument("--seed", type=int, default=0, help="hypothesis seed, the same for every run")
+    ap.add_argument("--time-limit", type=float, default=0,
+                    help="seconds: start no fault past this (the table counts those that ran)")
     ap.add_argument("-j", "--jobs", type=int, default=2, help="suite runs at a time, each in its own copy of the tree")
     args = ap.parse_args()
     if args.list:
@@ -583,6 +595,9 @@ def main() -> int:
         def one(i: int) -> tuple[int, str, str, int, float]:
             f = FAULTS[i - 1]
             tree = free.get()
+            if args.time_limit and time.perf_counter() - t0 > args.time_limit:
+                free.put(tree)
+                return i, "not run", "", 0, 0.0
             try:
                 path = tree / f.path
                 original = path.read_text()
@@ -607,7 +622,8 @@ def main() -> int:
 
         results: dict[int, str] = {}
         with ThreadPoolExecutor(jobs) as pool:
-            for i, verdict, why, n, secs in pool.map(one, chosen):
+            for future in as_completed([pool.submit(one, i) for i in chosen]):
+                i, verdict, why, n, secs = future.result()
                 f = FAULTS[i - 1]
                 results[i] = verdict
                 print(f"{i:2d} {verdict:10s} [{layer_of(f.path)}] {f.what} [{f.path}]"
@@ -616,7 +632,12 @@ def main() -> int:
     print(f"CPU time of the suite runs: {cpu.ru_utime + cpu.ru_stime:.0f} s; wall {time.perf_counter() - t0:.0f} s "
           f"with {jobs} at a time; load average {os.getloadavg()[0]:.1f} (other work on the machine counts)")
     print(f"\n{'layer':16s} {'faults':>6s} {'equiv.':>6s} {'caught':>6s} {'escaped':>7s} {'score':>6s}   test files")
-    rows = [("all", chosen)] + [(name, [i for i in chosen if layer_of(FAULTS[i - 1].path) == name]) for name in LAYERS]
+    skipped = [i for i in chosen if results[i] == "not run"]
+    if skipped:
+        print(f"not run (past --time-limit): {len(skipped)} faults, left out of the table: "
+              f"{','.join(map(str, skipped))}")
+    ran = [i for i in chosen if results[i] != "not run"]
+    rows = [("all", ran)] + [(name, [i for i in ran if layer_of(FAULTS[i - 1].path) == name]) for name in LAYERS]
     for name, ids in rows[1:] + rows[:1]:
         if not ids:
             continue
@@ -624,8 +645,8 @@ def main() -> int:
         caught = sum(results[i] == "caught" for i in ids)
         total = len(ids) - eq
         score = f"{100 * caught / total:.0f}%" if total else "-"
-        files = "" if name == "all" else " ".join(Path(x).name for x in LAYERS[name])
-        print(f"{name:16s} {len(ids):6d} {eq:6d} {caught:6d} {total - caught:7d} {score:>6s}   {files}")
+        listed = "" if name == "all" else " ".join(Path(x).name for x in LAYERS[name])
+        print(f"{name:16s} {len(ids):6d} {eq:6d} {caught:6d} {total - caught:7d} {score:>6s}   {listed}")
     print("(score: caught of the non-equivalent faults; an equivalent fault, proven not to change any result, "
           "is left out)")
     return 0
