@@ -294,6 +294,30 @@ def test_indexing_ops_along_any_axis_match_the_interpreter(shape, data):
         _natively(model)(x, ids, bad)
 
 
+@settings(max_examples=20, deadline=None)
+@given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=4), data=st.data())
+def test_concat_and_reductions_over_any_axes_match_the_interpreter(shape, data):
+    """concat in C on every axis (each part lands at its offset along the axis, in elements of
+    that axis's stride), and sums and means over any set of axes (a set keeping the contiguous
+    innermost dim runs as rows of channels, the others as a loop nest per output)."""
+    from tilegraph.ir import Graph
+
+    rank = len(shape)
+    axis = data.draw(st.integers(-rank, rank - 1), label="axis")
+    axes = tuple(sorted(data.draw(st.sets(st.integers(0, rank - 1), min_size=1), label="axes")))
+    other = list(shape)
+    other[axis] = data.draw(st.integers(1, 4), label="other part's length")
+    rng = np.random.default_rng(data.draw(st.integers(0, 99), label="seed"))
+    x, y = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(other).astype(np.float32)
+    g = Graph()
+    xv, yv = g.input("x", tuple(shape)), g.input("y", tuple(other))
+    model = g.build(g.op("concat", xv, yv, xv, axis=axis), g.op("reduce_mean", xv, axes=axes, keepdims=False),
+                    g.op("reduce_sum", xv, axes=axes, keepdims=True), names=["c", "mean", "sum"])
+    n = int(np.prod([shape[a] for a in axes]))
+    for got, want, name in zip(_natively(model)(x, y), interpret(model, [x, y]), model.output_names):
+        assert_close(got, want, "f32", reduction_length=n, name=name)
+
+
 def test_a_zero_pad_before_a_convolution_is_its_padding():
     """MobileNet's explicit zero pads: the convolution pads itself (no pad step); a pad of
     another value, or one its convolution does not read alone, is computed in C."""
