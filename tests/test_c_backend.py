@@ -222,6 +222,23 @@ def test_an_epilogue_that_reads_the_raw_product_again_matches(contraction):
     assert_close(q(xs), interpret(model, [xs])[0], "f32", 12, name=contraction)
 
 
+@pytest.mark.parametrize("c", ["scalar", "row"])
+@pytest.mark.parametrize("side", ["product - c", "c - product"])
+def test_a_subtraction_after_a_gemm_keeps_its_sign(side, c):
+    """x @ w - c runs as the GEMM's oneDNN post-op (a linear one for a scalar, a binary one for
+    a row); c - x @ w is no such post-op: either way the difference keeps its sign."""
+    from tilegraph.ir import Graph
+
+    rng = np.random.default_rng(0)
+    g = Graph()
+    x = g.input("x", ("B", 12))
+    p = x @ g.weight("w", rng.standard_normal((12, 5)).astype(np.float32))
+    cv = g.constant(np.float32(0.75)) if c == "scalar" else g.weight("b", rng.standard_normal(5).astype(np.float32))
+    model = g.build(g.op("sub", p, cv) if side == "product - c" else g.op("sub", cv, p), names=["y"])
+    xs = rng.standard_normal((3, 12)).astype(np.float32)
+    assert_close(tilegraph.compile(model, target="c")(xs), interpret(model, [xs])[0], "f32", 12, name=side)
+
+
 def test_the_vectorised_erf_holds_the_float32_tolerance_everywhere():
     """tg_erff (a rational approximation, not libm) across magnitudes, signed zeros, the
     saturated tails, infinities and NaN."""
