@@ -6,7 +6,7 @@ guard, swapped operands, a wrong reduction axis, an ignored mask, a wrong remain
 the tree is copied to a temporary directory, the patch applied there, and the focused test files of
 its layer (LAYERS: the property suite for passes, ir/ and the NumPy backend; the C backend's tests for
 the C emitter and runtime.c/blockq.c; each frontend's, quantize's, shard's and the caches' own; files
-of `make test`, at their own hypothesis settings, slow tests left out) run on the copy. A fault is
+of `make test`, at their own hypothesis settings, slow tests left out but for WITH_SLOW) run on the copy. A fault is
 caught when they fail. The untouched tree must pass first. The score is printed per layer.
 
 Affordable: each fault runs only the tests of its layer's files that can see it. The baseline run
@@ -74,6 +74,9 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "shard": ("tests/test_shard.py", "tests/test_distributed.py"),
     "compile cache": ("tests/test_untrusted_cache.py", "tests/test_compile_api.py"),
 }
+# Slow-marked files run all the same where they are a layer's own tests: the ONNX node conformance
+# cases are where the ONNX frontend's converters meet onnx's reference (make test runs them too).
+WITH_SLOW = {"tests/test_onnx_conformance.py"}
 # A fault's layer, by the first prefix its path starts with (else "passes and IR").
 LAYER_OF = (("backends/numpy/", "NumPy backend"), ("backends/c/", "C emitter"), ("frontends/onnx/", "ONNX frontend"),
             ("frontends/torch_export/", "torch frontend"), ("frontends/pt2_archive.py", "torch frontend"),
@@ -454,7 +457,7 @@ def run_suite(tree: Path, files: list[str], timeout: float, seed: int, env_extra
     env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{tree.parent.parent}", "HF_HUB_OFFLINE": "1",
            "FAULT_SEEDING_ROOT": str(tree), **env_extra}
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:xdist", "-p", "_fault_plugin",
-           f"--hypothesis-seed={seed}", "-m", "not slow", *files]
+           f"--hypothesis-seed={seed}", *([] if set(files) & WITH_SLOW else ["-m", "not slow"]), *files]
     try:
         p = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
