@@ -15,7 +15,10 @@ rounds of tilegraph's time / the peer's in the same round (the issue's targets: 
 machine: say so beside the numbers).
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/train_speed.py [--models minilm,gpt2] [--threads 1,all]
-        [--repeat 5] [--minilm-layers 6] [--gpt2-layers 12] [--no-compile]
+        [--repeat 5] [--minilm-layers 6] [--gpt2-layers 12] [--no-compile] [--profile N]
+
+--profile N: where tilegraph's step goes instead (benchmarks/c_steps.py's per-step module, all
+threads): the N slowest native steps, then no peers are timed.
 """
 
 from __future__ import annotations
@@ -78,6 +81,20 @@ def torch_trainer(model, forward, loss: str):
     return run
 
 
+def profile(step, inputs, targets, top: int, repeat: int) -> None:
+    """The step's `top` slowest native steps (c_steps.py's per-step module) and their share."""
+    import c_steps
+
+    feed = {**dict(zip(step._data, [np.asarray(x) for x in (*inputs, *([targets] if targets is not None else []))])),
+            **step.weights, **step.state, "lr": np.float32(LR), "step": np.float32(1)}
+    optimized = step.compiled.model
+    steps, whole = c_steps.step_times(optimized, [feed[n] for n in optimized.input_names], repeat, None)
+    total = sum(t for _, t in steps)
+    print(f"  per-step module {1e3 * whole:.0f} ms (steps sum {1e3 * total:.0f} ms), {len(steps)} steps")
+    for comment, t in sorted(steps, key=lambda s: -s[1])[:top]:
+        print(f"  {1e3 * t:8.2f} ms {100 * t / total:5.1f}%  {comment[:150]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="minilm,gpt2")
@@ -86,6 +103,7 @@ def main() -> None:
     ap.add_argument("--minilm-layers", type=int, default=6)
     ap.add_argument("--gpt2-layers", type=int, default=12)
     ap.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
+    ap.add_argument("--profile", type=int, default=0, help="list tilegraph's N slowest steps, time no peers")
     args = ap.parse_args()
 
     for line in _common.machine_lines(torch=torch.__version__):
@@ -104,6 +122,9 @@ def main() -> None:
                                     example_inputs=inputs, target="c")
         print(f"tilegraph C step compiled in {time.perf_counter() - t0:.1f} s "
               f"({len(step.model.ops())} tg ops before passes)")
+        if args.profile:
+            profile(step, inputs, targets, args.profile, args.repeat)
+            continue
         eager = copy.deepcopy(module)
         eager_run = torch_trainer(eager, eager, loss)
         runners = {"tilegraph C": lambda: step(*inputs, targets=targets),

@@ -819,6 +819,22 @@ def _gather(b, op, g):
 @vjp("gather_elements")
 def _gather_elements(b, op, g):
     x, idx = op.operands
+    t, ti = info(x), info(idx)
+    axis = op.attr("axis") % t.rank
+    if dims_equal(ti.shape[axis], 1) and all(dims_equal(a, c) for i, (a, c) in enumerate(zip(ti.shape, t.shape))
+                                             if i != axis):
+        # One index per row (cross-entropy's picked logit): the cotangent where a one-hot mask
+        # of the index is, elementwise (it fuses with the softmax's gradient), not a scatter.
+        n = b.const(np.asarray(t.shape[axis], dtypes.numpy_dtype(ti.dtype)), ti.dtype) if isinstance(
+            t.shape[axis], int) else None
+        if n is not None:
+            zero = b.const(np.asarray(0, dtypes.numpy_dtype(ti.dtype)), ti.dtype)
+            idx = b("where", b("lt", idx, zero), b("add", idx, n), idx)
+            # the positions along the axis as a constant broadcast, which a fused loop reads in place
+            along = tuple(t.shape[axis] if i == axis else 1 for i in range(t.rank))
+            positions = b.const(np.arange(t.shape[axis], dtype=dtypes.numpy_dtype(ti.dtype)).reshape(along), ti.dtype)
+            hot = b("cast", b("eq", b.broadcast_to(positions, t.shape), b.broadcast_to(idx, t.shape)), to=t.dtype)
+            return [b("mul", hot, b.broadcast_to(g[0], t.shape)), None]
     return [b("scatter_elements", b.zeros(info(x)), idx, g[0], axis=op.attr("axis"), reduction="add"), None]
 
 

@@ -244,7 +244,9 @@ class TrainStep:
         feed = {**arrays, **self.weights, **self.state, "lr": np.float32(rate), "step": np.float32(self.steps)}
         outs = self.compiled.run(**feed)
         for i, name in self._updates.items():
-            np.copyto(self.weights[name] if name in self.weights else self.state[name], outs[i])
+            held = self.weights[name] if name in self.weights else self.state[name]
+            if outs[i] is not held:  # the backend computed it elsewhere (C writes it where it lies)
+                np.copyto(held, outs[i])
         return float(outs[0])
 
 
