@@ -95,6 +95,51 @@ def profile(step, inputs, targets, top: int, repeat: int) -> None:
         print(f"  {1e3 * t:8.2f} ms {100 * t / total:5.1f}%  {comment[:150]}")
 
 
+def bench(name: str, args, all_threads: int) -> list[tuple]:
+    """One model's rows: tilegraph against each peer at each thread count."""
+    rows: list[tuple] = []
+    layers = args.minilm_layers if name == "minilm" else args.gpt2_layers
+    module, inputs, targets, loss = MODELS[name](layers)
+    nparams = sum(p.numel() for p in module.parameters())
+    print(f"\n{name}: {layers} layers, {nparams / 1e6:.1f}M parameters, inputs "
+          f"{' '.join(str(tuple(x.shape)) for x in inputs)}, loss {loss}, AdamW lr {LR} weight decay {DECAY}")
+    t0 = time.perf_counter()
+    step = tilegraph.train_step(copy.deepcopy(module), loss, AdamW(lr=LR, weight_decay=DECAY),
+                                example_inputs=inputs, target="c")
+    print(f"tilegraph C step compiled in {time.perf_counter() - t0:.1f} s "
+          f"({len(step.model.ops())} tg ops before passes)")
+    if args.profile:
+        profile(step, inputs, targets, args.profile, args.repeat)
+        return rows
+    eager = copy.deepcopy(module)
+    eager_run = torch_trainer(eager, eager, loss)
+    runners = {"tilegraph C": lambda: step(*inputs, targets=targets),
+               "torch eager": lambda: eager_run(inputs, targets)}
+    if not args.no_compile:
+        compiled_module = copy.deepcopy(module)
+        compiled_run = torch_trainer(compiled_module, torch.compile(compiled_module), loss)
+        runners["torch.compile"] = lambda: compiled_run(inputs, targets)
+    first = {}
+    for runner, fn in runners.items():  # the first step of each: builds, compiles, plans
+        t0 = time.perf_counter()
+        first[runner] = fn()
+        print(f"  first step of {runner}: {time.perf_counter() - t0:.1f} s, loss {first[runner]:.6f}")
+    for threads in args.threads.split(","):
+        n = all_threads if threads == "all" else int(threads)
+        torch.set_num_threads(n)
+        step.compiled._runner.set_threads(n)
+        samples = _common.interleaved_samples(runners, args.repeat, warmup=0)
+        load = os.getloadavg()[0]
+        for peer in runners:
+            if peer == "tilegraph C":
+                continue
+            ratio, q1, q3 = _common.paired_ratio(samples, "tilegraph C", peer)
+            rows.append((name, n, f"{np.median(samples['tilegraph C']) * 1e3:.0f}", peer,
+                         f"{np.median(samples[peer]) * 1e3:.0f}", f"{ratio:.2f}x ({q1:.2f}-{q3:.2f})", f"{load:.1f}"))
+            print("  " + "  ".join(str(c) for c in rows[-1]))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="minilm,gpt2")
@@ -112,45 +157,7 @@ def main() -> None:
     all_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     rows = []
     for name in args.models.split(","):
-        layers = args.minilm_layers if name == "minilm" else args.gpt2_layers
-        module, inputs, targets, loss = MODELS[name](layers)
-        nparams = sum(p.numel() for p in module.parameters())
-        print(f"\n{name}: {layers} layers, {nparams / 1e6:.1f}M parameters, inputs "
-              f"{' '.join(str(tuple(x.shape)) for x in inputs)}, loss {loss}, AdamW lr {LR} weight decay {DECAY}")
-        t0 = time.perf_counter()
-        step = tilegraph.train_step(copy.deepcopy(module), loss, AdamW(lr=LR, weight_decay=DECAY),
-                                    example_inputs=inputs, target="c")
-        print(f"tilegraph C step compiled in {time.perf_counter() - t0:.1f} s "
-              f"({len(step.model.ops())} tg ops before passes)")
-        if args.profile:
-            profile(step, inputs, targets, args.profile, args.repeat)
-            continue
-        eager = copy.deepcopy(module)
-        eager_run = torch_trainer(eager, eager, loss)
-        runners = {"tilegraph C": lambda: step(*inputs, targets=targets),
-                   "torch eager": lambda: eager_run(inputs, targets)}
-        if not args.no_compile:
-            compiled_module = copy.deepcopy(module)
-            compiled_run = torch_trainer(compiled_module, torch.compile(compiled_module), loss)
-            runners["torch.compile"] = lambda: compiled_run(inputs, targets)
-        first = {}
-        for runner, fn in runners.items():  # the first step of each: builds, compiles, plans
-            t0 = time.perf_counter()
-            first[runner] = fn()
-            print(f"  first step of {runner}: {time.perf_counter() - t0:.1f} s, loss {first[runner]:.6f}")
-        for threads in args.threads.split(","):
-            n = all_threads if threads == "all" else int(threads)
-            torch.set_num_threads(n)
-            step.compiled._runner.set_threads(n)
-            samples = _common.interleaved_samples(runners, args.repeat, warmup=0)
-            load = os.getloadavg()[0]
-            for peer in runners:
-                if peer == "tilegraph C":
-                    continue
-                ratio, q1, q3 = _common.paired_ratio(samples, "tilegraph C", peer)
-                rows.append((name, n, f"{np.median(samples['tilegraph C']) * 1e3:.0f}", peer,
-                             f"{np.median(samples[peer]) * 1e3:.0f}", f"{ratio:.2f}x ({q1:.2f}-{q3:.2f})", f"{load:.1f}"))
-                print("  " + "  ".join(str(c) for c in rows[-1]))
+        rows += bench(name, args, all_threads)
     print()
     print(_common.format_table(("model", "threads", "tilegraph ms", "peer", "peer ms",
                                 "tilegraph / peer (median per round, quartiles)", "load"), rows))
