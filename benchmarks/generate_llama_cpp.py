@@ -7,12 +7,12 @@ Rows, as llama-bench names them (no tokenizer or sampling time in any):
   tg@d512      generated tokens/s: decode steps with 512 tokens already in the cache
   pp512        prompt tokens/s: one prefill of 512 tokens
 at 1 thread and at all threads. Each decode row also prints the bytes it reads per token
-(every weight once, plus the K/V cache up to the position: f32 in tilegraph, f16 in
-llama.cpp) times tokens/s, as a share of this machine's copy bandwidth, measured here at 1
-thread and all (STREAM's copy: bytes read + written over a 1 GiB copy; the read-only sum is
-printed beside it). tilegraph runs activation='q8' (block_matmul rounds activations to int8
-per 32 values, as llama.cpp's kernels do), and, beside it, activation='f32' (exact float
-activations, the weight dequantized in registers).
+(every weight once, plus the K/V cache up to the position) times tokens/s, as a share of this
+machine's copy bandwidth, measured here at 1 thread and all (STREAM's copy: bytes read +
+written over a 1 GiB copy; the read-only sum is printed beside it). tilegraph runs llama.cpp's
+numerics, activation='q8' (block_matmul rounds activations to int8 per 32 values, as
+llama.cpp's kernels do) and an f16 KV cache (llama.cpp's default), and, beside it, the
+library's exact default: activation='f32' (the weight dequantized in registers) and f32 caches.
 
     python benchmarks/generate_llama_cpp.py [--rounds 3] [--tg 128] [--depth-tokens 64]
 
@@ -67,16 +67,18 @@ def bandwidth(lib, threads: int, gib: float = 1.0) -> tuple[float, float]:
 
 
 class Tilegraph:
-    def __init__(self, path: Path, threads: int, ctx: int, activation: str):
+    def __init__(self, path: Path, threads: int, ctx: int, activation: str, cache_dtype: str):
         from tilegraph.generation import LanguageModel
 
-        self.lm = LanguageModel(path, target="c", cache_len=ctx, threads=threads, activation=activation)
+        self.lm = LanguageModel(path, target="c", cache_len=ctx, threads=threads, activation=activation,
+                                cache_dtype=cache_dtype)
         self.threads = threads
         self.prefill, self.decode = self.lm.entry(1, "prefill"), self.lm.entry(1, "decode")
         self.caches = self.lm.caches(1)
         c = self.lm.config
         self.weight_bytes = sum(a.nbytes for a in self.lm.weights.values() if a.dtype == np.uint8)
-        self.cache_row_bytes = 2 * c.layers * c.kv_heads * c.head_dim * 4  # K and V of one position, f32
+        # K and V of one position
+        self.cache_row_bytes = 2 * c.layers * c.kv_heads * c.head_dim * (2 if cache_dtype == "f16" else 4)
 
     def _threads(self):
         self.decode._runner.set_threads(self.threads)
@@ -143,8 +145,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     rows = []
     for threads in threads_list:
-        tg = Tilegraph(path, threads, ctx, "q8")
-        tg32 = Tilegraph(path, threads, ctx, "f32")
+        tg = Tilegraph(path, threads, ctx, "q8", "f16")
+        tg32 = Tilegraph(path, threads, ctx, "f32", "f32")
         lc = LlamaCpp(path, threads, ctx)
         c = tg.lm.config
         lc.cache_row_bytes = 2 * c.layers * c.kv_heads * c.head_dim * 2
@@ -191,8 +193,8 @@ def main() -> None:
           f"medians of {args.rounds} interleaved rounds")
     print(format_table(["threads", "test", "tilegraph q8", "llama.cpp", "ratio", "tilegraph f32", "ratio",
                         "tilegraph q8: bytes x tok/s (share of copy bw)", "llama.cpp"], rows))
-    print("tok/s, medians; 'tilegraph q8' rounds activations to int8 per 32 as llama.cpp does, 'tilegraph f32' "
-          "multiplies them exact (the library's default)")
+    print("tok/s, medians; 'tilegraph q8' rounds activations to int8 per 32 and keeps an f16 KV cache, as "
+          "llama.cpp does; 'tilegraph f32' multiplies them exact over f32 caches (the library's default)")
 
 
 if __name__ == "__main__":

@@ -569,10 +569,13 @@ def _positions(pos, batch: int, steps: int, length: int) -> np.ndarray:
     return p
 
 
-def cache_write(cache, x, pos):
+def cache_write(cache, x, pos, store=""):
     """cache[b, :, pos_b : pos_b + T] = x[b], in place: the result is `cache` itself (its
-    operand is donated, as XLA's aliased buffers), so nothing of the cache is copied."""
+    operand is donated, as XLA's aliased buffers), so nothing of the cache is copied.
+    store='f16': x rounded to f16 first (the cache's type: the interpreter's cache is widened)."""
     b, _, t, _ = x.shape
+    if store:
+        x = np.asarray(x).astype(dtypes.numpy_dtype(store))
     p = _positions(pos, b, t, cache.shape[2])
     if p.size and (p == p[0]).all():
         cache[:, :, p[0]:p[0] + t] = x

@@ -717,14 +717,18 @@ _op("block_matmul", ["x", "w"], _block_matmul, "K.block_matmul({x}, {w}, {format
     flops=_block_matmul_flops, gemm=_gemm_of_block_matmul)
 _op("block_gather", ["w", "indices"], _block_gather, "K.block_gather({w}, {indices}, {format}, {k})", "quantize",
     _BLOCK, doc="rows `indices` of dequantize(w) -> f32[*indices, k]: an embedding lookup in a block format")
-_op("cache_write", ["cache", "x", "pos"], _cache_write, "K.cache_write({cache}, {x}, {pos})", "layout",
+_op("cache_write", ["cache", "x", "pos"], _cache_write, "K.cache_write({cache}, {x}, {pos}, {store})", "layout",
+    {"store": ("str", "")},
     doc="cache[b, :, pos_b : pos_b + T] = x[b], in place: the result aliases `cache` (a donated input); "
-        "pos is an i64 scalar or one per sequence, and a position outside the cache is an error",
+        "pos is an i64 scalar or one per sequence, and a position outside the cache is an error. "
+        "store='f16': f32 rows rounded (to nearest even) into an f16 cache; named, as the reference "
+        "interpreter holds the cache widened to f64 and must round as the kernels do",
     pattern=OPAQUE, flops=0)
 _op("cache_attention", ["q", "k_cache", "v_cache", "pos"], _cache_attention,
     "K.cache_attention({q}, {k_cache}, {v_cache}, {pos}, {scale})", "composite", {"scale": ("float", REQUIRED)},
     doc="causal attention of q[B, H, T, D] (positions pos_b..pos_b + T - 1) over cache positions "
-        "[0, pos_b + T) of k_cache/v_cache[B, Hkv, S, D]; query head h reads K/V head h // (H / Hkv)",
+        "[0, pos_b + T) of k_cache/v_cache[B, Hkv, S, D]; query head h reads K/V head h // (H / Hkv); "
+        "f32 queries may read an f16 cache (widened exactly)",
     pattern=OPAQUE, flops=_cache_attention_flops)
 _op("rms_norm", ["x", "scale?"], _rms_norm, "K.rms_norm({x}, {scale}, {axis}, {epsilon})", "composite",
     {"axis": ("int", -1), "epsilon": ("float", 1e-6)}, doc="x / sqrt(mean(x^2 over dims axis..) + epsilon) * scale",

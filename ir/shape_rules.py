@@ -638,19 +638,30 @@ def _block_gather(ins, attrs, given):
     return [TensorInfo(indices.shape + (attrs["k"],), "f32")]
 
 
+# A KV cache narrower than its f32 rows (llama.cpp's default f16 cache: half the bytes a decode
+# step reads at depth): cache_write rounds into it, cache_attention reads it widened.
+CACHE_STORES = ("f16",)
+
+
 def _cache_write(ins, attrs, given):
     cache, x, pos = ins
-    if cache.rank != 4 or x.rank != 4 or x.dtype != cache.dtype or not all(
+    store = attrs.get("store", "")
+    if cache.rank != 4 or x.rank != 4 or x.dtype != cache.dtype and store != cache.dtype or not all(
             dims_equal(a, b) for i, (a, b) in enumerate(zip(cache.shape, x.shape)) if i != 2):
         raise _fail("cache_write", f"x {x} must be [B, Hkv, T, D] of the cache {cache} ([B, Hkv, S, D])")
+    if store and (store != cache.dtype or store not in CACHE_STORES or x.dtype != "f32"):
+        raise _fail("cache_write", f"store='{store}' rounds f32 rows into a cache of that type "
+                                   f"({', '.join(CACHE_STORES)}); the cache is {cache}, x {x}")
     _positions("cache_write", pos, cache.shape[0])
     return [cache]
 
 
 def _cache_attention(ins, attrs, given):
     q, k, v, pos = ins
-    if q.rank != 4 or k.rank != 4 or v.rank != 4 or not (q.dtype == k.dtype == v.dtype):
-        raise _fail("cache_attention", f"q {q}, k_cache {k}, v_cache {v} must be rank 4 of one dtype")
+    if q.rank != 4 or k.rank != 4 or v.rank != 4 or k.dtype != v.dtype or not (
+            q.dtype == k.dtype or q.dtype == "f32" and k.dtype in CACHE_STORES):
+        raise _fail("cache_attention", f"q {q}, k_cache {k}, v_cache {v} must be rank 4 of one dtype (or f32 "
+                                       f"queries over a cache of {', '.join(CACHE_STORES)})")
     heads, kv_heads = q.shape[1], k.shape[1]
     if not (dims_equal(q.shape[0], k.shape[0]) and all(dims_equal(a, b) for a, b in zip(k.shape[:3], v.shape[:3]))
             and dims_equal(q.shape[3], k.shape[3])):

@@ -18,17 +18,18 @@ from tilegraph.testing import assert_close
 PROPERTY = settings(max_examples=25, deadline=None)
 
 
-def decode_step(b, h, hkv, t, s, d, per_sequence):
+def decode_step(b, h, hkv, t, s, d, per_sequence, cache_dtype="f32"):
     """One attention layer's cache update and attention, the cache donated to output 1."""
     g = Graph()
-    kc = g.input("k_cache", (b, hkv, s, d))
-    vc = g.input("v_cache", (b, hkv, s, d))
+    kc = g.input("k_cache", (b, hkv, s, d), cache_dtype)
+    vc = g.input("v_cache", (b, hkv, s, d), cache_dtype)
     q = g.input("q", (b, h, "T", d))
     k = g.input("k", (b, hkv, "T", d))
     v = g.input("v", (b, hkv, "T", d))
     pos = g.input("pos", (b,) if per_sequence else (), "i64")
-    kc2 = g.op("cache_write", kc, k, pos)
-    vc2 = g.op("cache_write", vc, v, pos)
+    store = {} if cache_dtype == "f32" else {"store": cache_dtype}
+    kc2 = g.op("cache_write", kc, k, pos, **store)
+    vc2 = g.op("cache_write", vc, v, pos, **store)
     out = g.op("cache_attention", q, kc2, vc2, pos, scale=d ** -0.5)
     return g.build(out, kc2, vc2, names=["out", "k_cache_out", "v_cache_out"],
                    aliases={"k_cache": "k_cache_out", "v_cache": "v_cache_out"})
@@ -70,6 +71,49 @@ def test_cache_step_matches_attention_over_the_concatenated_cache(b, hkv, group,
         np.testing.assert_array_equal(v_cache[i, :, p:p + t], v[i])
     assert_close(got[0], want[0], "f32", s, name="attention")
     assert_close(got[1], want[1], "f32", name="k_cache")
+
+
+@PROPERTY
+@given(b=st.integers(1, 2), hkv=st.integers(1, 2), group=st.integers(1, 3), t=st.integers(1, 4),
+       extra=st.integers(0, 6), d=st.sampled_from([2, 8]), per_sequence=st.booleans(),
+       magnitude=st.sampled_from([1e-6, 1.0, 3e4, 1e5]), seed=st.integers(0, 2**31))
+def test_an_f16_cache_holds_each_row_rounded_to_f16(b, hkv, group, t, extra, d, per_sequence, magnitude, seed):
+    """store='f16': the float64 interpreter rounds what it writes as the kernels do (to nearest
+    even, overflow to inf, subnormals kept), so a step over an f16 cache is the same step over
+    the f32 cache holding the rounded rows; the NumPy backend writes the caller's f16 arrays."""
+    rng = np.random.default_rng(seed)
+    s = t + extra
+    pos = rng.integers(0, s - t + 1, b if per_sequence else ()).astype(np.int64)
+    model = decode_step(b, hkv * group, hkv, t, s, d, per_sequence, "f16")
+    k_cache, v_cache = (rng.standard_normal((b, hkv, s, d)).astype(np.float16) for _ in range(2))
+    q = rng.standard_normal((b, hkv * group, t, d)).astype(np.float32)
+    k = (rng.standard_normal((b, hkv, t, d)) * magnitude).astype(np.float32)
+    v = rng.standard_normal((b, hkv, t, d)).astype(np.float32)
+    want = interpret(model, [k_cache, v_cache, q, k, v, pos])
+    with np.errstate(over="ignore"):
+        k16, v16 = k.astype(np.float16), v.astype(np.float16)
+    for i, p in enumerate(np.broadcast_to(pos, (b,))):
+        np.testing.assert_array_equal(want[1][i, :, p:p + t], k16[i].astype(np.float64))
+    if np.isfinite(k16).all():
+        exact = interpret(decode_step(b, hkv * group, hkv, t, s, d, per_sequence),
+                          [k_cache.astype(np.float32), v_cache.astype(np.float32), q, k16.astype(np.float32),
+                           v16.astype(np.float32), pos])
+        np.testing.assert_allclose(want[0], exact[0], rtol=1e-12, atol=1e-12)
+    got = tilegraph.compile(model, target="numpy").run(k_cache, v_cache, q, k, v, pos)
+    assert got[1] is k_cache and got[1].dtype == np.float16
+    np.testing.assert_array_equal(k_cache.astype(np.float64), want[1])
+    if np.isfinite(want[0]).all():
+        assert_close(got[0], want[0], "f32", s, name="attention")
+
+
+def test_store_must_name_the_cache_type():
+    g = Graph()
+    kc, x, pos = g.input("c", (1, 1, 4, 2)), g.input("x", (1, 1, 1, 2)), g.input("pos", (), "i64")
+    with pytest.raises(Exception, match="store='f16' rounds f32 rows"):
+        g.op("cache_write", kc, x, pos, store="f16")
+    kc16 = g.input("c16", (1, 1, 4, 2), "f16")
+    with pytest.raises(Exception, match="must be \\[B, Hkv, T, D\\] of the cache"):
+        g.op("cache_write", kc16, x, pos)  # an f16 cache takes f32 rows only with store='f16'
 
 
 def test_a_position_past_the_cache_is_refused():

@@ -109,7 +109,7 @@ class LanguageModel:
     size, sharing one weight store, and their caches."""
 
     def __init__(self, path: str | Path, target: str | None = None, cache_len: int | None = None,
-                 threads: int | None = None, pipeline=None, activation: str = "f32"):
+                 threads: int | None = None, pipeline=None, activation: str = "f32", cache_dtype: str = "f32"):
         from tilegraph.frontends.gguf.llama import LlamaConfig, load_weights
         from tilegraph.frontends.gguf.reader import GGUFFile
         from tilegraph.frontends.gguf.tokenizer import GGUFTokenizer
@@ -125,6 +125,11 @@ class LanguageModel:
         # dequantized weights); 'q8': activations rounded to int8 per 32 first, as llama.cpp does,
         # which the C backend runs as integer dot products
         self.activation = activation
+        # 'f32' caches (exact); 'f16' as llama.cpp keeps them: half the bytes per decode step at depth,
+        # each new K/V row rounded to f16 as it is written
+        if cache_dtype not in ("f32", "f16"):
+            raise TilegraphError(f"cache_dtype '{cache_dtype}': 'f32' or 'f16'")
+        self.cache_dtype = cache_dtype
         self._compiled: dict[tuple[int, str], object] = {}
         self._caches: dict[int, list[np.ndarray]] = {}
         self.stats = Stats()
@@ -144,7 +149,7 @@ class LanguageModel:
             from tilegraph.frontends.gguf.llama import build
 
             model = build(self.config, self.weights, self.formats, batch, "T" if kind == "prefill" else 1,
-                          self.cache_len, self.activation)
+                          self.cache_len, self.activation, self.cache_dtype)
             options = {"threads": self.threads} if self.threads and self._target() == "c" else {}
             self._compiled[key] = tilegraph.compile(model, target=self._target(), pipeline=self.pipeline, **options)
         return self._compiled[key]
@@ -160,7 +165,8 @@ class LanguageModel:
         """The preallocated caches for `batch` sequences (k, v per layer), reused by every call."""
         if batch not in self._caches:
             c = self.config
-            self._caches[batch] = [np.zeros((batch, c.kv_heads, self.cache_len, c.head_dim), np.float32)
+            self._caches[batch] = [np.zeros((batch, c.kv_heads, self.cache_len, c.head_dim),
+                                            np.float16 if self.cache_dtype == "f16" else np.float32)
                                    for _ in range(2 * c.layers)]
         return self._caches[batch]
 

@@ -5,7 +5,7 @@ prefill (T = the prompt's length, a symbol) and decode (T = 1), over the same we
 and the same caches. Inputs: `tokens` i64[B, T], `pos` i64[B] (where each sequence's T new
 tokens go in the cache), `last` i64[B] (which of the B*T positions each sequence's logits
 come from: its last real token), then each layer's `k_cache.i` and `v_cache.i`
-f32[B, Hkv, S, D], donated: results 1.. are the same buffers, written in place by
+f32 (or f16) [B, Hkv, S, D], donated: results 1.. are the same buffers, written in place by
 tg.cache_write. Result 0: logits f32[B, vocab].
 
 Weights stay in their block formats (ui8 rows read by tg.block_matmul / tg.block_gather);
@@ -127,19 +127,21 @@ def load_weights(f: GGUFFile, c: LlamaConfig) -> tuple[WeightStore, dict[str, st
 
 
 def build(c: LlamaConfig, weights: WeightStore, formats: dict[str, str], batch: int, steps, cache_len: int,
-          activation: str = "f32") -> Model:
+          activation: str = "f32", cache_dtype: str = "f32") -> Model:
     """The model for `batch` sequences of `steps` new tokens (an int, or a symbol name for prefill)
     over caches of `cache_len` positions; `formats`: load_weights' block format of each weight.
     activation='q8': every block-format matmul first rounds its input to int8 per 32 values
     (tg.block_matmul's activation, ggml's numerics), what the C backend's integer kernels take;
-    'f32' multiplies the float activations as they are."""
+    'f32' multiplies the float activations as they are. cache_dtype='f16': the K/V caches hold f16
+    (llama.cpp's default, half the bytes a decode step reads at depth), each new row rounded in."""
     g = Graph(weights)
     B, T, S, D = batch, steps, cache_len, c.head_dim
     tokens = g.input("tokens", (B, T), "i64")
     pos = g.input("pos", (B,), "i64")
     last = g.input("last", (B,), "i64")
-    caches = [(g.input(f"k_cache.{i}", (B, c.kv_heads, S, D)), g.input(f"v_cache.{i}", (B, c.kv_heads, S, D)))
-              for i in range(c.layers)]
+    caches = [(g.input(f"k_cache.{i}", (B, c.kv_heads, S, D), cache_dtype),
+               g.input(f"v_cache.{i}", (B, c.kv_heads, S, D), cache_dtype)) for i in range(c.layers)]
+    store = {} if cache_dtype == "f32" else {"store": cache_dtype}
 
     def weight(name):
         array = weights[name]
@@ -170,7 +172,7 @@ def build(c: LlamaConfig, weights: WeightStore, formats: dict[str, str], batch: 
             q = g.op("rms_norm", q, weight(p + "attn_q_norm.weight"), epsilon=c.eps)
             k = g.op("rms_norm", k, weight(p + "attn_k_norm.weight"), epsilon=c.eps)
         q, k = g.op("rope", q, cos, sin), g.op("rope", k, cos, sin)
-        kc, vc = g.op("cache_write", kc, k, pos), g.op("cache_write", vc, v, pos)
+        kc, vc = g.op("cache_write", kc, k, pos, **store), g.op("cache_write", vc, v, pos, **store)
         new_caches += [kc, vc]
         o = g.op("cache_attention", q, kc, vc, pos, scale=1.0 / float(np.sqrt(D)))
         o = g.reshape(g.transpose(o, (0, 2, 1, 3)), (B, T, c.heads * D))
