@@ -25,7 +25,7 @@ from tilegraph.ir.shape_rules import (
     _concat, _constant, _conv, _dequantize, _dynamic_quantize, _einsum,
     _fail, _gather, _gather_elements, _given, _iota, _layer_norm,
     _matmul, _matmul_integer, _narrow, _non_max_suppression, _nonzero, _pad,
-    _pool, _quantize, _reduce, _rms_norm, _rnn, _rope,
+    _pool, _quantize, _reduce, _rms_norm, _rnn, _rope, _sample,
     _same_as_input, _scatter_elements, _scatter_nd, _slice, _softmax, _source,
     _split, _tile, _topk, _transpose, _trilu, _unary,
     _unique, _where)
@@ -730,6 +730,16 @@ _op("cache_attention", ["q", "k_cache", "v_cache", "pos"], _cache_attention,
         "[0, pos_b + T) of k_cache/v_cache[B, Hkv, S, D]; query head h reads K/V head h // (H / Hkv); "
         "f32 queries may read an f16 cache (widened exactly)",
     pattern=OPAQUE, flops=_cache_attention_flops)
+_op("sample", ["logits", "seen", "u"], _sample,
+    "K.sample({logits}, {seen}, {u}, {temperature}, {top_k}, {top_p}, {repetition_penalty})", "composite",
+    {"temperature": ("float", 0.0), "top_k": ("int", 0), "top_p": ("float", 1.0),
+     "repetition_penalty": ("float", 1.0)},
+    doc="one token per row of logits[B, vocab] -> i64[B]: a seen token's logit (seen != 0) divided by "
+        "repetition_penalty if > 0, else multiplied (transformers'); temperature 0: the first largest; else "
+        "logits / temperature, only the top_k largest (0: all), softmax, only the smallest most-likely set "
+        "reaching top_p (ties by index), and the first token whose running sum in vocabulary order passes "
+        "u[b] of the kept total (u uniform in [0, 1): the random numbers are an input, drawn from a seed)",
+    pattern=OPAQUE, flops=8)
 _op("rms_norm", ["x", "scale?"], _rms_norm, "K.rms_norm({x}, {scale}, {axis}, {epsilon})", "composite",
     {"axis": ("int", -1), "epsilon": ("float", 1e-6)}, doc="x / sqrt(mean(x^2 over dims axis..) + epsilon) * scale",
     pattern=OPAQUE, flops=4)

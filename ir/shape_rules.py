@@ -673,6 +673,20 @@ def _cache_attention(ins, attrs, given):
     return [TensorInfo(q.shape[:3] + (v.shape[3],), q.dtype)]
 
 
+def _sample(ins, attrs, given):
+    logits, seen, u = ins
+    if (logits.rank != 2 or not dtypes.is_float(logits.dtype) or seen.dtype != "ui8" or seen.rank != 2
+            or not all(dims_equal(a, b) for a, b in zip(logits.shape, seen.shape)) or u.rank != 1
+            or not dtypes.is_float(u.dtype) or not dims_equal(u.shape[0], logits.shape[0])):
+        raise _fail("sample", f"logits {logits} [B, vocab] float, seen {seen} ui8 [B, vocab], u {u} [B] float")
+    if (attrs["temperature"] < 0 or attrs["top_k"] < 0 or not 0 < attrs["top_p"] <= 1
+            or not attrs["repetition_penalty"] > 0):
+        raise _fail("sample", "temperature >= 0, top_k >= 0, 0 < top_p <= 1 and repetition_penalty > 0, got "
+                              + ", ".join(f"{k}={attrs[k]}" for k in ("temperature", "top_k", "top_p",
+                                                                       "repetition_penalty")))
+    return [TensorInfo(logits.shape[:1], "i64")]
+
+
 def _rms_norm(ins, attrs, given):
     x = ins[0]
     (axis,) = _axes("rms_norm", [attrs["axis"]], x.rank)

@@ -57,6 +57,7 @@ NO_GRADIENT: dict[str, str] = {
     **{name: "generation's cache state: decoding is not differentiated (training runs attention over whole "
              "sequences)" for name in ("cache_write", "cache_attention")},
     **{name: "not written yet (Llama-family training needs it)" for name in ("rms_norm", "rope")},
+    "sample": "a token drawn from logits: an integer choice has no gradient",
 }
 
 

@@ -322,3 +322,29 @@ def test_decode_steps_allocate_nothing_that_stays():
     for step in range(200):
         compiled(x, k_cache, v_cache, np.int64(step % 32), trig, trig)
     assert resident() - before < 1 << 20
+
+
+def test_a_language_model_step_with_sampling_is_one_native_call(tmp_path):
+    """A tiny GGUF Llama on the C backend, f16 caches, sampling inside the step: prefill and
+    decode are each one native segment (no host op, no Python between ops), the caches the
+    model's own f16 arrays written in place, and greedy decoding in the step gives the tokens
+    that the logits' argmax gives."""
+    from tilegraph.generation import LanguageModel, Sampling
+    from tilegraph.testing.gguf_files import write_tiny_llama
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, layers=1)
+    lm = LanguageModel(path, target="c", cache_len=24, activation="q8", cache_dtype="f16")
+    sampling = Sampling(temperature=0.8, top_k=8, top_p=0.9, repetition_penalty=1.2, seed=3)
+    for kind in ("prefill", "decode"):
+        plan = lm.entry(2, kind, sampling)._runner.program.plan
+        assert [k for k, _ in plan] == ["segment"], f"{kind}: {plan}"
+    caches = lm.caches(2)
+    assert all(c.dtype == np.float16 for c in caches)
+    prompts = [[5, 70, 71], [100, 3, 250, 9]]
+    runs = [list(lm.generate_ids(prompts, 6, sampling, stop=False)) for _ in range(2)]
+    assert runs[0] == runs[1], "one seed, one sequence of tokens"
+    assert all(a is b for a, b in zip(lm.caches(2), caches)) and caches[0][:, :, :8].any()
+    logits = []
+    greedy = list(lm.generate_ids(prompts, 4, Sampling(), stop=False, on_logits=lambda i, x: logits.append(x.copy())))
+    assert [t for _, t in greedy] == [int(np.argmax(x[b])) for x in logits for b in range(2)]

@@ -14,6 +14,7 @@ from tilegraph.ir.interpreter import interpret
 from tilegraph.ir.kernels import CachePositionError, attention
 from tilegraph.ir.model import ModelError
 from tilegraph.testing import assert_close
+from tilegraph.accuracy import tolerance
 
 PROPERTY = settings(max_examples=25, deadline=None)
 
@@ -173,3 +174,111 @@ def test_rms_norm_and_rope(shape, half, seed):
     got = tilegraph.compile(model, target="numpy").run(x, w, cos, sin)
     assert_close(got[0], want[0], "f32", d)
     assert_close(got[1], want[1], "f32", 2)
+
+
+# --- tg.sample: the next token drawn inside the compiled step ---
+
+def sampler(b, v, **attrs):
+    g = Graph()
+    out = g.op("sample", g.input("logits", (b, v)), g.input("seen", (b, v), "ui8"), g.input("u", (b,)), **attrs)
+    return g.build(out)
+
+
+SAMPLINGS = st.fixed_dictionaries({}, optional={"temperature": st.sampled_from([0.0, 0.3, 1.0, 2.5]),
+                                                "top_k": st.integers(0, 12), "top_p": st.sampled_from([0.2, 0.9, 1.0]),
+                                                "repetition_penalty": st.sampled_from([1.0, 0.8, 1.5])})
+
+
+def _kept(logits, seen, attrs):
+    """The interpreter's kept probabilities (unnormalised) before the draw, in float64."""
+    a = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0, **attrs}
+    x = np.asarray(logits, np.float64)
+    r = a["repetition_penalty"]
+    x = np.where(seen != 0, np.where(x > 0, x / r, x * r), x) / a["temperature"]
+    if a["top_k"] and a["top_k"] < x.shape[1]:
+        x = np.where(x < np.sort(x, axis=1)[:, -a["top_k"]][:, None], -np.inf, x)
+    p = np.exp(x - x.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    for row in p:  # the top_p set: ranked by probability, ties by index
+        order = sorted(range(row.size), key=lambda i: (-row[i], i))
+        before, drop = 0.0, []
+        for i in order:
+            if before >= a["top_p"]:
+                drop.append(i)
+            before += row[i]
+        row[drop] = 0.0
+    return p
+
+
+@settings(max_examples=40, deadline=None)
+@given(b=st.integers(1, 3), v=st.integers(1, 300), attrs=SAMPLINGS, scale=st.sampled_from([0.1, 3.0, 30.0]),
+       seed=st.integers(0, 2**31))
+def test_sample_draws_from_the_kept_distribution(b, v, attrs, scale, seed):
+    """Against the float64 interpreter: greedy picks the first largest exactly; otherwise the C
+    kernel's token is the one whose interval of the kept distribution (in vocabulary order) holds
+    u, up to the f32 rounding of the running sums (an interval edge within it may go either way)."""
+    from tilegraph.backends.c import compile_model
+
+    rng = np.random.default_rng(seed)
+    logits = (rng.standard_normal((b, v)) * scale).astype(np.float32)
+    logits[:, rng.integers(0, v)] = logits.max()  # a tie for the largest
+    seen = (rng.random((b, v)) < 0.2).astype(np.uint8)
+    u = rng.random(b).astype(np.float32)
+    model = sampler(b, v, **attrs)
+    want = interpret(model, [logits, seen, u])[0]
+    got = compile_model(model)(logits, seen, u)[0]
+    numpy_got = tilegraph.compile(model, target="numpy").run(logits, seen, u)[0]
+    assert got.dtype == np.int64 and got.shape == (b,)
+    if not attrs.get("temperature"):
+        x = np.where(seen != 0, np.where(logits > 0, logits / attrs.get("repetition_penalty", 1.0),
+                                         logits * attrs.get("repetition_penalty", 1.0)), logits)
+        np.testing.assert_array_equal(want, x.argmax(axis=1))
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(numpy_got, want)
+        return
+    p = _kept(logits, seen, attrs)
+    rtol, _ = tolerance("f32", v)
+    for picks in (got, numpy_got, want):
+        for row in range(b):
+            cdf = np.cumsum(p[row])
+            target = float(u[row]) * cdf[-1]
+            lo = cdf[picks[row] - 1] if picks[row] else 0.0
+            assert p[row, picks[row]] > 0 or abs(cdf[picks[row]] - target) <= rtol, "a token outside the kept set"
+            assert lo - rtol <= target <= cdf[picks[row]] + rtol
+
+
+def test_greedy_is_argmax_and_top_k_1_is_greedy():
+    from tilegraph.backends.c import compile_model
+
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((4, 500)).astype(np.float32)
+    seen, u = np.zeros((4, 500), np.uint8), rng.random(4).astype(np.float32)
+    greedy = compile_model(sampler(4, 500))(logits, seen, u)[0]
+    np.testing.assert_array_equal(greedy, logits.argmax(axis=1))
+    for t in (0.5, 1.0, 4.0):
+        np.testing.assert_array_equal(compile_model(sampler(4, 500, temperature=t, top_k=1))(logits, seen, u)[0],
+                                      greedy)
+
+
+def test_seeded_sampling_is_deterministic_and_follows_the_draws():
+    """The draws are an input: the same u gives the same tokens; u across [0, 1) visits the kept
+    tokens in vocabulary order, each as often as its probability."""
+    from tilegraph.backends.c import compile_model
+
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal((1, 50)).astype(np.float32)
+    seen = np.zeros((1, 50), np.uint8)
+    step = compile_model(sampler(1, 50, temperature=0.9, top_k=6, top_p=0.95))
+    u = rng.random(1).astype(np.float32)
+    assert step(logits, seen, u)[0] == step(logits, seen, u.copy())[0]
+    picks = np.array([step(logits, seen, np.array([x], np.float32))[0][0] for x in (np.arange(2000) + 0.5) / 2000])
+    assert (np.diff(picks) >= 0).all(), "u in order walks the vocabulary in order"
+    p = _kept(logits, seen, {"temperature": 0.9, "top_k": 6, "top_p": 0.95})[0]
+    counts = np.bincount(picks, minlength=50) / 2000
+    np.testing.assert_allclose(counts, p / p.sum(), atol=1e-3)
+
+
+def test_sample_settings_out_of_range_are_refused():
+    for bad in ({"temperature": -1.0}, {"top_p": 0.0}, {"top_k": -2}, {"repetition_penalty": 0.0}):
+        with pytest.raises(Exception, match="temperature >= 0"):
+            sampler(1, 4, **bad)

@@ -15,6 +15,7 @@ Each is a call into the runtime's kernels (blockq.c) on views the emitter alread
 * `cache_attention` reads each cache row once for the heads that share it. A cache may be
   f16 (llama.cpp's default: half the bytes a decode step reads at depth): cache_write
   rounds into it (store='f16'), cache_attention widens each block of rows in L1.
+* `sample` draws each sequence's token from its logits inside the step (decode.c).
 * `rms_norm` is one pass per row; `rope` one loop over the two halves of each row;
   `iota` (the new tokens' positions) a loop, so a decode step stays one native call.
 """
@@ -31,7 +32,8 @@ from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.shapes import numel
 
 CACHE_OPS = ("cache_write", "cache_attention")  # each checks its own dtypes (a cache may be f16)
-GENERATION_OPS = ("block_matmul", "block_gather", "cache_write", "cache_attention", "rms_norm", "rope", "iota")
+GENERATION_OPS = ("block_matmul", "block_gather", "cache_write", "cache_attention", "rms_norm", "rope", "iota",
+                  "sample")
 ELEMENT_BYTES = {"f32": 4, "f64": 8, "i64": 8, "i32": 4, "i16": 2, "i8": 1, "ui8": 1, "ui16": 2, "ui32": 4,
                  "ui64": 8, "i1": 1}
 
@@ -181,6 +183,19 @@ class Generation(EmitterParts):
                           lambda r: [f"{{ const float a = {r[0]}, b = {r[1]}, c = {r[2]}, s = {r[3]};",
                                      f"  {r[4]} = a * c - b * s; {r[5]} = b * c + a * s; }}"])
         self._step(_describe(op), lines, [x, cos, sin], [out])
+        return out
+
+    def _gen_sample(self, op: TgOp, xs: list[View]) -> View:
+        logits, seen, u = (self._rows(x) for x in xs)
+        if logits.dtype != "f32" or u.dtype != "f32" or any(x.literal is not None for x in (logits, seen, u)):
+            raise Unsupported("sample of f32 logits")
+        out = self._temp(op.result_infos()[0])
+        b, v = logits.shape
+        a = op.py_attrs()
+        self._step(_describe(op), [
+            f"if (tg_sample({self.ptr(logits)}, {self.ptr(seen)}, {self.ptr(u)}, {self.ints(b)}, {self.ints(v)}, "
+            f"{c_float(a['temperature'], 'f32')}, {int(a['top_k'])}, {c_float(a['top_p'], 'f32')}, "
+            f"{c_float(a['repetition_penalty'], 'f32')}, {self.ptr(out, False)})) return 1;"], [logits, seen, u], [out])
         return out
 
     def _gen_iota(self, op: TgOp, xs: list[View]) -> View:

@@ -127,13 +127,16 @@ def load_weights(f: GGUFFile, c: LlamaConfig) -> tuple[WeightStore, dict[str, st
 
 
 def build(c: LlamaConfig, weights: WeightStore, formats: dict[str, str], batch: int, steps, cache_len: int,
-          activation: str = "f32", cache_dtype: str = "f32") -> Model:
+          activation: str = "f32", cache_dtype: str = "f32", sampling: dict | None = None) -> Model:
     """The model for `batch` sequences of `steps` new tokens (an int, or a symbol name for prefill)
     over caches of `cache_len` positions; `formats`: load_weights' block format of each weight.
     activation='q8': every block-format matmul first rounds its input to int8 per 32 values
     (tg.block_matmul's activation, ggml's numerics), what the C backend's integer kernels take;
     'f32' multiplies the float activations as they are. cache_dtype='f16': the K/V caches hold f16
-    (llama.cpp's default, half the bytes a decode step reads at depth), each new row rounded in."""
+    (llama.cpp's default, half the bytes a decode step reads at depth), each new row rounded in.
+    sampling (tg.sample's attributes): the step also draws each sequence's next token, from inputs
+    `seen` ui8[B, vocab] (tokens so far, for the repetition penalty) and `u` f32[B] (uniform draws);
+    it is the last result, `next` i64[B]."""
     g = Graph(weights)
     B, T, S, D = batch, steps, cache_len, c.head_dim
     tokens = g.input("tokens", (B, T), "i64")
@@ -187,4 +190,8 @@ def build(c: LlamaConfig, weights: WeightStore, formats: dict[str, str], batch: 
     logits = linear(h, head, c.hidden)
     names = ["logits"] + [f"{kind}_cache.{i}.out" for i in range(c.layers) for kind in ("k", "v")]
     aliases = {f"{kind}_cache.{i}": f"{kind}_cache.{i}.out" for i in range(c.layers) for kind in ("k", "v")}
-    return g.build(logits, *new_caches, names=names, aliases=aliases)
+    if sampling is None:
+        return g.build(logits, *new_caches, names=names, aliases=aliases)
+    seen, u = g.input("seen", (B, c.vocab), "ui8"), g.input("u", (B,))
+    chosen = g.op("sample", logits, seen, u, **sampling)
+    return g.build(logits, *new_caches, chosen, names=names + ["next"], aliases=aliases)
