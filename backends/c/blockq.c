@@ -203,8 +203,8 @@ static const tg_bq_kernels bq_kernels_scalar = {
 
 /* Decode's hot formats on 512-bit registers, two 32-blocks per step (AVX512-VNNI): one
  * vpdpbusd, one conversion and one FMA per 64 weights; both blocks' f16 scales converted
- * together and multiplied by the activation's (d, d * sum) pairs in one go. Rows of R < 4
- * activations (a decode step's) take these, one row at a time. */
+ * together and multiplied by the activation's (d, d * sum) pairs in one go. A decode step's
+ * rows take these (a batch's, four at a time). */
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512dq")
 static inline __m512i bq_zmm_nibbles2(const uint8_t *p0, const uint8_t *p1) {
@@ -217,29 +217,40 @@ static inline __m512i bq_zmm_nibbles2(const uint8_t *p0, const uint8_t *p1) {
 static inline uint32_t bq_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 static inline uint16_t bq_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 
-/* fmt's blocks: the two f16 pairs (scale, min-or-scale) of blocks b, b+1 -> [x0, y0, x1, y1] */
+/* fmt's blocks: the two f16 pairs (scale, min-or-scale) of blocks b, b+1 -> [x0, y0, x1, y1].
+ * R activation rows (a batch's decode rows, up to BQ_MAXR) share each unpacked weight block and
+ * its converted scales: the weight is read and unpacked once for them all. */
 #define BQ_ZMM_KERNEL(name, BYTES, UNPACK, PAIR, OFFSET)                                                          \
-    static void name(const uint8_t *w, const tg_q8row *a, int R, int64_t nb, float *y) {                        \
-        for (int r = 0; r < R; r++, a++) {                                                                        \
-            const uint8_t *wb = w;                                                                                \
-            __m512 acc = _mm512_setzero_ps();                                                                     \
-            __m128 off = _mm_setzero_ps();                                                                        \
-            const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);               \
-            int64_t b = 0;                                                                                        \
-            for (; b + 1 < nb; b += 2, wb += 2 * (BYTES)) {                                                       \
-                __m512i u = UNPACK;                                                                               \
-                __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(a->q + 32 * b));    \
-                __m128 f = _mm_mul_ps(_mm_cvtph_ps(PAIR), _mm_loadu_ps(a->ds + 2 * b));                             \
-                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(f)), \
-                                      acc);                                                                       \
-                off = _mm_add_ps(off, f);                                                                         \
+    static inline __attribute__((always_inline)) void name##_rows(const uint8_t *w, const tg_q8row *a, const int R, \
+                                                                  int64_t nb, float *y) {                         \
+        const uint8_t *wb = w;                                                                                    \
+        __m512 acc[BQ_MAXR];                                                                                      \
+        __m128 off[BQ_MAXR];                                                                                      \
+        for (int r = 0; r < R; r++) { acc[r] = _mm512_setzero_ps(); off[r] = _mm_setzero_ps(); }                  \
+        const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);                   \
+        int64_t b = 0;                                                                                            \
+        for (; b + 1 < nb; b += 2, wb += 2 * (BYTES)) {                                                           \
+            __m512i u = UNPACK;                                                                                   \
+            __m128 pair = _mm_cvtph_ps(PAIR);                                                                     \
+            for (int r = 0; r < R; r++) {                                                                         \
+                __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(a[r].q + 32 * b)); \
+                __m128 f = _mm_mul_ps(pair, _mm_loadu_ps(a[r].ds + 2 * b));                                       \
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp),                                                  \
+                                         _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(f)), acc[r]);       \
+                off[r] = _mm_add_ps(off[r], f);                                                                   \
             }                                                                                                     \
-            float o[4];                                                                                           \
-            _mm_storeu_ps(o, off);                                                                                \
-            float rest = 0.f;                                                                                     \
-            if (b < nb) bq_body_tail(w, a, b, nb, &rest);                                                         \
-            y[r] = _mm512_reduce_add_ps(acc) + (OFFSET) + rest;                                                   \
         }                                                                                                         \
+        for (int r = 0; r < R; r++) {                                                                             \
+            float o[4];                                                                                           \
+            _mm_storeu_ps(o, off[r]);                                                                             \
+            float rest = 0.f;                                                                                     \
+            if (b < nb) bq_body_tail(w, (a + r), b, nb, &rest);                                                   \
+            y[r] = _mm512_reduce_add_ps(acc[r]) + (OFFSET) + rest;                                                \
+        }                                                                                                         \
+    }                                                                                                             \
+    static void name(const uint8_t *w, const tg_q8row *a, int R, int64_t nb, float *y) {                        \
+        if (R == BQ_MAXR) name##_rows(w, a, BQ_MAXR, nb, y);                                                      \
+        else for (int r = 0; r < R; r++) name##_rows(w, a + r, 1, nb, y + r);                                    \
     }
 
 /* q4_1: [d, m] per block; off lanes 1, 3 are m * da * sum */
@@ -255,32 +266,42 @@ BQ_ZMM_KERNEL(bq_zmm_q4_0, 18, bq_zmm_nibbles2(wb + 2, wb + 20),
               _mm_set_epi16(0, 0, 0, 0, (short)bq_u16(wb + 18), (short)bq_u16(wb + 18), (short)bq_u16(wb),
                             (short)bq_u16(wb)), -8.f * (o[1] + o[3]))
 #undef bq_body_tail
-/* q8_0: signed weights through |w| and sign(a, w) */
-static void bq_zmm_q8_0(const uint8_t *w, const tg_q8row *a, int R, int64_t nb, float *y) {
-    for (int r = 0; r < R; r++, a++) {
-        const uint8_t *wb = w;
-        __m512 acc = _mm512_setzero_ps();
-        const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
-        int64_t b = 0;
-        for (; b + 1 < nb; b += 2, wb += 68) {
-            __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(wb + 2))),
-                                           _mm256_loadu_si256((const __m256i *)(wb + 36)), 1);
-            __m512i s = _mm512_loadu_si512(a->q + 32 * b);
-            /* sign(a, w): negate a where w < 0, zero where w == 0 */
-            __mmask64 neg = _mm512_movepi8_mask(q), zero = _mm512_testn_epi8_mask(q, q);
-            s = _mm512_mask_sub_epi8(s, neg, _mm512_setzero_si512(), s);
-            s = _mm512_maskz_mov_epi8(~zero, s);
-            __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(q), s);
-            __m128 f = _mm_mul_ps(_mm_cvtph_ps(_mm_set_epi16(0, 0, 0, 0, 0, (short)bq_u16(wb + 34), 0, (short)bq_u16(wb))),
-                                  _mm_loadu_ps(a->ds + 2 * b));
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(f)), acc);
+/* q8_0: signed weights through |w| and sign(a, w) (the sign applied to each row's activations) */
+static inline __attribute__((always_inline)) void bq_zmm_q8_0_rows(const uint8_t *w, const tg_q8row *a, const int R,
+                                                                   int64_t nb, float *y) {
+    const uint8_t *wb = w;
+    __m512 acc[BQ_MAXR];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2, wb += 68) {
+        __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(wb + 2))),
+                                       _mm256_loadu_si256((const __m256i *)(wb + 36)), 1);
+        /* sign(a, w): negate a where w < 0, zero where w == 0 */
+        __mmask64 neg = _mm512_movepi8_mask(q), keep = ~_mm512_testn_epi8_mask(q, q);
+        __m512i aq = _mm512_abs_epi8(q);
+        __m128 pair = _mm_cvtph_ps(_mm_set_epi16(0, 0, 0, 0, 0, (short)bq_u16(wb + 34), 0, (short)bq_u16(wb)));
+        for (int r = 0; r < R; r++) {
+            __m512i s = _mm512_loadu_si512(a[r].q + 32 * b);
+            s = _mm512_maskz_mov_epi8(keep, _mm512_mask_sub_epi8(s, neg, _mm512_setzero_si512(), s));
+            __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aq, s);
+            __m128 f = _mm_mul_ps(pair, _mm_loadu_ps(a[r].ds + 2 * b));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(f)),
+                                     acc[r]);
         }
-        float rest = 0.f;
-        if (b < nb)
-            bq_dot_q8_0_vnni(w + b * 34, &(tg_q8row){a->q + 32 * b, a->d + b, a->s + b, a->s16 + 2 * b, a->ds + 2 * b},
-                             1, nb - b, &rest);
-        y[r] = _mm512_reduce_add_ps(acc) + rest;
     }
+    for (int r = 0; r < R; r++) {
+        float rest = 0.f;
+        const tg_q8row *ar = a + r;
+        if (b < nb)
+            bq_dot_q8_0_vnni(w + b * 34, &(tg_q8row){ar->q + 32 * b, ar->d + b, ar->s + b, ar->s16 + 2 * b,
+                                                      ar->ds + 2 * b}, 1, nb - b, &rest);
+        y[r] = _mm512_reduce_add_ps(acc[r]) + rest;
+    }
+}
+static void bq_zmm_q8_0(const uint8_t *w, const tg_q8row *a, int R, int64_t nb, float *y) {
+    if (R == BQ_MAXR) bq_zmm_q8_0_rows(w, a, BQ_MAXR, nb, y);
+    else for (int r = 0; r < R; r++) bq_zmm_q8_0_rows(w, a + r, 1, nb, y + r);
 }
 #pragma GCC pop_options
 static const bq_dot_fn bq_zmm[TG_BQ_COUNT] = {[TG_BQ_Q4_0] = bq_zmm_q4_0, [TG_BQ_Q4_1] = bq_zmm_q4_1,
@@ -409,7 +430,7 @@ int tg_block_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int6
         return rc;
     }
     bq_dot_fn dot = kern->dot[fmt];
-    if (M < BQ_MAXR && bq_level == 2 && bq_zmm[fmt]) dot = bq_zmm[fmt];  /* decode: two blocks per zmm */
+    if (bq_level == 2 && bq_zmm[fmt]) dot = bq_zmm[fmt];  /* decode: two blocks per zmm, up to 4 rows at once */
     int64_t nb = K / BQ_BLOCK[fmt];
 #pragma omp parallel for schedule(static) if (parallel)
     for (int64_t t = 0; t < tiles; t++) {
