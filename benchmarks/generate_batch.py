@@ -32,6 +32,50 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Ex
            "Recommend a book about history."]
 
 
+def measure(path, threads: int, args) -> list:
+    """One row of the table: tokens/s at batch 1, at --batch, and llama.cpp's, at `threads`."""
+    from llama_cpp import Llama
+
+    from tilegraph.generation import LanguageModel
+
+    lm = LanguageModel(path, target="c", cache_len=128 + args.tokens, threads=threads, activation="q8",
+                       cache_dtype="f16")
+    chats = [lm.tokenizer.encode(lm.tokenizer.apply_chat_template([{"role": "user", "content": p}]))
+             for p in (PROMPTS * (args.batch // len(PROMPTS) + 1))[:args.batch]]
+    llm = Llama(str(path), n_ctx=128 + args.tokens, n_threads=threads, n_threads_batch=threads, verbose=False)
+
+    def ours(batch: int) -> float:
+        lm.stats.__init__()
+        for _ in lm.generate_ids(chats[:batch], args.tokens, stop=False):
+            pass
+        return lm.stats.generate_tps
+
+    def theirs() -> float:  # the same prompts one after another, greedy (llama.cpp's own sampler)
+        made, seconds = 0, 0.0
+        for ids in chats:
+            llm.reset()
+            llm.eval(ids)
+            t0 = time.perf_counter()
+            for _ in range(args.tokens - 1):
+                llm.eval([llm.sample(temp=0.0)])
+            seconds += time.perf_counter() - t0
+            made += args.tokens - 1
+        return made / seconds
+
+    runners = {"batch 1": lambda: ours(1), f"batch {args.batch}": lambda: ours(args.batch), "llama.cpp": theirs}
+    for fn in runners.values():  # compiles, first touches
+        fn()
+    results: dict[str, list[float]] = {name: [] for name in runners}
+    for rnd in range(args.rounds):
+        items = list(runners.items())
+        for name, fn in items[rnd % len(items):] + items[:rnd % len(items)]:
+            results[name].append(fn())
+    med = {name: statistics.median(v) for name, v in results.items()}
+    one, many = med["batch 1"], med[f"batch {args.batch}"]
+    return [threads, f"{one:.1f}", f"{many:.1f}", f"{many / one:.2f}x", f"{med['llama.cpp']:.1f}",
+            f"{many / med['llama.cpp']:.2f}x"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=8)
@@ -40,53 +84,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="*", default=None)
     args = ap.parse_args()
     import llama_cpp
-    from llama_cpp import Llama
-
-    from tilegraph.generation import LanguageModel
 
     path = model_path()
     print("\n".join(machine_lines(llama_cpp=llama_cpp.__version__)))
     print(f"model: {path.name}; {args.batch} prompts x {args.tokens} new tokens, greedy")
-    rows = []
-    for threads in args.threads or sorted({1, os.cpu_count() or 1}):
-        lm = LanguageModel(path, target="c", cache_len=128 + args.tokens, threads=threads, activation="q8",
-                           cache_dtype="f16")
-        chats = [lm.tokenizer.encode(lm.tokenizer.apply_chat_template([{"role": "user", "content": p}]))
-                 for p in (PROMPTS * (args.batch // len(PROMPTS) + 1))[:args.batch]]
-        llm = Llama(str(path), n_ctx=128 + args.tokens, n_threads=threads, n_threads_batch=threads, verbose=False)
-
-        def ours(batch: int) -> float:
-            lm.stats.__init__()
-            for _ in lm.generate_ids(chats[:batch], args.tokens, stop=False):
-                pass
-            return lm.stats.generate_tps
-
-        def theirs() -> float:  # the same prompts one after another, greedy (llama.cpp's own sampler)
-            made, seconds = 0, 0.0
-            for ids in chats:
-                llm.reset()
-                llm.eval(ids)
-                t0 = time.perf_counter()
-                for _ in range(args.tokens - 1):
-                    llm.eval([llm.sample(temp=0.0)])
-                seconds += time.perf_counter() - t0
-                made += args.tokens - 1
-            return made / seconds
-
-        runners = {"batch 1": lambda: ours(1), f"batch {args.batch}": lambda: ours(args.batch),
-                   "llama.cpp": theirs}
-        for fn in runners.values():  # compiles, first touches
-            fn()
-        results: dict[str, list[float]] = {name: [] for name in runners}
-        for rnd in range(args.rounds):
-            items = list(runners.items())
-            for name, fn in items[rnd % len(items):] + items[:rnd % len(items)]:
-                results[name].append(fn())
-        med = {name: statistics.median(v) for name, v in results.items()}
-        one, many = med["batch 1"], med[f"batch {args.batch}"]
-        rows.append([threads, f"{one:.1f}", f"{many:.1f}", f"{many / one:.2f}x", f"{med['llama.cpp']:.1f}",
-                     f"{many / med['llama.cpp']:.2f}x"])
-        del lm, llm
+    rows = [measure(path, threads, args) for threads in args.threads or sorted({1, os.cpu_count() or 1})]
     print(f"load average {os.getloadavg()[0]:.2f} after the run (other agents share this machine); "
           f"medians of {args.rounds} interleaved rounds")
     print(format_table(["threads", "tilegraph batch 1 tok/s", f"tilegraph batch {args.batch} tok/s",
