@@ -90,6 +90,22 @@ int tg_cache_write_f16(uint16_t *cache, const float *x, int64_t B, int64_t Hkv, 
 #define CA_QMAX 64  /* query rows per unit */
 #define CA_DMAX 256 /* head size of a widened block (64 rows) */
 
+/* The online softmax update of one query row by a block's scores s[0..live) whose largest,
+ * with the row's running maximum, is m: s becomes exp(s - m); returns the factor that rescales
+ * what the row had summed so far. */
+static inline __attribute__((always_inline)) float ca_online(float *s, int64_t live, float m, float *mx, float *sum) {
+    float corr = tg_expf(*mx - m), l = 0.f;
+#pragma omp simd reduction(+ : l)
+    for (int64_t jj = 0; jj < live; jj++) {
+        float e = tg_expf(s[jj] - m);
+        s[jj] = e;
+        l += e;
+    }
+    *sum = *sum * corr + l;
+    *mx = m;
+    return corr;
+}
+
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl")
 /* the sums of 16 registers, as one: three levels of in-lane shuffles and adds (45 instructions
@@ -183,17 +199,8 @@ static inline __attribute__((always_inline)) void ca_span_zmm(const int64_t D, i
                 most = live > most ? live : most;
                 float m = ca_scores_zmm_d(D, qr[r], kblk, live, scale, s);
                 m = mx[r] > m ? mx[r] : m;
-                float c = tg_expf(mx[r] - m), l = 0.f;
-#pragma omp simd reduction(+ : l)
-                for (int64_t jj = 0; jj < live; jj++) {
-                    float e = tg_expf(s[jj] - m);
-                    s[jj] = e;
-                    l += e;
-                }
+                corr[i] = ca_online(s, live, m, mx + r, sum + r);
                 for (int64_t jj = live; jj < nk; jj++) s[jj] = 0.f;
-                sum[r] = sum[r] * c + l;
-                mx[r] = m;
-                corr[i] = c;
             }
             float *ar = acc + r0 * D;
             switch (nr) {
@@ -253,15 +260,7 @@ static inline __attribute__((always_inline)) void ca_span(const int64_t D, int64
             ca_scores(D, qv, kblk, live, scale, s);
             float m = mx[r];
             for (int64_t jj = 0; jj < live; jj++) m = s[jj] > m ? s[jj] : m;
-            float corr = tg_expf(mx[r] - m), l = 0.f;
-#pragma omp simd reduction(+ : l)
-            for (int64_t jj = 0; jj < live; jj++) {
-                float p = tg_expf(s[jj] - m);
-                s[jj] = p;
-                l += p;
-            }
-            sum[r] = sum[r] * corr + l;
-            mx[r] = m;
+            float corr = ca_online(s, live, m, mx + r, sum + r);
             float *ar = acc + r * D;
             float a[D];
 #pragma omp simd
