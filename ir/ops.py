@@ -829,7 +829,8 @@ Op = StrEnum("Op", [
     "slice", "gather", "gather_elements", "pad", "tile", "cumsum", "trilu", "constant", "weight", "iota",
     "scatter_elements", "scatter_nd", "cumprod", "topk", "expm1", "log1p", "nonzero", "unique", "narrow",
     "non_max_suppression", "assert_size", "rnn", "quantize", "dequantize", "dynamic_quantize",
-    "matmul_integer", "block_matmul", "block_gather", "cache_write", "cache_attention", "rms_norm", "rope"
+    "matmul_integer", "block_matmul", "block_gather", "cache_write", "cache_attention", "rms_norm", "rope",
+    "sample"
 ])
 if set(Op) != set(OPS):
     raise ImportError(f"ir/ops.py: Op and the op table differ: {sorted(set(Op) ^ set(OPS))}")

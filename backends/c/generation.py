@@ -29,11 +29,12 @@ from tilegraph.backends.c.tables import CTYPES
 from tilegraph.backends.c.views import EmitterParts, Unsupported, View, _describe, _eq, _only_use, c_float
 from tilegraph.ir.block_formats import block_format
 from tilegraph.ir.dialect import TgOp
+from tilegraph.ir.ops import Op
 from tilegraph.ir.shapes import numel
 
-CACHE_OPS = ("cache_write", "cache_attention")  # each checks its own dtypes (a cache may be f16)
-GENERATION_OPS = ("block_matmul", "block_gather", "cache_write", "cache_attention", "rms_norm", "rope", "iota",
-                  "sample")
+CACHE_OPS = (Op.cache_write, Op.cache_attention)  # each checks its own dtypes (a cache may be f16)
+GENERATION_OPS = (Op.block_matmul, Op.block_gather, Op.cache_write, Op.cache_attention, Op.rms_norm, Op.rope, Op.iota,
+                  Op.sample)
 ELEMENT_BYTES = {"f32": 4, "f64": 8, "i64": 8, "i32": 4, "i16": 2, "i8": 1, "ui8": 1, "ui16": 2, "ui32": 4,
                  "ui64": 8, "i1": 1}
 
