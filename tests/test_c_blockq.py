@@ -20,7 +20,7 @@ from tilegraph.ir import kernels
 from tilegraph.ir.block_formats import FORMATS, quantize_activations
 from tilegraph.accuracy import assert_close, tolerance
 
-WEIGHT_FORMATS = ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "f16", "bf16", "f32"]
+WEIGHT_FORMATS = ["q4_0", "q4_1", "q5_0", "q8_0", "q4_k", "q6_k", "f16", "bf16", "f32"]
 ISAS = sorted({blockq.isa(name) for name in blockq.ISAS}, key=blockq.ISAS.get)  # those the processor has
 
 

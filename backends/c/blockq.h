@@ -8,7 +8,8 @@
 #define TG_BLOCKQ_H
 #include <stdint.h>
 
-enum { TG_BQ_F32 = 0, TG_BQ_F16, TG_BQ_BF16, TG_BQ_Q4_0, TG_BQ_Q4_1, TG_BQ_Q8_0, TG_BQ_Q4_K, TG_BQ_Q6_K, TG_BQ_COUNT };
+enum { TG_BQ_F32 = 0, TG_BQ_F16, TG_BQ_BF16, TG_BQ_Q4_0, TG_BQ_Q4_1, TG_BQ_Q8_0, TG_BQ_Q4_K, TG_BQ_Q6_K, TG_BQ_Q5_0,
+       TG_BQ_COUNT };
 
 /* y[M, N] = x[M, K] @ dequant(w)^T, x and y contiguous rows (x row stride K, y row stride ldy). */
 int tg_block_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes,

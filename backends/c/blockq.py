@@ -17,7 +17,7 @@ from tilegraph.backends.c.build import runtime
 from tilegraph.ir.errors import TilegraphError
 
 # Each block format's number in blockq.h's enum (TG_BQ_*): the names are ir/block_formats.py's.
-FORMATS = {"f32": 0, "f16": 1, "bf16": 2, "q4_0": 3, "q4_1": 4, "q8_0": 5, "q4_k": 6, "q6_k": 7}
+FORMATS = {"f32": 0, "f16": 1, "bf16": 2, "q4_0": 3, "q4_1": 4, "q8_0": 5, "q4_k": 6, "q6_k": 7, "q5_0": 8}
 ISAS = {"scalar": 0, "avx2": 1, "avx512_vnni": 2}
 
 _i64, _p = ctypes.c_int64, ctypes.c_void_p

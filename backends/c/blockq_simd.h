@@ -66,6 +66,37 @@ static inline __attribute__((always_inline)) void BQ_FN(bq_body_q4_0)(const uint
     for (int r = 0; r < R; r++) y[r] = BQ_FN(bq_hsum)(acc[r]) - 8.f * off[r];
 }
 
+/* 32 bits -> 32 bytes, 0x10 where bit i is set (byte i): q5_0's fifth bits (ggml's bytes_from_bits_32). */
+static inline __m256i BQ_FN(bq_fifth_bits)(const uint8_t *p) {
+    uint32_t x;
+    memcpy(&x, p, 4);
+    const __m256i spread = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)x), spread);  /* byte i: the byte holding bit i */
+    bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));  /* all bits but i % 8 set */
+    return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
+}
+
+/* q5_0: 22 bytes per 32 (f16 d, 32 fifth bits, nibbles); w = d (q - 16), q4_0's sums with 16 for 8. */
+static inline __attribute__((always_inline)) void BQ_FN(bq_body_q5_0)(const uint8_t *w, const tg_q8row *a, const int R,
+                                                                    int64_t nb, float *y) {
+    __m256 acc[BQ_MAXR];
+    float off[BQ_MAXR];
+    for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); off[r] = 0.f; }
+    for (int64_t b = 0; b < nb; b++, w += 22) {
+        float d = BQ_FN(bq_f16)(w);
+        __m256i u = _mm256_or_si256(BQ_FN(bq_nibbles16)(w + 6), BQ_FN(bq_fifth_bits)(w + 2));
+        for (int r = 0; r < R; r++) {
+            __m256i s = _mm256_loadu_si256((const __m256i *)(a[r].q + 32 * b));
+            __m256i dp = _mm256_setzero_si256();
+            BQ_DP(dp, u, s);
+            float da = d * a[r].d[b];
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp), _mm256_set1_ps(da), acc[r]);
+            off[r] += da * (float)a[r].s[b];
+        }
+    }
+    for (int r = 0; r < R; r++) y[r] = BQ_FN(bq_hsum)(acc[r]) - 16.f * off[r];
+}
+
 /* q4_1: 20 bytes per 32 (f16 d, f16 m, nibbles q); w = d q + m. */
 static inline __attribute__((always_inline)) void BQ_FN(bq_body_q4_1)(const uint8_t *w, const tg_q8row *a, const int R,
                                                                     int64_t nb, float *y) {
@@ -230,10 +261,11 @@ BQ_WRAP(q4_1)
 BQ_WRAP(q8_0)
 BQ_WRAP(q4_k)
 BQ_WRAP(q6_k)
+BQ_WRAP(q5_0)
 static const tg_bq_kernels BQ_FN(bq_kernels) = {
     .quantize = BQ_FN(bq_quantize),
     .dot = {[TG_BQ_Q4_0] = BQ_FN(bq_dot_q4_0), [TG_BQ_Q4_1] = BQ_FN(bq_dot_q4_1), [TG_BQ_Q8_0] = BQ_FN(bq_dot_q8_0),
-            [TG_BQ_Q4_K] = BQ_FN(bq_dot_q4_k), [TG_BQ_Q6_K] = BQ_FN(bq_dot_q6_k)},
+            [TG_BQ_Q4_K] = BQ_FN(bq_dot_q4_k), [TG_BQ_Q6_K] = BQ_FN(bq_dot_q6_k), [TG_BQ_Q5_0] = BQ_FN(bq_dot_q5_0)},
 };
 
 #undef BQ_FN
