@@ -48,6 +48,7 @@ import numpy as np
 
 from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.shard import piece
+from tilegraph.ir.ops import Op
 
 # Seconds a process waits for the others to join the group before giving up (a
 # crashed peer otherwise hangs the launch forever).
@@ -156,7 +157,7 @@ def _steps(program, weights, backend: str | None) -> list[tuple]:
     ops = [op for op in program.func.body.block.ops if op.name != "func.return"]
     ret = program.func.body.block.last_op
     fed = {op.operands[0] for op in ops if not isinstance(op, TgOp)}
-    early = [op for op in ops if getattr(op, "op_name", "") == "weight" and op.results[0] in fed]
+    early = [op for op in ops if getattr(op, "op_name", "") == Op.weight and op.results[0] in fed]
     ops = [op for op in ops if op not in early]
     steps = [("op", op) for op in early]
     if backend is None:

@@ -49,7 +49,7 @@ from tilegraph.ir.decompositions import expand
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.model import Model
-from tilegraph.ir.ops import OPS, size_definitions
+from tilegraph.ir.ops import Op, OPS, size_definitions
 from tilegraph.ir.quant import FORMATS, MIN_SCALE, E8M0_EXPONENTS, scale_layout
 from tilegraph.ir.shapes import TensorInfo, dims_equal, info_of
 from tilegraph.backends.lowering import table
@@ -128,23 +128,23 @@ def _refusal(op, resolvable: Callable[[sympy.Expr], bool]) -> str | None:
     if name not in EXPORTABLE:
         return "no ONNX exporter"
     infos = [info_of(v.type) for v in op.operands] + op.result_infos()
-    if name not in ("dequantize", "weight", "dynamic_quantize") and \
+    if name not in (Op.dequantize, Op.weight, Op.dynamic_quantize) and \
             any(t.dtype in WIDENED for t in infos):
         return "MX element and scale types are exported widened, only as weights read by tg.dequantize"
-    if name in ("quantize", "dynamic_quantize") and op.attr("to") in WIDENED:
+    if name in (Op.quantize, Op.dynamic_quantize) and op.attr("to") in WIDENED:
         return f"quantizing to {op.attr('to')} at run time: onnxruntime has no {op.attr('to')} type"
-    if name in ("shift_left", "shift_right") and not op.result_infos()[0].dtype.startswith("ui"):
+    if name in (Op.shift_left, Op.shift_right) and not op.result_infos()[0].dtype.startswith("ui"):
         return "ONNX BitShift is defined on unsigned integers only"
-    if name == "dequantize" and op.attr("to") == "f64":
+    if name == Op.dequantize and op.attr("to") == "f64":
         return "DequantizeLinear computes in float32; tg dequantizes to f64 in float64"
-    if name == "matmul_integer" and any(t.dtype == "i4" for t in infos):
+    if name == Op.matmul_integer and any(t.dtype == "i4" for t in infos):
         return "ONNX MatMulInteger takes int8/uint8 operands, not int4"
-    if name in ("quantize", "dequantize") and len(op.operands) == 3:
+    if name in (Op.quantize, Op.dequantize) and len(op.operands) == 3:
         x, scale = infos[0], infos[1]
         if scale_layout(x.rank, scale.shape, op.attr("axis"), op.attr("block_size")) == "broadcast" and \
                 _block_axis(x, scale) is None:
             return "a zero point with a broadcast scale that is not one per block has no QuantizeLinear form"
-    if name == "layer_norm" and len(op.operands) == 1:
+    if name == Op.layer_norm and len(op.operands) == 1:
         x = infos[0]
         if not all(isinstance(d, int) for d in x.shape[op.attr("axis") % x.rank:]):
             return "a layer_norm without scale over symbolic dims"
@@ -392,12 +392,12 @@ def _generic(ex: _Exporter, op: TgOp, ins: list[str]) -> list[str]:
     name = op.op_name
     out = op.result_infos()[0]
     if name in UNARY:
-        if name in ("floor", "ceil", "round") and dtypes.is_int(out.dtype):
+        if name in (Op.floor, Op.ceil, Op.round) and dtypes.is_int(out.dtype):
             return [ex.one("Identity", ins[0])]
         return [ex.one(UNARY[name], *ins)]
     if name in BINARY:
         return [ex.one(BINARY[name], *ins)]
-    if name == "ne":
+    if name == Op.ne:
         return [ex.one("Not", ex.one("Equal", *ins))]
     if name in REDUCE:
         axes = list(op.attr("axes"))
@@ -445,11 +445,11 @@ def _mod(ex, op, ins):
 
 
 def _shift(ex, op, ins):
-    return [ex.one("BitShift", *ins, direction="LEFT" if op.op_name == "shift_left" else "RIGHT")]
+    return [ex.one("BitShift", *ins, direction="LEFT" if op.op_name == Op.shift_left else "RIGHT")]
 
 
 def _arg(ex, op, ins):
-    return [ex.one("ArgMax" if op.op_name == "argmax" else "ArgMin", ins[0], axis=op.attr("axis"),
+    return [ex.one("ArgMax" if op.op_name == Op.argmax else "ArgMin", ins[0], axis=op.attr("axis"),
                    keepdims=int(op.attr("keepdims")), select_last_index=int(op.attr("select_last_index")))]
 
 
@@ -473,7 +473,7 @@ def _conv(ex, op, ins):
 
 def _pool(ex, op, ins):
     a = op.py_attrs()
-    extra = {"count_include_pad": int(a["count_include_pad"])} if op.op_name == "avg_pool" else {}
+    extra = {"count_include_pad": int(a["count_include_pad"])} if op.op_name == Op.avg_pool else {}
     ceil_mode, axes, ends = int(a["ceil_mode"]), [], []
     if ceil_mode:
         # Opset 21's ceil_mode keeps a last window that starts in the end padding; tg (and PyTorch,
@@ -499,7 +499,7 @@ def _pool(ex, op, ins):
                 ends.append(want)
         if floor_ok:
             ceil_mode, axes = 0, []
-    y = ex.one("MaxPool" if op.op_name == "max_pool" else "AveragePool", ins[0], kernel_shape=list(a["kernel"]),
+    y = ex.one("MaxPool" if op.op_name == Op.max_pool else "AveragePool", ins[0], kernel_shape=list(a["kernel"]),
                ceil_mode=ceil_mode, **_window_attrs(op), **extra)
     if not axes:
         return [y]

@@ -24,7 +24,7 @@ from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir import dtypes
 from tilegraph.ir.escape import identifier, py_comment, py_string  # noqa: F401 - the emitters' one escaping point
 from tilegraph.ir.model import Model, ModelError
-from tilegraph.ir.ops import py_literal
+from tilegraph.ir.ops import Op, py_literal
 from tilegraph.ir.shapes import TensorInfo
 
 PYTHON_RESERVED = set(keyword.kwlist) | set(dir(builtins))
@@ -109,7 +109,7 @@ def liveness(steps: Sequence[TgOp | FusionOp], outputs: Sequence[SSAValue], cano
     for i, op in enumerate(steps):
         for v in op.operands:
             last[canon(v)] = i
-        if getattr(op, "op_name", None) not in ("weight", "constant"):
+        if getattr(op, "op_name", None) not in (Op.weight, Op.constant):
             for r in op.results:
                 last[r] = i
                 computed.append(r)

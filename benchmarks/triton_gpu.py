@@ -40,8 +40,8 @@ ceilings measured at the start of the run (METHOD.md): a 1 GiB device-to-device 
 Quantized MiniLM (`minilm-quant`, issue 5): in one run, on the same inputs, torch eager in
 fp32 and in bf16 against tilegraph's Triton module unquantized and quantized by
 `quantize{scheme=...}` after the unfused pipeline: w8a8 (tl.dot int8 x int8 -> int32) and
-fp8 (tl.dot on f8E4M3FN) on the fp32 model, mxfp4 (tl.dot_scaled, bf16 x e2m1) on the bf16
-model (backends/triton/quant.py says why fp32 activations do not go through dot_scaled).
+fp8 (tl.dot on f8E4M3FN) on the fp32 model, mxfp4 (bf16 activations times the e2m1 weight
+decoded in registers) on the bf16 model (backends/triton/quant.py says why not tl.dot_scaled).
 Reported per peer: median latency and its ratio to both eager rows, the weight bytes
 (tilegraph: its weight store with 4-bit values two to a byte; torch: its parameters), and
 accuracy as the issue measures it: the cosine similarity of the sentence embeddings (mean
@@ -104,8 +104,8 @@ import tilegraph  # noqa: E402 - first: it chooses Triton's interpreter when the
 from _common import format_table  # noqa: E402
 
 MODELS = ("minilm", "gpt2", "minilm-quant")
-# Quantized MiniLM rows: (label, scheme, the model's dtype). MXFP4 on bf16 activations: the
-# tl.dot_scaled path (fp32 activations would decode the weight to fp32: a weight-only GEMM).
+# Quantized MiniLM rows: (label, scheme, the model's dtype). MXFP4 on bf16 activations: a bf16
+# tl.dot (fp32 activations would decode the weight to fp32).
 QUANT_ROWS = (("tilegraph w8a8", "w8a8", "f32"), ("tilegraph fp8", "fp8", "f32"),
               ("tilegraph mxfp4 (bf16 act.)", "mxfp4", "bf16"))
 QUANT_TARGET_COSINE = 0.98  # issue 5: MXFP4 weight-only keeps cosine >= 0.98 on MiniLM

@@ -25,6 +25,7 @@ from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.model import ALIAS_ATTR, NAME_ATTR, Model, ModelError, ssa_hint
 from tilegraph.ir.shapes import TensorInfo, info_of, tensor_type
 from tilegraph.ir.vjp import NO_GRADIENT, VJPS, Backward
+from tilegraph.ir.ops import Op
 
 
 class NotDifferentiable(ModelError):
@@ -35,7 +36,7 @@ def float_weights(model: Model) -> list[str]:
     """The names of the model's float weights, in the order the function first reads them."""
     names = []
     for op in model.func.body.block.ops:
-        if isinstance(op, TgOp) and op.op_name == "weight" and dtypes.is_float(info_of(op.results[0].type).dtype):
+        if isinstance(op, TgOp) and op.op_name == Op.weight and dtypes.is_float(info_of(op.results[0].type).dtype):
             if op.attr("name") not in names:
                 names.append(op.attr("name"))
     return names
@@ -47,7 +48,7 @@ def _sources(model: Model, wrt: Sequence[str] | None) -> tuple[list[str], dict[s
     inputs = dict(zip(model.input_names, block.args))
     reads: dict[str, list[SSAValue]] = {}
     for op in block.ops:
-        if isinstance(op, TgOp) and op.op_name == "weight":
+        if isinstance(op, TgOp) and op.op_name == Op.weight:
             reads.setdefault(op.attr("name"), []).append(op.results[0])
     names = float_weights(model) if wrt is None else list(wrt)
     out = {}

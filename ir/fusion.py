@@ -14,7 +14,7 @@ from xdsl.ir import Block, Operation, SSAValue
 
 from tilegraph.ir.dialect import FusionOp, TgOp, YieldOp
 from tilegraph.ir.dtypes import numpy_dtype
-from tilegraph.ir.ops import ANCHOR, ELEMWISE, OPS, REDUCE
+from tilegraph.ir.ops import Op, ANCHOR, ELEMWISE, OPS, REDUCE
 from tilegraph.ir.shapes import TensorInfo, dims_equal, info_of, numel
 
 # Both read off the op table's traits (ir/ops.py). Views: ops that move or name data
@@ -80,7 +80,7 @@ def group_kind(group: FusionOp) -> GroupKind | None:
 def row_reshape(op: TgOp) -> bool:
     """A reshape that keeps the last dim: it only regroups the rows ([B*S, N] <-> [B, S, N]),
     which is nothing at all on values seen as [rows, last axis] (`flat` groups)."""
-    if op.op_name != "reshape":
+    if op.op_name != Op.reshape:
         return False
     a, b = info_of(op.operands[0].type), info_of(op.results[0].type)
     return a.rank >= 1 and b.rank >= 1 and dims_equal(a.shape[-1], b.shape[-1])
@@ -88,7 +88,7 @@ def row_reshape(op: TgOp) -> bool:
 
 def row_local(op: TgOp) -> bool:
     """Whether the op computes each row (all but the last axis) from the same row of its operands."""
-    if op.op_name == "reshape":
+    if op.op_name == Op.reshape:
         return row_reshape(op)
     if op.SPEC.pattern in (ANCHOR, ELEMWISE):  # (trilu is injective: which elements depends on the row)
         return True
@@ -103,13 +103,13 @@ def row_local(op: TgOp) -> bool:
 def siblings(anchors) -> bool:
     """Matmuls of one left operand: side by side they are one GEMM against their weights
     concatenated (a horizontal group), where a chain of matmuls is not."""
-    return bool(anchors) and all(op.op_name == "matmul" and op.operands[0] == anchors[0].operands[0]
+    return bool(anchors) and all(op.op_name == Op.matmul and op.operands[0] == anchors[0].operands[0]
                                  for op in anchors)
 
 
 def row_gemm(op: TgOp) -> bool:
     """A matmul whose rows can be computed a chunk at a time: [..., M, K] @ [K, N]."""
-    if op.op_name != "matmul":
+    if op.op_name != Op.matmul:
         return False
     lhs, rhs = (info_of(v.type) for v in op.operands)
     return lhs.rank >= 2 and rhs.rank == 2 and not op.result_infos()[0].dtype.startswith("bf")
@@ -142,7 +142,7 @@ def flat_ok(ops: list[TgOp], inputs: list[tuple[TgOp, int, TensorInfo]], ref: Te
     if any(op.op_name in ANCHORS and not row_gemm(op) for op in ops):
         return False
     if any(operand_rows(info, ref, flat=True) == "partial" for op, i, info in inputs
-           if not (op.op_name == "matmul" and i == 1)):
+           if not (op.op_name == Op.matmul and i == 1)):
         return False
     return all(operand_rows(info_of(r.type), ref, flat=True) == "full" for op in ops for r in op.results)
 

@@ -18,7 +18,7 @@ from xdsl.ir import OpResult
 from tilegraph.ir import dtypes, kernels
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.model import Model, ModelError
-from tilegraph.ir.ops import render, size_definitions
+from tilegraph.ir.ops import Op, render, size_definitions
 from tilegraph.ir.signature import SHAPE_FUNCTIONS, Signature
 from tilegraph.ir.shapes import Dim
 
@@ -107,9 +107,9 @@ def evaluate(op: TgOp, operands: list[Any], weights: Mapping[str, np.ndarray], g
              widen=lambda a: a) -> list[Any]:
     """One op on concrete arrays."""
     name = op.op_name
-    if name == "weight":
+    if name == Op.weight:
         return [widen(np.asarray(weights[op.attr("name")]))]
-    if name == "constant":
+    if name == Op.constant:
         return [widen(op.attr("value"))]
     outs = op.result_infos()
     local = {f"a{i}": v for i, v in enumerate(operands)}

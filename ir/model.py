@@ -24,6 +24,7 @@ from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import TG, TgOp
 from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.shapes import TensorInfo, info_of
+from tilegraph.ir.ops import Op
 
 NAME_ATTR = "tg.name"  # argument / result attribute carrying the user's tensor name
 # Argument attribute: this input is donated, updated in place, and result number N is its
@@ -269,7 +270,7 @@ class Model:
             raise ModelError(f"the IR does not verify: {e}") from None
         missing = []
         for op in self.func.walk():
-            if isinstance(op, TgOp) and op.op_name == "weight":
+            if isinstance(op, TgOp) and op.op_name == Op.weight:
                 name = op.attr("name")
                 info = info_of(op.results[0].type)
                 if name not in self.weights:

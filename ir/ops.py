@@ -16,6 +16,7 @@ the generated code), `{dtype}` the result's NumPy dtype. `K` is `ir.kernels`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Callable, Sequence
 
 from tilegraph.ir import loops
@@ -799,3 +800,25 @@ def render(spec: OpSpec, operands: Sequence[str | None], attrs: dict[str, Any], 
 # Ops that convert between number formats (quantize, dequantize, dynamic_quantize, matmul_integer):
 # priced and grouped apart from float arithmetic.
 QUANTIZATION_OPS = frozenset(name for name, spec in OPS.items() if spec.category == "quantize")
+
+
+# Every op's name, as a member mypy and the interpreter check: code outside the op table names
+# an op as `Op.matmul`, never as the string "matmul", so a misspelled or removed op fails the
+# type check (and at import where a module uses it at top level). Members are str: they equal,
+# hash and print as the names themselves. (A list literal: "not", "and", "or" are names too,
+# reached as Op["not"].)
+Op = StrEnum("Op", [
+    "neg", "abs", "exp", "log", "sqrt", "rsqrt", "reciprocal", "tanh", "sigmoid", "relu", "erf", "sin",
+    "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "floor", "ceil",
+    "round", "sign", "bitwise_not", "gelu", "not", "isnan", "isinf", "cast", "bitcast", "add", "sub", "mul",
+    "div", "pow", "max", "min", "bitwise_and", "bitwise_or", "bitwise_xor", "shift_left", "shift_right",
+    "mod", "and", "or", "xor", "eq", "ne", "lt", "le", "gt", "ge", "where", "reduce_sum", "reduce_mean",
+    "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin", "matmul", "einsum", "conv", "max_pool",
+    "avg_pool", "softmax", "layer_norm", "attention", "reshape", "broadcast", "transpose", "concat", "split",
+    "slice", "gather", "gather_elements", "pad", "tile", "cumsum", "trilu", "constant", "weight", "iota",
+    "scatter_elements", "scatter_nd", "cumprod", "topk", "expm1", "log1p", "nonzero", "unique", "narrow",
+    "non_max_suppression", "assert_size", "rnn", "quantize", "dequantize", "dynamic_quantize",
+    "matmul_integer", "block_matmul", "block_gather", "cache_write", "cache_attention", "rms_norm", "rope"
+])
+if set(Op) != set(OPS):
+    raise ImportError(f"ir/ops.py: Op and the op table differ: {sorted(set(Op) ^ set(OPS))}")

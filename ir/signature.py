@@ -23,6 +23,7 @@ import numpy as np
 from tilegraph.ir import dtypes
 from tilegraph.ir.dtypes import DTypeError
 from tilegraph.ir.shapes import ShapeError
+from tilegraph.ir.ops import Op
 
 # Names that symbolic shape expressions use, for the code that evaluates them.
 SHAPE_FUNCTIONS = {"floor": math.floor, "ceiling": math.ceil, "Max": max, "Min": min}
@@ -92,7 +93,7 @@ def index_checks(model) -> tuple[IndexCheck, ...]:
         while True:
             if isinstance(v, BlockArgument) and isinstance(v.owner.parent_op(), FusionOp):
                 v = v.owner.parent_op().operands[v.index]
-            elif isinstance(v.owner, TgOp) and (v.owner.op_name == "cast" or v.owner.SPEC.category == "layout"
+            elif isinstance(v.owner, TgOp) and (v.owner.op_name == Op.cast or v.owner.SPEC.category == "layout"
                                                 and not v.owner.SPEC.indexed):
                 v = v.owner.operands[0]
             else:

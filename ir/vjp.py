@@ -32,7 +32,7 @@ from xdsl.ir import SSAValue
 
 from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import TgOp, make_op
-from tilegraph.ir.ops import OPS
+from tilegraph.ir.ops import Op, OPS
 from tilegraph.ir.shapes import TensorInfo, dims_equal, info_of, normalize_dim, numel
 
 Rule = Callable[["Backward", TgOp, list], list]
@@ -796,7 +796,7 @@ def _scatter(b, op, g):
     red = op.attr("reduction")
     if red not in ("none", "add"):
         raise NotImplementedError(f"tg.{op.op_name} with reduction '{red}': its VJP is not written")
-    if op.op_name == "scatter_elements":
+    if op.op_name == Op.scatter_elements:
         axis = op.attr("axis")
         gu = b("gather_elements", g[0], idx, axis=axis)
         gx = g[0] if red == "add" else b("scatter_elements", g[0], idx, b.zeros(info(upd)), axis=axis)

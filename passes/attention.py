@@ -25,6 +25,7 @@ from xdsl.dialects.builtin import ModuleOp
 from xdsl.passes import ModulePass
 
 from tilegraph.passes.rewrite import Rule, constant_array, info, producer, run_rules
+from tilegraph.ir.ops import Op
 
 
 def _only_use(value) -> bool:
@@ -58,7 +59,7 @@ def _fold(op, emit):
         c = _scalar(scaled.operands[1])
         if c is None or c == 0:
             return None
-        scale = c if scaled.op_name == "mul" else 1.0 / c
+        scale = c if scaled.op_name == Op.mul else 1.0 / c
         scores = scaled.operands[0]
     qk = producer(scores, "matmul")
     if qk is None or not _only_use(scores):

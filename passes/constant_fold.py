@@ -45,6 +45,7 @@ from tilegraph.ir.model import WeightStore, weights_of
 from tilegraph.ir.shapes import TensorInfo, is_static, numel
 from tilegraph.passes.dce import prune_weights
 from tilegraph.passes.rewrite import Rule, RuleSet, info, producer
+from tilegraph.ir.ops import Op
 
 SOURCES = ("constant", "weight")
 # Ops never folded: a dequantized weight folded back would be stored in float again,
@@ -85,7 +86,7 @@ class FoldOp(RewritePattern):
         read = sum(numel(info(v).shape) for v in op.operands)
         if made > self.max_elements or (made > read and not all(_inline(r) for r in results)):
             return
-        if any(s.op_name == "weight" and s.attr("name") not in self.store for s in sources):
+        if any(s.op_name == Op.weight and s.attr("name") not in self.store for s in sources):
             return  # the verifier reports the missing weight; folding would hide it
         try:
             values = evaluate(op, [self._value(s) for s in sources], self.store, dict(GLOBALS), float64=False)
@@ -97,7 +98,7 @@ class FoldOp(RewritePattern):
         arrays = [np.asarray(v) for v in values]
         if any(a.shape != r.shape for a, r in zip(arrays, results)):
             return
-        base = next((s.attr("name") for s in sources if s.op_name == "weight"), "folded") + "." + op.op_name
+        base = next((s.attr("name") for s in sources if s.op_name == Op.weight), "folded") + "." + op.op_name
         new_ops = []
         for a, r in zip(arrays, results):
             # (np.ascontiguousarray would make a 0-d result 1-d: found by hypothesis)
@@ -111,7 +112,7 @@ class FoldOp(RewritePattern):
         rewriter.replace(op, new_ops, [o.results[0] for o in new_ops])
 
     def _value(self, source: TgOp) -> np.ndarray:
-        if source.op_name == "weight":
+        if source.op_name == Op.weight:
             return np.asarray(self.store[source.attr("name")])
         return source.attr("value")
 
@@ -146,7 +147,7 @@ def scale_folds(store: WeightStore) -> list[Rule]:
         if any(d != 1 for i, d in enumerate(full) if i != axis) or full[axis] not in (1, channels):
             return None
         source = producer(value)
-        array = source.attr("value") if source.op_name == "constant" else store.get(source.attr("name"))
+        array = source.attr("value") if source.op_name == Op.constant else store.get(source.attr("name"))
         if array is None or not np.all(np.isfinite(np.asarray(array, dtype=np.float64))):
             return None
         return (full[axis],)
@@ -156,7 +157,7 @@ def scale_folds(store: WeightStore) -> list[Rule]:
         if head is None:
             return None
         out, w = info(head.results[0]), info(head.operands[1])
-        if head.op_name == "conv":
+        if head.op_name == Op.conv:
             vector = per_channel(s, out.rank, 1, w.shape[0])
             if vector is None:
                 return None

@@ -18,10 +18,11 @@ from xdsl.transforms.dead_code_elimination import region_dce
 
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.model import weights_of
+from tilegraph.ir.ops import Op
 
 
 def referenced_weights(module: ModuleOp) -> set[str]:
-    return {op.attr("name") for op in module.walk() if isinstance(op, TgOp) and op.op_name == "weight"}
+    return {op.attr("name") for op in module.walk() if isinstance(op, TgOp) and op.op_name == Op.weight}
 
 
 def prune_weights(module: ModuleOp) -> None:

@@ -46,7 +46,7 @@ from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.shapes import info_of
 from tilegraph.ir.fusion import (ANCHORS, VIEW_OPS, GroupKind, flat_ok, live_row_bytes, operand_rows, outline, row_reshape,
                                  siblings)
-from tilegraph.ir.ops import OPAQUE
+from tilegraph.ir.ops import Op, OPAQUE
 from tilegraph.passes.cost.model import at_nominal, group_cost, nominal_sizes, op_cost
 from tilegraph.ir.hardware import check_target, hardware
 from tilegraph.passes.remarks import listening, remark
@@ -190,10 +190,10 @@ class _Fuser:
             if operand_rows(out, ref, flat=True) != "full":
                 return f"{op.op_name} {out} does not keep the rows of {ref}"
             regrouped |= operand_rows(out, ref) != "full"
-            regrouped |= op.op_name == "reshape"
+            regrouped |= op.op_name == Op.reshape
         if regrouped:
             inputs, outputs = self._io(ops)
-            if any(isinstance(v.owner, TgOp) and v.owner.op_name == "reshape" for v in outputs):
+            if any(isinstance(v.owner, TgOp) and v.owner.op_name == Op.reshape for v in outputs):
                 return "a reshape's result would leave the group (its rows exist only inside the loop)"
             uses = [(op, i, info_of(v.type)) for op in ops for i, v in enumerate(op.operands) if v in inputs]
             if not flat_ok(ops, uses, ref):
@@ -221,11 +221,11 @@ class _Fuser:
             if isinstance(n, Group):
                 yield (n, g) if self.graph.has_edge(n, g) else (g, n)
         for anchor in g.anchors:  # siblings: other matmuls reading the same left operand
-            if anchor.op_name != "matmul":
+            if anchor.op_name != Op.matmul:
                 continue
             for use in anchor.operands[0].uses:
                 other = self.group_of.get(use.operation)
-                if other is not None and other is not g and use.index == 0 and use.operation.op_name == "matmul":
+                if other is not None and other is not g and use.index == 0 and use.operation.op_name == Op.matmul:
                     yield (g, other) if g.index < other.index else (other, g)
 
     def _push(self, heap: list, a: Group, b: Group, counter) -> None:
@@ -291,7 +291,7 @@ class _Fuser:
     def _emit_group(self, group: Group, before) -> None:
         inputs, outputs = self._io(group.ops)
         # Dead code is dce's business, and a reshape alone is no kernel: both left as they were.
-        if not outputs or all(op.op_name == "reshape" for op in group.ops):
+        if not outputs or all(op.op_name == Op.reshape for op in group.ops):
             for op in group.ops:
                 op.detach()
                 self.block.insert_op_before(op, before)
@@ -306,7 +306,7 @@ def _horizontal(anchors: list[TgOp]) -> bool:
 
 def _is_weight(v: SSAValue) -> bool:
     owner = v.owner
-    return isinstance(owner, TgOp) and owner.op_name == "weight" and info_of(v.type).rank == 2
+    return isinstance(owner, TgOp) and owner.op_name == Op.weight and info_of(v.type).rank == 2
 
 
 def _describe(g: Group) -> str:

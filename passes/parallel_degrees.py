@@ -29,6 +29,7 @@ from tilegraph.passes.cost.collectives import GPUS_PER_NODE, Mesh
 from tilegraph.passes.cost.model import at, op_flops
 from tilegraph.passes.shard import FWD_BWD, LayoutError, Plan, ShardError, find_layers, plan
 from tilegraph.passes.shard_strategies import base_name
+from tilegraph.ir.ops import Op
 
 # Tensor-parallel degrees tried: powers of two up to a node (Megatron-LM keeps tensor
 # parallelism inside a node, Narayanan et al. 2021, takeaway #1).
@@ -63,7 +64,7 @@ def degrees(p: Plan, pipeline: int = 1) -> dict[str, int]:
     rows -> sequence, anything else a matmul splits (columns, rows, heads) -> tensor."""
     work = [dict(data=0.0, sequence=0.0, tensor=0.0) for _ in p.mesh.shape]
     for c in p.choices:
-        if c.node.op is None or c.node.op.op_name not in ("matmul", "attention"):
+        if c.node.op is None or c.node.op.op_name not in (Op.matmul, Op.attention):
             continue
         for part in base_name(c.strategy.name).split(">")[0].split(","):
             if "@" not in part:
@@ -95,7 +96,7 @@ def model_flops(module, sizes: dict[str, int]) -> float:
     numerator of model-FLOPs utilisation (Chowdhery et al. 2022, appendix B)."""
     func = next(f for f in module.walk() if getattr(f, "sym_name", None) and f.sym_name.data == "forward")
     total = sum(at(op_flops(op), sizes) for op in func.body.block.ops
-                if isinstance(op, TgOp) and op.op_name not in ("weight", "constant"))
+                if isinstance(op, TgOp) and op.op_name not in (Op.weight, Op.constant))
     return total * FWD_BWD
 
 

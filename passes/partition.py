@@ -39,6 +39,7 @@ from tilegraph.ir.shard import AllGatherOp, AllReduceOp, AllSliceOp, AllToAllOp,
     ReductionKindAttr, ShardingOp, ShardOp, piece
 from tilegraph.passes.shard import GRID, read_annotations
 from tilegraph.passes.shard_strategies import Spec, apply_step, loops_of, replicated, reshard_steps, shards
+from tilegraph.ir.ops import Op
 
 
 class PartitionError(TilegraphError):
@@ -160,15 +161,15 @@ def partition(model: Model, sizes: Mapping[str, int] | None = None) -> Partition
         operands = [env[v] for v in op.operands]
         in_specs_op = [s for _, s, _ in operands]
         out_spec = spec_after(op.results[0], info.rank)
-        what = f"tg.{op.op_name} ({op.attr('name') if op.op_name == 'weight' else info})"
+        what = f"tg.{op.op_name} ({op.attr('name') if op.op_name == Op.weight else info})"
         local_out = _local(info, out_spec, mesh, what)
         attrs = op.py_attrs()
-        if op.op_name == "weight":
+        if op.op_name == Op.weight:
             array = model.weights[attrs["name"]]
             for dev, store in enumerate(weights):
                 # np.array: a copy that keeps rank 0 (np.ascontiguousarray makes it 1-d)
                 store[attrs["name"]] = np.array(piece(np.asarray(array), out_spec, mesh, dev))
-        result = local_out if op.SPEC.result_given or op.op_name == "weight" else None
+        result = local_out if op.SPEC.result_given or op.op_name == Op.weight else None
         new = make_op(op.op_name, [v for v, _, _ in operands], attrs, result)
         emit(new)
         value = new.results[0]

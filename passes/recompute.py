@@ -36,6 +36,7 @@ from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.shapes import info_of, numel
 from tilegraph.passes.remarks import remark
+from tilegraph.ir.ops import Op
 
 NAME = "recompute"
 
@@ -57,7 +58,7 @@ def value_bytes(v: SSAValue) -> int:
 
 def _resident(v: SSAValue) -> bool:
     """Inputs, weights and constants: held whether or not the function runs."""
-    return not isinstance(v, OpResult) or (isinstance(v.owner, TgOp) and v.owner.op_name in ("weight", "constant"))
+    return not isinstance(v, OpResult) or (isinstance(v.owner, TgOp) and v.owner.op_name in (Op.weight, Op.constant))
 
 
 def peak_bytes(block: Block) -> int:

@@ -84,6 +84,7 @@ from tilegraph.passes.remarks import remark
 from tilegraph.passes.shard_milp import CUT_SHORT, SOLVE_TIME_LIMIT, Linear, solve
 from tilegraph.passes.shard_strategies import (Spec, Strategy, apply_step, base_name, local_info, nbytes, pre_scatter, replicated,
                                       reshard_steps, source_strategies, spec_axes, spec_str, strategies, zero_variants)
+from tilegraph.ir.ops import Op
 
 # Backward of a layer costs about twice its forward (two GEMMs per forward GEMM: the
 # input and the weight gradient): the "6N FLOPs per token" of Kaplan et al. 2020 and
@@ -167,15 +168,15 @@ class Plan:
 
     def describe(self) -> str:
         ops = [f"{c.node.label}: {c.strategy.name}" for c in self.choices
-               if c.node.op is not None and c.node.op.op_name != "weight" and c.strategy.name != "R"]
+               if c.node.op is not None and c.node.op.op_name != Op.weight and c.strategy.name != "R"]
         return ("; ".join(ops[:6]) + (" ..." if len(ops) > 6 else "")) or "all replicated"
 
 
 def _label(op: TgOp, index: int) -> str:
-    if op.op_name == "weight":
+    if op.op_name == Op.weight:
         return op.attr("name")
     weights = [o.owner.attr("name") for o in op.operands
-               if isinstance(o.owner, TgOp) and o.owner.op_name == "weight"]
+               if isinstance(o.owner, TgOp) and o.owner.op_name == Op.weight]
     return f"{op.op_name} %{index}" + (f" ({weights[0]})" if weights else "")
 
 
@@ -193,14 +194,14 @@ def _nodes(func: FuncOp, names: Sequence[str], mesh_shape, sizes, zero: bool = F
         index[op.results[0]] = len(nodes)
         for extra in op.results[1:]:
             index[extra] = len(nodes)
-        key = (op.name, str(op.attributes) if op.op_name != "weight" else "", tuple(str(v.type) for v in op.operands),
+        key = (op.name, str(op.attributes) if op.op_name != Op.weight else "", tuple(str(v.type) for v in op.operands),
                str(op.results[0].type))
         if key not in seen:  # the strategies of an op depend only on its kind, attributes and types
             seen[key] = strategies(op, mesh_shape, sizes)
         sts = seen[key]
-        if op.op_name == "constant":  # a value printed inline is the same on every device
+        if op.op_name == Op.constant:  # a value printed inline is the same on every device
             sts = sts[:1]
-        if zero and op.op_name == "weight" and dtypes.is_float(op.result_infos()[0].dtype):
+        if zero and op.op_name == Op.weight and dtypes.is_float(op.result_infos()[0].dtype):
             sts = sts + [v for st in sts for v in zero_variants(st, mesh_shape)]
         nodes.append(Node(op.results[0], op, _label(op, len(nodes)), op.result_infos()[0], sts,
                           [index[v] for v in op.operands]))
@@ -230,7 +231,7 @@ VIEWS = frozenset({"reshape", "transpose"})
 
 def _local_time(op: TgOp, st: Strategy, mesh: Mesh, hw) -> sympy.Expr:
     """The cost model's time of `op` at the local shapes `st` gives it on one device."""
-    if op.op_name in ("weight", "constant"):
+    if op.op_name in (Op.weight, Op.constant):
         return sympy.Integer(0)
     block = Block(arg_types=[type_of(local_info(info_of(v.type), s, mesh.shape)) for v, s in zip(op.operands, st.ins)])
     result = [local_info(i, pre_scatter(st), mesh.shape) for i in op.result_infos()] if op.SPEC.result_given else None
@@ -239,11 +240,11 @@ def _local_time(op: TgOp, st: Strategy, mesh: Mesh, hw) -> sympy.Expr:
 
 
 def _needs_grad(node: Node) -> bool:
-    return node.op is not None and node.op.op_name != "constant" and dtypes.is_float(node.info.dtype)
+    return node.op is not None and node.op.op_name != Op.constant and dtypes.is_float(node.info.dtype)
 
 
 def _is_weight(node: Node) -> bool:
-    return node.op is not None and node.op.op_name == "weight"
+    return node.op is not None and node.op.op_name == Op.weight
 
 
 def saved_for_backward(nodes: list[Node]) -> list[bool]:

@@ -50,6 +50,7 @@ from tilegraph.ir.fusion import ANCHORS, VIEW_OPS, cols_ok, flat_rows_ok, live_r
 from tilegraph.passes.cost.model import at_nominal, group_cost, nominal_sizes
 from tilegraph.ir.hardware import check_target, hardware
 from tilegraph.passes.remarks import listening, remark
+from tilegraph.ir.ops import Op
 
 # Attention: keys per block. 128 query rows x 512 keys of f32 scores is 256 KB, half of
 # a 512 KB L2 (the smallest per-core L2 of the CPUs this runs on), leaving room for the
@@ -128,11 +129,11 @@ def tile_attr(tile: dict) -> DictionaryAttr:
 def choose_tile(group: FusionOp, hw, max_rows: int = 0, max_cols: int = 0, blas_gemm: bool = False) -> dict[str, int]:
     tile: dict[str, int] = {}
     if hw.backend == "c":  # (module docstring) the C backend reads only attention's blocks
-        attention = [op for op in group.ops if op.op_name == "attention"]
+        attention = [op for op in group.ops if op.op_name == Op.attention]
         return _c_attention_tile(attention[0], hw) if attention else tile
     anchors = [op for op in group.ops if op.op_name in ANCHORS]
-    if any(op.op_name == "attention" for op in anchors):
-        tile |= _attention_tile(group, next(op for op in anchors if op.op_name == "attention"), hw)
+    if any(op.op_name == Op.attention for op in anchors):
+        tile |= _attention_tile(group, next(op for op in anchors if op.op_name == Op.attention), hw)
         if hw.kind == "gpu":
             return tile
     if hw.kind == "gpu":
@@ -275,7 +276,7 @@ def _cpu_cols(group: FusionOp, hw, rows: int, row_bytes: float) -> tuple | None:
 
 
 def _gpu_tile(group: FusionOp, hw) -> dict[str, int]:
-    anchors = [op for op in group.ops if op.op_name in ("matmul", "conv")]
+    anchors = [op for op in group.ops if op.op_name in (Op.matmul, Op.conv)]
     ref = widest(group)
     if not anchors:
         width = int(at_nominal(ref.shape[-1])) if ref.rank else 1

@@ -133,3 +133,24 @@ def test_casts_to_and_from_bf16_convert_by_value_rounding_to_nearest_even(ints, 
     for got, want, info in zip(compiled(*inputs), interpret(model, inputs, float64=False), model.outputs):
         assert got.dtype == dtypes.numpy_dtype(info.dtype), info
         np.testing.assert_array_equal(got.astype(np.float64), want.astype(np.float64), err_msg=str(info))
+
+
+@pytest.mark.parametrize("width, kernels", [(384, 1), (768, 2)])
+def test_a_layer_norm_after_a_gemm_is_one_kernel_until_its_rows_outgrow_a_program(width, kernels):
+    """The GEMM holds whole rows for the layer_norm in its epilogue up to 2 * ROW_TILE_ELEMENTS / 16
+    values; wider rows take a second kernel (GEMM with bias and residual, then the row ops), never
+    the op-by-op fallback."""
+    rng = np.random.default_rng(3)
+    g = Graph()
+    x, r = g.input("x", ("B", 8, 64)), g.input("r", ("B", 8, width))
+    h = x @ g.weight("w", rng.standard_normal((64, width)).astype(np.float32)) + g.weight(
+        "b", rng.standard_normal(width).astype(np.float32)) + r
+    y = g.layer_norm(h, g.weight("s", rng.standard_normal(width).astype(np.float32)),
+                     g.weight("t", rng.standard_normal(width).astype(np.float32)), -1, 1e-5)
+    model = g.build(y)
+    fused = run_pipeline(model, default_pipeline("h100"))
+    compiled = load(emit(fused, hardware="h100"), fused.weights, fused)
+    assert compiled.host_ops == {} and "SPLIT_GROUPS = ()" in compiled.source
+    assert compiled.source.count("@triton.jit\ndef fusion_") == kernels
+    inputs = random_inputs(model, sizes={"B": 2})
+    assert_close(compiled(*inputs)[0], interpret(model, inputs)[0], "f32", 64)

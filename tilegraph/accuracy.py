@@ -12,6 +12,7 @@ from typing import Mapping
 import numpy as np
 
 from tilegraph.ir import dtypes
+from tilegraph.ir.ops import Op
 
 # Symbolic dims of random inputs (and of the random graphs, tilegraph.testing.generator) are drawn
 # in 1..MAX_SYMBOL_SIZE: small, so a graph runs in microseconds, and 1 comes up (broadcasting).
@@ -135,25 +136,25 @@ def reduction_length(model, sizes: Mapping[str, int] | None = None) -> int:
         a = op.py_attrs()
         if op.SPEC.reduction in ("sum", "mean", "prod"):  # rounding grows with the length reduced
             return n([ins[0][ax] for ax in a["axes"]])
-        if name == "cumsum":
+        if name == Op.cumsum:
             return n([ins[0][a["axis"]]])
-        if name == "matmul":
+        if name == Op.matmul:
             return n([ins[0][-1]])
-        if name == "einsum":
+        if name == Op.einsum:
             lhs, _, out = a["equation"].replace(" ", "").partition("->")
             dims = {}
             for term, shape in zip(lhs.split(","), ins):
                 dims.update(zip(term, shape))
             return n([dims[c] for c in dims if c not in out])
-        if name == "conv":
+        if name == Op.conv:
             return n(ins[1][1:])
-        if name == "avg_pool":
+        if name == Op.avg_pool:
             return _math.prod(a["kernel"])
-        if name == "softmax":
+        if name == Op.softmax:
             return n([ins[0][a["axis"]]])
-        if name == "layer_norm":
+        if name == Op.layer_norm:
             return 2 * n(ins[0][a["axis"]:])  # the mean, then the variance
-        if name == "attention":
+        if name == Op.attention:
             return n([ins[0][-1]]) + 2 * n([ins[1][-2]])  # q.k, then the softmax and p@v over the keys
         return 0
 
@@ -183,10 +184,10 @@ def narrowest_float(model) -> str | None:
         # the interpreter and a backend (ir/quant.py): the arithmetic around them sets the precision.
         if not isinstance(op, TgOp):
             return False
-        if op.SPEC.category == "quantize" and op.op_name not in ("dequantize",):
+        if op.SPEC.category == Op.quantize and op.op_name not in (Op.dequantize,):
             return True
-        return op.op_name == "weight" and all(isinstance(u.operation, TgOp) and u.operation.SPEC.category ==
-                                              "quantize" for r in op.results for u in r.uses)
+        return op.op_name == Op.weight and all(isinstance(u.operation, TgOp) and u.operation.SPEC.category ==
+                                              Op.quantize for r in op.results for u in r.uses)
 
     types = {info_of(a.type).dtype for a in model.func.args}
     types |= {info_of(r.type).dtype for op in model.func.walk() if not storage(op) for r in op.results}
@@ -212,10 +213,10 @@ def rounding_violations(model, inputs) -> list[str]:
     interpret(model, inputs, values=values)
     bad = []
     for op in model.func.walk():
-        if not (isinstance(op, TgOp) and op.op_name == "dequantize"):
+        if not (isinstance(op, TgOp) and op.op_name == Op.dequantize):
             continue
         src = op.operands[0].owner
-        if not (isinstance(src, TgOp) and src.op_name in ("quantize", "dynamic_quantize")):
+        if not (isinstance(src, TgOp) and src.op_name in (Op.quantize, Op.dynamic_quantize)):
             continue
         fmt = FORMATS[src.result_infos()[0].dtype]
         x = np.asarray(values[src.operands[0]], np.float64)

@@ -27,6 +27,7 @@ import numpy as np
 
 from tilegraph.ir import dtypes
 from tilegraph.ir.errors import TilegraphError
+from tilegraph.ir.ops import Op
 
 # Symbolic dims not given with --dim: small, so that checking MiniLM after every pass stays quick,
 # and above 1 so that broadcasting a size-1 dim is not mistaken for the real thing.
@@ -63,7 +64,7 @@ def _index_bound(model) -> dict[int, int]:
                     dim = table[axis % len(table)] if table else None
                     if isinstance(dim, int):
                         bound = dim if bound is None else min(bound, dim)
-                elif op.SPEC.category == "layout" or op.op_name == "cast":
+                elif op.SPEC.category == "layout" or op.op_name == Op.cast:
                     todo.extend(op.results)
         if bound is not None:
             bounds[i] = bound

@@ -35,6 +35,7 @@ from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.model import Model, WeightStore, ssa_hint
 from tilegraph.ir.shapes import info_of, tensor_type
 from tilegraph.ir.vjp import Backward
+from tilegraph.ir.ops import Op
 
 LOSSES = ("cross_entropy", "mean")
 
@@ -78,7 +79,7 @@ def weights_to_inputs(model: Model, names: Sequence[str]) -> Model:
         w = np.asarray(model.weights[name])
         arg = block.insert_arg(tensor_type(dtypes.dtype_name(w.dtype), tuple(w.shape)), len(block.args))
         arg.name_hint = ssa_hint(name)
-        for op in [op for op in block.ops if isinstance(op, TgOp) and op.op_name == "weight" and op.attr("name") == name]:
+        for op in [op for op in block.ops if isinstance(op, TgOp) and op.op_name == Op.weight and op.attr("name") == name]:
             op.results[0].replace_all_uses_with(arg)
             block.erase_op(op)
         in_names.append(name)

@@ -43,6 +43,7 @@ from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.fusion import GroupKind, outline
 from tilegraph.ir.hardware import Hardware, c_profile_path, cpu_model
+from tilegraph.ir.ops import Op
 
 # (m, n, k) of x @ W timed: a MiniLM projection at batch 1 (128 tokens) and a short
 # sequence, its FFN at batch 8 (1024 tokens, 384 <-> 1536), a GPT-2 row block, a large square.
@@ -77,7 +78,7 @@ def _fuse_all(model, kind: GroupKind):
     """`model` with every computing op in one tg.fusion of `kind`, as `fuse` outlines a group."""
     block = model.func.body.block
     ret = block.last_op
-    ops = [op for op in block.ops if isinstance(op, TgOp) and op.op_name not in ("weight", "constant")]
+    ops = [op for op in block.ops if isinstance(op, TgOp) and op.op_name not in (Op.weight, Op.constant)]
     inside = set(ops)
     inputs = list(dict.fromkeys(v for op in ops for v in op.operands if v.owner not in inside))
     outputs = list(dict.fromkeys(v for v in ret.operands if v.owner in inside))
@@ -93,9 +94,9 @@ def _chain(n, length: int, op: str = "add", fused: bool = False):
     x, y = g.input("x", (n,)), g.input("y", (n,))
     z = x
     for _ in range(length):
-        if op in ("add", "mul", "div"):
+        if op in (Op.add, Op.mul, Op.div):
             z = g.op(op, z, y)
-        elif op == "exp":
+        elif op == Op.exp:
             z = g.op("exp", g.op("neg", z))
         else:
             z = g.op(op, z)
@@ -204,7 +205,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
     for op in ("softmax", "layer_norm"):
         g = Graph()
         xin = g.input("x", ("rows", ROW))
-        module = _module(g.build(g.softmax(xin) if op == "softmax" else g.layer_norm(xin), names=["z"]))
+        module = _module(g.build(g.softmax(xin) if op == Op.softmax else g.layer_norm(xin), names=["z"]))
         sizes = [n // ROW for n in CACHE_SIZES]
         t_small, t_big = median_times([_call(module, rng.standard_normal((r, ROW), dtype=np.float32))
                                        for r in sizes], budget)
@@ -298,7 +299,7 @@ def summary(hw: Hardware) -> str:
     ]
     rows += [(f"GEMM f32 {m}x{n}x{k} (one thread / all)", f"{r / 1e9:.1f} / {t / 1e9:.1f} GFLOP/s")
              for (m, n, k, r), (*_, t) in zip(hw.gemm_samples, hw.gemm_samples_threaded)]
-    rows += [(f"f32 {name} {'row kernel' if name in ('softmax', 'layer_norm') else 'in a fused loop'} (all threads)",
+    rows += [(f"f32 {name} {'row kernel' if name in (Op.softmax, Op.layer_norm) else 'in a fused loop'} (all threads)",
               f"{rate / 1e9:.2f} Gelem/s")
              for name, rate in hw.ufunc_rates.items()]
     return table(hw.source, rows)

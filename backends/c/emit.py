@@ -49,7 +49,7 @@ from tilegraph.backends.lowering import table
 from tilegraph.backends.program import flatten
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.model import Model, ModelError
-from tilegraph.ir.ops import OPS
+from tilegraph.ir.ops import Op, OPS
 
 # What every op of the table does in this backend when it is not lowered to C: the
 # host runs it with the op table's NumPy semantics between native segments. (An op
@@ -116,16 +116,16 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
         if op in self.folded:
             views[op.results[0]] = self.folded.pop(op)
             return
-        if env is None and name in ("weight", "constant") and op.results[0] in views:
+        if env is None and name in (Op.weight, Op.constant) and op.results[0] in views:
             return  # made early, for a step that folded in its reader
-        if name == "weight":
+        if name == Op.weight:
             info = op.result_infos()[0]
             views[op.results[0]] = self._new_buffer("weight", info.dtype, info.shape, op.attr("name"))
             return
-        if name == "constant":
+        if name == Op.constant:
             views[op.results[0]] = self.constant(op)
             return
-        if name == "pad" and any(pad is op for pad, _ in self.padding_convs.values()):
+        if name == Op.pad and any(pad is op for pad, _ in self.padding_convs.values()):
             views[op.results[0]] = get(op.operands[0])  # the convolution reading it pads itself
             return
         try:
@@ -143,7 +143,7 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
         skips the taps outside the input), and the pad is never written."""
         found = {}
         for op in self.prog.steps:
-            if not isinstance(op, TgOp) or op.op_name != "pad" or op.attr("mode") != "constant" or op.attr("value"):
+            if not isinstance(op, TgOp) or op.op_name != Op.pad or op.attr("mode") != "constant" or op.attr("value"):
                 continue
             pads, nd = list(op.attr("pads")), op.result_infos()[0].rank
             if nd < 3 or any(pads[i] or pads[nd + i] for i in (0, 1)) or any(p < 0 for p in pads):
@@ -157,7 +157,7 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
                 if len(arg_uses) != 1 or arg_uses[0].index != 0 or arg_uses[0].operation is not user.ops[0]:
                     continue
                 user, index = arg_uses[0].operation, 0
-            if isinstance(user, TgOp) and user.op_name == "conv" and index == 0:
+            if isinstance(user, TgOp) and user.op_name == Op.conv and index == 0:
                 found[user] = (op, pads[2:nd] + pads[nd + 2:])
         return found
 
@@ -175,15 +175,15 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
     def layout(self, op: TgOp, xs: list[View]) -> list[View] | None:
         """View-only layout ops; None when `op` computes."""
         name, outs = op.op_name, op.result_infos()
-        if name == "reshape":
+        if name == Op.reshape:
             return [self.reshape(xs[0], outs[0].shape)]
-        if name == "transpose":
+        if name == Op.transpose:
             return [self.transpose(xs[0], op.attr("perm"))]
-        if name == "broadcast":
+        if name == Op.broadcast:
             return [self.broadcast(xs[0], outs[0].shape)]
-        if name == "slice":
+        if name == Op.slice:
             return [self.slice(xs[0], op.attr("starts"), op.attr("ends"), op.attr("steps"))]
-        if name == "split":
+        if name == Op.split:
             axis = op.attr("axis") % xs[0].rank
             views, start = [], 0
             for size in op.attr("sizes"):  # each piece: the same strides, an offset along `axis`
@@ -210,7 +210,7 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
         transpose keeping the last axis (attention's heads merged back between the rows
         and the features): the transpose is then contiguous, and a reshape after it free."""
         reader = _sole_reader(op.results[0])
-        perm = tuple(reader.attr("perm")) if isinstance(reader, TgOp) and reader.op_name == "transpose" else None
+        perm = tuple(reader.attr("perm")) if isinstance(reader, TgOp) and reader.op_name == Op.transpose else None
         if perm is None or perm[-1] != len(perm) - 1:
             return out
         moved = tuple(out.shape[p] for p in perm)
@@ -235,37 +235,37 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
             self.elementwise([op], {r: None for r in op.results}, dict(zip(op.operands, xs)), [(op.results[0], out)],
                              op)
             return [out]
-        if name == "matmul":
+        if name == Op.matmul:
             return [self.matmul(op, xs[0], xs[1], [], {})[0]]
         if op.SPEC.row_normalizing:
             return [self.row_op(op, xs)]
-        if name in ("reduce_sum", "reduce_mean", "reduce_max", "reduce_min"):
+        if name in (Op.reduce_sum, Op.reduce_mean, Op.reduce_max, Op.reduce_min):
             return [self.reduce(op, xs[0])]
-        if name == "gather":
+        if name == Op.gather:
             return [self.gather(op, xs[0], xs[1])]
-        if name == "concat":
+        if name == Op.concat:
             return [self.concat(op, xs)]
-        if name == "conv":
+        if name == Op.conv:
             return [self.conv(op, xs, [], {})[0]]
-        if name in ("max_pool", "avg_pool"):
+        if name in (Op.max_pool, Op.avg_pool):
             return [self.pool(op, xs[0])]
-        if name == "pad":
+        if name == Op.pad:
             return [self.pad(op, xs[0])]
-        if name == "gather_elements":
+        if name == Op.gather_elements:
             return [self.gather_elements(op, xs[0], xs[1])]
-        if name == "tile":
+        if name == Op.tile:
             return [self.tile(op, xs[0])]
-        if name == "cumsum":
+        if name == Op.cumsum:
             return [self.cumsum(op, xs[0])]
-        if name == "attention":
+        if name == Op.attention:
             return [self.attention(op, xs)]
         if name in GENERATION_OPS:
             return self.generation(op, xs)
-        if name == "matmul_integer":
+        if name == Op.matmul_integer:
             return [self.matmul_integer(op, xs)]
-        if name == "dynamic_quantize":
+        if name == Op.dynamic_quantize:
             return self.dynamic_quantize(op, xs[0])
-        if name in ("quantize", "dequantize"):
+        if name in (Op.quantize, Op.dequantize):
             return [self.requantize(op, xs)]
         raise Unsupported(name)
 

@@ -13,6 +13,7 @@ from tilegraph.backends.c.views import (EmitterParts, Step, Unsupported, View, _
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.fusion import GroupKind, group_kind
 from tilegraph.ir.shapes import info_of, numel
+from tilegraph.ir.ops import Op
 
 
 class Groups(EmitterParts):
@@ -30,7 +31,7 @@ class Groups(EmitterParts):
             if kind is GroupKind.ELEMENTWISE:
                 done = self.fused_elementwise(group, ops, env, yields) or self.fused_rows(group, ops, env, yields)
             elif kind in (GroupKind.MATMUL, GroupKind.MATMUL_EPILOGUE, GroupKind.CONV, GroupKind.CONV_EPILOGUE) and \
-                    ops[0].op_name in ("matmul", "conv"):
+                    ops[0].op_name in (Op.matmul, Op.conv):
                 done = self.fused_contraction(group, ops, env, yields)
             elif kind is GroupKind.HORIZONTAL_MATMUL:
                 done = self.fused_siblings(group, ops, env, yields)
@@ -46,10 +47,10 @@ class Groups(EmitterParts):
 
     def _made_outside(self, op: TgOp, env: dict, computed) -> bool:
         """A constant, or a view of a value from outside the loop: made here, not in it."""
-        if op.op_name == "constant":
+        if op.op_name == Op.constant:
             env[op.results[0]] = self.constant(op)
             return True
-        if op.op_name in ("reshape", "transpose", "broadcast") and op.operands[0] not in computed:
+        if op.op_name in (Op.reshape, Op.transpose, Op.broadcast) and op.operands[0] not in computed:
             env[op.results[0]] = self.layout(op, [env[op.operands[0]]])[0]
             return True
         return False
@@ -65,7 +66,7 @@ class Groups(EmitterParts):
         body = []
         shape = info_of(yields[0].type).shape
         for op in ops:
-            if op.op_name == "reshape" and op.operands[0] in computed and shape and \
+            if op.op_name == Op.reshape and op.operands[0] in computed and shape and \
                     _eq(info_of(op.operands[0].type).shape[-1:][0] if info_of(op.operands[0].type).shape else 1,
                         op.result_infos()[0].shape[-1:][0] if op.result_infos()[0].shape else 1):
                 alias[op.results[0]] = op.operands[0]
@@ -186,7 +187,7 @@ class Groups(EmitterParts):
             if len(shape) != len(full) or not all(_eq(a, b) for a, b in zip(shape[:-1], lead)) or \
                     not (_is_one(shape[-1]) or _eq(shape[-1], width)) or len(op.results) != 1:
                 return False
-            if op.op_name in ("reduce_sum", "reduce_mean", "reduce_max", "reduce_min"):
+            if op.op_name in (Op.reduce_sum, Op.reduce_mean, Op.reduce_max, Op.reduce_min):
                 src = op.operands[0]
                 if [a % len(full) for a in op.attr("axes")] != [len(full) - 1] or not op.attr("keepdims") or \
                         info_of(src.type).dtype not in FLOATS or not _eq(info_of(src.type).shape[-1], width):
@@ -300,7 +301,7 @@ class Groups(EmitterParts):
         x = xs[0]
         rank = x.rank
         axis = op.attr("axis") % rank
-        if op.op_name == "softmax" and axis != rank - 1:
+        if op.op_name == Op.softmax and axis != rank - 1:
             raise Unsupported("softmax over a leading axis")
         if not self.is_contiguous(x):
             raise Unsupported("row op on a strided view")
@@ -308,7 +309,7 @@ class Groups(EmitterParts):
         out = x if in_place and self.buffers[x.buf].kind == "temp" else self._temp(info)
         n = numel(x.shape[axis:])
         rows = numel(x.shape[:axis])
-        if op.op_name == "softmax":
+        if op.op_name == Op.softmax:
             call = f"tg_softmax_rows({self.ptr(x)}, {self.ptr(out, False)}, {self.ints(rows)}, {self.ints(n)});"
             reads = [x]
         else:

@@ -9,6 +9,7 @@ from tilegraph.backends.c.views import (EmitterParts, Unsupported, View, _descri
                                         contiguous_strides)
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.shapes import numel
+from tilegraph.ir.ops import Op
 
 # Channels a reduction over NHWC positions accumulates at a time (_reduce_rows_of_channels):
 # 256 doubles, 2 KiB, stay in L1 beside the row being added.
@@ -234,7 +235,7 @@ class Kernels(EmitterParts):
         nd = len(kernel)
         if nd not in (1, 2) or x.dtype != "f32" or any(d != 1 for d in (op.attr("dilations") or [1] * nd)):
             raise Unsupported("pools: 1-D or 2-D, f32, no dilation")
-        if op.op_name == "avg_pool" and op.attr("ceil_mode"):
+        if op.op_name == Op.avg_pool and op.attr("ceil_mode"):
             raise Unsupported("avg_pool with ceil_mode")
         strides = list(op.attr("strides") or [1] * nd)
         pads = list(op.attr("pads") or [0] * (2 * nd))
@@ -253,7 +254,7 @@ class Kernels(EmitterParts):
         # channels innermost when they are contiguous in memory
         axes = ([f"b < {n}", f"oy < {oh}", f"ox < {ow}", f"ch < {c}"] if channels_last else
                 [f"b < {n}", f"ch < {c}", f"oy < {oh}", f"ox < {ow}"])
-        is_max = op.op_name == "max_pool"
+        is_max = op.op_name == Op.max_pool
         include_pad = is_max or op.attr("count_include_pad")
         kh, kw = kernel
         # The divisor: the whole window, or (count_include_pad false) the taps inside the input.

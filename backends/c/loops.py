@@ -13,6 +13,7 @@ from tilegraph.backends.c.views import EmitterParts, Unsupported, View, _describ
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.quant import FORMATS
 from tilegraph.ir.shapes import info_of, numel
+from tilegraph.ir.ops import Op
 
 
 class Loops(EmitterParts):
@@ -110,37 +111,37 @@ class Loops(EmitterParts):
     def expr(self, op: TgOp, args: list[str], operand_dtypes: list[str]) -> str:
         """The C expression of one elementwise op on C operand expressions."""
         name, out = op.op_name, op.result_infos()[0]
-        if name == "gelu":
+        if name == Op.gelu:
             suffix = "" if out.dtype == "f32" else "_d"
             return f"tg_gelu_{'tanh' if op.attr('approximate') == 'tanh' else 'erf'}{suffix}({args[0]})"
-        if name == "sigmoid":
+        if name == Op.sigmoid:
             return f"tg_sigmoid{'' if out.dtype == 'f32' else '_d'}({args[0]})"
-        if name == "cast":
+        if name == Op.cast:
             src, dst = operand_dtypes[0], out.dtype
             if dst == "i1":
                 return f"(({args[0]}) != 0)"
             if src in FLOATS and dst not in FLOATS:
                 raise Unsupported("float to integer cast")
             return f"(({CTYPES[dst]})({args[0]}))"
-        if name in ("quantize", "dequantize"):
+        if name in (Op.quantize, Op.dequantize):
             ct = "double" if out.dtype == "f64" else "float"
             x, scale = (f"(({ct})({arg}))" for arg in args[:2])
             zp = f"(({ct})({args[2]}))" if len(args) > 2 else None
-            if name == "dequantize":
+            if name == Op.dequantize:
                 return f"(({x}{f' - {zp}' if zp else ''}) * {scale})"
             fmt = FORMATS[op.attr("to")]
             rounded = f"rintf({x} / {scale}){f' + {zp}' if zp else ''}"
             return f"(({CTYPES[out.dtype]})tg_saturate({rounded}, {fmt.lo}.f, {fmt.hi}.f))"
-        if name == "bitwise_not" and out.dtype == "i1":  # ~ of a bool byte is 0xFE/0xFF, both true
+        if name == Op.bitwise_not and out.dtype == "i1":  # ~ of a bool byte is 0xFE/0xFF, both true
             return f"(!({args[0]}))"
-        if name == "add" and out.dtype == "i1":  # NumPy's True + True is True, C's is 2
+        if name == Op.add and out.dtype == "i1":  # NumPy's True + True is True, C's is 2
             return f"(({args[0]}) != 0 || ({args[1]}) != 0)"
         is_float = operand_dtypes[-1] in FLOATS
         names = dict(zip(op.SPEC.operand_names, args))
         for templates in ((C_UNARY_FLOAT, C_BINARY_FLOAT) if is_float else (C_UNARY_INT, C_BINARY_INT)) + (C_BINARY,):
             if name in templates:
                 f32 = operand_dtypes[-1] == "f32"
-                if name == "pow" and f32 and args[1] in ("2.0f", "3.0f"):  # a literal exponent (gelu_new's
+                if name == Op.pow and f32 and args[1] in ("2.0f", "3.0f"):  # a literal exponent (gelu_new's
                     # x ** 3): products, not a libm call per element
                     return "(" + " * ".join([f"({args[0]})"] * int(float(args[1][:-1]))) + ")"
                 return templates[name].format(**names, exp="tg_expf" if f32 else "exp", tanh="tg_tanhf" if f32 else "tanh",

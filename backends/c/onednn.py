@@ -10,6 +10,7 @@ from tilegraph.backends.c.views import (EmitterParts, Unsupported, View, _descri
                                         _plain_strides, _row_stride, channels_last_strides)
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.shapes import TensorInfo, info_of, numel
+from tilegraph.ir.ops import Op
 
 
 class OneDNN(EmitterParts):
@@ -39,31 +40,31 @@ class OneDNN(EmitterParts):
                 computed.add(current)
                 covered += 2
                 continue
-            if op.operands[0] is not current and not (name in ("add", "mul") and op.operands[1] is current):
+            if op.operands[0] is not current and not (name in (Op.add, Op.mul) and op.operands[1] is current):
                 break
             if info_of(op.results[0].type).dtype != "f32" or len(posts) == 8:
                 break
             other = [v for v in op.operands if v is not current]
             if any(v in computed for v in other) or not _only_use(current, op):
                 break  # the epilogue overwrites `current`: nothing else may read it
-            if name in ("relu", "tanh", "exp", "sigmoid") and not other:
+            if name in (Op.relu, Op.tanh, Op.exp, Op.sigmoid) and not other:
                 posts.append(f"{{0, {DNNL_ELTWISE[name]}, 0.f, 0.f, 0, {{0}}, {{0}}}}")
-            elif name == "gelu":
+            elif name == Op.gelu:
                 alg = DNNL_ELTWISE["gelu_tanh" if op.attr("approximate") == "tanh" else "gelu_erf"]
                 posts.append(f"{{0, {alg}, 0.f, 0.f, 0, {{0}}, {{0}}}}")
-            elif name in ("max", "min") and len(other) == 1 and \
+            elif name in (Op.max, Op.min) and len(other) == 1 and \
                     (env.get(other[0]) or self.view(other[0])).literal is not None:
                 bound = (env.get(other[0]) or self.view(other[0])).literal  # relu6 is max then min: a clip each
-                lo, hi = (bound, "INFINITY") if name == "max" else ("-INFINITY", bound)
+                lo, hi = (bound, "INFINITY") if name == Op.max else ("-INFINITY", bound)
                 posts.append(f"{{0, {DNNL_ELTWISE['clip']}, {lo}, {hi}, 0, {{0}}, {{0}}}}")
-            elif name in ("add", "mul", "sub") and len(other) == 1:
+            elif name in (Op.add, Op.mul, Op.sub) and len(other) == 1:
                 o = env.get(other[0]) or self.view(other[0])
-                if name == "sub" and op.operands[0] is not current:
+                if name == Op.sub and op.operands[0] is not current:
                     break
                 if o.dtype != "f32":
                     break
                 if o.literal is not None:
-                    alpha, beta = ("1.f", o.literal) if name == "add" else (o.literal, "0.f") if name == "mul" \
+                    alpha, beta = ("1.f", o.literal) if name == Op.add else (o.literal, "0.f") if name == Op.mul \
                         else ("1.f", f"-({o.literal})")
                     posts.append(f"{{0, {DNNL_ELTWISE['linear']}, {alpha}, {beta}, 0, {{0}}, {{0}}}}")
                 else:
@@ -104,7 +105,7 @@ class OneDNN(EmitterParts):
         xs = [env.get(v) or self.view(v) for v in head.operands]
         self._check_dtypes(head, xs)
         first = len(self.steps)
-        if head.op_name == "matmul":
+        if head.op_name == Op.matmul:
             result, covered = self.matmul(head, xs[0], xs[1], chain, env)
         else:
             result, covered = self.conv(head, xs, chain, env)
@@ -125,8 +126,8 @@ class OneDNN(EmitterParts):
     def fused_siblings(self, group: FusionOp, ops, env, yields) -> bool:
         """Sibling GEMMs of one input (a gated MLP's gate and up projections), each on
         oneDNN, then the ops that combine them as one loop."""
-        heads = [op for op in ops if op.op_name == "matmul"]
-        rest = [op for op in ops if op.op_name != "matmul"]
+        heads = [op for op in ops if op.op_name == Op.matmul]
+        rest = [op for op in ops if op.op_name != Op.matmul]
         if any(v in {r for h in heads for r in h.results} for h in heads for v in h.operands):
             return False
         first = len(self.steps)
@@ -350,10 +351,10 @@ class OneDNN(EmitterParts):
 def _swish_mul(chain: list[TgOp], current: SSAValue) -> TgOp | None:
     """The `mul` of `sigmoid(current) * current` (SiLU) when those are the chain's next two
     ops and nothing else reads `current` or the sigmoid (the epilogue overwrites them)."""
-    if len(chain) < 2 or chain[0].op_name != "sigmoid" or chain[0].operands[0] is not current:
+    if len(chain) < 2 or chain[0].op_name != Op.sigmoid or chain[0].operands[0] is not current:
         return None
     sig, mul = chain[0], chain[1]
-    if mul.op_name != "mul" or {id(v) for v in mul.operands} != {id(current), id(sig.results[0])}:
+    if mul.op_name != Op.mul or {id(v) for v in mul.operands} != {id(current), id(sig.results[0])}:
         return None
     if info_of(mul.results[0].type).dtype != "f32":
         return None

@@ -7,6 +7,7 @@ from tilegraph.backends.c.views import EmitterParts, Unsupported, View, _describ
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.quant import FORMATS
 from tilegraph.ir.shapes import TensorInfo, numel
+from tilegraph.ir.ops import Op
 
 
 class Quantized(EmitterParts):
@@ -32,7 +33,7 @@ class Quantized(EmitterParts):
         x = xs[0]
         if op.attr("block_size") or x.literal is not None:
             raise Unsupported("block scales")
-        if op.op_name == "quantize" and (not FORMATS[op.attr("to")].integer or x.dtype not in FLOATS):
+        if op.op_name == Op.quantize and (not FORMATS[op.attr("to")].integer or x.dtype not in FLOATS):
             raise Unsupported("quantize to a float format")
         self._check_dtypes(op, xs)
         operands = {}
@@ -55,11 +56,11 @@ class Quantized(EmitterParts):
         users = {use.operation for use in op.results[0].uses}
         user = users.pop() if len(users) == 1 else None
         scales = None
-        if (getattr(user, "op_name", None) == "dequantize" and len(user.operands) == 2
+        if (getattr(user, "op_name", None) == Op.dequantize and len(user.operands) == 2
                 and not user.attr("block_size") and user.result_infos()[0].dtype == "f32"):
             source = user.operands[1].owner
             if self.prog.canon(user.operands[1]) not in self.views and getattr(source, "op_name", None) in (
-                    "weight", "constant"):
+                    Op.weight, Op.constant):
                 self.op(source)
             s = self.views.get(self.prog.canon(user.operands[1]))
             n = op.result_infos()[0].shape[-1]

@@ -36,7 +36,7 @@ from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.interpreter import SHAPE_FUNCTIONS, dtype_code, shape_code
 from tilegraph.ir.model import Model, ModelError
-from tilegraph.ir.ops import OPS, render, size_definitions
+from tilegraph.ir.ops import Op, OPS, render, size_definitions
 from tilegraph.ir.shapes import Dim, TensorInfo, dims_equal, info_of, numel
 from tilegraph.backends.lowering import table
 from tilegraph.backends.numpy.groups import GroupCode, GroupEmitter
@@ -171,10 +171,10 @@ class _Emitter:
 
     def _line(self, op: TgOp, counts: Counter) -> str | None:
         outs = op.result_infos()
-        if op.op_name == "weight":
+        if op.op_name == Op.weight:
             self.names[op.results[0]] = self._weight(op.attr("name"))
             return None
-        if op.op_name == "constant":
+        if op.op_name == Op.constant:
             self.names[op.results[0]] = self._constant(op.attr("value"), outs[0].dtype)
             return None
         targets = self._result_names(op, counts)
@@ -307,7 +307,7 @@ class _Emitter:
                 return False  # a group's result: a buffer of its own, never reused once it is an output
             if not isinstance(owner, TgOp):
                 return True  # a function argument: an input
-            if owner.op_name in ("weight", "constant"):
+            if owner.op_name in (Op.weight, Op.constant):
                 return True
             # Layout ops may return views of their first operand (reshape, transpose,
             # slice, broadcast); every other op computes a new array.
@@ -408,7 +408,7 @@ class BufferPlan:
 
     def step_done(self, step: int) -> None:
         op = self.prog.steps[step]
-        if not isinstance(op, FusionOp) and getattr(op, "op_name", None) not in ("weight", "constant"):
+        if not isinstance(op, FusionOp) and getattr(op, "op_name", None) not in (Op.weight, Op.constant):
             if op.SPEC.category != "layout":
                 for r in op.results:
                     self._live_fresh[r] = _nbytes(info_of(r.type))
@@ -426,7 +426,7 @@ class BufferPlan:
                     del self.slot_of[v]
         for v in [v for v in self._live_fresh if v not in self._pinned and self._last.get(v, -1) <= step]:
             del self._live_fresh[v]
-        if not isinstance(op, FusionOp) and getattr(op, "op_name", None) not in ("weight", "constant"):
+        if not isinstance(op, FusionOp) and getattr(op, "op_name", None) not in (Op.weight, Op.constant):
             self.kernels += 1 if op.SPEC.category != "layout" else 0
 
     @property

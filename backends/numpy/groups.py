@@ -47,7 +47,7 @@ from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.escape import py_docstring
 from tilegraph.ir.fusion import ANCHORS, cols_ok, flat_rows_ok, operand_rows, row_gemm, row_local, widest
 from tilegraph.ir.interpreter import dtype_code
-from tilegraph.ir.ops import render
+from tilegraph.ir.ops import Op, render
 from tilegraph.ir.shapes import TensorInfo, info_of
 
 INDENT = "    "
@@ -127,7 +127,7 @@ class GroupEmitter:
         # Values seen as [rows, last] (chunked or whole): what `tile` chose, and what a group
         # regrouping its rows (a reshape inside) needs whatever the tile.
         self.flat = bool(self.tile.get("flat")) and all(row_local(op) for op in self.ops) or (
-            any(op.op_name == "reshape" for op in self.ops) and flat_rows_ok(group))
+            any(op.op_name == Op.reshape for op in self.ops) and flat_rows_ok(group))
         # (flat) Chunks of columns: every value's window [:, s], the GEMM's weight [:, s].
         self.cols = bool(self.tile.get("cols")) and self.flat and cols_ok(group)
         self.chunked = (bool(self.tile.get("rows")) and all(row_local(op) for op in self.ops)) or self.cols
@@ -220,7 +220,7 @@ class GroupEmitter:
             for v in op.operands:
                 last_use[v] = i
         for i, op in enumerate(self.ops):
-            if op.op_name == "reshape":  # (flat) the same rows: the result is its operand
+            if op.op_name == Op.reshape:  # (flat) the same rows: the result is its operand
                 self._alias(op.results[0], op.operands[0])
             elif op.op_name not in ANCHORS:
                 chunk.append(self._chunk_line(op, i, last_use))
@@ -279,7 +279,7 @@ class GroupEmitter:
         index, name = self._buffer(out)
         self._own(op.results[0], (index, name))
         operands = [self.home[v].base for v in op.operands]
-        if op.op_name == "attention" and "block_kv" in self.tile:
+        if op.op_name == Op.attention and "block_kv" in self.tile:
             q, k, v = operands[:3]
             mask = operands[3] if len(operands) > 3 else "None"
             return [f"attention_tiled({q}, {k}, {v}, {mask}, {op.attr('scale')!r}, {op.attr('causal')}, "

@@ -37,14 +37,16 @@ from xdsl.rewriter import Rewriter
 from tilegraph.ir.decompositions import expand
 from tilegraph.ir.dialect import FusionOp, TgOp, YieldOp, make_op
 from tilegraph.ir.dtypes import PACKED_4BIT
+from tilegraph.ir.fusion import ANCHORS, GroupKind
 from tilegraph.ir.interpreter import SHAPE_FUNCTIONS, dtype_code
 from tilegraph.ir.model import Model, ModelError
-from tilegraph.ir.ops import QUANTIZATION_OPS, render, size_definitions
+from tilegraph.ir.ops import Op, QUANTIZATION_OPS, render, size_definitions
 from tilegraph.ir.shapes import Dim, TensorInfo, info_of, numel, tensor_type
 from tilegraph.backends.program import (PYTHON_RESERVED, Namer, array_literal, flatten, liveness, literal, py_comment,
                               signature_rows, str_literal, tuple_lines)
 from tilegraph.backends.triton.lowering import DECOMPOSED, TORCH_LAYOUT
-from tilegraph.backends.triton.group_kernels import AXIS_OPS, INDENT, TORCH_TYPES, KernelCode, KernelWriter, Unsupported
+from tilegraph.backends.triton.group_kernels import (AXIS_OPS, INDENT, TORCH_TYPES, KernelCode, KernelWriter, RowsTooWide,
+                                                    Unsupported, needs_whole_rows)
 from tilegraph.backends.triton.quant import QuantKernelWriter, group_quantized
 
 # What a symbolic dim is taken to be for an ahead-of-time build (passes/cost/model.py prices
@@ -86,7 +88,7 @@ def prepare(model: Model) -> Model:
 
 def _kernel_op(op: TgOp) -> bool:
     """Ops that compute (and so get a kernel): everything but sources and views."""
-    return (op.SPEC.category not in ("source", "layout") or op.op_name == "gather") and op.SPEC.bound is None
+    return (op.SPEC.category not in ("source", "layout") or op.op_name == Op.gather) and op.SPEC.bound is None
 
 
 def _in_block(op: TgOp) -> tuple[Block, TgOp]:
@@ -120,7 +122,7 @@ def _axes_last(op: TgOp):
     axes = tuple(sorted(a % x.rank for a in (op.attr("axes") if op.SPEC.reduction else
                                              [op.attr("axis")])))
     kept = tuple(a for a in range(x.rank) if a not in axes)
-    keepdims = op.op_name in ("cumsum", "cumprod") or op.attr("keepdims")
+    keepdims = op.op_name in (Op.cumsum, Op.cumprod) or op.attr("keepdims")
     if axes == (x.rank - 1,) and keepdims:
         return None
     perm = kept + axes
@@ -129,13 +131,13 @@ def _axes_last(op: TgOp):
     attrs = op.py_attrs()
     if op.SPEC.reduction:
         attrs |= {"axes": (rows.rank - 1,), "keepdims": True}
-    elif op.op_name in ("argmax", "argmin"):
+    elif op.op_name in (Op.argmax, Op.argmin):
         attrs |= {"axis": rows.rank - 1, "keepdims": True}
     else:
         attrs |= {"axis": rows.rank - 1}
     inner = make_op(op.op_name, [block.args[0]], attrs)
     block.add_op(inner)
-    undo = tuple(perm.index(a) for a in range(x.rank)) if op.op_name in ("cumsum", "cumprod") else None
+    undo = tuple(perm.index(a) for a in range(x.rank)) if op.op_name in (Op.cumsum, Op.cumprod) else None
     return perm, inner, undo
 
 
@@ -212,7 +214,7 @@ class _Emitter:
 
     def _source_op(self, op: TgOp) -> None:
         info = op.result_infos()[0]
-        if op.op_name == "weight":
+        if op.op_name == Op.weight:
             wname = op.attr("name")
             if wname not in self._weights:
                 self._weights[wname] = self.namer.fresh(wname, "w")
@@ -233,11 +235,11 @@ class _Emitter:
         out = op.result_infos()
         name = op.op_name
         operands = [self._value(v) for v in op.operands]
-        if name == "split":
+        if name == Op.split:
             sizes = op.attr("sizes")
             targets = [self._result(r, f"split_{i}") for i, r in enumerate(op.results)]
             return f"{', '.join(targets)}, = torch.split({operands[0]}, {list(sizes)}, dim={op.attr('axis')})"
-        if name == "slice" and all(s > 0 for s in op.attr("steps")):
+        if name == Op.slice and all(s > 0 for s in op.attr("steps")):
             expr = render(op.SPEC, operands, op.py_attrs(), self._shape(out[0].shape), "")
         elif name in TORCH_LAYOUT:
             attrs = {k: literal(tuple(v)) if isinstance(v, (list, tuple)) else literal(v)
@@ -269,6 +271,8 @@ class _Emitter:
         counts["fusion"] += 1
         try:
             code = self._kernel(name, group.kind, group.ops, inputs, outputs, group.tile())
+        except RowsTooWide:
+            return self._gemm_then_rows(group, name)
         except Unsupported as why:
             self.split_groups.append(f"{group.kind} ({' '.join(op.op_name for op in group.ops)}): {why}")
             return self._split(group, counts)
@@ -279,7 +283,7 @@ class _Emitter:
         return [f"{', '.join(targets)}, = {name}_host({', '.join(args)})  # {py_comment(types)}"]
 
     def _kernel(self, name, kind, ops, inputs, outputs, tile) -> KernelCode:
-        constants = [op for op in ops if op.op_name == "constant" and np.asarray(op.attr("value")).size != 1]
+        constants = [op for op in ops if op.op_name == Op.constant and np.asarray(op.attr("value")).size != 1]
         if constants:
             raise Unsupported("a constant array inside a group")
         writer = QuantKernelWriter if any(op.op_name in QUANTIZATION_OPS for op in ops) else KernelWriter
@@ -298,13 +302,47 @@ class _Emitter:
         self.uses_tlquant |= "tlquant" in code.helpers
         return code
 
+    def _gemm_then_rows(self, group: FusionOp, name: str) -> list[str]:
+        """A GEMM group whose epilogue reduces rows too wide for one program (RowsTooWide) as two
+        kernels: the GEMM with the elementwise ops that need no whole row, then the row ops
+        (layer_norm, softmax) reading its result, as a group of kind reduction would."""
+        rows: set[TgOp] = set()
+        for op in group.ops:
+            if op.op_name not in ANCHORS and (needs_whole_rows(op) or any(
+                    isinstance(v.owner, TgOp) and v.owner in rows for v in op.operands)):
+                rows.add(op)
+        scalars = [op for op in group.ops if op.op_name == Op.constant]  # inline in either kernel
+        first = [op for op in group.ops if op not in rows]
+        second = scalars + [op for op in group.ops if op in rows]
+        made_first = {r for op in first if op.op_name != Op.constant for r in op.results}
+        yielded = list(group.block.last_op.operands)
+        outer: dict[SSAValue, str] = {arg: self._value(v) for arg, v in zip(group.block.args, group.operands)}
+        lines = []
+        for suffix, kind, ops, later in (("a", GroupKind.around("matmul", len(first) > len(scalars) + 1).value, first,
+                                          second),
+                                         ("b", GroupKind.REDUCTION.value, second, [])):
+            made = {r for op in ops for r in op.results}
+            inputs = list(dict.fromkeys(v for op in ops for v in op.operands if v not in made))
+            outputs = list(dict.fromkeys(
+                [v for v in yielded if v in made] +
+                [v for op in later for v in op.operands if v in made and v in made_first]))
+            code = self._kernel(f"{name}{suffix}", kind, ops, inputs, outputs, group.tile())
+            self._host_function(f"{name}{suffix}", code, len(inputs))
+            args = [outer.get(v) or self.names[v] for v in inputs] + [v for v, _, _ in sorted(self.symbols.values())]
+            targets = [self._result(v, f"{name}{suffix}_out{i}") for i, v in enumerate(outputs)]
+            types = ", ".join(str(info_of(v.type)) for v in outputs)
+            lines.append(f"{', '.join(targets)}, = {name}{suffix}_host({', '.join(args)})  # {py_comment(types)}")
+        for r, v in zip(group.results, yielded):
+            self.names[r] = outer.get(v) or self.names[v]
+        return lines
+
     def _split(self, group: FusionOp, counts: Counter) -> list[str]:
         """A group no one kernel can express: each op on its own (values renamed through the region)."""
         for arg, v in zip(group.block.args, group.operands):
             self.names[arg] = self._value(v)
         lines = []
         for op in group.ops:
-            if op.op_name == "constant":
+            if op.op_name == Op.constant:
                 self._source_op(op)
                 continue
             lines += self._single(op, counts)
@@ -317,17 +355,17 @@ class _Emitter:
             line = self._host_line(op)
             return [line] + [f"{self.symbols[name][0]} = {self.names[op.results[r]]}.shape[{axis}]"
                              for r, axis, name in size_definitions(op)]
-        if op.op_name == "iota":  # an index along one axis, made on the device
+        if op.op_name == Op.iota:  # an index along one axis, made on the device
             out = op.result_infos()[0]
             axis = op.attr("axis") % len(out.shape)
             view = tuple(-1 if i == axis else 1 for i in range(len(out.shape)))
             target = self._result(op.results[0], "iota")
             return [f"{target} = torch.arange({self.dim(out.shape[axis])}, device=DEVICE, "
                     f"dtype={TORCH_TYPES[out.dtype]}).reshape({view}).expand({self._shape(out.shape)})  # {py_comment(out)}"]
-        layout = self._layout_line(op) if op.SPEC.category == "layout" and op.op_name != "gather" else None
+        layout = self._layout_line(op) if op.SPEC.category == "layout" and op.op_name != Op.gather else None
         if layout is not None:
             return [layout]
-        if op.SPEC.category == "layout" and op.op_name != "gather":
+        if op.SPEC.category == "layout" and op.op_name != Op.gather:
             return [self._host_line(op)]
         name = self.namer.fresh(f"{op.op_name}_{counts[op.op_name]}")
         counts[op.op_name] += 1
@@ -407,7 +445,7 @@ class _Emitter:
         for op, dead in zip(prog.steps, dies):
             if isinstance(op, FusionOp):
                 body += self._group_lines(op, counts)
-            elif op.SPEC.category == "source" and op.op_name in ("weight", "constant"):
+            elif op.SPEC.category == "source" and op.op_name in (Op.weight, Op.constant):
                 self._source_op(op)
             else:
                 body += self._single(op, counts)

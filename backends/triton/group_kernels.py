@@ -39,7 +39,7 @@ from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.escape import py_docstring
 from tilegraph.ir.fusion import ANCHORS, row_reshape
-from tilegraph.ir.ops import OPS, py_literal
+from tilegraph.ir.ops import Op, OPS, py_literal
 from tilegraph.ir.shapes import Dim, TensorInfo, dims_equal, info_of, numel
 from tilegraph.backends.triton.lowering import TRITON, TRITON_INT
 
@@ -53,6 +53,28 @@ ROW_TILE_ELEMENTS = 4096
 CONFIG_STAGES = "cfg['num_stages']"
 # GEMM block rows per group of programs (the L2-friendly launch order of Triton's tutorial 03).
 GROUP_M = 8
+# The fewest rows a GEMM program holds when its epilogue reduces whole rows (a dot's M). Rows
+# wider than 2 * ROW_TILE_ELEMENTS / this are reduced by a kernel of their own: past that the
+# accumulator no longer fits in registers and spills, a cliff far steeper than one more pass
+# over the GEMM's result.
+MIN_WHOLE_ROW_BLOCK_M = 16
+# How tl.dot multiplies fp32 operands: "ieee" (fp32 FMAs, as torch with TF32 off) or "tf32x3"
+# (three TF32 tensor-core products per fp32 product, near fp32's accuracy).
+F32_DOT_PRECISION = "ieee"
+# Attention blocks the autotuner also tries beside the tile pass's (BLOCK_M queries, BLOCK_KV
+# keys, warps): the scores and both dot operands live in registers, so the best size depends
+# on the head dim and how tl.dot multiplies (FMAs replicate operands across threads).
+ATTENTION_CONFIGS = ((64, 32, 4), (32, 32, 4), (64, 64, 4), (128, 64, 8), (32, 64, 2))
+
+
+def triton_next_power_of_2(n: int) -> int:
+    """triton.next_power_of_2, here where the emitter decides (Triton's own is for host code)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def dot_precision(dtype: str) -> str:
+    """tl.dot's input_precision argument for operands of `dtype` ('' where Triton's default is right)."""
+    return f', input_precision="{F32_DOT_PRECISION}"' if dtype in ("f32", "f64") else ""
 
 TL_TYPES = {"f64": "tl.float64", "f32": "tl.float32", "f16": "tl.float16", "bf16": "tl.bfloat16",
             "i1": "tl.int1", "i8": "tl.int8", "i16": "tl.int16", "i32": "tl.int32", "i64": "tl.int64",
@@ -82,6 +104,16 @@ GEMM_TILE = ["pid = tl.program_id(0)", "num_m = tl.cdiv(M, BLOCK_M)", "in_group 
 
 class Unsupported(Exception):
     """This module cannot write the group as one kernel (the emitter splits it)."""
+
+
+class RowsTooWide(Unsupported):
+    """A GEMM's epilogue reduces whole rows wider than a program's accumulator can hold: the
+    emitter writes the GEMM (with its elementwise epilogue) and the row ops as two kernels."""
+
+
+def needs_whole_rows(op: TgOp) -> bool:
+    """Whether `op` needs a program to hold whole rows (reductions and scans over the last axis)."""
+    return bool(op.SPEC.reduction) or op.op_name in (Op.argmax, Op.argmin, Op.cumsum, Op.cumprod)
 
 
 def compute_type(dtype: str) -> str:
@@ -162,7 +194,7 @@ class KernelWriter:
         self.ref = ref
         self.lead: tuple[Dim, ...] = tuple(ref.shape[:-1])
         # The tile's columns: the one last dim (other than 1) of the non-anchor values.
-        epilogue = [op for op in self.ops if op not in self.anchors and op.op_name != "gather"]
+        epilogue = [op for op in self.ops if op not in self.anchors and op.op_name != Op.gather]
         lasts = [i.shape[-1] for op in epilogue for i in (info_of(v.type) for v in [*op.operands, *op.results])
                  if i.rank and not _is_one(i.shape[-1])]
         if any(not dims_equal(d, lasts[0]) for d in lasts):
@@ -268,23 +300,23 @@ class KernelWriter:
     def _op(self, op: TgOp) -> Value:
         out = op.result_infos()[0]
         name = op.op_name
-        if name == "constant":
+        if name == Op.constant:
             return self._constant(op, out)
-        if name == "reshape" and row_reshape(op):
+        if name == Op.reshape and row_reshape(op):
             src = self.value(op.operands[0])
             return Value(src.var, out, src.wide)
-        if name == "broadcast" and dims_equal(numel(info_of(op.operands[0].type).shape), numel(out.shape)):
+        if name == Op.broadcast and dims_equal(numel(info_of(op.operands[0].type).shape), numel(out.shape)):
             src = self.value(op.operands[0])
             return Value(src.var, out, src.wide)
         args = [self.value(v) for v in op.operands]
         var = self._fresh("t")
         if op.SPEC.reduction:
             return self._row_reduction(op, args[0], out, var)
-        if name in ("argmax", "argmin"):
+        if name in (Op.argmax, Op.argmin):
             return self._arg_reduction(op, args[0], out, var)
-        if name in ("cumsum", "cumprod"):
+        if name in (Op.cumsum, Op.cumprod):
             return self._scan(op, args[0], out, var)
-        if name == "trilu":
+        if name == Op.trilu:
             x = args[0]
             keep = f"(cols - c{len(self.lead) - 1}) {'>=' if op.attr('upper') else '<='} {op.attr('k')}"
             if len(self.lead) < 1 or not x.wide:
@@ -347,13 +379,13 @@ class KernelWriter:
         rank = info_of(op.operands[0].type).rank
         if op.attr("axis") % rank != rank - 1 or not op.attr("keepdims") or not self.whole_rows:
             raise Unsupported(f"tg.{op.op_name} over a non-last axis in a row kernel")
-        neutral = "float('-inf')" if op.op_name == "argmax" else "float('inf')"
-        fn = "tl.argmax" if op.op_name == "argmax" else "tl.argmin"
+        neutral = "float('-inf')" if op.op_name == Op.argmax else "float('inf')"
+        fn = "tl.argmax" if op.op_name == Op.argmax else "tl.argmin"
         valid = f"tl.where(cols < N, {x.var}, {neutral})"
         if op.attr("select_last_index"):
             # tl.argmax(tie_break_left=False) breaks ties either way (its fast path), not to the
             # last index: the last column holding the extreme value.
-            extreme = "tl.max" if op.op_name == "argmax" else "tl.min"
+            extreme = "tl.max" if op.op_name == Op.argmax else "tl.min"
             self.body.append(f"{var} = {valid}")
             self.body.append(f"{var} = tl.max(tl.where({var} == {extreme}({var}, axis=1, keep_dims=True), cols, -1), "
                              f"axis=1, keep_dims=True).to({TL_TYPES[out.dtype]})")
@@ -365,12 +397,12 @@ class KernelWriter:
         rank = info_of(op.operands[0].type).rank
         if op.attr("axis") % rank != rank - 1 or not self.whole_rows:
             raise Unsupported(f"tg.{op.op_name} over a non-last axis in a row kernel")
-        if op.op_name == "cumprod" and op.attr("exclusive"):
+        if op.op_name == Op.cumprod and op.attr("exclusive"):
             raise Unsupported("exclusive cumprod")
         reverse = bool(op.attr("reverse"))
-        neutral = "0" if op.op_name == "cumsum" else "1"
+        neutral = "0" if op.op_name == Op.cumsum else "1"
         masked = f"tl.where(cols < N, {x.var}, {neutral})"
-        if op.op_name == "cumsum":
+        if op.op_name == Op.cumsum:
             self.body.append(f"{var} = tl.cumsum({masked}, axis=1, reverse={reverse})")
             if op.attr("exclusive"):
                 self.body.append(f"{var} = {var} - {x.var}")
@@ -404,7 +436,7 @@ class KernelWriter:
 
     def write(self) -> KernelCode:
         kinds = {op.op_name for op in self.anchors}
-        if [op.op_name for op in self.ops] == ["gather"]:
+        if [op.op_name for op in self.ops] == [Op.gather]:
             return self._gather_kernel()
         if not kinds:
             return self._rows_kernel()
@@ -421,7 +453,7 @@ class KernelWriter:
         its rows (row reshapes allowed) and its row width or one value per row."""
         rows = numel(out.shape[:-1])
         for op in epilogue:
-            if op.op_name == "constant":
+            if op.op_name == Op.constant:
                 continue  # a scalar, inline (the emitter takes arrays out of groups)
             for r in op.result_infos():
                 if not r.rank or not dims_equal(numel(r.shape[:-1]), rows) or not (
@@ -430,7 +462,7 @@ class KernelWriter:
 
     def _whole_rows(self, ops: Sequence[TgOp]) -> bool:
         """Whether the ops need a program to hold whole rows (reductions and scans over the last axis)."""
-        return any(op.SPEC.reduction or op.op_name in ("argmax", "argmin", "cumsum", "cumprod") for op in ops)
+        return any(needs_whole_rows(op) for op in ops)
 
     def _rows_kernel(self) -> KernelCode:
         self.whole_rows = self._whole_rows(self.ops)
@@ -482,6 +514,11 @@ class KernelWriter:
         epilogue = [op for op in self.ops if op not in matmuls]
         self._check_epilogue_within(epilogue, out)
         self.whole_rows = self._whole_rows(epilogue)
+        width = out.shape[-1]
+        if self.whole_rows and isinstance(width, int) and \
+                MIN_WHOLE_ROW_BLOCK_M * triton_next_power_of_2(width) > 2 * ROW_TILE_ELEMENTS:
+            raise RowsTooWide(f"rows of {width} reduced after a GEMM: an accumulator of "
+                              f"{MIN_WHOLE_ROW_BLOCK_M} x {triton_next_power_of_2(width)} fp32 values per program")
         k_dim, m_dim = a_info.shape[-1], out.shape[-2]
         batch = out.shape[:-2]
         self.n = out.shape[-1]
@@ -513,7 +550,7 @@ class KernelWriter:
             a_base = " + ".join(f"{c} * {s}" for c, s in zip(bc, a_strides)) or "0"
             b_base = [" + ".join(f"{c} * {s}" for c, s in zip(bc, bs)) or "0" for bs in b_strides]
             self.body.append("rows = pid_b * M + m")
-        precision = ', input_precision="ieee"' if a_info.dtype in ("f32", "f64") else ""
+        precision = dot_precision(a_info.dtype)
         self.body.append(f"a_ptrs = a + {a_base} + m * {a_strides[-2]} + kk[None, :] * {a_strides[-1]}")
         for i in range(len(matmuls)):
             self.body.append(f"acc{i} = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)")
@@ -538,7 +575,7 @@ class KernelWriter:
             # A row reduction in the epilogue: one program holds whole rows, so the accumulator
             # (at most 2 x ROW_TILE_ELEMENTS fp32 values) sets BLOCK_M, and the pipeline's stages
             # of operand tiles must still fit the shared memory a program may use.
-            blocks["BLOCK_M"] = f"max(16, min(cfg['BLOCK_M'], {ROW_TILE_ELEMENTS * 2} // BLOCK_N))"
+            blocks["BLOCK_M"] = f"max({MIN_WHOLE_ROW_BLOCK_M}, min(cfg['BLOCK_M'], {ROW_TILE_ELEMENTS * 2} // BLOCK_N))"
             blocks["BLOCK_K"] = "min(cfg['BLOCK_K'], 32)"
             if self.shared_memory:
                 size = dtypes.numpy_dtype(a_info.dtype).itemsize
@@ -572,7 +609,7 @@ class KernelWriter:
         self.body += ["pid_q = tl.program_id(0)", "pid_b = tl.program_id(1)"]
         bc = self._decompose("pid_b", batch, "bat")
         base = {n: " + ".join(f"{c} * {s}" for c, s in zip(bc, st)) or "0" for n, st in strides.items()}
-        precision = ', input_precision="ieee"' if qi.dtype in ("f32", "f64") else ""
+        precision = dot_precision(qi.dtype)
         qs, ks, vs = strides["q"], strides["k"], strides["v"]
         self.body += [
             "m = pid_q * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]",
@@ -627,8 +664,8 @@ class KernelWriter:
         results = self.store_outputs()
         t = self.tile
         # The tile pass's blocks (at most the sequence, which is not always a power of two) rounded up.
-        blocks = {"BLOCK_M": f"max(16, triton.next_power_of_2(min({int(t.get('block_q', 64))}, {self.dim(lq)})))",
-                  "BLOCK_KV": f"max(16, triton.next_power_of_2(min({int(t.get('block_kv', 64))}, {self.dim(lk)})))",
+        blocks = {"BLOCK_M": f"max(16, triton.next_power_of_2(min(cfg['BLOCK_M'], {self.dim(lq)})))",
+                  "BLOCK_KV": f"max(16, triton.next_power_of_2(min(cfg['BLOCK_KV'], {self.dim(lk)})))",
                   "BLOCK_D": f"max(16, triton.next_power_of_2({self.dim(dh)}))",
                   "BLOCK_N": f"max(16, triton.next_power_of_2({self.dim(dv)}))"}
         grid = f"(triton.cdiv({self.dim(lq)}, BLOCK_M), {self.dim(numel(batch)) if batch else '1'})"
@@ -638,8 +675,10 @@ class KernelWriter:
         pairs = (f"sum(max(0, min({lk_}, q + {lk_} - {lq_} + 1)) for q in range({lq_}))" if op.attr("causal")
                  else f"{lq_} * {lk_}")
         flops = f"2 * {self.dim(numel(batch) if batch else 1)} * ({pairs}) * ({self.dim(dh)} + {self.dim(dv)})"
-        return self._finish(results, blocks, grid, [{"num_warps": int(t.get("num_warps", 4)), "num_stages": 2}],
-                            flops=flops)
+        first = (int(t.get("block_q", 64)), int(t.get("block_kv", 64)), int(t.get("num_warps", 4)))
+        configs = [{"BLOCK_M": bm, "BLOCK_KV": bkv, "num_warps": w, "num_stages": 2}
+                   for bm, bkv, w in dict.fromkeys((first, *ATTENTION_CONFIGS))]
+        return self._finish(results, blocks, grid, configs, flops=flops)
 
     def _conv_kernel(self) -> KernelCode:
         (op,) = self.anchors
@@ -648,10 +687,10 @@ class KernelWriter:
         if xi.rank != 4 or not dtypes.is_float(xi.dtype) or any(v not in self.input_names for v in op.operands):
             raise Unsupported("a conv that is not 2-D, or reads a value computed in its own group")
         epilogue = [o for o in self.ops if o is not op]
-        if self._whole_rows(epilogue) or any(o.op_name == "trilu" for o in epilogue):
+        if self._whole_rows(epilogue) or any(o.op_name == Op.trilu for o in epilogue):
             raise Unsupported("a reduction after a conv (its tile's columns are channels, not the last axis)")
         if any(r.rank != out.rank or not all(dims_equal(a, b) for a, b in zip(r.shape, out.shape))
-               for o in epilogue if o.op_name != "constant" for r in o.result_infos()):
+               for o in epilogue if o.op_name != Op.constant for r in o.result_infos()):
             raise Unsupported("an epilogue broadcasting the conv's result to another shape (the tile is its pixels)")
         strides = op.attr("strides") or (1, 1)
         pads = op.attr("pads") or (0, 0, 0, 0)
@@ -678,7 +717,7 @@ class KernelWriter:
             "KTOT = CG * KH * KW",
             "for k0 in range(0, KTOT, BLOCK_K):",
         ]
-        precision = ', input_precision="ieee"' if xi.dtype in ("f32", "f64") else ""
+        precision = dot_precision(xi.dtype)
         loop = [
             "ka = (k0 + kk)[None, :]", "ci = ka // (KH * KW)", "kh = (ka // KW) % KH", "kw = ka % KW",
             f"ih = coh * {strides[0]} - {pads[0]} + kh * {dil[0]}",

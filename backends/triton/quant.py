@@ -13,11 +13,10 @@ factor out of the GEMM or ride along with it:
              ui8 activations with a zero point z:    (a - z) w = (a - 128) w + (128 - z) sum_k w
     fp8      f8E4M3FN x f8E4M3FN -> fp32 (tl.dot)    per-row x per-column: on the accumulator
     mxfp8    e4m3 x e4m3, tl.dot_scaled              E8M0 blocks of 32 along K, inside dot_scaled
-    mxfp4    bf16/fp16 x e2m1, tl.dot_scaled         the weight's E8M0 blocks, inside dot_scaled
-             (fp32 activations: see below)
-    w8, w4a16 (and mxfp4 on fp32 activations): the weight is read in its storage type,
-             decoded and scaled in registers (4-bit values unpacked from bytes), and
-             multiplied in the activation's precision
+             (and an MXFP8 activation times an MXFP4 weight: e4m3 x e2m1)
+    w8, w4a16, mxfp4 (weight-only): the weight is read in its storage type, decoded and
+             scaled in registers (4-bit values unpacked from bytes), and multiplied in
+             the activation's precision
 
 `group_quantized` does this at the IR level, on the backend's private copy of the module:
 it moves the tg.dequantize ops that feed a matmul (and the tg.dequantize reading a
@@ -28,11 +27,13 @@ tiles. tg.dynamic_quantize and tg.quantize of activations are row kernels of the
 live on the device two to a byte along K ([ceil(K/2), N] uint8: `runtime.pack_k`), the
 layout tl.dot_scaled reads e2m1 in; the 4-bit GEMMs unpack them in registers.
 
-Why fp32 activations do not go through tl.dot_scaled for MXFP4: its operand formats are
-e2m1, e4m3, e5m2, bf16 and fp16, so an fp32 activation would be rounded to bf16 first,
-a quantization the IR does not say (a weight-only scheme keeps activations float); the
-kernel decodes the weight tile to fp32 and uses tl.dot in IEEE fp32 instead. A bf16 or
-fp16 model's activations enter dot_scaled unchanged.
+Why weight-only MXFP4 does not go through tl.dot_scaled: its operand formats are e2m1,
+e4m3, e5m2, bf16 and fp16, so an fp32 activation would be rounded to bf16 first, a
+quantization the IR does not say (a weight-only scheme keeps activations float). For bf16
+activations no target multiplies bf16 x e2m1 natively (sm_90 and sm_100 both upcast the
+weight to bf16 first, as the decoded path does), and on an H100 with Triton 3.6 dot_scaled
+with an unscaled bf16 operand returned wrong products (relative error ~1 against the
+interpreter, where decoding the tile in registers agreed to bf16 rounding).
 
 Numerics, against the float64 interpreter of the quantized module: integer accumulators
 are exact (int8 x int8 products summed in int32, as tg.matmul_integer); fp8 and MX
@@ -42,8 +43,9 @@ no ties-to-even, no carry into the exponent); `runtime.py` gives it the conversi
 a GPU makes (cvt.rn.satfinite), as it does for bf16.
 
 What the hardware does with it (checked by tests/test_triton_quant.py on the PTX of
-ahead-of-time builds): on sm_90 tl.dot of int8 and fp8 tiles becomes wgmma with s8 and
-e4m3 operands; tl.dot_scaled is native on sm_100 (tcgen05.mma with block scales) and
+ahead-of-time builds): on sm_90 tl.dot of int8 tiles becomes wgmma with s8 operands, and of
+fp8 tiles mma.sync on operands widened to f16 (wgmma's own fp8 accumulation keeps fewer bits
+than fp32, and the kernels accumulate as the IR says: in fp32); tl.dot_scaled is native on sm_100 (tcgen05.mma with block scales) and
 emulated on sm_90 (operands upcast to bf16, then wgmma).
 """
 
@@ -56,13 +58,13 @@ from xdsl.ir import Block, Operation, SSAValue
 from xdsl.rewriter import Rewriter
 
 from tilegraph.ir import dtypes
-from tilegraph.ir.ops import OPS, QUANTIZATION_OPS
+from tilegraph.ir.ops import Op, OPS, QUANTIZATION_OPS
 from tilegraph.ir.dialect import FusionOp, TgOp, YieldOp
 from tilegraph.ir.fusion import ANCHORS, GroupKind
 from tilegraph.ir.quant import FORMATS, MIN_SCALE, MX_BLOCK
 from tilegraph.ir.shapes import TensorInfo, dims_equal, info_of, numel
 from tilegraph.backends.triton.group_kernels import (AXIS_OPS, GEMM_TILE, GROUP_M, INDENT, POINTER_TYPES, ROW_TILE_ELEMENTS,
-                                     TL_TYPES, TORCH_TYPES, KernelCode, KernelWriter, Unsupported, Value, compute_type)
+                                     TL_TYPES, TORCH_TYPES, KernelCode, KernelWriter, Unsupported, Value, compute_type, dot_precision)
 
 # Element types only these kernels read or write (Triton's names for them); E8M0 scales and
 # 4-bit values travel as their bytes (uint8).
@@ -91,6 +93,13 @@ MIN_BLOCK_M_8BIT = 64
 MIN_BLOCK_M_SCALED = 128
 # An E8M0 byte for a scale of 1 (2^0): what masked-off blocks of dot_scaled read.
 E8M0_ONE = 127
+# tl.dot's accumulator type must be its out_dtype, which is float32 unless named: an int32
+# accumulator needs out_dtype=tl.int32 (the interpreter does not check; the compiler asserts).
+INTEGER_DOT = "acc = tl.dot(a_tile, b_tile, acc, out_dtype=tl.int32)"
+# On sm_90 Triton lets fp8 wgmma accumulate in the tensor core's reduced precision across the
+# whole K loop unless told otherwise; 0 asks for every product added into the fp32 accumulator,
+# so the result is what the float64 interpreter computes within fp32 rounding.
+FP8_DOT = "acc = tl.dot(a_tile, b_tile, acc, max_num_imprecise_acc=0)"
 
 
 # --- grouping: the prologue and epilogue of each quantized GEMM in one tg.fusion ----------------------------
@@ -102,7 +111,7 @@ def group_quantized(func) -> None:
     for op in list(func.body.block.ops):
         if op.parent_block() is None:
             continue  # merged already
-        if isinstance(op, TgOp) and op.op_name == "matmul_integer":
+        if isinstance(op, TgOp) and op.op_name == Op.matmul_integer:
             _group_integer(op, rewriter)
         elif _matmul_of(op) is not None:
             _group_float(op, rewriter)
@@ -111,10 +120,10 @@ def group_quantized(func) -> None:
 def _matmul_of(op: Operation) -> TgOp | None:
     """The one matmul a lone op or a fused group is (or is anchored on)."""
     if isinstance(op, TgOp):
-        return op if op.op_name == "matmul" else None
+        return op if op.op_name == Op.matmul else None
     if isinstance(op, FusionOp):
         mms = [o for o in op.ops if o.op_name in ANCHORS]
-        return mms[0] if len(mms) == 1 and mms[0].op_name == "matmul" else None
+        return mms[0] if len(mms) == 1 and mms[0].op_name == Op.matmul else None
     return None
 
 
@@ -132,7 +141,7 @@ def _only_user(v: SSAValue) -> Operation | None:
 
 def _top_dequantize(v: SSAValue, reader: Operation) -> TgOp | None:
     owner = v.owner
-    if isinstance(owner, TgOp) and owner.op_name == "dequantize" and owner.parent_block() is reader.parent_block() \
+    if isinstance(owner, TgOp) and owner.op_name == Op.dequantize and owner.parent_block() is reader.parent_block() \
             and _only_user(owner.results[0]) is reader:
         return owner
     return None
@@ -143,7 +152,7 @@ def _group_float(group: Operation, rewriter: Rewriter) -> None:
     a, w = (_outer(group, v) for v in mm.operands)
     wdeq = _top_dequantize(w, group)
     if wdeq is None or not (isinstance(wdeq.operands[0].owner, TgOp) and
-                            wdeq.operands[0].owner.op_name in ("weight", "constant")) \
+                            wdeq.operands[0].owner.op_name in (Op.weight, Op.constant)) \
             or info_of(wdeq.operands[0].type).rank != 2 or info_of(a.type).rank < 2:
         return
     adeq = _top_dequantize(a, group) or _own_copy(a, group, rewriter)
@@ -185,7 +194,7 @@ def _own_copy(a: SSAValue, reader: Operation, rewriter: Rewriter) -> TgOp | None
     it for `reader` alone, so that each GEMM multiplies the quantized values itself; the original
     goes when the last reader has its copy."""
     deq = a.owner
-    if not (isinstance(deq, TgOp) and deq.op_name == "dequantize" and deq.parent_block() is reader.parent_block()):
+    if not (isinstance(deq, TgOp) and deq.op_name == Op.dequantize and deq.parent_block() is reader.parent_block()):
         return None
     copy = deq.clone()
     rewriter.insert_op(copy, _after(deq))
@@ -200,7 +209,7 @@ def _own_copy(a: SSAValue, reader: Operation, rewriter: Rewriter) -> TgOp | None
 def _group_integer(mi: TgOp, rewriter: Rewriter) -> None:
     items: list[Operation] = [mi]
     deq = _only_user(mi.results[0])
-    if isinstance(deq, TgOp) and deq.op_name == "dequantize" and deq.parent_block() is mi.parent_block():
+    if isinstance(deq, TgOp) and deq.op_name == Op.dequantize and deq.parent_block() is mi.parent_block():
         items.append(deq)
         after = _only_user(deq.results[0])
         # The elementwise group after it (the row scale of dynamic quantization, bias, activation)
@@ -291,7 +300,7 @@ class QuantKernelWriter(KernelWriter):
         infos = [info_of(v.type) for op in self.ops for v in [*op.operands, *op.results]]
         if any(i.dtype not in allowed for i in infos):
             raise Unsupported("an element type without a Triton type")
-        self.anchor = next((op for op in self.ops if op.op_name in ("matmul", "matmul_integer")), None)
+        self.anchor = next((op for op in self.ops if op.op_name in (Op.matmul, Op.matmul_integer)), None)
         self.prologue = self._prologue()
         ends = [op for op in self.ops if op is not self.anchor and op not in self.prologue]
         ref = max((info_of(r.type) for op in (ends or self.ops) for r in op.results), key=lambda i: i.rank)
@@ -303,10 +312,10 @@ class QuantKernelWriter(KernelWriter):
         self.conv_layout = False
 
     def _prologue(self) -> list[TgOp]:
-        if self.anchor is None or self.anchor.op_name != "matmul":
+        if self.anchor is None or self.anchor.op_name != Op.matmul:
             return []
         return [v.owner for v in self.anchor.operands[:2]
-                if isinstance(v.owner, TgOp) and v.owner.op_name == "dequantize" and v.owner in self.ops]
+                if isinstance(v.owner, TgOp) and v.owner.op_name == Op.dequantize and v.owner in self.ops]
 
     def _pointer(self, name: str, dtype: str, host: str) -> str:
         return self._param(name, QUANT_POINTERS[dtype], host)
@@ -317,14 +326,14 @@ class QuantKernelWriter(KernelWriter):
             return self._quantize_rows_kernel()
         if self.anchor is not None:
             return self._quantized_gemm_kernel()
-        if all(op.op_name == "dequantize" or op.SPEC.category == "elementwise" for op in self.ops):
+        if all(op.op_name == Op.dequantize or op.SPEC.category == "elementwise" for op in self.ops):
             return self._rows_kernel()  # integers to float, elementwise (`_op` below)
         raise Unsupported(f"quantization ops ({' '.join(names)}) outside a quantized GEMM")
 
     # --- tg.dequantize of integers, scales along the last axis: elementwise (the GEMM's accumulator) ---------
 
     def _op(self, op: TgOp) -> Value:
-        if op.op_name != "dequantize":
+        if op.op_name != Op.dequantize:
             if op.op_name in QUANTIZATION_OPS:
                 raise Unsupported(f"tg.{op.op_name} in a GEMM's epilogue")
             return super()._op(op)
@@ -353,7 +362,7 @@ class QuantKernelWriter(KernelWriter):
         fmt = FORMATS[to]
         if xi.rank == 0 or to in PACKED or dtypes.is_float(to) and to not in FP8_TYPES:
             raise Unsupported(f"quantizing to {to} on the device")
-        dynamic = op.op_name == "dynamic_quantize"
+        dynamic = op.op_name == Op.dynamic_quantize
         block = op.attr("block_size")
         if not dynamic and (op.attr("block_size") or info_of(op.operands[1].type).rank != 0):
             raise Unsupported("tg.quantize by a scale other than one per tensor")
@@ -429,7 +438,7 @@ class QuantKernelWriter(KernelWriter):
 
     def _sides(self) -> tuple[Side, Side]:
         mm = self.anchor
-        if mm.op_name == "matmul_integer":
+        if mm.op_name == Op.matmul_integer:
             zp = mm.operands[2] if len(mm.operands) > 2 else None
             return Side(mm.operands[0], zero_point=zp), Side(mm.operands[1])
         sides = []
@@ -457,7 +466,7 @@ class QuantKernelWriter(KernelWriter):
     def _mode(self, a: Side, b: Side) -> str:
         """integer | raw (8-bit floats, scales outside the K sum) | scaled (tl.dot_scaled) | dequant (the
         weight decoded in registers)."""
-        if self.anchor.op_name == "matmul_integer":
+        if self.anchor.op_name == Op.matmul_integer:
             if a.dtype not in ("i8", "ui8") or b.dtype != "i8":
                 raise Unsupported(f"an integer GEMM of {a.dtype} x {b.dtype}")
             return "integer"
@@ -474,9 +483,6 @@ class QuantKernelWriter(KernelWriter):
             raise Unsupported(f"a matmul of {a.dtype}")
         if b.scale is None:
             raise Unsupported("a float matmul in a quantized group")
-        if b.mx and b.layout == "block" and b.block == MX_BLOCK and a.dtype in ("bf16", "f16") \
-                and b.dtype in SCALED_FORMATS:
-            return "scaled"
         return "dequant"
 
     def _quantized_gemm_kernel(self) -> KernelCode:
@@ -523,7 +529,7 @@ class QuantKernelWriter(KernelWriter):
         if mode == "integer":
             loop += self._integer_loop(a, body, after)
         elif mode == "raw":
-            loop.append("acc = tl.dot(a_tile, b_tile, acc)")
+            loop.append(FP8_DOT)
         elif mode == "scaled":
             loop += self._scaled_loop(a, b, k_dim)
         else:
@@ -568,7 +574,7 @@ class QuantKernelWriter(KernelWriter):
         difference made good after the loop: (a - z) w = (a - 128) w + (128 - z) colsum(w)."""
         shift = 128 if a.dtype == "ui8" else 0
         if not shift and a.zero_point is None:
-            return ["acc = tl.dot(a_tile, b_tile, acc)"]
+            return [INTEGER_DOT]
         body.append("wsum = tl.zeros([BLOCK_N], dtype=tl.int32)")
         correction = str(shift)
         if a.zero_point is not None:
@@ -576,7 +582,7 @@ class QuantKernelWriter(KernelWriter):
             correction = f"({shift} - tl.load(zp).to(tl.int32))"
         after.append(f"acc = acc + {correction} * wsum[None, :]")
         return [f"a_tile = (a_tile.to(tl.int32) - {shift}).to(tl.int8)",
-                "acc = tl.dot(a_tile, b_tile, acc)",
+                INTEGER_DOT,
                 "wsum += tl.sum(b_tile.to(tl.int32), axis=0)"]
 
     def _block_scale(self, side: Side, name: str, transposed: bool) -> tuple[list[str], str]:
@@ -625,7 +631,7 @@ class QuantKernelWriter(KernelWriter):
                 self.helpers.add("tlquant")
                 s = f"tlquant.e8m0({s})"
             lines.append(f"w = w * {s}.to(tl.float32)")
-        precision = ', input_precision="ieee"' if a.dtype in ("f32", "f64") else ""
+        precision = dot_precision(a.dtype)
         lines.append(f"acc = tl.dot(a_tile, w.to(a_tile.dtype), acc{precision})")
         return lines
 

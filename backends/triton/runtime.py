@@ -91,13 +91,14 @@ def to_numpy(tensor: torch.Tensor) -> np.ndarray:
         nibbles = np.empty((packed.shape[0] * 2,) + packed.shape[1:], np.uint8)
         nibbles[0::2], nibbles[1::2] = packed & 0x0F, packed >> 4
         return nibbles[:rows].view(tensor.tg_dtype)  # type: ignore[attr-defined]
+    tg_dtype = getattr(tensor, "tg_dtype", None)  # an attribute of this tensor object: .cpu() drops it
     tensor = tensor.detach().cpu() if tensor.device.type != "cpu" or tensor.requires_grad else tensor
     if tensor.dtype == torch.bfloat16:
         return tensor.contiguous().view(torch.uint16).numpy().view(dtypes.numpy_dtype("bf16"))
     if str(tensor.dtype)[6:] in _TORCH_FLOAT8:
         return tensor.contiguous().view(torch.uint8).numpy().view(np.dtype(getattr(ml_dtypes, str(tensor.dtype)[6:])))
-    if getattr(tensor, "tg_dtype", None) is not None:
-        return tensor.numpy().view(tensor.tg_dtype)  # type: ignore[attr-defined]
+    if tg_dtype is not None:
+        return tensor.numpy().view(tg_dtype)
     return tensor.numpy()
 
 

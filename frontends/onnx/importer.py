@@ -21,7 +21,7 @@ from tilegraph.ir.builder import INLINE_CONSTANT_LIMIT, Graph, Tensor
 from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.interpreter import dtype_code, evaluate_rendered, shape_code
 from tilegraph.ir.model import Model
-from tilegraph.ir.ops import OPS, infer, normalize_attrs, render
+from tilegraph.ir.ops import Op, OPS, infer, normalize_attrs, render
 from tilegraph.ir.shapes import Dim, TensorInfo, is_static, symbol, symbol_named
 
 
@@ -369,7 +369,7 @@ class _Importer:
                       shape_code(outs[0].shape), dt)
         try:
             with np.errstate(all="ignore"):
-                if symbolic and name == "div":
+                if symbolic and name == Op.div:
                     # K.div tests the dtype to truncate integers, which object arrays of sympy
                     # values defeat; shape values are >= 0, where truncation is floor.
                     value = np.vectorize(lambda a, b: sympy.floor(sympy.sympify(a) / sympy.sympify(b)),

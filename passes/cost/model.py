@@ -81,7 +81,7 @@ from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.fusion import ANCHORS, VIEW_OPS, flat_ok, row_gemm, siblings, widest
 from tilegraph.ir.hardware import MIN_PARALLEL_SCORES
 from tilegraph.ir.block_formats import PANEL_ELEMENTS
-from tilegraph.ir.ops import OPS, QUANTIZATION_OPS
+from tilegraph.ir.ops import Op, OPS, QUANTIZATION_OPS
 from tilegraph.ir.ops import expected_sizes as op_expected_sizes
 from tilegraph.ir.shapes import Dim, TensorInfo, info_of, numel, symbol
 
@@ -216,7 +216,7 @@ NOMINAL_DIM = 256
 
 
 def _gemm_rate(hw, op: TgOp) -> float:
-    if op.op_name == "einsum":  # no fixed GEMM shape: priced as a cube of the same volume
+    if op.op_name == Op.einsum:  # no fixed GEMM shape: priced as a cube of the same volume
         m = n = k = max(1.0, at_nominal(op_flops(op)) / 2) ** (1 / 3)
     else:
         m, n, k = (at_nominal(d) for d in _matmul_shape(op))
@@ -280,9 +280,9 @@ def _calls(name: str) -> int:
 def _anchor_time(op: TgOp, hw, cores: int) -> sympy.Expr:
     """(CPU) Compute time of an anchor run whole, its GEMMs on `cores` cores."""
     flops = op_flops(op)
-    if op.op_name == "conv" and hw.conv_rate:  # K.conv: im2col and small batched GEMMs, off the GEMM curve, one core
+    if op.op_name == Op.conv and hw.conv_rate:  # K.conv: im2col and small batched GEMMs, off the GEMM curve, one core
         return flops / hw.conv_rate
-    if op.op_name != "attention":
+    if op.op_name != Op.attention:
         return flops / (_gemm_rate(hw, op) * _parallel(hw, cores))
     # attention_tiled (backends/numpy/attention.py): QK^T and PV GEMMs and a softmax over the scores, on all cores
     # only above the kernel's own threshold (ir/hardware.MIN_PARALLEL_SCORES).
@@ -313,7 +313,7 @@ def _uncached(hw, bytes_: sympy.Expr, ops: Sequence[Operation]) -> sympy.Expr:
     not cache, speed, though under 2 cores' L2.
     """
     weights = {v: None for op in ops for v in map(_through_views, op.operands)
-               if isinstance(v.owner, TgOp) and v.owner.op_name == "weight"}
+               if isinstance(v.owner, TgOp) and v.owner.op_name == Op.weight}
     cold = sum((_nbytes(info_of(v.type)) for v in weights), sympy.Integer(0))
     return _from_memory(hw, bytes_, cold)
 
@@ -344,7 +344,7 @@ def _parallel(hw, workers) -> sympy.Expr:
 
 def op_cost(op: TgOp, hw) -> Cost:
     """The predicted cost of one op run on its own (an unfused kernel / NumPy call)."""
-    if op.op_name in QUANTIZATION_OPS or (op.op_name == "matmul" and any(_dequantized(v) for v in op.operands)):
+    if op.op_name in QUANTIZATION_OPS or (op.op_name == Op.matmul and any(_dequantized(v) for v in op.operands)):
         return _quant_cost(op, hw)
     return _float_cost(op, hw)
 
@@ -355,7 +355,7 @@ def _float_cost(op: TgOp, hw) -> Cost:
     flops, bytes_ = op_flops(op), op_bytes(op)
     out = op.result_infos()[0]
     zero = sympy.Integer(0)
-    if name in ("weight", "constant"):
+    if name in (Op.weight, Op.constant):
         return Cost(zero, zero, zero, zero, zero, zero, kernels=0, label=name, ops=[name])
     if name in VIEW_OPS:  # nothing moves: a NumPy view, or index arithmetic in the consumer's GPU kernel
         overhead = sympy.Float(hw.launch_overhead if hw.kind == "cpu" and hw.backend != "c" else 0)
@@ -367,7 +367,7 @@ def _float_cost(op: TgOp, hw) -> Cost:
             # at most the whole table.
             moved = sum((_nbytes(info) for info in op.result_infos()), zero)
             tables = [v for v in map(_through_views, op.operands)
-                      if isinstance(v.owner, TgOp) and v.owner.op_name == "weight"]
+                      if isinstance(v.owner, TgOp) and v.owner.op_name == Op.weight]
             cold = sympy.Min(moved, sum((_nbytes(info_of(v.type)) for v in tables), zero)) if tables else zero
             memory = _c_memory(hw, 2 * moved, cold)
             overhead = _c_step(hw, _elements(out))
@@ -401,13 +401,13 @@ def _float_cost(op: TgOp, hw) -> Cost:
 def _dequantized(v) -> TgOp | None:
     """The tg.dequantize producing `v`, if one does."""
     owner = v.owner
-    return owner if isinstance(owner, TgOp) and owner.op_name == "dequantize" else None
+    return owner if isinstance(owner, TgOp) and owner.op_name == Op.dequantize else None
 
 
 def _prologue(op: TgOp) -> bool:
     """(GPU) A dequantize whose every use is a GEMM operand: it runs inside that GEMM."""
     uses = [u.operation for u in op.results[0].uses]
-    return bool(uses) and all(isinstance(u, TgOp) and u.op_name in ("matmul", "matmul_integer") for u in uses)
+    return bool(uses) and all(isinstance(u, TgOp) and u.op_name in (Op.matmul, Op.matmul_integer) for u in uses)
 
 
 def _storage_bytes(info: TensorInfo) -> sympy.Expr:
@@ -426,25 +426,25 @@ def _quant_cost(op: TgOp, hw) -> Cost:
     name, zero = op.op_name, sympy.Integer(0)
     ins = [info_of(v.type) for v in op.operands]
     out = op.result_infos()[0]
-    flops = op_flops(op) if name in ("matmul", "block_matmul") else zero
-    if name == "matmul_integer":
+    flops = op_flops(op) if name in (Op.matmul, Op.block_matmul) else zero
+    if name == Op.matmul_integer:
         m, n, k = _matmul_shape(op)
         flops = 2 * m * n * k
     if hw.kind == "gpu":
-        if name == "dequantize" and _prologue(op):
+        if name == Op.dequantize and _prologue(op):
             return Cost(zero, zero, zero, zero, zero, zero, kernels=0, label=name, ops=[name])
         reads = []
         for v, info in zip(op.operands, ins):
-            dq = _dequantized(v) if name == "matmul" else None
+            dq = _dequantized(v) if name == Op.matmul else None
             if dq is not None and _prologue(dq):  # the GEMM reads what the dequantize would have
                 reads += [_storage_bytes(info_of(x.type)) for x in dq.operands]
             else:
                 reads.append(_storage_bytes(info))
         bytes_ = sum(reads, zero) + _storage_bytes(out)
         memory = bytes_ / hw.memory_bandwidth
-        if name in ("matmul", "matmul_integer"):
+        if name in (Op.matmul, Op.matmul_integer):
             narrow = [info_of(d.operands[0].type).dtype for v in op.operands if (d := _dequantized(v)) is not None]
-            dtype = "i8" if name == "matmul_integer" else (
+            dtype = "i8" if name == Op.matmul_integer else (
                 min(narrow, key=lambda t: dtypes.numpy_dtype(t).itemsize) if len(narrow) == 2 else out.dtype)
             m, n, k = (max(1, int(at_nominal(d))) for d in _matmul_shape(op))
             compute = flops / hw.matmul_rate(m, n, k, dtype)
@@ -458,25 +458,25 @@ def _quant_cost(op: TgOp, hw) -> Cost:
     add = hw.ufunc_rates.get("add") or hw.cache_bandwidth / 8
     x = _elements(ins[0])
     calls = 0
-    if name == "matmul":
+    if name == Op.matmul:
         cost = _float_cost(op, hw)  # NumPy: the dequantized operands are float arrays by then
         return Cost(cost.flops, bytes_, cost.time, cost.compute_time, cost.memory_time, cost.overhead, label=name,
                     ops=[name])
-    if name == "dequantize":  # cast, (subtract zero point), broadcast the scale to x's shape, multiply
+    if name == Op.dequantize:  # cast, (subtract zero point), broadcast the scale to x's shape, multiply
         scale = ins[1]
         passes = x * (CAST_PASSES.get(ins[0].dtype, (1, 1))[0] + 2 + (1 if len(ins) > 2 else 0)) \
             + _elements(scale) * CAST_PASSES.get(scale.dtype, (1, 1))[0]
         calls = 5
-    elif name == "quantize":  # divide, rint, (add zero point), clip, cast
+    elif name == Op.quantize:  # divide, rint, (add zero point), clip, cast
         passes = x * (2 + CLIP_PASSES + CAST_PASSES.get(out.dtype, (1, 1))[1] + (1 if len(ins) > 2 else 0))
         calls = 6
-    elif name in ("block_matmul", "block_gather"):  # ir/block_formats.py: unpack, scale, offset per value
-        values = _elements(out) if name == "block_gather" else _elements(ins[1]) / ins[1].shape[1] * op.attr("k")
+    elif name in (Op.block_matmul, Op.block_gather):  # ir/block_formats.py: unpack, scale, offset per value
+        values = _elements(out) if name == Op.block_gather else _elements(ins[1]) / ins[1].shape[1] * op.attr("k")
         passes = values * BLOCK_DEQUANT_PASSES
-        if name == "block_matmul":  # then one sgemm per panel of dequantized rows
+        if name == Op.block_matmul:  # then one sgemm per panel of dequantized rows
             passes += flops / (_gemm_rate(hw, op) * _parallel(hw, hw.cores)) * add
         calls = 4 * (1 + values // PANEL_ELEMENTS)
-    elif name == "dynamic_quantize":  # |x|, row max, then quantize by the row (or block) scale
+    elif name == Op.dynamic_quantize:  # |x|, row max, then quantize by the row (or block) scale
         passes = x * (3 + 2 + CLIP_PASSES + CAST_PASSES.get(out.dtype, (1, 1))[1])
         calls = 10
     else:  # matmul_integer: both operands to float32, one sgemm per 2^24-safe chunk of K, int32 adds
@@ -647,16 +647,16 @@ def _c_rate(hw, name: str) -> float:
 def _c_anchor_time(op: TgOp, hw) -> sympy.Expr:
     """(C) An anchor's compute: oneDNN's GEMM or convolution on all threads, the flash kernel."""
     flops = op_flops(op)
-    if op.op_name == "conv" and hw.conv_rate:
+    if op.op_name == Op.conv and hw.conv_rate:
         return flops / hw.conv_rate
-    if op.op_name == "attention" and hw.attention_rates:
+    if op.op_name == Op.attention and hw.attention_rates:
         q, k = (info_of(v.type) for v in op.operands[:2])
         d = _sized(q.shape[-1])
         if op.attr("causal"):  # the flash kernel stops at the diagonal: the visible share of the keys
             lq, lk = (max(1.0, at_nominal(_sized(x.shape[-2]))) for x in (q, k))
             flops = flops * min(1.0, (max(lk - lq, 0.0) + (lq + 1) / 2) / lk)
         return flops / (_interpolate(hw.attention_rates, at_nominal(d)) * max(hw.attention_speedup, 1.0))
-    if op.op_name == "einsum":
+    if op.op_name == Op.einsum:
         return flops / _gemm_rate(hw, op) / _parallel(hw, hw.cores)
     m, n, k = (max(1, int(at_nominal(d))) for d in _matmul_shape(op))  # type: ignore[assignment]
     return flops / hw.matmul_rate(m, n, k, op.result_infos()[0].dtype, threaded=True)
@@ -665,7 +665,7 @@ def _c_anchor_time(op: TgOp, hw) -> sympy.Expr:
 def _cold_bytes(ops: Sequence[TgOp]) -> sympy.Expr:
     """Bytes of the weights `ops` read: from memory on every forward."""
     weights = {v: None for op in ops for v in map(_through_views, op.operands)
-               if isinstance(v.owner, TgOp) and v.owner.op_name == "weight"}
+               if isinstance(v.owner, TgOp) and v.owner.op_name == Op.weight}
     return sum((_nbytes(info_of(v.type)) for v in weights), sympy.Integer(0))
 
 
@@ -754,7 +754,7 @@ def module_cost(module: Operation, hw) -> ModelCost:
         if isinstance(op, FusionOp):
             rows.append((f"fusion {op.kind}", fusion_cost(op, hw)))
         elif isinstance(op, TgOp) and not isinstance(op.parent_op(), FusionOp):
-            if op.op_name not in ("weight", "constant"):
+            if op.op_name not in (Op.weight, Op.constant):
                 rows.append((op.op_name, op_cost(op, hw)))
     expected = expected_sizes(module)
     if expected:

@@ -12,6 +12,7 @@ from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.quant import MX_BLOCK
 from tilegraph.ir.shapes import info_of
+from tilegraph.ir.ops import Op
 
 
 class QuantizeError(TilegraphError):
@@ -61,13 +62,13 @@ def linear_layers(func_ops: Iterable[Operation], store) -> list[tuple[TgOp, TgOp
     (a tg.weight, or a small tg.constant: the builder keeps tiny weights inline)."""
     found = []
     for op in func_ops:
-        if not (isinstance(op, TgOp) and op.op_name == "matmul"):
+        if not (isinstance(op, TgOp) and op.op_name == Op.matmul):
             continue
         a, w = op.operands
         owner = w.owner
-        if not (isinstance(owner, TgOp) and owner.op_name in ("weight", "constant")):
+        if not (isinstance(owner, TgOp) and owner.op_name in (Op.weight, Op.constant)):
             continue
-        if owner.op_name == "weight" and owner.attr("name") not in store:
+        if owner.op_name == Op.weight and owner.attr("name") not in store:
             continue
         wi, ai = info_of(w.type), info_of(a.type)
         if wi.rank != 2 or ai.rank < 2 or wi.dtype not in ("f32", "f16", "bf16"):
@@ -80,10 +81,10 @@ def embedding_tables(func_ops: Iterable[Operation], store) -> list[tuple[TgOp, T
     """(gather, table weight op) for every row lookup (gather on axis 0) in a 2-D float weight."""
     found = []
     for op in func_ops:
-        if not (isinstance(op, TgOp) and op.op_name == "gather" and op.attr("axis") == 0):
+        if not (isinstance(op, TgOp) and op.op_name == Op.gather and op.attr("axis") == 0):
             continue
         owner = op.operands[0].owner
-        if isinstance(owner, TgOp) and owner.op_name == "weight" and owner.attr("name") in store and \
+        if isinstance(owner, TgOp) and owner.op_name == Op.weight and owner.attr("name") in store and \
                 info_of(op.operands[0].type).rank == 2 and info_of(op.operands[0].type).dtype in ("f32", "f16", "bf16"):
             found.append((op, owner))
     return found
@@ -91,8 +92,8 @@ def embedding_tables(func_ops: Iterable[Operation], store) -> list[tuple[TgOp, T
 
 def layer_name(w: TgOp, index: int) -> str:
     """What a layer is called: its weight's name (an inline constant weight: `linear<index>`)."""
-    return w.attr("name") if w.op_name == "weight" else f"linear{index}"
+    return w.attr("name") if w.op_name == Op.weight else f"linear{index}"
 
 
 def weight_value(w: TgOp, store) -> np.ndarray:
-    return np.asarray(store[w.attr("name")] if w.op_name == "weight" else w.attr("value"), np.float32)
+    return np.asarray(store[w.attr("name")] if w.op_name == Op.weight else w.attr("value"), np.float32)

@@ -22,6 +22,7 @@ from tilegraph.passes.quantize.files import load_calibration
 from tilegraph.passes.quantize.observers import activation_params, weight_scale
 from tilegraph.passes.quantize.schemes import (FORMATS_SEPARATOR, GRANULARITIES, ROUNDINGS, SCHEMES, QuantizeError,
                                                Scheme, embedding_tables, layer_name, linear_layers, weight_value)
+from tilegraph.ir.ops import Op
 
 
 # --- the pass -------------------------------------------------------------------------------
@@ -212,7 +213,7 @@ class _Layer:
         block.erase_op(self.mm)
         if not self.w.results[0].uses:
             block.erase_op(self.w)
-            if self.w.op_name == "weight":
+            if self.w.op_name == Op.weight:
                 del self.store[name]
 
     def _static(self):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tilegraph.cli.common import (_formula, _input_symbols, check_dims, describe_sizes, format_time, parse_dims,
                                   sizes_for, spec_text)
+from tilegraph.ir.ops import Op
 
 
 def _shard(args) -> int:
@@ -130,12 +131,12 @@ def _print_plan(p) -> None:
             print(f"-- {title}")
         width = max(len(c.node.label) for c in rows)
         for c in rows:
-            if c.node.op is None or c.node.op.op_name in ("weight", "constant") or not (c.compute or c.comm):
+            if c.node.op is None or c.node.op.op_name in (Op.weight, Op.constant) or not (c.compute or c.comm):
                 continue
             print(f"  {c.node.label:<{width}}  {c.strategy.name:<12}  compute {format_time(c.compute):>10}  "
                   f"comm {format_time(c.comm):>10}")
         split = [f"{c.node.label} {spec_text(c.strategy.out)}" for c in rows
-                 if c.node.op is not None and c.node.op.op_name == "weight" and c.strategy.name != "R"]
+                 if c.node.op is not None and c.node.op.op_name == Op.weight and c.strategy.name != "R"]
         inputs = [f"{c.node.label} {spec_text(c.strategy.out)}" for c in rows if c.node.op is None]
         if inputs:
             print(f"  inputs: {', '.join(inputs)}")

@@ -9,7 +9,7 @@ import numpy as np
 
 from tilegraph.accuracy import MAX_SYMBOL_SIZE
 from tilegraph.ir import dtypes
-from tilegraph.ir.ops import OPS
+from tilegraph.ir.ops import Op, OPS
 
 
 # --- property-based testing: random graphs, inputs, semantic checks ----------
@@ -280,30 +280,30 @@ class _GraphDrawer:
 
     def op_unary(self, name, x):
         g = self.g
-        if name in ("log", "sqrt", "rsqrt", "reciprocal"):
+        if name in (Op.log, Op.sqrt, Op.rsqrt, Op.reciprocal):
             p = self.positive(x)
             f = {"log": _math.log, "sqrt": _math.sqrt, "rsqrt": lambda a: 1 / _math.sqrt(a),
                  "reciprocal": lambda a: 1 / a}[name]
             a, b = f(p.lo), f(p.hi)
             return _Val(g.op(name, p.t), min(a, b), max(a, b))
-        if name == "exp":
+        if name == Op.exp:
             x = self.bounded(x, EXP_LIMIT)
             return _Val(g.exp(x.t), _math.exp(x.lo), _math.exp(x.hi))
-        if name == "gelu":
+        if name == Op.gelu:
             approximate = self.choice(["none", "tanh"], label="gelu approximation")
             return _Val(g.gelu(x.t, approximate=approximate), min(x.lo, -0.2), max(x.hi, 0.0))
-        if name == "neg":
+        if name == Op.neg:
             return _Val(-x.t, -x.hi, -x.lo)
-        if name == "abs":
+        if name == Op.abs:
             lo = 0.0 if x.lo <= 0 <= x.hi else min(abs(x.lo), abs(x.hi))
             return _Val(g.abs(x.t), lo, x.bound)
-        if name == "relu":
+        if name == Op.relu:
             return _Val(g.relu(x.t), max(x.lo, 0.0), max(x.hi, 0.0))
         monotone = {"tanh": _math.tanh, "sigmoid": lambda a: 1 / (1 + _math.exp(-a)), "erf": _math.erf,
                     "atan": _math.atan}
         if name in monotone:
             return _Val(g.op(name, x.t), monotone[name](x.lo), monotone[name](x.hi))
-        if name in ("sin", "cos"):
+        if name in (Op.sin, Op.cos):
             return _Val(g.op(name, x.t), -1.0, 1.0)
         raise AssertionError(f"graphs(): no generator for op '{name}'")
 
@@ -386,10 +386,10 @@ class _GraphDrawer:
         axes = self._axes(x.t.rank)
         keepdims = self.flag("keepdims")
         n = _math.prod(_sym_size(x.shape[a]) for a in axes)
-        if name == "reduce_prod":
+        if name == Op.reduce_prod:
             x = self.bounded(x, 1.0)  # a product of factors in [-1, 1] stays there
             lo, hi = (-1.0, 1.0) if x.lo < 0 else (0.0, x.hi ** n)
-        elif name == "reduce_sum":
+        elif name == Op.reduce_sum:
             lo, hi = x.lo * n, x.hi * n
         else:
             lo, hi = x.lo, x.hi
@@ -623,7 +623,7 @@ class _GraphDrawer:
         strides, pads, _, ceil_mode = window
         attrs = dict(kernel=kernel, strides=strides, pads=pads, ceil_mode=ceil_mode)
         lo, hi = x.lo, x.hi
-        if name == "avg_pool":
+        if name == Op.avg_pool:
             attrs["count_include_pad"] = self.flag("count_include_pad")
             if attrs["count_include_pad"] and any(pads):  # the padding's zeros are averaged in
                 lo, hi = min(lo, 0.0), max(hi, 0.0)
