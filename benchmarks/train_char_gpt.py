@@ -42,6 +42,8 @@ def main() -> None:
     ap.add_argument("--target", default="c")
     ap.add_argument("--threads", type=int, default=None, help="torch's and the C module's threads (default: all)")
     ap.add_argument("--compile", action="store_true", help="also train with torch.compile")
+    ap.add_argument("--float64", action="store_true",
+                    help="also train torch eager in float64: how far each float32 run strays from exact arithmetic")
     args = ap.parse_args()
 
     if args.threads:
@@ -84,6 +86,9 @@ def main() -> None:
         compiled_model = copy.deepcopy(module)
         forward = torch.compile(compiled_model)
         runners["torch.compile"] = torch_trainer(compiled_model, forward)
+    if args.float64:
+        exact = copy.deepcopy(module).double()
+        runners["torch eager f64"] = torch_trainer(exact, exact)
     losses = {name: [] for name in runners}
     times = {name: [] for name in runners}
     names = list(runners)
@@ -109,6 +114,17 @@ def main() -> None:
         rel2 = np.abs(other - theirs) / np.abs(theirs)
         print(f"torch.compile against torch eager, for scale: max {rel2.max():.1e}, median {np.median(rel2):.1e}, "
               f"first 20 steps max {rel2[:20].max():.1e}")
+    if args.float64:
+        # float32 rounding differs between any two implementations (summation orders); training
+        # amplifies a difference step by step (AdamW's m / sqrt(v) turns gradient noise into
+        # steps of lr's size), so each float32 run walks away from the exact one and from each other
+        exact = np.array(losses["torch eager f64"])
+        for name in [n for n in names if n != "torch eager f64"]:
+            dev = np.abs(np.array(losses[name]) - exact) / np.abs(exact)
+            marks = ", ".join(f"steps {a}-{b}: {dev[a:b].max():.1e}" for a, b in
+                              zip(range(0, args.steps, max(1, args.steps // 6)),
+                                  list(range(max(1, args.steps // 6), args.steps, max(1, args.steps // 6))) + [args.steps]))
+            print(f"{name} against torch eager float64, max relative difference per stretch: {marks}")
     skip = min(5, args.steps // 2)  # the first calls build, plan and warm caches: not steps
     rows = []
     for name in names:

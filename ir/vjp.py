@@ -56,7 +56,6 @@ NO_GRADIENT: dict[str, str] = {
              "dequantized to a float weight first" for name in ("block_matmul", "block_gather")},
     **{name: "generation's cache state: decoding is not differentiated (training runs attention over whole "
              "sequences)" for name in ("cache_write", "cache_attention")},
-    **{name: "not written yet (Llama-family training needs it)" for name in ("rms_norm", "rope")},
 }
 
 
@@ -413,6 +412,39 @@ def _layer_norm(b, op, g):
     m2 = b("mul", b.sum(b("mul", gy, xhat), axes, keepdims=True), inv_n)
     grads[0] = b("mul", rstd, b("sub", b("sub", gy, m1), b("mul", xhat, m2)))
     return grads
+
+
+@vjp("rms_norm")
+def _rms_norm(b, op, g):
+    x, *scale = op.operands
+    t = info(x)
+    axes = tuple(range(op.attr("axis") % t.rank, t.rank))
+    rstd = b("rsqrt", b("add", b("reduce_mean", b("mul", x, x), axes=axes, keepdims=True),
+                          b.scalar(x, op.attr("epsilon"))))
+    xhat = b("mul", x, rstd)
+    gy = g[0]
+    grads = [None] * len(op.operands)
+    if scale:
+        grads[1] = b.sum_to(b("mul", gy, xhat), info(scale[0]).shape)
+        gy = b.broadcast_to(b("mul", gy, scale[0]), t.shape)
+    # y = x r with r = (mean(x^2) + eps)^-1/2, dr/dx = -r^3 x / n: dx = r (g - xhat mean(g xhat))
+    m = b("reduce_mean", b("mul", gy, xhat), axes=axes, keepdims=True)
+    grads[0] = b("mul", rstd, b("sub", gy, b("mul", xhat, m)))
+    return grads
+
+
+@vjp("rope")
+def _rope(b, op, g):
+    # A rotation by angle theta per pair: its transpose is the rotation by -theta, rope with -sin.
+    x, cos, sin = op.operands
+    half = info(x).shape[-1] // 2
+    axis = info(x).rank - 1
+    gx = b("rope", g[0], cos, b("neg", sin))
+    x1, x2 = b.op("split", [x], {"axis": axis, "sizes": (half, half)}).results
+    g1, g2 = b.op("split", [g[0]], {"axis": axis, "sizes": (half, half)}).results
+    gcos = b("add", b("mul", g1, x1), b("mul", g2, x2))
+    gsin = b("sub", b("mul", g2, x1), b("mul", g1, x2))
+    return [gx, b.sum_to(gcos, info(cos).shape), b.sum_to(gsin, info(sin).shape)]
 
 
 # --- contractions ------------------------------------------------------------------
@@ -787,6 +819,22 @@ def _gather(b, op, g):
 @vjp("gather_elements")
 def _gather_elements(b, op, g):
     x, idx = op.operands
+    t, ti = info(x), info(idx)
+    axis = op.attr("axis") % t.rank
+    if dims_equal(ti.shape[axis], 1) and all(dims_equal(a, c) for i, (a, c) in enumerate(zip(ti.shape, t.shape))
+                                             if i != axis):
+        # One index per row (cross-entropy's picked logit): the cotangent where a one-hot mask
+        # of the index is, elementwise (it fuses with the softmax's gradient), not a scatter.
+        n = b.const(np.asarray(t.shape[axis], dtypes.numpy_dtype(ti.dtype)), ti.dtype) if isinstance(
+            t.shape[axis], int) else None
+        if n is not None:
+            zero = b.const(np.asarray(0, dtypes.numpy_dtype(ti.dtype)), ti.dtype)
+            idx = b("where", b("lt", idx, zero), b("add", idx, n), idx)
+            # the positions along the axis as a constant broadcast, which a fused loop reads in place
+            along = tuple(t.shape[axis] if i == axis else 1 for i in range(t.rank))
+            positions = b.const(np.arange(t.shape[axis], dtype=dtypes.numpy_dtype(ti.dtype)).reshape(along), ti.dtype)
+            hot = b("cast", b("eq", b.broadcast_to(positions, t.shape), b.broadcast_to(idx, t.shape)), to=t.dtype)
+            return [b("mul", hot, b.broadcast_to(g[0], t.shape)), None]
     return [b("scatter_elements", b.zeros(info(x)), idx, g[0], axis=op.attr("axis"), reduction="add"), None]
 
 

@@ -117,6 +117,36 @@ def test_vjps_of_random_graphs_match_finite_differences(model, seed):
     check_against_finite_differences(model, random_inputs(model, seed), seed)
 
 
+# rms_norm and rope are not in the random graphs' op families (their operands have shapes of their
+# own kinds): each is drawn here over random shapes, axes and broadcasts instead.
+@settings(max_examples=25, deadline=None)
+@given(rows=st.lists(st.integers(1, 3), min_size=0, max_size=2), width=st.integers(1, 6),
+       axis_back=st.integers(1, 2), scaled=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_rms_norm_vjp_matches_finite_differences(rows, width, axis_back, scaled, seed):
+    shape = (*rows, width, 3) if axis_back == 2 else (*rows, width)
+    rng = np.random.default_rng(seed)
+    g = Graph()
+    x = g.input("x", shape)
+    scale = g.weight("scale", rng.uniform(0.5, 2, shape[-axis_back:]).astype(np.float32)) if scaled else None
+    model = g.build(g.op("rms_norm", x, scale, axis=-axis_back, epsilon=1e-5))
+    check_against_finite_differences(model, [rng.uniform(-2, 2, shape)], seed)
+
+
+@settings(max_examples=25, deadline=None)
+@given(batch=st.integers(1, 2), heads=st.integers(1, 3), seq=st.integers(1, 4), half=st.integers(1, 4),
+       per_head=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_rope_vjp_matches_finite_differences(batch, heads, seq, half, per_head, seed):
+    rng = np.random.default_rng(seed)
+    angles = (heads if per_head else 1, seq, half)  # cos/sin broadcast over batch (and heads)
+    g = Graph()
+    x = g.input("x", (batch, heads, seq, 2 * half))
+    theta = rng.uniform(-3, 3, angles)
+    cos = g.weight("cos", np.cos(theta).astype(np.float32))
+    sin = g.weight("sin", np.sin(theta).astype(np.float32))
+    model = g.build(g.op("rope", x, cos, sin))
+    check_against_finite_differences(model, [rng.uniform(-2, 2, (batch, heads, seq, 2 * half))], seed)
+
+
 def small_mlp():
     rng = np.random.default_rng(0)
     g = Graph()

@@ -39,6 +39,12 @@ def test_a_char_gpt_learns_as_torch_eager_does(target):
     step = tilegraph.train_step(module, "cross_entropy", AdamW(lr=1e-2, weight_decay=0.1),
                                 example_inputs=(batches[0][0],), clip_norm=1.0, target=target)
     before = {k: v for k, v in step.weights.items()}
+    if target == "c":
+        runner = step.compiled._runner
+        # the fast paths: every weight and moment updated where it lies (no copy back), and the
+        # whole step native, the embeddings' scatter-added gradients included (no host step per call)
+        assert len(runner._donated) == len(step.weights) + len(step.state)
+        assert [s.comment for s in runner.program.steps if s.host_op is not None and not s.once] == []
     ours = [step(x, targets=y) for x, y in batches]
     theirs = torch_losses(reference, batches, torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1),
                           clip_norm=1.0)

@@ -14,9 +14,9 @@ the backward made by `ir/autodiff.py`, the optimizer written in tg ops here. Eac
 state input is donated to the result of its name (`Model.aliases`, the `tg.aliases` argument
 attribute: XLA's input/output aliasing, as generation's KV
 cache uses it): the step writes that result into the input's array, so the arrays in
-`step.weights` and `step.state` are the same objects from call to call. The backends still
-compute each updated value into a buffer of their own and the step copies it over (the
-minimal version: no backend writes an optimizer's update where the input lies yet).
+`step.weights` and `step.state` are the same objects from call to call. The C backend's
+optimizer loop writes each update where the weight lies (backends/c/groups.py `_in_place`);
+NumPy computes it into a new array, which the step copies over.
 """
 
 from __future__ import annotations
@@ -244,9 +244,17 @@ class TrainStep:
         rate = self.optimizer.lr if lr is None else lr
         feed = {**arrays, **self.weights, **self.state, "lr": np.float32(rate), "step": np.float32(self.steps)}
         outs = self.compiled.run(**feed)
-        for i, name in self._updates.items():
-            np.copyto(self.weights[name] if name in self.weights else self.state[name], outs[i])
+        _write_back(self._updates, outs, self.weights, self.state)
         return float(outs[0])
+
+
+def _write_back(updates: dict[int, str], outs: list, weights: dict, state: dict) -> None:
+    """Each donated result into the array held under its name, where the backend computed it
+    elsewhere (NumPy); C writes it where it lies and returns that array itself."""
+    for i, name in updates.items():
+        held = weights[name] if name in weights else state[name]
+        if outs[i] is not held:
+            np.copyto(held, outs[i])
 
 
 def _numpy(a: Any) -> np.ndarray:
@@ -310,8 +318,7 @@ class DataParallelStep:
             at += w.size
         rate = self.optimizer.lr if lr is None else lr
         outs = self.update.run(**self.weights, **feed, **self.state, lr=np.float32(rate), step=np.float32(self.steps))
-        for i, name in self._updates.items():
-            np.copyto(self.weights[name] if name in self.weights else self.state[name], outs[i])
+        _write_back(self._updates, outs, self.weights, self.state)
         return float(flat[-1])
 
 

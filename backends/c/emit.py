@@ -61,7 +61,7 @@ MAX_ATTENTION_BLOCK = 16384
 
 HOST_FALLBACK = {
     "einsum": "NumPy's einsum on the host",
-    "scatter_elements": "host", "scatter_nd": "host",
+    "scatter_elements": "host", "scatter_nd": "C for set and add over float slices, the host otherwise",
     "pad": "C for constant padding (into a convolution's own padding where that reads it), the host for "
            "reflect/edge/wrap and negative pads",
     "cumprod": "host", "trilu": "host", "topk": "host", "argmax": "host",
@@ -253,6 +253,8 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
             return [self.pad(op, xs[0])]
         if name == Op.gather_elements:
             return [self.gather_elements(op, xs[0], xs[1])]
+        if name == Op.scatter_nd:
+            return [self.scatter_nd(op, *xs)]
         if name == Op.tile:
             return [self.tile(op, xs[0])]
         if name == Op.cumsum:

@@ -16,6 +16,10 @@ from tilegraph.ir.shapes import info_of, numel
 from tilegraph.ir.ops import Op
 
 
+def _last(shape) -> Any:
+    return shape[-1] if len(shape) else 1
+
+
 class Groups(EmitterParts):
     """Lowers a tg.fusion as one step where it can."""
 
@@ -92,8 +96,8 @@ class Groups(EmitterParts):
                    for op in body) or any(not _eq(numel(info_of(y.type).shape), numel(shape)) for y in yields):
                 return False
             rows_shape = (sympy.sympify(numel(shape)) / sympy.sympify(width), width)
+            outs = [(y, self._in_place(group, y, inputs, consumer) or self._temp(info_of(y.type))) for y in yields]
             inputs = {v: self._as_rows(self.broadcast(view, consumer[v]), rows_shape) for v, view in inputs.items()}
-            outs = [(y, self._temp(info_of(y.type))) for y in yields]
             loop_outs = [(y, View(o.buf, o.offset, rows_shape, contiguous_strides(rows_shape), o.dtype))
                          for y, o in outs]
             self.elementwise(body, computed, inputs, loop_outs, group, alias)
@@ -109,11 +113,66 @@ class Groups(EmitterParts):
                 into.rank == len(shape) and all(_eq(a, b) for a, b in zip(into.shape, shape)):
             outs = [(yields[0], into)]
         else:
-            outs = [(y, self._temp(info_of(y.type), like=like)) for y in yields]
+            outs = [(y, self._in_place(group, y, inputs, consumer) or self._temp(info_of(y.type), like=like))
+                    for y in yields]
         # Operands are named by the values the loop reads.
         self.elementwise(body, computed, inputs, outs, group)
         env.update({y: o for y, o in outs})
         return True
+
+    def _in_place(self, group: FusionOp, y: SSAValue, inputs: dict[SSAValue, View], consumer: dict) -> View | None:
+        """The buffer of the model input that group result `y` updates, where the model donates
+        that input to it (Model.aliases: a training step's weights and optimizer state) and writing
+        it in place is safe: every other step reading the input runs before this one, and this
+        loop reads each element of it only at the element it writes (no broadcast, no other
+        layout), so each element is read before it is overwritten. None otherwise."""
+        if not self.model.aliases:
+            return None
+        result = group.results[list(group.block.last_op.operands).index(y)]
+        outputs = [k for k, v in enumerate(self.prog.outputs) if self.prog.canon(v) is result]
+        donors = [i for i, k in self.model.aliases.items() if k in outputs]
+        if len(donors) != 1:
+            return None
+        arg = self.model.func.args[donors[0]]
+        target = self.views[arg]
+        y_shape = info_of(y.type).shape
+        if not self._whole(target) or target.dtype != info_of(y.type).dtype or target.buf in self.donated or \
+                not _eq(numel(target.shape), numel(y_shape)) or not _eq(_last(target.shape), _last(y_shape)):
+            return None
+        for v, view in inputs.items():
+            if view.buf == target.buf and not (self._whole(view) and _eq(numel(view.shape), numel(consumer[v]))
+                                               and _eq(numel(view.shape), numel(y_shape))
+                                               and _eq(_last(view.shape), _last(y_shape))):
+                return None
+        here = self._step_index(group)
+        if any(step > here for step in self._readers(arg)):
+            return None
+        self.donated.add(target.buf)
+        return View(target.buf, target.offset, tuple(y_shape), contiguous_strides(y_shape), target.dtype)
+
+    def _step_index(self, op) -> int:
+        """`op`'s position among the program's steps; past the last for an op no step is."""
+        if not hasattr(self, "_step_indices"):
+            self._step_indices = {id(s): i for i, s in enumerate(self.prog.steps)}
+        return self._step_indices.get(id(op), len(self.prog.steps))
+
+    def _readers(self, value: SSAValue) -> set[int]:
+        """The positions of the steps reading `value` or any view of it (views followed
+        through); an op no step is (the function's return) counts as after the last."""
+        inner: dict[SSAValue, list[SSAValue]] = {}  # value -> the region arguments standing for it
+        for a, v in self.prog.alias.items():
+            inner.setdefault(v, []).append(a)
+        found: set[int] = set()
+        pending = [value]
+        while pending:
+            v = pending.pop()
+            pending.extend(inner.get(v, []))
+            for use in v.uses:
+                op = use.operation
+                found.add(self._step_index(op))
+                if isinstance(op, TgOp) and op.SPEC.view:
+                    pending.extend(op.results)
+        return found
 
     def _as_rows(self, view: View, rows_shape) -> View:
         """A view (broadcast to its reader's shape) as (rows, last dim): it must repeat

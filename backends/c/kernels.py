@@ -138,6 +138,47 @@ class Kernels(EmitterParts):
         self._step(_describe(op), lines, [table, ids], [out])
         return out
 
+    def scatter_nd(self, op: TgOp, x: View, ids: View, updates: View) -> View:
+        """A copy of x with slices set to, or added to, rows of updates (an embedding's
+        gradient: cotangent rows added into a zero table), in order, so repeated indices add
+        up as the host's np.add.at does; an index out of range is an error naming the op."""
+        info = op.result_infos()[0]
+        reduction = op.attr("reduction")
+        if reduction not in ("none", "add") or info.dtype not in FLOATS or ids.dtype not in ("i64", "i32"):
+            raise Unsupported("scatter_nd setting or adding float slices by i64/i32 indices")
+        k = ids.shape[-1]
+        if not isinstance(k, int) and not getattr(k, "is_Integer", False):
+            raise Unsupported("scatter_nd by a symbolic index depth")
+        k = int(k)
+        ids, updates = (v if self.is_contiguous(v) else self.materialize(v) for v in (ids, updates))
+        out = self._temp(info)
+        if x.literal is not None:
+            fill = [f"    for (int64_t e = 0; e < {self.ints(numel(info.shape))}; e++) out[e] = {x.literal};"]
+        else:
+            fill = self.loop(x.shape, [(x, False), (out, True)], lambda refs: [f"{refs[1]} = {refs[0]};"])
+        dims = [self.ints(d) for d in info.shape[:k]]
+        width = self.ints(numel(info.shape[k:]))
+        count = self.ints(numel(ids.shape[:-1]))
+        ctype = CTYPES[info.dtype]
+        index = ["        int64_t at = 0;"]
+        for j, d in enumerate(dims):
+            index += [f"        int64_t r{j} = ix[i * {k} + {j}];",
+                      f"        if (r{j} < -{d} || r{j} >= {d})",
+                      f'            TG_FAIL("scatter_nd: index %lld is out of range [-%lld, %lld) of dim {j} (step %d)", '
+                      f"(long long)r{j}, (long long){d}, (long long){d}, {len(self.steps)});",
+                      f"        at = at * {d} + (r{j} < 0 ? r{j} + {d} : r{j});"]
+        apply = "dst[e] += src[e]" if reduction == "add" else "dst[e] = src[e]"
+        lines = ["{", f"    {ctype} *out = {self.ptr(out, False)};", *fill,
+                 f"    const {CTYPES[ids.dtype]} *ix = {self.ptr(ids)};",
+                 f"    const {ctype} *upd = {self.ptr(updates)};",
+                 f"    for (int64_t i = 0; i < {count}; i++) {{", *index,
+                 f"        {ctype} *dst = out + at * {width};",
+                 f"        const {ctype} *src = upd + i * {width};",
+                 f"        for (int64_t e = 0; e < {width}; e++) {apply};",
+                 "    }", "}"]
+        self._step(_describe(op), lines, [x, ids, updates] if x.literal is None else [ids, updates], [out])
+        return out
+
     def tile(self, op: TgOp, x: View) -> View:
         """np.tile as one copy: the output seen as (r0, d0, r1, d1, ...) reads x repeated
         (stride 0) along each r."""

@@ -345,4 +345,7 @@ def op_examples() -> dict[str, list[OpExample]]:
     tiny = np.array([1e-9, -3e-8, 1e-4, -0.5, 2.0], np.float32)  # where exp(x)-1 and log(1+x) cancel
     unary("expm1", tiny, "tiny-and-large")
     unary("log1p", tiny, "tiny-and-large")
+    # an embedding's gradient: rows added into a table, one row twice, one by a negative index
+    add("scatter_nd", lambda g, a, i, u: g.op("scatter_nd", a, i, u, reduction="add"),
+        [f32(5, 3), np.array([[1], [4], [1], [-2]], np.int64), f32(4, 3)], label="add-duplicates")
     return out

@@ -1,0 +1,168 @@
+"""Speed of a training step: forward, loss, backward and AdamW of a MiniLM-shaped model (batch 8,
+seq 128) and a GPT-2-small-shaped one (batch 4, seq 256), tilegraph's C step against torch eager
+training and torch.compile training, interleaved in one process, at one thread and at all.
+
+MiniLM is all-MiniLM-L6-v2 itself (tests/models.py `minilm_model`), its loss the mean of its last
+hidden state; the GPT-2-small shape is tests/models.py's CharGPT at GPT-2 small's sizes (12 layers,
+768 wide, 12 heads, 50257 symbols, an untied LM head, SDPA causal attention), its loss cross-entropy
+over next tokens. Every runner starts from the same weights and takes the same batch every step
+(the weights move: each call is a real step). torch.compile compiles the module (AOTAutograd's joint
+forward/backward); its AdamW runs eager, as torch.compile users run it.
+
+Reported per model and thread count: each runner's median milliseconds per step, and the median over
+rounds of tilegraph's time / the peer's in the same round (the issue's targets: <= 0.8x eager,
+<= 1.0x torch.compile). --layers cuts each model to its first N layers (compile time and a loaded
+machine: say so beside the numbers).
+
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/train_speed.py [--models minilm,gpt2] [--threads 1,all]
+        [--repeat 5] [--minilm-layers 6] [--gpt2-layers 12] [--no-compile] [--profile N]
+
+--profile N: where tilegraph's step goes instead (benchmarks/c_steps.py's per-step module, all
+threads): the N slowest native steps, then no peers are timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402  (puts the repository root on sys.path)
+
+import torch  # noqa: E402
+
+import tilegraph  # noqa: E402
+from tilegraph.train import AdamW  # noqa: E402
+
+LR, DECAY = 1e-4, 0.01
+
+
+def minilm(layers: int):
+    from tests.models import minilm_inputs, minilm_model
+
+    module = minilm_model()
+    module.bert.encoder.layer = module.bert.encoder.layer[:layers]
+    for p in module.parameters():
+        p.requires_grad_(True)
+    return module, minilm_inputs(8, 128), None, "mean"
+
+
+def gpt2(layers: int):
+    from tests.models import char_gpt
+
+    module = char_gpt(50257, layers=layers, hidden=768, heads=12, block=256)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 50257, (4, 257), generator=g)
+    return module, (ids[:, :-1],), ids[:, 1:], "cross_entropy"
+
+
+MODELS = {"minilm": minilm, "gpt2": gpt2}
+
+
+def torch_trainer(model, forward, loss: str):
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
+
+    def run(inputs, targets):
+        opt.zero_grad(set_to_none=True)
+        out = forward(*inputs)
+        if loss == "mean":
+            value = out.mean()
+        else:
+            value = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1))
+        value.backward()
+        opt.step()
+        return float(value.detach())
+    return run
+
+
+def profile(step, inputs, targets, top: int, repeat: int) -> None:
+    """The step's `top` slowest native steps (c_steps.py's per-step module) and their share."""
+    import c_steps
+
+    feed = {**dict(zip(step._data, [np.asarray(x) for x in (*inputs, *([targets] if targets is not None else []))])),
+            **step.weights, **step.state, "lr": np.float32(LR), "step": np.float32(1)}
+    optimized = step.compiled.model
+    steps, whole = c_steps.step_times(optimized, [feed[n] for n in optimized.input_names], repeat, None)
+    total = sum(t for _, t in steps)
+    print(f"  per-step module {1e3 * whole:.0f} ms (steps sum {1e3 * total:.0f} ms), {len(steps)} steps")
+    for comment, t in sorted(steps, key=lambda s: -s[1])[:top]:
+        print(f"  {1e3 * t:8.2f} ms {100 * t / total:5.1f}%  {comment[:150]}")
+
+
+def bench(name: str, args, all_threads: int) -> list[tuple]:
+    """One model's rows: tilegraph against each peer at each thread count."""
+    rows: list[tuple] = []
+    layers = args.minilm_layers if name == "minilm" else args.gpt2_layers
+    module, inputs, targets, loss = MODELS[name](layers)
+    nparams = sum(p.numel() for p in module.parameters())
+    print(f"\n{name}: {layers} layers, {nparams / 1e6:.1f}M parameters, inputs "
+          f"{' '.join(str(tuple(x.shape)) for x in inputs)}, loss {loss}, AdamW lr {LR} weight decay {DECAY}")
+    t0 = time.perf_counter()
+    step = tilegraph.train_step(copy.deepcopy(module), loss, AdamW(lr=LR, weight_decay=DECAY),
+                                example_inputs=inputs, target="c")
+    print(f"tilegraph C step compiled in {time.perf_counter() - t0:.1f} s "
+          f"({len(step.model.ops())} tg ops before passes)")
+    if args.profile:
+        profile(step, inputs, targets, args.profile, args.repeat)
+        return rows
+    eager = copy.deepcopy(module)
+    eager_run = torch_trainer(eager, eager, loss)
+    runners = {"tilegraph C": lambda: step(*inputs, targets=targets),
+               "torch eager": lambda: eager_run(inputs, targets)}
+    if not args.no_compile:
+        compiled_module = copy.deepcopy(module)
+        compiled_run = torch_trainer(compiled_module, torch.compile(compiled_module), loss)
+        runners["torch.compile"] = lambda: compiled_run(inputs, targets)
+    first = {}
+    for runner, fn in runners.items():  # the first step of each: builds, compiles, plans
+        t0 = time.perf_counter()
+        first[runner] = fn()
+        print(f"  first step of {runner}: {time.perf_counter() - t0:.1f} s, loss {first[runner]:.6f}")
+    for threads in args.threads.split(","):
+        n = all_threads if threads == "all" else int(threads)
+        torch.set_num_threads(n)
+        step.compiled._runner.set_threads(n)
+        samples = _common.interleaved_samples(runners, args.repeat, warmup=0)
+        load = os.getloadavg()[0]
+        for peer in runners:
+            if peer == "tilegraph C":
+                continue
+            ratio, q1, q3 = _common.paired_ratio(samples, "tilegraph C", peer)
+            rows.append((name, n, f"{np.median(samples['tilegraph C']) * 1e3:.0f}", peer,
+                         f"{np.median(samples[peer]) * 1e3:.0f}", f"{ratio:.2f}x ({q1:.2f}-{q3:.2f})", f"{load:.1f}"))
+            print("  " + "  ".join(str(c) for c in rows[-1]))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="minilm,gpt2")
+    ap.add_argument("--threads", default="1,all", help="comma-separated thread counts; 'all' = every core")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--minilm-layers", type=int, default=6)
+    ap.add_argument("--gpt2-layers", type=int, default=12)
+    ap.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
+    ap.add_argument("--profile", type=int, default=0, help="list tilegraph's N slowest steps, time no peers")
+    args = ap.parse_args()
+
+    for line in _common.machine_lines(torch=torch.__version__):
+        print(line)
+    print(f"load average at start: {os.getloadavg()} (other agents share this machine)")
+    all_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    rows = []
+    for name in args.models.split(","):
+        rows += bench(name, args, all_threads)
+    print()
+    print(_common.format_table(("model", "threads", "tilegraph ms", "peer", "peer ms",
+                                "tilegraph / peer (median per round, quartiles)", "load"), rows))
+    print(f"load average at end: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
