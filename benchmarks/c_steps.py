@@ -9,6 +9,7 @@ of one per run of steps).
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/c_steps.py [--models cnn,minilm,gpt2] [--archs resnet,lstm]
                                                             [--full resnet50,bert-base [--batch N]]
                                                             [--repeat N] [--threads N] [--top N]
+                                                            [--precision bf16]
 """
 
 from __future__ import annotations
@@ -37,11 +38,13 @@ from tilegraph.backends.c.runtime import CompiledModel  # noqa: E402
 from tilegraph.passes.registry import DEFAULT_PIPELINE  # noqa: E402
 
 
-def step_times(optimized, arrays: list[np.ndarray], repeat: int, threads: int | None) -> tuple[list, float]:
+def step_times(optimized, arrays: list[np.ndarray], repeat: int, threads: int | None,
+               precision: str = "f32") -> tuple[list, float]:
     """(description, median seconds) per step of the per-step module (native steps, and
     ops run on the host), and the whole call's median."""
     program = emit_program(optimized, per_step=True)
-    compiled = CompiledModel(program, ctypes.CDLL(str(build(program.source))), optimized.weights, optimized)
+    compiled = CompiledModel(program, ctypes.CDLL(str(build(program.source))), optimized.weights, optimized,
+                             precision)
     if threads:
         compiled.set_threads(threads)
     compiled(*arrays)  # binds, packs the weights, plans the arena
@@ -80,6 +83,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--top", type=int, default=15, help="steps listed, slowest first")
+    ap.add_argument("--precision", default="f32", help="the C module's precision (f32, bf16)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -100,7 +104,7 @@ def main(argv=None) -> int:
         feeds = dict(zip(case.input_names, arrays))
         optimized = tilegraph.compile(tilegraph.import_model(module, case.inputs), target="numpy",
                                       pipeline=DEFAULT_PIPELINE).model
-        steps, whole = step_times(optimized, arrays, args.repeat, args.threads)
+        steps, whole = step_times(optimized, arrays, args.repeat, args.threads, args.precision)
         session.run(None, feeds)
         ort = []
         for _ in range(args.repeat):

@@ -7,7 +7,8 @@ Here every model has its published size and random weights (built from transform
 configs, nothing downloaded):
 
   resnet50, convnext-t, efficientnet-b0, mobilenet-v2 (transformers has no MobileNetV3),
-  vit-b16: one 224x224 image (--batch for more); bert-base: 128 tokens; llama-0.3b: a
+  vit-b16, vit-s16, swin-t, regnet-y-040 (RegNetConfig's defaults: RegNetY-4.0GF's widths and
+  depths): one 224x224 image (--batch for more); bert-base: 128 tokens; llama-0.3b: a
   Llama-shaped decoder (1024 wide, 20 layers, grouped-query attention), a prompt of 128;
   whisper-tiny-enc: Whisper tiny's encoder on 30 s of audio (80 x 3000 mel frames).
 
@@ -42,7 +43,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 # name -> (transformers model_type, config overrides, input kind). Defaults of transformers'
 # configs are the published base sizes where not overridden (ResNetConfig: ResNet-50,
-# ConvNextConfig: ConvNeXt-T, ViTConfig: ViT-B/16 at 224, BertConfig: BERT-base).
+# ConvNextConfig: ConvNeXt-T, ViTConfig: ViT-B/16 at 224, SwinConfig: Swin-T, BertConfig: BERT-base).
 MODELS = {
     "resnet50": ("resnet", {}, "image"),
     "mobilenet-v2": ("mobilenet_v2", {}, "image"),
@@ -50,6 +51,10 @@ MODELS = {
                                              hidden_dim=1280), "image"),
     "convnext-t": ("convnext", {}, "image"),
     "vit-b16": ("vit", {}, "image"),
+    "vit-s16": ("vit", dict(hidden_size=384, num_hidden_layers=12, num_attention_heads=6, intermediate_size=1536),
+                "image"),
+    "swin-t": ("swin", {}, "image"),
+    "regnet-y-040": ("regnet", {}, "image"),
     "bert-base": ("bert", {}, "text_mask"),
     "llama-0.3b": ("llama", dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=20,
                                  num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,

@@ -51,11 +51,13 @@ static void tg_log_primitive(const_dnnl_primitive_desc_t pd, const_dnnl_memory_d
     int nd = 0, k;
     const dnnl_dims_t *dims = NULL;
     dnnl_primitive_kind_t kind = dnnl_undefined_primitive;
+    dnnl_data_type_t wdt = dnnl_data_type_undef;
     dnnl_primitive_desc_query(pd, dnnl_query_primitive_kind, 0, &kind);
+    dnnl_memory_desc_query(dnnl_primitive_desc_query_md(pd, dnnl_query_weights_md, 0), dnnl_query_data_type, &wdt);
     dnnl_memory_desc_query(src, dnnl_query_ndims_s32, &nd);
     dnnl_memory_desc_query(src, dnnl_query_dims, &dims);
-    k = snprintf(line, sizeof line, "%s of a ", kind == dnnl_convolution ? "convolution" : kind == dnnl_matmul ?
-                 "matmul" : "primitive");
+    k = snprintf(line, sizeof line, "%s%s of a ", kind == dnnl_convolution ? "convolution" : kind == dnnl_matmul ?
+                 "matmul" : "primitive", wdt == dnnl_bf16 ? " (bf16 x bf16)" : "");
     for (int i = 0; i < nd && dims && k < 160; i++) k += snprintf(line + k, sizeof line - k, i ? "x%lld" : "%lld",
                                                                  (long long)(*dims)[i]);
     snprintf(line + k, sizeof line - k, " source: %s\n", tg_impl(pd));
@@ -303,6 +305,69 @@ static int tg_relayout(tg_prim *g, dnnl_primitive_desc_t *pd, tg_pd_fn make, con
     return rc;
 }
 
+/* The same dims and strides as `md`, of data type `dt`. */
+static dnnl_memory_desc_t tg_md_retype(const_dnnl_memory_desc_t md, dnnl_data_type_t dt) {
+    int nd = 0;
+    const dnnl_dims_t *dims = NULL, *strides = NULL;
+    dnnl_memory_desc_t out = NULL;
+    if (dnnl_memory_desc_query(md, dnnl_query_ndims_s32, &nd) != dnnl_success || nd < 1 ||
+        dnnl_memory_desc_query(md, dnnl_query_dims, &dims) != dnnl_success ||
+        dnnl_memory_desc_query(md, dnnl_query_strides, &strides) != dnnl_success || !dims || !strides)
+        return NULL;
+    if (dnnl_memory_desc_create_with_strides(&out, nd, *dims, dt, *strides) != dnnl_success) return NULL;
+    return out;
+}
+
+/* precision bf16 with a constant f32 weight: the primitive multiplies bf16 by bf16 (f32
+ * accumulation, f32 destination and epilogue), its weight converted and packed once here,
+ * its source converted each run by a reorder into a scratch of the primitive's own. With
+ * fpmath mode alone oneDNN keeps the weight f32 and converts its blocks on every call: a
+ * prompt through a 0.3B decoder was bound by that conversion and gained nothing from bf16.
+ * Returns the primitive descriptor, or NULL (no bf16 kernel but the reference one, or a
+ * weight another binding packed in a layout this one does not take): f32 with fpmath mode. */
+static dnnl_primitive_desc_t tg_bf16_weights(tg_prim *g, tg_pd_fn make, const void *ctx, size_t ctx_size,
+                                             const_dnnl_memory_desc_t plain_wei, const void *weight, tg_packed *pack,
+                                             const_dnnl_primitive_attr_t attr, int nd_w, const int64_t *wdims) {
+    const tg_io *io = ctx;
+    char bf_ctx[512];
+    dnnl_primitive_desc_t pd = NULL;
+    dnnl_data_type_t st;
+    if (ctx_size > sizeof bf_ctx || dnnl_memory_desc_query(io->src, dnnl_query_data_type, &st) != dnnl_success ||
+        st != dnnl_f32)
+        return NULL;
+    memcpy(bf_ctx, ctx, ctx_size);
+    tg_io *bf_io = (tg_io *)bf_ctx;
+    bf_io->src = tg_md_retype(io->src, dnnl_bf16);
+    if (!bf_io->src) return NULL;
+    if (pack->data) { /* another binding packed it: this one takes that layout, or keeps to f32 */
+        dnnl_data_type_t pt;
+        if (dnnl_memory_desc_query(pack->md, dnnl_query_data_type, &pt) != dnnl_success || pt != dnnl_bf16 ||
+            make(&pd, bf_ctx, pack->md, attr) != dnnl_success)
+            pd = NULL;
+    } else {
+        dnnl_memory_desc_t any = tg_md_any(nd_w, wdims, dnnl_bf16);
+        if (!any || make(&pd, bf_ctx, any, attr) != dnnl_success) pd = NULL;
+        if (any) dnnl_memory_desc_destroy(any);
+    }
+    if (pd && tg_is_ref(pd)) {
+        dnnl_primitive_desc_destroy(pd);
+        pd = NULL;
+    }
+    if (pd && !pack->data &&
+        tg_pack(pack, plain_wei, weight, dnnl_primitive_desc_query_md(pd, dnnl_query_weights_md, 0))) {
+        dnnl_primitive_desc_destroy(pd);
+        pd = NULL;
+    }
+    if (pd && tg_reorder_step(&g->re_src, &g->user_src, &g->tmp_src, io->src,
+                              dnnl_primitive_desc_query_md(pd, dnnl_query_src_md, 0), 1)) {
+        dnnl_primitive_desc_destroy(pd);
+        pd = NULL;
+    }
+    if (pd) g->wei_handle = pack->data;
+    dnnl_memory_desc_destroy(bf_io->src);
+    return pd;
+}
+
 static int tg_prim_create(tg_prim *g, tg_pd_fn make, const void *ctx, size_t ctx_size, const_dnnl_memory_desc_t plain_wei,
                           const void *weight, tg_packed *pack, int npost, const tg_post *posts, int nd_w,
                           const int64_t *wdims, int scale_mask) {
@@ -313,7 +378,11 @@ static int tg_prim_create(tg_prim *g, tg_pd_fn make, const void *ctx, size_t ctx
     TG_DNNL(dnnl_memory_desc_query(plain_wei, dnnl_query_data_type, &wdt), "memory_desc_query");
     g->scaled = scale_mask != 0;
     g->wei_handle = NULL;
-    if (weight && pack->data && make(&pd, ctx, pack->md, attr) == dnnl_success) {
+    if (weight && wdt == dnnl_f32 && tg_fpmath == dnnl_fpmath_mode_bf16)
+        pd = tg_bf16_weights(g, make, ctx, ctx_size, plain_wei, weight, pack, attr, nd_w, wdims);
+    if (pd) {
+        /* (bf16 operands: the packed weight above, the source reordered each run) */
+    } else if (weight && pack->data && make(&pd, ctx, pack->md, attr) == dnnl_success) {
         g->wei_handle = pack->data;
     } else if (weight && !pack->data) {
         dnnl_memory_desc_t any = tg_md_any(nd_w, wdims, wdt);
