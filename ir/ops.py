@@ -723,9 +723,12 @@ _op("cache_write", ["cache", "x", "pos"], _cache_write, "K.cache_write({cache}, 
         "pos is an i64 scalar or one per sequence, and a position outside the cache is an error",
     pattern=OPAQUE, flops=0)
 _op("cache_attention", ["q", "k_cache", "v_cache", "pos"], _cache_attention,
-    "K.cache_attention({q}, {k_cache}, {v_cache}, {pos}, {scale})", "composite", {"scale": ("float", REQUIRED)},
+    "K.cache_attention({q}, {k_cache}, {v_cache}, {pos}, {scale}, {window})", "composite",
+    {"scale": ("float", REQUIRED), "window": ("int", 0)},
     doc="causal attention of q[B, H, T, D] (positions pos_b..pos_b + T - 1) over cache positions "
-        "[0, pos_b + T) of k_cache/v_cache[B, Hkv, S, D]; query head h reads K/V head h // (H / Hkv)",
+        "[0, pos_b + T) of k_cache/v_cache[B, Hkv, S, D]; query head h reads K/V head h // (H / Hkv). "
+        "window > 0: a sliding window, the query at position p reads only positions (p - window, p] "
+        "(Gemma's and Mistral's local layers)",
     pattern=OPAQUE, flops=_cache_attention_flops)
 _op("rms_norm", ["x", "scale?"], _rms_norm, "K.rms_norm({x}, {scale}, {axis}, {epsilon})", "composite",
     {"axis": ("int", -1), "epsilon": ("float", 1e-6)}, doc="x / sqrt(mean(x^2 over dims axis..) + epsilon) * scale",

@@ -44,8 +44,8 @@ typedef struct {
 } tg_bq_kernels;
 
 /* Elements per block and bytes per block of each format (GGUF's; ir/block_formats.py). */
-static const int64_t BQ_BLOCK[TG_BQ_COUNT] = {1, 1, 1, 32, 32, 32, 256, 256};
-static const int64_t BQ_BYTES[TG_BQ_COUNT] = {4, 2, 2, 18, 20, 34, 144, 210};
+static const int64_t BQ_BLOCK[TG_BQ_COUNT] = {1, 1, 1, 32, 32, 32, 256, 256, 32};
+static const int64_t BQ_BYTES[TG_BQ_COUNT] = {4, 2, 2, 18, 20, 34, 144, 210, 22};
 
 static inline float bq_half(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
@@ -80,6 +80,18 @@ static void bq_dequant_block(int fmt, const uint8_t *w, float *out) {
         for (int j = 0; j < 16; j++) {
             out[j] = ((w[2 + j] & 0x0F) - 8) * d;
             out[j + 16] = ((w[2 + j] >> 4) - 8) * d;
+        }
+        break;
+    }
+    case TG_BQ_Q5_0: {  /* f16 d, 32 fifth bits (element i: bit i), then q4_0's nibbles; w = d (q - 16) */
+        float d = bq_half_at(w);
+        uint32_t qh;
+        memcpy(&qh, w + 2, 4);
+        for (int j = 0; j < 16; j++) {
+            out[j] = (int)((w[6 + j] & 0x0F) | ((qh >> j & 1) << 4)) - 16;
+            out[j + 16] = (int)((w[6 + j] >> 4) | ((qh >> (j + 16) & 1) << 4)) - 16;
+            out[j] *= d;
+            out[j + 16] *= d;
         }
         break;
     }
@@ -175,10 +187,11 @@ BQ_SCALAR(bq_dot_q4_1_scalar, TG_BQ_Q4_1)
 BQ_SCALAR(bq_dot_q8_0_scalar, TG_BQ_Q8_0)
 BQ_SCALAR(bq_dot_q4_k_scalar, TG_BQ_Q4_K)
 BQ_SCALAR(bq_dot_q6_k_scalar, TG_BQ_Q6_K)
+BQ_SCALAR(bq_dot_q5_0_scalar, TG_BQ_Q5_0)
 static const tg_bq_kernels bq_kernels_scalar = {
     .quantize = bq_quantize_scalar,
     .dot = {[TG_BQ_Q4_0] = bq_dot_q4_0_scalar, [TG_BQ_Q4_1] = bq_dot_q4_1_scalar, [TG_BQ_Q8_0] = bq_dot_q8_0_scalar,
-            [TG_BQ_Q4_K] = bq_dot_q4_k_scalar, [TG_BQ_Q6_K] = bq_dot_q6_k_scalar},
+            [TG_BQ_Q4_K] = bq_dot_q4_k_scalar, [TG_BQ_Q6_K] = bq_dot_q6_k_scalar, [TG_BQ_Q5_0] = bq_dot_q5_0_scalar},
 };
 
 /* --- the SIMD variants --- */
@@ -469,7 +482,8 @@ int tg_cache_write(void *cache, const void *x, int64_t B, int64_t Hkv, int64_t S
  * with D a constant (the callers' 64 and 128) a query's vector and its accumulator live in
  * registers across the block's keys. */
 static inline __attribute__((always_inline)) void ca_span(const int64_t D, int64_t nq, int64_t j_lo, int64_t j_hi,
-                                                          const float *const *qr, const int64_t *lim, const float *kb,
+                                                          const float *const *qr, const int64_t *first,
+                                                          const int64_t *lim, const float *kb,
                                                           const float *vb, float scale, float *acc, float *mx,
                                                           float *sum) {
     float s[CA_KEYS];
@@ -479,8 +493,9 @@ static inline __attribute__((always_inline)) void ca_span(const int64_t D, int64
         for (int64_t r = 0; r < nq; r++) {
             const float *qv = qr[r];
             int64_t live = lim[r] - j0 < nk ? lim[r] - j0 : nk;  /* keys at or before this query */
-            if (live <= 0) continue;
-            for (int64_t jj = 0; jj < live; jj++) {
+            int64_t from = first[r] - j0 > 0 ? first[r] - j0 : 0;  /* and inside its window */
+            if (live <= from) continue;
+            for (int64_t jj = from; jj < live; jj++) {
                 const float *kr = kblk + jj * D;
                 float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
@@ -488,10 +503,10 @@ static inline __attribute__((always_inline)) void ca_span(const int64_t D, int64
                 s[jj] = dot * scale;
             }
             float m = mx[r];
-            for (int64_t jj = 0; jj < live; jj++) m = s[jj] > m ? s[jj] : m;
+            for (int64_t jj = from; jj < live; jj++) m = s[jj] > m ? s[jj] : m;
             float corr = tg_expf(mx[r] - m), l = 0.f;
 #pragma omp simd reduction(+ : l)
-            for (int64_t jj = 0; jj < live; jj++) {
+            for (int64_t jj = from; jj < live; jj++) {
                 float p = tg_expf(s[jj] - m);
                 s[jj] = p;
                 l += p;
@@ -502,7 +517,7 @@ static inline __attribute__((always_inline)) void ca_span(const int64_t D, int64
             float a[D];
 #pragma omp simd
             for (int64_t c = 0; c < D; c++) a[c] = ar[c] * corr;
-            for (int64_t jj = 0; jj < live; jj++) {
+            for (int64_t jj = from; jj < live; jj++) {
                 const float *vr = vblk + jj * D;
                 float p = s[jj];
 #pragma omp simd
@@ -516,7 +531,7 @@ static inline __attribute__((always_inline)) void ca_span(const int64_t D, int64
 
 int tg_cache_attention(const float *q, const float *k, const float *v, float *o, int64_t B, int64_t H,
                        int64_t Hkv, int64_t T, int64_t S, int64_t D, const int64_t *pos, int64_t pstride,
-                       float scale) {
+                       float scale, int64_t window) {
     if (Hkv <= 0 || H % Hkv) TG_FAIL("cache attention: %lld heads do not share %lld KV heads evenly", (long long)H,
                                       (long long)Hkv);
     int64_t pmax = 0;
@@ -530,8 +545,8 @@ int tg_cache_attention(const float *q, const float *k, const float *v, float *o,
     if (T == 0 || B == 0 || H == 0) return 0;
     int64_t G = H / Hkv;
     if (G > CA_QMAX) TG_FAIL("cache attention: %lld heads per KV head (at most %d)", (long long)G, CA_QMAX);
-    if (T > 16) {
-        /* a prompt: many query blocks, each a few small GEMMs (tg_attention, on oneDNN's sgemm);
+    if (T > 16 && (window <= 0 || window >= pmax + T)) {
+        /* a prompt (whose sliding window, if any, covers every key; otherwise the units below): many query blocks, each a few small GEMMs (tg_attention, on oneDNN's sgemm);
          * the G heads of a KV head are a batch dim of stride 0 in K and V */
         int64_t bd[2] = {Hkv, G}, qb[2] = {G * T * D, T * D}, kb[2] = {S * D, 0}, mb[2] = {0, 0};
         for (int64_t b = 0; b < B; b++)  /* one call per sequence: each its own position */
@@ -543,6 +558,7 @@ int tg_cache_attention(const float *q, const float *k, const float *v, float *o,
     }
     int64_t tq = CA_QMAX / G < T ? CA_QMAX / G : T;  /* queries per unit */
     int64_t qblocks = (T + tq - 1) / tq, items = B * Hkv * qblocks, L = pmax + T;
+    if (window > 0 && window + tq - 1 < L) L = window + tq - 1;  /* the most keys one unit reads */
     int threads = omp_get_max_threads();
     int64_t spans = (2 * threads + items - 1) / items, most = (L + 255) / 256;
     spans = spans < 1 ? 1 : spans > most ? (most < 1 ? 1 : most) : spans;
@@ -560,19 +576,23 @@ int tg_cache_attention(const float *q, const float *k, const float *v, float *o,
             float *acc = part + (it * spans + sp) * unit, *mx = acc + QB * D, *sum = mx + QB;
             const float *kb = k + (b * Hkv + kh) * S * D, *vb = v + (b * Hkv + kh) * S * D;
             const float *qr[CA_QMAX];
-            int64_t lim[CA_QMAX];
+            int64_t first[CA_QMAX], lim[CA_QMAX];
             for (int64_t r = 0; r < nq; r++) {
                 int64_t g = r / nt, t = t0 + r % nt;
                 qr[r] = q + ((b * H + kh * G + g) * T + t) * D;
                 lim[r] = pb + t + 1;
+                first[r] = window > 0 && lim[r] > window ? lim[r] - window : 0;
                 mx[r] = -INFINITY;
                 sum[r] = 0.f;
                 for (int64_t c = 0; c < D; c++) acc[r * D + c] = 0.f;
             }
-            int64_t j_lo = sp * span, j_hi = j_lo + span < pb + t0 + nt ? j_lo + span : pb + t0 + nt;
-            if (D == 64) ca_span(64, nq, j_lo, j_hi, qr, lim, kb, vb, scale, acc, mx, sum);
-            else if (D == 128) ca_span(128, nq, j_lo, j_hi, qr, lim, kb, vb, scale, acc, mx, sum);
-            else ca_span(D, nq, j_lo, j_hi, qr, lim, kb, vb, scale, acc, mx, sum);
+            /* the unit's keys: from its first query's window start (0 without a window) */
+            int64_t u_lo = window > 0 && pb + t0 + 1 > window ? pb + t0 + 1 - window : 0;
+            int64_t j_lo = u_lo + sp * span, j_hi = j_lo + span < pb + t0 + nt ? j_lo + span : pb + t0 + nt;
+            if (D == 64) ca_span(64, nq, j_lo, j_hi, qr, first, lim, kb, vb, scale, acc, mx, sum);
+            else if (D == 128) ca_span(128, nq, j_lo, j_hi, qr, first, lim, kb, vb, scale, acc, mx, sum);
+            else if (D == 256) ca_span(256, nq, j_lo, j_hi, qr, first, lim, kb, vb, scale, acc, mx, sum);
+            else ca_span(D, nq, j_lo, j_hi, qr, first, lim, kb, vb, scale, acc, mx, sum);
         }
     /* combine the spans of each unit's queries */
 #pragma omp parallel for schedule(static) if (parallel)

@@ -332,6 +332,9 @@ def op_examples() -> dict[str, list[OpExample]]:
         [f32(2, 4, 3, 8), f32(2, 2, 10, 8), f32(2, 2, 10, 8), np.array([0, 7], np.int64)], 10, label="gqa-2-per-kv")
     add("cache_attention", lambda g, q, k, v, p: g.op("cache_attention", q, k, v, p, scale=0.5),
         [f32(1, 3, 1, 4), f32(1, 3, 6, 4), f32(1, 3, 6, 4), np.int64(5)], 6, label="decode-last-position")
+    add("cache_attention", lambda g, q, k, v, p: g.op("cache_attention", q, k, v, p, scale=0.5, window=3),
+        [f32(2, 2, 2, 4), f32(2, 1, 9, 4), f32(2, 1, 9, 4), np.array([1, 6], np.int64)], 3,
+        label="sliding-window")
     add("rms_norm", lambda g, a, w: g.op("rms_norm", a, w, epsilon=1e-5), [f32(3, 5, 16), f32(16)], 16,
         label="scaled")
     add("rms_norm", lambda g, a: g.op("rms_norm", a), [f32(4, 8)], 8, label="unscaled")
