@@ -585,9 +585,10 @@ def cache_write(cache, x, pos, store=""):
     return cache
 
 
-def cache_attention(q, k_cache, v_cache, pos, scale):
+def cache_attention(q, k_cache, v_cache, pos, scale, window=0):
     """Causal grouped-query attention of the T new queries q[B, H, T, D] over the cache:
-    query t of sequence b (at position pos_b + t) attends to cache positions 0..pos_b + t.
+    query t of sequence b (at position p = pos_b + t) attends to cache positions 0..p, or with
+    a sliding window (window > 0) to the `window` positions p - window + 1..p.
     Query head h reads K/V head h // (H / Hkv), never a repeated copy."""
     b, h, t, _ = q.shape
     hkv = k_cache.shape[1]
@@ -598,7 +599,10 @@ def cache_attention(q, k_cache, v_cache, pos, scale):
         n = int(p[i]) + t
         qi = q[i].reshape(hkv, group * t, q.shape[-1])  # the group's query heads share their K/V head
         scores = np.matmul(qi, np.swapaxes(k_cache[i, :, :n], -1, -2)) * np.asarray(scale, dtype=qi.dtype)
-        keep = np.arange(n)[None, :] <= (p[i] + np.arange(t))[:, None]  # [T, n]
+        at = (p[i] + np.arange(t))[:, None]  # [T, 1]: each query's position
+        keep = np.arange(n)[None, :] <= at  # [T, n]
+        if window > 0:
+            keep &= np.arange(n)[None, :] > at - window
         scores = np.where(np.tile(keep, (group, 1))[None], scores, -np.inf)
         out[i] = np.matmul(softmax(scores, -1), v_cache[i, :, :n]).reshape(h, t, -1)
     return out

@@ -726,10 +726,12 @@ _op("cache_write", ["cache", "x", "pos"], _cache_write, "K.cache_write({cache}, 
         "interpreter holds the cache widened to f64 and must round as the kernels do",
     pattern=OPAQUE, flops=0)
 _op("cache_attention", ["q", "k_cache", "v_cache", "pos"], _cache_attention,
-    "K.cache_attention({q}, {k_cache}, {v_cache}, {pos}, {scale})", "composite", {"scale": ("float", REQUIRED)},
+    "K.cache_attention({q}, {k_cache}, {v_cache}, {pos}, {scale}, {window})", "composite",
+    {"scale": ("float", REQUIRED), "window": ("int", 0)},
     doc="causal attention of q[B, H, T, D] (positions pos_b..pos_b + T - 1) over cache positions "
-        "[0, pos_b + T) of k_cache/v_cache[B, Hkv, S, D]; query head h reads K/V head h // (H / Hkv); "
-        "f32 queries may read an f16 cache (widened exactly)",
+        "[0, pos_b + T) of k_cache/v_cache[B, Hkv, S, D]; query head h reads K/V head h // (H / Hkv). "
+        "window > 0: a sliding window, the query at position p reads only positions (p - window, p] "
+        "(Gemma's and Mistral's local layers); f32 queries may read an f16 cache (widened exactly)",
     pattern=OPAQUE, flops=_cache_attention_flops)
 _op("sample", ["logits", "seen", "u"], _sample,
     "K.sample({logits}, {seen}, {u}, {temperature}, {top_k}, {top_p}, {repetition_penalty})", "composite",

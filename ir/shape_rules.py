@@ -669,6 +669,8 @@ def _cache_attention(ins, attrs, given):
                                        "[B, Hkv, S, Dv] do not match")
     if isinstance(heads, int) and isinstance(kv_heads, int) and heads % kv_heads:
         raise _fail("cache_attention", f"{heads} query heads are not a multiple of {kv_heads} K/V heads")
+    if attrs.get("window", 0) < 0:
+        raise _fail("cache_attention", f"window {attrs['window']} must be 0 (none) or a number of positions")
     _positions("cache_attention", pos, q.shape[0])
     return [TensorInfo(q.shape[:3] + (v.shape[3],), q.dtype)]
 

@@ -20,7 +20,7 @@ from tilegraph.ir import kernels
 from tilegraph.ir.block_formats import FORMATS, quantize_activations
 from tilegraph.accuracy import assert_close, tolerance
 
-WEIGHT_FORMATS = ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "f16", "bf16", "f32"]
+WEIGHT_FORMATS = ["q4_0", "q4_1", "q5_0", "q8_0", "q4_k", "q6_k", "f16", "bf16", "f32"]
 ISAS = sorted({blockq.isa(name) for name in blockq.ISAS}, key=blockq.ISAS.get)  # those the processor has
 
 
@@ -31,23 +31,7 @@ def _cache_write_ref(cache, x, pos):  # until ir/kernels.py's lands from issue-2
     return cache
 
 
-def _cache_attention_ref(q, k, v, pos, scale):
-    b, h, t, _ = q.shape
-    g = h // k.shape[1]
-    p = np.broadcast_to(np.asarray(pos).reshape(-1), (b,))
-    out = np.empty(q.shape)
-    for i in range(b):
-        n = int(p[i]) + t
-        kk, vv = np.repeat(k[i, :, :n], g, 0), np.repeat(v[i, :, :n], g, 0)
-        sc = q[i] @ kk.transpose(0, 2, 1) * scale
-        sc = np.where(np.arange(n)[None, None, :] <= (p[i] + np.arange(t))[None, :, None], sc, -np.inf)
-        e = np.exp(sc - sc.max(-1, keepdims=True))
-        out[i] = (e / e.sum(-1, keepdims=True)) @ vv
-    return out
-
-
 cache_write_ref = getattr(kernels, "cache_write", _cache_write_ref)
-cache_attention_ref = getattr(kernels, "cache_attention", _cache_attention_ref)
 
 
 @pytest.fixture(autouse=True)
@@ -170,12 +154,13 @@ def test_cache_write_past_the_end_is_refused():
 @settings(max_examples=60, deadline=None)
 @given(isa=st.sampled_from(ISAS), cache=st.sampled_from([np.float32, np.float16]), b=st.integers(1, 2),
        kv=st.integers(1, 3), group=st.integers(1, 6), t=st.sampled_from([1, 2, 5, 17, 24]),
-       d=st.sampled_from([1, 8, 48, 64, 128]), extra=st.integers(0, 300), per_sequence=st.booleans(),
-       seed=st.integers(0, 2**32 - 1))
-def test_cache_attention_is_its_reference(isa, cache, b, kv, group, t, d, extra, per_sequence, seed):
+       d=st.sampled_from([1, 8, 48, 64, 128, 256]), extra=st.integers(0, 300), per_sequence=st.booleans(),
+       window=st.sampled_from([0, 0, 1, 7, 64, 100, 400]), seed=st.integers(0, 2**32 - 1))
+def test_cache_attention_is_its_reference(isa, cache, b, kv, group, t, d, extra, per_sequence, window, seed):
     """Decode (T <= 16: spans of keys split across threads and combined; with AVX-512 and D of 64
     or 128, 16 keys' scores per reduction and p v four query rows at a time) and prompt (T > 16)
-    paths, over f32 or f16 caches (the reference reads the same f16 values, widened)."""
+    paths, over f32 or f16 caches (the reference reads the same f16 values, widened), with and
+    without a sliding window (a prompt whose window cuts keys takes the decode units)."""
     blockq.isa(isa)
     rng = np.random.default_rng(seed)
     s = t + extra
@@ -184,8 +169,9 @@ def test_cache_attention_is_its_reference(isa, cache, b, kv, group, t, d, extra,
     v = rng.standard_normal((b, kv, s, d)).astype(cache)
     pos = rng.integers(0, s - t + 1, b) if per_sequence else np.int64(rng.integers(0, s - t + 1))
     scale = d ** -0.5
-    got = blockq.cache_attention(q, k, v, pos, scale)
-    want = cache_attention_ref(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), pos, scale)
+    got = blockq.cache_attention(q, k, v, pos, scale, window)
+    want = kernels.cache_attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), pos, scale,
+                                   window)
     assert_close(got, want, "f32", max(d, int(np.max(pos)) + t), name="cache_attention")
 
 

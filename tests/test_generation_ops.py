@@ -19,7 +19,7 @@ from tilegraph.accuracy import tolerance
 PROPERTY = settings(max_examples=25, deadline=None)
 
 
-def decode_step(b, h, hkv, t, s, d, per_sequence, cache_dtype="f32"):
+def decode_step(b, h, hkv, t, s, d, per_sequence, cache_dtype="f32", window=0):
     """One attention layer's cache update and attention, the cache donated to output 1."""
     g = Graph()
     kc = g.input("k_cache", (b, hkv, s, d), cache_dtype)
@@ -31,12 +31,12 @@ def decode_step(b, h, hkv, t, s, d, per_sequence, cache_dtype="f32"):
     store = {} if cache_dtype == "f32" else {"store": cache_dtype}
     kc2 = g.op("cache_write", kc, k, pos, **store)
     vc2 = g.op("cache_write", vc, v, pos, **store)
-    out = g.op("cache_attention", q, kc2, vc2, pos, scale=d ** -0.5)
+    out = g.op("cache_attention", q, kc2, vc2, pos, scale=d ** -0.5, window=window)
     return g.build(out, kc2, vc2, names=["out", "k_cache_out", "v_cache_out"],
                    aliases={"k_cache": "k_cache_out", "v_cache": "v_cache_out"})
 
 
-def reference_attention(q, k_cache, v_cache, k, v, pos):
+def reference_attention(q, k_cache, v_cache, k, v, pos, window=0):
     """The same step spelled with repeated K/V and tg.attention's boolean mask, per sequence."""
     b, h, t, d = q.shape
     group = h // k_cache.shape[1]
@@ -47,24 +47,29 @@ def reference_attention(q, k_cache, v_cache, k, v, pos):
         vals = np.concatenate([v_cache[i, :, :p], v[i]], axis=1).astype(np.float64)
         keys, vals = np.repeat(keys, group, axis=0), np.repeat(vals, group, axis=0)
         mask = np.arange(p + t)[None, :] <= (p + np.arange(t))[:, None]
+        if window:  # the sliding window: a query at position q reads keys q - window + 1..q
+            mask &= (p + np.arange(t))[:, None] - np.arange(p + t)[None, :] < window
         out[i] = attention(q[i].astype(np.float64), keys, vals, mask, d ** -0.5, False)
     return out
 
 
 @PROPERTY
 @given(b=st.integers(1, 3), hkv=st.integers(1, 3), group=st.integers(1, 3), t=st.integers(1, 5),
-       extra=st.integers(0, 6), d=st.sampled_from([2, 4, 8]), per_sequence=st.booleans(), seed=st.integers(0, 2**31))
-def test_cache_step_matches_attention_over_the_concatenated_cache(b, hkv, group, t, extra, d, per_sequence, seed):
+       extra=st.integers(0, 6), d=st.sampled_from([2, 4, 8]), per_sequence=st.booleans(),
+       window=st.sampled_from([0, 1, 2, 3, 5]), seed=st.integers(0, 2**31))
+def test_cache_step_matches_attention_over_the_concatenated_cache(b, hkv, group, t, extra, d, per_sequence, window,
+                                                                  seed):
     rng = np.random.default_rng(seed)
     s = t + extra
     pos = rng.integers(0, s - t + 1, b if per_sequence else ()).astype(np.int64)
-    model = decode_step(b, hkv * group, hkv, t, s, d, per_sequence)
+    model = decode_step(b, hkv * group, hkv, t, s, d, per_sequence, window=window)
     k_cache, v_cache = (rng.standard_normal((b, hkv, s, d)).astype(np.float32) for _ in range(2))
     q = rng.standard_normal((b, hkv * group, t, d)).astype(np.float32)
     k, v = (rng.standard_normal((b, hkv, t, d)).astype(np.float32) for _ in range(2))
     inputs = [k_cache, v_cache, q, k, v, pos]
     want = interpret(model, [a.copy() for a in inputs])
-    np.testing.assert_allclose(want[0], reference_attention(q, k_cache, v_cache, k, v, pos), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(want[0], reference_attention(q, k_cache, v_cache, k, v, pos, window),
+                               rtol=1e-12, atol=1e-12)
     got = tilegraph.compile(model, target="numpy").run(*inputs)
     assert got[1] is k_cache and got[2] is v_cache, "the donated caches are written in place"
     for p, i in zip(np.broadcast_to(pos, (b,)), range(b)):

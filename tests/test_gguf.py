@@ -17,7 +17,8 @@ from tilegraph.generation import LanguageModel, Sampling
 from tilegraph.ir.block_formats import FORMATS
 from tilegraph.ir.model import Model
 from tilegraph.testing import assert_close
-from tilegraph.testing.gguf_files import TINY_FORMATS, patch, tensor_info_offsets, write_tiny_llama
+from tilegraph.testing.gguf_files import (GEMMA3_TINY_WINDOW, TINY_FORMATS, patch, tensor_info_offsets,
+                                         write_tiny_llama)
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.xdist_group("tiny_gguf")
@@ -96,6 +97,26 @@ def test_qwen_files_match_transformers_in_float64(tmp_path, arch):
     want = _transformers_logits(path, prompt + made)
     for i, got in enumerate(steps):
         assert_close(got, want[len(prompt) - 1 + i], "f32", 256, name=f"{arch} step {i}")
+
+
+@pytest.mark.parametrize("target", ["numpy", "c"])
+def test_gemma3_files_match_transformers_in_float64(tmp_path, target):
+    """gemma3: the embedding scaled, norms after attention and the MLP too, Q/K norms, a GELU (tanh)
+    MLP, and five local layers of six over a sliding window (4 here: the 10 positions run past it)
+    with their own rotary base; on the C backend the windowed attention runs natively."""
+    path = tmp_path / "gemma3.gguf"
+    write_tiny_llama(path, arch="gemma3", layers=6)
+    lm = LanguageModel(path, target=target, cache_len=16)
+    assert [lm.config.local(i) for i in range(6)] == [True] * 5 + [False] and lm.config.window == GEMMA3_TINY_WINDOW
+    prompt, steps = [5, 70, 71, 100, 3, 250], []
+    made = [t for _, t in lm.generate_ids([prompt], 4, Sampling(), stop=False,
+                                          on_logits=lambda i, logits: steps.append(logits[0].copy()))]
+    want = _transformers_logits(path, prompt + made)
+    for i, got in enumerate(steps):
+        assert_close(got, want[len(prompt) - 1 + i], "f32", 512, name=f"gemma3 step {i}")
+    if target == "c":  # windowed attention, q5_0, GELU: each entry point is one native call
+        for kind in ("prefill", "decode"):
+            assert [k for k, _ in lm.entry(1, kind)._runner.program.plan] == ["segment"], kind
 
 
 def test_prompts_decoded_together_give_what_each_gives_alone(tiny):

@@ -96,7 +96,9 @@ class LanguageModel:
         self.path = Path(path)
         f = GGUFFile(self.path)
         self.config = LlamaConfig.of(f)
-        self.tokenizer = GGUFTokenizer(f)
+        # a file tilegraph quantize wrote holds no tokenizer: token ids in (generate_ids), logits out
+        self._tokenizer = GGUFTokenizer(f) if "tokenizer.ggml.model" in f.metadata else None
+        self._stop_ids = self._tokenizer.stop_ids if self._tokenizer else set()
         self.weights, self.formats = load_weights(f, self.config)
         self.cache_len = min(cache_len or DEFAULT_CACHE_LEN, self.config.context)
         self.target, self.threads, self.pipeline = target, threads, pipeline
@@ -112,6 +114,15 @@ class LanguageModel:
         self._compiled: dict[tuple, object] = {}
         self._caches: dict[int, list[np.ndarray]] = {}
         self.stats = Stats()
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from tilegraph.frontends.gguf.tokenizer import TokenizerError
+
+            raise TokenizerError(f"{self.path} holds no tokenizer (tokenizer.ggml.*): give token ids "
+                                 "(LanguageModel.generate_ids)")
+        return self._tokenizer
 
     def __repr__(self) -> str:
         c = self.config
@@ -193,7 +204,7 @@ class LanguageModel:
             raise TilegraphError(f"a prompt token id is outside the vocabulary of {vocab}")
         rng = np.random.default_rng(sampling.seed)
         steps = max(lengths)
-        pad = self.tokenizer.eos_id if self.tokenizer.eos_id is not None else 0
+        pad = self._tokenizer.eos_id if self._tokenizer and self._tokenizer.eos_id is not None else 0
         tokens = np.array([p + [pad] * (steps - len(p)) for p in rows], np.int64)
         pos = np.zeros(batch, np.int64)
         last = np.array([b * steps + n - 1 for b, n in enumerate(lengths)], np.int64)
@@ -220,7 +231,7 @@ class LanguageModel:
                 seen[b, ids[b]] = 1
                 self.stats.generated_tokens += 1
                 yield b, int(ids[b])
-                if stop and int(ids[b]) in self.tokenizer.stop_ids:
+                if stop and int(ids[b]) in self._stop_ids:
                     done[b] = True
             if all(done) or step == max_new_tokens - 1:
                 self.stats.generate_seconds += time.perf_counter() - start

@@ -44,8 +44,8 @@ typedef struct {
 } tg_bq_kernels;
 
 /* Elements per block and bytes per block of each format (GGUF's; ir/block_formats.py). */
-static const int64_t BQ_BLOCK[TG_BQ_COUNT] = {1, 1, 1, 32, 32, 32, 256, 256};
-static const int64_t BQ_BYTES[TG_BQ_COUNT] = {4, 2, 2, 18, 20, 34, 144, 210};
+static const int64_t BQ_BLOCK[TG_BQ_COUNT] = {1, 1, 1, 32, 32, 32, 256, 256, 32};
+static const int64_t BQ_BYTES[TG_BQ_COUNT] = {4, 2, 2, 18, 20, 34, 144, 210, 22};
 
 static inline float bq_half(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
@@ -80,6 +80,18 @@ static void bq_dequant_block(int fmt, const uint8_t *w, float *out) {
         for (int j = 0; j < 16; j++) {
             out[j] = ((w[2 + j] & 0x0F) - 8) * d;
             out[j + 16] = ((w[2 + j] >> 4) - 8) * d;
+        }
+        break;
+    }
+    case TG_BQ_Q5_0: {  /* f16 d, 32 fifth bits (element i: bit i), then q4_0's nibbles; w = d (q - 16) */
+        float d = bq_half_at(w);
+        uint32_t qh;
+        memcpy(&qh, w + 2, 4);
+        for (int j = 0; j < 16; j++) {
+            out[j] = (int)((w[6 + j] & 0x0F) | ((qh >> j & 1) << 4)) - 16;
+            out[j + 16] = (int)((w[6 + j] >> 4) | ((qh >> (j + 16) & 1) << 4)) - 16;
+            out[j] *= d;
+            out[j + 16] *= d;
         }
         break;
     }
@@ -175,10 +187,11 @@ BQ_SCALAR(bq_dot_q4_1_scalar, TG_BQ_Q4_1)
 BQ_SCALAR(bq_dot_q8_0_scalar, TG_BQ_Q8_0)
 BQ_SCALAR(bq_dot_q4_k_scalar, TG_BQ_Q4_K)
 BQ_SCALAR(bq_dot_q6_k_scalar, TG_BQ_Q6_K)
+BQ_SCALAR(bq_dot_q5_0_scalar, TG_BQ_Q5_0)
 static const tg_bq_kernels bq_kernels_scalar = {
     .quantize = bq_quantize_scalar,
     .dot = {[TG_BQ_Q4_0] = bq_dot_q4_0_scalar, [TG_BQ_Q4_1] = bq_dot_q4_1_scalar, [TG_BQ_Q8_0] = bq_dot_q8_0_scalar,
-            [TG_BQ_Q4_K] = bq_dot_q4_k_scalar, [TG_BQ_Q6_K] = bq_dot_q6_k_scalar},
+            [TG_BQ_Q4_K] = bq_dot_q4_k_scalar, [TG_BQ_Q6_K] = bq_dot_q6_k_scalar, [TG_BQ_Q5_0] = bq_dot_q5_0_scalar},
 };
 
 /* --- the SIMD variants --- */

@@ -17,7 +17,7 @@ from tilegraph.backends.c.build import runtime
 from tilegraph.ir.errors import TilegraphError
 
 # Each block format's number in blockq.h's enum (TG_BQ_*): the names are ir/block_formats.py's.
-FORMATS = {"f32": 0, "f16": 1, "bf16": 2, "q4_0": 3, "q4_1": 4, "q8_0": 5, "q4_k": 6, "q6_k": 7}
+FORMATS = {"f32": 0, "f16": 1, "bf16": 2, "q4_0": 3, "q4_1": 4, "q8_0": 5, "q4_k": 6, "q6_k": 7, "q5_0": 8}
 ISAS = {"scalar": 0, "avx2": 1, "avx512_vnni": 2}
 
 _i64, _p = ctypes.c_int64, ctypes.c_void_p
@@ -31,7 +31,8 @@ def library() -> ctypes.CDLL:
     lib.tg_block_rows.argtypes = [_p, _i64, _i64, _i64, ctypes.c_int, _p, _i64, _p]
     lib.tg_cache_write.argtypes = [_p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _p, _i64]
     lib.tg_cache_write_f16.argtypes = [_p, _p, _i64, _i64, _i64, _i64, _i64, _p, _i64]
-    lib.tg_cache_attention.argtypes = [_p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _p, _i64, ctypes.c_float]
+    lib.tg_cache_attention.argtypes = [_p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _p, _i64, ctypes.c_float,
+                                       _i64]
     lib.tg_cache_attention_f16.argtypes = lib.tg_cache_attention.argtypes
     lib.tg_blockq_isa.argtypes = [ctypes.c_int]
     lib.tg_error.restype = ctypes.c_char_p
@@ -96,7 +97,7 @@ def cache_write(cache: np.ndarray, x: np.ndarray, pos) -> None:
                                     p.ctypes.data, stride))
 
 
-def cache_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos, scale: float) -> np.ndarray:
+def cache_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos, scale: float, window: int = 0) -> np.ndarray:
     """The decode attention kernel over an f32 cache, or an f16 one (k and v both float16)."""
     f16 = k.dtype == np.float16
     q = np.ascontiguousarray(q, np.float32)
@@ -106,7 +107,7 @@ def cache_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos, scale: flo
     o = np.empty_like(q)
     fn = library().tg_cache_attention_f16 if f16 else library().tg_cache_attention
     _check(fn(q.ctypes.data, k.ctypes.data, v.ctypes.data, o.ctypes.data, B, H, k.shape[1], T, k.shape[2], D,
-              p.ctypes.data, stride, scale))
+              p.ctypes.data, stride, scale, window))
     return o
 
 

@@ -169,8 +169,8 @@ static inline __attribute__((always_inline)) void ca_pv_zmm(const int64_t D, con
 /* ca_span on AVX-512 for D = 64 or 128: per block of keys, every query row's scores (16 keys per
  * ca_hsum16), the online softmax update, then p v four rows at a time */
 static inline __attribute__((always_inline)) void ca_span_zmm(const int64_t D, int64_t nq, int64_t j_lo, int64_t j_hi,
-                                                              const float *const *qr, const int64_t *lim,
-                                                              const float *kb, const float *vb, const uint16_t *kh,
+                                                              const float *const *qr, const int64_t *first,
+                                                              const int64_t *lim, const float *kb, const float *vb, const uint16_t *kh,
                                                               const uint16_t *vh, float *kf, float *vf, float scale,
                                                               float *acc, float *mx, float *sum) {
     float p[4 * CA_KEYS] __attribute__((aligned(64))), corr[4];
@@ -190,15 +190,17 @@ static inline __attribute__((always_inline)) void ca_span_zmm(const int64_t D, i
             int64_t most = 0;  /* keys any of these rows sees in this block */
             for (int i = 0; i < nr; i++) {
                 int64_t r = r0 + i, live = lim[r] - j0 < nk ? lim[r] - j0 : nk;
+                int64_t from = first[r] - j0 > 0 ? first[r] - j0 : 0;  /* a sliding window's start */
                 float *s = p + i * CA_KEYS;
-                if (live <= 0) {  /* nothing to see yet: p = 0, the row unchanged */
+                if (live <= from) {  /* nothing to see here: p = 0, the row unchanged */
                     corr[i] = 1.f;
                     for (int64_t jj = 0; jj < nk; jj++) s[jj] = 0.f;
                     continue;
                 }
                 most = live > most ? live : most;
-                float m = ca_scores_zmm_d(D, qr[r], kblk, live, scale, s);
+                float m = ca_scores_zmm_d(D, qr[r], kblk + from * D, live - from, scale, s + from);
                 m = mx[r] > m ? mx[r] : m;
+                for (int64_t jj = 0; jj < from; jj++) s[jj] = -INFINITY;  /* before the window: weight 0 */
                 corr[i] = ca_online(s, live, m, mx + r, sum + r);
                 for (int64_t jj = live; jj < nk; jj++) s[jj] = 0.f;
             }
@@ -212,15 +214,17 @@ static inline __attribute__((always_inline)) void ca_span_zmm(const int64_t D, i
         }
     }
 }
-static void ca_span_zmm64(int64_t nq, int64_t j_lo, int64_t j_hi, const float *const *qr, const int64_t *lim,
+static void ca_span_zmm64(int64_t nq, int64_t j_lo, int64_t j_hi, const float *const *qr, const int64_t *first,
+                          const int64_t *lim,
                           const float *kb, const float *vb, const uint16_t *kh, const uint16_t *vh, float *kf,
                           float *vf, float scale, float *acc, float *mx, float *sum) {
-    ca_span_zmm(64, nq, j_lo, j_hi, qr, lim, kb, vb, kh, vh, kf, vf, scale, acc, mx, sum);
+    ca_span_zmm(64, nq, j_lo, j_hi, qr, first, lim, kb, vb, kh, vh, kf, vf, scale, acc, mx, sum);
 }
-static void ca_span_zmm128(int64_t nq, int64_t j_lo, int64_t j_hi, const float *const *qr, const int64_t *lim,
+static void ca_span_zmm128(int64_t nq, int64_t j_lo, int64_t j_hi, const float *const *qr, const int64_t *first,
+                           const int64_t *lim,
                            const float *kb, const float *vb, const uint16_t *kh, const uint16_t *vh, float *kf,
                            float *vf, float scale, float *acc, float *mx, float *sum) {
-    ca_span_zmm(128, nq, j_lo, j_hi, qr, lim, kb, vb, kh, vh, kf, vf, scale, acc, mx, sum);
+    ca_span_zmm(128, nq, j_lo, j_hi, qr, first, lim, kb, vb, kh, vh, kf, vf, scale, acc, mx, sum);
 }
 #pragma GCC pop_options
 
@@ -239,7 +243,8 @@ static void ca_scores(int64_t D, const float *qv, const float *kblk, int64_t n, 
  * with D a constant (the callers' 64 and 128) a query's accumulator lives in registers across
  * the block's keys. kf/vf: room for a block widened from f16 (kh/vh non-NULL), else unused. */
 static inline __attribute__((always_inline)) void ca_span(const int64_t D, int64_t nq, int64_t j_lo, int64_t j_hi,
-                                                          const float *const *qr, const int64_t *lim, const float *kb,
+                                                          const float *const *qr, const int64_t *first,
+                                                          const int64_t *lim, const float *kb,
                                                           const float *vb, const uint16_t *kh, const uint16_t *vh,
                                                           float *kf, float *vf, float scale, float *acc,
                                                           float *mx, float *sum) {
@@ -256,10 +261,12 @@ static inline __attribute__((always_inline)) void ca_span(const int64_t D, int64
         for (int64_t r = 0; r < nq; r++) {
             const float *qv = qr[r];
             int64_t live = lim[r] - j0 < nk ? lim[r] - j0 : nk;  /* keys at or before this query */
-            if (live <= 0) continue;
-            ca_scores(D, qv, kblk, live, scale, s);
+            int64_t from = first[r] - j0 > 0 ? first[r] - j0 : 0;  /* and inside its window */
+            if (live <= from) continue;
+            ca_scores(D, qv, kblk + from * D, live - from, scale, s + from);
             float m = mx[r];
-            for (int64_t jj = 0; jj < live; jj++) m = s[jj] > m ? s[jj] : m;
+            for (int64_t jj = from; jj < live; jj++) m = s[jj] > m ? s[jj] : m;
+            for (int64_t jj = 0; jj < from; jj++) s[jj] = -INFINITY;  /* before the window: weight 0 */
             float corr = ca_online(s, live, m, mx + r, sum + r);
             float *ar = acc + r * D;
             float a[D];
@@ -279,7 +286,8 @@ static inline __attribute__((always_inline)) void ca_span(const int64_t D, int64
 
 /* k/v are float (kv_f16 0) or f16 bits (kv_f16 1) */
 static int ca_run(const float *q, const void *k, const void *v, float *o, int64_t B, int64_t H, int64_t Hkv,
-                  int64_t T, int64_t S, int64_t D, const int64_t *pos, int64_t pstride, float scale, int kv_f16) {
+                  int64_t T, int64_t S, int64_t D, const int64_t *pos, int64_t pstride, float scale, int64_t window,
+                  int kv_f16) {
     if (Hkv <= 0 || H % Hkv) TG_FAIL("cache attention: %lld heads do not share %lld KV heads evenly", (long long)H,
                                       (long long)Hkv);
     int64_t pmax = 0;
@@ -295,7 +303,7 @@ static int ca_run(const float *q, const void *k, const void *v, float *o, int64_
     if (G > CA_QMAX) TG_FAIL("cache attention: %lld heads per KV head (at most %d)", (long long)G, CA_QMAX);
     if (kv_f16 && D > CA_DMAX) TG_FAIL("cache attention: an f16 cache of head size %lld (at most %d)", (long long)D,
                                        CA_DMAX);
-    if (T > 16) {
+    if (T > 16 && (window <= 0 || window >= pmax + T)) {  /* (a window that cuts keys: the units below) */
         /* a prompt: many query blocks, each a few small GEMMs (tg_attention, on oneDNN's sgemm);
          * the G heads of a KV head are a batch dim of stride 0 in K and V; an f16 cache's rows
          * so far are widened first (a prompt is bound by its arithmetic, not this pass) */
@@ -320,6 +328,7 @@ static int ca_run(const float *q, const void *k, const void *v, float *o, int64_
     }
     int64_t tq = CA_QMAX / G < T ? CA_QMAX / G : T;  /* queries per unit */
     int64_t qblocks = (T + tq - 1) / tq, items = B * Hkv * qblocks, L = pmax + T;
+    if (window > 0 && window + tq - 1 < L) L = window + tq - 1;  /* the most keys one unit reads */
     int threads = omp_get_max_threads();
     int64_t spans = (2 * threads + items - 1) / items, most = (L + 255) / 256;
     spans = spans < 1 ? 1 : spans > most ? (most < 1 ? 1 : most) : spans;
@@ -346,21 +355,25 @@ static int ca_run(const float *q, const void *k, const void *v, float *o, int64_
             const uint16_t *khf = kv_f16 ? (const uint16_t *)k + at : NULL, *vhf = kv_f16 ? (const uint16_t *)v + at : NULL;
             float *kf = kv_wide, *vf = kv_f16 ? kv_wide + CA_KEYS * CA_DMAX : NULL;
             const float *qr[CA_QMAX];
-            int64_t lim[CA_QMAX];
+            int64_t first[CA_QMAX], lim[CA_QMAX];
             for (int64_t r = 0; r < nq; r++) {
                 int64_t g = r / nt, t = t0 + r % nt;
                 qr[r] = q + ((b * H + kh * G + g) * T + t) * D;
                 lim[r] = pb + t + 1;
+                first[r] = window > 0 && lim[r] > window ? lim[r] - window : 0;
                 mx[r] = -INFINITY;
                 sum[r] = 0.f;
                 for (int64_t c = 0; c < D; c++) acc[r * D + c] = 0.f;
             }
-            int64_t j_lo = sp * span, j_hi = j_lo + span < pb + t0 + nt ? j_lo + span : pb + t0 + nt;
-            if (zmm && D == 64) ca_span_zmm64(nq, j_lo, j_hi, qr, lim, kb, vb, khf, vhf, kf, vf, scale, acc, mx, sum);
-            else if (zmm) ca_span_zmm128(nq, j_lo, j_hi, qr, lim, kb, vb, khf, vhf, kf, vf, scale, acc, mx, sum);
-            else if (D == 64) ca_span(64, nq, j_lo, j_hi, qr, lim, kb, vb, khf, vhf, kf, vf, scale, acc, mx, sum);
-            else if (D == 128) ca_span(128, nq, j_lo, j_hi, qr, lim, kb, vb, khf, vhf, kf, vf, scale, acc, mx, sum);
-            else ca_span(D, nq, j_lo, j_hi, qr, lim, kb, vb, khf, vhf, kf, vf, scale, acc, mx, sum);
+            /* the unit's keys: from its first query's window start (0 without a window) */
+            int64_t u_lo = window > 0 && pb + t0 + 1 > window ? pb + t0 + 1 - window : 0;
+            int64_t j_lo = u_lo + sp * span, j_hi = j_lo + span < pb + t0 + nt ? j_lo + span : pb + t0 + nt;
+            if (zmm && D == 64) ca_span_zmm64(nq, j_lo, j_hi, qr, first, lim, kb, vb, khf, vhf, kf, vf, scale, acc, mx, sum);
+            else if (zmm) ca_span_zmm128(nq, j_lo, j_hi, qr, first, lim, kb, vb, khf, vhf, kf, vf, scale, acc, mx, sum);
+            else if (D == 64) ca_span(64, nq, j_lo, j_hi, qr, first, lim, kb, vb, khf, vhf, kf, vf, scale, acc, mx, sum);
+            else if (D == 128) ca_span(128, nq, j_lo, j_hi, qr, first, lim, kb, vb, khf, vhf, kf, vf, scale, acc, mx, sum);
+            else if (D == 256) ca_span(256, nq, j_lo, j_hi, qr, first, lim, kb, vb, khf, vhf, kf, vf, scale, acc, mx, sum);
+            else ca_span(D, nq, j_lo, j_hi, qr, first, lim, kb, vb, khf, vhf, kf, vf, scale, acc, mx, sum);
         }
     if (failed) TG_FAIL("cache attention: out of memory widening an f16 cache");
     /* combine the spans of each unit's queries */
@@ -395,14 +408,14 @@ static int ca_run(const float *q, const void *k, const void *v, float *o, int64_
 
 int tg_cache_attention(const float *q, const float *k, const float *v, float *o, int64_t B, int64_t H,
                        int64_t Hkv, int64_t T, int64_t S, int64_t D, const int64_t *pos, int64_t pstride,
-                       float scale) {
-    return ca_run(q, k, v, o, B, H, Hkv, T, S, D, pos, pstride, scale, 0);
+                       float scale, int64_t window) {
+    return ca_run(q, k, v, o, B, H, Hkv, T, S, D, pos, pstride, scale, window, 0);
 }
 
 int tg_cache_attention_f16(const float *q, const uint16_t *k, const uint16_t *v, float *o, int64_t B, int64_t H,
                            int64_t Hkv, int64_t T, int64_t S, int64_t D, const int64_t *pos, int64_t pstride,
-                           float scale) {
-    return ca_run(q, k, v, o, B, H, Hkv, T, S, D, pos, pstride, scale, 1);
+                           float scale, int64_t window) {
+    return ca_run(q, k, v, o, B, H, Hkv, T, S, D, pos, pstride, scale, window, 1);
 }
 
 /* Sampling (tg.sample; ir/kernels.py's sample is the reference): one token per row of logits,

@@ -142,7 +142,8 @@ class Generation(EmitterParts):
         self._step(_describe(op), [
             f"if ({kernel}({self.ptr(q)}, {kp}, {vp}, {self.ptr(out, False)}, "
             f"{self.ints(b)}, {self.ints(h)}, {self.ints(k.shape[1])}, {self.ints(t)}, {self.ints(k.shape[2])}, "
-            f"{self.ints(d)}, {ptr}, {stride}, {c_float(op.attr('scale'), 'f32')})) return 1;"], [q, k, v, pos], [out])
+            f"{self.ints(d)}, {ptr}, {stride}, {c_float(op.attr('scale'), 'f32')}, {int(op.attr('window'))})) "
+            "return 1;"], [q, k, v, pos], [out])
         return out
 
     def _gen_rms_norm(self, op: TgOp, xs: list[View]) -> View:

@@ -36,6 +36,7 @@ def _parser() -> argparse.ArgumentParser:
                             "ids of an embedding from its whole table")
 
     # --- quantize: calibrate activations, then the quantize pass (passes/quantize/) ---
+    from tilegraph.ir.block_formats import FORMATS as BLOCK_FORMATS
     from tilegraph.passes.quantize import OBSERVERS, SCHEMES
 
     qz = sub.add_parser("quantize", help="calibrate on sample inputs and quantize the linear layers",
@@ -67,6 +68,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="with --max-error / --min-cosine: a second scheme a layer may get (default: w8)")
     qz.add_argument("--target", default="cpu", help="with --max-error / --min-cosine: the hardware the speed is "
                                                    "predicted for: h100, h200, a100 or cpu (default)")
+    qz.add_argument("--block-format", default=None, choices=list(BLOCK_FORMATS),
+                    help="with -o x.gguf and a transformers model folder (config.json and its weights): write a "
+                         "GGUF file, matrices in this GGUF block format (default: q8_0), read by tilegraph.compile "
+                         "and llama.cpp alike")
     qz.add_argument("--export-onnx", default=None, metavar="OUT.onnx",
                     help="also write the quantized model as ONNX in QDQ form (backends/onnx_export.py)")
 

@@ -346,6 +346,9 @@ def op_examples() -> dict[str, list[OpExample]]:
     add("sample", lambda g, x, s_, u: g.op("sample", x, s_, u, temperature=0.7, top_k=5, top_p=0.8,
                                            repetition_penalty=1.3),
         [f32(3, 40, lo=-4, hi=4), seen, f32(3, lo=0, hi=1)], label="top-k-top-p-penalty")
+    add("cache_attention", lambda g, q, k, v, p: g.op("cache_attention", q, k, v, p, scale=0.5, window=3),
+        [f32(2, 2, 2, 4), f32(2, 1, 9, 4), f32(2, 1, 9, 4), np.array([1, 6], np.int64)], 3,
+        label="sliding-window")
     add("rms_norm", lambda g, a, w: g.op("rms_norm", a, w, epsilon=1e-5), [f32(3, 5, 16), f32(16)], 16,
         label="scaled")
     add("rms_norm", lambda g, a: g.op("rms_norm", a), [f32(4, 8)], 8, label="unscaled")
