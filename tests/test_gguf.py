@@ -271,3 +271,16 @@ def test_generate_command_streams_several_prompts_and_prints_tokens_per_second(t
     captured = capsys.readouterr()
     assert captured.out.startswith("[0] the") and "\n[1] in a" in captured.out
     assert "prompt: " in captured.err and "tokens/s" in captured.err and "generation: 6 tokens" in captured.err
+
+
+def test_generate_fast_takes_llama_cpps_numerics(tiny, capsys):
+    """--fast: int8 activations and an f16 KV cache (the model's caches are f16 arrays)."""
+    path, _ = tiny
+    assert main(["generate", str(path), "-p", "the", "-n", "3", "--target", "numpy", "--cache-len", "16",
+                 "--fast"]) == 0
+    assert "generation: 3 tokens" in capsys.readouterr().err
+    from tilegraph.cli.generate import _model
+    from tilegraph.cli.parser import _parser
+
+    lm = _model(_parser().parse_args(["generate", str(path), "-p", "x", "--cache-len", "8", "--fast"]))
+    assert lm.activation == "q8" and lm.caches(1)[0].dtype == np.float16

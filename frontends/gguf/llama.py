@@ -5,7 +5,7 @@ prefill (T = the prompt's length, a symbol) and decode (T = 1), over the same we
 and the same caches. Inputs: `tokens` i64[B, T], `pos` i64[B] (where each sequence's T new
 tokens go in the cache), `last` i64[B] (which of the B*T positions each sequence's logits
 come from: its last real token), then each layer's `k_cache.i` and `v_cache.i`
-f32[B, Hkv, S, D], donated: results 1.. are the same buffers, written in place by
+f32 (or f16) [B, Hkv, S, D], donated: results 1.. are the same buffers, written in place by
 tg.cache_write. Result 0: logits f32[B, vocab].
 
 Weights stay in their block formats (ui8 rows read by tg.block_matmul / tg.block_gather);
@@ -159,19 +159,24 @@ def load_weights(f: GGUFFile, c: LlamaConfig) -> tuple[WeightStore, dict[str, st
 
 
 def build(c: LlamaConfig, weights: WeightStore, formats: dict[str, str], batch: int, steps, cache_len: int,
-          activation: str = "f32") -> Model:
+          activation: str = "f32", cache_dtype: str = "f32", sampling: dict | None = None) -> Model:
     """The model for `batch` sequences of `steps` new tokens (an int, or a symbol name for prefill)
     over caches of `cache_len` positions; `formats`: load_weights' block format of each weight.
     activation='q8': every block-format matmul first rounds its input to int8 per 32 values
     (tg.block_matmul's activation, ggml's numerics), what the C backend's integer kernels take;
-    'f32' multiplies the float activations as they are."""
+    'f32' multiplies the float activations as they are. cache_dtype='f16': the K/V caches hold f16
+    (llama.cpp's default, half the bytes a decode step reads at depth), each new row rounded in.
+    sampling (tg.sample's attributes): the step also draws each sequence's next token, from inputs
+    `seen` ui8[B, vocab] (tokens so far, for the repetition penalty) and `u` f32[B] (uniform draws);
+    it is the last result, `next` i64[B]."""
     g = Graph(weights)
     B, T, S, D = batch, steps, cache_len, c.head_dim
     tokens = g.input("tokens", (B, T), "i64")
     pos = g.input("pos", (B,), "i64")
     last = g.input("last", (B,), "i64")
-    caches = [(g.input(f"k_cache.{i}", (B, c.kv_heads, S, D)), g.input(f"v_cache.{i}", (B, c.kv_heads, S, D)))
-              for i in range(c.layers)]
+    caches = [(g.input(f"k_cache.{i}", (B, c.kv_heads, S, D), cache_dtype),
+               g.input(f"v_cache.{i}", (B, c.kv_heads, S, D), cache_dtype)) for i in range(c.layers)]
+    store = {} if cache_dtype == "f32" else {"store": cache_dtype}
 
     def weight(name):
         array = weights[name]
@@ -213,7 +218,7 @@ def build(c: LlamaConfig, weights: WeightStore, formats: dict[str, str], batch: 
         if c.qk_norm:
             q, k = norm(q, p + "attn_q_norm.weight"), norm(k, p + "attn_k_norm.weight")
         q, k = g.op("rope", q, cos, sin), g.op("rope", k, cos, sin)
-        kc, vc = g.op("cache_write", kc, k, pos), g.op("cache_write", vc, v, pos)
+        kc, vc = g.op("cache_write", kc, k, pos, **store), g.op("cache_write", vc, v, pos, **store)
         new_caches += [kc, vc]
         o = g.op("cache_attention", q, kc, vc, pos, scale=1.0 / float(np.sqrt(D)), window=c.window if local else 0)
         o = linear(g.reshape(g.transpose(o, (0, 2, 1, 3)), (B, T, c.heads * D)), p + "attn_output.weight",
@@ -231,4 +236,8 @@ def build(c: LlamaConfig, weights: WeightStore, formats: dict[str, str], batch: 
     logits = linear(h, head, c.hidden)
     names = ["logits"] + [f"{kind}_cache.{i}.out" for i in range(c.layers) for kind in ("k", "v")]
     aliases = {f"{kind}_cache.{i}": f"{kind}_cache.{i}.out" for i in range(c.layers) for kind in ("k", "v")}
-    return g.build(logits, *new_caches, names=names, aliases=aliases)
+    if sampling is None:
+        return g.build(logits, *new_caches, names=names, aliases=aliases)
+    seen, u = g.input("seen", (B, c.vocab), "ui8"), g.input("u", (B,))
+    chosen = g.op("sample", logits, seen, u, **sampling)
+    return g.build(logits, *new_caches, chosen, names=names + ["next"], aliases=aliases)

@@ -115,6 +115,9 @@ def _parser() -> argparse.ArgumentParser:
                          help="backend (default: c where it builds, else numpy)")
         gen.add_argument("--cache-len", type=_positive, default=None,
                          help="KV cache positions per sequence (default: 2048 or the model's context)")
+        gen.add_argument("--fast", action="store_true",
+                         help="llama.cpp's numerics: activations rounded to int8 per 32 values, an f16 KV cache "
+                              "(default: exact f32)")
         if name == "generate":
             gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
 
