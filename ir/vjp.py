@@ -56,6 +56,7 @@ NO_GRADIENT: dict[str, str] = {
              "dequantized to a float weight first" for name in ("block_matmul", "block_gather")},
     **{name: "generation's cache state: decoding is not differentiated (training runs attention over whole "
              "sequences)" for name in ("cache_write", "cache_attention")},
+    "sample": "a token drawn from logits: an integer choice has no gradient",
 }
 
 

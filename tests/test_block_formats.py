@@ -45,7 +45,7 @@ def test_dequantize_any_bytes_as_gguf_does(name, rows, blocks, seed):
 # step of the format's grid (4-bit: 1/15 of the range; 6-bit and 8-bit finer; q4_0 a whole
 # step of max/8 at the end opposite the max, clipped to 15), plus the f16 rounding of
 # scales and the 6-bit rounding of k-quant scales.
-MAX_RELATIVE_ERROR = {"f32": 0.0, "f16": 1e-3, "bf16": 4e-3, "q4_0": 0.125 + 1e-3, "q4_1": 0.067,
+MAX_RELATIVE_ERROR = {"f32": 0.0, "f16": 1e-3, "bf16": 4e-3, "q4_0": 0.125 + 1e-3, "q4_1": 0.067, "q5_0": 0.0625 + 1e-3,
                       "q8_0": 4e-3 + 1e-3, "q4_k": 0.1, "q6_k": 0.04}
 
 
@@ -62,7 +62,7 @@ def test_quantize_round_trips_within_a_step(name, seed, scale):
     np.testing.assert_array_equal(quants.dequantize(raw, gguf.GGMLQuantizationType(fmt.ggml_type)), back)
 
 
-@pytest.mark.parametrize("name", ["q4_0", "q4_1", "q8_0", "bf16"])
+@pytest.mark.parametrize("name", ["q4_0", "q4_1", "q5_0", "q8_0", "bf16"])
 def test_quantize_is_ggmls_reference(name):
     """Where gguf.quants quantizes (ggml's *_ref routines, bit-exact), ours writes the same bytes."""
     fmt = FORMATS[name]

@@ -20,7 +20,7 @@ from tilegraph.ir import kernels
 from tilegraph.ir.block_formats import FORMATS, quantize_activations
 from tilegraph.accuracy import assert_close, tolerance
 
-WEIGHT_FORMATS = ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "f16", "bf16", "f32"]
+WEIGHT_FORMATS = ["q4_0", "q4_1", "q5_0", "q8_0", "q4_k", "q6_k", "f16", "bf16", "f32"]
 ISAS = sorted({blockq.isa(name) for name in blockq.ISAS}, key=blockq.ISAS.get)  # those the processor has
 
 
@@ -31,23 +31,7 @@ def _cache_write_ref(cache, x, pos):  # until ir/kernels.py's lands from issue-2
     return cache
 
 
-def _cache_attention_ref(q, k, v, pos, scale):
-    b, h, t, _ = q.shape
-    g = h // k.shape[1]
-    p = np.broadcast_to(np.asarray(pos).reshape(-1), (b,))
-    out = np.empty(q.shape)
-    for i in range(b):
-        n = int(p[i]) + t
-        kk, vv = np.repeat(k[i, :, :n], g, 0), np.repeat(v[i, :, :n], g, 0)
-        sc = q[i] @ kk.transpose(0, 2, 1) * scale
-        sc = np.where(np.arange(n)[None, None, :] <= (p[i] + np.arange(t))[None, :, None], sc, -np.inf)
-        e = np.exp(sc - sc.max(-1, keepdims=True))
-        out[i] = (e / e.sum(-1, keepdims=True)) @ vv
-    return out
-
-
 cache_write_ref = getattr(kernels, "cache_write", _cache_write_ref)
-cache_attention_ref = getattr(kernels, "cache_attention", _cache_attention_ref)
 
 
 @pytest.fixture(autouse=True)
@@ -139,6 +123,25 @@ def test_cache_write_writes_in_place(b, h, s, t, d, per_sequence, seed):
     np.testing.assert_array_equal(cache, want)
 
 
+@settings(max_examples=30, deadline=None)
+@given(isa=st.sampled_from(ISAS), b=st.integers(1, 2), s=st.integers(1, 12), t=st.integers(1, 4),
+       d=st.integers(1, 40), per_sequence=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_an_f16_cache_write_rounds_as_the_interpreter(isa, b, s, t, d, per_sequence, seed):
+    """f32 rows into an f16 cache: bit for bit ir/kernels.py's store='f16' (NumPy's rounding to
+    nearest even), overflow, subnormals, zeros' signs, inf and NaN included, at each ISA."""
+    blockq.isa(isa)
+    rng = np.random.default_rng(seed)
+    t = min(t, s)
+    cache = rng.standard_normal((b, 2, s, d)).astype(np.float16)
+    x = (rng.standard_normal((b, 2, t, d)) * rng.choice([1e-7, 3e-5, 1.0, 6e4, 7e4], (b, 2, t, d))).astype(np.float32)
+    x.reshape(-1)[:6] = np.array([65519.996, 65520.0, -np.inf, np.nan, -0.0, 2.9802322e-08], np.float32)[:x.size][:6]
+    pos = rng.integers(0, s - t + 1, b) if per_sequence else np.int64(rng.integers(0, s - t + 1))
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = kernels.cache_write(cache.copy(), x, pos, "f16")
+    blockq.cache_write(cache, x, pos)
+    np.testing.assert_array_equal(cache.view(np.uint16) & 0x7DFF, want.view(np.uint16) & 0x7DFF)  # (NaN payloads)
+
+
 def test_cache_write_past_the_end_is_refused():
     cache = np.zeros((1, 1, 4, 2), np.float32)
     with pytest.raises(blockq.KernelError, match="do not fit a cache of 4"):
@@ -148,21 +151,27 @@ def test_cache_write_past_the_end_is_refused():
     assert not cache.any()
 
 
-@settings(max_examples=40, deadline=None)
-@given(b=st.integers(1, 2), kv=st.integers(1, 3), group=st.integers(1, 4), t=st.sampled_from([1, 2, 5, 17, 24]),
-       d=st.sampled_from([1, 8, 64]), extra=st.integers(0, 300), per_sequence=st.booleans(),
-       seed=st.integers(0, 2**32 - 1))
-def test_cache_attention_is_its_reference(b, kv, group, t, d, extra, per_sequence, seed):
-    """Decode (T <= 16: spans of keys split across threads and combined) and prompt (T > 16) paths."""
+@settings(max_examples=60, deadline=None)
+@given(isa=st.sampled_from(ISAS), cache=st.sampled_from([np.float32, np.float16]), b=st.integers(1, 2),
+       kv=st.integers(1, 3), group=st.integers(1, 6), t=st.sampled_from([1, 2, 5, 17, 24]),
+       d=st.sampled_from([1, 8, 48, 64, 128, 256]), extra=st.integers(0, 300), per_sequence=st.booleans(),
+       window=st.sampled_from([0, 0, 1, 7, 64, 100, 400]), seed=st.integers(0, 2**32 - 1))
+def test_cache_attention_is_its_reference(isa, cache, b, kv, group, t, d, extra, per_sequence, window, seed):
+    """Decode (T <= 16: spans of keys split across threads and combined; with AVX-512 and D of 64
+    or 128, 16 keys' scores per reduction and p v four query rows at a time) and prompt (T > 16)
+    paths, over f32 or f16 caches (the reference reads the same f16 values, widened), with and
+    without a sliding window (a prompt whose window cuts keys takes the decode units)."""
+    blockq.isa(isa)
     rng = np.random.default_rng(seed)
     s = t + extra
     q = rng.standard_normal((b, kv * group, t, d)).astype(np.float32)
-    k = rng.standard_normal((b, kv, s, d)).astype(np.float32)
-    v = rng.standard_normal((b, kv, s, d)).astype(np.float32)
+    k = rng.standard_normal((b, kv, s, d)).astype(cache)
+    v = rng.standard_normal((b, kv, s, d)).astype(cache)
     pos = rng.integers(0, s - t + 1, b) if per_sequence else np.int64(rng.integers(0, s - t + 1))
     scale = d ** -0.5
-    got = blockq.cache_attention(q, k, v, pos, scale)
-    want = cache_attention_ref(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), pos, scale)
+    got = blockq.cache_attention(q, k, v, pos, scale, window)
+    want = kernels.cache_attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), pos, scale,
+                                   window)
     assert_close(got, want, "f32", max(d, int(np.max(pos)) + t), name="cache_attention")
 
 
@@ -179,7 +188,7 @@ def test_cache_attention_past_the_cache_is_refused():
 # --- the lowering: a decoder layer's step is native C end to end, its caches written in place ---
 
 def decoder_layer(fmt: str, b: int, hidden: int, heads: int, kv_heads: int, d: int, s: int, per_sequence: bool,
-                  activation: str):
+                  activation: str, cache_dtype: str = "f32"):
     """One Llama layer's step on T new tokens: rms_norm, q/k/v block matmuls, rope, the caches
     written, attention over them, the output projection and the residual."""
     from tilegraph.ir import Graph
@@ -188,7 +197,7 @@ def decoder_layer(fmt: str, b: int, hidden: int, heads: int, kv_heads: int, d: i
     f = FORMATS[fmt]
     g = Graph()
     x = g.input("x", (b, "T", hidden))
-    kc, vc = g.input("k_cache", (b, kv_heads, s, d)), g.input("v_cache", (b, kv_heads, s, d))
+    kc, vc = g.input("k_cache", (b, kv_heads, s, d), cache_dtype), g.input("v_cache", (b, kv_heads, s, d), cache_dtype)
     pos = g.input("pos", (b,) if per_sequence else (), "i64")
     cos, sin = g.input("cos", (b, 1, "T", d // 2)), g.input("sin", (b, 1, "T", d // 2))
 
@@ -204,7 +213,8 @@ def decoder_layer(fmt: str, b: int, hidden: int, heads: int, kv_heads: int, d: i
     q = g.op("rope", heads_of(linear(h, heads * d, hidden, "wq"), heads), cos, sin)
     k = g.op("rope", heads_of(linear(h, kv_heads * d, hidden, "wk"), kv_heads), cos, sin)
     v = heads_of(linear(h, kv_heads * d, hidden, "wv"), kv_heads)
-    kc2, vc2 = g.op("cache_write", kc, k, pos), g.op("cache_write", vc, v, pos)
+    store = {} if cache_dtype == "f32" else {"store": cache_dtype}
+    kc2, vc2 = g.op("cache_write", kc, k, pos, **store), g.op("cache_write", vc, v, pos, **store)
     a = g.op("cache_attention", q, kc2, vc2, pos, scale=d ** -0.5)
     a = g.reshape(g.transpose(a, (0, 2, 1, 3)), (b, "T", heads * d))
     y = g.add(x, linear(a, hidden, heads * d, "wo"))
@@ -213,32 +223,38 @@ def decoder_layer(fmt: str, b: int, hidden: int, heads: int, kv_heads: int, d: i
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_layer(fmt: str, per_sequence: bool, activation: str = "f32"):
+def _compiled_layer(fmt: str, per_sequence: bool, activation: str = "f32", cache_dtype: str = "f32"):
     from tilegraph.backends.c import compile_model
 
-    model = decoder_layer(fmt, 2, 64, 4, 2, 16, 32, per_sequence, activation)
+    model = decoder_layer(fmt, 2, 64, 4, 2, 16, 32, per_sequence, activation, cache_dtype)
     return model, compile_model(model)
 
 
 @settings(max_examples=12, deadline=None)
 @given(fmt=st.sampled_from(["q4_1", "q8_0"]), t=st.sampled_from([1, 3, 20]), per_sequence=st.booleans(),
-       activation=st.sampled_from(["f32", "q8"]), seed=st.integers(0, 2**31))
-def test_a_decoder_layer_step_runs_natively_and_writes_its_caches_in_place(fmt, t, per_sequence, activation, seed):
+       activation=st.sampled_from(["f32", "q8"]), cache_dtype=st.sampled_from(["f32", "f16"]),
+       seed=st.integers(0, 2**31))
+def test_a_decoder_layer_step_runs_natively_and_writes_its_caches_in_place(fmt, t, per_sequence, activation,
+                                                                           cache_dtype, seed):
     """Values against the interpreter with exact activations; with 'q8' only what is structural
     (native, in place, no other row touched): rounding to int8 is discontinuous, so an f32-level
-    difference upstream (an rms_norm's last bit) may round a value the other way, a full q8 step."""
+    difference upstream (an rms_norm's last bit) may round a value the other way, a full q8 step.
+    An f16 cache: the interpreter rounds each written row to f16 as the kernel does; a row within
+    f32 rounding of an f16 rounding boundary may round the other way, so the cache and what reads
+    it are held to f16's tolerance."""
     from tilegraph.ir.interpreter import interpret
 
     b, hidden, kv_heads, d, s = 2, 64, 2, 16, 32
-    model, compiled = _compiled_layer(fmt, per_sequence, activation)
+    model, compiled = _compiled_layer(fmt, per_sequence, activation, cache_dtype)
+    dtype = np.float16 if cache_dtype == "f16" else np.float32
     assert all(kind == "segment" for kind, _ in compiled.program.plan), "a step ran on the host"
     assert len(compiled.program.plan) == 1, "the step is one native call"
     rng = np.random.default_rng(seed)
     pos = rng.integers(0, s - t + 1, b) if per_sequence else np.int64(rng.integers(0, s - t + 1))
     angles = rng.uniform(-3, 3, (b, 1, t, d // 2))
     inputs = [rng.standard_normal((b, t, hidden)).astype(np.float32),
-              rng.standard_normal((b, kv_heads, s, d)).astype(np.float32),
-              rng.standard_normal((b, kv_heads, s, d)).astype(np.float32), pos,
+              rng.standard_normal((b, kv_heads, s, d)).astype(dtype),
+              rng.standard_normal((b, kv_heads, s, d)).astype(dtype), pos,
               np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)]
     before = inputs[1].copy()
     want = interpret(model, [a.copy() if isinstance(a, np.ndarray) else a for a in inputs])
@@ -251,8 +267,9 @@ def test_a_decoder_layer_step_runs_natively_and_writes_its_caches_in_place(fmt, 
     np.testing.assert_array_equal(k_cache[~written], before[~written])  # no other row touched
     if activation == "q8":
         return
-    assert_close(k_cache, want[1], "f32", hidden, name="k_cache")
-    assert_close(got[0], want[0], "f32", hidden + s, name="y")
+    stored = "f16" if cache_dtype == "f16" else "f32"  # what the cache's rows (and so y) are rounded to
+    assert_close(k_cache, want[1], stored, hidden, name="k_cache")
+    assert_close(got[0], want[0], stored, hidden + s, name="y")
 
 
 def test_a_cache_that_would_be_copied_is_refused():
@@ -291,3 +308,29 @@ def test_decode_steps_allocate_nothing_that_stays():
     for step in range(200):
         compiled(x, k_cache, v_cache, np.int64(step % 32), trig, trig)
     assert resident() - before < 1 << 20
+
+
+def test_a_language_model_step_with_sampling_is_one_native_call(tmp_path):
+    """A tiny GGUF Llama on the C backend, f16 caches, sampling inside the step: prefill and
+    decode are each one native segment (no host op, no Python between ops), the caches the
+    model's own f16 arrays written in place, and greedy decoding in the step gives the tokens
+    that the logits' argmax gives."""
+    from tilegraph.generation import LanguageModel, Sampling
+    from tilegraph.testing.gguf_files import write_tiny_llama
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, layers=1)
+    lm = LanguageModel(path, target="c", cache_len=24, activation="q8", cache_dtype="f16")
+    sampling = Sampling(temperature=0.8, top_k=8, top_p=0.9, repetition_penalty=1.2, seed=3)
+    for kind in ("prefill", "decode"):
+        plan = lm.entry(2, kind, sampling)._runner.program.plan
+        assert [k for k, _ in plan] == ["segment"], f"{kind}: {plan}"
+    caches = lm.caches(2)
+    assert all(c.dtype == np.float16 for c in caches)
+    prompts = [[5, 70, 71], [100, 3, 250, 9]]
+    runs = [list(lm.generate_ids(prompts, 6, sampling, stop=False)) for _ in range(2)]
+    assert runs[0] == runs[1], "one seed, one sequence of tokens"
+    assert all(a is b for a, b in zip(lm.caches(2), caches)) and caches[0][:, :, :8].any()
+    logits = []
+    greedy = list(lm.generate_ids(prompts, 4, Sampling(), stop=False, on_logits=lambda i, x: logits.append(x.copy())))
+    assert [t for _, t in greedy] == [int(np.argmax(x[b])) for x in logits for b in range(2)]

@@ -17,7 +17,8 @@ from tilegraph.generation import LanguageModel, Sampling
 from tilegraph.ir.block_formats import FORMATS
 from tilegraph.ir.model import Model
 from tilegraph.testing import assert_close
-from tilegraph.testing.gguf_files import TINY_FORMATS, patch, tensor_info_offsets, write_tiny_llama
+from tilegraph.testing.gguf_files import (GEMMA3_TINY_WINDOW, TINY_FORMATS, patch, tensor_info_offsets,
+                                         write_tiny_llama)
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.xdist_group("tiny_gguf")
@@ -96,6 +97,26 @@ def test_qwen_files_match_transformers_in_float64(tmp_path, arch):
     want = _transformers_logits(path, prompt + made)
     for i, got in enumerate(steps):
         assert_close(got, want[len(prompt) - 1 + i], "f32", 256, name=f"{arch} step {i}")
+
+
+@pytest.mark.parametrize("target", ["numpy", "c"])
+def test_gemma3_files_match_transformers_in_float64(tmp_path, target):
+    """gemma3: the embedding scaled, norms after attention and the MLP too, Q/K norms, a GELU (tanh)
+    MLP, and five local layers of six over a sliding window (4 here: the 10 positions run past it)
+    with their own rotary base; on the C backend the windowed attention runs natively."""
+    path = tmp_path / "gemma3.gguf"
+    write_tiny_llama(path, arch="gemma3", layers=6)
+    lm = LanguageModel(path, target=target, cache_len=16)
+    assert [lm.config.local(i) for i in range(6)] == [True] * 5 + [False] and lm.config.window == GEMMA3_TINY_WINDOW
+    prompt, steps = [5, 70, 71, 100, 3, 250], []
+    made = [t for _, t in lm.generate_ids([prompt], 4, Sampling(), stop=False,
+                                          on_logits=lambda i, logits: steps.append(logits[0].copy()))]
+    want = _transformers_logits(path, prompt + made)
+    for i, got in enumerate(steps):
+        assert_close(got, want[len(prompt) - 1 + i], "f32", 512, name=f"gemma3 step {i}")
+    if target == "c":  # windowed attention, q5_0, GELU: each entry point is one native call
+        for kind in ("prefill", "decode"):
+            assert [k for k, _ in lm.entry(1, kind)._runner.program.plan] == ["segment"], kind
 
 
 def test_prompts_decoded_together_give_what_each_gives_alone(tiny):
@@ -250,3 +271,16 @@ def test_generate_command_streams_several_prompts_and_prints_tokens_per_second(t
     captured = capsys.readouterr()
     assert captured.out.startswith("[0] the") and "\n[1] in a" in captured.out
     assert "prompt: " in captured.err and "tokens/s" in captured.err and "generation: 6 tokens" in captured.err
+
+
+def test_generate_fast_takes_llama_cpps_numerics(tiny, capsys):
+    """--fast: int8 activations and an f16 KV cache (the model's caches are f16 arrays)."""
+    path, _ = tiny
+    assert main(["generate", str(path), "-p", "the", "-n", "3", "--target", "numpy", "--cache-len", "16",
+                 "--fast"]) == 0
+    assert "generation: 3 tokens" in capsys.readouterr().err
+    from tilegraph.cli.generate import _model
+    from tilegraph.cli.parser import _parser
+
+    lm = _model(_parser().parse_args(["generate", str(path), "-p", "x", "--cache-len", "8", "--fast"]))
+    assert lm.activation == "q8" and lm.caches(1)[0].dtype == np.float16

@@ -14,8 +14,10 @@ but its tokens are dropped); prompts of different lengths are padded on the righ
 prefill, and the padding's cache rows are overwritten by the first decode steps before
 any query can see them (attention is causal in absolute positions).
 
-Sampling (greedy, temperature, top-k, top-p, repetition penalty, a seed) runs on the host
-on each step's logits [B, vocab].
+Sampling (greedy, temperature, top-k, top-p, repetition penalty, a seed) runs inside the
+compiled step (tg.sample, after the logits): a step returns each sequence's next token, and
+Python only keeps the `seen` flags (for the penalty) and draws one uniform number per
+sequence per step from the seeded generator.
 """
 
 from __future__ import annotations
@@ -75,33 +77,10 @@ class Sampling:
         if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1 or self.repetition_penalty <= 0:
             raise TilegraphError(f"sampling settings out of range: {self}")
 
-
-def sample(logits: np.ndarray, seen: Sequence[Sequence[int]], s: Sampling, rng: np.random.Generator) -> np.ndarray:
-    """One token per row of logits [B, vocab]."""
-    logits = np.array(logits, dtype=np.float64)
-    if s.repetition_penalty != 1.0:
-        for b, ids in enumerate(seen):
-            u = np.unique(np.asarray(ids, np.int64))
-            u = u[(u >= 0) & (u < logits.shape[1])]
-            v = logits[b, u]
-            logits[b, u] = np.where(v > 0, v / s.repetition_penalty, v * s.repetition_penalty)
-    if s.temperature == 0:
-        return logits.argmax(axis=-1)
-    logits /= s.temperature
-    if s.top_k and s.top_k < logits.shape[1]:
-        kth = np.partition(logits, -s.top_k, axis=-1)[:, -s.top_k][:, None]
-        logits = np.where(logits < kth, -np.inf, logits)
-    probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
-    probs /= probs.sum(axis=-1, keepdims=True)
-    if s.top_p < 1.0:
-        order = np.argsort(-probs, axis=-1)
-        sorted_p = np.take_along_axis(probs, order, axis=-1)
-        keep_sorted = np.cumsum(sorted_p, axis=-1) - sorted_p < s.top_p  # the smallest set reaching top_p
-        keep = np.zeros_like(keep_sorted)
-        np.put_along_axis(keep, order, keep_sorted, axis=-1)
-        probs = np.where(keep, probs, 0.0)
-        probs /= probs.sum(axis=-1, keepdims=True)
-    return np.array([rng.choice(probs.shape[1], p=p) for p in probs])
+    def attrs(self) -> dict:
+        """tg.sample's attributes."""
+        return {"temperature": float(self.temperature), "top_k": int(self.top_k), "top_p": float(self.top_p),
+                "repetition_penalty": float(self.repetition_penalty)}
 
 
 class LanguageModel:
@@ -109,7 +88,7 @@ class LanguageModel:
     size, sharing one weight store, and their caches."""
 
     def __init__(self, path: str | Path, target: str | None = None, cache_len: int | None = None,
-                 threads: int | None = None, pipeline=None, activation: str = "f32"):
+                 threads: int | None = None, pipeline=None, activation: str = "f32", cache_dtype: str = "f32"):
         from tilegraph.frontends.gguf.llama import LlamaConfig, load_weights
         from tilegraph.frontends.gguf.reader import GGUFFile
         from tilegraph.frontends.gguf.tokenizer import GGUFTokenizer
@@ -117,7 +96,9 @@ class LanguageModel:
         self.path = Path(path)
         f = GGUFFile(self.path)
         self.config = LlamaConfig.of(f)
-        self.tokenizer = GGUFTokenizer(f)
+        # a file tilegraph quantize wrote holds no tokenizer: token ids in (generate_ids), logits out
+        self._tokenizer = GGUFTokenizer(f) if "tokenizer.ggml.model" in f.metadata else None
+        self._stop_ids = self._tokenizer.stop_ids if self._tokenizer else set()
         self.weights, self.formats = load_weights(f, self.config)
         self.cache_len = min(cache_len or DEFAULT_CACHE_LEN, self.config.context)
         self.target, self.threads, self.pipeline = target, threads, pipeline
@@ -125,9 +106,23 @@ class LanguageModel:
         # dequantized weights); 'q8': activations rounded to int8 per 32 first, as llama.cpp does,
         # which the C backend runs as integer dot products
         self.activation = activation
-        self._compiled: dict[tuple[int, str], object] = {}
+        # 'f32' caches (exact); 'f16' as llama.cpp keeps them: half the bytes per decode step at depth,
+        # each new K/V row rounded to f16 as it is written
+        if cache_dtype not in ("f32", "f16"):
+            raise TilegraphError(f"cache_dtype '{cache_dtype}': 'f32' or 'f16'")
+        self.cache_dtype = cache_dtype
+        self._compiled: dict[tuple, object] = {}
         self._caches: dict[int, list[np.ndarray]] = {}
         self.stats = Stats()
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from tilegraph.frontends.gguf.tokenizer import TokenizerError
+
+            raise TokenizerError(f"{self.path} holds no tokenizer (tokenizer.ggml.*): give token ids "
+                                 "(LanguageModel.generate_ids)")
+        return self._tokenizer
 
     def __repr__(self) -> str:
         c = self.config
@@ -136,15 +131,17 @@ class LanguageModel:
 
     # --- the two entry points -------------------------------------------------------------
 
-    def entry(self, batch: int, kind: str):
-        """The compiled prefill ("prefill": T symbolic) or decode ("decode": T = 1) for `batch` sequences."""
-        key = (batch, kind)
+    def entry(self, batch: int, kind: str, sampling: Sampling | None = None):
+        """The compiled prefill ("prefill": T symbolic) or decode ("decode": T = 1) for `batch` sequences;
+        with `sampling`, the step also draws the next tokens (inputs seen, u; result `next`)."""
+        key = (batch, kind, sampling and tuple(sorted(sampling.attrs().items())))
         if key not in self._compiled:
             import tilegraph
             from tilegraph.frontends.gguf.llama import build
 
             model = build(self.config, self.weights, self.formats, batch, "T" if kind == "prefill" else 1,
-                          self.cache_len, self.activation)
+                          self.cache_len, self.activation, self.cache_dtype,
+                          None if sampling is None else sampling.attrs())
             options = {"threads": self.threads} if self.threads and self._target() == "c" else {}
             self._compiled[key] = tilegraph.compile(model, target=self._target(), pipeline=self.pipeline, **options)
         return self._compiled[key]
@@ -160,26 +157,31 @@ class LanguageModel:
         """The preallocated caches for `batch` sequences (k, v per layer), reused by every call."""
         if batch not in self._caches:
             c = self.config
-            self._caches[batch] = [np.zeros((batch, c.kv_heads, self.cache_len, c.head_dim), np.float32)
+            self._caches[batch] = [np.zeros((batch, c.kv_heads, self.cache_len, c.head_dim),
+                                            np.float16 if self.cache_dtype == "f16" else np.float32)
                                    for _ in range(2 * c.layers)]
         return self._caches[batch]
 
-    def forward(self, tokens: np.ndarray, pos: np.ndarray, last: np.ndarray, kind: str) -> np.ndarray:
-        """One call: logits [B, vocab]; the caches are updated (in place where the backend writes in place)."""
+    def forward(self, tokens: np.ndarray, pos: np.ndarray, last: np.ndarray, kind: str,
+                sampling: Sampling | None = None, seen: np.ndarray | None = None,
+                u: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """One call: (logits [B, vocab], the next tokens [B] if `sampling`, else None); the caches are
+        updated (in place where the backend writes in place)."""
         batch = tokens.shape[0]
         caches = self.caches(batch)
-        entry = self.entry(batch, kind)
+        entry = self.entry(batch, kind, sampling)
+        extra = [] if sampling is None else [seen, u]
         if self.threads and self._target() == "numpy":  # the C backend takes threads= at compile
             from threadpoolctl import threadpool_limits
 
             with threadpool_limits(limits=self.threads):
-                outs = entry.run(tokens, pos, last, *caches)
+                outs = entry.run(tokens, pos, last, *caches, *extra)
         else:
-            outs = entry.run(tokens, pos, last, *caches)
-        for i, new in enumerate(outs[1:]):
+            outs = entry.run(tokens, pos, last, *caches, *extra)
+        for i, new in enumerate(outs[1:1 + len(caches)]):
             if new is not caches[i]:  # a backend that returned a copy: keep its result
                 caches[i] = new
-        return outs[0]
+        return outs[0], (outs[-1] if sampling is not None else None)
 
     # --- generation -------------------------------------------------------------------
 
@@ -202,35 +204,40 @@ class LanguageModel:
             raise TilegraphError(f"a prompt token id is outside the vocabulary of {vocab}")
         rng = np.random.default_rng(sampling.seed)
         steps = max(lengths)
-        pad = self.tokenizer.eos_id if self.tokenizer.eos_id is not None else 0
+        pad = self._tokenizer.eos_id if self._tokenizer and self._tokenizer.eos_id is not None else 0
         tokens = np.array([p + [pad] * (steps - len(p)) for p in rows], np.int64)
         pos = np.zeros(batch, np.int64)
         last = np.array([b * steps + n - 1 for b, n in enumerate(lengths)], np.int64)
+        seen = np.zeros((batch, vocab), np.uint8)  # which tokens each sequence has (the repetition penalty)
+        for b, p in enumerate(rows):
+            seen[b, p] = 1
+
+        def draws() -> np.ndarray:  # one uniform number per sequence per step: the seeded randomness
+            return rng.random(batch, dtype=np.float32)
+
         start = time.perf_counter()
-        logits = self.forward(tokens, pos, last, "prefill")
+        logits, ids = self.forward(tokens, pos, last, "prefill", sampling, seen, draws())
         self.stats.prompt_tokens += sum(lengths)
         self.stats.prompt_seconds += time.perf_counter() - start
-        seen = [list(p) for p in rows]
         done = [False] * batch
         pos = np.array(lengths, np.int64)
         for step in range(max_new_tokens):
             start = time.perf_counter()
             if on_logits is not None:
                 on_logits(step, logits)
-            ids = sample(logits, seen, sampling, rng)
             for b in range(batch):
                 if done[b]:
                     continue
-                seen[b].append(int(ids[b]))
+                seen[b, ids[b]] = 1
                 self.stats.generated_tokens += 1
                 yield b, int(ids[b])
-                if stop and int(ids[b]) in self.tokenizer.stop_ids:
+                if stop and int(ids[b]) in self._stop_ids:
                     done[b] = True
             if all(done) or step == max_new_tokens - 1:
                 self.stats.generate_seconds += time.perf_counter() - start
                 break
-            logits = self.forward(ids.astype(np.int64).reshape(batch, 1), pos, np.arange(batch, dtype=np.int64),
-                                  "decode")
+            logits, ids = self.forward(ids.astype(np.int64).reshape(batch, 1), pos,
+                                       np.arange(batch, dtype=np.int64), "decode", sampling, seen, draws())
             pos += 1
             self.stats.steps += 1
             self.stats.generate_seconds += time.perf_counter() - start

@@ -44,8 +44,8 @@ typedef struct {
 } tg_bq_kernels;
 
 /* Elements per block and bytes per block of each format (GGUF's; ir/block_formats.py). */
-static const int64_t BQ_BLOCK[TG_BQ_COUNT] = {1, 1, 1, 32, 32, 32, 256, 256};
-static const int64_t BQ_BYTES[TG_BQ_COUNT] = {4, 2, 2, 18, 20, 34, 144, 210};
+static const int64_t BQ_BLOCK[TG_BQ_COUNT] = {1, 1, 1, 32, 32, 32, 256, 256, 32};
+static const int64_t BQ_BYTES[TG_BQ_COUNT] = {4, 2, 2, 18, 20, 34, 144, 210, 22};
 
 static inline float bq_half(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
@@ -80,6 +80,18 @@ static void bq_dequant_block(int fmt, const uint8_t *w, float *out) {
         for (int j = 0; j < 16; j++) {
             out[j] = ((w[2 + j] & 0x0F) - 8) * d;
             out[j + 16] = ((w[2 + j] >> 4) - 8) * d;
+        }
+        break;
+    }
+    case TG_BQ_Q5_0: {  /* f16 d, 32 fifth bits (element i: bit i), then q4_0's nibbles; w = d (q - 16) */
+        float d = bq_half_at(w);
+        uint32_t qh;
+        memcpy(&qh, w + 2, 4);
+        for (int j = 0; j < 16; j++) {
+            out[j] = (int)((w[6 + j] & 0x0F) | ((qh >> j & 1) << 4)) - 16;
+            out[j + 16] = (int)((w[6 + j] >> 4) | ((qh >> (j + 16) & 1) << 4)) - 16;
+            out[j] *= d;
+            out[j + 16] *= d;
         }
         break;
     }
@@ -175,10 +187,11 @@ BQ_SCALAR(bq_dot_q4_1_scalar, TG_BQ_Q4_1)
 BQ_SCALAR(bq_dot_q8_0_scalar, TG_BQ_Q8_0)
 BQ_SCALAR(bq_dot_q4_k_scalar, TG_BQ_Q4_K)
 BQ_SCALAR(bq_dot_q6_k_scalar, TG_BQ_Q6_K)
+BQ_SCALAR(bq_dot_q5_0_scalar, TG_BQ_Q5_0)
 static const tg_bq_kernels bq_kernels_scalar = {
     .quantize = bq_quantize_scalar,
     .dot = {[TG_BQ_Q4_0] = bq_dot_q4_0_scalar, [TG_BQ_Q4_1] = bq_dot_q4_1_scalar, [TG_BQ_Q8_0] = bq_dot_q8_0_scalar,
-            [TG_BQ_Q4_K] = bq_dot_q4_k_scalar, [TG_BQ_Q6_K] = bq_dot_q6_k_scalar},
+            [TG_BQ_Q4_K] = bq_dot_q4_k_scalar, [TG_BQ_Q6_K] = bq_dot_q6_k_scalar, [TG_BQ_Q5_0] = bq_dot_q5_0_scalar},
 };
 
 /* --- the SIMD variants --- */
@@ -203,8 +216,8 @@ static const tg_bq_kernels bq_kernels_scalar = {
 
 /* Decode's hot formats on 512-bit registers, two 32-blocks per step (AVX512-VNNI): one
  * vpdpbusd, one conversion and one FMA per 64 weights; both blocks' f16 scales converted
- * together and multiplied by the activation's (d, d * sum) pairs in one go. Rows of R < 4
- * activations (a decode step's) take these, one row at a time. */
+ * together and multiplied by the activation's (d, d * sum) pairs in one go. A decode step's
+ * rows take these (a batch's, four at a time). */
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512dq")
 static inline __m512i bq_zmm_nibbles2(const uint8_t *p0, const uint8_t *p1) {
@@ -217,29 +230,40 @@ static inline __m512i bq_zmm_nibbles2(const uint8_t *p0, const uint8_t *p1) {
 static inline uint32_t bq_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 static inline uint16_t bq_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 
-/* fmt's blocks: the two f16 pairs (scale, min-or-scale) of blocks b, b+1 -> [x0, y0, x1, y1] */
+/* fmt's blocks: the two f16 pairs (scale, min-or-scale) of blocks b, b+1 -> [x0, y0, x1, y1].
+ * R activation rows (a batch's decode rows, up to BQ_MAXR) share each unpacked weight block and
+ * its converted scales: the weight is read and unpacked once for them all. */
 #define BQ_ZMM_KERNEL(name, BYTES, UNPACK, PAIR, OFFSET)                                                          \
-    static void name(const uint8_t *w, const tg_q8row *a, int R, int64_t nb, float *y) {                        \
-        for (int r = 0; r < R; r++, a++) {                                                                        \
-            const uint8_t *wb = w;                                                                                \
-            __m512 acc = _mm512_setzero_ps();                                                                     \
-            __m128 off = _mm_setzero_ps();                                                                        \
-            const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);               \
-            int64_t b = 0;                                                                                        \
-            for (; b + 1 < nb; b += 2, wb += 2 * (BYTES)) {                                                       \
-                __m512i u = UNPACK;                                                                               \
-                __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(a->q + 32 * b));    \
-                __m128 f = _mm_mul_ps(_mm_cvtph_ps(PAIR), _mm_loadu_ps(a->ds + 2 * b));                             \
-                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(f)), \
-                                      acc);                                                                       \
-                off = _mm_add_ps(off, f);                                                                         \
+    static inline __attribute__((always_inline)) void name##_rows(const uint8_t *w, const tg_q8row *a, const int R, \
+                                                                  int64_t nb, float *y) {                         \
+        const uint8_t *wb = w;                                                                                    \
+        __m512 acc[BQ_MAXR];                                                                                      \
+        __m128 off[BQ_MAXR];                                                                                      \
+        for (int r = 0; r < R; r++) { acc[r] = _mm512_setzero_ps(); off[r] = _mm_setzero_ps(); }                  \
+        const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);                   \
+        int64_t b = 0;                                                                                            \
+        for (; b + 1 < nb; b += 2, wb += 2 * (BYTES)) {                                                           \
+            __m512i u = UNPACK;                                                                                   \
+            __m128 pair = _mm_cvtph_ps(PAIR);                                                                     \
+            for (int r = 0; r < R; r++) {                                                                         \
+                __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(a[r].q + 32 * b)); \
+                __m128 f = _mm_mul_ps(pair, _mm_loadu_ps(a[r].ds + 2 * b));                                       \
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp),                                                  \
+                                         _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(f)), acc[r]);       \
+                off[r] = _mm_add_ps(off[r], f);                                                                   \
             }                                                                                                     \
-            float o[4];                                                                                           \
-            _mm_storeu_ps(o, off);                                                                                \
-            float rest = 0.f;                                                                                     \
-            if (b < nb) bq_body_tail(w, a, b, nb, &rest);                                                         \
-            y[r] = _mm512_reduce_add_ps(acc) + (OFFSET) + rest;                                                   \
         }                                                                                                         \
+        for (int r = 0; r < R; r++) {                                                                             \
+            float o[4];                                                                                           \
+            _mm_storeu_ps(o, off[r]);                                                                             \
+            float rest = 0.f;                                                                                     \
+            if (b < nb) bq_body_tail(w, (a + r), b, nb, &rest);                                                   \
+            y[r] = _mm512_reduce_add_ps(acc[r]) + (OFFSET) + rest;                                                \
+        }                                                                                                         \
+    }                                                                                                             \
+    static void name(const uint8_t *w, const tg_q8row *a, int R, int64_t nb, float *y) {                        \
+        if (R == BQ_MAXR) name##_rows(w, a, BQ_MAXR, nb, y);                                                      \
+        else for (int r = 0; r < R; r++) name##_rows(w, a + r, 1, nb, y + r);                                    \
     }
 
 /* q4_1: [d, m] per block; off lanes 1, 3 are m * da * sum */
@@ -255,32 +279,42 @@ BQ_ZMM_KERNEL(bq_zmm_q4_0, 18, bq_zmm_nibbles2(wb + 2, wb + 20),
               _mm_set_epi16(0, 0, 0, 0, (short)bq_u16(wb + 18), (short)bq_u16(wb + 18), (short)bq_u16(wb),
                             (short)bq_u16(wb)), -8.f * (o[1] + o[3]))
 #undef bq_body_tail
-/* q8_0: signed weights through |w| and sign(a, w) */
-static void bq_zmm_q8_0(const uint8_t *w, const tg_q8row *a, int R, int64_t nb, float *y) {
-    for (int r = 0; r < R; r++, a++) {
-        const uint8_t *wb = w;
-        __m512 acc = _mm512_setzero_ps();
-        const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
-        int64_t b = 0;
-        for (; b + 1 < nb; b += 2, wb += 68) {
-            __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(wb + 2))),
-                                           _mm256_loadu_si256((const __m256i *)(wb + 36)), 1);
-            __m512i s = _mm512_loadu_si512(a->q + 32 * b);
-            /* sign(a, w): negate a where w < 0, zero where w == 0 */
-            __mmask64 neg = _mm512_movepi8_mask(q), zero = _mm512_testn_epi8_mask(q, q);
-            s = _mm512_mask_sub_epi8(s, neg, _mm512_setzero_si512(), s);
-            s = _mm512_maskz_mov_epi8(~zero, s);
-            __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(q), s);
-            __m128 f = _mm_mul_ps(_mm_cvtph_ps(_mm_set_epi16(0, 0, 0, 0, 0, (short)bq_u16(wb + 34), 0, (short)bq_u16(wb))),
-                                  _mm_loadu_ps(a->ds + 2 * b));
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(f)), acc);
+/* q8_0: signed weights through |w| and sign(a, w) (the sign applied to each row's activations) */
+static inline __attribute__((always_inline)) void bq_zmm_q8_0_rows(const uint8_t *w, const tg_q8row *a, const int R,
+                                                                   int64_t nb, float *y) {
+    const uint8_t *wb = w;
+    __m512 acc[BQ_MAXR];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2, wb += 68) {
+        __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(wb + 2))),
+                                       _mm256_loadu_si256((const __m256i *)(wb + 36)), 1);
+        /* sign(a, w): negate a where w < 0, zero where w == 0 */
+        __mmask64 neg = _mm512_movepi8_mask(q), keep = ~_mm512_testn_epi8_mask(q, q);
+        __m512i aq = _mm512_abs_epi8(q);
+        __m128 pair = _mm_cvtph_ps(_mm_set_epi16(0, 0, 0, 0, 0, (short)bq_u16(wb + 34), 0, (short)bq_u16(wb)));
+        for (int r = 0; r < R; r++) {
+            __m512i s = _mm512_loadu_si512(a[r].q + 32 * b);
+            s = _mm512_maskz_mov_epi8(keep, _mm512_mask_sub_epi8(s, neg, _mm512_setzero_si512(), s));
+            __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aq, s);
+            __m128 f = _mm_mul_ps(pair, _mm_loadu_ps(a[r].ds + 2 * b));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(f)),
+                                     acc[r]);
         }
-        float rest = 0.f;
-        if (b < nb)
-            bq_dot_q8_0_vnni(w + b * 34, &(tg_q8row){a->q + 32 * b, a->d + b, a->s + b, a->s16 + 2 * b, a->ds + 2 * b},
-                             1, nb - b, &rest);
-        y[r] = _mm512_reduce_add_ps(acc) + rest;
     }
+    for (int r = 0; r < R; r++) {
+        float rest = 0.f;
+        const tg_q8row *ar = a + r;
+        if (b < nb)
+            bq_dot_q8_0_vnni(w + b * 34, &(tg_q8row){ar->q + 32 * b, ar->d + b, ar->s + b, ar->s16 + 2 * b,
+                                                      ar->ds + 2 * b}, 1, nb - b, &rest);
+        y[r] = _mm512_reduce_add_ps(acc[r]) + rest;
+    }
+}
+static void bq_zmm_q8_0(const uint8_t *w, const tg_q8row *a, int R, int64_t nb, float *y) {
+    if (R == BQ_MAXR) bq_zmm_q8_0_rows(w, a, BQ_MAXR, nb, y);
+    else for (int r = 0; r < R; r++) bq_zmm_q8_0_rows(w, a + r, 1, nb, y + r);
 }
 #pragma GCC pop_options
 static const bq_dot_fn bq_zmm[TG_BQ_COUNT] = {[TG_BQ_Q4_0] = bq_zmm_q4_0, [TG_BQ_Q4_1] = bq_zmm_q4_1,
@@ -409,7 +443,7 @@ int tg_block_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int6
         return rc;
     }
     bq_dot_fn dot = kern->dot[fmt];
-    if (M < BQ_MAXR && bq_level == 2 && bq_zmm[fmt]) dot = bq_zmm[fmt];  /* decode: two blocks per zmm */
+    if (bq_level == 2 && bq_zmm[fmt]) dot = bq_zmm[fmt];  /* decode: two blocks per zmm, up to 4 rows at once */
     int64_t nb = K / BQ_BLOCK[fmt];
 #pragma omp parallel for schedule(static) if (parallel)
     for (int64_t t = 0; t < tiles; t++) {
@@ -436,170 +470,6 @@ int tg_block_rows(const uint8_t *w, int64_t N, int64_t K, int64_t row_bytes, int
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *row = w + (idx[i] < 0 ? idx[i] + N : idx[i]) * row_bytes;
         for (int64_t b = 0; b < nb; b++) bq_dequant_block(fmt, row + b * BQ_BYTES[fmt], out + i * K + b * blk);
-    }
-    return 0;
-}
-
-int tg_cache_write(void *cache, const void *x, int64_t B, int64_t Hkv, int64_t S, int64_t T, int64_t D,
-                   int64_t elem, const int64_t *pos, int64_t pstride) {
-    for (int64_t b = 0; b < B; b++) {
-        int64_t p = pos[b * pstride];
-        if (p < 0 || T < 0 || p > S - T)
-            TG_FAIL("cache write: %lld new rows at position %lld do not fit a cache of %lld", (long long)T,
-                    (long long)p, (long long)S);
-    }
-    size_t row = (size_t)(D * elem);
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t h = 0; h < Hkv; h++)
-            memcpy((char *)cache + (size_t)((b * Hkv + h) * S + pos[b * pstride]) * row,
-                   (const char *)x + (size_t)((b * Hkv + h) * T) * row, row * (size_t)T);
-    return 0;
-}
-
-/* Decode attention: a work unit is (batch, KV head, a block of queries, a span of keys); the
- * H / Hkv heads sharing a KV head and the block's queries all meet each key row while it is
- * in L1, so the cache is read once per step. Keys go 64 at a time: scores, then the online
- * softmax update (exp vectorised over the 64), then p v. With few units (one sequence, a
- * few KV heads) the keys split into spans, combined after by their maxima and sums (as
- * flash-decoding does), so every thread has keys to read. */
-#define CA_KEYS 64
-#define CA_QMAX 64  /* query rows per unit */
-/* One unit's span of keys [j_lo, j_hi), CA_KEYS at a time: scores, the online softmax update,
- * then p v. Query-major loops over a block whose K and V rows (64 x D floats each) stay in L1:
- * with D a constant (the callers' 64 and 128) a query's vector and its accumulator live in
- * registers across the block's keys. */
-static inline __attribute__((always_inline)) void ca_span(const int64_t D, int64_t nq, int64_t j_lo, int64_t j_hi,
-                                                          const float *const *qr, const int64_t *lim, const float *kb,
-                                                          const float *vb, float scale, float *acc, float *mx,
-                                                          float *sum) {
-    float s[CA_KEYS];
-    for (int64_t j0 = j_lo; j0 < j_hi; j0 += CA_KEYS) {
-        int64_t nk = j_hi - j0 < CA_KEYS ? j_hi - j0 : CA_KEYS;
-        const float *kblk = kb + j0 * D, *vblk = vb + j0 * D;
-        for (int64_t r = 0; r < nq; r++) {
-            const float *qv = qr[r];
-            int64_t live = lim[r] - j0 < nk ? lim[r] - j0 : nk;  /* keys at or before this query */
-            if (live <= 0) continue;
-            for (int64_t jj = 0; jj < live; jj++) {
-                const float *kr = kblk + jj * D;
-                float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t c = 0; c < D; c++) dot += qv[c] * kr[c];
-                s[jj] = dot * scale;
-            }
-            float m = mx[r];
-            for (int64_t jj = 0; jj < live; jj++) m = s[jj] > m ? s[jj] : m;
-            float corr = tg_expf(mx[r] - m), l = 0.f;
-#pragma omp simd reduction(+ : l)
-            for (int64_t jj = 0; jj < live; jj++) {
-                float p = tg_expf(s[jj] - m);
-                s[jj] = p;
-                l += p;
-            }
-            sum[r] = sum[r] * corr + l;
-            mx[r] = m;
-            float *ar = acc + r * D;
-            float a[D];
-#pragma omp simd
-            for (int64_t c = 0; c < D; c++) a[c] = ar[c] * corr;
-            for (int64_t jj = 0; jj < live; jj++) {
-                const float *vr = vblk + jj * D;
-                float p = s[jj];
-#pragma omp simd
-                for (int64_t c = 0; c < D; c++) a[c] += p * vr[c];
-            }
-#pragma omp simd
-            for (int64_t c = 0; c < D; c++) ar[c] = a[c];
-        }
-    }
-}
-
-int tg_cache_attention(const float *q, const float *k, const float *v, float *o, int64_t B, int64_t H,
-                       int64_t Hkv, int64_t T, int64_t S, int64_t D, const int64_t *pos, int64_t pstride,
-                       float scale) {
-    if (Hkv <= 0 || H % Hkv) TG_FAIL("cache attention: %lld heads do not share %lld KV heads evenly", (long long)H,
-                                      (long long)Hkv);
-    int64_t pmax = 0;
-    for (int64_t b = 0; b < B; b++) {
-        int64_t p = pos[b * pstride];
-        if (p < 0 || T < 0 || p > S - T)
-            TG_FAIL("cache attention: %lld queries at position %lld reach past a cache of %lld", (long long)T,
-                    (long long)p, (long long)S);
-        pmax = p > pmax ? p : pmax;
-    }
-    if (T == 0 || B == 0 || H == 0) return 0;
-    int64_t G = H / Hkv;
-    if (G > CA_QMAX) TG_FAIL("cache attention: %lld heads per KV head (at most %d)", (long long)G, CA_QMAX);
-    if (T > 16) {
-        /* a prompt: many query blocks, each a few small GEMMs (tg_attention, on oneDNN's sgemm);
-         * the G heads of a KV head are a batch dim of stride 0 in K and V */
-        int64_t bd[2] = {Hkv, G}, qb[2] = {G * T * D, T * D}, kb[2] = {S * D, 0}, mb[2] = {0, 0};
-        for (int64_t b = 0; b < B; b++)  /* one call per sequence: each its own position */
-            if (tg_attention(2, bd, qb, kb, kb, mb, qb, q + b * H * T * D, k + b * Hkv * S * D, v + b * Hkv * S * D,
-                             NULL, o + b * H * T * D, T, pos[b * pstride] + T, D, D, D, D, D, D, 0, 0, 0, scale, 1,
-                             64, 256))
-                return 1;
-        return 0;
-    }
-    int64_t tq = CA_QMAX / G < T ? CA_QMAX / G : T;  /* queries per unit */
-    int64_t qblocks = (T + tq - 1) / tq, items = B * Hkv * qblocks, L = pmax + T;
-    int threads = omp_get_max_threads();
-    int64_t spans = (2 * threads + items - 1) / items, most = (L + 255) / 256;
-    spans = spans < 1 ? 1 : spans > most ? (most < 1 ? 1 : most) : spans;
-    int64_t span = (L + spans - 1) / spans;
-    span = (span + CA_KEYS - 1) / CA_KEYS * CA_KEYS;
-    int64_t QB = G * tq, unit = QB * (D + 2);
-    float *part = bq_scratch_get((size_t)(items * spans * unit) * sizeof(float));
-    if (!part) TG_FAIL("cache attention: out of memory for its partial sums");
-    int parallel = B * H * T * L * D > 32768;  /* below, a fork costs more than the work */
-#pragma omp parallel for collapse(2) schedule(static) if (parallel)
-    for (int64_t it = 0; it < items; it++)
-        for (int64_t sp = 0; sp < spans; sp++) {
-            int64_t b = it / (Hkv * qblocks), kh = it / qblocks % Hkv, t0 = it % qblocks * tq;
-            int64_t nt = T - t0 < tq ? T - t0 : tq, nq = G * nt, pb = pos[b * pstride];
-            float *acc = part + (it * spans + sp) * unit, *mx = acc + QB * D, *sum = mx + QB;
-            const float *kb = k + (b * Hkv + kh) * S * D, *vb = v + (b * Hkv + kh) * S * D;
-            const float *qr[CA_QMAX];
-            int64_t lim[CA_QMAX];
-            for (int64_t r = 0; r < nq; r++) {
-                int64_t g = r / nt, t = t0 + r % nt;
-                qr[r] = q + ((b * H + kh * G + g) * T + t) * D;
-                lim[r] = pb + t + 1;
-                mx[r] = -INFINITY;
-                sum[r] = 0.f;
-                for (int64_t c = 0; c < D; c++) acc[r * D + c] = 0.f;
-            }
-            int64_t j_lo = sp * span, j_hi = j_lo + span < pb + t0 + nt ? j_lo + span : pb + t0 + nt;
-            if (D == 64) ca_span(64, nq, j_lo, j_hi, qr, lim, kb, vb, scale, acc, mx, sum);
-            else if (D == 128) ca_span(128, nq, j_lo, j_hi, qr, lim, kb, vb, scale, acc, mx, sum);
-            else ca_span(D, nq, j_lo, j_hi, qr, lim, kb, vb, scale, acc, mx, sum);
-        }
-    /* combine the spans of each unit's queries */
-#pragma omp parallel for schedule(static) if (parallel)
-    for (int64_t it = 0; it < items; it++) {
-        int64_t b = it / (Hkv * qblocks), kh = it / qblocks % Hkv, t0 = it % qblocks * tq;
-        int64_t nt = T - t0 < tq ? T - t0 : tq, nq = G * nt;
-        for (int64_t r = 0; r < nq; r++) {
-            int64_t g = r / nt, t = t0 + r % nt;
-            float m = -INFINITY;
-            for (int64_t sp = 0; sp < spans; sp++) {
-                float ms = part[(it * spans + sp) * unit + QB * D + r];
-                m = ms > m ? ms : m;
-            }
-            float *out = o + ((b * H + kh * G + g) * T + t) * D, total = 0.f;
-            for (int64_t c = 0; c < D; c++) out[c] = 0.f;
-            for (int64_t sp = 0; sp < spans; sp++) {
-                const float *acc = part + (it * spans + sp) * unit;
-                float ms = acc[QB * D + r];
-                if (ms == -INFINITY) continue;
-                float wgt = tg_expf(ms - m);
-                total += wgt * acc[QB * D + QB + r];
-#pragma omp simd
-                for (int64_t c = 0; c < D; c++) out[c] += wgt * acc[r * D + c];
-            }
-            float inv = 1.f / total;
-            for (int64_t c = 0; c < D; c++) out[c] *= inv;
-        }
     }
     return 0;
 }
@@ -787,3 +657,6 @@ void tg_probe_copy(float *dst, const float *src, int64_t n) {
         memcpy(dst + i0, src + i0, (size_t)(i1 - i0) * sizeof(float));
     }
 }
+
+/* The decode step's other kernels: the KV cache (written, attended over) and sampling. */
+#include "decode.c"

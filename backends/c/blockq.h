@@ -8,7 +8,8 @@
 #define TG_BLOCKQ_H
 #include <stdint.h>
 
-enum { TG_BQ_F32 = 0, TG_BQ_F16, TG_BQ_BF16, TG_BQ_Q4_0, TG_BQ_Q4_1, TG_BQ_Q8_0, TG_BQ_Q4_K, TG_BQ_Q6_K, TG_BQ_COUNT };
+enum { TG_BQ_F32 = 0, TG_BQ_F16, TG_BQ_BF16, TG_BQ_Q4_0, TG_BQ_Q4_1, TG_BQ_Q8_0, TG_BQ_Q4_K, TG_BQ_Q6_K, TG_BQ_Q5_0,
+       TG_BQ_COUNT };
 
 /* y[M, N] = x[M, K] @ dequant(w)^T, x and y contiguous rows (x row stride K, y row stride ldy). */
 int tg_block_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes,
@@ -23,12 +24,24 @@ int tg_block_rows(const uint8_t *w, int64_t N, int64_t K, int64_t row_bytes, int
  * (pstride 0: one position for every sequence). */
 int tg_cache_write(void *cache, const void *x, int64_t B, int64_t Hkv, int64_t S, int64_t T, int64_t D,
                    int64_t elem, const int64_t *pos, int64_t pstride);
+/* The same into an f16 cache: each value rounded to nearest even (F16C where the processor has it). */
+int tg_cache_write_f16(uint16_t *cache, const float *x, int64_t B, int64_t Hkv, int64_t S, int64_t T, int64_t D,
+                       const int64_t *pos, int64_t pstride);
 /* o[b, h, t, :] = softmax(scale q[b, h, t] . k[b, h / (H / Hkv), j]) over j <= pos_b + t, times v:
  * causal attention of T new queries over the first pos_b + T cache rows, grouped-query without
- * repeating K/V (each cache row is read once for the H / Hkv heads that share it). */
+ * repeating K/V (each cache row is read once for the H / Hkv heads that share it). window > 0:
+ * only j > pos_b + t - window (a sliding window; the keys before it are not read). */
 int tg_cache_attention(const float *q, const float *k, const float *v, float *o, int64_t B, int64_t H,
                        int64_t Hkv, int64_t T, int64_t S, int64_t D, const int64_t *pos, int64_t pstride,
-                       float scale);
+                       float scale, int64_t window);
+/* The same over an f16 cache (k, v as f16 bits), widened as it is read. */
+int tg_cache_attention_f16(const float *q, const uint16_t *k, const uint16_t *v, float *o, int64_t B, int64_t H,
+                           int64_t Hkv, int64_t T, int64_t S, int64_t D, const int64_t *pos, int64_t pstride,
+                           float scale, int64_t window);
+/* out[b] = a token drawn from logits[b, :V] (tg.sample: repetition penalty on seen != 0,
+ * temperature 0 = the first largest, top_k 0 = all, top_p, u[b] uniform in [0, 1)). */
+int tg_sample(const float *logits, const uint8_t *seen, const float *u, int64_t B, int64_t V, float temperature,
+              int64_t top_k, float top_p, float penalty, int64_t *out);
 /* y = x / sqrt(mean(x^2 over each row of n) + eps) * scale (scale may be NULL). */
 void tg_rms_norm_rows(const float *x, float *y, const float *scale, int64_t rows, int64_t n, float eps);
 /* The instruction set the block kernels use: asked 0 scalar, 1 AVX2, 2 AVX512-VNNI, -1 the best

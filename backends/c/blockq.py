@@ -17,7 +17,7 @@ from tilegraph.backends.c.build import runtime
 from tilegraph.ir.errors import TilegraphError
 
 # Each block format's number in blockq.h's enum (TG_BQ_*): the names are ir/block_formats.py's.
-FORMATS = {"f32": 0, "f16": 1, "bf16": 2, "q4_0": 3, "q4_1": 4, "q8_0": 5, "q4_k": 6, "q6_k": 7}
+FORMATS = {"f32": 0, "f16": 1, "bf16": 2, "q4_0": 3, "q4_1": 4, "q8_0": 5, "q4_k": 6, "q6_k": 7, "q5_0": 8}
 ISAS = {"scalar": 0, "avx2": 1, "avx512_vnni": 2}
 
 _i64, _p = ctypes.c_int64, ctypes.c_void_p
@@ -30,7 +30,10 @@ def library() -> ctypes.CDLL:
     lib.tg_block_matmul_f32.argtypes = [_p, _i64, _i64, _p, _i64, _i64, ctypes.c_int, _p, _i64]
     lib.tg_block_rows.argtypes = [_p, _i64, _i64, _i64, ctypes.c_int, _p, _i64, _p]
     lib.tg_cache_write.argtypes = [_p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _p, _i64]
-    lib.tg_cache_attention.argtypes = [_p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _p, _i64, ctypes.c_float]
+    lib.tg_cache_write_f16.argtypes = [_p, _p, _i64, _i64, _i64, _i64, _i64, _p, _i64]
+    lib.tg_cache_attention.argtypes = [_p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _p, _i64, ctypes.c_float,
+                                       _i64]
+    lib.tg_cache_attention_f16.argtypes = lib.tg_cache_attention.argtypes
     lib.tg_blockq_isa.argtypes = [ctypes.c_int]
     lib.tg_error.restype = ctypes.c_char_p
     return lib
@@ -78,23 +81,33 @@ def _positions(pos, batch: int) -> tuple[np.ndarray, int]:
 
 
 def cache_write(cache: np.ndarray, x: np.ndarray, pos) -> None:
-    """cache[b, :, pos_b:pos_b + T] = x[b], in place (cache must be C-contiguous)."""
-    if not cache.flags.c_contiguous or cache.dtype != x.dtype:
-        raise KernelError("cache_write needs a C-contiguous cache of x's dtype")
+    """cache[b, :, pos_b:pos_b + T] = x[b], in place (cache must be C-contiguous); an f16 cache
+    takes f32 rows, rounded to nearest even."""
+    f16 = cache.dtype == np.float16 and x.dtype == np.float32
+    if not cache.flags.c_contiguous or (cache.dtype != x.dtype and not f16):
+        raise KernelError("cache_write needs a C-contiguous cache of x's dtype (or f16, of f32 rows)")
     x = np.ascontiguousarray(x)
     B, H, S, D = cache.shape
     p, stride = _positions(pos, B)
+    if f16:
+        _check(library().tg_cache_write_f16(cache.ctypes.data, x.ctypes.data, B, H, S, x.shape[2], D, p.ctypes.data,
+                                            stride))
+        return
     _check(library().tg_cache_write(cache.ctypes.data, x.ctypes.data, B, H, S, x.shape[2], D, cache.itemsize,
                                     p.ctypes.data, stride))
 
 
-def cache_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos, scale: float) -> np.ndarray:
-    q, k, v = (np.ascontiguousarray(a, np.float32) for a in (q, k, v))
+def cache_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos, scale: float, window: int = 0) -> np.ndarray:
+    """The decode attention kernel over an f32 cache, or an f16 one (k and v both float16)."""
+    f16 = k.dtype == np.float16
+    q = np.ascontiguousarray(q, np.float32)
+    k, v = (np.ascontiguousarray(a, np.float16 if f16 else np.float32) for a in (k, v))
     B, H, T, D = q.shape
     p, stride = _positions(pos, B)
     o = np.empty_like(q)
-    _check(library().tg_cache_attention(q.ctypes.data, k.ctypes.data, v.ctypes.data, o.ctypes.data, B, H, k.shape[1],
-                                        T, k.shape[2], D, p.ctypes.data, stride, scale))
+    fn = library().tg_cache_attention_f16 if f16 else library().tg_cache_attention
+    _check(fn(q.ctypes.data, k.ctypes.data, v.ctypes.data, o.ctypes.data, B, H, k.shape[1], T, k.shape[2], D,
+              p.ctypes.data, stride, scale, window))
     return o
 
 

@@ -45,15 +45,28 @@ static inline float BQ_FN(bq_f16)(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-/* q4_0: 18 bytes per 32 (f16 d, 16 bytes of nibbles q); w = d (q - 8). */
-static inline __attribute__((always_inline)) void BQ_FN(bq_body_q4_0)(const uint8_t *w, const tg_q8row *a, const int R,
-                                                                    int64_t nb, float *y) {
+/* 32 bits -> 32 bytes, 0x10 where bit i is set (byte i): q5_0's fifth bits (ggml's bytes_from_bits_32). */
+static inline __m256i BQ_FN(bq_fifth_bits)(const uint8_t *p) {
+    uint32_t x;
+    memcpy(&x, p, 4);
+    const __m256i spread = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)x), spread);  /* byte i: the byte holding bit i */
+    bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));  /* all bits but i % 8 set */
+    return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
+}
+
+/* q4_0: 18 bytes per 32 (f16 d, 16 bytes of nibbles q); w = d (q - 8). q5_0 (fifth = 1): 22 bytes
+ * per 32 (f16 d, 32 fifth bits, the nibbles); w = d (q - 16). `fifth` is a constant where inlined. */
+static inline __attribute__((always_inline)) void BQ_FN(bq_body_q4_0_q5_0)(const uint8_t *w, const tg_q8row *a,
+                                                                         const int R, int64_t nb, float *y,
+                                                                         const int fifth) {
     __m256 acc[BQ_MAXR];
     float off[BQ_MAXR];
     for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); off[r] = 0.f; }
-    for (int64_t b = 0; b < nb; b++, w += 18) {
+    for (int64_t b = 0; b < nb; b++, w += fifth ? 22 : 18) {
         float d = BQ_FN(bq_f16)(w);
-        __m256i u = BQ_FN(bq_nibbles16)(w + 2);
+        __m256i u = BQ_FN(bq_nibbles16)(w + (fifth ? 6 : 2));
+        if (fifth) u = _mm256_or_si256(u, BQ_FN(bq_fifth_bits)(w + 2));
         for (int r = 0; r < R; r++) {
             __m256i s = _mm256_loadu_si256((const __m256i *)(a[r].q + 32 * b));
             __m256i dp = _mm256_setzero_si256();
@@ -63,7 +76,15 @@ static inline __attribute__((always_inline)) void BQ_FN(bq_body_q4_0)(const uint
             off[r] += da * (float)a[r].s[b];
         }
     }
-    for (int r = 0; r < R; r++) y[r] = BQ_FN(bq_hsum)(acc[r]) - 8.f * off[r];
+    for (int r = 0; r < R; r++) y[r] = BQ_FN(bq_hsum)(acc[r]) - (fifth ? 16.f : 8.f) * off[r];
+}
+static inline __attribute__((always_inline)) void BQ_FN(bq_body_q4_0)(const uint8_t *w, const tg_q8row *a, const int R,
+                                                                    int64_t nb, float *y) {
+    BQ_FN(bq_body_q4_0_q5_0)(w, a, R, nb, y, 0);
+}
+static inline __attribute__((always_inline)) void BQ_FN(bq_body_q5_0)(const uint8_t *w, const tg_q8row *a, const int R,
+                                                                    int64_t nb, float *y) {
+    BQ_FN(bq_body_q4_0_q5_0)(w, a, R, nb, y, 1);
 }
 
 /* q4_1: 20 bytes per 32 (f16 d, f16 m, nibbles q); w = d q + m. */
@@ -230,10 +251,11 @@ BQ_WRAP(q4_1)
 BQ_WRAP(q8_0)
 BQ_WRAP(q4_k)
 BQ_WRAP(q6_k)
+BQ_WRAP(q5_0)
 static const tg_bq_kernels BQ_FN(bq_kernels) = {
     .quantize = BQ_FN(bq_quantize),
     .dot = {[TG_BQ_Q4_0] = BQ_FN(bq_dot_q4_0), [TG_BQ_Q4_1] = BQ_FN(bq_dot_q4_1), [TG_BQ_Q8_0] = BQ_FN(bq_dot_q8_0),
-            [TG_BQ_Q4_K] = BQ_FN(bq_dot_q4_k), [TG_BQ_Q6_K] = BQ_FN(bq_dot_q6_k)},
+            [TG_BQ_Q4_K] = BQ_FN(bq_dot_q4_k), [TG_BQ_Q6_K] = BQ_FN(bq_dot_q6_k), [TG_BQ_Q5_0] = BQ_FN(bq_dot_q5_0)},
 };
 
 #undef BQ_FN

@@ -30,8 +30,8 @@ from tilegraph.ir.errors import TilegraphError
 RUNTIME_H = Path(__file__).with_name("runtime.h")
 RUNTIME_C = Path(__file__).with_name("runtime.c")
 # Compiled into the runtime beside runtime.c: the block-format and KV-cache kernels
-# (blockq.c, with its header and the SIMD variants it includes).
-RUNTIME_EXTRA = [Path(__file__).with_name(n) for n in ("blockq.h", "blockq_simd.h", "blockq.c")]
+# (blockq.c, with its header, the SIMD variants and decode.c it includes).
+RUNTIME_EXTRA = [Path(__file__).with_name(n) for n in ("blockq.h", "blockq_simd.h", "blockq.c", "decode.c")]
 # -fwrapv: signed integer overflow wraps, as NumPy's does. -fno-math-errno lets the
 # compiler inline and vectorise math functions (errno is never read). No -ffast-math:
 # NaN, infinities and signed zeros keep their IEEE meaning.

@@ -36,7 +36,7 @@ import numpy as np
 import sympy
 from xdsl.ir import SSAValue
 
-from tilegraph.backends.c.generation import GENERATION_OPS, Generation
+from tilegraph.backends.c.generation import CACHE_OPS, GENERATION_OPS, Generation
 from tilegraph.backends.c.groups import Groups
 from tilegraph.backends.c.kernels import Kernels
 from tilegraph.backends.c.loops import Loops
@@ -229,6 +229,8 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
 
     def compute(self, op: TgOp, xs: list[View]) -> list[View]:
         name = op.op_name
+        if name in CACHE_OPS:  # an f16 cache has no C arithmetic: only these kernels read its bits
+            return self.generation(op, xs)
         self._check_dtypes(op, xs)
         if op.SPEC.pointwise:
             out = self._temp(op.result_infos()[0], like=xs[0])

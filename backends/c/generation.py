@@ -12,7 +12,10 @@ Each is a call into the runtime's kernels (blockq.c) on views the emitter alread
   model input read by nothing else (the op donates it, as XLA's aliased buffers): its
   result is that buffer, and the runtime hands the caller's array back as the output,
   never a copy (runtime.py, `donated`). Anything else runs on the host.
-* `cache_attention` reads each cache row once for the heads that share it.
+* `cache_attention` reads each cache row once for the heads that share it. A cache may be
+  f16 (llama.cpp's default: half the bytes a decode step reads at depth): cache_write
+  rounds into it (store='f16'), cache_attention widens each block of rows in L1.
+* `sample` draws each sequence's token from its logits inside the step (decode.c).
 * `rms_norm` is one pass per row; `rope` one loop over the two halves of each row;
   `iota` (the new tokens' positions) a loop, so a decode step stays one native call.
 """
@@ -26,9 +29,12 @@ from tilegraph.backends.c.tables import CTYPES
 from tilegraph.backends.c.views import EmitterParts, Unsupported, View, _describe, _eq, _only_use, c_float
 from tilegraph.ir.block_formats import block_format
 from tilegraph.ir.dialect import TgOp
+from tilegraph.ir.ops import Op
 from tilegraph.ir.shapes import numel
 
-GENERATION_OPS = ("block_matmul", "block_gather", "cache_write", "cache_attention", "rms_norm", "rope", "iota")
+CACHE_OPS = (Op.cache_write, Op.cache_attention)  # each checks its own dtypes (a cache may be f16)
+GENERATION_OPS = (Op.block_matmul, Op.block_gather, Op.cache_write, Op.cache_attention, Op.rms_norm, Op.rope, Op.iota,
+                  Op.sample)
 ELEMENT_BYTES = {"f32": 4, "f64": 8, "i64": 8, "i32": 4, "i16": 2, "i8": 1, "ui8": 1, "ui16": 2, "ui32": 4,
                  "ui64": 8, "i1": 1}
 
@@ -93,11 +99,19 @@ class Generation(EmitterParts):
         if not (self._whole(cache) and buf.kind == "input" and buf.index in self.model.aliases
                 and _only_use(op.operands[0], op)):
             raise Unsupported("cache_write in place into a donated model input")
-        if cache.dtype not in CTYPES:
+        store = op.attr("store")
+        if cache.dtype not in CTYPES and not store:
             raise Unsupported(f"{cache.dtype} cache")
         x = self._rows(x)
         ptr, stride = self._positions(pos)
         b, h, s, d = cache.shape
+        if store:  # f32 rows rounded into an f16 cache (the shape rule allows no other)
+            self._step(_describe(op), [
+                f"if (tg_cache_write_f16({self._f16_ptr(cache, False)}, {self.ptr(x)}, {self.ints(b)}, "
+                f"{self.ints(h)}, {self.ints(s)}, {self.ints(x.shape[2])}, {self.ints(d)}, {ptr}, {stride})) "
+                "return 1;"], [cache, x, pos], [cache])
+            self.donated.add(cache.buf)
+            return cache
         self._step(_describe(op), [
             f"if (tg_cache_write({self.ptr(cache, False)}, {self.ptr(x)}, {self.ints(b)}, {self.ints(h)}, "
             f"{self.ints(s)}, {self.ints(x.shape[2])}, {self.ints(d)}, {ELEMENT_BYTES[cache.dtype]}, {ptr}, "
@@ -105,19 +119,31 @@ class Generation(EmitterParts):
         self.donated.add(cache.buf)
         return cache
 
+    def _f16_ptr(self, v: View, const: bool = True) -> str:
+        """A pointer to an f16 view's bits (uint16_t): only the cache kernels take f16, never C arithmetic."""
+        off = self.ints(v.offset)
+        base = f"(({'const ' if const else ''}uint16_t *)p[{v.buf}])"
+        return base if off == "0" else f"({base} + {off})"
+
     def _gen_cache_attention(self, op: TgOp, xs: list[View]) -> View:
         q, k, v, pos = xs
         info = op.result_infos()[0]
-        if info.dtype != "f32" or not (self._whole(k) and self._whole(v)) or not _eq(k.shape[3], v.shape[3]):
-            raise Unsupported("cache_attention over whole f32 caches with one head size")
+        if info.dtype != "f32" or k.dtype not in ("f32", "f16") or not (self._whole(k) and self._whole(v)) \
+                or not _eq(k.shape[3], v.shape[3]):
+            raise Unsupported("cache_attention over whole f32 or f16 caches with one head size")
         q = self._rows(q)
         ptr, stride = self._positions(pos)
         out = self._temp(info)
         b, h, t, d = q.shape
+        if k.dtype == "f16":
+            kernel, kp, vp = "tg_cache_attention_f16", self._f16_ptr(k), self._f16_ptr(v)
+        else:
+            kernel, kp, vp = "tg_cache_attention", self.ptr(k), self.ptr(v)
         self._step(_describe(op), [
-            f"if (tg_cache_attention({self.ptr(q)}, {self.ptr(k)}, {self.ptr(v)}, {self.ptr(out, False)}, "
+            f"if ({kernel}({self.ptr(q)}, {kp}, {vp}, {self.ptr(out, False)}, "
             f"{self.ints(b)}, {self.ints(h)}, {self.ints(k.shape[1])}, {self.ints(t)}, {self.ints(k.shape[2])}, "
-            f"{self.ints(d)}, {ptr}, {stride}, {c_float(op.attr('scale'), 'f32')})) return 1;"], [q, k, v, pos], [out])
+            f"{self.ints(d)}, {ptr}, {stride}, {c_float(op.attr('scale'), 'f32')}, {int(op.attr('window'))})) "
+            "return 1;"], [q, k, v, pos], [out])
         return out
 
     def _gen_rms_norm(self, op: TgOp, xs: list[View]) -> View:
@@ -159,6 +185,19 @@ class Generation(EmitterParts):
                           lambda r: [f"{{ const float a = {r[0]}, b = {r[1]}, c = {r[2]}, s = {r[3]};",
                                      f"  {r[4]} = a * c - b * s; {r[5]} = b * c + a * s; }}"])
         self._step(_describe(op), lines, [x, cos, sin], [out])
+        return out
+
+    def _gen_sample(self, op: TgOp, xs: list[View]) -> View:
+        logits, seen, u = (self._rows(x) for x in xs)
+        if logits.dtype != "f32" or u.dtype != "f32" or any(x.literal is not None for x in (logits, seen, u)):
+            raise Unsupported("sample of f32 logits")
+        out = self._temp(op.result_infos()[0])
+        b, v = logits.shape
+        a = op.py_attrs()
+        self._step(_describe(op), [
+            f"if (tg_sample({self.ptr(logits)}, {self.ptr(seen)}, {self.ptr(u)}, {self.ints(b)}, {self.ints(v)}, "
+            f"{c_float(a['temperature'], 'f32')}, {int(a['top_k'])}, {c_float(a['top_p'], 'f32')}, "
+            f"{c_float(a['repetition_penalty'], 'f32')}, {self.ptr(out, False)})) return 1;"], [logits, seen, u], [out])
         return out
 
     def _gen_iota(self, op: TgOp, xs: list[View]) -> View:

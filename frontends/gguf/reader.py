@@ -88,6 +88,17 @@ def _reader_class():
     class CheckedReader(GGUFReader):
         """GGUFReader whose tensor step checks every info against the file before making views."""
 
+        # GGUFReader slices its map once per value it reads (a million times for a vocabulary of
+        # 262k tokens), and np.memmap's __getitem__/__array_finalize__ on every slice were most of
+        # the parse: it reads a plain read-only ndarray view of the same map instead.
+        @property  # type: ignore[override]
+        def data(self) -> np.ndarray:
+            return self._plain
+
+        @data.setter
+        def data(self, value: np.ndarray) -> None:
+            self._plain = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
         def _build_tensors(self, start_offs: int, fields: list) -> None:
             self.checked = check_tensors(self.data, int(start_offs), int(self.alignment), fields)
             self.tensors = []

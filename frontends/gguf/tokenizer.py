@@ -4,6 +4,12 @@ BPE (`tokenizer.ggml.model = "gpt2"`) runs on the `tokenizers` library: the voca
 merges from the file, the pre-tokenizer by `tokenizer.ggml.pre` (the split llama.cpp's
 llama-vocab.cpp names so: digits, GPT-2's or Llama 3's regex), byte-level decoding, and
 control tokens (type 3) as special tokens, so `<|im_start|>` in a template is one token.
+SentencePiece (`llama`, Gemma's) is BPE too: its merges are not in the file but follow from
+the scores, as transformers' SentencePieceExtractor and llama.cpp's SPM tokenizer take them
+(every split of a piece into two pieces of the vocabulary is a merge, ranked by the whole
+piece's score); spaces become "▁" first, and a character outside the vocabulary falls back
+to its bytes (<0xNN>). Control and user-defined tokens (Gemma's "\n", runs of spaces) match
+the raw text before the model, as llama.cpp's special-token partition does.
 
 The chat template is untrusted text from the file: it is rendered by jinja2's
 ImmutableSandboxedEnvironment (as transformers renders chat templates), where reaching a
@@ -17,6 +23,7 @@ from typing import Sequence
 
 from tilegraph.frontends.gguf.reader import GGUFError, GGUFFile, GGUFMetadataError
 
+NORMAL = 1  # llama.cpp's LLAMA_TOKEN_TYPE_NORMAL
 CONTROL = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
 USER_DEFINED = 4
 
@@ -42,31 +49,41 @@ class GGUFTokenizer:
         from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
         kind = f.get("tokenizer.ggml.model", str)
-        if kind != "gpt2":
-            raise TokenizerError(f"{f.path}: tokenizer '{kind}' is not supported (tilegraph builds BPE, 'gpt2')")
-        pre = f.get("tokenizer.ggml.pre", str, "default")
-        if pre not in PRE_TOKENIZERS:
-            raise TokenizerError(f"{f.path}: pre-tokenizer '{pre}' is not one tilegraph knows "
-                                 f"({', '.join(PRE_TOKENIZERS)})")
+        if kind not in ("gpt2", "llama"):
+            raise TokenizerError(f"{f.path}: tokenizer '{kind}' is not supported (tilegraph builds BPE, 'gpt2', "
+                                 "and SentencePiece, 'llama')")
         tokens = f.get("tokenizer.ggml.tokens", list)
-        merges = f.get("tokenizer.ggml.merges", list)
-        types = f.get("tokenizer.ggml.token_type", list, [1] * len(tokens))
-        if not all(isinstance(t, str) for t in tokens) or not all(isinstance(m, str) and " " in m for m in merges):
-            raise GGUFMetadataError(f"{f.path}: tokenizer.ggml.tokens / merges are not lists of strings")
+        types = f.get("tokenizer.ggml.token_type", list, [NORMAL] * len(tokens))
+        if not all(isinstance(t, str) for t in tokens) or len(types) != len(tokens) \
+                or not all(isinstance(t, int) for t in types):
+            raise GGUFMetadataError(f"{f.path}: tokenizer.ggml.tokens / token_type are not lists of strings / "
+                                    "numbers of one length")
         vocab = {t: i for i, t in enumerate(tokens)}
-        model = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], ignore_merges=False)
-        tok = Tokenizer(model)
-        split = PRE_TOKENIZERS[pre]
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split is None or split == "digits")
-        if split is None:
-            tok.pre_tokenizer = byte_level
-        elif split == "digits":
-            tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        if kind == "gpt2":
+            pre = f.get("tokenizer.ggml.pre", str, "default")
+            if pre not in PRE_TOKENIZERS:
+                raise TokenizerError(f"{f.path}: pre-tokenizer '{pre}' is not one tilegraph knows "
+                                     f"({', '.join(PRE_TOKENIZERS)})")
+            merges = f.get("tokenizer.ggml.merges", list)
+            if not all(isinstance(m, str) and " " in m for m in merges):
+                raise GGUFMetadataError(f"{f.path}: tokenizer.ggml.merges is not a list of 'a b' strings")
+            model = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], ignore_merges=False)
+            tok = Tokenizer(model)
+            split = PRE_TOKENIZERS[pre]
+            byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                  use_regex=split is None or split == "digits")
+            if split is None:
+                tok.pre_tokenizer = byte_level
+            elif split == "digits":
+                tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                             byte_level])
+            else:
+                tok.pre_tokenizer = pre_tokenizers.Sequence(
+                    [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
+            tok.decoder = decoders.ByteLevel()
         else:
-            tok.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
-        tok.decoder = decoders.ByteLevel()
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+            tok = _sentencepiece(f, tokens, types, vocab)
+        tok.add_special_tokens([AddedToken(t, special=kind == CONTROL, normalized=False)
                                 for t, kind in zip(tokens, types) if kind in (CONTROL, USER_DEFINED)])
         self.tokenizer = tok
         self.vocab_size = len(tokens)
@@ -75,6 +92,8 @@ class GGUFTokenizer:
         self.eos_id = f.get("tokenizer.ggml.eos_token_id", int, None)
         self.add_bos = f.get("tokenizer.ggml.add_bos_token", bool, False)
         self.chat_template = f.get("tokenizer.chat_template", str, None)
+        if self.chat_template is None and f.get("general.architecture", str, "") in BUILTIN_TEMPLATES:
+            self.chat_template = BUILTIN_TEMPLATES[f.get("general.architecture", str)]
         # end-of-turn tokens stop generation as the end of text does (<|im_end|>, <|eot_id|>)
         self.stop_ids = {i for i in (self.eos_id, f.get("tokenizer.ggml.eot_token_id", int, None)) if i is not None}
         for name in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>"):
@@ -97,6 +116,51 @@ class GGUFTokenizer:
         return render_chat_template(self.chat_template, messages, add_generation_prompt,
                                     bos_token=self.token_text(self.bos_id) if self.bos_id is not None else "",
                                     eos_token=self.token_text(self.eos_id) if self.eos_id is not None else "")
+
+
+def _sentencepiece(f: GGUFFile, tokens: list[str], types: list[int], vocab: dict[str, int]):
+    """A SentencePiece BPE vocabulary (tokens and scores) as a `tokenizers` BPE: the merges
+    every normal piece's two-piece splits give, best score first."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    scores = f.get("tokenizer.ggml.scores", list)
+    if len(scores) != len(tokens) or not all(isinstance(x, (int, float)) for x in scores):
+        raise GGUFMetadataError(f"{f.path}: tokenizer.ggml.scores is not one number per token")
+    merges = []
+    for piece, kind, score in zip(tokens, types, scores):
+        if kind != NORMAL:
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                merges.append((-score, vocab[left], vocab[right], left, right))
+    merges.sort(key=lambda m: m[:3])
+    unk = f.get("tokenizer.ggml.unknown_token_id", int, None)
+    model = models.BPE(vocab=vocab, merges=[(m[3], m[4]) for m in merges], ignore_merges=False,
+                       unk_token=tokens[unk] if unk is not None and 0 <= unk < len(tokens) else None,
+                       fuse_unk=True, byte_fallback=True)
+    tok = Tokenizer(model)
+    replace = [normalizers.Replace(" ", "▁")]
+    if f.get("tokenizer.ggml.add_space_prefix", bool, True):
+        replace.insert(0, normalizers.Prepend("▁"))
+    tok.normalizer = normalizers.Sequence(replace)
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                    + ([decoders.Strip(" ", 1, 0)] if f.get("tokenizer.ggml.add_space_prefix", bool,
+                                                                            True) else []))
+    return tok
+
+
+# Chat templates for files that carry none, by architecture: Gemma's GGUF files leave it out
+# (llama.cpp then uses its built-in "gemma" template, the same turns). No BOS here: encode adds it.
+BUILTIN_TEMPLATES = {
+    "gemma3": ("{% set first = namespace(prefix='') %}"
+               "{% for m in messages %}"
+               "{% if m['role'] == 'system' %}{% set first.prefix = m['content'] + '\n\n' %}"
+               "{% else %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+               "{{ first.prefix }}{{ m['content'] | trim }}<end_of_turn>\n{% set first.prefix = '' %}"
+               "{% endif %}{% endfor %}"
+               "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"),
+}
 
 
 def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:

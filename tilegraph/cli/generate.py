@@ -9,7 +9,8 @@ import sys
 def _model(args):
     from tilegraph.generation import LanguageModel
 
-    return LanguageModel(args.model, target=args.target, threads=args.threads, cache_len=args.cache_len)
+    fast = {"activation": "q8", "cache_dtype": "f16"} if args.fast else {}
+    return LanguageModel(args.model, target=args.target, threads=args.threads, cache_len=args.cache_len, **fast)
 
 
 def _sampling(args):

@@ -36,6 +36,7 @@ def _parser() -> argparse.ArgumentParser:
                             "ids of an embedding from its whole table")
 
     # --- quantize: calibrate activations, then the quantize pass (passes/quantize/) ---
+    from tilegraph.ir.block_formats import FORMATS as BLOCK_FORMATS
     from tilegraph.passes.quantize import OBSERVERS, SCHEMES
 
     qz = sub.add_parser("quantize", help="calibrate on sample inputs and quantize the linear layers",
@@ -67,6 +68,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="with --max-error / --min-cosine: a second scheme a layer may get (default: w8)")
     qz.add_argument("--target", default="cpu", help="with --max-error / --min-cosine: the hardware the speed is "
                                                    "predicted for: h100, h200, a100 or cpu (default)")
+    qz.add_argument("--block-format", default=None, choices=list(BLOCK_FORMATS),
+                    help="with -o x.gguf and a transformers model folder (config.json and its weights): write a "
+                         "GGUF file, matrices in this GGUF block format (default: q8_0), read by tilegraph.compile "
+                         "and llama.cpp alike")
     qz.add_argument("--export-onnx", default=None, metavar="OUT.onnx",
                     help="also write the quantized model as ONNX in QDQ form (backends/onnx_export.py)")
 
@@ -110,6 +115,9 @@ def _parser() -> argparse.ArgumentParser:
                          help="backend (default: c where it builds, else numpy)")
         gen.add_argument("--cache-len", type=_positive, default=None,
                          help="KV cache positions per sequence (default: 2048 or the model's context)")
+        gen.add_argument("--fast", action="store_true",
+                         help="llama.cpp's numerics: activations rounded to int8 per 32 values, an f16 KV cache "
+                              "(default: exact f32)")
         if name == "generate":
             gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
 

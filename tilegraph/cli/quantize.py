@@ -12,6 +12,9 @@ from tilegraph.ir.model import weights_path
 def _quantize(args) -> int:
     import tilegraph
     from tilegraph.ir.errors import TilegraphError
+
+    if Path(args.output).suffix == ".gguf" or args.block_format is not None:
+        return _quantize_to_gguf(args)
     from tilegraph.passes.quantize import (
         SCHEMES,
         linear_layers,
@@ -121,3 +124,59 @@ def _calibration_batches(path: Path, model, batch_size: int) -> list[list]:
                                  "come from the samples, so every sample must be finite")
     total = next(iter(counts.values()))
     return [[data[n][i:i + batch_size] for n in model.input_names] for i in range(0, total, batch_size)]
+
+
+def _quantize_to_gguf(args) -> int:
+    """A transformers model folder (config.json, *.safetensors or pytorch_model.bin) -> a GGUF file."""
+    import json
+
+    import numpy as np
+
+    from tilegraph.frontends.gguf.writer import write_gguf
+    from tilegraph.ir.errors import TilegraphError
+
+    folder, out = Path(args.model), Path(args.output)
+    if out.suffix != ".gguf":
+        raise TilegraphError(f"--block-format writes a GGUF file: -o {out} must end in .gguf")
+    if not (folder / "config.json").is_file():
+        raise TilegraphError(f"{folder}: a GGUF file is written from a transformers model folder (config.json and "
+                             "its weights)")
+    refuse_overwriting(folder / "config.json", out)
+    config = json.loads((folder / "config.json").read_text())
+    state = _state_dict(folder)
+    fmt = args.block_format or "q8_0"
+    tmp = out.with_name(out.name + ".partial")
+    try:
+        formats = write_gguf(tmp, config, state, fmt)
+        tmp.replace(out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    floats = sum(int(np.asarray(v).size) * 4 for v in state.values())
+    counts: dict[str, int] = {}
+    for f in formats.values():
+        counts[f] = counts.get(f, 0) + 1
+    print(f"wrote {out}: {len(formats)} tensors ({', '.join(f'{n} {f}' for f, n in sorted(counts.items()))}); "
+          f"{format_count(floats)}B as f32 -> {format_count(out.stat().st_size)}B")
+    return 0
+
+
+def _state_dict(folder: Path) -> dict:
+    """The folder's weights as NumPy arrays, from safetensors (every *.safetensors) or pytorch_model.bin."""
+    from tilegraph.ir.errors import TilegraphError
+
+    shards = sorted(folder.glob("*.safetensors"))
+    if shards:
+        from safetensors import safe_open
+
+        state = {}
+        for shard in shards:
+            with safe_open(str(shard), framework="pt") as f:  # pt: bfloat16 weights, which NumPy has not
+                for key in f.keys():
+                    state[key] = f.get_tensor(key).float().numpy()
+        return state
+    path = folder / "pytorch_model.bin"
+    if not path.is_file():
+        raise TilegraphError(f"{folder} has no *.safetensors and no pytorch_model.bin")
+    import torch
+
+    return {k: v.float().numpy() for k, v in torch.load(path, map_location="cpu", weights_only=True).items()}

