@@ -428,12 +428,12 @@ def _cpu_profile(path: str, native: bool = False) -> Hardware:
     """The profile at `path`, measured now (quickly) if there is none, or if it was taken
     under load and the machine is quiet now: by the NumPy backend's calibration, or where
     `native`, the C backend's."""
-    profile = load_profile(path)
+    profile = _load_cached(path)
     if profile is not None and _trusted(profile):
         return profile
     try:
         with _locked(Path(path)):  # one pytest-xdist worker calibrates, the others wait and read it
-            profile = load_profile(path)
+            profile = _load_cached(path)
             if profile is None or not _trusted(profile):
                 profile = _measure_noting_load(native)
                 save_profile(profile, path)
@@ -490,9 +490,21 @@ def load_profile(path) -> Hardware | None:
         return None
 
 
+def _load_cached(path) -> Hardware | None:
+    """The profile the cache holds at `path`, only if it is an entry this user wrote with its
+    digest (ir/cache.py): the passes decide fusion, tiling and threads by it, so an edited,
+    planted or damaged one is measured again, not trusted."""
+    from tilegraph.ir import cache
+
+    return load_profile(path) if cache.verified(Path(path)) else None
+
+
 def save_profile(hw: Hardware, path) -> Path:
-    """Write `hw` as JSON atomically (temporary file + rename: readers never see half a file)."""
+    """Write `hw` as JSON atomically (temporary file + rename: readers never see half a file),
+    mode 0600 with its digest beside it (`<name>.sha256`), which the cache's reader checks."""
     import tempfile
+
+    from tilegraph.ir import cache
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -500,7 +512,7 @@ def save_profile(hw: Hardware, path) -> Path:
     try:
         with os.fdopen(fd, "w") as f:
             json.dump({"format": PROFILE_FORMAT, "hardware": hw.to_dict()}, f, indent=1)
-        os.replace(tmp, path)
+        cache.place(Path(tmp), path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -14,7 +14,6 @@ past an input by going around the check, to show that the harness would see it.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,11 +41,11 @@ def _sanitized_child(mode: str, tmp_path) -> subprocess.CompletedProcess:
     if lib is None:
         pytest.skip("libasan (gcc's AddressSanitizer runtime, Debian: libasan8) is not installed")
     # The suite's fixed profiles (conftest.py): a first compile would otherwise calibrate, sanitized.
-    from tilegraph.ir.hardware import c_profile_path, cpu_profile_path
+    from tilegraph.ir.hardware import c_profile_path, cpu_profile_path, load_profile, save_profile
 
     (tmp_path / "cache").mkdir(exist_ok=True)
     for name, path in (("cpu_profile.json", cpu_profile_path()), ("c_profile.json", c_profile_path())):
-        shutil.copy(Path(__file__).with_name(name), tmp_path / "cache" / path.name)
+        save_profile(load_profile(Path(__file__).with_name(name)), tmp_path / "cache" / path.name)
     env = {**os.environ, "LD_PRELOAD": lib, "TILEGRAPH_C_SANITIZE": "address",
            "TILEGRAPH_CACHE_DIR": str(tmp_path / "cache"),
            # CPython and oneDNN keep allocations until exit by design: leaks are not the question.

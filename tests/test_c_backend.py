@@ -222,6 +222,23 @@ def test_an_epilogue_that_reads_the_raw_product_again_matches(contraction):
     assert_close(q(xs), interpret(model, [xs])[0], "f32", 12, name=contraction)
 
 
+@pytest.mark.parametrize("c", ["scalar", "row"])
+@pytest.mark.parametrize("side", ["product - c", "c - product"])
+def test_a_subtraction_after_a_gemm_keeps_its_sign(side, c):
+    """x @ w - c runs as the GEMM's oneDNN post-op (a linear one for a scalar, a binary one for
+    a row); c - x @ w is no such post-op: either way the difference keeps its sign."""
+    from tilegraph.ir import Graph
+
+    rng = np.random.default_rng(0)
+    g = Graph()
+    x = g.input("x", ("B", 12))
+    p = x @ g.weight("w", rng.standard_normal((12, 5)).astype(np.float32))
+    cv = g.constant(np.float32(0.75)) if c == "scalar" else g.weight("b", rng.standard_normal(5).astype(np.float32))
+    model = g.build(g.op("sub", p, cv) if side == "product - c" else g.op("sub", cv, p), names=["y"])
+    xs = rng.standard_normal((3, 12)).astype(np.float32)
+    assert_close(tilegraph.compile(model, target="c")(xs), interpret(model, [xs])[0], "f32", 12, name=side)
+
+
 def test_the_vectorised_erf_holds_the_float32_tolerance_everywhere():
     """tg_erff (a rational approximation, not libm) across magnitudes, signed zeros, the
     saturated tails, infinities and NaN."""
@@ -292,6 +309,30 @@ def test_indexing_ops_along_any_axis_match_the_interpreter(shape, data):
     bad.reshape(-1)[0] = n  # one past the end: an error naming the op, not a read outside x
     with pytest.raises(tilegraph.TilegraphError, match="gather_elements"):
         _natively(model)(x, ids, bad)
+
+
+@settings(max_examples=20, deadline=None)
+@given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=4), data=st.data())
+def test_concat_and_reductions_over_any_axes_match_the_interpreter(shape, data):
+    """concat in C on every axis (each part lands at its offset along the axis, in elements of
+    that axis's stride), and sums and means over any set of axes (a set keeping the contiguous
+    innermost dim runs as rows of channels, the others as a loop nest per output)."""
+    from tilegraph.ir import Graph
+
+    rank = len(shape)
+    axis = data.draw(st.integers(-rank, rank - 1), label="axis")
+    axes = tuple(sorted(data.draw(st.sets(st.integers(0, rank - 1), min_size=1), label="axes")))
+    other = list(shape)
+    other[axis] = data.draw(st.integers(1, 4), label="other part's length")
+    rng = np.random.default_rng(data.draw(st.integers(0, 99), label="seed"))
+    x, y = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(other).astype(np.float32)
+    g = Graph()
+    xv, yv = g.input("x", tuple(shape)), g.input("y", tuple(other))
+    model = g.build(g.op("concat", xv, yv, xv, axis=axis), g.op("reduce_mean", xv, axes=axes, keepdims=False),
+                    g.op("reduce_sum", xv, axes=axes, keepdims=True), names=["c", "mean", "sum"])
+    n = int(np.prod([shape[a] for a in axes]))
+    for got, want, name in zip(_natively(model)(x, y), interpret(model, [x, y]), model.output_names):
+        assert_close(got, want, "f32", reduction_length=n, name=name)
 
 
 def test_a_zero_pad_before_a_convolution_is_its_padding():

@@ -118,7 +118,8 @@ def test_descriptions_round_trip_through_json(name, tmp_path):
     assert load_profile(path) == hw
     assert Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
     assert {hw: 1}[load_profile(path)] == 1  # usable as a dict key
-    assert [p.name for p in tmp_path.iterdir()] == [f"{name}.json"]  # no temporary left behind
+    # no temporary left behind: the profile, and its digest (which the cache checks before reading it)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{name}.json", f"{name}.json.sha256"]
 
 
 def test_first_use_calibrates_quietly_and_saves_a_profile_that_reads_back(cache_dir, capsys):

@@ -136,6 +136,27 @@ def test_an_edited_compile_cache_entry_is_compiled_afresh(cache, tmp_path):
     _check(tilegraph.compile(str(path), target="numpy"), path)
 
 
+@pytest.mark.parametrize("how", ["group-writable", "world-writable", "another user's"])
+def test_an_entry_others_could_have_written_is_compiled_afresh_even_with_a_matching_digest(cache, tmp_path, how):
+    """Digests catch damage; who could write an entry is what says it is ours: one that is
+    group- or world-writable, or owned by another user (planted while the folder was open),
+    is not used, however well its digest matches."""
+    import hashlib
+
+    path = _model_file(tmp_path)
+    tilegraph.compile(str(path), target="numpy")
+    (entry,) = (cache / "compiled").glob("*.mlir")
+    entry.write_text(entry.read_text().replace("dense<2.000000e+00>", "dense<5.000000e+00>"))
+    entry.with_name(entry.name + ".sha256").write_text(hashlib.sha256(entry.read_bytes()).hexdigest())
+    if how == "another user's":
+        if os.getuid() != 0:
+            pytest.skip("giving a file to another user needs root")
+        os.chown(entry, 12345, -1)
+    else:
+        os.chmod(entry, 0o620 if how == "group-writable" else 0o602)
+    _check(tilegraph.compile(str(path), target="numpy"), path)
+
+
 @pytest.mark.parametrize("how", ["world-writable", "group-writable", "another user's"])
 def test_a_cache_folder_others_can_write_to_is_refused_with_a_warning(cache, tmp_path, how):
     import hashlib
@@ -198,3 +219,81 @@ def test_a_compiled_model_keeps_a_bounded_number_of_shape_bindings(cache, tmp_pa
 def _one(out):
     return out if isinstance(out, np.ndarray) else out[0]
 
+
+
+# --- the other caches: calibration profiles, Triton's emitted modules, autotuning tables ---------
+
+
+def test_an_edited_calibration_profile_is_measured_again_not_trusted(cache, monkeypatch):
+    """The passes decide fusion, tiling and threads by the profile in the cache: one edited
+    there (or planted, or written without its digest) is measured afresh."""
+    import json
+
+    from tilegraph.ir import hardware
+
+    fixed = hardware.load_profile(Path(__file__).with_name("c_profile.json"))
+    path = hardware.c_profile_path()
+    hardware.save_profile(fixed, path)
+    measured = []
+    monkeypatch.setattr(hardware, "_measure_noting_load", lambda native: measured.append(native) or fixed)
+    monkeypatch.setattr(hardware, "others_running", lambda: 0)
+    hardware._cpu_profile.cache_clear()
+    assert hardware._cpu_profile(str(path), True) == fixed and measured == []  # ours, with its digest: used
+    assert _mode(path) == 0o600
+    data = json.loads(path.read_text())
+    data["hardware"]["peak_flops"]["f32"] *= 1000
+    path.write_text(json.dumps(data))
+    hardware._cpu_profile.cache_clear()
+    try:
+        assert hardware._cpu_profile(str(path), True) == fixed and measured == [True]  # measured, not read
+        assert hardware.load_profile(path) == fixed  # and written back with its digest
+        hardware._cpu_profile.cache_clear()
+        assert hardware._cpu_profile(str(path), True) == fixed and measured == [True]
+    finally:
+        hardware._cpu_profile.cache_clear()
+
+
+def test_an_edited_autotuning_entry_is_tuned_again(cache):
+    import json
+    import warnings
+
+    from tilegraph.backends.triton.autotune import Autotuner
+
+    configs = [{"block": 16}, {"block": 32}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the interpreter's timings are not a GPU's
+        first = Autotuner()
+        best = first.pick("k", "h", (8,), "cpu-interpreter", configs, lambda cfg: None)
+        (path,) = (cache / "autotune").glob("k-h-*.json")
+        assert _mode(path) == 0o600 and _mode(cache / "autotune") == 0o700
+        assert Autotuner().pick("k", "h", (8,), "cpu-interpreter", configs, lambda cfg: None) == best
+        table = json.loads(path.read_text())
+        other = configs[1 - configs.index(best)]
+        table[repr((8,))]["best"] = other  # a candidate, but not the one this user's tuning chose
+        path.write_text(json.dumps(table))
+        again = Autotuner()
+        again.pick("k", "h", (8,), "cpu-interpreter", configs, lambda cfg: None)
+    assert again.timed == len(configs)  # tuned afresh, the edit not trusted
+
+
+def test_triton_modules_are_imported_only_from_a_private_folder(cache, tmp_path):
+    """An emitted Triton module is imported, so run: a folder others can write is not used, and
+    a module edited in the cache is written afresh before the import."""
+    import warnings
+
+    from tilegraph.backends.triton.runtime import import_source
+
+    marker = tmp_path / "payload-ran"
+    source = "VALUE = 1\n"
+    module = import_source(source)
+    (path,) = (cache / "triton").glob("tilegraph_triton_*.py")
+    assert module.VALUE == 1 and _mode(path) == 0o600 and _mode(cache / "triton") == 0o700
+    path.write_text(f"open({str(marker)!r}, 'w').close()\nVALUE = 2\n")
+    assert import_source(source).VALUE == 1 and not marker.exists()
+    os.chmod(cache / "triton", 0o777)
+    path.write_text(f"open({str(marker)!r}, 'w').close()\nVALUE = 2\n")
+    path.with_name(path.name + ".sha256").write_text(__import__("hashlib").sha256(path.read_bytes()).hexdigest())
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        assert import_source(source).VALUE == 1
+    assert not marker.exists() and any("not using the cache folder" in str(w.message) for w in said)

@@ -28,9 +28,9 @@ CPU_RUNS = 2
 
 
 def default_cache_dir() -> Path:
-    from tilegraph.ir.hardware import cache_dir
+    from tilegraph.ir.cache import private_dir
 
-    return cache_dir() / "autotune"
+    return private_dir("autotune")
 
 
 class Autotuner:
@@ -97,6 +97,10 @@ class Autotuner:
 
     @staticmethod
     def _read(path: Path) -> dict:
+        from tilegraph.ir import cache
+
+        if not cache.verified(path):  # none yet, or edited, planted or damaged: tune again, never trust it
+            return {}
         try:
             table = json.loads(path.read_text())
             return table if isinstance(table, dict) else {}
@@ -108,4 +112,6 @@ class Autotuner:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(table, indent=1))
-        os.replace(tmp, path)
+        from tilegraph.ir import cache
+
+        cache.place(tmp, path)  # 0600, with the digest _read checks

@@ -135,21 +135,26 @@ class BoundTuner:
 
 
 def module_dir() -> Path:
-    from tilegraph.ir.hardware import cache_dir
+    """The cache folder of emitted modules: one only this user can write (ir/cache.py), as a
+    module there is imported, so runs as code."""
+    from tilegraph.ir.cache import private_dir
 
-    return cache_dir() / "triton"
+    return private_dir("triton")
 
 
 def import_source(source: str):
-    """Import an emitted module from a file named by its hash (Triton reads kernels' source from it)."""
+    """Import an emitted module from a file named by its hash (Triton reads kernels' source from it).
+    A file there that is not this source, byte for byte, with its digest (edited, planted,
+    half-written) is written afresh before the import."""
+    from tilegraph.ir import cache
+
     digest = hashlib.sha1(source.encode()).hexdigest()[:16]
     folder = module_dir()
-    folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"tilegraph_triton_{digest}.py"
-    if not path.exists() or path.read_text() != source:
+    if not cache.verified(path) or path.read_bytes() != source.encode():
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(source)
-        os.replace(tmp, path)
+        tmp.write_bytes(source.encode())
+        cache.place(tmp, path)
     name = f"tilegraph_triton_{digest}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
