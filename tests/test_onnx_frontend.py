@@ -656,3 +656,15 @@ def test_a_symbolic_shape_value_floors_a_negative_numerator():
     model = imp.g.build(value, x)
     for h in range(1, 7):
         assert int(interpret(model, [np.zeros(h, np.float32)])[0]) == (1 - h) // 2
+
+
+@pytest.mark.parametrize("size", [3, 5])
+def test_lrn_matches_onnxruntime_with_an_alpha_large_enough_to_matter(size):
+    """LRN divides alpha by the window size: with the default alpha (1e-4) the difference hides
+    under the tolerance, so a large alpha and inputs of magnitude ~3 make it show."""
+    node = helper.make_node("LRN", ["x"], ["y"], size=size, alpha=0.5, beta=0.75, bias=1.0)
+    proto = make_model([node], [vi("x", F32, [2, 6, 4, 4])], [vi("y", F32, [2, 6, 4, 4])])
+    x = np.random.default_rng(4).standard_normal((2, 6, 4, 4)).astype(np.float32) * 3
+    model = from_onnx(proto)
+    (want,) = run_ort(proto, {"x": x})
+    assert_close(want, interpret(model, [x])[0], "f32", reduction_length(model))

@@ -393,3 +393,20 @@ def test_cli_quantize_bad_calibration_file_is_one_paragraph_and_writes_nothing(t
                           capsys)
     assert code == 2 and "Traceback" not in err and "has no array for input(s)" in err
     assert not list(tmp_path.glob("q.*"))
+
+
+@settings(max_examples=60, deadline=None)
+@given(lo=st.floats(-1e3, 0.0, allow_subnormal=False), hi=st.floats(0.0, 1e3, allow_subnormal=False))
+def test_an_asymmetric_activation_range_maps_its_ends_onto_the_ui8_range(lo, hi):
+    """Static asymmetric int8 activations are ui8 with a zero point: the range's ends (and 0) must
+    land in [0, 255] and come back within one step, as onnxruntime's static quantization maps them."""
+    from tilegraph.passes.quantize.observers import activation_params
+
+    if hi - lo < 1e-3:
+        return
+    scale, zp, storage = activation_params((lo, hi), "i8", symmetric=False)
+    assert storage == "ui8" and zp is not None
+    for x in (lo, 0.0, hi):
+        q = np.rint(np.float64(x) / float(scale)) + int(zp)
+        assert -0.5 <= q <= 255.5, (x, q)
+        assert abs((np.clip(q, 0, 255) - int(zp)) * float(scale) - x) <= float(scale), x

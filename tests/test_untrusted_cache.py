@@ -136,6 +136,28 @@ def test_an_edited_compile_cache_entry_is_compiled_afresh(cache, tmp_path):
     _check(tilegraph.compile(str(path), target="numpy"), path)
 
 
+def test_an_entry_whose_weights_were_edited_is_compiled_afresh(cache, tmp_path):
+    """The weights are half of an entry: valid arrays of the right names and shapes, other values,
+    under an untouched .mlir, must not change what the model computes. (64 x 64: large enough to
+    stay in the weight store rather than inline in the IR.)"""
+    path = tmp_path / "m.onnx"
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [w])
+    save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    tilegraph.compile(str(path), target="numpy")
+    (entry,) = (cache / "compiled").glob("*.weights.npz")
+    with np.load(entry) as stored:
+        arrays = {name: stored[name] for name in stored.files}
+    assert arrays["w"].shape == (64, 64), "the weight stayed in the weight store"
+    np.savez(entry, **{**arrays, "w": arrays["w"] + 1})  # a well-formed file, other values
+    x = np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32)
+    out = tilegraph.compile(str(path), target="numpy")(x)
+    want = interpret(tilegraph.import_model(str(path)), [x])[0]
+    assert_close(out if isinstance(out, np.ndarray) else out[0], want, "f32", 64)
+
+
 @pytest.mark.parametrize("how", ["group-writable", "world-writable", "another user's"])
 def test_an_entry_others_could_have_written_is_compiled_afresh_even_with_a_matching_digest(cache, tmp_path, how):
     """Digests catch damage; who could write an entry is what says it is ours: one that is
