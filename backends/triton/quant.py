@@ -31,9 +31,9 @@ Why weight-only MXFP4 does not go through tl.dot_scaled: its operand formats are
 e4m3, e5m2, bf16 and fp16, so an fp32 activation would be rounded to bf16 first, a
 quantization the IR does not say (a weight-only scheme keeps activations float). For bf16
 activations no target multiplies bf16 x e2m1 natively (sm_90 and sm_100 both upcast the
-weight to bf16 first, as the decoded path does), and on an H100 with Triton 3.6 dot_scaled
-with an unscaled bf16 operand returned wrong products (relative error ~1 against the
-interpreter, where decoding the tile in registers agreed to bf16 rounding).
+weight to bf16 first, as the decoded path does), and Triton 3.6's dot_scaled with an
+unscaled bf16 operand returned wrong products on sm_90 where decoding the tile in registers
+agreed with the interpreter (benchmarks/triton_gpu_log.md).
 
 Numerics, against the float64 interpreter of the quantized module: integer accumulators
 are exact (int8 x int8 products summed in int32, as tg.matmul_integer); fp8 and MX
