@@ -701,3 +701,30 @@ def test_a_long_sequence_with_many_heads_gets_ulysses_sequence_parallelism():
                                            lambda n: [s.name for s in n.strategies].index(next(names))))
     assert partition(annotated).model.text.count("shard.all_to_all") == 4
     _check_on_mesh(small, annotated, random_inputs(small, seed=4), {})
+
+
+@st.composite
+def _specs_pair(draw):
+    """Two shardings of one rank-3 value over mesh axes 0-2: each axis on at most one dim, a
+    dim split over several axes in the order given (major first)."""
+    def spec():
+        axes = draw(st.permutations([0, 1, 2]))
+        used = axes[:draw(st.integers(0, 3))]
+        dims = [draw(st.integers(0, 2)) for _ in used]
+        return tuple(tuple(a for a, d in zip(used, dims) if d == dim) for dim in range(3))
+    return spec(), spec()
+
+
+@settings(max_examples=200, deadline=None)
+@given(_specs_pair())
+def test_the_resharding_steps_arrive_at_the_target_sharding(pair):
+    """Whatever the two shardings, the collectives reshard_steps chooses, applied in order, give
+    exactly the target, the order of the axes splitting one dim included (which is major
+    decides which device holds which slice)."""
+    from tilegraph.passes.shard_strategies import apply_step, reshard_steps
+
+    src, dst = pair
+    spec = src
+    for step in reshard_steps(src, dst):
+        spec = apply_step(spec, step)
+    assert spec == dst, (src, dst, reshard_steps(src, dst))
