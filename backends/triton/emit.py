@@ -46,7 +46,7 @@ from tilegraph.backends.program import (PYTHON_RESERVED, Namer, array_literal, f
                               signature_rows, str_literal, tuple_lines)
 from tilegraph.backends.triton.lowering import DECOMPOSED, TORCH_LAYOUT
 from tilegraph.backends.triton.group_kernels import (AXIS_OPS, INDENT, TORCH_TYPES, KernelCode, KernelWriter, RowsTooWide,
-                                                    Unsupported, needs_whole_rows)
+                                                    Unsupported, needs_whole_rows, triton_next_power_of_2)
 from tilegraph.backends.triton.quant import QuantKernelWriter, group_quantized
 
 # What a symbolic dim is taken to be for an ahead-of-time build (passes/cost/model.py prices
@@ -403,7 +403,7 @@ class _Emitter:
         import math
 
         env = {"cfg": cfg, "max": max, "min": min, "int": int,
-               "triton": _Sizes(next_power_of_2=lambda n: 1 << max(0, (int(n) - 1).bit_length()),
+               "triton": _Sizes(next_power_of_2=lambda n: triton_next_power_of_2(int(n)),
                                 cdiv=lambda a, b: -(-a // b))}
         env |= {var: NOMINAL_DIM for var, _, _ in self.symbols.values()}
         return env | {f: getattr(math, f) for f in ("floor", "ceil")}
