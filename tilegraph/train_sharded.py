@@ -67,6 +67,9 @@ def cpu_mesh(shape: tuple[int, ...], alpha: float, beta: float):
 
 def layout(strategy: str) -> Callable:
     """The strategy names (passes/shard.py `only`) each node may take under `strategy`."""
+    from tilegraph.ir.dialect import TgOp
+    from tilegraph.ir.ops import Op
+
     if strategy == "zero3":
         def only(node):
             op = node.op
@@ -79,19 +82,28 @@ def layout(strategy: str) -> Callable:
             return {want} if want in names else None
         return only
     if strategy == "tensor":
+        column, row = (".qkv.weight", ".qkv.bias", ".fc.weight", ".fc.bias"), (".proj.weight", ".out.weight")
+
         def only(node):  # Megatron: column-split qkv and fc (and their biases), row-split proj and out
             op = node.op
             if op is None:
                 return {"R"}
             if op.op_name == "weight":
-                name = node.label
-                if name.endswith((".qkv.weight", ".qkv.bias", ".fc.weight", ".fc.bias")):
-                    return {"d0@0"}
-                if name.endswith((".proj.weight", ".out.weight")):
-                    return {"d1@0"}
-                return {"R"}
+                return {"d0@0"} if node.label.endswith(column) else {"d1@0"} if node.label.endswith(row) else {"R"}
+            w = _weight_behind(op)
+            if op.op_name == "transpose" and w:  # the (out, in) weight as (in, out): its split follows
+                return {"d1@0"} if w.endswith(column) else {"d0@0"} if w.endswith(row) else {"R"}
+            if op.op_name == "matmul" and w:  # columns: no collective; rows: partial sums all-reduced
+                return {"n@0"} if w.endswith(column) else {"k@0"} if w.endswith(row) else None
             if op.op_name == "attention":
                 return {"d1@0"}  # heads
+            # the column-split qkv's bias, its split into q, k and v and their view as heads stay split
+            # (Megatron holds each rank's heads of q, k and v: a fused qkv is sliced by heads)
+            names = {st.name for st in node.strategies}
+            if "d2@0" in names and (op.op_name == Op.split or (op.op_name == Op.add and w.endswith(column)) or (
+                    op.op_name == Op.reshape and isinstance(op.operands[0].owner, TgOp)
+                    and op.operands[0].owner.op_name == Op.split)):
+                return {"d2@0"}
             return None
         return only
     if strategy == "pipeline":
@@ -106,6 +118,20 @@ def layout(strategy: str) -> Callable:
             return {want} if want in names else None
         return only
     raise ShardedTrainError(f"unknown strategy '{strategy}': {', '.join(STRATEGIES)}")
+
+
+def _weight_behind(op) -> str:
+    """The name of the weight `op` reads through views (a Linear's transposed weight), or ''."""
+    from tilegraph.ir.dialect import TgOp
+    from tilegraph.ir.ops import Op
+
+    for v in op.operands:
+        o = v.owner
+        while isinstance(o, TgOp) and o.op_name in (Op.transpose, Op.reshape):
+            o = o.operands[0].owner
+        if isinstance(o, TgOp) and o.op_name == Op.weight:
+            return o.attr("name")
+    return ""
 
 
 def plan_for(model: Model, strategy: str, world: int, alpha: float, beta: float, batch: int,
