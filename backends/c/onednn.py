@@ -6,7 +6,7 @@ import sympy
 from xdsl.ir import SSAValue
 
 from tilegraph.backends.c.tables import DNNL_BINARY, DNNL_ELTWISE, DNNL_TYPES, KNOWN, SMALL_GEMM
-from tilegraph.backends.c.views import (EmitterParts, Unsupported, View, _describe, _eq, _is_one, _only_use,
+from tilegraph.backends.c.views import (EmitterParts, Unsupported, View, lowers, _describe, _eq, _is_one, _only_use,
                                         _plain_strides, _row_stride, channels_last_strides)
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.shapes import TensorInfo, info_of, numel
@@ -177,6 +177,11 @@ class OneDNN(EmitterParts):
         except Unsupported:
             return False
 
+    @lowers(Op.matmul, Op.conv)
+    def gemm_alone(self, op: TgOp, xs: list[View]) -> View:
+        """A GEMM or convolution outside a group: no epilogue to fuse."""
+        return (self.matmul(op, xs[0], xs[1], [], {}) if op.op_name == Op.matmul else self.conv(op, xs, [], {}))[0]
+
     def matmul(self, op: TgOp, a: View, b: View, chain: list[TgOp], env: dict,
                scales: View | None = None) -> tuple[View, int]:
         """A GEMM on oneDNN: f32, or integer (a i8/ui8, b i8) into i32, or into f32 times
@@ -313,8 +318,6 @@ class OneDNN(EmitterParts):
         strides = list(op.attr("strides") or [1] * sp)
         dil = list(op.attr("dilations") or [1] * sp)
         pads = list(op.attr("pads") or [0] * (2 * sp))
-        if op in self.padding_convs:
-            pads = [a + b for a, b in zip(pads, self.padding_convs[op][1])]
         if groups > 1:
             o, i = w.shape[0], w.shape[1]
             wd = (groups, sympy.sympify(o) / groups) + (i,) + tuple(w.shape[2:])
