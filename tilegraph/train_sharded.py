@@ -251,6 +251,21 @@ def _compile_segment(seg: Segment, target: str, pipeline: Any, options: dict) ->
     return _Compiled(seg, forward, backward, floats)
 
 
+def _all_reduce_arrays(arrays: list, group: Any = None) -> list[np.ndarray]:
+    """`arrays` summed over the group's ranks, packed into one collective (gloo's per-call cost
+    dominates small tensors)."""
+    import torch
+    import torch.distributed as dist
+
+    packed = torch.from_numpy(np.concatenate([np.ravel(a) for a in arrays]))
+    dist.all_reduce(packed, group=group)
+    flat, at, out = packed.numpy(), 0, []
+    for a in arrays:
+        out.append(flat[at:at + a.size].reshape(a.shape))
+        at += a.size
+    return out
+
+
 class ShardedStep:
     """One rank's training step under a plan (see the module docstring)."""
 
@@ -392,9 +407,7 @@ class ShardedStep:
 
     def _run_backward(self, c: _Compiled, env: dict, cot: dict, scale: float, grads: dict):
         """One segment's vjp: adds its weights' gradients into `grads`, returns {input name: cotangent}
-        and the loss (loss segment) ."""
-        import torch
-        import torch.distributed as dist
+        and the loss (loss segment)."""
 
         local = {k: self.weights[g] for k, g in c.seg.params.items()}
         names = c.backward.model.input_names
@@ -410,12 +423,7 @@ class ShardedStep:
         loss = float(outs[0]) if c.seg.loss else None
         g_inputs = [np.asarray(g) * scale if c.seg.loss else np.asarray(g) for g in outs[n_out:n_out + len(c.float_inputs)]]
         if c.seg.partial and self.tp > 1 and g_inputs:  # Megatron's f: the input's gradient summed over the group
-            packed = torch.from_numpy(np.concatenate([g.ravel() for g in g_inputs]))
-            dist.all_reduce(packed)
-            flat, at = packed.numpy(), 0
-            for i, g in enumerate(g_inputs):
-                g_inputs[i] = flat[at:at + g.size].reshape(g.shape)
-                at += g.size
+            g_inputs = _all_reduce_arrays(g_inputs)
         for k, g in zip(c.seg.params, outs[n_out + len(c.float_inputs):]):
             g = np.asarray(g) * scale if c.seg.loss else np.asarray(g)
             name = c.seg.params[k]
@@ -449,12 +457,7 @@ class ShardedStep:
                     continue  # its forward runs inside its backward (value_and_grad)
                 outs = self._run_forward(c, env)
                 if c.seg.partial and self.tp > 1:
-                    packed = torch.from_numpy(np.concatenate([o.ravel() for o in outs]))
-                    dist.all_reduce(packed)
-                    flat, at = packed.numpy(), 0
-                    for i, o in enumerate(outs):
-                        outs[i] = flat[at:at + o.size].reshape(o.shape)
-                        at += o.size
+                    outs = _all_reduce_arrays(outs)
                 env.update(zip(c.seg.outputs, outs))
             if self.strategy == "pipeline" and self.stage == 0:
                 dist.send(torch.from_numpy(np.ascontiguousarray(env[self.compiled[-1].seg.outputs[0]])), dst=peer)
@@ -479,12 +482,8 @@ class ShardedStep:
             # the loss lives on the last stage; replicas of a stage average their gradients
             if self.dp > 1:
                 names = sorted(grads)
-                packed = torch.from_numpy(np.concatenate([grads[k].ravel() for k in names]))
-                dist.all_reduce(packed, group=self.stage_group)
-                flat, at = packed.numpy() / self.dp, 0
-                for k in names:
-                    grads[k] = flat[at:at + grads[k].size].reshape(grads[k].shape)
-                    at += grads[k].size
+                summed = _all_reduce_arrays([grads[k] for k in names], group=self.stage_group)
+                grads = {k: g / self.dp for k, g in zip(names, summed)}
             t = torch.tensor([total if self.stage == 1 else 0.0], dtype=torch.float64)
             dist.all_reduce(t)
             total = float(t.item()) / self.dp
