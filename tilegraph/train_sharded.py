@@ -76,9 +76,9 @@ def layout(strategy: str) -> Callable:
             names = {s.name for s in node.strategies}
             if op is None:
                 return {"d0@0"}
-            if op.op_name == "weight":  # stored split by its first dim, gathered where used (ZeRO-3)
+            if op.op_name == Op.weight:  # stored split by its first dim, gathered where used (ZeRO-3)
                 return {"d0@0"} if "d0@0" in names else {"R"}
-            want = {"matmul": "b0@0", "attention": "d0@0", "gather": "d0@0"}.get(op.op_name)
+            want = {Op.matmul: "b0@0", Op.attention: "d0@0", Op.gather: "d0@0"}.get(op.op_name)
             return {want} if want in names else None
         return only
     if strategy == "tensor":
@@ -88,14 +88,14 @@ def layout(strategy: str) -> Callable:
             op = node.op
             if op is None:
                 return {"R"}
-            if op.op_name == "weight":
+            if op.op_name == Op.weight:
                 return {"d0@0"} if node.label.endswith(column) else {"d1@0"} if node.label.endswith(row) else {"R"}
             w = _weight_behind(op)
-            if op.op_name == "transpose" and w:  # the (out, in) weight as (in, out): its split follows
+            if op.op_name == Op.transpose and w:  # the (out, in) weight as (in, out): its split follows
                 return {"d1@0"} if w.endswith(column) else {"d0@0"} if w.endswith(row) else {"R"}
-            if op.op_name == "matmul" and w:  # columns: no collective; rows: partial sums all-reduced
+            if op.op_name == Op.matmul and w:  # columns: no collective; rows: partial sums all-reduced
                 return {"n@0"} if w.endswith(column) else {"k@0"} if w.endswith(row) else None
-            if op.op_name == "attention":
+            if op.op_name == Op.attention:
                 return {"d1@0"}  # heads
             # the column-split qkv's bias, its split into q, k and v and their view as heads stay split
             # (Megatron holds each rank's heads of q, k and v: a fused qkv is sliced by heads)
@@ -112,9 +112,9 @@ def layout(strategy: str) -> Callable:
             names = {s.name for s in node.strategies}
             if op is None:
                 return {"d0@0"} if "d0@0" in names else {"R"}
-            if op.op_name == "weight":
+            if op.op_name == Op.weight:
                 return {"R"}
-            want = {"matmul": "b0@0", "attention": "d0@0", "gather": "d0@0"}.get(op.op_name)
+            want = {Op.matmul: "b0@0", Op.attention: "d0@0", Op.gather: "d0@0"}.get(op.op_name)
             return {want} if want in names else None
         return only
     raise ShardedTrainError(f"unknown strategy '{strategy}': {', '.join(STRATEGIES)}")
@@ -151,9 +151,11 @@ def plan_for(model: Model, strategy: str, world: int, alpha: float, beta: float,
 
 def stored_splits(plan) -> dict[str, int]:
     """weight name -> the dim the plan stores it split on over mesh axis 0 (weights it replicates: absent)."""
+    from tilegraph.ir.ops import Op
+
     out = {}
     for c in plan.choices:
-        if c.node.op is not None and c.node.op.op_name == "weight":
+        if c.node.op is not None and c.node.op.op_name == Op.weight:
             dims = [d for d, axes in enumerate(c.strategy.out) if 0 in axes]
             if dims:
                 out[c.node.label] = dims[0]
