@@ -399,8 +399,8 @@ def _conv_of(parts: list[Step]) -> tuple | None:
     convs = [p for p in parts if p.conv is not None]
     if len(convs) != 1:
         return None
-    k, x, out, alone = convs[0].conv  # type: ignore[misc]
+    k, x, out, alone, depthwise = convs[0].conv  # type: ignore[misc]
     touched = set().union(*(p.reads | p.writes for p in parts if p is not convs[0]))
     if out.buf in touched:
         return None
-    return k, x, out, alone and x.buf not in touched
+    return k, x, out, alone and x.buf not in touched, depthwise

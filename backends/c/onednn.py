@@ -351,7 +351,8 @@ class OneDNN(EmitterParts):
                  f"{self.ptr(bias) if bias is not None else 'NULL'}, {self.ptr(out, False)}, post)) return 1;", "}"]
         self._step(_describe(op), lines, [x, w, *([bias] if bias is not None else []), *post_views], [out], state)
         others = [w, *([bias] if bias is not None else []), *post_views]
-        self.steps[-1].conv = (k, x, out, all(v.buf != x.buf for v in others))
+        depthwise = groups > 1 and _eq(wd[1], 1) and _eq(wd[2], 1)
+        self.steps[-1].conv = (k, x, out, all(v.buf != x.buf for v in others), depthwise)
         return out, covered
 
 
@@ -379,7 +380,7 @@ def chain_convolutions(steps: list, buffers: list, outputs: list[View]) -> int:
     for step in steps:
         if step.conv is None:
             continue
-        k, _, out, _ = step.conv
+        k, out = step.conv[0], step.conv[2]
         b = out.buf
         reads = readers.get(b, [])
         if buffers[b].kind != "temp" or b in kept or writers.get(b) != 1 or not reads:
@@ -388,7 +389,8 @@ def chain_convolutions(steps: list, buffers: list, outputs: list[View]) -> int:
                    (r.conv[1].offset, r.conv[1].shape, r.conv[1].strides) == (out.offset, out.shape, out.strides)
                    for r in reads):
             continue
-        step.state = [line.replace(_CHAIN_OUT, "1") for line in step.state]
+        # 2: a reader computes in f32 (a depthwise convolution at bf16, runtime.c): an f32 result
+        step.state = [line.replace(_CHAIN_OUT, "2" if any(r.conv[4] for r in reads) else "1") for line in step.state]
         for r in reads:
             r.state = [line.replace(_FROM, f"&st->prim[{k}]") for line in r.state]
         chained += 1

@@ -564,15 +564,15 @@ static int tg_chain_ok(const tg_prim *g, int chain_out, size_t capacity) {
         return 0;
     dnnl_memory_desc_query(out, dnnl_query_data_type, &dt);
     dnnl_memory_desc_query(wmd, dnnl_query_data_type, &wt);
-    return tg_fpmath == dnnl_fpmath_mode_bf16 ? dt == dnnl_bf16 && wt == dnnl_bf16 : dt == dnnl_f32;
+    return tg_fpmath == dnnl_fpmath_mode_bf16 && chain_out != 2 ? dt == dnnl_bf16 && wt == dnnl_bf16 : dt == dnnl_f32;
 }
 
 /* w_dims/w_str: OI<spatial> (groups == 1) or GOI<spatial>; dilations in torch's
  * convention (1 = dense), oneDNN's is one less.
  *
  * Chaining: `from` is the convolution that wrote this one's source, when the emitter found
- * that only convolutions read that buffer (emit.py, _chain_convolutions), and `chain_out`
- * says the same of this one's result. Such a buffer holds what its producer's kernel
+ * that only convolutions read that buffer (onednn.py, chain_convolutions), and `chain_out`
+ * says the same of this one's result (2: some reader computes in f32, a depthwise one). Such a buffer holds what its producer's kernel
  * writes as it lies: at bf16 its bf16 result (no conversion to f32 and back between the
  * two), at f32 the layout oneDNN prefers (format `any`; channels-last on the processors
  * oneDNN 3.2 has brgemm kernels for). Where the chained form gets no fast kernel, or the
@@ -586,6 +586,11 @@ int tg_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_s
     tg_conv_ctx ctx;
     int sp = nd - 2, rc = 1;
     if (tg_runtime_init()) return 1;
+    /* At precision bf16 a depthwise convolution stays f32: oneDNN 3.2 has no AMX kernel for
+     * it, and its AVX-512 BF16 one (brdgmm_dw:avx512_core_bf16) took about twice the f32
+     * kernel's time on every depthwise shape of MobileNetV2 and EfficientNet-B0. */
+    dnnl_fpmath_mode_t precision = tg_fpmath;
+    if (w_nd == nd + 1 && w_dims[1] == 1 && w_dims[2] == 1) tg_fpmath = dnnl_fpmath_mode_strict;
     dnnl_memory_desc_t plain_x = tg_md(nd, x_dims, x_str, dnnl_f32), plain_y = tg_md(nd, y_dims, y_str, dnnl_f32);
     dnnl_memory_desc_t wei = tg_md(w_nd, w_dims, w_str, dnnl_f32), chain_y = NULL;
     ctx.bias = NULL;
@@ -599,8 +604,10 @@ int tg_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_s
         ctx.pad_l[i] = pads[i];
         ctx.pad_r[i] = pads[i + sp];
     }
-    if (!plain_x || !plain_y || !wei || (has_bias && !ctx.bias))
+    if (!plain_x || !plain_y || !wei || (has_bias && !ctx.bias)) {
+        tg_fpmath = precision;
         TG_FAIL("oneDNN rejected a convolution operand's layout");
+    }
     g->has_bias = has_bias;
     const_dnnl_memory_desc_t chained = from ? tg_out_md(from) : NULL;
     if (chained) { /* (the producer's result has this source's dims, or it is not taken as chained) */
@@ -614,13 +621,13 @@ int tg_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_s
     if (chain_out) {
         size_t numel = 1;
         for (int i = 0; i < nd; i++) numel *= (size_t)y_dims[i];
-        chain_y = tg_fpmath == dnnl_fpmath_mode_bf16 ? tg_md(nd, y_dims, y_str, dnnl_bf16)
-                                                     : tg_md_any(nd, y_dims, dnnl_f32);
+        chain_y = tg_fpmath == dnnl_fpmath_mode_bf16 && chain_out != 2 ? tg_md(nd, y_dims, y_str, dnnl_bf16)
+                                                                       : tg_md_any(nd, y_dims, dnnl_f32);
         ctx.src = (dnnl_memory_desc_t)(chained ? chained : plain_x);
         ctx.dst = chain_y;
         if (chain_y) rc = tg_prim_create(g, tg_conv_pd, &ctx, sizeof ctx, wei, weight, pack, npost, posts, w_nd,
                                          w_dims, 0);
-        if (!rc && !tg_chain_ok(g, 1, numel * sizeof(float))) rc = 1;
+        if (!rc && !tg_chain_ok(g, chain_out, numel * sizeof(float))) rc = 1;
     } else if (chained && !dnnl_memory_desc_equal(chained, plain_x)) {
         ctx.src = (dnnl_memory_desc_t)chained;
         ctx.dst = plain_y;
@@ -635,11 +642,14 @@ int tg_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_s
         rc = tg_prim_create(g, tg_conv_pd, &ctx, sizeof ctx, wei, weight, pack, npost, posts, w_nd, w_dims, 0);
         if (!rc && chained && !dnnl_memory_desc_equal(chained, plain_x)) {
             rc = tg_reorder_step(&g->re_in, &g->in_from, &g->tmp_in, chained, plain_x, 1);
-            if (!rc && dnnl_memory_create(&g->in_to, plain_x, tg_engine, DNNL_MEMORY_NONE) != dnnl_success)
-                TG_FAIL("oneDNN memory_create failed");
+            if (!rc && dnnl_memory_create(&g->in_to, plain_x, tg_engine, DNNL_MEMORY_NONE) != dnnl_success) {
+                snprintf(tg_err, sizeof tg_err, "oneDNN memory_create failed");
+                rc = 1;
+            }
         }
     }
     if (!rc) tg_log_prim(g, ctx.src);
+    tg_fpmath = precision;
     dnnl_memory_desc_destroy(plain_x);
     dnnl_memory_desc_destroy(plain_y);
     if (chain_y) dnnl_memory_desc_destroy(chain_y);
