@@ -69,6 +69,10 @@ class Step:
     writes: set[int] = field(default_factory=set)
     state: list[str] = field(default_factory=list)  # per-binding primitive setup lines
     once: bool = False  # a host op of weights and constants only: run once, before the kernels are set up
+    # A convolution step on its own: (its primitive's index, its source, its result, whether
+    # the source's buffer is read as nothing else, whether it is depthwise): what
+    # onednn.chain_convolutions reads.
+    conv: tuple[int, Any, Any, bool, bool] | None = None
 
 
 def contiguous_strides(shape: Sequence[Dim]) -> tuple:
