@@ -305,6 +305,20 @@ class _DecoderImporter(_Importer):
         return g.build(logits, *caches, chosen, names=result_names + ["next"], aliases=aliases)
 
 
+@dataclass(frozen=True)
+class DecoderConfig:
+    """What tilegraph.generation.LanguageModel reads of a model (LlamaConfig's names)."""
+
+    arch: str
+    layers: int
+    hidden: int  # the attention's width, heads x head_dim
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    context: int = 1 << 20  # the file does not say: the caller's cache_len bounds it
+
+
 class OnnxDecoder:
     """A decoder-with-past ONNX file, loaded and planned once: `build` imports it for a batch size
     and a step count (an int, or a symbol name for prefill) over caches of `cache_len` positions."""
@@ -322,6 +336,20 @@ class OnnxDecoder:
                                if n.output[0] not in self.plan.writes and n.output[0] not in self.plan.attentions)
         check_supported(kept)
         self.arrays: dict[str, np.ndarray] = {}
+
+    def config(self) -> DecoderConfig:
+        """The sizes generation needs, from one import of a one-token step."""
+        from tilegraph.ir.model import info_of
+        from tilegraph.ir.ops import Op
+
+        model = self.build(1, 1, 1)
+        vocab = model.outputs[0].shape[-1]
+        attention = next(op for op in model.ops() if getattr(op, "op_name", None) == Op.cache_attention)
+        heads = info_of(attention.operands[0].type).shape[1]
+        p = self.plan
+        if not isinstance(vocab, int) or not isinstance(heads, int):
+            raise KVCacheError(f"the logits' vocabulary ({vocab}) and the query heads ({heads}) must be fixed")
+        return DecoderConfig("onnx", p.layers, heads * p.head_dim, heads, p.kv_heads, p.head_dim, vocab)
 
     def build(self, batch: int, steps: int | str, cache_len: int, cache_dtype: str = "f32",
               sampling: dict | None = None) -> Model:

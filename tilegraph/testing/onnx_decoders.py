@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+EAGER: dict[str, Any] = {"attn_implementation": "eager"}  # MatMul/Softmax attention, optimum's export
 TINY = {"vocab": 256, "hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "ffn": 128, "positions": 256}
 
 
@@ -26,16 +27,17 @@ def make_model(arch: str = "llama", seed: int = 0, **sizes: Any):
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     s = {**TINY, **sizes}
+    config: Any
+    model: Any
     torch.manual_seed(seed)
     if arch == "llama":
         config = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["ffn"],
                              num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
-                             num_key_value_heads=s["kv_heads"], max_position_embeddings=s["positions"],
-                             attn_implementation="eager")
+                             num_key_value_heads=s["kv_heads"], max_position_embeddings=s["positions"], **EAGER)
         model = LlamaForCausalLM(config)
     elif arch == "gpt2":
         config = GPT2Config(vocab_size=s["vocab"], n_embd=s["hidden"], n_layer=s["layers"], n_head=s["heads"],
-                            n_positions=s["positions"], attn_implementation="eager")
+                            n_positions=s["positions"], **EAGER)
         model = GPT2LMHeadModel(config)
     else:
         raise ValueError(f"arch '{arch}': 'llama' or 'gpt2'")
