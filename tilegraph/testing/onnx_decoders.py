@@ -123,3 +123,29 @@ def run_onnxruntime(session, prompt: list[int], new_tokens: int, on_logits=None)
         kv = {n: outs["present." + n[len("past_key_values."):]] for n in past_names}
         ids = np.array([[token]], np.int64)
     return made
+
+
+def byte_tokenizer(vocab: int):
+    """A byte-level BPE tokenizer (transformers' PreTrainedTokenizerFast) of GPT-2's 256 byte tokens
+    and no merges, ids past 256 unused: what a model from config with random weights reads."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tilegraph.testing.gguf_files import _byte_tokens
+
+    if vocab < 256:
+        raise ValueError(f"a byte-level vocabulary needs 256 ids, not {vocab}")
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(_byte_tokens())}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=_byte_tokens()[0])
+
+
+def write_hf_folder(folder: str | Path, arch: str = "llama", seed: int = 0, **sizes: Any):
+    """make_model(arch, seed, **sizes) saved as a transformers folder (config.json, safetensors, the
+    byte tokenizer): what onnxruntime-genai's model builder reads. Returns the model."""
+    model = make_model(arch, seed, **sizes)
+    model.generation_config.eos_token_id = model.config.eos_token_id = 0
+    model.save_pretrained(str(folder))
+    byte_tokenizer(model.config.vocab_size).save_pretrained(str(folder))
+    return model
