@@ -7,7 +7,8 @@ present.N.* = Concat(past, new) out), tilegraph against onnxruntime on the very 
   past: a new, longer cache per step);
 - onnxruntime-genai (if installed with its model builder's dependency onnx-ir): its builder's
   GroupQueryAttention file of the same weights (a transformers folder written from the same model),
-  its own generator with past and present sharing one buffer.
+  its own generator with past and present sharing one buffer; beside it tilegraph on that same
+  file ("tilegraph gqa": the fused attention rewritten into the same cache ops).
 
 The model: a transformers Llama from config with random weights (default ~40M parameters: hidden
 512, 8 layers, 8 heads / 4 K/V heads, MLP 1536, vocabulary 16000), exported with torch.onnx's
@@ -159,16 +160,20 @@ def main() -> int:
         opts.intra_op_num_threads = n_threads
         opts.inter_op_num_threads = 1
         session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-        genai = None
+        genai, lm_gqa = None, None
         if og is not None:
             gfolder = genai_folder(folder / "hf", folder / "genai", n_threads)
             genai = og.Model(str(gfolder)) if gfolder else None
+            if gfolder:  # tilegraph on the builder's GroupQueryAttention file too
+                lm_gqa = tilegraph.LanguageModel(gfolder / "model.onnx", target="c", threads=n_threads,
+                                                 cache_len=max(depths) + args.steps + 8)
         for depth in depths:
             prompt = [int(t) for t in rng.integers(1, args.vocab, depth)]
             runners = {"tilegraph": tilegraph_runner(lm, prompt, args.steps),
                        "onnxruntime": ort_runner(session, prompt, args.steps)}
-            if genai is not None:
+            if genai is not None and lm_gqa is not None:
                 with_genai = True
+                runners["tilegraph gqa"] = tilegraph_runner(lm_gqa, prompt, args.steps)
                 runners["onnxruntime-genai"] = genai_runner(og, genai, prompt, args.steps)
             made = {name: run()[1] for name, run in runners.items()}  # warm-up, and the tokens
             same = {name: tokens == made["onnxruntime"] for name, tokens in made.items()}
@@ -182,15 +187,16 @@ def main() -> int:
             ratio = statistics.median(a / b for a, b in zip(samples["tilegraph"], samples["onnxruntime"]))
             row = [n_threads, f"tg{args.steps}@d{depth}", f"{med['tilegraph']:.1f}", f"{med['onnxruntime']:.1f}",
                    f"{ratio:.2f}x"]
-            if genai is not None:
-                g_ratio = statistics.median(a / b for a, b in zip(samples["tilegraph"], samples["onnxruntime-genai"]))
-                row += [f"{med['onnxruntime-genai']:.1f}", f"{g_ratio:.2f}x"]
+            if "onnxruntime-genai" in runners:
+                g_ratio = statistics.median(a / b for a, b in zip(samples["tilegraph gqa"],
+                                                                  samples["onnxruntime-genai"]))
+                row += [f"{med['tilegraph gqa']:.1f}", f"{med['onnxruntime-genai']:.1f}", f"{g_ratio:.2f}x"]
             row.append(", ".join(name for name, ok in same.items() if not ok) or "all same")
             rows.append(row)
             print(f"  threads {n_threads}, depth {depth}: {row} (load {os.getloadavg()[0]:.2f})", flush=True)
     header = ["threads", "test", "tilegraph tok/s", "onnxruntime tok/s", "tg / ort"]
     if with_genai:
-        header += ["ort-genai tok/s", "tg / genai"]
+        header += ["tilegraph gqa tok/s", "ort-genai tok/s", "tg gqa / genai"]
     print(format_table(header + ["greedy tokens vs onnxruntime"], rows))
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     return 0

@@ -70,6 +70,8 @@ class DecoderPlan:
     past: list[tuple[str, str]]  # per layer: the key and value graph inputs
     writes: dict[str, tuple[int, int, str]]  # present value -> (layer, 0 key / 1 value, the new rows' value)
     attentions: dict[str, Attention]  # by output value
+    presents: dict[tuple[int, int], str]  # (layer, 0 key / 1 value) -> the present graph output
+    fused: dict[str, tuple[int, object]] = field(default_factory=dict)  # GroupQueryAttention nodes: output 0 -> (layer, node)
     live: list = field(default_factory=list)  # the nodes to convert, in the file's order
     logits: str = "logits"
 
@@ -137,16 +139,30 @@ def plan_decoder(proto) -> DecoderPlan:
 
     shapes, dtypes_ = set(), set()
     writes: dict[str, tuple[int, int, str]] = {}
+    presents: dict[tuple[int, int], str] = {}
+    fused: dict[str, tuple[int, object]] = {}
     for layer, kv in past.items():
         for kind, name in kv.items():
             tt = inputs[name].type.tensor_type
             dims = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim]
+            users = consumers.get(name, [])
+            gqa = [n for n in users if (n.domain, n.op_type) == ("com.microsoft", "GroupQueryAttention")]
+            if gqa and len(dims) == 4 and dims[3] is None:  # onnxruntime-genai's kv_cache_dim: the rotary table's
+                dims[3] = _gqa_head_dim(gqa[0], constant)
             if len(dims) != 4 or dims[1] is None or dims[3] is None:
                 raise KVCacheError(f"graph input '{name}' must be [batch, kv_heads, past, head_dim] with kv_heads "
                                    f"and head_dim fixed; it is declared {dims}")
             shapes.add((dims[1], dims[3]))
             dtypes_.add(tt.elem_type)
-            users = consumers.get(name, [])
+            if gqa:  # onnxruntime-genai's fused attention reads the past and makes the present itself
+                node = gqa[0]
+                if len(gqa) != 1 or len(node.input) <= 4 or node.input[3 + kind] != name \
+                        or len(node.output) < 3 or node.output[1 + kind] not in outputs:
+                    raise KVCacheError(f"GroupQueryAttention '{node.name}' takes '{name}' other than as its past "
+                                       f"{KINDS[kind]} with its present a graph output")
+                presents[(layer, kind)] = node.output[1 + kind]
+                fused[node.output[0]] = (layer, node)
+                continue
             concats = [n for n in users if n.op_type == "Concat"]  # other readers (its Shape) must end up unused
             concat = concats[0] if len(concats) == 1 else None
             if concat is None or len(concat.input) != 2 or concat.input[0] != name \
@@ -156,10 +172,11 @@ def plan_decoder(proto) -> DecoderPlan:
             if concat.output[0] not in outputs:
                 raise KVCacheError(f"the Concat of '{name}' ('{concat.name}') is not a graph output (the present)")
             writes[concat.output[0]] = (layer, kind, concat.input[1])
+            presents[(layer, kind)] = concat.output[0]
     if len(shapes) != 1 or len(dtypes_) != 1:
         raise KVCacheError(f"the past inputs differ in kv_heads/head_dim {sorted(shapes)} or element type")
     (kv_heads, head_dim), = shapes
-    present = {(layer, kind): out for out, (layer, kind, _) in writes.items()}
+    present = presents
 
     def unrepeat(name: str) -> str:
         """The value a repeat_kv (Unsqueeze at axis 2 -> Expand -> Reshape) was applied to, else `name`."""
@@ -204,7 +221,9 @@ def plan_decoder(proto) -> DecoderPlan:
             raise KVCacheError(f"Softmax '{softmax.name}' over the scores of layer {key[0]}'s keys is not followed "
                                "by a MatMul with that layer's values")
         attentions[pv.output[0]] = Attention(key[0], pv.output[0], qk.input[0], scale)
-    missing = sorted(set(range(layers)) - {a.layer for a in attentions.values()})
+    for _, node in fused.values():
+        _check_gqa(node, kv_heads)
+    missing = sorted(set(range(layers)) - {a.layer for a in attentions.values()} - {f[0] for f in fused.values()})
     if missing:
         raise KVCacheError(f"no attention (MatMul(Q, K^T) -> Softmax -> MatMul(., V)) reads the cache of "
                            f"layer(s) {missing}")
@@ -222,10 +241,12 @@ def plan_decoder(proto) -> DecoderPlan:
         elif out in attentions:
             a = attentions[out]
             needed |= {a.q, present[(a.layer, 0)], present[(a.layer, 1)]}
+        elif out in fused:  # query, key, value, and the rotary tables
+            needed |= {i for k, i in enumerate(node.input) if i and k in (0, 1, 2, 7, 8)}
         else:
             needed |= _reads(node)
     live.reverse()
-    replaced = set(writes) | set(attentions)
+    replaced = set(writes) | set(attentions) | set(fused)
     for node in live:
         if node.output[0] in replaced:
             continue
@@ -234,7 +255,39 @@ def plan_decoder(proto) -> DecoderPlan:
             raise KVCacheError(f"node '{node.name}' ({node.op_type}) reads {sorted(bad)} beyond the cache write "
                                "and the attention (a past length or mask used elsewhere): not importable in place")
     return DecoderPlan(layers, kv_heads, head_dim, dtypes_.pop(), [(past[i][0], past[i][1]) for i in range(layers)],
-                       writes, attentions, live)
+                       writes, attentions, presents, fused, live)
+
+
+def _gqa_attrs(node) -> dict:
+    from onnx import helper
+
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _gqa_head_dim(node, constant) -> int | None:
+    """The head dim of a GroupQueryAttention whose past's last dim is a symbol: its rotary table's
+    width x 2 (the builder's rotary covers the whole head)."""
+    cos = constant(node.input[7]) if len(node.input) > 7 and node.input[7] else None
+    return int(cos.shape[1]) * 2 if cos is not None and cos.ndim == 2 and _gqa_attrs(node).get("do_rotary") else None
+
+
+def _check_gqa(node, kv_heads: int) -> None:
+    """What the rewrite of a GroupQueryAttention supports: causal attention over the cache, an
+    optional rotary embedding in rotate-half form; no window, softcap, sinks, bias or positions."""
+    a = _gqa_attrs(node)
+    extra = [i for k, i in enumerate(node.input) if k > 8 and i]
+    problems = [f"{name} = {a[name]}" for name, ok in (("local_window_size", lambda v: v in (-1, 0)),
+                                                        ("softcap", lambda v: v == 0),
+                                                        ("rotary_interleaved", lambda v: v == 0),
+                                                        ("smooth_softmax", lambda v: v in (0, -1)))
+                if name in a and not ok(a[name])]
+    if a.get("kv_num_heads") != kv_heads or not a.get("num_heads") or a["num_heads"] % kv_heads:
+        problems.append(f"num_heads {a.get('num_heads')} over kv_num_heads {a.get('kv_num_heads')} (the past has "
+                        f"{kv_heads})")
+    if extra:
+        problems.append(f"inputs past sin_cache {extra}")
+    if problems:
+        raise KVCacheError(f"GroupQueryAttention '{node.name}': {'; '.join(problems)} is not supported in place")
 
 
 class _DecoderImporter(_Importer):
@@ -262,13 +315,48 @@ class _DecoderImporter(_Importer):
             self.env[name] = self.tokens
         elif name in self.caches:
             self.env[name] = self.caches[name]
-        elif name == "position_ids":  # pos_b + t, as the generation loop places the new tokens
-            where = g.op("add", g.reshape(self.pos, (B, 1)), g.op("iota", result=TensorInfo((1, T), "i64"), axis=1))
+        elif name == "position_ids":
+            where = self.positions()
             self.env[name] = where if dtype == "i64" else g.cast(where, dtype)
         # anything else (the attention mask) is read by no node that is still needed: left out
 
+    def positions(self) -> Tensor:
+        """[B, T] i64: pos_b + t, where the generation loop places the new tokens."""
+        g, B, T = self.g, self.batch, self.steps
+        if not hasattr(self, "_positions"):
+            self._positions = g.op("add", g.reshape(self.pos, (B, 1)),
+                                   g.op("iota", result=TensorInfo((1, T), "i64"), axis=1))
+        return self._positions
+
     def graph_nodes(self):
         return self.plan.live
+
+    def group_query_attention(self, layer: int, node) -> None:
+        """onnxruntime's fused attention: packed (or separate) Q/K/V [B, T, heads x D], the rotary
+        embedding at positions pos + t (rotate-half), the new K/V rows written into the cache at pos,
+        causal attention over it; output [B, T, heads x D]."""
+        g, B, T, D = self.g, self.batch, self.steps, self.plan.head_dim
+        a = _gqa_attrs(node)
+        H, Hkv = a["num_heads"], a["kv_num_heads"]
+        x = self.tensor(self.env[node.input[0]], node.input[0])
+        if len(node.input) > 2 and node.input[1] and node.input[2]:
+            q, k, v = x, self.tensor(self.env[node.input[1]]), self.tensor(self.env[node.input[2]])
+        else:
+            q, k, v = g.split(x, [H * D, Hkv * D, Hkv * D], axis=2)
+
+        def heads(t, n):
+            return g.transpose(g.reshape(t, (B, T, n, D)), (0, 2, 1, 3))
+        q, k, v = heads(q, H), heads(k, Hkv), heads(v, Hkv)
+        if a.get("do_rotary"):
+            cos, sin = (g.reshape(g.gather(self.tensor(self.env[node.input[i]], node.input[i]), self.positions()),
+                                  (B, 1, T, D // 2)) for i in (7, 8))
+            q, k = g.op("rope", q, cos, sin), g.op("rope", k, cos, sin)
+        store = {} if self.cache_dtype == "f32" else {"store": self.cache_dtype}
+        kc, vc = (g.op("cache_write", self.caches[self.plan.past[layer][i]], t, self.pos, **store)
+                  for i, t in ((0, k), (1, v)))
+        o = g.op("cache_attention", q, kc, vc, self.pos, scale=float(a.get("scale") or 1.0 / np.sqrt(D)))
+        self.env[node.output[0]] = g.reshape(g.transpose(o, (0, 2, 1, 3)), (B, T, H * D))
+        self.env[node.output[1]], self.env[node.output[2]] = kc, vc
 
     def convert(self, proto, depth: int = 0) -> None:
         out = proto.output[0] if proto.output else ""
@@ -280,9 +368,11 @@ class _DecoderImporter(_Importer):
             self.env[out] = self.g.op("cache_write", cache, self.tensor(self.env[new], new), self.pos, **store)
         elif depth == 0 and out in plan.attentions:
             a = plan.attentions[out]
-            k, v = (self.env[name] for name, (layer, _, _) in plan.writes.items() if layer == a.layer)
+            k, v = self.env[plan.presents[(a.layer, 0)]], self.env[plan.presents[(a.layer, 1)]]
             self.env[out] = self.g.op("cache_attention", self.tensor(self.env[a.q], a.q), k, v, self.pos,
                                       scale=a.scale)
+        elif depth == 0 and out in plan.fused:
+            self.group_query_attention(*plan.fused[out])
         else:
             super().convert(proto, depth)
 
@@ -294,8 +384,7 @@ class _DecoderImporter(_Importer):
             raise KVCacheError(f"logits {logits.info}: a decoder's logits are [batch, sequence, vocab]")
         vocab = logits.info.shape[-1]
         logits = g.gather(g.reshape(logits, (-1, vocab)), self.last)  # each sequence's row `last`
-        present = {(layer, kind): by_name[o] for o, (layer, kind, _) in plan.writes.items()}
-        caches = [present[(i, kind)] for i in range(plan.layers) for kind in (0, 1)]
+        caches = [by_name[plan.presents[(i, kind)]] for i in range(plan.layers) for kind in (0, 1)]
         result_names = ["logits"] + [f"present.{i}.{k}" for i in range(plan.layers) for k in KINDS]
         aliases = {plan.past[i][k]: f"present.{i}.{KINDS[k]}" for i in range(plan.layers) for k in (0, 1)}
         if self.sampling is None:
@@ -332,8 +421,8 @@ class OnnxDecoder:
         kept = ModelProto()  # the nodes still needed: those must all convert (GroupQueryAttention need not)
         kept.CopyFrom(self.proto)
         del kept.graph.node[:]
-        kept.graph.node.extend(n for n in self.plan.live
-                               if n.output[0] not in self.plan.writes and n.output[0] not in self.plan.attentions)
+        replaced = set(self.plan.writes) | set(self.plan.attentions) | set(self.plan.fused)
+        kept.graph.node.extend(n for n in self.plan.live if n.output[0] not in replaced)
         check_supported(kept)
         self.arrays: dict[str, np.ndarray] = {}
 
