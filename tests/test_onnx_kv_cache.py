@@ -20,7 +20,7 @@ from tilegraph.ir.interpreter import interpret  # noqa: E402
 from tilegraph.ir.ops import Op  # noqa: E402
 from tilegraph.ir.shapes import info_of  # noqa: E402
 from tilegraph.testing import assert_close  # noqa: E402
-from tilegraph.testing.onnx_decoders import TINY, export_decoder, run_onnxruntime  # noqa: E402
+from tilegraph.testing.onnx_decoders import TINY, export_decoder, run_onnxruntime, write_gqa_decoder  # noqa: E402
 
 PROMPT = [5, 70, 71, 100, 3]
 
@@ -168,3 +168,34 @@ def test_the_generate_command_refuses_a_non_decoder_onnx_file_by_name(tmp_path, 
     assert main(["generate", str(bad), "-p", "hi"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and "not an ONNX model" in err
+
+
+def test_onnxruntime_genai_group_query_attention_files_decode_in_place(tmp_path):
+    """onnxruntime-genai's builder's form: com.microsoft GroupQueryAttention on packed QKV with its
+    rotary embedding, the head dim a symbol in the past's shape, residual RMSNorms fused."""
+    path = tmp_path / "gqa.onnx"
+    write_gqa_decoder(path)
+    lm = LanguageModel(path, target="numpy", cache_len=32)
+    assert (lm.config.heads, lm.config.kv_heads, lm.config.head_dim) == (4, 2, 16)
+    steps: list[np.ndarray] = []
+    made = [t for _, t in lm.generate_ids([[5, 7, 9, 11]], 8, Sampling(), stop=False,
+                                          on_logits=lambda i, logits: steps.append(logits[0].copy()))]
+    want_logits: list[np.ndarray] = []
+    want = run_onnxruntime(ort.InferenceSession(str(path)), [5, 7, 9, 11], 8, head_dim=16,
+                           on_logits=lambda i, logits: want_logits.append(logits))
+    assert made == want
+    for i, (got, ref) in enumerate(zip(steps, want_logits)):
+        assert_close(got, ref, "f32", 64, name=f"gqa step {i}")
+    ops = [op.op_name for op in _ops(lm._onnx.build(1, 1, 32))]
+    assert ops.count(Op.cache_write) == 4 and ops.count(Op.cache_attention) == 2
+
+
+def test_a_group_query_attention_it_cannot_rewrite_is_a_named_error(tmp_path):
+    path = tmp_path / "gqa.onnx"
+    write_gqa_decoder(path)
+    proto = onnx.load(str(path))
+    gqa = next(n for n in proto.graph.node if n.op_type == "GroupQueryAttention")
+    next(a for a in gqa.attribute if a.name == "rotary_interleaved").i = 1
+    onnx.save(proto, str(path))
+    with pytest.raises(KVCacheError, match="rotary_interleaved = 1"):
+        LanguageModel(path, target="numpy")

@@ -98,14 +98,16 @@ def export_decoder(path: str | Path, arch: str = "llama", seed: int = 0, opset: 
     return model.eval()
 
 
-def run_onnxruntime(session, prompt: list[int], new_tokens: int, on_logits=None) -> list[int]:
+def run_onnxruntime(session, prompt: list[int], new_tokens: int, on_logits=None,
+                    head_dim: int | None = None) -> list[int]:
     """Greedy generation with onnxruntime's own past/present loop over a decoder-with-past file:
     the prompt in one call from an empty past, then one token per call, each step's present fed
-    back as the next step's past. `on_logits(step, logits [vocab])` sees each step's last logits."""
+    back as the next step's past. `on_logits(step, logits [vocab])` sees each step's last logits;
+    `head_dim` where the file's past leaves it a symbol (onnxruntime-genai's kv_cache_dim)."""
     inputs = {i.name: i for i in session.get_inputs()}
     past_names = [n for n in inputs if n.startswith("past_key_values.")]
     shape = inputs[past_names[0]].shape
-    kv = {n: np.zeros((1, shape[1], 0, shape[3]), np.float32) for n in past_names}
+    kv = {n: np.zeros((1, shape[1], 0, head_dim or shape[3]), np.float32) for n in past_names}
     out_names = [o.name for o in session.get_outputs()]
     tokens, made = list(prompt), []
     ids = np.array([tokens], np.int64)
@@ -149,3 +151,84 @@ def write_hf_folder(folder: str | Path, arch: str = "llama", seed: int = 0, **si
     model.save_pretrained(str(folder))
     byte_tokenizer(model.config.vocab_size).save_pretrained(str(folder))
     return model
+
+
+def write_gqa_decoder(path: str | Path, seed: int = 0, vocab: int = 64, hidden: int = 64, heads: int = 4,
+                      kv_heads: int = 2, layers: int = 2, positions: int = 64) -> None:
+    """A decoder-with-past file in onnxruntime-genai's builder's form, written with onnx.helper:
+    com.microsoft GroupQueryAttention on packed QKV with its rotary embedding (cos/sin tables),
+    seqlens_k and total_sequence_length derived from attention_mask, RMSNorms as
+    SimplifiedLayerNormalization / com.microsoft.SkipSimplifiedLayerNormalization (residual in
+    output 3), past `past_key_values.N.key/.value` [batch, kv_heads, past, kv_cache_dim]."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    d = hidden // heads
+    inits, nodes = [], []
+
+    def weight(name, *shape, scale=0.2):
+        inits.append(numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name))
+        return name
+
+    def const(name, value):
+        inits.append(numpy_helper.from_array(np.asarray(value), name))
+        return name
+
+    inv = 1.0 / (10000.0 ** (np.arange(0, d, 2) / d))
+    angles = np.arange(positions)[:, None] * inv[None, :]
+    inits += [numpy_helper.from_array(np.cos(angles).astype(np.float32), "cos_cache"),
+              numpy_helper.from_array(np.sin(angles).astype(np.float32), "sin_cache")]
+    nodes += [helper.make_node("ReduceSum", ["attention_mask", const("one_axis", np.array([1], np.int64))],
+                               ["mask_sum"], keepdims=0),
+              helper.make_node("Sub", ["mask_sum", const("one", np.array(1, np.int64))], ["seqlens64"]),
+              helper.make_node("Cast", ["seqlens64"], ["seqlens_k"], to=TensorProto.INT32),
+              helper.make_node("Shape", ["attention_mask"], ["mask_shape"]),
+              helper.make_node("Gather", ["mask_shape", const("one_index", np.array(1, np.int64))], ["total64"]),
+              helper.make_node("Cast", ["total64"], ["total_len"], to=TensorProto.INT32),
+              helper.make_node("Gather", [weight("embed", vocab, hidden, scale=1.0), "input_ids"], ["h0"])]
+    h, residual = "h0", ""  # no residual before the first norm
+    for i in range(layers):
+        p = f"l{i}."
+        if not residual:
+            nodes.append(helper.make_node("SimplifiedLayerNormalization", [h, weight(p + "norm1", hidden)],
+                                          [p + "a"], epsilon=1e-5, axis=-1))
+            residual = h
+        else:
+            nodes.append(helper.make_node("SkipSimplifiedLayerNormalization", [h, residual, weight(p + "norm1", hidden)],
+                                          [p + "a", "", "", p + "res1"], epsilon=1e-5, domain="com.microsoft"))
+            residual = p + "res1"
+        kv_names = [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
+        nodes += [helper.make_node("MatMul", [p + "a", weight(p + "qkv", hidden, (heads + 2 * kv_heads) * d)],
+                                   [p + "qkv_out"]),
+                  helper.make_node("GroupQueryAttention", [p + "qkv_out", "", "", *kv_names, "seqlens_k", "total_len",
+                                                           "cos_cache", "sin_cache"],
+                                   [p + "attn", f"present.{i}.key", f"present.{i}.value"], domain="com.microsoft",
+                                   num_heads=heads, kv_num_heads=kv_heads, do_rotary=1, rotary_interleaved=0,
+                                   scale=float(1 / np.sqrt(d)), local_window_size=-1),
+                  helper.make_node("MatMul", [p + "attn", weight(p + "o", heads * d, hidden)], [p + "o_out"]),
+                  helper.make_node("SkipSimplifiedLayerNormalization", [p + "o_out", residual,
+                                                                         weight(p + "norm2", hidden)],
+                                   [p + "f", "", "", p + "res2"], epsilon=1e-5, domain="com.microsoft"),
+                  helper.make_node("MatMul", [p + "f", weight(p + "up", hidden, 2 * hidden)], [p + "up_out"]),
+                  helper.make_node("Sigmoid", [p + "up_out"], [p + "sig"]),
+                  helper.make_node("Mul", [p + "up_out", p + "sig"], [p + "act"]),
+                  helper.make_node("MatMul", [p + "act", weight(p + "down", 2 * hidden, hidden)], [p + "down_out"])]
+        h, residual = p + "down_out", p + "res2"
+    nodes += [helper.make_node("SkipSimplifiedLayerNormalization", [h, residual, weight("final_norm", hidden)],
+                               ["final"], epsilon=1e-5, domain="com.microsoft"),
+              helper.make_node("MatMul", ["final", weight("lm_head", hidden, vocab)], ["logits"])]
+    kv_shape = ["batch_size", kv_heads, "past_sequence_length", "kv_cache_dim"]
+    present_shape = ["batch_size", kv_heads, "total_sequence_length", "kv_cache_dim"]
+    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
+              helper.make_tensor_value_info("attention_mask", TensorProto.INT64,
+                                            ["batch_size", "total_sequence_length"])]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch_size", "sequence_length", vocab])]
+    for i in range(layers):
+        for k in ("key", "value"):
+            inputs.append(helper.make_tensor_value_info(f"past_key_values.{i}.{k}", TensorProto.FLOAT, kv_shape))
+            outputs.append(helper.make_tensor_value_info(f"present.{i}.{k}", TensorProto.FLOAT, present_shape))
+    graph = helper.make_graph(nodes, "gqa_decoder", inputs, outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
