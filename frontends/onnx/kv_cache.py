@@ -310,7 +310,7 @@ class _DecoderImporter(_Importer):
         return self.arrays[t.name]
 
     def bind_input(self, name: str, shape: tuple[Dim, ...], dtype: str) -> None:
-        g, B, T = self.g, self.batch, self.steps
+        g = self.g
         if name == "input_ids":
             self.env[name] = self.tokens
         elif name in self.caches:
