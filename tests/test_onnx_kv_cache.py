@@ -199,3 +199,21 @@ def test_a_group_query_attention_it_cannot_rewrite_is_a_named_error(tmp_path):
     onnx.save(proto, str(path))
     with pytest.raises(KVCacheError, match="rotary_interleaved = 1"):
         LanguageModel(path, target="numpy")
+
+
+def test_the_generate_command_streams_text_from_an_onnx_decoder_and_its_tokenizer(files, tmp_path, capsys):
+    from tilegraph.cli import main
+    from tilegraph.testing.onnx_decoders import byte_tokenizer
+
+    folder = tmp_path / "optimum"
+    folder.mkdir()
+    (folder / "model.onnx").write_bytes(files["llama"].read_bytes())
+    byte_tokenizer(TINY["vocab"]).save_pretrained(str(folder))
+    assert main(["generate", str(folder / "model.onnx"), "-p", "Hello", "-n", "6", "--target", "numpy",
+                 "--cache-len", "32"]) == 0
+    out = capsys.readouterr()
+    prompt = [int(i) for i in byte_tokenizer(TINY["vocab"])("Hello")["input_ids"]]
+    want = run_onnxruntime(ort.InferenceSession(str(files["llama"])), prompt, 6)
+    # random weights make random bytes: an incomplete UTF-8 character at the end is held back
+    assert out.out.rstrip("\n") == byte_tokenizer(TINY["vocab"]).decode(want).rstrip("\ufffd")
+    assert "generation: 6 tokens" in out.err

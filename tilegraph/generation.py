@@ -127,22 +127,26 @@ class LanguageModel:
 
     def _load_onnx(self, activation: str) -> None:
         """A decoder-with-past ONNX file (optimum's export): its past/present Concats become the same
-        in-place caches (frontends/onnx/kv_cache.py); token ids in (generate_ids)."""
+        in-place caches (frontends/onnx/kv_cache.py); text through the tokenizer.json beside it, if any."""
         from tilegraph.frontends.onnx.kv_cache import OnnxDecoder
 
         if activation != "f32":
             raise TilegraphError(f"activation='{activation}' rounds the inputs of GGUF block-format matmuls; "
                                  f"{self.path.name} is an ONNX file of float weights")
+        from tilegraph.frontends.onnx.folder_tokenizer import FolderTokenizer
+
         decoder = self._onnx = OnnxDecoder(self.path)
         self.config = decoder.config()  # type: ignore[assignment]  # LlamaConfig's names, what generation reads
-        self._tokenizer, self._stop_ids = None, set()
+        self._tokenizer = FolderTokenizer.beside(self.path)  # type: ignore[assignment]  # the GGUF one's interface
+        self._stop_ids = self._tokenizer.stop_ids if self._tokenizer else set()
 
     @property
     def tokenizer(self):
         if self._tokenizer is None:
             from tilegraph.frontends.gguf.tokenizer import TokenizerError
 
-            raise TokenizerError(f"{self.path} holds no tokenizer (tokenizer.ggml.*): give token ids "
+            raise TokenizerError(f"{self.path} holds no tokenizer (tokenizer.ggml.* in a GGUF file, tokenizer.json "
+                                 "beside an ONNX one): give token ids "
                                  "(LanguageModel.generate_ids)")
         return self._tokenizer
 
