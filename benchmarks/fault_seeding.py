@@ -16,9 +16,12 @@ that runs at import, such as a rule table), in suite order, with -x. Every run u
 seed (--seed) and no example database, so a test runs the same code up to the faulted line as it
 did in the baseline: a test that never reached that function cannot fail because of the fault.
 Selection by coverage is the usual test selection of mutation testing; no test is written for a
-fault's text. A fault in runtime.c or blockq.c names the runtime's entry points its line runs
-under (`calls`); it runs the tests that built a module calling one (the baseline records each
-test's emitted C) or ran a Python function of the C backend that calls one through ctypes.
+fault's text. Code a test runs in a child Python process (a compile in a fresh process, a
+command line) counts as that test's: coverage.py's subprocess measurement (COVERAGE_PROCESS_START),
+with the test's id as the child's context. A fault in runtime.c or blockq.c names the runtime's
+entry points its line runs under (`calls`); it runs the tests that built a module calling one (the
+baseline records each test's emitted C) or ran a Python function of the C backend that calls one
+through ctypes.
 
 On two cores shared with other work: `-j` runs that many faults at once, each in its own copy
 of the tree; the C backend's compiled libraries live in one cache for all runs (keyed by their
