@@ -75,6 +75,20 @@ def onednn() -> tuple[Path, Path]:
     return include, Path(lib.locate()).resolve().parent
 
 
+def check_builds() -> None:
+    """A BuildError saying what is missing, unless the C backend can build here."""
+    compiler()
+    onednn()
+
+
+def builds_here() -> bool:
+    try:
+        check_builds()
+    except BuildError:
+        return False
+    return True
+
+
 @functools.lru_cache(maxsize=1)
 def _toolchain_id() -> str:
     cc = compiler()
@@ -115,7 +129,9 @@ def runtime(cflags: list[str] | None = None) -> Path:
     """The runtime's shared library for these flags, compiled now or found in the cache."""
     cflags = flags() if cflags is None else cflags
     with _runtime_lock:
-        key = _key(_toolchain_id(), " ".join(cflags), RUNTIME_H.read_text(), RUNTIME_C.read_text(),
+        # oneDNN's directories are part of the key: the library records its lib dir as its run
+        # path, and a runtime built against another environment's oneDNN (since removed) fails to load.
+        key = _key(_toolchain_id(), " ".join(cflags), *map(str, onednn()), RUNTIME_H.read_text(), RUNTIME_C.read_text(),
                    *(p.read_text() for p in RUNTIME_EXTRA))
         target = cache.private_dir("c") / f"tgrt_{key}.so"
         if not cache.verified(target):  # absent, or damaged, edited or planted: built afresh
@@ -126,7 +142,7 @@ def runtime(cflags: list[str] | None = None) -> Path:
     return target
 
 
-def prepare() -> None:
+def build_ahead() -> None:
     """Starts finding or building the runtime in a background thread: `tilegraph.compile`
     calls it before its import and passes, which run in Python on one core while the C
     compiler takes another, so a first build on a machine overlaps them. A failure is

@@ -36,15 +36,15 @@ import numpy as np
 import sympy
 from xdsl.ir import SSAValue
 
-from tilegraph.backends.c.generation import CACHE_OPS, GENERATION_OPS, Generation
+from tilegraph.backends.c.generation import CACHE_OPS, Generation
 from tilegraph.backends.c.groups import Groups
 from tilegraph.backends.c.kernels import Kernels
 from tilegraph.backends.c.loops import Loops
-from tilegraph.backends.c.onednn import OneDNN
+from tilegraph.backends.c.onednn import OneDNN, chain_convolutions
 from tilegraph.backends.c.quant import Quantized
 from tilegraph.backends.c.tables import CTYPES, FLOATS, KNOWN
-from tilegraph.backends.c.views import (Buffer, Ints, Step, Unsupported, View, Views, _describe, _eq, _is_one,
-                                        _sole_reader, c_comment, c_float, channels_last_strides, contiguous_strides)
+from tilegraph.backends.c.views import (LOWER, Buffer, Ints, Step, Unsupported, View, Views, _describe, _eq, _is_one,
+                                        _sole_reader, c_comment, c_float, channels_last_strides, contiguous_strides, lowers)
 from tilegraph.backends.lowering import table
 from tilegraph.backends.program import flatten
 from tilegraph.ir.dialect import FusionOp, TgOp
@@ -62,8 +62,8 @@ MAX_ATTENTION_BLOCK = 16384
 HOST_FALLBACK = {
     "einsum": "NumPy's einsum on the host",
     "scatter_elements": "host", "scatter_nd": "C for set and add over float slices, the host otherwise",
-    "pad": "C for constant padding (into a convolution's own padding where that reads it), the host for "
-           "reflect/edge/wrap and negative pads",
+    "pad": "C for constant padding (canonicalize makes a zero pad a convolution reads its padding), the host "
+           "for reflect/edge/wrap and negative pads",
     "cumprod": "host", "trilu": "host", "topk": "host", "argmax": "host",
     "argmin": "host", "mod": "host", "isinf": "host", "reduce_prod": "host",
     "div": "C for floats, the host for integers", "pow": "C for floats, the host for integers",
@@ -76,9 +76,8 @@ HOST_FALLBACK = {
     "nonzero": "host", "unique": "host", "narrow": "host", "non_max_suppression": "host",
     "rnn": "host (a loop over the steps, NumPy's matmul per step)", "assert_size": "host",
 }
-LOWERINGS = table(template=[op for op in OPS if op not in HOST_FALLBACK],
-                  fallback={op: f"runs on the host between native segments ({why})"
-                            for op, why in HOST_FALLBACK.items()})
+# Ops that only make a view (CEmitter.layout), and the leaves every program has.
+VIEW_LOWERINGS = (Op.reshape, Op.transpose, Op.broadcast, Op.slice, Op.split, Op.weight, Op.constant)
 
 
 class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
@@ -100,7 +99,6 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
     # --- the program --------------------------------------------------------------
 
     def run(self) -> None:
-        self.padding_convs = self._padding_convs()
         for op in self.prog.steps:
             if isinstance(op, FusionOp):
                 self.group(op)
@@ -125,9 +123,6 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
         if name == Op.constant:
             views[op.results[0]] = self.constant(op)
             return
-        if name == Op.pad and any(pad is op for pad, _ in self.padding_convs.values()):
-            views[op.results[0]] = get(op.operands[0])  # the convolution reading it pads itself
-            return
         try:
             operands = [get(v) for v in op.operands]
             outs = self.layout(op, operands)
@@ -136,30 +131,6 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
         except Unsupported:
             outs = self.host(op, [get(v) for v in op.operands])
         views.update(zip(op.results, outs))
-
-    def _padding_convs(self) -> dict:
-        """{conv: its input's zero padding} for each zero `pad` over only the spatial dims
-        whose one reader is a convolution's input: the convolution pads instead (oneDNN
-        skips the taps outside the input), and the pad is never written."""
-        found = {}
-        for op in self.prog.steps:
-            if not isinstance(op, TgOp) or op.op_name != Op.pad or op.attr("mode") != "constant" or op.attr("value"):
-                continue
-            pads, nd = list(op.attr("pads")), op.result_infos()[0].rank
-            if nd < 3 or any(pads[i] or pads[nd + i] for i in (0, 1)) or any(p < 0 for p in pads):
-                continue
-            uses = list(op.results[0].uses)
-            if len(uses) != 1:
-                continue
-            user, index = uses[0].operation, uses[0].index
-            if isinstance(user, FusionOp):  # the group's block argument, read only by its head conv
-                arg_uses = list(user.block.args[index].uses)
-                if len(arg_uses) != 1 or arg_uses[0].index != 0 or arg_uses[0].operation is not user.ops[0]:
-                    continue
-                user, index = arg_uses[0].operation, 0
-            if isinstance(user, TgOp) and user.op_name == Op.conv and index == 0:
-                found[user] = (op, pads[2:nd] + pads[nd + 2:])
-        return found
 
     def constant(self, op: TgOp) -> View:
         info = op.result_infos()[0]
@@ -228,51 +199,16 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
                 raise Unsupported(f"{t} has no C type here")
 
     def compute(self, op: TgOp, xs: list[View]) -> list[View]:
-        name = op.op_name
-        if name in CACHE_OPS:  # an f16 cache has no C arithmetic: only these kernels read its bits
-            return self.generation(op, xs)
-        self._check_dtypes(op, xs)
-        if op.SPEC.pointwise:
-            out = self._temp(op.result_infos()[0], like=xs[0])
-            self.elementwise([op], {r: None for r in op.results}, dict(zip(op.operands, xs)), [(op.results[0], out)],
-                             op)
-            return [out]
-        if name == Op.matmul:
-            return [self.matmul(op, xs[0], xs[1], [], {})[0]]
-        if op.SPEC.row_normalizing:
-            return [self.row_op(op, xs)]
-        if name in (Op.reduce_sum, Op.reduce_mean, Op.reduce_max, Op.reduce_min):
-            return [self.reduce(op, xs[0])]
-        if name == Op.gather:
-            return [self.gather(op, xs[0], xs[1])]
-        if name == Op.concat:
-            return [self.concat(op, xs)]
-        if name == Op.conv:
-            return [self.conv(op, xs, [], {})[0]]
-        if name in (Op.max_pool, Op.avg_pool):
-            return [self.pool(op, xs[0])]
-        if name == Op.pad:
-            return [self.pad(op, xs[0])]
-        if name == Op.gather_elements:
-            return [self.gather_elements(op, xs[0], xs[1])]
-        if name == Op.scatter_nd:
-            return [self.scatter_nd(op, *xs)]
-        if name == Op.tile:
-            return [self.tile(op, xs[0])]
-        if name == Op.cumsum:
-            return [self.cumsum(op, xs[0])]
-        if name == Op.attention:
-            return [self.attention(op, xs)]
-        if name in GENERATION_OPS:
-            return self.generation(op, xs)
-        if name == Op.matmul_integer:
-            return [self.matmul_integer(op, xs)]
-        if name == Op.dynamic_quantize:
-            return self.dynamic_quantize(op, xs[0])
-        if name in (Op.quantize, Op.dequantize):
-            return [self.requantize(op, xs)]
-        raise Unsupported(name)
+        """`op` through its registered lowering (views.LOWER)."""
+        if op.op_name not in LOWER:
+            raise Unsupported(op.op_name)
+        if op.op_name not in CACHE_OPS:  # an f16 cache has no C arithmetic: only those kernels read its bits
+            self._check_dtypes(op, xs)
+        method, spread = LOWER[op.op_name]
+        out = method(self, op, *xs) if spread else method(self, op, xs)
+        return [out] if isinstance(out, View) else out
 
+    @lowers(Op.attention)
     def attention(self, op: TgOp, xs: list[View]) -> View:
         """runtime.h's flash-style kernel; q, k, v rows must be contiguous (copied if not)."""
         info = op.result_infos()[0]
@@ -323,9 +259,6 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
         return out
 
     def host(self, op: TgOp, xs: list[View]) -> list[View]:
-        if op in self.padding_convs:  # a convolution C does not run reads its input padded after all
-            pad = self.padding_convs.pop(op)[0]
-            xs = [self.pad(pad, xs[0]), *xs[1:]]
         outs = [self._temp(info) for info in op.result_infos()]
         # A weight's dequantization (block scales, 4-bit formats) depends on no input: done once,
         # into buffers of its own that the GEMM then packs as it packs a weight.
@@ -358,6 +291,13 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
         return [self.view(v) for v in self.prog.outputs]
 
 
+# The C backend's lowering table, read off the lowerings that exist (an op HOST_FALLBACK
+# names may have one that takes some of its cases: the fallback says which).
+LOWERINGS = table(template=[op for op in OPS if (op in LOWER or op in VIEW_LOWERINGS) and op not in HOST_FALLBACK],
+                  fallback={op: f"runs on the host between native segments ({why})"
+                            for op, why in HOST_FALLBACK.items()})
+
+
 
 
 # --- the module ---------------------------------------------------------------------------
@@ -371,6 +311,7 @@ class CProgram:
     emitter: CEmitter
     plan: list[tuple[str, int]]  # ("segment", k) or ("host", step index), in order
     steps: list[Step]
+    chained: int = 0  # buffers between convolutions left as their producer's kernel writes them
 
 
 def emit_program(model: Model, name: str | None = None, per_step: bool = False) -> CProgram:
@@ -378,6 +319,7 @@ def emit_program(model: Model, name: str | None = None, per_step: bool = False) 
     native call each), so a profiler or a debugger can look between steps."""
     em = CEmitter(model)
     em.run()
+    chained = chain_convolutions(em.steps, em.buffers, em.outputs())
     lines = [f"/* tilegraph C backend: model {c_comment(name or _model_name(model))}. Generated code; edit the model, "
              "not this file.", " * inputs:"]
     lines += [f" *   p[{em.views[a].buf}] {c_comment(n)}: {c_comment(str(i))}"
@@ -426,7 +368,7 @@ def emit_program(model: Model, name: str | None = None, per_step: bool = False) 
                   "    tg_state *st = state;"]
         lines += [f"    if (tg_step_{i}(st, s, p)) return 1;" for i in members]
         lines += ["    return 0;", "}", ""]
-    return CProgram("\n".join(lines), em, plan, em.steps)
+    return CProgram("\n".join(lines), em, plan, em.steps, chained)
 
 
 def _gelu_defines() -> list[str]:

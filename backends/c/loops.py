@@ -9,11 +9,14 @@ from xdsl.ir import SSAValue
 
 from tilegraph.backends.c.tables import (C_BINARY, C_BINARY_FLOAT, C_BINARY_INT, C_UNARY_FLOAT, C_UNARY_INT, CTYPES,
                                          FLOATS, PARALLEL_MIN, SIMD_BLOCK)
-from tilegraph.backends.c.views import EmitterParts, Unsupported, View, _describe, _eq, _is_one
+from tilegraph.backends.c.views import EmitterParts, Unsupported, View, _describe, _eq, _is_one, lowers
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.quant import FORMATS
 from tilegraph.ir.shapes import info_of, numel
-from tilegraph.ir.ops import Op
+from tilegraph.ir.ops import OPS, Op
+
+# The elementwise ops `Loops.expr` writes as C (the others of the table run on the host).
+EXPRESSIONS = {*C_UNARY_FLOAT, *C_UNARY_INT, *C_BINARY, *C_BINARY_FLOAT, *C_BINARY_INT, Op.gelu, Op.sigmoid, Op.cast}
 
 
 class Loops(EmitterParts):
@@ -82,7 +85,7 @@ class Loops(EmitterParts):
             loop = f"for (int64_t j = 0; j < {self.ints(inner_n)}; j++) {{"
         elif self._parallel_for(total, 1):
             # Blocks over the threads, each a simd loop: GCC's combined `parallel for simd`
-            # ran 10x slower on one thread, its if(false) path included.
+            # loses vectorization on one thread, its if(false) path included.
             n = self.ints(inner_n)
             lines += [indent + line for line in self._parallel_for(total, 1)]
             lines += [f"{indent}for (int64_t j0 = 0; j0 < {n}; j0 += {SIMD_BLOCK})", f"{indent}#pragma omp simd"]
@@ -107,6 +110,13 @@ class Loops(EmitterParts):
         return lines
 
     # --- elementwise ------------------------------------------------------------------
+
+    @lowers(*(name for name, spec in OPS.items() if spec.pointwise and name in EXPRESSIONS))
+    def pointwise(self, op: TgOp, xs: list[View]) -> View:
+        """One elementwise op outside a group: a loop of its own."""
+        out = self._temp(op.result_infos()[0], like=xs[0])
+        self.elementwise([op], {r: None for r in op.results}, dict(zip(op.operands, xs)), [(op.results[0], out)], op)
+        return out
 
     def expr(self, op: TgOp, args: list[str], operand_dtypes: list[str]) -> str:
         """The C expression of one elementwise op on C operand expressions."""

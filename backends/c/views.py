@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import sympy
@@ -69,6 +69,10 @@ class Step:
     writes: set[int] = field(default_factory=set)
     state: list[str] = field(default_factory=list)  # per-binding primitive setup lines
     once: bool = False  # a host op of weights and constants only: run once, before the kernels are set up
+    # A convolution step on its own: (its primitive's index, its source, its result, whether
+    # the source's buffer is read as nothing else, whether it is depthwise): what
+    # onednn.chain_convolutions reads.
+    conv: tuple[int, Any, Any, bool, bool] | None = None
 
 
 def contiguous_strides(shape: Sequence[Dim]) -> tuple:
@@ -101,6 +105,24 @@ def _is_one(d) -> bool:
 
 class Unsupported(Exception):
     """This op or group has no C lowering here; the caller falls back (host or per-op)."""
+
+
+# The C lowering of each op outside a group: op name -> (the emitter method, whether it
+# takes the operand views one by one rather than as a list). The method returns the
+# result's view (or the list of them). This registry is the C backend's lowering table
+# (emit.py derives LOWERINGS from it), so a lowering cannot be declared without existing.
+LOWER: dict[str, tuple[Callable, bool]] = {}
+
+
+def lowers(*ops: str, spread: bool = False) -> Callable[[Callable], Callable]:
+    """Registers the decorated emitter method as the C lowering of `ops`."""
+    def register(method: Callable) -> Callable:
+        for op in ops:
+            if op in LOWER:
+                raise ValueError(f"tg.{op} has two C lowerings")
+            LOWER[op] = (method, spread)
+        return method
+    return register
 
 
 class Ints:
