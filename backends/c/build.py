@@ -115,8 +115,10 @@ def runtime(cflags: list[str] | None = None) -> Path:
     """The runtime's shared library for these flags, compiled now or found in the cache."""
     cflags = flags() if cflags is None else cflags
     with _runtime_lock:
-        key = _key(_toolchain_id(), " ".join(cflags), RUNTIME_H.read_text(), RUNTIME_C.read_text(),
-                   *(p.read_text() for p in RUNTIME_EXTRA))
+        # oneDNN's folder is in the key: the library's run path names it, and a runtime built
+        # against another environment's oneDNN (since deleted) would not load.
+        key = _key(_toolchain_id(), " ".join(cflags), str(onednn()[1]), RUNTIME_H.read_text(),
+                   RUNTIME_C.read_text(), *(p.read_text() for p in RUNTIME_EXTRA))
         target = cache.private_dir("c") / f"tgrt_{key}.so"
         if not cache.verified(target):  # absent, or damaged, edited or planted: built afresh
             source = RUNTIME_C.read_text() + '\n#include "blockq.c"\n'
