@@ -588,46 +588,31 @@ int tg_block_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int6
         return rc;
     }
     int64_t nb = K / BQ_BLOCK[fmt];
-    if (kernel == TG_BQ_KERNEL_Z8) {
-        /* decode: a weight pair of blocks per step, a batch's rows (up to 8) at once; an odd last
-         * block through the single-block kernel */
-        bq_z8_fn z8 = bq_z8[fmt];
-        bq_dot_fn dot = kern->dot[fmt];
-        int64_t np = nb32 / 2, wpair = 2 * BQ_BYTES[fmt];
-#pragma omp parallel for schedule(static) if (parallel)
-        for (int64_t t = 0; t < tiles; t++) {
-            int64_t n0 = t * BQ_TILE, n1 = n0 + BQ_TILE < N ? n0 + BQ_TILE : N;
-            for (int64_t m = 0; m < M; m += BQ_Z8_ROWS) {
-                int R = M - m < BQ_Z8_ROWS ? (int)(M - m) : BQ_Z8_ROWS;
-                for (int64_t n = n0; n < n1; n++) {
-                    float out[BQ_Z8_ROWS];
-                    const uint8_t *wr = w + n * row_bytes;
-                    z8(wr, zrows + m, R, np, out);
-                    for (int r = 0; r < R; r++) {
-                        if (nb32 & 1) {
-                            const tg_q8row *a = rows + m + r;
-                            int64_t b = nb32 - 1;
-                            float rest;
-                            dot(wr + np * wpair, &(tg_q8row){a->q + 32 * b, a->d + b, a->s + b, a->s16 + 2 * b,
-                                                             a->ds + 2 * b}, 1, 1, &rest);
-                            out[r] += rest;
-                        }
-                        y[(m + r) * ldy + n] = out[r];
-                    }
-                }
-            }
-        }
-        return 0;
-    }
+    /* decode: the 8-row kernel takes a weight pair of blocks per step, a batch's rows (up to 8) at
+     * once, an odd last block through the single-block kernel; the others up to 4 rows at once */
+    int z8 = kernel == TG_BQ_KERNEL_Z8, step = z8 ? BQ_Z8_ROWS : BQ_MAXR;
     bq_dot_fn dot = kernel == TG_BQ_KERNEL_ZMM ? bq_zmm[fmt] : kern->dot[fmt];
+    int64_t np = nb32 / 2, wpair = 2 * BQ_BYTES[fmt];
 #pragma omp parallel for schedule(static) if (parallel)
     for (int64_t t = 0; t < tiles; t++) {
         int64_t n0 = t * BQ_TILE, n1 = n0 + BQ_TILE < N ? n0 + BQ_TILE : N;
-        for (int64_t m = 0; m < M; m += BQ_MAXR) {
-            int R = M - m < BQ_MAXR ? (int)(M - m) : BQ_MAXR;
+        for (int64_t m = 0; m < M; m += step) {
+            int R = M - m < step ? (int)(M - m) : step;
             for (int64_t n = n0; n < n1; n++) {
-                float out[BQ_MAXR];
-                dot(w + n * row_bytes, rows + m, R, nb, out);
+                float out[BQ_Z8_ROWS];
+                const uint8_t *wr = w + n * row_bytes;
+                if (!z8) dot(wr, rows + m, R, nb, out);
+                else {
+                    bq_z8[fmt](wr, zrows + m, R, np, out);
+                    for (int r = 0; r < R && (nb32 & 1); r++) {
+                        const tg_q8row *a = rows + m + r;
+                        int64_t b = nb32 - 1;
+                        float rest;
+                        dot(wr + np * wpair, &(tg_q8row){a->q + 32 * b, a->d + b, a->s + b, a->s16 + 2 * b,
+                                                         a->ds + 2 * b}, 1, 1, &rest);
+                        out[r] += rest;
+                    }
+                }
                 for (int r = 0; r < R; r++) y[(m + r) * ldy + n] = out[r];
             }
         }
