@@ -142,6 +142,8 @@ def _parser() -> argparse.ArgumentParser:
     cost.add_argument("--depth", type=_non_negative, default=0,
                       help="with --decode: positions already in the cache (default 0)")
     cost.add_argument("--batch", type=_positive, default=1, help="with --decode: sequences decoded together")
+    cost.add_argument("--cache-dtype", choices=["f32", "f16"], default="f32",
+                      help="with --decode: the K/V cache's type (f16: generate/chat --fast's, half the bytes)")
 
     # --- shard: the sharding planner's plan (passes/shard.py) ---
     shard = sub.add_parser("shard", help="plan how to split a model over a device mesh (predicted step time)",
