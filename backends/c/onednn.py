@@ -177,6 +177,18 @@ class OneDNN(EmitterParts):
         except Unsupported:
             return False
 
+    def _run_primitive(self, op: TgOp, k: int, state: list[str], src: View, weights: View, third: View | None,
+                       dst: View, post_views: list[View], out: View) -> None:
+        """The step running oneDNN primitive `k` (set up by `state`): src and weights in, the
+        third operand (a GEMM's column scales, a convolution's bias) if any, the epilogue's
+        operands, written to dst (`out`'s view as the primitive sees it)."""
+        extra = [third] if third is not None else []
+        post_ptrs = ", ".join(self.ptr(v) for v in post_views) or "NULL"
+        lines = ["{", f"    void *const post[] = {{{post_ptrs}}};",
+                 f"    if (tg_prim_run(&st->prim[{k}], {self.ptr(src)}, {self.ptr(weights)}, "
+                 f"{self.ptr(third) if third is not None else 'NULL'}, {self.ptr(dst, False)}, post)) return 1;", "}"]
+        self._step(_describe(op), lines, [src, weights, *extra, *post_views], [out], state)
+
     @lowers(Op.matmul, Op.conv)
     def gemm_alone(self, op: TgOp, xs: list[View]) -> View:
         """A GEMM or convolution outside a group: no epilogue to fuse."""
@@ -243,11 +255,7 @@ class OneDNN(EmitterParts):
             f"{self.ptr(b) if weight else 'NULL'}, &tg_packs[{k}], {len(posts)}, posts)) return 1;",
             "}",
         ]
-        post_ptrs = ", ".join(self.ptr(v) for v in post_views) or "NULL"
-        lines = ["{", f"    void *const post[] = {{{post_ptrs}}};",
-                 f"    if (tg_prim_run(&st->prim[{k}], {self.ptr(a)}, {self.ptr(b)}, "
-                 f"{self.ptr(scales) if scales is not None else 'NULL'}, {self.ptr(c, False)}, post)) return 1;", "}"]
-        self._step(_describe(op), lines, [a, b, *post_views, *([scales] if scales is not None else [])], [out], state)
+        self._run_primitive(op, k, state, a, b, scales, c, post_views, out)
         return out, covered
 
     def _small_matmul(self, op: TgOp, a: View, b: View, info) -> View:
@@ -343,11 +351,7 @@ class OneDNN(EmitterParts):
             f"{_FROM}, {_CHAIN_OUT})) return 1;",
             "}",
         ]
-        post_ptrs = ", ".join(self.ptr(v) for v in post_views) or "NULL"
-        lines = ["{", f"    void *const post[] = {{{post_ptrs}}};",
-                 f"    if (tg_prim_run(&st->prim[{k}], {self.ptr(x)}, {self.ptr(w)}, "
-                 f"{self.ptr(bias) if bias is not None else 'NULL'}, {self.ptr(out, False)}, post)) return 1;", "}"]
-        self._step(_describe(op), lines, [x, w, *([bias] if bias is not None else []), *post_views], [out], state)
+        self._run_primitive(op, k, state, x, w, bias, out, post_views, out)
         others = [w, *([bias] if bias is not None else []), *post_views]
         depthwise = groups > 1 and _eq(wd[1], 1) and _eq(wd[2], 1)
         self.steps[-1].conv = (k, x, out, all(v.buf != x.buf for v in others), depthwise)
