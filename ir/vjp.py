@@ -817,6 +817,19 @@ def _gather(b, op, g):
     return [_move_back(b, acc, axis), None]
 
 
+def one_hot(b, idx: SSAValue, t: TensorInfo, axis: int) -> SSAValue:
+    """1 where the position along `axis` is the row's index (negative counting from the end),
+    0 elsewhere, in t's shape and dtype; idx has t's shape with 1 at `axis`. Elementwise over a
+    constant arange broadcast, so a fused loop computes it in place rather than reading a mask."""
+    ti = info(idx)
+    kind = dtypes.numpy_dtype(ti.dtype)
+    n = b.const(np.asarray(t.shape[axis], kind), ti.dtype)
+    idx = b("where", b("lt", idx, b.const(np.asarray(0, kind), ti.dtype)), b("add", idx, n), idx)
+    along = tuple(t.shape[axis] if i == axis else 1 for i in range(t.rank))
+    positions = b.const(np.arange(t.shape[axis], dtype=kind).reshape(along), ti.dtype)
+    return b("cast", b("eq", b.broadcast_to(positions, t.shape), b.broadcast_to(idx, t.shape)), to=t.dtype)
+
+
 @vjp("gather_elements")
 def _gather_elements(b, op, g):
     x, idx = op.operands
@@ -826,16 +839,8 @@ def _gather_elements(b, op, g):
                                              if i != axis):
         # One index per row (cross-entropy's picked logit): the cotangent where a one-hot mask
         # of the index is, elementwise (it fuses with the softmax's gradient), not a scatter.
-        n = b.const(np.asarray(t.shape[axis], dtypes.numpy_dtype(ti.dtype)), ti.dtype) if isinstance(
-            t.shape[axis], int) else None
-        if n is not None:
-            zero = b.const(np.asarray(0, dtypes.numpy_dtype(ti.dtype)), ti.dtype)
-            idx = b("where", b("lt", idx, zero), b("add", idx, n), idx)
-            # the positions along the axis as a constant broadcast, which a fused loop reads in place
-            along = tuple(t.shape[axis] if i == axis else 1 for i in range(t.rank))
-            positions = b.const(np.arange(t.shape[axis], dtype=dtypes.numpy_dtype(ti.dtype)).reshape(along), ti.dtype)
-            hot = b("cast", b("eq", b.broadcast_to(positions, t.shape), b.broadcast_to(idx, t.shape)), to=t.dtype)
-            return [b("mul", hot, b.broadcast_to(g[0], t.shape)), None]
+        if isinstance(t.shape[axis], int):
+            return [b("mul", one_hot(b, idx, t, axis), b.broadcast_to(g[0], t.shape)), None]
     return [b("scatter_elements", b.zeros(info(x)), idx, g[0], axis=op.attr("axis"), reduction="add"), None]
 
 

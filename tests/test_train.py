@@ -135,3 +135,46 @@ def test_a_builder_model_trains_one_sgd_step_by_its_own_gradient():
     step = tilegraph.train_step(model, "cross_entropy", SGD(lr=0.5), target="numpy")
     assert abs(step(xs, targets=ys) - loss) <= PEER_RELATIVE_ERROR * abs(loss)
     np.testing.assert_allclose(step.weights["w"], model.weights["w"] - 0.5 * gw, rtol=PEER_RELATIVE_ERROR, atol=1e-6)
+
+
+def test_cross_entropy_gradient_does_not_differentiate_the_max_shift():
+    """The loss does not depend on logsumexp's max shift: the backward takes (softmax - one_hot) /
+    rows from the logits and each row's logsumexp, one exp per logit, and never the shift's
+    gradient (a reduce_max VJP's tie mask `eq(x, max)`); the gradient matches the float64
+    interpreter's and central differences of the loss."""
+    from tilegraph.ir import Graph, interpret
+    from tilegraph.ir.ops import Op
+    from tilegraph.ir.shapes import info_of
+    from tilegraph.testing import tolerance
+    from tilegraph.train import build_gradients
+
+    rng = np.random.default_rng(1)
+    g = Graph()
+    x = g.input("x", (5, 3))
+    w = g.weight("w", rng.standard_normal((3, 7)).astype(np.float32))
+    model = g.build(x @ w, names=["logits"])
+    grads = build_gradients(model, "cross_entropy", ["w"])
+    ops = [op for op in grads.ops() if hasattr(op, "op_name")]
+    wide = [op for op in ops if op.results and tuple(info_of(op.results[0].type).shape) == (5, 7)]
+    assert sum(op.op_name == Op.exp for op in wide) == 2  # the forward's sum of exps, the backward's softmax
+    assert sum(op.op_name == Op.reduce_max for op in ops) == 1
+    maxed = {op.results[0] for op in ops if op.op_name == Op.reduce_max}
+    assert not [op for op in ops if op.op_name == Op.eq and set(op.operands) & maxed]
+    xs = rng.standard_normal((5, 3)).astype(np.float32)
+    ys = np.array([0, 6, -1, 3, 3])  # a negative target counts from the end, as the forward's gather does
+    loss, gw = interpret(grads, [xs, ys, model.weights["w"]])
+    w64 = model.weights["w"].astype(np.float64)
+
+    def reference(wv):
+        z = xs.astype(np.float64) @ wv
+        lse = np.log(np.exp(z - z.max(1, keepdims=True)).sum(1)) + z.max(1)
+        return float(np.mean(lse - z[np.arange(5), ys]))
+
+    rtol, _ = tolerance("f32", 7)
+    assert abs(loss - reference(w64)) <= rtol * abs(reference(w64))
+    h, fd = 1e-6, np.zeros_like(w64)
+    for i in np.ndindex(*w64.shape):
+        d = np.zeros_like(w64)
+        d[i] = h
+        fd[i] = (reference(w64 + d) - reference(w64 - d)) / (2 * h)
+    assert relative_error(gw, fd) <= rtol

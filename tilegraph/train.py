@@ -29,12 +29,12 @@ import numpy as np
 from xdsl.ir import SSAValue
 
 from tilegraph.ir import dtypes
-from tilegraph.ir.autodiff import float_weights, set_signature, value_and_grad
+from tilegraph.ir.autodiff import float_weights, set_signature, value_and_grad, vjp
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.model import Model, WeightStore, ssa_hint
 from tilegraph.ir.shapes import info_of, tensor_type
-from tilegraph.ir.vjp import Backward
+from tilegraph.ir.vjp import Backward, one_hot
 from tilegraph.ir.ops import Op
 
 LOSSES = ("cross_entropy", "mean")
@@ -124,12 +124,59 @@ def cross_entropy(b: Backward, logits: SSAValue, targets: SSAValue) -> SSAValue:
     return b("reduce_mean", b("sub", lse, picked), axes=tuple(range(t.rank)))
 
 
+def cross_entropy_and_grad(b: Backward, logits: SSAValue, targets: SSAValue) -> tuple[SSAValue, SSAValue]:
+    """(loss, d loss / d logits) of torch's mean cross-entropy, the gradient written by hand:
+    (softmax(logits) - one_hot(targets)) / rows, softmax recomputed from the logits and each row's
+    logsumexp (one pass, one exp per logit). Autodiff of `cross_entropy` would differentiate the
+    max shift too, whose gradient is exactly zero (the loss does not depend on it), at two more
+    passes and two more exps per logit: over GPT-2's 50257-wide rows the largest cost of the loss.
+    The shift is a constant here, as JAX's logsumexp stops its gradient."""
+    t = info_of(logits.type)
+    axis = t.rank - 1
+    rows = 1
+    for d in t.shape[:-1]:
+        rows *= d
+    m = b("reduce_max", logits, axes=(axis,), keepdims=True)
+    lse = b("add", b("log", b.sum(b("exp", b("sub", logits, m)), (axis,), keepdims=True)), m)
+    index = b.reshape(targets, tuple(t.shape[:-1]) + (1,))
+    picked = b("gather_elements", logits, index, axis=axis)
+    loss = b("reduce_mean", b("sub", lse, picked), axes=tuple(range(t.rank)))
+    softmax = b("exp", b("sub", logits, b.broadcast_to(lse, t.shape)))
+    dlogits = b("mul", b("sub", softmax, one_hot(b, index, t, axis)), b.const(1.0 / rows, t.dtype))
+    return loss, dlogits
+
+
 def build_gradients(model: Model, loss: str, params: Sequence[str]) -> Model:
     """@forward(inputs..., targets, <param>...) -> (loss, grad_<param>...): the step's forward and backward."""
     missing = [p for p in params if p not in model.weights]
     if missing:
         raise TrainError(f"no weight named {', '.join(missing)} to train")
-    return value_and_grad(weights_to_inputs(_with_loss(model, loss), params), wrt=list(params))
+    t = info_of(model.func.body.block.last_op.operands[0].type)
+    if loss != "cross_entropy" or not all(isinstance(d, int) for d in t.shape) or not dtypes.is_float(t.dtype):
+        return value_and_grad(weights_to_inputs(_with_loss(model, loss), params), wrt=list(params))
+    # The model's VJP with the logits' cotangent as an input, then that input replaced by
+    # cross-entropy's own gradient, computed right after the logits.
+    first = model.clone()
+    ret = first.func.body.block.last_op
+    first = set_signature(first, first.input_names, [ret.operands[0]], first.output_names[:1])
+    m = vjp(weights_to_inputs(first, params), wrt=list(params))
+    block = m.func.body.block
+    logits, *grads = block.last_op.operands
+    cotangent = block.args[-1]
+    in_names = m.input_names[:-1]
+    at = len(model.input_names)
+    targets = block.insert_arg(tensor_type("i64", t.shape[:-1]), at)
+    targets.name_hint = "targets"
+    in_names.insert(at, "targets")
+    b = Backward()
+    value, dlogits = cross_entropy_and_grad(b, logits, targets)
+    if isinstance(logits.owner, TgOp):
+        block.insert_ops_after(b.ops, logits.owner)
+    else:  # the logits are an input: nothing to differentiate but the loss itself
+        block.insert_ops_before(b.ops, block.first_op)
+    cotangent.replace_all_uses_with(dlogits)
+    block.erase_arg(cotangent)
+    return set_signature(m, in_names, [value, *grads], ["loss"] + ["grad_" + p for p in params])
 
 
 def build_step(model: Model, loss: str, optimizer: SGD | AdamW, params: Sequence[str],
