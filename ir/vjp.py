@@ -448,6 +448,14 @@ def _rope(b, op, g):
     return [gx, b.sum_to(gcos, info(cos).shape), b.sum_to(gsin, info(sin).shape)]
 
 
+@vjp("dropout")
+def _dropout(b, op, g):
+    # Linear in x with the mask a pure function of (seed, site, index): the same dropout of the
+    # cotangent is the VJP, its mask recomputed, never saved.
+    x, seed = op.operands
+    return [b("dropout", g[0], seed, p=op.attr("p"), site=op.attr("site")), None]
+
+
 # --- contractions ------------------------------------------------------------------
 
 def _swap_last(b, x):

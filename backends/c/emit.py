@@ -259,6 +259,8 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
             return [self.scatter_nd(op, *xs)]
         if name == Op.tile:
             return [self.tile(op, xs[0])]
+        if name == Op.dropout:
+            return [self.dropout(op, xs[0], xs[1])]
         if name == Op.cumsum:
             return [self.cumsum(op, xs[0])]
         if name == Op.attention:
