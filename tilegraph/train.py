@@ -28,6 +28,7 @@ from typing import Any, Sequence
 import numpy as np
 from xdsl.ir import SSAValue
 
+from tilegraph.frontends import DROPOUT_SEED
 from tilegraph.ir import dtypes
 from tilegraph.ir.autodiff import float_weights, set_signature, value_and_grad, vjp
 from tilegraph.ir.dialect import TgOp
@@ -271,8 +272,9 @@ def _with_update(m: Model, params: Sequence[str], grads: list[SSAValue], optimiz
 class TrainStep:
     """A compiled training step holding the weights and optimizer state it updates in place."""
 
-    def __init__(self, step_model: Model, compiled: Any, params: dict[str, np.ndarray], optimizer):
+    def __init__(self, step_model: Model, compiled: Any, params: dict[str, np.ndarray], optimizer, seed: int = 0):
         self.model = step_model
+        self.seed = seed
         self.compiled = compiled
         self.optimizer = optimizer
         self.weights = {k: np.array(v, copy=True) for k, v in params.items()}
@@ -281,7 +283,7 @@ class TrainStep:
         names = step_model.input_names
         self._updates = {r: names[i] for i, r in step_model.aliases.items()}
         self._data = names[:names.index("lr")]
-        self._data = [n for n in self._data if n not in self.weights and n not in self.state]
+        self._data = [n for n in self._data if n not in self.weights and n not in self.state and n != DROPOUT_SEED]
 
     def __call__(self, *inputs: Any, targets: Any = None, lr: float | None = None) -> float:
         self.steps += 1
@@ -289,7 +291,9 @@ class TrainStep:
         if len(arrays) != len(self._data):
             raise TrainError(f"the step takes {', '.join(self._data)}; got {len(arrays)} arrays")
         rate = self.optimizer.lr if lr is None else lr
-        feed = {**arrays, **self.weights, **self.state, "lr": np.float32(rate), "step": np.float32(self.steps)}
+        feed = {**arrays, **self.weights, **self.state, "lr": np.float32(rate), "step": np.float32(self.steps),
+                DROPOUT_SEED: np.int64(self.seed + self.steps)}
+        feed = {n: feed[n] for n in self.model.input_names}
         outs = self.compiled.run(**feed)
         _write_back(self._updates, outs, self.weights, self.state)
         return float(outs[0])
@@ -313,21 +317,33 @@ def _numpy(a: Any) -> np.ndarray:
 
 def train_step(model: Any, loss: str = "cross_entropy", optimizer: SGD | AdamW | None = None, *,
                example_inputs: Sequence[Any] | None = None, params: Sequence[str] | None = None,
-               clip_norm: float | None = None, target: str = "numpy", pipeline: Any = None, **options) -> TrainStep:
+               clip_norm: float | None = None, target: str = "numpy", pipeline: Any = None, seed: int = 0,
+               **options) -> TrainStep:
     """Compile one training step of `model` (anything `tilegraph.import_model` reads; its first
     output the logits, or the value `loss="mean"` averages). params: the weights trained (default:
-    a torch module's parameters, else every float weight)."""
+    a torch module's parameters, else every float weight). seed: dropout's masks at step n are
+    drawn from seed + n (tg.dropout: the same seed gives the same masks)."""
     import tilegraph
 
     optimizer = optimizer or AdamW()
     if not isinstance(optimizer, (SGD, AdamW)):
         raise TrainError(f"optimizer must be tilegraph.train.SGD or AdamW, got {type(optimizer).__name__}")
-    imported = tilegraph.import_model(model, example_inputs)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(model, torch.nn.Module) and example_inputs is not None:
+        from tilegraph.frontends.torch_export import from_torch
+
+        # nn.Dropout modules in training mode drop, as in torch's training: tg.dropout, its
+        # seed an input the step feeds (`seed` + the step's number)
+        imported = from_torch(model, tuple(example_inputs), dropout=True)
+    else:
+        imported = tilegraph.import_model(model, example_inputs)
+    if DROPOUT_SEED in imported.weights:
+        imported = weights_to_inputs(imported, [DROPOUT_SEED])
     params = list(params) if params is not None else _default_params(model, imported)
     step_model = build_step(imported, loss, optimizer, list(params), clip_norm)
     initial = {name: np.asarray(imported.weights[name]) for name in params}
     compiled = tilegraph.compile(step_model, target=target, pipeline=pipeline, **options)
-    return TrainStep(step_model, compiled, initial, optimizer)
+    return TrainStep(step_model, compiled, initial, optimizer, seed)
 
 
 # --- data parallelism: N local processes, gradients all-reduced between backward and update ---
