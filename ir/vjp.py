@@ -16,7 +16,8 @@ data-dependent sizes); tests/test_autodiff.py fails when an op of the table has 
 
 Composites get rules of their own, not their decompositions' (softmax's y * (g - sum(g y)),
 layer_norm's three-term formula, gelu's Phi + x phi, attention's probabilities recomputed
-from q and k rather than saved); layout ops that copy elements (pad's reflect and edge
+from q and k rather than saved, a block of keys at a time past ATTENTION_BACKWARD_BLOCK;
+dropout's mask recomputed from its seed); layout ops that copy elements (pad's reflect and edge
 modes, strided slices, tile, pools) share one rule: the op applied to the flat indices of
 its operand, then the cotangent scatter-added at those indices.
 """
@@ -600,7 +601,8 @@ def _conv(b, op, g):
 
 def attention_backward(b, q, k, v, mask, scale: float, causal: bool, gy):
     """(dq, dk, dv) of softmax(q k^T scale + mask) v: the probabilities recomputed from q and k
-    (FlashAttention's backward does it a block at a time; here one matmul, memory O(Lq Lk))."""
+    in one matmul, memory O(Lq Lk): the rule at or below ATTENTION_BACKWARD_BLOCK keys, where that
+    is one block's slab anyway (attention_backward_blockwise above it)."""
     from tilegraph.ir.decompositions import attention_probabilities
 
     p = attention_probabilities(b, q, k, mask, scale, causal)
