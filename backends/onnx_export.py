@@ -102,7 +102,9 @@ NO_ONNX_OP = {"expm1": "ONNX has no Expm1 (exp(x) - 1 loses every digit for smal
               "cache_attention": "ONNX Attention with a KV cache came in opset 23; this exporter writes opset 21",
               "rms_norm": "ONNX RMSNormalization came in opset 23; this exporter writes opset 21",
               "rope": "ONNX RotaryEmbedding came in opset 23; this exporter writes opset 21",
-              "sample": "ONNX has no sampler (onnxruntime-genai samples outside the graph)"}
+              "sample": "ONNX has no sampler (onnxruntime-genai samples outside the graph)",
+              "dropout": "ONNX Dropout draws its mask from the runtime's own generator: no backward could "
+                         "recompute it (and inference graphs carry no dropout)"}
 
 
 # --- what cannot be exported ----------------------------------------------------------------

@@ -625,6 +625,37 @@ def rope(x, cos, sin):
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+PHILOX_M, PHILOX_W = 0xD256D193, 0x9E3779B9  # Philox2x32's multiplier and Weyl key step (Random123)
+MASK32 = 0xFFFFFFFF
+
+
+def philox_bits(seed, site: int, n: int) -> np.ndarray:
+    """Philox2x32-10 of counters (i mod 2^32, site ^ (i >> 32) << 16), i = 0..n-1, under the key of
+    seed's two halves xored: n uint32s, a pure function of (seed, site, i) (tg.dropout's doc)."""
+    s = int(np.asarray(seed).astype(np.int64)) & ((1 << 64) - 1)
+    key = np.uint64((s ^ (s >> 32)) & MASK32)
+    i = np.arange(n, dtype=np.uint64)
+    c0 = i & np.uint64(MASK32)
+    c1 = (np.uint64(site & MASK32) ^ ((i >> np.uint64(32)) << np.uint64(16))) & np.uint64(MASK32)
+    for _ in range(10):
+        prod = c0 * np.uint64(PHILOX_M)  # both factors below 2^32: the product fits in 64 bits
+        c0, c1 = (prod >> np.uint64(32)) ^ key ^ c1, prod & np.uint64(MASK32)
+        key = (key + np.uint64(PHILOX_W)) & np.uint64(MASK32)
+    return c0.astype(np.uint32)
+
+
+def dropout_keep(seed, site: int, p: float, shape) -> np.ndarray:
+    """Which elements of a tensor of `shape` tg.dropout keeps (bool, row-major counters)."""
+    threshold = np.uint32(math.floor(p * 2.0 ** 32))
+    return (philox_bits(seed, site, math.prod(shape)) >= threshold).reshape(shape)
+
+
+def dropout(x, seed, p, site):
+    x = np.asarray(x)
+    scale = np.asarray(1.0 / (1.0 - p), x.dtype)
+    return np.where(dropout_keep(seed, site, p, x.shape), x * scale, np.zeros((), x.dtype))
+
+
 def sample(logits, seen, u, temperature, top_k, top_p, repetition_penalty):
     """One token per row of logits [B, vocab] (tg.sample's doc in ir/ops.py says how)."""
     x = np.array(logits)

@@ -23,7 +23,7 @@ from tilegraph.ir import loops
 from tilegraph.ir.shape_rules import (
     _arg_reduce, _assert_size, _attention, _binary, _bitcast, _block_gather,
     _block_matmul, _cache_attention, _cache_write, _cast, _check_broadcast, _check_reshape,
-    _concat, _constant, _conv, _dequantize, _dynamic_quantize, _einsum,
+    _concat, _constant, _conv, _dequantize, _dropout, _dynamic_quantize, _einsum,
     _fail, _gather, _gather_elements, _given, _iota, _layer_norm,
     _matmul, _matmul_integer, _narrow, _non_max_suppression, _nonzero, _pad,
     _pool, _quantize, _reduce, _rms_norm, _rnn, _rope, _sample,
@@ -33,6 +33,9 @@ from tilegraph.ir.shape_rules import (
 from tilegraph.ir.shapes import TensorInfo, normalize_dim, numel
 
 REQUIRED = object()  # attribute default meaning "must be given"
+# dropout's work per element: Philox2x32-10's ten rounds, a multiply and two xors each, then a
+# compare and a select (Random123's Philox, Salmon et al., SC'11).
+DROPOUT_FLOPS = 32
 
 # Fusion pattern kinds, after TVM's OpPatternKind (include/tvm/relax/op_attr_types.h):
 # what a fused loop may do with the op. `fuse`, `tile` and the backends read these.
@@ -749,6 +752,13 @@ _op("rms_norm", ["x", "scale?"], _rms_norm, "K.rms_norm({x}, {scale}, {axis}, {e
 _op("rope", ["x", "cos", "sin"], _rope, "K.rope({x}, {cos}, {sin})", "composite",
     doc="rotary embedding of the last dim as pairs (i, i + D/2) (GPT-NeoX, transformers' rotate_half): "
         "[x1 cos - x2 sin, x2 cos + x1 sin], cos/sin broadcasting to x[..., D/2]", pattern=OPAQUE, flops=3)
+# A pure function of (seed, site, index): the backward recomputes the mask rather than saving it.
+_op("dropout", ["x", "seed"], _dropout, "K.dropout({x}, {seed}, {p}, {site})", "composite",
+    {"p": ("float", REQUIRED), "site": ("int", 0)},
+    doc="x / (1 - p) where a counter-based random number keeps the element, 0 elsewhere: element i (row-major) "
+        "is kept when Philox2x32-10(counter = (i mod 2^32, site ^ (i >> 32) << 16), key = seed's two 32-bit "
+        "halves xored) >= floor(p 2^32); seed an integer scalar, site (< 2^32) tells a model's dropouts apart",
+    pattern=OPAQUE, flops=DROPOUT_FLOPS)
 
 
 def normalize_attrs(spec: OpSpec, attrs: dict[str, Any]) -> dict[str, Any]:
@@ -832,7 +842,7 @@ Op = StrEnum("Op", [
     "scatter_elements", "scatter_nd", "cumprod", "topk", "expm1", "log1p", "nonzero", "unique", "narrow",
     "non_max_suppression", "assert_size", "rnn", "quantize", "dequantize", "dynamic_quantize",
     "matmul_integer", "block_matmul", "block_gather", "cache_write", "cache_attention", "rms_norm", "rope",
-    "sample"
+    "sample", "dropout"
 ])
 if set(Op) != set(OPS):
     raise ImportError(f"ir/ops.py: Op and the op table differ: {sorted(set(Op) ^ set(OPS))}")

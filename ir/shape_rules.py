@@ -711,6 +711,15 @@ def _rope(ins, attrs, given):
     return [x]
 
 
+def _dropout(ins, attrs, given):
+    x, seed = ins
+    if not dtypes.is_float(x.dtype) or seed.rank != 0 or not dtypes.is_int(seed.dtype) or seed.dtype == "i1":
+        raise _fail("dropout", f"x {x} must be a float tensor and seed {seed} an integer scalar")
+    if not 0 <= attrs["p"] < 1 or not 0 <= attrs["site"] < 1 << 32:
+        raise _fail("dropout", f"p must lie in [0, 1) and site in [0, 2^32), got p={attrs['p']}, site={attrs['site']}")
+    return [x]
+
+
 # Ops defined on integers only (NumPy, Triton and C have no float shift or bitwise and);
 # the bitwise ones on i1 as well, as NumPy's logical and/or/xor/not.
 INTS_ONLY = {"shift_left": False, "shift_right": False, "bitwise_and": True, "bitwise_or": True,

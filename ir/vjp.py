@@ -16,7 +16,8 @@ data-dependent sizes); tests/test_autodiff.py fails when an op of the table has 
 
 Composites get rules of their own, not their decompositions' (softmax's y * (g - sum(g y)),
 layer_norm's three-term formula, gelu's Phi + x phi, attention's probabilities recomputed
-from q and k rather than saved); layout ops that copy elements (pad's reflect and edge
+from q and k rather than saved, a block of keys at a time past ATTENTION_BACKWARD_BLOCK;
+dropout's mask recomputed from its seed); layout ops that copy elements (pad's reflect and edge
 modes, strided slices, tile, pools) share one rule: the op applied to the flat indices of
 its operand, then the cotangent scatter-added at those indices.
 """
@@ -448,6 +449,14 @@ def _rope(b, op, g):
     return [gx, b.sum_to(gcos, info(cos).shape), b.sum_to(gsin, info(sin).shape)]
 
 
+@vjp("dropout")
+def _dropout(b, op, g):
+    # Linear in x with the mask a pure function of (seed, site, index): the same dropout of the
+    # cotangent is the VJP, its mask recomputed, never saved.
+    x, seed = op.operands
+    return [b("dropout", g[0], seed, p=op.attr("p"), site=op.attr("site")), None]
+
+
 # --- contractions ------------------------------------------------------------------
 
 def _swap_last(b, x):
@@ -592,7 +601,8 @@ def _conv(b, op, g):
 
 def attention_backward(b, q, k, v, mask, scale: float, causal: bool, gy):
     """(dq, dk, dv) of softmax(q k^T scale + mask) v: the probabilities recomputed from q and k
-    (FlashAttention's backward does it a block at a time; here one matmul, memory O(Lq Lk))."""
+    in one matmul, memory O(Lq Lk): the rule at or below ATTENTION_BACKWARD_BLOCK keys, where that
+    is one block's slab anyway (attention_backward_blockwise above it)."""
     from tilegraph.ir.decompositions import attention_probabilities
 
     p = attention_probabilities(b, q, k, mask, scale, causal)
@@ -606,9 +616,106 @@ def attention_backward(b, q, k, v, mask, scale: float, causal: bool, gy):
     return dq, dk, dv, ds
 
 
+# Keys per block of the blockwise attention backward: its scores, probabilities and their
+# gradients exist one (Lq x block) slab at a time, O(Lq block) memory per head instead of
+# O(Lq Lk). FlashAttention-2's backward uses blocks of 64-128 in SRAM; these slabs live in
+# cache-sized CPU memory, and at or below one block the whole row is one slab (no slicing).
+ATTENTION_BACKWARD_BLOCK = 256
+
+
+def _keys(b, x, start: int, stop: int):
+    """x[..., start:stop, :] (a block of keys or values), or x itself when that is all of it."""
+    r = info(x).rank
+    if start == 0 and dims_equal(info(x).shape[-2], stop):
+        return x
+    big = (1 << 63) - 1
+    return b("slice", x, starts=(0,) * (r - 2) + (start, 0), ends=(big,) * (r - 2) + (stop, big), steps=(1,) * r)
+
+
+def _columns(b, x, start: int, stop: int, lk: int):
+    """x[..., start:stop] of a mask whose last dim is Lk (a mask broadcast along keys: itself)."""
+    r = info(x).rank
+    if not dims_equal(info(x).shape[-1], lk):
+        return x
+    big = (1 << 63) - 1
+    return b("slice", x, starts=(0,) * (r - 1) + (start,), ends=(big,) * (r - 1) + (stop,), steps=(1,) * r)
+
+
+def attention_backward_blockwise(b, q, k, v, mask, scale: float, causal: bool, out, gy, block: int):
+    """(dq, dk, dv, mask's cotangent or None) of attention, FlashAttention-2's backward over blocks
+    of `block` keys: each row's logsumexp first (online over the blocks: a running max and a
+    rescaled running sum), then per block the scores recomputed from q and the block's keys,
+    P = exp(S - lse), dV_j = P^T dO, dS = P (dO V_j^T - D) with D = rowsum(dO * O) from the
+    forward's output (so no row sum over P), dQ += dS K_j, dK_j = dS^T Q. No Lq x Lk value exists."""
+    dt = info(q).dtype
+    lq, lk = info(q).shape[-2], info(k).shape[-2]
+    offset = lk - lq
+    rank = info(q).rank
+    minus_inf, zero = b.const(-math.inf, dt), b.const(0.0, dt)
+    last = (rank - 1,)
+
+    def scores(start, stop):
+        s = b("mul", b("matmul", q, _swap_last(b, _keys(b, k, start, stop))), b.const(scale, dt))
+        if causal:  # key c of the block at or before query i's position: (start + c) - i <= offset
+            ones = b("broadcast", b.const(True, "i1"), result=TensorInfo((lq, stop - start), "i1"))
+            s = b("where", b("trilu", ones, k=offset - start, upper=False), s, minus_inf)
+        if mask is not None:
+            part = _columns(b, mask, start, stop, lk)
+            s = b("where", part, s, minus_inf) if info(mask).dtype == "i1" else b("add", s, part)
+        return s
+
+    # (causal masks align the last query with the last key: every block has a key some query reads)
+    blocks = [(j, min(j + block, lk)) for j in range(0, lk, block)]
+    m = total = None
+    for start, stop in blocks:
+        s = scores(start, stop)
+        bm = b("reduce_max", s, axes=last, keepdims=True)
+        new = bm if m is None else b("max", m, bm)
+        safe = b("where", b("eq", new, minus_inf), zero, new)  # a row masked so far: exp(-inf - 0) = 0
+        part = b.sum(b("exp", b("sub", s, safe)), last, keepdims=True)
+        total = part if total is None else b("add", b("mul", total, b("exp", b("sub", m, safe))), part)
+        m = new
+    assert m is not None and total is not None
+    lse = b("add", b("where", b("eq", m, minus_inf), zero, m), b("log", total))
+    d = b.sum(b("mul", gy, out), last, keepdims=True)
+    dq = None
+    dks, dvs, dmasks = [], [], []
+    for start, stop in blocks:
+        s = scores(start, stop)
+        p = b("exp", b("sub", s, b.broadcast_to(lse, info(s).shape)))
+        dvs.append(b("matmul", _swap_last(b, p), gy))
+        dp = b("matmul", gy, _swap_last(b, _keys(b, v, start, stop)))
+        ds = b("mul", p, b("sub", dp, b.broadcast_to(d, info(dp).shape)))
+        if mask is not None and info(mask).dtype != "i1":
+            dmasks.append(b.sum_to(ds, info(_columns(b, mask, start, stop, lk)).shape))
+        ds = b("mul", ds, b.const(scale, dt))
+        step = b("matmul", ds, _keys(b, k, start, stop))
+        dq = step if dq is None else b("add", dq, step)
+        dks.append(b("matmul", _swap_last(b, ds), q))
+    concat = lambda parts: parts[0] if len(parts) == 1 else b("concat", *parts, axis=rank - 2)  # noqa: E731
+    dmask = None
+    if dmasks:
+        if dims_equal(info(mask).shape[-1], lk):
+            dmask = dmasks[0] if len(dmasks) == 1 else b("concat", *dmasks, axis=info(mask).rank - 1)
+        else:
+            dmask = dmasks[0]
+            for extra in dmasks[1:]:
+                dmask = b("add", dmask, extra)
+    return dq, concat(dks), concat(dvs), dmask
+
+
 @vjp("attention")
 def _attention(b, op, g):
     q, k, v, *mask = op.operands
+    lq, lk = info(q).shape[-2], info(k).shape[-2]
+    if isinstance(lq, int) and isinstance(lk, int) and lk > ATTENTION_BACKWARD_BLOCK:
+        dq, dk, dv, dmask = attention_backward_blockwise(b, q, k, v, mask[0] if mask else None, op.attr("scale"),
+                                                         op.attr("causal"), op.results[0], g[0],
+                                                         ATTENTION_BACKWARD_BLOCK)
+        grads = [b.sum_to(dq, info(q).shape), b.sum_to(dk, info(k).shape), b.sum_to(dv, info(v).shape)]
+        if mask:
+            grads.append(None if dmask is None else b.sum_to(dmask, info(mask[0]).shape))
+        return grads
     dq, dk, dv, ds = attention_backward(b, q, k, v, mask[0] if mask else None, op.attr("scale"), op.attr("causal"),
                                         g[0])
     grads = [b.sum_to(dq, info(q).shape), b.sum_to(dk, info(k).shape), b.sum_to(dv, info(v).shape)]
@@ -817,6 +924,19 @@ def _gather(b, op, g):
     return [_move_back(b, acc, axis), None]
 
 
+def one_hot(b, idx: SSAValue, t: TensorInfo, axis: int) -> SSAValue:
+    """1 where the position along `axis` is the row's index (negative counting from the end),
+    0 elsewhere, in t's shape and dtype; idx has t's shape with 1 at `axis`. Elementwise over a
+    constant arange broadcast, so a fused loop computes it in place rather than reading a mask."""
+    ti = info(idx)
+    kind = dtypes.numpy_dtype(ti.dtype)
+    n = b.const(np.asarray(t.shape[axis], kind), ti.dtype)
+    idx = b("where", b("lt", idx, b.const(np.asarray(0, kind), ti.dtype)), b("add", idx, n), idx)
+    along = tuple(t.shape[axis] if i == axis else 1 for i in range(t.rank))
+    positions = b.const(np.arange(t.shape[axis], dtype=kind).reshape(along), ti.dtype)
+    return b("cast", b("eq", b.broadcast_to(positions, t.shape), b.broadcast_to(idx, t.shape)), to=t.dtype)
+
+
 @vjp("gather_elements")
 def _gather_elements(b, op, g):
     x, idx = op.operands
@@ -826,16 +946,8 @@ def _gather_elements(b, op, g):
                                              if i != axis):
         # One index per row (cross-entropy's picked logit): the cotangent where a one-hot mask
         # of the index is, elementwise (it fuses with the softmax's gradient), not a scatter.
-        n = b.const(np.asarray(t.shape[axis], dtypes.numpy_dtype(ti.dtype)), ti.dtype) if isinstance(
-            t.shape[axis], int) else None
-        if n is not None:
-            zero = b.const(np.asarray(0, dtypes.numpy_dtype(ti.dtype)), ti.dtype)
-            idx = b("where", b("lt", idx, zero), b("add", idx, n), idx)
-            # the positions along the axis as a constant broadcast, which a fused loop reads in place
-            along = tuple(t.shape[axis] if i == axis else 1 for i in range(t.rank))
-            positions = b.const(np.arange(t.shape[axis], dtype=dtypes.numpy_dtype(ti.dtype)).reshape(along), ti.dtype)
-            hot = b("cast", b("eq", b.broadcast_to(positions, t.shape), b.broadcast_to(idx, t.shape)), to=t.dtype)
-            return [b("mul", hot, b.broadcast_to(g[0], t.shape)), None]
+        if isinstance(t.shape[axis], int):
+            return [b("mul", one_hot(b, idx, t, axis), b.broadcast_to(g[0], t.shape)), None]
     return [b("scatter_elements", b.zeros(info(x)), idx, g[0], axis=op.attr("axis"), reduction="add"), None]
 
 

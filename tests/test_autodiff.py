@@ -255,3 +255,65 @@ def test_minilm_parameter_gradients_match_torch_autograd():
     module = minilm_model()
     padding = {"m.bert.embeddings.word_embeddings.weight": module.bert.embeddings.word_embeddings.padding_idx}
     check_parameter_gradients(summed_against(module, (2, 8, MINILM_HIDDEN)), minilm_inputs(2, 8), padding)
+
+
+@pytest.mark.parametrize("causal, mask_kind, lq", [(False, None, 10), (True, None, 6), (False, "float", 7),
+                                                   (True, "bool", 10), (False, "float-keys", 5)])
+def test_blockwise_attention_backward_matches_torch_and_holds_no_lq_by_lk_value(monkeypatch, causal, mask_kind, lq):
+    """Above ATTENTION_BACKWARD_BLOCK keys, attention's VJP walks blocks of keys (FlashAttention-2's
+    backward, each row's logsumexp first): its gradients equal torch.autograd's in float64 (dq, dk,
+    dv and a float mask's), and no value of the backward is Lq x Lk, only Lq x block slabs."""
+    import torch
+
+    monkeypatch.setattr(vjp, "ATTENTION_BACKWARD_BLOCK", 4)
+    lk, d = 10, 3
+    rng = np.random.default_rng(lq + 2 * causal)
+    shapes = {"q": (2, 2, lq, d), "k": (2, 1, lk, d), "v": (2, 1, lk, 4)}
+    mshape = {"float": (2, 1, lq, lk), "bool": (1, 1, lq, lk), "float-keys": (2, 1, 1, lk)}.get(mask_kind)
+    g = Graph()
+    q, k, v = (g.input(n, s) for n, s in shapes.items())
+    mask = None if mask_kind is None else g.input("mask", mshape, "i1" if mask_kind == "bool" else "f32")
+    out = g.op("attention", q, k, v, *([mask] if mask is not None else []), scale=0.6, causal=causal)
+    wrt = list(shapes) + (["mask"] if mask_kind and mask_kind != "bool" else [])
+    model = autodiff.vjp(g.build(out, names=["out"]), wrt=wrt)
+    # (a float mask as large as the scores has a gradient as large: that one result is allowed)
+    returned = model.func.body.block.last_op.operands
+    allowed = {returned[-1]} if mask_kind == "float" else set()
+    for op in model.ops():
+        for r in getattr(op, "results", []):
+            shape = tuple(info_of_value(r).shape)
+            assert shape[-2:] != (lq, lk) or r in allowed, f"{op.name} makes an Lq x Lk value {shape}"
+    values = {n: rng.standard_normal(s) for n, s in shapes.items()}
+    if mask_kind == "bool":
+        values["mask"] = rng.random(mshape) < 0.8
+        values["mask"][..., 0] = True  # no row wholly masked (its forward is NaN in both)
+    elif mask_kind:
+        values["mask"] = rng.standard_normal(mshape)
+    cot = rng.standard_normal((2, 2, lq, 4))
+    ours = interpret(model, [values[n] for n in model.input_names[:-1]] + [cot])
+    t = {n: torch.tensor(a, dtype=torch.float64 if a.dtype != bool else torch.bool, requires_grad=a.dtype != bool)
+         for n, a in values.items()}
+    s = t["q"] @ t["k"].transpose(-1, -2) * 0.6
+    if causal:
+        s = s.masked_fill(~torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq), -torch.inf)
+    if mask_kind == "bool":
+        s = s.masked_fill(~t["mask"], -torch.inf)
+    elif mask_kind:
+        s = s + t["mask"]
+    (torch.softmax(s, -1) @ t["v"]).backward(torch.from_numpy(cot))
+    rtol, _ = tolerance("f32", lk)  # the inputs are f32, rounded on the way in
+    for name, got in zip(wrt, ours[1:]):
+        assert relative_error(got, t[name].grad.numpy()) <= rtol, name
+    if causal and mask_kind == "bool":  # the blocks' ops on the C backend, against the float64 interpreter
+        import tilegraph
+        from tilegraph.testing import assert_close
+
+        feed = [np.asarray(values[n], np.float32) if values[n].dtype != bool else values[n]
+                for n in model.input_names[:-1]] + [cot.astype(np.float32)]
+        for got, want in zip(tilegraph.compile(model, target="c").run(*feed), ours):
+            assert_close(np.asarray(got), want, "f32", lk)
+
+
+def info_of_value(v):
+    from tilegraph.ir.shapes import info_of
+    return info_of(v.type)

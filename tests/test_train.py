@@ -135,3 +135,111 @@ def test_a_builder_model_trains_one_sgd_step_by_its_own_gradient():
     step = tilegraph.train_step(model, "cross_entropy", SGD(lr=0.5), target="numpy")
     assert abs(step(xs, targets=ys) - loss) <= PEER_RELATIVE_ERROR * abs(loss)
     np.testing.assert_allclose(step.weights["w"], model.weights["w"] - 0.5 * gw, rtol=PEER_RELATIVE_ERROR, atol=1e-6)
+
+
+def test_cross_entropy_gradient_does_not_differentiate_the_max_shift():
+    """The loss does not depend on logsumexp's max shift: the backward takes (softmax - one_hot) /
+    rows from the logits and each row's logsumexp, one exp per logit, and never the shift's
+    gradient (a reduce_max VJP's tie mask `eq(x, max)`); the gradient matches the float64
+    interpreter's and central differences of the loss."""
+    from tilegraph.ir import Graph, interpret
+    from tilegraph.ir.ops import Op
+    from tilegraph.ir.shapes import info_of
+    from tilegraph.testing import tolerance
+    from tilegraph.train import build_gradients
+
+    rng = np.random.default_rng(1)
+    g = Graph()
+    x = g.input("x", (5, 3))
+    w = g.weight("w", rng.standard_normal((3, 7)).astype(np.float32))
+    model = g.build(x @ w, names=["logits"])
+    grads = build_gradients(model, "cross_entropy", ["w"])
+    ops = [op for op in grads.ops() if hasattr(op, "op_name")]
+    wide = [op for op in ops if op.results and tuple(info_of(op.results[0].type).shape) == (5, 7)]
+    assert sum(op.op_name == Op.exp for op in wide) == 2  # the forward's sum of exps, the backward's softmax
+    assert sum(op.op_name == Op.reduce_max for op in ops) == 1
+    maxed = {op.results[0] for op in ops if op.op_name == Op.reduce_max}
+    assert not [op for op in ops if op.op_name == Op.eq and set(op.operands) & maxed]
+    xs = rng.standard_normal((5, 3)).astype(np.float32)
+    ys = np.array([0, 6, -1, 3, 3])  # a negative target counts from the end, as the forward's gather does
+    loss, gw = interpret(grads, [xs, ys, model.weights["w"]])
+    w64 = model.weights["w"].astype(np.float64)
+
+    def reference(wv):
+        z = xs.astype(np.float64) @ wv
+        lse = np.log(np.exp(z - z.max(1, keepdims=True)).sum(1)) + z.max(1)
+        return float(np.mean(lse - z[np.arange(5), ys]))
+
+    rtol, _ = tolerance("f32", 7)
+    assert abs(loss - reference(w64)) <= rtol * abs(reference(w64))
+    h, fd = 1e-6, np.zeros_like(w64)
+    for i in np.ndindex(*w64.shape):
+        d = np.zeros_like(w64)
+        d[i] = h
+        fd[i] = (reference(w64 + d) - reference(w64 - d)) / (2 * h)
+    assert relative_error(gw, fd) <= rtol
+
+
+@pytest.mark.parametrize("target", ["interpreter", "numpy", "c"])
+def test_dropout_backward_recomputes_the_forward_mask(target):
+    """tg.dropout's mask is a pure function of (seed, site, index): the VJP is the same dropout
+    of the cotangent, so the backward drops exactly the elements the forward dropped (its zeros
+    where the forward's are), without a saved mask; other seeds and sites draw other masks."""
+    from tilegraph.ir import Graph, interpret
+    from tilegraph.ir.autodiff import vjp
+    from tilegraph.ir.kernels import dropout_keep
+    from tilegraph.ir.ops import Op
+
+    p = 0.3
+    g = Graph()
+    x, seed = g.input("x", (6, 40)), g.input("seed", (), "i64")
+    model = vjp(g.build(g.op("dropout", x, seed, p=p, site=2) * 3.0, names=["y"]), wrt=["x"])
+    assert sum(op.op_name == Op.dropout for op in model.ops() if hasattr(op, "op_name")) == 2
+    rng = np.random.default_rng(0)
+    xs = rng.uniform(0.5, 2.0, (6, 40)).astype(np.float32)
+    ones = np.ones((6, 40), np.float32)
+    if target == "interpreter":
+        run = lambda s: interpret(model, [xs, np.int64(s), ones])  # noqa: E731
+    else:
+        compiled = tilegraph.compile(model, target=target)
+        if target == "c":  # the fast path: both dropouts are C loops, no host step
+            assert [s.comment for s in compiled._runner.program.steps if s.host_op is not None] == []
+        run = lambda s: compiled.run(xs, np.int64(s), ones)  # noqa: E731
+    y, gx = (np.asarray(v, np.float64) for v in run(7))
+    keep = dropout_keep(7, 2, p, (6, 40))
+    assert np.array_equal(y != 0, keep) and np.array_equal(gx != 0, keep)
+    np.testing.assert_allclose(gx[keep], 3.0 / (1 - p), rtol=1e-6)
+    reference, _ = interpret(model, [xs, np.int64(7), ones])
+    tilegraph.testing.assert_close(y, reference, "f32")
+    assert 0.55 < keep.mean() < 0.85
+    assert not np.array_equal(np.asarray(run(8)[0]) != 0, keep)
+    assert not np.array_equal(dropout_keep(7, 3, p, (6, 40)), keep)
+
+
+def test_torch_dropout_in_a_training_step_is_seeded_and_its_gradient_matches_torch():
+    """nn.Dropout in training mode becomes tg.dropout seeded per step (seed + step number): one
+    SGD step equals torch's on the same mask (torch multiplying by tg's mask), and an eval-mode
+    module trains without dropout."""
+    from tilegraph.ir.kernels import dropout_keep
+    from tilegraph.ir.ops import Op
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.4), torch.nn.ReLU(), torch.nn.Linear(16, 5))
+    reference = copy.deepcopy(module)
+    x, y = torch.randn(12, 8), torch.randint(0, 5, (12,))
+    step = tilegraph.train_step(module, "cross_entropy", SGD(lr=0.5), example_inputs=(x,), target="c", seed=41)
+    ops = [op for op in step.model.ops() if hasattr(op, "op_name") and op.op_name == Op.dropout]
+    assert len(ops) == 2 and {op.attr("site") for op in ops} == {0}  # forward and backward, one site
+    loss = step(x, targets=y)
+    mask = torch.from_numpy(dropout_keep(42, 0, 0.4, (12, 16)).astype(np.float32))  # seed 41 + step 1
+    h = reference[0](x) * mask / 0.6
+    out = reference[3](torch.relu(h))
+    expected = torch.nn.functional.cross_entropy(out, y)
+    expected.backward()
+    assert abs(loss - float(expected.detach())) <= PEER_RELATIVE_ERROR * float(expected.detach())
+    for name, p_ in reference.named_parameters():
+        want = (p_ - 0.5 * p_.grad).detach().numpy()
+        assert relative_error(step.weights[name], want) <= PEER_RELATIVE_ERROR, name
+    module.eval()
+    plain = tilegraph.train_step(module, "cross_entropy", SGD(lr=0.5), example_inputs=(x,), target="numpy")
+    assert not [op for op in plain.model.ops() if hasattr(op, "op_name") and op.op_name == Op.dropout]

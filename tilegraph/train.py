@@ -28,13 +28,14 @@ from typing import Any, Sequence
 import numpy as np
 from xdsl.ir import SSAValue
 
+from tilegraph.frontends import DROPOUT_SEED
 from tilegraph.ir import dtypes
-from tilegraph.ir.autodiff import float_weights, set_signature, value_and_grad
+from tilegraph.ir.autodiff import float_weights, set_signature, value_and_grad, vjp
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.model import Model, WeightStore, ssa_hint
 from tilegraph.ir.shapes import info_of, tensor_type
-from tilegraph.ir.vjp import Backward
+from tilegraph.ir.vjp import Backward, one_hot
 from tilegraph.ir.ops import Op
 
 LOSSES = ("cross_entropy", "mean")
@@ -124,12 +125,59 @@ def cross_entropy(b: Backward, logits: SSAValue, targets: SSAValue) -> SSAValue:
     return b("reduce_mean", b("sub", lse, picked), axes=tuple(range(t.rank)))
 
 
+def cross_entropy_and_grad(b: Backward, logits: SSAValue, targets: SSAValue) -> tuple[SSAValue, SSAValue]:
+    """(loss, d loss / d logits) of torch's mean cross-entropy, the gradient written by hand:
+    (softmax(logits) - one_hot(targets)) / rows, softmax recomputed from the logits and each row's
+    logsumexp (one pass, one exp per logit). Autodiff of `cross_entropy` would differentiate the
+    max shift too, whose gradient is exactly zero (the loss does not depend on it), at two more
+    passes and two more exps per logit: over GPT-2's 50257-wide rows the largest cost of the loss.
+    The shift is a constant here, as JAX's logsumexp stops its gradient."""
+    t = info_of(logits.type)
+    axis = t.rank - 1
+    rows = 1
+    for d in t.shape[:-1]:
+        rows *= d
+    m = b("reduce_max", logits, axes=(axis,), keepdims=True)
+    lse = b("add", b("log", b.sum(b("exp", b("sub", logits, m)), (axis,), keepdims=True)), m)
+    index = b.reshape(targets, tuple(t.shape[:-1]) + (1,))
+    picked = b("gather_elements", logits, index, axis=axis)
+    loss = b("reduce_mean", b("sub", lse, picked), axes=tuple(range(t.rank)))
+    softmax = b("exp", b("sub", logits, b.broadcast_to(lse, t.shape)))
+    dlogits = b("mul", b("sub", softmax, one_hot(b, index, t, axis)), b.const(1.0 / rows, t.dtype))
+    return loss, dlogits
+
+
 def build_gradients(model: Model, loss: str, params: Sequence[str]) -> Model:
     """@forward(inputs..., targets, <param>...) -> (loss, grad_<param>...): the step's forward and backward."""
     missing = [p for p in params if p not in model.weights]
     if missing:
         raise TrainError(f"no weight named {', '.join(missing)} to train")
-    return value_and_grad(weights_to_inputs(_with_loss(model, loss), params), wrt=list(params))
+    t = info_of(model.func.body.block.last_op.operands[0].type)
+    if loss != "cross_entropy" or not all(isinstance(d, int) for d in t.shape) or not dtypes.is_float(t.dtype):
+        return value_and_grad(weights_to_inputs(_with_loss(model, loss), params), wrt=list(params))
+    # The model's VJP with the logits' cotangent as an input, then that input replaced by
+    # cross-entropy's own gradient, computed right after the logits.
+    first = model.clone()
+    ret = first.func.body.block.last_op
+    first = set_signature(first, first.input_names, [ret.operands[0]], first.output_names[:1])
+    m = vjp(weights_to_inputs(first, params), wrt=list(params))
+    block = m.func.body.block
+    logits, *grads = block.last_op.operands
+    cotangent = block.args[-1]
+    in_names = m.input_names[:-1]
+    at = len(model.input_names)
+    targets = block.insert_arg(tensor_type("i64", t.shape[:-1]), at)
+    targets.name_hint = "targets"
+    in_names.insert(at, "targets")
+    b = Backward()
+    value, dlogits = cross_entropy_and_grad(b, logits, targets)
+    if isinstance(logits.owner, TgOp):
+        block.insert_ops_after(b.ops, logits.owner)
+    else:  # the logits are an input: nothing to differentiate but the loss itself
+        block.insert_ops_before(b.ops, block.first_op)
+    cotangent.replace_all_uses_with(dlogits)
+    block.erase_arg(cotangent)
+    return set_signature(m, in_names, [value, *grads], ["loss"] + ["grad_" + p for p in params])
 
 
 def build_step(model: Model, loss: str, optimizer: SGD | AdamW, params: Sequence[str],
@@ -224,8 +272,9 @@ def _with_update(m: Model, params: Sequence[str], grads: list[SSAValue], optimiz
 class TrainStep:
     """A compiled training step holding the weights and optimizer state it updates in place."""
 
-    def __init__(self, step_model: Model, compiled: Any, params: dict[str, np.ndarray], optimizer):
+    def __init__(self, step_model: Model, compiled: Any, params: dict[str, np.ndarray], optimizer, seed: int = 0):
         self.model = step_model
+        self.seed = seed
         self.compiled = compiled
         self.optimizer = optimizer
         self.weights = {k: np.array(v, copy=True) for k, v in params.items()}
@@ -234,7 +283,7 @@ class TrainStep:
         names = step_model.input_names
         self._updates = {r: names[i] for i, r in step_model.aliases.items()}
         self._data = names[:names.index("lr")]
-        self._data = [n for n in self._data if n not in self.weights and n not in self.state]
+        self._data = [n for n in self._data if n not in self.weights and n not in self.state and n != DROPOUT_SEED]
 
     def __call__(self, *inputs: Any, targets: Any = None, lr: float | None = None) -> float:
         self.steps += 1
@@ -242,7 +291,9 @@ class TrainStep:
         if len(arrays) != len(self._data):
             raise TrainError(f"the step takes {', '.join(self._data)}; got {len(arrays)} arrays")
         rate = self.optimizer.lr if lr is None else lr
-        feed = {**arrays, **self.weights, **self.state, "lr": np.float32(rate), "step": np.float32(self.steps)}
+        feed = {**arrays, **self.weights, **self.state, "lr": np.float32(rate), "step": np.float32(self.steps),
+                DROPOUT_SEED: np.int64(self.seed + self.steps)}
+        feed = {n: feed[n] for n in self.model.input_names}
         outs = self.compiled.run(**feed)
         _write_back(self._updates, outs, self.weights, self.state)
         return float(outs[0])
@@ -266,21 +317,33 @@ def _numpy(a: Any) -> np.ndarray:
 
 def train_step(model: Any, loss: str = "cross_entropy", optimizer: SGD | AdamW | None = None, *,
                example_inputs: Sequence[Any] | None = None, params: Sequence[str] | None = None,
-               clip_norm: float | None = None, target: str = "numpy", pipeline: Any = None, **options) -> TrainStep:
+               clip_norm: float | None = None, target: str = "numpy", pipeline: Any = None, seed: int = 0,
+               **options) -> TrainStep:
     """Compile one training step of `model` (anything `tilegraph.import_model` reads; its first
     output the logits, or the value `loss="mean"` averages). params: the weights trained (default:
-    a torch module's parameters, else every float weight)."""
+    a torch module's parameters, else every float weight). seed: dropout's masks at step n are
+    drawn from seed + n (tg.dropout: the same seed gives the same masks)."""
     import tilegraph
 
     optimizer = optimizer or AdamW()
     if not isinstance(optimizer, (SGD, AdamW)):
         raise TrainError(f"optimizer must be tilegraph.train.SGD or AdamW, got {type(optimizer).__name__}")
-    imported = tilegraph.import_model(model, example_inputs)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(model, torch.nn.Module) and example_inputs is not None:
+        from tilegraph.frontends.torch_export import from_torch
+
+        # nn.Dropout modules in training mode drop, as in torch's training: tg.dropout, its
+        # seed an input the step feeds (`seed` + the step's number)
+        imported = from_torch(model, tuple(example_inputs), dropout=True)
+    else:
+        imported = tilegraph.import_model(model, example_inputs)
+    if DROPOUT_SEED in imported.weights:
+        imported = weights_to_inputs(imported, [DROPOUT_SEED])
     params = list(params) if params is not None else _default_params(model, imported)
     step_model = build_step(imported, loss, optimizer, list(params), clip_norm)
     initial = {name: np.asarray(imported.weights[name]) for name in params}
     compiled = tilegraph.compile(step_model, target=target, pipeline=pipeline, **options)
-    return TrainStep(step_model, compiled, initial, optimizer)
+    return TrainStep(step_model, compiled, initial, optimizer, seed)
 
 
 # --- data parallelism: N local processes, gradients all-reduced between backward and update ---

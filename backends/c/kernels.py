@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import sympy
 
 from tilegraph.backends.c.tables import CTYPES, FLOATS, REDUCE_INIT, REDUCE_STEP
@@ -182,6 +184,30 @@ class Kernels(EmitterParts):
                  f"        for (int64_t e = 0; e < {width}; e++) {apply};",
                  "    }", "}"]
         self._step(_describe(op), lines, [x, ids, updates] if x.literal is None else [ids, updates], [out])
+        return out
+
+    @lowers(Op.dropout, spread=True)
+    def dropout(self, op: TgOp, x: View, seed: View) -> View:
+        """tg.dropout as one loop over the elements in row-major order, each one's Philox bits
+        (runtime.h `tg_philox`, the op table's counters) compared with p's threshold: the
+        backward's dropout of the cotangent draws the same bits, element for element."""
+        info = op.result_infos()[0]
+        if info.dtype not in FLOATS or seed.dtype not in ("i64", "i32") or x.literal is not None:
+            raise Unsupported("dropout of a float tensor by an i64/i32 seed")
+        x = x if self.is_contiguous(x) else self.materialize(x)
+        out = self._temp(info)
+        ctype = CTYPES[info.dtype]
+        p = float(op.attr("p"))
+        threshold = math.floor(p * 2.0 ** 32)
+        key = seed.literal if seed.literal is not None else f"{self.ptr(seed)}[0]"
+        lines = ["{", f"    const {ctype} *x = {self.ptr(x)};", f"    {ctype} *out = {self.ptr(out, False)};",
+                 f"    const uint64_t seed = (uint64_t)({key});",
+                 f"    const {ctype} scale = {c_float(1.0 / (1.0 - p), info.dtype)};",
+                 f"    for (int64_t i = 0; i < {self.ints(numel(info.shape))}; i++)",
+                 f"        out[i] = tg_philox((uint64_t)i, {int(op.attr('site'))}u, seed) >= {threshold}u "
+                 f"? x[i] * scale : ({ctype})0;",
+                 "}"]
+        self._step(_describe(op), lines, [x] + ([seed] if seed.literal is None else []), [out])
         return out
 
     @lowers(Op.tile, spread=True)

@@ -100,6 +100,21 @@ int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb
                  int64_t kr, int64_t vr, int64_t orow, int mask_kind, int64_t mr, int64_t mc, float scale,
                  int causal, int64_t bq, int64_t bk);
 
+/* Philox2x32-10 (Random123; Salmon et al., SC'11) of the counter (i mod 2^32, site ^ (i >> 32) << 16)
+ * under the key of seed's two 32-bit halves xored: tg.dropout's random bits, a pure function of
+ * (seed, site, i), the same as ir/kernels.py's philox_bits. */
+static inline uint32_t tg_philox(uint64_t i, uint32_t site, uint64_t seed) {
+    uint32_t c0 = (uint32_t)i, c1 = site ^ ((uint32_t)(i >> 32) << 16);
+    uint32_t key = (uint32_t)seed ^ (uint32_t)(seed >> 32);
+    for (int r = 0; r < 10; r++) {
+        uint64_t prod = (uint64_t)0xD256D193u * c0;
+        c0 = (uint32_t)(prod >> 32) ^ key ^ c1;
+        c1 = (uint32_t)prod;
+        key += 0x9E3779B9u;
+    }
+    return c0;
+}
+
 /* exp for float32 in straight-line code the compiler vectorises (libm's expf is a
  * call per element): e^x = 2^n e^r, n = round(x log2 e), |r| <= ln2/2, e^r by a
  * degree-6 Taylor polynomial (max relative error 2e-7 on that interval); 2^n built

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
-from tilegraph.frontends import FrontendError
+from tilegraph.frontends import DROPOUT_SEED, FrontendError
 from tilegraph.ir import decompositions as D, dtypes
 from tilegraph.frontends.torch_export.registry import converts
 
@@ -22,18 +23,38 @@ def _identity(cv, node, a):
     return cv.g.cast(x, cv.meta_dtype(node))  # dtype conversions take the result dtype
 
 
-@converts("dropout.default", "feature_dropout.default", "alpha_dropout.default", "feature_alpha_dropout.default")
+def _seeded_dropout(cv, x, p: float):
+    """tg.dropout of x, seeded by the model's one seed, at the next site (each dropout its own masks)."""
+    if cv.dropout_seed is None:
+        cv.dropout_seed = cv.g.weight(DROPOUT_SEED, np.zeros((), np.int64))
+    cv.dropout_sites += 1
+    return cv.g.op("dropout", x, cv.dropout_seed, p=float(p), site=cv.dropout_sites - 1)
+
+
+@converts("dropout.default")
 def _dropout(cv, node, a):
+    if not (a.train and a.p > 0):
+        return a.input
+    if not 0 < a.p < 1:
+        raise FrontendError(f"dropout with p={a.p}: tg.dropout takes 0 <= p < 1")
+    return _seeded_dropout(cv, a.input, a.p)
+
+
+@converts("feature_dropout.default", "alpha_dropout.default", "feature_alpha_dropout.default")
+def _other_dropout(cv, node, a):
     if a.train and a.p > 0:
-        raise FrontendError("dropout in training mode; export the module in eval mode")
+        raise FrontendError(f"{node.target} in training mode: only element-wise dropout (nn.Dropout) is built; "
+                            "export the module in eval mode")
     return a.input
 
 
 @converts("native_dropout.default")
 def _native_dropout(cv, node, a):
-    if a.train and a.p > 0:
-        raise FrontendError("dropout in training mode; export the module in eval mode")
-    return (a.input, None)
+    if not (a.train and a.p > 0):
+        return (a.input, None)
+    if not 0 < a.p < 1:
+        raise FrontendError(f"dropout with p={a.p}: tg.dropout takes 0 <= p < 1")
+    return (_seeded_dropout(cv, a.input, a.p), None)
 
 
 # elementwise -----------------------------------------------------------------------

@@ -66,14 +66,20 @@ SKIP = {
 # --- public entry points -------------------------------------------------------
 
 
-def from_torch(module: torch.nn.Module, example_inputs: tuple, dynamic_shapes=None) -> Model:
-    """Export `module` (in eval mode) with torch.export and convert the program."""
+def from_torch(module: torch.nn.Module, example_inputs: tuple, dynamic_shapes=None, dropout: bool = False) -> Model:
+    """Export `module` (in eval mode) with torch.export and convert the program. dropout=True (a
+    training step's export): its nn.Dropout modules in training mode stay so, each becoming a
+    tg.dropout seeded by the weight `dropout.seed`."""
     if not isinstance(example_inputs, tuple):
         example_inputs = tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,)
     # tilegraph compiles inference: export what eval() computes (no dropout, BN with
     # running stats), then give the module back in the mode it came in.
     modes = [(m, m.training) for m in module.modules()]
     module.eval()
+    if dropout:
+        for m, training in modes:
+            if training and isinstance(m, torch.nn.Dropout):
+                m.train()
     try:
         ep = torch.export.export(module, example_inputs, dynamic_shapes=dynamic_shapes)
     except Exception as e:  # torch's own message says what in the module it could not trace
@@ -228,6 +234,10 @@ class _Importer:
         # inference keeps the weights fixed. input name -> its Tensor.
         self.donated_targets = _cache_buffers(self.ep)
         self.donated: dict[str, Tensor] = {}
+        # Dropouts in training mode (a training step's export): the model's one seed weight, and
+        # how many dropouts read it so far (each its own `site`, so its own masks).
+        self.dropout_seed: Tensor | None = None
+        self.dropout_sites = 0
 
     # symbolic dims ----------------------------------------------------------
 

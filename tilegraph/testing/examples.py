@@ -354,6 +354,10 @@ def op_examples() -> dict[str, list[OpExample]]:
     add("rms_norm", lambda g, a: g.op("rms_norm", a), [f32(4, 8)], 8, label="unscaled")
     add("rope", lambda g, a, c, s_: g.op("rope", a, c, s_), [f32(2, 3, 4, 8), f32(2, 1, 4, 4, lo=-1, hi=1),
                                                             f32(2, 1, 4, 4, lo=-1, hi=1)], 2, label="per-batch")
+    add("dropout", lambda g, a, s_: g.op("dropout", a, s_, p=0.25, site=3), [f32(4, 6, 5), np.array(12345, np.int64)],
+        label="seeded")
+    add("dropout", lambda g, a, s_: g.op("dropout", a, s_, p=0.6), [f32(7, 33), np.array(-7, np.int64)],
+        label="negative-seed")
 
     # --- ops added for the torch frontend ---
     tiny = np.array([1e-9, -3e-8, 1e-4, -0.5, 2.0], np.float32)  # where exp(x)-1 and log(1+x) cancel
