@@ -105,6 +105,11 @@ class Hardware:
     # CPU only: FLOP/s of the NumPy convolution kernel (K.conv: im2col, small batched GEMMs),
     # which is far from the GEMM curve; 0: priced as a GEMM.
     conv_rate: float = 0.0
+    # CPU "c" only: oneDNN's convolutions by kind ("dense" 3x3, "pointwise" 1x1, "depthwise"),
+    # all threads, at backends/c/calibrate.CONV_CASES: (m, n, k, FLOP/s), m x n x k the implicit
+    # GEMM of one group (output pixels, output channels of a group, a group's inputs x the
+    # window); empty: `conv_rate` for all.
+    conv_rates: Mapping[str, tuple[int, int, int, float]] = field(default_factory=dict)
     # CPU only: (rows, efficiency) of a GEMM with that few rows against a tall one of the
     # same other dims; the volume curve (`gemm_samples`) alone cannot tell 8 x 3072 x 768
     # (35 GFLOP/s on one core here) from 128 x 384 x 384 (89).
@@ -161,7 +166,8 @@ class Hardware:
         leaves SMs idle). An upper bound: it ignores pipeline fill for small k.
 
         `threaded` (CPU): the rate of one GEMM on all cores, from `gemm_samples_threaded`
-        where the profile has them (the C backend's oneDNN GEMMs thread themselves).
+        where the profile has them (the C backend's oneDNN GEMMs thread themselves), by the
+        whole shape, not the volume alone (`_by_shape`).
         """
         m, n, k = int(m), int(n), int(k)
         if min(m, n, k) <= 0:
@@ -174,8 +180,7 @@ class Hardware:
         if not self.gemm_samples:
             return self.flops(dtype)
         if threaded and self.gemm_samples_threaded:
-            return _interp(math.log(m * n * k), _gemm_curve(self.gemm_samples_threaded)) \
-                * self.flops(dtype) / self.flops("f32")
+            return _by_shape(m, n, k, self.gemm_samples_threaded) * self.flops(dtype) / self.flops("f32")
         curve = _gemm_curve(self.gemm_samples)
         rate = _interp(math.log(m * n * k), curve)
         if self.skinny_gemm:  # few rows (or columns): BLAS's register blocking is left half empty
@@ -194,6 +199,8 @@ class Hardware:
             d[key] = tuple((int(m), int(n), int(k), float(r)) for m, n, k, r in d.get(key, ()))
         d["skinny_gemm"] = tuple((int(r), float(e)) for r, e in d.get("skinny_gemm", ()))
         d["attention_rates"] = tuple((int(h), float(r)) for h, r in d.get("attention_rates", ()))
+        d["conv_rates"] = {kind: (int(m), int(n), int(k), float(r)) for kind, (m, n, k, r) in
+                           d.get("conv_rates", {}).items()}
         return cls(**d)
 
 
@@ -214,6 +221,21 @@ def _gemm_curve(samples) -> tuple[tuple[float, float], ...]:
     for m, n, k, rate in samples:
         by_size.setdefault(m * n * k, []).append(rate)
     return tuple((math.log(s), sum(r) / len(r)) for s, r in sorted(by_size.items()))
+
+
+def _by_shape(m: int, n: int, k: int, samples) -> float:
+    """The rate at (m, n, k) from samples (m, n, k, rate): a geometric mean of the samples'
+    rates weighted by inverse squared distance in (log m, log n, log k), exact at a sample.
+    The volume alone does not tell oneDNN's rates apart: at one volume, a weight that fits
+    the cores' L2 and a wider one that streams from L3 for every block of rows ran 3x apart."""
+    at = (math.log(m), math.log(n), math.log(k))
+    num = den = 0.0
+    for sm, sn, sk, rate in samples:
+        d2 = sum((a - math.log(b)) ** 2 for a, b in zip(at, (sm, sn, sk)))
+        if d2 < 1e-12:
+            return rate
+        num, den = num + math.log(rate) / d2, den + 1 / d2
+    return math.exp(num / den)
 
 
 def _interp(x: float, curve) -> float:

@@ -18,8 +18,8 @@ graph, cached like any other module), called as a model is called:
   at MiniLM's and GPT-2's shapes, on one thread (`gemm_samples`) and on all
   (`gemm_samples_threaded`), net of the module call.
 - Attention: the flash kernel at MiniLM's and GPT-2's head dims on one thread
-  (`attention_rates`) and at the largest on all (`attention_speedup`); convolution: a
-  small CNN's on oneDNN, all threads (`conv_rate`).
+  (`attention_rates`) and at the largest on all (`attention_speedup`); convolutions on
+  oneDNN, all threads, one image: a 3x3, a 1x1 and a depthwise 3x3 (`conv_rates`).
 
 The quick run (what the first hardware("c") runs when there is no profile) takes a few
 seconds, most of it compiling the modules the first time; the full one under a minute.
@@ -36,7 +36,7 @@ import numpy as np
 
 from tilegraph.backends.c.build import BuildError
 from tilegraph.backends.numpy.calibrate import (ATTENTION_BATCH, ATTENTION_HEAD_DIMS, ATTENTION_HEADS, ATTENTION_SEQ,
-                                                CONV_SHAPES, Progress, _physical_memory, cache_sizes, measure_and_save,
+                                                Progress, _physical_memory, cache_sizes, measure_and_save,
                                                 median_times, table)
 from tilegraph.ir import Graph
 from tilegraph.ir.dialect import TgOp
@@ -48,8 +48,17 @@ from tilegraph.ir.ops import Op
 # (m, n, k) of x @ W timed: a MiniLM projection at batch 1 (128 tokens) and a short
 # sequence, its FFN at batch 8 (1024 tokens, 384 <-> 1536), a GPT-2 row block, a large square.
 GEMM_SHAPES = ((32, 384, 384), (128, 384, 384), (256, 1536, 384), (256, 384, 1536), (256, 3072, 768),
-               (1024, 1536, 384), (1024, 384, 1536), (1024, 1024, 1024))
-QUICK_GEMM_SHAPES = ((32, 384, 384), (128, 384, 384), (1024, 384, 1536))
+               (1024, 1536, 384), (1024, 384, 1536), (1024, 1024, 1024), (128, 768, 768), (128, 3072, 768),
+               (128, 768, 3072), (49, 512, 4608), (3136, 64, 576))
+# ... and BERT-base's projections at 128 tokens, a weight wider than L2 (its FFN), the late
+# and early 3x3 convolutions of ResNet-50 as GEMMs: rates are looked up by shape
+# (ir/hardware._by_shape), so the samples span the models' weight sizes and row counts.
+QUICK_GEMM_SHAPES = ((32, 384, 384), (128, 384, 384), (1024, 384, 1536), (128, 3072, 768))
+# Convolutions timed (oneDNN, all threads, one image): x shape, weight shape, groups. A 3x3 and a
+# 1x1 of ResNet's middle stages, and a depthwise 3x3 of MobileNet's: each kind's rate is read
+# against the GEMM curve at its implicit GEMM's shape (passes/cost/model._c_conv_time).
+CONV_CASES = {"dense": ((1, 64, 56, 56), (64, 64, 3, 3), 1), "pointwise": ((1, 256, 28, 28), (128, 256, 1, 1), 1),
+              "depthwise": ((1, 96, 56, 56), (96, 1, 3, 3), 96)}
 # Ops timed inside one fused loop, each as a chain that keeps values in [0.1, 2] (no
 # overflow, NaN or denormal slow paths): exp reads its negated input (a sign flip the
 # compiler folds into the call). Others are priced at `add`'s rate.
@@ -66,6 +75,17 @@ STREAM_QUICK = 1 << 23  # 32 MiB per array: three of them overflow a 32 MiB L3
 # spoils a minority of them on a shared machine (with three samples each, a quick profile
 # taken under load had tanh 100x slower than a quiet one).
 BUDGET, QUICK_BUDGET = 0.4, 0.1
+
+
+# Which batch of a measurement counts (backends/numpy/calibrate.median_times): the lower
+# quartile. On a shared machine most batches lose time slices to other processes, and a
+# median taken while others ran priced GEMMs several times too slow; the quietest batch
+# alone would be too fast (a lone core's turbo clock).
+QUIET = 0.25
+
+
+def _quiet_times(fns, budget: float) -> list[float]:
+    return median_times(fns, budget, quantile=QUIET)
 
 
 def _module(model):
@@ -129,13 +149,13 @@ def _all_then_one(model, inputs, budget: float, cores: int) -> tuple[float, floa
     afresh: oneDNN fixes a primitive's threads when the first call creates it, so a module
     first called on one thread stays on one."""
     module = _module(model)
-    (all_threads,) = median_times((_call(module, *inputs),), budget)
+    (all_threads,) = _quiet_times((_call(module, *inputs),), budget)
     if cores == 1:
         return all_threads, all_threads
     module.set_threads(1)
     try:
         one = _module(model)
-        (one_thread,) = median_times((_call(one, *inputs),), budget)
+        (one_thread,) = _quiet_times((_call(one, *inputs),), budget)
     finally:
         module.set_threads(cores)
     return all_threads, one_thread
@@ -164,7 +184,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
     def step_time(n: int, budget: float) -> tuple[float, float]:
         """(one call of the short chain, one more step) over n elements."""
         x, y = _inputs(rng, n)
-        t_short, t_long = median_times((_call(short, x, y), _call(long_, x, y)), budget)
+        t_short, t_long = _quiet_times((_call(short, x, y), _call(long_, x, y)), budget)
         return t_short, (t_long - t_short) / (CHAIN - 1)
 
     # The module call, and one more tiny step in it (no OpenMP region below the threshold).
@@ -197,7 +217,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         bar.step(f"{op} in a fused loop")
         x, y = _inputs(rng, n, op)
         one, chain = _module(_chain("n", 1, op, fused=True)), _module(_chain("n", CHAIN, op, fused=True))
-        t_one, t_chain = median_times((_call(one, x, y), _call(chain, x, y)), budget)
+        t_one, t_chain = _quiet_times((_call(one, x, y), _call(chain, x, y)), budget)
         extra = t_chain - t_one
         rates[op] = (CHAIN - 1) * n / extra if extra > 0 else n / max(t_one - launch, 1e-9)
 
@@ -207,7 +227,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         xin = g.input("x", ("rows", ROW))
         module = _module(g.build(g.softmax(xin) if op == Op.softmax else g.layer_norm(xin), names=["z"]))
         sizes = [n // ROW for n in CACHE_SIZES]
-        t_small, t_big = median_times([_call(module, rng.standard_normal((r, ROW), dtype=np.float32))
+        t_small, t_big = _quiet_times([_call(module, rng.standard_normal((r, ROW), dtype=np.float32))
                                        for r in sizes], budget)
         e_small, e_big = (r * ROW for r in sizes)
         rates[op] = (e_big - e_small) / (t_big - t_small) if t_big > t_small * 1.05 else \
@@ -243,17 +263,21 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         if d == ATTENTION_HEAD_DIMS[-1]:
             speedup = (t1 - launch) / max(tn - launch, 1e-9)
 
-    bar.step("convolution")
-    (xs, ws) = CONV_SHAPES
-    g = Graph()
-    xin = g.input("x", xs)
-    w = g.weight("w", rng.standard_normal(ws, dtype=np.float32))
-    out = g.op("conv", xin, w)
-    module = _module(g.build(out, names=["y"]))
-    xc = rng.standard_normal(xs, dtype=np.float32)
-    (t,) = median_times((_call(module, xc),), budget)
-    conv_flops = 2 * int(np.prod(out.shape)) * int(np.prod(ws[1:]))
-    conv_rate = conv_flops / max(t - launch, t / 10)
+    bar.step("convolutions")
+    conv_rates = {}
+    for kind, (xs, ws, groups) in CONV_CASES.items():
+        g = Graph()
+        xin = g.input("x", xs)
+        w = g.weight("w", (rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:]))).astype(np.float32))
+        pad = ws[-1] // 2
+        out = g.op("conv", xin, w, pads=(pad, pad, pad, pad), groups=groups)
+        module = _module(g.build(out, names=["y"]))
+        xc = rng.standard_normal(xs, dtype=np.float32)
+        (t,) = _quiet_times((_call(module, xc),), budget)
+        conv_flops = 2 * int(np.prod(out.shape)) * int(np.prod(ws[1:]))
+        gemm = (int(np.prod(out.shape)) // ws[0], ws[0] // groups, int(np.prod(ws[1:])))  # one group's (m, n, k)
+        conv_rates[kind] = (*gemm, conv_flops / max(t - launch, t / 10))
+    conv_rate = conv_rates["dense"][3]
     bar.close()
 
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
@@ -277,6 +301,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         parallel_overhead=fork_join,
         parallel_efficiency=efficiency,
         conv_rate=conv_rate,
+        conv_rates=conv_rates,
         attention_rates=tuple(attention_rates),
         attention_speedup=speedup,
         source=f"calibrated {stamp} on {cpu_model()} ({cores} threads, C backend{', quick' if quick else ''})",
@@ -292,7 +317,8 @@ def summary(hw: Hardware) -> str:
         (f"pass bandwidth, in cache ({hw.cache_bytes // 1024} KiB L2 per core)", f"{hw.cache_bandwidth / 1e9:.1f} GB/s"),
         ("pass bandwidth, beyond L3", f"{hw.memory_bandwidth / 1e9:.1f} GB/s"),
         ("oneDNN GEMM all threads / (cores x one thread)", f"{hw.parallel_efficiency:.2f}"),
-        ("convolution (oneDNN, all threads)", f"{hw.conv_rate / 1e9:.1f} GFLOP/s"),
+        *((f"convolution {kind} {'x'.join(map(str, CONV_CASES[kind][0]))} (oneDNN, all threads)",
+           f"{rate / 1e9:.1f} GFLOP/s") for kind, (*_, rate) in hw.conv_rates.items()),
         ("attention (flash kernel, one thread, by head dim)",
          " ".join(f"{d}:{r / 1e9:.1f}" for d, r in hw.attention_rates) + " GFLOP/s"),
         ("attention: all threads / one thread", f"{hw.attention_speedup:.2f}x"),

@@ -647,6 +647,8 @@ def _c_rate(hw, name: str) -> float:
 def _c_anchor_time(op: TgOp, hw) -> sympy.Expr:
     """(C) An anchor's compute: oneDNN's GEMM or convolution on all threads, the flash kernel."""
     flops = op_flops(op)
+    if op.op_name == Op.conv and hw.conv_rates:
+        return _c_conv_time(op, hw, flops)
     if op.op_name == Op.conv and hw.conv_rate:
         return flops / hw.conv_rate
     if op.op_name == Op.attention and hw.attention_rates:
@@ -660,6 +662,36 @@ def _c_anchor_time(op: TgOp, hw) -> sympy.Expr:
         return flops / _gemm_rate(hw, op) / _parallel(hw, hw.cores)
     m, n, k = (max(1, int(at_nominal(d))) for d in _matmul_shape(op))  # type: ignore[assignment]
     return flops / hw.matmul_rate(m, n, k, op.result_infos()[0].dtype, threaded=True)
+
+
+def _c_conv_time(op: TgOp, hw, flops: sympy.Expr) -> sympy.Expr:
+    """(C) A convolution on oneDNN, all threads. Depthwise (one input channel a group): at the
+    calibrated depthwise rate, a pass over memory more than arithmetic (by the elements it
+    reads and writes where that is more). Else as the GEMM it
+    is, output pixels x a group's output channels x (a group's inputs x the window), at the
+    GEMM curve's rate for that shape times how a calibrated convolution of its kind (3x3 or
+    1x1) ran against the curve at its own shape: the curve carries the size, the calibration
+    what oneDNN's convolution kernels do differently from its GEMMs."""
+    x, w = (info_of(v.type) for v in op.operands[:2])
+    groups = int(op.attr("groups") or 1)
+    out = op.result_infos()[0]
+    if groups > 1 and at_nominal(_sized(w.shape[1])) == 1 and "depthwise" in hw.conv_rates:
+        # The calibrated one (stride 1) moved an element in and out per window of k taps; a
+        # strided one reads more inputs per output than its arithmetic says.
+        *_, k_cal, rate = hw.conv_rates["depthwise"]
+        return sympy.Max(flops / rate, (_elements(x) + _elements(out)) * k_cal / rate)
+    if groups > 1 and at_nominal(_sized(w.shape[1])) == 1:
+        return flops / (hw.conv_rate or hw.flops("f32"))
+    window = w.shape[2:]
+    kind = "pointwise" if all(at_nominal(_sized(d)) == 1 for d in window) else "dense"
+    if kind not in hw.conv_rates:
+        return flops / (hw.conv_rate or hw.flops("f32"))
+    m = max(1, int(at_nominal(_prod([out.shape[0], *out.shape[2:]]))))
+    n = max(1, int(at_nominal(_sized(out.shape[1]))) // groups)
+    k = max(1, int(at_nominal(_prod(w.shape[1:]))))
+    rm, rn, rk, rate = hw.conv_rates[kind]
+    efficiency = rate / hw.matmul_rate(rm, rn, rk, threaded=True)
+    return flops / (hw.matmul_rate(m, n, k, threaded=True) * efficiency)
 
 
 def _cold_bytes(ops: Sequence[TgOp]) -> sympy.Expr:
