@@ -10,7 +10,7 @@ tilegraph backend declares, for every op of `ir/ops.py`, one of:
 - `Fallback("reason")`: a stated fallback: where the op goes instead and why (the
   Triton backend's host NumPy template, the ONNX exporter's refusal naming it).
 
-A backend registers its table by adding one line to `BACKENDS` below: its name and
+A backend names its table in its description (`backends/__init__.py`'s `BACKENDS`):
 "module:attribute" of a dict {op name: TEMPLATE | DECOMPOSE | Fallback(...)}. The
 module is imported only when the table is read (a registry entry costs nothing at
 `import tilegraph`). Build the dict with `table()`:
@@ -23,7 +23,6 @@ registered backend, so a new op cannot silently miss a lowering.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -37,14 +36,6 @@ class Fallback:
 
 
 Lowering = str | Fallback
-
-# backend name -> "module:attribute" of its lowering table.
-BACKENDS: dict[str, str] = {
-    "numpy": "tilegraph.backends.numpy.emit:LOWERINGS",
-    "triton": "tilegraph.backends.triton.lowering:LOWERINGS",
-    "onnx": "tilegraph.backends.onnx_export:LOWERINGS",
-    "c": "tilegraph.backends.c.emit:LOWERINGS",
-}
 
 
 def table(template: Iterable[str] = (), decompose: Iterable[str] = (),
@@ -61,9 +52,10 @@ def table(template: Iterable[str] = (), decompose: Iterable[str] = (),
 
 
 def lowerings(backend: str) -> dict[str, Lowering]:
-    """The lowering table a registered backend declares."""
-    module, _, attribute = BACKENDS[backend].partition(":")
-    return getattr(importlib.import_module(module), attribute)
+    """The lowering table a backend declares."""
+    from tilegraph.backends import BACKENDS, attribute
+
+    return attribute(BACKENDS[backend].lowerings)
 
 
 def missing(lowered: Mapping[str, Lowering]) -> list[str]:

@@ -19,8 +19,8 @@ per-kernel (GPU) or per-NumPy-call (CPU) fixed costs, and interconnect links
   "c", which is how the cost model knows a group is one C pass, not NumPy calls.
 
 It lies below passes and backends, which both read it (the cost model; the Triton
-backend's GPU description and cache directory): it imports neither. The measuring
-function is handed in from above (`CALIBRATE`, set by `import tilegraph`).
+backend's GPU description and cache directory): it imports neither. Each backend that
+measures a profile registers its measuring function (`register_calibration`).
 
 Two helpers turn the table into rates the cost model divides by:
 `Hardware.flops(dtype)` (falls back to the type the part really computes in) and
@@ -402,19 +402,20 @@ def clear_cache() -> None:
     _cpu_profile.cache_clear()
 
 
-# Measures this machine quickly when it has no profile yet (quick=True): the NumPy backend's
-# calibration, set by `tilegraph/__init__.py`, the layer above both this module and the backend.
-CALIBRATE: Callable[..., Hardware] | None = None
+# What measures this machine's profile "cpu" (the NumPy backend's kernels) and "c" (the C
+# backend's) quickly on first use (quick=True): each backend registers its own
+# (backends/__init__.py), from the layer above this one.
+CALIBRATIONS: dict[str, Callable[..., Hardware]] = {}
 
 
-# The same for the C backend's profile ("c"), by backends/c/calibrate.py.
-CALIBRATE_C: Callable[..., Hardware] | None = None
+def register_calibration(profile: str, measure: Callable[..., Hardware]) -> None:
+    CALIBRATIONS[profile] = measure
 
 
 def _measure(native: bool = False) -> Hardware:
     from tilegraph.ir.errors import TilegraphError
 
-    calibrate = CALIBRATE_C if native else CALIBRATE
+    calibrate = CALIBRATIONS.get("c" if native else "cpu")
     if calibrate is None:
         raise TilegraphError(f"no {'C backend' if native else 'CPU'} profile and no calibration to measure one: "
                              "import tilegraph first")

@@ -47,6 +47,17 @@ def test_op_agrees_with_the_float64_interpreter(op):
         f"tg.{op} never ran in C"
 
 
+def test_the_lowering_table_is_the_dispatch():
+    """An op the C lowering table calls partly native has a registered lowering, one it
+    sends wholly to the host has none, and every other op of the table has one."""
+    from tilegraph.backends.c.emit import VIEW_LOWERINGS
+    from tilegraph.backends.c.views import LOWER
+
+    for op in OPS:
+        lowered = op in LOWER or op in VIEW_LOWERINGS
+        assert lowered == (op not in HOST_FALLBACK or op in PARTLY_NATIVE), op
+
+
 @settings(max_examples=25, deadline=None)
 @given(lq=st.integers(1, 70), lk=st.integers(1, 140), d=st.sampled_from([1, 8, 33]), heads=st.integers(1, 3),
        causal=st.booleans(), mask=st.sampled_from(["none", "bool", "float"]))

@@ -29,7 +29,7 @@ def quick_measure(monkeypatch):
         calls.append(quick)
         return fixed
 
-    monkeypatch.setattr(hardware, "CALIBRATE_C", measure)
+    monkeypatch.setitem(hardware.CALIBRATIONS, "c", measure)
     hardware._cpu_profile.cache_clear()
     yield calls
     hardware._cpu_profile.cache_clear()

@@ -143,7 +143,8 @@ def test_first_use_calibrates_quietly_and_saves_a_profile_that_reads_back(cache_
     def delivered(m, n, k, rate):
         return 2 * m * n * k / (hw.launch_overhead + 2 * m * n * k / rate)
 
-    assert delivered(*smallest) < delivered(*largest) / 4
+    if not hw.measured_busy:  # (a profile taken beside other work is marked so, and measured again later)
+        assert delivered(*smallest) < delivered(*largest) / 4
     assert hw.flops("f32") == max(r for *_, r in hw.gemm_samples) * hw.cores  # samples are per core
     assert 1e-9 < hw.launch_overhead < 1e-4 and 0 < hw.alloc_overhead < 1e-3
     assert set(REQUIRED_UFUNCS) <= set(hw.ufunc_rates)

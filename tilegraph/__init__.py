@@ -29,7 +29,6 @@ import numpy as np  # noqa: E402
 
 from tilegraph.backends import interpret_triton_without_gpu  # noqa: E402
 from tilegraph.ir import Model  # noqa: E402
-from tilegraph.ir import hardware as _hardware  # noqa: E402
 from tilegraph.ir.errors import TilegraphError  # noqa: E402
 from tilegraph.ir.model import ModelError  # noqa: E402
 
@@ -40,24 +39,6 @@ __all__ = ["compile", "import_model", "generate", "Compiled", "TilegraphError", 
 # must be chosen before anything (a transformers model) imports triton.
 interpret_triton_without_gpu()
 
-
-def _calibrate_cpu(quick: bool = True):
-    from tilegraph.backends.numpy import calibrate
-
-    return calibrate.measure(quick=quick)
-
-
-def _calibrate_c(quick: bool = True):
-    from tilegraph.backends.c import calibrate
-
-    return calibrate.measure(quick=quick)
-
-
-# The cost model's CPU profile is measured by the NumPy backend's calibration of its own
-# kernels (target "c": the C backend's of its); ir/hardware.py, below both, is handed the
-# functions from here, the layer above.
-_hardware.CALIBRATE = _calibrate_cpu
-_hardware.CALIBRATE_C = _calibrate_c
 
 # File suffixes import_model reads, and what reads them.
 SUFFIXES = {".onnx": "ONNX (frontends.onnx)", ".mlir": "tg IR text (Model.load)",

@@ -13,13 +13,14 @@ it does not lower, a TilegraphError) sits that graph out; any other exception is
 A divergence is shrunk by hypothesis to a smallest graph that still diverges, then saved as
 `case-N/model.mlir` + `model.weights.npz` + `inputs.npz` with `replay.sh` holding the command.
 
-Adding a backend is one line (`register`), as the native C backend's is
-once `tilegraph.compile(..., target="c")` exists.
+Every compile target of `tilegraph.backends.BACKENDS` is registered here, with its check of
+whether it runs on this machine; another runner (onnxruntime below) is one `register` line.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from typing import Callable
 
 import numpy as np
 
+from tilegraph.backends import TARGETS
 from tilegraph.ir import dtypes
 
 Runner = Callable[[object, list], list]
@@ -62,17 +64,6 @@ def _compiled(target: str) -> Runner:
     return run
 
 
-def _c_builds() -> bool:
-    """Whether the C backend can build here (a C compiler and oneDNN's wheels)."""
-    from tilegraph.backends.c.build import BuildError, compiler, onednn
-
-    try:
-        compiler(), onednn()
-    except BuildError:
-        return False
-    return True
-
-
 def _onnxruntime(model, inputs):
     import onnxruntime as ort
 
@@ -87,19 +78,16 @@ def _onnxruntime(model, inputs):
     return session.run(None, feeds)
 
 
-def _has(module: str) -> Callable[[], bool]:
-    def available() -> bool:
-        import importlib.util
+def _runs_here(target: str) -> Callable[[], bool]:
+    from tilegraph.backends import runs_here
 
-        return importlib.util.find_spec(module) is not None
-    return available
+    return lambda: runs_here(target)
 
 
 register("interpreter", _interpreter)
-register("numpy", _compiled("numpy"))
-register("c", _compiled("c"), _c_builds)
-register("triton", _compiled("triton"), _has("triton"))
-register("onnxruntime", _onnxruntime, _has("onnxruntime"))
+for _target in TARGETS:
+    register(_target, _compiled(_target), _runs_here(_target))
+register("onnxruntime", _onnxruntime, lambda: importlib.util.find_spec("onnxruntime") is not None)
 
 
 # --- comparing -------------------------------------------------------------------------------------

@@ -75,6 +75,20 @@ def onednn() -> tuple[Path, Path]:
     return include, Path(lib.locate()).resolve().parent
 
 
+def check_builds() -> None:
+    """A BuildError saying what is missing, unless the C backend can build here."""
+    compiler()
+    onednn()
+
+
+def builds_here() -> bool:
+    try:
+        check_builds()
+    except BuildError:
+        return False
+    return True
+
+
 @functools.lru_cache(maxsize=1)
 def _toolchain_id() -> str:
     cc = compiler()

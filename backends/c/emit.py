@@ -36,15 +36,15 @@ import numpy as np
 import sympy
 from xdsl.ir import SSAValue
 
-from tilegraph.backends.c.generation import CACHE_OPS, GENERATION_OPS, Generation
+from tilegraph.backends.c.generation import CACHE_OPS, Generation
 from tilegraph.backends.c.groups import Groups
 from tilegraph.backends.c.kernels import Kernels
 from tilegraph.backends.c.loops import Loops
 from tilegraph.backends.c.onednn import OneDNN
 from tilegraph.backends.c.quant import Quantized
 from tilegraph.backends.c.tables import CTYPES, FLOATS, KNOWN
-from tilegraph.backends.c.views import (Buffer, Ints, Step, Unsupported, View, Views, _describe, _eq, _is_one,
-                                        _sole_reader, c_comment, c_float, channels_last_strides, contiguous_strides)
+from tilegraph.backends.c.views import (LOWER, Buffer, Ints, Step, Unsupported, View, Views, _describe, _eq, _is_one,
+                                        _sole_reader, c_comment, c_float, channels_last_strides, contiguous_strides, lowers)
 from tilegraph.backends.lowering import table
 from tilegraph.backends.program import flatten
 from tilegraph.ir.dialect import FusionOp, TgOp
@@ -76,9 +76,8 @@ HOST_FALLBACK = {
     "nonzero": "host", "unique": "host", "narrow": "host", "non_max_suppression": "host",
     "rnn": "host (a loop over the steps, NumPy's matmul per step)", "assert_size": "host",
 }
-LOWERINGS = table(template=[op for op in OPS if op not in HOST_FALLBACK],
-                  fallback={op: f"runs on the host between native segments ({why})"
-                            for op, why in HOST_FALLBACK.items()})
+# Ops that only make a view (CEmitter.layout), and the leaves every program has.
+VIEW_LOWERINGS = (Op.reshape, Op.transpose, Op.broadcast, Op.slice, Op.split, Op.weight, Op.constant)
 
 
 class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
@@ -231,51 +230,16 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
                 raise Unsupported(f"{t} has no C type here")
 
     def compute(self, op: TgOp, xs: list[View]) -> list[View]:
-        name = op.op_name
-        if name in CACHE_OPS:  # an f16 cache has no C arithmetic: only these kernels read its bits
-            return self.generation(op, xs)
-        self._check_dtypes(op, xs)
-        if op.SPEC.pointwise:
-            out = self._temp(op.result_infos()[0], like=xs[0])
-            self.elementwise([op], {r: None for r in op.results}, dict(zip(op.operands, xs)), [(op.results[0], out)],
-                             op)
-            return [out]
-        if name == Op.matmul:
-            return [self.matmul(op, xs[0], xs[1], [], {})[0]]
-        if op.SPEC.row_normalizing:
-            return [self.row_op(op, xs)]
-        if name in (Op.reduce_sum, Op.reduce_mean, Op.reduce_max, Op.reduce_min):
-            return [self.reduce(op, xs[0])]
-        if name == Op.gather:
-            return [self.gather(op, xs[0], xs[1])]
-        if name == Op.concat:
-            return [self.concat(op, xs)]
-        if name == Op.conv:
-            return [self.conv(op, xs, [], {})[0]]
-        if name in (Op.max_pool, Op.avg_pool):
-            return [self.pool(op, xs[0])]
-        if name == Op.pad:
-            return [self.pad(op, xs[0])]
-        if name == Op.gather_elements:
-            return [self.gather_elements(op, xs[0], xs[1])]
-        if name == Op.scatter_nd:
-            return [self.scatter_nd(op, *xs)]
-        if name == Op.tile:
-            return [self.tile(op, xs[0])]
-        if name == Op.cumsum:
-            return [self.cumsum(op, xs[0])]
-        if name == Op.attention:
-            return [self.attention(op, xs)]
-        if name in GENERATION_OPS:
-            return self.generation(op, xs)
-        if name == Op.matmul_integer:
-            return [self.matmul_integer(op, xs)]
-        if name == Op.dynamic_quantize:
-            return self.dynamic_quantize(op, xs[0])
-        if name in (Op.quantize, Op.dequantize):
-            return [self.requantize(op, xs)]
-        raise Unsupported(name)
+        """`op` through its registered lowering (views.LOWER)."""
+        if op.op_name not in LOWER:
+            raise Unsupported(op.op_name)
+        if op.op_name not in CACHE_OPS:  # an f16 cache has no C arithmetic: only those kernels read its bits
+            self._check_dtypes(op, xs)
+        method, spread = LOWER[op.op_name]
+        out = method(self, op, *xs) if spread else method(self, op, xs)
+        return [out] if isinstance(out, View) else out
 
+    @lowers(Op.attention)
     def attention(self, op: TgOp, xs: list[View]) -> View:
         """runtime.h's flash-style kernel; q, k, v rows must be contiguous (copied if not)."""
         info = op.result_infos()[0]
@@ -359,6 +323,13 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
 
     def outputs(self) -> list[View]:
         return [self.view(v) for v in self.prog.outputs]
+
+
+# The C backend's lowering table, read off the lowerings that exist (an op HOST_FALLBACK
+# names may have one that takes some of its cases: the fallback says which).
+LOWERINGS = table(template=[op for op in OPS if (op in LOWER or op in VIEW_LOWERINGS) and op not in HOST_FALLBACK],
+                  fallback={op: f"runs on the host between native segments ({why})"
+                            for op, why in HOST_FALLBACK.items()})
 
 
 

@@ -26,24 +26,19 @@ import sympy
 
 from tilegraph.backends.c.blockq import FORMATS
 from tilegraph.backends.c.tables import CTYPES
-from tilegraph.backends.c.views import EmitterParts, Unsupported, View, _describe, _eq, _only_use, c_float
+from tilegraph.backends.c.views import EmitterParts, Unsupported, View, _describe, _eq, _only_use, c_float, lowers
 from tilegraph.ir.block_formats import block_format
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.ops import Op
 from tilegraph.ir.shapes import numel
 
 CACHE_OPS = (Op.cache_write, Op.cache_attention)  # each checks its own dtypes (a cache may be f16)
-GENERATION_OPS = (Op.block_matmul, Op.block_gather, Op.cache_write, Op.cache_attention, Op.rms_norm, Op.rope, Op.iota,
-                  Op.sample)
 ELEMENT_BYTES = {"f32": 4, "f64": 8, "i64": 8, "i32": 4, "i16": 2, "i8": 1, "ui8": 1, "ui16": 2, "ui32": 4,
                  "ui64": 8, "i1": 1}
 
 
 class Generation(EmitterParts):
-    """Lowerings of GENERATION_OPS (CEmitter.compute dispatches here)."""
-
-    def generation(self, op: TgOp, xs: list[View]) -> list[View]:
-        return [getattr(self, f"_gen_{op.op_name}")(op, xs)]
+    """Lowerings of generation's ops."""
 
     def _rows(self, x: View) -> View:
         """x with contiguous rows (a copy if it is strided)."""
@@ -58,7 +53,8 @@ class Generation(EmitterParts):
             raise Unsupported("a block-format weight as whole contiguous bytes")
         return fmt, k, w, self._rows(x), self._temp(op.result_infos()[0])
 
-    def _gen_block_matmul(self, op: TgOp, xs: list[View]) -> View:
+    @lowers(Op.block_matmul)
+    def block_matmul(self, op: TgOp, xs: list[View]) -> View:
         fmt, k, w, x, out = self._block_operands(op, xs[1], xs[0], xs[0].dtype == "f32",
                                                  "block_matmul of f32 activations in a format the kernels know")
         kernel = "tg_block_matmul" if op.attr("activation") == "q8" else "tg_block_matmul_f32"
@@ -68,7 +64,8 @@ class Generation(EmitterParts):
             f"{block_format(fmt).row_bytes(k)}, {FORMATS[fmt]}, {self.ptr(out, False)}, {n})) return 1;"], [x, w], [out])
         return out
 
-    def _gen_block_gather(self, op: TgOp, xs: list[View]) -> View:
+    @lowers(Op.block_gather)
+    def block_gather(self, op: TgOp, xs: list[View]) -> View:
         fmt, k, w, idx, out = self._block_operands(op, xs[0], xs[1], xs[1].dtype == "i64",
                                                    "block_gather with i64 indices")
         self._step(_describe(op), [
@@ -91,7 +88,8 @@ class Generation(EmitterParts):
         return (v.literal is None and self.is_contiguous(v) and _eq(v.offset, 0)
                 and sympy.expand(sympy.sympify(numel(v.shape)) - self.buffers[v.buf].elements) == 0)
 
-    def _gen_cache_write(self, op: TgOp, xs: list[View]) -> View:
+    @lowers(Op.cache_write)
+    def cache_write(self, op: TgOp, xs: list[View]) -> View:
         cache, x, pos = xs
         # In place only into a whole model input that nothing else reads: writing a value some
         # other op still reads as the old cache would change what that op sees.
@@ -125,7 +123,8 @@ class Generation(EmitterParts):
         base = f"(({'const ' if const else ''}uint16_t *)p[{v.buf}])"
         return base if off == "0" else f"({base} + {off})"
 
-    def _gen_cache_attention(self, op: TgOp, xs: list[View]) -> View:
+    @lowers(Op.cache_attention)
+    def cache_attention(self, op: TgOp, xs: list[View]) -> View:
         q, k, v, pos = xs
         info = op.result_infos()[0]
         if info.dtype != "f32" or k.dtype not in ("f32", "f16") or not (self._whole(k) and self._whole(v)) \
@@ -146,7 +145,8 @@ class Generation(EmitterParts):
             "return 1;"], [q, k, v, pos], [out])
         return out
 
-    def _gen_rms_norm(self, op: TgOp, xs: list[View]) -> View:
+    @lowers(Op.rms_norm)
+    def rms_norm(self, op: TgOp, xs: list[View]) -> View:
         x = self._rows(xs[0])
         scale = xs[1] if len(xs) > 1 else None
         info = op.result_infos()[0]
@@ -166,7 +166,8 @@ class Generation(EmitterParts):
             f"{c_float(op.attr('epsilon'), 'f32')});"], [x] + ([scale] if scale is not None else []), [out])
         return out
 
-    def _gen_rope(self, op: TgOp, xs: list[View]) -> View:
+    @lowers(Op.rope)
+    def rope(self, op: TgOp, xs: list[View]) -> View:
         x, cos, sin = xs
         info = op.result_infos()[0]
         if info.dtype != "f32" or x.literal is not None:
@@ -187,7 +188,8 @@ class Generation(EmitterParts):
         self._step(_describe(op), lines, [x, cos, sin], [out])
         return out
 
-    def _gen_sample(self, op: TgOp, xs: list[View]) -> View:
+    @lowers(Op.sample)
+    def sample(self, op: TgOp, xs: list[View]) -> View:
         logits, seen, u = (self._rows(x) for x in xs)
         if logits.dtype != "f32" or u.dtype != "f32" or any(x.literal is not None for x in (logits, seen, u)):
             raise Unsupported("sample of f32 logits")
@@ -200,7 +202,8 @@ class Generation(EmitterParts):
             f"{c_float(a['repetition_penalty'], 'f32')}, {self.ptr(out, False)})) return 1;"], [logits, seen, u], [out])
         return out
 
-    def _gen_iota(self, op: TgOp, xs: list[View]) -> View:
+    @lowers(Op.iota)
+    def iota(self, op: TgOp, xs: list[View]) -> View:
         info = op.result_infos()[0]
         if info.dtype not in CTYPES:
             raise Unsupported(f"iota of {info.dtype}")

@@ -8,12 +8,12 @@ import sympy
 from xdsl.ir import SSAValue
 
 from tilegraph.backends.c.tables import CTYPES, FLOATS, REDUCE_INIT, REDUCE_STEP
-from tilegraph.backends.c.views import (EmitterParts, Step, Unsupported, View, _describe, _eq, _is_one, _only_use,
+from tilegraph.backends.c.views import (EmitterParts, Step, Unsupported, View, lowers, _describe, _eq, _is_one, _only_use,
                                         _row_stride, c_float, contiguous_strides)
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.fusion import GroupKind, group_kind
 from tilegraph.ir.shapes import info_of, numel
-from tilegraph.ir.ops import Op
+from tilegraph.ir.ops import OPS, Op
 
 
 def _last(shape) -> Any:
@@ -353,6 +353,7 @@ class Groups(EmitterParts):
         env.update(outs)
         return True
 
+    @lowers(*(name for name, spec in OPS.items() if spec.row_normalizing))
     def row_op(self, op: TgOp, xs: list[View], in_place: bool = False) -> View:
         info = op.result_infos()[0]
         if info.dtype != "f32" or any(x.dtype != "f32" for x in xs):

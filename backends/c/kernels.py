@@ -5,7 +5,7 @@ from __future__ import annotations
 import sympy
 
 from tilegraph.backends.c.tables import CTYPES, FLOATS, REDUCE_INIT, REDUCE_STEP
-from tilegraph.backends.c.views import (EmitterParts, Unsupported, View, _describe, _eq, _is_one, c_float,
+from tilegraph.backends.c.views import (EmitterParts, Unsupported, View, lowers, _describe, _eq, _is_one, c_float,
                                         contiguous_strides)
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.shapes import numel
@@ -21,6 +21,7 @@ class Kernels(EmitterParts):
 
     # --- reductions, gathers, copies ----------------------------------------------------
 
+    @lowers(Op.reduce_sum, Op.reduce_mean, Op.reduce_max, Op.reduce_min, spread=True)
     def reduce(self, op: TgOp, x: View) -> View:
         info = op.result_infos()[0]
         kind = op.op_name[len("reduce_"):]
@@ -104,6 +105,7 @@ class Kernels(EmitterParts):
                   "    }", "}"]
         return lines
 
+    @lowers(Op.gather, spread=True)
     def gather(self, op: TgOp, table: View, ids: View) -> View:
         """Slices of a table along an axis by index (rows: embedding lookups); an index out
         of range is an error naming the op and the range, never a read outside the table."""
@@ -138,6 +140,7 @@ class Kernels(EmitterParts):
         self._step(_describe(op), lines, [table, ids], [out])
         return out
 
+    @lowers(Op.scatter_nd, spread=True)
     def scatter_nd(self, op: TgOp, x: View, ids: View, updates: View) -> View:
         """A copy of x with slices set to, or added to, rows of updates (an embedding's
         gradient: cotangent rows added into a zero table), in order, so repeated indices add
@@ -179,6 +182,7 @@ class Kernels(EmitterParts):
         self._step(_describe(op), lines, [x, ids, updates] if x.literal is None else [ids, updates], [out])
         return out
 
+    @lowers(Op.tile, spread=True)
     def tile(self, op: TgOp, x: View) -> View:
         """np.tile as one copy: the output seen as (r0, d0, r1, d1, ...) reads x repeated
         (stride 0) along each r."""
@@ -205,6 +209,7 @@ class Kernels(EmitterParts):
         terms = [f"{c} * {self.ints(view.strides[d])}" for d, c in coords.items() if not _is_one(view.shape[d])]
         return " + ".join(terms) or "0"
 
+    @lowers(Op.gather_elements, spread=True)
     def gather_elements(self, op: TgOp, x: View, ids: View) -> View:
         """out[c] = x[c with c[axis] = ids[c]], an index out of range an error."""
         info = op.result_infos()[0]
@@ -231,6 +236,7 @@ class Kernels(EmitterParts):
         self._step(_describe(op), lines, [x, ids], [out])
         return out
 
+    @lowers(Op.cumsum, spread=True)
     def cumsum(self, op: TgOp, x: View) -> View:
         """Running sums along an axis, in the order of the axis (or reversed), exclusive or not."""
         info = op.result_infos()[0]
@@ -254,6 +260,7 @@ class Kernels(EmitterParts):
         self._step(_describe(op), lines, [x], [out])
         return out
 
+    @lowers(Op.concat)
     def concat(self, op: TgOp, xs: list[View]) -> View:
         info = op.result_infos()[0]
         out = self._temp(info)
@@ -269,6 +276,7 @@ class Kernels(EmitterParts):
         self._step(_describe(op), lines, xs, [out])
         return out
 
+    @lowers(Op.max_pool, Op.avg_pool, spread=True)
     def pool(self, op: TgOp, x: View) -> View:
         """Max and average pools over 1-D or 2-D windows (a 1-D pool is a 2-D one of height 1)."""
         info = op.result_infos()[0]
@@ -370,6 +378,7 @@ class Kernels(EmitterParts):
             "}",
         ]
 
+    @lowers(Op.pad, spread=True)
     def pad(self, op: TgOp, x: View) -> View:
         """Constant padding: the output filled with the value, then x copied into its interior."""
         pads = list(op.attr("pads"))

@@ -9,11 +9,14 @@ from xdsl.ir import SSAValue
 
 from tilegraph.backends.c.tables import (C_BINARY, C_BINARY_FLOAT, C_BINARY_INT, C_UNARY_FLOAT, C_UNARY_INT, CTYPES,
                                          FLOATS, PARALLEL_MIN, SIMD_BLOCK)
-from tilegraph.backends.c.views import EmitterParts, Unsupported, View, _describe, _eq, _is_one
+from tilegraph.backends.c.views import EmitterParts, Unsupported, View, _describe, _eq, _is_one, lowers
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.quant import FORMATS
 from tilegraph.ir.shapes import info_of, numel
-from tilegraph.ir.ops import Op
+from tilegraph.ir.ops import OPS, Op
+
+# The elementwise ops `Loops.expr` writes as C (the others of the table run on the host).
+EXPRESSIONS = {*C_UNARY_FLOAT, *C_UNARY_INT, *C_BINARY, *C_BINARY_FLOAT, *C_BINARY_INT, Op.gelu, Op.sigmoid, Op.cast}
 
 
 class Loops(EmitterParts):
@@ -107,6 +110,13 @@ class Loops(EmitterParts):
         return lines
 
     # --- elementwise ------------------------------------------------------------------
+
+    @lowers(*(name for name, spec in OPS.items() if spec.pointwise and name in EXPRESSIONS))
+    def pointwise(self, op: TgOp, xs: list[View]) -> View:
+        """One elementwise op outside a group: a loop of its own."""
+        out = self._temp(op.result_infos()[0], like=xs[0])
+        self.elementwise([op], {r: None for r in op.results}, dict(zip(op.operands, xs)), [(op.results[0], out)], op)
+        return out
 
     def expr(self, op: TgOp, args: list[str], operand_dtypes: list[str]) -> str:
         """The C expression of one elementwise op on C operand expressions."""

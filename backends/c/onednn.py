@@ -6,7 +6,7 @@ import sympy
 from xdsl.ir import SSAValue
 
 from tilegraph.backends.c.tables import DNNL_BINARY, DNNL_ELTWISE, DNNL_TYPES, KNOWN, SMALL_GEMM
-from tilegraph.backends.c.views import (EmitterParts, Unsupported, View, _describe, _eq, _is_one, _only_use,
+from tilegraph.backends.c.views import (EmitterParts, Unsupported, View, lowers, _describe, _eq, _is_one, _only_use,
                                         _plain_strides, _row_stride, channels_last_strides)
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.shapes import TensorInfo, info_of, numel
@@ -176,6 +176,11 @@ class OneDNN(EmitterParts):
             return True
         except Unsupported:
             return False
+
+    @lowers(Op.matmul, Op.conv)
+    def gemm_alone(self, op: TgOp, xs: list[View]) -> View:
+        """A GEMM or convolution outside a group: no epilogue to fuse."""
+        return (self.matmul(op, xs[0], xs[1], [], {}) if op.op_name == Op.matmul else self.conv(op, xs, [], {}))[0]
 
     def matmul(self, op: TgOp, a: View, b: View, chain: list[TgOp], env: dict,
                scales: View | None = None) -> tuple[View, int]:

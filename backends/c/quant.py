@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tilegraph.backends.c.tables import CTYPES, FLOATS
-from tilegraph.backends.c.views import EmitterParts, Unsupported, View, _describe, _eq, _is_one
+from tilegraph.backends.c.views import EmitterParts, Unsupported, View, _describe, _eq, _is_one, lowers
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.quant import FORMATS
 from tilegraph.ir.shapes import TensorInfo, numel
@@ -15,6 +15,7 @@ class Quantized(EmitterParts):
 
     # --- quantized ops (ir/quant.py's semantics) ------------------------------------
 
+    @lowers(Op.dynamic_quantize, spread=True)
     def dynamic_quantize(self, op: TgOp, x: View) -> list[View]:
         q_info, s_info = op.result_infos()
         if op.attr("block_size") or q_info.dtype != "i8" or x.dtype != "f32" or x.literal is not None or \
@@ -27,6 +28,7 @@ class Quantized(EmitterParts):
                    [x], [q, scale])
         return [q, scale]
 
+    @lowers(Op.quantize, Op.dequantize)
     def requantize(self, op: TgOp, xs: list[View]) -> View:
         """quantize / dequantize with a scale per tensor, per channel or broadcast, as one loop."""
         info = op.result_infos()[0]
@@ -46,6 +48,7 @@ class Quantized(EmitterParts):
         self.elementwise([op], {op.results[0]: None}, operands, [(op.results[0], out)], op)
         return out
 
+    @lowers(Op.matmul_integer)
     def matmul_integer(self, op: TgOp, xs: list[View]) -> View:
         """int8 x int8 -> int32 on oneDNN (VNNI where the processor has it). When the one
         reader of the result dequantizes it by one f32 scale per column, oneDNN applies

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import sympy
@@ -104,6 +104,24 @@ def _is_one(d) -> bool:
 
 class Unsupported(Exception):
     """This op or group has no C lowering here; the caller falls back (host or per-op)."""
+
+
+# The C lowering of each op outside a group: op name -> (the emitter method, whether it
+# takes the operand views one by one rather than as a list). The method returns the
+# result's view (or the list of them). This registry is the C backend's lowering table
+# (emit.py derives LOWERINGS from it), so a lowering cannot be declared without existing.
+LOWER: dict[str, tuple[Callable, bool]] = {}
+
+
+def lowers(*ops: str, spread: bool = False) -> Callable[[Callable], Callable]:
+    """Registers the decorated emitter method as the C lowering of `ops`."""
+    def register(method: Callable) -> Callable:
+        for op in ops:
+            if op in LOWER:
+                raise ValueError(f"tg.{op} has two C lowerings")
+            LOWER[op] = (method, spread)
+        return method
+    return register
 
 
 class Ints:
