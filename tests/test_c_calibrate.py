@@ -177,3 +177,19 @@ def test_convolutions_are_priced_by_kind_and_shape_for_c():
     # a profile without kinds prices every convolution at its one rate
     t, flops = conv_time((1, 96, 56, 56), (96, 1, 3, 3), 96, hw=replace(base, conv_rates={}))
     assert t == pytest.approx(flops / base.conv_rate)
+
+
+def test_every_native_step_names_the_kernel_it_computes():
+    """A per-step profile (benchmarks/cost_model_accuracy.py) charges each step's time to the
+    top-level op it computes: every step names one, a group's steps their group."""
+    from tilegraph.backends.c.emit import emit_program
+
+    g = Graph()
+    x = g.input("x", (8, 64))
+    w = g.weight("w", np.ones((64, 32), np.float32))
+    model = run_pipeline(g.build(g.softmax(g.op("tanh", g.matmul(x, w) + 1.0)), names=["y"]), default_pipeline("c"))
+    top = [op for op in model.func.body.block.ops if getattr(op, "op_name", None) not in ("weight", "constant", None)
+           or isinstance(op, FusionOp)]
+    program = emit_program(model, per_step=True)
+    assert program.steps and all(step.kernel in top for step in program.steps)
+    assert {step.kernel for step in program.steps} <= set(top)
