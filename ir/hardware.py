@@ -110,6 +110,9 @@ class Hardware:
     # GEMM of one group (output pixels, output channels of a group, a group's inputs x the
     # window); empty: `conv_rate` for all.
     conv_rates: Mapping[str, tuple[int, int, int, float]] = field(default_factory=dict)
+    # CPU "c" only: bytes/s a gather writes as it copies rows into the arena (the C copies:
+    # gather, concat, pad, ...); 0: priced as a pass at the cache and memory bandwidths.
+    copy_bandwidth: float = 0.0
     # CPU only: (rows, efficiency) of a GEMM with that few rows against a tall one of the
     # same other dims; the volume curve (`gemm_samples`) alone cannot tell 8 x 3072 x 768
     # (35 GFLOP/s on one core here) from 128 x 384 x 384 (89).

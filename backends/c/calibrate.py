@@ -17,6 +17,7 @@ graph, cached like any other module), called as a model is called:
 - GEMMs: x @ W with W a weight (oneDNN, reordered once to its packed layout at load),
   at MiniLM's and GPT-2's shapes, on one thread (`gemm_samples`) and on all
   (`gemm_samples_threaded`), net of the module call.
+- A gather's row copy, one more in a module (`copy_bandwidth`: what every copy costs).
 - Attention: the flash kernel at MiniLM's and GPT-2's head dims on one thread
   (`attention_rates`) and at the largest on all (`attention_speedup`); convolutions on
   oneDNN, all threads, one image: a 3x3, a 1x1 and a depthwise 3x3 (`conv_rates`).
@@ -59,6 +60,8 @@ QUICK_GEMM_SHAPES = ((32, 384, 384), (128, 384, 384), (1024, 384, 1536), (128, 3
 # against the GEMM curve at its implicit GEMM's shape (passes/cost/model._c_conv_time).
 CONV_CASES = {"dense": ((1, 64, 56, 56), (64, 64, 3, 3), 1), "pointwise": ((1, 256, 28, 28), (128, 256, 1, 1), 1),
               "depthwise": ((1, 96, 56, 56), (96, 1, 3, 3), 96)}
+# The gather timed: rows of a table as wide as a BERT-base hidden state.
+GATHER_TABLE, GATHER_WIDTH, GATHER_ROWS = 4096, 768, 512
 # Ops timed inside one fused loop, each as a chain that keeps values in [0.1, 2] (no
 # overflow, NaN or denormal slow paths): exp reads its negated input (a sign flip the
 # compiler folds into the call). Others are priced at `add`'s rate.
@@ -233,6 +236,21 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         rates[op] = (e_big - e_small) / (t_big - t_small) if t_big > t_small * 1.05 else \
             e_big / max(t_big - launch, 1e-9)
 
+    # A gather's row copy (embeddings; priced alike: every copy, concat, pad): one gather more
+    # in the module, from an intermediate into the arena (the output's fresh pages cancel).
+    bar.step("gather rows")
+    g = Graph()
+    table = g.weight("table", rng.standard_normal((GATHER_TABLE, GATHER_WIDTH), dtype=np.float32))
+    one = _module(g.build(g.embedding(table, g.input("ids", (GATHER_ROWS,), "i64")), names=["y"]))
+    g2 = Graph()
+    table = g2.weight("table", rng.standard_normal((GATHER_TABLE, GATHER_WIDTH), dtype=np.float32))
+    ids2, again = g2.input("ids", (GATHER_ROWS,), "i64"), g2.input("again", (GATHER_ROWS,), "i64")
+    two = _module(g2.build(g2.embedding(g2.embedding(table, ids2), again), names=["y"]))
+    rows = rng.integers(0, GATHER_TABLE, GATHER_ROWS)
+    t_one, t_two = _quiet_times((_call(one, rows), _call(two, rows, rng.permutation(GATHER_ROWS))), budget)
+    moved = GATHER_ROWS * GATHER_WIDTH * 4
+    copy_bandwidth = moved / (t_two - t_one) if t_two > t_one * 1.05 else moved / max(t_one - launch, 1e-9)
+
     # GEMMs on a packed weight, one thread and all threads.
     samples, threaded = [], []
     for m, n_, k in shapes:
@@ -302,6 +320,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         parallel_efficiency=efficiency,
         conv_rate=conv_rate,
         conv_rates=conv_rates,
+        copy_bandwidth=copy_bandwidth,
         attention_rates=tuple(attention_rates),
         attention_speedup=speedup,
         source=f"calibrated {stamp} on {cpu_model()} ({cores} threads, C backend{', quick' if quick else ''})",
@@ -316,6 +335,7 @@ def summary(hw: Hardware) -> str:
         ("one more step that opens an OpenMP region", f"{hw.parallel_overhead * 1e6:.2f} us"),
         (f"pass bandwidth, in cache ({hw.cache_bytes // 1024} KiB L2 per core)", f"{hw.cache_bandwidth / 1e9:.1f} GB/s"),
         ("pass bandwidth, beyond L3", f"{hw.memory_bandwidth / 1e9:.1f} GB/s"),
+        ("a gather's rows copied (bytes written)", f"{hw.copy_bandwidth / 1e9:.1f} GB/s"),
         ("oneDNN GEMM all threads / (cores x one thread)", f"{hw.parallel_efficiency:.2f}"),
         *((f"convolution {kind} {'x'.join(map(str, CONV_CASES[kind][0]))} (oneDNN, all threads)",
            f"{rate / 1e9:.1f} GFLOP/s") for kind, (*_, rate) in hw.conv_rates.items()),
