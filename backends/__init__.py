@@ -33,6 +33,9 @@ class Backend:
     profile: str | None = None  # the hardware profile (ir/hardware.py) its own kernels are measured into
     calibrate: str | None = None  # "module:function" measuring that profile (quick=True: in seconds)
     available: str | None = None  # "module:function" saying whether it runs here; None: it always does
+    # Its preparation pipeline: the IR rewrites it needs before it emits, as passes (name,
+    # "module:class"), run in order by its emitter; `import tilegraph` registers them by name.
+    passes: tuple[tuple[str, str], ...] = ()
 
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in (
@@ -42,7 +45,9 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
             profile="c", calibrate="tilegraph.backends.c.calibrate:measure",
             available="tilegraph.backends.c.build:builds_here"),
     Backend("triton", "tilegraph.backends.triton", "tilegraph.backends.triton.lowering:LOWERINGS",
-            available="tilegraph.backends:triton_installed"),
+            available="tilegraph.backends:triton_installed",
+            passes=(("triton-quantized-groups", "tilegraph.backends.triton.prepare:QuantizedGroups"),
+                    ("triton-kernel-groups", "tilegraph.backends.triton.prepare:KernelGroups"))),
     Backend("onnx", None, "tilegraph.backends.onnx_export:LOWERINGS"),
 )}
 

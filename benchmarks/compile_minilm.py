@@ -118,7 +118,7 @@ def child_compile(onnx_path: str) -> None:
     print(json.dumps({"total": total, "import": imported, "stages": stages}))
 
 
-# A stage run in a thread of its own beside the others (build.prepare starts the runtime's
+# A stage run in a thread of its own beside the others (build.build_ahead starts the runtime's
 # build): not in their sum.
 BACKGROUND = "(beside the passes) "
 

@@ -115,7 +115,8 @@ class Hardware:
     copy_bandwidth: float = 0.0
     # CPU only: (rows, efficiency) of a GEMM with that few rows against a tall one of the
     # same other dims; the volume curve (`gemm_samples`) alone cannot tell 8 x 3072 x 768
-    # (35 GFLOP/s on one core here) from 128 x 384 x 384 (89).
+    # from 128 x 384 x 384, of about the same work, though the skinny one runs at a fraction
+    # of the rate (its few rows cannot fill the kernel's register block).
     skinny_gemm: tuple[tuple[int, float], ...] = ()
     # CPU only: (head dim, FLOP/s) of the NumPy attention kernel (backends/numpy/attention.py, one
     # core): its batched small GEMMs over strided heads and its softmax passes run far

@@ -161,6 +161,20 @@ def _split_into_one(op, emit):
     return op.operands[0] if len(op.results) == 1 else None
 
 
+def _conv_of_zero_pad(op, emit):
+    """A convolution reading a zero pad of its input's spatial dims pads itself instead
+    (its own zero padding, which kernels skip rather than read: MobileNet's explicit pads)."""
+    pad = producer(op.operands[0], "pad")
+    if pad is None or pad.attr("mode") != "constant" or pad.attr("value") != 0:
+        return None
+    pads, nd = list(pad.attr("pads")), info(op.operands[0]).rank
+    if any(pads[i] or pads[nd + i] for i in (0, 1)) or any(p < 0 for p in pads):
+        return None
+    own = list(op.attr("pads") or [0] * (2 * (nd - 2)))
+    attrs = {**op.py_attrs(), "pads": tuple(a + b for a, b in zip(own, pads[2:nd] + pads[nd + 2:]))}
+    return list(emit.op(op.op_name, [pad.operands[0], *op.operands[1:]], attrs, None).results)
+
+
 # --- casts ----------------------------------------------------------------------
 
 
@@ -276,6 +290,7 @@ LAYOUT: list[Rule] = [
     Rule(("reshape",), _reshape_reshape, "reshape(reshape x) -> reshape x"),
     Rule(("broadcast",), _broadcast_broadcast, "broadcast(broadcast x) -> broadcast x"),
     Rule(("concat",), _concat_concat, "concat(concat(a, b), c) on one axis -> concat(a, b, c)"),
+    Rule(("conv",), _conv_of_zero_pad, "conv(pad(x, zeros around spatial dims)) -> conv(x) padding itself"),
 ]
 
 SPELLING: list[Rule] = [

@@ -170,7 +170,7 @@ def gptq(w: np.ndarray, h: np.ndarray, fmt: Format, granularity: str, size: int,
         static = np.broadcast_to(expand_scale(np.asarray(rtn_scale, np.float32), w.shape, axis, bs), w.shape)
     order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(k)
     block = GPTQ_BLOCK if not grouped else max(size, GPTQ_BLOCK // size * size)
-    with threadpool_limits(1, user_api="blas"):  # OpenBLAS's threads spin on a busy machine: 60x slower factorizations here
+    with threadpool_limits(1, user_api="blas"):  # OpenBLAS's threads spin on a busy machine
         out, scale = _rounded(w, h, fmt, size, scale_of, order, static, block)
     # Round to nearest, with the same observer, on the original weights: kept if it is better.
     rtn = dequantize(quantize(w, rtn_scale, None, axis, bs, fmt.name, fmt.numpy), rtn_scale, None, axis, bs,

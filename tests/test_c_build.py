@@ -95,7 +95,7 @@ def test_the_runtime_is_rebuilt_when_missing_and_keyed_by_flags(cache, monkeypat
 
 def test_prepare_builds_the_runtime_once_beside_a_build(cache, monkeypatch):
     made = _compiles(monkeypatch)
-    build.prepare()  # in a thread; build() waits for it rather than compiling it again
+    build.build_ahead()  # in a thread; build() waits for it rather than compiling it again
     model = _model(3.0)
     _check(compile_model(model), model)
     assert sorted(n.split("_")[0] for n in made) == ["tg", "tgrt"]

@@ -277,6 +277,16 @@ def test_embedding_tables_are_stored_in_int8_per_row_and_keep_the_bound():
     assert float_layer.weights["proj"].dtype == np.float32 and float_layer.weights["emb.q"].dtype == np.int8
 
 
+def test_one_row_looked_up_by_a_scalar_index_is_dequantized_by_its_row_scale():
+    """gather(T, i) with i a scalar drops the row axis: the row's one scale is a scalar."""
+    rng = np.random.default_rng(6)
+    g = Graph()
+    table = g.weight("emb", rng.standard_normal((7, 5)).astype(np.float32))
+    model = g.build(g.gather(table, g.constant(np.int64(3))) * g.input("x", (5,)))
+    after = assert_within_quantization_bound("quantize{scheme=w8a8}", model, [rng.standard_normal(5).astype(np.float32)])
+    assert after.weights["emb.q"].dtype == np.int8
+
+
 def test_calibrated_w8a8_uses_static_scales_and_keeps_its_bound(tmp_path):
     model = mlp()
     rng = np.random.default_rng(4)

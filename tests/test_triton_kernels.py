@@ -154,3 +154,22 @@ def test_a_layer_norm_after_a_gemm_is_one_kernel_until_its_rows_outgrow_a_progra
     assert compiled.source.count("@triton.jit\ndef fusion_") == kernels
     inputs = random_inputs(model, sizes={"B": 2})
     assert_close(compiled(*inputs)[0], interpret(model, inputs)[0], "f32", 64)
+
+
+def test_the_preparation_is_the_backends_registered_passes():
+    """What the emitter runs before writing kernels is its description's passes, runnable by
+    name: every op that computes ends up in a group, the emitter's copy is the same IR."""
+    from tilegraph.backends.triton.prepare import prepare
+    from tilegraph.ir import Graph
+    from tilegraph.ir.dialect import FusionOp, TgOp
+    from tilegraph.passes.registry import run_pipeline
+
+    g = Graph()
+    x = g.input("x", ("B", 8))
+    y = g.softmax(x @ g.weight("w", np.ones((8, 4), np.float32)) + g.constant(np.float32(1.0)), axis=-1)
+    model = g.build(y)
+    by_name = run_pipeline(model, "triton-quantized-groups,triton-kernel-groups")
+    assert str(by_name.module) == str(prepare(model).module)
+    top = [op for op in by_name.func.body.block.ops if isinstance(op, TgOp)]
+    assert all(op.SPEC.category in ("source", "layout") for op in top)
+    assert any(isinstance(op, FusionOp) for op in by_name.func.body.block.ops)

@@ -12,6 +12,7 @@ imports neither torch nor onnx: each frontend is imported when a model needs it.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -39,6 +40,19 @@ __all__ = ["compile", "import_model", "generate", "Compiled", "TilegraphError", 
 # must be chosen before anything (a transformers model) imports triton.
 interpret_triton_without_gpu()
 
+
+def _register_backend_passes() -> None:
+    """Each backend's preparation passes, runnable by name in any pipeline (imported when first
+    run): registered here, the layer above both the backends and the pass registry."""
+    from tilegraph.backends import BACKENDS, attribute
+    from tilegraph.passes import registry
+
+    for description in BACKENDS.values():
+        for name, path in description.passes:
+            registry.PASSES[name] = functools.partial(attribute, path)
+
+
+_register_backend_passes()
 
 # File suffixes import_model reads, and what reads them.
 SUFFIXES = {".onnx": "ONNX (frontends.onnx)", ".mlir": "tg IR text (Model.load)",
@@ -212,8 +226,8 @@ def compile(model: Any, example_inputs: Sequence[Any] | None = None, target: str
     if unknown:
         raise TilegraphError(f"target {target!r} takes no option {', '.join(unknown)}"
                              + (f" (its options: {', '.join(sorted(accepted))})" if accepted else ""))
-    if hasattr(codegen, "prepare"):  # what the backend can build ahead (the C runtime) while the passes run
-        codegen.prepare()
+    if hasattr(codegen, "build_ahead"):  # what the backend can build (the C runtime) while the passes run
+        codegen.build_ahead()
     hardware = getattr(codegen, "HARDWARE", "cpu")  # fusion and tiling decide for what the backend runs on
     cache_key = None
     if isinstance(model, (str, os.PathLike)) and not isinstance(pipeline, (list, tuple)):

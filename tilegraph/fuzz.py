@@ -335,23 +335,27 @@ class Fuzzer:
         _compile_and_run(lambda: Model.parse(decode_text(data, "model.mlir"), dict(weights)), rng)
         return self._case
 
+    def _mutated_onnx(self, seed: bytes, mutate, rng: np.random.Generator) -> bytes:
+        """The seed model with one to three mutations, serialized: this case's file."""
+        import onnx
+
+        proto = onnx.load_model_from_string(seed)
+        for _ in range(int(rng.integers(1, 4))):
+            mutate(proto, rng)
+        data = proto.SerializeToString()
+        self._case = {"model.onnx": data}
+        return data
+
     def onnx_case(self, rng: np.random.Generator) -> dict[str, bytes]:
         from tilegraph.frontends.onnx import from_onnx
 
         if self._onnx is None:
             self._onnx = seed_onnx().SerializeToString()
-        import onnx
-
-        proto = onnx.load_model_from_string(self._onnx)
-        for _ in range(int(rng.integers(1, 4))):
-            mutate_proto(proto, rng)
-        data = proto.SerializeToString()
-        self._case = {"model.onnx": data}
+        data = self._mutated_onnx(self._onnx, mutate_proto, rng)
         _compile_and_run(lambda: from_onnx(data), rng)
         return self._case
 
     def shapes_case(self, rng: np.random.Generator, target: str = "numpy") -> dict[str, bytes]:
-        import onnx
 
         import tilegraph
         from tilegraph.frontends.onnx import from_onnx
@@ -360,11 +364,7 @@ class Fuzzer:
 
         if getattr(self, "_shapes", None) is None:
             self._shapes = seed_shapes_onnx().SerializeToString()
-        proto = onnx.load_model_from_string(self._shapes)
-        for _ in range(int(rng.integers(1, 4))):
-            mutate_shapes(proto, rng)
-        data = proto.SerializeToString()
-        self._case = {"model.onnx": data}
+        data = self._mutated_onnx(self._shapes, mutate_shapes, rng)
         compiled = tilegraph.compile(from_onnx(data), target=target, pipeline=None if rng.random() < 0.3 else "")
         symbols = sorted(set().union(*(free_symbols(t.shape) for t in compiled.model.inputs)))
         for _ in range(2):  # two bindings: small sizes make windows, splits and slices empty or negative

@@ -735,6 +735,28 @@ def lemma_slice_everything() -> bool:
     return s.check() == z3.unsat
 
 
+def lemma_conv_of_zero_pad() -> bool:
+    """Along one spatial dim (each is independent): a convolution (stride s >= 1, dilation
+    d >= 1, its own pads cb, ce >= 0) of x (length n >= 1) zero-padded by pb, pe >= 0 reads, at
+    output o and tap t, the same value (x's element, or zero) as one of x padded by cb + pb,
+    ce + pe; and both have the same padded length, so the same output length."""
+    import z3
+
+    n, s, d, cb, ce, pb, pe, o, t = z3.Ints("n s d cb ce pb pe o t")
+    # Unfolded: the convolution reads the pad's output at i (a zero of its own padding outside
+    # [0, n + pb + pe)), which is x at i - pb (a zero of the pad outside [0, n)). -1 is a zero.
+    i = o * s + t * d - cb
+    unfolded = z3.If(z3.And(i >= 0, i < n + pb + pe), z3.If(z3.And(i - pb >= 0, i - pb < n), i - pb, -1), -1)
+    # Folded (canonicalize's _conv_of_zero_pad): pads cb + pb, ce + pe over x itself.
+    fb, fe = cb + pb, ce + pe
+    j = o * s + t * d - fb
+    folded = z3.If(z3.And(j >= 0, j < n), j, -1)
+    solver = z3.Solver()
+    _add(solver, [n >= 1, s >= 1, d >= 1, cb >= 0, ce >= 0, pb >= 0, pe >= 0, o >= 0, t >= 0],
+         z3.Or(unfolded != folded, (n + pb + pe) + cb + ce != n + fb + fe))
+    return solver.check() == z3.unsat
+
+
 def lemma_transpose_as_reshape(rank) -> bool:
     """A transpose that moves only dims of size 1 (the others keep their order) keeps the row-major
     order of the elements: every element's flat offset is the same before and after."""
@@ -785,6 +807,8 @@ LAYOUT_LEMMAS: dict[str, list[tuple[str, Callable[[], bool]]]] = {
         (f"{n} operands, inner at {p}", lambda n=n, p=p: lemma_concat_concat(n, p))  # type: ignore[misc]
         for n in range(1, 4) for p in range(n)],
     "slice of everything -> x": [("any n, starts, ends", lemma_slice_everything)],
+    "conv(pad(x, zeros around spatial dims)) -> conv(x) padding itself": [
+        ("one spatial dim, any stride, dilation and pads", lemma_conv_of_zero_pad)],
 }
 # Layout rules whose result is their operand by the driver's own check (same type, so same shape)
 # and the op's definition: no index arithmetic to prove.

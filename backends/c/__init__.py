@@ -8,7 +8,7 @@ GEMMs and convolutions run on oneDNN with weights packed once; everything else i
 emitted loops. Ops it does not lower run on the host (emit.HOST_FALLBACK).
 """
 
-from tilegraph.backends.c.build import prepare
+from tilegraph.backends.c.build import build_ahead
 from tilegraph.backends.c.emit import HOST_FALLBACK, emit_program
 from tilegraph.backends.c.runtime import CompiledModel, load, remember
 
@@ -24,4 +24,4 @@ def compile_model(model, name=None) -> CompiledModel:
     return load(emit(model, name), model.weights, model)
 
 
-__all__ = ["emit", "load", "compile_model", "prepare", "CompiledModel", "HOST_FALLBACK"]
+__all__ = ["emit", "load", "compile_model", "build_ahead", "CompiledModel", "HOST_FALLBACK"]

@@ -140,7 +140,7 @@ def runtime(cflags: list[str] | None = None) -> Path:
     return target
 
 
-def prepare() -> None:
+def build_ahead() -> None:
     """Starts finding or building the runtime in a background thread: `tilegraph.compile`
     calls it before its import and passes, which run in Python on one core while the C
     compiler takes another, so a first build on a machine overlaps them. A failure is

@@ -62,8 +62,8 @@ MAX_ATTENTION_BLOCK = 16384
 HOST_FALLBACK = {
     "einsum": "NumPy's einsum on the host",
     "scatter_elements": "host", "scatter_nd": "C for set and add over float slices, the host otherwise",
-    "pad": "C for constant padding (into a convolution's own padding where that reads it), the host for "
-           "reflect/edge/wrap and negative pads",
+    "pad": "C for constant padding (canonicalize makes a zero pad a convolution reads its padding), the host "
+           "for reflect/edge/wrap and negative pads",
     "cumprod": "host", "trilu": "host", "topk": "host", "argmax": "host",
     "argmin": "host", "mod": "host", "isinf": "host", "reduce_prod": "host",
     "div": "C for floats, the host for integers", "pow": "C for floats, the host for integers",
@@ -99,7 +99,6 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
     # --- the program --------------------------------------------------------------
 
     def run(self) -> None:
-        self.padding_convs = self._padding_convs()
         for op in self.prog.steps:
             first = len(self.steps)
             if isinstance(op, FusionOp):
@@ -127,9 +126,6 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
         if name == Op.constant:
             views[op.results[0]] = self.constant(op)
             return
-        if name == Op.pad and any(pad is op for pad, _ in self.padding_convs.values()):
-            views[op.results[0]] = get(op.operands[0])  # the convolution reading it pads itself
-            return
         try:
             operands = [get(v) for v in op.operands]
             outs = self.layout(op, operands)
@@ -138,30 +134,6 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
         except Unsupported:
             outs = self.host(op, [get(v) for v in op.operands])
         views.update(zip(op.results, outs))
-
-    def _padding_convs(self) -> dict:
-        """{conv: its input's zero padding} for each zero `pad` over only the spatial dims
-        whose one reader is a convolution's input: the convolution pads instead (oneDNN
-        skips the taps outside the input), and the pad is never written."""
-        found = {}
-        for op in self.prog.steps:
-            if not isinstance(op, TgOp) or op.op_name != Op.pad or op.attr("mode") != "constant" or op.attr("value"):
-                continue
-            pads, nd = list(op.attr("pads")), op.result_infos()[0].rank
-            if nd < 3 or any(pads[i] or pads[nd + i] for i in (0, 1)) or any(p < 0 for p in pads):
-                continue
-            uses = list(op.results[0].uses)
-            if len(uses) != 1:
-                continue
-            user, index = uses[0].operation, uses[0].index
-            if isinstance(user, FusionOp):  # the group's block argument, read only by its head conv
-                arg_uses = list(user.block.args[index].uses)
-                if len(arg_uses) != 1 or arg_uses[0].index != 0 or arg_uses[0].operation is not user.ops[0]:
-                    continue
-                user, index = arg_uses[0].operation, 0
-            if isinstance(user, TgOp) and user.op_name == Op.conv and index == 0:
-                found[user] = (op, pads[2:nd] + pads[nd + 2:])
-        return found
 
     def constant(self, op: TgOp) -> View:
         info = op.result_infos()[0]
@@ -290,9 +262,6 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
         return out
 
     def host(self, op: TgOp, xs: list[View]) -> list[View]:
-        if op in self.padding_convs:  # a convolution C does not run reads its input padded after all
-            pad = self.padding_convs.pop(op)[0]
-            xs = [self.pad(pad, xs[0]), *xs[1:]]
         outs = [self._temp(info) for info in op.result_infos()]
         # A weight's dequantization (block scales, 4-bit formats) depends on no input: done once,
         # into buffers of its own that the GEMM then packs as it packs a weight.

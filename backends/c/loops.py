@@ -85,7 +85,7 @@ class Loops(EmitterParts):
             loop = f"for (int64_t j = 0; j < {self.ints(inner_n)}; j++) {{"
         elif self._parallel_for(total, 1):
             # Blocks over the threads, each a simd loop: GCC's combined `parallel for simd`
-            # ran 10x slower on one thread, its if(false) path included.
+            # loses vectorization on one thread, its if(false) path included.
             n = self.ints(inner_n)
             lines += [indent + line for line in self._parallel_for(total, 1)]
             lines += [f"{indent}for (int64_t j0 = 0; j0 < {n}; j0 += {SIMD_BLOCK})", f"{indent}#pragma omp simd"]

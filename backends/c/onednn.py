@@ -318,8 +318,6 @@ class OneDNN(EmitterParts):
         strides = list(op.attr("strides") or [1] * sp)
         dil = list(op.attr("dilations") or [1] * sp)
         pads = list(op.attr("pads") or [0] * (2 * sp))
-        if op in self.padding_convs:
-            pads = [a + b for a, b in zip(pads, self.padding_convs[op][1])]
         if groups > 1:
             o, i = w.shape[0], w.shape[1]
             wd = (groups, sympy.sympify(o) / groups) + (i,) + tuple(w.shape[2:])

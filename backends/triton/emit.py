@@ -32,10 +32,8 @@ from typing import Sequence
 import numpy as np
 import sympy
 from xdsl.ir import Block, SSAValue
-from xdsl.rewriter import Rewriter
 
-from tilegraph.ir.decompositions import expand
-from tilegraph.ir.dialect import FusionOp, TgOp, YieldOp, make_op
+from tilegraph.ir.dialect import FusionOp, TgOp, make_op
 from tilegraph.ir.dtypes import PACKED_4BIT
 from tilegraph.ir.fusion import ANCHORS, GroupKind
 from tilegraph.ir.interpreter import SHAPE_FUNCTIONS, dtype_code
@@ -44,10 +42,11 @@ from tilegraph.ir.ops import Op, QUANTIZATION_OPS, render, size_definitions
 from tilegraph.ir.shapes import Dim, TensorInfo, info_of, numel, tensor_type
 from tilegraph.backends.program import (PYTHON_RESERVED, Namer, array_literal, flatten, liveness, literal, py_comment,
                               signature_rows, str_literal, tuple_lines)
-from tilegraph.backends.triton.lowering import DECOMPOSED, TORCH_LAYOUT
+from tilegraph.backends.triton.lowering import TORCH_LAYOUT
 from tilegraph.backends.triton.group_kernels import (AXIS_OPS, INDENT, TORCH_TYPES, KernelCode, KernelWriter, RowsTooWide,
                                                     Unsupported, needs_whole_rows, triton_next_power_of_2)
-from tilegraph.backends.triton.quant import QuantKernelWriter, group_quantized
+from tilegraph.backends.triton.prepare import in_block, prepare
+from tilegraph.backends.triton.quant import QuantKernelWriter
 
 # What a symbolic dim is taken to be for an ahead-of-time build (passes/cost/model.py prices
 # symbolic dims at the same size).
@@ -68,45 +67,6 @@ def emit(model: Model, name: str | None = None, hardware: str | None = None) -> 
     from tilegraph.backends.triton import HARDWARE
 
     return _Emitter(model, hardware or HARDWARE).source()
-
-
-def prepare(model: Model) -> Model:
-    """A copy of the model where every compute op sits in a tg.fusion group and groups hold
-    no composites but attention."""
-    module = model.module.clone()
-    copy = Model(module, model.weights)
-    group_quantized(copy.func)  # quantized GEMMs: their dequantize prologues and epilogues in one group
-    rewriter = Rewriter()
-    for op in list(copy.func.body.walk()):
-        if isinstance(op, TgOp) and _kernel_op(op) and not isinstance(op.parent_op(), FusionOp):
-            _wrap(op, rewriter)
-    for group in [op for op in module.walk() if isinstance(op, FusionOp)]:  # the decomposition library's
-        for op in [op for op in group.ops if op.op_name in DECOMPOSED]:
-            expand(op)
-    return copy
-
-
-def _kernel_op(op: TgOp) -> bool:
-    """Ops that compute (and so get a kernel): everything but sources and views."""
-    return (op.SPEC.category not in ("source", "layout") or op.op_name == Op.gather) and op.SPEC.bound is None
-
-
-def _in_block(op: TgOp) -> tuple[Block, TgOp]:
-    """A copy of op in a block of its own, reading the block's arguments."""
-    block = Block(arg_types=[v.type for v in op.operands])
-    inner = op.clone()
-    for i, arg in enumerate(block.args):
-        inner.operands[i] = arg
-    block.add_op(inner)
-    return block, inner
-
-
-def _wrap(op: TgOp, rewriter: Rewriter) -> None:
-    """Put a lone op into a tg.fusion group of its own."""
-    block, inner = _in_block(op)
-    block.add_op(YieldOp.create(operands=list(inner.results)))
-    group = FusionOp.build_group(op.op_name, list(op.operands), [r.type for r in op.results], block)
-    rewriter.replace_op(op, group, list(group.results))
 
 
 def _axes_last(op: TgOp):
@@ -374,7 +334,7 @@ class _Emitter:
             perm, inner, undo = moved
             block = inner.parent_block()
         else:
-            block, inner = _in_block(op)
+            block, inner = in_block(op)
         try:
             code = self._kernel(name, op.op_name, [inner], list(block.args), list(inner.results), {})
         except Unsupported:

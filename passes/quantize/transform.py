@@ -139,6 +139,8 @@ class Quantize(ModulePass):
             q = layer.array(name + ".q", quantize(t, scale, None, 1, 0, "i8", fmt.numpy))  # type: ignore[assignment]
             rows = layer.emit("gather", q, ids).results[0]
             row_scales = sv if per_tensor else layer.emit("gather", sv, ids).results[0]
+            if not per_tensor and info_of(ids.type).rank == 0:  # one row, its axis gone: its one scale
+                row_scales = layer.emit("reshape", row_scales, result=TensorInfo((), info_of(row_scales.type).dtype)).results[0]
             out = layer.emit("dequantize", rows, row_scales, to=dtype).results[0]
         layer.replace(out)
 

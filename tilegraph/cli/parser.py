@@ -22,8 +22,9 @@ def _parser() -> argparse.ArgumentParser:
     _shared(comp, output="where to write the emitted source (.py)", pipeline=PIPELINE,
             dim="with --report: evaluate the planned peak at this size of a symbolic dimension")
     comp.add_argument("--target", default="numpy", choices=list(TARGETS),
-                      help="code generator: numpy, or triton (@triton.jit kernels for a GPU, fused and tiled "
-                           "for it) (default: numpy)")
+                      help="code generator: numpy (readable NumPy), c (native C and oneDNN, what "
+                           "tilegraph.compile uses by default where it builds) or triton (@triton.jit kernels for "
+                           "a GPU, fused and tiled for it) (default: numpy, the readable one)")
     comp.add_argument("--report", action="store_true",
                       help="print kernel count, planned buffers, planned peak memory and weight bytes")
 
