@@ -230,8 +230,8 @@ def _gemm_curve(samples) -> tuple[tuple[float, float], ...]:
 def _by_shape(m: int, n: int, k: int, samples) -> float:
     """The rate at (m, n, k) from samples (m, n, k, rate): a geometric mean of the samples'
     rates weighted by inverse squared distance in (log m, log n, log k), exact at a sample.
-    The volume alone does not tell oneDNN's rates apart: at one volume, a weight that fits
-    the cores' L2 and a wider one that streams from L3 for every block of rows ran 3x apart."""
+    The volume alone does not tell oneDNN's rates apart: at one volume, a weight that fits the
+    cores' L2 is read from there for every block of rows, a wider one streams from L3 each time."""
     at = (math.log(m), math.log(n), math.log(k))
     num = den = 0.0
     for sm, sn, sk, rate in samples:

@@ -81,9 +81,9 @@ BUDGET, QUICK_BUDGET = 0.4, 0.1
 
 
 # Which batch of a measurement counts (backends/numpy/calibrate.median_times): the lower
-# quartile. On a shared machine most batches lose time slices to other processes, and a
-# median taken while others ran priced GEMMs several times too slow; the quietest batch
-# alone would be too fast (a lone core's turbo clock).
+# quartile. On a shared machine most batches lose time slices to other processes, so a
+# median prices the neighbours' load into every kernel; the quietest batch alone would be
+# too fast (a lone core's turbo clock).
 QUIET = 0.25
 
 

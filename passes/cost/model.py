@@ -370,9 +370,8 @@ def _float_cost(op: TgOp, hw) -> Cost:
                       if isinstance(v.owner, TgOp) and v.owner.op_name == Op.weight]
             cold = sympy.Min(moved, sum((_nbytes(info_of(v.type)) for v in tables), zero)) if tables else zero
             # At the calibrated row-copy rate where the profile has one: a copy is short rows,
-            # each checked against its bounds, not a streaming pass, and that rate, not where
-            # the rows come from, set the time of BERT's embedding lookups (a 94 MB table's
-            # and a 2-row table's 128 rows took within 1.4x of each other).
+            # each checked against its bounds, not a streaming pass, and for the few rows a
+            # lookup takes that rate, not where in memory the table lies, sets its time.
             memory = moved / hw.copy_bandwidth if hw.copy_bandwidth else _c_memory(hw, 2 * moved, cold)
             overhead = _c_step(hw, _elements(out))
             return Cost(flops, bytes_, memory + overhead, zero, memory, overhead, label=name, ops=[name])
