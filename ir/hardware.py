@@ -113,6 +113,10 @@ class Hardware:
     # CPU "c" only: bytes/s a gather writes as it copies rows into the arena (the C copies:
     # gather, concat, pad, ...); 0: priced as a pass at the cache and memory bandwidths.
     copy_bandwidth: float = 0.0
+    # CPU "c" only: the size of L3 (shared) and bytes/s of a fused loop's pass over data beyond
+    # the cores' L2 that fits it; 0: such data is priced at `memory_bandwidth`.
+    l3_bytes: int = 0
+    l3_bandwidth: float = 0.0
     # CPU only: (rows, efficiency) of a GEMM with that few rows against a tall one of the
     # same other dims; the volume curve (`gemm_samples`) alone cannot tell 8 x 3072 x 768
     # from 128 x 384 x 384, of about the same work, though the skinny one runs at a fraction

@@ -73,6 +73,9 @@ TINY = 16  # elements of "a tiny step": its fixed cost dominates
 # Elements per array of the in-cache passes: 2 arrays in and 1 out of both sizes fit two cores'
 # L2 of 1 MiB or more, and both are above the emitted loops' OpenMP threshold.
 CACHE_SIZES = (1 << 16, 1 << 17)
+# Bytes per array of the L3 pass: three of them (2 in, 1 out) overflow two cores' L2 of up to
+# 2 MiB each, and fit an L3 of 24 MiB or more.
+L3_ARRAY = 4 << 20
 STREAM_QUICK = 1 << 23  # 32 MiB per array: three of them overflow a 32 MiB L3
 # Seconds of timing per measurement. Quick: enough batches that a neighbour's time slice
 # spoils a minority of them on a shared machine (with three samples each, a quick profile
@@ -228,6 +231,16 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         per_step = t_short - launch
     memory_bandwidth = min(12 * n_stream / max(per_step - fork_join, 1e-9), cache_bandwidth)
 
+    # And over arrays beyond the cores' L2 that fit L3 (a layer's activations), where it has one.
+    bar.step("L3 bandwidth")
+    l3_elements = L3_ARRAY // 4
+    if caches.get("l3", 0) >= 3 * L3_ARRAY * 2 and 3 * L3_ARRAY > caches["l2"] * cores:
+        _, per_step = step_time(l3_elements, budget)
+        l3_bandwidth = min(max(12 * l3_elements / max(per_step - fork_join, 1e-9), memory_bandwidth), cache_bandwidth)
+        l3_bytes = caches["l3"]
+    else:
+        l3_bandwidth, l3_bytes = 0.0, 0
+
     # Each more op in one fused loop, in cache, all threads.
     rates = {}
     n = CACHE_SIZES[-1]
@@ -316,6 +329,8 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         memory_bandwidth=memory_bandwidth,
         cache_bandwidth=cache_bandwidth,
         cache_bytes=caches["l2"],
+        l3_bytes=l3_bytes,
+        l3_bandwidth=l3_bandwidth,
         memory_bytes=_physical_memory(),
         cores=cores,
         shared_memory_per_core=caches["l1d"],
@@ -345,6 +360,7 @@ def summary(hw: Hardware) -> str:
         ("one more step in a module (tiny, one thread)", f"{hw.chunk_call_overhead * 1e6:.2f} us"),
         ("one more step that opens an OpenMP region", f"{hw.parallel_overhead * 1e6:.2f} us"),
         (f"pass bandwidth, in cache ({hw.cache_bytes // 1024} KiB L2 per core)", f"{hw.cache_bandwidth / 1e9:.1f} GB/s"),
+        ("pass bandwidth, beyond L2, in L3", f"{hw.l3_bandwidth / 1e9:.1f} GB/s"),
         ("pass bandwidth, beyond L3", f"{hw.memory_bandwidth / 1e9:.1f} GB/s"),
         ("a gather's rows copied (bytes written)", f"{hw.copy_bandwidth / 1e9:.1f} GB/s"),
         ("oneDNN GEMM all threads / (cores x one thread)", f"{hw.parallel_efficiency:.2f}"),

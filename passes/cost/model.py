@@ -707,8 +707,15 @@ def _cold_bytes(ops: Sequence[TgOp]) -> sympy.Expr:
 @_memo_hw
 def _c_memory(hw, bytes_: sympy.Expr, cold: sympy.Expr) -> sympy.Expr:
     """(C) One pass over a step's inputs and outputs: at the cache rate while they fit the
-    cores' L2 (the step before ran on every core), weights from memory; else all from memory."""
+    cores' L2 (the step before ran on every core), weights from memory; beyond L2, at the L3
+    rate while they fit half of L3 (the rest of it holds the weights streaming through); else
+    all from memory."""
     fits = bytes_ <= hw.cache_bytes * hw.cores
+    if hw.l3_bandwidth:  # beyond L2, a layer's activations stay in L3 where it holds them
+        in_l3 = bytes_ <= hw.l3_bytes / 2
+        return sympy.Piecewise((cold / hw.memory_bandwidth + (bytes_ - cold) / hw.cache_bandwidth, fits),
+                               (cold / hw.memory_bandwidth + (bytes_ - cold) / hw.l3_bandwidth, in_l3),
+                               (bytes_ / hw.memory_bandwidth, True))
     return sympy.Piecewise((cold / hw.memory_bandwidth + (bytes_ - cold) / hw.cache_bandwidth, fits),
                            (bytes_ / hw.memory_bandwidth, True))
 
