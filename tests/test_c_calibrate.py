@@ -193,3 +193,16 @@ def test_every_native_step_names_the_kernel_it_computes():
     program = emit_program(model, per_step=True)
     assert program.steps and all(step.kernel in top for step in program.steps)
     assert {step.kernel for step in program.steps} <= set(top)
+
+
+def test_a_step_beyond_l2_that_fits_l3_is_priced_at_the_l3_rate():
+    from dataclasses import replace
+
+    from tilegraph.passes.cost.model import _c_memory
+
+    hw = replace(hardware("c"), cache_bytes=1 << 20, cores=2, l3_bytes=64 << 20, l3_bandwidth=20e9,
+                 cache_bandwidth=80e9, memory_bandwidth=5e9)
+    assert at(_c_memory(hw, 1 << 20, 0)) == pytest.approx((1 << 20) / 80e9)  # in the cores' L2
+    assert at(_c_memory(hw, 8 << 20, 0)) == pytest.approx((8 << 20) / 20e9)  # beyond L2, in L3
+    assert at(_c_memory(hw, 48 << 20, 0)) == pytest.approx((48 << 20) / 5e9)  # more than half of L3
+    assert at(_c_memory(replace(hw, l3_bandwidth=0.0), 8 << 20, 0)) == pytest.approx((8 << 20) / 5e9)
