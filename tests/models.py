@@ -382,3 +382,159 @@ def char_batches(text: str, steps: int, batch: int, block: int, seed: int = 0):
         y = torch.stack([data[s + 1:s + block + 1] for s in starts])
         out.append((x, y))
     return chars, out
+
+
+# --- the char GPT as segments between collectives (tilegraph.train_sharded: tensor and pipeline plans) ---
+
+
+class _Piece(nn.Module):
+    """A piece of a CharGPT: `fn(params, *inputs)` over its own copies of some of the model's parameters
+    (`params`: global name -> tensor, this rank's slice where the plan splits it)."""
+
+    def __init__(self, fn, params: dict):
+        super().__init__()
+        self.fn = fn
+        self.p = nn.ParameterDict({k.replace(".", "__"): nn.Parameter(v.detach().clone()) for k, v in params.items()})
+
+    def forward(self, *inputs):
+        return self.fn({k.replace("__", "."): v for k, v in self.p.items()}, *inputs)
+
+
+def _layer_norm(p, prefix, x):
+    return torch.nn.functional.layer_norm(x, x.shape[-1:], p[prefix + ".weight"], p[prefix + ".bias"])
+
+
+def qkv_heads(name: str, a, dim: int, rank: int, world: int):
+    """Megatron's slice of a fused qkv weight or bias (split on its output dim 0): this rank's heads of
+    each of q, k and v; any other weight: a contiguous chunk of `dim`."""
+    import numpy as np
+
+    if dim == 0 and ".qkv." in name:
+        parts = np.asarray(a).reshape((3, a.shape[0] // 3) + a.shape[1:])
+        n = parts.shape[1] // world
+        return np.ascontiguousarray(parts[:, rank * n:(rank + 1) * n].reshape((-1,) + a.shape[1:]))
+    n = a.shape[dim] // world
+    return np.ascontiguousarray(np.take(a, range(rank * n, (rank + 1) * n), axis=dim))
+
+
+def char_gpt_segments(module: CharGPT, strategy: str):
+    """`tilegraph.train_sharded.Segments` of `module`: for "tensor", Megatron's pieces (embedding + the
+    first ln1; per block the attention's local heads and the MLP's local columns as partial sums, the
+    replicated residual/LayerNorm pieces between them; the head and loss last); for "pipeline", two
+    stages of half the blocks each (embedding first, final LayerNorm, head and loss last)."""
+    import numpy as np
+
+    from tilegraph.train_sharded import Segment, Segments
+
+    tg = __import__("tilegraph")
+    layers, heads = len(module.blocks), module.heads
+    hidden = module.tok.weight.shape[1]
+    full = {k: v.detach() for k, v in module.named_parameters()}
+
+    def piece(fn, names, local, example, inputs, outputs, partial=False, loss=False):
+        params = {n: torch.from_numpy(np.array(local(n))) for n in names}
+        m = _Piece(fn, params)
+        model = tg.import_model(m, example_inputs=example)
+        mapping = {"p." + n.replace(".", "__"): n for n in names}
+        missing = [k for k in mapping if k not in model.weights]
+        if missing:
+            raise AssertionError(f"segment weights {missing} not in {list(model.weights)}")
+        return Segment(model, inputs, outputs, mapping, partial=partial, loss=loss)
+
+    def embed(p, ids):
+        return p["tok.weight"][ids] + p["pos.weight"][:ids.shape[1]]
+
+    def block(p, i, x):
+        b, t, _ = x.shape
+        q, k, v = torch.nn.functional.linear(_layer_norm(p, f"blocks.{i}.ln1", x), p[f"blocks.{i}.qkv.weight"],
+                                             p[f"blocks.{i}.qkv.bias"]).split(hidden, dim=-1)
+        q, k, v = (z.reshape(b, t, heads, -1).transpose(1, 2) for z in (q, k, v))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + torch.nn.functional.linear(a.transpose(1, 2).reshape(b, t, -1), p[f"blocks.{i}.proj.weight"],
+                                           p[f"blocks.{i}.proj.bias"])
+        h = torch.nn.functional.gelu(torch.nn.functional.linear(_layer_norm(p, f"blocks.{i}.ln2", x),
+                                                                p[f"blocks.{i}.fc.weight"], p[f"blocks.{i}.fc.bias"]))
+        return x + torch.nn.functional.linear(h, p[f"blocks.{i}.out.weight"], p[f"blocks.{i}.out.bias"])
+
+    def head(p, x):
+        return torch.nn.functional.linear(_layer_norm(p, "ln_f", x), p["head.weight"])
+
+    block_size = module.pos.weight.shape[0]
+
+    def examples(rows):
+        return torch.zeros((rows, block_size), dtype=torch.int64), torch.zeros((rows, block_size, hidden))
+
+    def names_of(prefixes):
+        return [n for n in full if n.startswith(prefixes)]
+
+    if strategy == "pipeline":
+        half = layers // 2
+        first = names_of(("tok.", "pos.") + tuple(f"blocks.{i}." for i in range(half)))
+        last = names_of(tuple(f"blocks.{i}." for i in range(half, layers)) + ("ln_f.", "head."))
+
+        def stage0(p, ids):
+            x = embed(p, ids)
+            for i in range(half):
+                x = block(p, i, x)
+            return x
+
+        def stage1(p, x):
+            for i in range(half, layers):
+                x = block(p, i, x)
+            return head(p, x)
+
+        def build(rank, world, rows):
+            ids, x_ex = examples(rows)
+            return [piece(stage0, first, full.__getitem__, (ids,), ["ids"], ["x"]),
+                    piece(stage1, last, full.__getitem__, (x_ex,), ["x"], ["logits"], loss=True)]
+
+        return Segments(build, stage_of=lambda s: 1 if s.loss else 0)
+
+    def build(rank, world, rows):  # tensor parallelism over `world` ranks
+        ids, x_ex = examples(rows)
+        local_heads = heads // world
+        d = hidden // heads
+
+        def local(name):
+            w = full[name].numpy()
+            if name.endswith((".qkv.weight", ".qkv.bias", ".fc.weight", ".fc.bias")):
+                return qkv_heads(name, w, 0, rank, world)
+            if name.endswith((".proj.weight", ".out.weight")):
+                return qkv_heads(name, w, 1, rank, world)
+            return w
+
+        def attn_part(p, h, i):
+            b, t, _ = h.shape
+            qkv = torch.nn.functional.linear(h, p[f"blocks.{i}.qkv.weight"], p[f"blocks.{i}.qkv.bias"])
+            q, k, v = (z.reshape(b, t, local_heads, d).transpose(1, 2) for z in qkv.split(local_heads * d, dim=-1))
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return a.transpose(1, 2).reshape(b, t, -1) @ p[f"blocks.{i}.proj.weight"].T
+
+        def mlp_part(p, h, i):
+            f = torch.nn.functional.gelu(torch.nn.functional.linear(h, p[f"blocks.{i}.fc.weight"],
+                                                                    p[f"blocks.{i}.fc.bias"]))
+            return f @ p[f"blocks.{i}.out.weight"].T
+
+        segs = [piece(lambda p, ids: (lambda x: (x, _layer_norm(p, "blocks.0.ln1", x)))(embed(p, ids)),
+                      ["tok.weight", "pos.weight", "blocks.0.ln1.weight", "blocks.0.ln1.bias"], local, (ids,),
+                      ["ids"], ["x0", "h0"])]
+        for i in range(layers):
+            b_ = f"blocks.{i}."
+            segs.append(piece(lambda p, h, i=i: attn_part(p, h, i), [b_ + "qkv.weight", b_ + "qkv.bias",
+                              b_ + "proj.weight"], local, (x_ex,), [f"h{i}"], [f"y{i}"], partial=True))
+            segs.append(piece(lambda p, x, y, i=i: (lambda x2: (x2, _layer_norm(p, f"blocks.{i}.ln2", x2)))(
+                x + y + p[f"blocks.{i}.proj.bias"]), [b_ + "proj.bias", b_ + "ln2.weight", b_ + "ln2.bias"], local,
+                (x_ex, x_ex.clone()), [f"x{i}", f"y{i}"], [f"m{i}", f"g{i}"]))
+            segs.append(piece(lambda p, h, i=i: mlp_part(p, h, i), [b_ + "fc.weight", b_ + "fc.bias",
+                              b_ + "out.weight"], local, (x_ex,), [f"g{i}"], [f"z{i}"], partial=True))
+            if i + 1 < layers:
+                segs.append(piece(lambda p, x, z, i=i: (lambda x3: (x3, _layer_norm(p, f"blocks.{i + 1}.ln1", x3)))(
+                    x + z + p[f"blocks.{i}.out.bias"]), [b_ + "out.bias", f"blocks.{i + 1}.ln1.weight",
+                    f"blocks.{i + 1}.ln1.bias"], local, (x_ex, x_ex.clone()), [f"m{i}", f"z{i}"], [f"x{i + 1}", f"h{i + 1}"]))
+            else:
+                segs.append(piece(lambda p, x, z, i=i: head(p, x + z + p[f"blocks.{i}.out.bias"]),
+                                  [b_ + "out.bias", "ln_f.weight", "ln_f.bias", "head.weight"], local, (x_ex, x_ex.clone()),
+                                  [f"m{i}", f"z{i}"], ["logits"], loss=True))
+        return segs
+
+    return Segments(build, slicer=qkv_heads)

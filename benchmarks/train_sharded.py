@@ -1,0 +1,109 @@
+"""The shard planner's training plans executed on local processes (torch.distributed, gloo): ZeRO-3
+data parallelism, Megatron tensor parallelism and 2 GPipe pipeline stages (tilegraph.train_sharded)
+on the character GPT, against one process (plain data parallelism over 1 process:
+tilegraph.train.train_data_parallel) from the same weights and batches.
+
+Per plan and process count: the loss after the last step and its largest relative difference to
+one process's at any step; the plan's predicted step time (passes/shard.py on this machine's CPU
+profile and the gloo link the processes measured) against the measured median step (the slowest
+rank's), the cost model's error (predicted / measured); the plan's bytes per process against the
+measured ones (the arrays a rank holds between steps plus the peak a step allocates, tracemalloc).
+
+The processes share this machine's cores (one thread each) with whatever else runs on it: the
+measured times say what the exchange and the split work cost here, not what N machines would give.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/train_sharded.py [--steps 50] [--worlds 2,4]
+        [--strategies zero3,tensor,pipeline] [--layers 2] [--hidden 32] [--heads 4] [--block 16] [--batch 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402  (puts the repository root on sys.path)
+
+import torch  # noqa: E402
+
+import tilegraph  # noqa: E402
+from tests.models import char_batches, char_corpus, char_gpt, char_gpt_segments  # noqa: E402
+from tilegraph.train import AdamW, train_data_parallel  # noqa: E402
+from tilegraph.train_sharded import ModelAt, train_sharded  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--worlds", default="2,4")
+    ap.add_argument("--strategies", default="zero3,tensor,pipeline")
+    ap.add_argument("--micro-batches", type=int, default=2)
+    _common.char_gpt_options(ap, layers=2, hidden=32, heads=4, block=16, batch=8)
+    args = ap.parse_args()
+    for line in _common.machine_lines(torch=torch.__version__):
+        print(line)
+    print(f"load average at start: {os.getloadavg()} (other agents share this machine)")
+    chars, batches = char_batches(char_corpus(), args.steps, args.batch, args.block)
+    module = char_gpt(len(chars), args.layers, args.hidden, args.heads, args.block)
+    params = [n for n, _ in module.named_parameters()]
+    optimizer = AdamW(lr=3e-3, weight_decay=0.1)
+    worlds = [int(w) for w in args.worlds.split(",")]
+    row_counts = {args.batch} | {args.batch // w for w in worlds}
+    dyn = ({0: torch.export.Dim("B")},)
+    models = {None: tilegraph.import_model(module, example_inputs=(batches[0][0],), dynamic_shapes=dyn)}
+    models.update({r: tilegraph.import_model(module, example_inputs=(batches[0][0][:r],)) for r in row_counts})
+    make = ModelAt(models)
+    t = time.perf_counter()
+    one = train_data_parallel(functools.partial(make, args.batch), batches, 1, optimizer, clip_norm=1.0, pipeline="")
+    print(f"1 process: {time.perf_counter() - t:.1f} s in all; median step {np.median(one['seconds'][2:]) * 1e3:.1f} ms")
+    base = np.array(one["losses"])
+    rows = []
+    # the same cost model on one process (no link): how far its compute alone is from a measured step
+    from tilegraph.passes import shard
+    from tilegraph.train_sharded import cpu_mesh
+
+    alone = shard.plan(models[None].module, cpu_mesh((1,), 1e-6, 1e10), sizes={"B": args.batch},
+                       names=models[None].input_names, zero=False, recompute=False, runner_up=False)
+    measured = float(np.median(one["seconds"][2:]))
+    rows.append(("plain (1 process)", 1, "-", f"{base[-1]:.5f}", f"{base[-1]:.5f}", "0", f"{alone.time * 1e3:.2f}",
+                 f"{measured * 1e3:.1f}", f"{alone.time / measured:.3f}", f"{alone.memory / 1e6:.3f}", "-", "-", "-"))
+    for strategy in args.strategies.split(","):
+        for world in worlds:
+            t = time.perf_counter()
+            segs = functools.partial(char_gpt_segments, module, strategy) if strategy != "zero3" else None
+            r = train_sharded(strategy, make, params, batches, world, optimizer, clip_norm=1.0, segments=segs,
+                              micro_batches=args.micro_batches, pipeline="")
+            print(f"{strategy} on {world} processes: {time.perf_counter() - t:.1f} s in all; load {os.getloadavg()}")
+            losses = np.array(r["losses"])
+            rel = np.abs(losses - base) / np.abs(base)
+            measured = float(np.median(r["seconds"][2:]))
+            p = r["plan"]
+            mem = np.array(r["memory"])  # per rank: held between steps, a step's peak allocation
+            total = mem[:, 0] + mem[:, 1]
+            if strategy == "pipeline":
+                predicted_mem = f"{p['stage0_memory'] / 1e6:.3f} / {p['stage1_memory'] / 1e6:.3f}"
+                dp = world // 2
+                measured_mem = f"{total[:dp].max() / 1e6:.3f} / {total[dp:].max() / 1e6:.3f}"
+            else:
+                predicted_mem, measured_mem = f"{p['memory'] / 1e6:.3f}", f"{total.max() / 1e6:.3f}"
+            extra = f"ZeRO-{int(p['zero'])}" + (f", m={int(p['micro_batches'])}" if strategy == "pipeline" else "") + (
+                f", {int(p['recompute'])} layer(s)/stage recomputed" if p["recompute"] else "")
+            rows.append((strategy, world, extra, f"{losses[-1]:.5f}", f"{base[-1]:.5f}", f"{rel.max():.1e}",
+                         f"{p['time'] * 1e3:.2f}", f"{measured * 1e3:.1f}", f"{p['time'] / measured:.3f}",
+                         predicted_mem, measured_mem, f"{mem[:, 0].max() / 1e6:.3f}",
+                         f"{p['alpha'] * 1e6:.0f} us, {p['beta'] / 1e6:.0f} MB/s"))
+    print(_common.format_table(
+        ("plan", "processes", "as planned", f"loss after {args.steps}", "1 process", "max rel. diff (any step)",
+         "predicted ms", "measured ms", "predicted/measured", "predicted MB/process (stage 0 / 1)",
+         "measured MB/process", "held MB", "gloo link (measured)"), rows))
+    print(f"load average at end: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()

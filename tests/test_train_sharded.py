@@ -1,0 +1,70 @@
+"""tilegraph.train_sharded: the shard planner's ZeRO-3, Megatron tensor-parallel and 2-stage GPipe plans
+executed as training on 2 real gloo processes, against torch eager from the same weights and batches."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+import tilegraph
+from tests.models import char_batches, char_corpus, char_gpt, char_gpt_segments
+from tests.test_train import torch_losses
+from tilegraph.testing import PEER_RELATIVE_ERROR
+from tilegraph.train import AdamW
+from tilegraph.train_sharded import STRATEGIES, ModelAt, ShardedTrainError, train_sharded
+
+COLUMN = (".qkv.weight", ".qkv.bias", ".fc.weight", ".fc.bias")
+ROW = (".proj.weight", ".out.weight")
+ADAMW_ARRAYS = 3  # a weight (or its slice) and its two moments, held between steps
+
+
+def _models(module, batch: int, rows: int) -> ModelAt:
+    dyn = ({0: torch.export.Dim("B")},)
+    ids = torch.zeros((batch, module.pos.weight.shape[0]), dtype=torch.int64)
+    return ModelAt({None: tilegraph.import_model(module, example_inputs=(ids,), dynamic_shapes=dyn),
+                    rows: tilegraph.import_model(module, example_inputs=(ids[:rows],))})
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_sharded_plan_trains_as_torch_eager_does(strategy):
+    chars, batches = char_batches(char_corpus(), steps=3, batch=4, block=8)
+    module = char_gpt(len(chars), layers=2, hidden=16, heads=2, block=8)
+    reference = copy.deepcopy(module)
+    theirs = torch_losses(reference, batches, torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1),
+                          clip_norm=1.0)
+    params = dict(module.named_parameters())
+    segments = functools.partial(char_gpt_segments, module, strategy) if strategy != "zero3" else None
+    result = train_sharded(strategy, _models(module, 4, 2), list(params), batches, world=2,
+                           optimizer=AdamW(lr=1e-2, weight_decay=0.1), clip_norm=1.0, segments=segments,
+                           micro_batches=2, pipeline="")
+    np.testing.assert_allclose(result["losses"], theirs, rtol=PEER_RELATIVE_ERROR)
+    plan, held = result["plan"], np.array(result["memory"])[:, 0]
+    assert plan["time"] > 0 and plan["memory"] > 0
+    size = {k: p.numel() * 4 for k, p in params.items()}
+    if strategy == "zero3":
+        # every weight stored as half of itself on each process (its first dim split), moments too
+        assert plan["zero"] == 3
+        assert list(held) == [ADAMW_ARRAYS * sum(size.values()) / 2] * 2
+    elif strategy == "tensor":
+        # Megatron's column and row weights split, the rest (embeddings, LayerNorms, row biases, head) whole
+        assert plan["zero"] == 0
+        split = sum(v for k, v in size.items() if k.endswith(COLUMN + ROW))
+        assert list(held) == [ADAMW_ARRAYS * (sum(size.values()) - split / 2)] * 2
+    else:
+        # each stage holds its half of the layers whole: the two stages hold the model once between them
+        assert (plan["stages"], plan["micro_batches"]) == (2, 2)
+        first = sum(v for k, v in size.items() if k.startswith(("tok.", "pos.", "blocks.0.")))
+        assert list(held) == [ADAMW_ARRAYS * first, ADAMW_ARRAYS * (sum(size.values()) - first)]
+
+
+def test_bad_requests_are_named_errors():
+    chars, batches = char_batches(char_corpus(), steps=1, batch=3, block=8)
+    module = char_gpt(len(chars), layers=2, hidden=16, heads=2, block=8)
+    with pytest.raises(ShardedTrainError, match="unknown strategy"):
+        train_sharded("expert", _models(module, 3, 3), [], batches, world=2, optimizer=AdamW())
+    with pytest.raises(ShardedTrainError, match="split evenly"):
+        train_sharded("zero3", _models(module, 3, 3), [], batches, world=2, optimizer=AdamW())

@@ -1,0 +1,622 @@
+"""The shard planner's training plans executed for real: ZeRO-3 data parallelism, Megatron tensor
+parallelism and GPipe pipeline stages on local processes (torch.multiprocessing + gloo).
+
+Every process plans first (`plan_for`: passes/shard.py's integer program with the strategy's layout
+pinned, on a mesh of this machine's CPU profile and a gloo link measured by the processes together,
+`measure_link`), then executes what the plan says:
+
+  zero3     each float weight the plan stores split (its spec splits dim d over the data axis) is held
+            as this rank's slice of dim d, with its AdamW moments; before the step's forward-backward
+            module runs, the slices are all-gathered (one packed collective) into whole weights, freed
+            when it returns; the gradients are reduce-scattered onto the slices (gloo has no
+            reduce-scatter on CPU tensors: an all-reduce of the packed gradients, each rank keeping
+            its own part, as backends/distributed.py does) and the optimizer module steps on the
+            slices alone (DeepSpeed ZeRO-3 / FSDP2 with the whole model as one unit).
+  tensor    Megatron-LM's split: each weight the plan splits by columns or rows is held as this
+            rank's slice (a fused qkv by heads: `Segments.slicer`); the model runs as segments
+            (`Segments`, built per model: tests/models.py `char_gpt_segments`) between collectives:
+            a parallel segment's outputs are partial sums, all-reduced (forward), and the cotangent
+            of its inputs too (backward: Megatron's `f`), two all-reduces per block each way.
+  pipeline  2 stages (GPipe): stage k holds its segments (the plan's layers split evenly), runs every
+            micro-batch's forward, sends the boundary activation to the next stage, which returns
+            its cotangent; gradients accumulate over the micro-batches; with 4 processes, two
+            replicas of the pipeline average their gradients (data parallelism over the stage).
+
+A segment's backward module recomputes its forward from its inputs (the vjp module takes the
+inputs and the cotangents): full activation recomputation at segment granularity, as GPipe and
+Megatron's `--recompute-granularity full` do, so tensor and pipeline plans are priced with every
+layer recomputed (`recompute="always"`). Gradient clipping uses the global norm (one more
+all-reduce). Each process reports its step times and its memory: the arrays it holds between
+steps (weights and optimizer state, `held`) plus the peak of what a step allocates (tracemalloc,
+which NumPy reports its buffers to), against the plan's bytes per device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import tempfile
+import time
+import tracemalloc
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from tilegraph.ir.errors import TilegraphError
+from tilegraph.ir.model import Model
+
+STRATEGIES = ("zero3", "tensor", "pipeline")
+
+
+class ShardedTrainError(TilegraphError):
+    """A sharded training run that cannot be set up as asked; the message says why."""
+
+
+# --- the plan ---------------------------------------------------------------------------
+
+
+def cpu_mesh(shape: tuple[int, ...], alpha: float, beta: float):
+    """A mesh of this machine's CPU profile (the NumPy backend's) joined by a gloo link."""
+    from tilegraph.ir.hardware import Link, hardware
+    from tilegraph.passes.cost.collectives import Mesh
+
+    hw = dataclasses.replace(hardware("cpu"), links={"gloo": Link("gloo", alpha, beta, "measured by the processes")})
+    return Mesh(shape, hw, intra_node="gloo")
+
+
+def layout(strategy: str) -> Callable:
+    """The strategy names (passes/shard.py `only`) each node may take under `strategy`."""
+    from tilegraph.ir.dialect import TgOp
+    from tilegraph.ir.ops import Op
+
+    if strategy == "zero3":
+        def only(node):
+            op = node.op
+            names = {s.name for s in node.strategies}
+            if op is None:
+                return {"d0@0"}
+            if op.op_name == Op.weight:  # stored split by its first dim, gathered where used (ZeRO-3)
+                return {"d0@0"} if "d0@0" in names else {"R"}
+            want = {Op.matmul: "b0@0", Op.attention: "d0@0", Op.gather: "d0@0"}.get(op.op_name)
+            return {want} if want in names else None
+        return only
+    if strategy == "tensor":
+        column, row = (".qkv.weight", ".qkv.bias", ".fc.weight", ".fc.bias"), (".proj.weight", ".out.weight")
+
+        def only(node):  # Megatron: column-split qkv and fc (and their biases), row-split proj and out
+            op = node.op
+            if op is None:
+                return {"R"}
+            if op.op_name == Op.weight:
+                return {"d0@0"} if node.label.endswith(column) else {"d1@0"} if node.label.endswith(row) else {"R"}
+            w = _weight_behind(op)
+            if op.op_name == Op.transpose and w:  # the (out, in) weight as (in, out): its split follows
+                return {"d1@0"} if w.endswith(column) else {"d0@0"} if w.endswith(row) else {"R"}
+            if op.op_name == Op.matmul and w:  # columns: no collective; rows: partial sums all-reduced
+                return {"n@0"} if w.endswith(column) else {"k@0"} if w.endswith(row) else None
+            if op.op_name == Op.attention:
+                return {"d1@0"}  # heads
+            # the column-split qkv's bias, its split into q, k and v and their view as heads stay split
+            # (Megatron holds each rank's heads of q, k and v: a fused qkv is sliced by heads)
+            names = {st.name for st in node.strategies}
+            if "d2@0" in names and (op.op_name == Op.split or (op.op_name == Op.add and w.endswith(column)) or (
+                    op.op_name == Op.reshape and isinstance(op.operands[0].owner, TgOp)
+                    and op.operands[0].owner.op_name == Op.split)):
+                return {"d2@0"}
+            return None
+        return only
+    if strategy == "pipeline":
+        def only(node):  # each stage's devices: data parallel (one device: replicated)
+            op = node.op
+            names = {s.name for s in node.strategies}
+            if op is None:
+                return {"d0@0"} if "d0@0" in names else {"R"}
+            if op.op_name == Op.weight:
+                return {"R"}
+            want = {Op.matmul: "b0@0", Op.attention: "d0@0", Op.gather: "d0@0"}.get(op.op_name)
+            return {want} if want in names else None
+        return only
+    raise ShardedTrainError(f"unknown strategy '{strategy}': {', '.join(STRATEGIES)}")
+
+
+def _weight_behind(op) -> str:
+    """The name of the weight `op` reads through views (a Linear's transposed weight), or ''."""
+    from tilegraph.ir.dialect import TgOp
+    from tilegraph.ir.ops import Op
+
+    for v in op.operands:
+        o = v.owner
+        while isinstance(o, TgOp) and o.op_name in (Op.transpose, Op.reshape):
+            o = o.operands[0].owner
+        if isinstance(o, TgOp) and o.op_name == Op.weight:
+            return o.attr("name")
+    return ""
+
+
+def plan_for(model: Model, strategy: str, world: int, alpha: float, beta: float, batch: int,
+             micro_batches: int = 1):
+    """passes/shard.py's plan of `model` (its batch dim symbolic, named B) for `strategy` on `world`
+    processes: the mesh is every process (zero3, tensor) or one stage's (pipeline: 2 stages)."""
+    from tilegraph.passes import shard
+
+    stages = 2 if strategy == "pipeline" else 1
+    if world % stages:
+        raise ShardedTrainError(f"{stages} pipeline stages need an even number of processes, got {world}")
+    mesh = cpu_mesh((world // stages,), alpha, beta)
+    recompute: Any = "always" if strategy in ("tensor", "pipeline") else False
+    return shard.plan(model.module, mesh, sizes={"B": batch}, names=model.input_names, only=layout(strategy),
+                      stages=stages, micro_batches=micro_batches, recompute=recompute, zero=False, runner_up=False)
+
+
+def stored_splits(plan) -> dict[str, int]:
+    """weight name -> the dim the plan stores it split on over mesh axis 0 (weights it replicates: absent)."""
+    from tilegraph.ir.ops import Op
+
+    out = {}
+    for c in plan.choices:
+        if c.node.op is not None and c.node.op.op_name == Op.weight:
+            dims = [d for d, axes in enumerate(c.strategy.out) if 0 in axes]
+            if dims:
+                out[c.node.label] = dims[0]
+    return out
+
+
+def chunk(a: np.ndarray, dim: int, rank: int, world: int) -> np.ndarray:
+    if a.shape[dim] % world:
+        raise ShardedTrainError(f"a dim of {a.shape[dim]} does not split over {world} processes")
+    n = a.shape[dim] // world
+    return np.ascontiguousarray(np.take(a, range(rank * n, (rank + 1) * n), axis=dim))
+
+
+# --- the gloo link, measured --------------------------------------------------------------
+
+
+def measure_link(repeats: int = 20) -> tuple[float, float]:
+    """(alpha s, beta bytes/s) of this process group's all-reduce, fitted to the ring formula on a
+    small and a large message (the slowest rank's median; every rank gets the same numbers)."""
+    import torch
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    times = []
+    for size in (1, 1 << 20):
+        t = torch.zeros(size // 4 or 1)
+        dist.all_reduce(t)
+        samples = []
+        for _ in range(repeats):
+            s = time.perf_counter()
+            dist.all_reduce(t)
+            samples.append(time.perf_counter() - s)
+        times.append(float(np.median(samples)))
+    agreed = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    small, large = agreed.tolist()
+    if n <= 1:
+        return 1e-6, 1e10
+    alpha = max(small, 1e-7) / (2 * (n - 1))
+    beta = (2 * (n - 1) / n) * (1 << 20) / max(large - small, 1e-9)
+    return alpha, beta
+
+
+# --- executing a plan ---------------------------------------------------------------------
+
+
+@dataclass
+class Segment:
+    """One piece of the model between collectives: a tg model (`model`, its weights this rank's pieces
+    under the model's own names), the values it reads and writes (names in the step's environment), the
+    weights it trains (model name -> global name)."""
+
+    model: Model
+    inputs: list[str]
+    outputs: list[str]
+    params: dict[str, str]
+    partial: bool = False  # outputs are partial sums over the tensor-parallel group
+    loss: bool = False  # the model's first output are the logits; the segment returns the loss
+
+
+@dataclass
+class Segments:
+    """A model as segments (`build(rank, world, rows)` -> [Segment], each rank its pieces at `rows` rows) and how a fused
+    weight is sliced (`slicer(name, array, dim, rank, world)`, default: contiguous chunks)."""
+
+    build: Callable[[int, int, int], list[Segment]]  # (rank, world, rows of a batch) -> this rank's segments
+    slicer: Callable[..., np.ndarray] | None = None
+    stage_of: Callable[[Segment], int] | None = None  # pipeline: which stage runs a segment
+
+
+@dataclass
+class _Compiled:
+    seg: Segment
+    forward: Any
+    backward: Any
+    float_inputs: list[str] = field(default_factory=list)
+
+
+def _compile_segment(seg: Segment, target: str, pipeline: Any, options: dict) -> _Compiled:
+    import tilegraph
+    from tilegraph.ir import dtypes
+    from tilegraph.ir.autodiff import value_and_grad, vjp
+    from tilegraph.ir.shapes import info_of
+    from tilegraph.train import _with_loss, weights_to_inputs
+
+    base = _with_loss(seg.model, "cross_entropy") if seg.loss else seg.model
+    params = list(seg.params)
+    with_inputs = weights_to_inputs(base, params)
+    names = with_inputs.input_names
+    floats = [n for n, a in zip(names, with_inputs.func.body.block.args)
+              if n not in seg.params and dtypes.is_float(info_of(a.type).dtype)]
+    back = (value_and_grad if seg.loss else vjp)(with_inputs.clone(), wrt=floats + params)
+    forward = tilegraph.compile(with_inputs, target=target, pipeline=pipeline, **options)
+    backward = tilegraph.compile(back, target=target, pipeline=pipeline, **options)
+    return _Compiled(seg, forward, backward, floats)
+
+
+def _all_reduce_arrays(arrays: list, group: Any = None) -> list[np.ndarray]:
+    """`arrays` summed over the group's ranks, packed into one collective (gloo's per-call cost
+    dominates small tensors)."""
+    import torch
+    import torch.distributed as dist
+
+    packed = torch.from_numpy(np.concatenate([np.ravel(a) for a in arrays]))
+    dist.all_reduce(packed, group=group)
+    flat, at, out = packed.numpy(), 0, []
+    for a in arrays:
+        out.append(flat[at:at + a.size].reshape(a.shape))
+        at += a.size
+    return out
+
+
+class ShardedStep:
+    """One rank's training step under a plan (see the module docstring)."""
+
+    def __init__(self, strategy: str, plan, params: dict[str, np.ndarray], optimizer, rank: int, world: int,
+                 target: str, pipeline: Any, options: dict, whole: Model | None = None,
+                 segments: Segments | None = None, micro_batches: int = 1, clip_norm: float | None = None,
+                 rows: int = 0):
+        import torch.distributed as dist
+
+        import tilegraph
+        from tilegraph.ir.shapes import info_of
+        from tilegraph.train import build_gradients, build_update
+
+        self.strategy, self.plan, self.optimizer, self.rank, self.world = strategy, plan, optimizer, rank, world
+        self.clip_norm, self.micro_batches, self.steps = clip_norm, micro_batches, 0
+        self.splits = stored_splits(plan)
+        if strategy == "zero3":
+            if whole is None:
+                raise ShardedTrainError("zero3 runs the whole model: pass whole=")
+            self.names = list(params)
+            self.full_shapes = {k: v.shape for k, v in params.items()}
+            self.weights = {k: chunk(v, self.splits[k], rank, world) if k in self.splits else np.array(v)
+                            for k, v in params.items()}
+            self.grads_module = tilegraph.compile(build_gradients(whole, "cross_entropy", self.names), target=target,
+                                                  pipeline=pipeline, **options)
+            self.data_names = [n for n in self.grads_module.model.input_names if n not in params]
+        else:
+            if segments is None:
+                raise ShardedTrainError(f"{strategy} runs the model as segments: pass segments=")
+            self.stages = 2 if strategy == "pipeline" else 1
+            self.tp = world if strategy == "tensor" else 1
+            self.dp = world // self.stages if strategy == "pipeline" else 1
+            self.stage = rank // self.dp if strategy == "pipeline" else 0
+            tp_rank = rank if strategy == "tensor" else 0
+            segs = segments.build(tp_rank, self.tp, rows)
+            if strategy == "pipeline":
+                assert segments.stage_of is not None
+                segs = [s for s in segs if segments.stage_of(s) == self.stage]
+            slicer = segments.slicer or (lambda name, a, dim, r, n: chunk(a, dim, r, n))
+            self.weights = {}
+            for s in segs:
+                for local, name in s.params.items():
+                    if name in self.splits and self.tp > 1:
+                        self.weights[name] = slicer(name, params[name], self.splits[name], tp_rank, self.tp)
+                    else:
+                        self.weights[name] = np.array(params[name])
+                    expect = np.asarray(s.model.weights[local]).shape
+                    if self.weights[name].shape != expect:
+                        raise ShardedTrainError(f"{name}: the plan gives this rank {self.weights[name].shape}, the "
+                                                f"segment holds {expect}")
+            self.compiled = [_compile_segment(s, target, pipeline, options) for s in segs]
+            # the activation stage 1 receives: its first segment's first input, less the batch dim
+            self._boundary_shape = tuple(int(d) for d in info_of(segs[0].model.func.body.block.args[0].type).shape[1:])
+            if strategy == "pipeline" and self.dp > 1:
+                # the ranks of one stage average their gradients; every rank creates every group
+                groups = [dist.new_group([st * self.dp + r for r in range(self.dp)]) for st in range(self.stages)]
+                self.stage_group = groups[self.stage]
+        self.state = {f"{s}.{k}": np.zeros_like(v) for k, v in self.weights.items() for s in optimizer.state_names()}
+        self.update = tilegraph.compile(build_update(self.weights, optimizer), target=target, pipeline=pipeline,
+                                        **options)
+        names = self.update.model.input_names
+        self._updates = {r: names[i] for i, r in self.update.model.aliases.items()}
+        self.step_peak = 0
+
+    def held(self) -> int:
+        """Bytes this rank keeps between steps: its weights (or slices) and their optimizer state."""
+        return sum(a.nbytes for a in self.weights.values()) + sum(a.nbytes for a in self.state.values())
+
+    def __call__(self, ids: np.ndarray, targets: np.ndarray, lr: float | None = None) -> float:
+        from tilegraph.train import _write_back
+
+        self.steps += 1
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        if self.strategy == "zero3":
+            loss, grads = self._zero3(ids, targets)
+        else:
+            loss, grads = self._segments(ids, targets)
+        self._clip(grads)
+        rate = self.optimizer.lr if lr is None else lr
+        feed = {"grad_" + k: g for k, g in grads.items()}
+        outs = self.update.run(**self.weights, **feed, **self.state, lr=np.float32(rate), step=np.float32(self.steps))
+        _write_back(self._updates, outs, self.weights, self.state)
+        del outs, feed, grads
+        self.step_peak = max(self.step_peak, tracemalloc.get_traced_memory()[1] - base)
+        return loss
+
+    # ZeRO-3: gather, forward-backward, free, reduce-scatter
+    def _zero3(self, ids, targets) -> tuple[float, dict[str, np.ndarray]]:
+        import torch
+        import torch.distributed as dist
+
+        split = [k for k in self.names if k in self.splits]
+        mine = torch.from_numpy(np.concatenate([self.weights[k].ravel() for k in split]))
+        pieces = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(pieces, mine)  # one packed all-gather of every stored slice
+        whole = {}
+        for k in self.names:
+            if k in self.splits:
+                at = sum(self.weights[j].size for j in split[:split.index(k)])
+                n = self.weights[k].size
+                whole[k] = np.concatenate([p.numpy()[at:at + n].reshape(self.weights[k].shape) for p in pieces],
+                                          axis=self.splits[k])
+            else:
+                whole[k] = self.weights[k]
+        del pieces
+        data = dict(zip(self.data_names, (ids, targets)))
+        loss, *full = self.grads_module.run(**data, **whole)
+        del whole  # the gathered weights are freed as soon as the backward is done
+        # reduce-scatter: each rank's part of every split gradient, rank after rank, then the
+        # replicated ones (all-reduced whole), then the loss
+        parts = []
+        for r in range(self.world):
+            for k, g in zip(self.names, full):
+                if k in self.splits:
+                    parts.append(chunk(np.asarray(g), self.splits[k], r, self.world).ravel())
+        rest = [np.asarray(g).ravel() for k, g in zip(self.names, full) if k not in self.splits]
+        packed = torch.from_numpy(np.concatenate(parts + rest + [np.ravel(loss).astype(np.float32)]))
+        del full, parts
+        dist.all_reduce(packed)
+        flat = packed.numpy() / self.world
+        per_rank = sum(self.weights[k].size for k in split)
+        grads, at = {}, self.rank * per_rank
+        for k in split:
+            grads[k] = flat[at:at + self.weights[k].size].reshape(self.weights[k].shape).copy()
+            at += self.weights[k].size
+        at = self.world * per_rank
+        for k in self.names:
+            if k not in self.splits:
+                grads[k] = flat[at:at + self.weights[k].size].reshape(self.weights[k].shape).copy()
+                at += self.weights[k].size
+        return float(flat[-1]), grads
+
+    # tensor / pipeline: segments between collectives
+    def _run_forward(self, c: _Compiled, env: dict) -> list:
+        local = {k: self.weights[g] for k, g in c.seg.params.items()}
+        outs = c.forward.run(**{n: env[i] for n, i in zip(c.forward.model.input_names, c.seg.inputs)}, **local)
+        return [np.asarray(o) for o in outs]
+
+    def _run_backward(self, c: _Compiled, env: dict, cot: dict, scale: float, grads: dict):
+        """One segment's vjp: adds its weights' gradients into `grads`, returns {input name: cotangent}
+        and the loss (loss segment)."""
+
+        local = {k: self.weights[g] for k, g in c.seg.params.items()}
+        names = c.backward.model.input_names
+        feed = {n: env[i] for n, i in zip(c.forward.model.input_names, c.seg.inputs)}
+        if c.seg.loss:
+            feed["targets"] = env["targets"]
+        else:
+            for out_name, value in zip(c.forward.model.output_names, c.seg.outputs):
+                if "cotangent_" + out_name in names:
+                    feed["cotangent_" + out_name] = cot.get(value, np.zeros_like(env[value]))
+        outs = c.backward.run(**feed, **local)
+        n_out = len(c.backward.model.output_names) - len(c.float_inputs) - len(c.seg.params)
+        loss = float(outs[0]) if c.seg.loss else None
+        g_inputs = [np.asarray(g) * scale if c.seg.loss else np.asarray(g) for g in outs[n_out:n_out + len(c.float_inputs)]]
+        if c.seg.partial and self.tp > 1 and g_inputs:  # Megatron's f: the input's gradient summed over the group
+            g_inputs = _all_reduce_arrays(g_inputs)
+        for k, g in zip(c.seg.params, outs[n_out + len(c.float_inputs):]):
+            g = np.asarray(g) * scale if c.seg.loss else np.asarray(g)
+            name = c.seg.params[k]
+            grads[name] = g if name not in grads else grads[name] + g
+        names_in = dict(zip(c.forward.model.input_names, c.seg.inputs))
+        return {names_in[n]: g for n, g in zip(c.float_inputs, g_inputs)}, loss
+
+    def _segments(self, ids, targets) -> tuple[float, dict[str, np.ndarray]]:
+        import torch
+        import torch.distributed as dist
+
+        grads: dict[str, np.ndarray] = {}
+        m = self.micro_batches
+        rows = ids.shape[0] // m
+        envs = []
+        peer = None
+        if self.strategy == "pipeline":
+            replica = self.rank % self.dp
+            peer = (1 - self.stage) * self.dp + replica
+        total = 0.0
+        # forward of every micro-batch (GPipe), each segment's outputs all-reduced where partial
+        for j in range(m):
+            env = {"ids": ids[j * rows:(j + 1) * rows], "targets": targets[j * rows:(j + 1) * rows]}
+            if self.strategy == "pipeline" and self.stage == 1:
+                boundary = self.compiled[0].seg.inputs[0]
+                t = torch.empty((rows,) + self._boundary_shape)
+                dist.recv(t, src=peer)
+                env[boundary] = t.numpy()
+            for c in self.compiled:
+                if c.seg.loss:
+                    continue  # its forward runs inside its backward (value_and_grad)
+                outs = self._run_forward(c, env)
+                if c.seg.partial and self.tp > 1:
+                    outs = _all_reduce_arrays(outs)
+                env.update(zip(c.seg.outputs, outs))
+            if self.strategy == "pipeline" and self.stage == 0:
+                dist.send(torch.from_numpy(np.ascontiguousarray(env[self.compiled[-1].seg.outputs[0]])), dst=peer)
+            envs.append(env)
+        # backward, micro-batches in reverse
+        for j in reversed(range(m)):
+            env, cot = envs[j], {}
+            if self.strategy == "pipeline" and self.stage == 0:
+                out = self.compiled[-1].seg.outputs[0]
+                t = torch.empty(env[out].shape)
+                dist.recv(t, src=peer)
+                cot[out] = t.numpy()
+            for c in reversed(self.compiled):
+                got, loss = self._run_backward(c, env, cot, 1.0 / m, grads)
+                if loss is not None:
+                    total += loss / m
+                for k, g in got.items():
+                    cot[k] = g if k not in cot else cot[k] + g
+            if self.strategy == "pipeline" and self.stage == 1:
+                dist.send(torch.from_numpy(np.ascontiguousarray(cot[self.compiled[0].seg.inputs[0]])), dst=peer)
+        if self.strategy == "pipeline":
+            # the loss lives on the last stage; replicas of a stage average their gradients
+            if self.dp > 1:
+                names = sorted(grads)
+                summed = _all_reduce_arrays([grads[k] for k in names], group=self.stage_group)
+                grads = {k: g / self.dp for k, g in zip(names, summed)}
+            t = torch.tensor([total if self.stage == 1 else 0.0], dtype=torch.float64)
+            dist.all_reduce(t)
+            total = float(t.item()) / self.dp
+        return total, grads
+
+    def _clip(self, grads: dict[str, np.ndarray]) -> None:
+        """torch's clip_grad_norm_ over the whole model's gradients: each rank's unique share of the
+        squared norm summed over the ranks."""
+        import torch
+        import torch.distributed as dist
+
+        if self.clip_norm is None:
+            return
+        own = 0.0
+        for k, g in grads.items():
+            sq = float(np.sum(np.square(g, dtype=np.float64)))
+            if self.strategy == "zero3":
+                own += sq if k in self.splits else sq / self.world
+            elif self.strategy == "tensor":
+                own += sq if k in self.splits else sq / self.world
+            else:
+                own += sq / self.dp
+        t = torch.tensor([own], dtype=torch.float64)
+        dist.all_reduce(t)
+        coef = min(self.clip_norm / (float(np.sqrt(t.item())) + 1e-6), 1.0)
+        for k in grads:
+            grads[k] = (grads[k] * np.float32(coef)).astype(grads[k].dtype)
+
+
+# --- launching -----------------------------------------------------------------------------
+
+
+class ModelAt:
+    """A picklable `make_model(rows)`: tg models imported once by the caller, keyed by rows (None: the
+    batch symbolic), sent to each process as text and weights."""
+
+    def __init__(self, models: dict[int | None, Model]):
+        self.texts = {k: (m.text, dict(m.weights)) for k, m in models.items()}
+
+    def __call__(self, rows: int | None) -> Model:
+        if rows not in self.texts:
+            raise ShardedTrainError(f"no model imported at {rows} rows (have {sorted(map(str, self.texts))})")
+        text, weights = self.texts[rows]
+        return Model.parse(text, weights)
+
+
+def train_sharded(strategy: str, make_model: Callable[[int | None], Model], params: Sequence[str],
+                  batches: Sequence[tuple[Any, Any]], world: int, optimizer, clip_norm: float | None = None,
+                  segments: Callable[[], Segments] | None = None, micro_batches: int = 2, target: str = "numpy",
+                  pipeline: Any = None, timeout_s: float = 900.0) -> dict:
+    """Train with `strategy` on `world` local processes; `make_model(rows)`: the whole model as tg IR at
+    `rows` rows of a batch (None: the batch dim symbolic, named B, as the plan wants it), weights the
+    initial ones (`ModelAt`); `segments()`: the model as Segments (tensor, pipeline; called in each
+    process: a picklable function, e.g. functools.partial of tests/models.py char_gpt_segments). Returns rank 0's
+    {"losses", "seconds", "plan": {...predicted...}, "memory": [(held, step peak) per rank]}."""
+    import torch.multiprocessing as mp
+
+    from tilegraph.backends.distributed import _free_port
+
+    if strategy not in STRATEGIES:
+        raise ShardedTrainError(f"unknown strategy '{strategy}': {', '.join(STRATEGIES)}")
+    rows = world if strategy != "pipeline" else (world // 2) * micro_batches
+    if any(int(x.shape[0]) % rows for x, _ in batches):
+        raise ShardedTrainError(f"every batch's rows must split evenly into {rows} pieces")
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(strategy, world, _free_port(), make_model, list(params), list(batches), optimizer,
+                                clip_norm, segments, micro_batches, target, pipeline, tmp, timeout_s),
+                 nprocs=world, join=True)
+        out: dict = {}
+        with np.load(f"{tmp}/result.npz", allow_pickle=False) as f:
+            out = {"losses": f["losses"].tolist(), "seconds": f["seconds"].tolist(),
+                   "memory": f["memory"].tolist(), "plan": dict(zip(f["plan_keys"].tolist(), f["plan"].tolist()))}
+        return out
+
+
+def _worker(rank, strategy, world, port, make_model, params, batches, optimizer, clip_norm, segments, micro_batches,
+            target, pipeline, tmp, timeout_s) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from tilegraph.train import _numpy
+
+    torch.set_num_threads(1)  # the processes share the cores
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        alpha, beta = measure_link()
+        batch = int(batches[0][0].shape[0])
+        stages = 2 if strategy == "pipeline" else 1
+        dp = world // stages if strategy != "tensor" else 1
+        m = micro_batches if strategy == "pipeline" else 1
+        model = make_model(None)  # planned with its batch symbolic; each module compiled at this rank's rows
+        plan = plan_for(model, strategy, world, alpha, beta, batch, micro_batches if strategy == "pipeline" else 1)
+        if strategy == "zero3" and plan.zero != 3:
+            raise ShardedTrainError(f"the zero3 layout planned ZeRO stage {plan.zero}")
+        initial = {k: np.asarray(model.weights[k]) for k in params}
+        rows = batch // dp // m
+        options = {"threads": 1} if target == "c" else {}
+        step = ShardedStep(strategy, plan, initial, optimizer, rank, world, target, pipeline, options,
+                           whole=make_model(rows) if strategy == "zero3" else None,
+                           segments=segments() if segments is not None else None,
+                           micro_batches=m, clip_norm=clip_norm, rows=rows)
+        replica = rank % dp if strategy == "pipeline" else rank if strategy == "zero3" else 0
+
+        def mine(a):
+            a = _numpy(a)
+            if dp <= 1:
+                return a
+            n = a.shape[0] // dp
+            return a[replica * n:(replica + 1) * n]
+
+        tracemalloc.start()
+        losses, seconds = [], []
+        for x, y in batches:
+            dist.barrier()
+            t = time.perf_counter()
+            losses.append(step(mine(x), mine(y)))
+            seconds.append(time.perf_counter() - t)
+        tracemalloc.stop()
+        mem = torch.tensor([[float(step.held()), float(step.step_peak)]], dtype=torch.float64)
+        gathered = [torch.zeros_like(mem) for _ in range(world)]
+        dist.all_gather(gathered, mem)
+        secs = torch.tensor(seconds, dtype=torch.float64)
+        dist.all_reduce(secs, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
+        if rank == 0:
+            keys = ["time", "compute", "comm", "memory", "zero", "stages", "micro_batches", "recompute", "alpha",
+                    "beta", "stage0_memory", "stage1_memory"]
+            sm = list(plan.stage_memory) + [0.0, 0.0]
+            vals = [plan.time, plan.compute, plan.comm, plan.memory, plan.zero, plan.stages, plan.micro_batches,
+                    plan.recompute, alpha, beta, sm[0], sm[1]]
+            np.savez(f"{tmp}/result.npz", losses=np.array(losses), seconds=secs.numpy(),
+                     memory=torch.cat(gathered).numpy(), plan_keys=np.array(keys), plan=np.array(vals, dtype=float))
+    finally:
+        dist.destroy_process_group()
