@@ -181,3 +181,17 @@ def char_gpt_options(ap, *, layers: int, hidden: int, heads: int, block: int, ba
     for name, value in (("layers", layers), ("hidden", hidden), ("heads", heads), ("block", block),
                         ("batch", batch)):
         ap.add_argument(f"--{name}", type=int, default=value)
+
+
+def char_gpt_run(args):
+    """Print the machine and its load, then (symbols, batches, module): the character GPT the
+    options describe (tests/models.py `char_gpt`) and its batches of the shipped text."""
+    import torch
+
+    from tests.models import char_batches, char_corpus, char_gpt
+
+    for line in machine_lines(torch=torch.__version__):
+        print(line)
+    print(f"load average at start: {os.getloadavg()} (other agents share this machine)")
+    chars, batches = char_batches(char_corpus(), args.steps, args.batch, args.block)
+    return chars, batches, char_gpt(len(chars), args.layers, args.hidden, args.heads, args.block)

@@ -10,7 +10,10 @@ backend, one sequence, interleaved rounds, medians:
 
 The peer of each ratio is tilegraph itself on f32 weights (the issue's row compares formats).
 Quantized formats decode with activation='q8' (int8 dot products, llama.cpp's numerics); f32 weights
-multiply the float activations. Cache positions are set directly (the cache's contents do not change
+multiply the float activations. Every row keeps its K/V cache in f16 (--cache-dtype; llama.cpp's
+default): the best cache for each format, as it halves the bytes a deep step reads whatever the
+weights (f32 weights with an f16 cache are faster at depth than with an f32 one, so the f32 row
+is not handicapped by it). Cache positions are set directly (the cache's contents do not change
 the work of a step: attention reads positions 0..pos whatever they hold).
 
     python benchmarks/decode_inplace_quant.py                 # ~0.5B: hidden 1536, 16 layers
@@ -52,6 +55,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed per run")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--cache-dtype", choices=["f16", "f32"], default="f16", help="the K/V cache's type, every row")
+    ap.add_argument("--reuse", action="store_true", help="keep GGUF files already in --dir (same shape flags)")
     ap.add_argument("--dir", default=None, help="where the GGUF files go (default: a temporary folder)")
     args = ap.parse_args()
     import torch
@@ -81,10 +86,11 @@ def main() -> int:
     for fmt in formats:
         path = folder / f"llama-{fmt}.gguf"
         start = time.perf_counter()
-        write_gguf(path, cfg, state, fmt)
+        if not (args.reuse and path.exists()):
+            write_gguf(path, cfg, state, fmt)
         sizes[fmt] = path.stat().st_size
         lm = LanguageModel(path, target="c", cache_len=cache_len, threads=args.threads,
-                           activation="f32" if fmt == "f32" else "q8")
+                           activation="f32" if fmt == "f32" else "q8", cache_dtype=args.cache_dtype)
         lm.entry(1, "decode")  # compile before timing
         lms[fmt] = lm
         print(f"{fmt}: {sizes[fmt] / 1e6:.0f} MB file, written and compiled in {time.perf_counter() - start:.0f} s",
@@ -106,9 +112,10 @@ def main() -> int:
                 memory.setdefault((fmt, p), []).append((before, rss_mb()))
         print(f"round {r + 1}/{args.rounds} done; load average {os.getloadavg()[0]:.1f}", flush=True)
     med = {k: statistics.median(v) for k, v in rates.items()}
-    cache_bytes = {p: 2 * args.layers * args.kv_heads * (args.hidden // args.heads) * (p + 1) * 4 for p in positions}
+    elem = 2 if args.cache_dtype == "f16" else 4
+    cache_bytes = {p: 2 * args.layers * args.kv_heads * (args.hidden // args.heads) * (p + 1) * elem for p in positions}
     print(f"\ntokens/s, medians of {args.rounds} rounds x {args.steps} steps; threads "
-          f"{args.threads or 'all'}; load average {os.getloadavg()[0]:.1f} (other agents share this machine)")
+          f"{args.threads or 'all'}; {args.cache_dtype} K/V cache; load average {os.getloadavg()[0]:.1f} (other agents share this machine)")
     print(f"{'format':8} {'position':>8} {'tok/s':>8} {'vs f32':>7} {'MB read/tok':>11} {'GB/s':>6} "
           f"{'RSS before -> after (MB)':>26}")
     for fmt in formats:

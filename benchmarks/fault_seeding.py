@@ -16,9 +16,12 @@ that runs at import, such as a rule table), in suite order, with -x. Every run u
 seed (--seed) and no example database, so a test runs the same code up to the faulted line as it
 did in the baseline: a test that never reached that function cannot fail because of the fault.
 Selection by coverage is the usual test selection of mutation testing; no test is written for a
-fault's text. A fault in runtime.c or blockq.c names the runtime's entry points its line runs
-under (`calls`); it runs the tests that built a module calling one (the baseline records each
-test's emitted C) or ran a Python function of the C backend that calls one through ctypes.
+fault's text. Code a test runs in a child Python process (a compile in a fresh process, a
+command line) counts as that test's: coverage.py's subprocess measurement (COVERAGE_PROCESS_START),
+with the test's id as the child's context. A fault in runtime.c or blockq.c names the runtime's
+entry points its line runs under (`calls`); it runs the tests that built a module calling one (the
+baseline records each test's emitted C) or ran a Python function of the C backend that calls one
+through ctypes.
 
 On two cores shared with other work: `-j` runs that many faults at once, each in its own copy
 of the tree; the C backend's compiled libraries live in one cache for all runs (keyed by their
@@ -240,7 +243,11 @@ FAULTS = [
           "            if merged and _eq(merged[-1][1][0], strides[0] * d):",
           "loop nest: dims merged when only the first access runs on across them"),
     Fault("backends/c/onednn.py", '                if name == Op.sub and op.operands[0] is not current:',
-          "                if False:", "GEMM epilogue: c - x fused as x - c"),
+          "                if False:", "GEMM epilogue: c - x fused as x - c",
+          equivalent="the guard is dead: _posts' first check in the loop (`op.operands[0] is not current and not "
+                     "(name in (add, mul) and op.operands[1] is current)`: break) already leaves the loop for "
+                     "a sub whose first operand is not the accumulated value, so here op.operands[0] is "
+                     "current and the condition is always false; c - x is never fused, whatever the IR"),
     Fault("backends/c/onednn.py", '                        else ("1.f", f"-({o.literal})")',
           '                        else ("1.f", f"({o.literal})")', "GEMM epilogue: x - c fused as x + c"),
     # --- the C runtime (runtime.c, blockq.c) -------------------------------------------------------
@@ -404,6 +411,17 @@ if MODE == "map":
     import coverage
     _cov = coverage.Coverage(data_file=None, config_file=False, include=json.loads(os.environ["FAULT_SEEDING_FILES"]))
     _cov.start()
+    # Code a test runs in a child Python process (a fresh compile, a CLI run) counts as that test's:
+    # coverage's subprocess measurement (its .pth starts it in any Python that finds
+    # COVERAGE_PROCESS_START), the test's id as the child's static context. Set only now, so this
+    # process is measured by _cov alone.
+    _SUB = os.environ["FAULT_SEEDING_MAP"] + ".sub"
+    os.makedirs(_SUB, exist_ok=True)
+    with open(os.path.join(_SUB, "coverage.ini"), "w") as f:
+        f.write("[run]\\nparallel = True\\ndata_file = " + os.path.join(_SUB, ".coverage") +
+                "\\ncontext = ${FAULT_SEEDING_CONTEXT}\\ninclude =\\n" +
+                "".join("    " + p + "\\n" for p in json.loads(os.environ["FAULT_SEEDING_FILES"])))
+    os.environ["COVERAGE_PROCESS_START"] = os.path.join(_SUB, "coverage.ini")
 
 
 def pytest_configure(config):
@@ -437,6 +455,7 @@ def pytest_runtest_protocol(item, nextitem):
     _current[0] = item.nodeid
     if MODE == "map":
         _cov.switch_context(item.nodeid)
+        os.environ["FAULT_SEEDING_CONTEXT"] = item.nodeid
     yield
 
 
@@ -444,8 +463,16 @@ def pytest_sessionfinish(session):
     if MODE == "map":
         _cov.stop()
         data = _cov.get_data()
-        lines = {os.path.relpath(f, ROOT): {n: sorted(c for c in cs if c) for n, cs in data.contexts_by_lineno(f).items()}
-                 for f in data.measured_files()}
+        lines = {}
+        children = [coverage.CoverageData(basename=os.path.join(_SUB, n)) for n in sorted(os.listdir(_SUB))
+                    if n.startswith(".coverage.")]
+        for d in [data, *children]:
+            if d is not data:
+                d.read()
+            for f in d.measured_files():
+                mine = lines.setdefault(os.path.relpath(f, ROOT), {})
+                for n, cs in d.contexts_by_lineno(f).items():
+                    mine[n] = sorted(set(mine.get(n, ())) | {c for c in cs if c})
         with open(os.environ["FAULT_SEEDING_MAP"], "w") as f:
             json.dump({"lines": lines, "called": {t: sorted(n) for t, n in _called.items()}}, f)
 """

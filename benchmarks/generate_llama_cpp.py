@@ -3,8 +3,11 @@ backend against llama.cpp (llama-cpp-python) on the very same file, same thread 
 interleaved in one process (round r of every runner back to back, the order rotated).
 
 transformers' eager forward on the same weights dequantized to f32 (its own GGUF loader; a
-DynamicCache) runs beside them (--no-transformers leaves it out). torch.compile with a static
-cache is not among them: its compile takes minutes per shape on this machine.
+DynamicCache) runs beside them (--no-transformers leaves it out). --torch-compile adds
+gpt-fast's recipe as a further column: transformers' StaticCache (preallocated, written in place
+at cache_position) and the one-token decode step under torch.compile (fullgraph, static shapes);
+its prompt runs eager over the same static cache (a compile per prompt length would be another
+graph). It is opt-in because its compile takes minutes on a 2-core machine (printed).
 
 Rows, as llama-bench names them (no tokenizer or sampling time in any):
   tg128        generated tokens/s: 128 decode steps after a short prompt (8 tokens)
@@ -137,6 +140,49 @@ class Transformers:
         return time.perf_counter() - t0
 
 
+class TorchCompiled(Transformers):
+    """gpt-fast's recipe on transformers: a StaticCache written in place, the decode step compiled
+    (torch.compile, fullgraph, static shapes) once, greedy argmax inside the graph."""
+
+    def __init__(self, path: Path, threads: int, ctx: int):
+        super().__init__(path, threads)
+        import transformers
+
+        torch = self.torch
+        torch.set_num_threads(threads)
+        self.cache = transformers.StaticCache(config=self.model.config, max_cache_len=ctx)
+
+        def step(tok, pos):
+            out = self.model(tok, cache_position=pos, past_key_values=self.cache, use_cache=True)
+            return out.logits[:, -1].argmax(-1, keepdim=True)
+
+        self.step = torch.compile(step, fullgraph=True, dynamic=False)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            self.step(torch.tensor([[1]]), torch.tensor([0]))  # the compile
+        self.compile_seconds = time.perf_counter() - t0
+
+    def prompt(self, tokens: np.ndarray) -> float:
+        torch = self.torch
+        torch.set_num_threads(self.threads)
+        self.cache.reset()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            self.model(torch.tensor(tokens.reshape(1, -1)), cache_position=torch.arange(tokens.size),
+                       past_key_values=self.cache, use_cache=True)
+        return time.perf_counter() - t0
+
+    def generate(self, start: int, steps: int, token: int) -> float:
+        torch = self.torch
+        torch.set_num_threads(self.threads)
+        tok = torch.tensor([[token]])
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for i in range(steps):
+                tok = self.step(tok, torch.tensor([start + i]))
+        return time.perf_counter() - t0
+
+
 class LlamaCpp:
     def __init__(self, path: Path, threads: int, ctx: int):
         from llama_cpp import Llama
@@ -168,6 +214,8 @@ def main() -> None:
     ap.add_argument("--pp", type=int, default=512)
     ap.add_argument("--threads", type=int, nargs="*", default=None)
     ap.add_argument("--no-transformers", action="store_true", help="leave out transformers' eager forward")
+    ap.add_argument("--torch-compile", action="store_true",
+                    help="add torch.compile with a static cache (gpt-fast's recipe); its compile takes minutes")
     args = ap.parse_args()
     import llama_cpp
 
@@ -197,6 +245,10 @@ def main() -> None:
         runners = {"tilegraph": tg, "tilegraph f32": tg32, "llama.cpp": lc}
         if not args.no_transformers:
             runners["transformers"] = Transformers(path, threads)
+        if args.torch_compile:
+            runners["torch.compile"] = TorchCompiled(path, threads, ctx)
+            print(f"torch.compile of the decode step at {threads} thread(s): "
+                  f"{runners['torch.compile'].compile_seconds:.0f} s", flush=True)
         # one untimed pass of each (compiles, first touches)
         for r in runners.values():
             r.prompt(short)
@@ -228,20 +280,23 @@ def main() -> None:
                 shares.append(f"{per_token / 1e6:.0f} MB/tok {per_token * tps[name] / 1e9:.1f} GB/s "
                               f"{per_token * tps[name] / 1e9 / copy_bw:.0%}")
             hf = tps.get("transformers")
+            tc = tps.get("torch.compile")
             rows.append([threads, labels[kind], f"{tps['tilegraph']:.1f}", f"{tps['llama.cpp']:.1f}",
                          f"{tps['tilegraph'] / tps['llama.cpp']:.2f}x", f"{tps['tilegraph f32']:.1f}",
                          f"{tps['tilegraph f32'] / tps['llama.cpp']:.2f}x",
                          "-" if hf is None else f"{hf:.1f}", "-" if hf is None else f"{tps['tilegraph'] / hf:.1f}x",
-                         shares[0], shares[2], shares[3] if len(shares) > 3 else "-"])
+                         shares[0], shares[2], shares[3] if len(shares) > 3 and hf is not None else "-",
+                         "-" if tc is None else f"{tc:.1f}", "-" if tc is None else f"{tps['tilegraph'] / tc:.1f}x"])
         del tg, tg32, lc, runners
     print(f"load average {os.getloadavg()[0]:.2f} after the run (other agents share this machine); "
           f"medians of {args.rounds} interleaved rounds")
     print(format_table(["threads", "test", "tilegraph q8", "llama.cpp", "ratio", "tilegraph f32", "ratio",
                         "transformers eager", "q8 / transformers", "tilegraph q8: bytes x tok/s (share of copy bw)",
-                        "llama.cpp", "transformers"], rows))
+                        "llama.cpp", "transformers", "torch.compile", "q8 / torch.compile"], rows))
     print("tok/s, medians; 'tilegraph q8' rounds activations to int8 per 32 and keeps an f16 KV cache, as "
           "llama.cpp does; 'tilegraph f32' multiplies them exact over f32 caches (the library's default); "
-          "transformers: eager f32 on the dequantized weights, its DynamicCache")
+          "transformers: eager f32 on the dequantized weights, its DynamicCache; torch.compile (--torch-compile): "
+          "the same weights, StaticCache, compiled decode step (its pp row: the eager prompt over the static cache)")
 
 
 if __name__ == "__main__":

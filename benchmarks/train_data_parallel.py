@@ -24,10 +24,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402  (puts the repository root on sys.path)
 
-import torch  # noqa: E402
 
 import tilegraph  # noqa: E402
-from tests.models import char_batches, char_corpus, char_gpt  # noqa: E402
 from tilegraph.ir import Model  # noqa: E402
 from tilegraph.train import AdamW, train_data_parallel  # noqa: E402
 
@@ -40,11 +38,7 @@ def main() -> None:
     ap.add_argument("--target", default="numpy")
     ap.add_argument("--pipeline", default=None, help="passes each process compiles with (default: the default)")
     args = ap.parse_args()
-    for line in _common.machine_lines(torch=torch.__version__):
-        print(line)
-    print(f"load average at start: {os.getloadavg()} (other agents share this machine)")
-    chars, batches = char_batches(char_corpus(), args.steps, args.batch, args.block)
-    module = char_gpt(len(chars), args.layers, args.hidden, args.heads, args.block)
+    chars, batches, module = _common.char_gpt_run(args)
     optimizer = AdamW(lr=3e-3, weight_decay=0.1)
     runs = {}
     for world in (int(w) for w in args.worlds.split(",")):

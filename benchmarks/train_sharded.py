@@ -33,7 +33,7 @@ import _common  # noqa: E402  (puts the repository root on sys.path)
 import torch  # noqa: E402
 
 import tilegraph  # noqa: E402
-from tests.models import char_batches, char_corpus, char_gpt, char_gpt_segments  # noqa: E402
+from tests.models import char_gpt_segments  # noqa: E402
 from tilegraph.train import AdamW, train_data_parallel  # noqa: E402
 from tilegraph.train_sharded import ModelAt, train_sharded  # noqa: E402
 
@@ -46,11 +46,7 @@ def main() -> None:
     ap.add_argument("--micro-batches", type=int, default=2)
     _common.char_gpt_options(ap, layers=2, hidden=32, heads=4, block=16, batch=8)
     args = ap.parse_args()
-    for line in _common.machine_lines(torch=torch.__version__):
-        print(line)
-    print(f"load average at start: {os.getloadavg()} (other agents share this machine)")
-    chars, batches = char_batches(char_corpus(), args.steps, args.batch, args.block)
-    module = char_gpt(len(chars), args.layers, args.hidden, args.heads, args.block)
+    chars, batches, module = _common.char_gpt_run(args)
     params = [n for n, _ in module.named_parameters()]
     optimizer = AdamW(lr=3e-3, weight_decay=0.1)
     worlds = [int(w) for w in args.worlds.split(",")]

@@ -90,6 +90,55 @@ def test_the_activation_bound_is_tight_enough_to_fail():
     assert (np.abs(x @ no_min.T - x @ wd.T) > blockq.activation_error_bound(x, wd)).any()
 
 
+DECODE_FORMATS = ["q4_0", "q4_1", "q8_0"]  # those with 512-bit decode kernels (blockq.c bq_zmm, bq_z8)
+
+
+def test_decode_rows_take_the_fastest_kernel_the_processor_has():
+    """A batch's decode rows (1..8) of the decode formats take the 8-row VBMI kernel where the
+    processor has AVX512-VBMI, the 4-row one with VNNI alone; a prompt's rows take sgemm panels.
+    Fails if a change makes decode fall back to a slower kernel."""
+    best = blockq.isa(None)
+    expected = {"avx512_vbmi": "zmm8", "avx512_vnni": "zmm"}
+    for name in ISAS:
+        blockq.isa(name)
+        for fmt in DECODE_FORMATS:
+            for m in range(1, 9):
+                assert blockq.kernel(fmt, m) == expected.get(name, "blocks"), (name, fmt, m)
+            assert blockq.kernel(fmt, 9) == "sgemm"
+        assert blockq.kernel("q4_k", 1) == "blocks" and blockq.kernel("f32", 1) == "float"
+    if "avx512_vbmi" in ISAS:  # the default (best) instruction set takes the 8-row kernel
+        assert best == "avx512_vbmi"
+        blockq.isa(None)
+        assert blockq.kernel("q4_0", 1) == "zmm8" and blockq.kernel("q4_1", 8) == "zmm8"
+
+
+def _raw_blocks(fmt, rng, n, k):
+    """Any bytes a file may hold (q8_0's -128 too), with finite f16 scales and mins."""
+    f = FORMATS[fmt]
+    nb = k // 32
+    w = rng.integers(0, 256, (n, nb * f.block_bytes), dtype=np.uint8).reshape(n, nb, f.block_bytes)
+    halves = 2 if fmt == "q4_1" else 1
+    w[:, :, :2 * halves] = rng.uniform(-2, 2, (n, nb, halves)).astype(np.float16).view(np.uint8).reshape(n, nb, -1)
+    return w.reshape(n, -1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(fmt=st.sampled_from(DECODE_FORMATS), isa=st.sampled_from(ISAS), m=st.integers(1, 8), n=st.integers(1, 40),
+       blocks=st.integers(1, 7), seed=st.integers(0, 2**32 - 1))
+def test_decode_kernels_on_any_block_bytes_are_their_reference(fmt, isa, m, n, blocks, seed):
+    """Every decode kernel (each ISA's; odd block counts take the single-block tail) on arbitrary
+    weight bytes, a batch's rows at once, against q8(x) @ dequant(w).T in float64."""
+    f = FORMATS[fmt]
+    k = 32 * blocks
+    rng = np.random.default_rng(seed)
+    w = _raw_blocks(fmt, rng, n, k)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    blockq.isa(isa)
+    y = blockq.block_matmul(x, w, fmt, k)
+    wd = f.dequantize(w, (n, k)).astype(np.float64)
+    assert_close(y, quantize_activations(x.astype(np.float64)) @ wd.T, "f32", k, name=f"{fmt} ({isa}, {m} rows)")
+
+
 @pytest.mark.parametrize("fmt", WEIGHT_FORMATS)
 def test_block_rows_dequantize_exactly(fmt):
     f = FORMATS[fmt]

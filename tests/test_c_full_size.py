@@ -5,6 +5,8 @@ interpreter.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -99,6 +101,24 @@ def test_a_reduction_over_outer_positions_adds_rows_of_channels(case, batch):
     compiled = compile_model(model)
     assert "acc[j] += row[j]" in compiled.source, "the reduction did not take the rows-of-channels loop"
     assert_close(compiled(xs)[0], interpret(model, [xs])[0], "f32", reduction_length=n)
+
+
+def test_a_batch_1_squeeze_excite_pool_is_shared_among_threads():
+    """At batch 1 the only parallel loop of a global pool over NHWC is its blocks of channels:
+    a 96-channel pool (EfficientNet's first squeeze-excite) is at least two tasks of the
+    OpenMP loop, not one block on one thread, and agrees with the interpreter."""
+    rng = np.random.default_rng(2)
+    g = Graph()
+    x = g.input("x", (1, 8, 56, 56))
+    a = g.op("conv", x, g.weight("w", rng.standard_normal((96, 8, 1, 1)).astype(np.float32)))
+    model = g.build(g.reduce_mean(a, axes=(2, 3), keepdims=True), names=["y"])
+    compiled = compile_model(model)
+    source = compiled.source
+    loop = source[source.index("acc[j] += row[j]") - 2000:source.index("acc[j] += row[j]")]
+    block = int(re.findall(r"c0 \+= (\d+)\)", loop)[-1])
+    assert "#pragma omp parallel for" in loop and -(-96 // block) >= 2, loop
+    xs = rng.standard_normal((1, 8, 56, 56)).astype(np.float32)
+    assert_close(compiled(xs)[0], interpret(model, [xs])[0], "f32", reduction_length=56 * 56 + 8)
 
 
 @pytest.mark.parametrize("case", ["conv-silu", "linear-silu", "silu-also-read"])

@@ -262,6 +262,15 @@ def test_cost_decode_prices_the_bytes_a_token_reads(tiny, capsys):
     from tilegraph.cli.common import format_count
     assert format_count(weights) in line and format_count(cache) in line, line
     assert "tokens/s" in out and "% of the bound" in out
+    # an f16 cache (generate --fast's): half the cache's bytes, so a higher bound
+    assert main(["cost", str(path), "--decode", "--depth", "7", "--cache-dtype", "f16"]) == 0
+    half = capsys.readouterr().out
+    line16 = next(s for s in half.splitlines() if s.startswith("bytes read per step"))
+    assert format_count(weights) in line16 and format_count(cache // 2) in line16 and "f16 KV cache" in line16, line16
+
+    def bound(text):
+        return float(next(s for s in text.splitlines() if s.startswith("memory bandwidth")).split()[-2])
+    assert bound(half) > bound(out)
 
 
 def test_generate_command_streams_several_prompts_and_prints_tokens_per_second(tiny, capsys):

@@ -169,7 +169,9 @@ REDUCTIONS = {
                                     torch.logsumexp(x, 1), torch.linalg.vector_norm(x, dim=1),
                                     torch.linalg.vector_norm(x, ord=1, dim=2),
                                     torch.linalg.vector_norm(x, ord=float("inf")),
-                                    torch.var_mean(x, 2)[0]), 60),
+                                    torch.var_mean(x, 2)[0],
+                                    # no correction given: aten's default, 1 (unbiased)
+                                    x.var(), torch.var(x, 1, correction=None)), 60),
     "any_all_cumsum_count": (lambda m, x: ((x > 0).any(1), (x > 0).all(), x.cumsum(1), (x > 0).sum(1),
                                            torch.count_nonzero(x > 0.5, dim=2)), 5),
     "topk_sort_cumprod": (lambda m, x: (*torch.topk(x, 2, 1), *torch.topk(x, 3, largest=False), *x.sort(0),

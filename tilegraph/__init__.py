@@ -32,8 +32,10 @@ from tilegraph.backends import interpret_triton_without_gpu  # noqa: E402
 from tilegraph.ir import Model  # noqa: E402
 from tilegraph.ir.errors import TilegraphError  # noqa: E402
 from tilegraph.ir.model import ModelError  # noqa: E402
+# A .gguf file, or an ONNX decoder-with-past file (optimum's), as in-place generation.
+from tilegraph.generation import LanguageModel  # noqa: E402
 
-__all__ = ["compile", "import_model", "generate", "Compiled", "TilegraphError", "grad", "value_and_grad", "vjp",
+__all__ = ["compile", "import_model", "generate", "LanguageModel", "Compiled", "TilegraphError", "grad", "value_and_grad", "vjp",
            "train_step"]
 
 # With no GPU, the Triton backend runs its kernels in Triton's interpreter, which

@@ -25,11 +25,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
 
 from tilegraph.ir.errors import TilegraphError
+
+if TYPE_CHECKING:
+    from tilegraph.frontends.onnx.kv_cache import OnnxDecoder
 
 DEFAULT_CACHE_LEN = 2048  # positions per sequence when neither the caller nor the file says less
 
@@ -84,22 +87,17 @@ class Sampling:
 
 
 class LanguageModel:
-    """A GGUF language model compiled for `target`: prefill and decode entry points per batch
+    """A GGUF language model (or an ONNX decoder-with-past file) compiled for `target`: prefill and decode entry points per batch
     size, sharing one weight store, and their caches."""
 
     def __init__(self, path: str | Path, target: str | None = None, cache_len: int | None = None,
                  threads: int | None = None, pipeline=None, activation: str = "f32", cache_dtype: str = "f32"):
-        from tilegraph.frontends.gguf.llama import LlamaConfig, load_weights
-        from tilegraph.frontends.gguf.reader import GGUFFile
-        from tilegraph.frontends.gguf.tokenizer import GGUFTokenizer
-
         self.path = Path(path)
-        f = GGUFFile(self.path)
-        self.config = LlamaConfig.of(f)
-        # a file tilegraph quantize wrote holds no tokenizer: token ids in (generate_ids), logits out
-        self._tokenizer = GGUFTokenizer(f) if "tokenizer.ggml.model" in f.metadata else None
-        self._stop_ids = self._tokenizer.stop_ids if self._tokenizer else set()
-        self.weights, self.formats = load_weights(f, self.config)
+        self._onnx: OnnxDecoder | None = None
+        if self.path.suffix.lower() == ".onnx":
+            self._load_onnx(activation)
+        else:
+            self._load_gguf()
         self.cache_len = min(cache_len or DEFAULT_CACHE_LEN, self.config.context)
         self.target, self.threads, self.pipeline = target, threads, pipeline
         # 'f32': block-format matmuls multiply the float activations (exact, as transformers on the
@@ -115,12 +113,40 @@ class LanguageModel:
         self._caches: dict[int, list[np.ndarray]] = {}
         self.stats = Stats()
 
+    def _load_gguf(self) -> None:
+        from tilegraph.frontends.gguf.llama import LlamaConfig, load_weights
+        from tilegraph.frontends.gguf.reader import GGUFFile
+        from tilegraph.frontends.gguf.tokenizer import GGUFTokenizer
+
+        f = GGUFFile(self.path)
+        self.config = LlamaConfig.of(f)
+        # a file tilegraph quantize wrote holds no tokenizer: token ids in (generate_ids), logits out
+        self._tokenizer = GGUFTokenizer(f) if "tokenizer.ggml.model" in f.metadata else None
+        self._stop_ids = self._tokenizer.stop_ids if self._tokenizer else set()
+        self.weights, self.formats = load_weights(f, self.config)
+
+    def _load_onnx(self, activation: str) -> None:
+        """A decoder-with-past ONNX file (optimum's export): its past/present Concats become the same
+        in-place caches (frontends/onnx/kv_cache.py); text through the tokenizer.json beside it, if any."""
+        from tilegraph.frontends.onnx.kv_cache import OnnxDecoder
+
+        if activation != "f32":
+            raise TilegraphError(f"activation='{activation}' rounds the inputs of GGUF block-format matmuls; "
+                                 f"{self.path.name} is an ONNX file of float weights")
+        from tilegraph.frontends.onnx.folder_tokenizer import FolderTokenizer
+
+        decoder = self._onnx = OnnxDecoder(self.path)
+        self.config = decoder.config()  # type: ignore[assignment]  # LlamaConfig's names, what generation reads
+        self._tokenizer = FolderTokenizer.beside(self.path)  # type: ignore[assignment]  # the GGUF one's interface
+        self._stop_ids = self._tokenizer.stop_ids if self._tokenizer else set()
+
     @property
     def tokenizer(self):
         if self._tokenizer is None:
             from tilegraph.frontends.gguf.tokenizer import TokenizerError
 
-            raise TokenizerError(f"{self.path} holds no tokenizer (tokenizer.ggml.*): give token ids "
+            raise TokenizerError(f"{self.path} holds no tokenizer (tokenizer.ggml.* in a GGUF file, tokenizer.json "
+                                 "beside an ONNX one): give token ids "
                                  "(LanguageModel.generate_ids)")
         return self._tokenizer
 
@@ -139,9 +165,13 @@ class LanguageModel:
             import tilegraph
             from tilegraph.frontends.gguf.llama import build
 
-            model = build(self.config, self.weights, self.formats, batch, "T" if kind == "prefill" else 1,
-                          self.cache_len, self.activation, self.cache_dtype,
-                          None if sampling is None else sampling.attrs())
+            steps = "T" if kind == "prefill" else 1
+            attrs = None if sampling is None else sampling.attrs()
+            if self._onnx is not None:
+                model = self._onnx.build(batch, steps, self.cache_len, self.cache_dtype, attrs)
+            else:
+                model = build(self.config, self.weights, self.formats, batch, steps, self.cache_len,
+                              self.activation, self.cache_dtype, attrs)
             options = {"threads": self.threads} if self.threads and self._target() == "c" else {}
             self._compiled[key] = tilegraph.compile(model, target=self._target(), pipeline=self.pipeline, **options)
         return self._compiled[key]

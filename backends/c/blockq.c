@@ -320,6 +320,122 @@ static void bq_zmm_q8_0(const uint8_t *w, const tg_q8row *a, int R, int64_t nb, 
 static const bq_dot_fn bq_zmm[TG_BQ_COUNT] = {[TG_BQ_Q4_0] = bq_zmm_q4_0, [TG_BQ_Q4_1] = bq_zmm_q4_1,
                                               [TG_BQ_Q8_0] = bq_zmm_q8_0};
 
+/* Decode's hot formats, a weight pair of 32-blocks per 512-bit step for up to 8 activation rows
+ * at once (AVX512-VBMI on top of VNNI): a batch's 8 decode rows share each weight's unpacking,
+ * and each row costs one vpdpbusd, one conversion, one multiply and one FMA per 64 weights.
+ * What makes that the whole per-row cost:
+ * - the weights enter vpdpbusd as its signed operand (q4_0 as q - 8, q4_1's q, q8_0 as is) and the
+ *   activations as unsigned a + 128 (stored so once per matmul): the extra 128 * sum(w) does not
+ *   depend on the row, so one vpdpbusd per weight pair computes it for every row and each row's
+ *   dot product starts from its negation (exact: integers);
+ * - the nibbles are unpacked by one vpermb (each block's 16 bytes twice over) and one
+ *   vpmultishiftqb (the high halves shifted down 4), the two f16 scales spread over their 8
+ *   lanes each by one vpermw and converted once;
+ * - the activation scales come already spread over 16 lanes (written once per matmul), so a
+ *   row multiplies without a shuffle, and a row's sum is reduced once at the end.
+ * ggml reaches the same per-row cost by repacking q4_0 into row-interleaved blocks at load;
+ * the file's own layout is kept here. */
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx512vbmi")
+#define BQ_Z8_ROWS 8
+/* A q8 activation row as these kernels read it: au = q + 128 as bytes; sa: per weight pair
+ * (64 values), 16 floats, d of the pair's first block in lanes 0-7 and of its second in 8-15;
+ * sm (q4_1's min term): d * sum(q) of each block in lanes 0 and 8, zeros elsewhere. */
+/* vpermb's indices for a pair of q4_0 / q4_1 blocks: byte i of the result is the pair's byte
+ * nib + (i / 32) * block + i % 16 (each block's 16 nibble bytes twice); set by tg_blockq_isa. */
+static uint8_t bq_z8_pick[TG_BQ_COUNT][64];
+static void bq_z8_init(void) {
+    for (int i = 0; i < 64; i++) {
+        bq_z8_pick[TG_BQ_Q4_0][i] = (uint8_t)(2 + (i / 32) * 18 + i % 16);
+        bq_z8_pick[TG_BQ_Q4_1][i] = (uint8_t)(4 + (i / 32) * 20 + i % 16);
+    }
+}
+typedef struct {
+    uint8_t *au;
+    float *sa, *sm;
+} bq_z8row;
+
+static void bq_z8_prepare(const tg_q8row *a, int64_t K, bq_z8row *z) {
+    int64_t np = K / 64;
+    const __m512i x80 = _mm512_set1_epi8((char)0x80);
+    for (int64_t k = 0; k + 64 <= K; k += 64)
+        _mm512_storeu_si512(z->au + k, _mm512_xor_si512(_mm512_loadu_si512(a->q + k), x80));
+    for (int64_t p = 0; p < np; p++) {
+        __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a->d[2 * p]), _mm512_set1_ps(a->d[2 * p + 1]));
+        _mm512_storeu_ps(z->sa + 16 * p, d);
+        __m512 m = _mm512_setzero_ps();
+        m = _mm512_mask_mov_ps(m, 0x0001, _mm512_set1_ps(a->ds[4 * p + 1]));
+        m = _mm512_mask_mov_ps(m, 0x0100, _mm512_set1_ps(a->ds[4 * p + 3]));
+        _mm512_storeu_ps(z->sm + 16 * p, m);
+    }
+}
+
+/* y[r] = the row w (np pairs of fmt's blocks) times activation row r, for R (a constant where
+ * inlined) rows. */
+static inline __attribute__((always_inline)) void bq_z8_body(const int fmt, const uint8_t *w, const bq_z8row *a,
+                                                             const int R, int64_t np, float *y) {
+    __m512 acc[BQ_Z8_ROWS], off[BQ_Z8_ROWS];
+    for (int r = 0; r < R; r++) { acc[r] = _mm512_setzero_ps(); off[r] = _mm512_setzero_ps(); }
+    const int bytes = fmt == TG_BQ_Q4_0 ? 36 : fmt == TG_BQ_Q4_1 ? 40 : 68;
+    const __mmask64 first = fmt == TG_BQ_Q4_0 ? (1ULL << 36) - 1 : (1ULL << 40) - 1;
+    const __m512i idx = _mm512_loadu_si512(bq_z8_pick[fmt]);
+    /* vpmultishiftqb: bytes 16-31 of each 32 take bits 4-11 of their byte (the high nibble) */
+    const __m512i lo = _mm512_set1_epi64(0x3830282018100800LL), hi = _mm512_set1_epi64(0x3C342C241C140C04LL);
+    const __m512i shift = _mm512_mask_blend_epi64(0xCC, lo, hi);
+    /* vpermw: the pair's scales (and q4_1's mins) spread over 8 lanes each */
+    const __m512i words = fmt == TG_BQ_Q4_0   ? _mm512_set_epi64(0, 0, 0, 0, 0x0009000900090009LL, 0x0009000900090009LL, 0, 0)
+                          : fmt == TG_BQ_Q4_1 ? _mm512_set_epi64(0x000B000B000B000BLL, 0x000B000B000B000BLL,
+                                                                 0x0001000100010001LL, 0x0001000100010001LL,
+                                                                 0x000A000A000A000ALL, 0x000A000A000A000ALL, 0, 0)
+                                              : _mm512_set_epi64(0, 0, 0, 0, 0x0011001100110011LL, 0x0011001100110011LL, 0, 0);
+    const __m512i m4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8), x80 = _mm512_set1_epi8((char)0x80);
+    for (int64_t p = 0; p < np; p++, w += bytes) {
+        __m512i q, h;
+        if (fmt == TG_BQ_Q8_0) {
+            q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(w + 2))),
+                                   _mm256_loadu_si256((const __m256i *)(w + 36)), 1);
+            h = _mm512_permutexvar_epi16(words, _mm512_loadu_si512(w));  /* 64 of the pair's 68 bytes */
+        } else {
+            __m512i raw = _mm512_maskz_loadu_epi8(first, w);  /* the pair's bytes only: never past the row */
+            q = _mm512_and_si512(_mm512_multishift_epi64_epi8(shift, _mm512_permutexvar_epi8(idx, raw)), m4);
+            if (fmt == TG_BQ_Q4_0) q = _mm512_sub_epi8(q, eight);
+            h = _mm512_permutexvar_epi16(words, raw);
+        }
+        __m512 sw = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), sm = _mm512_setzero_ps();
+        if (fmt == TG_BQ_Q4_1) sm = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+        __m512i neg = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), x80, q));
+        for (int r = 0; r < R; r++) {
+            __m512i dp = _mm512_dpbusd_epi32(neg, _mm512_loadu_si512(a[r].au + 64 * p), q);
+            __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dp), _mm512_loadu_ps(a[r].sa + 16 * p));
+            acc[r] = _mm512_fmadd_ps(t, sw, acc[r]);
+            if (fmt == TG_BQ_Q4_1) off[r] = _mm512_fmadd_ps(sm, _mm512_loadu_ps(a[r].sm + 16 * p), off[r]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        y[r] = _mm512_reduce_add_ps(fmt == TG_BQ_Q4_1 ? _mm512_add_ps(acc[r], off[r]) : acc[r]);
+}
+
+typedef void (*bq_z8_fn)(const uint8_t *w, const bq_z8row *a, int R, int64_t np, float *y);
+/* R rows as runs of 8, 4, 2 and 1, each with its accumulators in registers */
+#define BQ_Z8_KERNEL(name, FMT)                                                                   \
+    static void name(const uint8_t *w, const bq_z8row *a, int R, int64_t np, float *y) {          \
+        while (R > 0) {                                                                           \
+            int n = R >= 8 ? 8 : R >= 4 ? 4 : R >= 2 ? 2 : 1;                                     \
+            if (n == 8) bq_z8_body(FMT, w, a, 8, np, y);                                          \
+            else if (n == 4) bq_z8_body(FMT, w, a, 4, np, y);                                     \
+            else if (n == 2) bq_z8_body(FMT, w, a, 2, np, y);                                     \
+            else bq_z8_body(FMT, w, a, 1, np, y);                                                 \
+            a += n, y += n, R -= n;                                                               \
+        }                                                                                         \
+    }
+BQ_Z8_KERNEL(bq_z8_q4_0, TG_BQ_Q4_0)
+BQ_Z8_KERNEL(bq_z8_q4_1, TG_BQ_Q4_1)
+BQ_Z8_KERNEL(bq_z8_q8_0, TG_BQ_Q8_0)
+#undef BQ_Z8_KERNEL
+#pragma GCC pop_options
+static const bq_z8_fn bq_z8[TG_BQ_COUNT] = {[TG_BQ_Q4_0] = bq_z8_q4_0, [TG_BQ_Q4_1] = bq_z8_q4_1,
+                                            [TG_BQ_Q8_0] = bq_z8_q8_0};
+
 static const tg_bq_kernels *bq_active;
 static int bq_level = -1;
 
@@ -330,10 +446,11 @@ int tg_blockq_isa(int want) {
         have = 1;  /* f16c comes with every AVX2 processor; __builtin_cpu_supports cannot name it in GCC 12 */
         if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
-            have = 2;
+            have = 2 + !!__builtin_cpu_supports("avx512vbmi");
     }
     int level = want < 0 || want > have ? have : want;
-    bq_active = level == 2 ? &bq_kernels_vnni : level == 1 ? &bq_kernels_avx2 : &bq_kernels_scalar;
+    bq_active = level >= 2 ? &bq_kernels_vnni : level == 1 ? &bq_kernels_avx2 : &bq_kernels_scalar;
+    if (level >= 3) bq_z8_init();
     bq_level = level;
     return level;
 }
@@ -401,6 +518,25 @@ static void bq_float_rows(const float *x, int64_t M, int64_t K, const uint8_t *w
 static int bq_panels(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes, int fmt,
                      float *y, int64_t ldy);
 
+/* Which kernel tg_block_matmul runs for M activation rows of fmt (on q8 activations): one
+ * place decides, and tg_blockq_kernel reports it so the tests see the fast path taken. */
+static int bq_pick(int fmt, int64_t M) {
+    if (BQ_BLOCK[fmt] == 1) return TG_BQ_KERNEL_FLOAT;
+    bq_kernels();  /* sets bq_level on first use */
+    if (M > BQ_SGEMM_ROWS) return TG_BQ_KERNEL_SGEMM;
+    if (bq_level >= 3 && bq_z8[fmt]) return TG_BQ_KERNEL_Z8;
+    if (bq_level >= 2 && bq_zmm[fmt]) return TG_BQ_KERNEL_ZMM;
+    return TG_BQ_KERNEL_BLOCKS;
+}
+
+int tg_blockq_kernel(int fmt, int64_t M) {
+    if (fmt < 0 || fmt >= TG_BQ_COUNT) {
+        snprintf(tg_err, sizeof tg_err, "block matmul: unknown block format %d", fmt);
+        return -1;
+    }
+    return bq_pick(fmt, M);
+}
+
 int tg_block_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes,
                     int fmt, float *y, int64_t ldy) {
     if (bq_check(fmt, K, N, row_bytes)) return 1;
@@ -416,11 +552,15 @@ int tg_block_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int6
         return 0;
     }
     const tg_bq_kernels *kern = bq_kernels();
-    /* the q8 rows: K bytes, K / 32 scales and sums, K / 16 half-sums each */
+    int kernel = bq_pick(fmt, M);
+    /* the q8 rows: K bytes, K / 32 scales and sums, K / 16 half-sums each; for the 8-row
+     * kernels also K bytes of q + 128 and two K / 4 floats of spread scales */
     int64_t nb32 = K / 32, per_row = K + nb32 * 16 + nb32 * 8 + nb32 * 4 + 64;
-    uint8_t *scratch = bq_scratch_get((size_t)(M * per_row + M * sizeof(tg_q8row)));
+    int64_t z8_row = kernel == TG_BQ_KERNEL_Z8 ? K + 2 * (K / 64) * 64 + 64 : 0;
+    uint8_t *scratch = bq_scratch_get((size_t)(M * (per_row + z8_row) + M * (sizeof(tg_q8row) + sizeof(bq_z8row))));
     if (!scratch) TG_FAIL("block matmul: out of memory for %lld quantized activation rows", (long long)M);
-    tg_q8row *rows = (tg_q8row *)(scratch + M * per_row);
+    tg_q8row *rows = (tg_q8row *)(scratch + M * (per_row + z8_row));
+    bq_z8row *zrows = (bq_z8row *)(rows + M);
 #pragma omp parallel for schedule(static) if (M >= 16 && parallel)
     for (int64_t m = 0; m < M; m++) {
         uint8_t *base = scratch + m * per_row;
@@ -431,8 +571,13 @@ int tg_block_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int6
         int8_t *q = (int8_t *)(base + nb32 * 20 + 32);
         rows[m] = (tg_q8row){q, d, s, s16, ds};
         kern->quantize(x + m * K, K, &rows[m]);
+        if (z8_row) {
+            uint8_t *zb = scratch + M * per_row + m * z8_row;
+            zrows[m] = (bq_z8row){zb, (float *)(zb + K), (float *)(zb + K + (K / 64) * 64)};
+            bq_z8_prepare(&rows[m], K, &zrows[m]);
+        }
     }
-    if (M > BQ_SGEMM_ROWS) {
+    if (kernel == TG_BQ_KERNEL_SGEMM) {
         /* the rows as the q8 values they round to, in float, then panels into sgemm */
         float *xq = malloc(sizeof(float) * (size_t)(M * K));
         if (!xq) TG_FAIL("block matmul: out of memory for %lld activation rows", (long long)M);
@@ -442,17 +587,32 @@ int tg_block_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int6
         free(xq);
         return rc;
     }
-    bq_dot_fn dot = kern->dot[fmt];
-    if (bq_level == 2 && bq_zmm[fmt]) dot = bq_zmm[fmt];  /* decode: two blocks per zmm, up to 4 rows at once */
     int64_t nb = K / BQ_BLOCK[fmt];
+    /* decode: the 8-row kernel takes a weight pair of blocks per step, a batch's rows (up to 8) at
+     * once, an odd last block through the single-block kernel; the others up to 4 rows at once */
+    int z8 = kernel == TG_BQ_KERNEL_Z8, step = z8 ? BQ_Z8_ROWS : BQ_MAXR;
+    bq_dot_fn dot = kernel == TG_BQ_KERNEL_ZMM ? bq_zmm[fmt] : kern->dot[fmt];
+    int64_t np = nb32 / 2, wpair = 2 * BQ_BYTES[fmt];
 #pragma omp parallel for schedule(static) if (parallel)
     for (int64_t t = 0; t < tiles; t++) {
         int64_t n0 = t * BQ_TILE, n1 = n0 + BQ_TILE < N ? n0 + BQ_TILE : N;
-        for (int64_t m = 0; m < M; m += BQ_MAXR) {
-            int R = M - m < BQ_MAXR ? (int)(M - m) : BQ_MAXR;
+        for (int64_t m = 0; m < M; m += step) {
+            int R = M - m < step ? (int)(M - m) : step;
             for (int64_t n = n0; n < n1; n++) {
-                float out[BQ_MAXR];
-                dot(w + n * row_bytes, rows + m, R, nb, out);
+                float out[BQ_Z8_ROWS];
+                const uint8_t *wr = w + n * row_bytes;
+                if (!z8) dot(wr, rows + m, R, nb, out);
+                else {
+                    bq_z8[fmt](wr, zrows + m, R, np, out);
+                    for (int r = 0; r < R && (nb32 & 1); r++) {
+                        const tg_q8row *a = rows + m + r;
+                        int64_t b = nb32 - 1;
+                        float rest;
+                        dot(wr + np * wpair, &(tg_q8row){a->q + 32 * b, a->d + b, a->s + b, a->s16 + 2 * b,
+                                                         a->ds + 2 * b}, 1, 1, &rest);
+                        out[r] += rest;
+                    }
+                }
                 for (int r = 0; r < R; r++) y[(m + r) * ldy + n] = out[r];
             }
         }

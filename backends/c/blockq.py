@@ -18,7 +18,9 @@ from tilegraph.ir.errors import TilegraphError
 
 # Each block format's number in blockq.h's enum (TG_BQ_*): the names are ir/block_formats.py's.
 FORMATS = {"f32": 0, "f16": 1, "bf16": 2, "q4_0": 3, "q4_1": 4, "q8_0": 5, "q4_k": 6, "q6_k": 7, "q5_0": 8}
-ISAS = {"scalar": 0, "avx2": 1, "avx512_vnni": 2}
+ISAS = {"scalar": 0, "avx2": 1, "avx512_vnni": 2, "avx512_vbmi": 3}
+# What tg_block_matmul runs (blockq.h TG_BQ_KERNEL_*), by number.
+KERNELS = ["float", "sgemm", "blocks", "zmm", "zmm8"]
 
 _i64, _p = ctypes.c_int64, ctypes.c_void_p
 
@@ -35,6 +37,7 @@ def library() -> ctypes.CDLL:
                                        _i64]
     lib.tg_cache_attention_f16.argtypes = lib.tg_cache_attention.argtypes
     lib.tg_blockq_isa.argtypes = [ctypes.c_int]
+    lib.tg_blockq_kernel.argtypes = [ctypes.c_int, _i64]
     lib.tg_error.restype = ctypes.c_char_p
     return lib
 
@@ -52,6 +55,13 @@ def isa(name: str | None = None) -> str:
     """Selects the instruction set (None: the best the processor has); returns the one in use."""
     got = library().tg_blockq_isa(-1 if name is None else ISAS[name])
     return {v: k for k, v in ISAS.items()}[got]
+
+
+def kernel(fmt: str, m: int) -> str:
+    """The kernel block_matmul (activation='q8') takes for m rows of fmt at the current instruction set."""
+    got = library().tg_blockq_kernel(FORMATS[fmt], m)
+    _check(got < 0)
+    return KERNELS[got]
 
 
 def block_matmul(x: np.ndarray, w: np.ndarray, fmt: str, k: int, activation: str = "q8") -> np.ndarray:

@@ -129,7 +129,9 @@ def runtime(cflags: list[str] | None = None) -> Path:
     """The runtime's shared library for these flags, compiled now or found in the cache."""
     cflags = flags() if cflags is None else cflags
     with _runtime_lock:
-        key = _key(_toolchain_id(), " ".join(cflags), RUNTIME_H.read_text(), RUNTIME_C.read_text(),
+        # oneDNN's directories are part of the key: the library records its lib dir as its run
+        # path, and a runtime built against another environment's oneDNN (since removed) fails to load.
+        key = _key(_toolchain_id(), " ".join(cflags), *map(str, onednn()), RUNTIME_H.read_text(), RUNTIME_C.read_text(),
                    *(p.read_text() for p in RUNTIME_EXTRA))
         target = cache.private_dir("c") / f"tgrt_{key}.so"
         if not cache.verified(target):  # absent, or damaged, edited or planted: built afresh

@@ -40,7 +40,7 @@ from tilegraph.backends.c.generation import CACHE_OPS, Generation
 from tilegraph.backends.c.groups import Groups
 from tilegraph.backends.c.kernels import Kernels
 from tilegraph.backends.c.loops import Loops
-from tilegraph.backends.c.onednn import OneDNN
+from tilegraph.backends.c.onednn import OneDNN, chain_convolutions
 from tilegraph.backends.c.quant import Quantized
 from tilegraph.backends.c.tables import CTYPES, FLOATS, KNOWN
 from tilegraph.backends.c.views import (LOWER, Buffer, Ints, Step, Unsupported, View, Views, _describe, _eq, _is_one,
@@ -314,6 +314,7 @@ class CProgram:
     emitter: CEmitter
     plan: list[tuple[str, int]]  # ("segment", k) or ("host", step index), in order
     steps: list[Step]
+    chained: int = 0  # buffers between convolutions left as their producer's kernel writes them
 
 
 def emit_program(model: Model, name: str | None = None, per_step: bool = False) -> CProgram:
@@ -321,6 +322,7 @@ def emit_program(model: Model, name: str | None = None, per_step: bool = False) 
     native call each), so a profiler or a debugger can look between steps."""
     em = CEmitter(model)
     em.run()
+    chained = chain_convolutions(em.steps, em.buffers, em.outputs())
     lines = [f"/* tilegraph C backend: model {c_comment(name or _model_name(model))}. Generated code; edit the model, "
              "not this file.", " * inputs:"]
     lines += [f" *   p[{em.views[a].buf}] {c_comment(n)}: {c_comment(str(i))}"
@@ -369,7 +371,7 @@ def emit_program(model: Model, name: str | None = None, per_step: bool = False) 
                   "    tg_state *st = state;"]
         lines += [f"    if (tg_step_{i}(st, s, p)) return 1;" for i in members]
         lines += ["    return 0;", "}", ""]
-    return CProgram("\n".join(lines), em, plan, em.steps)
+    return CProgram("\n".join(lines), em, plan, em.steps, chained)
 
 
 def _gelu_defines() -> list[str]:

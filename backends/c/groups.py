@@ -224,7 +224,7 @@ class Groups(EmitterParts):
         lines = [line for p in parts for line in ["{", *("    " + x for x in p.lines or []), "}"]]
         self.steps[first:] = [Step(_describe(group), lines=lines, reads=set().union(*(p.reads for p in parts)),
                                    writes=set().union(*(p.writes for p in parts)),
-                                   state=[line for p in parts for line in p.state])]
+                                   state=[line for p in parts for line in p.state], conv=_conv_of(parts))]
 
     def fused_rows(self, group: FusionOp, ops, env, yields) -> bool:
         """Elementwise ops and reductions over the last axis (keepdims) that keep the rows
@@ -390,3 +390,17 @@ class Groups(EmitterParts):
                     f"{self.ints(rows)}, {self.ints(n)}, {c_float(op.attr('epsilon'), 'f32')});")
         self._step(_describe(op), [call], reads, [out])
         return out
+
+
+def _conv_of(parts: list[Step]) -> tuple | None:
+    """A merged step's convolution, for chaining (onednn.chain_convolutions): where one part
+    is a convolution and no other part touches its result (the source then counts as read
+    by nothing else only where no other part touches it either)."""
+    convs = [p for p in parts if p.conv is not None]
+    if len(convs) != 1:
+        return None
+    k, x, out, alone, depthwise = convs[0].conv  # type: ignore[misc]
+    touched = set().union(*(p.reads | p.writes for p in parts if p is not convs[0]))
+    if out.buf in touched:
+        return None
+    return k, x, out, alone and x.buf not in touched, depthwise

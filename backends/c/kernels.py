@@ -11,9 +11,11 @@ from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.shapes import numel
 from tilegraph.ir.ops import Op
 
-# Channels a reduction over NHWC positions accumulates at a time (_reduce_rows_of_channels):
-# 256 doubles, 2 KiB, stay in L1 beside the row being added.
-CHANNEL_BLOCK = 256
+# Channels a reduction over NHWC positions accumulates at a time (_reduce_rows_of_channels),
+# each block a task of the threads: 64 doubles stay in L1 beside the row being added, and a
+# batch-1 squeeze-excite pool of 96-1152 channels splits into 2-18 tasks (256 made one task
+# of a 96- to 256-channel pool, on one thread however many there were).
+CHANNEL_BLOCK = 64
 
 
 class Kernels(EmitterParts):

@@ -339,8 +339,8 @@ class OneDNN(EmitterParts):
             f"    const int64_t str[] = {arr(strides)}, dil[] = {arr(dil)}, pad[] = {arr(pads)};",
             f"    const tg_post posts[] = {{{', '.join(posts) or '{0}'}}};",
             f"    if (tg_conv_create(&st->prim[{k}], {nd}, xd, xs, {len(wd)}, wd, ws, yd, ys, {int(bias is not None)}, "
-            f"str, dil, pad, {self.ptr(w) if constant_weight else 'NULL'}, &tg_packs[{k}], {len(posts)}, posts)) "
-            "return 1;",
+            f"str, dil, pad, {self.ptr(w) if constant_weight else 'NULL'}, &tg_packs[{k}], {len(posts)}, posts, "
+            f"{_FROM}, {_CHAIN_OUT})) return 1;",
             "}",
         ]
         post_ptrs = ", ".join(self.ptr(v) for v in post_views) or "NULL"
@@ -348,7 +348,51 @@ class OneDNN(EmitterParts):
                  f"    if (tg_prim_run(&st->prim[{k}], {self.ptr(x)}, {self.ptr(w)}, "
                  f"{self.ptr(bias) if bias is not None else 'NULL'}, {self.ptr(out, False)}, post)) return 1;", "}"]
         self._step(_describe(op), lines, [x, w, *([bias] if bias is not None else []), *post_views], [out], state)
+        others = [w, *([bias] if bias is not None else []), *post_views]
+        depthwise = groups > 1 and _eq(wd[1], 1) and _eq(wd[2], 1)
+        self.steps[-1].conv = (k, x, out, all(v.buf != x.buf for v in others), depthwise)
         return out, covered
+
+
+# Placeholders of a convolution's state line that chain_convolutions fills in.
+_FROM, _CHAIN_OUT = "/*from*/NULL", "/*chain_out*/0"
+
+
+def chain_convolutions(steps: list, buffers: list, outputs: list[View]) -> int:
+    """Marks the buffers between convolutions that nothing else reads: the producer leaves its
+    result there as its kernel writes it (bf16 at precision bf16; oneDNN's preferred layout at
+    f32), and each reader takes it so (runtime.c, tg_conv_create), with no conversion to the
+    emitter's f32 channels-last layout and back between them. A buffer qualifies when one
+    convolution step alone writes it, it is no output, and every step that reads it is a
+    convolution on its own reading all of it (the producer's view) as its source and as
+    nothing else. Returns how many buffers it chained."""
+    readers: dict[int, list] = {}
+    writers: dict[int, int] = {}
+    for step in steps:
+        for b in step.reads:
+            readers.setdefault(b, []).append(step)
+        for b in step.writes:
+            writers[b] = writers.get(b, 0) + 1
+    kept = {v.buf for v in outputs}
+    chained = 0
+    for step in steps:
+        if step.conv is None:
+            continue
+        k, out = step.conv[0], step.conv[2]
+        b = out.buf
+        reads = readers.get(b, [])
+        if buffers[b].kind != "temp" or b in kept or writers.get(b) != 1 or not reads:
+            continue
+        if not all(r.conv is not None and r.conv[3] and r.conv[1].buf == b and
+                   (r.conv[1].offset, r.conv[1].shape, r.conv[1].strides) == (out.offset, out.shape, out.strides)
+                   for r in reads):
+            continue
+        # 2: a reader computes in f32 (a depthwise convolution at bf16, runtime.c): an f32 result
+        step.state = [line.replace(_CHAIN_OUT, "2" if any(r.conv[4] for r in reads) else "1") for line in step.state]
+        for r in reads:
+            r.state = [line.replace(_FROM, f"&st->prim[{k}]") for line in r.state]
+        chained += 1
+    return chained
 
 
 def _swish_mul(chain: list[TgOp], current: SSAValue) -> TgOp | None:

@@ -46,25 +46,37 @@ static const char *tg_impl(const_dnnl_primitive_desc_t pd) {
 
 static int tg_is_ref(const_dnnl_primitive_desc_t pd) { return strncmp(tg_impl(pd), "ref", 3) == 0; }
 
+/* Reorders run so far (tg_relayout's, the bf16 source conversions, a chained source taken
+ * back to f32): a test reads it to see that chained convolutions pass their activations on
+ * as they lie. */
+static int tg_reorders;
+int tg_reorder_count(void) { return tg_reorders; }
+
 static void tg_log_primitive(const_dnnl_primitive_desc_t pd, const_dnnl_memory_desc_t src) {
     char line[256];
     int nd = 0, k;
     const dnnl_dims_t *dims = NULL;
     dnnl_primitive_kind_t kind = dnnl_undefined_primitive;
-    dnnl_data_type_t wdt = dnnl_data_type_undef;
+    dnnl_data_type_t wdt = dnnl_data_type_undef, ddt = dnnl_data_type_undef;
     dnnl_primitive_desc_query(pd, dnnl_query_primitive_kind, 0, &kind);
     dnnl_memory_desc_query(dnnl_primitive_desc_query_md(pd, dnnl_query_weights_md, 0), dnnl_query_data_type, &wdt);
+    dnnl_memory_desc_query(dnnl_primitive_desc_query_md(pd, dnnl_query_dst_md, 0), dnnl_query_data_type, &ddt);
     dnnl_memory_desc_query(src, dnnl_query_ndims_s32, &nd);
     dnnl_memory_desc_query(src, dnnl_query_dims, &dims);
     k = snprintf(line, sizeof line, "%s%s of a ", kind == dnnl_convolution ? "convolution" : kind == dnnl_matmul ?
                  "matmul" : "primitive", wdt == dnnl_bf16 ? " (bf16 x bf16)" : "");
     for (int i = 0; i < nd && dims && k < 160; i++) k += snprintf(line + k, sizeof line - k, i ? "x%lld" : "%lld",
                                                                  (long long)(*dims)[i]);
-    snprintf(line + k, sizeof line - k, " source: %s\n", tg_impl(pd));
+    snprintf(line + k, sizeof line - k, "%s source: %s\n", ddt == dnnl_bf16 ? " (a bf16 result)" : "", tg_impl(pd));
     size_t used = strlen(tg_prim_lines), n = strlen(line);
     if (used + n >= sizeof tg_prim_lines) used = tg_prim_lines[0] = 0; /* full: the reader took the old lines */
     memcpy(tg_prim_lines + used, line, n + 1);
     tg_prims++;
+}
+
+static void tg_log_prim(const tg_prim *g, const_dnnl_memory_desc_t src) {
+    const_dnnl_primitive_desc_t pd = NULL;
+    if (dnnl_primitive_get_primitive_desc(g->prim, &pd) == dnnl_success) tg_log_primitive(pd, src);
 }
 
 void tg_set_threads(int n) { if (n > 0) omp_set_num_threads(n); }
@@ -333,7 +345,7 @@ static dnnl_primitive_desc_t tg_bf16_weights(tg_prim *g, tg_pd_fn make, const vo
     dnnl_primitive_desc_t pd = NULL;
     dnnl_data_type_t st;
     if (ctx_size > sizeof bf_ctx || dnnl_memory_desc_query(io->src, dnnl_query_data_type, &st) != dnnl_success ||
-        st != dnnl_f32)
+        (st != dnnl_f32 && st != dnnl_bf16)) /* (bf16: a chained source, tg_conv_create) */
         return NULL;
     memcpy(bf_ctx, ctx, ctx_size);
     tg_io *bf_io = (tg_io *)bf_ctx;
@@ -358,8 +370,9 @@ static dnnl_primitive_desc_t tg_bf16_weights(tg_prim *g, tg_pd_fn make, const vo
         dnnl_primitive_desc_destroy(pd);
         pd = NULL;
     }
-    if (pd && tg_reorder_step(&g->re_src, &g->user_src, &g->tmp_src, io->src,
-                              dnnl_primitive_desc_query_md(pd, dnnl_query_src_md, 0), 1)) {
+    const_dnnl_memory_desc_t want = pd ? dnnl_primitive_desc_query_md(pd, dnnl_query_src_md, 0) : NULL;
+    if (pd && !dnnl_memory_desc_equal(want, io->src) &&
+        tg_reorder_step(&g->re_src, &g->user_src, &g->tmp_src, io->src, want, 1)) {
         dnnl_primitive_desc_destroy(pd);
         pd = NULL;
     }
@@ -401,7 +414,6 @@ static int tg_prim_create(tg_prim *g, tg_pd_fn make, const void *ctx, size_t ctx
     if (!pd) TG_DNNL(make(&pd, ctx, plain_wei, attr), "primitive_desc_create");
     if (tg_is_ref(pd) && tg_relayout(g, &pd, make, ctx, ctx_size, plain_wei, weight, pack, attr, nd_w, wdims, wdt))
         return 1;
-    tg_log_primitive(pd, ((const tg_io *)ctx)->src);
     int rc = tg_prim_memories(g, pd, npost);
     dnnl_primitive_desc_destroy(pd);
     dnnl_primitive_attr_destroy(attr);
@@ -416,15 +428,16 @@ void tg_prim_destroy(tg_prim *g) {
         if (mems[i]) dnnl_memory_destroy(mems[i]);
     for (int i = 0; i < g->npost && i < TG_MAX_POST; i++)
         if (g->post[i]) dnnl_memory_destroy(g->post[i]);
-    dnnl_memory_t users[] = {g->user_src, g->user_wei, g->user_dst};
-    for (int i = 0; i < 3; i++)
+    dnnl_memory_t users[] = {g->user_src, g->user_wei, g->user_dst, g->in_from, g->in_to};
+    for (int i = 0; i < 5; i++)
         if (users[i]) dnnl_memory_destroy(users[i]);
-    dnnl_primitive_t prims[] = {g->prim, g->re_src, g->re_wei, g->re_dst};
-    for (int i = 0; i < 4; i++)
+    dnnl_primitive_t prims[] = {g->prim, g->re_src, g->re_wei, g->re_dst, g->re_in};
+    for (int i = 0; i < 5; i++)
         if (prims[i]) dnnl_primitive_destroy(prims[i]);
     free(g->tmp_src);
     free(g->tmp_wei);
     free(g->tmp_dst);
+    free(g->tmp_in);
     memset(g, 0, sizeof *g);
 }
 
@@ -433,6 +446,7 @@ void tg_prim_destroy(tg_prim *g) {
 static int tg_reorder_run(dnnl_primitive_t re, dnnl_memory_t user_mem, void *user, dnnl_memory_t mine, int into) {
     dnnl_memory_set_data_handle(user_mem, user);
     dnnl_exec_arg_t args[2] = {{DNNL_ARG_FROM, into ? user_mem : mine}, {DNNL_ARG_TO, into ? mine : user_mem}};
+    tg_reorders++;
     TG_DNNL(dnnl_primitive_execute(re, tg_stream, 2, args), "reorder");
     TG_DNNL(dnnl_stream_wait(tg_stream), "stream_wait");
     return 0;
@@ -443,6 +457,11 @@ int tg_prim_run(tg_prim *g, const void *src, const void *wei, const void *bias, 
                 void *const *post) {
     dnnl_exec_arg_t args[5 + TG_MAX_POST];
     int n = 0;
+    if (g->re_in) { /* a chained source this primitive does not take as it lies: to f32 first */
+        dnnl_memory_set_data_handle(g->in_to, g->tmp_in);
+        if (tg_reorder_run(g->re_in, g->in_from, (void *)src, g->in_to, 1)) return 1;
+        src = g->tmp_in;
+    }
     dnnl_memory_set_data_handle(g->src, g->re_src ? g->tmp_src : (void *)src);
     dnnl_memory_set_data_handle(g->wei, g->re_wei ? g->tmp_wei : (void *)(g->wei_handle ? g->wei_handle : wei));
     dnnl_memory_set_data_handle(g->dst, g->re_dst ? g->tmp_dst : dst);
@@ -495,6 +514,7 @@ int tg_matmul_create(tg_prim *g, int nd, const int64_t *a_dims, const int64_t *a
     g->has_bias = 0;
     int rc = tg_prim_create(g, tg_matmul_pd, &ctx, sizeof ctx, wei, weight, pack, npost, posts, nd, b_dims,
                             scaled ? 1 << (nd - 1) : 0);
+    if (!rc) tg_log_prim(g, ctx.src);
     if (!rc && scaled) { /* the scales: f32, one per column */
         int64_t one = 1;
         dnnl_memory_desc_t md = tg_md(1, &b_dims[nd - 1], &one, dnnl_f32);
@@ -523,17 +543,56 @@ static dnnl_status_t tg_conv_pd(dnnl_primitive_desc_t *pd, const void *ctx, cons
                                                           c->strides, c->dilates, c->pad_l, c->pad_r, attr);
 }
 
+/* The layout `g` leaves its result in, in the caller's buffer. */
+static const_dnnl_memory_desc_t tg_out_md(const tg_prim *g) {
+    const_dnnl_memory_desc_t md = NULL;
+    if (!g->prim || dnnl_memory_get_memory_desc(g->re_dst ? g->user_dst : g->dst, &md) != dnnl_success) return NULL;
+    return md;
+}
+
+/* Whether a chained attempt (tg_conv_create) gave what chaining is for: a kernel other
+ * than ref, a result that fits the caller's buffer of `capacity` bytes and, at bf16, one
+ * written in bf16 by a bf16 x bf16 kernel. */
+static int tg_chain_ok(const tg_prim *g, int chain_out, size_t capacity) {
+    const_dnnl_primitive_desc_t pd = NULL;
+    if (dnnl_primitive_get_primitive_desc(g->prim, &pd) != dnnl_success || tg_is_ref(pd)) return 0;
+    if (!chain_out) return 1;
+    const_dnnl_memory_desc_t out = tg_out_md(g), wmd = NULL;
+    dnnl_data_type_t dt = dnnl_data_type_undef, wt = dnnl_data_type_undef;
+    if (!out || dnnl_memory_desc_get_size(out) > capacity ||
+        dnnl_memory_get_memory_desc(g->wei, &wmd) != dnnl_success)
+        return 0;
+    dnnl_memory_desc_query(out, dnnl_query_data_type, &dt);
+    dnnl_memory_desc_query(wmd, dnnl_query_data_type, &wt);
+    return tg_fpmath == dnnl_fpmath_mode_bf16 && chain_out != 2 ? dt == dnnl_bf16 && wt == dnnl_bf16 : dt == dnnl_f32;
+}
+
 /* w_dims/w_str: OI<spatial> (groups == 1) or GOI<spatial>; dilations in torch's
- * convention (1 = dense), oneDNN's is one less. */
+ * convention (1 = dense), oneDNN's is one less.
+ *
+ * Chaining: `from` is the convolution that wrote this one's source, when the emitter found
+ * that only convolutions read that buffer (onednn.py, chain_convolutions), and `chain_out`
+ * says the same of this one's result (2: some reader computes in f32, a depthwise one). Such a buffer holds what its producer's kernel
+ * writes as it lies: at bf16 its bf16 result (no conversion to f32 and back between the
+ * two), at f32 the layout oneDNN prefers (format `any`; channels-last on the processors
+ * oneDNN 3.2 has brgemm kernels for). Where the chained form gets no fast kernel, or the
+ * result would not fit the buffer, the convolution is made as unchained, and a chained
+ * source it cannot read is reordered into the f32 layout first. */
 int tg_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_str, int w_nd,
                    const int64_t *w_dims, const int64_t *w_str, const int64_t *y_dims, const int64_t *y_str,
                    int has_bias, const int64_t *strides, const int64_t *dilations, const int64_t *pads,
-                   const void *weight, tg_packed *pack, int npost, const tg_post *posts) {
+                   const void *weight, tg_packed *pack, int npost, const tg_post *posts, const tg_prim *from,
+                   int chain_out) {
     tg_conv_ctx ctx;
-    int sp = nd - 2;
+    int sp = nd - 2, rc = 1;
     if (tg_runtime_init()) return 1;
-    ctx.src = tg_md(nd, x_dims, x_str, dnnl_f32);
-    ctx.dst = tg_md(nd, y_dims, y_str, dnnl_f32);
+    /* At precision bf16 a depthwise convolution stays f32: oneDNN 3.2 has no AMX kernel for
+     * it, and its AVX-512 BF16 one (brdgmm_dw:avx512_core_bf16) took about twice the f32
+     * kernel's time on every depthwise shape of MobileNetV2 and EfficientNet-B0. */
+    dnnl_fpmath_mode_t precision = tg_fpmath;
+    if (w_nd == nd + 1 && w_dims[1] == 1 && w_dims[2] == 1) tg_fpmath = dnnl_fpmath_mode_strict;
+    dnnl_memory_desc_t plain_x = tg_md(nd, x_dims, x_str, dnnl_f32), plain_y = tg_md(nd, y_dims, y_str, dnnl_f32);
+    dnnl_memory_desc_t wei = tg_md(w_nd, w_dims, w_str, dnnl_f32), chain_y = NULL;
     ctx.bias = NULL;
     if (has_bias) {
         int64_t o = y_dims[1], one = 1;
@@ -545,12 +604,55 @@ int tg_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_s
         ctx.pad_l[i] = pads[i];
         ctx.pad_r[i] = pads[i + sp];
     }
-    dnnl_memory_desc_t wei = tg_md(w_nd, w_dims, w_str, dnnl_f32);
-    if (!ctx.src || !ctx.dst || !wei) TG_FAIL("oneDNN rejected a convolution operand's layout");
+    if (!plain_x || !plain_y || !wei || (has_bias && !ctx.bias)) {
+        tg_fpmath = precision;
+        TG_FAIL("oneDNN rejected a convolution operand's layout");
+    }
     g->has_bias = has_bias;
-    int rc = tg_prim_create(g, tg_conv_pd, &ctx, sizeof ctx, wei, weight, pack, npost, posts, w_nd, w_dims, 0);
-    dnnl_memory_desc_destroy(ctx.src);
-    dnnl_memory_desc_destroy(ctx.dst);
+    const_dnnl_memory_desc_t chained = from ? tg_out_md(from) : NULL;
+    if (chained) { /* (the producer's result has this source's dims, or it is not taken as chained) */
+        int cn = 0;
+        const dnnl_dims_t *cd = NULL;
+        dnnl_memory_desc_query(chained, dnnl_query_ndims_s32, &cn);
+        dnnl_memory_desc_query(chained, dnnl_query_dims, &cd);
+        for (int i = 0; i < nd && cn == nd && cd; i++) cn = (*cd)[i] == x_dims[i] ? cn : -1;
+        if (cn != nd) chained = NULL;
+    }
+    if (chain_out) {
+        size_t numel = 1;
+        for (int i = 0; i < nd; i++) numel *= (size_t)y_dims[i];
+        chain_y = tg_fpmath == dnnl_fpmath_mode_bf16 && chain_out != 2 ? tg_md(nd, y_dims, y_str, dnnl_bf16)
+                                                                       : tg_md_any(nd, y_dims, dnnl_f32);
+        ctx.src = (dnnl_memory_desc_t)(chained ? chained : plain_x);
+        ctx.dst = chain_y;
+        if (chain_y) rc = tg_prim_create(g, tg_conv_pd, &ctx, sizeof ctx, wei, weight, pack, npost, posts, w_nd,
+                                         w_dims, 0);
+        if (!rc && !tg_chain_ok(g, chain_out, numel * sizeof(float))) rc = 1;
+    } else if (chained && !dnnl_memory_desc_equal(chained, plain_x)) {
+        ctx.src = (dnnl_memory_desc_t)chained;
+        ctx.dst = plain_y;
+        rc = tg_prim_create(g, tg_conv_pd, &ctx, sizeof ctx, wei, weight, pack, npost, posts, w_nd, w_dims, 0);
+        if (!rc && !tg_chain_ok(g, 0, 0)) rc = 1;
+    }
+    if (rc) { /* unchained (or the chained form failed): the caller's f32 layouts */
+        tg_prim_destroy(g);
+        g->has_bias = has_bias;
+        ctx.src = plain_x;
+        ctx.dst = plain_y;
+        rc = tg_prim_create(g, tg_conv_pd, &ctx, sizeof ctx, wei, weight, pack, npost, posts, w_nd, w_dims, 0);
+        if (!rc && chained && !dnnl_memory_desc_equal(chained, plain_x)) {
+            rc = tg_reorder_step(&g->re_in, &g->in_from, &g->tmp_in, chained, plain_x, 1);
+            if (!rc && dnnl_memory_create(&g->in_to, plain_x, tg_engine, DNNL_MEMORY_NONE) != dnnl_success) {
+                snprintf(tg_err, sizeof tg_err, "oneDNN memory_create failed");
+                rc = 1;
+            }
+        }
+    }
+    if (!rc) tg_log_prim(g, ctx.src);
+    tg_fpmath = precision;
+    dnnl_memory_desc_destroy(plain_x);
+    dnnl_memory_desc_destroy(plain_y);
+    if (chain_y) dnnl_memory_desc_destroy(chain_y);
     if (ctx.bias) dnnl_memory_desc_destroy(ctx.bias);
     dnnl_memory_desc_destroy(wei);
     return rc;

@@ -65,6 +65,11 @@ typedef struct {
     dnnl_primitive_t re_src, re_wei, re_dst;
     dnnl_memory_t user_src, user_wei, user_dst;
     void *tmp_src, *tmp_wei, *tmp_dst;
+    /* A chained source (tg_conv_create's `from`) this primitive could not take as it lies:
+     * reordered first into the emitter's f32 layout (scratch tmp_in). */
+    dnnl_primitive_t re_in;
+    dnnl_memory_t in_from, in_to;
+    void *tmp_in;
 } tg_prim;
 
 /* The runtime's entry points (runtime.c says what each does). */
@@ -77,8 +82,10 @@ int tg_matmul_create(tg_prim *g, int nd, const int64_t *a_dims, const int64_t *a
 int tg_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_str, int w_nd,
                    const int64_t *w_dims, const int64_t *w_str, const int64_t *y_dims, const int64_t *y_str,
                    int has_bias, const int64_t *strides, const int64_t *dilations, const int64_t *pads,
-                   const void *weight, tg_packed *pack, int npost, const tg_post *posts);
+                   const void *weight, tg_packed *pack, int npost, const tg_post *posts, const tg_prim *from,
+                   int chain_out);
 int tg_bf16_supported(void);
+int tg_reorder_count(void);
 int tg_amx_supported(void);
 void tg_set_bf16(int on);
 int tg_primitive_count(void);

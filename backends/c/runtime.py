@@ -262,6 +262,7 @@ class CompiledModel:
         library.tg_primitive_count.restype = ctypes.c_int
         library.tg_primitive_report.restype = ctypes.c_char_p
         library.tg_bf16_supported.restype = ctypes.c_int
+        library.tg_reorder_count.restype = ctypes.c_int
         # The GEMMs' and convolutions' products: "f32", or "bf16" (f32 accumulation) where the
         # processor has bf16 units; asked for elsewhere, f32 with a warning.
         self.precision = precision
@@ -273,6 +274,8 @@ class CompiledModel:
         # each with the implementation oneDNN chose; those on its reference kernel apart.
         self.primitives: list[str] = []
         self.reference_kernels: list[str] = []
+        # The steps' chained convolution buffers (emit.py's chain_convolutions).
+        self.chained_buffers = program.chained
         # The forward's work: its FLOPs and the elements it writes (a pass over memory is work too).
         self.work = sum((op.SPEC.flop_count([info_of(v.type) for v in op.operands], op.result_infos())
                          + sum(numel(r.shape) for r in op.result_infos())
@@ -303,6 +306,11 @@ class CompiledModel:
                                  "which the call then writes")
         with self._lock:
             return self._run(arrays, sizes, known)
+
+    def reorder_count(self) -> int:
+        """oneDNN reorders run so far in this process (layout or precision conversions around
+        the primitives): a test reads it to see what chaining saves."""
+        return int(self._lib.tg_reorder_count())
 
     def set_threads(self, n: int) -> None:
         """OpenMP's thread count for this process's C modules (one pool serves them all)."""

@@ -72,6 +72,10 @@ class Step:
     # The top-level op (a tg.fusion group, or an op outside one) the step computes part or all
     # of: what a per-step profile charges its time to (benchmarks/cost_model_accuracy.py).
     kernel: Any = None
+    # A convolution step on its own: (its primitive's index, its source, its result, whether
+    # the source's buffer is read as nothing else, whether it is depthwise): what
+    # onednn.chain_convolutions reads.
+    conv: tuple[int, Any, Any, bool, bool] | None = None
 
 
 def contiguous_strides(shape: Sequence[Dim]) -> tuple:

@@ -78,7 +78,7 @@ class _Importer:
     def run(self) -> Model:
         graph = self.proto.graph
         for t in graph.initializer:
-            self.bind(t.name, tensor_array(t, f"initializer '{t.name}'"))
+            self.bind(t.name, self.initializer(t))
         graph_inputs = {i.name for i in graph.input}
         unknown = sorted(set(self.constant_inputs) - graph_inputs)
         if unknown:
@@ -91,9 +91,8 @@ class _Importer:
             if inp.name in self.constant_inputs:
                 self.bind(inp.name, np.asarray(self.constant_inputs[inp.name]).astype(dtypes.numpy_dtype(dtype)))
             else:
-                self.env[inp.name] = self.g.input(inp.name, shape, dtype)
-                self.runtime_inputs.add(inp.name)
-        for node in graph.node:
+                self.bind_input(inp.name, shape, dtype)
+        for node in self.graph_nodes():
             self.convert(node)
         outputs = []
         for out in graph.output:
@@ -117,7 +116,22 @@ class _Importer:
             outputs.append(t)
         if not outputs:
             raise FrontendError("the graph has no outputs: nothing to compute")
-        return self.g.build(*outputs, names=[o.name for o in graph.output])
+        return self.close(outputs, [o.name for o in graph.output])
+
+    # Hooks a decoder import (kv_cache.py) overrides: which inputs become what, which nodes are
+    # converted, and what the model returns.
+    def initializer(self, t) -> np.ndarray:
+        return tensor_array(t, f"initializer '{t.name}'")
+
+    def bind_input(self, name: str, shape: tuple[Dim, ...], dtype: str) -> None:
+        self.env[name] = self.g.input(name, shape, dtype)
+        self.runtime_inputs.add(name)
+
+    def graph_nodes(self) -> Sequence:
+        return self.proto.graph.node
+
+    def close(self, outputs: list[Tensor], names: list[str]) -> Model:
+        return self.g.build(*outputs, names=names)
 
     def input_type(self, inp) -> tuple[str, tuple[Dim, ...]]:
         if inp.type.WhichOneof("value") != "tensor_type":

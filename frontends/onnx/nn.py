@@ -180,14 +180,26 @@ def _layer_norm(n):
     return y, mean, inv
 
 
-@_conv("RMSNormalization")
-def _rms_norm(n):
-    x, scale = n.x(0), n.x(1)
+@_conv("RMSNormalization", "SimplifiedLayerNormalization")  # the second: onnxruntime's name for it
+def _rms_norm(n, x=None):
+    x, scale = n.x(0) if x is None else x, n.x(1) if x is None else n.x(2)
     r = n.rank(x)
     axis = _axis(n.attr("axis", -1), r)
     xs, dtype = _stashed(n, x)
     y = D.rms_norm(n.emit, xs, range(axis, r), n.attr("epsilon", 1e-5))
     return n.op("mul", n.cast(y, dtype), scale)
+
+
+@_conv("com.microsoft.SkipSimplifiedLayerNormalization")
+def _skip_rms_norm(n):
+    """onnxruntime's fused residual + RMSNorm: outputs the norm of input + skip (+ bias), and (as
+    output 3) that sum itself; outputs 1 and 2 (statistics) are not computed."""
+    total = n.op("add", n.x(0), n.x(1))
+    if n.opt(3) is not None:
+        total = n.op("add", total, n.x(3))
+    if n.wants_output(1) or n.wants_output(2):
+        raise FrontendError("its mean and inverse standard deviation outputs are not supported")
+    return _rms_norm(n, total), None, None, total
 
 
 @_conv("GroupNormalization")

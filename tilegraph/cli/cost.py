@@ -80,7 +80,8 @@ def _print_formulas(cost, dims: dict[str, int]) -> None:
 
 def _decode_cost(args, hw) -> int:
     """One decode step of a .gguf model at cache depth --depth: the bytes it must read (every
-    weight once, in its block format; the cache's K and V up to the depth), the bound that
+    weight once, in its block format; the cache's K and V up to the depth, at --cache-dtype's
+    size), the bound that
     memory bandwidth puts on tokens/s, and the cost model's prediction of the step."""
     import numpy as np
 
@@ -103,14 +104,17 @@ def _decode_cost(args, hw) -> int:
     weight_bytes += int(embed.nbytes) if "output.weight" not in formats else batch * int(embed.shape[1])
     weight_bytes += sum(int(np.asarray(v).nbytes) for n, v in weights.items()
                         if n not in formats and not n.startswith("rope."))
-    cache_bytes = 2 * c.layers * batch * c.kv_heads * (args.depth + 1) * c.head_dim * 4
+    elem = {"f32": 4, "f16": 2}[args.cache_dtype]
+    cache_bytes = 2 * c.layers * batch * c.kv_heads * (args.depth + 1) * c.head_dim * elem
     per_step = weight_bytes + cache_bytes
     bound = hw.memory_bandwidth / per_step * batch
-    model = run_pipeline(build(c, weights, formats, batch, 1, args.depth + 1), DEFAULT_PIPELINE)
+    model = run_pipeline(build(c, weights, formats, batch, 1, args.depth + 1, cache_dtype=args.cache_dtype),
+                         DEFAULT_PIPELINE)
     predicted = float(at(module_cost(model.module, hw).time, {}))
     print(f"{Path(args.model).name}: {c.arch}, {c.layers} layers, decode of {batch} sequence(s) at cache depth "
           f"{args.depth}, on {hw.name}" + (f" ({hw.source})" if hw.kind == "cpu" else ""))
-    print(f"bytes read per step: {format_count(weight_bytes)} of weights + {format_count(cache_bytes)} of KV cache "
+    print(f"bytes read per step: {format_count(weight_bytes)} of weights + {format_count(cache_bytes)} of "
+          f"{args.cache_dtype} KV cache "
           f"= {format_count(per_step)}")
     print(f"memory bandwidth {hw.memory_bandwidth / 1e9:.1f} GB/s: at most {bound:.1f} tokens/s")
     print(f"cost model: {predicted * 1e3:.2f} ms per step, {batch / predicted:.1f} tokens/s "

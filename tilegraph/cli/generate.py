@@ -1,4 +1,5 @@
-"""`tilegraph generate` and `tilegraph chat`: stream text from a .gguf language model and print
+"""`tilegraph generate` and `tilegraph chat`: stream text from a .gguf language model (or an ONNX
+decoder-with-past file with its tokenizer.json beside it) and print
 prompt and generation tokens/s (on stderr, so the text on stdout stays clean)."""
 
 from __future__ import annotations

@@ -96,12 +96,13 @@ def _parser() -> argparse.ArgumentParser:
                      help="where to write the profile (default: the cache file the cost model reads for "
                           "hardware target cpu, or c with --target c)")
 
-    # --- generate, chat: a language model from a .gguf file (tilegraph/generation.py) ---
-    for name, help_text in (("generate", "generate text from a prompt with a .gguf language model"),
-                            ("chat", "chat with a .gguf language model through its chat template (stdin, "
-                                     "or one -p prompt)")):
+    # --- generate, chat: a language model from a .gguf file or an ONNX decoder-with-past file
+    # (optimum's, onnxruntime-genai's; its tokenizer.json beside it) (tilegraph/generation.py) ---
+    for name, help_text in (("generate", "generate text from a prompt with a .gguf or ONNX decoder language model"),
+                            ("chat", "chat with a .gguf or ONNX decoder language model through its chat template "
+                                     "(stdin, or one -p prompt)")):
         gen = sub.add_parser(name, help=help_text)
-        gen.add_argument("model", help="model.gguf")
+        gen.add_argument("model", help="model.gguf, or an ONNX decoder with past_key_values.N.* inputs")
         gen.add_argument("-p", "--prompt", action="append", default=None,
                          help="the prompt (repeat it to decode several prompts together)" if name == "generate"
                          else "one user message: answer it and exit (default: read messages from stdin)")
@@ -141,6 +142,8 @@ def _parser() -> argparse.ArgumentParser:
     cost.add_argument("--depth", type=_non_negative, default=0,
                       help="with --decode: positions already in the cache (default 0)")
     cost.add_argument("--batch", type=_positive, default=1, help="with --decode: sequences decoded together")
+    cost.add_argument("--cache-dtype", choices=["f32", "f16"], default="f32",
+                      help="with --decode: the K/V cache's type (f16: generate/chat --fast's, half the bytes)")
 
     # --- shard: the sharding planner's plan (passes/shard.py) ---
     shard = sub.add_parser("shard", help="plan how to split a model over a device mesh (predicted step time)",

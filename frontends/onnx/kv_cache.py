@@ -1,0 +1,452 @@
+"""Decoder-with-past ONNX files (optimum's and torch.onnx's export of a decoder step) as in-place
+generation over a preallocated KV cache.
+
+Such a file takes `past_key_values.N.key/.value` [B, Hkv, past, D], Concats each with the step's
+new rows along the sequence axis into graph output `present.N.key/.value`, and attends over the
+concatenation: MatMul(Q, Transpose(K)) x scale (+ the attention mask) -> Softmax -> MatMul(., V),
+K and V repeated per query head by Unsqueeze/Expand/Reshape (transformers' repeat_kv) for
+grouped-query attention. Imported as it is, its past length is a symbol and every step copies
+the whole cache into a new, longer one.
+
+`import_decoder` imports it as the model the GGUF frontend builds (frontends/gguf/llama.py), so
+tilegraph.generation.LanguageModel runs either: inputs `input_ids` [B, T], `pos` i64[B] (where
+each sequence's new rows go), `last` i64[B] (which of the B*T logits rows each sequence's next
+token comes from), and each layer's K and V cache [B, Hkv, S, D], donated (results 1.. alias
+them); result 0 the logits [B, vocab] of the `last` rows; with sampling, `seen` and `u` in and
+`next` out (tg.sample). Each past/present Concat becomes tg.cache_write at `pos` (in place), and
+each attention reading the concatenation tg.cache_attention over the cache: causal over the
+positions written so far, every sequence dense (no padding inside a sequence), which is what a
+generation loop feeds (onnxruntime-genai feeds the same). `position_ids` become pos + t. The
+attention mask, and whatever the file computes from the past length (the mask, repeat_kv's
+expand shapes), are left out: a node that still needs them after the rewrite makes the file
+one this import refuses, by name (KVCacheError), as does any part of the pattern that does not
+match; `from_onnx` still imports such a file as it is.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tilegraph.frontends import FrontendError
+from tilegraph.frontends.onnx.importer import _Importer
+from tilegraph.frontends.onnx.load import check_supported, load_model
+from tilegraph.frontends.onnx.values import tensor_array
+from tilegraph.ir.builder import Tensor
+from tilegraph.ir.model import Model
+from tilegraph.ir.shapes import Dim, TensorInfo
+
+PAST = re.compile(r"past_key_values\.(\d+)\.(key|value)")
+KINDS = ("key", "value")
+SEQUENCE_AXIS = 2  # of [B, Hkv, S, D]
+
+
+class KVCacheError(FrontendError):
+    """A decoder file whose past/present KV pattern the in-place import cannot take."""
+
+
+@dataclass(frozen=True)
+class Attention:
+    """One attention over layer `layer`'s cache: its result is the value `output` (the MatMul of
+    the probabilities with V), its query the value `q`, its scores scaled by `scale`."""
+
+    layer: int
+    output: str
+    q: str
+    scale: float
+
+
+@dataclass
+class DecoderPlan:
+    """What import_decoder rewrites in a file: per layer the past inputs, the Concat outputs
+    (the presents) and the new rows they append; the attentions; the nodes still needed."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: int  # the past inputs' ONNX element type
+    past: list[tuple[str, str]]  # per layer: the key and value graph inputs
+    writes: dict[str, tuple[int, int, str]]  # present value -> (layer, 0 key / 1 value, the new rows' value)
+    attentions: dict[str, Attention]  # by output value
+    presents: dict[tuple[int, int], str]  # (layer, 0 key / 1 value) -> the present graph output
+    fused: dict[str, tuple[int, object]] = field(default_factory=dict)  # GroupQueryAttention nodes: output 0 -> (layer, node)
+    live: list = field(default_factory=list)  # the nodes to convert, in the file's order
+    logits: str = "logits"
+
+
+def _consumers(graph) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for node in graph.node:
+        for i in node.input:
+            out.setdefault(i, []).append(node)
+    return out
+
+
+def _reads(node) -> set[str]:
+    """Every value `node` reads, the outer names its subgraphs read included."""
+    from onnx import AttributeProto
+
+    names = {i for i in node.input if i}
+    for a in node.attribute:
+        for g in ([a.g] if a.type == AttributeProto.GRAPH else list(a.graphs) if a.type == AttributeProto.GRAPHS
+                  else []):
+            for sub in g.node:
+                names |= _reads(sub)
+    return names
+
+
+def plan_decoder(proto) -> DecoderPlan:
+    """Find the past/present pattern of `proto`; KVCacheError naming what does not match."""
+    from onnx import helper, numpy_helper
+
+    graph = proto.graph
+    producer = {o: n for n in graph.node for o in n.output if o}
+    consumers = _consumers(graph)
+    inputs = {i.name: i for i in graph.input}
+    outputs = {o.name for o in graph.output}
+    initializers = {t.name: t for t in graph.initializer}
+
+    def attr(node, name, default=None):
+        for a in node.attribute:
+            if a.name == name:
+                return helper.get_attribute_value(a)
+        return default
+
+    def constant(name) -> np.ndarray | None:
+        if name in initializers:
+            return tensor_array(initializers[name], f"initializer '{name}'")
+        n = producer.get(name)
+        if n is not None and n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
+            return numpy_helper.to_array(n.attribute[0].t)
+        return None
+
+    past: dict[int, dict[int, str]] = {}
+    for name in inputs:
+        m = PAST.fullmatch(name)
+        if m:
+            past.setdefault(int(m.group(1)), {})[KINDS.index(m.group(2))] = name
+    if not past:
+        raise KVCacheError("no graph input is named past_key_values.N.key / .value: not a decoder-with-past file")
+    layers = len(past)
+    if sorted(past) != list(range(layers)) or any(len(kv) != 2 for kv in past.values()):
+        raise KVCacheError(f"the past inputs do not form layers 0..{layers - 1}, each a key and a value: "
+                           f"{sorted(n for kv in past.values() for n in kv.values())}")
+    for required in ("input_ids", "logits"):
+        if required not in inputs and required not in outputs:
+            raise KVCacheError(f"a decoder file has an input_ids input and a logits output; '{required}' is missing")
+
+    shapes, dtypes_ = set(), set()
+    writes: dict[str, tuple[int, int, str]] = {}
+    presents: dict[tuple[int, int], str] = {}
+    fused: dict[str, tuple[int, object]] = {}
+    for layer, kv in past.items():
+        for kind, name in kv.items():
+            tt = inputs[name].type.tensor_type
+            dims = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim]
+            users = consumers.get(name, [])
+            gqa = [n for n in users if (n.domain, n.op_type) == ("com.microsoft", "GroupQueryAttention")]
+            if gqa and len(dims) == 4 and dims[3] is None:  # onnxruntime-genai's kv_cache_dim: the rotary table's
+                dims[3] = _gqa_head_dim(gqa[0], constant)
+            if len(dims) != 4 or dims[1] is None or dims[3] is None:
+                raise KVCacheError(f"graph input '{name}' must be [batch, kv_heads, past, head_dim] with kv_heads "
+                                   f"and head_dim fixed; it is declared {dims}")
+            shapes.add((dims[1], dims[3]))
+            dtypes_.add(tt.elem_type)
+            if gqa:  # onnxruntime-genai's fused attention reads the past and makes the present itself
+                node = gqa[0]
+                if len(gqa) != 1 or len(node.input) <= 4 or node.input[3 + kind] != name \
+                        or len(node.output) < 3 or node.output[1 + kind] not in outputs:
+                    raise KVCacheError(f"GroupQueryAttention '{node.name}' takes '{name}' other than as its past "
+                                       f"{KINDS[kind]} with its present a graph output")
+                presents[(layer, kind)] = node.output[1 + kind]
+                fused[node.output[0]] = (layer, node)
+                continue
+            concats = [n for n in users if n.op_type == "Concat"]  # other readers (its Shape) must end up unused
+            concat = concats[0] if len(concats) == 1 else None
+            if concat is None or len(concat.input) != 2 or concat.input[0] != name \
+                    or attr(concat, "axis") not in (SEQUENCE_AXIS, SEQUENCE_AXIS - 4):
+                raise KVCacheError(f"graph input '{name}' is read by {[(n.op_type, n.name) for n in users]}; a "
+                                   "past is appended to by one Concat(past, new rows) along axis 2")
+            if concat.output[0] not in outputs:
+                raise KVCacheError(f"the Concat of '{name}' ('{concat.name}') is not a graph output (the present)")
+            writes[concat.output[0]] = (layer, kind, concat.input[1])
+            presents[(layer, kind)] = concat.output[0]
+    if len(shapes) != 1 or len(dtypes_) != 1:
+        raise KVCacheError(f"the past inputs differ in kv_heads/head_dim {sorted(shapes)} or element type")
+    (kv_heads, head_dim), = shapes
+    present = presents
+
+    def unrepeat(name: str) -> str:
+        """The value a repeat_kv (Unsqueeze at axis 2 -> Expand -> Reshape) was applied to, else `name`."""
+        r = producer.get(name)
+        e = producer.get(r.input[0]) if r is not None and r.op_type == "Reshape" else None
+        u = producer.get(e.input[0]) if e is not None and e.op_type == "Expand" else None
+        if u is None or u.op_type != "Unsqueeze":
+            return name
+        axes = attr(u, "axes")
+        if axes is None and len(u.input) > 1:
+            axes = constant(u.input[1])
+        return u.input[0] if axes is not None and list(np.atleast_1d(axes)) == [SEQUENCE_AXIS] else name
+
+    attentions: dict[str, Attention] = {}
+    for softmax in (n for n in graph.node if n.op_type == "Softmax"):
+        scores = softmax.input[0]
+        add = producer.get(scores)
+        if add is not None and add.op_type == "Add":  # the attention mask (left out: causal over the cache)
+            scores = next((i for i in add.input if producer.get(i) is not None
+                           and producer[i].op_type in ("Mul", "Div", "MatMul")), scores)
+        scale, scaled = 1.0, producer.get(scores)
+        if scaled is not None and scaled.op_type in ("Mul", "Div"):
+            factor = constant(scaled.input[1])
+            if factor is None or factor.size != 1:
+                continue
+            scale = float(factor.reshape(())) if scaled.op_type == "Mul" else 1.0 / float(factor.reshape(()))
+            scores = scaled.input[0]
+        qk = producer.get(scores)
+        kt = producer.get(qk.input[1]) if qk is not None and qk.op_type == "MatMul" else None
+        if kt is None or kt.op_type != "Transpose" or list(attr(kt, "perm", [])) != [0, 1, 3, 2]:
+            continue
+        key = writes.get(unrepeat(kt.input[0]))
+        if key is None or key[1] != 0:
+            continue
+        probs, users = softmax.output[0], consumers.get(softmax.output[0], [])
+        while len(users) == 1 and users[0].op_type in ("Cast", "Identity", "Dropout"):
+            probs = users[0].output[0]
+            users = consumers.get(probs, [])
+        pv = users[0] if len(users) == 1 and users[0].op_type == "MatMul" and users[0].input[0] == probs else None
+        if pv is None or writes.get(unrepeat(pv.input[1])) is None \
+                or unrepeat(pv.input[1]) != present[(key[0], 1)] or attr(softmax, "axis", -1) not in (-1, 3):
+            raise KVCacheError(f"Softmax '{softmax.name}' over the scores of layer {key[0]}'s keys is not followed "
+                               "by a MatMul with that layer's values")
+        attentions[pv.output[0]] = Attention(key[0], pv.output[0], qk.input[0], scale)
+    for _, node in fused.values():
+        _check_gqa(node, kv_heads)
+    missing = sorted(set(range(layers)) - {a.layer for a in attentions.values()} - {f[0] for f in fused.values()})
+    if missing:
+        raise KVCacheError(f"no attention (MatMul(Q, K^T) -> Softmax -> MatMul(., V)) reads the cache of "
+                           f"layer(s) {missing}")
+
+    # the nodes still needed once the Concats and attentions are replaced
+    needed = {o.name for o in graph.output}
+    live = []
+    for node in reversed(graph.node):
+        if not any(o in needed for o in node.output if o):
+            continue
+        live.append(node)
+        out = node.output[0]
+        if out in writes:
+            needed.add(writes[out][2])
+        elif out in attentions:
+            a = attentions[out]
+            needed |= {a.q, present[(a.layer, 0)], present[(a.layer, 1)]}
+        elif out in fused:  # query, key, value, and the rotary tables
+            needed |= {i for k, i in enumerate(node.input) if i and k in (0, 1, 2, 7, 8)}
+        else:
+            needed |= _reads(node)
+    live.reverse()
+    replaced = set(writes) | set(attentions) | set(fused)
+    for node in live:
+        if node.output[0] in replaced:
+            continue
+        bad = _reads(node) & ({n for kv in past.values() for n in kv.values()} | set(writes) | {"attention_mask"})
+        if bad:
+            raise KVCacheError(f"node '{node.name}' ({node.op_type}) reads {sorted(bad)} beyond the cache write "
+                               "and the attention (a past length or mask used elsewhere): not importable in place")
+    return DecoderPlan(layers, kv_heads, head_dim, dtypes_.pop(), [(past[i][0], past[i][1]) for i in range(layers)],
+                       writes, attentions, presents, fused, live)
+
+
+def _gqa_attrs(node) -> dict:
+    from onnx import helper
+
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _gqa_head_dim(node, constant) -> int | None:
+    """The head dim of a GroupQueryAttention whose past's last dim is a symbol: its rotary table's
+    width x 2 (the builder's rotary covers the whole head)."""
+    cos = constant(node.input[7]) if len(node.input) > 7 and node.input[7] else None
+    return int(cos.shape[1]) * 2 if cos is not None and cos.ndim == 2 and _gqa_attrs(node).get("do_rotary") else None
+
+
+def _check_gqa(node, kv_heads: int) -> None:
+    """What the rewrite of a GroupQueryAttention supports: causal attention over the cache, an
+    optional rotary embedding in rotate-half form; no window, softcap, sinks, bias or positions."""
+    a = _gqa_attrs(node)
+    extra = [i for k, i in enumerate(node.input) if k > 8 and i]
+    problems = [f"{name} = {a[name]}" for name, ok in (("local_window_size", lambda v: v in (-1, 0)),
+                                                        ("softcap", lambda v: v == 0),
+                                                        ("rotary_interleaved", lambda v: v == 0),
+                                                        ("smooth_softmax", lambda v: v in (0, -1)))
+                if name in a and not ok(a[name])]
+    if a.get("kv_num_heads") != kv_heads or not a.get("num_heads") or a["num_heads"] % kv_heads:
+        problems.append(f"num_heads {a.get('num_heads')} over kv_num_heads {a.get('kv_num_heads')} (the past has "
+                        f"{kv_heads})")
+    if extra:
+        problems.append(f"inputs past sin_cache {extra}")
+    if problems:
+        raise KVCacheError(f"GroupQueryAttention '{node.name}': {'; '.join(problems)} is not supported in place")
+
+
+class _DecoderImporter(_Importer):
+    def __init__(self, proto, plan: DecoderPlan, batch: int, steps: int | str, cache_len: int,
+                 cache_dtype: str, sampling: dict | None, arrays: dict[str, np.ndarray]):
+        super().__init__(proto, {})
+        self.plan, self.batch, self.steps, self.cache_len = plan, batch, steps, cache_len
+        self.cache_dtype, self.sampling, self.arrays = cache_dtype, sampling, arrays
+        g, B, T = self.g, batch, steps
+        # the GGUF model's inputs, in its order: tokens, pos, last, then each layer's K and V cache
+        self.tokens = g.input("input_ids", (B, T), "i64")
+        self.pos = g.input("pos", (B,), "i64")
+        self.last = g.input("last", (B,), "i64")
+        self.caches = {name: g.input(name, (B, plan.kv_heads, cache_len, plan.head_dim), cache_dtype)
+                       for kv in plan.past for name in kv}
+
+    def initializer(self, t) -> np.ndarray:
+        if t.name not in self.arrays:  # one array per initializer for every entry point of a model
+            self.arrays[t.name] = tensor_array(t, f"initializer '{t.name}'")
+        return self.arrays[t.name]
+
+    def bind_input(self, name: str, shape: tuple[Dim, ...], dtype: str) -> None:
+        g = self.g
+        if name == "input_ids":
+            self.env[name] = self.tokens
+        elif name in self.caches:
+            self.env[name] = self.caches[name]
+        elif name == "position_ids":
+            where = self.positions()
+            self.env[name] = where if dtype == "i64" else g.cast(where, dtype)
+        # anything else (the attention mask) is read by no node that is still needed: left out
+
+    def positions(self) -> Tensor:
+        """[B, T] i64: pos_b + t, where the generation loop places the new tokens."""
+        g, B, T = self.g, self.batch, self.steps
+        if not hasattr(self, "_positions"):
+            self._positions = g.op("add", g.reshape(self.pos, (B, 1)),
+                                   g.op("iota", result=TensorInfo((1, T), "i64"), axis=1))
+        return self._positions
+
+    def graph_nodes(self):
+        return self.plan.live
+
+    def group_query_attention(self, layer: int, node) -> None:
+        """onnxruntime's fused attention: packed (or separate) Q/K/V [B, T, heads x D], the rotary
+        embedding at positions pos + t (rotate-half), the new K/V rows written into the cache at pos,
+        causal attention over it; output [B, T, heads x D]."""
+        g, B, T, D = self.g, self.batch, self.steps, self.plan.head_dim
+        a = _gqa_attrs(node)
+        H, Hkv = a["num_heads"], a["kv_num_heads"]
+        x = self.tensor(self.env[node.input[0]], node.input[0])
+        if len(node.input) > 2 and node.input[1] and node.input[2]:
+            q, k, v = x, self.tensor(self.env[node.input[1]]), self.tensor(self.env[node.input[2]])
+        else:
+            q, k, v = g.split(x, [H * D, Hkv * D, Hkv * D], axis=2)
+
+        def heads(t, n):
+            return g.transpose(g.reshape(t, (B, T, n, D)), (0, 2, 1, 3))
+        q, k, v = heads(q, H), heads(k, Hkv), heads(v, Hkv)
+        if a.get("do_rotary"):
+            cos, sin = (g.reshape(g.gather(self.tensor(self.env[node.input[i]], node.input[i]), self.positions()),
+                                  (B, 1, T, D // 2)) for i in (7, 8))
+            q, k = g.op("rope", q, cos, sin), g.op("rope", k, cos, sin)
+        store = {} if self.cache_dtype == "f32" else {"store": self.cache_dtype}
+        kc, vc = (g.op("cache_write", self.caches[self.plan.past[layer][i]], t, self.pos, **store)
+                  for i, t in ((0, k), (1, v)))
+        o = g.op("cache_attention", q, kc, vc, self.pos, scale=float(a.get("scale") or 1.0 / np.sqrt(D)))
+        self.env[node.output[0]] = g.reshape(g.transpose(o, (0, 2, 1, 3)), (B, T, H * D))
+        self.env[node.output[1]], self.env[node.output[2]] = kc, vc
+
+    def convert(self, proto, depth: int = 0) -> None:
+        out = proto.output[0] if proto.output else ""
+        plan = self.plan
+        if depth == 0 and out in plan.writes:
+            layer, kind, new = plan.writes[out]
+            cache = self.caches[plan.past[layer][kind]]
+            store = {} if self.cache_dtype == "f32" else {"store": self.cache_dtype}
+            self.env[out] = self.g.op("cache_write", cache, self.tensor(self.env[new], new), self.pos, **store)
+        elif depth == 0 and out in plan.attentions:
+            a = plan.attentions[out]
+            k, v = self.env[plan.presents[(a.layer, 0)]], self.env[plan.presents[(a.layer, 1)]]
+            self.env[out] = self.g.op("cache_attention", self.tensor(self.env[a.q], a.q), k, v, self.pos,
+                                      scale=a.scale)
+        elif depth == 0 and out in plan.fused:
+            self.group_query_attention(*plan.fused[out])
+        else:
+            super().convert(proto, depth)
+
+    def close(self, outputs: list[Tensor], names: list[str]) -> Model:
+        g, plan = self.g, self.plan
+        by_name = dict(zip(names, outputs))
+        logits = by_name[plan.logits]
+        if logits.info.rank != 3:
+            raise KVCacheError(f"logits {logits.info}: a decoder's logits are [batch, sequence, vocab]")
+        vocab = logits.info.shape[-1]
+        logits = g.gather(g.reshape(logits, (-1, vocab)), self.last)  # each sequence's row `last`
+        caches = [by_name[plan.presents[(i, kind)]] for i in range(plan.layers) for kind in (0, 1)]
+        result_names = ["logits"] + [f"present.{i}.{k}" for i in range(plan.layers) for k in KINDS]
+        aliases = {plan.past[i][k]: f"present.{i}.{KINDS[k]}" for i in range(plan.layers) for k in (0, 1)}
+        if self.sampling is None:
+            return g.build(logits, *caches, names=result_names, aliases=aliases)
+        seen, u = g.input("seen", (self.batch, vocab), "ui8"), g.input("u", (self.batch,))
+        chosen = g.op("sample", logits, seen, u, **self.sampling)
+        return g.build(logits, *caches, chosen, names=result_names + ["next"], aliases=aliases)
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """What tilegraph.generation.LanguageModel reads of a model (LlamaConfig's names)."""
+
+    arch: str
+    layers: int
+    hidden: int  # the attention's width, heads x head_dim
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    context: int = 1 << 20  # the file does not say: the caller's cache_len bounds it
+
+
+class OnnxDecoder:
+    """A decoder-with-past ONNX file, loaded and planned once: `build` imports it for a batch size
+    and a step count (an int, or a symbol name for prefill) over caches of `cache_len` positions."""
+
+    def __init__(self, path):
+        self.path = path
+        self.proto = load_model(path)
+        self.plan = plan_decoder(self.proto)
+        from onnx import ModelProto
+
+        kept = ModelProto()  # the nodes still needed: those must all convert (GroupQueryAttention need not)
+        kept.CopyFrom(self.proto)
+        del kept.graph.node[:]
+        replaced = set(self.plan.writes) | set(self.plan.attentions) | set(self.plan.fused)
+        kept.graph.node.extend(n for n in self.plan.live if n.output[0] not in replaced)
+        check_supported(kept)
+        self.arrays: dict[str, np.ndarray] = {}
+
+    def config(self) -> DecoderConfig:
+        """The sizes generation needs, from one import of a one-token step."""
+        from tilegraph.ir.model import info_of
+        from tilegraph.ir.ops import Op
+
+        model = self.build(1, 1, 1)
+        vocab = model.outputs[0].shape[-1]
+        attention = next(op for op in model.ops() if getattr(op, "op_name", None) == Op.cache_attention)
+        heads = info_of(attention.operands[0].type).shape[1]
+        p = self.plan
+        if not isinstance(vocab, int) or not isinstance(heads, int):
+            raise KVCacheError(f"the logits' vocabulary ({vocab}) and the query heads ({heads}) must be fixed")
+        return DecoderConfig("onnx", p.layers, heads * p.head_dim, heads, p.kv_heads, p.head_dim, vocab)
+
+    def build(self, batch: int, steps: int | str, cache_len: int, cache_dtype: str = "f32",
+              sampling: dict | None = None) -> Model:
+        return _DecoderImporter(self.proto, self.plan, batch, steps, cache_len, cache_dtype, sampling,
+                                self.arrays).run()
+
+
+def import_decoder(path, batch: int = 1, steps: int | str = 1, cache_len: int = 256, cache_dtype: str = "f32",
+                   sampling: dict | None = None) -> Model:
+    """The in-place model of a decoder-with-past ONNX file (see the module's docstring)."""
+    return OnnxDecoder(path).build(batch, steps, cache_len, cache_dtype, sampling)

@@ -1,0 +1,85 @@
+"""Convolutions chained on oneDNN: a buffer that only convolutions read (as their source)
+stays as its producer's kernel writes it, and the next convolution takes it so.
+
+What holds: at bf16 the chained activations stay bf16 between the primitives, so a forward
+through three chained convolutions converts only the model's input to bf16 (one reorder
+per call; three without chaining) and reports bf16 results, except into a depthwise
+convolution, which computes in f32; at f32 no reorder runs; a
+buffer that anything else reads (an elementwise loop, an output) is not chained; every
+result agrees with the float64 interpreter within the precision's tolerance.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tilegraph
+from tilegraph.backends.c.runtime import CompiledModel
+from tilegraph.ir import Graph, interpret
+from tilegraph.testing import assert_close
+
+
+def _chain(middle: str = "dense", side_reader: bool = False):
+    """x -> conv+relu -> conv+relu (3x3, dense or depthwise) -> 1x1 conv; with `side_reader`
+    the first convolution's result is also added to the last one's (read by a loop)."""
+    rng = np.random.default_rng(0)
+    g = Graph()
+    x = g.input("x", (2, 16, 10, 10))
+    a = g.relu(g.op("conv", x, g.weight("w1", rng.standard_normal((32, 16, 3, 3)).astype(np.float32) / 12),
+                    pads=(1, 1, 1, 1)))
+    groups = 32 if middle == "depthwise" else 1
+    w2 = rng.standard_normal((32, 32 // groups, 3, 3)).astype(np.float32) / (3 if groups > 1 else 17)
+    b = g.relu(g.op("conv", a, g.weight("w2", w2), pads=(1, 1, 1, 1), groups=groups))
+    y = g.op("conv", b, g.weight("w3", rng.standard_normal((32, 32, 1, 1)).astype(np.float32) / 6))
+    if side_reader:
+        y = g.tanh(y) + a
+    return g.build(y, names=["y"]), [rng.standard_normal((2, 16, 10, 10)).astype(np.float32)]
+
+
+def _reorders_per_call(runner: CompiledModel, xs) -> int:
+    runner(*xs)  # binds: primitives made, weights packed
+    before = runner.reorder_count()
+    runner(*xs)
+    return runner.reorder_count() - before
+
+
+@pytest.mark.parametrize("middle", ["dense", "depthwise"])
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+def test_chained_convolutions_pass_their_activations_on_as_they_lie(precision, middle):
+    model, xs = _chain(middle)
+    compiled = tilegraph.compile(model, target="c", precision=precision)
+    runner: CompiledModel = compiled._runner
+    if precision == "bf16" and runner.precision != "bf16":
+        pytest.skip("this processor has no bf16 dot products")
+    got = compiled.run(*xs)[0]
+    assert_close(got, interpret(model, xs)[0], precision, reduction_length=16 * 9 + 32 * 9 + 32)
+    assert runner.chained_buffers == 2
+    reorders = _reorders_per_call(runner, xs)
+    assert not runner.reference_kernels, runner.primitives
+    lines = runner.primitives
+    assert len(lines) == 3, lines
+    if precision == "f32":
+        assert reorders == 0, (reorders, lines)
+    elif middle == "dense":
+        # Only the model's input is converted to bf16; the two chained results are written
+        # in bf16 and read as they are (unchained: a conversion before each convolution).
+        assert reorders == 1, (reorders, lines)
+        assert [("(a bf16 result)" in line) for line in lines] == [True, True, False], lines
+        assert all(line.startswith("convolution (bf16 x bf16)") for line in lines), lines
+    else:
+        # The depthwise convolution computes in f32 (oneDNN's bf16 one is slower): the first
+        # result is left f32 for it, and the last convolution converts its source to bf16.
+        assert reorders == 2, (reorders, lines)
+        assert [line.startswith("convolution (bf16 x bf16)") for line in lines] == [True, False, True], lines
+        assert not any("(a bf16 result)" in line for line in lines), lines
+
+
+def test_a_buffer_a_loop_also_reads_is_not_chained():
+    model, xs = _chain(side_reader=True)
+    compiled = tilegraph.compile(model, target="c", precision="bf16")
+    runner: CompiledModel = compiled._runner
+    got = compiled.run(*xs)[0]
+    assert runner.chained_buffers == 1  # (the middle result only: the first is read by the add)
+    tol = "bf16" if runner.precision == "bf16" else "f32"
+    assert_close(got, interpret(model, xs)[0], tol, reduction_length=16 * 9 + 32 * 9 + 32)

@@ -1,0 +1,224 @@
+"""ONNX decoder-with-past files (optimum's export: past_key_values.N.* in, present.N.* = Concat(past,
+new) out) run as in-place generation: the Concat becomes tg.cache_write into a preallocated
+cache and the attention over it tg.cache_attention, so a step writes its rows where they go
+instead of copying the whole cache. Greedy tokens equal onnxruntime's own past/present loop on
+the same file; logits agree with it and with the float64 interpreter."""
+
+import numpy as np
+import pytest
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+pytest.importorskip("transformers")
+
+import tilegraph  # noqa: E402
+from tilegraph.frontends import FrontendError  # noqa: E402
+from tilegraph.frontends.onnx import from_onnx  # noqa: E402
+from tilegraph.frontends.onnx.kv_cache import KVCacheError, OnnxDecoder  # noqa: E402
+from tilegraph.generation import LanguageModel, Sampling  # noqa: E402
+from tilegraph.ir.interpreter import interpret  # noqa: E402
+from tilegraph.ir.ops import Op  # noqa: E402
+from tilegraph.ir.shapes import info_of  # noqa: E402
+from tilegraph.testing import assert_close  # noqa: E402
+from tilegraph.testing.onnx_decoders import TINY, export_decoder, run_onnxruntime, write_gqa_decoder  # noqa: E402
+
+PROMPT = [5, 70, 71, 100, 3]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("onnx_decoders")
+    out = {}
+    for arch in ("llama", "gpt2"):
+        out[arch] = d / f"{arch}.onnx"
+        export_decoder(out[arch], arch)
+    # onnxruntime-genai's form (GroupQueryAttention), small: the quick file for the API tests
+    (d / "gqa").mkdir()
+    out["gqa"] = d / "gqa" / "model.onnx"
+    write_gqa_decoder(out["gqa"], vocab=TINY["vocab"])
+    return out
+
+
+def _ops(model):
+    return [op for op in model.ops() if hasattr(op, "op_name")]
+
+
+@pytest.mark.parametrize("arch,target", [("llama", "numpy"), ("gpt2", "numpy")])
+def test_greedy_generation_equals_onnxruntimes_past_present_loop(files, arch, target):
+    path = files[arch]
+    lm = LanguageModel(path, target=target, cache_len=32)
+    assert (lm.config.layers, lm.config.kv_heads) == (2, 2 if arch == "llama" else 4)
+    caches = list(lm.caches(1))
+    steps: list[np.ndarray] = []
+    made = [t for _, t in lm.generate_ids([PROMPT], 10, Sampling(), stop=False,
+                                          on_logits=lambda i, logits: steps.append(logits[0].copy()))]
+    want_logits: list[np.ndarray] = []
+    want = run_onnxruntime(ort.InferenceSession(str(path)), PROMPT, 10,
+                           on_logits=lambda i, logits: want_logits.append(logits))
+    assert made == want
+    for i, (got, ref) in enumerate(zip(steps, want_logits)):
+        assert_close(got, ref, "f32", TINY["hidden"], name=f"{arch} step {i}")
+    # written in place: the same buffers, 5 prompt + 9 decoded positions filled, the rest untouched
+    assert all(a is b for a, b in zip(lm.caches(1), caches))
+    assert all(c[:, :, :14].any() and not c[:, :, 14:].any() for c in caches)
+
+
+def test_the_cache_is_written_not_concatenated_and_matches_the_float64_interpreter(files):
+    decoder = OnnxDecoder(files["llama"])
+    model = decoder.build(1, 1, 24)
+    ops = _ops(model)
+    names = [op.op_name for op in ops]
+    assert names.count(Op.cache_write) == 4 and names.count(Op.cache_attention) == 2
+    # rotate_half's Concats remain; none is as long as the cache (the past/present Concat is gone)
+    concats = [info_of(r.type).shape for op in ops if op.op_name == Op.concat for r in op.results]
+    assert concats and not any(24 in shape for shape in concats)
+    assert model.aliases == {3: 1, 4: 2, 5: 3, 6: 4}
+    # one decode step at position 4 over caches holding 4 random rows: the float64 interpreter and
+    # onnxruntime given those rows as its past
+    rng = np.random.default_rng(1)
+    caches = [np.zeros((1, 2, 24, 16), np.float32) for _ in range(4)]
+    for c in caches:
+        c[:, :, :4] = rng.standard_normal((1, 2, 4, 16))
+    token = np.array([[9]], np.int64)
+    reference = interpret(model, [token, np.array([4]), np.array([0]), *[c.copy() for c in caches]])
+    compiled = tilegraph.compile(model, target="numpy")
+    got = compiled.run(token, np.array([4]), np.array([0]), *caches)
+    assert_close(got[0], reference[0], "f32", TINY["hidden"])
+    session = ort.InferenceSession(str(files["llama"]))
+    past = {f"past_key_values.{i}.{k}": caches[2 * i + j][:, :, :4] for i in range(2)
+            for j, k in enumerate(("key", "value"))}
+    outs = session.run(None, {"input_ids": token, "attention_mask": np.ones((1, 5), np.int64),
+                              "position_ids": np.array([[4]]), **past})
+    assert_close(got[0][0], outs[0][0, -1], "f32", TINY["hidden"])
+    np.testing.assert_allclose(caches[0][:, :, :5], outs[1], rtol=1e-5, atol=1e-6)  # the new row, in place
+
+
+def test_prompts_decoded_together_give_what_each_gives_alone(files):
+    lm = LanguageModel(files["gqa"], target="numpy", cache_len=32)
+    prompts = [[5, 70, 71], [100, 3, 250, 9, 11], [7]]
+    together: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    for seq, token in lm.generate_ids(prompts, 5, Sampling(), stop=False):
+        together[seq].append(token)
+    for i, p in enumerate(prompts):
+        assert together[i] == [t for _, t in lm.generate_ids([p], 5, Sampling(), stop=False)], i
+
+
+def _edited(path, tmp_path, edit):
+    proto = onnx.load(str(path))
+    edit(proto.graph)
+    out = tmp_path / "edited.onnx"
+    onnx.save(proto, str(out))
+    return out
+
+
+def _concat_of(graph, name):
+    return next(n for n in graph.node if n.op_type == "Concat" and name in n.input)
+
+
+def _axis_1(graph):
+    _concat_of(graph, "past_key_values.0.key").attribute[0].i = 1
+
+
+def _past_length_read(graph):  # an extra output that reads the past's shape: the past length stays live
+    shape = onnx.helper.make_node("Shape", ["past_key_values.1.value"], ["past_shape"], name="extra_shape")
+    graph.node.append(shape)
+    graph.output.append(onnx.helper.make_tensor_value_info("past_shape", onnx.TensorProto.INT64, [4]))
+
+
+def _no_attention(graph):  # layer 0's keys feed no Softmax
+    for n in graph.node:
+        if n.op_type == "Softmax":
+            n.op_type = "Sigmoid"
+            del n.attribute[:]
+
+
+def _renamed_value(graph):
+    graph.input[4].name = "past_key_values.0.val"
+    for n in graph.node:
+        n.input[:] = ["past_key_values.0.val" if i == "past_key_values.0.value" else i for i in n.input]
+
+
+@pytest.mark.parametrize("edit,message", [
+    (_axis_1, "along axis 2"), (_past_length_read, "beyond the cache write"),
+    (_no_attention, "no attention"), (_renamed_value, "each a key and a value")])
+def test_a_malformed_past_present_pattern_is_a_named_error_and_the_plain_import_still_works(
+        files, tmp_path, edit, message):
+    path = _edited(files["llama"], tmp_path, edit)
+    with pytest.raises(KVCacheError, match=message):
+        LanguageModel(path, target="numpy")
+    if edit is _axis_1:  # not a model at all (the rows differ in length off axis 1): named by the plain import
+        with pytest.raises(FrontendError, match="differ off axis 1"):
+            from_onnx(str(path))
+    else:
+        from_onnx(str(path))  # the file as it is: a symbolic past length, the Concat kept
+
+
+def test_a_plain_onnx_file_is_not_a_decoder(tmp_path):
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y])
+    path = tmp_path / "relu.onnx"
+    onnx.save(onnx.helper.make_model(graph), str(path))
+    with pytest.raises(KVCacheError, match="not a decoder-with-past"):
+        LanguageModel(path)
+    assert issubclass(KVCacheError, FrontendError)
+
+
+def test_the_generate_command_refuses_a_non_decoder_onnx_file_by_name(tmp_path, capsys):
+    from tilegraph.cli import main
+
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"not onnx")
+    assert main(["generate", str(bad), "-p", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "not an ONNX model" in err
+
+
+def test_onnxruntime_genai_group_query_attention_files_decode_in_place(files):
+    """onnxruntime-genai's builder's form: com.microsoft GroupQueryAttention on packed QKV with its
+    rotary embedding, the head dim a symbol in the past's shape, residual RMSNorms fused."""
+    path = files["gqa"]
+    lm = LanguageModel(path, target="c", cache_len=32)  # the C backend's cache kernels, as the benchmark runs
+    assert (lm.config.heads, lm.config.kv_heads, lm.config.head_dim) == (4, 2, 16)
+    caches = list(lm.caches(1))
+    steps: list[np.ndarray] = []
+    made = [t for _, t in lm.generate_ids([PROMPT], 8, Sampling(), stop=False,
+                                          on_logits=lambda i, logits: steps.append(logits[0].copy()))]
+    want_logits: list[np.ndarray] = []
+    want = run_onnxruntime(ort.InferenceSession(str(path)), PROMPT, 8, head_dim=16,
+                           on_logits=lambda i, logits: want_logits.append(logits))
+    assert made == want
+    for i, (got, ref) in enumerate(zip(steps, want_logits)):
+        assert_close(got, ref, "f32", 64, name=f"gqa step {i}")
+    assert all(a is b for a, b in zip(lm.caches(1), caches))  # written where they are, by the C kernels
+    assert all(c[:, :, :12].any() and not c[:, :, 12:].any() for c in caches)
+    ops = [op.op_name for op in _ops(lm._onnx.build(1, 1, 32))]
+    assert ops.count(Op.cache_write) == 4 and ops.count(Op.cache_attention) == 2
+
+
+def test_a_group_query_attention_it_cannot_rewrite_is_a_named_error(files, tmp_path):
+    path = tmp_path / "gqa.onnx"
+    proto = onnx.load(str(files["gqa"]))
+    gqa = next(n for n in proto.graph.node if n.op_type == "GroupQueryAttention")
+    next(a for a in gqa.attribute if a.name == "rotary_interleaved").i = 1
+    onnx.save(proto, str(path))
+    with pytest.raises(KVCacheError, match="rotary_interleaved = 1"):
+        LanguageModel(path, target="numpy")
+
+
+def test_the_generate_command_streams_text_from_an_onnx_decoder_and_its_tokenizer(files, tmp_path, capsys):
+    from tilegraph.cli import main
+    from tilegraph.testing.onnx_decoders import byte_tokenizer
+
+    folder = tmp_path / "genai"
+    folder.mkdir()
+    (folder / "model.onnx").write_bytes(files["gqa"].read_bytes())
+    byte_tokenizer(TINY["vocab"]).save_pretrained(str(folder))
+    assert main(["generate", str(folder / "model.onnx"), "-p", "Hello", "-n", "6", "--target", "numpy",
+                 "--cache-len", "32"]) == 0
+    out = capsys.readouterr()
+    prompt = [int(i) for i in byte_tokenizer(TINY["vocab"])("Hello")["input_ids"]]
+    want = run_onnxruntime(ort.InferenceSession(str(files["gqa"])), prompt, 6, head_dim=16)
+    # random weights make random bytes: an incomplete UTF-8 character at the end is held back
+    assert out.out.rstrip("\n") == byte_tokenizer(TINY["vocab"]).decode(want).rstrip("\ufffd")
+    assert "generation: 6 tokens" in out.err
