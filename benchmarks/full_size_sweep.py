@@ -18,7 +18,7 @@ onnxruntime and OpenVINO run. Every runner's relative error against eager is pri
 beside its time. `--precision bf16` adds tilegraph compiled with precision="bf16".
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/full_size_sweep.py [--only resnet50,bert-base]
-        [--repeat 7] [--threads N] [--batch 1] [--precision bf16] [--save rows.json]
+        [--repeat 7] [--threads N] [--batch 1] [--precision bf16] [--save rows.json] [--no-eager]
 
 Timing: benchmarks/_common.py's round-robin (each call after a pause), medians; the
 ratios are medians of per-round ratios. The load average is printed beside the table:
@@ -124,7 +124,8 @@ def _settle_batch_norms(model, images) -> None:
     model.eval()
 
 
-def run_one(name: str, batch: int, repeat: int, threads: int | None, precisions: list[str]) -> dict:
+def run_one(name: str, batch: int, repeat: int, threads: int | None, precisions: list[str],
+            time_eager: bool = True) -> dict:
     import numpy as np
     import onnxruntime as ort
     import torch
@@ -143,7 +144,7 @@ def run_one(name: str, batch: int, repeat: int, threads: int | None, precisions:
     feeds = dict(zip(names, arrays))
     with torch.no_grad():
         ref = module(*inputs).numpy().astype(np.float64)
-    runners = {"eager": lambda: module(*inputs)}
+    runners = {"eager": lambda: module(*inputs)} if time_eager else {}
 
     def check(key, out):
         row["errors"][key] = float(relative_error(np.asarray(out, dtype=np.float64), ref))
@@ -207,19 +208,24 @@ def main() -> int:
     p.add_argument("--precision", default="f32", help="tilegraph precisions to time, comma-separated (f32,bf16)")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per model")
     p.add_argument("--save", help="write the rows as JSON to this file")
+    p.add_argument("--no-eager", action="store_true",
+                   help="eager torch computes the reference but is not timed (on a loaded machine its spinning "
+                        "threads take seconds a call)")
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args()
     precisions = args.precision.split(",")
     if "f32" not in precisions:
         precisions.insert(0, "f32")
     if args.one:
-        print("RESULT " + json.dumps(run_one(args.one, args.batch, args.repeat, args.threads, precisions)))
+        print("RESULT " + json.dumps(run_one(args.one, args.batch, args.repeat, args.threads, precisions,
+                                             not args.no_eager)))
         return 0
     names = args.only.split(",") if args.only else list(MODELS)
     rows = []
     for name in names:
         cmd = [sys.executable, __file__, "--one", name, "--batch", str(args.batch), "--repeat", str(args.repeat),
-               "--precision", ",".join(precisions)] + (["--threads", str(args.threads)] if args.threads else [])
+               "--precision", ",".join(precisions)] + (["--threads", str(args.threads)] if args.threads else []) \
+            + (["--no-eager"] if args.no_eager else [])
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)

@@ -105,6 +105,18 @@ class Hardware:
     # CPU only: FLOP/s of the NumPy convolution kernel (K.conv: im2col, small batched GEMMs),
     # which is far from the GEMM curve; 0: priced as a GEMM.
     conv_rate: float = 0.0
+    # CPU "c" only: oneDNN's convolutions by kind ("dense" 3x3, "pointwise" 1x1, "depthwise"),
+    # all threads, at backends/c/calibrate.CONV_CASES: (m, n, k, FLOP/s), m x n x k the implicit
+    # GEMM of one group (output pixels, output channels of a group, a group's inputs x the
+    # window); empty: `conv_rate` for all.
+    conv_rates: Mapping[str, tuple[int, int, int, float]] = field(default_factory=dict)
+    # CPU "c" only: bytes/s a gather writes as it copies rows into the arena (the C copies:
+    # gather, concat, pad, ...); 0: priced as a pass at the cache and memory bandwidths.
+    copy_bandwidth: float = 0.0
+    # CPU "c" only: the size of L3 (shared) and bytes/s of a fused loop's pass over data beyond
+    # the cores' L2 that fits it; 0: such data is priced at `memory_bandwidth`.
+    l3_bytes: int = 0
+    l3_bandwidth: float = 0.0
     # CPU only: (rows, efficiency) of a GEMM with that few rows against a tall one of the
     # same other dims; the volume curve (`gemm_samples`) alone cannot tell 8 x 3072 x 768
     # from 128 x 384 x 384, of about the same work, though the skinny one runs at a fraction
@@ -162,7 +174,8 @@ class Hardware:
         leaves SMs idle). An upper bound: it ignores pipeline fill for small k.
 
         `threaded` (CPU): the rate of one GEMM on all cores, from `gemm_samples_threaded`
-        where the profile has them (the C backend's oneDNN GEMMs thread themselves).
+        where the profile has them (the C backend's oneDNN GEMMs thread themselves), by the
+        whole shape, not the volume alone (`_by_shape`).
         """
         m, n, k = int(m), int(n), int(k)
         if min(m, n, k) <= 0:
@@ -175,8 +188,7 @@ class Hardware:
         if not self.gemm_samples:
             return self.flops(dtype)
         if threaded and self.gemm_samples_threaded:
-            return _interp(math.log(m * n * k), _gemm_curve(self.gemm_samples_threaded)) \
-                * self.flops(dtype) / self.flops("f32")
+            return _by_shape(m, n, k, self.gemm_samples_threaded) * self.flops(dtype) / self.flops("f32")
         curve = _gemm_curve(self.gemm_samples)
         rate = _interp(math.log(m * n * k), curve)
         if self.skinny_gemm:  # few rows (or columns): BLAS's register blocking is left half empty
@@ -195,6 +207,8 @@ class Hardware:
             d[key] = tuple((int(m), int(n), int(k), float(r)) for m, n, k, r in d.get(key, ()))
         d["skinny_gemm"] = tuple((int(r), float(e)) for r, e in d.get("skinny_gemm", ()))
         d["attention_rates"] = tuple((int(h), float(r)) for h, r in d.get("attention_rates", ()))
+        d["conv_rates"] = {kind: (int(m), int(n), int(k), float(r)) for kind, (m, n, k, r) in
+                           d.get("conv_rates", {}).items()}
         return cls(**d)
 
 
@@ -215,6 +229,21 @@ def _gemm_curve(samples) -> tuple[tuple[float, float], ...]:
     for m, n, k, rate in samples:
         by_size.setdefault(m * n * k, []).append(rate)
     return tuple((math.log(s), sum(r) / len(r)) for s, r in sorted(by_size.items()))
+
+
+def _by_shape(m: int, n: int, k: int, samples) -> float:
+    """The rate at (m, n, k) from samples (m, n, k, rate): a geometric mean of the samples'
+    rates weighted by inverse squared distance in (log m, log n, log k), exact at a sample.
+    The volume alone does not tell oneDNN's rates apart: at one volume, a weight that fits the
+    cores' L2 is read from there for every block of rows, a wider one streams from L3 each time."""
+    at = (math.log(m), math.log(n), math.log(k))
+    num = den = 0.0
+    for sm, sn, sk, rate in samples:
+        d2 = sum((a - math.log(b)) ** 2 for a, b in zip(at, (sm, sn, sk)))
+        if d2 < 1e-12:
+            return rate
+        num, den = num + math.log(rate) / d2, den + 1 / d2
+    return math.exp(num / den)
 
 
 def _interp(x: float, curve) -> float:

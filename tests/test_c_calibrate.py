@@ -47,7 +47,7 @@ def _numbers(hw: Hardware) -> list[float]:
     return [hw.launch_overhead, hw.chunk_call_overhead, hw.cache_bandwidth, hw.memory_bandwidth, hw.conv_rate,
             hw.attention_speedup, hw.parallel_efficiency, *hw.peak_flops.values(), *hw.ufunc_rates.values(),
             *(r for *_, r in hw.gemm_samples), *(r for *_, r in hw.gemm_samples_threaded),
-            *(r for _, r in hw.attention_rates)]
+            *(r for _, r in hw.attention_rates), *(r for *_, r in hw.conv_rates.values())]
 
 
 def test_the_c_profile_is_positive_finite_and_round_trips(calibrated):
@@ -61,6 +61,7 @@ def test_the_c_profile_is_positive_finite_and_round_trips(calibrated):
     assert len(hw.gemm_samples) == len(hw.gemm_samples_threaded) >= 3
     assert {"add", "exp", "gelu", "softmax", "layer_norm"} <= set(hw.ufunc_rates)
     assert [d for d, _ in hw.attention_rates] == [32, 64]
+    assert set(hw.conv_rates) == {"dense", "pointwise", "depthwise"}
     assert Hardware.from_dict(json.loads(path.read_text())["hardware"]) == hw
 
 
@@ -143,3 +144,65 @@ def test_causal_attention_is_priced_at_about_half_the_full_one_for_c():
         return at(op_cost(op, hardware("c")).compute_time)
 
     assert attention_cost(True) / attention_cost(False) == pytest.approx((256 + 1) / 2 / 256)
+
+
+def test_convolutions_are_priced_by_kind_and_shape_for_c():
+    """oneDNN's convolutions by what they are: a depthwise one at the calibrated depthwise rate,
+    a 3x3 or 1x1 as its implicit GEMM on the GEMM curve, scaled by how the calibrated
+    convolution of its kind ran against the curve (so at the calibrated shape: its own rate)."""
+    from dataclasses import replace
+
+    base = hardware("c")
+    hw = replace(base, conv_rates={"dense": (3136, 64, 576, 40e9), "pointwise": (784, 128, 256, 60e9),
+                                   "depthwise": (3136, 1, 9, 3e9)})
+
+    def conv_time(xs, ws, groups, hw=hw):
+        g = Graph()
+        pad = ws[-1] // 2
+        y = g.op("conv", g.input("x", xs), g.weight("w", np.zeros(ws, np.float32)), pads=(pad,) * 4, groups=groups)
+        model = g.build(y, names=["y"])
+        op = next(op for op in model.func.body.block.ops if getattr(op, "op_name", None) == "conv")
+        return at(op_cost(op, hw).compute_time), 2 * int(np.prod(y.shape)) * int(np.prod(ws[1:]))
+
+    t, flops = conv_time((1, 96, 56, 56), (96, 1, 3, 3), 96)
+    assert t == pytest.approx(flops / 3e9)
+    t, flops = conv_time((1, 64, 56, 56), (64, 64, 3, 3), 1)
+    assert t == pytest.approx(flops / 40e9)
+    t, flops = conv_time((1, 256, 28, 28), (128, 256, 1, 1), 1)
+    assert t == pytest.approx(flops / 60e9)
+    # another shape: the GEMM curve's rate there, in the calibrated kind's proportion to it
+    t, flops = conv_time((1, 512, 7, 7), (2048, 512, 1, 1), 1)
+    curve = hw.matmul_rate(49, 2048, 512, threaded=True) / hw.matmul_rate(784, 128, 256, threaded=True)
+    assert t == pytest.approx(flops / (60e9 * curve))
+    # a profile without kinds prices every convolution at its one rate
+    t, flops = conv_time((1, 96, 56, 56), (96, 1, 3, 3), 96, hw=replace(base, conv_rates={}))
+    assert t == pytest.approx(flops / base.conv_rate)
+
+
+def test_every_native_step_names_the_kernel_it_computes():
+    """A per-step profile (benchmarks/cost_model_accuracy.py) charges each step's time to the
+    top-level op it computes: every step names one, a group's steps their group."""
+    from tilegraph.backends.c.emit import emit_program
+
+    g = Graph()
+    x = g.input("x", (8, 64))
+    w = g.weight("w", np.ones((64, 32), np.float32))
+    model = run_pipeline(g.build(g.softmax(g.op("tanh", g.matmul(x, w) + 1.0)), names=["y"]), default_pipeline("c"))
+    top = [op for op in model.func.body.block.ops if getattr(op, "op_name", None) not in ("weight", "constant", None)
+           or isinstance(op, FusionOp)]
+    program = emit_program(model, per_step=True)
+    assert program.steps and all(step.kernel in top for step in program.steps)
+    assert {step.kernel for step in program.steps} <= set(top)
+
+
+def test_a_step_beyond_l2_that_fits_l3_is_priced_at_the_l3_rate():
+    from dataclasses import replace
+
+    from tilegraph.passes.cost.model import _c_memory
+
+    hw = replace(hardware("c"), cache_bytes=1 << 20, cores=2, l3_bytes=64 << 20, l3_bandwidth=20e9,
+                 cache_bandwidth=80e9, memory_bandwidth=5e9)
+    assert at(_c_memory(hw, 1 << 20, 0)) == pytest.approx((1 << 20) / 80e9)  # in the cores' L2
+    assert at(_c_memory(hw, 8 << 20, 0)) == pytest.approx((8 << 20) / 20e9)  # beyond L2, in L3
+    assert at(_c_memory(hw, 48 << 20, 0)) == pytest.approx((48 << 20) / 5e9)  # more than half of L3
+    assert at(_c_memory(replace(hw, l3_bandwidth=0.0), 8 << 20, 0)) == pytest.approx((8 << 20) / 5e9)

@@ -17,9 +17,10 @@ graph, cached like any other module), called as a model is called:
 - GEMMs: x @ W with W a weight (oneDNN, reordered once to its packed layout at load),
   at MiniLM's and GPT-2's shapes, on one thread (`gemm_samples`) and on all
   (`gemm_samples_threaded`), net of the module call.
+- A gather's row copy, one more in a module (`copy_bandwidth`: what every copy costs).
 - Attention: the flash kernel at MiniLM's and GPT-2's head dims on one thread
-  (`attention_rates`) and at the largest on all (`attention_speedup`); convolution: a
-  small CNN's on oneDNN, all threads (`conv_rate`).
+  (`attention_rates`) and at the largest on all (`attention_speedup`); convolutions on
+  oneDNN, all threads, one image: a 3x3, a 1x1 and a depthwise 3x3 (`conv_rates`).
 
 The quick run (what the first hardware("c") runs when there is no profile) takes a few
 seconds, most of it compiling the modules the first time; the full one under a minute.
@@ -36,7 +37,7 @@ import numpy as np
 
 from tilegraph.backends.c.build import BuildError
 from tilegraph.backends.numpy.calibrate import (ATTENTION_BATCH, ATTENTION_HEAD_DIMS, ATTENTION_HEADS, ATTENTION_SEQ,
-                                                CONV_SHAPES, Progress, _physical_memory, cache_sizes, measure_and_save,
+                                                Progress, _physical_memory, cache_sizes, measure_and_save,
                                                 median_times, table)
 from tilegraph.ir import Graph
 from tilegraph.ir.dialect import TgOp
@@ -48,8 +49,19 @@ from tilegraph.ir.ops import Op
 # (m, n, k) of x @ W timed: a MiniLM projection at batch 1 (128 tokens) and a short
 # sequence, its FFN at batch 8 (1024 tokens, 384 <-> 1536), a GPT-2 row block, a large square.
 GEMM_SHAPES = ((32, 384, 384), (128, 384, 384), (256, 1536, 384), (256, 384, 1536), (256, 3072, 768),
-               (1024, 1536, 384), (1024, 384, 1536), (1024, 1024, 1024))
-QUICK_GEMM_SHAPES = ((32, 384, 384), (128, 384, 384), (1024, 384, 1536))
+               (1024, 1536, 384), (1024, 384, 1536), (1024, 1024, 1024), (128, 768, 768), (128, 3072, 768),
+               (128, 768, 3072), (49, 512, 4608), (3136, 64, 576))
+# ... and BERT-base's projections at 128 tokens, a weight wider than L2 (its FFN), the late
+# and early 3x3 convolutions of ResNet-50 as GEMMs: rates are looked up by shape
+# (ir/hardware._by_shape), so the samples span the models' weight sizes and row counts.
+QUICK_GEMM_SHAPES = ((32, 384, 384), (128, 384, 384), (1024, 384, 1536), (128, 3072, 768))
+# Convolutions timed (oneDNN, all threads, one image): x shape, weight shape, groups. A 3x3 and a
+# 1x1 of ResNet's middle stages, and a depthwise 3x3 of MobileNet's: each kind's rate is read
+# against the GEMM curve at its implicit GEMM's shape (passes/cost/model._c_conv_time).
+CONV_CASES = {"dense": ((1, 64, 56, 56), (64, 64, 3, 3), 1), "pointwise": ((1, 256, 28, 28), (128, 256, 1, 1), 1),
+              "depthwise": ((1, 96, 56, 56), (96, 1, 3, 3), 96)}
+# The gather timed: rows of a table as wide as a BERT-base hidden state.
+GATHER_TABLE, GATHER_WIDTH, GATHER_ROWS = 4096, 768, 512
 # Ops timed inside one fused loop, each as a chain that keeps values in [0.1, 2] (no
 # overflow, NaN or denormal slow paths): exp reads its negated input (a sign flip the
 # compiler folds into the call). Others are priced at `add`'s rate.
@@ -61,11 +73,40 @@ TINY = 16  # elements of "a tiny step": its fixed cost dominates
 # Elements per array of the in-cache passes: 2 arrays in and 1 out of both sizes fit two cores'
 # L2 of 1 MiB or more, and both are above the emitted loops' OpenMP threshold.
 CACHE_SIZES = (1 << 16, 1 << 17)
+# Bytes per array of the L3 pass: three of them (2 in, 1 out) overflow two cores' L2 of up to
+# 2 MiB each, and fit an L3 of 24 MiB or more.
+L3_ARRAY = 4 << 20
 STREAM_QUICK = 1 << 23  # 32 MiB per array: three of them overflow a 32 MiB L3
 # Seconds of timing per measurement. Quick: enough batches that a neighbour's time slice
 # spoils a minority of them on a shared machine (with three samples each, a quick profile
 # taken under load had tanh 100x slower than a quiet one).
 BUDGET, QUICK_BUDGET = 0.4, 0.1
+
+
+# Which batch of a measurement counts (backends/numpy/calibrate.median_times): the lower
+# quartile. On a shared machine most batches lose time slices to other processes, so a
+# median prices the neighbours' load into every kernel; the quietest batch alone would be
+# too fast (a lone core's turbo clock).
+QUIET = 0.25
+
+
+def _quiet_times(fns, budget: float) -> list[float]:
+    return median_times(fns, budget, quantile=QUIET)
+
+
+def _after_depthwise(rng, xs, ws, groups: int, timed: bool):
+    """(module, output shape) of a depthwise 3x3 over an input of shape `xs`, then (where
+    `timed`) a convolution of weight shape `ws`: the convolution reads its input as a model's
+    convolutions hand it on (the layout the one before wrote), not a plain array from the
+    caller that it would reorder first."""
+    g = Graph()
+    pre = (rng.standard_normal((xs[1], 1, 3, 3)) / 3).astype(np.float32)
+    y = g.op("conv", g.input("x", xs), g.weight("pre", pre), pads=(1, 1, 1, 1), groups=xs[1])
+    if timed:
+        w = g.weight("w", (rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:]))).astype(np.float32))
+        pad = ws[-1] // 2
+        y = g.op("conv", y, w, pads=(pad, pad, pad, pad), groups=groups)
+    return _module(g.build(y, names=["y"])), y.shape
 
 
 def _module(model):
@@ -129,13 +170,13 @@ def _all_then_one(model, inputs, budget: float, cores: int) -> tuple[float, floa
     afresh: oneDNN fixes a primitive's threads when the first call creates it, so a module
     first called on one thread stays on one."""
     module = _module(model)
-    (all_threads,) = median_times((_call(module, *inputs),), budget)
+    (all_threads,) = _quiet_times((_call(module, *inputs),), budget)
     if cores == 1:
         return all_threads, all_threads
     module.set_threads(1)
     try:
         one = _module(model)
-        (one_thread,) = median_times((_call(one, *inputs),), budget)
+        (one_thread,) = _quiet_times((_call(one, *inputs),), budget)
     finally:
         module.set_threads(cores)
     return all_threads, one_thread
@@ -164,7 +205,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
     def step_time(n: int, budget: float) -> tuple[float, float]:
         """(one call of the short chain, one more step) over n elements."""
         x, y = _inputs(rng, n)
-        t_short, t_long = median_times((_call(short, x, y), _call(long_, x, y)), budget)
+        t_short, t_long = _quiet_times((_call(short, x, y), _call(long_, x, y)), budget)
         return t_short, (t_long - t_short) / (CHAIN - 1)
 
     # The module call, and one more tiny step in it (no OpenMP region below the threshold).
@@ -190,6 +231,16 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         per_step = t_short - launch
     memory_bandwidth = min(12 * n_stream / max(per_step - fork_join, 1e-9), cache_bandwidth)
 
+    # And over arrays beyond the cores' L2 that fit L3 (a layer's activations), where it has one.
+    bar.step("L3 bandwidth")
+    l3_elements = L3_ARRAY // 4
+    if caches.get("l3", 0) >= 3 * L3_ARRAY * 2 and 3 * L3_ARRAY > caches["l2"] * cores:
+        _, per_step = step_time(l3_elements, budget)
+        l3_bandwidth = min(max(12 * l3_elements / max(per_step - fork_join, 1e-9), memory_bandwidth), cache_bandwidth)
+        l3_bytes = caches["l3"]
+    else:
+        l3_bandwidth, l3_bytes = 0.0, 0
+
     # Each more op in one fused loop, in cache, all threads.
     rates = {}
     n = CACHE_SIZES[-1]
@@ -197,7 +248,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         bar.step(f"{op} in a fused loop")
         x, y = _inputs(rng, n, op)
         one, chain = _module(_chain("n", 1, op, fused=True)), _module(_chain("n", CHAIN, op, fused=True))
-        t_one, t_chain = median_times((_call(one, x, y), _call(chain, x, y)), budget)
+        t_one, t_chain = _quiet_times((_call(one, x, y), _call(chain, x, y)), budget)
         extra = t_chain - t_one
         rates[op] = (CHAIN - 1) * n / extra if extra > 0 else n / max(t_one - launch, 1e-9)
 
@@ -207,11 +258,26 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         xin = g.input("x", ("rows", ROW))
         module = _module(g.build(g.softmax(xin) if op == Op.softmax else g.layer_norm(xin), names=["z"]))
         sizes = [n // ROW for n in CACHE_SIZES]
-        t_small, t_big = median_times([_call(module, rng.standard_normal((r, ROW), dtype=np.float32))
+        t_small, t_big = _quiet_times([_call(module, rng.standard_normal((r, ROW), dtype=np.float32))
                                        for r in sizes], budget)
         e_small, e_big = (r * ROW for r in sizes)
         rates[op] = (e_big - e_small) / (t_big - t_small) if t_big > t_small * 1.05 else \
             e_big / max(t_big - launch, 1e-9)
+
+    # A gather's row copy (embeddings; priced alike: every copy, concat, pad): one gather more
+    # in the module, from an intermediate into the arena (the output's fresh pages cancel).
+    bar.step("gather rows")
+    g = Graph()
+    table = g.weight("table", rng.standard_normal((GATHER_TABLE, GATHER_WIDTH), dtype=np.float32))
+    one = _module(g.build(g.embedding(table, g.input("ids", (GATHER_ROWS,), "i64")), names=["y"]))
+    g2 = Graph()
+    table = g2.weight("table", rng.standard_normal((GATHER_TABLE, GATHER_WIDTH), dtype=np.float32))
+    ids2, again = g2.input("ids", (GATHER_ROWS,), "i64"), g2.input("again", (GATHER_ROWS,), "i64")
+    two = _module(g2.build(g2.embedding(g2.embedding(table, ids2), again), names=["y"]))
+    rows = rng.integers(0, GATHER_TABLE, GATHER_ROWS)
+    t_one, t_two = _quiet_times((_call(one, rows), _call(two, rows, rng.permutation(GATHER_ROWS))), budget)
+    moved = GATHER_ROWS * GATHER_WIDTH * 4
+    copy_bandwidth = moved / (t_two - t_one) if t_two > t_one * 1.05 else moved / max(t_one - launch, 1e-9)
 
     # GEMMs on a packed weight, one thread and all threads.
     samples, threaded = [], []
@@ -243,17 +309,17 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         if d == ATTENTION_HEAD_DIMS[-1]:
             speedup = (t1 - launch) / max(tn - launch, 1e-9)
 
-    bar.step("convolution")
-    (xs, ws) = CONV_SHAPES
-    g = Graph()
-    xin = g.input("x", xs)
-    w = g.weight("w", rng.standard_normal(ws, dtype=np.float32))
-    out = g.op("conv", xin, w)
-    module = _module(g.build(out, names=["y"]))
-    xc = rng.standard_normal(xs, dtype=np.float32)
-    (t,) = median_times((_call(module, xc),), budget)
-    conv_flops = 2 * int(np.prod(out.shape)) * int(np.prod(ws[1:]))
-    conv_rate = conv_flops / max(t - launch, t / 10)
+    bar.step("convolutions")
+    conv_rates = {}
+    for kind, (xs, ws, groups) in CONV_CASES.items():
+        # Each after a depthwise 3x3 that keeps the input's shape, less that one alone (_after_depthwise).
+        (before, _), (both, out_shape) = (_after_depthwise(rng, xs, ws, groups, timed) for timed in (False, True))
+        xc = rng.standard_normal(xs, dtype=np.float32)
+        t_before, t_both = _quiet_times((_call(before, xc), _call(both, xc)), budget)
+        conv_flops = 2 * int(np.prod(out_shape)) * int(np.prod(ws[1:]))
+        gemm = (int(np.prod(out_shape)) // ws[0], ws[0] // groups, int(np.prod(ws[1:])))  # one group's (m, n, k)
+        conv_rates[kind] = (*gemm, conv_flops / max(t_both - t_before, t_both / 10))
+    conv_rate = conv_rates["dense"][3]
     bar.close()
 
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
@@ -263,6 +329,8 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         memory_bandwidth=memory_bandwidth,
         cache_bandwidth=cache_bandwidth,
         cache_bytes=caches["l2"],
+        l3_bytes=l3_bytes,
+        l3_bandwidth=l3_bandwidth,
         memory_bytes=_physical_memory(),
         cores=cores,
         shared_memory_per_core=caches["l1d"],
@@ -277,6 +345,8 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         parallel_overhead=fork_join,
         parallel_efficiency=efficiency,
         conv_rate=conv_rate,
+        conv_rates=conv_rates,
+        copy_bandwidth=copy_bandwidth,
         attention_rates=tuple(attention_rates),
         attention_speedup=speedup,
         source=f"calibrated {stamp} on {cpu_model()} ({cores} threads, C backend{', quick' if quick else ''})",
@@ -290,9 +360,12 @@ def summary(hw: Hardware) -> str:
         ("one more step in a module (tiny, one thread)", f"{hw.chunk_call_overhead * 1e6:.2f} us"),
         ("one more step that opens an OpenMP region", f"{hw.parallel_overhead * 1e6:.2f} us"),
         (f"pass bandwidth, in cache ({hw.cache_bytes // 1024} KiB L2 per core)", f"{hw.cache_bandwidth / 1e9:.1f} GB/s"),
+        ("pass bandwidth, beyond L2, in L3", f"{hw.l3_bandwidth / 1e9:.1f} GB/s"),
         ("pass bandwidth, beyond L3", f"{hw.memory_bandwidth / 1e9:.1f} GB/s"),
+        ("a gather's rows copied (bytes written)", f"{hw.copy_bandwidth / 1e9:.1f} GB/s"),
         ("oneDNN GEMM all threads / (cores x one thread)", f"{hw.parallel_efficiency:.2f}"),
-        ("convolution (oneDNN, all threads)", f"{hw.conv_rate / 1e9:.1f} GFLOP/s"),
+        *((f"convolution {kind} {'x'.join(map(str, CONV_CASES[kind][0]))} (oneDNN, all threads)",
+           f"{rate / 1e9:.1f} GFLOP/s") for kind, (*_, rate) in hw.conv_rates.items()),
         ("attention (flash kernel, one thread, by head dim)",
          " ".join(f"{d}:{r / 1e9:.1f}" for d, r in hw.attention_rates) + " GFLOP/s"),
         ("attention: all threads / one thread", f"{hw.attention_speedup:.2f}x"),

@@ -100,10 +100,13 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
 
     def run(self) -> None:
         for op in self.prog.steps:
+            first = len(self.steps)
             if isinstance(op, FusionOp):
                 self.group(op)
             else:
                 self.op(op)
+            for step in self.steps[first:]:
+                step.kernel = op
 
     def op(self, op: TgOp, env: dict | None = None) -> None:
         """Lower one op (top level, or inside a group lowered op by op with `env`

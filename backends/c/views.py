@@ -69,6 +69,9 @@ class Step:
     writes: set[int] = field(default_factory=set)
     state: list[str] = field(default_factory=list)  # per-binding primitive setup lines
     once: bool = False  # a host op of weights and constants only: run once, before the kernels are set up
+    # The top-level op (a tg.fusion group, or an op outside one) the step computes part or all
+    # of: what a per-step profile charges its time to (benchmarks/cost_model_accuracy.py).
+    kernel: Any = None
     # A convolution step on its own: (its primitive's index, its source, its result, whether
     # the source's buffer is read as nothing else, whether it is depthwise): what
     # onednn.chain_convolutions reads.

@@ -28,7 +28,6 @@ import datetime
 import math
 import gc
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -99,14 +98,15 @@ def median_time(fn: Callable[[], object], budget: float) -> float:
     return median_times((fn,), budget)[0]
 
 
-def median_times(fns, budget: float) -> list[float]:
+def median_times(fns, budget: float, quantile: float = 0.5) -> list[float]:
     """median_time of each of `fns`, their batches interleaved so that a neighbour's
     load on a shared machine falls on all of them alike (what a difference needs).
 
     The median, not the best: a core running alone is clocked higher than two running
     together (turbo, AVX-512 licences), so the best single-core batch can be far faster
     than its median, and a parallel efficiency from best times swings from run to run
-    where medians hold steady.
+    where medians hold steady. `quantile` < 0.5 takes a quieter batch than the median
+    (the C calibration's: on a shared machine, most batches lose time slices to others).
     """
     once = []
     for fn in fns:
@@ -130,7 +130,7 @@ def median_times(fns, budget: float) -> list[float]:
     finally:
         if gc_was_enabled:
             gc.enable()
-    return [statistics.median(s) for s in samples]
+    return [float(np.quantile(s, quantile)) for s in samples]
 
 
 def _ufuncs(n: int, rng: np.random.Generator) -> dict[str, Callable[[], object]]:

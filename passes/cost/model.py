@@ -369,7 +369,10 @@ def _float_cost(op: TgOp, hw) -> Cost:
             tables = [v for v in map(_through_views, op.operands)
                       if isinstance(v.owner, TgOp) and v.owner.op_name == Op.weight]
             cold = sympy.Min(moved, sum((_nbytes(info_of(v.type)) for v in tables), zero)) if tables else zero
-            memory = _c_memory(hw, 2 * moved, cold)
+            # At the calibrated row-copy rate where the profile has one: a copy is short rows,
+            # each checked against its bounds, not a streaming pass, and for the few rows a
+            # lookup takes that rate, not where in memory the table lies, sets its time.
+            memory = moved / hw.copy_bandwidth if hw.copy_bandwidth else _c_memory(hw, 2 * moved, cold)
             overhead = _c_step(hw, _elements(out))
             return Cost(flops, bytes_, memory + overhead, zero, memory, overhead, label=name, ops=[name])
         return group_cost([op], [info_of(v.type) for v in op.operands], op.result_infos(), hw, label=name)
@@ -647,6 +650,8 @@ def _c_rate(hw, name: str) -> float:
 def _c_anchor_time(op: TgOp, hw) -> sympy.Expr:
     """(C) An anchor's compute: oneDNN's GEMM or convolution on all threads, the flash kernel."""
     flops = op_flops(op)
+    if op.op_name == Op.conv and hw.conv_rates:
+        return _c_conv_time(op, hw, flops)
     if op.op_name == Op.conv and hw.conv_rate:
         return flops / hw.conv_rate
     if op.op_name == Op.attention and hw.attention_rates:
@@ -662,6 +667,36 @@ def _c_anchor_time(op: TgOp, hw) -> sympy.Expr:
     return flops / hw.matmul_rate(m, n, k, op.result_infos()[0].dtype, threaded=True)
 
 
+def _c_conv_time(op: TgOp, hw, flops: sympy.Expr) -> sympy.Expr:
+    """(C) A convolution on oneDNN, all threads. Depthwise (one input channel a group): at the
+    calibrated depthwise rate, a pass over memory more than arithmetic (by the elements it
+    reads and writes where that is more). Else as the GEMM it
+    is, output pixels x a group's output channels x (a group's inputs x the window), at the
+    GEMM curve's rate for that shape times how a calibrated convolution of its kind (3x3 or
+    1x1) ran against the curve at its own shape: the curve carries the size, the calibration
+    what oneDNN's convolution kernels do differently from its GEMMs."""
+    x, w = (info_of(v.type) for v in op.operands[:2])
+    groups = int(op.attr("groups") or 1)
+    out = op.result_infos()[0]
+    if groups > 1 and at_nominal(_sized(w.shape[1])) == 1 and "depthwise" in hw.conv_rates:
+        # The calibrated one (stride 1) moved an element in and out per window of k taps; a
+        # strided one reads more inputs per output than its arithmetic says.
+        *_, k_cal, rate = hw.conv_rates["depthwise"]
+        return sympy.Max(flops / rate, (_elements(x) + _elements(out)) * k_cal / rate)
+    if groups > 1 and at_nominal(_sized(w.shape[1])) == 1:
+        return flops / (hw.conv_rate or hw.flops("f32"))
+    window = w.shape[2:]
+    kind = "pointwise" if all(at_nominal(_sized(d)) == 1 for d in window) else "dense"
+    if kind not in hw.conv_rates:
+        return flops / (hw.conv_rate or hw.flops("f32"))
+    m = max(1, int(at_nominal(_prod([out.shape[0], *out.shape[2:]]))))
+    n = max(1, int(at_nominal(_sized(out.shape[1]))) // groups)
+    k = max(1, int(at_nominal(_prod(w.shape[1:]))))
+    rm, rn, rk, rate = hw.conv_rates[kind]
+    efficiency = rate / hw.matmul_rate(rm, rn, rk, threaded=True)
+    return flops / (hw.matmul_rate(m, n, k, threaded=True) * efficiency)
+
+
 def _cold_bytes(ops: Sequence[TgOp]) -> sympy.Expr:
     """Bytes of the weights `ops` read: from memory on every forward."""
     weights = {v: None for op in ops for v in map(_through_views, op.operands)
@@ -672,8 +707,15 @@ def _cold_bytes(ops: Sequence[TgOp]) -> sympy.Expr:
 @_memo_hw
 def _c_memory(hw, bytes_: sympy.Expr, cold: sympy.Expr) -> sympy.Expr:
     """(C) One pass over a step's inputs and outputs: at the cache rate while they fit the
-    cores' L2 (the step before ran on every core), weights from memory; else all from memory."""
+    cores' L2 (the step before ran on every core), weights from memory; beyond L2, at the L3
+    rate while they fit half of L3 (the rest of it holds the weights streaming through); else
+    all from memory."""
     fits = bytes_ <= hw.cache_bytes * hw.cores
+    if hw.l3_bandwidth:  # beyond L2, a layer's activations stay in L3 where it holds them
+        in_l3 = bytes_ <= hw.l3_bytes / 2
+        return sympy.Piecewise((cold / hw.memory_bandwidth + (bytes_ - cold) / hw.cache_bandwidth, fits),
+                               (cold / hw.memory_bandwidth + (bytes_ - cold) / hw.l3_bandwidth, in_l3),
+                               (bytes_ / hw.memory_bandwidth, True))
     return sympy.Piecewise((cold / hw.memory_bandwidth + (bytes_ - cold) / hw.cache_bandwidth, fits),
                            (bytes_ / hw.memory_bandwidth, True))
 
