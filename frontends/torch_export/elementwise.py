@@ -24,7 +24,11 @@ def _identity(cv, node, a):
 
 
 def _seeded_dropout(cv, x, p: float):
-    """tg.dropout of x, seeded by the model's one seed, at the next site (each dropout its own masks)."""
+    """tg.dropout of x, seeded by the model's one seed, at the next site (each dropout its own masks);
+    an error unless the import asked for dropouts (a training step's)."""
+    if not cv.dropout_allowed:
+        raise FrontendError("dropout in training mode; export the module in eval mode (tilegraph.train_step "
+                            "builds a training step's dropouts)")
     if cv.dropout_seed is None:
         cv.dropout_seed = cv.g.weight(DROPOUT_SEED, np.zeros((), np.int64))
     cv.dropout_sites += 1

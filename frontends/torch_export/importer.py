@@ -87,7 +87,7 @@ def from_torch(module: torch.nn.Module, example_inputs: tuple, dynamic_shapes=No
     finally:
         for m, training in modes:
             m.training = training
-    return from_exported_program(ep)
+    return from_exported_program(ep, dropout=dropout)
 
 
 def load_pt2(path: str | Path, *, trust_pickle: bool = False) -> Model:
@@ -107,8 +107,9 @@ def load_pt2(path: str | Path, *, trust_pickle: bool = False) -> Model:
     return from_exported_program(ep)
 
 
-def from_exported_program(ep: torch.export.ExportedProgram) -> Model:
-    """Convert an ExportedProgram to a tg Model (decomposing first only if it must)."""
+def from_exported_program(ep: torch.export.ExportedProgram, dropout: bool = False) -> Model:
+    """Convert an ExportedProgram to a tg Model (decomposing first only if it must). A dropout in
+    training mode is an error naming it, unless `dropout` (a training step's export, from_torch's)."""
     problems = _unsupported(ep)
     decomposed = bool(problems) or _has_mutation(ep)
     if decomposed:
@@ -124,7 +125,7 @@ def from_exported_program(ep: torch.export.ExportedProgram) -> Model:
         for key, nodes in sorted(problems.items()):
             lines.append(f"  {key}  x{len(nodes)}  (first at node '{nodes[0]}')")
         raise FrontendError("\n".join(lines))
-    return _Importer(ep).run()
+    return _Importer(ep, dropout).run()
 
 
 def decomposition_table() -> dict:
@@ -220,8 +221,9 @@ class _Lazy:
 
 
 class _Importer:
-    def __init__(self, ep):
+    def __init__(self, ep, dropout: bool = False):
         self.ep = ep
+        self.dropout_allowed = dropout
         self.g = Graph()
         self.env: dict[Any, Any] = {}
         self.symbols = self._symbol_table()
