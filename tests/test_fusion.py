@@ -246,3 +246,17 @@ def test_a_profiled_module_times_every_kernel_and_computes_the_same(fused, block
     assert set(profile) == set(kernels) and len(kernels) == len(groups(fused))
     assert all(calls == 1 and seconds > 0 for seconds, calls in profile.values())
     assert {k.kind for k in kernels.values()} == {g.kind for g in groups(fused)}
+
+
+def test_an_input_broadcast_along_the_chunk_axis_is_read_whole_by_every_chunk():
+    """A group chunked along axis 0 reading a value of size 1 on that axis (a broadcast):
+    each chunk reads all of it, not its own rows of it."""
+    rng = np.random.default_rng(0)
+    g = Graph()
+    x, b = g.input("x", (6, 8, 16)), g.input("b", (1, 8, 16))
+    model = g.build(g.exp(x + b) * b)
+    tiled = run_pipeline(model, "fuse,tile{max-rows=2}")
+    group = next(op for op in tiled.func.body.block.ops if isinstance(op, FusionOp))
+    assert group.tile().get("axis") == 0 and group.tile().get("chunks", 1) > 1
+    xs = [rng.standard_normal((6, 8, 16)).astype(np.float32), rng.standard_normal((1, 8, 16)).astype(np.float32)]
+    assert_close(compile_model(tiled)(*xs)[0], interpret(model, xs)[0], "f32")
