@@ -183,6 +183,13 @@ def char_gpt_options(ap, *, layers: int, hidden: int, heads: int, block: int, ba
         ap.add_argument(f"--{name}", type=int, default=value)
 
 
+def llama_shape_options(ap, *, hidden: int, ffn: int, layers: int, heads: int, kv_heads: int, vocab: int) -> None:
+    """A Llama-shaped model's sizes (from config, random weights) as options, with a script's defaults."""
+    for name, value in (("hidden", hidden), ("ffn", ffn), ("layers", layers), ("heads", heads),
+                        ("kv-heads", kv_heads), ("vocab", vocab)):
+        ap.add_argument(f"--{name}", type=int, default=value)
+
+
 def char_gpt_run(args):
     """Print the machine and its load, then (symbols, batches, module): the character GPT the
     options describe (tests/models.py `char_gpt`) and its batches of the shipped text."""

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _common import llama_shape_options
 
 
 def rss_mb() -> float:
@@ -44,12 +45,7 @@ def rss_mb() -> float:
 def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--hidden", type=int, default=1536)
-    ap.add_argument("--ffn", type=int, default=4096)
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=32000)
+    llama_shape_options(ap, hidden=1536, ffn=4096, layers=16, heads=12, kv_heads=4, vocab=32000)
     ap.add_argument("--formats", default="f32,q8_0,q4_0")
     ap.add_argument("--positions", default="100,2000")
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed per run")

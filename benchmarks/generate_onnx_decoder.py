@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import SETTLE_S, format_table, machine_lines
+from _common import SETTLE_S, format_table, llama_shape_options, machine_lines
 
 
 def ort_runner(session, prompt, steps):
@@ -108,12 +108,7 @@ def genai_folder(hf: Path, out: Path, threads: int) -> Path | None:
 def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--ffn", type=int, default=1536)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=16000)
+    llama_shape_options(ap, hidden=512, ffn=1536, layers=8, heads=8, kv_heads=4, vocab=16000)
     ap.add_argument("--depths", default="16,512", help="prompt lengths: the cache depth decode starts from")
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps per run")
     ap.add_argument("--rounds", type=int, default=3)
