@@ -90,7 +90,7 @@ def test_the_cache_is_written_not_concatenated_and_matches_the_float64_interpret
     outs = session.run(None, {"input_ids": token, "attention_mask": np.ones((1, 5), np.int64),
                               "position_ids": np.array([[4]]), **past})
     assert_close(got[0][0], outs[0][0, -1], "f32", TINY["hidden"])
-    np.testing.assert_allclose(caches[0][:, :, :5], outs[1], rtol=1e-5, atol=1e-6)  # the new row, in place
+    assert_close(caches[0][:, :, :5], outs[1], "f32", TINY["hidden"], name="the cache, its new row written in place")
 
 
 def test_prompts_decoded_together_give_what_each_gives_alone(files):
