@@ -62,19 +62,22 @@ def main() -> None:
     rows = []
     # the same cost model on one process (no link): how far its compute alone is from a measured step
     from tilegraph.passes import shard
-    from tilegraph.train_sharded import cpu_mesh
+    from tilegraph.train_sharded import cpu_mesh, optimizer_time
 
-    alone = shard.plan(models[None].module, cpu_mesh((1,), 1e-6, 1e10), sizes={"B": args.batch},
-                       names=models[None].input_names, zero=False, recompute=False, runner_up=False)
+    mesh = cpu_mesh((1,), 1e-6, 1e10)
+    alone = shard.plan(models[None].module, mesh, sizes={"B": args.batch}, names=models[None].input_names,
+                       zero=False, recompute=False, runner_up=False, backward="vjp",
+                       optimizer=optimizer_time(optimizer, mesh.hw))
     measured = float(np.median(one["seconds"][2:]))
     rows.append(("plain (1 process)", 1, "-", f"{base[-1]:.5f}", f"{base[-1]:.5f}", "0", f"{alone.time * 1e3:.2f}",
-                 f"{measured * 1e3:.1f}", f"{alone.time / measured:.3f}", f"{alone.memory / 1e6:.3f}", "-", "-", "-"))
+                 f"{measured * 1e3:.1f}", f"{alone.time / measured:.3f}", f"{alone.compute * 1e3:.2f} / 0", "-",
+                 f"{alone.memory / 1e6:.3f}", "-", "-", "-"))
     for strategy in args.strategies.split(","):
         for world in worlds:
             t = time.perf_counter()
-            segs = functools.partial(char_gpt_segments, module, strategy) if strategy != "zero3" else None
+            segs = functools.partial(char_gpt_segments, module, strategy)
             r = train_sharded(strategy, make, params, batches, world, optimizer, clip_norm=1.0, segments=segs,
-                              micro_batches=args.micro_batches, pipeline="")
+                              micro_batches=args.micro_batches, pipeline="", calibrate=True)
             print(f"{strategy} on {world} processes: {time.perf_counter() - t:.1f} s in all; load {os.getloadavg()}")
             losses = np.array(r["losses"])
             rel = np.abs(losses - base) / np.abs(base)
@@ -92,11 +95,15 @@ def main() -> None:
                 f", {int(p['recompute'])} layer(s)/stage recomputed" if p["recompute"] else "")
             rows.append((strategy, world, extra, f"{losses[-1]:.5f}", f"{base[-1]:.5f}", f"{rel.max():.1e}",
                          f"{p['time'] * 1e3:.2f}", f"{measured * 1e3:.1f}", f"{p['time'] / measured:.3f}",
+                         f"{p['compute'] * 1e3:.2f} / {p['comm'] * 1e3:.2f}",
+                         f"{mem[:, 2].mean() * 1e3:.2f} / {mem[:, 3].mean() * 1e3:.2f} / "
+                         f"{(measured - mem[:, 2].mean() - mem[:, 3].mean()) * 1e3:.2f}",
                          predicted_mem, measured_mem, f"{mem[:, 0].max() / 1e6:.3f}",
                          f"{p['alpha'] * 1e6:.0f} us, {p['beta'] / 1e6:.0f} MB/s"))
     print(_common.format_table(
         ("plan", "processes", "as planned", f"loss after {args.steps}", "1 process", "max rel. diff (any step)",
-         "predicted ms", "measured ms", "predicted/measured", "predicted MB/process (stage 0 / 1)",
+         "predicted ms", "measured ms", "predicted/measured", "predicted compute / comm ms",
+         "measured compute / comm / host ms", "predicted MB/process (stage 0 / 1)",
          "measured MB/process", "held MB", "gloo link (measured)"), rows))
     print(f"load average at end: {os.getloadavg()}")
 

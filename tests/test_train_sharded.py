@@ -37,7 +37,7 @@ def test_a_sharded_plan_trains_as_torch_eager_does(strategy):
     theirs = torch_losses(reference, batches, torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1),
                           clip_norm=1.0)
     params = dict(module.named_parameters())
-    segments = functools.partial(char_gpt_segments, module, strategy) if strategy != "zero3" else None
+    segments = functools.partial(char_gpt_segments, module, strategy)
     result = train_sharded(strategy, _models(module, 4, 2), list(params), batches, world=2,
                            optimizer=AdamW(lr=1e-2, weight_decay=0.1), clip_norm=1.0, segments=segments,
                            micro_batches=2, pipeline="")
