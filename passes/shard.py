@@ -231,10 +231,15 @@ GRAD_FREE = frozenset({"add", "sub", "neg", "cast", "concat", "slice", "split", 
 VIEWS = frozenset({"reshape", "transpose"})
 
 
-def _local_op(op: TgOp, st: Strategy, mesh: Mesh) -> TgOp:
-    """`op` at the local shapes `st` gives it on one device (its operands new block arguments)."""
-    block = Block(arg_types=[type_of(local_info(info_of(v.type), s, mesh.shape)) for v, s in zip(op.operands, st.ins)])
-    result = [local_info(i, pre_scatter(st), mesh.shape) for i in op.result_infos()] if op.SPEC.result_given else None
+def _local_op(op: TgOp, st: Strategy, mesh: Mesh, sizes: dict[str, int] | None = None) -> TgOp:
+    """`op` at the local shapes `st` gives it on one device (its operands new block arguments);
+    with `sizes`, its symbolic dims at those sizes."""
+    def local(info: TensorInfo, spec) -> TensorInfo:
+        out = local_info(info, spec, mesh.shape)
+        return out if sizes is None else TensorInfo(tuple(int(at(d, sizes)) for d in out.shape), out.dtype)
+
+    block = Block(arg_types=[type_of(local(info_of(v.type), s)) for v, s in zip(op.operands, st.ins)])
+    result = [local(i, pre_scatter(st)) for i in op.result_infos()] if op.SPEC.result_given else None
     return make_op(op.op_name, list(block.args), op.py_attrs(), result)
 
 
@@ -245,18 +250,19 @@ def _local_time(op: TgOp, st: Strategy, mesh: Mesh, hw) -> sympy.Expr:
     return op_cost(_local_op(op, st, mesh), hw).time
 
 
-def _backward_time(op: TgOp, st: Strategy, mesh: Mesh, hw) -> sympy.Expr | None:
+def _backward_time(op: TgOp, st: Strategy, mesh: Mesh, hw, sizes: dict[str, int]) -> sympy.Expr | None:
     """The cost model's time of the ops `op`'s VJP (ir/vjp.py, what autodiff emits) builds at the
-    local shapes, every operand's gradient made; None where the op has no rule."""
+    local shapes, every operand's gradient made; None where the op has no rule. Priced at `sizes`
+    (a number, not a formula of the symbolic dims: pricing dozens of ops' formulas per op is slow)."""
     from tilegraph.ir.vjp import VJPS, Backward
 
     rule = VJPS.get(op.op_name)
     if rule is None or op.op_name in (Op.weight, Op.constant):
         return None
-    local = _local_op(op, st, mesh)
-    seeds = Block(arg_types=[r.type for r in local.results])
     b = Backward()
     try:
+        local = _local_op(op, st, mesh, sizes)
+        seeds = Block(arg_types=[r.type for r in local.results])
         rule(b, local, list(seeds.args))
     except (NotImplementedError, TilegraphError):
         return None
@@ -301,7 +307,8 @@ def weight_bytes(info: TensorInfo, st: Strategy, mesh: Mesh) -> sympy.Expr:
 
 
 def _node_cost(node: Node, st: Strategy, nodes: list[Node], mesh: Mesh, hw, training: bool, saved: bool,
-               backward: str = "flops", optimizer: Callable[[int], float] | None = None) -> dict:
+               backward: str = "flops", optimizer: Callable[[int], float] | None = None,
+               sizes: dict[str, int] | None = None) -> dict:
     """The components of one strategy (see COMPONENTS)."""
     zero = sympy.Integer(0)
     cost = dict.fromkeys(COMPONENTS, zero)
@@ -320,7 +327,7 @@ def _node_cost(node: Node, st: Strategy, nodes: list[Node], mesh: Mesh, hw, trai
         return cost
     cost["F"] = compute
     if dtypes.is_float(node.info.dtype):
-        back = _backward_time(node.op, st, mesh, hw) if backward == "vjp" and node.op is not None else None
+        back = _backward_time(node.op, st, mesh, hw, sizes or {}) if backward == "vjp" and node.op is not None else None
         compute = compute + back if back is not None else compute * FWD_BWD
     for i, spec in zip(node.operands, st.ins):
         missing = [a for a in st.split if a not in spec_axes(spec)]
@@ -573,12 +580,14 @@ def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints
         say(f"pricing each op's shardings: {done + 1} of {len(classes)} ops")
         node = nodes[c]
         ok = []
-        key = (_signature(node), mesh, training, saved[c], backward, optimizer, tuple(
+        key = (_signature(node), mesh, training, saved[c], backward, optimizer,
+               tuple(sorted(sizes.items())) if backward == "vjp" else (), tuple(
             (_needs_grad(nodes[i]), _is_weight(nodes[i]), sum(1 for _ in nodes[i].value.uses)) for i in node.operands))
         for st in node.strategies:
             if (key, st) not in _NODE_COSTS:
                 try:
-                    _NODE_COSTS[key, st] = _node_cost(node, st, nodes, mesh, hw, training, saved[c], backward, optimizer)
+                    _NODE_COSTS[key, st] = _node_cost(node, st, nodes, mesh, hw, training, saved[c], backward, optimizer,
+                                                      sizes)
                 except TilegraphError:  # a split the op's shape rule rejects at local shapes: keep what works
                     _NODE_COSTS[key, st] = None
             if _NODE_COSTS[key, st] is not None:

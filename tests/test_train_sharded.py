@@ -49,6 +49,13 @@ def test_a_sharded_plan_trains_as_torch_eager_does(strategy):
         # every weight stored as half of itself on each process (its first dim split), moments too
         assert plan["zero"] == 3
         assert list(held) == [ADAMW_ARRAYS * sum(size.values()) / 2] * 2
+        # gathered a unit (embedding, block, head) at a time with the next one prefetched, never the whole
+        # model: at most the two largest neighbouring units
+        units = [("tok.", "pos."), ("blocks.0.",), ("blocks.1.",), ("ln_f.", "head.")]
+        unit = [sum(v for k, v in size.items() if k.startswith(u)) for u in units]
+        gathered = np.array(result["memory"])[:, 4]
+        assert list(gathered) == [max(a + b for a, b in zip(unit, unit[1:]))] * 2
+        assert gathered[0] < sum(size.values())
     elif strategy == "tensor":
         # Megatron's column and row weights split, the rest (embeddings, LayerNorms, row biases, head) whole
         assert plan["zero"] == 0

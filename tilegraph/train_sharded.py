@@ -400,6 +400,7 @@ class ShardedStep:
         names = self.update.model.input_names
         self._updates = {r: names[i] for i, r in self.update.model.aliases.items()}
         self.step_peak = 0
+        self.gathered_peak = 0  # ZeRO-3: the most gathered (whole) weight bytes live at once
         self.clock = _Clock()
 
     def held(self) -> int:
@@ -482,6 +483,11 @@ class ShardedStep:
                 at += self.weights[k].size
         return float(flat[-1])
 
+    def _unit_bytes(self, c: _Compiled | None) -> int:
+        """Bytes of `c`'s split weights gathered whole."""
+        return 0 if c is None else sum(self.weights[g].nbytes * self.world for g in c.seg.params.values()
+                                       if g in self.splits)
+
     def _zero3(self, ids, targets) -> tuple[float, dict[str, np.ndarray]]:
         grads: dict[str, np.ndarray] = {}
         env = {"ids": ids, "targets": targets}
@@ -489,14 +495,18 @@ class ShardedStep:
         handle = self._gather_start(order[0]) if order else None
         for i, c in enumerate(order):
             whole = self._gather_finish(handle)
-            handle = self._gather_start(order[i + 1]) if i + 1 < len(order) else None  # prefetch
+            ahead = order[i + 1] if i + 1 < len(order) else None
+            handle = self._gather_start(ahead) if ahead is not None else None  # prefetch
+            self.gathered_peak = max(self.gathered_peak, self._unit_bytes(c) + self._unit_bytes(ahead))
             env.update(zip(c.seg.outputs, self._run_forward(c, env, whole)))
             del whole
         back = list(reversed(self.compiled))
         handle, cot, loss = self._gather_start(back[0]), {}, 0.0
         for i, c in enumerate(back):
             whole = self._gather_finish(handle)
-            handle = self._gather_start(back[i + 1]) if i + 1 < len(back) else None
+            ahead = back[i + 1] if i + 1 < len(back) else None
+            handle = self._gather_start(ahead) if ahead is not None else None
+            self.gathered_peak = max(self.gathered_peak, self._unit_bytes(c) + self._unit_bytes(ahead))
             got, value = self._run_backward(c, env, cot, 1.0, grads, whole)
             del whole
             for k, g in got.items():
@@ -658,7 +668,8 @@ def train_sharded(strategy: str, make_model: Callable[[int | None], Model], para
     initial ones (`ModelAt`); `segments()`: the model as Segments (tensor, pipeline; called in each
     process: a picklable function, e.g. functools.partial of tests/models.py char_gpt_segments); `calibrate`: the
     processes measure their device before planning (`measure_device`), else plan on the cached profile. Returns rank 0's
-    {"losses", "seconds", "plan": {...predicted...}, "memory": [(held, step peak) per rank]}."""
+    {"losses", "seconds", "plan": {...predicted...}, "memory": [(held bytes, a step's peak bytes, compute s,
+    collectives s, gathered peak bytes) per rank]}."""
     import torch.multiprocessing as mp
 
     from tilegraph.backends.distributed import _free_port
@@ -754,11 +765,11 @@ def _worker(rank, strategy, world, port, make_model, params, batches, optimizer,
             terms.append([step.clock.spent[k] - before[k] for k in ("compute", "comm")])
         if tracemalloc.is_tracing():
             tracemalloc.stop()
-        # per rank: held bytes, a step's peak, then the median step's compute and collective seconds
-        # (the first steps warm caches up: left out where there are enough)
+        # per rank: held bytes, a step's peak, the median step's compute and collective seconds (the
+        # first steps warm caches up: left out where there are enough), ZeRO-3's gathered peak bytes
         warm = np.array(terms[2:] if len(terms) > 4 else terms)
-        mem = torch.tensor([[float(step.held()), float(step.step_peak), *np.median(warm, axis=0)]],
-                           dtype=torch.float64)
+        mem = torch.tensor([[float(step.held()), float(step.step_peak), *np.median(warm, axis=0),
+                             float(step.gathered_peak)]], dtype=torch.float64)
         gathered = [torch.zeros_like(mem) for _ in range(world)]
         dist.all_gather(gathered, mem)
         secs = torch.tensor(seconds, dtype=torch.float64)
