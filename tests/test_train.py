@@ -243,3 +243,40 @@ def test_torch_dropout_in_a_training_step_is_seeded_and_its_gradient_matches_tor
     module.eval()
     plain = tilegraph.train_step(module, "cross_entropy", SGD(lr=0.5), example_inputs=(x,), target="numpy")
     assert not [op for op in plain.model.ops() if hasattr(op, "op_name") and op.op_name == Op.dropout]
+
+
+def test_bias_gradients_run_in_their_weight_gradient_gemm_steps_on_c():
+    """Each Linear's bias gradient (the column sum of dY) runs in the step of its weight
+    gradient's GEMM (X^T dY), no step of its own, and every gradient matches the float64
+    interpreter at f32's tolerance; with the fusion off, the sums are steps of their own."""
+    from tilegraph.backends.c.groups import BIAS_GRADIENT, Groups
+    from tilegraph.testing import reduction_length
+    from tilegraph.ir import interpret
+    from tilegraph.train import build_gradients
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(), torch.nn.Linear(40, 16),
+                                 torch.nn.Tanh(), torch.nn.Linear(16, 8))
+    x = torch.randn(3, 10, 24)
+    params = [n for n, _ in module.named_parameters()]
+    model = build_gradients(tilegraph.import_model(module, example_inputs=(x,)), "cross_entropy", params)
+    targets = np.random.default_rng(1).integers(0, 8, (3, 10))
+    inputs = [x.numpy(), targets] + [p.detach().numpy() for p in module.parameters()]
+    reference = interpret(model, inputs)
+
+    def steps(compiled, bias_in_gemm: bool) -> list[str]:
+        return [s.comment for s in compiled._runner.program.steps if (s.comment.endswith(BIAS_GRADIENT) if
+                                                                       bias_in_gemm else
+                                                                       s.comment.startswith("reduce_sum -> f32(1, 1, "))]
+
+    compiled = tilegraph.compile(model, target="c")
+    assert len(steps(compiled, True)) == 3 and steps(compiled, False) == []
+    assert [s.comment for s in compiled._runner.program.steps if s.host_op is not None] == []
+    for name, got, want in zip(model.output_names, compiled.run(*inputs), reference):
+        tilegraph.testing.assert_close(got, want, "f32", reduction_length(model), name=name)
+    try:
+        Groups.bias_in_gemm = False
+        plain = tilegraph.compile(model, target="c")
+    finally:
+        Groups.bias_in_gemm = True
+    assert steps(plain, True) == [] and len(steps(plain, False)) == 3
