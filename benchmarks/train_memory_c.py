@@ -9,7 +9,7 @@ actually holds (every temporary of the fused, emitted step, laid out by lifetime
 torch.compile: the module compiled under `activation_memory_budget=b` (the min-cut partitioner's
 knapsack); memory is the peak of live CPU allocations during one step above what was live before
 it (torch.profiler's memory timeline, profile_memory=True).
-Step times are interleaved round-robin across all six; prints the load average beside them.
+Each budget's pair of step times is interleaved round-robin; prints the load average beside them.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/train_memory_c.py [--layers 2] [--hidden 256] [--block 64]
         [--batch 8] [--threads 1] [--repeat 5]
@@ -94,26 +94,25 @@ def main() -> None:
                      f"{arena / 1e6:.2f} (arena)"])
         runners[("tilegraph", budget)] = lambda c=compiled: c.run(*inputs)
     for budget in BUDGETS:
+        # A fresh compile per budget (dynamo otherwise serves every module instance the first
+        # budget's graph); each budget's pair is timed right after it, interleaved, before the
+        # next reset would send this module back to the compiler.
+        torch._dynamo.reset()
         t0 = time.perf_counter()
         peer = copy.deepcopy(module)
         with torch._functorch.config.patch(activation_memory_budget=budget):
             compiled_peer = torch.compile(peer)
-            loss = float(torch_step(compiled_peer, x, y))  # compiles forward and backward under the budget
+            loss = float(torch_step(compiled_peer, x, y).detach())  # compiles forward and backward
         measured = torch_peak_bytes(lambda m=compiled_peer: torch_step(m, x, y))
         print(f"torch.compile {budget:.0%}: compiled in {time.perf_counter() - t0:.1f} s, loss {loss:.6f}")
+        ours, theirs = f"tilegraph {budget:.0%}", f"torch.compile {budget:.0%}"
+        samples = _common.interleaved_samples({ours: runners[("tilegraph", budget)],
+                                               theirs: lambda m=compiled_peer: torch_step(m, x, y)}, args.repeat)
+        ratio, q1, q3 = _common.paired_ratio(samples, ours, theirs)
+        tg_row = next(r for r in rows if r[0] == f"{budget:.0%}")
+        tg_row += [f"{np.median(samples[ours]) * 1e3:.1f}", f"{ratio:.2f}x ({q1:.2f}-{q3:.2f})"]
         rows.append([f"{budget:.0%}", "torch.compile (activation_memory_budget)", "-",
-                     f"{measured / 1e6:.2f} (profiler peak)"])
-        runners[("torch.compile", budget)] = lambda m=compiled_peer: torch_step(m, x, y)
-    names = {key: f"{key[0]} {key[1]:.0%}" for key in runners}
-    samples = _common.interleaved_samples({names[k]: f for k, f in runners.items()}, args.repeat)
-    for row in rows:
-        who = "tilegraph" if row[1].startswith("tilegraph") else "torch.compile"
-        row.append(f"{np.median(samples[f'{who} {row[0]}']) * 1e3:.1f}")
-    for budget in BUDGETS:
-        ratio, q1, q3 = _common.paired_ratio(samples, f"tilegraph {budget:.0%}", f"torch.compile {budget:.0%}")
-        for row in rows:
-            if row[0] == f"{budget:.0%}":
-                row.append(f"{ratio:.2f}x ({q1:.2f}-{q3:.2f})")
+                     f"{measured / 1e6:.2f} (profiler peak)", f"{np.median(samples[theirs]) * 1e3:.1f}", ""])
     print(_common.format_table(("budget", "runner", "predicted MB", "measured MB", "step ms",
                                 "tilegraph / torch.compile (median per round, quartiles)"), rows, "llrrrr"))
     print(f"threads {args.threads}; load average at end: {os.getloadavg()}")
