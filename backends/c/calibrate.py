@@ -36,10 +36,9 @@ from pathlib import Path
 import numpy as np
 
 from tilegraph.backends.c.build import BuildError
-from tilegraph.backends.numpy.calibrate import (ATTENTION_BATCH, ATTENTION_HEAD_DIMS, ATTENTION_HEADS, ATTENTION_SEQ,
-                                                Progress, _physical_memory, cache_sizes, measure_and_save,
-                                                median_times, table)
 from tilegraph.ir import Graph
+from tilegraph.ir.calibration import (ATTENTION_BATCH, ATTENTION_HEAD_DIMS, ATTENTION_HEADS, ATTENTION_SEQ, Progress,
+                                     cache_sizes, measure_and_save, median_times, physical_memory, table)
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.fusion import GroupKind, outline
@@ -83,7 +82,7 @@ STREAM_QUICK = 1 << 23  # 32 MiB per array: three of them overflow a 32 MiB L3
 BUDGET, QUICK_BUDGET = 0.4, 0.1
 
 
-# Which batch of a measurement counts (backends/numpy/calibrate.median_times): the lower
+# Which batch of a measurement counts (ir/calibration.median_times): the lower
 # quartile. On a shared machine most batches lose time slices to other processes, so a
 # median prices the neighbours' load into every kernel; the quietest batch alone would be
 # too fast (a lone core's turbo clock).
@@ -331,7 +330,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         cache_bytes=caches["l2"],
         l3_bytes=l3_bytes,
         l3_bandwidth=l3_bandwidth,
-        memory_bytes=_physical_memory(),
+        memory_bytes=physical_memory(),
         cores=cores,
         shared_memory_per_core=caches["l1d"],
         registers_per_core=0,
