@@ -56,7 +56,7 @@ GEMM_SHAPES = ((32, 384, 384), (128, 384, 384), (256, 1536, 384), (256, 384, 153
 QUICK_GEMM_SHAPES = ((32, 384, 384), (128, 384, 384), (1024, 384, 1536), (128, 3072, 768))
 # Convolutions timed (oneDNN, all threads, one image): x shape, weight shape, groups. A 3x3 and a
 # 1x1 of ResNet's middle stages, and a depthwise 3x3 of MobileNet's: each kind's rate is read
-# against the GEMM curve at its implicit GEMM's shape (passes/cost/model._c_conv_time).
+# against the GEMM curve at its implicit GEMM's shape (passes/targets/c.conv_time).
 CONV_CASES = {"dense": ((1, 64, 56, 56), (64, 64, 3, 3), 1), "pointwise": ((1, 256, 28, 28), (128, 256, 1, 1), 1),
               "depthwise": ((1, 96, 56, 56), (96, 1, 3, 3), 96)}
 # The gather timed: rows of a table as wide as a BERT-base hidden state.
