@@ -3,6 +3,8 @@
  * library every module links against; nothing model-specific is in it. */
 #include "runtime.h"
 
+#include <sys/mman.h>
+
 char tg_err[1024];
 static dnnl_engine_t tg_engine;
 static dnnl_stream_t tg_stream;
@@ -37,6 +39,51 @@ int tg_amx_supported(void) {
 }
 
 void tg_set_bf16(int on) { tg_fpmath = on ? dnnl_fpmath_mode_bf16 : dnnl_fpmath_mode_strict; }
+
+/* Packed weights and reorder scratch on the kernel's transparent huge pages, where it
+ * offers them on request (/sys/kernel/mm/transparent_hugepage/enabled: always or madvise).
+ * A forward streams every packed weight once (ResNet-50: ~100 MB, mostly from beyond the
+ * cores' L2): with 4 KiB pages that is a TLB miss and a page walk every 4 KiB, which
+ * onnxruntime's and our own convolution kernels then wait on. Only whole huge pages inside
+ * an allocation are advised, so a small weight costs nothing extra. tg_set_huge_pages(0)
+ * turns it off (benchmarks/c_steps.py --no-huge-pages measures the difference);
+ * tg_huge_page_bytes() counts the bytes advised (tests check the path is taken). */
+static int tg_huge = 1;
+static size_t tg_huge_size; /* the huge page size, 0 when the kernel offers none; read once */
+static size_t tg_huge_bytes;
+void tg_set_huge_pages(int on) { tg_huge = on; }
+size_t tg_huge_page_bytes(void) { return tg_huge_bytes; }
+
+static size_t tg_huge_page_size(void) {
+    static int known;
+    if (known) return tg_huge_size;
+    known = 1;
+    char mode[128] = {0};
+    FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r");
+    if (!f) return 0;
+    size_t n = fread(mode, 1, sizeof mode - 1, f);
+    fclose(f);
+    mode[n] = 0;
+    if (!strstr(mode, "[always]") && !strstr(mode, "[madvise]")) return 0;
+    unsigned long long size = 0;
+    f = fopen("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size", "r");
+    if (!f) return 0;
+    if (fscanf(f, "%llu", &size) != 1) size = 0;
+    fclose(f);
+    if (size & (size - 1)) size = 0; /* (aligned_alloc needs a power of two) */
+    tg_huge_size = (size_t)size;
+    return tg_huge_size;
+}
+
+/* size bytes (64-aligned; rounded up to 64) for data a forward streams through. */
+static void *tg_alloc_big(size_t size) {
+    size_t huge = tg_huge ? tg_huge_page_size() : 0;
+    size = (size + 63) / 64 * 64;
+    if (!huge || size < huge) return aligned_alloc(64, size);
+    void *p = aligned_alloc(huge, (size + huge - 1) / huge * huge);
+    if (p && madvise(p, size / huge * huge, MADV_HUGEPAGE) == 0) tg_huge_bytes += size / huge * huge;
+    return p;
+}
 
 static const char *tg_impl(const_dnnl_primitive_desc_t pd) {
     const char *impl = NULL;
@@ -191,7 +238,7 @@ static int tg_pack(tg_packed *pack, const_dnnl_memory_desc_t plain_md, const voi
     dnnl_primitive_t reorder;
     dnnl_memory_t from, to;
     size_t size = dnnl_memory_desc_get_size(want);
-    pack->data = aligned_alloc(64, (size + 63) / 64 * 64);
+    pack->data = tg_alloc_big(size);
     if (!pack->data) TG_FAIL("out of memory packing a weight (%zu bytes)", size);
     TG_DNNL(dnnl_memory_desc_clone(&pack->md, want), "md_clone");
     TG_DNNL(dnnl_reorder_primitive_desc_create(&rpd, plain_md, tg_engine, want, tg_engine, NULL), "reorder_pd");
@@ -248,7 +295,7 @@ static int tg_reorder_step(dnnl_primitive_t *re, dnnl_memory_t *user_mem, void *
                            const_dnnl_memory_desc_t user, const_dnnl_memory_desc_t want, int into) {
     dnnl_primitive_desc_t rpd;
     size_t size = dnnl_memory_desc_get_size(want);
-    *tmp = aligned_alloc(64, (size + 63) / 64 * 64 + 64);
+    *tmp = tg_alloc_big(size + 64);
     if (!*tmp) TG_FAIL("out of memory for a reorder's scratch (%zu bytes)", size);
     TG_DNNL(dnnl_reorder_primitive_desc_create(&rpd, into ? user : want, tg_engine, into ? want : user, tg_engine,
                                                NULL), "reorder_pd");

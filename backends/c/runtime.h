@@ -86,6 +86,8 @@ int tg_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_s
                    int chain_out);
 int tg_bf16_supported(void);
 int tg_reorder_count(void);
+void tg_set_huge_pages(int on);
+size_t tg_huge_page_bytes(void);
 int tg_amx_supported(void);
 void tg_set_bf16(int on);
 int tg_primitive_count(void);
