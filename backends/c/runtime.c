@@ -217,7 +217,9 @@ static int tg_attr(dnnl_primitive_attr_t *attr, int npost, const tg_post *posts,
     if (!npost) return 0;
     TG_DNNL(dnnl_post_ops_create(&po), "post_ops_create");
     for (int i = 0; i < npost; i++) {
-        if (posts[i].binary) {
+        if (posts[i].binary == TG_POST_SUM) {
+            TG_DNNL(dnnl_post_ops_append_sum(po, 1.f, 0, dnnl_data_type_undef), "append_sum");
+        } else if (posts[i].binary) {
             dnnl_memory_desc_t md = tg_md(posts[i].nd, posts[i].dims, posts[i].strides, dnnl_f32);
             if (!md) TG_FAIL("oneDNN rejected an epilogue operand's layout");
             TG_DNNL(dnnl_post_ops_append_binary(po, (dnnl_alg_kind_t)posts[i].alg, md), "append_binary");
@@ -305,6 +307,15 @@ static int tg_reorder_step(dnnl_primitive_t *re, dnnl_memory_t *user_mem, void *
     return 0;
 }
 
+/* Whether `attr` accumulates into the destination (a TG_POST_SUM post-op). */
+static int tg_has_sum(const_dnnl_primitive_attr_t attr) {
+    const_dnnl_post_ops_t po = NULL;
+    if (dnnl_primitive_attr_get_post_ops(attr, &po) != dnnl_success || !po) return 0;
+    for (int i = 0; i < dnnl_post_ops_len(po); i++)
+        if (dnnl_post_ops_get_kind(po, i) == dnnl_sum) return 1;
+    return 0;
+}
+
 /* `pd` runs on the reference kernel in the caller's layouts: asks oneDNN for the layouts
  * it has a fast kernel for (source, weight and destination all `any`) and, where that
  * kernel is not ref, takes it with reorders around it (the weight packed once if it is
@@ -328,7 +339,14 @@ static int tg_relayout(tg_prim *g, dnnl_primitive_desc_t *pd, tg_pd_fn make, con
     dnnl_memory_desc_query(io->dst, dnnl_query_dims, &dd);
     dnnl_memory_desc_query(io->dst, dnnl_query_data_type, &dt);
     any_io->src = tg_md_any(nd_s, *sd, st);
-    any_io->dst = tg_md_any(nd_d, *dd, dt);
+    /* (a destination the primitive accumulates into stays where the caller keeps it: a
+     * scratch in another layout would not hold the values to add) */
+    any_io->dst = NULL;
+    if (tg_has_sum(attr)) {
+        if (dnnl_memory_desc_clone(&any_io->dst, io->dst) != dnnl_success) any_io->dst = NULL;
+    } else {
+        any_io->dst = tg_md_any(nd_d, *dd, dt);
+    }
     dnnl_memory_desc_t any_w = tg_md_any(nd_w, wdims, wdt);
     if (any_io->src && any_io->dst && any_w && make(&fast, any_ctx, any_w, attr) == dnnl_success && tg_is_ref(fast)) {
         dnnl_primitive_desc_destroy(fast);

@@ -37,8 +37,10 @@ int tg_max_threads(void);
     if (st_ != dnnl_success) TG_FAIL("oneDNN %s failed (status %d)", what, (int)st_); } while (0)
 
 /* An epilogue step oneDNN applies to each output block while it is in cache:
- * an eltwise function (alg, alpha, beta) or a binary op with a second tensor
- * (dims broadcast against the output, strides of its own). */
+ * an eltwise function (alg, alpha, beta), a binary op with a second tensor
+ * (dims broadcast against the output, strides of its own), or (binary == TG_POST_SUM)
+ * the sum of what the destination held before: a residual add accumulated in place. */
+#define TG_POST_SUM 2
 typedef struct {
     int binary;
     int alg;
