@@ -145,7 +145,7 @@ def main(argv=None) -> int:
             profiled = (cpu_speed.ort_session(module, case.inputs, case.input_names, Path(tmp), args.threads,
                                               profile=True) if args.ort_profile else None)
         feeds = dict(zip(case.input_names, arrays))
-        optimized = tilegraph.compile(tilegraph.import_model(module, case.inputs), target="numpy",
+        optimized = tilegraph.compile(tilegraph.import_model(module, case.inputs), target="c",
                                       pipeline=DEFAULT_PIPELINE).model
         steps, whole = step_times(optimized, arrays, args.repeat, args.threads, args.precision)
         session.run(None, feeds)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import sympy
 from xdsl.ir import SSAValue
 
@@ -69,7 +71,7 @@ class OneDNN(EmitterParts):
                     break
                 if name == Op.add and not posts and accumulate is not None and o.literal is None and \
                         accumulate(op, other[0], o):
-                    posts.append(f"{{TG_POST_SUM, 0, 1.f, 0.f, 0, {{0}}, {{0}}}}")
+                    posts.append("{TG_POST_SUM, 0, 1.f, 0.f, 0, {0}, {0}}")
                     into = o
                 elif o.literal is not None:
                     alpha, beta = ("1.f", o.literal) if name == Op.add else (o.literal, "0.f") if name == Op.mul \
@@ -210,7 +212,7 @@ class OneDNN(EmitterParts):
             return False
 
     def _run_primitive(self, op: TgOp, k: int, state: list[str], src: View, weights: View, third: View | None,
-                       dst: View, post_views: list[View], out: View, accumulated: list[View] = ()) -> None:
+                       dst: View, post_views: list[View], out: View, accumulated: Sequence[View] = ()) -> None:
         """The step running oneDNN primitive `k` (set up by `state`): src and weights in, the
         third operand (a GEMM's column scales, a convolution's bias) if any, the epilogue's
         operands, written to dst (`out`'s view as the primitive sees it); `accumulated`: the
