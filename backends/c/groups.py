@@ -234,9 +234,10 @@ class Groups(EmitterParts):
             self._step_indices = {id(s): i for i, s in enumerate(self.prog.steps)}
         return self._step_indices.get(id(op), len(self.prog.steps))
 
-    def _readers(self, value: SSAValue) -> set[int]:
+    def _readers(self, value: SSAValue, enclosing: bool = False) -> set[int]:
         """The positions of the steps reading `value` or any view of it (views followed
-        through); an op no step is (the function's return) counts as after the last."""
+        through); an op no step is (the function's return) counts as after the last, and so
+        does an op inside a group unless `enclosing` (then its group's position)."""
         inner: dict[SSAValue, list[SSAValue]] = {}  # value -> the region arguments standing for it
         for a, v in self.prog.alias.items():
             inner.setdefault(v, []).append(a)
@@ -247,7 +248,11 @@ class Groups(EmitterParts):
             pending.extend(inner.get(v, []))
             for use in v.uses:
                 op = use.operation
-                found.add(self._step_index(op))
+                step, outer = self._step_index(op), op
+                while enclosing and step == len(self.prog.steps) and outer.parent_op() is not None:
+                    outer = outer.parent_op()
+                    step = self._step_index(outer)
+                found.add(step)
                 if isinstance(op, TgOp) and op.SPEC.view:
                     pending.extend(op.results)
         return found
