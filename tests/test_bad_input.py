@@ -293,21 +293,23 @@ def test_fuse_and_tile_price_candidates_as_numbers_and_decide_as_the_formulas_wo
     import contextlib
 
     import tilegraph.passes.fuse as fuse
-    import tilegraph.passes.tile as tile
+    from tilegraph.passes.cost import model
     from tilegraph.passes.registry import run_pipeline
 
     pipeline = 'canonicalize,cse,simplify-shapes,dce,fuse{target="cpu"},tile{target="cpu"}'
-    priced = []
-    for module in (fuse, tile):
-        def recording(*args, _real=module.group_cost, **kwargs):
+    # fuse prices through its own import of group_cost, tile's target tilers through the model's.
+    priced = {"fuse": [], "tile": []}
+    for module, name in ((fuse, "fuse"), (model, "tile")):
+        def recording(*args, _real=module.group_cost, _seen=priced[name], **kwargs):
             cost = _real(*args, **kwargs)
-            priced.append(cost.time)
+            _seen.append(cost.time)
             return cost
         monkeypatch.setattr(module, "group_cost", recording)
     by_numbers = str(run_pipeline(tilegraph.import_model(str(EXAMPLE)), pipeline).module)
-    assert priced and not [t for t in priced if getattr(t, "free_symbols", None)]
+    assert all(priced.values()), {k: len(v) for k, v in priced.items()}
+    assert not [t for seen in priced.values() for t in seen if getattr(t, "free_symbols", None)]
     assert "batch" in by_numbers  # the model stays symbolic: only the pricing is at the nominal size
-    for module in (fuse, tile):
+    for module in (fuse, model):
         monkeypatch.setattr(module, "nominal_sizes", contextlib.nullcontext)
     by_formulas = str(run_pipeline(tilegraph.import_model(str(EXAMPLE)), pipeline).module)
     assert by_numbers == by_formulas
