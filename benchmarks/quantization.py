@@ -34,7 +34,7 @@ import torch  # noqa: E402
 import tilegraph  # noqa: E402
 from tilegraph.backends.onnx_export import save_onnx  # noqa: E402
 from tilegraph.passes.gptq import hessians  # noqa: E402
-from tilegraph.passes.quantize import SCHEMES, calibrate, linear_layers, save_calibration, save_hessians  # noqa: E402
+from tilegraph.passes.quantize import SCHEMES, observe_ranges, save_ranges, save_hessians  # noqa: E402
 from tilegraph.passes.registry import UNFUSED_PIPELINE, run_pipeline  # noqa: E402
 from tests.models import export_onnx, minilm_model, minilm_tokenizer  # noqa: E402
 
@@ -161,8 +161,8 @@ def tilegraph_variants(model, calib_batches) -> dict[str, object]:
     base = run_pipeline(model, UNFUSED_PIPELINE)
     out = {"tilegraph fp32": base}
     with tempfile.TemporaryDirectory() as tmp:
-        ranges = calibrate(base, calib_batches, "percentile")
-        calib = save_calibration(Path(tmp) / "calib.npz", ranges)
+        ranges = observe_ranges(base, calib_batches, "percentile")
+        calib = save_ranges(Path(tmp) / "calib.npz", ranges)
         for scheme in SCHEMES:
             out[f"tilegraph {scheme}" + (" dynamic" if SCHEMES[scheme].activation else "")] = \
                 run_pipeline(base, f"quantize{{scheme={scheme}}}")

@@ -69,4 +69,4 @@ def tile_attr(tile: dict) -> DictionaryAttr:
 
 def choose_tile(group: FusionOp, hw, max_rows: int = 0, max_cols: int = 0, blas_gemm: bool = False) -> dict[str, int]:
     """The tile of `group` for the way code runs on `hw` (its module in passes/targets/)."""
-    return model.target(hw).tile(group, hw, max_rows, max_cols, blas_gemm)
+    return model.target(hw).choose_tile(group, hw, max_rows, max_cols, blas_gemm)

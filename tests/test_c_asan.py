@@ -253,7 +253,7 @@ SHAPE_CASES = 150  # C shape mutations in the sanitized child (the long run: pyt
 def _quantized():
     from tilegraph.backends.c import compile_model
     from tilegraph.ir import Graph
-    from tilegraph.passes.quantize import calibrate, save_calibration
+    from tilegraph.passes.quantize import observe_ranges, save_ranges
     from tilegraph.passes.registry import DEFAULT_PIPELINE, run_pipeline
 
     rng = np.random.default_rng(0)
@@ -266,7 +266,7 @@ def _quantized():
         spec = "quantize{scheme=%s}" % scheme
         if scheme == "calibrated":
             with tempfile.TemporaryDirectory() as tmp:
-                path = save_calibration(Path(tmp) / "c.npz", calibrate(model, [[xs]]))
+                path = save_ranges(Path(tmp) / "c.npz", observe_ranges(model, [[xs]]))
                 q = run_pipeline(model, f'quantize{{scheme=w8a8 calib="{path}" symmetric=true}},{DEFAULT_PIPELINE}')
         else:
             q = run_pipeline(model, spec + "," + DEFAULT_PIPELINE)

@@ -1,4 +1,4 @@
-"""The library entry point of `tilegraph quantize`: calibrate (where the scheme quantizes
+"""The library entry point of `tilegraph quantize`: observe activation ranges (where the scheme quantizes
 activations), collect GPTQ's Hessians (rounding=gptq), choose per-layer formats (an error
 budget), and run the pass. The command reads files, prints and writes; this decides."""
 
@@ -12,9 +12,9 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from tilegraph.ir.model import Model
-from tilegraph.passes.quantize.files import save_calibration, save_hessians
+from tilegraph.passes.quantize.files import save_ranges, save_hessians
 from tilegraph.passes.quantize.mixed import MixedPlan, mixed_precision
-from tilegraph.passes.quantize.observers import calibrate
+from tilegraph.passes.quantize.observers import observe_ranges
 from tilegraph.passes.quantize.schemes import DEFAULT_PERCENTILE, SCHEMES, QuantizeError, linear_layers
 
 
@@ -53,13 +53,13 @@ def quantize_model(model: Model, scheme: str = "w8a8", *, batches: Sequence[Sequ
         raise QuantizeError("the model has no matmul by a 2-D float weight: nothing to quantize")
     ranges = plan = None
     if batches is not None and SCHEMES[scheme].activation:
-        ranges = calibrate(model, batches, observer, percentile=percentile or DEFAULT_PERCENTILE,
+        ranges = observe_ranges(model, batches, observer, percentile=percentile or DEFAULT_PERCENTILE,
                            symmetric=symmetric, progress=lambda it: progress(it, "calibrating"))
     spec = f"scheme={scheme} observer={weight_observer} symmetric={str(symmetric).lower()}"
     with tempfile.TemporaryDirectory() as tmp:  # the pass reads ranges and Hessians from files
         options = {"observer": weight_observer, "symmetric": str(symmetric).lower()}
         if ranges is not None:
-            options["calib"] = f'"{save_calibration(Path(tmp) / "calib.npz", ranges)}"'
+            options["calib"] = f'"{save_ranges(Path(tmp) / "calib.npz", ranges)}"'
         if rounding == "gptq":
             from tilegraph.passes.gptq import hessians
 

@@ -1,4 +1,4 @@
-"""`tilegraph quantize`: calibrate on sample inputs, choose schemes, write the quantized model."""
+"""`tilegraph quantize`: observe activation ranges on sample inputs, choose schemes, write the quantized model."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def _quantize(args) -> int:
         SCHEMES,
         linear_layers,
         quantize_model,
-        save_calibration,
+        save_ranges,
     )
     from tilegraph.passes.registry import UNFUSED_PIPELINE, run_pipeline
 
@@ -74,7 +74,7 @@ def _quantize(args) -> int:
         proto = to_onnx(quantized, Path(args.export_onnx).stem)
     write_together({weights_path(out): quantized.weights.save, out: lambda p: p.write_text(quantized.text)})
     if ranges is not None:
-        save_calibration(calib_path, ranges)
+        save_ranges(calib_path, ranges)
     layers = result.layers
     what, how = f"{layers} linear layers ({args.scheme}", ""
     if mixed:  # say what the search chose, not what it was offered
