@@ -292,7 +292,7 @@ def mixed_table(model, cal_batches, inputs, cosine, repeats: int) -> str:
     for target in MIXED_TARGETS:
         memo: dict = {}  # the sensitivities measured for one budget serve the other
         for budget in MIXED_BUDGETS:
-            plan = mixed_precision(base, cal_batches[:2], list(MIXED_SCHEMES), max_error=budget, target=target,
+            plan = mixed_precision(base, cal_batches[:2], list(MIXED_SCHEMES), max_error=budget, hardware=target,
                                    sizes=sizes, memo=memo)
             formats = plan.formats
             counts = {f: sum(1 for v in formats.values() if v == f) for f in ("none", *MIXED_SCHEMES)}

@@ -77,10 +77,10 @@ KINDS = C_KINDS + [GroupKind.HORIZONTAL_MATMUL]
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.value)
 def test_fuse_makes_each_kind(kind):
-    from tilegraph.passes.registry import DEFAULT_PIPELINE, run_pipeline, with_target
+    from tilegraph.passes.registry import DEFAULT_PIPELINE, run_pipeline, with_hardware
 
     target = "c" if kind in C_KINDS else "cpu"
-    model = run_pipeline(_model(kind), with_target(DEFAULT_PIPELINE, target))
+    model = run_pipeline(_model(kind), with_hardware(DEFAULT_PIPELINE, target))
     kinds = [op.kind for op in model.func.walk() if isinstance(op, FusionOp)]
     assert kinds == [kind.value]
 

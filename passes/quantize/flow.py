@@ -34,13 +34,13 @@ def quantize_model(model: Model, scheme: str = "w8a8", *, batches: Sequence[Sequ
                    observer: str = "minmax", percentile: float | None = None, weight_observer: str = "minmax",
                    symmetric: bool = False, rounding: str = "nearest", act_order: bool = False,
                    max_error: float | None = None, min_cosine: float | None = None, fallback: str | None = None,
-                   target: str = "cpu",
+                   hardware: str = "cpu",
                    progress: Callable[[Iterable, str], Iterable] = lambda it, what: it) -> Quantized:
     """Quantize the linear layers of `model` (run the unfused pipeline on it first) by `scheme`.
 
     batches: calibration inputs (each one array per model input); needed for rounding="gptq"
     and for an error budget (max_error, min_cosine: the layers are then quantized by `scheme`,
-    or `fallback`, or left float, as `mixed_precision` chooses for `target`); used for activation
+    or `fallback`, or left float, as `mixed_precision` chooses for `hardware`); used for activation
     ranges where the scheme quantizes activations. progress(iterable, what) wraps each long loop.
     """
     from tilegraph.passes.registry import run_pipeline
@@ -71,7 +71,7 @@ def quantize_model(model: Model, scheme: str = "w8a8", *, batches: Sequence[Sequ
         pipeline = f"quantize{{{spec}}}"
         if mixed:
             schemes = [scheme] + ([fallback] if fallback not in (None, "none", scheme) else [])
-            plan = mixed_precision(model, batches, schemes, max_error, min_cosine, target,
+            plan = mixed_precision(model, batches, schemes, max_error, min_cosine, hardware,
                                    progress=lambda it: progress(it, "sensitivity"), **options)
             pipeline = plan.pipeline
         return Quantized(run_pipeline(model, pipeline), ranges, plan, layers)

@@ -41,7 +41,7 @@ def _quantize(args) -> int:
         from tilegraph.ir.hardware import check_target
 
         try:
-            check_target(args.target)
+            check_target(args.hardware)
         except ValueError as e:
             raise TilegraphError(str(e)) from None
     if args.rounding == "gptq" and args.calib is None:
@@ -63,7 +63,7 @@ def _quantize(args) -> int:
         model, args.scheme, batches=batches, observer=args.observer, percentile=args.percentile,
         weight_observer=args.weight_observer, symmetric=args.symmetric, rounding=args.rounding,
         act_order=args.act_order, max_error=args.max_error, min_cosine=args.min_cosine, fallback=args.fallback,
-        target=args.target, progress=lambda it, what: tqdm(it, desc=what, unit=units[what], file=sys.stderr))
+        hardware=args.hardware, progress=lambda it, what: tqdm(it, desc=what, unit=units[what], file=sys.stderr))
     quantized, ranges, plan = result.model, result.ranges, result.plan
     for line in plan.remarks if plan else []:
         print(line)
@@ -84,7 +84,7 @@ def _quantize(args) -> int:
         floats = got.pop("none", 0)
         what = f"{layers - floats} of {layers} linear layers ("
         how = ", ".join([f"{n} {scheme}" for scheme, n in got.most_common()] + ([f"{floats} float"] if floats else [])
-                        ) + f"; chosen for {args.target}"
+                        ) + f"; chosen for {args.hardware}"
     print(f"quantized {what}{how}"
           + (f", activations calibrated by {args.observer} on {args.calib}" if ranges else
              ", activation scales from the data at run time" if SCHEMES[args.scheme].activation else "")
