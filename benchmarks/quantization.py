@@ -300,7 +300,7 @@ def mixed_table(model, cal_batches, inputs, cosine, repeats: int) -> str:
             label = f"{target} max-error {budget:g}"
             lines.append(f"{label}: float: {', '.join(kept) if len(kept) < len(formats) else 'every layer'}")
             measured = ""
-            if hardware(target).kind == "cpu":
+            if hardware(target).device == "cpu":
                 compiled = tilegraph.compile(run_pipeline(base, plan.pipeline), target="numpy")
                 runners[label] = (lambda c: lambda: c(*inputs))(compiled)
                 measured = label
@@ -314,7 +314,7 @@ def mixed_table(model, cal_batches, inputs, cosine, repeats: int) -> str:
             t = sum(layer_time(*plan.shapes[n], scheme, hw) for n in formats)
             label = f"{target} every layer {scheme}"
             measured = ""
-            if hw.kind == "cpu":
+            if hw.device == "cpu":
                 compiled = tilegraph.compile(run_pipeline(base, f"quantize{{scheme={scheme} embeddings=false}}"),
                                              target="numpy")
                 runners[label] = (lambda c: lambda: c(*inputs))(compiled)

@@ -24,7 +24,7 @@ def _cost(args) -> int:
     cost = module_cost(model.module, hw)
     symbols = _input_symbols(model) | _cost_symbols(cost)
     check_dims(dims, symbols)
-    print(f"{Path(args.model).name} on {hw.name}" + (f" ({hw.source})" if hw.kind == "cpu" else ""))
+    print(f"{Path(args.model).name} on {hw.name}" + (f" ({hw.source})" if hw.device == "cpu" else ""))
     print(f"pipeline: {pipeline or '(none)'}")
     if args.symbolic:
         _print_formulas(cost, dims)
@@ -112,7 +112,7 @@ def _decode_cost(args, hw) -> int:
                          DEFAULT_PIPELINE)
     predicted = float(at(module_cost(model.module, hw).time, {}))
     print(f"{Path(args.model).name}: {c.arch}, {c.layers} layers, decode of {batch} sequence(s) at cache depth "
-          f"{args.depth}, on {hw.name}" + (f" ({hw.source})" if hw.kind == "cpu" else ""))
+          f"{args.depth}, on {hw.name}" + (f" ({hw.source})" if hw.device == "cpu" else ""))
     print(f"bytes read per step: {format_count(weight_bytes)} of weights + {format_count(cache_bytes)} of "
           f"{args.cache_dtype} KV cache "
           f"= {format_count(per_step)}")
