@@ -96,7 +96,7 @@ def test_the_c_backend_lowers_each_kind_as_one_step(kind):
     compiled = tilegraph.compile(model, target="c")
     program = compiled._runner.program
     assert len(program.steps) == 1 and program.steps[0].host_op is None, [s.comment for s in program.steps]
-    temps = [b for b in program.emitter.buffers if b.kind == "temp"]
+    temps = [b for b in program.emitter.buffers if b.storage == "temp"]
     assert len(temps) == len(model.outputs) + EXTRA_BUFFERS.get(kind, 0)
     xs = _inputs(model)
     for got, want in zip(compiled.run(*xs), interpret(model, xs)):
