@@ -342,9 +342,9 @@ def _node_cost(node: Node, st: Strategy, nodes: list[Node], mesh: Mesh, hw, trai
     if _is_weight(node) and dtypes.is_float(node.info.dtype):
         cost["W"] = weight_bytes(node.info, st, mesh)
         if optimizer is not None:  # the optimizer steps on the elements this device updates
-            free = mesh.group_size([a for a in range(len(mesh.shape)) if a not in spec_axes(st.out)])
+            replicas = mesh.group_size([a for a in range(len(mesh.shape)) if a not in spec_axes(st.out)])
             elements = at(nbytes(local_info(node.info, st.out, mesh.shape))) / dtypes.numpy_dtype(node.info.dtype).itemsize
-            cost["Cst"] = sympy.Float(optimizer(int(elements // free if st.zero >= 1 else elements)))
+            cost["Cst"] = sympy.Float(optimizer(int(elements // replicas if st.zero >= 1 else elements)))
         if st.zero:  # the updated slices all-gathered after the optimizer step
             free = [a for a in range(len(mesh.shape)) if a not in spec_axes(st.out)]
             cost["Ost"] = mesh.collective("all_gather", free, out_bytes)
