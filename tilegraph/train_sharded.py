@@ -1,9 +1,9 @@
 """The shard planner's training plans executed for real: ZeRO-3 data parallelism, Megatron tensor
 parallelism and GPipe pipeline stages on local processes (torch.multiprocessing + gloo).
 
-Every process plans first (`plan_for`: passes/shard.py's integer program with the strategy's layout
+Rank 0 plans first (`plan_for`: passes/shard.py's integer program with the strategy's layout
 pinned, on a mesh of this machine's CPU profile and a gloo link measured by the processes together,
-`measure_link`), then executes what the plan says:
+`measure_link`) and sends every rank the plan's decisions; each then executes what the plan says:
 
   zero3     each float weight the plan stores split (its spec splits dim d over the data axis) is held
             as this rank's slice of dim d, with its AdamW moments; the model runs as segments (FSDP
@@ -40,7 +40,6 @@ import contextlib
 import dataclasses
 import datetime
 import os
-import tempfile
 import time
 import tracemalloc
 from dataclasses import dataclass, field
@@ -269,6 +268,14 @@ class Segment:
     partial: bool = False  # outputs are partial sums over the tensor-parallel group
     loss: bool = False  # the model's first output are the logits; the segment returns the loss
 
+    # sent to the processes as text and weights (xDSL's IR does not pickle), as ModelAt's models are
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "model": (self.model.text, dict(self.model.weights))}
+
+    def __setstate__(self, state: dict) -> None:
+        text, weights = state["model"]
+        self.__dict__.update(state, model=Model.parse(text, weights))
+
 
 @dataclass
 class Segments:
@@ -348,19 +355,20 @@ class _Timed:
 class ShardedStep:
     """One rank's training step under a plan (see the module docstring)."""
 
-    def __init__(self, strategy: str, plan, params: dict[str, np.ndarray], optimizer, rank: int, world: int,
+    def __init__(self, strategy: str, splits: dict[str, int], params: dict[str, np.ndarray], optimizer, rank: int,
+                 world: int,
                  target: str, pipeline: Any, options: dict,
                  segments: Segments | None = None, micro_batches: int = 1, clip_norm: float | None = None,
-                 rows: int = 0):
+                 rows: int = 0, pieces: list[Segment] | None = None):
         import torch.distributed as dist
 
         import tilegraph
         from tilegraph.ir.shapes import info_of
         from tilegraph.train import build_update
 
-        self.strategy, self.plan, self.optimizer, self.rank, self.world = strategy, plan, optimizer, rank, world
+        self.strategy, self.optimizer, self.rank, self.world = strategy, optimizer, rank, world
         self.clip_norm, self.micro_batches, self.steps = clip_norm, micro_batches, 0
-        self.splits = stored_splits(plan)
+        self.splits = splits  # weight name -> the dim it is stored split on (`stored_splits` of the plan)
         if segments is None:
             raise ShardedTrainError(f"{strategy} runs the model as segments: pass segments=")
         self.stages = 2 if strategy == "pipeline" else 1
@@ -368,7 +376,9 @@ class ShardedStep:
         self.dp = world // self.stages if strategy == "pipeline" else world if strategy == "zero3" else 1
         self.stage = rank // self.dp if strategy == "pipeline" else 0
         tp_rank = rank if strategy == "tensor" else 0
-        segs = segments.build(tp_rank, self.tp, rows)
+        # `pieces`: this rank's segments built by the caller (`Processes.train` builds them once, in
+        # the parent, where torch.export is already imported: importing it costs each process seconds)
+        segs = pieces if pieces is not None else segments.build(tp_rank, self.tp, rows)
         if strategy == "pipeline":
             assert segments.stage_of is not None
             segs = [s for s in segs if segments.stage_of(s) == self.stage]
@@ -663,30 +673,110 @@ def train_sharded(strategy: str, make_model: Callable[[int | None], Model], para
                   batches: Sequence[tuple[Any, Any]], world: int, optimizer, clip_norm: float | None = None,
                   segments: Callable[[], Segments] | None = None, micro_batches: int = 2, target: str = "numpy",
                   pipeline: Any = None, timeout_s: float = 900.0, calibrate: bool = False) -> dict:
-    """Train with `strategy` on `world` local processes; `make_model(rows)`: the whole model as tg IR at
-    `rows` rows of a batch (None: the batch dim symbolic, named B, as the plan wants it), weights the
-    initial ones (`ModelAt`); `segments()`: the model as Segments (tensor, pipeline; called in each
-    process: a picklable function, e.g. functools.partial of tests/models.py char_gpt_segments); `calibrate`: the
-    processes measure their device before planning (`measure_device`), else plan on the cached profile. Returns rank 0's
-    {"losses", "seconds", "plan": {...predicted...}, "memory": [(held bytes, a step's peak bytes, compute s,
-    collectives s, gathered peak bytes) per rank]}."""
-    import torch.multiprocessing as mp
+    """Train with `strategy` on `world` local processes started for this run (`Processes.train`, which
+    see: several runs on one set of processes pay its start-up once)."""
+    _check(strategy, batches, world, micro_batches)
+    with Processes(world, timeout_s) as group:
+        return group.train(strategy, make_model, params, batches, optimizer, clip_norm=clip_norm, segments=segments,
+                           micro_batches=micro_batches, target=target, pipeline=pipeline, calibrate=calibrate)
 
-    from tilegraph.backends.distributed import _free_port
 
+def _check(strategy: str, batches: Sequence[tuple[Any, Any]], world: int, micro_batches: int) -> None:
     if strategy not in STRATEGIES:
         raise ShardedTrainError(f"unknown strategy '{strategy}': {', '.join(STRATEGIES)}")
     rows = world if strategy != "pipeline" else (world // 2) * micro_batches
     if any(int(x.shape[0]) % rows for x, _ in batches):
         raise ShardedTrainError(f"every batch's rows must split evenly into {rows} pieces")
-    with tempfile.TemporaryDirectory() as tmp, _one_thread_each():
-        mp.spawn(_worker, args=(strategy, world, _free_port(), make_model, list(params), list(batches), optimizer,
-                                clip_norm, segments, micro_batches, target, pipeline, tmp, timeout_s, calibrate),
-                 nprocs=world, join=True)
+
+
+class Processes:
+    """`world` local processes (torch.multiprocessing, spawned) joined in one gloo group, one thread
+    each, kept for any number of training runs (`train`); the gloo link is measured once, by the
+    first run. A context manager: leaving it ends the processes."""
+
+    def __init__(self, world: int, timeout_s: float = 900.0):
+        self.world, self.timeout_s = world, timeout_s
+        self._procs: Any = None
+
+    def __enter__(self) -> Processes:
+        import torch.multiprocessing as mp
+
+        from tilegraph.backends.distributed import _free_port
+
+        ctx = mp.get_context("spawn")
+        self._jobs = [ctx.SimpleQueue() for _ in range(self.world)]
+        self._results = ctx.Queue()
+        with _one_thread_each():
+            self._procs = mp.start_processes(_serve, args=(self.world, _free_port(), self._jobs, self._results,
+                                                           self.timeout_s),
+                                             nprocs=self.world, join=False, start_method="spawn")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._procs is None
+
+    def close(self) -> None:
+        if self._procs is None:
+            return
+        procs, self._procs = self._procs.processes, None
+        for q, p in zip(self._jobs, procs):
+            if p.is_alive():
+                q.put(None)
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():  # stuck in a collective whose peer failed
+                p.terminate()
+                p.join()
+
+    def train(self, strategy: str, make_model: Callable[[int | None], Model], params: Sequence[str],
+              batches: Sequence[tuple[Any, Any]], optimizer, clip_norm: float | None = None,
+              segments: Callable[[], Segments] | None = None, micro_batches: int = 2, target: str = "numpy",
+              pipeline: Any = None, calibrate: bool = False) -> dict:
+        """Train with `strategy` on these processes; `make_model(rows)`: the whole model as tg IR at
+        `rows` rows of a batch (None: the batch dim symbolic, named B, as the plan wants it), weights
+        the initial ones (`ModelAt`); `segments()`: the model as Segments (called in each process: a
+        picklable function, e.g. functools.partial of tests/models.py char_gpt_segments);
+        `calibrate`: the processes measure their device before planning (`measure_device`), else
+        rank 0 plans on the cached profile. Returns rank 0's {"losses", "seconds", "plan":
+        {...predicted...}, "memory": [(held bytes, a step's peak bytes, compute s, collectives s,
+        gathered peak bytes) per rank]}. A process's error is raised here as ShardedTrainError
+        (the processes are ended: a peer may be waiting in a collective)."""
+        import queue
+
+        if self._procs is None:
+            raise ShardedTrainError("the processes are not started (use Processes as a context manager)")
+        _check(strategy, batches, self.world, micro_batches)
+        pieces = None
+        if segments is not None:  # each tensor-parallel rank's segments, built here once (see ShardedStep)
+            _, _, tp, rows = _split(strategy, self.world, micro_batches, int(batches[0][0].shape[0]))
+            built = segments()
+            pieces = [built.build(r, tp, rows) for r in range(tp)]
+        for rank, q in enumerate(self._jobs):
+            q.put((strategy, make_model, list(params), list(batches), optimizer, clip_norm, segments,
+                   pieces[rank % len(pieces)] if pieces else None, micro_batches, target, pipeline, calibrate))
         out: dict = {}
-        with np.load(f"{tmp}/result.npz", allow_pickle=False) as f:
-            out = {"losses": f["losses"].tolist(), "seconds": f["seconds"].tolist(),
-                   "memory": f["memory"].tolist(), "plan": dict(zip(f["plan_keys"].tolist(), f["plan"].tolist()))}
+        waiting = set(range(self.world))
+        deadline = time.monotonic() + self.timeout_s
+        while waiting:
+            try:
+                rank, error, result = self._results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [i for i, p in enumerate(self._procs.processes) if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self.close()
+                    raise ShardedTrainError(f"process(es) {dead} ended without a result" if dead
+                                            else f"no result after {self.timeout_s:.0f} s") from None
+                continue
+            if error is not None:
+                self.close()
+                raise ShardedTrainError(f"process {rank}: {error}")
+            waiting.discard(rank)
+            if rank == 0:
+                out = result
         return out
 
 
@@ -707,12 +797,12 @@ def _one_thread_each():
                 os.environ[k] = v
 
 
-def _worker(rank, strategy, world, port, make_model, params, batches, optimizer, clip_norm, segments, micro_batches,
-            target, pipeline, tmp, timeout_s, calibrate=False) -> None:
+def _serve(rank, world, port, jobs, results, timeout_s) -> None:
+    """A process of `Processes`: joins the group, then runs the training jobs it is sent until None."""
+    import traceback
+
     import torch
     import torch.distributed as dist
-
-    from tilegraph.train import _numpy
 
     # Each process is one device and the processes share the cores: one thread each (torch, BLAS,
     # the NumPy backend's chunk pool: its count is set by the parent before the spawn, see
@@ -724,63 +814,107 @@ def _worker(rank, strategy, world, port, make_model, params, batches, optimizer,
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:
-        alpha, beta = measure_link()
-        batch = int(batches[0][0].shape[0])
-        stages = 2 if strategy == "pipeline" else 1
-        dp = world // stages if strategy != "tensor" else 1
-        m = micro_batches if strategy == "pipeline" else 1
-        model = make_model(None)  # planned with its batch symbolic; each module compiled at this rank's rows
-        device = measure_device(calibrate)
-        plan = plan_for(model, strategy, world, alpha, beta, batch, micro_batches if strategy == "pipeline" else 1,
-                        device, optimizer)
-        if strategy == "zero3" and plan.zero != 3:
-            raise ShardedTrainError(f"the zero3 layout planned ZeRO stage {plan.zero}")
-        initial = {k: np.asarray(model.weights[k]) for k in params}
-        rows = batch // dp // m
-        options = {"threads": 1} if target == "c" else {}
-        step = ShardedStep(strategy, plan, initial, optimizer, rank, world, target, pipeline, options,
-                           segments=segments() if segments is not None else None,
-                           micro_batches=m, clip_norm=clip_norm, rows=rows)
-        replica = rank % dp if strategy == "pipeline" else rank if strategy == "zero3" else 0
-
-        def mine(a):
-            a = _numpy(a)
-            if dp <= 1:
-                return a
-            n = a.shape[0] // dp
-            return a[replica * n:(replica + 1) * n]
-
-        # tracemalloc slows every allocation: the memory is traced over the first two steps only
-        # (the second one's peak, caches warm), which the step times leave out
-        tracemalloc.start()
-        losses, seconds, terms = [], [], []
-        for i, (x, y) in enumerate(batches):
-            if i == min(2, len(batches) - 1) and tracemalloc.is_tracing() and len(batches) > 4:
-                tracemalloc.stop()
-            dist.barrier()
-            before = dict(step.clock.spent)
-            t = time.perf_counter()
-            losses.append(step(mine(x), mine(y)))
-            seconds.append(time.perf_counter() - t)
-            terms.append([step.clock.spent[k] - before[k] for k in ("compute", "comm")])
-        if tracemalloc.is_tracing():
-            tracemalloc.stop()
-        # per rank: held bytes, a step's peak, the median step's compute and collective seconds (the
-        # first steps warm caches up: left out where there are enough), ZeRO-3's gathered peak bytes
-        warm = np.array(terms[2:] if len(terms) > 4 else terms)
-        mem = torch.tensor([[float(step.held()), float(step.step_peak), *np.median(warm, axis=0),
-                             float(step.gathered_peak)]], dtype=torch.float64)
-        gathered = [torch.zeros_like(mem) for _ in range(world)]
-        dist.all_gather(gathered, mem)
-        secs = torch.tensor(seconds, dtype=torch.float64)
-        dist.all_reduce(secs, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
-        if rank == 0:
-            keys = ["time", "compute", "comm", "memory", "zero", "stages", "micro_batches", "recompute", "alpha",
-                    "beta", "stage0_memory", "stage1_memory"]
-            sm = list(plan.stage_memory) + [0.0, 0.0]
-            vals = [plan.time, plan.compute, plan.comm, plan.memory, plan.zero, plan.stages, plan.micro_batches,
-                    plan.recompute, alpha, beta, sm[0], sm[1]]
-            np.savez(f"{tmp}/result.npz", losses=np.array(losses), seconds=secs.numpy(),
-                     memory=torch.cat(gathered).numpy(), plan_keys=np.array(keys), plan=np.array(vals, dtype=float))
+        link = None
+        while (job := jobs[rank].get()) is not None:
+            try:
+                if link is None:
+                    link = measure_link()
+                results.put((rank, None, _train(rank, world, link, *job)))
+            except Exception as e:  # noqa: BLE001 (sent to the parent, which raises it)
+                detail = str(e) if isinstance(e, TilegraphError) else traceback.format_exc()
+                results.put((rank, f"{type(e).__name__}: {detail}", None))
     finally:
         dist.destroy_process_group()
+
+
+@dataclass
+class PlanSummary:
+    """What the ranks need of rank 0's plan: the weights it stores split (`stored_splits`) and its
+    predictions."""
+
+    splits: dict[str, int]
+    numbers: dict[str, float]
+
+
+def _summary(plan, alpha: float, beta: float) -> PlanSummary:
+    sm = list(plan.stage_memory) + [0.0, 0.0]
+    numbers = {"time": plan.time, "compute": plan.compute, "comm": plan.comm, "memory": plan.memory,
+               "zero": plan.zero, "stages": plan.stages, "micro_batches": plan.micro_batches,
+               "recompute": plan.recompute, "alpha": alpha, "beta": beta, "stage0_memory": sm[0],
+               "stage1_memory": sm[1]}
+    return PlanSummary(stored_splits(plan), {k: float(v) for k, v in numbers.items()})
+
+
+def _split(strategy: str, world: int, micro_batches: int, batch: int) -> tuple[int, int, int, int]:
+    """(data-parallel ranks per stage, micro-batches, tensor-parallel ranks, rows a segment runs at)."""
+    stages = 2 if strategy == "pipeline" else 1
+    dp = world // stages if strategy != "tensor" else 1
+    m = micro_batches if strategy == "pipeline" else 1
+    return dp, m, world if strategy == "tensor" else 1, batch // dp // m
+
+
+def _train(rank, world, link, strategy, make_model, params, batches, optimizer, clip_norm, segments, pieces,
+           micro_batches, target, pipeline, calibrate) -> dict | None:
+    """One rank's training run; rank 0 returns the result (`Processes.train`)."""
+    import torch
+    import torch.distributed as dist
+
+    from tilegraph.train import _numpy
+
+    alpha, beta = link
+    batch = int(batches[0][0].shape[0])
+    dp, m, _, rows = _split(strategy, world, micro_batches, batch)
+    model = make_model(None)  # planned with its batch symbolic; each module compiled at this rank's rows
+    device = measure_device(calibrate)
+    # rank 0 plans (every rank would plan the same: the same model, device and link numbers) and
+    # sends the others what they need of it
+    summary = [None]
+    if rank == 0:
+        plan = plan_for(model, strategy, world, alpha, beta, batch, m, device, optimizer)
+        summary = [_summary(plan, alpha, beta)]
+    dist.broadcast_object_list(summary, src=0)
+    planned: PlanSummary = summary[0]  # type: ignore[assignment]
+    if strategy == "zero3" and planned.numbers["zero"] != 3:
+        raise ShardedTrainError(f"the zero3 layout planned ZeRO stage {planned.numbers['zero']:.0f}")
+    initial = {k: np.asarray(model.weights[k]) for k in params}
+    options = {"threads": 1} if target == "c" else {}
+    step = ShardedStep(strategy, planned.splits, initial, optimizer, rank, world, target, pipeline, options,
+                       segments=segments() if segments is not None else None,
+                       micro_batches=m, clip_norm=clip_norm, rows=rows, pieces=pieces)
+    replica = rank % dp if strategy == "pipeline" else rank if strategy == "zero3" else 0
+
+    def mine(a):
+        a = _numpy(a)
+        if dp <= 1:
+            return a
+        n = a.shape[0] // dp
+        return a[replica * n:(replica + 1) * n]
+
+    # tracemalloc slows every allocation: the memory is traced over the first two steps only
+    # (the second one's peak, caches warm), which the step times leave out
+    tracemalloc.start()
+    losses, seconds, terms = [], [], []
+    for i, (x, y) in enumerate(batches):
+        if i == min(2, len(batches) - 1) and tracemalloc.is_tracing() and len(batches) > 4:
+            tracemalloc.stop()
+        dist.barrier()
+        before = dict(step.clock.spent)
+        t = time.perf_counter()
+        losses.append(step(mine(x), mine(y)))
+        seconds.append(time.perf_counter() - t)
+        terms.append([step.clock.spent[k] - before[k] for k in ("compute", "comm")])
+    if tracemalloc.is_tracing():
+        tracemalloc.stop()
+    # per rank: held bytes, a step's peak, the median step's compute and collective seconds (the
+    # first steps warm caches up: left out where there are enough), ZeRO-3's gathered peak bytes
+    warm = np.array(terms[2:] if len(terms) > 4 else terms)
+    mem = torch.tensor([[float(step.held()), float(step.step_peak), *np.median(warm, axis=0),
+                         float(step.gathered_peak)]], dtype=torch.float64)
+    gathered = [torch.zeros_like(mem) for _ in range(world)]
+    dist.all_gather(gathered, mem)
+    secs = torch.tensor(seconds, dtype=torch.float64)
+    dist.all_reduce(secs, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
+    if rank != 0:
+        return None
+    return {"losses": [float(v) for v in losses], "seconds": secs.tolist(),
+            "memory": torch.cat(gathered).tolist(), "plan": planned.numbers}
