@@ -868,12 +868,13 @@ def _train(rank, world, link, strategy, make_model, params, batches, optimizer, 
     device = measure_device(calibrate)
     # rank 0 plans (every rank would plan the same: the same model, device and link numbers) and
     # sends the others what they need of it
-    summary = [None]
+    summary: list[PlanSummary | None] = [None]
     if rank == 0:
         plan = plan_for(model, strategy, world, alpha, beta, batch, m, device, optimizer)
         summary = [_summary(plan, alpha, beta)]
     dist.broadcast_object_list(summary, src=0)
-    planned: PlanSummary = summary[0]  # type: ignore[assignment]
+    planned = summary[0]
+    assert planned is not None
     if strategy == "zero3" and planned.numbers["zero"] != 3:
         raise ShardedTrainError(f"the zero3 layout planned ZeRO stage {planned.numbers['zero']:.0f}")
     initial = {k: np.asarray(model.weights[k]) for k in params}
