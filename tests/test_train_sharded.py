@@ -94,6 +94,19 @@ def test_a_sharded_plan_trains_as_torch_eager_does(strategy, processes, gpt):
         assert list(held) == [ADAMW_ARRAYS * first, ADAMW_ARRAYS * (sum(size.values()) - first)]
 
 
+def test_the_pipeline_plan_trains_on_the_c_backend(processes, gpt):
+    # the same run as above on compiled C (oneDNN GEMMs, one thread per process); the pipeline's
+    # two stages: the fewest modules to compile, its activations and cotangents sent between processes
+    module, batches, models, theirs = gpt
+    result = processes().train("pipeline", models, [n for n, _ in module.named_parameters()], batches,
+                               optimizer=AdamW(lr=1e-2, weight_decay=0.1), clip_norm=1.0, micro_batches=2,
+                               segments=functools.partial(char_gpt_segments, module, "pipeline"), pipeline="",
+                               target="c")
+    np.testing.assert_allclose(result["losses"], theirs, rtol=PEER_RELATIVE_ERROR)
+    assert [r.rsplit(".", 1)[0] for r in result["runners"]] == ["tilegraph.backends.c.runtime"]
+    assert not result["reference_kernels"]
+
+
 def test_bad_requests_are_named_errors(gpt):
     models = gpt[2]
     _, batches = char_batches(char_corpus(), steps=1, batch=3, block=8)

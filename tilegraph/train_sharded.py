@@ -413,6 +413,10 @@ class ShardedStep:
         self.gathered_peak = 0  # ZeRO-3: the most gathered (whole) weight bytes live at once
         self.clock = _Clock()
 
+    def modules(self) -> list:
+        """Every compiled module this rank runs (segments' forwards and backwards, the update)."""
+        return [m for c in self.compiled for m in (c.forward, c.backward)] + [self.update]
+
     def held(self) -> int:
         """Bytes this rank keeps between steps: its weights (or slices) and their optimizer state."""
         return sum(a.nbytes for a in self.weights.values()) + sum(a.nbytes for a in self.state.values())
@@ -743,7 +747,8 @@ class Processes:
         `calibrate`: the processes measure their device before planning (`measure_device`), else
         rank 0 plans on the cached profile. Returns rank 0's {"losses", "seconds", "plan":
         {...predicted...}, "memory": [(held bytes, a step's peak bytes, compute s, collectives s,
-        gathered peak bytes) per rank]}. A process's error is raised here as ShardedTrainError
+        gathered peak bytes) per rank], "runners": the classes that ran its modules, "reference_kernels":
+        (target "c") its GEMMs left on oneDNN's slow reference kernel}. A process's error is raised here as ShardedTrainError
         (the processes are ended: a peer may be waiting in a collective)."""
         import queue
 
@@ -917,5 +922,9 @@ def _train(rank, world, link, strategy, make_model, params, batches, optimizer, 
     dist.all_reduce(secs, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
     if rank != 0:
         return None
+    # what ran rank 0's modules (the backends' runner classes), and (target "c") the GEMMs left on
+    # oneDNN's slow reference kernel
+    runners = sorted({f"{type(m._runner).__module__}.{type(m._runner).__name__}" for m in step.modules()})
     return {"losses": [float(v) for v in losses], "seconds": secs.tolist(),
-            "memory": torch.cat(gathered).tolist(), "plan": planned.numbers}
+            "memory": torch.cat(gathered).tolist(), "plan": planned.numbers, "runners": runners,
+            "reference_kernels": [line for m in step.modules() for line in m.reference_kernels]}
