@@ -15,7 +15,7 @@ from tests.models import char_batches, char_corpus, char_gpt, char_gpt_segments
 from tests.test_train import torch_losses
 from tilegraph.testing import PEER_RELATIVE_ERROR
 from tilegraph.train import AdamW
-from tilegraph.train_sharded import STRATEGIES, ModelAt, Processes, ShardedTrainError, train_sharded
+from tilegraph.train_sharded import STRATEGIES, ModelAt, Processes, ShardedTrainError, pipeline_order, train_sharded
 
 COLUMN = (".qkv.weight", ".qkv.bias", ".fc.weight", ".fc.bias")
 ROW = (".proj.weight", ".out.weight")
@@ -65,8 +65,9 @@ def test_a_sharded_plan_trains_as_torch_eager_does(strategy, processes, gpt):
     module, batches, models, theirs = gpt
     params = dict(module.named_parameters())
     segments = functools.partial(char_gpt_segments, module, strategy)
+    # the pipeline: 4 micro-batches of one row, in 1F1B's order
     result = processes().train(strategy, models, list(params), batches, optimizer=AdamW(lr=1e-2, weight_decay=0.1),
-                               clip_norm=1.0, segments=segments, micro_batches=2, pipeline="")
+                               clip_norm=1.0, segments=segments, micro_batches=4, pipeline="")
     np.testing.assert_allclose(result["losses"], theirs, rtol=PEER_RELATIVE_ERROR)
     plan, held = result["plan"], np.array(result["memory"])[:, 0]
     assert plan["time"] > 0 and plan["memory"] > 0
@@ -89,7 +90,9 @@ def test_a_sharded_plan_trains_as_torch_eager_does(strategy, processes, gpt):
         assert list(held) == [ADAMW_ARRAYS * (sum(size.values()) - split / 2)] * 2
     else:
         # each stage holds its half of the layers whole: the two stages hold the model once between them
-        assert (plan["stages"], plan["micro_batches"]) == (2, 2)
+        assert (plan["stages"], plan["micro_batches"]) == (2, 4)
+        # 1F1B: stage 0 holds 2 micro-batches' activations at most, stage 1 one (GPipe: 4 each)
+        assert [int(r[5]) for r in result["memory"]] == [2, 1]
         first = sum(v for k, v in size.items() if k.startswith(("tok.", "pos.", "blocks.0.")))
         assert list(held) == [ADAMW_ARRAYS * first, ADAMW_ARRAYS * (sum(size.values()) - first)]
 
@@ -107,6 +110,21 @@ def test_the_pipeline_plan_trains_on_the_c_backend(processes, gpt):
     assert not result["reference_kernels"]
 
 
+def test_1f1b_runs_one_forward_and_one_backward_in_turn():
+    assert pipeline_order("1f1b", 0, 2, 4) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2),
+                                                 ("B", 3)]
+    assert pipeline_order("1f1b", 1, 2, 4) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2), ("F", 3),
+                                                 ("B", 3)]
+    assert pipeline_order("gpipe", 0, 2, 3) == [("F", 0), ("F", 1), ("F", 2), ("B", 2), ("B", 1), ("B", 0)]
+    # every micro-batch's forward before its backward, each once, on every stage of a deeper pipeline
+    for stage in range(4):
+        order = pipeline_order("1f1b", stage, 4, 6)
+        assert sorted(order) == sorted([("F", j) for j in range(6)] + [("B", j) for j in range(6)])
+        assert all(order.index(("F", j)) < order.index(("B", j)) for j in range(6))
+        live = max(sum(1 if k == "F" else -1 for k, _ in order[:i + 1]) for i in range(len(order)))
+        assert live == 4 - stage
+
+
 def test_bad_requests_are_named_errors(gpt):
     models = gpt[2]
     _, batches = char_batches(char_corpus(), steps=1, batch=3, block=8)
@@ -114,6 +132,8 @@ def test_bad_requests_are_named_errors(gpt):
         train_sharded("expert", models, [], batches, world=2, optimizer=AdamW())
     with pytest.raises(ShardedTrainError, match="split evenly"):
         train_sharded("zero3", models, [], batches, world=2, optimizer=AdamW())
+    with pytest.raises(ShardedTrainError, match="unknown pipeline schedule 'zb'"):
+        train_sharded("pipeline", models, [], batches, world=2, optimizer=AdamW(), micro_batches=1, schedule="zb")
 
 
 def test_a_process_failing_is_a_named_error(processes, gpt):

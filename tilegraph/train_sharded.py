@@ -1,5 +1,5 @@
 """The shard planner's training plans executed for real: ZeRO-3 data parallelism, Megatron tensor
-parallelism and GPipe pipeline stages on local processes (torch.multiprocessing + gloo).
+parallelism and pipeline stages (1F1B or GPipe) on local processes (torch.multiprocessing + gloo).
 
 Rank 0 plans first (`plan_for`: passes/shard.py's integer program with the strategy's layout
 pinned, on a mesh of this machine's CPU profile and a gloo link measured by the processes together,
@@ -20,15 +20,18 @@ pinned, on a mesh of this machine's CPU profile and a gloo link measured by the 
             (`Segments`, built per model: tests/models.py `char_gpt_segments`) between collectives:
             a parallel segment's outputs are partial sums, all-reduced (forward), and the cotangent
             of its inputs too (backward: Megatron's `f`), two all-reduces per block each way.
-  pipeline  2 stages (GPipe: the planner prices GPipe's activation memory): stage k holds its segments (the plan's layers split evenly), runs every
-            micro-batch's forward, sends the boundary activation to the next stage, which returns
-            its cotangent; gradients accumulate over the micro-batches; with 4 processes, two
+  pipeline  2 stages: stage k holds its segments (the plan's layers split evenly) and runs the
+            micro-batches' forwards and backwards in the schedule's order (`pipeline_order`: 1F1B,
+            the default, holds at most 2 - k micro-batches' activations; GPipe all of them; the
+            plan is priced for the schedule run); stage 0 sends each boundary activation to stage
+            1, which returns its cotangent (asynchronous sends: under 1F1B both stages send at
+            once); gradients accumulate over the micro-batches; with 4 processes, two
             replicas of the pipeline average their gradients (data parallelism over the stage).
 
 A segment's backward module recomputes its forward from its inputs (the vjp module takes the
 inputs and the cotangents): full activation recomputation at segment granularity, as GPipe and
 Megatron's `--recompute-granularity full` do, so every plan is priced with every layer recomputed
-(`recompute="always"`), and pipeline plans with GPipe's schedule (`schedule="gpipe"`). Gradient clipping uses the global norm (one more
+(`recompute="always"`). Gradient clipping uses the global norm (one more
 all-reduce). Each process reports its step times and its memory: the arrays it holds between
 steps (weights and optimizer state, `held`) plus the peak of what a step allocates (tracemalloc,
 which NumPy reports its buffers to), against the plan's bytes per device.
@@ -176,7 +179,7 @@ def _weight_behind(op) -> str:
 
 
 def plan_for(model: Model, strategy: str, world: int, alpha: float, beta: float, batch: int,
-             micro_batches: int = 1, device=None, optimizer=None):
+             micro_batches: int = 1, device=None, optimizer=None, schedule: str = "1f1b"):
     """passes/shard.py's plan of `model` (its batch dim symbolic, named B) for `strategy` on `world`
     processes: the mesh is every process (zero3, tensor) or one stage's (pipeline: 2 stages)."""
     from tilegraph.passes import shard
@@ -190,7 +193,7 @@ def plan_for(model: Model, strategy: str, world: int, alpha: float, beta: float,
     # ops; the optimizer's update priced from the module each rank runs
     return shard.plan(model.module, mesh, sizes={"B": batch}, names=model.input_names, only=layout(strategy),
                       stages=stages, micro_batches=micro_batches, recompute=recompute, zero=False, runner_up=False,
-                      backward="vjp", schedule="gpipe",
+                      backward="vjp", schedule=schedule,
                       optimizer=optimizer_time(optimizer, mesh.hw) if optimizer is not None else None)
 
 
@@ -352,6 +355,23 @@ class _Timed:
         self.spent[self.term] += time.perf_counter() - self.start
 
 
+def pipeline_order(schedule: str, stage: int, stages: int, m: int) -> list[tuple[str, int]]:
+    """The forwards ("F", j) and backwards ("B", j) of `m` micro-batches as stage `stage` of `stages`
+    runs them. "gpipe": every forward, then every backward. "1f1b" (PipeDream-flush, Megatron-LM's
+    schedule): stages - stage - 1 forwards to fill the pipeline, then one forward and one backward
+    in turn, then the backwards left; a stage holds at most stages - stage micro-batches'
+    activations, not m (the same m + p - 1 slots: the step time is GPipe's)."""
+    if schedule == "gpipe":
+        return [("F", j) for j in range(m)] + [("B", j) for j in reversed(range(m))]
+    if schedule != "1f1b":
+        raise ShardedTrainError(f"unknown pipeline schedule '{schedule}': 1f1b, gpipe")
+    warmup = min(stages - stage - 1, m)
+    order = [("F", j) for j in range(warmup)]
+    for j in range(m - warmup):
+        order += [("F", warmup + j), ("B", j)]
+    return order + [("B", j) for j in range(m - warmup, m)]
+
+
 class ShardedStep:
     """One rank's training step under a plan (see the module docstring)."""
 
@@ -359,7 +379,7 @@ class ShardedStep:
                  world: int,
                  target: str, pipeline: Any, options: dict,
                  segments: Segments | None = None, micro_batches: int = 1, clip_norm: float | None = None,
-                 rows: int = 0, pieces: list[Segment] | None = None):
+                 rows: int = 0, pieces: list[Segment] | None = None, schedule: str = "1f1b"):
         import torch.distributed as dist
 
         import tilegraph
@@ -368,6 +388,8 @@ class ShardedStep:
 
         self.strategy, self.optimizer, self.rank, self.world = strategy, optimizer, rank, world
         self.clip_norm, self.micro_batches, self.steps = clip_norm, micro_batches, 0
+        self.schedule = schedule if strategy == "pipeline" else "gpipe"  # (one micro-batch: the same order)
+        self.in_flight = 0  # the most micro-batches whose activations this rank held at once
         self.splits = splits  # weight name -> the dim it is stored split on (`stored_splits` of the plan)
         if segments is None:
             raise ShardedTrainError(f"{strategy} runs the model as segments: pass segments=")
@@ -575,21 +597,24 @@ class ShardedStep:
         grads: dict[str, np.ndarray] = {}
         m = self.micro_batches
         rows = ids.shape[0] // m
-        envs = []
+        envs: dict[int, dict] = {}  # micro-batch -> its environment, from its forward to its backward
+        sends: list = []  # point-to-point sends in flight: under 1F1B both stages may send at once
         peer = None
         if self.strategy == "pipeline":
-            replica = self.rank % self.dp
-            peer = (1 - self.stage) * self.dp + replica
+            peer = (1 - self.stage) * self.dp + self.rank % self.dp
         total = 0.0
-        # forward of every micro-batch (GPipe), each segment's outputs all-reduced where partial
-        for j in range(m):
+
+        def send(a: np.ndarray) -> None:
+            t = torch.from_numpy(np.ascontiguousarray(a))
+            sends.append((dist.isend(t, dst=peer), t))
+
+        def forward(j: int) -> None:  # each segment's outputs all-reduced where partial
             env = {"ids": ids[j * rows:(j + 1) * rows], "targets": targets[j * rows:(j + 1) * rows]}
             if self.strategy == "pipeline" and self.stage == 1:
-                boundary = self.compiled[0].seg.inputs[0]
                 t = torch.empty((rows,) + self._boundary_shape)
                 with self.clock("comm"):
                     dist.recv(t, src=peer)
-                env[boundary] = t.numpy()
+                env[self.compiled[0].seg.inputs[0]] = t.numpy()
             for c in self.compiled:
                 if c.seg.loss:
                     continue  # its forward runs inside its backward (value_and_grad)
@@ -598,12 +623,12 @@ class ShardedStep:
                     outs = _all_reduce_arrays(outs, self.clock)
                 env.update(zip(c.seg.outputs, outs))
             if self.strategy == "pipeline" and self.stage == 0:
-                with self.clock("comm"):
-                    dist.send(torch.from_numpy(np.ascontiguousarray(env[self.compiled[-1].seg.outputs[0]])), dst=peer)
-            envs.append(env)
-        # backward, micro-batches in reverse
-        for j in reversed(range(m)):
-            env, cot = envs[j], {}
+                send(env[self.compiled[-1].seg.outputs[0]])
+            envs[j] = env
+            self.in_flight = max(self.in_flight, len(envs))
+
+        def backward(j: int) -> float:
+            env, cot, loss_j = envs.pop(j), {}, 0.0
             if self.strategy == "pipeline" and self.stage == 0:
                 out = self.compiled[-1].seg.outputs[0]
                 t = torch.empty(env[out].shape)
@@ -613,12 +638,21 @@ class ShardedStep:
             for c in reversed(self.compiled):
                 got, loss = self._run_backward(c, env, cot, 1.0 / m, grads)
                 if loss is not None:
-                    total += loss / m
+                    loss_j = loss / m
                 for k, g in got.items():
                     cot[k] = g if k not in cot else cot[k] + g
             if self.strategy == "pipeline" and self.stage == 1:
-                with self.clock("comm"):
-                    dist.send(torch.from_numpy(np.ascontiguousarray(cot[self.compiled[0].seg.inputs[0]])), dst=peer)
+                send(cot[self.compiled[0].seg.inputs[0]])
+            return loss_j
+
+        for kind, j in pipeline_order(self.schedule, self.stage, self.stages, m):
+            if kind == "F":
+                forward(j)
+            else:
+                total += backward(j)
+        with self.clock("comm"):
+            for work, _ in sends:
+                work.wait()
         if self.strategy == "pipeline":
             # the loss lives on the last stage; replicas of a stage average their gradients
             if self.dp > 1:
@@ -676,18 +710,21 @@ class ModelAt:
 def train_sharded(strategy: str, make_model: Callable[[int | None], Model], params: Sequence[str],
                   batches: Sequence[tuple[Any, Any]], world: int, optimizer, clip_norm: float | None = None,
                   segments: Callable[[], Segments] | None = None, micro_batches: int = 2, target: str = "numpy",
-                  pipeline: Any = None, timeout_s: float = 900.0, calibrate: bool = False) -> dict:
+                  pipeline: Any = None, timeout_s: float = 900.0, calibrate: bool = False,
+                  schedule: str = "1f1b") -> dict:
     """Train with `strategy` on `world` local processes started for this run (`Processes.train`, which
     see: several runs on one set of processes pay its start-up once)."""
-    _check(strategy, batches, world, micro_batches)
+    _check(strategy, batches, world, micro_batches, schedule)
     with Processes(world, timeout_s) as group:
         return group.train(strategy, make_model, params, batches, optimizer, clip_norm=clip_norm, segments=segments,
-                           micro_batches=micro_batches, target=target, pipeline=pipeline, calibrate=calibrate)
+                           micro_batches=micro_batches, target=target, pipeline=pipeline, calibrate=calibrate,
+                           schedule=schedule)
 
 
-def _check(strategy: str, batches: Sequence[tuple[Any, Any]], world: int, micro_batches: int) -> None:
+def _check(strategy: str, batches: Sequence[tuple[Any, Any]], world: int, micro_batches: int, schedule: str) -> None:
     if strategy not in STRATEGIES:
         raise ShardedTrainError(f"unknown strategy '{strategy}': {', '.join(STRATEGIES)}")
+    pipeline_order(schedule, 0, 2, 1)  # an unknown schedule: its error
     rows = world if strategy != "pipeline" else (world // 2) * micro_batches
     if any(int(x.shape[0]) % rows for x, _ in batches):
         raise ShardedTrainError(f"every batch's rows must split evenly into {rows} pieces")
@@ -739,22 +776,22 @@ class Processes:
     def train(self, strategy: str, make_model: Callable[[int | None], Model], params: Sequence[str],
               batches: Sequence[tuple[Any, Any]], optimizer, clip_norm: float | None = None,
               segments: Callable[[], Segments] | None = None, micro_batches: int = 2, target: str = "numpy",
-              pipeline: Any = None, calibrate: bool = False) -> dict:
+              pipeline: Any = None, calibrate: bool = False, schedule: str = "1f1b") -> dict:
         """Train with `strategy` on these processes; `make_model(rows)`: the whole model as tg IR at
         `rows` rows of a batch (None: the batch dim symbolic, named B, as the plan wants it), weights
         the initial ones (`ModelAt`); `segments()`: the model as Segments (called in each process: a
         picklable function, e.g. functools.partial of tests/models.py char_gpt_segments);
         `calibrate`: the processes measure their device before planning (`measure_device`), else
-        rank 0 plans on the cached profile. Returns rank 0's {"losses", "seconds", "plan":
+        rank 0 plans on the cached profile; `schedule`: the pipeline's ("1f1b", "gpipe"). Returns rank 0's {"losses", "seconds", "plan":
         {...predicted...}, "memory": [(held bytes, a step's peak bytes, compute s, collectives s,
-        gathered peak bytes) per rank], "runners": the classes that ran its modules, "reference_kernels":
+        gathered peak bytes, the most micro-batches in flight) per rank], "runners": the classes that ran its modules, "reference_kernels":
         (target "c") its GEMMs left on oneDNN's slow reference kernel}. A process's error is raised here as ShardedTrainError
         (the processes are ended: a peer may be waiting in a collective)."""
         import queue
 
         if self._procs is None:
             raise ShardedTrainError("the processes are not started (use Processes as a context manager)")
-        _check(strategy, batches, self.world, micro_batches)
+        _check(strategy, batches, self.world, micro_batches, schedule)
         pieces = None
         if segments is not None:  # each tensor-parallel rank's segments, built here once (see ShardedStep)
             _, _, tp, rows = _split(strategy, self.world, micro_batches, int(batches[0][0].shape[0]))
@@ -762,7 +799,8 @@ class Processes:
             pieces = [built.build(r, tp, rows) for r in range(tp)]
         for rank, q in enumerate(self._jobs):
             q.put((strategy, make_model, list(params), list(batches), optimizer, clip_norm, segments,
-                   pieces[rank % len(pieces)] if pieces else None, micro_batches, target, pipeline, calibrate))
+                   pieces[rank % len(pieces)] if pieces else None, micro_batches, target, pipeline, calibrate,
+                   schedule))
         out: dict = {}
         waiting = set(range(self.world))
         deadline = time.monotonic() + self.timeout_s
@@ -859,7 +897,7 @@ def _split(strategy: str, world: int, micro_batches: int, batch: int) -> tuple[i
 
 
 def _train(rank, world, link, strategy, make_model, params, batches, optimizer, clip_norm, segments, pieces,
-           micro_batches, target, pipeline, calibrate) -> dict | None:
+           micro_batches, target, pipeline, calibrate, schedule) -> dict | None:
     """One rank's training run; rank 0 returns the result (`Processes.train`)."""
     import torch
     import torch.distributed as dist
@@ -875,7 +913,7 @@ def _train(rank, world, link, strategy, make_model, params, batches, optimizer, 
     # sends the others what they need of it
     summary: list[PlanSummary | None] = [None]
     if rank == 0:
-        plan = plan_for(model, strategy, world, alpha, beta, batch, m, device, optimizer)
+        plan = plan_for(model, strategy, world, alpha, beta, batch, m, device, optimizer, schedule)
         summary = [_summary(plan, alpha, beta)]
     dist.broadcast_object_list(summary, src=0)
     planned = summary[0]
@@ -886,7 +924,7 @@ def _train(rank, world, link, strategy, make_model, params, batches, optimizer, 
     options = {"threads": 1} if target == "c" else {}
     step = ShardedStep(strategy, planned.splits, initial, optimizer, rank, world, target, pipeline, options,
                        segments=segments() if segments is not None else None,
-                       micro_batches=m, clip_norm=clip_norm, rows=rows, pieces=pieces)
+                       micro_batches=m, clip_norm=clip_norm, rows=rows, pieces=pieces, schedule=schedule)
     replica = rank % dp if strategy == "pipeline" else rank if strategy == "zero3" else 0
 
     def mine(a):
@@ -912,10 +950,11 @@ def _train(rank, world, link, strategy, make_model, params, batches, optimizer, 
     if tracemalloc.is_tracing():
         tracemalloc.stop()
     # per rank: held bytes, a step's peak, the median step's compute and collective seconds (the
-    # first steps warm caches up: left out where there are enough), ZeRO-3's gathered peak bytes
+    # first steps warm caches up: left out where there are enough), ZeRO-3's gathered peak bytes, the
+    # most micro-batches whose activations it held at once
     warm = np.array(terms[2:] if len(terms) > 4 else terms)
     mem = torch.tensor([[float(step.held()), float(step.step_peak), *np.median(warm, axis=0),
-                         float(step.gathered_peak)]], dtype=torch.float64)
+                         float(step.gathered_peak), float(step.in_flight)]], dtype=torch.float64)
     gathered = [torch.zeros_like(mem) for _ in range(world)]
     dist.all_gather(gathered, mem)
     secs = torch.tensor(seconds, dtype=torch.float64)
