@@ -74,8 +74,9 @@ def cpu_mesh(shape: tuple[int, ...], alpha: float, beta: float, device=None):
     return Mesh(shape, hw, intra_node="gloo")
 
 
-def measure_device(calibrate: bool):
-    """One process's device: the NumPy backend's CPU profile on the one thread a process runs (cores=1).
+def measure_device(calibrate: bool, target: str = "numpy"):
+    """One process's device: the `target` backend's CPU profile ("cpu" for NumPy, "c" for C: its loops
+    and oneDNN) on the one thread a process runs (cores=1).
     `calibrate`: measured now, by the project's quick calibration run in every process at once (so
     it sees the cores shared as the step will: oversubscription and other load included), rank 0's
     profile taken by all (each rank plans alone: they must plan on the same numbers); else the
@@ -85,13 +86,16 @@ def measure_device(calibrate: bool):
     from tilegraph.ir.hardware import hardware
 
     if calibrate:
-        from tilegraph.backends.numpy.calibrate import measure
+        if target == "c":
+            from tilegraph.backends.c.calibrate import measure
+        else:
+            from tilegraph.backends.numpy.calibrate import measure
 
         mine = [measure(quick=True, progress=False)]
         dist.broadcast_object_list(mine, src=0)
         hw = mine[0]
     else:
-        hw = hardware("cpu")
+        hw = hardware("c" if target == "c" else "cpu")
     return dataclasses.replace(hw, cores=1)
 
 
@@ -908,7 +912,7 @@ def _train(rank, world, link, strategy, make_model, params, batches, optimizer, 
     batch = int(batches[0][0].shape[0])
     dp, m, _, rows = _split(strategy, world, micro_batches, batch)
     model = make_model(None)  # planned with its batch symbolic; each module compiled at this rank's rows
-    device = measure_device(calibrate)
+    device = measure_device(calibrate, target)
     # rank 0 plans (every rank would plan the same: the same model, device and link numbers) and
     # sends the others what they need of it
     summary: list[PlanSummary | None] = [None]
