@@ -153,6 +153,44 @@ def test_a_malformed_past_present_pattern_is_a_named_error_and_the_plain_import_
         from_onnx(str(path))  # the file as it is: a symbolic past length, the Concat kept
 
 
+@pytest.fixture(scope="module")
+def alibi_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("alibi_decoders")
+    export_decoder(d / "llama_alibi.onnx", "llama", alibi=True)  # ALiBi added to the causal mask (one Add)
+    export_decoder(d / "mpt.onnx", "mpt")  # MPT: scores + ALiBi, then masked_fill
+    return {"llama_alibi": d / "llama_alibi.onnx", "mpt": d / "mpt.onnx"}
+
+
+@pytest.mark.parametrize("name,message", [("llama_alibi", "ALiBi position bias"), ("mpt", "ALiBi")])
+def test_a_decoder_with_an_alibi_bias_is_refused_in_place_and_runs_as_it_is(alibi_files, name, message):
+    # in place, the bias would be dropped (tg.cache_attention is causal with no bias): refused by name
+    path = alibi_files[name]
+    with pytest.raises(KVCacheError, match=message):
+        LanguageModel(path, target="numpy")
+    # the plain import keeps it: a prefill of 2 tokens after 3 past rows, against the float64
+    # interpreter and onnxruntime
+    session = ort.InferenceSession(str(path))
+    names = [i.name for i in session.get_inputs()]
+    rng = np.random.default_rng(3)
+    feeds = {"input_ids": np.array([[9, 40]], np.int64), "attention_mask": np.ones((1, 5), np.int64),
+             "position_ids": np.array([[3, 4]], np.int64)}
+    feeds.update({n: rng.standard_normal((1, TINY["heads"] if name == "mpt" else TINY["kv_heads"], 3,
+                                          TINY["hidden"] // TINY["heads"])).astype(np.float32)
+                  for n in names if n.startswith("past_key_values.")})
+    args = [feeds[n] for n in names]
+    want = session.run(None, {n: feeds[n] for n in names})
+    proto = onnx.load(str(path))  # the plain import at this step's shapes (the past length fixed)
+    for i in proto.graph.input:
+        for d, n in zip(i.type.tensor_type.shape.dim, feeds[i.name].shape):
+            d.dim_value = n
+    model = from_onnx(proto)
+    reference = interpret(model, args)
+    got = tilegraph.compile(model, target="numpy").run(*args)
+    for i, (g, r, w) in enumerate(zip(got, reference, want)):
+        assert_close(g, r, "f32", TINY["hidden"], name=f"{name} output {i} vs the float64 interpreter")
+        assert_close(g, w, "f32", TINY["hidden"], name=f"{name} output {i} vs onnxruntime")
+
+
 def test_a_plain_onnx_file_is_not_a_decoder(tmp_path):
     x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])
     y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])

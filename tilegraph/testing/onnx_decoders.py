@@ -22,9 +22,10 @@ TINY = {"vocab": 256, "hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "ffn
 
 
 def make_model(arch: str = "llama", seed: int = 0, **sizes: Any):
-    """A transformers causal LM of `arch` ('llama', 'gpt2') with random weights, eager attention, eval mode."""
+    """A transformers causal LM of `arch` ('llama', 'gpt2', 'mpt': ALiBi) with random weights, eager
+    attention, eval mode."""
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MptConfig, MptForCausalLM
 
     s = {**TINY, **sizes}
     config: Any
@@ -39,13 +40,26 @@ def make_model(arch: str = "llama", seed: int = 0, **sizes: Any):
         config = GPT2Config(vocab_size=s["vocab"], n_embd=s["hidden"], n_layer=s["layers"], n_head=s["heads"],
                             n_positions=s["positions"], **EAGER)
         model = GPT2LMHeadModel(config)
+    elif arch == "mpt":
+        config = MptConfig(vocab_size=s["vocab"], d_model=s["hidden"], n_layers=s["layers"], n_heads=s["heads"],
+                           max_seq_len=s["positions"], expansion_ratio=s["ffn"] // s["hidden"], **EAGER)
+        model = MptForCausalLM(config)
     else:
-        raise ValueError(f"arch '{arch}': 'llama' or 'gpt2'")
+        raise ValueError(f"arch '{arch}': 'llama', 'gpt2' or 'mpt'")
     return model.eval()
 
 
-def export_decoder(path: str | Path, arch: str = "llama", seed: int = 0, opset: int = 17, **sizes: Any):
-    """Write the decoder-with-past ONNX file of make_model(arch, seed, **sizes) to `path`; returns the model."""
+def alibi_slopes(heads: int):
+    """ALiBi's per-head slopes (BLOOM's and MPT's, for a power-of-two head count): 2^(-8 h / heads)."""
+    return 2.0 ** (-8.0 * np.arange(1, heads + 1) / heads)
+
+
+def export_decoder(path: str | Path, arch: str = "llama", seed: int = 0, opset: int = 17, alibi: bool = False,
+                   **sizes: Any):
+    """Write the decoder-with-past ONNX file of make_model(arch, seed, **sizes) to `path`; returns the model.
+    `alibi`: the file adds an ALiBi position bias (slope_h x key position, per head) to the causal
+    mask, as BLOOM and MPT do: the wrapper builds the 4D float mask [B, H, T, S] the model adds to
+    its scores (transformers takes a 4D mask as it is)."""
     import torch
     from transformers import DynamicCache
 
@@ -61,6 +75,8 @@ def export_decoder(path: str | Path, arch: str = "llama", seed: int = 0, opset: 
             self.lm = lm
 
         def forward(self, input_ids, attention_mask, position_ids, *past):
+            if alibi:
+                attention_mask = self.alibi_mask(attention_mask, input_ids.shape[1])
             cache = DynamicCache(config=self.lm.config)
             for i, layer in enumerate(cache.layers[:layers]):
                 # the past as the layer's contents (not an update of an empty layer, which traces a
@@ -73,6 +89,15 @@ def export_decoder(path: str | Path, arch: str = "llama", seed: int = 0, opset: 
             for layer in out.past_key_values.layers[:layers]:
                 result += [layer.keys, layer.values]
             return tuple(result)
+
+        def alibi_mask(self, attention_mask, steps):
+            total = attention_mask.shape[1]
+            keys = torch.arange(total)
+            queries = keys[total - steps:]  # the new rows' positions: the last `steps` of the total
+            allowed = (keys[None, :] <= queries[:, None])[None, None] & attention_mask[:, None, None, :].bool()
+            causal = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
+            slopes = torch.tensor(alibi_slopes(config.num_attention_heads), dtype=torch.float32)
+            return causal + slopes[None, :, None, None] * keys.float()[None, None, None, :]
 
     batch, steps, past_len = 1, 3, 5
     ids = torch.randint(0, config.vocab_size, (batch, steps))
