@@ -234,6 +234,38 @@ def test_onnxruntime_genai_group_query_attention_files_decode_in_place(files):
     assert ops.count(Op.cache_write) == 4 and ops.count(Op.cache_attention) == 2
 
 
+def test_a_group_query_attention_local_window_is_tg_cache_attentions_window(tmp_path):
+    """local_window_size (Mistral's sliding window as onnxruntime-genai writes it): the query at
+    position p sees keys p - L + 1..p, in the prompt and in decode, past the window's length."""
+    path = tmp_path / "window.onnx"
+    write_gqa_decoder(path, vocab=TINY["vocab"], local_window=3)
+    lm = LanguageModel(path, target="c", cache_len=32)
+    steps: list[np.ndarray] = []
+    made = [t for _, t in lm.generate_ids([PROMPT], 8, Sampling(), stop=False,
+                                          on_logits=lambda i, logits: steps.append(logits[0].copy()))]
+    want_logits: list[np.ndarray] = []
+    want = run_onnxruntime(ort.InferenceSession(str(path)), PROMPT, 8, head_dim=16,
+                           on_logits=lambda i, logits: want_logits.append(logits))
+    assert made == want
+    for i, (got, ref) in enumerate(zip(steps, want_logits)):
+        assert_close(got, ref, "f32", 64, name=f"windowed gqa step {i}")
+    model = lm._onnx.build(1, 3, 16)
+    assert {op.attr("window") for op in _ops(model) if op.op_name == Op.cache_attention} == {3}
+    # three new rows after 6 past rows, every row's logits: the float64 interpreter and onnxruntime
+    rng = np.random.default_rng(2)
+    past = {f"past_key_values.{i}.{k}": rng.standard_normal((1, 2, 6, 16)).astype(np.float32)
+            for i in range(2) for k in ("key", "value")}
+    ids = np.array([[9, 40, 7]], np.int64)
+    want_rows = ort.InferenceSession(str(path)).run(
+        None, {"input_ids": ids, "attention_mask": np.ones((1, 9), np.int64), **past})[0][0]
+    caches = [np.zeros((1, 2, 16, 16), np.float32) for _ in past]
+    for c, rows in zip(caches, past.values()):
+        c[:, :, :6] = rows
+    for last in range(3):
+        got = interpret(model, [ids, np.array([6]), np.array([last]), *[c.copy() for c in caches]])[0][0]
+        assert_close(got, want_rows[last], "f32", 64, name=f"row {last} vs onnxruntime")
+
+
 def test_a_group_query_attention_it_cannot_rewrite_is_a_named_error(files, tmp_path):
     path = tmp_path / "gqa.onnx"
     proto = onnx.load(str(files["gqa"]))
@@ -241,6 +273,11 @@ def test_a_group_query_attention_it_cannot_rewrite_is_a_named_error(files, tmp_p
     next(a for a in gqa.attribute if a.name == "rotary_interleaved").i = 1
     onnx.save(proto, str(path))
     with pytest.raises(KVCacheError, match="rotary_interleaved = 1"):
+        LanguageModel(path, target="numpy")
+    next(a for a in gqa.attribute if a.name == "rotary_interleaved").i = 0
+    next(a for a in gqa.attribute if a.name == "local_window_size").i = 0  # a window of no keys
+    onnx.save(proto, str(path))
+    with pytest.raises(KVCacheError, match="local_window_size = 0"):
         LanguageModel(path, target="numpy")
 
 

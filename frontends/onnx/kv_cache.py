@@ -371,12 +371,20 @@ def _gqa_head_dim(node, constant) -> int | None:
     return int(cos.shape[1]) * 2 if cos is not None and cos.ndim == 2 and _gqa_attrs(node).get("do_rotary") else None
 
 
+def _gqa_window(attrs: dict) -> int:
+    """tg.cache_attention's window for GroupQueryAttention's local_window_size L > 0: onnxruntime
+    lets the query at position p see the L keys p - L + 1..p, as tg's window does (checked against
+    its kernel). -1: no window."""
+    size = int(attrs.get("local_window_size", -1))
+    return size if size > 0 else 0
+
+
 def _check_gqa(node, kv_heads: int) -> None:
     """What the rewrite of a GroupQueryAttention supports: causal attention over the cache, an
-    optional rotary embedding in rotate-half form; no window, softcap, sinks, bias or positions."""
+    optional rotary embedding in rotate-half form, a local window; no softcap, sinks, bias or positions."""
     a = _gqa_attrs(node)
     extra = [i for k, i in enumerate(node.input) if k > 8 and i]
-    problems = [f"{name} = {a[name]}" for name, ok in (("local_window_size", lambda v: v in (-1, 0)),
+    problems = [f"{name} = {a[name]}" for name, ok in (("local_window_size", lambda v: v == -1 or 0 < v < 1 << 20),
                                                         ("softcap", lambda v: v == 0),
                                                         ("rotary_interleaved", lambda v: v == 0),
                                                         ("smooth_softmax", lambda v: v in (0, -1)))
@@ -454,7 +462,8 @@ class _DecoderImporter(_Importer):
         store = {} if self.cache_dtype == "f32" else {"store": self.cache_dtype}
         kc, vc = (g.op("cache_write", self.caches[self.plan.past[layer][i]], t, self.pos, **store)
                   for i, t in ((0, k), (1, v)))
-        o = g.op("cache_attention", q, kc, vc, self.pos, scale=float(a.get("scale") or 1.0 / np.sqrt(D)))
+        o = g.op("cache_attention", q, kc, vc, self.pos, scale=float(a.get("scale") or 1.0 / np.sqrt(D)),
+                 window=_gqa_window(a))
         self.env[node.output[0]] = g.reshape(g.transpose(o, (0, 2, 1, 3)), (B, T, H * D))
         self.env[node.output[1]], self.env[node.output[2]] = kc, vc
 

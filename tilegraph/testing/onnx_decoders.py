@@ -179,12 +179,13 @@ def write_hf_folder(folder: str | Path, arch: str = "llama", seed: int = 0, **si
 
 
 def write_gqa_decoder(path: str | Path, seed: int = 0, vocab: int = 64, hidden: int = 64, heads: int = 4,
-                      kv_heads: int = 2, layers: int = 2, positions: int = 64) -> None:
+                      kv_heads: int = 2, layers: int = 2, positions: int = 64, local_window: int = -1) -> None:
     """A decoder-with-past file in onnxruntime-genai's builder's form, written with onnx.helper:
     com.microsoft GroupQueryAttention on packed QKV with its rotary embedding (cos/sin tables),
     seqlens_k and total_sequence_length derived from attention_mask, RMSNorms as
     SimplifiedLayerNormalization / com.microsoft.SkipSimplifiedLayerNormalization (residual in
-    output 3), past `past_key_values.N.key/.value` [batch, kv_heads, past, kv_cache_dim]."""
+    output 3), past `past_key_values.N.key/.value` [batch, kv_heads, past, kv_cache_dim].
+    `local_window` >= 0: the attention's local_window_size (Mistral's sliding window as the builder writes it)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -230,7 +231,7 @@ def write_gqa_decoder(path: str | Path, seed: int = 0, vocab: int = 64, hidden: 
                                                            "cos_cache", "sin_cache"],
                                    [p + "attn", f"present.{i}.key", f"present.{i}.value"], domain="com.microsoft",
                                    num_heads=heads, kv_num_heads=kv_heads, do_rotary=1, rotary_interleaved=0,
-                                   scale=float(1 / np.sqrt(d)), local_window_size=-1),
+                                   scale=float(1 / np.sqrt(d)), local_window_size=local_window),
                   helper.make_node("MatMul", [p + "attn", weight(p + "o", heads * d, hidden)], [p + "o_out"]),
                   helper.make_node("SkipSimplifiedLayerNormalization", [p + "o_out", residual,
                                                                          weight(p + "norm2", hidden)],
