@@ -191,6 +191,38 @@ def test_a_decoder_with_an_alibi_bias_is_refused_in_place_and_runs_as_it_is(alib
         assert_close(g, w, "f32", TINY["hidden"], name=f"{name} output {i} vs onnxruntime")
 
 
+@pytest.mark.slow
+def test_an_sdpa_decoder_from_torchs_dynamo_exporter_decodes_in_place(tmp_path):
+    """torch.onnx's dynamo exporter at opset 23: SDPA as ONNX Attention (K/V repeated per query head,
+    a boolean mask), the rotary embedding as RotaryEmbedding, the batch read from a past's shape."""
+    pytest.importorskip("onnxscript")
+    path = tmp_path / "sdpa.onnx"
+    export_decoder(path, "llama", opset=23, dynamo=True)
+    kinds = {n.op_type for n in onnx.load(str(path)).graph.node}
+    assert {"Attention", "RotaryEmbedding"} <= kinds and "Softmax" not in kinds
+    lm = LanguageModel(path, target="numpy", cache_len=32)
+    steps: list[np.ndarray] = []
+    made = [t for _, t in lm.generate_ids([PROMPT], 8, Sampling(), stop=False,
+                                          on_logits=lambda i, logits: steps.append(logits[0].copy()))]
+    want_logits: list[np.ndarray] = []
+    want = run_onnxruntime(ort.InferenceSession(str(path)), PROMPT, 8,
+                           on_logits=lambda i, logits: want_logits.append(logits))
+    assert made == want
+    for i, (got, ref) in enumerate(zip(steps, want_logits)):
+        assert_close(got, ref, "f32", TINY["hidden"], name=f"sdpa step {i}")
+    model = lm._onnx.build(1, 2, 16)
+    names = [op.op_name for op in _ops(model)]
+    assert names.count(Op.cache_write) == 4 and names.count(Op.cache_attention) == 2
+    rng = np.random.default_rng(4)
+    caches = [np.zeros((1, 2, 16, 16), np.float32) for _ in range(4)]
+    for c in caches:
+        c[:, :, :5] = rng.standard_normal((1, 2, 5, 16))
+    ids = np.array([[9, 40]], np.int64)
+    reference = interpret(model, [ids, np.array([5]), np.array([1]), *[c.copy() for c in caches]])
+    got = tilegraph.compile(model, target="numpy").run(ids, np.array([5]), np.array([1]), *caches)
+    assert_close(got[0], reference[0], "f32", TINY["hidden"], name="two new rows vs the float64 interpreter")
+
+
 def test_a_plain_onnx_file_is_not_a_decoder(tmp_path):
     x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])
     y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])

@@ -232,6 +232,30 @@ def plan_decoder(proto) -> DecoderPlan:
             raise KVCacheError(f"Softmax '{softmax.name}' over the scores of layer {key[0]}'s keys is not followed "
                                "by a MatMul with that layer's values")
         attentions[pv.output[0]] = Attention(key[0], pv.output[0], qk.input[0], scale)
+    for node in graph.node:  # ONNX's Attention (opset 23: torch's dynamo exporter's spelling of SDPA)
+        if node.op_type != "Attention" or node.domain not in ("", "ai.onnx") or len(node.input) < 3:
+            continue
+        key = writes.get(unrepeat(node.input[1]))
+        if key is None or key[1] != 0:
+            continue
+        a = _gqa_attrs(node)
+        problems = [f"{name} = {a[name]}" for name, ok in (("softcap", lambda v: v == 0),
+                                                            ("is_causal", lambda v: v == 0))
+                    if name in a and not ok(a[name])]
+        if unrepeat(node.input[2]) != present[(key[0], 1)]:
+            problems.append(f"its V '{node.input[2]}' is not layer {key[0]}'s values")
+        if any(node.input[4:]):
+            problems.append(f"inputs past the mask {[i for i in node.input[4:] if i]}")
+        if any(o in consumers or o in outputs for o in node.output[1:] if o):
+            problems.append("its present / qk outputs are read")
+        if len(node.input) < 4 or not node.input[3]:
+            problems.append("no attention mask (is_causal = 1 aligns upper-left, not to the cache's end)")
+        if problems:
+            raise KVCacheError(f"Attention '{node.name}' over layer {key[0]}'s cache: {'; '.join(problems)} is not "
+                               "supported in place")
+        masks.setdefault(node.input[3], key[0])
+        scale = float(a["scale"]) if a.get("scale") else 1.0 / float(np.sqrt(head_dim))
+        attentions[node.output[0]] = Attention(key[0], node.output[0], node.input[0], scale)
     for _, node in fused.values():
         _check_gqa(node, kv_heads)
     for mask, layer in masks.items():
@@ -266,6 +290,10 @@ def plan_decoder(proto) -> DecoderPlan:
         if node.output[0] in replaced:
             continue
         bad = _reads(node) & ({n for kv in past.values() for n in kv.values()} | set(writes) | {"attention_mask"})
+        if bad and node.op_type == "Shape" and SEQUENCE_AXIS not in range(4)[slice(attr(node, "start", 0),
+                                                                                   attr(node, "end"))]:
+            continue  # the batch, heads or head size: the cache's are the past's (torch's dynamo exporter reads
+            # the batch from a past)
         if bad:
             raise KVCacheError(f"node '{node.name}' ({node.op_type}) reads {sorted(bad)} beyond the cache write "
                                "and the attention (a past length or mask used elsewhere): not importable in place")
@@ -280,7 +308,8 @@ MASK_NODES = 400  # more nodes than a mask computation takes (transformers' is ~
 
 def _check_causal_mask(proto, producer: dict, mask: str, layer: int, past_shape: tuple[int, int, int]) -> None:
     """KVCacheError unless the value `mask` that a layer adds to its scores is the causal mask of a
-    dense sequence (0 where key j <= the query's position, <= -1e4 elsewhere), which is what
+    dense sequence (0 where key j <= the query's position, <= -1e4 elsewhere; or a boolean mask, true
+    where a key is attended), which is what
     tg.cache_attention applies: anything else added there (an ALiBi position bias, a sliding window,
     a mask that is not causal) would be dropped. The mask's computation is evaluated (onnx.reference)
     at small shapes from an all-ones attention_mask: it may read attention_mask, input_ids and
@@ -342,7 +371,7 @@ def _check_causal_mask(proto, producer: dict, mask: str, layer: int, past_shape:
                             else np.zeros((batch, kv_heads, past, head_dim), helper.tensor_dtype_to_np_dtype(elem)))
         try:
             (got,) = evaluator.run(None, values)
-            got = np.asarray(got, np.float64)
+            got = np.where(got, 0.0, -np.inf) if np.asarray(got).dtype == bool else np.asarray(got, np.float64)
             got = np.broadcast_to(got, (batch, got.shape[1] if got.ndim == 4 else 1, steps, total))
         except Exception as e:  # noqa: BLE001 - the file's own computation failing at these shapes
             raise KVCacheError(f"the attention mask added to layer {layer}'s scores ('{mask}') does not evaluate "

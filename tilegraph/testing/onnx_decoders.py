@@ -55,16 +55,20 @@ def alibi_slopes(heads: int):
 
 
 def export_decoder(path: str | Path, arch: str = "llama", seed: int = 0, opset: int = 17, alibi: bool = False,
-                   **sizes: Any):
+                   dynamo: bool = False, **sizes: Any):
     """Write the decoder-with-past ONNX file of make_model(arch, seed, **sizes) to `path`; returns the model.
     `alibi`: the file adds an ALiBi position bias (slope_h x key position, per head) to the causal
     mask, as BLOOM and MPT do: the wrapper builds the 4D float mask [B, H, T, S] the model adds to
-    its scores (transformers takes a 4D mask as it is)."""
+    its scores (transformers takes a 4D mask as it is). `dynamo`: SDPA attention exported by torch's
+    dynamo exporter (needs onnxscript): at opset >= 23 ONNX Attention (a boolean mask) and
+    RotaryEmbedding / RMSNormalization nodes."""
     import torch
     from transformers import DynamicCache
 
     model = make_model(arch, seed, **sizes)
     config = model.config
+    if dynamo:
+        config._attn_implementation = "sdpa"
     layers = config.num_hidden_layers
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = config.hidden_size // config.num_attention_heads
@@ -118,8 +122,15 @@ def export_decoder(path: str | Path, arch: str = "llama", seed: int = 0, opset: 
 
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # the tracer's notes on transformers' Python-side checks
-        torch.onnx.export(wrapper, (ids, mask, positions, *past), str(path), input_names=inputs,
-                          output_names=outputs, dynamic_axes=axes, opset_version=opset, dynamo=False)
+        if dynamo:
+            b, t, p, s = (torch.export.Dim(n) for n in ("batch", "sequence", "past", "total"))
+            shapes = {"input_ids": {0: b, 1: t}, "attention_mask": {0: b, 1: s}, "position_ids": {0: b, 1: t},
+                      "past": tuple({0: b, 2: p} for _ in kv)}
+            torch.onnx.export(wrapper, (ids, mask, positions, *past), str(path), input_names=inputs,
+                              output_names=outputs, dynamic_shapes=shapes, opset_version=opset, dynamo=True)
+        else:
+            torch.onnx.export(wrapper, (ids, mask, positions, *past), str(path), input_names=inputs,
+                              output_names=outputs, dynamic_axes=axes, opset_version=opset, dynamo=False)
     return model.eval()
 
 
