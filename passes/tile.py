@@ -127,32 +127,40 @@ def tile_attr(tile: dict) -> DictionaryAttr:
 
 
 def choose_tile(group: FusionOp, hw, max_rows: int = 0, max_cols: int = 0, blas_gemm: bool = False) -> dict[str, int]:
-    tile: dict[str, int] = {}
-    if hw.backend == "c":  # (module docstring) the C backend reads only attention's blocks
-        attention = [op for op in group.ops if op.op_name == Op.attention]
-        return _c_attention_tile(attention[0], hw) if attention else tile
-    anchors = [op for op in group.ops if op.op_name in ANCHORS]
-    if any(op.op_name == Op.attention for op in anchors):
-        tile |= _attention_tile(group, next(op for op in anchors if op.op_name == Op.attention), hw)
-        if hw.kind == "gpu":
-            return tile
-    if hw.kind == "gpu":
-        return tile | _gpu_tile(group, hw)
-    if max_cols and hw.kind == "cpu" and cols_ok(group):
+    """The tile of `group` for the way code runs on `hw` (`Hardware.execution`: TILERS)."""
+    return TILERS[hw.execution](group, hw, max_rows, max_cols, blas_gemm)
+
+
+def _gpu_tiler(group: FusionOp, hw, *_) -> dict[str, int]:
+    """Triton's kernels: attention's blocks alone, else the GEMM's or the row block."""
+    attention = [op for op in group.ops if op.op_name == Op.attention]
+    if attention:  # the scores block lives in registers: FlashAttention-2's blocks
+        return _attention_tile(attention[0], GPU_FLASH_BLOCK_Q, GPU_FLASH_BLOCK_KV,
+                               lambda d: {"num_warps": 4 if d <= 64 else 8})
+    return _gpu_tile(group, hw)
+
+
+def _c_tiler(group: FusionOp, hw, *_) -> dict[str, int]:
+    """The C backend reads only attention's blocks (module docstring)."""
+    attention = [op for op in group.ops if op.op_name == Op.attention]
+    return _c_attention_tile(attention[0], hw) if attention else {}
+
+
+def _numpy_tiler(group: FusionOp, hw, max_rows: int, max_cols: int, blas_gemm: bool) -> dict[str, int]:
+    """NumPy calls over chunks of rows (or columns), attention in flash blocks first."""
+    attention = [op for op in group.ops if op.op_name == Op.attention]
+    tile = _attention_tile(attention[0], FLASH_BLOCK_Q, FLASH_BLOCK_KV) if attention else {}
+    if max_cols and cols_ok(group):
         width = int(at_nominal(info_of(group.ops[0].results[0].type).shape[-1]))
         return tile | {"flat": 1, "cols": min(max_cols, width), "chunks": math.ceil(width / min(max_cols, width))}
     return tile | _cpu_rows(group, hw, max_rows, blas_gemm)
 
 
-def _attention_tile(group: FusionOp, op, hw) -> dict[str, int]:
+def _attention_tile(op, block_q: int, block_kv: int, more=lambda d: {}) -> dict[str, int]:
     lq = at_nominal(info_of(op.operands[0].type).shape[-2])
     lk = at_nominal(info_of(op.operands[1].type).shape[-2])
     d = at_nominal(info_of(op.operands[2].type).shape[-1])
-    if hw.kind == "gpu":  # the scores block lives in registers: FlashAttention-2's blocks
-        tile = {"block_q": int(min(GPU_FLASH_BLOCK_Q, lq)), "block_kv": int(min(GPU_FLASH_BLOCK_KV, lk)),
-                "num_warps": 4 if d <= 64 else 8}
-    else:
-        tile = {"block_q": int(min(FLASH_BLOCK_Q, lq)), "block_kv": int(min(FLASH_BLOCK_KV, lk))}
+    tile = {"block_q": int(min(block_q, lq)), "block_kv": int(min(block_kv, lk))} | more(d)
     if listening():
         remark("tile", f"attention {lq:.0f}x{lk:.0f}: blocks of {tile['block_q']} queries x {tile['block_kv']} keys "
                        f"(online softmax): scores {tile['block_q'] * tile['block_kv']} values per head at a time "
@@ -309,3 +317,7 @@ def _gpu_tile(group: FusionOp, hw) -> dict[str, int]:
                for _, _, c in ranked[:AUTOTUNE_CANDIDATES]]
     return {"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages,
             "configs": configs}  # type: ignore[dict-item]
+
+
+# Each way code runs (ir/hardware.Hardware.execution) tiles its own way.
+TILERS = {"gpu": _gpu_tiler, "c": _c_tiler, "numpy": _numpy_tiler}
