@@ -238,10 +238,10 @@ def plan_decoder(proto) -> DecoderPlan:
         key = writes.get(unrepeat(node.input[1]))
         if key is None or key[1] != 0:
             continue
-        a = _gqa_attrs(node)
-        problems = [f"{name} = {a[name]}" for name, ok in (("softcap", lambda v: v == 0),
+        attrs = _gqa_attrs(node)
+        problems = [f"{name} = {attrs[name]}" for name, ok in (("softcap", lambda v: v == 0),
                                                             ("is_causal", lambda v: v == 0))
-                    if name in a and not ok(a[name])]
+                    if name in attrs and not ok(attrs[name])]
         if unrepeat(node.input[2]) != present[(key[0], 1)]:
             problems.append(f"its V '{node.input[2]}' is not layer {key[0]}'s values")
         if any(node.input[4:]):
@@ -254,7 +254,7 @@ def plan_decoder(proto) -> DecoderPlan:
             raise KVCacheError(f"Attention '{node.name}' over layer {key[0]}'s cache: {'; '.join(problems)} is not "
                                "supported in place")
         masks.setdefault(node.input[3], key[0])
-        scale = float(a["scale"]) if a.get("scale") else 1.0 / float(np.sqrt(head_dim))
+        scale = float(attrs["scale"]) if attrs.get("scale") else 1.0 / float(np.sqrt(head_dim))
         attentions[node.output[0]] = Attention(key[0], node.output[0], node.input[0], scale)
     for _, node in fused.values():
         _check_gqa(node, kv_heads)
