@@ -329,3 +329,77 @@ def test_the_generate_command_streams_text_from_an_onnx_decoder_and_its_tokenize
     # random weights make random bytes: an incomplete UTF-8 character at the end is held back
     assert out.out.rstrip("\n") == byte_tokenizer(TINY["vocab"]).decode(want).rstrip("\ufffd")
     assert "generation: 6 tokens" in out.err
+
+
+@pytest.mark.parametrize("arch,head_dim", [("llama", None), ("gqa", 16)])
+def test_an_f16_cache_decodes_as_onnxruntimes_loop(files, arch, head_dim):
+    """cache_dtype="f16" (the half-size cache): the caches the model writes in place are f16 although
+    the file declares its presents f32; greedy tokens are onnxruntime's, logits within f16's tolerance."""
+    lm = LanguageModel(files[arch], target="numpy", cache_len=32, cache_dtype="f16")
+    caches = list(lm.caches(1))
+    assert all(c.dtype == np.float16 for c in caches)
+    steps: list[np.ndarray] = []
+    made = [t for _, t in lm.generate_ids([PROMPT], 6, Sampling(), stop=False,
+                                          on_logits=lambda i, logits: steps.append(logits[0].copy()))]
+    want_logits: list[np.ndarray] = []
+    want = run_onnxruntime(ort.InferenceSession(str(files[arch])), PROMPT, 6, head_dim=head_dim,
+                           on_logits=lambda i, logits: want_logits.append(logits))
+    assert made == want
+    for i, (got, ref) in enumerate(zip(steps, want_logits)):
+        assert_close(got, ref, "f16", TINY["hidden"], name=f"{arch} f16-cache step {i}")
+    assert all(a is b for a, b in zip(lm.caches(1), caches)) and caches[0][:, :, :10].any()
+
+
+def _report_line(out: str, start: str) -> str:
+    return next(s for s in out.splitlines() if s.startswith(start))
+
+
+def test_cost_decode_prices_an_onnx_decoders_step(files, capsys):
+    """`tilegraph cost --decode` on an exported decoder: every weight once (the embedding table: the
+    rows the batch gathers), the K/V cache up to the depth, the bandwidth bound and the prediction."""
+    from tilegraph.cli import main
+    from tilegraph.cli.common import format_count
+
+    path = files["llama"]
+    initializers = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
+    embed = initializers["lm.model.embed_tokens.weight"]
+    rest = sum(a.nbytes for n, a in initializers.items() if n != "lm.model.embed_tokens.weight")
+    s = TINY
+    head_dim = s["hidden"] // s["heads"]
+
+    def run(*extra):
+        assert main(["cost", str(path), "--decode", *extra]) == 0
+        return capsys.readouterr().out
+
+    for batch, depth, dtype in ((1, 7, "f32"), (2, 40, "f32"), (2, 40, "f16")):
+        out = run("--depth", str(depth), "--batch", str(batch), "--cache-dtype", dtype)
+        weights = rest + batch * embed.shape[1] * embed.itemsize
+        cache = 2 * s["layers"] * batch * s["kv_heads"] * (depth + 1) * head_dim * {"f32": 4, "f16": 2}[dtype]
+        line = _report_line(out, "bytes read per step")
+        assert f"{format_count(weights)} of weights + {format_count(cache)} of {dtype} KV cache" in line, line
+        assert f"{s['layers']} layers" in out and f"cache depth {depth}" in out
+        bound = float(_report_line(out, "memory bandwidth").split()[-2])
+        gbs = float(_report_line(out, "memory bandwidth").split()[2])
+        assert bound == pytest.approx(gbs * 1e9 / (weights + cache) * batch, rel=1e-2)
+        words = _report_line(out, "cost model").split()
+        ms, tokens = float(words[2]), float(words[6])
+        assert 0 < ms and tokens == pytest.approx(batch / (ms * 1e-3), rel=2e-2)  # ms has 2 decimals
+        assert tokens <= bound  # the model's time of a step reads at least its bytes
+
+
+@pytest.mark.parametrize("content,message", [(b"not onnx", "not an ONNX model"),
+                                             ("relu", "not a decoder-with-past")])
+def test_cost_decode_names_what_is_wrong_with_a_file(tmp_path, capsys, content, message):
+    from tilegraph.cli import main
+
+    path = tmp_path / "model.onnx"
+    if content == "relu":
+        x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])
+        graph = onnx.helper.make_graph([onnx.helper.make_node("Relu", ["x"], ["y"])], "g", [x],
+                                       [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])])
+        onnx.save(onnx.helper.make_model(graph), str(path))
+    else:
+        path.write_bytes(content)
+    assert main(["cost", str(path), "--decode"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

@@ -468,6 +468,11 @@ class _DecoderImporter(_Importer):
     def graph_nodes(self):
         return self.plan.live
 
+    def declared_dtype(self, out) -> str | None:
+        if out.name in self.plan.presents.values():  # the caches, in the type they are kept in
+            return self.cache_dtype
+        return super().declared_dtype(out)
+
     def group_query_attention(self, layer: int, node) -> None:
         """onnxruntime's fused attention: packed (or separate) Q/K/V [B, T, heads x D], the rotary
         embedding at positions pos + t (rotate-half), the new K/V rows written into the cache at pos,
