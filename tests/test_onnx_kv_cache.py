@@ -153,6 +153,53 @@ def test_a_malformed_past_present_pattern_is_a_named_error_and_the_plain_import_
         from_onnx(str(path))  # the file as it is: a symbolic past length, the Concat kept
 
 
+def _prescaled(both: bool):
+    """Each layer's scores scaled before their MatMul, not after: Q x s (OPT's, GPT-J's form), or
+    Q x sqrt(s) and K^T x sqrt(s) (torch's decomposed SDPA)."""
+    def edit(graph):
+        from onnx import numpy_helper
+
+        nodes = [onnx.NodeProto() for _ in graph.node]
+        for copy, n in zip(nodes, graph.node):
+            copy.CopyFrom(n)
+        producer = {o: n for n in nodes for o in n.output}
+        for softmax in [n for n in nodes if n.op_type == "Softmax"]:
+            add = producer[softmax.input[0]]
+            scaled = next(producer[i] for i in add.input if i in producer and producer[i].op_type == "Mul")
+            qk = producer[scaled.input[0]]
+            factor = float(numpy_helper.to_array(producer[scaled.input[1]].attribute[0].t))
+            add.input[list(add.input).index(scaled.output[0])] = qk.output[0]
+            nodes.remove(scaled)
+            for side in (0, 1) if both else (0,):
+                name = f"{qk.output[0]}_scale_{side}"
+                graph.initializer.append(numpy_helper.from_array(
+                    np.array(factor ** 0.5 if both else factor, np.float32), name))
+                nodes.insert(nodes.index(qk), onnx.helper.make_node("Mul", [qk.input[side], name], [name + "d"]))
+                qk.input[side] = name + "d"
+        del graph.node[:]
+        graph.node.extend(nodes)
+    return edit
+
+
+@pytest.mark.parametrize("both", [False, True], ids=["q", "q_and_k"])
+def test_scores_scaled_before_their_matmul_decode_in_place(files, tmp_path, both):
+    path = _edited(files["llama"], tmp_path, _prescaled(both))
+    lm = LanguageModel(path, target="numpy", cache_len=32)
+    head_dim = TINY["hidden"] // TINY["heads"]
+    attentions = [op for op in _ops(lm._onnx.build(1, 1, 32)) if op.op_name == Op.cache_attention]
+    # the query read is Q x s (or x sqrt(s)): what is left of 1/sqrt(D) is the attention's scale
+    assert [op.attr("scale") for op in attentions] == pytest.approx([head_dim ** -0.25 if both else 1.0] * 2)
+    steps: list[np.ndarray] = []
+    made = [t for _, t in lm.generate_ids([PROMPT], 6, Sampling(), stop=False,
+                                          on_logits=lambda i, logits: steps.append(logits[0].copy()))]
+    want_logits: list[np.ndarray] = []
+    want = run_onnxruntime(ort.InferenceSession(str(path)), PROMPT, 6,
+                           on_logits=lambda i, logits: want_logits.append(logits))
+    assert made == want
+    for i, (got, ref) in enumerate(zip(steps, want_logits)):
+        assert_close(got, ref, "f32", TINY["hidden"], name=f"pre-scaled step {i}")
+
+
 @pytest.fixture(scope="module")
 def alibi_files(tmp_path_factory):
     d = tmp_path_factory.mktemp("alibi_decoders")

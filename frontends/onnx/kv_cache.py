@@ -190,21 +190,33 @@ def plan_decoder(proto) -> DecoderPlan:
             axes = constant(u.input[1])
         return u.input[0] if axes is not None and list(np.atleast_1d(axes)) == [SEQUENCE_AXIS] else name
 
+    def unscaled(name: str) -> tuple[str, float]:
+        """(x, s) where `name` is x * s or x / (1 / s) with s a scalar constant, else (name, 1)."""
+        node = producer.get(name)
+        if node is None or node.op_type not in ("Mul", "Div"):
+            return name, 1.0
+        for x, c in ((0, 1), (1, 0)) if node.op_type == "Mul" else ((0, 1),):
+            factor = constant(node.input[c])
+            scalar = factor is not None and factor.size == 1 and factor.dtype.kind in "fiu"
+            value = float(factor.reshape(())) if scalar else 0.0
+            if value != 0.0 and np.isfinite(value):  # (x / 0 is no scaling the attention can take)
+                return node.input[x], value if node.op_type == "Mul" else 1.0 / value
+        return name, 1.0
+
     def scores_of(scores: str):
-        """(the MatMul(Q, K^T) node, the scale, the layer's key write) of scaled scores, else None."""
-        scale, scaled = 1.0, producer.get(scores)
-        if scaled is not None and scaled.op_type in ("Mul", "Div"):
-            factor = constant(scaled.input[1])
-            if factor is None or factor.size != 1:
-                return None
-            scale = float(factor.reshape(())) if scaled.op_type == "Mul" else 1.0 / float(factor.reshape(()))
-            scores = scaled.input[0]
+        """(the MatMul(Q, K^T) node, the scale, the layer's key write) of scaled scores, else None.
+        The scale is the scores' factor times K^T's (torch's decomposed SDPA scales Q and K^T each
+        by sqrt(scale)); a factor on Q stays in the query the attention reads."""
+        scores, scale = unscaled(scores)
         qk = producer.get(scores)
-        kt = producer.get(qk.input[1]) if qk is not None and qk.op_type == "MatMul" else None
+        if qk is None or qk.op_type != "MatMul":
+            return None
+        kt_name, k_scale = unscaled(qk.input[1])
+        kt = producer.get(kt_name)
         if kt is None or kt.op_type != "Transpose" or list(attr(kt, "perm", [])) != [0, 1, 3, 2]:
             return None
         key = writes.get(unrepeat(kt.input[0]))
-        return (qk, scale, key) if key is not None and key[1] == 0 else None
+        return (qk, scale * k_scale, key) if key is not None and key[1] == 0 else None
 
     attentions: dict[str, Attention] = {}
     masks: dict[str, int] = {}  # the values added to each layer's scores -> a layer that adds it
