@@ -270,6 +270,48 @@ def test_an_sdpa_decoder_from_torchs_dynamo_exporter_decodes_in_place(tmp_path):
     assert_close(got[0], reference[0], "f32", TINY["hidden"], name="two new rows vs the float64 interpreter")
 
 
+def _inner_reshapes(graph):
+    """The Reshapes that flatten K to [B*H, S, D] before torch's decomposed SDPA transposes it."""
+    producer = {o: n for n in graph.node for o in n.output}
+    return [producer[t.input[0]] for t in graph.node if t.op_type == "Transpose"
+            and list(t.attribute[0].ints) == [0, 2, 1] and producer[t.input[0]].op_type == "Reshape"]
+
+
+@pytest.mark.slow
+def test_a_decomposed_sdpa_decoder_from_torchs_dynamo_exporter_at_opset_18_decodes_in_place(tmp_path):
+    """torch.onnx's dynamo exporter at opset 18 writes SDPA out: Q and K^T each x sqrt(scale), K^T
+    through a 3D Transpose between two computed Reshapes, Softmax then Where(IsNaN(p), 0, p)."""
+    pytest.importorskip("onnxscript")
+    path = tmp_path / "sdpa18.onnx"
+    export_decoder(path, "llama", opset=18, dynamo=True)
+    graph = onnx.load(str(path)).graph
+    kinds = {n.op_type for n in graph.node}
+    assert {"Softmax", "IsNaN"} <= kinds and "Attention" not in kinds and len(_inner_reshapes(graph)) == 2
+    lm = LanguageModel(path, target="numpy", cache_len=32)
+    steps: list[np.ndarray] = []
+    made = [t for _, t in lm.generate_ids([PROMPT], 8, Sampling(), stop=False,
+                                          on_logits=lambda i, logits: steps.append(logits[0].copy()))]
+    want_logits: list[np.ndarray] = []
+    want = run_onnxruntime(ort.InferenceSession(str(path)), PROMPT, 8,
+                           on_logits=lambda i, logits: want_logits.append(logits))
+    assert made == want
+    for i, (got, ref) in enumerate(zip(steps, want_logits)):
+        assert_close(got, ref, "f32", TINY["hidden"], name=f"sdpa opset 18 step {i}")
+    ops = _ops(lm._onnx.build(1, 1, 16))
+    assert [op.op_name for op in ops].count(Op.cache_write) == 4
+    head_dim = TINY["hidden"] // TINY["heads"]  # K^T's sqrt(scale) is the attention's, Q's stays in the query
+    assert [op.attr("scale") for op in ops if op.op_name == Op.cache_attention] == pytest.approx(
+        [head_dim ** -0.25] * 2)
+
+    def reshape_not_transpose(graph):  # the flattening Reshape to [B*H, D, S]: the Transpose undoes no transpose
+        producer = {o: n for n in graph.node for o in n.output}
+        target = producer[_inner_reshapes(graph)[0].input[1]]
+        assert target.op_type == "Concat" and len(target.input) == 3
+        target.input[1], target.input[2] = target.input[2], target.input[1]
+    with pytest.raises(KVCacheError, match="no attention"):
+        LanguageModel(_edited(path, tmp_path, reshape_not_transpose), target="numpy")
+
+
 def test_a_plain_onnx_file_is_not_a_decoder(tmp_path):
     x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])
     y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])

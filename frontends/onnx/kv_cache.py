@@ -5,7 +5,10 @@ Such a file takes `past_key_values.N.key/.value` [B, Hkv, past, D], Concats each
 new rows along the sequence axis into graph output `present.N.key/.value`, and attends over the
 concatenation: MatMul(Q, Transpose(K)) x scale (+ the attention mask) -> Softmax -> MatMul(., V),
 K and V repeated per query head by Unsqueeze/Expand/Reshape (transformers' repeat_kv) for
-grouped-query attention. Imported as it is, its past length is a symbol and every step copies
+grouped-query attention. The scale may sit on Q or on K^T instead: torch's dynamo exporter at
+opset 18 writes SDPA out with Q and K^T each x sqrt(scale), K^T a 3D Transpose between two
+computed Reshapes (taken where ONNX's shape inference shows it is K^T), and Where(IsNaN(p), 0, p)
+after the Softmax; at opset 23 it writes ONNX Attention. Imported as it is, its past length is a symbol and every step copies
 the whole cache into a new, longer one.
 
 `import_decoder` imports it as the model the GGUF frontend builds (frontends/gguf/llama.py), so
@@ -212,11 +215,59 @@ def plan_decoder(proto) -> DecoderPlan:
         if qk is None or qk.op_type != "MatMul":
             return None
         kt_name, k_scale = unscaled(qk.input[1])
-        kt = producer.get(kt_name)
-        if kt is None or kt.op_type != "Transpose" or list(attr(kt, "perm", [])) != [0, 1, 3, 2]:
-            return None
-        key = writes.get(unrepeat(kt.input[0]))
+        k = transposed_key(kt_name)
+        key = writes.get(unrepeat(k)) if k is not None else None
         return (qk, scale * k_scale, key) if key is not None and key[1] == 0 else None
+
+    def transposed_key(kt_name: str) -> str | None:
+        """K where `kt_name` is K^T: Transpose(K, [0, 1, 3, 2]), or (torch's decomposed SDPA at
+        opset 18) Reshape(Transpose(Reshape(K) to [B*H, S, D], [0, 2, 1])) to [B, H, D, S]."""
+        kt = producer.get(kt_name)
+        if kt is not None and kt.op_type == "Transpose" and list(attr(kt, "perm", [])) == [0, 1, 3, 2]:
+            return kt.input[0]
+        t = producer.get(kt.input[0]) if kt is not None and kt.op_type == "Reshape" else None
+        flat = producer.get(t.input[0]) if t is not None and t.op_type == "Transpose" \
+            and list(attr(t, "perm", [])) == [0, 2, 1] else None
+        if flat is None or flat.op_type != "Reshape":
+            return None
+        k, dims = flat.input[0], inferred_dims()  # the Reshapes' targets are computed: their shapes say
+        known = all(d is not None for n in (k, flat.output[0], kt.output[0]) for d in dims.get(n, [None]))
+        if not known or len(dims[k]) != 4 or len(dims[flat.output[0]]) != 3:
+            return None
+        b, h, s, d = dims[k]
+        return k if dims[flat.output[0]][1:] == [s, d] and dims[kt.output[0]] == [b, h, d, s] else None
+
+    inferred: dict[str, list] = {}
+
+    def inferred_dims() -> dict[str, list]:
+        """Every value's dims (an int, a symbol, None unknown) by ONNX's shape inference with its data
+        propagation (Shape -> Slice -> Concat targets), run once and only for files that need it. Two
+        dims with one symbol are equal; a symbol the exporter chose is not trusted (cleared first)."""
+        from onnx import ModelProto, shape_inference
+
+        if not inferred:
+            bare = ModelProto()
+            bare.CopyFrom(proto)
+            del bare.graph.value_info[:]
+            try:
+                done = shape_inference.infer_shapes(bare, data_prop=True)
+            except Exception:  # noqa: BLE001 - inference refusing the file: nothing is known
+                done = bare
+            for v in [*done.graph.input, *done.graph.value_info, *done.graph.output]:
+                tt = v.type.tensor_type
+                inferred[v.name] = [x.dim_value if x.HasField("dim_value") else x.dim_param or None
+                                    for x in tt.shape.dim] if tt.HasField("shape") else [None]
+        return inferred
+
+    def nan_guard(probs: str, users: list) -> bool:
+        """`users` of the probabilities are Where(IsNaN(p), 0, p) (torch's decomposed SDPA: a row with
+        every key masked gives 0, not NaN); a causal row always sees its own key, so it passes p."""
+        isnan = next((u for u in users if u.op_type == "IsNaN"), None)
+        where = next((u for u in users if u.op_type == "Where"), None)
+        zero = constant(where.input[1]) if where is not None else None
+        return len(users) == 2 and isnan is not None and where is not None and list(where.input[::2]) == [
+            isnan.output[0], probs] and consumers.get(isnan.output[0]) == [where] and zero is not None \
+            and zero.size == 1 and zero.dtype.kind in "fiub" and float(zero.reshape(())) == 0.0
 
     attentions: dict[str, Attention] = {}
     masks: dict[str, int] = {}  # the values added to each layer's scores -> a layer that adds it
@@ -235,8 +286,13 @@ def plan_decoder(proto) -> DecoderPlan:
                                "file attends to every position, the in-place import causally")
         masks.setdefault(mask, key[0])
         probs, users = softmax.output[0], consumers.get(softmax.output[0], [])
-        while len(users) == 1 and users[0].op_type in ("Cast", "Identity", "Dropout"):
-            probs = users[0].output[0]
+        while True:
+            if len(users) == 1 and users[0].op_type in ("Cast", "Identity", "Dropout"):
+                probs = users[0].output[0]
+            elif nan_guard(probs, users):
+                probs = next(u for u in users if u.op_type == "Where").output[0]
+            else:
+                break
             users = consumers.get(probs, [])
         pv = users[0] if len(users) == 1 and users[0].op_type == "MatMul" and users[0].input[0] == probs else None
         if pv is None or writes.get(unrepeat(pv.input[1])) is None \
