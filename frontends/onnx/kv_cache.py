@@ -243,12 +243,18 @@ def plan_decoder(proto) -> DecoderPlan:
         """Every value's dims (an int, a symbol, None unknown) by ONNX's shape inference with its data
         propagation (Shape -> Slice -> Concat targets), run once and only for files that need it. Two
         dims with one symbol are equal; a symbol the exporter chose is not trusted (cleared first)."""
-        from onnx import ModelProto, shape_inference
+        from onnx import shape_inference
 
         if not inferred:
-            bare = ModelProto()
-            bare.CopyFrom(proto)
-            del bare.graph.value_info[:]
+            # the graph without its value_info, large initializers as inputs of their type (no copy of
+            # the weights; shape targets and other small constants keep their values)
+            small = [t for t in graph.initializer if int(np.prod(t.dims, dtype=np.int64)) <= 64]
+            typed = [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in graph.initializer
+                     if int(np.prod(t.dims, dtype=np.int64)) > 64 and t.name not in inputs]
+            bare = helper.make_model(helper.make_graph(graph.node, "shapes", [*graph.input, *typed], graph.output,
+                                                       small), opset_imports=list(proto.opset_import))
+            bare.ir_version = proto.ir_version
+            bare.functions.extend(proto.functions)
             try:
                 done = shape_inference.infer_shapes(bare, data_prop=True)
             except Exception:  # noqa: BLE001 - inference refusing the file: nothing is known
