@@ -43,21 +43,27 @@ def _ops(model):
     return [op for op in model.ops() if hasattr(op, "op_name")]
 
 
+def _greedy_as_onnxruntime(lm, path, steps: int, name: str, head_dim: int | None = None, dtype: str = "f32"):
+    """lm's greedy decoding of PROMPT makes the tokens of onnxruntime's past/present loop over `path`,
+    each step's logits within `dtype`'s tolerance of onnxruntime's."""
+    got: list[np.ndarray] = []
+    made = [t for _, t in lm.generate_ids([PROMPT], steps, Sampling(), stop=False,
+                                          on_logits=lambda i, logits: got.append(logits[0].copy()))]
+    want_logits: list[np.ndarray] = []
+    want = run_onnxruntime(ort.InferenceSession(str(path)), PROMPT, steps, head_dim=head_dim,
+                           on_logits=lambda i, logits: want_logits.append(logits))
+    assert made == want
+    for i, (g, ref) in enumerate(zip(got, want_logits)):
+        assert_close(g, ref, dtype, TINY["hidden"], name=f"{name} step {i}")
+
+
 @pytest.mark.parametrize("arch,target", [("llama", "numpy"), ("gpt2", "numpy")])
 def test_greedy_generation_equals_onnxruntimes_past_present_loop(files, arch, target):
     path = files[arch]
     lm = LanguageModel(path, target=target, cache_len=32)
     assert (lm.config.layers, lm.config.kv_heads) == (2, 2 if arch == "llama" else 4)
     caches = list(lm.caches(1))
-    steps: list[np.ndarray] = []
-    made = [t for _, t in lm.generate_ids([PROMPT], 10, Sampling(), stop=False,
-                                          on_logits=lambda i, logits: steps.append(logits[0].copy()))]
-    want_logits: list[np.ndarray] = []
-    want = run_onnxruntime(ort.InferenceSession(str(path)), PROMPT, 10,
-                           on_logits=lambda i, logits: want_logits.append(logits))
-    assert made == want
-    for i, (got, ref) in enumerate(zip(steps, want_logits)):
-        assert_close(got, ref, "f32", TINY["hidden"], name=f"{arch} step {i}")
+    _greedy_as_onnxruntime(lm, path, 10, arch)
     # written in place: the same buffers, 5 prompt + 9 decoded positions filled, the rest untouched
     assert all(a is b for a, b in zip(lm.caches(1), caches))
     assert all(c[:, :, :14].any() and not c[:, :, 14:].any() for c in caches)
@@ -189,15 +195,7 @@ def test_scores_scaled_before_their_matmul_decode_in_place(files, tmp_path, both
     attentions = [op for op in _ops(lm._onnx.build(1, 1, 32)) if op.op_name == Op.cache_attention]
     # the query read is Q x s (or x sqrt(s)): what is left of 1/sqrt(D) is the attention's scale
     assert [op.attr("scale") for op in attentions] == pytest.approx([head_dim ** -0.25 if both else 1.0] * 2)
-    steps: list[np.ndarray] = []
-    made = [t for _, t in lm.generate_ids([PROMPT], 6, Sampling(), stop=False,
-                                          on_logits=lambda i, logits: steps.append(logits[0].copy()))]
-    want_logits: list[np.ndarray] = []
-    want = run_onnxruntime(ort.InferenceSession(str(path)), PROMPT, 6,
-                           on_logits=lambda i, logits: want_logits.append(logits))
-    assert made == want
-    for i, (got, ref) in enumerate(zip(steps, want_logits)):
-        assert_close(got, ref, "f32", TINY["hidden"], name=f"pre-scaled step {i}")
+    _greedy_as_onnxruntime(lm, path, 6, "pre-scaled")
 
 
 @pytest.fixture(scope="module")
@@ -248,15 +246,7 @@ def test_an_sdpa_decoder_from_torchs_dynamo_exporter_decodes_in_place(tmp_path):
     kinds = {n.op_type for n in onnx.load(str(path)).graph.node}
     assert {"Attention", "RotaryEmbedding"} <= kinds and "Softmax" not in kinds
     lm = LanguageModel(path, target="numpy", cache_len=32)
-    steps: list[np.ndarray] = []
-    made = [t for _, t in lm.generate_ids([PROMPT], 8, Sampling(), stop=False,
-                                          on_logits=lambda i, logits: steps.append(logits[0].copy()))]
-    want_logits: list[np.ndarray] = []
-    want = run_onnxruntime(ort.InferenceSession(str(path)), PROMPT, 8,
-                           on_logits=lambda i, logits: want_logits.append(logits))
-    assert made == want
-    for i, (got, ref) in enumerate(zip(steps, want_logits)):
-        assert_close(got, ref, "f32", TINY["hidden"], name=f"sdpa step {i}")
+    _greedy_as_onnxruntime(lm, path, 8, "sdpa")
     model = lm._onnx.build(1, 2, 16)
     names = [op.op_name for op in _ops(model)]
     assert names.count(Op.cache_write) == 4 and names.count(Op.cache_attention) == 2
@@ -288,15 +278,7 @@ def test_a_decomposed_sdpa_decoder_from_torchs_dynamo_exporter_at_opset_18_decod
     kinds = {n.op_type for n in graph.node}
     assert {"Softmax", "IsNaN"} <= kinds and "Attention" not in kinds and len(_inner_reshapes(graph)) == 2
     lm = LanguageModel(path, target="numpy", cache_len=32)
-    steps: list[np.ndarray] = []
-    made = [t for _, t in lm.generate_ids([PROMPT], 8, Sampling(), stop=False,
-                                          on_logits=lambda i, logits: steps.append(logits[0].copy()))]
-    want_logits: list[np.ndarray] = []
-    want = run_onnxruntime(ort.InferenceSession(str(path)), PROMPT, 8,
-                           on_logits=lambda i, logits: want_logits.append(logits))
-    assert made == want
-    for i, (got, ref) in enumerate(zip(steps, want_logits)):
-        assert_close(got, ref, "f32", TINY["hidden"], name=f"sdpa opset 18 step {i}")
+    _greedy_as_onnxruntime(lm, path, 8, "sdpa opset 18")
     ops = _ops(lm._onnx.build(1, 1, 16))
     assert [op.op_name for op in ops].count(Op.cache_write) == 4
     head_dim = TINY["hidden"] // TINY["heads"]  # K^T's sqrt(scale) is the attention's, Q's stays in the query
@@ -340,15 +322,7 @@ def test_onnxruntime_genai_group_query_attention_files_decode_in_place(files):
     lm = LanguageModel(path, target="c", cache_len=32)  # the C backend's cache kernels, as the benchmark runs
     assert (lm.config.heads, lm.config.kv_heads, lm.config.head_dim) == (4, 2, 16)
     caches = list(lm.caches(1))
-    steps: list[np.ndarray] = []
-    made = [t for _, t in lm.generate_ids([PROMPT], 8, Sampling(), stop=False,
-                                          on_logits=lambda i, logits: steps.append(logits[0].copy()))]
-    want_logits: list[np.ndarray] = []
-    want = run_onnxruntime(ort.InferenceSession(str(path)), PROMPT, 8, head_dim=16,
-                           on_logits=lambda i, logits: want_logits.append(logits))
-    assert made == want
-    for i, (got, ref) in enumerate(zip(steps, want_logits)):
-        assert_close(got, ref, "f32", 64, name=f"gqa step {i}")
+    _greedy_as_onnxruntime(lm, path, 8, "gqa", head_dim=16)
     assert all(a is b for a, b in zip(lm.caches(1), caches))  # written where they are, by the C kernels
     assert all(c[:, :, :12].any() and not c[:, :, 12:].any() for c in caches)
     ops = [op.op_name for op in _ops(lm._onnx.build(1, 1, 32))]
@@ -361,15 +335,7 @@ def test_a_group_query_attention_local_window_is_tg_cache_attentions_window(tmp_
     path = tmp_path / "window.onnx"
     write_gqa_decoder(path, vocab=TINY["vocab"], local_window=3)
     lm = LanguageModel(path, target="c", cache_len=32)
-    steps: list[np.ndarray] = []
-    made = [t for _, t in lm.generate_ids([PROMPT], 8, Sampling(), stop=False,
-                                          on_logits=lambda i, logits: steps.append(logits[0].copy()))]
-    want_logits: list[np.ndarray] = []
-    want = run_onnxruntime(ort.InferenceSession(str(path)), PROMPT, 8, head_dim=16,
-                           on_logits=lambda i, logits: want_logits.append(logits))
-    assert made == want
-    for i, (got, ref) in enumerate(zip(steps, want_logits)):
-        assert_close(got, ref, "f32", 64, name=f"windowed gqa step {i}")
+    _greedy_as_onnxruntime(lm, path, 8, "windowed gqa", head_dim=16)
     model = lm._onnx.build(1, 3, 16)
     assert {op.attr("window") for op in _ops(model) if op.op_name == Op.cache_attention} == {3}
     # three new rows after 6 past rows, every row's logits: the float64 interpreter and onnxruntime
@@ -427,15 +393,7 @@ def test_an_f16_cache_decodes_as_onnxruntimes_loop(files, arch, head_dim):
     lm = LanguageModel(files[arch], target="numpy", cache_len=32, cache_dtype="f16")
     caches = list(lm.caches(1))
     assert all(c.dtype == np.float16 for c in caches)
-    steps: list[np.ndarray] = []
-    made = [t for _, t in lm.generate_ids([PROMPT], 6, Sampling(), stop=False,
-                                          on_logits=lambda i, logits: steps.append(logits[0].copy()))]
-    want_logits: list[np.ndarray] = []
-    want = run_onnxruntime(ort.InferenceSession(str(files[arch])), PROMPT, 6, head_dim=head_dim,
-                           on_logits=lambda i, logits: want_logits.append(logits))
-    assert made == want
-    for i, (got, ref) in enumerate(zip(steps, want_logits)):
-        assert_close(got, ref, "f16", TINY["hidden"], name=f"{arch} f16-cache step {i}")
+    _greedy_as_onnxruntime(lm, files[arch], 6, f"{arch} f16-cache", head_dim=head_dim, dtype="f16")
     assert all(a is b for a, b in zip(lm.caches(1), caches)) and caches[0][:, :, :10].any()
 
 
