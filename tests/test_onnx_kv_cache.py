@@ -16,6 +16,7 @@ from tilegraph.frontends import FrontendError  # noqa: E402
 from tilegraph.frontends.onnx import from_onnx  # noqa: E402
 from tilegraph.frontends.onnx.kv_cache import KVCacheError, OnnxDecoder  # noqa: E402
 from tilegraph.generation import LanguageModel, Sampling  # noqa: E402
+from tilegraph.ir.errors import TilegraphError  # noqa: E402
 from tilegraph.ir.interpreter import interpret  # noqa: E402
 from tilegraph.ir.ops import Op  # noqa: E402
 from tilegraph.ir.shapes import info_of  # noqa: E402
@@ -450,3 +451,19 @@ def test_cost_decode_names_what_is_wrong_with_a_file(tmp_path, capsys, content, 
     assert main(["cost", str(path), "--decode"]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_a_files_rotary_tables_bound_its_context(files, capsys):
+    """GroupQueryAttention's cos/sin caches have a row per position (64 in this file): the cache is no
+    longer, generation past it is refused before it runs, and so is `cost --decode` at that depth
+    (a position past the tables would index out of them)."""
+    from tilegraph.cli import main
+
+    lm = LanguageModel(files["gqa"], target="numpy", cache_len=128)
+    assert lm.config.context == 64 and lm.cache_len == 64
+    with pytest.raises(TilegraphError, match="cache positions"):
+        next(iter(lm.generate_ids([[1] * 60], 10, Sampling(), stop=False)))
+    assert main(["cost", str(files["gqa"]), "--decode", "--depth", "63"]) == 0
+    assert main(["cost", str(files["gqa"]), "--decode", "--depth", "64"]) == 2
+    assert "past the model's context of 64" in capsys.readouterr().err
+    assert LanguageModel(files["llama"], target="numpy", cache_len=128).cache_len == 128  # rotary computed

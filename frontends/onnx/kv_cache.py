@@ -655,7 +655,18 @@ class OnnxDecoder:
         p = self.plan
         if not isinstance(vocab, int) or not isinstance(heads, int):
             raise KVCacheError(f"the logits' vocabulary ({vocab}) and the query heads ({heads}) must be fixed")
-        return DecoderConfig("onnx", p.layers, heads * p.head_dim, heads, p.kv_heads, p.head_dim, vocab)
+        return DecoderConfig("onnx", p.layers, heads * p.head_dim, heads, p.kv_heads, p.head_dim, vocab,
+                             self.context())
+
+    def context(self) -> int:
+        """The positions the file can place: its rotary tables' rows (GroupQueryAttention's cos/sin
+        caches, which a position past their end would index out of), else DecoderConfig's default."""
+        sizes = {t.name: list(t.dims) for t in self.proto.graph.initializer}
+        sizes.update({n.output[0]: list(n.attribute[0].t.dims) for n in self.proto.graph.node
+                      if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"})
+        rows = [sizes[node.input[i]][0] for _, node in self.plan.fused.values() if _gqa_attrs(node).get("do_rotary")
+                for i in (7, 8) if len(node.input) > i and sizes.get(node.input[i])]
+        return min(rows, default=DecoderConfig.context)
 
     def build(self, batch: int, steps: int | str, cache_len: int, cache_dtype: str = "f32",
               sampling: dict | None = None) -> Model:

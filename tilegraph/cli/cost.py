@@ -129,12 +129,10 @@ def _gguf_step(args) -> _DecodeStep:
 
     from tilegraph.frontends.gguf.llama import LlamaConfig, build, load_weights
     from tilegraph.frontends.gguf.reader import GGUFFile
-    from tilegraph.ir.errors import TilegraphError
 
     f = GGUFFile(args.model)
     c = LlamaConfig.of(f)
-    if args.depth + 1 > c.context:
-        raise TilegraphError(f"--depth {args.depth} is past the model's context of {c.context}")
+    _check_depth(args.depth, c.context)
     weights, formats = load_weights(f, c)
     batch = args.batch  # the block-format weights are read whole each step (the embedding: B rows)
     weight_bytes = sum(int(weights[n].nbytes) for n in formats if n != "token_embd.weight")
@@ -150,9 +148,17 @@ def _onnx_step(args) -> _DecodeStep:
     from tilegraph.frontends.onnx.kv_cache import OnnxDecoder
 
     decoder = OnnxDecoder(args.model)  # not ONNX, or no past/present pattern: a named error
+    _check_depth(args.depth, decoder.context())
     model = decoder.build(args.batch, 1, args.depth + 1, cache_dtype=args.cache_dtype)
     p = decoder.plan
     return _DecodeStep("ONNX decoder", p.layers, p.kv_heads, p.head_dim, _weight_bytes_read(model), model)
+
+
+def _check_depth(depth: int, context: int) -> None:
+    from tilegraph.ir.errors import TilegraphError
+
+    if depth + 1 > context:  # before the model is built at that depth
+        raise TilegraphError(f"--depth {depth} is past the model's context of {context}")
 
 
 def _weight_bytes_read(model) -> int:
