@@ -136,7 +136,14 @@ def _window_out(size: Dim, k: int, stride: int, pad_lo: int, pad_hi: int, dilati
     import sympy
 
     full = size + pad_lo + pad_hi - span
-    return normalize_dim((sympy.ceiling(full / stride) if ceil_mode else sympy.floor(full / stride)) + 1)
+    if not ceil_mode:
+        return normalize_dim(sympy.floor(full / stride) + 1)
+    out = sympy.ceiling(full / stride) + 1
+    if pad_hi - span + stride <= 0:  # the last window starts before full + stride <= size + pad_lo
+        return normalize_dim(out)
+    # As above, one window fewer when the last starts past the input and its left padding
+    # (out - 1 windows when out*stride would reach size + pad_lo, else out):
+    return normalize_dim(sympy.Max(out - 1, sympy.Min(out, sympy.ceiling((size + pad_lo) / stride))))
 
 
 def _spatial_attrs(op, x, attrs, kernel):

@@ -85,27 +85,36 @@ def _pool_by_windows(x, op, kernel, strides, pads, dilations, count_include_pad,
 
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), op=st.sampled_from(["max_pool", "avg_pool"]), nd=st.integers(1, 2),
-       ceil_mode=st.booleans(), count_include_pad=st.booleans())
-def test_pools_make_the_windows_their_shape_rule_counts(data, op, nd, ceil_mode, count_include_pad):
+       ceil_mode=st.booleans(), count_include_pad=st.booleans(), symbolic=st.booleans())
+def test_pools_make_the_windows_their_shape_rule_counts(data, op, nd, ceil_mode, count_include_pad, symbolic):
     """With ceil_mode the last window must start inside the input or its left padding (ONNX,
     torch). An end pad wider than a window leaves more windows in the padded input than that:
     the kernel returned them all, one more than the op's type (the interpreter too, so only
-    the declared shape shows it; the NumPy backend's buffer refused it). Found looking for
-    a model that constant-fold's shape check (fault seeding's fault 21) matters for."""
+    the declared shape shows it; the NumPy backend's buffer refused it), and the rule for a
+    symbolic length did not drop that window at all. Found looking for a model that
+    constant-fold's shape check (fault seeding's fault 21) matters for."""
     ints = lambda lo, hi: data.draw(st.lists(st.integers(lo, hi), min_size=nd, max_size=nd))  # noqa: E731
     spatial, kernel, strides = ints(1, 6), ints(1, 4), ints(1, 3)
     dilations = ints(1, 2) if op == "max_pool" else [1] * nd
     pads = data.draw(st.lists(st.integers(0, 4), min_size=2 * nd, max_size=2 * nd))
-    g = Graph()
     attrs = {"kernel": tuple(kernel), "strides": tuple(strides), "pads": tuple(pads), "dilations": tuple(dilations),
              "ceil_mode": ceil_mode, **({"count_include_pad": count_include_pad} if op == "avg_pool" else {})}
+
+    def pool(last):
+        g = Graph()
+        return g.build(g.op(op, g.input("x", (2, 3, *spatial[:-1], last)), **attrs))
+
     try:
-        model = g.build(g.op(op, g.input("x", (2, 3, *spatial)), **attrs))
+        model = pool(spatial[-1])
     except ShapeError:  # a window wider than the padded input
         return
+    declared = model.outputs[0].shape
+    if symbolic:
+        model = pool("L")
+        assert concrete(model.outputs[0].shape, {"L": spatial[-1]}) == declared, f"{op} {attrs}: {model.outputs[0]}"
     x = np.random.default_rng(0).standard_normal((2, 3, *spatial)).astype(np.float32)
     want = interpret(model, [x])[0]
-    assert want.shape == model.outputs[0].shape, f"{op} {attrs} on {x.shape}"
+    assert want.shape == declared, f"{op} {attrs} on {x.shape}: declared {model.outputs[0]}"
     assert_close(want, _pool_by_windows(x, op, kernel, strides, pads, dilations, count_include_pad, want.shape),
                  "f64", math.prod(kernel))
     assert_close(compile_model(model)(x)[0], want, "f32", math.prod(kernel))
