@@ -202,3 +202,27 @@ def char_gpt_run(args):
     print(f"load average at start: {os.getloadavg()} (other agents share this machine)")
     chars, batches = char_batches(char_corpus(), args.steps, args.batch, args.block)
     return chars, batches, char_gpt(len(chars), args.layers, args.hidden, args.heads, args.block)
+
+
+def gpt2_shaped_step_setup(doc: str):
+    """A GPT-2-small-shaped training step's script start (train_cross_entropy.py,
+    train_bias_gradient.py): options --layers/--threads/--repeat parsed, the machine and load
+    printed, the model (tests/models.py CharGPT, 768 wide, 12 heads, 50257 symbols) and one
+    batch of 4 x 256. Returns (args, module, inputs, targets)."""
+    import argparse
+
+    import torch
+
+    from tests.models import char_gpt
+
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args()
+    for line in machine_lines(torch=torch.__version__):
+        print(line)
+    print(f"load average at start: {os.getloadavg()} (other agents share this machine)")
+    module = char_gpt(50257, layers=args.layers, hidden=768, heads=12, block=256)
+    ids = torch.randint(0, 50257, (4, 257), generator=torch.Generator().manual_seed(1))
+    return args, module, (ids[:, :-1],), ids[:, 1:].numpy()

@@ -3,7 +3,7 @@
 
 Variants, all on the same seeded q, k, v of shape [1, 12, N, 64]:
   naive          K.attention: materialises the [12, N, N] scores (805 MB at N = 4096)
-  tiled t1/tN    attention_tiled (backends/numpy/attention.py) in the tile pass's blocks (passes.tile FLASH_BLOCK_Q x
+  tiled t1/tN    attention_tiled (backends/numpy/attention.py) in the tile pass's blocks (passes/targets/numpy.py FLASH_BLOCK_Q x
                  FLASH_BLOCK_KV), on 1 and on all cores: online softmax over key blocks
   tilegraph      a graph of one tg.attention compiled by tilegraph.compile (default
                  pipeline, NumPy backend): what a user of tilegraph gets end to end
@@ -229,7 +229,7 @@ def main() -> int:
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
 
-    from tilegraph.passes.tile import FLASH_BLOCK_KV, FLASH_BLOCK_Q
+    from tilegraph.passes.targets.numpy import FLASH_BLOCK_KV, FLASH_BLOCK_Q
 
     blocks = (args.block_q or FLASH_BLOCK_Q, args.block_kv or FLASH_BLOCK_KV)
     if args.child:

@@ -74,6 +74,45 @@ def step_times(optimized, arrays: list[np.ndarray], repeat: int, threads: int | 
     return steps, float(np.median(whole))
 
 
+def step_kind(comment: str) -> str:
+    """A step's kind for the summary: the ops its comment names, shapes dropped."""
+    body = comment.split(": ", 1)[-1]
+    return body.split(" [")[0].split(" (")[0].strip()[:60]
+
+
+def print_by_kind(steps: list, total: float) -> None:
+    kinds: dict[str, list[float]] = {}
+    for comment, t in steps:
+        kinds.setdefault(step_kind(comment), []).append(t)
+    print("  C steps by kind:")
+    for kind, ts in sorted(kinds.items(), key=lambda kv: -sum(kv[1])):
+        print(f"    {1e3 * sum(ts):8.3f} ms {100 * sum(ts) / total:5.1f}%  x{len(ts):<3d} {kind}")
+
+
+def print_ort_profile(session, feeds: dict, repeat: int) -> None:
+    """onnxruntime's own profile (SessionOptions.enable_profiling): node time summed by op
+    type, median over the runs, so its kernels can be set beside the C steps."""
+    import json
+    for _ in range(repeat):
+        session.run(None, feeds)
+    with open(session.end_profiling()) as f:
+        events = json.load(f)
+    per_run: dict[str, dict[int, float]] = {}  # op type -> run index -> microseconds
+    run = -1
+    for e in events:
+        if e.get("cat") == "Session" and e.get("name") == "model_run":
+            run += 1
+        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time"):
+            op = e.get("args", {}).get("op_name", "?")
+            per_run.setdefault(op, {}).setdefault(run, 0.0)
+            per_run[op][run] += e["dur"]
+    med = {op: float(np.median(list(runs.values()))) for op, runs in per_run.items()}
+    total = sum(med.values())
+    print(f"  onnxruntime profile: kernels sum {total / 1e3:.3f} ms")
+    for op, us in sorted(med.items(), key=lambda kv: -kv[1]):
+        print(f"    {us / 1e3:8.3f} ms {100 * us / total:5.1f}%  {op}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="cnn", help="comma-separated, of: " + ", ".join(cpu_speed.MODELS))
@@ -84,6 +123,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--top", type=int, default=15, help="steps listed, slowest first")
     ap.add_argument("--precision", default="f32", help="the C module's precision (f32, bf16)")
+    ap.add_argument("--ort-profile", action="store_true",
+                    help="also print onnxruntime's own per-op-type profile and the C steps summed by kind")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -101,8 +142,10 @@ def main(argv=None) -> int:
         arrays = [t.numpy() for t in case.inputs]
         with tempfile.TemporaryDirectory() as tmp:
             session = cpu_speed.ort_session(module, case.inputs, case.input_names, Path(tmp), args.threads)
+            profiled = (cpu_speed.ort_session(module, case.inputs, case.input_names, Path(tmp), args.threads,
+                                              profile=True) if args.ort_profile else None)
         feeds = dict(zip(case.input_names, arrays))
-        optimized = tilegraph.compile(tilegraph.import_model(module, case.inputs), target="numpy",
+        optimized = tilegraph.compile(tilegraph.import_model(module, case.inputs), target="c",
                                       pipeline=DEFAULT_PIPELINE).model
         steps, whole = step_times(optimized, arrays, args.repeat, args.threads, args.precision)
         session.run(None, feeds)
@@ -117,6 +160,9 @@ def main(argv=None) -> int:
               f"onnxruntime {ort_ms:.3f} ms, {len(steps)} native steps")
         for comment, t in sorted(steps, key=lambda s: -s[1])[:args.top]:
             print(f"  {1e3 * t:8.3f} ms {100 * t / total:5.1f}%  {comment[:110]}")
+        if profiled is not None:
+            print_by_kind(steps, total)
+            print_ort_profile(profiled, feeds, args.repeat)
     return 0
 
 

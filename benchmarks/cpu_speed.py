@@ -126,10 +126,14 @@ def cases(selected: list[str]) -> list[Case]:
     return out
 
 
-def ort_session(module, inputs, names, tmp: Path, threads: int | None) -> ort.InferenceSession:
+def ort_session(module, inputs, names, tmp: Path, threads: int | None, profile: bool = False) -> ort.InferenceSession:
     path = models.export_onnx(module, inputs, tmp / "model.onnx", input_names=names, output_names=["y"])
     # Default SessionOptions: ORT_ENABLE_ALL graph optimizations, one intra-op thread per core.
     opts = ort.SessionOptions()
+    if profile:
+        opts.enable_profiling = True
+        # Outside tmp: the profile is written at end_profiling(), after the caller's tmp is gone.
+        opts.profile_file_prefix = str(Path(tempfile.mkdtemp()) / "ort_profile")
     if threads:
         opts.intra_op_num_threads = threads
     return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])

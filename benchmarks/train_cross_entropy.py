@@ -10,7 +10,6 @@ timed interleaved; prints each median and the median per-round ratio with quarti
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import sys
@@ -22,7 +21,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402  (puts the repository root on sys.path)
 
-import torch  # noqa: E402
 
 import tilegraph  # noqa: E402
 from tilegraph.frontends.torch_export import from_torch  # noqa: E402
@@ -41,19 +39,7 @@ def autodiff_step(model, params, optimizer):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--repeat", type=int, default=5)
-    args = ap.parse_args()
-    for line in _common.machine_lines(torch=torch.__version__):
-        print(line)
-    print(f"load average at start: {os.getloadavg()} (other agents share this machine)")
-    from tests.models import char_gpt
-
-    module = char_gpt(50257, layers=args.layers, hidden=768, heads=12, block=256)
-    ids = torch.randint(0, 50257, (4, 257), generator=torch.Generator().manual_seed(1))
-    inputs, targets = (ids[:, :-1],), ids[:, 1:].numpy()
+    args, module, inputs, targets = _common.gpt2_shaped_step_setup(__doc__)
     imported = from_torch(copy.deepcopy(module), inputs)
     params = [n for n, _ in module.named_parameters()]
     optimizer = AdamW(lr=LR, weight_decay=DECAY)

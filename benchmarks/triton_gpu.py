@@ -24,7 +24,10 @@ run right after 2 GiB of NaN was allocated and freed, so outputs and intermediat
 the caching allocator hands out start as NaN and an element no kernel writes shows.
 The script exits 1 when an output is off. TF32 is off for every peer
 (torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False):
-tilegraph's fp32 tl.dot runs in IEEE fp32 (input_precision="ieee"), so must theirs.
+fp32 accuracy for all. tilegraph's fp32 tl.dot is IEEE fp32 FMAs or, on a GPU with
+TF32 tensor cores, tf32x3 (three TF32 products of the split operands accumulated in
+fp32, about fp32's accuracy; group_kernels.f32_dot_precision): attention always, each
+GEMM where its autotuner measured it faster. The error column shows what that costs.
 
 Per kernel, in one more forward: each host launcher (`fusion_N_host` of the emitted
 module, monkeypatched for that forward) is timed alone at its shapes with
@@ -719,7 +722,7 @@ def main(args) -> int:
     from tilegraph.backends.triton import HARDWARE
 
     device = torch.device("cuda" if cuda else "cpu")
-    torch.backends.cuda.matmul.allow_tf32 = False  # every peer in IEEE fp32, as tilegraph's tl.dot
+    torch.backends.cuda.matmul.allow_tf32 = False  # every peer at fp32's accuracy (see the docstring)
     torch.backends.cudnn.allow_tf32 = False
     header = {"torch": torch.__version__, "triton": triton.__version__, "tilegraph_hardware": HARDWARE}
     if cuda:
@@ -731,7 +734,7 @@ def main(args) -> int:
     print(f"device: {header['device']}; torch {torch.__version__}, triton {triton.__version__}; "
           f"tilegraph fuses and tiles for {HARDWARE}")
     print("TF32 off for every peer (torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False): "
-          "all fp32 matmuls in IEEE fp32, as tilegraph's kernels")
+          "fp32 matmuls in IEEE fp32; tilegraph's in IEEE fp32 or tf32x3 (about fp32's accuracy), as its autotuner chose")
     ceiling = None
     if cuda:
         ceiling = ceilings(device)

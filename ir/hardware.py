@@ -144,6 +144,12 @@ class Hardware:
     # measured again by the first process that finds the machine quiet (_cpu_profile).
     measured_busy: int = 0
 
+    @property
+    def execution(self) -> str:
+        """How code runs on this part, which passes price and tile for: "gpu" (Triton kernels),
+        "c" (the C backend's compiled loops and oneDNN) or "numpy" (NumPy calls in chunks)."""
+        return "gpu" if self.kind == "gpu" else self.backend
+
     # Dict fields make the generated hash fail; these three identify a profile.
     def __hash__(self) -> int:
         return hash((self.name, self.kind, self.source))

@@ -33,6 +33,7 @@ from xdsl.ir import SSAValue
 
 from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import TgOp, make_op
+from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.ops import Op, OPS
 from tilegraph.ir.shapes import TensorInfo, dims_equal, info_of, normalize_dim, numel
 
@@ -136,6 +137,29 @@ class Backward:
 
     def scalar(self, x: SSAValue, value: float) -> SSAValue:
         return self.const(value, info(x).dtype)
+
+
+def forward_values_read(op: TgOp) -> tuple[frozenset[int], bool]:
+    """What `op`'s backward reads of its forward, read off its rule: the indices of the operands
+    it reads and whether it reads a result. A training step keeps exactly these for the backward
+    (the sharding planner prices them). The rule runs on placeholder cotangents; an op with no
+    gradient reads nothing, and one its rule refuses is taken to read every operand."""
+    from xdsl.ir import Block
+
+    rule = VJPS.get(op.op_name)
+    if rule is None:
+        return frozenset(), False
+    b = Backward()
+    try:
+        grads = rule(b, op, list(Block(arg_types=[r.type for r in op.results]).args))
+    except (TilegraphError, ValueError, KeyError, NotImplementedError):
+        return frozenset(range(len(op.operands))), False
+    finally:
+        for new in b.ops:  # the probe's ops are not kept: the forward's values lose their uses by them
+            new.drop_all_references()
+    read = {id(v) for new in b.ops for v in new.operands} | {id(v) for v in grads if v is not None}
+    return (frozenset(i for i, v in enumerate(op.operands) if id(v) in read),
+            any(id(r) in read for r in op.results))
 
 
 def _dtype(op, i=0) -> str:

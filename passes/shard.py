@@ -76,6 +76,7 @@ from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import TgOp, make_op
 from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.shapes import TensorInfo, info_of, symbol, type_of
+from tilegraph.ir.vjp import forward_values_read
 from tilegraph.ir.shard import GridOp, ShardAxesArrayAttr, ShardingOp, ShardingType, ShardOp
 from tilegraph.passes.cost.collectives import GPUS_PER_NODE, Mesh, parse_mesh
 from tilegraph.passes.cost.hardware import check_target, hardware  # type: ignore[attr-defined]
@@ -222,11 +223,6 @@ def _nodes(func: FuncOp, names: Sequence[str], mesh_shape, sizes, zero: bool = F
 #   A    bytes per device per micro-batch: an activation the backward needs (live at its peak)
 
 COMPONENTS = ("C", "B", "Omb", "Ost", "W", "A")
-# Ops whose backward needs none of their inputs: their inputs need not be kept for it.
-GRAD_FREE = frozenset({"add", "sub", "neg", "cast", "concat", "slice", "split", "pad", "broadcast"})
-# Ops that are views of their input in a training framework: what the backward keeps of them is
-# their input's storage.
-VIEWS = frozenset({"reshape", "transpose"})
 
 
 def _local_time(op: TgOp, st: Strategy, mesh: Mesh, hw) -> sympy.Expr:
@@ -248,19 +244,23 @@ def _is_weight(node: Node) -> bool:
 
 
 def saved_for_backward(nodes: list[Node]) -> list[bool]:
-    """Which values a training step keeps from the forward for the backward: those some consumer's
-    backward reads (every consumer but GRAD_FREE ops), through views to the value they view."""
-    users: dict[int, list[int]] = {}
-    for j, n in enumerate(nodes):
-        for i in n.operands:
-            users.setdefault(i, []).append(j)
+    """Which values a training step keeps from the forward for the backward: the operands and
+    results each op's VJP rule reads (ir/vjp.forward_values_read), a view's (ir/ops' `view`
+    trait: its storage is its input's) through to the value it views."""
     needed = [False] * len(nodes)
-    for i in reversed(range(len(nodes))):
-        for j in users.get(i, []):
-            name = nodes[j].op.op_name
-            if (name in VIEWS and needed[j]) or (name not in VIEWS and name not in GRAD_FREE):
-                needed[i] = True
-    return [needed[i] and not _is_weight(n) and (n.op is None or n.op.op_name not in VIEWS | {"constant"})
+    for j in reversed(range(len(nodes))):
+        op = nodes[j].op
+        if op is None:
+            continue
+        if op.SPEC.view:
+            for i in nodes[j].operands:
+                needed[i] = needed[i] or needed[j]
+            continue
+        operands, result = forward_values_read(op)
+        needed[j] = needed[j] or result
+        for k in operands:
+            needed[nodes[j].operands[k]] = True
+    return [needed[i] and (n.op is None or not n.op.SPEC.view)
             for i, n in enumerate(nodes)]
 
 

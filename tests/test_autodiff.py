@@ -317,3 +317,19 @@ def test_blockwise_attention_backward_matches_torch_and_holds_no_lq_by_lk_value(
 def info_of_value(v):
     from tilegraph.ir.shapes import info_of
     return info_of(v.type)
+
+
+def test_what_a_backward_reads_of_its_forward_is_read_off_its_rule():
+    """forward_values_read (what a training step keeps; the sharding planner prices it) follows the
+    rules: add reads nothing, mul both operands, exp its result, where its condition alone, and
+    probing a rule leaves the forward's values with the uses they had."""
+    g = Graph()
+    c = g.input("c", (4, 3), "i1")
+    x, y = g.input("x", (4, 3), "f32"), g.input("y", (4, 3), "f32")
+    model = g.build(x + y, x * y, g.exp(x), g.where(c, x, y), names=["a", "m", "e", "w"])
+    ops = {op.op_name: op for op in model.func.body.walk() if isinstance(op, TgOp)}
+    uses = {name: [len(list(v.uses)) for v in op.operands] for name, op in ops.items()}
+    reads = {name: vjp.forward_values_read(op) for name, op in ops.items()}
+    assert reads == {"add": (frozenset(), False), "mul": (frozenset({0, 1}), False),
+                     "exp": (frozenset(), True), "where": (frozenset({0}), False)}
+    assert uses == {name: [len(list(v.uses)) for v in op.operands] for name, op in ops.items()}

@@ -22,7 +22,8 @@ from tilegraph.ir import Graph, interpret
 from tilegraph.ir.dialect import FusionOp
 from tilegraph.ir.hardware import Hardware, hardware, load_profile
 from tilegraph.ir.shapes import info_of
-from tilegraph.passes.cost.model import C_PARALLEL_MIN, at, at_nominal, group_cost, module_cost, op_cost
+from tilegraph.passes.cost.model import at, at_nominal, group_cost, module_cost, op_cost
+from tilegraph.passes.targets.c import C_PARALLEL_MIN, step_memory
 from tilegraph.passes.registry import default_pipeline, run_pipeline
 from tilegraph.testing import assert_close
 
@@ -198,11 +199,10 @@ def test_every_native_step_names_the_kernel_it_computes():
 def test_a_step_beyond_l2_that_fits_l3_is_priced_at_the_l3_rate():
     from dataclasses import replace
 
-    from tilegraph.passes.cost.model import _c_memory
 
     hw = replace(hardware("c"), cache_bytes=1 << 20, cores=2, l3_bytes=64 << 20, l3_bandwidth=20e9,
                  cache_bandwidth=80e9, memory_bandwidth=5e9)
-    assert at(_c_memory(hw, 1 << 20, 0)) == pytest.approx((1 << 20) / 80e9)  # in the cores' L2
-    assert at(_c_memory(hw, 8 << 20, 0)) == pytest.approx((8 << 20) / 20e9)  # beyond L2, in L3
-    assert at(_c_memory(hw, 48 << 20, 0)) == pytest.approx((48 << 20) / 5e9)  # more than half of L3
-    assert at(_c_memory(replace(hw, l3_bandwidth=0.0), 8 << 20, 0)) == pytest.approx((8 << 20) / 5e9)
+    assert at(step_memory(hw, 1 << 20, 0)) == pytest.approx((1 << 20) / 80e9)  # in the cores' L2
+    assert at(step_memory(hw, 8 << 20, 0)) == pytest.approx((8 << 20) / 20e9)  # beyond L2, in L3
+    assert at(step_memory(hw, 48 << 20, 0)) == pytest.approx((48 << 20) / 5e9)  # more than half of L3
+    assert at(step_memory(replace(hw, l3_bandwidth=0.0), 8 << 20, 0)) == pytest.approx((8 << 20) / 5e9)

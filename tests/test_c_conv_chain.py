@@ -83,3 +83,36 @@ def test_a_buffer_a_loop_also_reads_is_not_chained():
     assert runner.chained_buffers == 1  # (the middle result only: the first is read by the add)
     tol = "bf16" if runner.precision == "bf16" else "f32"
     assert_close(got, interpret(model, xs)[0], tol, reduction_length=16 * 9 + 32 * 9 + 32)
+
+
+def _residual_block(read_after: bool):
+    """ResNet's bottleneck at a small size: x -> 1x1 conv+relu (a) -> 3x3 conv+relu -> 1x1
+    conv, plus a, then relu; with `read_after` the block's input `a` is read again after."""
+    rng = np.random.default_rng(1)
+    g = Graph()
+    x = g.input("x", (2, 16, 9, 9))
+    a = g.relu(g.op("conv", x, g.weight("w0", rng.standard_normal((32, 16, 1, 1)).astype(np.float32) / 4)))
+    b = g.relu(g.op("conv", a, g.weight("w1", rng.standard_normal((16, 32, 3, 3)).astype(np.float32) / 17),
+                    pads=(1, 1, 1, 1)))
+    y = g.relu(g.op("conv", b, g.weight("w2", rng.standard_normal((32, 16, 1, 1)).astype(np.float32) / 4)) + a)
+    if read_after:
+        y = g.tanh(y) * a
+    return g.build(y, names=["y"]), [rng.standard_normal((2, 16, 9, 9)).astype(np.float32)]
+
+
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+@pytest.mark.parametrize("read_after", [False, True])
+def test_a_residual_add_accumulates_into_the_shortcut_buffer(precision, read_after):
+    """The residual add after a block's last convolution runs as oneDNN's sum post-op into
+    the shortcut's buffer (no second buffer written, the residual read once), only where
+    nothing reads the shortcut afterwards; the result is unchanged either way."""
+    model, xs = _residual_block(read_after)
+    compiled = tilegraph.compile(model, target="c", precision=precision)
+    runner: CompiledModel = compiled._runner
+    if precision == "bf16" and runner.precision != "bf16":
+        pytest.skip("this processor has no bf16 dot products")
+    got = compiled.run(*xs)[0]
+    assert_close(got, interpret(model, xs)[0], precision, reduction_length=16 + 32 * 9 + 16 + 1)
+    sums = sum("{TG_POST_SUM," in line for line in runner.source.splitlines())
+    assert sums == (0 if read_after else 1), runner.source
+    assert not runner.reference_kernels, runner.primitives

@@ -144,3 +144,39 @@ def test_silu_after_a_gemm_or_convolution_is_onednns_swish_epilogue(case):
     compiled = tilegraph.compile(model, target="c")  # fuse makes the epilogue group
     assert ("dnnl_eltwise_swish" in compiled.source) == (case != "silu-also-read")
     assert_close(compiled.run(xs)[0], interpret(model, [xs])[0], "f32", reduction_length=n)
+
+
+def _huge_pages_offered() -> bool:
+    """Transparent huge pages on request, of a size the test's 9 MiB weight spans twice."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            mode = f.read()
+        with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
+            size = int(f.read())
+    except (OSError, ValueError):
+        return False
+    return ("[always]" in mode or "[madvise]" in mode) and size <= 4 << 20
+
+
+def _huge_page_size() -> int:
+    with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
+        return int(f.read())
+
+
+@pytest.mark.skipif(not _huge_pages_offered(), reason="the kernel offers no transparent huge pages")
+def test_a_large_packed_weight_lies_on_huge_pages():
+    """A convolution weight larger than a huge page (ResNet-50's 3x3 of 512 channels, 9 MiB)
+    is packed into memory advised for transparent huge pages (each forward streams it: one
+    TLB entry per 2 MiB rather than per 4 KiB), and the result is unchanged."""
+    rng = np.random.default_rng(0)
+    g = Graph()
+    x = g.input("x", (1, 512, 7, 7))
+    w = rng.standard_normal((512, 512, 3, 3)).astype(np.float32) / 48
+    y = g.op("relu", g.op("conv", x, g.weight("w", w), pads=(1, 1, 1, 1)))
+    model = g.build(y, names=["y"])
+    compiled = compile_model(model)
+    before = compiled.huge_page_bytes()
+    xs = rng.standard_normal((1, 512, 7, 7)).astype(np.float32)
+    out = compiled(xs)[0]
+    assert compiled.huge_page_bytes() - before >= 2 * _huge_page_size(), "the packed weight was not advised for huge pages"
+    assert_close(out, interpret(model, [xs])[0], "f32", reduction_length=512 * 9)

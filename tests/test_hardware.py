@@ -7,6 +7,7 @@ import pytest
 
 from tilegraph.ir.errors import TilegraphError
 from tilegraph.backends.numpy import calibrate
+from tilegraph.ir.calibration import Progress
 from tilegraph.passes.cost.hardware import (GPU_TILE_M, GPU_TILE_N, TARGETS, Hardware, clear_cache, cpu_profile_path,
                                   hardware, load_profile, save_profile)
 from tilegraph.cli import main as tilegraph_main
@@ -194,9 +195,9 @@ def test_progress_bar_redraws_in_place_on_a_terminal():
             return True
 
     term = Terminal()
-    bar = calibrate.Progress(2, enabled=True, stream=term)
+    bar = Progress(2, enabled=True, stream=term)
     bar.step("gemm 16x16x16")
     bar.step("add in cache")
     bar.close()
     assert term.text.count("\r") == 3 and term.text.endswith("\n")
-    assert "2/2 add in cache" in term.text and "[" + "#" * calibrate.Progress.WIDTH + "]" in term.text
+    assert "2/2 add in cache" in term.text and "[" + "#" * Progress.WIDTH + "]" in term.text

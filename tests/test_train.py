@@ -243,3 +243,73 @@ def test_torch_dropout_in_a_training_step_is_seeded_and_its_gradient_matches_tor
     module.eval()
     plain = tilegraph.train_step(module, "cross_entropy", SGD(lr=0.5), example_inputs=(x,), target="numpy")
     assert not [op for op in plain.model.ops() if hasattr(op, "op_name") and op.op_name == Op.dropout]
+
+
+def test_bias_gradients_run_in_their_weight_gradient_gemm_steps_on_c():
+    """Each Linear's bias gradient (the column sum of dY) runs in the step of its weight
+    gradient's GEMM (X^T dY), no step of its own, and every gradient matches the float64
+    interpreter at f32's tolerance; with the fusion off, the sums are steps of their own."""
+    from tilegraph.backends.c.groups import BIAS_GRADIENT, Groups
+    from tilegraph.testing import reduction_length
+    from tilegraph.ir import interpret
+    from tilegraph.train import build_gradients
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(), torch.nn.Linear(40, 16),
+                                 torch.nn.Tanh(), torch.nn.Linear(16, 8))
+    x = torch.randn(3, 10, 24)
+    params = [n for n, _ in module.named_parameters()]
+    model = build_gradients(tilegraph.import_model(module, example_inputs=(x,)), "cross_entropy", params)
+    targets = np.random.default_rng(1).integers(0, 8, (3, 10))
+    inputs = [x.numpy(), targets] + [p.detach().numpy() for p in module.parameters()]
+    reference = interpret(model, inputs)
+
+    def steps(compiled, bias_in_gemm: bool) -> list[str]:
+        return [s.comment for s in compiled._runner.program.steps if (s.comment.endswith(BIAS_GRADIENT) if
+                                                                       bias_in_gemm else
+                                                                       s.comment.startswith("reduce_sum -> f32(1, 1, "))]
+
+    compiled = tilegraph.compile(model, target="c")
+    assert len(steps(compiled, True)) == 3 and steps(compiled, False) == []
+    assert [s.comment for s in compiled._runner.program.steps if s.host_op is not None] == []
+    for name, got, want in zip(model.output_names, compiled.run(*inputs), reference):
+        tilegraph.testing.assert_close(got, want, "f32", reduction_length(model), name=name)
+    try:
+        Groups.bias_in_gemm = False
+        plain = tilegraph.compile(model, target="c")
+    finally:
+        Groups.bias_in_gemm = True
+    assert steps(plain, True) == [] and len(steps(plain, False)) == 3
+
+
+def test_bf16_training_keeps_f32_master_weights_and_its_loss_tracks_f32():
+    """precision="bf16" on C: every GEMM of the step (forward and backward) multiplies in bf16 on
+    the processor's bf16 units, accumulating in f32, while the weights, the AdamW moments and the
+    update stay f32 (the master copy; bf16's exponent range is f32's, so no loss scaling). Its
+    loss at every step is within bf16's tolerance of the f32 step's, differs from it (the
+    products were rounded), and falls as f32's does."""
+    from tilegraph.testing import reduction_length, tolerance
+
+    chars, batches = char_batches(char_corpus(), steps=15, batch=4, block=16)
+    losses, steps = {}, {}
+    for precision in ("f32", "bf16"):
+        step = tilegraph.train_step(char_gpt(len(chars), 1, 32, 2, 16), "cross_entropy",
+                                    AdamW(lr=3e-3, weight_decay=0.1), example_inputs=(batches[0][0],), clip_norm=1.0,
+                                    target="c", precision=precision)
+        losses[precision] = np.array([step(x, targets=y) for x, y in batches])
+        steps[precision] = step
+    runner = steps["bf16"].compiled._runner
+    if not runner._lib.tg_bf16_supported():
+        pytest.skip("this processor has no bf16 dot products: the module runs f32")
+    assert runner.precision == "bf16" and runner.primitives
+    # (the attention backward's batched GEMMs over (batch, head) are the ones oneDNN keeps in f32)
+    units = {line: "amx" in line.split(" source: ")[-1] or "bf16" in line.split(" source: ")[-1]
+             for line in runner.primitives}
+    assert all(bf16 for line, bf16 in units.items() if line.split(" source: ")[0].count("x") < 3), units
+    assert sum(units.values()) >= 4, units  # distinct primitives: forward, dX and dW GEMMs
+    assert all(w.dtype == np.float32 for w in {**steps["bf16"].weights, **steps["bf16"].state}.values())
+    rtol, _ = tolerance("bf16", reduction_length(steps["f32"].model))
+    f32, bf16 = losses["f32"], losses["bf16"]
+    assert np.all(np.abs(bf16 - f32) <= rtol * np.abs(f32)), (f32, bf16)
+    assert not np.array_equal(f32, bf16)
+    assert bf16[-3:].mean() < bf16[:3].mean() - 0.3 and f32[-3:].mean() < f32[:3].mean() - 0.3

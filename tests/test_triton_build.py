@@ -116,3 +116,36 @@ def test_minilm_kernels_build_for_hopper_and_cdna3(built):
     assert source.count("@triton.jit") == len(kinds) >= 5  # gather, embeddings, QKV, attention, FFN, ...
     assert "SPLIT_GROUPS = ()" in source  # every fused group is one kernel
     assert all(r.shared <= hardware("h100").shared_memory_per_block for r in results)
+
+
+def test_fp32_attention_takes_tf32_tensor_cores_three_times_on_hopper(built):
+    """fp32 tl.dot is tf32x3 where NVIDIA's tensor cores take TF32 (about fp32's accuracy: three TF32
+    products of the split operands, accumulated in fp32) and fp32 FMAs on AMD, from one module
+    source: the module's F32_DOT is chosen per target (group_kernels.f32_dot_precision)."""
+    from tilegraph.backends.triton.group_kernels import f32_dot_precision
+
+    assert (f32_dot_precision("cuda", 90), f32_dot_precision("cuda", 75), f32_dot_precision("hip", "gfx942")) == \
+        ("tf32x3", "ieee", "ieee")
+    source, results = built["attention", "f32"]
+    assert "input_precision=F32_DOT" in source
+    hopper = [r for r in results if r.target == "cuda:90" and r.mma]
+    assert hopper, "no tensor-core instruction on sm_90"
+    assert all(".tf32" in m for r in hopper for m in r.mma), [r.mma for r in hopper]
+
+
+def test_fp32_gemms_offer_the_autotuner_fmas_and_tf32x3_on_hopper(built):
+    """Which is faster depends on the GEMM and its epilogue: each configuration comes with fp32 FMAs
+    (first, the default) and with tf32x3, and the TF32X3 builds multiply on TF32 tensor cores."""
+    from tilegraph.backends.triton.runtime import import_source
+
+    source, _ = built["gemm", "f32"]
+    gemms = {name: entry for name, entry in import_source(source).KERNELS.items() if "TF32X3" in entry["signature"]}
+    assert gemms, "no fp32 GEMM offers tf32x3"
+    for entry in gemms.values():
+        choices = [c["TF32X3"] for c in entry["configs"]]
+        assert choices[0] == 0 and sorted(choices) == [0] * (len(choices) // 2) + [1] * (len(choices) // 2)
+    builds = build_many([source], targets=("cuda:90",), all_configs=True)[0]
+    for r in builds:
+        if r.kernel in gemms:
+            assert r.ok, r.error
+            assert bool(r.mma) == bool(r.config["TF32X3"]) and all(".tf32" in m for m in r.mma), (r.config, r.mma)

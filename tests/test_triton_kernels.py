@@ -137,6 +137,30 @@ def test_casts_to_and_from_bf16_convert_by_value_rounding_to_nearest_even(ints, 
         np.testing.assert_array_equal(got.astype(np.float64), want.astype(np.float64), err_msg=str(info))
 
 
+@pytest.mark.parametrize("lq, lk", [(150, 150), (70, 150)])
+def test_causal_attention_over_several_blocks_masks_only_the_diagonal_blocks(lq, lk):
+    """Causal attention visits the key blocks wholly below the diagonal unmasked and compares keys
+    with queries only in the blocks the diagonal crosses (offset LK - LQ, as a decoder's cache
+    puts it): several query and key blocks of 64, and a float mask holding float32's lowest value
+    (HF's padding mask, one row all of it), against the float64 interpreter."""
+    g = Graph()
+    q = g.input("q", (1, 2, lq, 32), "f32")
+    k, v = (g.input(n, (1, 2, lk, 32), "f32") for n in "kv")
+    mask = g.input("mask", (1, 1, lq, lk), "f32")
+    model = g.build(g.attention(q, k, v, mask, 0.17, True), names=["y"])
+    fused = run_pipeline(model, default_pipeline("h100"))
+    source = emit(fused, hardware="h100")
+    compiled = load(source, fused.weights, fused)
+    assert compiled.host_ops == {} and "diagonal" in source
+    inputs = random_inputs(model, seed=3)
+    low = np.finfo(np.float32).min
+    inputs[3] = np.where(np.random.default_rng(4).random((1, 1, lq, lk)) < 0.2, low, 0).astype(np.float32)
+    inputs[3][0, 0, 5] = low
+    (got,), (want,) = compiled(*inputs), interpret(model, inputs)
+    assert np.isfinite(got).all()
+    assert_close(got, want, "f32", lk)
+
+
 @pytest.mark.parametrize("width, kernels", [(384, 1), (768, 2)])
 def test_a_layer_norm_after_a_gemm_is_one_kernel_until_its_rows_outgrow_a_program(width, kernels):
     """The GEMM holds whole rows for the layer_norm in its epilogue up to 2 * ROW_TILE_ELEMENTS / 16

@@ -322,7 +322,11 @@ def train_step(model: Any, loss: str = "cross_entropy", optimizer: SGD | AdamW |
     """Compile one training step of `model` (anything `tilegraph.import_model` reads; its first
     output the logits, or the value `loss="mean"` averages). params: the weights trained (default:
     a torch module's parameters, else every float weight). seed: dropout's masks at step n are
-    drawn from seed + n (tg.dropout: the same seed gives the same masks)."""
+    drawn from seed + n (tg.dropout: the same seed gives the same masks). options go to
+    tilegraph.compile: on target="c", `precision="bf16"` is mixed-precision training (every GEMM
+    multiplies in bf16 on the processor's bf16 units, accumulating in f32; the weights, the
+    optimizer's state and its update stay f32, the master copy; bf16 has f32's exponent range,
+    so no loss scaling)."""
     import tilegraph
 
     optimizer = optimizer or AdamW()

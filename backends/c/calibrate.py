@@ -36,10 +36,9 @@ from pathlib import Path
 import numpy as np
 
 from tilegraph.backends.c.build import BuildError
-from tilegraph.backends.numpy.calibrate import (ATTENTION_BATCH, ATTENTION_HEAD_DIMS, ATTENTION_HEADS, ATTENTION_SEQ,
-                                                Progress, _physical_memory, cache_sizes, measure_and_save,
-                                                median_times, table)
 from tilegraph.ir import Graph
+from tilegraph.ir.calibration import (ATTENTION_BATCH, ATTENTION_HEAD_DIMS, ATTENTION_HEADS, ATTENTION_SEQ, Progress,
+                                     cache_sizes, measure_and_save, median_times, physical_memory, table)
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.fusion import GroupKind, outline
@@ -57,7 +56,7 @@ GEMM_SHAPES = ((32, 384, 384), (128, 384, 384), (256, 1536, 384), (256, 384, 153
 QUICK_GEMM_SHAPES = ((32, 384, 384), (128, 384, 384), (1024, 384, 1536), (128, 3072, 768))
 # Convolutions timed (oneDNN, all threads, one image): x shape, weight shape, groups. A 3x3 and a
 # 1x1 of ResNet's middle stages, and a depthwise 3x3 of MobileNet's: each kind's rate is read
-# against the GEMM curve at its implicit GEMM's shape (passes/cost/model._c_conv_time).
+# against the GEMM curve at its implicit GEMM's shape (passes/targets/c.conv_time).
 CONV_CASES = {"dense": ((1, 64, 56, 56), (64, 64, 3, 3), 1), "pointwise": ((1, 256, 28, 28), (128, 256, 1, 1), 1),
               "depthwise": ((1, 96, 56, 56), (96, 1, 3, 3), 96)}
 # The gather timed: rows of a table as wide as a BERT-base hidden state.
@@ -83,7 +82,7 @@ STREAM_QUICK = 1 << 23  # 32 MiB per array: three of them overflow a 32 MiB L3
 BUDGET, QUICK_BUDGET = 0.4, 0.1
 
 
-# Which batch of a measurement counts (backends/numpy/calibrate.median_times): the lower
+# Which batch of a measurement counts (ir/calibration.median_times): the lower
 # quartile. On a shared machine most batches lose time slices to other processes, so a
 # median prices the neighbours' load into every kernel; the quietest batch alone would be
 # too fast (a lone core's turbo clock).
@@ -331,7 +330,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         cache_bytes=caches["l2"],
         l3_bytes=l3_bytes,
         l3_bandwidth=l3_bandwidth,
-        memory_bytes=_physical_memory(),
+        memory_bytes=physical_memory(),
         cores=cores,
         shared_memory_per_core=caches["l1d"],
         registers_per_core=0,

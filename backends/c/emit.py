@@ -92,6 +92,8 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
         self.constants: list[np.ndarray] = []  # arrays of the constants too big to be literals
         self.folded: dict[TgOp, View] = {}  # ops computed inside an earlier step: their results
         self.donated: set[int] = set()  # input buffers a step updates in place (a KV cache)
+        self.merged: set[FusionOp] = set()  # groups computed inside an earlier group's step
+        self.early: set[TgOp] = set()  # views lowered ahead of their turn, for such a step
         for arg_i, (arg, info) in enumerate(zip(model.func.args, model.inputs)):
             self.views[arg] = self._new_buffer("input", info.dtype, info.shape, arg_i)
 
@@ -100,6 +102,8 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
 
     def run(self) -> None:
         for op in self.prog.steps:
+            if op in self.early:
+                continue
             first = len(self.steps)
             if isinstance(op, FusionOp):
                 self.group(op)

@@ -16,6 +16,10 @@ from tilegraph.ir.shapes import info_of, numel
 from tilegraph.ir.ops import OPS, Op
 
 
+# The comment ending a weight-gradient GEMM's step that also sums its bias's gradient.
+BIAS_GRADIENT = " + the bias gradient (column sum of the GEMM's dY)"
+
+
 def _last(shape) -> Any:
     return shape[-1] if len(shape) else 1
 
@@ -23,9 +27,83 @@ def _last(shape) -> Any:
 class Groups(EmitterParts):
     """Lowers a tg.fusion as one step where it can."""
 
+    # Whether a bias gradient's column sum runs in its weight gradient's GEMM step (False: a
+    # step of its own, as before; benchmarks/train_bias_gradient.py times both).
+    bias_in_gemm = True
+
     # --- groups -------------------------------------------------------------------------
 
     def group(self, group: FusionOp) -> None:
+        if group in self.merged:
+            return  # computed in its partner's step (a bias gradient with its weight's)
+        partner = self._bias_partners().get(group)
+        if partner is not None and self._step_index(partner) > self._step_index(group) and \
+                all(self._ready(v) for v in partner.operands):
+            first = len(self.steps)
+            self._group(group)
+            self._group(partner)
+            if len(self.steps) - first >= 2 and all(s.lines is not None for s in self.steps[first:]):
+                gemm = group if group.ops[0].op_name == Op.matmul else partner
+                self._one_step(first, gemm)
+                self.steps[first].comment = _describe(gemm) + BIAS_GRADIENT
+            self.merged.add(partner)
+            return
+        self._group(group)
+
+    def _ready(self, v: SSAValue) -> bool:
+        """Whether `v` has its view now: computed, or a view (a reshape or transpose made in
+        the program after this point) of a value that is, lowered here, ahead of its turn."""
+        if self.prog.canon(v) in self.views:
+            return True
+        op = v.owner
+        if not isinstance(op, TgOp) or not op.SPEC.view or self._step_index(op) == len(self.prog.steps) or \
+                not all(self._ready(u) for u in op.operands):
+            return False
+        self.op(op)
+        self.early.add(op)
+        return True
+
+    def _bias_partners(self) -> dict[FusionOp, FusionOp]:
+        """A Linear layer's weight gradient X^T @ dY over all rows (a group of that one GEMM,
+        dY read as (rows, N)) and its bias gradient, the column sum of the same dY (a group of
+        that one reduce_sum over every leading axis), each the other's partner: the column
+        sum runs in the GEMM's step, no step of its own. (oneDNN's post-ops take no
+        reduction: the sum is a loop in the step, over dY as the GEMM reads it.)"""
+        if hasattr(self, "_partners"):
+            return self._partners
+        self._partners: dict[FusionOp, FusionOp] = {}
+        if not self.bias_in_gemm:
+            return self._partners
+        gemms: dict[SSAValue, FusionOp] = {}  # dY -> the one dW GEMM reading it
+        sums: dict[SSAValue, FusionOp] = {}  # dY -> the one column sum of it
+        for step in self.prog.steps:
+            if not isinstance(step, FusionOp) or len(step.ops) != 1:
+                continue
+            op = step.ops[0]
+            if group_kind(step) is GroupKind.MATMUL and op.op_name == Op.matmul:
+                rhs = step.operands[list(step.block.args).index(op.operands[1])] \
+                    if op.operands[1] in step.block.args else None
+                lhs, out = info_of(op.operands[0].type), op.result_infos()[0]
+                if rhs is None or not isinstance(rhs.owner, TgOp) or rhs.owner.op_name != Op.reshape or \
+                        lhs.rank != 2 or out.rank != 2 or out.dtype != "f32":
+                    continue
+                dy = self.prog.canon(rhs.owner.operands[0])
+                if info_of(dy.type).rank >= 2 and _eq(info_of(rhs.type).shape[0], numel(info_of(dy.type).shape[:-1])):
+                    gemms[dy] = None if dy in gemms else step  # type: ignore[assignment]
+            elif group_kind(step) is GroupKind.REDUCTION and op.op_name == Op.reduce_sum and \
+                    op.operands[0] in step.block.args:
+                dy = self.prog.canon(step.operands[0])
+                rank = info_of(dy.type).rank
+                if rank >= 2 and sorted(a % rank for a in op.attr("axes")) == list(range(rank - 1)) and \
+                        info_of(dy.type).dtype == "f32":
+                    sums[dy] = None if dy in sums else step  # type: ignore[assignment]
+        for dy, gemm in gemms.items():
+            total = sums.get(dy)
+            if gemm is not None and total is not None:
+                self._partners[gemm], self._partners[total] = total, gemm
+        return self._partners
+
+    def _group(self, group: FusionOp) -> None:
         ops = group.ops
         env: dict[SSAValue, View] = {a: self.view(v) for a, v in zip(group.block.args, group.operands)}
         yields = list(group.block.last_op.operands)
@@ -156,9 +234,10 @@ class Groups(EmitterParts):
             self._step_indices = {id(s): i for i, s in enumerate(self.prog.steps)}
         return self._step_indices.get(id(op), len(self.prog.steps))
 
-    def _readers(self, value: SSAValue) -> set[int]:
+    def _readers(self, value: SSAValue, enclosing: bool = False) -> set[int]:
         """The positions of the steps reading `value` or any view of it (views followed
-        through); an op no step is (the function's return) counts as after the last."""
+        through); an op no step is (the function's return) counts as after the last, and so
+        does an op inside a group unless `enclosing` (then its group's position)."""
         inner: dict[SSAValue, list[SSAValue]] = {}  # value -> the region arguments standing for it
         for a, v in self.prog.alias.items():
             inner.setdefault(v, []).append(a)
@@ -169,7 +248,11 @@ class Groups(EmitterParts):
             pending.extend(inner.get(v, []))
             for use in v.uses:
                 op = use.operation
-                found.add(self._step_index(op))
+                step, outer = self._step_index(op), op
+                while enclosing and step == len(self.prog.steps) and outer.parent_op() is not None:
+                    outer = outer.parent_op()
+                    step = self._step_index(outer)
+                found.add(step)
                 if isinstance(op, TgOp) and op.SPEC.view:
                     pending.extend(op.results)
         return found

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import sympy
 from xdsl.ir import SSAValue
 
@@ -18,13 +20,17 @@ class OneDNN(EmitterParts):
 
     # --- GEMMs and convolutions on oneDNN ------------------------------------------------
 
-    def _posts(self, chain: list[TgOp], acc: SSAValue, env: dict, out_shape,
-               geometry) -> tuple[list[str], list[View], int]:
+    def _posts(self, chain: list[TgOp], acc: SSAValue, env: dict, out_shape, geometry,
+               accumulate=None) -> tuple[list[str], list[View], int, View | None]:
         """oneDNN post-ops for the leading ops of `chain` that it can fuse: returns the C
-        initialiser lines of a tg_post array, the views their binary operands read, and
-        how many ops of the chain they cover. `geometry(view)` gives an operand, broadcast
-        to the result's shape, as the primitive's destination sees it (dims, strides)."""
+        initialiser lines of a tg_post array, the views their binary operands read, how
+        many ops of the chain they cover, and the view the primitive accumulates into (its
+        destination then; None if none). `geometry(view)` gives an operand, broadcast to the
+        result's shape, as the primitive's destination sees it (dims, strides).
+        `accumulate(add, operand, view)`: whether an add first in the chain may be a sum
+        post-op into its other operand's buffer (_accumulates_into)."""
         posts, operands = [], []
+        into = None
         current = acc
         computed = {acc}  # values the primitive makes: no binary operand may be one
         covered = 0  # ops of the chain the posts cover (a swish covers two)
@@ -63,7 +69,11 @@ class OneDNN(EmitterParts):
                     break
                 if o.dtype != "f32":
                     break
-                if o.literal is not None:
+                if name == Op.add and not posts and accumulate is not None and o.literal is None and \
+                        accumulate(op, other[0], o):
+                    posts.append("{TG_POST_SUM, 0, 1.f, 0.f, 0, {0}, {0}}")
+                    into = o
+                elif o.literal is not None:
                     alpha, beta = ("1.f", o.literal) if name == Op.add else (o.literal, "0.f") if name == Op.mul \
                         else ("1.f", f"-({o.literal})")
                     posts.append(f"{{0, {DNNL_ELTWISE['linear']}, {alpha}, {beta}, 0, {{0}}, {{0}}}}")
@@ -96,7 +106,31 @@ class OneDNN(EmitterParts):
                 posts.pop()
                 break
             covered += 1
-        return posts, operands, covered
+        if into is not None and not any(p.startswith("{TG_POST_SUM") for p in posts):
+            into = None  # (the add's post-op was taken back)
+        return posts, operands, covered, into
+
+    def _accumulates_into(self, group: FusionOp, add: TgOp, operand: SSAValue, o: View, shape, sources) -> bool:
+        """Whether the residual add `add` after a convolution may run as oneDNN's sum post-op:
+        the convolution writes into its operand `o`'s buffer, adding what it held (ResNet's
+        and RegNet's blocks; onnxruntime's NCHWc convolution accumulates its Sum input in
+        place too). A binary post-op reads the residual from one buffer and writes the
+        result to another: one more pass over a block's output, mostly beyond the cores' L2.
+        Only where that buffer holds nothing anyone reads later: `o` is a whole temporary of
+        the result's shape, channels-last as the convolution writes, no other op of the
+        group reads the operand, the convolution's own operands are elsewhere, and no value
+        in that buffer is read by a step after this group."""
+        if o.literal is not None or o.dtype != "f32" or self.buffers[o.buf].kind != "temp":
+            return False
+        if not (_eq(o.offset, 0) and len(o.shape) == len(shape) and all(_eq(a, b) for a, b in zip(o.shape, shape))
+                and all(_is_one(d) or _eq(a, b) for d, a, b in zip(shape, o.strides, channels_last_strides(shape)))
+                and sympy.expand(sympy.sympify(numel(shape)) - self.buffers[o.buf].elements) == 0):
+            return False
+        if not _only_use(operand, add) or any(v is not None and v.buf == o.buf for v in sources):
+            return False
+        here = self._step_index(group)
+        return all(step <= here for u, view in list(self.views.items())
+                   if view.literal is None and view.buf == o.buf for step in self._readers(u, enclosing=True))
 
     def fused_contraction(self, group: FusionOp, ops, env, yields) -> bool:
         """A GEMM or convolution, its epilogue on oneDNN where it fuses, the rest of the
@@ -108,7 +142,7 @@ class OneDNN(EmitterParts):
         if head.op_name == Op.matmul:
             result, covered = self.matmul(head, xs[0], xs[1], chain, env)
         else:
-            result, covered = self.conv(head, xs, chain, env)
+            result, covered = self.conv(head, xs, chain, env, group)
         acc = chain[covered - 1].results[0] if covered else head.results[0]
         env[acc] = result
         rest = chain[covered:]
@@ -178,16 +212,17 @@ class OneDNN(EmitterParts):
             return False
 
     def _run_primitive(self, op: TgOp, k: int, state: list[str], src: View, weights: View, third: View | None,
-                       dst: View, post_views: list[View], out: View) -> None:
+                       dst: View, post_views: list[View], out: View, accumulated: Sequence[View] = ()) -> None:
         """The step running oneDNN primitive `k` (set up by `state`): src and weights in, the
         third operand (a GEMM's column scales, a convolution's bias) if any, the epilogue's
-        operands, written to dst (`out`'s view as the primitive sees it)."""
+        operands, written to dst (`out`'s view as the primitive sees it); `accumulated`: the
+        destination's earlier contents, read by a sum post-op."""
         extra = [third] if third is not None else []
         post_ptrs = ", ".join(self.ptr(v) for v in post_views) or "NULL"
         lines = ["{", f"    void *const post[] = {{{post_ptrs}}};",
                  f"    if (tg_prim_run(&st->prim[{k}], {self.ptr(src)}, {self.ptr(weights)}, "
                  f"{self.ptr(third) if third is not None else 'NULL'}, {self.ptr(dst, False)}, post)) return 1;", "}"]
-        self._step(_describe(op), lines, [src, weights, *extra, *post_views], [out], state)
+        self._step(_describe(op), lines, [src, weights, *extra, *post_views, *accumulated], [out], state)
 
     @lowers(Op.matmul, Op.conv)
     def gemm_alone(self, op: TgOp, xs: list[View]) -> View:
@@ -238,7 +273,7 @@ class OneDNN(EmitterParts):
                 # Batched GEMMs take no binary post-ops: oneDNN 3.2 gave MiniLM's attention
                 # scores plus a broadcast mask wrong results in some processes, not others.
                 raise Unsupported("a binary post-op on a batched GEMM")
-        posts, post_views, covered = self._posts(chain, op.results[0], env, info.shape, geometry)
+        posts, post_views, covered, _ = self._posts(chain, op.results[0], env, info.shape, geometry)
         a = self._lead(a, rank)
         b = self._lead(b, rank)
         c = self._lead(c, rank)
@@ -305,7 +340,8 @@ class OneDNN(EmitterParts):
         return View(v.buf, v.offset, (1,) * extra + v.shape, (numel(v.shape),) * extra + v.strides, v.dtype,
                     v.literal, v.value)
 
-    def conv(self, op: TgOp, xs: list[View], chain: list[TgOp], env: dict) -> tuple[View, int]:
+    def conv(self, op: TgOp, xs: list[View], chain: list[TgOp], env: dict,
+             group: FusionOp | None = None) -> tuple[View, int]:
         info = op.result_infos()[0]
         x, w = (self.for_onednn(v) for v in xs[:2])
         if self.is_contiguous(x) and all(_is_one(d) for d in x.shape[2:]):  # (N, C, 1, 1): the same memory
@@ -319,8 +355,6 @@ class OneDNN(EmitterParts):
         if bias is not None and (bias.literal is not None or not self.is_contiguous(bias)):
             raise Unsupported("conv bias")
         groups = op.attr("groups")
-        out = self._temp(info)
-        out = View(out.buf, out.offset, out.shape, channels_last_strides(out.shape), out.dtype)
         nd = x.rank
         sp = nd - 2
         strides = list(op.attr("strides") or [1] * sp)
@@ -336,7 +370,14 @@ class OneDNN(EmitterParts):
         def geometry(full: View):
             dims = [1 if _eq(st, 0) else d for d, st in zip(full.shape, full.strides)]
             return dims, _plain_strides(dims, list(full.strides))
-        posts, post_views, covered = self._posts(chain, op.results[0], env, info.shape, geometry)
+        accumulate = None if group is None else \
+            (lambda add, v, o: self._accumulates_into(group, add, v, o, info.shape, [x, w, bias]))
+        posts, post_views, covered, into = self._posts(chain, op.results[0], env, info.shape, geometry, accumulate)
+        if into is None:
+            out = self._temp(info)
+            out = View(out.buf, out.offset, out.shape, channels_last_strides(out.shape), out.dtype)
+        else:  # the residual's buffer: the step reads it (the sum) and writes the result there
+            out = View(into.buf, into.offset, tuple(info.shape), channels_last_strides(info.shape), into.dtype)
         k = self._new_prim()
         arr = self._c_array
         state = [
@@ -351,7 +392,7 @@ class OneDNN(EmitterParts):
             f"{_FROM}, {_CHAIN_OUT})) return 1;",
             "}",
         ]
-        self._run_primitive(op, k, state, x, w, bias, out, post_views, out)
+        self._run_primitive(op, k, state, x, w, bias, out, post_views, out, [into] if into is not None else [])
         others = [w, *([bias] if bias is not None else []), *post_views]
         depthwise = groups > 1 and _eq(wd[1], 1) and _eq(wd[2], 1)
         self.steps[-1].conv = (k, x, out, all(v.buf != x.buf for v in others), depthwise)

@@ -3,6 +3,8 @@
  * library every module links against; nothing model-specific is in it. */
 #include "runtime.h"
 
+#include <sys/mman.h>
+
 char tg_err[1024];
 static dnnl_engine_t tg_engine;
 static dnnl_stream_t tg_stream;
@@ -37,6 +39,51 @@ int tg_amx_supported(void) {
 }
 
 void tg_set_bf16(int on) { tg_fpmath = on ? dnnl_fpmath_mode_bf16 : dnnl_fpmath_mode_strict; }
+
+/* Packed weights and reorder scratch on the kernel's transparent huge pages, where it
+ * offers them on request (/sys/kernel/mm/transparent_hugepage/enabled: always or madvise).
+ * A forward streams every packed weight once (ResNet-50: ~100 MB, mostly from beyond the
+ * cores' L2): with 4 KiB pages that is a TLB miss and a page walk every 4 KiB, which
+ * onnxruntime's and our own convolution kernels then wait on. Only whole huge pages inside
+ * an allocation are advised, so a small weight costs nothing extra. tg_set_huge_pages(0)
+ * turns it off (benchmarks/c_steps.py --no-huge-pages measures the difference);
+ * tg_huge_page_bytes() counts the bytes advised (tests check the path is taken). */
+static int tg_huge = 1;
+static size_t tg_huge_size; /* the huge page size, 0 when the kernel offers none; read once */
+static size_t tg_huge_bytes;
+void tg_set_huge_pages(int on) { tg_huge = on; }
+size_t tg_huge_page_bytes(void) { return tg_huge_bytes; }
+
+static size_t tg_huge_page_size(void) {
+    static int known;
+    if (known) return tg_huge_size;
+    known = 1;
+    char mode[128] = {0};
+    FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r");
+    if (!f) return 0;
+    size_t n = fread(mode, 1, sizeof mode - 1, f);
+    fclose(f);
+    mode[n] = 0;
+    if (!strstr(mode, "[always]") && !strstr(mode, "[madvise]")) return 0;
+    unsigned long long size = 0;
+    f = fopen("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size", "r");
+    if (!f) return 0;
+    if (fscanf(f, "%llu", &size) != 1) size = 0;
+    fclose(f);
+    if (size & (size - 1)) size = 0; /* (aligned_alloc needs a power of two) */
+    tg_huge_size = (size_t)size;
+    return tg_huge_size;
+}
+
+/* size bytes (64-aligned; rounded up to 64) for data a forward streams through. */
+static void *tg_alloc_big(size_t size) {
+    size_t huge = tg_huge ? tg_huge_page_size() : 0;
+    size = (size + 63) / 64 * 64;
+    if (!huge || size < huge) return aligned_alloc(64, size);
+    void *p = aligned_alloc(huge, (size + huge - 1) / huge * huge);
+    if (p && madvise(p, size / huge * huge, MADV_HUGEPAGE) == 0) tg_huge_bytes += size / huge * huge;
+    return p;
+}
 
 static const char *tg_impl(const_dnnl_primitive_desc_t pd) {
     const char *impl = NULL;
@@ -170,7 +217,9 @@ static int tg_attr(dnnl_primitive_attr_t *attr, int npost, const tg_post *posts,
     if (!npost) return 0;
     TG_DNNL(dnnl_post_ops_create(&po), "post_ops_create");
     for (int i = 0; i < npost; i++) {
-        if (posts[i].binary) {
+        if (posts[i].binary == TG_POST_SUM) {
+            TG_DNNL(dnnl_post_ops_append_sum(po, 1.f, 0, dnnl_data_type_undef), "append_sum");
+        } else if (posts[i].binary) {
             dnnl_memory_desc_t md = tg_md(posts[i].nd, posts[i].dims, posts[i].strides, dnnl_f32);
             if (!md) TG_FAIL("oneDNN rejected an epilogue operand's layout");
             TG_DNNL(dnnl_post_ops_append_binary(po, (dnnl_alg_kind_t)posts[i].alg, md), "append_binary");
@@ -191,7 +240,7 @@ static int tg_pack(tg_packed *pack, const_dnnl_memory_desc_t plain_md, const voi
     dnnl_primitive_t reorder;
     dnnl_memory_t from, to;
     size_t size = dnnl_memory_desc_get_size(want);
-    pack->data = aligned_alloc(64, (size + 63) / 64 * 64);
+    pack->data = tg_alloc_big(size);
     if (!pack->data) TG_FAIL("out of memory packing a weight (%zu bytes)", size);
     TG_DNNL(dnnl_memory_desc_clone(&pack->md, want), "md_clone");
     TG_DNNL(dnnl_reorder_primitive_desc_create(&rpd, plain_md, tg_engine, want, tg_engine, NULL), "reorder_pd");
@@ -248,13 +297,22 @@ static int tg_reorder_step(dnnl_primitive_t *re, dnnl_memory_t *user_mem, void *
                            const_dnnl_memory_desc_t user, const_dnnl_memory_desc_t want, int into) {
     dnnl_primitive_desc_t rpd;
     size_t size = dnnl_memory_desc_get_size(want);
-    *tmp = aligned_alloc(64, (size + 63) / 64 * 64 + 64);
+    *tmp = tg_alloc_big(size + 64);
     if (!*tmp) TG_FAIL("out of memory for a reorder's scratch (%zu bytes)", size);
     TG_DNNL(dnnl_reorder_primitive_desc_create(&rpd, into ? user : want, tg_engine, into ? want : user, tg_engine,
                                                NULL), "reorder_pd");
     TG_DNNL(dnnl_primitive_create(re, rpd), "reorder");
     dnnl_primitive_desc_destroy(rpd);
     TG_DNNL(dnnl_memory_create(user_mem, user, tg_engine, DNNL_MEMORY_NONE), "memory_create");
+    return 0;
+}
+
+/* Whether `attr` accumulates into the destination (a TG_POST_SUM post-op). */
+static int tg_has_sum(const_dnnl_primitive_attr_t attr) {
+    const_dnnl_post_ops_t po = NULL;
+    if (dnnl_primitive_attr_get_post_ops(attr, &po) != dnnl_success || !po) return 0;
+    for (int i = 0; i < dnnl_post_ops_len(po); i++)
+        if (dnnl_post_ops_get_kind(po, i) == dnnl_sum) return 1;
     return 0;
 }
 
@@ -281,7 +339,14 @@ static int tg_relayout(tg_prim *g, dnnl_primitive_desc_t *pd, tg_pd_fn make, con
     dnnl_memory_desc_query(io->dst, dnnl_query_dims, &dd);
     dnnl_memory_desc_query(io->dst, dnnl_query_data_type, &dt);
     any_io->src = tg_md_any(nd_s, *sd, st);
-    any_io->dst = tg_md_any(nd_d, *dd, dt);
+    /* (a destination the primitive accumulates into stays where the caller keeps it: a
+     * scratch in another layout would not hold the values to add) */
+    any_io->dst = NULL;
+    if (tg_has_sum(attr)) {
+        if (dnnl_memory_desc_clone(&any_io->dst, io->dst) != dnnl_success) any_io->dst = NULL;
+    } else {
+        any_io->dst = tg_md_any(nd_d, *dd, dt);
+    }
     dnnl_memory_desc_t any_w = tg_md_any(nd_w, wdims, wdt);
     if (any_io->src && any_io->dst && any_w && make(&fast, any_ctx, any_w, attr) == dnnl_success && tg_is_ref(fast)) {
         dnnl_primitive_desc_destroy(fast);

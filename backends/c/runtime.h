@@ -37,8 +37,10 @@ int tg_max_threads(void);
     if (st_ != dnnl_success) TG_FAIL("oneDNN %s failed (status %d)", what, (int)st_); } while (0)
 
 /* An epilogue step oneDNN applies to each output block while it is in cache:
- * an eltwise function (alg, alpha, beta) or a binary op with a second tensor
- * (dims broadcast against the output, strides of its own). */
+ * an eltwise function (alg, alpha, beta), a binary op with a second tensor
+ * (dims broadcast against the output, strides of its own), or (binary == TG_POST_SUM)
+ * the sum of what the destination held before: a residual add accumulated in place. */
+#define TG_POST_SUM 2
 typedef struct {
     int binary;
     int alg;
@@ -86,6 +88,8 @@ int tg_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_s
                    int chain_out);
 int tg_bf16_supported(void);
 int tg_reorder_count(void);
+void tg_set_huge_pages(int on);
+size_t tg_huge_page_bytes(void);
 int tg_amx_supported(void);
 void tg_set_bf16(int on);
 int tg_primitive_count(void);

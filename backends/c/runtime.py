@@ -263,6 +263,7 @@ class CompiledModel:
         library.tg_primitive_report.restype = ctypes.c_char_p
         library.tg_bf16_supported.restype = ctypes.c_int
         library.tg_reorder_count.restype = ctypes.c_int
+        library.tg_huge_page_bytes.restype = ctypes.c_size_t
         # The GEMMs' and convolutions' products: "f32", or "bf16" (f32 accumulation) where the
         # processor has bf16 units; asked for elsewhere, f32 with a warning.
         self.precision = precision
@@ -311,6 +312,12 @@ class CompiledModel:
         """oneDNN reorders run so far in this process (layout or precision conversions around
         the primitives): a test reads it to see what chaining saves."""
         return int(self._lib.tg_reorder_count())
+
+    def huge_page_bytes(self) -> int:
+        """Bytes of packed weights and reorder scratch this process put on transparent huge
+        pages (runtime.c, tg_alloc_big; numpy advises the arena's own): 0 where the kernel
+        offers none or no such buffer spans a huge page."""
+        return int(self._lib.tg_huge_page_bytes())
 
     def set_threads(self, n: int) -> None:
         """OpenMP's thread count for this process's C modules (one pool serves them all)."""

@@ -163,6 +163,8 @@ class EmitterParts:
     constants: list[np.ndarray]
     folded: dict[TgOp, View]
     donated: set[int]
+    merged: set[Any]  # tg.fusion groups computed inside an earlier group's step
+    early: set[TgOp]  # views lowered ahead of their turn, for such a step
 
     if TYPE_CHECKING:
         def __getattr__(self, name: str) -> Any: ...

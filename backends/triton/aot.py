@@ -51,6 +51,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from tilegraph.backends.triton.group_kernels import f32_dot_precision
 from tilegraph.ir.errors import TilegraphError
 
 DEFAULT_TARGETS = ("cuda:90", "hip:gfx942")
@@ -226,6 +227,7 @@ def compile_all(path: Path, targets, all_configs: bool, specialize: bool = True)
                     out.append(Build(name, target, False, cfg, error=f"{name} ({group}): not defined in the module"))
                     continue
                 gpu = parse_target(target)
+                module.F32_DOT = triton.language.constexpr(f32_dot_precision(gpu.backend, gpu.arch))
                 start = time.perf_counter()
                 try:
                     signature, values, attrs = (specialized(fn, entry["signature"], constexprs, args, gpu)

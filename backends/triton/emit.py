@@ -51,7 +51,7 @@ from tilegraph.backends.triton.quant import QuantKernelWriter
 # What a symbolic dim is taken to be for an ahead-of-time build (passes/cost/model.py prices
 # symbolic dims at the same size).
 NOMINAL_DIM = 256
-MODULE_NAMES = {"torch", "triton", "tl", "tlmath", "tlquant", "pack_k", "np", "K", "ml_dtypes", "build", "forward", "DEVICE", "KERNELS",
+MODULE_NAMES = {"torch", "triton", "tl", "tlmath", "tlquant", "pack_k", "np", "K", "ml_dtypes", "build", "forward", "DEVICE", "F32_DOT", "KERNELS",
                 "CONFIGS", "INPUTS", "OUTPUTS", "WEIGHTS", "HOST_OPS", "SPLIT_GROUPS", "HOST_FLOPS", "TUNER", "pick", "host", "launch", "cfg",
                 *SHAPE_FUNCTIONS}
 
@@ -107,6 +107,7 @@ class _Emitter:
 
         gpu = describe(hardware)
         self.shared_memory = gpu.shared_memory_per_block or gpu.shared_memory_per_core
+        self.tf32 = "tf32" in gpu.peak_flops
         self.model = prepare(model)
         self.prog = flatten(self.model)
         self.namer = Namer(MODULE_NAMES | PYTHON_RESERVED)
@@ -247,7 +248,7 @@ class _Emitter:
         if constants:
             raise Unsupported("a constant array inside a group")
         writer = QuantKernelWriter if any(op.op_name in QUANTIZATION_OPS for op in ops) else KernelWriter
-        code = writer(f"{name}_kernel", kind, ops, inputs, outputs, tile, self.dim, self.shared_memory).write()
+        code = writer(f"{name}_kernel", kind, ops, inputs, outputs, tile, self.dim, self.shared_memory, self.tf32).write()
         # A kernel the module has already (the same layer again) is launched, not written twice:
         # fewer kernels for Triton to compile when the model first runs.
         body = "\n".join(code.kernel).replace(code.name, "KERNEL") + repr(code.configs)
@@ -418,7 +419,7 @@ class _Emitter:
                "import numpy as np", "import ml_dtypes", "import torch", "import triton", "import triton.language as tl",
                "", "from tilegraph.ir import kernels as K",
                "from tilegraph.ir.interpreter import SHAPE_FUNCTIONS",
-               "from tilegraph.backends.triton.runtime import device, host, host_tensor, pack_k, pick"]
+               "from tilegraph.backends.triton.runtime import device, f32_dot, host, host_tensor, pack_k, pick"]
         if self.uses_tlmath:
             out.append("from tilegraph.backends.triton import tlmath")
         if self.uses_tlquant:
@@ -429,7 +430,8 @@ class _Emitter:
                 *tuple_lines("WEIGHTS", [literal(w) for w in self._weights]),
                 f"HOST_OPS = {dict(self.host_ops)!r}",
                 "# Fused groups no one kernel could express, run op by op (why).",
-                *tuple_lines("SPLIT_GROUPS", [literal(g) for g in self.split_groups]), "DEVICE = None", "TUNER = None  # set by the runtime: autotuning", ""]
+                *tuple_lines("SPLIT_GROUPS", [literal(g) for g in self.split_groups]), "DEVICE = None", "TUNER = None  # set by the runtime: autotuning",
+                "F32_DOT = tl.constexpr(\"ieee\")  # how tl.dot multiplies fp32: set by build for its device", ""]
         if any("_multiply" in k.helpers for k in self.kernels):
             out += ["", "@triton.jit", "def _multiply(a, b):", f"{INDENT}return a * b", ""]
         for k in self.kernels:
@@ -448,7 +450,7 @@ class _Emitter:
         for fn in self.host_functions:
             out += ["", *fn, ""]
         out += ["", "def build(W, device_):", f'{INDENT}"""Bind the weights (name -> device tensor) once; returns forward."""',
-                f"{INDENT}global DEVICE", f"{INDENT}DEVICE = device_"]
+                f"{INDENT}global DEVICE, F32_DOT", f"{INDENT}DEVICE = device_", f"{INDENT}F32_DOT = f32_dot(device_)"]
         out += [INDENT + line for line in self.weight_lines + self.constants]
         params = ", ".join(self.names[a] for a in m.func.args)
         out += ["", f"{INDENT}def forward({params}):"]

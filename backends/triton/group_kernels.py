@@ -58,13 +58,12 @@ GROUP_M = 8
 # accumulator no longer fits in registers and spills, a cliff far steeper than one more pass
 # over the GEMM's result.
 MIN_WHOLE_ROW_BLOCK_M = 16
-# How tl.dot multiplies fp32 operands: "ieee" (fp32 FMAs, as torch with TF32 off) or "tf32x3"
-# (three TF32 tensor-core products per fp32 product, near fp32's accuracy).
-F32_DOT_PRECISION = "ieee"
 # Attention blocks the autotuner also tries beside the tile pass's (BLOCK_M queries, BLOCK_KV
 # keys, warps): the scores and both dot operands live in registers, so the best size depends
-# on the head dim and how tl.dot multiplies (FMAs replicate operands across threads).
-ATTENTION_CONFIGS = ((64, 32, 4), (32, 32, 4), (64, 64, 4), (128, 64, 8), (32, 64, 2))
+# on the head dim and how tl.dot multiplies (FMAs replicate operands across threads; tensor
+# cores take larger tiles).
+ATTENTION_CONFIGS = ((64, 32, 4), (32, 32, 4), (64, 64, 4), (128, 64, 8), (32, 64, 2), (128, 32, 4), (128, 128, 8))
+LOG2E = 1.4426950408889634  # log2(e): the attention kernel's exponentials are exp2
 
 
 def triton_next_power_of_2(n: int) -> int:
@@ -72,9 +71,23 @@ def triton_next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def f32_dot_precision(backend: str, arch: int | str) -> str:
+    """How tl.dot multiplies fp32 operands on a GPU: "tf32x3" where NVIDIA's tensor cores take
+    TF32 (sm_80 on), "ieee" (fp32 FMAs) elsewhere: AMD's Triton has no tf32x3.
+
+    tf32x3 splits each operand into two TF32 values (22 of fp32's 24 mantissa bits) and adds
+    three tensor-core products in fp32: about fp32's accuracy at several times the FMA rate.
+    The emitted kernels read the choice from their module's F32_DOT, which the module's build
+    sets for its device (and the ahead-of-time build for each target), so one source serves
+    both vendors."""
+    return "tf32x3" if backend == "cuda" and isinstance(arch, int) and arch >= 80 else "ieee"
+
+
 def dot_precision(dtype: str) -> str:
     """tl.dot's input_precision argument for operands of `dtype` ('' where Triton's default is right)."""
-    return f', input_precision="{F32_DOT_PRECISION}"' if dtype in ("f32", "f64") else ""
+    if dtype == "f32":
+        return ", input_precision=F32_DOT"
+    return ', input_precision="ieee"' if dtype == "f64" else ""
 
 TL_TYPES = {"f64": "tl.float64", "f32": "tl.float32", "f16": "tl.float16", "bf16": "tl.bfloat16",
             "i1": "tl.int1", "i8": "tl.int8", "i16": "tl.int16", "i32": "tl.int32", "i64": "tl.int64",
@@ -166,9 +179,10 @@ class KernelWriter:
 
     def __init__(self, name: str, kind: str, ops: Sequence[TgOp], inputs: Sequence[SSAValue],
                  outputs: Sequence[SSAValue], tile: dict, dims: Callable[[Dim], str],
-                 shared_memory: int = 0):
+                 shared_memory: int = 0, tf32: bool = False):
         self.name, self.kind = name, kind
         self.shared_memory = shared_memory  # bytes a program may use (0: no limit known)
+        self.tf32 = tf32  # the GPU has TF32 tensor cores: fp32 GEMMs may take tf32x3 (f32_dot_precision)
         self.ops, self.inputs, self.outputs = list(ops), list(inputs), list(outputs)
         self.tile, self.dim = tile, dims
         self.params: list[Param] = []
@@ -495,6 +509,19 @@ class KernelWriter:
                  "num_warps": t["num_warps"], "num_stages": t["num_stages"]}
         return [first] + [c for c in t.get("configs", []) if c != first]
 
+    def _gemm_precision(self, dtype: str, configs: list[dict]) -> tuple[str, list[dict], dict[str, str]]:
+        """tl.dot's precision argument for a GEMM on `dtype` operands, its configurations, and
+        the constexpr that carries the choice (none or TF32X3).
+
+        On a GPU with TF32 tensor cores an fp32 GEMM's configurations come twice, with fp32 FMAs
+        (TF32X3=0, first: the default without autotuning) and with the module's F32_DOT (tf32x3
+        there): which is faster depends on the GEMM and its epilogue, so the autotuner measures."""
+        if dtype != "f32" or not self.tf32:
+            return dot_precision(dtype), configs, {}
+        return (', input_precision=(F32_DOT if TF32X3 else "ieee")',
+                [c | {"TF32X3": 0} for c in configs] + [c | {"TF32X3": 1} for c in configs],
+                {"TF32X3": "cfg['TF32X3']"})
+
     def _gemm_kernel(self) -> KernelCode:
         matmuls = self.anchors
         lhs = matmuls[0].operands[0]
@@ -550,7 +577,7 @@ class KernelWriter:
             a_base = " + ".join(f"{c} * {s}" for c, s in zip(bc, a_strides)) or "0"
             b_base = [" + ".join(f"{c} * {s}" for c, s in zip(bc, bs)) or "0" for bs in b_strides]
             self.body.append("rows = pid_b * M + m")
-        precision = dot_precision(a_info.dtype)
+        precision, configs, precision_block = self._gemm_precision(a_info.dtype, self._gemm_config())
         self.body.append(f"a_ptrs = a + {a_base} + m * {a_strides[-2]} + kk[None, :] * {a_strides[-1]}")
         for i in range(len(matmuls)):
             self.body.append(f"acc{i} = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)")
@@ -567,9 +594,8 @@ class KernelWriter:
         self.dim_coords = [*self._decompose("rows", self.lead, "c"), "cols"]
         self.epilogue(epilogue)
         results = self.store_outputs()
-        configs = self._gemm_config()
         blocks = {"BLOCK_N": (f"max(16, triton.next_power_of_2({n}))" if self.whole_rows else "cfg['BLOCK_N']"),
-                  "BLOCK_M": "cfg['BLOCK_M']", "BLOCK_K": "cfg['BLOCK_K']", "GROUP_M": str(GROUP_M)}
+                  "BLOCK_M": "cfg['BLOCK_M']", "BLOCK_K": "cfg['BLOCK_K']", "GROUP_M": str(GROUP_M), **precision_block}
         stages = None
         if self.whole_rows:
             # A row reduction in the epilogue: one program holds whole rows, so the accumulator
@@ -622,40 +648,51 @@ class KernelWriter:
             "m_i = tl.full([BLOCK_M, 1], float('-inf'), tl.float32)",
             "l_i = tl.zeros([BLOCK_M, 1], tl.float32)",
             "acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)",
-            # Causal: keys past the diagonal (offset LK - LQ, as np.tril(k=LK-LQ)) are never read.
-            "hi = tl.minimum(LK, (pid_q + 1) * BLOCK_M + LK - LQ)" if op.attr("causal") else "hi = LK",
-            "for start in range(0, hi, BLOCK_KV):",
         ]
-        loop = [
-            "j = start + tl.arange(0, BLOCK_KV)[None, :]",
-            f"k_tile = tl.load(k + {base['k']} + j * {ks[-2]} + d_col * {ks[-1]}, mask=(j < LK) & (d_col < DH), other=0)",
-            f"s = tl.dot(q_tile, k_tile{precision}) * {py_literal(float(op.attr('scale')))}",
-            "keep = j < LK",
-        ]
-        if op.attr("causal"):
-            loop.append("keep = keep & (j <= m + LK - LQ)")
-        if mask:
-            ms = strides["mask"]
-            load = f"tl.load(mask + {base['mask']} + m * {ms[-2]} + j * {ms[-1]}, mask=row_ok & (j < LK), other=0)"
-            if info_of(mask[0].type).dtype == "i1":
-                loop.append(f"keep = keep & ({load} != 0)")
-            else:
-                loop.append(f"s = s + {load}.to(tl.float32)")
-        loop += [
-            "s = tl.where(keep, s, float('-inf'))",
-            # Online softmax; a row with no key yet keeps m = -inf and adds nothing, and a row
-            # with none at all ends 0/0 = NaN, as softmax of all -inf does in the reference.
-            "m_new = tl.maximum(m_i, tl.max(s, axis=1, keep_dims=True))",
-            "m_safe = tl.where(m_new == float('-inf'), 0.0, m_new)",
-            "p = tl.exp(s - m_safe)",
-            "alpha = tl.exp(m_i - m_safe)",
-            "l_i = l_i * alpha + tl.sum(p, axis=1, keep_dims=True)",
-            "jv = start + tl.arange(0, BLOCK_KV)[:, None]",
-            f"v_tile = tl.load(v + {base['v']} + jv * {vs[-2]} + cols * {vs[-1]}, mask=(jv < LK) & col_ok, other=0)",
-            f"acc = acc * alpha + tl.dot(p.to(v_tile.dtype), v_tile{precision})",
-            "m_i = m_new",
-        ]
-        self.body += [INDENT + line for line in loop]
+        scale = py_literal(float(op.attr("scale")))
+        causal = bool(op.attr("causal"))
+        if causal:
+            # Keys past the diagonal (offset LK - LQ, as np.tril(k=LK-LQ)) are never read, and
+            # only the blocks the diagonal crosses compare keys with queries: every key before
+            # `diagonal` is on or below it for all of this block's queries.
+            self.body += ["hi = tl.minimum(LK, (pid_q + 1) * BLOCK_M + LK - LQ)",
+                          "diagonal = tl.minimum(tl.maximum(pid_q * BLOCK_M + LK - LQ, 0) // BLOCK_KV * BLOCK_KV, hi)"]
+            loops = [("0", "diagonal", False), ("diagonal", "hi", True)]
+        else:
+            loops = [("0", "LK", True)]
+        for lo, hi, edge in loops:
+            self.body.append(f"for start in range({lo}, {hi}, BLOCK_KV):")
+            loop = [
+                "j = start + tl.arange(0, BLOCK_KV)[None, :]",
+                f"k_tile = tl.load(k + {base['k']} + j * {ks[-2]} + d_col * {ks[-1]}, mask=(j < LK) & (d_col < DH), other=0)",
+                f"s = tl.dot(q_tile, k_tile{precision}) * {scale}",
+            ]
+            keep = (["(j < LK)"] if edge else []) + (["(j <= m + LK - LQ)"] if causal and edge else [])
+            if mask:
+                ms = strides["mask"]
+                load = f"tl.load(mask + {base['mask']} + m * {ms[-2]} + j * {ms[-1]}, mask=row_ok & (j < LK), other=0)"
+                if info_of(mask[0].type).dtype == "i1":
+                    keep.append(f"({load} != 0)")
+                else:
+                    loop.append(f"s = s + {load}.to(tl.float32)")
+            if keep:
+                loop.append(f"s = tl.where({' & '.join(keep)}, s, float('-inf'))")
+            loop += [
+                # Online softmax; a row with no key yet keeps m = -inf and adds nothing, and a row
+                # with none at all ends 0/0 = NaN, as softmax of all -inf does in the reference.
+                "m_new = tl.maximum(m_i, tl.max(s, axis=1, keep_dims=True))",
+                "m_safe = tl.where(m_new == float('-inf'), 0.0, m_new)",
+                # exp(x) as exp2(x * log2(e)): exp2 is the GPU's native exponential. The difference
+                # is scaled, not the scores, so a mask of float32's lowest value does not overflow.
+                f"p = tl.exp2((s - m_safe) * {py_literal(LOG2E)})",
+                f"alpha = tl.exp2((m_i - m_safe) * {py_literal(LOG2E)})",
+                "l_i = l_i * alpha + tl.sum(p, axis=1, keep_dims=True)",
+                "jv = start + tl.arange(0, BLOCK_KV)[:, None]",
+                f"v_tile = tl.load(v + {base['v']} + jv * {vs[-2]} + cols * {vs[-1]}, mask=(jv < LK) & col_ok, other=0)",
+                f"acc = acc * alpha + tl.dot(p.to(v_tile.dtype), v_tile{precision})",
+                "m_i = m_new",
+            ]
+            self.body += [INDENT + line for line in loop]
         self.body += ["acc = acc / l_i", "rows = pid_b * LQ + m"]
         self.values[op.results[0]] = Value("acc", out, True)
         self.n = dv
@@ -717,7 +754,7 @@ class KernelWriter:
             "KTOT = CG * KH * KW",
             "for k0 in range(0, KTOT, BLOCK_K):",
         ]
-        precision = dot_precision(xi.dtype)
+        precision, configs, precision_block = self._gemm_precision(xi.dtype, self._gemm_config())
         loop = [
             "ka = (k0 + kk)[None, :]", "ci = ka // (KH * KW)", "kh = (ka // KW) % KH", "kw = ka % KW",
             f"ih = coh * {strides[0]} - {pads[0]} + kh * {dil[0]}",
@@ -738,8 +775,7 @@ class KernelWriter:
         self.dim_coords = ["cn", "cols", "coh", "cow"]
         self.epilogue(epilogue)
         results = self.store_outputs()
-        configs = self._gemm_config()
-        blocks = {"BLOCK_M": "cfg['BLOCK_M']", "BLOCK_N": "max(16, min(cfg['BLOCK_N'], "
+        blocks = {"BLOCK_M": "cfg['BLOCK_M']", **precision_block, "BLOCK_N": "max(16, min(cfg['BLOCK_N'], "
                   f"triton.next_power_of_2({self.dim(oc)} // {groups})))", "BLOCK_K": "cfg['BLOCK_K']"}
         grid = f"(triton.cdiv({self.dim(numel((n_, oh, ow)))}, BLOCK_M) * triton.cdiv({self.dim(oc)} // {groups}, BLOCK_N), {groups})"
         flops = f"2 * {self.dim(numel(out.shape))} * {self.dim(numel(wi.shape[1:]))}"

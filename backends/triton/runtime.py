@@ -29,6 +29,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from tilegraph.backends.triton.group_kernels import f32_dot_precision
 from tilegraph.ir import dtypes
 from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.model import Model, ModelError
@@ -42,6 +43,16 @@ _BUILD_DEVICE: list[torch.device] = [torch.device("cpu")]
 
 def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def f32_dot(dev: torch.device):
+    """An emitted module's F32_DOT on `dev` (group_kernels.f32_dot_precision); "ieee" off a GPU."""
+    import triton.language as tl
+
+    if dev.type != "cuda":
+        return tl.constexpr("ieee")
+    major, minor = torch.cuda.get_device_capability(dev)
+    return tl.constexpr(f32_dot_precision("hip" if torch.version.hip else "cuda", major * 10 + minor))
 
 
 _TORCH_FLOAT8 = ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu")  # ml_dtypes names torch shares

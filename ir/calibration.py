@@ -1,0 +1,168 @@
+"""What every calibrator shares: timing calls on a shared machine, the processor's caches
+and memory, a progress bar, and measuring, saving and printing a profile.
+
+The backends' calibrators (backends/numpy/calibrate.py, backends/c/calibrate.py) time their own
+kernels with it and hand ir/hardware.py the profile; the numbers they measure are theirs.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from tilegraph.ir.hardware import clear_cache, save_profile
+
+# Fallbacks where /sys does not say (sizes of a common x86 server core).
+DEFAULT_L1D, DEFAULT_L2, DEFAULT_L3 = 32 * 2**10, 512 * 2**10, 32 * 2**20
+# Calls are timed in batches at least this long, so the timer's ~0.1 us is noise; no
+# longer, so a neighbour's time slice (ms) spoils as few samples as it can.
+MIN_BATCH = 20e-6
+# Above this load average per core before we start, a neighbour held a core for a good
+# part of the run, and the numbers say more about it than about the machine.
+BUSY_LOAD = 0.5
+
+
+# Batch, heads, sequence and head dims of the attention measurement: MiniLM's (32) and
+# GPT-2's (64) heads, at enough scores (4 x 12 x 128 x 128) that the kernel runs on all
+# cores (ir/hardware.MIN_PARALLEL_SCORES).
+ATTENTION_BATCH, ATTENTION_HEADS, ATTENTION_SEQ, ATTENTION_HEAD_DIMS = 4, 12, 128, (32, 64)
+
+
+def cache_sizes() -> dict[str, int]:
+    """Per-core L1d and L2 and the shared L3, in bytes, from /sys (fallbacks if absent)."""
+    sizes = {"l1d": DEFAULT_L1D, "l2": DEFAULT_L2, "l3": DEFAULT_L3}
+    root = Path("/sys/devices/system/cpu/cpu0/cache")
+    for index in sorted(root.glob("index*")) if root.is_dir() else ():
+        try:
+            level = int((index / "level").read_text())
+            kind = (index / "type").read_text().strip()
+            size = _parse_size((index / "size").read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if level == 1 and kind == "Data":
+            sizes["l1d"] = size
+        elif level in (2, 3) and kind in ("Unified", "Data"):
+            sizes[f"l{level}"] = size
+    return sizes
+
+
+def _parse_size(text: str) -> int:
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    if text and text[-1].upper() in units:
+        return int(text[:-1]) * units[text[-1].upper()]
+    return int(text)
+
+
+def median_time(fn: Callable[[], object], budget: float) -> float:
+    """Median seconds of one call of `fn`, from batches of calls timed for about `budget` s."""
+    return median_times((fn,), budget)[0]
+
+
+def median_times(fns, budget: float, quantile: float = 0.5) -> list[float]:
+    """median_time of each of `fns`, their batches interleaved so that a neighbour's
+    load on a shared machine falls on all of them alike (what a difference needs).
+
+    The median, not the best: a core running alone is clocked higher than two running
+    together (turbo, AVX-512 licences), so the best single-core batch can be far faster
+    than its median, and a parallel efficiency from best times swings from run to run
+    where medians hold steady. `quantile` < 0.5 takes a quieter batch than the median
+    (the C calibration's: on a shared machine, most batches lose time slices to others).
+    """
+    once = []
+    for fn in fns:
+        fn()  # warm up: page faults, BLAS threads waking
+        start = time.perf_counter()
+        fn()
+        once.append(max(time.perf_counter() - start, 1e-8))
+    numbers = [max(1, int(MIN_BATCH / t)) for t in once]
+    round_time = sum(t * n for t, n in zip(once, numbers))
+    repeat = min(max(3, int(budget / round_time)), 5001)
+    samples: list[list[float]] = [[] for _ in fns]
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(repeat):
+            for fn, number, out in zip(fns, numbers, samples):
+                start = time.perf_counter()
+                for _ in range(number):
+                    fn()
+                out.append((time.perf_counter() - start) / number)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return [float(np.quantile(s, quantile)) for s in samples]
+
+
+class Progress:
+    """A text progress bar on stderr naming the step under way: redrawn in place on a
+    terminal, one line a step otherwise."""
+
+    WIDTH = 30
+
+    def __init__(self, total: int, enabled: bool, stream=None):
+        self.total, self.started, self.enabled = total, 0, enabled
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+
+    def step(self, label: str) -> None:
+        self.started += 1
+        if self.enabled:
+            self._draw(self.started - 1, f"{self.started}/{self.total} {label}")
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            self._draw(self.total, "done")
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def _draw(self, done: int, text: str) -> None:
+        if self.tty:
+            filled = self.WIDTH * done // self.total
+            self.stream.write(f"\rcalibrating [{'#' * filled}{'.' * (self.WIDTH - filled)}] {text:<32}")
+        else:
+            self.stream.write(f"calibrating {text}\n")
+        self.stream.flush()
+
+
+def physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        return 0
+
+
+def table(title: str, rows: list[tuple[str, str]]) -> str:
+    """(measurement, value) rows under `title`, in two aligned columns."""
+    width = max(len(r[0]) for r in rows)
+    value = max(16, *(len(r[1]) for r in rows))
+    lines = [title, f"{'measurement':<{width}}  {'value':>{value}}"]
+    lines += [f"{name:<{width}}  {v:>{value}}" for name, v in rows]
+    return "\n".join(lines)
+
+
+def measure_and_save(measure_fn, summary_fn, path, quick: bool, progress: bool, command: str) -> Path:
+    """Measure with `measure_fn`, save to `path`, print `summary_fn`'s table, warn when the
+    CPU was busy (`command` says how to measure again)."""
+    busy = load_average()  # before we add our own
+    hw = measure_fn(quick=quick, progress=progress)
+    path = save_profile(hw, path)
+    clear_cache()
+    print(summary_fn(hw))
+    if busy > BUSY_LOAD * hw.cores:
+        print(f"warning: load average {busy:.1f} on {hw.cores} cores: other processes shared the CPU "
+              f"while measuring (multithreaded GEMMs suffer most); rerun `{command}` when idle")
+    print(f"wrote {path}")
+    return path
+
+
+def load_average() -> float:
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):  # pragma: no cover - not POSIX
+        return 0.0

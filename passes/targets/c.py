@@ -1,0 +1,222 @@
+"""A CPU through the C backend (a profile of `backend` "c": backends/c/calibrate.py): what an
+op and a fused group cost, and how a group is tiled.
+
+A group is one step of the compiled module, one loop over memory whatever its length, its GEMM
+or convolution on oneDNN with all threads (`Hardware.matmul_rate(threaded=True)`), its
+attention on the flash kernel. So a group costs its step's fixed cost (an OpenMP region when it
+is large enough for one, `C_PARALLEL_MIN`), its anchors, and the roofline of its loop: the
+calibrated per-element rate of each op in the loop on all threads against its inputs and
+outputs at the pass bandwidth (L2 while they fit the cores' caches, weights always from
+memory). Fusing a chain thus saves a step and the intermediate passes, never a NumPy call. An
+op alone is a group of one; quantization ops run their NumPy templates (targets/numpy.py).
+
+Tiles: attention's `block_q` and `block_kv`, the largest blocks whose scores, accumulator and
+K/V rows fit one core's cache with two tasks per core. The other loops and oneDNN's GEMMs block
+themselves and read no tile: those groups get an empty one (they run whole, as priced here).
+"""
+
+from __future__ import annotations
+
+import math
+
+import sympy
+
+from tilegraph.ir.dialect import FusionOp, TgOp
+from tilegraph.ir.fusion import ANCHORS, VIEW_OPS
+from tilegraph.ir.ops import Op
+from tilegraph.ir.shapes import info_of
+from tilegraph.passes.cost.model import (Cost, at_nominal, cold_bytes, element_count, free, gemm_rate, group_traffic,
+                                         interpolate, matmul_shape, memo_hw, nbytes, op_bytes, op_flops, parallel_speedup,
+                                         prod, sized, through_views)
+from tilegraph.passes.remarks import listening, remark
+from tilegraph.passes.targets.numpy import quant_cost
+
+# (backends/c/emit.PARALLEL_MIN) A C loop over more elements than this opens an OpenMP
+# region; a smaller one runs on the calling thread. tests/test_c_calibrate.py checks they agree.
+C_PARALLEL_MIN = 32768
+
+# Ops the C loops compute through a libm call: priced at `exp`'s calibrated rate when the
+# profile has no rate of their own. The rest are a few vector instructions: `add`'s.
+C_LIBM = {"log", "pow", "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh",
+          "expm1", "log1p", "sigmoid", "erf", "tanh", "exp", "gelu"}
+
+# The C backend's flash blocks (queries, keys), tried largest first.
+C_FLASH_BLOCKS = ((128, 256), (128, 128), (64, 128), (64, 64), (32, 64))
+
+__all__ = ["op_cost", "quant_cost", "group_cost", "tile", "C_PARALLEL_MIN"]
+
+
+def op_cost(op: TgOp, hw) -> Cost:
+    """An op alone is a step of its own: a group of one, or a copy."""
+    name = op.op_name
+    if name in VIEW_OPS:  # nothing moves
+        return free(name)
+    if op.SPEC.category not in ("layout", "source"):
+        anchors = [op] if name in ANCHORS else []
+        return group_cost([op], anchors, [] if anchors else [op], [info_of(v.type) for v in op.operands],
+                          op.result_infos(), hw, label=name)
+    # Copies (gather, concat, pad, ...): a copy reads what it writes (a gather reads its rows,
+    # not the whole table; a split writes every part); rows of a weight (an embedding) come
+    # from memory, at most the whole table.
+    zero = sympy.Integer(0)
+    flops, bytes_ = op_flops(op), op_bytes(op)
+    moved = sum((nbytes(info) for info in op.result_infos()), zero)
+    tables = [v for v in map(through_views, op.operands) if isinstance(v.owner, TgOp) and v.owner.op_name == Op.weight]
+    cold = sympy.Min(moved, sum((nbytes(info_of(v.type)) for v in tables), zero)) if tables else zero
+    # At the calibrated row-copy rate where the profile has one: a copy is short rows, each
+    # checked against its bounds, not a streaming pass, and for the few rows a lookup takes
+    # that rate, not where in memory the table lies, sets its time.
+    memory = moved / hw.copy_bandwidth if hw.copy_bandwidth else step_memory(hw, 2 * moved, cold)
+    overhead = step_overhead(hw, element_count(op.result_infos()[0]))
+    return Cost(flops, bytes_, memory + overhead, zero, memory, overhead, label=name, ops=[name])
+
+
+def group_cost(ops, anchors, rest, inputs, outputs, hw, label: str = "", **_tile) -> Cost:
+    """One step of a compiled module (module docstring), as
+
+        steps x step cost + anchors + row kernels + max(loop compute, loop memory)
+
+    Anchors (oneDNN's GEMM and convolution on a packed weight, the flash kernel) and the
+    row kernels (softmax, layer_norm) run at their calibrated rates, which include their own
+    traffic; the loop (every other op, one pass) is a roofline of its ops' calibrated rates
+    against the bytes the group moves beyond what its anchors read and write."""
+    names = [op.op_name for op in ops]
+    zero = sympy.Integer(0)
+    inside = set(ops)
+    flops, bytes_ = group_traffic(ops, inputs, outputs)
+    anchor_time = sum((anchor_compute(op, hw) for op in anchors), zero)
+    # What the anchors read from outside and write out of the group: in their rates.
+    anchor_in = {v: None for op in anchors for v in op.operands if v.owner not in inside}
+    anchor_out = [r for op in anchors for r in op.results if any(u.operation not in inside for u in r.uses)]
+    anchor_io = sum((nbytes(info_of(v.type)) for v in [*anchor_in, *anchor_out]), zero)
+    # Row ops (runtime.h): one call per group of rows, their rate calibrated whole.
+    rows = [op for op in rest if op.SPEC.row_normalizing]
+    row_time = sum((element_count(op.result_infos()[0]) / loop_rate(hw, op.op_name) for op in rows), zero)
+    loop = zero
+    for op in rest:
+        if op.SPEC.row_normalizing:
+            continue
+        elements = element_count(op.result_infos()[0]) if op.SPEC.category != "reduction" \
+            else element_count(info_of(op.operands[0].type))
+        loop += elements / loop_rate(hw, op.op_name)
+    loop_bytes = sympy.Max(bytes_ - anchor_io, zero)
+    memory = step_memory(hw, loop_bytes, cold_bytes([op for op in ops if op not in anchors]))
+    compute = anchor_time + row_time + loop
+    # One step per anchor (an epilogue rides on oneDNN's post-ops or the step's own loop),
+    # one more for a row kernel or reduction after it; a group without anchors is one step.
+    after = any(op.SPEC.row_normalizing or op.SPEC.category == "reduction" for op in rest)
+    steps = max(1, len(anchors) + (1 if anchors and after else 0))
+    size = max((element_count(o) for o in outputs), key=at_nominal) if outputs else zero
+    overhead = steps * step_overhead(hw, size)
+    time = overhead + anchor_time + row_time + sympy.Max(loop, memory)
+    return Cost(flops, bytes_, time, compute, memory, overhead, kernels=1, label=label, ops=names)
+
+
+def loop_rate(hw, name: str) -> float:
+    rates = hw.ufunc_rates
+    if name in rates:
+        return rates[name]
+    if name in C_LIBM and "exp" in rates:
+        return rates["exp"]
+    return rates.get("add") or hw.cache_bandwidth / 12
+
+
+def anchor_compute(op: TgOp, hw) -> sympy.Expr:
+    """An anchor's compute: oneDNN's GEMM or convolution on all threads, the flash kernel."""
+    flops = op_flops(op)
+    if op.op_name == Op.conv and hw.conv_rates:
+        return conv_time(op, hw, flops)
+    if op.op_name == Op.conv and hw.conv_rate:
+        return flops / hw.conv_rate
+    if op.op_name == Op.attention and hw.attention_rates:
+        q, k = (info_of(v.type) for v in op.operands[:2])
+        d = sized(q.shape[-1])
+        if op.attr("causal"):  # the flash kernel stops at the diagonal: the visible share of the keys
+            lq, lk = (max(1.0, at_nominal(sized(x.shape[-2]))) for x in (q, k))
+            flops = flops * min(1.0, (max(lk - lq, 0.0) + (lq + 1) / 2) / lk)
+        return flops / (interpolate(hw.attention_rates, at_nominal(d)) * max(hw.attention_speedup, 1.0))
+    if op.op_name == Op.einsum:
+        return flops / gemm_rate(hw, op) / parallel_speedup(hw, hw.cores)
+    m, n, k = (max(1, int(at_nominal(d))) for d in matmul_shape(op))  # type: ignore[assignment]
+    return flops / hw.matmul_rate(m, n, k, op.result_infos()[0].dtype, threaded=True)
+
+
+def conv_time(op: TgOp, hw, flops: sympy.Expr) -> sympy.Expr:
+    """A convolution on oneDNN, all threads. Depthwise (one input channel a group): at the
+    calibrated depthwise rate, a pass over memory more than arithmetic (by the elements it
+    reads and writes where that is more). Else as the GEMM it
+    is, output pixels x a group's output channels x (a group's inputs x the window), at the
+    GEMM curve's rate for that shape times how a calibrated convolution of its kind (3x3 or
+    1x1) ran against the curve at its own shape: the curve carries the size, the calibration
+    what oneDNN's convolution kernels do differently from its GEMMs."""
+    x, w = (info_of(v.type) for v in op.operands[:2])
+    groups = int(op.attr("groups") or 1)
+    out = op.result_infos()[0]
+    if groups > 1 and at_nominal(sized(w.shape[1])) == 1 and "depthwise" in hw.conv_rates:
+        # The calibrated one (stride 1) moved an element in and out per window of k taps; a
+        # strided one reads more inputs per output than its arithmetic says.
+        *_, k_cal, rate = hw.conv_rates["depthwise"]
+        return sympy.Max(flops / rate, (element_count(x) + element_count(out)) * k_cal / rate)
+    if groups > 1 and at_nominal(sized(w.shape[1])) == 1:
+        return flops / (hw.conv_rate or hw.flops("f32"))
+    window = w.shape[2:]
+    kind = "pointwise" if all(at_nominal(sized(d)) == 1 for d in window) else "dense"
+    if kind not in hw.conv_rates:
+        return flops / (hw.conv_rate or hw.flops("f32"))
+    m = max(1, int(at_nominal(prod([out.shape[0], *out.shape[2:]]))))
+    n = max(1, int(at_nominal(sized(out.shape[1]))) // groups)
+    k = max(1, int(at_nominal(prod(w.shape[1:]))))
+    rm, rn, rk, rate = hw.conv_rates[kind]
+    efficiency = rate / hw.matmul_rate(rm, rn, rk, threaded=True)
+    return flops / (hw.matmul_rate(m, n, k, threaded=True) * efficiency)
+
+
+@memo_hw
+def step_memory(hw, bytes_: sympy.Expr, cold: sympy.Expr) -> sympy.Expr:
+    """One pass over a step's inputs and outputs: at the cache rate while they fit the
+    cores' L2 (the step before ran on every core), weights from memory; beyond L2, at the L3
+    rate while they fit half of L3 (the rest of it holds the weights streaming through); else
+    all from memory."""
+    fits = bytes_ <= hw.cache_bytes * hw.cores
+    if hw.l3_bandwidth:  # beyond L2, a layer's activations stay in L3 where it holds them
+        in_l3 = bytes_ <= hw.l3_bytes / 2
+        return sympy.Piecewise((cold / hw.memory_bandwidth + (bytes_ - cold) / hw.cache_bandwidth, fits),
+                               (cold / hw.memory_bandwidth + (bytes_ - cold) / hw.l3_bandwidth, in_l3),
+                               (bytes_ / hw.memory_bandwidth, True))
+    return sympy.Piecewise((cold / hw.memory_bandwidth + (bytes_ - cold) / hw.cache_bandwidth, fits),
+                           (bytes_ / hw.memory_bandwidth, True))
+
+
+@memo_hw
+def step_overhead(hw, elements: sympy.Expr) -> sympy.Expr:
+    """The fixed cost of one step: a function call, and an OpenMP region when it is big enough."""
+    return sympy.Piecewise((hw.chunk_call_overhead, elements <= C_PARALLEL_MIN),
+                           (hw.chunk_call_overhead + hw.parallel_overhead, True))
+
+
+def tile(group: FusionOp, hw, *_options) -> dict[str, int]:
+    """Attention's blocks; every other group runs whole (module docstring)."""
+    attention = [op for op in group.ops if op.op_name == Op.attention]
+    return _attention_blocks(attention[0], hw) if attention else {}
+
+
+def _attention_blocks(op, hw) -> dict[str, int]:
+    """The C backend's flash kernel: blocks of `block_q` queries against `block_kv` keys
+    per task, each block's scores, accumulator and K/V rows within one core's cache, as
+    large as that allows (each block is two sgemm calls), with at least two tasks per
+    core while the queries allow it (tasks are a batch row times a block of queries)."""
+    q, k, v = (info_of(x.type).shape for x in op.operands[:3])
+    lq, lk, d, dv = (int(at_nominal(x)) for x in (q[-2], k[-2], q[-1], v[-1]))
+    tasks_per_block = int(at_nominal(math.prod(q[:-2]))) if len(q) > 2 else 1
+    best = (C_FLASH_BLOCKS[0][0], C_FLASH_BLOCKS[0][1])
+    for bq, bk in C_FLASH_BLOCKS:  # largest first
+        live = 4 * (bq * bk + bq * (d + dv) + bk * (d + dv))
+        if live <= hw.cache_bytes and (tasks_per_block * math.ceil(lq / bq) >= 2 * hw.cores or bq == C_FLASH_BLOCKS[-1][0]):
+            best = (bq, bk)
+            break
+    tile = {"block_q": min(best[0], max(lq, 1)), "block_kv": min(best[1], max(lk, 1))}
+    if listening():
+        remark("tile", f"attention {lq}x{lk}, head dims {d}/{dv} on the C backend: blocks of {tile['block_q']} "
+                       f"queries x {tile['block_kv']} keys ({4 * (best[0] * best[1] + best[0] * (d + dv) + best[1] * (d + dv)) // 1024} "
+                       f"KiB live of {hw.cache_bytes // 1024} KiB of cache per core)")
+    return tile
