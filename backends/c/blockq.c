@@ -436,6 +436,153 @@ BQ_Z8_KERNEL(bq_z8_q8_0, TG_BQ_Q8_0)
 static const bq_z8_fn bq_z8[TG_BQ_COUNT] = {[TG_BQ_Q4_0] = bq_z8_q4_0, [TG_BQ_Q4_1] = bq_z8_q4_1,
                                             [TG_BQ_Q8_0] = bq_z8_q8_0};
 
+/* A batch's decode rows (2..8) on AMX int8 tiles, where the processor has them and the kernel lets
+ * this process use them (tg_blockq_isa asks once; level 4). 16 weight rows x one 32-block x 8
+ * activation rows is one tdpbssd: the weights are the A tile as they lie in the file (q8_0's 32
+ * bytes at the row stride, no copy; q4's 16 nibble bytes split into their low and high halves,
+ * two K = 16 tiles), the activations the B tile, laid out once per matmul in AMX's 4-byte column
+ * groups (bq_amx_prepare). A block's 16 x 8 int32 products then take their two scales in float:
+ * 8 conversions and FMAs per 16 weight rows and 8 activation rows, against the 8-row VBMI
+ * kernel's 8 vpdpbusd + conversions + FMAs per weight row and 64 weights (about 3x the
+ * instructions per weight). Signed x signed (tdpbssd): q4_0 as q - 8, q4_1's q, q8_0 as is, the
+ * activations' int8 as they are; no offsets. ggml reaches AMX through a repacked weight copy
+ * (its "extra buffer type"); this keeps the file's bytes and reads each weight once. */
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx512vbmi,amx-tile,amx-int8")
+#define BQ_AMX_N 16 /* weight rows per tile (a tile's 16 rows): the tile loop's BQ_TILE */
+_Static_assert(BQ_AMX_N == BQ_TILE, "an AMX group is one tile of the matmul's row loop");
+typedef struct {
+    uint8_t palette, start;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} bq_tilecfg;
+/* Per 32-block b of the activations: bt (256 bytes, B's 8 rows of 8 rows x 4 bytes), da (16 floats:
+ * row m's d in lanes m and 8 + m), dsa (the same of d * sum(q): q4_1's min term); rows past R zero. */
+typedef struct {
+    uint8_t *bt;
+    float *da, *dsa;
+} bq_amxa;
+
+static void bq_amx_prepare(const tg_q8row *rows, int R, int64_t nb, bq_amxa *a) {
+    memset(a->bt, 0, (size_t)nb * 256);
+    memset(a->da, 0, sizeof(float) * (size_t)nb * 16);
+    memset(a->dsa, 0, sizeof(float) * (size_t)nb * 16);
+    for (int m = 0; m < R; m++)
+        for (int64_t b = 0; b < nb; b++) {
+            for (int r = 0; r < 8; r++) memcpy(a->bt + b * 256 + r * 32 + m * 4, rows[m].q + 32 * b + 4 * r, 4);
+            a->da[b * 16 + m] = a->da[b * 16 + 8 + m] = rows[m].d[b];
+            a->dsa[b * 16 + m] = a->dsa[b * 16 + 8 + m] = rows[m].ds[2 * b + 1];
+        }
+}
+
+/* The tiles' shapes for fmt, loaded once per thread per matmul (a load costs as much as
+ * several blocks' products); tile_release when the thread's groups are done. */
+static void bq_amx_config(int fmt) {
+    const int q8 = fmt == TG_BQ_Q8_0;
+    bq_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t += t ? 1 : 5) cfg.rows[t] = 16, cfg.colsb[t] = 32; /* C (0, 5-7): 16 weight rows x 8 int32 */
+    cfg.rows[1] = cfg.rows[2] = 16, cfg.colsb[1] = cfg.colsb[2] = q8 ? 32 : 16;    /* A (q4: low, high halves) */
+    cfg.rows[3] = cfg.rows[4] = q8 ? 8 : 4, cfg.colsb[3] = cfg.colsb[4] = 32;      /* B (q4: K 0-15, 16-31) */
+    _tile_loadconfig(&cfg);
+}
+
+/* y[m, n0 + i] for i < 16, m < R: 16 weight rows from w (their first), nb blocks; c: a thread's
+ * scratch of nb * 128 int32. All the tile products first, then their scaling in float: the tile
+ * unit and the vector unit then run apart (the scaling read each product back right after its
+ * tile store, a wait per block, at 1.4x the 8-row VBMI kernel's speed instead of the ~2x here). */
+static void bq_amx_group(int fmt, const uint8_t *w, int64_t row_bytes, int64_t nb, const bq_amxa *a, int R,
+                         float *y, int64_t ldy, int32_t *c) {
+    const int q8 = fmt == TG_BQ_Q8_0, bytes = (int)BQ_BYTES[fmt], nib = fmt == TG_BQ_Q4_1 ? 4 : 2;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+    /* q4: every block's nibbles unpacked before the first tile load: a tile load of bytes stored
+     * just before waits for them to reach the cache (the store buffer does not forward to it) */
+    uint8_t *nibs = (uint8_t *)(c + nb * 128);
+    for (int64_t b = 0; b < nb && !q8; b++) {
+        const uint8_t *blk = w + b * bytes;
+        for (int i = 0; i < BQ_AMX_N; i += 4) {  /* 4 rows' 16 nibble bytes in one register */
+            const uint8_t *p = blk + nib + i * row_bytes;
+            __m512i x = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)p));
+            x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(p + row_bytes)), 1);
+            x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(p + 2 * row_bytes)), 2);
+            x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(p + 3 * row_bytes)), 3);
+            __m512i l = _mm512_and_si512(x, m4), h = _mm512_and_si512(_mm512_srli_epi16(x, 4), m4);
+            if (fmt == TG_BQ_Q4_0) l = _mm512_sub_epi8(l, eight), h = _mm512_sub_epi8(h, eight);
+            _mm512_store_si512(nibs + b * 512 + i * 16, l);
+            _mm512_store_si512(nibs + b * 512 + 256 + i * 16, h);
+        }
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        if (q8) {
+            _tile_loadd(1, w + b * bytes + 2, row_bytes);
+            _tile_loadd(3, a->bt + b * 256, 32);
+            /* four product tiles in turn: a block's product does not wait for the previous one's store */
+#define BQ_AMX_Q8(T) { _tile_zero(T); _tile_dpbssd(T, 1, 3); _tile_stored(T, c + b * 128, 32); }
+            switch (b & 3) { case 0: BQ_AMX_Q8(0) break; case 1: BQ_AMX_Q8(5) break; case 2: BQ_AMX_Q8(6) break;
+                             default: BQ_AMX_Q8(7) }
+#undef BQ_AMX_Q8
+            continue;
+        }
+        _tile_loadd(1, nibs + b * 512, 16);
+        _tile_loadd(2, nibs + b * 512 + 256, 16);
+        _tile_loadd(3, a->bt + b * 256, 32);
+        _tile_loadd(4, a->bt + b * 256 + 128, 32);
+#define BQ_AMX_Q4(T) { _tile_zero(T); _tile_dpbssd(T, 1, 3); _tile_dpbssd(T, 2, 4); _tile_stored(T, c + b * 128, 32); }
+        switch (b & 3) { case 0: BQ_AMX_Q4(0) break; case 1: BQ_AMX_Q4(5) break; case 2: BQ_AMX_Q4(6) break;
+                         default: BQ_AMX_Q4(7) }
+#undef BQ_AMX_Q4
+    }
+    __m512 acc[8];
+    for (int j = 0; j < 8; j++) acc[j] = _mm512_setzero_ps();
+    /* row i's scale (and q4_1's min) at byte i * row_bytes of a block: one gather of 16 dwords */
+    const __m512i at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32((int)row_bytes));
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i sd = _mm512_i32gather_epi32(at, (const void *)(w + b * bytes), 1);
+        __m512 sw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(sd)), sm = _mm512_setzero_ps();
+        if (fmt == TG_BQ_Q4_1) sm = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(sd, 16)));
+        /* c's register j holds weight rows 2j (lanes 0-7) and 2j + 1 (8-15) against the 8 activation rows */
+        const __m512 da = _mm512_loadu_ps(a->da + 16 * b), dsa = _mm512_loadu_ps(a->dsa + 16 * b);
+        const int32_t *cb = c + b * 128;
+        for (int j = 0; j < 8; j++) {
+            const __m512i pick = _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(2 * j), _mm512_set1_epi32(2 * j + 1));
+            __m512 s = _mm512_mul_ps(_mm512_permutexvar_ps(pick, sw), da);
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cb + 16 * j)), s, acc[j]);
+            if (fmt == TG_BQ_Q4_1) acc[j] = _mm512_fmadd_ps(_mm512_permutexvar_ps(pick, sm), dsa, acc[j]);
+        }
+    }
+    __attribute__((aligned(64))) float out[8 * 16];
+    for (int j = 0; j < 8; j++) _mm512_store_ps(out + 16 * j, acc[j]);
+    for (int m = 0; m < R; m++)
+        for (int j = 0; j < 8; j++) y[m * ldy + 2 * j] = out[16 * j + m], y[m * ldy + 2 * j + 1] = out[16 * j + 8 + m];
+}
+static void bq_amx_release(void) { _tile_release(); }
+#pragma GCC pop_options
+
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+/* AMX int8 usable here: the processor has it (CPUID 7.0 EDX bits 24, 25), the OS saves its state
+ * (XCR0 bits 17, 18) and grants this process the tile data (Linux's arch_prctl; without the grant
+ * the first tile instruction faults). Asked once. */
+static int bq_amx_usable(void) {
+    static int usable = -1;
+    if (usable >= 0) return usable;
+    unsigned a, b, c, d;
+    usable = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return usable;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return usable; /* OSXSAVE: xgetbv allowed */
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & (3u << 17)) != (3u << 17)) return usable;
+#ifdef SYS_arch_prctl
+    usable = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+#endif
+    return usable;
+}
+
 static const tg_bq_kernels *bq_active;
 static int bq_level = -1;
 
@@ -447,6 +594,7 @@ int tg_blockq_isa(int want) {
         if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
             have = 2 + !!__builtin_cpu_supports("avx512vbmi");
+        if (have == 3 && bq_amx_usable()) have = 4;
     }
     int level = want < 0 || want > have ? have : want;
     bq_active = level >= 2 ? &bq_kernels_vnni : level == 1 ? &bq_kernels_avx2 : &bq_kernels_scalar;
@@ -461,19 +609,21 @@ static const tg_bq_kernels *bq_kernels(void) {
 }
 
 /* A thread's scratch, grown (never shrunk) to the largest request: after a model's first
- * step at its largest size, a step allocates nothing. */
-static __thread void *bq_scratch;
-static __thread size_t bq_scratch_size;
-static void *bq_scratch_get(size_t bytes) {
-    if (bytes > bq_scratch_size) {
+ * step at its largest size, a step allocates nothing. Slot 1 is for a kernel's per-thread
+ * buffer inside a parallel loop whose calling thread holds slot 0's (its inputs). */
+static __thread void *bq_scratch[2];
+static __thread size_t bq_scratch_size[2];
+static void *bq_scratch_slot(int slot, size_t bytes) {
+    if (bytes > bq_scratch_size[slot]) {
         void *p = NULL;
         if (posix_memalign(&p, 64, bytes)) return NULL;
-        free(bq_scratch);
-        bq_scratch = p;
-        bq_scratch_size = bytes;
+        free(bq_scratch[slot]);
+        bq_scratch[slot] = p;
+        bq_scratch_size[slot] = bytes;
     }
-    return bq_scratch;
+    return bq_scratch[slot];
 }
+static void *bq_scratch_get(size_t bytes) { return bq_scratch_slot(0, bytes); }
 
 static int bq_check(int fmt, int64_t K, int64_t N, int64_t row_bytes) {
     if (fmt < 0 || fmt >= TG_BQ_COUNT) TG_FAIL("block matmul: unknown block format %d", fmt);
@@ -524,6 +674,7 @@ static int bq_pick(int fmt, int64_t M) {
     if (BQ_BLOCK[fmt] == 1) return TG_BQ_KERNEL_FLOAT;
     bq_kernels();  /* sets bq_level on first use */
     if (M > BQ_SGEMM_ROWS) return TG_BQ_KERNEL_SGEMM;
+    if (bq_level >= 4 && M >= 2 && bq_z8[fmt]) return TG_BQ_KERNEL_AMX;
     if (bq_level >= 3 && bq_z8[fmt]) return TG_BQ_KERNEL_Z8;
     if (bq_level >= 2 && bq_zmm[fmt]) return TG_BQ_KERNEL_ZMM;
     return TG_BQ_KERNEL_BLOCKS;
@@ -556,11 +707,17 @@ int tg_block_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int6
     /* the q8 rows: K bytes, K / 32 scales and sums, K / 16 half-sums each; for the 8-row
      * kernels also K bytes of q + 128 and two K / 4 floats of spread scales */
     int64_t nb32 = K / 32, per_row = K + nb32 * 16 + nb32 * 8 + nb32 * 4 + 64;
-    int64_t z8_row = kernel == TG_BQ_KERNEL_Z8 ? K + 2 * (K / 64) * 64 + 64 : 0;
-    uint8_t *scratch = bq_scratch_get((size_t)(M * (per_row + z8_row) + M * (sizeof(tg_q8row) + sizeof(bq_z8row))));
+    /* AMX takes whole groups of 16 weight rows; a matrix's last few rows go through the 8-row kernel */
+    int amx = kernel == TG_BQ_KERNEL_AMX;
+    int64_t z8_row = kernel == TG_BQ_KERNEL_Z8 || amx ? K + 2 * (K / 64) * 64 + 64 : 0;
+    int64_t amx_bytes = amx ? nb32 * (256 + 128) : 0;
+    uint8_t *scratch = bq_scratch_get((size_t)(M * (per_row + z8_row) + M * (sizeof(tg_q8row) + sizeof(bq_z8row)) +
+                                               amx_bytes));
     if (!scratch) TG_FAIL("block matmul: out of memory for %lld quantized activation rows", (long long)M);
     tg_q8row *rows = (tg_q8row *)(scratch + M * (per_row + z8_row));
     bq_z8row *zrows = (bq_z8row *)(rows + M);
+    uint8_t *amx_base = (uint8_t *)(zrows + M);
+    bq_amxa am = {amx_base, (float *)(amx_base + nb32 * 256), (float *)(amx_base + nb32 * 320)};
 #pragma omp parallel for schedule(static) if (M >= 16 && parallel)
     for (int64_t m = 0; m < M; m++) {
         uint8_t *base = scratch + m * per_row;
@@ -577,6 +734,7 @@ int tg_block_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int6
             bq_z8_prepare(&rows[m], K, &zrows[m]);
         }
     }
+    if (amx) bq_amx_prepare(rows, (int)M, nb32, &am);
     if (kernel == TG_BQ_KERNEL_SGEMM) {
         /* the rows as the q8 values they round to, in float, then panels into sgemm */
         float *xq = malloc(sizeof(float) * (size_t)(M * K));
@@ -590,12 +748,25 @@ int tg_block_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int6
     int64_t nb = K / BQ_BLOCK[fmt];
     /* decode: the 8-row kernel takes a weight pair of blocks per step, a batch's rows (up to 8) at
      * once, an odd last block through the single-block kernel; the others up to 4 rows at once */
-    int z8 = kernel == TG_BQ_KERNEL_Z8, step = z8 ? BQ_Z8_ROWS : BQ_MAXR;
+    int z8 = kernel == TG_BQ_KERNEL_Z8 || amx, step = z8 ? BQ_Z8_ROWS : BQ_MAXR;
     bq_dot_fn dot = kernel == TG_BQ_KERNEL_ZMM ? bq_zmm[fmt] : kern->dot[fmt];
     int64_t np = nb32 / 2, wpair = 2 * BQ_BYTES[fmt];
-#pragma omp parallel for schedule(static) if (parallel)
+    int failed = 0;
+#pragma omp parallel if (parallel)
+    {
+    int32_t *c = NULL;  /* AMX: this thread's tile products, its tiles configured */
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         int64_t n0 = t * BQ_TILE, n1 = n0 + BQ_TILE < N ? n0 + BQ_TILE : N;
+        if (amx && n1 - n0 == BQ_AMX_N) {
+            if (!c) {
+                c = bq_scratch_slot(1, (sizeof(int32_t) * 128 + 512) * (size_t)nb32);
+                if (!c) { failed = 1; continue; }
+                bq_amx_config(fmt);
+            }
+            bq_amx_group(fmt, w + n0 * row_bytes, row_bytes, nb32, &am, (int)M, y + n0, ldy, c);
+            continue;
+        }
         for (int64_t m = 0; m < M; m += step) {
             int R = M - m < step ? (int)(M - m) : step;
             for (int64_t n = n0; n < n1; n++) {
@@ -617,6 +788,9 @@ int tg_block_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int6
             }
         }
     }
+    if (c) bq_amx_release();
+    }
+    if (failed) TG_FAIL("block matmul: out of memory for a thread's %lld tile products", (long long)(128 * nb32));
     return 0;
 }
 

@@ -45,11 +45,12 @@ int tg_sample(const float *logits, const uint8_t *seen, const float *u, int64_t 
 /* y = x / sqrt(mean(x^2 over each row of n) + eps) * scale (scale may be NULL). */
 void tg_rms_norm_rows(const float *x, float *y, const float *scale, int64_t rows, int64_t n, float eps);
 /* The instruction set the block kernels use: asked 0 scalar, 1 AVX2, 2 AVX512-VNNI, 3 AVX512-VNNI
- * with VBMI, -1 the best this processor has; returns the one chosen (never more than the processor has). */
+ * with VBMI, 4 that and AMX int8 (where this process may use it), -1 the best this processor has; returns the one chosen (never more than the processor has). */
 int tg_blockq_isa(int want);
 /* The kernel tg_block_matmul takes for M rows of format fmt at the current instruction set:
  * float weights; dequantized panels into sgemm (a prompt's rows); the ISA's block-at-a-time
- * kernels; two blocks per 512-bit step, 4 rows at once; two blocks per step, 8 rows at once. */
-enum { TG_BQ_KERNEL_FLOAT = 0, TG_BQ_KERNEL_SGEMM, TG_BQ_KERNEL_BLOCKS, TG_BQ_KERNEL_ZMM, TG_BQ_KERNEL_Z8 };
+ * kernels; two blocks per 512-bit step, 4 rows at once; two blocks per step, 8 rows at once; AMX
+ * tiles, 16 weight rows x 2..8 rows per tile product. */
+enum { TG_BQ_KERNEL_FLOAT = 0, TG_BQ_KERNEL_SGEMM, TG_BQ_KERNEL_BLOCKS, TG_BQ_KERNEL_ZMM, TG_BQ_KERNEL_Z8, TG_BQ_KERNEL_AMX };
 int tg_blockq_kernel(int fmt, int64_t M);
 #endif

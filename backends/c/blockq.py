@@ -18,9 +18,9 @@ from tilegraph.ir.errors import TilegraphError
 
 # Each block format's number in blockq.h's enum (TG_BQ_*): the names are ir/block_formats.py's.
 FORMATS = {"f32": 0, "f16": 1, "bf16": 2, "q4_0": 3, "q4_1": 4, "q8_0": 5, "q4_k": 6, "q6_k": 7, "q5_0": 8}
-ISAS = {"scalar": 0, "avx2": 1, "avx512_vnni": 2, "avx512_vbmi": 3}
+ISAS = {"scalar": 0, "avx2": 1, "avx512_vnni": 2, "avx512_vbmi": 3, "amx": 4}
 # What tg_block_matmul runs (blockq.h TG_BQ_KERNEL_*), by number.
-KERNELS = ["float", "sgemm", "blocks", "zmm", "zmm8"]
+KERNELS = ["float", "sgemm", "blocks", "zmm", "zmm8", "amx"]
 
 _i64, _p = ctypes.c_int64, ctypes.c_void_p
 
