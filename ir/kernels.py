@@ -365,6 +365,17 @@ def split(x, axis, sizes):
     return parts[0] if len(parts) == 1 else parts
 
 
+def _scan_of_scalar(scan):
+    """A scan of a rank-0 value (axis 0, as torch takes it) is the scan of its one element, and
+    rank-0 again: np.cumsum and np.cumprod return it 1-d, one dim more than the op's type."""
+    def run(x, axis, exclusive, reverse):
+        if np.ndim(x) == 0:
+            return scan(np.reshape(x, (1,)), 0, exclusive, reverse).reshape(())
+        return scan(x, axis, exclusive, reverse)
+    return run
+
+
+@_scan_of_scalar
 def cumsum(x, axis, exclusive, reverse):
     if reverse:
         x = np.flip(x, axis)
@@ -420,6 +431,7 @@ def scatter_nd(x, indices, updates, reduction):
     return _scatter(x, index, updates, reduction)
 
 
+@_scan_of_scalar
 def cumprod(x, axis, exclusive, reverse):
     if reverse:
         x = np.flip(x, axis)

@@ -142,6 +142,9 @@ def op_examples() -> dict[str, list[OpExample]]:
     add("cumsum", lambda g, a: g.op("cumsum", a, axis=1, exclusive=True, reverse=True), [f32(3, 6)], 6,
         "exclusive-reverse")
     add("cumsum", lambda g, a: g.op("cumsum", a, axis=0), [ints(4, 3)], label="i32")
+    # A scan of a scalar is the scalar (torch; the rule takes axis 0 of a rank-0 operand): np.cumsum
+    # made it 1-d.
+    add("cumsum", lambda g, a: g.op("cumsum", a, axis=0, exclusive=True), [f32()], label="scalar")
 
     # Contractions.
     add("matmul", lambda g, a, b: a @ b, [f32(2, 3, 8), f32(8, 5)], 8, "batched")
@@ -221,6 +224,7 @@ def op_examples() -> dict[str, list[OpExample]]:
     add("cumprod", lambda g, a: g.op("cumprod", a, axis=1), [f32(3, 6, lo=0.5, hi=1.5)], 6, "f32")
     add("cumprod", lambda g, a: g.op("cumprod", a, axis=0, exclusive=True, reverse=True), [ints(4, 3, lo=-3, hi=4)],
         label="i32-exclusive-reverse")
+    add("cumprod", lambda g, a: g.op("cumprod", a, axis=0, reverse=True), [f32()], label="scalar")
     ties = np.array([[3, 1, 3, 2, 1, 3], [0, 0, 5, 5, -1, 2]], np.int32)  # equal values come out in index order
     add("topk", lambda g, a: g.op("topk", a, k=4, axis=1), [ties], label="largest-ties")
     add("topk", lambda g, a: g.op("topk", a, k=2, axis=0, largest=False), [f32(5, 3)], label="smallest")
