@@ -386,6 +386,14 @@ def cumsum(x, axis, exclusive, reverse):
 
 
 def gather_elements(x, indices, axis):
+    """out[..., i, ...] = x[..., indices[..., i, ...], ...] along `axis`; off the axis, position
+    i of the indices reads position i of x (np.take_along_axis would broadcast shorter indices
+    to x's length, one result per data position, not per index)."""
+    if indices.shape[:axis] + indices.shape[axis + 1:] != x.shape[:axis] + x.shape[axis + 1:]:
+        if any(n > d for i, (n, d) in enumerate(zip(indices.shape, x.shape)) if i != axis):
+            raise IndexError(f"gather_elements: indices {indices.shape} are longer than the data {x.shape} off "
+                             f"axis {axis}")
+        x = x[tuple(slice(None) if i == axis else slice(0, n) for i, n in enumerate(indices.shape))]
     indices = np.where(indices < 0, indices + x.shape[axis], indices)
     return np.take_along_axis(x, indices, axis=axis)
 

@@ -331,7 +331,12 @@ def _gather_elements(ins, attrs, given):
     x, idx = ins
     if not _signed_indices(idx) or idx.rank != x.rank:
         raise _fail("gather_elements", f"indices {idx} must be signed integers of the rank of {x}")
-    _axes("gather_elements", [attrs["axis"]], x.rank)
+    (axis,) = _axes("gather_elements", [attrs["axis"]], x.rank)
+    # Off the axis, index position i reads the data's position i: one past the data's length has
+    # no element (onnxruntime and torch.gather refuse it too). A symbolic length: the kernel's check.
+    if any(i != axis and isinstance(n, int) and isinstance(d, int) and n > d
+           for i, (n, d) in enumerate(zip(idx.shape, x.shape))):
+        raise _fail("gather_elements", f"indices {idx} are longer than the data {x} in a dim other than axis {axis}")
     return [TensorInfo(idx.shape, x.dtype)]
 
 

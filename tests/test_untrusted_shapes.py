@@ -54,6 +54,16 @@ def test_a_negative_static_dimension_is_refused_where_its_op_is_imported(case):
         tilegraph.import_model(STATIC[case])
 
 
+@pytest.mark.parametrize("indices,axis", [((2, 5), 0), ((4, 1), 1)])
+def test_gather_elements_indices_longer_than_the_data_off_the_axis_are_refused(indices, axis):
+    """Off the axis, an index position past the data's length has no element to read (onnxruntime
+    and torch.gather refuse it); it was accepted and failed in the kernel, or broadcast."""
+    with pytest.raises(TilegraphError, match="gather_elements.*longer than"):
+        tilegraph.import_model(_onnx([helper.make_node("GatherElements", ["x", "i"], ["y"], axis=axis)],
+                                     [_f32("x", [3, 2]), helper.make_tensor_value_info("i", TensorProto.INT64, indices)],
+                                     [_f32("y", None)]))
+
+
 def _tile(x_shape, repeats):
     return _onnx([helper.make_node("Tile", ["x", "r"], ["y"], name="tile")], [_f32("x", x_shape)], [_f32("y", None)],
                  [_ints("r", repeats)])

@@ -193,6 +193,10 @@ def op_examples() -> dict[str, list[OpExample]]:
     add("gather", lambda g, t, i: g.gather(t, i, axis=1), [f32(3, 5), np.array([4, 0], np.int32)], label="axis=1")
     add("gather_elements", lambda g, t, i: g.op("gather_elements", t, i, axis=1),
         [f32(3, 4), np.array([[0, 3], [-1, 2], [1, -4]], np.int64)])
+    # Indices shorter than the data in a dim other than the axis read that dim's first entries
+    # (ONNX, torch.gather): np.take_along_axis broadcast them to the data's length instead.
+    add("gather_elements", lambda g, t, i: g.op("gather_elements", t, i, axis=0),
+        [f32(3, 4), np.array([[2, 0], [-1, 1]], np.int64)], label="shorter-indices")
     add("pad", lambda g, a: g.pad(a, (1, 0, 2, 3), value=1.5), [f32(2, 3)], label="constant")
     add("pad", lambda g, a: g.pad(a, (0, 2, 0, 1), mode="reflect"), [f32(2, 4)], label="reflect")
     add("pad", lambda g, a: g.pad(a, (1, 1, 1, 1), mode="edge"), [ints(2, 3)], label="edge-i32")
