@@ -40,6 +40,16 @@ int tg_amx_supported(void) {
 
 void tg_set_bf16(int on) { tg_fpmath = on ? dnnl_fpmath_mode_bf16 : dnnl_fpmath_mode_strict; }
 
+/* The precision of the kernels that call oneDNN's GEMM functions directly at run time
+ * (tg_attention), set by the loader around a bf16 module's call: per calling thread, so
+ * modules of either precision may run at once on different threads. Only where the
+ * processor has bf16 dot products (runtime.py checks tg_bf16_supported first). */
+static _Thread_local int tg_run_bf16;
+void tg_set_run_bf16(int on) { tg_run_bf16 = on; }
+/* Attention calls that multiplied in bf16 so far (tests check the path is taken). */
+static int tg_bf16_attentions;
+int tg_bf16_attention_count(void) { return __atomic_load_n(&tg_bf16_attentions, __ATOMIC_RELAXED); }
+
 /* Packed weights and reorder scratch on the kernel's transparent huge pages, where it
  * offers them on request (/sys/kernel/mm/transparent_hugepage/enabled: always or madvise).
  * A forward streams every packed weight once (ResNet-50: ~100 MB, mostly from beyond the
@@ -806,6 +816,89 @@ void tg_dynamic_quantize_rows(const float *x, int8_t *q, float *scale, int64_t r
  * over them; rows of q, k, v are contiguous with row strides qr, kr, vr (>= the row).
  * mask_kind: 0 none, 1 bool (keep where true), 2 float (added). Causal keeps
  * j <= i + Lk - Lq. */
+/* bf16 attention products (precision bf16): both GEMMs of a block on the AVX-512 BF16 dot
+ * product (vdpbf16ps: 32 bf16 products per instruction, summed in pairs into 16 f32
+ * lanes), operands rounded once per block to nearest even; oneDNN 3.2's C API has no
+ * bf16 GEMM function to call here. Compiled where the compiler targets AVX512-BF16
+ * (-march=native) and taken only where the running processor reports it. */
+static inline uint16_t tg_bf16_round(float x) {
+    union { float f; uint32_t u; } b;
+    b.f = x;
+    if (x != x) return (uint16_t)((b.u >> 16) | 0x40u);
+    return (uint16_t)((b.u + 0x7fffu + ((b.u >> 16) & 1u)) >> 16);
+}
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#define TG_HAVE_BF16_ATTENTION 1
+
+static int tg_cpu_bf16(void) {
+    static int known = -1;
+    if (known < 0) known = __builtin_cpu_supports("avx512bf16") ? 1 : 0;
+    return known;
+}
+
+/* rows x n floats (row stride ld) as pairs along n: y[t * rs + i] = (x[i][2t], x[i][2t+1]),
+ * n padded to even with 0, rows padded to rs (a multiple of 16) with 0. As the right-hand
+ * operand: one 16-lane vector holds a pair for each of 16 rows. */
+static void tg_bf16_pairs_by_row(const float *x, int64_t ld, int64_t rows, int64_t n, int64_t rs, uint32_t *y) {
+    int64_t pairs = (n + 1) / 2;
+    for (int64_t t = 0; t < pairs; t++)
+        for (int64_t i = 0; i < rs; i++) {
+            float a = i < rows ? x[i * ld + 2 * t] : 0.f, b = i < rows && 2 * t + 1 < n ? x[i * ld + 2 * t + 1] : 0.f;
+            y[t * rs + i] = (uint32_t)tg_bf16_round(a) | (uint32_t)tg_bf16_round(b) << 16;
+        }
+}
+
+/* rows x n floats as pairs down the rows: y[u * cs + c] = (x[2u][c], x[2u+1][c]), c padded
+ * to cs (a multiple of 16), an odd last row paired with 0. */
+static void tg_bf16_pairs_by_col(const float *x, int64_t ld, int64_t rows, int64_t n, int64_t cs, uint32_t *y) {
+    for (int64_t u = 0; u < (rows + 1) / 2; u++)
+        for (int64_t c = 0; c < cs; c++) {
+            float a = c < n ? x[2 * u * ld + c] : 0.f, b = c < n && 2 * u + 1 < rows ? x[(2 * u + 1) * ld + c] : 0.f;
+            y[u * cs + c] = (uint32_t)tg_bf16_round(a) | (uint32_t)tg_bf16_round(b) << 16;
+        }
+}
+
+/* c[i][0:n] = alpha * sum_t a[i][t] . b[t][0:n] (beta 0) or c += (beta 1): a is m rows of
+ * `pairs` bf16 pairs (row stride pairs), b is pairs x ns pairs (ns a multiple of 16). */
+static void tg_bf16_gemm(int64_t m, int64_t n, int64_t pairs, float alpha, const uint32_t *a, const uint32_t *b,
+                         int64_t ns, int beta, float *c, int64_t ldc) {
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+        __mmask16 keep = n - j0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j0)) - 1);
+        int64_t i = 0;
+        for (; i + 4 <= m; i += 4) {
+            __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+            const uint32_t *a0 = a + i * pairs;
+            for (int64_t t = 0; t < pairs; t++) {
+                __m512bh bt = (__m512bh)_mm512_loadu_si512(b + t * ns + j0);
+                s0 = _mm512_dpbf16_ps(s0, (__m512bh)_mm512_set1_epi32((int)a0[t]), bt);
+                s1 = _mm512_dpbf16_ps(s1, (__m512bh)_mm512_set1_epi32((int)a0[pairs + t]), bt);
+                s2 = _mm512_dpbf16_ps(s2, (__m512bh)_mm512_set1_epi32((int)a0[2 * pairs + t]), bt);
+                s3 = _mm512_dpbf16_ps(s3, (__m512bh)_mm512_set1_epi32((int)a0[3 * pairs + t]), bt);
+            }
+            __m512 r[4] = {s0, s1, s2, s3};
+            for (int q = 0; q < 4; q++) {
+                float *ci = c + (i + q) * ldc + j0;
+                __m512 v = _mm512_mul_ps(r[q], _mm512_set1_ps(alpha));
+                if (beta) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, ci));
+                _mm512_mask_storeu_ps(ci, keep, v);
+            }
+        }
+        for (; i < m; i++) {
+            __m512 s0 = _mm512_setzero_ps();
+            for (int64_t t = 0; t < pairs; t++)
+                s0 = _mm512_dpbf16_ps(s0, (__m512bh)_mm512_set1_epi32((int)a[i * pairs + t]),
+                                      (__m512bh)_mm512_loadu_si512(b + t * ns + j0));
+            float *ci = c + i * ldc + j0;
+            __m512 v = _mm512_mul_ps(s0, _mm512_set1_ps(alpha));
+            if (beta) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, ci));
+            _mm512_mask_storeu_ps(ci, keep, v);
+        }
+    }
+}
+#endif
+
 int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb, const int64_t *vb,
                  const int64_t *mb, const int64_t *ob, const float *q, const float *k, const float *v,
                  const void *mask, float *o, int64_t lq, int64_t lk, int64_t d, int64_t dv, int64_t qr,
@@ -820,6 +913,17 @@ int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb
     for (int i = 0; i < nb; i++) batches *= bd[i];
     int64_t qblocks = (lq + bq - 1) / bq;
     int failed = 0;
+    /* bf16: both products of a block as bf16 x bf16 with f32 accumulation (tg_bf16_gemm); the
+     * softmax stays f32. Read here: the thread-local is the caller's, not the workers'. */
+#ifdef TG_HAVE_BF16_ATTENTION
+    const int bf16 = tg_run_bf16 && tg_cpu_bf16();
+#else
+    const int bf16 = 0;
+#endif
+    /* the bf16 operands' pairs: q rows and p rows (pairs along d and keys), keys and values
+     * (pairs along d and down the keys), padded to 16 lanes */
+    int64_t dp = (d + 1) / 2, kp = (bk + 1) / 2, bks = (bk + 15) / 16 * 16, dvs = (dv + 15) / 16 * 16;
+    if (bf16) __atomic_fetch_add(&tg_bf16_attentions, 1, __ATOMIC_RELAXED);
     /* sgemm inside a task runs on the task's thread (no nested team). With OpenMP's
      * spinning waits on a shared machine this ran 100x slower (runtime.py makes them
      * passive); letting OpenMP shrink teams (omp_set_dynamic) made sgemm skip rows. */
@@ -833,9 +937,20 @@ int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb
                 oq += idx * qb[i]; ok += idx * kb[i]; ov += idx * vb[i]; om += idx * mb[i]; oo += idx * ob[i];
             }
             int64_t i0 = qbk * bq, i1 = i0 + bq < lq ? i0 + bq : lq, nq = i1 - i0;
-            float *s = malloc(sizeof(float) * (bq * bk + bq * (dv + 2)));
+            float *s = malloc(sizeof(float) * (bq * bk + bq * (dv + 2)) +
+                              (bf16 ? sizeof(uint32_t) * (bq * dp + dp * bks + kp * dvs + bq * kp) : 0));
             if (!s) { failed = 1; continue; }
             float *acc = s + bq * bk, *mx = acc + bq * dv, *sum = mx + bq;
+#ifdef TG_HAVE_BF16_ATTENTION
+            uint32_t *qh = (uint32_t *)(sum + bq), *kh = qh + bq * dp, *vh = kh + dp * bks, *ph = vh + kp * dvs;
+            if (bf16) /* q's rows as pairs along d: the left operand, one pair broadcast at a time */
+                for (int64_t i = 0; i < nq; i++)
+                    for (int64_t t = 0; t < dp; t++) {
+                        const float *qi = q + oq + (i0 + i) * qr;
+                        qh[i * dp + t] = (uint32_t)tg_bf16_round(qi[2 * t]) |
+                                         (uint32_t)(2 * t + 1 < d ? tg_bf16_round(qi[2 * t + 1]) : 0) << 16;
+                    }
+#endif
             for (int64_t i = 0; i < nq; i++) {
                 mx[i] = -INFINITY;
                 sum[i] = 0.f;
@@ -846,6 +961,11 @@ int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb
                 if (causal && j0 > i1 - 1 + lk - lq) break;
                 if (d == 0) {
                     for (int64_t i = 0; i < nq * bk; i++) s[i] = 0.f;
+#ifdef TG_HAVE_BF16_ATTENTION
+                } else if (bf16) {
+                    tg_bf16_pairs_by_row(k + ok + j0 * kr, kr, nk, d, bks, kh);
+                    tg_bf16_gemm(nq, nk, dp, scale, qh, kh, bks, 0, s, bk);
+#endif
                 } else if (dnnl_sgemm('N', 'T', nq, nk, d, scale, q + oq + i0 * qr, qr, k + ok + j0 * kr, kr, 0.f, s,
                                       bk) != dnnl_success) {
                     failed = 2;
@@ -882,6 +1002,17 @@ int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb
 #pragma omp simd
                     for (int64_t c = 0; c < dv; c++) ai[c] *= corr;
                 }
+#ifdef TG_HAVE_BF16_ATTENTION
+                if (dv && bf16) {
+                    int64_t np = (nk + 1) / 2;
+                    for (int64_t i = 0; i < nq; i++) /* p's rows as pairs along the keys */
+                        for (int64_t u = 0; u < np; u++)
+                            ph[i * np + u] = (uint32_t)tg_bf16_round(s[i * bk + 2 * u]) |
+                                             (uint32_t)(2 * u + 1 < nk ? tg_bf16_round(s[i * bk + 2 * u + 1]) : 0) << 16;
+                    tg_bf16_pairs_by_col(v + ov + j0 * vr, vr, nk, dv, dvs, vh);
+                    tg_bf16_gemm(nq, dv, np, 1.f, ph, vh, dvs, 1, acc, dv);
+                } else
+#endif
                 if (dv && dnnl_sgemm('N', 'N', nq, dv, nk, 1.f, s, bk, v + ov + j0 * vr, vr, 1.f, acc, dv)
                               != dnnl_success) {
                     failed = 2;
