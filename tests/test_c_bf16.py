@@ -10,7 +10,9 @@ backend does not know is a named error.
 
 from __future__ import annotations
 
+import ctypes
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -64,3 +66,45 @@ def test_an_unknown_precision_is_a_named_error():
     model, _ = _model()
     with pytest.raises(tilegraph.TilegraphError, match="precision= must be one of f32, bf16"):
         tilegraph.compile(model, target="c", precision="fp16")
+
+
+def _spelled_out_attention():
+    """BERT's and ViT's eager attention as torch.export gives it: softmax(q @ k^T * scale + mask) @ v,
+    37 queries and keys (partial 16-lane vectors), head dim 18, an additive mask over the keys."""
+    rng = np.random.default_rng(3)
+    g = Graph()
+    q, k, v = (g.input(n, (1, 2, 37, 18)) for n in "qkv")
+    mask = g.input("m", (1, 1, 1, 37))
+    scores = g.matmul(q, k.transpose(0, 1, 3, 2)) * g.constant(np.float32(0.25)) + mask
+    y = g.matmul(g.softmax(scores, axis=-1), v)
+    xs = [rng.standard_normal((1, 2, 37, 18)).astype(np.float32) for _ in range(3)]
+    xs.append(np.where(rng.random((1, 1, 1, 37)) < 0.8, 0.0, -1e4).astype(np.float32))
+    return g.build(y, names=["y"]), xs
+
+
+def test_bf16_attention_is_one_flash_step_multiplying_in_bf16():
+    """At precision bf16 the spelled-out chain is folded to one tg.attention step (the flash
+    kernel: no scores written, no oneDNN primitive, no reference kernel) whose two products
+    run on the processor's AVX-512 BF16 dot products where it has them; f32 keeps the chain."""
+    model, xs = _spelled_out_attention()
+    want = interpret(model, xs)[0]
+    f32 = tilegraph.compile(model, target="c")
+    assert "tg_attention(" not in f32.source
+    assert_close(f32.run(*xs)[0], want, "f32", reduction_length=37 + 18)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a processor without bf16 units: the module says so and runs f32
+        bf16 = tilegraph.compile(model, target="c", precision="bf16")
+    runner: CompiledModel = bf16._runner
+    assert bf16.source.count("tg_attention(") == 1
+    assert runner.primitives == [] and bf16.reference_kernels == []
+    lib = runner._lib
+    lib.tg_bf16_attention_count.restype = ctypes.c_int
+    before = lib.tg_bf16_attention_count()
+    got = bf16.run(*xs)[0]
+    assert_close(got, want, "bf16", reduction_length=37 + 18)
+    cpu_bf16 = "avx512_bf16" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
+    if runner.precision == "bf16" and cpu_bf16:
+        assert lib.tg_bf16_attention_count() == before + 1  # the bf16 kernel ran, once
+        assert not np.array_equal(got, f32.run(*xs)[0])  # its operands were rounded to bf16
+    else:
+        assert lib.tg_bf16_attention_count() == before
