@@ -85,7 +85,7 @@ def _spelled_out_attention():
 def test_bf16_attention_is_one_flash_step_multiplying_in_bf16():
     """At precision bf16 the spelled-out chain is folded to one tg.attention step (the flash
     kernel: no scores written, no oneDNN primitive, no reference kernel) whose two products
-    run on the processor's AVX-512 BF16 dot products where it has them; f32 keeps the chain."""
+    run on AMX tiles where the processor has them (AVX-512 BF16 alone: f32 products); f32 keeps the chain."""
     model, xs = _spelled_out_attention()
     want = interpret(model, xs)[0]
     f32 = tilegraph.compile(model, target="c")
@@ -102,8 +102,8 @@ def test_bf16_attention_is_one_flash_step_multiplying_in_bf16():
     before = lib.tg_bf16_attention_count()
     got = bf16.run(*xs)[0]
     assert_close(got, want, "bf16", reduction_length=37 + 18)
-    cpu_bf16 = "avx512_bf16" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
-    if runner.precision == "bf16" and cpu_bf16:
+    cpu_amx = "amx_bf16" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
+    if runner.precision == "bf16" and cpu_amx:
         assert lib.tg_bf16_attention_count() == before + 1  # the bf16 kernel ran, once
         assert not np.array_equal(got, f32.run(*xs)[0])  # its operands were rounded to bf16
     else:

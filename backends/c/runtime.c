@@ -816,86 +816,74 @@ void tg_dynamic_quantize_rows(const float *x, int8_t *q, float *scale, int64_t r
  * over them; rows of q, k, v are contiguous with row strides qr, kr, vr (>= the row).
  * mask_kind: 0 none, 1 bool (keep where true), 2 float (added). Causal keeps
  * j <= i + Lk - Lq. */
-/* bf16 attention products (precision bf16): both GEMMs of a block on the AVX-512 BF16 dot
- * product (vdpbf16ps: 32 bf16 products per instruction, summed in pairs into 16 f32
- * lanes), operands rounded once per block to nearest even; oneDNN 3.2's C API has no
- * bf16 GEMM function to call here. Compiled where the compiler targets AVX512-BF16
- * (-march=native) and taken only where the running processor reports it. */
-static inline uint16_t tg_bf16_round(float x) {
-    union { float f; uint32_t u; } b;
-    b.f = x;
-    if (x != x) return (uint16_t)((b.u >> 16) | 0x40u);
-    return (uint16_t)((b.u + 0x7fffu + ((b.u >> 16) & 1u)) >> 16);
-}
-
-#if defined(__AVX512BF16__)
+/* bf16 attention products (precision bf16) on AMX: both GEMMs of a block as bf16 tiles
+ * (tdpbf16ps: a 16x16 f32 tile += 16x32 bf16 by 32x16 bf16), operands rounded once per
+ * block to nearest even (vcvtne2ps2bf16), f32 accumulation; oneDNN 3.2's C API has no bf16
+ * GEMM function to call here. AVX-512 BF16 alone (vdpbf16ps) multiplies no faster than f32
+ * FMAs, so without AMX the f32 path runs. Compiled where the compiler targets AMX
+ * (-march=native), taken only where the running processor reports it and the kernel grants
+ * this process the tile state (arch_prctl). */
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #define TG_HAVE_BF16_ATTENTION 1
 
-static int tg_cpu_bf16(void) {
+static int tg_amx_ready(void) {
     static int known = -1;
-    if (known < 0) known = __builtin_cpu_supports("avx512bf16") ? 1 : 0;
+    if (known < 0) /* ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): once per process */
+        known = __builtin_cpu_supports("amx-bf16") && syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : 0;
     return known;
 }
 
-/* rows x n floats (row stride ld) as pairs along n: y[t * rs + i] = (x[i][2t], x[i][2t+1]),
- * n padded to even with 0, rows padded to rs (a multiple of 16) with 0. As the right-hand
- * operand: one 16-lane vector holds a pair for each of 16 rows. */
-static void tg_bf16_pairs_by_row(const float *x, int64_t ld, int64_t rows, int64_t n, int64_t rs, uint32_t *y) {
-    int64_t pairs = (n + 1) / 2;
-    for (int64_t t = 0; t < pairs; t++)
-        for (int64_t i = 0; i < rs; i++) {
-            float a = i < rows ? x[i * ld + 2 * t] : 0.f, b = i < rows && 2 * t + 1 < n ? x[i * ld + 2 * t + 1] : 0.f;
-            y[t * rs + i] = (uint32_t)tg_bf16_round(a) | (uint32_t)tg_bf16_round(b) << 16;
-        }
+/* Tile registers: 0 the product, 1 a block of the left operand (16 rows x 16 bf16 pairs),
+ * 2 of the right one (16 pair rows x 16 columns). Configured per thread (tile state is). */
+static void tg_amx_configure(void) {
+    struct { uint8_t palette, start; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 3; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
+    _tile_loadconfig(&cfg);
 }
 
-/* rows x n floats as pairs down the rows: y[u * cs + c] = (x[2u][c], x[2u+1][c]), c padded
- * to cs (a multiple of 16), an odd last row paired with 0. */
-static void tg_bf16_pairs_by_col(const float *x, int64_t ld, int64_t rows, int64_t n, int64_t cs, uint32_t *y) {
-    for (int64_t u = 0; u < (rows + 1) / 2; u++)
-        for (int64_t c = 0; c < cs; c++) {
-            float a = c < n ? x[2 * u * ld + c] : 0.f, b = c < n && 2 * u + 1 < rows ? x[(2 * u + 1) * ld + c] : 0.f;
-            y[u * cs + c] = (uint32_t)tg_bf16_round(a) | (uint32_t)tg_bf16_round(b) << 16;
+/* rows x n floats (row stride ld) to bf16 rows of `stride` elements, n..stride zero (the
+ * left operand: a row's consecutive bf16 pairs are its pairs along n). */
+static void tg_bf16_rows(const float *x, int64_t ld, int64_t rows, int64_t n, int64_t stride, uint16_t *y) {
+    for (int64_t i = 0; i < rows; i++) {
+        const float *xi = x + i * ld;
+        uint16_t *yi = y + i * stride;
+        for (int64_t j = 0; j < stride; j += 32) {
+            __mmask16 lo = (__mmask16)(n - j >= 16 ? 0xffff : n - j <= 0 ? 0 : (1u << (n - j)) - 1);
+            __mmask16 hi = (__mmask16)(n - j >= 32 ? 0xffff : n - j <= 16 ? 0 : (1u << (n - j - 16)) - 1);
+            __m512bh v = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, xi + j + 16), _mm512_maskz_loadu_ps(lo, xi + j));
+            _mm512_storeu_si512(yi + j, (__m512i)v);
         }
+    }
 }
 
-/* c[i][0:n] = alpha * sum_t a[i][t] . b[t][0:n] (beta 0) or c += (beta 1): a is m rows of
- * `pairs` bf16 pairs (row stride pairs), b is pairs x ns pairs (ns a multiple of 16). */
-static void tg_bf16_gemm(int64_t m, int64_t n, int64_t pairs, float alpha, const uint32_t *a, const uint32_t *b,
-                         int64_t ns, int beta, float *c, int64_t ldc) {
-    for (int64_t j0 = 0; j0 < n; j0 += 16) {
-        __mmask16 keep = n - j0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j0)) - 1);
-        int64_t i = 0;
-        for (; i + 4 <= m; i += 4) {
-            __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-            const uint32_t *a0 = a + i * pairs;
-            for (int64_t t = 0; t < pairs; t++) {
-                __m512bh bt = (__m512bh)_mm512_loadu_si512(b + t * ns + j0);
-                s0 = _mm512_dpbf16_ps(s0, (__m512bh)_mm512_set1_epi32((int)a0[t]), bt);
-                s1 = _mm512_dpbf16_ps(s1, (__m512bh)_mm512_set1_epi32((int)a0[pairs + t]), bt);
-                s2 = _mm512_dpbf16_ps(s2, (__m512bh)_mm512_set1_epi32((int)a0[2 * pairs + t]), bt);
-                s3 = _mm512_dpbf16_ps(s3, (__m512bh)_mm512_set1_epi32((int)a0[3 * pairs + t]), bt);
+/* c[i][0:n] = alpha * (a b)[i][0:n] (beta 0) or c += that (beta 1), on AMX: a is m rows of
+ * `pairs` bf16 pairs (row stride `pairs`, rows readable up to m rounded up to 16), b is
+ * `pairs` pair rows of ns columns (ns a multiple of 16); pairs a multiple of 16. */
+static void tg_amx_gemm(int64_t m, int64_t n, int64_t pairs, float alpha, const uint32_t *a, const uint32_t *b,
+                        int64_t ns, int beta, float *c, int64_t ldc) {
+    float tile[256] __attribute__((aligned(64)));
+    for (int64_t i0 = 0; i0 < m; i0 += 16)
+        for (int64_t j0 = 0; j0 < n; j0 += 16) {
+            _tile_zero(0);
+            for (int64_t t = 0; t < pairs; t += 16) {
+                _tile_loadd(1, a + i0 * pairs + t, pairs * 4);
+                _tile_loadd(2, b + t * ns + j0, ns * 4);
+                _tile_dpbf16ps(0, 1, 2);
             }
-            __m512 r[4] = {s0, s1, s2, s3};
-            for (int q = 0; q < 4; q++) {
-                float *ci = c + (i + q) * ldc + j0;
-                __m512 v = _mm512_mul_ps(r[q], _mm512_set1_ps(alpha));
+            _tile_stored(0, tile, 64);
+            __mmask16 keep = n - j0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j0)) - 1);
+            for (int64_t i = 0; i < 16 && i0 + i < m; i++) {
+                float *ci = c + (i0 + i) * ldc + j0;
+                __m512 v = _mm512_mul_ps(_mm512_load_ps(tile + 16 * i), _mm512_set1_ps(alpha));
                 if (beta) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, ci));
                 _mm512_mask_storeu_ps(ci, keep, v);
             }
         }
-        for (; i < m; i++) {
-            __m512 s0 = _mm512_setzero_ps();
-            for (int64_t t = 0; t < pairs; t++)
-                s0 = _mm512_dpbf16_ps(s0, (__m512bh)_mm512_set1_epi32((int)a[i * pairs + t]),
-                                      (__m512bh)_mm512_loadu_si512(b + t * ns + j0));
-            float *ci = c + i * ldc + j0;
-            __m512 v = _mm512_mul_ps(s0, _mm512_set1_ps(alpha));
-            if (beta) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, ci));
-            _mm512_mask_storeu_ps(ci, keep, v);
-        }
-    }
 }
 #endif
 
@@ -913,16 +901,22 @@ int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb
     for (int i = 0; i < nb; i++) batches *= bd[i];
     int64_t qblocks = (lq + bq - 1) / bq;
     int failed = 0;
-    /* bf16: both products of a block as bf16 x bf16 with f32 accumulation (tg_bf16_gemm); the
-     * softmax stays f32. Read here: the thread-local is the caller's, not the workers'. */
+    /* bf16: both products of a block on AMX (tg_amx_gemm), the softmax f32. Read here: the
+     * thread-local is the caller's, not the workers'. */
 #ifdef TG_HAVE_BF16_ATTENTION
-    const int bf16 = tg_run_bf16 && tg_cpu_bf16();
+    const int bf16 = tg_run_bf16 && tg_amx_ready();
 #else
     const int bf16 = 0;
 #endif
-    /* the bf16 operands' pairs: q rows and p rows (pairs along d and keys), keys and values
-     * (pairs along d and down the keys), padded to 16 lanes */
-    int64_t dp = (d + 1) / 2, kp = (bk + 1) / 2, bks = (bk + 15) / 16 * 16, dvs = (dv + 15) / 16 * 16;
+    /* the bf16 operands, padded with zeros to whole tiles: q rows (bq16 rows of dp16 pairs),
+     * k as pairs along d by key (dp16 pair rows of bk16 keys), p rows (bq16 rows of kp16
+     * pairs along the keys), v as pairs down the keys (kp16 pair rows of dv16 columns), and
+     * one row block of k or v converted (bk rows of 2 * max(dp16, dv16) bf16) */
+    int64_t up = 16, bq16 = (bq + 15) / up * up, bk16 = (bk + 15) / up * up, dv16 = (dv + 15) / up * up;
+    int64_t dp16 = ((d + 1) / 2 + 15) / up * up, kp16 = ((bk + 1) / 2 + 15) / up * up;
+    int64_t wide = dp16 > dv16 ? dp16 : dv16;
+    size_t extra = bf16 ? sizeof(uint32_t) * (bq16 * dp16 + dp16 * bk16 + bq16 * kp16 + kp16 * dv16 + (bk + 1) * wide) + 64
+                        : 0;
     if (bf16) __atomic_fetch_add(&tg_bf16_attentions, 1, __ATOMIC_RELAXED);
     /* sgemm inside a task runs on the task's thread (no nested team). With OpenMP's
      * spinning waits on a shared machine this ran 100x slower (runtime.py makes them
@@ -937,19 +931,18 @@ int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb
                 oq += idx * qb[i]; ok += idx * kb[i]; ov += idx * vb[i]; om += idx * mb[i]; oo += idx * ob[i];
             }
             int64_t i0 = qbk * bq, i1 = i0 + bq < lq ? i0 + bq : lq, nq = i1 - i0;
-            float *s = malloc(sizeof(float) * (bq * bk + bq * (dv + 2)) +
-                              (bf16 ? sizeof(uint32_t) * (bq * dp + dp * bks + kp * dvs + bq * kp) : 0));
+            float *s = malloc(sizeof(float) * (bq * bk + bq * (dv + 2)) + extra);
             if (!s) { failed = 1; continue; }
             float *acc = s + bq * bk, *mx = acc + bq * dv, *sum = mx + bq;
 #ifdef TG_HAVE_BF16_ATTENTION
-            uint32_t *qh = (uint32_t *)(sum + bq), *kh = qh + bq * dp, *vh = kh + dp * bks, *ph = vh + kp * dvs;
-            if (bf16) /* q's rows as pairs along d: the left operand, one pair broadcast at a time */
-                for (int64_t i = 0; i < nq; i++)
-                    for (int64_t t = 0; t < dp; t++) {
-                        const float *qi = q + oq + (i0 + i) * qr;
-                        qh[i * dp + t] = (uint32_t)tg_bf16_round(qi[2 * t]) |
-                                         (uint32_t)(2 * t + 1 < d ? tg_bf16_round(qi[2 * t + 1]) : 0) << 16;
-                    }
+            uint32_t *qh = (uint32_t *)(((uintptr_t)(sum + bq) + 63) & ~(uintptr_t)63), *kh = qh + bq16 * dp16;
+            uint32_t *ph = kh + dp16 * bk16, *vh = ph + bq16 * kp16, *rows = vh + kp16 * dv16;
+            if (bf16) {
+                tg_amx_configure();
+                memset(qh, 0, sizeof(uint32_t) * bq16 * dp16);
+                tg_bf16_rows(q + oq + i0 * qr, qr, nq, d, 2 * dp16, (uint16_t *)qh);
+                memset(ph, 0, sizeof(uint32_t) * bq16 * kp16);
+            }
 #endif
             for (int64_t i = 0; i < nq; i++) {
                 mx[i] = -INFINITY;
@@ -962,9 +955,11 @@ int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb
                 if (d == 0) {
                     for (int64_t i = 0; i < nq * bk; i++) s[i] = 0.f;
 #ifdef TG_HAVE_BF16_ATTENTION
-                } else if (bf16) {
-                    tg_bf16_pairs_by_row(k + ok + j0 * kr, kr, nk, d, bks, kh);
-                    tg_bf16_gemm(nq, nk, dp, scale, qh, kh, bks, 0, s, bk);
+                } else if (bf16) { /* k's rows to bf16, then their pairs transposed: key j in column j */
+                    tg_bf16_rows(k + ok + j0 * kr, kr, nk, d, 2 * dp16, (uint16_t *)rows);
+                    for (int64_t t = 0; t < dp16; t++)
+                        for (int64_t j = 0; j < bk16; j++) kh[t * bk16 + j] = j < nk ? rows[j * dp16 + t] : 0;
+                    tg_amx_gemm(nq, nk, dp16, scale, qh, kh, bk16, 0, s, bk);
 #endif
                 } else if (dnnl_sgemm('N', 'T', nq, nk, d, scale, q + oq + i0 * qr, qr, k + ok + j0 * kr, kr, 0.f, s,
                                       bk) != dnnl_success) {
@@ -1003,14 +998,15 @@ int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb
                     for (int64_t c = 0; c < dv; c++) ai[c] *= corr;
                 }
 #ifdef TG_HAVE_BF16_ATTENTION
-                if (dv && bf16) {
-                    int64_t np = (nk + 1) / 2;
-                    for (int64_t i = 0; i < nq; i++) /* p's rows as pairs along the keys */
-                        for (int64_t u = 0; u < np; u++)
-                            ph[i * np + u] = (uint32_t)tg_bf16_round(s[i * bk + 2 * u]) |
-                                             (uint32_t)(2 * u + 1 < nk ? tg_bf16_round(s[i * bk + 2 * u + 1]) : 0) << 16;
-                    tg_bf16_pairs_by_col(v + ov + j0 * vr, vr, nk, dv, dvs, vh);
-                    tg_bf16_gemm(nq, dv, np, 1.f, ph, vh, dvs, 1, acc, dv);
+                if (dv && bf16) { /* p's rows to bf16 (pairs along the keys); v's rows paired down the keys */
+                    tg_bf16_rows(s, bk, nq, nk, 2 * kp16, (uint16_t *)ph);
+                    const uint16_t *vr16 = (const uint16_t *)rows;
+                    tg_bf16_rows(v + ov + j0 * vr, vr, nk, dv, dv16, (uint16_t *)rows);
+                    for (int64_t u = 0; u < kp16; u++)
+                        for (int64_t c = 0; c < dv16; c++)
+                            vh[u * dv16 + c] = 2 * u >= nk ? 0 : (uint32_t)vr16[2 * u * dv16 + c] |
+                                               (2 * u + 1 < nk ? (uint32_t)vr16[(2 * u + 1) * dv16 + c] << 16 : 0);
+                    tg_amx_gemm(nq, dv, kp16, 1.f, ph, vh, dv16, 1, acc, dv);
                 } else
 #endif
                 if (dv && dnnl_sgemm('N', 'N', nq, dv, nk, 1.f, s, bk, v + ov + j0 * vr, vr, 1.f, acc, dv)
@@ -1025,6 +1021,9 @@ int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb
                 float *oi = o + oo + (i0 + i) * orow;
                 for (int64_t c = 0; c < dv; c++) oi[c] = acc[i * dv + c] * inv;
             }
+#ifdef TG_HAVE_BF16_ATTENTION
+            if (bf16) _tile_release();
+#endif
             free(s);
         }
     if (failed == 2) TG_FAIL("attention: oneDNN's sgemm failed on a block");
