@@ -149,18 +149,14 @@ UNFUSED_PIPELINE = "canonicalize,constant-fold,cse,simplify-shapes,dce"
 DEFAULT_PIPELINE = UNFUSED_PIPELINE + ",fuse,tile"
 
 
-def default_pipeline(hardware: str = "cpu", precision: str = "f32") -> str:
+def default_pipeline(hardware: str = "cpu") -> str:
     """The default pipeline, with fusion and tiling decided for a hardware target (`passes/cost`).
     For a GPU, attention spelled out as matmul-softmax-matmul is folded first (`attention`):
-    the Triton backend has a flash kernel for it. So for the C backend at precision bf16: its
-    flash kernel multiplies both products in bf16 and never writes the scores, where the
-    spelled-out chain's softmax pass over the f32 scores cost twice onnxruntime's; at f32 oneDNN's
-    batched GEMMs with the row softmax are as fast as the flash kernel's sgemm calls, and stay."""
+    the Triton backend has a flash kernel for it."""
     if hardware == "cpu":
         return DEFAULT_PIPELINE
     if hardware == "c":  # the C backend: as the NumPy one, its groups priced as C steps
-        fold = ",attention" if precision == "bf16" else ""
-        return UNFUSED_PIPELINE + fold + ",fuse{hardware=c},tile{hardware=c}"
+        return UNFUSED_PIPELINE + ",fuse{hardware=c},tile{hardware=c}"
     return UNFUSED_PIPELINE + f",attention,fuse{{hardware={hardware}}},tile{{hardware={hardware}}}"
 
 

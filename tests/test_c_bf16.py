@@ -68,29 +68,28 @@ def test_an_unknown_precision_is_a_named_error():
         tilegraph.compile(model, target="c", precision="fp16")
 
 
-def _spelled_out_attention():
-    """BERT's and ViT's eager attention as torch.export gives it: softmax(q @ k^T * scale + mask) @ v,
-    37 queries and keys (partial 16-lane vectors), head dim 18, an additive mask over the keys."""
+def _attention():
+    """Attention as torch's scaled_dot_product_attention exports it (Whisper, SDPA encoders):
+    one tg.attention, 37 queries and keys (partial tiles), head dim 18 (a partial pair
+    block), an additive mask over the keys."""
     rng = np.random.default_rng(3)
     g = Graph()
     q, k, v = (g.input(n, (1, 2, 37, 18)) for n in "qkv")
-    mask = g.input("m", (1, 1, 1, 37))
-    scores = g.matmul(q, k.transpose(0, 1, 3, 2)) * g.constant(np.float32(0.25)) + mask
-    y = g.matmul(g.softmax(scores, axis=-1), v)
+    y = g.attention(q, k, v, g.input("m", (1, 1, 1, 37)), scale=0.25)
     xs = [rng.standard_normal((1, 2, 37, 18)).astype(np.float32) for _ in range(3)]
     xs.append(np.where(rng.random((1, 1, 1, 37)) < 0.8, 0.0, -1e4).astype(np.float32))
     return g.build(y, names=["y"]), xs
 
 
-def test_bf16_attention_is_one_flash_step_multiplying_in_bf16():
-    """At precision bf16 the spelled-out chain is folded to one tg.attention step (the flash
-    kernel: no scores written, no oneDNN primitive, no reference kernel) whose two products
-    run on AMX tiles where the processor has them (AVX-512 BF16 alone: f32 products); f32 keeps the chain."""
-    model, xs = _spelled_out_attention()
+def test_bf16_attention_multiplies_on_amx_tiles():
+    """At precision bf16 the flash kernel's two products run on AMX tiles where the processor
+    has them (found at run time), the softmax in f32: one step, no oneDNN primitive, no
+    reference kernel; without AMX it runs its f32 products."""
+    model, xs = _attention()
     want = interpret(model, xs)[0]
     f32 = tilegraph.compile(model, target="c")
-    assert "tg_attention(" not in f32.source
-    assert_close(f32.run(*xs)[0], want, "f32", reduction_length=37 + 18)
+    exact = f32.run(*xs)[0]
+    assert_close(exact, want, "f32", reduction_length=37 + 18)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a processor without bf16 units: the module says so and runs f32
         bf16 = tilegraph.compile(model, target="c", precision="bf16")
@@ -104,7 +103,8 @@ def test_bf16_attention_is_one_flash_step_multiplying_in_bf16():
     assert_close(got, want, "bf16", reduction_length=37 + 18)
     cpu_amx = "amx_bf16" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
     if runner.precision == "bf16" and cpu_amx:
-        assert lib.tg_bf16_attention_count() == before + 1  # the bf16 kernel ran, once
-        assert not np.array_equal(got, f32.run(*xs)[0])  # its operands were rounded to bf16
+        assert lib.tg_bf16_attention_count() == before + 1  # the AMX kernel ran, once
+        assert not np.array_equal(got, exact)  # its operands were rounded to bf16
     else:
         assert lib.tg_bf16_attention_count() == before
+    assert np.array_equal(f32.run(*xs)[0], exact)  # an f32 module beside it stays f32
