@@ -167,9 +167,9 @@ def run_one(name: str, batch: int, repeat: int, threads: int | None, precisions:
         except Exception as e:  # a row, not a crash: the table says what failed
             row["notes"].append(f"{key}: {type(e).__name__}: {' '.join(str(e).split())[:200]}")
     if "bf16" in precisions and any(n in name for n in ("vit", "bert", "swin", "whisper")):
-        # bf16 with spelled-out attention folded to the flash kernel (its products on AMX where
-        # the processor has it): the default leaves the chain to oneDNN's batched GEMMs and the
-        # row softmax, which this column measures against, in the same rounds.
+        # bf16 with every spelled-out attention folded to the flash kernel (its products on
+        # AMX where the processor has it); the default folds only long ones
+        # (registry.C_BF16_FOLD_MIN_KEYS): this column, in the same rounds, says whether it should.
         from tilegraph.passes.registry import UNFUSED_PIPELINE
 
         folded = tilegraph.compile(program, target="c", precision="bf16", **options,

@@ -108,3 +108,27 @@ def test_bf16_attention_multiplies_on_amx_tiles():
     else:
         assert lib.tg_bf16_attention_count() == before
     assert np.array_equal(f32.run(*xs)[0], exact)  # an f32 module beside it stays f32
+
+
+@pytest.mark.parametrize("keys", [37, 1100])
+def test_bf16_folds_spelled_out_attention_over_long_sequences(keys):
+    """Eager attention as exported (softmax(q @ k^T * scale + mask) @ v) at precision bf16:
+    over C_BF16_FOLD_MIN_KEYS keys or more it becomes the flash kernel's one step (the scores
+    never written), over fewer it stays oneDNN's GEMMs; f32 keeps the chain. Both within bf16's
+    tolerance of the interpreter."""
+    from tilegraph.passes.registry import C_BF16_FOLD_MIN_KEYS
+
+    rng = np.random.default_rng(keys)
+    g = Graph()
+    q, k, v = g.input("q", (1, 2, 5, 16)), g.input("k", (1, 2, keys, 16)), g.input("v", (1, 2, keys, 16))
+    scores = g.matmul(q, k.transpose(0, 1, 3, 2)) * g.constant(np.float32(0.25)) + g.input("m", (1, 1, 1, keys))
+    model = g.build(g.matmul(g.softmax(scores, axis=-1), v), names=["y"])
+    xs = [rng.standard_normal((1, 2, n, 16)).astype(np.float32) for n in (5, keys, keys)]
+    xs.append(np.where(rng.random((1, 1, 1, keys)) < 0.8, 0.0, -1e4).astype(np.float32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bf16 = tilegraph.compile(model, target="c", precision="bf16")
+    assert bf16.source.count("tg_attention(") == (1 if keys >= C_BF16_FOLD_MIN_KEYS else 0)
+    assert "tg_attention(" not in tilegraph.compile(model, target="c").source
+    assert bf16.reference_kernels == []
+    assert_close(bf16.run(*xs)[0], interpret(model, xs)[0], "bf16", reduction_length=keys + 16)
