@@ -477,7 +477,8 @@ class ShardedStep:
         split = [g for g in c.seg.params.values() if g in self.splits]
         if not split:
             return c, split, [], None
-        mine = torch.from_numpy(np.concatenate([self.weights[g].ravel() for g in split]))
+        # torch-owned (see `send` in _segments): the asynchronous gather may end on gloo's thread
+        mine = torch.tensor(np.concatenate([self.weights[g].ravel() for g in split]))
         pieces = [torch.empty_like(mine) for _ in range(self.world)]
         return c, split, pieces, dist.all_gather(pieces, mine, async_op=True)
 
@@ -609,7 +610,10 @@ class ShardedStep:
         total = 0.0
 
         def send(a: np.ndarray) -> None:
-            t = torch.from_numpy(np.ascontiguousarray(a))
+            # a copy torch owns: gloo's thread may drop the last reference to a sent tensor, and one
+            # made by torch.from_numpy then releases its NumPy array there, without the GIL (it
+            # crashed the process in libpython, 2 of about 10 runs)
+            t = torch.tensor(a)
             sends.append((dist.isend(t, dst=peer), t))
 
         def forward(j: int) -> None:  # each segment's outputs all-reduced where partial
