@@ -3,7 +3,7 @@
 As Alpa and GSPMD describe einsums: loop dims with sizes, and for each operand and
 the result which loop dim each tensor dim runs over (None: a broadcast dim of size
 1, or a dim no loop splits). `reduce` names the loops whose split leaves partial
-results (a matmul's k, a reduce_sum's axes), combined as `kind`; loops in `fixed`
+results (a matmul's k, a reduce_sum's axes), combined as `combine`; loops in `fixed`
 cannot be split (a softmax's axis, attention's key and head dims, a gathered table's
 rows). The sharding planner (`passes/shard_strategies.py`) splits these; an op whose `loops`
 is None, or whose function returns None, runs replicated.
@@ -29,7 +29,7 @@ class Loops:
     out: tuple[int | None, ...]  # result dim -> loop
     ins: tuple[tuple[int | None, ...], ...]  # operand dim -> loop
     reduce: frozenset[int] = frozenset()
-    kind: str = "sum"  # how partial results of a split reduction loop combine (a shard.partial kind)
+    combine: str = "sum"  # how partial results of a split reduction loop combine (a shard.partial kind)
     fixed: frozenset[int] = frozenset()
 
 
@@ -80,7 +80,7 @@ def reduce(kind: str):
         keep = attrs["keepdims"]
         out_map = tuple(None if i in axes else i for i in range(x.rank) if keep or i not in axes)
         return Loops(x.shape, tuple(f"d{i}" for i in range(x.rank)), out_map, (tuple(range(x.rank)),),
-                     reduce=frozenset(axes), kind=PARTIAL_KINDS[kind])
+                     reduce=frozenset(axes), combine=PARTIAL_KINDS[kind])
 
     return loops
 

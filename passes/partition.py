@@ -126,10 +126,10 @@ def partition(model: Model, sizes: Mapping[str, int] | None = None) -> Partition
             after = apply_step(spec, step)
             out_type = tensor_type(info.dtype, _local(info, after, mesh, "resharded value").shape)
             props = {"grid": grid, "grid_axes": _axes_attr([step.axis])}
-            if step.kind == "all_gather":
+            if step.collective == "all_gather":
                 op = AllGatherOp.create(operands=[value], result_types=[out_type],  # type: ignore[attr-defined]
                                         properties=props | {"gather_axis": _index(step.dim)})
-            elif step.kind == "all_slice":
+            elif step.collective == "all_slice":
                 op = AllSliceOp.create(operands=[value], result_types=[out_type],  # type: ignore[attr-defined]
                                        properties=props | {"slice_axis": _index(step.dim)})
             else:
@@ -217,7 +217,7 @@ def _partial(op: TgOp, in_specs: Sequence[Spec]) -> tuple[tuple[int, ...], str, 
                 axes_of[loop] = dim_axes
     partial = tuple(sorted(a for d in loops.reduce for a in axes_of.get(d, ())))
     computed = tuple(axes_of.get(l, ()) if l is not None else () for l in loops.out)
-    return partial, loops.kind, computed
+    return partial, loops.combine, computed
 
 
 def _scatter_dim(computed: Spec, wanted: Spec, partial: tuple[int, ...]) -> int | None:

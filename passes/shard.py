@@ -394,9 +394,9 @@ def reshard_cost(info: TensorInfo, src: Spec, dst: Spec, mesh: Mesh) -> sympy.Ex
     total, spec = sympy.Integer(0), src
     for step in reshard_steps(src, dst):
         after = apply_step(spec, step)
-        if step.kind == "all_gather":
+        if step.collective == "all_gather":
             total += mesh.collective("all_gather", [step.axis], nbytes(local_info(info, after, mesh.shape)))
-        elif step.kind == "all_to_all":
+        elif step.collective == "all_to_all":
             total += mesh.collective("all_to_all", [step.axis], nbytes(local_info(info, spec, mesh.shape)))
         spec = after
     return total
@@ -843,8 +843,8 @@ def _read_back(prog: _Program, ch: list[int], xs: list[float], solve_time: float
             for k, v in edge_cache[key][1][picked[p]][picked[i]].items():
                 incoming[k] += v
             for step in reshard_steps(nodes[p].strategies[picked[p]].out, st.ins[pos]):
-                if step.kind != "all_slice":
-                    forward.append((step.kind, (step.axis,), node.label))
+                if step.collective != "all_slice":
+                    forward.append((step.collective, (step.axis,), node.label))
         if st.partial:
             forward.append(("all_reduce" if st.scatter is None else "reduce_scatter", st.partial, node.label))
         if slot[cls[i]] in ks_slow:  # the formula is the slowest stage's

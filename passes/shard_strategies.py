@@ -86,7 +86,7 @@ class Strategy:
     out: Spec
     ins: tuple[Spec, ...]
     partial: tuple[int, ...] = ()  # mesh axes whose results are summed (all-reduced) afterwards
-    kind: str = "sum"
+    combine: str = "sum"  # how the partial results combine (a shard.partial kind)
     split: tuple[int, ...] = ()  # mesh axes the op's work is divided over
     scatter: int | None = None  # partial sums reduce-scattered onto this result dim, not all-reduced
     zero: int = 0  # a weight's ZeRO stage (1: optimizer state, 2: and gradients partitioned over the axes its
@@ -123,7 +123,7 @@ def strategies(op: TgOp, mesh_shape: Sequence[int], sizes: dict[str, int]) -> li
         spec = lambda m: tuple(axes_of.get(l, ()) if l is not None else () for l in m)  # noqa: B023, E731
         partial = tuple(sorted(a for d in loops.reduce for a in axes_of.get(d, ())))
         name = ",".join(f"{loops.labels[d]}@{'.'.join(map(str, ax))}" for d, ax in sorted(axes_of.items()))
-        st = Strategy(name, spec(loops.out), tuple(spec(m) for m in loops.ins), partial, loops.kind,
+        st = Strategy(name, spec(loops.out), tuple(spec(m) for m in loops.ins), partial, loops.combine,
                       tuple(sorted(a for ax in axes_of.values() for a in ax)))
         result.append(st)
         result += _scattered(st, loops, info_of(op.results[0].type).shape, mesh_shape, sizes)
@@ -143,7 +143,7 @@ def _scattered(st: Strategy, loops: Loops, shape, mesh_shape: Sequence[int], siz
         if not _divides(shape[d], n * math.prod(mesh_shape[a] for a in axes), sizes):
             continue
         spec = tuple(ax + st.partial if i == d else ax for i, ax in enumerate(st.out))
-        out.append(Strategy(f"{st.name}>d{d}", spec, st.ins, st.partial, st.kind, st.split, scatter=d))
+        out.append(Strategy(f"{st.name}>d{d}", spec, st.ins, st.partial, st.combine, st.split, scatter=d))
     return out
 
 
@@ -196,7 +196,7 @@ def _splits(dims: Sequence[int], extents, mesh_shape: Sequence[int], sizes: dict
 
 @dataclass(frozen=True)
 class Step:
-    kind: str  # "all_gather", "all_slice", "all_to_all"
+    collective: str  # "all_gather", "all_slice", "all_to_all"
     axis: int  # the mesh axis
     dim: int  # gather/slice dim; all_to_all: the split dim
     concat: int = -1  # all_to_all: the concatenated dim
@@ -220,9 +220,9 @@ def reshard_steps(src: Spec, dst: Spec) -> list[Step]:
 def apply_step(spec: Spec, step: Step) -> Spec:
     """The spec after one step."""
     out = [list(axes) for axes in spec]
-    if step.kind == "all_gather":
+    if step.collective == "all_gather":
         out[step.dim].remove(step.axis)
-    elif step.kind == "all_slice":
+    elif step.collective == "all_slice":
         out[step.dim].append(step.axis)
     else:
         out[step.concat].remove(step.axis)
