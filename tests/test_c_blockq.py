@@ -13,7 +13,7 @@ import functools
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from tilegraph.backends.c import blockq
 from tilegraph.ir import kernels
@@ -228,6 +228,10 @@ def test_cache_write_past_the_end_is_refused():
        kv=st.integers(1, 3), group=st.integers(1, 6), t=st.sampled_from([1, 2, 5, 17, 24]),
        d=st.sampled_from([1, 8, 48, 64, 128, 256]), extra=st.integers(0, 300), per_sequence=st.booleans(),
        window=st.sampled_from([0, 0, 1, 7, 64, 100, 400]), seed=st.integers(0, 2**32 - 1))
+# a decode step over an f16 cache with 3 heads per KV head: V widened as p v reads it, several
+# key blocks (the next ones prefetched), on the processor's best ISA
+@example(isa=ISAS[-1], cache=np.float16, b=1, kv=2, group=3, t=1, d=128, extra=300, per_sequence=False, window=0,
+         seed=1)
 def test_cache_attention_is_its_reference(isa, cache, b, kv, group, t, d, extra, per_sequence, window, seed):
     """Decode (T <= 16: spans of keys split across threads and combined; with AVX-512 and D of 64
     or 128, 16 keys' scores per reduction and p v four query rows at a time) and prompt (T > 16)
