@@ -162,6 +162,26 @@ def test_decode_kernels_on_any_block_bytes_are_their_reference(fmt, isa, m, n, b
     assert_close(y, quantize_activations(x.astype(np.float64)) @ wd.T, "f32", k, name=f"{fmt} ({isa}, {m} rows)")
 
 
+@pytest.mark.skipif("avx512_vbmi" not in ISAS, reason="the processor has no AVX512-VBMI")
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("m", [1, 2, 3, 8])
+def test_q4_decode_rows_on_the_vbmi_kernel_are_their_reference(fmt, m):
+    """The 8-row VBMI kernel with few rows (q4_1 always, q4_0 for one or two rows: nibbles as
+    vpdpbusd's unsigned operand, the activations signed, q4_0's - 8 a per-block term) and with
+    more (q4_0's signed nibbles against activations + 128); 9 blocks: 4 pairs and the odd block."""
+    f = FORMATS[fmt]
+    k, n = 32 * 9, 37
+    rng = np.random.default_rng(m)
+    w = _raw_blocks(fmt, rng, n, k)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    blockq.isa("avx512_vbmi")
+    assert blockq.kernel(fmt, m) == "zmm8"
+    y = blockq.block_matmul(x, w, fmt, k)
+    blockq.isa(None)
+    wd = f.dequantize(w, (n, k)).astype(np.float64)
+    assert_close(y, quantize_activations(x.astype(np.float64)) @ wd.T, "f32", k, name=f"{fmt} ({m} rows)")
+
+
 @pytest.mark.parametrize("fmt", WEIGHT_FORMATS)
 def test_block_rows_dequantize_exactly(fmt):
     f = FORMATS[fmt]
