@@ -34,7 +34,7 @@ import torch  # noqa: E402
 import tilegraph  # noqa: E402
 from tilegraph.backends.onnx_export import save_onnx  # noqa: E402
 from tilegraph.passes.gptq import hessians  # noqa: E402
-from tilegraph.passes.quantize import SCHEMES, calibrate, linear_layers, save_calibration, save_hessians  # noqa: E402
+from tilegraph.passes.quantize import SCHEMES, observe_ranges, save_ranges, save_hessians  # noqa: E402
 from tilegraph.passes.registry import UNFUSED_PIPELINE, run_pipeline  # noqa: E402
 from tests.models import export_onnx, minilm_model, minilm_tokenizer  # noqa: E402
 
@@ -161,8 +161,8 @@ def tilegraph_variants(model, calib_batches) -> dict[str, object]:
     base = run_pipeline(model, UNFUSED_PIPELINE)
     out = {"tilegraph fp32": base}
     with tempfile.TemporaryDirectory() as tmp:
-        ranges = calibrate(base, calib_batches, "percentile")
-        calib = save_calibration(Path(tmp) / "calib.npz", ranges)
+        ranges = observe_ranges(base, calib_batches, "percentile")
+        calib = save_ranges(Path(tmp) / "calib.npz", ranges)
         for scheme in SCHEMES:
             out[f"tilegraph {scheme}" + (" dynamic" if SCHEMES[scheme].activation else "")] = \
                 run_pipeline(base, f"quantize{{scheme={scheme}}}")
@@ -292,7 +292,7 @@ def mixed_table(model, cal_batches, inputs, cosine, repeats: int) -> str:
     for target in MIXED_TARGETS:
         memo: dict = {}  # the sensitivities measured for one budget serve the other
         for budget in MIXED_BUDGETS:
-            plan = mixed_precision(base, cal_batches[:2], list(MIXED_SCHEMES), max_error=budget, target=target,
+            plan = mixed_precision(base, cal_batches[:2], list(MIXED_SCHEMES), max_error=budget, hardware=target,
                                    sizes=sizes, memo=memo)
             formats = plan.formats
             counts = {f: sum(1 for v in formats.values() if v == f) for f in ("none", *MIXED_SCHEMES)}
@@ -300,7 +300,7 @@ def mixed_table(model, cal_batches, inputs, cosine, repeats: int) -> str:
             label = f"{target} max-error {budget:g}"
             lines.append(f"{label}: float: {', '.join(kept) if len(kept) < len(formats) else 'every layer'}")
             measured = ""
-            if hardware(target).kind == "cpu":
+            if hardware(target).device == "cpu":
                 compiled = tilegraph.compile(run_pipeline(base, plan.pipeline), target="numpy")
                 runners[label] = (lambda c: lambda: c(*inputs))(compiled)
                 measured = label
@@ -314,7 +314,7 @@ def mixed_table(model, cal_batches, inputs, cosine, repeats: int) -> str:
             t = sum(layer_time(*plan.shapes[n], scheme, hw) for n in formats)
             label = f"{target} every layer {scheme}"
             measured = ""
-            if hw.kind == "cpu":
+            if hw.device == "cpu":
                 compiled = tilegraph.compile(run_pipeline(base, f"quantize{{scheme={scheme} embeddings=false}}"),
                                              target="numpy")
                 runners[label] = (lambda c: lambda: c(*inputs))(compiled)

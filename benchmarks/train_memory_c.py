@@ -85,7 +85,7 @@ def main() -> None:
         with collect() as remarks:
             planned = run_pipeline(step.clone(), f"{UNFUSED_PIPELINE},recompute{{budget={budget}}}")
         summary = str(remarks[-1]).split("] ", 1)[1]
-        compiled = tilegraph.compile(planned.clone(), target="c", pipeline="fuse{target=c},tile{target=c}",
+        compiled = tilegraph.compile(planned.clone(), target="c", pipeline="fuse{hardware=c},tile{hardware=c}",
                                      threads=args.threads)
         loss = float(compiled.run(*inputs)[0])
         arena = sum(b.arena.nbytes for b in compiled._runner._bindings.values())

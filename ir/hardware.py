@@ -63,7 +63,7 @@ class Link:
 @dataclass(frozen=True)
 class Hardware:
     name: str  # "h100", "h200", "a100", "cpu"
-    kind: str  # "gpu" or "cpu"
+    device: str  # "gpu" or "cpu"
     peak_flops: Mapping[str, float]  # tg dtype name -> dense FLOP/s (i8: ops/s); only what the part has
     memory_bandwidth: float  # bytes/s, DRAM/HBM streaming (CPU: one NumPy call, 2 reads + 1 write per element)
     cache_bandwidth: float  # bytes/s for data resident in `cache_bytes`
@@ -148,11 +148,11 @@ class Hardware:
     def execution(self) -> str:
         """How code runs on this part, which passes price and tile for: "gpu" (Triton kernels),
         "c" (the C backend's compiled loops and oneDNN) or "numpy" (NumPy calls in chunks)."""
-        return "gpu" if self.kind == "gpu" else self.backend
+        return "gpu" if self.device == "gpu" else self.backend
 
     # Dict fields make the generated hash fail; these three identify a profile.
     def __hash__(self) -> int:
-        return hash((self.name, self.kind, self.source))
+        return hash((self.name, self.device, self.source))
 
     def flops(self, dtype: str) -> float:
         """Peak FLOP/s for `dtype`; a dtype the part has no rate for runs at the rate of
@@ -186,7 +186,7 @@ class Hardware:
         m, n, k = int(m), int(n), int(k)
         if min(m, n, k) <= 0:
             raise ValueError(f"matmul_rate needs positive sizes, got {m}x{n}x{k}")
-        if self.kind == "gpu":
+        if self.device == "gpu":
             tiles = math.ceil(m / GPU_TILE_M) * math.ceil(n / GPU_TILE_N)
             waves = math.ceil(tiles / self.cores)
             issued = waves * self.cores * GPU_TILE_M * GPU_TILE_N * math.ceil(k / GPU_TILE_K) * GPU_TILE_K
@@ -208,6 +208,8 @@ class Hardware:
     @classmethod
     def from_dict(cls, d: Mapping) -> "Hardware":
         d = dict(d)
+        if "kind" in d:  # profiles saved before the field was named for what it holds
+            d["device"] = d.pop("kind")
         d["links"] = {k: Link(**v) for k, v in d.get("links", {}).items()}
         for key in ("gemm_samples", "gemm_samples_threaded"):
             d[key] = tuple((int(m), int(n), int(k), float(r)) for m, n, k, r in d.get(key, ()))
@@ -319,7 +321,7 @@ NDR_PER_GPU = 400e9 / 8
 PCIE_GEN5_X16 = 64e9  # datasheet "PCIe Gen5: 128 GB/s" counts both directions
 
 H100 = Hardware(
-    name="h100", kind="gpu", peak_flops=HOPPER_FLOPS,
+    name="h100", device="gpu", peak_flops=HOPPER_FLOPS,
     memory_bandwidth=3.35e12,  # H100 SXM: 3.35 TB/s HBM3 (datasheet)
     cache_bandwidth=HOPPER_L2_BANDWIDTH, cache_bytes=HOPPER_L2,
     memory_bytes=80 * 10**9,  # 80 GB HBM3 (datasheet)
@@ -351,7 +353,7 @@ A100_DATASHEET = ("https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Cente
 AMPERE_WHITEPAPER = ("https://images.nvidia.com/aem-dam/en-zz/Solutions/data-center/"
                      "nvidia-ampere-architecture-whitepaper.pdf")
 A100 = Hardware(
-    name="a100", kind="gpu",
+    name="a100", device="gpu",
     peak_flops={
         "f64": 19.5e12,  # FP64 Tensor Core 19.5 TFLOPS (vector FP64 9.7)
         "f32": 19.5e12,  # FP32 19.5 TFLOPS

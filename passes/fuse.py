@@ -86,16 +86,16 @@ class Fuse(ModulePass):
 
     name = "fuse"
 
-    target: str = "cpu"
+    hardware: str = "cpu"  # whose cost model decides: h100, h200, a100, cpu (the NumPy backend) or c
     max_ops: int = 32
 
     def __post_init__(self) -> None:
-        check_target(self.target)
+        check_target(self.hardware)
         if self.max_ops < 1:
             raise ValueError(f"max-ops must be at least 1, got {self.max_ops}")
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
-        hw = hardware(self.target)
+        hw = hardware(self.hardware)
         with nominal_sizes():  # it ranks merges by costs at the nominal size: numbers, not formulas
             for func in [f for f in op.walk() if isinstance(f, FuncOp)]:
                 _Fuser(func, hw, self.max_ops).run()

@@ -149,15 +149,15 @@ UNFUSED_PIPELINE = "canonicalize,constant-fold,cse,simplify-shapes,dce"
 DEFAULT_PIPELINE = UNFUSED_PIPELINE + ",fuse,tile"
 
 
-def default_pipeline(target: str = "cpu") -> str:
+def default_pipeline(hardware: str = "cpu") -> str:
     """The default pipeline, with fusion and tiling decided for a hardware target (`passes/cost`).
     For a GPU, attention spelled out as matmul-softmax-matmul is folded first (`attention`):
     the Triton backend has a flash kernel for it."""
-    if target == "cpu":
+    if hardware == "cpu":
         return DEFAULT_PIPELINE
-    if target == "c":  # the C backend: as the NumPy one, its groups priced as C steps
-        return UNFUSED_PIPELINE + ",fuse{target=c},tile{target=c}"
-    return UNFUSED_PIPELINE + f",attention,fuse{{target={target}}},tile{{target={target}}}"
+    if hardware == "c":  # the C backend: as the NumPy one, its groups priced as C steps
+        return UNFUSED_PIPELINE + ",fuse{hardware=c},tile{hardware=c}"
+    return UNFUSED_PIPELINE + f",attention,fuse{{hardware={hardware}}},tile{{hardware={hardware}}}"
 
 
 class PipelineError(TilegraphError):
@@ -218,9 +218,9 @@ def run_pipeline(model: Model, pipeline: str | Sequence[ModulePass], *, verify_e
     return Model(out.module, WeightStore({k: v for k, v in out.weights.items() if k in used}))
 
 
-def with_target(pipeline: str, target: str) -> str:
-    """`pipeline` with `target=<target>` given to every pass that has a `target` option
-    (fuse, tile) and was not given one: the passes decide for the hardware being costed."""
+def with_hardware(pipeline: str, hardware: str) -> str:
+    """`pipeline` with `hardware=<hardware>` given to every pass that has a `hardware` option
+    (fuse, tile, shard) and was not given one: the passes decide for the hardware being costed."""
     from xdsl.utils.arg_spec import ArgSpec
 
     parse_pipeline(pipeline)  # unknown passes and bad options: the registry's clear error
@@ -228,7 +228,7 @@ def with_target(pipeline: str, target: str) -> str:
     for spec in _parse_specs(pipeline):
         options = {f.name for f in dataclasses.fields(get_pass_class(spec.name))}
         given = {k.replace("-", "_") for k in spec.parameters}
-        if "target" in options and "target" not in given:
-            spec = ArgSpec(spec.name, {**spec.parameters, "target": (target,)})
+        if "hardware" in options and "hardware" not in given:
+            spec = ArgSpec(spec.name, {**spec.parameters, "hardware": (hardware,)})
         specs.append(str(spec))
     return ",".join(specs)

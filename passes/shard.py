@@ -952,8 +952,8 @@ class Shard(ModulePass):
     name = "shard"
 
     mesh: str | int = 2  # axis sizes: 8, 2x4
-    memory: str = ""  # per-device budget, e.g. 80GB (default: the target's memory)
-    target: str = "h100"
+    memory: str = ""  # per-device budget, e.g. 80GB (default: the device's memory)
+    hardware: str = "h100"
     sizes: str = ""  # symbolic dims to plan at, e.g. B=8,S=1024 (default: 128 each)
     inference: bool = False  # price a forward pass only (default: a training step)
     reduce_scatter: bool = True  # may reduce-scatter partial sums (sequence parallelism), not only all-reduce
@@ -962,10 +962,10 @@ class Shard(ModulePass):
         parse_mesh(self.mesh)
         parse_memory(self.memory)
         parse_sizes(self.sizes)
-        check_target(self.target)
+        check_target(self.hardware)
 
     def make_mesh(self) -> Mesh:
-        return Mesh(parse_mesh(self.mesh), hardware(self.target))  # type: ignore[operator]
+        return Mesh(parse_mesh(self.mesh), hardware(self.hardware))  # type: ignore[operator]
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         mesh = self.make_mesh()

@@ -1,10 +1,10 @@
 """`tile`: choose tile sizes for every fused group and write them on it.
 
-What it decides, per `tg.fusion` group, against the cost model of the target, is the
-target's own (`tile` in passes/targets/: gpu, numpy, c): the NumPy backend's chunks of rows or
+What it decides, per `tg.fusion` group, against the cost model of its `hardware`, is that
+hardware's way of running code (`choose_tile` in passes/targets/: gpu, numpy, c): the NumPy backend's chunks of rows or
 columns and its GEMMs on BLAS's threads, the C backend's attention blocks, a GPU's GEMM and row
-blocks and the configurations its autotuner tries. Attention is tiled flash-style on every
-target (passes/targets/attention_tile).
+blocks and the configurations its autotuner tries. Attention is tiled flash-style everywhere
+(passes/targets/attention_tile).
 
 Symbolic dims are priced at `NOMINAL_DIM` (passes/cost/model.py). Every choice
 leaves a remark with the alternatives and their predicted times.
@@ -29,7 +29,7 @@ class Tile(ModulePass):
 
     name = "tile"
 
-    target: str = "cpu"
+    hardware: str = "cpu"
     # At most this many rows per chunk (0: no limit): to see or test many chunks.
     max_rows: int = 0
     # Chunks of at most this many columns wherever a group allows them (0: the cost
@@ -40,13 +40,13 @@ class Tile(ModulePass):
     blas_gemm: bool = False
 
     def __post_init__(self) -> None:
-        check_target(self.target)
+        check_target(self.hardware)
         for name in ("max_rows", "max_cols"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name.replace('_', '-')} must be 0 (no limit) or more, got {getattr(self, name)}")
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
-        hw = hardware(self.target)
+        hw = hardware(self.hardware)
         for group in [g for g in op.walk() if isinstance(g, FusionOp)]:
             # Written even when empty (the group runs whole, as one chunk): the cost model
             # then prices it so, not as the best way it might have been tiled.
@@ -69,4 +69,4 @@ def tile_attr(tile: dict) -> DictionaryAttr:
 
 def choose_tile(group: FusionOp, hw, max_rows: int = 0, max_cols: int = 0, blas_gemm: bool = False) -> dict[str, int]:
     """The tile of `group` for the way code runs on `hw` (its module in passes/targets/)."""
-    return model.target(hw).tile(group, hw, max_rows, max_cols, blas_gemm)
+    return model.target(hw).choose_tile(group, hw, max_rows, max_cols, blas_gemm)

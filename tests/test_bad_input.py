@@ -206,13 +206,13 @@ def test_check_draws_ids_below_the_table_and_masks_in_0_1():
 
 
 def test_cost_symbolic_on_the_cpu_target_finishes_with_a_formula():
-    """`tilegraph cost --target cpu --symbolic` (a README command) sat in sympy.simplify's
+    """`tilegraph cost --hardware cpu --symbolic` (a README command) sat in sympy.simplify's
     piecewise_fold for minutes on the bundled tiny encoder, 14 on MiniLM."""
     import os
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "tilegraph.cli", "cost", str(EXAMPLE), "--target", "cpu",
+    done = subprocess.run([sys.executable, "-m", "tilegraph.cli", "cost", str(EXAMPLE), "--hardware", "cpu",
                            "--symbolic"], capture_output=True, text=True, timeout=120, env=os.environ)
     assert done.returncode == 0, done.stderr
     assert "time [s] = " in done.stdout and "batch*seq" in done.stdout
@@ -220,11 +220,11 @@ def test_cost_symbolic_on_the_cpu_target_finishes_with_a_formula():
 
 def test_mixed_precision_says_how_many_layers_got_which_format(tmp_path, capsys):
     """It printed 'quantized 36 linear layers (mxfp4, mixed with w8a8 and float)' when no layer
-    got mxfp4, and the same on --target cpu when 0 of 36 were quantized."""
+    got mxfp4, and the same on --hardware cpu when 0 of 36 were quantized."""
     model = small_model(tmp_path)
     np.savez(tmp_path / "calib.npz", x=np.random.default_rng(0).random((8, 4)).astype(np.float32))
     code, out, err = run(tilegraph_main, ["quantize", model, "--calib", tmp_path / "calib.npz", "--scheme", "w8",
-                                          "--fallback", "w8a8", "--max-error", "0.1", "--target", "cpu",
+                                          "--fallback", "w8a8", "--max-error", "0.1", "--hardware", "cpu",
                                           "-o", tmp_path / "q.mlir"], capsys)
     assert code == 0, err
     assert "quantized 0 of 1 linear layers (1 float; chosen for cpu" in out, out
@@ -285,7 +285,7 @@ def test_an_unterminated_string_in_a_mlir_file_fails_fast():
 
 
 def test_fuse_and_tile_price_candidates_as_numbers_and_decide_as_the_formulas_would(monkeypatch):
-    """`cost --target cpu --symbolic` on MiniLM with dynamic batch and seq took ~50 s, most of it in
+    """`cost --hardware cpu --symbolic` on MiniLM with dynamic batch and seq took ~50 s, most of it in
     fuse and tile building each candidate's cost as a formula in the dims (sympy collapsing
     Piecewise regimes and Max/Min of symbolic terms) only to evaluate it at the nominal size.
     They now price at that size from the start: every cost they build is a number, and the
@@ -296,7 +296,7 @@ def test_fuse_and_tile_price_candidates_as_numbers_and_decide_as_the_formulas_wo
     from tilegraph.passes.cost import model
     from tilegraph.passes.registry import run_pipeline
 
-    pipeline = 'canonicalize,cse,simplify-shapes,dce,fuse{target="cpu"},tile{target="cpu"}'
+    pipeline = 'canonicalize,cse,simplify-shapes,dce,fuse{hardware="cpu"},tile{hardware="cpu"}'
     # fuse prices through its own import of group_cost, tile's target tilers through the model's.
     priced = {"fuse": [], "tile": []}
     for module, name in ((fuse, "fuse"), (model, "tile")):

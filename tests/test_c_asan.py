@@ -100,7 +100,7 @@ def test_an_input_reaches_c_contiguous_and_aligned():
 
     model, x = _model_and_input()
     compiled = compile_model(model)
-    inputs = [i for i, buf in enumerate(compiled.program.emitter.buffers) if buf.kind == "input"]
+    inputs = [i for i, buf in enumerate(compiled.program.emitter.buffers) if buf.storage == "input"]
     for variant in (_misaligned(x), np.asfortranarray(x), x[::-1], x.astype(">f4")):
         assert_close(compiled(variant)[0], interpret(model, [np.array(variant)])[0], "f32", 37)
         binding = compiled._binding({"B": 5})
@@ -132,7 +132,7 @@ def test_a_host_view_outside_its_buffer_is_an_error():
     compiled = compile_model(model)
     compiled(x)
     binding = compiled._binding({"B": 5})
-    inp = next(i for i, buf in enumerate(compiled.program.emitter.buffers) if buf.kind == "input")
+    inp = next(i for i, buf in enumerate(compiled.program.emitter.buffers) if buf.storage == "input")
     binding.bases[inp] = x
     assert binding.view(View(inp, 36, (5, 1), (37, 1), "f32")).shape == (5, 1)
     for offset, shape, strides in ((37, (5, 1), (37, 1)), (0, (5, 38), (37, 1)), (1, (2, 37), (37, -1)),
@@ -253,7 +253,7 @@ SHAPE_CASES = 150  # C shape mutations in the sanitized child (the long run: pyt
 def _quantized():
     from tilegraph.backends.c import compile_model
     from tilegraph.ir import Graph
-    from tilegraph.passes.quantize import calibrate, save_calibration
+    from tilegraph.passes.quantize import observe_ranges, save_ranges
     from tilegraph.passes.registry import DEFAULT_PIPELINE, run_pipeline
 
     rng = np.random.default_rng(0)
@@ -266,7 +266,7 @@ def _quantized():
         spec = "quantize{scheme=%s}" % scheme
         if scheme == "calibrated":
             with tempfile.TemporaryDirectory() as tmp:
-                path = save_calibration(Path(tmp) / "c.npz", calibrate(model, [[xs]]))
+                path = save_ranges(Path(tmp) / "c.npz", observe_ranges(model, [[xs]]))
                 q = run_pipeline(model, f'quantize{{scheme=w8a8 calib="{path}" symmetric=true}},{DEFAULT_PIPELINE}')
         else:
             q = run_pipeline(model, spec + "," + DEFAULT_PIPELINE)

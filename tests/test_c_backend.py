@@ -193,7 +193,7 @@ def test_a_quantized_linear_layer_matches_the_interpreter(m, k, n, batch, scheme
     weight scales folded in) and agree with the interpreter at sizes no kernel block divides.
     One layer, so its input quantizes identically in both (see test_quantize.py)."""
     from tilegraph.ir import Graph
-    from tilegraph.passes.quantize import calibrate, save_calibration
+    from tilegraph.passes.quantize import observe_ranges, save_ranges
     from tilegraph.passes.registry import run_pipeline
 
     rng = np.random.default_rng(seed)
@@ -203,7 +203,7 @@ def test_a_quantized_linear_layer_matches_the_interpreter(m, k, n, batch, scheme
     xs = rng.standard_normal((m, *batch, k)).astype(np.float32)
     spec = "quantize{scheme=%s}" % scheme.split()[0]
     if "calibrated" in scheme:
-        path = save_calibration(tmp_path_factory.mktemp("calib") / "c.npz", calibrate(model, [[xs]]))
+        path = save_ranges(tmp_path_factory.mktemp("calib") / "c.npz", observe_ranges(model, [[xs]]))
         spec = f'quantize{{scheme=w8a8 calib="{path}" symmetric={str("symmetric" in scheme).lower()}}}'
     q = run_pipeline(model, spec + "," + DEFAULT_PIPELINE)
     compiled = compile_model(q)

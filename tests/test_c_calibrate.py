@@ -55,7 +55,7 @@ def test_the_c_profile_is_positive_finite_and_round_trips(calibrated):
     done, path = calibrated
     hw = load_profile(path)
     assert hw is not None, path.read_text()[:500]
-    assert hw.backend == "c" and hw.name == "c" and hw.kind == "cpu"
+    assert hw.backend == "c" and hw.name == "c" and hw.device == "cpu"
     assert all(math.isfinite(x) and x > 0 for x in _numbers(hw)), hw
     assert hw.parallel_overhead >= 0 and math.isfinite(hw.parallel_overhead)
     # every kernel class measured: GEMM one thread and all, loop ops, row kernels, attention

@@ -235,7 +235,7 @@ def test_shard_plans_from_a_configuration_without_weights(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=4, vocab_size=512)))
-    code, out, err = run(tilegraph_main, ["shard", "--config", config, "--mesh", "8", "--target", "h100",
+    code, out, err = run(tilegraph_main, ["shard", "--config", config, "--mesh", "8", "--hardware", "h100",
                                           "--dim", "B=8", "--dim", "S=1024", "--no-progress"], capsys)
     assert code == 0, err
     assert "config.json on" in out and "predicted step time" in out

@@ -17,7 +17,7 @@ from tilegraph.ir import Graph
 from tilegraph.ir.dtypes import numpy_dtype
 from tilegraph.ir.shapes import info_of, numel, symbol
 from tilegraph.cli import main as tilegraph_main
-from tilegraph.passes.registry import with_target
+from tilegraph.passes.registry import with_hardware
 from tilegraph.opt import main as opt_main
 
 SI = {"": 1.0, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
@@ -79,7 +79,7 @@ def mlp_model(tmp_path, layers=4, width=64):
 
 
 def test_table_has_a_fusion_row_and_totals_are_the_sum_of_rows(tmp_path, capsys):
-    code, out, err = run(tilegraph_main, ["cost", dense_model(tmp_path), "--target", "cpu"], capsys)
+    code, out, err = run(tilegraph_main, ["cost", dense_model(tmp_path), "--hardware", "cpu"], capsys)
     assert code == 0, err
     rows, total = table(out)
     assert any(r["label"].startswith("fusion") for r in rows), out
@@ -101,7 +101,7 @@ def test_h100_predicts_a_big_matmul_faster_than_this_cpu(tmp_path, capsys):
     path = g.build(y, names=["y"]).save(tmp_path / "big.mlir")
     times = {}
     for target in ("cpu", "h100"):
-        code, out, err = run(tilegraph_main, ["cost", path, "--target", target], capsys)
+        code, out, err = run(tilegraph_main, ["cost", path, "--hardware", target], capsys)
         assert code == 0, err
         rows, total = table(out)
         assert total["flops"] == pytest.approx(2 * 2048**3, rel=1e-3)
@@ -116,7 +116,7 @@ def test_symbolic_prints_formulas_that_match_the_table(tmp_path, capsys):
     x = g.input("x", ("batch", "seq", 32))
     w = g.weight("w", np.ones((32, 16), dtype=np.float32))
     path = g.build(g.relu(x @ w), names=["y"]).save(tmp_path / "seq.mlir")
-    code, out, err = run(tilegraph_main, ["cost", path, "--target", "h100", "--symbolic"], capsys)
+    code, out, err = run(tilegraph_main, ["cost", path, "--hardware", "h100", "--symbolic"], capsys)
     assert code == 0, err
     formulas = dict(re.findall(r"^(FLOPs|bytes|time \[s\]) = (.+)$", out, re.M))
     batch, seq = sympy.symbols("batch seq")
@@ -125,7 +125,7 @@ def test_symbolic_prints_formulas_that_match_the_table(tmp_path, capsys):
     time = sympy.sympify(formulas["time [s]"])
     assert {s.name for s in time.free_symbols} == {"batch", "seq"}
     # the formula and the table agree at concrete sizes
-    code, out, err = run(tilegraph_main, ["cost", path, "--target", "h100", "--dim", "batch=4", "--dim", "seq=512"],
+    code, out, err = run(tilegraph_main, ["cost", path, "--hardware", "h100", "--dim", "batch=4", "--dim", "seq=512"],
                          capsys)
     assert code == 0, err
     assert "sizes: batch=4, seq=512" in out
@@ -134,13 +134,13 @@ def test_symbolic_prints_formulas_that_match_the_table(tmp_path, capsys):
 
 
 def test_a_pipeline_target_option_beats_the_command_line_target():
-    assert with_target("canonicalize,fuse{max-ops=4},tile{target=cpu}", "h100") == \
-        'canonicalize,fuse{max-ops=4 target="h100"},tile{target="cpu"}'
-    assert with_target("", "h100") == ""
+    assert with_hardware("canonicalize,fuse{max-ops=4},tile{hardware=cpu}", "h100") == \
+        'canonicalize,fuse{max-ops=4 hardware="h100"},tile{hardware="cpu"}'
+    assert with_hardware("", "h100") == ""
 
 
 def test_fuse_lowers_the_predicted_time_of_an_elementwise_chain(tmp_path, capsys):
-    argv = [chain_model(tmp_path), "-p", "canonicalize,fuse,tile", "--print-cost-after-all", "--target", "cpu"]
+    argv = [chain_model(tmp_path), "-p", "canonicalize,fuse,tile", "--print-cost-after-all", "--hardware", "cpu"]
     code, out, err = run(opt_main, argv, capsys)
     assert code == 0, err
     costs = {where: (float(t) * SECONDS[unit], int(k)) for where, t, unit, k in
@@ -184,7 +184,7 @@ def test_report_plans_less_memory_than_all_intermediates(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["cost", "{model}", "--target", "tpu"], "h100, h200, a100, cpu"),
+    (["cost", "{model}", "--hardware", "tpu"], "h100, h200, a100, cpu"),
     (["cost", "{model}", "--dim", "B"], "NAME=SIZE"),
     (["cost", "{model}", "--dim", "B=0"], "positive"),
     (["cost", "{model}", "--dim", "seq=8"], "symbolic dimensions: B"),
@@ -200,6 +200,6 @@ def test_bad_cost_arguments_are_clean_errors(tmp_path, capsys, argv, needle):
 
 
 def test_opt_rejects_an_unknown_hardware_target(tmp_path, capsys):
-    code, _, err = run(opt_main, [chain_model(tmp_path, links=1), "--print-cost-after-all", "--target", "tpu"],
+    code, _, err = run(opt_main, [chain_model(tmp_path, links=1), "--print-cost-after-all", "--hardware", "tpu"],
                        capsys)
     assert code == 2 and "unknown hardware target 'tpu'" in err, err

@@ -135,7 +135,7 @@ def test_long_attention_is_tiled_flash_style():
 def test_gpu_tiles_fit_shared_memory_and_registers(block):
     from tilegraph.passes.cost.hardware import hardware
 
-    model = run_pipeline(block, f"{UNFUSED_PIPELINE},fuse{{target=h100}},tile{{target=h100}}")
+    model = run_pipeline(block, f"{UNFUSED_PIPELINE},fuse{{hardware=h100}},tile{{hardware=h100}}")
     h100 = hardware("h100")
     gemm_tiles = [g.tile() for g in groups(model) if "block_m" in g.tile()]
     assert gemm_tiles

@@ -77,10 +77,10 @@ KINDS = C_KINDS + [GroupKind.HORIZONTAL_MATMUL]
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.value)
 def test_fuse_makes_each_kind(kind):
-    from tilegraph.passes.registry import DEFAULT_PIPELINE, run_pipeline, with_target
+    from tilegraph.passes.registry import DEFAULT_PIPELINE, run_pipeline, with_hardware
 
     target = "c" if kind in C_KINDS else "cpu"
-    model = run_pipeline(_model(kind), with_target(DEFAULT_PIPELINE, target))
+    model = run_pipeline(_model(kind), with_hardware(DEFAULT_PIPELINE, target))
     kinds = [op.kind for op in model.func.walk() if isinstance(op, FusionOp)]
     assert kinds == [kind.value]
 
@@ -96,7 +96,7 @@ def test_the_c_backend_lowers_each_kind_as_one_step(kind):
     compiled = tilegraph.compile(model, target="c")
     program = compiled._runner.program
     assert len(program.steps) == 1 and program.steps[0].host_op is None, [s.comment for s in program.steps]
-    temps = [b for b in program.emitter.buffers if b.kind == "temp"]
+    temps = [b for b in program.emitter.buffers if b.storage == "temp"]
     assert len(temps) == len(model.outputs) + EXTRA_BUFFERS.get(kind, 0)
     xs = _inputs(model)
     for got, want in zip(compiled.run(*xs), interpret(model, xs)):

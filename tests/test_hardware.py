@@ -28,7 +28,7 @@ def cache_dir(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name", GPUS)
 def test_every_gpu_number_is_positive_and_cites_a_source(name):
     hw = hardware(name)
-    assert hw.kind == "gpu" and hw.name == name
+    assert hw.device == "gpu" and hw.name == name
     for value in (hw.memory_bandwidth, hw.cache_bandwidth, hw.cache_bytes, hw.memory_bytes, hw.cores,
                   hw.shared_memory_per_core, hw.shared_memory_per_block, hw.registers_per_core,
                   hw.launch_overhead, *hw.peak_flops.values()):
@@ -90,7 +90,7 @@ def test_gpu_matmul_runs_at_peak_only_when_whole_tiles_fill_whole_waves():
 
 def test_cpu_matmul_rate_interpolates_the_measured_curve_in_log_size():
     hw = Hardware(
-        name="cpu", kind="cpu", peak_flops={"f32": 1e11, "f64": 5e10}, memory_bandwidth=1e10,
+        name="cpu", device="cpu", peak_flops={"f32": 1e11, "f64": 5e10}, memory_bandwidth=1e10,
         cache_bandwidth=1e11, cache_bytes=2**19, memory_bytes=2**34, cores=2, shared_memory_per_core=2**15,
         registers_per_core=0, launch_overhead=1e-6, alloc_overhead=1e-6, links={},
         # Two shapes of equal m*n*k are averaged.
@@ -118,6 +118,8 @@ def test_descriptions_round_trip_through_json(name, tmp_path):
     path = save_profile(hw, tmp_path / f"{name}.json")
     assert load_profile(path) == hw
     assert Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
+    older = {("kind" if k == "device" else k): v for k, v in hw.to_dict().items()}  # the field's former name
+    assert Hardware.from_dict(older) == hw
     assert {hw: 1}[load_profile(path)] == 1  # usable as a dict key
     # no temporary left behind: the profile, and its digest (which the cache checks before reading it)
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"{name}.json", f"{name}.json.sha256"]
@@ -129,7 +131,7 @@ def test_first_use_calibrates_quietly_and_saves_a_profile_that_reads_back(cache_
     path.write_text("{ half a file")  # unreadable: measured again, not an error
     hw = hardware("cpu")
     assert capsys.readouterr().err == ""  # progress only on a terminal
-    assert hw.kind == "cpu" and "quick" in hw.source
+    assert hw.device == "cpu" and "quick" in hw.source
     assert load_profile(path) == hw
     clear_cache()
     assert hardware("cpu") == hw  # read back from the file, not measured again
@@ -169,7 +171,7 @@ def test_an_unwritable_cache_directory_still_gives_a_measured_profile(tmp_path, 
         hw = hardware("cpu")
     finally:
         clear_cache()
-    assert hw.kind == "cpu" and hw.gemm_samples and not cpu_profile_path().exists()
+    assert hw.device == "cpu" and hw.gemm_samples and not cpu_profile_path().exists()
 
 
 def test_calibrate_command_writes_the_profile_hardware_cpu_reads(cache_dir, capsys):

@@ -69,9 +69,10 @@ def test_the_check_sees_lazy_and_relative_imports():
 @pytest.mark.parametrize("path", ["passes/fuse.py", "passes/tile.py", "passes/cost/model.py"])
 def test_fuse_tile_and_the_cost_model_do_not_branch_on_a_backend_or_hardware_kind(path):
     """What differs per target is its module in passes/targets/, looked up by the way code runs
-    there (Hardware.execution), not tested for inline: no comparison reads `.backend` or `.kind`."""
+    there (Hardware.execution), not tested for inline: no comparison reads `.backend`, `.device`
+    or `.kind`."""
     tree = ast.parse((ROOT / path).read_text())
     branches = [ast.unparse(node) for node in ast.walk(tree) if isinstance(node, ast.Compare)
-                and any(isinstance(n, ast.Attribute) and n.attr in ("backend", "kind", "execution")
+                and any(isinstance(n, ast.Attribute) and n.attr in ("backend", "device", "kind", "execution")
                         for side in (node.left, *node.comparators) for n in ast.walk(side))]
     assert not branches, branches

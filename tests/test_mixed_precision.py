@@ -45,7 +45,7 @@ def test_mixed_precision_keeps_its_budget_and_says_why_each_layer_got_its_format
     for budget in (10.0, 0.02, 1e-9):
         with collect() as seen:
             # predicted at a serving batch (the GEMMs then outweigh kernel launches), measured on the batches
-            plan = mixed_precision(model, batches, ["mxfp4", "w8a8"], max_error=budget, target=target,
+            plan = mixed_precision(model, batches, ["mxfp4", "w8a8"], max_error=budget, hardware=target,
                                    sizes={"B": 4096})
         assert plan.error <= budget or not any(f != "none" for f in plan.formats.values())
         assert len(plan.remarks) == 3 and plan.remarks[-1].startswith("all together")
@@ -65,10 +65,10 @@ def test_mixed_precision_keeps_its_budget_and_says_why_each_layer_got_its_format
 
 def test_min_cosine_is_a_budget_too_and_bad_requests_are_named_errors():
     model, batches = _data()
-    plan = mixed_precision(model, batches, ["mxfp4", "w8a8"], min_cosine=0.9999999, target="h100")
+    plan = mixed_precision(model, batches, ["mxfp4", "w8a8"], min_cosine=0.9999999, hardware="h100")
     assert plan.cosine >= 0.9999999 or set(plan.formats.values()) == {"none"}
     with pytest.raises(QuantizeError, match="accuracy budget"):
-        mixed_precision(model, batches, ["w8a8"], target="h100")
+        mixed_precision(model, batches, ["w8a8"], hardware="h100")
     with pytest.raises(QuantizeError, match="unknown scheme"):
         mixed_precision(model, batches, ["int3"], max_error=0.1)
     with pytest.raises(QuantizeError, match="not layer=scheme"):
@@ -88,9 +88,9 @@ def test_cli_mixed_precision_prints_why_and_refuses_an_unknown_target(tmp_path, 
                                     for name, info in zip(model.input_names, model.inputs)})
     args = ["quantize", EXAMPLE_ONNX, "--calib", tmp_path / "s.npz", "--scheme", "mxfp4", "--fallback", "w8a8",
             "--min-cosine", "0.99", "-o", tmp_path / "q.mlir"]
-    code, out, err = _cli(args + ["--target", "tpu"], capsys)
+    code, out, err = _cli(args + ["--hardware", "tpu"], capsys)
     assert code == 2 and "unknown hardware target 'tpu'" in err and not list(tmp_path.glob("q.*"))
-    code, out, err = _cli(args + ["--target", "h100"], capsys)
+    code, out, err = _cli(args + ["--hardware", "h100"], capsys)
     assert code == 0, err
     assert "all together:" in out and "predicted saving on h100" in out and (tmp_path / "q.mlir").is_file()
 

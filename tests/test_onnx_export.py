@@ -328,7 +328,7 @@ MIN_TOKEN_COSINE = 0.995
 
 @pytest.mark.parametrize("scheme", ["w8a8", "w8a8-calibrated", "fp8", "mxfp8"])
 def test_minilm_quantized_activations_every_node_computes_its_tg_op(minilm, scheme, tmp_path):
-    from tilegraph.passes.quantize import calibrate, save_calibration
+    from tilegraph.passes.quantize import observe_ranges, save_ranges
 
     base, inputs = minilm
     spec = scheme
@@ -336,7 +336,7 @@ def test_minilm_quantized_activations_every_node_computes_its_tg_op(minilm, sche
         from tests.models import minilm_inputs
 
         batches = [[t.numpy() for t in minilm_inputs(batch=2, seq=16, seed=s)] for s in (1, 2)]
-        path = save_calibration(tmp_path / "calib.npz", calibrate(base, batches, "minmax"))
+        path = save_ranges(tmp_path / "calib.npz", observe_ranges(base, batches, "minmax"))
         spec = f'w8a8 calib="{path}"'
     model = run_pipeline(base, f"quantize{{scheme={spec}}}")
     bad, ours = _teacher_forced_mismatches(model, inputs)

@@ -153,6 +153,76 @@ def test_a_malformed_past_present_pattern_is_a_named_error_and_the_plain_import_
         from_onnx(str(path))  # the file as it is: a symbolic past length, the Concat kept
 
 
+@pytest.fixture(scope="module")
+def alibi_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("alibi_decoders")
+    export_decoder(d / "llama_alibi.onnx", "llama", alibi=True)  # ALiBi added to the causal mask (one Add)
+    export_decoder(d / "mpt.onnx", "mpt")  # MPT: scores + ALiBi, then masked_fill
+    return {"llama_alibi": d / "llama_alibi.onnx", "mpt": d / "mpt.onnx"}
+
+
+@pytest.mark.parametrize("name,message", [("llama_alibi", "ALiBi position bias"), ("mpt", "ALiBi")])
+def test_a_decoder_with_an_alibi_bias_is_refused_in_place_and_runs_as_it_is(alibi_files, name, message):
+    # in place, the bias would be dropped (tg.cache_attention is causal with no bias): refused by name
+    path = alibi_files[name]
+    with pytest.raises(KVCacheError, match=message):
+        LanguageModel(path, target="numpy")
+    # the plain import keeps it: a prefill of 2 tokens after 3 past rows, against the float64
+    # interpreter and onnxruntime
+    session = ort.InferenceSession(str(path))
+    names = [i.name for i in session.get_inputs()]
+    rng = np.random.default_rng(3)
+    feeds = {"input_ids": np.array([[9, 40]], np.int64), "attention_mask": np.ones((1, 5), np.int64),
+             "position_ids": np.array([[3, 4]], np.int64)}
+    feeds.update({n: rng.standard_normal((1, TINY["heads"] if name == "mpt" else TINY["kv_heads"], 3,
+                                          TINY["hidden"] // TINY["heads"])).astype(np.float32)
+                  for n in names if n.startswith("past_key_values.")})
+    args = [feeds[n] for n in names]
+    want = session.run(None, {n: feeds[n] for n in names})
+    proto = onnx.load(str(path))  # the plain import at this step's shapes (the past length fixed)
+    for i in proto.graph.input:
+        for d, n in zip(i.type.tensor_type.shape.dim, feeds[i.name].shape):
+            d.dim_value = n
+    model = from_onnx(proto)
+    reference = interpret(model, args)
+    got = tilegraph.compile(model, target="numpy").run(*args)
+    for i, (g, r, w) in enumerate(zip(got, reference, want)):
+        assert_close(g, r, "f32", TINY["hidden"], name=f"{name} output {i} vs the float64 interpreter")
+        assert_close(g, w, "f32", TINY["hidden"], name=f"{name} output {i} vs onnxruntime")
+
+
+@pytest.mark.slow
+def test_an_sdpa_decoder_from_torchs_dynamo_exporter_decodes_in_place(tmp_path):
+    """torch.onnx's dynamo exporter at opset 23: SDPA as ONNX Attention (K/V repeated per query head,
+    a boolean mask), the rotary embedding as RotaryEmbedding, the batch read from a past's shape."""
+    pytest.importorskip("onnxscript")
+    path = tmp_path / "sdpa.onnx"
+    export_decoder(path, "llama", opset=23, dynamo=True)
+    kinds = {n.op_type for n in onnx.load(str(path)).graph.node}
+    assert {"Attention", "RotaryEmbedding"} <= kinds and "Softmax" not in kinds
+    lm = LanguageModel(path, target="numpy", cache_len=32)
+    steps: list[np.ndarray] = []
+    made = [t for _, t in lm.generate_ids([PROMPT], 8, Sampling(), stop=False,
+                                          on_logits=lambda i, logits: steps.append(logits[0].copy()))]
+    want_logits: list[np.ndarray] = []
+    want = run_onnxruntime(ort.InferenceSession(str(path)), PROMPT, 8,
+                           on_logits=lambda i, logits: want_logits.append(logits))
+    assert made == want
+    for i, (got, ref) in enumerate(zip(steps, want_logits)):
+        assert_close(got, ref, "f32", TINY["hidden"], name=f"sdpa step {i}")
+    model = lm._onnx.build(1, 2, 16)
+    names = [op.op_name for op in _ops(model)]
+    assert names.count(Op.cache_write) == 4 and names.count(Op.cache_attention) == 2
+    rng = np.random.default_rng(4)
+    caches = [np.zeros((1, 2, 16, 16), np.float32) for _ in range(4)]
+    for c in caches:
+        c[:, :, :5] = rng.standard_normal((1, 2, 5, 16))
+    ids = np.array([[9, 40]], np.int64)
+    reference = interpret(model, [ids, np.array([5]), np.array([1]), *[c.copy() for c in caches]])
+    got = tilegraph.compile(model, target="numpy").run(ids, np.array([5]), np.array([1]), *caches)
+    assert_close(got[0], reference[0], "f32", TINY["hidden"], name="two new rows vs the float64 interpreter")
+
+
 def test_a_plain_onnx_file_is_not_a_decoder(tmp_path):
     x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])
     y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])
@@ -196,6 +266,38 @@ def test_onnxruntime_genai_group_query_attention_files_decode_in_place(files):
     assert ops.count(Op.cache_write) == 4 and ops.count(Op.cache_attention) == 2
 
 
+def test_a_group_query_attention_local_window_is_tg_cache_attentions_window(tmp_path):
+    """local_window_size (Mistral's sliding window as onnxruntime-genai writes it): the query at
+    position p sees keys p - L + 1..p, in the prompt and in decode, past the window's length."""
+    path = tmp_path / "window.onnx"
+    write_gqa_decoder(path, vocab=TINY["vocab"], local_window=3)
+    lm = LanguageModel(path, target="c", cache_len=32)
+    steps: list[np.ndarray] = []
+    made = [t for _, t in lm.generate_ids([PROMPT], 8, Sampling(), stop=False,
+                                          on_logits=lambda i, logits: steps.append(logits[0].copy()))]
+    want_logits: list[np.ndarray] = []
+    want = run_onnxruntime(ort.InferenceSession(str(path)), PROMPT, 8, head_dim=16,
+                           on_logits=lambda i, logits: want_logits.append(logits))
+    assert made == want
+    for i, (got, ref) in enumerate(zip(steps, want_logits)):
+        assert_close(got, ref, "f32", 64, name=f"windowed gqa step {i}")
+    model = lm._onnx.build(1, 3, 16)
+    assert {op.attr("window") for op in _ops(model) if op.op_name == Op.cache_attention} == {3}
+    # three new rows after 6 past rows, every row's logits: the float64 interpreter and onnxruntime
+    rng = np.random.default_rng(2)
+    past = {f"past_key_values.{i}.{k}": rng.standard_normal((1, 2, 6, 16)).astype(np.float32)
+            for i in range(2) for k in ("key", "value")}
+    ids = np.array([[9, 40, 7]], np.int64)
+    want_rows = ort.InferenceSession(str(path)).run(
+        None, {"input_ids": ids, "attention_mask": np.ones((1, 9), np.int64), **past})[0][0]
+    caches = [np.zeros((1, 2, 16, 16), np.float32) for _ in past]
+    for c, rows in zip(caches, past.values()):
+        c[:, :, :6] = rows
+    for last in range(3):
+        got = interpret(model, [ids, np.array([6]), np.array([last]), *[c.copy() for c in caches]])[0][0]
+        assert_close(got, want_rows[last], "f32", 64, name=f"row {last} vs onnxruntime")
+
+
 def test_a_group_query_attention_it_cannot_rewrite_is_a_named_error(files, tmp_path):
     path = tmp_path / "gqa.onnx"
     proto = onnx.load(str(files["gqa"]))
@@ -203,6 +305,11 @@ def test_a_group_query_attention_it_cannot_rewrite_is_a_named_error(files, tmp_p
     next(a for a in gqa.attribute if a.name == "rotary_interleaved").i = 1
     onnx.save(proto, str(path))
     with pytest.raises(KVCacheError, match="rotary_interleaved = 1"):
+        LanguageModel(path, target="numpy")
+    next(a for a in gqa.attribute if a.name == "rotary_interleaved").i = 0
+    next(a for a in gqa.attribute if a.name == "local_window_size").i = 0  # a window of no keys
+    onnx.save(proto, str(path))
+    with pytest.raises(KVCacheError, match="local_window_size = 0"):
         LanguageModel(path, target="numpy")
 
 

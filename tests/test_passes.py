@@ -538,7 +538,7 @@ def test_pipeline_options_parse_into_pass_fields():
     ("canonicalise", r"unknown pass 'canonicalise' in 'canonicalise'; the passes are: attention, canonicalize, "
                      r"constant-fold, cse, dce, decompose, fuse, quantize, recompute, shard, simplify-shapes, tile"),
     ("cse,fuze,tiles", r"unknown passes 'fuze', 'tiles'"),
-    ("fuse{target=tpu}", r"pass 'fuse': unknown hardware target 'tpu': choose one of h100, h200, a100, cpu"),
+    ("fuse{hardware=tpu}", r"pass 'fuse': unknown hardware target 'tpu': choose one of h100, h200, a100, cpu"),
     ("fuse{max-ops=0}", r"pass 'fuse': max-ops must be at least 1, got 0"),
     ("tile{max-rows=-3}", r"pass 'tile': max-rows must be 0 \(no limit\) or more, got -3"),
     ("constant-fold{max-elements=many}", r"pass 'constant-fold': .*its options: max-elements"),

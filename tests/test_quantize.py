@@ -196,10 +196,10 @@ def test_finer_granularity_is_never_worse_than_per_tensor_with_the_mse_observer(
 
 # --- the quantize pass ---------------------------------------------------------------------
 
-from tilegraph.passes.quantize import SCHEMES, Quantize, QuantizeError, calibrate, save_calibration  # noqa: E402
+from tilegraph.passes.quantize import SCHEMES, Quantize, QuantizeError, observe_ranges, save_ranges  # noqa: E402
 from tilegraph.passes.registry import run_pipeline  # noqa: E402
 from tilegraph.testing import (assert_close, assert_within_quantization_bound, graphs,  # noqa: E402
-                               random_inputs, reduction_length, rounding_violations)
+                               rounding_violations)
 
 
 def mlp(k=64, hidden=96, out=10, seed=0, first="fc1.weight"):
@@ -292,16 +292,16 @@ def test_calibrated_w8a8_uses_static_scales_and_keeps_its_bound(tmp_path):
     rng = np.random.default_rng(4)
     batches = [[rng.standard_normal((8, 64)).astype(np.float32)] for _ in range(3)]
     for observer in ("minmax", "percentile", "mse"):
-        ranges = calibrate(model, batches, observer)
+        ranges = observe_ranges(model, batches, observer)
         assert set(ranges) == {"fc1.weight", "fc2.weight"}
-        path = save_calibration(tmp_path / f"{observer}.npz", ranges)
+        path = save_ranges(tmp_path / f"{observer}.npz", ranges)
         for symmetric in ("false", "true"):
             spec = f'quantize{{scheme=w8a8 calib="{path}" symmetric={symmetric}}}'
             after = assert_within_quantization_bound(spec, model, batches[0])
             ops = [op.op_name for op in after.func.walk() if hasattr(op, "op_name")]
             assert "dynamic_quantize" not in ops and ops.count("matmul_integer") == 2
-    lo, hi = calibrate(model, batches, "percentile", percentile=90.0)["fc1.weight"]
-    mlo, mhi = calibrate(model, batches, "minmax")["fc1.weight"]
+    lo, hi = observe_ranges(model, batches, "percentile", percentile=90.0)["fc1.weight"]
+    mlo, mhi = observe_ranges(model, batches, "minmax")["fc1.weight"]
     assert mlo < lo < 0 < hi < mhi  # percentile clips what min/max keeps
 
 
@@ -315,7 +315,7 @@ def test_quantize_model_is_the_calibrated_pass_the_command_runs(tmp_path):
     batches = [[rng.standard_normal((8, 64)).astype(np.float32)] for _ in range(2)]
     got = quantize_model(model, "w8a8", batches=batches)
     assert got.layers == 2 and set(got.ranges) == {"fc1.weight", "fc2.weight"} and got.plan is None
-    path = save_calibration(tmp_path / "calib.npz", calibrate(model, batches))
+    path = save_ranges(tmp_path / "calib.npz", observe_ranges(model, batches))
     by_pass = run_pipeline(model, f'quantize{{scheme=w8a8 calib="{path}"}}')
     assert str(got.model.module) == str(by_pass.module) and got.model.weights.keys() == by_pass.weights.keys()
     for name, w in by_pass.weights.items():

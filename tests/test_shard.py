@@ -243,7 +243,7 @@ def test_a_user_annotation_is_kept_and_the_plan_adapts_around_it():
 
 
 def test_bad_options_and_a_mismatched_grid_are_clear_errors():
-    for bad in ("shard{mesh=0}", "shard{mesh=two}", "shard{memory=lots}", "shard{target=tpu}",
+    for bad in ("shard{mesh=0}", "shard{mesh=two}", "shard{memory=lots}", "shard{hardware=tpu}",
                 'shard{sizes="B"}'):
         with pytest.raises(PipelineError, match="shard"):
             parse_pipeline(bad)
@@ -360,7 +360,7 @@ def test_the_shard_command_prints_the_plan_per_layer_time_split_and_memory(tmp_p
     from tilegraph.cli import main
 
     path = gpt_graph(3, 64, 4, seq=16, vocab=128, dtype="f32", weights="random").save(tmp_path / "gpt.mlir")
-    assert main(["shard", str(path), "--mesh", "4", "--target", "h100", "--symbolic", "--dim", "B=64"]) == 0
+    assert main(["shard", str(path), "--mesh", "4", "--hardware", "h100", "--symbolic", "--dim", "B=64"]) == 0
     out = capsys.readouterr().out
     assert "each of 3 repeated blocks" in out and "before the layers" in out and "after the layers" in out
     assert "predicted step time:" in out and "communication" in out and "memory per device:" in out
@@ -371,7 +371,7 @@ def test_the_shard_command_prints_the_plan_per_layer_time_split_and_memory(tmp_p
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--mesh", "2y4"], "mesh"), (["--target", "cpu"], "GPUs"), (["--memory", "lots"], "memory"),
+    (["--mesh", "2y4"], "mesh"), (["--hardware", "cpu"], "GPUs"), (["--memory", "lots"], "memory"),
     (["--dim", "Q=3"], "Q"), (["--memory", "1kB", "--dim", "B=64"], "fits"),
 ])
 def test_the_shard_command_reports_bad_input_in_one_paragraph(tmp_path, capsys, argv, message):

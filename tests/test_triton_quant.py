@@ -33,7 +33,7 @@ from tilegraph.backends.triton.runtime import pack_k, to_numpy, to_torch
 from tilegraph.ir import Graph, dtypes
 from tilegraph.ir.interpreter import interpret
 from tilegraph.ir.quant import FORMATS, mx_scale, quantize
-from tilegraph.passes.quantize import calibrate, save_calibration
+from tilegraph.passes.quantize import observe_ranges, save_ranges
 from tilegraph.passes.registry import default_pipeline, run_pipeline
 from tilegraph.testing import assert_close, reduction_length
 
@@ -96,7 +96,7 @@ def test_calibrated_activations_agree_with_the_float64_interpreter(scheme, tmp_p
     """Static activation scales (one per tensor, from calibration). int8 activations are ui8 with a
     zero point z: the kernel multiplies (a - 128) in int8 and adds (128 - z) times the weight's
     column sums, which must come out exactly as (a - z) @ w."""
-    calib = save_calibration(tmp_path / "calib.npz", calibrate(MLP, [INPUTS]))
+    calib = save_ranges(tmp_path / "calib.npz", observe_ranges(MLP, [INPUTS]))
     quantized, compiled = compiled_quantized(MLP, f'scheme={scheme} calib="{calib}"')
     assert LOW_PRECISION[scheme] in compiled.source and compiled.host_ops == {}
     assert ("wsum" in compiled.source) == (scheme == "w8a8")

@@ -61,7 +61,7 @@ def test_a_bad_model_is_a_named_error_from_every_command(tmp_path, capsys, case,
     path = make(tmp_path)
     argv = {"import": ["import", path, "-o", tmp_path / "out.mlir"],
             "compile": ["compile", path, "-o", tmp_path / "out.py"],
-            "check": ["check", path], "cost": ["cost", path, "--target", "cpu"]}[command]
+            "check": ["check", path], "cost": ["cost", path, "--hardware", "cpu"]}[command]
     code, err = _run(capsys, *argv)
     assert code == 2 and message in err, err
     assert not any(tmp_path.glob("out*")), "a refused model left output behind"
@@ -80,7 +80,7 @@ def test_a_float_in_an_integer_array_attribute_of_a_mlir_file_is_refused(tmp_pat
 def test_a_zero_size_batched_matmul_is_costed(tmp_path, capsys):
     path = _save(tmp_path / "m.onnx", [helper.make_node("MatMul", ["a", "b"], ["y"])],
                  [_f32("a", [2, 3, 4]), _f32("b", [2, 4, 0])], [_f32("y", None)])
-    code, err = _run(capsys, "cost", path, "--target", "cpu")
+    code, err = _run(capsys, "cost", path, "--hardware", "cpu")
     assert code == 0, err
 
 

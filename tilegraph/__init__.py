@@ -144,7 +144,7 @@ def _run_passes(model: Model, pipeline: str | Sequence | None, hardware: str = "
     if pipeline is None:
         pipeline = registry.default_pipeline(hardware)
     elif isinstance(pipeline, str) and pipeline and hardware != "cpu":
-        pipeline = registry.with_target(pipeline, hardware)  # fuse/tile decide for the backend's GPU
+        pipeline = registry.with_hardware(pipeline, hardware)  # fuse/tile decide for the backend's GPU
     if not pipeline:
         return model
     return registry.run_pipeline(model, pipeline)

@@ -427,7 +427,7 @@ class Fuzzer:
                      x=rng.standard_normal((4, 2, 3, 8)).astype(np.float32))
         pick = lambda seq: seq[int(rng.integers(0, len(seq)))]  # noqa: E731
         odd = ["0", "-1", "1", "2", "8", "x", "", "B=0", "B=2", "B=-1", "B=x", "S=2", "Q=3", "=4", "B=2=3",
-               "nan", "1e400", "2x0", "0x2", "1x1", "abc", "quantize", "canonicalize,", "fuse{target=tpu}",
+               "nan", "1e400", "2x0", "0x2", "1x1", "abc", "quantize", "canonicalize,", "fuse{hardware=tpu}",
                "constant-fold{max-elements=-1}", "tile{max-rows=x}", str(self.tmp / "nope.mlir"), "\x01", "é"]
         commands = {
             "compile": ["--target", "-p", "--report", "--dim"],

@@ -2,7 +2,7 @@
 
     tilegraph-opt model.mlir -p 'canonicalize,cse,decompose' --print-ir-after-change
     tilegraph-opt model.mlir -p 'canonicalize,fuse,tile' --remarks       # why each group was (not) fused
-    tilegraph-opt model.mlir -p 'canonicalize,fuse,tile' --print-cost-after-all --target h100 --dim B=8
+    tilegraph-opt model.mlir -p 'canonicalize,fuse,tile' --print-cost-after-all --hardware h100 --dim B=8
 
 Built on xDSL's opt main: the same pipeline syntax (`fuse{max-ops=32}`), the same
 flags (`--time-passes`, `-o`), restricted to the dialects and passes of tilegraph so
@@ -10,9 +10,9 @@ it starts fast. Inputs may be `.mlir` (weights read from `model.weights.npz`
 beside it), `.onnx` or `.pt2`; with `-o out.mlir` the weights are written beside
 the output.
 
-`--target` names the hardware (h100, h200, a100, cpu), not xDSL's output format
-(tilegraph-opt always prints tg IR): `--print-cost-after-all` costs the module on
-it after every pass, and passes with a `target` option (fuse, tile) decide for it
+`--hardware` names the hardware (h100, h200, a100, cpu, c): `--print-cost-after-all`
+costs the module on it after every pass, and passes with a `hardware` option (fuse,
+tile, shard) decide for it
 unless the pipeline gives them one. `--remarks` prints, on stderr after the run,
 every decision a pass explained (passes/remarks.py).
 """
@@ -90,14 +90,11 @@ class TilegraphOptMain(xDSLOptMain):
                                 help="print every decision the passes explained (stderr, after the run)")
         arg_parser.add_argument("--print-cost-after-all", action="store_true",
                                 help="print the predicted time and kernel count of the module after every pass")
-        # xDSL's -t/--target picks an output format; tilegraph-opt prints tg IR only, so
-        # --target names the hardware instead, as it does for `tilegraph cost`. argparse
-        # cannot replace an option once added: xDSL's action is re-pointed in place.
-        target = next(a for a in arg_parser._actions if "--target" in a.option_strings)
-        target.dest, target.default, target.metavar = "hardware", None, "HARDWARE"
-        target.help = ("hardware to cost on (--print-cost-after-all) and to give the passes' target "
-                       "option (fuse, tile): h100, h200, a100, cpu or c (the C backend's profile; default: cpu)")
-        arg_parser.set_defaults(target="mlir")  # the output format xDSL's driver reads
+        # (xDSL's -t/--target picks an output format; tilegraph-opt prints tg IR, its default.)
+        arg_parser.add_argument("--hardware", default=None, metavar="HARDWARE",
+                                help="hardware to cost on (--print-cost-after-all) and to give the passes' hardware "
+                                     "option (fuse, tile, shard): h100, h200, a100, cpu or c (the C backend's "
+                                     "profile; default: cpu)")
         arg_parser.add_argument("--load-pass-plugin", action="append", default=[], metavar="MODULE",
                                 help="import a Python module (a name, or a .py file) that registers passes "
                                      "with tilegraph.passes.registry.register_pass, before the pipeline is read")
@@ -118,7 +115,7 @@ class TilegraphOptMain(xDSLOptMain):
 
     def setup_pipeline(self) -> None:
         from tilegraph.cli.common import parse_dims
-        from tilegraph.passes.registry import PASSES, parse_pipeline, with_target
+        from tilegraph.passes.registry import PASSES, parse_pipeline, with_hardware
 
         for plugin in self.args.load_pass_plugin:
             _load_plugin(plugin)
@@ -131,10 +128,10 @@ class TilegraphOptMain(xDSLOptMain):
         if self.args.hardware is not None or self.args.print_cost_after_all:
             from tilegraph.ir.hardware import hardware
 
-            hw = hardware(self.args.hardware or "cpu")  # an unknown target: a clear error, before any work
+            hw = hardware(self.args.hardware or "cpu")  # an unknown name: a clear error, before any work
             self._cost = _CostPrinter(hw, parse_dims(self.args.dim))
             if self.args.hardware is not None:
-                spec = with_target(spec, hw.name)
+                spec = with_hardware(spec, hw.name)
         last_text: list[str] = []
         self._check = None  # a check_semantics.PipelineCheck while --check-semantics runs the pipeline
 

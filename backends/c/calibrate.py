@@ -323,7 +323,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
 
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     return Hardware(
-        name="c", kind="cpu", backend="c",
+        name="c", device="cpu", backend="c",
         peak_flops={"f32": max(r for *_, r in threaded)},
         memory_bandwidth=memory_bandwidth,
         cache_bandwidth=cache_bandwidth,

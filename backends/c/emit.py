@@ -269,10 +269,10 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
         outs = [self._temp(info) for info in op.result_infos()]
         # A weight's dequantization (block scales, 4-bit formats) depends on no input: done once,
         # into buffers of its own that the GEMM then packs as it packs a weight.
-        once = all(x.literal is not None or self.buffers[x.buf].kind in KNOWN for x in xs) and all(
+        once = all(x.literal is not None or self.buffers[x.buf].storage in KNOWN for x in xs) and all(
             sympy.sympify(self.buffers[o.buf].elements).is_number for o in outs)
         for o in outs if once else []:
-            self.buffers[o.buf].kind = "folded"
+            self.buffers[o.buf].storage = "folded"
         self.steps.append(Step(f"{op.op_name} (host{', once' if once else ''})", host_op=op, host_in=xs,
                                host_out=outs, reads={x.buf for x in xs if x.buf is not None},
                                writes={o.buf for o in outs}, once=once))  # type: ignore[misc]

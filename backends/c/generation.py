@@ -94,7 +94,7 @@ class Generation(EmitterParts):
         # In place only into a whole model input that nothing else reads: writing a value some
         # other op still reads as the old cache would change what that op sees.
         buf = self.buffers[cache.buf]
-        if not (self._whole(cache) and buf.kind == "input" and buf.index in self.model.aliases
+        if not (self._whole(cache) and buf.storage == "input" and buf.index in self.model.aliases
                 and _only_use(op.operands[0], op)):
             raise Unsupported("cache_write in place into a donated model input")
         store = op.attr("store")

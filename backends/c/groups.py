@@ -449,7 +449,7 @@ class Groups(EmitterParts):
         if not self.is_contiguous(x):
             raise Unsupported("row op on a strided view")
         # In place only on a temporary: an input, weight or constant is not the module's to write.
-        out = x if in_place and self.buffers[x.buf].kind == "temp" else self._temp(info)
+        out = x if in_place and self.buffers[x.buf].storage == "temp" else self._temp(info)
         n = numel(x.shape[axis:])
         rows = numel(x.shape[:axis])
         if op.op_name == Op.softmax:

@@ -120,7 +120,7 @@ class OneDNN(EmitterParts):
         the result's shape, channels-last as the convolution writes, no other op of the
         group reads the operand, the convolution's own operands are elsewhere, and no value
         in that buffer is read by a step after this group."""
-        if o.literal is not None or o.dtype != "f32" or self.buffers[o.buf].kind != "temp":
+        if o.literal is not None or o.dtype != "f32" or self.buffers[o.buf].storage != "temp":
             return False
         if not (_eq(o.offset, 0) and len(o.shape) == len(shape) and all(_eq(a, b) for a, b in zip(o.shape, shape))
                 and all(_is_one(d) or _eq(a, b) for d, a, b in zip(shape, o.strides, channels_last_strides(shape)))
@@ -250,7 +250,7 @@ class OneDNN(EmitterParts):
                 int(numel(info.shape)) * int(a.shape[-1]) <= SMALL_GEMM:
             return self._small_matmul(op, a, b, info), 0
         out = self._temp(info)
-        weight = self.buffers[b.buf].kind in KNOWN and b.rank == 2
+        weight = self.buffers[b.buf].storage in KNOWN and b.rank == 2
         rank = max(a.rank, b.rank)
         if weight and self._collapsible(a):
             # x[..., M, K] @ W[K, N] is one 2-D GEMM over all rows, which takes post-ops.
@@ -351,7 +351,7 @@ class OneDNN(EmitterParts):
         bias = xs[2] if len(xs) > 2 else None
         if info.dtype != "f32" or w.literal is not None or x.literal is not None:
             raise Unsupported("conv: f32 tensors")
-        constant_weight = self.buffers[w.buf].kind in KNOWN
+        constant_weight = self.buffers[w.buf].storage in KNOWN
         if bias is not None and (bias.literal is not None or not self.is_contiguous(bias)):
             raise Unsupported("conv bias")
         groups = op.attr("groups")
@@ -426,7 +426,7 @@ def chain_convolutions(steps: list, buffers: list, outputs: list[View]) -> int:
         k, out = step.conv[0], step.conv[2]
         b = out.buf
         reads = readers.get(b, [])
-        if buffers[b].kind != "temp" or b in kept or writers.get(b) != 1 or not reads:
+        if buffers[b].storage != "temp" or b in kept or writers.get(b) != 1 or not reads:
             continue
         if not all(r.conv is not None and r.conv[3] and r.conv[1].buf == b and
                    (r.conv[1].offset, r.conv[1].shape, r.conv[1].strides) == (out.offset, out.shape, out.strides)

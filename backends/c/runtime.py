@@ -77,7 +77,7 @@ class _Binding:
             self.bases[i] = (np.empty(elements[i], dt) if sanitizer() else
                              self.arena[start + off: start + off + elements[i] * dt.itemsize].view(dt))
         for i, buf in enumerate(em.buffers):  # made once per binding by the steps marked `once`
-            if buf.kind == "folded":
+            if buf.storage == "folded":
                 self.bases[i] = np.empty(elements[i], dtypes.numpy_dtype(buf.dtype))
         self.pointers = (ctypes.c_void_p * len(em.buffers))()
         for i, base in enumerate(self.bases):
@@ -201,14 +201,14 @@ class CompiledModel:
         # donates (Model.aliases: a KV cache) is written where it lies.
         for step in program.steps:
             kept = sorted(b for b in step.writes
-                          if em.buffers[b].kind in ("input", "weight", "constant") and b not in em.donated)
+                          if em.buffers[b].storage in ("input", "weight", "constant") and b not in em.donated)
             if kept:
                 b = em.buffers[kept[0]]
-                raise ModelError(f"the C module would write into {b.kind} {b.index!r} at `{step.comment}`; a compiled "
+                raise ModelError(f"the C module would write into {b.storage} {b.index!r} at `{step.comment}`; a compiled "
                                  "model never writes into an array it is given")
         self.fixed: list[np.ndarray | None] = []
         for b in em.buffers:
-            if b.kind == "weight":
+            if b.storage == "weight":
                 if b.index not in weights:
                     raise ModelError(f"weights missing for the compiled model: {b.index}")
                 array = _c_array(weights[b.index], dtypes.numpy_dtype(b.dtype))
@@ -216,7 +216,7 @@ class CompiledModel:
                     raise ModelError(f"weight '{b.index}' has shape {array.shape}, {array.size} elements; the "
                                      f"model's has {b.elements}")
                 self.fixed.append(array)
-            elif b.kind == "constant":
+            elif b.storage == "constant":
                 self.fixed.append(_c_array(em.constants[b.index], dtypes.numpy_dtype(b.dtype)))
             else:
                 self.fixed.append(None)
@@ -224,7 +224,7 @@ class CompiledModel:
         # array of the caller's (no arena bytes, no copy); other outputs are copied out.
         self._direct: dict[int, int] = {}  # output index -> its buffer
         for i, v in enumerate(em.outputs()):
-            if (v.literal is None and em.buffers[v.buf].kind == "temp" and v.buf not in self._direct.values()
+            if (v.literal is None and em.buffers[v.buf].storage == "temp" and v.buf not in self._direct.values()
                     and sympy.sympify(v.offset) == 0 and em.is_contiguous(v)
                     and sympy.expand(sympy.sympify(numel(v.shape)) - em.buffers[v.buf].elements) == 0):
                 self._direct[i] = v.buf  # type: ignore[assignment]
@@ -239,7 +239,7 @@ class CompiledModel:
                          if v.literal is None and v.buf in em.donated and em.is_contiguous(v)
                          and sympy.sympify(v.offset) == 0 and sympy.expand(
                              sympy.sympify(numel(v.shape)) - em.buffers[v.buf].elements) == 0}
-        self._inputs = [(i, b.index) for i, b in enumerate(em.buffers) if b.kind == "input"]
+        self._inputs = [(i, b.index) for i, b in enumerate(em.buffers) if b.storage == "input"]
         self._per_call = [i for i, _ in self._inputs] + list(self._direct.values())  # buffers each call binds
         self._per_call_set = set(self._per_call)
         self._segments = {}
@@ -477,7 +477,7 @@ def _lifetimes(program: CProgram) -> dict[int, tuple[int, int]]:
     live: dict[int, list[int]] = {}
     for i, step in enumerate(program.steps):
         for buf in step.writes:
-            if em.buffers[buf].kind == "temp":
+            if em.buffers[buf].storage == "temp":
                 live.setdefault(buf, [i, i])[1] = i
         for buf in step.reads:
             if buf in live:
@@ -487,7 +487,7 @@ def _lifetimes(program: CProgram) -> dict[int, tuple[int, int]]:
         if v.buf in live:
             live[v.buf][1] = end
     for i, buf in enumerate(em.buffers):   # type: ignore[assignment]  # a temp no step writes (never happens) still gets bytes
-        if buf.kind == "temp" and i not in live:  # type: ignore[attr-defined]
+        if buf.storage == "temp" and i not in live:  # type: ignore[attr-defined]
             live[i] = [0, end]
     return {k: (a, z) for k, (a, z) in live.items()}
 

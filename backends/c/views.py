@@ -50,7 +50,7 @@ class View:
 
 @dataclass
 class Buffer:
-    kind: str  # input, weight, constant, temp, or folded (made once from weights, kept)
+    storage: str  # input, weight, constant, temp, or folded (made once from weights, kept)
     dtype: str
     elements: Any  # sympy expression
     index: int | str | None = None  # the input position, or the weight / constant key
@@ -175,8 +175,8 @@ class Views(EmitterParts):
 
     # --- buffers and views ------------------------------------------------------
 
-    def _new_buffer(self, kind: str, dtype: str, shape, index=None) -> View:
-        self.buffers.append(Buffer(kind, dtype, sympy.sympify(numel(tuple(shape))), index))
+    def _new_buffer(self, storage: str, dtype: str, shape, index=None) -> View:
+        self.buffers.append(Buffer(storage, dtype, sympy.sympify(numel(tuple(shape))), index))
         return View(len(self.buffers) - 1, sympy.Integer(0), tuple(shape), contiguous_strides(shape), dtype)
 
     def view(self, v: SSAValue) -> View:

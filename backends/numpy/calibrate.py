@@ -167,7 +167,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
 
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     return Hardware(
-        name="cpu", kind="cpu",
+        name="cpu", device="cpu",
         peak_flops={"f32": max(r for *_, r in samples) * cores, "f64": f64_rate * cores},
         memory_bandwidth=memory_bandwidth,
         cache_bandwidth=12 * rates["add"],

@@ -384,7 +384,7 @@ class _Emitter:
         env = self._nominal_env(cfg) | self._nominal_blocks(code, cfg)
         out = {}
         for param, expr in zip(code.params, code.host_args):
-            if param.kind == "i32" and ".stride(" not in expr:
+            if param.signature == "i32" and ".stride(" not in expr:
                 try:
                     out[param.name] = int(eval(expr, env))  # noqa: S307 - our own expressions
                 except (NameError, TypeError, ValueError):
@@ -439,7 +439,7 @@ class _Emitter:
         out += ["", "# What each kernel is, for ahead-of-time builds (backends/triton/aot.py) and autotuning.",
                 "KERNELS = {"]
         for k in self.kernels:
-            sig = {p.name: p.kind for p in k.params}
+            sig = {p.name: p.signature for p in k.params}
             builds = [{"constexprs": self._nominal_blocks(k, c), "options": self._nominal_options(k, c),
                        "args": self._nominal_args(k, c)} for c in k.configs]
             out.append(f"    {k.name!r}: {{'signature': {sig!r}, 'configs': {k.configs!r}, 'builds': {builds!r}, "

@@ -141,7 +141,7 @@ def compute_type(dtype: str) -> str:
 @dataclass
 class Param:
     name: str
-    kind: str  # a signature type: "*fp32", "i32", "fp32", "constexpr"
+    signature: str  # its type in the kernel's signature: "*fp32", "i32", "fp32", "constexpr"
 
 
 @dataclass
@@ -220,8 +220,8 @@ class KernelWriter:
         self._counter += 1
         return f"{base}{self._counter}"
 
-    def _param(self, name: str, kind: str, host: str) -> str:
-        self.params.append(Param(name, kind))
+    def _param(self, name: str, signature: str, host: str) -> str:
+        self.params.append(Param(name, signature))
         self.host_args.append(host)
         return name
 
@@ -454,11 +454,11 @@ class KernelWriter:
             return self._gather_kernel()
         if not kinds:
             return self._rows_kernel()
-        if kinds == {"matmul"}:
+        if kinds == {Op.matmul}:
             return self._gemm_kernel()
-        if kinds == {"attention"} and len(self.anchors) == 1:
+        if kinds == {Op.attention} and len(self.anchors) == 1:
             return self._attention_kernel()
-        if kinds == {"conv"} and len(self.anchors) == 1:
+        if kinds == {Op.conv} and len(self.anchors) == 1:
             return self._conv_kernel()
         raise Unsupported(f"a group anchored on {', '.join(sorted(kinds))}")
 
@@ -819,7 +819,7 @@ class KernelWriter:
         """The kernel's source, and the host body that picks a configuration and launches it."""
         for b in blocks:
             self.params.append(Param(b, "constexpr"))
-        params = ", ".join(p.name if p.kind != "constexpr" else f"{p.name}: tl.constexpr" for p in self.params)
+        params = ", ".join(p.name if p.signature != "constexpr" else f"{p.name}: tl.constexpr" for p in self.params)
         kernel = ["@triton.jit", f"def {self.name}({params}):",
                   INDENT + py_docstring(f'{self.kind}: {" ".join(op.op_name for op in self.ops)}')]
         kernel += [INDENT + line for line in self.body]

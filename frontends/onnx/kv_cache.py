@@ -190,27 +190,38 @@ def plan_decoder(proto) -> DecoderPlan:
             axes = constant(u.input[1])
         return u.input[0] if axes is not None and list(np.atleast_1d(axes)) == [SEQUENCE_AXIS] else name
 
-    attentions: dict[str, Attention] = {}
-    for softmax in (n for n in graph.node if n.op_type == "Softmax"):
-        scores = softmax.input[0]
-        add = producer.get(scores)
-        if add is not None and add.op_type == "Add":  # the attention mask (left out: causal over the cache)
-            scores = next((i for i in add.input if producer.get(i) is not None
-                           and producer[i].op_type in ("Mul", "Div", "MatMul")), scores)
+    def scores_of(scores: str):
+        """(the MatMul(Q, K^T) node, the scale, the layer's key write) of scaled scores, else None."""
         scale, scaled = 1.0, producer.get(scores)
         if scaled is not None and scaled.op_type in ("Mul", "Div"):
             factor = constant(scaled.input[1])
             if factor is None or factor.size != 1:
-                continue
+                return None
             scale = float(factor.reshape(())) if scaled.op_type == "Mul" else 1.0 / float(factor.reshape(()))
             scores = scaled.input[0]
         qk = producer.get(scores)
         kt = producer.get(qk.input[1]) if qk is not None and qk.op_type == "MatMul" else None
         if kt is None or kt.op_type != "Transpose" or list(attr(kt, "perm", [])) != [0, 1, 3, 2]:
-            continue
+            return None
         key = writes.get(unrepeat(kt.input[0]))
-        if key is None or key[1] != 0:
+        return (qk, scale, key) if key is not None and key[1] == 0 else None
+
+    attentions: dict[str, Attention] = {}
+    masks: dict[str, int] = {}  # the values added to each layer's scores -> a layer that adds it
+    for softmax in (n for n in graph.node if n.op_type == "Softmax"):
+        found, add, mask = scores_of(softmax.input[0]), producer.get(softmax.input[0]), None
+        if found is None and add is not None and add.op_type == "Add":  # scores + the attention mask
+            for i, operand in enumerate(add.input):
+                found, mask = scores_of(operand), add.input[1 - i]
+                if found is not None:
+                    break
+        if found is None:
             continue
+        qk, scale, key = found
+        if mask is None:
+            raise KVCacheError(f"Softmax '{softmax.name}' over layer {key[0]}'s scores adds no attention mask: the "
+                               "file attends to every position, the in-place import causally")
+        masks.setdefault(mask, key[0])
         probs, users = softmax.output[0], consumers.get(softmax.output[0], [])
         while len(users) == 1 and users[0].op_type in ("Cast", "Identity", "Dropout"):
             probs = users[0].output[0]
@@ -221,12 +232,40 @@ def plan_decoder(proto) -> DecoderPlan:
             raise KVCacheError(f"Softmax '{softmax.name}' over the scores of layer {key[0]}'s keys is not followed "
                                "by a MatMul with that layer's values")
         attentions[pv.output[0]] = Attention(key[0], pv.output[0], qk.input[0], scale)
+    for node in graph.node:  # ONNX's Attention (opset 23: torch's dynamo exporter's spelling of SDPA)
+        if node.op_type != "Attention" or node.domain not in ("", "ai.onnx") or len(node.input) < 3:
+            continue
+        key = writes.get(unrepeat(node.input[1]))
+        if key is None or key[1] != 0:
+            continue
+        attrs = _gqa_attrs(node)
+        problems = [f"{name} = {attrs[name]}" for name, ok in (("softcap", lambda v: v == 0),
+                                                            ("is_causal", lambda v: v == 0))
+                    if name in attrs and not ok(attrs[name])]
+        if unrepeat(node.input[2]) != present[(key[0], 1)]:
+            problems.append(f"its V '{node.input[2]}' is not layer {key[0]}'s values")
+        if any(node.input[4:]):
+            problems.append(f"inputs past the mask {[i for i in node.input[4:] if i]}")
+        if any(o in consumers or o in outputs for o in node.output[1:] if o):
+            problems.append("its present / qk outputs are read")
+        if len(node.input) < 4 or not node.input[3]:
+            problems.append("no attention mask (is_causal = 1 aligns upper-left, not to the cache's end)")
+        if problems:
+            raise KVCacheError(f"Attention '{node.name}' over layer {key[0]}'s cache: {'; '.join(problems)} is not "
+                               "supported in place")
+        masks.setdefault(node.input[3], key[0])
+        scale = float(attrs["scale"]) if attrs.get("scale") else 1.0 / float(np.sqrt(head_dim))
+        attentions[node.output[0]] = Attention(key[0], node.output[0], node.input[0], scale)
     for _, node in fused.values():
         _check_gqa(node, kv_heads)
+    for mask, layer in masks.items():
+        _check_causal_mask(proto, producer, mask, layer, (kv_heads, head_dim, next(iter(dtypes_))))
     missing = sorted(set(range(layers)) - {a.layer for a in attentions.values()} - {f[0] for f in fused.values()})
     if missing:
-        raise KVCacheError(f"no attention (MatMul(Q, K^T) -> Softmax -> MatMul(., V)) reads the cache of "
-                           f"layer(s) {missing}")
+        raise KVCacheError(f"no attention (MatMul(Q, K^T) [x scale] + the causal mask -> Softmax -> MatMul(., V)) "
+                           f"reads the cache of layer(s) {missing}: a mask applied otherwise (Where / masked_fill), "
+                           "or a bias between the scores and the mask (an ALiBi position bias, as MPT and BLOOM "
+                           "add), is not taken in place")
 
     # the nodes still needed once the Concats and attentions are replaced
     needed = {o.name for o in graph.output}
@@ -251,11 +290,101 @@ def plan_decoder(proto) -> DecoderPlan:
         if node.output[0] in replaced:
             continue
         bad = _reads(node) & ({n for kv in past.values() for n in kv.values()} | set(writes) | {"attention_mask"})
+        if bad and node.op_type == "Shape" and SEQUENCE_AXIS not in range(4)[slice(attr(node, "start", 0),
+                                                                                   attr(node, "end"))]:
+            continue  # the batch, heads or head size: the cache's are the past's (torch's dynamo exporter reads
+            # the batch from a past)
         if bad:
             raise KVCacheError(f"node '{node.name}' ({node.op_type}) reads {sorted(bad)} beyond the cache write "
                                "and the attention (a past length or mask used elsewhere): not importable in place")
     return DecoderPlan(layers, kv_heads, head_dim, dtypes_.pop(), [(past[i][0], past[i][1]) for i in range(layers)],
                        writes, attentions, presents, fused, live)
+
+
+# (batch, new rows, past rows) at which a mask is evaluated: a prefill after a past, and one decode step
+MASK_PROBES = ((2, 3, 2), (1, 1, 4))
+MASK_NODES = 400  # more nodes than a mask computation takes (transformers' is ~60): refused unevaluated
+
+
+def _check_causal_mask(proto, producer: dict, mask: str, layer: int, past_shape: tuple[int, int, int]) -> None:
+    """KVCacheError unless the value `mask` that a layer adds to its scores is the causal mask of a
+    dense sequence (0 where key j <= the query's position, <= -1e4 elsewhere; or a boolean mask, true
+    where a key is attended), which is what
+    tg.cache_attention applies: anything else added there (an ALiBi position bias, a sliding window,
+    a mask that is not causal) would be dropped. The mask's computation is evaluated (onnx.reference)
+    at small shapes from an all-ones attention_mask: it may read attention_mask, input_ids and
+    position_ids, and the pasts through Shape only; every other operand must be a constant."""
+    from onnx import TensorProto, helper
+    from onnx.reference import ReferenceEvaluator
+
+    graph = proto.graph
+    inputs = {i.name: i for i in graph.input}
+    initializers = {t.name: t for t in graph.initializer}
+    nodes, stack, seen, leaves = [], [mask], set(), set()
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        node = producer.get(v)
+        if node is None:
+            leaves.add(v)
+        elif node not in nodes:
+            nodes.append(node)
+            stack += sorted(_reads(node))
+    why = ""
+    if len(nodes) > MASK_NODES:
+        why = f"its computation takes {len(nodes)} nodes"
+    elif any(n.domain not in ("", "ai.onnx") for n in nodes):
+        why = f"it is computed with {sorted({n.domain for n in nodes} - {'', 'ai.onnx'})} operators"
+    elif leaves - set(inputs) - set(initializers):
+        why = f"it reads {sorted(leaves - set(inputs) - set(initializers))}, defined nowhere"
+    elif any(PAST.fullmatch(i) for n in nodes if n.op_type != "Shape" for i in _reads(n)):
+        why = "it reads a past's values (not only its shape)"
+    elif set(inputs) & leaves - {"attention_mask", "input_ids", "position_ids"} - {i for i in inputs if PAST.fullmatch(i)}:
+        why = f"it reads {sorted(set(inputs) & leaves - {'attention_mask', 'input_ids', 'position_ids'})}"
+    if why:
+        raise KVCacheError(f"the attention mask added to layer {layer}'s scores ('{mask}') cannot be checked to be "
+                           f"causal: {why}")
+    order = {id(n): k for k, n in enumerate(graph.node)}
+    nodes.sort(key=lambda n: order[id(n)])
+    kv_heads, head_dim, elem = past_shape
+    fed = sorted(leaves & set(inputs))
+    sub = helper.make_graph(nodes, "mask", [inputs[i] for i in fed], [helper.make_empty_tensor_value_info(mask)],
+                            [initializers[i] for i in sorted(leaves & set(initializers))])
+    model = helper.make_model(sub, opset_imports=list(proto.opset_import))
+    model.ir_version = proto.ir_version
+    try:
+        evaluator = ReferenceEvaluator(model)
+    except Exception as e:  # noqa: BLE001 - onnx.reference refusing the graph, whatever its error
+        raise KVCacheError(f"the attention mask added to layer {layer}'s scores ('{mask}') cannot be evaluated: "
+                           f"{type(e).__name__}: {e}") from None
+    for batch, steps, past in MASK_PROBES:
+        total = past + steps
+
+        values = {}
+        for name in fed:
+            dtype = helper.tensor_dtype_to_np_dtype(inputs[name].type.tensor_type.elem_type or TensorProto.INT64)
+            values[name] = (np.ones((batch, total), dtype) if name == "attention_mask"
+                            else np.zeros((batch, steps), dtype) if name == "input_ids"
+                            else np.tile(np.arange(past, total, dtype=dtype), (batch, 1)) if name == "position_ids"
+                            else np.zeros((batch, kv_heads, past, head_dim), helper.tensor_dtype_to_np_dtype(elem)))
+        try:
+            (got,) = evaluator.run(None, values)
+            got = np.where(got, 0.0, -np.inf) if np.asarray(got).dtype == bool else np.asarray(got, np.float64)
+            got = np.broadcast_to(got, (batch, got.shape[1] if got.ndim == 4 else 1, steps, total))
+        except Exception as e:  # noqa: BLE001 - the file's own computation failing at these shapes
+            raise KVCacheError(f"the attention mask added to layer {layer}'s scores ('{mask}') does not evaluate "
+                               f"to [batch, heads, {steps}, {total}] from a past of {past} rows: "
+                               f"{type(e).__name__}: {e}") from None
+        allowed = np.arange(total)[None, :] <= np.arange(past, total)[:, None]
+        through, hidden = got[..., allowed], got[..., ~allowed]
+        if (through != 0).any() or (hidden > -1e4).any():
+            what = ("adds a bias to the positions it lets through (an ALiBi position bias?)" if (through != 0).any()
+                    else "lets through positions after the query's (not causal)")
+            raise KVCacheError(f"the attention mask added to layer {layer}'s scores ('{mask}') {what}: the in-place "
+                               "import attends causally with no bias and would compute something else; "
+                               "tilegraph.compile / from_onnx import the file as it is")
 
 
 def _gqa_attrs(node) -> dict:
@@ -271,12 +400,20 @@ def _gqa_head_dim(node, constant) -> int | None:
     return int(cos.shape[1]) * 2 if cos is not None and cos.ndim == 2 and _gqa_attrs(node).get("do_rotary") else None
 
 
+def _gqa_window(attrs: dict) -> int:
+    """tg.cache_attention's window for GroupQueryAttention's local_window_size L > 0: onnxruntime
+    lets the query at position p see the L keys p - L + 1..p, as tg's window does (checked against
+    its kernel). -1: no window."""
+    size = int(attrs.get("local_window_size", -1))
+    return size if size > 0 else 0
+
+
 def _check_gqa(node, kv_heads: int) -> None:
     """What the rewrite of a GroupQueryAttention supports: causal attention over the cache, an
-    optional rotary embedding in rotate-half form; no window, softcap, sinks, bias or positions."""
+    optional rotary embedding in rotate-half form, a local window; no softcap, sinks, bias or positions."""
     a = _gqa_attrs(node)
     extra = [i for k, i in enumerate(node.input) if k > 8 and i]
-    problems = [f"{name} = {a[name]}" for name, ok in (("local_window_size", lambda v: v in (-1, 0)),
+    problems = [f"{name} = {a[name]}" for name, ok in (("local_window_size", lambda v: v == -1 or 0 < v < 1 << 20),
                                                         ("softcap", lambda v: v == 0),
                                                         ("rotary_interleaved", lambda v: v == 0),
                                                         ("smooth_softmax", lambda v: v in (0, -1)))
@@ -354,7 +491,8 @@ class _DecoderImporter(_Importer):
         store = {} if self.cache_dtype == "f32" else {"store": self.cache_dtype}
         kc, vc = (g.op("cache_write", self.caches[self.plan.past[layer][i]], t, self.pos, **store)
                   for i, t in ((0, k), (1, v)))
-        o = g.op("cache_attention", q, kc, vc, self.pos, scale=float(a.get("scale") or 1.0 / np.sqrt(D)))
+        o = g.op("cache_attention", q, kc, vc, self.pos, scale=float(a.get("scale") or 1.0 / np.sqrt(D)),
+                 window=_gqa_window(a))
         self.env[node.output[0]] = g.reshape(g.transpose(o, (0, 2, 1, 3)), (B, T, H * D))
         self.env[node.output[1]], self.env[node.output[2]] = kc, vc
 

@@ -190,6 +190,45 @@ def _rms_norm(n, x=None):
     return n.op("mul", n.cast(y, dtype), scale)
 
 
+@_conv("RotaryEmbedding")
+def _rotary_embedding(n):
+    """ONNX's RotaryEmbedding (opset 23; torch's dynamo exporter writes it for transformers' rotary):
+    X [B, H, T, D], or [B, T, H x D] with num_heads; cos/sin [B, T, R/2], or tables [positions, R/2]
+    read at position_ids; the first R dims (rotary_embedding_dim, 0: all) rotated as pairs
+    (i, i + R/2) (tg.rope), the rest passed through."""
+    if n.attr("interleaved", 0):
+        raise FrontendError("interleaved = 1 (pairs (2i, 2i + 1)) is not supported")
+    x, cos, sin, where = n.x(0), n.x(1), n.x(2), n.opt(3)
+    if where is not None:
+        cos, sin = n.op("gather", cos, where, axis=0), n.op("gather", sin, where, axis=0)
+    shape = n.shape(x)
+    if len(shape) == 3 and n.attr("num_heads", 0) > 0 and isinstance(shape[2], int) \
+            and shape[2] % n.attr("num_heads") == 0:
+        heads = n.attr("num_heads")
+        x4 = n.transpose(n.reshape(x, (shape[0], shape[1], heads, shape[2] // heads)), (0, 2, 1, 3))
+    elif len(shape) == 4:
+        x4 = x
+    else:
+        raise FrontendError(f"X {n.info(x)} must be [B, H, T, D], or [B, T, H x D] with num_heads dividing it")
+    b, h, t, d = n.shape(x4)
+    if n.rank(cos) != 3 or n.shape(cos) != n.shape(sin) or not isinstance(d, int):
+        raise FrontendError(f"cos {n.info(cos)} and sin {n.info(sin)} must be [B, T, R/2] (or tables read at "
+                            "position_ids) of one shape, the head size fixed")
+    half = n.shape(cos)[2]
+    rotated = n.attr("rotary_embedding_dim", 0) or d
+    if not isinstance(half, int) or rotated != 2 * half or rotated > d:
+        raise FrontendError(f"rotary_embedding_dim {rotated} must be twice cos's last dim {half}, at most the head "
+                            f"size {d}")
+    cos, sin = (n.reshape(c, (n.shape(c)[0], 1, n.shape(c)[1], half)) for c in (cos, sin))
+    if rotated == d:
+        y = n.op("rope", x4, cos, sin)
+    else:
+        part, rest = (n.op("slice", x4, starts=[0, 0, 0, lo], ends=[INT64_MAX] * 3 + [hi], steps=[1] * 4)
+                      for lo, hi in ((0, rotated), (rotated, d)))
+        y = n.op("concat", n.op("rope", part, cos, sin), rest, axis=3)
+    return y if len(shape) == 4 else n.reshape(n.transpose(y, (0, 2, 1, 3)), shape)
+
+
 @_conv("com.microsoft.SkipSimplifiedLayerNormalization")
 def _skip_rms_norm(n):
     """onnxruntime's fused residual + RMSNorm: outputs the norm of input + skip (+ bias), and (as

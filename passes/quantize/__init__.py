@@ -35,7 +35,7 @@ passes/gptq.py): each layer's weights rounded in turn so that the layer's output
 calibration inputs (their X^T X, from `passes.gptq.hessians`) stays close, for every weight
 scheme; the scales and storage stay the scheme's.
 
-Activation ranges come from `calibrate` (min/max, percentile or MSE over calibration
+Activation ranges come from `observe_ranges` (min/max, percentile or MSE over calibration
 inputs), saved by `tilegraph quantize --calib` and read here from `calib=<file.npz>`;
 without them activations are quantized from their own values at run time.
 
@@ -57,10 +57,10 @@ scales, activation ranges), `files` (ranges and Hessians on disk), `transform` (
 `mixed` (the mixed-precision search), `flow` (`quantize_model`, what `tilegraph quantize` runs).
 """
 
-from tilegraph.passes.quantize.files import load_calibration, save_calibration, save_hessians
+from tilegraph.passes.quantize.files import load_ranges, save_ranges, save_hessians
 from tilegraph.passes.quantize.flow import Quantized, quantize_model
 from tilegraph.passes.quantize.mixed import MixedPlan, layer_time, mixed_precision, output_agreement, relative_error
-from tilegraph.passes.quantize.observers import Observer, _round_trip, activation_params, calibrate, weight_scale
+from tilegraph.passes.quantize.observers import Observer, _round_trip, activation_params, observe_ranges, weight_scale
 from tilegraph.passes.quantize.schemes import (DEFAULT_PERCENTILE, FORMATS_SEPARATOR, GRANULARITIES, MSE_RATIOS,
                                                OBSERVER_SAMPLE, OBSERVERS, ROUNDINGS, SCHEMES, QuantizeError, Scheme,
                                                embedding_tables, layer_name, linear_layers, weight_value)
@@ -68,6 +68,6 @@ from tilegraph.passes.quantize.transform import Quantize
 
 __all__ = ["DEFAULT_PERCENTILE", "FORMATS_SEPARATOR", "GRANULARITIES", "MSE_RATIOS", "OBSERVERS", "OBSERVER_SAMPLE",
            "ROUNDINGS", "SCHEMES", "MixedPlan", "Observer", "Quantize", "QuantizeError", "Quantized", "Scheme",
-           "_round_trip", "activation_params", "calibrate", "embedding_tables", "layer_name", "layer_time",
-           "linear_layers", "load_calibration", "mixed_precision", "output_agreement", "quantize_model",
-           "relative_error", "save_calibration", "save_hessians", "weight_scale", "weight_value"]
+           "_round_trip", "activation_params", "embedding_tables", "layer_name", "layer_time",
+           "linear_layers", "load_ranges", "mixed_precision", "observe_ranges", "output_agreement", "quantize_model",
+           "relative_error", "save_ranges", "save_hessians", "weight_scale", "weight_value"]

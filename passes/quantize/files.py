@@ -9,7 +9,7 @@ import numpy as np
 from tilegraph.passes.quantize.schemes import QuantizeError
 
 
-def save_calibration(path: str | Path, ranges: dict[str, tuple[float, float]]) -> Path:
+def save_ranges(path: str | Path, ranges: dict[str, tuple[float, float]]) -> Path:
     np.savez(path, **{k: np.array(v, np.float64) for k, v in ranges.items()})
     return Path(path)
 
@@ -20,7 +20,7 @@ def save_hessians(path: str | Path, hessians: dict[str, np.ndarray]) -> Path:
     return Path(path)
 
 
-def load_calibration(path: str | Path) -> dict[str, tuple[float, float]]:
+def load_ranges(path: str | Path) -> dict[str, tuple[float, float]]:
     from tilegraph.ir.model import read_npz
 
     if not Path(path).is_file():

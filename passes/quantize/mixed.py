@@ -73,11 +73,11 @@ class MixedPlan:
 
 
 def mixed_precision(model: Model, batches: Sequence[Sequence[np.ndarray]], schemes: Sequence[str],
-                    max_error: float | None = None, min_cosine: float | None = None, target: str = "cpu",
+                    max_error: float | None = None, min_cosine: float | None = None, hardware: str = "cpu",
                     sizes: dict | None = None, progress: Callable[[Iterable], Iterable] = iter,
                     memo: dict | None = None, **options) -> MixedPlan:
     """Choose each linear layer's format among `schemes` and float ("none") to minimize the predicted time
-    of the model's linear layers on `target` (passes/cost: `layer_time` at `sizes`, by default the first
+    of the model's linear layers on `hardware` (passes/cost: `layer_time` at `sizes`, by default the first
     calibration batch's), keeping the measured relative output error within `max_error` and the mean
     cosine similarity of the outputs at least `min_cosine` (on the calibration batches).
 
@@ -92,7 +92,7 @@ def mixed_precision(model: Model, batches: Sequence[Sequence[np.ndarray]], schem
     `memo`: measurements kept between calls on the same model and batches (another budget).
     """
     from tilegraph.ir.interpreter import bind_inputs
-    from tilegraph.ir.hardware import hardware
+    from tilegraph.ir.hardware import hardware as hardware_named
     from tilegraph.passes.cost.model import at
     from tilegraph.passes.registry import run_pipeline
     from tilegraph.passes.remarks import remark
@@ -102,7 +102,7 @@ def mixed_precision(model: Model, batches: Sequence[Sequence[np.ndarray]], schem
             raise QuantizeError(f"unknown scheme '{sch}'; the schemes are: {', '.join(SCHEMES)}")
     if max_error is None and min_cosine is None:
         raise QuantizeError("mixed precision needs an accuracy budget: a maximum error or a minimum cosine")
-    hw = hardware(target)
+    hw = hardware_named(hardware)
     options.setdefault("embeddings", "false")  # the search is over linear layers; tables stay as they are
     found = linear_layers(model.func.body.block.ops, model.weights)
     layers = [layer_name(w, i) for i, (_, w) in enumerate(found)]

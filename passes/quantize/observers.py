@@ -146,7 +146,7 @@ def activation_params(rng: tuple[float, float], storage: str, symmetric: bool):
     return scale, zp, "ui8"
 
 
-def calibrate(model: Model, batches: Iterable[Sequence[np.ndarray]], observer: str = "minmax", *,
+def observe_ranges(model: Model, batches: Iterable[Sequence[np.ndarray]], observer: str = "minmax", *,
               percentile: float = DEFAULT_PERCENTILE, symmetric: bool = False, storage: str = "i8",
               progress: Callable[[Iterable], Iterable] = iter) -> dict[str, tuple[float, float]]:
     """Run `model` (the interpreter, float32) on calibration batches and observe the activation of every
@@ -155,7 +155,7 @@ def calibrate(model: Model, batches: Iterable[Sequence[np.ndarray]], observer: s
 
     layers = linear_layers(model.func.body.block.ops, model.weights)
     if not layers:
-        raise QuantizeError("the model has no matmul by a 2-D float weight to calibrate")
+        raise QuantizeError("the model has no matmul by a 2-D float weight to observe")
     names = [layer_name(w, i) for i, (_, w) in enumerate(layers)]
     observers = {n: Observer(observer, percentile, symmetric, storage) for n in names}
     count = 0

@@ -18,7 +18,7 @@ from tilegraph.ir.model import weights_of
 from tilegraph.ir.quant import FORMATS, MX_BLOCK, absmax_scale, quantize
 from tilegraph.ir.shapes import TensorInfo, info_of
 from tilegraph.passes.gptq import gptq
-from tilegraph.passes.quantize.files import load_calibration
+from tilegraph.passes.quantize.files import load_ranges
 from tilegraph.passes.quantize.observers import activation_params, weight_scale
 from tilegraph.passes.quantize.schemes import (FORMATS_SEPARATOR, GRANULARITIES, ROUNDINGS, SCHEMES, QuantizeError,
                                                Scheme, embedding_tables, layer_name, linear_layers, weight_value)
@@ -37,7 +37,7 @@ class Quantize(ModulePass):
     LOSSY = True
 
     scheme: str = "w8a8"
-    calib: str = ""  # activation ranges from `calibrate` (.npz); empty: dynamic activation scales
+    calib: str = ""  # activation ranges from `observe_ranges` (.npz); empty: dynamic activation scales
     observer: str = "minmax"  # weights: minmax | mse
     granularity: str = ""  # weights: tensor | channel | group; empty: the scheme's
     group_size: int = 0  # with granularity=group; 0: the scheme's
@@ -60,7 +60,7 @@ class Quantize(ModulePass):
         if self.group_size < 0:
             raise QuantizeError(f"group-size {self.group_size} is negative")
         if self.calib:
-            load_calibration(self.calib)  # a bad file fails when the pipeline is read
+            load_ranges(self.calib)  # a bad file fails when the pipeline is read
         self.layer_formats()
         if self.rounding not in ROUNDINGS:
             raise QuantizeError(f"unknown rounding '{self.rounding}'; one of {', '.join(ROUNDINGS)}")
@@ -101,7 +101,7 @@ class Quantize(ModulePass):
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         scheme = self.resolved()
         store = weights_of(op)
-        ranges = load_calibration(self.calib) if self.calib else {}
+        ranges = load_ranges(self.calib) if self.calib else {}
         formats = self.layer_formats()
         from xdsl.dialects.func import FuncOp
 

@@ -6,7 +6,7 @@ the same questions, so that the cost model and the `tile` pass hold no branch on
     group_cost(ops, anchors, rest, inputs, outputs, hw, label=, chunks=, gemm_rows=,
                gemm_cols=, blas_gemm=) -> Cost     a fused group (the chunk options are the
                                                    NumPy backend's; the others run it whole)
-    tile(group, hw, max_rows, max_cols, blas_gemm) -> dict    the tile the backend reads
+    choose_tile(group, hw, max_rows, max_cols, blas_gemm) -> dict    the tile the backend reads
 
 `gpu` (the Triton backend), `numpy` (the NumPy backend's chunked calls) and `c` (the C
 backend's compiled steps). passes/cost/model.py picks one (`target`) and holds what they share.

@@ -43,7 +43,7 @@ C_LIBM = {"log", "pow", "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "co
 # The C backend's flash blocks (queries, keys), tried largest first.
 C_FLASH_BLOCKS = ((128, 256), (128, 128), (64, 128), (64, 64), (32, 64))
 
-__all__ = ["op_cost", "quant_cost", "group_cost", "tile", "C_PARALLEL_MIN"]
+__all__ = ["op_cost", "quant_cost", "group_cost", "choose_tile", "C_PARALLEL_MIN"]
 
 
 def op_cost(op: TgOp, hw) -> Cost:
@@ -194,7 +194,7 @@ def step_overhead(hw, elements: sympy.Expr) -> sympy.Expr:
                            (hw.chunk_call_overhead + hw.parallel_overhead, True))
 
 
-def tile(group: FusionOp, hw, *_options) -> dict[str, int]:
+def choose_tile(group: FusionOp, hw, *_options) -> dict[str, int]:
     """Attention's blocks; every other group runs whole (module docstring)."""
     attention = [op for op in group.ops if op.op_name == Op.attention]
     return _attention_blocks(attention[0], hw) if attention else {}

@@ -107,7 +107,7 @@ def group_cost(ops, anchors, rest, inputs, outputs, hw, label: str = "", **_tile
                 ops=[op.op_name for op in ops])
 
 
-def tile(group: FusionOp, hw, *_options) -> dict[str, int]:
+def choose_tile(group: FusionOp, hw, *_options) -> dict[str, int]:
     """Attention's blocks alone, else the GEMM's or the row block."""
     attention = [op for op in group.ops if op.op_name == Op.attention]
     if attention:

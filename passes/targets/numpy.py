@@ -302,7 +302,7 @@ def _from_memory(hw, bytes_: sympy.Expr, cold: sympy.Expr) -> sympy.Expr:
     return sympy.Piecewise((cold, bytes_ <= hw.cache_bytes), (bytes_, True)) / hw.memory_bandwidth
 
 
-def tile(group: FusionOp, hw, max_rows: int, max_cols: int, blas_gemm: bool) -> dict[str, int]:
+def choose_tile(group: FusionOp, hw, max_rows: int, max_cols: int, blas_gemm: bool) -> dict[str, int]:
     """Chunks of rows (or columns), attention in flash blocks first (module docstring)."""
     attention = [op for op in group.ops if op.op_name == Op.attention]
     blocks = attention_tile(attention[0], FLASH_BLOCK_Q, FLASH_BLOCK_KV) if attention else {}

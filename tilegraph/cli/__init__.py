@@ -6,10 +6,10 @@
     tilegraph check model.onnx                         # tilegraph vs onnxruntime
     tilegraph calibrate                                # measure this CPU for the cost model
     tilegraph calibrate --target c                     # ... as the native C backend runs on it
-    tilegraph cost model.onnx --target h100 --dim batch=8   # predicted time, kernel by kernel
-    tilegraph cost model.onnx --target cpu --symbolic       # ... as formulas of the symbolic dims
+    tilegraph cost model.onnx --hardware h100 --dim batch=8  # predicted time, kernel by kernel
+    tilegraph cost model.onnx --hardware cpu --symbolic     # ... as formulas of the symbolic dims
     tilegraph compile model.onnx -o model_np.py --report    # + kernels, buffers, planned peak memory
-    tilegraph shard model.onnx --mesh 8 --target h100       # how to split it over 8 GPUs, predicted step time
+    tilegraph shard model.onnx --mesh 8 --hardware h100     # how to split it over 8 GPUs, predicted step time
     tilegraph run model.onnx --devices 4 --dim batch=4      # the sharded program on 4 local processes (gloo)
     tilegraph quantize model.onnx --calib samples.npz --scheme w8a8 -o model_q.mlir   # calibrate, quantize
     tilegraph export model_q.mlir -o model_q.onnx      # to ONNX (QDQ form if quantized) for onnxruntime

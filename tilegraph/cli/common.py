@@ -72,7 +72,7 @@ FORMULA_DIGITS = 4
 
 
 # sympy.simplify's time grows exponentially in Piecewise/Min/Max/ceiling terms (the CPU cost
-# model's regimes: `cost --target cpu --symbolic` sat in piecewise_fold for 14 minutes on
+# model's regimes: `cost --hardware cpu --symbolic` sat in piecewise_fold for 14 minutes on
 # MiniLM); past this size, or with such terms, the formula is only expanded (about 1 s).
 SIMPLIFY_MAX_OPS = 200
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from tilegraph.cli.common import (_input_symbols, _subs, check_dims, format_count, parse_dims, refuse_overwriting,
                                   write_together)
 from tilegraph.ir.model import weights_path
-from tilegraph.passes.registry import with_target
+from tilegraph.passes.registry import with_hardware
 
 
 def _import(args) -> int:
@@ -32,7 +32,7 @@ def _compile(args) -> int:
     # Fusion and tiling are decided for the target's hardware (backends.triton.HARDWARE for
     # triton): the default pipeline does so, and a given one too where it names no target.
     hardware = getattr(backend(args.target), "HARDWARE", "cpu")
-    pipeline = None if args.pipeline is None else with_target(args.pipeline, hardware)
+    pipeline = None if args.pipeline is None else with_hardware(args.pipeline, hardware)
     imported = tilegraph.import_model(args.model)
     compiled = tilegraph.compile(imported, target=args.target, pipeline=pipeline)
     report = _report(compiled, dims, hardware, imported) if args.report else []  # a bad --dim fails before anything is written

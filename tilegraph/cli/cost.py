@@ -6,7 +6,7 @@ from pathlib import Path
 
 from tilegraph.cli.common import (_cost_symbols, _formula, _input_symbols, _time_unit, check_dims, describe_sizes,
                                   format_count, parse_dims, sizes_for)
-from tilegraph.passes.registry import with_target
+from tilegraph.passes.registry import with_hardware
 
 
 def _cost(args) -> int:
@@ -15,16 +15,16 @@ def _cost(args) -> int:
     from tilegraph.passes.cost.model import module_cost
     from tilegraph.passes.registry import DEFAULT_PIPELINE, run_pipeline
 
-    hw = hardware(args.target)  # an unknown target or a bad --dim fails before any import work
+    hw = hardware(args.hardware)  # an unknown hardware name or a bad --dim fails before any import work
     if getattr(args, "decode", False):
         return _decode_cost(args, hw)
     dims = parse_dims(args.dim)
-    pipeline = with_target(DEFAULT_PIPELINE if args.pipeline is None else args.pipeline, hw.name)
+    pipeline = with_hardware(DEFAULT_PIPELINE if args.pipeline is None else args.pipeline, hw.name)
     model = run_pipeline(tilegraph.import_model(args.model), pipeline)
     cost = module_cost(model.module, hw)
     symbols = _input_symbols(model) | _cost_symbols(cost)
     check_dims(dims, symbols)
-    print(f"{Path(args.model).name} on {hw.name}" + (f" ({hw.source})" if hw.kind == "cpu" else ""))
+    print(f"{Path(args.model).name} on {hw.name}" + (f" ({hw.source})" if hw.device == "cpu" else ""))
     print(f"pipeline: {pipeline or '(none)'}")
     if args.symbolic:
         _print_formulas(cost, dims)
@@ -112,7 +112,7 @@ def _decode_cost(args, hw) -> int:
                          DEFAULT_PIPELINE)
     predicted = float(at(module_cost(model.module, hw).time, {}))
     print(f"{Path(args.model).name}: {c.arch}, {c.layers} layers, decode of {batch} sequence(s) at cache depth "
-          f"{args.depth}, on {hw.name}" + (f" ({hw.source})" if hw.kind == "cpu" else ""))
+          f"{args.depth}, on {hw.name}" + (f" ({hw.source})" if hw.device == "cpu" else ""))
     print(f"bytes read per step: {format_count(weight_bytes)} of weights + {format_count(cache_bytes)} of "
           f"{args.cache_dtype} KV cache "
           f"= {format_count(per_step)}")

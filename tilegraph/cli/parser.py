@@ -61,13 +61,13 @@ def _parser() -> argparse.ArgumentParser:
     qz.add_argument("--batch-size", type=int, default=8, help="calibration samples per run (default: 8)")
     qz.add_argument("--max-error", type=float, default=None,
                     help="mixed precision (needs --calib): each linear layer gets --scheme, --fallback or stays "
-                         "float, whichever is predicted fastest on --target, keeping the relative output error on "
+                         "float, whichever is predicted fastest on --hardware, keeping the relative output error on "
                          "the calibration samples within this")
     qz.add_argument("--min-cosine", type=float, default=None,
                     help="mixed precision, as --max-error: keep the outputs' mean cosine similarity at least this")
     qz.add_argument("--fallback", default="w8", choices=["none", *SCHEMES],
                     help="with --max-error / --min-cosine: a second scheme a layer may get (default: w8)")
-    qz.add_argument("--target", default="cpu", help="with --max-error / --min-cosine: the hardware the speed is "
+    qz.add_argument("--hardware", default="cpu", help="with --max-error / --min-cosine: the hardware the speed is "
                                                    "predicted for: h100, h200, a100 or cpu (default)")
     qz.add_argument("--block-format", default=None, choices=list(BLOCK_FORMATS),
                     help="with -o x.gguf and a transformers model folder (config.json and its weights): write a "
@@ -124,14 +124,14 @@ def _parser() -> argparse.ArgumentParser:
             gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
 
     # --- cost: the cost model's prediction, kernel by kernel (passes/cost/model.py) ---
-    cost = sub.add_parser("cost", help="predict FLOPs, bytes and time of every kernel on a target",
+    cost = sub.add_parser("cost", help="predict FLOPs, bytes and time of every kernel on some hardware",
                           description="Run the pipeline, then print the cost model's prediction for every "
                                       "kernel (fused group or unfused op) and the totals. Passes with a "
-                                      "`target` option (fuse, tile) decide for --target unless the pipeline "
-                                      "names one, e.g. -p 'canonicalize,fuse{target=cpu}'.")
+                                      "`hardware` option (fuse, tile) decide for --hardware unless the pipeline "
+                                      "names one, e.g. -p 'canonicalize,fuse{hardware=cpu}'.")
     _shared(cost, pipeline=PIPELINE,
             dim=f"size of a symbolic dimension, e.g. --dim batch=8 (default: {DEFAULT_DIM} each)")
-    cost.add_argument("--target", default="cpu",
+    cost.add_argument("--hardware", default="cpu",
                       help="hardware: h100, h200, a100, cpu (this machine's calibrated profile for the NumPy "
                            "backend; default) or c (the same for the C backend)")
     cost.add_argument("--symbolic", action="store_true",
@@ -159,7 +159,7 @@ def _parser() -> argparse.ArgumentParser:
                             "config.json (GPT-2's or Llama's fields) or a named shape (llama-7b, llama-13b, "
                             "llama-70b, gpt2, gpt2-xl); its weights are never materialised")
     shard.add_argument("--mesh", default="8", help="device mesh: 8, or 2x4 (axes; the last inside a node)")
-    shard.add_argument("--target", default="h100", help="the devices: h100, h200 or a100")
+    shard.add_argument("--hardware", default="h100", help="the devices: h100, h200 or a100")
     shard.add_argument("--memory", default="", help="memory budget per device, e.g. 40GB (default: the device's)")
     shard.add_argument("--inference", action="store_true", help="plan a forward pass, not a training step")
     shard.add_argument("--symbolic", action="store_true",
@@ -180,7 +180,7 @@ def _parser() -> argparse.ArgumentParser:
             dim="size of a symbolic dimension (default: the number of devices)")
     dist.add_argument("--devices", type=int, required=True, help="how many processes (the mesh, unless --mesh)")
     dist.add_argument("--mesh", default=None, help="mesh shape, e.g. 2x2 (default: --devices on one axis)")
-    dist.add_argument("--target", default="h100", help="the hardware the plan is costed for (default h100)")
+    dist.add_argument("--hardware", default="h100", help="the hardware the plan is costed for (default h100)")
     dist.add_argument("--seed", type=_non_negative, default=0)
     dist.add_argument("--backend", default="numpy", choices=["numpy", "c"],
                       help="the backend that compiles each device's ops between its collectives (default numpy; "

@@ -1,4 +1,4 @@
-"""`tilegraph quantize`: calibrate on sample inputs, choose schemes, write the quantized model."""
+"""`tilegraph quantize`: observe activation ranges on sample inputs, choose schemes, write the quantized model."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def _quantize(args) -> int:
         SCHEMES,
         linear_layers,
         quantize_model,
-        save_calibration,
+        save_ranges,
     )
     from tilegraph.passes.registry import UNFUSED_PIPELINE, run_pipeline
 
@@ -41,7 +41,7 @@ def _quantize(args) -> int:
         from tilegraph.ir.hardware import check_target
 
         try:
-            check_target(args.target)
+            check_target(args.hardware)
         except ValueError as e:
             raise TilegraphError(str(e)) from None
     if args.rounding == "gptq" and args.calib is None:
@@ -63,7 +63,7 @@ def _quantize(args) -> int:
         model, args.scheme, batches=batches, observer=args.observer, percentile=args.percentile,
         weight_observer=args.weight_observer, symmetric=args.symmetric, rounding=args.rounding,
         act_order=args.act_order, max_error=args.max_error, min_cosine=args.min_cosine, fallback=args.fallback,
-        target=args.target, progress=lambda it, what: tqdm(it, desc=what, unit=units[what], file=sys.stderr))
+        hardware=args.hardware, progress=lambda it, what: tqdm(it, desc=what, unit=units[what], file=sys.stderr))
     quantized, ranges, plan = result.model, result.ranges, result.plan
     for line in plan.remarks if plan else []:
         print(line)
@@ -74,7 +74,7 @@ def _quantize(args) -> int:
         proto = to_onnx(quantized, Path(args.export_onnx).stem)
     write_together({weights_path(out): quantized.weights.save, out: lambda p: p.write_text(quantized.text)})
     if ranges is not None:
-        save_calibration(calib_path, ranges)
+        save_ranges(calib_path, ranges)
     layers = result.layers
     what, how = f"{layers} linear layers ({args.scheme}", ""
     if mixed:  # say what the search chose, not what it was offered
@@ -84,7 +84,7 @@ def _quantize(args) -> int:
         floats = got.pop("none", 0)
         what = f"{layers - floats} of {layers} linear layers ("
         how = ", ".join([f"{n} {scheme}" for scheme, n in got.most_common()] + ([f"{floats} float"] if floats else [])
-                        ) + f"; chosen for {args.target}"
+                        ) + f"; chosen for {args.hardware}"
     print(f"quantized {what}{how}"
           + (f", activations calibrated by {args.observer} on {args.calib}" if ranges else
              ", activation scales from the data at run time" if SCHEMES[args.scheme].activation else "")

@@ -40,7 +40,7 @@ def _run(args) -> int:
     sizes = {**{s: args.devices for s in symbols}, **dims}
     given = ",".join(f"{k}={v}" for k, v in sorted(sizes.items()))
     mesh = "x".join(map(str, shape))
-    annotated = run_pipeline(model, f'shard{{mesh={mesh} target={args.target} inference=true sizes="{given}"}}')
+    annotated = run_pipeline(model, f'shard{{mesh={mesh} hardware={args.hardware} inference=true sizes="{given}"}}')
     program = partition(annotated, sizes)
     inputs = random_inputs(model, seed=args.seed, sizes=sizes, int_high=VALID_INT_HIGH)
     repeats = max(1, args.repeats)

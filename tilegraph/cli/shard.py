@@ -24,9 +24,9 @@ def _shard(args) -> int:
         shape, budget = parse_mesh(args.mesh), parse_memory(args.memory)
     except ValueError as e:
         raise TilegraphError(str(e)) from None
-    if str(args.target).lower() not in GPUS:  # (before hardware(): "cpu" would calibrate this machine)
-        raise TilegraphError(f"--target {args.target}: sharding plans are for GPUs ({', '.join(GPUS)})")
-    hw = hardware(args.target)
+    if str(args.hardware).lower() not in GPUS:  # (before hardware(): "cpu" would calibrate this machine)
+        raise TilegraphError(f"--hardware {args.hardware}: sharding plans are for GPUs ({', '.join(GPUS)})")
+    hw = hardware(args.hardware)
     dims = parse_dims(args.dim)
     show = sys.stderr.isatty() if args.progress is None else args.progress
     with StatusLine("tilegraph shard") if show else contextlib.nullcontext() as status:

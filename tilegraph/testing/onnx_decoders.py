@@ -22,9 +22,10 @@ TINY = {"vocab": 256, "hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "ffn
 
 
 def make_model(arch: str = "llama", seed: int = 0, **sizes: Any):
-    """A transformers causal LM of `arch` ('llama', 'gpt2') with random weights, eager attention, eval mode."""
+    """A transformers causal LM of `arch` ('llama', 'gpt2', 'mpt': ALiBi) with random weights, eager
+    attention, eval mode."""
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MptConfig, MptForCausalLM
 
     s = {**TINY, **sizes}
     config: Any
@@ -39,18 +40,35 @@ def make_model(arch: str = "llama", seed: int = 0, **sizes: Any):
         config = GPT2Config(vocab_size=s["vocab"], n_embd=s["hidden"], n_layer=s["layers"], n_head=s["heads"],
                             n_positions=s["positions"], **EAGER)
         model = GPT2LMHeadModel(config)
+    elif arch == "mpt":
+        config = MptConfig(vocab_size=s["vocab"], d_model=s["hidden"], n_layers=s["layers"], n_heads=s["heads"],
+                           max_seq_len=s["positions"], expansion_ratio=s["ffn"] // s["hidden"], **EAGER)
+        model = MptForCausalLM(config)
     else:
-        raise ValueError(f"arch '{arch}': 'llama' or 'gpt2'")
+        raise ValueError(f"arch '{arch}': 'llama', 'gpt2' or 'mpt'")
     return model.eval()
 
 
-def export_decoder(path: str | Path, arch: str = "llama", seed: int = 0, opset: int = 17, **sizes: Any):
-    """Write the decoder-with-past ONNX file of make_model(arch, seed, **sizes) to `path`; returns the model."""
+def alibi_slopes(heads: int):
+    """ALiBi's per-head slopes (BLOOM's and MPT's, for a power-of-two head count): 2^(-8 h / heads)."""
+    return 2.0 ** (-8.0 * np.arange(1, heads + 1) / heads)
+
+
+def export_decoder(path: str | Path, arch: str = "llama", seed: int = 0, opset: int = 17, alibi: bool = False,
+                   dynamo: bool = False, **sizes: Any):
+    """Write the decoder-with-past ONNX file of make_model(arch, seed, **sizes) to `path`; returns the model.
+    `alibi`: the file adds an ALiBi position bias (slope_h x key position, per head) to the causal
+    mask, as BLOOM and MPT do: the wrapper builds the 4D float mask [B, H, T, S] the model adds to
+    its scores (transformers takes a 4D mask as it is). `dynamo`: SDPA attention exported by torch's
+    dynamo exporter (needs onnxscript): at opset >= 23 ONNX Attention (a boolean mask) and
+    RotaryEmbedding / RMSNormalization nodes."""
     import torch
     from transformers import DynamicCache
 
     model = make_model(arch, seed, **sizes)
     config = model.config
+    if dynamo:
+        config._attn_implementation = "sdpa"
     layers = config.num_hidden_layers
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = config.hidden_size // config.num_attention_heads
@@ -61,6 +79,8 @@ def export_decoder(path: str | Path, arch: str = "llama", seed: int = 0, opset: 
             self.lm = lm
 
         def forward(self, input_ids, attention_mask, position_ids, *past):
+            if alibi:
+                attention_mask = self.alibi_mask(attention_mask, input_ids.shape[1])
             cache = DynamicCache(config=self.lm.config)
             for i, layer in enumerate(cache.layers[:layers]):
                 # the past as the layer's contents (not an update of an empty layer, which traces a
@@ -73,6 +93,15 @@ def export_decoder(path: str | Path, arch: str = "llama", seed: int = 0, opset: 
             for layer in out.past_key_values.layers[:layers]:
                 result += [layer.keys, layer.values]
             return tuple(result)
+
+        def alibi_mask(self, attention_mask, steps):
+            total = attention_mask.shape[1]
+            keys = torch.arange(total)
+            queries = keys[total - steps:]  # the new rows' positions: the last `steps` of the total
+            allowed = (keys[None, :] <= queries[:, None])[None, None] & attention_mask[:, None, None, :].bool()
+            causal = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
+            slopes = torch.tensor(alibi_slopes(config.num_attention_heads), dtype=torch.float32)
+            return causal + slopes[None, :, None, None] * keys.float()[None, None, None, :]
 
     batch, steps, past_len = 1, 3, 5
     ids = torch.randint(0, config.vocab_size, (batch, steps))
@@ -93,8 +122,15 @@ def export_decoder(path: str | Path, arch: str = "llama", seed: int = 0, opset: 
 
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # the tracer's notes on transformers' Python-side checks
-        torch.onnx.export(wrapper, (ids, mask, positions, *past), str(path), input_names=inputs,
-                          output_names=outputs, dynamic_axes=axes, opset_version=opset, dynamo=False)
+        if dynamo:
+            b, t, p, s = (torch.export.Dim(n) for n in ("batch", "sequence", "past", "total"))
+            shapes = {"input_ids": {0: b, 1: t}, "attention_mask": {0: b, 1: s}, "position_ids": {0: b, 1: t},
+                      "past": tuple({0: b, 2: p} for _ in kv)}
+            torch.onnx.export(wrapper, (ids, mask, positions, *past), str(path), input_names=inputs,
+                              output_names=outputs, dynamic_shapes=shapes, opset_version=opset, dynamo=True)
+        else:
+            torch.onnx.export(wrapper, (ids, mask, positions, *past), str(path), input_names=inputs,
+                              output_names=outputs, dynamic_axes=axes, opset_version=opset, dynamo=False)
     return model.eval()
 
 
@@ -154,12 +190,13 @@ def write_hf_folder(folder: str | Path, arch: str = "llama", seed: int = 0, **si
 
 
 def write_gqa_decoder(path: str | Path, seed: int = 0, vocab: int = 64, hidden: int = 64, heads: int = 4,
-                      kv_heads: int = 2, layers: int = 2, positions: int = 64) -> None:
+                      kv_heads: int = 2, layers: int = 2, positions: int = 64, local_window: int = -1) -> None:
     """A decoder-with-past file in onnxruntime-genai's builder's form, written with onnx.helper:
     com.microsoft GroupQueryAttention on packed QKV with its rotary embedding (cos/sin tables),
     seqlens_k and total_sequence_length derived from attention_mask, RMSNorms as
     SimplifiedLayerNormalization / com.microsoft.SkipSimplifiedLayerNormalization (residual in
-    output 3), past `past_key_values.N.key/.value` [batch, kv_heads, past, kv_cache_dim]."""
+    output 3), past `past_key_values.N.key/.value` [batch, kv_heads, past, kv_cache_dim].
+    `local_window` >= 0: the attention's local_window_size (Mistral's sliding window as the builder writes it)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -205,7 +242,7 @@ def write_gqa_decoder(path: str | Path, seed: int = 0, vocab: int = 64, hidden: 
                                                            "cos_cache", "sin_cache"],
                                    [p + "attn", f"present.{i}.key", f"present.{i}.value"], domain="com.microsoft",
                                    num_heads=heads, kv_num_heads=kv_heads, do_rotary=1, rotary_interleaved=0,
-                                   scale=float(1 / np.sqrt(d)), local_window_size=-1),
+                                   scale=float(1 / np.sqrt(d)), local_window_size=local_window),
                   helper.make_node("MatMul", [p + "attn", weight(p + "o", heads * d, hidden)], [p + "o_out"]),
                   helper.make_node("SkipSimplifiedLayerNormalization", [p + "o_out", residual,
                                                                          weight(p + "norm2", hidden)],
