@@ -19,6 +19,11 @@
 #include <immintrin.h>
 
 #define BQ_MAXR 4   /* activation rows sharing one unpacked weight block (a prompt's rows) */
+/* How far ahead of the weight row it reads the decode loop asks for the rows to come: one row
+ * of activations does a few instructions per 64 weight bytes, too few to hide a load that misses,
+ * and the hardware's stream prefetch alone left the VBMI kernel waiting on its weight loads (one
+ * row of q8_0 4096 x 576: ~1.2-1.5x faster with this, in one process A/B). */
+#define BQ_PF_BYTES 4096
 #define BQ_TILE 16  /* weight rows a thread takes at a time: 16 rows of K = 1536 in q4 are 15 KB, in L1 */
 /* Below this many weight bytes times rows a matmul runs on one thread: waking a sleeping
  * OpenMP team costs some microseconds, what one core takes for ~64 KB from cache. */
@@ -791,6 +796,9 @@ int tg_block_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int6
             for (int64_t n = n0; n < n1; n++) {
                 float out[BQ_Z8_ROWS];
                 const uint8_t *wr = w + n * row_bytes;
+                if (z8 && (n + 1) * row_bytes + BQ_PF_BYTES <= N * row_bytes)
+                    for (int64_t i = 0; i < row_bytes; i += 64)
+                        _mm_prefetch((const char *)(wr + BQ_PF_BYTES + i), _MM_HINT_T0);
                 if (!z8) dot(wr, rows + m, R, nb, out);
                 else {
                     bq_z8[fmt](wr, zrows + m, R, np, out);
