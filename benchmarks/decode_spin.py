@@ -8,7 +8,8 @@ with llama.cpp (llama-cpp-python) on the same file under the same setting as the
 libgomp reads its wait policy once, when it loads, so each setting runs in a fresh process;
 rounds interleave the settings (the order rotated), medians. The runtime runs a step on one
 thread while another process is runnable (backends/c/runtime._uncontended_threads): the share of
-steps that ran on 2 threads is printed beside each row, and on a busy machine most will not.
+steps that ran on 2 threads is printed beside each row, and on a busy machine most will not;
+--all-threads turns that fallback off, to see the wait policy itself.
 
     python benchmarks/decode_spin.py [--rounds 3] [--tg 64] [--spins 0,3000,30000]
 """
@@ -26,8 +27,13 @@ import time
 import numpy as np
 
 
-def child(tg: int, threads: int) -> None:
+def child(tg: int, threads: int, all_threads: bool) -> None:
     from generate_llama_cpp import LlamaCpp, Tilegraph, model_path
+
+    if all_threads:  # the runtime's fallback to one thread while others run, off
+        from tilegraph.backends.c import runtime as c_runtime
+
+        c_runtime._uncontended_threads = lambda n: n
 
     path = model_path()
     tile = Tilegraph(path, threads, 256, "q8", "f16")
@@ -47,14 +53,15 @@ def child(tg: int, threads: int) -> None:
     print(json.dumps({"tilegraph": tg / t_tile, "llama.cpp": tg / t_llama, "two": two / tg}))
 
 
-def run(spin: int, tg: int, threads: int) -> dict:
+def run(spin: int, tg: int, threads: int, all_threads: bool) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     if spin:
         env["GOMP_SPINCOUNT"] = str(spin)
     else:
         env["OMP_WAIT_POLICY"] = "PASSIVE"
     env.setdefault("HF_HUB_OFFLINE", "1")
-    out = subprocess.run([sys.executable, __file__, "--child", "--tg", str(tg), "--threads", str(threads)],
+    out = subprocess.run([sys.executable, __file__, "--child", "--tg", str(tg), "--threads", str(threads)]
+                         + (["--all-threads"] if all_threads else []),
                          env=env, capture_output=True, text=True, check=True, cwd=os.path.dirname(__file__) or ".")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -65,17 +72,19 @@ def main() -> None:
     ap.add_argument("--tg", type=int, default=64, help="decode steps timed per run")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--spins", default="0,3000,30000", help="GOMP_SPINCOUNT values; 0: OMP_WAIT_POLICY=PASSIVE")
+    ap.add_argument("--all-threads", action="store_true",
+                    help="every step on --threads, even while other processes are runnable")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.tg, args.threads)
+        child(args.tg, args.threads, args.all_threads)
         return
     spins = [int(s) for s in args.spins.split(",")]
     got: dict[int, list[dict]] = {s: [] for s in spins}
     start = time.perf_counter()
     for r in range(args.rounds):
         for s in spins[r % len(spins):] + spins[:r % len(spins)]:
-            got[s].append(run(s, args.tg, args.threads))
+            got[s].append(run(s, args.tg, args.threads, args.all_threads))
         print(f"round {r + 1}/{args.rounds} done; load average {os.getloadavg()[0]:.1f}", flush=True)
     base = statistics.median(g["tilegraph"] for g in got[spins[0]])
     print(f"\nSmolLM2-135M Q4_1 decode, {args.threads} threads, tokens/s, medians of {args.rounds} rounds x "
