@@ -7,7 +7,8 @@ the tree is copied to a temporary directory, the patch applied there, and the fo
 its layer (LAYERS: the property suite for passes, ir/ and the NumPy backend; the C backend's tests for
 the C emitter and runtime.c/blockq.c; each frontend's, quantize's, shard's and the caches' own; files
 of `make test`, at their own hypothesis settings, slow tests left out but for WITH_SLOW) run on the copy. A fault is
-caught when they fail. The untouched tree must pass first. The score is printed per layer.
+caught when they fail. The untouched tree must pass first (a layer whose baseline fails or
+times out is reported and its faults not run; the other layers go on). The score is printed per layer.
 
 Affordable: each fault runs only the tests of its layer's files that can see it. The baseline run
 records, with coverage.py, which test executes which line of the faulted files; a fault then runs
@@ -609,11 +610,15 @@ def main() -> int:
         coverage_map: dict = {"lines": {}, "called": {}}
         with ThreadPoolExecutor(jobs) as pool:
             done = list(pool.map(baseline, range(len(suites))))
+        # A layer whose baseline fails (or times out under load) cannot select its faults' tests:
+        # its faults are not run; the layers whose baselines passed go on.
+        no_baseline: set[int] = set()
         for files, ok, why, secs, out in done:
             print(f"baseline {' '.join(files)} (with per-test coverage): {'passes' if ok else 'FAILS: ' + why} "
                   f"({secs:.0f} s)", flush=True)
             if not ok:
-                return 2
+                no_baseline |= {i for i in chosen if LAYERS[layer_of(FAULTS[i - 1].path)] == files}
+                continue
             part = json.loads(out.read_text())
             for rel, lines in part["lines"].items():
                 mine = coverage_map["lines"].setdefault(rel, {})
@@ -650,9 +655,13 @@ def main() -> int:
                 verdict = "caught" if not ok else "ESCAPED"
             return i, verdict, why, len(tests), time.perf_counter() - t
 
-        results: dict[int, str] = {}
+        results: dict[int, str] = {i: "no baseline" for i in no_baseline}
+        if no_baseline:
+            print(f"not run (their layer's baseline failed): {','.join(map(str, sorted(no_baseline)))}")
+        if no_baseline == set(chosen):
+            return 2
         with ThreadPoolExecutor(jobs) as pool:
-            for future in as_completed([pool.submit(one, i) for i in chosen]):
+            for future in as_completed([pool.submit(one, i) for i in chosen if i not in no_baseline]):
                 i, verdict, why, n, secs = future.result()
                 f = FAULTS[i - 1]
                 results[i] = verdict
@@ -666,7 +675,10 @@ def main() -> int:
     if skipped:
         print(f"not run (past --time-limit): {len(skipped)} faults, left out of the table: "
               f"{','.join(map(str, skipped))}")
-    ran = [i for i in chosen if results[i] != "not run"]
+    if no_baseline:
+        print(f"not run (their layer's baseline failed): {len(no_baseline)} faults, left out of the table: "
+              f"{','.join(map(str, sorted(no_baseline)))}")
+    ran = [i for i in chosen if results[i] not in ("not run", "no baseline")]
     rows = [("all", ran)] + [(name, [i for i in ran if layer_of(FAULTS[i - 1].path) == name]) for name in LAYERS]
     for name, ids in rows[1:] + rows[:1]:
         if not ids:

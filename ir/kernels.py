@@ -217,11 +217,14 @@ def attention(q, k, v, mask, scale, causal):
     return np.matmul(softmax(scores, -1), v)
 
 
-def _window_view(x, kernel, strides, dilations):
-    """A strided view (N, C, *out, *kernel) of the spatial windows of x (N, C, *spatial)."""
+def _window_view(x, kernel, strides, dilations, counts=None):
+    """A strided view (N, C, *out, *kernel) of the spatial windows of x (N, C, *spatial); at
+    most `counts` windows per spatial dim when given (a pool's, _pool_pads)."""
     nd = len(kernel)
     spatial = x.shape[2:]
     out = [(spatial[i] - dilations[i] * (kernel[i] - 1) - 1) // strides[i] + 1 for i in range(nd)]
+    if counts is not None:
+        out = [min(o, c) for o, c in zip(out, counts)]
     s = x.strides
     shape = x.shape[:2] + tuple(out) + tuple(kernel)
     strides_ = s[:2] + tuple(s[2 + i] * strides[i] for i in range(nd)) + tuple(s[2 + i] * dilations[i] for i in range(nd))
@@ -279,33 +282,40 @@ def _window_defaults(nd, strides, pads, dilations):
 
 
 def _pool_pads(x, kernel, strides, pads, dilations, ceil_mode):
-    """Pads (begin..., end...) extended at the end so ceil_mode windows exist."""
+    """Pads (begin..., end...) extended at the end so ceil_mode windows exist, and the number
+    of windows per spatial dim (the shape rule's, as ONNX counts them). With ceil_mode the last
+    window must start inside the input or its left padding: where the end pad is wider than a
+    window, the padded input holds more windows than that (found by fault seeding's fault 21:
+    the kernel returned a longer result than the op's type), so the count is kept apart."""
     nd = len(kernel)
     pads = list(pads)
-    if ceil_mode:
-        for i in range(nd):
-            size = x.shape[2 + i] + pads[i] + pads[i + nd]
-            span = dilations[i] * (kernel[i] - 1) + 1
+    counts = []
+    for i in range(nd):
+        size = x.shape[2 + i] + pads[i] + pads[i + nd]
+        span = dilations[i] * (kernel[i] - 1) + 1
+        out = (size - span) // strides[i] + 1
+        if ceil_mode:
             out = -(-(size - span) // strides[i]) + 1
             # A window must start inside the input or its left padding.
             if (out - 1) * strides[i] >= x.shape[2 + i] + pads[i]:
                 out -= 1
             pads[i + nd] += max(0, (out - 1) * strides[i] + span - size)
-    return pads
+        counts.append(out)
+    return pads, counts
 
 
 def max_pool(x, kernel, strides, pads, dilations, ceil_mode, out=None):
     strides, pads, dilations = _window_defaults(len(kernel), strides, pads, dilations)
-    pads = _pool_pads(x, kernel, strides, pads, dilations, ceil_mode)
+    pads, counts = _pool_pads(x, kernel, strides, pads, dilations, ceil_mode)
     fill = np.iinfo(x.dtype).min if np.issubdtype(x.dtype, np.integer) else -np.inf  # ml_dtypes floats too
-    return _window_reduce(_pad_spatial(x, pads, fill), kernel, strides, dilations, np.maximum, out)
+    return _window_reduce(_pad_spatial(x, pads, fill), kernel, strides, dilations, np.maximum, counts, out)
 
 
-def _window_reduce(xp, kernel, strides, dilations, ufunc, out=None):
-    """ufunc-reduce every window: one call per kernel offset over a strided view of all
-    windows. np.max over the window axes of the same view walks a 6-d strided view and
-    was 25x slower (1.5 ms against 63 us for a 32x8x16x16 2x2 max pool)."""
-    windows = _window_view(xp, kernel, strides, dilations)  # N, C, *out, *k
+def _window_reduce(xp, kernel, strides, dilations, ufunc, counts, out=None):
+    """ufunc-reduce every window (`counts` of them per spatial dim): one call per kernel offset
+    over a strided view of all windows. np.max over the window axes of the same view walks a
+    6-d strided view and was 25x slower (1.5 ms against 63 us for a 32x8x16x16 2x2 max pool)."""
+    windows = _window_view(xp, kernel, strides, dilations, counts)  # N, C, *out, *k
     offsets = itertools.product(*(range(k) for k in kernel))
     first = windows[(..., *next(offsets))]
     if out is None:
@@ -322,8 +332,8 @@ def avg_pool(x, kernel, strides, pads, dilations, ceil_mode, count_include_pad, 
     nd = len(kernel)
     strides, pads, dilations = _window_defaults(nd, strides, pads, dilations)
     explicit = list(pads)
-    pads = _pool_pads(x, kernel, strides, pads, dilations, ceil_mode)
-    sums = _window_reduce(_pad_spatial(x, pads, 0), kernel, strides, dilations, np.add, out)
+    pads, windows = _pool_pads(x, kernel, strides, pads, dilations, ceil_mode)
+    sums = _window_reduce(_pad_spatial(x, pads, 0), kernel, strides, dilations, np.add, windows, out)
     if not any(pads):  # every window lies inside x and counts all its taps
         return np.divide(sums, math.prod(kernel), out=sums, casting="unsafe")
     # Count what each window covers: the input, plus the explicit padding if asked,
@@ -334,7 +344,7 @@ def avg_pool(x, kernel, strides, pads, dilations, ceil_mode, count_include_pad, 
         extra = [0] * nd + [pads[i + nd] - explicit[i + nd] for i in range(nd)]
     else:
         extra = pads
-    counts = _window_reduce(_pad_spatial(ones, extra, 0), kernel, strides, dilations, np.add)
+    counts = _window_reduce(_pad_spatial(ones, extra, 0), kernel, strides, dilations, np.add, windows)
     # In place, in x's dtype: integer averages truncate, as assigning the quotient would.
     return np.divide(sums, counts, out=sums, casting="unsafe")
 
@@ -355,6 +365,17 @@ def split(x, axis, sizes):
     return parts[0] if len(parts) == 1 else parts
 
 
+def _scan_of_scalar(scan):
+    """A scan of a rank-0 value (axis 0, as torch takes it) is the scan of its one element, and
+    rank-0 again: np.cumsum and np.cumprod return it 1-d, one dim more than the op's type."""
+    def run(x, axis, exclusive, reverse):
+        if np.ndim(x) == 0:
+            return scan(np.reshape(x, (1,)), 0, exclusive, reverse).reshape(())
+        return scan(x, axis, exclusive, reverse)
+    return run
+
+
+@_scan_of_scalar
 def cumsum(x, axis, exclusive, reverse):
     if reverse:
         x = np.flip(x, axis)
@@ -365,6 +386,14 @@ def cumsum(x, axis, exclusive, reverse):
 
 
 def gather_elements(x, indices, axis):
+    """out[..., i, ...] = x[..., indices[..., i, ...], ...] along `axis`; off the axis, position
+    i of the indices reads position i of x (np.take_along_axis would broadcast shorter indices
+    to x's length, one result per data position, not per index)."""
+    if indices.shape[:axis] + indices.shape[axis + 1:] != x.shape[:axis] + x.shape[axis + 1:]:
+        if any(n > d for i, (n, d) in enumerate(zip(indices.shape, x.shape)) if i != axis):
+            raise IndexError(f"gather_elements: indices {indices.shape} are longer than the data {x.shape} off "
+                             f"axis {axis}")
+        x = x[tuple(slice(None) if i == axis else slice(0, n) for i, n in enumerate(indices.shape))]
     indices = np.where(indices < 0, indices + x.shape[axis], indices)
     return np.take_along_axis(x, indices, axis=axis)
 
@@ -410,6 +439,7 @@ def scatter_nd(x, indices, updates, reduction):
     return _scatter(x, index, updates, reduction)
 
 
+@_scan_of_scalar
 def cumprod(x, axis, exclusive, reverse):
     if reverse:
         x = np.flip(x, axis)

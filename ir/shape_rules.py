@@ -136,7 +136,14 @@ def _window_out(size: Dim, k: int, stride: int, pad_lo: int, pad_hi: int, dilati
     import sympy
 
     full = size + pad_lo + pad_hi - span
-    return normalize_dim((sympy.ceiling(full / stride) if ceil_mode else sympy.floor(full / stride)) + 1)
+    if not ceil_mode:
+        return normalize_dim(sympy.floor(full / stride) + 1)
+    out = sympy.ceiling(full / stride) + 1
+    if pad_hi - span + stride <= 0:  # the last window starts before full + stride <= size + pad_lo
+        return normalize_dim(out)
+    # As above, one window fewer when the last starts past the input and its left padding
+    # (out - 1 windows when out*stride would reach size + pad_lo, else out):
+    return normalize_dim(sympy.Max(out - 1, sympy.Min(out, sympy.ceiling((size + pad_lo) / stride))))
 
 
 def _spatial_attrs(op, x, attrs, kernel):
@@ -324,7 +331,12 @@ def _gather_elements(ins, attrs, given):
     x, idx = ins
     if not _signed_indices(idx) or idx.rank != x.rank:
         raise _fail("gather_elements", f"indices {idx} must be signed integers of the rank of {x}")
-    _axes("gather_elements", [attrs["axis"]], x.rank)
+    (axis,) = _axes("gather_elements", [attrs["axis"]], x.rank)
+    # Off the axis, index position i reads the data's position i: one past the data's length has
+    # no element (onnxruntime and torch.gather refuse it too). A symbolic length: the kernel's check.
+    if any(i != axis and isinstance(n, int) and isinstance(d, int) and n > d
+           for i, (n, d) in enumerate(zip(idx.shape, x.shape))):
+        raise _fail("gather_elements", f"indices {idx} are longer than the data {x} in a dim other than axis {axis}")
     return [TensorInfo(idx.shape, x.dtype)]
 
 

@@ -36,16 +36,24 @@ class ShapeError(TilegraphError):
 # the C runtime copies dims and strides into (a rank-13 MatMul overflowed them). A type of
 # more dims is refused where it is made or read, so no backend sees one.
 MAX_RANK = 12
+# The most elements a tensor may have: at 8 bytes an element 2^59 bytes, so every byte count and
+# byte offset the backends compute fits int64 with room to spare (NumPy's np.tile crashed the
+# process past 2^63 bytes, and C's sizes are int64). No machine holds a tensor near it.
+MAX_NUMEL = 1 << 56
 
 
 def check_dims(dims: Sequence, where: str) -> None:
-    """ShapeError unless `dims` is at most MAX_RANK long and no static dim is negative: every
-    tensor type is made (tensor_type) or read (info_of) through here."""
+    """ShapeError unless `dims` is at most MAX_RANK long, no static dim is negative and the
+    static dims make at most MAX_NUMEL elements: every tensor type is made (tensor_type) or read
+    (info_of) through here. (Symbolic dims: `signature.SizeConditions`, at each binding.)"""
     if len(dims) > MAX_RANK:
         raise ShapeError(f"{where} has rank {len(dims)}; tilegraph takes tensors of rank {MAX_RANK} at most")
     for d in dims:
         if isinstance(d, int) and d < 0:
             raise ShapeError(f"{where} would have a negative dimension ({shape_str(dims)})")
+    if math.prod(d for d in dims if isinstance(d, int)) > MAX_NUMEL:
+        raise ShapeError(f"{where} would have more than 2^56 elements ({shape_str(dims)}), more than any "
+                         "memory holds")
 
 
 @lru_cache(maxsize=None)

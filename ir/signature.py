@@ -22,7 +22,7 @@ import numpy as np
 
 from tilegraph.ir import dtypes
 from tilegraph.ir.dtypes import DTypeError
-from tilegraph.ir.shapes import ShapeError
+from tilegraph.ir.shapes import MAX_NUMEL, ShapeError
 from tilegraph.ir.ops import Op
 
 # Names that symbolic shape expressions use, for the code that evaluates them.
@@ -199,6 +199,7 @@ class SizeConditions:
     """
 
     exprs: tuple  # ((sympy expression, what makes it), ...)
+    shapes: tuple = ()  # ((shape with a symbolic dim, what makes it), ...): their element counts
 
     @classmethod
     def of(cls, model) -> "SizeConditions":
@@ -207,16 +208,20 @@ class SizeConditions:
         from tilegraph.ir.shapes import info_of
 
         found: dict = {}
+        shapes: dict = {}
         for index, op in enumerate(model.module.walk()):
             for k, r in enumerate(op.results):
                 if not isinstance(r.type, TensorType):
                     continue
                 info = info_of(r.type)
+                name = f"%{r.name_hint}" if r.name_hint else f"result {k}"
+                where = f"{op.name} ({name} of op {index}, {info})"
                 for d in info.shape:
                     if not isinstance(d, int) and d not in found:
-                        name = f"%{r.name_hint}" if r.name_hint else f"result {k}"
-                        found[d] = f"{op.name} ({name} of op {index}, {info})"
-        return cls(tuple(found.items()))
+                        found[d] = where
+                if any(not isinstance(d, int) for d in info.shape):
+                    shapes.setdefault(tuple(info.shape), where)
+        return cls(tuple(found.items()), tuple(shapes.items()))
 
     def check(self, sizes: Mapping[str, int]) -> None:
         """ModelError naming the op, its result and the sizes where a dim is not a
@@ -229,11 +234,19 @@ class SizeConditions:
         from tilegraph.ir.shapes import symbol
 
         subs = {symbol(k): sympy.Integer(v) for k, v in sizes.items()}
+        at = ", ".join(f"{k}={v}" for k, v in sizes.items())
+        values = {}
         for expr, where in self.exprs:
             value = sympy.sympify(expr).xreplace(subs)
             if value.free_symbols:  # a size only the run finds (NonZero's count): checked by its op
                 continue
             if not (value.is_Integer and value >= 0):
-                at = ", ".join(f"{k}={v}" for k, v in sizes.items())
                 raise ModelError(f"the model cannot run at {at}: {where} has a dimension {expr} = {value}, "
                                  "not a non-negative integer")
+            values[expr] = int(value)
+        for shape, where in self.shapes:
+            if all(isinstance(d, int) or d in values for d in shape):
+                count = math.prod(values.get(d, d) for d in shape)
+                if count > MAX_NUMEL:
+                    raise ModelError(f"the model cannot run at {at}: {where} would have {count} elements, "
+                                     "more than 2^56, more than any memory holds")

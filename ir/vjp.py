@@ -761,9 +761,9 @@ def _window_reads(op, t: TensorInfo, fill: int = -1):
     nd = len(kernel)
     strides, pads, dil = kernels._window_defaults(nd, op.attr("strides"), op.attr("pads"), op.attr("dilations"))
     shape = (1, 1) + tuple(t.shape[2:])
-    grown = kernels._pool_pads(np.empty(shape), kernel, strides, pads, dil, op.attr("ceil_mode"))
+    grown, counts = kernels._pool_pads(np.empty(shape), kernel, strides, pads, dil, op.attr("ceil_mode"))
     plane = np.arange(math.prod(shape), dtype=np.int64).reshape(shape)
-    windows = kernels._window_view(kernels._pad_spatial(plane, grown, fill), kernel, strides, dil)
+    windows = kernels._window_view(kernels._pad_spatial(plane, grown, fill), kernel, strides, dil, counts)
     out = windows.shape[2:2 + nd]
     return np.ascontiguousarray(windows[0, 0]).reshape(math.prod(out), math.prod(kernel)), out
 

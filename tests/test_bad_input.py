@@ -183,6 +183,19 @@ def test_opt_refuses_a_frontend_that_disagrees_with_the_file(tmp_path, capsys):
     assert code == 2 and "-f onnx" in err and "is not a .onnx file" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("output", ["2", "a{", "llvm", "riscv-asm", "mlir{x=1}"])
+def test_opt_prints_tg_ir_only_and_refuses_any_other_output_format(tmp_path, capsys, output):
+    """xDSL's -t picks an output format: a value that is not a name ("2") raised xDSL's parse
+    error as a traceback (found by the cli fuzz kind), and its other formats either import a
+    package tilegraph does not ship (llvm) or print something that is not tg IR."""
+    with pytest.raises(SystemExit) as e:
+        opt_main([str(small_model(tmp_path)), "-t", output])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "-t/--target" in err and "Traceback" not in err, err
+    code, out, _ = run(opt_main, [small_model(tmp_path), "-t", "mlir"], capsys)
+    assert code == 0 and "tg.relu" in out
+
+
 def test_ctrl_c_exits_quietly_with_130(capsys, monkeypatch):
     import tilegraph.cli as cli
 

@@ -463,6 +463,23 @@ def test_a_pool_window_partly_in_the_padding_counts_only_its_taps_inside(op):
     assert_close(compile_model(model)(xs)[0], interpret(model, [xs])[0], "f32", reduction_length=4)
 
 
+@pytest.mark.parametrize("op", ["avg_pool", "max_pool"])
+def test_a_ceil_mode_pool_over_a_symbolic_length_drops_a_window_that_starts_in_the_end_pad(op):
+    """ONNX and torch: with ceil_mode the last window starts inside the input or its left
+    padding. Over a symbolic length the shape rule kept a window starting in the end pad
+    (a 4-long row in windows of 2 with stride 2 and an end pad of 1 made 3 windows, the last
+    all padding: -inf for max); a static length had 2."""
+    from tilegraph.ir import Graph
+
+    g = Graph()
+    model = g.build(g.op(op, g.input("x", (1, 2, "L")), kernel=(2,), strides=(2,), pads=(0, 1), ceil_mode=True))
+    for length in (3, 4, 5):
+        xs = np.random.default_rng(length).standard_normal((1, 2, length)).astype(np.float32)
+        got = compile_model(model)(xs)[0]
+        assert got.shape == (1, 2, (length + 1) // 2)
+        assert_close(got, interpret(model, [xs])[0], "f32", reduction_length=2)
+
+
 def test_a_loop_over_regrouped_rows_reads_a_broadcast_operand_once_per_row():
     """Found by hypothesis (test_properties' regrouped rows): relu(x + p) reshaped from
     (2, 1, 1, 1) to (2, 1) runs as one loop over rows, and p, broadcast along the rows, was

@@ -98,6 +98,23 @@ def test_h100_roofline_puts_a_big_gemm_on_compute_and_a_big_add_on_memory():
     assert at(gemm.intensity) > ridge > at(add.intensity)
 
 
+def test_a_c_gemm_of_one_row_reads_its_weight_from_memory_at_least_once():
+    """Decode: one row times a large weight. The C target's GEMM rates were calibrated on weights
+    in cache; a row cannot reuse them, so the step is priced at least at the weight's bytes over
+    the memory bandwidth (it was priced 6x faster than memory could deliver them)."""
+    c = hardware("c")
+
+    def weighted(rows, k, n):
+        g = Graph()
+        x = g.input("x", (rows, k))
+        return op_cost(only(g.build(x @ g.weight("w", np.zeros((k, n), np.float32))), "matmul"), c)
+
+    k, n = 576, 8192
+    assert at(weighted(1, k, n).time) >= k * n * F32 / c.memory_bandwidth
+    # Many rows reuse the weight: priced by their arithmetic, well above one read of it.
+    assert at(weighted(4096, k, n).time) > 4 * k * n * F32 / c.memory_bandwidth
+
+
 def test_costs_are_formulas_in_the_symbolic_batch():
     g = Graph()
     x = g.input("x", ("B", 64))

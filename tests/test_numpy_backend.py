@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import traceback
 
@@ -26,7 +27,9 @@ import tilegraph
 from tilegraph.backends.numpy import compile_model, emit, liveness, load
 from tilegraph.backends.numpy.runtime import MODULE_FILENAME
 from tilegraph.ir import Graph, ShapeError, interpret
+from tilegraph.ir.interpreter import bind_inputs
 from tilegraph.ir.model import ModelError
+from tilegraph.ir.shapes import concrete, free_symbols
 from tilegraph.ir.dtypes import DTypeError, numpy_dtype
 from tilegraph.ir.ops import OPS
 from tilegraph.testing import assert_close, op_examples
@@ -47,10 +50,74 @@ def test_op_agrees_with_the_float64_interpreter(op):
         got = compiled(*ex.inputs)
         want = interpret(ex.model, list(ex.inputs))
         assert len(got) == len(want)
+        _, sizes = bind_inputs(ex.model, list(ex.inputs))
         for name, info, a, e in zip(ex.model.output_names, ex.model.outputs, got, want):
             assert isinstance(a, np.ndarray), f"{ex.id}: {name} is a {type(a).__name__}"
             assert a.dtype == numpy_dtype(info.dtype), f"{ex.id}: {name} is {a.dtype}, declared {info.dtype}"
+            # The template computes the shape its shape rule declares (the interpreter, the
+            # reference, included): constant-fold and the backends' buffers rely on it. (A
+            # size only the op knows, such as nonzero's count, is bound from its result.)
+            if free_symbols(info.shape) <= set(sizes):
+                assert np.shape(e) == concrete(info.shape, sizes), f"{ex.id}: {name} is {np.shape(e)}, declared {info}"
             assert_close(a, e, info.dtype, ex.reduction_length, name=f"{ex.id}: {name}")
+
+
+def _pool_by_windows(x, op, kernel, strides, pads, dilations, count_include_pad, out_shape):
+    """A pool as ONNX defines it, one window at a time in float64: window o starts at
+    o * stride - pad_begin; max over its taps inside x (-inf for none), average over them
+    (with count_include_pad, over its taps inside the explicit padding too, never the extra
+    padding ceil_mode adds)."""
+    nd = len(kernel)
+    out = np.empty(out_shape, np.float64)
+    for o in np.ndindex(*out_shape[2:]):
+        taps = [[o[i] * strides[i] - pads[i] + j * dilations[i] for j in range(kernel[i])] for i in range(nd)]
+        inside = [[p for p in t if 0 <= p < x.shape[2 + i]] for i, t in enumerate(taps)]
+        window = x[(slice(None), slice(None), *np.ix_(*inside))].reshape(x.shape[:2] + (-1,)).astype(np.float64)
+        if op == "max_pool":
+            out[(..., *o)] = window.max(axis=-1, initial=-np.inf)
+        else:
+            counted = math.prod(sum(-pads[i] <= p < x.shape[2 + i] + pads[i + nd] for p in t)
+                                for i, t in enumerate(taps)) if count_include_pad else window.shape[-1]
+            with np.errstate(invalid="ignore"):
+                out[(..., *o)] = window.sum(axis=-1) / counted
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), op=st.sampled_from(["max_pool", "avg_pool"]), nd=st.integers(1, 2),
+       ceil_mode=st.booleans(), count_include_pad=st.booleans(), symbolic=st.booleans())
+def test_pools_make_the_windows_their_shape_rule_counts(data, op, nd, ceil_mode, count_include_pad, symbolic):
+    """With ceil_mode the last window must start inside the input or its left padding (ONNX,
+    torch). An end pad wider than a window leaves more windows in the padded input than that:
+    the kernel returned them all, one more than the op's type (the interpreter too, so only
+    the declared shape shows it; the NumPy backend's buffer refused it), and the rule for a
+    symbolic length did not drop that window at all. Found looking for a model that
+    constant-fold's shape check (fault seeding's fault 21) matters for."""
+    ints = lambda lo, hi: data.draw(st.lists(st.integers(lo, hi), min_size=nd, max_size=nd))  # noqa: E731
+    spatial, kernel, strides = ints(1, 6), ints(1, 4), ints(1, 3)
+    dilations = ints(1, 2) if op == "max_pool" else [1] * nd
+    pads = data.draw(st.lists(st.integers(0, 4), min_size=2 * nd, max_size=2 * nd))
+    attrs = {"kernel": tuple(kernel), "strides": tuple(strides), "pads": tuple(pads), "dilations": tuple(dilations),
+             "ceil_mode": ceil_mode, **({"count_include_pad": count_include_pad} if op == "avg_pool" else {})}
+
+    def pool(last):
+        g = Graph()
+        return g.build(g.op(op, g.input("x", (2, 3, *spatial[:-1], last)), **attrs))
+
+    try:
+        model = pool(spatial[-1])
+    except ShapeError:  # a window wider than the padded input
+        return
+    declared = model.outputs[0].shape
+    if symbolic:
+        model = pool("L")
+        assert concrete(model.outputs[0].shape, {"L": spatial[-1]}) == declared, f"{op} {attrs}: {model.outputs[0]}"
+    x = np.random.default_rng(0).standard_normal((2, 3, *spatial)).astype(np.float32)
+    want = interpret(model, [x])[0]
+    assert want.shape == declared, f"{op} {attrs} on {x.shape}: declared {model.outputs[0]}"
+    assert_close(want, _pool_by_windows(x, op, kernel, strides, pads, dilations, count_include_pad, want.shape),
+                 "f64", math.prod(kernel))
+    assert_close(compile_model(model)(x)[0], want, "f32", math.prod(kernel))
 
 
 # --- the emitted source ---------------------------------------------------------

@@ -54,6 +54,42 @@ def test_a_negative_static_dimension_is_refused_where_its_op_is_imported(case):
         tilegraph.import_model(STATIC[case])
 
 
+@pytest.mark.parametrize("indices,axis", [((2, 5), 0), ((4, 1), 1)])
+def test_gather_elements_indices_longer_than_the_data_off_the_axis_are_refused(indices, axis):
+    """Off the axis, an index position past the data's length has no element to read (onnxruntime
+    and torch.gather refuse it); it was accepted and failed in the kernel, or broadcast."""
+    with pytest.raises(TilegraphError, match="gather_elements.*longer than"):
+        tilegraph.import_model(_onnx([helper.make_node("GatherElements", ["x", "i"], ["y"], axis=axis)],
+                                     [_f32("x", [3, 2]), helper.make_tensor_value_info("i", TensorProto.INT64, indices)],
+                                     [_f32("y", None)]))
+
+
+def _tile(x_shape, repeats):
+    return _onnx([helper.make_node("Tile", ["x", "r"], ["y"], name="tile")], [_f32("x", x_shape)], [_f32("y", None)],
+                 [_ints("r", repeats)])
+
+
+@pytest.mark.parametrize("repeats", [[1, 2, 2 ** 61], [2 ** 30, 2 ** 30, 1]])
+def test_a_static_size_past_any_memory_is_refused_where_its_op_is_imported(repeats):
+    """Tile by 2^61 of a (1, 4, 1) input: np.tile crashed the process (SIGSEGV; found by the
+    shapes fuzz kind). Every type goes through the same check, whichever op makes it."""
+    with pytest.raises(TilegraphError, match="more than 2"):
+        tilegraph.import_model(_tile([1, 4, 1], repeats))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_symbolic_size_past_any_memory_is_refused_at_its_binding(target):
+    """Tile by 2^62 along a length L: at L = 1 its 2^62 * 8 elements crashed np.tile, and at
+    L = 3 the dim is past int64. Refused at the binding, before any kernel runs."""
+    f = tilegraph.compile(tilegraph.import_model(_tile([1, 4, "L"], [1, 2, 2 ** 62])), target=target)
+    for length in (1, 3):
+        with pytest.raises(ModelError, match=f"L={length}: .*more than 2\\^56"):
+            f(np.ones((1, 4, length), np.float32))
+    small = tilegraph.compile(tilegraph.import_model(_tile([1, 4, "L"], [1, 2, 3])), target=target)
+    x = np.random.default_rng(0).standard_normal((1, 4, 2)).astype(np.float32)
+    assert_close(_one(small(x)), np.tile(x.astype(np.float64), (1, 2, 3)), "f32", 1)
+
+
 @pytest.mark.parametrize("op", ["MatMul", "Conv"])
 def test_a_rank_past_what_onednn_holds_is_refused_before_any_backend(op):
     """A batched MatMul (or a Conv) of rank 13 overflowed a 12-entry array in runtime.c."""

@@ -137,7 +137,7 @@ def reduction_length(model, sizes: Mapping[str, int] | None = None) -> int:
         if op.SPEC.reduction in ("sum", "mean", "prod"):  # rounding grows with the length reduced
             return n([ins[0][ax] for ax in a["axes"]])
         if name == Op.cumsum:
-            return n([ins[0][a["axis"]]])
+            return n(ins[0][a["axis"]:][:1])  # a rank-0 operand scans its one element
         if name == Op.matmul:
             return n([ins[0][-1]])
         if name == Op.einsum:
@@ -151,7 +151,7 @@ def reduction_length(model, sizes: Mapping[str, int] | None = None) -> int:
         if name == Op.avg_pool:
             return _math.prod(a["kernel"])
         if name == Op.softmax:
-            return n([ins[0][a["axis"]]])
+            return n(ins[0][a["axis"]:][:1])  # a rank-0 operand scans its one element
         if name == Op.layer_norm:
             return 2 * n(ins[0][a["axis"]:])  # the mean, then the variance
         if name == Op.attention:

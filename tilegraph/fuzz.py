@@ -437,14 +437,14 @@ class Fuzzer:
             "quantize": ["--scheme", "--calib", "--observer", "--percentile", "--batch-size", "--max-error",
                          "--min-cosine", "--fallback", "--target", "--symmetric"],
             "shard": ["--mesh", "--target", "--memory", "--dim", "--inference", "--symbolic"],
-            "opt": ["-p", "--dim", "--target", "--print-cost-after-all", "--remarks", "-f"],
+            "opt": ["-p", "--dim", "--target", "--hardware", "--print-cost-after-all", "--remarks", "-f"],
         }
         command = pick(list(commands))
         values = {"--target": ["numpy", "cpu", "h100", "triton", "tpu"], "--scheme": ["w8", "w8a8", "mxfp4", "w4a16"],
                   "--calib": [str(self.tmp / "cli-calib.npz"), str(model)], "--fallback": ["none", "w8", "w8a8"],
                   "--observer": ["minmax", "percentile", "mse", "x"], "-f": ["mlir", "onnx", "pt2", "x"],
                   "-p": ["canonicalize", "canonicalize,cse", "quantize{scheme=w8}", "dce"],
-                  "--mesh": ["1", "2", "2x2", "0", "x", "1x1"]}
+                  "--mesh": ["1", "2", "2x2", "0", "x", "1x1"], "--hardware": ["cpu", "c", "h100", "tpu"]}
         argv = [command] if command != "opt" else []
         argv.append(str(model) if rng.random() < 0.9 else pick(odd))
         for _ in range(int(rng.integers(0, 4))):

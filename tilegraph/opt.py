@@ -52,6 +52,10 @@ class TilegraphOptMain(xDSLOptMain):
         for name, factory in PASSES.items():
             self.register_pass(name, factory)
 
+    def register_all_targets(self) -> None:
+        super().register_all_targets()
+        self.available_targets = {"mlir": self.available_targets["mlir"]}
+
     def register_all_frontends(self) -> None:
         def from_mlir(io: IO[bytes]) -> ModuleOp:
             module = parse_module(decode_text(io.read(), self.get_input_name()), self.get_input_name())
@@ -90,7 +94,12 @@ class TilegraphOptMain(xDSLOptMain):
                                 help="print every decision the passes explained (stderr, after the run)")
         arg_parser.add_argument("--print-cost-after-all", action="store_true",
                                 help="print the predicted time and kernel count of the module after every pass")
-        # (xDSL's -t/--target picks an output format; tilegraph-opt prints tg IR, its default.)
+        # xDSL's -t/--target picks an output format; tilegraph-opt prints tg IR only. Its other
+        # formats import packages tilegraph does not ship (llvm) or print no tg IR, and a value
+        # that is not a name reached xDSL's spec parser as a traceback: argparse refuses them.
+        output = next(a for a in arg_parser._actions if "--target" in a.option_strings)
+        output.choices = ("mlir",)
+        output.help = "output format: mlir (tg IR, the only one)"
         arg_parser.add_argument("--hardware", default=None, metavar="HARDWARE",
                                 help="hardware to cost on (--print-cost-after-all) and to give the passes' hardware "
                                      "option (fuse, tile, shard): h100, h200, a100, cpu or c (the C backend's "

@@ -396,7 +396,14 @@ def _decode(sem: Sem, model, term) -> str:
     return str(n)
 
 
-def prove_z3(claim: Claim, dtype: str, timeout_ms: int = 20000) -> tuple[str, str]:
+# z3's budget per check, in its own deterministic resource units ("rlimit"), not seconds: a
+# wall-clock limit gave up on a proof whenever the machine was busy (fault seeding's baseline,
+# at load 10, failed test_rule_proofs so). The checks here take at most ~5e7 units (the slowest
+# ~1.6 s of CPU); 1e9 leaves 20x. The wall-clock limit stays, far out, against a solver that hangs.
+Z3_RLIMIT = 10**9
+
+
+def prove_z3(claim: Claim, dtype: str, timeout_ms: int = 600_000) -> tuple[str, str]:
     z3 = __import__("z3")
     sem = Sem(dtype)
     try:
@@ -406,13 +413,14 @@ def prove_z3(claim: Claim, dtype: str, timeout_ms: int = 20000) -> tuple[str, st
     for nsz in ([False, True] if claim.nsz else [False]):
         s = z3.Solver()
         s.set("timeout", timeout_ms)
+        s.set("rlimit", Z3_RLIMIT)
         s.add(*sem.pre)
         s.add(z3.Not(sem.equal(lhs, rhs, nsz)))
         r = s.check()
         if r == z3.unsat:
             return ("proven up to the sign of zero" if nsz else "proven"), ""
         if r == z3.unknown:
-            return "error", "z3 gave up (timeout)"
+            return "error", f"z3 gave up ({s.reason_unknown()})"
         m = s.model()
         where = ", ".join(f"{n}={_decode(sem, m, t)}" for n, t in sorted(sem.names.items(), key=lambda kv: kv[0])
                           if n in _idents(claim.before) or n.startswith("c"))

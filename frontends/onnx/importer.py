@@ -99,8 +99,8 @@ class _Importer:
             if out.name not in self.env:
                 raise FrontendError(f"graph output '{out.name}' is computed by no node")
             t = self.tensor(self.env[out.name], out.name)
-            if out.type.tensor_type.elem_type:
-                declared = onnx_dtype(out.type.tensor_type.elem_type, f"graph output '{out.name}'")
+            declared = self.declared_dtype(out)
+            if declared is not None:
                 if declared != t.dtype:
                     raise FrontendError(f"graph output '{out.name}' is declared {declared} but computes {t.dtype}")
             if out.type.tensor_type.HasField("shape"):
@@ -132,6 +132,11 @@ class _Importer:
 
     def close(self, outputs: list[Tensor], names: list[str]) -> Model:
         return self.g.build(*outputs, names=names)
+
+    def declared_dtype(self, out) -> str | None:
+        """The element type graph output `out` must compute (None where the file does not say)."""
+        elem = out.type.tensor_type.elem_type
+        return onnx_dtype(elem, f"graph output '{out.name}'") if elem else None
 
     def input_type(self, inp) -> tuple[str, tuple[Dim, ...]]:
         if inp.type.WhichOneof("value") != "tensor_type":

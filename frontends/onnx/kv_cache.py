@@ -5,7 +5,10 @@ Such a file takes `past_key_values.N.key/.value` [B, Hkv, past, D], Concats each
 new rows along the sequence axis into graph output `present.N.key/.value`, and attends over the
 concatenation: MatMul(Q, Transpose(K)) x scale (+ the attention mask) -> Softmax -> MatMul(., V),
 K and V repeated per query head by Unsqueeze/Expand/Reshape (transformers' repeat_kv) for
-grouped-query attention. Imported as it is, its past length is a symbol and every step copies
+grouped-query attention. The scale may sit on Q or on K^T instead: torch's dynamo exporter at
+opset 18 writes SDPA out with Q and K^T each x sqrt(scale), K^T a 3D Transpose between two
+computed Reshapes (taken where ONNX's shape inference shows it is K^T), and Where(IsNaN(p), 0, p)
+after the Softmax; at opset 23 it writes ONNX Attention. Imported as it is, its past length is a symbol and every step copies
 the whole cache into a new, longer one.
 
 `import_decoder` imports it as the model the GGUF frontend builds (frontends/gguf/llama.py), so
@@ -190,21 +193,87 @@ def plan_decoder(proto) -> DecoderPlan:
             axes = constant(u.input[1])
         return u.input[0] if axes is not None and list(np.atleast_1d(axes)) == [SEQUENCE_AXIS] else name
 
+    def unscaled(name: str) -> tuple[str, float]:
+        """(x, s) where `name` is x * s or x / (1 / s) with s a scalar constant, else (name, 1)."""
+        node = producer.get(name)
+        if node is None or node.op_type not in ("Mul", "Div"):
+            return name, 1.0
+        for x, c in ((0, 1), (1, 0)) if node.op_type == "Mul" else ((0, 1),):
+            factor = constant(node.input[c])
+            scalar = factor is not None and factor.size == 1 and factor.dtype.kind in "fiu"
+            value = float(factor.reshape(())) if scalar else 0.0
+            if value != 0.0 and np.isfinite(value):  # (x / 0 is no scaling the attention can take)
+                return node.input[x], value if node.op_type == "Mul" else 1.0 / value
+        return name, 1.0
+
     def scores_of(scores: str):
-        """(the MatMul(Q, K^T) node, the scale, the layer's key write) of scaled scores, else None."""
-        scale, scaled = 1.0, producer.get(scores)
-        if scaled is not None and scaled.op_type in ("Mul", "Div"):
-            factor = constant(scaled.input[1])
-            if factor is None or factor.size != 1:
-                return None
-            scale = float(factor.reshape(())) if scaled.op_type == "Mul" else 1.0 / float(factor.reshape(()))
-            scores = scaled.input[0]
+        """(the MatMul(Q, K^T) node, the scale, the layer's key write) of scaled scores, else None.
+        The scale is the scores' factor times K^T's (torch's decomposed SDPA scales Q and K^T each
+        by sqrt(scale)); a factor on Q stays in the query the attention reads."""
+        scores, scale = unscaled(scores)
         qk = producer.get(scores)
-        kt = producer.get(qk.input[1]) if qk is not None and qk.op_type == "MatMul" else None
-        if kt is None or kt.op_type != "Transpose" or list(attr(kt, "perm", [])) != [0, 1, 3, 2]:
+        if qk is None or qk.op_type != "MatMul":
             return None
-        key = writes.get(unrepeat(kt.input[0]))
-        return (qk, scale, key) if key is not None and key[1] == 0 else None
+        kt_name, k_scale = unscaled(qk.input[1])
+        k = transposed_key(kt_name)
+        key = writes.get(unrepeat(k)) if k is not None else None
+        return (qk, scale * k_scale, key) if key is not None and key[1] == 0 else None
+
+    def transposed_key(kt_name: str) -> str | None:
+        """K where `kt_name` is K^T: Transpose(K, [0, 1, 3, 2]), or (torch's decomposed SDPA at
+        opset 18) Reshape(Transpose(Reshape(K) to [B*H, S, D], [0, 2, 1])) to [B, H, D, S]."""
+        kt = producer.get(kt_name)
+        if kt is not None and kt.op_type == "Transpose" and list(attr(kt, "perm", [])) == [0, 1, 3, 2]:
+            return kt.input[0]
+        t = producer.get(kt.input[0]) if kt is not None and kt.op_type == "Reshape" else None
+        flat = producer.get(t.input[0]) if t is not None and t.op_type == "Transpose" \
+            and list(attr(t, "perm", [])) == [0, 2, 1] else None
+        if flat is None or flat.op_type != "Reshape":
+            return None
+        k, dims = flat.input[0], inferred_dims()  # the Reshapes' targets are computed: their shapes say
+        known = all(d is not None for n in (k, flat.output[0], kt.output[0]) for d in dims.get(n, [None]))
+        if not known or len(dims[k]) != 4 or len(dims[flat.output[0]]) != 3:
+            return None
+        b, h, s, d = dims[k]
+        return k if dims[flat.output[0]][1:] == [s, d] and dims[kt.output[0]] == [b, h, d, s] else None
+
+    inferred: dict[str, list] = {}
+
+    def inferred_dims() -> dict[str, list]:
+        """Every value's dims (an int, a symbol, None unknown) by ONNX's shape inference with its data
+        propagation (Shape -> Slice -> Concat targets), run once and only for files that need it. Two
+        dims with one symbol are equal; a symbol the exporter chose is not trusted (cleared first)."""
+        from onnx import shape_inference
+
+        if not inferred:
+            # the graph without its value_info, large initializers as inputs of their type (no copy of
+            # the weights; shape targets and other small constants keep their values)
+            small = [t for t in graph.initializer if int(np.prod(t.dims, dtype=np.int64)) <= 64]
+            typed = [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in graph.initializer
+                     if int(np.prod(t.dims, dtype=np.int64)) > 64 and t.name not in inputs]
+            bare = helper.make_model(helper.make_graph(graph.node, "shapes", [*graph.input, *typed], graph.output,
+                                                       small), opset_imports=list(proto.opset_import))
+            bare.ir_version = proto.ir_version
+            bare.functions.extend(proto.functions)
+            try:
+                done = shape_inference.infer_shapes(bare, data_prop=True)
+            except Exception:  # noqa: BLE001 - inference refusing the file: nothing is known
+                done = bare
+            for v in [*done.graph.input, *done.graph.value_info, *done.graph.output]:
+                tt = v.type.tensor_type
+                inferred[v.name] = [x.dim_value if x.HasField("dim_value") else x.dim_param or None
+                                    for x in tt.shape.dim] if tt.HasField("shape") else [None]
+        return inferred
+
+    def nan_guard(probs: str, users: list) -> bool:
+        """`users` of the probabilities are Where(IsNaN(p), 0, p) (torch's decomposed SDPA: a row with
+        every key masked gives 0, not NaN); a causal row always sees its own key, so it passes p."""
+        isnan = next((u for u in users if u.op_type == "IsNaN"), None)
+        where = next((u for u in users if u.op_type == "Where"), None)
+        zero = constant(where.input[1]) if where is not None else None
+        return len(users) == 2 and isnan is not None and where is not None and list(where.input[::2]) == [
+            isnan.output[0], probs] and consumers.get(isnan.output[0]) == [where] and zero is not None \
+            and zero.size == 1 and zero.dtype.kind in "fiub" and float(zero.reshape(())) == 0.0
 
     attentions: dict[str, Attention] = {}
     masks: dict[str, int] = {}  # the values added to each layer's scores -> a layer that adds it
@@ -223,8 +292,13 @@ def plan_decoder(proto) -> DecoderPlan:
                                "file attends to every position, the in-place import causally")
         masks.setdefault(mask, key[0])
         probs, users = softmax.output[0], consumers.get(softmax.output[0], [])
-        while len(users) == 1 and users[0].op_type in ("Cast", "Identity", "Dropout"):
-            probs = users[0].output[0]
+        while True:
+            if len(users) == 1 and users[0].op_type in ("Cast", "Identity", "Dropout"):
+                probs = users[0].output[0]
+            elif nan_guard(probs, users):
+                probs = next(u for u in users if u.op_type == "Where").output[0]
+            else:
+                break
             users = consumers.get(probs, [])
         pv = users[0] if len(users) == 1 and users[0].op_type == "MatMul" and users[0].input[0] == probs else None
         if pv is None or writes.get(unrepeat(pv.input[1])) is None \
@@ -468,6 +542,11 @@ class _DecoderImporter(_Importer):
     def graph_nodes(self):
         return self.plan.live
 
+    def declared_dtype(self, out) -> str | None:
+        if out.name in self.plan.presents.values():  # the caches, in the type they are kept in
+            return self.cache_dtype
+        return super().declared_dtype(out)
+
     def group_query_attention(self, layer: int, node) -> None:
         """onnxruntime's fused attention: packed (or separate) Q/K/V [B, T, heads x D], the rotary
         embedding at positions pos + t (rotate-half), the new K/V rows written into the cache at pos,
@@ -576,7 +655,18 @@ class OnnxDecoder:
         p = self.plan
         if not isinstance(vocab, int) or not isinstance(heads, int):
             raise KVCacheError(f"the logits' vocabulary ({vocab}) and the query heads ({heads}) must be fixed")
-        return DecoderConfig("onnx", p.layers, heads * p.head_dim, heads, p.kv_heads, p.head_dim, vocab)
+        return DecoderConfig("onnx", p.layers, heads * p.head_dim, heads, p.kv_heads, p.head_dim, vocab,
+                             self.context())
+
+    def context(self) -> int:
+        """The positions the file can place: its rotary tables' rows (GroupQueryAttention's cos/sin
+        caches, which a position past their end would index out of), else DecoderConfig's default."""
+        sizes = {t.name: list(t.dims) for t in self.proto.graph.initializer}
+        sizes.update({n.output[0]: list(n.attribute[0].t.dims) for n in self.proto.graph.node
+                      if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"})
+        rows = [sizes[node.input[i]][0] for _, node in self.plan.fused.values() if _gqa_attrs(node).get("do_rotary")
+                for i in (7, 8) if len(node.input) > i and sizes.get(node.input[i])]
+        return min(rows, default=DecoderConfig.context)
 
     def build(self, batch: int, steps: int | str, cache_len: int, cache_dtype: str = "f32",
               sampling: dict | None = None) -> Model:

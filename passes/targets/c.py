@@ -122,7 +122,16 @@ def loop_rate(hw, name: str) -> float:
 
 
 def anchor_compute(op: TgOp, hw) -> sympy.Expr:
-    """An anchor's compute: oneDNN's GEMM or convolution on all threads, the flash kernel."""
+    """An anchor's time: oneDNN's GEMM or convolution on all threads, the flash kernel. A
+    GEMM or convolution takes at least one read of its weights from memory: its calibrated
+    rates were measured on weights in cache, which a decode step's one row cannot reuse."""
+    arithmetic = _anchor_arithmetic(op, hw)
+    if op.op_name == Op.attention:
+        return arithmetic
+    return sympy.Max(arithmetic, cold_bytes([op]) / hw.memory_bandwidth)
+
+
+def _anchor_arithmetic(op: TgOp, hw) -> sympy.Expr:
     flops = op_flops(op)
     if op.op_name == Op.conv and hw.conv_rates:
         return conv_time(op, hw, flops)

@@ -8,6 +8,7 @@
     tilegraph calibrate --target c                     # ... as the native C backend runs on it
     tilegraph cost model.onnx --hardware h100 --dim batch=8  # predicted time, kernel by kernel
     tilegraph cost model.onnx --hardware cpu --symbolic     # ... as formulas of the symbolic dims
+    tilegraph cost decoder.onnx --decode --depth 2000       # one decode step (.gguf too): bytes, tokens/s bound
     tilegraph compile model.onnx -o model_np.py --report    # + kernels, buffers, planned peak memory
     tilegraph shard model.onnx --mesh 8 --hardware h100     # how to split it over 8 GPUs, predicted step time
     tilegraph run model.onnx --devices 4 --dim batch=4      # the sharded program on 4 local processes (gloo)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tilegraph.cli.common import (_cost_symbols, _formula, _input_symbols, _time_unit, check_dims, describe_sizes,
                                   format_count, parse_dims, sizes_for)
@@ -79,24 +81,58 @@ def _print_formulas(cost, dims: dict[str, int]) -> None:
 
 
 def _decode_cost(args, hw) -> int:
-    """One decode step of a .gguf model at cache depth --depth: the bytes it must read (every
-    weight once, in its block format; the cache's K and V up to the depth, at --cache-dtype's
-    size), the bound that
-    memory bandwidth puts on tokens/s, and the cost model's prediction of the step."""
-    import numpy as np
-
-    from tilegraph.frontends.gguf.llama import LlamaConfig, build, load_weights
-    from tilegraph.frontends.gguf.reader import GGUFFile
+    """One decode step of a language model (a .gguf file, or an ONNX decoder-with-past file) at
+    cache depth --depth: the bytes it must read (every weight once, as stored; the cache's K and V
+    up to the depth, at --cache-dtype's size), the bound that memory bandwidth puts on tokens/s,
+    and the cost model's prediction of the step."""
     from tilegraph.ir.errors import TilegraphError
     from tilegraph.passes.cost.model import at, module_cost
     from tilegraph.passes.registry import DEFAULT_PIPELINE, run_pipeline
 
-    if Path(args.model).suffix.lower() != ".gguf":
-        raise TilegraphError(f"--decode prices a language model's decode step: it needs a .gguf file, not {args.model}")
+    suffix = Path(args.model).suffix.lower()
+    if suffix not in (".gguf", ".onnx"):
+        raise TilegraphError(f"--decode prices a language model's decode step: it needs a .gguf file or an ONNX "
+                             f"decoder-with-past .onnx file, not {args.model}")
+    step = _gguf_step(args) if suffix == ".gguf" else _onnx_step(args)
+    batch = args.batch
+    elem = {"f32": 4, "f16": 2}[args.cache_dtype]
+    cache_bytes = 2 * step.layers * batch * step.kv_heads * (args.depth + 1) * step.head_dim * elem
+    per_step = step.weight_bytes + cache_bytes
+    bound = hw.memory_bandwidth / per_step * batch
+    predicted = float(at(module_cost(run_pipeline(step.model, DEFAULT_PIPELINE).module, hw).time, {}))
+    print(f"{Path(args.model).name}: {step.arch}, {step.layers} layers, decode of {batch} sequence(s) at cache depth "
+          f"{args.depth}, on {hw.name}" + (f" ({hw.source})" if hw.device == "cpu" else ""))
+    print(f"bytes read per step: {format_count(step.weight_bytes)} of weights + {format_count(cache_bytes)} of "
+          f"{args.cache_dtype} KV cache "
+          f"= {format_count(per_step)}")
+    print(f"memory bandwidth {hw.memory_bandwidth / 1e9:.1f} GB/s: at most {bound:.1f} tokens/s")
+    print(f"cost model: {predicted * 1e3:.2f} ms per step, {batch / predicted:.1f} tokens/s "
+          f"({100 * batch / predicted / bound:.0f}% of the bound)")
+    return 0
+
+
+@dataclass
+class _DecodeStep:
+    """A decode step's model (one token per sequence over a cache of depth + 1 positions), its
+    cache's sizes, and the bytes of weights the step reads."""
+
+    arch: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    weight_bytes: int
+    model: Any
+
+
+def _gguf_step(args) -> _DecodeStep:
+    import numpy as np
+
+    from tilegraph.frontends.gguf.llama import LlamaConfig, build, load_weights
+    from tilegraph.frontends.gguf.reader import GGUFFile
+
     f = GGUFFile(args.model)
     c = LlamaConfig.of(f)
-    if args.depth + 1 > c.context:
-        raise TilegraphError(f"--depth {args.depth} is past the model's context of {c.context}")
+    _check_depth(args.depth, c.context)
     weights, formats = load_weights(f, c)
     batch = args.batch  # the block-format weights are read whole each step (the embedding: B rows)
     weight_bytes = sum(int(weights[n].nbytes) for n in formats if n != "token_embd.weight")
@@ -104,19 +140,60 @@ def _decode_cost(args, hw) -> int:
     weight_bytes += int(embed.nbytes) if "output.weight" not in formats else batch * int(embed.shape[1])
     weight_bytes += sum(int(np.asarray(v).nbytes) for n, v in weights.items()
                         if n not in formats and not n.startswith("rope."))
-    elem = {"f32": 4, "f16": 2}[args.cache_dtype]
-    cache_bytes = 2 * c.layers * batch * c.kv_heads * (args.depth + 1) * c.head_dim * elem
-    per_step = weight_bytes + cache_bytes
-    bound = hw.memory_bandwidth / per_step * batch
-    model = run_pipeline(build(c, weights, formats, batch, 1, args.depth + 1, cache_dtype=args.cache_dtype),
-                         DEFAULT_PIPELINE)
-    predicted = float(at(module_cost(model.module, hw).time, {}))
-    print(f"{Path(args.model).name}: {c.arch}, {c.layers} layers, decode of {batch} sequence(s) at cache depth "
-          f"{args.depth}, on {hw.name}" + (f" ({hw.source})" if hw.device == "cpu" else ""))
-    print(f"bytes read per step: {format_count(weight_bytes)} of weights + {format_count(cache_bytes)} of "
-          f"{args.cache_dtype} KV cache "
-          f"= {format_count(per_step)}")
-    print(f"memory bandwidth {hw.memory_bandwidth / 1e9:.1f} GB/s: at most {bound:.1f} tokens/s")
-    print(f"cost model: {predicted * 1e3:.2f} ms per step, {batch / predicted:.1f} tokens/s "
-          f"({100 * batch / predicted / bound:.0f}% of the bound)")
-    return 0
+    model = build(c, weights, formats, batch, 1, args.depth + 1, cache_dtype=args.cache_dtype)
+    return _DecodeStep(c.arch, c.layers, c.kv_heads, c.head_dim, weight_bytes, model)
+
+
+def _onnx_step(args) -> _DecodeStep:
+    from tilegraph.frontends.onnx.kv_cache import OnnxDecoder
+
+    decoder = OnnxDecoder(args.model)  # not ONNX, or no past/present pattern: a named error
+    _check_depth(args.depth, decoder.context())
+    model = decoder.build(args.batch, 1, args.depth + 1, cache_dtype=args.cache_dtype)
+    p = decoder.plan
+    return _DecodeStep("ONNX decoder", p.layers, p.kv_heads, p.head_dim, _weight_bytes_read(model), model)
+
+
+def _check_depth(depth: int, context: int) -> None:
+    from tilegraph.ir.errors import TilegraphError
+
+    if depth + 1 > context:  # before the model is built at that depth
+        raise TilegraphError(f"--depth {depth} is past the model's context of {context}")
+
+
+def _weight_bytes_read(model) -> int:
+    """Bytes of `model`'s weights one run reads, as stored: a weight only gathers read (an
+    embedding table, a rotary cos/sin table) costs the rows they take, any other weight all of it."""
+    import numpy as np
+
+    from tilegraph.ir import dtypes
+    from tilegraph.ir.dialect import TgOp
+    from tilegraph.ir.fusion import VIEW_OPS
+    from tilegraph.ir.ops import Op
+    from tilegraph.ir.shapes import info_of
+
+    def stored(info) -> int:
+        return dtypes.storage_bytes(info.dtype, int(np.prod(info.shape, dtype=np.int64)))
+
+    def gathered(value) -> int | None:
+        """The bytes the gathers reading `value` (through views) take, or None if anything else reads it."""
+        total = 0
+        for use in value.uses:
+            user = use.operation
+            if isinstance(user, TgOp) and user.op_name in VIEW_OPS and use.index == 0:
+                rows = gathered(user.results[0])
+            elif isinstance(user, TgOp) and user.op_name == Op.gather and use.index == 0:
+                rows = stored(info_of(user.results[0].type))
+            else:
+                return None
+            if rows is None:
+                return None
+            total += rows
+        return total
+
+    total = 0
+    for op in model.ops():
+        if isinstance(op, TgOp) and op.op_name == Op.weight:
+            rows = gathered(op.results[0])
+            total += stored(info_of(op.results[0].type)) if rows is None else rows
+    return total

@@ -137,8 +137,9 @@ def _parser() -> argparse.ArgumentParser:
     cost.add_argument("--symbolic", action="store_true",
                       help="print the formulas (FLOPs, bytes, time as functions of the symbolic dims)")
     cost.add_argument("--decode", action="store_true",
-                      help="a .gguf language model: price one decode step (bytes of weights and cache read per "
-                           "token against the target's memory bandwidth): predicted tokens/s and the bound")
+                      help="a .gguf language model or an ONNX decoder-with-past file: price one decode step (bytes "
+                           "of weights and cache read per token against the target's memory bandwidth): predicted "
+                           "tokens/s and the bound")
     cost.add_argument("--depth", type=_non_negative, default=0,
                       help="with --decode: positions already in the cache (default 0)")
     cost.add_argument("--batch", type=_positive, default=1, help="with --decode: sequences decoded together")

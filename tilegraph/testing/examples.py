@@ -142,6 +142,9 @@ def op_examples() -> dict[str, list[OpExample]]:
     add("cumsum", lambda g, a: g.op("cumsum", a, axis=1, exclusive=True, reverse=True), [f32(3, 6)], 6,
         "exclusive-reverse")
     add("cumsum", lambda g, a: g.op("cumsum", a, axis=0), [ints(4, 3)], label="i32")
+    # A scan of a scalar is the scalar (torch; the rule takes axis 0 of a rank-0 operand): np.cumsum
+    # made it 1-d.
+    add("cumsum", lambda g, a: g.op("cumsum", a, axis=0, exclusive=True), [f32()], label="scalar")
 
     # Contractions.
     add("matmul", lambda g, a, b: a @ b, [f32(2, 3, 8), f32(8, 5)], 8, "batched")
@@ -190,6 +193,10 @@ def op_examples() -> dict[str, list[OpExample]]:
     add("gather", lambda g, t, i: g.gather(t, i, axis=1), [f32(3, 5), np.array([4, 0], np.int32)], label="axis=1")
     add("gather_elements", lambda g, t, i: g.op("gather_elements", t, i, axis=1),
         [f32(3, 4), np.array([[0, 3], [-1, 2], [1, -4]], np.int64)])
+    # Indices shorter than the data in a dim other than the axis read that dim's first entries
+    # (ONNX, torch.gather): np.take_along_axis broadcast them to the data's length instead.
+    add("gather_elements", lambda g, t, i: g.op("gather_elements", t, i, axis=0),
+        [f32(3, 4), np.array([[2, 0], [-1, 1]], np.int64)], label="shorter-indices")
     add("pad", lambda g, a: g.pad(a, (1, 0, 2, 3), value=1.5), [f32(2, 3)], label="constant")
     add("pad", lambda g, a: g.pad(a, (0, 2, 0, 1), mode="reflect"), [f32(2, 4)], label="reflect")
     add("pad", lambda g, a: g.pad(a, (1, 1, 1, 1), mode="edge"), [ints(2, 3)], label="edge-i32")
@@ -221,6 +228,7 @@ def op_examples() -> dict[str, list[OpExample]]:
     add("cumprod", lambda g, a: g.op("cumprod", a, axis=1), [f32(3, 6, lo=0.5, hi=1.5)], 6, "f32")
     add("cumprod", lambda g, a: g.op("cumprod", a, axis=0, exclusive=True, reverse=True), [ints(4, 3, lo=-3, hi=4)],
         label="i32-exclusive-reverse")
+    add("cumprod", lambda g, a: g.op("cumprod", a, axis=0, reverse=True), [f32()], label="scalar")
     ties = np.array([[3, 1, 3, 2, 1, 3], [0, 0, 5, 5, -1, 2]], np.int32)  # equal values come out in index order
     add("topk", lambda g, a: g.op("topk", a, k=4, axis=1), [ties], label="largest-ties")
     add("topk", lambda g, a: g.op("topk", a, k=2, axis=0, largest=False), [f32(5, 3)], label="smallest")

@@ -61,7 +61,7 @@ def export_decoder(path: str | Path, arch: str = "llama", seed: int = 0, opset: 
     mask, as BLOOM and MPT do: the wrapper builds the 4D float mask [B, H, T, S] the model adds to
     its scores (transformers takes a 4D mask as it is). `dynamo`: SDPA attention exported by torch's
     dynamo exporter (needs onnxscript): at opset >= 23 ONNX Attention (a boolean mask) and
-    RotaryEmbedding / RMSNormalization nodes."""
+    RotaryEmbedding / RMSNormalization nodes; below, SDPA written out in plain ops."""
     import torch
     from transformers import DynamicCache
 
