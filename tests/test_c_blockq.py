@@ -166,9 +166,9 @@ def test_decode_kernels_on_any_block_bytes_are_their_reference(fmt, isa, m, n, b
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
 @pytest.mark.parametrize("m", [1, 2, 3, 8])
 def test_q4_decode_rows_on_the_vbmi_kernel_are_their_reference(fmt, m):
-    """The 8-row VBMI kernel with few rows (q4_1 always, q4_0 for one or two rows: nibbles as
-    vpdpbusd's unsigned operand, the activations signed, q4_0's - 8 a per-block term) and with
-    more (q4_0's signed nibbles against activations + 128); 9 blocks: 4 pairs and the odd block."""
+    """The 8-row VBMI kernel on 1 to 8 rows: q4_1's nibbles as vpdpbusd's unsigned operand against
+    the signed activations, q4_0's signed nibbles against activations + 128; 9 blocks: 4 pairs and
+    the odd block."""
     f = FORMATS[fmt]
     k, n = 32 * 9, 37
     rng = np.random.default_rng(m)

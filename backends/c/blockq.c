@@ -345,7 +345,7 @@ static const bq_dot_fn bq_zmm[TG_BQ_COUNT] = {[TG_BQ_Q4_0] = bq_zmm_q4_0, [TG_BQ
 #define BQ_Z8_ROWS 8
 /* A q8 activation row as these kernels read it: au = q + 128 as bytes; sa: per weight pair
  * (64 values), 16 floats, d of the pair's first block in lanes 0-7 and of its second in 8-15;
- * sm (q4_1's min term, q4_0's offset on one or two rows): d * sum(q) of each block in lanes 0 and 8, zeros elsewhere. */
+ * sm (q4_1's min term): d * sum(q) of each block in lanes 0 and 8, zeros elsewhere. */
 /* vpermb's indices for a pair of q4_0 / q4_1 blocks: byte i of the result is the pair's byte
  * nib + (i / 32) * block + i % 16 (each block's 16 nibble bytes twice); set by tg_blockq_isa. */
 static uint8_t bq_z8_pick[TG_BQ_COUNT][64];
@@ -378,10 +378,10 @@ static void bq_z8_prepare(const tg_q8row *a, int64_t K, bq_z8row *z) {
 
 /* y[r] = the row w (np pairs of fmt's blocks) times activation row r, for R (a constant where
  * inlined) rows.
- * Nibbles need no signed offset: q4_1's q (0..15) enters vpdpbusd as its unsigned operand and
- * the row's own signed q8 values as the signed one, nothing shared across rows to compute;
- * q4_0 does the same for one or two rows (its - 8 becomes - 8 d_w d_a sum(q_a) per block, one FMA
- * per row against the shared vpdpbusd and subtraction the offset form costs per weight pair). */
+ * q4_1's q (0..15) enters vpdpbusd as its unsigned operand and the row's own signed q8 values as
+ * the signed one: the same integers as the offset form, without its shared vpdpbusd and
+ * subtraction per weight pair. (q4_0 that way would turn its exact integer - 8 into a float term
+ * per block that cancels against the rest: logits moved by ~1e-3 on the tiny test model.) */
 static inline __attribute__((always_inline)) void bq_z8_body(const int fmt, const uint8_t *w, const bq_z8row *a,
                                                              const int R, int64_t np, float *y) {
     __m512 acc[BQ_Z8_ROWS], off[BQ_Z8_ROWS];
@@ -400,7 +400,7 @@ static inline __attribute__((always_inline)) void bq_z8_body(const int fmt, cons
                                               : _mm512_set_epi64(0, 0, 0, 0, 0x0011001100110011LL, 0x0011001100110011LL, 0, 0);
     const __m512i m4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8), x80 = _mm512_set1_epi8((char)0x80);
     /* the nibbles as unsigned, the activations signed (see above) */
-    const int direct = fmt == TG_BQ_Q4_1 || (fmt == TG_BQ_Q4_0 && R <= 2);
+    const int direct = fmt == TG_BQ_Q4_1;
     for (int64_t p = 0; p < np; p++, w += bytes) {
         __m512i q, h;
         if (fmt == TG_BQ_Q8_0) {
@@ -410,7 +410,7 @@ static inline __attribute__((always_inline)) void bq_z8_body(const int fmt, cons
         } else {
             __m512i raw = _mm512_maskz_loadu_epi8(first, w);  /* the pair's bytes only: never past the row */
             q = _mm512_and_si512(_mm512_multishift_epi64_epi8(shift, _mm512_permutexvar_epi8(idx, raw)), m4);
-            if (fmt == TG_BQ_Q4_0 && !direct) q = _mm512_sub_epi8(q, eight);
+            if (fmt == TG_BQ_Q4_0) q = _mm512_sub_epi8(q, eight);
             h = _mm512_permutexvar_epi16(words, raw);
         }
         __m512 sw = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), sm = _mm512_setzero_ps();
@@ -420,8 +420,7 @@ static inline __attribute__((always_inline)) void bq_z8_body(const int fmt, cons
                 __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_loadu_si512(a[r].q + 64 * p));
                 __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dp), _mm512_loadu_ps(a[r].sa + 16 * p));
                 acc[r] = _mm512_fmadd_ps(t, sw, acc[r]);
-                /* q4_1: m_w d_a sum(q_a); q4_0: d_w d_a sum(q_a), times - 8 at the end */
-                off[r] = _mm512_fmadd_ps(fmt == TG_BQ_Q4_1 ? sm : sw, _mm512_loadu_ps(a[r].sm + 16 * p), off[r]);
+                off[r] = _mm512_fmadd_ps(sm, _mm512_loadu_ps(a[r].sm + 16 * p), off[r]);  /* m_w d_a sum(q_a) */
             }
             continue;
         }
@@ -434,9 +433,7 @@ static inline __attribute__((always_inline)) void bq_z8_body(const int fmt, cons
         }
     }
     for (int r = 0; r < R; r++)
-        y[r] = _mm512_reduce_add_ps(fmt == TG_BQ_Q4_1 ? _mm512_add_ps(acc[r], off[r])
-                                    : fmt == TG_BQ_Q4_0 && direct ? _mm512_fnmadd_ps(_mm512_set1_ps(8.f), off[r], acc[r])
-                                                                  : acc[r]);
+        y[r] = _mm512_reduce_add_ps(fmt == TG_BQ_Q4_1 ? _mm512_add_ps(acc[r], off[r]) : acc[r]);
 }
 
 typedef void (*bq_z8_fn)(const uint8_t *w, const bq_z8row *a, int R, int64_t np, float *y);
