@@ -356,7 +356,9 @@ def _worker(rank: int, world: int, port: int, tmp: str, config: list, micro_batc
 
 def _collective(op, x: np.ndarray, group, pos: int, n: int, torch, dist, async_op: bool = False):
     """Start `op` on `group`: (work or None, finish) where finish() gives the result once work is done."""
-    t = torch.from_numpy(np.array(x))  # a writable copy: collectives work in place
+    # A writable copy that torch owns: collectives work in place, and an asynchronous one may
+    # release its tensor on gloo's thread, where a NumPy-owned buffer would need the GIL.
+    t = torch.tensor(np.asarray(x))
     if op.name in ("shard.all_reduce", "shard.reduce_scatter"):
         kind = op.reduction.data.value
         reduce_op = {"sum": dist.ReduceOp.SUM, "average": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,

@@ -15,7 +15,8 @@ configs, nothing downloaded):
 Each model runs in a child process of its own: eager torch is the reference; tilegraph
 compiles the torch.export program (target "c"); torch's ONNX exporter writes the file
 onnxruntime and OpenVINO run. Every runner's relative error against eager is printed
-beside its time. `--precision bf16` adds tilegraph compiled with precision="bf16".
+beside its time. `--precision bf16` adds tilegraph compiled with precision="bf16" (and, for the
+attention models, `folded-bf16`: bf16 with spelled-out attention folded to the flash kernel).
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/full_size_sweep.py [--only resnet50,bert-base]
         [--repeat 7] [--threads N] [--batch 1] [--precision bf16] [--save rows.json] [--no-eager]
@@ -165,6 +166,16 @@ def run_one(name: str, batch: int, repeat: int, threads: int | None, precisions:
                                     f"kernel: {compiled.reference_kernels[0]}")
         except Exception as e:  # a row, not a crash: the table says what failed
             row["notes"].append(f"{key}: {type(e).__name__}: {' '.join(str(e).split())[:200]}")
+    if "bf16" in precisions and any(n in name for n in ("vit", "bert", "swin", "whisper")):
+        # bf16 with every spelled-out attention folded to the flash kernel (its products on
+        # AMX where the processor has it); the default folds only long ones
+        # (registry.C_BF16_FOLD_MIN_KEYS): this column, in the same rounds, says whether it should.
+        from tilegraph.passes.registry import UNFUSED_PIPELINE
+
+        folded = tilegraph.compile(program, target="c", precision="bf16", **options,
+                                   pipeline=UNFUSED_PIPELINE + ",attention,fuse{hardware=c},tile{hardware=c}")
+        check("folded-bf16", folded.run(*arrays)[0])
+        runners["folded-bf16"] = lambda: folded.run(*arrays)
     row["compile_s"] = time.perf_counter() - t0
     with tempfile.TemporaryDirectory() as d:
         path = export_onnx(module, inputs, Path(d) / "m.onnx", names, ["out"])
@@ -252,6 +263,8 @@ def report(rows, args, precisions) -> None:
     print(f"batch {args.batch}; threads: {args.threads or 'each library default'}; medians of {args.repeat} "
           f"round-robin rounds, each call after a pause; ratios: medians of per-round ratios")
     peers = ["onnxruntime", "openvino-f32", "openvino", "eager"]
+    if any("folded-bf16" in r.get("times", {}) for r in rows):
+        peers.append("folded-bf16")
     ours = ["tilegraph" if p == "f32" else f"tilegraph-{p}" for p in precisions]
     header = ["model"] + [f"{k} ms" for k in ours + peers] + [f"{a}/{b}" for a in ours for b in peers] + \
         [f"err {k}" for k in ours + peers] + ["load avg"]

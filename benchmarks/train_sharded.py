@@ -1,5 +1,5 @@
 """The shard planner's training plans executed on local processes (torch.distributed, gloo): ZeRO-3
-data parallelism, Megatron tensor parallelism and 2 GPipe pipeline stages (tilegraph.train_sharded)
+data parallelism, Megatron tensor parallelism and 2 pipeline stages, 1F1B (tilegraph.train_sharded)
 on the character GPT, against one process (plain data parallelism over 1 process:
 tilegraph.train.train_data_parallel) from the same weights and batches.
 
@@ -13,7 +13,11 @@ The processes share this machine's cores (one thread each) with whatever else ru
 measured times say what the exchange and the split work cost here, not what N machines would give.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/train_sharded.py [--steps 50] [--worlds 2,4]
-        [--strategies zero3,tensor,pipeline] [--layers 2] [--hidden 32] [--heads 4] [--block 16] [--batch 8]
+        [--strategies zero3,tensor,pipeline] [--target numpy|c] [--schedule 1f1b|gpipe] [--layers 2]
+        [--hidden 32] [--heads 4] [--block 16] [--batch 8]
+
+The sharded runs of one process count share one set of processes (train_sharded.Processes); the
+1-process baseline runs on the same target.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import torch  # noqa: E402
 import tilegraph  # noqa: E402
 from tests.models import char_gpt_segments  # noqa: E402
 from tilegraph.train import AdamW, train_data_parallel  # noqa: E402
-from tilegraph.train_sharded import ModelAt, train_sharded  # noqa: E402
+from tilegraph.train_sharded import ModelAt, Processes  # noqa: E402
 
 
 def main() -> None:
@@ -44,6 +48,8 @@ def main() -> None:
     ap.add_argument("--worlds", default="2,4")
     ap.add_argument("--strategies", default="zero3,tensor,pipeline")
     ap.add_argument("--micro-batches", type=int, default=2)
+    ap.add_argument("--target", default="numpy", choices=("numpy", "c"))
+    ap.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
     _common.char_gpt_options(ap, layers=2, hidden=32, heads=4, block=16, batch=8)
     args = ap.parse_args()
     chars, batches, module = _common.char_gpt_run(args)
@@ -56,26 +62,39 @@ def main() -> None:
     models.update({r: tilegraph.import_model(module, example_inputs=(batches[0][0][:r],)) for r in row_counts})
     make = ModelAt(models)
     t = time.perf_counter()
-    one = train_data_parallel(functools.partial(make, args.batch), batches, 1, optimizer, clip_norm=1.0, pipeline="")
+    one = train_data_parallel(functools.partial(make, args.batch), batches, 1, optimizer, clip_norm=1.0, pipeline="",
+                              target=args.target)
     print(f"1 process: {time.perf_counter() - t:.1f} s in all; median step {np.median(one['seconds'][2:]) * 1e3:.1f} ms")
     base = np.array(one["losses"])
     rows = []
     # the same cost model on one process (no link): how far its compute alone is from a measured step
     from tilegraph.passes import shard
-    from tilegraph.train_sharded import cpu_mesh
+    from tilegraph.train_sharded import cpu_mesh, optimizer_time
 
-    alone = shard.plan(models[None].module, cpu_mesh((1,), 1e-6, 1e10), sizes={"B": args.batch},
-                       names=models[None].input_names, zero=False, recompute=False, runner_up=False)
+    from tilegraph.ir.hardware import hardware
+
+    mesh = cpu_mesh((1,), 1e-6, 1e10, hardware("c" if args.target == "c" else "cpu"))
+    alone = shard.plan(models[None].module, mesh, sizes={"B": args.batch}, names=models[None].input_names,
+                       zero=False, recompute=False, runner_up=False, backward="vjp",
+                       optimizer=optimizer_time(optimizer, mesh.hw))
     measured = float(np.median(one["seconds"][2:]))
     rows.append(("plain (1 process)", 1, "-", f"{base[-1]:.5f}", f"{base[-1]:.5f}", "0", f"{alone.time * 1e3:.2f}",
-                 f"{measured * 1e3:.1f}", f"{alone.time / measured:.3f}", f"{alone.memory / 1e6:.3f}", "-", "-", "-"))
+                 f"{measured * 1e3:.1f}", f"{alone.time / measured:.3f}", f"{alone.compute * 1e3:.2f} / 0", "-",
+                 f"{alone.memory / 1e6:.3f}", "-", "-", "-"))
+    runs = {}
+    for world in worlds:
+        with Processes(world) as group:
+            for strategy in args.strategies.split(","):
+                t = time.perf_counter()
+                segs = functools.partial(char_gpt_segments, module, strategy)
+                runs[strategy, world] = group.train(strategy, make, params, batches, optimizer, clip_norm=1.0,
+                                                    segments=segs, micro_batches=args.micro_batches, pipeline="",
+                                                    calibrate=True, target=args.target, schedule=args.schedule)
+                print(f"{strategy} on {world} processes: {time.perf_counter() - t:.1f} s in all; "
+                      f"load {os.getloadavg()}; ran on {runs[strategy, world]['runners']}")
     for strategy in args.strategies.split(","):
         for world in worlds:
-            t = time.perf_counter()
-            segs = functools.partial(char_gpt_segments, module, strategy) if strategy != "zero3" else None
-            r = train_sharded(strategy, make, params, batches, world, optimizer, clip_norm=1.0, segments=segs,
-                              micro_batches=args.micro_batches, pipeline="")
-            print(f"{strategy} on {world} processes: {time.perf_counter() - t:.1f} s in all; load {os.getloadavg()}")
+            r = runs[strategy, world]
             losses = np.array(r["losses"])
             rel = np.abs(losses - base) / np.abs(base)
             measured = float(np.median(r["seconds"][2:]))
@@ -88,15 +107,21 @@ def main() -> None:
                 measured_mem = f"{total[:dp].max() / 1e6:.3f} / {total[dp:].max() / 1e6:.3f}"
             else:
                 predicted_mem, measured_mem = f"{p['memory'] / 1e6:.3f}", f"{total.max() / 1e6:.3f}"
-            extra = f"ZeRO-{int(p['zero'])}" + (f", m={int(p['micro_batches'])}" if strategy == "pipeline" else "") + (
+            extra = f"ZeRO-{int(p['zero'])}" + (
+                f", m={int(p['micro_batches'])} {args.schedule}, held {mem[:, 5].astype(int).tolist()}"
+                if strategy == "pipeline" else "") + (
                 f", {int(p['recompute'])} layer(s)/stage recomputed" if p["recompute"] else "")
             rows.append((strategy, world, extra, f"{losses[-1]:.5f}", f"{base[-1]:.5f}", f"{rel.max():.1e}",
                          f"{p['time'] * 1e3:.2f}", f"{measured * 1e3:.1f}", f"{p['time'] / measured:.3f}",
+                         f"{p['compute'] * 1e3:.2f} / {p['comm'] * 1e3:.2f}",
+                         f"{mem[:, 2].mean() * 1e3:.2f} / {mem[:, 3].mean() * 1e3:.2f} / "
+                         f"{(measured - mem[:, 2].mean() - mem[:, 3].mean()) * 1e3:.2f}",
                          predicted_mem, measured_mem, f"{mem[:, 0].max() / 1e6:.3f}",
                          f"{p['alpha'] * 1e6:.0f} us, {p['beta'] / 1e6:.0f} MB/s"))
     print(_common.format_table(
         ("plan", "processes", "as planned", f"loss after {args.steps}", "1 process", "max rel. diff (any step)",
-         "predicted ms", "measured ms", "predicted/measured", "predicted MB/process (stage 0 / 1)",
+         "predicted ms", "measured ms", "predicted/measured", "predicted compute / comm ms",
+         "measured compute / comm / host ms", "predicted MB/process (stage 0 / 1)",
          "measured MB/process", "held MB", "gloo link (measured)"), rows))
     print(f"load average at end: {os.getloadavg()}")
 

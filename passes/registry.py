@@ -149,14 +149,24 @@ UNFUSED_PIPELINE = "canonicalize,constant-fold,cse,simplify-shapes,dce"
 DEFAULT_PIPELINE = UNFUSED_PIPELINE + ",fuse,tile"
 
 
-def default_pipeline(hardware: str = "cpu") -> str:
+# The C backend at precision bf16 folds attention over at least this many keys: its flash
+# kernel's products run on AMX and never write the scores, which over long sequences (a
+# head's 1500 x 1500 f32 scores are 9 MB, past the cores' caches) is what the spelled-out
+# chain waits on; over a few hundred keys oneDNN's batched GEMMs with the row softmax keep
+# pace (benchmarks/full_size_sweep.py --precision bf16: its folded-bf16 column).
+C_BF16_FOLD_MIN_KEYS = 1024
+
+
+def default_pipeline(hardware: str = "cpu", precision: str = "f32") -> str:
     """The default pipeline, with fusion and tiling decided for a hardware target (`passes/cost`).
     For a GPU, attention spelled out as matmul-softmax-matmul is folded first (`attention`):
-    the Triton backend has a flash kernel for it."""
+    the Triton backend has a flash kernel for it; so for the C backend at precision bf16 over
+    long sequences (C_BF16_FOLD_MIN_KEYS)."""
     if hardware == "cpu":
         return DEFAULT_PIPELINE
     if hardware == "c":  # the C backend: as the NumPy one, its groups priced as C steps
-        return UNFUSED_PIPELINE + ",fuse{hardware=c},tile{hardware=c}"
+        fold = f",attention{{min-keys={C_BF16_FOLD_MIN_KEYS}}}" if precision == "bf16" else ""
+        return UNFUSED_PIPELINE + fold + ",fuse{hardware=c},tile{hardware=c}"
     return UNFUSED_PIPELINE + f",attention,fuse{{hardware={hardware}}},tile{{hardware={hardware}}}"
 
 

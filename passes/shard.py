@@ -214,6 +214,8 @@ def _nodes(func: FuncOp, names: Sequence[str], mesh_shape, sizes, zero: bool = F
 # Every cost is a dict of components (sympy expressions in the symbolic dims), because the
 # integer program weighs them differently:
 #   C    compute of one micro-batch (forward + backward)        x (m + p - 1) slots of 1F1B
+#   F    its forward alone (what a recomputed layer runs again; not added to the step by itself)
+#   Cst  compute once per step: the optimizer's update of the weight (plan(optimizer=...); else 0)
 #   B    collectives on the critical path, per micro-batch      x (m + p - 1)
 #   Omb  collectives independent of the compute beside them, per micro-batch (ZeRO-3's weight
 #        gathers, ZeRO-2/3's gradient reduce-scatters): hidden behind the backward when overlapped
@@ -222,17 +224,45 @@ def _nodes(func: FuncOp, names: Sequence[str], mesh_shape, sizes, zero: bool = F
 #   W    bytes per device once per step: a weight with its gradient and optimizer state
 #   A    bytes per device per micro-batch: an activation the backward needs (live at its peak)
 
-COMPONENTS = ("C", "B", "Omb", "Ost", "W", "A")
+COMPONENTS = ("C", "F", "Cst", "B", "Omb", "Ost", "W", "A")
+
+
+def _local_op(op: TgOp, st: Strategy, mesh: Mesh, sizes: dict[str, int] | None = None) -> TgOp:
+    """`op` at the local shapes `st` gives it on one device (its operands new block arguments);
+    with `sizes`, its symbolic dims at those sizes."""
+    def local(info: TensorInfo, spec) -> TensorInfo:
+        out = local_info(info, spec, mesh.shape)
+        return out if sizes is None else TensorInfo(tuple(int(at(d, sizes)) for d in out.shape), out.dtype)
+
+    block = Block(arg_types=[type_of(local(info_of(v.type), s)) for v, s in zip(op.operands, st.ins)])
+    result = [local(i, pre_scatter(st)) for i in op.result_infos()] if op.SPEC.result_given else None
+    return make_op(op.op_name, list(block.args), op.py_attrs(), result)
 
 
 def _local_time(op: TgOp, st: Strategy, mesh: Mesh, hw) -> sympy.Expr:
     """The cost model's time of `op` at the local shapes `st` gives it on one device."""
     if op.op_name in (Op.weight, Op.constant):
         return sympy.Integer(0)
-    block = Block(arg_types=[type_of(local_info(info_of(v.type), s, mesh.shape)) for v, s in zip(op.operands, st.ins)])
-    result = [local_info(i, pre_scatter(st), mesh.shape) for i in op.result_infos()] if op.SPEC.result_given else None
-    local = make_op(op.op_name, list(block.args), op.py_attrs(), result)
-    return op_cost(local, hw).time
+    return op_cost(_local_op(op, st, mesh), hw).time
+
+
+def _backward_time(op: TgOp, st: Strategy, mesh: Mesh, hw, sizes: dict[str, int]) -> sympy.Expr | None:
+    """The cost model's time of the ops `op`'s VJP (ir/vjp.py, what autodiff emits) builds at the
+    local shapes, every operand's gradient made; None where the op has no rule. Priced at `sizes`
+    (a number, not a formula of the symbolic dims: pricing dozens of ops' formulas per op is slow)."""
+    from tilegraph.ir.vjp import VJPS, Backward
+
+    rule = VJPS.get(op.op_name)
+    if rule is None or op.op_name in (Op.weight, Op.constant):
+        return None
+    b = Backward()
+    try:
+        local = _local_op(op, st, mesh, sizes)
+        seeds = Block(arg_types=[r.type for r in local.results])
+        rule(b, local, list(seeds.args))
+    except (NotImplementedError, TilegraphError):
+        return None
+    return sum((op_cost(o, hw).time for o in b.ops if o.op_name != Op.constant), sympy.Integer(0))
 
 
 def _needs_grad(node: Node) -> bool:
@@ -276,7 +306,9 @@ def weight_bytes(info: TensorInfo, st: Strategy, mesh: Mesh) -> sympy.Expr:
     return local + grad + (optimizer / free if st.zero >= 1 else optimizer)
 
 
-def _node_cost(node: Node, st: Strategy, nodes: list[Node], mesh: Mesh, hw, training: bool, saved: bool) -> dict:
+def _node_cost(node: Node, st: Strategy, nodes: list[Node], mesh: Mesh, hw, training: bool, saved: bool,
+               backward: str = "flops", optimizer: Callable[[int], float] | None = None,
+               sizes: dict[str, int] | None = None) -> dict:
     """The components of one strategy (see COMPONENTS)."""
     zero = sympy.Integer(0)
     cost = dict.fromkeys(COMPONENTS, zero)
@@ -293,7 +325,10 @@ def _node_cost(node: Node, st: Strategy, nodes: list[Node], mesh: Mesh, hw, trai
     if not training:
         cost.update(C=compute, B=comm, A=out_bytes)
         return cost
-    compute = compute * FWD_BWD if dtypes.is_float(node.info.dtype) else compute
+    cost["F"] = compute
+    if dtypes.is_float(node.info.dtype):
+        back = _backward_time(node.op, st, mesh, hw, sizes or {}) if backward == "vjp" and node.op is not None else None
+        compute = compute + back if back is not None else compute * FWD_BWD
     for i, spec in zip(node.operands, st.ins):
         missing = [a for a in st.split if a not in spec_axes(spec)]
         if missing and _needs_grad(nodes[i]) and not _is_weight(nodes[i]):
@@ -306,6 +341,10 @@ def _node_cost(node: Node, st: Strategy, nodes: list[Node], mesh: Mesh, hw, trai
     cost.update(C=compute, B=comm)
     if _is_weight(node) and dtypes.is_float(node.info.dtype):
         cost["W"] = weight_bytes(node.info, st, mesh)
+        if optimizer is not None:  # the optimizer steps on the elements this device updates
+            replicas = mesh.group_size([a for a in range(len(mesh.shape)) if a not in spec_axes(st.out)])
+            elements = at(nbytes(local_info(node.info, st.out, mesh.shape))) / dtypes.numpy_dtype(node.info.dtype).itemsize
+            cost["Cst"] = sympy.Float(optimizer(int(elements // replicas if st.zero >= 1 else elements)))
         if st.zero:  # the updated slices all-gathered after the optimizer step
             free = [a for a in range(len(mesh.shape)) if a not in spec_axes(st.out)]
             cost["Ost"] = mesh.collective("all_gather", free, out_bytes)
@@ -404,7 +443,8 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
          training: bool = True, constraints: dict[SSAValue, Spec] | None = None, names: Sequence[str] = (),
          only=None, reduce_scatter: bool = True, stages: int = 1, micro_batches: int = 1, batch: str = "B",
          overlap: bool = True, recompute: bool = True, zero: bool = True, runner_up: bool = True,
-         progress: Callable[[str], object] | None = None) -> Plan:
+         progress: Callable[[str], object] | None = None, backward: str = "flops",
+         optimizer: Callable[[int], float] | None = None, schedule: str = "1f1b") -> Plan:
     """The cheapest sharding of @forward on `mesh` under `budget` bytes per device (default: the device's memory).
 
     `only(node)`: the strategy names (without ZeRO stage) a node may take, or None for any (a hand
@@ -414,10 +454,17 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
     the repeated layers, the global batch (`sizes[batch]`) run as `micro_batches` micro-batches in a
     1F1B schedule. `overlap`, `recompute`, `zero`: whether independent collectives hide behind the
     backward, layers may be recomputed ("always": must be, as a published configuration did), weights
-    may take ZeRO stages 1-2. `progress(stage)`: told what the planner is doing (tilegraph shard's status line)."""
+    may take ZeRO stages 1-2. `progress(stage)`: told what the planner is doing (tilegraph shard's status line).
+    `backward`: "flops" prices an op's backward as FWD_BWD - 1 forwards (GEMM-bound layers); "vjp" as the
+    cost model's time of the ops its VJP rule builds (where per-op overheads, not FLOPs, set the time).
+    `optimizer(elements)`: seconds of the optimizer's update of that many elements of a weight, counted
+    once per step on each device's share (None: the update is not priced). `schedule`: the pipeline's,
+    "1f1b" or "gpipe" (the same m + p - 1 slots; every stage keeps all m micro-batches' activations)."""
+    if backward not in ("flops", "vjp") or schedule not in ("1f1b", "gpipe"):
+        raise ShardError(f"backward '{backward}' (flops, vjp) or schedule '{schedule}' (1f1b, gpipe) unknown")
     say = progress or (lambda stage: None)
     started = _time.perf_counter()
-    prog = _build(module, mesh, budget=budget, sizes=sizes, training=training, constraints=constraints, names=names, only=only, reduce_scatter=reduce_scatter, stages=stages, micro_batches=micro_batches, batch=batch, overlap=overlap, recompute=recompute, zero=zero, say=say)
+    prog = _build(module, mesh, budget=budget, sizes=sizes, training=training, constraints=constraints, names=names, only=only, reduce_scatter=reduce_scatter, stages=stages, micro_batches=micro_batches, batch=batch, overlap=overlap, recompute=recompute, zero=zero, say=say, backward=backward, optimizer=optimizer, schedule=schedule)
     counts = [len(a) for a in prog.comp["C"]]
     CUT_SHORT.clear()
     say(f"solving the integer program (at most {SOLVE_TIME_LIMIT:.0f} s)")
@@ -482,7 +529,8 @@ class _Program:
 
 
 def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints, names, only, reduce_scatter,
-           stages, micro_batches, batch, overlap, recompute, zero, say) -> _Program:
+           stages, micro_batches, batch, overlap, recompute, zero, say, backward="flops", optimizer=None,
+           schedule="1f1b") -> _Program:
     """plan()'s integer program: nodes grouped into classes (one per place in the repeated layers),
     each class's and edge's costs per strategy, the recomputation's variables, each stage's step and
     memory as rows; the objective the slowest stage's step."""
@@ -502,7 +550,8 @@ def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints
                               f"(sizes {sizes})")
         sizes[batch] //= micro_batches
     slots = micro_batches + stages - 1 if training else 1  # 1F1B: m micro-batches and p - 1 of bubble
-    inflight = min(stages, micro_batches) if training else 1  # micro-batches stage 0 holds activations of
+    gpipe = schedule == "gpipe"
+    inflight = (micro_batches if gpipe else min(stages, micro_batches)) if training else 1  # micro-batches stage 0 holds activations of
     names = list(names) or [f"input{i}" for i in range(len(func.body.block.args))]
     nodes = _nodes(func, names, mesh.shape, sizes, zero=training and zero)
     if not reduce_scatter:
@@ -531,12 +580,14 @@ def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints
         say(f"pricing each op's shardings: {done + 1} of {len(classes)} ops")
         node = nodes[c]
         ok = []
-        key = (_signature(node), mesh, training, saved[c], tuple(
+        key = (_signature(node), mesh, training, saved[c], backward, optimizer,
+               tuple(sorted(sizes.items())) if backward == "vjp" else (), tuple(
             (_needs_grad(nodes[i]), _is_weight(nodes[i]), sum(1 for _ in nodes[i].value.uses)) for i in node.operands))
         for st in node.strategies:
             if (key, st) not in _NODE_COSTS:
                 try:
-                    _NODE_COSTS[key, st] = _node_cost(node, st, nodes, mesh, hw, training, saved[c])
+                    _NODE_COSTS[key, st] = _node_cost(node, st, nodes, mesh, hw, training, saved[c], backward, optimizer,
+                                                      sizes)
                 except TilegraphError:  # a split the op's shape rule rejects at local shapes: keep what works
                     _NODE_COSTS[key, st] = None
             if _NODE_COSTS[key, st] is not None:
@@ -615,9 +666,10 @@ def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints
         parts.setdefault(slot[cls[i]], set()).update(side(i))
     if stages == 1:
         stage_sets = [(set(range(len(classes))), inflight)]
-    else:  # 1F1B: the first stage holds min(p, m) micro-batches' activations, the last one's
+    else:  # 1F1B: the first stage holds min(p, m) micro-batches' activations, the last one's;
+        # GPipe: every stage all m (each runs every forward before any backward)
         stage_sets = [({k for k, ps in parts.items() if ps & {"pre", "layer"}}, inflight),
-                      ({k for k, ps in parts.items() if ps & {"layer", "post"}}, 1)]
+                      ({k for k, ps in parts.items() if ps & {"layer", "post"}}, inflight if gpipe else 1)]
 
     extras: list[tuple[float, float, int]] = []
     rows: list[tuple[Linear, float, float]] = []
@@ -637,7 +689,7 @@ def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints
                    if start <= i < start + period}) if copies >= 2 else []
     ckpt_bytes = {k: np.array([value(nbytes(local_info(nodes[classes[k]].info, st.out, mesh.shape)))
                                for st in nodes[classes[k]].strategies]) for k in ckpt}
-    forward = {k: (comp["C"][k] / FWD_BWD + comp["B"][k] / 2) * US for k in layer}
+    forward = {k: (comp["F"][k] + comp["B"][k] / 2) * US for k in layer}
     r = None
     bits: list[tuple[int, int, int, int]] = []  # (2^j, u_j, v_j, e_j)
     w_var = None
@@ -675,6 +727,7 @@ def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints
     for ks, _ in stage_sets:
         t = Linear()
         t.add(compute.restricted(ks, edges), slots * US)
+        t.add(total("Cst").restricted(ks, edges), US)
         t.add(blocking.restricted(ks, edges), slots * US)
         for name, per in (("Omb", slots), ("Ost", 1)):
             o = total(name).restricted(ks, edges)
@@ -737,7 +790,7 @@ def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints
                 raise LayoutError(f"{node.label}: none of the strategies {sorted(names_ok)} is possible on mesh "
                                   f"{mesh} (it has {[st.name for st in node.strategies]})")
             allowed[slot[cls[i]]] &= ok
-    totals = {name: total(name) for name in ("C", "B", "Omb", "Ost")}
+    totals = {name: total(name) for name in ("C", "Cst", "B", "Omb", "Ost")}
     return _Program(mesh=mesh, sizes=sizes, budget=budget, training=training, stages=stages, micro_batches=micro_batches, nodes=nodes, cls=cls, slot=slot, count=count, layer=layer, start=start, period=period, copies=copies, per_stage=per_stage, exprs=exprs, comp=comp, edges=edges, edge_cache=edge_cache, stage_sets=stage_sets, slots=slots, eta=eta, p2p_link=p2p_link, ckpt=ckpt, ckpt_bytes=ckpt_bytes, r=r, objective=objective, rows=rows, extras=extras, allowed=allowed, memories=memories, totals=totals)
 
 
@@ -755,7 +808,7 @@ def _read_back(prog: _Program, ch: list[int], xs: list[float], solve_time: float
     picked = [ch[slot[cls[i]]] for i in range(len(nodes))]
     re = int(round(xs[r])) if r is not None else 0
     felt = OVERLAP_INTERFERENCE if eta else 0.0
-    redo = slots * re * sum(float(comp["C"][k][ch[k]]) / FWD_BWD + float(comp["B"][k][ch[k]]) / 2
+    redo = slots * re * sum(float(comp["F"][k][ch[k]]) + float(comp["B"][k][ch[k]]) / 2
                             for k in layer)
     p2p = slots * 2 * sum(p2p_link.alpha + float(ckpt_bytes[k][ch[k]]) / p2p_link.beta
                           for k in ckpt) if stages > 1 else 0.0
@@ -765,6 +818,7 @@ def _read_back(prog: _Program, ch: list[int], xs: list[float], solve_time: float
     per = []
     for ks, held in stage_sets:
         c_s, b_s = compute.restricted(ks, edges).value(ch, edges), blocking.restricted(ks, edges).value(ch, edges)
+        c_step = totals["Cst"].restricted(ks, edges).value(ch, edges)
         exposed = {}
         for name in ("Omb", "Ost"):
             o = totals[name].restricted(ks, edges).value(ch, edges)
@@ -773,12 +827,12 @@ def _read_back(prog: _Program, ch: list[int], xs: list[float], solve_time: float
         weights = sum(float(comp["W"][k][ch[k]]) * count[k] for k in ks)
         acts = sum(float(comp["A"][k][ch[k]]) for k in ks if k not in layer)
         kept = (per_stage - re) * held * one_layer + re * held * kept_ckpt + (one_layer if re == per_stage else 0.0)
-        per.append((slots * c_s + redo + comm_s, slots * c_s + redo, comm_s, c_s + b_s,
+        per.append((slots * c_s + c_step + redo + comm_s, slots * c_s + c_step + redo, comm_s, c_s + b_s,
                     weights + held * acts + kept))
     slowest = max(range(len(per)), key=lambda s: per[s][0])
     ks_slow = stage_sets[slowest][0]
     choices, forward = [], []
-    fc, fb, fo = sympy.Integer(0), sympy.Integer(0), {"Omb": sympy.Integer(0), "Ost": sympy.Integer(0)}
+    fc, fb, fo, fcst = sympy.Integer(0), sympy.Integer(0), {"Omb": sympy.Integer(0), "Ost": sympy.Integer(0)}, sympy.Integer(0)
     for i, node in enumerate(nodes):
         ex = exprs[cls[i]][picked[i]]
         st = node.strategies[picked[i]]
@@ -795,12 +849,13 @@ def _read_back(prog: _Program, ch: list[int], xs: list[float], solve_time: float
             forward.append(("all_reduce" if st.scatter is None else "reduce_scatter", st.partial, node.label))
         if slot[cls[i]] in ks_slow:  # the formula is the slowest stage's
             fc += ex["C"] * w
+            fcst += ex["Cst"] * w
             fb += (ex["B"] + incoming["B"]) * w
             for k in fo:
                 fo[k] += (ex[k] + incoming[k]) * w
         comm = ex["B"] + incoming["B"] + ex["Omb"] + incoming["Omb"] + ex["Ost"] + incoming["Ost"]
-        choices.append(Choice(node, st, at(ex["C"], sizes), at(comm, sizes), at(ex["W"] + ex["A"], sizes)))
-    formula = slots * (fc + fb) + sum((slots if k == "Omb" else 1) * (sympy.Max(0, fo[k] - eta * fc) + felt * fo[k])
+        choices.append(Choice(node, st, at(ex["C"] + ex["Cst"], sizes), at(comm, sizes), at(ex["W"] + ex["A"], sizes)))
+    formula = fcst + slots * (fc + fb) + sum((slots if k == "Omb" else 1) * (sympy.Max(0, fo[k] - eta * fc) + felt * fo[k])
                                       for k in fo)
     _, c_time, comm_time, slot_time, _ = per[slowest]
     p = Plan(mesh, choices, c_time, comm_time, max(s[4] for s in per), formula + redo + p2p, solve_time,  # type: ignore[assignment]

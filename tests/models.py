@@ -421,7 +421,8 @@ def char_gpt_segments(module: CharGPT, strategy: str):
     """`tilegraph.train_sharded.Segments` of `module`: for "tensor", Megatron's pieces (embedding + the
     first ln1; per block the attention's local heads and the MLP's local columns as partial sums, the
     replicated residual/LayerNorm pieces between them; the head and loss last); for "pipeline", two
-    stages of half the blocks each (embedding first, final LayerNorm, head and loss last)."""
+    stages of half the blocks each (embedding first, final LayerNorm, head and loss last); for "zero3",
+    ZeRO-3's gather units: the embedding, each block, the head and loss, weights whole."""
     import numpy as np
 
     from tilegraph.train_sharded import Segment, Segments
@@ -489,6 +490,19 @@ def char_gpt_segments(module: CharGPT, strategy: str):
                     piece(stage1, last, full.__getitem__, (x_ex,), ["x"], ["logits"], loss=True)]
 
         return Segments(build, stage_of=lambda s: 1 if s.loss else 0)
+
+    if strategy == "zero3":  # FSDP units: the embedding, each block, the head and loss (weights whole)
+        def build(rank, world, rows):
+            ids, x_ex = examples(rows)
+            segs = [piece(embed, names_of(("tok.", "pos.")), full.__getitem__, (ids,), ["ids"], ["x0"])]
+            for i in range(layers):
+                segs.append(piece(lambda p, x, i=i: block(p, i, x), names_of((f"blocks.{i}.",)), full.__getitem__,
+                                  (x_ex,), [f"x{i}"], [f"x{i + 1}"]))
+            segs.append(piece(head, names_of(("ln_f.", "head.")), full.__getitem__, (x_ex,), [f"x{layers}"],
+                              ["logits"], loss=True))
+            return segs
+
+        return Segments(build)
 
     def build(rank, world, rows):  # tensor parallelism over `world` ranks
         ids, x_ex = examples(rows)

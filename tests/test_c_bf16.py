@@ -10,7 +10,9 @@ backend does not know is a named error.
 
 from __future__ import annotations
 
+import ctypes
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -64,3 +66,69 @@ def test_an_unknown_precision_is_a_named_error():
     model, _ = _model()
     with pytest.raises(tilegraph.TilegraphError, match="precision= must be one of f32, bf16"):
         tilegraph.compile(model, target="c", precision="fp16")
+
+
+def _attention():
+    """Attention as torch's scaled_dot_product_attention exports it (Whisper, SDPA encoders):
+    one tg.attention, 37 queries and keys (partial tiles), head dim 18 (a partial pair
+    block), an additive mask over the keys."""
+    rng = np.random.default_rng(3)
+    g = Graph()
+    q, k, v = (g.input(n, (1, 2, 37, 18)) for n in "qkv")
+    y = g.attention(q, k, v, g.input("m", (1, 1, 1, 37)), scale=0.25)
+    xs = [rng.standard_normal((1, 2, 37, 18)).astype(np.float32) for _ in range(3)]
+    xs.append(np.where(rng.random((1, 1, 1, 37)) < 0.8, 0.0, -1e4).astype(np.float32))
+    return g.build(y, names=["y"]), xs
+
+
+def test_bf16_attention_multiplies_on_amx_tiles():
+    """At precision bf16 the flash kernel's two products run on AMX tiles where the processor
+    has them (found at run time), the softmax in f32: one step, no oneDNN primitive, no
+    reference kernel; without AMX it runs its f32 products."""
+    model, xs = _attention()
+    want = interpret(model, xs)[0]
+    f32 = tilegraph.compile(model, target="c")
+    exact = f32.run(*xs)[0]
+    assert_close(exact, want, "f32", reduction_length=37 + 18)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a processor without bf16 units: the module says so and runs f32
+        bf16 = tilegraph.compile(model, target="c", precision="bf16")
+    runner: CompiledModel = bf16._runner
+    assert bf16.source.count("tg_attention(") == 1
+    assert runner.primitives == [] and bf16.reference_kernels == []
+    lib = runner._lib
+    lib.tg_bf16_attention_count.restype = ctypes.c_int
+    before = lib.tg_bf16_attention_count()
+    got = bf16.run(*xs)[0]
+    assert_close(got, want, "bf16", reduction_length=37 + 18)
+    cpu_amx = "amx_bf16" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
+    if runner.precision == "bf16" and cpu_amx:
+        assert lib.tg_bf16_attention_count() == before + 1  # the AMX kernel ran, once
+        assert not np.array_equal(got, exact)  # its operands were rounded to bf16
+    else:
+        assert lib.tg_bf16_attention_count() == before
+    assert np.array_equal(f32.run(*xs)[0], exact)  # an f32 module beside it stays f32
+
+
+@pytest.mark.parametrize("keys", [37, 1100])
+def test_bf16_folds_spelled_out_attention_over_long_sequences(keys):
+    """Eager attention as exported (softmax(q @ k^T * scale + mask) @ v) at precision bf16:
+    over C_BF16_FOLD_MIN_KEYS keys or more it becomes the flash kernel's one step (the scores
+    never written), over fewer it stays oneDNN's GEMMs; f32 keeps the chain. Both within bf16's
+    tolerance of the interpreter."""
+    from tilegraph.passes.registry import C_BF16_FOLD_MIN_KEYS
+
+    rng = np.random.default_rng(keys)
+    g = Graph()
+    q, k, v = g.input("q", (1, 2, 5, 16)), g.input("k", (1, 2, keys, 16)), g.input("v", (1, 2, keys, 16))
+    scores = g.matmul(q, k.transpose(0, 1, 3, 2)) * g.constant(np.float32(0.25)) + g.input("m", (1, 1, 1, keys))
+    model = g.build(g.matmul(g.softmax(scores, axis=-1), v), names=["y"])
+    xs = [rng.standard_normal((1, 2, n, 16)).astype(np.float32) for n in (5, keys, keys)]
+    xs.append(np.where(rng.random((1, 1, 1, keys)) < 0.8, 0.0, -1e4).astype(np.float32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bf16 = tilegraph.compile(model, target="c", precision="bf16")
+    assert bf16.source.count("tg_attention(") == (1 if keys >= C_BF16_FOLD_MIN_KEYS else 0)
+    assert "tg_attention(" not in tilegraph.compile(model, target="c").source
+    assert bf16.reference_kernels == []
+    assert_close(bf16.run(*xs)[0], interpret(model, xs)[0], "bf16", reduction_length=keys + 16)

@@ -130,7 +130,8 @@ def generate(model: Any, prompt: Any, max_new_tokens: int = 64, **options: Any):
     return _generate(model, prompt, max_new_tokens, **options)
 
 
-def _run_passes(model: Model, pipeline: str | Sequence | None, hardware: str = "cpu") -> Model:
+def _run_passes(model: Model, pipeline: str | Sequence | None, hardware: str = "cpu",
+                precision: str = "f32") -> Model:
     try:
         registry = importlib.import_module("tilegraph.passes.registry")
     except ModuleNotFoundError as e:
@@ -142,7 +143,7 @@ def _run_passes(model: Model, pipeline: str | Sequence | None, hardware: str = "
             raise TilegraphError(f"cannot run pipeline {pipeline!r}: passes.registry is not available") from None
         return model
     if pipeline is None:
-        pipeline = registry.default_pipeline(hardware)
+        pipeline = registry.default_pipeline(hardware, precision)
     elif isinstance(pipeline, str) and pipeline and hardware != "cpu":
         pipeline = registry.with_hardware(pipeline, hardware)  # fuse/tile decide for the backend's GPU
     if not pipeline:
@@ -231,16 +232,17 @@ def compile(model: Any, example_inputs: Sequence[Any] | None = None, target: str
     if hasattr(codegen, "build_ahead"):  # what the backend can build (the C runtime) while the passes run
         codegen.build_ahead()
     hardware = getattr(codegen, "HARDWARE", "cpu")  # fusion and tiling decide for what the backend runs on
+    precision = options.get("precision", "f32")  # the default pipeline may differ by it (registry.default_pipeline)
     cache_key = None
     if isinstance(model, (str, os.PathLike)) and not isinstance(pipeline, (list, tuple)):
         from tilegraph import compile_cache
 
-        cache_key = compile_cache.key(Path(model), pipeline, hardware)
+        cache_key = compile_cache.key(Path(model), pipeline, hardware if precision == "f32" else f"{hardware}/{precision}")
     optimized = compile_cache.lookup(cache_key) if cache_key else None
     if optimized is None:
         imported = import_model(model, example_inputs, dynamic_shapes)
         imported.verify()  # passes assume verified IR (a Model parsed from text has not been)
-        optimized = _run_passes(imported, pipeline, hardware)
+        optimized = _run_passes(imported, pipeline, hardware, precision)
         optimized.verify()
         if cache_key:
             compile_cache.store(cache_key, optimized)

@@ -1,31 +1,37 @@
 """The shard planner's training plans executed for real: ZeRO-3 data parallelism, Megatron tensor
-parallelism and GPipe pipeline stages on local processes (torch.multiprocessing + gloo).
+parallelism and pipeline stages (1F1B or GPipe) on local processes (torch.multiprocessing + gloo).
 
-Every process plans first (`plan_for`: passes/shard.py's integer program with the strategy's layout
+Rank 0 plans first (`plan_for`: passes/shard.py's integer program with the strategy's layout
 pinned, on a mesh of this machine's CPU profile and a gloo link measured by the processes together,
-`measure_link`), then executes what the plan says:
+`measure_link`) and sends every rank the plan's decisions; each then executes what the plan says:
 
   zero3     each float weight the plan stores split (its spec splits dim d over the data axis) is held
-            as this rank's slice of dim d, with its AdamW moments; before the step's forward-backward
-            module runs, the slices are all-gathered (one packed collective) into whole weights, freed
-            when it returns; the gradients are reduce-scattered onto the slices (gloo has no
-            reduce-scatter on CPU tensors: an all-reduce of the packed gradients, each rank keeping
-            its own part, as backends/distributed.py does) and the optimizer module steps on the
-            slices alone (DeepSpeed ZeRO-3 / FSDP2 with the whole model as one unit).
+            as this rank's slice of dim d, with its AdamW moments; the model runs as segments (FSDP
+            units: tests/models.py `char_gpt_segments(..., "zero3")`, the embedding, each block, the
+            head): a segment's slices are all-gathered (one packed collective) just before its
+            forward and again before its backward, the whole weights freed after each, the next
+            segment's gather started (asynchronous) before this one computes; a segment's gradients
+            are reduce-scattered onto the slices after its backward (gloo has no reduce-scatter on
+            CPU tensors: an all-reduce of the packed gradients, each rank keeping its own part, as
+            backends/distributed.py does) and the optimizer module steps on the slices alone
+            (DeepSpeed ZeRO-3 / FSDP2).
   tensor    Megatron-LM's split: each weight the plan splits by columns or rows is held as this
             rank's slice (a fused qkv by heads: `Segments.slicer`); the model runs as segments
             (`Segments`, built per model: tests/models.py `char_gpt_segments`) between collectives:
             a parallel segment's outputs are partial sums, all-reduced (forward), and the cotangent
             of its inputs too (backward: Megatron's `f`), two all-reduces per block each way.
-  pipeline  2 stages (GPipe): stage k holds its segments (the plan's layers split evenly), runs every
-            micro-batch's forward, sends the boundary activation to the next stage, which returns
-            its cotangent; gradients accumulate over the micro-batches; with 4 processes, two
+  pipeline  2 stages: stage k holds its segments (the plan's layers split evenly) and runs the
+            micro-batches' forwards and backwards in the schedule's order (`pipeline_order`: 1F1B,
+            the default, holds at most 2 - k micro-batches' activations; GPipe all of them; the
+            plan is priced for the schedule run); stage 0 sends each boundary activation to stage
+            1, which returns its cotangent (asynchronous sends: under 1F1B both stages send at
+            once); gradients accumulate over the micro-batches; with 4 processes, two
             replicas of the pipeline average their gradients (data parallelism over the stage).
 
 A segment's backward module recomputes its forward from its inputs (the vjp module takes the
 inputs and the cotangents): full activation recomputation at segment granularity, as GPipe and
-Megatron's `--recompute-granularity full` do, so tensor and pipeline plans are priced with every
-layer recomputed (`recompute="always"`). Gradient clipping uses the global norm (one more
+Megatron's `--recompute-granularity full` do, so every plan is priced with every layer recomputed
+(`recompute="always"`). Gradient clipping uses the global norm (one more
 all-reduce). Each process reports its step times and its memory: the arrays it holds between
 steps (weights and optimizer state, `held`) plus the peak of what a step allocates (tracemalloc,
 which NumPy reports its buffers to), against the plan's bytes per device.
@@ -33,9 +39,10 @@ which NumPy reports its buffers to), against the plan's bytes per device.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
-import tempfile
+import os
 import time
 import tracemalloc
 from dataclasses import dataclass, field
@@ -56,13 +63,54 @@ class ShardedTrainError(TilegraphError):
 # --- the plan ---------------------------------------------------------------------------
 
 
-def cpu_mesh(shape: tuple[int, ...], alpha: float, beta: float):
-    """A mesh of this machine's CPU profile (the NumPy backend's) joined by a gloo link."""
+def cpu_mesh(shape: tuple[int, ...], alpha: float, beta: float, device=None):
+    """A mesh of `device` (default: this machine's CPU profile, the NumPy backend's) joined by a gloo link."""
     from tilegraph.ir.hardware import Link, hardware
+
     from tilegraph.passes.cost.collectives import Mesh
 
-    hw = dataclasses.replace(hardware("cpu"), links={"gloo": Link("gloo", alpha, beta, "measured by the processes")})
+    hw = dataclasses.replace(device or hardware("cpu"),
+                             links={"gloo": Link("gloo", alpha, beta, "measured by the processes")})
     return Mesh(shape, hw, intra_node="gloo")
+
+
+def measure_device(calibrate: bool, target: str = "numpy"):
+    """One process's device: the `target` backend's CPU profile ("cpu" for NumPy, "c" for C: its loops
+    and oneDNN) on the one thread a process runs (cores=1).
+    `calibrate`: measured now, by the project's quick calibration run in every process at once (so
+    it sees the cores shared as the step will: oversubscription and other load included), rank 0's
+    profile taken by all (each rank plans alone: they must plan on the same numbers); else the
+    profile cached for this machine."""
+    import torch.distributed as dist
+
+    from tilegraph.ir.hardware import hardware
+
+    if calibrate:
+        if target == "c":
+            from tilegraph.backends.c.calibrate import measure
+        else:
+            from tilegraph.backends.numpy.calibrate import measure
+
+        mine = [measure(quick=True, progress=False)]
+        dist.broadcast_object_list(mine, src=0)
+        hw = mine[0]
+    else:
+        hw = hardware("c" if target == "c" else "cpu")
+    return dataclasses.replace(hw, cores=1)
+
+
+def optimizer_time(optimizer, hw) -> Callable[[int], float]:
+    """elements -> the cost model's time of `optimizer`'s update module (train.build_update, the one
+    a rank runs) over a weight of that many f32 elements, on `hw`."""
+    import functools
+
+    from tilegraph.passes.cost.model import at, module_cost
+    from tilegraph.train import build_update
+
+    @functools.lru_cache(maxsize=None)
+    def cost(elements: int) -> float:
+        return at(module_cost(build_update({"w": np.zeros(elements, np.float32)}, optimizer).module, hw).time)
+    return cost
 
 
 def layout(strategy: str) -> Callable:
@@ -135,7 +183,7 @@ def _weight_behind(op) -> str:
 
 
 def plan_for(model: Model, strategy: str, world: int, alpha: float, beta: float, batch: int,
-             micro_batches: int = 1):
+             micro_batches: int = 1, device=None, optimizer=None, schedule: str = "1f1b"):
     """passes/shard.py's plan of `model` (its batch dim symbolic, named B) for `strategy` on `world`
     processes: the mesh is every process (zero3, tensor) or one stage's (pipeline: 2 stages)."""
     from tilegraph.passes import shard
@@ -143,10 +191,14 @@ def plan_for(model: Model, strategy: str, world: int, alpha: float, beta: float,
     stages = 2 if strategy == "pipeline" else 1
     if world % stages:
         raise ShardedTrainError(f"{stages} pipeline stages need an even number of processes, got {world}")
-    mesh = cpu_mesh((world // stages,), alpha, beta)
-    recompute: Any = "always" if strategy in ("tensor", "pipeline") else False
+    mesh = cpu_mesh((world // stages,), alpha, beta, device)
+    recompute: Any = "always"  # every segment's vjp recomputes its forward
+    # at these sizes per-op overheads, not FLOPs, set a backward's time: priced from the VJPs'
+    # ops; the optimizer's update priced from the module each rank runs
     return shard.plan(model.module, mesh, sizes={"B": batch}, names=model.input_names, only=layout(strategy),
-                      stages=stages, micro_batches=micro_batches, recompute=recompute, zero=False, runner_up=False)
+                      stages=stages, micro_batches=micro_batches, recompute=recompute, zero=False, runner_up=False,
+                      backward="vjp", schedule=schedule,
+                      optimizer=optimizer_time(optimizer, mesh.hw) if optimizer is not None else None)
 
 
 def stored_splits(plan) -> dict[str, int]:
@@ -174,21 +226,29 @@ def chunk(a: np.ndarray, dim: int, rank: int, world: int) -> np.ndarray:
 
 def measure_link(repeats: int = 20) -> tuple[float, float]:
     """(alpha s, beta bytes/s) of this process group's all-reduce, fitted to the ring formula on a
-    small and a large message (the slowest rank's median; every rank gets the same numbers)."""
+    small and a large message (the slowest rank's mean; every rank gets the same numbers).
+
+    Each collective is timed after a stretch of independent work, as a step's are: the processes
+    reach it at different times when they share cores with each other and with other programs
+    (a descheduled rank arrives a time slice late), and that wait is part of what a collective
+    costs a step. Back-to-back collectives, the processes in lockstep, would not show it."""
     import torch
     import torch.distributed as dist
 
     n = dist.get_world_size()
     times = []
+    work = np.ones((96, 96), np.float32)
     for size in (1, 1 << 20):
         t = torch.zeros(size // 4 or 1)
         dist.all_reduce(t)
         samples = []
         for _ in range(repeats):
+            for _ in range(20):  # about a segment's compute between two collectives
+                work = np.tanh(work @ work * np.float32(1e-3))
             s = time.perf_counter()
             dist.all_reduce(t)
             samples.append(time.perf_counter() - s)
-        times.append(float(np.median(samples)))
+        times.append(float(np.mean(samples)))
     agreed = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
     small, large = agreed.tolist()
@@ -214,6 +274,14 @@ class Segment:
     params: dict[str, str]
     partial: bool = False  # outputs are partial sums over the tensor-parallel group
     loss: bool = False  # the model's first output are the logits; the segment returns the loss
+
+    # sent to the processes as text and weights (xDSL's IR does not pickle), as ModelAt's models are
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "model": (self.model.text, dict(self.model.weights))}
+
+    def __setstate__(self, state: dict) -> None:
+        text, weights = state["model"]
+        self.__dict__.update(state, model=Model.parse(text, weights))
 
 
 @dataclass
@@ -253,14 +321,15 @@ def _compile_segment(seg: Segment, target: str, pipeline: Any, options: dict) ->
     return _Compiled(seg, forward, backward, floats)
 
 
-def _all_reduce_arrays(arrays: list, group: Any = None) -> list[np.ndarray]:
+def _all_reduce_arrays(arrays: list, clock: _Clock, group: Any = None) -> list[np.ndarray]:
     """`arrays` summed over the group's ranks, packed into one collective (gloo's per-call cost
     dominates small tensors)."""
     import torch
     import torch.distributed as dist
 
     packed = torch.from_numpy(np.concatenate([np.ravel(a) for a in arrays]))
-    dist.all_reduce(packed, group=group)
+    with clock("comm"):
+        dist.all_reduce(packed, group=group)
     flat, at, out = packed.numpy(), 0, []
     for a in arrays:
         out.append(flat[at:at + a.size].reshape(a.shape))
@@ -268,69 +337,111 @@ def _all_reduce_arrays(arrays: list, group: Any = None) -> list[np.ndarray]:
     return out
 
 
+class _Clock:
+    """Seconds a step spends per term: "compute" (compiled modules), "comm" (collectives and
+    point-to-point, waiting for the peer included); the rest of a step is host glue."""
+
+    def __init__(self):
+        self.spent = {"compute": 0.0, "comm": 0.0}
+
+    def __call__(self, term: str):
+        return _Timed(self.spent, term)
+
+
+class _Timed:
+    def __init__(self, spent: dict, term: str):
+        self.spent, self.term = spent, term
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.spent[self.term] += time.perf_counter() - self.start
+
+
+def pipeline_order(schedule: str, stage: int, stages: int, m: int) -> list[tuple[str, int]]:
+    """The forwards ("F", j) and backwards ("B", j) of `m` micro-batches as stage `stage` of `stages`
+    runs them. "gpipe": every forward, then every backward. "1f1b" (PipeDream-flush, Megatron-LM's
+    schedule): stages - stage - 1 forwards to fill the pipeline, then one forward and one backward
+    in turn, then the backwards left; a stage holds at most stages - stage micro-batches'
+    activations, not m (the same m + p - 1 slots: the step time is GPipe's)."""
+    if schedule == "gpipe":
+        return [("F", j) for j in range(m)] + [("B", j) for j in reversed(range(m))]
+    if schedule != "1f1b":
+        raise ShardedTrainError(f"unknown pipeline schedule '{schedule}': 1f1b, gpipe")
+    warmup = min(stages - stage - 1, m)
+    order = [("F", j) for j in range(warmup)]
+    for j in range(m - warmup):
+        order += [("F", warmup + j), ("B", j)]
+    return order + [("B", j) for j in range(m - warmup, m)]
+
+
 class ShardedStep:
     """One rank's training step under a plan (see the module docstring)."""
 
-    def __init__(self, strategy: str, plan, params: dict[str, np.ndarray], optimizer, rank: int, world: int,
-                 target: str, pipeline: Any, options: dict, whole: Model | None = None,
+    def __init__(self, strategy: str, splits: dict[str, int], params: dict[str, np.ndarray], optimizer, rank: int,
+                 world: int,
+                 target: str, pipeline: Any, options: dict,
                  segments: Segments | None = None, micro_batches: int = 1, clip_norm: float | None = None,
-                 rows: int = 0):
+                 rows: int = 0, pieces: list[Segment] | None = None, schedule: str = "1f1b"):
         import torch.distributed as dist
 
         import tilegraph
         from tilegraph.ir.shapes import info_of
-        from tilegraph.train import build_gradients, build_update
+        from tilegraph.train import build_update
 
-        self.strategy, self.plan, self.optimizer, self.rank, self.world = strategy, plan, optimizer, rank, world
+        self.strategy, self.optimizer, self.rank, self.world = strategy, optimizer, rank, world
         self.clip_norm, self.micro_batches, self.steps = clip_norm, micro_batches, 0
-        self.splits = stored_splits(plan)
-        if strategy == "zero3":
-            if whole is None:
-                raise ShardedTrainError("zero3 runs the whole model: pass whole=")
-            self.names = list(params)
-            self.full_shapes = {k: v.shape for k, v in params.items()}
-            self.weights = {k: chunk(v, self.splits[k], rank, world) if k in self.splits else np.array(v)
-                            for k, v in params.items()}
-            self.grads_module = tilegraph.compile(build_gradients(whole, "cross_entropy", self.names), target=target,
-                                                  pipeline=pipeline, **options)
-            self.data_names = [n for n in self.grads_module.model.input_names if n not in params]
-        else:
-            if segments is None:
-                raise ShardedTrainError(f"{strategy} runs the model as segments: pass segments=")
-            self.stages = 2 if strategy == "pipeline" else 1
-            self.tp = world if strategy == "tensor" else 1
-            self.dp = world // self.stages if strategy == "pipeline" else 1
-            self.stage = rank // self.dp if strategy == "pipeline" else 0
-            tp_rank = rank if strategy == "tensor" else 0
-            segs = segments.build(tp_rank, self.tp, rows)
-            if strategy == "pipeline":
-                assert segments.stage_of is not None
-                segs = [s for s in segs if segments.stage_of(s) == self.stage]
-            slicer = segments.slicer or (lambda name, a, dim, r, n: chunk(a, dim, r, n))
-            self.weights = {}
-            for s in segs:
-                for local, name in s.params.items():
-                    if name in self.splits and self.tp > 1:
-                        self.weights[name] = slicer(name, params[name], self.splits[name], tp_rank, self.tp)
-                    else:
-                        self.weights[name] = np.array(params[name])
-                    expect = np.asarray(s.model.weights[local]).shape
-                    if self.weights[name].shape != expect:
-                        raise ShardedTrainError(f"{name}: the plan gives this rank {self.weights[name].shape}, the "
-                                                f"segment holds {expect}")
-            self.compiled = [_compile_segment(s, target, pipeline, options) for s in segs]
-            # the activation stage 1 receives: its first segment's first input, less the batch dim
-            self._boundary_shape = tuple(int(d) for d in info_of(segs[0].model.func.body.block.args[0].type).shape[1:])
-            if strategy == "pipeline" and self.dp > 1:
-                # the ranks of one stage average their gradients; every rank creates every group
-                groups = [dist.new_group([st * self.dp + r for r in range(self.dp)]) for st in range(self.stages)]
-                self.stage_group = groups[self.stage]
+        self.schedule = schedule if strategy == "pipeline" else "gpipe"  # (one micro-batch: the same order)
+        self.in_flight = 0  # the most micro-batches whose activations this rank held at once
+        self.splits = splits  # weight name -> the dim it is stored split on (`stored_splits` of the plan)
+        if segments is None:
+            raise ShardedTrainError(f"{strategy} runs the model as segments: pass segments=")
+        self.stages = 2 if strategy == "pipeline" else 1
+        self.tp = world if strategy == "tensor" else 1
+        self.dp = world // self.stages if strategy == "pipeline" else world if strategy == "zero3" else 1
+        self.stage = rank // self.dp if strategy == "pipeline" else 0
+        tp_rank = rank if strategy == "tensor" else 0
+        # `pieces`: this rank's segments built by the caller (`Processes.train` builds them once, in
+        # the parent, where torch.export is already imported: importing it costs each process seconds)
+        segs = pieces if pieces is not None else segments.build(tp_rank, self.tp, rows)
+        if strategy == "pipeline":
+            assert segments.stage_of is not None
+            segs = [s for s in segs if segments.stage_of(s) == self.stage]
+        slicer = segments.slicer or (lambda name, a, dim, r, n: chunk(a, dim, r, n))
+        self.weights = {}
+        for s in segs:
+            for local, name in s.params.items():
+                if name in self.splits and strategy == "zero3":  # stored as this rank's slice
+                    self.weights[name] = chunk(params[name], self.splits[name], rank, world)
+                    continue
+                if name in self.splits and self.tp > 1:
+                    self.weights[name] = slicer(name, params[name], self.splits[name], tp_rank, self.tp)
+                else:
+                    self.weights[name] = np.array(params[name])
+                expect = np.asarray(s.model.weights[local]).shape
+                if self.weights[name].shape != expect:
+                    raise ShardedTrainError(f"{name}: the plan gives this rank {self.weights[name].shape}, the "
+                                            f"segment holds {expect}")
+        self.compiled = [_compile_segment(s, target, pipeline, options) for s in segs]
+        # the activation stage 1 receives: its first segment's first input, less the batch dim
+        self._boundary_shape = tuple(int(d) for d in info_of(segs[0].model.func.body.block.args[0].type).shape[1:])
+        if strategy == "pipeline" and self.dp > 1:
+            # the ranks of one stage average their gradients; every rank creates every group
+            groups = [dist.new_group([st * self.dp + r for r in range(self.dp)]) for st in range(self.stages)]
+            self.stage_group = groups[self.stage]
         self.state = {f"{s}.{k}": np.zeros_like(v) for k, v in self.weights.items() for s in optimizer.state_names()}
         self.update = tilegraph.compile(build_update(self.weights, optimizer), target=target, pipeline=pipeline,
                                         **options)
         names = self.update.model.input_names
         self._updates = {r: names[i] for i, r in self.update.model.aliases.items()}
         self.step_peak = 0
+        self.gathered_peak = 0  # ZeRO-3: the most gathered (whole) weight bytes live at once
+        self.clock = _Clock()
+
+    def modules(self) -> list:
+        """Every compiled module this rank runs (segments' forwards and backwards, the update)."""
+        return [m for c in self.compiled for m in (c.forward, c.backward)] + [self.update]
 
     def held(self) -> int:
         """Bytes this rank keeps between steps: its weights (or slices) and their optimizer state."""
@@ -349,69 +460,119 @@ class ShardedStep:
         self._clip(grads)
         rate = self.optimizer.lr if lr is None else lr
         feed = {"grad_" + k: g for k, g in grads.items()}
-        outs = self.update.run(**self.weights, **feed, **self.state, lr=np.float32(rate), step=np.float32(self.steps))
+        with self.clock("compute"):
+            outs = self.update.run(**self.weights, **feed, **self.state, lr=np.float32(rate), step=np.float32(self.steps))
         _write_back(self._updates, outs, self.weights, self.state)
         del outs, feed, grads
         self.step_peak = max(self.step_peak, tracemalloc.get_traced_memory()[1] - base)
         return loss
 
-    # ZeRO-3: gather, forward-backward, free, reduce-scatter
-    def _zero3(self, ids, targets) -> tuple[float, dict[str, np.ndarray]]:
+    # ZeRO-3 (FSDP): per segment, its weights gathered just before use and freed after, the next
+    # segment's gather started before this one computes; its gradients reduce-scattered after its backward
+    def _gather_start(self, c: _Compiled):
+        """Start the all-gather of `c`'s split weights (one packed collective, asynchronous)."""
         import torch
         import torch.distributed as dist
 
-        split = [k for k in self.names if k in self.splits]
-        mine = torch.from_numpy(np.concatenate([self.weights[k].ravel() for k in split]))
+        split = [g for g in c.seg.params.values() if g in self.splits]
+        if not split:
+            return c, split, [], None
+        # torch-owned (see `send` in _segments): the asynchronous gather may end on gloo's thread
+        mine = torch.tensor(np.concatenate([self.weights[g].ravel() for g in split]))
         pieces = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(pieces, mine)  # one packed all-gather of every stored slice
-        whole = {}
-        for k in self.names:
-            if k in self.splits:
-                at = sum(self.weights[j].size for j in split[:split.index(k)])
-                n = self.weights[k].size
-                whole[k] = np.concatenate([p.numpy()[at:at + n].reshape(self.weights[k].shape) for p in pieces],
-                                          axis=self.splits[k])
-            else:
-                whole[k] = self.weights[k]
-        del pieces
-        data = dict(zip(self.data_names, (ids, targets)))
-        loss, *full = self.grads_module.run(**data, **whole)
-        del whole  # the gathered weights are freed as soon as the backward is done
-        # reduce-scatter: each rank's part of every split gradient, rank after rank, then the
-        # replicated ones (all-reduced whole), then the loss
-        parts = []
-        for r in range(self.world):
-            for k, g in zip(self.names, full):
-                if k in self.splits:
-                    parts.append(chunk(np.asarray(g), self.splits[k], r, self.world).ravel())
-        rest = [np.asarray(g).ravel() for k, g in zip(self.names, full) if k not in self.splits]
-        packed = torch.from_numpy(np.concatenate(parts + rest + [np.ravel(loss).astype(np.float32)]))
-        del full, parts
-        dist.all_reduce(packed)
+        return c, split, pieces, dist.all_gather(pieces, mine, async_op=True)
+
+    def _gather_finish(self, handle) -> dict[str, np.ndarray]:
+        """The gathered weights of a `_gather_start`: {global name: whole array} (unsplit ones as held)."""
+        c, split, pieces, work = handle
+        if work is not None:
+            with self.clock("comm"):
+                work.wait()
+        whole = {g: self.weights[g] for g in c.seg.params.values() if g not in self.splits}
+        at = 0
+        for g in split:
+            n = self.weights[g].size
+            whole[g] = np.concatenate([p.numpy()[at:at + n].reshape(self.weights[g].shape) for p in pieces],
+                                      axis=self.splits[g])
+            at += n
+        return whole
+
+    def _reduce_scatter(self, grads: dict, names: list[str], extra: float = 0.0) -> float:
+        """`grads[k]` (whole, this rank's) for `names` replaced by the ranks' mean of this rank's slice
+        (whole where the weight is not split), one packed all-reduce (gloo has no reduce-scatter
+        on CPU tensors); `extra` (the loss) averaged with them."""
+        import torch
+        import torch.distributed as dist
+
+        split = [k for k in names if k in self.splits]
+        parts = [chunk(grads[k], self.splits[k], r, self.world).ravel() for r in range(self.world) for k in split]
+        rest = [np.ravel(grads[k]) for k in names if k not in self.splits]
+        packed = torch.from_numpy(np.concatenate(parts + rest + [np.array([extra], np.float32)]))
+        del parts, rest
+        with self.clock("comm"):
+            dist.all_reduce(packed)
         flat = packed.numpy() / self.world
         per_rank = sum(self.weights[k].size for k in split)
-        grads, at = {}, self.rank * per_rank
+        at = self.rank * per_rank
         for k in split:
             grads[k] = flat[at:at + self.weights[k].size].reshape(self.weights[k].shape).copy()
             at += self.weights[k].size
         at = self.world * per_rank
-        for k in self.names:
+        for k in names:
             if k not in self.splits:
                 grads[k] = flat[at:at + self.weights[k].size].reshape(self.weights[k].shape).copy()
                 at += self.weights[k].size
-        return float(flat[-1]), grads
+        return float(flat[-1])
+
+    def _unit_bytes(self, c: _Compiled | None) -> int:
+        """Bytes of `c`'s split weights gathered whole."""
+        return 0 if c is None else sum(self.weights[g].nbytes * self.world for g in c.seg.params.values()
+                                       if g in self.splits)
+
+    def _zero3(self, ids, targets) -> tuple[float, dict[str, np.ndarray]]:
+        grads: dict[str, np.ndarray] = {}
+        env = {"ids": ids, "targets": targets}
+        order = [c for c in self.compiled if not c.seg.loss]  # the loss segment's forward runs in its backward
+        handle = self._gather_start(order[0]) if order else None
+        for i, c in enumerate(order):
+            whole = self._gather_finish(handle)
+            ahead = order[i + 1] if i + 1 < len(order) else None
+            handle = self._gather_start(ahead) if ahead is not None else None  # prefetch
+            self.gathered_peak = max(self.gathered_peak, self._unit_bytes(c) + self._unit_bytes(ahead))
+            env.update(zip(c.seg.outputs, self._run_forward(c, env, whole)))
+            del whole
+        back = list(reversed(self.compiled))
+        handle, cot, loss = self._gather_start(back[0]), {}, 0.0
+        for i, c in enumerate(back):
+            whole = self._gather_finish(handle)
+            ahead = back[i + 1] if i + 1 < len(back) else None
+            handle = self._gather_start(ahead) if ahead is not None else None
+            self.gathered_peak = max(self.gathered_peak, self._unit_bytes(c) + self._unit_bytes(ahead))
+            got, value = self._run_backward(c, env, cot, 1.0, grads, whole)
+            del whole
+            for k, g in got.items():
+                cot[k] = g if k not in cot else cot[k] + g
+            for k in c.seg.inputs:  # the activation and its cotangent are done with
+                if k in cot and k != "ids":
+                    env.pop(k, None)
+            mean = self._reduce_scatter(grads, list(c.seg.params.values()), value or 0.0)
+            if value is not None:
+                loss = mean
+        return loss, grads
 
     # tensor / pipeline: segments between collectives
-    def _run_forward(self, c: _Compiled, env: dict) -> list:
-        local = {k: self.weights[g] for k, g in c.seg.params.items()}
-        outs = c.forward.run(**{n: env[i] for n, i in zip(c.forward.model.input_names, c.seg.inputs)}, **local)
+    def _run_forward(self, c: _Compiled, env: dict, weights: dict | None = None) -> list:
+        local = {k: (weights or self.weights)[g] for k, g in c.seg.params.items()}
+        with self.clock("compute"):
+            outs = c.forward.run(**{n: env[i] for n, i in zip(c.forward.model.input_names, c.seg.inputs)}, **local)
         return [np.asarray(o) for o in outs]
 
-    def _run_backward(self, c: _Compiled, env: dict, cot: dict, scale: float, grads: dict):
+    def _run_backward(self, c: _Compiled, env: dict, cot: dict, scale: float, grads: dict,
+                      weights: dict | None = None):
         """One segment's vjp: adds its weights' gradients into `grads`, returns {input name: cotangent}
         and the loss (loss segment)."""
 
-        local = {k: self.weights[g] for k, g in c.seg.params.items()}
+        local = {k: (weights or self.weights)[g] for k, g in c.seg.params.items()}
         names = c.backward.model.input_names
         feed = {n: env[i] for n, i in zip(c.forward.model.input_names, c.seg.inputs)}
         if c.seg.loss:
@@ -419,13 +580,14 @@ class ShardedStep:
         else:
             for out_name, value in zip(c.forward.model.output_names, c.seg.outputs):
                 if "cotangent_" + out_name in names:
-                    feed["cotangent_" + out_name] = cot.get(value, np.zeros_like(env[value]))
-        outs = c.backward.run(**feed, **local)
+                    feed["cotangent_" + out_name] = cot[value] if value in cot else np.zeros_like(env[value])
+        with self.clock("compute"):
+            outs = c.backward.run(**feed, **local)
         n_out = len(c.backward.model.output_names) - len(c.float_inputs) - len(c.seg.params)
         loss = float(outs[0]) if c.seg.loss else None
         g_inputs = [np.asarray(g) * scale if c.seg.loss else np.asarray(g) for g in outs[n_out:n_out + len(c.float_inputs)]]
         if c.seg.partial and self.tp > 1 and g_inputs:  # Megatron's f: the input's gradient summed over the group
-            g_inputs = _all_reduce_arrays(g_inputs)
+            g_inputs = _all_reduce_arrays(g_inputs, self.clock)
         for k, g in zip(c.seg.params, outs[n_out + len(c.float_inputs):]):
             g = np.asarray(g) * scale if c.seg.loss else np.asarray(g)
             name = c.seg.params[k]
@@ -440,54 +602,74 @@ class ShardedStep:
         grads: dict[str, np.ndarray] = {}
         m = self.micro_batches
         rows = ids.shape[0] // m
-        envs = []
+        envs: dict[int, dict] = {}  # micro-batch -> its environment, from its forward to its backward
+        sends: list = []  # point-to-point sends in flight: under 1F1B both stages may send at once
         peer = None
         if self.strategy == "pipeline":
-            replica = self.rank % self.dp
-            peer = (1 - self.stage) * self.dp + replica
+            peer = (1 - self.stage) * self.dp + self.rank % self.dp
         total = 0.0
-        # forward of every micro-batch (GPipe), each segment's outputs all-reduced where partial
-        for j in range(m):
+
+        def send(a: np.ndarray) -> None:
+            # a copy torch owns: gloo's thread may drop the last reference to a sent tensor, and one
+            # made by torch.from_numpy then releases its NumPy array there, without the GIL (it
+            # crashed the process in libpython, 2 of about 10 runs)
+            t = torch.tensor(a)
+            sends.append((dist.isend(t, dst=peer), t))
+
+        def forward(j: int) -> None:  # each segment's outputs all-reduced where partial
             env = {"ids": ids[j * rows:(j + 1) * rows], "targets": targets[j * rows:(j + 1) * rows]}
             if self.strategy == "pipeline" and self.stage == 1:
-                boundary = self.compiled[0].seg.inputs[0]
                 t = torch.empty((rows,) + self._boundary_shape)
-                dist.recv(t, src=peer)
-                env[boundary] = t.numpy()
+                with self.clock("comm"):
+                    dist.recv(t, src=peer)
+                env[self.compiled[0].seg.inputs[0]] = t.numpy()
             for c in self.compiled:
                 if c.seg.loss:
                     continue  # its forward runs inside its backward (value_and_grad)
                 outs = self._run_forward(c, env)
                 if c.seg.partial and self.tp > 1:
-                    outs = _all_reduce_arrays(outs)
+                    outs = _all_reduce_arrays(outs, self.clock)
                 env.update(zip(c.seg.outputs, outs))
             if self.strategy == "pipeline" and self.stage == 0:
-                dist.send(torch.from_numpy(np.ascontiguousarray(env[self.compiled[-1].seg.outputs[0]])), dst=peer)
-            envs.append(env)
-        # backward, micro-batches in reverse
-        for j in reversed(range(m)):
-            env, cot = envs[j], {}
+                send(env[self.compiled[-1].seg.outputs[0]])
+            envs[j] = env
+            self.in_flight = max(self.in_flight, len(envs))
+
+        def backward(j: int) -> float:
+            env, cot, loss_j = envs.pop(j), {}, 0.0
             if self.strategy == "pipeline" and self.stage == 0:
                 out = self.compiled[-1].seg.outputs[0]
                 t = torch.empty(env[out].shape)
-                dist.recv(t, src=peer)
+                with self.clock("comm"):
+                    dist.recv(t, src=peer)
                 cot[out] = t.numpy()
             for c in reversed(self.compiled):
                 got, loss = self._run_backward(c, env, cot, 1.0 / m, grads)
                 if loss is not None:
-                    total += loss / m
+                    loss_j = loss / m
                 for k, g in got.items():
                     cot[k] = g if k not in cot else cot[k] + g
             if self.strategy == "pipeline" and self.stage == 1:
-                dist.send(torch.from_numpy(np.ascontiguousarray(cot[self.compiled[0].seg.inputs[0]])), dst=peer)
+                send(cot[self.compiled[0].seg.inputs[0]])
+            return loss_j
+
+        for kind, j in pipeline_order(self.schedule, self.stage, self.stages, m):
+            if kind == "F":
+                forward(j)
+            else:
+                total += backward(j)
+        with self.clock("comm"):
+            for work, _ in sends:
+                work.wait()
         if self.strategy == "pipeline":
             # the loss lives on the last stage; replicas of a stage average their gradients
             if self.dp > 1:
                 names = sorted(grads)
-                summed = _all_reduce_arrays([grads[k] for k in names], group=self.stage_group)
+                summed = _all_reduce_arrays([grads[k] for k in names], self.clock, group=self.stage_group)
                 grads = {k: g / self.dp for k, g in zip(names, summed)}
             t = torch.tensor([total if self.stage == 1 else 0.0], dtype=torch.float64)
-            dist.all_reduce(t)
+            with self.clock("comm"):
+                dist.all_reduce(t)
             total = float(t.item()) / self.dp
         return total, grads
 
@@ -509,7 +691,8 @@ class ShardedStep:
             else:
                 own += sq / self.dp
         t = torch.tensor([own], dtype=torch.float64)
-        dist.all_reduce(t)
+        with self.clock("comm"):
+            dist.all_reduce(t)
         coef = min(self.clip_norm / (float(np.sqrt(t.item())) + 1e-6), 1.0)
         for k in grads:
             grads[k] = (grads[k] * np.float32(coef)).astype(grads[k].dtype)
@@ -535,88 +718,260 @@ class ModelAt:
 def train_sharded(strategy: str, make_model: Callable[[int | None], Model], params: Sequence[str],
                   batches: Sequence[tuple[Any, Any]], world: int, optimizer, clip_norm: float | None = None,
                   segments: Callable[[], Segments] | None = None, micro_batches: int = 2, target: str = "numpy",
-                  pipeline: Any = None, timeout_s: float = 900.0) -> dict:
-    """Train with `strategy` on `world` local processes; `make_model(rows)`: the whole model as tg IR at
-    `rows` rows of a batch (None: the batch dim symbolic, named B, as the plan wants it), weights the
-    initial ones (`ModelAt`); `segments()`: the model as Segments (tensor, pipeline; called in each
-    process: a picklable function, e.g. functools.partial of tests/models.py char_gpt_segments). Returns rank 0's
-    {"losses", "seconds", "plan": {...predicted...}, "memory": [(held, step peak) per rank]}."""
-    import torch.multiprocessing as mp
+                  pipeline: Any = None, timeout_s: float = 900.0, calibrate: bool = False,
+                  schedule: str = "1f1b") -> dict:
+    """Train with `strategy` on `world` local processes started for this run (`Processes.train`, which
+    see: several runs on one set of processes pay its start-up once)."""
+    _check(strategy, batches, world, micro_batches, schedule)
+    with Processes(world, timeout_s) as group:
+        return group.train(strategy, make_model, params, batches, optimizer, clip_norm=clip_norm, segments=segments,
+                           micro_batches=micro_batches, target=target, pipeline=pipeline, calibrate=calibrate,
+                           schedule=schedule)
 
-    from tilegraph.backends.distributed import _free_port
 
+def _check(strategy: str, batches: Sequence[tuple[Any, Any]], world: int, micro_batches: int, schedule: str) -> None:
     if strategy not in STRATEGIES:
         raise ShardedTrainError(f"unknown strategy '{strategy}': {', '.join(STRATEGIES)}")
+    pipeline_order(schedule, 0, 2, 1)  # an unknown schedule: its error
     rows = world if strategy != "pipeline" else (world // 2) * micro_batches
     if any(int(x.shape[0]) % rows for x, _ in batches):
         raise ShardedTrainError(f"every batch's rows must split evenly into {rows} pieces")
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(strategy, world, _free_port(), make_model, list(params), list(batches), optimizer,
-                                clip_norm, segments, micro_batches, target, pipeline, tmp, timeout_s),
-                 nprocs=world, join=True)
+
+
+class Processes:
+    """`world` local processes (torch.multiprocessing, spawned) joined in one gloo group, one thread
+    each, kept for any number of training runs (`train`); the gloo link is measured once, by the
+    first run. A context manager: leaving it ends the processes."""
+
+    def __init__(self, world: int, timeout_s: float = 900.0):
+        self.world, self.timeout_s = world, timeout_s
+        self._procs: Any = None
+
+    def __enter__(self) -> Processes:
+        import torch.multiprocessing as mp
+
+        from tilegraph.backends.distributed import _free_port
+
+        ctx = mp.get_context("spawn")
+        self._jobs = [ctx.SimpleQueue() for _ in range(self.world)]
+        self._results = ctx.Queue()
+        with _one_thread_each():
+            self._procs = mp.start_processes(_serve, args=(self.world, _free_port(), self._jobs, self._results,
+                                                           self.timeout_s),
+                                             nprocs=self.world, join=False, start_method="spawn")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._procs is None
+
+    def close(self) -> None:
+        if self._procs is None:
+            return
+        procs, self._procs = self._procs.processes, None
+        for q, p in zip(self._jobs, procs):
+            if p.is_alive():
+                q.put(None)
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():  # stuck in a collective whose peer failed
+                p.terminate()
+                p.join()
+
+    def train(self, strategy: str, make_model: Callable[[int | None], Model], params: Sequence[str],
+              batches: Sequence[tuple[Any, Any]], optimizer, clip_norm: float | None = None,
+              segments: Callable[[], Segments] | None = None, micro_batches: int = 2, target: str = "numpy",
+              pipeline: Any = None, calibrate: bool = False, schedule: str = "1f1b") -> dict:
+        """Train with `strategy` on these processes; `make_model(rows)`: the whole model as tg IR at
+        `rows` rows of a batch (None: the batch dim symbolic, named B, as the plan wants it), weights
+        the initial ones (`ModelAt`); `segments()`: the model as Segments (called in each process: a
+        picklable function, e.g. functools.partial of tests/models.py char_gpt_segments);
+        `calibrate`: the processes measure their device before planning (`measure_device`), else
+        rank 0 plans on the cached profile; `schedule`: the pipeline's ("1f1b", "gpipe"). Returns rank 0's {"losses", "seconds", "plan":
+        {...predicted...}, "memory": [(held bytes, a step's peak bytes, compute s, collectives s,
+        gathered peak bytes, the most micro-batches in flight) per rank], "runners": the classes that ran its modules, "reference_kernels":
+        (target "c") its GEMMs left on oneDNN's slow reference kernel}. A process's error is raised here as ShardedTrainError
+        (the processes are ended: a peer may be waiting in a collective)."""
+        import queue
+
+        if self._procs is None:
+            raise ShardedTrainError("the processes are not started (use Processes as a context manager)")
+        _check(strategy, batches, self.world, micro_batches, schedule)
+        pieces = None
+        if segments is not None:  # each tensor-parallel rank's segments, built here once (see ShardedStep)
+            _, _, tp, rows = _split(strategy, self.world, micro_batches, int(batches[0][0].shape[0]))
+            built = segments()
+            pieces = [built.build(r, tp, rows) for r in range(tp)]
+        for rank, q in enumerate(self._jobs):
+            q.put((strategy, make_model, list(params), list(batches), optimizer, clip_norm, segments,
+                   pieces[rank % len(pieces)] if pieces else None, micro_batches, target, pipeline, calibrate,
+                   schedule))
         out: dict = {}
-        with np.load(f"{tmp}/result.npz", allow_pickle=False) as f:
-            out = {"losses": f["losses"].tolist(), "seconds": f["seconds"].tolist(),
-                   "memory": f["memory"].tolist(), "plan": dict(zip(f["plan_keys"].tolist(), f["plan"].tolist()))}
+        waiting = set(range(self.world))
+        deadline = time.monotonic() + self.timeout_s
+        while waiting:
+            try:
+                rank, error, result = self._results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [i for i, p in enumerate(self._procs.processes) if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self.close()
+                    raise ShardedTrainError(f"process(es) {dead} ended without a result" if dead
+                                            else f"no result after {self.timeout_s:.0f} s") from None
+                continue
+            if error is not None:
+                self.close()
+                raise ShardedTrainError(f"process {rank}: {error}")
+            waiting.discard(rank)
+            if rank == 0:
+                out = result
         return out
 
 
-def _worker(rank, strategy, world, port, make_model, params, batches, optimizer, clip_norm, segments, micro_batches,
-            target, pipeline, tmp, timeout_s) -> None:
+@contextlib.contextmanager
+def _one_thread_each():
+    """The spawned processes' environment: one OpenMP/BLAS thread and one NumPy-backend thread each
+    (read when they import tilegraph, before any code of ours runs there); the parent's is restored."""
+    names = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "TILEGRAPH_NUM_THREADS")
+    saved = {k: os.environ.get(k) for k in names}
+    os.environ.update(dict.fromkeys(names, "1"))
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _serve(rank, world, port, jobs, results, timeout_s) -> None:
+    """A process of `Processes`: joins the group, then runs the training jobs it is sent until None."""
+    import traceback
+
+    import torch
+    import torch.distributed as dist
+
+    # Each process is one device and the processes share the cores: one thread each (torch, BLAS,
+    # the NumPy backend's chunk pool: its count is set by the parent before the spawn, see
+    # train_sharded), else every process's BLAS and chunk threads spin on cores the others need.
+    torch.set_num_threads(1)
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        link = None
+        while (job := jobs[rank].get()) is not None:
+            try:
+                if link is None:
+                    link = measure_link()
+                results.put((rank, None, _train(rank, world, link, *job)))
+            except Exception as e:  # noqa: BLE001 (sent to the parent, which raises it)
+                detail = str(e) if isinstance(e, TilegraphError) else traceback.format_exc()
+                results.put((rank, f"{type(e).__name__}: {detail}", None))
+    finally:
+        dist.destroy_process_group()
+
+
+@dataclass
+class PlanSummary:
+    """What the ranks need of rank 0's plan: the weights it stores split (`stored_splits`) and its
+    predictions."""
+
+    splits: dict[str, int]
+    numbers: dict[str, float]
+
+
+def _summary(plan, alpha: float, beta: float) -> PlanSummary:
+    sm = list(plan.stage_memory) + [0.0, 0.0]
+    numbers = {"time": plan.time, "compute": plan.compute, "comm": plan.comm, "memory": plan.memory,
+               "zero": plan.zero, "stages": plan.stages, "micro_batches": plan.micro_batches,
+               "recompute": plan.recompute, "alpha": alpha, "beta": beta, "stage0_memory": sm[0],
+               "stage1_memory": sm[1]}
+    return PlanSummary(stored_splits(plan), {k: float(v) for k, v in numbers.items()})
+
+
+def _split(strategy: str, world: int, micro_batches: int, batch: int) -> tuple[int, int, int, int]:
+    """(data-parallel ranks per stage, micro-batches, tensor-parallel ranks, rows a segment runs at)."""
+    stages = 2 if strategy == "pipeline" else 1
+    dp = world // stages if strategy != "tensor" else 1
+    m = micro_batches if strategy == "pipeline" else 1
+    return dp, m, world if strategy == "tensor" else 1, batch // dp // m
+
+
+def _train(rank, world, link, strategy, make_model, params, batches, optimizer, clip_norm, segments, pieces,
+           micro_batches, target, pipeline, calibrate, schedule) -> dict | None:
+    """One rank's training run; rank 0 returns the result (`Processes.train`)."""
     import torch
     import torch.distributed as dist
 
     from tilegraph.train import _numpy
 
-    torch.set_num_threads(1)  # the processes share the cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    try:
-        alpha, beta = measure_link()
-        batch = int(batches[0][0].shape[0])
-        stages = 2 if strategy == "pipeline" else 1
-        dp = world // stages if strategy != "tensor" else 1
-        m = micro_batches if strategy == "pipeline" else 1
-        model = make_model(None)  # planned with its batch symbolic; each module compiled at this rank's rows
-        plan = plan_for(model, strategy, world, alpha, beta, batch, micro_batches if strategy == "pipeline" else 1)
-        if strategy == "zero3" and plan.zero != 3:
-            raise ShardedTrainError(f"the zero3 layout planned ZeRO stage {plan.zero}")
-        initial = {k: np.asarray(model.weights[k]) for k in params}
-        rows = batch // dp // m
-        options = {"threads": 1} if target == "c" else {}
-        step = ShardedStep(strategy, plan, initial, optimizer, rank, world, target, pipeline, options,
-                           whole=make_model(rows) if strategy == "zero3" else None,
-                           segments=segments() if segments is not None else None,
-                           micro_batches=m, clip_norm=clip_norm, rows=rows)
-        replica = rank % dp if strategy == "pipeline" else rank if strategy == "zero3" else 0
+    alpha, beta = link
+    batch = int(batches[0][0].shape[0])
+    dp, m, _, rows = _split(strategy, world, micro_batches, batch)
+    model = make_model(None)  # planned with its batch symbolic; each module compiled at this rank's rows
+    device = measure_device(calibrate, target)
+    # rank 0 plans (every rank would plan the same: the same model, device and link numbers) and
+    # sends the others what they need of it
+    summary: list[PlanSummary | None] = [None]
+    if rank == 0:
+        plan = plan_for(model, strategy, world, alpha, beta, batch, m, device, optimizer, schedule)
+        summary = [_summary(plan, alpha, beta)]
+    dist.broadcast_object_list(summary, src=0)
+    planned = summary[0]
+    assert planned is not None
+    if strategy == "zero3" and planned.numbers["zero"] != 3:
+        raise ShardedTrainError(f"the zero3 layout planned ZeRO stage {planned.numbers['zero']:.0f}")
+    initial = {k: np.asarray(model.weights[k]) for k in params}
+    options = {"threads": 1} if target == "c" else {}
+    step = ShardedStep(strategy, planned.splits, initial, optimizer, rank, world, target, pipeline, options,
+                       segments=segments() if segments is not None else None,
+                       micro_batches=m, clip_norm=clip_norm, rows=rows, pieces=pieces, schedule=schedule)
+    replica = rank % dp if strategy == "pipeline" else rank if strategy == "zero3" else 0
 
-        def mine(a):
-            a = _numpy(a)
-            if dp <= 1:
-                return a
-            n = a.shape[0] // dp
-            return a[replica * n:(replica + 1) * n]
+    def mine(a):
+        a = _numpy(a)
+        if dp <= 1:
+            return a
+        n = a.shape[0] // dp
+        return a[replica * n:(replica + 1) * n]
 
-        tracemalloc.start()
-        losses, seconds = [], []
-        for x, y in batches:
-            dist.barrier()
-            t = time.perf_counter()
-            losses.append(step(mine(x), mine(y)))
-            seconds.append(time.perf_counter() - t)
+    # tracemalloc slows every allocation: the memory is traced over the first two steps only
+    # (the second one's peak, caches warm), which the step times leave out
+    tracemalloc.start()
+    losses, seconds, terms = [], [], []
+    for i, (x, y) in enumerate(batches):
+        if i == min(2, len(batches) - 1) and tracemalloc.is_tracing() and len(batches) > 4:
+            tracemalloc.stop()
+        dist.barrier()
+        before = dict(step.clock.spent)
+        t = time.perf_counter()
+        losses.append(step(mine(x), mine(y)))
+        seconds.append(time.perf_counter() - t)
+        terms.append([step.clock.spent[k] - before[k] for k in ("compute", "comm")])
+    if tracemalloc.is_tracing():
         tracemalloc.stop()
-        mem = torch.tensor([[float(step.held()), float(step.step_peak)]], dtype=torch.float64)
-        gathered = [torch.zeros_like(mem) for _ in range(world)]
-        dist.all_gather(gathered, mem)
-        secs = torch.tensor(seconds, dtype=torch.float64)
-        dist.all_reduce(secs, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
-        if rank == 0:
-            keys = ["time", "compute", "comm", "memory", "zero", "stages", "micro_batches", "recompute", "alpha",
-                    "beta", "stage0_memory", "stage1_memory"]
-            sm = list(plan.stage_memory) + [0.0, 0.0]
-            vals = [plan.time, plan.compute, plan.comm, plan.memory, plan.zero, plan.stages, plan.micro_batches,
-                    plan.recompute, alpha, beta, sm[0], sm[1]]
-            np.savez(f"{tmp}/result.npz", losses=np.array(losses), seconds=secs.numpy(),
-                     memory=torch.cat(gathered).numpy(), plan_keys=np.array(keys), plan=np.array(vals, dtype=float))
-    finally:
-        dist.destroy_process_group()
+    # per rank: held bytes, a step's peak, the median step's compute and collective seconds (the
+    # first steps warm caches up: left out where there are enough), ZeRO-3's gathered peak bytes, the
+    # most micro-batches whose activations it held at once
+    warm = np.array(terms[2:] if len(terms) > 4 else terms)
+    mem = torch.tensor([[float(step.held()), float(step.step_peak), *np.median(warm, axis=0),
+                         float(step.gathered_peak), float(step.in_flight)]], dtype=torch.float64)
+    gathered = [torch.zeros_like(mem) for _ in range(world)]
+    dist.all_gather(gathered, mem)
+    secs = torch.tensor(seconds, dtype=torch.float64)
+    dist.all_reduce(secs, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
+    if rank != 0:
+        return None
+    # what ran rank 0's modules (the backends' runner classes), and (target "c") the GEMMs left on
+    # oneDNN's slow reference kernel
+    runners = sorted({f"{type(m._runner).__module__}.{type(m._runner).__name__}" for m in step.modules()})
+    return {"losses": [float(v) for v in losses], "seconds": secs.tolist(),
+            "memory": torch.cat(gathered).tolist(), "plan": planned.numbers, "runners": runners,
+            "reference_kernels": [line for m in step.modules() for line in m.reference_kernels]}

@@ -40,6 +40,16 @@ int tg_amx_supported(void) {
 
 void tg_set_bf16(int on) { tg_fpmath = on ? dnnl_fpmath_mode_bf16 : dnnl_fpmath_mode_strict; }
 
+/* The precision of the kernels that call oneDNN's GEMM functions directly at run time
+ * (tg_attention), set by the loader around a bf16 module's call: per calling thread, so
+ * modules of either precision may run at once on different threads. Only where the
+ * processor has bf16 dot products (runtime.py checks tg_bf16_supported first). */
+static _Thread_local int tg_run_bf16;
+void tg_set_run_bf16(int on) { tg_run_bf16 = on; }
+/* Attention calls that multiplied in bf16 so far (tests check the path is taken). */
+static int tg_bf16_attentions;
+int tg_bf16_attention_count(void) { return __atomic_load_n(&tg_bf16_attentions, __ATOMIC_RELAXED); }
+
 /* Packed weights and reorder scratch on the kernel's transparent huge pages, where it
  * offers them on request (/sys/kernel/mm/transparent_hugepage/enabled: always or madvise).
  * A forward streams every packed weight once (ResNet-50: ~100 MB, mostly from beyond the
@@ -806,6 +816,77 @@ void tg_dynamic_quantize_rows(const float *x, int8_t *q, float *scale, int64_t r
  * over them; rows of q, k, v are contiguous with row strides qr, kr, vr (>= the row).
  * mask_kind: 0 none, 1 bool (keep where true), 2 float (added). Causal keeps
  * j <= i + Lk - Lq. */
+/* bf16 attention products (precision bf16) on AMX: both GEMMs of a block as bf16 tiles
+ * (tdpbf16ps: a 16x16 f32 tile += 16x32 bf16 by 32x16 bf16), operands rounded once per
+ * block to nearest even (vcvtne2ps2bf16), f32 accumulation; oneDNN 3.2's C API has no bf16
+ * GEMM function to call here. AVX-512 BF16 alone (vdpbf16ps) multiplies no faster than f32
+ * FMAs, so without AMX the f32 path runs. Compiled where the compiler targets AMX
+ * (-march=native), taken only where the running processor reports it and the kernel grants
+ * this process the tile state (arch_prctl). */
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define TG_HAVE_BF16_ATTENTION 1
+
+static int tg_amx_ready(void) {
+    static int known = -1;
+    if (known < 0) /* ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): once per process */
+        known = __builtin_cpu_supports("amx-bf16") && syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : 0;
+    return known;
+}
+
+/* Tile registers: 0 the product, 1 a block of the left operand (16 rows x 16 bf16 pairs),
+ * 2 of the right one (16 pair rows x 16 columns). Configured per thread (tile state is). */
+static void tg_amx_configure(void) {
+    struct { uint8_t palette, start; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 3; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
+    _tile_loadconfig(&cfg);
+}
+
+/* rows x n floats (row stride ld) to bf16 rows of `stride` elements, n..stride zero (the
+ * left operand: a row's consecutive bf16 pairs are its pairs along n). */
+static void tg_bf16_rows(const float *x, int64_t ld, int64_t rows, int64_t n, int64_t stride, uint16_t *y) {
+    for (int64_t i = 0; i < rows; i++) {
+        const float *xi = x + i * ld;
+        uint16_t *yi = y + i * stride;
+        for (int64_t j = 0; j < stride; j += 32) {
+            __mmask16 lo = (__mmask16)(n - j >= 16 ? 0xffff : n - j <= 0 ? 0 : (1u << (n - j)) - 1);
+            __mmask16 hi = (__mmask16)(n - j >= 32 ? 0xffff : n - j <= 16 ? 0 : (1u << (n - j - 16)) - 1);
+            __m512bh v = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, xi + j + 16), _mm512_maskz_loadu_ps(lo, xi + j));
+            _mm512_storeu_si512(yi + j, (__m512i)v);
+        }
+    }
+}
+
+/* c[i][0:n] = alpha * (a b)[i][0:n] (beta 0) or c += that (beta 1), on AMX: a is m rows of
+ * `pairs` bf16 pairs (row stride `pairs`, rows readable up to m rounded up to 16), b is
+ * `pairs` pair rows of ns columns (ns a multiple of 16); pairs a multiple of 16. */
+static void tg_amx_gemm(int64_t m, int64_t n, int64_t pairs, float alpha, const uint32_t *a, const uint32_t *b,
+                        int64_t ns, int beta, float *c, int64_t ldc) {
+    float tile[256] __attribute__((aligned(64)));
+    for (int64_t i0 = 0; i0 < m; i0 += 16)
+        for (int64_t j0 = 0; j0 < n; j0 += 16) {
+            _tile_zero(0);
+            for (int64_t t = 0; t < pairs; t += 16) {
+                _tile_loadd(1, a + i0 * pairs + t, pairs * 4);
+                _tile_loadd(2, b + t * ns + j0, ns * 4);
+                _tile_dpbf16ps(0, 1, 2);
+            }
+            _tile_stored(0, tile, 64);
+            __mmask16 keep = n - j0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j0)) - 1);
+            for (int64_t i = 0; i < 16 && i0 + i < m; i++) {
+                float *ci = c + (i0 + i) * ldc + j0;
+                __m512 v = _mm512_mul_ps(_mm512_load_ps(tile + 16 * i), _mm512_set1_ps(alpha));
+                if (beta) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, ci));
+                _mm512_mask_storeu_ps(ci, keep, v);
+            }
+        }
+}
+#endif
+
 int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb, const int64_t *vb,
                  const int64_t *mb, const int64_t *ob, const float *q, const float *k, const float *v,
                  const void *mask, float *o, int64_t lq, int64_t lk, int64_t d, int64_t dv, int64_t qr,
@@ -820,6 +901,23 @@ int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb
     for (int i = 0; i < nb; i++) batches *= bd[i];
     int64_t qblocks = (lq + bq - 1) / bq;
     int failed = 0;
+    /* bf16: both products of a block on AMX (tg_amx_gemm), the softmax f32. Read here: the
+     * thread-local is the caller's, not the workers'. */
+#ifdef TG_HAVE_BF16_ATTENTION
+    const int bf16 = tg_run_bf16 && tg_amx_ready();
+#else
+    const int bf16 = 0;
+#endif
+    /* the bf16 operands, padded with zeros to whole tiles: q rows (bq16 rows of dp16 pairs),
+     * k as pairs along d by key (dp16 pair rows of bk16 keys), p rows (bq16 rows of kp16
+     * pairs along the keys), v as pairs down the keys (kp16 pair rows of dv16 columns), and
+     * one row block of k or v converted (bk rows of 2 * max(dp16, dv16) bf16) */
+    int64_t up = 16, bq16 = (bq + 15) / up * up, bk16 = (bk + 15) / up * up, dv16 = (dv + 15) / up * up;
+    int64_t dp16 = ((d + 1) / 2 + 15) / up * up, kp16 = ((bk + 1) / 2 + 15) / up * up;
+    int64_t wide = dp16 > dv16 ? dp16 : dv16;
+    size_t extra = bf16 ? sizeof(uint32_t) * (bq16 * dp16 + dp16 * bk16 + bq16 * kp16 + kp16 * dv16 + (bk + 1) * wide) + 64
+                        : 0;
+    if (bf16) __atomic_fetch_add(&tg_bf16_attentions, 1, __ATOMIC_RELAXED);
     /* sgemm inside a task runs on the task's thread (no nested team). With OpenMP's
      * spinning waits on a shared machine this ran 100x slower (runtime.py makes them
      * passive); letting OpenMP shrink teams (omp_set_dynamic) made sgemm skip rows. */
@@ -833,9 +931,19 @@ int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb
                 oq += idx * qb[i]; ok += idx * kb[i]; ov += idx * vb[i]; om += idx * mb[i]; oo += idx * ob[i];
             }
             int64_t i0 = qbk * bq, i1 = i0 + bq < lq ? i0 + bq : lq, nq = i1 - i0;
-            float *s = malloc(sizeof(float) * (bq * bk + bq * (dv + 2)));
+            float *s = malloc(sizeof(float) * (bq * bk + bq * (dv + 2)) + extra);
             if (!s) { failed = 1; continue; }
             float *acc = s + bq * bk, *mx = acc + bq * dv, *sum = mx + bq;
+#ifdef TG_HAVE_BF16_ATTENTION
+            uint32_t *qh = (uint32_t *)(((uintptr_t)(sum + bq) + 63) & ~(uintptr_t)63), *kh = qh + bq16 * dp16;
+            uint32_t *ph = kh + dp16 * bk16, *vh = ph + bq16 * kp16, *rows = vh + kp16 * dv16;
+            if (bf16) {
+                tg_amx_configure();
+                memset(qh, 0, sizeof(uint32_t) * bq16 * dp16);
+                tg_bf16_rows(q + oq + i0 * qr, qr, nq, d, 2 * dp16, (uint16_t *)qh);
+                memset(ph, 0, sizeof(uint32_t) * bq16 * kp16);
+            }
+#endif
             for (int64_t i = 0; i < nq; i++) {
                 mx[i] = -INFINITY;
                 sum[i] = 0.f;
@@ -846,6 +954,13 @@ int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb
                 if (causal && j0 > i1 - 1 + lk - lq) break;
                 if (d == 0) {
                     for (int64_t i = 0; i < nq * bk; i++) s[i] = 0.f;
+#ifdef TG_HAVE_BF16_ATTENTION
+                } else if (bf16) { /* k's rows to bf16, then their pairs transposed: key j in column j */
+                    tg_bf16_rows(k + ok + j0 * kr, kr, nk, d, 2 * dp16, (uint16_t *)rows);
+                    for (int64_t t = 0; t < dp16; t++)
+                        for (int64_t j = 0; j < bk16; j++) kh[t * bk16 + j] = j < nk ? rows[j * dp16 + t] : 0;
+                    tg_amx_gemm(nq, nk, dp16, scale, qh, kh, bk16, 0, s, bk);
+#endif
                 } else if (dnnl_sgemm('N', 'T', nq, nk, d, scale, q + oq + i0 * qr, qr, k + ok + j0 * kr, kr, 0.f, s,
                                       bk) != dnnl_success) {
                     failed = 2;
@@ -882,6 +997,18 @@ int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb
 #pragma omp simd
                     for (int64_t c = 0; c < dv; c++) ai[c] *= corr;
                 }
+#ifdef TG_HAVE_BF16_ATTENTION
+                if (dv && bf16) { /* p's rows to bf16 (pairs along the keys); v's rows paired down the keys */
+                    tg_bf16_rows(s, bk, nq, nk, 2 * kp16, (uint16_t *)ph);
+                    const uint16_t *vr16 = (const uint16_t *)rows;
+                    tg_bf16_rows(v + ov + j0 * vr, vr, nk, dv, dv16, (uint16_t *)rows);
+                    for (int64_t u = 0; u < kp16; u++)
+                        for (int64_t c = 0; c < dv16; c++)
+                            vh[u * dv16 + c] = 2 * u >= nk ? 0 : (uint32_t)vr16[2 * u * dv16 + c] |
+                                               (2 * u + 1 < nk ? (uint32_t)vr16[(2 * u + 1) * dv16 + c] << 16 : 0);
+                    tg_amx_gemm(nq, dv, kp16, 1.f, ph, vh, dv16, 1, acc, dv);
+                } else
+#endif
                 if (dv && dnnl_sgemm('N', 'N', nq, dv, nk, 1.f, s, bk, v + ov + j0 * vr, vr, 1.f, acc, dv)
                               != dnnl_success) {
                     failed = 2;
@@ -894,6 +1021,9 @@ int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb
                 float *oi = o + oo + (i0 + i) * orow;
                 for (int64_t c = 0; c < dv; c++) oi[c] = acc[i * dv + c] * inv;
             }
+#ifdef TG_HAVE_BF16_ATTENTION
+            if (bf16) _tile_release();
+#endif
             free(s);
         }
     if (failed == 2) TG_FAIL("attention: oneDNN's sgemm failed on a block");

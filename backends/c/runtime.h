@@ -92,6 +92,8 @@ void tg_set_huge_pages(int on);
 size_t tg_huge_page_bytes(void);
 int tg_amx_supported(void);
 void tg_set_bf16(int on);
+void tg_set_run_bf16(int on);
+int tg_bf16_attention_count(void);
 int tg_primitive_count(void);
 const char *tg_primitive_report(void);
 void tg_softmax_rows(const float *x, float *y, int64_t rows, int64_t n);

@@ -377,12 +377,19 @@ class CompiledModel:
             if not b.state:
                 raise ModelError(f"the C module could not prepare its kernels: {self._error()}")
             self._note_primitives(self._lib.tg_primitive_count() - made)
-        for kind, k in self.program.plan:
-            if kind == "segment":
-                if self._segments[k](b.state, ints, b.pointers):
-                    raise ModelError(self._run_error())
-            elif not self.program.steps[k].once:
-                self._host(self.program.steps[k], b, sizes, known or {})
+        bf16 = self.precision == "bf16"
+        if bf16:  # the kernels calling oneDNN's GEMMs at run time (attention) multiply in bf16 too
+            self._lib.tg_set_run_bf16(1)
+        try:
+            for kind, k in self.program.plan:
+                if kind == "segment":
+                    if self._segments[k](b.state, ints, b.pointers):
+                        raise ModelError(self._run_error())
+                elif not self.program.steps[k].once:
+                    self._host(self.program.steps[k], b, sizes, known or {})
+        finally:
+            if bf16:
+                self._lib.tg_set_run_bf16(0)
         outs = []
         for i, v in enumerate(self._outputs):
             if i in self._aliased:
