@@ -13,7 +13,7 @@ import functools
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from tilegraph.backends.c import blockq
 from tilegraph.ir import kernels
@@ -162,6 +162,26 @@ def test_decode_kernels_on_any_block_bytes_are_their_reference(fmt, isa, m, n, b
     assert_close(y, quantize_activations(x.astype(np.float64)) @ wd.T, "f32", k, name=f"{fmt} ({isa}, {m} rows)")
 
 
+@pytest.mark.skipif("avx512_vbmi" not in ISAS, reason="the processor has no AVX512-VBMI")
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("m", [1, 2, 3, 8])
+def test_q4_decode_rows_on_the_vbmi_kernel_are_their_reference(fmt, m):
+    """The 8-row VBMI kernel on 1 to 8 rows: q4_1's nibbles as vpdpbusd's unsigned operand against
+    the signed activations, q4_0's signed nibbles against activations + 128; 9 blocks: 4 pairs and
+    the odd block."""
+    f = FORMATS[fmt]
+    k, n = 32 * 9, 37
+    rng = np.random.default_rng(m)
+    w = _raw_blocks(fmt, rng, n, k)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    blockq.isa("avx512_vbmi")
+    assert blockq.kernel(fmt, m) == "zmm8"
+    y = blockq.block_matmul(x, w, fmt, k)
+    blockq.isa(None)
+    wd = f.dequantize(w, (n, k)).astype(np.float64)
+    assert_close(y, quantize_activations(x.astype(np.float64)) @ wd.T, "f32", k, name=f"{fmt} ({m} rows)")
+
+
 @pytest.mark.parametrize("fmt", WEIGHT_FORMATS)
 def test_block_rows_dequantize_exactly(fmt):
     f = FORMATS[fmt]
@@ -228,6 +248,10 @@ def test_cache_write_past_the_end_is_refused():
        kv=st.integers(1, 3), group=st.integers(1, 6), t=st.sampled_from([1, 2, 5, 17, 24]),
        d=st.sampled_from([1, 8, 48, 64, 128, 256]), extra=st.integers(0, 300), per_sequence=st.booleans(),
        window=st.sampled_from([0, 0, 1, 7, 64, 100, 400]), seed=st.integers(0, 2**32 - 1))
+# a decode step over an f16 cache with 3 heads per KV head: V widened as p v reads it, several
+# key blocks (the next ones prefetched), on the processor's best ISA
+@example(isa=ISAS[-1], cache=np.float16, b=1, kv=2, group=3, t=1, d=128, extra=300, per_sequence=False, window=0,
+         seed=1)
 def test_cache_attention_is_its_reference(isa, cache, b, kv, group, t, d, extra, per_sequence, window, seed):
     """Decode (T <= 16: spans of keys split across threads and combined; with AVX-512 and D of 64
     or 128, 16 keys' scores per reduction and p v four query rows at a time) and prompt (T > 16)

@@ -144,9 +144,11 @@ static inline __attribute__((always_inline)) float ca_scores_zmm_d(const int64_t
     return _mm512_reduce_max_ps(top);
 }
 /* acc[r] = acc[r] * corr[r] + sum_j p[r][j] v_j for NR rows at once (each V row loaded once for
- * all of them; NR * D / 16 accumulators in registers, independent chains for the FMA pipes) */
-static inline __attribute__((always_inline)) void ca_pv_zmm(const int64_t D, const int NR, const float *vblk, int64_t n,
-                                                            const float *p, const float *corr, float *acc) {
+ * all of them; NR * D / 16 accumulators in registers, independent chains for the FMA pipes).
+ * V rows from vblk, or widened from f16 as they are loaded where vh is non-NULL. */
+static inline __attribute__((always_inline)) void ca_pv_zmm(const int64_t D, const int NR, const float *vblk,
+                                                            const uint16_t *vh, int64_t n, const float *p,
+                                                            const float *corr, float *acc) {
     __m512 a[4][8];
 #pragma GCC unroll 4
     for (int r = 0; r < NR; r++)
@@ -156,7 +158,8 @@ static inline __attribute__((always_inline)) void ca_pv_zmm(const int64_t D, con
     for (int64_t j = 0; j < n; j++) {
 #pragma GCC unroll 8
         for (int64_t c = 0; c < D / 16; c++) {
-            __m512 vv = _mm512_loadu_ps(vblk + j * D + 16 * c);
+            __m512 vv = vh ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(vh + j * D + 16 * c)))
+                           : _mm512_loadu_ps(vblk + j * D + 16 * c);
 #pragma GCC unroll 4
             for (int r = 0; r < NR; r++) a[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * CA_KEYS + j]), vv, a[r][c]);
         }
@@ -165,6 +168,23 @@ static inline __attribute__((always_inline)) void ca_pv_zmm(const int64_t D, con
     for (int r = 0; r < NR; r++)
 #pragma GCC unroll 8
         for (int64_t c = 0; c < D / 16; c++) _mm512_storeu_ps(acc + r * D + 16 * c, a[r][c]);
+}
+/* The rows of a later block of keys asked for now: a thread reads its span's K and V rows once,
+ * in order, and does a block's arithmetic between reads, so the hardware's stream prefetch alone
+ * keeps too few lines in flight (an f16 block's widening, scores and p v left the core waiting on
+ * each next block's lines). One prefetch per 64-byte line of the block CA_AHEAD keys ahead. */
+#define CA_AHEAD (2 * CA_KEYS)
+static inline __attribute__((always_inline)) void ca_prefetch(const float *kb, const float *vb, const uint16_t *kh,
+                                                              const uint16_t *vh, int64_t D, int64_t j, int64_t j_hi) {
+    if (j >= j_hi) return;
+    int64_t n = j_hi - j < CA_KEYS ? j_hi - j : CA_KEYS;
+    const char *k = kh ? (const char *)(kh + j * D) : (const char *)(kb + j * D);
+    const char *v = kh ? (const char *)(vh + j * D) : (const char *)(vb + j * D);
+    int64_t bytes = n * D * (kh ? 2 : 4);
+    for (int64_t i = 0; i < bytes; i += 64) {
+        _mm_prefetch(k + i, _MM_HINT_T0);
+        _mm_prefetch(v + i, _MM_HINT_T0);
+    }
 }
 /* ca_span on AVX-512 for D = 64 or 128: per block of keys, every query row's scores (16 keys per
  * ca_hsum16), the online softmax update, then p v four rows at a time */
@@ -177,11 +197,16 @@ static inline __attribute__((always_inline)) void ca_span_zmm(const int64_t D, i
     for (int64_t j0 = j_lo; j0 < j_hi; j0 += CA_KEYS) {
         int64_t nk = j_hi - j0 < CA_KEYS ? j_hi - j0 : CA_KEYS;
         const float *kblk = kb + j0 * D, *vblk = vb + j0 * D;
+        ca_prefetch(kb, vb, kh, vh, D, j0 + CA_AHEAD, j_hi);
+        /* an f16 block: K widened into L1 (each query row reads it); V widened as p v loads it
+         * where one pass reads it (4 rows or fewer), saving a store and a reload of 32 KB */
+        const uint16_t *vrow = kh && nq <= 4 ? vh + j0 * D : NULL;
         if (kh) {
-            for (int64_t i = 0; i < nk * D; i += 16) {
+            for (int64_t i = 0; i < nk * D; i += 16)
                 _mm512_storeu_ps(kf + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(kh + j0 * D + i))));
-                _mm512_storeu_ps(vf + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(vh + j0 * D + i))));
-            }
+            if (!vrow)
+                for (int64_t i = 0; i < nk * D; i += 16)
+                    _mm512_storeu_ps(vf + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(vh + j0 * D + i))));
             kblk = kf;
             vblk = vf;
         }
@@ -206,10 +231,10 @@ static inline __attribute__((always_inline)) void ca_span_zmm(const int64_t D, i
             }
             float *ar = acc + r0 * D;
             switch (nr) {
-            case 1: ca_pv_zmm(D, 1, vblk, most, p, corr, ar); break;
-            case 2: ca_pv_zmm(D, 2, vblk, most, p, corr, ar); break;
-            case 3: ca_pv_zmm(D, 3, vblk, most, p, corr, ar); break;
-            default: ca_pv_zmm(D, 4, vblk, most, p, corr, ar); break;
+            case 1: ca_pv_zmm(D, 1, vblk, vrow, most, p, corr, ar); break;
+            case 2: ca_pv_zmm(D, 2, vblk, vrow, most, p, corr, ar); break;
+            case 3: ca_pv_zmm(D, 3, vblk, vrow, most, p, corr, ar); break;
+            default: ca_pv_zmm(D, 4, vblk, vrow, most, p, corr, ar); break;
             }
         }
     }

@@ -14,7 +14,9 @@ Each is a call into the runtime's kernels (blockq.c) on views the emitter alread
   never a copy (runtime.py, `donated`). Anything else runs on the host.
 * `cache_attention` reads each cache row once for the heads that share it. A cache may be
   f16 (llama.cpp's default: half the bytes a decode step reads at depth): cache_write
-  rounds into it (store='f16'), cache_attention widens each block of rows in L1.
+  rounds into it (store='f16'), cache_attention widens each block of K rows in L1 and V
+  rows as it reads them (AVX-512, up to 4 query rows per KV head), the block two ahead
+  prefetched (the rows stream once per step).
 * `sample` draws each sequence's token from its logits inside the step (decode.c).
 * `rms_norm` is one pass per row; `rope` one loop over the two halves of each row;
   `iota` (the new tokens' positions) a loop, so a decode step stays one native call.
