@@ -35,7 +35,10 @@ RUNTIME_EXTRA = [Path(__file__).with_name(n) for n in ("blockq.h", "blockq_simd.
 # -fwrapv: signed integer overflow wraps, as NumPy's does. -fno-math-errno lets the
 # compiler inline and vectorise math functions (errno is never read). No -ffast-math:
 # NaN, infinities and signed zeros keep their IEEE meaning.
-CFLAGS = ["-std=gnu11", "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fwrapv", "-fno-math-errno", "-w"]
+# A call to an undeclared function is an error: implicit, a function the linked oneDNN lacks
+# compiled and returned garbage (warnings are not silenced with -w, which would hide it too).
+CFLAGS = ["-std=gnu11", "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fwrapv", "-fno-math-errno",
+          "-Werror=implicit-function-declaration"]
 # TILEGRAPH_C_SANITIZE=address builds modules with AddressSanitizer (tests/test_c_asan.py
 # runs them in a process with libasan preloaded); the flags are part of the cache key.
 SANITIZERS = {"address": ["-fsanitize=address", "-fno-omit-frame-pointer"]}
