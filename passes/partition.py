@@ -37,7 +37,7 @@ from tilegraph.ir.model import Model, WeightStore
 from tilegraph.ir.shapes import TensorInfo, info_of, tensor_type, type_of
 from tilegraph.ir.shard import AllGatherOp, AllReduceOp, AllSliceOp, AllToAllOp, GridOp, ReduceScatterOp, ReductionKind, \
     ReductionKindAttr, ShardingOp, ShardOp, piece
-from tilegraph.passes.shard import GRID, read_annotations
+from tilegraph.passes.shard_annotations import GRID, read_annotations
 from tilegraph.passes.shard_strategies import Spec, apply_step, loops_of, replicated, reshard_steps, shards
 from tilegraph.ir.ops import Op
 

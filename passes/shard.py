@@ -65,25 +65,23 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import sympy
 from xdsl.context import Context
-from xdsl.dialects.builtin import ArrayAttr, BytesAttr, DenseArrayBase, FlatSymbolRefAttr, ModuleOp, StringAttr, \
-    i16, i64
+from xdsl.dialects.builtin import ModuleOp
 from xdsl.dialects.func import FuncOp
 from xdsl.ir import Block, SSAValue
 from xdsl.passes import ModulePass
-from xdsl.rewriter import InsertPoint, Rewriter
 
 from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import TgOp, make_op
 from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.shapes import TensorInfo, info_of, symbol, type_of
 from tilegraph.ir.vjp import forward_values_read
-from tilegraph.ir.shard import GridOp, ShardAxesArrayAttr, ShardingOp, ShardingType, ShardOp
 from tilegraph.passes.cost.collectives import GPUS_PER_NODE, Mesh, parse_mesh
 from tilegraph.passes.cost.hardware import check_target, hardware  # type: ignore[attr-defined]
 from tilegraph.passes.cost.model import at, expected_sizes, op_cost
 from tilegraph.passes.remarks import remark
 from tilegraph.passes.shard_milp import CUT_SHORT, SOLVE_TIME_LIMIT, Linear, solve
-from tilegraph.passes.shard_strategies import (Spec, Strategy, apply_step, base_name, local_info, nbytes, pre_scatter, replicated,
+from tilegraph.passes.shard_annotations import annotate, read_annotations, strip_annotations
+from tilegraph.passes.shard_strategies import (Spec, Strategy, apply_step, base_name, local_info, nbytes, pre_scatter,
                                       reshard_steps, source_strategies, spec_axes, spec_str, strategies, zero_variants)
 from tilegraph.ir.ops import Op
 
@@ -103,7 +101,6 @@ OVERLAP_INTERFERENCE = 0.1
 # A symbolic dim the pass is given no size for is planned at this size (a batch or
 # sequence of a hundred-odd, as `tilegraph cost` assumes).
 DEFAULT_DIM = 128
-GRID = "mesh"  # the shard.grid symbol the annotations name
 US = 1e6  # the objective in microseconds keeps HiGHS's absolute tolerances meaningful
 GB = 1e9  # memory rows in GB, for the same reason
 
@@ -891,88 +888,6 @@ def chosen_plan(module: ModuleOp, mesh: Mesh, pick, sizes: dict[str, int] | None
     nodes = _nodes(func, [f"input{i}" for i in range(len(func.body.block.args))], mesh.shape, sizes or {}, zero=True)
     choices = [Choice(n, n.strategies[pick(n)], 0.0, 0.0, 0.0) for n in nodes]
     return Plan(mesh, choices, 0.0, 0.0, 0.0, sympy.Integer(0), 0.0, (0, 0, 0))
-
-
-# --- annotations in the IR --------------------------------------------------------------
-
-def read_annotations(module: ModuleOp) -> tuple[tuple[int, ...] | None, dict[SSAValue, Spec]]:
-    """The grid shape and the user's shard.shard annotations (value -> spec) already in `module`."""
-    grid = next((op for op in module.ops if isinstance(op, GridOp)), None)
-    shape = tuple(grid.shape.get_values()) if grid is not None else None
-    found: dict[SSAValue, Spec] = {}
-    for op in module.walk():
-        if isinstance(op, ShardOp):
-            sharding = op.sharding.owner
-            found[op.src] = tuple(tuple(a.get_values()) for a in sharding.split_axes.axes.data)
-    return shape, found
-
-
-def strip_annotations(module: ModuleOp) -> None:
-    for op in list(module.walk()):
-        if isinstance(op, ShardOp):
-            op.result.replace_all_uses_with(op.src)
-            Rewriter.erase_op(op)
-    for op in list(module.walk()):
-        if isinstance(op, (ShardingOp, GridOp)):
-            Rewriter.erase_op(op)
-
-
-def sharding_op(spec: Spec) -> ShardingOp:  # type: ignore[valid-type]
-    axes = ShardAxesArrayAttr(ArrayAttr([DenseArrayBase(i16, BytesAttr(i16.pack(list(a)))) for a in spec]))
-    return ShardingOp.build(operands=[[], []], result_types=[ShardingType()],
-                            properties={"grid": FlatSymbolRefAttr(GRID), "split_axes": axes})
-
-
-def annotate(module: ModuleOp, p: Plan) -> None:
-    """Write the plan into the IR: the grid, one shard.sharding per spec, a shard.shard after every
-    value (its sharding) and before every use that wants another (`annotate_for_users`)."""
-    func = next(f for f in module.walk() if isinstance(f, FuncOp) and f.sym_name.data == "forward")
-    block = func.body.block
-    grid = GridOp.create(properties={"sym_name": StringAttr(GRID),
-                                     "shape": DenseArrayBase.from_list(i64, list(p.mesh.shape))})
-    module.body.block.insert_op_before(grid, module.body.block.first_op)
-    specs: dict[Spec, SSAValue] = {}
-    first = block.first_op
-
-    def sharding(spec: Spec) -> SSAValue:
-        if spec not in specs:
-            op = sharding_op(spec)
-            block.insert_op_before(op, first)
-            specs[spec] = op.results[0]  # type: ignore[attr-defined]
-        return specs[spec]
-
-    annotated: dict[SSAValue, SSAValue] = {}
-    by_value = {c.node.value: c for c in p.choices}
-    for c in p.choices:
-        v = c.node.value
-        if c.node.info.rank == 0:
-            continue
-        uses = [u for u in v.uses]
-        ann = ShardOp(v, sharding(c.strategy.out), None)
-        if c.node.op is None:
-            block.insert_op_before(ann, first)
-        else:
-            Rewriter.insert_op(ann, InsertPoint.after(c.node.op))
-        for u in uses:
-            u.operation.operands[u.index] = ann.result
-        annotated[v] = ann.result
-    for c in p.choices:
-        if c.node.op is None:
-            continue
-        for pos, (operand, want) in enumerate(zip(c.node.op.operands, c.strategy.ins)):
-            src = operand.owner.src if isinstance(operand.owner, ShardOp) else operand
-            have = by_value[src].strategy.out if src in by_value else replicated(len(want))
-            if have != want and len(want):
-                user = ShardOp(operand, sharding(want), None)
-                user.annotate_for_users = _unit()
-                Rewriter.insert_op(user, InsertPoint.before(c.node.op))
-                c.node.op.operands[pos] = user.result
-
-
-def _unit():
-    from xdsl.dialects.builtin import UnitAttr
-
-    return UnitAttr()
 
 
 def parse_memory(text: str) -> float | None:

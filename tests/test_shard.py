@@ -224,7 +224,7 @@ def test_a_user_annotation_is_kept_and_the_plan_adapts_around_it():
     pinned = Model.parse(text, model.weights)
     func = pinned.func
     from tilegraph.ir.shard import ShardOp
-    from tilegraph.passes.shard import sharding_op
+    from tilegraph.passes.shard_annotations import sharding_op
 
     fc1 = next(op for op in func.walk() if op.name == "tg.weight" and op.attr("name") == "h0.mlp.fc1")
     uses = list(fc1.results[0].uses)
