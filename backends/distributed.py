@@ -245,14 +245,14 @@ def _send(x: np.ndarray, dst: int, torch, dist) -> None:
     header[0], header[1] = _DTYPES.index(x.dtype.name), x.ndim
     header[2:2 + x.ndim] = torch.tensor(x.shape, dtype=torch.int64)
     dist.send(header, dst)
-    dist.send(torch.from_numpy(np.ascontiguousarray(x)), dst)
+    dist.send(torch.tensor(np.ascontiguousarray(x)), dst)  # torch-owned: see _collective
 
 
 def _recv(src: int, torch, dist) -> np.ndarray:
     header = torch.zeros(_HEADER, dtype=torch.int64)
     dist.recv(header, src)
     shape = tuple(int(d) for d in header[2:2 + int(header[1])])
-    t = torch.from_numpy(np.empty(shape, dtype=_DTYPES[int(header[0])]))
+    t = torch.from_numpy(np.empty(shape, dtype=_DTYPES[int(header[0])])).clone()
     dist.recv(t, src)
     return t.numpy()
 
@@ -319,7 +319,7 @@ def _worker(rank: int, world: int, port: int, tmp: str, config: list, micro_batc
                 outs = _execute(program, steps, weights, inputs, handles, overlap, torch, dist)
                 full = []
                 for x, spec in zip(outs, stage["out_specs"]):
-                    t = torch.from_numpy(np.ascontiguousarray(x).reshape(x.shape))
+                    t = torch.tensor(np.ascontiguousarray(x).reshape(x.shape))
                     parts = [torch.empty_like(t) for _ in range(n)]
                     dist.all_gather(parts, t, group=whole)
                     full.append(gather([q.numpy() for q in parts], spec, mesh))
@@ -342,7 +342,7 @@ def _worker(rank: int, world: int, port: int, tmp: str, config: list, micro_batc
                 started = time.perf_counter()
                 results[i] = step(steps[modes[i][0]], modes[i][1])
                 times[r, i] = time.perf_counter() - started
-        slowest = torch.from_numpy(times)
+        slowest = torch.tensor(times)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         if k == len(config) - 1 and local == 0:
             for i, per_batch in enumerate(results):

@@ -581,8 +581,11 @@ def _tile(ex, op, ins):
 
 
 def _cumsum(ex, op, ins):
-    return [ex.one("CumSum", ins[0], ex.const(op.attr("axis")), exclusive=int(op.attr("exclusive")),
-                   reverse=int(op.attr("reverse")))]
+    scalar = op.result_infos()[0].rank == 0  # onnxruntime refuses a rank-0 CumSum: a 1-element one
+    x = ex.one("Unsqueeze", ins[0], ex.const([0])) if scalar else ins[0]
+    y = ex.one("CumSum", x, ex.const(0 if scalar else op.attr("axis")), exclusive=int(op.attr("exclusive")),
+               reverse=int(op.attr("reverse")))
+    return [ex.one("Squeeze", y, ex.const([0])) if scalar else y]
 
 
 def _trilu(ex, op, ins):

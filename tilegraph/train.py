@@ -376,7 +376,9 @@ class DataParallelStep:
         self.steps += 1
         arrays = dict(zip(self._data, [_numpy(a) for a in (*inputs, targets)]))
         loss, *grads = self.grads.run(**arrays, **self.weights)
-        packed = torch.from_numpy(np.concatenate([np.ravel(g).astype(np.float32) for g in grads] + [np.ravel(loss)]))
+        # torch-owned (torch.tensor copies): gloo's thread may release the last reference, and a
+        # NumPy-owned buffer released there needs the GIL it does not hold
+        packed = torch.tensor(np.concatenate([np.ravel(g).astype(np.float32) for g in grads] + [np.ravel(loss)]))
         dist.all_reduce(packed)  # one collective for every gradient: gloo's per-call cost dominates small tensors
         flat = packed.numpy() / self.world
         feed, at = {}, 0

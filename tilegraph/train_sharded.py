@@ -327,7 +327,7 @@ def _all_reduce_arrays(arrays: list, clock: _Clock, group: Any = None) -> list[n
     import torch
     import torch.distributed as dist
 
-    packed = torch.from_numpy(np.concatenate([np.ravel(a) for a in arrays]))
+    packed = torch.tensor(np.concatenate([np.ravel(a) for a in arrays]))  # torch-owned: see send()
     with clock("comm"):
         dist.all_reduce(packed, group=group)
     flat, at, out = packed.numpy(), 0, []
@@ -507,7 +507,7 @@ class ShardedStep:
         split = [k for k in names if k in self.splits]
         parts = [chunk(grads[k], self.splits[k], r, self.world).ravel() for r in range(self.world) for k in split]
         rest = [np.ravel(grads[k]) for k in names if k not in self.splits]
-        packed = torch.from_numpy(np.concatenate(parts + rest + [np.array([extra], np.float32)]))
+        packed = torch.tensor(np.concatenate(parts + rest + [np.array([extra], np.float32)]))  # torch-owned
         del parts, rest
         with self.clock("comm"):
             dist.all_reduce(packed)

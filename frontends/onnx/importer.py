@@ -14,7 +14,7 @@ from tilegraph.frontends import FrontendError
 from tilegraph.frontends.onnx.load import (DEFAULT_DOMAINS, MAX_FUNCTION_DEPTH, NOT_EXPANDED, _op_key, check_supported,
                                            default_opset, function_schema, load_model)
 from tilegraph.frontends.onnx.node import CONVERTERS, Node
-from tilegraph.frontends.onnx.values import (FOLD_MAX_NEW_ELEMENTS, StaticInputNeeded, Value, _as_int_array,
+from tilegraph.frontends.onnx.values import (FOLD_MAX_NEW_ELEMENTS, ByFunctionBody, StaticInputNeeded, Value, _as_int_array,
                                              info, known_dtype, onnx_dtype, tensor_array)
 from tilegraph.ir import dtypes
 from tilegraph.ir.builder import INLINE_CONSTANT_LIMIT, Graph, Tensor
@@ -178,6 +178,10 @@ class _Importer:
         node = Node(self, proto)
         try:
             outs = CONVERTERS[key](node)
+        except ByFunctionBody:
+            for body_node in self.expand(proto, depth):
+                self.convert(body_node, depth + 1)
+            return
         except StaticInputNeeded:
             raise
         except FrontendError as e:

@@ -7,7 +7,7 @@ from typing import Sequence
 
 from tilegraph.frontends import FrontendError
 from tilegraph.frontends.onnx.node import _axis, _conv
-from tilegraph.frontends.onnx.values import INT64_MAX
+from tilegraph.frontends.onnx.values import INT64_MAX, ByFunctionBody
 from tilegraph.ir import decompositions as D
 from tilegraph.ir.shapes import is_static
 
@@ -196,8 +196,8 @@ def _rotary_embedding(n):
     X [B, H, T, D], or [B, T, H x D] with num_heads; cos/sin [B, T, R/2], or tables [positions, R/2]
     read at position_ids; the first R dims (rotary_embedding_dim, 0: all) rotated as pairs
     (i, i + R/2) (tg.rope), the rest passed through."""
-    if n.attr("interleaved", 0):
-        raise FrontendError("interleaved = 1 (pairs (2i, 2i + 1)) is not supported")
+    if n.attr("interleaved", 0):  # pairs (2i, 2i + 1): tg.rope rotates (i, i + R/2); ONNX's body has them
+        raise ByFunctionBody
     x, cos, sin, where = n.x(0), n.x(1), n.x(2), n.opt(3)
     if where is not None:
         cos, sin = n.op("gather", cos, where, axis=0), n.op("gather", sin, where, axis=0)

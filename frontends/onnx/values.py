@@ -26,6 +26,11 @@ FOLD_MAX_NEW_ELEMENTS = 4096
 Value = Union[Tensor, np.ndarray]  # run-time tensor, or a value known at import time
 
 
+class ByFunctionBody(Exception):
+    """A converter's answer for a case it leaves to ONNX's own function body for the op (the
+    importer expands that instead), e.g. RotaryEmbedding's interleaved pairs."""
+
+
 class StaticInputNeeded(FrontendError):
     """A value that must be known at import time (a shape, axes, pads) is computed at run time.
 

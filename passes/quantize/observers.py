@@ -141,8 +141,13 @@ def activation_params(rng: tuple[float, float], storage: str, symmetric: bool):
     if not fmt.integer or symmetric:
         return absmax_scale(np.float32(max(-lo, hi)), fmt), None, storage
     u8 = FORMATS["ui8"]
-    scale = absmax_scale(np.float32((hi - lo) / (u8.hi - u8.lo) * u8.hi), u8)
-    zp = np.asarray(np.clip(np.rint(u8.lo - lo / scale), u8.lo, u8.hi)).astype(np.uint8)
+    steps = u8.hi - u8.lo
+    for room in (steps, steps - 1):  # both ends half a step off the grid round outwards: one step of room
+        scale = absmax_scale(np.float32((hi - lo) / room * u8.hi), u8)
+        zp = np.asarray(np.clip(np.rint(u8.lo - lo / scale), u8.lo, u8.hi)).astype(np.uint8)
+        ends = np.rint(np.array([lo, hi], np.float64) / float(scale)) + int(zp)
+        if ends[0] >= u8.lo and ends[1] <= u8.hi:
+            break
     return scale, zp, "ui8"
 
 
