@@ -409,7 +409,11 @@ class KernelWriter:
 
     def _scan(self, op: TgOp, x: Value, out: TensorInfo, var: str) -> Value:
         rank = info_of(op.operands[0].type).rank
-        if op.attr("axis") % rank != rank - 1 or not self.whole_rows:
+        if rank == 0 and not (op.op_name == Op.cumprod and op.attr("exclusive")):
+            # a scalar's scan is the scalar itself (nothing before it: 0 for an exclusive sum)
+            self.body.append(f"{var} = {x.var} - {x.var}" if op.attr("exclusive") else f"{var} = {x.var}")
+            return Value(var, out, True)
+        if rank == 0 or op.attr("axis") % rank != rank - 1 or not self.whole_rows:
             raise Unsupported(f"tg.{op.op_name} over a non-last axis in a row kernel")
         if op.op_name == Op.cumprod and op.attr("exclusive"):
             raise Unsupported("exclusive cumprod")
