@@ -582,26 +582,10 @@ static void bq_amx_group(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n
 static void bq_amx_release(void) { _tile_release(); }
 #pragma GCC pop_options
 
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-/* AMX int8 usable here: the processor has it (CPUID 7.0 EDX bits 24, 25), the OS saves its state
- * (XCR0 bits 17, 18) and grants this process the tile data (Linux's arch_prctl; without the grant
- * the first tile instruction faults). Asked once. */
+/* AMX int8 usable here: tiles granted (runtime.c's tg_amx_granted) and AMX-INT8 (CPUID 7.0 EDX bit 25). */
 static int bq_amx_usable(void) {
-    static int usable = -1;
-    if (usable >= 0) return usable;
     unsigned a, b, c, d;
-    usable = 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return usable;
-    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return usable; /* OSXSAVE: xgetbv allowed */
-    unsigned lo, hi;
-    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    if ((lo & (3u << 17)) != (3u << 17)) return usable;
-#ifdef SYS_arch_prctl
-    usable = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-#endif
-    return usable;
+    return tg_amx_granted() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 25));
 }
 
 static const tg_bq_kernels *bq_active;

@@ -804,6 +804,29 @@ void tg_dynamic_quantize_rows(const float *x, int8_t *q, float *scale, int64_t r
     }
 }
 
+/* AMX tiles usable in this process: the processor has them (CPUID 7.0 EDX bit 24), the OS
+ * saves their state (XCR0 bits 17, 18) and grants this process the tile data (Linux's
+ * arch_prctl; without the grant the first tile instruction faults). Asked once; each kernel
+ * checks its own data type (AMX-BF16, AMX-INT8) beside it. */
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+static int tg_amx_granted(void) {
+    static int granted = -1;
+    if (granted >= 0) return granted;
+    unsigned a, b, c, d;
+    granted = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24))) return granted;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return granted; /* OSXSAVE: xgetbv allowed */
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & (3u << 17)) != (3u << 17)) return granted;
+#ifdef SYS_arch_prctl
+    granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+#endif
+    return granted;
+}
+
 /* --- attention: softmax(q k^T * scale + mask) v, flash-style ---
  *
  * Per (batch, block of bq query rows) task, keys in blocks of bk (the `tile` pass's
@@ -825,15 +848,11 @@ void tg_dynamic_quantize_rows(const float *x, int8_t *q, float *scale, int64_t r
  * this process the tile state (arch_prctl). */
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #define TG_HAVE_BF16_ATTENTION 1
 
 static int tg_amx_ready(void) {
-    static int known = -1;
-    if (known < 0) /* ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): once per process */
-        known = __builtin_cpu_supports("amx-bf16") && syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : 0;
-    return known;
+    unsigned a, b, c, d; /* AMX-BF16: CPUID 7.0 EDX bit 22 */
+    return tg_amx_granted() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22));
 }
 
 /* Tile registers: 0 the product, 1 a block of the left operand (16 rows x 16 bf16 pairs),
