@@ -10,13 +10,21 @@ torch.compile'd forward + backward (AdamW eager, as torch.compile users run it) 
 same loop.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/train_char_gpt.py [--steps 300] [--layers 4] [--hidden 128]
-        [--heads 4] [--block 64] [--batch 8] [--target c] [--threads N] [--compile]
+        [--heads 4] [--block 64] [--batch 8] [--target c] [--threads N] [--compile] [--float64]
+        [--losses-out FILE]
+
+The verdict line compares tilegraph's loss with torch eager's at every step against the float32
+tolerance of tilegraph.testing for the step's reduction length (`tolerance("f32",
+reduction_length(step))`: the rounding one step may add); with --float64 it also prints, per
+stretch of steps, how far each float32 run is from exact arithmetic, the scale the two float32
+runs' difference grows to as training compounds each step's rounding.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import sys
 import time
@@ -31,6 +39,7 @@ import torch  # noqa: E402
 
 import tilegraph  # noqa: E402
 from tests.models import CharGPT, char_batches, char_corpus  # noqa: E402
+from tilegraph.accuracy import reduction_length, tolerance  # noqa: E402
 from tilegraph.train import AdamW  # noqa: E402
 
 
@@ -44,6 +53,7 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="also train with torch.compile")
     ap.add_argument("--float64", action="store_true",
                     help="also train torch eager in float64: how far each float32 run strays from exact arithmetic")
+    ap.add_argument("--losses-out", default=None, help="write every runner's loss per step to this JSON file")
     args = ap.parse_args()
 
     if args.threads:
@@ -101,10 +111,22 @@ def main() -> None:
         if i % max(1, args.steps // 15) == 0 or i == args.steps - 1:
             rel = abs(losses["tilegraph"][-1] - losses["torch eager"][-1]) / abs(losses["torch eager"][-1])
             extra = f"  torch.compile {losses['torch.compile'][-1]:.5f}" if args.compile else ""
+            extra += f"  torch eager f64 {losses['torch eager f64'][-1]:.5f}" if args.float64 else ""
             print(f"step {i:4d}  tilegraph {losses['tilegraph'][-1]:.5f}  torch eager {losses['torch eager'][-1]:.5f}"
-                  f"  relative difference {rel:.1e}{extra}")
+                  f"  relative difference {rel:.1e}{extra}", flush=True)
+            if args.losses_out:  # as it goes, so a run cut short still leaves its losses
+                Path(args.losses_out).write_text(json.dumps(losses))
     ours, theirs = np.array(losses["tilegraph"]), np.array(losses["torch eager"])
     rel = np.abs(ours - theirs) / np.abs(theirs)
+    if args.losses_out:
+        Path(args.losses_out).write_text(json.dumps(losses))
+    rtol = tolerance("f32", reduction_length(step.model))[0]
+    within = rel <= rtol
+    outside = np.flatnonzero(~within)
+    print(f"float32 tolerance (tilegraph.testing, reduction length {reduction_length(step.model)}): rtol {rtol:.1e}; "
+          f"steps within it: {int(within.sum())} of {len(rel)}"
+          + (f"; first outside: step {int(outside[0])} ({rel[outside[0]]:.1e})" if len(outside) else "")
+          + f"; final loss {ours[-1]:.4f} vs first {ours[0]:.4f} ({ours[-1] / ours[0]:.2f}x)")
     print(f"loss: first {ours[0]:.4f}, last {ours[-1]:.4f} (torch eager {theirs[0]:.4f} -> {theirs[-1]:.4f}); "
           f"relative difference to torch eager: max {rel.max():.1e} (step {int(rel.argmax())}), "
           f"median {np.median(rel):.1e}, first 20 steps max {rel[:20].max():.1e}")
@@ -114,6 +136,10 @@ def main() -> None:
         rel2 = np.abs(other - theirs) / np.abs(theirs)
         print(f"torch.compile against torch eager, for scale: max {rel2.max():.1e}, median {np.median(rel2):.1e}, "
               f"first 20 steps max {rel2[:20].max():.1e}")
+    stride = max(1, args.steps // 6)
+    stretches = [(a, min(a + stride, args.steps)) for a in range(0, args.steps, stride)]
+    print("tilegraph against torch eager, max relative difference per stretch: "
+          + ", ".join(f"steps {a}-{b}: {rel[a:b].max():.1e}" for a, b in stretches))
     if args.float64:
         # float32 rounding differs between any two implementations (summation orders); training
         # amplifies a difference step by step (AdamW's m / sqrt(v) turns gradient noise into
@@ -121,9 +147,7 @@ def main() -> None:
         exact = np.array(losses["torch eager f64"])
         for name in [n for n in names if n != "torch eager f64"]:
             dev = np.abs(np.array(losses[name]) - exact) / np.abs(exact)
-            marks = ", ".join(f"steps {a}-{b}: {dev[a:b].max():.1e}" for a, b in
-                              zip(range(0, args.steps, max(1, args.steps // 6)),
-                                  list(range(max(1, args.steps // 6), args.steps, max(1, args.steps // 6))) + [args.steps]))
+            marks = ", ".join(f"steps {a}-{b}: {dev[a:b].max():.1e}" for a, b in stretches)
             print(f"{name} against torch eager float64, max relative difference per stretch: {marks}")
     skip = min(5, args.steps // 2)  # the first calls build, plan and warm caches: not steps
     rows = []

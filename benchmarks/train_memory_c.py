@@ -90,8 +90,9 @@ def main() -> None:
         loss = float(compiled.run(*inputs)[0])
         arena = sum(b.arena.nbytes for b in compiled._runner._bindings.values())
         print(f"tilegraph {budget:.0%}: compiled in {time.perf_counter() - t0:.1f} s, loss {loss:.6f}; {summary}")
-        rows.append([f"{budget:.0%}", "tilegraph C (recompute pass)", f"{peak_bytes(planned.func.body.block) / 1e6:.2f}",
-                     f"{arena / 1e6:.2f} (arena)"])
+        predicted = peak_bytes(planned.func.body.block)
+        rows.append([f"{budget:.0%}", "tilegraph C (recompute pass)", f"{predicted / 1e6:.2f}",
+                     f"{arena / 1e6:.2f} (arena, {arena / predicted - 1:+.1%})"])
         runners[("tilegraph", budget)] = lambda c=compiled: c.run(*inputs)
     for budget in BUDGETS:
         # A fresh compile per budget (dynamo otherwise serves every module instance the first

@@ -3,26 +3,35 @@
 What it decides: which values a function keeps alive across a long stretch of the
 program (a training step's forward activations, kept for its backward) are recomputed
 instead, so that the predicted peak of live intermediates fits `budget`, a fraction of the
-save-everything peak. As AOTAutograd's partitioner under `activation_memory_budget`,
-only some ops are recomputed: pointwise ones (AOTAutograd's) and GEMMs, never a reduction (softmax, layer_norm, sums), whose result would cost its whole input
-to rebuild.
+save-everything peak. In two rounds, each only while the budget is not met:
+
+1. As AOTAutograd's partitioner under `activation_memory_budget`: pointwise ops and GEMMs
+   only, rebuilt from operands a few ops deep; never a reduction (softmax, layer_norm,
+   sums), whose result would cost its whole input to rebuild.
+2. As activation checkpointing (torch.utils.checkpoint, JAX's remat of a whole layer): any
+   op, reductions and normalisations included, rebuilt from whatever is still live, however
+   far back that is (a layer's input, when the rest of the layer was dropped). A value
+   rebuilt once is reused by the next rebuild that needs it while it is still live, so a
+   layer's backward recomputes the layer's forward about once, not once per value.
 
 How: a liveness walk over the function's order prices the peak (each op's result bytes
 from its static shape; a view shares its operand's buffer and keeps it alive; inputs,
 weights and constants are resident and not counted). A candidate is a value whose
 consecutive uses are more than `min_gap` ops apart: its uses after the largest gap read a
 copy of its op inserted right before the first of them, with copies of the producers of
-operands that are dead by then (views, elementwise ops, matmuls, a few deep). Candidates are tried greedily by
-bytes freed per FLOP spent (a knapsack's greedy order); one is kept only if the predicted
-peak does not grow and the bytes held over time fall. It stops when the peak fits the budget or nothing more helps. Remarks name
-each recomputed value, its bytes and FLOPs, and the peak before and after.
+operands that are dead by then. Candidates are tried greedily by bytes freed per FLOP
+spent (a knapsack's greedy order); one is kept only if the predicted peak does not grow
+and the bytes held over time fall. It stops when the peak fits the budget or nothing more
+helps. Remarks name each recomputed value, its bytes and FLOPs (its rebuilt producers'
+included), and the peak before and after.
 
 Run it after cse (which would merge the copies back) and before fuse.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 
 import numpy as np
 import sympy
@@ -41,15 +50,32 @@ from tilegraph.ir.ops import Op
 NAME = "recompute"
 
 
+# How deep each round rebuilds a value's dead operands: a few ops (round 1), or back to
+# whatever is live (round 2; bounded only so a malformed chain cannot run away).
+SHALLOW, DEEP = 3, 100_000
+
+
 def recomputable(op: TgOp) -> bool:
-    """Pointwise ops, and the GEMMs (matmul, conv, attention) whose operands a backward keeps
-    anyway (a layer's input and its weight): last in the greedy order, as they cost the most
-    FLOPs per byte (AOTAutograd's knapsack recomputes matmuls too when the budget asks)."""
+    """Round 1: pointwise ops, and the GEMMs (matmul, conv, attention) whose operands a backward
+    keeps anyway (a layer's input and its weight): last in the greedy order, as they cost the
+    most FLOPs per byte (AOTAutograd's knapsack recomputes matmuls too when the budget asks)."""
     return len(op.results) == 1 and (op.SPEC.pointwise or op.SPEC.gemm is not None)
 
 
+def rebuildable(op: TgOp) -> bool:
+    """Round 2: any op with one result that is a pure function of its operands with a static
+    size (not a weight or constant, which are resident anyway, nor a data-dependent size)."""
+    return (len(op.results) == 1 and not op.SPEC.view and op.SPEC.bound is None
+            and op.op_name not in (Op.weight, Op.constant))
+
+
 def value_bytes(v: SSAValue) -> int:
-    t = info_of(v.type)
+    return _type_bytes(v.type)
+
+
+@functools.lru_cache(maxsize=4096)
+def _type_bytes(ty) -> int:
+    t = info_of(ty)
     n = numel(t.shape)
     if not isinstance(n, int):  # a symbolic dim priced at 1: the pass plans static training steps
         n = int(sympy.sympify(n).subs({s: 1 for s in sympy.sympify(n).free_symbols}))
@@ -101,25 +127,33 @@ def _liveness(block: Block, detail: bool = False):
     return int(live.max(initial=0)), int(live.sum())
 
 
-def _chain(op: TgOp, at: int, root: dict, last: dict, depth: int = 3) -> list[TgOp]:
+def _chain(op: TgOp, at: int, root: dict, last: dict, stand_in, extend, depth: int) -> list[TgOp]:
     """The ops to copy to recompute op's result at position `at`: op, and the producers (views,
-    recomputable ops, up to `depth` deep) of operands whose buffers are dead by then."""
-    out = [op]
-    for o in op.operands:
-        if _resident(o) or last.get(root.get(o, o), -1) >= at:
-            continue  # there anyway
-        owner = o.owner if isinstance(o, OpResult) else None
-        if isinstance(owner, TgOp) and len(owner.results) == 1 and depth > 0 and (owner.SPEC.view or recomputable(owner)):
-            out += _chain(owner, at, root, last, depth - 1)
+    and ops `extend` accepts, up to `depth` deep) of operands whose buffers are dead by then
+    and for which no copy is live then (`stand_in(v)`: such a copy, or None)."""
+    out, seen = [], set()
+    todo = [(op, depth)]
+    while todo:
+        o, d = todo.pop()
+        if o in seen:
+            continue
+        seen.add(o)
+        out.append(o)
+        for v in o.operands:
+            if _resident(v) or last.get(root.get(v, v), -1) >= at or stand_in(v) is not None:
+                continue  # there anyway
+            owner = v.owner if isinstance(v, OpResult) else None
+            if isinstance(owner, TgOp) and len(owner.results) == 1 and d > 0 and (owner.SPEC.view or extend(owner)):
+                todo.append((owner, d - 1))
     return out
 
 
-def _candidates(block: Block, min_gap: int) -> list[tuple[float, TgOp, SSAValue, list]]:
+def _candidates(block: Block, min_gap: int, accept) -> list[tuple[float, TgOp, SSAValue, list]]:
     ops = list(block.ops)
     pos = {op: i for i, op in enumerate(ops)}
     out: list[tuple[float, TgOp, SSAValue, list]] = []
     for op in ops:
-        if not isinstance(op, TgOp) or not recomputable(op):
+        if not isinstance(op, TgOp) or not accept(op):
             continue
         v: SSAValue = op.results[0]
         uses = sorted(((pos[u.operation], u) for u in v.uses if u.operation in pos), key=lambda t: t[0])
@@ -137,24 +171,60 @@ def _candidates(block: Block, min_gap: int) -> list[tuple[float, TgOp, SSAValue,
     return out
 
 
-def recompute(block: Block, budget: float, min_gap: int = 8) -> dict:
+def _flops(ops) -> float:
+    return float(sum(o.SPEC.flop_count([info_of(x.type) for x in o.operands], [info_of(o.results[0].type)])
+                     for o in ops))
+
+
+@dataclass
+class _State:
+    peak: int
+    area: int
+    chosen: list = field(default_factory=list)
+    original: dict = field(default_factory=dict)  # a copy's value -> the value it copies
+
+
+def recompute(block: Block, budget: float, min_gap: int = 8, checkpoint: bool = True) -> dict:
     """Rewrite `block` so its predicted peak fits budget x the save-everything peak (as far as
-    recomputing elementwise values can); returns what it did."""
+    recomputing values can; without `checkpoint`, round 1 only); returns what it did."""
     before, area = _liveness(block)
     target = budget * before
-    peak = before
-    chosen = []
+    state = _State(before, area)
+    rounds = [(recomputable, SHALLOW)] + ([(rebuildable, DEEP)] if checkpoint else [])
+    for accept, depth in rounds:
+        if state.peak <= target:
+            break
+        _round(block, target, min_gap, accept, depth, state)
+    peak, chosen = state.peak, state.chosen
+    remark(NAME, f"predicted peak of intermediates {before / 1e6:.3f} MB -> {peak / 1e6:.3f} MB (budget "
+                 f"{budget:.0%} = {target / 1e6:.3f} MB{'' if peak <= target else ', not reached'}), "
+                 f"{len(chosen)} values recomputed, {sum(float(f) for *_, f in chosen):.3g} FLOPs more")
+    return {"before": before, "after": peak, "target": target, "recomputed": chosen}
+
+
+def _round(block: Block, target: float, min_gap: int, accept, depth: int, state: _State) -> None:
+    """One round of the greedy: candidates `accept` takes, their dead operands rebuilt `depth` deep."""
+    original: dict[SSAValue, SSAValue] = state.original
     tried: set = set()
-    while peak > target:
+    while state.peak > target:
         progress = False
-        for _ratio, op, v, late in _candidates(block, min_gap):
+        for _ratio, op, v, late in _candidates(block, min_gap, accept):
             if op in tried:
                 continue
             tried.add(op)
             order = {o: i for i, o in enumerate(block.ops)}
             first = min((u.operation for u in late), key=order.__getitem__)
+            at = order[first]
             _, _, root, last = _liveness(block, detail=True)
-            chain = sorted(set(_chain(op, order[first], root, last)), key=order.__getitem__)
+            # copies made earlier that are still live here stand in for their originals
+            live_copy = {original[c]: c for c in original
+                         if order[c.owner] < at and last.get(root.get(c, c), -1) >= at}
+
+            def stand_in(x: SSAValue) -> SSAValue | None:
+                c = live_copy.get(original.get(x, x))
+                return c if c is not None and c is not x else None
+
+            chain = sorted(_chain(op, at, root, last, stand_in, accept, depth), key=order.__getitem__)
             copies: dict[SSAValue, SSAValue] = {}
             made = []
             for o in chain:  # producers first, each copy reading the copies before it
@@ -162,23 +232,31 @@ def recompute(block: Block, budget: float, min_gap: int = 8) -> dict:
                 for k, operand in enumerate(c.operands):
                     if operand in copies:
                         c.operands[k] = copies[operand]
+                    elif last.get(root.get(operand, operand), -1) < at and stand_in(operand) is not None:
+                        c.operands[k] = stand_in(operand)
                 block.insert_op_before(c, first)
                 copies[o.results[0]] = c.results[0]
                 made.append(c)
-            copy = made[-1] if chain[-1] is op else next(c for o, c in zip(chain, made) if o is op)
+            copy = copies[v]
             for u in late:
-                u.operation.operands[u.index] = copy.results[0]
+                u.operation.operands[u.index] = copy
             new_peak, new_area = _liveness(block)
             # kept when the peak does not grow and less is held for less long: a value live
             # only away from the peak now lowers the next peak, once others have come down
-            if new_peak <= peak and new_area < area:
-                peak, area = new_peak, new_area
-                flops = sum(o.SPEC.flop_count([info_of(x.type) for x in o.operands], [info_of(o.results[0].type)])
-                            for o in chain)
-                chosen.append((op.op_name, value_bytes(v), flops))
-                via = f" (with {', '.join('tg.' + o.op_name for o in chain if o is not op)})" if len(chain) > 1 else ""
-                remark(NAME, f"recomputes tg.{op.op_name}{via} ({value_bytes(v) / 1e6:.3f} MB, {flops} FLOPs) before "
-                             f"its late use by {first.name}: peak {new_peak / 1e6:.3f} MB")
+            if new_peak <= state.peak and new_area < state.area:
+                state.peak, state.area = new_peak, new_area
+                for o, c in zip(chain, made):
+                    original[c.results[0]] = original.get(o.results[0], o.results[0])
+                flops = _flops(chain)
+                state.chosen.append((op.op_name, value_bytes(v), flops))
+                others = [o for o in chain if o is not op]
+                via = ""
+                if len(others) > 4:
+                    via = f" (with {len(others)} ops before it, back to values still live)"
+                elif others:
+                    via = f" (with {', '.join('tg.' + o.op_name for o in others)})"
+                remark(NAME, f"recomputes tg.{op.op_name}{via} ({value_bytes(v) / 1e6:.3f} MB, {flops:.3g} FLOPs) "
+                             f"before its late use by {first.name}: peak {new_peak / 1e6:.3f} MB")
                 progress = True
                 break
             for u in late:  # no better: put the original back
@@ -187,10 +265,6 @@ def recompute(block: Block, budget: float, min_gap: int = 8) -> dict:
                 block.erase_op(c)
         if not progress:
             break
-    remark(NAME, f"predicted peak of intermediates {before / 1e6:.3f} MB -> {peak / 1e6:.3f} MB (budget "
-                 f"{budget:.0%} = {target / 1e6:.3f} MB{'' if peak <= target else ', not reached'}), "
-                 f"{len(chosen)} values recomputed, {sum(float(f) for *_, f in chosen):.3g} FLOPs more")
-    return {"before": before, "after": peak, "target": target, "recomputed": chosen}
 
 
 @dataclass(frozen=True)
@@ -199,8 +273,9 @@ class Recompute(ModulePass):
 
     budget: float = 1.0
     min_gap: int = 8
+    checkpoint: bool = True  # round 2 (any op, back to live values) when round 1 falls short
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         for func in op.ops:
             if isinstance(func, FuncOp):
-                recompute(func.body.block, self.budget, self.min_gap)
+                recompute(func.body.block, self.budget, self.min_gap, self.checkpoint)
