@@ -11,7 +11,7 @@ same loop.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/train_char_gpt.py [--steps 300] [--layers 4] [--hidden 128]
         [--heads 4] [--block 64] [--batch 8] [--target c] [--threads N] [--compile] [--float64]
-        [--losses-out FILE]
+        [--losses-out FILE] [--lockstep]
 
 The verdict line compares tilegraph's loss with torch eager's at every step against the float32
 tolerance of tilegraph.testing for the step's reduction length (`tolerance("f32",
@@ -54,6 +54,9 @@ def main() -> None:
     ap.add_argument("--float64", action="store_true",
                     help="also train torch eager in float64: how far each float32 run strays from exact arithmetic")
     ap.add_argument("--losses-out", default=None, help="write every runner's loss per step to this JSON file")
+    ap.add_argument("--lockstep", action="store_true",
+                    help="before each step, give tilegraph torch eager's weights and AdamW moments: every step's "
+                         "loss then compares one step from the same state, not two trainings that drift apart")
     args = ap.parse_args()
 
     if args.threads:
@@ -78,8 +81,10 @@ def main() -> None:
     print(f"tilegraph ({args.target}) step compiled in {time.perf_counter() - t0:.1f} s, "
           f"{len(step.model.ops())} tg ops before passes")
 
+    optimizers = {}
+
     def torch_trainer(model, forward):
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+        opt = optimizers[id(model)] = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
 
         def run(x, y):
             opt.zero_grad(set_to_none=True)
@@ -91,7 +96,17 @@ def main() -> None:
             return float(loss.detach())
         return run
 
-    runners = {"tilegraph": lambda x, y: step(x, targets=y), "torch eager": torch_trainer(eager, eager)}
+    def tilegraph_step(x, y):
+        if args.lockstep:  # torch eager's state, copied into the arrays the compiled step updates in place
+            opt = optimizers[id(eager)]
+            for name, p in eager.named_parameters():
+                np.copyto(step.weights[name], p.detach().numpy())
+                for s in ("exp_avg", "exp_avg_sq"):
+                    if p in opt.state:
+                        np.copyto(step.state[f"{s}.{name}"], opt.state[p][s].numpy())
+        return step(x, targets=y)
+
+    runners = {"tilegraph": tilegraph_step, "torch eager": torch_trainer(eager, eager)}
     if args.compile:
         compiled_model = copy.deepcopy(module)
         forward = torch.compile(compiled_model)
@@ -104,7 +119,9 @@ def main() -> None:
     names = list(runners)
     for i, (x, y) in enumerate(batches):
         shift = i % len(names)  # rotate the order, so no runner always follows the same one
-        for name in names[shift:] + names[:shift]:
+        # in lockstep tilegraph must see torch eager's state before torch steps past it
+        order = names if args.lockstep else names[shift:] + names[:shift]
+        for name in order:
             t = time.perf_counter()
             losses[name].append(runners[name](x, y))
             times[name].append(time.perf_counter() - t)

@@ -63,10 +63,10 @@ def recomputable(op: TgOp) -> bool:
 
 
 def rebuildable(op: TgOp) -> bool:
-    """Round 2: any op with one result that is a pure function of its operands with a static
-    size (not a weight or constant, which are resident anyway, nor a data-dependent size)."""
-    return (len(op.results) == 1 and not op.SPEC.view and op.SPEC.bound is None
-            and op.op_name not in (Op.weight, Op.constant))
+    """Round 2: any op that is a pure function of its operands with static sizes (not a weight or
+    constant, which are resident anyway, nor a data-dependent size); a split's results too, each
+    a candidate of its own (rebuilding one rebuilds the op)."""
+    return not op.SPEC.view and op.SPEC.bound is None and op.op_name not in (Op.weight, Op.constant)
 
 
 def value_bytes(v: SSAValue) -> int:
@@ -92,16 +92,17 @@ def peak_bytes(block: Block) -> int:
     return _liveness(block)[0]
 
 
-def _liveness(block: Block, detail: bool = False):
+def _liveness(block: Block, detail: bool = False, ignore: frozenset = frozenset()):
     """(peak bytes, bytes x ops: the area under the live-bytes curve); with detail, also each
-    value's buffer (a view's is its operand's) and each buffer's last use."""
+    value's buffer (a view's is its operand's) and each buffer's last use, leaving out the
+    uses in `ignore` ((op, operand index) pairs: those about to read a copy)."""
     ops = list(block.ops)
     root: dict[SSAValue, SSAValue] = {}
     last: dict[SSAValue, int] = {}
     born: dict[SSAValue, int] = {}
     for i, op in enumerate(ops):
-        for v in op.operands:
-            if _resident(v):
+        for k, v in enumerate(op.operands):
+            if _resident(v) or (op, k) in ignore:
                 continue
             r = root.get(v, v)
             last[r] = max(last.get(r, -1), i)
@@ -143,7 +144,7 @@ def _chain(op: TgOp, at: int, root: dict, last: dict, stand_in, extend, depth: i
             if _resident(v) or last.get(root.get(v, v), -1) >= at or stand_in(v) is not None:
                 continue  # there anyway
             owner = v.owner if isinstance(v, OpResult) else None
-            if isinstance(owner, TgOp) and len(owner.results) == 1 and d > 0 and (owner.SPEC.view or extend(owner)):
+            if isinstance(owner, TgOp) and d > 0 and (owner.SPEC.view or extend(owner)):
                 todo.append((owner, d - 1))
     return out
 
@@ -153,26 +154,28 @@ def _candidates(block: Block, min_gap: int, accept) -> list[tuple[float, TgOp, S
     pos = {op: i for i, op in enumerate(ops)}
     out: list[tuple[float, TgOp, SSAValue, list]] = []
     for op in ops:
-        if not isinstance(op, TgOp) or not accept(op):
+        # a view of a value stands for it: its late uses, rebuilt with the value behind them
+        # (an attention's output is read by its backward through a transpose and a reshape)
+        view = isinstance(op, TgOp) and op.SPEC.view and bool(op.operands) and not _resident(op.operands[0])
+        if not isinstance(op, TgOp) or not (accept(op) or view):
             continue
-        v: SSAValue = op.results[0]
-        uses = sorted(((pos[u.operation], u) for u in v.uses if u.operation in pos), key=lambda t: t[0])
-        if not uses or uses[-1][0] == pos[op] + 1:
-            continue
-        points = [pos[op]] + [p for p, _ in uses]
-        gaps = [b - a for a, b in zip(points, points[1:])]
-        k = int(np.argmax(gaps))
-        if gaps[k] <= min_gap:
-            continue
-        late = [u for p, u in uses if p >= points[k + 1]]
-        flops = float(op.SPEC.flop_count([info_of(o.type) for o in op.operands], [info_of(v.type)]))
-        out.append((value_bytes(v) / max(flops, 1.0), op, v, late))
+        for v in op.results:
+            uses = sorted(((pos[u.operation], u) for u in v.uses if u.operation in pos), key=lambda t: t[0])
+            if not uses or uses[-1][0] == pos[op] + 1:
+                continue
+            points = [pos[op]] + [p for p, _ in uses]
+            gaps = [b - a for a, b in zip(points, points[1:])]
+            k = int(np.argmax(gaps))
+            if gaps[k] <= min_gap:
+                continue
+            late = [u for p, u in uses if p >= points[k + 1]]
+            out.append((value_bytes(v) / max(_flops([op]), 1.0), op, v, late))
     out.sort(key=lambda t: -t[0])
     return out
 
 
 def _flops(ops) -> float:
-    return float(sum(o.SPEC.flop_count([info_of(x.type) for x in o.operands], [info_of(o.results[0].type)])
+    return float(sum(o.SPEC.flop_count([info_of(x.type) for x in o.operands], [info_of(r.type) for r in o.results])
                      for o in ops))
 
 
@@ -209,16 +212,21 @@ def _round(block: Block, target: float, min_gap: int, accept, depth: int, state:
     while state.peak > target:
         progress = False
         for _ratio, op, v, late in _candidates(block, min_gap, accept):
-            if op in tried:
+            if v in tried:
                 continue
-            tried.add(op)
+            tried.add(v)
             order = {o: i for i, o in enumerate(block.ops)}
             first = min((u.operation for u in late), key=order.__getitem__)
             at = order[first]
-            _, _, root, last = _liveness(block, detail=True)
-            # copies made earlier that are still live here stand in for their originals
-            live_copy = {original[c]: c for c in original
-                         if order[c.owner] < at and last.get(root.get(c, c), -1) >= at}
+            # the buffers live at `at` once the late uses read the copy (a view's late use
+            # otherwise keeps the value it views alive, and nothing would be rebuilt)
+            _, _, root, last = _liveness(block, detail=True,
+                                         ignore=frozenset((u.operation, u.index) for u in late))
+            # copies made earlier stand in for their originals: the latest made before `at` (a
+            # dead one is kept alive up to here, when that holds less than rebuilding it: the k
+            # and v of a split rebuilt for its q)
+            live_copy = {original[c]: c for c in sorted((c for c in original if order[c.owner] < at),
+                                                        key=lambda c: order[c.owner])}
 
             def stand_in(x: SSAValue) -> SSAValue | None:
                 c = live_copy.get(original.get(x, x))
@@ -235,18 +243,22 @@ def _round(block: Block, target: float, min_gap: int, accept, depth: int, state:
                     elif last.get(root.get(operand, operand), -1) < at and stand_in(operand) is not None:
                         c.operands[k] = stand_in(operand)
                 block.insert_op_before(c, first)
-                copies[o.results[0]] = c.results[0]
+                copies.update(zip(o.results, c.results))
                 made.append(c)
-            copy = copies[v]
-            for u in late:
-                u.operation.operands[u.index] = copy
+            # the late uses read the copy; so do the uses from `at` on of a rebuilt op's other
+            # results (the k and v of a split rebuilt for its q), which are otherwise rebuilt again
+            moved = [(u.operation, u.index, a) for a in copies for u in list(a.uses)
+                     if u.operation in order and order[u.operation] >= at]
+            for user, k, a in moved:
+                user.operands[k] = copies[a]
             new_peak, new_area = _liveness(block)
             # kept when the peak does not grow and less is held for less long: a value live
             # only away from the peak now lowers the next peak, once others have come down
             if new_peak <= state.peak and new_area < state.area:
                 state.peak, state.area = new_peak, new_area
                 for o, c in zip(chain, made):
-                    original[c.results[0]] = original.get(o.results[0], o.results[0])
+                    for a, b in zip(o.results, c.results):
+                        original[b] = original.get(a, a)
                 flops = _flops(chain)
                 state.chosen.append((op.op_name, value_bytes(v), flops))
                 others = [o for o in chain if o is not op]
@@ -259,8 +271,8 @@ def _round(block: Block, target: float, min_gap: int, accept, depth: int, state:
                              f"before its late use by {first.name}: peak {new_peak / 1e6:.3f} MB")
                 progress = True
                 break
-            for u in late:  # no better: put the original back
-                u.operation.operands[u.index] = v
+            for user, k, a in moved:  # no better: put the originals back
+                user.operands[k] = a
             for c in reversed(made):
                 block.erase_op(c)
         if not progress:
