@@ -521,6 +521,11 @@ static void bq_amx_group(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n
     /* q4: every block's nibbles unpacked before the first tile load: a tile load of bytes stored
      * just before waits for them to reach the cache (the store buffer does not forward to it) */
     uint8_t *nibs = (uint8_t *)(c + nb * 128);
+    /* the rows two groups ahead, requested into L2 now: a group's 16 rows are 16 streams the
+     * hardware prefetcher does not follow, and its products are short next to a wait on memory
+     * (a prefetch past the matrix's end is dropped, never a fault) */
+    for (int64_t i = 0; i < BQ_AMX_N * row_bytes; i += 64)
+        _mm_prefetch((const char *)(w + 2 * BQ_AMX_N * row_bytes + i), _MM_HINT_T1);
     for (int64_t b = 0; b < nb && !q8; b++) {
         const uint8_t *blk = w + b * bytes;
         for (int i = 0; i < BQ_AMX_N; i += 4) {  /* 4 rows' 16 nibble bytes in one register */
