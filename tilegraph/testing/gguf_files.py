@@ -203,7 +203,10 @@ def compare_with_transformers(lm, prompts: list[str], new_tokens: int, batch_tog
     rtol, atol = tolerance("f32", hidden)
     for b, p in enumerate(ids):
         with torch.no_grad():
-            out = model.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True,
+            # the mask given: without it transformers masks out every prompt token equal to the pad id
+            # (the end-of-turn token the chat template holds) once the pad id is no end token (stop=False)
+            out = model.generate(torch.tensor([p]), attention_mask=torch.ones((1, len(p)), dtype=torch.long),
+                                 max_new_tokens=new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True,
                                  pad_token_id=lm.tokenizer.eos_id,
                                  eos_token_id=sorted(lm.tokenizer.stop_ids) if stop else None)
         theirs = out.sequences[0, len(p):].tolist()
