@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import sympy
-from xdsl.ir import BlockArgument, SSAValue
+from xdsl.ir import BlockArgument, OpResult, SSAValue
 
 from tilegraph.ir.dialect import FusionOp, TgOp, YieldOp
 from tilegraph.ir.ops import Op
@@ -144,7 +144,8 @@ def strides_of(value: SSAValue, written: Callable[[SSAValue], tuple]) -> tuple:
     op = value.owner
     if isinstance(op, FusionOp):
         ret = op.block.last_op
-        return strides_of(ret.operands[value.index], written) if isinstance(ret, YieldOp) else written(value)
+        return strides_of(ret.operands[value.index], written) if isinstance(ret, YieldOp) and isinstance(
+            value, OpResult) else written(value)
     if not isinstance(op, TgOp) or op.op_name not in _VIEWING or not op.operands:
         return written(value)
     src = op.operands[0]
