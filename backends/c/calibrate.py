@@ -208,7 +208,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
     caches = cache_sizes()
     cores = _threads()
     rng = np.random.default_rng(0)
-    bar = Progress(8 + len(loop_ops) + len(shapes), sys.stderr.isatty() if progress is None else progress)
+    bar = Progress(9 + len(loop_ops) + len(shapes), sys.stderr.isatty() if progress is None else progress)
 
     # One chain of unfused adds, short and long, serves every size: its length is symbolic.
     short, long_ = _module(_chain("n", 1)), _module(_chain("n", CHAIN))
