@@ -91,21 +91,22 @@ def test_the_activation_bound_is_tight_enough_to_fail():
 
 
 DECODE_FORMATS = ["q4_0", "q4_1", "q8_0"]  # those with 512-bit decode kernels (blockq.c bq_zmm, bq_z8)
+AMX_MIN_ROWS = 3  # blockq.c BQ_AMX_MIN_ROWS: fewer rows take the 8-row VBMI kernel under AMX
 
 
 def test_decode_rows_take_the_fastest_kernel_the_processor_has():
-    """A batch's decode rows (1..8) of the decode formats take AMX tiles (2..8 rows) where the processor
+    """A batch's decode rows (1..8) of the decode formats take AMX tiles (3..8 rows) where the processor
     has AMX int8 and grants it to this process, the 8-row VBMI kernel where it has AVX512-VBMI (and
-    for one row under AMX), the 4-row one with VNNI alone; a prompt's rows take sgemm panels.
+    for one or two rows under AMX), the 4-row one with VNNI alone; a prompt's rows take sgemm panels.
     Fails if a change makes decode fall back to a slower kernel."""
     best = blockq.isa(None)
     expected = {"amx": "amx", "avx512_vbmi": "zmm8", "avx512_vnni": "zmm"}
     for name in ISAS:
         blockq.isa(name)
         for fmt in DECODE_FORMATS:
-            assert blockq.kernel(fmt, 1) == ("zmm8" if name == "amx" else expected.get(name, "blocks")), (name, fmt)
-            for m in range(2, 9):
-                assert blockq.kernel(fmt, m) == expected.get(name, "blocks"), (name, fmt, m)
+            for m in range(1, 9):
+                want = "zmm8" if name == "amx" and m < AMX_MIN_ROWS else expected.get(name, "blocks")
+                assert blockq.kernel(fmt, m) == want, (name, fmt, m)
             assert blockq.kernel(fmt, 9) == "sgemm"
         assert blockq.kernel("q4_k", 1) == "blocks" and blockq.kernel("f32", 1) == "float"
     if "avx512_vbmi" in ISAS:  # the default (best) instruction set takes the fastest kernels
@@ -119,11 +120,11 @@ def test_decode_rows_take_the_fastest_kernel_the_processor_has():
 @pytest.mark.parametrize("fmt", DECODE_FORMATS)
 def test_amx_decode_rows_are_their_reference(fmt):
     """The AMX kernel on arbitrary weight bytes: whole groups of 16 weight rows and a tail of 5 (the
-    8-row kernel's), 2..8 activation rows, odd and even block counts, against q8(x) @ dequant(w).T."""
+    8-row kernel's), 3..8 activation rows, odd and even block counts, against q8(x) @ dequant(w).T."""
     f = FORMATS[fmt]
     rng = np.random.default_rng(7)
     blockq.isa("amx")
-    for m in range(2, 9):
+    for m in range(AMX_MIN_ROWS, 9):
         for blocks in (1, 6, 7):
             k = 32 * blocks
             w = _raw_blocks(fmt, rng, 53, k)
@@ -252,6 +253,14 @@ def test_cache_write_past_the_end_is_refused():
 # key blocks (the next ones prefetched), on the processor's best ISA
 @example(isa=ISAS[-1], cache=np.float16, b=1, kv=2, group=3, t=1, d=128, extra=300, per_sequence=False, window=0,
          seed=1)
+# f16 read in place with every row count per pass (ca_scores_zmm_h's 1..4 rows of 16..4 keys): 6
+# heads x 5 queries per KV head (passes of 4 + 2 rows whose keys and windows differ), 2 and 1 heads
+@example(isa=ISAS[-1], cache=np.float16, b=2, kv=1, group=6, t=5, d=64, extra=150, per_sequence=True, window=7,
+         seed=2)
+@example(isa=ISAS[-1], cache=np.float16, b=1, kv=3, group=2, t=1, d=128, extra=130, per_sequence=False, window=0,
+         seed=3)
+@example(isa=ISAS[-1], cache=np.float16, b=1, kv=2, group=1, t=3, d=64, extra=200, per_sequence=False, window=100,
+         seed=4)
 def test_cache_attention_is_its_reference(isa, cache, b, kv, group, t, d, extra, per_sequence, window, seed):
     """Decode (T <= 16: spans of keys split across threads and combined; with AVX-512 and D of 64
     or 128, 16 keys' scores per reduction and p v four query rows at a time) and prompt (T > 16)
@@ -269,6 +278,24 @@ def test_cache_attention_is_its_reference(isa, cache, b, kv, group, t, d, extra,
     want = kernels.cache_attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), pos, scale,
                                    window)
     assert_close(got, want, "f32", max(d, int(np.max(pos)) + t), name="cache_attention")
+
+
+def test_decode_attention_reads_the_cache_in_place_where_the_processor_has_avx512():
+    """A decode step's attention (T <= 16, or a window that cuts keys) takes the AVX-512 units at
+    head sizes 64 and 128 wherever the processor has the block kernels' AVX-512 level: those read an
+    f16 cache in place (no block widened into scratch); a prompt takes the GEMMs."""
+    for name in ISAS:
+        blockq.isa(name)
+        units = "zmm" if blockq.ISAS[name] >= blockq.ISAS["avx512_vnni"] else "units"
+        for d in (64, 128):
+            assert blockq.attention_kernel(1, d, 2001) == units
+            assert blockq.attention_kernel(16, d, 2016) == units
+            assert blockq.attention_kernel(64, d, 600, window=512) == units
+            assert blockq.attention_kernel(64, d, 600) == "prompt"
+        assert blockq.attention_kernel(1, 256, 2001) == "units"
+    best = blockq.isa(None)
+    if blockq.ISAS[best] >= blockq.ISAS["avx512_vnni"]:
+        assert blockq.attention_kernel(1, 128, 2001) == "zmm"
 
 
 def test_cache_attention_past_the_cache_is_refused():
