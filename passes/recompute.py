@@ -228,7 +228,7 @@ def _round(block: Block, target: float, min_gap: int, accept, depth: int, state:
             live_copy = {original[c]: c for c in sorted((c for c in original if order[c.owner] < at),
                                                         key=lambda c: order[c.owner])}
 
-            def stand_in(x: SSAValue) -> SSAValue | None:
+            def stand_in(x: SSAValue, live_copy: dict = live_copy) -> SSAValue | None:
                 c = live_copy.get(original.get(x, x))
                 return c if c is not None and c is not x else None
 
@@ -240,8 +240,8 @@ def _round(block: Block, target: float, min_gap: int, accept, depth: int, state:
                 for k, operand in enumerate(c.operands):
                     if operand in copies:
                         c.operands[k] = copies[operand]
-                    elif last.get(root.get(operand, operand), -1) < at and stand_in(operand) is not None:
-                        c.operands[k] = stand_in(operand)
+                    elif last.get(root.get(operand, operand), -1) < at:
+                        c.operands[k] = stand_in(operand) or operand
                 block.insert_op_before(c, first)
                 copies.update(zip(o.results, c.results))
                 made.append(c)
