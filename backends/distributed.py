@@ -257,9 +257,27 @@ def _recv(src: int, torch, dist) -> np.ndarray:
     return t.numpy()
 
 
+def join_local_group(rank: int, world: int, port: int, timeout_s: float) -> None:
+    """Join the gloo group of `world` processes on this machine as `rank`, on one thread. Each
+    process is one device and the processes share the cores: one thread each (OpenMP, torch,
+    BLAS, the NumPy backend's chunk pool, which reads TILEGRAPH_NUM_THREADS when first
+    imported), else every process's threads spin on cores the others need."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from threadpoolctl import threadpool_limits
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("TILEGRAPH_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    threadpool_limits(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def _worker(rank: int, world: int, port: int, tmp: str, config: list, micro_batches: int, modes: list,
             repeats: int, timeout_s: float) -> None:
-    import datetime
     import time
 
     import torch
@@ -268,16 +286,7 @@ def _worker(rank: int, world: int, port: int, tmp: str, config: list, micro_batc
     from tilegraph.backends.simulated_mesh import gather, groups
     from tilegraph.ir.model import Model, WeightStore
 
-    # Each process is one device, the processes share the cores: one thread each (OpenMP, torch,
-    # BLAS, the NumPy backend's GEMM pool; it reads TILEGRAPH_NUM_THREADS when first imported, later).
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault("TILEGRAPH_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    from threadpoolctl import threadpool_limits
-
-    threadpool_limits(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    join_local_group(rank, world, port, timeout_s)
     try:
         k = max(i for i, c in enumerate(config) if c["offset"] <= rank)
         stage, local = config[k], rank - config[k]["offset"]

@@ -104,7 +104,7 @@ def paired_ratio(samples: dict[str, list[float]], a: str, b: str) -> tuple[float
 
 def load_kernels(checkout: Path, name: str = "base"):
     """`ir/kernels.py` of a checkout, as a module of its own name (exits 2 if absent), with
-    `attention_tiled` from backends/numpy/attention.py where it lives there (since issue 15)."""
+    `attention_tiled` from backends/numpy/attention.py where an older checkout keeps it there."""
     path = checkout / "ir" / "kernels.py"
     if not path.is_file():
         print(f"--base {checkout}: no ir/kernels.py there", file=sys.stderr)

@@ -1,5 +1,5 @@
 """Bad input a user can give, each a named error (exit 2, no traceback) or the right
-behaviour, never a traceback from deep inside or a silent wrong answer (issue 17, parts 2-4)."""
+behaviour, never a traceback from deep inside or a silent wrong answer."""
 
 import io
 from pathlib import Path

@@ -91,21 +91,22 @@ def test_the_activation_bound_is_tight_enough_to_fail():
 
 
 DECODE_FORMATS = ["q4_0", "q4_1", "q8_0"]  # those with 512-bit decode kernels (blockq.c bq_zmm, bq_z8)
+AMX_MIN_ROWS = 3  # blockq.c BQ_AMX_MIN_ROWS: fewer rows take the 8-row VBMI kernel under AMX
 
 
 def test_decode_rows_take_the_fastest_kernel_the_processor_has():
-    """A batch's decode rows (1..8) of the decode formats take AMX tiles (2..8 rows) where the processor
+    """A batch's decode rows (1..8) of the decode formats take AMX tiles (3..8 rows) where the processor
     has AMX int8 and grants it to this process, the 8-row VBMI kernel where it has AVX512-VBMI (and
-    for one row under AMX), the 4-row one with VNNI alone; a prompt's rows take sgemm panels.
+    for one or two rows under AMX), the 4-row one with VNNI alone; a prompt's rows take sgemm panels.
     Fails if a change makes decode fall back to a slower kernel."""
     best = blockq.isa(None)
     expected = {"amx": "amx", "avx512_vbmi": "zmm8", "avx512_vnni": "zmm"}
     for name in ISAS:
         blockq.isa(name)
         for fmt in DECODE_FORMATS:
-            assert blockq.kernel(fmt, 1) == ("zmm8" if name == "amx" else expected.get(name, "blocks")), (name, fmt)
-            for m in range(2, 9):
-                assert blockq.kernel(fmt, m) == expected.get(name, "blocks"), (name, fmt, m)
+            for m in range(1, 9):
+                want = "zmm8" if name == "amx" and m < AMX_MIN_ROWS else expected.get(name, "blocks")
+                assert blockq.kernel(fmt, m) == want, (name, fmt, m)
             assert blockq.kernel(fmt, 9) == "sgemm"
         assert blockq.kernel("q4_k", 1) == "blocks" and blockq.kernel("f32", 1) == "float"
     if "avx512_vbmi" in ISAS:  # the default (best) instruction set takes the fastest kernels
@@ -119,11 +120,11 @@ def test_decode_rows_take_the_fastest_kernel_the_processor_has():
 @pytest.mark.parametrize("fmt", DECODE_FORMATS)
 def test_amx_decode_rows_are_their_reference(fmt):
     """The AMX kernel on arbitrary weight bytes: whole groups of 16 weight rows and a tail of 5 (the
-    8-row kernel's), 2..8 activation rows, odd and even block counts, against q8(x) @ dequant(w).T."""
+    8-row kernel's), 3..8 activation rows, odd and even block counts, against q8(x) @ dequant(w).T."""
     f = FORMATS[fmt]
     rng = np.random.default_rng(7)
     blockq.isa("amx")
-    for m in range(2, 9):
+    for m in range(AMX_MIN_ROWS, 9):
         for blocks in (1, 6, 7):
             k = 32 * blocks
             w = _raw_blocks(fmt, rng, 53, k)

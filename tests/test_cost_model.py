@@ -23,7 +23,7 @@ from tilegraph.ir import Graph, Model
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.shapes import symbol
 from tilegraph.passes.cost.hardware import hardware
-from tilegraph.passes.cost.model import at, fusion_cost, module_cost, op_bytes, op_cost, op_flops
+from tilegraph.passes.cost.model import at, cold_bytes, fusion_cost, module_cost, op_bytes, op_cost, op_flops
 from tilegraph.passes.registry import DEFAULT_PIPELINE, run_pipeline
 
 F32 = 4  # bytes per f32 element
@@ -113,6 +113,25 @@ def test_a_c_gemm_of_one_row_reads_its_weight_from_memory_at_least_once():
     assert at(weighted(1, k, n).time) >= k * n * F32 / c.memory_bandwidth
     # Many rows reuse the weight: priced by their arithmetic, well above one read of it.
     assert at(weighted(4096, k, n).time) > 4 * k * n * F32 / c.memory_bandwidth
+
+
+def test_a_lookup_reads_the_rows_it_takes_and_a_table_also_multiplied_is_read_whole():
+    """An embedding gather reads from memory the rows it returns, not its whole table (what
+    `tilegraph cost --decode` counts too); a table the LM head also multiplies (tied
+    embeddings) is read whole, once."""
+    vocab, hidden, rows = 4096, 64, 3
+
+    def weight_bytes(tied: bool) -> int:
+        g = Graph()
+        table = g.weight("table", np.zeros((vocab, hidden), np.float32))
+        out = g.gather(table, g.input("ids", (rows,), "i64"))
+        if tied:
+            out = out @ table.transpose(1, 0)
+        model = g.build(out)
+        return int(cold_bytes([op for op in model.func.walk() if isinstance(op, TgOp)]))
+
+    assert weight_bytes(tied=False) == rows * hidden * F32
+    assert weight_bytes(tied=True) == vocab * hidden * F32
 
 
 def test_costs_are_formulas_in_the_symbolic_batch():

@@ -439,15 +439,13 @@ def train_data_parallel(make_model, batches: Sequence[tuple[Any, Any]], world: i
 
 def _data_parallel_worker(rank: int, world: int, port: int, make_model, batches, optimizer, clip_norm, target: str,
                           pipeline: Any, tmp: str, timeout_s: float) -> None:
-    import datetime
     import time
 
-    import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)  # the processes share the cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    from tilegraph.backends.distributed import join_local_group
+
+    join_local_group(rank, world, port, timeout_s)
     try:
         def mine(a):
             rows = a.shape[0] // world

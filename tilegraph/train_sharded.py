@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import os
 import time
 import tracemalloc
@@ -852,18 +851,11 @@ def _serve(rank, world, port, jobs, results, timeout_s) -> None:
     """A process of `Processes`: joins the group, then runs the training jobs it is sent until None."""
     import traceback
 
-    import torch
     import torch.distributed as dist
 
-    # Each process is one device and the processes share the cores: one thread each (torch, BLAS,
-    # the NumPy backend's chunk pool: its count is set by the parent before the spawn, see
-    # train_sharded), else every process's BLAS and chunk threads spin on cores the others need.
-    torch.set_num_threads(1)
-    from threadpoolctl import threadpool_limits
+    from tilegraph.backends.distributed import join_local_group
 
-    threadpool_limits(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    join_local_group(rank, world, port, timeout_s)
     try:
         link = None
         while (job := jobs[rank].get()) is not None:

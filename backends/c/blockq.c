@@ -32,6 +32,9 @@
  * integer kernels there (benchmarks/generate_llama_cpp.py's pp rows), as a GEMM reuses each
  * dequantized weight across all rows; with activation='q8' the rows are rounded first. */
 #define BQ_SGEMM_ROWS 8
+/* AMX's tile products cost the same for 1 or 8 activation rows; the 8-row VBMI kernel's grow
+ * with the rows: from 3 rows up AMX is no slower, at 2 it takes 1.3-1.9x as long. */
+#define BQ_AMX_MIN_ROWS 3
 
 /* A row of q8 activations: q[K], a scale per 32 (d), the sums of q per 32 (s) and per 16 (s16). */
 typedef struct {
@@ -499,14 +502,13 @@ static void bq_amx_prepare(const tg_q8row *rows, int R, int64_t nb, bq_amxa *a) 
 
 /* The tiles' shapes for fmt, loaded once per thread per matmul (a load costs as much as
  * several blocks' products); tile_release when the thread's groups are done. */
-static void bq_amx_config(int fmt) {
-    const int q8 = fmt == TG_BQ_Q8_0;
+static void bq_amx_config(void) {
     bq_tilecfg cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int t = 0; t < 8; t += t ? 1 : 5) cfg.rows[t] = 16, cfg.colsb[t] = 32; /* C (0, 5-7): 16 weight rows x 8 int32 */
-    cfg.rows[1] = cfg.rows[2] = 16, cfg.colsb[1] = cfg.colsb[2] = q8 ? 32 : 16;    /* A (q4: low, high halves) */
-    cfg.rows[3] = cfg.rows[4] = q8 ? 8 : 4, cfg.colsb[3] = cfg.colsb[4] = 32;      /* B (q4: K 0-15, 16-31) */
+    cfg.rows[1] = 16, cfg.colsb[1] = 32;  /* A: 16 weight rows x a block's 32 values */
+    cfg.rows[3] = 8, cfg.colsb[3] = 32;   /* B: the block's 32 values as 8 groups of 4 x 8 activation rows */
     _tile_loadconfig(&cfg);
 }
 
@@ -518,9 +520,17 @@ static void bq_amx_group(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n
                          float *y, int64_t ldy, int32_t *c) {
     const int q8 = fmt == TG_BQ_Q8_0, bytes = (int)BQ_BYTES[fmt], nib = fmt == TG_BQ_Q4_1 ? 4 : 2;
     const __m512i m4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
-    /* q4: every block's nibbles unpacked before the first tile load: a tile load of bytes stored
-     * just before waits for them to reach the cache (the store buffer does not forward to it) */
+    /* q4: every block's nibbles unpacked before the first tile load (a tile load of bytes stored
+     * just before waits for them to reach the cache: the store buffer does not forward to it),
+     * each weight row's low nibbles then its high ones, its 32 values in order: one K = 32 tile
+     * product per block, as q8_0's, where two K = 16 halves cost twice the tile loads */
+    const __m512i row_lo = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), row_hi = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
     uint8_t *nibs = (uint8_t *)(c + nb * 128);
+    /* the rows two groups ahead, requested into L2 now: a group's 16 rows are 16 streams the
+     * hardware prefetcher does not follow, and its products are short next to a wait on memory
+     * (a prefetch past the matrix's end is dropped, never a fault) */
+    for (int64_t i = 0; i < BQ_AMX_N * row_bytes; i += 64)
+        _mm_prefetch((const char *)(w + 2 * BQ_AMX_N * row_bytes + i), _MM_HINT_T1);
     for (int64_t b = 0; b < nb && !q8; b++) {
         const uint8_t *blk = w + b * bytes;
         for (int i = 0; i < BQ_AMX_N; i += 4) {  /* 4 rows' 16 nibble bytes in one register */
@@ -531,29 +541,19 @@ static void bq_amx_group(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n
             x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(p + 3 * row_bytes)), 3);
             __m512i l = _mm512_and_si512(x, m4), h = _mm512_and_si512(_mm512_srli_epi16(x, 4), m4);
             if (fmt == TG_BQ_Q4_0) l = _mm512_sub_epi8(l, eight), h = _mm512_sub_epi8(h, eight);
-            _mm512_store_si512(nibs + b * 512 + i * 16, l);
-            _mm512_store_si512(nibs + b * 512 + 256 + i * 16, h);
+            _mm512_store_si512(nibs + b * 512 + i * 32, _mm512_permutex2var_epi64(l, row_lo, h));
+            _mm512_store_si512(nibs + b * 512 + i * 32 + 64, _mm512_permutex2var_epi64(l, row_hi, h));
         }
     }
     for (int64_t b = 0; b < nb; b++) {
-        if (q8) {
-            _tile_loadd(1, w + b * bytes + 2, row_bytes);
-            _tile_loadd(3, a->bt + b * 256, 32);
-            /* four product tiles in turn: a block's product does not wait for the previous one's store */
-#define BQ_AMX_Q8(T) { _tile_zero(T); _tile_dpbssd(T, 1, 3); _tile_stored(T, c + b * 128, 32); }
-            switch (b & 3) { case 0: BQ_AMX_Q8(0) break; case 1: BQ_AMX_Q8(5) break; case 2: BQ_AMX_Q8(6) break;
-                             default: BQ_AMX_Q8(7) }
-#undef BQ_AMX_Q8
-            continue;
-        }
-        _tile_loadd(1, nibs + b * 512, 16);
-        _tile_loadd(2, nibs + b * 512 + 256, 16);
+        if (q8) _tile_loadd(1, w + b * bytes + 2, row_bytes);
+        else _tile_loadd(1, nibs + b * 512, 32);
         _tile_loadd(3, a->bt + b * 256, 32);
-        _tile_loadd(4, a->bt + b * 256 + 128, 32);
-#define BQ_AMX_Q4(T) { _tile_zero(T); _tile_dpbssd(T, 1, 3); _tile_dpbssd(T, 2, 4); _tile_stored(T, c + b * 128, 32); }
-        switch (b & 3) { case 0: BQ_AMX_Q4(0) break; case 1: BQ_AMX_Q4(5) break; case 2: BQ_AMX_Q4(6) break;
-                         default: BQ_AMX_Q4(7) }
-#undef BQ_AMX_Q4
+        /* four product tiles in turn: a block's product does not wait for the previous one's store */
+#define BQ_AMX_DOT(T) { _tile_zero(T); _tile_dpbssd(T, 1, 3); _tile_stored(T, c + b * 128, 32); }
+        switch (b & 3) { case 0: BQ_AMX_DOT(0) break; case 1: BQ_AMX_DOT(5) break; case 2: BQ_AMX_DOT(6) break;
+                         default: BQ_AMX_DOT(7) }
+#undef BQ_AMX_DOT
     }
     __m512 acc[8];
     for (int j = 0; j < 8; j++) acc[j] = _mm512_setzero_ps();
@@ -679,7 +679,7 @@ static int bq_pick(int fmt, int64_t M) {
     if (BQ_BLOCK[fmt] == 1) return TG_BQ_KERNEL_FLOAT;
     bq_kernels();  /* sets bq_level on first use */
     if (M > BQ_SGEMM_ROWS) return TG_BQ_KERNEL_SGEMM;
-    if (bq_level >= 4 && M >= 2 && bq_z8[fmt]) return TG_BQ_KERNEL_AMX;
+    if (bq_level >= 4 && M >= BQ_AMX_MIN_ROWS && bq_z8[fmt]) return TG_BQ_KERNEL_AMX;
     if (bq_level >= 3 && bq_z8[fmt]) return TG_BQ_KERNEL_Z8;
     if (bq_level >= 2 && bq_zmm[fmt]) return TG_BQ_KERNEL_ZMM;
     return TG_BQ_KERNEL_BLOCKS;
@@ -767,7 +767,7 @@ int tg_block_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int6
             if (!c) {
                 c = bq_scratch_slot(1, (sizeof(int32_t) * 128 + 512) * (size_t)nb32);
                 if (!c) { failed = 1; continue; }
-                bq_amx_config(fmt);
+                bq_amx_config();
             }
             bq_amx_group(fmt, w + n0 * row_bytes, row_bytes, nb32, &am, (int)M, y + n0, ldy, c);
             continue;

@@ -82,6 +82,15 @@ def _rnn_step(n, kind, acts, xw, h, c, r, rb, p, clip):
     return n.op("add", n.op("mul", n.op("sub", 1, z), ht), n.op("mul", z, h)), None
 
 
+def time_major(n, layout: int, x, h0, c0):
+    """X as (steps, batch, input) and the initial states as (directions, batch, hidden), from
+    the node's layout (1: batch first)."""
+    if not layout:
+        return x, h0, c0
+    x, h0, c0 = (None if v is None else n.transpose(v, (1, 0, 2)) for v in (x, h0, c0))
+    return x, h0, c0
+
+
 def rnn_outputs(n, kind: str, ys: list, hs: list, cs: list, layout: int):
     """ONNX's Y, Y_h (and Y_c) from each direction's sequence, last hidden and last cell
     state ((steps, 1, batch, hidden) and (1, batch, hidden) each), in the node's layout."""
@@ -102,10 +111,7 @@ def _recurrent(n):
     b, lens, h0 = n.opt(3), n.opt(4), n.opt(5)
     c0, p = (n.opt(6), n.opt(7)) if kind == "LSTM" else (None, None)
     layout = n.attr("layout", 0)
-    if layout:
-        x = n.transpose(x, (1, 0, 2))
-        h0 = None if h0 is None else n.transpose(h0, (1, 0, 2))
-        c0 = None if c0 is None else n.transpose(c0, (1, 0, 2))
+    x, h0, c0 = time_major(n, layout, x, h0, c0)
     steps, batch, _ = n.shape(x)
     if not isinstance(steps, int):
         raise FrontendError(f"{kind} is unrolled over the sequence: its length must be static, got {steps}")

@@ -14,7 +14,7 @@ import sympy
 
 from tilegraph.frontends import FrontendError
 from tilegraph.frontends.onnx.node import CONVERTERS, _axis, _conv
-from tilegraph.frontends.onnx.recurrent import RNN_DEFAULT_ACTIVATIONS, RNN_GATES, rnn_outputs
+from tilegraph.frontends.onnx.recurrent import RNN_DEFAULT_ACTIVATIONS, RNN_GATES, rnn_outputs, time_major
 from tilegraph.frontends.onnx.sampling import _resize_taps
 from tilegraph.ir import dtypes
 from tilegraph.ir.shapes import normalize_dim, numel, symbol
@@ -290,10 +290,7 @@ def _recurrent_loop(n):
                                                                     * n.shape(w)[0]):
         raise FrontendError(f"{kind} over a symbolic sequence supports the default activations, no "
                             "sequence_lens, no input_forget")
-    if layout:
-        x = n.transpose(x, (1, 0, 2))
-        h0 = None if h0 is None else n.transpose(h0, (1, 0, 2))
-        c0 = None if c0 is None else n.transpose(c0, (1, 0, 2))
+    x, h0, c0 = time_major(n, layout, x, h0, c0)
     _, batch, _ = n.shape(x)
     directions, gh = n.shape(w)[0], n.shape(w)[1]
     hidden = gh // RNN_GATES[kind]

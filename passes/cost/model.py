@@ -216,10 +216,34 @@ def parallel_speedup(hw, workers) -> sympy.Expr:
 
 
 def cold_bytes(ops: Sequence[TgOp]) -> sympy.Expr:
-    """Bytes of the weights `ops` read: from memory on every forward."""
-    weights = {v: None for op in ops for v in map(through_views, op.operands)
-               if isinstance(v.owner, TgOp) and v.owner.op_name == Op.weight}
-    return sum((nbytes(info_of(v.type)) for v in weights), sympy.Integer(0))
+    """Bytes of the weights `ops` read: from memory on every run. A weight that only lookups
+    read (an embedding table, a rotary table) costs the rows they take, any other all of it."""
+    whole: dict[SSAValue, None] = {}
+    looked_up: dict[SSAValue, sympy.Expr] = {}
+    for op in ops:
+        for index, operand in enumerate(op.operands):
+            v = through_views(operand)
+            if not (isinstance(v.owner, TgOp) and v.owner.op_name == Op.weight):
+                continue
+            rows = _bytes_looked_up(op) if index == 0 else None
+            if rows is None:
+                whole[v] = None
+            else:
+                looked_up[v] = looked_up.get(v, sympy.Integer(0)) + rows
+    total = sum((nbytes(info_of(v.type)) for v in whole), sympy.Integer(0))
+    return total + sum((sympy.Min(rows, nbytes(info_of(v.type))) for v, rows in looked_up.items() if v not in whole),
+                       sympy.Integer(0))
+
+
+def _bytes_looked_up(op: TgOp) -> sympy.Expr | None:
+    """Bytes of its operand 0 that `op` reads when it only looks entries up: what a gather
+    returns, a block-format row per index for block_gather; None for any other op."""
+    if op.SPEC.indexed:
+        return nbytes(op.result_infos()[0])
+    if op.op_name == Op.block_gather:
+        table = info_of(op.operands[0].type)
+        return element_count(info_of(op.operands[1].type)) * nbytes(table) / sized(table.shape[0])
+    return None
 
 
 def target(hw):

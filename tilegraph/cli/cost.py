@@ -125,8 +125,6 @@ class _DecodeStep:
 
 
 def _gguf_step(args) -> _DecodeStep:
-    import numpy as np
-
     from tilegraph.frontends.gguf.llama import LlamaConfig, build, load_weights
     from tilegraph.frontends.gguf.reader import GGUFFile
 
@@ -134,14 +132,8 @@ def _gguf_step(args) -> _DecodeStep:
     c = LlamaConfig.of(f)
     _check_depth(args.depth, c.context)
     weights, formats = load_weights(f, c)
-    batch = args.batch  # the block-format weights are read whole each step (the embedding: B rows)
-    weight_bytes = sum(int(weights[n].nbytes) for n in formats if n != "token_embd.weight")
-    embed = weights["token_embd.weight"]
-    weight_bytes += int(embed.nbytes) if "output.weight" not in formats else batch * int(embed.shape[1])
-    weight_bytes += sum(int(np.asarray(v).nbytes) for n, v in weights.items()
-                        if n not in formats and not n.startswith("rope."))
-    model = build(c, weights, formats, batch, 1, args.depth + 1, cache_dtype=args.cache_dtype)
-    return _DecodeStep(c.arch, c.layers, c.kv_heads, c.head_dim, weight_bytes, model)
+    model = build(c, weights, formats, args.batch, 1, args.depth + 1, cache_dtype=args.cache_dtype)
+    return _DecodeStep(c.arch, c.layers, c.kv_heads, c.head_dim, _weight_bytes_read(model), model)
 
 
 def _onnx_step(args) -> _DecodeStep:
@@ -162,38 +154,8 @@ def _check_depth(depth: int, context: int) -> None:
 
 
 def _weight_bytes_read(model) -> int:
-    """Bytes of `model`'s weights one run reads, as stored: a weight only gathers read (an
-    embedding table, a rotary cos/sin table) costs the rows they take, any other weight all of it."""
-    import numpy as np
-
-    from tilegraph.ir import dtypes
+    """Bytes of `model`'s weights one run reads, as the cost model counts them (`cold_bytes`)."""
     from tilegraph.ir.dialect import TgOp
-    from tilegraph.ir.fusion import VIEW_OPS
-    from tilegraph.ir.ops import Op
-    from tilegraph.ir.shapes import info_of
+    from tilegraph.passes.cost.model import cold_bytes
 
-    def stored(info) -> int:
-        return dtypes.storage_bytes(info.dtype, int(np.prod(info.shape, dtype=np.int64)))
-
-    def gathered(value) -> int | None:
-        """The bytes the gathers reading `value` (through views) take, or None if anything else reads it."""
-        total = 0
-        for use in value.uses:
-            user = use.operation
-            if isinstance(user, TgOp) and user.op_name in VIEW_OPS and use.index == 0:
-                rows = gathered(user.results[0])
-            elif isinstance(user, TgOp) and user.op_name == Op.gather and use.index == 0:
-                rows = stored(info_of(user.results[0].type))
-            else:
-                return None
-            if rows is None:
-                return None
-            total += rows
-        return total
-
-    total = 0
-    for op in model.ops():
-        if isinstance(op, TgOp) and op.op_name == Op.weight:
-            rows = gathered(op.results[0])
-            total += stored(info_of(op.results[0].type)) if rows is None else rows
-    return total
+    return int(cold_bytes([op for op in model.ops() if isinstance(op, TgOp)]))
