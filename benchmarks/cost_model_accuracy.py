@@ -501,7 +501,8 @@ def report(target: str, args) -> None:
     peak = hw.flops("f32")
     pipeline = default_pipeline("c") if target == "c" else DEFAULT_PIPELINE
     print(f"\n=== target {target} ===")
-    print(f"cost model profile: {hw.source}")
+    print(f"cost model profile: {hw.source}"
+          + (f" (taken while others kept ~{hw.measured_busy} core(s) busy)" if hw.measured_busy else ""))
     print(f"  peak f32 {peak / 1e9:.1f} GFLOP/s (the FLOPs-only baseline divides by it), stream "
           f"{hw.memory_bandwidth / 1e9:.1f} GB/s, call {hw.launch_overhead * 1e6:.2f} us")
     print(f"pipeline: {pipeline}")

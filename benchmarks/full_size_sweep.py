@@ -151,6 +151,7 @@ def run_one(name: str, batch: int, repeat: int, threads: int | None, precisions:
         row["errors"][key] = float(relative_error(np.asarray(out, dtype=np.float64), ref))
 
     options = {"threads": threads} if threads else {}
+    used: dict[str, list[int]] = {}  # tilegraph runner -> the threads each of its calls started with
     t0 = time.perf_counter()
     with torch.no_grad():
         program = torch.export.export(module, inputs)
@@ -160,7 +161,7 @@ def run_one(name: str, batch: int, repeat: int, threads: int | None, precisions:
             extra = {} if precision == "f32" else {"precision": precision}
             compiled = tilegraph.compile(program, target="c", **options, **extra)
             check(key, compiled.run(*arrays)[0])
-            runners[key] = (lambda c: lambda: c.run(*arrays))(compiled)
+            runners[key] = _counting_threads(compiled, arrays, used.setdefault(key, []))
             if compiled.reference_kernels:
                 row["notes"].append(f"{key}: {len(compiled.reference_kernels)} primitive(s) on oneDNN's reference "
                                     f"kernel: {compiled.reference_kernels[0]}")
@@ -207,7 +208,25 @@ def run_one(name: str, batch: int, repeat: int, threads: int | None, precisions:
     row["ratios"] = {f"{a}/{b}": paired_ratio(samples, a, b)[0] for a in samples if a.startswith("tilegraph")
                      for b in samples if not b.startswith("tilegraph")}
     row["load"] = os.getloadavg()
+    for key, counts in used.items():
+        if counts and min(counts) != max(counts):
+            row["notes"].append(f"{key} started on {min(counts)} thread(s) in {counts.count(min(counts))} of "
+                                f"{len(counts)} calls, {max(counts)} in the rest (other processes' runnable threads)")
+        elif counts:
+            row["notes"].append(f"{key} started on {counts[0]} thread(s) in every call")
     return row
+
+
+def _counting_threads(compiled, arrays, counts: list[int]):
+    """A runner that notes the threads each call started with: at all threads the C backend
+    starts with no more than the cores other processes leave free (backends/c/runtime.
+    _uncontended_threads), so on a loaded machine its row may be one thread against a peer's
+    two; the note under the table says how often."""
+    def call():
+        out = compiled.run(*arrays)
+        counts.append(int(getattr(compiled._runner, "last_threads", 0)))
+        return out
+    return call
 
 
 def main() -> int:

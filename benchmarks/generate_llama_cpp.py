@@ -8,6 +8,10 @@ gpt-fast's recipe as a further column: transformers' StaticCache (preallocated, 
 at cache_position) and the one-token decode step under torch.compile (fullgraph, static shapes);
 its prompt runs eager over the same static cache (a compile per prompt length would be another
 graph). It is opt-in because its compile takes minutes on a 2-core machine (printed).
+--ort-genai adds onnxruntime-genai (where it is installed, with onnx-ir for its model builder):
+its builder writes the same dequantized weights (a transformers folder saved from the GGUF load)
+as int4 MatMulNBits blocks of 32 (its CPU form of a 4-bit model; not the file's own Q4_1 bytes),
+and its generator keeps past and present K/V in one buffer.
 
 Rows, as llama-bench names them (no tokenizer or sampling time in any):
   tg128        generated tokens/s: 128 decode steps after a short prompt (8 tokens)
@@ -183,6 +187,46 @@ class TorchCompiled(Transformers):
         return time.perf_counter() - t0
 
 
+class OrtGenai:
+    """onnxruntime-genai's generator on its builder's int4 model of the same weights: a prompt is
+    append_tokens on a fresh generator (the prefill); each decode step one generate_next_token."""
+
+    def __init__(self, path: Path, threads: int, ctx: int, folder: Path):
+        import onnxruntime_genai as og
+        from generate_onnx_decoder import genai_folder
+
+        hf, out = folder / "hf", folder / "genai_int4"
+        if not (hf / "config.json").exists():
+            import torch
+            import transformers
+
+            transformers.AutoModelForCausalLM.from_pretrained(
+                str(path.parent), gguf_file=path.name, dtype=torch.float32).save_pretrained(hf)
+            transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(hf)
+        t0 = time.perf_counter()
+        built = genai_folder(hf, out, threads, "int4")
+        if built is None:
+            raise RuntimeError("onnxruntime-genai's builder failed (above)")
+        self.build_seconds = time.perf_counter() - t0
+        self.og, self.model, self.ctx = og, og.Model(str(built)), ctx
+        self.gen = None
+
+    def prompt(self, tokens: np.ndarray) -> float:
+        params = self.og.GeneratorParams(self.model)
+        params.set_search_options(max_length=self.ctx, do_sample=False)
+        self.gen = self.og.Generator(self.model, params)
+        t0 = time.perf_counter()
+        self.gen.append_tokens(tokens.tolist())
+        return time.perf_counter() - t0
+
+    def generate(self, start: int, steps: int, token: int) -> float:
+        self.gen.generate_next_token()  # the prompt's next token, from the prefill's logits: no model call
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.gen.generate_next_token()
+        return time.perf_counter() - t0
+
+
 class LlamaCpp:
     def __init__(self, path: Path, threads: int, ctx: int):
         from llama_cpp import Llama
@@ -216,6 +260,8 @@ def main() -> None:
     ap.add_argument("--no-transformers", action="store_true", help="leave out transformers' eager forward")
     ap.add_argument("--torch-compile", action="store_true",
                     help="add torch.compile with a static cache (gpt-fast's recipe); its compile takes minutes")
+    ap.add_argument("--ort-genai", default=None, metavar="DIR",
+                    help="add onnxruntime-genai (its builder's int4 model of the same weights, written to DIR once)")
     args = ap.parse_args()
     import llama_cpp
 
@@ -249,6 +295,10 @@ def main() -> None:
             runners["torch.compile"] = TorchCompiled(path, threads, ctx)
             print(f"torch.compile of the decode step at {threads} thread(s): "
                   f"{runners['torch.compile'].compile_seconds:.0f} s", flush=True)
+        if args.ort_genai:
+            runners["ort-genai"] = OrtGenai(path, threads, ctx, Path(args.ort_genai))
+            print(f"onnxruntime-genai's int4 model at {threads} thread(s): built or found in "
+                  f"{runners['ort-genai'].build_seconds:.0f} s", flush=True)
         # one untimed pass of each (compiles, first touches)
         for r in runners.values():
             r.prompt(short)
@@ -281,22 +331,26 @@ def main() -> None:
                               f"{per_token * tps[name] / 1e9 / copy_bw:.0%}")
             hf = tps.get("transformers")
             tc = tps.get("torch.compile")
+            og = tps.get("ort-genai")
             rows.append([threads, labels[kind], f"{tps['tilegraph']:.1f}", f"{tps['llama.cpp']:.1f}",
                          f"{tps['tilegraph'] / tps['llama.cpp']:.2f}x", f"{tps['tilegraph f32']:.1f}",
                          f"{tps['tilegraph f32'] / tps['llama.cpp']:.2f}x",
                          "-" if hf is None else f"{hf:.1f}", "-" if hf is None else f"{tps['tilegraph'] / hf:.1f}x",
                          shares[0], shares[2], shares[3] if len(shares) > 3 and hf is not None else "-",
-                         "-" if tc is None else f"{tc:.1f}", "-" if tc is None else f"{tps['tilegraph'] / tc:.1f}x"])
+                         "-" if tc is None else f"{tc:.1f}", "-" if tc is None else f"{tps['tilegraph'] / tc:.1f}x",
+                         "-" if og is None else f"{og:.1f}", "-" if og is None else f"{tps['tilegraph'] / og:.2f}x"])
         del tg, tg32, lc, runners
     print(f"load average {os.getloadavg()[0]:.2f} after the run (other agents share this machine); "
           f"medians of {args.rounds} interleaved rounds")
     print(format_table(["threads", "test", "tilegraph q8", "llama.cpp", "ratio", "tilegraph f32", "ratio",
                         "transformers eager", "q8 / transformers", "tilegraph q8: bytes x tok/s (share of copy bw)",
-                        "llama.cpp", "transformers", "torch.compile", "q8 / torch.compile"], rows))
+                        "llama.cpp", "transformers", "torch.compile", "q8 / torch.compile", "ort-genai int4",
+                        "q8 / ort-genai"], rows))
     print("tok/s, medians; 'tilegraph q8' rounds activations to int8 per 32 and keeps an f16 KV cache, as "
           "llama.cpp does; 'tilegraph f32' multiplies them exact over f32 caches (the library's default); "
           "transformers: eager f32 on the dequantized weights, its DynamicCache; torch.compile (--torch-compile): "
-          "the same weights, StaticCache, compiled decode step (its pp row: the eager prompt over the static cache)")
+          "the same weights, StaticCache, compiled decode step (its pp row: the eager prompt over the static cache); "
+          "ort-genai (--ort-genai): onnxruntime-genai's builder's int4 model of the same weights, its generator")
 
 
 if __name__ == "__main__":

@@ -88,12 +88,13 @@ def genai_runner(og, model, prompt, steps):
     return run
 
 
-def genai_folder(hf: Path, out: Path, threads: int) -> Path | None:
-    """onnxruntime-genai's builder on the transformers folder `hf` (fp32, cpu), its session set to
-    `threads`; None (said why) when the builder is missing or fails."""
+def genai_folder(hf: Path, out: Path, threads: int, precision: str = "fp32") -> Path | None:
+    """onnxruntime-genai's builder on the transformers folder `hf` (`precision`: fp32, or int4 as
+    its MatMulNBits; cpu), its session set to `threads`; None (said why) when the builder is missing
+    or fails."""
     if not (out / "genai_config.json").exists():
         proc = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o",
-                               str(out), "-p", "fp32", "-e", "cpu", "-c", str(out.parent / "genai_cache")],
+                               str(out), "-p", precision, "-e", "cpu", "-c", str(out.parent / "genai_cache")],
                               capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
                               cwd=out.parent)  # not benchmarks/: its quantization.py shadows the builder's module
         if proc.returncode:

@@ -6,6 +6,7 @@ tokens side by side, the first step where they part (if any), and the largest lo
 share of the project's f32 tolerance; exits 1 on any mismatch.
 
     python benchmarks/gguf_correctness.py                    # 5 x 64, C backend where it builds
+    python benchmarks/gguf_correctness.py --no-stop          # every prompt the full 64 tokens, past its turn's end
     python benchmarks/gguf_correctness.py --target numpy --tokens 16 --prompts 2
     python benchmarks/gguf_correctness.py --model gemma3 --tokens 32
 """
@@ -33,6 +34,8 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=len(PROMPTS))
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--one-by-one", action="store_true", help="decode each prompt alone instead of together")
+    ap.add_argument("--no-stop", action="store_true",
+                    help="both sides make exactly --tokens tokens per prompt, past the end of the turn")
     args = ap.parse_args()
     from tilegraph.generation import LanguageModel
     from tilegraph.testing.gguf_files import compare_with_transformers, gemma3_path, smollm2_path
@@ -46,7 +49,7 @@ def main() -> int:
     start = time.perf_counter()
     lm = LanguageModel(path, target=args.target, threads=args.threads, cache_len=256)
     results = compare_with_transformers(lm, PROMPTS[:args.prompts], args.tokens,
-                                        batch_together=not args.one_by_one)
+                                        batch_together=not args.one_by_one, stop=not args.no_stop)
     ok = True
     for r in results:
         same = r["tilegraph"] == r["transformers"]

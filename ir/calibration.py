@@ -16,16 +16,13 @@ from typing import Callable
 
 import numpy as np
 
-from tilegraph.ir.hardware import clear_cache, save_profile
+from tilegraph.ir.hardware import clear_cache, load_cached, measured_noting_load, save_profile
 
 # Fallbacks where /sys does not say (sizes of a common x86 server core).
 DEFAULT_L1D, DEFAULT_L2, DEFAULT_L3 = 32 * 2**10, 512 * 2**10, 32 * 2**20
 # Calls are timed in batches at least this long, so the timer's ~0.1 us is noise; no
 # longer, so a neighbour's time slice (ms) spoils as few samples as it can.
 MIN_BATCH = 20e-6
-# Above this load average per core before we start, a neighbour held a core for a good
-# part of the run, and the numbers say more about it than about the machine.
-BUSY_LOAD = 0.5
 
 
 # Batch, heads, sequence and head dims of the attention measurement: MiniLM's (32) and
@@ -147,22 +144,22 @@ def table(title: str, rows: list[tuple[str, str]]) -> str:
 
 
 def measure_and_save(measure_fn, summary_fn, path, quick: bool, progress: bool, command: str) -> Path:
-    """Measure with `measure_fn`, save to `path`, print `summary_fn`'s table, warn when the
-    CPU was busy (`command` says how to measure again)."""
-    busy = load_average()  # before we add our own
-    hw = measure_fn(quick=quick, progress=progress)
+    """Measure with `measure_fn`, save to `path`, print `summary_fn`'s table. A measurement
+    taken while other processes kept the cores busy (ir/hardware.measured_noting_load) is not
+    cached as is: it is saved marked `measured_busy` (the first process to find the machine
+    quiet measures again), and never over a profile at `path` that was measured quiet; either
+    way a warning says so (`command` says how to measure again)."""
+    path = Path(path)
+    hw = measured_noting_load(lambda: measure_fn(quick=quick, progress=progress))
+    earlier = load_cached(path) if hw.measured_busy else None
+    print(summary_fn(hw))
+    if hw.measured_busy:
+        print(f"warning: other processes kept about {hw.measured_busy} of {hw.cores} cores busy while measuring "
+              f"(multithreaded GEMMs suffer most): rerun `{command}` when idle")
+    if earlier is not None and not earlier.measured_busy:
+        print(f"kept the profile measured on a quiet machine at {path} ({earlier.source}); this one is not saved")
+        return path
     path = save_profile(hw, path)
     clear_cache()
-    print(summary_fn(hw))
-    if busy > BUSY_LOAD * hw.cores:
-        print(f"warning: load average {busy:.1f} on {hw.cores} cores: other processes shared the CPU "
-              f"while measuring (multithreaded GEMMs suffer most); rerun `{command}` when idle")
-    print(f"wrote {path}")
+    print(f"wrote {path}" + (" (marked as measured under load)" if hw.measured_busy else ""))
     return path
-
-
-def load_average() -> float:
-    try:
-        return os.getloadavg()[0]
-    except (OSError, AttributeError):  # pragma: no cover - not POSIX
-        return 0.0

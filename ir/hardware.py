@@ -34,6 +34,7 @@ import json
 import math
 import os
 import re
+import time
 from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
@@ -110,6 +111,9 @@ class Hardware:
     # GEMM of one group (output pixels, output channels of a group, a group's inputs x the
     # window); empty: `conv_rate` for all.
     conv_rates: Mapping[str, tuple[int, int, int, float]] = field(default_factory=dict)
+    # CPU "c" only: what running one oneDNN primitive costs beyond a step of a module, whatever
+    # its work (a 1x1 convolution on a 1x1 map, a squeeze-excitation's, is all this); 0: nothing.
+    primitive_overhead: float = 0.0
     # CPU "c" only: bytes/s a gather writes as it copies rows into the arena (the C copies:
     # gather, concat, pad, ...); 0: priced as a pass at the cache and memory bandwidths.
     copy_bandwidth: float = 0.0
@@ -448,18 +452,79 @@ def others_running() -> int:
         return 0
 
 
+# A measurement window in which other processes used this many cores' worth of CPU on
+# average (rounded to the nearest whole core, at least one) was taken on a busy machine. Half
+# a core: a neighbour held one core for half the run, which halves a two-core GEMM's rate.
+BUSY_CORES = 0.5
+# A machine is quiet now when no other thread is runnable and, over this many seconds,
+# others used less than QUIET_CORES of a core (one reading of the runnable count alone is
+# often 0 between a busy neighbour's time slices).
+QUIET_WINDOW, QUIET_CORES = 0.2, 0.25
+
+
+def _cpu_seconds() -> tuple[float, float, float] | None:
+    """(CPU seconds every process has used, all cores together; of them, this process's own,
+    its threads and the children it waited for; the monotonic clock), or None where
+    /proc/stat does not say."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            fields = f.readline().split()
+        # user nice system idle iowait irq softirq steal: all but idle and iowait were busy
+        # (steal: the hypervisor gave this machine's cores to another)
+        ticks = sum(int(fields[i]) for i in (1, 2, 3, 6, 7, 8) if i < len(fields))
+        hz = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    own = os.times()
+    return ticks / hz, own.user + own.system + own.children_user + own.children_system, time.monotonic()
+
+
+def others_cores(start: tuple[float, float, float] | None, min_window: float = QUIET_WINDOW) -> float:
+    """Cores' worth of CPU other processes used on average since `start` (_cpu_seconds()),
+    over at least `min_window` seconds (slept out if need be: the kernel counts in ticks);
+    0.0 where the system does not say."""
+    if start is None:
+        return 0.0
+    left = start[2] + min_window - time.monotonic()
+    if left > 0:
+        time.sleep(left)
+    end = _cpu_seconds()
+    if end is None:
+        return 0.0
+    return max(0.0, (end[0] - start[0]) - (end[1] - start[1])) / max(end[2] - start[2], 1e-9)
+
+
+def busy_count(start: tuple[float, float, float] | None) -> int:
+    """How busy others kept the machine since `start`: 0 when quiet (below BUSY_CORES of a
+    core on average), else the cores' worth they used, at least 1."""
+    used = others_cores(start)
+    return 0 if used < BUSY_CORES else max(1, round(used))
+
+
+def quiet_now() -> bool:
+    """No other process runnable now, nor using more than QUIET_CORES of a core over a short window."""
+    return others_running() == 0 and others_cores(_cpu_seconds()) < QUIET_CORES
+
+
 def _trusted(profile: Hardware) -> bool:
     """A profile to use as is: one measured on a quiet machine, or a busy one's while the
     machine is still busy (measuring again would be no better)."""
-    return not profile.measured_busy or others_running() > 0
+    return not profile.measured_busy or not quiet_now()
+
+
+def measured_noting_load(measure: Callable[[], Hardware]) -> Hardware:
+    """`measure()`'s profile, marked (`measured_busy`) with how busy other processes kept the
+    machine while it ran: the CPU time they used meanwhile (this process's own threads and
+    compilers not counted: a count of runnable threads would see its own OpenMP team)."""
+    start = _cpu_seconds()
+    profile = measure()
+    busy = busy_count(start)
+    return replace(profile, measured_busy=busy) if busy else profile
 
 
 def _measure_noting_load(native: bool) -> Hardware:
-    """A quick measurement, marked with the most other runnable threads seen around it."""
-    busy = others_running()
-    profile = _measure(native)
-    busy = max(busy, others_running())
-    return replace(profile, measured_busy=busy) if busy else profile
+    """A quick measurement, marked with how busy others kept the machine (measured_noting_load)."""
+    return measured_noting_load(lambda: _measure(native))
 
 
 @lru_cache(maxsize=None)
@@ -467,12 +532,12 @@ def _cpu_profile(path: str, native: bool = False) -> Hardware:
     """The profile at `path`, measured now (quickly) if there is none, or if it was taken
     under load and the machine is quiet now: by the NumPy backend's calibration, or where
     `native`, the C backend's."""
-    profile = _load_cached(path)
+    profile = load_cached(path)
     if profile is not None and _trusted(profile):
         return profile
     try:
         with _locked(Path(path)):  # one pytest-xdist worker calibrates, the others wait and read it
-            profile = _load_cached(path)
+            profile = load_cached(path)
             if profile is None or not _trusted(profile):
                 profile = _measure_noting_load(native)
                 save_profile(profile, path)
@@ -529,7 +594,7 @@ def load_profile(path) -> Hardware | None:
         return None
 
 
-def _load_cached(path) -> Hardware | None:
+def load_cached(path) -> Hardware | None:
     """The profile the cache holds at `path`, only if it is an entry this user wrote with its
     digest (ir/cache.py): the passes decide fusion, tiling and threads by it, so an edited,
     planted or damaged one is measured again, not trusted."""

@@ -412,7 +412,7 @@ def test_a_reshape_is_a_view_exactly_where_numpy_makes_one(shape, data):
     """The emitter's no-copy reshape (the split Q, K and V heads of a fused projection)
     agrees with NumPy on whether a strided view can be reshaped without a copy, and on
     the strides it then has."""
-    from tilegraph.backends.c.views import View, _reshaped_strides
+    from tilegraph.ir.strides import reshaped_strides
 
     base = np.arange(int(np.prod(shape)) * 2, dtype=np.float32).reshape(*shape[:-1], shape[-1] * 2)
     view = np.transpose(base, data.draw(st.permutations(range(len(shape)))))
@@ -420,7 +420,7 @@ def test_a_reshape_is_a_view_exactly_where_numpy_makes_one(shape, data):
     sizes = [int(d) for d in view.shape]
     new = data.draw(st.sampled_from([[int(np.prod(sizes))], sizes[::-1], [*sizes, 1], [1, *sizes]]
                                     + ([[sizes[0] * sizes[1], *sizes[2:]]] if len(sizes) > 1 else [])))
-    strides = _reshaped_strides(View(0, 0, tuple(sizes), tuple(s // 4 for s in view.strides), "f32"), tuple(new))
+    strides = reshaped_strides(tuple(sizes), tuple(s // 4 for s in view.strides), tuple(new))
     try:
         reshaped = view.view()
         reshaped.shape = new  # raises where NumPy needs a copy

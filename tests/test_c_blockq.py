@@ -253,6 +253,14 @@ def test_cache_write_past_the_end_is_refused():
 # key blocks (the next ones prefetched), on the processor's best ISA
 @example(isa=ISAS[-1], cache=np.float16, b=1, kv=2, group=3, t=1, d=128, extra=300, per_sequence=False, window=0,
          seed=1)
+# f16 read in place with every row count per pass (ca_scores_zmm_h's 1..4 rows of 16..4 keys): 6
+# heads x 5 queries per KV head (passes of 4 + 2 rows whose keys and windows differ), 2 and 1 heads
+@example(isa=ISAS[-1], cache=np.float16, b=2, kv=1, group=6, t=5, d=64, extra=150, per_sequence=True, window=7,
+         seed=2)
+@example(isa=ISAS[-1], cache=np.float16, b=1, kv=3, group=2, t=1, d=128, extra=130, per_sequence=False, window=0,
+         seed=3)
+@example(isa=ISAS[-1], cache=np.float16, b=1, kv=2, group=1, t=3, d=64, extra=200, per_sequence=False, window=100,
+         seed=4)
 def test_cache_attention_is_its_reference(isa, cache, b, kv, group, t, d, extra, per_sequence, window, seed):
     """Decode (T <= 16: spans of keys split across threads and combined; with AVX-512 and D of 64
     or 128, 16 keys' scores per reduction and p v four query rows at a time) and prompt (T > 16)
@@ -270,6 +278,24 @@ def test_cache_attention_is_its_reference(isa, cache, b, kv, group, t, d, extra,
     want = kernels.cache_attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), pos, scale,
                                    window)
     assert_close(got, want, "f32", max(d, int(np.max(pos)) + t), name="cache_attention")
+
+
+def test_decode_attention_reads_the_cache_in_place_where_the_processor_has_avx512():
+    """A decode step's attention (T <= 16, or a window that cuts keys) takes the AVX-512 units at
+    head sizes 64 and 128 wherever the processor has the block kernels' AVX-512 level: those read an
+    f16 cache in place (no block widened into scratch); a prompt takes the GEMMs."""
+    for name in ISAS:
+        blockq.isa(name)
+        units = "zmm" if blockq.ISAS[name] >= blockq.ISAS["avx512_vnni"] else "units"
+        for d in (64, 128):
+            assert blockq.attention_kernel(1, d, 2001) == units
+            assert blockq.attention_kernel(16, d, 2016) == units
+            assert blockq.attention_kernel(64, d, 600, window=512) == units
+            assert blockq.attention_kernel(64, d, 600) == "prompt"
+        assert blockq.attention_kernel(1, 256, 2001) == "units"
+    best = blockq.isa(None)
+    if blockq.ISAS[best] >= blockq.ISAS["avx512_vnni"]:
+        assert blockq.attention_kernel(1, 128, 2001) == "zmm"
 
 
 def test_cache_attention_past_the_cache_is_refused():

@@ -22,7 +22,7 @@ from tilegraph.ir import Graph, interpret
 from tilegraph.ir.dialect import FusionOp
 from tilegraph.ir.hardware import Hardware, hardware, load_profile
 from tilegraph.ir.shapes import info_of
-from tilegraph.passes.cost.model import at, at_nominal, group_cost, module_cost, op_cost
+from tilegraph.passes.cost.model import at, at_nominal, fusion_cost, group_cost, module_cost, op_cost
 from tilegraph.passes.targets.c import C_PARALLEL_MIN, step_memory
 from tilegraph.passes.registry import default_pipeline, run_pipeline
 from tilegraph.testing import assert_close
@@ -58,6 +58,7 @@ def test_the_c_profile_is_positive_finite_and_round_trips(calibrated):
     assert hw.backend == "c" and hw.name == "c" and hw.device == "cpu"
     assert all(math.isfinite(x) and x > 0 for x in _numbers(hw)), hw
     assert hw.parallel_overhead >= 0 and math.isfinite(hw.parallel_overhead)
+    assert hw.primitive_overhead >= 0 and math.isfinite(hw.primitive_overhead)
     # every kernel class measured: GEMM one thread and all, loop ops, row kernels, attention
     assert len(hw.gemm_samples) == len(hw.gemm_samples_threaded) >= 3
     assert {"add", "exp", "gelu", "softmax", "layer_norm"} <= set(hw.ufunc_rates)
@@ -206,3 +207,89 @@ def test_a_step_beyond_l2_that_fits_l3_is_priced_at_the_l3_rate():
     assert at(step_memory(hw, 8 << 20, 0)) == pytest.approx((8 << 20) / 20e9)  # beyond L2, in L3
     assert at(step_memory(hw, 48 << 20, 0)) == pytest.approx((48 << 20) / 5e9)  # more than half of L3
     assert at(step_memory(replace(hw, l3_bandwidth=0.0), 8 << 20, 0)) == pytest.approx((8 << 20) / 5e9)
+
+
+def _reshape_cases():
+    """(name, model) pairs whose reshapes the C backend makes views of, or copies."""
+    rng = np.random.default_rng(0)
+    cases = []
+    # Swin's window partition: (1, 56, 56, 96) -> (1, 8, 7, 8, 7, 96) -> windows first -> (64, 49, 96): a copy.
+    g = Graph()
+    x = g.input("x", (1, 56, 56, 96))
+    t = g.transpose(g.reshape(g.op("tanh", x), (1, 8, 7, 8, 7, 96)), (0, 1, 3, 2, 4, 5))
+    cases.append(("window partition", g.build(g.op("tanh", g.reshape(t, (64, 49, 96))), names=["y"])))
+    # Heads merged back after attention: the output is written as the transpose wants it: free.
+    g = Graph()
+    q, k, v = (g.input(n, (1, 4, 32, 16)) for n in "qkv")
+    o = g.transpose(g.attention(q, k, v), (0, 2, 1, 3))
+    cases.append(("heads merged", g.build(g.op("tanh", g.reshape(o, (1, 32, 64))), names=["y"])))
+    # A transposed dim split in two (no dims merged): free.
+    g = Graph()
+    x = g.input("x", (2, 8, 6))
+    t = g.transpose(g.reshape(g.op("tanh", x), (2, 8, 2, 3)), (0, 2, 1, 3))
+    cases.append(("split dims", g.build(g.op("tanh", g.reshape(t, (2, 2, 2, 4, 3))), names=["y"])))
+    # A convolution's channels-last result: the spatial dims merged (ViT's patches) are a view,
+    # channels and pixels merged (a flatten) a copy.
+    for name, shape in (("conv pixels", (1, 8, 49)), ("conv flatten", (1, 392))):
+        g = Graph()
+        w = g.weight("w", rng.standard_normal((8, 3, 3, 3)).astype(np.float32))
+        y = g.op("conv", g.input("x", (1, 3, 7, 7)), w, pads=(1, 1, 1, 1))
+        cases.append((name, g.build(g.op("tanh", g.reshape(g.op("sigmoid", y), shape)), names=["y"])))
+    return cases
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_a_reshape_is_priced_as_the_copy_the_c_backend_makes(case):
+    """The C target prices a reshape as a copy exactly where the emitter copies (a transpose's
+    dims merged: Swin's windows, measured 34-115 us, were priced 0 as a view), and as nothing
+    where it makes a view (attention's output laid out for the transpose that merges its heads,
+    a convolution's channels-last pixels)."""
+    from dataclasses import replace
+
+    from tilegraph.backends.c.emit import emit_program
+    from tilegraph.ir.strides import reshape_copies
+    from tilegraph.passes.targets.c import written
+
+    name, model = _reshape_cases()[case]
+    compiled = run_pipeline(model, default_pipeline("c"))
+    program = emit_program(compiled)
+    copies = sum(1 for step in program.steps if step.comment.startswith("copy into a contiguous buffer"))
+    expected = {"window partition": 1, "heads merged": 0, "split dims": 0, "conv pixels": 0, "conv flatten": 1}[name]
+    assert copies == expected, [s.comment for s in program.steps]
+    hw = hardware("c")
+    priced = []
+    for op in compiled.func.body.block.walk():
+        if getattr(op, "op_name", None) == "reshape":
+            copies_here = reshape_copies(op, written)
+            priced += [op] if copies_here else []
+            if op.parent_op() is compiled.func:  # a kernel of its own: a copy step, or nothing
+                assert (at(op_cost(op, hw).time) > 0) == copies_here
+    assert len(priced) == expected
+    for op in priced:  # the copy's price: its bytes at the calibrated copy rate
+        nbytes = 4 * int(np.prod(op.result_infos()[0].shape))
+        with_copies = replace(hw, copy_bandwidth=10e9)
+        assert at(op_cost(op, with_copies).memory_time) == pytest.approx(nbytes / 10e9)
+    # and the model computes what the interpreter does
+    xs = [np.random.default_rng(1).standard_normal(tuple(int(d) for d in i.shape)).astype(np.float32)
+          for i in model.inputs]
+    assert_close(tilegraph.compile(model, target="c")(*xs), interpret(model, xs)[0], "f32", reduction_length=64)
+
+
+def test_a_convolution_is_priced_a_primitive_call_besides_its_work():
+    """A squeeze-excitation's 1x1 convolution on a 1x1 map is nearly all oneDNN's call (RegNet's:
+    20-50 us each, priced 0.3 us by its FLOPs): the calibrated `primitive_overhead` is added to
+    every convolution, not to the GEMMs whose calibrated rates already hold it."""
+    from dataclasses import replace
+
+    hw = replace(hardware("c"), primitive_overhead=15e-6)
+    g = Graph()
+    w = g.weight("w", np.zeros((16, 64, 1, 1), np.float32))
+    model = g.build(g.op("conv", g.input("x", (1, 64, 1, 1)), w), names=["y"])
+    conv = next(op for op in model.func.body.block.ops if getattr(op, "op_name", None) == "conv")
+    assert at(op_cost(conv, hw).time) - at(op_cost(conv, replace(hw, primitive_overhead=0.0)).time) == \
+        pytest.approx(15e-6)
+    assert at(op_cost(conv, hw).time) > 15e-6
+    g = Graph()
+    model = g.build(g.matmul(g.input("x", (1, 64)), g.weight("w", np.zeros((64, 16), np.float32))), names=["y"])
+    mm = next(op for op in model.func.body.block.ops if getattr(op, "op_name", None) == "matmul")
+    assert at(op_cost(mm, hw).time) == at(op_cost(mm, replace(hw, primitive_overhead=0.0)).time)

@@ -6,6 +6,7 @@ GEMMs 3-41x too slow, and every compile after decided by it.)
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -35,11 +36,17 @@ def quick_measure(monkeypatch):
     hardware._cpu_profile.cache_clear()
 
 
+def _busy_children():
+    """A spinning child process per core: the cores kept busy by others."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    time.sleep(0.5)  # the children get scheduled
+    return busy
+
+
 def test_a_calibration_under_load_is_marked_and_measured_again_once_quiet(tmp_path, quick_measure, monkeypatch):
     path = str(tmp_path / "c-profile.json")
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    busy = _busy_children()
     try:
-        time.sleep(0.5)  # the children get scheduled
         assert hardware.others_running() >= 1
         profile = hardware._cpu_profile(path, True)
     finally:
@@ -51,7 +58,8 @@ def test_a_calibration_under_load_is_marked_and_measured_again_once_quiet(tmp_pa
     assert len(quick_measure) == 1
     # A later process on a quiet machine does not trust it: it measures again.
     hardware._cpu_profile.cache_clear()
-    monkeypatch.setattr(hardware, "others_running", lambda: 0)
+    monkeypatch.setattr(hardware, "quiet_now", lambda: True)
+    monkeypatch.setattr(hardware, "busy_count", lambda start: 0)  # nobody else while it measures
     again = hardware._cpu_profile(path, True)
     assert len(quick_measure) == 2 and again.measured_busy == 0
     assert load_profile(path).measured_busy == 0
@@ -68,3 +76,26 @@ def test_a_busy_profile_is_used_while_the_machine_stays_busy(tmp_path, quick_mea
     monkeypatch.setattr(hardware, "others_running", lambda: 2)
     assert hardware._cpu_profile(str(path), True).measured_busy == 3
     assert quick_measure == []
+
+
+def test_tilegraph_calibrate_under_load_is_detected_and_not_cached_as_is(tmp_path):
+    """`tilegraph calibrate --quick`, the real measurement (NumPy's: no modules to build; the C
+    backend's goes through the same ir/calibration.measure_and_save), while a busy child process
+    per core keeps the cores busy: it says so and does not replace the profile measured quiet
+    (with none there it saves its own marked, as the quick path above)."""
+    path = tmp_path / "cpu.json"
+    fixed = load_profile(Path(__file__).with_name("cpu_profile.json"))
+    assert fixed is not None and fixed.measured_busy == 0
+    hardware.save_profile(fixed, path)
+    busy = _busy_children()
+    try:
+        done = subprocess.run([sys.executable, "-m", "tilegraph.cli", "calibrate", "--quick", "-o", str(path)],
+                              capture_output=True, text=True, timeout=300)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert done.returncode == 0, done.stderr
+    assert "warning: other processes kept" in done.stdout
+    assert "kept the profile measured on a quiet machine" in done.stdout
+    assert load_profile(path) == fixed  # the quiet one stays

@@ -53,4 +53,9 @@ int tg_blockq_isa(int want);
  * tiles, 16 weight rows x 2..8 rows per tile product. */
 enum { TG_BQ_KERNEL_FLOAT = 0, TG_BQ_KERNEL_SGEMM, TG_BQ_KERNEL_BLOCKS, TG_BQ_KERNEL_ZMM, TG_BQ_KERNEL_Z8, TG_BQ_KERNEL_AMX };
 int tg_blockq_kernel(int fmt, int64_t M);
+/* The path tg_cache_attention(_f16) takes for T queries of head size D (window 0: none) over L
+ * keys at the current instruction set: a prompt's GEMMs; AVX-512 units reading the cache in
+ * place; portable units (an f16 cache widened a block at a time into scratch). */
+enum { TG_CA_KERNEL_PROMPT = 0, TG_CA_KERNEL_ZMM, TG_CA_KERNEL_UNITS };
+int tg_cache_attention_kernel(int64_t T, int64_t D, int64_t window, int64_t L);
 #endif

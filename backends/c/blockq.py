@@ -21,6 +21,8 @@ FORMATS = {"f32": 0, "f16": 1, "bf16": 2, "q4_0": 3, "q4_1": 4, "q8_0": 5, "q4_k
 ISAS = {"scalar": 0, "avx2": 1, "avx512_vnni": 2, "avx512_vbmi": 3, "amx": 4}
 # What tg_block_matmul runs (blockq.h TG_BQ_KERNEL_*), by number.
 KERNELS = ["float", "sgemm", "blocks", "zmm", "zmm8", "amx"]
+# What tg_cache_attention(_f16) runs (blockq.h TG_CA_KERNEL_*), by number.
+ATTENTION_KERNELS = ["prompt", "zmm", "units"]
 
 _i64, _p = ctypes.c_int64, ctypes.c_void_p
 
@@ -38,6 +40,7 @@ def library() -> ctypes.CDLL:
     lib.tg_cache_attention_f16.argtypes = lib.tg_cache_attention.argtypes
     lib.tg_blockq_isa.argtypes = [ctypes.c_int]
     lib.tg_blockq_kernel.argtypes = [ctypes.c_int, _i64]
+    lib.tg_cache_attention_kernel.argtypes = [_i64, _i64, _i64, _i64]
     lib.tg_error.restype = ctypes.c_char_p
     return lib
 
@@ -62,6 +65,13 @@ def kernel(fmt: str, m: int) -> str:
     got = library().tg_blockq_kernel(FORMATS[fmt], m)
     _check(got < 0)
     return KERNELS[got]
+
+
+def attention_kernel(t: int, d: int, keys: int, window: int = 0) -> str:
+    """The path cache_attention takes for t queries of head size d over `keys` keys at the current
+    instruction set: 'prompt' (GEMMs), 'zmm' (AVX-512, the cache read in place, f16 too) or 'units'
+    (portable; an f16 cache widened a block at a time into scratch)."""
+    return ATTENTION_KERNELS[library().tg_cache_attention_kernel(t, d, window, keys)]
 
 
 def block_matmul(x: np.ndarray, w: np.ndarray, fmt: str, k: int, activation: str = "q8") -> np.ndarray:

@@ -59,6 +59,8 @@ QUICK_GEMM_SHAPES = ((32, 384, 384), (128, 384, 384), (1024, 384, 1536), (128, 3
 # against the GEMM curve at its implicit GEMM's shape (passes/targets/c.conv_time).
 CONV_CASES = {"dense": ((1, 64, 56, 56), (64, 64, 3, 3), 1), "pointwise": ((1, 256, 28, 28), (128, 256, 1, 1), 1),
               "depthwise": ((1, 96, 56, 56), (96, 1, 3, 3), 96)}
+# The input of the tiny convolutions timed for a primitive's fixed cost: a squeeze-excitation's.
+TINY_CONV = (1, 64, 1, 1)
 # The gather timed: rows of a table as wide as a BERT-base hidden state.
 GATHER_TABLE, GATHER_WIDTH, GATHER_ROWS = 4096, 768, 512
 # Ops timed inside one fused loop, each as a chain that keeps values in [0.1, 2] (no
@@ -106,6 +108,16 @@ def _after_depthwise(rng, xs, ws, groups: int, timed: bool):
         pad = ws[-1] // 2
         y = g.op("conv", y, w, pads=(pad, pad, pad, pad), groups=groups)
     return _module(g.build(y, names=["y"])), y.shape
+
+
+def _tiny_convs(rng, count: int):
+    """`count` 1x1 convolutions on a 1x1 map (TINY_CONV), each a oneDNN primitive of next to no work."""
+    g = Graph()
+    y = g.input("x", TINY_CONV)
+    for i in range(count):
+        w = (rng.standard_normal((TINY_CONV[1], TINY_CONV[1], 1, 1)) / np.sqrt(TINY_CONV[1])).astype(np.float32)
+        y = g.op("conv", y, g.weight(f"w{i}", w))
+    return g.build(y, names=["y"])
 
 
 def _module(model):
@@ -196,7 +208,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
     caches = cache_sizes()
     cores = _threads()
     rng = np.random.default_rng(0)
-    bar = Progress(7 + len(loop_ops) + len(shapes), sys.stderr.isatty() if progress is None else progress)
+    bar = Progress(9 + len(loop_ops) + len(shapes), sys.stderr.isatty() if progress is None else progress)
 
     # One chain of unfused adds, short and long, serves every size: its length is symbolic.
     short, long_ = _module(_chain("n", 1)), _module(_chain("n", CHAIN))
@@ -319,6 +331,14 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         gemm = (int(np.prod(out_shape)) // ws[0], ws[0] // groups, int(np.prod(ws[1:])))  # one group's (m, n, k)
         conv_rates[kind] = (*gemm, conv_flops / max(t_both - t_before, t_both / 10))
     conv_rate = conv_rates["dense"][3]
+
+    # One more oneDNN primitive in a module, of next to no work: a 1x1 convolution on a 1x1
+    # map (a squeeze-excitation's), beyond the step it is.
+    bar.step("a primitive's call")
+    tiny = rng.standard_normal(TINY_CONV, dtype=np.float32)
+    t_one, t_chain = _quiet_times((_call(_module(_tiny_convs(rng, 1)), tiny), _call(_module(_tiny_convs(rng, CHAIN)), tiny)),
+                                  budget)
+    primitive = max(0.0, (t_chain - t_one) / (CHAIN - 1) - step)
     bar.close()
 
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
@@ -345,6 +365,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         parallel_efficiency=efficiency,
         conv_rate=conv_rate,
         conv_rates=conv_rates,
+        primitive_overhead=primitive,
         copy_bandwidth=copy_bandwidth,
         attention_rates=tuple(attention_rates),
         attention_speedup=speedup,
@@ -361,6 +382,7 @@ def summary(hw: Hardware) -> str:
         (f"pass bandwidth, in cache ({hw.cache_bytes // 1024} KiB L2 per core)", f"{hw.cache_bandwidth / 1e9:.1f} GB/s"),
         ("pass bandwidth, beyond L2, in L3", f"{hw.l3_bandwidth / 1e9:.1f} GB/s"),
         ("pass bandwidth, beyond L3", f"{hw.memory_bandwidth / 1e9:.1f} GB/s"),
+        ("one more oneDNN primitive (a 1x1 convolution on a 1x1 map)", f"{hw.primitive_overhead * 1e6:.2f} us"),
         ("a gather's rows copied (bytes written)", f"{hw.copy_bandwidth / 1e9:.1f} GB/s"),
         ("oneDNN GEMM all threads / (cores x one thread)", f"{hw.parallel_efficiency:.2f}"),
         *((f"convolution {kind} {'x'.join(map(str, CONV_CASES[kind][0]))} (oneDNN, all threads)",

@@ -85,7 +85,9 @@ int tg_cache_write_f16(uint16_t *cache, const float *x, int64_t B, int64_t Hkv, 
  * softmax update (exp vectorised over the 64), then p v. With few units (one sequence, a
  * few KV heads) the keys split into spans, combined after by their maxima and sums (as
  * flash-decoding does), so every thread has keys to read. An f16 cache (half the bytes a
- * step reads at depth) has each block of 64 rows widened into L1 first, read by every query. */
+ * step reads at depth) is read in place on AVX-512 (D of 64 or 128): each K and V vector widened
+ * in a register as the dot product or p v loads it, once per four query rows; elsewhere each
+ * block of 64 rows is widened into a thread's scratch first, read by every query. */
 #define CA_KEYS 64
 #define CA_QMAX 64  /* query rows per unit */
 #define CA_DMAX 256 /* head size of a widened block (64 rows) */
@@ -143,6 +145,50 @@ static inline __attribute__((always_inline)) float ca_scores_zmm_d(const int64_t
     }
     return _mm512_reduce_max_ps(top);
 }
+/* s[r * CA_KEYS + j] = scale q_r . k_j for NR (<= 4) query rows and the n keys of an f16 block
+ * kh, read in place: each K vector widened once in a register (vcvtph2ps) for all NR rows.
+ * KP = 16 / NR keys at a time, their NR x KP dot products summed by one ca_hsum16 (lane
+ * r * KP + k), each row's KP lanes then moved down by one permute and stored. A last step of
+ * fewer keys reads its last key again in the missing places, and stores only its own. */
+static inline __attribute__((always_inline)) void ca_scores_zmm_h(const int64_t D, const int NR, const float *const *q,
+                                                                  const uint16_t *kh, int64_t n, float scale,
+                                                                  float *s) {
+    const int KP = 16 / NR;
+    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int64_t j0 = 0; j0 < n; j0 += KP) {
+        int64_t m = n - j0 < KP ? n - j0 : KP;
+        const uint16_t *kr[16];
+        for (int k = 0; k < KP; k++) kr[k] = kh + (j0 + (k < m ? k : m - 1)) * D;
+        __m512 a[16];
+        for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < D; c += 16) {
+            __m512 qv[4];
+#pragma GCC unroll 4
+            for (int r = 0; r < NR; r++) qv[r] = _mm512_loadu_ps(q[r] + c);
+#pragma GCC unroll 16
+            for (int k = 0; k < KP; k++) {
+                __m512 kv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(kr[k] + c)));
+#pragma GCC unroll 4
+                for (int r = 0; r < NR; r++) a[r * KP + k] = _mm512_fmadd_ps(qv[r], kv, a[r * KP + k]);
+            }
+        }
+        __m512 sums = _mm512_mul_ps(ca_hsum16(a), _mm512_set1_ps(scale));
+        __mmask16 live = (__mmask16)((1u << m) - 1);
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++)
+            _mm512_mask_storeu_ps(s + r * CA_KEYS + j0, live,
+                                  _mm512_permutexvar_ps(_mm512_add_epi32(iota, _mm512_set1_epi32(r * KP)), sums));
+    }
+}
+/* the largest of s[from..live) (a vector max) */
+static inline __attribute__((always_inline)) float ca_max_zmm(const float *s, int64_t from, int64_t live) {
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = from; j < live; j += 16) {
+        int64_t m = live - j < 16 ? live - j : 16;
+        top = _mm512_max_ps(top, _mm512_mask_loadu_ps(top, (__mmask16)((1u << m) - 1), s + j));
+    }
+    return _mm512_reduce_max_ps(top);
+}
 /* acc[r] = acc[r] * corr[r] + sum_j p[r][j] v_j for NR rows at once (each V row loaded once for
  * all of them; NR * D / 16 accumulators in registers, independent chains for the FMA pipes).
  * V rows from vblk, or widened from f16 as they are loaded where vh is non-NULL. */
@@ -186,33 +232,38 @@ static inline __attribute__((always_inline)) void ca_prefetch(const float *kb, c
         _mm_prefetch(v + i, _MM_HINT_T0);
     }
 }
-/* ca_span on AVX-512 for D = 64 or 128: per block of keys, every query row's scores (16 keys per
- * ca_hsum16), the online softmax update, then p v four rows at a time */
+/* ca_span on AVX-512 for D = 64 or 128: per block of keys, four query rows at a time: their
+ * scores (f32: a row's 16 keys per ca_hsum16; f16: ca_scores_zmm_h, all four rows' at once), the
+ * online softmax update, then p v. An f16 block is read in place, never copied. */
 static inline __attribute__((always_inline)) void ca_span_zmm(const int64_t D, int64_t nq, int64_t j_lo, int64_t j_hi,
                                                               const float *const *qr, const int64_t *first,
                                                               const int64_t *lim, const float *kb, const float *vb, const uint16_t *kh,
-                                                              const uint16_t *vh, float *kf, float *vf, float scale,
+                                                              const uint16_t *vh, float scale,
                                                               float *acc, float *mx, float *sum) {
     float p[4 * CA_KEYS] __attribute__((aligned(64))), corr[4];
     for (int64_t j0 = j_lo; j0 < j_hi; j0 += CA_KEYS) {
         int64_t nk = j_hi - j0 < CA_KEYS ? j_hi - j0 : CA_KEYS;
-        const float *kblk = kb + j0 * D, *vblk = vb + j0 * D;
+        const float *kblk = kh ? NULL : kb + j0 * D, *vblk = kh ? NULL : vb + j0 * D;
+        const uint16_t *khb = kh ? kh + j0 * D : NULL, *vhb = kh ? vh + j0 * D : NULL;
         ca_prefetch(kb, vb, kh, vh, D, j0 + CA_AHEAD, j_hi);
-        /* an f16 block: K widened into L1 (each query row reads it); V widened as p v loads it
-         * where one pass reads it (4 rows or fewer), saving a store and a reload of 32 KB */
-        const uint16_t *vrow = kh && nq <= 4 ? vh + j0 * D : NULL;
-        if (kh) {
-            for (int64_t i = 0; i < nk * D; i += 16)
-                _mm512_storeu_ps(kf + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(kh + j0 * D + i))));
-            if (!vrow)
-                for (int64_t i = 0; i < nk * D; i += 16)
-                    _mm512_storeu_ps(vf + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(vh + j0 * D + i))));
-            kblk = kf;
-            vblk = vf;
-        }
         for (int64_t r0 = 0; r0 < nq; r0 += 4) {
             int nr = nq - r0 < 4 ? (int)(nq - r0) : 4;
             int64_t most = 0;  /* keys any of these rows sees in this block */
+            if (kh) {  /* the keys any row sees, [lo, hi): every row's scores there at once */
+                int64_t lo = nk, hi = 0;
+                for (int i = 0; i < nr; i++) {
+                    int64_t live = lim[r0 + i] - j0 < nk ? lim[r0 + i] - j0 : nk;
+                    int64_t from = first[r0 + i] - j0 > 0 ? first[r0 + i] - j0 : 0;
+                    if (live > from) lo = from < lo ? from : lo, hi = live > hi ? live : hi;
+                }
+                switch (hi > lo ? nr : 0) {
+                case 0: break;
+                case 1: ca_scores_zmm_h(D, 1, qr + r0, khb + lo * D, hi - lo, scale, p + lo); break;
+                case 2: ca_scores_zmm_h(D, 2, qr + r0, khb + lo * D, hi - lo, scale, p + lo); break;
+                case 3: ca_scores_zmm_h(D, 3, qr + r0, khb + lo * D, hi - lo, scale, p + lo); break;
+                default: ca_scores_zmm_h(D, 4, qr + r0, khb + lo * D, hi - lo, scale, p + lo); break;
+                }
+            }
             for (int i = 0; i < nr; i++) {
                 int64_t r = r0 + i, live = lim[r] - j0 < nk ? lim[r] - j0 : nk;
                 int64_t from = first[r] - j0 > 0 ? first[r] - j0 : 0;  /* a sliding window's start */
@@ -223,7 +274,7 @@ static inline __attribute__((always_inline)) void ca_span_zmm(const int64_t D, i
                     continue;
                 }
                 most = live > most ? live : most;
-                float m = ca_scores_zmm_d(D, qr[r], kblk + from * D, live - from, scale, s + from);
+                float m = kh ? ca_max_zmm(s, from, live) : ca_scores_zmm_d(D, qr[r], kblk + from * D, live - from, scale, s + from);
                 m = mx[r] > m ? mx[r] : m;
                 for (int64_t jj = 0; jj < from; jj++) s[jj] = -INFINITY;  /* before the window: weight 0 */
                 corr[i] = ca_online(s, live, m, mx + r, sum + r);
@@ -231,25 +282,23 @@ static inline __attribute__((always_inline)) void ca_span_zmm(const int64_t D, i
             }
             float *ar = acc + r0 * D;
             switch (nr) {
-            case 1: ca_pv_zmm(D, 1, vblk, vrow, most, p, corr, ar); break;
-            case 2: ca_pv_zmm(D, 2, vblk, vrow, most, p, corr, ar); break;
-            case 3: ca_pv_zmm(D, 3, vblk, vrow, most, p, corr, ar); break;
-            default: ca_pv_zmm(D, 4, vblk, vrow, most, p, corr, ar); break;
+            case 1: ca_pv_zmm(D, 1, vblk, vhb, most, p, corr, ar); break;
+            case 2: ca_pv_zmm(D, 2, vblk, vhb, most, p, corr, ar); break;
+            case 3: ca_pv_zmm(D, 3, vblk, vhb, most, p, corr, ar); break;
+            default: ca_pv_zmm(D, 4, vblk, vhb, most, p, corr, ar); break;
             }
         }
     }
 }
 static void ca_span_zmm64(int64_t nq, int64_t j_lo, int64_t j_hi, const float *const *qr, const int64_t *first,
-                          const int64_t *lim,
-                          const float *kb, const float *vb, const uint16_t *kh, const uint16_t *vh, float *kf,
-                          float *vf, float scale, float *acc, float *mx, float *sum) {
-    ca_span_zmm(64, nq, j_lo, j_hi, qr, first, lim, kb, vb, kh, vh, kf, vf, scale, acc, mx, sum);
+                          const int64_t *lim, const float *kb, const float *vb, const uint16_t *kh, const uint16_t *vh,
+                          float scale, float *acc, float *mx, float *sum) {
+    ca_span_zmm(64, nq, j_lo, j_hi, qr, first, lim, kb, vb, kh, vh, scale, acc, mx, sum);
 }
 static void ca_span_zmm128(int64_t nq, int64_t j_lo, int64_t j_hi, const float *const *qr, const int64_t *first,
-                           const int64_t *lim,
-                           const float *kb, const float *vb, const uint16_t *kh, const uint16_t *vh, float *kf,
-                           float *vf, float scale, float *acc, float *mx, float *sum) {
-    ca_span_zmm(128, nq, j_lo, j_hi, qr, first, lim, kb, vb, kh, vh, kf, vf, scale, acc, mx, sum);
+                           const int64_t *lim, const float *kb, const float *vb, const uint16_t *kh, const uint16_t *vh,
+                           float scale, float *acc, float *mx, float *sum) {
+    ca_span_zmm(128, nq, j_lo, j_hi, qr, first, lim, kb, vb, kh, vh, scale, acc, mx, sum);
 }
 #pragma GCC pop_options
 
@@ -309,6 +358,16 @@ static inline __attribute__((always_inline)) void ca_span(const int64_t D, int64
     }
 }
 
+/* The path a call takes (one place decides; tg_cache_attention_kernel reports it, so the tests see
+ * the fast path taken): a prompt's GEMMs; AVX-512 units reading the cache in place (D of 64 or
+ * 128, f32 or f16); the portable units (an f16 cache widened a block at a time into scratch). */
+static int ca_pick(int64_t T, int64_t D, int64_t window, int64_t L) {
+    if (T > 16 && (window <= 0 || window >= L)) return TG_CA_KERNEL_PROMPT;  /* (a window that cuts keys: units) */
+    return bq_kernels() == &bq_kernels_vnni && (D == 64 || D == 128) ? TG_CA_KERNEL_ZMM : TG_CA_KERNEL_UNITS;
+}
+
+int tg_cache_attention_kernel(int64_t T, int64_t D, int64_t window, int64_t L) { return ca_pick(T, D, window, L); }
+
 /* k/v are float (kv_f16 0) or f16 bits (kv_f16 1) */
 static int ca_run(const float *q, const void *k, const void *v, float *o, int64_t B, int64_t H, int64_t Hkv,
                   int64_t T, int64_t S, int64_t D, const int64_t *pos, int64_t pstride, float scale, int64_t window,
@@ -328,7 +387,8 @@ static int ca_run(const float *q, const void *k, const void *v, float *o, int64_
     if (G > CA_QMAX) TG_FAIL("cache attention: %lld heads per KV head (at most %d)", (long long)G, CA_QMAX);
     if (kv_f16 && D > CA_DMAX) TG_FAIL("cache attention: an f16 cache of head size %lld (at most %d)", (long long)D,
                                        CA_DMAX);
-    if (T > 16 && (window <= 0 || window >= pmax + T)) {  /* (a window that cuts keys: the units below) */
+    int kernel = ca_pick(T, D, window, pmax + T);
+    if (kernel == TG_CA_KERNEL_PROMPT) {
         /* a prompt: many query blocks, each a few small GEMMs (tg_attention, on oneDNN's sgemm);
          * the G heads of a KV head are a batch dim of stride 0 in K and V; an f16 cache's rows
          * so far are widened first (a prompt is bound by its arithmetic, not this pass) */
@@ -362,23 +422,23 @@ static int ca_run(const float *q, const void *k, const void *v, float *o, int64_
     int64_t QB = G * tq, unit = QB * (D + 2);
     float *part = bq_scratch_get((size_t)(items * spans * unit) * sizeof(float));
     if (!part) TG_FAIL("cache attention: out of memory for its partial sums");
-    int zmm = bq_kernels() == &bq_kernels_vnni && (D == 64 || D == 128);  /* AVX-512 (the block kernels' top level) */
+    int zmm = kernel == TG_CA_KERNEL_ZMM, widen = kv_f16 && !zmm;
     int failed = 0;
     int parallel = B * H * T * L * D > 32768;  /* below, a fork costs more than the work */
 #pragma omp parallel for collapse(2) schedule(static) if (parallel)
     for (int64_t it = 0; it < items; it++)
         for (int64_t sp = 0; sp < spans; sp++) {
             static __thread float *kv_wide;  /* a thread's block widened from f16: allocated once, kept */
-            if (kv_f16 && !kv_wide && posix_memalign((void **)&kv_wide, 64, 2 * CA_KEYS * CA_DMAX * sizeof(float)))
+            if (widen && !kv_wide && posix_memalign((void **)&kv_wide, 64, 2 * CA_KEYS * CA_DMAX * sizeof(float)))
                 kv_wide = NULL;
-            if (kv_f16 && !kv_wide) { failed = 1; continue; }
+            if (widen && !kv_wide) { failed = 1; continue; }
             int64_t b = it / (Hkv * qblocks), kh = it / qblocks % Hkv, t0 = it % qblocks * tq;
             int64_t nt = T - t0 < tq ? T - t0 : tq, nq = G * nt, pb = pos[b * pstride];
             float *acc = part + (it * spans + sp) * unit, *mx = acc + QB * D, *sum = mx + QB;
             int64_t at = (b * Hkv + kh) * S * D;
             const float *kb = kv_f16 ? NULL : (const float *)k + at, *vb = kv_f16 ? NULL : (const float *)v + at;
             const uint16_t *khf = kv_f16 ? (const uint16_t *)k + at : NULL, *vhf = kv_f16 ? (const uint16_t *)v + at : NULL;
-            float *kf = kv_wide, *vf = kv_f16 ? kv_wide + CA_KEYS * CA_DMAX : NULL;
+            float *kf = kv_wide, *vf = widen ? kv_wide + CA_KEYS * CA_DMAX : NULL;
             const float *qr[CA_QMAX];
             int64_t first[CA_QMAX], lim[CA_QMAX];
             for (int64_t r = 0; r < nq; r++) {
@@ -393,8 +453,8 @@ static int ca_run(const float *q, const void *k, const void *v, float *o, int64_
             /* the unit's keys: from its first query's window start (0 without a window) */
             int64_t u_lo = window > 0 && pb + t0 + 1 > window ? pb + t0 + 1 - window : 0;
             int64_t j_lo = u_lo + sp * span, j_hi = j_lo + span < pb + t0 + nt ? j_lo + span : pb + t0 + nt;
-            if (zmm && D == 64) ca_span_zmm64(nq, j_lo, j_hi, qr, first, lim, kb, vb, khf, vhf, kf, vf, scale, acc, mx, sum);
-            else if (zmm) ca_span_zmm128(nq, j_lo, j_hi, qr, first, lim, kb, vb, khf, vhf, kf, vf, scale, acc, mx, sum);
+            if (zmm && D == 64) ca_span_zmm64(nq, j_lo, j_hi, qr, first, lim, kb, vb, khf, vhf, scale, acc, mx, sum);
+            else if (zmm) ca_span_zmm128(nq, j_lo, j_hi, qr, first, lim, kb, vb, khf, vhf, scale, acc, mx, sum);
             else if (D == 64) ca_span(64, nq, j_lo, j_hi, qr, first, lim, kb, vb, khf, vhf, kf, vf, scale, acc, mx, sum);
             else if (D == 128) ca_span(128, nq, j_lo, j_hi, qr, first, lim, kb, vb, khf, vhf, kf, vf, scale, acc, mx, sum);
             else if (D == 256) ca_span(256, nq, j_lo, j_hi, qr, first, lim, kb, vb, khf, vhf, kf, vf, scale, acc, mx, sum);

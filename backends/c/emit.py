@@ -43,11 +43,11 @@ from tilegraph.backends.c.loops import Loops
 from tilegraph.backends.c.onednn import OneDNN, chain_convolutions
 from tilegraph.backends.c.quant import Quantized
 from tilegraph.backends.c.tables import CTYPES, FLOATS, KNOWN
-from tilegraph.backends.c.views import (LOWER, Buffer, Ints, Step, Unsupported, View, Views, _describe, _eq, _is_one,
-                                        _sole_reader, c_comment, c_float, channels_last_strides, contiguous_strides, lowers)
+from tilegraph.backends.c.views import (LOWER, Buffer, Ints, Step, Unsupported, View, Views, _describe, _eq, c_comment, c_float, channels_last_strides, lowers)
 from tilegraph.backends.lowering import table
 from tilegraph.backends.program import flatten
 from tilegraph.ir.dialect import FusionOp, TgOp
+from tilegraph.ir.strides import is_channels_last, laid_out_for_reader
 from tilegraph.ir.model import Model, ModelError
 from tilegraph.ir.ops import Op, OPS
 
@@ -184,21 +184,12 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
 
     @staticmethod
     def _laid_out_for_reader(op: TgOp, out: View) -> View:
-        """`out` (a fresh buffer) laid out as its one reader wants it, where that is a
-        transpose keeping the last axis (attention's heads merged back between the rows
-        and the features): the transpose is then contiguous, and a reshape after it free."""
-        reader = _sole_reader(op.results[0])
-        perm = tuple(reader.attr("perm")) if isinstance(reader, TgOp) and reader.op_name == Op.transpose else None
-        if perm is None or perm[-1] != len(perm) - 1:
-            return out
-        moved = tuple(out.shape[p] for p in perm)
-        inverse = [perm.index(i) for i in range(len(perm))]
-        return View(out.buf, out.offset, out.shape, tuple(contiguous_strides(moved)[i] for i in inverse), out.dtype)
+        """`out` (a fresh buffer) laid out as its one reader wants it (ir/strides.laid_out_for_reader)."""
+        strides = laid_out_for_reader(op.results[0])
+        return out if strides is None else View(out.buf, out.offset, out.shape, strides, out.dtype)
 
     def is_channels_last(self, view: View) -> bool:
-        return (view.literal is None and view.rank >= 3 and not self.is_contiguous(view)
-                and all(_is_one(d) or _eq(st, want) for d, st, want in
-                        zip(view.shape, view.strides, channels_last_strides(view.shape))))
+        return view.literal is None and is_channels_last(view.shape, view.strides)
 
     def _check_dtypes(self, op: TgOp, xs: list[View]) -> None:
         for t in [*(x.dtype for x in xs), *(i.dtype for i in op.result_infos())]:

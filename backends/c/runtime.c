@@ -860,10 +860,61 @@ static int tg_amx_granted(void) {
  * over them; rows of q, k, v are contiguous with row strides qr, kr, vr (>= the row).
  * mask_kind: 0 none, 1 bool (keep where true), 2 float (added). Causal keeps
  * j <= i + Lk - Lq. */
+
+/* The offsets of batch row `bi` (flattened over dims bd[nb]) in q, k, v, the mask and o. */
+static void tg_batch_offsets(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb, const int64_t *vb,
+                             const int64_t *mb, const int64_t *ob, int64_t bi, int64_t off[5]) {
+    off[0] = off[1] = off[2] = off[3] = off[4] = 0;
+    for (int i = nb - 1; i >= 0; i--) {
+        int64_t idx = bi % bd[i];
+        bi /= bd[i];
+        off[0] += idx * qb[i]; off[1] += idx * kb[i]; off[2] += idx * vb[i]; off[3] += idx * mb[i];
+        off[4] += idx * ob[i];
+    }
+}
+
+/* One query row's scores against a key block, si[0:nk] (query i0 + i, keys from j0): the
+ * causal cut and the mask applied, then the online softmax step - the row's running max and
+ * sum updated, si[j] replaced by its weight, the row's accumulator ai[0:dv] rescaled to the
+ * new max. Both the f32 and the bf16 products use it. */
+static inline void tg_flash_row(float *si, int64_t nk, int64_t i0, int64_t i, int64_t j0, int64_t lq, int64_t lk,
+                                int causal, int mask_kind, const void *mask, int64_t om, int64_t mr, int64_t mc,
+                                float *mxi, float *sumi, float *ai, int64_t dv) {
+    if (causal) { /* keys past i + lk - lq are the future */
+        int64_t first = i0 + i + lk - lq + 1 - j0;
+        for (int64_t j = first < 0 ? 0 : first; j < nk; j++) si[j] = -INFINITY;
+    }
+    if (mask_kind == 1) {
+        const uint8_t *mi = (const uint8_t *)mask + om + (i0 + i) * mr + j0 * mc;
+        for (int64_t j = 0; j < nk; j++) if (!mi[j * mc]) si[j] = -INFINITY;
+    } else if (mask_kind == 2) {
+        const float *mi = (const float *)mask + om + (i0 + i) * mr + j0 * mc;
+#pragma omp simd
+        for (int64_t j = 0; j < nk; j++) si[j] += mi[j * mc];
+    }
+    float m = *mxi;
+#pragma omp simd reduction(max : m)
+    for (int64_t j = 0; j < nk; j++) m = si[j] > m ? si[j] : m;
+    /* all -inf so far: nothing to weigh yet (exp(-inf - -inf) would be NaN) */
+    float corr = m == -INFINITY ? 1.f : tg_expf(*mxi - m), l = 0.f;
+#pragma omp simd reduction(+ : l)
+    for (int64_t j = 0; j < nk; j++) {
+        float p = m == -INFINITY ? 0.f : tg_expf(si[j] - m);
+        si[j] = p;
+        l += p;
+    }
+    *sumi = *sumi * corr + l;
+    *mxi = m;
+    if (corr != 1.f) {
+#pragma omp simd
+        for (int64_t c = 0; c < dv; c++) ai[c] *= corr;
+    }
+}
+
 /* bf16 attention products (precision bf16) on AMX: both GEMMs of a block as bf16 tiles
- * (tdpbf16ps: a 16x16 f32 tile += 16x32 bf16 by 32x16 bf16), operands rounded once per
- * block to nearest even (vcvtne2ps2bf16), f32 accumulation; oneDNN 3.2's C API has no bf16
- * GEMM function to call here. AVX-512 BF16 alone (vdpbf16ps) multiplies no faster than f32
+ * (tdpbf16ps: a 16x16 f32 tile += 16x32 bf16 by 32x16 bf16), operands rounded once to
+ * nearest even (vcvtne2ps2bf16), f32 accumulation; oneDNN 3.2's C API has no bf16 GEMM
+ * function to call here. AVX-512 BF16 alone (vdpbf16ps) multiplies no faster than f32
  * FMAs, so without AMX the f32 path runs. Compiled where the compiler targets AMX
  * (-march=native), taken only where the running processor reports it and the kernel grants
  * this process the tile state (arch_prctl). */
@@ -876,13 +927,14 @@ static int tg_amx_ready(void) {
     return tg_amx_granted() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22));
 }
 
-/* Tile registers: 0 the product, 1 a block of the left operand (16 rows x 16 bf16 pairs),
- * 2 of the right one (16 pair rows x 16 columns). Configured per thread (tile state is). */
+/* Tile registers, each 16 rows of 64 bytes: 0-3 a 2x2 block of the product, 4-5 two row
+ * blocks of the left operand (16 rows x 16 bf16 pairs), 6-7 two column blocks of the right
+ * one (16 pair rows x 16 columns). Configured per thread (tile state is). */
 static void tg_amx_configure(void) {
     struct { uint8_t palette, start; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 3; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
+    for (int t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
     _tile_loadconfig(&cfg);
 }
 
@@ -901,29 +953,172 @@ static void tg_bf16_rows(const float *x, int64_t ld, int64_t rows, int64_t n, in
     }
 }
 
-/* c[i][0:n] = alpha * (a b)[i][0:n] (beta 0) or c += that (beta 1), on AMX: a is m rows of
- * `pairs` bf16 pairs (row stride `pairs`, rows readable up to m rounded up to 16), b is
- * `pairs` pair rows of ns columns (ns a multiple of 16); pairs a multiple of 16. */
-static void tg_amx_gemm(int64_t m, int64_t n, int64_t pairs, float alpha, const uint32_t *a, const uint32_t *b,
-                        int64_t ns, int beta, float *c, int64_t ldc) {
-    float tile[256] __attribute__((aligned(64)));
-    for (int64_t i0 = 0; i0 < m; i0 += 16)
-        for (int64_t j0 = 0; j0 < n; j0 += 16) {
-            _tile_zero(0);
-            for (int64_t t = 0; t < pairs; t += 16) {
-                _tile_loadd(1, a + i0 * pairs + t, pairs * 4);
-                _tile_loadd(2, b + t * ns + j0, ns * 4);
-                _tile_dpbf16ps(0, 1, 2);
-            }
-            _tile_stored(0, tile, 64);
-            __mmask16 keep = n - j0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j0)) - 1);
-            for (int64_t i = 0; i < 16 && i0 + i < m; i++) {
-                float *ci = c + (i0 + i) * ldc + j0;
-                __m512 v = _mm512_mul_ps(_mm512_load_ps(tile + 16 * i), _mm512_set1_ps(alpha));
-                if (beta) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, ci));
-                _mm512_mask_storeu_ps(ci, keep, v);
+/* c = a b (beta 0) or c += a b (beta 1) on AMX, c being 16 mt rows x 16 nt columns of f32
+ * (row stride ldc): a is 16 mt rows of 16 kt bf16 pairs (row stride lda pairs), b 16 kt pair
+ * rows of 16 nt columns (row stride ldb). The product tiles are loaded from c (or zeroed) and
+ * stored back whole; two by two of them at a time, so each block of a and of b loaded serves
+ * two products. */
+#define TG_AMX_C(t, p) do { if (beta) _tile_loadd(t, p, ldc * 4); else _tile_zero(t); } while (0)
+static void tg_amx_gemm(int64_t mt, int64_t nt, int64_t kt, const uint32_t *a, int64_t lda, const uint32_t *b,
+                        int64_t ldb, float *c, int64_t ldc, int beta) {
+    for (int64_t i = 0; i < mt; i += 2)
+        for (int64_t j = 0; j < nt; j += 2) {
+            const uint32_t *a0 = a + 16 * i * lda, *a1 = a0 + 16 * lda, *b0 = b + 16 * j, *b1 = b0 + 16;
+            float *c00 = c + 16 * i * ldc + 16 * j, *c10 = c00 + 16 * ldc;
+            if (i + 1 < mt && j + 1 < nt) {
+                TG_AMX_C(0, c00); TG_AMX_C(1, c00 + 16); TG_AMX_C(2, c10); TG_AMX_C(3, c10 + 16);
+                for (int64_t t = 0; t < kt; t++) {
+                    _tile_loadd(4, a0 + 16 * t, lda * 4);
+                    _tile_loadd(6, b0 + 16 * t * ldb, ldb * 4);
+                    _tile_loadd(7, b1 + 16 * t * ldb, ldb * 4);
+                    _tile_loadd(5, a1 + 16 * t, lda * 4);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+                _tile_stored(0, c00, ldc * 4); _tile_stored(1, c00 + 16, ldc * 4);
+                _tile_stored(2, c10, ldc * 4); _tile_stored(3, c10 + 16, ldc * 4);
+            } else if (j + 1 < nt) { /* the last row block */
+                TG_AMX_C(0, c00); TG_AMX_C(1, c00 + 16);
+                for (int64_t t = 0; t < kt; t++) {
+                    _tile_loadd(4, a0 + 16 * t, lda * 4);
+                    _tile_loadd(6, b0 + 16 * t * ldb, ldb * 4);
+                    _tile_loadd(7, b1 + 16 * t * ldb, ldb * 4);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
+                _tile_stored(0, c00, ldc * 4); _tile_stored(1, c00 + 16, ldc * 4);
+            } else if (i + 1 < mt) { /* the last column block */
+                TG_AMX_C(0, c00); TG_AMX_C(2, c10);
+                for (int64_t t = 0; t < kt; t++) {
+                    _tile_loadd(4, a0 + 16 * t, lda * 4);
+                    _tile_loadd(5, a1 + 16 * t, lda * 4);
+                    _tile_loadd(6, b0 + 16 * t * ldb, ldb * 4);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(2, 5, 6);
+                }
+                _tile_stored(0, c00, ldc * 4); _tile_stored(2, c10, ldc * 4);
+            } else {
+                TG_AMX_C(0, c00);
+                for (int64_t t = 0; t < kt; t++) {
+                    _tile_loadd(4, a0 + 16 * t, lda * 4);
+                    _tile_loadd(6, b0 + 16 * t * ldb, ldb * 4);
+                    _tile_dpbf16ps(0, 4, 6);
+                }
+                _tile_stored(0, c00, ldc * 4);
             }
         }
+}
+#undef TG_AMX_C
+
+/* One key block of a batch row in the right operands' layouts, made once for every query
+ * block that reads it: k as bf16 pairs along d, transposed so key j is column j (dp16 pair
+ * rows of bk16 columns; through `rows`, the block's k rows converted, bk x dp16 pairs), and
+ * v as pairs down the keys (kp16 pair rows of dv16 columns: keys 2u and 2u+1 of column c in
+ * pair u). Padding keys and columns are zero. */
+static void tg_pack_kv(const float *k, int64_t kr, const float *v, int64_t vr, int64_t nk, int64_t d, int64_t dv,
+                       int64_t dp16, int64_t bk16, int64_t kp16, int64_t dv16, uint32_t *rows, uint32_t *kh,
+                       uint32_t *vh) {
+    tg_bf16_rows(k, kr, nk, d, 2 * dp16, (uint16_t *)rows);
+    const __m512i lane = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32((int)dp16));
+    for (int64_t j = 0; j < bk16; j += 16) {
+        __mmask16 live = (__mmask16)(nk - j >= 16 ? 0xffff : nk - j <= 0 ? 0 : (1u << (nk - j)) - 1);
+        for (int64_t t = 0; t < dp16; t++)
+            _mm512_storeu_si512(kh + t * bk16 + j,
+                                _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, lane, rows + j * dp16 + t, 4));
+    }
+    for (int64_t u = 0; u < kp16; u++)
+        for (int64_t c = 0; c < dv16; c += 16) {
+            __mmask16 cols = (__mmask16)(dv - c >= 16 ? 0xffff : dv - c <= 0 ? 0 : (1u << (dv - c)) - 1);
+            __mmask16 even = 2 * u < nk ? cols : 0, odd = 2 * u + 1 < nk ? cols : 0;
+            __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(even, v + 2 * u * vr + c)));
+            __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(odd, v + (2 * u + 1) * vr + c)));
+            _mm512_storeu_si512(vh + u * dv16 + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+}
+
+/* tg_attention at bf16 on AMX (no length or head dim zero): every key block's k and v packed
+ * once (a first parallel pass), then the query-block tasks, each thread with one working area for all its
+ * tasks: q's block as bf16 pairs (bq16 rows of dp16 pairs), the scores (bq16 x bk16 f32), the
+ * weights as bf16 pairs along the keys (bq16 rows of kp16 pairs), the accumulator (bq16 x dv16
+ * f32, the product tiles load and store it whole), the running max and sum. */
+static int tg_attention_bf16(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb, const int64_t *vb,
+                             const int64_t *mb, const int64_t *ob, const float *q, const float *k, const float *v,
+                             const void *mask, float *o, int64_t lq, int64_t lk, int64_t d, int64_t dv, int64_t qr,
+                             int64_t kr, int64_t vr, int64_t orow, int mask_kind, int64_t mr, int64_t mc, float scale,
+                             int causal, int64_t bq, int64_t bk, int64_t batches) {
+    int64_t up = 16, bq16 = (bq + 15) / up * up, bk16 = (bk + 15) / up * up, dv16 = (dv + 15) / up * up;
+    int64_t dp16 = ((d + 1) / 2 + 15) / up * up, kp16 = ((bk + 1) / 2 + 15) / up * up;
+    int64_t qblocks = (lq + bq - 1) / bq, kblocks = (lk + bk - 1) / bk, per_block = dp16 * bk16 + kp16 * dv16;
+    uint32_t *packed = malloc(sizeof(uint32_t) * (size_t)(batches * kblocks * per_block));
+    if (!packed) TG_FAIL("attention: out of memory for its packed keys and values");
+    size_t work = sizeof(uint32_t) * (size_t)(bq16 * dp16 + bq16 * kp16 + bk * dp16) +
+                  sizeof(float) * (size_t)(bq16 * bk16 + bq16 * dv16 + 2 * bq) + 64;
+    int failed = 0;
+#pragma omp parallel if (batches * lq * lk * d > 65536)
+    {
+        char *area = malloc(work);
+        if (!area) failed = 1;
+        uint32_t *qh = (uint32_t *)(((uintptr_t)area + 63) & ~(uintptr_t)63), *ph = qh + bq16 * dp16;
+        uint32_t *rows = ph + bq16 * kp16;
+        float *s = (float *)(rows + bk * dp16), *acc = s + bq16 * bk16, *mx = acc + bq16 * dv16, *sum = mx + bq;
+        if (area) tg_amx_configure();
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t bi = 0; bi < batches; bi++)
+            for (int64_t kbk = 0; kbk < kblocks; kbk++) {
+                if (!area) continue;
+                int64_t off[5], j0 = kbk * bk, nk = j0 + bk < lk ? bk : lk - j0;
+                tg_batch_offsets(nb, bd, qb, kb, vb, mb, ob, bi, off);
+                uint32_t *kh = packed + (bi * kblocks + kbk) * per_block;
+                tg_pack_kv(k + off[1] + j0 * kr, kr, v + off[2] + j0 * vr, vr, nk, d, dv, dp16, bk16, kp16, dv16, rows,
+                           kh, kh + dp16 * bk16);
+            }
+#pragma omp for collapse(2) schedule(dynamic)
+        for (int64_t bi = 0; bi < batches; bi++)
+            for (int64_t qbk = 0; qbk < qblocks; qbk++) {
+                if (!area) continue;
+                int64_t off[5];
+                tg_batch_offsets(nb, bd, qb, kb, vb, mb, ob, bi, off);
+                int64_t i0 = qbk * bq, i1 = i0 + bq < lq ? i0 + bq : lq, nq = i1 - i0, mt = (nq + 15) / 16;
+                /* rows nq.. of the last row block: zero, so every product tile is finite */
+                tg_bf16_rows(q + off[0] + i0 * qr, qr, nq, d, 2 * dp16, (uint16_t *)qh);
+                memset(qh + nq * dp16, 0, sizeof(uint32_t) * (16 * mt - nq) * dp16);
+                memset(ph + nq * kp16, 0, sizeof(uint32_t) * (16 * mt - nq) * kp16);
+                memset(acc, 0, sizeof(float) * 16 * mt * dv16);
+                for (int64_t i = 0; i < nq; i++) { mx[i] = -INFINITY; sum[i] = 0.f; }
+                for (int64_t kbk = 0; kbk < kblocks; kbk++) {
+                    int64_t j0 = kbk * bk, nk = j0 + bk < lk ? bk : lk - j0;
+                    if (causal && j0 > i1 - 1 + lk - lq) break;
+                    const uint32_t *kh = packed + (bi * kblocks + kbk) * per_block, *vh = kh + dp16 * bk16;
+                    tg_amx_gemm(mt, (nk + 15) / 16, dp16 / 16, qh, dp16, kh, bk16, s, bk16, 0);
+                    for (int64_t i = 0; i < nq; i++) {
+                        float *si = s + i * bk16;
+#pragma omp simd
+                        for (int64_t j = 0; j < nk; j++) si[j] *= scale;
+                        tg_flash_row(si, nk, i0, i, j0, lq, lk, causal, mask_kind, mask, off[3], mr, mc, mx + i, sum + i,
+                                     acc + i * dv16, dv);
+                    }
+                    /* the weights to bf16, pairs along the keys (keys nk.. zero) */
+                    tg_bf16_rows(s, bk16, nq, nk, 2 * kp16, (uint16_t *)ph);
+                    tg_amx_gemm(mt, dv16 / 16, ((nk + 1) / 2 + 15) / 16, ph, kp16, vh, dv16, acc, dv16, 1);
+                }
+                for (int64_t i = 0; i < nq; i++) {
+                    /* a row with every key masked: NaN, as softmax over all -inf is */
+                    float inv = sum[i] > 0.f ? 1.f / sum[i] : NAN;
+                    float *oi = o + off[4] + (i0 + i) * orow;
+#pragma omp simd
+                    for (int64_t c = 0; c < dv; c++) oi[c] = acc[i * dv16 + c] * inv;
+                }
+            }
+        if (area) _tile_release();
+        free(area);
+    }
+    free(packed);
+    if (failed) TG_FAIL("attention: out of memory for its working blocks");
+    __atomic_fetch_add(&tg_bf16_attentions, 1, __ATOMIC_RELAXED);
+    return 0;
 }
 #endif
 
@@ -939,51 +1134,28 @@ int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb
     if (bq < 1 || bk < 1 || bq > TG_MAX_BLOCK || bk > TG_MAX_BLOCK || lq < 0 || lk < 0 || d < 0 || dv < 0)
         TG_FAIL("attention: block sizes or lengths out of range");
     for (int i = 0; i < nb; i++) batches *= bd[i];
+#ifdef TG_HAVE_BF16_ATTENTION
+    /* bf16: both products of a block on AMX, the softmax f32. Read here: the thread-local is
+     * the caller's, not the workers'. */
+    if (tg_run_bf16 && d > 0 && dv > 0 && lq > 0 && lk > 0 && batches > 0 && tg_amx_ready())
+        return tg_attention_bf16(nb, bd, qb, kb, vb, mb, ob, q, k, v, mask, o, lq, lk, d, dv, qr, kr, vr, orow,
+                                 mask_kind, mr, mc, scale, causal, bq, bk, batches);
+#endif
     int64_t qblocks = (lq + bq - 1) / bq;
     int failed = 0;
-    /* bf16: both products of a block on AMX (tg_amx_gemm), the softmax f32. Read here: the
-     * thread-local is the caller's, not the workers'. */
-#ifdef TG_HAVE_BF16_ATTENTION
-    const int bf16 = tg_run_bf16 && tg_amx_ready();
-#else
-    const int bf16 = 0;
-#endif
-    /* the bf16 operands, padded with zeros to whole tiles: q rows (bq16 rows of dp16 pairs),
-     * k as pairs along d by key (dp16 pair rows of bk16 keys), p rows (bq16 rows of kp16
-     * pairs along the keys), v as pairs down the keys (kp16 pair rows of dv16 columns), and
-     * one row block of k or v converted (bk rows of 2 * max(dp16, dv16) bf16) */
-    int64_t up = 16, bq16 = (bq + 15) / up * up, bk16 = (bk + 15) / up * up, dv16 = (dv + 15) / up * up;
-    int64_t dp16 = ((d + 1) / 2 + 15) / up * up, kp16 = ((bk + 1) / 2 + 15) / up * up;
-    int64_t wide = dp16 > dv16 ? dp16 : dv16;
-    size_t extra = bf16 ? sizeof(uint32_t) * (bq16 * dp16 + dp16 * bk16 + bq16 * kp16 + kp16 * dv16 + (bk + 1) * wide) + 64
-                        : 0;
-    if (bf16) __atomic_fetch_add(&tg_bf16_attentions, 1, __ATOMIC_RELAXED);
     /* sgemm inside a task runs on the task's thread (no nested team). With OpenMP's
      * spinning waits on a shared machine this ran 100x slower (runtime.py makes them
      * passive); letting OpenMP shrink teams (omp_set_dynamic) made sgemm skip rows. */
 #pragma omp parallel for collapse(2) schedule(dynamic) if (batches * lq * lk * d > 65536)
     for (int64_t bi = 0; bi < batches; bi++)
         for (int64_t qbk = 0; qbk < qblocks; qbk++) {
-            int64_t oq = 0, ok = 0, ov = 0, om = 0, oo = 0, rest = bi;
-            for (int i = nb - 1; i >= 0; i--) {
-                int64_t idx = rest % bd[i];
-                rest /= bd[i];
-                oq += idx * qb[i]; ok += idx * kb[i]; ov += idx * vb[i]; om += idx * mb[i]; oo += idx * ob[i];
-            }
+            int64_t off[5];
+            tg_batch_offsets(nb, bd, qb, kb, vb, mb, ob, bi, off);
+            int64_t oq = off[0], ok = off[1], ov = off[2], oo = off[4];
             int64_t i0 = qbk * bq, i1 = i0 + bq < lq ? i0 + bq : lq, nq = i1 - i0;
-            float *s = malloc(sizeof(float) * (bq * bk + bq * (dv + 2)) + extra);
+            float *s = malloc(sizeof(float) * (bq * bk + bq * (dv + 2)));
             if (!s) { failed = 1; continue; }
             float *acc = s + bq * bk, *mx = acc + bq * dv, *sum = mx + bq;
-#ifdef TG_HAVE_BF16_ATTENTION
-            uint32_t *qh = (uint32_t *)(((uintptr_t)(sum + bq) + 63) & ~(uintptr_t)63), *kh = qh + bq16 * dp16;
-            uint32_t *ph = kh + dp16 * bk16, *vh = ph + bq16 * kp16, *rows = vh + kp16 * dv16;
-            if (bf16) {
-                tg_amx_configure();
-                memset(qh, 0, sizeof(uint32_t) * bq16 * dp16);
-                tg_bf16_rows(q + oq + i0 * qr, qr, nq, d, 2 * dp16, (uint16_t *)qh);
-                memset(ph, 0, sizeof(uint32_t) * bq16 * kp16);
-            }
-#endif
             for (int64_t i = 0; i < nq; i++) {
                 mx[i] = -INFINITY;
                 sum[i] = 0.f;
@@ -994,61 +1166,14 @@ int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb
                 if (causal && j0 > i1 - 1 + lk - lq) break;
                 if (d == 0) {
                     for (int64_t i = 0; i < nq * bk; i++) s[i] = 0.f;
-#ifdef TG_HAVE_BF16_ATTENTION
-                } else if (bf16) { /* k's rows to bf16, then their pairs transposed: key j in column j */
-                    tg_bf16_rows(k + ok + j0 * kr, kr, nk, d, 2 * dp16, (uint16_t *)rows);
-                    for (int64_t t = 0; t < dp16; t++)
-                        for (int64_t j = 0; j < bk16; j++) kh[t * bk16 + j] = j < nk ? rows[j * dp16 + t] : 0;
-                    tg_amx_gemm(nq, nk, dp16, scale, qh, kh, bk16, 0, s, bk);
-#endif
                 } else if (dnnl_sgemm('N', 'T', nq, nk, d, scale, q + oq + i0 * qr, qr, k + ok + j0 * kr, kr, 0.f, s,
                                       bk) != dnnl_success) {
                     failed = 2;
                     break;
                 }
-                for (int64_t i = 0; i < nq; i++) {
-                    float *si = s + i * bk;
-                    if (causal) { /* keys past i + lk - lq are the future */
-                        int64_t first = i0 + i + lk - lq + 1 - j0;
-                        for (int64_t j = first < 0 ? 0 : first; j < nk; j++) si[j] = -INFINITY;
-                    }
-                    if (mask_kind == 1) {
-                        const uint8_t *mi = (const uint8_t *)mask + om + (i0 + i) * mr + j0 * mc;
-                        for (int64_t j = 0; j < nk; j++) if (!mi[j * mc]) si[j] = -INFINITY;
-                    } else if (mask_kind == 2) {
-                        const float *mi = (const float *)mask + om + (i0 + i) * mr + j0 * mc;
-#pragma omp simd
-                        for (int64_t j = 0; j < nk; j++) si[j] += mi[j * mc];
-                    }
-                    float m = mx[i];
-#pragma omp simd reduction(max : m)
-                    for (int64_t j = 0; j < nk; j++) m = si[j] > m ? si[j] : m;
-                    /* all -inf so far: nothing to weigh yet (exp(-inf - -inf) would be NaN) */
-                    float corr = m == -INFINITY ? 1.f : tg_expf(mx[i] - m), l = 0.f;
-#pragma omp simd reduction(+ : l)
-                    for (int64_t j = 0; j < nk; j++) {
-                        float p = m == -INFINITY ? 0.f : tg_expf(si[j] - m);
-                        si[j] = p;
-                        l += p;
-                    }
-                    sum[i] = sum[i] * corr + l;
-                    mx[i] = m;
-                    float *ai = acc + i * dv;
-#pragma omp simd
-                    for (int64_t c = 0; c < dv; c++) ai[c] *= corr;
-                }
-#ifdef TG_HAVE_BF16_ATTENTION
-                if (dv && bf16) { /* p's rows to bf16 (pairs along the keys); v's rows paired down the keys */
-                    tg_bf16_rows(s, bk, nq, nk, 2 * kp16, (uint16_t *)ph);
-                    const uint16_t *vr16 = (const uint16_t *)rows;
-                    tg_bf16_rows(v + ov + j0 * vr, vr, nk, dv, dv16, (uint16_t *)rows);
-                    for (int64_t u = 0; u < kp16; u++)
-                        for (int64_t c = 0; c < dv16; c++)
-                            vh[u * dv16 + c] = 2 * u >= nk ? 0 : (uint32_t)vr16[2 * u * dv16 + c] |
-                                               (2 * u + 1 < nk ? (uint32_t)vr16[(2 * u + 1) * dv16 + c] << 16 : 0);
-                    tg_amx_gemm(nq, dv, kp16, 1.f, ph, vh, dv16, 1, acc, dv);
-                } else
-#endif
+                for (int64_t i = 0; i < nq; i++)
+                    tg_flash_row(s + i * bk, nk, i0, i, j0, lq, lk, causal, mask_kind, mask, off[3], mr, mc, mx + i,
+                                 sum + i, acc + i * dv, dv);
                 if (dv && dnnl_sgemm('N', 'N', nq, dv, nk, 1.f, s, bk, v + ov + j0 * vr, vr, 1.f, acc, dv)
                               != dnnl_success) {
                     failed = 2;
@@ -1061,9 +1186,6 @@ int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb
                 float *oi = o + oo + (i0 + i) * orow;
                 for (int64_t c = 0; c < dv; c++) oi[c] = acc[i * dv + c] * inv;
             }
-#ifdef TG_HAVE_BF16_ATTENTION
-            if (bf16) _tile_release();
-#endif
             free(s);
         }
     if (failed == 2) TG_FAIL("attention: oneDNN's sgemm failed on a block");

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import sympy
@@ -11,9 +11,10 @@ from xdsl.ir import SSAValue
 
 from tilegraph.backends.c.tables import CTYPES
 from tilegraph.ir import escape
-from tilegraph.ir.dialect import FusionOp, TgOp, YieldOp
+from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.model import Model
-from tilegraph.ir.shapes import Dim, numel
+from tilegraph.ir.shapes import numel
+from tilegraph.ir.strides import channels_last_strides, contiguous_strides, is_contiguous, reshaped_strides, unit_dims_strided
 
 
 def c_comment(text: str) -> str:
@@ -76,26 +77,6 @@ class Step:
     # the source's buffer is read as nothing else, whether it is depthwise): what
     # onednn.chain_convolutions reads.
     conv: tuple[int, Any, Any, bool, bool] | None = None
-
-
-def contiguous_strides(shape: Sequence[Dim]) -> tuple:
-    strides, acc = [], sympy.Integer(1)
-    for d in reversed(shape):
-        strides.append(acc)
-        acc = acc * d
-    return tuple(reversed(strides))
-
-
-def channels_last_strides(shape: Sequence[Dim]) -> tuple:
-    """Strides of (N, C, *spatial) laid out as (N, *spatial, C): what oneDNN's fast
-    convolution kernels read and write on these processors (plain NCHW goes through
-    im2col and a GEMM, several times slower at small channel counts)."""
-    order = (0, *range(2, len(shape)), 1)
-    dense = contiguous_strides(tuple(shape[i] for i in order))
-    strides = [None] * len(shape)
-    for pos, axis in enumerate(order):
-        strides[axis] = dense[pos]
-    return tuple(strides)
 
 
 def _eq(a, b) -> bool:
@@ -190,10 +171,7 @@ class Views(EmitterParts):
         return base if off == "0" else f"({base} + {off})"
 
     def is_contiguous(self, view: View) -> bool:
-        if view.literal is not None:
-            return False
-        want = contiguous_strides(view.shape)
-        return all(_is_one(d) or _eq(s, w) for d, s, w in zip(view.shape, view.strides, want))
+        return view.literal is None and is_contiguous(view.shape, view.strides)
 
     # --- view ops (no data moves) ------------------------------------------------
 
@@ -202,7 +180,7 @@ class Views(EmitterParts):
             return View(None, 0, tuple(shape), (0,) * len(shape), view.dtype, view.literal, view.value)
         if self.is_contiguous(view):
             return View(view.buf, view.offset, tuple(shape), contiguous_strides(shape), view.dtype)
-        strides = _reshaped_strides(view, tuple(shape))
+        strides = reshaped_strides(view.shape, view.strides, tuple(shape))
         if strides is None:  # dims merged that do not walk memory as one run: a copy
             view = self.materialize(view)
             strides = contiguous_strides(shape)
@@ -226,7 +204,7 @@ class Views(EmitterParts):
         if any(sympy.sympify(st).is_negative for st in view.strides):
             return self.materialize(view)
         # A dim of size 1 with stride 0 (a broadcast's) sends a matmul to oneDNN's reference kernel.
-        return View(view.buf, view.offset, view.shape, _unit_dims_strided(view.shape, view.strides), view.dtype,
+        return View(view.buf, view.offset, view.shape, unit_dims_strided(view.shape, view.strides), view.dtype,
                     view.literal, view.value)
 
     @staticmethod
@@ -264,50 +242,6 @@ class Views(EmitterParts):
         return View(view.buf, offset, tuple(shape), tuple(strides), view.dtype, view.literal, view.value)
 
 
-
-def _unit_dims_strided(shape, strides) -> tuple:
-    """`strides` with each dim of size 1 given the stride it would have if contiguous, never 0
-    (it addresses nothing, but oneDNN runs a matmul with a zero batch stride on its reference
-    kernel, 100x slower)."""
-    strides = list(strides)
-    for k in reversed(range(len(shape))):
-        if _is_one(shape[k]):
-            strides[k] = strides[k + 1] * shape[k + 1] if k + 1 < len(shape) else sympy.Integer(1)
-    return tuple(strides)
-
-
-def _reshaped_strides(view: View, shape: tuple) -> tuple | None:
-    """Strides that show `view` in `shape` without a copy, or None (NumPy's no-copy reshape):
-    the dims are cut into runs of equal size, and each run of the old dims must walk memory
-    as one run."""
-    old = [(d, st) for d, st in zip(view.shape, view.strides) if not _is_one(d)]
-    new = [k for k, d in enumerate(shape) if not _is_one(d)]
-    strides: list = [sympy.Integer(0)] * len(shape)
-    oi = ni = 0
-    while oi < len(old) and ni < len(new):
-        oj, nj = oi + 1, ni + 1
-        po, pn = sympy.sympify(old[oi][0]), sympy.sympify(shape[new[ni]])
-        while not _eq(po, pn):
-            if not (po.is_number and pn.is_number):
-                return None
-            if po < pn and oj < len(old):
-                po, oj = po * old[oj][0], oj + 1
-            elif pn < po and nj < len(new):
-                pn, nj = pn * shape[new[nj]], nj + 1
-            else:
-                return None
-        if any(not _eq(old[k][1], old[k + 1][1] * old[k + 1][0]) for k in range(oi, oj - 1)):
-            return None
-        st = old[oj - 1][1]
-        for k in reversed(new[ni:nj]):
-            strides[k] = st
-            st = st * shape[k]
-        oi, ni = oj, nj
-    if oi != len(old) or ni != len(new):
-        return None
-    return _unit_dims_strided(shape, strides)
-
-
 def _row_stride(view: View):
     """The stride between consecutive rows when `view`'s leading dims are seen as one dim of
     rows (0 where it repeats along all of them), or None where they do not walk memory as one
@@ -318,15 +252,6 @@ def _row_stride(view: View):
     if any(not _eq(outer[1], inner[1] * inner[0]) for outer, inner in zip(lead, lead[1:])):
         return None
     return lead[-1][1]
-
-
-def _sole_reader(value: SSAValue):
-    """The one op reading `value`, seen through the yield of its fusion group; else None."""
-    uses = list(value.uses)
-    while len(uses) == 1 and isinstance(uses[0].operation, YieldOp):
-        group = uses[0].operation.parent_op()
-        uses = list(group.results[uses[0].index].uses) if isinstance(group, FusionOp) else []
-    return uses[0].operation if len(uses) == 1 else None
 
 
 def _only_use(value: SSAValue, user) -> bool:

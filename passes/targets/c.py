@@ -25,6 +25,8 @@ from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.fusion import ANCHORS, VIEW_OPS
 from tilegraph.ir.ops import Op
 from tilegraph.ir.shapes import info_of
+from tilegraph.ir.strides import (channels_last_strides, contiguous_strides, is_channels_last, laid_out_for_reader,
+                                  reshape_copies, strides_of)
 from tilegraph.passes.cost.model import (Cost, at_nominal, cold_bytes, element_count, free, gemm_rate, group_traffic,
                                          interpolate, matmul_shape, memo_hw, nbytes, op_bytes, op_flops, parallel_speedup,
                                          prod, sized, through_views)
@@ -49,6 +51,8 @@ __all__ = ["op_cost", "quant_cost", "group_cost", "choose_tile", "C_PARALLEL_MIN
 def op_cost(op: TgOp, hw) -> Cost:
     """An op alone is a step of its own: a group of one, or a copy."""
     name = op.op_name
+    if name == Op.reshape and reshape_copies(op, written):  # a transpose's dims merged: copied
+        return _reshape_copy(op, hw)
     if name in VIEW_OPS:  # nothing moves
         return free(name)
     if op.SPEC.category not in ("layout", "source"):
@@ -63,12 +67,52 @@ def op_cost(op: TgOp, hw) -> Cost:
     moved = sum((nbytes(info) for info in op.result_infos()), zero)
     tables = [v for v in map(through_views, op.operands) if isinstance(v.owner, TgOp) and v.owner.op_name == Op.weight]
     cold = sympy.Min(moved, sum((nbytes(info_of(v.type)) for v in tables), zero)) if tables else zero
-    # At the calibrated row-copy rate where the profile has one: a copy is short rows, each
-    # checked against its bounds, not a streaming pass, and for the few rows a lookup takes
-    # that rate, not where in memory the table lies, sets its time.
-    memory = moved / hw.copy_bandwidth if hw.copy_bandwidth else step_memory(hw, 2 * moved, cold)
-    overhead = step_overhead(hw, element_count(op.result_infos()[0]))
+    memory, overhead = copy_time(hw, moved, cold, element_count(op.result_infos()[0]))
     return Cost(flops, bytes_, memory + overhead, zero, memory, overhead, label=name, ops=[name])
+
+
+def copy_time(hw, moved: sympy.Expr, cold: sympy.Expr, elements: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr]:
+    """(memory, overhead) of a step that copies `moved` bytes, `cold` of them from a weight.
+    At the calibrated row-copy rate where the profile has one: a copy is short rows, each
+    checked against its bounds, not a streaming pass, and for the few rows a lookup takes
+    that rate, not where in memory the table lies, sets its time."""
+    memory = moved / hw.copy_bandwidth if hw.copy_bandwidth else step_memory(hw, 2 * moved, cold)
+    return memory, step_overhead(hw, elements)
+
+
+def written(value) -> tuple:
+    """Where the C backend lays out a value an op computes (ir/strides.strides_of asks): a
+    convolution's result channels-last (oneDNN's fast kernels), an attention's or a batched
+    GEMM's as its transposing reader wants it, an elementwise loop's, a pool's or a pad's as
+    its channels-last operand (the emitter's `like`), anything else row-major."""
+    op, info = value.owner, info_of(value.type)
+    shape = info.shape
+    if isinstance(op, TgOp) and len(shape) >= 3:
+        if op.op_name == Op.conv:
+            return channels_last_strides(shape)
+        if op.op_name == Op.attention or (op.op_name == Op.matmul and not _on_weight(op)):
+            return laid_out_for_reader(value) or contiguous_strides(shape)
+        if op.SPEC.pointwise or op.op_name in (Op.max_pool, Op.avg_pool, Op.pad):
+            for x in op.operands:
+                if len(info_of(x.type).shape) == len(shape) and is_channels_last(info_of(x.type).shape,
+                                                                                 strides_of(x, written)):
+                    return channels_last_strides(shape)
+    return contiguous_strides(shape)
+
+
+def _on_weight(op: TgOp) -> bool:
+    """x @ W with W a weight: one 2-D GEMM over all rows, written row-major."""
+    b = through_views(op.operands[1])
+    return isinstance(b.owner, TgOp) and b.owner.op_name == Op.weight
+
+
+def _reshape_copy(op: TgOp, hw) -> Cost:
+    """A reshape the C backend cannot make a view: a strided loop copying every element."""
+    info = op.result_infos()[0]
+    zero = sympy.Integer(0)
+    moved = nbytes(info)
+    memory, overhead = copy_time(hw, moved, zero, element_count(info))
+    return Cost(zero, 2 * moved, memory + overhead, zero, memory, overhead, label="reshape (copy)", ops=[op.op_name])
 
 
 def group_cost(ops, anchors, rest, inputs, outputs, hw, label: str = "", **_tile) -> Cost:
@@ -109,6 +153,12 @@ def group_cost(ops, anchors, rest, inputs, outputs, hw, label: str = "", **_tile
     size = max((element_count(o) for o in outputs), key=at_nominal) if outputs else zero
     overhead = steps * step_overhead(hw, size)
     time = overhead + anchor_time + row_time + sympy.Max(loop, memory)
+    # A reshape the backend cannot make a view (a transposed operand's dims merged) is a
+    # copy step of its own before the loop.
+    for op in ops:
+        if op.op_name == Op.reshape and reshape_copies(op, written):
+            copy = _reshape_copy(op, hw)
+            time, memory, overhead = time + copy.time, memory + copy.memory_time, overhead + copy.overhead
     return Cost(flops, bytes_, time, compute, memory, overhead, kernels=1, label=label, ops=names)
 
 
@@ -128,7 +178,11 @@ def anchor_compute(op: TgOp, hw) -> sympy.Expr:
     arithmetic = _anchor_arithmetic(op, hw)
     if op.op_name == Op.attention:
         return arithmetic
-    return sympy.Max(arithmetic, cold_bytes([op]) / hw.memory_bandwidth)
+    # A convolution is a oneDNN primitive's call besides its work (the GEMM rates were taken
+    # net of nothing but the module call, so they hold theirs), all of a squeeze-excitation's
+    # 1x1 convolution on a 1x1 map.
+    call = hw.primitive_overhead if op.op_name == Op.conv else 0.0
+    return call + sympy.Max(arithmetic, cold_bytes([op]) / hw.memory_bandwidth)
 
 
 def _anchor_arithmetic(op: TgOp, hw) -> sympy.Expr:

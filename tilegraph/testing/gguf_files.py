@@ -163,8 +163,10 @@ def gemma3_path() -> Path | None:
     return Path(package.assemble())
 
 
-def compare_with_transformers(lm, prompts: list[str], new_tokens: int, batch_together: bool = True) -> list[dict]:
-    """Greedy generation of up to `new_tokens` (both stop at the end of the turn) on each chat-templated
+def compare_with_transformers(lm, prompts: list[str], new_tokens: int, batch_together: bool = True,
+                              stop: bool = True) -> list[dict]:
+    """Greedy generation of up to `new_tokens` (both stop at the end of the turn; with stop=False both
+    make exactly `new_tokens`, past it) on each chat-templated
     prompt by tilegraph (`lm`, all prompts decoded together) and by transformers on the same GGUF file, dequantized, in float64 (so its logits
     are the reference of the project's tolerances). One dict per prompt: both token lists, and the
     largest logit error relative to tolerance over the steps both took."""
@@ -185,7 +187,7 @@ def compare_with_transformers(lm, prompts: list[str], new_tokens: int, batch_tog
         def keep_group(step, out, group=group):
             for j, b in enumerate(group):
                 logits[b].append(np.array(out[j]))
-        for seq, token in lm.generate_ids([ids[b] for b in group], new_tokens, Sampling(), stop=True,
+        for seq, token in lm.generate_ids([ids[b] for b in group], new_tokens, Sampling(), stop=stop,
                                           on_logits=keep_group):
             sub[seq].append(token)
         for j, b in enumerate(group):
@@ -201,8 +203,12 @@ def compare_with_transformers(lm, prompts: list[str], new_tokens: int, batch_tog
     rtol, atol = tolerance("f32", hidden)
     for b, p in enumerate(ids):
         with torch.no_grad():
-            out = model.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True,
-                                 pad_token_id=lm.tokenizer.eos_id, eos_token_id=sorted(lm.tokenizer.stop_ids))
+            # the mask given: without it transformers masks out every prompt token equal to the pad id
+            # (the end-of-turn token the chat template holds) once the pad id is no end token (stop=False)
+            out = model.generate(torch.tensor([p]), attention_mask=torch.ones((1, len(p)), dtype=torch.long),
+                                 max_new_tokens=new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                                 pad_token_id=lm.tokenizer.eos_id,
+                                 eos_token_id=sorted(lm.tokenizer.stop_ids) if stop else None)
         theirs = out.sequences[0, len(p):].tolist()
         worst = 0.0
         for step, want in enumerate(out.logits):
