@@ -270,7 +270,7 @@ FAULTS = [
     Fault("backends/c/runtime.c", "        for (int64_t c = 0; c < dv; c++) ai[c] *= corr;",
           "        for (int64_t c = 0; c < dv; c++) ai[c] *= 1.f;",
           "attention: the accumulator not rescaled when the running max grows", calls=("tg_attention",)),
-    Fault("backends/c/runtime.c", "om += idx * mb[i]; oo += idx * ob[i];", "oo += idx * ob[i];",
+    Fault("backends/c/runtime.c", "off[2] += idx * vb[i]; off[3] += idx * mb[i];", "off[2] += idx * vb[i];",
           "attention: the mask's batch strides ignored", calls=("tg_attention",)),
     Fault("backends/c/decode.c", "            memcpy((char *)cache + (size_t)((b * Hkv + h) * S + pos[b * pstride]) * row,",
           "            memcpy((char *)cache + (size_t)((b * Hkv + h) * S + pos[0]) * row,",
