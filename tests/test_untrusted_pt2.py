@@ -198,8 +198,75 @@ def test_only_sympy_constructors_of_names_and_numbers_pass_the_expression_check(
             check_expression(text)
 
 
+class _TouchThenTensor:
+    """Unpickles as the tensor whose values it holds, after running the payload: a caller's own
+    file with a pickled weight (a tensor subclass, say) does what its pickle says, too."""
+    def __init__(self, tensor):
+        self.values, self.parameter = tensor.tolist(), isinstance(tensor, torch.nn.Parameter)
+
+    def __reduce__(self):
+        value = f"__import__('torch').tensor({self.values!r})"
+        if self.parameter:
+            value = f"__import__('torch').nn.Parameter({value})"
+        return (eval, (f"[{RUN}, {value}][1]",))
+
+
+def _pickled_weights(plain: Path, dst: Path) -> Path:
+    """`plain` with every weight pickled (use_pickle, as torch.export.save writes a tensor subclass)."""
+    state = torch.export.load(plain).state_dict
+    with zipfile.ZipFile(plain) as z:
+        config = json.loads(next(z.read(n) for n in z.namelist() if n.endswith("_weights_config.json")))
+    fqn_of = {meta["path_name"]: fqn for fqn, meta in config["config"].items()}
+    for meta in config["config"].values():
+        meta["use_pickle"] = True
+
+    def edit(name, data):
+        if name.endswith("_weights_config.json"):
+            return json.dumps(config).encode()
+        if name.startswith("data/weights/weight_"):
+            return _pickled(_TouchThenTensor(state[fqn_of[name.rsplit("/", 1)[1]]]))
+        return data
+    return _rewrite(plain, dst, edit=edit)
+
+
 def test_trust_pickle_hands_torch_the_file_itself(plain, tmp_path):
-    """A caller's own archive with a pickled weight (a tensor subclass, say) loads when the
-    caller says it is trusted, and only then."""
-    pickled = _rewrite(plain, tmp_path / "mine.pt2", edit=lambda n, d: d)
-    assert load_pt2(pickled, trust_pickle=True).input_names == load_pt2(plain).input_names
+    """A caller's own archive with pickled weights is refused by default and loads, unpickled,
+    when the caller says it is trusted."""
+    import numpy as np
+
+    from tilegraph.ir import interpret
+
+    pickled = _pickled_weights(plain, tmp_path / "mine.pt2")
+    with pytest.raises(FrontendError, match="pickled object"):
+        load_pt2(pickled)
+    assert not MARKER.exists()
+    trusted = load_pt2(pickled, trust_pickle=True)
+    assert MARKER.exists()  # torch unpickled the weights: the trusted path runs what the file says
+    x = np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32)
+    np.testing.assert_array_equal(interpret(trusted, [x])[0], interpret(load_pt2(plain), [x])[0])
+
+
+@pytest.mark.parametrize("command", ["import", "compile", "cost", "export", "tilegraph-opt"])
+def test_the_commands_refuse_a_pickle_bearing_pt2_unless_told_to_trust_it(plain, tmp_path, capsys, command):
+    """Every command that reads a .pt2: without --trust-pickle, exit 2 naming the pickled member,
+    no output written and the payload not run; with it, torch's own loader (the payload runs)."""
+    from tilegraph.cli import main as tilegraph_main
+    from tilegraph.opt import main as opt_main
+    from tests.test_cli import assert_clean_error, run
+
+    pickled = _pickled_weights(plain, tmp_path / "mine.pt2")
+    out = tmp_path / ("out.onnx" if command == "export" else "out.mlir" if command != "compile" else "out.py")
+    argv = {"import": ["import", pickled, "-o", out], "compile": ["compile", pickled, "-o", out],
+            "cost": ["cost", pickled], "export": ["export", pickled, "-o", out],
+            "tilegraph-opt": [pickled, "-o", out]}[command]
+    main = opt_main if command == "tilegraph-opt" else tilegraph_main
+
+    code, _, err = run(main, argv, capsys)
+    assert_clean_error(code, err, "pickled object")
+    assert not MARKER.exists(), "the payload ran without --trust-pickle"
+    assert not out.exists()
+
+    code, _, err = run(main, [*argv, "--trust-pickle"], capsys)
+    assert code == 0, err
+    assert MARKER.exists(), "--trust-pickle did not take torch's own loader"
+    assert command == "cost" or out.exists()

@@ -99,6 +99,51 @@ def test_a_rank_past_what_onednn_holds_is_refused_before_any_backend(op):
         tilegraph.compile(_onnx(nodes, [_f32("x", shape)], [_f32("y", None)]), target="c")
 
 
+# Calls runtime.c's entry points as a module would, through ctypes on the built runtime, with
+# arguments no verified IR produces: what an edited module could pass. A child process, so
+# that a write past the runtime's arrays (the code before its check) cannot take pytest down.
+_RUNTIME_CALL = """
+import ctypes, sys
+from tilegraph.backends.c.build import runtime
+
+lib = ctypes.CDLL(str(runtime()))
+lib.tg_error.restype = ctypes.c_char_p
+ones = (ctypes.c_int64 * 32)(*[1] * 32)  # the caller's arrays are long enough: only the runtime's are not
+f32 = (ctypes.c_int * 3)(3, 3, 3)  # dnnl_f32
+prim, pack, posts = (ctypes.create_string_buffer(1 << 16) for _ in range(3))
+what, nd, npost = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+if what == "matmul":
+    rc = lib.tg_matmul_create(prim, nd, ones, ones, ones, ones, ones, ones, f32, 0, None, pack, npost, posts)
+else:
+    rc = lib.tg_conv_create(prim, nd, ones, ones, nd, ones, ones, ones, ones, 0, ones, ones, ones, None, pack,
+                            npost, posts, None, 0)
+print("rc", rc, lib.tg_error().decode())
+"""
+
+
+@pytest.mark.parametrize("call,message", [
+    (("matmul", 13, 0), "a matmul of rank 13: the C runtime takes ranks 2 to 12"),
+    (("convolution", 13, 0), "a convolution of rank 13: the C runtime takes ranks 3 to 12"),
+    (("convolution", 15, 0), "a convolution of rank 15"),  # its 13 spatial dims: past the pads' array too
+    (("matmul", 2, 9), "a matmul with 9 post-ops: the C runtime takes at most 8"),
+    (("matmul", 2, 0), None),  # a 1x1 GEMM: the check lets through what the runtime holds
+])
+def test_the_c_runtime_refuses_ranks_past_its_arrays_when_called_directly(call, message):
+    """The IR refuses rank 13 first (above), so no model reaches runtime.c's own check: a
+    module not emitted from verified IR (an edited cache entry) calls it with a rank-13 (or a
+    nine-post-op) descriptor. Before the check, its 12-entry stack arrays were written past."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _RUNTIME_CALL, *map(str, call)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]  # no signal, no abort
+    if message is None:
+        assert done.stdout.startswith("rc 0"), done.stdout
+    else:
+        assert done.stdout.startswith("rc 1") and message in done.stdout, done.stdout
+
+
 def _pool_then_concat():
     """A window of 4 over a length L bound at call time: at L = 2 the pool's L - 3 is
     negative; the concat after it wrote outside its output, and the sum returned a number."""

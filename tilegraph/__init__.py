@@ -62,17 +62,21 @@ SUFFIXES = {".onnx": "ONNX (frontends.onnx)", ".mlir": "tg IR text (Model.load)"
             ".gguf": "llama.cpp model file (frontends.gguf): its decode step, one token, the KV cache as inputs"}
 
 
-def import_model(source: Any, example_inputs: Sequence[Any] | None = None, dynamic_shapes: Any = None) -> Model:
+def import_model(source: Any, example_inputs: Sequence[Any] | None = None, dynamic_shapes: Any = None, *,
+                 trust_pickle: bool = False) -> Model:
     """An `ir.Model` from a Model, an onnx.ModelProto, a .onnx/.mlir/.pt2 path, an nn.Module or an ExportedProgram.
 
     `example_inputs` (a tuple of tensors) is needed for an nn.Module, which is traced
     with torch.export, as is `dynamic_shapes` (torch.export's argument: which input
     dims are symbolic); both are ignored for the other sources.
+    `trust_pickle=True`: a .pt2 goes to torch.export.load unchecked, which can run any code
+    the file carries (frontends/pt2_archive.py); only for a file you made. The default reads
+    a .pt2 through the allow-list, which refuses such files by name. Other files ignore it.
     """
     if isinstance(source, Model):
         return source
     if isinstance(source, (str, os.PathLike)):
-        return _import_file(Path(source))
+        return _import_file(Path(source), trust_pickle=trust_pickle)
     onnx = sys.modules.get("onnx")  # an onnx object exists only if onnx was imported
     if onnx is not None and isinstance(source, onnx.ModelProto):
         from tilegraph.frontends.onnx import from_onnx
@@ -100,7 +104,7 @@ def import_model(source: Any, example_inputs: Sequence[Any] | None = None, dynam
                          f"or a file: {', '.join(f'{s} ({k})' for s, k in SUFFIXES.items())}")
 
 
-def _import_file(path: Path) -> Model:
+def _import_file(path: Path, trust_pickle: bool = False) -> Model:
     suffix = path.suffix.lower()
     if suffix not in SUFFIXES:
         raise ModelError(f"{path}: unknown model file type '{path.suffix}'; tilegraph reads "
@@ -114,7 +118,7 @@ def _import_file(path: Path) -> Model:
     if suffix == ".pt2":
         from tilegraph.frontends.torch_export import load_pt2
 
-        return load_pt2(path)
+        return load_pt2(path, trust_pickle=trust_pickle)
     if suffix == ".gguf":
         from tilegraph.frontends.gguf import from_gguf
 

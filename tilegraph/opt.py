@@ -74,7 +74,7 @@ class TilegraphOptMain(xDSLOptMain):
                 if path.suffix.lower() != f".{kind}":  # import_model goes by the suffix: -f must agree
                     raise ModelError(f"-f {kind}: {path} is not a .{kind} file (tilegraph-opt reads a file as "
                                      "its suffix says; leave out -f)")
-                return tilegraph.import_model(path).module
+                return tilegraph.import_model(path, trust_pickle=self.args.trust_pickle).module
             return frontend
 
         self.available_frontends["mlir"] = from_mlir
@@ -104,6 +104,9 @@ class TilegraphOptMain(xDSLOptMain):
                                 help="hardware to cost on (--print-cost-after-all) and to give the passes' hardware "
                                      "option (fuse, tile, shard): h100, h200, a100, cpu or c (the C backend's "
                                      "profile; default: cpu)")
+        from tilegraph.cli.parser import TRUST_PICKLE
+
+        arg_parser.add_argument("--trust-pickle", action="store_true", help=TRUST_PICKLE)
         arg_parser.add_argument("--load-pass-plugin", action="append", default=[], metavar="MODULE",
                                 help="import a Python module (a name, or a .py file) that registers passes "
                                      "with tilegraph.passes.registry.register_pass, before the pipeline is read")

@@ -579,9 +579,29 @@ static dnnl_status_t tg_matmul_pd(dnnl_primitive_desc_t *pd, const void *ctx, co
     return dnnl_matmul_primitive_desc_create(pd, tg_engine, c->src, wei, NULL, c->dst, attr);
 }
 
+/* The ranks and post-op counts the runtime's fixed arrays hold (TG_MAX_DIMS: tg_md's copies,
+ * a convolution's spatial parameters; TG_MAX_POST: tg_prim's post-op memories), checked before
+ * anything is copied into them. The IR refuses a rank past 12 first (ir/shapes.py, MAX_RANK):
+ * this stops a module that was not emitted from verified IR (an edited cache entry) at the
+ * C boundary. */
+static int tg_check_ranks(const char *what, int nd, int lowest, int w_nd, int npost, const tg_post *posts) {
+    if (nd < lowest || nd > TG_MAX_DIMS)
+        TG_FAIL("a %s of rank %d: the C runtime takes ranks %d to %d", what, nd, lowest, TG_MAX_DIMS);
+    if (w_nd < 1 || w_nd > TG_MAX_DIMS)
+        TG_FAIL("a %s whose weight has rank %d: the C runtime takes ranks 1 to %d", what, w_nd, TG_MAX_DIMS);
+    if (npost < 0 || npost > TG_MAX_POST)
+        TG_FAIL("a %s with %d post-ops: the C runtime takes at most %d", what, npost, TG_MAX_POST);
+    for (int i = 0; i < npost; i++)
+        if (posts[i].binary && posts[i].binary != TG_POST_SUM && (posts[i].nd < 0 || posts[i].nd > TG_MAX_DIMS))
+            TG_FAIL("a %s whose post-op %d has an operand of rank %d: the C runtime takes ranks up to %d", what, i,
+                    posts[i].nd, TG_MAX_DIMS);
+    return 0;
+}
+
 int tg_matmul_create(tg_prim *g, int nd, const int64_t *a_dims, const int64_t *a_str, const int64_t *b_dims,
                      const int64_t *b_str, const int64_t *c_dims, const int64_t *c_str, const int *types,
                      int scaled, const void *weight, tg_packed *pack, int npost, const tg_post *posts) {
+    if (tg_check_ranks("matmul", nd, 2, nd, npost, posts)) return 1;
     tg_matmul_ctx ctx = {tg_md(nd, a_dims, a_str, types[0]), tg_md(nd, c_dims, c_str, types[2])};
     dnnl_memory_desc_t wei = tg_md(nd, b_dims, b_str, types[1]);
     if (tg_runtime_init()) return 1;
@@ -660,6 +680,7 @@ int tg_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_s
                    int chain_out) {
     tg_conv_ctx ctx;
     int sp = nd - 2, rc = 1;
+    if (tg_check_ranks("convolution", nd, 3, w_nd, npost, posts)) return 1;
     if (tg_runtime_init()) return 1;
     /* At precision bf16 a depthwise convolution stays f32: oneDNN 3.2 has no AMX kernel for
      * it, and its AVX-512 BF16 one (brdgmm_dw:avx512_core_bf16) took about twice the f32

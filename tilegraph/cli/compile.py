@@ -15,7 +15,7 @@ def _import(args) -> int:
     import tilegraph
 
     refuse_overwriting(args.model, args.output, Path(args.output).with_suffix(".weights.npz"))
-    model = tilegraph.import_model(args.model)
+    model = tilegraph.import_model(args.model, trust_pickle=args.trust_pickle)
     out = Path(args.output)
     write_together({weights_path(out): model.weights.save, out: lambda p: p.write_text(model.text)})
     print(f"wrote {out} ({len(model.ops())} ops) and {out.with_suffix('.weights.npz').name} "
@@ -33,7 +33,7 @@ def _compile(args) -> int:
     # triton): the default pipeline does so, and a given one too where it names no target.
     hardware = getattr(backend(args.target), "HARDWARE", "cpu")
     pipeline = None if args.pipeline is None else with_hardware(args.pipeline, hardware)
-    imported = tilegraph.import_model(args.model)
+    imported = tilegraph.import_model(args.model, trust_pickle=args.trust_pickle)
     compiled = tilegraph.compile(imported, target=args.target, pipeline=pipeline)
     report = _report(compiled, dims, hardware, imported) if args.report else []  # a bad --dim fails before anything is written
     out = Path(args.output)

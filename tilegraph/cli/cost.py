@@ -22,7 +22,7 @@ def _cost(args) -> int:
         return _decode_cost(args, hw)
     dims = parse_dims(args.dim)
     pipeline = with_hardware(DEFAULT_PIPELINE if args.pipeline is None else args.pipeline, hw.name)
-    model = run_pipeline(tilegraph.import_model(args.model), pipeline)
+    model = run_pipeline(tilegraph.import_model(args.model, trust_pickle=args.trust_pickle), pipeline)
     cost = module_cost(model.module, hw)
     symbols = _input_symbols(model) | _cost_symbols(cost)
     check_dims(dims, symbols)

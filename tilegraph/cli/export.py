@@ -17,8 +17,8 @@ def _export(args) -> int:
     if not out.parent.is_dir():
         raise TilegraphError(f"-o {out}: no such directory {out.parent}")
     refuse_overwriting(args.model, out)
-    model = run_pipeline(tilegraph.import_model(args.model), UNFUSED_PIPELINE if args.pipeline is None
-                         else args.pipeline)
+    model = run_pipeline(tilegraph.import_model(args.model, trust_pickle=args.trust_pickle),
+                         UNFUSED_PIPELINE if args.pipeline is None else args.pipeline)
     proto = to_onnx(model, out.stem)
     write_onnx(proto, out)
     print(f"wrote {out}: {summary(proto)}")

@@ -29,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="print kernel count, planned buffers, planned peak memory and weight bytes")
 
     check = sub.add_parser("check", help="run tilegraph and onnxruntime on the same random inputs and compare")
-    _shared(check, model="model.onnx", pipeline=PIPELINE,
+    _shared(check, model="model.onnx", pt2=False, pipeline=PIPELINE,
             dim="size of a symbolic dimension, e.g. --dim batch=2 (default: drawn from the seed)")
     check.add_argument("--seed", type=_non_negative, default=0)
     check.add_argument("--int-high", type=_positive, default=2, metavar="N",
@@ -200,14 +200,22 @@ def _parser() -> argparse.ArgumentParser:
 
 MODEL = "model.onnx, model.pt2 or model.mlir"
 PIPELINE = "pass pipeline (default: the default pipeline)"
+TRUST_PICKLE = ("trust a .pt2 model (one you made): hand it to torch.export.load unchecked, which unpickles its "
+                "pickled members and loads its shared libraries, so the file can run any code as you. Without "
+                "it a .pt2 is read through an allow-list of torch's plain layout, and one holding anything that "
+                "could run code (pickles, aotinductor/ libraries, the legacy layout) is refused by name "
+                "(exit 2). Other model files ignore it")
 
 
 def _shared(parser: argparse.ArgumentParser, model: str = MODEL, output: str | None = None,
-            pipeline: str | None = None, dim: str | None = None, model_optional: bool = False) -> None:
+            pipeline: str | None = None, dim: str | None = None, model_optional: bool = False,
+            pt2: bool = True) -> None:
     """The options commands share, each added with the command's help text (None: it has none): the
-    model file (optional where another option can name the model), -o/--output (required),
-    -p/--pipeline and --dim NAME=SIZE (repeatable)."""
+    model file (optional where another option can name the model), --trust-pickle (where it
+    may be a .pt2), -o/--output (required), -p/--pipeline and --dim NAME=SIZE (repeatable)."""
     parser.add_argument("model", help=model, nargs="?" if model_optional else None)
+    if pt2:
+        parser.add_argument("--trust-pickle", action="store_true", help=TRUST_PICKLE)
     if output:
         parser.add_argument("-o", "--output", required=True, help=output)
     if pipeline:

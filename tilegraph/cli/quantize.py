@@ -47,7 +47,7 @@ def _quantize(args) -> int:
     if args.rounding == "gptq" and args.calib is None:
         raise TilegraphError("--rounding gptq needs --calib: it rounds each layer against its inputs on the "
                              "calibration samples")
-    model = run_pipeline(tilegraph.import_model(args.model), UNFUSED_PIPELINE)
+    model = run_pipeline(tilegraph.import_model(args.model, trust_pickle=args.trust_pickle), UNFUSED_PIPELINE)
     if not linear_layers(model.func.body.block.ops, model.weights):
         raise TilegraphError(f"{args.model} has no matmul by a 2-D float weight: nothing to quantize")
     out = Path(args.output)

@@ -32,7 +32,7 @@ def _run(args) -> int:
         raise TilegraphError(str(e)) from None
     if int(np.prod(shape)) != args.devices or args.devices < 1:
         raise TilegraphError(f"--mesh {args.mesh} has {int(np.prod(shape))} devices, --devices says {args.devices}")
-    model = run_pipeline(tilegraph.import_model(args.model),
+    model = run_pipeline(tilegraph.import_model(args.model, trust_pickle=args.trust_pickle),
                          UNFUSED_PIPELINE if args.pipeline is None else args.pipeline)
     symbols = _input_symbols(model)
     dims = parse_dims(args.dim)

@@ -57,7 +57,7 @@ def _model_to_plan(args):
         raise TilegraphError("tilegraph shard plans a model file or a --config (a config.json or a named shape "
                              "such as llama-7b): give exactly one")
     if args.model is not None:
-        return tilegraph.import_model(args.model)
+        return tilegraph.import_model(args.model, trust_pickle=args.trust_pickle)
     from tilegraph.frontends.config import NAMED_CONFIGS, from_config, read_config
 
     config = NAMED_CONFIGS.get(args.config.lower()) or read_config(args.config)
