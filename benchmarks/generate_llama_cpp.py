@@ -200,8 +200,14 @@ class OrtGenai:
             import torch
             import transformers
 
-            transformers.AutoModelForCausalLM.from_pretrained(
-                str(path.parent), gguf_file=path.name, dtype=torch.float32).save_pretrained(hf)
+            loaded = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                       dtype=torch.float32)
+            # transformers refuses to save a model loaded from GGUF: the same weights, in a plain one
+            config = loaded.config
+            del config.quantization_config  # the weights are plain f32 now
+            plain = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            plain.load_state_dict(loaded.state_dict())
+            plain.save_pretrained(hf)
             transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(hf)
         t0 = time.perf_counter()
         built = genai_folder(hf, out, threads, "int4")
@@ -322,7 +328,7 @@ def main() -> None:
             tps = {name: statistics.median(results[(kind, name)]) for name in runners}
             shares = []
             for name, r in runners.items():
-                if kind == "pp":
+                if kind == "pp" or getattr(r, "cache_row_bytes", None) is None:  # ort-genai: int4 blocks of its own
                     shares.append("-")
                     continue
                 depth = (8 + args.tg / 2) if kind == "tg" else args.depth + args.depth_tokens / 2
