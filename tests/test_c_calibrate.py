@@ -238,6 +238,25 @@ def _reshape_cases():
     return cases
 
 
+def test_a_reshapes_layout_question_asks_each_value_once(monkeypatch):
+    """Pricing a reshape follows the layouts of the values above it; a value read along two paths
+    (x + tanh(x), layer after layer) is asked once, not once per path (2^layers: 40 such layers
+    took hours to price)."""
+    from tilegraph.passes.targets import c
+
+    asked = []
+    real = c.written
+    monkeypatch.setattr(c, "written", lambda value, rule: asked.append(value) or real(value, rule))
+    g = Graph()
+    h = g.input("x", (2, 4, 8))
+    for _ in range(40):
+        h = h + g.tanh(h)
+    model = g.build(g.reshape(h, (8, 8)))
+    (op,) = [o for o in model.func.walk() if getattr(o, "op_name", None) == "reshape"]
+    op_cost(op, hardware("c"))
+    assert 0 < len(asked) == len(set(asked)) <= 2 * 40 + 1
+
+
 @pytest.mark.parametrize("case", range(5))
 def test_a_reshape_is_priced_as_the_copy_the_c_backend_makes(case):
     """The C target prices a reshape as a copy exactly where the emitter copies (a transpose's
@@ -248,7 +267,7 @@ def test_a_reshape_is_priced_as_the_copy_the_c_backend_makes(case):
 
     from tilegraph.backends.c.emit import emit_program
     from tilegraph.ir.strides import reshape_copies
-    from tilegraph.passes.targets.c import written
+    from tilegraph.passes.targets.c import layouts
 
     name, model = _reshape_cases()[case]
     compiled = run_pipeline(model, default_pipeline("c"))
@@ -260,7 +279,7 @@ def test_a_reshape_is_priced_as_the_copy_the_c_backend_makes(case):
     priced = []
     for op in compiled.func.body.block.walk():
         if getattr(op, "op_name", None) == "reshape":
-            copies_here = reshape_copies(op, written)
+            copies_here = reshape_copies(op, layouts())
             priced += [op] if copies_here else []
             if op.parent_op() is compiled.func:  # a kernel of its own: a copy step, or nothing
                 assert (at(op_cost(op, hw).time) > 0) == copies_here

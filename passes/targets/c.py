@@ -18,8 +18,10 @@ themselves and read no tile: those groups get an empty one (they run whole, as p
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import sympy
+from xdsl.ir import SSAValue
 
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.fusion import ANCHORS, VIEW_OPS
@@ -51,7 +53,7 @@ __all__ = ["op_cost", "quant_cost", "group_cost", "choose_tile", "C_PARALLEL_MIN
 def op_cost(op: TgOp, hw) -> Cost:
     """An op alone is a step of its own: a group of one, or a copy."""
     name = op.op_name
-    if name == Op.reshape and reshape_copies(op, written):  # a transpose's dims merged: copied
+    if name == Op.reshape and reshape_copies(op, layouts()):  # a transpose's dims merged: copied
         return _reshape_copy(op, hw)
     if name in VIEW_OPS:  # nothing moves
         return free(name)
@@ -80,8 +82,22 @@ def copy_time(hw, moved: sympy.Expr, cold: sympy.Expr, elements: sympy.Expr) -> 
     return memory, step_overhead(hw, elements)
 
 
-def written(value) -> tuple:
-    """Where the C backend lays out a value an op computes (ir/strides.strides_of asks): a
+def layouts() -> Callable[[SSAValue], tuple]:
+    """`written`, each value's answer kept for this one question: a value an elementwise op
+    reads along two paths (x + f(x)) would else be asked again down each, twice per layer."""
+    memo: dict[SSAValue, tuple] = {}
+
+    def rule(value: SSAValue) -> tuple:
+        if value not in memo:
+            memo[value] = written(value, rule)
+        return memo[value]
+
+    return rule
+
+
+def written(value: SSAValue, rule: Callable[[SSAValue], tuple]) -> tuple:
+    """Where the C backend lays out a value an op computes (ir/strides.strides_of asks, `rule`
+    answering for the values it reads): a
     convolution's result channels-last (oneDNN's fast kernels), an attention's or a batched
     GEMM's as its transposing reader wants it, an elementwise loop's, a pool's or a pad's as
     its channels-last operand (the emitter's `like`), anything else row-major."""
@@ -95,7 +111,7 @@ def written(value) -> tuple:
         if op.SPEC.pointwise or op.op_name in (Op.max_pool, Op.avg_pool, Op.pad):
             for x in op.operands:
                 if len(info_of(x.type).shape) == len(shape) and is_channels_last(info_of(x.type).shape,
-                                                                                 strides_of(x, written)):
+                                                                                 strides_of(x, rule)):
                     return channels_last_strides(shape)
     return contiguous_strides(shape)
 
@@ -156,7 +172,7 @@ def group_cost(ops, anchors, rest, inputs, outputs, hw, label: str = "", **_tile
     # A reshape the backend cannot make a view (a transposed operand's dims merged) is a
     # copy step of its own before the loop.
     for op in ops:
-        if op.op_name == Op.reshape and reshape_copies(op, written):
+        if op.op_name == Op.reshape and reshape_copies(op, layouts()):
             copy = _reshape_copy(op, hw)
             time, memory, overhead = time + copy.time, memory + copy.memory_time, overhead + copy.overhead
     return Cost(flops, bytes_, time, compute, memory, overhead, kernels=1, label=label, ops=names)
