@@ -14,7 +14,8 @@ from tilegraph.ir import escape
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.model import Model
 from tilegraph.ir.shapes import numel
-from tilegraph.ir.strides import channels_last_strides, contiguous_strides, is_contiguous, reshaped_strides, unit_dims_strided
+from tilegraph.ir.strides import (_eq, _is_one, channels_last_strides, contiguous_strides, is_contiguous, reshaped_strides,
+                                  unit_dims_strided)  # _eq, _is_one: the other emitter modules import them here
 
 
 def c_comment(text: str) -> str:
@@ -77,14 +78,6 @@ class Step:
     # the source's buffer is read as nothing else, whether it is depthwise): what
     # onednn.chain_convolutions reads.
     conv: tuple[int, Any, Any, bool, bool] | None = None
-
-
-def _eq(a, b) -> bool:
-    return sympy.expand(sympy.sympify(a) - sympy.sympify(b)) == 0
-
-
-def _is_one(d) -> bool:
-    return _eq(d, 1)
 
 
 class Unsupported(Exception):
