@@ -57,16 +57,17 @@ SETTLE_S = 0.05
 
 
 def interleaved_samples(runners: dict[str, Callable], repeat: int, warmup: int = 1,
-                        back_to_back: bool = False) -> dict[str, list[float]]:
+                        back_to_back: bool = False, first: dict[str, float] | None = None) -> dict[str, list[float]]:
     """Seconds of each call of each runner, timed round-robin: sample r of every runner
     comes from round r, so two runners' r-th samples were taken a fraction of a second apart.
 
     back_to_back: every timed call follows an untimed call of the same runner with no
     pause, so its thread pools are awake and its weights in cache, as in a serving loop
     (the pause comes before the untimed call); by default the pause comes right before
-    the timed call."""
+    the timed call. first: seconds of a call each runner already took (instead of a warmup
+    round, to tell a fast runner; a runner missing from it counts as fast)."""
     names = list(runners)
-    first: dict[str, float] = {}
+    first = dict(first or {})
     for _ in range(warmup):
         for name in names:
             _, first[name] = timed(runners[name])

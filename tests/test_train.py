@@ -282,6 +282,30 @@ def test_bias_gradients_run_in_their_weight_gradient_gemm_steps_on_c():
     assert steps(plain, True) == [] and len(steps(plain, False)) == 3
 
 
+def test_linear_layers_train_as_2d_gemms_and_their_weight_gradients_lie_as_the_weights_on_c():
+    """A training step's Linear layers (weights are inputs there, not constants): each forward
+    GEMM is one 2-D GEMM over all rows, its bias added by oneDNN's post-op, and each weight
+    gradient is made as the weight lies ([out, in] = dY^T X, dY^T the GEMM's source), so AdamW's
+    loop reads every gradient along its rows (no strided read); one step's weights match torch's."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(), torch.nn.Linear(40, 16))
+    x, y = torch.randn(4, 16, 24), torch.randint(0, 16, (4, 16))
+    step = tilegraph.train_step(copy.deepcopy(module), "cross_entropy", AdamW(lr=1e-2, weight_decay=0.1),
+                                example_inputs=(x,), target="c")
+    step(x, targets=y)
+    sources = {p.split(" source: ")[0].rsplit(" ", 1)[-1] for p in step.compiled.primitives}
+    # forward: all 64 rows at once; weight gradients: dY^T (out x rows) times X
+    assert {"64x24", "64x40", "40x64", "16x64"} <= sources, sources
+    assert not any(s.count("x") > 1 for s in sources) and step.compiled.reference_kernels == []
+    assert "{1, " in step.compiled.source  # a binary post-op: the bias added by the forward GEMM
+    strided = [line for line in step.compiled.source.splitlines() if "[j * " in line and "const float t" in line]
+    assert strided == []
+    reference = copy.deepcopy(module)
+    torch_losses(reference, [(x, y)], torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1))
+    for name, p in reference.named_parameters():
+        assert relative_error(step.weights[name], p.detach().numpy()) < PEER_RELATIVE_ERROR, name
+
+
 def test_bf16_training_keeps_f32_master_weights_and_its_loss_tracks_f32():
     """precision="bf16" on C: every GEMM of the step (forward and backward) multiplies in bf16 on
     the processor's bf16 units, accumulating in f32, while the weights, the AdamW moments and the

@@ -64,9 +64,9 @@ class Groups(EmitterParts):
         return True
 
     def _bias_partners(self) -> dict[FusionOp, FusionOp]:
-        """A Linear layer's weight gradient X^T @ dY over all rows (a group of that one GEMM,
-        dY read as (rows, N)) and its bias gradient, the column sum of the same dY (a group of
-        that one reduce_sum over every leading axis), each the other's partner: the column
+        """A Linear layer's weight gradient X^T @ dY (or dY^T @ X) over all rows (a group of
+        that one GEMM, dY read as (rows, N)) and its bias gradient, the column sum of the same
+        dY (a group of that one reduce_sum over every leading axis), each the other's partner: the column
         sum runs in the GEMM's step, no step of its own. (oneDNN's post-ops take no
         reduction: the sum is a loop in the step, over dY as the GEMM reads it.)"""
         if hasattr(self, "_partners"):
@@ -81,15 +81,20 @@ class Groups(EmitterParts):
                 continue
             op = step.ops[0]
             if group_kind(step) is GroupKind.MATMUL and op.op_name == Op.matmul:
-                rhs = step.operands[list(step.block.args).index(op.operands[1])] \
-                    if op.operands[1] in step.block.args else None
+                outer = [step.operands[list(step.block.args).index(v)] if v in step.block.args else None
+                         for v in op.operands]
                 lhs, out = info_of(op.operands[0].type), op.result_infos()[0]
-                if rhs is None or not isinstance(rhs.owner, TgOp) or rhs.owner.op_name != Op.reshape or \
-                        lhs.rank != 2 or out.rank != 2 or out.dtype != "f32":
+                if lhs.rank != 2 or out.rank != 2 or out.dtype != "f32":
                     continue
-                dy = self.prog.canon(rhs.owner.operands[0])
-                if info_of(dy.type).rank >= 2 and _eq(info_of(rhs.type).shape[0], numel(info_of(dy.type).shape[:-1])):
-                    gemms[dy] = None if dy in gemms else step  # type: ignore[assignment]
+                # X^T @ dY, or dY^T @ X (a weight kept as [out, in], ir/vjp.py): dY as (rows, N)
+                # either side; the one of the two that has a column sum is dY.
+                for rows in (outer[1] if _owned_by(outer[1], Op.reshape) else None, _swapped(outer[0])):
+                    if rows is None:
+                        continue
+                    dy = self.prog.canon(rows.owner.operands[0])  # type: ignore[union-attr]
+                    if info_of(dy.type).rank >= 2 and _eq(info_of(rows.type).shape[0],
+                                                          numel(info_of(dy.type).shape[:-1])):
+                        gemms[dy] = None if dy in gemms else step  # type: ignore[assignment]
             elif group_kind(step) is GroupKind.REDUCTION and op.op_name == Op.reduce_sum and \
                     op.operands[0] in step.block.args:
                 dy = self.prog.canon(step.operands[0])
@@ -99,7 +104,7 @@ class Groups(EmitterParts):
                     sums[dy] = None if dy in sums else step  # type: ignore[assignment]
         for dy, gemm in gemms.items():
             total = sums.get(dy)
-            if gemm is not None and total is not None:
+            if gemm is not None and total is not None and gemm not in self._partners and total not in self._partners:
                 self._partners[gemm], self._partners[total] = total, gemm
         return self._partners
 
@@ -487,3 +492,15 @@ def _conv_of(parts: list[Step]) -> tuple | None:
     if out.buf in touched:
         return None
     return k, x, out, alone and x.buf not in touched, depthwise
+
+
+def _owned_by(v: SSAValue | None, name: str) -> bool:
+    return v is not None and isinstance(v.owner, TgOp) and v.owner.op_name == name
+
+
+def _swapped(v: SSAValue | None) -> SSAValue | None:
+    """The reshape that `v`, a transpose, swaps the axes of (dY^T's dY as rows), or None."""
+    if v is None or not isinstance(v.owner, TgOp) or v.owner.op_name != Op.transpose:
+        return None
+    inner = v.owner.operands[0]
+    return inner if _owned_by(inner, Op.reshape) else None

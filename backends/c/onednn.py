@@ -252,8 +252,9 @@ class OneDNN(EmitterParts):
         out = self._temp(info)
         weight = self.buffers[b.buf].storage in KNOWN and b.rank == 2
         rank = max(a.rank, b.rank)
-        if weight and self._collapsible(a):
-            # x[..., M, K] @ W[K, N] is one 2-D GEMM over all rows, which takes post-ops.
+        if b.rank == 2 and self._collapsible(a):
+            # x[..., M, K] @ W[K, N] is one 2-D GEMM over all rows, which takes post-ops; so
+            # where W is an input (a training step's weights), packed per call then.
             rows = numel(a.shape[:-1])
             a = View(a.buf, a.offset, (rows, a.shape[-1]), (a.strides[-2], a.strides[-1]), a.dtype)
             c = View(out.buf, 0, (rows, info.shape[-1]), (info.shape[-1], 1), out.dtype)
