@@ -30,7 +30,8 @@ after, under it:
 --step-dir DIR: tilegraph's step after its passes is saved there (Model.save) and read back by a
 later run of the same model, layers and library source (its C library is in build.py's cache);
 --warm-only: compile and run each runner's first step (torch.compile's caches fill too), time
-nothing.
+nothing. --gpt2-step-from FILE / --minilm-step-from FILE: read that saved step whatever the
+library's source (the key names a checkout's files by path: a copy of it has another).
 """
 
 from __future__ import annotations
@@ -107,7 +108,8 @@ def profile(step, inputs, targets, top: int, repeat: int) -> None:
         print(f"  {1e3 * t:8.2f} ms {100 * t / total:5.1f}%  {comment[:150]}")
 
 
-def tilegraph_step(name: str, layers: int, module, inputs, loss: str, step_dir: str | None):
+def tilegraph_step(name: str, layers: int, module, inputs, loss: str, step_dir: str | None,
+                   step_from: str | None = None):
     """tilegraph's C training step of `module`: compiled now, or read from `step_dir` where an
     earlier run of the same model, layers and library source saved it after its passes."""
     from tilegraph.compile_cache import _library_digest
@@ -116,6 +118,8 @@ def tilegraph_step(name: str, layers: int, module, inputs, loss: str, step_dir: 
 
     optimizer = AdamW(lr=LR, weight_decay=DECAY)
     saved = Path(step_dir) / f"{name}-{layers}-{_library_digest()[:16]}.mlir" if step_dir else None
+    if step_from:  # the caller vouches that it is this model's step
+        saved = Path(step_from)
     t0 = time.perf_counter()
     if saved is not None and saved.is_file():
         optimized = Model.load(saved)
@@ -145,13 +149,19 @@ def bench(name: str, args, all_threads: int) -> list[tuple]:
     nparams = sum(p.numel() for p in module.parameters())
     print(f"\n{name}: {layers} layers, {nparams / 1e6:.1f}M parameters, inputs "
           f"{' '.join(str(tuple(x.shape)) for x in inputs)}, loss {loss}, AdamW lr {LR} weight decay {DECAY}")
-    step = tilegraph_step(name, layers, module, inputs, loss, args.step_dir)
+    step = tilegraph_step(name, layers, module, inputs, loss, args.step_dir, getattr(args, f"{name}_step_from"))
     if args.profile:
         profile(step, inputs, targets, args.profile, args.repeat)
         return rows
+    runners_extra: dict = {}
+    others = []
+    for extra in args.also_step or []:  # an A/B: another saved step of this model, emitted by this checkout
+        other = tilegraph_step(name, layers, module, inputs, loss, None, extra)
+        runners_extra[f"tilegraph C ({Path(extra).stem})"] = lambda other=other: other(*inputs, targets=targets)
+        others.append(other)
     eager = copy.deepcopy(module)
     eager_run = torch_trainer(eager, eager, loss)
-    runners = {"tilegraph C": lambda: step(*inputs, targets=targets),
+    runners = {"tilegraph C": lambda: step(*inputs, targets=targets), **runners_extra,
                "torch eager": lambda: eager_run(inputs, targets)}
     if not args.no_compile:
         compiled_module = copy.deepcopy(module)
@@ -173,7 +183,8 @@ def bench(name: str, args, all_threads: int) -> list[tuple]:
     for threads in args.threads.split(","):
         n = all_threads if threads == "all" else int(threads)
         torch.set_num_threads(n)
-        step.compiled._runner.set_threads(n)
+        for s in (step, *others):
+            s.compiled._runner.set_threads(n)
         samples = _common.interleaved_samples(runners, args.repeat, warmup=0, first=first)
         load = os.getloadavg()[0]
         for peer in runners:
@@ -196,6 +207,11 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
     ap.add_argument("--profile", type=int, default=0, help="list tilegraph's N slowest steps, time no peers")
     ap.add_argument("--step-dir", help="save tilegraph's compiled step here, or read it from an earlier run")
+    for name in MODELS:
+        ap.add_argument(f"--{name}-step-from", metavar="FILE",
+                        help=f"read {name}'s compiled step from this file (saved by --step-dir by another checkout)")
+    ap.add_argument("--also-step", action="append", metavar="FILE",
+                    help="time this saved step of the model too (an A/B against another checkout's passes)")
     ap.add_argument("--warm-only", action="store_true", help="compile and take each runner's first step; time nothing")
     args = ap.parse_args()
 
