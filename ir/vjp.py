@@ -499,30 +499,17 @@ def _matmul(b, op, g):
     gy = b.reshape(gy, tuple(yshape))
     ga = b("matmul", gy, swap_last(b, w2))
     ta2 = info(a2)
-    if info(w2).rank == 2 and ta2.rank >= 2:
+    if info(w2).rank == 2 and ta2.rank > 2:
         # a weight shared by every batch row (a linear layer): one GEMM over all rows, not a
         # batched product summed afterwards (which holds batch x the weight's size)
         k, n = info(w2).shape
         rows = numel(ta2.shape[:-1])
-        a_rows = b.reshape(a2, (rows, k)) if ta2.rank > 2 else a2
-        gy_rows = b.reshape(gy, (rows, n)) if ta2.rank > 2 else gy
-        if _is_swap(w2):
-            # w = W^T (torch's Linear keeps W as [out, in]): W's gradient gy^T a made as W lies,
-            # so the transpose's VJP cancels this one. a^T gy would leave it transposed, and
-            # the optimizer's loop would read it down its columns.
-            gw = swap_last(b, b("matmul", swap_last(b, gy_rows), a_rows))
-        else:
-            gw = b("matmul", swap_last(b, a_rows), gy_rows)
+        gw = b("matmul", swap_last(b, b.reshape(a2, (rows, k))), b.reshape(gy, (rows, n)))
     else:
         gw = b("matmul", swap_last(b, a2), gy)
     ga = b.sum_to(ga, info(a2).shape) if info(ga).rank > info(a2).rank or info(ga).shape != info(a2).shape else ga
     gw = b.sum_to(gw, info(w2).shape) if info(gw).rank > info(w2).rank or info(gw).shape != info(w2).shape else gw
     return [b.reshape(ga, ta.shape), b.reshape(gw, tw.shape)]
-
-
-def _is_swap(w: SSAValue) -> bool:
-    """Whether `w` (2-D) is a transpose of another value, its two axes swapped."""
-    return isinstance(w.owner, TgOp) and w.owner.op_name == Op.transpose and tuple(w.owner.attr("perm")) == (1, 0)
 
 
 @vjp("einsum")
