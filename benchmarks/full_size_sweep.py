@@ -172,7 +172,7 @@ def run_one(name: str, batch: int, repeat: int, threads: int | None, precisions:
         if not any(n in name for n in ("vit", "bert", "swin", "whisper", "llama")):
             break
         # Every spelled-out attention folded to the flash kernel (at bf16 its products on AMX
-        # where the processor has it); the default folds only long ones at bf16
+        # where the processor has it); the default folds at bf16 only over enough keys
         # (registry.C_BF16_FOLD_MIN_KEYS) and none at f32: this column, in the same rounds,
         # says whether it should.
         from tilegraph.passes.registry import UNFUSED_PIPELINE
