@@ -312,3 +312,63 @@ def test_a_convolution_is_priced_a_primitive_call_besides_its_work():
     model = g.build(g.matmul(g.input("x", (1, 64)), g.weight("w", np.zeros((64, 16), np.float32))), names=["y"])
     mm = next(op for op in model.func.body.block.ops if getattr(op, "op_name", None) == "matmul")
     assert at(op_cost(mm, hw).time) == at(op_cost(mm, replace(hw, primitive_overhead=0.0)).time)
+
+
+def _op_named(model, name: str):
+    return next(op for op in model.func.body.block.ops if getattr(op, "op_name", None) == name)
+
+
+def test_a_global_average_pool_is_priced_at_the_calibrated_pool_rate():
+    """A mean over a convolution's channels-last result runs the C backend's rows-of-channels
+    kernel (RegNet's squeeze-excitation pools, priced as an add loop, took 3-6x their price):
+    it is priced at the calibrated `pool_rate`, and the emitter takes that kernel. A mean over
+    a row-major input runs another loop, priced as before."""
+    from dataclasses import replace
+
+    from tilegraph.backends.c.emit import emit_program
+    from tilegraph.passes.targets.c import loop_rate
+
+    hw = replace(hardware("c"), pool_rate=1e9)
+    rng = np.random.default_rng(0)
+    g = Graph()
+    y = g.op("conv", g.input("x", (1, 64, 28, 28)), g.weight("w", rng.standard_normal((64, 64, 3, 3)).astype(np.float32) / 24),
+             pads=(1, 1, 1, 1))
+    model = g.build(g.mean(y, axes=(2, 3), keepdims=True), names=["y"])
+    mean = _op_named(model, "reduce_mean")
+    elements = 64 * 28 * 28
+    assert at(op_cost(mean, hw).compute_time) == pytest.approx(elements / 1e9)
+    assert at(op_cost(mean, replace(hw, pool_rate=0.0)).compute_time) == pytest.approx(elements / loop_rate(hw, "add"))
+    assert "acc[j] += row[j]" in emit_program(model).source  # the rows-of-channels kernel
+    xs = [rng.standard_normal((1, 64, 28, 28)).astype(np.float32)]
+    assert_close(tilegraph.compile(model, target="c")(*xs), interpret(model, xs)[0], "f32", reduction_length=576 * 784)
+
+    g = Graph()
+    plain = g.build(g.mean(g.input("x", (1, 64, 28, 28)), axes=(2, 3), keepdims=True), names=["y"])
+    mean = _op_named(plain, "reduce_mean")
+    assert at(op_cost(mean, hw).compute_time) == pytest.approx(elements / loop_rate(hw, "reduce_mean"))
+    assert "acc[j] += row[j]" not in emit_program(plain).source
+
+
+def test_an_image_models_first_convolution_is_priced_at_the_stem_rate():
+    """A convolution over an image's 3 channels (a stem, a Swin or ViT patch embedding, kernel
+    = stride) is no GEMM of its short k: priced at the calibrated stem's rate whatever its
+    window (a 4x4/4 priced as a 3x3's efficiency took 3x its price); 16 channels are a GEMM."""
+    from dataclasses import replace
+
+    base = hardware("c")
+    hw = replace(base, primitive_overhead=0.0, conv_rates={**base.conv_rates, "stem": (12544, 32, 27, 20e9)})
+
+    def conv_time(xs, ws, stride, hw):
+        g = Graph()
+        y = g.op("conv", g.input("x", xs), g.weight("w", np.zeros(ws, np.float32)), strides=(stride, stride))
+        return at(op_cost(_op_named(g.build(y, names=["y"]), "conv"), hw).compute_time), \
+            2 * int(np.prod(y.shape)) * int(np.prod(ws[1:]))
+
+    for ws, stride in (((96, 3, 4, 4), 4), ((768, 3, 16, 16), 16), ((32, 3, 3, 3), 2)):
+        t, flops = conv_time((1, 3, 224, 224), ws, stride, hw)
+        assert t == pytest.approx(flops / 20e9)
+    t, flops = conv_time((1, 16, 56, 56), (32, 16, 3, 3), 1, hw)
+    assert t == pytest.approx(conv_time((1, 16, 56, 56), (32, 16, 3, 3), 1, replace(hw, conv_rates=base.conv_rates))[0])
+    # a profile without the stem's rate prices it as before
+    t, flops = conv_time((1, 3, 224, 224), (96, 3, 4, 4), 4, replace(hw, conv_rates=base.conv_rates))
+    assert t != pytest.approx(flops / 20e9)

@@ -28,7 +28,7 @@ from tilegraph.ir.fusion import ANCHORS, VIEW_OPS
 from tilegraph.ir.ops import Op
 from tilegraph.ir.shapes import info_of
 from tilegraph.ir.strides import (channels_last_strides, contiguous_strides, is_channels_last, laid_out_for_reader,
-                                  reshape_copies, strides_of)
+                                  reduces_rows_of_channels, reshape_copies, strides_of)
 from tilegraph.passes.cost.model import (Cost, at_nominal, cold_bytes, element_count, free, gemm_rate, group_traffic,
                                          interpolate, matmul_shape, memo_hw, nbytes, op_bytes, op_flops, parallel_speedup,
                                          prod, sized, through_views)
@@ -43,6 +43,10 @@ C_PARALLEL_MIN = 32768
 # profile has no rate of their own. The rest are a few vector instructions: `add`'s.
 C_LIBM = {"log", "pow", "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh",
           "expm1", "log1p", "sigmoid", "erf", "tanh", "exp", "gelu"}
+
+# A convolution over this few input channels is an image model's first (RGB or RGBA):
+# priced at the calibrated stem's rate (conv_time), not as a GEMM of so short a k.
+STEM_CHANNELS = 4
 
 # The C backend's flash blocks (queries, keys), tried largest first.
 C_FLASH_BLOCKS = ((128, 256), (128, 128), (64, 128), (64, 64), (32, 64))
@@ -158,7 +162,7 @@ def group_cost(ops, anchors, rest, inputs, outputs, hw, label: str = "", **_tile
             continue
         elements = element_count(op.result_infos()[0]) if op.SPEC.category != "reduction" \
             else element_count(info_of(op.operands[0].type))
-        loop += elements / loop_rate(hw, op.op_name)
+        loop += elements / (reduction_rate(hw, op) if op.SPEC.category == "reduction" else loop_rate(hw, op.op_name))
     loop_bytes = sympy.Max(bytes_ - anchor_io, zero)
     memory = step_memory(hw, loop_bytes, cold_bytes([op for op in ops if op not in anchors]))
     compute = anchor_time + row_time + loop
@@ -185,6 +189,20 @@ def loop_rate(hw, name: str) -> float:
     if name in C_LIBM and "exp" in rates:
         return rates["exp"]
     return rates.get("add") or hw.cache_bandwidth / 12
+
+
+def reduction_rate(hw, op: TgOp) -> float:
+    """Elements/s a reduction reads in a C loop: a sum or mean whose kept channels lie
+    contiguous (a global average pool over a convolution's channels-last result) at its
+    kernel's calibrated rate (`pool_rate`): rows of channels added into blocks of accumulators,
+    far below a fused loop's `add`; any other at its op's loop rate."""
+    if hw.pool_rate and op.op_name in (Op.reduce_sum, Op.reduce_mean):
+        x = op.operands[0]
+        shape = info_of(x.type).shape
+        axes = sorted(int(a) % len(shape) for a in op.attr("axes"))
+        if reduces_rows_of_channels(shape, strides_of(x, layouts()), axes):
+            return hw.pool_rate
+    return loop_rate(hw, op.op_name)
 
 
 def anchor_compute(op: TgOp, hw) -> sympy.Expr:
@@ -238,6 +256,11 @@ def conv_time(op: TgOp, hw, flops: sympy.Expr) -> sympy.Expr:
         return sympy.Max(flops / rate, (element_count(x) + element_count(out)) * k_cal / rate)
     if groups > 1 and at_nominal(sized(w.shape[1])) == 1:
         return flops / (hw.conv_rate or hw.flops("f32"))
+    if groups == 1 and at_nominal(sized(w.shape[1])) <= STEM_CHANNELS and "stem" in hw.conv_rates:
+        # An image's first convolution (a 3x3 stem, a ViT's or Swin's patch embedding): its
+        # few input channels are no GEMM's k, and it reads the caller's plain image: at the
+        # calibrated stem's own rate, whatever its window.
+        return flops / hw.conv_rates["stem"][3]
     window = w.shape[2:]
     kind = "pointwise" if all(at_nominal(sized(d)) == 1 for d in window) else "dense"
     if kind not in hw.conv_rates:
