@@ -30,7 +30,7 @@ from tilegraph.backends.c.views import View
 from tilegraph.ir import cache, dtypes
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.errors import TilegraphError
-from tilegraph.ir.hardware import others_running
+from tilegraph.ir.hardware import Neighbours
 from tilegraph.ir.interpreter import GLOBALS, evaluate, run_time_sizes
 from tilegraph.ir.model import Model, ModelError
 from tilegraph.ir.ops import size_definitions
@@ -454,9 +454,12 @@ class CompiledModel:
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+_NEIGHBOURS = Neighbours()
+
+
 def _uncontended_threads(threads: int) -> int:
     """The threads a forward starts with: at most `threads`, and no more than the cores other
-    processes' runnable threads leave free right now (hardware.others_running). A team of
+    processes keep busy leave free (hardware.Neighbours). A team of
     OpenMP threads moves in lockstep, every parallel region ending in a barrier, and oneDNN
     splits each kernel evenly among them: one thread waiting for a core stalls the whole
     team at every barrier, a scheduler time slice each. With another process busy on one
@@ -464,7 +467,7 @@ def _uncontended_threads(threads: int) -> int:
     lending work to whichever thread runs)."""
     if threads <= 1:
         return threads
-    return max(1, min(threads, CORES - others_running()))
+    return max(1, min(threads, CORES - _NEIGHBOURS.cores()))
 
 
 def _c_array(a, dtype=None) -> np.ndarray:
