@@ -63,7 +63,9 @@ def test_the_c_profile_is_positive_finite_and_round_trips(calibrated):
     assert len(hw.gemm_samples) == len(hw.gemm_samples_threaded) >= 3
     assert {"add", "exp", "gelu", "softmax", "layer_norm"} <= set(hw.ufunc_rates)
     assert [d for d, _ in hw.attention_rates] == [32, 64]
-    assert set(hw.conv_rates) == {"dense", "pointwise", "depthwise"}
+    assert set(hw.conv_rates) == {"dense", "pointwise", "depthwise", "stem", "patch"}
+    assert hw.pool_rate > 0 and set(hw.row_overhead) == {"softmax", "layer_norm"}
+    assert all(math.isfinite(x) and x >= 0 for x in hw.row_overhead.values())
     assert Hardware.from_dict(json.loads(path.read_text())["hardware"]) == hw
 
 
@@ -349,26 +351,54 @@ def test_a_global_average_pool_is_priced_at_the_calibrated_pool_rate():
     assert "acc[j] += row[j]" not in emit_program(plain).source
 
 
-def test_an_image_models_first_convolution_is_priced_at_the_stem_rate():
+def test_an_image_models_first_convolution_is_priced_by_the_two_calibrated_stems():
     """A convolution over an image's 3 channels (a stem, a Swin or ViT patch embedding, kernel
-    = stride) is no GEMM of its short k: priced at the calibrated stem's rate whatever its
-    window (a 4x4/4 priced as a 3x3's efficiency took 3x its price); 16 channels are a GEMM."""
+    = stride) is no GEMM of its short k (a 4x4/4 priced as a 3x3's efficiency took 3x its
+    price): a time per output and per FLOP, solved from the calibrated 3x3/2 stem and 16x16/16
+    patch embedding, so exact at both; 16 input channels are a GEMM as before."""
     from dataclasses import replace
 
     base = hardware("c")
-    hw = replace(base, primitive_overhead=0.0, conv_rates={**base.conv_rates, "stem": (12544, 32, 27, 20e9)})
+    stems = {"stem": (12544, 32, 27, 46e9), "patch": (196, 768, 768, 125e9)}
+    hw = replace(base, primitive_overhead=0.0, conv_rates={**base.conv_rates, **stems})
 
     def conv_time(xs, ws, stride, hw):
         g = Graph()
-        y = g.op("conv", g.input("x", xs), g.weight("w", np.zeros(ws, np.float32)), strides=(stride, stride))
+        pad = ws[-1] // 2 if ws[-1] > stride else 0
+        y = g.op("conv", g.input("x", xs), g.weight("w", np.zeros(ws, np.float32)), strides=(stride, stride),
+                 pads=(pad,) * 4)
         return at(op_cost(_op_named(g.build(y, names=["y"]), "conv"), hw).compute_time), \
-            2 * int(np.prod(y.shape)) * int(np.prod(ws[1:]))
+            2 * int(np.prod(y.shape)) * int(np.prod(ws[1:])), int(np.prod(y.shape))
 
-    for ws, stride in (((96, 3, 4, 4), 4), ((768, 3, 16, 16), 16), ((32, 3, 3, 3), 2)):
-        t, flops = conv_time((1, 3, 224, 224), ws, stride, hw)
-        assert t == pytest.approx(flops / 20e9)
-    t, flops = conv_time((1, 16, 56, 56), (32, 16, 3, 3), 1, hw)
-    assert t == pytest.approx(conv_time((1, 16, 56, 56), (32, 16, 3, 3), 1, replace(hw, conv_rates=base.conv_rates))[0])
-    # a profile without the stem's rate prices it as before
-    t, flops = conv_time((1, 3, 224, 224), (96, 3, 4, 4), 4, replace(hw, conv_rates=base.conv_rates))
-    assert t != pytest.approx(flops / 20e9)
+    t, flops, _ = conv_time((1, 3, 224, 224), (32, 3, 3, 3), 2, hw)
+    assert t == pytest.approx(flops / 46e9)
+    t, flops, _ = conv_time((1, 3, 224, 224), (768, 3, 16, 16), 16, hw)
+    assert t == pytest.approx(flops / 125e9)
+    # Swin's 4x4/4 between them: more per FLOP than the patch embedding, less than the stem
+    t, flops, outputs = conv_time((1, 3, 224, 224), (96, 3, 4, 4), 4, hw)
+    assert flops / 46e9 > t > flops / 125e9
+    t16, *_ = conv_time((1, 16, 56, 56), (32, 16, 3, 3), 1, hw)
+    assert t16 == pytest.approx(conv_time((1, 16, 56, 56), (32, 16, 3, 3), 1, replace(hw, conv_rates=base.conv_rates))[0])
+    # one calibrated stem alone: its rate
+    t, flops, _ = conv_time((1, 3, 224, 224), (96, 3, 4, 4), 4,
+                            replace(hw, conv_rates={**base.conv_rates, "stem": stems["stem"]}))
+    assert t == pytest.approx(flops / 46e9)
+
+
+def test_a_row_kernel_is_priced_a_fixed_cost_per_row():
+    """A softmax over short rows (a Swin window's 49 keys) costs more per element than over
+    long ones (its max, sum and scale loops' setup, per row): priced at the calibrated
+    per-row cost besides the per-element rate, so 49-wide rows above 256-wide ones."""
+    from dataclasses import replace
+
+    hw = replace(hardware("c"), ufunc_rates={**hardware("c").ufunc_rates, "softmax": 2e9},
+                 row_overhead={"softmax": 80e-9})
+
+    def softmax_time(rows, width, hw=hw):
+        g = Graph()
+        model = g.build(g.softmax(g.input("x", (rows, width))), names=["y"])
+        return at(op_cost(_op_named(model, "softmax"), hw).compute_time)
+
+    assert softmax_time(9408, 49) == pytest.approx(9408 * 49 / 2e9 + 9408 * 80e-9)
+    assert softmax_time(9408, 49) > 2 * softmax_time(1801, 256)
+    assert softmax_time(9408, 49, replace(hw, row_overhead={})) == pytest.approx(9408 * 49 / 2e9)

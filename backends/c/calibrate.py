@@ -59,9 +59,10 @@ QUICK_GEMM_SHAPES = ((32, 384, 384), (128, 384, 384), (1024, 384, 1536), (128, 3
 # against the GEMM curve at its implicit GEMM's shape (passes/targets/c.conv_time).
 CONV_CASES = {"dense": ((1, 64, 56, 56), (64, 64, 3, 3), 1), "pointwise": ((1, 256, 28, 28), (128, 256, 1, 1), 1),
               "depthwise": ((1, 96, 56, 56), (96, 1, 3, 3), 96)}
-# An image model's first convolution (a 3x3 stride-2 stem over 3 channels), timed reading the
-# caller's plain image as a model's first does: x shape, weight shape, stride (conv_rates["stem"]).
-STEM_CASE = ((1, 3, 224, 224), (32, 3, 3, 3), 2)
+# An image model's first convolutions, each reading the caller's plain image of 3 channels as
+# a model's first does: a 3x3 stride-2 stem and a ViT's 16x16 stride-16 patch embedding, as
+# x shape, weight shape, stride (conv_rates["stem"], ["patch"]: passes/targets/c.stem_time).
+STEM_CASES = {"stem": ((1, 3, 224, 224), (32, 3, 3, 3), 2), "patch": ((1, 3, 224, 224), (768, 3, 16, 16), 16)}
 # A global average pool over a convolution's channels-last result, as a squeeze-excitation
 # takes it (pool_rate): a middle stage's map of a RegNet or an EfficientNet.
 POOL_CASE = (1, 192, 28, 28)
@@ -76,6 +77,9 @@ LOOP_OPS = ("add", "mul", "div", "sqrt", "exp", "tanh", "erf", "sigmoid", "gelu"
 QUICK_LOOP_OPS = ("add", "exp", "tanh", "erf", "gelu")
 CHAIN = 9  # ops (steps, unfused) in the longer chain (one in the shorter)
 ROW = 256  # row length of the softmax and layer_norm timed (a hidden state's row)
+# ... and the short rows they are timed over too, as many elements in more rows (a 7x7 window's
+# attention scores): what a row costs beyond its elements (`row_overhead`).
+SHORT_ROW = 49
 TINY = 16  # elements of "a tiny step": its fixed cost dominates
 # Elements per array of the in-cache passes: 2 arrays in and 1 out of both sizes fit two cores'
 # L2 of 1 MiB or more, and both are above the emitted loops' OpenMP threshold.
@@ -277,16 +281,27 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         rates[op] = (CHAIN - 1) * n / extra if extra > 0 else n / max(t_one - launch, 1e-9)
 
     bar.step("softmax and layer_norm rows")
+    row_overhead = {}
     for op in ("softmax", "layer_norm"):
-        g = Graph()
-        xin = g.input("x", ("rows", ROW))
-        module = _module(g.build(g.softmax(xin) if op == Op.softmax else g.layer_norm(xin), names=["z"]))
+        modules = []
+        for width in (ROW, SHORT_ROW):
+            g = Graph()
+            xin = g.input("x", ("rows", width))
+            modules.append(_module(g.build(g.softmax(xin) if op == Op.softmax else g.layer_norm(xin), names=["z"])))
         sizes = [n // ROW for n in CACHE_SIZES]
-        t_small, t_big = _quiet_times([_call(module, rng.standard_normal((r, ROW), dtype=np.float32))
-                                       for r in sizes], budget)
+        short = sizes[-1] * ROW // SHORT_ROW  # as many elements as the larger, in short rows
+        t_small, t_big, t_short = _quiet_times(
+            [_call(modules[0], rng.standard_normal((r, ROW), dtype=np.float32)) for r in sizes]
+            + [_call(modules[1], rng.standard_normal((short, SHORT_ROW), dtype=np.float32))], budget)
         e_small, e_big = (r * ROW for r in sizes)
-        rates[op] = (e_big - e_small) / (t_big - t_small) if t_big > t_small * 1.05 else \
-            e_big / max(t_big - launch, 1e-9)
+        whole = (e_big - e_small) / (t_big - t_small) if t_big > t_small * 1.05 else e_big / max(t_big - launch, 1e-9)
+        # The same elements in more rows took longer by each row's own cost (its max, sum and
+        # scale loops' setup and tails): that per row, the rest per element.
+        per_row = max(0.0, (t_short - t_big) / (short - sizes[-1]))
+        per_element = 1 / whole - per_row / ROW
+        if per_element <= 0:  # noise: the rows' rate as measured whole, at ROW
+            per_row, per_element = 0.0, 1 / whole
+        rates[op], row_overhead[op] = 1 / per_element, per_row
 
     # A gather's row copy (embeddings; priced alike: every copy, concat, pad): one gather more
     # in the module, from an intermediate into the arena (the output's fresh pages cancel).
@@ -345,24 +360,26 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         conv_rates[kind] = (*gemm, conv_flops / max(t_both - t_before, t_both / 10))
     conv_rate = conv_rates["dense"][3]
 
-    bar.step("a stem convolution")
-    (xs, ws, stride) = STEM_CASE
-    g = Graph()
-    w = g.weight("w", (rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:]))).astype(np.float32))
-    y = g.op("conv", g.input("x", xs), w, pads=(ws[-1] // 2,) * 4, strides=(stride, stride))
-    (t_stem,) = _quiet_times((_call(_module(g.build(y, names=["y"])), rng.standard_normal(xs, dtype=np.float32)),),
-                             budget)
-    stem_flops = 2 * int(np.prod(y.shape)) * int(np.prod(ws[1:]))
-    conv_rates["stem"] = (int(np.prod(y.shape)) // ws[0], ws[0], int(np.prod(ws[1:])),
-                          stem_flops / max(t_stem - launch, t_stem / 10))
+    bar.step("stem convolutions")
+    for kind, (xs, ws, stride) in STEM_CASES.items():
+        g = Graph()
+        w = g.weight("w", (rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:]))).astype(np.float32))
+        y = g.op("conv", g.input("x", xs), w, pads=(ws[-1] // 2 if ws[-1] > stride else 0,) * 4, strides=(stride, stride))
+        (t_stem,) = _quiet_times((_call(_module(g.build(y, names=["y"])), rng.standard_normal(xs, dtype=np.float32)),),
+                                 budget)
+        pixels = int(np.prod(y.shape)) // ws[0]
+        conv_rates[kind] = (pixels, ws[0], int(np.prod(ws[1:])),
+                            2 * pixels * ws[0] * int(np.prod(ws[1:])) / max(t_stem - launch, t_stem / 10))
 
-    # A global average pool after the depthwise 3x3 that writes its input channels-last, less that one alone.
+    # Global average pools after the depthwise 3x3 that writes their input channels-last: two
+    # (a mean and a sum) against one, so both modules hand back as small a result.
     bar.step("a global average pool")
-    (before, _), (pooled, _) = (_after_depthwise(rng, POOL_CASE),
-                                _after_depthwise(rng, POOL_CASE, lambda g, y: g.mean(y, axes=(2, 3), keepdims=True)))
+    (one, _), (two, _) = (_after_depthwise(rng, POOL_CASE, lambda g, y: g.mean(y, axes=(2, 3), keepdims=True)),
+                          _after_depthwise(rng, POOL_CASE, lambda g, y: g.mean(y, axes=(2, 3), keepdims=True)
+                                           + g.sum(y, axes=(2, 3), keepdims=True)))
     xp = rng.standard_normal(POOL_CASE, dtype=np.float32)
-    t_before, t_pool = _quiet_times((_call(before, xp), _call(pooled, xp)), budget)
-    pool_rate = int(np.prod(POOL_CASE)) / max(t_pool - t_before, t_pool / 10)
+    t_one, t_two = _quiet_times((_call(one, xp), _call(two, xp)), budget)
+    pool_rate = int(np.prod(POOL_CASE)) / max(t_two - t_one, t_two / 10)
 
     # One more oneDNN primitive in a module, of next to no work: a 1x1 convolution on a 1x1
     # map (a squeeze-excitation's), beyond the step it is.
@@ -399,6 +416,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         conv_rates=conv_rates,
         primitive_overhead=primitive,
         pool_rate=pool_rate,
+        row_overhead=row_overhead,
         copy_bandwidth=copy_bandwidth,
         attention_rates=tuple(attention_rates),
         attention_speedup=speedup,
@@ -408,7 +426,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
 
 def summary(hw: Hardware) -> str:
     """The measured numbers as a table."""
-    inputs = {**{kind: xs for kind, (xs, _, _) in CONV_CASES.items()}, "stem": STEM_CASE[0]}
+    inputs = {kind: xs for kind, (xs, _, _) in {**CONV_CASES, **STEM_CASES}.items()}
     rows = [
         ("module call (one add, 16 elements)", f"{hw.launch_overhead * 1e6:.2f} us"),
         ("one more step in a module (tiny, one thread)", f"{hw.chunk_call_overhead * 1e6:.2f} us"),
@@ -429,7 +447,8 @@ def summary(hw: Hardware) -> str:
     rows += [(f"GEMM f32 {m}x{n}x{k} (one thread / all)", f"{r / 1e9:.1f} / {t / 1e9:.1f} GFLOP/s")
              for (m, n, k, r), (*_, t) in zip(hw.gemm_samples, hw.gemm_samples_threaded)]
     rows += [(f"f32 {name} {'row kernel' if name in (Op.softmax, Op.layer_norm) else 'in a fused loop'} (all threads)",
-              f"{rate / 1e9:.2f} Gelem/s")
+              f"{rate / 1e9:.2f} Gelem/s" + (f" + {hw.row_overhead[name] * 1e9:.0f} ns a row"
+                                             if name in hw.row_overhead else ""))
              for name, rate in hw.ufunc_rates.items()]
     return table(hw.source, rows)
 

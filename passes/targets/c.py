@@ -153,9 +153,9 @@ def group_cost(ops, anchors, rest, inputs, outputs, hw, label: str = "", **_tile
     anchor_in = {v: None for op in anchors for v in op.operands if v.owner not in inside}
     anchor_out = [r for op in anchors for r in op.results if any(u.operation not in inside for u in r.uses)]
     anchor_io = sum((nbytes(info_of(v.type)) for v in [*anchor_in, *anchor_out]), zero)
-    # Row ops (runtime.h): one call per group of rows, their rate calibrated whole.
+    # Row ops (runtime.h): one call per group of rows, each row a fixed cost and its elements.
     rows = [op for op in rest if op.SPEC.row_normalizing]
-    row_time = sum((element_count(op.result_infos()[0]) / loop_rate(hw, op.op_name) for op in rows), zero)
+    row_time = sum((row_kernel_time(hw, op) for op in rows), zero)
     loop = zero
     for op in rest:
         if op.SPEC.row_normalizing:
@@ -189,6 +189,16 @@ def loop_rate(hw, name: str) -> float:
     if name in C_LIBM and "exp" in rates:
         return rates["exp"]
     return rates.get("add") or hw.cache_bandwidth / 12
+
+
+def row_kernel_time(hw, op: TgOp) -> sympy.Expr:
+    """A softmax's or layer_norm's row kernel: its elements at the calibrated rate, and each
+    row (along the last axis) its calibrated fixed cost."""
+    info = op.result_infos()[0]
+    elements = element_count(info)
+    per_row = hw.row_overhead.get(op.op_name, 0.0)
+    rows = elements / sized(info.shape[-1]) if per_row and info.shape else sympy.Integer(0)
+    return elements / loop_rate(hw, op.op_name) + rows * per_row
 
 
 def reduction_rate(hw, op: TgOp) -> float:
@@ -257,10 +267,7 @@ def conv_time(op: TgOp, hw, flops: sympy.Expr) -> sympy.Expr:
     if groups > 1 and at_nominal(sized(w.shape[1])) == 1:
         return flops / (hw.conv_rate or hw.flops("f32"))
     if groups == 1 and at_nominal(sized(w.shape[1])) <= STEM_CHANNELS and "stem" in hw.conv_rates:
-        # An image's first convolution (a 3x3 stem, a ViT's or Swin's patch embedding): its
-        # few input channels are no GEMM's k, and it reads the caller's plain image: at the
-        # calibrated stem's own rate, whatever its window.
-        return flops / hw.conv_rates["stem"][3]
+        return stem_time(hw, flops, element_count(out))
     window = w.shape[2:]
     kind = "pointwise" if all(at_nominal(sized(d)) == 1 for d in window) else "dense"
     if kind not in hw.conv_rates:
@@ -271,6 +278,27 @@ def conv_time(op: TgOp, hw, flops: sympy.Expr) -> sympy.Expr:
     rm, rn, rk, rate = hw.conv_rates[kind]
     efficiency = rate / hw.matmul_rate(rm, rn, rk, threaded=True)
     return flops / (hw.matmul_rate(m, n, k, threaded=True) * efficiency)
+
+
+def stem_time(hw, flops: sympy.Expr, outputs: sympy.Expr) -> sympy.Expr:
+    """An image's first convolution (a 3x3 stem, a ViT's or Swin's patch embedding) reads the
+    caller's plain image of a few channels, no GEMM of so short a k: a time per output element
+    plus its FLOPs at a rate, both solved from the two calibrated ones (a 3x3 stride-2 stem,
+    mostly outputs; a 16x16 patch embedding, mostly FLOPs). With one of them, or where the two
+    do not solve to positive costs: at the nearer one's rate."""
+    samples = [hw.conv_rates[kind] for kind in ("stem", "patch") if kind in hw.conv_rates]
+    # t = outputs * a + flops * b for each sample (m x n outputs, 2mnk FLOPs)
+    rows = [(m * n, 2.0 * m * n * k, 2.0 * m * n * k / rate) for m, n, k, rate in samples]
+    if len(rows) == 2:
+        (o1, f1, t1), (o2, f2, t2) = rows
+        det = o1 * f2 - o2 * f1
+        if det:
+            a, b = (t1 * f2 - t2 * f1) / det, (o1 * t2 - o2 * t1) / det
+            if a > 0 and b > 0:
+                return outputs * a + flops * b
+    per_output = at_nominal(flops) / max(at_nominal(outputs), 1.0)
+    _, f, t = min(rows, key=lambda r: abs(math.log(r[1] / r[0]) - math.log(max(per_output, 1e-9))))
+    return flops * t / f
 
 
 @memo_hw
