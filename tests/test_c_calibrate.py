@@ -402,3 +402,41 @@ def test_a_row_kernel_is_priced_a_fixed_cost_per_row():
     assert softmax_time(9408, 49) == pytest.approx(9408 * 49 / 2e9 + 9408 * 80e-9)
     assert softmax_time(9408, 49) > 2 * softmax_time(1801, 256)
     assert softmax_time(9408, 49, replace(hw, row_overhead={})) == pytest.approx(9408 * 49 / 2e9)
+
+
+def test_activations_a_convolution_applies_as_it_writes_cost_no_loop():
+    """relu, gelu, sigmoid and sigmoid(x) * x after a GEMM or convolution run as oneDNN's
+    post-ops inside its pass (the emitter's ELTWISE_POSTS, and swish): the group is priced as
+    the anchor alone, not the anchor plus a loop at sigmoid's calibrated rate (EfficientNet's
+    swish convolutions were priced 2-3x their time). A sigmoid on another value still costs
+    its loop."""
+    from tilegraph.backends.c.emit import emit_program
+    from tilegraph.passes.targets.c import loop_rate
+
+    rng = np.random.default_rng(0)
+    hw = hardware("c")
+
+    def group(act):
+        g = Graph()
+        x = g.input("x", (1, 32, 28, 28))
+        y = g.op("conv", x, g.weight("w", rng.standard_normal((32, 32, 3, 3)).astype(np.float32) / 17), pads=(1,) * 4)
+        model = run_pipeline(g.build(act(g, x, y), names=["y"]), default_pipeline("c"))
+        return model, next(op for op in model.func.body.block.ops if isinstance(op, FusionOp))
+
+    loop = 32 * 28 * 28 / loop_rate(hw, "sigmoid")  # what a sigmoid's loop over the result costs
+
+    def alone(fused):  # the group's convolution priced as a step of its own
+        return at(op_cost(next(op for op in fused.ops if op.op_name == "conv"), hw).time)
+
+    for act in (lambda g, x, y: g.op("relu", y), lambda g, x, y: g.op("sigmoid", y) * y,
+                lambda g, x, y: g.op("gelu", y)):
+        model, fused = group(act)
+        # at most the pass writing the result (no loop at an activation's rate)
+        assert alone(fused) <= at(fusion_cost(fused, hw).time) < alone(fused) + 0.1 * loop
+    model, fused = group(lambda g, x, y: g.op("sigmoid", y) * y)
+    assert "swish" in emit_program(model).source  # as the emitter runs it
+    xs = [rng.standard_normal((1, 32, 28, 28)).astype(np.float32)]
+    assert_close(tilegraph.compile(model, target="c")(*xs), interpret(model, xs)[0], "f32", reduction_length=288)
+    # a sigmoid of the input, added after: a loop of its own
+    model, fused = group(lambda g, x, y: y + g.op("sigmoid", x))
+    assert at(fusion_cost(fused, hw).time) >= alone(fused) + loop

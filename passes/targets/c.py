@@ -24,7 +24,7 @@ import sympy
 from xdsl.ir import SSAValue
 
 from tilegraph.ir.dialect import FusionOp, TgOp
-from tilegraph.ir.fusion import ANCHORS, VIEW_OPS
+from tilegraph.ir.fusion import ANCHORS, ELTWISE_POSTS, VIEW_OPS
 from tilegraph.ir.ops import Op
 from tilegraph.ir.shapes import info_of
 from tilegraph.ir.strides import (channels_last_strides, contiguous_strides, is_channels_last, laid_out_for_reader,
@@ -157,8 +157,9 @@ def group_cost(ops, anchors, rest, inputs, outputs, hw, label: str = "", **_tile
     rows = [op for op in rest if op.SPEC.row_normalizing]
     row_time = sum((row_kernel_time(hw, op) for op in rows), zero)
     loop = zero
+    posts = eltwise_posts(anchors, rest)
     for op in rest:
-        if op.SPEC.row_normalizing:
+        if op.SPEC.row_normalizing or op in posts:
             continue
         elements = element_count(op.result_infos()[0]) if op.SPEC.category != "reduction" \
             else element_count(info_of(op.operands[0].type))
@@ -189,6 +190,29 @@ def loop_rate(hw, name: str) -> float:
     if name in C_LIBM and "exp" in rates:
         return rates["exp"]
     return rates.get("add") or hw.cache_bandwidth / 12
+
+
+def eltwise_posts(anchors, rest) -> set:
+    """The ops of `rest` a GEMM or convolution applies as it writes its result (ELTWISE_POSTS
+    in a chain on it, sigmoid(x) * x as a swish): they cost its pass nothing, not a loop at
+    their calibrated rate (EfficientNet's swish convolutions were priced 2-3x their time)."""
+    covered: set = set()
+    for anchor in anchors:
+        if anchor.op_name not in (Op.conv, Op.matmul):
+            continue
+        current, before = anchor.results[0], None
+        for op in rest:
+            if op.op_name in ELTWISE_POSTS and op.operands[0] is current:
+                before, current = current, op.results[0]
+            elif op.op_name == Op.mul and before is not None and current.owner.op_name == Op.sigmoid and \
+                    {id(v) for v in op.operands} == {id(before), id(current)}:
+                before, current = None, op.results[0]
+            else:
+                if op.op_name in (Op.add, Op.sub, Op.mul) and current in op.operands:  # a bias or scale on the way
+                    before, current = None, op.results[0]
+                continue
+            covered.add(op)
+    return covered
 
 
 def row_kernel_time(hw, op: TgOp) -> sympy.Expr:
