@@ -523,7 +523,8 @@ class Neighbours:
     reading of the runnable count often sees a passing thread (a shell, a short compile) that
     would halve a whole forward's threads; a neighbour that keeps running also used the CPU
     since the last look. So: none runnable now, none busy; else, when the last look was
-    recent, the cores' worth others used since it; after a longer gap, the runnable count."""
+    recent, the cores' worth others used since it (none where it was quiet); after a longer gap,
+    the runnable count."""
 
     def __init__(self) -> None:
         self._since = _cpu_seconds()
@@ -532,7 +533,9 @@ class Neighbours:
     def cores(self) -> int:
         running, now, since = others_running(), _cpu_seconds(), self._since
         if now is not None and (since is None or now[2] - since[2] >= QUIET_WINDOW):
-            self._busy = _busy_cores(_others_between(since, now)) if since and now[2] - since[2] <= RECENT else None
+            used = _others_between(since, now) if since and now[2] - since[2] <= RECENT else None
+            # a neighbour that started since the last look used part of the window: not quiet is busy
+            self._busy = None if used is None else 0 if used < QUIET_CORES else max(1, round(used))
             self._since = now
         if running == 0:
             return 0
