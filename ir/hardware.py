@@ -452,6 +452,39 @@ def others_running() -> int:
         return 0
 
 
+def contending_running() -> int:
+    """Runnable threads of other processes right now that compete with this one for a core:
+    those at this process's priority or above (a niced neighbour yields its core: see
+    _cpu_seconds), kernel threads left out. Reads each thread's state only where
+    /proc/loadavg says others run."""
+    return len(contending_pids()) if others_running() else 0
+
+
+def contending_pids() -> list[int]:
+    """The process of each thread contending_running counts (a process once per thread)."""
+    own, mine = os.getpriority(os.PRIO_PROCESS, 0), str(os.getpid())
+    found = []
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit() and p != mine]
+    except OSError:
+        return []
+    for pid in pids:
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:  # (gone meanwhile)
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+                # after the command (proc(5)): state, ppid (2: a kernel thread's), ..., nice
+                if fields[0] == b"R" and fields[1] != b"2" and pid != "2" and int(fields[16]) <= own:
+                    found.append(int(pid))
+            except (OSError, IndexError, ValueError):
+                continue
+    return found
+
+
 # A measurement window in which other processes used this many cores' worth of CPU on
 # average (rounded to the nearest whole core, at least one) was taken on a busy machine. Half
 # a core: a neighbour held one core for half the run, which halves a two-core GEMM's rate.
@@ -462,16 +495,25 @@ BUSY_CORES = 0.5
 QUIET_WINDOW, QUIET_CORES = 0.2, 0.25
 
 
-def _cpu_seconds() -> tuple[float, float, float] | None:
+def busy_ticks(fields: list, niced_too: bool = True) -> int:
+    """The busy ticks of /proc/stat's `cpu` line (split into fields), the niced processes'
+    (its `nice` column) only where `niced_too`."""
+    # user nice system idle iowait irq softirq steal: all but idle and iowait were busy
+    # (steal: the hypervisor gave this machine's cores to another)
+    return sum(int(fields[i]) for i in ((1, 2, 3, 6, 7, 8) if niced_too else (1, 3, 6, 7, 8)) if i < len(fields))
+
+
+def _cpu_seconds(contending: bool = False) -> tuple[float, float, float] | None:
     """(CPU seconds every process has used, all cores together; of them, this process's own,
     its threads and the children it waited for; the monotonic clock), or None where
-    /proc/stat does not say."""
+    /proc/stat does not say. `contending`: only the processes that compete with this one
+    for a core: where this one runs unniced, the niced ones' time is left out (the kernel
+    weighs a nice-0 thread against a nice-15 one as 1024 to 36: a busy nice-15 neighbour
+    takes about 3% of a core this process's thread wants)."""
     try:
         with open("/proc/stat", "rb") as f:
             fields = f.readline().split()
-        # user nice system idle iowait irq softirq steal: all but idle and iowait were busy
-        # (steal: the hypervisor gave this machine's cores to another)
-        ticks = sum(int(fields[i]) for i in (1, 2, 3, 6, 7, 8) if i < len(fields))
+        ticks = busy_ticks(fields, niced_too=not contending or os.getpriority(os.PRIO_PROCESS, 0) > 0)
         hz = os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, AttributeError):
         return None
@@ -488,17 +530,37 @@ def others_cores(start: tuple[float, float, float] | None, min_window: float = Q
     left = start[2] + min_window - time.monotonic()
     if left > 0:
         time.sleep(left)
-    end = _cpu_seconds()
-    if end is None:
+    return _others_between(start, _cpu_seconds())
+
+
+def _others_between(start: tuple[float, float, float], end: tuple[float, float, float] | None) -> float:
+    """Cores' worth of CPU other processes used between two _cpu_seconds() readings."""
+    if end is None or end[2] <= start[2]:
         return 0.0
-    return max(0.0, (end[0] - start[0]) - (end[1] - start[1])) / max(end[2] - start[2], 1e-9)
+    return max(0.0, (end[0] - start[0]) - (end[1] - start[1])) / (end[2] - start[2])
+
+
+def _whole_cores(used: float) -> int:
+    """0 below BUSY_CORES of a core, else the cores' worth `used`, at least 1."""
+    return 0 if used < BUSY_CORES else max(1, round(used))
+
+
+def contention_reading() -> tuple[float, float, float] | None:
+    """A reading for contending_cores: the CPU time of the processes that compete with this one."""
+    return _cpu_seconds(contending=True)
+
+
+def contending_cores(start: tuple[float, float, float] | None, end: tuple[float, float, float] | None) -> int:
+    """Cores other processes at this one's priority or above took between two
+    contention_reading()s: 0 when below BUSY_CORES of a core on average, else their cores'
+    worth, at least 1."""
+    return 0 if start is None else _whole_cores(_others_between(start, end))
 
 
 def busy_count(start: tuple[float, float, float] | None) -> int:
     """How busy others kept the machine since `start`: 0 when quiet (below BUSY_CORES of a
     core on average), else the cores' worth they used, at least 1."""
-    used = others_cores(start)
-    return 0 if used < BUSY_CORES else max(1, round(used))
+    return _whole_cores(others_cores(start))
 
 
 def quiet_now() -> bool:
