@@ -530,37 +530,53 @@ def others_cores(start: tuple[float, float, float] | None, min_window: float = Q
     left = start[2] + min_window - time.monotonic()
     if left > 0:
         time.sleep(left)
-    return _others_between(start, _cpu_seconds())
+    end = _cpu_seconds()
+    return 0.0 if end is None else _others_between(start, end)
 
 
-def _others_between(start: tuple[float, float, float], end: tuple[float, float, float] | None) -> float:
-    """Cores' worth of CPU other processes used between two _cpu_seconds() readings."""
-    if end is None or end[2] <= start[2]:
-        return 0.0
-    return max(0.0, (end[0] - start[0]) - (end[1] - start[1])) / (end[2] - start[2])
+def _others_between(start: tuple[float, float, float], end: tuple[float, float, float]) -> float:
+    return max(0.0, (end[0] - start[0]) - (end[1] - start[1])) / max(end[2] - start[2], 1e-9)
 
 
-def _whole_cores(used: float) -> int:
-    """0 below BUSY_CORES of a core, else the cores' worth `used`, at least 1."""
+def _busy_cores(used: float) -> int:
+    """0 below BUSY_CORES of a core on average (quiet), else the cores' worth used, at least 1."""
     return 0 if used < BUSY_CORES else max(1, round(used))
 
 
-def contention_reading() -> tuple[float, float, float] | None:
-    """A reading for contending_cores: the CPU time of the processes that compete with this one."""
-    return _cpu_seconds(contending=True)
-
-
-def contending_cores(start: tuple[float, float, float] | None, end: tuple[float, float, float] | None) -> int:
-    """Cores other processes at this one's priority or above took between two
-    contention_reading()s: 0 when below BUSY_CORES of a core on average, else their cores'
-    worth, at least 1."""
-    return 0 if start is None else _whole_cores(_others_between(start, end))
-
-
 def busy_count(start: tuple[float, float, float] | None) -> int:
-    """How busy others kept the machine since `start`: 0 when quiet (below BUSY_CORES of a
-    core on average), else the cores' worth they used, at least 1."""
-    return _whole_cores(others_cores(start))
+    """How busy others kept the machine since `start` (_busy_cores)."""
+    return _busy_cores(others_cores(start))
+
+
+# Others' CPU time since a look older than this says little of what runs now.
+RECENT = 2.0
+
+
+class Neighbours:
+    """The cores other processes keep busy, asked before each forward starts its threads. One
+    reading of the runnable count often sees a passing thread (a shell, a short compile) that
+    would halve a whole forward's threads; a neighbour that keeps running also used the CPU
+    since the last look. So: none runnable now, none busy; else, when the last look was
+    recent, the cores' worth others used since it (none where it was quiet); after a longer gap,
+    the runnable count. Only neighbours that compete with this process for a core count
+    (_cpu_seconds(contending=True), contending_running): one niced below it yields its core
+    (on the shared machine others' tests ran under nice 15 and the benchmarks at nice 0:
+    counted, they halved every benchmark forward's threads)."""
+
+    def __init__(self) -> None:
+        self._since = _cpu_seconds(contending=True)
+        self._busy: int | None = None
+
+    def cores(self) -> int:
+        running, now, since = others_running(), _cpu_seconds(contending=True), self._since
+        if now is not None and (since is None or now[2] - since[2] >= QUIET_WINDOW):
+            used = _others_between(since, now) if since and now[2] - since[2] <= RECENT else None
+            # a neighbour that started since the last look used part of the window: not quiet is busy
+            self._busy = None if used is None else 0 if used < QUIET_CORES else max(1, round(used))
+            self._since = now
+        if running == 0:
+            return 0
+        return contending_running() if self._busy is None else min(running, self._busy)
 
 
 def quiet_now() -> bool:

@@ -99,3 +99,30 @@ def test_tilegraph_calibrate_under_load_is_detected_and_not_cached_as_is(tmp_pat
     assert "warning: other processes kept" in done.stdout
     assert "kept the profile measured on a quiet machine" in done.stdout
     assert load_profile(path) == fixed  # the quiet one stays
+
+
+def test_a_passing_thread_keeps_a_forwards_threads_and_a_neighbour_that_keeps_running_takes_its_core(monkeypatch):
+    """Neighbours: a thread runnable at the moment of looking, but whose process used almost no
+    CPU since the last look, leaves every core to the forward; one that used a core's worth
+    takes that core; after a long gap the runnable count alone decides."""
+    clock = {"all": 100.0, "own": 10.0, "t": 50.0}
+    monkeypatch.setattr(hardware, "_cpu_seconds", lambda contending=False: (clock["all"], clock["own"], clock["t"]))
+    monkeypatch.setattr(hardware, "others_running", lambda: 1)
+    monkeypatch.setattr(hardware, "contending_running", lambda: 1)  # (at this process's priority)
+    neighbours = hardware.Neighbours()
+
+    def later(seconds, others, own=0.0):
+        clock["t"] += seconds
+        clock["own"] += own
+        clock["all"] += others + own
+
+    later(0.5, others=0.02, own=0.9)  # a shell's short job beside the forward
+    assert neighbours.cores() == 0
+    later(0.5, others=0.5, own=0.5)  # a process spinning on one core
+    assert neighbours.cores() == 1
+    later(0.01, others=0.0)  # too soon to read the ticks again: the last reading holds
+    assert neighbours.cores() == 1
+    later(30.0, others=0.0)  # a long gap: the runnable count now
+    assert neighbours.cores() == 1
+    monkeypatch.setattr(hardware, "others_running", lambda: 0)
+    assert neighbours.cores() == 0

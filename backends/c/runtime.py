@@ -19,7 +19,7 @@ import threading
 import warnings
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, cast
 
 import numpy as np
 import sympy
@@ -30,7 +30,7 @@ from tilegraph.backends.c.views import View
 from tilegraph.ir import cache, dtypes
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.errors import TilegraphError
-from tilegraph.ir.hardware import contending_cores, contending_running, contention_reading
+from tilegraph.ir.hardware import Neighbours
 from tilegraph.ir.interpreter import GLOBALS, evaluate, run_time_sizes
 from tilegraph.ir.model import Model, ModelError
 from tilegraph.ir.ops import size_definitions
@@ -83,10 +83,10 @@ class _Binding:
         for i, base in enumerate(self.bases):
             if base is not None:
                 self.pointers[i] = base.ctypes.data
-        # The oneDNN primitives, by the threads they were made for: a primitive splits its
-        # work among the threads OpenMP had when it was made, and runs them all whatever the
-        # count at run time (a convolution made for 2 threads ran on 2 with the count set to
-        # 1: the forward that was to leave a busy neighbour its core stalled at every barrier).
+        # The oneDNN primitives and kernels' state, per thread count: a primitive is made for the
+        # threads OpenMP gives when it is made, and runs that many whatever the caller set later
+        # (a convolution made for 2 threads, run while a neighbour takes a core, still waits at
+        # its barriers for the second thread).
         self.states: dict[int, int] = {}
         # Less work than this runs on one thread: waking the other threads for each kernel
         # (they sleep between calls) costs more than they save.
@@ -361,16 +361,16 @@ class CompiledModel:
         if use < threads:
             self._lib.tg_set_threads(use)
         try:
-            return self._run_native(b, sizes, known, fresh, use)
+            return self._run_native(b, use, sizes, known, fresh)
         finally:
             if use < threads:
                 self._lib.tg_set_threads(threads)
 
-    def _run_native(self, b: _Binding, sizes: dict[str, int], known: dict | None, fresh: dict,
-                    threads: int) -> list[np.ndarray]:
+    def _run_native(self, b: _Binding, threads: int, sizes: dict[str, int], known: dict | None,
+                    fresh: dict) -> list[np.ndarray]:
         ints = b.ints.ctypes.data
         state = b.states.get(threads)
-        if state is None:  # (made while OpenMP's count is `threads`: _run set it)
+        if state is None:
             first = not b.states
             if first:
                 for kind, k in self.program.plan:  # weights' dequantizations first: the kernels pack them
@@ -378,14 +378,15 @@ class CompiledModel:
                         self._host(self.program.steps[k], b, sizes, known or {})
             made = self._lib.tg_primitive_count()
             self._lib.tg_set_bf16(int(self.precision == "bf16"))  # for this module's primitives only
-            try:  # (the weights packed by the first: the others take them as packed)
+            try:
                 state = self._lib.tg_state_new(self._packs, ints, b.pointers)
             finally:
                 self._lib.tg_set_bf16(0)
             if not state:
                 raise ModelError(f"the C module could not prepare its kernels: {self._error()}")
             b.states[threads] = state
-            self._note_primitives(self._lib.tg_primitive_count() - made, listed=first)
+            if first:  # the same primitives again, for fewer threads
+                self._note_primitives(self._lib.tg_primitive_count() - made)
         bf16 = self.precision == "bf16"
         if bf16:  # the kernels calling oneDNN's GEMMs at run time (attention) multiply in bf16 too
             self._lib.tg_set_run_bf16(1)
@@ -399,10 +400,10 @@ class CompiledModel:
         finally:
             if bf16:
                 self._lib.tg_set_run_bf16(0)
-        outs = []
+        outs: list[np.ndarray] = []
         for i, v in enumerate(self._outputs):
-            if i in self._aliased:
-                outs.append(b.bases[self._aliased[i]])
+            if i in self._aliased:  # state updated in place: its buffer is always bound
+                outs.append(cast(np.ndarray, b.bases[self._aliased[i]]))
                 continue
             outs.append(fresh[i] if i in fresh else _literal_array(v, b) if v.literal is not None else
                         np.array(b.out_views[i] if i in b.out_views else b.view(v)))
@@ -410,17 +411,15 @@ class CompiledModel:
             b.bases[i] = None
         return outs
 
-    def _note_primitives(self, new: int, listed: bool = True) -> None:
+    def _note_primitives(self, new: int) -> None:
         """Records the oneDNN primitives a binding just made (`primitives`: kind, source dims,
-        the implementation oneDNN chose; not `listed`: the same primitives again, made for
-        another thread count) and warns of those on oneDNN's reference kernel
+        the implementation oneDNN chose) and warns of those on oneDNN's reference kernel
         (`reference_kernels`): no layout was found that a fast kernel takes, and such a kernel
         runs 10-1000x slower."""
         if new <= 0:
             return
         lines = (self._lib.tg_primitive_report() or b"").decode(errors="replace").splitlines()[-new:]
-        if listed:
-            self.primitives += lines
+        self.primitives += lines
         refs = [line for line in lines if line.split(" source: ")[-1].startswith("ref")]
         if refs:
             self.reference_kernels += refs
@@ -465,60 +464,20 @@ class CompiledModel:
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-# The shortest window over which the CPU time of other processes is read: the kernel counts
-# it in ticks of 10 ms (USER_HZ 100), so 50 ms reads a busy core to within a fifth. Over a
-# window longer than CONTENTION_STALE_S (no call for that long) the average says little
-# about now: the threads runnable now decide. (A round of benchmarks/full_size_sweep.py,
-# every runner once with pauses, takes about a second on the largest CNN of its table.)
-CONTENTION_WINDOW_S, CONTENTION_STALE_S = 0.05, 2.0
-
-
-class _Contention:
-    """The cores other processes took from this one lately: their CPU time (those at this
-    process's priority or above: hardware.contention_reading) averaged over the window since
-    the last reading, at least CONTENTION_WINDOW_S (calls closer together share a window and
-    its answer). The first call, or one after a window longer than CONTENTION_STALE_S, counts
-    the competing threads runnable now (hardware.contending_running).
-
-    Not a count of runnable threads at each call, as before: one reading of that is noise
-    (a kernel worker or a shell counted, a busy neighbour missed between its time slices: at
-    a load average of 1, 8 of 18 calls of the sweep's three small CNNs started on one thread
-    of two), it counts the threads of peers in this very process, and it counts niced
-    neighbours, which yield their core to this process (on the shared machine others' tests
-    ran under nice 15 and the benchmarks at nice 0: at a load of 8-10 every forward of the
-    sweep took one thread of two while onnxruntime took both)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.start: tuple[float, float, float] | None = None
-        self.cores = 0
-
-    def __call__(self) -> int:
-        with self.lock:
-            now = contention_reading()
-            if now is None or self.start is None or now[2] - self.start[2] > CONTENTION_STALE_S:
-                self.start, self.cores = now, contending_running()
-            elif now[2] - self.start[2] >= CONTENTION_WINDOW_S:
-                self.start, self.cores = now, contending_cores(self.start, now)
-            return self.cores
-
-
-_contention: _Contention | None = None
+_NEIGHBOURS = Neighbours()
 
 
 def _uncontended_threads(threads: int) -> int:
     """The threads a forward starts with: at most `threads`, and no more than the cores other
-    processes leave free (_Contention). A team of OpenMP threads moves in lockstep, every
-    parallel region ending in a barrier, and oneDNN splits each kernel evenly among them:
-    one thread waiting for a core stalls the whole team at every barrier, a scheduler time
-    slice each. With another process busy on one of 2 cores, MiniLM b8 on 2 threads ran
-    8.5x its quiet time (onnxruntime 3.1x, its pool lending work to whichever thread runs)."""
-    global _contention
+    processes keep busy leave free (hardware.Neighbours). A team of
+    OpenMP threads moves in lockstep, every parallel region ending in a barrier, and oneDNN
+    splits each kernel evenly among them: one thread waiting for a core stalls the whole
+    team at every barrier, a scheduler time slice each. With another process busy on one
+    of 2 cores, MiniLM b8 on 2 threads ran 8.5x its quiet time (onnxruntime 3.1x, its pool
+    lending work to whichever thread runs)."""
     if threads <= 1:
         return threads
-    if _contention is None:
-        _contention = _Contention()
-    return max(1, min(threads, CORES - _contention()))
+    return max(1, min(threads, CORES - _NEIGHBOURS.cores()))
 
 
 def _c_array(a, dtype=None) -> np.ndarray:
