@@ -14,8 +14,9 @@ pool, as full_size_sweep.py), and with --fixed-team the same tilegraph module fo
 every thread. Printed: medians, per-round ratios against onnxruntime, the busy ratio over the
 quiet one (target: at most 1.3), the threads tilegraph's calls started on in each
 condition, and the load average (other work on the machine counts too: say so when quoting
-the numbers). --nice N: the children run N steps of niceness below this process (a niced
-neighbour yields its core: tilegraph should keep every thread and its quiet ratio).
+the numbers). --nice N: the children run N steps of niceness below this process (whether
+a niced neighbour takes a core from a team of threads too: with --fixed-team, the team's
+time beside the adaptive one's).
 """
 
 from __future__ import annotations

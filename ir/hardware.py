@@ -452,39 +452,6 @@ def others_running() -> int:
         return 0
 
 
-def contending_running() -> int:
-    """Runnable threads of other processes right now that compete with this one for a core:
-    those at this process's priority or above (a niced neighbour yields its core: see
-    _cpu_seconds), kernel threads left out. Reads each thread's state only where
-    /proc/loadavg says others run."""
-    return len(contending_pids()) if others_running() else 0
-
-
-def contending_pids() -> list[int]:
-    """The process of each thread contending_running counts (a process once per thread)."""
-    own, mine = os.getpriority(os.PRIO_PROCESS, 0), str(os.getpid())
-    found = []
-    try:
-        pids = [p for p in os.listdir("/proc") if p.isdigit() and p != mine]
-    except OSError:
-        return []
-    for pid in pids:
-        try:
-            tasks = os.listdir(f"/proc/{pid}/task")
-        except OSError:  # (gone meanwhile)
-            continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-                    fields = f.read().rsplit(b")", 1)[1].split()
-                # after the command (proc(5)): state, ppid (2: a kernel thread's), ..., nice
-                if fields[0] == b"R" and fields[1] != b"2" and pid != "2" and int(fields[16]) <= own:
-                    found.append(int(pid))
-            except (OSError, IndexError, ValueError):
-                continue
-    return found
-
-
 # A measurement window in which other processes used this many cores' worth of CPU on
 # average (rounded to the nearest whole core, at least one) was taken on a busy machine. Half
 # a core: a neighbour held one core for half the run, which halves a two-core GEMM's rate.
@@ -495,25 +462,16 @@ BUSY_CORES = 0.5
 QUIET_WINDOW, QUIET_CORES = 0.2, 0.25
 
 
-def busy_ticks(fields: list, niced_too: bool = True) -> int:
-    """The busy ticks of /proc/stat's `cpu` line (split into fields), the niced processes'
-    (its `nice` column) only where `niced_too`."""
-    # user nice system idle iowait irq softirq steal: all but idle and iowait were busy
-    # (steal: the hypervisor gave this machine's cores to another)
-    return sum(int(fields[i]) for i in ((1, 2, 3, 6, 7, 8) if niced_too else (1, 3, 6, 7, 8)) if i < len(fields))
-
-
-def _cpu_seconds(contending: bool = False) -> tuple[float, float, float] | None:
+def _cpu_seconds() -> tuple[float, float, float] | None:
     """(CPU seconds every process has used, all cores together; of them, this process's own,
     its threads and the children it waited for; the monotonic clock), or None where
-    /proc/stat does not say. `contending`: only the processes that compete with this one
-    for a core: where this one runs unniced, the niced ones' time is left out (the kernel
-    weighs a nice-0 thread against a nice-15 one as 1024 to 36: a busy nice-15 neighbour
-    takes about 3% of a core this process's thread wants)."""
+    /proc/stat does not say."""
     try:
         with open("/proc/stat", "rb") as f:
             fields = f.readline().split()
-        ticks = busy_ticks(fields, niced_too=not contending or os.getpriority(os.PRIO_PROCESS, 0) > 0)
+        # user nice system idle iowait irq softirq steal: all but idle and iowait were busy
+        # (steal: the hypervisor gave this machine's cores to another)
+        ticks = sum(int(fields[i]) for i in (1, 2, 3, 6, 7, 8) if i < len(fields))
         hz = os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, AttributeError):
         return None
@@ -558,17 +516,14 @@ class Neighbours:
     would halve a whole forward's threads; a neighbour that keeps running also used the CPU
     since the last look. So: none runnable now, none busy; else, when the last look was
     recent, the cores' worth others used since it (none where it was quiet); after a longer gap,
-    the runnable count. Only neighbours that compete with this process for a core count
-    (_cpu_seconds(contending=True), contending_running): one niced below it yields its core
-    (on the shared machine others' tests ran under nice 15 and the benchmarks at nice 0:
-    counted, they halved every benchmark forward's threads)."""
+    the runnable count."""
 
     def __init__(self) -> None:
-        self._since = _cpu_seconds(contending=True)
+        self._since = _cpu_seconds()
         self._busy: int | None = None
 
     def cores(self) -> int:
-        running, now, since = others_running(), _cpu_seconds(contending=True), self._since
+        running, now, since = others_running(), _cpu_seconds(), self._since
         if now is not None and (since is None or now[2] - since[2] >= QUIET_WINDOW):
             used = _others_between(since, now) if since and now[2] - since[2] <= RECENT else None
             # a neighbour that started since the last look used part of the window: not quiet is busy
@@ -576,7 +531,7 @@ class Neighbours:
             self._since = now
         if running == 0:
             return 0
-        return contending_running() if self._busy is None else min(running, self._busy)
+        return running if self._busy is None else min(running, self._busy)
 
 
 def quiet_now() -> bool:

@@ -82,41 +82,6 @@ def test_a_forward_starts_fewer_threads_while_other_processes_take_the_cores():
     assert_close(got, interpret(model, [xs])[0], "f32", reduction_length=512)
 
 
-def test_niced_neighbours_do_not_count_as_contention():
-    """A busy process niced below this one's priority yields its core to this one (the
-    kernel weighs nice 19 against nice 0 as 15 to 1024): the thread choice does not count it,
-    as it counts a busy process at this one's priority (on the shared machine the tests ran
-    under nice 15 and the benchmarks at 0, and every benchmark forward took one thread of
-    two). Which processes count, not the thread count: other work may load the machine."""
-    import os
-    import subprocess
-    import sys
-    import time
-
-    from tilegraph.ir import hardware
-
-    if os.getpriority(os.PRIO_PROCESS, 0) >= 19:
-        pytest.skip("this process is already at the lowest priority")
-    spin = [sys.executable, "-c", "while True: pass"]
-    same = subprocess.Popen(spin)
-    niced = [subprocess.Popen(spin, preexec_fn=lambda: os.setpriority(os.PRIO_PROCESS, 0, 19)) for _ in range(2)]
-    try:
-        seen: set[int] = set()
-        deadline = time.monotonic() + 5
-        while same.pid not in seen and time.monotonic() < deadline:
-            time.sleep(0.02)
-            seen |= set(hardware.contending_pids())
-        assert same.pid in seen
-        assert not seen & {p.pid for p in niced}
-    finally:
-        for p in [same, *niced]:
-            p.kill()
-            p.wait()
-    with open("/proc/stat") as f:
-        fields = f.readline().split()
-    assert hardware.busy_ticks(fields, niced_too=False) == hardware.busy_ticks(fields) - int(fields[2])
-
-
 def test_a_forward_on_fewer_threads_runs_primitives_made_for_that_many(monkeypatch):
     """oneDNN makes a convolution for the threads OpenMP gives when it is made and runs that
     many whatever is set later: a forward started on one thread (a neighbour holds a core)
