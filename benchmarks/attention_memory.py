@@ -1,5 +1,5 @@
 """Attention's peak memory: flash-style tiling against the naive version and onnxruntime
-(issue 3, "Memory": 12 heads, sequence 4096, head dim 64, batch 1, f32).
+(12 heads, sequence 4096, head dim 64, batch 1, f32).
 
 Variants, all on the same seeded q, k, v of shape [1, 12, N, 64]:
   naive          K.attention: materialises the [12, N, N] scores (805 MB at N = 4096)

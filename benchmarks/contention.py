@@ -12,7 +12,7 @@ shared machine. Runners: tilegraph as it runs by default (its thread choice:
 backends/c/runtime._uncontended_threads), onnxruntime at its default threads (no spinning
 pool, as full_size_sweep.py), and with --fixed-team the same tilegraph module forced to keep
 every thread. Printed: medians, per-round ratios against onnxruntime, the busy ratio over the
-quiet one (issue 28's target: at most 1.3), and the load average (other work on the machine
+quiet one (target: at most 1.3), and the load average (other work on the machine
 counts too: say so when quoting the numbers).
 """
 
@@ -31,7 +31,7 @@ import numpy as np
 
 from _common import ROOT, format_table, interleaved_samples, machine_lines, paired_ratio  # noqa: E402
 
-TARGET = 1.3  # issue 28: busy ratio within 1.3x of the quiet one
+TARGET = 1.3  # busy ratio within 1.3x of the quiet one
 SETTLE_S = 0.3  # after stopping or resuming the children, before timing: the scheduler catches up
 MINILM_SEQ = 128
 

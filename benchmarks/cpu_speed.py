@@ -90,8 +90,8 @@ from tilegraph.passes.registry import DEFAULT_PIPELINE, UNFUSED_PIPELINE  # noqa
 from tilegraph.testing import PEER_RELATIVE_ERROR, relative_error  # noqa: E402
 from tests import models  # noqa: E402
 
-MINILM_SEQ, MINILM_BATCHES = 128, (1, 8)  # issue 3
-GPT2_BATCH, GPT2_SEQ = 1, 256  # issue 3
+MINILM_SEQ, MINILM_BATCHES = 128, (1, 8)
+GPT2_BATCH, GPT2_SEQ = 1, 256
 # The small CNN is tiny (16x16 inputs, ~0.2 MFLOP per image): batch 32 gives its
 # convolutions a few MFLOP per call, so the time is not per-call overhead alone.
 CNN_BATCH = 32

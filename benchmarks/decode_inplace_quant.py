@@ -2,10 +2,10 @@
 written as GGUF by `tilegraph quantize`'s writer in f32, q8_0 and q4_0 and compiled for the C
 backend, one sequence, interleaved rounds, medians:
 
-- in place: decode tokens/s with the cache filled to position 2000 against position 100 (issue 27:
+- in place: decode tokens/s with the cache filled to position 2000 against position 100 (target:
   within 15%), and the process's resident memory before and after each run of steps (flat: the
   cache is written in place, nothing is allocated per token);
-- quantization pays: q8_0 and q4_0 decode tokens/s against f32 weights (issue 27: >= 1.8x, >= 3x),
+- quantization pays: q8_0 and q4_0 decode tokens/s against f32 weights (target: >= 1.8x, >= 3x),
   each beside its bytes read per token x tokens/s.
 
 The peer of each ratio is tilegraph itself on f32 weights (the issue's row compares formats).

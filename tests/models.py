@@ -228,7 +228,7 @@ def run_onnx(path, feeds: dict) -> list:
 
 
 # --------------------------------------------------------------------------
-# GPT-2-shaped decoder (issue 3's CPU speed benchmark)
+# GPT-2-shaped decoder (the CPU speed benchmark's)
 # --------------------------------------------------------------------------
 
 # GPT-2 small (Radford et al. 2019; transformers' GPT2Config defaults).

@@ -24,14 +24,6 @@ WEIGHT_FORMATS = ["q4_0", "q4_1", "q5_0", "q8_0", "q4_k", "q6_k", "f16", "bf16",
 ISAS = sorted({blockq.isa(name) for name in blockq.ISAS}, key=blockq.ISAS.get)  # those the processor has
 
 
-def _cache_write_ref(cache, x, pos):  # until ir/kernels.py's lands from issue-27-gguf
-    p = np.broadcast_to(np.asarray(pos).reshape(-1), (x.shape[0],))
-    for i in range(x.shape[0]):
-        cache[i, :, p[i]:p[i] + x.shape[2]] = x[i]
-    return cache
-
-
-cache_write_ref = getattr(kernels, "cache_write", _cache_write_ref)
 
 
 @pytest.fixture(autouse=True)
@@ -209,7 +201,7 @@ def test_cache_write_writes_in_place(b, h, s, t, d, per_sequence, seed):
     cache = rng.standard_normal((b, h, s, d)).astype(np.float32)
     x = rng.standard_normal((b, h, t, d)).astype(np.float32)
     pos = rng.integers(0, s - t + 1, b) if per_sequence else np.int64(rng.integers(0, s - t + 1))
-    want = cache_write_ref(cache.copy(), x, pos)
+    want = kernels.cache_write(cache.copy(), x, pos)
     address = cache.ctypes.data
     blockq.cache_write(cache, x, pos)
     assert cache.ctypes.data == address

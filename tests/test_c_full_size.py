@@ -74,6 +74,35 @@ def test_a_forward_starts_fewer_threads_while_other_processes_take_the_cores():
     assert_close(got, interpret(model, [xs])[0], "f32", reduction_length=512)
 
 
+def test_a_forward_on_fewer_threads_runs_primitives_made_for_that_many(monkeypatch):
+    """oneDNN makes a convolution for the threads OpenMP gives when it is made and runs that
+    many whatever is set later: a forward started on one thread (a neighbour holds a core)
+    gets its own primitives, made on one thread, and the same result; the weights'
+    preparation is not repeated and the primitives are reported once."""
+    from tilegraph.backends.c import runtime
+
+    rng = np.random.default_rng(2)
+    g = Graph()
+    x = g.input("x", (1, 32, 56, 56))  # enough work for both threads (not SERIAL_WORK)
+    y = g.relu(g.op("conv", x, g.weight("w", rng.standard_normal((64, 32, 3, 3)).astype(np.float32) / 17),
+                    pads=(1, 1, 1, 1)))
+    model = g.build(y, names=["y"])
+    compiled = compile_model(model)
+    compiled.set_threads(2)
+    xs = rng.standard_normal((1, 32, 56, 56)).astype(np.float32)
+    monkeypatch.setattr(runtime, "_uncontended_threads", lambda threads: threads)
+    both = compiled(xs)[0]
+    reported = list(compiled.primitives)
+    monkeypatch.setattr(runtime, "_uncontended_threads", lambda threads: 1)
+    one = compiled(xs)[0]
+    (binding,) = compiled._bindings.values()
+    assert sorted(binding.states) == [1, 2] and compiled.last_threads == 1
+    assert compiled.primitives == reported and compiled._lib.tg_max_threads() == 2
+    want = interpret(model, [xs])[0]
+    assert_close(both, want, "f32", reduction_length=288)
+    assert_close(one, want, "f32", reduction_length=288)
+
+
 @pytest.mark.parametrize("case", ["pool-nhwc", "pool-nhwc-wide", "columns", "sequence-mean"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_a_reduction_over_outer_positions_adds_rows_of_channels(case, batch):

@@ -99,3 +99,50 @@ def test_tilegraph_calibrate_under_load_is_detected_and_not_cached_as_is(tmp_pat
     assert "warning: other processes kept" in done.stdout
     assert "kept the profile measured on a quiet machine" in done.stdout
     assert load_profile(path) == fixed  # the quiet one stays
+
+
+def test_a_passing_thread_keeps_a_forwards_threads_and_a_neighbour_that_keeps_running_takes_its_core(monkeypatch):
+    """Neighbours: a thread runnable at the moment of looking, but whose process used almost no
+    CPU since the last look, leaves every core to the forward; one that used a core's worth
+    takes that core; after a long gap the runnable count alone decides."""
+    clock = {"all": 100.0, "own": 10.0, "t": 50.0}
+    monkeypatch.setattr(hardware, "_cpu_seconds", lambda: (clock["all"], clock["own"], clock["t"]))
+    monkeypatch.setattr(hardware, "others_running", lambda: 1)
+    neighbours = hardware.Neighbours()
+
+    def later(seconds, others, own=0.0):
+        clock["t"] += seconds
+        clock["own"] += own
+        clock["all"] += others + own
+
+    later(0.5, others=0.02, own=0.9)  # a shell's short job beside the forward
+    assert neighbours.cores() == 0
+    later(0.5, others=0.5, own=0.5)  # a process spinning on one core
+    assert neighbours.cores() == 1
+    later(0.01, others=0.0)  # too soon to read the ticks again: the last reading holds
+    assert neighbours.cores() == 1
+    later(30.0, others=0.0)  # a long gap: the runnable count now
+    assert neighbours.cores() == 1
+    monkeypatch.setattr(hardware, "others_running", lambda: 0)
+    assert neighbours.cores() == 0
+
+
+def test_a_profile_implausibly_slower_than_the_quiet_one_is_not_saved(tmp_path, capsys, monkeypatch):
+    """measure_and_save: a measurement the load check saw as quiet, but at half the GEMM rate
+    of the same processor's quiet profile (slowed by what this process cannot see: a neighbour
+    virtual machine, a throttled clock), keeps the earlier profile and says why; one within
+    the plausible range replaces it."""
+    from tilegraph.ir.calibration import measure_and_save
+
+    monkeypatch.setattr(hardware, "busy_count", lambda start: 0)  # the load check sees nothing
+    path = tmp_path / "cpu.json"
+    fixed = load_profile(Path(__file__).with_name("cpu_profile.json"))
+    hardware.save_profile(fixed, path)
+    slow = replace(fixed, peak_flops={**fixed.peak_flops, "f32": fixed.flops("f32") / 2}, source="slow")
+    measure_and_save(lambda quick, progress: slow, lambda hw: "table", path, True, False, "calibrate")
+    out = capsys.readouterr().out
+    assert "peak f32 GEMM at 50%" in out and "this one is not saved" in out
+    assert load_profile(path) == fixed
+    close = replace(fixed, peak_flops={**fixed.peak_flops, "f32": fixed.flops("f32") * 0.9}, source="close")
+    measure_and_save(lambda quick, progress: close, lambda hw: "table", path, True, False, "calibrate")
+    assert load_profile(path).source == "close"

@@ -26,7 +26,7 @@ from tilegraph.onnx_backend import Backend
 
 pytestmark = pytest.mark.slow
 
-# At least this many node cases must pass (issue 18's target; 1884 cases in onnx 1.23).
+# At least this many node cases must pass (the conformance target; 1884 cases in onnx 1.23).
 TARGET_PASSES = 1750
 
 _E8M0_ROUNDING = "dtype not supported: casts to E8M0 round up in ONNX, to nearest in tg (ml_dtypes)"

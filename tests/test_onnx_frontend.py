@@ -517,7 +517,7 @@ def test_same_padding_with_stride_1_keeps_symbolic_spatial_dims_and_matches_onnx
         assert_close(interpret(model, [x])[0], ref, "f32", 18)
 
 
-# --- Resize on symbolic spatial dims (issue 18) ------------------------------------------------
+# --- Resize on symbolic spatial dims ----------------------------------------------------------
 
 
 def _symbolic_resize_model(mode, ctm, by_sizes, factors=(2, 3)):
@@ -558,7 +558,7 @@ def test_resize_of_a_symbolic_dim_by_a_fraction_is_a_clear_error():
         from_onnx(_symbolic_resize_model("linear", "half_pixel", False, factors=(1.5, 2)))
 
 
-# --- RNN, GRU, LSTM over a symbolic number of steps (issue 18) ----------------------------------
+# --- RNN, GRU, LSTM over a symbolic number of steps --------------------------------------------
 
 
 def _recurrent_model(kind, direction, layout=0, peepholes=False, lbr=0, seed=0):
@@ -612,7 +612,7 @@ def test_recurrences_over_a_symbolic_sequence_are_one_loop_op_and_match_onnxrunt
                 assert relative_error(g, w) <= PEER_RELATIVE_ERROR
 
 
-# --- SAME padding with stride > 1 on symbolic spatial dims (issue 18) ---------------------------
+# --- SAME padding with stride > 1 on symbolic spatial dims -------------------------------------
 
 
 def _same_model(op, auto, k, s):

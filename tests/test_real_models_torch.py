@@ -118,7 +118,7 @@ def test_gpt2_mask_code_under_dynamic_shapes():
         assert relative_error(compiled(*inputs(b, s)), eager(gpt2, inputs(b, s))) <= PEER_RELATIVE_ERROR
 
 
-# --- the GPT-2-shaped decoder of the CPU speed benchmark (issue 3) ---------------
+# --- the GPT-2-shaped decoder of the CPU speed benchmark -------------------------
 
 
 def test_gpt2_decoder_matches_torch_eager_and_float64():

@@ -1,5 +1,5 @@
 """Bad files are named errors with exit status 2 and no partial output, from every command:
-each case below was a traceback, or was accepted and computed something, before issue 26.
+each case below was a traceback, or was accepted and computed something, before these checks.
 """
 
 import numpy as np

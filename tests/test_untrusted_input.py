@@ -104,7 +104,7 @@ def _examples(test):
 @given(names=ONNX_NAMES, custom_op=st.one_of(st.none(), EVIL))
 @_examples
 def test_no_string_in_an_onnx_file_runs_numpy(names, custom_op):
-    """Issue 17: a graph input named 'x\\n<code>' ran <code> when compiled (the name landed
+    """A graph input named 'x\\n<code>' ran <code> when compiled (the name landed
     raw in a comment of the emitted module); a NUL in it was a SyntaxError traceback."""
     _check_onnx("numpy", names, custom_op)
 
@@ -185,7 +185,7 @@ def _mlir_string(s: str) -> str:
 ], ids=["os-system", "pathlib-touch", "attribute", "lambda", "huge-power", "long-number", "deep-parens",
         "statement"])  # (ids without the marker's per-process path: xdist workers must collect alike)
 def test_a_dim_in_a_mlir_file_is_parsed_never_evaluated(dim):
-    """Issue 17: dim names in a type's encoding went through sympy.parse_expr (eval); the first
+    """Dim names in a type's encoding went through sympy.parse_expr (eval); the first
     string here ran os.system. Now anything but an expression of sizes is a ShapeError."""
     text = ('builtin.module {\n  func.func @forward(%x : tensor<?x4xf32, [' + _mlir_string(dim) + ']>) '
             '-> tensor<?x4xf32, [' + _mlir_string(dim) + ']> {\n'

@@ -5,7 +5,7 @@ dim is a non-negative integer at a call's sizes, checked once per shape binding 
 C runs (`ir.signature.SizeConditions`); views lie inside their buffers; attention's block
 sizes are checked where the IR is read; and no kernel writes into an array the caller owns.
 
-Each model below is an attacker's file from issue 26: on the code before these checks each
+Each model below is an attacker's file: on the code before these checks each
 wrote outside a buffer (a crash, heap corruption) or returned a truncated or wrong answer.
 """
 

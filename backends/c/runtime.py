@@ -20,7 +20,7 @@ import warnings
 import weakref
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, cast
 
 import numpy as np
 import sympy
@@ -32,7 +32,7 @@ from tilegraph.ir import cache, dtypes
 from tilegraph.ir.arena import ALIGN, lay_out
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.errors import TilegraphError
-from tilegraph.ir.hardware import others_running
+from tilegraph.ir.hardware import Neighbours
 from tilegraph.ir.interpreter import GLOBALS, evaluate, run_time_sizes
 from tilegraph.ir.model import Model, ModelError
 from tilegraph.ir.ops import size_definitions
@@ -73,7 +73,11 @@ class _Binding:
         for i, base in enumerate(self.bases):
             if base is not None:
                 self.pointers[i] = base.ctypes.data
-        self.state = None
+        # The oneDNN primitives and kernels' state, per thread count: a primitive is made for the
+        # threads OpenMP gives when it is made, and runs that many whatever the caller set later
+        # (a convolution made for 2 threads, run while a neighbour takes a core, still waits at
+        # its barriers for the second thread).
+        self.states: dict[int, int] = {}
         # Less work than this runs on one thread: waking the other threads for each kernel
         # (they sleep between calls) costs more than they save.
         work = sympy.sympify(sympy.sympify(module.work).xreplace(subs))
@@ -369,9 +373,9 @@ class CompiledModel:
             b = self._bindings[key] = _Binding(self, sizes)
             while len(self._bindings) > MAX_BINDINGS:  # the least recently used goes, arena and primitives
                 _, old = self._bindings.popitem(last=False)
-                if old.state:
-                    self._lib.tg_state_free(old.state)
-                    old.state = None
+                for state in old.states.values():
+                    self._lib.tg_state_free(state)
+                old.states.clear()
         else:
             self._bindings.move_to_end(key)
         return b
@@ -398,43 +402,49 @@ class CompiledModel:
         if use < threads:
             self._lib.tg_set_threads(use)
         try:
-            return self._run_native(b, sizes, known, fresh)
+            return self._run_native(b, use, sizes, known, fresh)
         finally:
             if use < threads:
                 self._lib.tg_set_threads(threads)
 
-    def _run_native(self, b: _Binding, sizes: dict[str, int], known: dict | None, fresh: dict) -> list[np.ndarray]:
+    def _run_native(self, b: _Binding, threads: int, sizes: dict[str, int], known: dict | None,
+                    fresh: dict) -> list[np.ndarray]:
         ints = b.ints.ctypes.data
-        if b.state is None:
-            for kind, k in self.program.plan:  # weights' dequantizations first: the kernels pack them
-                if kind == "host" and self.program.steps[k].once:
-                    self._host(self.program.steps[k], b, sizes, known or {})
+        state = b.states.get(threads)
+        if state is None:
+            first = not b.states
+            if first:
+                for kind, k in self.program.plan:  # weights' dequantizations first: the kernels pack them
+                    if kind == "host" and self.program.steps[k].once:
+                        self._host(self.program.steps[k], b, sizes, known or {})
             made = self._lib.tg_primitive_count()
             self._lib.tg_set_bf16(int(self.precision == "bf16"))  # for this module's primitives only
             try:
-                b.state = self._lib.tg_state_new(self._packs, ints, b.pointers)
+                state = self._lib.tg_state_new(self._packs, ints, b.pointers)
             finally:
                 self._lib.tg_set_bf16(0)
-            if not b.state:
+            if not state:
                 raise ModelError(f"the C module could not prepare its kernels: {self._error()}")
-            self._note_primitives(self._lib.tg_primitive_count() - made)
+            b.states[threads] = state
+            if first:  # the same primitives again, for fewer threads
+                self._note_primitives(self._lib.tg_primitive_count() - made)
         bf16 = self.precision == "bf16"
         if bf16:  # the kernels calling oneDNN's GEMMs at run time (attention) multiply in bf16 too
             self._lib.tg_set_run_bf16(1)
         try:
             for kind, k in self.program.plan:
                 if kind == "segment":
-                    if self._segments[k](b.state, ints, b.pointers):
+                    if self._segments[k](state, ints, b.pointers):
                         raise ModelError(self._run_error())
                 elif not self.program.steps[k].once:
                     self._host(self.program.steps[k], b, sizes, known or {})
         finally:
             if bf16:
                 self._lib.tg_set_run_bf16(0)
-        outs = []
+        outs: list[np.ndarray] = []
         for i, v in enumerate(self._outputs):
-            if i in self._aliased:
-                outs.append(b.bases[self._aliased[i]])
+            if i in self._aliased:  # state updated in place: its buffer is always bound
+                outs.append(cast(np.ndarray, b.bases[self._aliased[i]]))
                 continue
             outs.append(fresh[i] if i in fresh else _literal_array(v, b) if v.literal is not None else
                         np.array(b.out_views[i] if i in b.out_views else b.view(v)))
@@ -495,9 +505,12 @@ class CompiledModel:
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+_NEIGHBOURS = Neighbours()
+
+
 def _uncontended_threads(threads: int) -> int:
     """The threads a forward starts with: at most `threads`, and no more than the cores other
-    processes' runnable threads leave free right now (hardware.others_running). A team of
+    processes keep busy leave free (hardware.Neighbours). A team of
     OpenMP threads moves in lockstep, every parallel region ending in a barrier, and oneDNN
     splits each kernel evenly among them: one thread waiting for a core stalls the whole
     team at every barrier, a scheduler time slice each. With another process busy on one
@@ -505,7 +518,7 @@ def _uncontended_threads(threads: int) -> int:
     lending work to whichever thread runs)."""
     if threads <= 1:
         return threads
-    return max(1, min(threads, CORES - others_running()))
+    return max(1, min(threads, CORES - _NEIGHBOURS.cores()))
 
 
 def _c_array(a, dtype=None) -> np.ndarray:
