@@ -9,7 +9,7 @@ of one per run of steps).
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/c_steps.py [--models cnn,minilm,gpt2] [--archs resnet,lstm]
                                                             [--full resnet50,bert-base [--batch N]]
                                                             [--repeat N] [--threads N] [--top N]
-                                                            [--precision bf16]
+                                                            [--precision bf16] [--pipeline PASSES]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import tilegraph  # noqa: E402
 from tilegraph.backends.c.build import build  # noqa: E402
 from tilegraph.backends.c.emit import emit_program  # noqa: E402
 from tilegraph.backends.c.runtime import CompiledModel  # noqa: E402
-from tilegraph.passes.registry import DEFAULT_PIPELINE  # noqa: E402
+from tilegraph.passes.registry import default_pipeline  # noqa: E402
 
 
 def step_times(optimized, arrays: list[np.ndarray], repeat: int, threads: int | None,
@@ -123,6 +123,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--top", type=int, default=15, help="steps listed, slowest first")
     ap.add_argument("--precision", default="f32", help="the C module's precision (f32, bf16)")
+    ap.add_argument("--pipeline", default=None,
+                    help="the pass pipeline (default: the C backend's own at --precision), e.g. with `attention` "
+                         "to time the flash kernel against the spelled-out chain")
     ap.add_argument("--ort-profile", action="store_true",
                     help="also print onnxruntime's own per-op-type profile and the C steps summed by kind")
     args = ap.parse_args(argv)
@@ -146,7 +149,7 @@ def main(argv=None) -> int:
                                               profile=True) if args.ort_profile else None)
         feeds = dict(zip(case.input_names, arrays))
         optimized = tilegraph.compile(tilegraph.import_model(module, case.inputs), target="c",
-                                      pipeline=DEFAULT_PIPELINE).model
+                                      pipeline=args.pipeline or default_pipeline("c", args.precision)).model
         steps, whole = step_times(optimized, arrays, args.repeat, args.threads, args.precision)
         session.run(None, feeds)
         ort = []

@@ -2,7 +2,7 @@
 one busy child process, against the same ratio without it, both in one run, interleaved.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/contention.py [--model resnet50] [--batch 1] [--busy 1]
-        [--repeat 9] [--fixed-team]
+        [--repeat 9] [--fixed-team] [--nice N]
 
 --model: a benchmarks/full_size_sweep.py model, or `minilm` (all-MiniLM-L6-v2, sequence 128,
 tests/models.py). --busy children spin (one core each) for the whole run, but are stopped
@@ -12,8 +12,11 @@ shared machine. Runners: tilegraph as it runs by default (its thread choice:
 backends/c/runtime._uncontended_threads), onnxruntime at its default threads (no spinning
 pool, as full_size_sweep.py), and with --fixed-team the same tilegraph module forced to keep
 every thread. Printed: medians, per-round ratios against onnxruntime, the busy ratio over the
-quiet one (target: at most 1.3), and the load average (other work on the machine
-counts too: say so when quoting the numbers).
+quiet one (target: at most 1.3), the threads tilegraph's calls started on in each
+condition, and the load average (other work on the machine counts too: say so when quoting
+the numbers). --nice N: the children run N steps of niceness below this process (whether
+a niced neighbour takes a core from a team of threads too: with --fixed-team, the team's
+time beside the adaptive one's).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ def main() -> int:
     p.add_argument("--busy", type=int, default=1, help="busy child processes in the busy half of each round")
     p.add_argument("--repeat", type=int, default=9, help="rounds (each: every runner quiet, then busy)")
     p.add_argument("--fixed-team", action="store_true", help="also time tilegraph on a fixed team of all threads")
+    p.add_argument("--nice", type=int, default=0, help="the busy children's niceness above this process's")
     args = p.parse_args()
     import onnxruntime as ort
     import torch
@@ -86,12 +90,22 @@ def main() -> int:
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
     feeds = dict(zip(names, arrays))
-    runners = {"tilegraph": lambda: compiled.run(*arrays), "onnxruntime": lambda: sess.run(None, feeds)}
+    threads: list[int] = []  # the threads each tilegraph call started with, in the condition now running
+
+    def tilegraph_call():
+        compiled.run(*arrays)
+        threads.append(compiled._runner.last_threads)
+
+    runners = {"tilegraph": tilegraph_call, "onnxruntime": lambda: sess.run(None, feeds)}
     if args.fixed_team:
         runners["tilegraph fixed team"] = fixed_team
     print("\n".join(machine_lines()))
 
-    children = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    nice = os.getpriority(os.PRIO_PROCESS, 0) + args.nice
+    children = [subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                                 preexec_fn=(lambda: os.setpriority(os.PRIO_PROCESS, 0, nice)) if args.nice else None)
+                for _ in range(args.busy)]
+    started: dict[str, list[int]] = {"quiet": [], "busy": []}
     quiet: dict[str, list[float]] = {k: [] for k in runners}
     busy: dict[str, list[float]] = {k: [] for k in runners}
     loads = []
@@ -100,12 +114,14 @@ def main() -> int:
             os.kill(child.pid, signal.SIGSTOP)
         interleaved_samples(runners, 0, warmup=2)
         for _ in range(args.repeat):
-            for state, into in ((signal.SIGSTOP, quiet), (signal.SIGCONT, busy)):
+            for state, into, label in ((signal.SIGSTOP, quiet, "quiet"), (signal.SIGCONT, busy, "busy")):
                 for child in children:
                     os.kill(child.pid, state)
                 time.sleep(SETTLE_S)
+                threads.clear()
                 for k, v in interleaved_samples(runners, 1, warmup=0).items():
                     into[k] += v
+                started[label] += threads
             loads.append(os.getloadavg()[0])
     finally:
         for child in children:
@@ -113,7 +129,8 @@ def main() -> int:
             child.wait()
 
     rows, ratios = [], {}
-    for label, samples in (("quiet", quiet), (f"{args.busy} busy", busy)):
+    for label, samples in (("quiet", quiet), (f"{args.busy} busy" + (f" (nice +{args.nice})" if args.nice else ""),
+                                               busy)):
         med = {k: 1e3 * float(np.median(v)) for k, v in samples.items()}
         r = {k: paired_ratio(samples, k, "onnxruntime")[0] for k in runners if k != "onnxruntime"}
         ratios[label] = r
@@ -123,7 +140,9 @@ def main() -> int:
           f"runner quiet then with {args.busy} busy child process(es); load average (1 min) "
           f"{min(loads):.1f}..{max(loads):.1f}, {' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end")
     print(format_table(["condition"] + [f"{k} ms" for k in runners] + [f"{k}/onnxruntime" for k in mine], rows))
-    q, b = ratios["quiet"]["tilegraph"], ratios[f"{args.busy} busy"]["tilegraph"]
+    for label, counts in started.items():
+        print(f"tilegraph's calls {label}: started on {', '.join(f'{n} thread(s) {counts.count(n)}x' for n in sorted(set(counts)))}")
+    q, b = ratios["quiet"]["tilegraph"], list(ratios.values())[1]["tilegraph"]
     print(f"tilegraph/onnxruntime busy over quiet: {b / q:.2f} (target <= {TARGET}: "
           f"{'met' if b / q <= TARGET else 'not met'})")
     return 0

@@ -16,10 +16,11 @@ Each model runs in a child process of its own: eager torch is the reference; til
 compiles the torch.export program (target "c"); torch's ONNX exporter writes the file
 onnxruntime and OpenVINO run. Every runner's relative error against eager is printed
 beside its time. `--precision bf16` adds tilegraph compiled with precision="bf16" (and, for the
-attention models, `folded-bf16`: bf16 with spelled-out attention folded to the flash kernel).
+attention models, `folded-bf16`: bf16 with spelled-out attention folded to the flash kernel;
+`--fold` adds `folded`, the same at f32).
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/full_size_sweep.py [--only resnet50,bert-base]
-        [--repeat 7] [--threads N] [--batch 1] [--precision bf16] [--save rows.json] [--no-eager]
+        [--repeat 7] [--threads N] [--batch 1] [--precision bf16] [--fold] [--save rows.json] [--no-eager]
 
 Timing: benchmarks/_common.py's round-robin (each call after a pause), medians; the
 ratios are medians of per-round ratios. The load average is printed beside the table:
@@ -126,7 +127,7 @@ def _settle_batch_norms(model, images) -> None:
 
 
 def run_one(name: str, batch: int, repeat: int, threads: int | None, precisions: list[str],
-            time_eager: bool = True) -> dict:
+            time_eager: bool = True, fold_f32: bool = False) -> dict:
     import numpy as np
     import onnxruntime as ort
     import torch
@@ -167,16 +168,21 @@ def run_one(name: str, batch: int, repeat: int, threads: int | None, precisions:
                                     f"kernel: {compiled.reference_kernels[0]}")
         except Exception as e:  # a row, not a crash: the table says what failed
             row["notes"].append(f"{key}: {type(e).__name__}: {' '.join(str(e).split())[:200]}")
-    if "bf16" in precisions and any(n in name for n in ("vit", "bert", "swin", "whisper")):
-        # bf16 with every spelled-out attention folded to the flash kernel (its products on
-        # AMX where the processor has it); the default folds only long ones
-        # (registry.C_BF16_FOLD_MIN_KEYS): this column, in the same rounds, says whether it should.
+    for precision in [p for p in precisions if p == "bf16" or fold_f32]:
+        if not any(n in name for n in ("vit", "bert", "swin", "whisper", "llama")):
+            break
+        # Every spelled-out attention folded to the flash kernel (at bf16 its products on AMX
+        # where the processor has it); the default folds at bf16 only over enough keys
+        # (registry.C_BF16_FOLD_MIN_KEYS) and none at f32: this column, in the same rounds,
+        # says whether it should.
         from tilegraph.passes.registry import UNFUSED_PIPELINE
 
-        folded = tilegraph.compile(program, target="c", precision="bf16", **options,
+        key = "folded" if precision == "f32" else f"folded-{precision}"
+        extra = {} if precision == "f32" else {"precision": precision}
+        folded = tilegraph.compile(program, target="c", **options, **extra,
                                    pipeline=UNFUSED_PIPELINE + ",attention,fuse{hardware=c},tile{hardware=c}")
-        check("folded-bf16", folded.run(*arrays)[0])
-        runners["folded-bf16"] = lambda: folded.run(*arrays)
+        check(key, folded.run(*arrays)[0])
+        runners[key] = (lambda f: lambda: f.run(*arrays))(folded)
     row["compile_s"] = time.perf_counter() - t0
     with tempfile.TemporaryDirectory() as d:
         path = export_onnx(module, inputs, Path(d) / "m.onnx", names, ["out"])
@@ -241,6 +247,9 @@ def main() -> int:
     p.add_argument("--no-eager", action="store_true",
                    help="eager torch computes the reference but is not timed (on a loaded machine its spinning "
                         "threads take seconds a call)")
+    p.add_argument("--fold", action="store_true",
+                   help="also time f32 with every spelled-out attention folded to the flash kernel (`folded`; "
+                        "bf16's `folded-bf16` is always timed)")
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args()
     precisions = args.precision.split(",")
@@ -248,14 +257,14 @@ def main() -> int:
         precisions.insert(0, "f32")
     if args.one:
         print("RESULT " + json.dumps(run_one(args.one, args.batch, args.repeat, args.threads, precisions,
-                                             not args.no_eager)))
+                                             not args.no_eager, args.fold)))
         return 0
     names = args.only.split(",") if args.only else list(MODELS)
     rows = []
     for name in names:
         cmd = [sys.executable, __file__, "--one", name, "--batch", str(args.batch), "--repeat", str(args.repeat),
                "--precision", ",".join(precisions)] + (["--threads", str(args.threads)] if args.threads else []) \
-            + (["--no-eager"] if args.no_eager else [])
+            + (["--no-eager"] if args.no_eager else []) + (["--fold"] if args.fold else [])
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -282,8 +291,7 @@ def report(rows, args, precisions) -> None:
     print(f"batch {args.batch}; threads: {args.threads or 'each library default'}; medians of {args.repeat} "
           f"round-robin rounds, each call after a pause; ratios: medians of per-round ratios")
     peers = ["onnxruntime", "openvino-f32", "openvino", "eager"]
-    if any("folded-bf16" in r.get("times", {}) for r in rows):
-        peers.append("folded-bf16")
+    peers += [k for k in ("folded", "folded-bf16") if any(k in r.get("times", {}) for r in rows)]
     ours = ["tilegraph" if p == "f32" else f"tilegraph-{p}" for p in precisions]
     header = ["model"] + [f"{k} ms" for k in ours + peers] + [f"{a}/{b}" for a in ours for b in peers] + \
         [f"err {k}" for k in ours + peers] + ["load avg"]

@@ -3,9 +3,12 @@
 GPT's gradient step (forward, cross-entropy, backward; no optimizer, which neither side
 recomputes) at 100%, 50% and 25%.
 
-tilegraph: the default C pipeline with `recompute{budget=b}` after dce (before fuse); memory is the
-pass's predicted peak of intermediates (unfused IR) and the bytes the compiled module's arena
-actually holds (every temporary of the fused, emitted step, laid out by lifetime).
+tilegraph: the default C pipeline with `recompute{budget=b hardware=c}` after dce (before fuse); memory
+is the pass's predicted peak (the program fused as `fuse{hardware=c}` groups it, its buffers as the
+C emitter makes them, laid out as the runtime lays out its arena: ir/arena.py, plus the outputs'
+arrays) and what the compiled module holds at the end of a call: its arena (every temporary of the
+fused, emitted step) and what a warm call allocates besides (tracemalloc: the outputs). The floor: the least recomputation
+could reach (each op's operands and results with the outputs made before it).
 torch.compile: the module compiled under `activation_memory_budget=b` (the min-cut partitioner's
 knapsack); memory is the peak of live CPU allocations during one step above what was live before
 it (torch.profiler's memory timeline, profile_memory=True).
@@ -22,6 +25,7 @@ import copy
 import os
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -32,8 +36,9 @@ import _common  # noqa: E402  (puts the repository root on sys.path)
 import torch  # noqa: E402
 
 import tilegraph  # noqa: E402
+import tilegraph.backends.c  # noqa: E402,F401  (registers the C arena's layout, which the pass prices)
 from tests.models import char_batches, char_corpus, char_gpt  # noqa: E402
-from tilegraph.passes.recompute import peak_bytes  # noqa: E402
+from tilegraph.passes.recompute import priced_bytes  # noqa: E402
 from tilegraph.passes.registry import UNFUSED_PIPELINE, run_pipeline  # noqa: E402
 from tilegraph.passes.remarks import collect  # noqa: E402
 from tilegraph.train import build_gradients  # noqa: E402
@@ -83,16 +88,24 @@ def main() -> None:
     for budget in BUDGETS:
         t0 = time.perf_counter()
         with collect() as remarks:
-            planned = run_pipeline(step.clone(), f"{UNFUSED_PIPELINE},recompute{{budget={budget}}}")
+            planned = run_pipeline(step.clone(), f"{UNFUSED_PIPELINE},recompute{{budget={budget} hardware=c}}")
         summary = str(remarks[-1]).split("] ", 1)[1]
         compiled = tilegraph.compile(planned.clone(), target="c", pipeline="fuse{hardware=c},tile{hardware=c}",
                                      threads=args.threads)
         loss = float(compiled.run(*inputs)[0])
-        arena = sum(b.arena.nbytes for b in compiled._runner._bindings.values())
+        # a call's peak: the arena its binding holds (laid out at the first call; less the slack kept
+        # to align its start) and what a warm call allocates besides (tracemalloc: its outputs'
+        # arrays, written straight or copied out of the arena)
+        arena = sum(b.arena_bytes for b in compiled._runner._bindings.values())
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+        compiled.run(*inputs)
+        held = arena + tracemalloc.get_traced_memory()[1] - base
+        tracemalloc.stop()
         print(f"tilegraph {budget:.0%}: compiled in {time.perf_counter() - t0:.1f} s, loss {loss:.6f}; {summary}")
-        predicted = peak_bytes(planned.func.body.block)
-        rows.append([f"{budget:.0%}", "tilegraph C (recompute pass)", f"{predicted / 1e6:.2f}",
-                     f"{arena / 1e6:.2f} (arena, {arena / predicted - 1:+.1%})"])
+        predicted = priced_bytes(planned.func.body.block, "c")
+        rows.append([f"{budget:.0%}", "tilegraph C (recompute pass)", f"{predicted / 1e6:.3f}",
+                     f"{held / 1e6:.3f} ({held / predicted - 1:+.1%}; arena {arena / 1e6:.3f})"])
         runners[("tilegraph", budget)] = lambda c=compiled: c.run(*inputs)
     for budget in BUDGETS:
         # A fresh compile per budget (dynamo otherwise serves every module instance the first

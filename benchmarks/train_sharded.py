@@ -7,7 +7,8 @@ Per plan and process count: the loss after the last step and its largest relativ
 one process's at any step; the plan's predicted step time (passes/shard.py on this machine's CPU
 profile and the gloo link the processes measured) against the measured median step (the slowest
 rank's), the cost model's error (predicted / measured); the plan's bytes per process against the
-measured ones (the arrays a rank holds between steps plus the peak a step allocates, tracemalloc).
+measured ones (the arrays a rank holds between steps, its C modules' arena, and the peak a warm step
+allocates besides, tracemalloc).
 
 The processes share this machine's cores (one thread each) with whatever else runs on it: the
 measured times say what the exchange and the split work cost here, not what N machines would give.
@@ -99,8 +100,9 @@ def main() -> None:
             rel = np.abs(losses - base) / np.abs(base)
             measured = float(np.median(r["seconds"][2:]))
             p = r["plan"]
-            mem = np.array(r["memory"])  # per rank: held between steps, a step's peak allocation
-            total = mem[:, 0] + mem[:, 1]
+            # per rank: held between steps, a warm step's peak allocation, ..., the C arena (column 6)
+            mem = np.array(r["memory"])
+            total = mem[:, 0] + mem[:, 1] + mem[:, 6]
             if strategy == "pipeline":
                 predicted_mem = f"{p['stage0_memory'] / 1e6:.3f} / {p['stage1_memory'] / 1e6:.3f}"
                 dp = world // 2
@@ -116,13 +118,14 @@ def main() -> None:
                          f"{p['compute'] * 1e3:.2f} / {p['comm'] * 1e3:.2f}",
                          f"{mem[:, 2].mean() * 1e3:.2f} / {mem[:, 3].mean() * 1e3:.2f} / "
                          f"{(measured - mem[:, 2].mean() - mem[:, 3].mean()) * 1e3:.2f}",
-                         predicted_mem, measured_mem, f"{mem[:, 0].max() / 1e6:.3f}",
+                         predicted_mem, measured_mem,
+                         f"{mem[:, 0].max() / 1e6:.3f} / {mem[:, 6].max() / 1e6:.3f} / {mem[:, 1].max() / 1e6:.3f}",
                          f"{p['alpha'] * 1e6:.0f} us, {p['beta'] / 1e6:.0f} MB/s"))
     print(_common.format_table(
         ("plan", "processes", "as planned", f"loss after {args.steps}", "1 process", "max rel. diff (any step)",
          "predicted ms", "measured ms", "predicted/measured", "predicted compute / comm ms",
          "measured compute / comm / host ms", "predicted MB/process (stage 0 / 1)",
-         "measured MB/process", "held MB", "gloo link (measured)"), rows))
+         "measured MB/process", "held / C arena / step MB", "gloo link (measured)"), rows))
     print(f"load average at end: {os.getloadavg()}")
 
 

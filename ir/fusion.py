@@ -23,6 +23,10 @@ from tilegraph.ir.shapes import TensorInfo, dims_equal, info_of, numel
 # (horizontal fusion of siblings sharing an input makes one wider anchor out of several).
 VIEW_OPS = frozenset(name for name, spec in OPS.items() if spec.view)
 ANCHORS = frozenset(name for name, spec in OPS.items() if spec.pattern == ANCHOR)
+# Activations a GEMM or convolution applies to its result as it writes it (the C backend's
+# oneDNN eltwise post-ops, backends/c/onednn.py; and sigmoid(x) * x as one swish): no loop of
+# their own, which the C target's pricing (passes/targets/c.py) leaves out of a group's loop.
+ELTWISE_POSTS = frozenset({Op.relu, Op.tanh, Op.exp, Op.sigmoid, Op.gelu})
 
 
 class GroupKind(str, enum.Enum):

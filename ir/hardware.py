@@ -46,7 +46,7 @@ from typing import Callable, Mapping
 # gains nothing from a second thread, GPT-2's at 256 tokens (786K) does.
 MIN_PARALLEL_SCORES = 1 << 19
 
-PROFILE_FORMAT = 8  # (2: per-core GEMM samples; 3: chunk_call_overhead; 4: parallel costs, conv rate; 5: skinny GEMMs; 6: BLAS threads; 7: attention, fused kernels, spilled rates; 8: BLAS call overhead) bump when the JSON layout changes: older profiles are then re-measured
+PROFILE_FORMAT = 9  # (2: per-core GEMM samples; 3: chunk_call_overhead; 4: parallel costs, conv rate; 5: skinny GEMMs; 6: BLAS threads; 7: attention, fused kernels, spilled rates; 8: BLAS call overhead; 9: C row kernels per row, pool rate, stem convolutions) bump when the JSON layout changes: older profiles are then re-measured
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,14 @@ class Hardware:
     # CPU "c" only: what running one oneDNN primitive costs beyond a step of a module, whatever
     # its work (a 1x1 convolution on a 1x1 map, a squeeze-excitation's, is all this); 0: nothing.
     primitive_overhead: float = 0.0
+    # CPU "c" only: elements/s of a sum or mean over the positions of channels-last data (a
+    # squeeze-excitation's or a classifier's global average pool, ir/strides.reduces_rows_of_channels),
+    # after the convolution that writes it; 0: priced as a loop at `add`'s rate.
+    pool_rate: float = 0.0
+    # CPU "c" only: seconds a row kernel (softmax, layer_norm) takes per row beyond its elements
+    # at `ufunc_rates` (its loops' setup and tails: a window's 49-wide score rows ran at a third
+    # of 256-wide rows' rate per element); empty: the rate alone, measured over 256-wide rows.
+    row_overhead: Mapping[str, float] = field(default_factory=dict)
     # CPU "c" only: bytes/s a gather writes as it copies rows into the arena (the C copies:
     # gather, concat, pad, ...); 0: priced as a pass at the cache and memory bandwidths.
     copy_bandwidth: float = 0.0

@@ -20,7 +20,8 @@ from tilegraph.ir.ops import Op
 from tilegraph.ir.shapes import Dim, info_of
 
 __all__ = ["contiguous_strides", "channels_last_strides", "is_channels_last", "unit_dims_strided",
-           "reshaped_strides", "is_contiguous", "sole_reader", "laid_out_for_reader", "strides_of", "reshape_copies"]
+           "reshaped_strides", "is_contiguous", "sole_reader", "laid_out_for_reader", "strides_of", "reshape_copies",
+           "reduces_rows_of_channels"]
 
 
 def _eq(a, b) -> bool:
@@ -55,6 +56,15 @@ def is_channels_last(shape: Sequence[Dim], strides: Sequence) -> bool:
     """Whether `strides` lay `shape` (rank 3 or more) out channels-last and not also row-major."""
     return (len(shape) >= 3 and not is_contiguous(shape, strides)
             and all(_is_one(d) or _eq(s, w) for d, s, w in zip(shape, strides, channels_last_strides(shape))))
+
+
+def reduces_rows_of_channels(shape: Sequence[Dim], strides: Sequence, axes: Sequence[int]) -> bool:
+    """Whether a reduction over `axes` keeps an innermost dim that walks memory contiguously (a
+    global average pool over channels-last data, a column sum): the C backend runs a sum or
+    mean of such a value as rows of channels added into blocks of accumulators
+    (backends/c/kernels.py), which its target's pricing calibrates as a kernel of its own."""
+    keep = [i for i in range(len(shape)) if i not in axes]
+    return bool(keep) and _eq(strides[keep[-1]], 1) and not _is_one(shape[keep[-1]])
 
 
 def sole_reader(value: SSAValue):

@@ -81,10 +81,9 @@ RULES = [Rule(("matmul",), _fold, "softmax(q @ k^T * scale + mask) @ v -> attent
 
 @dataclass(frozen=True)
 class FoldAttention(ModulePass):
-    """`min-keys`: fold only chains over at least this many keys (0: all). The C backend's
-    oneDNN GEMMs with its row softmax keep pace with its flash kernel while the scores stay in
-    the cores' caches; over long sequences (Whisper's 1500 frames) the flash kernel wins by never
-    writing them."""
+    """`min-keys`: fold only chains over at least this many keys (0: all). Over a few keys the
+    C backend's oneDNN GEMMs with its row softmax keep pace with its flash kernel, whose fixed
+    work per call (packing k and v) the short rows do not repay (registry.C_BF16_FOLD_MIN_KEYS)."""
 
     name = "attention"
     min_keys: int = 0

@@ -25,6 +25,14 @@ and the bytes held over time fall. It stops when the peak fits the budget or not
 helps. Remarks name each recomputed value, its bytes and FLOPs (its rebuilt producers'
 included), and the peak before and after.
 
+What the budget is of (`hardware`, `priced_bytes`): on a backend whose call allocates each value
+on its own (NumPy), the live-bytes peak above. On the C backend, the arena its runtime lays the
+fused program's buffers out in (ir/arena.py, the layout the runtime allocates: alignment and
+first-fit gaps included, each fused group one buffer per result): the search still steers by the
+live-bytes peak, and its goal is tightened while the priced arena misses the budget. The final
+remark also prints the floor no recomputation goes below: at each op its operands and results,
+and the outputs (a step's gradients) made before it.
+
 Run it after cse (which would merge the copies back) and before fuse.
 """
 
@@ -32,6 +40,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import sympy
@@ -42,6 +51,7 @@ from xdsl.ir import Block, OpResult, SSAValue
 from xdsl.passes import ModulePass
 
 from tilegraph.ir import dtypes
+from tilegraph.ir.arena import LAYOUTS, lay_out
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.shapes import info_of, numel
 from tilegraph.passes.remarks import remark
@@ -53,6 +63,11 @@ NAME = "recompute"
 # How deep each round rebuilds a value's dead operands: a few ops (round 1), or back to
 # whatever is live (round 2; bounded only so a malformed chain cannot run away).
 SHALLOW, DEEP = 3, 100_000
+# Times the search's live-bytes goal is tightened when the priced bytes still miss the budget.
+TIGHTEN = 4
+# Backends that lay a call's intermediates out in one arena (backends/c/runtime.py): their bytes are
+# the layout's, fragmentation included, of the fused program they run.
+ARENA_HARDWARE = ("c",)
 
 
 def recomputable(op: TgOp) -> bool:
@@ -123,9 +138,38 @@ def _liveness(block: Block, detail: bool = False, ignore: frozenset = frozenset(
         delta[b] += size
         delta[last[r] + 1] -= size
     live = np.cumsum(delta)
+    if detail == "born":
+        return born, root, last
     if detail:
         return int(live.max(initial=0)), int(live.sum()), root, last
     return int(live.max(initial=0)), int(live.sum())
+
+
+def arena_bytes(block: Block) -> int:
+    """The bytes the block's intermediates take laid out as the C runtime lays out its arena
+    (ir/arena.py: each buffer from the op writing it to the last op reading it, a view's reads
+    its operand's, outputs to the end; 64-byte aligned, first fit): the live-bytes peak plus
+    what alignment and fragmentation add."""
+    born, _, last = _liveness(block, detail="born")
+    return lay_out({r: value_bytes(r) for r in born}, {r: (b, last[r]) for r, b in born.items()})[1]
+
+
+def floor_bytes(block: Block) -> int:
+    """The least any recomputation can bring the peak to: at each op, the buffers it reads and
+    writes, and the function's outputs made before it (a training step's gradients, kept to the
+    end); the largest such sum over the order. Everything else could, in principle, be rebuilt."""
+    ops = list(block.ops)
+    _, _, root, _ = _liveness(block, detail=True)
+    outs = {root.get(v, v) for v in (block.last_op.operands if block.last_op is not None else ()) if not _resident(v)}
+    born = {r: i for i, op in enumerate(ops) for r in op.results if r in outs}
+    floor = 0
+    for i, op in enumerate(ops):
+        if isinstance(op, TgOp) and op.SPEC.view:
+            continue
+        here = {root.get(v, v) for v in op.operands if not _resident(v)} | {r for r in op.results if not _resident(r)}
+        here |= {r for r in outs if born.get(r, len(ops)) < i}
+        floor = max(floor, sum(value_bytes(r) for r in here))
+    return floor
 
 
 def _chain(op: TgOp, at: int, root: dict, last: dict, stand_in, extend, depth: int) -> list[TgOp]:
@@ -187,22 +231,63 @@ class _State:
     original: dict = field(default_factory=dict)  # a copy's value -> the value it copies
 
 
-def recompute(block: Block, budget: float, min_gap: int = 8, checkpoint: bool = True) -> dict:
+def recompute(block: Block, budget: float, min_gap: int = 8, checkpoint: bool = True,
+              price: Callable[[Block], int] | None = None) -> dict:
     """Rewrite `block` so its predicted peak fits budget x the save-everything peak (as far as
-    recomputing values can; without `checkpoint`, round 1 only); returns what it did."""
+    recomputing values can; without `checkpoint`, round 1 only); returns what it did. `price`: the
+    bytes a block takes as its backend holds them (default: the live-bytes peak, `peak_bytes`); the
+    search steers by the live-bytes peak, its goal tightened while the priced bytes miss the budget."""
+    price = price or peak_bytes
     before, area = _liveness(block)
-    target = budget * before
+    floor = floor_bytes(block)
+    reference = price(block)
+    target = budget * reference
+    goal = budget * before
     state = _State(before, area)
     rounds = [(recomputable, SHALLOW)] + ([(rebuildable, DEEP)] if checkpoint else [])
-    for accept, depth in rounds:
-        if state.peak <= target:
+    priced = reference
+    for _ in range(TIGHTEN):
+        for accept, depth in rounds:
+            if state.peak <= goal:
+                break
+            _round(block, goal, min_gap, accept, depth, state)
+        priced = price(block) if state.chosen else reference
+        if priced <= target or state.peak > goal:  # met, or the search found nothing more
             break
-        _round(block, target, min_gap, accept, depth, state)
-    peak, chosen = state.peak, state.chosen
-    remark(NAME, f"predicted peak of intermediates {before / 1e6:.3f} MB -> {peak / 1e6:.3f} MB (budget "
-                 f"{budget:.0%} = {target / 1e6:.3f} MB{'' if peak <= target else ', not reached'}), "
-                 f"{len(chosen)} values recomputed, {sum(float(f) for *_, f in chosen):.3g} FLOPs more")
-    return {"before": before, "after": peak, "target": target, "recomputed": chosen}
+        goal *= target / priced  # what the layout adds above the live bytes, taken off the goal
+    chosen = state.chosen
+    remark(NAME, f"predicted peak of intermediates {reference / 1e6:.3f} MB -> {priced / 1e6:.3f} MB (budget "
+                 f"{budget:.0%} = {target / 1e6:.3f} MB{'' if priced <= target else ', not reached'}; live bytes "
+                 f"{before / 1e6:.3f} -> {state.peak / 1e6:.3f} MB, floor {floor / 1e6:.3f} MB = "
+                 f"{floor / max(before, 1):.0%} of them: each op's operands and results with the outputs made "
+                 f"before it), {len(chosen)} values recomputed, {sum(float(f) for *_, f in chosen):.3g} FLOPs more")
+    return {"before": reference, "after": priced, "target": target, "floor": floor, "live": (before, state.peak),
+            "recomputed": chosen}
+
+
+def priced_bytes(block: Block, hardware: str = "") -> int:
+    """The bytes `block`'s intermediates and outputs take at the peak of a call on `hardware`'s
+    backend. A backend that holds a call's buffers in one arena and registered how (ir/arena.py
+    LAYOUTS: the C backend) prices the block as it runs it: fused as `fuse{hardware=...}` groups it,
+    its buffers as its emitter makes them, laid out as its runtime lays them out. Elsewhere each
+    value is an allocation of its own, and the live-bytes peak is what a call holds (`peak_bytes`)."""
+    if not hardware or hardware not in ARENA_HARDWARE + tuple(LAYOUTS):
+        return peak_bytes(block)
+    from tilegraph.ir.model import context
+    from tilegraph.passes.fuse import Fuse
+    from tilegraph.passes.tile import Tile
+
+    func = block.parent_op()
+    module = func.parent_op() if func is not None else None
+    if not isinstance(func, FuncOp) or not isinstance(module, ModuleOp):
+        return arena_bytes(block)
+    fused = module.clone()
+    for p in (Fuse(hardware=hardware), Tile(hardware=hardware)):
+        p.apply(context(), fused)
+    if hardware in LAYOUTS:
+        return LAYOUTS[hardware](fused)
+    # the backend not loaded: its fused values laid out (a group's inner buffers left out)
+    return arena_bytes(list(fused.ops)[list(module.ops).index(func)].body.block)  # type: ignore[attr-defined]
 
 
 def _round(block: Block, target: float, min_gap: int, accept, depth: int, state: _State) -> None:
@@ -286,8 +371,10 @@ class Recompute(ModulePass):
     budget: float = 1.0
     min_gap: int = 8
     checkpoint: bool = True  # round 2 (any op, back to live values) when round 1 falls short
+    hardware: str = ""  # whose memory the budget is of (priced_bytes): "c", the C backend's arena
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
+        price = functools.partial(priced_bytes, hardware=self.hardware)
         for func in op.ops:
             if isinstance(func, FuncOp):
-                recompute(func.body.block, self.budget, self.min_gap, self.checkpoint)
+                recompute(func.body.block, self.budget, self.min_gap, self.checkpoint, price)

@@ -149,19 +149,23 @@ UNFUSED_PIPELINE = "canonicalize,constant-fold,cse,simplify-shapes,dce"
 DEFAULT_PIPELINE = UNFUSED_PIPELINE + ",fuse,tile"
 
 
-# The C backend at precision bf16 folds attention over at least this many keys: its flash
-# kernel's products run on AMX and never write the scores, which over long sequences (a
-# head's 1500 x 1500 f32 scores are 9 MB, past the cores' caches) is what the spelled-out
-# chain waits on; over a few hundred keys oneDNN's batched GEMMs with the row softmax keep
-# pace (benchmarks/full_size_sweep.py --precision bf16: its folded-bf16 column).
-C_BF16_FOLD_MIN_KEYS = 1024
+# The C backend at precision bf16 folds spelled-out attention into its flash kernel (both
+# products on AMX tiles, the row softmax on vectors between them, the scores never written)
+# over at least C_BF16_FOLD_MIN_KEYS keys. Its weights-by-values product steps through the
+# keys AMX_KEYS_PER_STEP at a time (one tile of 16 bf16 pairs deep), and each call packs every
+# head's k and v once: with fewer than four such steps a row, that fixed work outweighs the
+# two oneDNN steps and the pass over the scores the fold saves; from four on it does not
+# (benchmarks/full_size_sweep.py --precision bf16 says whether it still holds: its folded-bf16
+# column is every attention folded).
+AMX_KEYS_PER_STEP = 32
+C_BF16_FOLD_MIN_KEYS = 4 * AMX_KEYS_PER_STEP
 
 
 def default_pipeline(hardware: str = "cpu", precision: str = "f32") -> str:
     """The default pipeline, with fusion and tiling decided for a hardware target (`passes/cost`).
     For a GPU, attention spelled out as matmul-softmax-matmul is folded first (`attention`):
     the Triton backend has a flash kernel for it; so for the C backend at precision bf16 over
-    long sequences (C_BF16_FOLD_MIN_KEYS)."""
+    enough keys (C_BF16_FOLD_MIN_KEYS)."""
     if hardware == "cpu":
         return DEFAULT_PIPELINE
     if hardware == "c":  # the C backend: as the NumPy one, its groups priced as C steps

@@ -571,3 +571,35 @@ def test_a_gemm_group_yielding_a_value_of_its_row_op_prologue_keeps_it():
         got = tilegraph.compile(model, target="c", pipeline=pipeline).run(*inputs)
         for name, a_, e in zip(model.output_names, got, interpret(model, inputs)):
             assert_close(a_, e, "f32", reduction_length=32, name=name)
+
+
+def test_modules_sharing_a_workspace_hold_the_largest_arena_and_compute_the_same():
+    """Modules that run one after another (a training step's segments) lay their temporaries out in
+    one Workspace: it holds the largest module's arena, not their sum; when a larger module grows it,
+    the smaller ones lay out again in the new arena (their old views dropped) and still compute what
+    they compute alone."""
+    from tilegraph.backends.c.runtime import ALIGN, Workspace
+    from tilegraph.ir import Graph
+
+    rng = np.random.default_rng(0)
+    models, inputs = [], []
+    for rows, width in ((4, 32), (64, 96)):
+        g = Graph()
+        w1 = rng.standard_normal((16, width)).astype(np.float32)
+        w2 = rng.standard_normal((width, 8)).astype(np.float32)
+        h = g.relu(g.input("x", (rows, 16)) @ g.weight("w1", w1))
+        models.append(g.build(g.softmax(h @ g.weight("w2", w2)), names=["y"]))
+        inputs.append(rng.standard_normal((rows, 16)).astype(np.float32))
+    alone = [tilegraph.compile(m.clone(), target="c") for m in models]
+    expected = [a(x)[0] for a, x in zip(alone, inputs)]
+    arenas = [next(iter(a._runner._bindings.values())).arena_bytes for a in alone]
+    assert 0 < arenas[0] < arenas[1]
+    w = Workspace()
+    shared = [tilegraph.compile(m.clone(), target="c", workspace=w) for m in models]
+    for k in (0, 1, 0, 1, 0):  # the small one binds first; the large one grows the arena under it
+        np.testing.assert_array_equal(shared[k](inputs[k])[0], expected[k])
+        b = next(iter(shared[k]._runner._bindings.values()))
+        assert b.arena is w.array and b.generation == w.generation
+    assert w.nbytes == arenas[1] + ALIGN  # the largest arena, once
+    with pytest.raises(tilegraph.TilegraphError, match="workspace="):
+        tilegraph.compile(models[0].clone(), target="c", workspace=bytearray(8))

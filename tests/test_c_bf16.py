@@ -110,12 +110,13 @@ def test_bf16_attention_multiplies_on_amx_tiles():
     assert np.array_equal(f32.run(*xs)[0], exact)  # an f32 module beside it stays f32
 
 
-@pytest.mark.parametrize("keys", [37, 1100])
-def test_bf16_folds_spelled_out_attention_over_long_sequences(keys):
+@pytest.mark.parametrize("keys", [37, 197])
+def test_bf16_folds_spelled_out_attention_over_enough_keys(keys):
     """Eager attention as exported (softmax(q @ k^T * scale + mask) @ v) at precision bf16:
-    over C_BF16_FOLD_MIN_KEYS keys or more it becomes the flash kernel's one step (the scores
-    never written), over fewer it stays oneDNN's GEMMs; f32 keeps the chain. Both within bf16's
-    tolerance of the interpreter."""
+    over C_BF16_FOLD_MIN_KEYS keys or more (ViT-S/16's 197 tokens) it becomes the flash
+    kernel's one step (the scores never written), on AMX where the processor has it; over
+    fewer it stays oneDNN's GEMMs; f32 keeps the chain. Both within bf16's tolerance of the
+    interpreter."""
     from tilegraph.passes.registry import C_BF16_FOLD_MIN_KEYS
 
     rng = np.random.default_rng(keys)
@@ -128,10 +129,16 @@ def test_bf16_folds_spelled_out_attention_over_long_sequences(keys):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         bf16 = tilegraph.compile(model, target="c", precision="bf16")
-    assert bf16.source.count("tg_attention(") == (1 if keys >= C_BF16_FOLD_MIN_KEYS else 0)
+    folded = keys >= C_BF16_FOLD_MIN_KEYS
+    assert bf16.source.count("tg_attention(") == folded
     assert "tg_attention(" not in tilegraph.compile(model, target="c").source
     assert bf16.reference_kernels == []
+    lib = bf16._runner._lib
+    lib.tg_bf16_attention_count.restype = ctypes.c_int
+    before = lib.tg_bf16_attention_count()
     assert_close(bf16.run(*xs)[0], interpret(model, xs)[0], "bf16", reduction_length=keys + 16)
+    cpu_amx = "amx_bf16" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
+    assert lib.tg_bf16_attention_count() == before + (folded and bf16._runner.precision == "bf16" and cpu_amx)
 
 
 @pytest.mark.parametrize("causal, mask", [(False, "bool"), (True, None)])

@@ -63,7 +63,9 @@ def test_the_c_profile_is_positive_finite_and_round_trips(calibrated):
     assert len(hw.gemm_samples) == len(hw.gemm_samples_threaded) >= 3
     assert {"add", "exp", "gelu", "softmax", "layer_norm"} <= set(hw.ufunc_rates)
     assert [d for d, _ in hw.attention_rates] == [32, 64]
-    assert set(hw.conv_rates) == {"dense", "pointwise", "depthwise"}
+    assert set(hw.conv_rates) == {"dense", "pointwise", "depthwise", "stem", "patch"}
+    assert hw.pool_rate > 0 and set(hw.row_overhead) == {"softmax", "layer_norm"}
+    assert all(math.isfinite(x) and x >= 0 for x in hw.row_overhead.values())
     assert Hardware.from_dict(json.loads(path.read_text())["hardware"]) == hw
 
 
@@ -312,3 +314,129 @@ def test_a_convolution_is_priced_a_primitive_call_besides_its_work():
     model = g.build(g.matmul(g.input("x", (1, 64)), g.weight("w", np.zeros((64, 16), np.float32))), names=["y"])
     mm = next(op for op in model.func.body.block.ops if getattr(op, "op_name", None) == "matmul")
     assert at(op_cost(mm, hw).time) == at(op_cost(mm, replace(hw, primitive_overhead=0.0)).time)
+
+
+def _op_named(model, name: str):
+    return next(op for op in model.func.body.block.ops if getattr(op, "op_name", None) == name)
+
+
+def test_a_global_average_pool_is_priced_at_the_calibrated_pool_rate():
+    """A mean over a convolution's channels-last result runs the C backend's rows-of-channels
+    kernel (RegNet's squeeze-excitation pools, priced as an add loop, took 3-6x their price):
+    it is priced at the calibrated `pool_rate`, and the emitter takes that kernel. A mean over
+    a row-major input runs another loop, priced as before."""
+    from dataclasses import replace
+
+    from tilegraph.backends.c.emit import emit_program
+    from tilegraph.passes.targets.c import loop_rate
+
+    hw = replace(hardware("c"), pool_rate=1e9)
+    rng = np.random.default_rng(0)
+    g = Graph()
+    y = g.op("conv", g.input("x", (1, 64, 28, 28)), g.weight("w", rng.standard_normal((64, 64, 3, 3)).astype(np.float32) / 24),
+             pads=(1, 1, 1, 1))
+    model = g.build(g.mean(y, axes=(2, 3), keepdims=True), names=["y"])
+    mean = _op_named(model, "reduce_mean")
+    elements = 64 * 28 * 28
+    assert at(op_cost(mean, hw).compute_time) == pytest.approx(elements / 1e9)
+    assert at(op_cost(mean, replace(hw, pool_rate=0.0)).compute_time) == pytest.approx(elements / loop_rate(hw, "add"))
+    assert "acc[j] += row[j]" in emit_program(model).source  # the rows-of-channels kernel
+    xs = [rng.standard_normal((1, 64, 28, 28)).astype(np.float32)]
+    assert_close(tilegraph.compile(model, target="c")(*xs), interpret(model, xs)[0], "f32", reduction_length=576 * 784)
+
+    g = Graph()
+    plain = g.build(g.mean(g.input("x", (1, 64, 28, 28)), axes=(2, 3), keepdims=True), names=["y"])
+    mean = _op_named(plain, "reduce_mean")
+    assert at(op_cost(mean, hw).compute_time) == pytest.approx(elements / loop_rate(hw, "reduce_mean"))
+    assert "acc[j] += row[j]" not in emit_program(plain).source
+
+
+def test_an_image_models_first_convolution_is_priced_by_the_two_calibrated_stems():
+    """A convolution over an image's 3 channels (a stem, a Swin or ViT patch embedding, kernel
+    = stride) is no GEMM of its short k (a 4x4/4 priced as a 3x3's efficiency took 3x its
+    price): a time per output and per FLOP, solved from the calibrated 3x3/2 stem and 16x16/16
+    patch embedding, so exact at both; 16 input channels are a GEMM as before."""
+    from dataclasses import replace
+
+    base = hardware("c")
+    stems = {"stem": (12544, 32, 27, 46e9), "patch": (196, 768, 768, 125e9)}
+    hw = replace(base, primitive_overhead=0.0, conv_rates={**base.conv_rates, **stems})
+
+    def conv_time(xs, ws, stride, hw):
+        g = Graph()
+        pad = ws[-1] // 2 if ws[-1] > stride else 0
+        y = g.op("conv", g.input("x", xs), g.weight("w", np.zeros(ws, np.float32)), strides=(stride, stride),
+                 pads=(pad,) * 4)
+        return at(op_cost(_op_named(g.build(y, names=["y"]), "conv"), hw).compute_time), \
+            2 * int(np.prod(y.shape)) * int(np.prod(ws[1:])), int(np.prod(y.shape))
+
+    t, flops, _ = conv_time((1, 3, 224, 224), (32, 3, 3, 3), 2, hw)
+    assert t == pytest.approx(flops / 46e9)
+    t, flops, _ = conv_time((1, 3, 224, 224), (768, 3, 16, 16), 16, hw)
+    assert t == pytest.approx(flops / 125e9)
+    # Swin's 4x4/4 between them: more per FLOP than the patch embedding, less than the stem
+    t, flops, outputs = conv_time((1, 3, 224, 224), (96, 3, 4, 4), 4, hw)
+    assert flops / 46e9 > t > flops / 125e9
+    t16, *_ = conv_time((1, 16, 56, 56), (32, 16, 3, 3), 1, hw)
+    assert t16 == pytest.approx(conv_time((1, 16, 56, 56), (32, 16, 3, 3), 1, replace(hw, conv_rates=base.conv_rates))[0])
+    # one calibrated stem alone: its rate
+    t, flops, _ = conv_time((1, 3, 224, 224), (96, 3, 4, 4), 4,
+                            replace(hw, conv_rates={**base.conv_rates, "stem": stems["stem"]}))
+    assert t == pytest.approx(flops / 46e9)
+
+
+def test_a_row_kernel_is_priced_a_fixed_cost_per_row():
+    """A softmax over short rows (a Swin window's 49 keys) costs more per element than over
+    long ones (its max, sum and scale loops' setup, per row): priced at the calibrated
+    per-row cost besides the per-element rate, so 49-wide rows above 256-wide ones."""
+    from dataclasses import replace
+
+    hw = replace(hardware("c"), ufunc_rates={**hardware("c").ufunc_rates, "softmax": 2e9},
+                 row_overhead={"softmax": 80e-9})
+
+    def softmax_time(rows, width, hw=hw):
+        g = Graph()
+        model = g.build(g.softmax(g.input("x", (rows, width))), names=["y"])
+        return at(op_cost(_op_named(model, "softmax"), hw).compute_time)
+
+    assert softmax_time(9408, 49) == pytest.approx(9408 * 49 / 2e9 + 9408 * 80e-9)
+    assert softmax_time(9408, 49) > 2 * softmax_time(1801, 256)
+    assert softmax_time(9408, 49, replace(hw, row_overhead={})) == pytest.approx(9408 * 49 / 2e9)
+
+
+def test_activations_a_convolution_applies_as_it_writes_cost_no_loop():
+    """relu, gelu, sigmoid and sigmoid(x) * x after a GEMM or convolution run as oneDNN's
+    post-ops inside its pass (the emitter's ELTWISE_POSTS, and swish): the group is priced as
+    the anchor alone, not the anchor plus a loop at sigmoid's calibrated rate (EfficientNet's
+    swish convolutions were priced 2-3x their time). A sigmoid on another value still costs
+    its loop."""
+    from tilegraph.backends.c.emit import emit_program
+    from tilegraph.passes.targets.c import loop_rate
+
+    rng = np.random.default_rng(0)
+    hw = hardware("c")
+
+    def group(act):
+        g = Graph()
+        x = g.input("x", (1, 32, 28, 28))
+        y = g.op("conv", x, g.weight("w", rng.standard_normal((32, 32, 3, 3)).astype(np.float32) / 17), pads=(1,) * 4)
+        model = run_pipeline(g.build(act(g, x, y), names=["y"]), default_pipeline("c"))
+        return model, next(op for op in model.func.body.block.ops if isinstance(op, FusionOp))
+
+    loop = 32 * 28 * 28 / loop_rate(hw, "sigmoid")  # what a sigmoid's loop over the result costs
+
+    def alone(fused):  # the group's convolution priced as a step of its own
+        return at(op_cost(next(op for op in fused.ops if op.op_name == "conv"), hw).time)
+
+    for act in (lambda g, x, y: g.op("relu", y), lambda g, x, y: g.op("sigmoid", y) * y,
+                lambda g, x, y: g.op("gelu", y)):
+        model, fused = group(act)
+        # at most the pass writing the result (no loop at an activation's rate)
+        assert alone(fused) <= at(fusion_cost(fused, hw).time) < alone(fused) + 0.1 * loop
+    model, fused = group(lambda g, x, y: g.op("sigmoid", y) * y)
+    assert "swish" in emit_program(model).source  # as the emitter runs it
+    xs = [rng.standard_normal((1, 32, 28, 28)).astype(np.float32)]
+    assert_close(tilegraph.compile(model, target="c")(*xs), interpret(model, xs)[0], "f32", reduction_length=288)
+    # a sigmoid of the input, added after: a loop of its own
+    model, fused = group(lambda g, x, y: y + g.op("sigmoid", x))
+    assert at(fusion_cost(fused, hw).time) >= alone(fused) + loop

@@ -13,6 +13,7 @@ import torch
 import tilegraph
 from tests.models import char_batches, char_corpus, char_gpt, char_gpt_segments
 from tests.test_train import torch_losses
+from tilegraph.ir.arena import ALIGN
 from tilegraph.testing import PEER_RELATIVE_ERROR
 from tilegraph.train import AdamW
 from tilegraph.train_sharded import STRATEGIES, ModelAt, Processes, ShardedTrainError, pipeline_order, train_sharded
@@ -108,6 +109,11 @@ def test_the_pipeline_plan_trains_on_the_c_backend(processes, gpt):
     np.testing.assert_allclose(result["losses"], theirs, rtol=PEER_RELATIVE_ERROR)
     assert [r.rsplit(".", 1)[0] for r in result["runners"]] == ["tilegraph.backends.c.runtime"]
     assert not result["reference_kernels"]
+    # a rank's modules (each segment's forward and backward, the optimizer step) take turns on one
+    # arena: the rank holds the largest module's, not the sum of them all
+    arenas = result["arenas"]
+    assert len(arenas) >= 3 and 0 < max(arenas) < sum(arenas)
+    assert np.array(result["memory"])[0, 6] == max(arenas) + ALIGN
 
 
 def test_1f1b_runs_one_forward_and_one_backward_in_turn():

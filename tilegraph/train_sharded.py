@@ -33,8 +33,9 @@ inputs and the cotangents): full activation recomputation at segment granularity
 Megatron's `--recompute-granularity full` do, so every plan is priced with every layer recomputed
 (`recompute="always"`). Gradient clipping uses the global norm (one more
 all-reduce). Each process reports its step times and its memory: the arrays it holds between
-steps (weights and optimizer state, `held`) plus the peak of what a step allocates (tracemalloc,
-which NumPy reports its buffers to), against the plan's bytes per device.
+steps (weights and optimizer state, `held`), its C modules' arena of temporaries (one per rank, a
+runtime.Workspace the modules take turns on) and the peak of what a warm step allocates besides
+(tracemalloc, which NumPy reports its buffers to), against the plan's bytes per device.
 """
 
 from __future__ import annotations
@@ -442,6 +443,15 @@ class ShardedStep:
         """Every compiled module this rank runs (segments' forwards and backwards, the update)."""
         return [m for c in self.compiled for m in (c.forward, c.backward)] + [self.update]
 
+    def arena_bytes(self) -> int:
+        """Bytes of the C modules' arenas of temporaries this rank holds (its shared Workspace's, or
+        each module's own); 0 on NumPy."""
+        runners = [m._runner for m in self.modules()]
+        spaces = {id(w): w for r in runners if (w := getattr(r, "workspace", None)) is not None}
+        own = sum(b.arena.nbytes for r in runners if getattr(r, "workspace", None) is None
+                  for b in getattr(r, "_bindings", {}).values())
+        return own + sum(w.nbytes for w in spaces.values())
+
     def held(self) -> int:
         """Bytes this rank keeps between steps: its weights (or slices) and their optimizer state."""
         return sum(a.nbytes for a in self.weights.values()) + sum(a.nbytes for a in self.state.values())
@@ -450,8 +460,10 @@ class ShardedStep:
         from tilegraph.train import _write_back
 
         self.steps += 1
-        tracemalloc.reset_peak()
-        base = tracemalloc.get_traced_memory()[0]
+        tracing = tracemalloc.is_tracing()
+        if tracing:
+            tracemalloc.reset_peak()
+            base = tracemalloc.get_traced_memory()[0]
         if self.strategy == "zero3":
             loss, grads = self._zero3(ids, targets)
         else:
@@ -463,7 +475,8 @@ class ShardedStep:
             outs = self.update.run(**self.weights, **feed, **self.state, lr=np.float32(rate), step=np.float32(self.steps))
         _write_back(self._updates, outs, self.weights, self.state)
         del outs, feed, grads
-        self.step_peak = max(self.step_peak, tracemalloc.get_traced_memory()[1] - base)
+        if tracing:
+            self.step_peak = max(self.step_peak, tracemalloc.get_traced_memory()[1] - base)
         return loss
 
     # ZeRO-3 (FSDP): per segment, its weights gathered just before use and freed after, the next
@@ -783,16 +796,18 @@ class Processes:
     def train(self, strategy: str, make_model: Callable[[int | None], Model], params: Sequence[str],
               batches: Sequence[tuple[Any, Any]], optimizer, clip_norm: float | None = None,
               segments: Callable[[], Segments] | None = None, micro_batches: int = 2, target: str = "numpy",
-              pipeline: Any = None, calibrate: bool = False, schedule: str = "1f1b") -> dict:
+              pipeline: Any = None, calibrate: bool = False, schedule: str = "1f1b", shared_arena: bool = True) -> dict:
         """Train with `strategy` on these processes; `make_model(rows)`: the whole model as tg IR at
         `rows` rows of a batch (None: the batch dim symbolic, named B, as the plan wants it), weights
         the initial ones (`ModelAt`); `segments()`: the model as Segments (called in each process: a
         picklable function, e.g. functools.partial of tests/models.py char_gpt_segments);
         `calibrate`: the processes measure their device before planning (`measure_device`), else
-        rank 0 plans on the cached profile; `schedule`: the pipeline's ("1f1b", "gpipe"). Returns rank 0's {"losses", "seconds", "plan":
+        rank 0 plans on the cached profile; `schedule`: the pipeline's ("1f1b", "gpipe"); `shared_arena` (target "c"): a rank's modules lay their
+        temporaries out in one arena (runtime.Workspace), not one each. Returns rank 0's {"losses", "seconds", "plan":
         {...predicted...}, "memory": [(held bytes, a step's peak bytes, compute s, collectives s,
-        gathered peak bytes, the most micro-batches in flight) per rank], "runners": the classes that ran its modules, "reference_kernels":
-        (target "c") its GEMMs left on oneDNN's slow reference kernel}. A process's error is raised here as ShardedTrainError
+        gathered peak bytes, the most micro-batches in flight, C arena bytes) per rank], "runners": the classes that ran its modules, "reference_kernels":
+        (target "c") its GEMMs left on oneDNN's slow reference kernel, "arenas": (target "c") each of its
+        modules' arena bytes}. A process's error is raised here as ShardedTrainError
         (the processes are ended: a peer may be waiting in a collective)."""
         import queue
 
@@ -807,7 +822,7 @@ class Processes:
         for rank, q in enumerate(self._jobs):
             q.put((strategy, make_model, list(params), list(batches), optimizer, clip_norm, segments,
                    pieces[rank % len(pieces)] if pieces else None, micro_batches, target, pipeline, calibrate,
-                   schedule))
+                   schedule, shared_arena))
         out: dict = {}
         waiting = set(range(self.world))
         deadline = time.monotonic() + self.timeout_s
@@ -897,7 +912,7 @@ def _split(strategy: str, world: int, micro_batches: int, batch: int) -> tuple[i
 
 
 def _train(rank, world, link, strategy, make_model, params, batches, optimizer, clip_norm, segments, pieces,
-           micro_batches, target, pipeline, calibrate, schedule) -> dict | None:
+           micro_batches, target, pipeline, calibrate, schedule, shared_arena=True) -> dict | None:
     """One rank's training run; rank 0 returns the result (`Processes.train`)."""
     import torch
     import torch.distributed as dist
@@ -921,7 +936,13 @@ def _train(rank, world, link, strategy, make_model, params, batches, optimizer, 
     if strategy == "zero3" and planned.numbers["zero"] != 3:
         raise ShardedTrainError(f"the zero3 layout planned ZeRO stage {planned.numbers['zero']:.0f}")
     initial = {k: np.asarray(model.weights[k]) for k in params}
-    options = {"threads": 1} if target == "c" else {}
+    options: dict = {}
+    if target == "c":
+        from tilegraph.backends.c.runtime import Workspace
+
+        # the rank's modules run one after another: one arena for all their temporaries, the
+        # largest module's, not one arena each held for the whole run
+        options = {"threads": 1, **({"workspace": Workspace()} if shared_arena else {})}
     step = ShardedStep(strategy, planned.splits, initial, optimizer, rank, world, target, pipeline, options,
                        segments=segments() if segments is not None else None,
                        micro_batches=m, clip_norm=clip_norm, rows=rows, pieces=pieces, schedule=schedule)
@@ -934,12 +955,16 @@ def _train(rank, world, link, strategy, make_model, params, batches, optimizer, 
         n = a.shape[0] // dp
         return a[replica * n:(replica + 1) * n]
 
-    # tracemalloc slows every allocation: the memory is traced over the first two steps only
-    # (the second one's peak, caches warm), which the step times leave out
-    tracemalloc.start()
+    # tracemalloc slows every allocation: the memory is traced over the second and third steps only
+    # (caches warm, which the step times leave out); the first step makes each module's binding
+    # (its arena, counted apart: `arena_bytes`, and the Python objects of its set-up, not a step's)
     losses, seconds, terms = [], [], []
+    traced = range(1, 3) if len(batches) > 4 else range(min(1, len(batches) - 1), len(batches))
     for i, (x, y) in enumerate(batches):
-        if i == min(2, len(batches) - 1) and tracemalloc.is_tracing() and len(batches) > 4:
+        if i == traced.start:
+            tracemalloc.start()
+            step.step_peak = 0
+        if i == traced.stop and tracemalloc.is_tracing():
             tracemalloc.stop()
         dist.barrier()
         before = dict(step.clock.spent)
@@ -951,10 +976,11 @@ def _train(rank, world, link, strategy, make_model, params, batches, optimizer, 
         tracemalloc.stop()
     # per rank: held bytes, a step's peak, the median step's compute and collective seconds (the
     # first steps warm caches up: left out where there are enough), ZeRO-3's gathered peak bytes, the
-    # most micro-batches whose activations it held at once
+    # most micro-batches whose activations it held at once, the bytes of its C arenas
     warm = np.array(terms[2:] if len(terms) > 4 else terms)
     mem = torch.tensor([[float(step.held()), float(step.step_peak), *np.median(warm, axis=0),
-                         float(step.gathered_peak), float(step.in_flight)]], dtype=torch.float64)
+                         float(step.gathered_peak), float(step.in_flight), float(step.arena_bytes())]],
+                       dtype=torch.float64)
     gathered = [torch.zeros_like(mem) for _ in range(world)]
     dist.all_gather(gathered, mem)
     secs = torch.tensor(seconds, dtype=torch.float64)
@@ -966,4 +992,5 @@ def _train(rank, world, link, strategy, make_model, params, batches, optimizer, 
     runners = sorted({f"{type(m._runner).__module__}.{type(m._runner).__name__}" for m in step.modules()})
     return {"losses": [float(v) for v in losses], "seconds": secs.tolist(),
             "memory": torch.cat(gathered).tolist(), "plan": planned.numbers, "runners": runners,
-            "reference_kernels": [line for m in step.modules() for line in m.reference_kernels]}
+            "reference_kernels": [line for m in step.modules() for line in m.reference_kernels],
+            "arenas": [b.arena_bytes for m in step.modules() for b in getattr(m._runner, "_bindings", {}).values()]}

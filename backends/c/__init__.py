@@ -10,10 +10,13 @@ emitted loops. Ops it does not lower run on the host (emit.HOST_FALLBACK).
 
 from tilegraph.backends.c.build import build_ahead
 from tilegraph.backends.c.emit import HOST_FALLBACK, emit_program
-from tilegraph.backends.c.runtime import CompiledModel, load, remember
+from tilegraph.backends.c.runtime import CompiledModel, Workspace, load, planned_bytes, remember
+from tilegraph.ir.arena import register_layout
 
 # fuse and tile decide against this backend's own calibrated kernels (backends/c/calibrate.py).
 HARDWARE = "c"
+# The recompute pass prices a budget on this hardware as an emitted call holds it: arena and outputs.
+register_layout(HARDWARE, planned_bytes)
 
 
 def emit(model, name=None) -> str:
@@ -24,4 +27,4 @@ def compile_model(model, name=None) -> CompiledModel:
     return load(emit(model, name), model.weights, model)
 
 
-__all__ = ["emit", "load", "compile_model", "build_ahead", "CompiledModel", "HOST_FALLBACK"]
+__all__ = ["emit", "load", "compile_model", "build_ahead", "CompiledModel", "Workspace", "HOST_FALLBACK"]

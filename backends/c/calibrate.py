@@ -59,6 +59,13 @@ QUICK_GEMM_SHAPES = ((32, 384, 384), (128, 384, 384), (1024, 384, 1536), (128, 3
 # against the GEMM curve at its implicit GEMM's shape (passes/targets/c.conv_time).
 CONV_CASES = {"dense": ((1, 64, 56, 56), (64, 64, 3, 3), 1), "pointwise": ((1, 256, 28, 28), (128, 256, 1, 1), 1),
               "depthwise": ((1, 96, 56, 56), (96, 1, 3, 3), 96)}
+# An image model's first convolutions, each reading the caller's plain image of 3 channels as
+# a model's first does: a 3x3 stride-2 stem and a ViT's 16x16 stride-16 patch embedding, as
+# x shape, weight shape, stride (conv_rates["stem"], ["patch"]: passes/targets/c.stem_time).
+STEM_CASES = {"stem": ((1, 3, 224, 224), (32, 3, 3, 3), 2), "patch": ((1, 3, 224, 224), (768, 3, 16, 16), 16)}
+# A global average pool over a convolution's channels-last result, as a squeeze-excitation
+# takes it (pool_rate): a middle stage's map of a RegNet or an EfficientNet.
+POOL_CASE = (1, 192, 28, 28)
 # The input of the tiny convolutions timed for a primitive's fixed cost: a squeeze-excitation's.
 TINY_CONV = (1, 64, 1, 1)
 # The gather timed: rows of a table as wide as a BERT-base hidden state.
@@ -70,6 +77,9 @@ LOOP_OPS = ("add", "mul", "div", "sqrt", "exp", "tanh", "erf", "sigmoid", "gelu"
 QUICK_LOOP_OPS = ("add", "exp", "tanh", "erf", "gelu")
 CHAIN = 9  # ops (steps, unfused) in the longer chain (one in the shorter)
 ROW = 256  # row length of the softmax and layer_norm timed (a hidden state's row)
+# ... and the short rows they are timed over too, as many elements in more rows (a 7x7 window's
+# attention scores): what a row costs beyond its elements (`row_overhead`).
+SHORT_ROW = 49
 TINY = 16  # elements of "a tiny step": its fixed cost dominates
 # Elements per array of the in-cache passes: 2 arrays in and 1 out of both sizes fit two cores'
 # L2 of 1 MiB or more, and both are above the emitted loops' OpenMP threshold.
@@ -95,19 +105,26 @@ def _quiet_times(fns, budget: float) -> list[float]:
     return median_times(fns, budget, quantile=QUIET)
 
 
-def _after_depthwise(rng, xs, ws, groups: int, timed: bool):
+def _after_depthwise(rng, xs, then=None):
     """(module, output shape) of a depthwise 3x3 over an input of shape `xs`, then (where
-    `timed`) a convolution of weight shape `ws`: the convolution reads its input as a model's
-    convolutions hand it on (the layout the one before wrote), not a plain array from the
-    caller that it would reorder first."""
+    given) `then(graph, y)` of its result: what is timed reads its input as a model's
+    convolutions hand it on (channels-last, as the one before wrote it), not a plain array from
+    the caller that it would reorder first."""
     g = Graph()
     pre = (rng.standard_normal((xs[1], 1, 3, 3)) / 3).astype(np.float32)
     y = g.op("conv", g.input("x", xs), g.weight("pre", pre), pads=(1, 1, 1, 1), groups=xs[1])
-    if timed:
+    if then is not None:
+        y = then(g, y)
+    return _module(g.build(y, names=["y"])), y.shape
+
+
+def _conv_then(rng, ws, groups: int):
+    """A convolution of weight shape `ws`, 'same' padded, to run after another (_after_depthwise)."""
+    def then(g, y):
         w = g.weight("w", (rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:]))).astype(np.float32))
         pad = ws[-1] // 2
-        y = g.op("conv", y, w, pads=(pad, pad, pad, pad), groups=groups)
-    return _module(g.build(y, names=["y"])), y.shape
+        return g.op("conv", y, w, pads=(pad, pad, pad, pad), groups=groups)
+    return then
 
 
 def _tiny_convs(rng, count: int):
@@ -208,7 +225,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
     caches = cache_sizes()
     cores = _threads()
     rng = np.random.default_rng(0)
-    bar = Progress(9 + len(loop_ops) + len(shapes), sys.stderr.isatty() if progress is None else progress)
+    bar = Progress(11 + len(loop_ops) + len(shapes), sys.stderr.isatty() if progress is None else progress)
 
     # One chain of unfused adds, short and long, serves every size: its length is symbolic.
     short, long_ = _module(_chain("n", 1)), _module(_chain("n", CHAIN))
@@ -264,16 +281,27 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         rates[op] = (CHAIN - 1) * n / extra if extra > 0 else n / max(t_one - launch, 1e-9)
 
     bar.step("softmax and layer_norm rows")
+    row_overhead = {}
     for op in ("softmax", "layer_norm"):
-        g = Graph()
-        xin = g.input("x", ("rows", ROW))
-        module = _module(g.build(g.softmax(xin) if op == Op.softmax else g.layer_norm(xin), names=["z"]))
+        modules = []
+        for width in (ROW, SHORT_ROW):
+            g = Graph()
+            xin = g.input("x", ("rows", width))
+            modules.append(_module(g.build(g.softmax(xin) if op == Op.softmax else g.layer_norm(xin), names=["z"])))
         sizes = [n // ROW for n in CACHE_SIZES]
-        t_small, t_big = _quiet_times([_call(module, rng.standard_normal((r, ROW), dtype=np.float32))
-                                       for r in sizes], budget)
+        short = sizes[-1] * ROW // SHORT_ROW  # as many elements as the larger, in short rows
+        t_small, t_big, t_short = _quiet_times(
+            [_call(modules[0], rng.standard_normal((r, ROW), dtype=np.float32)) for r in sizes]
+            + [_call(modules[1], rng.standard_normal((short, SHORT_ROW), dtype=np.float32))], budget)
         e_small, e_big = (r * ROW for r in sizes)
-        rates[op] = (e_big - e_small) / (t_big - t_small) if t_big > t_small * 1.05 else \
-            e_big / max(t_big - launch, 1e-9)
+        whole = (e_big - e_small) / (t_big - t_small) if t_big > t_small * 1.05 else e_big / max(t_big - launch, 1e-9)
+        # The same elements in more rows took longer by each row's own cost (its max, sum and
+        # scale loops' setup and tails): that per row, the rest per element.
+        per_row = max(0.0, (t_short - t_big) / (short - sizes[-1]))
+        per_element = 1 / whole - per_row / ROW
+        if per_element <= 0:  # noise: the rows' rate as measured whole, at ROW
+            per_row, per_element = 0.0, 1 / whole
+        rates[op], row_overhead[op] = 1 / per_element, per_row
 
     # A gather's row copy (embeddings; priced alike: every copy, concat, pad): one gather more
     # in the module, from an intermediate into the arena (the output's fresh pages cancel).
@@ -324,13 +352,34 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
     conv_rates = {}
     for kind, (xs, ws, groups) in CONV_CASES.items():
         # Each after a depthwise 3x3 that keeps the input's shape, less that one alone (_after_depthwise).
-        (before, _), (both, out_shape) = (_after_depthwise(rng, xs, ws, groups, timed) for timed in (False, True))
+        (before, _), (both, out_shape) = _after_depthwise(rng, xs), _after_depthwise(rng, xs, _conv_then(rng, ws, groups))
         xc = rng.standard_normal(xs, dtype=np.float32)
         t_before, t_both = _quiet_times((_call(before, xc), _call(both, xc)), budget)
         conv_flops = 2 * int(np.prod(out_shape)) * int(np.prod(ws[1:]))
         gemm = (int(np.prod(out_shape)) // ws[0], ws[0] // groups, int(np.prod(ws[1:])))  # one group's (m, n, k)
         conv_rates[kind] = (*gemm, conv_flops / max(t_both - t_before, t_both / 10))
     conv_rate = conv_rates["dense"][3]
+
+    bar.step("stem convolutions")
+    for kind, (xs, ws, stride) in STEM_CASES.items():
+        g = Graph()
+        w = g.weight("w", (rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:]))).astype(np.float32))
+        y = g.op("conv", g.input("x", xs), w, pads=(ws[-1] // 2 if ws[-1] > stride else 0,) * 4, strides=(stride, stride))
+        (t_stem,) = _quiet_times((_call(_module(g.build(y, names=["y"])), rng.standard_normal(xs, dtype=np.float32)),),
+                                 budget)
+        pixels = int(np.prod(y.shape)) // ws[0]
+        conv_rates[kind] = (pixels, ws[0], int(np.prod(ws[1:])),
+                            2 * pixels * ws[0] * int(np.prod(ws[1:])) / max(t_stem - launch, t_stem / 10))
+
+    # Global average pools after the depthwise 3x3 that writes their input channels-last: two
+    # (a mean and a sum) against one, so both modules hand back as small a result.
+    bar.step("a global average pool")
+    (one, _), (two, _) = (_after_depthwise(rng, POOL_CASE, lambda g, y: g.mean(y, axes=(2, 3), keepdims=True)),
+                          _after_depthwise(rng, POOL_CASE, lambda g, y: g.mean(y, axes=(2, 3), keepdims=True)
+                                           + g.sum(y, axes=(2, 3), keepdims=True)))
+    xp = rng.standard_normal(POOL_CASE, dtype=np.float32)
+    t_one, t_two = _quiet_times((_call(one, xp), _call(two, xp)), budget)
+    pool_rate = int(np.prod(POOL_CASE)) / max(t_two - t_one, t_two / 10)
 
     # One more oneDNN primitive in a module, of next to no work: a 1x1 convolution on a 1x1
     # map (a squeeze-excitation's), beyond the step it is.
@@ -366,6 +415,8 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         conv_rate=conv_rate,
         conv_rates=conv_rates,
         primitive_overhead=primitive,
+        pool_rate=pool_rate,
+        row_overhead=row_overhead,
         copy_bandwidth=copy_bandwidth,
         attention_rates=tuple(attention_rates),
         attention_speedup=speedup,
@@ -375,6 +426,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
 
 def summary(hw: Hardware) -> str:
     """The measured numbers as a table."""
+    inputs = {kind: xs for kind, (xs, _, _) in {**CONV_CASES, **STEM_CASES}.items()}
     rows = [
         ("module call (one add, 16 elements)", f"{hw.launch_overhead * 1e6:.2f} us"),
         ("one more step in a module (tiny, one thread)", f"{hw.chunk_call_overhead * 1e6:.2f} us"),
@@ -383,9 +435,10 @@ def summary(hw: Hardware) -> str:
         ("pass bandwidth, beyond L2, in L3", f"{hw.l3_bandwidth / 1e9:.1f} GB/s"),
         ("pass bandwidth, beyond L3", f"{hw.memory_bandwidth / 1e9:.1f} GB/s"),
         ("one more oneDNN primitive (a 1x1 convolution on a 1x1 map)", f"{hw.primitive_overhead * 1e6:.2f} us"),
+        ("a global average pool over channels-last data", f"{hw.pool_rate / 1e9:.2f} Gelem/s"),
         ("a gather's rows copied (bytes written)", f"{hw.copy_bandwidth / 1e9:.1f} GB/s"),
         ("oneDNN GEMM all threads / (cores x one thread)", f"{hw.parallel_efficiency:.2f}"),
-        *((f"convolution {kind} {'x'.join(map(str, CONV_CASES[kind][0]))} (oneDNN, all threads)",
+        *((f"convolution {kind} {'x'.join(map(str, inputs.get(kind, ())))} (oneDNN, all threads)",
            f"{rate / 1e9:.1f} GFLOP/s") for kind, (*_, rate) in hw.conv_rates.items()),
         ("attention (flash kernel, one thread, by head dim)",
          " ".join(f"{d}:{r / 1e9:.1f}" for d, r in hw.attention_rates) + " GFLOP/s"),
@@ -394,7 +447,8 @@ def summary(hw: Hardware) -> str:
     rows += [(f"GEMM f32 {m}x{n}x{k} (one thread / all)", f"{r / 1e9:.1f} / {t / 1e9:.1f} GFLOP/s")
              for (m, n, k, r), (*_, t) in zip(hw.gemm_samples, hw.gemm_samples_threaded)]
     rows += [(f"f32 {name} {'row kernel' if name in (Op.softmax, Op.layer_norm) else 'in a fused loop'} (all threads)",
-              f"{rate / 1e9:.2f} Gelem/s")
+              f"{rate / 1e9:.2f} Gelem/s" + (f" + {hw.row_overhead[name] * 1e9:.0f} ns a row"
+                                             if name in hw.row_overhead else ""))
              for name, rate in hw.ufunc_rates.items()]
     return table(hw.source, rows)
 

@@ -12,6 +12,7 @@ from tilegraph.backends.c.views import (EmitterParts, Unsupported, View, lowers,
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.shapes import numel
 from tilegraph.ir.ops import Op
+from tilegraph.ir.strides import reduces_rows_of_channels
 
 # Channels a reduction over NHWC positions accumulates at a time (_reduce_rows_of_channels),
 # each block a task of the threads: 64 doubles stay in L1 beside the row being added, and a
@@ -46,8 +47,8 @@ class Kernels(EmitterParts):
             raise Unsupported("integer max/min reduction")
         step = REDUCE_STEP[kind]
         finish = f"acc / (double){self.ints(n)}" if kind == "mean" else "acc"
-        if (kind in ("sum", "mean") and x.dtype in FLOATS and x.literal is None and keep
-                and _eq(x.strides[keep[-1]], 1) and not _is_one(x.shape[keep[-1]])):
+        if (kind in ("sum", "mean") and x.dtype in FLOATS and x.literal is None
+                and reduces_rows_of_channels(x.shape, x.strides, axes)):
             lines = self._reduce_rows_of_channels(x, out, keep, axes, kind == "mean")
             self._step(_describe(op), lines, [x], [out])
             return out

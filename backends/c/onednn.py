@@ -11,6 +11,7 @@ from tilegraph.backends.c.tables import DNNL_BINARY, DNNL_ELTWISE, DNNL_TYPES, K
 from tilegraph.backends.c.views import (EmitterParts, Unsupported, View, lowers, _describe, _eq, _is_one, _only_use,
                                         _plain_strides, _row_stride, channels_last_strides)
 from tilegraph.ir.dialect import FusionOp, TgOp
+from tilegraph.ir.fusion import ELTWISE_POSTS
 from tilegraph.ir.shapes import TensorInfo, info_of, numel
 from tilegraph.ir.ops import Op
 
@@ -53,7 +54,7 @@ class OneDNN(EmitterParts):
             other = [v for v in op.operands if v is not current]
             if any(v in computed for v in other) or not _only_use(current, op):
                 break  # the epilogue overwrites `current`: nothing else may read it
-            if name in (Op.relu, Op.tanh, Op.exp, Op.sigmoid) and not other:
+            if name in ELTWISE_POSTS and name != Op.gelu and not other:
                 posts.append(f"{{0, {DNNL_ELTWISE[name]}, 0.f, 0.f, 0, {{0}}, {{0}}}}")
             elif name == Op.gelu:
                 alg = DNNL_ELTWISE["gelu_tanh" if op.attr("approximate") == "tanh" else "gelu_erf"]

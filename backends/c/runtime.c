@@ -874,12 +874,11 @@ static void tg_batch_offsets(int nb, const int64_t *bd, const int64_t *qb, const
 }
 
 /* One query row's scores against a key block, si[0:nk] (query i0 + i, keys from j0): the
- * causal cut and the mask applied, then the online softmax step - the row's running max and
+ * causal cut and the mask applied (tg_flash_mask), then the online softmax step - the row's running max and
  * sum updated, si[j] replaced by its weight, the row's accumulator ai[0:dv] rescaled to the
  * new max. Both the f32 and the bf16 products use it. */
-static inline void tg_flash_row(float *si, int64_t nk, int64_t i0, int64_t i, int64_t j0, int64_t lq, int64_t lk,
-                                int causal, int mask_kind, const void *mask, int64_t om, int64_t mr, int64_t mc,
-                                float *mxi, float *sumi, float *ai, int64_t dv) {
+static inline void tg_flash_mask(float *si, int64_t nk, int64_t i0, int64_t i, int64_t j0, int64_t lq, int64_t lk,
+                                 int causal, int mask_kind, const void *mask, int64_t om, int64_t mr, int64_t mc) {
     if (causal) { /* keys past i + lk - lq are the future */
         int64_t first = i0 + i + lk - lq + 1 - j0;
         for (int64_t j = first < 0 ? 0 : first; j < nk; j++) si[j] = -INFINITY;
@@ -892,6 +891,12 @@ static inline void tg_flash_row(float *si, int64_t nk, int64_t i0, int64_t i, in
 #pragma omp simd
         for (int64_t j = 0; j < nk; j++) si[j] += mi[j * mc];
     }
+}
+
+static inline void tg_flash_row(float *si, int64_t nk, int64_t i0, int64_t i, int64_t j0, int64_t lq, int64_t lk,
+                                int causal, int mask_kind, const void *mask, int64_t om, int64_t mr, int64_t mc,
+                                float *mxi, float *sumi, float *ai, int64_t dv) {
+    tg_flash_mask(si, nk, i0, i, j0, lq, lk, causal, mask_kind, mask, om, mr, mc);
     float m = *mxi;
 #pragma omp simd reduction(max : m)
     for (int64_t j = 0; j < nk; j++) m = si[j] > m ? si[j] : m;
@@ -938,18 +943,77 @@ static void tg_amx_configure(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* rows x n floats (row stride ld) to bf16 rows of `stride` elements, n..stride zero (the
- * left operand: a row's consecutive bf16 pairs are its pairs along n). */
-static void tg_bf16_rows(const float *x, int64_t ld, int64_t rows, int64_t n, int64_t stride, uint16_t *y) {
+/* rows x n floats (row stride ld), each times `mul`, to bf16 rows of `stride` elements,
+ * n..stride zero (the left operand: a row's consecutive bf16 pairs are its pairs along n). */
+static void tg_bf16_rows(const float *x, int64_t ld, int64_t rows, int64_t n, int64_t stride, float mul, uint16_t *y) {
+    const __m512 m = _mm512_set1_ps(mul);
     for (int64_t i = 0; i < rows; i++) {
         const float *xi = x + i * ld;
         uint16_t *yi = y + i * stride;
         for (int64_t j = 0; j < stride; j += 32) {
             __mmask16 lo = (__mmask16)(n - j >= 16 ? 0xffff : n - j <= 0 ? 0 : (1u << (n - j)) - 1);
             __mmask16 hi = (__mmask16)(n - j >= 32 ? 0xffff : n - j <= 16 ? 0 : (1u << (n - j - 16)) - 1);
-            __m512bh v = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, xi + j + 16), _mm512_maskz_loadu_ps(lo, xi + j));
+            __m512bh v = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_maskz_loadu_ps(hi, xi + j + 16), m),
+                                             _mm512_mul_ps(_mm512_maskz_loadu_ps(lo, xi + j), m));
             _mm512_storeu_si512(yi + j, (__m512i)v);
         }
+    }
+}
+
+/* tg_expf on 16 lanes (the same reduction and polynomial, so both paths weigh alike): the
+ * row step below runs it over masked vectors, where the compiler's loop over tg_expf left
+ * a scalar tail per row (a row of 197 keys: 5 scalar exps) and its running sum in memory. */
+static inline __m512 tg_exp16(__m512 x) {
+    __m512 t = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.33654f)), _mm512_set1_ps(88.72283f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), t);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.f / 720), _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+    y = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72283f), _CMP_GT_OQ), _mm512_set1_ps(INFINITY));
+    y = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33654f), _CMP_LT_OQ), _mm512_setzero_ps());
+    return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x); /* NaN stays NaN */
+}
+
+static inline __mmask16 tg_lanes(int64_t n) { return (__mmask16)(n >= 16 ? 0xffff : n <= 0 ? 0 : (1u << n) - 1); }
+
+/* tg_flash_row for the bf16 products: the same online-softmax step over si[0:nk], its
+ * weights written straight to bf16 pairs along the keys (pi, `width` pairs, keys nk.. zero)
+ * for the AMX product, not back to si. */
+static inline void tg_flash_row_bf16(float *si, int64_t nk, int64_t i0, int64_t i, int64_t j0, int64_t lq,
+                                     int64_t lk, int causal, int mask_kind, const void *mask, int64_t om, int64_t mr,
+                                     int64_t mc, float *mxi, float *sumi, float *ai, int64_t dv, uint32_t *pi,
+                                     int64_t width) {
+    tg_flash_mask(si, nk, i0, i, j0, lq, lk, causal, mask_kind, mask, om, mr, mc);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    __m512 vm = ninf;
+    for (int64_t j = 0; j < nk; j += 16) vm = _mm512_max_ps(vm, _mm512_mask_loadu_ps(ninf, tg_lanes(nk - j), si + j));
+    /* (a NaN score: its weight is NaN, so is the row's sum and output, as softmax's) */
+    float m = _mm512_reduce_max_ps(vm);
+    m = m > *mxi || m != m ? m : *mxi;
+    /* all -inf so far: nothing to weigh yet (exp(-inf - -inf) would be NaN) */
+    float corr = m == -INFINITY ? 1.f : tg_expf(*mxi - m);
+    const __m512 vmax = _mm512_set1_ps(m);
+    __m512 l = _mm512_setzero_ps();
+    for (int64_t j = 0; j < 2 * width; j += 32) {
+        __mmask16 lo = m == -INFINITY ? 0 : tg_lanes(nk - j), hi = m == -INFINITY ? 0 : tg_lanes(nk - j - 16);
+        __m512 p0 = _mm512_maskz_mov_ps(lo, tg_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lo, si + j), vmax)));
+        __m512 p1 = _mm512_maskz_mov_ps(hi, tg_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(hi, si + j + 16), vmax)));
+        l = _mm512_add_ps(l, _mm512_add_ps(p0, p1));
+        _mm512_storeu_si512(pi + j / 2, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    }
+    *sumi = *sumi * corr + _mm512_reduce_add_ps(l);
+    *mxi = m;
+    if (corr != 1.f) {
+#pragma omp simd
+        for (int64_t c = 0; c < dv; c++) ai[c] *= corr;
     }
 }
 
@@ -1020,7 +1084,7 @@ static void tg_amx_gemm(int64_t mt, int64_t nt, int64_t kt, const uint32_t *a, i
 static void tg_pack_kv(const float *k, int64_t kr, const float *v, int64_t vr, int64_t nk, int64_t d, int64_t dv,
                        int64_t dp16, int64_t bk16, int64_t kp16, int64_t dv16, uint32_t *rows, uint32_t *kh,
                        uint32_t *vh) {
-    tg_bf16_rows(k, kr, nk, d, 2 * dp16, (uint16_t *)rows);
+    tg_bf16_rows(k, kr, nk, d, 2 * dp16, 1.f, (uint16_t *)rows);
     const __m512i lane = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                             _mm512_set1_epi32((int)dp16));
     for (int64_t j = 0; j < bk16; j += 16) {
@@ -1041,9 +1105,11 @@ static void tg_pack_kv(const float *k, int64_t kr, const float *v, int64_t vr, i
 
 /* tg_attention at bf16 on AMX (no length or head dim zero): every key block's k and v packed
  * once (a first parallel pass), then the query-block tasks, each thread with one working area for all its
- * tasks: q's block as bf16 pairs (bq16 rows of dp16 pairs), the scores (bq16 x bk16 f32), the
- * weights as bf16 pairs along the keys (bq16 rows of kp16 pairs), the accumulator (bq16 x dv16
- * f32, the product tiles load and store it whole), the running max and sum. */
+ * tasks: q's block as bf16 pairs (bq16 rows of dp16 pairs), one slab's scores (TG_AMX_SLAB x
+ * bk16 f32) and weights as bf16 pairs along the keys (TG_AMX_SLAB rows of kp16 pairs), the
+ * accumulator (bq16 x dv16 f32, the product tiles load and store it whole), the running max
+ * and sum. A slab is two row tiles: the product's 2x2 blocking uses both. */
+#define TG_AMX_SLAB 32
 static int tg_attention_bf16(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb, const int64_t *vb,
                              const int64_t *mb, const int64_t *ob, const float *q, const float *k, const float *v,
                              const void *mask, float *o, int64_t lq, int64_t lk, int64_t d, int64_t dv, int64_t qr,
@@ -1054,16 +1120,16 @@ static int tg_attention_bf16(int nb, const int64_t *bd, const int64_t *qb, const
     int64_t qblocks = (lq + bq - 1) / bq, kblocks = (lk + bk - 1) / bk, per_block = dp16 * bk16 + kp16 * dv16;
     uint32_t *packed = malloc(sizeof(uint32_t) * (size_t)(batches * kblocks * per_block));
     if (!packed) TG_FAIL("attention: out of memory for its packed keys and values");
-    size_t work = sizeof(uint32_t) * (size_t)(bq16 * dp16 + bq16 * kp16 + bk * dp16) +
-                  sizeof(float) * (size_t)(bq16 * bk16 + bq16 * dv16 + 2 * bq) + 64;
+    size_t work = sizeof(uint32_t) * (size_t)(bq16 * dp16 + TG_AMX_SLAB * kp16 + bk * dp16) +
+                  sizeof(float) * (size_t)(TG_AMX_SLAB * bk16 + bq16 * dv16 + 2 * bq) + 64;
     int failed = 0;
 #pragma omp parallel if (batches * lq * lk * d > 65536)
     {
         char *area = malloc(work);
         if (!area) failed = 1;
         uint32_t *qh = (uint32_t *)(((uintptr_t)area + 63) & ~(uintptr_t)63), *ph = qh + bq16 * dp16;
-        uint32_t *rows = ph + bq16 * kp16;
-        float *s = (float *)(rows + bk * dp16), *acc = s + bq16 * bk16, *mx = acc + bq16 * dv16, *sum = mx + bq;
+        uint32_t *rows = ph + TG_AMX_SLAB * kp16;
+        float *s = (float *)(rows + bk * dp16), *acc = s + TG_AMX_SLAB * bk16, *mx = acc + bq16 * dv16, *sum = mx + bq;
         if (area) tg_amx_configure();
 #pragma omp for collapse(2) schedule(static)
         for (int64_t bi = 0; bi < batches; bi++)
@@ -1082,27 +1148,29 @@ static int tg_attention_bf16(int nb, const int64_t *bd, const int64_t *qb, const
                 int64_t off[5];
                 tg_batch_offsets(nb, bd, qb, kb, vb, mb, ob, bi, off);
                 int64_t i0 = qbk * bq, i1 = i0 + bq < lq ? i0 + bq : lq, nq = i1 - i0, mt = (nq + 15) / 16;
-                /* rows nq.. of the last row block: zero, so every product tile is finite */
-                tg_bf16_rows(q + off[0] + i0 * qr, qr, nq, d, 2 * dp16, (uint16_t *)qh);
+                /* q times the scale (exact for a power of two; else one rounding, as q's alone);
+                 * rows nq.. of the last row block zero, so every product tile is finite */
+                tg_bf16_rows(q + off[0] + i0 * qr, qr, nq, d, 2 * dp16, scale, (uint16_t *)qh);
                 memset(qh + nq * dp16, 0, sizeof(uint32_t) * (16 * mt - nq) * dp16);
-                memset(ph + nq * kp16, 0, sizeof(uint32_t) * (16 * mt - nq) * kp16);
                 memset(acc, 0, sizeof(float) * 16 * mt * dv16);
                 for (int64_t i = 0; i < nq; i++) { mx[i] = -INFINITY; sum[i] = 0.f; }
                 for (int64_t kbk = 0; kbk < kblocks; kbk++) {
                     int64_t j0 = kbk * bk, nk = j0 + bk < lk ? bk : lk - j0;
                     if (causal && j0 > i1 - 1 + lk - lq) break;
                     const uint32_t *kh = packed + (bi * kblocks + kbk) * per_block, *vh = kh + dp16 * bk16;
-                    tg_amx_gemm(mt, (nk + 15) / 16, dp16 / 16, qh, dp16, kh, bk16, s, bk16, 0);
-                    for (int64_t i = 0; i < nq; i++) {
-                        float *si = s + i * bk16;
-#pragma omp simd
-                        for (int64_t j = 0; j < nk; j++) si[j] *= scale;
-                        tg_flash_row(si, nk, i0, i, j0, lq, lk, causal, mask_kind, mask, off[3], mr, mc, mx + i, sum + i,
-                                     acc + i * dv16, dv);
+                    /* a slab of TG_AMX_SLAB query rows at a time through both products, so its
+                     * scores and weights stay in the core's first-level cache between them */
+                    for (int64_t r0 = 0; r0 < nq; r0 += TG_AMX_SLAB) {
+                        int64_t rn = nq - r0 < TG_AMX_SLAB ? nq - r0 : TG_AMX_SLAB, rt = (rn + 15) / 16;
+                        tg_amx_gemm(rt, (nk + 15) / 16, dp16 / 16, qh + r0 * dp16, dp16, kh, bk16, s, bk16, 0);
+                        for (int64_t i = 0; i < rn; i++) /* the weights: bf16 pairs along the keys */
+                            tg_flash_row_bf16(s + i * bk16, nk, i0, r0 + i, j0, lq, lk, causal, mask_kind, mask,
+                                              off[3], mr, mc, mx + r0 + i, sum + r0 + i, acc + (r0 + i) * dv16, dv,
+                                              ph + i * kp16, kp16);
+                        memset(ph + rn * kp16, 0, sizeof(uint32_t) * (16 * rt - rn) * kp16); /* rows rn.. zero */
+                        tg_amx_gemm(rt, dv16 / 16, ((nk + 1) / 2 + 15) / 16, ph, kp16, vh, dv16, acc + r0 * dv16, dv16,
+                                    1);
                     }
-                    /* the weights to bf16, pairs along the keys (keys nk.. zero) */
-                    tg_bf16_rows(s, bk16, nq, nk, 2 * kp16, (uint16_t *)ph);
-                    tg_amx_gemm(mt, dv16 / 16, ((nk + 1) / 2 + 15) / 16, ph, kp16, vh, dv16, acc, dv16, 1);
                 }
                 for (int64_t i = 0; i < nq; i++) {
                     /* a row with every key masked: NaN, as softmax over all -inf is */

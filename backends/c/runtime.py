@@ -17,6 +17,7 @@ import os
 import re
 import threading
 import warnings
+import weakref
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Mapping, cast
@@ -28,6 +29,7 @@ from tilegraph.backends.c.build import BuildError, build, sanitizer
 from tilegraph.backends.c.emit import CProgram, emit_program
 from tilegraph.backends.c.views import View
 from tilegraph.ir import cache, dtypes
+from tilegraph.ir.arena import ALIGN, lay_out
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.hardware import Neighbours
@@ -37,7 +39,6 @@ from tilegraph.ir.ops import size_definitions
 from tilegraph.ir.shapes import ShapeError, info_of, numel
 from tilegraph.ir.signature import Signature, SizeConditions
 
-ALIGN = 64  # bytes: a cache line, and what oneDNN's vector loads like
 # Shape bindings a compiled model keeps (each holds an arena and oneDNN primitives): a
 # stranger's stream of distinct shapes grew a process by 650 MiB over 300 of them. A serving
 # loop uses a few shapes; a ninth evicts the least recently used, which a later call remakes.
@@ -63,19 +64,8 @@ class _Binding:
         self.bases: list[np.ndarray | None] = list(module.fixed)
         elements = [int(sympy.sympify(b.elements).xreplace(subs)) for b in em.buffers]
         self._check_extents(module, elements)
-        offsets, size = _plan_arena(module, elements)
-        try:
-            self.arena = np.empty(size + ALIGN, dtype=np.uint8)
-        except (MemoryError, ValueError) as e:  # ValueError: past NumPy's largest array
-            raise ModelError(f"the C module's intermediates need {size:,} bytes at "
-                             f"{', '.join(f'{k}={v}' for k, v in sizes.items()) or 'its sizes'}: {e}") from None
-        start = (-self.arena.ctypes.data) % ALIGN
-        for i, off in offsets.items():
-            dt = dtypes.numpy_dtype(em.buffers[i].dtype)
-            # Under a sanitizer each temp is an allocation of its own, so that AddressSanitizer
-            # sees its bounds (inside one arena, a write past a buffer lands in its neighbour).
-            self.bases[i] = (np.empty(elements[i], dt) if sanitizer() else
-                             self.arena[start + off: start + off + elements[i] * dt.itemsize].view(dt))
+        self._elements = elements
+        self._offsets, self.arena_bytes = _plan_arena(module, elements)
         for i, buf in enumerate(em.buffers):  # made once per binding by the steps marked `once`
             if buf.storage == "folded":
                 self.bases[i] = np.empty(elements[i], dtypes.numpy_dtype(buf.dtype))
@@ -96,9 +86,45 @@ class _Binding:
         outputs = module._outputs
         self.out_shapes = {i: (self.shape(outputs[i].shape), dtypes.numpy_dtype(outputs[i].dtype))
                            for i in module._direct}
-        # Outputs copied out of the arena, a weight or a constant: their views, made once.
-        self.out_views = {i: self.view(v) for i, v in enumerate(outputs)
+        self.out_views: dict[int, np.ndarray] = {}
+        self.arena = np.empty(0, np.uint8)
+        self.generation = -1
+        self.lay_out(module)
+
+    def lay_out(self, module: "CompiledModel") -> None:
+        """Points the temporaries into the arena: this binding's own, or (module.workspace) the one
+        the modules sharing it take turns on, laid out again after it grew."""
+        em, size = module.program.emitter, self.arena_bytes
+        try:
+            if module.workspace is not None:
+                self.arena, self.generation = module.workspace.reserve(size + ALIGN, self)
+            else:
+                self.arena = np.empty(size + ALIGN, dtype=np.uint8)
+        except (MemoryError, ValueError) as e:  # ValueError: past NumPy's largest array
+            at = ", ".join(f"{k}={v}" for k, v in self._subs.items()) or "its sizes"
+            raise ModelError(f"the C module's intermediates need {size:,} bytes at {at}: {e}") from None
+        start = (-self.arena.ctypes.data) % ALIGN
+        for i, off in self._offsets.items():
+            dt = dtypes.numpy_dtype(em.buffers[i].dtype)
+            n = self._elements[i]
+            # Under a sanitizer each temp is an allocation of its own, so that AddressSanitizer
+            # sees its bounds (inside one arena, a write past a buffer lands in its neighbour).
+            base = np.empty(n, dt) if sanitizer() else self.arena[start + off: start + off + n * dt.itemsize].view(dt)
+            self.bases[i] = base
+            self.pointers[i] = base.ctypes.data
+        # Outputs copied out of the arena, a weight or a constant: their views, made once per lay-out.
+        self.out_views = {i: self.view(v) for i, v in enumerate(module._outputs)
                           if v.literal is None and i not in module._direct and self.bases[v.buf] is not None}
+
+    def _release(self) -> None:
+        """Drops every view of the shared arena (the Workspace is about to replace it): laid out
+        again before this binding's next call."""
+        for i in self._offsets:
+            self.bases[i] = None
+        self._arrays.clear()
+        self.out_views = {}
+        self.arena = np.empty(0, np.uint8)
+        self.generation = -1
 
     def _check_extents(self, module: "CompiledModel", elements: list[int]) -> None:
         """Every view the program reads or writes lies inside its buffer at these sizes: checked
@@ -164,34 +190,50 @@ class _Binding:
         return raw.view(flat.dtype)
 
 
+class Workspace:
+    """One arena for C modules that run one after another, never at once (a training step's
+    segments, forward then backward, then the optimizer): each binding lays its temporaries out
+    at its start, so the modules together hold the largest one's arena, not the sum of them all.
+    Growing it (a module with a larger arena binds) drops the others' views of the old one (they
+    lay out again at their next call) before the new one is made: the old bytes are freed first.
+    Pass it to each module's load (`tilegraph.compile(..., target="c", workspace=w)`); their calls
+    take turns on its lock."""
+
+    def __init__(self) -> None:
+        self.array = np.empty(0, np.uint8)
+        self.generation = 0
+        self.lock = threading.Lock()
+        self._users: weakref.WeakSet = weakref.WeakSet()
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.array.nbytes)
+
+    def reserve(self, nbytes: int, user: "_Binding") -> tuple[np.ndarray, int]:
+        """The arena (at least `nbytes`) and its generation, for `user` to lay out in."""
+        if nbytes > self.array.nbytes:
+            for other in list(self._users):
+                other._release()
+            self.array = np.empty(0, np.uint8)  # the old arena freed before the new one is made
+            self.array = np.empty(nbytes, np.uint8)
+            self.generation += 1
+        self._users.add(user)
+        return self.array, self.generation
+
+
 def _plan_arena(module: "CompiledModel", elements: list[int]) -> tuple[dict[int, int], int]:
-    """Byte offsets of the temporaries: first fit, largest first, among the buffers whose
-    lifetimes (first write to last read, in steps) overlap."""
+    """Byte offsets of the temporaries (ir/arena.py's layout: first fit, largest first, among the
+    buffers whose lifetimes, first write to last read in steps, overlap) and the arena's bytes."""
     em = module.program.emitter
-    live = module.lifetimes
-    order = sorted(live, key=lambda i: -elements[i] * dtypes.numpy_dtype(em.buffers[i].dtype).itemsize)
-    placed: list[tuple[int, int, int]] = []  # (offset, end, buffer)
-    offsets: dict[int, int] = {}
-    for i in order:
-        nbytes = elements[i] * dtypes.numpy_dtype(em.buffers[i].dtype).itemsize
-        nbytes = (nbytes + ALIGN - 1) // ALIGN * ALIGN
-        a, b = live[i]
-        clashes = sorted((off, end) for off, end, j in placed if not (live[j][1] < a or b < live[j][0]))
-        off = 0
-        for c_off, c_end in clashes:
-            if off + nbytes <= c_off:
-                break
-            off = max(off, c_end)
-        offsets[i] = off
-        placed.append((off, off + nbytes, i))
-    return offsets, max((end for _, end, _ in placed), default=0)
+    sizes = {i: elements[i] * dtypes.numpy_dtype(em.buffers[i].dtype).itemsize for i in module.lifetimes}
+    return lay_out(sizes, module.lifetimes, ALIGN)  # type: ignore[return-value]
 
 
 class CompiledModel:
     """A loaded C module: call it with the model inputs, get the list of outputs."""
 
     def __init__(self, program: CProgram, library: ctypes.CDLL, weights: Mapping[str, np.ndarray], model: Model,
-                 precision: str = "f32"):
+                 precision: str = "f32", workspace: Workspace | None = None):
         self.program = program
         self.source = program.source
         self.model = model
@@ -199,7 +241,9 @@ class CompiledModel:
         self.output_names = list(model.output_names)
         self._signature = Signature.of(model)
         self._lib = library
-        self._lock = threading.Lock()  # one binding's arena is shared: calls take turns
+        self.workspace = workspace
+        # one binding's arena is shared, and so is a workspace's among its modules: calls take turns
+        self._lock = workspace.lock if workspace is not None else threading.Lock()
         em = program.emitter
         # The caller's arrays, weights and constants are read, never written; an input the model
         # donates (Model.aliases: a KV cache) is written where it lies.
@@ -226,12 +270,7 @@ class CompiledModel:
                 self.fixed.append(None)
         # An output that is a whole intermediate buffer is written straight into a fresh
         # array of the caller's (no arena bytes, no copy); other outputs are copied out.
-        self._direct: dict[int, int] = {}  # output index -> its buffer
-        for i, v in enumerate(em.outputs()):
-            if (v.literal is None and em.buffers[v.buf].storage == "temp" and v.buf not in self._direct.values()
-                    and sympy.sympify(v.offset) == 0 and em.is_contiguous(v)
-                    and sympy.expand(sympy.sympify(numel(v.shape)) - em.buffers[v.buf].elements) == 0):
-                self._direct[i] = v.buf  # type: ignore[assignment]
+        self._direct = _direct_outputs(program)  # output index -> its buffer
         self.lifetimes = {b: t for b, t in _lifetimes(program).items() if b not in self._direct.values()}
         self._outputs = em.outputs()
         # Inputs a step updates in place (a KV cache, donated: Model.aliases): the
@@ -343,6 +382,8 @@ class CompiledModel:
 
     def _run(self, arrays: list[np.ndarray], sizes: dict[str, int], known: dict | None = None) -> list[np.ndarray]:
         b = self._binding(sizes)
+        if self.workspace is not None and b.generation != self.workspace.generation:
+            b.lay_out(self)  # the shared arena grew (another module's binding) since this one's last call
         for i, index in self._inputs:
             b.bases[i] = arrays[index]
             b.pointers[i] = arrays[index].ctypes.data
@@ -491,6 +532,44 @@ def _literal_array(v: View, b: _Binding) -> np.ndarray:
     return np.full(b.shape(v.shape), v.value, dtypes.numpy_dtype(v.dtype))
 
 
+def _direct_outputs(program: CProgram) -> dict[int, int]:
+    """Output index -> its buffer, for the outputs written straight into a fresh array of the
+    caller's: a whole intermediate buffer (no arena bytes, no copy); the others are copied out."""
+    em = program.emitter
+    direct: dict[int, int] = {}
+    for i, v in enumerate(em.outputs()):
+        if (v.literal is None and em.buffers[v.buf].storage == "temp" and v.buf not in direct.values()
+                and sympy.sympify(v.offset) == 0 and em.is_contiguous(v)
+                and sympy.expand(sympy.sympify(numel(v.shape)) - em.buffers[v.buf].elements) == 0):
+            direct[i] = v.buf  # type: ignore[assignment]
+    return direct
+
+
+def call_bytes(program: CProgram, sizes: Mapping[str, int] | None = None) -> tuple[int, int]:
+    """(arena bytes, output bytes) one call of `program` holds at its end, at `sizes` (a symbolic dim
+    not given: 1): the arena its binding lays out (`_plan_arena`) and the outputs' arrays, those
+    written straight into their own and those copied out of the arena while it is still held."""
+    em = program.emitter
+    subs = {sympy.Symbol(k, integer=True, positive=True): v for k, v in (sizes or {}).items()}
+
+    def count(e) -> int:
+        e = sympy.sympify(e).xreplace(subs)
+        return int(e.subs({s: 1 for s in e.free_symbols}))
+
+    direct = _direct_outputs(program)
+    lifetimes = {b: t for b, t in _lifetimes(program).items() if b not in direct.values()}
+    sizes_of = {i: count(em.buffers[i].elements) * dtypes.numpy_dtype(em.buffers[i].dtype).itemsize for i in lifetimes}
+    arena = lay_out(sizes_of, lifetimes, ALIGN)[1]
+    outputs = sum(count(numel(v.shape)) * dtypes.numpy_dtype(v.dtype).itemsize for v in em.outputs())
+    return arena, outputs
+
+
+def planned_bytes(module) -> int:
+    """The bytes a call of `module` (already fused for this backend) holds at its end, as emitted:
+    arena and outputs (`call_bytes`). What the recompute pass prices a C budget with (ir/arena.py)."""
+    return sum(call_bytes(emit_program(Model(module)), None))
+
+
 def _lifetimes(program: CProgram) -> dict[int, tuple[int, int]]:
     """Temp buffer -> (first step writing it, last step reading it); outputs live to the end."""
     em = program.emitter
@@ -537,15 +616,18 @@ PRECISIONS = ("f32", "bf16")
 
 
 def load(source: str, weights: Mapping[str, np.ndarray], model: Model | None = None,
-         threads: int | None = None, precision: str = "f32") -> CompiledModel:
+         threads: int | None = None, precision: str = "f32", workspace: Workspace | None = None) -> CompiledModel:
     """Build (or find in the cache) the module's library and bind its weights. `threads`
     caps the OpenMP threads its kernels and oneDNN use (default: OpenMP's, one per core).
     `precision="bf16"`: GEMMs and convolutions multiply in bf16 on the processor's AMX or
-    AVX-512 BF16 units, accumulating in f32 (everything else stays f32)."""
+    AVX-512 BF16 units, accumulating in f32 (everything else stays f32). `workspace`: a Workspace
+    whose one arena this module's temporaries share with the other modules given it."""
     if precision not in PRECISIONS:
         raise TilegraphError(f"precision= must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
         raise TilegraphError(f"threads= must be a positive integer, got {threads!r}")
+    if workspace is not None and not isinstance(workspace, Workspace):
+        raise TilegraphError(f"workspace= must be a tilegraph.backends.c.runtime.Workspace, got {type(workspace).__name__}")
     if model is None:
         raise TilegraphError("the C backend loads a module with the model it was emitted from (load(source, "
                              "weights, model))")
@@ -569,7 +651,7 @@ def load(source: str, weights: Mapping[str, np.ndarray], model: Model | None = N
             except OSError as e:
                 raise BuildError(f"the C module built at {path} does not load: {e}") from None
         _LOADED[path] = library
-    compiled = CompiledModel(program, library, weights, model, precision)
+    compiled = CompiledModel(program, library, weights, model, precision, workspace)
     if threads is not None:
         compiled.set_threads(threads)
     return compiled

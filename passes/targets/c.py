@@ -24,11 +24,11 @@ import sympy
 from xdsl.ir import SSAValue
 
 from tilegraph.ir.dialect import FusionOp, TgOp
-from tilegraph.ir.fusion import ANCHORS, VIEW_OPS
+from tilegraph.ir.fusion import ANCHORS, ELTWISE_POSTS, VIEW_OPS
 from tilegraph.ir.ops import Op
 from tilegraph.ir.shapes import info_of
 from tilegraph.ir.strides import (channels_last_strides, contiguous_strides, is_channels_last, laid_out_for_reader,
-                                  reshape_copies, strides_of)
+                                  reduces_rows_of_channels, reshape_copies, strides_of)
 from tilegraph.passes.cost.model import (Cost, at_nominal, cold_bytes, element_count, free, gemm_rate, group_traffic,
                                          interpolate, matmul_shape, memo_hw, nbytes, op_bytes, op_flops, parallel_speedup,
                                          prod, sized, through_views)
@@ -43,6 +43,10 @@ C_PARALLEL_MIN = 32768
 # profile has no rate of their own. The rest are a few vector instructions: `add`'s.
 C_LIBM = {"log", "pow", "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh",
           "expm1", "log1p", "sigmoid", "erf", "tanh", "exp", "gelu"}
+
+# A convolution over this few input channels is an image model's first (RGB or RGBA):
+# priced at the calibrated stem's rate (conv_time), not as a GEMM of so short a k.
+STEM_CHANNELS = 4
 
 # The C backend's flash blocks (queries, keys), tried largest first.
 C_FLASH_BLOCKS = ((128, 256), (128, 128), (64, 128), (64, 64), (32, 64))
@@ -149,16 +153,17 @@ def group_cost(ops, anchors, rest, inputs, outputs, hw, label: str = "", **_tile
     anchor_in = {v: None for op in anchors for v in op.operands if v.owner not in inside}
     anchor_out = [r for op in anchors for r in op.results if any(u.operation not in inside for u in r.uses)]
     anchor_io = sum((nbytes(info_of(v.type)) for v in [*anchor_in, *anchor_out]), zero)
-    # Row ops (runtime.h): one call per group of rows, their rate calibrated whole.
+    # Row ops (runtime.h): one call per group of rows, each row a fixed cost and its elements.
     rows = [op for op in rest if op.SPEC.row_normalizing]
-    row_time = sum((element_count(op.result_infos()[0]) / loop_rate(hw, op.op_name) for op in rows), zero)
+    row_time = sum((row_kernel_time(hw, op) for op in rows), zero)
     loop = zero
+    posts = eltwise_posts(anchors, rest)
     for op in rest:
-        if op.SPEC.row_normalizing:
+        if op.SPEC.row_normalizing or op in posts:
             continue
         elements = element_count(op.result_infos()[0]) if op.SPEC.category != "reduction" \
             else element_count(info_of(op.operands[0].type))
-        loop += elements / loop_rate(hw, op.op_name)
+        loop += elements / (reduction_rate(hw, op) if op.SPEC.category == "reduction" else loop_rate(hw, op.op_name))
     loop_bytes = sympy.Max(bytes_ - anchor_io, zero)
     memory = step_memory(hw, loop_bytes, cold_bytes([op for op in ops if op not in anchors]))
     compute = anchor_time + row_time + loop
@@ -185,6 +190,53 @@ def loop_rate(hw, name: str) -> float:
     if name in C_LIBM and "exp" in rates:
         return rates["exp"]
     return rates.get("add") or hw.cache_bandwidth / 12
+
+
+def eltwise_posts(anchors, rest) -> set:
+    """The ops of `rest` a GEMM or convolution applies as it writes its result (ELTWISE_POSTS
+    in a chain on it, sigmoid(x) * x as a swish): they cost its pass nothing, not a loop at
+    their calibrated rate (EfficientNet's swish convolutions were priced 2-3x their time)."""
+    covered: set = set()
+    for anchor in anchors:
+        if anchor.op_name not in (Op.conv, Op.matmul):
+            continue
+        current, before = anchor.results[0], None
+        for op in rest:
+            if op.op_name in ELTWISE_POSTS and op.operands[0] is current:
+                before, current = current, op.results[0]
+            elif op.op_name == Op.mul and before is not None and current.owner.op_name == Op.sigmoid and \
+                    {id(v) for v in op.operands} == {id(before), id(current)}:
+                before, current = None, op.results[0]
+            else:
+                if op.op_name in (Op.add, Op.sub, Op.mul) and current in op.operands:  # a bias or scale on the way
+                    before, current = None, op.results[0]
+                continue
+            covered.add(op)
+    return covered
+
+
+def row_kernel_time(hw, op: TgOp) -> sympy.Expr:
+    """A softmax's or layer_norm's row kernel: its elements at the calibrated rate, and each
+    row (along the last axis) its calibrated fixed cost."""
+    info = op.result_infos()[0]
+    elements = element_count(info)
+    per_row = hw.row_overhead.get(op.op_name, 0.0)
+    rows = elements / sized(info.shape[-1]) if per_row and info.shape else sympy.Integer(0)
+    return elements / loop_rate(hw, op.op_name) + rows * per_row
+
+
+def reduction_rate(hw, op: TgOp) -> float:
+    """Elements/s a reduction reads in a C loop: a sum or mean whose kept channels lie
+    contiguous (a global average pool over a convolution's channels-last result) at its
+    kernel's calibrated rate (`pool_rate`): rows of channels added into blocks of accumulators,
+    far below a fused loop's `add`; any other at its op's loop rate."""
+    if hw.pool_rate and op.op_name in (Op.reduce_sum, Op.reduce_mean):
+        x = op.operands[0]
+        shape = info_of(x.type).shape
+        axes = sorted(int(a) % len(shape) for a in op.attr("axes"))
+        if reduces_rows_of_channels(shape, strides_of(x, layouts()), axes):
+            return hw.pool_rate
+    return loop_rate(hw, op.op_name)
 
 
 def anchor_compute(op: TgOp, hw) -> sympy.Expr:
@@ -238,6 +290,8 @@ def conv_time(op: TgOp, hw, flops: sympy.Expr) -> sympy.Expr:
         return sympy.Max(flops / rate, (element_count(x) + element_count(out)) * k_cal / rate)
     if groups > 1 and at_nominal(sized(w.shape[1])) == 1:
         return flops / (hw.conv_rate or hw.flops("f32"))
+    if groups == 1 and at_nominal(sized(w.shape[1])) <= STEM_CHANNELS and "stem" in hw.conv_rates:
+        return stem_time(hw, flops, element_count(out))
     window = w.shape[2:]
     kind = "pointwise" if all(at_nominal(sized(d)) == 1 for d in window) else "dense"
     if kind not in hw.conv_rates:
@@ -248,6 +302,27 @@ def conv_time(op: TgOp, hw, flops: sympy.Expr) -> sympy.Expr:
     rm, rn, rk, rate = hw.conv_rates[kind]
     efficiency = rate / hw.matmul_rate(rm, rn, rk, threaded=True)
     return flops / (hw.matmul_rate(m, n, k, threaded=True) * efficiency)
+
+
+def stem_time(hw, flops: sympy.Expr, outputs: sympy.Expr) -> sympy.Expr:
+    """An image's first convolution (a 3x3 stem, a ViT's or Swin's patch embedding) reads the
+    caller's plain image of a few channels, no GEMM of so short a k: a time per output element
+    plus its FLOPs at a rate, both solved from the two calibrated ones (a 3x3 stride-2 stem,
+    mostly outputs; a 16x16 patch embedding, mostly FLOPs). With one of them, or where the two
+    do not solve to positive costs: at the nearer one's rate."""
+    samples = [hw.conv_rates[kind] for kind in ("stem", "patch") if kind in hw.conv_rates]
+    # t = outputs * a + flops * b for each sample (m x n outputs, 2mnk FLOPs)
+    rows = [(m * n, 2.0 * m * n * k, 2.0 * m * n * k / rate) for m, n, k, rate in samples]
+    if len(rows) == 2:
+        (o1, f1, t1), (o2, f2, t2) = rows
+        det = o1 * f2 - o2 * f1
+        if det:
+            a, b = (t1 * f2 - t2 * f1) / det, (o1 * t2 - o2 * t1) / det
+            if a > 0 and b > 0:
+                return outputs * a + flops * b
+    per_output = at_nominal(flops) / max(at_nominal(outputs), 1.0)
+    _, f, t = min(rows, key=lambda r: abs(math.log(r[1] / r[0]) - math.log(max(per_output, 1e-9))))
+    return flops * t / f
 
 
 @memo_hw
