@@ -1,4 +1,4 @@
-"""Cost model accuracy: predicted against measured kernel times on this machine (issue 3).
+"""Cost model accuracy: predicted against measured kernel times on this machine.
 
 For every kernel the NumPy backend runs (each `tg.fusion` group, and each op left
 outside a group) of the issue's models compiled with the default pipeline:
@@ -18,7 +18,7 @@ absolute percentage error |pred - meas| / meas, for all kernels and for kernels
 measured at >= MIN_US (below that a kernel is a few NumPy calls and the clock
 reads and scheduler noise of a shared 2-core machine dominate). Then the
 per-kind summary and the worst-predicted kernels: what to improve in the model.
-Issue 3's target: Spearman >= 0.9, MAPE <= 25 %, clearly better than FLOPs-only.
+The target: Spearman >= 0.9, MAPE <= 25 %, clearly better than FLOPs-only.
 
 The C backend (`--targets c`, run by default after NumPy): the model compiled with
 `default_pipeline("c")` is emitted with every step a native call of its own (as
@@ -36,7 +36,7 @@ sequence 128; the GPT-2-small-shaped decoder at batch 1, sequence 256; the small
 CNN at batch 32. And the full-size sweep's models (benchmarks/full_size_sweep.py: ResNet-50,
 MobileNetV2, EfficientNet-B0, ConvNeXt-T, ViT-B/16, ViT-S/16, Swin-T, RegNetY, BERT-base,
 the Llama-shaped prompt, Whisper-tiny's encoder) at batch 1, by name or all as `sweep`:
-`--targets c --models sweep` is issue 28's measurement.
+`--targets c --models sweep` measures the C target over the full-size sweep's kernels (MAPE <= 20 %).
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/cost_model_accuracy.py [--models minilm,gpt2,cnn]
         [--targets numpy,c] [--repeat N] [--quick] [--calibrate] [--all] [--json PATH]
@@ -92,8 +92,8 @@ import full_size_sweep  # noqa: E402
 SWEEP = tuple(full_size_sweep.MODELS)
 MODELS = ("minilm", "gpt2", "cnn", *SWEEP)
 TARGETS = ("numpy", "c")
-MINILM_SEQ, MINILM_BATCHES = 128, (1, 8)  # issue 3
-GPT2_BATCH, GPT2_SEQ = 1, 256  # issue 3
+MINILM_SEQ, MINILM_BATCHES = 128, (1, 8)
+GPT2_BATCH, GPT2_SEQ = 1, 256
 GPT2_LAYERS, QUICK_GPT2_LAYERS = 12, 2  # GPT-2 small; --quick keeps two blocks (same kernels, fewer copies)
 CNN_BATCH = 32  # as benchmarks/cpu_speed.py: a few MFLOP per conv, not call overhead alone
 REPEAT, QUICK_REPEAT = 21, 7  # timed forward calls per model (median per kernel)
@@ -104,9 +104,9 @@ WARMUP = 3  # untimed calls first: first-touch page faults, thread-pool start, B
 # and a descheduled thread on the shared 2-core machine tens of us, so a few-us kernel
 # is timed to within its own size.
 MIN_US = 20
-# Issue 3's targets.
+# The targets.
 TARGET_SPEARMAN, TARGET_MAPE = 0.9, 0.25
-TARGET_MAPE_C = 0.20  # issue 28, target c
+TARGET_MAPE_C = 0.20  # target c, over the full-size sweep's kernels
 WORST = 10  # kernels listed as worst predicted
 
 
@@ -548,14 +548,14 @@ def report(target: str, args) -> None:
 
     results = {"all": metrics(everything, peak), f">= {MIN_US} us": metrics(large(everything), peak)}
     for which, m in results.items():
-        print(f"target (issue 3: Spearman >= {TARGET_SPEARMAN}, MAPE <= {TARGET_MAPE:.0%}, better than FLOPs-only), "
+        print(f"target (Spearman >= {TARGET_SPEARMAN}, MAPE <= {TARGET_MAPE:.0%}, better than FLOPs-only), "
               f"{which} kernels: {'met' if meets(m) else 'not met'} "
               f"(rho {m['rho']:.3f} vs {m['rho_flops']:.3f}, MAPE {m['mape']:.0%} vs {m['mape_flops']:.0%})")
 
     big_m = results[f">= {MIN_US} us"]
-    if target == "c":  # issue 28's target over the full-size sweep's kernels
+    if target == "c":
         ok = big_m["mape"] <= TARGET_MAPE_C and big_m["rho"] > big_m["rho_flops"]
-        print(f"target (issue 28: MAPE <= {TARGET_MAPE_C:.0%} on kernels of {MIN_US} us or more, Spearman above "
+        print(f"target (MAPE <= {TARGET_MAPE_C:.0%} on kernels of {MIN_US} us or more, Spearman above "
               f"FLOPs-only's): {'met' if ok else 'not met'} (MAPE {big_m['mape']:.1%}, rho {big_m['rho']:.3f} vs "
               f"{big_m['rho_flops']:.3f})")
 
