@@ -387,6 +387,34 @@ def test_a_group_of_row_reductions_is_one_pass_over_the_rows(rows, width, seed):
         assert_close(got, want, "f32", reduction_length=width, name=name)
 
 
+def test_a_row_reduction_is_a_simd_loop_and_keeps_a_nan():
+    """A fused row reduction (a cross-entropy's max and sum of exps over 50257 logits) runs as
+    OpenMP simd reductions (the C compiler leaves a double accumulator's loop scalar otherwise);
+    a NaN anywhere in a row still makes its max NaN, as NumPy's does (lanes combine as max,
+    which alone would drop one lane's NaN). Rows of other widths and values match the interpreter."""
+    from tilegraph.ir import Graph
+
+    g = Graph()
+    x = g.input("x", ("S", 203))
+    m = g.reduce_max(x, axes=(-1,), keepdims=True)
+    lse = g.log(g.reduce_sum(g.exp(x - m), axes=(-1,), keepdims=True)) + m
+    model = g.build(x - lse, m, names=["log_softmax", "max"])
+    compiled = tilegraph.compile(model, target="c", pipeline="fuse")
+    assert "#pragma omp simd reduction(max:acc) reduction(|:nan)" in compiled.source
+    assert "#pragma omp simd reduction(+:acc)" in compiled.source
+    xs = np.random.default_rng(0).standard_normal((5, 203)).astype(np.float32) * 4
+    xs[1, 77] = np.nan
+    xs[3, 202] = np.nan
+    xs[4] = -np.inf
+    xs[4, 9] = 1.0
+    for got, want, name in zip(compiled.run(xs), interpret(model, [xs]), model.output_names):
+        got = np.asarray(got)
+        assert np.array_equal(np.isnan(got), np.isnan(want)), name
+        assert np.isnan(got[1]).all() and np.isnan(got[3]).all() and not np.isnan(got[[0, 2, 4]]).any(), name
+        assert_close(np.where(np.isnan(got), 0, got), np.where(np.isnan(want), 0, want), "f32",
+                     reduction_length=203, name=name)
+
+
 def test_a_gated_mlp_runs_its_sibling_gemms_then_one_loop():
     """Llama's MLP: silu(x @ Wg) * (x @ Wu): one GEMM, then the other with what combines
     them as one step (its oneDNN epilogue where the gate comes second: swish, then a binary

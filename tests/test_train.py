@@ -302,6 +302,29 @@ def test_linear_layers_train_as_2d_gemms_with_the_bias_as_post_op_on_c():
         assert relative_error(step.weights[name], p.detach().numpy()) < PEER_RELATIVE_ERROR, name
 
 
+def test_a_gemm_operand_passed_each_run_with_rows_4kib_apart_is_repacked_on_c():
+    """A GEMM's B that the step passes each run (a weight, a gradient) lying row-major with its
+    rows a multiple of 4 KiB apart is reordered each run into the blocked layout oneDNN asks for,
+    not read in place (its rows would share a few L1 sets). Here the second Linear's input
+    gradient (dY @ W, W 16 x 1024) and the first's weight gradient (X^T dY, dY 64 x 1024); the
+    forward GEMMs read their weights transposed and stay as they are. One step's weights match
+    torch's AdamW."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(24, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 16))
+    x, y = torch.randn(4, 16, 24), torch.randint(0, 16, (4, 16))
+    step = tilegraph.train_step(copy.deepcopy(module), "cross_entropy", AdamW(lr=1e-3, weight_decay=0.1),
+                                example_inputs=(x,), target="c")
+    step(x, targets=y)
+    repacked = [p for p in step.compiled.primitives if p.endswith("(its B reordered each run)")]
+    assert len(repacked) >= 2, step.compiled.primitives
+    assert step.compiled.reference_kernels == []
+    assert all("brg" in p.split(" source: ")[-1] for p in repacked), repacked
+    reference = copy.deepcopy(module)
+    torch_losses(reference, [(x, y)], torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1))
+    for name, p in reference.named_parameters():
+        assert relative_error(step.weights[name], p.detach().numpy()) < PEER_RELATIVE_ERROR, name
+
+
 def test_bf16_training_keeps_f32_master_weights_and_its_loss_tracks_f32():
     """precision="bf16" on C: every GEMM of the step (forward and backward) multiplies in bf16 on
     the processor's bf16 units, accumulating in f32, while the weights, the AdamW moments and the
