@@ -413,6 +413,16 @@ def test_a_row_reduction_is_a_simd_loop_and_keeps_a_nan():
         assert np.isnan(got[1]).all() and np.isnan(got[3]).all() and not np.isnan(got[[0, 2, 4]]).any(), name
         assert_close(np.where(np.isnan(got), 0, got), np.where(np.isnan(want), 0, want), "f32",
                      reduction_length=203, name=name)
+    # a reduction outside any group (a layer norm's backward in a GEMM's epilogue): its
+    # innermost reduced loop the same simd reduction, over one axis or two
+    g = Graph()
+    x = g.input("x", (3, 40, 50))
+    model = g.build(g.reduce_sum(x, axes=(1, 2)), g.reduce_mean(x, axes=(-1,), keepdims=True), names=["s", "m"])
+    compiled = tilegraph.compile(model, target="c", pipeline="")
+    assert compiled.source.count("#pragma omp simd reduction(+:acc)") == 2
+    xs = np.random.default_rng(1).standard_normal((3, 40, 50)).astype(np.float32)
+    for got, want, name, n in zip(compiled.run(xs), interpret(model, [xs]), model.output_names, (2000, 50)):
+        assert_close(np.asarray(got), want, "f32", reduction_length=n, name=name)
 
 
 def test_a_gated_mlp_runs_its_sibling_gemms_then_one_loop():
