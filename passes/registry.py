@@ -161,7 +161,11 @@ AMX_KEYS_PER_STEP = 32
 C_BF16_FOLD_MIN_KEYS = 4 * AMX_KEYS_PER_STEP
 # At f32 the flash kernel's products are oneDNN's sgemm per block of keys: it wins once the
 # chain's scores outgrow one core's L2 (`attention{beyond-cache=c}`: the profile's cache_bytes), as
-# Whisper's encoder's 6 x 1500 x 1500 do, and not while they fit, as BERT's and ViT's do.
+# Whisper's encoder's 6 x 1500 x 1500 do, and not while they fit, as BERT's and ViT's do; and
+# only over C_F32_FOLD_MIN_KEYS keys or more: a block's two sgemm calls over fewer keys (Swin's
+# windows of 49 at a large batch) do not repay packing its query and key rows, where the chain's
+# batched GEMMs pack each operand once (benchmarks/full_size_sweep.py --fold times both).
+C_F32_FOLD_MIN_KEYS = 128
 
 
 def default_pipeline(hardware: str = "cpu", precision: str = "f32") -> str:
@@ -172,7 +176,8 @@ def default_pipeline(hardware: str = "cpu", precision: str = "f32") -> str:
     if hardware == "cpu":
         return DEFAULT_PIPELINE
     if hardware == "c":  # the C backend: as the NumPy one, its groups priced as C steps
-        fold = f",attention{{min-keys={C_BF16_FOLD_MIN_KEYS}}}" if precision == "bf16" else ",attention{beyond-cache=c}"
+        fold = f",attention{{min-keys={C_BF16_FOLD_MIN_KEYS}}}" if precision == "bf16" else \
+            f",attention{{min-keys={C_F32_FOLD_MIN_KEYS} beyond-cache=c}}"
         return UNFUSED_PIPELINE + fold + ",fuse{hardware=c},tile{hardware=c}"
     return UNFUSED_PIPELINE + f",attention,fuse{{hardware={hardware}}},tile{{hardware={hardware}}}"
 
