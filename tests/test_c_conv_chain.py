@@ -20,12 +20,12 @@ from tilegraph.ir import Graph, interpret
 from tilegraph.testing import assert_close
 
 
-def _chain(middle: str = "dense", side_reader: bool = False):
-    """x -> conv+relu -> conv+relu (3x3, dense or depthwise) -> 1x1 conv; with `side_reader`
+def _chain(middle: str = "dense", side_reader: bool = False, batch: int = 2):
+    """x (batch N) -> conv+relu -> conv+relu (3x3, dense or depthwise) -> 1x1 conv; with `side_reader`
     the first convolution's result is also added to the last one's (read by a loop)."""
     rng = np.random.default_rng(0)
     g = Graph()
-    x = g.input("x", (2, 16, 10, 10))
+    x = g.input("x", (batch, 16, 10, 10))
     a = g.relu(g.op("conv", x, g.weight("w1", rng.standard_normal((32, 16, 3, 3)).astype(np.float32) / 12),
                     pads=(1, 1, 1, 1)))
     groups = 32 if middle == "depthwise" else 1
@@ -34,7 +34,7 @@ def _chain(middle: str = "dense", side_reader: bool = False):
     y = g.op("conv", b, g.weight("w3", rng.standard_normal((32, 32, 1, 1)).astype(np.float32) / 6))
     if side_reader:
         y = g.tanh(y) + a
-    return g.build(y, names=["y"]), [rng.standard_normal((2, 16, 10, 10)).astype(np.float32)]
+    return g.build(y, names=["y"]), [rng.standard_normal((batch, 16, 10, 10)).astype(np.float32)]
 
 
 def _run_checked(model, xs, precision: str, reduction_length: int) -> CompiledModel:
@@ -55,10 +55,11 @@ def _reorders_per_call(runner: CompiledModel, xs) -> int:
     return runner.reorder_count() - before
 
 
+@pytest.mark.parametrize("batch", [1, 2])  # (at 1 the batch dim's stride is free: the views disagree there)
 @pytest.mark.parametrize("middle", ["dense", "depthwise"])
 @pytest.mark.parametrize("precision", ["f32", "bf16"])
-def test_chained_convolutions_pass_their_activations_on_as_they_lie(precision, middle):
-    model, xs = _chain(middle)
+def test_chained_convolutions_pass_their_activations_on_as_they_lie(precision, middle, batch):
+    model, xs = _chain(middle, batch=batch)
     runner = _run_checked(model, xs, precision, 16 * 9 + 32 * 9 + 32)
     assert runner.chained_buffers == 2
     reorders = _reorders_per_call(runner, xs)

@@ -14,6 +14,7 @@ from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.fusion import ELTWISE_POSTS
 from tilegraph.ir.shapes import TensorInfo, info_of, numel
 from tilegraph.ir.ops import Op
+from tilegraph.ir.strides import unit_dims_strided
 
 
 class OneDNN(EmitterParts):
@@ -430,8 +431,7 @@ def chain_convolutions(steps: list, buffers: list, outputs: list[View]) -> int:
         reads = readers.get(b, [])
         if buffers[b].storage != "temp" or b in kept or writers.get(b) != 1 or not reads:
             continue
-        if not all(r.conv is not None and r.conv[3] and r.conv[1].buf == b and
-                   (r.conv[1].offset, r.conv[1].shape, r.conv[1].strides) == (out.offset, out.shape, out.strides)
+        if not all(r.conv is not None and r.conv[3] and r.conv[1].buf == b and _same_place(r.conv[1], out)
                    for r in reads):
             continue
         # 2: a reader computes in f32 (a depthwise convolution at bf16, runtime.c): an f32 result
@@ -440,6 +440,14 @@ def chain_convolutions(steps: list, buffers: list, outputs: list[View]) -> int:
             r.state = [line.replace(_FROM, f"&st->prim[{k}]") for line in r.state]
         chained += 1
     return chained
+
+
+def _same_place(a: View, b: View) -> bool:
+    """Whether two views address the same elements alike. A dim of size 1 addresses nothing
+    by its stride, and the views disagree there (a reader's is normalized for oneDNN,
+    unit_dims_strided): at batch 1 a plain comparison never matched, and no buffer chained."""
+    return (a.offset, a.shape) == (b.offset, b.shape) and \
+        unit_dims_strided(a.shape, a.strides) == unit_dims_strided(b.shape, b.strides)
 
 
 def _swish_mul(chain: list[TgOp], current: SSAValue) -> TgOp | None:
