@@ -48,11 +48,16 @@ def _run_checked(model, xs, precision: str, reduction_length: int) -> CompiledMo
     return runner
 
 
-def _reorders_per_call(runner: CompiledModel, xs) -> int:
+def _reorders_per_call(runner: CompiledModel, xs, chained: int, primitives: int) -> tuple[int, list[str]]:
+    """The reorders one warm call runs, and the primitives' lines, after checking that
+    `chained` buffers were marked and `primitives` primitives made, none oneDNN's reference."""
+    assert runner.chained_buffers == chained
     runner(*xs)  # binds: primitives made, weights packed
     before = runner.reorder_count()
     runner(*xs)
-    return runner.reorder_count() - before
+    assert not runner.reference_kernels, runner.primitives
+    assert len(runner.primitives) == primitives, runner.primitives
+    return runner.reorder_count() - before, runner.primitives
 
 
 @pytest.mark.parametrize("batch", [1, 2])  # (at 1 the batch dim's stride is free: the views disagree there)
@@ -61,11 +66,7 @@ def _reorders_per_call(runner: CompiledModel, xs) -> int:
 def test_chained_convolutions_pass_their_activations_on_as_they_lie(precision, middle, batch):
     model, xs = _chain(middle, batch=batch)
     runner = _run_checked(model, xs, precision, 16 * 9 + 32 * 9 + 32)
-    assert runner.chained_buffers == 2
-    reorders = _reorders_per_call(runner, xs)
-    assert not runner.reference_kernels, runner.primitives
-    lines = runner.primitives
-    assert len(lines) == 3, lines
+    reorders, lines = _reorders_per_call(runner, xs, chained=2, primitives=3)
     if precision == "f32":
         assert reorders == 0, (reorders, lines)
     elif middle == "dense":
@@ -148,12 +149,8 @@ def test_a_residual_buffer_only_convolutions_touch_stays_bf16(precision):
     model, xs = _residual_stack()
     runner = _run_checked(model, xs, precision, 16 * 9 + 2 * (32 + 16 * 9 + 16) + 32)
     assert sum("{TG_POST_SUM," in line for line in runner.source.splitlines()) == 2, runner.source
-    # the two chained buffers inside each block, and the stream
-    assert runner.chained_buffers == 5
-    reorders = _reorders_per_call(runner, xs)
-    assert not runner.reference_kernels, runner.primitives
-    lines = runner.primitives
-    assert len(lines) == 8, lines
+    # (chained: the two buffers inside each block, and the stream)
+    reorders, lines = _reorders_per_call(runner, xs, chained=5, primitives=8)
     if precision == "f32":
         assert reorders == 0, (reorders, lines)
     else:
