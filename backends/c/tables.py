@@ -52,7 +52,7 @@ DNNL_BINARY = {"add": "dnnl_binary_add", "mul": "dnnl_binary_mul", "sub": "dnnl_
 DNNL_TYPES = {"f32": "dnnl_f32", "i8": "dnnl_s8", "ui8": "dnnl_u8", "i32": "dnnl_s32"}
 # Work below this many elements runs on one thread: an OpenMP fork/join costs more.
 PARALLEL_MIN = 32768
-KNOWN = ("weight", "constant", "folded")
+KNOWN = ("weight", "constant", "folded")  # buffers whose values no input changes
 # A reduction's accumulator (double for floats) at its start and per value v; max and min
 # keep a NaN, as NumPy's do.
 REDUCE_INIT = {"sum": "0", "mean": "0", "max": "-INFINITY", "min": "INFINITY"}
@@ -62,7 +62,7 @@ REDUCE_STEP = {"sum": "acc += v;", "mean": "acc += v;", "max": "acc = v > acc ||
 # and min a NaN flag beside it (lanes combine as max does, which would drop a lane's NaN).
 REDUCE_SIMD = {"sum": ("reduction(+:acc)", "acc += v;"), "mean": ("reduction(+:acc)", "acc += v;"),
                "max": ("reduction(max:acc) reduction(|:nan)", "acc = v > acc ? v : acc; nan |= v != v;"),
-               "min": ("reduction(min:acc) reduction(|:nan)", "acc = v < acc ? v : acc; nan |= v != v;")}  # buffers whose values no input changes
+               "min": ("reduction(min:acc) reduction(|:nan)", "acc = v < acc ? v : acc; nan |= v != v;")}
 SIMD_BLOCK = 4096  # elements a thread takes at a time in a flat parallel loop
 # Multiply-adds below which a GEMM runs as emitted loops: a oneDNN call costs ~1.5 us.
 SMALL_GEMM = 16384
