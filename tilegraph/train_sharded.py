@@ -41,6 +41,7 @@ runtime.Workspace the modules take turns on) and the peak of what a warm step al
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import os
 import time
@@ -321,20 +322,65 @@ def _compile_segment(seg: Segment, target: str, pipeline: Any, options: dict) ->
     return _Compiled(seg, forward, backward, floats)
 
 
+# tracemalloc's domain for the torch-owned buffers of collectives (NumPy reports its arrays to
+# tracemalloc, torch does not): a step's measured peak counts them where they are live
+_TORCH_DOMAIN = 0x74670000
+
+
+def _traced(t: Any, live: bool = True) -> Any:
+    """`t` (a torch tensor a collective fills or sends) reported to tracemalloc as live, or no
+    longer (`live=False`: the caller drops it), while tracing."""
+    if tracemalloc.is_tracing():
+        api = ctypes.pythonapi
+        if live:
+            api.PyTraceMalloc_Track(ctypes.c_uint(_TORCH_DOMAIN), ctypes.c_size_t(t.data_ptr()),
+                                    ctypes.c_size_t(t.numel() * t.element_size()))
+        else:
+            api.PyTraceMalloc_Untrack(ctypes.c_uint(_TORCH_DOMAIN), ctypes.c_size_t(t.data_ptr()))
+    return t
+
+
+def _comm_buffer(n: int, dtype: Any = None) -> Any:
+    """An empty torch-owned buffer of `n` elements for a collective (torch-owned: see send() in
+    ShardedStep._segments), counted by tracemalloc (`_traced`) until released."""
+    import torch
+
+    return _traced(torch.empty(n, dtype=dtype or torch.float32))
+
+
 def _all_reduce_arrays(arrays: list, clock: _Clock, group: Any = None) -> list[np.ndarray]:
     """`arrays` summed over the group's ranks, packed into one collective (gloo's per-call cost
-    dominates small tensors)."""
-    import torch
+    dominates small tensors); the sums are written back into `arrays` (the step's own arrays:
+    no second copy of them) where they are writable, else into new ones."""
     import torch.distributed as dist
 
-    packed = torch.tensor(np.concatenate([np.ravel(a) for a in arrays]))  # torch-owned: see send()
-    with clock("comm"):
-        dist.all_reduce(packed, group=group)
+    packed = _comm_buffer(sum(a.size for a in arrays))
     flat, at, out = packed.numpy(), 0, []
     for a in arrays:
-        out.append(flat[at:at + a.size].reshape(a.shape))
+        flat[at:at + a.size] = np.ravel(a)
         at += a.size
+    with clock("comm"):
+        dist.all_reduce(packed, group=group)
+    at = 0
+    for a in arrays:
+        got = flat[at:at + a.size].reshape(a.shape)
+        if isinstance(a, np.ndarray) and a.flags.writeable and a.flags.c_contiguous and a.dtype == flat.dtype:
+            np.copyto(a, got)
+            out.append(a)
+        else:
+            out.append(got.copy())
+        at += a.size
+    _traced(packed, live=False)
     return out
+
+
+def _scaled(g: Any, scale: float) -> np.ndarray:
+    """`g` times `scale`, in place where `g` is a module's own writable result."""
+    g = np.asarray(g)
+    if g.flags.writeable and g.flags.owndata:
+        g *= np.asarray(scale, g.dtype)
+        return g
+    return g * np.asarray(scale, g.dtype)
 
 
 class _Clock:
@@ -431,8 +477,12 @@ class ShardedStep:
             groups = [dist.new_group([st * self.dp + r for r in range(self.dp)]) for st in range(self.stages)]
             self.stage_group = groups[self.stage]
         self.state = {f"{s}.{k}": np.zeros_like(v) for k, v in self.weights.items() for s in optimizer.state_names()}
-        self.update = tilegraph.compile(build_update(self.weights, optimizer), target=target, pipeline=pipeline,
-                                        **options)
+        # on C the update is compiled with the default passes whatever `pipeline` says: its fused
+        # loops write the weights and moments where they lie (donated inputs, Model.aliases); unfused,
+        # each op's result is a new array copied back, a second copy of all this rank holds at the
+        # step's peak
+        self.update = tilegraph.compile(build_update(self.weights, optimizer), target=target,
+                                        pipeline=None if target == "c" else pipeline, **options)
         names = self.update.model.input_names
         self._updates = {r: names[i] for i, r in self.update.model.aliases.items()}
         self.step_peak = 0
@@ -490,13 +540,18 @@ class ShardedStep:
         if not split:
             return c, split, [], None
         # torch-owned (see `send` in _segments): the asynchronous gather may end on gloo's thread
-        mine = torch.tensor(np.concatenate([self.weights[g].ravel() for g in split]))
-        pieces = [torch.empty_like(mine) for _ in range(self.world)]
-        return c, split, pieces, dist.all_gather(pieces, mine, async_op=True)
+        mine = _comm_buffer(sum(self.weights[g].size for g in split))
+        flat, at = mine.numpy(), 0
+        for g in split:
+            flat[at:at + self.weights[g].size] = self.weights[g].ravel()
+            at += self.weights[g].size
+        pieces = [_comm_buffer(mine.numel()) for _ in range(self.world)]
+        return c, split, [mine] + pieces, dist.all_gather(pieces, mine, async_op=True)
 
     def _gather_finish(self, handle) -> dict[str, np.ndarray]:
         """The gathered weights of a `_gather_start`: {global name: whole array} (unsplit ones as held)."""
-        c, split, pieces, work = handle
+        c, split, buffers, work = handle
+        pieces = buffers[1:]
         if work is not None:
             with self.clock("comm"):
                 work.wait()
@@ -507,24 +562,38 @@ class ShardedStep:
             whole[g] = np.concatenate([p.numpy()[at:at + n].reshape(self.weights[g].shape) for p in pieces],
                                       axis=self.splits[g])
             at += n
+        for b in buffers:
+            _traced(b, live=False)
         return whole
 
     def _reduce_scatter(self, grads: dict, names: list[str], extra: float = 0.0) -> float:
         """`grads[k]` (whole, this rank's) for `names` replaced by the ranks' mean of this rank's slice
         (whole where the weight is not split), one packed all-reduce (gloo has no reduce-scatter
         on CPU tensors); `extra` (the loss) averaged with them."""
-        import torch
         import torch.distributed as dist
 
         split = [k for k in names if k in self.splits]
-        parts = [chunk(grads[k], self.splits[k], r, self.world).ravel() for r in range(self.world) for k in split]
-        rest = [np.ravel(grads[k]) for k in names if k not in self.splits]
-        packed = torch.tensor(np.concatenate(parts + rest + [np.array([extra], np.float32)]))  # torch-owned
-        del parts, rest
+        rest = [k for k in names if k not in self.splits]
+        per_rank = sum(self.weights[k].size for k in split)
+        # each rank's slices packed straight into the collective's buffer, each whole gradient
+        # dropped once packed (no copy of the unit's gradients besides the buffer)
+        packed = _comm_buffer(self.world * per_rank + sum(self.weights[k].size for k in rest) + 1)
+        flat, at = packed.numpy(), 0
+        whole = {k: grads.pop(k) for k in names}
+        for r in range(self.world):
+            for k in split:
+                d, n = self.splits[k], self.weights[k].shape[self.splits[k]]
+                piece = whole[k][(slice(None),) * d + (slice(r * n, (r + 1) * n),)]
+                flat[at:at + piece.size].reshape(piece.shape)[...] = piece
+                at += piece.size
+        for k in rest:
+            flat[at:at + whole[k].size] = whole[k].ravel()
+            at += whole[k].size
+        flat[at] = extra
+        del whole
         with self.clock("comm"):
             dist.all_reduce(packed)
-        flat = packed.numpy() / self.world
-        per_rank = sum(self.weights[k].size for k in split)
+        flat /= self.world
         at = self.rank * per_rank
         for k in split:
             grads[k] = flat[at:at + self.weights[k].size].reshape(self.weights[k].shape).copy()
@@ -534,7 +603,9 @@ class ShardedStep:
             if k not in self.splits:
                 grads[k] = flat[at:at + self.weights[k].size].reshape(self.weights[k].shape).copy()
                 at += self.weights[k].size
-        return float(flat[-1])
+        mean = float(flat[-1])
+        _traced(packed, live=False)
+        return mean
 
     def _unit_bytes(self, c: _Compiled | None) -> int:
         """Bytes of `c`'s split weights gathered whole."""
@@ -597,13 +668,16 @@ class ShardedStep:
             outs = c.backward.run(**feed, **local)
         n_out = len(c.backward.model.output_names) - len(c.float_inputs) - len(c.seg.params)
         loss = float(outs[0]) if c.seg.loss else None
-        g_inputs = [np.asarray(g) * scale if c.seg.loss else np.asarray(g) for g in outs[n_out:n_out + len(c.float_inputs)]]
+        g_inputs = [_scaled(g, scale) if c.seg.loss else np.asarray(g) for g in outs[n_out:n_out + len(c.float_inputs)]]
         if c.seg.partial and self.tp > 1 and g_inputs:  # Megatron's f: the input's gradient summed over the group
             g_inputs = _all_reduce_arrays(g_inputs, self.clock)
         for k, g in zip(c.seg.params, outs[n_out + len(c.float_inputs):]):
-            g = np.asarray(g) * scale if c.seg.loss else np.asarray(g)
+            g = _scaled(g, scale) if c.seg.loss else np.asarray(g)
             name = c.seg.params[k]
-            grads[name] = g if name not in grads else grads[name] + g
+            if name in grads:  # a later micro-batch's: added where the first one's lies
+                grads[name] += g
+            else:
+                grads[name] = g
         names_in = dict(zip(c.forward.model.input_names, c.seg.inputs))
         return {names_in[n]: g for n, g in zip(c.float_inputs, g_inputs)}, loss
 
@@ -625,7 +699,7 @@ class ShardedStep:
             # a copy torch owns: gloo's thread may drop the last reference to a sent tensor, and one
             # made by torch.from_numpy then releases its NumPy array there, without the GIL (it
             # crashed the process in libpython, 2 of about 10 runs)
-            t = torch.tensor(a)
+            t = _traced(torch.tensor(a))
             sends.append((dist.isend(t, dst=peer), t))
 
         def forward(j: int) -> None:  # each segment's outputs all-reduced where partial
@@ -634,7 +708,7 @@ class ShardedStep:
                 t = torch.empty((rows,) + self._boundary_shape)
                 with self.clock("comm"):
                     dist.recv(t, src=peer)
-                env[self.compiled[0].seg.inputs[0]] = t.numpy()
+                env[self.compiled[0].seg.inputs[0]] = t.numpy().copy()  # NumPy's: counted by tracemalloc
             for c in self.compiled:
                 if c.seg.loss:
                     continue  # its forward runs inside its backward (value_and_grad)
@@ -654,13 +728,16 @@ class ShardedStep:
                 t = torch.empty(env[out].shape)
                 with self.clock("comm"):
                     dist.recv(t, src=peer)
-                cot[out] = t.numpy()
+                cot[out] = t.numpy().copy()
             for c in reversed(self.compiled):
                 got, loss = self._run_backward(c, env, cot, 1.0 / m, grads)
                 if loss is not None:
                     loss_j = loss / m
                 for k, g in got.items():
                     cot[k] = g if k not in cot else cot[k] + g
+                for v in c.seg.outputs:  # read by later segments only, whose backwards ran: done with
+                    cot.pop(v, None)
+                    env.pop(v, None)
             if self.strategy == "pipeline" and self.stage == 1:
                 send(cot[self.compiled[0].seg.inputs[0]])
             return loss_j
@@ -671,14 +748,17 @@ class ShardedStep:
             else:
                 total += backward(j)
         with self.clock("comm"):
-            for work, _ in sends:
+            for work, t in sends:
                 work.wait()
+                _traced(t, live=False)
         if self.strategy == "pipeline":
             # the loss lives on the last stage; replicas of a stage average their gradients
             if self.dp > 1:
                 names = sorted(grads)
                 summed = _all_reduce_arrays([grads[k] for k in names], self.clock, group=self.stage_group)
-                grads = {k: g / self.dp for k, g in zip(names, summed)}
+                grads = {k: g for k, g in zip(names, summed)}
+                for g in grads.values():
+                    g /= self.dp
             t = torch.tensor([total if self.stage == 1 else 0.0], dtype=torch.float64)
             with self.clock("comm"):
                 dist.all_reduce(t)
@@ -695,7 +775,8 @@ class ShardedStep:
             return
         own = 0.0
         for k, g in grads.items():
-            sq = float(np.sum(np.square(g, dtype=np.float64)))
+            r = np.ravel(g)
+            sq = float(np.einsum("i,i->", r, r, dtype=np.float64))  # no float64 copy of g
             if self.strategy == "zero3":
                 own += sq if k in self.splits else sq / self.world
             elif self.strategy == "tensor":
@@ -706,8 +787,8 @@ class ShardedStep:
         with self.clock("comm"):
             dist.all_reduce(t)
         coef = min(self.clip_norm / (float(np.sqrt(t.item())) + 1e-6), 1.0)
-        for k in grads:
-            grads[k] = (grads[k] * np.float32(coef)).astype(grads[k].dtype)
+        for g in grads.values():  # in place: the step's own arrays (no scaled copy of every gradient)
+            g *= np.asarray(coef, g.dtype)
 
 
 # --- launching -----------------------------------------------------------------------------
