@@ -154,6 +154,7 @@ class Plan:
     recompute: int = 0  # layers of a stage that recompute their forward in the backward (0: none)
     stage_times: tuple = ()  # s: each priced stage's step (one; or the first and the last)
     stage_memory: tuple = ()  # bytes per device of each priced stage
+    memory_terms: tuple = ()  # per priced stage: {"weights", "activations", "gathered", "workspace": bytes}
     zero: int = 0  # the ZeRO stage (`zero_stage`)
     bubble: float = 0.0  # s of the step the 1F1B schedule's bubble idles
 
@@ -221,7 +222,7 @@ def _nodes(func: FuncOp, names: Sequence[str], mesh_shape, sizes, zero: bool = F
 #   W    bytes per device once per step: a weight with its gradient and optimizer state
 #   A    bytes per device per micro-batch: an activation the backward needs (live at its peak)
 
-COMPONENTS = ("C", "F", "Cst", "B", "Omb", "Ost", "W", "A")
+COMPONENTS = ("C", "F", "Cst", "B", "Omb", "Ost", "W", "A", "G")
 
 
 def _local_op(op: TgOp, st: Strategy, mesh: Mesh, sizes: dict[str, int] | None = None) -> TgOp:
@@ -374,6 +375,8 @@ def _weight_edge(info: TensorInfo, sp: Strategy, want: Spec, split: tuple[int, .
     reduce = [a for a in missing if a not in gathered]
     per_mb = 2 * gather  # backward: gathered again (or the gradient moved back to the stored layout)
     per_step = sympy.Integer(0)
+    # ZeRO-3's gathered copy, live while its unit computes (G: counted once per weight, not per use)
+    held = nbytes(local_info(info, want, mesh.shape)) if mesh.group_size(sorted(gathered)) > 1 else sympy.Integer(0)
     if scatter:
         per_mb += mesh.bucketed("reduce_scatter", scatter, grad)
     if reduce:
@@ -382,7 +385,7 @@ def _weight_edge(info: TensorInfo, sp: Strategy, want: Spec, split: tuple[int, .
             per_mb += mesh.bucketed(kind, reduce, grad)
         else:
             per_step += mesh.bucketed(kind, reduce, grad)
-    return {"Omb": per_mb / uses, "Ost": per_step / uses}
+    return {"Omb": per_mb / uses, "Ost": per_step / uses, "G": held / uses}
 
 
 @lru_cache(maxsize=1 << 16)  # a plan asks about the same few (shape, spec, spec) many times
@@ -405,7 +408,20 @@ def _edge_cost(prod: Node, sp: Strategy, cons: Node, sc: Strategy, pos: int, mes
         return {"B": sympy.Integer(0), **_weight_edge(prod.info, sp, sc.ins[pos], sc.split, mesh, uses)}
     fwd = reshard_cost(prod.info, sp.out, sc.ins[pos], mesh)
     back = reshard_cost(prod.info, sc.ins[pos], sp.out, mesh) if training and _needs_grad(prod) else 0
-    return {"B": fwd + back, "Omb": sympy.Integer(0), "Ost": sympy.Integer(0)}
+    held = sympy.Integer(0)
+    if training and _views_weight(prod) and mesh.group_size(sorted(spec_axes(sp.out) - spec_axes(sc.ins[pos]))) > 1:
+        # a weight stored split, gathered after a view of it (a Linear's transpose): ZeRO-3's copy
+        uses = max(1, sum(1 for u in prod.value.uses if isinstance(u.operation, TgOp)))
+        held = nbytes(local_info(prod.info, sc.ins[pos], mesh.shape)) / uses
+    return {"B": fwd + back, "Omb": sympy.Integer(0), "Ost": sympy.Integer(0), "G": held}
+
+
+def _views_weight(node: Node) -> bool:
+    """Whether `node` is a view (transpose, reshape) of a weight, through any number of views."""
+    op = node.op
+    while isinstance(op, TgOp) and op.SPEC.view and op.operands:
+        op = op.operands[0].owner
+    return node.op is not op and isinstance(op, TgOp) and op.op_name == Op.weight
 
 
 # --- repeated layers ------------------------------------------------------------------
@@ -441,7 +457,8 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
          only=None, reduce_scatter: bool = True, stages: int = 1, micro_batches: int = 1, batch: str = "B",
          overlap: bool = True, recompute: bool = True, zero: bool = True, runner_up: bool = True,
          progress: Callable[[str], object] | None = None, backward: str = "flops",
-         optimizer: Callable[[int], float] | None = None, schedule: str = "1f1b") -> Plan:
+         optimizer: Callable[[int], float] | None = None, schedule: str = "1f1b",
+         workspace: float | Sequence[float] = 0.0) -> Plan:
     """The cheapest sharding of @forward on `mesh` under `budget` bytes per device (default: the device's memory).
 
     `only(node)`: the strategy names (without ZeRO stage) a node may take, or None for any (a hand
@@ -456,12 +473,15 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
     cost model's time of the ops its VJP rule builds (where per-op overheads, not FLOPs, set the time).
     `optimizer(elements)`: seconds of the optimizer's update of that many elements of a weight, counted
     once per step on each device's share (None: the update is not priced). `schedule`: the pipeline's,
-    "1f1b" or "gpipe" (the same m + p - 1 slots; every stage keeps all m micro-batches' activations)."""
+    "1f1b" or "gpipe" (the same m + p - 1 slots; every stage keeps all m micro-batches' activations).
+    `workspace`: bytes per device (or per priced stage) the backend holds for its calls' temporaries
+    besides the values the plan counts, e.g. a C arena sized to its largest call (backends/c/runtime's
+    `call_bytes`): the recomputed layer's activations are then inside it, not counted again."""
     if backward not in ("flops", "vjp") or schedule not in ("1f1b", "gpipe"):
         raise ShardError(f"backward '{backward}' (flops, vjp) or schedule '{schedule}' (1f1b, gpipe) unknown")
     say = progress or (lambda stage: None)
     started = _time.perf_counter()
-    prog = _build(module, mesh, budget=budget, sizes=sizes, training=training, constraints=constraints, names=names, only=only, reduce_scatter=reduce_scatter, stages=stages, micro_batches=micro_batches, batch=batch, overlap=overlap, recompute=recompute, zero=zero, say=say, backward=backward, optimizer=optimizer, schedule=schedule)
+    prog = _build(module, mesh, budget=budget, sizes=sizes, training=training, constraints=constraints, names=names, only=only, reduce_scatter=reduce_scatter, stages=stages, micro_batches=micro_batches, batch=batch, overlap=overlap, recompute=recompute, zero=zero, say=say, backward=backward, optimizer=optimizer, schedule=schedule, workspace=workspace)
     counts = [len(a) for a in prog.comp["C"]]
     CUT_SHORT.clear()
     say(f"solving the integer program (at most {SOLVE_TIME_LIMIT:.0f} s)")
@@ -513,6 +533,7 @@ class _Program:
     p2p_link: Any  # the link a pipeline stage sends its boundary activation over
     ckpt: list[int]
     ckpt_bytes: dict[int, np.ndarray]
+    kept_bytes: dict[int, np.ndarray]  # what a recomputed layer keeps: its checkpoint, all-reduced results
     r: int | None  # the extra variable counting recomputed layers
     objective: Linear
     rows: list[tuple[Linear, float, float]]
@@ -520,6 +541,8 @@ class _Program:
     allowed: list[np.ndarray]
     memories: list[Linear]
     totals: dict[str, Linear]  # each cost component over the whole program
+    units: list[list[tuple[Linear, float]]]  # per stage: each ZeRO-3 unit's gathered bytes (and their scale)
+    workspace: list[float]  # per stage: bytes of the backend's working memory (`plan(workspace=)`)
 
     def in_layers(self, i: int) -> bool:
         return bool(self.copies) and self.start <= i < self.start + self.period * self.copies
@@ -527,7 +550,7 @@ class _Program:
 
 def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints, names, only, reduce_scatter,
            stages, micro_batches, batch, overlap, recompute, zero, say, backward="flops", optimizer=None,
-           schedule="1f1b") -> _Program:
+           schedule="1f1b", workspace: float | Sequence[float] = 0.0) -> _Program:
     """plan()'s integer program: nodes grouped into classes (one per place in the repeated layers),
     each class's and edge's costs per strategy, the recomputation's variables, each stage's step and
     memory as rows; the objective the slowest stage's step."""
@@ -620,7 +643,7 @@ def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints
             slot_pair = agg.setdefault((slot[cls[i]], slot[cls[j]]), {})
             for k, M in edge_cache[key][0].items():
                 slot_pair[k] = slot_pair.get(k, 0) + M * weight
-    edges, edge_comp = [], {k: {} for k in ("B", "Omb", "Ost")}
+    edges, edge_comp = [], {k: {} for k in ("B", "Omb", "Ost", "G")}
     for (P, C), ms in agg.items():
         if not any(M.any() for M in ms.values()):
             continue
@@ -686,6 +709,15 @@ def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints
                    if start <= i < start + period}) if copies >= 2 else []
     ckpt_bytes = {k: np.array([value(nbytes(local_info(nodes[classes[k]].info, st.out, mesh.shape)))
                                for st in nodes[classes[k]].strategies]) for k in ckpt}
+    # What a recomputed layer keeps: its input (the checkpoint) and, split over devices, each
+    # partial sum's all-reduced result: its backward re-runs the forward between collectives, not
+    # the collectives (Megatron's f and g are not repeated)
+    kept_bytes = dict(ckpt_bytes)
+    for k in sorted(layer):
+        reduced = np.array([value(nbytes(local_info(nodes[classes[k]].info, st.out, mesh.shape))) if st.partial else 0.0
+                            for st in nodes[classes[k]].strategies])
+        if reduced.any():
+            kept_bytes[k] = kept_bytes.get(k, 0) + reduced
     forward = {k: (comp["F"][k] + comp["B"][k] / 2) * US for k in layer}
     r = None
     bits: list[tuple[int, int, int, int]] = []  # (2^j, u_j, v_j, e_j)
@@ -697,7 +729,7 @@ def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints
         r = var(*((fixed, fixed) if fixed is not None else (0, per_stage)), 1)
         act = {k: comp["A"][k] / GB for k in layer}
         big_a = sum(float(a.max()) for a in act.values())
-        big_k = sum(float(b.max()) for b in ckpt_bytes.values()) / GB
+        big_k = sum(float(b.max()) for b in kept_bytes.values()) / GB
         big_f = sum(float(f.max()) for f in forward.values())
         g, w_var = var(0, 1, 1), var()
         rows.append((Linear(act, {}, {w_var: -1.0, g: big_a}), -np.inf, big_a))  # w >= A - big_a (1 - g)
@@ -709,7 +741,7 @@ def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints
             bits.append((2 ** j, u, v, e))
             rows.append((Linear({k: -a for k, a in act.items()}, {}, {u: 1.0}), -np.inf, 0))  # u_j <= A
             rows.append((Linear({}, {}, {u: 1.0, b: -big_a}), -np.inf, 0))  # u_j <= big_a b_j
-            rows.append((Linear({k: kb / GB for k, kb in ckpt_bytes.items()}, {}, {v: -1.0, b: big_k}),
+            rows.append((Linear({k: kb / GB for k, kb in kept_bytes.items()}, {}, {v: -1.0, b: big_k}),
                          -np.inf, big_k))  # v_j >= K - big_k (1 - b_j)
             rows.append((Linear(forward, {}, {e: -1.0, b: big_f}), -np.inf, big_f))  # e_j >= F - big_f (1 - b_j)
         rows.append((Linear({}, {}, link), 0, 0))  # r = sum 2^j b_j
@@ -757,16 +789,37 @@ def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints
     # Memory per stage (GB: bytes next to 0/1 variables scale badly in HiGHS): weights with their
     # gradients and optimizer state, the activations of the micro-batches in flight, the
     # recomputation's trade (see above).
+    # ZeRO-3 (FSDP) holds a unit's gathered weights while it computes and the next unit's as they
+    # arrive (prefetched): 2 x the largest unit a stage runs, a unit being one layer, or the weights
+    # before the layers (embedding) or after them (head). g_s >= each unit's gathered bytes (GB).
+    def unit_g(ks_unit: set, scale: float) -> Linear:
+        return Linear({k: comp["G"][k] / GB * scale for k in ks_unit if np.any(comp["G"][k])},
+                      {e: M / GB * scale for e, M in edge_comp["G"].items() if edges[e][0] in ks_unit and np.any(M)})
+    unit_sets = {"layer": (set(layer), 1.0 / max(1, per_stage)),
+                 "pre": ({k for k, ps in parts.items() if k not in layer and "pre" in ps}, 1.0),
+                 "post": ({k for k, ps in parts.items() if k not in layer and "post" in ps}, 1.0)}
+    on_stage = [("pre", "layer", "post")] if stages == 1 else [("pre", "layer"), ("layer", "post")]
+    units = [[(unit_g(*unit_sets[u]), unit_sets[u][1]) for u in names_ if unit_sets[u][0]] for names_ in on_stage]
+    units = [[(lin, sc) for lin, sc in us if lin.nodes or lin.edges] for us in units]
+    spaces = [float(workspace)] * len(stage_sets) if np.isscalar(workspace) else [float(w) for w in workspace]  # type: ignore[arg-type]
+    if len(spaces) != len(stage_sets):
+        raise ShardError(f"workspace: one number, or one per priced stage ({len(stage_sets)}), not {len(spaces)}")
     memories = []
-    for ks, held in stage_sets:
+    for (ks, held), us, space in zip(stage_sets, units, spaces):
         mem = Linear({k: (comp["W"][k] * count[k] + comp["A"][k] * (per_stage if k in layer else 1) * held) / GB
                       for k in ks})
         if bits:
-            mem.extra[w_var] = 1.0
+            mem.extra[w_var] = 0.0 if space else 1.0  # the recomputed layer's activations: in the workspace
             for scale, u, v, _ in bits:
                 mem.extra[u] = -held * scale
                 mem.extra[v] = held * scale
-        rows.append((mem, -np.inf, budget / GB))
+        if us:
+            gz = var()
+            mem.extra[gz] = 2.0
+            for lin, _ in us:
+                row = Linear(dict(lin.nodes), dict(lin.edges), {gz: -1.0})
+                rows.append((row, -np.inf, 0))  # g >= this unit's gathered bytes
+        rows.append((mem, -np.inf, (budget - space) / GB))
         memories.append(mem)
 
     allowed = [np.ones(len(comp["C"][k]), bool) for k in range(len(classes))]
@@ -788,7 +841,7 @@ def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints
                                   f"{mesh} (it has {[st.name for st in node.strategies]})")
             allowed[slot[cls[i]]] &= ok
     totals = {name: total(name) for name in ("C", "Cst", "B", "Omb", "Ost")}
-    return _Program(mesh=mesh, sizes=sizes, budget=budget, training=training, stages=stages, micro_batches=micro_batches, nodes=nodes, cls=cls, slot=slot, count=count, layer=layer, start=start, period=period, copies=copies, per_stage=per_stage, exprs=exprs, comp=comp, edges=edges, edge_cache=edge_cache, stage_sets=stage_sets, slots=slots, eta=eta, p2p_link=p2p_link, ckpt=ckpt, ckpt_bytes=ckpt_bytes, r=r, objective=objective, rows=rows, extras=extras, allowed=allowed, memories=memories, totals=totals)
+    return _Program(mesh=mesh, sizes=sizes, budget=budget, training=training, stages=stages, micro_batches=micro_batches, nodes=nodes, cls=cls, slot=slot, count=count, layer=layer, start=start, period=period, copies=copies, per_stage=per_stage, exprs=exprs, comp=comp, edges=edges, edge_cache=edge_cache, stage_sets=stage_sets, slots=slots, eta=eta, p2p_link=p2p_link, ckpt=ckpt, ckpt_bytes=ckpt_bytes, kept_bytes=kept_bytes, r=r, objective=objective, rows=rows, extras=extras, allowed=allowed, memories=memories, totals=totals, units=units, workspace=spaces)
 
 
 def _read_back(prog: _Program, ch: list[int], xs: list[float], solve_time: float, nvars: int) -> Plan:
@@ -810,10 +863,10 @@ def _read_back(prog: _Program, ch: list[int], xs: list[float], solve_time: float
     p2p = slots * 2 * sum(p2p_link.alpha + float(ckpt_bytes[k][ch[k]]) / p2p_link.beta
                           for k in ckpt) if stages > 1 else 0.0
     one_layer = sum(float(comp["A"][k][ch[k]]) for k in layer)
-    kept_ckpt = sum(float(ckpt_bytes[k][ch[k]]) for k in ckpt)
+    kept_ckpt = sum(float(kb[ch[k]]) for k, kb in prog.kept_bytes.items())
     # Per stage: (step, compute, communication, compute + blocking per micro-batch, memory).
-    per = []
-    for ks, held in stage_sets:
+    per, terms = [], []
+    for (ks, held), us, space in zip(stage_sets, prog.units, prog.workspace):
         c_s, b_s = compute.restricted(ks, edges).value(ch, edges), blocking.restricted(ks, edges).value(ch, edges)
         c_step = totals["Cst"].restricted(ks, edges).value(ch, edges)
         exposed = {}
@@ -823,9 +876,12 @@ def _read_back(prog: _Program, ch: list[int], xs: list[float], solve_time: float
         comm_s = slots * b_s + slots * exposed["Omb"] + exposed["Ost"] + p2p
         weights = sum(float(comp["W"][k][ch[k]]) * count[k] for k in ks)
         acts = sum(float(comp["A"][k][ch[k]]) for k in ks if k not in layer)
-        kept = (per_stage - re) * held * one_layer + re * held * kept_ckpt + (one_layer if re == per_stage else 0.0)
+        kept = (per_stage - re) * held * one_layer + re * held * kept_ckpt + (
+            one_layer if re == per_stage and not space else 0.0)
+        gathered = 2 * GB * max((lin.value(ch, edges) for lin, _ in us), default=0.0)
+        terms.append({"weights": weights, "activations": held * acts + kept, "gathered": gathered, "workspace": space})
         per.append((slots * c_s + c_step + redo + comm_s, slots * c_s + c_step + redo, comm_s, c_s + b_s,
-                    weights + held * acts + kept))
+                    weights + held * acts + kept + gathered + space))
     slowest = max(range(len(per)), key=lambda s: per[s][0])
     ks_slow = stage_sets[slowest][0]
     choices, forward = [], []
@@ -834,7 +890,7 @@ def _read_back(prog: _Program, ch: list[int], xs: list[float], solve_time: float
         ex = exprs[cls[i]][picked[i]]
         st = node.strategies[picked[i]]
         w = per_stage / copies if in_layers(i) else 1
-        incoming = {"B": sympy.Integer(0), "Omb": sympy.Integer(0), "Ost": sympy.Integer(0)}
+        incoming = {"B": sympy.Integer(0), "Omb": sympy.Integer(0), "Ost": sympy.Integer(0), "G": sympy.Integer(0)}
         for pos, p in enumerate(node.operands):
             key = (cls[p], cls[i], pos, str(nodes[p].info))
             for k, v in edge_cache[key][1][picked[p]][picked[i]].items():
@@ -860,6 +916,7 @@ def _read_back(prog: _Program, ch: list[int], xs: list[float], solve_time: float
     p.stages, p.micro_batches, p.recompute = stages, micro_batches, re  # type: ignore[attr-defined]
     p.stage_times = tuple(s[0] for s in per)  # type: ignore[attr-defined]
     p.stage_memory = tuple(s[4] for s in per)  # type: ignore[attr-defined]
+    p.memory_terms = tuple(terms)
     p.bubble = (stages - 1) * slot_time if training else 0.0  # type: ignore[attr-defined]
     p.zero = zero_stage(p)  # type: ignore[attr-defined]
     return p  # type: ignore[return-value]

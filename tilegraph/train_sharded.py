@@ -184,9 +184,12 @@ def _weight_behind(op) -> str:
 
 
 def plan_for(model: Model, strategy: str, world: int, alpha: float, beta: float, batch: int,
-             micro_batches: int = 1, device=None, optimizer=None, schedule: str = "1f1b"):
+             micro_batches: int = 1, device=None, optimizer=None, schedule: str = "1f1b",
+             workspace: float | Sequence[float] = 0.0):
     """passes/shard.py's plan of `model` (its batch dim symbolic, named B) for `strategy` on `world`
-    processes: the mesh is every process (zero3, tensor) or one stage's (pipeline: 2 stages)."""
+    processes: the mesh is every process (zero3, tensor) or one stage's (pipeline: 2 stages);
+    `workspace`: the bytes a process's modules hold for their temporaries (per stage), as
+    `workspace_bytes` predicts them."""
     from tilegraph.passes import shard
 
     stages = 2 if strategy == "pipeline" else 1
@@ -198,7 +201,7 @@ def plan_for(model: Model, strategy: str, world: int, alpha: float, beta: float,
     # ops; the optimizer's update priced from the module each rank runs
     return shard.plan(model.module, mesh, sizes={"B": batch}, names=model.input_names, only=layout(strategy),
                       stages=stages, micro_batches=micro_batches, recompute=recompute, zero=False, runner_up=False,
-                      backward="vjp", schedule=schedule,
+                      backward="vjp", schedule=schedule, workspace=workspace,
                       optimizer=optimizer_time(optimizer, mesh.hw) if optimizer is not None else None)
 
 
@@ -348,6 +351,39 @@ def _comm_buffer(n: int, dtype: Any = None) -> Any:
     return _traced(torch.empty(n, dtype=dtype or torch.float32))
 
 
+def rank_segments(strategy: str, segments: Segments | None, pieces: list[Segment] | None, rank: int, world: int,
+                  rows: int) -> list[Segment]:
+    """The segments `rank` runs: `pieces` (its tensor-parallel pieces, built by the caller) or built
+    here, less the other pipeline stage's."""
+    if segments is None:
+        raise ShardedTrainError(f"{strategy} runs the model as segments: pass segments=")
+    tp = world if strategy == "tensor" else 1
+    segs = pieces if pieces is not None else segments.build(rank if strategy == "tensor" else 0, tp, rows)
+    if strategy == "pipeline":
+        assert segments.stage_of is not None
+        stage = rank // (world // 2)
+        segs = [s for s in segs if segments.stage_of(s) == stage]
+    return segs
+
+
+def workspace_bytes(compiled: Sequence[_Compiled], shared: bool = True) -> int:
+    """The bytes of temporaries a rank's compiled segments will hold, as the C runtime lays their
+    calls out (`call_bytes`: the binding's arena, before any call): one Workspace sized to the
+    largest module's arena (`shared`), or each module's own; 0 where a backend allocates per value
+    (NumPy: its temporaries are a step's allocations, measured as such)."""
+    from tilegraph.ir.arena import ALIGN
+
+    arenas = []
+    for c in compiled:
+        for m in (c.forward, c.backward):
+            program = getattr(m._runner, "program", None)
+            if program is not None:
+                from tilegraph.backends.c.runtime import call_bytes
+
+                arenas.append(call_bytes(program)[0] + ALIGN)
+    return (max(arenas, default=0) if shared else sum(arenas))
+
+
 def _all_reduce_arrays(arrays: list, clock: _Clock, group: Any = None) -> list[np.ndarray]:
     """`arrays` summed over the group's ranks, packed into one collective (gloo's per-call cost
     dominates small tensors); the sums are written back into `arrays` (the step's own arrays:
@@ -429,7 +465,10 @@ class ShardedStep:
                  world: int,
                  target: str, pipeline: Any, options: dict,
                  segments: Segments | None = None, micro_batches: int = 1, clip_norm: float | None = None,
-                 rows: int = 0, pieces: list[Segment] | None = None, schedule: str = "1f1b"):
+                 rows: int = 0, pieces: list[Segment] | None = None, schedule: str = "1f1b",
+                 compiled: list[_Compiled] | None = None):
+        """`compiled`: this rank's segments already compiled (`rank_segments`, `_compile_segment`);
+        else compiled here."""
         import torch.distributed as dist
 
         import tilegraph
@@ -450,10 +489,10 @@ class ShardedStep:
         tp_rank = rank if strategy == "tensor" else 0
         # `pieces`: this rank's segments built by the caller (`Processes.train` builds them once, in
         # the parent, where torch.export is already imported: importing it costs each process seconds)
-        segs = pieces if pieces is not None else segments.build(tp_rank, self.tp, rows)
-        if strategy == "pipeline":
-            assert segments.stage_of is not None
-            segs = [s for s in segs if segments.stage_of(s) == self.stage]
+        if compiled is None:
+            compiled = [_compile_segment(s, target, pipeline, options)
+                        for s in rank_segments(strategy, segments, pieces, rank, world, rows)]
+        segs = [c.seg for c in compiled]
         slicer = segments.slicer or (lambda name, a, dim, r, n: chunk(a, dim, r, n))
         self.weights = {}
         for s in segs:
@@ -469,7 +508,7 @@ class ShardedStep:
                 if self.weights[name].shape != expect:
                     raise ShardedTrainError(f"{name}: the plan gives this rank {self.weights[name].shape}, the "
                                             f"segment holds {expect}")
-        self.compiled = [_compile_segment(s, target, pipeline, options) for s in segs]
+        self.compiled = compiled
         # the activation stage 1 receives: its first segment's first input, less the batch dim
         self._boundary_shape = tuple(int(d) for d in info_of(segs[0].model.func.body.block.args[0].type).shape[1:])
         if strategy == "pipeline" and self.dp > 1:
@@ -977,7 +1016,8 @@ class PlanSummary:
 
 def _summary(plan, alpha: float, beta: float) -> PlanSummary:
     sm = list(plan.stage_memory) + [0.0, 0.0]
-    numbers = {"time": plan.time, "compute": plan.compute, "comm": plan.comm, "memory": plan.memory,
+    terms = {f"stage{s}_{k}": v for s, t in enumerate(plan.memory_terms) for k, v in t.items()}
+    numbers = {**terms, "time": plan.time, "compute": plan.compute, "comm": plan.comm, "memory": plan.memory,
                "zero": plan.zero, "stages": plan.stages, "micro_batches": plan.micro_batches,
                "recompute": plan.recompute, "alpha": alpha, "beta": beta, "stage0_memory": sm[0],
                "stage1_memory": sm[1]}
@@ -1005,18 +1045,6 @@ def _train(rank, world, link, strategy, make_model, params, batches, optimizer, 
     dp, m, _, rows = _split(strategy, world, micro_batches, batch)
     model = make_model(None)  # planned with its batch symbolic; each module compiled at this rank's rows
     device = measure_device(calibrate, target)
-    # rank 0 plans (every rank would plan the same: the same model, device and link numbers) and
-    # sends the others what they need of it
-    summary: list[PlanSummary | None] = [None]
-    if rank == 0:
-        plan = plan_for(model, strategy, world, alpha, beta, batch, m, device, optimizer, schedule)
-        summary = [_summary(plan, alpha, beta)]
-    dist.broadcast_object_list(summary, src=0)
-    planned = summary[0]
-    assert planned is not None
-    if strategy == "zero3" and planned.numbers["zero"] != 3:
-        raise ShardedTrainError(f"the zero3 layout planned ZeRO stage {planned.numbers['zero']:.0f}")
-    initial = {k: np.asarray(model.weights[k]) for k in params}
     options: dict = {}
     if target == "c":
         from tilegraph.backends.c.runtime import Workspace
@@ -1024,9 +1052,31 @@ def _train(rank, world, link, strategy, make_model, params, batches, optimizer, 
         # the rank's modules run one after another: one arena for all their temporaries, the
         # largest module's, not one arena each held for the whole run
         options = {"threads": 1, **({"workspace": Workspace()} if shared_arena else {})}
+    seg_obj = segments() if segments is not None else None
+    # the segments compiled before the plan: it counts the temporaries their calls will hold (the
+    # largest rank's of each stage), as the C runtime lays them out
+    compiled = [_compile_segment(s, target, pipeline, options)
+                for s in rank_segments(strategy, seg_obj, pieces, rank, world, rows)]
+    spaces = torch.zeros(world, dtype=torch.float64)
+    spaces[rank] = float(workspace_bytes(compiled, shared_arena))
+    dist.all_reduce(spaces)
+    per_stage = spaces.view(2, -1).amax(dim=1).tolist() if strategy == "pipeline" else [float(spaces.max())]
+    # rank 0 plans (every rank would plan the same: the same model, device and link numbers) and
+    # sends the others what they need of it
+    summary: list[PlanSummary | None] = [None]
+    if rank == 0:
+        plan = plan_for(model, strategy, world, alpha, beta, batch, m, device, optimizer, schedule,
+                        workspace=per_stage)
+        summary = [_summary(plan, alpha, beta)]
+    dist.broadcast_object_list(summary, src=0)
+    planned = summary[0]
+    assert planned is not None
+    if strategy == "zero3" and planned.numbers["zero"] != 3:
+        raise ShardedTrainError(f"the zero3 layout planned ZeRO stage {planned.numbers['zero']:.0f}")
+    initial = {k: np.asarray(model.weights[k]) for k in params}
     step = ShardedStep(strategy, planned.splits, initial, optimizer, rank, world, target, pipeline, options,
-                       segments=segments() if segments is not None else None,
-                       micro_batches=m, clip_norm=clip_norm, rows=rows, pieces=pieces, schedule=schedule)
+                       segments=seg_obj, micro_batches=m, clip_norm=clip_norm, rows=rows, pieces=pieces,
+                       schedule=schedule, compiled=compiled)
     replica = rank % dp if strategy == "pipeline" else rank if strategy == "zero3" else 0
 
     def mine(a):
