@@ -306,8 +306,9 @@ def weight_bytes(info: TensorInfo, st: Strategy, mesh: Mesh) -> sympy.Expr:
 
 def _node_cost(node: Node, st: Strategy, nodes: list[Node], mesh: Mesh, hw, training: bool, saved: bool,
                backward: str = "flops", optimizer: Callable[[int], float] | None = None,
-               sizes: dict[str, int] | None = None) -> dict:
-    """The components of one strategy (see COMPONENTS)."""
+               sizes: dict[str, int] | None = None, units: dict[int, int] | None = None) -> dict:
+    """The components of one strategy (see COMPONENTS). `units`: node -> how many weights share its
+    unit's collectives (`_weight_units`)."""
     zero = sympy.Integer(0)
     cost = dict.fromkeys(COMPONENTS, zero)
     compute = _local_time(node.op, st, mesh, hw) if node.op is not None else zero
@@ -335,7 +336,11 @@ def _node_cost(node: Node, st: Strategy, nodes: list[Node], mesh: Mesh, hw, trai
             # weight's is priced on its edge (`_weight_edge`): it depends on the weight's ZeRO stage.
             uses = sum(1 for u in nodes[i].value.uses if isinstance(u.operation, TgOp))
             grad = nbytes(local_info(nodes[i].info, spec, mesh.shape))
-            comm += mesh.collective("all_reduce", missing, grad) / max(1, uses)
+            if _views_weight(nodes[i]):  # a weight's gradient (through its view): reduced with its unit's
+                comm += _shared(mesh.collective("all_reduce", missing, grad), mesh.collective(
+                    "all_reduce", missing, 0), (units or {}).get(i, 1)) / max(1, uses)
+            else:
+                comm += mesh.collective("all_reduce", missing, grad) / max(1, uses)
     cost.update(C=compute, B=comm)
     if _is_weight(node) and dtypes.is_float(node.info.dtype):
         cost["W"] = weight_bytes(node.info, st, mesh)
@@ -358,16 +363,56 @@ def _node_cost(node: Node, st: Strategy, nodes: list[Node], mesh: Mesh, hw, trai
 _NODE_COSTS: dict[tuple, dict | None] = {}
 
 
+def _shared(cost: sympy.Expr, latency: sympy.Expr, unit: int) -> sympy.Expr:
+    """`cost` of one weight's collective when `unit` weights share one packed collective (FSDP's
+    flat parameters, a unit's gradients reduced at once): its bytes, 1/unit of the latency."""
+    return cost - latency + latency / max(1, unit)
+
+
+def _reshard_latency(src: Spec, dst: Spec, mesh: Mesh) -> sympy.Expr:
+    """The per-call part of `reshard_cost(.., src, dst, ..)`: its collectives at zero bytes."""
+    total, spec = sympy.Integer(0), src
+    for step in reshard_steps(src, dst):
+        if step.collective in ("all_gather", "all_to_all"):
+            total += mesh.collective(step.collective, [step.axis], 0)
+        spec = apply_step(spec, step)
+    return total
+
+
+def _weight_units(nodes: list[Node], start: int, period: int, copies: int) -> dict[int, int]:
+    """Weight node (and view of one) -> how many float weights its unit has: a unit (ZeRO-3's, FSDP's)
+    is one layer, or the weights before the layers, or those after; its weights are gathered in one
+    packed collective and their gradients reduced in one."""
+    def unit(i: int) -> int:
+        return -1 if i < start or not copies else (i - start) // period if i < start + period * copies else copies
+    weights = [i for i, n in enumerate(nodes) if _is_weight(n) and _needs_grad(n)]
+    size: dict[int, int] = {}
+    for i in weights:
+        size[unit(i)] = size.get(unit(i), 0) + 1
+    out = {i: size[unit(i)] for i in weights}
+    for i, n in enumerate(nodes):
+        op = n.op
+        while isinstance(op, TgOp) and op.SPEC.view and op.operands and i not in out:
+            o = op.operands[0].owner
+            w = next((j for j in weights if nodes[j].op is o), None)
+            if w is not None:
+                out[i] = out[w]
+            op = o
+    return out
+
+
 @lru_cache(maxsize=1 << 16)
-def _weight_edge(info: TensorInfo, sp: Strategy, want: Spec, split: tuple[int, ...], mesh: Mesh, uses: int) -> dict:
+def _weight_edge(info: TensorInfo, sp: Strategy, want: Spec, split: tuple[int, ...], mesh: Mesh, uses: int,
+                 unit: int = 1) -> dict:
     """A training step's collectives between a float weight and one use of it: the all-gather of a
     weight stored split (ZeRO-3 / FSDP: forward, and again in the backward, the gathered copy being
     freed between), and the gradient's reduction over the axes the consumer splits its work on but
     the weight is not split on: reduce-scattered onto the stored slices where the weight was gathered,
     else all-reduced once per step (gradients accumulate over micro-batches) or, at ZeRO-1/2,
     reduce-scattered onto the optimizer's partition (per micro-batch at ZeRO-2, whose gradient is
-    kept partitioned). Weight gradients are bucketed (collectives.GRADIENT_BUCKET)."""
-    gather = reshard_cost(info, sp.out, want, mesh)
+    kept partitioned). Weight gradients are bucketed (collectives.GRADIENT_BUCKET); a gathered weight's
+    gather and reduce-scatter are its `unit`'s packed collectives (`_shared`)."""
+    gather = _shared(reshard_cost(info, sp.out, want, mesh), _reshard_latency(sp.out, want, mesh), unit)
     gathered = spec_axes(sp.out) - spec_axes(want)
     missing = [a for a in split if a not in spec_axes(want)]
     grad = nbytes(local_info(info, want, mesh.shape))
@@ -378,7 +423,8 @@ def _weight_edge(info: TensorInfo, sp: Strategy, want: Spec, split: tuple[int, .
     # ZeRO-3's gathered copy, live while its unit computes (G: counted once per weight, not per use)
     held = nbytes(local_info(info, want, mesh.shape)) if mesh.group_size(sorted(gathered)) > 1 else sympy.Integer(0)
     if scatter:
-        per_mb += mesh.bucketed("reduce_scatter", scatter, grad)
+        per_mb += _shared(mesh.collective("reduce_scatter", scatter, grad), mesh.collective("reduce_scatter", scatter, 0),
+                          unit)
     if reduce:
         kind = "all_reduce" if sp.zero == 0 else "reduce_scatter"
         if sp.zero >= 2:
@@ -402,18 +448,23 @@ def reshard_cost(info: TensorInfo, src: Spec, dst: Spec, mesh: Mesh) -> sympy.Ex
     return total
 
 
-def _edge_cost(prod: Node, sp: Strategy, cons: Node, sc: Strategy, pos: int, mesh: Mesh, training: bool) -> dict:
+def _edge_cost(prod: Node, sp: Strategy, cons: Node, sc: Strategy, pos: int, mesh: Mesh, training: bool,
+               unit: int = 1) -> dict:
+    """`unit`: how many weights share `prod`'s unit's collectives, where it is a weight or views one."""
     if training and _is_weight(prod) and _needs_grad(prod):
         uses = max(1, sum(1 for u in prod.value.uses if isinstance(u.operation, TgOp)))
-        return {"B": sympy.Integer(0), **_weight_edge(prod.info, sp, sc.ins[pos], sc.split, mesh, uses)}
+        return {"B": sympy.Integer(0), **_weight_edge(prod.info, sp, sc.ins[pos], sc.split, mesh, uses, unit)}
     fwd = reshard_cost(prod.info, sp.out, sc.ins[pos], mesh)
     back = reshard_cost(prod.info, sc.ins[pos], sp.out, mesh) if training and _needs_grad(prod) else 0
-    held = sympy.Integer(0)
     if training and _views_weight(prod) and mesh.group_size(sorted(spec_axes(sp.out) - spec_axes(sc.ins[pos]))) > 1:
-        # a weight stored split, gathered after a view of it (a Linear's transpose): ZeRO-3's copy
+        # a weight stored split, gathered after a view of it (a Linear's transpose): ZeRO-3's copy,
+        # priced as a weight's own gather (`_weight_edge`): with its unit's weights, overlapped (the
+        # next unit's gather runs ahead), again for the backward (freed between)
         uses = max(1, sum(1 for u in prod.value.uses if isinstance(u.operation, TgOp)))
-        held = nbytes(local_info(prod.info, sc.ins[pos], mesh.shape)) / uses
-    return {"B": fwd + back, "Omb": sympy.Integer(0), "Ost": sympy.Integer(0), "G": held}
+        gather = _shared(fwd, _reshard_latency(sp.out, sc.ins[pos], mesh), unit)
+        return {"B": back, "Omb": 2 * gather, "Ost": sympy.Integer(0),
+                "G": nbytes(local_info(prod.info, sc.ins[pos], mesh.shape)) / uses}
+    return {"B": fwd + back, "Omb": sympy.Integer(0), "Ost": sympy.Integer(0), "G": sympy.Integer(0)}
 
 
 def _views_weight(node: Node) -> bool:
@@ -458,7 +509,7 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
          overlap: bool = True, recompute: bool = True, zero: bool = True, runner_up: bool = True,
          progress: Callable[[str], object] | None = None, backward: str = "flops",
          optimizer: Callable[[int], float] | None = None, schedule: str = "1f1b",
-         workspace: float | Sequence[float] = 0.0) -> Plan:
+         workspace: float | Sequence[float] = 0.0, repeat_collectives: bool = True, packed_units: bool = False) -> Plan:
     """The cheapest sharding of @forward on `mesh` under `budget` bytes per device (default: the device's memory).
 
     `only(node)`: the strategy names (without ZeRO stage) a node may take, or None for any (a hand
@@ -476,16 +527,28 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
     "1f1b" or "gpipe" (the same m + p - 1 slots; every stage keeps all m micro-batches' activations).
     `workspace`: bytes per device (or per priced stage) the backend holds for its calls' temporaries
     besides the values the plan counts, e.g. a C arena sized to its largest call (backends/c/runtime's
-    `call_bytes`): the recomputed layer's activations are then inside it, not counted again."""
+    `call_bytes`): the recomputed layer's activations are then inside it, not counted again.
+    `repeat_collectives`: a recomputed layer re-runs its forward's collectives and keeps only its
+    input (Megatron-LM's full recomputation), or keeps their results and re-runs none (a runtime
+    that recomputes between collectives: tilegraph.train_sharded's segments). `packed_units`: a weight
+    stored split is gathered, and its gradient reduced, in one packed collective with the rest of its
+    unit (`_weight_units`: FSDP's flat parameters), each weight paying its share of the latency; else
+    one collective per weight."""
     if backward not in ("flops", "vjp") or schedule not in ("1f1b", "gpipe"):
         raise ShardError(f"backward '{backward}' (flops, vjp) or schedule '{schedule}' (1f1b, gpipe) unknown")
     say = progress or (lambda stage: None)
     started = _time.perf_counter()
-    prog = _build(module, mesh, budget=budget, sizes=sizes, training=training, constraints=constraints, names=names, only=only, reduce_scatter=reduce_scatter, stages=stages, micro_batches=micro_batches, batch=batch, overlap=overlap, recompute=recompute, zero=zero, say=say, backward=backward, optimizer=optimizer, schedule=schedule, workspace=workspace)
+    prog = _build(module, mesh, budget=budget, sizes=sizes, training=training, constraints=constraints, names=names, only=only, reduce_scatter=reduce_scatter, stages=stages, micro_batches=micro_batches, batch=batch, overlap=overlap, recompute=recompute, zero=zero, say=say, backward=backward, optimizer=optimizer, schedule=schedule, workspace=workspace, repeat_collectives=repeat_collectives, packed_units=packed_units)
     counts = [len(a) for a in prog.comp["C"]]
     CUT_SHORT.clear()
     say(f"solving the integer program (at most {SOLVE_TIME_LIMIT:.0f} s)")
     choice, extra_values, nvars = solve(prog.objective, prog.rows, counts, prog.edges, prog.extras, prog.allowed)
+    if choice is not None and _gathered_over(prog, choice, extra_values):
+        # the gathered units (rows of their own, added only where they bind: a program without
+        # them solves as before) push a stage past the budget: solved again with them
+        say(f"solving again with ZeRO-3's gathered units counted (at most {SOLVE_TIME_LIMIT:.0f} s)")
+        _count_gathered(prog)
+        choice, extra_values, nvars = solve(prog.objective, prog.rows, counts, prog.edges, prog.extras, prog.allowed)
     if choice is None:
         least = max(sum(float(m.min()) for m in mem.nodes.values()) * GB for mem in prog.memories)
         raise ShardError(f"no sharding on mesh {mesh} fits {prog.budget / 1e9:.3g} GB per device (with the annotations "
@@ -543,6 +606,7 @@ class _Program:
     totals: dict[str, Linear]  # each cost component over the whole program
     units: list[list[tuple[Linear, float]]]  # per stage: each ZeRO-3 unit's gathered bytes (and their scale)
     workspace: list[float]  # per stage: bytes of the backend's working memory (`plan(workspace=)`)
+    repeat_collectives: bool  # a recomputed layer re-runs its forward collectives (`plan`)
 
     def in_layers(self, i: int) -> bool:
         return bool(self.copies) and self.start <= i < self.start + self.period * self.copies
@@ -550,7 +614,8 @@ class _Program:
 
 def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints, names, only, reduce_scatter,
            stages, micro_batches, batch, overlap, recompute, zero, say, backward="flops", optimizer=None,
-           schedule="1f1b", workspace: float | Sequence[float] = 0.0) -> _Program:
+           schedule="1f1b", workspace: float | Sequence[float] = 0.0, repeat_collectives: bool = True,
+           packed_units: bool = False) -> _Program:
     """plan()'s integer program: nodes grouped into classes (one per place in the repeated layers),
     each class's and edge's costs per strategy, the recomputation's variables, each stage's step and
     memory as rows; the objective the slowest stage's step."""
@@ -593,6 +658,7 @@ def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints
         return bool(copies) and start <= i < start + period * copies
 
     saved = saved_for_backward(nodes) if training else [True] * len(nodes)
+    units = _weight_units(nodes, start, period, copies) if packed_units else {}
 
     # Node costs, computed once per class and counted once per member (layers: those of one stage).
     exprs: dict[int, list[dict]] = {}
@@ -602,12 +668,13 @@ def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints
         ok = []
         key = (_signature(node), mesh, training, saved[c], backward, optimizer,
                tuple(sorted(sizes.items())) if backward == "vjp" else (), tuple(
-            (_needs_grad(nodes[i]), _is_weight(nodes[i]), sum(1 for _ in nodes[i].value.uses)) for i in node.operands))
+            (_needs_grad(nodes[i]), _is_weight(nodes[i]), sum(1 for _ in nodes[i].value.uses), units.get(i, 1))
+            for i in node.operands))
         for st in node.strategies:
             if (key, st) not in _NODE_COSTS:
                 try:
                     _NODE_COSTS[key, st] = _node_cost(node, st, nodes, mesh, hw, training, saved[c], backward, optimizer,
-                                                      sizes)
+                                                      sizes, units)
                 except TilegraphError:  # a split the op's shape rule rejects at local shapes: keep what works
                     _NODE_COSTS[key, st] = None
             if _NODE_COSTS[key, st] is not None:
@@ -636,7 +703,7 @@ def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints
             key = (cls[i], cls[j], pos, str(nodes[i].info))  # type: ignore[assignment]
             if key not in edge_cache:
                 prod = nodes[i]
-                ex = [[_edge_cost(prod, sp, node, sc, pos, mesh, training) for sc in node.strategies]
+                ex = [[_edge_cost(prod, sp, node, sc, pos, mesh, training, units.get(i, 1)) for sc in node.strategies]
                       for sp in prod.strategies]
                 edge_cache[key] = ({k: np.array([[value(e[k]) for e in row] for row in ex]) for k in ex[0][0]}, ex)
             weight = per_stage / copies if in_layers(j) else 1
@@ -709,16 +776,18 @@ def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints
                    if start <= i < start + period}) if copies >= 2 else []
     ckpt_bytes = {k: np.array([value(nbytes(local_info(nodes[classes[k]].info, st.out, mesh.shape)))
                                for st in nodes[classes[k]].strategies]) for k in ckpt}
-    # What a recomputed layer keeps: its input (the checkpoint) and, split over devices, each
-    # partial sum's all-reduced result: its backward re-runs the forward between collectives, not
-    # the collectives (Megatron's f and g are not repeated)
+    # What a recomputed layer keeps: its input (the checkpoint); where its collectives are not
+    # repeated (`repeat_collectives=False`) also each partial sum's all-reduced result: its
+    # backward re-runs the forward between collectives only
     kept_bytes = dict(ckpt_bytes)
-    for k in sorted(layer):
+    for k in sorted(layer) if not repeat_collectives else ():
         reduced = np.array([value(nbytes(local_info(nodes[classes[k]].info, st.out, mesh.shape))) if st.partial else 0.0
                             for st in nodes[classes[k]].strategies])
         if reduced.any():
             kept_bytes[k] = kept_bytes.get(k, 0) + reduced
-    forward = {k: (comp["F"][k] + comp["B"][k] / 2) * US for k in layer}
+    # a recomputed layer's forward: its compute, and its forward collectives where they are repeated
+    again = 0.5 if repeat_collectives else 0.0
+    forward = {k: (comp["F"][k] + comp["B"][k] * again) * US for k in layer}
     r = None
     bits: list[tuple[int, int, int, int]] = []  # (2^j, u_j, v_j, e_j)
     w_var = None
@@ -813,12 +882,6 @@ def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints
             for scale, u, v, _ in bits:
                 mem.extra[u] = -held * scale
                 mem.extra[v] = held * scale
-        if us:
-            gz = var()
-            mem.extra[gz] = 2.0
-            for lin, _ in us:
-                row = Linear(dict(lin.nodes), dict(lin.edges), {gz: -1.0})
-                rows.append((row, -np.inf, 0))  # g >= this unit's gathered bytes
         rows.append((mem, -np.inf, (budget - space) / GB))
         memories.append(mem)
 
@@ -841,7 +904,26 @@ def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints
                                   f"{mesh} (it has {[st.name for st in node.strategies]})")
             allowed[slot[cls[i]]] &= ok
     totals = {name: total(name) for name in ("C", "Cst", "B", "Omb", "Ost")}
-    return _Program(mesh=mesh, sizes=sizes, budget=budget, training=training, stages=stages, micro_batches=micro_batches, nodes=nodes, cls=cls, slot=slot, count=count, layer=layer, start=start, period=period, copies=copies, per_stage=per_stage, exprs=exprs, comp=comp, edges=edges, edge_cache=edge_cache, stage_sets=stage_sets, slots=slots, eta=eta, p2p_link=p2p_link, ckpt=ckpt, ckpt_bytes=ckpt_bytes, kept_bytes=kept_bytes, r=r, objective=objective, rows=rows, extras=extras, allowed=allowed, memories=memories, totals=totals, units=units, workspace=spaces)
+    return _Program(mesh=mesh, sizes=sizes, budget=budget, training=training, stages=stages, micro_batches=micro_batches, nodes=nodes, cls=cls, slot=slot, count=count, layer=layer, start=start, period=period, copies=copies, per_stage=per_stage, exprs=exprs, comp=comp, edges=edges, edge_cache=edge_cache, stage_sets=stage_sets, slots=slots, eta=eta, p2p_link=p2p_link, ckpt=ckpt, ckpt_bytes=ckpt_bytes, kept_bytes=kept_bytes, r=r, objective=objective, rows=rows, extras=extras, allowed=allowed, memories=memories, totals=totals, units=units, workspace=spaces, repeat_collectives=repeat_collectives)
+
+
+def _gathered_over(prog: _Program, ch: list[int], xs: Sequence[float]) -> bool:
+    """Whether a solution's stage, its gathered units counted, is over the budget."""
+    return any(mem.value(ch, prog.edges, xs) * GB + 2 * GB * max((lin.value(ch, prog.edges) for lin, _ in us), default=0.0)
+               > prog.budget - space for mem, us, space in zip(prog.memories, prog.units, prog.workspace))
+
+
+def _count_gathered(prog: _Program) -> None:
+    """Adds the gathered units to each stage's memory row: g_s >= every unit's gathered bytes, the
+    row holding 2 g_s (the unit computing and the one prefetched)."""
+    for mem, us in zip(prog.memories, prog.units):
+        if not us:
+            continue
+        prog.extras.append((0, np.inf, 0))
+        gz = len(prog.extras) - 1
+        mem.extra[gz] = 2.0
+        for lin, _ in us:
+            prog.rows.append((Linear(dict(lin.nodes), dict(lin.edges), {gz: -1.0}), -np.inf, 0))
 
 
 def _read_back(prog: _Program, ch: list[int], xs: list[float], solve_time: float, nvars: int) -> Plan:
@@ -858,7 +940,8 @@ def _read_back(prog: _Program, ch: list[int], xs: list[float], solve_time: float
     picked = [ch[slot[cls[i]]] for i in range(len(nodes))]
     re = int(round(xs[r])) if r is not None else 0
     felt = OVERLAP_INTERFERENCE if eta else 0.0
-    redo = slots * re * sum(float(comp["F"][k][ch[k]]) + float(comp["B"][k][ch[k]]) / 2
+    again = 0.5 if prog.repeat_collectives else 0.0
+    redo = slots * re * sum(float(comp["F"][k][ch[k]]) + float(comp["B"][k][ch[k]]) * again
                             for k in layer)
     p2p = slots * 2 * sum(p2p_link.alpha + float(ckpt_bytes[k][ch[k]]) / p2p_link.beta
                           for k in ckpt) if stages > 1 else 0.0

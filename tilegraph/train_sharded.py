@@ -201,7 +201,8 @@ def plan_for(model: Model, strategy: str, world: int, alpha: float, beta: float,
     # ops; the optimizer's update priced from the module each rank runs
     return shard.plan(model.module, mesh, sizes={"B": batch}, names=model.input_names, only=layout(strategy),
                       stages=stages, micro_batches=micro_batches, recompute=recompute, zero=False, runner_up=False,
-                      backward="vjp", schedule=schedule, workspace=workspace,
+                      backward="vjp", schedule=schedule, workspace=workspace, repeat_collectives=False,
+                      packed_units=True,
                       optimizer=optimizer_time(optimizer, mesh.hw) if optimizer is not None else None)
 
 
