@@ -155,6 +155,7 @@ class Plan:
     stage_times: tuple = ()  # s: each priced stage's step (one; or the first and the last)
     stage_memory: tuple = ()  # bytes per device of each priced stage
     memory_terms: tuple = ()  # per priced stage: {"weights", "activations", "gathered", "workspace": bytes}
+    host: float = 0.0  # s of the slowest stage's step its runtime spends outside the priced ops (in compute)
     zero: int = 0  # the ZeRO stage (`zero_stage`)
     bubble: float = 0.0  # s of the step the 1F1B schedule's bubble idles
 
@@ -391,7 +392,7 @@ def _weight_units(nodes: list[Node], start: int, period: int, copies: int) -> di
         size[unit(i)] = size.get(unit(i), 0) + 1
     out = {i: size[unit(i)] for i in weights}
     for i, n in enumerate(nodes):
-        op = n.op
+        op: Any = n.op
         while isinstance(op, TgOp) and op.SPEC.view and op.operands and i not in out:
             o = op.operands[0].owner
             w = next((j for j in weights if nodes[j].op is o), None)
@@ -469,7 +470,7 @@ def _edge_cost(prod: Node, sp: Strategy, cons: Node, sc: Strategy, pos: int, mes
 
 def _views_weight(node: Node) -> bool:
     """Whether `node` is a view (transpose, reshape) of a weight, through any number of views."""
-    op = node.op
+    op: Any = node.op
     while isinstance(op, TgOp) and op.SPEC.view and op.operands:
         op = op.operands[0].owner
     return node.op is not op and isinstance(op, TgOp) and op.op_name == Op.weight
@@ -509,7 +510,8 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
          overlap: bool = True, recompute: bool = True, zero: bool = True, runner_up: bool = True,
          progress: Callable[[str], object] | None = None, backward: str = "flops",
          optimizer: Callable[[int], float] | None = None, schedule: str = "1f1b",
-         workspace: float | Sequence[float] = 0.0, repeat_collectives: bool = True, packed_units: bool = False) -> Plan:
+         workspace: float | Sequence[float] = 0.0, repeat_collectives: bool = True, packed_units: bool = False,
+         host: tuple[float, float] | Sequence[tuple[float, float]] = (0.0, 0.0)) -> Plan:
     """The cheapest sharding of @forward on `mesh` under `budget` bytes per device (default: the device's memory).
 
     `only(node)`: the strategy names (without ZeRO stage) a node may take, or None for any (a hand
@@ -533,12 +535,14 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
     that recomputes between collectives: tilegraph.train_sharded's segments). `packed_units`: a weight
     stored split is gathered, and its gradient reduced, in one packed collective with the rest of its
     unit (`_weight_units`: FSDP's flat parameters), each weight paying its share of the latency; else
-    one collective per weight."""
+    one collective per weight. `host`: (seconds per micro-batch, seconds per step) a stage's runtime
+    spends besides the ops the cost model prices (one per stage, or one for all): dispatching its
+    calls, its per-step collectives (a gradient clip's norm); counted in the step's compute."""
     if backward not in ("flops", "vjp") or schedule not in ("1f1b", "gpipe"):
         raise ShardError(f"backward '{backward}' (flops, vjp) or schedule '{schedule}' (1f1b, gpipe) unknown")
     say = progress or (lambda stage: None)
     started = _time.perf_counter()
-    prog = _build(module, mesh, budget=budget, sizes=sizes, training=training, constraints=constraints, names=names, only=only, reduce_scatter=reduce_scatter, stages=stages, micro_batches=micro_batches, batch=batch, overlap=overlap, recompute=recompute, zero=zero, say=say, backward=backward, optimizer=optimizer, schedule=schedule, workspace=workspace, repeat_collectives=repeat_collectives, packed_units=packed_units)
+    prog = _build(module, mesh, budget=budget, sizes=sizes, training=training, constraints=constraints, names=names, only=only, reduce_scatter=reduce_scatter, stages=stages, micro_batches=micro_batches, batch=batch, overlap=overlap, recompute=recompute, zero=zero, say=say, backward=backward, optimizer=optimizer, schedule=schedule, workspace=workspace, repeat_collectives=repeat_collectives, packed_units=packed_units, host=host)
     counts = [len(a) for a in prog.comp["C"]]
     CUT_SHORT.clear()
     say(f"solving the integer program (at most {SOLVE_TIME_LIMIT:.0f} s)")
@@ -607,6 +611,7 @@ class _Program:
     units: list[list[tuple[Linear, float]]]  # per stage: each ZeRO-3 unit's gathered bytes (and their scale)
     workspace: list[float]  # per stage: bytes of the backend's working memory (`plan(workspace=)`)
     repeat_collectives: bool  # a recomputed layer re-runs its forward collectives (`plan`)
+    host: list[float]  # per stage: seconds of the runtime's own per step (`plan(host=)`)
 
     def in_layers(self, i: int) -> bool:
         return bool(self.copies) and self.start <= i < self.start + self.period * self.copies
@@ -615,7 +620,7 @@ class _Program:
 def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints, names, only, reduce_scatter,
            stages, micro_batches, batch, overlap, recompute, zero, say, backward="flops", optimizer=None,
            schedule="1f1b", workspace: float | Sequence[float] = 0.0, repeat_collectives: bool = True,
-           packed_units: bool = False) -> _Program:
+           packed_units: bool = False, host: Any = (0.0, 0.0)) -> _Program:
     """plan()'s integer program: nodes grouped into classes (one per place in the repeated layers),
     each class's and edge's costs per strategy, the recomputation's variables, each stage's step and
     memory as rows; the objective the slowest stage's step."""
@@ -658,7 +663,7 @@ def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints
         return bool(copies) and start <= i < start + period * copies
 
     saved = saved_for_backward(nodes) if training else [True] * len(nodes)
-    units = _weight_units(nodes, start, period, copies) if packed_units else {}
+    unit_sizes = _weight_units(nodes, start, period, copies) if packed_units else {}
 
     # Node costs, computed once per class and counted once per member (layers: those of one stage).
     exprs: dict[int, list[dict]] = {}
@@ -668,13 +673,13 @@ def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints
         ok = []
         key = (_signature(node), mesh, training, saved[c], backward, optimizer,
                tuple(sorted(sizes.items())) if backward == "vjp" else (), tuple(
-            (_needs_grad(nodes[i]), _is_weight(nodes[i]), sum(1 for _ in nodes[i].value.uses), units.get(i, 1))
+            (_needs_grad(nodes[i]), _is_weight(nodes[i]), sum(1 for _ in nodes[i].value.uses), unit_sizes.get(i, 1))
             for i in node.operands))
         for st in node.strategies:
             if (key, st) not in _NODE_COSTS:
                 try:
                     _NODE_COSTS[key, st] = _node_cost(node, st, nodes, mesh, hw, training, saved[c], backward, optimizer,
-                                                      sizes, units)
+                                                      sizes, unit_sizes)
                 except TilegraphError:  # a split the op's shape rule rejects at local shapes: keep what works
                     _NODE_COSTS[key, st] = None
             if _NODE_COSTS[key, st] is not None:
@@ -703,7 +708,7 @@ def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints
             key = (cls[i], cls[j], pos, str(nodes[i].info))  # type: ignore[assignment]
             if key not in edge_cache:
                 prod = nodes[i]
-                ex = [[_edge_cost(prod, sp, node, sc, pos, mesh, training, units.get(i, 1)) for sc in node.strategies]
+                ex = [[_edge_cost(prod, sp, node, sc, pos, mesh, training, unit_sizes.get(i, 1)) for sc in node.strategies]
                       for sp in prod.strategies]
                 edge_cache[key] = ({k: np.array([[value(e[k]) for e in row] for row in ex]) for k in ex[0][0]}, ex)
             weight = per_stage / copies if in_layers(j) else 1
@@ -845,15 +850,19 @@ def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints
             for k in ckpt:
                 t.nodes[k] = t.nodes.get(k, 0) + slots * 2 * US * ckpt_bytes[k] / p2p_link.beta
         stage_times.append(t)
+    pairs = [host] * len(stage_sets) if np.isscalar(host[0]) else list(host)
+    if len(pairs) != len(stage_sets):
+        raise ShardError(f"host: one (per micro-batch, per step) pair, or one per priced stage ({len(stage_sets)})")
+    hosts = [slots * float(mb) + float(st) for mb, st in pairs]
     if len(stage_times) == 1:
         objective = stage_times[0]
     else:  # the slowest stage sets the pace: T (ms) >= every stage's step
         pace = var()
         objective = Linear({}, {}, {pace: US / 1e3})
-        for t in stage_times:
+        for t, own in zip(stage_times, hosts):
             row = Linear({}, {}, {pace: -1.0})
             row.add(t, 1e3 / US)
-            rows.append((row, -np.inf, 0))
+            rows.append((row, -np.inf, -own * 1e3))  # the runtime's own seconds, in ms
 
     # Memory per stage (GB: bytes next to 0/1 variables scale badly in HiGHS): weights with their
     # gradients and optimizer state, the activations of the micro-batches in flight, the
@@ -904,7 +913,7 @@ def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints
                                   f"{mesh} (it has {[st.name for st in node.strategies]})")
             allowed[slot[cls[i]]] &= ok
     totals = {name: total(name) for name in ("C", "Cst", "B", "Omb", "Ost")}
-    return _Program(mesh=mesh, sizes=sizes, budget=budget, training=training, stages=stages, micro_batches=micro_batches, nodes=nodes, cls=cls, slot=slot, count=count, layer=layer, start=start, period=period, copies=copies, per_stage=per_stage, exprs=exprs, comp=comp, edges=edges, edge_cache=edge_cache, stage_sets=stage_sets, slots=slots, eta=eta, p2p_link=p2p_link, ckpt=ckpt, ckpt_bytes=ckpt_bytes, kept_bytes=kept_bytes, r=r, objective=objective, rows=rows, extras=extras, allowed=allowed, memories=memories, totals=totals, units=units, workspace=spaces, repeat_collectives=repeat_collectives)
+    return _Program(mesh=mesh, sizes=sizes, budget=budget, training=training, stages=stages, micro_batches=micro_batches, nodes=nodes, cls=cls, slot=slot, count=count, layer=layer, start=start, period=period, copies=copies, per_stage=per_stage, exprs=exprs, comp=comp, edges=edges, edge_cache=edge_cache, stage_sets=stage_sets, slots=slots, eta=eta, p2p_link=p2p_link, ckpt=ckpt, ckpt_bytes=ckpt_bytes, kept_bytes=kept_bytes, r=r, objective=objective, rows=rows, extras=extras, allowed=allowed, memories=memories, totals=totals, units=units, workspace=spaces, repeat_collectives=repeat_collectives, host=hosts)
 
 
 def _gathered_over(prog: _Program, ch: list[int], xs: Sequence[float]) -> bool:
@@ -949,7 +958,7 @@ def _read_back(prog: _Program, ch: list[int], xs: list[float], solve_time: float
     kept_ckpt = sum(float(kb[ch[k]]) for k, kb in prog.kept_bytes.items())
     # Per stage: (step, compute, communication, compute + blocking per micro-batch, memory).
     per, terms = [], []
-    for (ks, held), us, space in zip(stage_sets, prog.units, prog.workspace):
+    for (ks, held), us, space, h in zip(stage_sets, prog.units, prog.workspace, prog.host):
         c_s, b_s = compute.restricted(ks, edges).value(ch, edges), blocking.restricted(ks, edges).value(ch, edges)
         c_step = totals["Cst"].restricted(ks, edges).value(ch, edges)
         exposed = {}
@@ -963,7 +972,7 @@ def _read_back(prog: _Program, ch: list[int], xs: list[float], solve_time: float
             one_layer if re == per_stage and not space else 0.0)
         gathered = 2 * GB * max((lin.value(ch, edges) for lin, _ in us), default=0.0)
         terms.append({"weights": weights, "activations": held * acts + kept, "gathered": gathered, "workspace": space})
-        per.append((slots * c_s + c_step + redo + comm_s, slots * c_s + c_step + redo, comm_s, c_s + b_s,
+        per.append((slots * c_s + c_step + redo + h + comm_s, slots * c_s + c_step + redo + h, comm_s, c_s + b_s,
                     weights + held * acts + kept + gathered + space))
     slowest = max(range(len(per)), key=lambda s: per[s][0])
     ks_slow = stage_sets[slowest][0]
@@ -994,12 +1003,14 @@ def _read_back(prog: _Program, ch: list[int], xs: list[float], solve_time: float
     formula = fcst + slots * (fc + fb) + sum((slots if k == "Omb" else 1) * (sympy.Max(0, fo[k] - eta * fc) + felt * fo[k])
                                       for k in fo)
     _, c_time, comm_time, slot_time, _ = per[slowest]
-    p = Plan(mesh, choices, c_time, comm_time, max(s[4] for s in per), formula + redo + p2p, solve_time,  # type: ignore[assignment]
+    p = Plan(mesh, choices, c_time, comm_time, max(s[4] for s in per), formula + redo + p2p + prog.host[slowest],
+             solve_time,  # type: ignore[assignment]
              (start, period, copies), forward=forward, variables=nvars, budget=budget, cut_short=bool(CUT_SHORT))
     p.stages, p.micro_batches, p.recompute = stages, micro_batches, re  # type: ignore[attr-defined]
     p.stage_times = tuple(s[0] for s in per)  # type: ignore[attr-defined]
     p.stage_memory = tuple(s[4] for s in per)  # type: ignore[attr-defined]
-    p.memory_terms = tuple(terms)
+    p.memory_terms = tuple(terms)  # type: ignore[attr-defined]
+    p.host = prog.host[slowest]  # type: ignore[attr-defined]
     p.bubble = (stages - 1) * slot_time if training else 0.0  # type: ignore[attr-defined]
     p.zero = zero_stage(p)  # type: ignore[attr-defined]
     return p  # type: ignore[return-value]

@@ -100,6 +100,47 @@ def measure_device(calibrate: bool, target: str = "numpy"):
     return dataclasses.replace(hw, cores=1)
 
 
+def measure_dispatch(target: str, options: dict, repeats: int = 30) -> tuple[float, float]:
+    """(seconds, seconds per input) a call of a compiled `target` module costs on the host besides
+    its ops (binding its inputs, making its outputs, the call): fitted to the median calls of two
+    one-element AdamW updates, one weight and four (6 and 18 inputs), in this process as it runs the
+    step (its load included)."""
+    import tilegraph
+    from tilegraph.train import AdamW, build_update
+
+    times, counts = [], []
+    for n in (1, 4):
+        weights = {f"w{i}": np.zeros(1, np.float32) for i in range(n)}
+        m = tilegraph.compile(build_update(weights, AdamW()), target=target,
+                              pipeline=None if target == "c" else "", **options)
+        feed = {k: np.zeros(1 if k.startswith(("w", "grad_", "exp_")) else (), np.float32) for k in m.model.input_names}
+        m.run(**feed)
+        samples = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            m.run(**feed)
+            samples.append(time.perf_counter() - t)
+        times.append(float(np.median(samples)))
+        counts.append(len(m.model.input_names))
+    per = max(0.0, (times[1] - times[0]) / (counts[1] - counts[0]))
+    return max(0.0, times[0] - per * counts[0]), per
+
+
+def host_time(compiled: Sequence[_Compiled], update_inputs: int, dispatch: tuple[float, float], collectives: int,
+              alpha: float, world: int) -> tuple[float, float]:
+    """(per micro-batch, per step) seconds a rank spends outside the ops the cost model prices: its
+    segments' calls (each forward but the loss segment's, which runs inside its backward, and each
+    backward), the optimizer's call, and `collectives` tiny all-reduces a step (the clip's norm, a
+    pipeline's loss) at the link's latency."""
+    fixed, per = dispatch
+
+    def call(m) -> float:
+        return fixed + per * len(m.model.input_names)
+    mb = sum((0.0 if c.seg.loss else call(c.forward)) + call(c.backward) for c in compiled)
+    step = fixed + per * update_inputs + collectives * 2 * (world - 1) * alpha
+    return mb, step
+
+
 def optimizer_time(optimizer, hw) -> Callable[[int], float]:
     """elements -> the cost model's time of `optimizer`'s update module (train.build_update, the one
     a rank runs) over a weight of that many f32 elements, on `hw`."""
@@ -185,11 +226,12 @@ def _weight_behind(op) -> str:
 
 def plan_for(model: Model, strategy: str, world: int, alpha: float, beta: float, batch: int,
              micro_batches: int = 1, device=None, optimizer=None, schedule: str = "1f1b",
-             workspace: float | Sequence[float] = 0.0):
+             workspace: float | Sequence[float] = 0.0, host: Any = (0.0, 0.0)):
     """passes/shard.py's plan of `model` (its batch dim symbolic, named B) for `strategy` on `world`
     processes: the mesh is every process (zero3, tensor) or one stage's (pipeline: 2 stages);
     `workspace`: the bytes a process's modules hold for their temporaries (per stage), as
-    `workspace_bytes` predicts them."""
+    `workspace_bytes` predicts them; `host`: the seconds a process's runtime adds (per stage:
+    `host_time`)."""
     from tilegraph.passes import shard
 
     stages = 2 if strategy == "pipeline" else 1
@@ -202,7 +244,7 @@ def plan_for(model: Model, strategy: str, world: int, alpha: float, beta: float,
     return shard.plan(model.module, mesh, sizes={"B": batch}, names=model.input_names, only=layout(strategy),
                       stages=stages, micro_batches=micro_batches, recompute=recompute, zero=False, runner_up=False,
                       backward="vjp", schedule=schedule, workspace=workspace, repeat_collectives=False,
-                      packed_units=True,
+                      packed_units=True, host=host,
                       optimizer=optimizer_time(optimizer, mesh.hw) if optimizer is not None else None)
 
 
@@ -1020,7 +1062,7 @@ def _summary(plan, alpha: float, beta: float) -> PlanSummary:
     terms = {f"stage{s}_{k}": v for s, t in enumerate(plan.memory_terms) for k, v in t.items()}
     numbers = {**terms, "time": plan.time, "compute": plan.compute, "comm": plan.comm, "memory": plan.memory,
                "zero": plan.zero, "stages": plan.stages, "micro_batches": plan.micro_batches,
-               "recompute": plan.recompute, "alpha": alpha, "beta": beta, "stage0_memory": sm[0],
+               "recompute": plan.recompute, "host": plan.host, "alpha": alpha, "beta": beta, "stage0_memory": sm[0],
                "stage1_memory": sm[1]}
     return PlanSummary(stored_splits(plan), {k: float(v) for k, v in numbers.items()})
 
@@ -1058,16 +1100,28 @@ def _train(rank, world, link, strategy, make_model, params, batches, optimizer, 
     # largest rank's of each stage), as the C runtime lays them out
     compiled = [_compile_segment(s, target, pipeline, options)
                 for s in rank_segments(strategy, seg_obj, pieces, rank, world, rows)]
-    spaces = torch.zeros(world, dtype=torch.float64)
-    spaces[rank] = float(workspace_bytes(compiled, shared_arena))
-    dist.all_reduce(spaces)
-    per_stage = spaces.view(2, -1).amax(dim=1).tolist() if strategy == "pipeline" else [float(spaces.max())]
+    # and the host's time per call, measured here (rank 0's, as the device profile), per rank
+    dispatch = [measure_dispatch(target, {"threads": 1} if target == "c" else {})]
+    dist.broadcast_object_list(dispatch, src=0)
+    n_weights = len({g for c in compiled for g in c.seg.params.values()})
+    update_inputs = (2 + len(optimizer.state_names())) * n_weights + 2  # each weight, its gradient and state; lr, step
+    per_step = int(clip_norm is not None) + int(strategy == "pipeline")  # the clip's norm, the pipeline's loss
+    mb_s, step_s = host_time(compiled, update_inputs, dispatch[0], per_step, alpha, world)
+    mine_t = torch.zeros((world, 3), dtype=torch.float64)
+    mine_t[rank] = torch.tensor([float(workspace_bytes(compiled, shared_arena)), mb_s, step_s], dtype=torch.float64)
+    dist.all_reduce(mine_t)
+    if strategy == "pipeline":
+        by_stage = mine_t.view(2, -1, 3).amax(dim=1)
+    else:
+        by_stage = mine_t.amax(dim=0, keepdim=True)
+    per_stage = by_stage[:, 0].tolist()
+    hosts = [(float(a), float(b)) for a, b in by_stage[:, 1:].tolist()]
     # rank 0 plans (every rank would plan the same: the same model, device and link numbers) and
     # sends the others what they need of it
     summary: list[PlanSummary | None] = [None]
     if rank == 0:
         plan = plan_for(model, strategy, world, alpha, beta, batch, m, device, optimizer, schedule,
-                        workspace=per_stage)
+                        workspace=per_stage, host=hosts)
         summary = [_summary(plan, alpha, beta)]
     dist.broadcast_object_list(summary, src=0)
     planned = summary[0]
