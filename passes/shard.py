@@ -883,7 +883,7 @@ def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints
     if len(spaces) != len(stage_sets):
         raise ShardError(f"workspace: one number, or one per priced stage ({len(stage_sets)}), not {len(spaces)}")
     memories = []
-    for (ks, held), us, space in zip(stage_sets, units, spaces):
+    for (ks, held), space in zip(stage_sets, spaces):
         mem = Linear({k: (comp["W"][k] * count[k] + comp["A"][k] * (per_stage if k in layer else 1) * held) / GB
                       for k in ks})
         if bits:

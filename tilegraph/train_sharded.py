@@ -615,7 +615,6 @@ class ShardedStep:
     # segment's gather started before this one computes; its gradients reduce-scattered after its backward
     def _gather_start(self, c: _Compiled):
         """Start the all-gather of `c`'s split weights (one packed collective, asynchronous)."""
-        import torch
         import torch.distributed as dist
 
         split = [g for g in c.seg.params.values() if g in self.splits]
