@@ -99,11 +99,9 @@ def test_a_sharded_plan_trains_as_torch_eager_does(strategy, processes, gpt):
 
 
 # How far a rank's measured bytes (held between steps + C arena + a warm step's peak) may be from
-# the plan's bytes per device, either way. What the plan leaves out is nearly fixed: a step's Python
-# objects (tracemalloc counts them) and a backward's gradients before they are added to the earlier
-# micro-batch's: at hidden 16 about a quarter of the plan, at hidden 32 under a tenth
-# (benchmarks/train_sharded.py: 1.08-1.18x there)
-MEMORY_WITHIN = 1.35
+# the plan's bytes per device, either way. What the plan leaves out is nearly fixed (a step's Python
+# objects, which tracemalloc counts): a larger share of a smaller model's bytes
+MEMORY_WITHIN = 1.25
 
 
 @pytest.mark.parametrize("strategy", ["pipeline", "zero3"])

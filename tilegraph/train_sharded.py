@@ -409,22 +409,28 @@ def rank_segments(strategy: str, segments: Segments | None, pieces: list[Segment
     return segs
 
 
-def workspace_bytes(compiled: Sequence[_Compiled], shared: bool = True) -> int:
+def workspace_bytes(compiled: Sequence[_Compiled], shared: bool = True, transient_gradients: bool = False) -> int:
     """The bytes of temporaries a rank's compiled segments will hold, as the C runtime lays their
     calls out (`call_bytes`: the binding's arena, before any call): one Workspace sized to the
-    largest module's arena (`shared`), or each module's own; 0 where a backend allocates per value
-    (NumPy: its temporaries are a step's allocations, measured as such)."""
+    largest module's arena (`shared`), or each module's own; with `transient_gradients` (ZeRO-3,
+    whose whole gradients are reduce-scattered onto slices; micro-batches after the first, whose
+    gradients are added to the earlier ones'), also the largest backward's outputs, held beside
+    the gradients the plan counts. 0 where a backend allocates per value (NumPy: its temporaries
+    are a step's allocations, measured as such)."""
     from tilegraph.ir.arena import ALIGN
 
-    arenas = []
+    arenas, outputs = [], [0]
     for c in compiled:
         for m in (c.forward, c.backward):
             program = getattr(m._runner, "program", None)
             if program is not None:
                 from tilegraph.backends.c.runtime import call_bytes
 
-                arenas.append(call_bytes(program)[0] + ALIGN)
-    return (max(arenas, default=0) if shared else sum(arenas))
+                arena, out = call_bytes(program)
+                arenas.append(arena + ALIGN)
+                if m is c.backward:
+                    outputs.append(out)
+    return (max(arenas, default=0) if shared else sum(arenas)) + (max(outputs) if transient_gradients and arenas else 0)
 
 
 def _all_reduce_arrays(arrays: list, clock: _Clock, group: Any = None) -> list[np.ndarray]:
@@ -1107,7 +1113,9 @@ def _train(rank, world, link, strategy, make_model, params, batches, optimizer, 
     per_step = int(clip_norm is not None) + int(strategy == "pipeline")  # the clip's norm, the pipeline's loss
     mb_s, step_s = host_time(compiled, update_inputs, dispatch[0], per_step, alpha, world)
     mine_t = torch.zeros((world, 3), dtype=torch.float64)
-    mine_t[rank] = torch.tensor([float(workspace_bytes(compiled, shared_arena)), mb_s, step_s], dtype=torch.float64)
+    transient = strategy == "zero3" or m > 1  # a backward's gradients beside those kept (workspace_bytes)
+    mine_t[rank] = torch.tensor([float(workspace_bytes(compiled, shared_arena, transient)), mb_s, step_s],
+                                dtype=torch.float64)
     dist.all_reduce(mine_t)
     if strategy == "pipeline":
         by_stage = mine_t.view(2, -1, 3).amax(dim=1)
