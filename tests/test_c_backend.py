@@ -453,6 +453,41 @@ def test_attention_heads_split_from_one_projection_and_merged_back_need_no_copy(
     assert_close(compiled(xs), interpret(model, [xs])[0], "f32", reduction_length=32)
 
 
+@pytest.mark.parametrize("case", ["fits", "spills", "few keys"])
+def test_f32_spelled_out_attention_is_the_flash_kernel_once_its_scores_outgrow_a_cores_cache(case):
+    """Eager attention as exported (softmax(q @ k^T * scale + mask) @ v) at f32: where its
+    scores outgrow one core's L2 (the C profile's cache_bytes; Whisper's encoder, 6 x 1500 x
+    1500) the default pipeline folds it into the flash kernel's one step, which never writes
+    them; where they fit (BERT, ViT), or spill over fewer than C_F32_FOLD_MIN_KEYS keys (many
+    short windows), it stays oneDNN's GEMMs and the row softmax. Either way within f32's
+    tolerance of the interpreter."""
+    from tilegraph.ir import Graph
+    from tilegraph.ir.hardware import hardware
+    from tilegraph.passes.registry import C_F32_FOLD_MIN_KEYS
+
+    cache, d = hardware("c").cache_bytes, 16
+    if case == "few keys":  # heads enough for the scores to spill, each over half the minimum of keys
+        keys = C_F32_FOLD_MIN_KEYS // 2
+        heads = int(np.ceil(cache / (4 * keys * keys)))
+    else:  # two heads' square scores: the shortest that spills, or half as long
+        heads = 2
+        side = max(int(np.ceil(np.sqrt(cache / (4 * heads)))), C_F32_FOLD_MIN_KEYS)
+        keys = side if case == "spills" else side // 2
+    rng = np.random.default_rng(keys)
+    g = Graph()
+    q, k, v = (g.input(n, (1, heads, keys, d)) for n in "qkv")
+    scores = g.matmul(q, k.transpose(0, 1, 3, 2)) * g.constant(np.float32(0.25)) + g.input("m", (1, 1, 1, keys))
+    model = g.build(g.matmul(g.softmax(scores, axis=-1), v), names=["y"])
+    xs = [rng.standard_normal((1, heads, keys, d)).astype(np.float32) for _ in range(3)]
+    xs.append(np.where(rng.random((1, 1, 1, keys)) < 0.8, 0.0, -1e4).astype(np.float32))
+    compiled = tilegraph.compile(model, target="c")
+    steps = [s.comment for s in compiled._runner.program.steps]
+    folded = case == "spills"
+    assert compiled.source.count("tg_attention(") == folded
+    assert len(steps) == 1 if folded else not any("attention" in c for c in steps), steps
+    assert_close(compiled.run(*xs)[0], interpret(model, xs)[0], "f32", reduction_length=keys + d)
+
+
 @pytest.mark.parametrize("op", ["avg_pool", "max_pool"])
 def test_a_pool_window_partly_in_the_padding_counts_only_its_taps_inside(op):
     """Found by hypothesis: GCC 12 at -O3 miscompiled the pool loop that skipped taps in

@@ -8,7 +8,7 @@ import sympy
 from xdsl.ir import SSAValue
 
 from tilegraph.backends.c.tables import CTYPES, FLOATS, REDUCE_INIT, REDUCE_STEP
-from tilegraph.backends.c.views import (EmitterParts, Step, Unsupported, View, lowers, _describe, _eq, _is_one, _only_use,
+from tilegraph.backends.c.views import (ConvStep, EmitterParts, Step, Unsupported, View, lowers, _describe, _eq, _is_one, _only_use,
                                         _row_stride, c_float, contiguous_strides)
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.strides import strides_like
@@ -481,18 +481,19 @@ class Groups(EmitterParts):
         return out
 
 
-def _conv_of(parts: list[Step]) -> tuple | None:
+def _conv_of(parts: list[Step]) -> ConvStep | None:
     """A merged step's convolution, for chaining (onednn.chain_convolutions): where one part
     is a convolution and no other part touches its result (the source then counts as read
     by nothing else only where no other part touches it either)."""
     convs = [p for p in parts if p.conv is not None]
     if len(convs) != 1:
         return None
-    k, x, out, alone, depthwise = convs[0].conv  # type: ignore[misc]
-    touched = set().union(*(p.reads | p.writes for p in parts if p is not convs[0]))
-    if out.buf in touched:
+    conv = convs[0].conv
+    assert conv is not None
+    touched: set[int | None] = set().union(*(p.reads | p.writes for p in parts if p is not convs[0]))
+    if conv.out.buf in touched:
         return None
-    return k, x, out, alone and x.buf not in touched, depthwise
+    return conv._replace(alone=conv.alone and conv.src.buf not in touched)
 
 
 def _owned_by(v: SSAValue | None, name: str) -> bool:

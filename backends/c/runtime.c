@@ -672,12 +672,20 @@ static int tg_chain_ok(const tg_prim *g, int chain_out, size_t capacity) {
  * two), at f32 the layout oneDNN prefers (format `any`; channels-last on the processors
  * oneDNN 3.2 has brgemm kernels for). Where the chained form gets no fast kernel, or the
  * result would not fit the buffer, the convolution is made as unchained, and a chained
- * source it cannot read is reordered into the f32 layout first. */
+ * source it cannot read is reordered into the f32 layout first.
+ *
+ * `stream`: the source (1) and/or the result (2) lie in a buffer that several convolutions
+ * write (ResNet's blocks add into their shortcut's buffer, a sum post-op) and only
+ * convolutions read (onednn.py, chain_convolutions). At bf16 such a buffer holds bf16 in the
+ * emitter's strides, for every writer and reader alike, so its reader converts nothing and
+ * its writers write half the bytes (the sum post-op reads it in bf16 too). A writer has no
+ * f32 fallback (the buffer's readers take it as bf16): its bf16 kernel is taken even where
+ * it is oneDNN's reference one (reported as such). At f32 the flags change nothing. */
 int tg_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_str, int w_nd,
                    const int64_t *w_dims, const int64_t *w_str, const int64_t *y_dims, const int64_t *y_str,
                    int has_bias, const int64_t *strides, const int64_t *dilations, const int64_t *pads,
                    const void *weight, tg_packed *pack, int npost, const tg_post *posts, const tg_prim *from,
-                   int chain_out) {
+                   int chain_out, int stream) {
     tg_conv_ctx ctx;
     int sp = nd - 2, rc = 1;
     if (tg_check_ranks("convolution", nd, 3, w_nd, npost, posts)) return 1;
@@ -705,7 +713,9 @@ int tg_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_s
         TG_FAIL("oneDNN rejected a convolution operand's layout");
     }
     g->has_bias = has_bias;
-    const_dnnl_memory_desc_t chained = from ? tg_out_md(from) : NULL;
+    int bf16_stream = tg_fpmath == dnnl_fpmath_mode_bf16 ? stream : 0; /* (never for a depthwise one, the emitter's rule) */
+    dnnl_memory_desc_t stream_x = bf16_stream & 1 ? tg_md(nd, x_dims, x_str, dnnl_bf16) : NULL;
+    const_dnnl_memory_desc_t chained = stream_x ? stream_x : from ? tg_out_md(from) : NULL;
     if (chained) { /* (the producer's result has this source's dims, or it is not taken as chained) */
         int cn = 0;
         const dnnl_dims_t *cd = NULL;
@@ -714,7 +724,23 @@ int tg_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_s
         for (int i = 0; i < nd && cn == nd && cd; i++) cn = (*cd)[i] == x_dims[i] ? cn : -1;
         if (cn != nd) chained = NULL;
     }
-    if (chain_out) {
+    if (bf16_stream & 2) {
+        chain_y = tg_md(nd, y_dims, y_str, dnnl_bf16);
+        ctx.src = (dnnl_memory_desc_t)(chained ? chained : plain_x);
+        ctx.dst = chain_y;
+        if (!chain_y || tg_prim_create(g, tg_conv_pd, &ctx, sizeof ctx, wei, weight, pack, npost, posts, w_nd, w_dims,
+                                       0)) {
+            tg_fpmath = precision;
+            if (stream_x) dnnl_memory_desc_destroy(stream_x);
+            dnnl_memory_desc_destroy(plain_x);
+            dnnl_memory_desc_destroy(plain_y);
+            if (chain_y) dnnl_memory_desc_destroy(chain_y);
+            if (ctx.bias) dnnl_memory_desc_destroy(ctx.bias);
+            dnnl_memory_desc_destroy(wei);
+            TG_FAIL("oneDNN has no bf16 convolution to write a bf16 activation buffer");
+        }
+        rc = 0;
+    } else if (chain_out) {
         size_t numel = 1;
         for (int i = 0; i < nd; i++) numel *= (size_t)y_dims[i];
         chain_y = tg_fpmath == dnnl_fpmath_mode_bf16 && chain_out != 2 ? tg_md(nd, y_dims, y_str, dnnl_bf16)
@@ -749,6 +775,7 @@ int tg_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_s
     dnnl_memory_desc_destroy(plain_x);
     dnnl_memory_desc_destroy(plain_y);
     if (chain_y) dnnl_memory_desc_destroy(chain_y);
+    if (stream_x) dnnl_memory_desc_destroy(stream_x);
     if (ctx.bias) dnnl_memory_desc_destroy(ctx.bias);
     dnnl_memory_desc_destroy(wei);
     return rc;
