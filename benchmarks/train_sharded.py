@@ -81,7 +81,7 @@ def main() -> None:
     measured = float(np.median(one["seconds"][2:]))
     rows.append(("plain (1 process)", 1, "-", f"{base[-1]:.5f}", f"{base[-1]:.5f}", "0", f"{alone.time * 1e3:.2f}",
                  f"{measured * 1e3:.1f}", f"{alone.time / measured:.3f}", f"{alone.compute * 1e3:.2f} / 0", "-",
-                 f"{alone.memory / 1e6:.3f}", "-", "-", "-"))
+                 f"{alone.memory / 1e6:.3f}", "-", "-", "-", "-", "-"))
     runs = {}
     for world in worlds:
         with Processes(world) as group:
@@ -103,29 +103,33 @@ def main() -> None:
             # per rank: held between steps, a warm step's peak allocation, ..., the C arena (column 6)
             mem = np.array(r["memory"])
             total = mem[:, 0] + mem[:, 1] + mem[:, 6]
-            if strategy == "pipeline":
-                predicted_mem = f"{p['stage0_memory'] / 1e6:.3f} / {p['stage1_memory'] / 1e6:.3f}"
-                dp = world // 2
-                measured_mem = f"{total[:dp].max() / 1e6:.3f} / {total[dp:].max() / 1e6:.3f}"
-            else:
-                predicted_mem, measured_mem = f"{p['memory'] / 1e6:.3f}", f"{total.max() / 1e6:.3f}"
+            stages = 2 if strategy == "pipeline" else 1
+            dp = world // stages
+            planned = [p[f"stage{s}_memory"] for s in range(stages)]
+            got = [total[s * dp:(s + 1) * dp].max() for s in range(stages)]
+            predicted_mem = " / ".join(f"{b / 1e6:.3f}" for b in planned)
+            measured_mem = " / ".join(f"{b / 1e6:.3f}" for b in got)
+            ratio_mem = " / ".join(f"{g / b:.2f}" for g, b in zip(got, planned))
+            terms = " | ".join(" / ".join(f"{p[f'stage{s}_{k}'] / 1e6:.3f}" for k in
+                                          ("weights", "activations", "gathered", "workspace")) for s in range(stages))
             extra = f"ZeRO-{int(p['zero'])}" + (
                 f", m={int(p['micro_batches'])} {args.schedule}, held {mem[:, 5].astype(int).tolist()}"
                 if strategy == "pipeline" else "") + (
                 f", {int(p['recompute'])} layer(s)/stage recomputed" if p["recompute"] else "")
             rows.append((strategy, world, extra, f"{losses[-1]:.5f}", f"{base[-1]:.5f}", f"{rel.max():.1e}",
                          f"{p['time'] * 1e3:.2f}", f"{measured * 1e3:.1f}", f"{p['time'] / measured:.3f}",
-                         f"{p['compute'] * 1e3:.2f} / {p['comm'] * 1e3:.2f}",
+                         f"{p['compute'] * 1e3:.2f} ({p['host'] * 1e3:.2f} host) / {p['comm'] * 1e3:.2f}",
                          f"{mem[:, 2].mean() * 1e3:.2f} / {mem[:, 3].mean() * 1e3:.2f} / "
                          f"{(measured - mem[:, 2].mean() - mem[:, 3].mean()) * 1e3:.2f}",
-                         predicted_mem, measured_mem,
+                         predicted_mem, terms, measured_mem, ratio_mem,
                          f"{mem[:, 0].max() / 1e6:.3f} / {mem[:, 6].max() / 1e6:.3f} / {mem[:, 1].max() / 1e6:.3f}",
                          f"{p['alpha'] * 1e6:.0f} us, {p['beta'] / 1e6:.0f} MB/s"))
     print(_common.format_table(
         ("plan", "processes", "as planned", f"loss after {args.steps}", "1 process", "max rel. diff (any step)",
-         "predicted ms", "measured ms", "predicted/measured", "predicted compute / comm ms",
+         "predicted ms", "measured ms", "predicted/measured", "predicted compute (its host part) / comm ms",
          "measured compute / comm / host ms", "predicted MB/process (stage 0 / 1)",
-         "measured MB/process", "held / C arena / step MB", "gloo link (measured)"), rows))
+         "planned weights / activations / gathered / workspace MB", "measured MB/process", "measured/planned",
+         "held / C arena / step MB", "gloo link (measured)"), rows))
     print(f"load average at end: {os.getloadavg()}")
 
 

@@ -154,6 +154,8 @@ class Plan:
     recompute: int = 0  # layers of a stage that recompute their forward in the backward (0: none)
     stage_times: tuple = ()  # s: each priced stage's step (one; or the first and the last)
     stage_memory: tuple = ()  # bytes per device of each priced stage
+    memory_terms: tuple = ()  # per priced stage: {"weights", "activations", "gathered", "workspace": bytes}
+    host: float = 0.0  # s of the slowest stage's step its runtime spends outside the priced ops (in compute)
     zero: int = 0  # the ZeRO stage (`zero_stage`)
     bubble: float = 0.0  # s of the step the 1F1B schedule's bubble idles
 
@@ -221,7 +223,7 @@ def _nodes(func: FuncOp, names: Sequence[str], mesh_shape, sizes, zero: bool = F
 #   W    bytes per device once per step: a weight with its gradient and optimizer state
 #   A    bytes per device per micro-batch: an activation the backward needs (live at its peak)
 
-COMPONENTS = ("C", "F", "Cst", "B", "Omb", "Ost", "W", "A")
+COMPONENTS = ("C", "F", "Cst", "B", "Omb", "Ost", "W", "A", "G")
 
 
 def _local_op(op: TgOp, st: Strategy, mesh: Mesh, sizes: dict[str, int] | None = None) -> TgOp:
@@ -305,8 +307,9 @@ def weight_bytes(info: TensorInfo, st: Strategy, mesh: Mesh) -> sympy.Expr:
 
 def _node_cost(node: Node, st: Strategy, nodes: list[Node], mesh: Mesh, hw, training: bool, saved: bool,
                backward: str = "flops", optimizer: Callable[[int], float] | None = None,
-               sizes: dict[str, int] | None = None) -> dict:
-    """The components of one strategy (see COMPONENTS)."""
+               sizes: dict[str, int] | None = None, units: dict[int, int] | None = None) -> dict:
+    """The components of one strategy (see COMPONENTS). `units`: node -> how many weights share its
+    unit's collectives (`_weight_units`)."""
     zero = sympy.Integer(0)
     cost = dict.fromkeys(COMPONENTS, zero)
     compute = _local_time(node.op, st, mesh, hw) if node.op is not None else zero
@@ -334,7 +337,11 @@ def _node_cost(node: Node, st: Strategy, nodes: list[Node], mesh: Mesh, hw, trai
             # weight's is priced on its edge (`_weight_edge`): it depends on the weight's ZeRO stage.
             uses = sum(1 for u in nodes[i].value.uses if isinstance(u.operation, TgOp))
             grad = nbytes(local_info(nodes[i].info, spec, mesh.shape))
-            comm += mesh.collective("all_reduce", missing, grad) / max(1, uses)
+            if _views_weight(nodes[i]):  # a weight's gradient (through its view): reduced with its unit's
+                comm += _shared(mesh.collective("all_reduce", missing, grad), mesh.collective(
+                    "all_reduce", missing, 0), (units or {}).get(i, 1)) / max(1, uses)
+            else:
+                comm += mesh.collective("all_reduce", missing, grad) / max(1, uses)
     cost.update(C=compute, B=comm)
     if _is_weight(node) and dtypes.is_float(node.info.dtype):
         cost["W"] = weight_bytes(node.info, st, mesh)
@@ -357,16 +364,56 @@ def _node_cost(node: Node, st: Strategy, nodes: list[Node], mesh: Mesh, hw, trai
 _NODE_COSTS: dict[tuple, dict | None] = {}
 
 
+def _shared(cost: sympy.Expr, latency: sympy.Expr, unit: int) -> sympy.Expr:
+    """`cost` of one weight's collective when `unit` weights share one packed collective (FSDP's
+    flat parameters, a unit's gradients reduced at once): its bytes, 1/unit of the latency."""
+    return cost - latency + latency / max(1, unit)
+
+
+def _reshard_latency(src: Spec, dst: Spec, mesh: Mesh) -> sympy.Expr:
+    """The per-call part of `reshard_cost(.., src, dst, ..)`: its collectives at zero bytes."""
+    total, spec = sympy.Integer(0), src
+    for step in reshard_steps(src, dst):
+        if step.collective in ("all_gather", "all_to_all"):
+            total += mesh.collective(step.collective, [step.axis], 0)
+        spec = apply_step(spec, step)
+    return total
+
+
+def _weight_units(nodes: list[Node], start: int, period: int, copies: int) -> dict[int, int]:
+    """Weight node (and view of one) -> how many float weights its unit has: a unit (ZeRO-3's, FSDP's)
+    is one layer, or the weights before the layers, or those after; its weights are gathered in one
+    packed collective and their gradients reduced in one."""
+    def unit(i: int) -> int:
+        return -1 if i < start or not copies else (i - start) // period if i < start + period * copies else copies
+    weights = [i for i, n in enumerate(nodes) if _is_weight(n) and _needs_grad(n)]
+    size: dict[int, int] = {}
+    for i in weights:
+        size[unit(i)] = size.get(unit(i), 0) + 1
+    out = {i: size[unit(i)] for i in weights}
+    for i, n in enumerate(nodes):
+        op: Any = n.op
+        while isinstance(op, TgOp) and op.SPEC.view and op.operands and i not in out:
+            o = op.operands[0].owner
+            w = next((j for j in weights if nodes[j].op is o), None)
+            if w is not None:
+                out[i] = out[w]
+            op = o
+    return out
+
+
 @lru_cache(maxsize=1 << 16)
-def _weight_edge(info: TensorInfo, sp: Strategy, want: Spec, split: tuple[int, ...], mesh: Mesh, uses: int) -> dict:
+def _weight_edge(info: TensorInfo, sp: Strategy, want: Spec, split: tuple[int, ...], mesh: Mesh, uses: int,
+                 unit: int = 1) -> dict:
     """A training step's collectives between a float weight and one use of it: the all-gather of a
     weight stored split (ZeRO-3 / FSDP: forward, and again in the backward, the gathered copy being
     freed between), and the gradient's reduction over the axes the consumer splits its work on but
     the weight is not split on: reduce-scattered onto the stored slices where the weight was gathered,
     else all-reduced once per step (gradients accumulate over micro-batches) or, at ZeRO-1/2,
     reduce-scattered onto the optimizer's partition (per micro-batch at ZeRO-2, whose gradient is
-    kept partitioned). Weight gradients are bucketed (collectives.GRADIENT_BUCKET)."""
-    gather = reshard_cost(info, sp.out, want, mesh)
+    kept partitioned). Weight gradients are bucketed (collectives.GRADIENT_BUCKET); a gathered weight's
+    gather and reduce-scatter are its `unit`'s packed collectives (`_shared`)."""
+    gather = _shared(reshard_cost(info, sp.out, want, mesh), _reshard_latency(sp.out, want, mesh), unit)
     gathered = spec_axes(sp.out) - spec_axes(want)
     missing = [a for a in split if a not in spec_axes(want)]
     grad = nbytes(local_info(info, want, mesh.shape))
@@ -374,15 +421,18 @@ def _weight_edge(info: TensorInfo, sp: Strategy, want: Spec, split: tuple[int, .
     reduce = [a for a in missing if a not in gathered]
     per_mb = 2 * gather  # backward: gathered again (or the gradient moved back to the stored layout)
     per_step = sympy.Integer(0)
+    # ZeRO-3's gathered copy, live while its unit computes (G: counted once per weight, not per use)
+    held = nbytes(local_info(info, want, mesh.shape)) if mesh.group_size(sorted(gathered)) > 1 else sympy.Integer(0)
     if scatter:
-        per_mb += mesh.bucketed("reduce_scatter", scatter, grad)
+        per_mb += _shared(mesh.collective("reduce_scatter", scatter, grad), mesh.collective("reduce_scatter", scatter, 0),
+                          unit)
     if reduce:
         kind = "all_reduce" if sp.zero == 0 else "reduce_scatter"
         if sp.zero >= 2:
             per_mb += mesh.bucketed(kind, reduce, grad)
         else:
             per_step += mesh.bucketed(kind, reduce, grad)
-    return {"Omb": per_mb / uses, "Ost": per_step / uses}
+    return {"Omb": per_mb / uses, "Ost": per_step / uses, "G": held / uses}
 
 
 @lru_cache(maxsize=1 << 16)  # a plan asks about the same few (shape, spec, spec) many times
@@ -399,13 +449,31 @@ def reshard_cost(info: TensorInfo, src: Spec, dst: Spec, mesh: Mesh) -> sympy.Ex
     return total
 
 
-def _edge_cost(prod: Node, sp: Strategy, cons: Node, sc: Strategy, pos: int, mesh: Mesh, training: bool) -> dict:
+def _edge_cost(prod: Node, sp: Strategy, cons: Node, sc: Strategy, pos: int, mesh: Mesh, training: bool,
+               unit: int = 1) -> dict:
+    """`unit`: how many weights share `prod`'s unit's collectives, where it is a weight or views one."""
     if training and _is_weight(prod) and _needs_grad(prod):
         uses = max(1, sum(1 for u in prod.value.uses if isinstance(u.operation, TgOp)))
-        return {"B": sympy.Integer(0), **_weight_edge(prod.info, sp, sc.ins[pos], sc.split, mesh, uses)}
+        return {"B": sympy.Integer(0), **_weight_edge(prod.info, sp, sc.ins[pos], sc.split, mesh, uses, unit)}
     fwd = reshard_cost(prod.info, sp.out, sc.ins[pos], mesh)
     back = reshard_cost(prod.info, sc.ins[pos], sp.out, mesh) if training and _needs_grad(prod) else 0
-    return {"B": fwd + back, "Omb": sympy.Integer(0), "Ost": sympy.Integer(0)}
+    if training and _views_weight(prod) and mesh.group_size(sorted(spec_axes(sp.out) - spec_axes(sc.ins[pos]))) > 1:
+        # a weight stored split, gathered after a view of it (a Linear's transpose): ZeRO-3's copy,
+        # priced as a weight's own gather (`_weight_edge`): with its unit's weights, overlapped (the
+        # next unit's gather runs ahead), again for the backward (freed between)
+        uses = max(1, sum(1 for u in prod.value.uses if isinstance(u.operation, TgOp)))
+        gather = _shared(fwd, _reshard_latency(sp.out, sc.ins[pos], mesh), unit)
+        return {"B": back, "Omb": 2 * gather, "Ost": sympy.Integer(0),
+                "G": nbytes(local_info(prod.info, sc.ins[pos], mesh.shape)) / uses}
+    return {"B": fwd + back, "Omb": sympy.Integer(0), "Ost": sympy.Integer(0), "G": sympy.Integer(0)}
+
+
+def _views_weight(node: Node) -> bool:
+    """Whether `node` is a view (transpose, reshape) of a weight, through any number of views."""
+    op: Any = node.op
+    while isinstance(op, TgOp) and op.SPEC.view and op.operands:
+        op = op.operands[0].owner
+    return node.op is not op and isinstance(op, TgOp) and op.op_name == Op.weight
 
 
 # --- repeated layers ------------------------------------------------------------------
@@ -441,7 +509,9 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
          only=None, reduce_scatter: bool = True, stages: int = 1, micro_batches: int = 1, batch: str = "B",
          overlap: bool = True, recompute: bool = True, zero: bool = True, runner_up: bool = True,
          progress: Callable[[str], object] | None = None, backward: str = "flops",
-         optimizer: Callable[[int], float] | None = None, schedule: str = "1f1b") -> Plan:
+         optimizer: Callable[[int], float] | None = None, schedule: str = "1f1b",
+         workspace: float | Sequence[float] = 0.0, repeat_collectives: bool = True, packed_units: bool = False,
+         host: tuple[float, float] | Sequence[tuple[float, float]] = (0.0, 0.0)) -> Plan:
     """The cheapest sharding of @forward on `mesh` under `budget` bytes per device (default: the device's memory).
 
     `only(node)`: the strategy names (without ZeRO stage) a node may take, or None for any (a hand
@@ -456,16 +526,33 @@ def plan(module: ModuleOp, mesh: Mesh, *, budget: float | None = None, sizes: di
     cost model's time of the ops its VJP rule builds (where per-op overheads, not FLOPs, set the time).
     `optimizer(elements)`: seconds of the optimizer's update of that many elements of a weight, counted
     once per step on each device's share (None: the update is not priced). `schedule`: the pipeline's,
-    "1f1b" or "gpipe" (the same m + p - 1 slots; every stage keeps all m micro-batches' activations)."""
+    "1f1b" or "gpipe" (the same m + p - 1 slots; every stage keeps all m micro-batches' activations).
+    `workspace`: bytes per device (or per priced stage) the backend holds for its calls' temporaries
+    besides the values the plan counts, e.g. a C arena sized to its largest call (backends/c/runtime's
+    `call_bytes`): the recomputed layer's activations are then inside it, not counted again.
+    `repeat_collectives`: a recomputed layer re-runs its forward's collectives and keeps only its
+    input (Megatron-LM's full recomputation), or keeps their results and re-runs none (a runtime
+    that recomputes between collectives: tilegraph.train_sharded's segments). `packed_units`: a weight
+    stored split is gathered, and its gradient reduced, in one packed collective with the rest of its
+    unit (`_weight_units`: FSDP's flat parameters), each weight paying its share of the latency; else
+    one collective per weight. `host`: (seconds per micro-batch, seconds per step) a stage's runtime
+    spends besides the ops the cost model prices (one per stage, or one for all): dispatching its
+    calls, its per-step collectives (a gradient clip's norm); counted in the step's compute."""
     if backward not in ("flops", "vjp") or schedule not in ("1f1b", "gpipe"):
         raise ShardError(f"backward '{backward}' (flops, vjp) or schedule '{schedule}' (1f1b, gpipe) unknown")
     say = progress or (lambda stage: None)
     started = _time.perf_counter()
-    prog = _build(module, mesh, budget=budget, sizes=sizes, training=training, constraints=constraints, names=names, only=only, reduce_scatter=reduce_scatter, stages=stages, micro_batches=micro_batches, batch=batch, overlap=overlap, recompute=recompute, zero=zero, say=say, backward=backward, optimizer=optimizer, schedule=schedule)
+    prog = _build(module, mesh, budget=budget, sizes=sizes, training=training, constraints=constraints, names=names, only=only, reduce_scatter=reduce_scatter, stages=stages, micro_batches=micro_batches, batch=batch, overlap=overlap, recompute=recompute, zero=zero, say=say, backward=backward, optimizer=optimizer, schedule=schedule, workspace=workspace, repeat_collectives=repeat_collectives, packed_units=packed_units, host=host)
     counts = [len(a) for a in prog.comp["C"]]
     CUT_SHORT.clear()
     say(f"solving the integer program (at most {SOLVE_TIME_LIMIT:.0f} s)")
     choice, extra_values, nvars = solve(prog.objective, prog.rows, counts, prog.edges, prog.extras, prog.allowed)
+    if choice is not None and _gathered_over(prog, choice, extra_values):
+        # the gathered units (rows of their own, added only where they bind: a program without
+        # them solves as before) push a stage past the budget: solved again with them
+        say(f"solving again with ZeRO-3's gathered units counted (at most {SOLVE_TIME_LIMIT:.0f} s)")
+        _count_gathered(prog)
+        choice, extra_values, nvars = solve(prog.objective, prog.rows, counts, prog.edges, prog.extras, prog.allowed)
     if choice is None:
         least = max(sum(float(m.min()) for m in mem.nodes.values()) * GB for mem in prog.memories)
         raise ShardError(f"no sharding on mesh {mesh} fits {prog.budget / 1e9:.3g} GB per device (with the annotations "
@@ -513,6 +600,7 @@ class _Program:
     p2p_link: Any  # the link a pipeline stage sends its boundary activation over
     ckpt: list[int]
     ckpt_bytes: dict[int, np.ndarray]
+    kept_bytes: dict[int, np.ndarray]  # what a recomputed layer keeps: its checkpoint, all-reduced results
     r: int | None  # the extra variable counting recomputed layers
     objective: Linear
     rows: list[tuple[Linear, float, float]]
@@ -520,6 +608,10 @@ class _Program:
     allowed: list[np.ndarray]
     memories: list[Linear]
     totals: dict[str, Linear]  # each cost component over the whole program
+    units: list[list[tuple[Linear, float]]]  # per stage: each ZeRO-3 unit's gathered bytes (and their scale)
+    workspace: list[float]  # per stage: bytes of the backend's working memory (`plan(workspace=)`)
+    repeat_collectives: bool  # a recomputed layer re-runs its forward collectives (`plan`)
+    host: list[float]  # per stage: seconds of the runtime's own per step (`plan(host=)`)
 
     def in_layers(self, i: int) -> bool:
         return bool(self.copies) and self.start <= i < self.start + self.period * self.copies
@@ -527,7 +619,8 @@ class _Program:
 
 def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints, names, only, reduce_scatter,
            stages, micro_batches, batch, overlap, recompute, zero, say, backward="flops", optimizer=None,
-           schedule="1f1b") -> _Program:
+           schedule="1f1b", workspace: float | Sequence[float] = 0.0, repeat_collectives: bool = True,
+           packed_units: bool = False, host: Any = (0.0, 0.0)) -> _Program:
     """plan()'s integer program: nodes grouped into classes (one per place in the repeated layers),
     each class's and edge's costs per strategy, the recomputation's variables, each stage's step and
     memory as rows; the objective the slowest stage's step."""
@@ -570,6 +663,7 @@ def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints
         return bool(copies) and start <= i < start + period * copies
 
     saved = saved_for_backward(nodes) if training else [True] * len(nodes)
+    unit_sizes = _weight_units(nodes, start, period, copies) if packed_units else {}
 
     # Node costs, computed once per class and counted once per member (layers: those of one stage).
     exprs: dict[int, list[dict]] = {}
@@ -579,12 +673,13 @@ def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints
         ok = []
         key = (_signature(node), mesh, training, saved[c], backward, optimizer,
                tuple(sorted(sizes.items())) if backward == "vjp" else (), tuple(
-            (_needs_grad(nodes[i]), _is_weight(nodes[i]), sum(1 for _ in nodes[i].value.uses)) for i in node.operands))
+            (_needs_grad(nodes[i]), _is_weight(nodes[i]), sum(1 for _ in nodes[i].value.uses), unit_sizes.get(i, 1))
+            for i in node.operands))
         for st in node.strategies:
             if (key, st) not in _NODE_COSTS:
                 try:
                     _NODE_COSTS[key, st] = _node_cost(node, st, nodes, mesh, hw, training, saved[c], backward, optimizer,
-                                                      sizes)
+                                                      sizes, unit_sizes)
                 except TilegraphError:  # a split the op's shape rule rejects at local shapes: keep what works
                     _NODE_COSTS[key, st] = None
             if _NODE_COSTS[key, st] is not None:
@@ -613,14 +708,14 @@ def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints
             key = (cls[i], cls[j], pos, str(nodes[i].info))  # type: ignore[assignment]
             if key not in edge_cache:
                 prod = nodes[i]
-                ex = [[_edge_cost(prod, sp, node, sc, pos, mesh, training) for sc in node.strategies]
+                ex = [[_edge_cost(prod, sp, node, sc, pos, mesh, training, unit_sizes.get(i, 1)) for sc in node.strategies]
                       for sp in prod.strategies]
                 edge_cache[key] = ({k: np.array([[value(e[k]) for e in row] for row in ex]) for k in ex[0][0]}, ex)
             weight = per_stage / copies if in_layers(j) else 1
             slot_pair = agg.setdefault((slot[cls[i]], slot[cls[j]]), {})
             for k, M in edge_cache[key][0].items():
                 slot_pair[k] = slot_pair.get(k, 0) + M * weight
-    edges, edge_comp = [], {k: {} for k in ("B", "Omb", "Ost")}
+    edges, edge_comp = [], {k: {} for k in ("B", "Omb", "Ost", "G")}
     for (P, C), ms in agg.items():
         if not any(M.any() for M in ms.values()):
             continue
@@ -686,7 +781,18 @@ def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints
                    if start <= i < start + period}) if copies >= 2 else []
     ckpt_bytes = {k: np.array([value(nbytes(local_info(nodes[classes[k]].info, st.out, mesh.shape)))
                                for st in nodes[classes[k]].strategies]) for k in ckpt}
-    forward = {k: (comp["F"][k] + comp["B"][k] / 2) * US for k in layer}
+    # What a recomputed layer keeps: its input (the checkpoint); where its collectives are not
+    # repeated (`repeat_collectives=False`) also each partial sum's all-reduced result: its
+    # backward re-runs the forward between collectives only
+    kept_bytes = dict(ckpt_bytes)
+    for k in sorted(layer) if not repeat_collectives else ():
+        reduced = np.array([value(nbytes(local_info(nodes[classes[k]].info, st.out, mesh.shape))) if st.partial else 0.0
+                            for st in nodes[classes[k]].strategies])
+        if reduced.any():
+            kept_bytes[k] = kept_bytes.get(k, 0) + reduced
+    # a recomputed layer's forward: its compute, and its forward collectives where they are repeated
+    again = 0.5 if repeat_collectives else 0.0
+    forward = {k: (comp["F"][k] + comp["B"][k] * again) * US for k in layer}
     r = None
     bits: list[tuple[int, int, int, int]] = []  # (2^j, u_j, v_j, e_j)
     w_var = None
@@ -697,7 +803,7 @@ def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints
         r = var(*((fixed, fixed) if fixed is not None else (0, per_stage)), 1)
         act = {k: comp["A"][k] / GB for k in layer}
         big_a = sum(float(a.max()) for a in act.values())
-        big_k = sum(float(b.max()) for b in ckpt_bytes.values()) / GB
+        big_k = sum(float(b.max()) for b in kept_bytes.values()) / GB
         big_f = sum(float(f.max()) for f in forward.values())
         g, w_var = var(0, 1, 1), var()
         rows.append((Linear(act, {}, {w_var: -1.0, g: big_a}), -np.inf, big_a))  # w >= A - big_a (1 - g)
@@ -709,7 +815,7 @@ def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints
             bits.append((2 ** j, u, v, e))
             rows.append((Linear({k: -a for k, a in act.items()}, {}, {u: 1.0}), -np.inf, 0))  # u_j <= A
             rows.append((Linear({}, {}, {u: 1.0, b: -big_a}), -np.inf, 0))  # u_j <= big_a b_j
-            rows.append((Linear({k: kb / GB for k, kb in ckpt_bytes.items()}, {}, {v: -1.0, b: big_k}),
+            rows.append((Linear({k: kb / GB for k, kb in kept_bytes.items()}, {}, {v: -1.0, b: big_k}),
                          -np.inf, big_k))  # v_j >= K - big_k (1 - b_j)
             rows.append((Linear(forward, {}, {e: -1.0, b: big_f}), -np.inf, big_f))  # e_j >= F - big_f (1 - b_j)
         rows.append((Linear({}, {}, link), 0, 0))  # r = sum 2^j b_j
@@ -744,29 +850,48 @@ def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints
             for k in ckpt:
                 t.nodes[k] = t.nodes.get(k, 0) + slots * 2 * US * ckpt_bytes[k] / p2p_link.beta
         stage_times.append(t)
+    pairs = [host] * len(stage_sets) if np.isscalar(host[0]) else list(host)
+    if len(pairs) != len(stage_sets):
+        raise ShardError(f"host: one (per micro-batch, per step) pair, or one per priced stage ({len(stage_sets)})")
+    hosts = [slots * float(mb) + float(st) for mb, st in pairs]
     if len(stage_times) == 1:
         objective = stage_times[0]
     else:  # the slowest stage sets the pace: T (ms) >= every stage's step
         pace = var()
         objective = Linear({}, {}, {pace: US / 1e3})
-        for t in stage_times:
+        for t, own in zip(stage_times, hosts):
             row = Linear({}, {}, {pace: -1.0})
             row.add(t, 1e3 / US)
-            rows.append((row, -np.inf, 0))
+            rows.append((row, -np.inf, -own * 1e3))  # the runtime's own seconds, in ms
 
     # Memory per stage (GB: bytes next to 0/1 variables scale badly in HiGHS): weights with their
     # gradients and optimizer state, the activations of the micro-batches in flight, the
     # recomputation's trade (see above).
+    # ZeRO-3 (FSDP) holds a unit's gathered weights while it computes and the next unit's as they
+    # arrive (prefetched): 2 x the largest unit a stage runs, a unit being one layer, or the weights
+    # before the layers (embedding) or after them (head). g_s >= each unit's gathered bytes (GB).
+    def unit_g(ks_unit: set, scale: float) -> Linear:
+        return Linear({k: comp["G"][k] / GB * scale for k in ks_unit if np.any(comp["G"][k])},
+                      {e: M / GB * scale for e, M in edge_comp["G"].items() if edges[e][0] in ks_unit and np.any(M)})
+    unit_sets = {"layer": (set(layer), 1.0 / max(1, per_stage)),
+                 "pre": ({k for k, ps in parts.items() if k not in layer and "pre" in ps}, 1.0),
+                 "post": ({k for k, ps in parts.items() if k not in layer and "post" in ps}, 1.0)}
+    on_stage = [("pre", "layer", "post")] if stages == 1 else [("pre", "layer"), ("layer", "post")]
+    units = [[(unit_g(*unit_sets[u]), unit_sets[u][1]) for u in names_ if unit_sets[u][0]] for names_ in on_stage]
+    units = [[(lin, sc) for lin, sc in us if lin.nodes or lin.edges] for us in units]
+    spaces = [float(workspace)] * len(stage_sets) if np.isscalar(workspace) else [float(w) for w in workspace]  # type: ignore[arg-type]
+    if len(spaces) != len(stage_sets):
+        raise ShardError(f"workspace: one number, or one per priced stage ({len(stage_sets)}), not {len(spaces)}")
     memories = []
-    for ks, held in stage_sets:
+    for (ks, held), space in zip(stage_sets, spaces):
         mem = Linear({k: (comp["W"][k] * count[k] + comp["A"][k] * (per_stage if k in layer else 1) * held) / GB
                       for k in ks})
         if bits:
-            mem.extra[w_var] = 1.0
+            mem.extra[w_var] = 0.0 if space else 1.0  # the recomputed layer's activations: in the workspace
             for scale, u, v, _ in bits:
                 mem.extra[u] = -held * scale
                 mem.extra[v] = held * scale
-        rows.append((mem, -np.inf, budget / GB))
+        rows.append((mem, -np.inf, (budget - space) / GB))
         memories.append(mem)
 
     allowed = [np.ones(len(comp["C"][k]), bool) for k in range(len(classes))]
@@ -788,7 +913,26 @@ def _build(module: ModuleOp, mesh: Mesh, *, budget, sizes, training, constraints
                                   f"{mesh} (it has {[st.name for st in node.strategies]})")
             allowed[slot[cls[i]]] &= ok
     totals = {name: total(name) for name in ("C", "Cst", "B", "Omb", "Ost")}
-    return _Program(mesh=mesh, sizes=sizes, budget=budget, training=training, stages=stages, micro_batches=micro_batches, nodes=nodes, cls=cls, slot=slot, count=count, layer=layer, start=start, period=period, copies=copies, per_stage=per_stage, exprs=exprs, comp=comp, edges=edges, edge_cache=edge_cache, stage_sets=stage_sets, slots=slots, eta=eta, p2p_link=p2p_link, ckpt=ckpt, ckpt_bytes=ckpt_bytes, r=r, objective=objective, rows=rows, extras=extras, allowed=allowed, memories=memories, totals=totals)
+    return _Program(mesh=mesh, sizes=sizes, budget=budget, training=training, stages=stages, micro_batches=micro_batches, nodes=nodes, cls=cls, slot=slot, count=count, layer=layer, start=start, period=period, copies=copies, per_stage=per_stage, exprs=exprs, comp=comp, edges=edges, edge_cache=edge_cache, stage_sets=stage_sets, slots=slots, eta=eta, p2p_link=p2p_link, ckpt=ckpt, ckpt_bytes=ckpt_bytes, kept_bytes=kept_bytes, r=r, objective=objective, rows=rows, extras=extras, allowed=allowed, memories=memories, totals=totals, units=units, workspace=spaces, repeat_collectives=repeat_collectives, host=hosts)
+
+
+def _gathered_over(prog: _Program, ch: list[int], xs: Sequence[float]) -> bool:
+    """Whether a solution's stage, its gathered units counted, is over the budget."""
+    return any(mem.value(ch, prog.edges, xs) * GB + 2 * GB * max((lin.value(ch, prog.edges) for lin, _ in us), default=0.0)
+               > prog.budget - space for mem, us, space in zip(prog.memories, prog.units, prog.workspace))
+
+
+def _count_gathered(prog: _Program) -> None:
+    """Adds the gathered units to each stage's memory row: g_s >= every unit's gathered bytes, the
+    row holding 2 g_s (the unit computing and the one prefetched)."""
+    for mem, us in zip(prog.memories, prog.units):
+        if not us:
+            continue
+        prog.extras.append((0, np.inf, 0))
+        gz = len(prog.extras) - 1
+        mem.extra[gz] = 2.0
+        for lin, _ in us:
+            prog.rows.append((Linear(dict(lin.nodes), dict(lin.edges), {gz: -1.0}), -np.inf, 0))
 
 
 def _read_back(prog: _Program, ch: list[int], xs: list[float], solve_time: float, nvars: int) -> Plan:
@@ -805,15 +949,16 @@ def _read_back(prog: _Program, ch: list[int], xs: list[float], solve_time: float
     picked = [ch[slot[cls[i]]] for i in range(len(nodes))]
     re = int(round(xs[r])) if r is not None else 0
     felt = OVERLAP_INTERFERENCE if eta else 0.0
-    redo = slots * re * sum(float(comp["F"][k][ch[k]]) + float(comp["B"][k][ch[k]]) / 2
+    again = 0.5 if prog.repeat_collectives else 0.0
+    redo = slots * re * sum(float(comp["F"][k][ch[k]]) + float(comp["B"][k][ch[k]]) * again
                             for k in layer)
     p2p = slots * 2 * sum(p2p_link.alpha + float(ckpt_bytes[k][ch[k]]) / p2p_link.beta
                           for k in ckpt) if stages > 1 else 0.0
     one_layer = sum(float(comp["A"][k][ch[k]]) for k in layer)
-    kept_ckpt = sum(float(ckpt_bytes[k][ch[k]]) for k in ckpt)
+    kept_ckpt = sum(float(kb[ch[k]]) for k, kb in prog.kept_bytes.items())
     # Per stage: (step, compute, communication, compute + blocking per micro-batch, memory).
-    per = []
-    for ks, held in stage_sets:
+    per, terms = [], []
+    for (ks, held), us, space, h in zip(stage_sets, prog.units, prog.workspace, prog.host):
         c_s, b_s = compute.restricted(ks, edges).value(ch, edges), blocking.restricted(ks, edges).value(ch, edges)
         c_step = totals["Cst"].restricted(ks, edges).value(ch, edges)
         exposed = {}
@@ -823,9 +968,12 @@ def _read_back(prog: _Program, ch: list[int], xs: list[float], solve_time: float
         comm_s = slots * b_s + slots * exposed["Omb"] + exposed["Ost"] + p2p
         weights = sum(float(comp["W"][k][ch[k]]) * count[k] for k in ks)
         acts = sum(float(comp["A"][k][ch[k]]) for k in ks if k not in layer)
-        kept = (per_stage - re) * held * one_layer + re * held * kept_ckpt + (one_layer if re == per_stage else 0.0)
-        per.append((slots * c_s + c_step + redo + comm_s, slots * c_s + c_step + redo, comm_s, c_s + b_s,
-                    weights + held * acts + kept))
+        kept = (per_stage - re) * held * one_layer + re * held * kept_ckpt + (
+            one_layer if re == per_stage and not space else 0.0)
+        gathered = 2 * GB * max((lin.value(ch, edges) for lin, _ in us), default=0.0)
+        terms.append({"weights": weights, "activations": held * acts + kept, "gathered": gathered, "workspace": space})
+        per.append((slots * c_s + c_step + redo + h + comm_s, slots * c_s + c_step + redo + h, comm_s, c_s + b_s,
+                    weights + held * acts + kept + gathered + space))
     slowest = max(range(len(per)), key=lambda s: per[s][0])
     ks_slow = stage_sets[slowest][0]
     choices, forward = [], []
@@ -834,7 +982,7 @@ def _read_back(prog: _Program, ch: list[int], xs: list[float], solve_time: float
         ex = exprs[cls[i]][picked[i]]
         st = node.strategies[picked[i]]
         w = per_stage / copies if in_layers(i) else 1
-        incoming = {"B": sympy.Integer(0), "Omb": sympy.Integer(0), "Ost": sympy.Integer(0)}
+        incoming = {"B": sympy.Integer(0), "Omb": sympy.Integer(0), "Ost": sympy.Integer(0), "G": sympy.Integer(0)}
         for pos, p in enumerate(node.operands):
             key = (cls[p], cls[i], pos, str(nodes[p].info))
             for k, v in edge_cache[key][1][picked[p]][picked[i]].items():
@@ -855,11 +1003,14 @@ def _read_back(prog: _Program, ch: list[int], xs: list[float], solve_time: float
     formula = fcst + slots * (fc + fb) + sum((slots if k == "Omb" else 1) * (sympy.Max(0, fo[k] - eta * fc) + felt * fo[k])
                                       for k in fo)
     _, c_time, comm_time, slot_time, _ = per[slowest]
-    p = Plan(mesh, choices, c_time, comm_time, max(s[4] for s in per), formula + redo + p2p, solve_time,  # type: ignore[assignment]
+    p = Plan(mesh, choices, c_time, comm_time, max(s[4] for s in per), formula + redo + p2p + prog.host[slowest],
+             solve_time,  # type: ignore[assignment]
              (start, period, copies), forward=forward, variables=nvars, budget=budget, cut_short=bool(CUT_SHORT))
     p.stages, p.micro_batches, p.recompute = stages, micro_batches, re  # type: ignore[attr-defined]
     p.stage_times = tuple(s[0] for s in per)  # type: ignore[attr-defined]
     p.stage_memory = tuple(s[4] for s in per)  # type: ignore[attr-defined]
+    p.memory_terms = tuple(terms)  # type: ignore[attr-defined]
+    p.host = prog.host[slowest]  # type: ignore[attr-defined]
     p.bubble = (stages - 1) * slot_time if training else 0.0  # type: ignore[attr-defined]
     p.zero = zero_stage(p)  # type: ignore[attr-defined]
     return p  # type: ignore[return-value]

@@ -41,6 +41,7 @@ runtime.Workspace the modules take turns on) and the peak of what a warm step al
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import os
 import time
@@ -97,6 +98,47 @@ def measure_device(calibrate: bool, target: str = "numpy"):
     else:
         hw = hardware("c" if target == "c" else "cpu")
     return dataclasses.replace(hw, cores=1)
+
+
+def measure_dispatch(target: str, options: dict, repeats: int = 30) -> tuple[float, float]:
+    """(seconds, seconds per input) a call of a compiled `target` module costs on the host besides
+    its ops (binding its inputs, making its outputs, the call): fitted to the median calls of two
+    one-element AdamW updates, one weight and four (6 and 18 inputs), in this process as it runs the
+    step (its load included)."""
+    import tilegraph
+    from tilegraph.train import AdamW, build_update
+
+    times, counts = [], []
+    for n in (1, 4):
+        weights = {f"w{i}": np.zeros(1, np.float32) for i in range(n)}
+        m = tilegraph.compile(build_update(weights, AdamW()), target=target,
+                              pipeline=None if target == "c" else "", **options)
+        feed = {k: np.zeros(1 if k.startswith(("w", "grad_", "exp_")) else (), np.float32) for k in m.model.input_names}
+        m.run(**feed)
+        samples = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            m.run(**feed)
+            samples.append(time.perf_counter() - t)
+        times.append(float(np.median(samples)))
+        counts.append(len(m.model.input_names))
+    per = max(0.0, (times[1] - times[0]) / (counts[1] - counts[0]))
+    return max(0.0, times[0] - per * counts[0]), per
+
+
+def host_time(compiled: Sequence[_Compiled], update_inputs: int, dispatch: tuple[float, float], collectives: int,
+              alpha: float, world: int) -> tuple[float, float]:
+    """(per micro-batch, per step) seconds a rank spends outside the ops the cost model prices: its
+    segments' calls (each forward but the loss segment's, which runs inside its backward, and each
+    backward), the optimizer's call, and `collectives` tiny all-reduces a step (the clip's norm, a
+    pipeline's loss) at the link's latency."""
+    fixed, per = dispatch
+
+    def call(m) -> float:
+        return fixed + per * len(m.model.input_names)
+    mb = sum((0.0 if c.seg.loss else call(c.forward)) + call(c.backward) for c in compiled)
+    step = fixed + per * update_inputs + collectives * 2 * (world - 1) * alpha
+    return mb, step
 
 
 def optimizer_time(optimizer, hw) -> Callable[[int], float]:
@@ -183,9 +225,13 @@ def _weight_behind(op) -> str:
 
 
 def plan_for(model: Model, strategy: str, world: int, alpha: float, beta: float, batch: int,
-             micro_batches: int = 1, device=None, optimizer=None, schedule: str = "1f1b"):
+             micro_batches: int = 1, device=None, optimizer=None, schedule: str = "1f1b",
+             workspace: float | Sequence[float] = 0.0, host: Any = (0.0, 0.0)):
     """passes/shard.py's plan of `model` (its batch dim symbolic, named B) for `strategy` on `world`
-    processes: the mesh is every process (zero3, tensor) or one stage's (pipeline: 2 stages)."""
+    processes: the mesh is every process (zero3, tensor) or one stage's (pipeline: 2 stages);
+    `workspace`: the bytes a process's modules hold for their temporaries (per stage), as
+    `workspace_bytes` predicts them; `host`: the seconds a process's runtime adds (per stage:
+    `host_time`)."""
     from tilegraph.passes import shard
 
     stages = 2 if strategy == "pipeline" else 1
@@ -197,7 +243,8 @@ def plan_for(model: Model, strategy: str, world: int, alpha: float, beta: float,
     # ops; the optimizer's update priced from the module each rank runs
     return shard.plan(model.module, mesh, sizes={"B": batch}, names=model.input_names, only=layout(strategy),
                       stages=stages, micro_batches=micro_batches, recompute=recompute, zero=False, runner_up=False,
-                      backward="vjp", schedule=schedule,
+                      backward="vjp", schedule=schedule, workspace=workspace, repeat_collectives=False,
+                      packed_units=True, host=host,
                       optimizer=optimizer_time(optimizer, mesh.hw) if optimizer is not None else None)
 
 
@@ -321,20 +368,104 @@ def _compile_segment(seg: Segment, target: str, pipeline: Any, options: dict) ->
     return _Compiled(seg, forward, backward, floats)
 
 
+# tracemalloc's domain for the torch-owned buffers of collectives (NumPy reports its arrays to
+# tracemalloc, torch does not): a step's measured peak counts them where they are live
+_TORCH_DOMAIN = 0x74670000
+
+
+def _traced(t: Any, live: bool = True) -> Any:
+    """`t` (a torch tensor a collective fills or sends) reported to tracemalloc as live, or no
+    longer (`live=False`: the caller drops it), while tracing."""
+    if tracemalloc.is_tracing():
+        api = ctypes.pythonapi
+        if live:
+            api.PyTraceMalloc_Track(ctypes.c_uint(_TORCH_DOMAIN), ctypes.c_size_t(t.data_ptr()),
+                                    ctypes.c_size_t(t.numel() * t.element_size()))
+        else:
+            api.PyTraceMalloc_Untrack(ctypes.c_uint(_TORCH_DOMAIN), ctypes.c_size_t(t.data_ptr()))
+    return t
+
+
+def _comm_buffer(n: int, dtype: Any = None) -> Any:
+    """An empty torch-owned buffer of `n` elements for a collective (torch-owned: see send() in
+    ShardedStep._segments), counted by tracemalloc (`_traced`) until released."""
+    import torch
+
+    return _traced(torch.empty(n, dtype=dtype or torch.float32))
+
+
+def rank_segments(strategy: str, segments: Segments | None, pieces: list[Segment] | None, rank: int, world: int,
+                  rows: int) -> list[Segment]:
+    """The segments `rank` runs: `pieces` (its tensor-parallel pieces, built by the caller) or built
+    here, less the other pipeline stage's."""
+    if segments is None:
+        raise ShardedTrainError(f"{strategy} runs the model as segments: pass segments=")
+    tp = world if strategy == "tensor" else 1
+    segs = pieces if pieces is not None else segments.build(rank if strategy == "tensor" else 0, tp, rows)
+    if strategy == "pipeline":
+        assert segments.stage_of is not None
+        stage = rank // (world // 2)
+        segs = [s for s in segs if segments.stage_of(s) == stage]
+    return segs
+
+
+def workspace_bytes(compiled: Sequence[_Compiled], shared: bool = True, transient_gradients: bool = False) -> int:
+    """The bytes of temporaries a rank's compiled segments will hold, as the C runtime lays their
+    calls out (`call_bytes`: the binding's arena, before any call): one Workspace sized to the
+    largest module's arena (`shared`), or each module's own; with `transient_gradients` (ZeRO-3,
+    whose whole gradients are reduce-scattered onto slices; micro-batches after the first, whose
+    gradients are added to the earlier ones'), also the largest backward's outputs, held beside
+    the gradients the plan counts. 0 where a backend allocates per value (NumPy: its temporaries
+    are a step's allocations, measured as such)."""
+    from tilegraph.ir.arena import ALIGN
+
+    arenas, outputs = [], [0]
+    for c in compiled:
+        for m in (c.forward, c.backward):
+            program = getattr(m._runner, "program", None)
+            if program is not None:
+                from tilegraph.backends.c.runtime import call_bytes
+
+                arena, out = call_bytes(program)
+                arenas.append(arena + ALIGN)
+                if m is c.backward:
+                    outputs.append(out)
+    return (max(arenas, default=0) if shared else sum(arenas)) + (max(outputs) if transient_gradients and arenas else 0)
+
+
 def _all_reduce_arrays(arrays: list, clock: _Clock, group: Any = None) -> list[np.ndarray]:
     """`arrays` summed over the group's ranks, packed into one collective (gloo's per-call cost
-    dominates small tensors)."""
-    import torch
+    dominates small tensors); the sums are written back into `arrays` (the step's own arrays:
+    no second copy of them) where they are writable, else into new ones."""
     import torch.distributed as dist
 
-    packed = torch.tensor(np.concatenate([np.ravel(a) for a in arrays]))  # torch-owned: see send()
-    with clock("comm"):
-        dist.all_reduce(packed, group=group)
+    packed = _comm_buffer(sum(a.size for a in arrays))
     flat, at, out = packed.numpy(), 0, []
     for a in arrays:
-        out.append(flat[at:at + a.size].reshape(a.shape))
+        flat[at:at + a.size] = np.ravel(a)
         at += a.size
+    with clock("comm"):
+        dist.all_reduce(packed, group=group)
+    at = 0
+    for a in arrays:
+        got = flat[at:at + a.size].reshape(a.shape)
+        if isinstance(a, np.ndarray) and a.flags.writeable and a.flags.c_contiguous and a.dtype == flat.dtype:
+            np.copyto(a, got)
+            out.append(a)
+        else:
+            out.append(got.copy())
+        at += a.size
+    _traced(packed, live=False)
     return out
+
+
+def _scaled(g: Any, scale: float) -> np.ndarray:
+    """`g` times `scale`, in place where `g` is a module's own writable result."""
+    g = np.asarray(g)
+    if g.flags.writeable and g.flags.owndata:
+        g *= np.asarray(scale, g.dtype)
+        return g
+    return g * np.asarray(scale, g.dtype)
 
 
 class _Clock:
@@ -383,7 +514,10 @@ class ShardedStep:
                  world: int,
                  target: str, pipeline: Any, options: dict,
                  segments: Segments | None = None, micro_batches: int = 1, clip_norm: float | None = None,
-                 rows: int = 0, pieces: list[Segment] | None = None, schedule: str = "1f1b"):
+                 rows: int = 0, pieces: list[Segment] | None = None, schedule: str = "1f1b",
+                 compiled: list[_Compiled] | None = None):
+        """`compiled`: this rank's segments already compiled (`rank_segments`, `_compile_segment`);
+        else compiled here."""
         import torch.distributed as dist
 
         import tilegraph
@@ -404,10 +538,10 @@ class ShardedStep:
         tp_rank = rank if strategy == "tensor" else 0
         # `pieces`: this rank's segments built by the caller (`Processes.train` builds them once, in
         # the parent, where torch.export is already imported: importing it costs each process seconds)
-        segs = pieces if pieces is not None else segments.build(tp_rank, self.tp, rows)
-        if strategy == "pipeline":
-            assert segments.stage_of is not None
-            segs = [s for s in segs if segments.stage_of(s) == self.stage]
+        if compiled is None:
+            compiled = [_compile_segment(s, target, pipeline, options)
+                        for s in rank_segments(strategy, segments, pieces, rank, world, rows)]
+        segs = [c.seg for c in compiled]
         slicer = segments.slicer or (lambda name, a, dim, r, n: chunk(a, dim, r, n))
         self.weights = {}
         for s in segs:
@@ -423,7 +557,7 @@ class ShardedStep:
                 if self.weights[name].shape != expect:
                     raise ShardedTrainError(f"{name}: the plan gives this rank {self.weights[name].shape}, the "
                                             f"segment holds {expect}")
-        self.compiled = [_compile_segment(s, target, pipeline, options) for s in segs]
+        self.compiled = compiled
         # the activation stage 1 receives: its first segment's first input, less the batch dim
         self._boundary_shape = tuple(int(d) for d in info_of(segs[0].model.func.body.block.args[0].type).shape[1:])
         if strategy == "pipeline" and self.dp > 1:
@@ -431,8 +565,12 @@ class ShardedStep:
             groups = [dist.new_group([st * self.dp + r for r in range(self.dp)]) for st in range(self.stages)]
             self.stage_group = groups[self.stage]
         self.state = {f"{s}.{k}": np.zeros_like(v) for k, v in self.weights.items() for s in optimizer.state_names()}
-        self.update = tilegraph.compile(build_update(self.weights, optimizer), target=target, pipeline=pipeline,
-                                        **options)
+        # on C the update is compiled with the default passes whatever `pipeline` says: its fused
+        # loops write the weights and moments where they lie (donated inputs, Model.aliases); unfused,
+        # each op's result is a new array copied back, a second copy of all this rank holds at the
+        # step's peak
+        self.update = tilegraph.compile(build_update(self.weights, optimizer), target=target,
+                                        pipeline=None if target == "c" else pipeline, **options)
         names = self.update.model.input_names
         self._updates = {r: names[i] for i, r in self.update.model.aliases.items()}
         self.step_peak = 0
@@ -483,20 +621,24 @@ class ShardedStep:
     # segment's gather started before this one computes; its gradients reduce-scattered after its backward
     def _gather_start(self, c: _Compiled):
         """Start the all-gather of `c`'s split weights (one packed collective, asynchronous)."""
-        import torch
         import torch.distributed as dist
 
         split = [g for g in c.seg.params.values() if g in self.splits]
         if not split:
             return c, split, [], None
         # torch-owned (see `send` in _segments): the asynchronous gather may end on gloo's thread
-        mine = torch.tensor(np.concatenate([self.weights[g].ravel() for g in split]))
-        pieces = [torch.empty_like(mine) for _ in range(self.world)]
-        return c, split, pieces, dist.all_gather(pieces, mine, async_op=True)
+        mine = _comm_buffer(sum(self.weights[g].size for g in split))
+        flat, at = mine.numpy(), 0
+        for g in split:
+            flat[at:at + self.weights[g].size] = self.weights[g].ravel()
+            at += self.weights[g].size
+        pieces = [_comm_buffer(mine.numel()) for _ in range(self.world)]
+        return c, split, [mine] + pieces, dist.all_gather(pieces, mine, async_op=True)
 
     def _gather_finish(self, handle) -> dict[str, np.ndarray]:
         """The gathered weights of a `_gather_start`: {global name: whole array} (unsplit ones as held)."""
-        c, split, pieces, work = handle
+        c, split, buffers, work = handle
+        pieces = buffers[1:]
         if work is not None:
             with self.clock("comm"):
                 work.wait()
@@ -507,24 +649,38 @@ class ShardedStep:
             whole[g] = np.concatenate([p.numpy()[at:at + n].reshape(self.weights[g].shape) for p in pieces],
                                       axis=self.splits[g])
             at += n
+        for b in buffers:
+            _traced(b, live=False)
         return whole
 
     def _reduce_scatter(self, grads: dict, names: list[str], extra: float = 0.0) -> float:
         """`grads[k]` (whole, this rank's) for `names` replaced by the ranks' mean of this rank's slice
         (whole where the weight is not split), one packed all-reduce (gloo has no reduce-scatter
         on CPU tensors); `extra` (the loss) averaged with them."""
-        import torch
         import torch.distributed as dist
 
         split = [k for k in names if k in self.splits]
-        parts = [chunk(grads[k], self.splits[k], r, self.world).ravel() for r in range(self.world) for k in split]
-        rest = [np.ravel(grads[k]) for k in names if k not in self.splits]
-        packed = torch.tensor(np.concatenate(parts + rest + [np.array([extra], np.float32)]))  # torch-owned
-        del parts, rest
+        rest = [k for k in names if k not in self.splits]
+        per_rank = sum(self.weights[k].size for k in split)
+        # each rank's slices packed straight into the collective's buffer, each whole gradient
+        # dropped once packed (no copy of the unit's gradients besides the buffer)
+        packed = _comm_buffer(self.world * per_rank + sum(self.weights[k].size for k in rest) + 1)
+        flat, at = packed.numpy(), 0
+        whole = {k: grads.pop(k) for k in names}
+        for r in range(self.world):
+            for k in split:
+                d, n = self.splits[k], self.weights[k].shape[self.splits[k]]
+                piece = whole[k][(slice(None),) * d + (slice(r * n, (r + 1) * n),)]
+                flat[at:at + piece.size].reshape(piece.shape)[...] = piece
+                at += piece.size
+        for k in rest:
+            flat[at:at + whole[k].size] = whole[k].ravel()
+            at += whole[k].size
+        flat[at] = extra
+        del whole
         with self.clock("comm"):
             dist.all_reduce(packed)
-        flat = packed.numpy() / self.world
-        per_rank = sum(self.weights[k].size for k in split)
+        flat /= self.world
         at = self.rank * per_rank
         for k in split:
             grads[k] = flat[at:at + self.weights[k].size].reshape(self.weights[k].shape).copy()
@@ -534,7 +690,9 @@ class ShardedStep:
             if k not in self.splits:
                 grads[k] = flat[at:at + self.weights[k].size].reshape(self.weights[k].shape).copy()
                 at += self.weights[k].size
-        return float(flat[-1])
+        mean = float(flat[-1])
+        _traced(packed, live=False)
+        return mean
 
     def _unit_bytes(self, c: _Compiled | None) -> int:
         """Bytes of `c`'s split weights gathered whole."""
@@ -597,13 +755,16 @@ class ShardedStep:
             outs = c.backward.run(**feed, **local)
         n_out = len(c.backward.model.output_names) - len(c.float_inputs) - len(c.seg.params)
         loss = float(outs[0]) if c.seg.loss else None
-        g_inputs = [np.asarray(g) * scale if c.seg.loss else np.asarray(g) for g in outs[n_out:n_out + len(c.float_inputs)]]
+        g_inputs = [_scaled(g, scale) if c.seg.loss else np.asarray(g) for g in outs[n_out:n_out + len(c.float_inputs)]]
         if c.seg.partial and self.tp > 1 and g_inputs:  # Megatron's f: the input's gradient summed over the group
             g_inputs = _all_reduce_arrays(g_inputs, self.clock)
         for k, g in zip(c.seg.params, outs[n_out + len(c.float_inputs):]):
-            g = np.asarray(g) * scale if c.seg.loss else np.asarray(g)
+            g = _scaled(g, scale) if c.seg.loss else np.asarray(g)
             name = c.seg.params[k]
-            grads[name] = g if name not in grads else grads[name] + g
+            if name in grads:  # a later micro-batch's: added where the first one's lies
+                grads[name] += g
+            else:
+                grads[name] = g
         names_in = dict(zip(c.forward.model.input_names, c.seg.inputs))
         return {names_in[n]: g for n, g in zip(c.float_inputs, g_inputs)}, loss
 
@@ -625,7 +786,7 @@ class ShardedStep:
             # a copy torch owns: gloo's thread may drop the last reference to a sent tensor, and one
             # made by torch.from_numpy then releases its NumPy array there, without the GIL (it
             # crashed the process in libpython, 2 of about 10 runs)
-            t = torch.tensor(a)
+            t = _traced(torch.tensor(a))
             sends.append((dist.isend(t, dst=peer), t))
 
         def forward(j: int) -> None:  # each segment's outputs all-reduced where partial
@@ -634,7 +795,7 @@ class ShardedStep:
                 t = torch.empty((rows,) + self._boundary_shape)
                 with self.clock("comm"):
                     dist.recv(t, src=peer)
-                env[self.compiled[0].seg.inputs[0]] = t.numpy()
+                env[self.compiled[0].seg.inputs[0]] = t.numpy().copy()  # NumPy's: counted by tracemalloc
             for c in self.compiled:
                 if c.seg.loss:
                     continue  # its forward runs inside its backward (value_and_grad)
@@ -654,13 +815,16 @@ class ShardedStep:
                 t = torch.empty(env[out].shape)
                 with self.clock("comm"):
                     dist.recv(t, src=peer)
-                cot[out] = t.numpy()
+                cot[out] = t.numpy().copy()
             for c in reversed(self.compiled):
                 got, loss = self._run_backward(c, env, cot, 1.0 / m, grads)
                 if loss is not None:
                     loss_j = loss / m
                 for k, g in got.items():
                     cot[k] = g if k not in cot else cot[k] + g
+                for v in c.seg.outputs:  # read by later segments only, whose backwards ran: done with
+                    cot.pop(v, None)
+                    env.pop(v, None)
             if self.strategy == "pipeline" and self.stage == 1:
                 send(cot[self.compiled[0].seg.inputs[0]])
             return loss_j
@@ -671,14 +835,17 @@ class ShardedStep:
             else:
                 total += backward(j)
         with self.clock("comm"):
-            for work, _ in sends:
+            for work, t in sends:
                 work.wait()
+                _traced(t, live=False)
         if self.strategy == "pipeline":
             # the loss lives on the last stage; replicas of a stage average their gradients
             if self.dp > 1:
                 names = sorted(grads)
                 summed = _all_reduce_arrays([grads[k] for k in names], self.clock, group=self.stage_group)
-                grads = {k: g / self.dp for k, g in zip(names, summed)}
+                grads = {k: g for k, g in zip(names, summed)}
+                for g in grads.values():
+                    g /= self.dp
             t = torch.tensor([total if self.stage == 1 else 0.0], dtype=torch.float64)
             with self.clock("comm"):
                 dist.all_reduce(t)
@@ -695,7 +862,8 @@ class ShardedStep:
             return
         own = 0.0
         for k, g in grads.items():
-            sq = float(np.sum(np.square(g, dtype=np.float64)))
+            r = np.ravel(g)
+            sq = float(np.einsum("i,i->", r, r, dtype=np.float64))  # no float64 copy of g
             if self.strategy == "zero3":
                 own += sq if k in self.splits else sq / self.world
             elif self.strategy == "tensor":
@@ -706,8 +874,8 @@ class ShardedStep:
         with self.clock("comm"):
             dist.all_reduce(t)
         coef = min(self.clip_norm / (float(np.sqrt(t.item())) + 1e-6), 1.0)
-        for k in grads:
-            grads[k] = (grads[k] * np.float32(coef)).astype(grads[k].dtype)
+        for g in grads.values():  # in place: the step's own arrays (no scaled copy of every gradient)
+            g *= np.asarray(coef, g.dtype)
 
 
 # --- launching -----------------------------------------------------------------------------
@@ -896,9 +1064,10 @@ class PlanSummary:
 
 def _summary(plan, alpha: float, beta: float) -> PlanSummary:
     sm = list(plan.stage_memory) + [0.0, 0.0]
-    numbers = {"time": plan.time, "compute": plan.compute, "comm": plan.comm, "memory": plan.memory,
+    terms = {f"stage{s}_{k}": v for s, t in enumerate(plan.memory_terms) for k, v in t.items()}
+    numbers = {**terms, "time": plan.time, "compute": plan.compute, "comm": plan.comm, "memory": plan.memory,
                "zero": plan.zero, "stages": plan.stages, "micro_batches": plan.micro_batches,
-               "recompute": plan.recompute, "alpha": alpha, "beta": beta, "stage0_memory": sm[0],
+               "recompute": plan.recompute, "host": plan.host, "alpha": alpha, "beta": beta, "stage0_memory": sm[0],
                "stage1_memory": sm[1]}
     return PlanSummary(stored_splits(plan), {k: float(v) for k, v in numbers.items()})
 
@@ -924,18 +1093,6 @@ def _train(rank, world, link, strategy, make_model, params, batches, optimizer, 
     dp, m, _, rows = _split(strategy, world, micro_batches, batch)
     model = make_model(None)  # planned with its batch symbolic; each module compiled at this rank's rows
     device = measure_device(calibrate, target)
-    # rank 0 plans (every rank would plan the same: the same model, device and link numbers) and
-    # sends the others what they need of it
-    summary: list[PlanSummary | None] = [None]
-    if rank == 0:
-        plan = plan_for(model, strategy, world, alpha, beta, batch, m, device, optimizer, schedule)
-        summary = [_summary(plan, alpha, beta)]
-    dist.broadcast_object_list(summary, src=0)
-    planned = summary[0]
-    assert planned is not None
-    if strategy == "zero3" and planned.numbers["zero"] != 3:
-        raise ShardedTrainError(f"the zero3 layout planned ZeRO stage {planned.numbers['zero']:.0f}")
-    initial = {k: np.asarray(model.weights[k]) for k in params}
     options: dict = {}
     if target == "c":
         from tilegraph.backends.c.runtime import Workspace
@@ -943,9 +1100,45 @@ def _train(rank, world, link, strategy, make_model, params, batches, optimizer, 
         # the rank's modules run one after another: one arena for all their temporaries, the
         # largest module's, not one arena each held for the whole run
         options = {"threads": 1, **({"workspace": Workspace()} if shared_arena else {})}
+    seg_obj = segments() if segments is not None else None
+    # the segments compiled before the plan: it counts the temporaries their calls will hold (the
+    # largest rank's of each stage), as the C runtime lays them out
+    compiled = [_compile_segment(s, target, pipeline, options)
+                for s in rank_segments(strategy, seg_obj, pieces, rank, world, rows)]
+    # and the host's time per call, measured here (rank 0's, as the device profile), per rank
+    dispatch = [measure_dispatch(target, {"threads": 1} if target == "c" else {})]
+    dist.broadcast_object_list(dispatch, src=0)
+    n_weights = len({g for c in compiled for g in c.seg.params.values()})
+    update_inputs = (2 + len(optimizer.state_names())) * n_weights + 2  # each weight, its gradient and state; lr, step
+    per_step = int(clip_norm is not None) + int(strategy == "pipeline")  # the clip's norm, the pipeline's loss
+    mb_s, step_s = host_time(compiled, update_inputs, dispatch[0], per_step, alpha, world)
+    mine_t = torch.zeros((world, 3), dtype=torch.float64)
+    transient = strategy == "zero3" or m > 1  # a backward's gradients beside those kept (workspace_bytes)
+    mine_t[rank] = torch.tensor([float(workspace_bytes(compiled, shared_arena, transient)), mb_s, step_s],
+                                dtype=torch.float64)
+    dist.all_reduce(mine_t)
+    if strategy == "pipeline":
+        by_stage = mine_t.view(2, -1, 3).amax(dim=1)
+    else:
+        by_stage = mine_t.amax(dim=0, keepdim=True)
+    per_stage = by_stage[:, 0].tolist()
+    hosts = [(float(a), float(b)) for a, b in by_stage[:, 1:].tolist()]
+    # rank 0 plans (every rank would plan the same: the same model, device and link numbers) and
+    # sends the others what they need of it
+    summary: list[PlanSummary | None] = [None]
+    if rank == 0:
+        plan = plan_for(model, strategy, world, alpha, beta, batch, m, device, optimizer, schedule,
+                        workspace=per_stage, host=hosts)
+        summary = [_summary(plan, alpha, beta)]
+    dist.broadcast_object_list(summary, src=0)
+    planned = summary[0]
+    assert planned is not None
+    if strategy == "zero3" and planned.numbers["zero"] != 3:
+        raise ShardedTrainError(f"the zero3 layout planned ZeRO stage {planned.numbers['zero']:.0f}")
+    initial = {k: np.asarray(model.weights[k]) for k in params}
     step = ShardedStep(strategy, planned.splits, initial, optimizer, rank, world, target, pipeline, options,
-                       segments=segments() if segments is not None else None,
-                       micro_batches=m, clip_norm=clip_norm, rows=rows, pieces=pieces, schedule=schedule)
+                       segments=seg_obj, micro_batches=m, clip_norm=clip_norm, rows=rows, pieces=pieces,
+                       schedule=schedule, compiled=compiled)
     replica = rank % dp if strategy == "pipeline" else rank if strategy == "zero3" else 0
 
     def mine(a):
