@@ -18,12 +18,13 @@ import numpy as np
 import pytest
 
 import tilegraph
+from tilegraph.backends.c.calibrate import CONV_CASES, STEM_CASES
 from tilegraph.ir import Graph, interpret
 from tilegraph.ir.dialect import FusionOp
 from tilegraph.ir.hardware import Hardware, hardware, load_profile
 from tilegraph.ir.shapes import info_of
 from tilegraph.passes.cost.model import at, at_nominal, fusion_cost, group_cost, module_cost, op_cost
-from tilegraph.passes.targets.c import C_PARALLEL_MIN, step_memory
+from tilegraph.passes.targets.c import C_PARALLEL_MIN, STEM_KINDS, step_memory
 from tilegraph.passes.registry import default_pipeline, run_pipeline
 from tilegraph.testing import assert_close
 
@@ -63,7 +64,7 @@ def test_the_c_profile_is_positive_finite_and_round_trips(calibrated):
     assert len(hw.gemm_samples) == len(hw.gemm_samples_threaded) >= 3
     assert {"add", "exp", "gelu", "softmax", "layer_norm"} <= set(hw.ufunc_rates)
     assert [d for d, _ in hw.attention_rates] == [32, 64]
-    assert set(hw.conv_rates) == {"dense", "pointwise", "depthwise", "stem", "patch"}
+    assert set(hw.conv_rates) == {"dense", "pointwise", "depthwise", *STEM_KINDS} == {*CONV_CASES, *STEM_CASES}
     assert hw.pool_rate > 0 and set(hw.row_overhead) == {"softmax", "layer_norm"}
     assert all(math.isfinite(x) and x >= 0 for x in hw.row_overhead.values())
     assert Hardware.from_dict(json.loads(path.read_text())["hardware"]) == hw
@@ -351,15 +352,16 @@ def test_a_global_average_pool_is_priced_at_the_calibrated_pool_rate():
     assert "acc[j] += row[j]" not in emit_program(plain).source
 
 
-def test_an_image_models_first_convolution_is_priced_by_the_two_calibrated_stems():
+def test_an_image_models_first_convolution_is_priced_by_the_calibrated_stems():
     """A convolution over an image's 3 channels (a stem, a Swin or ViT patch embedding, kernel
     = stride) is no GEMM of its short k (a 4x4/4 priced as a 3x3's efficiency took 3x its
-    price): a time per output and per FLOP, solved from the calibrated 3x3/2 stem and 16x16/16
-    patch embedding, so exact at both; 16 input channels are a GEMM as before."""
+    price): a time per output and per FLOP, solved from the two calibrated first convolutions
+    nearest in FLOPs per output (a 3x3/2 and a 7x7/2 stem, a 16x16/16 patch embedding), so
+    exact at each; 16 input channels are a GEMM as before."""
     from dataclasses import replace
 
     base = hardware("c")
-    stems = {"stem": (12544, 32, 27, 46e9), "patch": (196, 768, 768, 125e9)}
+    stems = {"stem": (12544, 32, 27, 46e9), "stem7x7": (12544, 64, 147, 150e9), "patch": (196, 768, 768, 125e9)}
     hw = replace(base, primitive_overhead=0.0, conv_rates={**base.conv_rates, **stems})
 
     def conv_time(xs, ws, stride, hw):
@@ -370,13 +372,17 @@ def test_an_image_models_first_convolution_is_priced_by_the_two_calibrated_stems
         return at(op_cost(_op_named(g.build(y, names=["y"]), "conv"), hw).compute_time), \
             2 * int(np.prod(y.shape)) * int(np.prod(ws[1:])), int(np.prod(y.shape))
 
-    t, flops, _ = conv_time((1, 3, 224, 224), (32, 3, 3, 3), 2, hw)
-    assert t == pytest.approx(flops / 46e9)
-    t, flops, _ = conv_time((1, 3, 224, 224), (768, 3, 16, 16), 16, hw)
-    assert t == pytest.approx(flops / 125e9)
-    # Swin's 4x4/4 between them: more per FLOP than the patch embedding, less than the stem
+    for (xs, ws, stride), rate in ((((1, 3, 224, 224), (32, 3, 3, 3), 2), 46e9), (((1, 3, 224, 224), (64, 3, 7, 7), 2), 150e9),
+                                   (((1, 3, 224, 224), (768, 3, 16, 16), 16), 125e9)):
+        t, flops, _ = conv_time(xs, ws, stride, hw)
+        assert t == pytest.approx(flops / rate)
+    # Swin's 4x4/4 (96 FLOPs an output) on the line through the 3x3 (54) and the 7x7 (294):
+    # a time per output a and per FLOP b that give both their times
+    b = (294 / 150e9 - 54 / 46e9) / (294 - 54)
+    a = 54 / 46e9 - b * 54
     t, flops, outputs = conv_time((1, 3, 224, 224), (96, 3, 4, 4), 4, hw)
-    assert flops / 46e9 > t > flops / 125e9
+    assert t == pytest.approx(outputs * a + flops * b)
+    assert flops / 46e9 > t > flops / 150e9
     t16, *_ = conv_time((1, 16, 56, 56), (32, 16, 3, 3), 1, hw)
     assert t16 == pytest.approx(conv_time((1, 16, 56, 56), (32, 16, 3, 3), 1, replace(hw, conv_rates=base.conv_rates))[0])
     # one calibrated stem alone: its rate

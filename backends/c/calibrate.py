@@ -60,9 +60,12 @@ QUICK_GEMM_SHAPES = ((32, 384, 384), (128, 384, 384), (1024, 384, 1536), (128, 3
 CONV_CASES = {"dense": ((1, 64, 56, 56), (64, 64, 3, 3), 1), "pointwise": ((1, 256, 28, 28), (128, 256, 1, 1), 1),
               "depthwise": ((1, 96, 56, 56), (96, 1, 3, 3), 96)}
 # An image model's first convolutions, each reading the caller's plain image of 3 channels as
-# a model's first does: a 3x3 stride-2 stem and a ViT's 16x16 stride-16 patch embedding, as
-# x shape, weight shape, stride (conv_rates["stem"], ["patch"]: passes/targets/c.stem_time).
-STEM_CASES = {"stem": ((1, 3, 224, 224), (32, 3, 3, 3), 2), "patch": ((1, 3, 224, 224), (768, 3, 16, 16), 16)}
+# a model's first does: a 3x3 stride-2 stem (MobileNet's, EfficientNet's, RegNet's), a 7x7
+# stride-2 one (ResNet's) and a ViT's 16x16 stride-16 patch embedding, spanning the FLOPs per
+# output of the stems between them, as x shape, weight shape, stride
+# (conv_rates[kind]: passes/targets/c.stem_time, STEM_KINDS).
+STEM_CASES = {"stem": ((1, 3, 224, 224), (32, 3, 3, 3), 2), "stem7x7": ((1, 3, 224, 224), (64, 3, 7, 7), 2),
+              "patch": ((1, 3, 224, 224), (768, 3, 16, 16), 16)}
 # A global average pool over a convolution's channels-last result, as a squeeze-excitation
 # takes it (pool_rate): a middle stage's map of a RegNet or an EfficientNet.
 POOL_CASE = (1, 192, 28, 28)

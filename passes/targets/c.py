@@ -45,8 +45,11 @@ C_LIBM = {"log", "pow", "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "co
           "expm1", "log1p", "sigmoid", "erf", "tanh", "exp", "gelu"}
 
 # A convolution over this few input channels is an image model's first (RGB or RGBA):
-# priced at the calibrated stem's rate (conv_time), not as a GEMM of so short a k.
+# priced by the calibrated stems (stem_time), not as a GEMM of so short a k.
 STEM_CHANNELS = 4
+# The calibrated first convolutions (`conv_rates` keys, backends/c/calibrate.STEM_CASES): a
+# 3x3 stride-2 stem, a 7x7 stride-2 stem, a 16x16 stride-16 patch embedding.
+STEM_KINDS = ("stem", "stem7x7", "patch")
 
 # The C backend's flash blocks (queries, keys), tried largest first.
 C_FLASH_BLOCKS = ((128, 256), (128, 128), (64, 128), (64, 64), (32, 64))
@@ -290,7 +293,7 @@ def conv_time(op: TgOp, hw, flops: sympy.Expr) -> sympy.Expr:
         return sympy.Max(flops / rate, (element_count(x) + element_count(out)) * k_cal / rate)
     if groups > 1 and at_nominal(sized(w.shape[1])) == 1:
         return flops / (hw.conv_rate or hw.flops("f32"))
-    if groups == 1 and at_nominal(sized(w.shape[1])) <= STEM_CHANNELS and "stem" in hw.conv_rates:
+    if groups == 1 and at_nominal(sized(w.shape[1])) <= STEM_CHANNELS and any(kind in hw.conv_rates for kind in STEM_KINDS):
         return stem_time(hw, flops, element_count(out))
     window = w.shape[2:]
     kind = "pointwise" if all(at_nominal(sized(d)) == 1 for d in window) else "dense"
@@ -305,24 +308,26 @@ def conv_time(op: TgOp, hw, flops: sympy.Expr) -> sympy.Expr:
 
 
 def stem_time(hw, flops: sympy.Expr, outputs: sympy.Expr) -> sympy.Expr:
-    """An image's first convolution (a 3x3 stem, a ViT's or Swin's patch embedding) reads the
-    caller's plain image of a few channels, no GEMM of so short a k: a time per output element
-    plus its FLOPs at a rate, both solved from the two calibrated ones (a 3x3 stride-2 stem,
-    mostly outputs; a 16x16 patch embedding, mostly FLOPs). With one of them, or where the two
-    do not solve to positive costs: at the nearer one's rate."""
-    samples = [hw.conv_rates[kind] for kind in ("stem", "patch") if kind in hw.conv_rates]
-    # t = outputs * a + flops * b for each sample (m x n outputs, 2mnk FLOPs)
-    rows = [(m * n, 2.0 * m * n * k, 2.0 * m * n * k / rate) for m, n, k, rate in samples]
-    if len(rows) == 2:
-        (o1, f1, t1), (o2, f2, t2) = rows
-        det = o1 * f2 - o2 * f1
-        if det:
-            a, b = (t1 * f2 - t2 * f1) / det, (o1 * t2 - o2 * t1) / det
-            if a > 0 and b > 0:
-                return outputs * a + flops * b
+    """An image's first convolution (a 3x3 or 7x7 stride-2 stem, a ViT's or Swin's patch
+    embedding) reads the caller's plain image of a few channels, no GEMM of so short a k: a
+    time per output element plus its FLOPs at a rate, the two solved from the two calibrated
+    ones (STEM_KINDS) nearest in FLOPs per output on either side (a line through each
+    neighbouring pair, the end ones beyond the last: a 7x7 stem is not priced by what a 3x3's
+    outputs and a 16x16 patch's FLOPs cost). Where no pair solves to positive costs, or one
+    sample alone: at the nearest one's rate."""
+    # (FLOPs per output, time per output) of each sample: m x n outputs, 2mnk FLOPs
+    points = sorted((2.0 * k, 2.0 * k / rate) for m, n, k, rate in
+                    (hw.conv_rates[kind] for kind in STEM_KINDS if kind in hw.conv_rates))
     per_output = at_nominal(flops) / max(at_nominal(outputs), 1.0)
-    _, f, t = min(rows, key=lambda r: abs(math.log(r[1] / r[0]) - math.log(max(per_output, 1e-9))))
-    return flops * t / f
+    if len(points) >= 2:
+        i = min(max(sum(1 for x, _ in points if x <= per_output) - 1, 0), len(points) - 2)
+        (x0, y0), (x1, y1) = points[i], points[i + 1]
+        b = (y1 - y0) / (x1 - x0) if x1 > x0 else 0.0
+        a = y0 - b * x0
+        if a > 0 and b > 0:
+            return outputs * a + flops * b
+    x, y = min(points, key=lambda p: abs(math.log(p[0]) - math.log(max(per_output, 1e-9))))
+    return flops * y / x
 
 
 @memo_hw
