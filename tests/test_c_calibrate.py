@@ -22,6 +22,7 @@ from tilegraph.backends.c.calibrate import CONV_CASES, STEM_CASES
 from tilegraph.ir import Graph, interpret
 from tilegraph.ir.dialect import FusionOp
 from tilegraph.ir.hardware import Hardware, hardware, load_profile
+from tilegraph.ir.ops import Op
 from tilegraph.ir.shapes import info_of
 from tilegraph.passes.cost.model import at, at_nominal, fusion_cost, group_cost, module_cost, op_cost
 from tilegraph.passes.targets.c import C_PARALLEL_MIN, STEM_KINDS, step_memory

@@ -83,6 +83,7 @@ ROW = 256  # row length of the softmax and layer_norm timed (a hidden state's ro
 # ... and the short rows they are timed over too, as many elements in more rows (a 7x7 window's
 # attention scores): what a row costs beyond its elements (`row_overhead`).
 SHORT_ROW = 49
+REDUCE_ROW = 1024  # row length of the sum along rows timed (a hidden state's row)
 TINY = 16  # elements of "a tiny step": its fixed cost dominates
 # Elements per array of the in-cache passes: 2 arrays in and 1 out of both sizes fit two cores'
 # L2 of 1 MiB or more, and both are above the emitted loops' OpenMP threshold.
@@ -228,7 +229,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
     caches = cache_sizes()
     cores = _threads()
     rng = np.random.default_rng(0)
-    bar = Progress(11 + len(loop_ops) + len(shapes), sys.stderr.isatty() if progress is None else progress)
+    bar = Progress(12 + len(loop_ops) + len(shapes), sys.stderr.isatty() if progress is None else progress)
 
     # One chain of unfused adds, short and long, serves every size: its length is symbolic.
     short, long_ = _module(_chain("n", 1)), _module(_chain("n", CHAIN))
@@ -305,6 +306,19 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         if per_element <= 0:  # noise: the rows' rate as measured whole, at ROW
             per_row, per_element = 0.0, 1 / whole
         rates[op], row_overhead[op] = 1 / per_element, per_row
+
+    # A sum along rows, as a fused loop reduces each row (an RMSNorm's mean of squares): one
+    # accumulator a row, each element added to it in turn, far below `add`'s rate in a loop
+    # (ufunc_rates["reduce_sum"]: passes/targets/c.reduction_rate).
+    bar.step("a sum along rows")
+    g = Graph()
+    summed = _module(g.build(g.sum(g.input("x", ("rows", REDUCE_ROW)), axes=(1,), keepdims=True), names=["y"]))
+    sizes = [n // REDUCE_ROW for n in CACHE_SIZES]
+    t_small, t_big = _quiet_times([_call(summed, rng.standard_normal((r, REDUCE_ROW), dtype=np.float32)) for r in sizes],
+                                  budget)
+    e_small, e_big = (r * REDUCE_ROW for r in sizes)
+    rates[Op.reduce_sum] = (e_big - e_small) / (t_big - t_small) if t_big > t_small * 1.05 \
+        else e_big / max(t_big - launch, 1e-9)
 
     # A gather's row copy (embeddings; priced alike: every copy, concat, pad): one gather more
     # in the module, from an intermediate into the arena (the output's fresh pages cancel).

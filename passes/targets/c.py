@@ -232,13 +232,18 @@ def reduction_rate(hw, op: TgOp) -> float:
     """Elements/s a reduction reads in a C loop: a sum or mean whose kept channels lie
     contiguous (a global average pool over a convolution's channels-last result) at its
     kernel's calibrated rate (`pool_rate`): rows of channels added into blocks of accumulators,
-    far below a fused loop's `add`; any other at its op's loop rate."""
-    if hw.pool_rate and op.op_name in (Op.reduce_sum, Op.reduce_mean):
+    far below a fused loop's `add`; any other sum or mean adds each row's elements into one
+    accumulator in turn (backends/c/groups.py), a chain of dependent adds: at the calibrated
+    sum along rows (`ufunc_rates["reduce_sum"]`, an RMSNorm's mean of squares ran at a tenth
+    of `add`'s rate); any other reduction at its op's loop rate."""
+    if op.op_name in (Op.reduce_sum, Op.reduce_mean):
         x = op.operands[0]
         shape = info_of(x.type).shape
         axes = sorted(int(a) % len(shape) for a in op.attr("axes"))
         if reduces_rows_of_channels(shape, strides_of(x, layouts()), axes):
-            return hw.pool_rate
+            return hw.pool_rate or loop_rate(hw, op.op_name)
+        if Op.reduce_sum in hw.ufunc_rates:  # a mean is the same sum, divided once at the end
+            return hw.ufunc_rates[Op.reduce_sum]
     return loop_rate(hw, op.op_name)
 
 
