@@ -504,9 +504,9 @@ def _others_between(start: tuple[float, float, float], end: tuple[float, float, 
     return max(0.0, (end[0] - start[0]) - (end[1] - start[1])) / max(end[2] - start[2], 1e-9)
 
 
-def _busy_cores(used: float) -> int:
-    """0 below BUSY_CORES of a core on average (quiet), else the cores' worth used, at least 1."""
-    return 0 if used < BUSY_CORES else max(1, round(used))
+def _busy_cores(used: float, quiet_below: float = BUSY_CORES) -> int:
+    """0 below `quiet_below` of a core on average (quiet), else the cores' worth used, at least 1."""
+    return 0 if used < quiet_below else max(1, round(used))
 
 
 def busy_count(start: tuple[float, float, float] | None) -> int:
@@ -535,7 +535,7 @@ class Neighbours:
         if now is not None and (since is None or now[2] - since[2] >= QUIET_WINDOW):
             used = _others_between(since, now) if since and now[2] - since[2] <= RECENT else None
             # a neighbour that started since the last look used part of the window: not quiet is busy
-            self._busy = None if used is None else 0 if used < QUIET_CORES else max(1, round(used))
+            self._busy = None if used is None else _busy_cores(used, QUIET_CORES)
             self._since = now
         if running == 0:
             return 0

@@ -4,8 +4,9 @@ A value a computing op writes lies in a buffer at some strides (contiguous, or c
 where a backend writes it so); reshape, transpose, broadcast, slice and split only look at it
 differently, with new strides, until a reshape merges dims that do not walk memory as one run
 (a transpose's dims): NumPy copies there, and so does the C backend (backends/c/views.py, which
-reads its no-copy strides from here). The C target's pricing (passes/targets/c.py) asks the same
-question of the IR, with the backend's own rule for where a computing op's result lies.
+reads its no-copy strides from here). Where a computing op's result lies in the C backend is
+one rule, `result_strides`: its emitter lays out each fresh buffer by it, and the C target's
+pricing (passes/targets/c.py) asks it of the IR.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from tilegraph.ir.shapes import Dim, info_of
 
 __all__ = ["contiguous_strides", "channels_last_strides", "is_channels_last", "unit_dims_strided",
            "reshaped_strides", "is_contiguous", "sole_reader", "laid_out_for_reader", "strides_of", "reshape_copies",
-           "reduces_rows_of_channels"]
+           "reduces_rows_of_channels", "rows_collapse", "strides_like", "result_strides"]
 
 
 def _eq(a, b) -> bool:
@@ -87,6 +88,44 @@ def laid_out_for_reader(value: SSAValue) -> tuple | None:
     shape = info_of(value.type).shape
     moved = contiguous_strides(tuple(shape[p] for p in perm))
     return tuple(moved[perm.index(i)] for i in range(len(perm)))
+
+
+def rows_collapse(shape: Sequence[Dim], strides: Sequence) -> bool:
+    """Whether the leading dims and the rows of (shape, strides) walk memory as one run of rows."""
+    return all(_is_one(shape[i]) or _eq(strides[i], strides[i + 1] * shape[i + 1]) for i in range(len(shape) - 2))
+
+
+def strides_like(shape: Sequence[Dim], operands: Sequence[tuple[Sequence[Dim], Sequence | None]]) -> tuple:
+    """A loop's result channels-last where an operand of its rank is ((shape, strides) each,
+    strides None for a literal), so the loop walks them alike; else row-major."""
+    if any(st is not None and len(sh) == len(shape) and is_channels_last(sh, st) for sh, st in operands):
+        return channels_last_strides(shape)
+    return contiguous_strides(shape)
+
+
+def result_strides(value: SSAValue, operand_strides: Callable[[SSAValue], Sequence | None]) -> tuple:
+    """Where the C backend writes `value`, computed by its op, given where the values it reads
+    lie (`operand_strides`; None for a literal):
+    - a convolution's result channels-last (oneDNN's fast kernels);
+    - x[..., M, K] @ W[K, N] with x's rows in one run: one 2-D GEMM over all rows, row-major;
+      another matmul's or an attention's as its transposing reader wants it;
+    - an elementwise op's, a pool's or a pad's as its operands (`strides_like`);
+    - anything else row-major."""
+    op, shape = value.owner, info_of(value.type).shape
+    if isinstance(op, TgOp) and len(shape) >= 3:
+        name = op.op_name
+        if name == Op.conv:
+            return channels_last_strides(shape)
+        if name == Op.matmul and info_of(op.operands[1].type).rank == 2:
+            x = op.operands[0]
+            st = operand_strides(x)
+            if st is not None and rows_collapse(info_of(x.type).shape, st):
+                return contiguous_strides(shape)
+        if name in (Op.matmul, Op.attention):
+            return laid_out_for_reader(value) or contiguous_strides(shape)
+        if op.SPEC.pointwise or name in (Op.max_pool, Op.avg_pool, Op.pad):
+            return strides_like(shape, [(info_of(x.type).shape, operand_strides(x)) for x in op.operands])
+    return contiguous_strides(shape)
 
 
 def is_contiguous(shape: Sequence[Dim], strides: Sequence) -> bool:

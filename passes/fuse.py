@@ -135,8 +135,10 @@ class _Fuser:
                        max(a.version, b.version) + 1)
         for op in merged.ops:
             self.group_of[op] = merged
-        preds = (set(self.graph.predecessors(a)) | set(self.graph.predecessors(b))) - {a, b}
-        succs = (set(self.graph.successors(a)) | set(self.graph.successors(b))) - {a, b}
+        # in graph order, never a set's: ties in the heap fall to the push order, and an order by
+        # object address would fuse two clones of one module differently
+        preds = [n for n in dict.fromkeys([*self.graph.predecessors(a), *self.graph.predecessors(b)]) if n not in (a, b)]
+        succs = [n for n in dict.fromkeys([*self.graph.successors(a), *self.graph.successors(b)]) if n not in (a, b)]
         self.graph.remove_nodes_from([a, b])
         self.graph.add_node(merged)
         self.graph.add_edges_from((p, merged) for p in preds)
@@ -236,7 +238,7 @@ class _Fuser:
         counter = itertools.count()
         heap: list = []
         seen: set = set()
-        for g in set(self.group_of.values()):
+        for g in sorted(set(self.group_of.values()), key=lambda g: g.index):
             for a, b in self._candidates(g):
                 if (a, b) not in seen:
                     seen.add((a, b))

@@ -20,7 +20,9 @@ import pytest
 import tilegraph
 from tilegraph.backends.c.calibrate import CONV_CASES, STEM_CASES
 from tilegraph.ir import Graph, interpret
-from tilegraph.ir.dialect import FusionOp
+from tilegraph.ir.dialect import FusionOp, TgOp
+from tilegraph.ir.fusion import VIEW_OPS
+from tilegraph.ir.ops import Op
 from tilegraph.ir.hardware import Hardware, hardware, load_profile
 from tilegraph.ir.ops import Op
 from tilegraph.ir.shapes import info_of
@@ -296,6 +298,41 @@ def test_a_reshape_is_priced_as_the_copy_the_c_backend_makes(case):
     xs = [np.random.default_rng(1).standard_normal(tuple(int(d) for d in i.shape)).astype(np.float32)
           for i in model.inputs]
     assert_close(tilegraph.compile(model, target="c")(*xs), interpret(model, xs)[0], "f32", reduction_length=64)
+
+
+def test_every_buffer_the_c_emitter_lays_out_lies_where_the_c_target_prices_it():
+    """One rule (ir/strides.result_strides) places a computed value in the C backend: the
+    emitter's buffers and the target's answer agree for convolutions, residual adds, pools,
+    pads, attention laid out for its reader, and a GEMM over all rows whose weight is an input
+    (a training step's; the target used to lay it out for its transposing reader)."""
+    from tilegraph.backends.c.emit import CEmitter
+    from tilegraph.ir.strides import strides_of
+    from tilegraph.passes.targets.c import layouts
+
+    rng = np.random.default_rng(0)
+    cases = [model for _, model in _reshape_cases()]
+    g = Graph()
+    w1, w2 = (g.weight(n, rng.standard_normal(s).astype(np.float32)) for n, s in (("w1", (8, 8, 3, 3)), ("w2", (8, 8, 1, 1))))
+    y = g.op("relu", g.op("conv", g.input("x", (1, 8, 14, 14)), w1, pads=(1, 1, 1, 1)))
+    p = g.op("max_pool", g.op("conv", y, w2) + y, kernel=(2, 2), strides=(2, 2))
+    q = g.op("tanh", g.op("pad", p, pads=(0, 0, 1, 1, 0, 0, 1, 1), mode="constant", value=0.0))
+    cases.append(g.build(g.op("tanh", q + g.input("r", (1, 8, 9, 9))), names=["y"]))
+    g = Graph()
+    xw = g.matmul(g.input("a", (2, 16, 32)), g.input("w", (32, 24)))
+    cases.append(g.build(g.op("tanh", g.transpose(xw, (1, 0, 2))), names=["y"]))
+    compared = 0
+    for model in cases:
+        em = CEmitter(run_pipeline(model, default_pipeline("c")))
+        em.run()
+        rule = layouts()
+        for v, view in em.views.items():
+            if isinstance(v.owner, (TgOp, FusionOp)) and view.literal is None and view.rank >= 3 and \
+                    getattr(v.owner, "op_name", None) not in {*VIEW_OPS, Op.split, Op.weight}:
+                want = strides_of(v, rule)
+                assert all(d == 1 or a == b for d, a, b in zip(view.shape, view.strides, want)), \
+                    (v.owner, view.shape, view.strides, want)
+                compared += 1
+    assert compared >= 12
 
 
 def test_a_convolution_is_priced_a_primitive_call_besides_its_work():

@@ -43,11 +43,11 @@ from tilegraph.backends.c.loops import Loops
 from tilegraph.backends.c.onednn import OneDNN, chain_convolutions
 from tilegraph.backends.c.quant import Quantized
 from tilegraph.backends.c.tables import CTYPES, FLOATS, KNOWN
-from tilegraph.backends.c.views import (LOWER, Buffer, Ints, Step, Unsupported, View, Views, _describe, _eq, c_comment, c_float, channels_last_strides, lowers)
+from tilegraph.backends.c.views import (LOWER, Buffer, Ints, Step, Unsupported, View, Views, _describe, _eq, c_comment, c_float, lowers)
 from tilegraph.backends.lowering import table
 from tilegraph.backends.program import flatten
 from tilegraph.ir.dialect import FusionOp, TgOp
-from tilegraph.ir.strides import is_channels_last, laid_out_for_reader
+from tilegraph.ir.strides import is_channels_last, result_strides
 from tilegraph.ir.model import Model, ModelError
 from tilegraph.ir.ops import Op, OPS
 
@@ -175,18 +175,16 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
 
     # --- computing ops ------------------------------------------------------------
 
-    def _temp(self, info, like: View | None = None) -> View:
-        """A new intermediate; channels-last when `like`, a value of its rank, is."""
+    def _temp(self, info, strides: tuple | None = None) -> View:
+        """A new intermediate, row-major or at `strides`."""
         view = self._new_buffer("temp", info.dtype, info.shape)
-        if like is not None and self.is_channels_last(like) and like.rank == len(info.shape):
-            view = View(view.buf, view.offset, view.shape, channels_last_strides(view.shape), view.dtype)
-        return view
+        return view if strides is None else View(view.buf, view.offset, view.shape, strides, view.dtype)
 
-    @staticmethod
-    def _laid_out_for_reader(op: TgOp, out: View) -> View:
-        """`out` (a fresh buffer) laid out as its one reader wants it (ir/strides.laid_out_for_reader)."""
-        strides = laid_out_for_reader(op.results[0])
-        return out if strides is None else View(out.buf, out.offset, out.shape, strides, out.dtype)
+    def _result(self, op: TgOp, xs: Sequence[View], info=None) -> View:
+        """A new buffer for `op`'s result (of `info`, its own by default), laid out where the C
+        backend's one rule puts it given the views it reads (ir/strides.result_strides)."""
+        strides = dict(zip(op.operands, ((None if x.literal is not None else x.strides) for x in xs)))
+        return self._temp(info or op.result_infos()[0], result_strides(op.results[0], strides.get))
 
     def is_channels_last(self, view: View) -> bool:
         return view.literal is None and is_channels_last(view.shape, view.strides)
@@ -216,7 +214,7 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
         q, k, v = (x if _eq(x.strides[-1], 1) and sympy.sympify(x.strides[-2] - x.shape[-1]).is_nonnegative
                    else self.materialize(x) for x in xs[:3])
         mask = xs[3] if len(xs) > 3 else None
-        out = self._laid_out_for_reader(op, self._temp(info))
+        out = self._result(op, [q, k, v, *xs[3:]])
         group = op.parent_op()
         tile = group.tile() if isinstance(group, FusionOp) else {}  # the flash blocks `tile` chose
         blocks = [tile.get("block_q", 64), tile.get("block_kv", 64)]

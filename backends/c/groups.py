@@ -11,6 +11,7 @@ from tilegraph.backends.c.tables import CTYPES, FLOATS, REDUCE_INIT, REDUCE_STEP
 from tilegraph.backends.c.views import (EmitterParts, Step, Unsupported, View, lowers, _describe, _eq, _is_one, _only_use,
                                         _row_stride, c_float, contiguous_strides)
 from tilegraph.ir.dialect import FusionOp, TgOp
+from tilegraph.ir.strides import strides_like
 from tilegraph.ir.fusion import GroupKind, group_kind
 from tilegraph.ir.shapes import info_of, numel
 from tilegraph.ir.ops import OPS, Op
@@ -189,14 +190,14 @@ class Groups(EmitterParts):
         if any(len(info_of(y.type).shape) != len(shape) or
                not all(_eq(a, b) for a, b in zip(info_of(y.type).shape, shape)) for y in yields):
             return False
-        like = next((v for v in inputs.values() if self.is_channels_last(v)), None)
+        laid_out = strides_like(shape, [(v.shape, None if v.literal is not None else v.strides) for v in inputs.values()])
         # `into`: a value the loop reads and nothing reads after it (a GEMM's result), of the
         # result's shape: each element is read, then written, at the same place.
         if into is not None and len(yields) == 1 and into.dtype == info_of(yields[0].type).dtype and \
                 into.rank == len(shape) and all(_eq(a, b) for a, b in zip(into.shape, shape)):
             outs = [(yields[0], into)]
         else:
-            outs = [(y, self._in_place(group, y, inputs, consumer) or self._temp(info_of(y.type), like=like))
+            outs = [(y, self._in_place(group, y, inputs, consumer) or self._temp(info_of(y.type), laid_out))
                     for y in yields]
         # Operands are named by the values the loop reads.
         self.elementwise(body, computed, inputs, outs, group)

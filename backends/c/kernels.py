@@ -317,7 +317,7 @@ class Kernels(EmitterParts):
             raise Unsupported("avg_pool with ceil_mode")
         strides = list(op.attr("strides") or [1] * nd)
         pads = list(op.attr("pads") or [0] * (2 * nd))
-        out = self._temp(info, like=x if self.is_channels_last(x) else None)
+        out = self._result(op, [x])
         channels_last = self.is_channels_last(x)
         out_view = out
         if nd == 1:  # (N, C, W) as (N, C, 1, W)
@@ -414,7 +414,7 @@ class Kernels(EmitterParts):
         if op.attr("mode") != "constant" or any(not (isinstance(p, int) and p >= 0) for p in pads):
             raise Unsupported("pad: constant mode, pads >= 0")
         info = op.result_infos()[0]
-        out = self._temp(info, like=x)
+        out = self._result(op, [x])
         value = op.attr("value")
         literal = (c_float(value, info.dtype) if info.dtype in FLOATS
                    else f"(({CTYPES[info.dtype]}){int(value)})")

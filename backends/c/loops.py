@@ -114,7 +114,7 @@ class Loops(EmitterParts):
     @lowers(*(name for name, spec in OPS.items() if spec.pointwise and name in EXPRESSIONS))
     def pointwise(self, op: TgOp, xs: list[View]) -> View:
         """One elementwise op outside a group: a loop of its own."""
-        out = self._temp(op.result_infos()[0], like=xs[0])
+        out = self._result(op, xs)
         self.elementwise([op], {r: None for r in op.results}, dict(zip(op.operands, xs)), [(op.results[0], out)], op)
         return out
 

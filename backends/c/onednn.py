@@ -11,6 +11,7 @@ from tilegraph.backends.c.tables import DNNL_BINARY, DNNL_ELTWISE, DNNL_TYPES, K
 from tilegraph.backends.c.views import (EmitterParts, Unsupported, View, lowers, _describe, _eq, _is_one, _only_use,
                                         _plain_strides, _row_stride, channels_last_strides)
 from tilegraph.ir.dialect import FusionOp, TgOp
+from tilegraph.ir.strides import rows_collapse
 from tilegraph.ir.fusion import ELTWISE_POSTS
 from tilegraph.ir.shapes import TensorInfo, info_of, numel
 from tilegraph.ir.ops import Op
@@ -250,10 +251,10 @@ class OneDNN(EmitterParts):
                 sympy.sympify(d).is_number for d in info.shape + a.shape[-1:]) and \
                 int(numel(info.shape)) * int(a.shape[-1]) <= SMALL_GEMM:
             return self._small_matmul(op, a, b, info), 0
-        out = self._temp(info)
+        out = self._result(op, [a, b], info)
         weight = self.buffers[b.buf].storage in KNOWN and b.rank == 2
         rank = max(a.rank, b.rank)
-        if b.rank == 2 and self._collapsible(a):
+        if b.rank == 2 and rows_collapse(a.shape, a.strides):
             # x[..., M, K] @ W[K, N] is one 2-D GEMM over all rows, which takes post-ops; so
             # where W is an input (a training step's weights), packed per call then.
             rows = numel(a.shape[:-1])
@@ -269,7 +270,7 @@ class OneDNN(EmitterParts):
                 dims = [1 if rows_bc else rows, 1 if _eq(full.strides[-1], 0) else info.shape[-1]]
                 return dims, [row if not rows_bc else dims[1], full.strides[-1] if dims[1] != 1 else 1]
         else:
-            c = out = self._laid_out_for_reader(op, out)
+            c = out
 
             def geometry(full: View):
                 # Batched GEMMs take no binary post-ops: oneDNN 3.2 gave MiniLM's attention
@@ -298,7 +299,7 @@ class OneDNN(EmitterParts):
     def _small_matmul(self, op: TgOp, a: View, b: View, info) -> View:
         """A GEMM too small for a library call to pay (an RNN step, a tiny model's heads) as
         loops: each row of the result accumulates rows of b, one simd loop over the columns."""
-        out = self._laid_out_for_reader(op, self._temp(info))
+        out = self._result(op, [a, b], info)
         batch = tuple(info.shape[:-2])
         m, n, k = info.shape[-2], info.shape[-1], a.shape[-1]
         a_b, b_b = (self.broadcast(View(v.buf, v.offset, v.shape[:-2], v.strides[:-2], v.dtype), batch)
@@ -325,13 +326,6 @@ class OneDNN(EmitterParts):
         ]
         self._step(_describe(op), lines, [a, b], [out])
         return out
-
-    def _collapsible(self, a: View) -> bool:
-        """Whether a's leading dims and rows walk memory as one run of rows."""
-        for i in range(a.rank - 2):
-            if not (_is_one(a.shape[i]) or _eq(a.strides[i], a.strides[i + 1] * a.shape[i + 1])):
-                return False
-        return True
 
     @staticmethod
     def _lead(v: View, rank: int) -> View:
@@ -376,8 +370,7 @@ class OneDNN(EmitterParts):
             (lambda add, v, o: self._accumulates_into(group, add, v, o, info.shape, [x, w, bias]))
         posts, post_views, covered, into = self._posts(chain, op.results[0], env, info.shape, geometry, accumulate)
         if into is None:
-            out = self._temp(info)
-            out = View(out.buf, out.offset, out.shape, channels_last_strides(out.shape), out.dtype)
+            out = self._result(op, xs)
         else:  # the residual's buffer: the step reads it (the sum) and writes the result there
             out = View(into.buf, into.offset, tuple(info.shape), channels_last_strides(info.shape), into.dtype)
         k = self._new_prim()

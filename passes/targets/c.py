@@ -27,8 +27,7 @@ from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.fusion import ANCHORS, ELTWISE_POSTS, VIEW_OPS
 from tilegraph.ir.ops import Op
 from tilegraph.ir.shapes import info_of
-from tilegraph.ir.strides import (channels_last_strides, contiguous_strides, is_channels_last, laid_out_for_reader,
-                                  reduces_rows_of_channels, reshape_copies, strides_of)
+from tilegraph.ir.strides import reduces_rows_of_channels, reshape_copies, result_strides, strides_of
 from tilegraph.passes.cost.model import (Cost, at_nominal, cold_bytes, element_count, free, gemm_rate, group_traffic,
                                          interpolate, matmul_shape, memo_hw, nbytes, op_bytes, op_flops, parallel_speedup,
                                          prod, sized, through_views)
@@ -103,30 +102,9 @@ def layouts() -> Callable[[SSAValue], tuple]:
 
 
 def written(value: SSAValue, rule: Callable[[SSAValue], tuple]) -> tuple:
-    """Where the C backend lays out a value an op computes (ir/strides.strides_of asks, `rule`
-    answering for the values it reads): a
-    convolution's result channels-last (oneDNN's fast kernels), an attention's or a batched
-    GEMM's as its transposing reader wants it, an elementwise loop's, a pool's or a pad's as
-    its channels-last operand (the emitter's `like`), anything else row-major."""
-    op, info = value.owner, info_of(value.type)
-    shape = info.shape
-    if isinstance(op, TgOp) and len(shape) >= 3:
-        if op.op_name == Op.conv:
-            return channels_last_strides(shape)
-        if op.op_name == Op.attention or (op.op_name == Op.matmul and not _on_weight(op)):
-            return laid_out_for_reader(value) or contiguous_strides(shape)
-        if op.SPEC.pointwise or op.op_name in (Op.max_pool, Op.avg_pool, Op.pad):
-            for x in op.operands:
-                if len(info_of(x.type).shape) == len(shape) and is_channels_last(info_of(x.type).shape,
-                                                                                 strides_of(x, rule)):
-                    return channels_last_strides(shape)
-    return contiguous_strides(shape)
-
-
-def _on_weight(op: TgOp) -> bool:
-    """x @ W with W a weight: one 2-D GEMM over all rows, written row-major."""
-    b = through_views(op.operands[1])
-    return isinstance(b.owner, TgOp) and b.owner.op_name == Op.weight
+    """Where the C backend lays out a value an op computes (ir/strides.result_strides, the rule
+    its emitter lays out buffers by), `rule` answering for the values it reads."""
+    return result_strides(value, lambda x: strides_of(x, rule))
 
 
 def _reshape_copy(op: TgOp, hw) -> Cost:

@@ -67,8 +67,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="mixed precision, as --max-error: keep the outputs' mean cosine similarity at least this")
     qz.add_argument("--fallback", default="w8", choices=["none", *SCHEMES],
                     help="with --max-error / --min-cosine: a second scheme a layer may get (default: w8)")
-    qz.add_argument("--hardware", default="cpu", help="with --max-error / --min-cosine: the hardware the speed is "
-                                                   "predicted for: h100, h200, a100 or cpu (default)")
+    _hardware(qz, "cpu", "with --max-error / --min-cosine: the hardware the speed is predicted for")
     qz.add_argument("--block-format", default=None, choices=list(BLOCK_FORMATS),
                     help="with -o x.gguf and a transformers model folder (config.json and its weights): write a "
                          "GGUF file, matrices in this GGUF block format (default: q8_0), read by tilegraph.compile "
@@ -131,9 +130,8 @@ def _parser() -> argparse.ArgumentParser:
                                       "names one, e.g. -p 'canonicalize,fuse{hardware=cpu}'.")
     _shared(cost, pipeline=PIPELINE,
             dim=f"size of a symbolic dimension, e.g. --dim batch=8 (default: {DEFAULT_DIM} each)")
-    cost.add_argument("--hardware", default="cpu",
-                      help="hardware: h100, h200, a100, cpu (this machine's calibrated profile for the NumPy "
-                           "backend; default) or c (the same for the C backend)")
+    _hardware(cost, "cpu", "the hardware priced (cpu: this machine's calibrated profile for the NumPy backend; c: "
+                           "the same for the C backend)")
     cost.add_argument("--symbolic", action="store_true",
                       help="print the formulas (FLOPs, bytes, time as functions of the symbolic dims)")
     cost.add_argument("--decode", action="store_true",
@@ -160,7 +158,7 @@ def _parser() -> argparse.ArgumentParser:
                             "config.json (GPT-2's or Llama's fields) or a named shape (llama-7b, llama-13b, "
                             "llama-70b, gpt2, gpt2-xl); its weights are never materialised")
     shard.add_argument("--mesh", default="8", help="device mesh: 8, or 2x4 (axes; the last inside a node)")
-    shard.add_argument("--hardware", default="h100", help="the devices: h100, h200 or a100")
+    _hardware(shard, "h100", "the devices", gpus=True)
     shard.add_argument("--memory", default="", help="memory budget per device, e.g. 40GB (default: the device's)")
     shard.add_argument("--inference", action="store_true", help="plan a forward pass, not a training step")
     shard.add_argument("--symbolic", action="store_true",
@@ -181,7 +179,7 @@ def _parser() -> argparse.ArgumentParser:
             dim="size of a symbolic dimension (default: the number of devices)")
     dist.add_argument("--devices", type=int, required=True, help="how many processes (the mesh, unless --mesh)")
     dist.add_argument("--mesh", default=None, help="mesh shape, e.g. 2x2 (default: --devices on one axis)")
-    dist.add_argument("--hardware", default="h100", help="the hardware the plan is costed for (default h100)")
+    _hardware(dist, "h100", "the devices the plan is costed for", gpus=True)
     dist.add_argument("--seed", type=_non_negative, default=0)
     dist.add_argument("--backend", default="numpy", choices=["numpy", "c"],
                       help="the backend that compiles each device's ops between its collectives (default numpy; "
@@ -222,6 +220,15 @@ def _shared(parser: argparse.ArgumentParser, model: str = MODEL, output: str | N
         parser.add_argument("-p", "--pipeline", default=None, help=pipeline)
     if dim:
         parser.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE", help=dim)
+
+
+def _hardware(parser: argparse.ArgumentParser, default: str, help: str, gpus: bool = False) -> None:
+    """--hardware: a target of ir/hardware.TARGETS (only its GPUs where `gpus`; the command names
+    another one in its error)."""
+    from tilegraph.ir.hardware import GPUS, TARGETS
+
+    names = GPUS if gpus else TARGETS
+    parser.add_argument("--hardware", default=default, help=f"{help}: {', '.join(names)} (default: {default})")
 
 
 def _non_negative(text: str) -> int:
