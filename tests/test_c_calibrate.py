@@ -390,6 +390,38 @@ def test_a_global_average_pool_is_priced_at_the_calibrated_pool_rate():
     assert "acc[j] += row[j]" not in emit_program(plain).source
 
 
+def test_a_sum_along_rows_is_priced_at_the_calibrated_row_reduction_rate():
+    """A sum or mean along rows (an RMSNorm's mean of squares, alone or in its fused group) is
+    one accumulator a row that every element is added to in turn: priced at the calibrated
+    `ufunc_rates["reduce_sum"]` (Llama's RMSNorm groups took 7-9x their price at `add`'s
+    rate), and the emitter runs that loop. Without the rate: `add`'s, as before."""
+    from dataclasses import replace
+
+    from tilegraph.backends.c.emit import emit_program
+    from tilegraph.passes.targets.c import loop_rate
+
+    base = hardware("c")
+    hw = replace(base, ufunc_rates={**base.ufunc_rates, "reduce_sum": 1e9})
+    rng = np.random.default_rng(0)
+    rows, width = 128, 1024
+    g = Graph()
+    x = g.input("x", (1, rows, width))
+    y = x * g.op("rsqrt", g.mean(x * x, axes=(-1,), keepdims=True) + g.constant(np.float32(1e-6))) \
+        * g.weight("w", rng.standard_normal(width).astype(np.float32))
+    model = g.build(y, names=["y"])
+    mean = _op_named(model, "reduce_mean")
+    assert at(op_cost(mean, hw).compute_time) == pytest.approx(rows * width / 1e9)
+    assert at(op_cost(mean, base).compute_time) == pytest.approx(rows * width / loop_rate(base, "add"))
+    compiled = run_pipeline(model, default_pipeline("c"))
+    (group,) = [op for op in compiled.func.body.block.ops if isinstance(op, FusionOp)]
+    assert {Op.reduce_mean, Op.mul} <= {op.op_name for op in group.ops}
+    slower = replace(hw, ufunc_rates={**hw.ufunc_rates, "reduce_sum": 0.5e9})
+    assert at(fusion_cost(group, slower).time) - at(fusion_cost(group, hw).time) == pytest.approx(rows * width / 1e9)
+    assert "double acc = 0;" in emit_program(compiled).source  # one accumulator a row
+    xs = [rng.standard_normal((1, rows, width)).astype(np.float32)]
+    assert_close(tilegraph.compile(model, target="c")(*xs), interpret(model, xs)[0], "f32", reduction_length=width)
+
+
 def test_an_image_models_first_convolution_is_priced_by_the_calibrated_stems():
     """A convolution over an image's 3 channels (a stem, a Swin or ViT patch embedding, kernel
     = stride) is no GEMM of its short k (a 4x4/4 priced as a 3x3's efficiency took 3x its
@@ -484,3 +516,29 @@ def test_activations_a_convolution_applies_as_it_writes_cost_no_loop():
     # a sigmoid of the input, added after: a loop of its own
     model, fused = group(lambda g, x, y: y + g.op("sigmoid", x))
     assert at(fusion_cost(fused, hw).time) >= alone(fused) + loop
+
+
+def test_an_activation_that_evaluates_an_exp_costs_each_element_the_calibrated_post_rate():
+    """A post-op that evaluates an exp (a swish, a sigmoid, a gelu) costs oneDNN's pass each
+    element it writes at the calibrated `ufunc_rates["eltwise_post"]` (free, EfficientNet's
+    swish convolutions took twice their price); a relu stays free; the swish counts once."""
+    from dataclasses import replace
+
+    from tilegraph.ir.fusion import POST_RATE
+
+    rng = np.random.default_rng(0)
+    base = hardware("c")
+    hw = replace(base, ufunc_rates={**base.ufunc_rates, POST_RATE: 1e9})
+    written = 32 * 28 * 28
+
+    def extra(act):  # what the post-op rate adds to the group over the same group priced without it
+        g = Graph()
+        x = g.input("x", (1, 32, 28, 28))
+        y = g.op("conv", x, g.weight("w", rng.standard_normal((32, 32, 3, 3)).astype(np.float32) / 17), pads=(1,) * 4)
+        model = run_pipeline(g.build(act(g, y), names=["y"]), default_pipeline("c"))
+        (fused,) = [op for op in model.func.body.block.ops if isinstance(op, FusionOp)]
+        return at(fusion_cost(fused, hw).time) - at(fusion_cost(fused, base).time)
+
+    assert extra(lambda g, y: g.op("relu", y)) == pytest.approx(0.0, abs=1e-12)
+    for act in (lambda g, y: g.op("sigmoid", y) * y, lambda g, y: g.op("gelu", y), lambda g, y: g.op("sigmoid", y)):
+        assert extra(act) == pytest.approx(written / 1e9)

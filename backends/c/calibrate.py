@@ -41,7 +41,7 @@ from tilegraph.ir.calibration import (ATTENTION_BATCH, ATTENTION_HEAD_DIMS, ATTE
                                      cache_sizes, measure_and_save, median_times, physical_memory, table)
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.errors import TilegraphError
-from tilegraph.ir.fusion import GroupKind, outline
+from tilegraph.ir.fusion import POST_RATE, GroupKind, outline
 from tilegraph.ir.hardware import Hardware, c_profile_path, cpu_model
 from tilegraph.ir.ops import Op
 
@@ -109,26 +109,41 @@ def _quiet_times(fns, budget: float) -> list[float]:
     return median_times(fns, budget, quantile=QUIET)
 
 
-def _after_depthwise(rng, xs, then=None):
+def _after_depthwise(rng, xs, then=None, group: GroupKind | None = None):
     """(module, output shape) of a depthwise 3x3 over an input of shape `xs`, then (where
-    given) `then(graph, y)` of its result: what is timed reads its input as a model's
-    convolutions hand it on (channels-last, as the one before wrote it), not a plain array from
-    the caller that it would reorder first."""
+    given) `then(graph, y)` of its result, in one group of kind `group` where one is given:
+    what is timed reads its input as a model's convolutions hand it on (channels-last, as the
+    one before wrote it), not a plain array from the caller that it would reorder first."""
     g = Graph()
     pre = (rng.standard_normal((xs[1], 1, 3, 3)) / 3).astype(np.float32)
     y = g.op("conv", g.input("x", xs), g.weight("pre", pre), pads=(1, 1, 1, 1), groups=xs[1])
     if then is not None:
         y = then(g, y)
-    return _module(g.build(y, names=["y"])), y.shape
+    model = g.build(y, names=["y"])
+    return _module(_outline_after_first(model, group) if group else model), y.shape
 
 
-def _conv_then(rng, ws, groups: int):
-    """A convolution of weight shape `ws`, 'same' padded, to run after another (_after_depthwise)."""
+def _conv_then(rng, ws, groups: int, swish: bool = False):
+    """A convolution of weight shape `ws`, 'same' padded, to run after another
+    (_after_depthwise), and a swish of its result where asked."""
     def then(g, y):
         w = g.weight("w", (rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:]))).astype(np.float32))
         pad = ws[-1] // 2
-        return g.op("conv", y, w, pads=(pad, pad, pad, pad), groups=groups)
+        z = g.op("conv", y, w, pads=(pad, pad, pad, pad), groups=groups)
+        return z * g.op("sigmoid", z) if swish else z
     return then
+
+
+def _outline_after_first(model, kind: GroupKind):
+    """`model` with every computing op after its first (the depthwise of _after_depthwise) in
+    one tg.fusion of `kind`, as `fuse` outlines a convolution and its epilogue."""
+    block = model.func.body.block
+    ops = [op for op in block.ops if isinstance(op, TgOp) and op.op_name not in (Op.weight, Op.constant)][1:]
+    inside = set(ops)
+    inputs = list(dict.fromkeys(v for op in ops for v in op.operands if v.owner not in inside))
+    outline(ops, kind, inputs, [v for v in block.last_op.operands if v.owner in inside], block.last_op)
+    model.verify()
+    return model
 
 
 def _tiny_convs(rng, count: int):
@@ -229,7 +244,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
     caches = cache_sizes()
     cores = _threads()
     rng = np.random.default_rng(0)
-    bar = Progress(12 + len(loop_ops) + len(shapes), sys.stderr.isatty() if progress is None else progress)
+    bar = Progress(13 + len(loop_ops) + len(shapes), sys.stderr.isatty() if progress is None else progress)
 
     # One chain of unfused adds, short and long, serves every size: its length is symbolic.
     short, long_ = _module(_chain("n", 1)), _module(_chain("n", CHAIN))
@@ -376,6 +391,19 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         gemm = (int(np.prod(out_shape)) // ws[0], ws[0] // groups, int(np.prod(ws[1:])))  # one group's (m, n, k)
         conv_rates[kind] = (*gemm, conv_flops / max(t_both - t_before, t_both / 10))
     conv_rate = conv_rates["dense"][3]
+
+    # A transcendental activation oneDNN applies as a convolution writes (a swish, sigmoid(y) * y,
+    # as EfficientNet's convolutions take it): the pointwise convolution with and without it, each
+    # one group after the depthwise, the difference per element (ufunc_rates["eltwise_post"]).
+    bar.step("an activation a convolution applies")
+    xs, ws, _ = CONV_CASES["pointwise"]
+    (plain, out_shape), (swish, _) = (_after_depthwise(rng, xs, _conv_then(rng, ws, 1, post), GroupKind.CONV_EPILOGUE)
+                                      for post in (False, True))
+    xc = rng.standard_normal(xs, dtype=np.float32)
+    t_plain, t_swish = _quiet_times((_call(plain, xc), _call(swish, xc)), budget)
+    written = int(np.prod(out_shape))
+    if t_swish > t_plain * 1.02:  # else within noise of nothing: priced free, as without the rate
+        rates[POST_RATE] = written / (t_swish - t_plain)
 
     bar.step("stem convolutions")
     for kind, (xs, ws, stride) in STEM_CASES.items():

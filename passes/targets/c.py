@@ -24,7 +24,7 @@ import sympy
 from xdsl.ir import SSAValue
 
 from tilegraph.ir.dialect import FusionOp, TgOp
-from tilegraph.ir.fusion import ANCHORS, ELTWISE_POSTS, VIEW_OPS
+from tilegraph.ir.fusion import ANCHORS, ELTWISE_POSTS, EXP_POSTS, POST_RATE, VIEW_OPS
 from tilegraph.ir.ops import Op
 from tilegraph.ir.shapes import info_of
 from tilegraph.ir.strides import reduces_rows_of_channels, reshape_copies, result_strides, strides_of
@@ -145,6 +145,11 @@ def group_cost(ops, anchors, rest, inputs, outputs, hw, label: str = "", **_tile
         elements = element_count(op.result_infos()[0]) if op.SPEC.category != "reduction" \
             else element_count(info_of(op.operands[0].type))
         loop += elements / (reduction_rate(hw, op) if op.SPEC.category == "reduction" else loop_rate(hw, op.op_name))
+    # An activation oneDNN applies as it writes costs no pass, but one that evaluates an exp
+    # costs each element its calibrated rate (EfficientNet's swish convolutions).
+    if POST_RATE in hw.ufunc_rates:
+        anchor_time += sum((element_count(op.result_infos()[0]) for op in posts if op.op_name in EXP_POSTS),
+                           zero) / hw.ufunc_rates[POST_RATE]
     loop_bytes = sympy.Max(bytes_ - anchor_io, zero)
     memory = step_memory(hw, loop_bytes, cold_bytes([op for op in ops if op not in anchors]))
     compute = anchor_time + row_time + loop
@@ -176,7 +181,8 @@ def loop_rate(hw, name: str) -> float:
 def eltwise_posts(anchors, rest) -> set:
     """The ops of `rest` a GEMM or convolution applies as it writes its result (ELTWISE_POSTS
     in a chain on it, sigmoid(x) * x as a swish): they cost its pass nothing, not a loop at
-    their calibrated rate (EfficientNet's swish convolutions were priced 2-3x their time)."""
+    their calibrated rate (EfficientNet's swish convolutions were priced 2-3x their time);
+    those of EXP_POSTS their elements at the calibrated post-op rate (group_cost)."""
     covered: set = set()
     for anchor in anchors:
         if anchor.op_name not in (Op.conv, Op.matmul):
