@@ -66,6 +66,7 @@ CONV_CASES = {"dense": ((1, 64, 56, 56), (64, 64, 3, 3), 1), "pointwise": ((1, 2
 # (conv_rates[kind]: passes/targets/c.stem_time, STEM_KINDS).
 STEM_CASES = {"stem": ((1, 3, 224, 224), (32, 3, 3, 3), 2), "stem7x7": ((1, 3, 224, 224), (64, 3, 7, 7), 2),
               "patch": ((1, 3, 224, 224), (768, 3, 16, 16), 16)}
+QUICK_STEMS = ("stem", "patch")  # the quick run's: the 7x7 is then priced on the line through them
 # A global average pool over a convolution's channels-last result, as a squeeze-excitation
 # takes it (pool_rate): a middle stage's map of a RegNet or an EfficientNet.
 POOL_CASE = (1, 192, 28, 28)
@@ -407,6 +408,8 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
 
     bar.step("stem convolutions")
     for kind, (xs, ws, stride) in STEM_CASES.items():
+        if quick and kind not in QUICK_STEMS:
+            continue
         g = Graph()
         w = g.weight("w", (rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:]))).astype(np.float32))
         y = g.op("conv", g.input("x", xs), w, pads=(ws[-1] // 2 if ws[-1] > stride else 0,) * 4, strides=(stride, stride))
