@@ -14,7 +14,6 @@ casts a module (``minilm_model().to(torch.bfloat16)`` builds its mask in that dt
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -23,9 +22,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from tilegraph.testing.onnx_decoders import export_onnx  # noqa: E402,F401  (the one exporter wrapper)
+
 MINILM_HIDDEN = 384
 MINILM_VOCAB = 30522
-ONNX_OPSET = 17
 
 
 # --------------------------------------------------------------------------
@@ -172,46 +172,6 @@ def small_cnn_inputs(batch: int = 2, seed: int = 0) -> tuple[torch.Tensor]:
     return (torch.randn(batch, 3, 16, 16, generator=g, dtype=torch.float32),)
 
 
-# --------------------------------------------------------------------------
-# ONNX export
-# --------------------------------------------------------------------------
-
-
-def export_onnx(
-    module: nn.Module,
-    inputs,
-    path,
-    input_names,
-    output_names,
-    dynamic_axes=None,
-    opset: int = ONNX_OPSET,
-) -> Path:
-    """Export ``module(*inputs)`` to a self-contained ONNX file at ``path``.
-
-    Uses the legacy TorchScript exporter (``dynamo=False``; deprecated but
-    present in torch 2.13): plain opset ops, weights as initializers in the
-    one file, constant folding on.  ``dynamic_axes`` is the legacy
-    ``{name: {axis: "dim_name"}}`` mapping.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if not isinstance(inputs, tuple):
-        inputs = tuple(inputs) if isinstance(inputs, list) else (inputs,)
-    module = module.eval()
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")  # DeprecationWarning / TracerWarning noise
-        torch.onnx.export(
-            module,
-            inputs,
-            str(path),
-            input_names=list(input_names),
-            output_names=list(output_names),
-            dynamic_axes=dynamic_axes,
-            opset_version=opset,
-            do_constant_folding=True,
-            dynamo=False,
-        )
-    return path
 
 
 def run_onnx(path, feeds: dict) -> list:

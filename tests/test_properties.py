@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from tilegraph.ir import Graph, Model, interpret
 from tilegraph.ir.interpreter import bind_inputs
-from tilegraph.passes.registry import DEFAULT_PIPELINE, PASSES, UNFUSED_PIPELINE, get_pass_class
+from tilegraph.passes.registry import DEFAULT_PIPELINE, PASSES, UNFUSED_PIPELINE, get_pass_class, run_pipeline
 from tilegraph.testing import (
     LAYOUT_OPS,
     assert_close,
@@ -95,6 +95,16 @@ def test_every_registered_pass_preserves_semantics(pass_name, model):
     else:
         after = assert_preserves_semantics(pass_name, model)
     assert Model.parse(after.text, after.weights).text == after.text
+
+
+@pytest.mark.parametrize("pass_name", sorted(PASSES))
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(model=graphs())
+def test_every_registered_pass_decides_alike_on_every_copy(pass_name, model):
+    """A pass's output depends on the module, never on where in memory its ops lie (the order
+    of a set of ops or groups): `fuse` once grouped two clones of one step differently, and a
+    pass pricing its own result (recompute) disagreed with itself."""
+    assert run_pipeline(model, pass_name).text == run_pipeline(model.clone(), pass_name).text
 
 
 @PROPERTY

@@ -8,6 +8,7 @@ total_sequence_length], `position_ids` [batch_size, sequence_length] and
 [batch_size, sequence_length, vocab] and `present.N.key/.value` [batch_size, Hkv,
 total_sequence_length, D], each present the Concat of its past and the new rows along axis 2.
 `run_onnxruntime` is the peer's own loop: each step feeds the previous step's present as past.
+`export_onnx` is the exporter wrapper every test and benchmark writes its ONNX files with.
 """
 
 from __future__ import annotations
@@ -19,6 +20,26 @@ import numpy as np
 
 EAGER: dict[str, Any] = {"attn_implementation": "eager"}  # MatMul/Softmax attention, optimum's export
 TINY = {"vocab": 256, "hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "ffn": 128, "positions": 256}
+
+
+def export_onnx(module, inputs, path: str | Path, input_names, output_names, dynamic_axes=None,
+                opset: int = 17) -> Path:
+    """`module(*inputs)` as a self-contained ONNX file at `path`, by the legacy TorchScript exporter
+    (`dynamo=False`, deprecated but present in torch 2.13): plain opset ops, the weights as
+    initializers in the one file, constants folded. `dynamic_axes`: {name: {axis: "dim_name"}}."""
+    import warnings
+
+    import torch
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # the tracer's notes on Python-side checks, the exporter's deprecation
+        torch.onnx.export(module.eval(), inputs, str(path), input_names=list(input_names),
+                          output_names=list(output_names), dynamic_axes=dynamic_axes, opset_version=opset,
+                          do_constant_folding=True, dynamo=False)
+    return path
 
 
 def make_model(arch: str = "llama", seed: int = 0, **sizes: Any):
@@ -118,19 +139,18 @@ def export_decoder(path: str | Path, arch: str = "llama", seed: int = 0, opset: 
     axes.update({f"past_key_values.{n}": {0: "batch_size", 2: "past_sequence_length"} for n in kv})
     axes.update({f"present.{n}": {0: "batch_size", 2: "total_sequence_length"} for n in kv})
     wrapper = WithPast(model).eval()
+    if not dynamo:
+        export_onnx(wrapper, (ids, mask, positions, *past), path, inputs, outputs, axes, opset)
+        return model.eval()
     import warnings
 
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # the tracer's notes on transformers' Python-side checks
-        if dynamo:
-            b, t, p, s = (torch.export.Dim(n) for n in ("batch", "sequence", "past", "total"))
-            shapes = {"input_ids": {0: b, 1: t}, "attention_mask": {0: b, 1: s}, "position_ids": {0: b, 1: t},
-                      "past": tuple({0: b, 2: p} for _ in kv)}
-            torch.onnx.export(wrapper, (ids, mask, positions, *past), str(path), input_names=inputs,
-                              output_names=outputs, dynamic_shapes=shapes, opset_version=opset, dynamo=True)
-        else:
-            torch.onnx.export(wrapper, (ids, mask, positions, *past), str(path), input_names=inputs,
-                              output_names=outputs, dynamic_axes=axes, opset_version=opset, dynamo=False)
+        b, t, p, s = (torch.export.Dim(n) for n in ("batch", "sequence", "past", "total"))
+        shapes = {"input_ids": {0: b, 1: t}, "attention_mask": {0: b, 1: s}, "position_ids": {0: b, 1: t},
+                  "past": tuple({0: b, 2: p} for _ in kv)}
+        torch.onnx.export(wrapper, (ids, mask, positions, *past), str(path), input_names=inputs,
+                          output_names=outputs, dynamic_shapes=shapes, opset_version=opset, dynamo=True)
     return model.eval()
 
 
