@@ -71,7 +71,8 @@ def tilegraph_side(model: str, threads: int, repeat: int):
             f = line.split(",")
             if not line.startswith("onednn_verbose,exec") or f[3] != "convolution":
                 continue
-            m, g = SHAPE.search(f[-2]), re.search(r"mb\d+_g(\d+)", f[-2])
+            # oneDNN writes a grouped convolution's groups first: g8mb1_ic64oc64_...
+            m, g = SHAPE.search(f[-2]), re.match(r"g(\d+)mb\d+_", f[-2])
             if m is None:
                 continue
             shape = (int(g.group(1)) if g else 1,) + tuple(int(x) for x in m.groups())

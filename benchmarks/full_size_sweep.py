@@ -173,8 +173,8 @@ def run_one(name: str, batch: int, repeat: int, threads: int | None, precisions:
             break
         # Every spelled-out attention folded to the flash kernel (at bf16 its products on AMX
         # where the processor has it); the default folds at bf16 only over enough keys
-        # (registry.C_BF16_FOLD_MIN_KEYS) and none at f32: this column, in the same rounds,
-        # says whether it should.
+        # (registry.C_BF16_FOLD_MIN_KEYS), at f32 where the scores outgrow a core's cache: this column,
+        # in the same rounds, says whether it should.
         from tilegraph.passes.registry import UNFUSED_PIPELINE
 
         key = "folded" if precision == "f32" else f"folded-{precision}"

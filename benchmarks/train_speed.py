@@ -17,8 +17,9 @@ machine: say so beside the numbers).
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/train_speed.py [--models minilm,gpt2] [--threads 1,all]
         [--repeat 5] [--minilm-layers 6] [--gpt2-layers 12] [--no-compile] [--profile N]
 
---profile N: where tilegraph's step goes instead (benchmarks/c_steps.py's per-step module, all
-threads): the N slowest native steps, then no peers are timed.
+--profile N: where tilegraph's step goes instead (benchmarks/c_steps.py's per-step module, at the
+first of --threads): the N slowest native steps and the steps summed by kind, then torch's profiler
+over one eager training step of the same module (its N ops of most self time); no peers are timed.
 
 A 12-layer GPT-2 step takes many minutes to compile on a loaded machine, longer than a timed
 run may hold the bench lock. So compile first, at a low priority, outside the lock, and time
@@ -94,18 +95,44 @@ def torch_trainer(model, forward, loss: str):
     return run
 
 
-def profile(step, inputs, targets, top: int, repeat: int) -> None:
-    """The step's `top` slowest native steps (c_steps.py's per-step module) and their share."""
+def profile(step, inputs, targets, top: int, repeat: int, threads: int | None, module=None, loss: str = "") -> None:
+    """The step's `top` slowest native steps (c_steps.py's per-step module) and their share, and
+    the GEMMs' share of it; beside it torch's profiler over eager training of the same module."""
     import c_steps
 
     feed = {**dict(zip(step._data, [np.asarray(x) for x in (*inputs, *([targets] if targets is not None else []))])),
             **step.weights, **step.state, "lr": np.float32(LR), "step": np.float32(1)}
     optimized = step.compiled.model
-    steps, whole = c_steps.step_times(optimized, [feed[n] for n in optimized.input_names], repeat, None)
+    steps, whole = c_steps.step_times(optimized, [feed[n] for n in optimized.input_names], repeat, threads)
     total = sum(t for _, t in steps)
-    print(f"  per-step module {1e3 * whole:.0f} ms (steps sum {1e3 * total:.0f} ms), {len(steps)} steps")
+    gemm = sum(t for c, t in steps if "matmul" in c or "attention" in c)
+    print(f"  per-step module {1e3 * whole:.0f} ms (steps sum {1e3 * total:.0f} ms), {len(steps)} steps, "
+          f"threads {threads or 'all'}; steps with a matmul or attention: {1e3 * gemm:.0f} ms "
+          f"({100 * gemm / total:.0f}%)")
     for comment, t in sorted(steps, key=lambda s: -s[1])[:top]:
-        print(f"  {1e3 * t:8.2f} ms {100 * t / total:5.1f}%  {comment[:150]}")
+        print(f"  {1e3 * t:8.2f} ms {100 * t / total:5.1f}%  {comment[:200]}")
+    c_steps.print_by_kind(steps, total)
+    if module is None:
+        return
+    if threads:
+        torch.set_num_threads(threads)
+    eager = copy.deepcopy(module)
+    run = torch_trainer(eager, eager, loss)
+    run(inputs, targets)  # warm
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        run(inputs, targets)
+        wall = time.perf_counter() - t0
+    rows = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    self_total = sum(e.self_cpu_time_total for e in rows)
+    gemm_ops = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
+                "aten::_scaled_dot_product_flash_attention_for_cpu_backward"}
+    g = sum(e.self_cpu_time_total for e in rows if e.key in gemm_ops)
+    print(f"  torch eager step under its profiler: {1e3 * wall:.0f} ms; self time {self_total / 1e3:.0f} ms, "
+          f"GEMM and SDPA ops {g / 1e3:.0f} ms ({100 * g / max(self_total, 1):.0f}%)")
+    for e in sorted(rows, key=lambda e: -e.self_cpu_time_total)[:top]:
+        print(f"  {e.self_cpu_time_total / 1e3:8.2f} ms {100 * e.self_cpu_time_total / self_total:5.1f}%  "
+              f"x{e.count:<4d} {e.key}")
 
 
 def tilegraph_step(name: str, layers: int, module, inputs, loss: str, step_dir: str | None,
@@ -151,13 +178,25 @@ def bench(name: str, args, all_threads: int) -> list[tuple]:
           f"{' '.join(str(tuple(x.shape)) for x in inputs)}, loss {loss}, AdamW lr {LR} weight decay {DECAY}")
     step = tilegraph_step(name, layers, module, inputs, loss, args.step_dir, getattr(args, f"{name}_step_from"))
     if args.profile:
-        profile(step, inputs, targets, args.profile, args.repeat)
+        first = args.threads.split(",")[0]
+        profile(step, inputs, targets, args.profile, args.repeat, None if first == "all" else int(first), module, loss)
         return rows
     runners_extra: dict = {}
     others = []
     for extra in args.also_step or []:  # an A/B: another saved step of this model, emitted by this checkout
         other = tilegraph_step(name, layers, module, inputs, loss, None, extra)
         runners_extra[f"tilegraph C ({Path(extra).stem})"] = lambda other=other: other(*inputs, targets=targets)
+        others.append(other)
+    if args.also_no_repack:  # an A/B of the runtime's repacking of a B whose rows alias (runtime.c)
+        other = tilegraph_step(name, layers, module, inputs, loss, args.step_dir, getattr(args, f"{name}_step_from"))
+
+        def unpacked(other=other):  # read where a call makes primitives (per binding and thread count)
+            os.environ["TG_NO_REPACK"] = "1"
+            try:
+                return other(*inputs, targets=targets)
+            finally:
+                del os.environ["TG_NO_REPACK"]
+        runners_extra["tilegraph C (no repack)"] = unpacked
         others.append(other)
     eager = copy.deepcopy(module)
     eager_run = torch_trainer(eager, eager, loss)
@@ -212,6 +251,8 @@ def main() -> None:
                         help=f"read {name}'s compiled step from this file (saved by --step-dir by another checkout)")
     ap.add_argument("--also-step", action="append", metavar="FILE",
                     help="time this saved step of the model too (an A/B against another checkout's passes)")
+    ap.add_argument("--also-no-repack", action="store_true",
+                    help="time the same step again with the runtime's repacking of aliased GEMM operands off")
     ap.add_argument("--warm-only", action="store_true", help="compile and take each runner's first step; time nothing")
     args = ap.parse_args()
 

@@ -159,17 +159,25 @@ DEFAULT_PIPELINE = UNFUSED_PIPELINE + ",fuse,tile"
 # column is every attention folded).
 AMX_KEYS_PER_STEP = 32
 C_BF16_FOLD_MIN_KEYS = 4 * AMX_KEYS_PER_STEP
+# At f32 the flash kernel's products are oneDNN's sgemm per block of keys: it wins once the
+# chain's scores outgrow one core's L2 (`attention{beyond-cache=c}`: the profile's cache_bytes), as
+# Whisper's encoder's 6 x 1500 x 1500 do, and not while they fit, as BERT's and ViT's do; and
+# only over C_F32_FOLD_MIN_KEYS keys or more: a block's two sgemm calls over fewer keys (Swin's
+# windows of 49 at a large batch) do not repay packing its query and key rows, where the chain's
+# batched GEMMs pack each operand once (benchmarks/full_size_sweep.py --fold times both).
+C_F32_FOLD_MIN_KEYS = 128
 
 
 def default_pipeline(hardware: str = "cpu", precision: str = "f32") -> str:
     """The default pipeline, with fusion and tiling decided for a hardware target (`passes/cost`).
     For a GPU, attention spelled out as matmul-softmax-matmul is folded first (`attention`):
-    the Triton backend has a flash kernel for it; so for the C backend at precision bf16 over
-    enough keys (C_BF16_FOLD_MIN_KEYS)."""
+    the Triton backend has a flash kernel for it; so for the C backend, at precision bf16 over
+    enough keys (C_BF16_FOLD_MIN_KEYS), at f32 where the scores outgrow a core's cache."""
     if hardware == "cpu":
         return DEFAULT_PIPELINE
     if hardware == "c":  # the C backend: as the NumPy one, its groups priced as C steps
-        fold = f",attention{{min-keys={C_BF16_FOLD_MIN_KEYS}}}" if precision == "bf16" else ""
+        fold = f",attention{{min-keys={C_BF16_FOLD_MIN_KEYS}}}" if precision == "bf16" else \
+            f",attention{{min-keys={C_F32_FOLD_MIN_KEYS} beyond-cache=c}}"
         return UNFUSED_PIPELINE + fold + ",fuse{hardware=c},tile{hardware=c}"
     return UNFUSED_PIPELINE + f",attention,fuse{{hardware={hardware}}},tile{{hardware={hardware}}}"
 

@@ -387,6 +387,44 @@ def test_a_group_of_row_reductions_is_one_pass_over_the_rows(rows, width, seed):
         assert_close(got, want, "f32", reduction_length=width, name=name)
 
 
+def test_a_row_reduction_is_a_simd_loop_and_keeps_a_nan():
+    """A fused row reduction (a cross-entropy's max and sum of exps over 50257 logits) runs as
+    OpenMP simd reductions (the C compiler leaves a double accumulator's loop scalar otherwise);
+    a NaN anywhere in a row still makes its max NaN, as NumPy's does (lanes combine as max,
+    which alone would drop one lane's NaN). Rows of other widths and values match the interpreter."""
+    from tilegraph.ir import Graph
+
+    g = Graph()
+    x = g.input("x", ("S", 203))
+    m = g.reduce_max(x, axes=(-1,), keepdims=True)
+    lse = g.log(g.reduce_sum(g.exp(x - m), axes=(-1,), keepdims=True)) + m
+    model = g.build(x - lse, m, names=["log_softmax", "max"])
+    compiled = tilegraph.compile(model, target="c", pipeline="fuse")
+    assert "#pragma omp simd reduction(max:acc) reduction(|:nan)" in compiled.source
+    assert "#pragma omp simd reduction(+:acc)" in compiled.source
+    xs = np.random.default_rng(0).standard_normal((5, 203)).astype(np.float32) * 4
+    xs[1, 77] = np.nan
+    xs[3, 202] = np.nan
+    xs[4] = -np.inf
+    xs[4, 9] = 1.0
+    for got, want, name in zip(compiled.run(xs), interpret(model, [xs]), model.output_names):
+        got = np.asarray(got)
+        assert np.array_equal(np.isnan(got), np.isnan(want)), name
+        assert np.isnan(got[1]).all() and np.isnan(got[3]).all() and not np.isnan(got[[0, 2, 4]]).any(), name
+        assert_close(np.where(np.isnan(got), 0, got), np.where(np.isnan(want), 0, want), "f32",
+                     reduction_length=203, name=name)
+    # a reduction outside any group (a layer norm's backward in a GEMM's epilogue): its
+    # innermost reduced loop the same simd reduction, over one axis or two
+    g = Graph()
+    x = g.input("x", (3, 40, 50))
+    model = g.build(g.reduce_sum(x, axes=(1, 2)), g.reduce_mean(x, axes=(-1,), keepdims=True), names=["s", "m"])
+    compiled = tilegraph.compile(model, target="c", pipeline="")
+    assert compiled.source.count("#pragma omp simd reduction(+:acc)") == 2
+    xs = np.random.default_rng(1).standard_normal((3, 40, 50)).astype(np.float32)
+    for got, want, name, n in zip(compiled.run(xs), interpret(model, [xs]), model.output_names, (2000, 50)):
+        assert_close(np.asarray(got), want, "f32", reduction_length=n, name=name)
+
+
 def test_a_gated_mlp_runs_its_sibling_gemms_then_one_loop():
     """Llama's MLP: silu(x @ Wg) * (x @ Wu): one GEMM, then the other with what combines
     them as one step (its oneDNN epilogue where the gate comes second: swish, then a binary
@@ -451,6 +489,41 @@ def test_attention_heads_split_from_one_projection_and_merged_back_need_no_copy(
     assert not any("copy" in s.comment for s in compiled._runner.program.steps)
     xs = rng.standard_normal((11, 32)).astype(np.float32)
     assert_close(compiled(xs), interpret(model, [xs])[0], "f32", reduction_length=32)
+
+
+@pytest.mark.parametrize("case", ["fits", "spills", "few keys"])
+def test_f32_spelled_out_attention_is_the_flash_kernel_once_its_scores_outgrow_a_cores_cache(case):
+    """Eager attention as exported (softmax(q @ k^T * scale + mask) @ v) at f32: where its
+    scores outgrow one core's L2 (the C profile's cache_bytes; Whisper's encoder, 6 x 1500 x
+    1500) the default pipeline folds it into the flash kernel's one step, which never writes
+    them; where they fit (BERT, ViT), or spill over fewer than C_F32_FOLD_MIN_KEYS keys (many
+    short windows), it stays oneDNN's GEMMs and the row softmax. Either way within f32's
+    tolerance of the interpreter."""
+    from tilegraph.ir import Graph
+    from tilegraph.ir.hardware import hardware
+    from tilegraph.passes.registry import C_F32_FOLD_MIN_KEYS
+
+    cache, d = hardware("c").cache_bytes, 16
+    if case == "few keys":  # heads enough for the scores to spill, each over half the minimum of keys
+        keys = C_F32_FOLD_MIN_KEYS // 2
+        heads = int(np.ceil(cache / (4 * keys * keys)))
+    else:  # two heads' square scores: the shortest that spills, or half as long
+        heads = 2
+        side = max(int(np.ceil(np.sqrt(cache / (4 * heads)))), C_F32_FOLD_MIN_KEYS)
+        keys = side if case == "spills" else side // 2
+    rng = np.random.default_rng(keys)
+    g = Graph()
+    q, k, v = (g.input(n, (1, heads, keys, d)) for n in "qkv")
+    scores = g.matmul(q, k.transpose(0, 1, 3, 2)) * g.constant(np.float32(0.25)) + g.input("m", (1, 1, 1, keys))
+    model = g.build(g.matmul(g.softmax(scores, axis=-1), v), names=["y"])
+    xs = [rng.standard_normal((1, heads, keys, d)).astype(np.float32) for _ in range(3)]
+    xs.append(np.where(rng.random((1, 1, 1, keys)) < 0.8, 0.0, -1e4).astype(np.float32))
+    compiled = tilegraph.compile(model, target="c")
+    steps = [s.comment for s in compiled._runner.program.steps]
+    folded = case == "spills"
+    assert compiled.source.count("tg_attention(") == folded
+    assert len(steps) == 1 if folded else not any("attention" in c for c in steps), steps
+    assert_close(compiled.run(*xs)[0], interpret(model, xs)[0], "f32", reduction_length=keys + d)
 
 
 @pytest.mark.parametrize("op", ["avg_pool", "max_pool"])

@@ -115,8 +115,8 @@ def test_bf16_folds_spelled_out_attention_over_enough_keys(keys):
     """Eager attention as exported (softmax(q @ k^T * scale + mask) @ v) at precision bf16:
     over C_BF16_FOLD_MIN_KEYS keys or more (ViT-S/16's 197 tokens) it becomes the flash
     kernel's one step (the scores never written), on AMX where the processor has it; over
-    fewer it stays oneDNN's GEMMs; f32 keeps the chain. Both within bf16's tolerance of the
-    interpreter."""
+    fewer it stays oneDNN's GEMMs; f32 keeps the chain (its scores fit a core's cache). Both
+    within bf16's tolerance of the interpreter."""
     from tilegraph.passes.registry import C_BF16_FOLD_MIN_KEYS
 
     rng = np.random.default_rng(keys)

@@ -20,12 +20,12 @@ from tilegraph.ir import Graph, interpret
 from tilegraph.testing import assert_close
 
 
-def _chain(middle: str = "dense", side_reader: bool = False):
-    """x -> conv+relu -> conv+relu (3x3, dense or depthwise) -> 1x1 conv; with `side_reader`
+def _chain(middle: str = "dense", side_reader: bool = False, batch: int = 2):
+    """x (batch N) -> conv+relu -> conv+relu (3x3, dense or depthwise) -> 1x1 conv; with `side_reader`
     the first convolution's result is also added to the last one's (read by a loop)."""
     rng = np.random.default_rng(0)
     g = Graph()
-    x = g.input("x", (2, 16, 10, 10))
+    x = g.input("x", (batch, 16, 10, 10))
     a = g.relu(g.op("conv", x, g.weight("w1", rng.standard_normal((32, 16, 3, 3)).astype(np.float32) / 12),
                     pads=(1, 1, 1, 1)))
     groups = 32 if middle == "depthwise" else 1
@@ -34,7 +34,7 @@ def _chain(middle: str = "dense", side_reader: bool = False):
     y = g.op("conv", b, g.weight("w3", rng.standard_normal((32, 32, 1, 1)).astype(np.float32) / 6))
     if side_reader:
         y = g.tanh(y) + a
-    return g.build(y, names=["y"]), [rng.standard_normal((2, 16, 10, 10)).astype(np.float32)]
+    return g.build(y, names=["y"]), [rng.standard_normal((batch, 16, 10, 10)).astype(np.float32)]
 
 
 def _run_checked(model, xs, precision: str, reduction_length: int) -> CompiledModel:
@@ -48,23 +48,25 @@ def _run_checked(model, xs, precision: str, reduction_length: int) -> CompiledMo
     return runner
 
 
-def _reorders_per_call(runner: CompiledModel, xs) -> int:
+def _reorders_per_call(runner: CompiledModel, xs, chained: int, primitives: int) -> tuple[int, list[str]]:
+    """The reorders one warm call runs, and the primitives' lines, after checking that
+    `chained` buffers were marked and `primitives` primitives made, none oneDNN's reference."""
+    assert runner.chained_buffers == chained
     runner(*xs)  # binds: primitives made, weights packed
     before = runner.reorder_count()
     runner(*xs)
-    return runner.reorder_count() - before
+    assert not runner.reference_kernels, runner.primitives
+    assert len(runner.primitives) == primitives, runner.primitives
+    return runner.reorder_count() - before, runner.primitives
 
 
+@pytest.mark.parametrize("batch", [1, 2])  # (at 1 the batch dim's stride is free: the views disagree there)
 @pytest.mark.parametrize("middle", ["dense", "depthwise"])
 @pytest.mark.parametrize("precision", ["f32", "bf16"])
-def test_chained_convolutions_pass_their_activations_on_as_they_lie(precision, middle):
-    model, xs = _chain(middle)
+def test_chained_convolutions_pass_their_activations_on_as_they_lie(precision, middle, batch):
+    model, xs = _chain(middle, batch=batch)
     runner = _run_checked(model, xs, precision, 16 * 9 + 32 * 9 + 32)
-    assert runner.chained_buffers == 2
-    reorders = _reorders_per_call(runner, xs)
-    assert not runner.reference_kernels, runner.primitives
-    lines = runner.primitives
-    assert len(lines) == 3, lines
+    reorders, lines = _reorders_per_call(runner, xs, chained=2, primitives=3)
     if precision == "f32":
         assert reorders == 0, (reorders, lines)
     elif middle == "dense":
@@ -117,3 +119,42 @@ def test_a_residual_add_accumulates_into_the_shortcut_buffer(precision, read_aft
     sums = sum("{TG_POST_SUM," in line for line in runner.source.splitlines())
     assert sums == (0 if read_after else 1), runner.source
     assert not runner.reference_kernels, runner.primitives
+
+
+def _residual_stack(blocks: int = 2):
+    """A stem convolution, `blocks` ResNet bottlenecks (each adds into the stem's buffer, a
+    sum post-op), and a 1x1 convolution out, at batch 1: the residual buffer is written by
+    several convolutions and read only by convolutions."""
+    rng = np.random.default_rng(2)
+    g = Graph()
+    x = g.input("x", (1, 16, 9, 9))
+    s = g.relu(g.op("conv", x, g.weight("w0", rng.standard_normal((32, 16, 3, 3)).astype(np.float32) / 12),
+                    pads=(1, 1, 1, 1)))
+    for i in range(blocks):
+        a = g.relu(g.op("conv", s, g.weight(f"a{i}", rng.standard_normal((16, 32, 1, 1)).astype(np.float32) / 6)))
+        b = g.relu(g.op("conv", a, g.weight(f"b{i}", rng.standard_normal((16, 16, 3, 3)).astype(np.float32) / 12),
+                        pads=(1, 1, 1, 1)))
+        s = g.relu(g.op("conv", b, g.weight(f"c{i}", rng.standard_normal((32, 16, 1, 1)).astype(np.float32) / 8)) + s)
+    y = g.op("conv", s, g.weight("wy", rng.standard_normal((8, 32, 1, 1)).astype(np.float32) / 6))
+    return g.build(y, names=["y"]), [rng.standard_normal((1, 16, 9, 9)).astype(np.float32)]
+
+
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+def test_a_residual_buffer_only_convolutions_touch_stays_bf16(precision):
+    """ResNet's residual stream: the buffer that each block's last convolution adds into is
+    written by several convolutions, so it is not chained, but at bf16 it holds bf16 for all
+    of them: the model's input is the only activation converted to bf16 in a call (without:
+    also before each block's first convolution and the last one), and every writer of the
+    stream reports a bf16 result."""
+    model, xs = _residual_stack()
+    runner = _run_checked(model, xs, precision, 16 * 9 + 2 * (32 + 16 * 9 + 16) + 32)
+    assert sum("{TG_POST_SUM," in line for line in runner.source.splitlines()) == 2, runner.source
+    # (chained: the two buffers inside each block, and the stream)
+    reorders, lines = _reorders_per_call(runner, xs, chained=5, primitives=8)
+    if precision == "f32":
+        assert reorders == 0, (reorders, lines)
+    else:
+        assert reorders == 1, (reorders, lines)
+        assert all(line.startswith("convolution (bf16 x bf16)") for line in lines), lines
+        # (stem, then per block: first, middle, last; the last convolution writes the f32 output)
+        assert [("(a bf16 result)" in line) for line in lines] == [True] * 7 + [False], lines

@@ -282,24 +282,46 @@ def test_bias_gradients_run_in_their_weight_gradient_gemm_steps_on_c():
     assert steps(plain, True) == [] and len(steps(plain, False)) == 3
 
 
+def _two_linears_one_c_step(hidden: int, lr: float):
+    """Linear(24, hidden), GELU, Linear(hidden, 16): one AdamW step on C, its weights checked
+    against torch's AdamW from the same start."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(24, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, 16))
+    x, y = torch.randn(4, 16, 24), torch.randint(0, 16, (4, 16))
+    step = tilegraph.train_step(copy.deepcopy(module), "cross_entropy", AdamW(lr=lr, weight_decay=0.1),
+                                example_inputs=(x,), target="c")
+    step(x, targets=y)
+    reference = copy.deepcopy(module)
+    torch_losses(reference, [(x, y)], torch.optim.AdamW(reference.parameters(), lr=lr, weight_decay=0.1))
+    for name, p in reference.named_parameters():
+        assert relative_error(step.weights[name], p.detach().numpy()) < PEER_RELATIVE_ERROR, name
+    return step
+
+
 def test_linear_layers_train_as_2d_gemms_with_the_bias_as_post_op_on_c():
     """A training step's Linear layers (weights are inputs there, not constants): each forward
     GEMM is one 2-D GEMM over all rows, its bias added by oneDNN's post-op, not a batched GEMM
     and a pass of its own; one step's weights match torch's AdamW."""
-    torch.manual_seed(0)
-    module = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(), torch.nn.Linear(40, 16))
-    x, y = torch.randn(4, 16, 24), torch.randint(0, 16, (4, 16))
-    step = tilegraph.train_step(copy.deepcopy(module), "cross_entropy", AdamW(lr=1e-2, weight_decay=0.1),
-                                example_inputs=(x,), target="c")
-    step(x, targets=y)
+    step = _two_linears_one_c_step(40, 1e-2)
     sources = {p.split(" source: ")[0].rsplit(" ", 1)[-1] for p in step.compiled.primitives}
     assert {"64x24", "64x40"} <= sources, sources  # forward: all 64 rows at once
     assert not any(s.count("x") > 1 for s in sources) and step.compiled.reference_kernels == []
     assert "{1, " in step.compiled.source  # a binary post-op: the bias added by the forward GEMM
-    reference = copy.deepcopy(module)
-    torch_losses(reference, [(x, y)], torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1))
-    for name, p in reference.named_parameters():
-        assert relative_error(step.weights[name], p.detach().numpy()) < PEER_RELATIVE_ERROR, name
+
+
+def test_a_gemm_operand_passed_each_run_with_rows_4kib_apart_is_repacked_on_c():
+    """A GEMM's B that the step passes each run (a weight, a gradient) lying row-major with its
+    rows a multiple of 4 KiB apart is reordered each run into the blocked layout oneDNN asks for,
+    not read in place (its rows would share a few L1 sets). Here the second Linear's input
+    gradient (dY @ W, W 16 x 1024) and the first's weight gradient (X^T dY, dY 64 x 1024); the
+    forward GEMMs read their weights transposed and stay as they are. One step's weights match
+    torch's AdamW (at lr 1e-3: the first step moves each weight by about lr times its gradient's
+    sign, and at 1e-2 rounding flips enough small gradients to differ by 1.6e-4 with or without it)."""
+    step = _two_linears_one_c_step(1024, 1e-3)
+    repacked = [p for p in step.compiled.primitives if p.endswith("(its B reordered each run)")]
+    assert len(repacked) >= 2, step.compiled.primitives
+    assert step.compiled.reference_kernels == []
+    assert all("brg" in p.split(" source: ")[-1] for p in repacked), repacked
 
 
 def test_bf16_training_keeps_f32_master_weights_and_its_loss_tracks_f32():

@@ -116,7 +116,7 @@ if what == "matmul":
     rc = lib.tg_matmul_create(prim, nd, ones, ones, ones, ones, ones, ones, f32, 0, None, pack, npost, posts)
 else:
     rc = lib.tg_conv_create(prim, nd, ones, ones, nd, ones, ones, ones, ones, 0, ones, ones, ones, None, pack,
-                            npost, posts, None, 0)
+                            npost, posts, None, 0, 0)
 print("rc", rc, lib.tg_error().decode())
 """
 

@@ -7,8 +7,8 @@ from typing import Any
 import sympy
 from xdsl.ir import SSAValue
 
-from tilegraph.backends.c.tables import CTYPES, FLOATS, REDUCE_INIT, REDUCE_STEP
-from tilegraph.backends.c.views import (EmitterParts, Step, Unsupported, View, lowers, _describe, _eq, _is_one, _only_use,
+from tilegraph.backends.c.tables import CTYPES, FLOATS, REDUCE_INIT, REDUCE_SIMD
+from tilegraph.backends.c.views import (ConvStep, EmitterParts, Step, Unsupported, View, lowers, _describe, _eq, _is_one, _only_use,
                                         _row_stride, c_float, contiguous_strides)
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.strides import strides_like
@@ -403,13 +403,15 @@ class Groups(EmitterParts):
             if o.op_name.startswith("reduce_"):
                 kind = o.op_name[len("reduce_"):]
                 lines, names = row_values([o.operands[0]])
-                init, step = REDUCE_INIT[kind], REDUCE_STEP[kind]
-                inner += [f"{out_t} s{k};", "{", f"    double acc = {init};",
+                init, (clause, step) = REDUCE_INIT[kind], REDUCE_SIMD[kind]
+                nan = "nan" in clause
+                total = f"acc / (double){self.ints(width)}" if kind == "mean" else "acc"
+                inner += [f"{out_t} s{k};", "{", f"    double acc = {init};", *(["    int nan = 0;"] if nan else []),
+                          f"    #pragma omp simd {clause}",
                           f"    for (int64_t j = 0; j < {self.ints(width)}; j++) {{",
                           *("        " + line for line in lines),
                           f"        const double v = {arg(o.operands[0], names)};", "        " + step, "    }",
-                          f"    s{k} = ({out_t})(" + (f"acc / (double){self.ints(width)}" if kind == "mean" else "acc")
-                          + ");", "}"]
+                          f"    s{k} = ({out_t})(" + (f"nan ? NAN : {total}" if nan else total) + ");", "}"]
             else:
                 dts = [info_of(v.type).dtype for v in o.operands]
                 inner.append(f"const {out_t} s{k} = {self.expr(o, [arg(v, {}) for v in o.operands], dts)};")
@@ -420,7 +422,8 @@ class Groups(EmitterParts):
                 inner.append(f"r{index[y]}[0] = {scalars[y]};")
         if full_yields:
             lines, names = row_values(full_yields)
-            inner += [f"for (int64_t j = 0; j < {self.ints(width)}; j++) {{", *("    " + line for line in lines)]
+            inner += ["#pragma omp simd", f"for (int64_t j = 0; j < {self.ints(width)}; j++) {{",
+                      *("    " + line for line in lines)]
             inner += [f"    r{index[y]}[j] = {names[y]};" for y in full_yields] + ["}"]
         lines = ["{"]
         for k, view in enumerate(views):
@@ -481,18 +484,19 @@ class Groups(EmitterParts):
         return out
 
 
-def _conv_of(parts: list[Step]) -> tuple | None:
+def _conv_of(parts: list[Step]) -> ConvStep | None:
     """A merged step's convolution, for chaining (onednn.chain_convolutions): where one part
     is a convolution and no other part touches its result (the source then counts as read
     by nothing else only where no other part touches it either)."""
     convs = [p for p in parts if p.conv is not None]
     if len(convs) != 1:
         return None
-    k, x, out, alone, depthwise = convs[0].conv  # type: ignore[misc]
-    touched = set().union(*(p.reads | p.writes for p in parts if p is not convs[0]))
-    if out.buf in touched:
+    conv = convs[0].conv
+    assert conv is not None
+    touched: set[int | None] = set().union(*(p.reads | p.writes for p in parts if p is not convs[0]))
+    if conv.out.buf in touched:
         return None
-    return k, x, out, alone and x.buf not in touched, depthwise
+    return conv._replace(alone=conv.alone and conv.src.buf not in touched)
 
 
 def _owned_by(v: SSAValue | None, name: str) -> bool:

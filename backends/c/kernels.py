@@ -54,6 +54,7 @@ class Kernels(EmitterParts):
             return out
         # Each output element walks its reduced axes as a nest of loops.
         kept_view = View(x.buf, x.offset, kept_shape, tuple(x.strides[i] for i in keep), x.dtype, x.literal)
+        simd = kind in ("sum", "mean") and x.dtype in FLOATS
 
         def body(refs):
             lines = [f"const {ctype} *base = &{refs[0]};", f"{acc_type} acc = {init};"]
@@ -62,6 +63,8 @@ class Kernels(EmitterParts):
                 lines.append("    " * i + f"for (int64_t k{i} = 0; k{i} < {self.ints(d)}; k{i}++)")
                 idx.append(f"k{i} * {self.ints(st)}")
             depth = "    " * len(red.shape)
+            if simd and lines[-1].lstrip().startswith("for"):  # the innermost reduced axis, vectorised
+                lines.insert(len(lines) - 1, "    " * (len(red.shape) - 1) + "SIMD_SUM")
             lines.append(depth + "{ " + f"const {acc_type} v = base[{' + '.join(idx) or '0'}]; " + step + " }")
             lines.append(f"{refs[1]} = ({CTYPES[info.dtype]})({finish});")
             return lines
@@ -69,7 +72,10 @@ class Kernels(EmitterParts):
         if x.literal is not None:
             raise Unsupported("reduction of a literal")
         lines = self.loop(kept_shape, [(kept_view, False), (out_view, True)], body)
-        lines = [line.replace("#pragma omp simd", "") for line in lines]
+        # (a sum's innermost loop an OpenMP simd reduction: the C compiler leaves a double
+        # accumulator's loop scalar otherwise; the kept loops around it stay as they are)
+        lines = [line.replace("#pragma omp simd", "").replace("SIMD_SUM", "#pragma omp simd reduction(+:acc)")
+                 for line in lines]
         self._step(_describe(op), lines, [x], [out])
         return out
 

@@ -8,13 +8,14 @@ import sympy
 from xdsl.ir import SSAValue
 
 from tilegraph.backends.c.tables import DNNL_BINARY, DNNL_ELTWISE, DNNL_TYPES, KNOWN, SMALL_GEMM
-from tilegraph.backends.c.views import (EmitterParts, Unsupported, View, lowers, _describe, _eq, _is_one, _only_use,
+from tilegraph.backends.c.views import (ConvStep, EmitterParts, Unsupported, View, lowers, _describe, _eq, _is_one, _only_use,
                                         _plain_strides, _row_stride, channels_last_strides)
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.strides import rows_collapse
 from tilegraph.ir.fusion import ELTWISE_POSTS
 from tilegraph.ir.shapes import TensorInfo, info_of, numel
 from tilegraph.ir.ops import Op
+from tilegraph.ir.strides import unit_dims_strided
 
 
 class OneDNN(EmitterParts):
@@ -384,55 +385,92 @@ class OneDNN(EmitterParts):
             f"    const tg_post posts[] = {{{', '.join(posts) or '{0}'}}};",
             f"    if (tg_conv_create(&st->prim[{k}], {nd}, xd, xs, {len(wd)}, wd, ws, yd, ys, {int(bias is not None)}, "
             f"str, dil, pad, {self.ptr(w) if constant_weight else 'NULL'}, &tg_packs[{k}], {len(posts)}, posts, "
-            f"{_FROM}, {_CHAIN_OUT})) return 1;",
+            f"{_FROM}, {_CHAIN_OUT}, {_STREAM})) return 1;",
             "}",
         ]
         self._run_primitive(op, k, state, x, w, bias, out, post_views, out, [into] if into is not None else [])
         others = [w, *([bias] if bias is not None else []), *post_views]
         depthwise = groups > 1 and _eq(wd[1], 1) and _eq(wd[2], 1)
-        self.steps[-1].conv = (k, x, out, all(v.buf != x.buf for v in others), depthwise)
+        self.steps[-1].conv = ConvStep(k, x, out, all(v.buf != x.buf for v in others),
+                                       all(v.buf != out.buf for v in [x, *others]), depthwise, constant_weight)
         return out, covered
 
 
 # Placeholders of a convolution's state line that chain_convolutions fills in.
-_FROM, _CHAIN_OUT = "/*from*/NULL", "/*chain_out*/0"
+_FROM, _CHAIN_OUT, _STREAM = "/*from*/NULL", "/*chain_out*/0", "/*stream*/0"
 
 
 def chain_convolutions(steps: list, buffers: list, outputs: list[View]) -> int:
-    """Marks the buffers between convolutions that nothing else reads: the producer leaves its
-    result there as its kernel writes it (bf16 at precision bf16; oneDNN's preferred layout at
-    f32), and each reader takes it so (runtime.c, tg_conv_create), with no conversion to the
-    emitter's f32 channels-last layout and back between them. A buffer qualifies when one
-    convolution step alone writes it, it is no output, and every step that reads it is a
-    convolution on its own reading all of it (the producer's view) as its source and as
-    nothing else. Returns how many buffers it chained."""
+    """Marks the buffers between convolutions that nothing else touches, so no conversion to
+    the emitter's f32 channels-last layout and back runs between them (runtime.c,
+    tg_conv_create). Two kinds, one rule each; returns how many buffers it marked.
+
+    Chained: one convolution step alone writes the buffer, it is no output, and every step
+    that reads it is a convolution on its own reading all of it (the producer's view) as its
+    source and as nothing else. The producer leaves its result there as its kernel writes it
+    (bf16 at precision bf16; oneDNN's preferred layout at f32) and each reader takes it so.
+
+    Streamed (ResNet's blocks: each adds into its shortcut's buffer, a sum post-op): a
+    temporary, no output, that only convolutions touch, each reading all of it as its source
+    or writing all of it as its result (adding into what it held or not), none depthwise (it
+    computes in f32) and each with a constant weight (packed bf16 once, so its kernel takes
+    bf16 operands). At bf16 every one of them takes the buffer as bf16 in the emitter's
+    strides: its readers convert nothing and its writers write half the bytes."""
     readers: dict[int, list] = {}
-    writers: dict[int, int] = {}
+    writers: dict[int, list] = {}
     for step in steps:
         for b in step.reads:
             readers.setdefault(b, []).append(step)
         for b in step.writes:
-            writers[b] = writers.get(b, 0) + 1
+            writers.setdefault(b, []).append(step)
     kept = {v.buf for v in outputs}
     chained = 0
     for step in steps:
         if step.conv is None:
             continue
-        k, out = step.conv[0], step.conv[2]
+        k, out = step.conv.prim, step.conv.out
         b = out.buf
         reads = readers.get(b, [])
-        if buffers[b].storage != "temp" or b in kept or writers.get(b) != 1 or not reads:
+        if buffers[b].storage != "temp" or b in kept or len(writers.get(b, [])) != 1 or not reads:
             continue
-        if not all(r.conv is not None and r.conv[3] and r.conv[1].buf == b and
-                   (r.conv[1].offset, r.conv[1].shape, r.conv[1].strides) == (out.offset, out.shape, out.strides)
+        if not all(r.conv is not None and r.conv.alone and r.conv.src.buf == b and _same_place(r.conv.src, out)
                    for r in reads):
             continue
         # 2: a reader computes in f32 (a depthwise convolution at bf16, runtime.c): an f32 result
-        step.state = [line.replace(_CHAIN_OUT, "2" if any(r.conv[4] for r in reads) else "1") for line in step.state]
+        step.state = [line.replace(_CHAIN_OUT, "2" if any(r.conv.depthwise for r in reads) else "1")
+                      for line in step.state]
         for r in reads:
             r.state = [line.replace(_FROM, f"&st->prim[{k}]") for line in r.state]
         chained += 1
+    stream: dict[int, int] = {}  # id(step) -> 1: its source is streamed, 2: its result, 3: both
+    for b in {step.conv.out.buf for step in steps if step.conv is not None}:
+        touching = list({id(s): s for s in readers.get(b, []) + writers.get(b, [])}.values())
+        if buffers[b].storage != "temp" or b in kept or len(writers[b]) < 2 or not readers.get(b):
+            continue
+        convs = [s.conv for s in touching]
+        if not all(c is not None and (c.alone or c.src.buf != b) and (c.out_alone or c.out.buf != b) and
+                   not c.depthwise and c.constant_weight for c in convs):
+            continue
+        views = [v for c in convs for v in (c.src, c.out) if v.buf == b]
+        if not all(_same_place(v, views[0]) for v in views) or \
+                not all(s.conv.out.buf == b for s in writers[b]) or \
+                not all(s.conv.src.buf == b or s.conv.out.buf == b for s in readers[b]):
+            continue
+        for s in touching:
+            stream[id(s)] = stream.get(id(s), 0) | (1 if s.conv.src.buf == b else 0) | (2 if s.conv.out.buf == b else 0)
+        chained += 1
+    for step in steps:
+        if id(step) in stream:
+            step.state = [line.replace(_STREAM, str(stream[id(step)])) for line in step.state]
     return chained
+
+
+def _same_place(a: View, b: View) -> bool:
+    """Whether two views address the same elements alike. A dim of size 1 addresses nothing
+    by its stride, and the views disagree there (a reader's is normalized for oneDNN,
+    unit_dims_strided): at batch 1 a plain comparison never matched, and no buffer chained."""
+    return (a.offset, a.shape) == (b.offset, b.shape) and \
+        unit_dims_strided(a.shape, a.strides) == unit_dims_strided(b.shape, b.strides)
 
 
 def _swish_mul(chain: list[TgOp], current: SSAValue) -> TgOp | None:

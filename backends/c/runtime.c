@@ -109,7 +109,7 @@ static int tg_is_ref(const_dnnl_primitive_desc_t pd) { return strncmp(tg_impl(pd
 static int tg_reorders;
 int tg_reorder_count(void) { return tg_reorders; }
 
-static void tg_log_primitive(const_dnnl_primitive_desc_t pd, const_dnnl_memory_desc_t src) {
+static void tg_log_primitive(const_dnnl_primitive_desc_t pd, const_dnnl_memory_desc_t src, const char *note) {
     char line[256];
     int nd = 0, k;
     const dnnl_dims_t *dims = NULL;
@@ -124,7 +124,8 @@ static void tg_log_primitive(const_dnnl_primitive_desc_t pd, const_dnnl_memory_d
                  "matmul" : "primitive", wdt == dnnl_bf16 ? " (bf16 x bf16)" : "");
     for (int i = 0; i < nd && dims && k < 160; i++) k += snprintf(line + k, sizeof line - k, i ? "x%lld" : "%lld",
                                                                  (long long)(*dims)[i]);
-    snprintf(line + k, sizeof line - k, "%s source: %s\n", ddt == dnnl_bf16 ? " (a bf16 result)" : "", tg_impl(pd));
+    snprintf(line + k, sizeof line - k, "%s source: %s%s\n", ddt == dnnl_bf16 ? " (a bf16 result)" : "", tg_impl(pd),
+             note);
     size_t used = strlen(tg_prim_lines), n = strlen(line);
     if (used + n >= sizeof tg_prim_lines) used = tg_prim_lines[0] = 0; /* full: the reader took the old lines */
     memcpy(tg_prim_lines + used, line, n + 1);
@@ -133,7 +134,7 @@ static void tg_log_primitive(const_dnnl_primitive_desc_t pd, const_dnnl_memory_d
 
 static void tg_log_prim(const tg_prim *g, const_dnnl_memory_desc_t src) {
     const_dnnl_primitive_desc_t pd = NULL;
-    if (dnnl_primitive_get_primitive_desc(g->prim, &pd) == dnnl_success) tg_log_primitive(pd, src);
+    if (dnnl_primitive_get_primitive_desc(g->prim, &pd) == dnnl_success) tg_log_primitive(pd, src, g->re_wei ? " (its B reordered each run)" : "");
 }
 
 void tg_set_threads(int n) { if (n > 0) omp_set_num_threads(n); }
@@ -456,6 +457,25 @@ static dnnl_primitive_desc_t tg_bf16_weights(tg_prim *g, tg_pd_fn make, const vo
     return pd;
 }
 
+/* Whether a weight the caller passes each run (a training step's weight, an activation)
+ * lies row-major with rows a multiple of 4 KiB apart: brgemm reads such a B in place, and
+ * its rows then share a few L1 sets and evict each other (a 768x3072 f32 B ran at 0.4x the
+ * speed of the same GEMM on MKL's packed copy; a transposed B is copied by brgemm itself).
+ * TG_NO_REPACK=1 in the environment turns the repacking off, for a same-run A/B. */
+static int tg_aliased_rows(const_dnnl_memory_desc_t md) {
+    int nd = 0;
+    const dnnl_dims_t *dims = NULL, *strides = NULL;
+    dnnl_data_type_t dt = dnnl_data_type_undef;
+    if (dnnl_memory_desc_query(md, dnnl_query_ndims_s32, &nd) != dnnl_success || nd < 2 ||
+        dnnl_memory_desc_query(md, dnnl_query_dims, &dims) != dnnl_success ||
+        dnnl_memory_desc_query(md, dnnl_query_strides, &strides) != dnnl_success ||
+        dnnl_memory_desc_query(md, dnnl_query_data_type, &dt) != dnnl_success)
+        return 0;
+    size_t bytes = dt == dnnl_f32 || dt == dnnl_s32 ? 4 : dt == dnnl_bf16 || dt == dnnl_f16 ? 2 : 1;
+    return (*dims)[nd - 2] > 1 && (*dims)[nd - 1] > 1 && (*strides)[nd - 1] == 1 &&
+           ((*strides)[nd - 2] * bytes) % 4096 == 0;
+}
+
 static int tg_prim_create(tg_prim *g, tg_pd_fn make, const void *ctx, size_t ctx_size, const_dnnl_memory_desc_t plain_wei,
                           const void *weight, tg_packed *pack, int npost, const tg_post *posts, int nd_w,
                           const int64_t *wdims, int scale_mask) {
@@ -482,6 +502,19 @@ static int tg_prim_create(tg_prim *g, tg_pd_fn make, const void *ctx, size_t ctx
             } else {
                 dnnl_primitive_desc_destroy(pd);
                 pd = NULL;
+            }
+        }
+        if (any) dnnl_memory_desc_destroy(any);
+    } else if (!weight && tg_aliased_rows(plain_wei) && !getenv("TG_NO_REPACK")) {
+        /* packed per run into the layout the kernel asks for: a reorder reads B once */
+        dnnl_memory_desc_t any = tg_md_any(nd_w, wdims, wdt);
+        if (any && make(&pd, ctx, any, attr) == dnnl_success) {
+            const_dnnl_memory_desc_t want = dnnl_primitive_desc_query_md(pd, dnnl_query_weights_md, 0);
+            if (tg_is_ref(pd) || dnnl_memory_desc_equal(want, plain_wei)) {
+                dnnl_primitive_desc_destroy(pd);
+                pd = NULL;
+            } else if (tg_reorder_step(&g->re_wei, &g->user_wei, &g->tmp_wei, plain_wei, want, 1)) {
+                return 1;
             }
         }
         if (any) dnnl_memory_desc_destroy(any);
@@ -672,12 +705,20 @@ static int tg_chain_ok(const tg_prim *g, int chain_out, size_t capacity) {
  * two), at f32 the layout oneDNN prefers (format `any`; channels-last on the processors
  * oneDNN 3.2 has brgemm kernels for). Where the chained form gets no fast kernel, or the
  * result would not fit the buffer, the convolution is made as unchained, and a chained
- * source it cannot read is reordered into the f32 layout first. */
+ * source it cannot read is reordered into the f32 layout first.
+ *
+ * `stream`: the source (1) and/or the result (2) lie in a buffer that several convolutions
+ * write (ResNet's blocks add into their shortcut's buffer, a sum post-op) and only
+ * convolutions read (onednn.py, chain_convolutions). At bf16 such a buffer holds bf16 in the
+ * emitter's strides, for every writer and reader alike, so its reader converts nothing and
+ * its writers write half the bytes (the sum post-op reads it in bf16 too). A writer has no
+ * f32 fallback (the buffer's readers take it as bf16): its bf16 kernel is taken even where
+ * it is oneDNN's reference one (reported as such). At f32 the flags change nothing. */
 int tg_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_str, int w_nd,
                    const int64_t *w_dims, const int64_t *w_str, const int64_t *y_dims, const int64_t *y_str,
                    int has_bias, const int64_t *strides, const int64_t *dilations, const int64_t *pads,
                    const void *weight, tg_packed *pack, int npost, const tg_post *posts, const tg_prim *from,
-                   int chain_out) {
+                   int chain_out, int stream) {
     tg_conv_ctx ctx;
     int sp = nd - 2, rc = 1;
     if (tg_check_ranks("convolution", nd, 3, w_nd, npost, posts)) return 1;
@@ -705,7 +746,9 @@ int tg_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_s
         TG_FAIL("oneDNN rejected a convolution operand's layout");
     }
     g->has_bias = has_bias;
-    const_dnnl_memory_desc_t chained = from ? tg_out_md(from) : NULL;
+    int bf16_stream = tg_fpmath == dnnl_fpmath_mode_bf16 ? stream : 0; /* (never for a depthwise one, the emitter's rule) */
+    dnnl_memory_desc_t stream_x = bf16_stream & 1 ? tg_md(nd, x_dims, x_str, dnnl_bf16) : NULL;
+    const_dnnl_memory_desc_t chained = stream_x ? stream_x : from ? tg_out_md(from) : NULL;
     if (chained) { /* (the producer's result has this source's dims, or it is not taken as chained) */
         int cn = 0;
         const dnnl_dims_t *cd = NULL;
@@ -714,7 +757,23 @@ int tg_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_s
         for (int i = 0; i < nd && cn == nd && cd; i++) cn = (*cd)[i] == x_dims[i] ? cn : -1;
         if (cn != nd) chained = NULL;
     }
-    if (chain_out) {
+    if (bf16_stream & 2) {
+        chain_y = tg_md(nd, y_dims, y_str, dnnl_bf16);
+        ctx.src = (dnnl_memory_desc_t)(chained ? chained : plain_x);
+        ctx.dst = chain_y;
+        if (!chain_y || tg_prim_create(g, tg_conv_pd, &ctx, sizeof ctx, wei, weight, pack, npost, posts, w_nd, w_dims,
+                                       0)) {
+            tg_fpmath = precision;
+            if (stream_x) dnnl_memory_desc_destroy(stream_x);
+            dnnl_memory_desc_destroy(plain_x);
+            dnnl_memory_desc_destroy(plain_y);
+            if (chain_y) dnnl_memory_desc_destroy(chain_y);
+            if (ctx.bias) dnnl_memory_desc_destroy(ctx.bias);
+            dnnl_memory_desc_destroy(wei);
+            TG_FAIL("oneDNN has no bf16 convolution to write a bf16 activation buffer");
+        }
+        rc = 0;
+    } else if (chain_out) {
         size_t numel = 1;
         for (int i = 0; i < nd; i++) numel *= (size_t)y_dims[i];
         chain_y = tg_fpmath == dnnl_fpmath_mode_bf16 && chain_out != 2 ? tg_md(nd, y_dims, y_str, dnnl_bf16)
@@ -749,6 +808,7 @@ int tg_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_s
     dnnl_memory_desc_destroy(plain_x);
     dnnl_memory_desc_destroy(plain_y);
     if (chain_y) dnnl_memory_desc_destroy(chain_y);
+    if (stream_x) dnnl_memory_desc_destroy(stream_x);
     if (ctx.bias) dnnl_memory_desc_destroy(ctx.bias);
     dnnl_memory_desc_destroy(wei);
     return rc;

@@ -85,7 +85,7 @@ int tg_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_s
                    const int64_t *w_dims, const int64_t *w_str, const int64_t *y_dims, const int64_t *y_str,
                    int has_bias, const int64_t *strides, const int64_t *dilations, const int64_t *pads,
                    const void *weight, tg_packed *pack, int npost, const tg_post *posts, const tg_prim *from,
-                   int chain_out);
+                   int chain_out, int stream);
 int tg_bf16_supported(void);
 int tg_reorder_count(void);
 void tg_set_huge_pages(int on);

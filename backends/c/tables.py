@@ -57,7 +57,12 @@ KNOWN = ("weight", "constant", "folded")
 # keep a NaN, as NumPy's do.
 REDUCE_INIT = {"sum": "0", "mean": "0", "max": "-INFINITY", "min": "INFINITY"}
 REDUCE_STEP = {"sum": "acc += v;", "mean": "acc += v;", "max": "acc = v > acc || v != v ? v : acc;",
-               "min": "acc = v < acc || v != v ? v : acc;"}  # buffers whose values no input changes
+               "min": "acc = v < acc || v != v ? v : acc;"}
+# The same as a simd loop (a row of a fused reduction): OpenMP's reduction clause, and for max
+# and min a NaN flag beside it (lanes combine as max does, which would drop a lane's NaN).
+REDUCE_SIMD = {"sum": ("reduction(+:acc)", "acc += v;"), "mean": ("reduction(+:acc)", "acc += v;"),
+               "max": ("reduction(max:acc) reduction(|:nan)", "acc = v > acc ? v : acc; nan |= v != v;"),
+               "min": ("reduction(min:acc) reduction(|:nan)", "acc = v < acc ? v : acc; nan |= v != v;")}  # buffers whose values no input changes
 SIMD_BLOCK = 4096  # elements a thread takes at a time in a flat parallel loop
 # Multiply-adds below which a GEMM runs as emitted loops: a oneDNN call costs ~1.5 us.
 SMALL_GEMM = 16384

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import numpy as np
 import sympy
@@ -74,10 +74,20 @@ class Step:
     # The top-level op (a tg.fusion group, or an op outside one) the step computes part or all
     # of: what a per-step profile charges its time to (benchmarks/cost_model_accuracy.py).
     kernel: Any = None
-    # A convolution step on its own: (its primitive's index, its source, its result, whether
-    # the source's buffer is read as nothing else, whether it is depthwise): what
-    # onednn.chain_convolutions reads.
-    conv: tuple[int, Any, Any, bool, bool] | None = None
+    # A convolution step on its own: what onednn.chain_convolutions reads.
+    conv: ConvStep | None = None
+
+
+class ConvStep(NamedTuple):
+    """A step's convolution, as onednn.chain_convolutions decides its buffers by."""
+
+    prim: int  # its primitive's index in the state
+    src: View
+    out: View  # its result (the residual's buffer where it accumulates into it)
+    alone: bool  # no other operand of it (weight, bias, post-op operand) lies in src's buffer
+    out_alone: bool  # nor in out's
+    depthwise: bool  # computes in f32 at bf16 (runtime.c)
+    constant_weight: bool  # packed once: at bf16, bf16 x bf16 (runtime.c, tg_bf16_weights)
 
 
 class Unsupported(Exception):
