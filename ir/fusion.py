@@ -27,6 +27,10 @@ ANCHORS = frozenset(name for name, spec in OPS.items() if spec.pattern == ANCHOR
 # oneDNN eltwise post-ops, backends/c/onednn.py; and sigmoid(x) * x as one swish): no loop of
 # their own, which the C target's pricing (passes/targets/c.py) leaves out of a group's loop.
 ELTWISE_POSTS = frozenset({Op.relu, Op.tanh, Op.exp, Op.sigmoid, Op.gelu})
+# ... of which these evaluate an exp for each element the GEMM or convolution writes (a swish is
+# its sigmoid): that costs time at the calibrated `ufunc_rates[POST_RATE]` (a relu is a max).
+EXP_POSTS = ELTWISE_POSTS - {Op.relu}
+POST_RATE = "eltwise_post"
 
 
 class GroupKind(str, enum.Enum):

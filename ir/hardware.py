@@ -46,7 +46,7 @@ from typing import Callable, Mapping
 # gains nothing from a second thread, GPT-2's at 256 tokens (786K) does.
 MIN_PARALLEL_SCORES = 1 << 19
 
-PROFILE_FORMAT = 9  # (2: per-core GEMM samples; 3: chunk_call_overhead; 4: parallel costs, conv rate; 5: skinny GEMMs; 6: BLAS threads; 7: attention, fused kernels, spilled rates; 8: BLAS call overhead; 9: C row kernels per row, pool rate, stem convolutions) bump when the JSON layout changes: older profiles are then re-measured
+PROFILE_FORMAT = 10  # (2: per-core GEMM samples; 3: chunk_call_overhead; 4: parallel costs, conv rate; 5: skinny GEMMs; 6: BLAS threads; 7: attention, fused kernels, spilled rates; 8: BLAS call overhead; 9: C row kernels per row, pool rate, stem convolutions; 10: a 7x7 stem, a sum along rows) bump when the JSON layout changes: older profiles are then re-measured
 
 
 @dataclass(frozen=True)

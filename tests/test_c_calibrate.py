@@ -18,14 +18,16 @@ import numpy as np
 import pytest
 
 import tilegraph
+from tilegraph.backends.c.calibrate import CONV_CASES, QUICK_STEMS, STEM_CASES
 from tilegraph.ir import Graph, interpret
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.fusion import VIEW_OPS
 from tilegraph.ir.ops import Op
 from tilegraph.ir.hardware import Hardware, hardware, load_profile
+from tilegraph.ir.ops import Op
 from tilegraph.ir.shapes import info_of
 from tilegraph.passes.cost.model import at, at_nominal, fusion_cost, group_cost, module_cost, op_cost
-from tilegraph.passes.targets.c import C_PARALLEL_MIN, step_memory
+from tilegraph.passes.targets.c import C_PARALLEL_MIN, STEM_KINDS, step_memory
 from tilegraph.passes.registry import default_pipeline, run_pipeline
 from tilegraph.testing import assert_close
 
@@ -65,7 +67,9 @@ def test_the_c_profile_is_positive_finite_and_round_trips(calibrated):
     assert len(hw.gemm_samples) == len(hw.gemm_samples_threaded) >= 3
     assert {"add", "exp", "gelu", "softmax", "layer_norm"} <= set(hw.ufunc_rates)
     assert [d for d, _ in hw.attention_rates] == [32, 64]
-    assert set(hw.conv_rates) == {"dense", "pointwise", "depthwise", "stem", "patch"}
+    assert set(hw.conv_rates) == {"dense", "pointwise", "depthwise", *QUICK_STEMS} == {*CONV_CASES, *QUICK_STEMS}
+    assert set(QUICK_STEMS) < set(STEM_CASES) == set(STEM_KINDS)  # a full run measures the 7x7 stem too
+    assert "reduce_sum" in hw.ufunc_rates  # (an exp post-op's rate where it measured above noise)
     assert hw.pool_rate > 0 and set(hw.row_overhead) == {"softmax", "layer_norm"}
     assert all(math.isfinite(x) and x >= 0 for x in hw.row_overhead.values())
     assert Hardware.from_dict(json.loads(path.read_text())["hardware"]) == hw
@@ -388,15 +392,48 @@ def test_a_global_average_pool_is_priced_at_the_calibrated_pool_rate():
     assert "acc[j] += row[j]" not in emit_program(plain).source
 
 
-def test_an_image_models_first_convolution_is_priced_by_the_two_calibrated_stems():
+def test_a_sum_along_rows_is_priced_at_the_calibrated_row_reduction_rate():
+    """A sum or mean along rows (an RMSNorm's mean of squares, alone or in its fused group) is
+    one accumulator a row that every element is added to in turn: priced at the calibrated
+    `ufunc_rates["reduce_sum"]` (Llama's RMSNorm groups took 7-9x their price at `add`'s
+    rate), and the emitter runs that loop. Without the rate: `add`'s, as before."""
+    from dataclasses import replace
+
+    from tilegraph.backends.c.emit import emit_program
+    from tilegraph.passes.targets.c import loop_rate
+
+    base = hardware("c")
+    hw = replace(base, ufunc_rates={**base.ufunc_rates, "reduce_sum": 1e9})
+    rng = np.random.default_rng(0)
+    rows, width = 128, 1024
+    g = Graph()
+    x = g.input("x", (1, rows, width))
+    y = x * g.op("rsqrt", g.mean(x * x, axes=(-1,), keepdims=True) + g.constant(np.float32(1e-6))) \
+        * g.weight("w", rng.standard_normal(width).astype(np.float32))
+    model = g.build(y, names=["y"])
+    mean = _op_named(model, "reduce_mean")
+    assert at(op_cost(mean, hw).compute_time) == pytest.approx(rows * width / 1e9)
+    assert at(op_cost(mean, base).compute_time) == pytest.approx(rows * width / loop_rate(base, "add"))
+    compiled = run_pipeline(model, default_pipeline("c"))
+    (group,) = [op for op in compiled.func.body.block.ops if isinstance(op, FusionOp)]
+    assert {Op.reduce_mean, Op.mul} <= {op.op_name for op in group.ops}
+    slower = replace(hw, ufunc_rates={**hw.ufunc_rates, "reduce_sum": 0.5e9})
+    assert at(fusion_cost(group, slower).time) - at(fusion_cost(group, hw).time) == pytest.approx(rows * width / 1e9)
+    assert "double acc = 0;" in emit_program(compiled).source  # one accumulator a row
+    xs = [rng.standard_normal((1, rows, width)).astype(np.float32)]
+    assert_close(tilegraph.compile(model, target="c")(*xs), interpret(model, xs)[0], "f32", reduction_length=width)
+
+
+def test_an_image_models_first_convolution_is_priced_by_the_calibrated_stems():
     """A convolution over an image's 3 channels (a stem, a Swin or ViT patch embedding, kernel
     = stride) is no GEMM of its short k (a 4x4/4 priced as a 3x3's efficiency took 3x its
-    price): a time per output and per FLOP, solved from the calibrated 3x3/2 stem and 16x16/16
-    patch embedding, so exact at both; 16 input channels are a GEMM as before."""
+    price): a time per output and per FLOP, solved from the two calibrated first convolutions
+    nearest in FLOPs per output (a 3x3/2 and a 7x7/2 stem, a 16x16/16 patch embedding), so
+    exact at each; 16 input channels are a GEMM as before."""
     from dataclasses import replace
 
     base = hardware("c")
-    stems = {"stem": (12544, 32, 27, 46e9), "patch": (196, 768, 768, 125e9)}
+    stems = {"stem": (12544, 32, 27, 46e9), "stem7x7": (12544, 64, 147, 150e9), "patch": (196, 768, 768, 125e9)}
     hw = replace(base, primitive_overhead=0.0, conv_rates={**base.conv_rates, **stems})
 
     def conv_time(xs, ws, stride, hw):
@@ -407,13 +444,17 @@ def test_an_image_models_first_convolution_is_priced_by_the_two_calibrated_stems
         return at(op_cost(_op_named(g.build(y, names=["y"]), "conv"), hw).compute_time), \
             2 * int(np.prod(y.shape)) * int(np.prod(ws[1:])), int(np.prod(y.shape))
 
-    t, flops, _ = conv_time((1, 3, 224, 224), (32, 3, 3, 3), 2, hw)
-    assert t == pytest.approx(flops / 46e9)
-    t, flops, _ = conv_time((1, 3, 224, 224), (768, 3, 16, 16), 16, hw)
-    assert t == pytest.approx(flops / 125e9)
-    # Swin's 4x4/4 between them: more per FLOP than the patch embedding, less than the stem
+    for (xs, ws, stride), rate in ((((1, 3, 224, 224), (32, 3, 3, 3), 2), 46e9), (((1, 3, 224, 224), (64, 3, 7, 7), 2), 150e9),
+                                   (((1, 3, 224, 224), (768, 3, 16, 16), 16), 125e9)):
+        t, flops, _ = conv_time(xs, ws, stride, hw)
+        assert t == pytest.approx(flops / rate)
+    # Swin's 4x4/4 (96 FLOPs an output) on the line through the 3x3 (54) and the 7x7 (294):
+    # a time per output a and per FLOP b that give both their times
+    b = (294 / 150e9 - 54 / 46e9) / (294 - 54)
+    a = 54 / 46e9 - b * 54
     t, flops, outputs = conv_time((1, 3, 224, 224), (96, 3, 4, 4), 4, hw)
-    assert flops / 46e9 > t > flops / 125e9
+    assert t == pytest.approx(outputs * a + flops * b)
+    assert flops / 46e9 > t > flops / 150e9
     t16, *_ = conv_time((1, 16, 56, 56), (32, 16, 3, 3), 1, hw)
     assert t16 == pytest.approx(conv_time((1, 16, 56, 56), (32, 16, 3, 3), 1, replace(hw, conv_rates=base.conv_rates))[0])
     # one calibrated stem alone: its rate
@@ -477,3 +518,29 @@ def test_activations_a_convolution_applies_as_it_writes_cost_no_loop():
     # a sigmoid of the input, added after: a loop of its own
     model, fused = group(lambda g, x, y: y + g.op("sigmoid", x))
     assert at(fusion_cost(fused, hw).time) >= alone(fused) + loop
+
+
+def test_an_activation_that_evaluates_an_exp_costs_each_element_the_calibrated_post_rate():
+    """A post-op that evaluates an exp (a swish, a sigmoid, a gelu) costs oneDNN's pass each
+    element it writes at the calibrated `ufunc_rates["eltwise_post"]` (free, EfficientNet's
+    swish convolutions took twice their price); a relu stays free; the swish counts once."""
+    from dataclasses import replace
+
+    from tilegraph.ir.fusion import POST_RATE
+
+    rng = np.random.default_rng(0)
+    base = hardware("c")
+    hw = replace(base, ufunc_rates={**base.ufunc_rates, POST_RATE: 1e9})
+    written = 32 * 28 * 28
+
+    def extra(act):  # what the post-op rate adds to the group over the same group priced without it
+        g = Graph()
+        x = g.input("x", (1, 32, 28, 28))
+        y = g.op("conv", x, g.weight("w", rng.standard_normal((32, 32, 3, 3)).astype(np.float32) / 17), pads=(1,) * 4)
+        model = run_pipeline(g.build(act(g, y), names=["y"]), default_pipeline("c"))
+        (fused,) = [op for op in model.func.body.block.ops if isinstance(op, FusionOp)]
+        return at(fusion_cost(fused, hw).time) - at(fusion_cost(fused, base).time)
+
+    assert extra(lambda g, y: g.op("relu", y)) == pytest.approx(0.0, abs=1e-12)
+    for act in (lambda g, y: g.op("sigmoid", y) * y, lambda g, y: g.op("gelu", y), lambda g, y: g.op("sigmoid", y)):
+        assert extra(act) == pytest.approx(written / 1e9)

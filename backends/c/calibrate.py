@@ -41,7 +41,7 @@ from tilegraph.ir.calibration import (ATTENTION_BATCH, ATTENTION_HEAD_DIMS, ATTE
                                      cache_sizes, measure_and_save, median_times, physical_memory, table)
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.errors import TilegraphError
-from tilegraph.ir.fusion import GroupKind, outline
+from tilegraph.ir.fusion import POST_RATE, GroupKind, outline
 from tilegraph.ir.hardware import Hardware, c_profile_path, cpu_model
 from tilegraph.ir.ops import Op
 
@@ -60,9 +60,13 @@ QUICK_GEMM_SHAPES = ((32, 384, 384), (128, 384, 384), (1024, 384, 1536), (128, 3
 CONV_CASES = {"dense": ((1, 64, 56, 56), (64, 64, 3, 3), 1), "pointwise": ((1, 256, 28, 28), (128, 256, 1, 1), 1),
               "depthwise": ((1, 96, 56, 56), (96, 1, 3, 3), 96)}
 # An image model's first convolutions, each reading the caller's plain image of 3 channels as
-# a model's first does: a 3x3 stride-2 stem and a ViT's 16x16 stride-16 patch embedding, as
-# x shape, weight shape, stride (conv_rates["stem"], ["patch"]: passes/targets/c.stem_time).
-STEM_CASES = {"stem": ((1, 3, 224, 224), (32, 3, 3, 3), 2), "patch": ((1, 3, 224, 224), (768, 3, 16, 16), 16)}
+# a model's first does: a 3x3 stride-2 stem (MobileNet's, EfficientNet's, RegNet's), a 7x7
+# stride-2 one (ResNet's) and a ViT's 16x16 stride-16 patch embedding, spanning the FLOPs per
+# output of the stems between them, as x shape, weight shape, stride
+# (conv_rates[kind]: passes/targets/c.stem_time, STEM_KINDS).
+STEM_CASES = {"stem": ((1, 3, 224, 224), (32, 3, 3, 3), 2), "stem7x7": ((1, 3, 224, 224), (64, 3, 7, 7), 2),
+              "patch": ((1, 3, 224, 224), (768, 3, 16, 16), 16)}
+QUICK_STEMS = ("stem", "patch")  # the quick run's: the 7x7 is then priced on the line through them
 # A global average pool over a convolution's channels-last result, as a squeeze-excitation
 # takes it (pool_rate): a middle stage's map of a RegNet or an EfficientNet.
 POOL_CASE = (1, 192, 28, 28)
@@ -80,6 +84,7 @@ ROW = 256  # row length of the softmax and layer_norm timed (a hidden state's ro
 # ... and the short rows they are timed over too, as many elements in more rows (a 7x7 window's
 # attention scores): what a row costs beyond its elements (`row_overhead`).
 SHORT_ROW = 49
+REDUCE_ROW = 1024  # row length of the sum along rows timed (a hidden state's row)
 TINY = 16  # elements of "a tiny step": its fixed cost dominates
 # Elements per array of the in-cache passes: 2 arrays in and 1 out of both sizes fit two cores'
 # L2 of 1 MiB or more, and both are above the emitted loops' OpenMP threshold.
@@ -105,26 +110,41 @@ def _quiet_times(fns, budget: float) -> list[float]:
     return median_times(fns, budget, quantile=QUIET)
 
 
-def _after_depthwise(rng, xs, then=None):
+def _after_depthwise(rng, xs, then=None, group: GroupKind | None = None):
     """(module, output shape) of a depthwise 3x3 over an input of shape `xs`, then (where
-    given) `then(graph, y)` of its result: what is timed reads its input as a model's
-    convolutions hand it on (channels-last, as the one before wrote it), not a plain array from
-    the caller that it would reorder first."""
+    given) `then(graph, y)` of its result, in one group of kind `group` where one is given:
+    what is timed reads its input as a model's convolutions hand it on (channels-last, as the
+    one before wrote it), not a plain array from the caller that it would reorder first."""
     g = Graph()
     pre = (rng.standard_normal((xs[1], 1, 3, 3)) / 3).astype(np.float32)
     y = g.op("conv", g.input("x", xs), g.weight("pre", pre), pads=(1, 1, 1, 1), groups=xs[1])
     if then is not None:
         y = then(g, y)
-    return _module(g.build(y, names=["y"])), y.shape
+    model = g.build(y, names=["y"])
+    return _module(_outline_after_first(model, group) if group else model), y.shape
 
 
-def _conv_then(rng, ws, groups: int):
-    """A convolution of weight shape `ws`, 'same' padded, to run after another (_after_depthwise)."""
+def _conv_then(rng, ws, groups: int, swish: bool = False):
+    """A convolution of weight shape `ws`, 'same' padded, to run after another
+    (_after_depthwise), and a swish of its result where asked."""
     def then(g, y):
         w = g.weight("w", (rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:]))).astype(np.float32))
         pad = ws[-1] // 2
-        return g.op("conv", y, w, pads=(pad, pad, pad, pad), groups=groups)
+        z = g.op("conv", y, w, pads=(pad, pad, pad, pad), groups=groups)
+        return z * g.op("sigmoid", z) if swish else z
     return then
+
+
+def _outline_after_first(model, kind: GroupKind):
+    """`model` with every computing op after its first (the depthwise of _after_depthwise) in
+    one tg.fusion of `kind`, as `fuse` outlines a convolution and its epilogue."""
+    block = model.func.body.block
+    ops = [op for op in block.ops if isinstance(op, TgOp) and op.op_name not in (Op.weight, Op.constant)][1:]
+    inside = set(ops)
+    inputs = list(dict.fromkeys(v for op in ops for v in op.operands if v.owner not in inside))
+    outline(ops, kind, inputs, [v for v in block.last_op.operands if v.owner in inside], block.last_op)
+    model.verify()
+    return model
 
 
 def _tiny_convs(rng, count: int):
@@ -225,7 +245,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
     caches = cache_sizes()
     cores = _threads()
     rng = np.random.default_rng(0)
-    bar = Progress(11 + len(loop_ops) + len(shapes), sys.stderr.isatty() if progress is None else progress)
+    bar = Progress(13 + len(loop_ops) + len(shapes), sys.stderr.isatty() if progress is None else progress)
 
     # One chain of unfused adds, short and long, serves every size: its length is symbolic.
     short, long_ = _module(_chain("n", 1)), _module(_chain("n", CHAIN))
@@ -303,6 +323,19 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
             per_row, per_element = 0.0, 1 / whole
         rates[op], row_overhead[op] = 1 / per_element, per_row
 
+    # A sum along rows, as a fused loop reduces each row (an RMSNorm's mean of squares): one
+    # accumulator a row, each element added to it in turn, far below `add`'s rate in a loop
+    # (ufunc_rates["reduce_sum"]: passes/targets/c.reduction_rate).
+    bar.step("a sum along rows")
+    g = Graph()
+    summed = _module(g.build(g.sum(g.input("x", ("rows", REDUCE_ROW)), axes=(1,), keepdims=True), names=["y"]))
+    sizes = [n // REDUCE_ROW for n in CACHE_SIZES]
+    t_small, t_big = _quiet_times([_call(summed, rng.standard_normal((r, REDUCE_ROW), dtype=np.float32)) for r in sizes],
+                                  budget)
+    e_small, e_big = (r * REDUCE_ROW for r in sizes)
+    rates[Op.reduce_sum] = (e_big - e_small) / (t_big - t_small) if t_big > t_small * 1.05 \
+        else e_big / max(t_big - launch, 1e-9)
+
     # A gather's row copy (embeddings; priced alike: every copy, concat, pad): one gather more
     # in the module, from an intermediate into the arena (the output's fresh pages cancel).
     bar.step("gather rows")
@@ -360,8 +393,23 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         conv_rates[kind] = (*gemm, conv_flops / max(t_both - t_before, t_both / 10))
     conv_rate = conv_rates["dense"][3]
 
+    # A transcendental activation oneDNN applies as a convolution writes (a swish, sigmoid(y) * y,
+    # as EfficientNet's convolutions take it): the pointwise convolution with and without it, each
+    # one group after the depthwise, the difference per element (ufunc_rates["eltwise_post"]).
+    bar.step("an activation a convolution applies")
+    xs, ws, _ = CONV_CASES["pointwise"]
+    (plain, out_shape), (swish, _) = (_after_depthwise(rng, xs, _conv_then(rng, ws, 1, post), GroupKind.CONV_EPILOGUE)
+                                      for post in (False, True))
+    xc = rng.standard_normal(xs, dtype=np.float32)
+    t_plain, t_swish = _quiet_times((_call(plain, xc), _call(swish, xc)), budget)
+    written = int(np.prod(out_shape))
+    if t_swish > t_plain * 1.02:  # else within noise of nothing: priced free, as without the rate
+        rates[POST_RATE] = written / (t_swish - t_plain)
+
     bar.step("stem convolutions")
     for kind, (xs, ws, stride) in STEM_CASES.items():
+        if quick and kind not in QUICK_STEMS:
+            continue
         g = Graph()
         w = g.weight("w", (rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:]))).astype(np.float32))
         y = g.op("conv", g.input("x", xs), w, pads=(ws[-1] // 2 if ws[-1] > stride else 0,) * 4, strides=(stride, stride))

@@ -24,7 +24,7 @@ import sympy
 from xdsl.ir import SSAValue
 
 from tilegraph.ir.dialect import FusionOp, TgOp
-from tilegraph.ir.fusion import ANCHORS, ELTWISE_POSTS, VIEW_OPS
+from tilegraph.ir.fusion import ANCHORS, ELTWISE_POSTS, EXP_POSTS, POST_RATE, VIEW_OPS
 from tilegraph.ir.ops import Op
 from tilegraph.ir.shapes import info_of
 from tilegraph.ir.strides import reduces_rows_of_channels, reshape_copies, result_strides, strides_of
@@ -44,8 +44,11 @@ C_LIBM = {"log", "pow", "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "co
           "expm1", "log1p", "sigmoid", "erf", "tanh", "exp", "gelu"}
 
 # A convolution over this few input channels is an image model's first (RGB or RGBA):
-# priced at the calibrated stem's rate (conv_time), not as a GEMM of so short a k.
+# priced by the calibrated stems (stem_time), not as a GEMM of so short a k.
 STEM_CHANNELS = 4
+# The calibrated first convolutions (`conv_rates` keys, backends/c/calibrate.STEM_CASES): a
+# 3x3 stride-2 stem, a 7x7 stride-2 stem, a 16x16 stride-16 patch embedding.
+STEM_KINDS = ("stem", "stem7x7", "patch")
 
 # The C backend's flash blocks (queries, keys), tried largest first.
 C_FLASH_BLOCKS = ((128, 256), (128, 128), (64, 128), (64, 64), (32, 64))
@@ -142,6 +145,11 @@ def group_cost(ops, anchors, rest, inputs, outputs, hw, label: str = "", **_tile
         elements = element_count(op.result_infos()[0]) if op.SPEC.category != "reduction" \
             else element_count(info_of(op.operands[0].type))
         loop += elements / (reduction_rate(hw, op) if op.SPEC.category == "reduction" else loop_rate(hw, op.op_name))
+    # An activation oneDNN applies as it writes costs no pass, but one that evaluates an exp
+    # costs each element its calibrated rate (EfficientNet's swish convolutions).
+    if POST_RATE in hw.ufunc_rates:
+        anchor_time += sum((element_count(op.result_infos()[0]) for op in posts if op.op_name in EXP_POSTS),
+                           zero) / hw.ufunc_rates[POST_RATE]
     loop_bytes = sympy.Max(bytes_ - anchor_io, zero)
     memory = step_memory(hw, loop_bytes, cold_bytes([op for op in ops if op not in anchors]))
     compute = anchor_time + row_time + loop
@@ -173,7 +181,8 @@ def loop_rate(hw, name: str) -> float:
 def eltwise_posts(anchors, rest) -> set:
     """The ops of `rest` a GEMM or convolution applies as it writes its result (ELTWISE_POSTS
     in a chain on it, sigmoid(x) * x as a swish): they cost its pass nothing, not a loop at
-    their calibrated rate (EfficientNet's swish convolutions were priced 2-3x their time)."""
+    their calibrated rate (EfficientNet's swish convolutions were priced 2-3x their time);
+    those of EXP_POSTS their elements at the calibrated post-op rate (group_cost)."""
     covered: set = set()
     for anchor in anchors:
         if anchor.op_name not in (Op.conv, Op.matmul):
@@ -207,13 +216,18 @@ def reduction_rate(hw, op: TgOp) -> float:
     """Elements/s a reduction reads in a C loop: a sum or mean whose kept channels lie
     contiguous (a global average pool over a convolution's channels-last result) at its
     kernel's calibrated rate (`pool_rate`): rows of channels added into blocks of accumulators,
-    far below a fused loop's `add`; any other at its op's loop rate."""
-    if hw.pool_rate and op.op_name in (Op.reduce_sum, Op.reduce_mean):
+    far below a fused loop's `add`; any other sum or mean adds each row's elements into one
+    accumulator in turn (backends/c/groups.py), a chain of dependent adds: at the calibrated
+    sum along rows (`ufunc_rates["reduce_sum"]`, an RMSNorm's mean of squares ran at a tenth
+    of `add`'s rate); any other reduction at its op's loop rate."""
+    if op.op_name in (Op.reduce_sum, Op.reduce_mean):
         x = op.operands[0]
         shape = info_of(x.type).shape
         axes = sorted(int(a) % len(shape) for a in op.attr("axes"))
         if reduces_rows_of_channels(shape, strides_of(x, layouts()), axes):
-            return hw.pool_rate
+            return hw.pool_rate or loop_rate(hw, op.op_name)
+        if Op.reduce_sum in hw.ufunc_rates:  # a mean is the same sum, divided once at the end
+            return hw.ufunc_rates[Op.reduce_sum]
     return loop_rate(hw, op.op_name)
 
 
@@ -268,7 +282,7 @@ def conv_time(op: TgOp, hw, flops: sympy.Expr) -> sympy.Expr:
         return sympy.Max(flops / rate, (element_count(x) + element_count(out)) * k_cal / rate)
     if groups > 1 and at_nominal(sized(w.shape[1])) == 1:
         return flops / (hw.conv_rate or hw.flops("f32"))
-    if groups == 1 and at_nominal(sized(w.shape[1])) <= STEM_CHANNELS and "stem" in hw.conv_rates:
+    if groups == 1 and at_nominal(sized(w.shape[1])) <= STEM_CHANNELS and any(kind in hw.conv_rates for kind in STEM_KINDS):
         return stem_time(hw, flops, element_count(out))
     window = w.shape[2:]
     kind = "pointwise" if all(at_nominal(sized(d)) == 1 for d in window) else "dense"
@@ -283,24 +297,26 @@ def conv_time(op: TgOp, hw, flops: sympy.Expr) -> sympy.Expr:
 
 
 def stem_time(hw, flops: sympy.Expr, outputs: sympy.Expr) -> sympy.Expr:
-    """An image's first convolution (a 3x3 stem, a ViT's or Swin's patch embedding) reads the
-    caller's plain image of a few channels, no GEMM of so short a k: a time per output element
-    plus its FLOPs at a rate, both solved from the two calibrated ones (a 3x3 stride-2 stem,
-    mostly outputs; a 16x16 patch embedding, mostly FLOPs). With one of them, or where the two
-    do not solve to positive costs: at the nearer one's rate."""
-    samples = [hw.conv_rates[kind] for kind in ("stem", "patch") if kind in hw.conv_rates]
-    # t = outputs * a + flops * b for each sample (m x n outputs, 2mnk FLOPs)
-    rows = [(m * n, 2.0 * m * n * k, 2.0 * m * n * k / rate) for m, n, k, rate in samples]
-    if len(rows) == 2:
-        (o1, f1, t1), (o2, f2, t2) = rows
-        det = o1 * f2 - o2 * f1
-        if det:
-            a, b = (t1 * f2 - t2 * f1) / det, (o1 * t2 - o2 * t1) / det
-            if a > 0 and b > 0:
-                return outputs * a + flops * b
+    """An image's first convolution (a 3x3 or 7x7 stride-2 stem, a ViT's or Swin's patch
+    embedding) reads the caller's plain image of a few channels, no GEMM of so short a k: a
+    time per output element plus its FLOPs at a rate, the two solved from the two calibrated
+    ones (STEM_KINDS) nearest in FLOPs per output on either side (a line through each
+    neighbouring pair, the end ones beyond the last: a 7x7 stem is not priced by what a 3x3's
+    outputs and a 16x16 patch's FLOPs cost). Where no pair solves to positive costs, or one
+    sample alone: at the nearest one's rate."""
+    # (FLOPs per output, time per output) of each sample: m x n outputs, 2mnk FLOPs
+    points = sorted((2.0 * k, 2.0 * k / rate) for m, n, k, rate in
+                    (hw.conv_rates[kind] for kind in STEM_KINDS if kind in hw.conv_rates))
     per_output = at_nominal(flops) / max(at_nominal(outputs), 1.0)
-    _, f, t = min(rows, key=lambda r: abs(math.log(r[1] / r[0]) - math.log(max(per_output, 1e-9))))
-    return flops * t / f
+    if len(points) >= 2:
+        i = min(max(sum(1 for x, _ in points if x <= per_output) - 1, 0), len(points) - 2)
+        (x0, y0), (x1, y1) = points[i], points[i + 1]
+        b = (y1 - y0) / (x1 - x0) if x1 > x0 else 0.0
+        a = y0 - b * x0
+        if a > 0 and b > 0:
+            return outputs * a + flops * b
+    x, y = min(points, key=lambda p: abs(math.log(p[0]) - math.log(max(per_output, 1e-9))))
+    return flops * y / x
 
 
 @memo_hw
