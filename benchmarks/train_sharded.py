@@ -70,7 +70,7 @@ def main() -> None:
     rows = []
     # the same cost model on one process (no link): how far its compute alone is from a measured step
     from tilegraph.passes import shard
-    from tilegraph.train_sharded import cpu_mesh, optimizer_time
+    from tilegraph.train_plan import cpu_mesh, optimizer_time
 
     from tilegraph.ir.hardware import hardware
 
