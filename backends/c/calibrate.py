@@ -494,7 +494,9 @@ def summary(hw: Hardware) -> str:
     ]
     rows += [(f"GEMM f32 {m}x{n}x{k} (one thread / all)", f"{r / 1e9:.1f} / {t / 1e9:.1f} GFLOP/s")
              for (m, n, k, r), (*_, t) in zip(hw.gemm_samples, hw.gemm_samples_threaded)]
-    rows += [(f"f32 {name} {'row kernel' if name in (Op.softmax, Op.layer_norm) else 'in a fused loop'} (all threads)",
+    where = {Op.softmax: "row kernel", Op.layer_norm: "row kernel", Op.reduce_sum: "along rows, one accumulator a row",
+             POST_RATE: "as oneDNN writes a result (a swish post-op)"}
+    rows += [(f"f32 {name} {where.get(name, 'in a fused loop')} (all threads)",
               f"{rate / 1e9:.2f} Gelem/s" + (f" + {hw.row_overhead[name] * 1e9:.0f} ns a row"
                                              if name in hw.row_overhead else ""))
              for name, rate in hw.ufunc_rates.items()]
