@@ -11,11 +11,10 @@ from tilegraph.backends.c.tables import DNNL_BINARY, DNNL_ELTWISE, DNNL_TYPES, K
 from tilegraph.backends.c.views import (ConvStep, EmitterParts, Unsupported, View, lowers, _describe, _eq, _is_one, _only_use,
                                         _plain_strides, _row_stride, channels_last_strides)
 from tilegraph.ir.dialect import FusionOp, TgOp
-from tilegraph.ir.strides import rows_collapse
 from tilegraph.ir.fusion import ELTWISE_POSTS
 from tilegraph.ir.shapes import TensorInfo, info_of, numel
 from tilegraph.ir.ops import Op
-from tilegraph.ir.strides import unit_dims_strided
+from tilegraph.ir.strides import rows_collapse, unit_dims_strided
 
 
 class OneDNN(EmitterParts):
