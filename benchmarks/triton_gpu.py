@@ -50,7 +50,8 @@ Reported per peer: median latency and its ratio to both eager rows, the weight b
 accuracy as the issue measures it: the cosine similarity of the sentence embeddings (mean
 of the last hidden state over the attended tokens) to torch eager fp32's, worst sentence.
 A quantized row needs finite outputs (else the script exits 1); its cosine is reported
-against the issue's MXFP4 target (QUANT_TARGET_COSINE), not enforced. No kernel profile.
+against the issue's MXFP4 target (QUANT_TARGET_COSINE), not enforced. On a GPU, each quantized forward's
+kernel profile follows (its rates, without the ceilings' fractions).
 
 Models (tests/models.py): all-MiniLM-L6-v2 at batch 32, sequence 128 (eager
 attention: tilegraph's `attention` pass folds it into one flash kernel; padded rows)
@@ -141,6 +142,8 @@ TILEGRAPH, EAGER, COMPILE, GRAPH = "tilegraph triton", "torch eager", "torch.com
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of: {', '.join(MODELS)}")
+    ap.add_argument("--schemes", default=None, help="minilm-quant: only these schemes (comma-separated, of: "
+                    + ", ".join(row[1] for row in QUANT_ROWS) + "; default all)")
     ap.add_argument("--quick", action="store_true", help=f"{QUICK_ROUNDS} rounds and shorter kernel timings (noisier)")
     ap.add_argument("--dry-run", action="store_true",
                     help="a 1-layer MiniLM at batch 1, seq 8, one round: without a GPU in Triton's interpreter "
@@ -236,12 +239,13 @@ def run_quantized(args, cuda: bool, device) -> dict:
     label = f"MiniLM{' (1 layer)' if layers else ''} b{batch} s{seq}, quantized"
     bf16 = copy.deepcopy(model).to(torch.bfloat16).eval()
     result = {"model": label, "note": note, "compile_s": {}, "weight_bytes": {}}
-    runners, pooled = {}, {}
+    runners, pooled, models_of = {}, {}, {}
     on_device = tuple(x.to(device) for x in inputs)
     for name, module in ((f"{EAGER} fp32", model), (f"{EAGER} bf16", bf16)):
         runners[name] = (lambda m=module: m(*on_device))
         result["weight_bytes"][name] = sum(p.numel() * p.element_size() for p in module.parameters())
-    for name, scheme, dtype in [("tilegraph fp32", None, "f32")] + list(QUANT_ROWS):
+    rows = [row for row in QUANT_ROWS if args.schemes is None or row[1] in args.schemes.split(",")]
+    for name, scheme, dtype in [("tilegraph fp32", None, "f32")] + rows:
         source = bf16 if dtype == "bf16" else model  # on the CPU: tilegraph imports from there
         pipeline = None if scheme is None else (UNFUSED_PIPELINE + f",quantize{{scheme={scheme}}},"
                                                 + default_pipeline(HARDWARE))
@@ -250,6 +254,7 @@ def run_quantized(args, cuda: bool, device) -> dict:
         result["compile_s"][name] = time.perf_counter() - t0
         result["weight_bytes"][name] = compiled.model.weights.nbytes()
         runners[name] = (lambda r=compiled._runner: r.forward_torch(*on_device))
+        models_of[name] = compiled
         result.setdefault("host_ops", {})[name] = dict(compiled._runner.host_ops)
     for module in (model, bf16):
         module.to(device)
@@ -266,6 +271,12 @@ def run_quantized(args, cuda: bool, device) -> dict:
         result["seconds"] = warm_and_time(runners, args, cuda, dry_run_warmup=0)
     result["wrong"] = sorted(n for n, ok in result["finite"].items() if not ok)
     print_quantized(result, cuda)
+    if cuda:  # where each quantized forward's time goes (the interpreter's times say nothing)
+        for name, compiled in models_of.items():
+            rows = kernel_profile(compiled, on_device, cuda, quick=True)
+            result.setdefault("kernels", {})[name] = [vars(r) for r in rows]
+            print(f"\n{name}: {len(rows)} kernels, each launch timed alone (cold L2)")
+            print(kernel_table(rows, None, None))
     return result
 
 

@@ -18,6 +18,8 @@ version `make test` installs); an H100 run with Triton 3.6 built w8a8 for sm_100
 
 from __future__ import annotations
 
+import re
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -89,6 +91,30 @@ def test_each_scheme_runs_on_low_precision_kernels_and_agrees_with_the_float64_i
         assert "dtype=tl.int32)" in compiled.source
     for got, want in zip(compiled(*INPUTS), interpret(quantized, INPUTS)):
         assert_close(got, want, "f32", reduction_length(quantized))
+
+
+def gemm_then_layer_norm(width: int):
+    g = Graph()
+    x = g.input("x", ("B", 16, 64))
+    w = g.weight("w", RNG.standard_normal((64, width)).astype(np.float32))
+    bias = g.weight("c", RNG.standard_normal(width).astype(np.float32))
+    ones, zeros = g.weight("s", np.ones(width, np.float32)), g.weight("b", np.zeros(width, np.float32))
+    return g.build(g.layer_norm(x @ w + bias, ones, zeros, -1, 1e-5), names=["y"])
+
+
+@pytest.mark.parametrize("width, own_kernel", [(48, False), (384, True)])
+def test_an_fp8_gemm_keeps_its_layer_norm_while_whole_rows_fit_its_64_row_tiles(width, own_kernel):
+    """8-bit floats on both sides take tiles of 64 rows: a layer_norm over rows of 48 stays in the
+    GEMM's kernel; over rows of 384 (MiniLM's) it is a row kernel of its own, reading what the GEMM
+    stores, where a 64 x 512 accumulator would spill."""
+    quantized, compiled = compiled_quantized(gemm_then_layer_norm(width), "scheme=fp8")
+    groups = re.findall(r"'group': '([^']*)'", compiled.source)
+    gemm = [g for g in groups if g.startswith("quantized_matmul")]
+    assert len(gemm) == 1 and LOW_PRECISION["fp8"] in compiled.source
+    assert ("reduce_mean" in gemm[0]) != own_kernel
+    assert any(g.startswith("reduction") and "reduce_mean" in g for g in groups) == own_kernel
+    x = RNG.standard_normal((2, 16, 64)).astype(np.float32)
+    assert_close(compiled(x)[0], interpret(quantized, [x])[0], "f32", reduction_length(quantized))
 
 
 @pytest.mark.parametrize("scheme", ["w8a8", "fp8"])

@@ -64,7 +64,8 @@ from tilegraph.ir.fusion import ANCHORS, GroupKind
 from tilegraph.ir.quant import FORMATS, MIN_SCALE, MX_BLOCK
 from tilegraph.ir.shapes import TensorInfo, dims_equal, info_of, numel
 from tilegraph.backends.triton.group_kernels import (AXIS_OPS, GEMM_TILE, GROUP_M, INDENT, POINTER_TYPES, ROW_TILE_ELEMENTS,
-                                     TL_TYPES, TORCH_TYPES, KernelCode, KernelWriter, Unsupported, Value, compute_type, dot_precision)
+                                     TL_TYPES, TORCH_TYPES, KernelCode, KernelWriter, Unsupported, Value, compute_type, dot_precision,
+                                     triton_next_power_of_2)
 
 # Element types only these kernels read or write (Triton's names for them); E8M0 scales and
 # 4-bit values travel as their bytes (uint8).
@@ -157,17 +158,30 @@ def _group_float(group: Operation, rewriter: Rewriter) -> None:
         return
     adeq = _top_dequantize(a, group) or _own_copy(a, group, rewriter)
     items = [wdeq] + ([adeq] if adeq is not None else []) + [group]
-    if info_of(wdeq.operands[1].type).dtype == "f8E8M0FNU" and isinstance(group, FusionOp):
+    if _rows_too_wide(mm, wdeq, adeq) and isinstance(group, FusionOp):
         cut = next((i for i, o in enumerate(group.ops) if o.op_name in WHOLE_ROW_OPS), None)
         if cut is not None:
-            # tcgen05's block-scaled MMA takes 128 rows (MIN_BLOCK_M_SCALED), too many for whole
-            # rows of a wide layer in one program: the row reductions after the GEMM (layer_norm)
-            # become a kernel of their own, reading what the GEMM stores.
+            # The row reductions after the GEMM (layer_norm) become a kernel of their own, reading
+            # what the GEMM stores.
             head = _unwrap(group, rewriter)
             items = items[:-1] + head[:cut]  # type: ignore[operator]
             tail = head[cut:]
             _merge(tail, GroupKind.REDUCTION, None, rewriter)
     _merge(items, GroupKind.QUANTIZED_MATMUL, group.attributes.get("tile") if isinstance(group, FusionOp) else None, rewriter)
+
+
+def _rows_too_wide(mm: TgOp, wdeq: TgOp, adeq: TgOp | None) -> bool:
+    """Whether whole output rows are too many for one program at the GEMM's smallest tile: tcgen05's
+    block-scaled MMA takes 128 rows (MIN_BLOCK_M_SCALED), always too many; 8-bit floats on both sides
+    take 64 (MIN_BLOCK_M_8BIT), too many once a row is wider than the float GEMM's whole-row
+    accumulator allows (2 x ROW_TILE_ELEMENTS values: a 64 x 512 one spills, and the GEMM ran at a
+    tenth of its rate; benchmarks/triton_gpu_log.md)."""
+    if info_of(wdeq.operands[1].type).dtype == "f8E8M0FNU":
+        return True
+    fp8 = adeq is not None and all(info_of(d.operands[0].type).dtype in FP8_TYPES for d in (adeq, wdeq))
+    width = info_of(mm.results[0].type).shape[-1]
+    return fp8 and (not isinstance(width, int) or
+                    MIN_BLOCK_M_8BIT * triton_next_power_of_2(width) > 2 * ROW_TILE_ELEMENTS)
 
 
 # Ops that need a program to hold whole rows (group_kernels.py's row reductions and scans, and the
@@ -555,8 +569,8 @@ class QuantKernelWriter(KernelWriter):
         stages = None
         if self.whole_rows:
             # As group_kernels.py's GEMM with a row reduction after it: whole rows per program, BLOCK_M from
-            # the accumulator's size, but not below what reaches the low-precision instructions (a
-            # bigger accumulator than the float GEMM's: the GPU run will say what it costs).
+            # the accumulator's size, but not below what reaches the low-precision instructions (rows
+            # too wide for that went to a kernel of their own: _rows_too_wide).
             blocks["BLOCK_N"] = f"max({MIN_BLOCK_MN}, triton.next_power_of_2({n}))"
             blocks["BLOCK_M"] = (f"max({min(min_m, MIN_BLOCK_M_8BIT)}, "
                                  f"min(cfg['BLOCK_M'], {ROW_TILE_ELEMENTS * 2} // BLOCK_N))")
