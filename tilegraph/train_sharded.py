@@ -11,9 +11,9 @@ pinned, on a mesh of this machine's CPU profile and a gloo link measured by the 
             head): a segment's slices are all-gathered (one packed collective) just before its
             forward and again before its backward, the whole weights freed after each, the next
             segment's gather started (asynchronous) before this one computes; a segment's gradients
-            are reduce-scattered onto the slices after its backward (gloo has no reduce-scatter on
-            CPU tensors: an all-reduce of the packed gradients, each rank keeping its own part, as
-            backends/distributed.py does) and the optimizer module steps on the slices alone
+            are reduce-scattered onto the slices after its backward (as an all-reduce of the packed
+            gradients, each rank keeping its own part, as backends/distributed.py does: gloo's
+            reduce-scatter of CPU tensors is slower, benchmarks/gloo_collectives.py) and the optimizer module steps on the slices alone
             (DeepSpeed ZeRO-3 / FSDP2).
   tensor    Megatron-LM's split: each weight the plan splits by columns or rows is held as this
             rank's slice (a fused qkv by heads: `Segments.slicer`); the model runs as segments
@@ -406,8 +406,8 @@ class ShardedStep:
 
     def _reduce_scatter(self, grads: dict, names: list[str], extra: float = 0.0) -> float:
         """`grads[k]` (whole, this rank's) for `names` replaced by the ranks' mean of this rank's slice
-        (whole where the weight is not split), one packed all-reduce (gloo has no reduce-scatter
-        on CPU tensors); `extra` (the loss) averaged with them."""
+        (whole where the weight is not split), one packed all-reduce (module docstring: gloo's
+        reduce-scatter is slower); `extra` (the loss) averaged with them."""
         import torch.distributed as dist
 
         split = [k for k in names if k in self.splits]
