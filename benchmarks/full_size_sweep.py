@@ -10,7 +10,10 @@ configs, nothing downloaded):
   vit-b16, vit-s16, swin-t, regnet-y-040 (RegNetConfig's defaults: RegNetY-4.0GF's widths and
   depths): one 224x224 image (--batch for more); bert-base: 128 tokens; llama-0.3b: a
   Llama-shaped decoder (1024 wide, 20 layers, grouped-query attention), a prompt of 128;
-  whisper-tiny-enc: Whisper tiny's encoder on 30 s of audio (80 x 3000 mel frames).
+  whisper-tiny-enc: Whisper tiny's encoder on 30 s of audio (80 x 3000 mel frames);
+  wav2vec2-base: wav2vec 2.0 base (its convolutional feature encoder and 12 layers) on 30 s
+  of 16 kHz audio; and at the longer sizes people also run: bert-base-s512 (512 tokens),
+  llama-0.3b-p1024 (a prompt of 1024).
 
 Each model runs in a child process of its own: eager torch is the reference; tilegraph
 compiles the torch.export program (target "c"); torch's ONNX exporter writes the file
@@ -64,9 +67,13 @@ MODELS = {
     "whisper-tiny-enc": ("whisper", dict(d_model=384, encoder_layers=4, decoder_layers=4, encoder_attention_heads=6,
                                          decoder_attention_heads=6, encoder_ffn_dim=1536, decoder_ffn_dim=1536,
                                          num_mel_bins=80, max_source_positions=1500), "mel"),
+    "wav2vec2-base": ("wav2vec2", {}, "waveform"),
 }
+# The same models at longer inputs: name -> (model, tokens).
+LONGER = {"bert-base-s512": ("bert-base", 512), "llama-0.3b-p1024": ("llama-0.3b", 1024)}
 SEQ = 128  # tokens of a text input (a prompt)
 IMAGE = 224
+AUDIO_SAMPLES = 30 * 16_000  # 30 s at 16 kHz, wav2vec 2.0's rate
 
 
 def build(name: str, batch: int):
@@ -74,6 +81,7 @@ def build(name: str, batch: int):
     import torch
     from transformers import AutoConfig, AutoModel
 
+    name, seq = LONGER.get(name, (name, SEQ))
     model_type, overrides, kind = MODELS[name]
     torch.manual_seed(0)
     config = AutoConfig.for_model(model_type, **overrides)
@@ -85,10 +93,12 @@ def build(name: str, batch: int):
     elif kind == "mel":
         model = model.encoder
         inputs = {"input_features": torch.randn(batch, 80, 3000, generator=g)}
+    elif kind == "waveform":
+        inputs = {"input_values": torch.randn(batch, AUDIO_SAMPLES, generator=g)}
     else:
-        inputs = {"input_ids": torch.randint(3, 1000, (batch, SEQ), generator=g)}
+        inputs = {"input_ids": torch.randint(3, 1000, (batch, seq), generator=g)}
         if kind == "text_mask":
-            inputs["attention_mask"] = torch.ones(batch, SEQ, dtype=torch.int64)
+            inputs["attention_mask"] = torch.ones(batch, seq, dtype=torch.int64)
 
     class First(torch.nn.Module):
         def __init__(self):
@@ -169,7 +179,7 @@ def run_one(name: str, batch: int, repeat: int, threads: int | None, precisions:
         except Exception as e:  # a row, not a crash: the table says what failed
             row["notes"].append(f"{key}: {type(e).__name__}: {' '.join(str(e).split())[:200]}")
     for precision in [p for p in precisions if p == "bf16" or fold_f32]:
-        if not any(n in name for n in ("vit", "bert", "swin", "whisper", "llama")):
+        if not any(n in name for n in ("vit", "bert", "swin", "whisper", "llama", "wav2vec2")):
             break
         # Every spelled-out attention folded to the flash kernel (at bf16 its products on AMX
         # where the processor has it); the default folds at bf16 only over enough keys
@@ -237,7 +247,7 @@ def _counting_threads(compiled, arrays, counts: list[int]):
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", help="comma-separated model names (default: all): " + ", ".join(MODELS))
+    p.add_argument("--only", help="comma-separated model names (default: all): " + ", ".join([*MODELS, *LONGER]))
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeat", type=int, default=7, help="timed round-robin rounds (median)")
     p.add_argument("--threads", type=int, help="threads of every runner (default: each library's own)")
@@ -259,7 +269,7 @@ def main() -> int:
         print("RESULT " + json.dumps(run_one(args.one, args.batch, args.repeat, args.threads, precisions,
                                              not args.no_eager, args.fold)))
         return 0
-    names = args.only.split(",") if args.only else list(MODELS)
+    names = args.only.split(",") if args.only else [*MODELS, *LONGER]
     rows = []
     for name in names:
         cmd = [sys.executable, __file__, "--one", name, "--batch", str(args.batch), "--repeat", str(args.repeat),

@@ -109,7 +109,8 @@ def result_strides(value: SSAValue, operand_strides: Callable[[SSAValue], Sequen
     - a convolution's result channels-last (oneDNN's fast kernels);
     - x[..., M, K] @ W[K, N] with x's rows in one run: one 2-D GEMM over all rows, row-major;
       another matmul's or an attention's as its transposing reader wants it;
-    - an elementwise op's, a pool's or a pad's as its operands (`strides_like`);
+    - an elementwise op's, a pool's or a pad's as its operands (`strides_like`), and a layer_norm's
+      over the last axis as its input (channels-last: normalized along the columns of channels);
     - anything else row-major."""
     op, shape = value.owner, info_of(value.type).shape
     if isinstance(op, TgOp) and len(shape) >= 3:
@@ -125,6 +126,8 @@ def result_strides(value: SSAValue, operand_strides: Callable[[SSAValue], Sequen
             return laid_out_for_reader(value) or contiguous_strides(shape)
         if op.SPEC.pointwise or name in (Op.max_pool, Op.avg_pool, Op.pad):
             return strides_like(shape, [(info_of(x.type).shape, operand_strides(x)) for x in op.operands])
+        if name == Op.layer_norm and op.attr("axis") % len(shape) == len(shape) - 1:
+            return strides_like(shape, [(shape, operand_strides(op.operands[0]))])
     return contiguous_strides(shape)
 
 

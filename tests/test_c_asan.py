@@ -275,8 +275,9 @@ def _quantized():
 
 
 def _conv_net():
-    """Channels-last convolutions (padded, strided, grouped), max and average pools with
-    odd windows and ceil mode, a linear head: at an odd image size and two batches."""
+    """Channels-last convolutions (padded, strided, grouped), a layer_norm along their last axis,
+    max and average pools with odd windows and ceil mode, a linear head: at an odd image size
+    and two batches."""
     import tilegraph
     from tilegraph.ir import Graph
 
@@ -285,6 +286,9 @@ def _conv_net():
     g = Graph()
     x = g.input("x", ("B", 3, 13, 11))
     h = g.relu(g.op("conv", x, w(8, 3, 3, 3), w(8), pads=(1, 1, 1, 1)))
+    # a group norm of one channel a group: its columns of channels, then a loop in place
+    gamma, beta = (g.weight(n, rng.standard_normal((8, 1, 1)).astype(np.float32)) for n in ("gamma", "beta"))
+    h = g.gelu(g.op("layer_norm", h, None, None, axis=-1, epsilon=1e-5) * gamma + beta)
     h = g.op("max_pool", h, kernel=(3, 2), strides=(2, 2), ceil_mode=True)
     h = g.relu(g.op("conv", h, w(12, 4, 3, 3), strides=(2, 1), groups=2))
     h = g.op("avg_pool", h, kernel=(2, 2), pads=(0, 1, 1, 0))

@@ -366,6 +366,37 @@ def test_a_zero_pad_before_a_convolution_is_its_padding():
             assert_close(got, want, "f32", reduction_length=27)
 
 
+@pytest.mark.parametrize("batch, channels, rest", [(1, 512, (70,)), (2, 5, (3, 67)), (3, 16, (2, 40))])
+def test_a_group_norm_along_time_after_a_convolution_runs_down_its_channels_last_columns(batch, channels, rest):
+    """wav2vec 2.0's first group norm (one channel a group: a layer_norm over time of each
+    channel, then a scale and shift per channel, then GELU) reads a convolution's channels-last
+    result. The layer_norm ran on the host, in NumPy (a sixth of the model's time at 30 s of
+    audio), and the three ops after it as three passes. It is tg_layer_norm_cols, writing
+    channels-last as its input lies, then one loop in place: one step for the fused group."""
+    from tilegraph.ir import Graph
+    from tilegraph.passes.registry import default_pipeline, run_pipeline
+
+    rng = np.random.default_rng(1)
+    g = Graph()
+    x = g.input("x", (batch, 3, *(d + 2 for d in rest)))
+    w = g.weight("w", rng.standard_normal((channels, 3, *(3 for _ in rest))).astype(np.float32))
+    conv = g.op("conv", x, w)
+    scale = g.weight("s", rng.standard_normal(rest[-1]).astype(np.float32))
+    per_channel = (channels, *(1 for _ in rest))
+    gamma, beta = (g.weight(n, rng.standard_normal(per_channel).astype(np.float32)) for n in ("gamma", "beta"))
+    normed = g.op("layer_norm", conv, scale, None, axis=-1, epsilon=1e-5)
+    model = g.build(g.gelu(normed * gamma + beta), names=["y"])
+    compiled = _natively(run_pipeline(model, default_pipeline("c")))
+    norm = [s for s in compiled.program.steps if "tg_layer_norm" in "".join(s.lines or ())]
+    assert len(norm) == 1 and "layer_norm, mul, add, gelu" in norm[0].comment
+    calls = [ln for ln in norm[0].lines or () if "tg_layer_norm" in ln]
+    assert len(calls) == 1 and calls[0].strip().startswith("tg_layer_norm_cols(")
+    # [outer][n][inner]: the batch and the other spatial dims, time, the channels
+    assert calls[0].split(", ")[4:7] == [str(batch * int(np.prod(rest[:-1]))), str(rest[-1]), str(channels)]
+    xs = rng.standard_normal((batch, 3, *(d + 2 for d in rest))).astype(np.float32) * 3 + 1
+    assert_close(compiled(xs)[0], interpret(model, [xs])[0], "f32", reduction_length=27 * rest[-1])
+
+
 @settings(max_examples=15, deadline=None)
 @given(rows=st.integers(1, 9), width=st.integers(1, 70), seed=st.integers(0, 99))
 def test_a_group_of_row_reductions_is_one_pass_over_the_rows(rows, width, seed):

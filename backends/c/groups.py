@@ -274,12 +274,21 @@ class Groups(EmitterParts):
         return View(view.buf, view.offset, tuple(rows_shape), (row, view.strides[-1]), view.dtype)
 
     def fused_row(self, group: FusionOp, ops, env, yields) -> bool:
-        """Elementwise ops then softmax or layer_norm over the last axis: the prologue
-        as one loop into the result buffer, then the row op in place."""
-        last = ops[-1]
-        if not last.SPEC.row_normalizing or len(yields) != 1 or yields[0] is not last.results[0]:
+        """Elementwise ops, then softmax or layer_norm over the last axis, then elementwise ops
+        (a group norm's per-channel scale and shift, an activation): the prologue as one loop
+        into the result buffer, the row op in place, the epilogue as one loop in place."""
+        rows = [i for i, o in enumerate(ops) if o.SPEC.row_normalizing]
+        if len(rows) != 1 or len(yields) != 1:
             return False
-        pro = ops[:-1]
+        last, epi = ops[rows[0]], ops[rows[0] + 1:]
+        if yields[0] is not (epi[-1] if epi else last).results[0] or any(not o.SPEC.pointwise for o in epi):
+            return False
+        # The epilogue reads the group's inputs, the row op's result and its own values (the
+        # prologue's live only in its loop; the row op may have overwritten x).
+        readable = {*group.block.args, last.results[0], *(o.results[0] for o in epi)}
+        if any(v not in readable for o in epi for v in o.operands):
+            return False
+        pro = ops[:rows[0]]
         x = last.operands[0]
         first = len(self.steps)
         if pro:
@@ -301,6 +310,10 @@ class Groups(EmitterParts):
             env[x] = out
         result = self.row_op(last, [env[v] for v in last.operands], in_place=bool(pro) and _only_use(x, last))
         env[last.results[0]] = result
+        # Each epilogue element reads the row op's result where it writes: in place.
+        if epi and not self.fused_elementwise(group, epi, env, yields, into=result):
+            for op in epi:
+                self.op(op, env)
         self._one_step(first, group)
         return True
 
@@ -455,10 +468,14 @@ class Groups(EmitterParts):
         axis = op.attr("axis") % rank
         if op.op_name == Op.softmax and axis != rank - 1:
             raise Unsupported("softmax over a leading axis")
-        if not self.is_contiguous(x):
+        # A channels-last (N, C, ..., T) normalized along T (a group norm of one channel a group
+        # after a convolution): its columns of channels, in place (tg_layer_norm_cols).
+        columns = op.op_name == Op.layer_norm and axis == rank - 1 and self.is_channels_last(x)
+        if not self.is_contiguous(x) and not columns:
             raise Unsupported("row op on a strided view")
         # In place only on a temporary: an input, weight or constant is not the module's to write.
-        out = x if in_place and self.buffers[x.buf].storage == "temp" else self._temp(info)
+        out = x if in_place and self.buffers[x.buf].storage == "temp" else \
+            self._result(op, [v for v in xs if v is not None])
         n = numel(x.shape[axis:])
         rows = numel(x.shape[:axis])
         if op.op_name == Op.softmax:
@@ -478,8 +495,14 @@ class Groups(EmitterParts):
                 reads.append(p)
             while len(params) < 2:
                 params.append("NULL")
-            call = (f"tg_layer_norm_rows({self.ptr(x)}, {self.ptr(out, False)}, {params[0]}, {params[1]}, "
-                    f"{self.ints(rows)}, {self.ints(n)}, {c_float(op.attr('epsilon'), 'f32')});")
+            eps = c_float(op.attr('epsilon'), 'f32')
+            if columns:
+                outer = numel((x.shape[0], *x.shape[2:-1]))
+                call = (f"tg_layer_norm_cols({self.ptr(x)}, {self.ptr(out, False)}, {params[0]}, {params[1]}, "
+                        f"{self.ints(outer)}, {self.ints(n)}, {self.ints(x.shape[1])}, {eps});")
+            else:
+                call = (f"tg_layer_norm_rows({self.ptr(x)}, {self.ptr(out, False)}, {params[0]}, {params[1]}, "
+                        f"{self.ints(rows)}, {self.ints(n)}, {eps});")
         self._step(_describe(op), [call], reads, [out])
         return out
 

@@ -863,6 +863,44 @@ void tg_layer_norm_rows(const float *x, float *y, const float *scale, const floa
     }
 }
 
+/* tg.layer_norm over an axis of n laid out `inner` apart: x is [outer][n][inner] (a
+ * channels-last (N, C, ..., T) normalized along T, inner = C), each of the outer * inner
+ * columns normalized on its own. Each thread takes blocks of LN_COLS neighbouring columns
+ * and walks them down the n rows, so every load is a run of contiguous floats; the sums
+ * are in double, as a column has no simd partial sums to spread its rounding over. */
+#define LN_COLS 64
+void tg_layer_norm_cols(const float *x, float *y, const float *scale, const float *bias, int64_t outer,
+                        int64_t n, int64_t inner, float eps) {
+    int64_t blocks = (inner + LN_COLS - 1) / LN_COLS;
+#pragma omp parallel for if (outer * n * inner > 16384)
+    for (int64_t b = 0; b < outer * blocks; b++) {
+        int64_t o = b / blocks, c0 = (b % blocks) * LN_COLS;
+        int64_t w = inner - c0 < LN_COLS ? inner - c0 : LN_COLS;
+        const float *xo = x + o * n * inner + c0;
+        float *yo = y + o * n * inner + c0;
+        double s[LN_COLS] = {0}, v[LN_COLS] = {0};
+        float mean[LN_COLS], inv[LN_COLS];
+        for (int64_t j = 0; j < n; j++) {
+#pragma omp simd
+            for (int64_t c = 0; c < w; c++) s[c] += xo[j * inner + c];
+        }
+        for (int64_t c = 0; c < w; c++) mean[c] = (float)(s[c] / (double)n);
+        for (int64_t j = 0; j < n; j++) {
+#pragma omp simd
+            for (int64_t c = 0; c < w; c++) {
+                double d = xo[j * inner + c] - mean[c];
+                v[c] += d * d;
+            }
+        }
+        for (int64_t c = 0; c < w; c++) inv[c] = 1.f / sqrtf((float)(v[c] / (double)n) + eps);
+        for (int64_t j = 0; j < n; j++) {
+            float sc = scale ? scale[j] : 1.f, bi = bias ? bias[j] : 0.f;
+#pragma omp simd
+            for (int64_t c = 0; c < w; c++) yo[j * inner + c] = (xo[j * inner + c] - mean[c]) * inv[c] * sc + bi;
+        }
+    }
+}
+
 /* tg.dynamic_quantize to i8, one scale per row of n: max|x| / 127 (at least FLT_MIN;
  * 1 for a row of zeros or with a NaN), q = saturate(rint(x / scale)). */
 void tg_dynamic_quantize_rows(const float *x, int8_t *q, float *scale, int64_t rows, int64_t n) {

@@ -99,6 +99,8 @@ const char *tg_primitive_report(void);
 void tg_softmax_rows(const float *x, float *y, int64_t rows, int64_t n);
 void tg_layer_norm_rows(const float *x, float *y, const float *scale, const float *bias, int64_t rows,
                         int64_t n, float eps);
+void tg_layer_norm_cols(const float *x, float *y, const float *scale, const float *bias, int64_t outer,
+                        int64_t n, int64_t inner, float eps);
 void tg_dynamic_quantize_rows(const float *x, int8_t *q, float *scale, int64_t rows, int64_t n);
 int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb, const int64_t *vb,
                  const int64_t *mb, const int64_t *ob, const float *q, const float *k, const float *v,
