@@ -16,7 +16,8 @@ from typing import Callable
 
 import numpy as np
 
-from tilegraph.ir.hardware import Hardware, clear_cache, load_cached, measured_noting_load, save_profile
+from tilegraph.ir.hardware import (Hardware, clear_cache, load_cached, marked_off_peak, measured_noting_load, off_peak,
+                                   quiet_now, save_profile)
 
 # Fallbacks where /sys does not say (sizes of a common x86 server core).
 DEFAULT_L1D, DEFAULT_L2, DEFAULT_L3 = 32 * 2**10, 512 * 2**10, 32 * 2**20
@@ -96,6 +97,57 @@ def median_times(fns, budget: float, quantile: float = 0.5) -> list[float]:
     return [float(np.quantile(s, quantile)) for s in samples]
 
 
+class Fastest:
+    """Times measurements taken in rounds far apart in time, and gives each its fastest round.
+
+    A neighbour that keeps a core busy for a whole measurement (seconds) slows every batch of it,
+    so no quantile of one measurement sees past it; a calibration in rounds (each the whole run,
+    tens of seconds apart) keeps, of each measurement, the round others left it alone. Called as
+    `median_times` is; a round makes the same calls in the same order (the nth call of a round is
+    the nth of every other), and each call answers the fastest of its times so far."""
+
+    def __init__(self, quantile: float = 0.5):
+        self.quantile = quantile
+        self.best: list[list[float]] = []
+        self._next = 0
+
+    def new_round(self) -> None:
+        self._next = 0
+
+    def __call__(self, fns, budget: float) -> list[float]:
+        times = median_times(fns, budget, self.quantile)
+        if self._next == len(self.best):
+            self.best.append(times)
+        elif len(self.best[self._next]) != len(times):
+            raise AssertionError(f"measurement {self._next} of a round timed {len(times)} calls, "
+                                 f"{len(self.best[self._next])} in the round before: rounds must repeat one another")
+        else:
+            self.best[self._next] = [min(a, b) for a, b in zip(self.best[self._next], times)]
+        self._next += 1
+        return self.best[self._next - 1]
+
+
+def in_rounds(measure_round: Callable[[Fastest], Hardware], rounds: int, quantile: float, wait: float) -> Hardware:
+    """The profile `measure_round(timer)` builds in the last of `rounds` rounds, when `timer` (a
+    Fastest) answers each measurement's fastest round. Before each round after the first, up to
+    `wait` seconds pass waiting for other processes to leave the cores (quiet_now)."""
+    timer = Fastest(quantile)
+    profile = None
+    for r in range(rounds):
+        if r:
+            _wait_for_quiet(wait)
+        timer.new_round()
+        profile = measure_round(timer)
+    assert profile is not None, "in_rounds needs a round"
+    return profile
+
+
+def _wait_for_quiet(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and not quiet_now():
+        time.sleep(min(0.5, max(0.0, end - time.monotonic())))
+
+
 class Progress:
     """A text progress bar on stderr naming the step under way: redrawn in place on a
     terminal, one line a step otherwise."""
@@ -161,8 +213,9 @@ def measure_and_save(measure_fn, summary_fn, path, quick: bool, progress: bool, 
     taken while other processes kept the cores busy (ir/hardware.measured_noting_load) is not
     cached as is: it is saved marked `measured_busy` (the first process to find the machine
     quiet measures again), and never over a profile at `path` that was measured quiet; nor is
-    one implausibly slower than that quiet profile (implausibly_slower). Either way a warning
-    says so (`command` says how to measure again)."""
+    one implausibly slower than that quiet profile (implausibly_slower). One whose GEMMs no quiet
+    core of this processor would measure (ir/hardware.off_peak) counts as measured busy. Each
+    time a warning says so (`command` says how to measure again)."""
     path = Path(path)
     hw = measured_noting_load(lambda: measure_fn(quick=quick, progress=progress))
     earlier = load_cached(path)
@@ -170,6 +223,11 @@ def measure_and_save(measure_fn, summary_fn, path, quick: bool, progress: bool, 
     if hw.measured_busy:
         print(f"warning: other processes kept about {hw.measured_busy} of {hw.cores} cores busy while measuring "
               f"(multithreaded GEMMs suffer most): rerun `{command}` when idle")
+    odd = off_peak(hw)
+    if odd:
+        print(f"warning: {odd}: the cores were shared (with another virtual machine on the host, or a throttled "
+              f"clock) or the timing failed; marked as measured under load: rerun `{command}`")
+        hw = marked_off_peak(hw)
     slower = implausibly_slower(hw, earlier) if earlier is not None and not earlier.measured_busy else None
     if slower:
         print(f"warning: {slower} of the profile measured quiet on this processor: something this process "

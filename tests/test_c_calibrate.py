@@ -13,6 +13,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -544,3 +545,37 @@ def test_an_activation_that_evaluates_an_exp_costs_each_element_the_calibrated_p
     assert extra(lambda g, y: g.op("relu", y)) == pytest.approx(0.0, abs=1e-12)
     for act in (lambda g, y: g.op("sigmoid", y) * y, lambda g, y: g.op("gelu", y), lambda g, y: g.op("sigmoid", y)):
         assert extra(act) == pytest.approx(written / 1e9)
+
+
+def test_a_round_a_neighbour_slowed_leaves_the_c_profile_as_a_quiet_one(monkeypatch):
+    """The C calibration runs in rounds and builds each number from each timing's fastest round:
+    a neighbour that held the cores through one round (every timing 3x slower) leaves the
+    profile the rounds give without it, whichever round it slowed. (Timings made up, each a
+    function of its place in a round, so the profiles compare exactly.)"""
+    from tilegraph.backends.c import calibrate
+    from tilegraph.ir import calibration
+
+    clock = {"round": 0, "call": 0, "slow": None}
+    new_round = calibration.Fastest.new_round
+
+    def next_round(self):
+        clock["round"], clock["call"] = clock["round"] + 1, 0
+        new_round(self)
+
+    def times(fns, budget, quantile=0.5):
+        clock["call"] += 1
+        factor = 3.0 if clock["slow"] in (clock["round"], "every") else 1.0
+        return [factor * 1e-5 * (1 + (7 * clock["call"] + 3 * j) % 11) for j in range(len(fns))]
+
+    monkeypatch.setattr(calibration.Fastest, "new_round", next_round)
+    monkeypatch.setattr(calibration, "median_times", times)
+
+    def profile(slow):
+        clock.update(round=0, slow=slow)
+        return replace(calibrate.measure(quick=True, progress=False), source="")
+
+    quiet = profile(None)
+    assert clock["round"] == calibrate.QUICK_ROUNDS >= 2
+    assert profile(1) == quiet and profile(2) == quiet
+    busy = profile("every")  # ... but one slowed in every round is slower
+    assert all(b[3] < q[3] for b, q in zip(busy.gemm_samples, quiet.gemm_samples))

@@ -146,3 +146,39 @@ def test_a_profile_implausibly_slower_than_the_quiet_one_is_not_saved(tmp_path, 
     close = replace(fixed, peak_flops={**fixed.peak_flops, "f32": fixed.flops("f32") * 0.9}, source="close")
     measure_and_save(lambda quick, progress: close, lambda hw: "table", path, True, False, "calibrate")
     assert load_profile(path).source == "close"
+
+
+def _gemms_at(hw, best: float):
+    """`hw` with its one-thread GEMM samples scaled so that the fastest runs at `best` FLOP/s."""
+    top = max(r for *_, r in hw.gemm_samples)
+    return replace(hw, gemm_samples=tuple((m, n, k, r * best / top) for m, n, k, r in hw.gemm_samples))
+
+
+def test_a_profile_whose_gemms_no_quiet_core_of_this_processor_would_measure_is_not_trusted(
+        tmp_path, capsys, monkeypatch, quick_measure):
+    """off_peak, against the processor's datasheet peak a core: one-thread GEMMs at a tenth of it
+    (the core was shared with what the load check cannot see) or above twice it (a broken timing)
+    count as measured busy: `tilegraph calibrate` says so and keeps the quiet profile, the quick
+    calibration of a first compile saves it marked, to be measured again once quiet."""
+    from tilegraph.ir.calibration import measure_and_save
+
+    monkeypatch.setattr(hardware, "processor_peak", lambda: 100e9)
+    monkeypatch.setattr(hardware, "busy_count", lambda start: 0)  # the load check sees nothing
+    fixed = load_profile(Path(__file__).with_name("c_profile.json"))
+    assert hardware.off_peak(_gemms_at(fixed, 60e9)) is None
+    shared, broken = _gemms_at(fixed, 10e9), _gemms_at(fixed, 250e9)
+    assert "10% of this processor's peak" in hardware.off_peak(shared)
+    assert "above this processor's peak" in hardware.off_peak(broken)
+
+    path = tmp_path / "c.json"
+    good = _gemms_at(fixed, 60e9)
+    hardware.save_profile(good, path)
+    measure_and_save(lambda quick, progress: shared, lambda hw: "table", path, True, False, "calibrate")
+    out = capsys.readouterr().out
+    assert "10% of this processor's peak" in out and "this one is not saved" in out
+    assert load_profile(path) == good
+
+    quick_path = str(tmp_path / "quick.json")
+    monkeypatch.setitem(hardware.CALIBRATIONS, "c", lambda quick=True: shared)
+    assert hardware._cpu_profile(quick_path, True).measured_busy >= 1
+    assert load_profile(quick_path).measured_busy >= 1
