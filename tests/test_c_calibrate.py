@@ -579,3 +579,23 @@ def test_a_round_a_neighbour_slowed_leaves_the_c_profile_as_a_quiet_one(monkeypa
     assert profile(1) == quiet and profile(2) == quiet
     busy = profile("every")  # ... but one slowed in every round is slower
     assert all(b[3] < q[3] for b, q in zip(busy.gemm_samples, quiet.gemm_samples))
+
+
+def test_the_calibration_times_every_thread_while_a_neighbour_keeps_a_core(monkeypatch):
+    """The calibration's modules run on the whole team the cost model prices, where a model
+    compiled as users compile it leaves a busy neighbour its core: under load its "all threads"
+    GEMMs and attention ran on one thread, and priced the models' at half their rate."""
+    from tilegraph.backends.c import calibrate, compile_model, runtime
+
+    monkeypatch.setattr(runtime._NEIGHBOURS, "cores", lambda: 1)  # another process keeps a core busy
+    g = Graph()
+    w = g.weight("w", np.ones((256, 256), np.float32))
+    model = g.build(g.matmul(g.input("x", (256, 256)), w), names=["y"])  # above the one-thread work
+    x = np.ones((256, 256), np.float32)
+    timed, user = calibrate._module(model), compile_model(model)
+    timed(x), user(x)
+    team = timed._lib.tg_max_threads()
+    if team == 1:
+        pytest.skip("one thread: no team to keep")
+    assert timed.last_threads == team
+    assert user.last_threads == max(1, min(team, runtime.CORES - 1))

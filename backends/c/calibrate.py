@@ -165,9 +165,14 @@ def _tiny_convs(rng, count: int):
 
 
 def _module(model):
+    """`model` compiled, each call on every thread OpenMP gives (the team the cost model prices),
+    not the fewer the runtime leaves a busy neighbour: a round a neighbour slows is slower,
+    which the fastest round sees past, where one thread's times are not the team's."""
     from tilegraph.backends.c import compile_model
 
-    return compile_model(model)
+    module = compile_model(model)
+    module.adaptive_threads = False
+    return module
 
 
 def _fuse_all(model, kind: GroupKind):
