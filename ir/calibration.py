@@ -213,7 +213,8 @@ def measure_and_save(measure_fn, summary_fn, path, quick: bool, progress: bool, 
     taken while other processes kept the cores busy (ir/hardware.measured_noting_load) is not
     cached as is: it is saved marked `measured_busy` (the first process to find the machine
     quiet measures again), and never over a profile at `path` that was measured quiet; nor is
-    one implausibly slower than that quiet profile (implausibly_slower). One whose GEMMs no quiet
+    one implausibly slower than that quiet profile (implausibly_slower), or, taken busy, than a
+    busy one there. One whose GEMMs no quiet
     core of this processor would measure (ir/hardware.off_peak) counts as measured busy. Each
     time a warning says so (`command` says how to measure again)."""
     path = Path(path)
@@ -228,12 +229,17 @@ def measure_and_save(measure_fn, summary_fn, path, quick: bool, progress: bool, 
         print(f"warning: {odd}: the cores were shared (with another virtual machine on the host, or a throttled "
               f"clock) or the timing failed; marked as measured under load: rerun `{command}`")
         hw = marked_off_peak(hw)
-    slower = implausibly_slower(hw, earlier) if earlier is not None and not earlier.measured_busy else None
-    if slower:
-        print(f"warning: {slower} of the profile measured quiet on this processor: something this process "
-              f"cannot see (another virtual machine on the host, a throttled clock) slowed it; rerun `{command}`")
-    if earlier is not None and not earlier.measured_busy and (hw.measured_busy or slower):
-        print(f"kept the profile measured on a quiet machine at {path} ({earlier.source}); this one is not saved")
+    # Against the earlier profile: a quiet one is kept over a busy or implausibly slower one; a
+    # busy one over a busy one implausibly slower still (two calibrations under load: the faster).
+    slower = implausibly_slower(hw, earlier) if earlier is not None and (not earlier.measured_busy
+                                                                          or hw.measured_busy) else None
+    if slower and earlier is not None:
+        print(f"warning: {slower} of the profile measured {'quiet' if not earlier.measured_busy else 'before'} "
+              f"on this processor: something (other processes, another virtual machine on the host, a throttled "
+              f"clock) slowed it; rerun `{command}`")
+    if earlier is not None and ((not earlier.measured_busy and hw.measured_busy) or slower):
+        print(f"kept the profile measured {'on a quiet machine' if not earlier.measured_busy else 'before'} at "
+              f"{path} ({earlier.source}); this one is not saved")
         return path
     path = save_profile(hw, path)
     clear_cache()

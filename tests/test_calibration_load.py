@@ -182,3 +182,27 @@ def test_a_profile_whose_gemms_no_quiet_core_of_this_processor_would_measure_is_
     monkeypatch.setitem(hardware.CALIBRATIONS, "c", lambda quick=True: shared)
     assert hardware._cpu_profile(quick_path, True).measured_busy >= 1
     assert load_profile(quick_path).measured_busy >= 1
+
+
+def test_of_two_calibrations_under_load_the_implausibly_slower_is_not_saved(tmp_path, capsys, monkeypatch):
+    """measure_and_save: with a profile taken under load at the path, another taken under load at
+    half its GEMM rate (a neighbour held a core through all of it) keeps the earlier one; one as
+    fast replaces it, and a quiet one replaces it whatever its rates."""
+    from tilegraph.ir.calibration import measure_and_save
+
+    monkeypatch.setattr(hardware, "busy_count", lambda start: 1)  # others keep a core busy throughout
+    path = tmp_path / "c.json"
+    fixed = load_profile(Path(__file__).with_name("c_profile.json"))
+    busy = replace(fixed, measured_busy=1, source="busy, fast")
+    hardware.save_profile(busy, path)
+    half = replace(fixed, peak_flops={**fixed.peak_flops, "f32": fixed.flops("f32") / 2}, source="busy, slow")
+    measure_and_save(lambda quick, progress: half, lambda hw: "table", path, True, False, "calibrate")
+    out = capsys.readouterr().out
+    assert "peak f32 GEMM at 50%" in out and "this one is not saved" in out
+    assert load_profile(path) == busy
+    measure_and_save(lambda quick, progress: replace(fixed, source="busy, as fast"), lambda hw: "table", path, True,
+                     False, "calibrate")
+    assert load_profile(path).source == "busy, as fast" and load_profile(path).measured_busy == 1
+    monkeypatch.setattr(hardware, "busy_count", lambda start: 0)
+    measure_and_save(lambda quick, progress: half, lambda hw: "table", path, True, False, "calibrate")
+    assert load_profile(path).source == "busy, slow" and load_profile(path).measured_busy == 0
