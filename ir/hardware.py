@@ -46,7 +46,7 @@ from typing import Callable, Mapping
 # gains nothing from a second thread, GPT-2's at 256 tokens (786K) does.
 MIN_PARALLEL_SCORES = 1 << 19
 
-PROFILE_FORMAT = 10  # (2: per-core GEMM samples; 3: chunk_call_overhead; 4: parallel costs, conv rate; 5: skinny GEMMs; 6: BLAS threads; 7: attention, fused kernels, spilled rates; 8: BLAS call overhead; 9: C row kernels per row, pool rate, stem convolutions; 10: a 7x7 stem, a sum along rows) bump when the JSON layout changes: older profiles are then re-measured
+PROFILE_FORMAT = 11  # (2: per-core GEMM samples; 3: chunk_call_overhead; 4: parallel costs, conv rate; 5: skinny GEMMs; 6: BLAS threads; 7: attention, fused kernels, spilled rates; 8: BLAS call overhead; 9: C row kernels per row, pool rate, stem convolutions; 10: a 7x7 stem, a sum along rows; 11: cold rows copied) bump when the JSON layout changes: older profiles are then re-measured
 
 
 @dataclass(frozen=True)
@@ -125,6 +125,9 @@ class Hardware:
     # CPU "c" only: bytes/s a gather writes as it copies rows into the arena (the C copies:
     # gather, concat, pad, ...); 0: priced as a pass at the cache and memory bandwidths.
     copy_bandwidth: float = 0.0
+    # CPU "c" only: bytes/s of the rows such a copy reads from a weight beyond the caches (a
+    # language model's embedding: every forward's weights evict it); 0: at `copy_bandwidth`.
+    cold_copy_bandwidth: float = 0.0
     # CPU "c" only: the size of L3 (shared) and bytes/s of a fused loop's pass over data beyond
     # the cores' L2 that fits it; 0: such data is priced at `memory_bandwidth`.
     l3_bytes: int = 0

@@ -599,3 +599,20 @@ def test_the_calibration_times_every_thread_while_a_neighbour_keeps_a_core(monke
         pytest.skip("one thread: no team to keep")
     assert timed.last_threads == team
     assert user.last_threads == max(1, min(team, runtime.CORES - 1))
+
+
+def test_a_weights_rows_are_priced_at_the_calibrated_rate_of_rows_from_memory():
+    """A gather from a weight (an embedding: its rows evicted by the weights each forward
+    streams) copies its rows from memory, at `cold_copy_bandwidth`; the same gather from a
+    value the model computed, at `copy_bandwidth` (a language model's embedding lookup took
+    4-5x the time of rows in cache)."""
+    hw = replace(hardware("c"), copy_bandwidth=32e9, cold_copy_bandwidth=8e9)
+    g = Graph()
+    table = g.weight("table", np.zeros((30522, 768), np.float32))
+    ids = g.input("ids", (1, 128), "i64")
+    model = g.build(g.embedding(table, ids), g.embedding(g.input("x", (512, 768)), ids), names=["e", "f"])
+    weight_rows, computed_rows = (op for op in model.func.body.block.ops if getattr(op, "op_name", None) == "gather")
+    moved = 128 * 768 * 4
+    cold, hot = (at(op_cost(op, hw).memory_time) for op in (weight_rows, computed_rows))
+    assert cold == pytest.approx(moved / 8e9)
+    assert hot == pytest.approx(moved / 32e9)

@@ -17,7 +17,8 @@ graph, cached like any other module), called as a model is called:
 - GEMMs: x @ W with W a weight (oneDNN, reordered once to its packed layout at load),
   at MiniLM's and GPT-2's shapes, on one thread (`gemm_samples`) and on all
   (`gemm_samples_threaded`), net of the module call.
-- A gather's row copy, one more in a module (`copy_bandwidth`: what every copy costs).
+- A gather's row copy, one more in a module (`copy_bandwidth`: what every copy costs), and
+  its rows from a table beyond L3 (`cold_copy_bandwidth`: what a weight's rows cost).
 - Attention: the flash kernel at MiniLM's and GPT-2's head dims on one thread
   (`attention_rates`) and at the largest on all (`attention_speedup`); convolutions on
   oneDNN, all threads, one image: a 3x3, a 1x1 and a depthwise 3x3 (`conv_rates`).
@@ -32,6 +33,7 @@ compiling the modules the first time; the full one, in three, a couple of minute
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -77,6 +79,10 @@ POOL_CASE = (1, 192, 28, 28)
 TINY_CONV = (1, 64, 1, 1)
 # The gather timed: rows of a table as wide as a BERT-base hidden state.
 GATHER_TABLE, GATHER_WIDTH, GATHER_ROWS = 4096, 768, 512
+# ... and the same rows of a table twice as large as L3 (a language model's embedding), each call
+# taking other rows (ids cycled through COLD_CYCLE arrays, more rows than L3 holds between two
+# reads of one): rows from memory (`cold_copy_bandwidth`; the full run's).
+COLD_CYCLE = 64
 # Ops timed inside one fused loop, each as a chain that keeps values in [0.1, 2] (no
 # overflow, NaN or denormal slow paths): exp reads its negated input (a sign flip the
 # compiler folds into the call). Others are priced at `add`'s rate.
@@ -252,7 +258,8 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
     except BuildError as e:
         raise TilegraphError(f"cannot calibrate the C backend: {e}") from None
     rounds = QUICK_ROUNDS if quick else ROUNDS
-    steps = 13 + len(QUICK_LOOP_OPS if quick else LOOP_OPS) + len(QUICK_GEMM_SHAPES if quick else GEMM_SHAPES)
+    steps = (13 + len(QUICK_LOOP_OPS) + len(QUICK_GEMM_SHAPES) if quick
+             else 14 + len(LOOP_OPS) + len(GEMM_SHAPES))
     bar = Progress(rounds * steps, sys.stderr.isatty() if progress is None else progress)
     hw = in_rounds(lambda timed: _round(timed, quick, bar), rounds, QUIET, QUICK_ROUND_WAIT if quick else ROUND_WAIT)
     bar.close()
@@ -372,6 +379,17 @@ def _round(timed: Fastest, quick: bool, bar: Progress) -> Hardware:
     t_one, t_two = timed((_call(one, rows), _call(two, rows, rng.permutation(GATHER_ROWS))), budget)
     moved = GATHER_ROWS * GATHER_WIDTH * 4
     copy_bandwidth = moved / (t_two - t_one) if t_two > t_one * 1.05 else moved / max(t_one - launch, 1e-9)
+    cold_copy_bandwidth = 0.0
+    if not quick:
+        bar.step("gather rows from memory")
+        cold_rows = max(GATHER_TABLE, 2 * caches["l3"] // (GATHER_WIDTH * 4))
+        g = Graph()
+        table = g.weight("table", rng.standard_normal((cold_rows, GATHER_WIDTH), dtype=np.float32))
+        cold = _module(g.build(g.embedding(table, g.input("ids", (GATHER_ROWS,), "i64")), names=["y"]))
+        ids = itertools.cycle([rng.integers(0, cold_rows, GATHER_ROWS) for _ in range(COLD_CYCLE)])
+        t_hot, t_cold = timed((_call(one, rows), lambda: cold(next(ids))), budget)
+        # the hot gather's call, output and copy alike: what more the cold one took is the rows' trip
+        cold_copy_bandwidth = moved / (moved / copy_bandwidth + max(t_cold - t_hot, 0.0))
 
     # GEMMs on a packed weight, one thread and all threads.
     samples, threaded = [], []
@@ -487,6 +505,7 @@ def _round(timed: Fastest, quick: bool, bar: Progress) -> Hardware:
         pool_rate=pool_rate,
         row_overhead=row_overhead,
         copy_bandwidth=copy_bandwidth,
+        cold_copy_bandwidth=cold_copy_bandwidth,
         attention_rates=tuple(attention_rates),
         attention_speedup=speedup,
         source=f"calibrated {stamp} on {cpu_model()} ({cores} threads, C backend{', quick' if quick else ''})",
@@ -506,6 +525,7 @@ def summary(hw: Hardware) -> str:
         ("one more oneDNN primitive (a 1x1 convolution on a 1x1 map)", f"{hw.primitive_overhead * 1e6:.2f} us"),
         ("a global average pool over channels-last data", f"{hw.pool_rate / 1e9:.2f} Gelem/s"),
         ("a gather's rows copied (bytes written)", f"{hw.copy_bandwidth / 1e9:.1f} GB/s"),
+        ("... its rows from a table beyond L3 (bytes written)", f"{hw.cold_copy_bandwidth / 1e9:.1f} GB/s"),
         ("oneDNN GEMM all threads / (cores x one thread)", f"{hw.parallel_efficiency:.2f}"),
         *((f"convolution {kind} {'x'.join(map(str, inputs.get(kind, ())))} (oneDNN, all threads)",
            f"{rate / 1e9:.1f} GFLOP/s") for kind, (*_, rate) in hw.conv_rates.items()),
