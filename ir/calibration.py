@@ -16,8 +16,8 @@ from typing import Callable
 
 import numpy as np
 
-from tilegraph.ir.hardware import (Hardware, clear_cache, load_cached, marked_off_peak, measured_noting_load, off_peak,
-                                   quiet_now, save_profile)
+from tilegraph.ir.hardware import (BUSY_CORES, Hardware, clear_cache, cpu_clock, load_cached, marked_off_peak,
+                                   measured_noting_load, off_peak, others_cores, quiet_now, save_profile)
 
 # Fallbacks where /sys does not say (sizes of a common x86 server core).
 DEFAULT_L1D, DEFAULT_L2, DEFAULT_L3 = 32 * 2**10, 512 * 2**10, 32 * 2**20
@@ -104,40 +104,52 @@ class Fastest:
     so no quantile of one measurement sees past it; a calibration in rounds (each the whole run,
     tens of seconds apart) keeps, of each measurement, the round others left it alone. Called as
     `median_times` is; a round makes the same calls in the same order (the nth call of a round is
-    the nth of every other), and each call answers the fastest of its times so far."""
+    the nth of every other), and each call answers the fastest of its times so far. `quiet[n]`:
+    whether other processes left measurement n alone (used under BUSY_CORES of a core while it
+    ran) in some round so far."""
 
     def __init__(self, quantile: float = 0.5):
         self.quantile = quantile
         self.best: list[list[float]] = []
+        self.quiet: list[bool] = []
         self._next = 0
 
     def new_round(self) -> None:
         self._next = 0
 
     def __call__(self, fns, budget: float) -> list[float]:
+        start = cpu_clock()
         times = median_times(fns, budget, self.quantile)
+        alone = others_cores(start, min_window=0.0) < BUSY_CORES
         if self._next == len(self.best):
             self.best.append(times)
+            self.quiet.append(alone)
         elif len(self.best[self._next]) != len(times):
             raise AssertionError(f"measurement {self._next} of a round timed {len(times)} calls, "
                                  f"{len(self.best[self._next])} in the round before: rounds must repeat one another")
         else:
             self.best[self._next] = [min(a, b) for a, b in zip(self.best[self._next], times)]
+            self.quiet[self._next] = self.quiet[self._next] or alone
         self._next += 1
         return self.best[self._next - 1]
 
 
-def in_rounds(measure_round: Callable[[Fastest], Hardware], rounds: int, quantile: float, wait: float) -> Hardware:
+def in_rounds(measure_round: Callable[[Fastest], Hardware], rounds: int, quantile: float, wait: float,
+              most: int | None = None) -> Hardware:
     """The profile `measure_round(timer)` builds in the last of `rounds` rounds, when `timer` (a
-    Fastest) answers each measurement's fastest round. Before each round after the first, up to
-    `wait` seconds pass waiting for other processes to leave the cores (quiet_now)."""
+    Fastest) answers each measurement's fastest round; more rounds, up to `most` in all, while
+    some measurement had others busy beside it in every round so far (a neighbour that stays a
+    minute outlasts three rounds). Before each round after the first, up to `wait` seconds pass
+    waiting for other processes to leave the cores (quiet_now)."""
     timer = Fastest(quantile)
     profile = None
-    for r in range(rounds):
+    r = 0
+    while r < rounds or (r < (most or rounds) and not all(timer.quiet)):
         if r:
             _wait_for_quiet(wait)
         timer.new_round()
         profile = measure_round(timer)
+        r += 1
     assert profile is not None, "in_rounds needs a round"
     return profile
 
@@ -161,6 +173,7 @@ class Progress:
 
     def step(self, label: str) -> None:
         self.started += 1
+        self.total = max(self.total, self.started)  # a calibration that takes more rounds than it planned
         if self.enabled:
             self._draw(self.started - 1, f"{self.started}/{self.total} {label}")
 

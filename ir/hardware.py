@@ -490,6 +490,11 @@ def _cpu_seconds() -> tuple[float, float, float] | None:
     return ticks / hz, own.user + own.system + own.children_user + own.children_system, time.monotonic()
 
 
+def cpu_clock() -> tuple[float, float, float] | None:
+    """Where others_cores (and busy_count) counts from: now (_cpu_seconds)."""
+    return _cpu_seconds()
+
+
 def others_cores(start: tuple[float, float, float] | None, min_window: float = QUIET_WINDOW) -> float:
     """Cores' worth of CPU other processes used on average since `start` (_cpu_seconds()),
     over at least `min_window` seconds (slept out if need be: the kernel counts in ticks);

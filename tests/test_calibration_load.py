@@ -206,3 +206,33 @@ def test_of_two_calibrations_under_load_the_implausibly_slower_is_not_saved(tmp_
     monkeypatch.setattr(hardware, "busy_count", lambda start: 0)
     measure_and_save(lambda quick, progress: half, lambda hw: "table", path, True, False, "calibrate")
     assert load_profile(path).source == "busy, slow" and load_profile(path).measured_busy == 0
+
+
+def test_a_calibration_takes_more_rounds_while_a_timing_had_a_neighbour_in_every_one(monkeypatch):
+    """ir/calibration.in_rounds: a neighbour that outlasts the planned rounds (others busy beside
+    a timing in each) gets more rounds, up to `most`, until every timing had one to itself; a
+    quiet calibration takes the planned rounds only, and one that stays busy stops at `most`."""
+    from tilegraph.ir import calibration
+
+    fixed = load_profile(Path(__file__).with_name("c_profile.json"))
+    state = {"round": 0, "busy": set()}
+    monkeypatch.setattr(calibration, "median_times", lambda fns, budget, quantile=0.5: [1e-3 for _ in fns])
+    monkeypatch.setattr(calibration, "others_cores",
+                        lambda start, min_window=0.2: 1.0 if state["round"] in state["busy"] else 0.0)
+    monkeypatch.setattr(calibration, "_wait_for_quiet", lambda seconds: None)
+
+    def measure_round(timed):
+        state["round"] += 1
+        timed((lambda: None, lambda: None), 0.1)
+        timed((lambda: None,), 0.1)
+        return fixed
+
+    def rounds_taken(busy, most=6):
+        state.update(round=0, busy=busy)
+        assert calibration.in_rounds(measure_round, 3, 0.25, 0.0, most) is fixed
+        return state["round"]
+
+    assert rounds_taken(set()) == 3
+    assert rounds_taken({1, 2, 3}) == 4
+    assert rounds_taken({1, 2, 3, 4, 5, 6, 7}) == 6
+    assert rounds_taken({1, 2, 3}, most=None) == 3
