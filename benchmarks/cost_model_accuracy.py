@@ -261,8 +261,9 @@ def step_times(compiled, arrays, repeat: int) -> tuple[dict, float, float]:
     the module emitted with every step a native call of its own (emit_program(per_step=True),
     as benchmarks/c_steps.py), each call timed, a kernel's steps summed, the median over
     `repeat` forwards after WARMUP at the calibration's quantile (the lower quartile: the quiet
-    rounds of a shared machine, as the profile it is compared with was taken); and the median forward of the per-step module and of the
-    ordinary one. In context, not extracted: a kernel reads the layouts and the arena the
+    rounds of a shared machine, as the profile it is compared with was taken), of the forwards
+    the runtime started on every thread; and the median forward of the per-step module and of
+    the ordinary one. In context, not extracted: a kernel reads the layouts and the arena the
     model plans for it (a convolution alone read a plain NCHW input that oneDNN ran on its
     reference kernel), and what the step before left in cache."""
     import ctypes
@@ -296,7 +297,8 @@ def step_times(compiled, arrays, repeat: int) -> tuple[dict, float, float]:
     owner = {i: step.kernel for i, step in enumerate(program.steps)}  # step -> the kernel it computes
     for _ in range(WARMUP):
         module(*arrays), whole(*arrays)
-    per_kernel: dict = defaultdict(list)
+    team = module._lib.tg_max_threads()
+    rounds: list[tuple[bool, dict]] = []  # (on the whole team, kernel -> seconds) of each forward
     forwards, wholes = [], []
     for _ in range(repeat):
         calls.clear()
@@ -305,8 +307,18 @@ def step_times(compiled, arrays, repeat: int) -> tuple[dict, float, float]:
         sums: dict = defaultdict(float)
         for i, t in calls.items():
             sums[owner[i]] += t
-        for kernel, t in sums.items():
-            per_kernel[kernel].append(t)
+        rounds.append((module.last_threads == team, sums))
+    # A forward the runtime started on fewer threads (it left a busy neighbour a core) ran
+    # kernels the model does not price (it prices the whole team): left out, unless all were.
+    fewer = sum(1 for whole_team, _ in rounds if not whole_team)
+    if fewer:
+        print(f"    ({fewer} of {repeat} forwards started on fewer than {team} threads, a neighbour busy"
+              + ("; their kernels left out)" if fewer < repeat else "; every one: kept)"), flush=True)
+    per_kernel: dict = defaultdict(list)
+    for whole_team, sums in rounds:
+        if whole_team or fewer == repeat:
+            for kernel, t in sums.items():
+                per_kernel[kernel].append(t)
     return ({k: float(np.quantile(v, QUIET)) for k, v in per_kernel.items()}, statistics.median(forwards),
             statistics.median(wholes))
 

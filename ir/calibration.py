@@ -16,7 +16,8 @@ from typing import Callable
 
 import numpy as np
 
-from tilegraph.ir.hardware import Hardware, clear_cache, load_cached, measured_noting_load, save_profile
+from tilegraph.ir.hardware import (BUSY_CORES, Hardware, clear_cache, cpu_clock, load_cached, marked_off_peak,
+                                   measured_noting_load, off_peak, others_cores, quiet_now, save_profile)
 
 # Fallbacks where /sys does not say (sizes of a common x86 server core).
 DEFAULT_L1D, DEFAULT_L2, DEFAULT_L3 = 32 * 2**10, 512 * 2**10, 32 * 2**20
@@ -96,6 +97,69 @@ def median_times(fns, budget: float, quantile: float = 0.5) -> list[float]:
     return [float(np.quantile(s, quantile)) for s in samples]
 
 
+class Fastest:
+    """Times measurements taken in rounds far apart in time, and gives each its fastest round.
+
+    A neighbour that keeps a core busy for a whole measurement (seconds) slows every batch of it,
+    so no quantile of one measurement sees past it; a calibration in rounds (each the whole run,
+    tens of seconds apart) keeps, of each measurement, the round others left it alone. Called as
+    `median_times` is; a round makes the same calls in the same order (the nth call of a round is
+    the nth of every other), and each call answers the fastest of its times so far. `quiet[n]`:
+    whether other processes left measurement n alone (used under BUSY_CORES of a core while it
+    ran) in some round so far."""
+
+    def __init__(self, quantile: float = 0.5):
+        self.quantile = quantile
+        self.best: list[list[float]] = []
+        self.quiet: list[bool] = []
+        self._next = 0
+
+    def new_round(self) -> None:
+        self._next = 0
+
+    def __call__(self, fns, budget: float) -> list[float]:
+        start = cpu_clock()
+        times = median_times(fns, budget, self.quantile)
+        alone = others_cores(start, min_window=0.0) < BUSY_CORES
+        if self._next == len(self.best):
+            self.best.append(times)
+            self.quiet.append(alone)
+        elif len(self.best[self._next]) != len(times):
+            raise AssertionError(f"measurement {self._next} of a round timed {len(times)} calls, "
+                                 f"{len(self.best[self._next])} in the round before: rounds must repeat one another")
+        else:
+            self.best[self._next] = [min(a, b) for a, b in zip(self.best[self._next], times)]
+            self.quiet[self._next] = self.quiet[self._next] or alone
+        self._next += 1
+        return self.best[self._next - 1]
+
+
+def in_rounds(measure_round: Callable[[Fastest], Hardware], rounds: int, quantile: float, wait: float,
+              most: int | None = None) -> Hardware:
+    """The profile `measure_round(timer)` builds in the last of `rounds` rounds, when `timer` (a
+    Fastest) answers each measurement's fastest round; more rounds, up to `most` in all, while
+    some measurement had others busy beside it in every round so far (a neighbour that stays a
+    minute outlasts three rounds). Before each round after the first, up to `wait` seconds pass
+    waiting for other processes to leave the cores (quiet_now)."""
+    timer = Fastest(quantile)
+    profile = None
+    r = 0
+    while r < rounds or (r < (most or rounds) and not all(timer.quiet)):
+        if r:
+            _wait_for_quiet(wait)
+        timer.new_round()
+        profile = measure_round(timer)
+        r += 1
+    assert profile is not None, "in_rounds needs a round"
+    return profile
+
+
+def _wait_for_quiet(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and not quiet_now():
+        time.sleep(min(0.5, max(0.0, end - time.monotonic())))
+
+
 class Progress:
     """A text progress bar on stderr naming the step under way: redrawn in place on a
     terminal, one line a step otherwise."""
@@ -109,6 +173,7 @@ class Progress:
 
     def step(self, label: str) -> None:
         self.started += 1
+        self.total = max(self.total, self.started)  # a calibration that takes more rounds than it planned
         if self.enabled:
             self._draw(self.started - 1, f"{self.started}/{self.total} {label}")
 
@@ -161,8 +226,10 @@ def measure_and_save(measure_fn, summary_fn, path, quick: bool, progress: bool, 
     taken while other processes kept the cores busy (ir/hardware.measured_noting_load) is not
     cached as is: it is saved marked `measured_busy` (the first process to find the machine
     quiet measures again), and never over a profile at `path` that was measured quiet; nor is
-    one implausibly slower than that quiet profile (implausibly_slower). Either way a warning
-    says so (`command` says how to measure again)."""
+    one implausibly slower than that quiet profile (implausibly_slower), or, taken busy, than a
+    busy one there. One whose GEMMs no quiet
+    core of this processor would measure (ir/hardware.off_peak) counts as measured busy. Each
+    time a warning says so (`command` says how to measure again)."""
     path = Path(path)
     hw = measured_noting_load(lambda: measure_fn(quick=quick, progress=progress))
     earlier = load_cached(path)
@@ -170,12 +237,22 @@ def measure_and_save(measure_fn, summary_fn, path, quick: bool, progress: bool, 
     if hw.measured_busy:
         print(f"warning: other processes kept about {hw.measured_busy} of {hw.cores} cores busy while measuring "
               f"(multithreaded GEMMs suffer most): rerun `{command}` when idle")
-    slower = implausibly_slower(hw, earlier) if earlier is not None and not earlier.measured_busy else None
-    if slower:
-        print(f"warning: {slower} of the profile measured quiet on this processor: something this process "
-              f"cannot see (another virtual machine on the host, a throttled clock) slowed it; rerun `{command}`")
-    if earlier is not None and not earlier.measured_busy and (hw.measured_busy or slower):
-        print(f"kept the profile measured on a quiet machine at {path} ({earlier.source}); this one is not saved")
+    odd = off_peak(hw)
+    if odd:
+        print(f"warning: {odd}: the cores were shared (with another virtual machine on the host, or a throttled "
+              f"clock) or the timing failed; marked as measured under load: rerun `{command}`")
+        hw = marked_off_peak(hw)
+    # Against the earlier profile: a quiet one is kept over a busy or implausibly slower one; a
+    # busy one over a busy one implausibly slower still (two calibrations under load: the faster).
+    slower = implausibly_slower(hw, earlier) if earlier is not None and (not earlier.measured_busy
+                                                                          or hw.measured_busy) else None
+    if slower and earlier is not None:
+        print(f"warning: {slower} of the profile measured {'quiet' if not earlier.measured_busy else 'before'} "
+              f"on this processor: something (other processes, another virtual machine on the host, a throttled "
+              f"clock) slowed it; rerun `{command}`")
+    if earlier is not None and ((not earlier.measured_busy and hw.measured_busy) or slower):
+        print(f"kept the profile measured {'on a quiet machine' if not earlier.measured_busy else 'before'} at "
+              f"{path} ({earlier.source}); this one is not saved")
         return path
     path = save_profile(hw, path)
     clear_cache()

@@ -46,7 +46,7 @@ from typing import Callable, Mapping
 # gains nothing from a second thread, GPT-2's at 256 tokens (786K) does.
 MIN_PARALLEL_SCORES = 1 << 19
 
-PROFILE_FORMAT = 10  # (2: per-core GEMM samples; 3: chunk_call_overhead; 4: parallel costs, conv rate; 5: skinny GEMMs; 6: BLAS threads; 7: attention, fused kernels, spilled rates; 8: BLAS call overhead; 9: C row kernels per row, pool rate, stem convolutions; 10: a 7x7 stem, a sum along rows) bump when the JSON layout changes: older profiles are then re-measured
+PROFILE_FORMAT = 11  # (2: per-core GEMM samples; 3: chunk_call_overhead; 4: parallel costs, conv rate; 5: skinny GEMMs; 6: BLAS threads; 7: attention, fused kernels, spilled rates; 8: BLAS call overhead; 9: C row kernels per row, pool rate, stem convolutions; 10: a 7x7 stem, a sum along rows; 11: cold rows copied) bump when the JSON layout changes: older profiles are then re-measured
 
 
 @dataclass(frozen=True)
@@ -125,6 +125,9 @@ class Hardware:
     # CPU "c" only: bytes/s a gather writes as it copies rows into the arena (the C copies:
     # gather, concat, pad, ...); 0: priced as a pass at the cache and memory bandwidths.
     copy_bandwidth: float = 0.0
+    # CPU "c" only: bytes/s of the rows such a copy reads from a weight beyond the caches (a
+    # language model's embedding: every forward's weights evict it); 0: at `copy_bandwidth`.
+    cold_copy_bandwidth: float = 0.0
     # CPU "c" only: the size of L3 (shared) and bytes/s of a fused loop's pass over data beyond
     # the cores' L2 that fits it; 0: such data is priced at `memory_bandwidth`.
     l3_bytes: int = 0
@@ -487,6 +490,11 @@ def _cpu_seconds() -> tuple[float, float, float] | None:
     return ticks / hz, own.user + own.system + own.children_user + own.children_system, time.monotonic()
 
 
+def cpu_clock() -> tuple[float, float, float] | None:
+    """Where others_cores (and busy_count) counts from: now (_cpu_seconds)."""
+    return _cpu_seconds()
+
+
 def others_cores(start: tuple[float, float, float] | None, min_window: float = QUIET_WINDOW) -> float:
     """Cores' worth of CPU other processes used on average since `start` (_cpu_seconds()),
     over at least `min_window` seconds (slept out if need be: the kernel counts in ticks);
@@ -563,9 +571,56 @@ def measured_noting_load(measure: Callable[[], Hardware]) -> Hardware:
     return replace(profile, measured_busy=busy) if busy else profile
 
 
+def marked_off_peak(profile: Hardware) -> Hardware:
+    """`profile`, marked as measured busy (at least one core) where its GEMM rates are
+    implausible for this processor (off_peak): trusted no more than a busy one."""
+    return replace(profile, measured_busy=max(1, profile.measured_busy)) if off_peak(profile) else profile
+
+
+# f32 lanes of the widest vector FMA a core has, by /proc/cpuinfo's flags, widest first.
+VECTOR_LANES = (("avx512f", 16), ("avx2", 8), ("sse2", 4))
+# A core's peak, as a datasheet prints it: two FMA pipes of those lanes, 2 FLOPs a lane, at the
+# clock /proc/cpuinfo states. Cores issue this or half of it (one 512-bit pipe, or AVX-512 split
+# into 256-bit halves) and turbo above the stated clock by up to twice (server parts: 1.2-1.6x).
+FMA_PIPES, TURBO = 2, 2.0
+# A quiet one-thread GEMM of the calibrated shapes reaches half of a core's real peak or more
+# (oneDNN and OpenBLAS: 70-95%), so at least a quarter of the datasheet peak above: a profile
+# whose best one-thread GEMM is below that shared its core with others.
+PEAK_SHARE = 0.25
+
+
+def processor_peak() -> float:
+    """One core's datasheet f32 FLOP/s (VECTOR_LANES, FMA_PIPES, the stated clock), or 0.0
+    where /proc/cpuinfo says neither the flags nor the clock."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return 0.0
+    flags, clock = re.search(r"^flags\s*:(.*)$", info, re.M), re.search(r"^cpu MHz\s*:\s*([0-9.]+)", info, re.M)
+    lanes = next((n for flag, n in VECTOR_LANES if flags and flag in flags.group(1).split()), 0)
+    return FMA_PIPES * lanes * 2 * float(clock.group(1)) * 1e6 if clock and lanes else 0.0
+
+
+def off_peak(hw: Hardware, peak: float | None = None) -> str | None:
+    """What of `hw`'s one-thread GEMM rates no quiet core of this processor (`peak`: one core's
+    datasheet f32 FLOP/s, processor_peak()) would measure, or None: the best below PEAK_SHARE of
+    the peak (the core was shared), or any above TURBO times it (the timing is broken)."""
+    peak = processor_peak() if peak is None else peak
+    rates = [r for *_, r in hw.gemm_samples]
+    if not peak or not rates or hw.device != "cpu":
+        return None
+    if max(rates) > TURBO * peak:
+        return f"a one-thread GEMM at {max(rates) / 1e9:.0f} GFLOP/s, above this processor's peak of " \
+               f"{TURBO * peak / 1e9:.0f} a core"
+    if max(rates) < PEAK_SHARE * peak:
+        return f"one-thread GEMMs at {max(rates) / peak:.0%} of this processor's peak of {peak / 1e9:.0f} GFLOP/s a core"
+    return None
+
+
 def _measure_noting_load(native: bool) -> Hardware:
-    """A quick measurement, marked with how busy others kept the machine (measured_noting_load)."""
-    return measured_noting_load(lambda: _measure(native))
+    """A quick measurement, marked with how busy others kept the machine (measured_noting_load)
+    or as busy where implausible for the processor (marked_off_peak)."""
+    return marked_off_peak(measured_noting_load(lambda: _measure(native)))
 
 
 @lru_cache(maxsize=None)

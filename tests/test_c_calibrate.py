@@ -13,6 +13,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -544,3 +545,74 @@ def test_an_activation_that_evaluates_an_exp_costs_each_element_the_calibrated_p
     assert extra(lambda g, y: g.op("relu", y)) == pytest.approx(0.0, abs=1e-12)
     for act in (lambda g, y: g.op("sigmoid", y) * y, lambda g, y: g.op("gelu", y), lambda g, y: g.op("sigmoid", y)):
         assert extra(act) == pytest.approx(written / 1e9)
+
+
+def test_a_round_a_neighbour_slowed_leaves_the_c_profile_as_a_quiet_one(monkeypatch):
+    """The C calibration runs in rounds and builds each number from each timing's fastest round:
+    a neighbour that held the cores through one round (every timing 3x slower) leaves the
+    profile the rounds give without it, whichever round it slowed. (Timings made up, each a
+    function of its place in a round, so the profiles compare exactly.)"""
+    from tilegraph.backends.c import calibrate
+    from tilegraph.ir import calibration
+
+    clock = {"round": 0, "call": 0, "slow": None}
+    new_round = calibration.Fastest.new_round
+
+    def next_round(self):
+        clock["round"], clock["call"] = clock["round"] + 1, 0
+        new_round(self)
+
+    def times(fns, budget, quantile=0.5):
+        clock["call"] += 1
+        factor = 3.0 if clock["slow"] in (clock["round"], "every") else 1.0
+        return [factor * 1e-5 * (1 + (7 * clock["call"] + 3 * j) % 11) for j in range(len(fns))]
+
+    monkeypatch.setattr(calibration.Fastest, "new_round", next_round)
+    monkeypatch.setattr(calibration, "median_times", times)
+
+    def profile(slow):
+        clock.update(round=0, slow=slow)
+        return replace(calibrate.measure(quick=True, progress=False), source="")
+
+    quiet = profile(None)
+    assert clock["round"] == calibrate.QUICK_ROUNDS >= 2
+    assert profile(1) == quiet and profile(2) == quiet
+    busy = profile("every")  # ... but one slowed in every round is slower
+    assert all(b[3] < q[3] for b, q in zip(busy.gemm_samples, quiet.gemm_samples))
+
+
+def test_the_calibration_times_every_thread_while_a_neighbour_keeps_a_core(monkeypatch):
+    """The calibration's modules run on the whole team the cost model prices, where a model
+    compiled as users compile it leaves a busy neighbour its core: under load its "all threads"
+    GEMMs and attention ran on one thread, and priced the models' at half their rate."""
+    from tilegraph.backends.c import calibrate, compile_model, runtime
+
+    monkeypatch.setattr(runtime._NEIGHBOURS, "cores", lambda: 1)  # another process keeps a core busy
+    g = Graph()
+    w = g.weight("w", np.ones((256, 256), np.float32))
+    model = g.build(g.matmul(g.input("x", (256, 256)), w), names=["y"])  # above the one-thread work
+    x = np.ones((256, 256), np.float32)
+    timed, user = calibrate._module(model), compile_model(model)
+    timed(x), user(x)
+    team = timed._lib.tg_max_threads()
+    if team == 1:
+        pytest.skip("one thread: no team to keep")
+    assert timed.last_threads == team
+    assert user.last_threads == max(1, min(team, runtime.CORES - 1))
+
+
+def test_a_weights_rows_are_priced_at_the_calibrated_rate_of_rows_from_memory():
+    """A gather from a weight (an embedding: its rows evicted by the weights each forward
+    streams) copies its rows from memory, at `cold_copy_bandwidth`; the same gather from a
+    value the model computed, at `copy_bandwidth` (a language model's embedding lookup took
+    4-5x the time of rows in cache)."""
+    hw = replace(hardware("c"), copy_bandwidth=32e9, cold_copy_bandwidth=8e9)
+    g = Graph()
+    table = g.weight("table", np.zeros((30522, 768), np.float32))
+    ids = g.input("ids", (1, 128), "i64")
+    model = g.build(g.embedding(table, ids), g.embedding(g.input("x", (512, 768)), ids), names=["e", "f"])
+    weight_rows, computed_rows = (op for op in model.func.body.block.ops if getattr(op, "op_name", None) == "gather")
+    moved = 128 * 768 * 4
+    cold, hot = (at(op_cost(op, hw).memory_time) for op in (weight_rows, computed_rows))
+    assert cold == pytest.approx(moved / 8e9)
+    assert hot == pytest.approx(moved / 32e9)

@@ -146,3 +146,93 @@ def test_a_profile_implausibly_slower_than_the_quiet_one_is_not_saved(tmp_path, 
     close = replace(fixed, peak_flops={**fixed.peak_flops, "f32": fixed.flops("f32") * 0.9}, source="close")
     measure_and_save(lambda quick, progress: close, lambda hw: "table", path, True, False, "calibrate")
     assert load_profile(path).source == "close"
+
+
+def _gemms_at(hw, best: float):
+    """`hw` with its one-thread GEMM samples scaled so that the fastest runs at `best` FLOP/s."""
+    top = max(r for *_, r in hw.gemm_samples)
+    return replace(hw, gemm_samples=tuple((m, n, k, r * best / top) for m, n, k, r in hw.gemm_samples))
+
+
+def test_a_profile_whose_gemms_no_quiet_core_of_this_processor_would_measure_is_not_trusted(
+        tmp_path, capsys, monkeypatch, quick_measure):
+    """off_peak, against the processor's datasheet peak a core: one-thread GEMMs at a tenth of it
+    (the core was shared with what the load check cannot see) or above twice it (a broken timing)
+    count as measured busy: `tilegraph calibrate` says so and keeps the quiet profile, the quick
+    calibration of a first compile saves it marked, to be measured again once quiet."""
+    from tilegraph.ir.calibration import measure_and_save
+
+    monkeypatch.setattr(hardware, "processor_peak", lambda: 100e9)
+    monkeypatch.setattr(hardware, "busy_count", lambda start: 0)  # the load check sees nothing
+    fixed = load_profile(Path(__file__).with_name("c_profile.json"))
+    assert hardware.off_peak(_gemms_at(fixed, 60e9)) is None
+    shared, broken = _gemms_at(fixed, 10e9), _gemms_at(fixed, 250e9)
+    assert "10% of this processor's peak" in hardware.off_peak(shared)
+    assert "above this processor's peak" in hardware.off_peak(broken)
+
+    path = tmp_path / "c.json"
+    good = _gemms_at(fixed, 60e9)
+    hardware.save_profile(good, path)
+    measure_and_save(lambda quick, progress: shared, lambda hw: "table", path, True, False, "calibrate")
+    out = capsys.readouterr().out
+    assert "10% of this processor's peak" in out and "this one is not saved" in out
+    assert load_profile(path) == good
+
+    quick_path = str(tmp_path / "quick.json")
+    monkeypatch.setitem(hardware.CALIBRATIONS, "c", lambda quick=True: shared)
+    assert hardware._cpu_profile(quick_path, True).measured_busy >= 1
+    assert load_profile(quick_path).measured_busy >= 1
+
+
+def test_of_two_calibrations_under_load_the_implausibly_slower_is_not_saved(tmp_path, capsys, monkeypatch):
+    """measure_and_save: with a profile taken under load at the path, another taken under load at
+    half its GEMM rate (a neighbour held a core through all of it) keeps the earlier one; one as
+    fast replaces it, and a quiet one replaces it whatever its rates."""
+    from tilegraph.ir.calibration import measure_and_save
+
+    monkeypatch.setattr(hardware, "busy_count", lambda start: 1)  # others keep a core busy throughout
+    path = tmp_path / "c.json"
+    fixed = load_profile(Path(__file__).with_name("c_profile.json"))
+    busy = replace(fixed, measured_busy=1, source="busy, fast")
+    hardware.save_profile(busy, path)
+    half = replace(fixed, peak_flops={**fixed.peak_flops, "f32": fixed.flops("f32") / 2}, source="busy, slow")
+    measure_and_save(lambda quick, progress: half, lambda hw: "table", path, True, False, "calibrate")
+    out = capsys.readouterr().out
+    assert "peak f32 GEMM at 50%" in out and "this one is not saved" in out
+    assert load_profile(path) == busy
+    measure_and_save(lambda quick, progress: replace(fixed, source="busy, as fast"), lambda hw: "table", path, True,
+                     False, "calibrate")
+    assert load_profile(path).source == "busy, as fast" and load_profile(path).measured_busy == 1
+    monkeypatch.setattr(hardware, "busy_count", lambda start: 0)
+    measure_and_save(lambda quick, progress: half, lambda hw: "table", path, True, False, "calibrate")
+    assert load_profile(path).source == "busy, slow" and load_profile(path).measured_busy == 0
+
+
+def test_a_calibration_takes_more_rounds_while_a_timing_had_a_neighbour_in_every_one(monkeypatch):
+    """ir/calibration.in_rounds: a neighbour that outlasts the planned rounds (others busy beside
+    a timing in each) gets more rounds, up to `most`, until every timing had one to itself; a
+    quiet calibration takes the planned rounds only, and one that stays busy stops at `most`."""
+    from tilegraph.ir import calibration
+
+    fixed = load_profile(Path(__file__).with_name("c_profile.json"))
+    state = {"round": 0, "busy": set()}
+    monkeypatch.setattr(calibration, "median_times", lambda fns, budget, quantile=0.5: [1e-3 for _ in fns])
+    monkeypatch.setattr(calibration, "others_cores",
+                        lambda start, min_window=0.2: 1.0 if state["round"] in state["busy"] else 0.0)
+    monkeypatch.setattr(calibration, "_wait_for_quiet", lambda seconds: None)
+
+    def measure_round(timed):
+        state["round"] += 1
+        timed((lambda: None, lambda: None), 0.1)
+        timed((lambda: None,), 0.1)
+        return fixed
+
+    def rounds_taken(busy, most=6):
+        state.update(round=0, busy=busy)
+        assert calibration.in_rounds(measure_round, 3, 0.25, 0.0, most) is fixed
+        return state["round"]
+
+    assert rounds_taken(set()) == 3
+    assert rounds_taken({1, 2, 3}) == 4
+    assert rounds_taken({1, 2, 3, 4, 5, 6, 7}) == 6
+    assert rounds_taken({1, 2, 3}, most=None) == 3

@@ -17,18 +17,23 @@ graph, cached like any other module), called as a model is called:
 - GEMMs: x @ W with W a weight (oneDNN, reordered once to its packed layout at load),
   at MiniLM's and GPT-2's shapes, on one thread (`gemm_samples`) and on all
   (`gemm_samples_threaded`), net of the module call.
-- A gather's row copy, one more in a module (`copy_bandwidth`: what every copy costs).
+- A gather's row copy, one more in a module (`copy_bandwidth`: what every copy costs), and
+  its rows from a table beyond L3 (`cold_copy_bandwidth`: what a weight's rows cost).
 - Attention: the flash kernel at MiniLM's and GPT-2's head dims on one thread
   (`attention_rates`) and at the largest on all (`attention_speedup`); convolutions on
   oneDNN, all threads, one image: a 3x3, a 1x1 and a depthwise 3x3 (`conv_rates`).
 
-The quick run (what the first hardware("c") runs when there is no profile) takes a few
-seconds, most of it compiling the modules the first time; the full one under a minute.
+The whole measurement runs in rounds far apart in time (ROUNDS), and each number is built
+from each timing's fastest round (ir/calibration.in_rounds): a neighbour that holds a core
+through one round's GEMMs leaves another round alone. The quick run (what the first
+hardware("c") runs when there is no profile), in two rounds, takes a few seconds, most of it
+compiling the modules the first time; the full one, in three, a couple of minutes.
 """
 
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -38,7 +43,7 @@ import numpy as np
 from tilegraph.backends.c.build import BuildError
 from tilegraph.ir import Graph
 from tilegraph.ir.calibration import (ATTENTION_BATCH, ATTENTION_HEAD_DIMS, ATTENTION_HEADS, ATTENTION_SEQ, Progress,
-                                     cache_sizes, measure_and_save, median_times, physical_memory, table)
+                                     Fastest, cache_sizes, in_rounds, measure_and_save, physical_memory, table)
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.fusion import POST_RATE, GroupKind, outline
@@ -74,6 +79,10 @@ POOL_CASE = (1, 192, 28, 28)
 TINY_CONV = (1, 64, 1, 1)
 # The gather timed: rows of a table as wide as a BERT-base hidden state.
 GATHER_TABLE, GATHER_WIDTH, GATHER_ROWS = 4096, 768, 512
+# ... and the same rows of a table twice as large as L3 (a language model's embedding), each call
+# taking other rows (ids cycled through COLD_CYCLE arrays, more rows than L3 holds between two
+# reads of one): rows from memory (`cold_copy_bandwidth`; the full run's).
+COLD_CYCLE = 64
 # Ops timed inside one fused loop, each as a chain that keeps values in [0.1, 2] (no
 # overflow, NaN or denormal slow paths): exp reads its negated input (a sign flip the
 # compiler folds into the call). Others are priced at `add`'s rate.
@@ -106,8 +115,15 @@ BUDGET, QUICK_BUDGET = 0.4, 0.1
 QUIET = 0.25
 
 
-def _quiet_times(fns, budget: float) -> list[float]:
-    return median_times(fns, budget, quantile=QUIET)
+# Rounds of the whole measurement (ir/calibration.in_rounds), each measurement's fastest kept:
+# a neighbour that held a core through one round's GEMMs (2-2.5x slower than the models' GEMMs
+# ran later) leaves another round alone. Before each round after the first, up to ROUND_WAIT
+# seconds pass waiting for the machine to go quiet. The quick run (a first compile's) takes two.
+ROUNDS, QUICK_ROUNDS = 3, 2
+ROUND_WAIT, QUICK_ROUND_WAIT = 10.0, 0.0
+# ... and the full run takes more rounds, up to this many, while a timing had a neighbour beside
+# it in every round so far.
+MOST_ROUNDS = 6
 
 
 def _after_depthwise(rng, xs, then=None, group: GroupKind | None = None):
@@ -158,9 +174,14 @@ def _tiny_convs(rng, count: int):
 
 
 def _module(model):
+    """`model` compiled, each call on every thread OpenMP gives (the team the cost model prices),
+    not the fewer the runtime leaves a busy neighbour: a round a neighbour slows is slower,
+    which the fastest round sees past, where one thread's times are not the team's."""
     from tilegraph.backends.c import compile_model
 
-    return compile_model(model)
+    module = compile_model(model)
+    module.adaptive_threads = False
+    return module
 
 
 def _fuse_all(model, kind: GroupKind):
@@ -213,18 +234,18 @@ def _threads() -> int:
         return os.cpu_count() or 1
 
 
-def _all_then_one(model, inputs, budget: float, cores: int) -> tuple[float, float]:
+def _all_then_one(timed: Fastest, model, inputs, budget: float, cores: int) -> tuple[float, float]:
     """Seconds of one call of `model` on all threads, then on one. Each on a module loaded
     afresh: oneDNN fixes a primitive's threads when the first call creates it, so a module
     first called on one thread stays on one."""
     module = _module(model)
-    (all_threads,) = _quiet_times((_call(module, *inputs),), budget)
+    (all_threads,) = timed((_call(module, *inputs),), budget)
     if cores == 1:
         return all_threads, all_threads
     module.set_threads(1)
     try:
         one = _module(model)
-        (one_thread,) = _quiet_times((_call(one, *inputs),), budget)
+        (one_thread,) = timed((_call(one, *inputs),), budget)
     finally:
         module.set_threads(cores)
     return all_threads, one_thread
@@ -239,13 +260,25 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         onednn()
     except BuildError as e:
         raise TilegraphError(f"cannot calibrate the C backend: {e}") from None
+    rounds = QUICK_ROUNDS if quick else ROUNDS
+    steps = (13 + len(QUICK_LOOP_OPS) + len(QUICK_GEMM_SHAPES) if quick
+             else 14 + len(LOOP_OPS) + len(GEMM_SHAPES))
+    bar = Progress(rounds * steps, sys.stderr.isatty() if progress is None else progress)
+    hw = in_rounds(lambda timed: _round(timed, quick, bar), rounds, QUIET, QUICK_ROUND_WAIT if quick else ROUND_WAIT,
+                   QUICK_ROUNDS if quick else MOST_ROUNDS)
+    bar.close()
+    return hw
+
+
+def _round(timed: Fastest, quick: bool, bar: Progress) -> Hardware:
+    """One round of the measurement (ir/calibration.in_rounds): the profile from `timed`'s
+    fastest round of each measurement so far."""
     budget = QUICK_BUDGET if quick else BUDGET
     shapes = QUICK_GEMM_SHAPES if quick else GEMM_SHAPES
     loop_ops = QUICK_LOOP_OPS if quick else LOOP_OPS
     caches = cache_sizes()
     cores = _threads()
     rng = np.random.default_rng(0)
-    bar = Progress(13 + len(loop_ops) + len(shapes), sys.stderr.isatty() if progress is None else progress)
 
     # One chain of unfused adds, short and long, serves every size: its length is symbolic.
     short, long_ = _module(_chain("n", 1)), _module(_chain("n", CHAIN))
@@ -253,7 +286,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
     def step_time(n: int, budget: float) -> tuple[float, float]:
         """(one call of the short chain, one more step) over n elements."""
         x, y = _inputs(rng, n)
-        t_short, t_long = _quiet_times((_call(short, x, y), _call(long_, x, y)), budget)
+        t_short, t_long = timed((_call(short, x, y), _call(long_, x, y)), budget)
         return t_short, (t_long - t_short) / (CHAIN - 1)
 
     # The module call, and one more tiny step in it (no OpenMP region below the threshold).
@@ -296,7 +329,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         bar.step(f"{op} in a fused loop")
         x, y = _inputs(rng, n, op)
         one, chain = _module(_chain("n", 1, op, fused=True)), _module(_chain("n", CHAIN, op, fused=True))
-        t_one, t_chain = _quiet_times((_call(one, x, y), _call(chain, x, y)), budget)
+        t_one, t_chain = timed((_call(one, x, y), _call(chain, x, y)), budget)
         extra = t_chain - t_one
         rates[op] = (CHAIN - 1) * n / extra if extra > 0 else n / max(t_one - launch, 1e-9)
 
@@ -310,7 +343,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
             modules.append(_module(g.build(g.softmax(xin) if op == Op.softmax else g.layer_norm(xin), names=["z"])))
         sizes = [n // ROW for n in CACHE_SIZES]
         short = sizes[-1] * ROW // SHORT_ROW  # as many elements as the larger, in short rows
-        t_small, t_big, t_short = _quiet_times(
+        t_small, t_big, t_short = timed(
             [_call(modules[0], rng.standard_normal((r, ROW), dtype=np.float32)) for r in sizes]
             + [_call(modules[1], rng.standard_normal((short, SHORT_ROW), dtype=np.float32))], budget)
         e_small, e_big = (r * ROW for r in sizes)
@@ -330,7 +363,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
     g = Graph()
     summed = _module(g.build(g.sum(g.input("x", ("rows", REDUCE_ROW)), axes=(1,), keepdims=True), names=["y"]))
     sizes = [n // REDUCE_ROW for n in CACHE_SIZES]
-    t_small, t_big = _quiet_times([_call(summed, rng.standard_normal((r, REDUCE_ROW), dtype=np.float32)) for r in sizes],
+    t_small, t_big = timed([_call(summed, rng.standard_normal((r, REDUCE_ROW), dtype=np.float32)) for r in sizes],
                                   budget)
     e_small, e_big = (r * REDUCE_ROW for r in sizes)
     rates[Op.reduce_sum] = (e_big - e_small) / (t_big - t_small) if t_big > t_small * 1.05 \
@@ -347,9 +380,20 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
     ids2, again = g2.input("ids", (GATHER_ROWS,), "i64"), g2.input("again", (GATHER_ROWS,), "i64")
     two = _module(g2.build(g2.embedding(g2.embedding(table, ids2), again), names=["y"]))
     rows = rng.integers(0, GATHER_TABLE, GATHER_ROWS)
-    t_one, t_two = _quiet_times((_call(one, rows), _call(two, rows, rng.permutation(GATHER_ROWS))), budget)
+    t_one, t_two = timed((_call(one, rows), _call(two, rows, rng.permutation(GATHER_ROWS))), budget)
     moved = GATHER_ROWS * GATHER_WIDTH * 4
     copy_bandwidth = moved / (t_two - t_one) if t_two > t_one * 1.05 else moved / max(t_one - launch, 1e-9)
+    cold_copy_bandwidth = 0.0
+    if not quick:
+        bar.step("gather rows from memory")
+        cold_rows = max(GATHER_TABLE, 2 * caches["l3"] // (GATHER_WIDTH * 4))
+        g = Graph()
+        table = g.weight("table", rng.standard_normal((cold_rows, GATHER_WIDTH), dtype=np.float32))
+        cold = _module(g.build(g.embedding(table, g.input("ids", (GATHER_ROWS,), "i64")), names=["y"]))
+        ids = itertools.cycle([rng.integers(0, cold_rows, GATHER_ROWS) for _ in range(COLD_CYCLE)])
+        t_hot, t_cold = timed((_call(one, rows), lambda: cold(next(ids))), budget)
+        # the hot gather's call, output and copy alike: what more the cold one took is the rows' trip
+        cold_copy_bandwidth = moved / (moved / copy_bandwidth + max(t_cold - t_hot, 0.0))
 
     # GEMMs on a packed weight, one thread and all threads.
     samples, threaded = [], []
@@ -361,7 +405,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         model = g.build(g.matmul(a, w), names=["y"])
         xa = rng.standard_normal((m, k), dtype=np.float32)
         flops = 2 * m * n_ * k
-        tn, t1 = _all_then_one(model, (xa,), budget, cores)
+        tn, t1 = _all_then_one(timed, model, (xa,), budget, cores)
         samples.append((m, n_, k, flops / max(t1 - launch, t1 / 10)))
         threaded.append((m, n_, k, flops / max(tn - launch, tn / 10)))
     biggest = max(range(len(shapes)), key=lambda i: shapes[i][0] * shapes[i][1] * shapes[i][2])
@@ -376,7 +420,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         model = g.build(g.attention(q, k, v), names=["o"])
         qkv = [rng.standard_normal(shape, dtype=np.float32) for _ in range(3)]
         flops = ATTENTION_BATCH * ATTENTION_HEADS * ATTENTION_SEQ ** 2 * (4 * d + 5)  # as cost.model.op_flops
-        tn, t1 = _all_then_one(model, qkv, budget, cores)
+        tn, t1 = _all_then_one(timed, model, qkv, budget, cores)
         attention_rates.append((d, flops / max(t1 - launch, t1 / 10)))
         if d == ATTENTION_HEAD_DIMS[-1]:
             speedup = (t1 - launch) / max(tn - launch, 1e-9)
@@ -387,7 +431,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         # Each after a depthwise 3x3 that keeps the input's shape, less that one alone (_after_depthwise).
         (before, _), (both, out_shape) = _after_depthwise(rng, xs), _after_depthwise(rng, xs, _conv_then(rng, ws, groups))
         xc = rng.standard_normal(xs, dtype=np.float32)
-        t_before, t_both = _quiet_times((_call(before, xc), _call(both, xc)), budget)
+        t_before, t_both = timed((_call(before, xc), _call(both, xc)), budget)
         conv_flops = 2 * int(np.prod(out_shape)) * int(np.prod(ws[1:]))
         gemm = (int(np.prod(out_shape)) // ws[0], ws[0] // groups, int(np.prod(ws[1:])))  # one group's (m, n, k)
         conv_rates[kind] = (*gemm, conv_flops / max(t_both - t_before, t_both / 10))
@@ -401,7 +445,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
     (plain, out_shape), (swish, _) = (_after_depthwise(rng, xs, _conv_then(rng, ws, 1, post), GroupKind.CONV_EPILOGUE)
                                       for post in (False, True))
     xc = rng.standard_normal(xs, dtype=np.float32)
-    t_plain, t_swish = _quiet_times((_call(plain, xc), _call(swish, xc)), budget)
+    t_plain, t_swish = timed((_call(plain, xc), _call(swish, xc)), budget)
     written = int(np.prod(out_shape))
     if t_swish > t_plain * 1.02:  # else within noise of nothing: priced free, as without the rate
         rates[POST_RATE] = written / (t_swish - t_plain)
@@ -413,7 +457,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         g = Graph()
         w = g.weight("w", (rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:]))).astype(np.float32))
         y = g.op("conv", g.input("x", xs), w, pads=(ws[-1] // 2 if ws[-1] > stride else 0,) * 4, strides=(stride, stride))
-        (t_stem,) = _quiet_times((_call(_module(g.build(y, names=["y"])), rng.standard_normal(xs, dtype=np.float32)),),
+        (t_stem,) = timed((_call(_module(g.build(y, names=["y"])), rng.standard_normal(xs, dtype=np.float32)),),
                                  budget)
         pixels = int(np.prod(y.shape)) // ws[0]
         conv_rates[kind] = (pixels, ws[0], int(np.prod(ws[1:])),
@@ -426,17 +470,16 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
                           _after_depthwise(rng, POOL_CASE, lambda g, y: g.mean(y, axes=(2, 3), keepdims=True)
                                            + g.sum(y, axes=(2, 3), keepdims=True)))
     xp = rng.standard_normal(POOL_CASE, dtype=np.float32)
-    t_one, t_two = _quiet_times((_call(one, xp), _call(two, xp)), budget)
+    t_one, t_two = timed((_call(one, xp), _call(two, xp)), budget)
     pool_rate = int(np.prod(POOL_CASE)) / max(t_two - t_one, t_two / 10)
 
     # One more oneDNN primitive in a module, of next to no work: a 1x1 convolution on a 1x1
     # map (a squeeze-excitation's), beyond the step it is.
     bar.step("a primitive's call")
     tiny = rng.standard_normal(TINY_CONV, dtype=np.float32)
-    t_one, t_chain = _quiet_times((_call(_module(_tiny_convs(rng, 1)), tiny), _call(_module(_tiny_convs(rng, CHAIN)), tiny)),
+    t_one, t_chain = timed((_call(_module(_tiny_convs(rng, 1)), tiny), _call(_module(_tiny_convs(rng, CHAIN)), tiny)),
                                   budget)
     primitive = max(0.0, (t_chain - t_one) / (CHAIN - 1) - step)
-    bar.close()
 
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     return Hardware(
@@ -466,6 +509,7 @@ def measure(quick: bool = False, progress: bool | None = None) -> Hardware:
         pool_rate=pool_rate,
         row_overhead=row_overhead,
         copy_bandwidth=copy_bandwidth,
+        cold_copy_bandwidth=cold_copy_bandwidth,
         attention_rates=tuple(attention_rates),
         attention_speedup=speedup,
         source=f"calibrated {stamp} on {cpu_model()} ({cores} threads, C backend{', quick' if quick else ''})",
@@ -485,6 +529,7 @@ def summary(hw: Hardware) -> str:
         ("one more oneDNN primitive (a 1x1 convolution on a 1x1 map)", f"{hw.primitive_overhead * 1e6:.2f} us"),
         ("a global average pool over channels-last data", f"{hw.pool_rate / 1e9:.2f} Gelem/s"),
         ("a gather's rows copied (bytes written)", f"{hw.copy_bandwidth / 1e9:.1f} GB/s"),
+        ("... its rows from a table beyond L3 (bytes written)", f"{hw.cold_copy_bandwidth / 1e9:.1f} GB/s"),
         ("oneDNN GEMM all threads / (cores x one thread)", f"{hw.parallel_efficiency:.2f}"),
         *((f"convolution {kind} {'x'.join(map(str, inputs.get(kind, ())))} (oneDNN, all threads)",
            f"{rate / 1e9:.1f} GFLOP/s") for kind, (*_, rate) in hw.conv_rates.items()),

@@ -331,6 +331,10 @@ class CompiledModel:
                                                *(x for s in program.steps for x in (*s.host_in, *s.host_out)))
                            if v.literal is None and v.buf is not None}.values())
         self.last_threads = 0  # the threads the last call started with (_uncontended_threads)
+        # Whether a call leaves the cores busy neighbours hold to them (_uncontended_threads), or
+        # runs on every thread whatever else runs: what a calibration of the team times (its
+        # "all threads" GEMMs ran on one, priced the models' GEMMs at half their rate).
+        self.adaptive_threads = True
         self._run_time_sizes = any(size_definitions(op) for op in model.func.body.block.ops)
 
     def __call__(self, *inputs: Any, **named: Any) -> list[np.ndarray]:
@@ -397,7 +401,7 @@ class CompiledModel:
             b.bases[buf] = fresh[i].reshape(-1)
             b.pointers[buf] = fresh[i].ctypes.data
         threads = self._lib.tg_max_threads()
-        use = 1 if b.serial else _uncontended_threads(threads)
+        use = 1 if b.serial else _uncontended_threads(threads) if self.adaptive_threads else threads
         self.last_threads = use
         if use < threads:
             self._lib.tg_set_threads(use)

@@ -83,8 +83,13 @@ def copy_time(hw, moved: sympy.Expr, cold: sympy.Expr, elements: sympy.Expr) -> 
     """(memory, overhead) of a step that copies `moved` bytes, `cold` of them from a weight.
     At the calibrated row-copy rate where the profile has one: a copy is short rows, each
     checked against its bounds, not a streaming pass, and for the few rows a lookup takes
-    that rate, not where in memory the table lies, sets its time."""
+    that rate, not where in memory the table lies, sets its time; but the rows of a weight come
+    from memory at the calibrated rate of rows beyond the caches (`cold_copy_bandwidth`: a
+    language model's embedding rows, evicted by the weights each forward streams, took 4-5x
+    the time of rows in cache)."""
     memory = moved / hw.copy_bandwidth if hw.copy_bandwidth else step_memory(hw, 2 * moved, cold)
+    if hw.copy_bandwidth and hw.cold_copy_bandwidth:
+        memory += cold * (1 / hw.cold_copy_bandwidth - 1 / hw.copy_bandwidth)
     return memory, step_overhead(hw, elements)
 
 
