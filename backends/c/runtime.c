@@ -39,6 +39,9 @@ int tg_amx_supported(void) {
 }
 
 void tg_set_bf16(int on) { tg_fpmath = on ? dnnl_fpmath_mode_bf16 : dnnl_fpmath_mode_strict; }
+/* Whether the primitives created now multiply in bf16: a binding's state records it, and its
+ * steps write the buffers its bf16 GEMMs read as they lie in bf16 (onednn.py, bf16_sources). */
+int tg_bf16_on(void) { return tg_fpmath == dnnl_fpmath_mode_bf16; }
 
 /* The precision of the kernels that call oneDNN's GEMM functions directly at run time
  * (tg_attention), set by the loader around a bf16 module's call: per calling thread, so
@@ -642,6 +645,16 @@ int tg_matmul_create(tg_prim *g, int nd, const int64_t *a_dims, const int64_t *a
     g->has_bias = 0;
     int rc = tg_prim_create(g, tg_matmul_pd, &ctx, sizeof ctx, wei, weight, pack, npost, posts, nd, b_dims,
                             scaled ? 1 << (nd - 1) : 0);
+    if (!rc && types[0] == dnnl_bf16) { /* a source its producer wrote in bf16: no f32 kernel reads it */
+        const_dnnl_memory_desc_t wmd = NULL;
+        dnnl_data_type_t wt = dnnl_data_type_undef;
+        if (dnnl_memory_get_memory_desc(g->wei, &wmd) == dnnl_success)
+            dnnl_memory_desc_query(wmd, dnnl_query_data_type, &wt);
+        if (wt != dnnl_bf16) {
+            snprintf(tg_err, sizeof tg_err, "oneDNN has no bf16 matmul to read a bf16 activation buffer");
+            rc = 1;
+        }
+    }
     if (!rc) tg_log_prim(g, ctx.src);
     if (!rc && scaled) { /* the scales: f32, one per column */
         int64_t one = 1;

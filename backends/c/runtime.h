@@ -92,6 +92,7 @@ void tg_set_huge_pages(int on);
 size_t tg_huge_page_bytes(void);
 int tg_amx_supported(void);
 void tg_set_bf16(int on);
+int tg_bf16_on(void);
 void tg_set_run_bf16(int on);
 int tg_bf16_attention_count(void);
 int tg_primitive_count(void);
@@ -194,6 +195,17 @@ static inline float tg_sigmoid(float x) { float e = tg_expf(-fabsf(x)); return x
 static inline double tg_sigmoid_d(double x) { double e = exp(-fabs(x)); return x >= 0 ? 1. / (1. + e) : e / (1. + e); }
 
 /* --- quantization, as ir/quant.py defines it --- */
+
+/* x rounded to bf16 (nearest, ties to even, as oneDNN's conversions and vcvtneps2bf16 round),
+ * its 16 bits: what a step writes into a buffer a bf16 GEMM reads as it lies (onednn.py,
+ * bf16_sources). A NaN stays a (quiet) NaN: rounding its payload could carry into the sign. */
+#pragma omp declare simd notinbranch
+static inline uint16_t tg_f2bf(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);
+}
 
 /* y clamped into [lo, hi]; NaN gives 0 (what NumPy's cast of NaN to an integer gives here). */
 #pragma omp declare simd notinbranch
