@@ -43,7 +43,8 @@ from tilegraph.backends.c.loops import Loops
 from tilegraph.backends.c.onednn import OneDNN, bf16_sources, chain_convolutions
 from tilegraph.backends.c.quant import Quantized
 from tilegraph.backends.c.tables import CTYPES, FLOATS, KNOWN
-from tilegraph.backends.c.views import (LOWER, Buffer, Ints, Step, Unsupported, View, Views, _describe, _eq, c_comment, c_float, lowers)
+from tilegraph.backends.c.views import (LOWER, Buffer, Ints, Step, Unsupported, View, Views, _describe, _eq, bf16_marker, c_comment,
+                                        c_float, feeds_gemm, lowers)
 from tilegraph.backends.lowering import table
 from tilegraph.backends.program import flatten
 from tilegraph.ir.dialect import FusionOp, TgOp
@@ -251,7 +252,17 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
             f"{c_float(op.attr('scale'), 'f32')}, {int(bool(op.attr('causal')))}, {blocks[0]}, {blocks[1]})) return 1;",
             "}",
         ]
+        # Read only by GEMMs (a decoder's output projection): a twin writing the result in bf16
+        # (onednn.bf16_sources). Its buffer is the result's own, every element written once.
+        bf16 = feeds_gemm(op.results[0])
+        if bf16:
+            call = lines[-2].replace("    if (tg_attention(", "    int rc = tg_attention(").replace(")) return 1;", ");")
+            lines = [f"if ({bf16_marker(out.buf)}) {{", *("    " + x for x in lines[:-2]),
+                     "        tg_set_attention_out_bf16(1);", "    " + call, "        tg_set_attention_out_bf16(0);",
+                     "        if (rc) return 1;", "    }", "} else {", *("    " + x for x in lines), "}"]
         self._step(_describe(op), lines, [q, k, v] + ([mask] if mask is not None else []), [out])
+        if bf16:
+            self.steps[-1].bf16_writes.add(out.buf)
         return out
 
     def host(self, op: TgOp, xs: list[View]) -> list[View]:

@@ -193,8 +193,11 @@ class Groups(EmitterParts):
         laid_out = strides_like(shape, [(v.shape, None if v.literal is not None else v.strides) for v in inputs.values()])
         # `into`: a value the loop reads and nothing reads after it (a GEMM's result), of the
         # result's shape: each element is read, then written, at the same place.
+        # (Not where the result is read by GEMMs: a buffer of its own, which its bf16 twin can
+        # write; half-width writes over what the loop still reads would race.)
         if into is not None and len(yields) == 1 and into.dtype == info_of(yields[0].type).dtype and \
-                into.rank == len(shape) and all(_eq(a, b) for a, b in zip(into.shape, shape)):
+                into.rank == len(shape) and all(_eq(a, b) for a, b in zip(into.shape, shape)) and \
+                not feeds_gemm(yields[0]):
             outs = [(yields[0], into)]
         else:
             outs = [(y, self._in_place(group, y, inputs, consumer) or self._temp(info_of(y.type), laid_out))

@@ -934,6 +934,28 @@ static int tg_amx_granted(void) {
  * mask_kind: 0 none, 1 bool (keep where true), 2 float (added). Causal keeps
  * j <= i + Lk - Lq. */
 
+/* The result's element type for the tg_attention calls this thread makes next: f32, or bf16
+ * (its 16 bits, in the same element positions) where only bf16 GEMMs read the result
+ * (onednn.py, bf16_sources). Read once on the calling thread: the workers' copy is theirs. */
+static _Thread_local int tg_attention_bf16_out;
+void tg_set_attention_out_bf16(int on) { tg_attention_bf16_out = on; }
+
+/* One finished row of attention: the accumulator acc[0:dv] over the softmax's sum, written
+ * as element `at` onwards of o (f32, or bf16 where out_bf16). */
+static inline void tg_attention_row(float *o, int64_t at, const float *acc, float sum, int64_t dv, int out_bf16) {
+    /* a row with every key masked: NaN, as softmax over all -inf is */
+    float inv = sum > 0.f ? 1.f / sum : NAN;
+    if (out_bf16) {
+        uint16_t *oi = (uint16_t *)o + at;
+#pragma omp simd
+        for (int64_t c = 0; c < dv; c++) oi[c] = tg_f2bf(acc[c] * inv);
+    } else {
+        float *oi = o + at;
+#pragma omp simd
+        for (int64_t c = 0; c < dv; c++) oi[c] = acc[c] * inv;
+    }
+}
+
 /* The offsets of batch row `bi` (flattened over dims bd[nb]) in q, k, v, the mask and o. */
 static void tg_batch_offsets(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb, const int64_t *vb,
                              const int64_t *mb, const int64_t *ob, int64_t bi, int64_t off[5]) {
@@ -1187,7 +1209,7 @@ static int tg_attention_bf16(int nb, const int64_t *bd, const int64_t *qb, const
                              const int64_t *mb, const int64_t *ob, const float *q, const float *k, const float *v,
                              const void *mask, float *o, int64_t lq, int64_t lk, int64_t d, int64_t dv, int64_t qr,
                              int64_t kr, int64_t vr, int64_t orow, int mask_kind, int64_t mr, int64_t mc, float scale,
-                             int causal, int64_t bq, int64_t bk, int64_t batches) {
+                             int causal, int64_t bq, int64_t bk, int64_t batches, int out_bf16) {
     int64_t up = 16, bq16 = (bq + 15) / up * up, bk16 = (bk + 15) / up * up, dv16 = (dv + 15) / up * up;
     int64_t dp16 = ((d + 1) / 2 + 15) / up * up, kp16 = ((bk + 1) / 2 + 15) / up * up;
     int64_t qblocks = (lq + bq - 1) / bq, kblocks = (lk + bk - 1) / bk, per_block = dp16 * bk16 + kp16 * dv16;
@@ -1245,13 +1267,8 @@ static int tg_attention_bf16(int nb, const int64_t *bd, const int64_t *qb, const
                                     1);
                     }
                 }
-                for (int64_t i = 0; i < nq; i++) {
-                    /* a row with every key masked: NaN, as softmax over all -inf is */
-                    float inv = sum[i] > 0.f ? 1.f / sum[i] : NAN;
-                    float *oi = o + off[4] + (i0 + i) * orow;
-#pragma omp simd
-                    for (int64_t c = 0; c < dv; c++) oi[c] = acc[i * dv16 + c] * inv;
-                }
+                for (int64_t i = 0; i < nq; i++)
+                    tg_attention_row(o, off[4] + (i0 + i) * orow, acc + i * dv16, sum[i], dv, out_bf16);
             }
         if (area) _tile_release();
         free(area);
@@ -1275,12 +1292,13 @@ int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb
     if (bq < 1 || bk < 1 || bq > TG_MAX_BLOCK || bk > TG_MAX_BLOCK || lq < 0 || lk < 0 || d < 0 || dv < 0)
         TG_FAIL("attention: block sizes or lengths out of range");
     for (int i = 0; i < nb; i++) batches *= bd[i];
+    int out_bf16 = tg_attention_bf16_out;
 #ifdef TG_HAVE_BF16_ATTENTION
     /* bf16: both products of a block on AMX, the softmax f32. Read here: the thread-local is
      * the caller's, not the workers'. */
     if (tg_run_bf16 && d > 0 && dv > 0 && lq > 0 && lk > 0 && batches > 0 && tg_amx_ready())
         return tg_attention_bf16(nb, bd, qb, kb, vb, mb, ob, q, k, v, mask, o, lq, lk, d, dv, qr, kr, vr, orow,
-                                 mask_kind, mr, mc, scale, causal, bq, bk, batches);
+                                 mask_kind, mr, mc, scale, causal, bq, bk, batches, out_bf16);
 #endif
     int64_t qblocks = (lq + bq - 1) / bq;
     int failed = 0;
@@ -1321,12 +1339,8 @@ int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb
                     break;
                 }
             }
-            for (int64_t i = 0; i < nq; i++) {
-                /* a row with every key masked: NaN, as softmax over all -inf is */
-                float inv = sum[i] > 0.f ? 1.f / sum[i] : NAN;
-                float *oi = o + oo + (i0 + i) * orow;
-                for (int64_t c = 0; c < dv; c++) oi[c] = acc[i * dv + c] * inv;
-            }
+            for (int64_t i = 0; i < nq; i++)
+                tg_attention_row(o, oo + (i0 + i) * orow, acc + i * dv, sum[i], dv, out_bf16);
             free(s);
         }
     if (failed == 2) TG_FAIL("attention: oneDNN's sgemm failed on a block");

@@ -101,6 +101,7 @@ void tg_softmax_rows(const float *x, float *y, int64_t rows, int64_t n);
 void tg_layer_norm_rows(const float *x, float *y, const float *scale, const float *bias, int64_t rows,
                         int64_t n, float eps);
 void tg_dynamic_quantize_rows(const float *x, int8_t *q, float *scale, int64_t rows, int64_t n);
+void tg_set_attention_out_bf16(int on);
 int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb, const int64_t *vb,
                  const int64_t *mb, const int64_t *ob, const float *q, const float *k, const float *v,
                  const void *mask, float *o, int64_t lq, int64_t lk, int64_t d, int64_t dv, int64_t qr,
