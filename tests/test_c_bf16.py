@@ -23,6 +23,12 @@ from tilegraph.ir import Graph, interpret
 from tilegraph.testing import assert_close
 
 
+def _bf16_units() -> bool:
+    """Whether the processor has bf16 dot products the attention kernel uses (AMX or AVX-512 BF16)."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return "amx_bf16" in info or "avx512_bf16" in info
+
+
 def _model():
     rng = np.random.default_rng(0)
     g = Graph()
@@ -81,10 +87,10 @@ def _attention():
     return g.build(y, names=["y"]), xs
 
 
-def test_bf16_attention_multiplies_on_amx_tiles():
-    """At precision bf16 the flash kernel's two products run on AMX tiles where the processor
-    has them (found at run time), the softmax in f32: one step, no oneDNN primitive, no
-    reference kernel; without AMX it runs its f32 products."""
+def test_bf16_attention_multiplies_on_the_processors_bf16_units():
+    """At precision bf16 the flash kernel's two products run on AMX tiles or AVX-512 BF16
+    where the processor has them (found at run time), the softmax in f32: one step, no oneDNN
+    primitive, no reference kernel; without either it runs its f32 products."""
     model, xs = _attention()
     want = interpret(model, xs)[0]
     f32 = tilegraph.compile(model, target="c")
@@ -101,9 +107,9 @@ def test_bf16_attention_multiplies_on_amx_tiles():
     before = lib.tg_bf16_attention_count()
     got = bf16.run(*xs)[0]
     assert_close(got, want, "bf16", reduction_length=37 + 18)
-    cpu_amx = "amx_bf16" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
-    if runner.precision == "bf16" and cpu_amx:
-        assert lib.tg_bf16_attention_count() == before + 1  # the AMX kernel ran, once
+    cpu_bf16 = _bf16_units()
+    if runner.precision == "bf16" and cpu_bf16:
+        assert lib.tg_bf16_attention_count() == before + 1  # the bf16 kernel ran, once
         assert not np.array_equal(got, exact)  # its operands were rounded to bf16
     else:
         assert lib.tg_bf16_attention_count() == before
@@ -114,7 +120,7 @@ def test_bf16_attention_multiplies_on_amx_tiles():
 def test_bf16_folds_spelled_out_attention_over_enough_keys(keys):
     """Eager attention as exported (softmax(q @ k^T * scale + mask) @ v) at precision bf16:
     over C_BF16_FOLD_MIN_KEYS keys or more (ViT-S/16's 197 tokens) it becomes the flash
-    kernel's one step (the scores never written), on AMX where the processor has it; over
+    kernel's one step (the scores never written), on AMX or AVX-512 BF16 where the processor has them; over
     fewer it stays oneDNN's GEMMs; f32 keeps the chain (its scores fit a core's cache). Both
     within bf16's tolerance of the interpreter."""
     from tilegraph.passes.registry import C_BF16_FOLD_MIN_KEYS
@@ -137,18 +143,18 @@ def test_bf16_folds_spelled_out_attention_over_enough_keys(keys):
     lib.tg_bf16_attention_count.restype = ctypes.c_int
     before = lib.tg_bf16_attention_count()
     assert_close(bf16.run(*xs)[0], interpret(model, xs)[0], "bf16", reduction_length=keys + 16)
-    cpu_amx = "amx_bf16" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
-    assert lib.tg_bf16_attention_count() == before + (folded and bf16._runner.precision == "bf16" and cpu_amx)
+    cpu_bf16 = _bf16_units()
+    assert lib.tg_bf16_attention_count() == before + (folded and bf16._runner.precision == "bf16" and cpu_bf16)
 
 
 @pytest.mark.parametrize("causal, mask", [(False, "bool"), (True, None)])
 def test_bf16_attention_over_several_query_and_key_blocks(causal, mask):
-    """The AMX kernel's packing and tiling edges: 150 queries (a full and a partial query
+    """The bf16 kernel's packing and tiling edges: 150 queries (a full and a partial query
     block), 301 keys (a block of 256 and one of 45: an odd count, half a pair), head dims 40
     and 24 (partial pair and column blocks), 3 heads; a bool mask or a causal cut with
     more keys than queries. Every key block is packed once and read by both query blocks, so a
     wrong offset in the packed k or v shows in every row. Within bf16's tolerance of the
-    float64 interpreter, one tg_attention step, the AMX kernel taken where the processor has it."""
+    float64 interpreter, one tg_attention step, the bf16 kernel taken where the processor has bf16 units."""
     rng = np.random.default_rng(7)
     g = Graph()
     q, k, v = g.input("q", (1, 3, 150, 40)), g.input("k", (1, 3, 301, 40)), g.input("v", (1, 3, 301, 24))
@@ -170,8 +176,8 @@ def test_bf16_attention_over_several_query_and_key_blocks(causal, mask):
     before = lib.tg_bf16_attention_count()
     got = bf16.run(*xs)[0]
     assert_close(got, interpret(model, xs)[0], "bf16", reduction_length=301 + 40)
-    cpu_amx = "amx_bf16" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
-    assert lib.tg_bf16_attention_count() == before + (runner.precision == "bf16" and cpu_amx)
+    cpu_bf16 = _bf16_units()
+    assert lib.tg_bf16_attention_count() == before + (runner.precision == "bf16" and cpu_bf16)
 
 
 def _decoder_block():
