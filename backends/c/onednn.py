@@ -154,7 +154,8 @@ class OneDNN(EmitterParts):
             if last.SPEC.row_normalizing and all(o.SPEC.pointwise for o in rest[:-1]) \
                     and self._row_prologue(rest, env, group, yields):
                 pass
-            elif not self._elementwise_rest(group, rest, env, yields, into=None if acc in yields else result):
+            elif not self._elementwise_rest(group, rest, env, yields, into=None if acc in yields else result) and \
+                    not self._rows_rest(group, rest, env, yields):
                 for op in rest:
                     self.op(op, env)
         self._one_step(first, group)
@@ -183,6 +184,18 @@ class OneDNN(EmitterParts):
         result where nothing else reads that."""
         try:
             return self.fused_elementwise(group, rest, env, yields, into)
+        except Unsupported:
+            return False
+
+    def _rows_rest(self, group, rest, env, yields) -> bool:
+        """The ops after a GEMM as one pass over its rows where they are elementwise ops and
+        reductions along the rows (an RMS norm after a decoder's residual add): not a pass
+        over memory per op (groups.fused_rows)."""
+        made = {r for op in rest for r in op.results}
+        if not any(op.SPEC.reduction for op in rest):
+            return False
+        try:
+            return self.fused_rows(group, rest, env, [y for y in yields if y in made])
         except Unsupported:
             return False
 
