@@ -228,3 +228,30 @@ def test_bf16_gemm_sources_are_written_in_bf16_by_their_producer():
     assert f32.source == compiled.source
     for a, b in zip(f32.run(*xs), want):
         assert_close(a, b, "f32", reduction_length=64 * 4 + 96)
+
+
+def test_bf16_layer_norm_writes_its_gemms_source_in_bf16():
+    """An encoder's layer_norm read by its query and key projections (BERT, ViT): at bf16 the
+    row kernel writes the norm in bf16, so a warm call converts only the model input x (for
+    the first GEMM); within bf16's tolerance of the interpreter."""
+    rng = np.random.default_rng(1)
+    g = Graph()
+    x = g.input("x", (1, 20, 48))
+
+    def w(name, n, m):
+        return g.weight(name, (rng.standard_normal((n, m)) / 7).astype(np.float32))
+    h = g.matmul(x, w("w0", 48, 48)) + x
+    n = g.layer_norm(h, g.weight("s", (1 + rng.standard_normal(48) / 4).astype(np.float32)),
+                     g.weight("b", (rng.standard_normal(48) / 4).astype(np.float32)))
+    model = g.build(h, g.matmul(n, w("wq", 48, 32)), g.matmul(n, w("wk", 48, 32)), names=["h", "q", "k"])
+    xs = [rng.standard_normal((1, 20, 48)).astype(np.float32)]
+    compiled = tilegraph.compile(model, target="c", precision="bf16")
+    runner: CompiledModel = compiled._runner
+    if runner.precision != "bf16":
+        pytest.skip("this processor has no bf16 dot products")
+    for a, b in zip(compiled.run(*xs), interpret(model, xs)):
+        assert_close(a, b, "bf16", reduction_length=48 * 2)
+    assert runner.program.bf16_sources == 1
+    before = runner.reorder_count()
+    runner(*xs)
+    assert runner.reorder_count() - before == 1, runner.primitives  # x's conversion, not the norm's twice

@@ -499,6 +499,13 @@ class Groups(EmitterParts):
                 params.append("NULL")
             call = (f"tg_layer_norm_rows({self.ptr(x)}, {self.ptr(out, False)}, {params[0]}, {params[1]}, "
                     f"{self.ints(rows)}, {self.ints(n)}, {c_float(op.attr('epsilon'), 'f32')});")
+            if out.buf != x.buf and feeds_gemm(op.results[0]):  # a twin writing bf16 (onednn.bf16_sources)
+                half = View(out.buf, out.offset, out.shape, out.strides, "bf16")
+                twin = call.replace("tg_layer_norm_rows(", "tg_layer_norm_rows_bf16(").replace(
+                    self.ptr(out, False), self.ptr(half, False))
+                self._step(_describe(op), [f"if ({bf16_marker(out.buf)}) {twin}", f"else {call}"], reads, [out])
+                self.steps[-1].bf16_writes.add(out.buf)
+                return out
         self._step(_describe(op), [call], reads, [out])
         return out
 

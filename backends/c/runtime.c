@@ -852,13 +852,22 @@ void tg_softmax_rows(const float *x, float *y, int64_t rows, int64_t n) {
     }
 }
 
-/* Normalizes each row of n over all of it; scale and bias (n each) may be NULL. */
-void tg_layer_norm_rows(const float *x, float *y, const float *scale, const float *bias, int64_t rows,
-                        int64_t n, float eps) {
+/* Element j of a row normalized (x - mean) * inv, times scale[j], plus bias[j] (each may be NULL). */
+static inline float tg_normed(float x, int64_t j, float mean, float inv, const float *scale, const float *bias) {
+    float t = (x - mean) * inv;
+    if (scale) t *= scale[j];
+    if (bias) t += bias[j];
+    return t;
+}
+
+/* Normalizes each row of n over all of it; scale and bias (n each) may be NULL. The result
+ * in f32 at y, or where y16 is given, in bf16 there (a buffer only bf16 GEMMs read: onednn.py,
+ * bf16_sources), computed in f32 alike. */
+static void tg_layer_norm_to(const float *x, float *y, uint16_t *y16, const float *scale, const float *bias,
+                             int64_t rows, int64_t n, float eps) {
 #pragma omp parallel for if (rows * n > 16384)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * n;
-        float *yr = y + r * n;
         float s = 0.f;
 #pragma omp simd reduction(+ : s)
         for (int64_t j = 0; j < n; j++) s += xr[j];
@@ -866,14 +875,26 @@ void tg_layer_norm_rows(const float *x, float *y, const float *scale, const floa
 #pragma omp simd reduction(+ : v)
         for (int64_t j = 0; j < n; j++) v += (xr[j] - mean) * (xr[j] - mean);
         float inv = 1.f / sqrtf(v / (float)n + eps);
+        if (y16) {
+            uint16_t *yr = y16 + r * n;
 #pragma omp simd
-        for (int64_t j = 0; j < n; j++) {
-            float t = (xr[j] - mean) * inv;
-            if (scale) t *= scale[j];
-            if (bias) t += bias[j];
-            yr[j] = t;
+            for (int64_t j = 0; j < n; j++) yr[j] = tg_f2bf(tg_normed(xr[j], j, mean, inv, scale, bias));
+        } else {
+            float *yr = y + r * n;
+#pragma omp simd
+            for (int64_t j = 0; j < n; j++) yr[j] = tg_normed(xr[j], j, mean, inv, scale, bias);
         }
     }
+}
+
+void tg_layer_norm_rows(const float *x, float *y, const float *scale, const float *bias, int64_t rows, int64_t n,
+                        float eps) {
+    tg_layer_norm_to(x, y, NULL, scale, bias, rows, n, eps);
+}
+
+void tg_layer_norm_rows_bf16(const float *x, uint16_t *y, const float *scale, const float *bias, int64_t rows,
+                             int64_t n, float eps) {
+    tg_layer_norm_to(x, NULL, y, scale, bias, rows, n, eps);
 }
 
 /* tg.dynamic_quantize to i8, one scale per row of n: max|x| / 127 (at least FLT_MIN;

@@ -100,6 +100,8 @@ const char *tg_primitive_report(void);
 void tg_softmax_rows(const float *x, float *y, int64_t rows, int64_t n);
 void tg_layer_norm_rows(const float *x, float *y, const float *scale, const float *bias, int64_t rows,
                         int64_t n, float eps);
+void tg_layer_norm_rows_bf16(const float *x, uint16_t *y, const float *scale, const float *bias, int64_t rows,
+                             int64_t n, float eps);
 void tg_dynamic_quantize_rows(const float *x, int8_t *q, float *scale, int64_t rows, int64_t n);
 void tg_set_attention_out_bf16(int on);
 int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb, const int64_t *vb,
