@@ -255,3 +255,28 @@ def test_bf16_layer_norm_writes_its_gemms_source_in_bf16():
     before = runner.reorder_count()
     runner(*xs)
     assert runner.reorder_count() - before == 1, runner.primitives  # x's conversion, not the norm's twice
+
+
+def test_bf16_gemm_writes_the_next_gemms_source_in_bf16():
+    """An MLP's first projection (its bias and gelu oneDNN post-ops) read only by the second:
+    at bf16 oneDNN writes it in bf16 and the second GEMM reads it so; a warm call converts
+    only the model input x. Within bf16's tolerance of the interpreter."""
+    rng = np.random.default_rng(2)
+    g = Graph()
+    x = g.input("x", (1, 20, 48))
+
+    def w(name, n, m):
+        return g.weight(name, (rng.standard_normal((n, m)) / 7).astype(np.float32))
+    hidden = g.gelu(g.matmul(x, w("w1", 48, 96)) + g.weight("b1", (rng.standard_normal(96) / 4).astype(np.float32)))
+    model = g.build(g.matmul(hidden, w("w2", 96, 48)) + x, names=["y"])
+    xs = [rng.standard_normal((1, 20, 48)).astype(np.float32)]
+    compiled = tilegraph.compile(model, target="c", precision="bf16")
+    runner: CompiledModel = compiled._runner
+    if runner.precision != "bf16":
+        pytest.skip("this processor has no bf16 dot products")
+    assert_close(compiled.run(*xs)[0], interpret(model, xs)[0], "bf16", reduction_length=48 + 96)
+    assert runner.program.bf16_sources == 1
+    assert sum("(a bf16 result)" in line for line in runner.primitives) == 1, runner.primitives
+    before = runner.reorder_count()
+    runner(*xs)
+    assert runner.reorder_count() - before == 1, runner.primitives

@@ -9,7 +9,7 @@ from xdsl.ir import SSAValue
 
 from tilegraph.backends.c.tables import DNNL_BINARY, DNNL_ELTWISE, DNNL_TYPES, KNOWN, SMALL_GEMM
 from tilegraph.backends.c.views import (ConvStep, EmitterParts, Unsupported, View, lowers, _describe, _eq, _is_one, _only_use,
-                                        bf16_marker,
+                                        bf16_marker, feeds_gemm,
                                         _plain_strides, _row_stride, channels_last_strides)
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.fusion import ELTWISE_POSTS
@@ -293,8 +293,8 @@ class OneDNN(EmitterParts):
         posts, post_views, covered, _ = self._posts(chain, op.results[0], env, info.shape, geometry)
         # A source the GEMM may read as its producer writes it in bf16 (bf16_sources): a whole
         # temporary, rows contiguous, that no other operand of it lies in.
-        bf16_source = weight and rank == 2 and types == ("f32", "f32", "f32") and scales is None and \
-            self._whole_temp(a) and all(v.buf != a.buf for v in post_views)
+        bf16_gemm = weight and rank == 2 and types == ("f32", "f32", "f32") and scales is None
+        bf16_source = bf16_gemm and self._whole_temp(a) and all(v.buf != a.buf for v in post_views)
         a = self._lead(a, rank)
         b = self._lead(b, rank)
         c = self._lead(c, rank)
@@ -303,6 +303,12 @@ class OneDNN(EmitterParts):
         type_names = [DNNL_TYPES[t] for t in types]
         if bf16_source:
             type_names[0] = _SOURCE.format(k)
+        # A result that only bf16 GEMMs may read (an MLP's first projection, its activation a
+        # post-op): written by oneDNN in bf16 where bf16_sources finds that they do.
+        bf16_result = bf16_gemm and self._whole_temp(c) and feeds_gemm(op.results[0] if not covered else
+                                                                         chain[covered - 1].results[0])
+        if bf16_result:
+            type_names[2] = f"({bf16_marker(c.buf)} ? dnnl_bf16 : dnnl_f32)"
         state = [
             "{",
             f"    const int64_t ad[] = {arr(a.shape)}, as[] = {arr(a.strides)};",
@@ -317,6 +323,8 @@ class OneDNN(EmitterParts):
         self._run_primitive(op, k, state, a, b, scales, c, post_views, out)
         if bf16_source:
             self.steps[-1].gemm_sources.append((k, a))
+        if bf16_result:
+            self.steps[-1].bf16_writes.add(c.buf)
         return out, covered
 
     def _small_matmul(self, op: TgOp, a: View, b: View, info) -> View:
@@ -505,6 +513,7 @@ def bf16_sources(steps: list, buffers: list, outputs: list[View]) -> int:
         if not all(any(v.buf == b for _, v in r.gemm_sources) and b not in r.writes for r in readers[b]):
             continue
         ws[0].lines = [line.replace(bf16_marker(b), "st->bf16") for line in ws[0].lines]
+        ws[0].state = [line.replace(bf16_marker(b), "st->bf16") for line in ws[0].state]  # (a GEMM's result type)
         for r in readers[b]:
             for k, _ in sources:
                 r.state = [line.replace(_SOURCE.format(k), "(st->bf16 ? dnnl_bf16 : dnnl_f32)") for line in r.state]

@@ -645,13 +645,14 @@ int tg_matmul_create(tg_prim *g, int nd, const int64_t *a_dims, const int64_t *a
     g->has_bias = 0;
     int rc = tg_prim_create(g, tg_matmul_pd, &ctx, sizeof ctx, wei, weight, pack, npost, posts, nd, b_dims,
                             scaled ? 1 << (nd - 1) : 0);
-    if (!rc && types[0] == dnnl_bf16) { /* a source its producer wrote in bf16: no f32 kernel reads it */
+    if (!rc && (types[0] == dnnl_bf16 || types[2] == dnnl_bf16)) {
+        /* a source its producer wrote in bf16, or a result its readers take in bf16: no f32 kernel serves */
         const_dnnl_memory_desc_t wmd = NULL;
         dnnl_data_type_t wt = dnnl_data_type_undef;
         if (dnnl_memory_get_memory_desc(g->wei, &wmd) == dnnl_success)
             dnnl_memory_desc_query(wmd, dnnl_query_data_type, &wt);
         if (wt != dnnl_bf16) {
-            snprintf(tg_err, sizeof tg_err, "oneDNN has no bf16 matmul to read a bf16 activation buffer");
+            snprintf(tg_err, sizeof tg_err, "oneDNN has no bf16 matmul to read or write a bf16 activation buffer");
             rc = 1;
         }
     }
