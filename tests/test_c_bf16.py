@@ -23,6 +23,12 @@ from tilegraph.ir import Graph, interpret
 from tilegraph.testing import assert_close
 
 
+def _bf16_units() -> bool:
+    """Whether the processor has bf16 dot products the attention kernel uses (AMX or AVX-512 BF16)."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return "amx_bf16" in info or "avx512_bf16" in info
+
+
 def _model():
     rng = np.random.default_rng(0)
     g = Graph()
@@ -81,10 +87,10 @@ def _attention():
     return g.build(y, names=["y"]), xs
 
 
-def test_bf16_attention_multiplies_on_amx_tiles():
-    """At precision bf16 the flash kernel's two products run on AMX tiles where the processor
-    has them (found at run time), the softmax in f32: one step, no oneDNN primitive, no
-    reference kernel; without AMX it runs its f32 products."""
+def test_bf16_attention_multiplies_on_the_processors_bf16_units():
+    """At precision bf16 the flash kernel's two products run on AMX tiles or AVX-512 BF16
+    where the processor has them (found at run time), the softmax in f32: one step, no oneDNN
+    primitive, no reference kernel; without either it runs its f32 products."""
     model, xs = _attention()
     want = interpret(model, xs)[0]
     f32 = tilegraph.compile(model, target="c")
@@ -101,9 +107,9 @@ def test_bf16_attention_multiplies_on_amx_tiles():
     before = lib.tg_bf16_attention_count()
     got = bf16.run(*xs)[0]
     assert_close(got, want, "bf16", reduction_length=37 + 18)
-    cpu_amx = "amx_bf16" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
-    if runner.precision == "bf16" and cpu_amx:
-        assert lib.tg_bf16_attention_count() == before + 1  # the AMX kernel ran, once
+    cpu_bf16 = _bf16_units()
+    if runner.precision == "bf16" and cpu_bf16:
+        assert lib.tg_bf16_attention_count() == before + 1  # the bf16 kernel ran, once
         assert not np.array_equal(got, exact)  # its operands were rounded to bf16
     else:
         assert lib.tg_bf16_attention_count() == before
@@ -114,7 +120,7 @@ def test_bf16_attention_multiplies_on_amx_tiles():
 def test_bf16_folds_spelled_out_attention_over_enough_keys(keys):
     """Eager attention as exported (softmax(q @ k^T * scale + mask) @ v) at precision bf16:
     over C_BF16_FOLD_MIN_KEYS keys or more (ViT-S/16's 197 tokens) it becomes the flash
-    kernel's one step (the scores never written), on AMX where the processor has it; over
+    kernel's one step (the scores never written), on AMX or AVX-512 BF16 where the processor has them; over
     fewer it stays oneDNN's GEMMs; f32 keeps the chain (its scores fit a core's cache). Both
     within bf16's tolerance of the interpreter."""
     from tilegraph.passes.registry import C_BF16_FOLD_MIN_KEYS
@@ -137,18 +143,18 @@ def test_bf16_folds_spelled_out_attention_over_enough_keys(keys):
     lib.tg_bf16_attention_count.restype = ctypes.c_int
     before = lib.tg_bf16_attention_count()
     assert_close(bf16.run(*xs)[0], interpret(model, xs)[0], "bf16", reduction_length=keys + 16)
-    cpu_amx = "amx_bf16" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
-    assert lib.tg_bf16_attention_count() == before + (folded and bf16._runner.precision == "bf16" and cpu_amx)
+    cpu_bf16 = _bf16_units()
+    assert lib.tg_bf16_attention_count() == before + (folded and bf16._runner.precision == "bf16" and cpu_bf16)
 
 
 @pytest.mark.parametrize("causal, mask", [(False, "bool"), (True, None)])
 def test_bf16_attention_over_several_query_and_key_blocks(causal, mask):
-    """The AMX kernel's packing and tiling edges: 150 queries (a full and a partial query
+    """The bf16 kernel's packing and tiling edges: 150 queries (a full and a partial query
     block), 301 keys (a block of 256 and one of 45: an odd count, half a pair), head dims 40
     and 24 (partial pair and column blocks), 3 heads; a bool mask or a causal cut with
     more keys than queries. Every key block is packed once and read by both query blocks, so a
     wrong offset in the packed k or v shows in every row. Within bf16's tolerance of the
-    float64 interpreter, one tg_attention step, the AMX kernel taken where the processor has it."""
+    float64 interpreter, one tg_attention step, the bf16 kernel taken where the processor has bf16 units."""
     rng = np.random.default_rng(7)
     g = Graph()
     q, k, v = g.input("q", (1, 3, 150, 40)), g.input("k", (1, 3, 301, 40)), g.input("v", (1, 3, 301, 24))
@@ -170,5 +176,107 @@ def test_bf16_attention_over_several_query_and_key_blocks(causal, mask):
     before = lib.tg_bf16_attention_count()
     got = bf16.run(*xs)[0]
     assert_close(got, interpret(model, xs)[0], "bf16", reduction_length=301 + 40)
-    cpu_amx = "amx_bf16" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
-    assert lib.tg_bf16_attention_count() == before + (runner.precision == "bf16" and cpu_amx)
+    cpu_bf16 = _bf16_units()
+    assert lib.tg_bf16_attention_count() == before + (runner.precision == "bf16" and cpu_bf16)
+
+
+def _decoder_block():
+    """A Llama block's GEMM sources: x @ W0 plus x (the residual), an RMS norm of that, and
+    the norm read by four GEMMs (the query and key projections, a gated MLP's gate and up);
+    attention over the projected heads read by its output projection; the MLP's
+    silu(gate) * up read by its down projection."""
+    rng = np.random.default_rng(11)
+    g = Graph()
+    x = g.input("x", (1, 24, 64))
+
+    def w(name, n, m):
+        return g.weight(name, (rng.standard_normal((n, m)) / np.sqrt(n)).astype(np.float32))
+    h = g.matmul(x, w("w0", 64, 64)) + x
+    rms = h * g.rsqrt(g.reduce_mean(h * h, axes=(-1,), keepdims=True) + g.constant(np.float32(1e-6))) * \
+        g.weight("gamma", (1 + rng.standard_normal(64) / 4).astype(np.float32))
+    q, k = g.matmul(rms, w("wq", 64, 64)), g.matmul(rms, w("wk", 64, 64))
+    heads = [v.reshape(1, 24, 4, 16).transpose(0, 2, 1, 3) for v in (q, k)]
+    att = g.attention(heads[0], heads[1], heads[1], scale=0.25, causal=True).transpose(0, 2, 1, 3).reshape(1, 24, 64)
+    o = g.matmul(att, w("wo", 64, 64)) + h
+    gate, up = g.matmul(rms, w("wg", 64, 96)), g.matmul(rms, w("wu", 64, 96))
+    down = g.matmul(g.sigmoid(gate) * gate * up, w("wd", 96, 64)) + o
+    return g.build(q, down, names=["q", "y"]), [rng.standard_normal((1, 24, 64)).astype(np.float32)]
+
+
+def test_bf16_gemm_sources_are_written_in_bf16_by_their_producer():
+    """At bf16, a buffer only bf16 GEMMs read (the RMS norm's result, attention's, the gated
+    product) is written in bf16 by the step that computes it (a row loop, the attention
+    kernel, an elementwise loop), so no GEMM converts its source each call: one warm call
+    runs only the conversion of the model's input x. Within bf16's tolerance of the
+    interpreter; at f32 the same source runs f32 and converts nothing."""
+    model, xs = _decoder_block()
+    want = interpret(model, xs)
+    compiled = tilegraph.compile(model, target="c", precision="bf16")
+    runner: CompiledModel = compiled._runner
+    if runner.precision != "bf16":
+        pytest.skip("this processor has no bf16 dot products")
+    got = compiled.run(*xs)
+    for a, b in zip(got, want):
+        assert_close(a, b, "bf16", reduction_length=64 * 4 + 96)
+    assert runner.program.bf16_sources == 3
+    runner(*xs)
+    before = runner.reorder_count()
+    runner(*xs)
+    assert runner.reorder_count() - before == 1, runner.primitives  # 8 GEMMs, only x's source converted
+    assert not runner.reference_kernels
+    f32 = tilegraph.compile(model, target="c")
+    assert f32.source == compiled.source
+    for a, b in zip(f32.run(*xs), want):
+        assert_close(a, b, "f32", reduction_length=64 * 4 + 96)
+
+
+def test_bf16_layer_norm_writes_its_gemms_source_in_bf16():
+    """An encoder's layer_norm read by its query and key projections (BERT, ViT): at bf16 the
+    row kernel writes the norm in bf16, so a warm call converts only the model input x (for
+    the first GEMM); within bf16's tolerance of the interpreter."""
+    rng = np.random.default_rng(1)
+    g = Graph()
+    x = g.input("x", (1, 20, 48))
+
+    def w(name, n, m):
+        return g.weight(name, (rng.standard_normal((n, m)) / 7).astype(np.float32))
+    h = g.matmul(x, w("w0", 48, 48)) + x
+    n = g.layer_norm(h, g.weight("s", (1 + rng.standard_normal(48) / 4).astype(np.float32)),
+                     g.weight("b", (rng.standard_normal(48) / 4).astype(np.float32)))
+    model = g.build(h, g.matmul(n, w("wq", 48, 32)), g.matmul(n, w("wk", 48, 32)), names=["h", "q", "k"])
+    xs = [rng.standard_normal((1, 20, 48)).astype(np.float32)]
+    compiled = tilegraph.compile(model, target="c", precision="bf16")
+    runner: CompiledModel = compiled._runner
+    if runner.precision != "bf16":
+        pytest.skip("this processor has no bf16 dot products")
+    for a, b in zip(compiled.run(*xs), interpret(model, xs)):
+        assert_close(a, b, "bf16", reduction_length=48 * 2)
+    assert runner.program.bf16_sources == 1
+    before = runner.reorder_count()
+    runner(*xs)
+    assert runner.reorder_count() - before == 1, runner.primitives  # x's conversion, not the norm's twice
+
+
+def test_bf16_gemm_writes_the_next_gemms_source_in_bf16():
+    """An MLP's first projection (its bias and gelu oneDNN post-ops) read only by the second:
+    at bf16 oneDNN writes it in bf16 and the second GEMM reads it so; a warm call converts
+    only the model input x. Within bf16's tolerance of the interpreter."""
+    rng = np.random.default_rng(2)
+    g = Graph()
+    x = g.input("x", (1, 20, 48))
+
+    def w(name, n, m):
+        return g.weight(name, (rng.standard_normal((n, m)) / 7).astype(np.float32))
+    hidden = g.gelu(g.matmul(x, w("w1", 48, 96)) + g.weight("b1", (rng.standard_normal(96) / 4).astype(np.float32)))
+    model = g.build(g.matmul(hidden, w("w2", 96, 48)) + x, names=["y"])
+    xs = [rng.standard_normal((1, 20, 48)).astype(np.float32)]
+    compiled = tilegraph.compile(model, target="c", precision="bf16")
+    runner: CompiledModel = compiled._runner
+    if runner.precision != "bf16":
+        pytest.skip("this processor has no bf16 dot products")
+    assert_close(compiled.run(*xs)[0], interpret(model, xs)[0], "bf16", reduction_length=48 + 96)
+    assert runner.program.bf16_sources == 1
+    assert sum("(a bf16 result)" in line for line in runner.primitives) == 1, runner.primitives
+    before = runner.reorder_count()
+    runner(*xs)
+    assert runner.reorder_count() - before == 1, runner.primitives

@@ -112,3 +112,23 @@ def test_the_numpy_backend_lowers_each_kind_as_one_function(kind):
     xs = _inputs(model)
     for got, want in zip(compiled.run(*xs), interpret(model, xs)):
         assert_close(got, want, "f32", reduction_length=reduction_length(model, SIZES))
+
+
+def test_an_rms_norm_after_a_gemm_is_one_pass_over_its_rows():
+    """A decoder's residual add and RMS norm after its output projection (Llama): fused with
+    the GEMM into one group, lowered as the GEMM then one loop over the rows, no intermediate
+    (the squares, their mean, the reciprocal root) written and read back."""
+    g = Graph()
+    x = g.input("x", ("S", 32))
+    h = g.matmul(x, g.weight("w", _w(32, 32))) + x
+    rms = h * g.rsqrt(g.reduce_mean(h * h, axes=(-1,), keepdims=True) + g.constant(np.float32(1e-6))) * \
+        g.weight("gamma", _w(32))
+    model = g.build(h, rms, names=["h", "rms"])
+    compiled = tilegraph.compile(model, target="c")
+    program = compiled._runner.program
+    assert [s.comment.split(":")[0] for s in program.steps] == ["fusion matmul_epilogue"], \
+        [s.comment for s in program.steps]
+    assert len([b for b in program.emitter.buffers if b.storage == "temp"]) == 2  # h and rms, nothing between
+    xs = _inputs(model)
+    for got, want in zip(compiled.run(*xs), interpret(model, xs)):
+        assert_close(got, want, "f32", reduction_length=reduction_length(model, SIZES))

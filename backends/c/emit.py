@@ -40,10 +40,11 @@ from tilegraph.backends.c.generation import CACHE_OPS, Generation
 from tilegraph.backends.c.groups import Groups
 from tilegraph.backends.c.kernels import Kernels
 from tilegraph.backends.c.loops import Loops
-from tilegraph.backends.c.onednn import OneDNN, chain_convolutions
+from tilegraph.backends.c.onednn import OneDNN, bf16_sources, chain_convolutions
 from tilegraph.backends.c.quant import Quantized
 from tilegraph.backends.c.tables import CTYPES, FLOATS, KNOWN
-from tilegraph.backends.c.views import (LOWER, Buffer, Ints, Step, Unsupported, View, Views, _describe, _eq, c_comment, c_float, lowers)
+from tilegraph.backends.c.views import (LOWER, Buffer, Ints, Step, Unsupported, View, Views, _describe, _eq, bf16_marker, c_comment,
+                                        c_float, feeds_gemm, lowers)
 from tilegraph.backends.lowering import table
 from tilegraph.backends.program import flatten
 from tilegraph.ir.dialect import FusionOp, TgOp
@@ -251,7 +252,17 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
             f"{c_float(op.attr('scale'), 'f32')}, {int(bool(op.attr('causal')))}, {blocks[0]}, {blocks[1]})) return 1;",
             "}",
         ]
+        # Read only by GEMMs (a decoder's output projection): a twin writing the result in bf16
+        # (onednn.bf16_sources). Its buffer is the result's own, every element written once.
+        bf16 = feeds_gemm(op.results[0])
+        if bf16:
+            call = lines[-2].replace("    if (tg_attention(", "    int rc = tg_attention(").replace(")) return 1;", ");")
+            lines = [f"if ({bf16_marker(out.buf)}) {{", *("    " + x for x in lines[:-2]),
+                     "        tg_set_attention_out_bf16(1);", "    " + call, "        tg_set_attention_out_bf16(0);",
+                     "        if (rc) return 1;", "    }", "} else {", *("    " + x for x in lines), "}"]
         self._step(_describe(op), lines, [q, k, v] + ([mask] if mask is not None else []), [out])
+        if bf16:
+            self.steps[-1].bf16_writes.add(out.buf)
         return out
 
     def host(self, op: TgOp, xs: list[View]) -> list[View]:
@@ -308,6 +319,7 @@ class CProgram:
     plan: list[tuple[str, int]]  # ("segment", k) or ("host", step index), in order
     steps: list[Step]
     chained: int = 0  # buffers between convolutions left as their producer's kernel writes them
+    bf16_sources: int = 0  # buffers only bf16 GEMMs read, written in bf16 at that precision
 
 
 def emit_program(model: Model, name: str | None = None, per_step: bool = False) -> CProgram:
@@ -316,6 +328,7 @@ def emit_program(model: Model, name: str | None = None, per_step: bool = False) 
     em = CEmitter(model)
     em.run()
     chained = chain_convolutions(em.steps, em.buffers, em.outputs())
+    sources = bf16_sources(em.steps, em.buffers, em.outputs())
     lines = [f"/* tilegraph C backend: model {c_comment(name or _model_name(model))}. Generated code; edit the model, "
              "not this file.", " * inputs:"]
     lines += [f" *   p[{em.views[a].buf}] {c_comment(n)}: {c_comment(str(i))}"
@@ -327,7 +340,8 @@ def emit_program(model: Model, name: str | None = None, per_step: bool = False) 
     # A loaded model owns its packed weights (two models of one source share the library,
     # not their weights); each shape binding owns its primitives.
     lines += [f"typedef struct {{ tg_packed w[{nprim}]; }} tg_packs;  /* weights packed once, for every binding */",
-              f"typedef struct {{ tg_prim prim[{nprim}]; tg_packs *packs; }} tg_state;  /* one shape binding */",
+              f"typedef struct {{ tg_prim prim[{nprim}]; tg_packs *packs; int bf16; }} tg_state;  "
+              "/* one shape binding (bf16: its GEMMs multiply in bf16) */",
               "",
               "void *tg_packs_new(void) { return calloc(1, sizeof(tg_packs)); }",
               "",
@@ -340,6 +354,7 @@ def emit_program(model: Model, name: str | None = None, per_step: bool = False) 
               "    tg_state *st = calloc(1, sizeof *st);",
               "    if (!st) return NULL;",
               "    st->packs = packs;",
+              "    st->bf16 = tg_bf16_on();",
               "    if (tg_state_init(st, s, p)) { free(st); return NULL; }",
               "    return st;", "}", "",
               "void tg_state_free(void *state) {  /* a binding the runtime evicts */",
@@ -364,7 +379,7 @@ def emit_program(model: Model, name: str | None = None, per_step: bool = False) 
                   "    tg_state *st = state;"]
         lines += [f"    if (tg_step_{i}(st, s, p)) return 1;" for i in members]
         lines += ["    return 0;", "}", ""]
-    return CProgram("\n".join(lines), em, plan, em.steps, chained)
+    return CProgram("\n".join(lines), em, plan, em.steps, chained, sources)
 
 
 def _gelu_defines() -> list[str]:

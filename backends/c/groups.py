@@ -7,8 +7,8 @@ from typing import Any
 import sympy
 from xdsl.ir import SSAValue
 
-from tilegraph.backends.c.tables import CTYPES, FLOATS, REDUCE_INIT, REDUCE_SIMD
-from tilegraph.backends.c.views import (ConvStep, EmitterParts, Step, Unsupported, View, lowers, _describe, _eq, _is_one, _only_use,
+from tilegraph.backends.c.tables import CTYPES, FLOATS, REDUCE_INIT, REDUCE_SIMD, STORAGE
+from tilegraph.backends.c.views import (ConvStep, EmitterParts, Step, Unsupported, View, lowers, bf16_marker, feeds_gemm, _describe, _eq, _is_one, _only_use,
                                         _row_stride, c_float, contiguous_strides)
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.strides import strides_like
@@ -193,8 +193,11 @@ class Groups(EmitterParts):
         laid_out = strides_like(shape, [(v.shape, None if v.literal is not None else v.strides) for v in inputs.values()])
         # `into`: a value the loop reads and nothing reads after it (a GEMM's result), of the
         # result's shape: each element is read, then written, at the same place.
+        # (Not where the result is read by GEMMs: a buffer of its own, which its bf16 twin can
+        # write; half-width writes over what the loop still reads would race.)
         if into is not None and len(yields) == 1 and into.dtype == info_of(yields[0].type).dtype and \
-                into.rank == len(shape) and all(_eq(a, b) for a, b in zip(into.shape, shape)):
+                into.rank == len(shape) and all(_eq(a, b) for a, b in zip(into.shape, shape)) and \
+                not feeds_gemm(yields[0]):
             outs = [(yields[0], into)]
         else:
             outs = [(y, self._in_place(group, y, inputs, consumer) or self._temp(info_of(y.type), laid_out))
@@ -326,7 +329,8 @@ class Groups(EmitterParts):
         lines = [line for p in parts for line in ["{", *("    " + x for x in p.lines or []), "}"]]
         self.steps[first:] = [Step(_describe(group), lines=lines, reads=set().union(*(p.reads for p in parts)),
                                    writes=set().union(*(p.writes for p in parts)),
-                                   state=[line for p in parts for line in p.state], conv=_conv_of(parts))]
+                                   state=[line for p in parts for line in p.state], conv=_conv_of(parts),
+                                   **_bf16_parts(parts))]
 
     def fused_rows(self, group: FusionOp, ops, env, yields) -> bool:
         """Elementwise ops and reductions over the last axis (keepdims) that keep the rows
@@ -433,28 +437,43 @@ class Groups(EmitterParts):
         for y in outs:
             if widths[y] == 1:
                 inner.append(f"r{index[y]}[0] = {scalars[y]};")
-        if full_yields:
-            lines, names = row_values(full_yields)
-            inner += ["#pragma omp simd", f"for (int64_t j = 0; j < {self.ints(width)}; j++) {{",
-                      *("    " + line for line in lines)]
-            inner += [f"    r{index[y]}[j] = {names[y]};" for y in full_yields] + ["}"]
-        lines = ["{"]
-        for k, view in enumerate(views):
-            written = k >= len(reads)
-            if view.literal is None:
-                lines.append(f"    {'' if written else 'const '}{CTYPES[view.dtype]} *b{k} = {self.ptr(view, not written)};")
-        if n_lead:
-            lines += ["    " + line for line in self._parallel_for(numel(lead) * sympy.sympify(width), n_lead)]
-            lines += [f"    for (int64_t i{d} = 0; i{d} < {self.ints(n)}; i{d}++)" for d, n in enumerate(lead)]
-        lines.append("    {")
-        for k, view in enumerate(views):
-            if view.literal is None:
+        row_lines, names = row_values(full_yields) if full_yields else ([], {})
+
+        def nest(views: list[View], store: str) -> list[str]:
+            body = inner
+            if full_yields:
+                body = inner + ["#pragma omp simd", f"for (int64_t j = 0; j < {self.ints(width)}; j++) {{",
+                                *("    " + line for line in row_lines)]
+                body += [f"    r{index[y]}[j] = {store.format(names[y])};" for y in full_yields] + ["}"]
+            lines = ["{"]
+            for k, view in enumerate(views):
                 written = k >= len(reads)
-                terms = "".join(f" + i{d} * {self.ints(view.strides[d])}" for d in range(n_lead)
-                                if self.ints(view.strides[d]) != "0")
-                lines.append(f"        {'' if written else 'const '}{CTYPES[view.dtype]} *r{k} = b{k}{terms};")
-        lines += ["        " + line for line in inner] + ["    }", "}"]
+                if view.literal is None:
+                    lines.append(f"    {'' if written else 'const '}{STORAGE[view.dtype]} *b{k} = "
+                                 f"{self.ptr(view, not written)};")
+            if n_lead:
+                lines += ["    " + line for line in self._parallel_for(numel(lead) * sympy.sympify(width), n_lead)]
+                lines += [f"    for (int64_t i{d} = 0; i{d} < {self.ints(n)}; i{d}++)" for d, n in enumerate(lead)]
+            lines.append("    {")
+            for k, view in enumerate(views):
+                if view.literal is None:
+                    written = k >= len(reads)
+                    terms = "".join(f" + i{d} * {self.ints(view.strides[d])}" for d in range(n_lead)
+                                    if self.ints(view.strides[d]) != "0")
+                    lines.append(f"        {'' if written else 'const '}{STORAGE[view.dtype]} *r{k} = b{k}{terms};")
+            return lines + ["        " + line for line in body] + ["    }", "}"]
+
+        lines = nest(views, "{}")
+        out = views[-1]
+        # An RMS norm read only by GEMMs: a twin writing it in bf16 (onednn.bf16_sources).
+        bf16 = len(outs) == 1 and full_yields and self._whole_temp(out) and feeds_gemm(full_yields[0])
+        if bf16:
+            half = views[:-1] + [View(out.buf, out.offset, out.shape, out.strides, "bf16")]
+            lines = [f"if ({bf16_marker(out.buf)}) {{", *("    " + x for x in nest(half, "tg_f2bf({})")), "} else {",
+                     *("    " + x for x in lines), "}"]
         self._step(_describe(group), lines, list(reads.values()), list(outs.values()))
+        if bf16:
+            self.steps[-1].bf16_writes.add(out.buf)
         env.update(outs)
         return True
 
@@ -503,6 +522,13 @@ class Groups(EmitterParts):
             else:
                 call = (f"tg_layer_norm_rows({self.ptr(x)}, {self.ptr(out, False)}, {params[0]}, {params[1]}, "
                         f"{self.ints(rows)}, {self.ints(n)}, {eps});")
+            if not columns and out.buf != x.buf and feeds_gemm(op.results[0]):  # a twin writing bf16 (onednn.bf16_sources)
+                half = View(out.buf, out.offset, out.shape, out.strides, "bf16")
+                twin = call.replace("tg_layer_norm_rows(", "tg_layer_norm_rows_bf16(").replace(
+                    self.ptr(out, False), self.ptr(half, False))
+                self._step(_describe(op), [f"if ({bf16_marker(out.buf)}) {twin}", f"else {call}"], reads, [out])
+                self.steps[-1].bf16_writes.add(out.buf)
+                return out
         self._step(_describe(op), [call], reads, [out])
         return out
 
@@ -520,6 +546,19 @@ def _conv_of(parts: list[Step]) -> ConvStep | None:
     if conv.out.buf in touched:
         return None
     return conv._replace(alone=conv.alone and conv.src.buf not in touched)
+
+
+def _bf16_parts(parts: list[Step]) -> dict:
+    """A merged step's GEMM sources and bf16 writes (onednn.bf16_sources): each only where no
+    part but those it comes from touches its buffer (a GEMM source may be read by several
+    GEMMs of the step, a gated MLP's two)."""
+    def touched(others: list[Step]) -> set:
+        return set().union(*(p.reads | p.writes for p in others))
+    gemms = touched([p for p in parts if not p.gemm_sources])
+    sources = [(k, v) for p in parts for k, v in p.gemm_sources
+               if v.buf not in gemms and all(v.buf not in q.writes for q in parts if q.gemm_sources)]
+    writes = {b for i, p in enumerate(parts) for b in p.bf16_writes if b not in touched(parts[:i] + parts[i + 1:])}
+    return dict(gemm_sources=sources, bf16_writes=writes)
 
 
 def _owned_by(v: SSAValue | None, name: str) -> bool:

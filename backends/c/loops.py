@@ -8,8 +8,9 @@ import sympy
 from xdsl.ir import SSAValue
 
 from tilegraph.backends.c.tables import (C_BINARY, C_BINARY_FLOAT, C_BINARY_INT, C_UNARY_FLOAT, C_UNARY_INT, CTYPES,
-                                         FLOATS, PARALLEL_MIN, SIMD_BLOCK)
-from tilegraph.backends.c.views import EmitterParts, Unsupported, View, _describe, _eq, _is_one, lowers
+                                         FLOATS, PARALLEL_MIN, SIMD_BLOCK, STORAGE)
+from tilegraph.backends.c.views import (EmitterParts, Unsupported, View, _describe, _eq, _is_one, bf16_marker, feeds_gemm,
+                                        lowers)
 from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.quant import FORMATS
 from tilegraph.ir.shapes import info_of, numel
@@ -59,7 +60,7 @@ class Loops(EmitterParts):
             if a.literal is not None:
                 bases.append(None)
                 continue
-            lines.append(f"    {'' if written else 'const '}{CTYPES[a.dtype]} *b{k} = {self.ptr(a, not written)};")
+            lines.append(f"    {'' if written else 'const '}{STORAGE[a.dtype]} *b{k} = {self.ptr(a, not written)};")
             bases.append(f"b{k}")
         if not merged:
             refs = [a.literal if b is None else f"{b}[0]" for (a, _), b in zip(accesses, bases)]
@@ -79,7 +80,7 @@ class Loops(EmitterParts):
                     continue
                 terms = [f"i{i} * {self.ints(st[k])}" for i, (_, st) in enumerate(outer) if self.ints(st[k]) != "0"]
                 const = "" if accesses[k][1] else "const "
-                lines.append(f"{indent}{const}{CTYPES[accesses[k][0].dtype]} *r{k} = {b}"
+                lines.append(f"{indent}{const}{STORAGE[accesses[k][0].dtype]} *r{k} = {b}"
                              + "".join(f" + {t}" for t in terms) + ";")
             lines.append(f"{indent}#pragma omp simd")
             loop = f"for (int64_t j = 0; j < {self.ints(inner_n)}; j++) {{"
@@ -178,7 +179,7 @@ class Loops(EmitterParts):
                 v = alias[v]
             return v
 
-        def body(refs):
+        def body(refs, store="{}"):
             lines, local = [], {}
             for v, k in operand_ref.items():
                 local[v] = refs[k]
@@ -189,8 +190,18 @@ class Loops(EmitterParts):
                 lines.append(f"const {CTYPES[out.dtype]} t{i} = {self.expr(op, args, dts)};")
                 local[op.results[0]] = f"t{i}"
             for k, (v, _) in enumerate(outputs):
-                lines.append(f"{refs[len(reads) + k]} = {local[viewed(v)]};")
+                lines.append(f"{refs[len(reads) + k]} = {store.format(local[viewed(v)])};")
             return lines
 
         lines = self.loop(shape, accesses, body)
+        written = outputs[0][1]
+        bf16 = len(outputs) == 1 and self._whole_temp(written) and all(r.buf != written.buf for r in reads) and \
+            feeds_gemm(viewed(outputs[0][0]))
+        if bf16:  # the same loop writing bf16, taken where the buffer's GEMMs read it so (bf16_sources)
+            half = View(written.buf, written.offset, written.shape, written.strides, "bf16")
+            alt = self.loop(shape, [(r, False) for r in reads] + [(half, True)], lambda refs: body(refs, "tg_f2bf({})"))
+            lines = [f"if ({bf16_marker(written.buf)}) {{", *("    " + x for x in alt), "} else {",
+                     *("    " + x for x in lines), "}"]
         self._step(_describe(describe), lines, reads, [o for _, o in outputs])
+        if bf16:
+            self.steps[-1].bf16_writes.add(written.buf)

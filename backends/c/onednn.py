@@ -9,6 +9,7 @@ from xdsl.ir import SSAValue
 
 from tilegraph.backends.c.tables import DNNL_BINARY, DNNL_ELTWISE, DNNL_TYPES, KNOWN, SMALL_GEMM
 from tilegraph.backends.c.views import (ConvStep, EmitterParts, Unsupported, View, lowers, _describe, _eq, _is_one, _only_use,
+                                        bf16_marker, feeds_gemm,
                                         _plain_strides, _row_stride, channels_last_strides)
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.fusion import ELTWISE_POSTS
@@ -153,7 +154,8 @@ class OneDNN(EmitterParts):
             if last.SPEC.row_normalizing and all(o.SPEC.pointwise for o in rest[:-1]) \
                     and self._row_prologue(rest, env, group, yields):
                 pass
-            elif not self._elementwise_rest(group, rest, env, yields, into=None if acc in yields else result):
+            elif not self._elementwise_rest(group, rest, env, yields, into=None if acc in yields else result) and \
+                    not self._rows_rest(group, rest, env, yields):
                 for op in rest:
                     self.op(op, env)
         self._one_step(first, group)
@@ -182,6 +184,18 @@ class OneDNN(EmitterParts):
         result where nothing else reads that."""
         try:
             return self.fused_elementwise(group, rest, env, yields, into)
+        except Unsupported:
+            return False
+
+    def _rows_rest(self, group, rest, env, yields) -> bool:
+        """The ops after a GEMM as one pass over its rows where they are elementwise ops and
+        reductions along the rows (an RMS norm after a decoder's residual add): not a pass
+        over memory per op (groups.fused_rows)."""
+        made = {r for op in rest for r in op.results}
+        if not any(op.SPEC.reduction for op in rest):
+            return False
+        try:
+            return self.fused_rows(group, rest, env, [y for y in yields if y in made])
         except Unsupported:
             return False
 
@@ -277,23 +291,40 @@ class OneDNN(EmitterParts):
                 # scores plus a broadcast mask wrong results in some processes, not others.
                 raise Unsupported("a binary post-op on a batched GEMM")
         posts, post_views, covered, _ = self._posts(chain, op.results[0], env, info.shape, geometry)
+        # A source the GEMM may read as its producer writes it in bf16 (bf16_sources): a whole
+        # temporary, rows contiguous, that no other operand of it lies in.
+        bf16_gemm = weight and rank == 2 and types == ("f32", "f32", "f32") and scales is None
+        bf16_source = bf16_gemm and self._whole_temp(a) and all(v.buf != a.buf for v in post_views)
         a = self._lead(a, rank)
         b = self._lead(b, rank)
         c = self._lead(c, rank)
         k = self._new_prim()
         arr = self._c_array
+        type_names = [DNNL_TYPES[t] for t in types]
+        if bf16_source:
+            type_names[0] = _SOURCE.format(k)
+        # A result that only bf16 GEMMs may read (an MLP's first projection, its activation a
+        # post-op): written by oneDNN in bf16 where bf16_sources finds that they do.
+        bf16_result = bf16_gemm and self._whole_temp(c) and feeds_gemm(op.results[0] if not covered else
+                                                                         chain[covered - 1].results[0])
+        if bf16_result:
+            type_names[2] = f"({bf16_marker(c.buf)} ? dnnl_bf16 : dnnl_f32)"
         state = [
             "{",
             f"    const int64_t ad[] = {arr(a.shape)}, as[] = {arr(a.strides)};",
             f"    const int64_t bd[] = {arr(b.shape)}, bs[] = {arr(b.strides)};",
             f"    const int64_t cd[] = {arr(c.shape)}, cs[] = {arr(c.strides)};",
             f"    const tg_post posts[] = {{{', '.join(posts) or '{0}'}}};",
-            f"    const int types[] = {{{', '.join(DNNL_TYPES[t] for t in types)}}};",
+            f"    const int types[] = {{{', '.join(type_names)}}};",
             f"    if (tg_matmul_create(&st->prim[{k}], {rank}, ad, as, bd, bs, cd, cs, types, {int(scales is not None)}, "
             f"{self.ptr(b) if weight else 'NULL'}, &tg_packs[{k}], {len(posts)}, posts)) return 1;",
             "}",
         ]
         self._run_primitive(op, k, state, a, b, scales, c, post_views, out)
+        if bf16_source:
+            self.steps[-1].gemm_sources.append((k, a))
+        if bf16_result:
+            self.steps[-1].bf16_writes.add(c.buf)
         return out, covered
 
     def _small_matmul(self, op: TgOp, a: View, b: View, info) -> View:
@@ -415,13 +446,7 @@ def chain_convolutions(steps: list, buffers: list, outputs: list[View]) -> int:
     computes in f32) and each with a constant weight (packed bf16 once, so its kernel takes
     bf16 operands). At bf16 every one of them takes the buffer as bf16 in the emitter's
     strides: its readers convert nothing and its writers write half the bytes."""
-    readers: dict[int, list] = {}
-    writers: dict[int, list] = {}
-    for step in steps:
-        for b in step.reads:
-            readers.setdefault(b, []).append(step)
-        for b in step.writes:
-            writers.setdefault(b, []).append(step)
+    readers, writers = _readers_writers(steps)
     kept = {v.buf for v in outputs}
     chained = 0
     for step in steps:
@@ -462,6 +487,50 @@ def chain_convolutions(steps: list, buffers: list, outputs: list[View]) -> int:
         if id(step) in stream:
             step.state = [line.replace(_STREAM, str(stream[id(step)])) for line in step.state]
     return chained
+
+
+# The source type of GEMM k's state line, which bf16_sources makes the binding's precision.
+_SOURCE = "/*source {}*/dnnl_f32"
+
+
+def bf16_sources(steps: list, buffers: list, outputs: list[View]) -> int:
+    """Marks the buffers that only bf16 GEMMs read, so their producer writes them in bf16
+    and no GEMM converts its f32 source on every call (a 0.3B decoder's prompt ran 140 such
+    conversions a call). A temporary, no output, written by one step alone, in one loop that
+    has a bf16 twin (loops.py: a whole buffer, nothing else of the step touching it), and
+    read only by GEMMs of a constant weight (packed bf16 once, runtime.c's tg_bf16_weights),
+    each reading all of it row-major as its source and nothing else of its step touching it.
+    At bf16 the writer's twin runs (`st->bf16`) and each reader's primitive takes a bf16
+    source (runtime.c, tg_matmul_create); at f32 nothing changes. Returns how many it marked."""
+    readers, writers = _readers_writers(steps)
+    kept = {v.buf for v in outputs}
+    marked = 0
+    for b, ws in writers.items():
+        if len(ws) != 1 or b not in ws[0].bf16_writes or b in kept or buffers[b].storage != "temp" or \
+                not readers.get(b) or b in ws[0].reads:
+            continue
+        sources = [(k, v) for r in readers[b] for k, v in r.gemm_sources if v.buf == b]
+        if not all(any(v.buf == b for _, v in r.gemm_sources) and b not in r.writes for r in readers[b]):
+            continue
+        ws[0].lines = [line.replace(bf16_marker(b), "st->bf16") for line in ws[0].lines]
+        ws[0].state = [line.replace(bf16_marker(b), "st->bf16") for line in ws[0].state]  # (a GEMM's result type)
+        for r in readers[b]:
+            for k, _ in sources:
+                r.state = [line.replace(_SOURCE.format(k), "(st->bf16 ? dnnl_bf16 : dnnl_f32)") for line in r.state]
+        marked += 1
+    return marked
+
+
+def _readers_writers(steps: list) -> tuple[dict[int, list], dict[int, list]]:
+    """The steps reading, and those writing, each buffer."""
+    readers: dict[int, list] = {}
+    writers: dict[int, list] = {}
+    for step in steps:
+        for b in step.reads:
+            readers.setdefault(b, []).append(step)
+        for b in step.writes:
+            writers.setdefault(b, []).append(step)
+    return readers, writers
 
 
 def _same_place(a: View, b: View) -> bool:

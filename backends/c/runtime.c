@@ -39,6 +39,9 @@ int tg_amx_supported(void) {
 }
 
 void tg_set_bf16(int on) { tg_fpmath = on ? dnnl_fpmath_mode_bf16 : dnnl_fpmath_mode_strict; }
+/* Whether the primitives created now multiply in bf16: a binding's state records it, and its
+ * steps write the buffers its bf16 GEMMs read as they lie in bf16 (onednn.py, bf16_sources). */
+int tg_bf16_on(void) { return tg_fpmath == dnnl_fpmath_mode_bf16; }
 
 /* The precision of the kernels that call oneDNN's GEMM functions directly at run time
  * (tg_attention), set by the loader around a bf16 module's call: per calling thread, so
@@ -642,6 +645,17 @@ int tg_matmul_create(tg_prim *g, int nd, const int64_t *a_dims, const int64_t *a
     g->has_bias = 0;
     int rc = tg_prim_create(g, tg_matmul_pd, &ctx, sizeof ctx, wei, weight, pack, npost, posts, nd, b_dims,
                             scaled ? 1 << (nd - 1) : 0);
+    if (!rc && (types[0] == dnnl_bf16 || types[2] == dnnl_bf16)) {
+        /* a source its producer wrote in bf16, or a result its readers take in bf16: no f32 kernel serves */
+        const_dnnl_memory_desc_t wmd = NULL;
+        dnnl_data_type_t wt = dnnl_data_type_undef;
+        if (dnnl_memory_get_memory_desc(g->wei, &wmd) == dnnl_success)
+            dnnl_memory_desc_query(wmd, dnnl_query_data_type, &wt);
+        if (wt != dnnl_bf16) {
+            snprintf(tg_err, sizeof tg_err, "oneDNN has no bf16 matmul to read or write a bf16 activation buffer");
+            rc = 1;
+        }
+    }
     if (!rc) tg_log_prim(g, ctx.src);
     if (!rc && scaled) { /* the scales: f32, one per column */
         int64_t one = 1;
@@ -839,13 +853,22 @@ void tg_softmax_rows(const float *x, float *y, int64_t rows, int64_t n) {
     }
 }
 
-/* Normalizes each row of n over all of it; scale and bias (n each) may be NULL. */
-void tg_layer_norm_rows(const float *x, float *y, const float *scale, const float *bias, int64_t rows,
-                        int64_t n, float eps) {
+/* Element j of a row normalized (x - mean) * inv, times scale[j], plus bias[j] (each may be NULL). */
+static inline float tg_normed(float x, int64_t j, float mean, float inv, const float *scale, const float *bias) {
+    float t = (x - mean) * inv;
+    if (scale) t *= scale[j];
+    if (bias) t += bias[j];
+    return t;
+}
+
+/* Normalizes each row of n over all of it; scale and bias (n each) may be NULL. The result
+ * in f32 at y, or where y16 is given, in bf16 there (a buffer only bf16 GEMMs read: onednn.py,
+ * bf16_sources), computed in f32 alike. */
+static void tg_layer_norm_to(const float *x, float *y, uint16_t *y16, const float *scale, const float *bias,
+                             int64_t rows, int64_t n, float eps) {
 #pragma omp parallel for if (rows * n > 16384)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * n;
-        float *yr = y + r * n;
         float s = 0.f;
 #pragma omp simd reduction(+ : s)
         for (int64_t j = 0; j < n; j++) s += xr[j];
@@ -853,12 +876,14 @@ void tg_layer_norm_rows(const float *x, float *y, const float *scale, const floa
 #pragma omp simd reduction(+ : v)
         for (int64_t j = 0; j < n; j++) v += (xr[j] - mean) * (xr[j] - mean);
         float inv = 1.f / sqrtf(v / (float)n + eps);
+        if (y16) {
+            uint16_t *yr = y16 + r * n;
 #pragma omp simd
-        for (int64_t j = 0; j < n; j++) {
-            float t = (xr[j] - mean) * inv;
-            if (scale) t *= scale[j];
-            if (bias) t += bias[j];
-            yr[j] = t;
+            for (int64_t j = 0; j < n; j++) yr[j] = tg_f2bf(tg_normed(xr[j], j, mean, inv, scale, bias));
+        } else {
+            float *yr = y + r * n;
+#pragma omp simd
+            for (int64_t j = 0; j < n; j++) yr[j] = tg_normed(xr[j], j, mean, inv, scale, bias);
         }
     }
 }
@@ -899,6 +924,16 @@ void tg_layer_norm_cols(const float *x, float *y, const float *scale, const floa
             for (int64_t c = 0; c < w; c++) yo[j * inner + c] = (xo[j * inner + c] - mean[c]) * inv[c] * sc + bi;
         }
     }
+}
+
+void tg_layer_norm_rows(const float *x, float *y, const float *scale, const float *bias, int64_t rows, int64_t n,
+                        float eps) {
+    tg_layer_norm_to(x, y, NULL, scale, bias, rows, n, eps);
+}
+
+void tg_layer_norm_rows_bf16(const float *x, uint16_t *y, const float *scale, const float *bias, int64_t rows,
+                             int64_t n, float eps) {
+    tg_layer_norm_to(x, NULL, y, scale, bias, rows, n, eps);
 }
 
 /* tg.dynamic_quantize to i8, one scale per row of n: max|x| / 127 (at least FLT_MIN;
@@ -959,6 +994,28 @@ static int tg_amx_granted(void) {
  * mask_kind: 0 none, 1 bool (keep where true), 2 float (added). Causal keeps
  * j <= i + Lk - Lq. */
 
+/* The result's element type for the tg_attention calls this thread makes next: f32, or bf16
+ * (its 16 bits, in the same element positions) where only bf16 GEMMs read the result
+ * (onednn.py, bf16_sources). Read once on the calling thread: the workers' copy is theirs. */
+static _Thread_local int tg_attention_bf16_out;
+void tg_set_attention_out_bf16(int on) { tg_attention_bf16_out = on; }
+
+/* One finished row of attention: the accumulator acc[0:dv] over the softmax's sum, written
+ * as element `at` onwards of o (f32, or bf16 where out_bf16). */
+static inline void tg_attention_row(float *o, int64_t at, const float *acc, float sum, int64_t dv, int out_bf16) {
+    /* a row with every key masked: NaN, as softmax over all -inf is */
+    float inv = sum > 0.f ? 1.f / sum : NAN;
+    if (out_bf16) {
+        uint16_t *oi = (uint16_t *)o + at;
+#pragma omp simd
+        for (int64_t c = 0; c < dv; c++) oi[c] = tg_f2bf(acc[c] * inv);
+    } else {
+        float *oi = o + at;
+#pragma omp simd
+        for (int64_t c = 0; c < dv; c++) oi[c] = acc[c] * inv;
+    }
+}
+
 /* The offsets of batch row `bi` (flattened over dims bd[nb]) in q, k, v, the mask and o. */
 static void tg_batch_offsets(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb, const int64_t *vb,
                              const int64_t *mb, const int64_t *ob, int64_t bi, int64_t off[5]) {
@@ -1014,16 +1071,20 @@ static inline void tg_flash_row(float *si, int64_t nk, int64_t i0, int64_t i, in
     }
 }
 
-/* bf16 attention products (precision bf16) on AMX: both GEMMs of a block as bf16 tiles
- * (tdpbf16ps: a 16x16 f32 tile += 16x32 bf16 by 32x16 bf16), operands rounded once to
- * nearest even (vcvtne2ps2bf16), f32 accumulation; oneDNN 3.2's C API has no bf16 GEMM
- * function to call here. AVX-512 BF16 alone (vdpbf16ps) multiplies no faster than f32
- * FMAs, so without AMX the f32 path runs. Compiled where the compiler targets AMX
- * (-march=native), taken only where the running processor reports it and the kernel grants
- * this process the tile state (arch_prctl). */
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+/* bf16 attention products (precision bf16): both GEMMs of a block with bf16 operands,
+ * rounded once to nearest even (vcvtne2ps2bf16), and f32 accumulation; oneDNN 3.2's C API
+ * has no bf16 GEMM function to call here. On AMX as tiles (tdpbf16ps: a 16x16 f32 tile +=
+ * 16x32 bf16 by 32x16 bf16), taken where the running processor reports AMX-BF16 and the
+ * kernel grants this process the tile state (arch_prctl); else on AVX-512 BF16 (vdpbf16ps:
+ * 16 f32 lanes += 16 bf16 pairs times 16 pairs, over the same packed operands), which on a
+ * processor that issues it at its f32 FMAs' rate doubles their products (ViT-S/16's
+ * attention at 197 tokens took about half the f32 path's time). Compiled where the compiler
+ * targets AVX-512 BF16 (-march=native), AMX's parts where it targets AMX. */
+#if defined(__AVX512BF16__)
 #include <immintrin.h>
 #define TG_HAVE_BF16_ATTENTION 1
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#define TG_HAVE_AMX_ATTENTION 1
 
 static int tg_amx_ready(void) {
     unsigned a, b, c, d; /* AMX-BF16: CPUID 7.0 EDX bit 22 */
@@ -1039,6 +1100,13 @@ static void tg_amx_configure(void) {
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
     _tile_loadconfig(&cfg);
+}
+#endif
+
+/* AVX-512 BF16's bf16 dot products: CPUID 7.1 EAX bit 5. */
+static int tg_avx512_bf16_ready(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5));
 }
 
 /* rows x n floats (row stride ld), each times `mul`, to bf16 rows of `stride` elements,
@@ -1120,6 +1188,7 @@ static inline void tg_flash_row_bf16(float *si, int64_t nk, int64_t i0, int64_t 
  * rows of 16 nt columns (row stride ldb). The product tiles are loaded from c (or zeroed) and
  * stored back whole; two by two of them at a time, so each block of a and of b loaded serves
  * two products. */
+#ifdef TG_HAVE_AMX_ATTENTION
 #define TG_AMX_C(t, p) do { if (beta) _tile_loadd(t, p, ldc * 4); else _tile_zero(t); } while (0)
 static void tg_amx_gemm(int64_t mt, int64_t nt, int64_t kt, const uint32_t *a, int64_t lda, const uint32_t *b,
                         int64_t ldb, float *c, int64_t ldc, int beta) {
@@ -1173,6 +1242,65 @@ static void tg_amx_gemm(int64_t mt, int64_t nt, int64_t kt, const uint32_t *a, i
         }
 }
 #undef TG_AMX_C
+#endif
+
+/* tg_amx_gemm's product on AVX-512 BF16, for rows r0..r0+3 and `nb` (1-4) column blocks from
+ * column block j: every accumulator a register, each pair of a broadcast to all lanes and
+ * multiplied into the four column blocks' pairs it meets. */
+static inline __attribute__((always_inline)) void tg_dp_block(int nb, int64_t kp, const uint32_t *a, int64_t lda,
+                                                              const uint32_t *b, int64_t ldb, float *c, int64_t ldc,
+                                                              int beta) {
+    __m512 acc[4][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; r++)
+#pragma GCC unroll 4
+        for (int n = 0; n < nb; n++) acc[r][n] = beta ? _mm512_loadu_ps(c + r * ldc + 16 * n) : _mm512_setzero_ps();
+    for (int64_t p = 0; p < kp; p++) {
+        __m512bh bv[4];
+#pragma GCC unroll 4
+        for (int n = 0; n < nb; n++) bv[n] = (__m512bh)_mm512_loadu_si512(b + p * ldb + 16 * n);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) {
+            __m512bh av = (__m512bh)_mm512_set1_epi32((int)a[r * lda + p]);
+#pragma GCC unroll 4
+            for (int n = 0; n < nb; n++) acc[r][n] = _mm512_dpbf16_ps(acc[r][n], av, bv[n]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; r++)
+#pragma GCC unroll 4
+        for (int n = 0; n < nb; n++) _mm512_storeu_ps(c + r * ldc + 16 * n, acc[r][n]);
+}
+
+/* tg_amx_gemm's contract on AVX-512 BF16: c = a b (beta 0) or c += a b (beta 1), c 16 mt rows
+ * x 16 nt columns of f32, a 16 mt rows of 16 kt bf16 pairs, b 16 kt pair rows of 16 nt columns. */
+static void tg_dp_gemm(int64_t mt, int64_t nt, int64_t kt, const uint32_t *a, int64_t lda, const uint32_t *b,
+                       int64_t ldb, float *c, int64_t ldc, int beta) {
+    for (int64_t i = 0; i < 16 * mt; i += 4)
+        for (int64_t j = 0; j < nt; j += 4) {
+            const uint32_t *ai = a + i * lda, *bj = b + 16 * j;
+            float *cij = c + i * ldc + 16 * j;
+            switch (nt - j >= 4 ? 4 : (int)(nt - j)) {
+            case 4: tg_dp_block(4, 16 * kt, ai, lda, bj, ldb, cij, ldc, beta); break;
+            case 3: tg_dp_block(3, 16 * kt, ai, lda, bj, ldb, cij, ldc, beta); break;
+            case 2: tg_dp_block(2, 16 * kt, ai, lda, bj, ldb, cij, ldc, beta); break;
+            default: tg_dp_block(1, 16 * kt, ai, lda, bj, ldb, cij, ldc, beta); break;
+            }
+        }
+}
+
+/* The block products on AMX tiles (amx) or AVX-512 BF16. */
+static void tg_bf16_gemm(int amx, int64_t mt, int64_t nt, int64_t kt, const uint32_t *a, int64_t lda,
+                         const uint32_t *b, int64_t ldb, float *c, int64_t ldc, int beta) {
+#ifdef TG_HAVE_AMX_ATTENTION
+    if (amx) {
+        tg_amx_gemm(mt, nt, kt, a, lda, b, ldb, c, ldc, beta);
+        return;
+    }
+#endif
+    (void)amx;
+    tg_dp_gemm(mt, nt, kt, a, lda, b, ldb, c, ldc, beta);
+}
 
 /* One key block of a batch row in the right operands' layouts, made once for every query
  * block that reads it: k as bf16 pairs along d, transposed so key j is column j (dp16 pair
@@ -1212,7 +1340,7 @@ static int tg_attention_bf16(int nb, const int64_t *bd, const int64_t *qb, const
                              const int64_t *mb, const int64_t *ob, const float *q, const float *k, const float *v,
                              const void *mask, float *o, int64_t lq, int64_t lk, int64_t d, int64_t dv, int64_t qr,
                              int64_t kr, int64_t vr, int64_t orow, int mask_kind, int64_t mr, int64_t mc, float scale,
-                             int causal, int64_t bq, int64_t bk, int64_t batches) {
+                             int causal, int64_t bq, int64_t bk, int64_t batches, int out_bf16, int amx) {
     int64_t up = 16, bq16 = (bq + 15) / up * up, bk16 = (bk + 15) / up * up, dv16 = (dv + 15) / up * up;
     int64_t dp16 = ((d + 1) / 2 + 15) / up * up, kp16 = ((bk + 1) / 2 + 15) / up * up;
     int64_t qblocks = (lq + bq - 1) / bq, kblocks = (lk + bk - 1) / bk, per_block = dp16 * bk16 + kp16 * dv16;
@@ -1228,7 +1356,9 @@ static int tg_attention_bf16(int nb, const int64_t *bd, const int64_t *qb, const
         uint32_t *qh = (uint32_t *)(((uintptr_t)area + 63) & ~(uintptr_t)63), *ph = qh + bq16 * dp16;
         uint32_t *rows = ph + TG_AMX_SLAB * kp16;
         float *s = (float *)(rows + bk * dp16), *acc = s + TG_AMX_SLAB * bk16, *mx = acc + bq16 * dv16, *sum = mx + bq;
-        if (area) tg_amx_configure();
+#ifdef TG_HAVE_AMX_ATTENTION
+        if (area && amx) tg_amx_configure();
+#endif
 #pragma omp for collapse(2) schedule(static)
         for (int64_t bi = 0; bi < batches; bi++)
             for (int64_t kbk = 0; kbk < kblocks; kbk++) {
@@ -1260,25 +1390,22 @@ static int tg_attention_bf16(int nb, const int64_t *bd, const int64_t *qb, const
                      * scores and weights stay in the core's first-level cache between them */
                     for (int64_t r0 = 0; r0 < nq; r0 += TG_AMX_SLAB) {
                         int64_t rn = nq - r0 < TG_AMX_SLAB ? nq - r0 : TG_AMX_SLAB, rt = (rn + 15) / 16;
-                        tg_amx_gemm(rt, (nk + 15) / 16, dp16 / 16, qh + r0 * dp16, dp16, kh, bk16, s, bk16, 0);
+                        tg_bf16_gemm(amx, rt, (nk + 15) / 16, dp16 / 16, qh + r0 * dp16, dp16, kh, bk16, s, bk16, 0);
                         for (int64_t i = 0; i < rn; i++) /* the weights: bf16 pairs along the keys */
                             tg_flash_row_bf16(s + i * bk16, nk, i0, r0 + i, j0, lq, lk, causal, mask_kind, mask,
                                               off[3], mr, mc, mx + r0 + i, sum + r0 + i, acc + (r0 + i) * dv16, dv,
                                               ph + i * kp16, kp16);
                         memset(ph + rn * kp16, 0, sizeof(uint32_t) * (16 * rt - rn) * kp16); /* rows rn.. zero */
-                        tg_amx_gemm(rt, dv16 / 16, ((nk + 1) / 2 + 15) / 16, ph, kp16, vh, dv16, acc + r0 * dv16, dv16,
-                                    1);
+                        tg_bf16_gemm(amx, rt, dv16 / 16, ((nk + 1) / 2 + 15) / 16, ph, kp16, vh, dv16,
+                                     acc + r0 * dv16, dv16, 1);
                     }
                 }
-                for (int64_t i = 0; i < nq; i++) {
-                    /* a row with every key masked: NaN, as softmax over all -inf is */
-                    float inv = sum[i] > 0.f ? 1.f / sum[i] : NAN;
-                    float *oi = o + off[4] + (i0 + i) * orow;
-#pragma omp simd
-                    for (int64_t c = 0; c < dv; c++) oi[c] = acc[i * dv16 + c] * inv;
-                }
+                for (int64_t i = 0; i < nq; i++)
+                    tg_attention_row(o, off[4] + (i0 + i) * orow, acc + i * dv16, sum[i], dv, out_bf16);
             }
-        if (area) _tile_release();
+#ifdef TG_HAVE_AMX_ATTENTION
+        if (area && amx) _tile_release();
+#endif
         free(area);
     }
     free(packed);
@@ -1300,12 +1427,19 @@ int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb
     if (bq < 1 || bk < 1 || bq > TG_MAX_BLOCK || bk > TG_MAX_BLOCK || lq < 0 || lk < 0 || d < 0 || dv < 0)
         TG_FAIL("attention: block sizes or lengths out of range");
     for (int i = 0; i < nb; i++) batches *= bd[i];
+    int out_bf16 = tg_attention_bf16_out;
 #ifdef TG_HAVE_BF16_ATTENTION
-    /* bf16: both products of a block on AMX, the softmax f32. Read here: the thread-local is
+    /* bf16: both products of a block on AMX or AVX-512 BF16, the softmax f32. Read here: the thread-local is
      * the caller's, not the workers'. */
-    if (tg_run_bf16 && d > 0 && dv > 0 && lq > 0 && lk > 0 && batches > 0 && tg_amx_ready())
-        return tg_attention_bf16(nb, bd, qb, kb, vb, mb, ob, q, k, v, mask, o, lq, lk, d, dv, qr, kr, vr, orow,
-                                 mask_kind, mr, mc, scale, causal, bq, bk, batches);
+    if (tg_run_bf16 && d > 0 && dv > 0 && lq > 0 && lk > 0 && batches > 0) {
+        int amx = 0;
+#ifdef TG_HAVE_AMX_ATTENTION
+        amx = tg_amx_ready();
+#endif
+        if (amx || tg_avx512_bf16_ready())
+            return tg_attention_bf16(nb, bd, qb, kb, vb, mb, ob, q, k, v, mask, o, lq, lk, d, dv, qr, kr, vr, orow,
+                                     mask_kind, mr, mc, scale, causal, bq, bk, batches, out_bf16, amx);
+    }
 #endif
     int64_t qblocks = (lq + bq - 1) / bq;
     int failed = 0;
@@ -1346,12 +1480,8 @@ int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb
                     break;
                 }
             }
-            for (int64_t i = 0; i < nq; i++) {
-                /* a row with every key masked: NaN, as softmax over all -inf is */
-                float inv = sum[i] > 0.f ? 1.f / sum[i] : NAN;
-                float *oi = o + oo + (i0 + i) * orow;
-                for (int64_t c = 0; c < dv; c++) oi[c] = acc[i * dv + c] * inv;
-            }
+            for (int64_t i = 0; i < nq; i++)
+                tg_attention_row(o, oo + (i0 + i) * orow, acc + i * dv, sum[i], dv, out_bf16);
             free(s);
         }
     if (failed == 2) TG_FAIL("attention: oneDNN's sgemm failed on a block");

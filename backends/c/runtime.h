@@ -92,6 +92,7 @@ void tg_set_huge_pages(int on);
 size_t tg_huge_page_bytes(void);
 int tg_amx_supported(void);
 void tg_set_bf16(int on);
+int tg_bf16_on(void);
 void tg_set_run_bf16(int on);
 int tg_bf16_attention_count(void);
 int tg_primitive_count(void);
@@ -101,7 +102,10 @@ void tg_layer_norm_rows(const float *x, float *y, const float *scale, const floa
                         int64_t n, float eps);
 void tg_layer_norm_cols(const float *x, float *y, const float *scale, const float *bias, int64_t outer,
                         int64_t n, int64_t inner, float eps);
+void tg_layer_norm_rows_bf16(const float *x, uint16_t *y, const float *scale, const float *bias, int64_t rows,
+                             int64_t n, float eps);
 void tg_dynamic_quantize_rows(const float *x, int8_t *q, float *scale, int64_t rows, int64_t n);
+void tg_set_attention_out_bf16(int on);
 int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb, const int64_t *vb,
                  const int64_t *mb, const int64_t *ob, const float *q, const float *k, const float *v,
                  const void *mask, float *o, int64_t lq, int64_t lk, int64_t d, int64_t dv, int64_t qr,
@@ -196,6 +200,17 @@ static inline float tg_sigmoid(float x) { float e = tg_expf(-fabsf(x)); return x
 static inline double tg_sigmoid_d(double x) { double e = exp(-fabs(x)); return x >= 0 ? 1. / (1. + e) : e / (1. + e); }
 
 /* --- quantization, as ir/quant.py defines it --- */
+
+/* x rounded to bf16 (nearest, ties to even, as oneDNN's conversions and vcvtneps2bf16 round),
+ * its 16 bits: what a step writes into a buffer a bf16 GEMM reads as it lies (onednn.py,
+ * bf16_sources). A NaN stays a (quiet) NaN: rounding its payload could carry into the sign. */
+#pragma omp declare simd notinbranch
+static inline uint16_t tg_f2bf(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);
+}
 
 /* y clamped into [lo, hi]; NaN gives 0 (what NumPy's cast of NaN to an integer gives here). */
 #pragma omp declare simd notinbranch

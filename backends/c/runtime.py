@@ -624,7 +624,8 @@ def load(source: str, weights: Mapping[str, np.ndarray], model: Model | None = N
     """Build (or find in the cache) the module's library and bind its weights. `threads`
     caps the OpenMP threads its kernels and oneDNN use (default: OpenMP's, one per core).
     `precision="bf16"`: GEMMs and convolutions multiply in bf16 on the processor's AMX or
-    AVX-512 BF16 units, accumulating in f32 (everything else stays f32). `workspace`: a Workspace
+    AVX-512 BF16 units, accumulating in f32, and attention's products too; an activation only such
+    GEMMs read is stored in bf16 by its producer; everything else stays f32. `workspace`: a Workspace
     whose one arena this module's temporaries share with the other modules given it."""
     if precision not in PRECISIONS:
         raise TilegraphError(f"precision= must be one of {', '.join(PRECISIONS)}, got {precision!r}")

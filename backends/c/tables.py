@@ -5,6 +5,10 @@ from __future__ import annotations
 CTYPES = {"f32": "float", "f64": "double", "i64": "int64_t", "i32": "int32_t", "i16": "int16_t", "i8": "int8_t",
           "ui8": "uint8_t", "ui16": "uint16_t", "ui32": "uint32_t", "ui64": "uint64_t", "i1": "uint8_t"}
 FLOATS = ("f32", "f64")
+# How a buffer's elements are stored: CTYPES, and bf16 as its 16 bits, which only a step that
+# writes a bf16 GEMM's source uses (onednn.py, bf16_sources); no tensor of the model is bf16
+# in C (CTYPES has no bf16: such an op runs on the host).
+STORAGE = {**CTYPES, "bf16": "uint16_t"}
 
 # Elementwise ops as C expressions of their operands, computed in the operands' type
 # (floats: tgmath picks the float or double function).

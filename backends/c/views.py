@@ -9,10 +9,11 @@ import numpy as np
 import sympy
 from xdsl.ir import SSAValue
 
-from tilegraph.backends.c.tables import CTYPES
+from tilegraph.backends.c.tables import CTYPES, STORAGE
 from tilegraph.ir import escape
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.model import Model
+from tilegraph.ir.ops import Op
 from tilegraph.ir.shapes import numel
 from tilegraph.ir.strides import (_eq, _is_one, channels_last_strides, contiguous_strides, is_contiguous, reshaped_strides,
                                   unit_dims_strided)  # _eq, _is_one: the other emitter modules import them here
@@ -76,6 +77,11 @@ class Step:
     kernel: Any = None
     # A convolution step on its own: what onednn.chain_convolutions reads.
     conv: ConvStep | None = None
+    # What onednn.bf16_sources reads: the GEMMs of a constant weight whose source (a whole
+    # buffer, rows contiguous) they may read as bf16, (primitive index, source view); and the
+    # buffers this step writes whole in one loop that can write them in bf16 instead.
+    gemm_sources: list[tuple[int, View]] = field(default_factory=list)
+    bf16_writes: set[int] = field(default_factory=set)
 
 
 class ConvStep(NamedTuple):
@@ -168,13 +174,19 @@ class Views(EmitterParts):
 
     def ptr(self, view: View, const: bool = True) -> str:
         """A C pointer expression to a view's first element."""
-        ctype = CTYPES[view.dtype]
+        ctype = STORAGE[view.dtype]
         off = self.ints(view.offset)
         base = f"(({'const ' if const else ''}{ctype} *)p[{view.buf}])"
         return base if off == "0" else f"({base} + {off})"
 
     def is_contiguous(self, view: View) -> bool:
         return view.literal is None and is_contiguous(view.shape, view.strides)
+
+    def _whole_temp(self, v: View) -> bool:
+        """Whether `v` is an f32 temporary, all of it, row-major from its start."""
+        return v.literal is None and v.dtype == "f32" and self.buffers[v.buf].storage == "temp" and \
+            _eq(v.offset, 0) and self.is_contiguous(v) and \
+            sympy.expand(sympy.sympify(numel(v.shape)) - self.buffers[v.buf].elements) == 0
 
     # --- view ops (no data moves) ------------------------------------------------
 
@@ -261,6 +273,32 @@ def _only_use(value: SSAValue, user) -> bool:
     """Whether `user` is the one reader of `value` (which a group may also yield): only
     then may it overwrite value's buffer."""
     return all(use.operation is user for use in value.uses)
+
+
+def bf16_marker(buf: int) -> str:
+    """The condition of a step's bf16 write of buffer `buf`: false until onednn.bf16_sources
+    finds that only bf16 GEMMs read the buffer, then the binding's precision."""
+    return f"/*bf16 b{buf}*/0"
+
+
+def feeds_gemm(value: SSAValue, depth: int = 8) -> bool:
+    """Whether `value` reaches a GEMM's left operand, through views, group boundaries and a
+    group's yield: only such a loop is given a bf16 twin (onednn.bf16_sources)."""
+    if depth == 0:
+        return False
+    for use in value.uses:
+        op = use.operation
+        if isinstance(op, FusionOp):
+            if feeds_gemm(op.block.args[use.index], depth - 1):
+                return True
+        elif isinstance(op, TgOp):
+            if (op.op_name == Op.matmul and use.index == 0) or \
+                    (op.SPEC.view and feeds_gemm(op.results[0], depth - 1)):
+                return True
+        elif isinstance(op.parent_op(), FusionOp) and op is op.parent_block().last_op:  # the group's yield
+            if feeds_gemm(op.parent_op().results[use.index], depth - 1):
+                return True
+    return False
 
 
 def _plain_strides(dims, strides) -> list:
