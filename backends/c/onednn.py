@@ -234,13 +234,13 @@ class OneDNN(EmitterParts):
 
     def _repack_scratch(self, b: View) -> View | None:
         """Arena bytes for a GEMM's B that the runtime reorders each run (runtime.c,
-        tg_aliased_rows: a B passed each run, row-major, its rows a multiple of 4 KiB apart),
+        tg_aliased_rows: a B not packed once as a weight, row-major, its rows a multiple of 4 KiB apart),
         so the binding's arena holds that copy only while its step runs and the memory plan
         counts it (call_bytes): oneDNN's blocked layouts pad K and N to at most 64 each. None
         where the runtime will not reorder it or a dim is symbolic (then the primitive
         allocates its own, reported by `CompiledModel.scratch_bytes`)."""
         dims = [sympy.sympify(d) for d in (*b.shape, b.strides[-2], b.strides[-1])]
-        if self.buffers[b.buf].storage in KNOWN or b.rank < 2 or not all(d.is_number for d in dims):
+        if b.rank < 2 or not all(d.is_number for d in dims):
             return None
         size = dtypes.numpy_dtype(b.dtype).itemsize
         k, n, row, col = (int(d) for d in dims[-4:])
