@@ -324,6 +324,24 @@ def test_a_gemm_operand_passed_each_run_with_rows_4kib_apart_is_repacked_on_c():
     assert all("brg" in p.split(" source: ")[-1] for p in repacked), repacked
 
 
+def test_a_b_repacked_each_run_lies_in_the_arena_the_memory_plan_counts_on_c():
+    """The per-run copy of such a B lies in the binding's arena, reserved by the emitter for
+    that step alone (so copies of different steps share bytes), not in a buffer each primitive
+    keeps for itself: the arena the memory plan prices (call_bytes) is the arena the binding
+    holds, and no primitive holds reorder scratch outside it."""
+    from tilegraph.backends.c.runtime import call_bytes
+
+    step = _two_linears_one_c_step(1024, 1e-3)
+    runner = step.compiled._runner
+    assert sum(p.endswith("(its B reordered each run)") for p in runner.primitives) >= 2
+    assert runner.scratch_bytes() == 0
+    program = runner.program
+    reserved = [line for s in program.steps for line in s.lines or () if "tg_prim_scratch(" in line]
+    assert len(reserved) >= 2, reserved
+    (binding,) = runner._bindings.values()
+    assert call_bytes(program)[0] == binding.arena_bytes
+
+
 def test_bf16_training_keeps_f32_master_weights_and_its_loss_tracks_f32():
     """precision="bf16" on C: every GEMM of the step (forward and backward) multiplies in bf16 on
     the processor's bf16 units, accumulating in f32, while the weights, the AdamW moments and the

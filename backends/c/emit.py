@@ -360,7 +360,12 @@ def emit_program(model: Model, name: str | None = None, per_step: bool = False) 
               "void tg_state_free(void *state) {  /* a binding the runtime evicts */",
               "    tg_state *st = state;",
               f"    for (int i = 0; i < {nprim}; i++) tg_prim_destroy(&st->prim[i]);",
-              "    free(st);", "}", ""]
+              "    free(st);", "}", "",
+              "size_t tg_state_own_bytes(void *state) {  /* reorder scratch the primitives hold outside the arena */",
+              "    tg_state *st = state;",
+              "    size_t n = 0;",
+              f"    for (int i = 0; i < {nprim}; i++) n += st->prim[i].own_bytes;",
+              "    return n;", "}", ""]
     plan: list[tuple[str, int]] = []
     segments: list[list[int]] = []
     for i, step in enumerate(em.steps):

@@ -7,10 +7,11 @@ from collections.abc import Sequence
 import sympy
 from xdsl.ir import SSAValue
 
-from tilegraph.backends.c.tables import DNNL_BINARY, DNNL_ELTWISE, DNNL_TYPES, KNOWN, SMALL_GEMM
+from tilegraph.backends.c.tables import DNNL_BINARY, DNNL_ELTWISE, DNNL_TYPES, KNOWN, REPACK_ROW_BYTES, SMALL_GEMM
 from tilegraph.backends.c.views import (ConvStep, EmitterParts, Unsupported, View, lowers, _describe, _eq, _is_one, _only_use,
                                         bf16_marker, feeds_gemm,
                                         _plain_strides, _row_stride, channels_last_strides)
+from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.fusion import ELTWISE_POSTS
 from tilegraph.ir.shapes import TensorInfo, info_of, numel
@@ -228,17 +229,39 @@ class OneDNN(EmitterParts):
             return False
 
     def _run_primitive(self, op: TgOp, k: int, state: list[str], src: View, weights: View, third: View | None,
-                       dst: View, post_views: list[View], out: View, accumulated: Sequence[View] = ()) -> None:
+                       dst: View, post_views: list[View], out: View, accumulated: Sequence[View] = (),
+                       scratch: View | None = None) -> None:
         """The step running oneDNN primitive `k` (set up by `state`): src and weights in, the
         third operand (a GEMM's column scales, a convolution's bias) if any, the epilogue's
         operands, written to dst (`out`'s view as the primitive sees it); `accumulated`: the
-        destination's earlier contents, read by a sum post-op."""
+        destination's earlier contents, read by a sum post-op; `scratch`: the arena bytes a B
+        reordered each run is reordered into (`_repack_scratch`)."""
         extra = [third] if third is not None else []
         post_ptrs = ", ".join(self.ptr(v) for v in post_views) or "NULL"
-        lines = ["{", f"    void *const post[] = {{{post_ptrs}}};",
-                 f"    if (tg_prim_run(&st->prim[{k}], {self.ptr(src)}, {self.ptr(weights)}, "
+        lines = ["{", f"    void *const post[] = {{{post_ptrs}}};"]
+        if scratch is not None:
+            lines.append(f"    tg_prim_scratch(&st->prim[{k}], {self.ptr(scratch, False)});")
+        lines += [f"    if (tg_prim_run(&st->prim[{k}], {self.ptr(src)}, {self.ptr(weights)}, "
                  f"{self.ptr(third) if third is not None else 'NULL'}, {self.ptr(dst, False)}, post)) return 1;", "}"]
-        self._step(_describe(op), lines, [src, weights, *extra, *post_views, *accumulated], [out], state)
+        self._step(_describe(op), lines, [src, weights, *extra, *post_views, *accumulated],
+                   [out] + ([scratch] if scratch is not None else []), state)
+
+    def _repack_scratch(self, b: View) -> View | None:
+        """Arena bytes for a GEMM's B that the runtime reorders each run (runtime.c,
+        tg_aliased_rows: a B not packed once as a weight, row-major, its rows a multiple of 4 KiB apart),
+        so the binding's arena holds that copy only while its step runs and the memory plan
+        counts it (call_bytes): oneDNN's blocked layouts pad K and N to at most 64 each. None
+        where the runtime will not reorder it or a dim is symbolic (then the primitive
+        allocates its own, reported by `CompiledModel.scratch_bytes`)."""
+        dims = [sympy.sympify(d) for d in (*b.shape, b.strides[-2], b.strides[-1])]
+        if b.rank < 2 or not all(d.is_number for d in dims):
+            return None
+        size = dtypes.numpy_dtype(b.dtype).itemsize
+        k, n, row, col = (int(d) for d in dims[-4:])
+        if k <= 1 or n <= 1 or col != 1 or (row * size) % REPACK_ROW_BYTES:
+            return None
+        padded = int(numel(b.shape[:-2])) * -(-k // 64) * 64 * -(-n // 64) * 64 * size
+        return self._temp(TensorInfo((-(-padded // 4),), "f32"))
 
     @lowers(Op.matmul, Op.conv)
     def gemm_alone(self, op: TgOp, xs: list[View]) -> View:
@@ -309,6 +332,7 @@ class OneDNN(EmitterParts):
                                                                          chain[covered - 1].results[0])
         if bf16_result:
             type_names[2] = f"({bf16_marker(c.buf)} ? dnnl_bf16 : dnnl_f32)"
+        scratch = None if weight else self._repack_scratch(b)
         state = [
             "{",
             f"    const int64_t ad[] = {arr(a.shape)}, as[] = {arr(a.strides)};",
@@ -317,10 +341,11 @@ class OneDNN(EmitterParts):
             f"    const tg_post posts[] = {{{', '.join(posts) or '{0}'}}};",
             f"    const int types[] = {{{', '.join(type_names)}}};",
             f"    if (tg_matmul_create(&st->prim[{k}], {rank}, ad, as, bd, bs, cd, cs, types, {int(scales is not None)}, "
-            f"{self.ptr(b) if weight else 'NULL'}, &tg_packs[{k}], {len(posts)}, posts)) return 1;",
+            f"{self.ptr(b) if weight else 'NULL'}, &tg_packs[{k}], {len(posts)}, posts, "
+            f"{4 * int(numel(scratch.shape)) if scratch is not None else 0})) return 1;",
             "}",
         ]
-        self._run_primitive(op, k, state, a, b, scales, c, post_views, out)
+        self._run_primitive(op, k, state, a, b, scales, c, post_views, out, scratch=scratch)
         if bf16_source:
             self.steps[-1].gemm_sources.append((k, a))
         if bf16_result:

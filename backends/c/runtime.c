@@ -306,13 +306,19 @@ typedef struct {
 } tg_io;
 
 /* A reorder between the caller's layout `user` and the primitive's `want`, through a
- * scratch buffer the primitive owns; `into`: user -> want (else want -> user). */
-static int tg_reorder_step(dnnl_primitive_t *re, dnnl_memory_t *user_mem, void **tmp,
-                           const_dnnl_memory_desc_t user, const_dnnl_memory_desc_t want, int into) {
+ * scratch buffer: the primitive's own (its bytes added to *own), or none where `arena`
+ * bytes (the arena scratch its step passes, tg_prim_scratch) hold it; `into`: user -> want
+ * (else want -> user). */
+static int tg_reorder_step(dnnl_primitive_t *re, dnnl_memory_t *user_mem, void **tmp, size_t *own,
+                           const_dnnl_memory_desc_t user, const_dnnl_memory_desc_t want, int into, size_t arena) {
     dnnl_primitive_desc_t rpd;
     size_t size = dnnl_memory_desc_get_size(want);
-    *tmp = tg_alloc_big(size + 64);
-    if (!*tmp) TG_FAIL("out of memory for a reorder's scratch (%zu bytes)", size);
+    *tmp = NULL;
+    if (size > arena) {
+        *tmp = tg_alloc_big(size + 64);
+        if (!*tmp) TG_FAIL("out of memory for a reorder's scratch (%zu bytes)", size);
+        *own += size + 64;
+    }
     TG_DNNL(dnnl_reorder_primitive_desc_create(&rpd, into ? user : want, tg_engine, into ? want : user, tg_engine,
                                                NULL), "reorder_pd");
     TG_DNNL(dnnl_primitive_create(re, rpd), "reorder");
@@ -372,9 +378,9 @@ static int tg_relayout(tg_prim *g, dnnl_primitive_desc_t *pd, tg_pd_fn make, con
         const_dnnl_memory_desc_t ww = dnnl_primitive_desc_query_md(fast, dnnl_query_weights_md, 0);
         const_dnnl_memory_desc_t wd = dnnl_primitive_desc_query_md(fast, dnnl_query_dst_md, 0);
         if (!dnnl_memory_desc_equal(ws, io->src))
-            rc = rc || tg_reorder_step(&g->re_src, &g->user_src, &g->tmp_src, io->src, ws, 1);
+            rc = rc || tg_reorder_step(&g->re_src, &g->user_src, &g->tmp_src, &g->own_bytes, io->src, ws, 1, 0);
         if (!dnnl_memory_desc_equal(wd, io->dst))
-            rc = rc || tg_reorder_step(&g->re_dst, &g->user_dst, &g->tmp_dst, io->dst, wd, 0);
+            rc = rc || tg_reorder_step(&g->re_dst, &g->user_dst, &g->tmp_dst, &g->own_bytes, io->dst, wd, 0, 0);
         if (!dnnl_memory_desc_equal(ww, plain_wei)) {
             /* (a constant weight another binding packed for another layout: reordered each run) */
             if (weight && (!pack->data || dnnl_memory_desc_equal(ww, pack->md))) {
@@ -382,7 +388,7 @@ static int tg_relayout(tg_prim *g, dnnl_primitive_desc_t *pd, tg_pd_fn make, con
                 g->wei_handle = pack->data;
             } else {
                 g->wei_handle = NULL;
-                rc = rc || tg_reorder_step(&g->re_wei, &g->user_wei, &g->tmp_wei, plain_wei, ww, 1);
+                rc = rc || tg_reorder_step(&g->re_wei, &g->user_wei, &g->tmp_wei, &g->own_bytes, plain_wei, ww, 1, 0);
             }
         } else {
             g->wei_handle = NULL;
@@ -451,7 +457,7 @@ static dnnl_primitive_desc_t tg_bf16_weights(tg_prim *g, tg_pd_fn make, const vo
     }
     const_dnnl_memory_desc_t want = pd ? dnnl_primitive_desc_query_md(pd, dnnl_query_src_md, 0) : NULL;
     if (pd && !dnnl_memory_desc_equal(want, io->src) &&
-        tg_reorder_step(&g->re_src, &g->user_src, &g->tmp_src, io->src, want, 1)) {
+        tg_reorder_step(&g->re_src, &g->user_src, &g->tmp_src, &g->own_bytes, io->src, want, 1, 0)) {
         dnnl_primitive_desc_destroy(pd);
         pd = NULL;
     }
@@ -464,6 +470,8 @@ static dnnl_primitive_desc_t tg_bf16_weights(tg_prim *g, tg_pd_fn make, const vo
  * lies row-major with rows a multiple of 4 KiB apart: brgemm reads such a B in place, and
  * its rows then share a few L1 sets and evict each other (a 768x3072 f32 B ran at 0.4x the
  * speed of the same GEMM on MKL's packed copy; a transposed B is copied by brgemm itself).
+ * The copy goes into the arena scratch the emitter reserved for its step (onednn.py,
+ * _repack_scratch, which tests the same 4 KiB as tables.py's REPACK_ROW_BYTES).
  * TG_NO_REPACK=1 in the environment turns the repacking off, for a same-run A/B. */
 static int tg_aliased_rows(const_dnnl_memory_desc_t md) {
     int nd = 0;
@@ -479,9 +487,10 @@ static int tg_aliased_rows(const_dnnl_memory_desc_t md) {
            ((*strides)[nd - 2] * bytes) % 4096 == 0;
 }
 
+/* wei_scratch: the arena bytes the step passes (tg_prim_scratch) for a B reordered each run. */
 static int tg_prim_create(tg_prim *g, tg_pd_fn make, const void *ctx, size_t ctx_size, const_dnnl_memory_desc_t plain_wei,
                           const void *weight, tg_packed *pack, int npost, const tg_post *posts, int nd_w,
-                          const int64_t *wdims, int scale_mask) {
+                          const int64_t *wdims, int scale_mask, size_t wei_scratch) {
     dnnl_primitive_attr_t attr;
     dnnl_primitive_desc_t pd = NULL;
     dnnl_data_type_t wdt;
@@ -516,7 +525,8 @@ static int tg_prim_create(tg_prim *g, tg_pd_fn make, const void *ctx, size_t ctx
             if (tg_is_ref(pd) || dnnl_memory_desc_equal(want, plain_wei)) {
                 dnnl_primitive_desc_destroy(pd);
                 pd = NULL;
-            } else if (tg_reorder_step(&g->re_wei, &g->user_wei, &g->tmp_wei, plain_wei, want, 1)) {
+            } else if (tg_reorder_step(&g->re_wei, &g->user_wei, &g->tmp_wei, &g->own_bytes, plain_wei, want, 1,
+                                       wei_scratch)) {
                 return 1;
             }
         }
@@ -552,6 +562,11 @@ void tg_prim_destroy(tg_prim *g) {
     memset(g, 0, sizeof *g);
 }
 
+/* The arena scratch of this run's step for a B reordered each run (its bytes were given to
+ * tg_matmul_create): the arena moves between calls (a shared Workspace grows), so it is
+ * passed each run. */
+void tg_prim_scratch(tg_prim *g, void *scratch) { g->wei_arena = scratch; }
+
 /* Runs a tg_relayout reorder between the caller's buffer (user_mem, handle `user`) and
  * the primitive's own memory `mine` (its handle the scratch): into mine, or out of it. */
 static int tg_reorder_run(dnnl_primitive_t re, dnnl_memory_t user_mem, void *user, dnnl_memory_t mine, int into) {
@@ -574,7 +589,9 @@ int tg_prim_run(tg_prim *g, const void *src, const void *wei, const void *bias, 
         src = g->tmp_in;
     }
     dnnl_memory_set_data_handle(g->src, g->re_src ? g->tmp_src : (void *)src);
-    dnnl_memory_set_data_handle(g->wei, g->re_wei ? g->tmp_wei : (void *)(g->wei_handle ? g->wei_handle : wei));
+    void *reordered = g->tmp_wei ? g->tmp_wei : g->wei_arena;
+    if (g->re_wei && !reordered) TG_FAIL("a GEMM whose B is reordered each run was run without its scratch");
+    dnnl_memory_set_data_handle(g->wei, g->re_wei ? reordered : (void *)(g->wei_handle ? g->wei_handle : wei));
     dnnl_memory_set_data_handle(g->dst, g->re_dst ? g->tmp_dst : dst);
     if (g->re_src && tg_reorder_run(g->re_src, g->user_src, (void *)src, g->src, 1)) return 1;
     if (g->re_wei && tg_reorder_run(g->re_wei, g->user_wei, (void *)wei, g->wei, 1)) return 1;
@@ -636,7 +653,8 @@ static int tg_check_ranks(const char *what, int nd, int lowest, int w_nd, int np
 
 int tg_matmul_create(tg_prim *g, int nd, const int64_t *a_dims, const int64_t *a_str, const int64_t *b_dims,
                      const int64_t *b_str, const int64_t *c_dims, const int64_t *c_str, const int *types,
-                     int scaled, const void *weight, tg_packed *pack, int npost, const tg_post *posts) {
+                     int scaled, const void *weight, tg_packed *pack, int npost, const tg_post *posts,
+                     size_t wei_scratch) {
     if (tg_check_ranks("matmul", nd, 2, nd, npost, posts)) return 1;
     tg_matmul_ctx ctx = {tg_md(nd, a_dims, a_str, types[0]), tg_md(nd, c_dims, c_str, types[2])};
     dnnl_memory_desc_t wei = tg_md(nd, b_dims, b_str, types[1]);
@@ -644,7 +662,7 @@ int tg_matmul_create(tg_prim *g, int nd, const int64_t *a_dims, const int64_t *a
     if (!ctx.src || !ctx.dst || !wei) TG_FAIL("oneDNN rejected a matmul operand's layout");
     g->has_bias = 0;
     int rc = tg_prim_create(g, tg_matmul_pd, &ctx, sizeof ctx, wei, weight, pack, npost, posts, nd, b_dims,
-                            scaled ? 1 << (nd - 1) : 0);
+                            scaled ? 1 << (nd - 1) : 0, wei_scratch);
     if (!rc && (types[0] == dnnl_bf16 || types[2] == dnnl_bf16)) {
         /* a source its producer wrote in bf16, or a result its readers take in bf16: no f32 kernel serves */
         const_dnnl_memory_desc_t wmd = NULL;
@@ -776,7 +794,7 @@ int tg_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_s
         ctx.src = (dnnl_memory_desc_t)(chained ? chained : plain_x);
         ctx.dst = chain_y;
         if (!chain_y || tg_prim_create(g, tg_conv_pd, &ctx, sizeof ctx, wei, weight, pack, npost, posts, w_nd, w_dims,
-                                       0)) {
+                                       0, 0)) {
             tg_fpmath = precision;
             if (stream_x) dnnl_memory_desc_destroy(stream_x);
             dnnl_memory_desc_destroy(plain_x);
@@ -795,12 +813,12 @@ int tg_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_s
         ctx.src = (dnnl_memory_desc_t)(chained ? chained : plain_x);
         ctx.dst = chain_y;
         if (chain_y) rc = tg_prim_create(g, tg_conv_pd, &ctx, sizeof ctx, wei, weight, pack, npost, posts, w_nd,
-                                         w_dims, 0);
+                                         w_dims, 0, 0);
         if (!rc && !tg_chain_ok(g, chain_out, numel * sizeof(float))) rc = 1;
     } else if (chained && !dnnl_memory_desc_equal(chained, plain_x)) {
         ctx.src = (dnnl_memory_desc_t)chained;
         ctx.dst = plain_y;
-        rc = tg_prim_create(g, tg_conv_pd, &ctx, sizeof ctx, wei, weight, pack, npost, posts, w_nd, w_dims, 0);
+        rc = tg_prim_create(g, tg_conv_pd, &ctx, sizeof ctx, wei, weight, pack, npost, posts, w_nd, w_dims, 0, 0);
         if (!rc && !tg_chain_ok(g, 0, 0)) rc = 1;
     }
     if (rc) { /* unchained (or the chained form failed): the caller's f32 layouts */
@@ -808,9 +826,9 @@ int tg_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_s
         g->has_bias = has_bias;
         ctx.src = plain_x;
         ctx.dst = plain_y;
-        rc = tg_prim_create(g, tg_conv_pd, &ctx, sizeof ctx, wei, weight, pack, npost, posts, w_nd, w_dims, 0);
+        rc = tg_prim_create(g, tg_conv_pd, &ctx, sizeof ctx, wei, weight, pack, npost, posts, w_nd, w_dims, 0, 0);
         if (!rc && chained && !dnnl_memory_desc_equal(chained, plain_x)) {
-            rc = tg_reorder_step(&g->re_in, &g->in_from, &g->tmp_in, chained, plain_x, 1);
+            rc = tg_reorder_step(&g->re_in, &g->in_from, &g->tmp_in, &g->own_bytes, chained, plain_x, 1, 0);
             if (!rc && dnnl_memory_create(&g->in_to, plain_x, tg_engine, DNNL_MEMORY_NONE) != dnnl_success) {
                 snprintf(tg_err, sizeof tg_err, "oneDNN memory_create failed");
                 rc = 1;

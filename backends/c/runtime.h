@@ -67,6 +67,11 @@ typedef struct {
     dnnl_primitive_t re_src, re_wei, re_dst;
     dnnl_memory_t user_src, user_wei, user_dst;
     void *tmp_src, *tmp_wei, *tmp_dst;
+    /* A B reordered each run (tg_aliased_rows) into the arena scratch its step passes
+     * (tg_prim_scratch) where the emitter reserved enough bytes for it, else into tmp_wei.
+     * own_bytes: the scratch this primitive allocated itself (tmp_*), outside the arena. */
+    void *wei_arena;
+    size_t own_bytes;
     /* A chained source (tg_conv_create's `from`) this primitive could not take as it lies:
      * reordered first into the emitter's f32 layout (scratch tmp_in). */
     dnnl_primitive_t re_in;
@@ -76,11 +81,13 @@ typedef struct {
 
 /* The runtime's entry points (runtime.c says what each does). */
 void tg_prim_destroy(tg_prim *g);
+void tg_prim_scratch(tg_prim *g, void *scratch);
 int tg_prim_run(tg_prim *g, const void *src, const void *wei, const void *bias, void *dst,
                 void *const *post);
 int tg_matmul_create(tg_prim *g, int nd, const int64_t *a_dims, const int64_t *a_str, const int64_t *b_dims,
                      const int64_t *b_str, const int64_t *c_dims, const int64_t *c_str, const int *types,
-                     int scaled, const void *weight, tg_packed *pack, int npost, const tg_post *posts);
+                     int scaled, const void *weight, tg_packed *pack, int npost, const tg_post *posts,
+                     size_t wei_scratch);
 int tg_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_str, int w_nd,
                    const int64_t *w_dims, const int64_t *w_str, const int64_t *y_dims, const int64_t *y_str,
                    int has_bias, const int64_t *strides, const int64_t *dilations, const int64_t *pads,

@@ -297,6 +297,8 @@ class CompiledModel:
         library.tg_packs_new.restype = ctypes.c_void_p
         library.tg_state_free.argtypes = [ctypes.c_void_p]
         library.tg_state_free.restype = None
+        library.tg_state_own_bytes.argtypes = [ctypes.c_void_p]
+        library.tg_state_own_bytes.restype = ctypes.c_size_t
         self._packs = library.tg_packs_new()  # this model's packed weights, filled by its first binding
         if not self._packs:
             raise ModelError("out of memory creating the C module's weight table")
@@ -365,6 +367,14 @@ class CompiledModel:
         pages (runtime.c, tg_alloc_big; numpy advises the arena's own): 0 where the kernel
         offers none or no such buffer spans a huge page."""
         return int(self._lib.tg_huge_page_bytes())
+
+    def scratch_bytes(self) -> int:
+        """Bytes of reorder scratch the oneDNN primitives of every binding allocated for
+        themselves, outside the arena the memory plan counts (runtime.c, tg_reorder_step): 0
+        where each GEMM's B reordered each run has its bytes in the arena (onednn.py,
+        _repack_scratch) and no layout needed a reorder around the reference kernel."""
+        return sum(int(self._lib.tg_state_own_bytes(state)) for b in self._bindings.values()
+                   for state in b.states.values())
 
     def set_threads(self, n: int) -> None:
         """OpenMP's thread count for this process's C modules (one pool serves them all)."""

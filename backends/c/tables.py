@@ -68,5 +68,8 @@ REDUCE_SIMD = {"sum": ("reduction(+:acc)", "acc += v;"), "mean": ("reduction(+:a
                "max": ("reduction(max:acc) reduction(|:nan)", "acc = v > acc ? v : acc; nan |= v != v;"),
                "min": ("reduction(min:acc) reduction(|:nan)", "acc = v < acc ? v : acc; nan |= v != v;")}
 SIMD_BLOCK = 4096  # elements a thread takes at a time in a flat parallel loop
+# A GEMM's B passed each run whose rows lie a multiple of this many bytes apart is reordered each
+# run (runtime.c, tg_aliased_rows: such rows share a few L1 sets, 4 KiB the L1's set stride).
+REPACK_ROW_BYTES = 4096
 # Multiply-adds below which a GEMM runs as emitted loops: a oneDNN call costs ~1.5 us.
 SMALL_GEMM = 16384
