@@ -51,12 +51,17 @@ def test_a_char_gpt_learns_as_torch_eager_does(target):
     for i, (a, b) in enumerate(zip(ours, theirs)):
         assert abs(a - b) <= PEER_RELATIVE_ERROR * abs(b), f"step {i}: {a} vs torch {b}"
     assert ours[-1] < ours[0] - 0.5
-    # in place: the same arrays, now holding torch's trained weights, to each tensor's scale: the
-    # key bias's gradient is zero but for rounding in both, and AdamW's m / sqrt(v) turns that
-    # noise into steps of lr's size, different in each
+    # in place: the same arrays, now holding torch's trained weights, to each tensor's scale. The
+    # key bias is left out: its gradient is zero but for rounding in both (a constant added to
+    # every score of a row), and AdamW's m / sqrt(v) turns that noise into steps of lr's size,
+    # different in each and with torch's thread count (it reached 1.1e-3 of the scale at one thread)
+    hidden = module.blocks[0].qkv.bias.shape[0] // 3
     for name, p in reference.named_parameters():
         assert step.weights[name] is before[name]
-        assert relative_error(step.weights[name], p.detach().numpy()) <= 1e-3, name
+        ours, theirs = step.weights[name], p.detach().numpy()
+        if name.endswith("qkv.bias"):
+            ours, theirs = (np.delete(t, np.s_[hidden:2 * hidden]) for t in (ours, theirs))
+        assert relative_error(ours, theirs) <= 1e-3, name
 
 
 def test_sgd_with_momentum_weight_decay_and_nesterov_matches_torch():
