@@ -127,6 +127,16 @@ def test_a_passing_thread_keeps_a_forwards_threads_and_a_neighbour_that_keeps_ru
     assert neighbours.cores() == 0
 
 
+def _not_saved(path, measured, why: str, kept, capsys) -> None:
+    """measure_and_save of `measured` at `path` says why it is not saved, and `kept` stays there."""
+    from tilegraph.ir.calibration import measure_and_save
+
+    measure_and_save(lambda quick, progress: measured, lambda hw: "table", path, True, False, "calibrate")
+    out = capsys.readouterr().out
+    assert why in out and "this one is not saved" in out
+    assert load_profile(path) == kept
+
+
 def test_a_profile_implausibly_slower_than_the_quiet_one_is_not_saved(tmp_path, capsys, monkeypatch):
     """measure_and_save: a measurement the load check saw as quiet, but at half the GEMM rate
     of the same processor's quiet profile (slowed by what this process cannot see: a neighbour
@@ -139,10 +149,7 @@ def test_a_profile_implausibly_slower_than_the_quiet_one_is_not_saved(tmp_path, 
     fixed = load_profile(Path(__file__).with_name("cpu_profile.json"))
     hardware.save_profile(fixed, path)
     slow = replace(fixed, peak_flops={**fixed.peak_flops, "f32": fixed.flops("f32") / 2}, source="slow")
-    measure_and_save(lambda quick, progress: slow, lambda hw: "table", path, True, False, "calibrate")
-    out = capsys.readouterr().out
-    assert "peak f32 GEMM at 50%" in out and "this one is not saved" in out
-    assert load_profile(path) == fixed
+    _not_saved(path, slow, "peak f32 GEMM at 50%", fixed, capsys)
     close = replace(fixed, peak_flops={**fixed.peak_flops, "f32": fixed.flops("f32") * 0.9}, source="close")
     measure_and_save(lambda quick, progress: close, lambda hw: "table", path, True, False, "calibrate")
     assert load_profile(path).source == "close"
@@ -160,8 +167,6 @@ def test_a_profile_whose_gemms_no_quiet_core_of_this_processor_would_measure_is_
     (the core was shared with what the load check cannot see) or above twice it (a broken timing)
     count as measured busy: `tilegraph calibrate` says so and keeps the quiet profile, the quick
     calibration of a first compile saves it marked, to be measured again once quiet."""
-    from tilegraph.ir.calibration import measure_and_save
-
     monkeypatch.setattr(hardware, "processor_peak", lambda: 100e9)
     monkeypatch.setattr(hardware, "busy_count", lambda start: 0)  # the load check sees nothing
     fixed = load_profile(Path(__file__).with_name("c_profile.json"))
@@ -173,10 +178,7 @@ def test_a_profile_whose_gemms_no_quiet_core_of_this_processor_would_measure_is_
     path = tmp_path / "c.json"
     good = _gemms_at(fixed, 60e9)
     hardware.save_profile(good, path)
-    measure_and_save(lambda quick, progress: shared, lambda hw: "table", path, True, False, "calibrate")
-    out = capsys.readouterr().out
-    assert "10% of this processor's peak" in out and "this one is not saved" in out
-    assert load_profile(path) == good
+    _not_saved(path, shared, "10% of this processor's peak", good, capsys)
 
     quick_path = str(tmp_path / "quick.json")
     monkeypatch.setitem(hardware.CALIBRATIONS, "c", lambda quick=True: shared)
@@ -196,10 +198,7 @@ def test_of_two_calibrations_under_load_the_implausibly_slower_is_not_saved(tmp_
     busy = replace(fixed, measured_busy=1, source="busy, fast")
     hardware.save_profile(busy, path)
     half = replace(fixed, peak_flops={**fixed.peak_flops, "f32": fixed.flops("f32") / 2}, source="busy, slow")
-    measure_and_save(lambda quick, progress: half, lambda hw: "table", path, True, False, "calibrate")
-    out = capsys.readouterr().out
-    assert "peak f32 GEMM at 50%" in out and "this one is not saved" in out
-    assert load_profile(path) == busy
+    _not_saved(path, half, "peak f32 GEMM at 50%", busy, capsys)
     measure_and_save(lambda quick, progress: replace(fixed, source="busy, as fast"), lambda hw: "table", path, True,
                      False, "calibrate")
     assert load_profile(path).source == "busy, as fast" and load_profile(path).measured_busy == 1
