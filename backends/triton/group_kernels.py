@@ -66,6 +66,13 @@ ATTENTION_CONFIGS = ((64, 32, 4), (32, 32, 4), (64, 64, 4), (128, 64, 8), (32, 6
 LOG2E = 1.4426950408889634  # log2(e): the attention kernel's exponentials are exp2
 
 
+def rows_fit(block_m: int, width) -> bool:
+    """Whether `block_m` whole rows of `width` (a GEMM's output, reduced after it) fit one program's
+    accumulator: at most 2 x ROW_TILE_ELEMENTS fp32 values (more spill). A symbolic width fits
+    (the host picks BLOCK_M from the bound width)."""
+    return not isinstance(width, int) or block_m * triton_next_power_of_2(width) <= 2 * ROW_TILE_ELEMENTS
+
+
 def triton_next_power_of_2(n: int) -> int:
     """triton.next_power_of_2, here where the emitter decides (Triton's own is for host code)."""
     return 1 << max(0, n - 1).bit_length()
@@ -546,8 +553,7 @@ class KernelWriter:
         self._check_epilogue_within(epilogue, out)
         self.whole_rows = self._whole_rows(epilogue)
         width = out.shape[-1]
-        if self.whole_rows and isinstance(width, int) and \
-                MIN_WHOLE_ROW_BLOCK_M * triton_next_power_of_2(width) > 2 * ROW_TILE_ELEMENTS:
+        if self.whole_rows and not rows_fit(MIN_WHOLE_ROW_BLOCK_M, width):
             raise RowsTooWide(f"rows of {width} reduced after a GEMM: an accumulator of "
                               f"{MIN_WHOLE_ROW_BLOCK_M} x {triton_next_power_of_2(width)} fp32 values per program")
         k_dim, m_dim = a_info.shape[-1], out.shape[-2]

@@ -65,7 +65,7 @@ from tilegraph.ir.quant import FORMATS, MIN_SCALE, MX_BLOCK
 from tilegraph.ir.shapes import TensorInfo, dims_equal, info_of, numel
 from tilegraph.backends.triton.group_kernels import (AXIS_OPS, GEMM_TILE, GROUP_M, INDENT, POINTER_TYPES, ROW_TILE_ELEMENTS,
                                      TL_TYPES, TORCH_TYPES, KernelCode, KernelWriter, Unsupported, Value, compute_type, dot_precision,
-                                     triton_next_power_of_2)
+                                     rows_fit)
 
 # Element types only these kernels read or write (Triton's names for them); E8M0 scales and
 # 4-bit values travel as their bytes (uint8).
@@ -179,9 +179,7 @@ def _rows_too_wide(mm: TgOp, wdeq: TgOp, adeq: TgOp | None) -> bool:
     if info_of(wdeq.operands[1].type).dtype == "f8E8M0FNU":
         return True
     fp8 = adeq is not None and all(info_of(d.operands[0].type).dtype in FP8_TYPES for d in (adeq, wdeq))
-    width = info_of(mm.results[0].type).shape[-1]
-    return fp8 and (not isinstance(width, int) or
-                    MIN_BLOCK_M_8BIT * triton_next_power_of_2(width) > 2 * ROW_TILE_ELEMENTS)
+    return fp8 and not rows_fit(MIN_BLOCK_M_8BIT, info_of(mm.results[0].type).shape[-1])
 
 
 # Ops that need a program to hold whole rows (group_kernels.py's row reductions and scans, and the
