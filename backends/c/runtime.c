@@ -1066,9 +1066,81 @@ static inline void tg_flash_mask(float *si, int64_t nk, int64_t i0, int64_t i, i
     }
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* tg_expf on 16 lanes, the same reduction and polynomial (so every path weighs alike), with
+ * 2^n applied by vscalefps: it saturates to inf and to zero itself, so only the input is
+ * clamped (far enough out that the result is already inf or zero; NaN passes through
+ * max/min as their second operand). The compiler's loop over tg_expf left a scalar tail per
+ * row (a row of 197 keys: 5 scalar exps), its running sum in memory and twice the work. */
+static inline __m512 tg_exp16(__m512 x) {
+    __m512 t = _mm512_min_ps(_mm512_set1_ps(89.f), _mm512_max_ps(_mm512_set1_ps(-104.f), x));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), t);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.f / 720), _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __mmask16 tg_lanes(int64_t n) { return (__mmask16)(n >= 16 ? 0xffff : n <= 0 ? 0 : (1u << n) - 1); }
+
+/* tg_flash_row on 16 lanes: the same online-softmax step over si[0:nk], the weights written
+ * back to si as f32 or (pi: the bf16 products) as bf16 pairs along the keys, `width` pairs,
+ * keys nk.. zero. */
+static inline void tg_flash_row16(float *si, int64_t nk, int64_t i0, int64_t i, int64_t j0, int64_t lq, int64_t lk,
+                                  int causal, int mask_kind, const void *mask, int64_t om, int64_t mr, int64_t mc,
+                                  float *mxi, float *sumi, float *ai, int64_t dv, uint32_t *pi, int64_t width) {
+    tg_flash_mask(si, nk, i0, i, j0, lq, lk, causal, mask_kind, mask, om, mr, mc);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    __m512 vm = ninf;
+    for (int64_t j = 0; j < nk; j += 16) vm = _mm512_max_ps(vm, _mm512_mask_loadu_ps(ninf, tg_lanes(nk - j), si + j));
+    /* (a NaN score: its weight is NaN, so is the row's sum and output, as softmax's) */
+    float m = _mm512_reduce_max_ps(vm);
+    m = m > *mxi || m != m ? m : *mxi;
+    /* all -inf so far: nothing to weigh yet (exp(-inf - -inf) would be NaN) */
+    float corr = m == -INFINITY ? 1.f : tg_expf(*mxi - m);
+    const __m512 vmax = _mm512_set1_ps(m);
+    __m512 l = _mm512_setzero_ps();
+    if (!pi) {
+        for (int64_t j = 0; j < nk; j += 16) {
+            __mmask16 live = m == -INFINITY ? 0 : tg_lanes(nk - j);
+            __m512 p = _mm512_maskz_mov_ps(live, tg_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, si + j), vmax)));
+            l = _mm512_add_ps(l, p);
+            _mm512_mask_storeu_ps(si + j, tg_lanes(nk - j), p);
+        }
+    }
+#if defined(__AVX512BF16__)
+    else {
+        for (int64_t j = 0; j < 2 * width; j += 32) {
+            __mmask16 lo = m == -INFINITY ? 0 : tg_lanes(nk - j), hi = m == -INFINITY ? 0 : tg_lanes(nk - j - 16);
+            __m512 p0 = _mm512_maskz_mov_ps(lo, tg_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lo, si + j), vmax)));
+            __m512 p1 = _mm512_maskz_mov_ps(hi, tg_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(hi, si + j + 16), vmax)));
+            l = _mm512_add_ps(l, _mm512_add_ps(p0, p1));
+            _mm512_storeu_si512(pi + j / 2, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+        }
+    }
+#endif
+    *sumi = *sumi * corr + _mm512_reduce_add_ps(l);
+    *mxi = m;
+    if (corr != 1.f) {
+#pragma omp simd
+        for (int64_t c = 0; c < dv; c++) ai[c] *= corr;
+    }
+}
+#endif
+
 static inline void tg_flash_row(float *si, int64_t nk, int64_t i0, int64_t i, int64_t j0, int64_t lq, int64_t lk,
                                 int causal, int mask_kind, const void *mask, int64_t om, int64_t mr, int64_t mc,
                                 float *mxi, float *sumi, float *ai, int64_t dv) {
+#if defined(__AVX512F__)
+    tg_flash_row16(si, nk, i0, i, j0, lq, lk, causal, mask_kind, mask, om, mr, mc, mxi, sumi, ai, dv, NULL, 0);
+#else
     tg_flash_mask(si, nk, i0, i, j0, lq, lk, causal, mask_kind, mask, om, mr, mc);
     float m = *mxi;
 #pragma omp simd reduction(max : m)
@@ -1087,6 +1159,7 @@ static inline void tg_flash_row(float *si, int64_t nk, int64_t i0, int64_t i, in
 #pragma omp simd
         for (int64_t c = 0; c < dv; c++) ai[c] *= corr;
     }
+#endif
 }
 
 /* bf16 attention products (precision bf16): both GEMMs of a block with bf16 operands,
@@ -1141,63 +1214,6 @@ static void tg_bf16_rows(const float *x, int64_t ld, int64_t rows, int64_t n, in
                                              _mm512_mul_ps(_mm512_maskz_loadu_ps(lo, xi + j), m));
             _mm512_storeu_si512(yi + j, (__m512i)v);
         }
-    }
-}
-
-/* tg_expf on 16 lanes (the same reduction and polynomial, so both paths weigh alike): the
- * row step below runs it over masked vectors, where the compiler's loop over tg_expf left
- * a scalar tail per row (a row of 197 keys: 5 scalar exps) and its running sum in memory. */
-static inline __m512 tg_exp16(__m512 x) {
-    __m512 t = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.33654f)), _mm512_set1_ps(88.72283f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), t);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.f / 720), _mm512_set1_ps(1.f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-    y = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72283f), _CMP_GT_OQ), _mm512_set1_ps(INFINITY));
-    y = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33654f), _CMP_LT_OQ), _mm512_setzero_ps());
-    return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x); /* NaN stays NaN */
-}
-
-static inline __mmask16 tg_lanes(int64_t n) { return (__mmask16)(n >= 16 ? 0xffff : n <= 0 ? 0 : (1u << n) - 1); }
-
-/* tg_flash_row for the bf16 products: the same online-softmax step over si[0:nk], its
- * weights written straight to bf16 pairs along the keys (pi, `width` pairs, keys nk.. zero)
- * for the AMX product, not back to si. */
-static inline void tg_flash_row_bf16(float *si, int64_t nk, int64_t i0, int64_t i, int64_t j0, int64_t lq,
-                                     int64_t lk, int causal, int mask_kind, const void *mask, int64_t om, int64_t mr,
-                                     int64_t mc, float *mxi, float *sumi, float *ai, int64_t dv, uint32_t *pi,
-                                     int64_t width) {
-    tg_flash_mask(si, nk, i0, i, j0, lq, lk, causal, mask_kind, mask, om, mr, mc);
-    const __m512 ninf = _mm512_set1_ps(-INFINITY);
-    __m512 vm = ninf;
-    for (int64_t j = 0; j < nk; j += 16) vm = _mm512_max_ps(vm, _mm512_mask_loadu_ps(ninf, tg_lanes(nk - j), si + j));
-    /* (a NaN score: its weight is NaN, so is the row's sum and output, as softmax's) */
-    float m = _mm512_reduce_max_ps(vm);
-    m = m > *mxi || m != m ? m : *mxi;
-    /* all -inf so far: nothing to weigh yet (exp(-inf - -inf) would be NaN) */
-    float corr = m == -INFINITY ? 1.f : tg_expf(*mxi - m);
-    const __m512 vmax = _mm512_set1_ps(m);
-    __m512 l = _mm512_setzero_ps();
-    for (int64_t j = 0; j < 2 * width; j += 32) {
-        __mmask16 lo = m == -INFINITY ? 0 : tg_lanes(nk - j), hi = m == -INFINITY ? 0 : tg_lanes(nk - j - 16);
-        __m512 p0 = _mm512_maskz_mov_ps(lo, tg_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lo, si + j), vmax)));
-        __m512 p1 = _mm512_maskz_mov_ps(hi, tg_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(hi, si + j + 16), vmax)));
-        l = _mm512_add_ps(l, _mm512_add_ps(p0, p1));
-        _mm512_storeu_si512(pi + j / 2, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-    }
-    *sumi = *sumi * corr + _mm512_reduce_add_ps(l);
-    *mxi = m;
-    if (corr != 1.f) {
-#pragma omp simd
-        for (int64_t c = 0; c < dv; c++) ai[c] *= corr;
     }
 }
 
@@ -1410,7 +1426,7 @@ static int tg_attention_bf16(int nb, const int64_t *bd, const int64_t *qb, const
                         int64_t rn = nq - r0 < TG_AMX_SLAB ? nq - r0 : TG_AMX_SLAB, rt = (rn + 15) / 16;
                         tg_bf16_gemm(amx, rt, (nk + 15) / 16, dp16 / 16, qh + r0 * dp16, dp16, kh, bk16, s, bk16, 0);
                         for (int64_t i = 0; i < rn; i++) /* the weights: bf16 pairs along the keys */
-                            tg_flash_row_bf16(s + i * bk16, nk, i0, r0 + i, j0, lq, lk, causal, mask_kind, mask,
+                            tg_flash_row16(s + i * bk16, nk, i0, r0 + i, j0, lq, lk, causal, mask_kind, mask,
                                               off[3], mr, mc, mx + r0 + i, sum + r0 + i, acc + (r0 + i) * dv16, dv,
                                               ph + i * kp16, kp16);
                         memset(ph + rn * kp16, 0, sizeof(uint32_t) * (16 * rt - rn) * kp16); /* rows rn.. zero */
