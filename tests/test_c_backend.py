@@ -295,6 +295,53 @@ def _natively(model):
     return compiled
 
 
+INT_TYPES = ["i8", "i16", "i32", "i64", "ui8", "ui16", "ui32", "ui64"]
+
+
+@pytest.mark.parametrize("dtype", INT_TYPES)
+def test_integer_division_and_modulo_run_in_c_with_numpys_results_where_cs_are_undefined(dtype):
+    """x / 0, x % 0 and INT_MIN / -1 trap or are undefined in C; NumPy gives 0, 0 and INT_MIN
+    (kernels.div truncates after np.abs, which leaves INT_MIN negative). They ran on the host;
+    MoE routing (experts picked by token index div and mod) and ConvBERT met them."""
+    from tilegraph.ir import Graph
+
+    info = np.iinfo(numpy_dtype(dtype))
+    signed = [-1, -2, -7, info.min, info.min + 1] if info.min < 0 else []
+    values = np.array(sorted({0, 1, 2, 3, 7, info.max, info.max - 1, *signed}), dtype=numpy_dtype(dtype))
+    a, b = (v.ravel().copy() for v in np.meshgrid(values, values))
+    for name, attrs in (("div", {}), ("mod", {"fmod": False}), ("mod", {"fmod": True})):
+        g = Graph()
+        x, y = g.input("a", a.shape, dtype=dtype), g.input("b", b.shape, dtype=dtype)
+        model = g.build(g.op(name, x, y, **attrs), names=["o"])
+        with np.errstate(divide="ignore", invalid="ignore"):
+            want = interpret(model, [a, b])[0]
+        np.testing.assert_array_equal(_natively(model)(a, b)[0], want, err_msg=f"{name} {attrs}")
+
+
+@pytest.mark.parametrize("source", ["f32", "f64"])
+def test_floats_to_integers_and_float_modulo_run_in_c_with_numpys_results(source):
+    """A float to int cast is undefined in C out of range; NumPy's on x86 gives INT_MIN (int32
+    and int64) and the narrower types that int32 modulo their width. np.mod of floats takes the
+    divisor's sign. All ran on the host (WavLM's position buckets, MPNet's)."""
+    from tilegraph.ir import Graph
+
+    x = np.array([np.nan, np.inf, -np.inf, 3e9, -3e9, 1e19, -1e19, 2.5, -2.5, 2147483647.0, -2147483648.0, 9.3e18,
+                  -9.3e18, 0.99, -0.99, 200.7, -200.7, 70000.2, -70000.2, 0.0, -0.0], numpy_dtype(source))
+    with np.errstate(invalid="ignore"):
+        for to in ("i64", "i32", "i16", "i8", "ui16", "ui8"):
+            g = Graph()
+            model = g.build(g.op("cast", g.input("x", x.shape, dtype=source), to=to), names=["o"])
+            np.testing.assert_array_equal(_natively(model)(x)[0], interpret(model, [x])[0], err_msg=to)
+        a, b = (v.ravel().copy() for v in np.meshgrid(x[[0, 1, 2, 7, 8, 13, 14, 15, 19, 20]], x[[1, 2, 7, 8, 13, 19, 20]]))
+        for fmod in (False, True):
+            g = Graph()
+            model = g.build(g.op("mod", g.input("a", a.shape, dtype=source), g.input("b", b.shape, dtype=source),
+                                 fmod=fmod), names=["o"])
+            got, want = _natively(model)(a, b)[0], interpret(model, [a, b])[0].astype(x.dtype)
+            np.testing.assert_array_equal(got, want, err_msg=f"fmod={fmod}")
+            np.testing.assert_array_equal(np.signbit(got), np.signbit(want), err_msg=f"fmod={fmod}: a zero's sign")
+
+
 @settings(max_examples=20, deadline=None)
 @given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=3), data=st.data())
 def test_indexing_ops_along_any_axis_match_the_interpreter(shape, data):

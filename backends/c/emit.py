@@ -66,8 +66,8 @@ HOST_FALLBACK = {
     "pad": "C for constant padding (canonicalize makes a zero pad a convolution reads its padding), the host "
            "for reflect/edge/wrap and negative pads",
     "cumprod": "host", "trilu": "host", "topk": "host", "argmax": "host",
-    "argmin": "host", "mod": "host", "isinf": "host", "reduce_prod": "host",
-    "div": "C for floats, the host for integers", "pow": "C for floats, the host for integers",
+    "argmin": "host", "isinf": "host", "reduce_prod": "host",
+    "pow": "C for floats, the host for integers",
     "quantize": "C for integer formats, the host for float formats and block scales",
     "dequantize": "C for scales per tensor or channel, the host for block scales",
     "dynamic_quantize": "C for rows to i8, the host for other formats and MX blocks",

@@ -8,7 +8,7 @@ import sympy
 from xdsl.ir import SSAValue
 
 from tilegraph.backends.c.tables import (C_BINARY, C_BINARY_FLOAT, C_BINARY_INT, C_UNARY_FLOAT, C_UNARY_INT, CTYPES,
-                                         FLOATS, PARALLEL_MIN, SIMD_BLOCK, STORAGE)
+                                         FLOAT_TO_INT, FLOATS, PARALLEL_MIN, SIMD_BLOCK, STORAGE)
 from tilegraph.backends.c.views import (EmitterParts, Unsupported, View, _describe, _eq, _is_one, bf16_marker, feeds_gemm,
                                         lowers)
 from tilegraph.ir.dialect import TgOp
@@ -17,7 +17,8 @@ from tilegraph.ir.shapes import info_of, numel
 from tilegraph.ir.ops import OPS, Op
 
 # The elementwise ops `Loops.expr` writes as C (the others of the table run on the host).
-EXPRESSIONS = {*C_UNARY_FLOAT, *C_UNARY_INT, *C_BINARY, *C_BINARY_FLOAT, *C_BINARY_INT, Op.gelu, Op.sigmoid, Op.cast}
+EXPRESSIONS = {*C_UNARY_FLOAT, *C_UNARY_INT, *C_BINARY, *C_BINARY_FLOAT, *C_BINARY_INT, Op.gelu, Op.sigmoid, Op.cast,
+               Op.mod}
 
 
 class Loops(EmitterParts):
@@ -131,9 +132,20 @@ class Loops(EmitterParts):
             src, dst = operand_dtypes[0], out.dtype
             if dst == "i1":
                 return f"(({args[0]}) != 0)"
-            if src in FLOATS and dst not in FLOATS:
-                raise Unsupported("float to integer cast")
+            if src in FLOATS and dst not in FLOATS:  # NumPy's results out of range too (runtime.h)
+                if dst in FLOAT_TO_INT:
+                    return f"(({CTYPES[dst]})tg_f2{FLOAT_TO_INT[dst]}({args[0]}))"
+                raise Unsupported(f"float to {dst} cast")
             return f"(({CTYPES[dst]})({args[0]}))"
+        if name in (Op.div, Op.mod) and (out.dtype not in FLOATS or name == Op.mod):
+            # NumPy's results where C's are undefined: x / 0, INT_MIN / -1 (runtime.h)
+            if any(t != out.dtype for t in operand_dtypes):
+                raise Unsupported(f"{name} of mixed types")
+            if name == Op.mod and op.attr("fmod") and out.dtype in FLOATS:
+                return f"fmod{'f' if out.dtype == 'f32' else ''}({args[0]}, {args[1]})"
+            kind = "div" if name == Op.div else "fmod" if op.attr("fmod") else "mod"
+            ct = CTYPES[out.dtype]
+            return f"tg_{kind}_{out.dtype}(({ct})({args[0]}), ({ct})({args[1]}))"
         if name in (Op.quantize, Op.dequantize):
             ct = "double" if out.dtype == "f64" else "float"
             x, scale = (f"(({ct})({arg}))" for arg in args[:2])

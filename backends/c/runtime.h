@@ -206,6 +206,61 @@ static inline double tg_gelu_tanh_d(double x) {
 static inline float tg_sigmoid(float x) { float e = tg_expf(-fabsf(x)); return x >= 0 ? 1.f / (1.f + e) : e / (1.f + e); }
 static inline double tg_sigmoid_d(double x) { double e = exp(-fabs(x)); return x >= 0 ? 1. / (1. + e) : e / (1. + e); }
 
+/* --- integer division and float-to-integer casts, with NumPy's results (ir/kernels.py) ---
+ *
+ * C leaves these undefined or traps where NumPy defines a result: x / 0 and x % 0 (0 in NumPy),
+ * INT_MIN / -1 (a trap), a float out of an integer's range (x86's "integer indefinite", INT_MIN,
+ * in NumPy's casts). kernels.div truncates toward zero after np.abs, which leaves INT_MIN
+ * negative; the signed helpers repeat that step for step (the module compiles with -fwrapv,
+ * and a narrower type converts back modulo its width). */
+#define TG_SIGNED_DIVISION(S, T)                                                                     \
+    static inline T tg_div_##S(T a, T b) {                                                           \
+        if (b == 0) return 0;                                                                        \
+        T ua = (T)(a < 0 ? -a : a), ub = (T)(b < 0 ? -b : b); /* np.abs: INT_MIN stays negative */  \
+        T q = (T)(ua / ub); /* ub is never -1 */                                                     \
+        if ((T)(ua % ub) != 0 && (ua < 0) != (ub < 0)) q = (T)(q - 1); /* // floors */               \
+        return (a < 0) != (b < 0) ? (T)-q : q;                                                       \
+    }                                                                                                \
+    static inline T tg_fmod_##S(T a, T b) { return b == 0 || b == -1 ? 0 : (T)(a % b); }             \
+    static inline T tg_mod_##S(T a, T b) { /* np.mod: the sign of the divisor */                    \
+        T r = tg_fmod_##S(a, b);                                                                     \
+        return r != 0 && (r < 0) != (b < 0) ? (T)(r + b) : r;                                        \
+    }
+#define TG_UNSIGNED_DIVISION(S, T)                                                                   \
+    static inline T tg_div_##S(T a, T b) { return b == 0 ? 0 : (T)(a / b); }                        \
+    static inline T tg_fmod_##S(T a, T b) { return b == 0 ? 0 : (T)(a % b); }                       \
+    static inline T tg_mod_##S(T a, T b) { return tg_fmod_##S(a, b); }
+TG_SIGNED_DIVISION(i8, int8_t)
+TG_SIGNED_DIVISION(i16, int16_t)
+TG_SIGNED_DIVISION(i32, int32_t)
+TG_SIGNED_DIVISION(i64, int64_t)
+TG_UNSIGNED_DIVISION(ui8, uint8_t)
+TG_UNSIGNED_DIVISION(ui16, uint16_t)
+TG_UNSIGNED_DIVISION(ui32, uint32_t)
+TG_UNSIGNED_DIVISION(ui64, uint64_t)
+
+/* np.mod on floats (npy_divmod): fmod moved to the divisor's sign, a zero result signed as
+ * the divisor, NaN for a zero divisor (as fmod gives). */
+static inline double tg_mod_f64(double a, double b) {
+    double r = fmod(a, b);
+    if (b == 0) return r;
+    return r != 0 ? ((b < 0) != (r < 0) ? r + b : r) : copysign(0.0, b);
+}
+static inline float tg_mod_f32(float a, float b) {
+    float r = fmodf(a, b);
+    if (b == 0) return r;
+    return r != 0 ? ((b < 0) != (r < 0) ? r + b : r) : copysignf(0.f, b);
+}
+
+/* A float to int32/int64 as NumPy casts on x86: truncation, and INT_MIN for NaN and out of
+ * range; the narrower integers take the int32 result modulo their width, as its casts do. */
+static inline int64_t tg_f2i64(double x) {
+    return x != x || x >= 9223372036854775808.0 || x < -9223372036854775808.0 ? INT64_MIN : (int64_t)x;
+}
+static inline int32_t tg_f2i32(double x) {
+    return x != x || x >= 2147483648.0 || x < -2147483648.0 ? INT32_MIN : (int32_t)x;
+}
+
 /* --- quantization, as ir/quant.py defines it --- */
 
 /* x rounded to bf16 (nearest, ties to even, as oneDNN's conversions and vcvtneps2bf16 round),

@@ -43,9 +43,12 @@ C_BINARY_INT = {
     "max": "(({lhs}) > ({rhs}) ? ({lhs}) : ({rhs}))", "min": "(({lhs}) < ({rhs}) ? ({lhs}) : ({rhs}))",
     "bitwise_and": "(({lhs}) & ({rhs}))", "bitwise_or": "(({lhs}) | ({rhs}))", "bitwise_xor": "(({lhs}) ^ ({rhs}))",
 }
-# Integer division, modulo, power and shifts trap or are undefined in C where NumPy
-# defines a result (x / 0, INT_MIN / -1, shifts past the width); a float to int cast
-# is undefined out of range. Those run on the host (HOST_FALLBACK).
+# Integer division and modulo, and a float to int cast out of range, trap or are undefined
+# in C where NumPy defines a result (x / 0, INT_MIN / -1, NaN to int): runtime.h's helpers
+# (tg_div_i32, tg_mod_f32, tg_f2i64, ...) give NumPy's. A cast to each integer type goes
+# through the int32 or int64 helper, as NumPy's casts do on x86. Integer power and shifts
+# past the width run on the host (HOST_FALLBACK).
+FLOAT_TO_INT = {"i64": "i64", "i32": "i32", "i16": "i32", "i8": "i32", "ui16": "i32", "ui8": "i32"}
 
 # oneDNN algorithm kinds (dnnl_types.h) for epilogues it fuses into a GEMM or convolution.
 DNNL_ELTWISE = {"relu": "dnnl_eltwise_relu", "tanh": "dnnl_eltwise_tanh", "exp": "dnnl_eltwise_exp",
