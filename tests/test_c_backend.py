@@ -318,6 +318,25 @@ def test_integer_division_and_modulo_run_in_c_with_numpys_results_where_cs_are_u
         np.testing.assert_array_equal(_natively(model)(a, b)[0], want, err_msg=f"{name} {attrs}")
 
 
+@pytest.mark.parametrize("dtype,reduction", [("i64", "none"), ("i32", "add"), ("ui8", "none")])
+def test_integer_scatter_nd_runs_in_c_in_order_and_names_an_index_out_of_range(dtype, reduction):
+    """MoE routing writes each token's position into an integer buffer (index_put_ of an arange):
+    the C scatter took float slices only, so it ran on the host between segments."""
+    from tilegraph.ir import Graph, TilegraphError
+
+    g = Graph()
+    x, ids = g.input("x", (6, 3), dtype=dtype), g.input("ids", ("N", 1), dtype="i64")
+    model = g.build(g.op("scatter_nd", x, ids, g.input("u", ("N", 3), dtype=dtype), reduction=reduction),
+                    names=["o"])
+    xs = np.arange(18).reshape(6, 3).astype(numpy_dtype(dtype))
+    index = np.array([[4], [-1], [0], [4]])  # negative from the end, 4 twice: in order
+    updates = (np.arange(12).reshape(4, 3) * 7 + 1).astype(numpy_dtype(dtype))
+    compiled = _natively(model)
+    np.testing.assert_array_equal(compiled(xs, index, updates)[0], interpret(model, [xs, index, updates])[0])
+    with pytest.raises(TilegraphError, match="scatter_nd: index 6 is out of range"):
+        compiled(xs, np.array([[6]]), updates[:1])
+
+
 @pytest.mark.parametrize("source", ["f32", "f64"])
 def test_floats_to_integers_and_float_modulo_run_in_c_with_numpys_results(source):
     """A float to int cast is undefined in C out of range; NumPy's on x86 gives INT_MIN (int32

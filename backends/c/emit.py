@@ -62,7 +62,7 @@ MAX_ATTENTION_BLOCK = 16384
 
 HOST_FALLBACK = {
     "einsum": "NumPy's einsum on the host",
-    "scatter_elements": "host", "scatter_nd": "C for set and add over float slices, the host otherwise",
+    "scatter_elements": "host", "scatter_nd": "C for set and add by i64/i32 indices, the host otherwise",
     "pad": "C for constant padding (canonicalize makes a zero pad a convolution reads its padding), the host "
            "for reflect/edge/wrap and negative pads",
     "cumprod": "host", "trilu": "host", "topk": "host", "argmax": "host",

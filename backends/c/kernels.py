@@ -154,12 +154,14 @@ class Kernels(EmitterParts):
     @lowers(Op.scatter_nd, spread=True)
     def scatter_nd(self, op: TgOp, x: View, ids: View, updates: View) -> View:
         """A copy of x with slices set to, or added to, rows of updates (an embedding's
-        gradient: cotangent rows added into a zero table), in order, so repeated indices add
+        gradient: cotangent rows added into a zero table; MoE routing's token order), in order, so repeated indices add
         up as the host's np.add.at does; an index out of range is an error naming the op."""
         info = op.result_infos()[0]
         reduction = op.attr("reduction")
-        if reduction not in ("none", "add") or info.dtype not in FLOATS or ids.dtype not in ("i64", "i32"):
-            raise Unsupported("scatter_nd setting or adding float slices by i64/i32 indices")
+        # (a bool's + is NumPy's or, not the byte's sum; integers wrap as np.add.at's do)
+        if (reduction not in ("none", "add") or info.dtype not in CTYPES or ids.dtype not in ("i64", "i32")
+                or reduction == "add" and info.dtype == "i1"):
+            raise Unsupported("scatter_nd setting or adding slices by i64/i32 indices")
         k = ids.shape[-1]
         if not isinstance(k, int) and not getattr(k, "is_Integer", False):
             raise Unsupported("scatter_nd by a symbolic index depth")
