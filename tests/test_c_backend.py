@@ -9,6 +9,7 @@ C runs.
 
 from __future__ import annotations
 
+import math
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -335,6 +336,30 @@ def test_integer_scatter_nd_runs_in_c_in_order_and_names_an_index_out_of_range(d
     np.testing.assert_array_equal(compiled(xs, index, updates)[0], interpret(model, [xs, index, updates])[0])
     with pytest.raises(TilegraphError, match="scatter_nd: index 6 is out of range"):
         compiled(xs, np.array([[6]]), updates[:1])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shape=st.lists(st.integers(1, 6), min_size=1, max_size=3), data=st.data())
+def test_topk_runs_in_c_with_ties_in_index_order_and_nan_ranked_as_numpys_sort_does(shape, data):
+    """MoE routing picks each token's top experts; topk ran on the host. Ties keep their index
+    order and a NaN ranks above every number for the largest, below for the smallest."""
+    from tilegraph.ir import Graph
+
+    dtype = data.draw(st.sampled_from(["f32", "f64", "i64", "i32", "ui8"]))
+    axis = data.draw(st.integers(-len(shape), len(shape) - 1))
+    k = data.draw(st.integers(1, shape[axis]))
+    largest = data.draw(st.booleans())
+    xs = data.draw(st.lists(st.sampled_from([0, 1, 2, 3, -1, 7, 200]), min_size=math.prod(shape),
+                            max_size=math.prod(shape)))
+    x = np.array(xs).reshape(shape).astype(numpy_dtype(dtype))
+    if dtype.startswith("f"):
+        x.flat[data.draw(st.lists(st.integers(0, x.size - 1), max_size=3))] = np.nan
+    g = Graph()
+    values, indices = g.op("topk", g.input("x", shape, dtype=dtype), k=k, axis=axis, largest=largest)
+    model = g.build(values, indices, names=["v", "i"])
+    got, want = _natively(model)(x), interpret(model, [x])
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_array_equal(got[0], want[0].astype(x.dtype))
 
 
 @pytest.mark.parametrize("source", ["f32", "f64"])

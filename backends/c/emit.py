@@ -42,7 +42,7 @@ from tilegraph.backends.c.kernels import Kernels
 from tilegraph.backends.c.loops import Loops
 from tilegraph.backends.c.onednn import OneDNN, bf16_sources, chain_convolutions
 from tilegraph.backends.c.quant import Quantized
-from tilegraph.backends.c.tables import CTYPES, FLOATS, KNOWN
+from tilegraph.backends.c.tables import CTYPES, FLOATS, KNOWN, TOPK_MAX
 from tilegraph.backends.c.views import (LOWER, Buffer, Ints, Step, Unsupported, View, Views, _describe, _eq, bf16_marker, c_comment,
                                         c_float, feeds_gemm, lowers)
 from tilegraph.backends.lowering import table
@@ -65,7 +65,7 @@ HOST_FALLBACK = {
     "scatter_elements": "host", "scatter_nd": "C for set and add by i64/i32 indices, the host otherwise",
     "pad": "C for constant padding (canonicalize makes a zero pad a convolution reads its padding), the host "
            "for reflect/edge/wrap and negative pads",
-    "cumprod": "host", "trilu": "host", "topk": "host", "argmax": "host",
+    "cumprod": "host", "trilu": "host", "topk": f"C keeping up to {TOPK_MAX} of a row, the host otherwise", "argmax": "host",
     "argmin": "host", "isinf": "host", "reduce_prod": "host",
     "pow": "C for floats, the host for integers",
     "quantize": "C for integer formats, the host for float formats and block scales",

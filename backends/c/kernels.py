@@ -6,7 +6,7 @@ import math
 
 import sympy
 
-from tilegraph.backends.c.tables import CTYPES, FLOATS, REDUCE_INIT, REDUCE_STEP
+from tilegraph.backends.c.tables import CTYPES, FLOATS, REDUCE_INIT, REDUCE_STEP, TOPK_MAX
 from tilegraph.backends.c.views import (EmitterParts, Unsupported, View, lowers, _describe, _eq, _is_one, c_float,
                                         contiguous_strides)
 from tilegraph.ir.dialect import TgOp
@@ -296,6 +296,36 @@ class Kernels(EmitterParts):
         lines.append("}")
         self._step(_describe(op), lines, [x], [out])
         return out
+
+    @lowers(Op.topk, spread=True)
+    def topk(self, op: TgOp, x: View) -> list[View]:
+        """The k largest (or smallest) of each row along the axis, by insertion into a sorted
+        list of k as the row is read in order, so equal values keep their index order; a NaN
+        ranks above every number, as NumPy's stable sort of the reversed row makes it (below
+        every number for the smallest). MoE routing's top experts of each token."""
+        values, indices = op.result_infos()
+        k, axis, largest = op.attr("k"), op.attr("axis") % max(x.rank, 1), op.attr("largest")
+        if x.literal is not None or x.rank == 0 or not 0 < k <= TOPK_MAX:
+            raise Unsupported(f"topk of a tensor with 1 to {TOPK_MAX} values kept")
+        vals, idx = self._temp(values), self._temp(indices)
+        ctype, n = CTYPES[x.dtype], self.ints(x.shape[axis])
+        nan_first = "|| (a != a && b == b)" if largest else "|| (b != b && a == a)"
+        before = f"((a {'>' if largest else '<'} b){nan_first if x.dtype in FLOATS else ''})"
+        coords = {d: f"c{d}" for d in range(x.rank) if d != axis}
+        at_x, at_v, at_i = (self._at(v, {**coords, axis: j}) for v, j in ((x, "j"), (vals, "p"), (idx, "p")))
+        row = ["{", f"    {ctype} top[{k}]; int64_t at[{k}]; int64_t m = 0;",
+               f"    for (int64_t j = 0; j < {n}; j++) {{",
+               f"        {ctype} a = x[{at_x}], b;",
+               f"        if (m == {k}) {{ b = top[{k - 1}]; if (!{before}) continue; }}",
+               f"        int64_t p = m < {k} ? m++ : {k - 1};",
+               f"        for (; p > 0; p--) {{ b = top[p - 1]; if (!{before}) break; top[p] = b; at[p] = at[p - 1]; }}",
+               "        top[p] = a; at[p] = j;", "    }",
+               f"    for (int64_t p = 0; p < {k}; p++) {{ v[{at_v}] = top[p]; ix[{at_i}] = at[p]; }}", "}"]
+        lines = ["{", f"    const {ctype} *x = {self.ptr(x)};", f"    {ctype} *v = {self.ptr(vals, False)};",
+                 f"    int64_t *ix = {self.ptr(idx, False)};"]
+        lines += ["    " + line for line in self._nest(values.shape, axis, row)] + ["}"]
+        self._step(_describe(op), lines, [x], [vals, idx])
+        return [vals, idx]
 
     @lowers(Op.concat)
     def concat(self, op: TgOp, xs: list[View]) -> View:

@@ -57,6 +57,9 @@ DNNL_ELTWISE = {"relu": "dnnl_eltwise_relu", "tanh": "dnnl_eltwise_tanh", "exp":
                 "swish": "dnnl_eltwise_swish"}
 DNNL_BINARY = {"add": "dnnl_binary_add", "mul": "dnnl_binary_mul", "sub": "dnnl_binary_sub"}
 DNNL_TYPES = {"f32": "dnnl_f32", "i8": "dnnl_s8", "ui8": "dnnl_u8", "i32": "dnnl_s32"}
+# topk keeps at most this many values of a row in C (an insertion per value read: k compares
+# at worst); more run on the host's sort.
+TOPK_MAX = 64
 # Work below this many elements runs on one thread: an OpenMP fork/join costs more.
 PARALLEL_MIN = 32768
 KNOWN = ("weight", "constant", "folded")  # buffers whose values no input changes
