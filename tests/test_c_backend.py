@@ -362,6 +362,26 @@ def test_topk_runs_in_c_with_ties_in_index_order_and_nan_ranked_as_numpys_sort_d
     np.testing.assert_array_equal(got[0], want[0].astype(x.dtype))
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shape=st.lists(st.integers(1, 6), min_size=1, max_size=3), data=st.data())
+def test_argmax_and_argmin_run_in_c_with_numpys_ties_and_nans(shape, data):
+    """The first (or last) index of a row's extreme, a NaN winning over every number for both,
+    as np.argmax and np.argmin; both ran on the host."""
+    from tilegraph.ir import Graph
+
+    dtype = data.draw(st.sampled_from(["f32", "f64", "i64", "ui8"]))
+    name = data.draw(st.sampled_from(["argmax", "argmin"]))
+    axis = data.draw(st.integers(-len(shape), len(shape) - 1))
+    attrs = dict(axis=axis, keepdims=data.draw(st.booleans()), select_last_index=data.draw(st.booleans()))
+    xs = data.draw(st.lists(st.sampled_from([0, 1, 3, 7]), min_size=math.prod(shape), max_size=math.prod(shape)))
+    x = np.array(xs).reshape(shape).astype(numpy_dtype(dtype))
+    if dtype.startswith("f"):
+        x.flat[data.draw(st.lists(st.integers(0, x.size - 1), max_size=3))] = np.nan
+    g = Graph()
+    model = g.build(g.op(name, g.input("x", shape, dtype=dtype), **attrs), names=["i"])
+    np.testing.assert_array_equal(_natively(model)(x)[0], interpret(model, [x])[0])
+
+
 @pytest.mark.parametrize("source", ["f32", "f64"])
 def test_floats_to_integers_and_float_modulo_run_in_c_with_numpys_results(source):
     """A float to int cast is undefined in C out of range; NumPy's on x86 gives INT_MIN (int32

@@ -65,8 +65,8 @@ HOST_FALLBACK = {
     "scatter_elements": "host", "scatter_nd": "C for set and add by i64/i32 indices, the host otherwise",
     "pad": "C for constant padding (canonicalize makes a zero pad a convolution reads its padding), the host "
            "for reflect/edge/wrap and negative pads",
-    "cumprod": "host", "trilu": "host", "topk": f"C keeping up to {TOPK_MAX} of a row, the host otherwise", "argmax": "host",
-    "argmin": "host", "isinf": "host", "reduce_prod": "host",
+    "cumprod": "host", "trilu": "host", "topk": f"C keeping up to {TOPK_MAX} of a row, the host otherwise",
+    "isinf": "host", "reduce_prod": "host",
     "pow": "C for floats, the host for integers",
     "quantize": "C for integer formats, the host for float formats and block scales",
     "dequantize": "C for scales per tensor or channel, the host for block scales",

@@ -327,6 +327,35 @@ class Kernels(EmitterParts):
         self._step(_describe(op), lines, [x], [vals, idx])
         return [vals, idx]
 
+    @lowers(Op.argmax, Op.argmin, spread=True)
+    def arg_extreme(self, op: TgOp, x: View) -> View:
+        """The index of each row's largest (smallest) value along the axis: the first, or the
+        last (select_last_index); a NaN wins over every number for both, as in NumPy."""
+        info = op.result_infos()[0]
+        axis, keep = op.attr("axis") % max(x.rank, 1), op.attr("keepdims")
+        if x.literal is not None or x.rank == 0:
+            raise Unsupported(f"{op.op_name} of a tensor")
+        out = self._temp(info)
+        ctype, n = CTYPES[x.dtype], self.ints(x.shape[axis])
+        beats = f"(a {'>' if op.op_name == Op.argmax else '<'} b)"
+        ties = "a == b"
+        if x.dtype in FLOATS:
+            beats, ties = f"({beats} || (a != a && b == b))", "(a == b || (a != a && b != b))"
+        if op.attr("select_last_index"):
+            beats = f"({beats} || {ties})"
+        coords = {d: f"c{d}" for d in range(x.rank) if d != axis}
+        out_coords = coords if keep else {d - (d > axis): c for d, c in coords.items()}
+        row = ["{", f"    {ctype} b = x[{self._at(x, {**coords, axis: '0'})}]; int64_t at = 0;",
+               f"    for (int64_t j = 1; j < {n}; j++) {{",
+               f"        {ctype} a = x[{self._at(x, {**coords, axis: 'j'})}];",
+               f"        if ({beats}) {{ b = a; at = j; }}", "    }",
+               f"    out[{self._at(out, out_coords)}] = at;", "}"]
+        lines = ["{", f'    if ({n} < 1) TG_FAIL("{op.op_name} of an empty axis (step %d)", {len(self.steps)});',
+                 f"    const {ctype} *x = {self.ptr(x)};", f"    int64_t *out = {self.ptr(out, False)};"]
+        lines += ["    " + line for line in self._nest(x.shape, axis, row)] + ["}"]
+        self._step(_describe(op), lines, [x], [out])
+        return out
+
     @lowers(Op.concat)
     def concat(self, op: TgOp, xs: list[View]) -> View:
         info = op.result_infos()[0]
