@@ -66,7 +66,7 @@ HOST_FALLBACK = {
     "pad": "C for constant padding (canonicalize makes a zero pad a convolution reads its padding), the host "
            "for reflect/edge/wrap and negative pads",
     "cumprod": "host", "trilu": "host", "topk": f"C keeping up to {TOPK_MAX} of a row, the host otherwise",
-    "isinf": "host", "reduce_prod": "host",
+    "reduce_prod": "host",
     "pow": "C for floats, the host for integers",
     "quantize": "C for integer formats, the host for float formats and block scales",
     "dequantize": "C for scales per tensor or channel, the host for block scales",

@@ -18,7 +18,7 @@ from tilegraph.ir.ops import OPS, Op
 
 # The elementwise ops `Loops.expr` writes as C (the others of the table run on the host).
 EXPRESSIONS = {*C_UNARY_FLOAT, *C_UNARY_INT, *C_BINARY, *C_BINARY_FLOAT, *C_BINARY_INT, Op.gelu, Op.sigmoid, Op.cast,
-               Op.mod}
+               Op.mod, Op.isinf}
 
 
 class Loops(EmitterParts):
@@ -137,6 +137,11 @@ class Loops(EmitterParts):
                     return f"(({CTYPES[dst]})tg_f2{FLOAT_TO_INT[dst]}({args[0]}))"
                 raise Unsupported(f"float to {dst} cast")
             return f"(({CTYPES[dst]})({args[0]}))"
+        if name == Op.isinf:
+            if operand_dtypes[0] not in FLOATS:
+                return "0"
+            signs = [s for s, on in (("", op.attr("detect_positive")), ("-", op.attr("detect_negative"))) if on]
+            return "(" + " || ".join([f"({args[0]}) == {s}INFINITY" for s in signs] or ["0"]) + ")"
         if name in (Op.div, Op.mod) and (out.dtype not in FLOATS or name == Op.mod):
             # NumPy's results where C's are undefined: x / 0, INT_MIN / -1 (runtime.h)
             if any(t != out.dtype for t in operand_dtypes):
