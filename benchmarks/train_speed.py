@@ -200,7 +200,13 @@ def bench(name: str, args, all_threads: int) -> list[tuple]:
         others.append(other)
     eager = copy.deepcopy(module)
     eager_run = torch_trainer(eager, eager, loss)
-    runners = {"tilegraph C": lambda: step(*inputs, targets=targets), **runners_extra,
+    team: list[int] = []  # the threads each native segment of tilegraph's timed steps ran on
+
+    def ours():
+        value = step(*inputs, targets=targets)
+        team.extend(step.compiled._runner.segment_threads)
+        return value
+    runners = {"tilegraph C": ours, **runners_extra,
                "torch eager": lambda: eager_run(inputs, targets)}
     if not args.no_compile:
         compiled_module = copy.deepcopy(module)
@@ -224,8 +230,11 @@ def bench(name: str, args, all_threads: int) -> list[tuple]:
         torch.set_num_threads(n)
         for s in (step, *others):
             s.compiled._runner.set_threads(n)
+        team.clear()
         samples = _common.interleaved_samples(runners, args.repeat, warmup=0, first=first)
         load = os.getloadavg()[0]
+        # the runtime leaves a busy neighbour its core (runtime._uncontended_threads), segment by segment
+        print(f"  tilegraph's segments on {n} threads: {sum(t == n for t in team)} of {len(team)}")
         for peer in runners:
             if peer == "tilegraph C":
                 continue

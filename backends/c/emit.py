@@ -50,6 +50,7 @@ from tilegraph.backends.program import flatten
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.strides import is_channels_last, result_strides
 from tilegraph.ir.model import Model, ModelError
+from tilegraph.ir.shapes import info_of, numel
 from tilegraph.ir.ops import Op, OPS
 
 # What every op of the table does in this backend when it is not lowered to C: the
@@ -309,6 +310,21 @@ LOWERINGS = table(template=[op for op in OPS if (op in LOWER or op in VIEW_LOWER
 
 # --- the module ---------------------------------------------------------------------------
 
+# A module of this much work (FLOPs and elements written, its symbols at 1: `work`), a tenth of
+# a second of one core or more, is cut into segments (native calls) of SEGMENT_STEPS steps. A
+# training step of a 12-layer GPT-2 is 457 steps and seconds long: cut every 32 it is ~15 calls
+# of 0.1-0.5 s, each a chance to follow the neighbours that came or went since the call began
+# (runtime.RECHOOSE_S), for a few microseconds of ctypes a call. Shorter modules stay one call.
+LONG_WORK, SEGMENT_STEPS = 10_000_000_000, 32
+
+
+def work(model: Model):
+    """The module's work, a sympy expression of its symbols: its FLOPs and the elements it writes
+    (a pass over memory is work too)."""
+    return sum((op.SPEC.flop_count([info_of(v.type) for v in op.operands], op.result_infos())
+                + sum(numel(r.shape) for r in op.result_infos())
+                for op in model.module.walk() if isinstance(op, TgOp)), sympy.Integer(0))
+
 
 @dataclass
 class CProgram:
@@ -324,7 +340,9 @@ class CProgram:
 
 def emit_program(model: Model, name: str | None = None, per_step: bool = False) -> CProgram:
     """The module; `per_step=True` makes every native step a segment of its own (one
-    native call each), so a profiler or a debugger can look between steps."""
+    native call each), so a profiler or a debugger can look between steps. Otherwise a long
+    module's segment runs up to SEGMENT_STEPS native steps (LONG_WORK): between them the runtime
+    may choose the call's threads again (runtime.RECHOOSE_S)."""
     em = CEmitter(model)
     em.run()
     chained = chain_convolutions(em.steps, em.buffers, em.outputs())
@@ -368,6 +386,8 @@ def emit_program(model: Model, name: str | None = None, per_step: bool = False) 
               "    return n;", "}", ""]
     plan: list[tuple[str, int]] = []
     segments: list[list[int]] = []
+    total = sympy.sympify(work(model))
+    cut = SEGMENT_STEPS if total.xreplace({x: 1 for x in total.free_symbols}) >= LONG_WORK else len(em.steps)
     for i, step in enumerate(em.steps):
         if step.host_op is not None:
             plan.append(("host", i))
@@ -375,7 +395,7 @@ def emit_program(model: Model, name: str | None = None, per_step: bool = False) 
         lines += [f"/* step {i}: {c_comment(step.comment)} */",
                   f"static int tg_step_{i}(tg_state *st, const int64_t *s, void *const *p) {{"]
         lines += ["    " + line for line in step.lines] + ["    return 0;", "}", ""]
-        if per_step or not plan or plan[-1][0] != "segment":
+        if per_step or not plan or plan[-1][0] != "segment" or len(segments[-1]) >= cut:
             plan.append(("segment", len(segments)))
             segments.append([])
         segments[-1].append(i)

@@ -16,27 +16,27 @@ import ctypes
 import os
 import re
 import threading
+import time
 import warnings
 import weakref
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Mapping, cast
+from typing import Any, Callable, Mapping, cast
 
 import numpy as np
 import sympy
 
 from tilegraph.backends.c.build import BuildError, build, sanitizer
-from tilegraph.backends.c.emit import CProgram, emit_program
+from tilegraph.backends.c.emit import CProgram, emit_program, work
 from tilegraph.backends.c.views import View
 from tilegraph.ir import cache, dtypes
 from tilegraph.ir.arena import ALIGN, lay_out
-from tilegraph.ir.dialect import TgOp
 from tilegraph.ir.errors import TilegraphError
 from tilegraph.ir.hardware import Neighbours
 from tilegraph.ir.interpreter import GLOBALS, evaluate, run_time_sizes
 from tilegraph.ir.model import Model, ModelError
 from tilegraph.ir.ops import size_definitions
-from tilegraph.ir.shapes import ShapeError, info_of, numel
+from tilegraph.ir.shapes import ShapeError, numel
 from tilegraph.ir.signature import Signature, SizeConditions
 
 # Shape bindings a compiled model keeps (each holds an arena and oneDNN primitives): a
@@ -44,6 +44,9 @@ from tilegraph.ir.signature import Signature, SizeConditions
 # loop uses a few shapes; a ninth evicts the least recently used, which a later call remakes.
 MAX_BINDINGS = 8
 SERIAL_WORK = 20_000_000  # a forward of fewer FLOPs plus elements written runs on one thread (~0.2 ms)
+# A call running this long reads its neighbours again at its next segment (_run): a few of a
+# training step's segments, a hundred scheduler time slices, and 30 us of /proc reads each.
+RECHOOSE_S = 0.1
 
 
 class _Binding:
@@ -322,10 +325,7 @@ class CompiledModel:
         self.reference_kernels: list[str] = []
         # The steps' chained convolution buffers (emit.py's chain_convolutions).
         self.chained_buffers = program.chained
-        # The forward's work: its FLOPs and the elements it writes (a pass over memory is work too).
-        self.work = sum((op.SPEC.flop_count([info_of(v.type) for v in op.operands], op.result_infos())
-                         + sum(numel(r.shape) for r in op.result_infos())
-                         for op in model.module.walk() if isinstance(op, TgOp)), sympy.Integer(0))
+        self.work = work(model)  # the forward's FLOPs and the elements it writes
         self._bindings: OrderedDict[tuple, _Binding] = OrderedDict()  # least recently used first
         self.conditions = SizeConditions.of(model)
         # Every view a kernel or host step touches, for each binding's extent check.
@@ -333,6 +333,7 @@ class CompiledModel:
                                                *(x for s in program.steps for x in (*s.host_in, *s.host_out)))
                            if v.literal is None and v.buf is not None}.values())
         self.last_threads = 0  # the threads the last call started with (_uncontended_threads)
+        self.segment_threads: list[int] = []  # the threads each native segment of the last call ran on
         # Whether a call leaves the cores busy neighbours hold to them (_uncontended_threads), or
         # runs on every thread whatever else runs: what a calibration of the team times (its
         # "all threads" GEMMs ran on one, priced the models' GEMMs at half their rate).
@@ -411,18 +412,25 @@ class CompiledModel:
             b.bases[buf] = fresh[i].reshape(-1)
             b.pointers[buf] = fresh[i].ctypes.data
         threads = self._lib.tg_max_threads()
-        use = 1 if b.serial else _uncontended_threads(threads) if self.adaptive_threads else threads
-        self.last_threads = use
-        if use < threads:
-            self._lib.tg_set_threads(use)
-        try:
-            return self._run_native(b, use, sizes, known, fresh)
-        finally:
-            if use < threads:
-                self._lib.tg_set_threads(threads)
+        adaptive = self.adaptive_threads and not b.serial
 
-    def _run_native(self, b: _Binding, threads: int, sizes: dict[str, int], known: dict | None,
-                    fresh: dict) -> list[np.ndarray]:
+        def choose() -> int:
+            return 1 if b.serial else _uncontended_threads(threads) if adaptive else threads
+        # A call re-reads its neighbours between segments (emit.LONG_WORK) once RECHOOSE_S have
+        # passed: what ran when a training step of seconds began says little of its later
+        # layers. Not where convolutions chain: a kernel made for another team may block its
+        # buffer otherwise.
+        rechoose = choose if adaptive and not self.chained_buffers else None
+        use = choose()
+        self.last_threads = use
+        self.segment_threads = []
+        try:
+            return self._run_native(b, use, sizes, known, fresh, rechoose)
+        finally:
+            self._lib.tg_set_threads(threads)
+
+    def _state(self, b: _Binding, threads: int, sizes: dict[str, int], known: dict | None) -> int:
+        """The binding's kernels and primitives made for `threads` (made now, the first time)."""
         ints = b.ints.ctypes.data
         state = b.states.get(threads)
         if state is None:
@@ -442,12 +450,27 @@ class CompiledModel:
             b.states[threads] = state
             if first:  # the same primitives again, for fewer threads
                 self._note_primitives(self._lib.tg_primitive_count() - made)
+        return state
+
+    def _run_native(self, b: _Binding, threads: int, sizes: dict[str, int], known: dict | None,
+                    fresh: dict, rechoose: Callable[[], int] | None = None) -> list[np.ndarray]:
+        ints = b.ints.ctypes.data
+        self._lib.tg_set_threads(threads)
+        state = self._state(b, threads, sizes, known)
+        chosen = time.monotonic()
         bf16 = self.precision == "bf16"
         if bf16:  # the kernels calling oneDNN's GEMMs at run time (attention) multiply in bf16 too
             self._lib.tg_set_run_bf16(1)
         try:
             for kind, k in self.program.plan:
                 if kind == "segment":
+                    if rechoose is not None and self.segment_threads and time.monotonic() - chosen >= RECHOOSE_S:
+                        chosen, use = time.monotonic(), rechoose()
+                        if use != threads:
+                            threads = use
+                            self._lib.tg_set_threads(threads)
+                            state = self._state(b, threads, sizes, known)
+                    self.segment_threads.append(threads)
                     if self._segments[k](state, ints, b.pointers):
                         raise ModelError(self._run_error())
                 elif not self.program.steps[k].once:
