@@ -421,7 +421,14 @@ class OneDNN(EmitterParts):
 
         def geometry(full: View):
             dims = [1 if _eq(st, 0) else d for d, st in zip(full.shape, full.strides)]
-            return dims, _plain_strides(dims, list(full.strides))
+            strides = _plain_strides(dims, list(full.strides))
+            # A binary operand laid out otherwise than the channels-last destination (a plain
+            # NCHW residual: MaxViT's MBConv after its permuted attention block) has no fast
+            # kernel: oneDNN falls back to its reference convolution, 300x slower at 56x56.
+            # Such an add runs as a loop after the convolution instead.
+            if not all(_is_one(d) or _eq(s, c) for d, s, c in zip(dims, strides, channels_last_strides(dims))):
+                raise Unsupported("a binary post-op operand in another layout than the destination's")
+            return dims, strides
         accumulate = None if group is None else \
             (lambda add, v, o: self._accumulates_into(group, add, v, o, info.shape, [x, w, bias]))
         posts, post_views, covered, into = self._posts(chain, op.results[0], env, info.shape, geometry, accumulate)
