@@ -183,6 +183,40 @@ def test_silu_after_a_gemm_or_convolution_is_onednns_swish_epilogue(case):
     assert_close(compiled.run(xs)[0], interpret(model, [xs])[0], "f32", reduction_length=n)
 
 
+
+@pytest.mark.parametrize("case", ["conv-hardswish", "linear-hardswish", "hardswish-also-read"])
+def test_hardswish_after_a_gemm_or_convolution_is_one_onednn_epilogue(case):
+    """MobileNetV3's activation x * hardsigmoid(x) (relu6(x + 3) / 6, decomposed into five
+    ops) after a convolution or its classifier's linear layer is one post-op rather than a
+    loop over the output after the primitive; where x has another reader the epilogue may
+    not overwrite it. Results agree."""
+    rng = np.random.default_rng(3)
+    g = Graph()
+    if case == "linear-hardswish":
+        x = g.input("x", (64, 96))
+        a = g.matmul(x, g.weight("w", rng.standard_normal((96, 80)).astype(np.float32) / 3))
+        xs, n = rng.standard_normal((64, 96)).astype(np.float32), 96
+    else:
+        x = g.input("x", (1, 6, 10, 10))
+        a = g.op("conv", x, g.weight("w", 3 * rng.standard_normal((16, 6, 3, 3)).astype(np.float32)), pads=(1, 1, 1, 1))
+        xs, n = rng.standard_normal((1, 6, 10, 10)).astype(np.float32), 54
+    # torch's hardsigmoid as ir/decompositions.hard_sigmoid spells it (the torch and ONNX frontends' form)
+    def c(v):
+        return g.constant(v, "f32")
+    gate = g.op("max", g.op("min", a * c(1 / 6) + c(0.5), c(1.0)), c(0.0))
+    y = a * gate
+    if case == "hardswish-also-read":
+        y = y + a
+    model = g.build(y, names=["y"])
+    compiled = tilegraph.compile(model, target="c")  # fuse makes the epilogue group
+    assert ("dnnl_eltwise_hardswish" in compiled.source) == (case != "hardswish-also-read")
+    step = compiled.source[compiled.source.index("/* step 0"):]
+    after = step[step.index("tg_prim_run"):step.index("return 0;")]
+    assert ("for (" in after) == (case == "hardswish-also-read"), after  # a loop after the primitive or none
+    got, want = compiled.run(xs)[0], interpret(model, [xs])[0]
+    assert 0.05 < np.mean((want > -3) & (want < 3)), "no value between the clamps: the case tests nothing"
+    assert_close(got, want, "f32", reduction_length=n)
+
 def _huge_pages_offered() -> bool:
     """Transparent huge pages on request, of a size the test's 9 MiB weight spans twice."""
     try:
