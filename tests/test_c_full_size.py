@@ -257,6 +257,33 @@ def test_an_einsum_that_is_no_matrix_product_is_left_to_einsum():
         xs = [rng.standard_normal(s).astype(np.float32) for s in shapes]
         assert_close(compiled.run(*xs)[0], interpret(model, xs)[0], "f32", reduction_length=12)
 
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_concat_of_convolutions_is_channels_last_and_copies_rows_of_channels(batch):
+    """DenseNet's blocks concatenate convolutions' channels-last outputs along the channels
+    and normalize the result before the next convolution. The concat is channels-last too,
+    each piece copied as rows of its channels into the wider rows (row-major, each piece
+    was a transposing copy and the convolution after it read a transposed buffer); the
+    result agrees with the interpreter."""
+    rng = np.random.default_rng(6)
+    g = Graph()
+    x = g.input("x", (batch, 16, 12, 12))
+    a = g.relu(g.op("conv", x, g.weight("wa", rng.standard_normal((48, 16, 1, 1)).astype(np.float32) / 4)))
+    b = g.op("conv", a, g.weight("wb", rng.standard_normal((32, 48, 3, 3)).astype(np.float32) / 20), pads=(1, 1, 1, 1))
+    cat = g.op("concat", a, b, axis=1)
+    scale, shift = (g.weight(n, rng.standard_normal((1, 80, 1, 1)).astype(np.float32)) for n in ("s", "t"))
+    y = g.op("conv", g.relu(cat * scale + shift), g.weight("wc", rng.standard_normal((24, 80, 1, 1)).astype(np.float32) / 9))
+    model = g.build(y, names=["y"])
+    compiled = tilegraph.compile(model, target="c")
+    steps = compiled._runner.program.steps
+    assert not [s.comment for s in steps if "copy" in s.comment or s.host_op is not None]
+    source = compiled.source
+    concat = source[source.index("concat ->"):]
+    concat = concat[:concat.index("return 0;")]
+    assert concat.count("r1[j] = r0[j];") == 2, concat  # each piece: rows of contiguous channels
+    xs = rng.standard_normal((batch, 16, 12, 12)).astype(np.float32)
+    assert_close(compiled.run(xs)[0], interpret(model, [xs])[0], "f32", reduction_length=16 + 48 * 9 + 80)
+
 def _huge_pages_offered() -> bool:
     """Transparent huge pages on request, of a size the test's 9 MiB weight spans twice."""
     try:
