@@ -144,16 +144,16 @@ def main(argv=None) -> int:
     for case in chosen:
         module = case.module()
         arrays = [t.numpy() for t in case.inputs]
+        if case.model in full:  # as full_size_sweep.py compiles it: exported at its static shapes, before
+            with torch.no_grad():  # the ONNX exporter runs (after it, Swin's window shift guards on the batch)
+                source = torch.export.export(module, tuple(case.inputs))
+        else:
+            source = tilegraph.import_model(module, case.inputs)
         with tempfile.TemporaryDirectory() as tmp:
             session = cpu_speed.ort_session(module, case.inputs, case.input_names, Path(tmp), args.threads)
             profiled = (cpu_speed.ort_session(module, case.inputs, case.input_names, Path(tmp), args.threads,
                                               profile=True) if args.ort_profile else None)
         feeds = dict(zip(case.input_names, arrays))
-        if case.model in full:  # as full_size_sweep.py compiles it: exported at its static shapes (Swin's
-            with torch.no_grad():  # window shift guards on the batch, which import_model leaves dynamic)
-                source = torch.export.export(module, tuple(case.inputs))
-        else:
-            source = tilegraph.import_model(module, case.inputs)
         optimized = tilegraph.compile(source, target="c",
                                       pipeline=args.pipeline or default_pipeline("c", args.precision)).model
         steps, whole = step_times(optimized, arrays, args.repeat, args.threads, args.precision)
