@@ -137,18 +137,24 @@ def main(argv=None) -> int:
         arch_sweep.FirstOutput = arch_sweep._first_output_class()
         module, names, inputs = arch_sweep.build(arch)
         chosen.append(cpu_speed.Case(name, name, lambda module=module: module, inputs, names))
+    full = set(filter(None, args.full.split(",")))
     for name in filter(None, args.full.split(",")):
         module, names, inputs = full_size_sweep.build(name, args.batch)
         chosen.append(cpu_speed.Case(name, name, lambda module=module: module, inputs, names))
     for case in chosen:
         module = case.module()
         arrays = [t.numpy() for t in case.inputs]
+        if case.model in full:  # as full_size_sweep.py compiles it: exported at its static shapes, before
+            with torch.no_grad():  # the ONNX exporter runs (after it, Swin's window shift guards on the batch)
+                source = torch.export.export(module, tuple(case.inputs))
+        else:
+            source = tilegraph.import_model(module, case.inputs)
         with tempfile.TemporaryDirectory() as tmp:
             session = cpu_speed.ort_session(module, case.inputs, case.input_names, Path(tmp), args.threads)
             profiled = (cpu_speed.ort_session(module, case.inputs, case.input_names, Path(tmp), args.threads,
                                               profile=True) if args.ort_profile else None)
         feeds = dict(zip(case.input_names, arrays))
-        optimized = tilegraph.compile(tilegraph.import_model(module, case.inputs), target="c",
+        optimized = tilegraph.compile(source, target="c",
                                       pipeline=args.pipeline or default_pipeline("c", args.precision)).model
         steps, whole = step_times(optimized, arrays, args.repeat, args.threads, args.precision)
         session.run(None, feeds)

@@ -13,7 +13,8 @@ configs, nothing downloaded):
   whisper-tiny-enc: Whisper tiny's encoder on 30 s of audio (80 x 3000 mel frames);
   wav2vec2-base: wav2vec 2.0 base (its convolutional feature encoder and 12 layers) on 30 s
   of 16 kHz audio; and at the longer sizes people also run: bert-base-s512 (512 tokens),
-  llama-0.3b-p1024 (a prompt of 1024).
+  llama-0.3b-p1024 (a prompt of 1024); mobilenet-v3-large, densenet-121, maxvit-t: torchvision's
+  models, which transformers has no config for, in plain torch (vision_models.py), at 224.
 
 Each model runs in a child process of its own: eager torch is the reference; tilegraph
 compiles the torch.export program (target "c"); torch's ONNX exporter writes the file
@@ -68,6 +69,8 @@ MODELS = {
                                          decoder_attention_heads=6, encoder_ffn_dim=1536, decoder_ffn_dim=1536,
                                          num_mel_bins=80, max_source_positions=1500), "mel"),
     "wav2vec2-base": ("wav2vec2", {}, "waveform"),
+    # torchvision's definitions in plain torch (vision_models.py): no transformers config
+    **{name: (None, {}, "image") for name in ("mobilenet-v3-large", "densenet-121", "maxvit-t")},
 }
 # The same models at longer inputs: name -> (model, tokens).
 LONGER = {"bert-base-s512": ("bert-base", 512), "llama-0.3b-p1024": ("llama-0.3b", 1024)}
@@ -84,8 +87,13 @@ def build(name: str, batch: int):
     name, seq = LONGER.get(name, (name, SEQ))
     model_type, overrides, kind = MODELS[name]
     torch.manual_seed(0)
-    config = AutoConfig.for_model(model_type, **overrides)
-    model = AutoModel.from_config(config, attn_implementation="eager").eval()
+    if model_type is None:
+        import vision_models
+
+        model = vision_models.build(name)
+    else:
+        config = AutoConfig.for_model(model_type, **overrides)
+        model = AutoModel.from_config(config, attn_implementation="eager").eval()
     g = torch.Generator().manual_seed(0)
     if kind == "image":
         inputs = {"pixel_values": torch.randn(batch, 3, IMAGE, IMAGE, generator=g)}
@@ -107,6 +115,8 @@ def build(name: str, batch: int):
 
         def forward(self, *tensors):
             kwargs = dict(zip(inputs, tensors))
+            if model_type is None:  # a plain torch module: its one output
+                return self.model(**kwargs)
             if "use_cache" in model.forward.__code__.co_varnames:
                 kwargs["use_cache"] = False
             return self.model(**kwargs, return_dict=False)[0]

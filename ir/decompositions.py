@@ -288,6 +288,51 @@ def group_norm(emit, x, groups: int, weight, bias, eps: float):
     return affine(emit, y, weight, bias)
 
 
+def einsum_as_matmul(emit, x, y, equation: str):
+    """A two-operand einsum that is a batched matrix product (every index kept in the output,
+    or summed over both operands; no ellipsis, no repeated or broadcast index) as one matmul:
+    each operand transposed to (batch, rows, summed) and (batch, summed, columns), the grouped
+    dims merged by reshapes, the product reshaped and transposed to the output's order.
+    (torchvision's MaxViT and Swin spell attention as einsums; as a matmul it is the GEMM that
+    fusion, the attention folding and every backend know.) None where it is not such a product."""
+    eq = equation.replace(" ", "")
+    if eq.count("->") != 1 or "." in eq or eq.count(",") != 1:
+        return None
+    ins, out = eq.split("->")
+    a, b = ins.split(",")
+    ta, tb = info(x), info(y)
+    if any(len(set(s)) != len(s) for s in (a, b, out)) or (len(a), len(b)) != (ta.rank, tb.rank) or \
+            ta.dtype != tb.dtype or any(c not in a + b for c in out) or \
+            any(c not in out and not (c in a and c in b) for c in a + b):
+        return None
+    size: dict[str, Any] = {}
+    for c, d in zip(a + b, (*ta.shape, *tb.shape)):
+        if size.setdefault(c, d) != d:
+            return None  # (einsum broadcasts no index but through an ellipsis)
+    batch = [c for c in out if c in a and c in b]
+    rows, cols = [c for c in out if c not in b], [c for c in out if c not in a]
+    summed = [c for c in a if c not in out]
+    lead = tuple(size[c] for c in batch)
+
+    def grouped(v, spec: str, order: list[str], shape: tuple):
+        perm = tuple(spec.index(c) for c in order)
+        if perm != tuple(range(len(perm))):
+            v = emit("transpose", v, perm=perm)
+        if tuple(size[c] for c in order) != shape:
+            v = emit("reshape", v, result=TensorInfo(shape, ta.dtype))
+        return v
+
+    m, k, n = (numel(tuple(size[c] for c in g)) for g in (rows, summed, cols))
+    product = emit("matmul", grouped(x, a, batch + rows + summed, (*lead, m, k)),
+                   grouped(y, b, batch + summed + cols, (*lead, k, n)))
+    order = batch + rows + cols
+    full = tuple(size[c] for c in order)
+    if full != (*lead, m, n):
+        product = emit("reshape", product, result=TensorInfo(full, ta.dtype))
+    perm = tuple(order.index(c) for c in out)
+    return product if perm == tuple(range(len(perm))) else emit("transpose", product, perm=perm)
+
+
 DECOMPOSITIONS = {
     "softmax": _softmax,
     "layer_norm": _layer_norm,

@@ -111,6 +111,8 @@ def result_strides(value: SSAValue, operand_strides: Callable[[SSAValue], Sequen
       another matmul's or an attention's as its transposing reader wants it;
     - an elementwise op's, a pool's or a pad's as its operands (`strides_like`), and a layer_norm's
       over the last axis as its input (channels-last: normalized along the columns of channels);
+    - a concat's channels-last where every operand is (DenseNet's blocks concatenate convolutions'
+      outputs: row-major, each piece was a transposing copy, and its readers copied it back);
     - anything else row-major."""
     op, shape = value.owner, info_of(value.type).shape
     if isinstance(op, TgOp) and len(shape) >= 3:
@@ -128,6 +130,9 @@ def result_strides(value: SSAValue, operand_strides: Callable[[SSAValue], Sequen
             return strides_like(shape, [(info_of(x.type).shape, operand_strides(x)) for x in op.operands])
         if name == Op.layer_norm and op.attr("axis") % len(shape) == len(shape) - 1:
             return strides_like(shape, [(shape, operand_strides(op.operands[0]))])
+        if name == Op.concat and all((st := operand_strides(x)) is not None and
+                                     is_channels_last(info_of(x.type).shape, st) for x in op.operands):
+            return channels_last_strides(shape)
     return contiguous_strides(shape)
 
 

@@ -25,6 +25,7 @@ from xdsl.dialects.builtin import ModuleOp
 from xdsl.passes import ModulePass
 
 from tilegraph.ir import dtypes
+from tilegraph.ir.decompositions import einsum_as_matmul
 from tilegraph.ir.ops import OPS, REQUIRED
 from tilegraph.passes.rewrite import ANY_OP, Rule, constant_array, info, is_splat, producer, run_rules, static_dim
 
@@ -142,6 +143,10 @@ def _reshape_reshape(op, emit):
 def _broadcast_broadcast(op, emit):
     inner = producer(op.operands[0], "broadcast")
     return emit("broadcast", inner.operands[0], result=info(op.results[0])) if inner else None
+
+
+def _einsum_matmul(op, emit):
+    return einsum_as_matmul(emit, *op.operands, op.attr("equation")) if len(op.operands) == 2 else None
 
 
 def _concat_concat(op, emit):
@@ -277,6 +282,8 @@ ALGEBRA: list[Rule] = [
     Rule(("where",), _where_constant, "where(true, x, y) -> x, where(false, x, y) -> y (broadcast to the result)"),
     Rule(REDUCTIONS, _reduce_nothing, "reduce over no axes or size-1 axes -> x (or its reshape)"),
     Rule(("cast",), _cast_cast, "cast(cast(x, a), b) -> cast(x, b) when x -> a is lossless"),
+    Rule(("einsum",), _einsum_matmul, "einsum('bik,bkj->bij', x, y) and any batched matrix product -> transposes, "
+         "reshapes and one matmul"),
 ]
 
 # The layout rules are shared with simplify-shapes.

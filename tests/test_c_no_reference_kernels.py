@@ -22,6 +22,7 @@ import warnings
 import numpy as np
 import pytest
 
+import tilegraph
 from tilegraph.backends.c import compile_model, emit, load
 from tilegraph.ir import Graph, interpret
 from tilegraph.testing import assert_close
@@ -45,6 +46,11 @@ def _conv_model(case: str, batch: int):
         y = g.op("conv", x, g.weight("w", _w(16, 8, 3, 3, 3)), pads=(1,) * 6)
         return g.build(y, names=["y"]), [RNG.standard_normal((batch, 8, 6, 10, 10)).astype(np.float32)], 216
     h, w = (1, 48) if case == "height-1" else (20, 20)
+    if case == "residual-nchw":  # a residual in plain NCHW (MaxViT's MBConv after its permuted attention)
+        x = g.relu(g.input("x", (batch, 32, h, w)))
+        a = g.op("conv", x, g.weight("w0", _w(64, 32, 1, 1)))
+        y = g.relu(x + g.op("conv", a, g.weight("w1", _w(32, 64, 1, 1)), g.weight("b1", _w(32))))
+        return g.build(y, names=["y"]), [RNG.standard_normal((batch, 32, h, w)).astype(np.float32)], 32 + 64 + 1
     if case == "from-nhwc":  # an NHWC input seen as NCHW: the conv reads the transpose's view
         x_nhwc = g.input("x", (batch, h, w, 16))
         x = x_nhwc.transpose(0, 3, 1, 2)
@@ -68,7 +74,8 @@ def _conv_model(case: str, batch: int):
     return g.build(y, names=["y"]), inputs, 16 * 9 + 32 * 9 + 32 + 32
 
 
-CONV_CASES = ["plain", "height-1", "from-nhwc", "depthwise", "grouped", "strided", "weight-input", "conv1d", "conv3d"]
+CONV_CASES = ["plain", "height-1", "from-nhwc", "depthwise", "grouped", "strided", "weight-input", "conv1d", "conv3d",
+              "residual-nchw"]
 
 
 def _matmul_model(case: str, batch: int):
@@ -103,9 +110,12 @@ def _matmul_model(case: str, batch: int):
 MATMUL_CASES = ["linear", "one-row", "one-column", "batched-transposed", "batched-broadcast"]
 
 
-def _no_reference_kernel(model, inputs, reduction_length, precision="f32"):
-    compiled = compile_model(model) if precision == "f32" else load(emit(model), model.weights, model,
-                                                                     precision=precision)
+def _no_reference_kernel(model, inputs, reduction_length, precision="f32", fused=False):
+    if fused:  # the default pipeline: epilogues fused into the primitives as post-ops
+        compiled = tilegraph.compile(model, target="c")._runner
+    else:
+        compiled = compile_model(model) if precision == "f32" else load(emit(model), model.weights, model,
+                                                                         precision=precision)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # the warning of a reference kernel fails the test too
         got = compiled(*inputs)
@@ -120,6 +130,17 @@ def _no_reference_kernel(model, inputs, reduction_length, precision="f32"):
 @pytest.mark.parametrize("case", CONV_CASES)
 def test_every_convolution_layout_gets_a_fast_onednn_kernel(case, batch):
     _no_reference_kernel(*_conv_model(case, batch))
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("case", CONV_CASES)
+def test_every_convolution_with_its_fused_epilogue_gets_a_fast_onednn_kernel(case, batch):
+    """The same after fusion: an epilogue oneDNN takes as post-ops only where a fast kernel
+    takes them too (a binary operand in another layout than the destination's sent the whole
+    convolution to the reference kernel)."""
+    compiled = _no_reference_kernel(*_conv_model(case, batch), fused=True)
+    if case == "residual-nchw":  # the add left to a loop after the convolution, not dropped
+        assert "dnnl_binary_add" not in compiled.source and "conv, add, relu" in compiled.source
 
 
 @pytest.mark.parametrize("batch", [1, 3])

@@ -359,7 +359,7 @@ class Kernels(EmitterParts):
     @lowers(Op.concat)
     def concat(self, op: TgOp, xs: list[View]) -> View:
         info = op.result_infos()[0]
-        out = self._temp(info)
+        out = self._result(op, xs)
         axis = op.attr("axis") % len(info.shape)
         start = sympy.Integer(0)
         lines = []

@@ -43,8 +43,9 @@ class Loops(EmitterParts):
         order = list(range(len(shape)))
         written = next((a for a, w in accesses if w), None)
         # Walk memory in a channels-last output's order, unless its channels are fewer than a
-        # vector (an image's 3 planes copied into channels-last: read along rows instead).
-        if written is not None and self.is_channels_last(written) and not (
+        # vector (an image's 3 planes copied into channels-last: read along rows instead). A
+        # piece of a wider channels-last buffer (a concat's) walks the same way.
+        if written is not None and _channels_innermost(written) and not (
                 sympy.sympify(shape[1]).is_number and int(shape[1]) < 16 and any(not w and self.is_contiguous(a)
                                                                    for a, w in accesses if a.literal is None)):
             order = [0, *range(2, len(shape)), 1]
@@ -222,3 +223,10 @@ class Loops(EmitterParts):
         self._step(_describe(describe), lines, reads, [o for _, o in outputs])
         if bf16:
             self.steps[-1].bf16_writes.add(written.buf)
+
+
+def _channels_innermost(view: View) -> bool:
+    """Whether `view` (rank 3 or more) steps one element from channel to channel and varies over
+    a spatial dim: channels-last, densely or as a slice of channels of a wider such buffer."""
+    return view.literal is None and view.rank >= 3 and _eq(view.strides[1], 1) and \
+        any(not _is_one(d) and not _eq(st, 0) for d, st in zip(view.shape[2:], view.strides[2:]))

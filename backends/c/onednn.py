@@ -38,17 +38,25 @@ class OneDNN(EmitterParts):
         current = acc
         computed = {acc}  # values the primitive makes: no binary operand may be one
         covered = 0  # ops of the chain the posts cover (a swish covers two)
-        swish_mul = None
+        skip: list[TgOp] = []  # ops of the chain one post-op already covers
         for i, op in enumerate(chain):
-            if op is swish_mul:
+            if op in skip:
                 continue
             name = op.op_name
             swish_mul = _swish_mul(chain[i:], current) if len(posts) < 8 else None
             if swish_mul is not None:  # x * sigmoid(x) (SiLU): oneDNN's swish, one post-op
                 posts.append(f"{{0, {DNNL_ELTWISE['swish']}, 1.f, 0.f, 0, {{0}}, {{0}}}}")
-                current = swish_mul.results[0]
+                current, skip = swish_mul.results[0], [swish_mul]
                 computed.add(current)
                 covered += 2
+                continue
+            hard = _hard_swish(chain[i:], current, self._scalar_value(env)) if len(posts) < 8 else None
+            if hard is not None:  # x * hardsigmoid(x): oneDNN's hardswish, one post-op
+                alpha, beta, ops = hard
+                posts.append(f"{{0, {DNNL_ELTWISE['hardswish']}, {alpha!r}f, {beta!r}f, 0, {{0}}, {{0}}}}")
+                current, skip = ops[-1].results[0], ops
+                computed.add(current)
+                covered += len(ops)
                 continue
             if op.operands[0] is not current and not (name in (Op.add, Op.mul) and op.operands[1] is current):
                 break
@@ -113,6 +121,14 @@ class OneDNN(EmitterParts):
         if into is not None and not any(p.startswith("{TG_POST_SUM") for p in posts):
             into = None  # (the add's post-op was taken back)
         return posts, operands, covered, into
+
+    def _scalar_value(self, env: dict):
+        """A function of a value: its number if it is a scalar literal, else None (a value the
+        group computes has no view yet)."""
+        def value(v: SSAValue):
+            view = env.get(v) or self.views.get(self.prog.canon(v))
+            return None if view is None or view.literal is None else view.value
+        return value
 
     def _accumulates_into(self, group: FusionOp, add: TgOp, operand: SSAValue, o: View, shape, sources) -> bool:
         """Whether the residual add `add` after a convolution may run as oneDNN's sum post-op:
@@ -421,7 +437,14 @@ class OneDNN(EmitterParts):
 
         def geometry(full: View):
             dims = [1 if _eq(st, 0) else d for d, st in zip(full.shape, full.strides)]
-            return dims, _plain_strides(dims, list(full.strides))
+            strides = _plain_strides(dims, list(full.strides))
+            # A binary operand laid out otherwise than the channels-last destination (a plain
+            # NCHW residual: MaxViT's MBConv after its permuted attention block) has no fast
+            # kernel: oneDNN falls back to its reference convolution, 300x slower at 56x56.
+            # Such an add runs as a loop after the convolution instead.
+            if not all(_is_one(d) or _eq(s, c) for d, s, c in zip(dims, strides, channels_last_strides(dims))):
+                raise Unsupported("a binary post-op operand in another layout than the destination's")
+            return dims, strides
         accumulate = None if group is None else \
             (lambda add, v, o: self._accumulates_into(group, add, v, o, info.shape, [x, w, bias]))
         posts, post_views, covered, into = self._posts(chain, op.results[0], env, info.shape, geometry, accumulate)
@@ -579,3 +602,32 @@ def _swish_mul(chain: list[TgOp], current: SSAValue) -> TgOp | None:
     if not (all(u.operation in (sig, mul) for u in current.uses) and _only_use(sig.results[0], mul)):
         return None
     return mul
+
+
+def _hard_swish(chain: list[TgOp], current: SSAValue, value) -> tuple | None:
+    """(alpha, beta, the ops it covers) when the chain's next ops are `current` times
+    ir/decompositions.hard_sigmoid of it, max(min(alpha * x + beta, 1), 0): torch's hardswish,
+    MobileNetV3's activation (a loop after the primitive otherwise). `value(v)`: a scalar
+    operand's value, or None. Nothing else may read `current` or an intermediate (the
+    epilogue overwrites them). (A hardsigmoid alone needs nothing here: `fold` moves its
+    scale and shift into the weights, and its clamp is two clip post-ops.)"""
+    if len(chain) < 5 or [op.op_name for op in chain[:2]] != [Op.mul, Op.add] or \
+            {chain[2].op_name, chain[3].op_name} != {Op.min, Op.max} or chain[4].op_name != Op.mul:
+        return None
+    consts = []
+    prev = current
+    for op, bound in zip(chain[:4], (False, False, True, True)):  # (the clamp's order does not matter)
+        if len(op.operands) != 2 or prev not in op.operands or info_of(op.results[0].type).dtype != "f32":
+            return None
+        c = value(op.operands[1] if op.operands[0] is prev else op.operands[0])
+        if c is None or (bound and float(c) != (1.0 if op.op_name == Op.min else 0.0)):
+            return None
+        consts.append(float(c))
+        prev = op.results[0]
+    ops, mul = chain[:5], chain[4]
+    if {id(v) for v in mul.operands} != {id(current), id(prev)} or info_of(mul.results[0].type).dtype != "f32":
+        return None
+    if not (all(_only_use(op.results[0], nxt) for op, nxt in zip(ops[:4], ops[1:])) and
+            all(u.operation in (ops[0], mul) for u in current.uses)):
+        return None
+    return consts[0], consts[1], ops

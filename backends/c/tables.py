@@ -54,7 +54,7 @@ FLOAT_TO_INT = {"i64": "i64", "i32": "i32", "i16": "i32", "i8": "i32", "ui16": "
 DNNL_ELTWISE = {"relu": "dnnl_eltwise_relu", "tanh": "dnnl_eltwise_tanh", "exp": "dnnl_eltwise_exp",
                 "sigmoid": "dnnl_eltwise_logistic", "linear": "dnnl_eltwise_linear",
                 "gelu_tanh": "dnnl_eltwise_gelu_tanh", "gelu_erf": "dnnl_eltwise_gelu_erf", "clip": "dnnl_eltwise_clip",
-                "swish": "dnnl_eltwise_swish"}
+                "swish": "dnnl_eltwise_swish", "hardswish": "dnnl_eltwise_hardswish"}
 DNNL_BINARY = {"add": "dnnl_binary_add", "mul": "dnnl_binary_mul", "sub": "dnnl_binary_sub"}
 DNNL_TYPES = {"f32": "dnnl_f32", "i8": "dnnl_s8", "ui8": "dnnl_u8", "i32": "dnnl_s32"}
 # topk keeps at most this many values of a row in C (an insertion per value read: k compares
