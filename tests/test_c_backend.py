@@ -382,6 +382,19 @@ def test_argmax_and_argmin_run_in_c_with_numpys_ties_and_nans(shape, data):
     np.testing.assert_array_equal(_natively(model)(x)[0], interpret(model, [x])[0])
 
 
+@pytest.mark.parametrize("shape,axis", [((6, 5, 1), 1), ((2, 3, 4, 1, 1), 2), ((3, 7), 1)])
+def test_a_softmax_whose_later_dims_are_ones_runs_on_rows_in_c(shape, axis):
+    """ConvBERT's dynamic kernels are a softmax over dim 1 of (tokens, kernel, 1): rows all the
+    same, which ran on the host as a softmax over a leading axis."""
+    from tilegraph.ir import Graph
+
+    g = Graph()
+    y = g.op("add", g.op("softmax", g.input("x", shape), axis=axis), g.constant(np.float32(1)))
+    model = g.build(y, names=["y"])
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    assert_close(_natively(model)(x)[0], interpret(model, [x])[0], "f32", shape[axis], name="softmax")
+
+
 @pytest.mark.parametrize("source", ["f32", "f64"])
 def test_floats_to_integers_and_float_modulo_run_in_c_with_numpys_results(source):
     """A float to int cast is undefined in C out of range; NumPy's on x86 gives INT_MIN (int32

@@ -485,8 +485,8 @@ class Groups(EmitterParts):
         x = xs[0]
         rank = x.rank
         axis = op.attr("axis") % rank
-        if op.op_name == Op.softmax and axis != rank - 1:
-            raise Unsupported("softmax over a leading axis")
+        if op.op_name == Op.softmax and not all(_is_one(d) for d in x.shape[axis + 1:]):
+            raise Unsupported("softmax over a leading axis")  # (trailing ones: its rows, ConvBERT's kernels)
         # A channels-last (N, C, ..., T) normalized along T (a group norm of one channel a group
         # after a convolution): its columns of channels, in place (tg_layer_norm_cols).
         columns = op.op_name == Op.layer_norm and axis == rank - 1 and self.is_channels_last(x)
