@@ -180,6 +180,47 @@ def test_bf16_attention_over_several_query_and_key_blocks(causal, mask):
     assert lib.tg_bf16_attention_count() == before + (runner.precision == "bf16" and cpu_bf16)
 
 
+def test_bf16_attention_products_skip_the_tiles_padding():
+    """On AVX-512 BF16 (no AMX) the flash kernel's products run over only the rows and pairs
+    they need, where AMX multiplies whole 16 x 16 tiles: ViT-S/16's 197 tokens are 99 pairs of
+    keys (tiles: 112) and a last slab of 5 query rows takes 8 (tiles: 16), a tenth less work.
+    The kernel counts the multiply-adds of pairs it ran: on this processor's path it must be
+    the trimmed count (on AMX the tiles' count), and the result within bf16's tolerance."""
+    import re
+
+    rng = np.random.default_rng(3)
+    heads, n, d = 2, 197, 64
+    g = Graph()
+    q, k, v = (g.input(name, (1, heads, n, d)) for name in "qkv")
+    model = g.build(g.attention(q, k, v, None, scale=0.125, causal=False), names=["y"])
+    xs = [rng.standard_normal((1, heads, n, d)).astype(np.float32) for _ in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bf16 = tilegraph.compile(model, target="c", precision="bf16")
+    runner: CompiledModel = bf16._runner
+    if runner.precision != "bf16" or not _bf16_units():
+        pytest.skip("no bf16 dot products on this processor")
+    # the block sizes the tile pass chose: the call's last two arguments
+    bq, bk = (int(x) for x in re.search(r"tg_attention\(.*, (\d+), (\d+)\)", bf16.source).groups())
+    lib = runner._lib
+    lib.tg_bf16_attention_pairs.restype = ctypes.c_int64
+    lib.tg_amx_supported.restype = ctypes.c_int
+    amx = bool(lib.tg_amx_supported())
+    up = lambda x, m: -(-x // m) * m  # noqa: E731
+    want = 0
+    for i0 in range(0, n, bq):
+        for r0 in range(0, min(bq, n - i0), 32):  # slabs of the kernel's TG_AMX_SLAB query rows
+            rows = up(min(32, min(bq, n - i0) - r0), 16 if amx else 4)
+            for j0 in range(0, n, bk):
+                nk = min(bk, n - j0)
+                scores, weighted = up(d // 2, 16 if amx else 1), up(-(-nk // 2), 16 if amx else 1)
+                want += rows * up(nk, 16) * scores + rows * up(d, 16) * weighted
+    before = lib.tg_bf16_attention_pairs()
+    got = bf16.run(*xs)[0]
+    assert lib.tg_bf16_attention_pairs() - before == heads * want
+    assert_close(got, interpret(model, xs)[0], "bf16", reduction_length=n + d)
+
+
 def _decoder_block():
     """A Llama block's GEMM sources: x @ W0 plus x (the residual), an RMS norm of that, and
     the norm read by four GEMMs (the query and key projections, a gated MLP's gate and up);

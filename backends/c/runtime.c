@@ -52,6 +52,10 @@ void tg_set_run_bf16(int on) { tg_run_bf16 = on; }
 /* Attention calls that multiplied in bf16 so far (tests check the path is taken). */
 static int tg_bf16_attentions;
 int tg_bf16_attention_count(void) { return __atomic_load_n(&tg_bf16_attentions, __ATOMIC_RELAXED); }
+/* The multiply-adds of bf16 pairs those calls' products ran, padding included (tests check that
+ * the AVX-512 BF16 products skip the tiles' padding). */
+static int64_t tg_bf16_attention_macs;
+int64_t tg_bf16_attention_pairs(void) { return __atomic_load_n(&tg_bf16_attention_macs, __ATOMIC_RELAXED); }
 
 /* Packed weights and reorder scratch on the kernel's transparent huge pages, where it
  * offers them on request (/sys/kernel/mm/transparent_hugepage/enabled: always or madvise).
@@ -1306,34 +1310,46 @@ static inline __attribute__((always_inline)) void tg_dp_block(int nb, int64_t kp
         for (int n = 0; n < nb; n++) _mm512_storeu_ps(c + r * ldc + 16 * n, acc[r][n]);
 }
 
-/* tg_amx_gemm's contract on AVX-512 BF16: c = a b (beta 0) or c += a b (beta 1), c 16 mt rows
- * x 16 nt columns of f32, a 16 mt rows of 16 kt bf16 pairs, b 16 kt pair rows of 16 nt columns. */
-static void tg_dp_gemm(int64_t mt, int64_t nt, int64_t kt, const uint32_t *a, int64_t lda, const uint32_t *b,
-                       int64_t ldb, float *c, int64_t ldc, int beta) {
-    for (int64_t i = 0; i < 16 * mt; i += 4)
-        for (int64_t j = 0; j < nt; j += 4) {
+/* tg_amx_gemm's product on AVX-512 BF16, over only what it needs: `rows` rows of c (rounded
+ * up to 4, the block's height), nt column blocks of 16 and `pairs` bf16 pairs, where AMX
+ * multiplies whole 16-row and 16-pair tiles. A's rows up to the rounding and b's pair rows
+ * beyond `pairs` up to the tiles' are zero or unread. ViT's 197 keys are 99 pairs where the
+ * tiles take 112, and its last slab of 5 query rows 8 where they take 16. The column blocks
+ * go in runs of at most 4, as even as they come (13 blocks: 4, 3, 3, 3, not 4, 4, 4, 1: a run
+ * of one has four accumulators, too few to hide the dot product's latency). Returns the
+ * multiply-adds of bf16 pairs it ran (tg_bf16_attention_pairs). */
+static int64_t tg_dp_gemm(int64_t rows, int64_t nt, int64_t pairs, const uint32_t *a, int64_t lda, const uint32_t *b,
+                          int64_t ldb, float *c, int64_t ldc, int beta) {
+    int64_t runs = (nt + 3) / 4;
+    for (int64_t i = 0; i < rows; i += 4)
+        for (int64_t run = 0, j = 0; run < runs; run++) {
+            int64_t nb = (nt - j + runs - run - 1) / (runs - run);
             const uint32_t *ai = a + i * lda, *bj = b + 16 * j;
             float *cij = c + i * ldc + 16 * j;
-            switch (nt - j >= 4 ? 4 : (int)(nt - j)) {
-            case 4: tg_dp_block(4, 16 * kt, ai, lda, bj, ldb, cij, ldc, beta); break;
-            case 3: tg_dp_block(3, 16 * kt, ai, lda, bj, ldb, cij, ldc, beta); break;
-            case 2: tg_dp_block(2, 16 * kt, ai, lda, bj, ldb, cij, ldc, beta); break;
-            default: tg_dp_block(1, 16 * kt, ai, lda, bj, ldb, cij, ldc, beta); break;
+            switch ((int)nb) {
+            case 4: tg_dp_block(4, pairs, ai, lda, bj, ldb, cij, ldc, beta); break;
+            case 3: tg_dp_block(3, pairs, ai, lda, bj, ldb, cij, ldc, beta); break;
+            case 2: tg_dp_block(2, pairs, ai, lda, bj, ldb, cij, ldc, beta); break;
+            default: tg_dp_block(1, pairs, ai, lda, bj, ldb, cij, ldc, beta); break;
             }
+            j += nb;
         }
+    return (rows + 3) / 4 * 4 * 16 * nt * pairs;
 }
 
-/* The block products on AMX tiles (amx) or AVX-512 BF16. */
-static void tg_bf16_gemm(int amx, int64_t mt, int64_t nt, int64_t kt, const uint32_t *a, int64_t lda,
-                         const uint32_t *b, int64_t ldb, float *c, int64_t ldc, int beta) {
+/* The block products on AMX tiles (amx: whole 16 x 16 tiles) or AVX-512 BF16 (c's first
+ * `rows` rows, `pairs` pairs); returns the multiply-adds of pairs run. */
+static int64_t tg_bf16_gemm(int amx, int64_t rows, int64_t nt, int64_t pairs, const uint32_t *a, int64_t lda,
+                            const uint32_t *b, int64_t ldb, float *c, int64_t ldc, int beta) {
 #ifdef TG_HAVE_AMX_ATTENTION
     if (amx) {
+        int64_t mt = (rows + 15) / 16, kt = (pairs + 15) / 16;
         tg_amx_gemm(mt, nt, kt, a, lda, b, ldb, c, ldc, beta);
-        return;
+        return 16 * mt * 16 * nt * 16 * kt;
     }
 #endif
     (void)amx;
-    tg_dp_gemm(mt, nt, kt, a, lda, b, ldb, c, ldc, beta);
+    return tg_dp_gemm(rows, nt, pairs, a, lda, b, ldb, c, ldc, beta);
 }
 
 /* One key block of a batch row in the right operands' layouts, made once for every query
@@ -1385,6 +1401,7 @@ static int tg_attention_bf16(int nb, const int64_t *bd, const int64_t *qb, const
     int failed = 0;
 #pragma omp parallel if (batches * lq * lk * d > 65536)
     {
+        int64_t macs = 0;
         char *area = malloc(work);
         if (!area) failed = 1;
         uint32_t *qh = (uint32_t *)(((uintptr_t)area + 63) & ~(uintptr_t)63), *ph = qh + bq16 * dp16;
@@ -1424,14 +1441,15 @@ static int tg_attention_bf16(int nb, const int64_t *bd, const int64_t *qb, const
                      * scores and weights stay in the core's first-level cache between them */
                     for (int64_t r0 = 0; r0 < nq; r0 += TG_AMX_SLAB) {
                         int64_t rn = nq - r0 < TG_AMX_SLAB ? nq - r0 : TG_AMX_SLAB, rt = (rn + 15) / 16;
-                        tg_bf16_gemm(amx, rt, (nk + 15) / 16, dp16 / 16, qh + r0 * dp16, dp16, kh, bk16, s, bk16, 0);
+                        macs += tg_bf16_gemm(amx, rn, (nk + 15) / 16, (d + 1) / 2, qh + r0 * dp16, dp16, kh, bk16, s,
+                                             bk16, 0);
                         for (int64_t i = 0; i < rn; i++) /* the weights: bf16 pairs along the keys */
                             tg_flash_row16(s + i * bk16, nk, i0, r0 + i, j0, lq, lk, causal, mask_kind, mask,
                                               off[3], mr, mc, mx + r0 + i, sum + r0 + i, acc + (r0 + i) * dv16, dv,
                                               ph + i * kp16, kp16);
                         memset(ph + rn * kp16, 0, sizeof(uint32_t) * (16 * rt - rn) * kp16); /* rows rn.. zero */
-                        tg_bf16_gemm(amx, rt, dv16 / 16, ((nk + 1) / 2 + 15) / 16, ph, kp16, vh, dv16,
-                                     acc + r0 * dv16, dv16, 1);
+                        macs += tg_bf16_gemm(amx, rn, dv16 / 16, (nk + 1) / 2, ph, kp16, vh, dv16, acc + r0 * dv16,
+                                             dv16, 1);
                     }
                 }
                 for (int64_t i = 0; i < nq; i++)
@@ -1440,6 +1458,7 @@ static int tg_attention_bf16(int nb, const int64_t *bd, const int64_t *qb, const
 #ifdef TG_HAVE_AMX_ATTENTION
         if (area && amx) _tile_release();
 #endif
+        __atomic_fetch_add(&tg_bf16_attention_macs, macs, __ATOMIC_RELAXED);
         free(area);
     }
     free(packed);

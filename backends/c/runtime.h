@@ -102,6 +102,7 @@ void tg_set_bf16(int on);
 int tg_bf16_on(void);
 void tg_set_run_bf16(int on);
 int tg_bf16_attention_count(void);
+int64_t tg_bf16_attention_pairs(void);
 int tg_primitive_count(void);
 const char *tg_primitive_report(void);
 void tg_softmax_rows(const float *x, float *y, int64_t rows, int64_t n);
