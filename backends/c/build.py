@@ -4,8 +4,8 @@ Two shared libraries, each cached on disk under a key of everything that decides
 bytes: the compiler's identity, the flags and the processor's features (a library
 built with -march=native on one CPU must never be loaded on another: these machines
 change between AVX-512 and older processors), and its sources.
-  - The runtime (runtime.c with runtime.h: oneDNN's glue, the row kernels, flash
-    attention), compiled once per toolchain and flags: `runtime()`.
+  - The runtime (runtime.c with runtime.h: oneDNN's glue and the row kernels; attention.c:
+    flash attention), compiled once per toolchain and flags: `runtime()`.
   - Each model's module (its emitted source), linked against that runtime, which it
     finds beside itself in the cache folder ($ORIGIN): `build()`. Its key holds the
     runtime's, so a changed runtime or header makes new modules.
@@ -29,9 +29,10 @@ from tilegraph.ir.errors import TilegraphError
 
 RUNTIME_H = Path(__file__).with_name("runtime.h")
 RUNTIME_C = Path(__file__).with_name("runtime.c")
-# Compiled into the runtime beside runtime.c: the block-format and KV-cache kernels
-# (blockq.c, with its header, the SIMD variants and decode.c it includes).
-RUNTIME_EXTRA = [Path(__file__).with_name(n) for n in ("blockq.h", "blockq_simd.h", "blockq.c", "decode.c")]
+# Compiled into the runtime beside runtime.c: flash attention (attention.c), the block-format
+# and KV-cache kernels (blockq.c, with its header, the SIMD variants and decode.c it includes).
+RUNTIME_EXTRA = [Path(__file__).with_name(n) for n in ("attention.c", "blockq.h", "blockq_simd.h", "blockq.c",
+                                                     "decode.c")]
 # -fwrapv: signed integer overflow wraps, as NumPy's does. -fno-math-errno lets the
 # compiler inline and vectorise math functions (errno is never read). No -ffast-math:
 # NaN, infinities and signed zeros keep their IEEE meaning.
@@ -138,7 +139,7 @@ def runtime(cflags: list[str] | None = None) -> Path:
                    *(p.read_text() for p in RUNTIME_EXTRA))
         target = cache.private_dir("c") / f"tgrt_{key}.so"
         if not cache.verified(target):  # absent, or damaged, edited or planted: built afresh
-            source = RUNTIME_C.read_text() + '\n#include "blockq.c"\n'
+            source = RUNTIME_C.read_text() + '\n#include "attention.c"\n#include "blockq.c"\n'
             # The soname is the file's name: a module records it and finds it beside itself.
             _compile(source, target, cflags, [f"-Wl,-soname,{target.name}"],
                      "the runtime (runtime.c)")

@@ -6,7 +6,7 @@
  * Emitted code is the model: loops over its shapes, and calls to these.
  *
  * This header declares them and defines the inline element functions the emitted
- * loops vectorise (exp, tanh, erf, gelu, ...); runtime.c defines the rest. runtime.c is
+ * loops vectorise (exp, tanh, erf, gelu, ...); runtime.c and attention.c define the rest,
  * compiled once into a shared library of its own (build.py), which every module links
  * against, so a model's build compiles only its own code.
  *

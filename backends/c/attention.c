@@ -1,0 +1,546 @@
+/* tilegraph C backend: flash attention, f32 on oneDNN's sgemm per block and bf16 on AMX tiles
+ * or AVX-512 BF16 dot products (runtime.h declares tg_attention). Compiled into the runtime
+ * library: build.py appends it to runtime.c, whose statics it uses (the bf16 switch of the
+ * call, tg_amx_granted, TG_FAIL). */
+#ifndef TG_MAX_POST /* runtime.h has no include guard; runtime.c is included before this file */
+#include "runtime.h"
+#endif
+
+/* --- attention: softmax(q k^T * scale + mask) v, flash-style ---
+ *
+ * Per (batch, block of bq query rows) task, keys in blocks of bk (the `tile` pass's
+ * block_q and block_kv) with
+ * an online softmax (running max and sum, the accumulator rescaled when the max
+ * grows): memory is one block of scores and one accumulator row per query, never the
+ * Lq x Lk scores. The two products of a block (scores = q k^T, acc += p v) are small
+ * GEMMs on oneDNN's sgemm (row-major), which keeps its operands in registers as a
+ * loop here cannot. Batch dims are flattened: dims bd[nb] and each tensor's strides
+ * over them; rows of q, k, v are contiguous with row strides qr, kr, vr (>= the row).
+ * mask_kind: 0 none, 1 bool (keep where true), 2 float (added). Causal keeps
+ * j <= i + Lk - Lq. */
+
+/* The result's element type for the tg_attention calls this thread makes next: f32, or bf16
+ * (its 16 bits, in the same element positions) where only bf16 GEMMs read the result
+ * (onednn.py, bf16_sources). Read once on the calling thread: the workers' copy is theirs. */
+static _Thread_local int tg_attention_bf16_out;
+void tg_set_attention_out_bf16(int on) { tg_attention_bf16_out = on; }
+
+/* One finished row of attention: the accumulator acc[0:dv] over the softmax's sum, written
+ * as element `at` onwards of o (f32, or bf16 where out_bf16). */
+static inline void tg_attention_row(float *o, int64_t at, const float *acc, float sum, int64_t dv, int out_bf16) {
+    /* a row with every key masked: NaN, as softmax over all -inf is */
+    float inv = sum > 0.f ? 1.f / sum : NAN;
+    if (out_bf16) {
+        uint16_t *oi = (uint16_t *)o + at;
+#pragma omp simd
+        for (int64_t c = 0; c < dv; c++) oi[c] = tg_f2bf(acc[c] * inv);
+    } else {
+        float *oi = o + at;
+#pragma omp simd
+        for (int64_t c = 0; c < dv; c++) oi[c] = acc[c] * inv;
+    }
+}
+
+/* The offsets of batch row `bi` (flattened over dims bd[nb]) in q, k, v, the mask and o. */
+static void tg_batch_offsets(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb, const int64_t *vb,
+                             const int64_t *mb, const int64_t *ob, int64_t bi, int64_t off[5]) {
+    off[0] = off[1] = off[2] = off[3] = off[4] = 0;
+    for (int i = nb - 1; i >= 0; i--) {
+        int64_t idx = bi % bd[i];
+        bi /= bd[i];
+        off[0] += idx * qb[i]; off[1] += idx * kb[i]; off[2] += idx * vb[i]; off[3] += idx * mb[i];
+        off[4] += idx * ob[i];
+    }
+}
+
+/* One query row's scores against a key block, si[0:nk] (query i0 + i, keys from j0): the
+ * causal cut and the mask applied (tg_flash_mask), then the online softmax step - the row's running max and
+ * sum updated, si[j] replaced by its weight, the row's accumulator ai[0:dv] rescaled to the
+ * new max. Both the f32 and the bf16 products use it. */
+static inline void tg_flash_mask(float *si, int64_t nk, int64_t i0, int64_t i, int64_t j0, int64_t lq, int64_t lk,
+                                 int causal, int mask_kind, const void *mask, int64_t om, int64_t mr, int64_t mc) {
+    if (causal) { /* keys past i + lk - lq are the future */
+        int64_t first = i0 + i + lk - lq + 1 - j0;
+        for (int64_t j = first < 0 ? 0 : first; j < nk; j++) si[j] = -INFINITY;
+    }
+    if (mask_kind == 1) {
+        const uint8_t *mi = (const uint8_t *)mask + om + (i0 + i) * mr + j0 * mc;
+        for (int64_t j = 0; j < nk; j++) if (!mi[j * mc]) si[j] = -INFINITY;
+    } else if (mask_kind == 2) {
+        const float *mi = (const float *)mask + om + (i0 + i) * mr + j0 * mc;
+#pragma omp simd
+        for (int64_t j = 0; j < nk; j++) si[j] += mi[j * mc];
+    }
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* tg_expf on 16 lanes, the same reduction and polynomial (so every path weighs alike), with
+ * 2^n applied by vscalefps: it saturates to inf and to zero itself, so only the input is
+ * clamped (far enough out that the result is already inf or zero; NaN passes through
+ * max/min as their second operand). The compiler's loop over tg_expf left a scalar tail per
+ * row (a row of 197 keys: 5 scalar exps), its running sum in memory and twice the work. */
+static inline __m512 tg_exp16(__m512 x) {
+    __m512 t = _mm512_min_ps(_mm512_set1_ps(89.f), _mm512_max_ps(_mm512_set1_ps(-104.f), x));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), t);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.f / 720), _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __mmask16 tg_lanes(int64_t n) { return (__mmask16)(n >= 16 ? 0xffff : n <= 0 ? 0 : (1u << n) - 1); }
+
+/* tg_flash_row on 16 lanes: the same online-softmax step over si[0:nk], the weights written
+ * back to si as f32 or (pi: the bf16 products) as bf16 pairs along the keys, `width` pairs,
+ * keys nk.. zero. */
+static inline void tg_flash_row16(float *si, int64_t nk, int64_t i0, int64_t i, int64_t j0, int64_t lq, int64_t lk,
+                                  int causal, int mask_kind, const void *mask, int64_t om, int64_t mr, int64_t mc,
+                                  float *mxi, float *sumi, float *ai, int64_t dv, uint32_t *pi, int64_t width) {
+    tg_flash_mask(si, nk, i0, i, j0, lq, lk, causal, mask_kind, mask, om, mr, mc);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    __m512 vm = ninf;
+    for (int64_t j = 0; j < nk; j += 16) vm = _mm512_max_ps(vm, _mm512_mask_loadu_ps(ninf, tg_lanes(nk - j), si + j));
+    /* (a NaN score: its weight is NaN, so is the row's sum and output, as softmax's) */
+    float m = _mm512_reduce_max_ps(vm);
+    m = m > *mxi || m != m ? m : *mxi;
+    /* all -inf so far: nothing to weigh yet (exp(-inf - -inf) would be NaN) */
+    float corr = m == -INFINITY ? 1.f : tg_expf(*mxi - m);
+    const __m512 vmax = _mm512_set1_ps(m);
+    __m512 l = _mm512_setzero_ps();
+    if (!pi) {
+        for (int64_t j = 0; j < nk; j += 16) {
+            __mmask16 live = m == -INFINITY ? 0 : tg_lanes(nk - j);
+            __m512 p = _mm512_maskz_mov_ps(live, tg_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, si + j), vmax)));
+            l = _mm512_add_ps(l, p);
+            _mm512_mask_storeu_ps(si + j, tg_lanes(nk - j), p);
+        }
+    }
+#if defined(__AVX512BF16__)
+    else {
+        for (int64_t j = 0; j < 2 * width; j += 32) {
+            __mmask16 lo = m == -INFINITY ? 0 : tg_lanes(nk - j), hi = m == -INFINITY ? 0 : tg_lanes(nk - j - 16);
+            __m512 p0 = _mm512_maskz_mov_ps(lo, tg_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lo, si + j), vmax)));
+            __m512 p1 = _mm512_maskz_mov_ps(hi, tg_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(hi, si + j + 16), vmax)));
+            l = _mm512_add_ps(l, _mm512_add_ps(p0, p1));
+            _mm512_storeu_si512(pi + j / 2, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+        }
+    }
+#endif
+    *sumi = *sumi * corr + _mm512_reduce_add_ps(l);
+    *mxi = m;
+    if (corr != 1.f) {
+#pragma omp simd
+        for (int64_t c = 0; c < dv; c++) ai[c] *= corr;
+    }
+}
+#endif
+
+static inline void tg_flash_row(float *si, int64_t nk, int64_t i0, int64_t i, int64_t j0, int64_t lq, int64_t lk,
+                                int causal, int mask_kind, const void *mask, int64_t om, int64_t mr, int64_t mc,
+                                float *mxi, float *sumi, float *ai, int64_t dv) {
+#if defined(__AVX512F__)
+    tg_flash_row16(si, nk, i0, i, j0, lq, lk, causal, mask_kind, mask, om, mr, mc, mxi, sumi, ai, dv, NULL, 0);
+#else
+    tg_flash_mask(si, nk, i0, i, j0, lq, lk, causal, mask_kind, mask, om, mr, mc);
+    float m = *mxi;
+#pragma omp simd reduction(max : m)
+    for (int64_t j = 0; j < nk; j++) m = si[j] > m ? si[j] : m;
+    /* all -inf so far: nothing to weigh yet (exp(-inf - -inf) would be NaN) */
+    float corr = m == -INFINITY ? 1.f : tg_expf(*mxi - m), l = 0.f;
+#pragma omp simd reduction(+ : l)
+    for (int64_t j = 0; j < nk; j++) {
+        float p = m == -INFINITY ? 0.f : tg_expf(si[j] - m);
+        si[j] = p;
+        l += p;
+    }
+    *sumi = *sumi * corr + l;
+    *mxi = m;
+    if (corr != 1.f) {
+#pragma omp simd
+        for (int64_t c = 0; c < dv; c++) ai[c] *= corr;
+    }
+#endif
+}
+
+/* bf16 attention products (precision bf16): both GEMMs of a block with bf16 operands,
+ * rounded once to nearest even (vcvtne2ps2bf16), and f32 accumulation; oneDNN 3.2's C API
+ * has no bf16 GEMM function to call here. On AMX as tiles (tdpbf16ps: a 16x16 f32 tile +=
+ * 16x32 bf16 by 32x16 bf16), taken where the running processor reports AMX-BF16 and the
+ * kernel grants this process the tile state (arch_prctl); else on AVX-512 BF16 (vdpbf16ps:
+ * 16 f32 lanes += 16 bf16 pairs times 16 pairs, over the same packed operands), which on a
+ * processor that issues it at its f32 FMAs' rate doubles their products (ViT-S/16's
+ * attention at 197 tokens took about half the f32 path's time). Compiled where the compiler
+ * targets AVX-512 BF16 (-march=native), AMX's parts where it targets AMX. */
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#define TG_HAVE_BF16_ATTENTION 1
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#define TG_HAVE_AMX_ATTENTION 1
+
+static int tg_amx_ready(void) {
+    unsigned a, b, c, d; /* AMX-BF16: CPUID 7.0 EDX bit 22 */
+    return tg_amx_granted() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22));
+}
+
+/* Tile registers, each 16 rows of 64 bytes: 0-3 a 2x2 block of the product, 4-5 two row
+ * blocks of the left operand (16 rows x 16 bf16 pairs), 6-7 two column blocks of the right
+ * one (16 pair rows x 16 columns). Configured per thread (tile state is). */
+static void tg_amx_configure(void) {
+    struct { uint8_t palette, start; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
+    _tile_loadconfig(&cfg);
+}
+#endif
+
+/* AVX-512 BF16's bf16 dot products: CPUID 7.1 EAX bit 5. */
+static int tg_avx512_bf16_ready(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5));
+}
+
+/* rows x n floats (row stride ld), each times `mul`, to bf16 rows of `stride` elements,
+ * n..stride zero (the left operand: a row's consecutive bf16 pairs are its pairs along n). */
+static void tg_bf16_rows(const float *x, int64_t ld, int64_t rows, int64_t n, int64_t stride, float mul, uint16_t *y) {
+    const __m512 m = _mm512_set1_ps(mul);
+    for (int64_t i = 0; i < rows; i++) {
+        const float *xi = x + i * ld;
+        uint16_t *yi = y + i * stride;
+        for (int64_t j = 0; j < stride; j += 32) {
+            __mmask16 lo = (__mmask16)(n - j >= 16 ? 0xffff : n - j <= 0 ? 0 : (1u << (n - j)) - 1);
+            __mmask16 hi = (__mmask16)(n - j >= 32 ? 0xffff : n - j <= 16 ? 0 : (1u << (n - j - 16)) - 1);
+            __m512bh v = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_maskz_loadu_ps(hi, xi + j + 16), m),
+                                             _mm512_mul_ps(_mm512_maskz_loadu_ps(lo, xi + j), m));
+            _mm512_storeu_si512(yi + j, (__m512i)v);
+        }
+    }
+}
+
+/* c = a b (beta 0) or c += a b (beta 1) on AMX, c being 16 mt rows x 16 nt columns of f32
+ * (row stride ldc): a is 16 mt rows of 16 kt bf16 pairs (row stride lda pairs), b 16 kt pair
+ * rows of 16 nt columns (row stride ldb). The product tiles are loaded from c (or zeroed) and
+ * stored back whole; two by two of them at a time, so each block of a and of b loaded serves
+ * two products. */
+#ifdef TG_HAVE_AMX_ATTENTION
+#define TG_AMX_C(t, p) do { if (beta) _tile_loadd(t, p, ldc * 4); else _tile_zero(t); } while (0)
+static void tg_amx_gemm(int64_t mt, int64_t nt, int64_t kt, const uint32_t *a, int64_t lda, const uint32_t *b,
+                        int64_t ldb, float *c, int64_t ldc, int beta) {
+    for (int64_t i = 0; i < mt; i += 2)
+        for (int64_t j = 0; j < nt; j += 2) {
+            const uint32_t *a0 = a + 16 * i * lda, *a1 = a0 + 16 * lda, *b0 = b + 16 * j, *b1 = b0 + 16;
+            float *c00 = c + 16 * i * ldc + 16 * j, *c10 = c00 + 16 * ldc;
+            if (i + 1 < mt && j + 1 < nt) {
+                TG_AMX_C(0, c00); TG_AMX_C(1, c00 + 16); TG_AMX_C(2, c10); TG_AMX_C(3, c10 + 16);
+                for (int64_t t = 0; t < kt; t++) {
+                    _tile_loadd(4, a0 + 16 * t, lda * 4);
+                    _tile_loadd(6, b0 + 16 * t * ldb, ldb * 4);
+                    _tile_loadd(7, b1 + 16 * t * ldb, ldb * 4);
+                    _tile_loadd(5, a1 + 16 * t, lda * 4);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+                _tile_stored(0, c00, ldc * 4); _tile_stored(1, c00 + 16, ldc * 4);
+                _tile_stored(2, c10, ldc * 4); _tile_stored(3, c10 + 16, ldc * 4);
+            } else if (j + 1 < nt) { /* the last row block */
+                TG_AMX_C(0, c00); TG_AMX_C(1, c00 + 16);
+                for (int64_t t = 0; t < kt; t++) {
+                    _tile_loadd(4, a0 + 16 * t, lda * 4);
+                    _tile_loadd(6, b0 + 16 * t * ldb, ldb * 4);
+                    _tile_loadd(7, b1 + 16 * t * ldb, ldb * 4);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
+                _tile_stored(0, c00, ldc * 4); _tile_stored(1, c00 + 16, ldc * 4);
+            } else if (i + 1 < mt) { /* the last column block */
+                TG_AMX_C(0, c00); TG_AMX_C(2, c10);
+                for (int64_t t = 0; t < kt; t++) {
+                    _tile_loadd(4, a0 + 16 * t, lda * 4);
+                    _tile_loadd(5, a1 + 16 * t, lda * 4);
+                    _tile_loadd(6, b0 + 16 * t * ldb, ldb * 4);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(2, 5, 6);
+                }
+                _tile_stored(0, c00, ldc * 4); _tile_stored(2, c10, ldc * 4);
+            } else {
+                TG_AMX_C(0, c00);
+                for (int64_t t = 0; t < kt; t++) {
+                    _tile_loadd(4, a0 + 16 * t, lda * 4);
+                    _tile_loadd(6, b0 + 16 * t * ldb, ldb * 4);
+                    _tile_dpbf16ps(0, 4, 6);
+                }
+                _tile_stored(0, c00, ldc * 4);
+            }
+        }
+}
+#undef TG_AMX_C
+#endif
+
+/* tg_amx_gemm's product on AVX-512 BF16, for rows r0..r0+3 and `nb` (1-4) column blocks from
+ * column block j: every accumulator a register, each pair of a broadcast to all lanes and
+ * multiplied into the four column blocks' pairs it meets. */
+static inline __attribute__((always_inline)) void tg_dp_block(int nb, int64_t kp, const uint32_t *a, int64_t lda,
+                                                              const uint32_t *b, int64_t ldb, float *c, int64_t ldc,
+                                                              int beta) {
+    __m512 acc[4][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; r++)
+#pragma GCC unroll 4
+        for (int n = 0; n < nb; n++) acc[r][n] = beta ? _mm512_loadu_ps(c + r * ldc + 16 * n) : _mm512_setzero_ps();
+    for (int64_t p = 0; p < kp; p++) {
+        __m512bh bv[4];
+#pragma GCC unroll 4
+        for (int n = 0; n < nb; n++) bv[n] = (__m512bh)_mm512_loadu_si512(b + p * ldb + 16 * n);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) {
+            __m512bh av = (__m512bh)_mm512_set1_epi32((int)a[r * lda + p]);
+#pragma GCC unroll 4
+            for (int n = 0; n < nb; n++) acc[r][n] = _mm512_dpbf16_ps(acc[r][n], av, bv[n]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; r++)
+#pragma GCC unroll 4
+        for (int n = 0; n < nb; n++) _mm512_storeu_ps(c + r * ldc + 16 * n, acc[r][n]);
+}
+
+/* tg_amx_gemm's product on AVX-512 BF16, over only what it needs: `rows` rows of c (rounded
+ * up to 4, the block's height), nt column blocks of 16 and `pairs` bf16 pairs, where AMX
+ * multiplies whole 16-row and 16-pair tiles. A's rows up to the rounding and b's pair rows
+ * beyond `pairs` up to the tiles' are zero or unread. ViT's 197 keys are 99 pairs where the
+ * tiles take 112, and its last slab of 5 query rows 8 where they take 16. The column blocks
+ * go in runs of at most 4, as even as they come (13 blocks: 4, 3, 3, 3, not 4, 4, 4, 1: a run
+ * of one has four accumulators, too few to hide the dot product's latency). Returns the
+ * multiply-adds of bf16 pairs it ran (tg_bf16_attention_pairs). */
+static int64_t tg_dp_gemm(int64_t rows, int64_t nt, int64_t pairs, const uint32_t *a, int64_t lda, const uint32_t *b,
+                          int64_t ldb, float *c, int64_t ldc, int beta) {
+    int64_t runs = (nt + 3) / 4;
+    for (int64_t i = 0; i < rows; i += 4)
+        for (int64_t run = 0, j = 0; run < runs; run++) {
+            int64_t nb = (nt - j + runs - run - 1) / (runs - run);
+            const uint32_t *ai = a + i * lda, *bj = b + 16 * j;
+            float *cij = c + i * ldc + 16 * j;
+            switch ((int)nb) {
+            case 4: tg_dp_block(4, pairs, ai, lda, bj, ldb, cij, ldc, beta); break;
+            case 3: tg_dp_block(3, pairs, ai, lda, bj, ldb, cij, ldc, beta); break;
+            case 2: tg_dp_block(2, pairs, ai, lda, bj, ldb, cij, ldc, beta); break;
+            default: tg_dp_block(1, pairs, ai, lda, bj, ldb, cij, ldc, beta); break;
+            }
+            j += nb;
+        }
+    return (rows + 3) / 4 * 4 * 16 * nt * pairs;
+}
+
+/* The block products on AMX tiles (amx: whole 16 x 16 tiles) or AVX-512 BF16 (c's first
+ * `rows` rows, `pairs` pairs); returns the multiply-adds of pairs run. */
+static int64_t tg_bf16_gemm(int amx, int64_t rows, int64_t nt, int64_t pairs, const uint32_t *a, int64_t lda,
+                            const uint32_t *b, int64_t ldb, float *c, int64_t ldc, int beta) {
+#ifdef TG_HAVE_AMX_ATTENTION
+    if (amx) {
+        int64_t mt = (rows + 15) / 16, kt = (pairs + 15) / 16;
+        tg_amx_gemm(mt, nt, kt, a, lda, b, ldb, c, ldc, beta);
+        return 16 * mt * 16 * nt * 16 * kt;
+    }
+#endif
+    (void)amx;
+    return tg_dp_gemm(rows, nt, pairs, a, lda, b, ldb, c, ldc, beta);
+}
+
+/* One key block of a batch row in the right operands' layouts, made once for every query
+ * block that reads it: k as bf16 pairs along d, transposed so key j is column j (dp16 pair
+ * rows of bk16 columns; through `rows`, the block's k rows converted, bk x dp16 pairs), and
+ * v as pairs down the keys (kp16 pair rows of dv16 columns: keys 2u and 2u+1 of column c in
+ * pair u). Padding keys and columns are zero. */
+static void tg_pack_kv(const float *k, int64_t kr, const float *v, int64_t vr, int64_t nk, int64_t d, int64_t dv,
+                       int64_t dp16, int64_t bk16, int64_t kp16, int64_t dv16, uint32_t *rows, uint32_t *kh,
+                       uint32_t *vh) {
+    tg_bf16_rows(k, kr, nk, d, 2 * dp16, 1.f, (uint16_t *)rows);
+    const __m512i lane = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32((int)dp16));
+    for (int64_t j = 0; j < bk16; j += 16) {
+        __mmask16 live = (__mmask16)(nk - j >= 16 ? 0xffff : nk - j <= 0 ? 0 : (1u << (nk - j)) - 1);
+        for (int64_t t = 0; t < dp16; t++)
+            _mm512_storeu_si512(kh + t * bk16 + j,
+                                _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, lane, rows + j * dp16 + t, 4));
+    }
+    for (int64_t u = 0; u < kp16; u++)
+        for (int64_t c = 0; c < dv16; c += 16) {
+            __mmask16 cols = (__mmask16)(dv - c >= 16 ? 0xffff : dv - c <= 0 ? 0 : (1u << (dv - c)) - 1);
+            __mmask16 even = 2 * u < nk ? cols : 0, odd = 2 * u + 1 < nk ? cols : 0;
+            __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(even, v + 2 * u * vr + c)));
+            __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(odd, v + (2 * u + 1) * vr + c)));
+            _mm512_storeu_si512(vh + u * dv16 + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+}
+
+/* tg_attention at bf16 on AMX (no length or head dim zero): every key block's k and v packed
+ * once (a first parallel pass), then the query-block tasks, each thread with one working area for all its
+ * tasks: q's block as bf16 pairs (bq16 rows of dp16 pairs), one slab's scores (TG_AMX_SLAB x
+ * bk16 f32) and weights as bf16 pairs along the keys (TG_AMX_SLAB rows of kp16 pairs), the
+ * accumulator (bq16 x dv16 f32, the product tiles load and store it whole), the running max
+ * and sum. A slab is two row tiles: the product's 2x2 blocking uses both. */
+#define TG_AMX_SLAB 32
+static int tg_attention_bf16(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb, const int64_t *vb,
+                             const int64_t *mb, const int64_t *ob, const float *q, const float *k, const float *v,
+                             const void *mask, float *o, int64_t lq, int64_t lk, int64_t d, int64_t dv, int64_t qr,
+                             int64_t kr, int64_t vr, int64_t orow, int mask_kind, int64_t mr, int64_t mc, float scale,
+                             int causal, int64_t bq, int64_t bk, int64_t batches, int out_bf16, int amx) {
+    int64_t up = 16, bq16 = (bq + 15) / up * up, bk16 = (bk + 15) / up * up, dv16 = (dv + 15) / up * up;
+    int64_t dp16 = ((d + 1) / 2 + 15) / up * up, kp16 = ((bk + 1) / 2 + 15) / up * up;
+    int64_t qblocks = (lq + bq - 1) / bq, kblocks = (lk + bk - 1) / bk, per_block = dp16 * bk16 + kp16 * dv16;
+    uint32_t *packed = malloc(sizeof(uint32_t) * (size_t)(batches * kblocks * per_block));
+    if (!packed) TG_FAIL("attention: out of memory for its packed keys and values");
+    size_t work = sizeof(uint32_t) * (size_t)(bq16 * dp16 + TG_AMX_SLAB * kp16 + bk * dp16) +
+                  sizeof(float) * (size_t)(TG_AMX_SLAB * bk16 + bq16 * dv16 + 2 * bq) + 64;
+    int failed = 0;
+#pragma omp parallel if (batches * lq * lk * d > 65536)
+    {
+        int64_t macs = 0;
+        char *area = malloc(work);
+        if (!area) failed = 1;
+        uint32_t *qh = (uint32_t *)(((uintptr_t)area + 63) & ~(uintptr_t)63), *ph = qh + bq16 * dp16;
+        uint32_t *rows = ph + TG_AMX_SLAB * kp16;
+        float *s = (float *)(rows + bk * dp16), *acc = s + TG_AMX_SLAB * bk16, *mx = acc + bq16 * dv16, *sum = mx + bq;
+#ifdef TG_HAVE_AMX_ATTENTION
+        if (area && amx) tg_amx_configure();
+#endif
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t bi = 0; bi < batches; bi++)
+            for (int64_t kbk = 0; kbk < kblocks; kbk++) {
+                if (!area) continue;
+                int64_t off[5], j0 = kbk * bk, nk = j0 + bk < lk ? bk : lk - j0;
+                tg_batch_offsets(nb, bd, qb, kb, vb, mb, ob, bi, off);
+                uint32_t *kh = packed + (bi * kblocks + kbk) * per_block;
+                tg_pack_kv(k + off[1] + j0 * kr, kr, v + off[2] + j0 * vr, vr, nk, d, dv, dp16, bk16, kp16, dv16, rows,
+                           kh, kh + dp16 * bk16);
+            }
+#pragma omp for collapse(2) schedule(dynamic)
+        for (int64_t bi = 0; bi < batches; bi++)
+            for (int64_t qbk = 0; qbk < qblocks; qbk++) {
+                if (!area) continue;
+                int64_t off[5];
+                tg_batch_offsets(nb, bd, qb, kb, vb, mb, ob, bi, off);
+                int64_t i0 = qbk * bq, i1 = i0 + bq < lq ? i0 + bq : lq, nq = i1 - i0, mt = (nq + 15) / 16;
+                /* q times the scale (exact for a power of two; else one rounding, as q's alone);
+                 * rows nq.. of the last row block zero, so every product tile is finite */
+                tg_bf16_rows(q + off[0] + i0 * qr, qr, nq, d, 2 * dp16, scale, (uint16_t *)qh);
+                memset(qh + nq * dp16, 0, sizeof(uint32_t) * (16 * mt - nq) * dp16);
+                memset(acc, 0, sizeof(float) * 16 * mt * dv16);
+                for (int64_t i = 0; i < nq; i++) { mx[i] = -INFINITY; sum[i] = 0.f; }
+                for (int64_t kbk = 0; kbk < kblocks; kbk++) {
+                    int64_t j0 = kbk * bk, nk = j0 + bk < lk ? bk : lk - j0;
+                    if (causal && j0 > i1 - 1 + lk - lq) break;
+                    const uint32_t *kh = packed + (bi * kblocks + kbk) * per_block, *vh = kh + dp16 * bk16;
+                    /* a slab of TG_AMX_SLAB query rows at a time through both products, so its
+                     * scores and weights stay in the core's first-level cache between them */
+                    for (int64_t r0 = 0; r0 < nq; r0 += TG_AMX_SLAB) {
+                        int64_t rn = nq - r0 < TG_AMX_SLAB ? nq - r0 : TG_AMX_SLAB, rt = (rn + 15) / 16;
+                        macs += tg_bf16_gemm(amx, rn, (nk + 15) / 16, (d + 1) / 2, qh + r0 * dp16, dp16, kh, bk16, s,
+                                             bk16, 0);
+                        for (int64_t i = 0; i < rn; i++) /* the weights: bf16 pairs along the keys */
+                            tg_flash_row16(s + i * bk16, nk, i0, r0 + i, j0, lq, lk, causal, mask_kind, mask,
+                                              off[3], mr, mc, mx + r0 + i, sum + r0 + i, acc + (r0 + i) * dv16, dv,
+                                              ph + i * kp16, kp16);
+                        memset(ph + rn * kp16, 0, sizeof(uint32_t) * (16 * rt - rn) * kp16); /* rows rn.. zero */
+                        macs += tg_bf16_gemm(amx, rn, dv16 / 16, (nk + 1) / 2, ph, kp16, vh, dv16, acc + r0 * dv16,
+                                             dv16, 1);
+                    }
+                }
+                for (int64_t i = 0; i < nq; i++)
+                    tg_attention_row(o, off[4] + (i0 + i) * orow, acc + i * dv16, sum[i], dv, out_bf16);
+            }
+#ifdef TG_HAVE_AMX_ATTENTION
+        if (area && amx) _tile_release();
+#endif
+        __atomic_fetch_add(&tg_bf16_attention_macs, macs, __ATOMIC_RELAXED);
+        free(area);
+    }
+    free(packed);
+    if (failed) TG_FAIL("attention: out of memory for its working blocks");
+    __atomic_fetch_add(&tg_bf16_attentions, 1, __ATOMIC_RELAXED);
+    return 0;
+}
+#endif
+
+int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb, const int64_t *vb,
+                 const int64_t *mb, const int64_t *ob, const float *q, const float *k, const float *v,
+                 const void *mask, float *o, int64_t lq, int64_t lk, int64_t d, int64_t dv, int64_t qr,
+                 int64_t kr, int64_t vr, int64_t orow, int mask_kind, int64_t mr, int64_t mc, float scale,
+                 int causal, int64_t bq, int64_t bk) {
+    int64_t batches = 1;
+    /* Block sizes come from the IR (a .mlir file, a cache entry): the emitter checks them, and
+     * so does this, as the one place a zero (division), a negative or a huge block (the
+     * working block's size overflows) would do harm. */
+    if (bq < 1 || bk < 1 || bq > TG_MAX_BLOCK || bk > TG_MAX_BLOCK || lq < 0 || lk < 0 || d < 0 || dv < 0)
+        TG_FAIL("attention: block sizes or lengths out of range");
+    for (int i = 0; i < nb; i++) batches *= bd[i];
+    int out_bf16 = tg_attention_bf16_out;
+#ifdef TG_HAVE_BF16_ATTENTION
+    /* bf16: both products of a block on AMX or AVX-512 BF16, the softmax f32. Read here: the thread-local is
+     * the caller's, not the workers'. */
+    if (tg_run_bf16 && d > 0 && dv > 0 && lq > 0 && lk > 0 && batches > 0) {
+        int amx = 0;
+#ifdef TG_HAVE_AMX_ATTENTION
+        amx = tg_amx_ready();
+#endif
+        if (amx || tg_avx512_bf16_ready())
+            return tg_attention_bf16(nb, bd, qb, kb, vb, mb, ob, q, k, v, mask, o, lq, lk, d, dv, qr, kr, vr, orow,
+                                     mask_kind, mr, mc, scale, causal, bq, bk, batches, out_bf16, amx);
+    }
+#endif
+    int64_t qblocks = (lq + bq - 1) / bq;
+    int failed = 0;
+    /* sgemm inside a task runs on the task's thread (no nested team). With OpenMP's
+     * spinning waits on a shared machine this ran 100x slower (runtime.py makes them
+     * passive); letting OpenMP shrink teams (omp_set_dynamic) made sgemm skip rows. */
+#pragma omp parallel for collapse(2) schedule(dynamic) if (batches * lq * lk * d > 65536)
+    for (int64_t bi = 0; bi < batches; bi++)
+        for (int64_t qbk = 0; qbk < qblocks; qbk++) {
+            int64_t off[5];
+            tg_batch_offsets(nb, bd, qb, kb, vb, mb, ob, bi, off);
+            int64_t oq = off[0], ok = off[1], ov = off[2], oo = off[4];
+            int64_t i0 = qbk * bq, i1 = i0 + bq < lq ? i0 + bq : lq, nq = i1 - i0;
+            float *s = malloc(sizeof(float) * (bq * bk + bq * (dv + 2)));
+            if (!s) { failed = 1; continue; }
+            float *acc = s + bq * bk, *mx = acc + bq * dv, *sum = mx + bq;
+            for (int64_t i = 0; i < nq; i++) {
+                mx[i] = -INFINITY;
+                sum[i] = 0.f;
+                for (int64_t c = 0; c < dv; c++) acc[i * dv + c] = 0.f;
+            }
+            for (int64_t j0 = 0; j0 < lk; j0 += bk) {
+                int64_t nk = j0 + bk < lk ? bk : lk - j0;
+                if (causal && j0 > i1 - 1 + lk - lq) break;
+                if (d == 0) {
+                    for (int64_t i = 0; i < nq * bk; i++) s[i] = 0.f;
+                } else if (dnnl_sgemm('N', 'T', nq, nk, d, scale, q + oq + i0 * qr, qr, k + ok + j0 * kr, kr, 0.f, s,
+                                      bk) != dnnl_success) {
+                    failed = 2;
+                    break;
+                }
+                for (int64_t i = 0; i < nq; i++)
+                    tg_flash_row(s + i * bk, nk, i0, i, j0, lq, lk, causal, mask_kind, mask, off[3], mr, mc, mx + i,
+                                 sum + i, acc + i * dv, dv);
+                if (dv && dnnl_sgemm('N', 'N', nq, dv, nk, 1.f, s, bk, v + ov + j0 * vr, vr, 1.f, acc, dv)
+                              != dnnl_success) {
+                    failed = 2;
+                    break;
+                }
+            }
+            for (int64_t i = 0; i < nq; i++)
+                tg_attention_row(o, oo + (i0 + i) * orow, acc + i * dv, sum[i], dv, out_bf16);
+            free(s);
+        }
+    if (failed == 2) TG_FAIL("attention: oneDNN's sgemm failed on a block");
+    if (failed) TG_FAIL("attention: out of memory for its working blocks");
+    return 0;
+}
