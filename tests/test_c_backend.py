@@ -395,6 +395,24 @@ def test_a_softmax_whose_later_dims_are_ones_runs_on_rows_in_c(shape, axis):
     assert_close(_natively(model)(x)[0], interpret(model, [x])[0], "f32", shape[axis], name="softmax")
 
 
+@pytest.mark.parametrize("op", ["layer_norm", "softmax"])
+def test_a_row_op_over_a_transposed_view_copies_its_rows_out_and_stays_in_c(op):
+    """MobileViT normalizes its patches through a transposed view: the row kernels take
+    contiguous rows, and the op ran on the host; its rows are now copied out first."""
+    from tilegraph.ir import Graph
+
+    g = Graph()
+    t = g.input("x", (3, 16, 5)).transpose(0, 2, 1)
+    if op == "layer_norm":
+        scale, shift = (g.weight(n, np.linspace(lo, 1.5, 16).astype(np.float32)) for n, lo in (("w", 0.5), ("b", -1)))
+        y = g.op("layer_norm", t, scale, shift, axis=-1, epsilon=1e-5)
+    else:
+        y = g.op("softmax", t, axis=-1)
+    model = g.build(y, names=["y"])
+    x = np.random.default_rng(0).standard_normal((3, 16, 5)).astype(np.float32)
+    assert_close(_natively(model)(x)[0], interpret(model, [x])[0], "f32", 16, name=op)
+
+
 @pytest.mark.parametrize("source", ["f32", "f64"])
 def test_floats_to_integers_and_float_modulo_run_in_c_with_numpys_results(source):
     """A float to int cast is undefined in C out of range; NumPy's on x86 gives INT_MIN (int32

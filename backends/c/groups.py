@@ -490,8 +490,8 @@ class Groups(EmitterParts):
         # A channels-last (N, C, ..., T) normalized along T (a group norm of one channel a group
         # after a convolution): its columns of channels, in place (tg_layer_norm_cols).
         columns = op.op_name == Op.layer_norm and axis == rank - 1 and self.is_channels_last(x)
-        if not self.is_contiguous(x) and not columns:
-            raise Unsupported("row op on a strided view")
+        if not self.is_contiguous(x) and not columns:  # a transposed view (MobileViT's patches): its rows copied out
+            x = self.materialize(x)
         # In place only on a temporary: an input, weight or constant is not the module's to write.
         out = x if in_place and self.buffers[x.buf].storage == "temp" else \
             self._result(op, [v for v in xs if v is not None])
