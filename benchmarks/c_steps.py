@@ -10,6 +10,7 @@ of one per run of steps).
                                                             [--full resnet50,bert-base [--batch N]]
                                                             [--repeat N] [--threads N] [--top N]
                                                             [--precision bf16] [--pipeline PASSES]
+                                                            [--ort-profile [--in-order]]
 """
 
 from __future__ import annotations
@@ -113,6 +114,26 @@ def print_ort_profile(session, feeds: dict, repeat: int) -> None:
         print(f"    {us / 1e3:8.3f} ms {100 * us / total:5.1f}%  {op}")
 
 
+def print_ort_nodes(session, feeds: dict, repeat: int) -> None:
+    """onnxruntime's own profile node by node, in the order it ran them: op type, input and
+    output shapes, median time, so each C step (printed in order with --in-order) can be set
+    beside the nodes it replaces (a convolution and the activation onnxruntime runs after it)."""
+    import json
+    for _ in range(repeat):
+        session.run(None, feeds)
+    with open(session.end_profiling()) as f:
+        events = json.load(f)
+    nodes: dict[str, tuple] = {}  # name -> (op, input shapes, output shapes, [microseconds])
+    for e in events:
+        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time"):
+            a = e.get("args", {})
+            shapes = [[list(d.values())[0] for d in a.get(k, [])] for k in ("input_type_shape", "output_type_shape")]
+            nodes.setdefault(e["name"][:-len("_kernel_time")], (a.get("op_name", "?"), *shapes, []))[3].append(e["dur"])
+    print(f"  onnxruntime nodes in order: {len(nodes)}")
+    for name, (op, ins, outs, us) in nodes.items():
+        print(f"    {np.median(us) / 1e3:8.3f} ms  {op:18s} {ins} -> {outs}  {name[-48:]}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="cnn", help="comma-separated, of: " + ", ".join(cpu_speed.MODELS))
@@ -128,6 +149,9 @@ def main(argv=None) -> int:
                          "to time the flash kernel against the spelled-out chain")
     ap.add_argument("--ort-profile", action="store_true",
                     help="also print onnxruntime's own per-op-type profile and the C steps summed by kind")
+    ap.add_argument("--in-order", action="store_true",
+                    help="list every C step in order (not the --top slowest) and, with --ort-profile, every "
+                         "onnxruntime node in order, to set them side by side")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -167,11 +191,13 @@ def main(argv=None) -> int:
         total = sum(t for _, t in steps)
         print(f"\n{case.label}: C per-step module {1e3 * whole:.3f} ms (steps sum {1e3 * total:.3f} ms), "
               f"onnxruntime {ort_ms:.3f} ms, {len(steps)} native steps")
-        for comment, t in sorted(steps, key=lambda s: -s[1])[:args.top]:
+        listed = sorted(steps, key=lambda s: int(s[0].split()[1].rstrip(":"))) if args.in_order else \
+            sorted(steps, key=lambda s: -s[1])[:args.top]
+        for comment, t in listed:
             print(f"  {1e3 * t:8.3f} ms {100 * t / total:5.1f}%  {comment[:110]}")
         if profiled is not None:
             print_by_kind(steps, total)
-            print_ort_profile(profiled, feeds, args.repeat)
+            (print_ort_nodes if args.in_order else print_ort_profile)(profiled, feeds, args.repeat)
     return 0
 
 

@@ -158,29 +158,50 @@ def test_a_batch_1_squeeze_excite_pool_is_shared_among_threads():
     assert_close(compiled(xs)[0], interpret(model, [xs])[0], "f32", reduction_length=56 * 56 + 8)
 
 
-@pytest.mark.parametrize("case", ["conv-silu", "linear-silu", "silu-also-read"])
-def test_silu_after_a_gemm_or_convolution_is_onednns_swish_epilogue(case):
-    """x * sigmoid(x) after a convolution (EfficientNet) or a linear layer (Llama's gate)
-    is one swish post-op applied while the output block is in cache; where x has another
-    reader the epilogue may not overwrite it, and the result still agrees."""
+@pytest.mark.parametrize("case", ["linear-silu", "silu-also-read"])
+def test_silu_after_a_gemm_is_onednns_swish_epilogue(case):
+    """x * sigmoid(x) after a linear layer (Llama's gate) is one swish post-op applied while
+    the output block is in cache; where x has another reader the epilogue may not overwrite
+    it, and the result still agrees."""
     rng = np.random.default_rng(2)
     g = Graph()
-    if case == "conv-silu":
-        x = g.input("x", (1, 6, 10, 10))
-        a = g.op("conv", x, g.weight("w", rng.standard_normal((16, 6, 3, 3)).astype(np.float32)), pads=(1, 1, 1, 1))
-        y = a * g.sigmoid(a)
-        xs, n = rng.standard_normal((1, 6, 10, 10)).astype(np.float32), 54
-    else:
-        x = g.input("x", (64, 96))
-        a = g.matmul(x, g.weight("w", rng.standard_normal((96, 80)).astype(np.float32) / 10))
-        y = g.sigmoid(a) * a
-        if case == "silu-also-read":
-            y = y + a
-        xs, n = rng.standard_normal((64, 96)).astype(np.float32), 96
+    x = g.input("x", (64, 96))
+    a = g.matmul(x, g.weight("w", rng.standard_normal((96, 80)).astype(np.float32) / 10))
+    y = g.sigmoid(a) * a
+    if case == "silu-also-read":
+        y = y + a
+    xs, n = rng.standard_normal((64, 96)).astype(np.float32), 96
     model = g.build(y, names=["y"])
     compiled = tilegraph.compile(model, target="c")  # fuse makes the epilogue group
     assert ("dnnl_eltwise_swish" in compiled.source) == (case != "silu-also-read")
     assert_close(compiled.run(xs)[0], interpret(model, [xs])[0], "f32", reduction_length=n)
+
+
+@pytest.mark.parametrize("conv", ["depthwise", "depthwise-stride-2", "pointwise", "stem"])
+def test_a_swish_after_a_convolution_is_one_loop_in_its_step_not_onednns_post_op(conv):
+    """x * sigmoid(x) after a convolution (EfficientNet's every convolution) runs as one simd
+    loop over the result in the convolution's own step (runtime.h, tg_sigmoid), not as
+    oneDNN's swish post-op, which cost its kernels more; results far into both tails of the
+    sigmoid (|x| past 88, where e^-x leaves float32) agree with the interpreter too."""
+    from tilegraph.backends.c.emit import emit_program
+
+    rng = np.random.default_rng(3)
+    c, k, stride, groups = {"depthwise": (24, 3, 1, 24), "depthwise-stride-2": (24, 5, 2, 24),
+                            "pointwise": (24, 1, 1, 1), "stem": (3, 3, 2, 1)}[conv]
+    g = Graph()
+    x = g.input("x", (1, c, 20, 20))
+    w = rng.standard_normal((16 if conv == "stem" else 24, c // groups, k, k)).astype(np.float32)
+    a = g.op("conv", x, g.weight("w", w), g.weight("b", rng.standard_normal(w.shape[0]).astype(np.float32)),
+             pads=(k // 2,) * 4, strides=(stride, stride), groups=groups)
+    model = g.build(a * g.sigmoid(a), names=["y"])
+    compiled = tilegraph.compile(model, target="c")
+    program = emit_program(compiled.model)
+    assert len(program.steps) == 1 and program.steps[0].host_op is None, [s.comment for s in program.steps]
+    assert "dnnl_eltwise_swish" not in compiled.source and "tg_sigmoid(" in compiled.source
+    xs = (rng.standard_normal((1, c, 20, 20)) * 40).astype(np.float32)  # a spans both tails
+    want = interpret(model, [xs])[0]
+    assert np.abs(want).max() > 100 and want.min() < 0
+    assert_close(compiled.run(xs)[0], want, "f32", reduction_length=c // groups * k * k)
 
 
 def _huge_pages_offered() -> bool:

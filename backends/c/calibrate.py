@@ -437,8 +437,9 @@ def _round(timed: Fastest, quick: bool, bar: Progress) -> Hardware:
         conv_rates[kind] = (*gemm, conv_flops / max(t_both - t_before, t_both / 10))
     conv_rate = conv_rates["dense"][3]
 
-    # A transcendental activation oneDNN applies as a convolution writes (a swish, sigmoid(y) * y,
-    # as EfficientNet's convolutions take it): the pointwise convolution with and without it, each
+    # A transcendental activation applied as a convolution writes (a swish, sigmoid(y) * y, as
+    # EfficientNet's convolutions take it: a loop over the result in the convolution's step; a
+    # GEMM's is oneDNN's post-op): the pointwise convolution with and without it, each
     # one group after the depthwise, the difference per element (ufunc_rates["eltwise_post"]).
     bar.step("an activation a convolution applies")
     xs, ws, _ = CONV_CASES["pointwise"]

@@ -25,14 +25,15 @@ class OneDNN(EmitterParts):
     # --- GEMMs and convolutions on oneDNN ------------------------------------------------
 
     def _posts(self, chain: list[TgOp], acc: SSAValue, env: dict, out_shape, geometry,
-               accumulate=None) -> tuple[list[str], list[View], int, View | None]:
+               accumulate=None, swish: bool = True) -> tuple[list[str], list[View], int, View | None]:
         """oneDNN post-ops for the leading ops of `chain` that it can fuse: returns the C
         initialiser lines of a tg_post array, the views their binary operands read, how
         many ops of the chain they cover, and the view the primitive accumulates into (its
         destination then; None if none). `geometry(view)` gives an operand, broadcast to the
         result's shape, as the primitive's destination sees it (dims, strides).
         `accumulate(add, operand, view)`: whether an add first in the chain may be a sum
-        post-op into its other operand's buffer (_accumulates_into)."""
+        post-op into its other operand's buffer (_accumulates_into). `swish`: whether
+        x * sigmoid(x) may be oneDNN's swish post-op (else it ends the posts)."""
         posts, operands = [], []
         into = None
         current = acc
@@ -43,7 +44,7 @@ class OneDNN(EmitterParts):
             if op in skip:
                 continue
             name = op.op_name
-            swish_mul = _swish_mul(chain[i:], current) if len(posts) < 8 else None
+            swish_mul = _swish_mul(chain[i:], current) if swish and len(posts) < 8 else None
             if swish_mul is not None:  # x * sigmoid(x) (SiLU): oneDNN's swish, one post-op
                 posts.append(f"{{0, {DNNL_ELTWISE['swish']}, 1.f, 0.f, 0, {{0}}, {{0}}}}")
                 current, skip = swish_mul.results[0], [swish_mul]
@@ -447,7 +448,13 @@ class OneDNN(EmitterParts):
             return dims, strides
         accumulate = None if group is None else \
             (lambda add, v, o: self._accumulates_into(group, add, v, o, info.shape, [x, w, bias]))
-        posts, post_views, covered, into = self._posts(chain, op.results[0], env, info.shape, geometry, accumulate)
+        # A swish after a convolution runs as the loop over the result just written, still in
+        # cache, in the same step (runtime.h, tg_sigmoid), not as oneDNN's swish post-op: that
+        # one's exp made every convolution kernel of EfficientNet-B0, depthwise and 1x1 alike,
+        # slower by about 1.7x what the loop takes (benchmarks/onednn_layouts.py --post swish
+        # against --post relu gives the post-op's share).
+        posts, post_views, covered, into = self._posts(chain, op.results[0], env, info.shape, geometry, accumulate,
+                                                       swish=False)
         if into is None:
             out = self._result(op, xs)
         else:  # the residual's buffer: the step reads it (the sum) and writes the result there
