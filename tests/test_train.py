@@ -287,6 +287,33 @@ def test_bias_gradients_run_in_their_weight_gradient_gemm_steps_on_c():
     assert steps(plain, True) == [] and len(steps(plain, False)) == 3
 
 
+def test_cross_entropy_backward_over_the_logits_is_one_pass_on_c():
+    """Cross-entropy's backward, (softmax - one_hot) * dloss over every logit beside each row's
+    loss, is one fused step on C, one pass over the logits whose rows are too wide for a row op
+    (an LM head's 50257), not a pass per op; the loss and gradient match the float64 interpreter."""
+    from tilegraph.ir import interpret
+    from tilegraph.testing import reduction_length
+    from tilegraph.train import build_gradients
+
+    vocab = 50257
+    torch.manual_seed(0)
+    module = torch.nn.Linear(8, vocab, bias=False)
+    x = torch.randn(2, 3, 8)
+    model = build_gradients(tilegraph.import_model(module, example_inputs=(x,)), "cross_entropy", ["weight"])
+    compiled = tilegraph.compile(model, target="c")
+    steps = compiled._runner.program.steps
+    wide = [s.comment for s in steps if not s.comment.startswith("fusion") and f", {vocab})" in s.comment
+            and not s.comment.startswith("matmul")]
+    assert wide == [], wide  # no elementwise op over the logits runs as a step of its own
+    backward = [s.comment for s in steps if s.comment.startswith("fusion elementwise") and "exp" in s.comment]
+    assert len(backward) == 1 and all(op in backward[0] for op in ("eq", "cast", "mul")), backward
+    assert all(s.host_op is None for s in steps)
+    targets = np.array([[0, vocab - 1, 7], [3, 3, 12345]])
+    inputs = [x.numpy(), targets, module.weight.detach().numpy()]
+    for name, got, want in zip(model.output_names, compiled.run(*inputs), interpret(model, inputs)):
+        tilegraph.testing.assert_close(got, want, "f32", reduction_length(model), name=name)
+
+
 def _two_linears_one_c_step(hidden: int, lr: float):
     """Linear(24, hidden), GELU, Linear(hidden, 16): one AdamW step on C, its weights checked
     against torch's AdamW from the same start."""

@@ -334,7 +334,7 @@ class Groups(EmitterParts):
 
     def fused_rows(self, group: FusionOp, ops, env, yields) -> bool:
         """Elementwise ops and reductions over the last axis (keepdims) that keep the rows
-        (an RMS norm, a hand-written softmax): one pass over the rows, each reduction a loop
+        (an RMS norm, a hand-written softmax, cross-entropy's backward): one pass over the rows, each reduction a loop
         over its row, every other value an expression computed where it is read (a row
         stays in cache: no intermediate goes through memory)."""
         widths: dict[SSAValue, Any] = {}  # computed value -> its last dim (the row's width, or 1)
@@ -367,7 +367,10 @@ class Groups(EmitterParts):
                     inputs[v] = env[v]
             widths[op.results[0]] = 1 if _is_one(shape[-1]) else width
             body.append(op)
-        if not any(o.op_name.startswith("reduce_") for o in body) or any(y not in widths for y in yields):
+        # No reduction is fine too: elementwise ops whose results are rows of the full width and of
+        # width 1 (cross-entropy's backward yields its per-row loss beside the logits' gradient)
+        # are one pass over the rows as well, where fused_elementwise wants one shape for all.
+        if any(y not in widths for y in yields):
             return False
         # Inputs broadcast to a row of the group: (lead..., width) or (lead..., 1).
         reads = {v: self.broadcast(view, lead + ((1,) if _is_one(view.shape[-1]) and view.rank else (width,)))
