@@ -497,7 +497,7 @@ class Groups(EmitterParts):
             x = self.materialize(x)
         # In place only on a temporary: an input, weight or constant is not the module's to write.
         out = x if in_place and self.buffers[x.buf].storage == "temp" else \
-            self._result(op, [v for v in xs if v is not None])
+            self._result(op, [v for v in (x, *xs[1:]) if v is not None])  # laid out as the rows it reads
         n = numel(x.shape[axis:])
         rows = numel(x.shape[:axis])
         if op.op_name == Op.softmax:
