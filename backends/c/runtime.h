@@ -138,21 +138,17 @@ static inline uint32_t tg_philox(uint64_t i, uint32_t site, uint64_t seed) {
 /* exp for float32 in straight-line code the compiler vectorises (libm's expf is a
  * call per element): e^x = 2^n e^r, n = round(x log2 e), |r| <= ln2/2, e^r by a
  * degree-6 Taylor polynomial (max relative error 2e-7 on that interval); 2^n built
- * in the exponent bits. tg_exp_clamped takes t in [-127 ln2, 128.5 ln2]: 2^n a normal
- * float, or +inf for n = 128. tg_expf: overflow gives inf, underflow 0, NaN stays NaN. */
+ * in the exponent bits. Overflow gives inf, underflow 0, NaN stays NaN. */
 #pragma omp declare simd notinbranch
-static inline float tg_exp_clamped(float t) {
+static inline float tg_expf(float x) {
+    float t = x > 88.72283f ? 88.72283f : (x < -87.33654f ? -87.33654f : x);
     float n = __builtin_rintf(t * 1.44269504088896341f);
     float r = t - n * 0.693145751953125f;
     r = r - n * 1.428606765330187e-06f;
     float p = 1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720))))));
     union { float f; int32_t i; } scale;
     scale.i = ((int32_t)n + 127) << 23;
-    return p * scale.f;
-}
-#pragma omp declare simd notinbranch
-static inline float tg_expf(float x) {
-    float y = tg_exp_clamped(x > 88.72283f ? 88.72283f : (x < -87.33654f ? -87.33654f : x));
+    float y = p * scale.f;
     y = x > 88.72283f ? INFINITY : y;
     y = x < -87.33654f ? 0.f : y;
     return x != x ? x : y;
