@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -165,3 +167,21 @@ def test_a_process_failing_is_a_named_error(processes, gpt):
     only_rows = ModelAt({4: models(None)})
     with pytest.raises(ShardedTrainError, match=r"process \d: ShardedTrainError: no model imported at None rows"):
         processes().train("zero3", only_rows, [], batches, optimizer=AdamW())
+
+
+def _killed_in_rank_1(models: ModelAt, rows):
+    """`models(rows)`, except in rank 1, which ends by a signal (as a crash in native code ends it)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return models(rows)
+
+
+def test_a_process_dying_is_named_with_its_signal(processes, gpt):
+    module, batches, models, _ = gpt
+    # rank 0 then fails in a collective ("Connection reset by peer") or waits: either way the error
+    # names the rank that died, and how
+    with pytest.raises(ShardedTrainError, match=r"process 1 ended with exit code -9 \(SIGKILL\)"):
+        processes().train("zero3", functools.partial(_killed_in_rank_1, models), [], batches, optimizer=AdamW(),
+                          segments=functools.partial(char_gpt_segments, module, "zero3"))

@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import signal
 import time
 import tracemalloc
 from dataclasses import dataclass, field
@@ -137,12 +138,35 @@ def _traced(t: Any, live: bool = True) -> Any:
     return t
 
 
+# Tensors handed to collectives while tracemalloc traces, referenced here until it stops. CPython
+# 3.11's tracemalloc.stop() frees its traceback buffer while another thread may be inside its
+# allocation hook, waiting there for the GIL (CPython gh-128679, fixed in 3.12.9 and 3.13.2). gloo's
+# threads enter Python when they drop the last reference to a tensor whose Python object Python had
+# already dropped (torch then keeps that object alive; freeing it takes the GIL, and a thread state
+# allocated through that hook). A rank died this way in libpython, and its peer reported only
+# "Connection reset by peer". While Python holds every such tensor until tracing stops
+# (`_stop_tracing`), gloo's threads enter Python only when tracing is off.
+_HELD_WHILE_TRACING: list = []
+
+
+def _held(t: Any) -> Any:
+    """`t`, kept referenced until tracing stops if a collective gets it while tracing."""
+    if tracemalloc.is_tracing():
+        _HELD_WHILE_TRACING.append(t)
+    return t
+
+
+def _stop_tracing() -> None:
+    tracemalloc.stop()
+    _HELD_WHILE_TRACING.clear()
+
+
 def _comm_buffer(n: int, dtype: Any = None) -> Any:
     """An empty torch-owned buffer of `n` elements for a collective (torch-owned: see send() in
     ShardedStep._segments), counted by tracemalloc (`_traced`) until released."""
     import torch
 
-    return _traced(torch.empty(n, dtype=dtype or torch.float32))
+    return _held(_traced(torch.empty(n, dtype=dtype or torch.float32)))
 
 
 def rank_segments(strategy: str, segments: Segments | None, pieces: list[Segment] | None, rank: int, world: int,
@@ -537,13 +561,13 @@ class ShardedStep:
             # a copy torch owns: gloo's thread may drop the last reference to a sent tensor, and one
             # made by torch.from_numpy then releases its NumPy array there, without the GIL (it
             # crashed the process in libpython, 2 of about 10 runs)
-            t = _traced(torch.tensor(a))
+            t = _held(_traced(torch.tensor(a)))
             sends.append((dist.isend(t, dst=peer), t))
 
         def forward(j: int) -> None:  # each segment's outputs all-reduced where partial
             env = {"ids": ids[j * rows:(j + 1) * rows], "targets": targets[j * rows:(j + 1) * rows]}
             if self.strategy == "pipeline" and self.stage == 1:
-                t = torch.empty((rows,) + self._boundary_shape)
+                t = _held(torch.empty((rows,) + self._boundary_shape))
                 with self.clock("comm"):
                     dist.recv(t, src=peer)
                 env[self.compiled[0].seg.inputs[0]] = t.numpy().copy()  # NumPy's: counted by tracemalloc
@@ -563,7 +587,7 @@ class ShardedStep:
             env, cot, loss_j = envs.pop(j), {}, 0.0
             if self.strategy == "pipeline" and self.stage == 0:
                 out = self.compiled[-1].seg.outputs[0]
-                t = torch.empty(env[out].shape)
+                t = _held(torch.empty(env[out].shape))
                 with self.clock("comm"):
                     dist.recv(t, src=peer)
                 cot[out] = t.numpy().copy()
@@ -597,7 +621,7 @@ class ShardedStep:
                 grads = {k: g for k, g in zip(names, summed)}
                 for g in grads.values():
                     g /= self.dp
-            t = torch.tensor([total if self.stage == 1 else 0.0], dtype=torch.float64)
+            t = _held(torch.tensor([total if self.stage == 1 else 0.0], dtype=torch.float64))
             with self.clock("comm"):
                 dist.all_reduce(t)
             total = float(t.item()) / self.dp
@@ -621,7 +645,7 @@ class ShardedStep:
                 own += sq if k in self.splits else sq / self.world
             else:
                 own += sq / self.dp
-        t = torch.tensor([own], dtype=torch.float64)
+        t = _held(torch.tensor([own], dtype=torch.float64))
         with self.clock("comm"):
             dist.all_reduce(t)
         coef = min(self.clip_norm / (float(np.sqrt(t.item())) + 1e-6), 1.0)
@@ -699,6 +723,20 @@ class Processes:
     def closed(self) -> bool:
         return self._procs is None
 
+    def _died(self, wait_s: float = 2.0) -> str:
+        """The processes that ended without reporting, with their exit codes (a negative one is the
+        signal that ended it), after waiting up to `wait_s` for them: a collective's error in one
+        rank (gloo's "Connection reset by peer") is often another rank's death, said here."""
+        assert self._procs is not None
+        procs = self._procs.processes
+        deadline = time.monotonic() + wait_s
+        while all(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        dead = [(i, p.exitcode) for i, p in enumerate(procs) if not p.is_alive()]
+        return "".join(f"; process {i} ended with exit code {code}"
+                       + (f" ({signal.Signals(-code).name})" if code is not None and code < 0 else "")
+                       for i, code in dead)
+
     def close(self) -> None:
         if self._procs is None:
             return
@@ -749,15 +787,16 @@ class Processes:
             try:
                 rank, error, result = self._results.get(timeout=1.0)
             except queue.Empty:
-                dead = [i for i, p in enumerate(self._procs.processes) if not p.is_alive()]
-                if dead or time.monotonic() > deadline:
+                died = self._died(wait_s=0.0)
+                if died or time.monotonic() > deadline:
                     self.close()
-                    raise ShardedTrainError(f"process(es) {dead} ended without a result" if dead
+                    raise ShardedTrainError(f"no result{died}" if died
                                             else f"no result after {self.timeout_s:.0f} s") from None
                 continue
             if error is not None:
+                died = self._died()
                 self.close()
-                raise ShardedTrainError(f"process {rank}: {error}")
+                raise ShardedTrainError(f"process {rank}: {error}{died}")
             waiting.discard(rank)
             if rank == 0:
                 out = result
@@ -909,7 +948,7 @@ def _train(rank, world, link, strategy, make_model, params, batches, optimizer, 
             tracemalloc.start()
             step.step_peak = 0
         if i == traced.stop and tracemalloc.is_tracing():
-            tracemalloc.stop()
+            _stop_tracing()
         dist.barrier()
         before = dict(step.clock.spent)
         t = time.perf_counter()
@@ -917,7 +956,7 @@ def _train(rank, world, link, strategy, make_model, params, batches, optimizer, 
         seconds.append(time.perf_counter() - t)
         terms.append([step.clock.spent[k] - before[k] for k in ("compute", "comm")])
     if tracemalloc.is_tracing():
-        tracemalloc.stop()
+        _stop_tracing()
     # per rank: held bytes, a step's peak, the median step's compute and collective seconds (the
     # first steps warm caches up: left out where there are enough), ZeRO-3's gathered peak bytes, the
     # most micro-batches whose activations it held at once, the bytes of its C arenas
