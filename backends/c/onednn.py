@@ -7,7 +7,8 @@ from collections.abc import Sequence
 import sympy
 from xdsl.ir import SSAValue
 
-from tilegraph.backends.c.tables import DNNL_BINARY, DNNL_ELTWISE, DNNL_TYPES, KNOWN, REPACK_ROW_BYTES, SMALL_GEMM
+from tilegraph.backends.c.tables import (DNNL_BINARY, DNNL_ELTWISE, DNNL_TYPES, KNOWN, REPACK_ROW_BYTES, SMALL_GEMM,
+                                         WINOGRAD_CACHED_WEIGHT, WINOGRAD_MIN_CHANNELS, WINOGRAD_MIN_TILES)
 from tilegraph.backends.c.views import (ConvStep, EmitterParts, Unsupported, View, lowers, _describe, _eq, _is_one, _only_use,
                                         bf16_marker, feeds_gemm,
                                         _plain_strides, _row_stride, channels_last_strides)
@@ -461,6 +462,15 @@ class OneDNN(EmitterParts):
             out = View(into.buf, into.offset, tuple(info.shape), channels_last_strides(info.shape), into.dtype)
         k = self._new_prim()
         arr = self._c_array
+        # A 3x3 stride-1 convolution goes to winograd.c where winograd_wins says it is faster:
+        # its step passes the arena scratch the transformed tiles live in; any other is oneDNN's.
+        eligible = winograd_eligible(groups, w.shape, strides, dil, pads, out.shape, constant_weight)
+        scratch = None
+        dims = (x.shape[0], x.shape[1], out.shape[1], out.shape[2], out.shape[3]) if eligible else ()
+        if eligible and winograd_wins(*dims):
+            scratch = self._temp(TensorInfo((winograd_floats(*dims),), "f32"))
+        create = "tg_wino_create" if eligible else "tg_conv_create"
+        last = f", {self.ints(numel(scratch.shape)) if scratch is not None else 0}" if eligible else ""
         state = [
             "{",
             f"    const int64_t xd[] = {arr(x.shape)}, xs[] = {arr(x.strides)};",
@@ -468,17 +478,53 @@ class OneDNN(EmitterParts):
             f"    const int64_t yd[] = {arr(out.shape)}, ys[] = {arr(out.strides)};",
             f"    const int64_t str[] = {arr(strides)}, dil[] = {arr(dil)}, pad[] = {arr(pads)};",
             f"    const tg_post posts[] = {{{', '.join(posts) or '{0}'}}};",
-            f"    if (tg_conv_create(&st->prim[{k}], {nd}, xd, xs, {len(wd)}, wd, ws, yd, ys, {int(bias is not None)}, "
+            f"    if ({create}(&st->prim[{k}], {nd}, xd, xs, {len(wd)}, wd, ws, yd, ys, {int(bias is not None)}, "
             f"str, dil, pad, {self.ptr(w) if constant_weight else 'NULL'}, &tg_packs[{k}], {len(posts)}, posts, "
-            f"{_FROM}, {_CHAIN_OUT}, {_STREAM})) return 1;",
+            f"{_FROM}, {_CHAIN_OUT}, {_STREAM}{last})) return 1;",
             "}",
         ]
-        self._run_primitive(op, k, state, x, w, bias, out, post_views, out, [into] if into is not None else [])
+        self._run_primitive(op, k, state, x, w, bias, out, post_views, out, [into] if into is not None else [],
+                            scratch=scratch)
         others = [w, *([bias] if bias is not None else []), *post_views]
         depthwise = groups > 1 and _eq(wd[1], 1) and _eq(wd[2], 1)
         self.steps[-1].conv = ConvStep(k, x, out, all(v.buf != x.buf for v in others),
                                        all(v.buf != out.buf for v in [x, *others]), depthwise, constant_weight)
         return out, covered
+
+
+def winograd_eligible(groups, w_shape, strides, dilations, pads, out_shape, constant_weight: bool) -> bool:
+    """Whether winograd.c can compute this convolution: 2-D, 3x3, stride 1, dense, one group,
+    pads of at most 2, known spatial and channel sizes (its tiles are counted when the program
+    is emitted), and a constant weight (transformed once, when the binding is made)."""
+    known = all(sympy.sympify(d).is_number for d in (*w_shape, *out_shape[1:]))
+    return constant_weight and known and groups == 1 and len(w_shape) == 4 and \
+        tuple(int(d) for d in w_shape[2:]) == (3, 3) and list(strides) == [1, 1] and list(dilations) == [1, 1] and \
+        all(0 <= int(p) <= 2 for p in pads)
+
+
+def winograd_floats(n, c, k, oh: int, ow: int):
+    """The arena floats a Winograd convolution's step needs: V and M, 36 slabs each of a row of
+    C (K) per 4x4 tile, and one vector for the last tile's reads past its end (winograd.c,
+    tg_wino_floats; the two agree)."""
+    tiles = n * -(-int(oh) // 4) * -(-int(ow) // 4)
+    return 36 * tiles * c + 36 * tiles * k + 16
+
+
+def winograd_wins(n, c, k, oh, ow) -> bool:
+    """Whether F(4x4, 3x3) beats oneDNN's direct convolution on this shape (measured by
+    benchmarks/winograd_convs.py, ratios winograd/direct in one process, one thread): it does on
+    every shape with enough channels and tiles (ResNet-50's 56x56x64 0.53x at batch 1, 28x28x128
+    0.41x, 14x14x256 0.56x; 0.37-0.63x at batch 8). It loses where its 36 GEMMs have few rows
+    and a transformed weight beyond the caches (36 C K floats, 4x the direct one's, streamed from
+    memory each call: 7x7x512 at batch 1, 4 tiles and 38 MB, 1.14x; 7x7x128, 2.4 MB, wins at
+    0.62x), and on narrow convolutions (16 channels: 0.98-1.2x, the transforms' passes cost what
+    the GEMMs save)."""
+    n = sympy.sympify(n)
+    n = n.subs({d: 1 for d in n.free_symbols})  # (a batch known at run time: judged at 1, the fewest tiles)
+    tiles = int(n) * -(-int(oh) // 4) * -(-int(ow) // 4)
+    if min(int(c), int(k)) < WINOGRAD_MIN_CHANNELS:
+        return False
+    return tiles >= WINOGRAD_MIN_TILES or 36 * 4 * int(c) * int(k) <= WINOGRAD_CACHED_WEIGHT
 
 
 # Placeholders of a convolution's state line that chain_convolutions fills in.
