@@ -89,6 +89,15 @@ def test_winograd_matches_the_interpreter_and_is_taken(pad, batch, epilogue):
     assert not any(" source: ref" in line for line in lines), lines
 
 
+def test_tiles_in_chunks_with_a_shorter_last_one():
+    """More tiles than a chunk holds (tables.py, WINOGRAD_CHUNK_BYTES): the chunks and the
+    shorter last one (its own GEMM primitive) each write their own tiles, with the sum epilogue."""
+    model, inputs = _model(3, 64, 64, 30, 30, epilogue="sum residual")
+    lines, runs = _run(model, inputs, 9 * 64 + 64, posts="TG_POST_SUM")
+    chunk = [int(line.split(", ")[-1].split()[0]) for line in lines if WINOGRAD in line]
+    assert runs == 1 and len(chunk) == 1 and 0 < chunk[0] < 3 * 8 * 8 and 3 * 8 * 8 % chunk[0], lines
+
+
 @pytest.mark.parametrize("kind", ["stride 2", "dilation 2", "groups 2", "narrow"])
 def test_other_convolutions_stay_on_onednn(kind):
     opts = {"stride 2": {"stride": 2}, "dilation 2": {"dilation": 2, "pad": 2}, "groups 2": {"groups": 2},

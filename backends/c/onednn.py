@@ -8,7 +8,8 @@ import sympy
 from xdsl.ir import SSAValue
 
 from tilegraph.backends.c.tables import (DNNL_BINARY, DNNL_ELTWISE, DNNL_TYPES, KNOWN, REPACK_ROW_BYTES, SMALL_GEMM,
-                                         WINOGRAD_CACHED_WEIGHT, WINOGRAD_MIN_CHANNELS, WINOGRAD_MIN_TILES)
+                                         WINOGRAD_CACHED_WEIGHT, WINOGRAD_CHUNK_BYTES, WINOGRAD_MIN_CHANNELS,
+                                         WINOGRAD_MIN_TILES)
 from tilegraph.backends.c.views import (ConvStep, EmitterParts, Unsupported, View, lowers, _describe, _eq, _is_one, _only_use,
                                         bf16_marker, feeds_gemm,
                                         _plain_strides, _row_stride, channels_last_strides)
@@ -502,12 +503,15 @@ def winograd_eligible(groups, w_shape, strides, dilations, pads, out_shape, cons
         all(0 <= int(p) <= 2 for p in pads)
 
 
-def winograd_floats(n, c, k, oh: int, ow: int):
-    """The arena floats a Winograd convolution's step needs: V and M, 36 slabs each of a row of
-    C (K) per 4x4 tile, and one vector for the last tile's reads past its end (winograd.c,
-    tg_wino_floats; the two agree)."""
-    tiles = n * -(-int(oh) // 4) * -(-int(ow) // 4)
-    return 36 * tiles * c + 36 * tiles * k + 16
+def winograd_floats(n, c, k, oh: int, ow: int) -> int:
+    """The arena floats a Winograd convolution's step reserves: V and M of one chunk of tiles,
+    36 slabs each of a row of C (K) per 4x4 tile, and one vector for reads past the last row
+    (winograd.c, tg_wino_floats; it runs as many tiles a chunk as this holds). A chunk holds all
+    the tiles, or as many as WINOGRAD_CHUNK_BYTES (a batch known only at run time: that many)."""
+    chunk = max(1, WINOGRAD_CHUNK_BYTES // (36 * 4 * (int(c) + int(k))))
+    if sympy.sympify(n).is_number:
+        chunk = min(chunk, int(n) * -(-int(oh) // 4) * -(-int(ow) // 4))
+    return 36 * chunk * (int(c) + int(k)) + 16
 
 
 def winograd_wins(n, c, k, oh, ow) -> bool:

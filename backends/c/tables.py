@@ -86,3 +86,8 @@ SMALL_GEMM = 16384
 WINOGRAD_MIN_CHANNELS = 32
 WINOGRAD_MIN_TILES = 8
 WINOGRAD_CACHED_WEIGHT = 4 << 20
+# The bytes of transformed tiles (V and M) a Winograd convolution works through at a time: each
+# chunk's input transform, GEMMs and output transform run before the next, while it is in cache
+# (benchmarks/winograd_convs.py at batch 8: 56x56x64 0.51x direct in 2 MiB chunks, 0.55x in 1 MiB,
+# 0.60x in 4 MiB, 0.67x all 1568 tiles at once; 28x28x128 0.37x, 0.50x, 0.47x, 0.51x).
+WINOGRAD_CHUNK_BYTES = 2 << 20

@@ -14,6 +14,8 @@
  *   x (N, H, W, C) --input transform--> V [36][tiles][C] --36 GEMMs (one oneDNN batched
  *   matmul, its B packed once)--> M [36][tiles][K] --output transform, bias, post-ops--> y
  *
+ * over the tiles in chunks (of the emitter's WINOGRAD_CHUNK_BYTES), each chunk through all
+ * three before the next, so its V and M are still in cache when the next stage reads them.
  * The weight is transformed (G g G^T, in double) and packed once when the binding is made,
  * as runtime.c packs oneDNN's weights. V and M live in the arena scratch the emitter reserves
  * for the step (onednn.py); the transforms run over tiles on OpenMP's threads, the GEMMs on
@@ -31,18 +33,19 @@ typedef float tg_v16 __attribute__((vector_size(64), aligned(4), may_alias));
 typedef int32_t tg_m16 __attribute__((vector_size(64), aligned(4)));
 
 /* -1: the emitter's choice (tg_wino_create's `scratch`), 0: never, 1: every eligible convolution
- * (benchmarks/winograd_convs.py times both ways in one process). */
-static int tg_wino_mode = -1;
+ * (benchmarks/winograd_convs.py times both ways in one process). TG_WINOGRAD=0 in the
+ * environment starts it at 0, for a whole model's A/B (benchmarks/full_size_sweep.py). */
+static int tg_wino_mode = -2; /* (-2: not read from the environment yet) */
 void tg_set_winograd(int mode) { tg_wino_mode = mode; }
 /* Winograd convolutions run so far (tests check the path is taken). */
 static int tg_wino_runs;
 int tg_winograd_count(void) { return __atomic_load_n(&tg_wino_runs, __ATOMIC_RELAXED); }
 
 struct tg_wino {
-    int64_t n, c, k, h, w, oh, ow, pt, pl, th, tw, tiles, vs, ms; /* vs, ms: a point's slab of V, M */
+    int64_t n, c, k, h, w, oh, ow, pt, pl, th, tw, tiles, tb;     /* tb: tiles per chunk */
     int64_t xs[4], ys[4];                                         /* strides, NCHW order */
     int arena;                                                    /* V and M in the step's arena scratch */
-    tg_prim mm;                                                   /* the 36 GEMMs */
+    tg_prim mm, tail;                                             /* the 36 GEMMs: a chunk, the last one */
     tg_packed pack;                                               /* their B: G g G^T, packed */
     float *u;                                                     /* or as it is, where oneDNN takes that */
     int npost;
@@ -81,7 +84,8 @@ static inline void tg_wino_at(const tg_v16 *m, tg_v16 *o) {
 }
 
 /* Tile t's 6x6 inputs, channels c0..c0+cw, transformed into V (zeros outside the image). */
-static void tg_wino_input(const tg_wino *s, const float *x, float *v, int64_t t, int64_t c0, int cw) {
+static void tg_wino_input(const tg_wino *s, const float *x, float *v, int64_t vs, int64_t t, int64_t t0, int64_t c0,
+                          int cw) {
     int64_t per = s->th * s->tw, n = t / per, ty = t % per / s->tw, tx = t % s->tw;
     int64_t y0 = ty * 4 - s->pt, x0 = tx * 4 - s->pl;
     tg_v16 d[36], e[36], col[6], f[6];
@@ -103,7 +107,7 @@ static void tg_wino_input(const tg_wino *s, const float *x, float *v, int64_t t,
     for (int i = 0; i < 6; i++) {
         tg_wino_bt(e + i * 6, f);
         for (int j = 0; j < 6; j++) {
-            float *to = v + (i * 6 + j) * s->vs + t * s->c + c0;
+            float *to = v + (i * 6 + j) * vs + (t - t0) * s->c + c0;
             if (cw == TG_WINO_V) *(tg_v16 *)to = f[j];
             else memcpy(to, &f[j], (size_t)cw * sizeof(float));
         }
@@ -147,11 +151,11 @@ static inline tg_v16 tg_wino_post(const tg_post *p, const void *operand, const f
 }
 
 /* Tile t's outputs, channels k0..k0+kw, from M: bias and post-ops, written into y. */
-static void tg_wino_output(const tg_wino *s, const float *m, const float *bias, float *y, void *const *post,
-                           int64_t t, int64_t k0, int kw) {
+static void tg_wino_output(const tg_wino *s, const float *m, int64_t ms, const float *bias, float *y,
+                           void *const *post, int64_t t, int64_t t0, int64_t k0, int kw) {
     int64_t per = s->th * s->tw, n = t / per, ty = t % per / s->tw, tx = t % s->tw;
     tg_v16 a[36], b[24], col[6], f[4], bv = {0};
-    for (int p = 0; p < 36; p++) a[p] = *(const tg_v16 *)(m + p * s->ms + t * s->k + k0);
+    for (int p = 0; p < 36; p++) a[p] = *(const tg_v16 *)(m + p * ms + (t - t0) * s->k + k0);
     if (bias && kw == TG_WINO_V) bv = *(const tg_v16 *)((const float *)bias + k0);
     else if (bias) memcpy(&bv, (const float *)bias + k0, (size_t)kw * sizeof(float));
     for (int j = 0; j < 6; j++) { /* columns, then rows */
@@ -176,30 +180,45 @@ static void tg_wino_output(const tg_wino *s, const float *m, const float *bias, 
     }
 }
 
-/* `bias` NULL where the convolution has none; `post`: the binary post-ops' operands, in order. */
+/* `bias` NULL where the convolution has none; `post`: the binary post-ops' operands, in order.
+ * Tiles go in chunks of tb, each through all three stages before the next: a chunk's V and M
+ * stay in cache between the transforms and the GEMMs (at batch 8, 56x56x64 makes 29 MB of them). */
 int tg_wino_run(tg_prim *g, const void *src, const void *bias, void *dst, void *const *post) {
     tg_wino *s = g->wino;
-    float *v = s->arena ? g->wei_arena : g->tmp_in, *m = v + 36 * s->vs;
+    float *v = s->arena ? g->wei_arena : g->tmp_in;
     if (!v) TG_FAIL("a Winograd convolution was run without its scratch");
     int64_t cb = (s->c + TG_WINO_V - 1) / TG_WINO_V, kb = (s->k + TG_WINO_V - 1) / TG_WINO_V;
+    for (int64_t t0 = 0; t0 < s->tiles; t0 += s->tb) {
+        int64_t nt = s->tiles - t0 < s->tb ? s->tiles - t0 : s->tb, vs = nt * s->c, ms = nt * s->k;
+        float *m = v + 36 * vs;
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < s->tiles * cb; i++) {
-        int64_t c0 = i % cb * TG_WINO_V;
-        tg_wino_input(s, src, v, i / cb, c0, (int)(s->c - c0 < TG_WINO_V ? s->c - c0 : TG_WINO_V));
-    }
-    if (tg_prim_run(&s->mm, v, s->u, NULL, m, NULL)) return 1;
+        for (int64_t i = 0; i < nt * cb; i++) {
+            int64_t c0 = i % cb * TG_WINO_V;
+            tg_wino_input(s, src, v, vs, t0 + i / cb, t0, c0, (int)(s->c - c0 < TG_WINO_V ? s->c - c0 : TG_WINO_V));
+        }
+        if (tg_prim_run(nt == s->tb ? &s->mm : &s->tail, v, s->u, NULL, m, NULL)) return 1;
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < s->tiles * kb; i++) {
-        int64_t k0 = i % kb * TG_WINO_V;
-        tg_wino_output(s, m, bias, dst, post, i / kb, k0, (int)(s->k - k0 < TG_WINO_V ? s->k - k0 : TG_WINO_V));
+        for (int64_t i = 0; i < nt * kb; i++) {
+            int64_t k0 = i % kb * TG_WINO_V;
+            tg_wino_output(s, m, ms, bias, dst, post, t0 + i / kb, t0, k0,
+                           (int)(s->k - k0 < TG_WINO_V ? s->k - k0 : TG_WINO_V));
+        }
     }
     __atomic_add_fetch(&tg_wino_runs, 1, __ATOMIC_RELAXED);
     return 0;
 }
 
-/* The floats of V and M a binding of these dims needs (the emitter reserves as many). */
-static int64_t tg_wino_floats(int64_t tiles, int64_t c, int64_t k) {
-    return 36 * tiles * c + 36 * tiles * k + TG_WINO_V;
+/* The floats of V and M a chunk of tb tiles needs (onednn.py's winograd_floats reserves as many). */
+static int64_t tg_wino_floats(int64_t tb, int64_t c, int64_t k) { return 36 * tb * (c + k) + TG_WINO_V; }
+
+/* The 36 GEMMs over a chunk of nt tiles: V [36][nt][C] x U [36][C][K] -> M [36][nt][K], U packed
+ * once into s->pack (a second primitive takes that packed copy where its kernel reads it so). */
+static int tg_wino_gemms(tg_wino *s, tg_prim *mm, int64_t nt, float *u) {
+    const int64_t ad[] = {36, nt, s->c}, as[] = {nt * s->c, s->c, 1};
+    const int64_t bd[] = {36, s->c, s->k}, bs[] = {s->c * s->k, s->k, 1};
+    const int64_t cd[] = {36, nt, s->k}, cs[] = {nt * s->k, s->k, 1};
+    const int types[] = {dnnl_f32, dnnl_f32, dnnl_f32};
+    return tg_matmul_create(mm, 3, ad, as, bd, bs, cd, cs, types, 0, u, &s->pack, 0, NULL, 0);
 }
 
 /* Whether this path computes the convolution (else oneDNN's does): the dims, the precision,
@@ -242,6 +261,7 @@ int tg_wino_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_s
                    int has_bias, const int64_t *strides, const int64_t *dilations, const int64_t *pads,
                    const void *weight, tg_packed *pack, int npost, const tg_post *posts, const tg_prim *from,
                    int chain_out, int stream, int64_t scratch) {
+    if (tg_wino_mode == -2) tg_wino_mode = getenv("TG_WINOGRAD") && !strcmp(getenv("TG_WINOGRAD"), "0") ? 0 : -1;
     if (!(tg_wino_mode < 0 ? scratch > 0 : tg_wino_mode) ||
         !tg_wino_takes(nd, x_dims, x_str, w_nd, w_dims, y_dims, y_str, strides, dilations, pads, weight, npost,
                        posts, from))
@@ -255,7 +275,6 @@ int tg_wino_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_s
     s->n = x_dims[0], s->c = x_dims[1], s->h = x_dims[2], s->w = x_dims[3], s->k = y_dims[1];
     s->oh = y_dims[2], s->ow = y_dims[3], s->pt = pads[0], s->pl = pads[1];
     s->th = (s->oh + 3) / 4, s->tw = (s->ow + 3) / 4, s->tiles = s->n * s->th * s->tw;
-    s->vs = s->tiles * s->c, s->ms = s->tiles * s->k;
     for (int i = 0; i < 4; i++) s->xs[i] = x_str[i], s->ys[i] = y_str[i];
     s->npost = npost;
     memcpy(s->posts, posts, (size_t)npost * sizeof *posts);
@@ -268,28 +287,29 @@ int tg_wino_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_s
             tg_wino_filter((const float *)weight + k * w_str[0] + c * w_str[1], w_str[2], w_str[3], t);
             for (int p = 0; p < 36; p++) u[(p * s->c + c) * s->k + k] = (float)t[p];
         }
-    const int64_t ad[] = {36, s->tiles, s->c}, as[] = {s->vs, s->c, 1};
-    const int64_t bd[] = {36, s->c, s->k}, bs[] = {s->c * s->k, s->k, 1};
-    const int64_t cd[] = {36, s->tiles, s->k}, cs[] = {s->ms, s->k, 1};
-    const int types[] = {dnnl_f32, dnnl_f32, dnnl_f32};
+    /* chunks of as many tiles as the emitter's scratch holds (all, in a binding's own scratch) */
+    s->arena = scratch >= tg_wino_floats(1, s->c, s->k);
+    s->tb = s->arena ? (scratch - TG_WINO_V) / (36 * (s->c + s->k)) : s->tiles;
+    s->tb = s->tb < s->tiles ? s->tb : s->tiles;
     size_t used = strlen(tg_prim_lines);
-    int count = tg_prims, rc = tg_matmul_create(&s->mm, 3, ad, as, bd, bs, cd, cs, types, 0, u, &s->pack, 0, NULL, 0);
-    if (rc || s->mm.wei_handle) free(u);
-    else s->u = u;
+    int count = tg_prims, rc = tg_wino_gemms(s, &s->mm, s->tb, u);
+    if (!rc && s->tiles % s->tb) rc = tg_wino_gemms(s, &s->tail, s->tiles % s->tb, u);
+    if (rc || (s->mm.wei_handle && (!s->tail.prim || s->tail.wei_handle))) free(u);
+    else s->u = u; /* (a primitive reads U as it lies) */
     if (rc) return 1;
     if (strlen(tg_prim_lines) > used) tg_prim_lines[used] = 0; /* (reported below as the convolution it is) */
     tg_prims = count;
     const_dnnl_primitive_desc_t pd = NULL;
     dnnl_primitive_get_primitive_desc(s->mm.prim, &pd);
     char line[256];
-    int n = snprintf(line, sizeof line, "convolution of a %lldx%lldx%lldx%lld source: winograd F(4x4,3x3), 36 GEMMs on %s\n",
-                     (long long)s->n, (long long)s->c, (long long)s->h, (long long)s->w, pd ? tg_impl(pd) : "?");
+    int n = snprintf(line, sizeof line, "convolution of a %lldx%lldx%lldx%lld source: winograd F(4x4,3x3), 36 GEMMs "
+                     "on %s, %lld tiles a chunk\n", (long long)s->n, (long long)s->c, (long long)s->h, (long long)s->w,
+                     pd ? tg_impl(pd) : "?", (long long)s->tb);
     if (used + n >= sizeof tg_prim_lines) used = 0;
     memcpy(tg_prim_lines + used, line, (size_t)n + 1);
     tg_prims++;
-    s->arena = scratch >= tg_wino_floats(s->tiles, s->c, s->k);
     if (!s->arena) { /* (no arena scratch from the emitter, or too little: the binding's own) */
-        size_t bytes = (size_t)tg_wino_floats(s->tiles, s->c, s->k) * sizeof(float);
+        size_t bytes = (size_t)tg_wino_floats(s->tb, s->c, s->k) * sizeof(float);
         g->tmp_in = tg_alloc_big(bytes);
         if (!g->tmp_in) TG_FAIL("out of memory for a Winograd convolution's scratch (%zu bytes)", bytes);
         g->own_bytes += bytes;
@@ -299,6 +319,7 @@ int tg_wino_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_s
 
 void tg_wino_free(tg_wino *s) {
     tg_prim_destroy(&s->mm);
+    tg_prim_destroy(&s->tail);
     free(s->pack.data);
     free(s->u);
     if (s->pack.md) dnnl_memory_desc_destroy(s->pack.md);
