@@ -8,9 +8,9 @@ Each shape is one convolution (pad 1, bias, relu) compiled twice: its binding ma
 winograd.c turned off (tg_set_winograd(0)) and once on (1); the two are timed round-robin
 (benchmarks/_common.py), a sample being enough calls to take ~20 ms. Printed: each one's median
 per call, the ratio winograd/direct per round (median and quartiles), what the rule picks and
-the relative error of each against the float64 interpreter. Shapes: ResNet-50's four stages
-and RegNet's ungrouped 3x3s (RegNetY-400MF's stem-side widths), and small ones the rule must
-refuse. The load average is printed: other work on the cores moves every number."""
+the relative error of each against the float64 interpreter. Shapes: ResNet-50's four stages,
+DenseNet-121's four blocks, and small ones the rule must refuse (RegNet's 3x3s are grouped:
+none is sent here). The load average is printed: other work on the cores moves every number."""
 
 from __future__ import annotations
 
@@ -22,10 +22,12 @@ import numpy as np
 
 from _common import format_table, interleaved_samples, machine_lines, paired_ratio  # noqa: E402
 
-# (name, C, K, H=W): ResNet-50's 3x3s (stage widths at 224), then smaller and odd ones
+# (name, C, K, H=W): ResNet-50's 3x3s (stage widths at 224), DenseNet-121's (128 -> 32 in
+# each of its four blocks), then smaller and odd ones
 SHAPES = [("resnet s1", 64, 64, 56), ("resnet s2", 128, 128, 28), ("resnet s3", 256, 256, 14),
-          ("resnet s4", 512, 512, 7), ("c32 56", 32, 32, 56), ("c16 28", 16, 16, 28), ("c64 14", 64, 64, 14),
-          ("c128 7", 128, 128, 7), ("c256 28", 256, 256, 28), ("c96 20", 96, 96, 20)]
+          ("resnet s4", 512, 512, 7), ("densenet 56", 128, 32, 56), ("densenet 28", 128, 32, 28),
+          ("densenet 14", 128, 32, 14), ("densenet 7", 128, 32, 7), ("c32 56", 32, 32, 56), ("c16 28", 16, 16, 28),
+          ("c64 14", 64, 64, 14), ("c128 7", 128, 128, 7), ("c256 28", 256, 256, 28), ("c96 20", 96, 96, 20)]
 
 
 def main() -> None:
