@@ -1,6 +1,6 @@
 """Per 3x3 stride-1 convolution shape, the C backend's Winograd F(4x4, 3x3) (backends/c/winograd.c)
 against oneDNN's direct convolution, in one process on the same inputs: the measurement behind
-the emitter's rule (backends/c/onednn.py, winograd_wins).
+the emitter's and the cost model's rule (ir/hardware.py, winograd_wins).
 
     .venv/bin/python benchmarks/winograd_convs.py [--threads 1] [--repeat 15] [--batch 1 8]
 
@@ -39,7 +39,7 @@ def main() -> None:
     args = ap.parse_args()
     import tilegraph
     from tilegraph.accuracy import relative_error
-    from tilegraph.backends.c.onednn import winograd_wins
+    from tilegraph.ir.hardware import winograd_wins
     from tilegraph.ir import Graph, interpret
 
     print("\n".join(machine_lines()))

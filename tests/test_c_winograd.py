@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import tilegraph
-from tilegraph.backends.c.onednn import winograd_wins
+from tilegraph.ir.hardware import winograd_wins
 from tilegraph.ir import Graph, interpret
 from tilegraph.testing import assert_close
 

@@ -8,14 +8,14 @@ import sympy
 from xdsl.ir import SSAValue
 
 from tilegraph.backends.c.tables import (DNNL_BINARY, DNNL_ELTWISE, DNNL_TYPES, KNOWN, REPACK_ROW_BYTES, SMALL_GEMM,
-                                         WINOGRAD_CACHED_WEIGHT, WINOGRAD_CHUNK_BYTES, WINOGRAD_MIN_CHANNELS,
-                                         WINOGRAD_MIN_TILES)
+                                         WINOGRAD_CHUNK_BYTES)
 from tilegraph.backends.c.views import (ConvStep, EmitterParts, Unsupported, View, lowers, _describe, _eq, _is_one, _only_use,
                                         bf16_marker, feeds_gemm,
                                         _plain_strides, _row_stride, channels_last_strides)
 from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.fusion import ELTWISE_POSTS
+from tilegraph.ir.hardware import winograd_shape, winograd_wins
 from tilegraph.ir.shapes import TensorInfo, info_of, numel
 from tilegraph.ir.ops import Op
 from tilegraph.ir.strides import rows_collapse, unit_dims_strided
@@ -463,13 +463,15 @@ class OneDNN(EmitterParts):
             out = View(into.buf, into.offset, tuple(info.shape), channels_last_strides(info.shape), into.dtype)
         k = self._new_prim()
         arr = self._c_array
-        # A 3x3 stride-1 convolution goes to winograd.c where winograd_wins says it is faster:
-        # its step passes the arena scratch the transformed tiles live in; any other is oneDNN's.
-        eligible = winograd_eligible(groups, w.shape, strides, dil, pads, out.shape, constant_weight)
+        # A 3x3 stride-1 convolution goes to winograd.c where it is faster (ir/hardware.winograd_wins,
+        # the rule the cost model prices by): its step passes the arena scratch its transformed
+        # tiles live in (none where the rule says no: the runtime makes it oneDNN's, unless
+        # tg_set_winograd overrules, as benchmarks/winograd_convs.py does to time both).
+        eligible = constant_weight and x.rank == 4 and \
+            winograd_shape(groups, w.shape[2:], strides, dil, pads, x.shape[1], *out.shape[1:])
         scratch = None
-        dims = (x.shape[0], x.shape[1], out.shape[1], out.shape[2], out.shape[3]) if eligible else ()
-        if eligible and winograd_wins(*dims):
-            scratch = self._temp(TensorInfo((winograd_floats(*dims),), "f32"))
+        if eligible and winograd_wins(x.shape[0], x.shape[1], *out.shape[1:]):
+            scratch = self._temp(TensorInfo((winograd_floats(x.shape[0], x.shape[1], *out.shape[1:]),), "f32"))
         create = "tg_wino_create" if eligible else "tg_conv_create"
         last = f", {self.ints(numel(scratch.shape)) if scratch is not None else 0}" if eligible else ""
         state = [
@@ -493,16 +495,6 @@ class OneDNN(EmitterParts):
         return out, covered
 
 
-def winograd_eligible(groups, w_shape, strides, dilations, pads, out_shape, constant_weight: bool) -> bool:
-    """Whether winograd.c can compute this convolution: 2-D, 3x3, stride 1, dense, one group,
-    pads of at most 2, known spatial and channel sizes (its tiles are counted when the program
-    is emitted), and a constant weight (transformed once, when the binding is made)."""
-    known = all(sympy.sympify(d).is_number for d in (*w_shape, *out_shape[1:]))
-    return constant_weight and known and groups == 1 and len(w_shape) == 4 and \
-        tuple(int(d) for d in w_shape[2:]) == (3, 3) and list(strides) == [1, 1] and list(dilations) == [1, 1] and \
-        all(0 <= int(p) <= 2 for p in pads)
-
-
 def winograd_floats(n, c, k, oh: int, ow: int) -> int:
     """The arena floats a Winograd convolution's step reserves: V and M of one chunk of tiles,
     36 slabs each of a row of C (K) per 4x4 tile, and one vector for reads past the last row
@@ -512,23 +504,6 @@ def winograd_floats(n, c, k, oh: int, ow: int) -> int:
     if sympy.sympify(n).is_number:
         chunk = min(chunk, int(n) * -(-int(oh) // 4) * -(-int(ow) // 4))
     return 36 * chunk * (int(c) + int(k)) + 16
-
-
-def winograd_wins(n, c, k, oh, ow) -> bool:
-    """Whether F(4x4, 3x3) beats oneDNN's direct convolution on this shape (measured by
-    benchmarks/winograd_convs.py, ratios winograd/direct in one process, one thread): it does on
-    every shape with enough channels and tiles (ResNet-50's 56x56x64 0.53x at batch 1, 28x28x128
-    0.41x, 14x14x256 0.56x; 0.37-0.63x at batch 8). It loses where its 36 GEMMs have few rows
-    and a transformed weight beyond the caches (36 C K floats, 4x the direct one's, streamed from
-    memory each call: 7x7x512 at batch 1, 4 tiles and 38 MB, 1.14x; 7x7x128, 2.4 MB, wins at
-    0.62x), and on narrow convolutions (16 channels: 0.98-1.2x, the transforms' passes cost what
-    the GEMMs save)."""
-    n = sympy.sympify(n)
-    n = n.subs({d: 1 for d in n.free_symbols})  # (a batch known at run time: judged at 1, the fewest tiles)
-    tiles = int(n) * -(-int(oh) // 4) * -(-int(ow) // 4)
-    if min(int(c), int(k)) < WINOGRAD_MIN_CHANNELS:
-        return False
-    return tiles >= WINOGRAD_MIN_TILES or 36 * 4 * int(c) * int(k) <= WINOGRAD_CACHED_WEIGHT
 
 
 # Placeholders of a convolution's state line that chain_convolutions fills in.

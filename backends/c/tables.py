@@ -79,13 +79,6 @@ SIMD_BLOCK = 4096  # elements a thread takes at a time in a flat parallel loop
 REPACK_ROW_BYTES = 4096
 # Multiply-adds below which a GEMM runs as emitted loops: a oneDNN call costs ~1.5 us.
 SMALL_GEMM = 16384
-# Where the emitter sends a 3x3 stride-1 convolution to Winograd F(4x4, 3x3) (winograd.c;
-# onednn.py, winograd_wins, gives the measurements): at least this many channels in and out,
-# and at least this many 4x4 tiles (rows of its 36 GEMMs) unless the transformed weight
-# (36 C K floats) is at most this many bytes, small enough to stay in cache between calls.
-WINOGRAD_MIN_CHANNELS = 32
-WINOGRAD_MIN_TILES = 8
-WINOGRAD_CACHED_WEIGHT = 4 << 20
 # The bytes of transformed tiles (V and M) a Winograd convolution works through at a time: each
 # chunk's input transform, GEMMs and output transform run before the next, while it is in cache
 # (benchmarks/winograd_convs.py at batch 8: 56x56x64 0.51x direct in 2 MiB chunks, 0.55x in 1 MiB,

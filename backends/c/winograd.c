@@ -23,7 +23,7 @@
  * sum into the destination) is applied to each 4x4 tile as it is written, in the same order.
  * Where a convolution does not qualify here (bf16 precision, a chained layout, another
  * post-op), it is made as tg_conv_create makes it. Which convolutions ask for this path is the
- * emitter's rule (onednn.py, winograd_wins), from measured times per shape. */
+ * emitter's rule (ir/hardware.py, winograd_wins), from measured times per shape. */
 #ifndef TG_MAX_POST /* runtime.h has no include guard; runtime.c is included before this file */
 #include "runtime.h"
 #endif
