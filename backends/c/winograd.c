@@ -312,12 +312,19 @@ int tg_wino_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_s
     if (rc) return 1;
     if (strlen(tg_prim_lines) > used) tg_prim_lines[used] = 0; /* (reported below as the convolution it is) */
     tg_prims = count;
-    const_dnnl_primitive_desc_t pd = NULL;
+    const_dnnl_primitive_desc_t pd = NULL, tail = NULL;
     dnnl_primitive_get_primitive_desc(s->mm.prim, &pd);
+    if (s->tail.prim) dnnl_primitive_get_primitive_desc(s->tail.prim, &tail);
+    if (!pd || tg_is_ref(pd) || (tail && tg_is_ref(tail))) { /* no fast GEMM for it: oneDNN's convolution */
+        tg_prim_destroy(g);
+        return tg_conv_create(g, nd, x_dims, x_str, w_nd, w_dims, w_str, y_dims, y_str, has_bias, strides,
+                              dilations, pads, weight, pack, npost, posts, from, chain_out, stream);
+    }
     char line[256];
     int n = snprintf(line, sizeof line, "convolution of a %lldx%lldx%lldx%lld source: winograd F(4x4,3x3), 36 GEMMs "
                      "on %s, %lld tiles a chunk\n", (long long)s->n, (long long)s->c, (long long)s->h, (long long)s->w,
-                     pd ? tg_impl(pd) : "?", (long long)s->tb);
+                     tg_impl(pd), (long long)s->tb);
+    n = n < (int)sizeof line ? n : (int)sizeof line - 1;
     if (used + n >= sizeof tg_prim_lines) used = 0;
     memcpy(tg_prim_lines + used, line, (size_t)n + 1);
     tg_prims++;
