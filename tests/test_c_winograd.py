@@ -98,6 +98,23 @@ def test_tiles_in_chunks_with_a_shorter_last_one():
     assert runs == 1 and len(chunk) == 1 and 0 < chunk[0] < 3 * 8 * 8 and 3 * 8 * 8 % chunk[0], lines
 
 
+def test_a_batch_known_at_run_time():
+    """A symbolic batch: the emitter reserves one chunk's scratch (a batch of 1 fills part of
+    it, a batch of 5 more than one), each binding runs on winograd.c and agrees."""
+    rng = np.random.default_rng(0)
+    g = Graph()
+    x = g.input("x", ("N", 64, 30, 30))
+    w = (rng.standard_normal((64, 64, 3, 3)) / 24).astype(np.float32)
+    model = g.build(g.relu(g.op("conv", x, g.weight("w", w), pads=(1,) * 4)), names=["y"])
+    compiled = tilegraph.compile(model, target="c")
+    for n in (1, 5):
+        xs = [rng.standard_normal((n, 64, 30, 30)).astype(np.float32)]
+        before = compiled._runner._lib.tg_winograd_count()
+        assert_close(compiled.run(*xs)[0], interpret(model, xs)[0], "f32", reduction_length=9 * 64)
+        assert compiled._runner._lib.tg_winograd_count() - before == 1
+        assert WINOGRAD in compiled._runner.primitives[-1] and f"{n}x64x30x30" in compiled._runner.primitives[-1]
+
+
 @pytest.mark.parametrize("kind", ["stride 2", "dilation 2", "groups 2", "narrow"])
 def test_other_convolutions_stay_on_onednn(kind):
     opts = {"stride 2": {"stride": 2}, "dilation 2": {"dilation": 2, "pad": 2}, "groups 2": {"groups": 2},
