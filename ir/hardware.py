@@ -765,12 +765,14 @@ def winograd_shape(groups, window, strides, dilations, pads, c, k, oh, ow) -> bo
 def winograd_wins(n, c, k, oh, ow) -> bool:
     """Whether Winograd F(4x4, 3x3) beats oneDNN's direct convolution on a shape winograd_shape
     takes (a batch known only at run time is judged at 1, the fewest tiles). Measured
-    (benchmarks/winograd_convs.py, winograd/direct in one process, one thread) it does on every
-    shape with enough channels and tiles (ResNet-50's 56x56x64 0.53x at batch 1, 28x28x128 0.41x,
-    14x14x256 0.56x; 0.37-0.63x at batch 8). It loses where its GEMMs have few rows and a
-    transformed weight beyond the caches (4x the direct one's, streamed from memory each call:
-    7x7x512 at batch 1, 4 tiles and 38 MB, 1.14x; 7x7x128, 2.4 MB, wins at 0.62x), and on narrow
-    convolutions (16 channels: 0.98-1.2x, the transforms' passes cost what the GEMMs save)."""
+    (benchmarks/winograd_convs.py, winograd/direct in one process, one thread, on an AVX-512
+    processor) it does on every shape with enough channels and tiles: ResNet-50's 56x56x64
+    0.54x at batch 1, 28x28x128 0.42x, 14x14x256 0.49x (0.45-0.65x at batch 8), DenseNet-121's
+    128 -> 32 0.55-0.95x. Where its GEMMs have few rows and a transformed weight beyond the
+    caches (4x the direct one's, streamed from memory each call) it gains nothing: 7x7x512 at
+    batch 1, 4 tiles and 38 MB, 1.00x (1.14x in a run under load), where 7x7x128 (2.4 MB) runs
+    at 0.66x. Narrow convolutions gain little (16 channels: 0.88-0.93x; 0.98-1.2x under load)
+    for a weight 4x the size: left to oneDNN."""
     import sympy
 
     batch = sympy.sympify(n)
