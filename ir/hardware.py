@@ -739,3 +739,46 @@ class _locked:
     def __exit__(self, *exc):
         if self.file is not None:
             self.file.close()  # closing releases the lock
+
+
+# --- which convolutions the C backend runs as Winograd F(4x4, 3x3) (backends/c/winograd.c) ---
+# Read by its emitter (backends/c/onednn.py) and by its cost model (passes/targets/c.conv_time).
+# At least this many channels in and out, and at least this many 4x4 tiles (rows of its 36
+# GEMMs) unless the transformed weight (36 C K floats) is at most this many bytes, small enough
+# to stay in cache between calls (the measurements: winograd_wins).
+WINOGRAD_MIN_CHANNELS = 32
+WINOGRAD_MIN_TILES = 8
+WINOGRAD_CACHED_WEIGHT = 4 << 20
+
+
+def winograd_shape(groups, window, strides, dilations, pads, c, k, oh, ow) -> bool:
+    """Whether winograd.c can run this convolution (of a constant weight, which the caller
+    checks): 2-D, 3x3, stride 1, dense, one group, pads of at most 2, channel and spatial sizes
+    known when the program is emitted (its tiles are counted then)."""
+    import sympy
+
+    return all(sympy.sympify(d).is_number for d in (*window, c, k, oh, ow)) and groups == 1 and \
+        [int(d) for d in window] == [3, 3] and list(strides) == [1, 1] and list(dilations) == [1, 1] and \
+        all(0 <= int(p) <= 2 for p in pads)
+
+
+def winograd_wins(n, c, k, oh, ow) -> bool:
+    """Whether Winograd F(4x4, 3x3) beats oneDNN's direct convolution on a shape winograd_shape
+    takes (a batch known only at run time is judged at 1, the fewest tiles). Measured
+    (benchmarks/winograd_convs.py, winograd/direct in one process, one thread, on an AVX-512
+    processor) it does on every shape with enough channels and tiles: ResNet-50's 56x56x64
+    0.54x at batch 1, 28x28x128 0.42x, 14x14x256 0.49x (0.45-0.65x at batch 8), DenseNet-121's
+    128 -> 32 0.55-0.95x. Where its GEMMs have few rows and a transformed weight beyond the
+    caches (4x the direct one's, streamed from memory each call) it gains nothing: 7x7x512 at
+    batch 1, 4 tiles and 38 MB, 1.00x (1.14x in a run under load), where 7x7x128 (2.4 MB) runs
+    at 0.66x. Narrow convolutions gain little (16 channels: 0.88-0.93x; 0.98-1.2x under load)
+    for a weight 4x the size: left to oneDNN."""
+    import sympy
+
+    batch = sympy.sympify(n)
+    batch = batch.subs({d: 1 for d in batch.free_symbols})
+    c, k, oh, ow = (int(d) for d in (c, k, oh, ow))
+    tiles = int(batch) * -(-oh // 4) * -(-ow // 4)
+    if min(c, k) < WINOGRAD_MIN_CHANNELS:
+        return False
+    return tiles >= WINOGRAD_MIN_TILES or 36 * 4 * c * k <= WINOGRAD_CACHED_WEIGHT

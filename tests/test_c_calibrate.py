@@ -68,7 +68,8 @@ def test_the_c_profile_is_positive_finite_and_round_trips(calibrated):
     assert len(hw.gemm_samples) == len(hw.gemm_samples_threaded) >= 3
     assert {"add", "exp", "gelu", "softmax", "layer_norm"} <= set(hw.ufunc_rates)
     assert [d for d, _ in hw.attention_rates] == [32, 64]
-    assert set(hw.conv_rates) == {"dense", "pointwise", "depthwise", *QUICK_STEMS} == {*CONV_CASES, *QUICK_STEMS}
+    assert set(hw.conv_rates) == {"dense", "pointwise", "depthwise", "winograd", *QUICK_STEMS} == \
+        {*CONV_CASES, *QUICK_STEMS}
     assert set(QUICK_STEMS) < set(STEM_CASES) == set(STEM_KINDS)  # a full run measures the 7x7 stem too
     assert "reduce_sum" in hw.ufunc_rates  # (an exp post-op's rate where it measured above noise)
     assert hw.pool_rate > 0 and set(hw.row_overhead) == {"softmax", "layer_norm"}
@@ -185,6 +186,16 @@ def test_convolutions_are_priced_by_kind_and_shape_for_c():
     t, flops = conv_time((1, 512, 7, 7), (2048, 512, 1, 1), 1)
     curve = hw.matmul_rate(49, 2048, 512, threaded=True) / hw.matmul_rate(784, 128, 256, threaded=True)
     assert t == pytest.approx(flops / (60e9 * curve))
+    # where winograd.c runs a 3x3 (ir/hardware.winograd_wins), at its calibrated rate; a strided
+    # 3x3, which it does not run, at the direct convolution's
+    wino = replace(hw, conv_rates={**hw.conv_rates, "winograd": (3136, 64, 576, 90e9)})
+    t, flops = conv_time((1, 64, 56, 56), (64, 64, 3, 3), 1, hw=wino)
+    assert t == pytest.approx(flops / 90e9)
+    g = Graph()
+    y = g.op("conv", g.input("x", (1, 64, 56, 56)), g.weight("w", np.zeros((64, 64, 3, 3), np.float32)),
+             pads=(1,) * 4, strides=(2, 2))
+    op = next(op for op in g.build(y, names=["y"]).func.body.block.ops if getattr(op, "op_name", None) == "conv")
+    assert at(op_cost(op, wino).compute_time) == pytest.approx(at(op_cost(op, hw).compute_time))
     # a profile without kinds prices every convolution at its one rate
     t, flops = conv_time((1, 96, 56, 56), (96, 1, 3, 3), 96, hw=replace(base, conv_rates={}))
     assert t == pytest.approx(flops / base.conv_rate)

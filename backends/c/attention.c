@@ -1,10 +1,33 @@
 /* tilegraph C backend: flash attention, f32 on oneDNN's sgemm per block and bf16 on AMX tiles
  * or AVX-512 BF16 dot products (runtime.h declares tg_attention). Compiled into the runtime
  * library: build.py appends it to runtime.c, whose statics it uses (the bf16 switch of the
- * call, tg_amx_granted, TG_FAIL). */
+ * call, TG_FAIL); tg_amx_granted, defined here, serves blockq.c's AMX kernels too. */
 #ifndef TG_MAX_POST /* runtime.h has no include guard; runtime.c is included before this file */
 #include "runtime.h"
 #endif
+
+/* AMX tiles usable in this process: the processor has them (CPUID 7.0 EDX bit 24), the OS
+ * saves their state (XCR0 bits 17, 18) and grants this process the tile data (Linux's
+ * arch_prctl; without the grant the first tile instruction faults). Asked once; each kernel
+ * checks its own data type (AMX-BF16, AMX-INT8) beside it. */
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+static int tg_amx_granted(void) {
+    static int granted = -1;
+    if (granted >= 0) return granted;
+    unsigned a, b, c, d;
+    granted = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24))) return granted;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return granted; /* OSXSAVE: xgetbv allowed */
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & (3u << 17)) != (3u << 17)) return granted;
+#ifdef SYS_arch_prctl
+    granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+#endif
+    return granted;
+}
 
 /* --- attention: softmax(q k^T * scale + mask) v, flash-style ---
  *

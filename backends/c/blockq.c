@@ -582,7 +582,7 @@ static void bq_amx_group(int fmt, const uint8_t *w, int64_t row_bytes, int64_t n
 static void bq_amx_release(void) { _tile_release(); }
 #pragma GCC pop_options
 
-/* AMX int8 usable here: tiles granted (runtime.c's tg_amx_granted) and AMX-INT8 (CPUID 7.0 EDX bit 25). */
+/* AMX int8 usable here: tiles granted (attention.c's tg_amx_granted) and AMX-INT8 (CPUID 7.0 EDX bit 25). */
 static int bq_amx_usable(void) {
     unsigned a, b, c, d;
     return tg_amx_granted() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 25));

@@ -61,9 +61,10 @@ GEMM_SHAPES = ((32, 384, 384), (128, 384, 384), (256, 1536, 384), (256, 384, 153
 QUICK_GEMM_SHAPES = ((32, 384, 384), (128, 384, 384), (1024, 384, 1536), (128, 3072, 768))
 # Convolutions timed (oneDNN, all threads, one image): x shape, weight shape, groups. A 3x3 and a
 # 1x1 of ResNet's middle stages, and a depthwise 3x3 of MobileNet's: each kind's rate is read
-# against the GEMM curve at its implicit GEMM's shape (passes/targets/c.conv_time).
+# against the GEMM curve at its implicit GEMM's shape (passes/targets/c.conv_time); and the same
+# 3x3 on winograd.c (its rate in the direct convolution's FLOPs).
 CONV_CASES = {"dense": ((1, 64, 56, 56), (64, 64, 3, 3), 1), "pointwise": ((1, 256, 28, 28), (128, 256, 1, 1), 1),
-              "depthwise": ((1, 96, 56, 56), (96, 1, 3, 3), 96)}
+              "depthwise": ((1, 96, 56, 56), (96, 1, 3, 3), 96), "winograd": ((1, 64, 56, 56), (64, 64, 3, 3), 1)}
 # An image model's first convolutions, each reading the caller's plain image of 3 channels as
 # a model's first does: a 3x3 stride-2 stem (MobileNet's, EfficientNet's, RegNet's), a 7x7
 # stride-2 one (ResNet's) and a ViT's 16x16 stride-16 patch embedding, spanning the FLOPs per
@@ -431,6 +432,13 @@ def _round(timed: Fastest, quick: bool, bar: Progress) -> Hardware:
         # Each after a depthwise 3x3 that keeps the input's shape, less that one alone (_after_depthwise).
         (before, _), (both, out_shape) = _after_depthwise(rng, xs), _after_depthwise(rng, xs, _conv_then(rng, ws, groups))
         xc = rng.standard_normal(xs, dtype=np.float32)
+        # "dense" is oneDNN's direct convolution, which every other dense one runs on; the same
+        # 3x3 as winograd.c runs it (its binding made with that path on): "winograd"
+        both._lib.tg_set_winograd(int(kind == "winograd"))
+        try:
+            both(xc)
+        finally:
+            both._lib.tg_set_winograd(-1)
         t_before, t_both = timed((_call(before, xc), _call(both, xc)), budget)
         conv_flops = 2 * int(np.prod(out_shape)) * int(np.prod(ws[1:]))
         gemm = (int(np.prod(out_shape)) // ws[0], ws[0] // groups, int(np.prod(ws[1:])))  # one group's (m, n, k)

@@ -7,13 +7,15 @@ from collections.abc import Sequence
 import sympy
 from xdsl.ir import SSAValue
 
-from tilegraph.backends.c.tables import DNNL_BINARY, DNNL_ELTWISE, DNNL_TYPES, KNOWN, REPACK_ROW_BYTES, SMALL_GEMM
+from tilegraph.backends.c.tables import (DNNL_BINARY, DNNL_ELTWISE, DNNL_TYPES, KNOWN, REPACK_ROW_BYTES, SMALL_GEMM,
+                                         WINOGRAD_CHUNK_BYTES)
 from tilegraph.backends.c.views import (ConvStep, EmitterParts, Unsupported, View, lowers, _describe, _eq, _is_one, _only_use,
                                         bf16_marker, feeds_gemm,
                                         _plain_strides, _row_stride, channels_last_strides)
 from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.fusion import ELTWISE_POSTS
+from tilegraph.ir.hardware import winograd_shape, winograd_wins
 from tilegraph.ir.shapes import TensorInfo, info_of, numel
 from tilegraph.ir.ops import Op
 from tilegraph.ir.strides import rows_collapse, unit_dims_strided
@@ -461,6 +463,17 @@ class OneDNN(EmitterParts):
             out = View(into.buf, into.offset, tuple(info.shape), channels_last_strides(info.shape), into.dtype)
         k = self._new_prim()
         arr = self._c_array
+        # A 3x3 stride-1 convolution goes to winograd.c where it is faster (ir/hardware.winograd_wins,
+        # the rule the cost model prices by): its step passes the arena scratch its transformed
+        # tiles live in (none where the rule says no: the runtime makes it oneDNN's, unless
+        # tg_set_winograd overrules, as benchmarks/winograd_convs.py does to time both).
+        eligible = constant_weight and x.rank == 4 and \
+            winograd_shape(groups, w.shape[2:], strides, dil, pads, x.shape[1], *out.shape[1:])
+        scratch = None
+        if eligible and winograd_wins(x.shape[0], x.shape[1], *out.shape[1:]):
+            scratch = self._temp(TensorInfo((winograd_floats(x.shape[0], x.shape[1], *out.shape[1:]),), "f32"))
+        create = "tg_wino_create" if eligible else "tg_conv_create"
+        last = f", {self.ints(numel(scratch.shape)) if scratch is not None else 0}" if eligible else ""
         state = [
             "{",
             f"    const int64_t xd[] = {arr(x.shape)}, xs[] = {arr(x.strides)};",
@@ -468,17 +481,29 @@ class OneDNN(EmitterParts):
             f"    const int64_t yd[] = {arr(out.shape)}, ys[] = {arr(out.strides)};",
             f"    const int64_t str[] = {arr(strides)}, dil[] = {arr(dil)}, pad[] = {arr(pads)};",
             f"    const tg_post posts[] = {{{', '.join(posts) or '{0}'}}};",
-            f"    if (tg_conv_create(&st->prim[{k}], {nd}, xd, xs, {len(wd)}, wd, ws, yd, ys, {int(bias is not None)}, "
+            f"    if ({create}(&st->prim[{k}], {nd}, xd, xs, {len(wd)}, wd, ws, yd, ys, {int(bias is not None)}, "
             f"str, dil, pad, {self.ptr(w) if constant_weight else 'NULL'}, &tg_packs[{k}], {len(posts)}, posts, "
-            f"{_FROM}, {_CHAIN_OUT}, {_STREAM})) return 1;",
+            f"{_FROM}, {_CHAIN_OUT}, {_STREAM}{last})) return 1;",
             "}",
         ]
-        self._run_primitive(op, k, state, x, w, bias, out, post_views, out, [into] if into is not None else [])
+        self._run_primitive(op, k, state, x, w, bias, out, post_views, out, [into] if into is not None else [],
+                            scratch=scratch)
         others = [w, *([bias] if bias is not None else []), *post_views]
         depthwise = groups > 1 and _eq(wd[1], 1) and _eq(wd[2], 1)
         self.steps[-1].conv = ConvStep(k, x, out, all(v.buf != x.buf for v in others),
                                        all(v.buf != out.buf for v in [x, *others]), depthwise, constant_weight)
         return out, covered
+
+
+def winograd_floats(n, c, k, oh: int, ow: int) -> int:
+    """The arena floats a Winograd convolution's step reserves: V and M of one chunk of tiles,
+    36 slabs each of a row of C (K) per 4x4 tile, and one vector for reads past the last row
+    (winograd.c, tg_wino_floats; it runs as many tiles a chunk as this holds). A chunk holds all
+    the tiles, or as many as WINOGRAD_CHUNK_BYTES (a batch known only at run time: that many)."""
+    chunk = max(1, WINOGRAD_CHUNK_BYTES // (36 * 4 * (int(c) + int(k))))
+    if sympy.sympify(n).is_number:
+        chunk = min(chunk, int(n) * -(-int(oh) // 4) * -(-int(ow) // 4))
+    return 36 * chunk * (int(c) + int(k)) + 16
 
 
 # Placeholders of a convolution's state line that chain_convolutions fills in.

@@ -559,6 +559,7 @@ void tg_prim_destroy(tg_prim *g) {
     dnnl_primitive_t prims[] = {g->prim, g->re_src, g->re_wei, g->re_dst, g->re_in};
     for (int i = 0; i < 5; i++)
         if (prims[i]) dnnl_primitive_destroy(prims[i]);
+    if (g->wino) tg_wino_free(g->wino);
     free(g->tmp_src);
     free(g->tmp_wei);
     free(g->tmp_dst);
@@ -587,6 +588,7 @@ int tg_prim_run(tg_prim *g, const void *src, const void *wei, const void *bias, 
                 void *const *post) {
     dnnl_exec_arg_t args[5 + TG_MAX_POST];
     int n = 0;
+    if (g->wino) return tg_wino_run(g, src, bias, dst, post);
     if (g->re_in) { /* a chained source this primitive does not take as it lies: to f32 first */
         dnnl_memory_set_data_handle(g->in_to, g->tmp_in);
         if (tg_reorder_run(g->re_in, g->in_from, (void *)src, g->in_to, 1)) return 1;
@@ -978,27 +980,4 @@ void tg_dynamic_quantize_rows(const float *x, int8_t *q, float *scale, int64_t r
 #pragma omp simd
         for (int64_t j = 0; j < n; j++) qr[j] = (int8_t)tg_saturate(rintf(xr[j] / s), -128.f, 127.f);
     }
-}
-
-/* AMX tiles usable in this process: the processor has them (CPUID 7.0 EDX bit 24), the OS
- * saves their state (XCR0 bits 17, 18) and grants this process the tile data (Linux's
- * arch_prctl; without the grant the first tile instruction faults). Asked once; each kernel
- * checks its own data type (AMX-BF16, AMX-INT8) beside it. */
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-static int tg_amx_granted(void) {
-    static int granted = -1;
-    if (granted >= 0) return granted;
-    unsigned a, b, c, d;
-    granted = 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24))) return granted;
-    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return granted; /* OSXSAVE: xgetbv allowed */
-    unsigned lo, hi;
-    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    if ((lo & (3u << 17)) != (3u << 17)) return granted;
-#ifdef SYS_arch_prctl
-    granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-#endif
-    return granted;
 }

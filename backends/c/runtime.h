@@ -56,8 +56,10 @@ typedef struct {
     dnnl_memory_desc_t md;
 } tg_packed;
 
+typedef struct tg_wino tg_wino; /* winograd.c */
 typedef struct {
     dnnl_primitive_t prim;
+    tg_wino *wino; /* a Winograd convolution (winograd.c) in place of `prim`, or NULL */
     dnnl_memory_t src, wei, bias, dst, post[TG_MAX_POST], wei_scales;
     int npost, has_bias, scaled; /* scaled: one weight scale per column, given at run as `bias` */
     const void *wei_handle; /* the packed copy, or NULL: the caller's pointer each run */
@@ -93,6 +95,15 @@ int tg_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_s
                    int has_bias, const int64_t *strides, const int64_t *dilations, const int64_t *pads,
                    const void *weight, tg_packed *pack, int npost, const tg_post *posts, const tg_prim *from,
                    int chain_out, int stream);
+int tg_wino_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_str, int w_nd,
+                   const int64_t *w_dims, const int64_t *w_str, const int64_t *y_dims, const int64_t *y_str,
+                   int has_bias, const int64_t *strides, const int64_t *dilations, const int64_t *pads,
+                   const void *weight, tg_packed *pack, int npost, const tg_post *posts, const tg_prim *from,
+                   int chain_out, int stream, int64_t scratch);
+int tg_wino_run(tg_prim *g, const void *src, const void *bias, void *dst, void *const *post);
+void tg_wino_free(tg_wino *s);
+void tg_set_winograd(int mode);
+int tg_winograd_count(void);
 int tg_bf16_supported(void);
 int tg_reorder_count(void);
 void tg_set_huge_pages(int on);

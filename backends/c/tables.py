@@ -79,3 +79,8 @@ SIMD_BLOCK = 4096  # elements a thread takes at a time in a flat parallel loop
 REPACK_ROW_BYTES = 4096
 # Multiply-adds below which a GEMM runs as emitted loops: a oneDNN call costs ~1.5 us.
 SMALL_GEMM = 16384
+# The bytes of transformed tiles (V and M) a Winograd convolution works through at a time: each
+# chunk's input transform, GEMMs and output transform run before the next, while it is in cache
+# (benchmarks/winograd_convs.py at batch 8: 56x56x64 0.51x direct in 2 MiB chunks, 0.55x in 1 MiB,
+# 0.60x in 4 MiB, 0.67x all 1568 tiles at once; 28x28x128 0.37x, 0.50x, 0.47x, 0.51x).
+WINOGRAD_CHUNK_BYTES = 2 << 20

@@ -25,6 +25,7 @@ from xdsl.ir import SSAValue
 
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.fusion import ANCHORS, ELTWISE_POSTS, EXP_POSTS, POST_RATE, VIEW_OPS
+from tilegraph.ir.hardware import winograd_shape, winograd_wins
 from tilegraph.ir.ops import Op
 from tilegraph.ir.shapes import info_of
 from tilegraph.ir.strides import reduces_rows_of_channels, reshape_copies, result_strides, strides_of
@@ -291,6 +292,8 @@ def conv_time(op: TgOp, hw, flops: sympy.Expr) -> sympy.Expr:
         return stem_time(hw, flops, element_count(out))
     window = w.shape[2:]
     kind = "pointwise" if all(at_nominal(sized(d)) == 1 for d in window) else "dense"
+    if kind == "dense" and "winograd" in hw.conv_rates and _winograd(op, groups, x, out):
+        kind = "winograd"  # (a profile measured before winograd.c has none: priced as oneDNN's)
     if kind not in hw.conv_rates:
         return flops / (hw.conv_rate or hw.flops("f32"))
     m = max(1, int(at_nominal(prod([out.shape[0], *out.shape[2:]]))))
@@ -299,6 +302,19 @@ def conv_time(op: TgOp, hw, flops: sympy.Expr) -> sympy.Expr:
     rm, rn, rk, rate = hw.conv_rates[kind]
     efficiency = rate / hw.matmul_rate(rm, rn, rk, threaded=True)
     return flops / (hw.matmul_rate(m, n, k, threaded=True) * efficiency)
+
+
+def _winograd(op: TgOp, groups: int, x, out) -> bool:
+    """Whether the C backend runs `op` on winograd.c: its weight a constant and the rule the
+    emitter chooses by (ir/hardware.winograd_shape, winograd_wins)."""
+    weight = through_views(op.operands[1]).owner
+    if not (isinstance(weight, TgOp) and weight.op_name in (Op.weight, Op.constant)) or len(x.shape) != 4:
+        return False
+    n = len(x.shape) - 2
+    strides, dilations, pads = (op.attr(a) for a in ("strides", "dilations", "pads"))
+    window = info_of(op.operands[1].type).shape[2:]
+    return winograd_shape(groups, window, strides or [1] * n, dilations or [1] * n, pads or [0] * 2 * n,
+                          x.shape[1], *out.shape[1:]) and winograd_wins(x.shape[0], x.shape[1], *out.shape[1:])
 
 
 def stem_time(hw, flops: sympy.Expr, outputs: sympy.Expr) -> sympy.Expr:

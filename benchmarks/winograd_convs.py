@@ -1,0 +1,91 @@
+"""Per 3x3 stride-1 convolution shape, the C backend's Winograd F(4x4, 3x3) (backends/c/winograd.c)
+against oneDNN's direct convolution, in one process on the same inputs: the measurement behind
+the emitter's and the cost model's rule (ir/hardware.py, winograd_wins).
+
+    .venv/bin/python benchmarks/winograd_convs.py [--threads 1] [--repeat 15] [--batch 1 8]
+
+Each shape is one convolution (pad 1, bias, relu) compiled twice: its binding made once with
+winograd.c turned off (tg_set_winograd(0)) and once on (1); the two are timed round-robin
+(benchmarks/_common.py), a sample being enough calls to take ~20 ms. Printed: each one's median
+per call, the ratio winograd/direct per round (median and quartiles), what the rule picks and
+the relative error of each against the float64 interpreter. Shapes: ResNet-50's four stages,
+DenseNet-121's four blocks, and small ones the rule must refuse (RegNet's 3x3s are grouped:
+none is sent here). The load average is printed: other work on the cores moves every number."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+
+from _common import format_table, interleaved_samples, machine_lines, paired_ratio  # noqa: E402
+
+# (name, C, K, H=W): ResNet-50's 3x3s (stage widths at 224), DenseNet-121's (128 -> 32 in
+# each of its four blocks), then smaller and odd ones
+SHAPES = [("resnet s1", 64, 64, 56), ("resnet s2", 128, 128, 28), ("resnet s3", 256, 256, 14),
+          ("resnet s4", 512, 512, 7), ("densenet 56", 128, 32, 56), ("densenet 28", 128, 32, 28),
+          ("densenet 14", 128, 32, 14), ("densenet 7", 128, 32, 7), ("c32 56", 32, 32, 56), ("c16 28", 16, 16, 28),
+          ("c64 14", 64, 64, 14), ("c128 7", 128, 128, 7), ("c256 28", 256, 256, 28), ("c96 20", 96, 96, 20)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=15)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--only", nargs="*", help="shape names to run (default: all)")
+    args = ap.parse_args()
+    import tilegraph
+    from tilegraph.accuracy import relative_error
+    from tilegraph.ir.hardware import winograd_wins
+    from tilegraph.ir import Graph, interpret
+
+    print("\n".join(machine_lines()))
+    print(f"threads {args.threads}, load {os.getloadavg()}")
+    rng = np.random.default_rng(0)
+    rows = []
+    for batch in args.batch:
+        for name, c, k, hw in SHAPES:
+            if args.only and name not in args.only:
+                continue
+            g = Graph()
+            x = g.input("x", (batch, c, hw, hw))
+            w = (rng.standard_normal((k, c, 3, 3)) / np.sqrt(9 * c)).astype(np.float32)
+            y = g.relu(g.op("conv", x, g.weight("w", w), g.weight("b", rng.standard_normal(k).astype(np.float32)),
+                            pads=(1, 1, 1, 1)))
+            model = g.build(y, names=["y"])
+            xs = [rng.standard_normal((batch, c, hw, hw)).astype(np.float32)]
+            runs, errors = {}, {}
+            ref = interpret(model, xs)[0] if batch * c * k * hw * hw <= 2 ** 26 else None
+            for label, mode in (("direct", 0), ("winograd", 1)):
+                compiled = tilegraph.compile(model, target="c", threads=args.threads)
+                lib = compiled._runner._lib
+                lib.tg_set_winograd(mode)
+                out = compiled.run(*xs)[0]  # the binding: made now, under this mode
+                lib.tg_set_winograd(-1)
+                errors[label] = relative_error(out, ref) if ref is not None else float("nan")
+                wino = any("winograd" in line for line in compiled._runner.primitives)
+                assert wino == (mode == 1), compiled._runner.primitives
+                t0 = time.perf_counter()
+                compiled.run(*xs)
+                inner = max(1, int(0.02 / max(time.perf_counter() - t0, 1e-6)))
+                runs[label] = (lambda f=compiled.run, n=inner: [f(*xs) for _ in range(n)], inner)
+            samples = interleaved_samples({key: fn for key, (fn, _) in runs.items()}, args.repeat)
+            samples = {key: [t / runs[key][1] for t in samples[key]] for key in runs}  # per call
+            per = {key: float(np.median(samples[key])) for key in runs}
+            med, q1, q3 = paired_ratio(samples, "winograd", "direct")
+            rows.append([f"{name} b{batch}", f"{c}->{k} {hw}x{hw}", f"{per['direct'] * 1e3:.3f}",
+                         f"{per['winograd'] * 1e3:.3f}", f"{med:.2f} ({q1:.2f}-{q3:.2f})",
+                         "winograd" if winograd_wins(batch, c, k, hw, hw) else "direct",
+                         f"{errors['direct']:.1e} / {errors['winograd']:.1e}"])
+            print(format_table(["shape", "conv", "direct ms", "winograd ms", "wino/direct", "rule", "rel err d/w"],
+                               rows[-1:]), flush=True)
+    print()
+    print(format_table(["shape", "conv", "direct ms", "winograd ms", "wino/direct", "rule", "rel err d/w"], rows))
+    print(f"load {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
