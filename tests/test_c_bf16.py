@@ -180,6 +180,31 @@ def test_bf16_attention_over_several_query_and_key_blocks(causal, mask):
     assert lib.tg_bf16_attention_count() == before + (runner.precision == "bf16" and cpu_bf16)
 
 
+def test_bf16_attention_adds_a_float_mask_in_its_max_pass():
+    """An added float mask along the keys (an encoder's padding mask, BERT's) is summed into the
+    scores in the softmax's max pass, 16 keys at a time, at both precisions: a mask that differs
+    per query row and has -inf and large negative entries, 301 keys (a full key block and a
+    partial one), 150 queries. Within each precision's tolerance of the float64 interpreter; rows
+    the mask cuts apart must not see each other's keys."""
+    rng = np.random.default_rng(5)
+    g = Graph()
+    q, k, v = g.input("q", (1, 2, 150, 32)), g.input("k", (1, 2, 301, 32)), g.input("v", (1, 2, 301, 16))
+    m = g.input("m", (1, 1, 150, 301))
+    xs = [rng.standard_normal((1, 2, n, e)).astype(np.float32) for n, e in ((150, 32), (301, 32), (301, 16))]
+    mask = np.where(rng.random((1, 1, 150, 301)) < 0.3, -np.inf, rng.standard_normal((1, 1, 150, 301)))
+    mask[..., 1::7] = -1e9
+    mask[..., 0] = 0.0  # no row with every key masked (NaN there, as softmax's)
+    xs.append(mask.astype(np.float32))
+    model = g.build(g.attention(q, k, v, m, scale=0.2), names=["y"])
+    want = interpret(model, xs)[0]
+    assert_close(tilegraph.compile(model, target="c").run(*xs)[0], want, "f32", reduction_length=301 + 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bf16 = tilegraph.compile(model, target="c", precision="bf16")
+    assert bf16.source.count("tg_attention(") == 1
+    assert_close(bf16.run(*xs)[0], want, "bf16", reduction_length=301 + 32)
+
+
 def test_bf16_attention_products_skip_the_tiles_padding():
     """On AVX-512 BF16 (no AMX) the flash kernel's products run over only the rows and pairs
     they need, where AMX multiplies whole 16 x 16 tiles: ViT-S/16's 197 tokens are 99 pairs of

@@ -95,6 +95,23 @@ static inline __m512 tg_exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* e^x for the bf16 path's weights, x a score less its row's running max (so x <= 0, or NaN): no
+ * upper clamp, and the polynomial to r^4, whose relative error (under 6e-5 on |r| <= ln2/2) is
+ * a thirtieth of the bf16 rounding (2^-9) the weights then take; the f32 products keep tg_exp16.
+ * The clamp at -104 keeps a masked score's -inf from making r NaN (scalef takes 2^-150 to 0). */
+static inline __m512 tg_exp16_weight(__m512 x) {
+    __m512 t = _mm512_max_ps(_mm512_set1_ps(-104.f), x);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), t);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.f / 24), _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
 static inline __mmask16 tg_lanes(int64_t n) { return (__mmask16)(n >= 16 ? 0xffff : n <= 0 ? 0 : (1u << n) - 1); }
 
 /* tg_flash_row on 16 lanes: the same online-softmax step over si[0:nk], the weights written
@@ -103,15 +120,26 @@ static inline __mmask16 tg_lanes(int64_t n) { return (__mmask16)(n >= 16 ? 0xfff
 static inline void tg_flash_row16(float *si, int64_t nk, int64_t i0, int64_t i, int64_t j0, int64_t lq, int64_t lk,
                                   int causal, int mask_kind, const void *mask, int64_t om, int64_t mr, int64_t mc,
                                   float *mxi, float *sumi, float *ai, int64_t dv, uint32_t *pi, int64_t width) {
-    tg_flash_mask(si, nk, i0, i, j0, lq, lk, causal, mask_kind, mask, om, mr, mc);
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     __m512 vm = ninf;
-    for (int64_t j = 0; j < nk; j += 16) vm = _mm512_max_ps(vm, _mm512_mask_loadu_ps(ninf, tg_lanes(nk - j), si + j));
+    if (mask_kind == 2 && mc == 1 && !causal) { /* an added mask along the keys: in the max's pass */
+        const float *mi = (const float *)mask + om + (i0 + i) * mr + j0;
+        for (int64_t j = 0; j < nk; j += 16) {
+            __mmask16 live = tg_lanes(nk - j);
+            __m512 x = _mm512_add_ps(_mm512_mask_loadu_ps(ninf, live, si + j), _mm512_maskz_loadu_ps(live, mi + j));
+            _mm512_mask_storeu_ps(si + j, live, x);
+            vm = _mm512_max_ps(vm, x);
+        }
+    } else {
+        tg_flash_mask(si, nk, i0, i, j0, lq, lk, causal, mask_kind, mask, om, mr, mc);
+        for (int64_t j = 0; j < nk; j += 16) vm = _mm512_max_ps(vm, _mm512_mask_loadu_ps(ninf, tg_lanes(nk - j), si + j));
+    }
     /* (a NaN score: its weight is NaN, so is the row's sum and output, as softmax's) */
     float m = _mm512_reduce_max_ps(vm);
     m = m > *mxi || m != m ? m : *mxi;
-    /* all -inf so far: nothing to weigh yet (exp(-inf - -inf) would be NaN) */
-    float corr = m == -INFINITY ? 1.f : tg_expf(*mxi - m);
+    /* all -inf so far: nothing to weigh yet (exp(-inf - -inf) would be NaN); nothing weighed
+     * before this block (the row's first): an accumulator of zeros, no rescaling */
+    float corr = m == -INFINITY || *mxi == -INFINITY ? 1.f : tg_expf(*mxi - m);
     const __m512 vmax = _mm512_set1_ps(m);
     __m512 l = _mm512_setzero_ps();
     if (!pi) {
@@ -126,8 +154,8 @@ static inline void tg_flash_row16(float *si, int64_t nk, int64_t i0, int64_t i, 
     else {
         for (int64_t j = 0; j < 2 * width; j += 32) {
             __mmask16 lo = m == -INFINITY ? 0 : tg_lanes(nk - j), hi = m == -INFINITY ? 0 : tg_lanes(nk - j - 16);
-            __m512 p0 = _mm512_maskz_mov_ps(lo, tg_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lo, si + j), vmax)));
-            __m512 p1 = _mm512_maskz_mov_ps(hi, tg_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(hi, si + j + 16), vmax)));
+            __m512 p0 = _mm512_maskz_mov_ps(lo, tg_exp16_weight(_mm512_sub_ps(_mm512_maskz_loadu_ps(lo, si + j), vmax)));
+            __m512 p1 = _mm512_maskz_mov_ps(hi, tg_exp16_weight(_mm512_sub_ps(_mm512_maskz_loadu_ps(hi, si + j + 16), vmax)));
             l = _mm512_add_ps(l, _mm512_add_ps(p0, p1));
             _mm512_storeu_si512(pi + j / 2, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
         }
@@ -355,6 +383,38 @@ static int64_t tg_bf16_gemm(int amx, int64_t rows, int64_t nt, int64_t pairs, co
     return tg_dp_gemm(rows, nt, pairs, a, lda, b, ldb, c, ldc, beta);
 }
 
+/* A 16 x 16 block of 32-bit elements (bf16 pairs) transposed: row r of `in` (row stride ldi)
+ * becomes column r of `out` (row stride ldo); rows `live`.. read as zero. In three rounds of
+ * shuffles (32-bit, 64-bit, then 128-bit lanes), 64 in all, where a gather per column took
+ * several times as long on a processor whose gathers are microcoded. */
+static inline void tg_transpose16(const uint32_t *in, int64_t ldi, int64_t live, uint32_t *out, int64_t ldo) {
+    __m512i r[16], t[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; i++) r[i] = i < live ? _mm512_loadu_si512(in + i * ldi) : _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int i = 0; i < 16; i += 2) { /* 128-bit lane l of t[i], t[i+1]: rows i, i+1 at columns 4l..4l+3 */
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < 16; i += 4) { /* r[i + c], lane l: rows i..i+3 at column 4l + c */
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) { /* column 4l + c: lane l of r[c], r[4 + c], r[8 + c], r[12 + c] */
+        __m512i a_lo = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), a_hi = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xee);
+        __m512i b_lo = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+        __m512i b_hi = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xee);
+        _mm512_storeu_si512(out + (0 + c) * ldo, _mm512_shuffle_i32x4(a_lo, b_lo, 0x88));
+        _mm512_storeu_si512(out + (4 + c) * ldo, _mm512_shuffle_i32x4(a_lo, b_lo, 0xdd));
+        _mm512_storeu_si512(out + (8 + c) * ldo, _mm512_shuffle_i32x4(a_hi, b_hi, 0x88));
+        _mm512_storeu_si512(out + (12 + c) * ldo, _mm512_shuffle_i32x4(a_hi, b_hi, 0xdd));
+    }
+}
+
 /* One key block of a batch row in the right operands' layouts, made once for every query
  * block that reads it: k as bf16 pairs along d, transposed so key j is column j (dp16 pair
  * rows of bk16 columns; through `rows`, the block's k rows converted, bk x dp16 pairs), and
@@ -364,14 +424,9 @@ static void tg_pack_kv(const float *k, int64_t kr, const float *v, int64_t vr, i
                        int64_t dp16, int64_t bk16, int64_t kp16, int64_t dv16, uint32_t *rows, uint32_t *kh,
                        uint32_t *vh) {
     tg_bf16_rows(k, kr, nk, d, 2 * dp16, 1.f, (uint16_t *)rows);
-    const __m512i lane = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32((int)dp16));
-    for (int64_t j = 0; j < bk16; j += 16) {
-        __mmask16 live = (__mmask16)(nk - j >= 16 ? 0xffff : nk - j <= 0 ? 0 : (1u << (nk - j)) - 1);
-        for (int64_t t = 0; t < dp16; t++)
-            _mm512_storeu_si512(kh + t * bk16 + j,
-                                _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, lane, rows + j * dp16 + t, 4));
-    }
+    for (int64_t j = 0; j < bk16; j += 16)
+        for (int64_t t = 0; t < dp16; t += 16)
+            tg_transpose16(rows + j * dp16 + t, dp16, nk - j, kh + t * bk16 + j, bk16);
     for (int64_t u = 0; u < kp16; u++)
         for (int64_t c = 0; c < dv16; c += 16) {
             __mmask16 cols = (__mmask16)(dv - c >= 16 ? 0xffff : dv - c <= 0 ? 0 : (1u << (dv - c)) - 1);
