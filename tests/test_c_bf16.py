@@ -273,8 +273,9 @@ def test_bf16_gemm_sources_are_written_in_bf16_by_their_producer():
     """At bf16, a buffer only bf16 GEMMs read (the RMS norm's result, attention's, the gated
     product) is written in bf16 by the step that computes it (a row loop, the attention
     kernel, an elementwise loop), so no GEMM converts its source each call: one warm call
-    runs only the conversion of the model's input x. Within bf16's tolerance of the
-    interpreter; at f32 the same source runs f32 and converts nothing."""
+    runs only the conversion of the model's input x; the key projection, read only by
+    attention (as its k and v), is written in bf16 by its GEMM too. Within bf16's tolerance
+    of the interpreter; at f32 the same source runs f32 and converts nothing."""
     model, xs = _decoder_block()
     want = interpret(model, xs)
     compiled = tilegraph.compile(model, target="c", precision="bf16")
@@ -284,7 +285,7 @@ def test_bf16_gemm_sources_are_written_in_bf16_by_their_producer():
     got = compiled.run(*xs)
     for a, b in zip(got, want):
         assert_close(a, b, "bf16", reduction_length=64 * 4 + 96)
-    assert runner.program.bf16_sources == 3
+    assert runner.program.bf16_sources == 4
     runner(*xs)
     before = runner.reorder_count()
     runner(*xs)
@@ -321,6 +322,43 @@ def test_bf16_layer_norm_writes_its_gemms_source_in_bf16():
     before = runner.reorder_count()
     runner(*xs)
     assert runner.reorder_count() - before == 1, runner.primitives  # x's conversion, not the norm's twice
+
+
+def test_bf16_projections_read_only_by_attention_are_written_in_bf16():
+    """An encoder layer's query, key and value projections (bias post-ops) read only by its
+    attention (BERT's, ViT's): at bf16 oneDNN writes each in bf16 and the flash kernel reads
+    them so (tg_set_attention_in_bf16 with all three bits), where it rounded its f32 operands
+    to bf16 itself; the attention's result is written in bf16 for the output projection. So
+    a warm call converts nothing but the model input, once for each projection. Within bf16's
+    tolerance of the interpreter; the f32 module runs the same source with every flag off."""
+    rng = np.random.default_rng(4)
+    g = Graph()
+    x = g.input("x", (1, 40, 64))
+
+    def w(name, n, m):
+        return g.weight(name, (rng.standard_normal((n, m)) / 8).astype(np.float32))
+    heads = [(g.matmul(x, w(f"w{c}", 64, 64)) + g.weight(f"b{c}", rng.standard_normal(64).astype(np.float32) / 4))
+             .reshape(1, 40, 4, 16).transpose(0, 2, 1, 3) for c in "qkv"]
+    att = g.attention(*heads, scale=0.25).transpose(0, 2, 1, 3).reshape(1, 40, 64)
+    model = g.build(g.matmul(att, w("wo", 64, 64)), names=["y"])
+    xs = [rng.standard_normal((1, 40, 64)).astype(np.float32)]
+    want = interpret(model, xs)[0]
+    compiled = tilegraph.compile(model, target="c", precision="bf16")
+    runner: CompiledModel = compiled._runner
+    if runner.precision != "bf16":
+        pytest.skip("this processor has no bf16 dot products")
+    assert compiled.source.count("tg_attention(") == 1
+    assert "tg_set_attention_in_bf16((st->bf16 ? 1 : 0) | (st->bf16 ? 2 : 0) | (st->bf16 ? 4 : 0));" in \
+        compiled.source
+    assert runner.program.bf16_sources == 4  # q, k, v and the attention's result
+    assert_close(compiled.run(*xs)[0], want, "bf16", reduction_length=64 + 40)
+    assert sum("(a bf16 result)" in line for line in runner.primitives) == 3, runner.primitives
+    before = runner.reorder_count()
+    runner(*xs)
+    assert runner.reorder_count() - before == 3, runner.primitives  # the input x's, one per projection
+    f32 = tilegraph.compile(model, target="c")
+    assert f32.source == compiled.source
+    assert_close(f32.run(*xs)[0], want, "f32", reduction_length=64 + 40)
 
 
 def test_bf16_gemm_writes_the_next_gemms_source_in_bf16():
