@@ -134,6 +134,51 @@ def print_ort_nodes(session, feeds: dict, repeat: int) -> None:
         print(f"    {np.median(us) / 1e3:8.3f} ms  {op:18s} {ins} -> {outs}  {name[-48:]}")
 
 
+def openvino_request(module, inputs, names, tmp: Path, threads: int | None):
+    """OpenVINO at its default precision (bf16 where the processor has bf16 units) with its
+    per-node counters on (PERF_COUNT), over the ONNX export full_size_sweep.py feeds it."""
+    import openvino as ov
+
+    import models
+
+    path = models.export_onnx(module, inputs, tmp / "model.onnx", input_names=names, output_names=["y"])
+    config = {"PERFORMANCE_HINT": "LATENCY", "PERF_COUNT": "YES"}
+    if threads:
+        config["INFERENCE_NUM_THREADS"] = threads
+    return ov.Core().compile_model(str(path), "CPU", config).create_infer_request()
+
+
+def print_ov_profile(request, feeds: dict, repeat: int, in_order: bool) -> float:
+    """OpenVINO's per-node profile (get_profiling_info after each run): node time summed by
+    (node type, kernel), median over the runs; with in_order every executed node in order.
+    Returns the median time of a whole call (ms)."""
+    per_node: dict[str, list] = {}  # node name -> [type, exec type, [microseconds per run]]
+    whole = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        request.infer(feeds)
+        whole.append(time.perf_counter() - t)
+        for info in request.get_profiling_info():
+            if info.status.name != "EXECUTED":
+                continue
+            entry = per_node.setdefault(info.node_name, [info.node_type, info.exec_type, []])
+            entry[2].append(info.real_time.total_seconds() * 1e6)
+    med = {name: float(np.median(us)) for name, (_, _, us) in per_node.items()}
+    total = sum(med.values())
+    print(f"  openvino profile: call {1e3 * float(np.median(whole)):.3f} ms, nodes sum {total / 1e3:.3f} ms, "
+          f"{len(per_node)} executed nodes")
+    if in_order:
+        for name, (kind, exec_type, _) in per_node.items():
+            print(f"    {med[name] / 1e3:8.3f} ms  {kind:18s} {exec_type:28s} {name[-60:]}")
+        return 1e3 * float(np.median(whole))
+    kinds: dict[tuple, list[float]] = {}
+    for name, (kind, exec_type, _) in per_node.items():
+        kinds.setdefault((kind, exec_type), []).append(med[name])
+    for (kind, exec_type), us in sorted(kinds.items(), key=lambda kv: -sum(kv[1])):
+        print(f"    {sum(us) / 1e3:8.3f} ms {100 * sum(us) / total:5.1f}%  x{len(us):<3d} {kind} ({exec_type})")
+    return 1e3 * float(np.median(whole))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="cnn", help="comma-separated, of: " + ", ".join(cpu_speed.MODELS))
@@ -152,6 +197,9 @@ def main(argv=None) -> int:
     ap.add_argument("--in-order", action="store_true",
                     help="list every C step in order (not the --top slowest) and, with --ort-profile, every "
                          "onnxruntime node in order, to set them side by side")
+    ap.add_argument("--ov-profile", action="store_true",
+                    help="also print OpenVINO's per-node profile at its default precision (PERF_COUNT), summed by "
+                         "node type (with --in-order: every node in order), and the C steps summed by kind")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -177,6 +225,8 @@ def main(argv=None) -> int:
             session = cpu_speed.ort_session(module, case.inputs, case.input_names, Path(tmp), args.threads)
             profiled = (cpu_speed.ort_session(module, case.inputs, case.input_names, Path(tmp), args.threads,
                                               profile=True) if args.ort_profile else None)
+            ov_request = (openvino_request(module, case.inputs, case.input_names, Path(tmp), args.threads)
+                          if args.ov_profile else None)
         feeds = dict(zip(case.input_names, arrays))
         optimized = tilegraph.compile(source, target="c",
                                       pipeline=args.pipeline or default_pipeline("c", args.precision)).model
@@ -195,9 +245,13 @@ def main(argv=None) -> int:
             sorted(steps, key=lambda s: -s[1])[:args.top]
         for comment, t in listed:
             print(f"  {1e3 * t:8.3f} ms {100 * t / total:5.1f}%  {comment[:110]}")
-        if profiled is not None:
+        if profiled is not None or ov_request is not None:
             print_by_kind(steps, total)
+        if profiled is not None:
             (print_ort_nodes if args.in_order else print_ort_profile)(profiled, feeds, args.repeat)
+        if ov_request is not None:
+            ov_request.infer(feeds)
+            print_ov_profile(ov_request, feeds, args.repeat, args.in_order)
     return 0
 
 

@@ -180,6 +180,31 @@ def test_bf16_attention_over_several_query_and_key_blocks(causal, mask):
     assert lib.tg_bf16_attention_count() == before + (runner.precision == "bf16" and cpu_bf16)
 
 
+def test_bf16_attention_adds_a_float_mask_in_its_max_pass():
+    """An added float mask along the keys (an encoder's padding mask, BERT's) is summed into the
+    scores in the softmax's max pass, 16 keys at a time, at both precisions: a mask that differs
+    per query row and has -inf and large negative entries, 301 keys (a full key block and a
+    partial one), 150 queries. Within each precision's tolerance of the float64 interpreter; rows
+    the mask cuts apart must not see each other's keys."""
+    rng = np.random.default_rng(5)
+    g = Graph()
+    q, k, v = g.input("q", (1, 2, 150, 32)), g.input("k", (1, 2, 301, 32)), g.input("v", (1, 2, 301, 16))
+    m = g.input("m", (1, 1, 150, 301))
+    xs = [rng.standard_normal((1, 2, n, e)).astype(np.float32) for n, e in ((150, 32), (301, 32), (301, 16))]
+    mask = np.where(rng.random((1, 1, 150, 301)) < 0.3, -np.inf, rng.standard_normal((1, 1, 150, 301)))
+    mask[..., 1::7] = -1e9
+    mask[..., 0] = 0.0  # no row with every key masked (NaN there, as softmax's)
+    xs.append(mask.astype(np.float32))
+    model = g.build(g.attention(q, k, v, m, scale=0.2), names=["y"])
+    want = interpret(model, xs)[0]
+    assert_close(tilegraph.compile(model, target="c").run(*xs)[0], want, "f32", reduction_length=301 + 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bf16 = tilegraph.compile(model, target="c", precision="bf16")
+    assert bf16.source.count("tg_attention(") == 1
+    assert_close(bf16.run(*xs)[0], want, "bf16", reduction_length=301 + 32)
+
+
 def test_bf16_attention_products_skip_the_tiles_padding():
     """On AVX-512 BF16 (no AMX) the flash kernel's products run over only the rows and pairs
     they need, where AMX multiplies whole 16 x 16 tiles: ViT-S/16's 197 tokens are 99 pairs of
@@ -248,8 +273,9 @@ def test_bf16_gemm_sources_are_written_in_bf16_by_their_producer():
     """At bf16, a buffer only bf16 GEMMs read (the RMS norm's result, attention's, the gated
     product) is written in bf16 by the step that computes it (a row loop, the attention
     kernel, an elementwise loop), so no GEMM converts its source each call: one warm call
-    runs only the conversion of the model's input x. Within bf16's tolerance of the
-    interpreter; at f32 the same source runs f32 and converts nothing."""
+    runs only the conversion of the model's input x; the key projection, read only by
+    attention (as its k and v), is written in bf16 by its GEMM too. Within bf16's tolerance
+    of the interpreter; at f32 the same source runs f32 and converts nothing."""
     model, xs = _decoder_block()
     want = interpret(model, xs)
     compiled = tilegraph.compile(model, target="c", precision="bf16")
@@ -259,7 +285,7 @@ def test_bf16_gemm_sources_are_written_in_bf16_by_their_producer():
     got = compiled.run(*xs)
     for a, b in zip(got, want):
         assert_close(a, b, "bf16", reduction_length=64 * 4 + 96)
-    assert runner.program.bf16_sources == 3
+    assert runner.program.bf16_sources == 4
     runner(*xs)
     before = runner.reorder_count()
     runner(*xs)
@@ -296,6 +322,43 @@ def test_bf16_layer_norm_writes_its_gemms_source_in_bf16():
     before = runner.reorder_count()
     runner(*xs)
     assert runner.reorder_count() - before == 1, runner.primitives  # x's conversion, not the norm's twice
+
+
+def test_bf16_projections_read_only_by_attention_are_written_in_bf16():
+    """An encoder layer's query, key and value projections (bias post-ops) read only by its
+    attention (BERT's, ViT's): at bf16 oneDNN writes each in bf16 and the flash kernel reads
+    them so (tg_set_attention_in_bf16 with all three bits), where it rounded its f32 operands
+    to bf16 itself; the attention's result is written in bf16 for the output projection. So
+    a warm call converts nothing but the model input, once for each projection. Within bf16's
+    tolerance of the interpreter; the f32 module runs the same source with every flag off."""
+    rng = np.random.default_rng(4)
+    g = Graph()
+    x = g.input("x", (1, 40, 64))
+
+    def w(name, n, m):
+        return g.weight(name, (rng.standard_normal((n, m)) / 8).astype(np.float32))
+    heads = [(g.matmul(x, w(f"w{c}", 64, 64)) + g.weight(f"b{c}", rng.standard_normal(64).astype(np.float32) / 4))
+             .reshape(1, 40, 4, 16).transpose(0, 2, 1, 3) for c in "qkv"]
+    att = g.attention(*heads, scale=0.25).transpose(0, 2, 1, 3).reshape(1, 40, 64)
+    model = g.build(g.matmul(att, w("wo", 64, 64)), names=["y"])
+    xs = [rng.standard_normal((1, 40, 64)).astype(np.float32)]
+    want = interpret(model, xs)[0]
+    compiled = tilegraph.compile(model, target="c", precision="bf16")
+    runner: CompiledModel = compiled._runner
+    if runner.precision != "bf16":
+        pytest.skip("this processor has no bf16 dot products")
+    assert compiled.source.count("tg_attention(") == 1
+    assert "tg_set_attention_in_bf16((st->bf16 ? 1 : 0) | (st->bf16 ? 2 : 0) | (st->bf16 ? 4 : 0));" in \
+        compiled.source
+    assert runner.program.bf16_sources == 4  # q, k, v and the attention's result
+    assert_close(compiled.run(*xs)[0], want, "bf16", reduction_length=64 + 40)
+    assert sum("(a bf16 result)" in line for line in runner.primitives) == 3, runner.primitives
+    before = runner.reorder_count()
+    runner(*xs)
+    assert runner.reorder_count() - before == 3, runner.primitives  # the input x's, one per projection
+    f32 = tilegraph.compile(model, target="c")
+    assert f32.source == compiled.source
+    assert_close(f32.run(*xs)[0], want, "f32", reduction_length=64 + 40)
 
 
 def test_bf16_gemm_writes_the_next_gemms_source_in_bf16():

@@ -48,6 +48,12 @@ static int tg_amx_granted(void) {
 static _Thread_local int tg_attention_bf16_out;
 void tg_set_attention_out_bf16(int on) { tg_attention_bf16_out = on; }
 
+/* Which operands the next tg_attention calls of this thread read as bf16 (their 16 bits in the
+ * same element positions): bit 0 q, bit 1 k, bit 2 v, where their producers write them so
+ * (onednn.py, bf16_sources: a GEMM read only by attention); only the bf16 products take them. */
+static _Thread_local int tg_attention_bf16_in;
+void tg_set_attention_in_bf16(int bits) { tg_attention_bf16_in = bits; }
+
 /* One finished row of attention: the accumulator acc[0:dv] over the softmax's sum, written
  * as element `at` onwards of o (f32, or bf16 where out_bf16). */
 static inline void tg_attention_row(float *o, int64_t at, const float *acc, float sum, int64_t dv, int out_bf16) {
@@ -118,6 +124,23 @@ static inline __m512 tg_exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* e^x for the bf16 path's weights, x a score less its row's running max (so x <= 0, or NaN): no
+ * upper clamp, and the polynomial to r^4, whose relative error (under 6e-5 on |r| <= ln2/2) is
+ * a thirtieth of the bf16 rounding (2^-9) the weights then take; the f32 products keep tg_exp16.
+ * The clamp at -104 keeps a masked score's -inf from making r NaN (scalef takes 2^-150 to 0). */
+static inline __m512 tg_exp16_weight(__m512 x) {
+    __m512 t = _mm512_max_ps(_mm512_set1_ps(-104.f), x);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), t);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.f / 24), _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
 static inline __mmask16 tg_lanes(int64_t n) { return (__mmask16)(n >= 16 ? 0xffff : n <= 0 ? 0 : (1u << n) - 1); }
 
 /* tg_flash_row on 16 lanes: the same online-softmax step over si[0:nk], the weights written
@@ -126,15 +149,26 @@ static inline __mmask16 tg_lanes(int64_t n) { return (__mmask16)(n >= 16 ? 0xfff
 static inline void tg_flash_row16(float *si, int64_t nk, int64_t i0, int64_t i, int64_t j0, int64_t lq, int64_t lk,
                                   int causal, int mask_kind, const void *mask, int64_t om, int64_t mr, int64_t mc,
                                   float *mxi, float *sumi, float *ai, int64_t dv, uint32_t *pi, int64_t width) {
-    tg_flash_mask(si, nk, i0, i, j0, lq, lk, causal, mask_kind, mask, om, mr, mc);
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     __m512 vm = ninf;
-    for (int64_t j = 0; j < nk; j += 16) vm = _mm512_max_ps(vm, _mm512_mask_loadu_ps(ninf, tg_lanes(nk - j), si + j));
+    if (mask_kind == 2 && mc == 1 && !causal) { /* an added mask along the keys: in the max's pass */
+        const float *mi = (const float *)mask + om + (i0 + i) * mr + j0;
+        for (int64_t j = 0; j < nk; j += 16) {
+            __mmask16 live = tg_lanes(nk - j);
+            __m512 x = _mm512_add_ps(_mm512_mask_loadu_ps(ninf, live, si + j), _mm512_maskz_loadu_ps(live, mi + j));
+            _mm512_mask_storeu_ps(si + j, live, x);
+            vm = _mm512_max_ps(vm, x);
+        }
+    } else {
+        tg_flash_mask(si, nk, i0, i, j0, lq, lk, causal, mask_kind, mask, om, mr, mc);
+        for (int64_t j = 0; j < nk; j += 16) vm = _mm512_max_ps(vm, _mm512_mask_loadu_ps(ninf, tg_lanes(nk - j), si + j));
+    }
     /* (a NaN score: its weight is NaN, so is the row's sum and output, as softmax's) */
     float m = _mm512_reduce_max_ps(vm);
     m = m > *mxi || m != m ? m : *mxi;
-    /* all -inf so far: nothing to weigh yet (exp(-inf - -inf) would be NaN) */
-    float corr = m == -INFINITY ? 1.f : tg_expf(*mxi - m);
+    /* all -inf so far: nothing to weigh yet (exp(-inf - -inf) would be NaN); nothing weighed
+     * before this block (the row's first): an accumulator of zeros, no rescaling */
+    float corr = m == -INFINITY || *mxi == -INFINITY ? 1.f : tg_expf(*mxi - m);
     const __m512 vmax = _mm512_set1_ps(m);
     __m512 l = _mm512_setzero_ps();
     if (!pi) {
@@ -149,8 +183,8 @@ static inline void tg_flash_row16(float *si, int64_t nk, int64_t i0, int64_t i, 
     else {
         for (int64_t j = 0; j < 2 * width; j += 32) {
             __mmask16 lo = m == -INFINITY ? 0 : tg_lanes(nk - j), hi = m == -INFINITY ? 0 : tg_lanes(nk - j - 16);
-            __m512 p0 = _mm512_maskz_mov_ps(lo, tg_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lo, si + j), vmax)));
-            __m512 p1 = _mm512_maskz_mov_ps(hi, tg_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(hi, si + j + 16), vmax)));
+            __m512 p0 = _mm512_maskz_mov_ps(lo, tg_exp16_weight(_mm512_sub_ps(_mm512_maskz_loadu_ps(lo, si + j), vmax)));
+            __m512 p1 = _mm512_maskz_mov_ps(hi, tg_exp16_weight(_mm512_sub_ps(_mm512_maskz_loadu_ps(hi, si + j + 16), vmax)));
             l = _mm512_add_ps(l, _mm512_add_ps(p0, p1));
             _mm512_storeu_si512(pi + j / 2, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
         }
@@ -230,18 +264,30 @@ static int tg_avx512_bf16_ready(void) {
     return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5));
 }
 
-/* rows x n floats (row stride ld), each times `mul`, to bf16 rows of `stride` elements,
- * n..stride zero (the left operand: a row's consecutive bf16 pairs are its pairs along n). */
-static void tg_bf16_rows(const float *x, int64_t ld, int64_t rows, int64_t n, int64_t stride, float mul, uint16_t *y) {
+/* Element i of x, f32 or (bf16) bf16. */
+static inline const void *tg_elem(const void *x, int bf16, int64_t i) { return (const char *)x + i * (bf16 ? 2 : 4); }
+
+/* 16 elements from element `at` of x, f32 or (bf16) bf16 widened exactly; lanes off in m zero. */
+static inline __m512 tg_load16(const void *x, int64_t at, __mmask16 m, int bf16) {
+    if (bf16)
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)x + at)), 16));
+    return _mm512_maskz_loadu_ps(m, (const float *)x + at);
+}
+
+/* rows x n elements, f32 or (bf16) bf16 (row stride ld), each times `mul`, to bf16 rows of
+ * `stride` elements, n..stride zero (the left operand: a row's consecutive bf16 pairs are its
+ * pairs along n). A bf16 source times a power of two is exact: the same as its f32's rounding. */
+static void tg_bf16_rows(const void *x, int bf16, int64_t ld, int64_t rows, int64_t n, int64_t stride, float mul,
+                         uint16_t *y) {
     const __m512 m = _mm512_set1_ps(mul);
     for (int64_t i = 0; i < rows; i++) {
-        const float *xi = x + i * ld;
         uint16_t *yi = y + i * stride;
         for (int64_t j = 0; j < stride; j += 32) {
             __mmask16 lo = (__mmask16)(n - j >= 16 ? 0xffff : n - j <= 0 ? 0 : (1u << (n - j)) - 1);
             __mmask16 hi = (__mmask16)(n - j >= 32 ? 0xffff : n - j <= 16 ? 0 : (1u << (n - j - 16)) - 1);
-            __m512bh v = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_maskz_loadu_ps(hi, xi + j + 16), m),
-                                             _mm512_mul_ps(_mm512_maskz_loadu_ps(lo, xi + j), m));
+            __m512bh v = _mm512_cvtne2ps_pbh(_mm512_mul_ps(tg_load16(x, i * ld + j + 16, hi, bf16), m),
+                                             _mm512_mul_ps(tg_load16(x, i * ld + j, lo, bf16), m));
             _mm512_storeu_si512(yi + j, (__m512i)v);
         }
     }
@@ -319,6 +365,9 @@ static inline __attribute__((always_inline)) void tg_dp_block(int nb, int64_t kp
     for (int r = 0; r < 4; r++)
 #pragma GCC unroll 4
         for (int n = 0; n < nb; n++) acc[r][n] = beta ? _mm512_loadu_ps(c + r * ldc + 16 * n) : _mm512_setzero_ps();
+    /* two pairs an iteration: the loop's own counting and branch no longer sit between every
+     * 16 dot products (7% off ViT-S/16's and BERT-base's attention; unrolling by 4 no more) */
+#pragma GCC unroll 2
     for (int64_t p = 0; p < kp; p++) {
         __m512bh bv[4];
 #pragma GCC unroll 4
@@ -378,29 +427,62 @@ static int64_t tg_bf16_gemm(int amx, int64_t rows, int64_t nt, int64_t pairs, co
     return tg_dp_gemm(rows, nt, pairs, a, lda, b, ldb, c, ldc, beta);
 }
 
+/* A 16 x 16 block of 32-bit elements (bf16 pairs) transposed: row r of `in` (row stride ldi)
+ * becomes column r of `out` (row stride ldo); rows `live`.. read as zero. In three rounds of
+ * shuffles (32-bit, 64-bit, then 128-bit lanes), 64 in all, where a gather per column took
+ * several times as long on a processor whose gathers are microcoded. */
+static inline void tg_transpose16(const uint32_t *in, int64_t ldi, int64_t live, uint32_t *out, int64_t ldo) {
+    __m512i r[16], t[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; i++) r[i] = i < live ? _mm512_loadu_si512(in + i * ldi) : _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int i = 0; i < 16; i += 2) { /* 128-bit lane l of t[i], t[i+1]: rows i, i+1 at columns 4l..4l+3 */
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < 16; i += 4) { /* r[i + c], lane l: rows i..i+3 at column 4l + c */
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) { /* column 4l + c: lane l of r[c], r[4 + c], r[8 + c], r[12 + c] */
+        __m512i a_lo = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), a_hi = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xee);
+        __m512i b_lo = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+        __m512i b_hi = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xee);
+        _mm512_storeu_si512(out + (0 + c) * ldo, _mm512_shuffle_i32x4(a_lo, b_lo, 0x88));
+        _mm512_storeu_si512(out + (4 + c) * ldo, _mm512_shuffle_i32x4(a_lo, b_lo, 0xdd));
+        _mm512_storeu_si512(out + (8 + c) * ldo, _mm512_shuffle_i32x4(a_hi, b_hi, 0x88));
+        _mm512_storeu_si512(out + (12 + c) * ldo, _mm512_shuffle_i32x4(a_hi, b_hi, 0xdd));
+    }
+}
+
 /* One key block of a batch row in the right operands' layouts, made once for every query
  * block that reads it: k as bf16 pairs along d, transposed so key j is column j (dp16 pair
  * rows of bk16 columns; through `rows`, the block's k rows converted, bk x dp16 pairs), and
  * v as pairs down the keys (kp16 pair rows of dv16 columns: keys 2u and 2u+1 of column c in
  * pair u). Padding keys and columns are zero. */
-static void tg_pack_kv(const float *k, int64_t kr, const float *v, int64_t vr, int64_t nk, int64_t d, int64_t dv,
-                       int64_t dp16, int64_t bk16, int64_t kp16, int64_t dv16, uint32_t *rows, uint32_t *kh,
-                       uint32_t *vh) {
-    tg_bf16_rows(k, kr, nk, d, 2 * dp16, 1.f, (uint16_t *)rows);
-    const __m512i lane = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32((int)dp16));
-    for (int64_t j = 0; j < bk16; j += 16) {
-        __mmask16 live = (__mmask16)(nk - j >= 16 ? 0xffff : nk - j <= 0 ? 0 : (1u << (nk - j)) - 1);
-        for (int64_t t = 0; t < dp16; t++)
-            _mm512_storeu_si512(kh + t * bk16 + j,
-                                _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, lane, rows + j * dp16 + t, 4));
-    }
+static void tg_pack_kv(const void *k, int64_t kr, const void *v, int64_t vr, int in_bf16, int64_t nk, int64_t d,
+                       int64_t dv, int64_t dp16, int64_t bk16, int64_t kp16, int64_t dv16, uint32_t *rows,
+                       uint32_t *kh, uint32_t *vh) {
+    tg_bf16_rows(k, in_bf16 & 2, kr, nk, d, 2 * dp16, 1.f, (uint16_t *)rows);
+    for (int64_t j = 0; j < bk16; j += 16)
+        for (int64_t t = 0; t < dp16; t += 16)
+            tg_transpose16(rows + j * dp16 + t, dp16, nk - j, kh + t * bk16 + j, bk16);
     for (int64_t u = 0; u < kp16; u++)
         for (int64_t c = 0; c < dv16; c += 16) {
             __mmask16 cols = (__mmask16)(dv - c >= 16 ? 0xffff : dv - c <= 0 ? 0 : (1u << (dv - c)) - 1);
             __mmask16 even = 2 * u < nk ? cols : 0, odd = 2 * u + 1 < nk ? cols : 0;
-            __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(even, v + 2 * u * vr + c)));
-            __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(odd, v + (2 * u + 1) * vr + c)));
+            __m512i lo, hi;
+            if (in_bf16 & 4) { /* already bf16: each key's 16 bits as they are */
+                lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(even, (const uint16_t *)v + 2 * u * vr + c));
+                hi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(odd, (const uint16_t *)v + (2 * u + 1) * vr + c));
+            } else {
+                lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(even, (const float *)v + 2 * u * vr + c)));
+                hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(odd, (const float *)v + (2 * u + 1) * vr + c)));
+            }
             _mm512_storeu_si512(vh + u * dv16 + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
         }
 }
@@ -416,7 +498,8 @@ static int tg_attention_bf16(int nb, const int64_t *bd, const int64_t *qb, const
                              const int64_t *mb, const int64_t *ob, const float *q, const float *k, const float *v,
                              const void *mask, float *o, int64_t lq, int64_t lk, int64_t d, int64_t dv, int64_t qr,
                              int64_t kr, int64_t vr, int64_t orow, int mask_kind, int64_t mr, int64_t mc, float scale,
-                             int causal, int64_t bq, int64_t bk, int64_t batches, int out_bf16, int amx) {
+                             int causal, int64_t bq, int64_t bk, int64_t batches, int out_bf16, int in_bf16,
+                             int amx) {
     int64_t up = 16, bq16 = (bq + 15) / up * up, bk16 = (bk + 15) / up * up, dv16 = (dv + 15) / up * up;
     int64_t dp16 = ((d + 1) / 2 + 15) / up * up, kp16 = ((bk + 1) / 2 + 15) / up * up;
     int64_t qblocks = (lq + bq - 1) / bq, kblocks = (lk + bk - 1) / bk, per_block = dp16 * bk16 + kp16 * dv16;
@@ -443,8 +526,8 @@ static int tg_attention_bf16(int nb, const int64_t *bd, const int64_t *qb, const
                 int64_t off[5], j0 = kbk * bk, nk = j0 + bk < lk ? bk : lk - j0;
                 tg_batch_offsets(nb, bd, qb, kb, vb, mb, ob, bi, off);
                 uint32_t *kh = packed + (bi * kblocks + kbk) * per_block;
-                tg_pack_kv(k + off[1] + j0 * kr, kr, v + off[2] + j0 * vr, vr, nk, d, dv, dp16, bk16, kp16, dv16, rows,
-                           kh, kh + dp16 * bk16);
+                tg_pack_kv(tg_elem(k, in_bf16 & 2, off[1] + j0 * kr), kr, tg_elem(v, in_bf16 & 4, off[2] + j0 * vr), vr,
+                           in_bf16, nk, d, dv, dp16, bk16, kp16, dv16, rows, kh, kh + dp16 * bk16);
             }
 #pragma omp for collapse(2) schedule(dynamic)
         for (int64_t bi = 0; bi < batches; bi++)
@@ -455,7 +538,8 @@ static int tg_attention_bf16(int nb, const int64_t *bd, const int64_t *qb, const
                 int64_t i0 = qbk * bq, i1 = i0 + bq < lq ? i0 + bq : lq, nq = i1 - i0, mt = (nq + 15) / 16;
                 /* q times the scale (exact for a power of two; else one rounding, as q's alone);
                  * rows nq.. of the last row block zero, so every product tile is finite */
-                tg_bf16_rows(q + off[0] + i0 * qr, qr, nq, d, 2 * dp16, scale, (uint16_t *)qh);
+                tg_bf16_rows(tg_elem(q, in_bf16 & 1, off[0] + i0 * qr), in_bf16 & 1, qr, nq, d, 2 * dp16, scale,
+                             (uint16_t *)qh);
                 memset(qh + nq * dp16, 0, sizeof(uint32_t) * (16 * mt - nq) * dp16);
                 memset(acc, 0, sizeof(float) * 16 * mt * dv16);
                 for (int64_t i = 0; i < nq; i++) { mx[i] = -INFINITY; sum[i] = 0.f; }
@@ -506,7 +590,7 @@ int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb
     if (bq < 1 || bk < 1 || bq > TG_MAX_BLOCK || bk > TG_MAX_BLOCK || lq < 0 || lk < 0 || d < 0 || dv < 0)
         TG_FAIL("attention: block sizes or lengths out of range");
     for (int i = 0; i < nb; i++) batches *= bd[i];
-    int out_bf16 = tg_attention_bf16_out;
+    int out_bf16 = tg_attention_bf16_out, in_bf16 = tg_attention_bf16_in;
 #ifdef TG_HAVE_BF16_ATTENTION
     /* bf16: both products of a block on AMX or AVX-512 BF16, the softmax f32. Read here: the thread-local is
      * the caller's, not the workers'. */
@@ -517,9 +601,12 @@ int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb
 #endif
         if (amx || tg_avx512_bf16_ready())
             return tg_attention_bf16(nb, bd, qb, kb, vb, mb, ob, q, k, v, mask, o, lq, lk, d, dv, qr, kr, vr, orow,
-                                     mask_kind, mr, mc, scale, causal, bq, bk, batches, out_bf16, amx);
+                                     mask_kind, mr, mc, scale, causal, bq, bk, batches, out_bf16, in_bf16, amx);
     }
 #endif
+    /* (no rows or no keys: nothing of q, k or v is read) */
+    if (in_bf16 && lq > 0 && lk > 0 && batches > 0)
+        TG_FAIL("attention: bf16 operands without the bf16 products to read them");
     int64_t qblocks = (lq + bq - 1) / bq;
     int failed = 0;
     /* sgemm inside a task runs on the task's thread (no nested team). With OpenMP's

@@ -43,7 +43,7 @@ from tilegraph.backends.c.loops import Loops
 from tilegraph.backends.c.onednn import OneDNN, bf16_sources, chain_convolutions
 from tilegraph.backends.c.quant import Quantized
 from tilegraph.backends.c.tables import CTYPES, FLOATS, KNOWN, TOPK_MAX
-from tilegraph.backends.c.views import (LOWER, Buffer, Ints, Step, Unsupported, View, Views, _describe, _eq, bf16_marker, c_comment,
+from tilegraph.backends.c.views import (LOWER, Buffer, Ints, Step, Unsupported, View, Views, _describe, _eq, bf16_marker, bf16_read_marker, c_comment,
                                         c_float, feeds_gemm, lowers)
 from tilegraph.backends.lowering import table
 from tilegraph.backends.program import flatten
@@ -241,27 +241,37 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
             full = self.broadcast(mask, tuple(batch) + (lq, lk))
             mask_kind = 1 if mask.dtype == "i1" else 2
             mask_ptr, mr, mc, mb = self.ptr(mask), full.strides[-2], full.strides[-1], list(full.strides[:-2])
+        call = (f"tg_attention({len(batch)}, bd, qb, kb, vb, mb, ob, {self.ptr(q)}, {self.ptr(k)}, {self.ptr(v)}, "
+                f"{mask_ptr}, {self.ptr(out, False)}, {self.ints(lq)}, {self.ints(lk)}, {self.ints(q.shape[-1])}, "
+                f"{self.ints(v.shape[-1])}, {self.ints(q.strides[-2])}, {self.ints(k.strides[-2])}, "
+                f"{self.ints(v.strides[-2])}, {self.ints(out.strides[-2])}, {mask_kind}, {self.ints(mr)}, "
+                f"{self.ints(mc)}, {c_float(op.attr('scale'), 'f32')}, {int(bool(op.attr('causal')))}, {blocks[0]}, "
+                f"{blocks[1]})")
         lines = [
             "{",
             f"    const int64_t bd[] = {arr(batch)}, qb[] = {arr(batch_strides(q, lq))}, kb[] = "
             f"{arr(batch_strides(k, lk))}, vb[] = {arr(batch_strides(v, lk))};",
             f"    const int64_t mb[] = {arr(mb)}, ob[] = {arr(out.strides[:-2])};",
-            f"    if (tg_attention({len(batch)}, bd, qb, kb, vb, mb, ob, {self.ptr(q)}, {self.ptr(k)}, {self.ptr(v)}, "
-            f"{mask_ptr}, {self.ptr(out, False)}, {self.ints(lq)}, {self.ints(lk)}, {self.ints(q.shape[-1])}, "
-            f"{self.ints(v.shape[-1])}, {self.ints(q.strides[-2])}, {self.ints(k.strides[-2])}, "
-            f"{self.ints(v.strides[-2])}, {self.ints(out.strides[-2])}, {mask_kind}, {self.ints(mr)}, {self.ints(mc)}, "
-            f"{c_float(op.attr('scale'), 'f32')}, {int(bool(op.attr('causal')))}, {blocks[0]}, {blocks[1]})) return 1;",
-            "}",
         ]
-        # Read only by GEMMs (a decoder's output projection): a twin writing the result in bf16
-        # (onednn.bf16_sources). Its buffer is the result's own, every element written once.
+        # Flags for this thread's next call (attention.c), each false until onednn.bf16_sources
+        # marks its buffer. The result in bf16 where only GEMMs read it (a decoder's output
+        # projection): its buffer is the result's own, every element written once. q, k and v
+        # each in bf16 where their one writer writes them so (a projection read only here);
+        # never a buffer the mask also lies in.
         bf16 = feeds_gemm(op.results[0])
-        if bf16:
-            call = lines[-2].replace("    if (tg_attention(", "    int rc = tg_attention(").replace(")) return 1;", ");")
-            lines = [f"if ({bf16_marker(out.buf)}) {{", *("    " + x for x in lines[:-2]),
-                     "        tg_set_attention_out_bf16(1);", "    " + call, "        tg_set_attention_out_bf16(0);",
-                     "        if (rc) return 1;", "    }", "} else {", *("    " + x for x in lines), "}"]
+        reads = {x.buf for x in (q, k, v) if self.buffers[x.buf].storage == "temp" and
+                 (mask is None or mask.buf != x.buf)}
+        flags = [f"tg_set_attention_out_bf16({bf16_marker(out.buf)})"] if bf16 else []
+        if reads:
+            flags.append("tg_set_attention_in_bf16(" + " | ".join(
+                f"({bf16_read_marker(x.buf)} ? {bit} : 0)" for bit, x in ((1, q), (2, k), (4, v)) if x.buf in reads) + ")")
+        if flags:
+            lines += [f"    {f};" for f in flags] + [f"    int rc = {call};"] + \
+                [f"    {f.split('(')[0]}(0);" for f in flags] + ["    if (rc) return 1;", "}"]
+        else:
+            lines += [f"    if ({call}) return 1;", "}"]
         self._step(_describe(op), lines, [q, k, v] + ([mask] if mask is not None else []), [out])
+        self.steps[-1].bf16_reads |= reads
         if bf16:
             self.steps[-1].bf16_writes.add(out.buf)
         return out

@@ -10,7 +10,7 @@ from xdsl.ir import SSAValue
 from tilegraph.backends.c.tables import (DNNL_BINARY, DNNL_ELTWISE, DNNL_TYPES, KNOWN, REPACK_ROW_BYTES, SMALL_GEMM,
                                          WINOGRAD_CHUNK_BYTES)
 from tilegraph.backends.c.views import (ConvStep, EmitterParts, Unsupported, View, lowers, _describe, _eq, _is_one, _only_use,
-                                        bf16_marker, feeds_gemm,
+                                        bf16_marker, bf16_read_marker, feeds_gemm,
                                         _plain_strides, _row_stride, channels_last_strides)
 from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import FusionOp, TgOp
@@ -579,9 +579,12 @@ def bf16_sources(steps: list, buffers: list, outputs: list[View]) -> int:
     conversions a call). A temporary, no output, written by one step alone, in one loop that
     has a bf16 twin (loops.py: a whole buffer, nothing else of the step touching it), and
     read only by GEMMs of a constant weight (packed bf16 once, runtime.c's tg_bf16_weights),
-    each reading all of it row-major as its source and nothing else of its step touching it.
-    At bf16 the writer's twin runs (`st->bf16`) and each reader's primitive takes a bf16
-    source (runtime.c, tg_matmul_create); at f32 nothing changes. Returns how many it marked."""
+    each reading all of it row-major as its source and nothing else of its step touching it,
+    or by attention as q, k or v (its bf16 products round them so anyway: an encoder's
+    projections convert nothing in its attention). At bf16 the writer's twin runs (`st->bf16`)
+    and each reader's primitive takes a bf16 source (runtime.c, tg_matmul_create), each
+    attention its operands (attention.c, tg_set_attention_in_bf16); at f32 nothing changes.
+    Returns how many it marked."""
     readers, writers = _readers_writers(steps)
     kept = {v.buf for v in outputs}
     marked = 0
@@ -590,13 +593,15 @@ def bf16_sources(steps: list, buffers: list, outputs: list[View]) -> int:
                 not readers.get(b) or b in ws[0].reads:
             continue
         sources = [(k, v) for r in readers[b] for k, v in r.gemm_sources if v.buf == b]
-        if not all(any(v.buf == b for _, v in r.gemm_sources) and b not in r.writes for r in readers[b]):
+        if not all((any(v.buf == b for _, v in r.gemm_sources) or b in r.bf16_reads) and b not in r.writes
+                   for r in readers[b]):
             continue
         ws[0].lines = [line.replace(bf16_marker(b), "st->bf16") for line in ws[0].lines]
         ws[0].state = [line.replace(bf16_marker(b), "st->bf16") for line in ws[0].state]  # (a GEMM's result type)
         for r in readers[b]:
             for k, _ in sources:
                 r.state = [line.replace(_SOURCE.format(k), "(st->bf16 ? dnnl_bf16 : dnnl_f32)") for line in r.state]
+            r.lines = [line.replace(bf16_read_marker(b), "st->bf16") for line in r.lines]  # attention's operands
         marked += 1
     return marked
 

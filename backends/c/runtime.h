@@ -125,6 +125,7 @@ void tg_layer_norm_rows_bf16(const float *x, uint16_t *y, const float *scale, co
                              int64_t n, float eps);
 void tg_dynamic_quantize_rows(const float *x, int8_t *q, float *scale, int64_t rows, int64_t n);
 void tg_set_attention_out_bf16(int on);
+void tg_set_attention_in_bf16(int bits);
 int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb, const int64_t *vb,
                  const int64_t *mb, const int64_t *ob, const float *q, const float *k, const float *v,
                  const void *mask, float *o, int64_t lq, int64_t lk, int64_t d, int64_t dv, int64_t qr,

@@ -82,6 +82,8 @@ class Step:
     # buffers this step writes whole in one loop that can write them in bf16 instead.
     gemm_sources: list[tuple[int, View]] = field(default_factory=list)
     bf16_writes: set[int] = field(default_factory=set)
+    # Buffers the step may read in bf16 throughout (attention's q, k and v: bf16_read_marker in its lines).
+    bf16_reads: set[int] = field(default_factory=set)
 
 
 class ConvStep(NamedTuple):
@@ -281,9 +283,16 @@ def bf16_marker(buf: int) -> str:
     return f"/*bf16 b{buf}*/0"
 
 
+def bf16_read_marker(buf: int) -> str:
+    """The condition of a step's bf16 read of buffer `buf`: false until onednn.bf16_sources
+    finds that its one writer writes it in bf16, then the binding's precision."""
+    return f"/*bf16 read b{buf}*/0"
+
+
 def feeds_gemm(value: SSAValue, depth: int = 8) -> bool:
-    """Whether `value` reaches a GEMM's left operand, through views, group boundaries and a
-    group's yield: only such a loop is given a bf16 twin (onednn.bf16_sources)."""
+    """Whether `value` reaches a GEMM's left operand or attention's q, k or v (its bf16
+    products read them as bf16), through views, group boundaries and a group's yield: only
+    such a loop is given a bf16 twin (onednn.bf16_sources)."""
     if depth == 0:
         return False
     for use in value.uses:
@@ -292,7 +301,7 @@ def feeds_gemm(value: SSAValue, depth: int = 8) -> bool:
             if feeds_gemm(op.block.args[use.index], depth - 1):
                 return True
         elif isinstance(op, TgOp):
-            if (op.op_name == Op.matmul and use.index == 0) or \
+            if (op.op_name == Op.matmul and use.index == 0) or (op.op_name == Op.attention and use.index < 3) or \
                     (op.SPEC.view and feeds_gemm(op.results[0], depth - 1)):
                 return True
         elif isinstance(op.parent_op(), FusionOp) and op is op.parent_block().last_op:  # the group's yield
