@@ -11,9 +11,14 @@ How: the op is evaluated by `ir.interpreter.evaluate` in the model's own dtypes
 emits, so a folded value is bit for bit what the compiled model would have
 computed at run time. Two bounds keep the work and the store in check:
 - `max-elements` (default 1<<24, 64 MiB of f32): larger results are not folded;
-- an op that makes more elements than it reads (broadcast, tile, an outer
-  product) is folded only while the result stays inline-small: a broadcast weight
-  costs memory and saves nothing, as XLA's folder also reasons.
+- an op that makes more elements than it reads is folded while the result stays
+  inline-small; a view among them (broadcast) not beyond that: a broadcast weight
+  costs memory and saves nothing, as XLA's folder also reasons. Any other such op
+  (a gather of a relative-position bias table, an outer difference, a compare and
+  select over one: Swin's and MaxViT's attention biases and Swin's shift mask) writes
+  its whole result every call at run time, so reading it folded costs a call no more
+  than computing it did; it is folded up to `EXPANDING_FOLD_LIMIT` elements, which
+  bounds the memory it adds.
 An op whose evaluation fails (an index out of range) is left for run time, where
 the error names it. `tg.dequantize` is never folded: it keeps quantized weights quantized.
 
@@ -52,6 +57,12 @@ SOURCES = ("constant", "weight")
 # undoing `quantize` (weights stay in their storage type and dequantize at run time).
 NOT_FOLDED = ("dequantize",)
 DEFAULT_MAX_ELEMENTS = 1 << 24
+# Elements up to which an op that is not a view and makes more elements than it reads
+# is folded: 4 MiB of f32. It takes Swin-T's largest constant, its first stage's
+# relative-position bias plus shift mask over the scores (64 windows x 3 heads x 49 x 49
+# = 460,992), with room for its batch-independent peers, and stays below a tenth of the
+# weights of the models where such tables appear (Swin-T and MaxViT-T: 110 and 123 MiB).
+EXPANDING_FOLD_LIMIT = 1 << 20
 
 
 def _inline(result: TensorInfo) -> bool:
@@ -84,7 +95,8 @@ class FoldOp(RewritePattern):
             return
         made = sum(numel(r.shape) for r in results)
         read = sum(numel(info(v).shape) for v in op.operands)
-        if made > self.max_elements or (made > read and not all(_inline(r) for r in results)):
+        if made > self.max_elements or (made > read and not all(_inline(r) for r in results) and (
+                op.spec.view or made > EXPANDING_FOLD_LIMIT)):
             return
         if any(s.op_name == Op.weight and s.attr("name") not in self.store for s in sources):
             return  # the verifier reports the missing weight; folding would hide it

@@ -113,3 +113,29 @@ def test_a_concat_of_convolutions_is_channels_last_and_copies_rows_of_channels(b
     assert concat.count("r1[j] = r0[j];") == 2, concat  # each piece: rows of contiguous channels
     xs = rng.standard_normal((batch, 16, 12, 12)).astype(np.float32)
     assert_close(compiled.run(xs)[0], interpret(model, [xs])[0], "f32", reduction_length=16 + 48 * 9 + 80)
+
+
+def test_swin_attention_biases_and_shift_mask_are_folded_not_computed_each_call():
+    """Swin's window attention adds a relative-position bias gathered from a weight table
+    and a shift mask made from constants (an outer difference, compared and selected);
+    both depend on weights only and are folded at compile time, so the compiled program has
+    no gather and no mask step, and the scores' chain (matmul, scale, add, softmax) is one
+    step, as in the unshifted windows. The result agrees with the interpreter."""
+    rng = np.random.default_rng(7)
+    windows, heads, tokens, d = 4, 2, 16, 8
+    g = Graph()
+    q, k = (g.input(n, (windows, heads, tokens, d)) for n in ("q", "k"))
+    table = g.weight("table", rng.standard_normal((49, heads)).astype(np.float32))
+    index = g.weight("index", rng.integers(0, 49, tokens * tokens).astype(np.int64))
+    bias = g.transpose(g.reshape(g.gather(table, index), (tokens, tokens, heads)), (2, 0, 1))
+    region = g.weight("region", rng.integers(0, 3, (windows, tokens)).astype(np.float32))
+    diff = g.reshape(region, (windows, 1, tokens)) - g.reshape(region, (windows, tokens, 1))
+    mask = g.where(g.op("ne", diff, g.constant(0.0, "f32")), g.constant(-100.0, "f32"), diff)
+    scores = g.matmul(q, g.transpose(k, (0, 1, 3, 2))) * g.constant(d ** -0.5, "f32")
+    y = g.softmax(scores + bias + g.reshape(mask, (windows, 1, tokens, tokens)), axis=-1)
+    model = g.build(y, names=["y"])
+    compiled = tilegraph.compile(model, target="c")
+    steps = [s.comment for s in compiled._runner.program.steps]
+    assert len(steps) == 1 and "softmax" in steps[0], steps
+    xs = [rng.standard_normal((windows, heads, tokens, d)).astype(np.float32) for _ in range(2)]
+    assert_close(compiled.run(*xs)[0], interpret(model, xs)[0], "f32", reduction_length=d)

@@ -330,6 +330,35 @@ def test_constant_fold_respects_max_elements_and_does_not_materialize_broadcasts
     assert set(out.weights) == {"w.exp", "b"}
 
 
+def test_constant_fold_folds_what_a_weight_only_attention_bias_expands_to_but_no_view_and_nothing_past_the_bound():
+    """Swin's and MaxViT's relative-position biases gather a small table into a larger
+    array, and Swin's shift mask is an outer difference, compared and selected: weights
+    only, computed every call unless folded. Each is folded (its result is written every
+    call anyway); a broadcast, a view, is still not materialized, nor a result past
+    EXPANDING_FOLD_LIMIT."""
+    from tilegraph.passes.constant_fold import EXPANDING_FOLD_LIMIT
+
+    rng = np.random.default_rng(0)
+    g, (x,) = graph_with((2, 49, 49))
+    table = g.weight("table", rng.standard_normal((13, 2)).astype(np.float32))
+    index = g.weight("index", rng.integers(0, 13, 49 * 49).astype(np.int64))
+    bias = g.transpose(g.reshape(g.gather(table, index), (49, 49, 2)), (2, 0, 1))
+    ids = g.weight("ids", rng.integers(0, 3, (49,)).astype(np.float32))
+    diff = g.reshape(ids, (1, 49)) - g.reshape(ids, (49, 1))
+    mask = g.where(g.op("ne", diff, g.constant(0.0, "f32")), g.constant(-100.0, "f32"), diff)
+    wide = g.broadcast(g.weight("b", np.ones((49,), np.float32)), (49, 49))
+    out = after("constant-fold", g.build(x + bias + mask + wide), """
+        CHECK-NOT: tg.gather
+        CHECK-NOT: tg.where
+        CHECK: tg.broadcast
+    """)
+    assert sorted(out.weights) == ["b", "ids.reshape.sub.ne.where", "table.gather.reshape.transpose"]
+    rows = EXPANDING_FOLD_LIMIT // 512 + 1  # one row past the bound
+    g, (x,) = graph_with((rows, 512))
+    big = g.gather(g.weight("t", np.ones((4, 512), np.float32)), g.weight("i", np.zeros(rows, np.int64)))
+    after("constant-fold", g.build(x + big), "CHECK: tg.gather")
+
+
 def test_constant_fold_folds_a_batch_norm_into_the_convolution_before_it():
     rng = np.random.default_rng(0)
     g, (x,) = graph_with(("N", 3, 9, 7))
