@@ -227,13 +227,25 @@ class Groups(EmitterParts):
                 break
         else:
             return False
+        if len(pieces) < 2:
+            return False
         self.steps.pop()
         first = len(self.steps)
-        for x, start in pieces:
-            parts = {u: x if u is v else _part(self.broadcast(w, shape), axis, start, x.shape[axis])
-                     for u, w in inputs.items()}
-            self.elementwise(body, computed, parts, [(yields[0], _part(out, axis, start, x.shape[axis]))], group)
+        # One parallel region whose threads share each piece's loop: a piece alone may be too
+        # small to split (DenseNet's 32 channels at 14x14) where the whole loop is not.
+        self.workshare = True
+        try:
+            for x, start in pieces:
+                parts = {u: x if u is v else _part(self.broadcast(w, shape), axis, start, x.shape[axis])
+                         for u, w in inputs.items()}
+                self.elementwise(body, computed, parts, [(yields[0], _part(out, axis, start, x.shape[axis]))], group)
+        finally:
+            self.workshare = False
         self._one_step(first, group)
+        # (An `omp for` outside any region runs on the calling thread alone.)
+        region = [pragma.replace("parallel for", "parallel", 1) for pragma in self._parallel_for(numel(shape), 1)]
+        if region:
+            self.steps[-1].lines = [*region, "{", *("    " + line for line in self.steps[-1].lines or []), "}"]
         env[yields[0]] = out
         return True
 
