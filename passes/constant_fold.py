@@ -193,10 +193,12 @@ def scale_folds(store: WeightStore) -> list[Rule]:
         vector = per_channel(t, out.rank, 1, channels)
         if vector is None:
             return None
-        bias = emit("broadcast", emit("reshape", t, result=TensorInfo(vector, out.dtype)),
-                    result=TensorInfo((channels,), out.dtype))
-        if len(head.operands) > 2:
-            bias = emit("add", head.operands[2], bias)
+        shift = emit("reshape", t, result=TensorInfo(vector, out.dtype))
+        # With a bias, the add broadcasts a single shift itself: an explicit broadcast, a view,
+        # is not folded, so the add after it would be left to run every call (a hardsigmoid's
+        # + 0.5 after MobileNetV3's squeeze-excitation convolutions).
+        bias = emit("add", head.operands[2], shift) if len(head.operands) > 2 else \
+            emit("broadcast", shift, result=TensorInfo((channels,), out.dtype))
         return emit.op("conv", [head.operands[0], head.operands[1], bias], head.py_attrs()).results[0]
 
     return [

@@ -377,6 +377,24 @@ def test_constant_fold_folds_a_batch_norm_into_the_convolution_before_it():
     np.testing.assert_allclose(out.weights["conv.weight.mul"], w * scale[:, :, :, None], rtol=1e-6)
 
 
+def test_constant_fold_folds_one_shift_for_every_channel_into_the_convolutions_bias():
+    """A hardsigmoid after a convolution with a bias (MobileNetV3's squeeze-excitation gate:
+    conv * (1/6) + 0.5, clamped) leaves one bias weight: the single shift, broadcast over the
+    channels, is added to the bias here, not left as an add of the bias and a broadcast
+    shift that ran every call."""
+    rng = np.random.default_rng(0)
+    g, (x,) = graph_with((1, 24, 1, 1))
+    y = g.conv(x, g.weight("fc2.weight", rng.standard_normal((72, 24, 1, 1)).astype(np.float32)),
+               g.weight("fc2.bias", rng.standard_normal(72).astype(np.float32)))
+    out = after("constant-fold", g.build(y * g.constant(np.float32(1 / 6)) + g.constant(np.float32(0.5))), """
+        CHECK-NOT: tg.add
+        CHECK-NOT: tg.broadcast
+        CHECK: tg.conv %x0
+        CHECK-NOT: tg.mul
+    """)
+    assert len(out.weights) == 2
+
+
 def test_constant_fold_folds_a_per_column_scale_into_a_linear_weight_and_no_other_scale():
     rng = np.random.default_rng(1)
     g, (x,) = graph_with(("B", 8))
