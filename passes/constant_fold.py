@@ -22,6 +22,9 @@ computed at run time. Two bounds keep the work and the store in check:
 An op whose evaluation fails (an index out of range) is left for run time, where
 the error names it. `tg.dequantize` is never folded: it keeps quantized weights quantized.
 
+It applies canonicalize's where(true, x, y) -> x and x + 0 -> x to conditions and zeros that
+only folding made known (`known_selects`): an attention mask of all true positions is then none.
+
 It also folds a known per-output-channel scale or shift into the contraction before
 it (`scale_folds`): conv(x, W, b) * s + t becomes conv(x, W*s, b*s + t), and
 matmul(x, W) * s becomes matmul(x, W*s), the new weights folded as above. This is a
@@ -48,6 +51,7 @@ from tilegraph.ir.dialect import TgOp, make_op
 from tilegraph.ir.interpreter import GLOBALS, evaluate
 from tilegraph.ir.model import WeightStore, weights_of
 from tilegraph.ir.shapes import TensorInfo, is_static, numel
+from tilegraph.passes.canonicalize import _identity_operand, where_uniform
 from tilegraph.passes.dce import prune_weights
 from tilegraph.passes.rewrite import Rule, RuleSet, info, producer
 from tilegraph.ir.ops import Op
@@ -209,6 +213,30 @@ def scale_folds(store: WeightStore) -> list[Rule]:
     ]
 
 
+# --- a select whose condition folding made known ---------------------------------
+
+
+def known_selects(store: WeightStore) -> list[Rule]:
+    """canonicalize's where(true, x, y) -> x and x + 0 -> x, for a condition or a zero that
+    only folding made known, as a weight, seen through the reshapes and broadcasts (which
+    keep its set of values) between: the attention mask an image or audio encoder builds
+    from a run of true positions (ViT's, wav2vec2's 1499 x 1499) is then no mask, where it
+    was selected every call and added to every head's scores."""
+
+    def array_of(value):
+        source = value.owner
+        while isinstance(source, TgOp) and source.op_name in (Op.reshape, Op.broadcast):
+            source = source.operands[0].owner
+        if not isinstance(source, TgOp) or not is_static(info(value).shape):
+            return None
+        if source.op_name == Op.constant:
+            return np.asarray(source.attr("value"))
+        return store.get(source.attr("name")) if source.op_name == Op.weight else None
+
+    return [Rule(("where",), where_uniform(array_of), "where(c, x, y) -> x (or y) for a known c all true (false)"),
+            Rule(("add",), _identity_operand(0, (1, 0), array_of), "x + 0 -> x, 0 + x -> x for a known 0")]
+
+
 @dataclass(frozen=True)
 class ConstantFold(ModulePass):
     name = "constant-fold"
@@ -216,7 +244,7 @@ class ConstantFold(ModulePass):
     max_elements: int = DEFAULT_MAX_ELEMENTS
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
-        applier = GreedyRewritePatternApplier([FoldOp(weights_of(op), self.max_elements), RuleSet(scale_folds(weights_of(op)))],
+        applier = GreedyRewritePatternApplier([FoldOp(weights_of(op), self.max_elements), RuleSet(scale_folds(weights_of(op)) + known_selects(weights_of(op)))],
                                               ctx=ctx)
         PatternRewriteWalker(applier, post_walk_func=region_dce).rewrite_module(op)
         prune_weights(op)  # the arrays folded away are no longer named by the IR

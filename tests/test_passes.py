@@ -359,6 +359,21 @@ def test_constant_fold_folds_what_a_weight_only_attention_bias_expands_to_but_no
     after("constant-fold", g.build(x + big), "CHECK: tg.gather")
 
 
+@pytest.mark.parametrize("first", [0, 5])
+def test_constant_fold_drops_an_attention_mask_that_folding_shows_selects_nothing(first):
+    """An encoder's attention mask built from its positions (ViT's, wav2vec2's: where(positions
+    >= 0, 0, -max) broadcast over the scores) is known once the compare is folded: a condition
+    all true selects the zero, and adding zero is nothing, so no mask is selected every call
+    nor added to every head's scores. A condition that is not all true keeps its mask."""
+    g, (x,) = graph_with((1, 2, 32, 32))
+    positions = g.weight("positions", np.arange(32, dtype=np.int64).reshape(1, 1, 32, 1))
+    keep = g.broadcast(g.op("ge", positions, g.constant(first, "i64")), (1, 1, 32, 32))
+    mask = g.where(keep, g.constant(0.0, "f32"), g.constant(-3.4028234663852886e38, "f32"))
+    checks = ("CHECK-NOT: tg.where\nCHECK-NOT: tg.add\nCHECK: tg.softmax %x0" if first == 0 else
+              "CHECK: tg.where\nCHECK: tg.add %x0")
+    after("constant-fold", g.build(g.softmax(x + mask)), checks)
+
+
 def test_constant_fold_folds_a_batch_norm_into_the_convolution_before_it():
     rng = np.random.default_rng(0)
     g, (x,) = graph_with(("N", 3, 9, 7))
