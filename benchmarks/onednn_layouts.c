@@ -24,10 +24,12 @@ static void fill(dnnl_memory_t m, float scale) {
     for (size_t i = 0; i < n; i++) ((float *)h)[i] = (float)(i % 7) * scale;
 }
 
+static int batch = 1; /* TG_LAYOUTS_BATCH */
+
 /* post: 0 relu, 1 sum then relu (a residual block's end), 2 swish */
 static conv_t make(int dw, int ic, int oc, int ih, int k, int s, dnnl_format_tag_t tag, int post) {
     int oh = (ih + 2 * (k / 2) - k) / s + 1;
-    dnnl_dims_t sd = {1, ic, ih, ih}, dd = {1, dw ? ic : oc, oh, oh}, bd = {dw ? ic : oc}, str = {s, s}, dil = {0, 0},
+    dnnl_dims_t sd = {batch, ic, ih, ih}, dd = {batch, dw ? ic : oc, oh, oh}, bd = {dw ? ic : oc}, str = {s, s}, dil = {0, 0},
                 pad = {k / 2, k / 2}, wd = {oc, ic, k, k}, gwd = {ic, 1, 1, k, k};
     dnnl_memory_desc_t smd, wmd, bmd, dmd;
     CK(dnnl_memory_desc_create_with_tag(&smd, 4, sd, dnnl_f32, tag));
@@ -71,6 +73,7 @@ static int cmp(const void *a, const void *b) { double x = *(const double *)a, y 
 int main(int argc, char **argv) {
     enum { R = 101 };
     int repeat = atoi(argv[1]) < R ? atoi(argv[1]) : R, post = atoi(argv[2]);
+    if (getenv("TG_LAYOUTS_BATCH")) batch = atoi(getenv("TG_LAYOUTS_BATCH"));
     dnnl_format_tag_t tags[3] = {dnnl_acdb, dnnl_aBcd16b, dnnl_aBcd8b};
     double total[3] = {0};
     CK(dnnl_engine_create(&eng, dnnl_cpu, 0));

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import ml_dtypes
+import numpy as np
 from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.passes import ModulePass
@@ -35,12 +36,14 @@ REDUCTIONS = tuple(name for name, spec in OPS.items() if spec.reduction)
 # --- identities: op(x, c) -> x --------------------------------------------------
 
 
-def _identity_operand(value: float, sides: tuple[int, ...]):
-    """x op c -> x where c is all `value`, c on one of `sides` (0 = lhs, 1 = rhs)."""
+def _identity_operand(value: float, sides: tuple[int, ...], array_of=constant_array):
+    """x op c -> x where c is all `value`, c on one of `sides` (0 = lhs, 1 = rhs); `array_of`
+    gives c's array where it is known (by default: an inline constant's)."""
 
     def apply(op, emit):
         for side in sides:
-            if is_splat(op.operands[side], value):
+            c = array_of(op.operands[side])
+            if c is not None and c.size > 0 and bool(np.all(c == value)):
                 return op.operands[1 - side]  # the driver checks the type is unchanged
         return None
 
@@ -222,16 +225,25 @@ def _where_same(op, emit):
     return a if a == b else None
 
 
-def _where_constant(op, emit):
-    cond = constant_array(op.operands[0])
-    if cond is None or cond.size == 0:
+def where_uniform(array_of=constant_array):
+    """where(c, x, y) -> x where c is all true, y where all false; `array_of` gives c's array
+    where it is known (by default: an inline constant's)."""
+
+    def apply(op, emit):
+        cond = array_of(op.operands[0])
+        if cond is None or cond.size == 0:
+            return None
+        if cond.all() or not cond.any():
+            chosen = op.operands[1] if cond.all() else op.operands[2]
+            out = info(op.results[0])
+            # The chosen side may be smaller than the result: broadcasting it is exact.
+            return chosen if info(chosen) == out else emit("broadcast", chosen, result=out)
         return None
-    if cond.all() or not cond.any():
-        chosen = op.operands[1] if cond.all() else op.operands[2]
-        out = info(op.results[0])
-        # The chosen side may be smaller than the result: broadcasting it is exact.
-        return chosen if info(chosen) == out else emit("broadcast", chosen, result=out)
-    return None
+
+    return apply
+
+
+_where_constant = where_uniform()
 
 
 def _reduce_nothing(op, emit):

@@ -11,11 +11,19 @@ How: the op is evaluated by `ir.interpreter.evaluate` in the model's own dtypes
 emits, so a folded value is bit for bit what the compiled model would have
 computed at run time. Two bounds keep the work and the store in check:
 - `max-elements` (default 1<<24, 64 MiB of f32): larger results are not folded;
-- an op that makes more elements than it reads (broadcast, tile, an outer
-  product) is folded only while the result stays inline-small: a broadcast weight
-  costs memory and saves nothing, as XLA's folder also reasons.
+- an op that makes more elements than it reads is folded while the result stays
+  inline-small; a view among them (broadcast) not beyond that: a broadcast weight
+  costs memory and saves nothing, as XLA's folder also reasons. Any other such op
+  (a gather of a relative-position bias table, an outer difference, a compare and
+  select over one: Swin's and MaxViT's attention biases and Swin's shift mask) writes
+  its whole result every call at run time, so reading it folded costs a call no more
+  than computing it did; it is folded up to `EXPANDING_FOLD_LIMIT` elements, which
+  bounds the memory it adds.
 An op whose evaluation fails (an index out of range) is left for run time, where
 the error names it. `tg.dequantize` is never folded: it keeps quantized weights quantized.
+
+It applies canonicalize's where(true, x, y) -> x and x + 0 -> x to conditions and zeros that
+only folding made known (`known_selects`): an attention mask of all true positions is then none.
 
 It also folds a known per-output-channel scale or shift into the contraction before
 it (`scale_folds`): conv(x, W, b) * s + t becomes conv(x, W*s, b*s + t), and
@@ -43,6 +51,7 @@ from tilegraph.ir.dialect import TgOp, make_op
 from tilegraph.ir.interpreter import GLOBALS, evaluate
 from tilegraph.ir.model import WeightStore, weights_of
 from tilegraph.ir.shapes import TensorInfo, is_static, numel
+from tilegraph.passes.canonicalize import _identity_operand, where_uniform
 from tilegraph.passes.dce import prune_weights
 from tilegraph.passes.rewrite import Rule, RuleSet, info, producer
 from tilegraph.ir.ops import Op
@@ -52,6 +61,12 @@ SOURCES = ("constant", "weight")
 # undoing `quantize` (weights stay in their storage type and dequantize at run time).
 NOT_FOLDED = ("dequantize",)
 DEFAULT_MAX_ELEMENTS = 1 << 24
+# Elements up to which an op that is not a view and makes more elements than it reads
+# is folded: 4 MiB of f32. It takes Swin-T's largest constant, its first stage's
+# relative-position bias plus shift mask over the scores (64 windows x 3 heads x 49 x 49
+# = 460,992), with room for its batch-independent peers, and stays below a tenth of the
+# weights of the models where such tables appear (Swin-T and MaxViT-T: 110 and 123 MiB).
+EXPANDING_FOLD_LIMIT = 1 << 20
 
 
 def _inline(result: TensorInfo) -> bool:
@@ -84,7 +99,8 @@ class FoldOp(RewritePattern):
             return
         made = sum(numel(r.shape) for r in results)
         read = sum(numel(info(v).shape) for v in op.operands)
-        if made > self.max_elements or (made > read and not all(_inline(r) for r in results)):
+        if made > self.max_elements or (made > read and not all(_inline(r) for r in results) and (
+                op.spec.view or made > EXPANDING_FOLD_LIMIT)):
             return
         if any(s.op_name == Op.weight and s.attr("name") not in self.store for s in sources):
             return  # the verifier reports the missing weight; folding would hide it
@@ -181,10 +197,12 @@ def scale_folds(store: WeightStore) -> list[Rule]:
         vector = per_channel(t, out.rank, 1, channels)
         if vector is None:
             return None
-        bias = emit("broadcast", emit("reshape", t, result=TensorInfo(vector, out.dtype)),
-                    result=TensorInfo((channels,), out.dtype))
-        if len(head.operands) > 2:
-            bias = emit("add", head.operands[2], bias)
+        shift = emit("reshape", t, result=TensorInfo(vector, out.dtype))
+        # With a bias, the add broadcasts a single shift itself: an explicit broadcast, a view,
+        # is not folded, so the add after it would be left to run every call (a hardsigmoid's
+        # + 0.5 after MobileNetV3's squeeze-excitation convolutions).
+        bias = emit("add", head.operands[2], shift) if len(head.operands) > 2 else \
+            emit("broadcast", shift, result=TensorInfo((channels,), out.dtype))
         return emit.op("conv", [head.operands[0], head.operands[1], bias], head.py_attrs()).results[0]
 
     return [
@@ -195,6 +213,30 @@ def scale_folds(store: WeightStore) -> list[Rule]:
     ]
 
 
+# --- a select whose condition folding made known ---------------------------------
+
+
+def known_selects(store: WeightStore) -> list[Rule]:
+    """canonicalize's where(true, x, y) -> x and x + 0 -> x, for a condition or a zero that
+    only folding made known, as a weight, seen through the reshapes and broadcasts (which
+    keep its set of values) between: the attention mask an image or audio encoder builds
+    from a run of true positions (ViT's, wav2vec2's 1499 x 1499) is then no mask, where it
+    was selected every call and added to every head's scores."""
+
+    def array_of(value):
+        source = value.owner
+        while isinstance(source, TgOp) and source.op_name in (Op.reshape, Op.broadcast):
+            source = source.operands[0].owner
+        if not isinstance(source, TgOp) or not is_static(info(value).shape):
+            return None
+        if source.op_name == Op.constant:
+            return np.asarray(source.attr("value"))
+        return store.get(source.attr("name")) if source.op_name == Op.weight else None
+
+    return [Rule(("where",), where_uniform(array_of), "where(c, x, y) -> x (or y) for a known c all true (false)"),
+            Rule(("add",), _identity_operand(0, (1, 0), array_of), "x + 0 -> x, 0 + x -> x for a known 0")]
+
+
 @dataclass(frozen=True)
 class ConstantFold(ModulePass):
     name = "constant-fold"
@@ -202,7 +244,7 @@ class ConstantFold(ModulePass):
     max_elements: int = DEFAULT_MAX_ELEMENTS
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
-        applier = GreedyRewritePatternApplier([FoldOp(weights_of(op), self.max_elements), RuleSet(scale_folds(weights_of(op)))],
+        applier = GreedyRewritePatternApplier([FoldOp(weights_of(op), self.max_elements), RuleSet(scale_folds(weights_of(op)) + known_selects(weights_of(op)))],
                                               ctx=ctx)
         PatternRewriteWalker(applier, post_walk_func=region_dce).rewrite_module(op)
         prune_weights(op)  # the arrays folded away are no longer named by the IR

@@ -88,28 +88,66 @@ def test_an_einsum_that_is_no_matrix_product_is_left_to_einsum():
         assert_close(compiled.run(*xs)[0], interpret(model, xs)[0], "f32", reduction_length=12)
 
 
-@pytest.mark.parametrize("batch", [1, 2])
-def test_a_concat_of_convolutions_is_channels_last_and_copies_rows_of_channels(batch):
+@pytest.mark.parametrize("batch,also_read", [(1, False), (2, False), (1, True)])
+def test_a_concat_of_convolutions_is_channels_last_and_read_by_its_batch_norm_piece_by_piece(batch, also_read):
     """DenseNet's blocks concatenate convolutions' channels-last outputs along the channels
-    and normalize the result before the next convolution. The concat is channels-last too,
-    each piece copied as rows of its channels into the wider rows (row-major, each piece
-    was a transposing copy and the convolution after it read a transposed buffer); the
-    result agrees with the interpreter."""
+    and normalize the result (batch norm, relu) before the next convolution. The norm's loop
+    reads each piece where it lies and writes that piece's channels of the channels-last
+    result: no concat step copies the pieces first (it did, 58 times in DenseNet-121), and
+    the pieces' loops share one parallel region (a piece alone may be too small to split). Where
+    the concat has another reader its own step remains, copying each piece as rows of its
+    channels into the wider rows. The result agrees with the interpreter."""
     rng = np.random.default_rng(6)
     g = Graph()
-    x = g.input("x", (batch, 16, 12, 12))
+    x = g.input("x", (batch, 16, 24, 24))
     a = g.relu(g.op("conv", x, g.weight("wa", rng.standard_normal((48, 16, 1, 1)).astype(np.float32) / 4)))
     b = g.op("conv", a, g.weight("wb", rng.standard_normal((32, 48, 3, 3)).astype(np.float32) / 20), pads=(1, 1, 1, 1))
     cat = g.op("concat", a, b, axis=1)
     scale, shift = (g.weight(n, rng.standard_normal((1, 80, 1, 1)).astype(np.float32)) for n in ("s", "t"))
     y = g.op("conv", g.relu(cat * scale + shift), g.weight("wc", rng.standard_normal((24, 80, 1, 1)).astype(np.float32) / 9))
+    model = g.build(y, *([g.reduce_sum(cat, axes=(2, 3))] if also_read else []), names=["y", "s"][:1 + also_read])
+    compiled = tilegraph.compile(model, target="c", threads=2)  # the region's threads share each piece
+    steps = [s.comment for s in compiled._runner.program.steps]
+    assert not [s for s in steps if "copy" in s or "(host)" in s], steps
+    assert any("concat" in s for s in steps) == also_read, steps
+    source = compiled.source
+    if also_read:
+        concat = source[source.index("concat ->"):]
+        concat = concat[:concat.index("return 0;")]
+        assert concat.count("r1[j] = r0[j];") == 2, concat  # each piece: rows of contiguous channels
+    else:
+        norm = source[source.index("mul, add, relu */"):]
+        norm = norm[:norm.index("return 0;")]
+        assert norm.count("for (int64_t j = 0; j < 48; j++)") == norm.count("for (int64_t j = 0; j < 32; j++)") == 1
+        assert norm.count("#pragma omp parallel if") == 1 and norm.count("#pragma omp for nowait") == 2, norm
+    xs = rng.standard_normal((batch, 16, 24, 24)).astype(np.float32)
+    got, want = compiled.run(xs), interpret(model, [xs])
+    assert_close(got[0], want[0], "f32", reduction_length=16 + 48 * 9 + 80)
+    if also_read:
+        assert_close(got[1], want[1], "f32", reduction_length=16 + 48 * 9 + 576)
+
+
+def test_swin_attention_biases_and_shift_mask_are_folded_not_computed_each_call():
+    """Swin's window attention adds a relative-position bias gathered from a weight table
+    and a shift mask made from constants (an outer difference, compared and selected);
+    both depend on weights only and are folded at compile time, so the compiled program has
+    no gather and no mask step, and the scores' chain (matmul, scale, add, softmax) is one
+    step, as in the unshifted windows. The result agrees with the interpreter."""
+    rng = np.random.default_rng(7)
+    windows, heads, tokens, d = 4, 2, 16, 8
+    g = Graph()
+    q, k = (g.input(n, (windows, heads, tokens, d)) for n in ("q", "k"))
+    table = g.weight("table", rng.standard_normal((49, heads)).astype(np.float32))
+    index = g.weight("index", rng.integers(0, 49, tokens * tokens).astype(np.int64))
+    bias = g.transpose(g.reshape(g.gather(table, index), (tokens, tokens, heads)), (2, 0, 1))
+    region = g.weight("region", rng.integers(0, 3, (windows, tokens)).astype(np.float32))
+    diff = g.reshape(region, (windows, 1, tokens)) - g.reshape(region, (windows, tokens, 1))
+    mask = g.where(g.op("ne", diff, g.constant(0.0, "f32")), g.constant(-100.0, "f32"), diff)
+    scores = g.matmul(q, g.transpose(k, (0, 1, 3, 2))) * g.constant(d ** -0.5, "f32")
+    y = g.softmax(scores + bias + g.reshape(mask, (windows, 1, tokens, tokens)), axis=-1)
     model = g.build(y, names=["y"])
     compiled = tilegraph.compile(model, target="c")
-    steps = compiled._runner.program.steps
-    assert not [s.comment for s in steps if "copy" in s.comment or s.host_op is not None]
-    source = compiled.source
-    concat = source[source.index("concat ->"):]
-    concat = concat[:concat.index("return 0;")]
-    assert concat.count("r1[j] = r0[j];") == 2, concat  # each piece: rows of contiguous channels
-    xs = rng.standard_normal((batch, 16, 12, 12)).astype(np.float32)
-    assert_close(compiled.run(xs)[0], interpret(model, [xs])[0], "f32", reduction_length=16 + 48 * 9 + 80)
+    steps = [s.comment for s in compiled._runner.program.steps]
+    assert len(steps) == 1 and "softmax" in steps[0], steps
+    xs = [rng.standard_normal((windows, heads, tokens, d)).astype(np.float32) for _ in range(2)]
+    assert_close(compiled.run(*xs)[0], interpret(model, xs)[0], "f32", reduction_length=d)

@@ -330,6 +330,50 @@ def test_constant_fold_respects_max_elements_and_does_not_materialize_broadcasts
     assert set(out.weights) == {"w.exp", "b"}
 
 
+def test_constant_fold_folds_what_a_weight_only_attention_bias_expands_to_but_no_view_and_nothing_past_the_bound():
+    """Swin's and MaxViT's relative-position biases gather a small table into a larger
+    array, and Swin's shift mask is an outer difference, compared and selected: weights
+    only, computed every call unless folded. Each is folded (its result is written every
+    call anyway); a broadcast, a view, is still not materialized, nor a result past
+    EXPANDING_FOLD_LIMIT."""
+    from tilegraph.passes.constant_fold import EXPANDING_FOLD_LIMIT
+
+    rng = np.random.default_rng(0)
+    g, (x,) = graph_with((2, 49, 49))
+    table = g.weight("table", rng.standard_normal((13, 2)).astype(np.float32))
+    index = g.weight("index", rng.integers(0, 13, 49 * 49).astype(np.int64))
+    bias = g.transpose(g.reshape(g.gather(table, index), (49, 49, 2)), (2, 0, 1))
+    ids = g.weight("ids", rng.integers(0, 3, (49,)).astype(np.float32))
+    diff = g.reshape(ids, (1, 49)) - g.reshape(ids, (49, 1))
+    mask = g.where(g.op("ne", diff, g.constant(0.0, "f32")), g.constant(-100.0, "f32"), diff)
+    wide = g.broadcast(g.weight("b", np.ones((49,), np.float32)), (49, 49))
+    out = after("constant-fold", g.build(x + bias + mask + wide), """
+        CHECK-NOT: tg.gather
+        CHECK-NOT: tg.where
+        CHECK: tg.broadcast
+    """)
+    assert sorted(out.weights) == ["b", "ids.reshape.sub.ne.where", "table.gather.reshape.transpose"]
+    rows = EXPANDING_FOLD_LIMIT // 512 + 1  # one row past the bound
+    g, (x,) = graph_with((rows, 512))
+    big = g.gather(g.weight("t", np.ones((4, 512), np.float32)), g.weight("i", np.zeros(rows, np.int64)))
+    after("constant-fold", g.build(x + big), "CHECK: tg.gather")
+
+
+@pytest.mark.parametrize("first", [0, 5])
+def test_constant_fold_drops_an_attention_mask_that_folding_shows_selects_nothing(first):
+    """An encoder's attention mask built from its positions (ViT's, wav2vec2's: where(positions
+    >= 0, 0, -max) broadcast over the scores) is known once the compare is folded: a condition
+    all true selects the zero, and adding zero is nothing, so no mask is selected every call
+    nor added to every head's scores. A condition that is not all true keeps its mask."""
+    g, (x,) = graph_with((1, 2, 32, 32))
+    positions = g.weight("positions", np.arange(32, dtype=np.int64).reshape(1, 1, 32, 1))
+    keep = g.broadcast(g.op("ge", positions, g.constant(first, "i64")), (1, 1, 32, 32))
+    mask = g.where(keep, g.constant(0.0, "f32"), g.constant(-3.4028234663852886e38, "f32"))
+    checks = ("CHECK-NOT: tg.where\nCHECK-NOT: tg.add\nCHECK: tg.softmax %x0" if first == 0 else
+              "CHECK: tg.where\nCHECK: tg.add %x0")
+    after("constant-fold", g.build(g.softmax(x + mask)), checks)
+
+
 def test_constant_fold_folds_a_batch_norm_into_the_convolution_before_it():
     rng = np.random.default_rng(0)
     g, (x,) = graph_with(("N", 3, 9, 7))
@@ -346,6 +390,24 @@ def test_constant_fold_folds_a_batch_norm_into_the_convolution_before_it():
         CHECK: tg.relu
     """)
     np.testing.assert_allclose(out.weights["conv.weight.mul"], w * scale[:, :, :, None], rtol=1e-6)
+
+
+def test_constant_fold_folds_one_shift_for_every_channel_into_the_convolutions_bias():
+    """A hardsigmoid after a convolution with a bias (MobileNetV3's squeeze-excitation gate:
+    conv * (1/6) + 0.5, clamped) leaves one bias weight: the single shift, broadcast over the
+    channels, is added to the bias here, not left as an add of the bias and a broadcast
+    shift that ran every call."""
+    rng = np.random.default_rng(0)
+    g, (x,) = graph_with((1, 24, 1, 1))
+    y = g.conv(x, g.weight("fc2.weight", rng.standard_normal((72, 24, 1, 1)).astype(np.float32)),
+               g.weight("fc2.bias", rng.standard_normal(72).astype(np.float32)))
+    out = after("constant-fold", g.build(y * g.constant(np.float32(1 / 6)) + g.constant(np.float32(0.5))), """
+        CHECK-NOT: tg.add
+        CHECK-NOT: tg.broadcast
+        CHECK: tg.conv %x0
+        CHECK-NOT: tg.mul
+    """)
+    assert len(out.weights) == 2
 
 
 def test_constant_fold_folds_a_per_column_scale_into_a_linear_weight_and_no_other_scale():

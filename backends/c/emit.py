@@ -96,6 +96,7 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
         self.donated: set[int] = set()  # input buffers a step updates in place (a KV cache)
         self.merged: set[FusionOp] = set()  # groups computed inside an earlier group's step
         self.early: set[TgOp] = set()  # views lowered ahead of their turn, for such a step
+        self.concats: dict[int, tuple] = {}  # a concat's result buffer -> what Kernels.concat says of it
         for arg_i, (arg, info) in enumerate(zip(model.func.args, model.inputs)):
             self.views[arg] = self._new_buffer("input", info.dtype, info.shape, arg_i)
 

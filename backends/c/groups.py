@@ -195,6 +195,8 @@ class Groups(EmitterParts):
         # result's shape: each element is read, then written, at the same place.
         # (Not where the result is read by GEMMs: a buffer of its own, which its bf16 twin can
         # write; half-width writes over what the loop still reads would race.)
+        if into is None and self._over_pieces(group, body, computed, inputs, consumer, shape, yields, env):
+            return True
         if into is not None and len(yields) == 1 and into.dtype == info_of(yields[0].type).dtype and \
                 into.rank == len(shape) and all(_eq(a, b) for a, b in zip(into.shape, shape)) and \
                 not feeds_gemm(yields[0]):
@@ -205,6 +207,46 @@ class Groups(EmitterParts):
         # Operands are named by the values the loop reads.
         self.elementwise(body, computed, inputs, outs, group)
         env.update({y: o for y, o in outs})
+        return True
+
+    def _over_pieces(self, group: FusionOp, body, computed, inputs: dict[SSAValue, View], consumer: dict, shape,
+                     yields, env: dict) -> bool:
+        """A loop whose input is a concat made by the step just before it, read by nothing else,
+        at the loop's shape (DenseNet: every concat of a block's features, then its batch norm and
+        relu) runs once per piece, reading the piece where it lies and writing that slice of the
+        concat's own buffer: the concat's copy is gone, and the pair is one pass, not two."""
+        y = info_of(yields[0].type)
+        if len(yields) != 1 or self.model.aliases or feeds_gemm(yields[0]):
+            return False  # (a bf16 twin writes whole buffers only)
+        for v, view in inputs.items():
+            op, step, out, axis, pieces = self.concats.get(view.buf, (None,) * 5)
+            if op is not None and self.steps and self.steps[-1] is step and view == out and \
+                    sum(1 for _ in op.results[0].uses) == 1 and out.dtype == y.dtype and \
+                    all(_eq(a, b) for a, b in zip(consumer[v], shape)) and len(consumer[v]) == len(shape) and \
+                    all(_eq(a, b) for a, b in zip(out.shape, shape)) and len(out.shape) == len(shape):
+                break
+        else:
+            return False
+        if len(pieces) < 2:
+            return False
+        self.steps.pop()
+        first = len(self.steps)
+        # One parallel region whose threads share each piece's loop: a piece alone may be too
+        # small to split (DenseNet's 32 channels at 14x14) where the whole loop is not.
+        self.workshare = True
+        try:
+            for x, start in pieces:
+                parts = {u: x if u is v else _part(self.broadcast(w, shape), axis, start, x.shape[axis])
+                         for u, w in inputs.items()}
+                self.elementwise(body, computed, parts, [(yields[0], _part(out, axis, start, x.shape[axis]))], group)
+        finally:
+            self.workshare = False
+        self._one_step(first, group)
+        # (An `omp for` outside any region runs on the calling thread alone.)
+        region = [pragma.replace("parallel for", "parallel", 1) for pragma in self._parallel_for(numel(shape), 1)]
+        if region:
+            self.steps[-1].lines = [*region, "{", *("    " + line for line in self.steps[-1].lines or []), "}"]
+        env[yields[0]] = out
         return True
 
     def _in_place(self, group: FusionOp, y: SSAValue, inputs: dict[SSAValue, View], consumer: dict) -> View | None:
@@ -534,6 +576,13 @@ class Groups(EmitterParts):
                 return out
         self._step(_describe(op), [call], reads, [out])
         return out
+
+
+def _part(view: View, axis: int, start, length) -> View:
+    """`length` elements of `view` along `axis` from `start`."""
+    shape = view.shape[:axis] + (length,) + view.shape[axis + 1:]
+    return View(view.buf, view.offset + start * view.strides[axis], shape, view.strides, view.dtype, view.literal,
+                view.value)
 
 
 def _conv_of(parts: list[Step]) -> ConvStep | None:

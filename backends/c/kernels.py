@@ -370,6 +370,10 @@ class Kernels(EmitterParts):
             lines += self.loop(x.shape, [(x, False), (part, True)], lambda refs: [f"{refs[1]} = {refs[0]};"])
             start = start + x.shape[axis]
         self._step(_describe(op), lines, xs, [out])
+        # What an elementwise loop reading the concat next may compute piece by piece instead
+        # (Groups.fused_elementwise): the step, the pieces and where each starts.
+        self.concats[out.buf] = (op, self.steps[-1], out, axis,
+                                 [(x, sum((y.shape[axis] for y in xs[:k]), sympy.Integer(0))) for k, x in enumerate(xs)])
         return out
 
     @lowers(Op.max_pool, Op.avg_pool, spread=True)

@@ -26,9 +26,15 @@ class Loops(EmitterParts):
 
     # --- loops ----------------------------------------------------------------------
 
+    # Inside a parallel region the step opened (Groups._over_pieces): every loop nest is shared
+    # among the region's threads, however small, and none waits for the others at its end.
+    workshare = False
+
     def _parallel_for(self, total, loops: int) -> list[str]:
         """The OpenMP pragma sharing `loops` nested loops of `total` work among the threads:
         none where `total` is known and small (a team of one still costs a region)."""
+        if self.workshare:
+            return [f"#pragma omp for nowait{f' collapse({loops})' if loops > 1 else ''}"]
         n = sympy.sympify(total)
         if n.is_number and int(n) <= PARALLEL_MIN:
             return []
