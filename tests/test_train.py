@@ -314,6 +314,31 @@ def test_cross_entropy_backward_over_the_logits_is_one_pass_on_c():
         tilegraph.testing.assert_close(got, want, "f32", reduction_length(model), name=name)
 
 
+def test_a_linear_weight_gradient_is_made_in_the_weight_layout():
+    """A Linear's weight is kept as [out, in] and read transposed: its gradient GEMM writes
+    dY^T @ X as [out, in] too, so the optimizer reads it row by row, not (X^T @ dY) down its
+    columns; on C the gradients match torch autograd's."""
+    from tilegraph.ir.ops import Op
+    from tilegraph.testing import reduction_length
+    from tilegraph.train import build_gradients
+
+    torch.manual_seed(0)
+    module = torch.nn.Linear(8, 40)
+    x, y = torch.randn(2, 3, 8), torch.randint(0, 40, (2, 3))
+    model = build_gradients(tilegraph.import_model(module, example_inputs=(x,)), "cross_entropy",
+                            ["weight", "bias"])
+    compiled = tilegraph.compile(model, target="c")
+    products = [tuple(op.result_infos()[0].shape) for op in compiled.model.module.walk()
+                if getattr(op, "op_name", None) == Op.matmul]
+    assert (40, 8) in products and (8, 40) not in products, products
+    torch.nn.functional.cross_entropy(module(x).reshape(-1, 40), y.reshape(-1)).backward()
+    got = dict(zip(model.output_names, compiled.run(x.numpy(), y.numpy(), *(p.detach().numpy() for p in
+                                                                           module.parameters()))))
+    grads = [n for n in model.output_names if "weight" in n]
+    assert len(grads) == 1, model.output_names
+    tilegraph.testing.assert_close(got[grads[0]], module.weight.grad.numpy(), "f32", reduction_length(model))
+
+
 def _two_linears_one_c_step(hidden: int, lr: float):
     """Linear(24, hidden), GELU, Linear(hidden, 16): one AdamW step on C, its weights checked
     against torch's AdamW from the same start."""
