@@ -58,7 +58,8 @@ def _erf32(x, out):
     """erf of x (any float dtype) into the f32 array `out` (which may be x)."""
     x2 = np.clip(x, -4.0, 4.0, out=np.empty(x.shape, np.float32), dtype=np.float32)
     np.multiply(x2, x2, out=x2)
-    p = _horner(x2, _ERF32_TANH, np.empty_like(x2))
+    # the polynomial in `out` where that is not x (read again below): one temporary, not two
+    p = _horner(x2, _ERF32_TANH, out if not np.may_share_memory(out, x) else np.empty_like(x2))
     np.multiply(p, x, out=p)  # x, not the clipped x: beyond the clip tanh keeps saturating
     return np.tanh(p, out=out)
 
@@ -100,10 +101,25 @@ def sigmoid(x):
 
 
 def gelu(x, approximate, out=None):
+    # Out of place, each formula in one array besides x (erf's own two f32 temporaries aside), in
+    # the order of 0.5 * x * (1 + ...): x * 0.5 last is exact, so the numbers are the same.
     if approximate == "tanh":
-        return _into(0.5 * x * (1 + np.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))), out)
+        t = np.asarray(np.multiply(x, 0.044715))  # (an array even for a 0-d x: written in place)
+        t *= x
+        t *= x
+        t += x
+        t *= 0.7978845608028654
+        np.tanh(t, out=t)
+        t += 1
+        t *= x
+        t *= 0.5
+        return _into(t, out)
     if out is None or out.dtype != np.float32:
-        return _into(0.5 * x * (1 + erf(x * 0.7071067811865476)), out)
+        t = erf(np.multiply(x, 0.7071067811865476))
+        t += 1
+        t *= x
+        t *= 0.5
+        return _into(t, out)
     # (NumPy backend, fused groups) the same formula in place, x possibly out itself,
     # a block of about ERF_BLOCK elements at a time.
     pairs = _blocks(np.asarray(x), out, ERF_BLOCK)

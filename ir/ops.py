@@ -87,6 +87,10 @@ class OpSpec:
     # model prices them; read off the templates and ir/kernels.py). () = one simple pass.
     cpu_passes: tuple[tuple[str, int], ...] = ()
     numpy_calls: int = 0
+    # Full-size temporaries the NumPy template holds at once beside its result while it runs, in
+    # result sizes (read off ir/kernels.py's out-of-place f32 paths): what a NumPy call holds for
+    # the op's duration only, which the recompute pass's peak prices where it rebuilds the op.
+    numpy_temporaries: int = 0
     # The iteration space (ir/loops.py) the sharding planner splits; None: runs replicated.
     loops: Callable[..., Any] | None = None
     # Data-dependent size (nonzero, unique, narrow): the op's `size` attribute names a dim of
@@ -273,6 +277,9 @@ CPU_PASSES: dict[str, tuple[tuple[str, int], ...]] = {
 }
 # FLOPs per element where not 1 (conventional counts; the cost model's FLOPs-only baseline).
 UNARY_FLOPS = {"sigmoid": 4, "erf": 8, "rsqrt": 2}
+# Full-size temporaries of K.erf out of place (f32: the clipped square; the polynomial is made in
+# its result) and of K.gelu (x / sqrt(2), held while its erf holds its square and its result).
+ERF_TEMPORARIES, GELU_TEMPORARIES = 1, 2
 
 # Unary elementwise: name -> template
 UNARY = {
@@ -309,13 +316,15 @@ FLOAT_ONLY = {"exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "erf", "sin", "c
 for _name, _tpl in UNARY.items():
     # K.erf evaluates its polynomial in 2 NumPy calls per coefficient (7) plus clip, square, multiply, tanh.
     _op(_name, ["x"], _unary(_name, floats_only=_name in FLOAT_ONLY), _tpl, "elementwise",
-        flops=UNARY_FLOPS.get(_name, 1), numpy_calls=16 if _name == "erf" else 0)
+        flops=UNARY_FLOPS.get(_name, 1), numpy_calls=16 if _name == "erf" else 0,
+        numpy_temporaries=ERF_TEMPORARIES if _name == "erf" else 0)
 # Composite (decompose spells it out), but elementwise to fusion, tiling and sharding.
 # (f32, K.gelu) clip, square, the erf polynomial's 12 passes, multiply, exp, add, divide;
 # 18 NumPy calls per block of ERF_BLOCK elements.
 _op("gelu", ["x"], _unary("gelu", floats_only=True), "K.gelu({x}, {approximate})", "composite",
     {"approximate": ("str", "none")}, doc="x * Phi(x); approximate='tanh' uses the tanh formula",
-    pattern=ELEMWISE, flops=8, cpu_passes=(("add", 15), ("exp", 1), ("add", 1), ("div", 1)), numpy_calls=18)
+    pattern=ELEMWISE, flops=8, cpu_passes=(("add", 15), ("exp", 1), ("add", 1), ("div", 1)), numpy_calls=18,
+    numpy_temporaries=GELU_TEMPORARIES)
 _op("not", ["x"], _unary("not", "i1"), "np.logical_not({x})", "elementwise")
 _op("isnan", ["x"], _unary("isnan", "i1"), "np.isnan({x})", "elementwise")
 _op("isinf", ["x"], _unary("isinf", "i1"), "K.isinf({x}, {detect_positive}, {detect_negative})", "elementwise",
@@ -433,11 +442,12 @@ _op("avg_pool", ["x"], _pool("avg_pool"),
 _op("softmax", ["x"], _softmax, "K.softmax({x}, {axis})", "composite", {"axis": ("int", -1)},
     flops=SOFTMAX_FLOPS, cpu_passes=(("sum", 2), ("add", 1), ("exp", 1), ("div", 1)), loops=loops.normalized(False),
     row_normalizing=True)
-# K.layer_norm: mean, subtract, square, mean, add eps + sqrt + divide, scale, shift.
+# K.layer_norm: mean, subtract, square (its one full-size temporary), mean, add eps + sqrt + divide,
+# scale, shift.
 _op("layer_norm", ["x", "scale?", "bias?"], _layer_norm, "K.layer_norm({x}, {scale}, {bias}, {axis}, {epsilon})",
     "composite", {"axis": ("int", -1), "epsilon": ("float", 1e-5)}, doc="normalizes over dims axis.. of x",
     flops=8, cpu_passes=(("sum", 2), ("add", 2), ("mul", 2), ("sqrt", 1), ("div", 1)), loops=loops.normalized(True),
-    row_normalizing=True)
+    row_normalizing=True, numpy_temporaries=1)
 # A GEMM-like anchor to fusion (its epilogue fuses on); composite to decompose.
 _op("attention", ["q", "k", "v", "mask?"], _attention, "K.attention({q}, {k}, {v}, {mask}, {scale}, {causal})",
     "composite", {"scale": ("float", REQUIRED), "causal": ("bool", False)},

@@ -504,7 +504,13 @@ def _matmul(b, op, g):
         # batched product summed afterwards (which holds batch x the weight's size)
         k, n = info(w2).shape
         rows = numel(ta2.shape[:-1])
-        gw = b("matmul", swap_last(b, b.reshape(a2, (rows, k))), b.reshape(gy, (rows, n)))
+        x2, gy2 = b.reshape(a2, (rows, k)), b.reshape(gy, (rows, n))
+        if isinstance(w.owner, TgOp) and w.owner.op_name == Op.transpose:
+            # a weight kept as [out, in] (torch's Linear): its gradient made in that layout,
+            # dY^T @ X, so what reads it (the optimizer) reads it contiguously, not down columns
+            gw = swap_last(b, b("matmul", swap_last(b, gy2), x2))
+        else:
+            gw = b("matmul", swap_last(b, x2), gy2)
     else:
         gw = b("matmul", swap_last(b, a2), gy)
     ga = b.sum_to(ga, info(a2).shape) if info(ga).rank > info(a2).rank or info(ga).shape != info(a2).shape else ga

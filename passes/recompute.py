@@ -16,7 +16,9 @@ save-everything peak. In two rounds, each only while the budget is not met:
 
 How: a liveness walk over the function's order prices the peak (each op's result bytes
 from its static shape; a view shares its operand's buffer and keeps it alive; inputs,
-weights and constants are resident and not counted). A candidate is a value whose
+weights and constants are resident and not counted; while an op runs, the full-size temporaries
+its NumPy kernel holds, `numpy_temporaries`, count too: a gelu rebuilt near the backward's peak
+holds four more activations there). A candidate is a value whose
 consecutive uses are more than `min_gap` ops apart: its uses after the largest gap read a
 copy of its op inserted right before the first of them, with copies of the producers of
 operands that are dead by then. Candidates are tried greedily by bytes freed per FLOP
@@ -102,13 +104,15 @@ def _resident(v: SSAValue) -> bool:
     return not isinstance(v, OpResult) or (isinstance(v.owner, TgOp) and v.owner.op_name in (Op.weight, Op.constant))
 
 
-def peak_bytes(block: Block) -> int:
-    """The predicted peak of live intermediate bytes over the block's order."""
-    return _liveness(block)[0]
+def peak_bytes(block: Block, kernels: bool = True) -> int:
+    """The predicted peak of live intermediate bytes over the block's order; with `kernels`, the
+    temporaries NumPy's kernels hold while they run too (none where fused loops run the ops)."""
+    return _liveness(block, kernels=kernels)[0]
 
 
-def _liveness(block: Block, detail: bool = False, ignore: frozenset = frozenset()):
-    """(peak bytes, bytes x ops: the area under the live-bytes curve); with detail, also each
+def _liveness(block: Block, detail: bool = False, ignore: frozenset = frozenset(), kernels: bool = True):
+    """(peak bytes, bytes x ops: the area under the live-bytes curve, with `kernels` each op's
+    `numpy_temporaries` while it runs); with detail, also each
     value's buffer (a view's is its operand's) and each buffer's last use, leaving out the
     uses in `ignore` ((op, operand index) pairs: those about to read a copy)."""
     ops = list(block.ops)
@@ -133,6 +137,11 @@ def _liveness(block: Block, detail: bool = False, ignore: frozenset = frozenset(
         if not _resident(v):
             last[root.get(v, v)] = end  # outputs live to the end
     delta = np.zeros(end + 2, dtype=np.int64)
+    for i, op in enumerate(ops if kernels else ()):  # what a kernel holds while it runs (a gelu's erf)
+        if isinstance(op, TgOp) and op.SPEC.numpy_temporaries:
+            held = op.SPEC.numpy_temporaries * sum(value_bytes(r) for r in op.results)
+            delta[i] += held
+            delta[i + 1] -= held
     for r, b in born.items():
         size = value_bytes(r)
         delta[b] += size
@@ -227,23 +236,25 @@ def _flops(ops) -> float:
 class _State:
     peak: int
     area: int
+    kernels: bool  # NumPy's kernel temporaries priced (_liveness)
     chosen: list = field(default_factory=list)
     original: dict = field(default_factory=dict)  # a copy's value -> the value it copies
 
 
 def recompute(block: Block, budget: float, min_gap: int = 8, checkpoint: bool = True,
-              price: Callable[[Block], int] | None = None) -> dict:
+              price: Callable[[Block], int] | None = None, kernels: bool = True) -> dict:
     """Rewrite `block` so its predicted peak fits budget x the save-everything peak (as far as
     recomputing values can; without `checkpoint`, round 1 only); returns what it did. `price`: the
     bytes a block takes as its backend holds them (default: the live-bytes peak, `peak_bytes`); the
-    search steers by the live-bytes peak, its goal tightened while the priced bytes miss the budget."""
-    price = price or peak_bytes
-    before, area = _liveness(block)
+    search steers by the live-bytes peak, its goal tightened while the priced bytes miss the budget;
+    `kernels`: the steering prices NumPy's kernel temporaries (a backend running each op on its own)."""
+    price = price or functools.partial(peak_bytes, kernels=kernels)
+    before, area = _liveness(block, kernels=kernels)
     floor = floor_bytes(block)
     reference = price(block)
     target = budget * reference
     goal = budget * before
-    state = _State(before, area)
+    state = _State(before, area, kernels)
     rounds = [(recomputable, SHALLOW)] + ([(rebuildable, DEEP)] if checkpoint else [])
     priced = reference
     for _ in range(TIGHTEN):
@@ -271,7 +282,7 @@ def priced_bytes(block: Block, hardware: str = "") -> int:
     LAYOUTS: the C backend) prices the block as it runs it: fused as `fuse{hardware=...}` groups it,
     its buffers as its emitter makes them, laid out as its runtime lays them out. Elsewhere each
     value is an allocation of its own, and the live-bytes peak is what a call holds (`peak_bytes`)."""
-    if not hardware or hardware not in ARENA_HARDWARE + tuple(LAYOUTS):
+    if not _arena(hardware):
         return peak_bytes(block)
     from tilegraph.ir.model import context
     from tilegraph.passes.fuse import Fuse
@@ -288,6 +299,11 @@ def priced_bytes(block: Block, hardware: str = "") -> int:
         return LAYOUTS[hardware](fused)
     # the backend not loaded: its fused values laid out (a group's inner buffers left out)
     return arena_bytes(list(fused.ops)[list(module.ops).index(func)].body.block)  # type: ignore[attr-defined]
+
+
+def _arena(hardware: str) -> bool:
+    """Whether `hardware`'s backend lays a call's buffers out in one arena (ir/arena.py)."""
+    return bool(hardware) and hardware in ARENA_HARDWARE + tuple(LAYOUTS)
 
 
 def _round(block: Block, target: float, min_gap: int, accept, depth: int, state: _State) -> None:
@@ -336,7 +352,7 @@ def _round(block: Block, target: float, min_gap: int, accept, depth: int, state:
                      if u.operation in order and order[u.operation] >= at]
             for user, k, a in moved:
                 user.operands[k] = copies[a]
-            new_peak, new_area = _liveness(block)
+            new_peak, new_area = _liveness(block, kernels=state.kernels)
             # kept when the peak does not grow and less is held for less long: a value live
             # only away from the peak now lowers the next peak, once others have come down
             if new_peak <= state.peak and new_area < state.area:
@@ -377,4 +393,5 @@ class Recompute(ModulePass):
         price = functools.partial(priced_bytes, hardware=self.hardware)
         for func in op.ops:
             if isinstance(func, FuncOp):
-                recompute(func.body.block, self.budget, self.min_gap, self.checkpoint, price)
+                recompute(func.body.block, self.budget, self.min_gap, self.checkpoint, price,
+                          kernels=not _arena(self.hardware))

@@ -290,7 +290,8 @@ def test_bias_gradients_run_in_their_weight_gradient_gemm_steps_on_c():
 def test_cross_entropy_backward_over_the_logits_is_one_pass_on_c():
     """Cross-entropy's backward, (softmax - one_hot) * dloss over every logit beside each row's
     loss, is one fused step on C, one pass over the logits whose rows are too wide for a row op
-    (an LM head's 50257), not a pass per op; the loss and gradient match the float64 interpreter."""
+    (an LM head's 50257), not a pass per op, its one-hot a select the compiler vectorises; the loss
+    and gradient match the float64 interpreter."""
     from tilegraph.ir import interpret
     from tilegraph.testing import reduction_length
     from tilegraph.train import build_gradients
@@ -307,11 +308,37 @@ def test_cross_entropy_backward_over_the_logits_is_one_pass_on_c():
     assert wide == [], wide  # no elementwise op over the logits runs as a step of its own
     backward = [s.comment for s in steps if s.comment.startswith("fusion elementwise") and "exp" in s.comment]
     assert len(backward) == 1 and all(op in backward[0] for op in ("eq", "cast", "mul")), backward
+    assert "? (float)1 : (float)0)" in compiled.source and "((float)(e" not in compiled.source
     assert all(s.host_op is None for s in steps)
     targets = np.array([[0, vocab - 1, 7], [3, 3, 12345]])
     inputs = [x.numpy(), targets, module.weight.detach().numpy()]
     for name, got, want in zip(model.output_names, compiled.run(*inputs), interpret(model, inputs)):
         tilegraph.testing.assert_close(got, want, "f32", reduction_length(model), name=name)
+
+
+def test_a_linear_weight_gradient_is_made_in_the_weight_layout():
+    """A Linear's weight is kept as [out, in] and read transposed: its gradient GEMM writes
+    dY^T @ X as [out, in] too, so the optimizer reads it row by row, not (X^T @ dY) down its
+    columns; on C the gradients match torch autograd's."""
+    from tilegraph.ir.ops import Op
+    from tilegraph.testing import reduction_length
+    from tilegraph.train import build_gradients
+
+    torch.manual_seed(0)
+    module = torch.nn.Linear(8, 40)
+    x, y = torch.randn(2, 3, 8), torch.randint(0, 40, (2, 3))
+    model = build_gradients(tilegraph.import_model(module, example_inputs=(x,)), "cross_entropy",
+                            ["weight", "bias"])
+    compiled = tilegraph.compile(model, target="c")
+    products = [tuple(op.result_infos()[0].shape) for op in compiled.model.module.walk()
+                if getattr(op, "op_name", None) == Op.matmul]
+    assert (40, 8) in products and (8, 40) not in products, products
+    torch.nn.functional.cross_entropy(module(x).reshape(-1, 40), y.reshape(-1)).backward()
+    got = dict(zip(model.output_names, compiled.run(x.numpy(), y.numpy(), *(p.detach().numpy() for p in
+                                                                           module.parameters()))))
+    grads = [n for n in model.output_names if "weight" in n]
+    assert len(grads) == 1, model.output_names
+    tilegraph.testing.assert_close(got[grads[0]], module.weight.grad.numpy(), "f32", reduction_length(model))
 
 
 def _two_linears_one_c_step(hidden: int, lr: float):

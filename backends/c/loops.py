@@ -139,6 +139,11 @@ class Loops(EmitterParts):
             src, dst = operand_dtypes[0], out.dtype
             if dst == "i1":
                 return f"(({args[0]}) != 0)"
+            if src == "i1" and dst in ("f32", "f64"):
+                # a select, not a conversion of the uint8_t: GCC vectorises no uint8_t-to-float
+                # conversion beside 64-bit compares (cross-entropy's one-hot over GPT-2's logits
+                # ran its whole pass element by element, 5x the time)
+                return f"(({args[0]}) ? ({CTYPES[dst]})1 : ({CTYPES[dst]})0)"
             if src in FLOATS and dst not in FLOATS:  # NumPy's results out of range too (runtime.h)
                 if dst in FLOAT_TO_INT:
                     return f"(({CTYPES[dst]})tg_f2{FLOAT_TO_INT[dst]}({args[0]}))"
