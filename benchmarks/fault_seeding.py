@@ -108,8 +108,8 @@ FAULTS = [
     # --- canonicalize's rules ---------------------------------------------------------------
     Fault("passes/canonicalize.py", "            if is_splat(op.operands[side], value):",
           "            if constant_array(op.operands[side]) is not None:", "identity rule: guard dropped (x + c -> x)"),
-    Fault("passes/canonicalize.py", 'Rule(("sub",), _identity_operand(0, (1,)), "x - 0 -> x")',
-          'Rule(("sub",), _identity_operand(0, (1, 0)), "x - 0 -> x")', "0 - x -> x: wrong side accepted"),
+    Fault("passes/canonicalize.py", 'Rule(("sub",), identity_operand(0, (1,)), "x - 0 -> x")',
+          'Rule(("sub",), identity_operand(0, (1, 0)), "x - 0 -> x")', "0 - x -> x: wrong side accepted"),
     Fault("passes/canonicalize.py", 'return emit("mul", x, x) if is_splat(e, 2) else None',
           'return emit("mul", x, x) if is_splat(e, 3) else None', "x ** 3 -> x * x: wrong constant"),
     Fault("passes/canonicalize.py", 'return emit("add", x, n.operands[0]) if n else None',

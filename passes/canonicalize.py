@@ -36,7 +36,7 @@ REDUCTIONS = tuple(name for name, spec in OPS.items() if spec.reduction)
 # --- identities: op(x, c) -> x --------------------------------------------------
 
 
-def _identity_operand(value: float, sides: tuple[int, ...], array_of=constant_array):
+def identity_operand(value: float, sides: tuple[int, ...], array_of=constant_array):
     """x op c -> x where c is all `value`, c on one of `sides` (0 = lhs, 1 = rhs); `array_of`
     gives c's array where it is known (by default: an inline constant's)."""
 
@@ -276,11 +276,11 @@ def _drop_default_attrs(op, emit):
 
 
 ALGEBRA: list[Rule] = [
-    Rule(("add",), _identity_operand(0, (1, 0)), "x + 0 -> x, 0 + x -> x"),
-    Rule(("sub",), _identity_operand(0, (1,)), "x - 0 -> x"),
-    Rule(("mul",), _identity_operand(1, (1, 0)), "x * 1 -> x, 1 * x -> x"),
-    Rule(("div",), _identity_operand(1, (1,)), "x / 1 -> x"),
-    Rule(("pow",), _identity_operand(1, (1,)), "x ** 1 -> x"),
+    Rule(("add",), identity_operand(0, (1, 0)), "x + 0 -> x, 0 + x -> x"),
+    Rule(("sub",), identity_operand(0, (1,)), "x - 0 -> x"),
+    Rule(("mul",), identity_operand(1, (1, 0)), "x * 1 -> x, 1 * x -> x"),
+    Rule(("div",), identity_operand(1, (1,)), "x / 1 -> x"),
+    Rule(("pow",), identity_operand(1, (1,)), "x ** 1 -> x"),
     Rule(("pow",), _square, "x ** 2 -> x * x"),
     Rule(("pow",), _cube, "x ** 3 -> x * x * x (integers)"),
     Rule(("sub",), _sub_neg, "x - (-y) -> x + y"),

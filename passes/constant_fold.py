@@ -51,7 +51,7 @@ from tilegraph.ir.dialect import TgOp, make_op
 from tilegraph.ir.interpreter import GLOBALS, evaluate
 from tilegraph.ir.model import WeightStore, weights_of
 from tilegraph.ir.shapes import TensorInfo, is_static, numel
-from tilegraph.passes.canonicalize import _identity_operand, where_uniform
+from tilegraph.passes.canonicalize import identity_operand, where_uniform
 from tilegraph.passes.dce import prune_weights
 from tilegraph.passes.rewrite import Rule, RuleSet, info, producer
 from tilegraph.ir.ops import Op
@@ -234,7 +234,7 @@ def known_selects(store: WeightStore) -> list[Rule]:
         return store.get(source.attr("name")) if source.op_name == Op.weight else None
 
     return [Rule(("where",), where_uniform(array_of), "where(c, x, y) -> x (or y) for a known c all true (false)"),
-            Rule(("add",), _identity_operand(0, (1, 0), array_of), "x + 0 -> x, 0 + x -> x for a known 0")]
+            Rule(("add",), identity_operand(0, (1, 0), array_of), "x + 0 -> x, 0 + x -> x for a known 0")]
 
 
 @dataclass(frozen=True)

@@ -33,17 +33,17 @@ def test_the_restricted_rules_stay_refuted_as_they_were(claim, dtype, why):
 
 def test_a_dropped_guard_is_refuted():
     # The proofs read guards from the code: a rule without its guard gets a counterexample.
-    from tilegraph.passes.canonicalize import _identity_operand
+    from tilegraph.passes.canonicalize import identity_operand
     from tilegraph.passes.rewrite import Rule
 
     claim = proofs.Claim("x * 1 -> x", "mul(x, 2)", "x")
     rule = Rule(("mul",), lambda op, emit: op.operands[0], "x * c -> x (no guard)")
     assert proofs.fires(rule, claim, "f32") == (True, True)
     assert proofs.prove_z3(claim, "f32")[0] == "refuted"
-    assert proofs.fires(Rule(("mul",), _identity_operand(1, (1, 0)), "guarded"), claim, "f32")[0] is False
+    assert proofs.fires(Rule(("mul",), identity_operand(1, (1, 0)), "guarded"), claim, "f32")[0] is False
     # and every claim checks that its rule fires for its constants only
     assert proofs.fires_beyond(rule, proofs.Claim("x * 1 -> x", "mul(x, 1)", "x"))
-    assert not proofs.fires_beyond(Rule(("mul",), _identity_operand(1, (1, 0)), "guarded"),
+    assert not proofs.fires_beyond(Rule(("mul",), identity_operand(1, (1, 0)), "guarded"),
                                    proofs.Claim("x * 1 -> x", "mul(x, 1)", "x"))
 
 
