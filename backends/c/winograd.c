@@ -106,9 +106,9 @@ static void tg_wino_input(const tg_wino *s, const float *x, float *v, int64_t vs
     for (int i = 0; i < 6; i++)
         for (int j = 0; j < 6; j++) {
             int64_t yy = y0 + i, xx = x0 + j;
-            const float *from = x + n * s->xs[0] + yy * s->xs[2] + xx * s->xs[3] + c0;
             d[i * 6 + j] = zero;
-            if (yy < 0 || yy >= s->h || xx < 0 || xx >= s->w) continue;
+            if (yy < 0 || yy >= s->h || xx < 0 || xx >= s->w) continue; /* (no pointer formed outside x) */
+            const float *from = x + n * s->xs[0] + yy * s->xs[2] + xx * s->xs[3] + c0;
             if (cw == TG_WINO_V) d[i * 6 + j] = *(const tg_v16 *)from;
             else memcpy(&d[i * 6 + j], from, (size_t)cw * sizeof(float));
         }
