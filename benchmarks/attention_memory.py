@@ -42,7 +42,6 @@ import resource
 import subprocess
 import sys
 import tempfile
-import tracemalloc
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,12 +190,9 @@ def child(variant: str, seq: int, blocks: tuple[int, int], out_path: str) -> Non
     traced = None
     if variant in NUMPY_VARIANTS:
         del y
-        tracemalloc.start()
-        try:
-            run()
-            traced = tracemalloc.get_traced_memory()[1]
-        finally:
-            tracemalloc.stop()
+        from tilegraph.testing import traced_peak
+
+        traced = traced_peak(run)
     print(json.dumps({"rss": rss, "traced": traced, "method": method}))
 
 

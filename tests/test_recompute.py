@@ -4,7 +4,6 @@ with it, and the step computes the same numbers."""
 
 from __future__ import annotations
 
-import tracemalloc
 from collections import Counter
 
 import numpy as np
@@ -17,6 +16,7 @@ from tilegraph.ir.shapes import info_of
 from tilegraph.passes.recompute import peak_bytes, recompute
 from tilegraph.passes.registry import run_pipeline
 from tilegraph.passes.remarks import collect
+from tilegraph.testing import traced_peak
 from tilegraph.train import build_gradients
 
 
@@ -34,13 +34,7 @@ def measured_peak(model, inputs) -> int:
     """Bytes NumPy allocates at most during one call of the model's NumPy module, no passes."""
     compiled = tilegraph.compile(model, target="numpy", pipeline="")
     compiled.run(*inputs)
-    tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
-        compiled.run(*inputs)
-        return tracemalloc.get_traced_memory()[1] - base
-    finally:
-        tracemalloc.stop()
+    return traced_peak(lambda: compiled.run(*inputs))
 
 
 def test_recompute_lowers_the_predicted_and_the_measured_peak_and_keeps_the_numbers():
@@ -76,12 +70,7 @@ def test_the_op_table_states_the_temporaries_numpys_kernels_hold():
             Op.layer_norm: lambda: K.layer_norm(x, None, None, -1, 1e-5), Op.softmax: lambda: K.softmax(x, -1)}
     for op, run in runs.items():
         run()
-        tracemalloc.start()
-        try:
-            run()
-            held = tracemalloc.get_traced_memory()[1]
-        finally:
-            tracemalloc.stop()
+        held = traced_peak(run)
         assert abs(held - (1 + OPS[op].numpy_temporaries) * x.nbytes) <= 8192 * 8, (op, held / x.nbytes)
     assert OPS[Op.gelu].numpy_temporaries == 2
 
@@ -185,11 +174,5 @@ def test_on_c_the_budget_is_of_the_arena_the_emitted_step_holds():
     compiled = tilegraph.compile(smaller, target="c", pipeline="fuse{hardware=c},tile{hardware=c}", threads=1)
     compiled.run(*inputs)
     arena = sum(b.arena_bytes for b in compiled._runner._bindings.values())
-    tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
-        compiled.run(*inputs)
-        measured = arena + tracemalloc.get_traced_memory()[1] - base
-    finally:
-        tracemalloc.stop()
+    measured = arena + traced_peak(lambda: compiled.run(*inputs))
     assert abs(measured / predicted - 1) <= 0.1, (measured, predicted)

@@ -58,4 +58,19 @@ __all__ = ["ALL_OPS", "BINARY_OPS", "COMPARE_OPS", "COMPOSITE_OPS", "EPS", "EXP_
            "QUANT_F32_SLACK", "REDUCE_OPS", "ROUNDING_BUDGET", "SPATIAL_OPS", "SYMBOLS", "UNARY_OPS", "VALUE_LIMIT",
            "assert_close", "assert_preserves_semantics", "assert_within_quantization_bound", "graphs",
            "narrowest_float", "op_examples", "random_inputs", "reduction_length", "relative_error",
-           "rounding_violations", "tolerance"]
+           "rounding_violations", "tolerance", "traced_peak"]
+
+
+def traced_peak(run) -> int:
+    """The most bytes Python and NumPy (which reports its arrays to tracemalloc) hold at once
+    while `run()` runs, beyond what was held when it started: a kernel's or a module call's
+    peak, for memory tests and benchmarks."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        run()
+        return tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
