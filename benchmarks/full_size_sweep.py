@@ -26,6 +26,10 @@ attention models, `folded-bf16`: bf16 with spelled-out attention folded to the f
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/full_size_sweep.py [--only resnet50,bert-base]
         [--repeat 7] [--threads N] [--batch 1] [--precision bf16] [--fold] [--save rows.json] [--no-eager]
 
+Each row also gives the model's FLOPs as written (convolutions direct) and the f32 GEMM rate
+tilegraph reaches in the same process at the same threads; a runner's time against both is
+its share of that peak, how much faster any f32 kernel could make it.
+
 Timing: benchmarks/_common.py's round-robin (each call after a pause), medians; the
 ratios are medians of per-round ratios. The load average is printed beside the table:
 on a shared machine, other processes' load moves every runner's time.
@@ -176,6 +180,9 @@ def run_one(name: str, batch: int, repeat: int, threads: int | None, precisions:
     t0 = time.perf_counter()
     with torch.no_grad():
         program = torch.export.export(module, inputs)
+    from tilegraph.passes.cost.model import forward_flops
+
+    row["gflop"] = forward_flops(tilegraph.import_model(program).module) / 1e9
     for precision in precisions:
         key = "tilegraph" if precision == "f32" else f"tilegraph-{precision}"
         try:
@@ -231,6 +238,7 @@ def run_one(name: str, batch: int, repeat: int, threads: int | None, precisions:
         with torch.no_grad():
             samples = interleaved_samples(runners, repeat)
     row["times"] = {k: float(np.median(s)) for k, s in samples.items()}
+    row["gemm_gflops"] = gemm_rate(options)
     row["ratios"] = {f"{a}/{b}": paired_ratio(samples, a, b)[0] for a in samples if a.startswith("tilegraph")
                      for b in samples if not b.startswith("tilegraph")}
     row["load"] = os.getloadavg()
@@ -241,6 +249,26 @@ def run_one(name: str, batch: int, repeat: int, threads: int | None, precisions:
         elif counts:
             row["notes"].append(f"{key} started on {counts[0]} thread(s) in every call")
     return row
+
+
+def gemm_rate(options: dict, n: int = 1024, calls: int = 15) -> float:
+    """GFLOP/s of tilegraph's best n x n x n f32 GEMM at the sweep's threads (oneDNN's, at this
+    core's peak as onnxruntime's and OpenVINO's are): a model's FLOPs over its time, divided by
+    this, is how close to the processor's f32 limit a runtime already runs it."""
+    import numpy as np
+    import torch
+
+    import tilegraph
+
+    a = torch.randn(n, n)
+    gemm = tilegraph.compile(torch.export.export(torch.nn.Linear(n, n, bias=False), (a,)), target="c", **options)
+    x = a.numpy()
+    best = float("inf")
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        gemm.run(x)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best / 1e9 if np.isfinite(best) else 0.0
 
 
 def _counting_threads(compiled, arrays, counts: list[int]):
@@ -314,13 +342,17 @@ def report(rows, args, precisions) -> None:
     peers += [k for k in ("folded", "folded-bf16") if any(k in r.get("times", {}) for r in rows)]
     ours = ["tilegraph" if p == "f32" else f"tilegraph-{p}" for p in precisions]
     header = ["model"] + [f"{k} ms" for k in ours + peers] + [f"{a}/{b}" for a in ours for b in peers] + \
-        [f"err {k}" for k in ours + peers] + ["load avg"]
+        [f"err {k}" for k in ours + peers] + ["GFLOP", "GEMM GFLOP/s"] + \
+        [f"{k} of GEMM peak" for k in ("tilegraph", "onnxruntime")] + ["load avg"]
     table = []
     for r in rows:
         t, q, e = r.get("times", {}), r.get("ratios", {}), r.get("errors", {})
         table.append([r["name"]] + [f"{t[k] * 1e3:.1f}" if k in t else "-" for k in ours + peers]
                      + [f"{q[f'{a}/{b}']:.2f}" if f"{a}/{b}" in q else "-" for a in ours for b in peers]
                      + [f"{e[k]:.1e}" if k in e else "-" for k in ours + peers]
+                     + [f"{r['gflop']:.1f}" if "gflop" in r else "-", f"{r['gemm_gflops']:.0f}" if "gemm_gflops" in r else "-"]
+                     + [f"{r['gflop'] / t[k] / r['gemm_gflops']:.2f}" if k in t and r.get("gemm_gflops") else "-"
+                        for k in ("tilegraph", "onnxruntime")]
                      + [" ".join(f"{x:.1f}" for x in r.get("load", ()))])
     print(format_table(header, table))
     for a in ours:
@@ -328,6 +360,13 @@ def report(rows, args, precisions) -> None:
             ratios = [r["ratios"][f"{a}/{b}"] for r in rows if f"{a}/{b}" in r.get("ratios", {})]
             if ratios:
                 print(f"{a}/{b}: geometric mean {float(np.exp(np.mean(np.log(ratios)))):.2f} over {len(ratios)} models")
+    shares = [r["gflop"] / r["times"]["onnxruntime"] / r["gemm_gflops"] for r in rows
+              if r.get("gemm_gflops") and "onnxruntime" in r.get("times", {})]
+    if shares:
+        floor = float(np.exp(np.mean(np.log(shares))))
+        print(f"onnxruntime runs these models at a geometric mean {floor:.2f} of the f32 GEMM peak: a geomean "
+              f"tilegraph/onnxruntime below {floor:.2f} needs fewer FLOPs than the models spell (Winograd), "
+              f"not faster kernels")
     defaults = {r.get("openvino_default_precision") for r in rows} - {None}
     if defaults:
         print(f"OpenVINO's default inference precision on this processor: {', '.join(sorted(defaults))}")

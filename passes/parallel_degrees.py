@@ -24,9 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from tilegraph.ir.dialect import TgOp
 from tilegraph.passes.cost.collectives import GPUS_PER_NODE, Mesh
-from tilegraph.passes.cost.model import at, op_flops
+from tilegraph.passes.cost.model import forward_flops
 from tilegraph.passes.shard import FWD_BWD, LayoutError, Plan, ShardError, find_layers, plan
 from tilegraph.passes.shard_strategies import base_name
 from tilegraph.ir.ops import Op
@@ -94,10 +93,7 @@ def micro_batch_counts(batch: int, data: int, stages: int) -> list[int]:
 def model_flops(module, sizes: dict[str, int]) -> float:
     """FLOPs of one training step of the whole model (forward x FWD_BWD), no recomputation: the
     numerator of model-FLOPs utilisation (Chowdhery et al. 2022, appendix B)."""
-    func = next(f for f in module.walk() if getattr(f, "sym_name", None) and f.sym_name.data == "forward")
-    total = sum(at(op_flops(op), sizes) for op in func.body.block.ops
-                if isinstance(op, TgOp) and op.op_name not in (Op.weight, Op.constant))
-    return total * FWD_BWD
+    return forward_flops(module, sizes) * FWD_BWD
 
 
 def search(module, devices: int, hw, sizes: dict[str, int], batch: str = "B", budget: float | None = None,

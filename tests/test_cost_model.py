@@ -23,7 +23,8 @@ from tilegraph.ir import Graph, Model
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.shapes import symbol
 from tilegraph.passes.cost.hardware import hardware
-from tilegraph.passes.cost.model import at, cold_bytes, fusion_cost, module_cost, op_bytes, op_cost, op_flops
+from tilegraph.passes.cost.model import (at, cold_bytes, forward_flops, fusion_cost, module_cost, op_bytes, op_cost,
+                                         op_flops)
 from tilegraph.passes.registry import DEFAULT_PIPELINE, run_pipeline
 
 F32 = 4  # bytes per f32 element
@@ -59,6 +60,13 @@ def add_model(*shape) -> Model:
 def test_matmul_flops_are_two_m_n_k(m, n, k, batch):
     op = only(matmul_model(m, n, k, batch), "matmul")
     assert op_flops(op) == 2 * m * n * k * int(np.prod(batch))
+
+
+def test_a_models_forward_flops_sum_its_ops_at_the_given_sizes():
+    g = Graph()
+    x, w = g.input("x", (symbol("B"), 64, 32)), g.input("w", (32, 16))
+    model = g.build((x @ w) + 1.0)
+    assert forward_flops(model.module, {"B": 3}) == 3 * (2 * 64 * 16 * 32 + 64 * 16)
 
 
 def test_elementwise_bytes_are_each_input_read_once_plus_the_output_written_once():

@@ -143,6 +143,13 @@ def op_flops(op: TgOp) -> sympy.Expr:
     return sized(op.SPEC.flop_count([info_of(v.type) for v in op.operands], op.result_infos()))
 
 
+def forward_flops(module, sizes: Mapping[str, int] | None = None) -> float:
+    """FLOPs of one call of `module`'s @forward as written (convolutions direct, attention whole):
+    the work a runtime that saves none must do, the numerator of a model's share of peak."""
+    func = next(f for f in module.walk() if getattr(f, "sym_name", None) and f.sym_name.data == "forward")
+    return sum(at(op_flops(op), sizes) for op in func.body.block.ops if isinstance(op, TgOp))
+
+
 def op_bytes(op: Operation) -> sympy.Expr:
     """Bytes in (each operand once) and out (each result once)."""
     return sum((nbytes(info_of(v.type)) for v in op.operands), sympy.Integer(0)) + \
