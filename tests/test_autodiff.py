@@ -333,3 +333,56 @@ def test_what_a_backward_reads_of_its_forward_is_read_off_its_rule():
     assert reads == {"add": (frozenset(), False), "mul": (frozenset({0, 1}), False),
                      "exp": (frozenset(), True), "where": (frozenset({0}), False)}
     assert uses == {name: [len(list(v.uses)) for v in op.operands] for name, op in ops.items()}
+
+
+@pytest.mark.parametrize("causal, mask_kind, lq, lk", [(True, None, 150, 150), (True, "bool", 70, 130),
+                                                       (False, "float", 90, 40), (False, None, 1, 5)])
+def test_attention_backward_is_one_op_and_the_c_kernel_runs_it_matching_torch(causal, mask_kind, lq, lk):
+    """Where q, k and v share their batch dims, attention's VJP is one tg.attention_grad; on the C
+    backend that op is attention_backward.c's kernel (it is in the emitted C and it ran), over
+    several query blocks and a causal band that skips keys (Lk - Lq = 60), and its gradients equal
+    torch.autograd's in float64. (A float mask's gradient goes the spelled-out way beside it.)"""
+    import ctypes
+
+    import torch
+
+    import tilegraph
+
+    d, e = 16, 8
+    rng = np.random.default_rng(lq + lk)
+    shapes = {"q": (2, 3, lq, d), "k": (2, 3, lk, d), "v": (2, 3, lk, e)}
+    mshape = {"float": (2, 1, lq, lk), "bool": (1, 1, lq, lk)}.get(mask_kind)
+    g = Graph()
+    q, k, v = (g.input(n, s) for n, s in shapes.items())
+    mask = None if mask_kind is None else g.input("mask", mshape, "i1" if mask_kind == "bool" else "f32")
+    out = g.op("attention", q, k, v, *([mask] if mask is not None else []), scale=0.3, causal=causal)
+    wrt = list(shapes) + (["mask"] if mask_kind == "float" else [])
+    model = autodiff.vjp(g.build(out, names=["out"]), wrt=wrt)
+    assert [op.op_name for op in model.ops() if getattr(op, "op_name", None) == "attention_grad"] == ["attention_grad"]
+    values = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+    if mask_kind == "bool":
+        values["mask"] = rng.random(mshape) < 0.8
+        values["mask"][..., 0] = True  # no row wholly masked (its forward is NaN in both)
+    elif mask_kind:
+        values["mask"] = rng.standard_normal(mshape).astype(np.float32)
+    cot = rng.standard_normal((2, 3, lq, e)).astype(np.float32)
+    compiled = tilegraph.compile(model, target="c")
+    assert compiled.source.count("tg_attention_backward(") == 1
+    lib = compiled._runner._lib
+    lib.tg_attention_backward_count.restype = ctypes.c_int
+    before = lib.tg_attention_backward_count()
+    ours = compiled.run(*[values[n] for n in model.input_names[:-1]], cot)
+    assert lib.tg_attention_backward_count() == before + 1
+    t = {n: torch.tensor(a, dtype=torch.float64 if a.dtype != bool else torch.bool, requires_grad=a.dtype != bool)
+         for n, a in values.items()}
+    s = t["q"] @ t["k"].transpose(-1, -2) * 0.3
+    if causal:
+        s = s.masked_fill(~torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq), -torch.inf)
+    if mask_kind == "bool":
+        s = s.masked_fill(~t["mask"], -torch.inf)
+    elif mask_kind:
+        s = s + t["mask"]
+    (torch.softmax(s, -1) @ t["v"]).backward(torch.from_numpy(cot.astype(np.float64)))
+    rtol, _ = tolerance("f32", max(lq, lk))
+    for name, got in zip(wrt, ours[1:]):
+        assert relative_error(np.asarray(got, np.float64), t[name].grad.numpy()) <= rtol, name
