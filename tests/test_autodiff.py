@@ -263,8 +263,6 @@ def test_blockwise_attention_backward_matches_torch_and_holds_no_lq_by_lk_value(
     """Above ATTENTION_BACKWARD_BLOCK keys, attention's VJP walks blocks of keys (FlashAttention-2's
     backward, each row's logsumexp first): its gradients equal torch.autograd's in float64 (dq, dk,
     dv and a float mask's), and no value of the backward is Lq x Lk, only Lq x block slabs."""
-    import torch
-
     monkeypatch.setattr(vjp, "ATTENTION_BACKWARD_BLOCK", 4)
     lk, d = 10, 3
     rng = np.random.default_rng(lq + 2 * causal)
@@ -291,16 +289,7 @@ def test_blockwise_attention_backward_matches_torch_and_holds_no_lq_by_lk_value(
         values["mask"] = rng.standard_normal(mshape)
     cot = rng.standard_normal((2, 2, lq, 4))
     ours = interpret(model, [values[n] for n in model.input_names[:-1]] + [cot])
-    t = {n: torch.tensor(a, dtype=torch.float64 if a.dtype != bool else torch.bool, requires_grad=a.dtype != bool)
-         for n, a in values.items()}
-    s = t["q"] @ t["k"].transpose(-1, -2) * 0.6
-    if causal:
-        s = s.masked_fill(~torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq), -torch.inf)
-    if mask_kind == "bool":
-        s = s.masked_fill(~t["mask"], -torch.inf)
-    elif mask_kind:
-        s = s + t["mask"]
-    (torch.softmax(s, -1) @ t["v"]).backward(torch.from_numpy(cot))
+    t = torch_attention_grads(values, cot, 0.6, causal, mask_kind)
     rtol, _ = tolerance("f32", lk)  # the inputs are f32, rounded on the way in
     for name, got in zip(wrt, ours[1:]):
         assert relative_error(got, t[name].grad.numpy()) <= rtol, name
@@ -312,6 +301,25 @@ def test_blockwise_attention_backward_matches_torch_and_holds_no_lq_by_lk_value(
                 for n in model.input_names[:-1]] + [cot.astype(np.float32)]
         for got, want in zip(tilegraph.compile(model, target="c").run(*feed), ours):
             assert_close(np.asarray(got), want, "f32", lk)
+
+
+def torch_attention_grads(values: dict, cot, scale: float, causal: bool, mask_kind):
+    """torch.autograd's attention in float64 over `values` (q, k, v and a mask), backward from `cot`:
+    the tensors by name, each float one with its .grad."""
+    import torch
+
+    t = {n: torch.tensor(a, dtype=torch.float64 if a.dtype != bool else torch.bool, requires_grad=a.dtype != bool)
+         for n, a in values.items()}
+    lq, lk = t["q"].shape[-2], t["k"].shape[-2]
+    s = t["q"] @ t["k"].transpose(-1, -2) * scale
+    if causal:
+        s = s.masked_fill(~torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq), -torch.inf)
+    if mask_kind == "bool":
+        s = s.masked_fill(~t["mask"], -torch.inf)
+    elif mask_kind:
+        s = s + t["mask"]
+    (torch.softmax(s, -1) @ t["v"]).backward(torch.from_numpy(np.asarray(cot, np.float64)))
+    return t
 
 
 def info_of_value(v):
@@ -344,8 +352,6 @@ def test_attention_backward_is_one_op_and_the_c_kernel_runs_it_matching_torch(ca
     torch.autograd's in float64. (A float mask's gradient goes the spelled-out way beside it.)"""
     import ctypes
 
-    import torch
-
     import tilegraph
 
     d, e = 16, 8
@@ -373,16 +379,7 @@ def test_attention_backward_is_one_op_and_the_c_kernel_runs_it_matching_torch(ca
     before = lib.tg_attention_backward_count()
     ours = compiled.run(*[values[n] for n in model.input_names[:-1]], cot)
     assert lib.tg_attention_backward_count() == before + 1
-    t = {n: torch.tensor(a, dtype=torch.float64 if a.dtype != bool else torch.bool, requires_grad=a.dtype != bool)
-         for n, a in values.items()}
-    s = t["q"] @ t["k"].transpose(-1, -2) * 0.3
-    if causal:
-        s = s.masked_fill(~torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq), -torch.inf)
-    if mask_kind == "bool":
-        s = s.masked_fill(~t["mask"], -torch.inf)
-    elif mask_kind:
-        s = s + t["mask"]
-    (torch.softmax(s, -1) @ t["v"]).backward(torch.from_numpy(cot.astype(np.float64)))
+    t = torch_attention_grads(values, cot, 0.3, causal, mask_kind)
     rtol, _ = tolerance("f32", max(lq, lk))
     for name, got in zip(wrt, ours[1:]):
         assert relative_error(np.asarray(got, np.float64), t[name].grad.numpy()) <= rtol, name
