@@ -16,7 +16,8 @@ data-dependent sizes); tests/test_autodiff.py fails when an op of the table has 
 
 Composites get rules of their own, not their decompositions' (softmax's y * (g - sum(g y)),
 layer_norm's three-term formula, gelu's Phi + x phi, attention's probabilities recomputed
-from q and k rather than saved, a block of keys at a time past ATTENTION_BACKWARD_BLOCK;
+from q and k rather than saved: one tg.attention_grad, which a backend runs as a kernel or
+spells out, a block of keys at a time past ATTENTION_BACKWARD_BLOCK;
 dropout's mask recomputed from its seed); layout ops that copy elements (pad's reflect and edge
 modes, strided slices, tile, pools) share one rule: the op applied to the flat indices of
 its operand, then the cotangent scatter-added at those indices.
