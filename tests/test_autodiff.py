@@ -305,7 +305,7 @@ def test_blockwise_attention_backward_matches_torch_and_holds_no_lq_by_lk_value(
 
 def torch_attention_grads(values: dict, cot, scale: float, causal: bool, mask_kind):
     """torch.autograd's attention in float64 over `values` (q, k, v and a mask), backward from `cot`:
-    the tensors by name, each float one with its .grad."""
+    the tensors by name, each float one with its .grad, and "out", the attention's result."""
     import torch
 
     t = {n: torch.tensor(a, dtype=torch.float64 if a.dtype != bool else torch.bool, requires_grad=a.dtype != bool)
@@ -318,7 +318,8 @@ def torch_attention_grads(values: dict, cot, scale: float, causal: bool, mask_ki
         s = s.masked_fill(~t["mask"], -torch.inf)
     elif mask_kind:
         s = s + t["mask"]
-    (torch.softmax(s, -1) @ t["v"]).backward(torch.from_numpy(np.asarray(cot, np.float64)))
+    t["out"] = torch.softmax(s, -1) @ t["v"]
+    t["out"].backward(torch.from_numpy(np.asarray(cot, np.float64)))
     return t
 
 
@@ -348,8 +349,9 @@ def test_what_a_backward_reads_of_its_forward_is_read_off_its_rule():
 def test_attention_backward_is_one_op_and_the_c_kernel_runs_it_matching_torch(causal, mask_kind, lq, lk):
     """Where q, k and v share their batch dims, attention's VJP is one tg.attention_grad; on the C
     backend that op is attention_backward.c's kernel (it is in the emitted C and it ran), over
-    several query blocks and a causal band that skips keys (Lk - Lq = 60), and its gradients equal
-    torch.autograd's in float64. (A float mask's gradient goes the spelled-out way beside it.)"""
+    several query blocks and a causal band that skips keys (Lk - Lq = 60), and its gradients (and the
+    forward's result) equal torch.autograd's in float64. (A float mask's gradient goes the spelled-out
+    way beside it.)"""
     import ctypes
 
     import tilegraph
@@ -381,5 +383,7 @@ def test_attention_backward_is_one_op_and_the_c_kernel_runs_it_matching_torch(ca
     assert lib.tg_attention_backward_count() == before + 1
     t = torch_attention_grads(values, cot, 0.3, causal, mask_kind)
     rtol, _ = tolerance("f32", max(lq, lk))
+    # (the forward too: its flash kernel multiplies no key past a query block's causal band)
+    assert relative_error(np.asarray(ours[0], np.float64), t["out"].detach().numpy()) <= rtol
     for name, got in zip(wrt, ours[1:]):
         assert relative_error(np.asarray(got, np.float64), t[name].grad.numpy()) <= rtol, name
