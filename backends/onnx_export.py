@@ -846,8 +846,10 @@ def _decomposed(model: Model) -> tuple[Model, dict]:
     where: dict = {}
     copy = Model(model.module.clone(value_mapper=where), model.weights)
     replaced = {}
-    for i, op in enumerate(list(_walk(copy.func.body.block))):
-        if isinstance(op, TgOp) and op.op_name in DECOMPOSED:
+    # (again while a decomposition made one: attention's long backward recomputes its forward)
+    while pending := [(i, op) for i, op in enumerate(_walk(copy.func.body.block))
+                      if isinstance(op, TgOp) and op.op_name in DECOMPOSED]:
+        for i, op in pending:
             results = list(op.results)
             new = expand(op)
             if new is None:  # not reached for any attention the shape rules accept; an exporter bug if so
