@@ -867,9 +867,9 @@ Op = StrEnum("Op", [
     "div", "pow", "max", "min", "bitwise_and", "bitwise_or", "bitwise_xor", "shift_left", "shift_right",
     "mod", "and", "or", "xor", "eq", "ne", "lt", "le", "gt", "ge", "where", "reduce_sum", "reduce_mean",
     "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin", "matmul", "einsum", "conv", "max_pool",
-    "avg_pool", "softmax", "layer_norm", "attention", "attention_grad", "reshape", "broadcast", "transpose", "concat", "split",
-    "slice", "gather", "gather_elements", "pad", "tile", "cumsum", "trilu", "constant", "weight", "iota",
-    "scatter_elements", "scatter_nd", "cumprod", "topk", "expm1", "log1p", "nonzero", "unique", "narrow",
+    "avg_pool", "softmax", "layer_norm", "attention", "attention_grad", "reshape", "broadcast", "transpose",
+    "concat", "split", "slice", "gather", "gather_elements", "pad", "tile", "cumsum", "trilu", "constant", "weight",
+    "iota", "scatter_elements", "scatter_nd", "cumprod", "topk", "expm1", "log1p", "nonzero", "unique", "narrow",
     "non_max_suppression", "assert_size", "rnn", "quantize", "dequantize", "dynamic_quantize",
     "matmul_integer", "block_matmul", "block_gather", "cache_write", "cache_attention", "rms_norm", "rope",
     "sample", "dropout"
