@@ -90,7 +90,7 @@ REDUCE = {name: onnx_op for onnx_op, kind in onnx_names.REDUCE.items() for name,
 # must be an input's dim, read by Shape at run time.
 SHAPE_COMPUTING = ("reshape", "broadcast", "iota", "attention", "layer_norm")
 # Composites ONNX has no operator for, exported as their decomposition (ir/decompositions.py).
-DECOMPOSED = ("attention",)
+DECOMPOSED = ("attention", "attention_grad")
 # tg ops ONNX has no operator for; each is refused with this reason.
 NO_ONNX_OP = {"expm1": "ONNX has no Expm1 (exp(x) - 1 loses every digit for small x)",
               "log1p": "ONNX has no Log1p (log(1 + x) loses every digit for small x)",
@@ -846,8 +846,10 @@ def _decomposed(model: Model) -> tuple[Model, dict]:
     where: dict = {}
     copy = Model(model.module.clone(value_mapper=where), model.weights)
     replaced = {}
-    for i, op in enumerate(list(_walk(copy.func.body.block))):
-        if isinstance(op, TgOp) and op.op_name in DECOMPOSED:
+    # (again while a decomposition made one: attention's long backward recomputes its forward)
+    while pending := [(i, op) for i, op in enumerate(_walk(copy.func.body.block))
+                      if isinstance(op, TgOp) and op.op_name in DECOMPOSED]:
+        for i, op in pending:
             results = list(op.results)
             new = expand(op)
             if new is None:  # not reached for any attention the shape rules accept; an exporter bug if so

@@ -1,5 +1,6 @@
-"""Attention's backward as tg ops, for the VJP rule of `tg.attention` (ir/vjp.py) and for
-training code that differentiates attention by hand: the whole-row form (the probabilities
+"""Attention's backward as tg ops: the decomposition of `tg.attention_grad` (ir/decompositions.py),
+the VJP rule of `tg.attention` where q, k and v broadcast over the batch (ir/vjp.py), and training
+code that differentiates attention by hand: the whole-row form (the probabilities
 recomputed from q and k in one matmul) and FlashAttention-2's blockwise form, which never
 holds an Lq x Lk value. Each takes a `Backward` emitter `b` and returns tg values.
 """
@@ -25,7 +26,7 @@ def swap_last(b, x):
 
 def attention_backward(b, q, k, v, mask, scale: float, causal: bool, gy):
     """(dq, dk, dv) of softmax(q k^T scale + mask) v: the probabilities recomputed from q and k
-    in one matmul, memory O(Lq Lk): the rule at or below ir/vjp.ATTENTION_BACKWARD_BLOCK keys, where
+    in one matmul, memory O(Lq Lk): the form at or below ir/vjp.ATTENTION_BACKWARD_BLOCK keys, where
     that is one block's slab anyway (attention_backward_blockwise above it)."""
     from tilegraph.ir.decompositions import attention_probabilities
 

@@ -128,6 +128,32 @@ def _attention(op, emit):
     return emit("matmul", probs, v)
 
 
+def _attention_grad(op, emit):
+    """Attention's backward in tg ops: the whole-row form up to ATTENTION_BACKWARD_BLOCK keys,
+    FlashAttention-2's blockwise form past it (ir/attention_backward.py, both), which reads the
+    forward's result: recomputed here, as a flash attention (O(N d) memory)."""
+    from tilegraph.ir.attention_backward import attention_backward, attention_backward_blockwise
+    from tilegraph.ir.vjp import ATTENTION_BACKWARD_BLOCK, Backward
+
+    q, k, v, gy, *mask = op.operands
+    b = Backward()
+    lk = info(k).shape[-2]
+    try:
+        if isinstance(lk, int) and lk > ATTENTION_BACKWARD_BLOCK:
+            out = b("attention", q, k, v, *mask, scale=op.attr("scale"), causal=op.attr("causal"))
+            dq, dk, dv, _ = attention_backward_blockwise(b, q, k, v, mask[0] if mask else None, op.attr("scale"),
+                                                         op.attr("causal"), out, gy, ATTENTION_BACKWARD_BLOCK)
+        else:
+            dq, dk, dv, _ = attention_backward(b, q, k, v, mask[0] if mask else None, op.attr("scale"),
+                                               op.attr("causal"), gy)
+    except ShapeError as e:
+        for made in reversed(b.ops):
+            made.drop_all_references()
+        raise Inapplicable(str(e)) from e
+    emit.ops.extend(b.ops)
+    return [dq, dk, dv]
+
+
 def attention_probabilities(emit, q, k, mask, scale: float, causal: bool):
     """softmax(q @ k^T * scale, masked): attention's weights (its VJP recomputes them from here)."""
     dt, rank = info(q).dtype, info(q).rank
@@ -338,6 +364,7 @@ DECOMPOSITIONS = {
     "layer_norm": _layer_norm,
     "gelu": _gelu,
     "attention": _attention,
+    "attention_grad": _attention_grad,
 }
 
 

@@ -233,6 +233,31 @@ def attention(q, k, v, mask, scale, causal):
     return np.matmul(softmax(scores, -1), v)
 
 
+def attention_grad(q, k, v, gy, mask, scale, causal):
+    """(dq, dk, dv) of attention(q, k, v, mask, scale, causal) given gy, its result's cotangent:
+    the probabilities recomputed, then dS = P (dP - rowsum(P dP)). One batch row (head) at a
+    time, so the Lq x Lk temporaries are one head's, not the batch's."""
+    batch = q.shape[:-2]
+    lq, lk = q.shape[-2], k.shape[-2]
+    dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+    keep = np.tril(np.ones((lq, lk), dtype=bool), k=lk - lq) if causal else None
+    full = None if mask is None else np.broadcast_to(mask, batch + (lq, lk))
+    dt = np.asarray(scale, dtype=q.dtype)
+    for i in np.ndindex(*batch):
+        s = np.matmul(q[i], k[i].T) * dt
+        if keep is not None:
+            s = np.where(keep, s, -np.inf)
+        if full is not None:
+            s = np.where(full[i], s, -np.inf) if full.dtype == np.bool_ else s + full[i]
+        p = softmax(s, -1)
+        dv[i] = np.matmul(p.T, gy[i])
+        dp = np.matmul(gy[i], v[i].T)
+        ds = p * (dp - np.sum(p * dp, axis=-1, keepdims=True)) * dt
+        dq[i] = np.matmul(ds, k[i])
+        dk[i] = np.matmul(ds.T, q[i])
+    return dq, dk, dv
+
+
 def _window_view(x, kernel, strides, dilations, counts=None):
     """A strided view (N, C, *out, *kernel) of the spatial windows of x (N, C, *spatial); at
     most `counts` windows per spatial dim when given (a pool's, _pool_pads)."""

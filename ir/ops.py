@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 from tilegraph.ir import loops
 from tilegraph.ir.shape_rules import (
-    _arg_reduce, _assert_size, _attention, _binary, _bitcast, _block_gather,
+    _arg_reduce, _assert_size, _attention, _attention_grad, _binary, _bitcast, _block_gather,
     _block_matmul, _cache_attention, _cache_write, _cast, _check_broadcast, _check_reshape,
     _concat, _constant, _conv, _dequantize, _dropout, _dynamic_quantize, _einsum,
     _fail, _gather, _gather_elements, _given, _iota, _layer_norm,
@@ -258,6 +258,16 @@ def _attention_flops(ins, outs):
     return batch_q * k.shape[-2] * (2 * q.shape[-1] + 2 * v.shape[-1] + SOFTMAX_FLOPS)
 
 
+def _attention_grad_flops(ins, outs):
+    """The scores again, dP = gy v^T, dV = P^T gy, dQ = dS k, dK = dS^T q, and the softmax's and
+    dS's elementwise work, over every (query, key) pair (a causal mask's half included)."""
+    import sympy
+
+    q, k, v = ins[:3]
+    batch_q = sympy.sympify(numel(q.shape)) / q.shape[-1]
+    return batch_q * k.shape[-2] * (6 * q.shape[-1] + 4 * v.shape[-1] + SOFTMAX_FLOPS + 3)
+
+
 def _einsum_flops(ins, outs):
     return 2 * max(numel(t.shape) for t in ins)  # (einsum shapes are concrete)
 
@@ -453,6 +463,16 @@ _op("attention", ["q", "k", "v", "mask?"], _attention, "K.attention({q}, {k}, {v
     "composite", {"scale": ("float", REQUIRED), "causal": ("bool", False)},
     doc="softmax(q @ k^T * scale + mask) @ v; an i1 mask keeps where true, a float mask is added",
     pattern=ANCHOR, flops=_attention_flops, loops=loops.attention, gemm=_gemm_of_attention)
+
+# Attention's backward as one op (its VJP rule makes it): a backend with a kernel for it computes
+# the scores once per query block and skips a causal mask's blocks; the others spell it out
+# (ir/attention_backward.py: the whole-row form, or FlashAttention-2's blockwise one past a block).
+_op("attention_grad", ["q", "k", "v", "gy", "mask?"], _attention_grad,
+    "K.attention_grad({q}, {k}, {v}, {gy}, {mask}, {scale}, {causal})", "composite",
+    {"scale": ("float", REQUIRED), "causal": ("bool", False)},
+    doc="(dq, dk, dv) of attention(q, k, v, mask, scale, causal) given gy, its result's cotangent; a float "
+        "mask's own cotangent is not a result (the VJP rule spells that one out)",
+    pattern=OPAQUE, flops=_attention_grad_flops)
 
 _op("reshape", ["x"], _given("reshape", _check_reshape), "np.reshape({x}, {out_shape})", "layout", result_given=True,
     view=True, loops=loops.reshape)
@@ -847,9 +867,9 @@ Op = StrEnum("Op", [
     "div", "pow", "max", "min", "bitwise_and", "bitwise_or", "bitwise_xor", "shift_left", "shift_right",
     "mod", "and", "or", "xor", "eq", "ne", "lt", "le", "gt", "ge", "where", "reduce_sum", "reduce_mean",
     "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin", "matmul", "einsum", "conv", "max_pool",
-    "avg_pool", "softmax", "layer_norm", "attention", "reshape", "broadcast", "transpose", "concat", "split",
-    "slice", "gather", "gather_elements", "pad", "tile", "cumsum", "trilu", "constant", "weight", "iota",
-    "scatter_elements", "scatter_nd", "cumprod", "topk", "expm1", "log1p", "nonzero", "unique", "narrow",
+    "avg_pool", "softmax", "layer_norm", "attention", "attention_grad", "reshape", "broadcast", "transpose",
+    "concat", "split", "slice", "gather", "gather_elements", "pad", "tile", "cumsum", "trilu", "constant", "weight",
+    "iota", "scatter_elements", "scatter_nd", "cumprod", "topk", "expm1", "log1p", "nonzero", "unique", "narrow",
     "non_max_suppression", "assert_size", "rnn", "quantize", "dequantize", "dynamic_quantize",
     "matmul_integer", "block_matmul", "block_gather", "cache_write", "cache_attention", "rms_norm", "rope",
     "sample", "dropout"

@@ -230,6 +230,23 @@ def _attention(ins, attrs, given):
     return [TensorInfo(batch + (q.shape[-2], v.shape[-1]), q.dtype)]
 
 
+def _attention_grad(ins, attrs, given):
+    """(dq, dk, dv) of tg.attention(q, k, v, mask): each of its operand's type. q, k and v share
+    their batch dims (a broadcast one's gradient would be a sum over the batch: the VJP rule
+    keeps those spelled out); gy is the cotangent of the forward's result."""
+    q, k, v, gy = ins[:4]
+    try:
+        (fwd,) = _attention([q, k, v, *ins[4:]], attrs, None)
+    except ShapeError as e:
+        raise _fail("attention_grad", str(e)) from None
+    same = lambda a, b: a.rank == b.rank and all(dims_equal(x, y) for x, y in zip(a.shape, b.shape))  # noqa: E731
+    if not same(gy, fwd) or gy.dtype != fwd.dtype:
+        raise _fail("attention_grad", f"gy {gy} must be of attention's result {fwd}")
+    if not all(same(TensorInfo(t.shape[:-2], t.dtype), TensorInfo(fwd.shape[:-2], t.dtype)) for t in (q, k, v)):
+        raise _fail("attention_grad", f"q {q}, k {k}, v {v} must share the result's batch dims {fwd}")
+    return [q, k, v]
+
+
 def _given(op, check):
     def infer(ins, attrs, given):
         if not given or len(given) != 1:

@@ -16,7 +16,8 @@ data-dependent sizes); tests/test_autodiff.py fails when an op of the table has 
 
 Composites get rules of their own, not their decompositions' (softmax's y * (g - sum(g y)),
 layer_norm's three-term formula, gelu's Phi + x phi, attention's probabilities recomputed
-from q and k rather than saved, a block of keys at a time past ATTENTION_BACKWARD_BLOCK;
+from q and k rather than saved: one tg.attention_grad, which a backend runs as a kernel or
+spells out, a block of keys at a time past ATTENTION_BACKWARD_BLOCK;
 dropout's mask recomputed from its seed); layout ops that copy elements (pad's reflect and edge
 modes, strided slices, tile, pools) share one rule: the op applied to the flat indices of
 its operand, then the cotangent scatter-added at those indices.
@@ -59,6 +60,8 @@ NO_GRADIENT: dict[str, str] = {
     **{name: "generation's cache state: decoding is not differentiated (training runs attention over whole "
              "sequences)" for name in ("cache_write", "cache_attention")},
     "sample": "a token drawn from logits: an integer choice has no gradient",
+    "attention_grad": "attention's backward, made by its VJP rule: second derivatives of attention are not "
+                      "written (train_step differentiates once)",
 }
 
 
@@ -634,23 +637,46 @@ ATTENTION_BACKWARD_BLOCK = 256
 @vjp("attention")
 def _attention(b, op, g):
     q, k, v, *mask = op.operands
+    scale, causal = op.attr("scale"), op.attr("causal")
+    batch = info(op.results[0]).shape[:-2]
+    if all(len(info(x).shape[:-2]) == len(batch) and all(dims_equal(a, c) for a, c in zip(info(x).shape[:-2], batch))
+           for x in (q, k, v)):
+        # one op a backend may run as a kernel (ir/ops.py's attention_grad); a float mask's own
+        # cotangent, where something differentiates it, spelled out beside it
+        grad = b.op("attention_grad", [q, k, v, g[0], *mask], {"scale": scale, "causal": causal})
+        grads: list = list(grad.results)
+        if mask:
+            grads.append(None if info(mask[0]).dtype == "i1" else _float_mask_grad(b, op, g))
+        return grads
     lq, lk = info(q).shape[-2], info(k).shape[-2]
     if isinstance(lq, int) and isinstance(lk, int) and lk > ATTENTION_BACKWARD_BLOCK:
-        dq, dk, dv, dmask = attention_backward_blockwise(b, q, k, v, mask[0] if mask else None, op.attr("scale"),
-                                                         op.attr("causal"), op.results[0], g[0],
-                                                         ATTENTION_BACKWARD_BLOCK)
+        dq, dk, dv, dmask = attention_backward_blockwise(b, q, k, v, mask[0] if mask else None, scale, causal,
+                                                         op.results[0], g[0], ATTENTION_BACKWARD_BLOCK)
         grads = [b.sum_to(dq, info(q).shape), b.sum_to(dk, info(k).shape), b.sum_to(dv, info(v).shape)]
         if mask:
             grads.append(None if dmask is None else b.sum_to(dmask, info(mask[0]).shape))
         return grads
-    dq, dk, dv, ds = attention_backward(b, q, k, v, mask[0] if mask else None, op.attr("scale"), op.attr("causal"),
-                                        g[0])
+    dq, dk, dv, ds = attention_backward(b, q, k, v, mask[0] if mask else None, scale, causal, g[0])
     grads = [b.sum_to(dq, info(q).shape), b.sum_to(dk, info(k).shape), b.sum_to(dv, info(v).shape)]
     if mask:
         # a float mask is added to the scores: its cotangent is the scores' (scaled back)
         grads.append(None if info(mask[0]).dtype == "i1" else
-                     b.sum_to(b("div", ds, b.scalar(q, op.attr("scale"))), info(mask[0]).shape))
+                     b.sum_to(b("div", ds, b.scalar(q, scale)), info(mask[0]).shape))
     return grads
+
+
+def _float_mask_grad(b, op, g):
+    """A float mask's cotangent (the scores'), by the spelled-out backward; its dq, dk and dv go
+    unused (dce drops them, and all of it where nothing differentiates the mask)."""
+    q, k, v, mask = op.operands
+    scale, causal = op.attr("scale"), op.attr("causal")
+    lq, lk = info(q).shape[-2], info(k).shape[-2]
+    if isinstance(lq, int) and isinstance(lk, int) and lk > ATTENTION_BACKWARD_BLOCK:
+        dmask = attention_backward_blockwise(b, q, k, v, mask, scale, causal, op.results[0], g[0],
+                                             ATTENTION_BACKWARD_BLOCK)[3]
+        return b.sum_to(dmask, info(mask).shape)
+    ds = attention_backward(b, q, k, v, mask, scale, causal, g[0])[3]
+    return b.sum_to(b("div", ds, b.scalar(q, scale)), info(mask).shape)
 
 
 # --- layout ------------------------------------------------------------------------

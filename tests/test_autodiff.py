@@ -263,8 +263,6 @@ def test_blockwise_attention_backward_matches_torch_and_holds_no_lq_by_lk_value(
     """Above ATTENTION_BACKWARD_BLOCK keys, attention's VJP walks blocks of keys (FlashAttention-2's
     backward, each row's logsumexp first): its gradients equal torch.autograd's in float64 (dq, dk,
     dv and a float mask's), and no value of the backward is Lq x Lk, only Lq x block slabs."""
-    import torch
-
     monkeypatch.setattr(vjp, "ATTENTION_BACKWARD_BLOCK", 4)
     lk, d = 10, 3
     rng = np.random.default_rng(lq + 2 * causal)
@@ -291,16 +289,7 @@ def test_blockwise_attention_backward_matches_torch_and_holds_no_lq_by_lk_value(
         values["mask"] = rng.standard_normal(mshape)
     cot = rng.standard_normal((2, 2, lq, 4))
     ours = interpret(model, [values[n] for n in model.input_names[:-1]] + [cot])
-    t = {n: torch.tensor(a, dtype=torch.float64 if a.dtype != bool else torch.bool, requires_grad=a.dtype != bool)
-         for n, a in values.items()}
-    s = t["q"] @ t["k"].transpose(-1, -2) * 0.6
-    if causal:
-        s = s.masked_fill(~torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq), -torch.inf)
-    if mask_kind == "bool":
-        s = s.masked_fill(~t["mask"], -torch.inf)
-    elif mask_kind:
-        s = s + t["mask"]
-    (torch.softmax(s, -1) @ t["v"]).backward(torch.from_numpy(cot))
+    t = torch_attention_grads(values, cot, 0.6, causal, mask_kind)
     rtol, _ = tolerance("f32", lk)  # the inputs are f32, rounded on the way in
     for name, got in zip(wrt, ours[1:]):
         assert relative_error(got, t[name].grad.numpy()) <= rtol, name
@@ -312,6 +301,26 @@ def test_blockwise_attention_backward_matches_torch_and_holds_no_lq_by_lk_value(
                 for n in model.input_names[:-1]] + [cot.astype(np.float32)]
         for got, want in zip(tilegraph.compile(model, target="c").run(*feed), ours):
             assert_close(np.asarray(got), want, "f32", lk)
+
+
+def torch_attention_grads(values: dict, cot, scale: float, causal: bool, mask_kind):
+    """torch.autograd's attention in float64 over `values` (q, k, v and a mask), backward from `cot`:
+    the tensors by name, each float one with its .grad, and "out", the attention's result."""
+    import torch
+
+    t = {n: torch.tensor(a, dtype=torch.float64 if a.dtype != bool else torch.bool, requires_grad=a.dtype != bool)
+         for n, a in values.items()}
+    lq, lk = t["q"].shape[-2], t["k"].shape[-2]
+    s = t["q"] @ t["k"].transpose(-1, -2) * scale
+    if causal:
+        s = s.masked_fill(~torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq), -torch.inf)
+    if mask_kind == "bool":
+        s = s.masked_fill(~t["mask"], -torch.inf)
+    elif mask_kind:
+        s = s + t["mask"]
+    t["out"] = torch.softmax(s, -1) @ t["v"]
+    t["out"].backward(torch.from_numpy(np.asarray(cot, np.float64)))
+    return t
 
 
 def info_of_value(v):
@@ -333,3 +342,48 @@ def test_what_a_backward_reads_of_its_forward_is_read_off_its_rule():
     assert reads == {"add": (frozenset(), False), "mul": (frozenset({0, 1}), False),
                      "exp": (frozenset(), True), "where": (frozenset({0}), False)}
     assert uses == {name: [len(list(v.uses)) for v in op.operands] for name, op in ops.items()}
+
+
+@pytest.mark.parametrize("causal, mask_kind, lq, lk", [(True, None, 150, 150), (True, "bool", 70, 130),
+                                                       (False, "float", 90, 40), (False, None, 1, 5)])
+def test_attention_backward_is_one_op_and_the_c_kernel_runs_it_matching_torch(causal, mask_kind, lq, lk):
+    """Where q, k and v share their batch dims, attention's VJP is one tg.attention_grad; on the C
+    backend that op is attention_backward.c's kernel (it is in the emitted C and it ran), over
+    several query blocks and a causal band that skips keys (Lk - Lq = 60), and its gradients (and the
+    forward's result) equal torch.autograd's in float64. (A float mask's gradient goes the spelled-out
+    way beside it.)"""
+    import ctypes
+
+    import tilegraph
+
+    d, e = 16, 8
+    rng = np.random.default_rng(lq + lk)
+    shapes = {"q": (2, 3, lq, d), "k": (2, 3, lk, d), "v": (2, 3, lk, e)}
+    mshape = {"float": (2, 1, lq, lk), "bool": (1, 1, lq, lk)}.get(mask_kind)
+    g = Graph()
+    q, k, v = (g.input(n, s) for n, s in shapes.items())
+    mask = None if mask_kind is None else g.input("mask", mshape, "i1" if mask_kind == "bool" else "f32")
+    out = g.op("attention", q, k, v, *([mask] if mask is not None else []), scale=0.3, causal=causal)
+    wrt = list(shapes) + (["mask"] if mask_kind == "float" else [])
+    model = autodiff.vjp(g.build(out, names=["out"]), wrt=wrt)
+    assert [op.op_name for op in model.ops() if getattr(op, "op_name", None) == "attention_grad"] == ["attention_grad"]
+    values = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+    if mask_kind == "bool":
+        values["mask"] = rng.random(mshape) < 0.8
+        values["mask"][..., 0] = True  # no row wholly masked (its forward is NaN in both)
+    elif mask_kind:
+        values["mask"] = rng.standard_normal(mshape).astype(np.float32)
+    cot = rng.standard_normal((2, 3, lq, e)).astype(np.float32)
+    compiled = tilegraph.compile(model, target="c")
+    assert compiled.source.count("tg_attention_backward(") == 1
+    lib = compiled._runner._lib
+    lib.tg_attention_backward_count.restype = ctypes.c_int
+    before = lib.tg_attention_backward_count()
+    ours = compiled.run(*[values[n] for n in model.input_names[:-1]], cot)
+    assert lib.tg_attention_backward_count() == before + 1
+    t = torch_attention_grads(values, cot, 0.3, causal, mask_kind)
+    rtol, _ = tolerance("f32", max(lq, lk))
+    # (the forward too: its flash kernel multiplies no key past a query block's causal band)
+    assert relative_error(np.asarray(ours[0], np.float64), t["out"].detach().numpy()) <= rtol
+    for name, got in zip(wrt, ours[1:]):
+        assert relative_error(np.asarray(got, np.float64), t[name].grad.numpy()) <= rtol, name

@@ -620,6 +620,28 @@ def test_a_gated_mlp_runs_its_sibling_gemms_then_one_loop():
     assert_close(compiled(xs), interpret(model, [xs])[0], "f32", reduction_length=32)
 
 
+def test_a_gemm_whose_result_is_also_yielded_runs_its_pointwise_epilogue_as_one_loop():
+    """A training step's MLP: the pre-activation h = x W + b, which the backward reads, yielded
+    beside gelu(h) and erf(h / sqrt 2) (gelu's derivative): the bias on oneDNN, then both as one
+    loop over h (not a pass over memory per op, and no buffer for h / sqrt 2), all three right."""
+    from tilegraph.ir import Graph
+
+    rng = np.random.default_rng(0)
+    g = Graph()
+    x = g.input("x", (256, 64))
+    h = x @ g.weight("w", rng.standard_normal((64, 128)).astype(np.float32)) + \
+        g.weight("b", rng.standard_normal(128).astype(np.float32))
+    model = g.build(h, g.gelu(h), g.erf(h * g.constant(np.float32(math.sqrt(0.5)))), names=["h", "y", "e"])
+    compiled = tilegraph.compile(model, target="c")
+    (step,) = compiled._runner.program.steps
+    assert step.comment.startswith("fusion matmul_epilogue: matmul, add, gelu, mul, erf"), step.comment
+    body = "\n".join(step.lines)
+    assert body.count("tg_prim_run(") == 1 and body.count("for (int64_t j = ") == 1, body
+    xs = rng.standard_normal((256, 64)).astype(np.float32)
+    for got, want in zip(compiled.run(xs), interpret(model, [xs])):
+        assert_close(got, want, "f32", reduction_length=64)
+
+
 @settings(max_examples=60, deadline=None)
 @given(shape=st.lists(st.integers(1, 4), min_size=1, max_size=4), data=st.data())
 def test_a_reshape_is_a_view_exactly_where_numpy_makes_one(shape, data):

@@ -464,3 +464,19 @@ def test_attention_is_exported_as_its_decomposition_and_its_result_keeps_a_name(
         bad, _ = _teacher_forced_mismatches(model, inputs)
         assert not bad, "\n".join(bad)
         assert_runs_as_interpreted(model, inputs)
+
+
+def test_attention_backward_over_more_keys_than_a_block_exports_and_runs():
+    """tg.attention_grad past ir/vjp.ATTENTION_BACKWARD_BLOCK keys decomposes into the blockwise form,
+    which recomputes the forward as a tg.attention: decomposed in turn, and onnxruntime agrees."""
+    from tilegraph.ir.vjp import ATTENTION_BACKWARD_BLOCK
+
+    shape = (1, 2, ATTENTION_BACKWARD_BLOCK + 44, 8)
+    g = Graph()
+    q, k, v, gy = (g.input(n, shape) for n in ("q", "k", "v", "gy"))
+    model = g.build(*g.op("attention_grad", q, k, v, gy, scale=0.3, causal=True), names=["dq", "dk", "dv"])
+    proto = to_onnx(model, "attention_grad")
+    assert not {n.op_type for n in proto.graph.node} & {"attention", "attention_grad"}
+    xs = [np.random.default_rng(i).standard_normal(shape).astype(np.float32) for i in range(4)]
+    for got, want in zip(session(proto).run(None, dict(zip(["q", "k", "v", "gy"], xs))), interpret(model, xs)):
+        assert_close(got, want, "f32", reduction_length=2 * shape[2])

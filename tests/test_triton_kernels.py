@@ -34,8 +34,8 @@ HOST_OPS = {"einsum", "max_pool", "avg_pool", "gather_elements", "pad", "tile", 
             "topk", "matmul", "conv", "slice", "cumprod", "bitcast",
             # generation's ops: kernels in the C backend only so far
             "block_matmul", "block_gather", "cache_write", "cache_attention", "rms_norm", "rope", "sample",
-            # training's dropout: a C kernel only so far
-            "dropout",
+            # training's dropout and attention backward: C kernels only so far
+            "dropout", "attention_grad",
             # quantization ops no kernel of backends/triton/quant.py covers: tg.quantize per channel or
             # to 4 bits, tg.dequantize by scales along another axis than the last, outside a GEMM
             "quantize", "dequantize"}

@@ -630,6 +630,9 @@ int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb
             for (int64_t j0 = 0; j0 < lk; j0 += bk) {
                 int64_t nk = j0 + bk < lk ? bk : lk - j0;
                 if (causal && j0 > i1 - 1 + lk - lq) break;
+                /* keys past the block's last query's position are masked in every row: not
+                 * multiplied (the first of GPT-2's two query blocks of 128 sees 128 of 256 keys) */
+                if (causal && j0 + nk > i1 + lk - lq) nk = i1 + lk - lq - j0;
                 if (d == 0) {
                     for (int64_t i = 0; i < nq * bk; i++) s[i] = 0.f;
                 } else if (dnnl_sgemm('N', 'T', nq, nk, d, scale, q + oq + i0 * qr, qr, k + ok + j0 * kr, kr, 0.f, s,

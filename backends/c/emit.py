@@ -61,6 +61,10 @@ from tilegraph.ir.ops import Op, OPS
 # The largest attention block the kernel takes: runtime.h's TG_MAX_BLOCK (which says why).
 MAX_ATTENTION_BLOCK = 16384
 
+# Query rows per block of attention_grad's kernel (attention_backward.c): its two working slabs
+# are this many rows of Lk floats (64 KiB each at GPT-2's 256 keys, in a core's second-level
+# cache), and its GEMMs are this tall.
+ATTENTION_BACKWARD_ROWS = 64
 HOST_FALLBACK = {
     "einsum": "NumPy's einsum on the host",
     "scatter_elements": "host", "scatter_nd": "C for set and add by i64/i32 indices, the host otherwise",
@@ -276,6 +280,38 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
         if bf16:
             self.steps[-1].bf16_writes.add(out.buf)
         return out
+
+    @lowers(Op.attention_grad)
+    def attention_grad(self, op: TgOp, xs: list[View]) -> list[View]:
+        """attention_backward.c's kernel: q, k, v and gy rows contiguous (copied if not), dq, dk
+        and dv new row-major buffers."""
+        infos = op.result_infos()
+        if infos[0].dtype != "f32" or any(x.literal is not None for x in xs[:4]):
+            raise Unsupported("attention_grad in f32")
+        q, k, v, gy = (x if _eq(x.strides[-1], 1) and sympy.sympify(x.strides[-2] - x.shape[-1]).is_nonnegative
+                       else self.materialize(x) for x in xs[:4])
+        mask = xs[4] if len(xs) > 4 else None
+        outs = [self._temp(i) for i in infos]
+        batch, (lq, lk) = tuple(gy.shape[:-2]), (q.shape[-2], k.shape[-2])
+        mask_kind, mask_ptr, mr, mc, mb = 0, "NULL", 0, 0, [0] * len(batch)
+        if mask is not None:
+            if mask.literal is not None:
+                raise Unsupported("a scalar attention mask")
+            full = self.broadcast(mask, batch + (lq, lk))
+            mask_kind = 1 if mask.dtype == "i1" else 2
+            mask_ptr, mr, mc, mb = self.ptr(mask), full.strides[-2], full.strides[-1], list(full.strides[:-2])
+        strides = [list(x.strides[:-2]) for x in (q, k, v, gy)] + [mb] + [list(o.strides[:-2]) for o in outs]
+        call = (f"tg_attention_backward({len(batch)}, bd, bs, {self.ptr(q)}, {self.ptr(k)}, {self.ptr(v)}, "
+                f"{self.ptr(gy)}, {mask_ptr}, {', '.join(self.ptr(o, False) for o in outs)}, {self.ints(lq)}, "
+                f"{self.ints(lk)}, {self.ints(q.shape[-1])}, {self.ints(v.shape[-1])}, "
+                + ", ".join(self.ints(x.strides[-2]) for x in (q, k, v, gy)) +
+                f", {mask_kind}, {self.ints(mr)}, {self.ints(mc)}, {c_float(op.attr('scale'), 'f32')}, "
+                f"{int(bool(op.attr('causal')))}, {ATTENTION_BACKWARD_ROWS})")
+        lines = ["{", f"    const int64_t bd[] = {self._c_array(batch)}, bs[] = "
+                      f"{self._c_array([s for per in strides for s in per])};",
+                 f"    if ({call}) return 1;", "}"]
+        self._step(_describe(op), lines, [q, k, v, gy] + ([mask] if mask is not None else []), outs)
+        return outs
 
     def host(self, op: TgOp, xs: list[View]) -> list[View]:
         outs = [self._temp(info) for info in op.result_infos()]

@@ -201,9 +201,12 @@ class OneDNN(EmitterParts):
     def _elementwise_rest(self, group, rest, env, yields, into: View | None = None) -> bool:
         """The ops oneDNN's post-ops did not take, as one loop over the result (not a
         pass over memory per op) where they are all elementwise; written `into` the GEMM's
-        result where nothing else reads that."""
+        result where nothing else reads that. Of the group's results, the loop makes those the
+        ops make: the GEMM's own result may be one too (a training step's pre-activation, which
+        the backward reads beside the gelu the loop makes from it), already in its buffer."""
+        made = {r for op in rest for r in op.results}
         try:
-            return self.fused_elementwise(group, rest, env, yields, into)
+            return self.fused_elementwise(group, rest, env, [y for y in yields if y in made], into)
         except Unsupported:
             return False
 

@@ -68,7 +68,9 @@ HOST = {name: _HOST for name in ("einsum", "max_pool", "avg_pool", "gather_eleme
                                  "non_max_suppression", "rnn", "assert_size",
                                  # generation's ops have kernels in the C backend only so far
                                  "block_matmul", "block_gather", "cache_write", "cache_attention",
-                                 "rms_norm", "rope", "sample", "dropout")}
+                                 "rms_norm", "rope", "sample", "dropout",
+                                 # attention's backward: the C backend's kernel only so far
+                                 "attention_grad")}
 KERNELS = ("trilu", "argmax", "argmin", "cumsum", "cumprod", "matmul", "conv", "attention", "gather",
            "quantize", "dequantize", "dynamic_quantize", "matmul_integer")
 TORCH_CALLS = (*TORCH_LAYOUT, "split", "slice", "iota", "constant", "weight")

@@ -176,6 +176,18 @@ def op_examples() -> dict[str, list[OpExample]]:
         [q, k, v, np.tril(np.ones((4, 6), bool), 2)], 8 + 2 * 6, "bool-mask")
     add("attention", lambda g, a, b, c: g.attention(a, b, c, causal=True), [q, k, v], 8 + 2 * 6, "causal")
 
+    # its backward: the scores (8 terms), the softmax's row (6), dP (8 along v's dim), rowsum(P dP) (6),
+    # then dq's sum over keys (6) and dk's over queries (4)
+    gy, grads = f32(1, 2, 4, 8), 8 + 2 * 6 + 8 + 6
+
+    def backward(**attrs):
+        return lambda g, a, b, c, d, *m: g.op("attention_grad", a, b, c, d, *m, **{"scale": 0.35, **attrs})
+    add("attention_grad", backward(), [q, k, v, gy], grads, "plain")
+    add("attention_grad", backward(causal=True), [q, k, v, gy], grads, "causal")
+    add("attention_grad", backward(), [q, k, v, gy, f32(4, 6)], grads, "float-mask")
+    add("attention_grad", backward(scale=0.5, causal=True), [q, k, v, gy, np.tril(np.ones((4, 6), bool), 2)],
+        grads, "causal-bool-mask")
+
     # Layout; symbolic dims where the op's shape code uses them.
     add("reshape", lambda g, a: g.reshape(a, ("B", -1)), [f32(2, 3, 6)], label="symbolic",
         shapes=[("B", "S", 6)])
