@@ -15,7 +15,7 @@ from tilegraph.backends.c.views import (ConvStep, EmitterParts, Unsupported, Vie
 from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.fusion import ELTWISE_POSTS
-from tilegraph.ir.hardware import winograd_shape, winograd_wins
+from tilegraph.ir.hardware import blocked_conv, winograd_shape, winograd_wins
 from tilegraph.ir.shapes import TensorInfo, info_of, numel
 from tilegraph.ir.ops import Op
 from tilegraph.ir.strides import rows_collapse, unit_dims_strided
@@ -473,7 +473,15 @@ class OneDNN(EmitterParts):
         if eligible and winograd_wins(x.shape[0], x.shape[1], *out.shape[1:]):
             scratch = self._temp(TensorInfo((winograd_floats(x.shape[0], x.shape[1], *out.shape[1:]),), "f32"))
         create = "tg_wino_create" if eligible else "tg_conv_create"
-        last = f", {self.ints(numel(scratch.shape)) if scratch is not None else 0}" if eligible else ""
+        last = f", {self.ints(numel(scratch.shape)) if scratch is not None else 0}" if eligible else f", {_BLOCK}"
+        depthwise = groups > 1 and _eq(wd[1], 1) and _eq(wd[2], 1)
+        # Blocked (nChw16c) where the rule finds oneDNN's blocked kernels faster; chain_convolutions
+        # keeps it only inside a chain of such convolutions. A binary post-op reads an operand in
+        # the emitter's layout, which the blocked kernels do not pair with theirs (a sum post-op's
+        # destination is reordered into the blocked layout first: runtime.c, tg_conv_blocked).
+        block = 0 if eligible or post_views else \
+            blocked_conv(x.shape[0], x.shape[1], out.shape[1], *out.shape[2:], depthwise, w.shape[2:]) if x.rank == 4 \
+            else 0
         state = [
             "{",
             f"    const int64_t xd[] = {arr(x.shape)}, xs[] = {arr(x.strides)};",
@@ -489,9 +497,8 @@ class OneDNN(EmitterParts):
         self._run_primitive(op, k, state, x, w, bias, out, post_views, out, [into] if into is not None else [],
                             scratch=scratch)
         others = [w, *([bias] if bias is not None else []), *post_views]
-        depthwise = groups > 1 and _eq(wd[1], 1) and _eq(wd[2], 1)
         self.steps[-1].conv = ConvStep(k, x, out, all(v.buf != x.buf for v in others),
-                                       all(v.buf != out.buf for v in [x, *others]), depthwise, constant_weight)
+                                       all(v.buf != out.buf for v in [x, *others]), depthwise, constant_weight, block)
         return out, covered
 
 
@@ -507,7 +514,7 @@ def winograd_floats(n, c, k, oh: int, ow: int) -> int:
 
 
 # Placeholders of a convolution's state line that chain_convolutions fills in.
-_FROM, _CHAIN_OUT, _STREAM = "/*from*/NULL", "/*chain_out*/0", "/*stream*/0"
+_FROM, _CHAIN_OUT, _STREAM, _BLOCK = "/*from*/NULL", "/*chain_out*/0", "/*stream*/0", "/*block*/0"
 
 
 def chain_convolutions(steps: list, buffers: list, outputs: list[View]) -> int:
@@ -528,18 +535,24 @@ def chain_convolutions(steps: list, buffers: list, outputs: list[View]) -> int:
     strides: its readers convert nothing and its writers write half the bytes."""
     readers, writers = _readers_writers(steps)
     kept = {v.buf for v in outputs}
-    chained = 0
+    chains = []  # (the producing step, its readers) of each buffer that may be chained
     for step in steps:
         if step.conv is None:
             continue
-        k, out = step.conv.prim, step.conv.out
+        out = step.conv.out
         b = out.buf
         reads = readers.get(b, [])
         if buffers[b].storage != "temp" or b in kept or len(writers.get(b, [])) != 1 or not reads:
             continue
-        if not all(r.conv is not None and r.conv.alone and r.conv.src.buf == b and _same_place(r.conv.src, out)
-                   for r in reads):
-            continue
+        if all(r.conv is not None and r.conv.alone and r.conv.src.buf == b and _same_place(r.conv.src, out)
+               for r in reads):
+            chains.append((step, reads))
+    blocked = _blocked_chains(steps, chains)
+    chained = 0
+    for step, reads in chains:
+        k = step.conv.prim
+        if any((id(s) in blocked) != (id(step) in blocked) for s in reads):
+            continue  # (one side blocked, the other not: each takes the buffer in the emitter's layout)
         # 2: a reader computes in f32 (a depthwise convolution at bf16, runtime.c): an f32 result
         step.state = [line.replace(_CHAIN_OUT, "2" if any(r.conv.depthwise for r in reads) else "1")
                       for line in step.state]
@@ -566,7 +579,28 @@ def chain_convolutions(steps: list, buffers: list, outputs: list[View]) -> int:
     for step in steps:
         if id(step) in stream:
             step.state = [line.replace(_STREAM, str(stream[id(step)])) for line in step.state]
+        if id(step) in blocked:
+            step.state = [line.replace(_BLOCK, str(step.conv.block)) for line in step.state]
     return chained
+
+
+def _blocked_chains(steps: list, chains: list) -> set[int]:
+    """The convolution steps (ids) that run blocked (runtime.c, tg_conv_blocked): those the
+    rule (ir/hardware.blocked_conv) finds faster so that are chained to another such one, the
+    producer and every reader of a buffer in the same block. A blocked convolution reorders
+    what it reads from, or writes to, an unchained buffer: alone, those reorders (a pass over
+    its source and result each) cost about what the blocked kernel saves; in a chain only its
+    ends pay them. Dropping one may leave a neighbour alone: repeated until none is."""
+    blocked = {id(s) for s in steps if s.conv is not None and s.conv.block}
+    while True:
+        linked: set[int] = set()
+        for step, reads in chains:
+            members = [step, *reads]
+            if all(id(s) in blocked and s.conv.block == step.conv.block for s in members):
+                linked |= {id(s) for s in members}
+        if linked == blocked:
+            return blocked
+        blocked = linked
 
 
 # The source type of GEMM k's state line, which bf16_sources makes the binding's precision.

@@ -556,8 +556,8 @@ void tg_prim_destroy(tg_prim *g) {
     dnnl_memory_t users[] = {g->user_src, g->user_wei, g->user_dst, g->in_from, g->in_to};
     for (int i = 0; i < 5; i++)
         if (users[i]) dnnl_memory_destroy(users[i]);
-    dnnl_primitive_t prims[] = {g->prim, g->re_src, g->re_wei, g->re_dst, g->re_in};
-    for (int i = 0; i < 5; i++)
+    dnnl_primitive_t prims[] = {g->prim, g->re_src, g->re_wei, g->re_dst, g->re_in, g->re_acc};
+    for (int i = 0; i < 6; i++)
         if (prims[i]) dnnl_primitive_destroy(prims[i]);
     if (g->wino) tg_wino_free(g->wino);
     free(g->tmp_src);
@@ -601,6 +601,7 @@ int tg_prim_run(tg_prim *g, const void *src, const void *wei, const void *bias, 
     dnnl_memory_set_data_handle(g->dst, g->re_dst ? g->tmp_dst : dst);
     if (g->re_src && tg_reorder_run(g->re_src, g->user_src, (void *)src, g->src, 1)) return 1;
     if (g->re_wei && tg_reorder_run(g->re_wei, g->user_wei, (void *)wei, g->wei, 1)) return 1;
+    if (g->re_acc && tg_reorder_run(g->re_acc, g->user_dst, dst, g->dst, 1)) return 1;
     args[n++] = (dnnl_exec_arg_t){DNNL_ARG_SRC, g->src};
     args[n++] = (dnnl_exec_arg_t){DNNL_ARG_WEIGHTS, g->wei};
     args[n++] = (dnnl_exec_arg_t){DNNL_ARG_DST, g->dst};
@@ -733,6 +734,62 @@ static int tg_chain_ok(const tg_prim *g, int chain_out, size_t capacity) {
     return tg_fpmath == dnnl_fpmath_mode_bf16 && chain_out != 2 ? dt == dnnl_bf16 && wt == dnnl_bf16 : dt == dnnl_f32;
 }
 
+/* A convolution computed in oneDNN's blocked layout nChw<block>c (tg_conv_create's `block`),
+ * source and result alike (its blocked kernels take no other pairing): the source is taken
+ * as its producer left it where that is this layout (a chained blocked producer), else
+ * reordered into it in a scratch of the primitive's own; the result stays blocked in the
+ * caller's buffer where only chained blocked convolutions read it (`keep`), else it is
+ * reordered out into the caller's layout. Returns 0 when it took this path, else 1 with `g`
+ * cleared (the caller makes it channels-last): a reference kernel, a reorder or a relayout
+ * oneDNN asked for, a post-op reading the destination's own layout. */
+static int tg_conv_blocked(tg_prim *g, tg_conv_ctx *ctx, int nd, const int64_t *x_dims, const int64_t *y_dims,
+                           int block, const_dnnl_memory_desc_t user_x, const_dnnl_memory_desc_t plain_y, int keep,
+                           const_dnnl_memory_desc_t wei, const void *weight, tg_packed *pack, int npost,
+                           const tg_post *posts, int w_nd, const int64_t *w_dims) {
+    dnnl_memory_desc_t bx = NULL, by = NULL;
+    dnnl_dims_t xd, yd;
+    int has_bias = g->has_bias, rc = 1, sum = 0;
+    for (int i = 0; i < npost; i++) {
+        if (posts[i].binary && posts[i].binary != TG_POST_SUM) return 1;
+        sum |= posts[i].binary == TG_POST_SUM;
+    }
+    keep = keep && !sum; /* (a buffer two convolutions write is never chained) */
+    for (int i = 0; i < nd; i++) xd[i] = x_dims[i], yd[i] = y_dims[i];
+    dnnl_format_tag_t tag = block == 16 ? dnnl_aBcd16b : dnnl_aBcd8b;
+    if (nd == 4 && (block == 8 || block == 16) &&
+        dnnl_memory_desc_create_with_tag(&bx, nd, xd, dnnl_f32, tag) == dnnl_success &&
+        dnnl_memory_desc_create_with_tag(&by, nd, yd, dnnl_f32, tag) == dnnl_success) {
+        ctx->src = bx;
+        ctx->dst = by;
+        rc = tg_prim_create(g, tg_conv_pd, ctx, sizeof *ctx, wei, weight, pack, npost, posts, w_nd, w_dims, 0, 0);
+        const_dnnl_primitive_desc_t pd = NULL;
+        /* (tg_relayout's reorders, where oneDNN had only ref for these layouts: not this path) */
+        if (!rc && (g->re_src || g->re_dst || dnnl_primitive_get_primitive_desc(g->prim, &pd) != dnnl_success ||
+                    tg_is_ref(pd)))
+            rc = 1;
+        if (!rc && keep && dnnl_memory_desc_get_size(by) > dnnl_memory_desc_get_size(plain_y)) keep = 0;
+        if (!rc && !dnnl_memory_desc_equal(user_x, bx))
+            rc = tg_reorder_step(&g->re_src, &g->user_src, &g->tmp_src, &g->own_bytes, user_x, bx, 1, 0);
+        if (!rc && !keep)
+            rc = tg_reorder_step(&g->re_dst, &g->user_dst, &g->tmp_dst, &g->own_bytes, plain_y, by, 0, 0);
+        if (!rc && sum) { /* (what it adds to, into the blocked scratch first) */
+            dnnl_primitive_desc_t rpd = NULL;
+            rc = dnnl_reorder_primitive_desc_create(&rpd, plain_y, tg_engine, by, tg_engine, NULL) != dnnl_success ||
+                 dnnl_primitive_create(&g->re_acc, rpd) != dnnl_success;
+            if (rpd) dnnl_primitive_desc_destroy(rpd);
+        }
+        if (!rc) tg_log_primitive(pd, user_x, block == 16 ? (keep ? " (nChw16c, kept)" : " (nChw16c)")
+                                                           : (keep ? " (nChw8c, kept)" : " (nChw8c)"));
+    }
+    if (rc) {
+        tg_prim_destroy(g);
+        g->has_bias = has_bias;
+    }
+    if (bx) dnnl_memory_desc_destroy(bx);
+    if (by) dnnl_memory_desc_destroy(by);
+    return rc;
+}
+
 /* w_dims/w_str: OI<spatial> (groups == 1) or GOI<spatial>; dilations in torch's
  * convention (1 = dense), oneDNN's is one less.
  *
@@ -751,12 +808,17 @@ static int tg_chain_ok(const tg_prim *g, int chain_out, size_t capacity) {
  * emitter's strides, for every writer and reader alike, so its reader converts nothing and
  * its writers write half the bytes (the sum post-op reads it in bf16 too). A writer has no
  * f32 fallback (the buffer's readers take it as bf16): its bf16 kernel is taken even where
- * it is oneDNN's reference one (reported as such). At f32 the flags change nothing. */
+ * it is oneDNN's reference one (reported as such). At f32 the flags change nothing.
+ *
+ * `block`: 0, or 8 or 16 where the emitter's rule (ir/hardware.blocked_conv) found oneDNN's
+ * blocked kernels faster for this shape: at f32 it computes in nChw<block>c (tg_conv_blocked),
+ * a chained result (`chain_out`) left blocked for its readers, which the emitter marks only
+ * where every one of them is blocked too. */
 int tg_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_str, int w_nd,
                    const int64_t *w_dims, const int64_t *w_str, const int64_t *y_dims, const int64_t *y_str,
                    int has_bias, const int64_t *strides, const int64_t *dilations, const int64_t *pads,
                    const void *weight, tg_packed *pack, int npost, const tg_post *posts, const tg_prim *from,
-                   int chain_out, int stream) {
+                   int chain_out, int stream, int block) {
     tg_conv_ctx ctx;
     int sp = nd - 2, rc = 1;
     if (tg_check_ranks("convolution", nd, 3, w_nd, npost, posts)) return 1;
@@ -795,7 +857,12 @@ int tg_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_s
         for (int i = 0; i < nd && cn == nd && cd; i++) cn = (*cd)[i] == x_dims[i] ? cn : -1;
         if (cn != nd) chained = NULL;
     }
-    if (bf16_stream & 2) {
+    if (block && precision == dnnl_fpmath_mode_strict && !bf16_stream)
+        rc = tg_conv_blocked(g, &ctx, nd, x_dims, y_dims, block, chained ? chained : plain_x, plain_y, chain_out,
+                             wei, weight, pack, npost, posts, w_nd, w_dims);
+    int blocked = !rc; /* (its own line in the primitives' listing) */
+    if (blocked) {
+    } else if (bf16_stream & 2) {
         chain_y = tg_md(nd, y_dims, y_str, dnnl_bf16);
         ctx.src = (dnnl_memory_desc_t)(chained ? chained : plain_x);
         ctx.dst = chain_y;
@@ -841,7 +908,7 @@ int tg_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_s
             }
         }
     }
-    if (!rc) tg_log_prim(g, ctx.src);
+    if (!rc && !blocked) tg_log_prim(g, ctx.src);
     tg_fpmath = precision;
     dnnl_memory_desc_destroy(plain_x);
     dnnl_memory_desc_destroy(plain_y);
