@@ -784,7 +784,7 @@ def winograd_wins(n, c, k, oh, ow) -> bool:
     return tiles >= WINOGRAD_MIN_TILES or 36 * 4 * c * k <= WINOGRAD_CACHED_WEIGHT
 
 
-# --- which convolutions the C backend runs in oneDNN's blocked layout (runtime.c, tg_conv_blocked) ---
+# --- which convolutions the C backend runs in oneDNN's blocked layout (conv.c, tg_conv_blocked) ---
 # Read by its emitter (backends/c/onednn.py, chain_convolutions) and by its cost model
 # (passes/targets/c.conv_time). benchmarks/onednn_layouts.py, the same shapes in channels-last
 # and nChw16c interleaved in one process, one thread, on an AVX-512 processor: at batch 8 every
@@ -812,14 +812,28 @@ def vector_lanes(info: str | None = None) -> int:
     return next((n for flag, n in VECTOR_LANES if flags and flag in flags.group(1).split()), 0)
 
 
+def chain_block(channels) -> int:
+    """The channel block a chain of blocked convolutions runs in, by the channels of the
+    buffers it keeps blocked (`channels`): 16 (nChw16c) where each divides by it, else 8
+    (nChw8c, oneDNN's 8-lane kernels: on the shapes above at batch 8 within 0.8-1.35x of
+    nChw16c's time, 0.61x channels-last's in all against 16c's 0.63x), else 0: a buffer padded
+    to the block would not fit where the emitter put it (MobileNetV3's 24, 40, 72 and 120)."""
+    channels = [int(c) for c in channels]
+    return next((b for b in (16, 8) if all(c % b == 0 for c in channels)), 0)
+
+
 def blocked_conv(n, c, k, oh, ow, depthwise: bool, window) -> int:
-    """The channel block (16: nChw16c) oneDNN's blocked kernels run this convolution faster
+    """The vector lanes (16) whose blocked layout oneDNN's blocked kernels run this convolution faster
     in than in channels-last, or 0: a depthwise or 1x1 one of at most BLOCKED_NARROW channels
     on one side, at a batch of BLOCKED_MIN_BATCH or more with BLOCKED_MIN_ROWS output pixels,
     on a processor with 16-lane vectors (where it was measured; elsewhere oneDNN's blocked
     kernels are unmeasured and channels-last stays). A batch known only at run time is judged
-    at 1. Whether it pays for the reorders at a chain's ends is the emitter's chain rule."""
+    at 1. Whether it pays for the reorders at a chain's ends is the emitter's chain rule.
+    TG_BLOCKED=0 in the environment turns it off, for a same-run A/B (benchmarks/blocked_convs.py)."""
     import sympy
+
+    if os.environ.get("TG_BLOCKED") == "0":
+        return 0
 
     dims = [sympy.sympify(d) for d in (n, c, k, oh, ow, *window)]
     if not all(d.is_number for d in dims[1:]):

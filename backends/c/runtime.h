@@ -80,7 +80,7 @@ typedef struct {
     dnnl_memory_t in_from, in_to;
     void *tmp_in;
     /* A blocked convolution that accumulates into the caller's destination (a sum post-op):
-     * the caller's values reordered into tmp_dst before the run (runtime.c, tg_conv_blocked). */
+     * the caller's values reordered into tmp_dst before the run (conv.c, tg_conv_blocked). */
     dnnl_primitive_t re_acc;
 } tg_prim;
 
