@@ -18,7 +18,9 @@ import pytest
 import tilegraph
 from tilegraph.backends.c.runtime import CompiledModel
 from tilegraph.ir import Graph, interpret
-from tilegraph.ir.hardware import vector_lanes
+from tilegraph.ir.hardware import BLOCKED_SHARE, hardware, vector_lanes
+from tilegraph.passes.cost.model import at
+from tilegraph.passes.targets.c import conv_time
 from tilegraph.testing import assert_close
 
 pytestmark = pytest.mark.skipif(vector_lanes() != 16, reason="the blocked rule holds on 16-lane (AVX-512) processors")
@@ -86,3 +88,20 @@ def test_a_convolution_nothing_chains_to_stays_channels_last():
     assert_close(compiled.run(*xs)[0], interpret(model, xs)[0], "f32", reduction_length=9)
     lines = compiled._runner.primitives
     assert len(lines) == 1 and "nChw" not in lines[0], lines
+
+
+@pytest.mark.parametrize("batch, share", [(8, BLOCKED_SHARE), (1, 1.0)])
+def test_the_cost_model_prices_by_the_emitters_rule(monkeypatch, batch, share):
+    """A depthwise convolution the rule runs blocked costs BLOCKED_SHARE of its channels-last
+    time (TG_BLOCKED=0 turns the rule off); at batch 1, where the rule says no, the same.
+    (passes.targets.c.conv_time itself: op_cost memoizes by the op, not the environment.)"""
+    def cost() -> float:
+        g = Graph()
+        w = g.weight("w", np.zeros((96, 1, 3, 3), np.float32))
+        model = g.build(g.op("conv", g.input("x", (batch, 96, 56, 56)), w, pads=(1,) * 4, groups=96), names=["y"])
+        op = next(op for op in model.func.body.block.ops if getattr(op, "op_name", None) == "conv")
+        return at(conv_time(op, hardware("c"), 2.0 * batch * 96 * 56 * 56 * 9))
+
+    blocked = cost()
+    monkeypatch.setenv("TG_BLOCKED", "0")
+    assert blocked == pytest.approx(share * cost())
