@@ -276,7 +276,11 @@ static int tg_pack(tg_packed *pack, const_dnnl_memory_desc_t plain_md, const voi
 }
 
 /* The memory objects a primitive runs on; handles are set on every run. */
-static int tg_prim_memories(tg_prim *g, dnnl_primitive_desc_t pd, int npost) {
+/* Only a binary post-op has a second operand whose layout oneDNN is asked: an eltwise or sum
+ * post-op has none, and what the query returned for one is not used. (Once in a MobileNetV2
+ * run, before this asked only of binary ones, a process died inside dnnl_memory_desc_get_size
+ * writing past the stack, as on a descriptor of garbage rank; not reproduced since.) */
+static int tg_prim_memories(tg_prim *g, dnnl_primitive_desc_t pd, int npost, const tg_post *posts) {
     TG_DNNL(dnnl_memory_create(&g->src, dnnl_primitive_desc_query_md(pd, dnnl_query_src_md, 0), tg_engine,
                                DNNL_MEMORY_NONE), "memory_create");
     TG_DNNL(dnnl_memory_create(&g->wei, dnnl_primitive_desc_query_md(pd, dnnl_query_weights_md, 0), tg_engine,
@@ -288,9 +292,10 @@ static int tg_prim_memories(tg_prim *g, dnnl_primitive_desc_t pd, int npost) {
                                    DNNL_MEMORY_NONE), "memory_create");
     g->npost = 0;
     for (int i = 0; i < npost; i++) {
+        g->post[i] = NULL;
+        if (!posts[i].binary || posts[i].binary == TG_POST_SUM) continue;
         const_dnnl_memory_desc_t md = dnnl_primitive_desc_query_md(
             pd, dnnl_query_exec_arg_md, DNNL_ARG_ATTR_MULTIPLE_POST_OP(i) | DNNL_ARG_SRC_1);
-        g->post[i] = NULL;
         if (md && dnnl_memory_desc_get_size(md))
             TG_DNNL(dnnl_memory_create(&g->post[i], md, tg_engine, DNNL_MEMORY_NONE), "memory_create");
     }
@@ -539,7 +544,7 @@ static int tg_prim_create(tg_prim *g, tg_pd_fn make, const void *ctx, size_t ctx
     if (!pd) TG_DNNL(make(&pd, ctx, plain_wei, attr), "primitive_desc_create");
     if (tg_is_ref(pd) && tg_relayout(g, &pd, make, ctx, ctx_size, plain_wei, weight, pack, attr, nd_w, wdims, wdt))
         return 1;
-    int rc = tg_prim_memories(g, pd, npost);
+    int rc = tg_prim_memories(g, pd, npost, posts);
     dnnl_primitive_desc_destroy(pd);
     dnnl_primitive_attr_destroy(attr);
     return rc;
