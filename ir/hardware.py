@@ -596,8 +596,8 @@ def processor_peak() -> float:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
         return 0.0
-    flags, clock = re.search(r"^flags\s*:(.*)$", info, re.M), re.search(r"^cpu MHz\s*:\s*([0-9.]+)", info, re.M)
-    lanes = next((n for flag, n in VECTOR_LANES if flags and flag in flags.group(1).split()), 0)
+    clock = re.search(r"^cpu MHz\s*:\s*([0-9.]+)", info, re.M)
+    lanes = vector_lanes(info)
     return FMA_PIPES * lanes * 2 * float(clock.group(1)) * 1e6 if clock and lanes else 0.0
 
 
@@ -782,3 +782,66 @@ def winograd_wins(n, c, k, oh, ow) -> bool:
     if min(c, k) < WINOGRAD_MIN_CHANNELS:
         return False
     return tiles >= WINOGRAD_MIN_TILES or 36 * 4 * c * k <= WINOGRAD_CACHED_WEIGHT
+
+
+# --- which convolutions the C backend runs in oneDNN's blocked layout (conv.c, tg_conv_blocked) ---
+# Read by its emitter (backends/c/onednn.py, chain_convolutions) and by its cost model
+# (passes/targets/c.conv_time). benchmarks/onednn_layouts.py, the same shapes in channels-last
+# and nChw16c interleaved in one process, one thread, on an AVX-512 processor: at batch 8 every
+# depthwise convolution of MobileNetV2 and EfficientNet-B0 with a 14x14 output or more ran in
+# 0.49-0.77 of channels-last's time (7x7: 0.88-1.05), MobileNetV2's 1x1 ones in 0.44-0.98;
+# ResNet-50's wide ones 0.87-1.04, nothing to gain. At batch 1 only the 112x112 ones gained
+# (0.62-0.88; 56x56 0.86-1.18), too little for the reorders at a chain's ends.
+BLOCKED_MIN_BATCH = 8
+BLOCKED_MIN_ROWS = 8 * 14 * 14  # output pixels of all images
+BLOCKED_NARROW = 384  # a 1x1 convolution's fewer channels (in or out) at most this many
+# The time a blocked convolution takes against its channels-last twin, the geometric mean of
+# the 14x14-and-larger shapes above at batch 8 (depthwise 0.59, 1x1 0.63).
+BLOCKED_SHARE = 0.6
+
+
+@lru_cache(maxsize=4)
+def vector_lanes(info: str | None = None) -> int:
+    """f32 lanes of the processor's widest vectors (VECTOR_LANES) by `info` (/proc/cpuinfo's
+    text, read where not given), 0 where it does not say."""
+    try:
+        info = Path("/proc/cpuinfo").read_text() if info is None else info
+    except OSError:
+        return 0
+    flags = re.search(r"^flags\s*:(.*)$", info, re.M)
+    return next((n for flag, n in VECTOR_LANES if flags and flag in flags.group(1).split()), 0)
+
+
+def chain_block(channels) -> int:
+    """The channel block a chain of blocked convolutions runs in, by the channels of the
+    buffers it keeps blocked (`channels`): 16 (nChw16c) where each divides by it, else 8
+    (nChw8c, oneDNN's 8-lane kernels: on the shapes above at batch 8 within 0.8-1.35x of
+    nChw16c's time, 0.61x channels-last's in all against 16c's 0.63x), else 0: a buffer padded
+    to the block would not fit where the emitter put it (MobileNetV3's 24, 40, 72 and 120)."""
+    channels = [int(c) for c in channels]
+    return next((b for b in (16, 8) if all(c % b == 0 for c in channels)), 0)
+
+
+def blocked_conv(n, c, k, oh, ow, depthwise: bool, window) -> int:
+    """The vector lanes (16) whose blocked layout oneDNN's blocked kernels run this convolution faster
+    in than in channels-last, or 0: a depthwise or 1x1 one of at most BLOCKED_NARROW channels
+    on one side, at a batch of BLOCKED_MIN_BATCH or more with BLOCKED_MIN_ROWS output pixels,
+    on a processor with 16-lane vectors (where it was measured; elsewhere oneDNN's blocked
+    kernels are unmeasured and channels-last stays). A batch known only at run time is judged
+    at 1. Whether it pays for the reorders at a chain's ends is the emitter's chain rule.
+    TG_BLOCKED=0 in the environment turns it off, for a same-run A/B (benchmarks/blocked_convs.py)."""
+    import sympy
+
+    if os.environ.get("TG_BLOCKED") == "0":
+        return 0
+
+    dims = [sympy.sympify(d) for d in (n, c, k, oh, ow, *window)]
+    if not all(d.is_number for d in dims[1:]):
+        return 0
+    batch = dims[0].subs({s: 1 for s in dims[0].free_symbols})
+    n, c, k, oh, ow = (int(d) for d in (batch, *dims[1:5]))
+    if not (depthwise or (all(int(d) == 1 for d in dims[5:]) and min(c, k) <= BLOCKED_NARROW)):
+        return 0
+    if n < BLOCKED_MIN_BATCH or n * oh * ow < BLOCKED_MIN_ROWS or vector_lanes() != 16:
+        return 0
+    return 16

@@ -29,12 +29,12 @@ from tilegraph.ir.errors import TilegraphError
 
 RUNTIME_H = Path(__file__).with_name("runtime.h")
 RUNTIME_C = Path(__file__).with_name("runtime.c")
-# Compiled into the runtime beside runtime.c: flash attention and its backward (attention.c,
-# attention_backward.c), Winograd
-# convolutions (winograd.c), the block-format and KV-cache kernels (blockq.c, with its header,
+# Compiled into the runtime beside runtime.c: convolutions (conv.c), flash attention and its
+# backward (attention.c, attention_backward.c), Winograd convolutions (winograd.c), the block-format and KV-cache kernels (blockq.c, with its header,
 # the SIMD variants and decode.c it includes).
-RUNTIME_EXTRA = [Path(__file__).with_name(n) for n in ("attention.c", "attention_backward.c", "winograd.c", "blockq.h",
-                                                     "blockq_simd.h", "blockq.c", "decode.c")]
+RUNTIME_EXTRA = [Path(__file__).with_name(n) for n in ("conv.c", "attention.c", "attention_backward.c", "winograd.c",
+                                                     "blockq.h", "blockq_simd.h", "blockq.c", "decode.c")]
+INCLUDED = ("conv.c", "attention.c", "attention_backward.c", "winograd.c", "blockq.c")  # (blockq.c includes the rest)
 # -fwrapv: signed integer overflow wraps, as NumPy's does. -fno-math-errno lets the
 # compiler inline and vectorise math functions (errno is never read). No -ffast-math:
 # NaN, infinities and signed zeros keep their IEEE meaning.
@@ -141,8 +141,7 @@ def runtime(cflags: list[str] | None = None) -> Path:
                    *(p.read_text() for p in RUNTIME_EXTRA))
         target = cache.private_dir("c") / f"tgrt_{key}.so"
         if not cache.verified(target):  # absent, or damaged, edited or planted: built afresh
-            source = RUNTIME_C.read_text() + ('\n#include "attention.c"\n#include "attention_backward.c"\n'
-                                               '#include "winograd.c"\n#include "blockq.c"\n')
+            source = RUNTIME_C.read_text() + "".join(f'\n#include "{n}"' for n in INCLUDED) + "\n"
             # The soname is the file's name: a module records it and finds it beside itself.
             _compile(source, target, cflags, [f"-Wl,-soname,{target.name}"],
                      "the runtime (runtime.c)")

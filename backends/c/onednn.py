@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import networkx as nx
 import sympy
 from xdsl.ir import SSAValue
 
@@ -15,7 +16,7 @@ from tilegraph.backends.c.views import (ConvStep, EmitterParts, Unsupported, Vie
 from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.fusion import ELTWISE_POSTS
-from tilegraph.ir.hardware import winograd_shape, winograd_wins
+from tilegraph.ir.hardware import blocked_conv, chain_block, winograd_shape, winograd_wins
 from tilegraph.ir.shapes import TensorInfo, info_of, numel
 from tilegraph.ir.ops import Op
 from tilegraph.ir.strides import rows_collapse, unit_dims_strided
@@ -476,7 +477,15 @@ class OneDNN(EmitterParts):
         if eligible and winograd_wins(x.shape[0], x.shape[1], *out.shape[1:]):
             scratch = self._temp(TensorInfo((winograd_floats(x.shape[0], x.shape[1], *out.shape[1:]),), "f32"))
         create = "tg_wino_create" if eligible else "tg_conv_create"
-        last = f", {self.ints(numel(scratch.shape)) if scratch is not None else 0}" if eligible else ""
+        last = f", {self.ints(numel(scratch.shape)) if scratch is not None else 0}" if eligible else f", {_BLOCK}"
+        depthwise = groups > 1 and _eq(wd[1], 1) and _eq(wd[2], 1)
+        # Blocked (nChw16c) where the rule finds oneDNN's blocked kernels faster; chain_convolutions
+        # keeps it only inside a chain of such convolutions. A binary post-op reads an operand in
+        # the emitter's layout, which the blocked kernels do not pair with theirs (a sum post-op's
+        # destination is reordered into the blocked layout first: conv.c, tg_conv_blocked).
+        block = 0 if eligible or post_views else \
+            blocked_conv(x.shape[0], x.shape[1], out.shape[1], out.shape[2], out.shape[3], depthwise, w.shape[2:]) \
+            if x.rank == 4 else 0
         state = [
             "{",
             f"    const int64_t xd[] = {arr(x.shape)}, xs[] = {arr(x.strides)};",
@@ -492,9 +501,8 @@ class OneDNN(EmitterParts):
         self._run_primitive(op, k, state, x, w, bias, out, post_views, out, [into] if into is not None else [],
                             scratch=scratch)
         others = [w, *([bias] if bias is not None else []), *post_views]
-        depthwise = groups > 1 and _eq(wd[1], 1) and _eq(wd[2], 1)
         self.steps[-1].conv = ConvStep(k, x, out, all(v.buf != x.buf for v in others),
-                                       all(v.buf != out.buf for v in [x, *others]), depthwise, constant_weight)
+                                       all(v.buf != out.buf for v in [x, *others]), depthwise, constant_weight, block)
         return out, covered
 
 
@@ -510,18 +518,20 @@ def winograd_floats(n, c, k, oh: int, ow: int) -> int:
 
 
 # Placeholders of a convolution's state line that chain_convolutions fills in.
-_FROM, _CHAIN_OUT, _STREAM = "/*from*/NULL", "/*chain_out*/0", "/*stream*/0"
+_FROM, _CHAIN_OUT, _STREAM, _BLOCK = "/*from*/NULL", "/*chain_out*/0", "/*stream*/0", "/*block*/0"
 
 
 def chain_convolutions(steps: list, buffers: list, outputs: list[View]) -> int:
     """Marks the buffers between convolutions that nothing else touches, so no conversion to
-    the emitter's f32 channels-last layout and back runs between them (runtime.c,
+    the emitter's f32 channels-last layout and back runs between them (conv.c,
     tg_conv_create). Two kinds, one rule each; returns how many buffers it marked.
 
     Chained: one convolution step alone writes the buffer, it is no output, and every step
     that reads it is a convolution on its own reading all of it (the producer's view) as its
     source and as nothing else. The producer leaves its result there as its kernel writes it
-    (bf16 at precision bf16; oneDNN's preferred layout at f32) and each reader takes it so.
+    (bf16 at precision bf16; oneDNN's preferred layout at f32, or the blocked one where the
+    producer and its readers all run blocked: _blocked_chains) and each reader takes it so.
+    Where one of them runs blocked and another not, the buffer is not chained.
 
     Streamed (ResNet's blocks: each adds into its shortcut's buffer, a sum post-op): a
     temporary, no output, that only convolutions touch, each reading all of it as its source
@@ -531,18 +541,24 @@ def chain_convolutions(steps: list, buffers: list, outputs: list[View]) -> int:
     strides: its readers convert nothing and its writers write half the bytes."""
     readers, writers = _readers_writers(steps)
     kept = {v.buf for v in outputs}
-    chained = 0
+    chains = []  # (the producing step, its readers) of each buffer that may be chained
     for step in steps:
         if step.conv is None:
             continue
-        k, out = step.conv.prim, step.conv.out
+        out = step.conv.out
         b = out.buf
         reads = readers.get(b, [])
         if buffers[b].storage != "temp" or b in kept or len(writers.get(b, [])) != 1 or not reads:
             continue
-        if not all(r.conv is not None and r.conv.alone and r.conv.src.buf == b and _same_place(r.conv.src, out)
-                   for r in reads):
-            continue
+        if all(r.conv is not None and r.conv.alone and r.conv.src.buf == b and _same_place(r.conv.src, out)
+               for r in reads):
+            chains.append((step, reads))
+    blocked = _blocked_chains(steps, chains)
+    chained = 0
+    for step, reads in chains:
+        k = step.conv.prim
+        if any(blocked.get(id(s)) != blocked.get(id(step)) for s in reads):
+            continue  # (one side blocked, the other not: each takes the buffer in the emitter's layout)
         # 2: a reader computes in f32 (a depthwise convolution at bf16, runtime.c): an f32 result
         step.state = [line.replace(_CHAIN_OUT, "2" if any(r.conv.depthwise for r in reads) else "1")
                       for line in step.state]
@@ -569,7 +585,34 @@ def chain_convolutions(steps: list, buffers: list, outputs: list[View]) -> int:
     for step in steps:
         if id(step) in stream:
             step.state = [line.replace(_STREAM, str(stream[id(step)])) for line in step.state]
+        if id(step) in blocked:
+            step.state = [line.replace(_BLOCK, str(blocked[id(step)])) for line in step.state]
     return chained
+
+
+def _blocked_chains(steps: list, chains: list) -> dict[int, int]:
+    """The convolution steps (by id) that run blocked (conv.c, tg_conv_blocked), each with
+    its channel block: those the rule (ir/hardware.blocked_conv) finds faster that are chained
+    to another such one (the producer and every reader of a buffer whose channels fill whole
+    blocks). A blocked convolution reorders what it reads from, or writes to, an unchained
+    buffer: alone, those reorders (a pass over its source and result each) cost about what the
+    blocked kernel saves; in a chain only its ends pay them. Dropping one may leave a neighbour
+    alone: repeated until none is. Each connected chain then takes one block (chain_block) by
+    the buffers it keeps, so that none is reordered inside it."""
+    links = [(step, reads) for step, reads in chains
+             if all(s.conv.block for s in [step, *reads]) and chain_block([step.conv.out.shape[1]])]
+    blocked = {id(s) for s in steps if s.conv is not None and s.conv.block}
+    while True:
+        live = [(step, reads) for step, reads in links if all(id(s) in blocked for s in [step, *reads])]
+        linked = {id(s) for step, reads in live for s in [step, *reads]}
+        if linked == blocked:
+            break
+        blocked = linked
+    graph = nx.Graph()
+    for step, reads in live:
+        graph.add_edges_from((id(step), id(r), {"channels": step.conv.out.shape[1]}) for r in reads)
+    return {node: chain_block([c for *_, c in graph.subgraph(part).edges(data="channels")])
+            for part in nx.connected_components(graph) for node in part}
 
 
 # The source type of GEMM k's state line, which bf16_sources makes the binding's precision.

@@ -79,6 +79,9 @@ typedef struct {
     dnnl_primitive_t re_in;
     dnnl_memory_t in_from, in_to;
     void *tmp_in;
+    /* A blocked convolution that accumulates into the caller's destination (a sum post-op):
+     * the caller's values reordered into tmp_dst before the run (conv.c, tg_conv_blocked). */
+    dnnl_primitive_t re_acc;
 } tg_prim;
 
 /* The runtime's entry points (runtime.c says what each does). */
@@ -94,7 +97,7 @@ int tg_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_s
                    const int64_t *w_dims, const int64_t *w_str, const int64_t *y_dims, const int64_t *y_str,
                    int has_bias, const int64_t *strides, const int64_t *dilations, const int64_t *pads,
                    const void *weight, tg_packed *pack, int npost, const tg_post *posts, const tg_prim *from,
-                   int chain_out, int stream);
+                   int chain_out, int stream, int block);
 int tg_wino_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_str, int w_nd,
                    const int64_t *w_dims, const int64_t *w_str, const int64_t *y_dims, const int64_t *y_str,
                    int has_bias, const int64_t *strides, const int64_t *dilations, const int64_t *pads,

@@ -96,6 +96,7 @@ class ConvStep(NamedTuple):
     out_alone: bool  # nor in out's
     depthwise: bool  # computes in f32 at bf16 (runtime.c)
     constant_weight: bool  # packed once: at bf16, bf16 x bf16 (runtime.c, tg_bf16_weights)
+    block: int = 0  # nonzero: ir/hardware.blocked_conv finds it faster blocked (chain_convolutions decides)
 
 
 class Unsupported(Exception):

@@ -279,7 +279,7 @@ int tg_wino_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_s
         !tg_wino_takes(nd, x_dims, x_str, w_nd, w_dims, y_dims, y_str, strides, dilations, pads, weight, npost,
                        posts, from))
         return tg_conv_create(g, nd, x_dims, x_str, w_nd, w_dims, w_str, y_dims, y_str, has_bias, strides,
-                              dilations, pads, weight, pack, npost, posts, from, chain_out, stream);
+                              dilations, pads, weight, pack, npost, posts, from, chain_out, stream, 0);
     if (tg_runtime_init()) return 1;
     tg_wino *s = calloc(1, sizeof *s);
     if (!s) TG_FAIL("out of memory for a Winograd convolution");
@@ -318,7 +318,7 @@ int tg_wino_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_s
     if (!pd || tg_is_ref(pd) || (tail && tg_is_ref(tail))) { /* no fast GEMM for it: oneDNN's convolution */
         tg_prim_destroy(g);
         return tg_conv_create(g, nd, x_dims, x_str, w_nd, w_dims, w_str, y_dims, y_str, has_bias, strides,
-                              dilations, pads, weight, pack, npost, posts, from, chain_out, stream);
+                              dilations, pads, weight, pack, npost, posts, from, chain_out, stream, 0);
     }
     char line[256];
     int n = snprintf(line, sizeof line, "convolution of a %lldx%lldx%lldx%lld source: winograd F(4x4,3x3), 36 GEMMs "

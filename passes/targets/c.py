@@ -25,7 +25,7 @@ from xdsl.ir import SSAValue
 
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.fusion import ANCHORS, ELTWISE_POSTS, EXP_POSTS, POST_RATE, VIEW_OPS
-from tilegraph.ir.hardware import winograd_shape, winograd_wins
+from tilegraph.ir.hardware import BLOCKED_SHARE, blocked_conv, winograd_shape, winograd_wins
 from tilegraph.ir.ops import Op
 from tilegraph.ir.shapes import info_of
 from tilegraph.ir.strides import reduces_rows_of_channels, reshape_copies, result_strides, strides_of
@@ -271,7 +271,20 @@ def _anchor_arithmetic(op: TgOp, hw) -> sympy.Expr:
 
 
 def conv_time(op: TgOp, hw, flops: sympy.Expr) -> sympy.Expr:
-    """A convolution on oneDNN, all threads. Depthwise (one input channel a group): at the
+    """A convolution on oneDNN, all threads: channels-last (_channels_last_time), or at
+    BLOCKED_SHARE of that where the emitter's rule runs it in the blocked layout (ir/hardware.
+    blocked_conv; the emitter keeps it so only inside a chain of such convolutions)."""
+    t = _channels_last_time(op, hw, flops)
+    x, w, out = info_of(op.operands[0].type), info_of(op.operands[1].type), op.result_infos()[0]
+    if len(x.shape) != 4:
+        return t
+    depthwise = int(op.attr("groups") or 1) > 1 and at_nominal(sized(w.shape[1])) == 1
+    n, c, (k, oh, ow) = x.shape[0], x.shape[1], out.shape[1:]
+    return t * BLOCKED_SHARE if blocked_conv(n, c, k, oh, ow, depthwise, w.shape[2:]) else t
+
+
+def _channels_last_time(op: TgOp, hw, flops: sympy.Expr) -> sympy.Expr:
+    """A convolution on oneDNN in channels-last. Depthwise (one input channel a group): at the
     calibrated depthwise rate, a pass over memory more than arithmetic (by the elements it
     reads and writes where that is more). Else as the GEMM it
     is, output pixels x a group's output channels x (a group's inputs x the window), at the
