@@ -108,24 +108,31 @@ static void tg_wino_input(const tg_wino *s, const float *x, float *v, int64_t vs
     int64_t y0 = ty * 4 - s->pt, x0 = tx * 4 - s->pl;
     tg_v16 d[36], e[36], col[6], f[6];
     const tg_v16 zero = {0};
-    for (int i = 0; i < 6; i++)
-        for (int j = 0; j < 6; j++) {
-            int64_t yy = y0 + i, xx = x0 + j;
-            d[i * 6 + j] = zero;
-            if (yy < 0 || yy >= s->h || xx < 0 || xx >= s->w) continue; /* (no pointer formed outside x) */
-            const float *from = x + n * s->xs[0] + yy * s->xs[2] + xx * s->xs[3] + c0;
-            if (cw == TG_WINO_V) d[i * 6 + j] = *(const tg_v16 *)from;
-            else memcpy(&d[i * 6 + j], from, (size_t)cw * sizeof(float));
-        }
+    if (cw == TG_WINO_V && y0 >= 0 && x0 >= 0 && y0 + 6 <= s->h && x0 + 6 <= s->w) { /* (inside: no checks) */
+        const float *from = x + n * s->xs[0] + y0 * s->xs[2] + x0 * s->xs[3] + c0;
+        for (int i = 0; i < 6; i++)
+            for (int j = 0; j < 6; j++) d[i * 6 + j] = *(const tg_v16 *)(from + i * s->xs[2] + j * s->xs[3]);
+    } else {
+        for (int i = 0; i < 6; i++)
+            for (int j = 0; j < 6; j++) {
+                int64_t yy = y0 + i, xx = x0 + j;
+                d[i * 6 + j] = zero;
+                if (yy < 0 || yy >= s->h || xx < 0 || xx >= s->w) continue; /* (no pointer formed outside x) */
+                const float *from = x + n * s->xs[0] + yy * s->xs[2] + xx * s->xs[3] + c0;
+                if (cw == TG_WINO_V) d[i * 6 + j] = *(const tg_v16 *)from;
+                else memcpy(&d[i * 6 + j], from, (size_t)cw * sizeof(float));
+            }
+    }
     for (int j = 0; j < 6; j++) { /* columns, then rows */
         for (int i = 0; i < 6; i++) col[i] = d[i * 6 + j];
         tg_wino_bt(col, f);
         for (int i = 0; i < 6; i++) e[i * 6 + j] = f[i];
     }
+    float *row = v + (t - t0) * s->c + c0; /* (once: a store through tg_v16 may alias *s) */
     for (int i = 0; i < 6; i++) {
         tg_wino_bt(e + i * 6, f);
         for (int j = 0; j < 6; j++) {
-            float *to = v + (i * 6 + j) * vs + (t - t0) * s->c + c0;
+            float *to = row + (i * 6 + j) * vs;
             if (cw == TG_WINO_V) *(tg_v16 *)to = f[j];
             else memcpy(to, &f[j], (size_t)cw * sizeof(float));
         }
