@@ -776,8 +776,8 @@ def winograd_wins(n, c, k, oh, ow, groups=1) -> bool:
     batch 1, 4 tiles and 38 MB, 1.00x (1.14x in a run under load), where 7x7x128 (2.4 MB) runs
     at 0.66x. Narrow convolutions gain little (16 channels: 0.88-0.93x; 0.98-1.2x under load)
     for a weight 4x the size: left to oneDNN. Grouped, at batch 1 (36 x groups GEMMs of a
-    group's width), RegNetY-4GF's 64 channels a group: 56x56x128 0.52-0.57x, 28x28x192 0.53-0.63x,
-    14x14x512 (16 tiles) 0.77x, 7x7x1088 (4 tiles, a 10 MB weight) 0.80-1.29x; 32 a group
+    group's width), RegNetY-4GF's 64 channels a group: 56x56x128 0.49-0.57x, 28x28x192 0.51-0.63x,
+    14x14x512 (16 tiles) 0.72-0.77x, 7x7x1088 (4 tiles, a 10 MB weight) 0.80-1.29x; 32 a group
     28x28x256 0.71x but 14x14x512 1.05x; 16 a group 28x28x256 1.40x, 8 a group 2.09x."""
     import sympy
 
