@@ -743,26 +743,29 @@ class _locked:
 
 # --- which convolutions the C backend runs as Winograd F(4x4, 3x3) (backends/c/winograd.c) ---
 # Read by its emitter (backends/c/onednn.py) and by its cost model (passes/targets/c.conv_time).
-# At least this many channels in and out, and at least this many 4x4 tiles (rows of its 36
-# GEMMs) unless the transformed weight (36 C K floats) is at most this many bytes, small enough
-# to stay in cache between calls (the measurements: winograd_wins).
+# At least this many channels in and out (a group's, grouped), and at least this many 4x4
+# tiles (rows of its 36 GEMMs) unless the transformed weight (36 C K / groups floats) is at most
+# this many bytes, small enough to stay in cache between calls; grouped, at least this many
+# tiles x channels of a group (each GEMM's rows x columns: its transforms' cost per channel is
+# the dense convolution's, its GEMMs' work a group's width; the measurements: winograd_wins).
 WINOGRAD_MIN_CHANNELS = 32
 WINOGRAD_MIN_TILES = 8
 WINOGRAD_CACHED_WEIGHT = 4 << 20
+WINOGRAD_MIN_GROUP_WORK = 1024
 
 
 def winograd_shape(groups, window, strides, dilations, pads, c, k, oh, ow) -> bool:
     """Whether winograd.c can run this convolution (of a constant weight, which the caller
-    checks): 2-D, 3x3, stride 1, dense, one group, pads of at most 2, channel and spatial sizes
+    checks): 2-D, 3x3, stride 1, dense or grouped, pads of at most 2, channel and spatial sizes
     known when the program is emitted (its tiles are counted then)."""
     import sympy
 
-    return all(sympy.sympify(d).is_number for d in (*window, c, k, oh, ow)) and groups == 1 and \
+    return all(sympy.sympify(d).is_number for d in (*window, c, k, oh, ow)) and \
         [int(d) for d in window] == [3, 3] and list(strides) == [1, 1] and list(dilations) == [1, 1] and \
         all(0 <= int(p) <= 2 for p in pads)
 
 
-def winograd_wins(n, c, k, oh, ow) -> bool:
+def winograd_wins(n, c, k, oh, ow, groups=1) -> bool:
     """Whether Winograd F(4x4, 3x3) beats oneDNN's direct convolution on a shape winograd_shape
     takes (a batch known only at run time is judged at 1, the fewest tiles). Measured
     (benchmarks/winograd_convs.py, winograd/direct in one process, one thread, on an AVX-512
@@ -772,16 +775,20 @@ def winograd_wins(n, c, k, oh, ow) -> bool:
     caches (4x the direct one's, streamed from memory each call) it gains nothing: 7x7x512 at
     batch 1, 4 tiles and 38 MB, 1.00x (1.14x in a run under load), where 7x7x128 (2.4 MB) runs
     at 0.66x. Narrow convolutions gain little (16 channels: 0.88-0.93x; 0.98-1.2x under load)
-    for a weight 4x the size: left to oneDNN."""
+    for a weight 4x the size: left to oneDNN. Grouped, at batch 1 (36 x groups GEMMs of a
+    group's width), RegNetY-4GF's 64 channels a group: 56x56x128 0.49-0.57x, 28x28x192 0.51-0.63x,
+    14x14x512 (16 tiles) 0.72-0.77x, 7x7x1088 (4 tiles, a 10 MB weight) 0.80-1.29x; 32 a group
+    28x28x256 0.71x but 14x14x512 1.05x; 16 a group 28x28x256 1.40x, 8 a group 2.09x."""
     import sympy
 
     batch = sympy.sympify(n)
     batch = batch.subs({d: 1 for d in batch.free_symbols})
-    c, k, oh, ow = (int(d) for d in (c, k, oh, ow))
+    c, k, oh, ow, groups = (int(d) for d in (c, k, oh, ow, groups))
     tiles = int(batch) * -(-oh // 4) * -(-ow // 4)
-    if min(c, k) < WINOGRAD_MIN_CHANNELS:
+    width = min(c, k) // groups
+    if width < WINOGRAD_MIN_CHANNELS or (groups > 1 and tiles * width < WINOGRAD_MIN_GROUP_WORK):
         return False
-    return tiles >= WINOGRAD_MIN_TILES or 36 * 4 * c * k <= WINOGRAD_CACHED_WEIGHT
+    return tiles >= WINOGRAD_MIN_TILES or 36 * 4 * c * k // groups <= WINOGRAD_CACHED_WEIGHT
 
 
 # --- which convolutions the C backend runs in oneDNN's blocked layout (conv.c, tg_conv_blocked) ---

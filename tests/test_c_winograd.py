@@ -5,8 +5,10 @@ winograd.c (its primitive reported as such, the run counter moving), and agrees 
 interpreter within f32's tolerance for the convolution's reduction length, with pads 0 and 1,
 sizes whose 4x4 tiles overhang the image, channel counts that are no multiple of the 16-channel
 vector, batches 1 and 3, and every epilogue the convolution step fuses (bias, relu, relu6's two
-clips, a residual read from an input, a residual accumulated into its buffer); a strided,
-dilated or grouped 3x3 is left to oneDNN, as is a shape the rule refuses, and bf16 precision.
+clips, a residual read from an input, a residual accumulated into its buffer); a grouped one
+(36 x groups GEMMs) likewise, with groups whose channels straddle the 16-channel vectors; a
+strided or dilated 3x3 is left to oneDNN, as is a shape the rule refuses (narrow groups,
+depthwise), and bf16 precision.
 """
 
 from __future__ import annotations
@@ -91,11 +93,12 @@ def test_winograd_matches_the_interpreter_and_is_taken(pad, batch, epilogue):
 
 def test_tiles_in_chunks_with_a_shorter_last_one():
     """More tiles than a chunk holds (tables.py, WINOGRAD_CHUNK_BYTES): the chunks and the
-    shorter last one (its own GEMM primitive) each write their own tiles, with the sum epilogue."""
-    model, inputs = _model(3, 64, 64, 30, 30, epilogue="sum residual")
+    shorter last one (its own GEMM primitive) each write their own tiles, with the sum epilogue.
+    The 320 tiles go in chunks of as even a size as fit (onednn.winograd_floats): 107, 107, 106."""
+    model, inputs = _model(5, 64, 64, 30, 30, epilogue="sum residual")
     lines, runs = _run(model, inputs, 9 * 64 + 64, posts="TG_POST_SUM")
     chunk = [int(line.split(", ")[-1].split()[0]) for line in lines if WINOGRAD in line]
-    assert runs == 1 and len(chunk) == 1 and 0 < chunk[0] < 3 * 8 * 8 and 3 * 8 * 8 % chunk[0], lines
+    assert runs == 1 and chunk == [107], lines
 
 
 def test_a_batch_known_at_run_time():
@@ -115,10 +118,11 @@ def test_a_batch_known_at_run_time():
         assert WINOGRAD in compiled._runner.primitives[-1] and f"{n}x64x30x30" in compiled._runner.primitives[-1]
 
 
-@pytest.mark.parametrize("kind", ["stride 2", "dilation 2", "groups 2", "narrow"])
+@pytest.mark.parametrize("kind", ["stride 2", "dilation 2", "groups 2", "depthwise", "narrow"])
 def test_other_convolutions_stay_on_onednn(kind):
+    # (groups 2: 32 channels a group over 9 tiles, too little work a GEMM for the rule)
     opts = {"stride 2": {"stride": 2}, "dilation 2": {"dilation": 2, "pad": 2}, "groups 2": {"groups": 2},
-            "narrow": {}}[kind]
+            "depthwise": {"groups": 64}, "narrow": {}}[kind]
     c = 16 if kind == "narrow" else 64  # (16 channels: the rule refuses, the transforms cost what they save)
     model, inputs = _model(2, c, c, 12, 12, **opts)
     lines, runs = _run(model, inputs, 9 * c)
@@ -141,6 +145,46 @@ def test_the_rule_refuses_what_measured_slower():
     assert not winograd_wins(1, 512, 512, 7, 7)
     assert winograd_wins(8, 512, 512, 7, 7) and winograd_wins(1, 128, 128, 7, 7)
     assert winograd_wins(1, 64, 64, 56, 56) and not winograd_wins(1, 16, 16, 56, 56)
+
+
+def test_the_rule_on_grouped_convolutions():
+    """(benchmarks/winograd_convs.py) RegNetY-4GF's 64-channel groups win at 56x56, 28x28 and
+    14x14 (16 tiles) but not at 7x7 (4 tiles); 32-channel groups over 16 tiles, and 16-channel
+    groups, lose; depthwise never qualifies."""
+    assert all(winograd_wins(1, c, c, hw, hw, c // 64) for c, hw in ((128, 56), (192, 28), (512, 14)))
+    assert not winograd_wins(1, 1088, 1088, 7, 7, 17)
+    assert winograd_wins(1, 256, 256, 28, 28, 8) and not winograd_wins(1, 512, 512, 14, 14, 16)
+    assert not winograd_wins(1, 256, 256, 28, 28, 16) and not winograd_wins(1, 96, 96, 56, 56, 96)
+
+
+@pytest.mark.parametrize("epilogue", ["relu", "relu6", "input residual"])
+@pytest.mark.parametrize("groups", [2, 3])
+def test_grouped_winograd_matches_the_interpreter_and_is_taken(groups, epilogue):
+    # 40 channels a group (each group's columns start mid-vector), 22x22: 36 tiles x 40 passes the rule
+    c = 40 * groups
+    model, inputs = _model(1, c, c, 22, 22, epilogue=epilogue, groups=groups)
+    lines, runs = _run(model, inputs, 9 * 40 + c, posts=POSTS[epilogue])
+    assert runs == 1 and sum(f"{WINOGRAD}, 36 x {groups} GEMMs" in line for line in lines) == 1, lines
+    assert not any(" source: ref" in line for line in lines), lines
+
+
+@settings(max_examples=10, deadline=None)
+@given(batch=st.integers(1, 2), groups=st.integers(1, 4), cg=st.integers(1, 24), kg=st.integers(1, 24),
+       h=st.integers(3, 10), w=st.integers(3, 10), pad=st.integers(0, 2))
+def test_forced_winograd_over_groups_and_widths(batch, groups, cg, kg, h, w, pad):
+    """Every grouped shape winograd.c takes agrees with the interpreter, those the rule refuses
+    too (tg_set_winograd(1) sends each there: depthwise, groups of a few channels, 1x1 images)."""
+    model, inputs = _model(batch, cg * groups, kg * groups, h, w, pad=pad, groups=groups)
+    compiled = tilegraph.compile(model, target="c")
+    lib = compiled._runner._lib
+    lib.tg_set_winograd(1)
+    try:
+        before = lib.tg_winograd_count()
+        out = compiled.run(*inputs)[0]
+        assert lib.tg_winograd_count() - before == 1, compiled._runner.primitives
+    finally:
+        lib.tg_set_winograd(-1)
+    assert_close(out, interpret(model, inputs)[0], "f32", reduction_length=9 * cg)
 
 
 @settings(max_examples=8, deadline=None)

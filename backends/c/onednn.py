@@ -474,7 +474,7 @@ class OneDNN(EmitterParts):
         eligible = constant_weight and x.rank == 4 and \
             winograd_shape(groups, w.shape[2:], strides, dil, pads, x.shape[1], *out.shape[1:])
         scratch = None
-        if eligible and winograd_wins(x.shape[0], x.shape[1], *out.shape[1:]):
+        if eligible and winograd_wins(x.shape[0], x.shape[1], out.shape[1], out.shape[2], out.shape[3], groups):
             scratch = self._temp(TensorInfo((winograd_floats(x.shape[0], x.shape[1], *out.shape[1:]),), "f32"))
         create = "tg_wino_create" if eligible else "tg_conv_create"
         last = f", {self.ints(numel(scratch.shape)) if scratch is not None else 0}" if eligible else f", {_BLOCK}"
@@ -510,10 +510,12 @@ def winograd_floats(n, c, k, oh: int, ow: int) -> int:
     """The arena floats a Winograd convolution's step reserves: V and M of one chunk of tiles,
     36 slabs each of a row of C (K) per 4x4 tile, and one vector for reads past the last row
     (winograd.c, tg_wino_floats; it runs as many tiles a chunk as this holds). A chunk holds all
-    the tiles, or as many as WINOGRAD_CHUNK_BYTES (a batch known only at run time: that many)."""
+    the tiles, or as many as WINOGRAD_CHUNK_BYTES (a batch known only at run time: that many),
+    split evenly: 16 tiles at most 14 a chunk go as 8 and 8, not 14 and a 2-row GEMM."""
     chunk = max(1, WINOGRAD_CHUNK_BYTES // (36 * 4 * (int(c) + int(k))))
     if sympy.sympify(n).is_number:
-        chunk = min(chunk, int(n) * -(-int(oh) // 4) * -(-int(ow) // 4))
+        tiles = int(n) * -(-int(oh) // 4) * -(-int(ow) // 4)
+        chunk = -(-tiles // -(-tiles // chunk))
     return 36 * chunk * (int(c) + int(k)) + 16
 
 

@@ -1,4 +1,4 @@
-/* Winograd convolution F(4x4, 3x3) for 3x3, stride-1, dense, ungrouped f32 convolutions on
+/* Winograd convolution F(4x4, 3x3) for 3x3, stride-1, dense or grouped f32 convolutions on
  * channels-last activations (Lavin and Gray, "Fast Algorithms for Convolutional Neural
  * Networks", 2015). Each 4x4 block of outputs ("tile") comes from a 6x6 block of inputs:
  *
@@ -13,6 +13,10 @@
  *
  *   x (N, H, W, C) --input transform--> V [36][tiles][C] --36 GEMMs (one oneDNN batched
  *   matmul, its B packed once)--> M [36][tiles][K] --output transform, bias, post-ops--> y
+ *
+ * A grouped convolution (RegNet's, 64 channels a group) makes 36 x groups GEMMs [tiles x C/groups]
+ * x [C/groups x K/groups] of the same batched matmul, each reading its group's columns of V and
+ * writing its columns of M, so the transforms are those of the dense convolution.
  *
  * over the tiles in chunks (of the emitter's WINOGRAD_CHUNK_BYTES), each chunk through all
  * three before the next, so its V and M are still in cache when the next stage reads them.
@@ -43,6 +47,7 @@ int tg_winograd_count(void) { return __atomic_load_n(&tg_wino_runs, __ATOMIC_REL
 
 struct tg_wino {
     int64_t n, c, k, h, w, oh, ow, pt, pl, th, tw, tiles, tb;     /* tb: tiles per chunk */
+    int64_t groups;                                               /* (C / groups channels in each) */
     int64_t xs[4], ys[4];                                         /* strides, NCHW order */
     int arena;                                                    /* V and M in the step's arena scratch */
     tg_prim mm, tail;                                             /* the 36 GEMMs: a chunk, the last one */
@@ -103,24 +108,31 @@ static void tg_wino_input(const tg_wino *s, const float *x, float *v, int64_t vs
     int64_t y0 = ty * 4 - s->pt, x0 = tx * 4 - s->pl;
     tg_v16 d[36], e[36], col[6], f[6];
     const tg_v16 zero = {0};
-    for (int i = 0; i < 6; i++)
-        for (int j = 0; j < 6; j++) {
-            int64_t yy = y0 + i, xx = x0 + j;
-            d[i * 6 + j] = zero;
-            if (yy < 0 || yy >= s->h || xx < 0 || xx >= s->w) continue; /* (no pointer formed outside x) */
-            const float *from = x + n * s->xs[0] + yy * s->xs[2] + xx * s->xs[3] + c0;
-            if (cw == TG_WINO_V) d[i * 6 + j] = *(const tg_v16 *)from;
-            else memcpy(&d[i * 6 + j], from, (size_t)cw * sizeof(float));
-        }
+    if (cw == TG_WINO_V && y0 >= 0 && x0 >= 0 && y0 + 6 <= s->h && x0 + 6 <= s->w) { /* (inside: no checks) */
+        const float *from = x + n * s->xs[0] + y0 * s->xs[2] + x0 * s->xs[3] + c0;
+        for (int i = 0; i < 6; i++)
+            for (int j = 0; j < 6; j++) d[i * 6 + j] = *(const tg_v16 *)(from + i * s->xs[2] + j * s->xs[3]);
+    } else {
+        for (int i = 0; i < 6; i++)
+            for (int j = 0; j < 6; j++) {
+                int64_t yy = y0 + i, xx = x0 + j;
+                d[i * 6 + j] = zero;
+                if (yy < 0 || yy >= s->h || xx < 0 || xx >= s->w) continue; /* (no pointer formed outside x) */
+                const float *from = x + n * s->xs[0] + yy * s->xs[2] + xx * s->xs[3] + c0;
+                if (cw == TG_WINO_V) d[i * 6 + j] = *(const tg_v16 *)from;
+                else memcpy(&d[i * 6 + j], from, (size_t)cw * sizeof(float));
+            }
+    }
     for (int j = 0; j < 6; j++) { /* columns, then rows */
         for (int i = 0; i < 6; i++) col[i] = d[i * 6 + j];
         tg_wino_bt(col, f);
         for (int i = 0; i < 6; i++) e[i * 6 + j] = f[i];
     }
+    float *row = v + (t - t0) * s->c + c0; /* (once: a store through tg_v16 may alias *s) */
     for (int i = 0; i < 6; i++) {
         tg_wino_bt(e + i * 6, f);
         for (int j = 0; j < 6; j++) {
-            float *to = v + (i * 6 + j) * vs + (t - t0) * s->c + c0;
+            float *to = row + (i * 6 + j) * vs;
             if (cw == TG_WINO_V) *(tg_v16 *)to = f[j];
             else memcpy(to, &f[j], (size_t)cw * sizeof(float));
         }
@@ -225,13 +237,22 @@ int tg_wino_run(tg_prim *g, const void *src, const void *bias, void *dst, void *
 static int64_t tg_wino_floats(int64_t tb, int64_t c, int64_t k) { return 36 * tb * (c + k) + TG_WINO_V; }
 
 /* The 36 GEMMs over a chunk of nt tiles: V [36][nt][C] x U [36][C][K] -> M [36][nt][K], U packed
- * once into s->pack (a second primitive takes that packed copy where its kernel reads it so). */
+ * once into s->pack (a second primitive takes that packed copy where its kernel reads it so).
+ * Grouped, 36 x groups GEMMs in one batched matmul: group g's [nt][C/groups] columns of V times
+ * U [36][g][C/groups][K/groups] into its [nt][K/groups] columns of M (V and M lie as ungrouped). */
 static int tg_wino_gemms(tg_wino *s, tg_prim *mm, int64_t nt, float *u) {
-    const int64_t ad[] = {36, nt, s->c}, as[] = {nt * s->c, s->c, 1};
-    const int64_t bd[] = {36, s->c, s->k}, bs[] = {s->c * s->k, s->k, 1};
-    const int64_t cd[] = {36, nt, s->k}, cs[] = {nt * s->k, s->k, 1};
+    const int64_t g = s->groups, cg = s->c / g, kg = s->k / g;
     const int types[] = {dnnl_f32, dnnl_f32, dnnl_f32};
-    return tg_matmul_create(mm, 3, ad, as, bd, bs, cd, cs, types, 0, u, &s->pack, 0, NULL, 0);
+    if (g == 1) { /* (no dim of 1 for the groups: oneDNN's kernels are chosen by the strides of every dim) */
+        const int64_t ad[] = {36, nt, s->c}, as[] = {nt * s->c, s->c, 1};
+        const int64_t bd[] = {36, s->c, s->k}, bs[] = {s->c * s->k, s->k, 1};
+        const int64_t cd[] = {36, nt, s->k}, cs[] = {nt * s->k, s->k, 1};
+        return tg_matmul_create(mm, 3, ad, as, bd, bs, cd, cs, types, 0, u, &s->pack, 0, NULL, 0);
+    }
+    const int64_t ad[] = {36, g, nt, cg}, as[] = {nt * s->c, cg, s->c, 1};
+    const int64_t bd[] = {36, g, cg, kg}, bs[] = {s->c * kg, cg * kg, kg, 1};
+    const int64_t cd[] = {36, g, nt, kg}, cs[] = {nt * s->k, kg, s->k, 1};
+    return tg_matmul_create(mm, 4, ad, as, bd, bs, cd, cs, types, 0, u, &s->pack, 0, NULL, 0);
 }
 
 /* Whether this path computes the convolution (else oneDNN's does): the dims, the precision,
@@ -244,7 +265,11 @@ static int tg_wino_takes(int nd, const int64_t *x_dims, const int64_t *x_str, in
                          const int64_t *y_dims, const int64_t *y_str, const int64_t *strides,
                          const int64_t *dilations, const int64_t *pads, const void *weight, int npost,
                          const tg_post *posts, const tg_prim *from) {
-    if (nd != 4 || w_nd != 4 || w_dims[2] != 3 || w_dims[3] != 3 || w_dims[1] != x_dims[1] || !weight ||
+    /* (grouped: the weight's dims are groups, K / groups, C / groups, 3, 3) */
+    const int64_t *win = w_dims + w_nd - 2;
+    const int64_t groups = w_nd == 5 ? w_dims[0] : 1;
+    if (nd != 4 || (w_nd != 4 && w_nd != 5) || win[0] != 3 || win[1] != 3 ||
+        groups * w_dims[w_nd - 3] != x_dims[1] || groups * w_dims[w_nd - 4] != y_dims[1] || !weight ||
         tg_fpmath != dnnl_fpmath_mode_strict || (x_dims[1] > 1 && x_str[1] != 1) ||
         (y_dims[1] > 1 && y_str[1] != 1) || npost > TG_MAX_POST)
         return 0;
@@ -286,20 +311,24 @@ int tg_wino_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_s
     g->wino = s;
     g->has_bias = has_bias;
     s->n = x_dims[0], s->c = x_dims[1], s->h = x_dims[2], s->w = x_dims[3], s->k = y_dims[1];
-    s->oh = y_dims[2], s->ow = y_dims[3], s->pt = pads[0], s->pl = pads[1];
+    s->oh = y_dims[2], s->ow = y_dims[3], s->pt = pads[0], s->pl = pads[1], s->groups = w_nd == 5 ? w_dims[0] : 1;
     s->th = (s->oh + 3) / 4, s->tw = (s->ow + 3) / 4, s->tiles = s->n * s->th * s->tw;
     for (int i = 0; i < 4; i++) s->xs[i] = x_str[i], s->ys[i] = y_str[i];
     s->npost = npost;
     memcpy(s->posts, posts, (size_t)npost * sizeof *posts);
-    /* B of the 36 GEMMs: U[p][c][k], point p of G g G^T for output channel k, input channel c */
-    float *u = malloc((size_t)36 * s->c * s->k * sizeof(float));
+    /* B of the 36 (x groups) GEMMs: U[p][gi][c][k], point p of G g G^T for output channel k and
+     * input channel c of group gi */
+    const int64_t cg = s->c / s->groups, kg = s->k / s->groups, *ws = w_str + w_nd - 4;
+    float *u = malloc((size_t)36 * s->c * kg * sizeof(float));
     double t[36];
     if (!u) TG_FAIL("out of memory transforming a Winograd convolution's weight");
-    for (int64_t k = 0; k < s->k; k++)
-        for (int64_t c = 0; c < s->c; c++) {
-            tg_wino_filter((const float *)weight + k * w_str[0] + c * w_str[1], w_str[2], w_str[3], t);
-            for (int p = 0; p < 36; p++) u[(p * s->c + c) * s->k + k] = (float)t[p];
-        }
+    for (int64_t gi = 0; gi < s->groups; gi++)
+        for (int64_t k = 0; k < kg; k++)
+            for (int64_t c = 0; c < cg; c++) {
+                tg_wino_filter((const float *)weight + (w_nd == 5 ? gi * w_str[0] : 0) + k * ws[0] + c * ws[1], ws[2],
+                               ws[3], t);
+                for (int p = 0; p < 36; p++) u[((p * s->groups + gi) * cg + c) * kg + k] = (float)t[p];
+            }
     /* chunks of as many tiles as the emitter's scratch holds (all, in a binding's own scratch) */
     s->arena = scratch >= tg_wino_floats(1, s->c, s->k);
     s->tb = s->arena ? (scratch - TG_WINO_V) / (36 * (s->c + s->k)) : s->tiles;
@@ -321,9 +350,9 @@ int tg_wino_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_s
                               dilations, pads, weight, pack, npost, posts, from, chain_out, stream, 0);
     }
     char line[256];
-    int n = snprintf(line, sizeof line, "convolution of a %lldx%lldx%lldx%lld source: winograd F(4x4,3x3), 36 GEMMs "
-                     "on %s, %lld tiles a chunk\n", (long long)s->n, (long long)s->c, (long long)s->h, (long long)s->w,
-                     tg_impl(pd), (long long)s->tb);
+    int n = snprintf(line, sizeof line, "convolution of a %lldx%lldx%lldx%lld source: winograd F(4x4,3x3), 36 x %lld "
+                     "GEMMs on %s, %lld tiles a chunk\n", (long long)s->n, (long long)s->c, (long long)s->h,
+                     (long long)s->w, (long long)s->groups, tg_impl(pd), (long long)s->tb);
     n = n < (int)sizeof line ? n : (int)sizeof line - 1;
     if (used + n >= sizeof tg_prim_lines) used = 0;
     memcpy(tg_prim_lines + used, line, (size_t)n + 1);

@@ -327,7 +327,8 @@ def _winograd(op: TgOp, groups: int, x, out) -> bool:
     strides, dilations, pads = (op.attr(a) for a in ("strides", "dilations", "pads"))
     window = info_of(op.operands[1].type).shape[2:]
     return winograd_shape(groups, window, strides or [1] * n, dilations or [1] * n, pads or [0] * 2 * n,
-                          x.shape[1], *out.shape[1:]) and winograd_wins(x.shape[0], x.shape[1], *out.shape[1:])
+                          x.shape[1], *out.shape[1:]) and \
+        winograd_wins(x.shape[0], x.shape[1], out.shape[1], out.shape[2], out.shape[3], groups)
 
 
 def stem_time(hw, flops: sympy.Expr, outputs: sympy.Expr) -> sympy.Expr:
