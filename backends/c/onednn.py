@@ -476,16 +476,18 @@ class OneDNN(EmitterParts):
         scratch = None
         if eligible and winograd_wins(x.shape[0], x.shape[1], out.shape[1], out.shape[2], out.shape[3], groups):
             scratch = self._temp(TensorInfo((winograd_floats(x.shape[0], x.shape[1], *out.shape[1:]),), "f32"))
+        depthwise = groups > 1 and _eq(wd[1], 1) and _eq(wd[2], 1)
+        # Blocked (nChw16c) where the rule finds oneDNN's blocked kernels faster and Winograd does
+        # not win (a depthwise 3x3 is a shape winograd.c takes, never one it wins on);
+        # chain_convolutions keeps it only inside a chain of such convolutions. A binary post-op
+        # reads an operand in the emitter's layout, which the blocked kernels do not pair with
+        # theirs (a sum post-op's destination is reordered into the blocked layout first: conv.c,
+        # tg_conv_blocked).
+        block = 0 if scratch is not None or post_views or x.rank != 4 else \
+            blocked_conv(x.shape[0], x.shape[1], out.shape[1], out.shape[2], out.shape[3], depthwise, w.shape[2:])
+        eligible = eligible and not block
         create = "tg_wino_create" if eligible else "tg_conv_create"
         last = f", {self.ints(numel(scratch.shape)) if scratch is not None else 0}" if eligible else f", {_BLOCK}"
-        depthwise = groups > 1 and _eq(wd[1], 1) and _eq(wd[2], 1)
-        # Blocked (nChw16c) where the rule finds oneDNN's blocked kernels faster; chain_convolutions
-        # keeps it only inside a chain of such convolutions. A binary post-op reads an operand in
-        # the emitter's layout, which the blocked kernels do not pair with theirs (a sum post-op's
-        # destination is reordered into the blocked layout first: conv.c, tg_conv_blocked).
-        block = 0 if eligible or post_views else \
-            blocked_conv(x.shape[0], x.shape[1], out.shape[1], out.shape[2], out.shape[3], depthwise, w.shape[2:]) \
-            if x.rank == 4 else 0
         state = [
             "{",
             f"    const int64_t xd[] = {arr(x.shape)}, xs[] = {arr(x.strides)};",
