@@ -37,7 +37,7 @@ int tg_attention_backward(int nb, const int64_t *bd, const int64_t *bs, const fl
     {
         /* two slabs of bq x lk: the scores then probabilities, and dP then dS */
         float *s = lk > 0 ? malloc(sizeof(float) * (size_t)(2 * bq * lk)) : NULL;
-        if (lk > 0 && !s) failed = 1;
+        if (lk > 0 && !s) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED); /* (threads may fail at once) */
         float *ds = s ? s + bq * lk : NULL;
 #pragma omp for schedule(dynamic)
         for (int64_t bi = 0; bi < batches; bi++) {
@@ -94,7 +94,7 @@ int tg_attention_backward(int nb, const int64_t *bd, const int64_t *bs, const fl
                 ok = ok && (d == 0 || dnnl_sgemm('T', 'N', nk, d, nq, 1.f, ds, nk, qh + i0 * qr, qr, 1.f, dkh, d) ==
                                           dnnl_success);
                 if (!ok) {
-                    failed = 2;
+                    __atomic_store_n(&failed, 2, __ATOMIC_RELAXED);
                     break;
                 }
             }
