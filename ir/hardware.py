@@ -791,6 +791,48 @@ def winograd_wins(n, c, k, oh, ow, groups=1) -> bool:
     return tiles >= WINOGRAD_MIN_TILES or 36 * 4 * c * k // groups <= WINOGRAD_CACHED_WEIGHT
 
 
+# --- which convolutions the C backend runs as matmuls over strided views (backends/c/strided_conv.c) ---
+# Read by its emitter (backends/c/onednn.py) and by its cost model (passes/targets/c.conv_time).
+# At least this many input channels: a tap block's rows are kb x C floats, a GEMM's k; wav2vec
+# 2.0's first convolution (1 channel, k 10, stride 5) would be two GEMMs of k 5 and 5, for which
+# oneDNN's direct kernel is the better tool. At most this many matmuls (ceil(k / stride)), each a
+# pass over the result.
+STRIDED_CONV_MIN_CHANNELS = 64
+STRIDED_CONV_MAX_BLOCKS = 2
+# At least this many output positions x batch (rows of each GEMM), as measured (strided_conv_wins).
+STRIDED_CONV_MIN_ROWS = 256
+
+
+def strided_conv_shape(groups, window, strides, dilations, pads, c, k) -> bool:
+    """Whether strided_conv.c can run this convolution (of a constant weight, with no bias and
+    eltwise post-ops only, which the caller checks): 1-D, dense, stride >= 2, dilation 1, no
+    padding, channels known when the program is emitted."""
+    import sympy
+
+    if len(window) != 1 or not all(sympy.sympify(d).is_number for d in (*window, c, k)):
+        return False
+    s, w = int(strides[0]), int(window[0])
+    return int(groups) == 1 and s >= 2 and int(dilations[0]) == 1 and all(int(p) == 0 for p in pads) and \
+        -(-w // s) <= STRIDED_CONV_MAX_BLOCKS
+
+
+def strided_conv_wins(n, c, k, length) -> bool:
+    """Whether the matmuls beat oneDNN's direct convolution on a shape strided_conv_shape takes
+    (a batch or length known only at run time judged at 1 and 1024). Measured on wav2vec 2.0
+    base's feature encoder (512 -> 512 channels, k 3 stride 2 at 47999, 23999, 11999 and 5999
+    outputs, k 2 stride 2 at 2999 and 1499; benchmarks/full_size_sweep.py with TG_STRIDED_CONV=0
+    against the default, one thread, on an AVX-512 processor): oneDNN's brgconv runs these at
+    66-76 GFLOP/s where its GEMMs reach 103-110; two GEMMs took 0.72x the convolution's time
+    (/work/notes probe, exact against a double sum)."""
+    import sympy
+
+    def at(d, default):
+        d = sympy.sympify(d)
+        return int(d.subs({x: default for x in d.free_symbols}))
+
+    return min(at(c, 1), at(k, 1)) >= STRIDED_CONV_MIN_CHANNELS and at(n, 1) * at(length, 1024) >= STRIDED_CONV_MIN_ROWS
+
+
 # --- which convolutions the C backend runs in oneDNN's blocked layout (conv.c, tg_conv_blocked) ---
 # Read by its emitter (backends/c/onednn.py, chain_convolutions) and by its cost model
 # (passes/targets/c.conv_time). benchmarks/onednn_layouts.py, the same shapes in channels-last
