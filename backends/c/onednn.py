@@ -495,7 +495,7 @@ class OneDNN(EmitterParts):
         if constant_weight and x.rank == 3 and bias is None and not post_views and into is None and \
                 strided_conv_shape(groups, w.shape[2:], strides, dil, pads, x.shape[1], out.shape[1]):
             create = "tg_sconv_create"
-            last = f", {int(strided_conv_wins(x.shape[0], x.shape[1], out.shape[1], out.shape[2]))}"
+            last = f", {int(strided_conv_wins(x.shape[0], x.shape[1], out.shape[1], out.shape[2], w.shape[2], strides[0]))}"
         state = [
             "{",
             f"    const int64_t xd[] = {arr(x.shape)}, xs[] = {arr(x.strides)};",
