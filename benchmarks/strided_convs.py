@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import numpy as np
 
-from _common import format_table, interleaved_samples, machine_lines, paired_ratio  # noqa: E402
+from _common import format_table, machine_lines, paired_calls  # noqa: E402
 
 # (name, C = K, source length, k, stride)
 SHAPES = [("w2v k3 30s", 512, 95999, 3, 2), ("w2v k3 47999", 512, 47999, 3, 2), ("w2v k3 11999", 512, 11999, 3, 2),
@@ -68,14 +67,8 @@ def main() -> None:
                 lib.tg_set_strided_conv(-1)
                 taken = any("strided (k" in line for line in compiled._runner.primitives)
                 assert taken == (mode == 1), compiled._runner.primitives
-                t0 = time.perf_counter()
-                compiled.run(*xs)
-                inner = max(1, int(0.02 / max(time.perf_counter() - t0, 1e-6)))
-                runs[label] = (lambda f=compiled.run, n=inner: [f(*xs) for _ in range(n)], inner)
-            samples = interleaved_samples({key: fn for key, (fn, _) in runs.items()}, args.repeat)
-            samples = {key: [t / runs[key][1] for t in samples[key]] for key in runs}  # per call
-            per = {key: float(np.median(samples[key])) for key in runs}
-            med, q1, q3 = paired_ratio(samples, "matmuls", "direct")
+                runs[label] = lambda f=compiled.run, xs=xs: f(*xs)
+            per, (med, q1, q3) = paired_calls(runs, args.repeat, "matmuls", "direct")
             rows.append([f"{name} b{batch}", f"{c}->{c} L{length} k{k} s{stride}", f"{per['direct'] * 1e3:.3f}",
                          f"{per['matmuls'] * 1e3:.3f}", f"{med:.2f} ({q1:.2f}-{q3:.2f})",
                          "matmuls" if strided_conv_wins(batch, c, c, (length - k) // stride + 1, k, stride) else "direct"])
