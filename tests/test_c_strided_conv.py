@@ -6,7 +6,7 @@ stride 2) or tg_set_strided_conv(1) forces it (its primitive reported as such, t
 moving), and agrees with the float64 interpreter within f32's tolerance for its reduction length:
 k 3 stride 2, k 2 stride 2 and k 10 stride 5, with and without a gelu epilogue, batches 1 and 2,
 lengths whose last window ends on the source's last position and lengths that leave positions
-over, and three in a chain. Padded, biased, dilated and stride-1 convolutions stay on oneDNN even
+over, a batch known at run time, and three in a chain. Padded, biased, dilated and stride-1 convolutions stay on oneDNN even
 forced; narrow ones and a single matmul's (k 2 stride 2) where the rule refuses them, and every one
 tg_set_strided_conv(0) turns off.
 """
@@ -78,6 +78,23 @@ def test_wav2vec2_feature_encoder_shape():
     model, inputs = _model(1, 512, 512, 1001, 3, 2)
     lines, runs = _run(model, inputs, 3 * 512)
     assert runs == 1 and any(STRIDED in line for line in lines), lines
+
+
+def test_a_batch_known_at_run_time():
+    """A symbolic batch: the rule judges it at 1; each binding (batch 1, then 3: a batched matmul
+    over views of each sample) runs as matmuls and agrees."""
+    rng = np.random.default_rng(2)
+    g = Graph()
+    w = (rng.standard_normal((512, 512, 3)) / np.sqrt(3 * 512)).astype(np.float32)
+    y = g.op("gelu", g.op("conv", g.input("x", ("N", 512, 601)), g.weight("w", w), strides=(2,)), approximate="none")
+    model = g.build(y, names=["y"])
+    compiled = tilegraph.compile(model, target="c")
+    for n in (1, 3):
+        xs = [rng.standard_normal((n, 512, 601)).astype(np.float32)]
+        before = compiled._runner._lib.tg_strided_conv_count()
+        assert_close(compiled.run(*xs)[0], interpret(model, xs)[0], "f32", reduction_length=3 * 512)
+        assert compiled._runner._lib.tg_strided_conv_count() - before == 1
+        assert STRIDED in compiled._runner.primitives[-1] and f"{n}x512x601" in compiled._runner.primitives[-1]
 
 
 def test_a_chain_of_them_as_in_wav2vec2():
