@@ -103,6 +103,20 @@ def paired_ratio(samples: dict[str, list[float]], a: str, b: str) -> tuple[float
     return float(median), float(q1), float(q3)
 
 
+def paired_calls(calls: dict[str, Callable], repeat: int, a: str, b: str):
+    """Each runner's median seconds per call and paired_ratio(a, b), a sample of each being
+    enough calls to take ~20 ms (one call timed first to size it), timed round-robin."""
+    runs = {}
+    for label, call in calls.items():
+        t0 = time.perf_counter()
+        call()
+        inner = max(1, int(0.02 / max(time.perf_counter() - t0, 1e-6)))
+        runs[label] = (lambda f=call, n=inner: [f() for _ in range(n)], inner)
+    samples = interleaved_samples({key: fn for key, (fn, _) in runs.items()}, repeat)
+    samples = {key: [t / runs[key][1] for t in samples[key]] for key in runs}  # per call
+    return {key: float(np.median(samples[key])) for key in runs}, paired_ratio(samples, a, b)
+
+
 def load_kernels(checkout: Path, name: str = "base"):
     """`ir/kernels.py` of a checkout, as a module of its own name (exits 2 if absent), with
     `attention_tiled` from backends/numpy/attention.py where an older checkout keeps it there."""

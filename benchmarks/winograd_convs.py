@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import numpy as np
 
-from _common import format_table, interleaved_samples, machine_lines, paired_ratio  # noqa: E402
+from _common import format_table, machine_lines, paired_calls  # noqa: E402
 
 # (name, C, K, H=W, groups): ResNet-50's 3x3s (stage widths at 224), DenseNet-121's (128 -> 32
 # in each of its four blocks), smaller and odd ones, then RegNetY-4GF's grouped 3x3s (64
@@ -78,14 +77,8 @@ def main() -> None:
                 errors[label] = relative_error(out, ref) if ref is not None else float("nan")
                 wino = any("winograd" in line for line in compiled._runner.primitives)
                 assert wino == (mode == 1), compiled._runner.primitives
-                t0 = time.perf_counter()
-                compiled.run(*xs)
-                inner = max(1, int(0.02 / max(time.perf_counter() - t0, 1e-6)))
-                runs[label] = (lambda f=compiled.run, n=inner: [f(*xs) for _ in range(n)], inner)
-            samples = interleaved_samples({key: fn for key, (fn, _) in runs.items()}, args.repeat)
-            samples = {key: [t / runs[key][1] for t in samples[key]] for key in runs}  # per call
-            per = {key: float(np.median(samples[key])) for key in runs}
-            med, q1, q3 = paired_ratio(samples, "winograd", "direct")
+                runs[label] = lambda f=compiled.run, xs=xs: f(*xs)
+            per, (med, q1, q3) = paired_calls(runs, args.repeat, "winograd", "direct")
             rows.append([f"{name} b{batch}", f"{c}->{k} {hw}x{hw}" + (f" g{groups}" if groups > 1 else ""), f"{per['direct'] * 1e3:.3f}",
                          f"{per['winograd'] * 1e3:.3f}", f"{med:.2f} ({q1:.2f}-{q3:.2f})",
                          "winograd" if winograd_wins(batch, c, k, hw, hw, groups) else "direct",

@@ -791,6 +791,51 @@ def winograd_wins(n, c, k, oh, ow, groups=1) -> bool:
     return tiles >= WINOGRAD_MIN_TILES or 36 * 4 * c * k // groups <= WINOGRAD_CACHED_WEIGHT
 
 
+# --- which convolutions the C backend runs as matmuls over strided views (backends/c/strided_conv.c) ---
+# Read by its emitter (backends/c/onednn.py) and by its cost model (passes/targets/c.conv_time).
+# strided_conv.c takes up to this many matmuls (ceil(k / stride)); the rule asks for
+# STRIDED_CONV_WIN_BLOCKS, the count measured faster, at least this many channels in and out and
+# this many rows (batch x output positions) a GEMM (the measurements: strided_conv_wins).
+STRIDED_CONV_MAX_BLOCKS = 4
+STRIDED_CONV_WIN_BLOCKS = 2
+STRIDED_CONV_MIN_CHANNELS = 512
+STRIDED_CONV_MIN_ROWS = 128
+
+
+def strided_conv_shape(groups, window, strides, dilations, pads, c, k) -> bool:
+    """Whether strided_conv.c can run this convolution (of a constant weight, with no bias and
+    eltwise post-ops only, which the caller checks): 1-D, dense, stride >= 2, dilation 1, no
+    padding, at most STRIDED_CONV_MAX_BLOCKS matmuls, channels known when the program is emitted."""
+    import sympy
+
+    if len(window) != 1 or not all(sympy.sympify(d).is_number for d in (*window, c, k)):
+        return False
+    s, w = int(strides[0]), int(window[0])
+    return int(groups) == 1 and s >= 2 and int(dilations[0]) == 1 and all(int(p) == 0 for p in pads) and \
+        -(-w // s) <= STRIDED_CONV_MAX_BLOCKS
+
+
+def strided_conv_wins(n, c, k, length, window, stride) -> bool:
+    """Whether the matmuls beat oneDNN's direct convolution on a shape strided_conv_shape takes
+    (a batch or output length known only at run time judged at 1 and 1024). Measured
+    (benchmarks/strided_convs.py, matmuls/direct in one process, one thread, gelu epilogue, on an
+    AVX-512 processor): two matmuls (k 3 stride 2, k 4 stride 3) at 512 channels and more ran in
+    0.76-0.82 of brgconv's time over 1500-48000 outputs (wav2vec 2.0 base's feature encoder on 30 s
+    of audio, its GEMMs at oneDNN's GEMM rate, the convolution below it), 0.87-0.90 at 128-500
+    outputs, 768 and 1024 channels 0.79-0.82; at 384 and fewer channels nothing (0.96-1.14), where
+    brgconv runs as well as the GEMMs. One matmul (k 2 stride 2, windows that do not overlap: the
+    convolution is that GEMM already) 1.03-1.09; k 10 stride 5 0.97."""
+    import sympy
+
+    def at(d, default):
+        d = sympy.sympify(d)
+        return int(d.subs({x: default for x in d.free_symbols}))
+
+    blocks = -(-int(window) // int(stride))
+    return blocks == STRIDED_CONV_WIN_BLOCKS and min(at(c, 1), at(k, 1)) >= STRIDED_CONV_MIN_CHANNELS and \
+        at(n, 1) * at(length, 1024) >= STRIDED_CONV_MIN_ROWS
+
+
 # --- which convolutions the C backend runs in oneDNN's blocked layout (conv.c, tg_conv_blocked) ---
 # Read by its emitter (backends/c/onednn.py, chain_convolutions) and by its cost model
 # (passes/targets/c.conv_time). benchmarks/onednn_layouts.py, the same shapes in channels-last

@@ -16,7 +16,8 @@ from tilegraph.backends.c.views import (ConvStep, EmitterParts, Unsupported, Vie
 from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.fusion import ELTWISE_POSTS
-from tilegraph.ir.hardware import blocked_conv, chain_block, winograd_shape, winograd_wins
+from tilegraph.ir.hardware import (blocked_conv, chain_block, strided_conv_shape, strided_conv_wins, winograd_shape,
+                                   winograd_wins)
 from tilegraph.ir.shapes import TensorInfo, info_of, numel
 from tilegraph.ir.ops import Op
 from tilegraph.ir.strides import rows_collapse, unit_dims_strided
@@ -488,6 +489,13 @@ class OneDNN(EmitterParts):
         eligible = eligible and not block
         create = "tg_wino_create" if eligible else "tg_conv_create"
         last = f", {self.ints(numel(scratch.shape)) if scratch is not None else 0}" if eligible else f", {_BLOCK}"
+        # A strided 1-D convolution goes to strided_conv.c (matmuls over views of its source)
+        # where the rule finds that faster: no bias, only eltwise post-ops (no binary operand, no
+        # sum into a residual's buffer); tg_set_strided_conv overrules, TG_STRIDED_CONV=0 for an A/B.
+        if constant_weight and x.rank == 3 and bias is None and not post_views and into is None and \
+                strided_conv_shape(groups, w.shape[2:], strides, dil, pads, x.shape[1], out.shape[1]):
+            create = "tg_sconv_create"
+            last = f", {int(strided_conv_wins(x.shape[0], x.shape[1], out.shape[1], out.shape[2], w.shape[2], strides[0]))}"
         state = [
             "{",
             f"    const int64_t xd[] = {arr(x.shape)}, xs[] = {arr(x.strides)};",

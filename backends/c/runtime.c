@@ -565,6 +565,7 @@ void tg_prim_destroy(tg_prim *g) {
     for (int i = 0; i < 6; i++)
         if (prims[i]) dnnl_primitive_destroy(prims[i]);
     if (g->wino) tg_wino_free(g->wino);
+    if (g->sconv) tg_sconv_free(g->sconv);
     free(g->tmp_src);
     free(g->tmp_wei);
     free(g->tmp_dst);
@@ -594,6 +595,7 @@ int tg_prim_run(tg_prim *g, const void *src, const void *wei, const void *bias, 
     dnnl_exec_arg_t args[5 + TG_MAX_POST];
     int n = 0;
     if (g->wino) return tg_wino_run(g, src, bias, dst, post);
+    if (g->sconv) return tg_sconv_run(g, src, dst);
     if (g->re_in) { /* a chained source this primitive does not take as it lies: to f32 first */
         dnnl_memory_set_data_handle(g->in_to, g->tmp_in);
         if (tg_reorder_run(g->re_in, g->in_from, (void *)src, g->in_to, 1)) return 1;

@@ -57,9 +57,11 @@ typedef struct {
 } tg_packed;
 
 typedef struct tg_wino tg_wino; /* winograd.c */
+typedef struct tg_sconv tg_sconv; /* strided_conv.c */
 typedef struct {
     dnnl_primitive_t prim;
     tg_wino *wino; /* a Winograd convolution (winograd.c) in place of `prim`, or NULL */
+    tg_sconv *sconv; /* a strided 1-D convolution as matmuls (strided_conv.c) in place of `prim`, or NULL */
     dnnl_memory_t src, wei, bias, dst, post[TG_MAX_POST], wei_scales;
     int npost, has_bias, scaled; /* scaled: one weight scale per column, given at run as `bias` */
     const void *wei_handle; /* the packed copy, or NULL: the caller's pointer each run */
@@ -107,6 +109,15 @@ int tg_wino_run(tg_prim *g, const void *src, const void *bias, void *dst, void *
 void tg_wino_free(tg_wino *s);
 void tg_set_winograd(int mode);
 int tg_winograd_count(void);
+int tg_sconv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_str, int w_nd,
+                    const int64_t *w_dims, const int64_t *w_str, const int64_t *y_dims, const int64_t *y_str,
+                    int has_bias, const int64_t *strides, const int64_t *dilations, const int64_t *pads,
+                    const void *weight, tg_packed *pack, int npost, const tg_post *posts, const tg_prim *from,
+                    int chain_out, int stream, int chosen);
+int tg_sconv_run(tg_prim *g, const void *src, void *dst);
+void tg_sconv_free(tg_sconv *s);
+void tg_set_strided_conv(int mode);
+int tg_strided_conv_count(void);
 int tg_bf16_supported(void);
 int tg_reorder_count(void);
 void tg_set_huge_pages(int on);

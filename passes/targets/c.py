@@ -25,7 +25,8 @@ from xdsl.ir import SSAValue
 
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.fusion import ANCHORS, ELTWISE_POSTS, EXP_POSTS, POST_RATE, VIEW_OPS
-from tilegraph.ir.hardware import BLOCKED_SHARE, blocked_conv, winograd_shape, winograd_wins
+from tilegraph.ir.hardware import (BLOCKED_SHARE, blocked_conv, strided_conv_shape, strided_conv_wins, winograd_shape,
+                                   winograd_wins)
 from tilegraph.ir.ops import Op
 from tilegraph.ir.shapes import info_of
 from tilegraph.ir.strides import reduces_rows_of_channels, reshape_copies, result_strides, strides_of
@@ -274,8 +275,10 @@ def conv_time(op: TgOp, hw, flops: sympy.Expr) -> sympy.Expr:
     """A convolution on oneDNN, all threads: channels-last (_channels_last_time), or at
     BLOCKED_SHARE of that where the emitter's rule runs it in the blocked layout (ir/hardware.
     blocked_conv; the emitter keeps it so only inside a chain of such convolutions)."""
-    t = _channels_last_time(op, hw, flops)
     x, w, out = info_of(op.operands[0].type), info_of(op.operands[1].type), op.result_infos()[0]
+    if len(x.shape) == 3 and _strided(op, x, w, out):
+        return _strided_time(hw, x, w, out, int(op.attr("strides")[0]))
+    t = _channels_last_time(op, hw, flops)
     if len(x.shape) != 4:
         return t
     depthwise = int(op.attr("groups") or 1) > 1 and at_nominal(sized(w.shape[1])) == 1
@@ -329,6 +332,32 @@ def _winograd(op: TgOp, groups: int, x, out) -> bool:
     return winograd_shape(groups, window, strides or [1] * n, dilations or [1] * n, pads or [0] * 2 * n,
                           x.shape[1], *out.shape[1:]) and \
         winograd_wins(x.shape[0], x.shape[1], out.shape[1], out.shape[2], out.shape[3], groups)
+
+
+def _strided(op: TgOp, x, w, out) -> bool:
+    """Whether the C backend runs `op` on strided_conv.c: a constant weight, no bias, and the rule
+    the emitter chooses by (ir/hardware.strided_conv_shape, strided_conv_wins)."""
+    weight = through_views(op.operands[1]).owner
+    if not (isinstance(weight, TgOp) and weight.op_name in (Op.weight, Op.constant)) or len(op.operands) > 2:
+        return False
+    strides, dilations, pads = (op.attr(a) for a in ("strides", "dilations", "pads"))
+    return strided_conv_shape(int(op.attr("groups") or 1), w.shape[2:], strides or [1], dilations or [1],
+                              pads or [0, 0], x.shape[1], out.shape[1]) and \
+        strided_conv_wins(x.shape[0], x.shape[1], out.shape[1], out.shape[2], w.shape[2],
+                          (strides or [1])[0])
+
+
+def _strided_time(hw, x, w, out, stride: int) -> sympy.Expr:
+    """strided_conv.c's matmuls, one per block of `stride` taps: (batch x outputs) x (the block's
+    taps x input channels) @ that x output channels each, at the GEMM curve's rate."""
+    window, c, k = int(at_nominal(sized(w.shape[2]))), sized(x.shape[1]), sized(out.shape[1])
+    rows = sized(out.shape[0]) * sized(out.shape[2])
+    m, n = max(1, int(at_nominal(rows))), max(1, int(at_nominal(k)))
+    t = sympy.Integer(0)
+    for b0 in range(0, window, stride):
+        kb = min(stride, window - b0)
+        t += 2 * rows * k * kb * c / hw.matmul_rate(m, n, max(1, int(at_nominal(kb * c))), threaded=True)
+    return t
 
 
 def stem_time(hw, flops: sympy.Expr, outputs: sympy.Expr) -> sympy.Expr:
