@@ -24,6 +24,18 @@ static const_dnnl_memory_desc_t tg_out_md(const tg_prim *g) {
     return md;
 }
 
+/* Whether a convolution whose source `from` wrote (NULL: none) finds it in the emitter's f32
+ * strides (x_dims, x_str), as the paths that read the source as it lies (winograd.c,
+ * strided_conv.c) need: a producer that left oneDNN's own layout there sends them to oneDNN. */
+static int tg_reads_plain(const tg_prim *from, int nd, const int64_t *x_dims, const int64_t *x_str) {
+    const_dnnl_memory_desc_t chained = from ? tg_out_md(from) : NULL;
+    if (!chained) return 1;
+    dnnl_memory_desc_t plain = tg_md(nd, x_dims, x_str, dnnl_f32);
+    int same = plain && dnnl_memory_desc_equal(chained, plain);
+    if (plain) dnnl_memory_desc_destroy(plain);
+    return same;
+}
+
 /* Whether a chained attempt (tg_conv_create) gave what chaining is for: a kernel other
  * than ref, a result that fits the caller's buffer of `capacity` bytes and, at bf16, one
  * written in bf16 by a bf16 x bf16 kernel. */

@@ -66,12 +66,7 @@ static int tg_sconv_takes(int nd, const int64_t *x_dims, const int64_t *x_str, i
         return 0;
     for (int i = 0; i < npost; i++)
         if (posts[i].binary) return 0;
-    const_dnnl_memory_desc_t chained = from ? tg_out_md(from) : NULL;
-    if (!chained) return 1;
-    dnnl_memory_desc_t plain = tg_md(nd, x_dims, x_str, dnnl_f32);
-    int same = plain && dnnl_memory_desc_equal(chained, plain);
-    if (plain) dnnl_memory_desc_destroy(plain);
-    return same;
+    return tg_reads_plain(from, nd, x_dims, x_str);
 }
 
 /* tg_conv_create's arguments (less `block`), and `chosen`: 1 where the emitter's rule chose this

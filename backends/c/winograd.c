@@ -283,12 +283,7 @@ static int tg_wino_takes(int nd, const int64_t *x_dims, const int64_t *x_str, in
                                  : !posts[i].binary && posts[i].alg != dnnl_eltwise_relu &&
                                        posts[i].alg != dnnl_eltwise_clip && posts[i].alg != dnnl_eltwise_linear)
             return 0;
-    const_dnnl_memory_desc_t chained = from ? tg_out_md(from) : NULL;
-    if (!chained) return 1;
-    dnnl_memory_desc_t plain = tg_md(nd, x_dims, x_str, dnnl_f32);
-    int same = plain && dnnl_memory_desc_equal(chained, plain);
-    if (plain) dnnl_memory_desc_destroy(plain);
-    return same;
+    return tg_reads_plain(from, nd, x_dims, x_str);
 }
 
 /* tg_conv_create's arguments, and `scratch`: the floats of arena scratch the emitter reserved
