@@ -673,6 +673,14 @@ def cpu_profile_path() -> Path:
     return cache_dir() / f"cpu-{slug}-{os.cpu_count() or 1}cores-v{PROFILE_FORMAT}.json"
 
 
+def decision_context() -> str:
+    """What the passes decide by besides the model, the pipeline and the library: the processor
+    (its profile's name: model, cores, profile format), its vector width and the switches read
+    at compile time (TG_BLOCKED). A compiled model cached under one context is not reused
+    under another (tilegraph/compile_cache.py)."""
+    return f"{cpu_profile_path().name}\0{vector_lanes()}\0TG_BLOCKED={os.environ.get('TG_BLOCKED', '')}"
+
+
 def c_profile_path() -> Path:
     """Where this machine's C backend profile lives (as cpu_profile_path, prefixed "c-")."""
     return cpu_profile_path().with_name("c-" + cpu_profile_path().name)

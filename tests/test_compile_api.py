@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import tilegraph
-from tilegraph.ir import Graph, Model, ModelError, TilegraphError, interpret
+from tilegraph.ir import Graph, Model, ModelError, TilegraphError, hardware, interpret
 from tilegraph.testing import assert_close
 
 WIDTH = 8
@@ -191,6 +191,25 @@ def test_a_model_file_compiled_again_comes_from_the_compile_cache(tmp_path, monk
     tilegraph.compile(path)
     tilegraph.compile(path)
     assert len(passes) == 5
+
+
+def test_a_compile_time_switch_or_another_processor_is_another_compile_cache_entry(tmp_path, monkeypatch):
+    """The passes read TG_BLOCKED and the processor's profile: a model compiled under one
+    is not served from the cache under another."""
+    monkeypatch.setenv("TILEGRAPH_CACHE_DIR", str(tmp_path / "cache"))
+    path = mlp().save(tmp_path / "m.mlir")
+    tilegraph.compile(path)
+    passes = []
+    real = tilegraph._run_passes
+    monkeypatch.setattr(tilegraph, "_run_passes", lambda *a: passes.append(a) or real(*a))
+    tilegraph.compile(path)
+    assert passes == []
+    monkeypatch.setenv("TG_BLOCKED", "0")
+    tilegraph.compile(path)
+    assert len(passes) == 1
+    monkeypatch.setattr(hardware, "cpu_model", lambda: "another processor")
+    tilegraph.compile(path)
+    assert len(passes) == 2
 
 
 def test_the_compile_cache_key_holds_an_onnx_models_external_data(tmp_path, monkeypatch):

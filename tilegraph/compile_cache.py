@@ -5,7 +5,8 @@
 are). Their result depends only on what the key holds:
   - the bytes of the model file and of every file it reads beside it (an ONNX model's
     external data, a `.mlir` file's weights);
-  - the pipeline and the hardware it decides for;
+  - the pipeline and the hardware it decides for (and `hardware.decision_context()`: the
+    processor and the compile-time switches);
   - the library's own source, so a changed pass never reuses an old result.
 The value is the model after the passes, as `.mlir` text and weights (`Model.save`), read
 back with `Model.load`, which parses and verifies it: nothing in the cache is run as code.
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from tilegraph.ir import cache
 from tilegraph.ir.cache import private_dir
+from tilegraph.ir.hardware import decision_context
 from tilegraph.ir.model import Model, weights_path
 
 MAX_BYTES = 2 << 30
@@ -80,7 +82,8 @@ def key(path: Path, pipeline: str | None, hardware: str) -> str | None:
     others = _companions(path, data)
     if others is None or not all(f.is_file() for f in others):
         return None
-    h = hashlib.sha256(f"{pipeline!r}\0{hardware}\0{_library_digest()}\0".encode())
+    context = decision_context()
+    h = hashlib.sha256(f"{pipeline!r}\0{hardware}\0{context}\0{_library_digest()}\0".encode())
     h.update(hashlib.sha256(data).digest())
     for f in others:
         h.update(f.name.encode() + b"\0" + hashlib.sha256(f.read_bytes()).digest())
