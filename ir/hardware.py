@@ -897,3 +897,23 @@ def blocked_conv(n, c, k, oh, ow, depthwise: bool, window) -> int:
     if n < BLOCKED_MIN_BATCH or n * oh * ow < BLOCKED_MIN_ROWS or vector_lanes() != 16:
         return 0
     return 16
+
+
+# --- which matmuls the C backend runs as one-row GEMVs (backends/c/gemv.c) ---
+# Read by its emitter (backends/c/onednn.py). Its cost model needs no twin: a GEMM's time is
+# bounded below by its weight's read from memory (passes/targets/c.anchor_compute), which is
+# what this path runs at. A weight of at least this many bytes (the measurements: gemv_wins).
+GEMV_MIN_WEIGHT = 1 << 20
+
+
+def gemv_wins(m, k, n) -> bool:
+    """Whether gemv.c beats oneDNN's GEMM on x[m, k] @ W[k, n], W constant (a batch known only
+    at run time is judged at 1; gemv.c itself takes only a source of one row, and leaves any
+    other to oneDNN)."""
+    import sympy
+
+    dims = [sympy.sympify(d) for d in (m, k, n)]
+    if not all(d.is_number for d in dims[1:]):
+        return False
+    rows = dims[0].subs({s: 1 for s in dims[0].free_symbols})
+    return int(rows) == 1 and 4 * int(dims[1]) * int(dims[2]) >= GEMV_MIN_WEIGHT

@@ -16,8 +16,8 @@ from tilegraph.backends.c.views import (ConvStep, EmitterParts, Unsupported, Vie
 from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.fusion import ELTWISE_POSTS
-from tilegraph.ir.hardware import (blocked_conv, chain_block, strided_conv_shape, strided_conv_wins, winograd_shape,
-                                   winograd_wins)
+from tilegraph.ir.hardware import (blocked_conv, chain_block, gemv_wins, strided_conv_shape, strided_conv_wins,
+                                   winograd_shape, winograd_wins)
 from tilegraph.ir.shapes import TensorInfo, info_of, numel
 from tilegraph.ir.ops import Op
 from tilegraph.ir.strides import rows_collapse, unit_dims_strided
@@ -357,6 +357,11 @@ class OneDNN(EmitterParts):
         if bf16_result:
             type_names[2] = f"({bf16_marker(c.buf)} ? dnnl_bf16 : dnnl_f32)"
         scratch = None if weight else self._repack_scratch(b)
+        # One row by a constant weight goes to gemv.c where the rule finds it faster (it
+        # leaves to oneDNN what it does not take: tg_gemv_create).
+        gemv = weight and rank == 2 and types == ("f32", "f32", "f32") and scales is None and \
+            gemv_wins(a.shape[-2], a.shape[-1], b.shape[-1])
+        create, last = ("tg_gemv_create", ", 1") if gemv else ("tg_matmul_create", "")
         state = [
             "{",
             f"    const int64_t ad[] = {arr(a.shape)}, as[] = {arr(a.strides)};",
@@ -364,9 +369,9 @@ class OneDNN(EmitterParts):
             f"    const int64_t cd[] = {arr(c.shape)}, cs[] = {arr(c.strides)};",
             f"    const tg_post posts[] = {{{', '.join(posts) or '{0}'}}};",
             f"    const int types[] = {{{', '.join(type_names)}}};",
-            f"    if (tg_matmul_create(&st->prim[{k}], {rank}, ad, as, bd, bs, cd, cs, types, {int(scales is not None)}, "
+            f"    if ({create}(&st->prim[{k}], {rank}, ad, as, bd, bs, cd, cs, types, {int(scales is not None)}, "
             f"{self.ptr(b) if weight else 'NULL'}, &tg_packs[{k}], {len(posts)}, posts, "
-            f"{4 * int(numel(scratch.shape)) if scratch is not None else 0})) return 1;",
+            f"{4 * int(numel(scratch.shape)) if scratch is not None else 0}{last})) return 1;",
             "}",
         ]
         self._run_primitive(op, k, state, a, b, scales, c, post_views, out, scratch=scratch)

@@ -58,10 +58,12 @@ typedef struct {
 
 typedef struct tg_wino tg_wino; /* winograd.c */
 typedef struct tg_sconv tg_sconv; /* strided_conv.c */
+typedef struct tg_gemv tg_gemv; /* gemv.c */
 typedef struct {
     dnnl_primitive_t prim;
     tg_wino *wino; /* a Winograd convolution (winograd.c) in place of `prim`, or NULL */
     tg_sconv *sconv; /* a strided 1-D convolution as matmuls (strided_conv.c) in place of `prim`, or NULL */
+    tg_gemv *gemv; /* a one-row matmul (gemv.c) in place of `prim`, or NULL */
     dnnl_memory_t src, wei, bias, dst, post[TG_MAX_POST], wei_scales;
     int npost, has_bias, scaled; /* scaled: one weight scale per column, given at run as `bias` */
     const void *wei_handle; /* the packed copy, or NULL: the caller's pointer each run */
@@ -118,6 +120,14 @@ int tg_sconv_run(tg_prim *g, const void *src, void *dst);
 void tg_sconv_free(tg_sconv *s);
 void tg_set_strided_conv(int mode);
 int tg_strided_conv_count(void);
+int tg_gemv_create(tg_prim *g, int nd, const int64_t *a_dims, const int64_t *a_str, const int64_t *b_dims,
+                   const int64_t *b_str, const int64_t *c_dims, const int64_t *c_str, const int *types, int scaled,
+                   const void *weight, tg_packed *pack, int npost, const tg_post *posts, size_t wei_scratch,
+                   int wins);
+int tg_gemv_run(tg_prim *g, const void *src, void *dst, void *const *post);
+void tg_gemv_free(tg_gemv *s);
+void tg_set_gemv(int mode);
+int tg_gemv_count(void);
 int tg_bf16_supported(void);
 int tg_reorder_count(void);
 void tg_set_huge_pages(int on);
