@@ -4,7 +4,8 @@ measurement behind the emitter's rule (ir/hardware.py, gemv_wins).
 
     .venv/bin/python benchmarks/gemv_heads.py [--threads 1] [--repeat 15] [--cold-mib 64]
 
-Each shape is x[1, K] @ W[K, N] + bias, then hardswish (MobileNetV3's head), compiled with its
+Each shape is x[1, K] @ W[K, N] + bias, then hardswish (MobileNetV3's head), or a squeeze-excitation's
+1x1 convolution of a 1x1 image with its bias and relu, compiled with its
 binding made once with gemv.c off (tg_set_gemv(0)) and once on (1). Warm: one weight called
 over and over (it stays in the caches, as in a loop over one layer). Cold: as many copies of the
 layer, each its own weight, as make up --cold-mib, called in turn, so each call reads its weight
@@ -29,6 +30,14 @@ from _common import format_table, machine_lines, paired_calls  # noqa: E402
 SHAPES = [("mbv3 fc1", 960, 1280), ("mbv3 fc2", 1280, 1000), ("resnet50 fc", 2048, 1000),
           ("mbv3-s fc1", 576, 1024), ("512x512", 512, 512), ("256x1024", 256, 1024), ("384x384", 384, 384),
           ("128x1000", 128, 1000), ("odd 1000x77", 1000, 77)]
+# (name, C, K): squeeze-excitation's 1x1 convolutions of a 1x1 image, as 1x1 convolutions with a
+# bias and relu: MobileNetV3-Large's (960 <-> 240, 672 <-> 168, 480 <-> 120, 120 -> 32, 72 -> 24)
+# and EfficientNet-B0's (1152 <-> 48, 672 -> 28)
+SE = [("se 960-240", 960, 240), ("se 240-960", 240, 960), ("se 672-168", 672, 168), ("se 168-672", 168, 672),
+      ("se 480-120", 480, 120), ("se 120-32", 120, 32), ("se 72-24", 72, 24), ("se 1152-48", 1152, 48),
+      ("se 48-1152", 48, 1152), ("se 672-28", 672, 28)]
+# at most this many copies of a layer in the cold rows (each compiled on its own)
+MAX_COPIES = 24
 
 
 def main() -> None:
@@ -49,17 +58,21 @@ def main() -> None:
     header = ["shape", "K x N", "weights", "onednn ms", "gemv ms", "gemv/onednn", "GB/s o / g", "rule",
               "rel err o/g"]
     rows = []
-    for name, k, n in SHAPES:
+    for name, k, n, conv in [(*shape, False) for shape in SHAPES] + [(*shape, True) for shape in SE]:
         if args.only and name not in args.only:
             continue
-        copies = max(1, (args.cold_mib << 20) // (4 * k * n))
-        xs = [rng.standard_normal((1, k)).astype(np.float32)]
+        copies = min(MAX_COPIES, max(1, (args.cold_mib << 20) // (4 * k * n)))
+        xs = [rng.standard_normal((1, k, 1, 1) if conv else (1, k)).astype(np.float32)]
         models = []
         for _ in range(copies):
             g = Graph()
-            x = g.input("x", (1, k))
-            w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
-            y = x @ g.weight("w", w) + g.weight("b", rng.standard_normal(n).astype(np.float32))
+            x = g.input("x", xs[0].shape)
+            w = (rng.standard_normal((n, k, 1, 1) if conv else (k, n)) / np.sqrt(k)).astype(np.float32)
+            b = g.weight("b", rng.standard_normal(n).astype(np.float32))
+            if conv:
+                models.append(g.build(g.relu(g.op("conv", x, g.weight("w", w), b)), names=["y"]))
+                continue
+            y = x @ g.weight("w", w) + b
             hard_sigmoid = g.op("max", g.op("min", y * (1 / 6) + 0.5, g.lift(1.0, y)), g.lift(0.0, y))
             models.append(g.build(y * hard_sigmoid, names=["y"]))
         ref = interpret(models[0], xs)[0]

@@ -27,6 +27,8 @@ int tg_gemv_count(void) { return __atomic_load_n(&tg_gemv_runs, __ATOMIC_RELAXED
 
 struct tg_gemv {
     int64_t k, n, xs, ys;  /* x's stride along K, y's along N */
+    int64_t col;           /* dims after the column's in the destination (a post-op's operand aligns on the right) */
+    int has_bias;
     float *w;              /* the panels: ceil(N / TG_GEMV_W) of K x width, the last one's width rounded up to TG_GEMV_V */
     float *x;              /* x gathered where it is strided (K floats), else NULL */
     int npost;
@@ -56,10 +58,10 @@ static inline __attribute__((always_inline)) void tg_gemv_panel(const float *x, 
 }
 
 /* A post-op on the value of column j, as oneDNN applies it (tg_gemv_takes lists those). */
-static inline float tg_gemv_post(const tg_post *p, const float *operand, int64_t j, float o) {
+static inline float tg_gemv_post(const tg_post *p, const float *operand, int64_t col, int64_t j, float o) {
     if (p->binary) {
-        int last = p->nd - 1;
-        float b = operand[p->dims[last] != 1 ? j * p->strides[last] : 0];
+        int64_t d = p->nd - 1 - col; /* (a dim of 1 there, or none: one value for every column) */
+        float b = operand[d >= 0 && p->dims[d] != 1 ? j * p->strides[d] : 0];
         return p->alg == dnnl_binary_add ? o + b : p->alg == dnnl_binary_mul ? o * b : o - b;
     }
     switch (p->alg) {
@@ -107,8 +109,10 @@ static int tg_gemv_takes(int nd, const int64_t *a_dims, const int64_t *b_dims, c
     return 1;
 }
 
-int tg_gemv_run(tg_prim *g, const void *src, void *dst, void *const *post) {
+/* `bias`: N floats, or NULL where there is none; `post`: the binary post-ops' operands, in order. */
+int tg_gemv_run(tg_prim *g, const void *src, const void *bias, void *dst, void *const *post) {
     tg_gemv *s = g->gemv;
+    const float *bs = s->has_bias ? bias : NULL;
     const float *x = src;
     if (s->x) {
         for (int64_t i = 0; i < s->k; i++) s->x[i] = x[i * s->xs];
@@ -131,10 +135,10 @@ int tg_gemv_run(tg_prim *g, const void *src, void *dst, void *const *post) {
         }
         const float *o = (const float *)sums;
         for (int64_t j = 0; j < cols; j++) {
-            float v = o[j];
+            float v = bs ? o[j] + bs[n0 + j] : o[j];
             for (int q = 0, b = 0; q < s->npost; q++) {
                 const tg_post *pp = &s->posts[q];
-                v = tg_gemv_post(pp, pp->binary ? post[b++] : NULL, n0 + j, v);
+                v = tg_gemv_post(pp, pp->binary ? post[b++] : NULL, s->col, n0 + j, v);
             }
             y[(n0 + j) * s->ys] = v;
         }
@@ -143,29 +147,21 @@ int tg_gemv_run(tg_prim *g, const void *src, void *dst, void *const *post) {
     return 0;
 }
 
-/* tg_matmul_create's arguments; `wins`: the emitter's rule (ir/hardware.gemv_wins) says this path
- * is faster (tg_set_gemv overrules it). */
-int tg_gemv_create(tg_prim *g, int nd, const int64_t *a_dims, const int64_t *a_str, const int64_t *b_dims,
-                   const int64_t *b_str, const int64_t *c_dims, const int64_t *c_str, const int *types, int scaled,
-                   const void *weight, tg_packed *pack, int npost, const tg_post *posts, size_t wei_scratch,
-                   int wins) {
-    if (tg_gemv_mode == -2) tg_gemv_mode = getenv("TG_GEMV") && !strcmp(getenv("TG_GEMV"), "0") ? 0 : -1;
-    if (!(tg_gemv_mode < 0 ? wins : tg_gemv_mode) ||
-        !tg_gemv_takes(nd, a_dims, b_dims, b_str, c_dims, types, scaled, weight, npost, posts))
-        return tg_matmul_create(g, nd, a_dims, a_str, b_dims, b_str, c_dims, c_str, types, scaled, weight, pack,
-                                npost, posts, wei_scratch);
+/* Packs W (K x N, `rs` between rows, `cs` between columns) into g's panels: a gemv.c primitive
+ * from here on. */
+static int tg_gemv_setup(tg_prim *g, int64_t k, int64_t n, int64_t xs, int64_t ys, int64_t col, const float *b,
+                         int64_t rs, int64_t cs, int has_bias, int npost, const tg_post *posts) {
     tg_gemv *s = calloc(1, sizeof *s);
     if (!s) TG_FAIL("out of memory for a one-row matmul");
     g->gemv = s;
-    const int64_t k = a_dims[nd - 1], n = b_dims[nd - 1], rs = b_str[nd - 2], cs = b_str[nd - 1];
-    s->k = k, s->n = n, s->xs = a_str[nd - 1], s->ys = c_str[nd - 1];
+    g->has_bias = has_bias;
+    s->k = k, s->n = n, s->xs = xs, s->ys = ys, s->col = col, s->has_bias = has_bias;
     s->npost = npost;
     memcpy(s->posts, posts, (size_t)npost * sizeof *posts);
     const int64_t full = n / TG_GEMV_W * TG_GEMV_W, last = (n - full + TG_GEMV_V - 1) / TG_GEMV_V * TG_GEMV_V;
     s->w = aligned_alloc(64, (size_t)((full + last) * k * (int64_t)sizeof(float) + 63) / 64 * 64);
-    if (s->xs != 1) s->x = malloc((size_t)k * sizeof(float));
-    if (!s->w || (s->xs != 1 && !s->x)) TG_FAIL("out of memory packing a one-row matmul's weight");
-    const float *b = weight;
+    if (xs != 1) s->x = malloc((size_t)k * sizeof(float));
+    if (!s->w || (xs != 1 && !s->x)) TG_FAIL("out of memory packing a one-row matmul's weight");
     for (int64_t n0 = 0; n0 < n; n0 += TG_GEMV_W) {
         const int64_t width = n0 < full ? TG_GEMV_W : last;
         float *panel = s->w + n0 * k;
@@ -174,10 +170,50 @@ int tg_gemv_create(tg_prim *g, int nd, const int64_t *a_dims, const int64_t *a_s
                 panel[i * width + j] = n0 + j < n ? b[i * rs + (n0 + j) * cs] : 0.f;
     }
     char line[160];
-    snprintf(line, sizeof line, "matmul of a 1x%lld source by %lldx%lld: gemv.c\n", (long long)k, (long long)k,
-             (long long)n);
+    snprintf(line, sizeof line, "%s of a 1x%lld source by %lldx%lld: gemv.c\n", col ? "convolution" : "matmul",
+             (long long)k, (long long)k, (long long)n);
     tg_log_line(line);
     return 0;
+}
+
+static int tg_gemv_on(int wins) {
+    if (tg_gemv_mode == -2) tg_gemv_mode = getenv("TG_GEMV") && !strcmp(getenv("TG_GEMV"), "0") ? 0 : -1;
+    return tg_gemv_mode < 0 ? wins : tg_gemv_mode;
+}
+
+/* tg_matmul_create's arguments; `wins`: the emitter's rule (ir/hardware.gemv_wins) says this path
+ * is faster (tg_set_gemv overrules it). */
+int tg_gemv_create(tg_prim *g, int nd, const int64_t *a_dims, const int64_t *a_str, const int64_t *b_dims,
+                   const int64_t *b_str, const int64_t *c_dims, const int64_t *c_str, const int *types, int scaled,
+                   const void *weight, tg_packed *pack, int npost, const tg_post *posts, size_t wei_scratch,
+                   int wins) {
+    if (!tg_gemv_on(wins) || !tg_gemv_takes(nd, a_dims, b_dims, b_str, c_dims, types, scaled, weight, npost, posts))
+        return tg_matmul_create(g, nd, a_dims, a_str, b_dims, b_str, c_dims, c_str, types, scaled, weight, pack,
+                                npost, posts, wei_scratch);
+    return tg_gemv_setup(g, a_dims[nd - 1], b_dims[nd - 1], a_str[nd - 1], c_str[nd - 1], 0, weight,
+                         b_str[nd - 2], b_str[nd - 1], 0, npost, posts);
+}
+
+/* A 1x1 convolution of a 1x1 image (a squeeze-excitation's two), the same GEMV: tg_conv_create's
+ * arguments and `wins`. Its source as the emitter lays it out (a chained producer that left
+ * oneDNN's own layout there sends it to oneDNN), its result so too (for a chained reader: no
+ * oneDNN layout to report, tg_out_md), f32 (not a bf16 stream), no sum into its destination. */
+int tg_gemv_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_str, int w_nd,
+                        const int64_t *w_dims, const int64_t *w_str, const int64_t *y_dims, const int64_t *y_str,
+                        int has_bias, const int64_t *strides, const int64_t *dilations, const int64_t *pads,
+                        const void *weight, tg_packed *pack, int npost, const tg_post *posts, const tg_prim *from,
+                        int chain_out, int stream, int block, int wins) {
+    int one = nd >= 3 && nd <= TG_MAX_DIMS && w_nd == nd && x_dims[0] == 1 && w_dims[1] == x_dims[1] && !stream;
+    for (int i = 2; one && i < nd; i++) /* (pads: nd - 2 before, as many after) */
+        one = x_dims[i] == 1 && y_dims[i] == 1 && w_dims[i] == 1 && pads[i - 2] == 0 && pads[nd - 4 + i] == 0;
+    const int64_t c = x_dims[1], k = y_dims[1];
+    const int64_t ad[] = {1, c}, bd[] = {c, k}, bs[] = {w_str[1], w_str[0]}, cd[] = {1, k};
+    const int types[] = {dnnl_f32, dnnl_f32, dnnl_f32};
+    if (!one || !tg_gemv_on(wins) || !tg_reads_plain(from, nd, x_dims, x_str) ||
+        !tg_gemv_takes(2, ad, bd, bs, cd, types, 0, weight, npost, posts))
+        return tg_conv_create(g, nd, x_dims, x_str, w_nd, w_dims, w_str, y_dims, y_str, has_bias, strides,
+                              dilations, pads, weight, pack, npost, posts, from, chain_out, stream, block);
+    return tg_gemv_setup(g, c, k, x_str[1], y_str[1], nd - 2, weight, w_str[1], w_str[0], has_bias, npost, posts);
 }
 
 void tg_gemv_free(tg_gemv *s) {

@@ -357,11 +357,11 @@ class OneDNN(EmitterParts):
         if bf16_result:
             type_names[2] = f"({bf16_marker(c.buf)} ? dnnl_bf16 : dnnl_f32)"
         scratch = None if weight else self._repack_scratch(b)
-        # One row by a constant weight goes to gemv.c where the rule finds it faster (it
-        # leaves to oneDNN what it does not take: tg_gemv_create).
-        gemv = weight and rank == 2 and types == ("f32", "f32", "f32") and scales is None and \
-            gemv_wins(a.shape[-2], a.shape[-1], b.shape[-1])
-        create, last = ("tg_gemv_create", ", 1") if gemv else ("tg_matmul_create", "")
+        # A constant weight's 2-D GEMM goes to gemv.c where the rule finds it faster (one row:
+        # tg_gemv_create leaves to oneDNN what it does not take; tg_set_gemv overrules the rule).
+        gemv = weight and rank == 2 and types == ("f32", "f32", "f32") and scales is None
+        create, last = ("tg_gemv_create", f", {int(gemv_wins(a.shape[-2], a.shape[-1], b.shape[-1]))}") if gemv \
+            else ("tg_matmul_create", "")
         state = [
             "{",
             f"    const int64_t ad[] = {arr(a.shape)}, as[] = {arr(a.strides)};",
@@ -501,6 +501,13 @@ class OneDNN(EmitterParts):
                 strided_conv_shape(groups, w.shape[2:], strides, dil, pads, x.shape[1], out.shape[1]):
             create = "tg_sconv_create"
             last = f", {int(strided_conv_wins(x.shape[0], x.shape[1], out.shape[1], out.shape[2], w.shape[2], strides[0]))}"
+        # A 1x1 convolution of one 1x1 image (a squeeze-excitation's two) is a one-row matmul:
+        # gemv.c where the rule finds that faster (tg_gemv_conv_create leaves to oneDNN what it
+        # does not take: a batch of more at run time, a chained source in oneDNN's layout).
+        if create == "tg_conv_create" and constant_weight and groups == 1 and into is None and \
+                all(_is_one(d) for d in (*x.shape[2:], *w.shape[2:])):
+            create = "tg_gemv_conv_create"
+            last += f", {int(gemv_wins(x.shape[0], x.shape[1], out.shape[1]))}"
         state = [
             "{",
             f"    const int64_t xd[] = {arr(x.shape)}, xs[] = {arr(x.strides)};",

@@ -602,7 +602,7 @@ int tg_prim_run(tg_prim *g, const void *src, const void *wei, const void *bias, 
     int n = 0;
     if (g->wino) return tg_wino_run(g, src, bias, dst, post);
     if (g->sconv) return tg_sconv_run(g, src, dst);
-    if (g->gemv) return tg_gemv_run(g, src, dst, post);
+    if (g->gemv) return tg_gemv_run(g, src, bias, dst, post);
     if (g->re_in) { /* a chained source this primitive does not take as it lies: to f32 first */
         dnnl_memory_set_data_handle(g->in_to, g->tmp_in);
         if (tg_reorder_run(g->re_in, g->in_from, (void *)src, g->in_to, 1)) return 1;

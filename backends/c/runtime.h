@@ -124,7 +124,12 @@ int tg_gemv_create(tg_prim *g, int nd, const int64_t *a_dims, const int64_t *a_s
                    const int64_t *b_str, const int64_t *c_dims, const int64_t *c_str, const int *types, int scaled,
                    const void *weight, tg_packed *pack, int npost, const tg_post *posts, size_t wei_scratch,
                    int wins);
-int tg_gemv_run(tg_prim *g, const void *src, void *dst, void *const *post);
+int tg_gemv_conv_create(tg_prim *g, int nd, const int64_t *x_dims, const int64_t *x_str, int w_nd,
+                        const int64_t *w_dims, const int64_t *w_str, const int64_t *y_dims, const int64_t *y_str,
+                        int has_bias, const int64_t *strides, const int64_t *dilations, const int64_t *pads,
+                        const void *weight, tg_packed *pack, int npost, const tg_post *posts, const tg_prim *from,
+                        int chain_out, int stream, int block, int wins);
+int tg_gemv_run(tg_prim *g, const void *src, const void *bias, void *dst, void *const *post);
 void tg_gemv_free(tg_gemv *s);
 void tg_set_gemv(int mode);
 int tg_gemv_count(void);
