@@ -360,7 +360,7 @@ class OneDNN(EmitterParts):
         # A constant weight's 2-D GEMM goes to gemv.c where the rule finds it faster (one row:
         # tg_gemv_create leaves to oneDNN what it does not take; tg_set_gemv overrules the rule).
         gemv = weight and rank == 2 and types == ("f32", "f32", "f32") and scales is None
-        create, last = ("tg_gemv_create", f", {int(gemv_wins(a.shape[-2], a.shape[-1], b.shape[-1]))}") if gemv \
+        create, last = ("tg_gemv_create", f", {int(gemv_wins(a.shape[-2]))}") if gemv \
             else ("tg_matmul_create", "")
         state = [
             "{",
@@ -507,7 +507,7 @@ class OneDNN(EmitterParts):
         if create == "tg_conv_create" and constant_weight and groups == 1 and into is None and \
                 all(_is_one(d) for d in (*x.shape[2:], *w.shape[2:])):
             create = "tg_gemv_conv_create"
-            last += f", {int(gemv_wins(x.shape[0], x.shape[1], out.shape[1]))}"
+            last += f", {int(gemv_wins(x.shape[0]))}"
         state = [
             "{",
             f"    const int64_t xd[] = {arr(x.shape)}, xs[] = {arr(x.strides)};",
