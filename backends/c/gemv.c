@@ -171,7 +171,7 @@ static int tg_gemv_setup(tg_prim *g, int64_t k, int64_t n, int64_t xs, int64_t y
                 panel[i * width + j] = n0 + j < n ? b[i * rs + (n0 + j) * cs] : 0.f;
     }
     char line[160];
-    snprintf(line, sizeof line, "%s of a 1x%lld source by %lldx%lld: gemv.c\n", col ? "convolution" : "matmul",
+    snprintf(line, sizeof line, "%s of a 1x%lld source: gemv.c (a %lldx%lld weight)\n", col ? "convolution" : "matmul",
              (long long)k, (long long)k, (long long)n);
     tg_log_line(line);
     return 0;
