@@ -134,6 +134,8 @@ class Loops(EmitterParts):
             suffix = "" if out.dtype == "f32" else "_d"
             return f"tg_gelu_{'tanh' if op.attr('approximate') == 'tanh' else 'erf'}{suffix}({args[0]})"
         if name == Op.sigmoid:
+            if out.dtype == "f32" and _convolution_swish(op):
+                return f"tg_sigmoid_swish({args[0]})"
             return f"tg_sigmoid{'' if out.dtype == 'f32' else '_d'}({args[0]})"
         if name == Op.cast:
             src, dst = operand_dtypes[0], out.dtype
@@ -241,3 +243,13 @@ def _channels_innermost(view: View) -> bool:
     a spatial dim: channels-last, densely or as a slice of channels of a wider such buffer."""
     return view.literal is None and view.rank >= 3 and _eq(view.strides[1], 1) and \
         any(not _is_one(d) and not _eq(st, 0) for d, st in zip(view.shape[2:], view.strides[2:]))
+
+
+def _convolution_swish(sigmoid: TgOp) -> bool:
+    """Whether `sigmoid` is of a convolution's result and read only by x * sigmoid(x): the swish
+    after EfficientNet's convolutions, which runs as a loop over their results (onednn.py)."""
+    x = sigmoid.operands[0]
+    uses = list(sigmoid.results[0].uses)
+    return isinstance(x.owner, TgOp) and x.owner.op_name == Op.conv and len(uses) == 1 and \
+        uses[0].operation.op_name == Op.mul and {id(v) for v in uses[0].operation.operands} == \
+        {id(x), id(sigmoid.results[0])}
