@@ -249,7 +249,7 @@ def _convolution_swish(sigmoid: TgOp) -> bool:
     """Whether `sigmoid` is of a convolution's result and read only by x * sigmoid(x): the swish
     after EfficientNet's convolutions, which runs as a loop over their results (onednn.py)."""
     x = sigmoid.operands[0]
-    uses = list(sigmoid.results[0].uses)
-    return isinstance(x.owner, TgOp) and x.owner.op_name == Op.conv and len(uses) == 1 and \
-        uses[0].operation.op_name == Op.mul and {id(v) for v in uses[0].operation.operands} == \
-        {id(x), id(sigmoid.results[0])}
+    readers = [u.operation for u in sigmoid.results[0].uses]
+    return isinstance(x.owner, TgOp) and x.owner.op_name == Op.conv and len(readers) == 1 and \
+        isinstance(readers[0], TgOp) and readers[0].op_name == Op.mul and \
+        {id(v) for v in readers[0].operands} == {id(x), id(sigmoid.results[0])}
