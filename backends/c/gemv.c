@@ -12,8 +12,13 @@
  * (backends/c/onednn.py); anything this path does not take (a source of more than one row,
  * bf16 operands, a post-op it does not apply) is made as tg_matmul_create makes it. */
 
-#define TG_GEMV_V 16                 /* f32 lanes of a tg_v16 */
+#define TG_GEMV_V 16                 /* f32 lanes of a tg_gv16 */
 #define TG_GEMV_W (4 * TG_GEMV_V)    /* columns of a panel: 4 vectors of sums, in two sets = 8 chains */
+
+/* Weights (K x N floats) from which threads split the panels: a fork costs a few microseconds, the
+ * read of 1 MB from memory at one core's ~20 GB/s about 50 (smaller ones, a squeeze-excitation's,
+ * measured faster on one thread than oneDNN on two: benchmarks/gemv_heads.py --threads 2). */
+#define TG_GEMV_PARALLEL_MIN (1 << 18)
 
 typedef float tg_gv16 __attribute__((vector_size(64), aligned(4), may_alias));
 
@@ -121,8 +126,7 @@ int tg_gemv_run(tg_prim *g, const void *src, const void *bias, void *dst, void *
     }
     const int64_t panels = (s->n + TG_GEMV_W - 1) / TG_GEMV_W;
     float *y = dst;
-    /* (threads only where each gets a weight read worth its fork: the rule's minimum is far above) */
-#pragma omp parallel for schedule(static) if (panels > 1 && s->k * s->n >= (1 << 18))
+#pragma omp parallel for schedule(static) if (panels > 1 && s->k * s->n >= TG_GEMV_PARALLEL_MIN)
     for (int64_t p = 0; p < panels; p++) {
         const int64_t n0 = p * TG_GEMV_W, cols = s->n - n0 < TG_GEMV_W ? s->n - n0 : TG_GEMV_W;
         const int nv = (int)((cols + TG_GEMV_V - 1) / TG_GEMV_V);
