@@ -5,7 +5,7 @@ scalar scale) agrees with the float64 interpreter within f32's tolerance for its
 length where gemv.c runs it (forced with tg_set_gemv(1), the run counter moving and the
 primitive reported as gemv.c, no oneDNN reference kernel): widths that fill whole panels,
 leave a part of one or are under one vector, odd K, a weight read through a transpose (torch's
-Linear). The rule (ir/hardware.gemv_wins) sends MobileNetV3-Large's head there by itself; a
+Linear), a source row whose values lie 3 floats apart. The rule (ir/hardware.gemv_wins) sends MobileNetV3-Large's head there by itself; a
 source of more rows, a batch known at run time run at 3, and tg_set_gemv(0) stay on oneDNN.
 """
 
@@ -136,3 +136,16 @@ def test_squeeze_excitation_convolutions(c, squeeze):
     model, inputs = _squeeze_excitation(c, squeeze, batch=2)
     lines, runs = _run(model, inputs, c, mode=1)
     assert runs == 0, lines
+
+
+def test_a_strided_source_row():
+    """x read as a column of a wider input (each of its K values 3 floats apart, a transposed
+    slice): gathered first, then the same panels."""
+    rng = np.random.default_rng(2)
+    g = Graph()
+    x = g.input("x", (300, 3))
+    row = g.transpose(g.slice(x, [0, 1], [300, 2]), (1, 0))
+    y = g.relu(row @ g.weight("w", (rng.standard_normal((300, 170)) / 17).astype(np.float32)))
+    model = g.build(y, names=["y"])
+    lines, runs = _run(model, [rng.standard_normal((300, 3)).astype(np.float32)], 300, mode=1)
+    assert runs == 1 and any(GEMV in line for line in lines), lines
