@@ -5,8 +5,9 @@ scalar scale) agrees with the float64 interpreter within f32's tolerance for its
 length where gemv.c runs it (forced with tg_set_gemv(1), the run counter moving and the
 primitive reported as gemv.c, no oneDNN reference kernel): widths that fill whole panels,
 leave a part of one or are under one vector, odd K, a weight read through a transpose (torch's
-Linear), a source row whose values lie 3 floats apart. The rule (ir/hardware.gemv_wins) sends MobileNetV3-Large's head there by itself; a
-source of more rows, a batch known at run time run at 3, and tg_set_gemv(0) stay on oneDNN.
+Linear), a source row whose values lie 3 floats apart. The rule (ir/hardware.gemv_wins) sends
+MobileNetV3-Large's head and squeeze-excitation's 1x1 convolutions of a 1x1 map there by itself;
+a source of more rows, a batch known at run time run at 3, and tg_set_gemv(0) stay on oneDNN.
 """
 
 from __future__ import annotations
