@@ -26,7 +26,7 @@ static void fill(dnnl_memory_t m, float scale) {
 
 static int batch = 1; /* TG_LAYOUTS_BATCH */
 
-/* post: 0 relu, 1 sum then relu (a residual block's end), 2 swish */
+/* post: 0 relu, 1 sum then relu (a residual block's end), 2 swish, 3 hardswish (MobileNetV3's) */
 static conv_t make(int dw, int ic, int oc, int ih, int k, int s, dnnl_format_tag_t tag, int post) {
     int oh = (ih + 2 * (k / 2) - k) / s + 1;
     dnnl_dims_t sd = {batch, ic, ih, ih}, dd = {batch, dw ? ic : oc, oh, oh}, bd = {dw ? ic : oc}, str = {s, s}, dil = {0, 0},
@@ -41,7 +41,8 @@ static conv_t make(int dw, int ic, int oc, int ih, int k, int s, dnnl_format_tag
     CK(dnnl_primitive_attr_create(&attr));
     CK(dnnl_post_ops_create(&po));
     if (post == 1) CK(dnnl_post_ops_append_sum(po, 1.f, 0, dnnl_data_type_undef));
-    CK(dnnl_post_ops_append_eltwise(po, post == 2 ? dnnl_eltwise_swish : dnnl_eltwise_relu, 1.f, 0.f));
+    if (post == 3) CK(dnnl_post_ops_append_eltwise(po, dnnl_eltwise_hardswish, 1.f / 6, 0.5f));
+    else CK(dnnl_post_ops_append_eltwise(po, post == 2 ? dnnl_eltwise_swish : dnnl_eltwise_relu, 1.f, 0.f));
     CK(dnnl_primitive_attr_set_post_ops(attr, po));
     dnnl_primitive_desc_t pd;
     conv_t c;

@@ -2,12 +2,12 @@
 shape in channels-last (the C backend's), nChw16c and nChw8c (onnxruntime's NCHWc), timed
 interleaved in one process on the same data, with the implementation oneDNN picked.
 
-    .venv/bin/python benchmarks/onednn_layouts.py [--set resnet50|depthwise] [--post relu|sum|swish]
+    .venv/bin/python benchmarks/onednn_layouts.py [--set resnet50|depthwise] [--post relu|sum|swish|hardswish]
         [--threads 1] [--repeat 31]
 
 --set resnet50: ResNet-50's 1x1 and 3x3 shapes; depthwise: MobileNetV2's and EfficientNet-B0's
 depthwise shapes. --post: the fused epilogue (relu; sum then relu, a residual block's end;
-swish, EfficientNet's). The C source is onednn_layouts.c, built against the oneDNN the C
+swish, EfficientNet's; hardswish, MobileNetV3's). The C source is onednn_layouts.c, built against the oneDNN the C
 backend links (backends/c/build.onednn).
 """
 
@@ -36,7 +36,7 @@ SETS = {
                      (0, 24, 144, 56, 1, 1), (1, 144, 144, 56, 3, 1), (0, 144, 24, 56, 1, 1), (1, 144, 144, 56, 3, 2),
                      (0, 144, 32, 28, 1, 1), (0, 32, 192, 28, 1, 1), (1, 192, 192, 28, 3, 1), (0, 192, 32, 28, 1, 1)],
 }
-POSTS = {"relu": 0, "sum": 1, "swish": 2}
+POSTS = {"relu": 0, "sum": 1, "swish": 2, "hardswish": 3}
 
 
 def main() -> int:

@@ -905,3 +905,25 @@ def blocked_conv(n, c, k, oh, ow, depthwise: bool, window) -> int:
     if n < BLOCKED_MIN_BATCH or n * oh * ow < BLOCKED_MIN_ROWS or vector_lanes() != 16:
         return 0
     return 16
+
+
+# --- which matmuls the C backend runs as one-row GEMVs (backends/c/gemv.c) ---
+# Read by its emitter (backends/c/onednn.py), for matmuls and for 1x1 convolutions of a 1x1
+# image. Its cost model needs no twin: a GEMM's time is bounded below by its weight's read from
+# memory (passes/targets/c.anchor_compute), which is what this path runs at.
+
+
+def gemv_wins(m) -> bool:
+    """Whether gemv.c beats oneDNN on x[m, K] @ W[K, N], W constant: at one row, as
+    measured (benchmarks/gemv_heads.py, gemv/oneDNN in one process, one thread, bias and an
+    activation, on an AVX-512 processor). Weights read from memory each call, as a whole model's
+    call reads them: 0.64-0.75x on the image heads (MobileNetV3's 960x1280 and 1280x1000,
+    ResNet-50's 2048x1000: 19-21 GB/s against oneDNN's 14-15), 0.48-0.72x on the
+    squeeze-excitation 1x1 convolutions of MobileNetV3 and EfficientNet (a oneDNN convolution call
+    is the larger part of their time); from cache 0.78-0.95x, but 1.05x on 128x1000 (a short K
+    per panel), which a model's call reads cold (0.89x). A batch known only at run time is judged
+    at 1 (gemv.c itself takes only a source of one row and leaves any other to oneDNN)."""
+    import sympy
+
+    rows = sympy.sympify(m)
+    return int(rows.subs({s: 1 for s in rows.free_symbols})) == 1

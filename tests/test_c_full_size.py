@@ -180,7 +180,7 @@ def test_silu_after_a_gemm_is_onednns_swish_epilogue(case):
 @pytest.mark.parametrize("conv", ["depthwise", "depthwise-stride-2", "pointwise", "stem"])
 def test_a_swish_after_a_convolution_is_one_loop_in_its_step_not_onednns_post_op(conv):
     """x * sigmoid(x) after a convolution (EfficientNet's every convolution) runs as one simd
-    loop over the result in the convolution's own step (runtime.h, tg_sigmoid), not as
+    loop over the result in the convolution's own step (runtime.h, tg_sigmoid_swish), not as
     oneDNN's swish post-op, which cost its kernels more; results far into both tails of the
     sigmoid (|x| past 88, where e^-x leaves float32) agree with the interpreter too."""
     from tilegraph.backends.c.emit import emit_program
@@ -197,7 +197,7 @@ def test_a_swish_after_a_convolution_is_one_loop_in_its_step_not_onednns_post_op
     compiled = tilegraph.compile(model, target="c")
     program = emit_program(compiled.model)
     assert len(program.steps) == 1 and program.steps[0].host_op is None, [s.comment for s in program.steps]
-    assert "dnnl_eltwise_swish" not in compiled.source and "tg_sigmoid(" in compiled.source
+    assert "dnnl_eltwise_swish" not in compiled.source and "tg_sigmoid_swish(" in compiled.source
     xs = (rng.standard_normal((1, c, 20, 20)) * 40).astype(np.float32)  # a spans both tails
     want = interpret(model, [xs])[0]
     assert np.abs(want).max() > 100 and want.min() < 0

@@ -151,3 +151,22 @@ def test_swin_attention_biases_and_shift_mask_are_folded_not_computed_each_call(
     assert len(steps) == 1 and "softmax" in steps[0], steps
     xs = [rng.standard_normal((windows, heads, tokens, d)).astype(np.float32) for _ in range(2)]
     assert_close(compiled.run(*xs)[0], interpret(model, xs)[0], "f32", reduction_length=d)
+
+
+@pytest.mark.parametrize("channels, unrolled", [(3, True), (4, True), (5, False)])
+def test_an_image_copied_into_channels_last_is_written_pixel_by_pixel(channels, unrolled):
+    """An image of a few planes copied into channels-last for its first convolution (the stem of
+    every CNN here): up to UNROLLED_CHANNELS planes, each pixel's channels written one after
+    another inside one loop over the pixels (not a loop per plane storing every 3rd float);
+    more stay a loop per plane. Both agree with the interpreter."""
+    rng = np.random.default_rng(5)
+    g = Graph()
+    x = g.input("x", (1, channels, 30, 34))
+    w = (rng.standard_normal((16, channels, 3, 3)) / 5).astype(np.float32)
+    y = g.relu(g.op("conv", x, g.weight("w", w), pads=(1, 1, 1, 1), strides=(2, 2)))
+    model = g.build(y, names=["y"])
+    compiled = tilegraph.compile(model, target="c")
+    last = f"[j * {channels} + {channels - 1}]"
+    assert (last in compiled.source) == unrolled, compiled.source
+    xs = [rng.standard_normal((1, channels, 30, 34)).astype(np.float32)]
+    assert_close(compiled.run(*xs)[0], interpret(model, xs)[0], "f32", reduction_length=9 * channels)

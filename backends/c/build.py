@@ -31,11 +31,11 @@ RUNTIME_H = Path(__file__).with_name("runtime.h")
 RUNTIME_C = Path(__file__).with_name("runtime.c")
 # Compiled into the runtime beside runtime.c: convolutions (conv.c), flash attention and its
 # backward (attention.c, attention_backward.c), Winograd convolutions (winograd.c),
-# strided 1-D convolutions as matmuls (strided_conv.c), the block-format and KV-cache kernels (blockq.c, with its header,
-# the SIMD variants and decode.c it includes).
+# strided 1-D convolutions as matmuls (strided_conv.c), one-row matmuls (gemv.c), the
+# block-format and KV-cache kernels (blockq.c, with its header, the SIMD variants and decode.c it includes).
 RUNTIME_EXTRA = [Path(__file__).with_name(n) for n in ("conv.c", "attention.c", "attention_backward.c", "winograd.c",
-                                                     "strided_conv.c", "blockq.h", "blockq_simd.h", "blockq.c", "decode.c")]
-INCLUDED = ("conv.c", "attention.c", "attention_backward.c", "winograd.c", "strided_conv.c", "blockq.c")  # (blockq.c includes the rest)
+                                                     "strided_conv.c", "gemv.c", "blockq.h", "blockq_simd.h", "blockq.c", "decode.c")]
+INCLUDED = ("conv.c", "attention.c", "attention_backward.c", "winograd.c", "strided_conv.c", "gemv.c", "blockq.c")  # (blockq.c includes the rest)
 # -fwrapv: signed integer overflow wraps, as NumPy's does. -fno-math-errno lets the
 # compiler inline and vectorise math functions (errno is never read). No -ffast-math:
 # NaN, infinities and signed zeros keep their IEEE meaning.

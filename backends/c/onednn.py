@@ -16,8 +16,8 @@ from tilegraph.backends.c.views import (ConvStep, EmitterParts, Unsupported, Vie
 from tilegraph.ir import dtypes
 from tilegraph.ir.dialect import FusionOp, TgOp
 from tilegraph.ir.fusion import ELTWISE_POSTS
-from tilegraph.ir.hardware import (blocked_conv, chain_block, strided_conv_shape, strided_conv_wins, winograd_shape,
-                                   winograd_wins)
+from tilegraph.ir.hardware import (blocked_conv, chain_block, gemv_wins, strided_conv_shape, strided_conv_wins,
+                                   winograd_shape, winograd_wins)
 from tilegraph.ir.shapes import TensorInfo, info_of, numel
 from tilegraph.ir.ops import Op
 from tilegraph.ir.strides import rows_collapse, unit_dims_strided
@@ -357,6 +357,11 @@ class OneDNN(EmitterParts):
         if bf16_result:
             type_names[2] = f"({bf16_marker(c.buf)} ? dnnl_bf16 : dnnl_f32)"
         scratch = None if weight else self._repack_scratch(b)
+        # A constant weight's 2-D GEMM goes to gemv.c where the rule finds it faster (one row:
+        # tg_gemv_create leaves to oneDNN what it does not take; tg_set_gemv overrules the rule).
+        gemv = weight and rank == 2 and types == ("f32", "f32", "f32") and scales is None
+        create, last = ("tg_gemv_create", f", {int(gemv_wins(a.shape[-2]))}") if gemv \
+            else ("tg_matmul_create", "")
         state = [
             "{",
             f"    const int64_t ad[] = {arr(a.shape)}, as[] = {arr(a.strides)};",
@@ -364,9 +369,9 @@ class OneDNN(EmitterParts):
             f"    const int64_t cd[] = {arr(c.shape)}, cs[] = {arr(c.strides)};",
             f"    const tg_post posts[] = {{{', '.join(posts) or '{0}'}}};",
             f"    const int types[] = {{{', '.join(type_names)}}};",
-            f"    if (tg_matmul_create(&st->prim[{k}], {rank}, ad, as, bd, bs, cd, cs, types, {int(scales is not None)}, "
+            f"    if ({create}(&st->prim[{k}], {rank}, ad, as, bd, bs, cd, cs, types, {int(scales is not None)}, "
             f"{self.ptr(b) if weight else 'NULL'}, &tg_packs[{k}], {len(posts)}, posts, "
-            f"{4 * int(numel(scratch.shape)) if scratch is not None else 0})) return 1;",
+            f"{4 * int(numel(scratch.shape)) if scratch is not None else 0}{last})) return 1;",
             "}",
         ]
         self._run_primitive(op, k, state, a, b, scales, c, post_views, out, scratch=scratch)
@@ -496,6 +501,13 @@ class OneDNN(EmitterParts):
                 strided_conv_shape(groups, w.shape[2:], strides, dil, pads, x.shape[1], out.shape[1]):
             create = "tg_sconv_create"
             last = f", {int(strided_conv_wins(x.shape[0], x.shape[1], out.shape[1], out.shape[2], w.shape[2], strides[0]))}"
+        # A 1x1 convolution of one 1x1 image (a squeeze-excitation's two) is a one-row matmul:
+        # gemv.c where the rule finds that faster (tg_gemv_conv_create leaves to oneDNN what it
+        # does not take: a batch of more at run time, a chained source in oneDNN's layout).
+        if create == "tg_conv_create" and constant_weight and groups == 1 and into is None and \
+                all(_is_one(d) for d in (*x.shape[2:], *w.shape[2:])):
+            create = "tg_gemv_conv_create"
+            last += f", {int(gemv_wins(x.shape[0]))}"
         state = [
             "{",
             f"    const int64_t xd[] = {arr(x.shape)}, xs[] = {arr(x.strides)};",

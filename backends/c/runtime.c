@@ -116,6 +116,14 @@ static int tg_is_ref(const_dnnl_primitive_desc_t pd) { return strncmp(tg_impl(pd
 static int tg_reorders;
 int tg_reorder_count(void) { return tg_reorders; }
 
+/* A line of the primitives' listing (tg_primitive_report): one per primitive made. */
+static void tg_log_line(const char *line) {
+    size_t used = strlen(tg_prim_lines), n = strlen(line);
+    if (used + n >= sizeof tg_prim_lines) used = tg_prim_lines[0] = 0; /* full: the reader took the old lines */
+    memcpy(tg_prim_lines + used, line, n + 1);
+    tg_prims++;
+}
+
 static void tg_log_primitive(const_dnnl_primitive_desc_t pd, const_dnnl_memory_desc_t src, const char *note) {
     char line[256];
     int nd = 0, k;
@@ -133,10 +141,7 @@ static void tg_log_primitive(const_dnnl_primitive_desc_t pd, const_dnnl_memory_d
                                                                  (long long)(*dims)[i]);
     snprintf(line + k, sizeof line - k, "%s source: %s%s\n", ddt == dnnl_bf16 ? " (a bf16 result)" : "", tg_impl(pd),
              note);
-    size_t used = strlen(tg_prim_lines), n = strlen(line);
-    if (used + n >= sizeof tg_prim_lines) used = tg_prim_lines[0] = 0; /* full: the reader took the old lines */
-    memcpy(tg_prim_lines + used, line, n + 1);
-    tg_prims++;
+    tg_log_line(line);
 }
 
 static void tg_log_prim(const tg_prim *g, const_dnnl_memory_desc_t src) {
@@ -566,6 +571,7 @@ void tg_prim_destroy(tg_prim *g) {
         if (prims[i]) dnnl_primitive_destroy(prims[i]);
     if (g->wino) tg_wino_free(g->wino);
     if (g->sconv) tg_sconv_free(g->sconv);
+    if (g->gemv) tg_gemv_free(g->gemv);
     free(g->tmp_src);
     free(g->tmp_wei);
     free(g->tmp_dst);
@@ -596,6 +602,7 @@ int tg_prim_run(tg_prim *g, const void *src, const void *wei, const void *bias, 
     int n = 0;
     if (g->wino) return tg_wino_run(g, src, bias, dst, post);
     if (g->sconv) return tg_sconv_run(g, src, dst);
+    if (g->gemv) return tg_gemv_run(g, src, bias, dst, post);
     if (g->re_in) { /* a chained source this primitive does not take as it lies: to f32 first */
         dnnl_memory_set_data_handle(g->in_to, g->tmp_in);
         if (tg_reorder_run(g->re_in, g->in_from, (void *)src, g->in_to, 1)) return 1;

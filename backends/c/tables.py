@@ -73,6 +73,9 @@ REDUCE_STEP = {"sum": "acc += v;", "mean": "acc += v;", "max": "acc = v > acc ||
 REDUCE_SIMD = {"sum": ("reduction(+:acc)", "acc += v;"), "mean": ("reduction(+:acc)", "acc += v;"),
                "max": ("reduction(max:acc) reduction(|:nan)", "acc = v > acc ? v : acc; nan |= v != v;"),
                "min": ("reduction(min:acc) reduction(|:nan)", "acc = v < acc ? v : acc; nan |= v != v;")}
+# A channels-last result of at most this many channels read from planes (an RGB image's copy
+# for the stem convolution) is written a pixel at a time, its channels unrolled (loops.py, loop).
+UNROLLED_CHANNELS = 4
 SIMD_BLOCK = 4096  # elements a thread takes at a time in a flat parallel loop
 # A GEMM's B passed each run whose rows lie a multiple of this many bytes apart is reordered each
 # run (runtime.c, tg_aliased_rows: such rows share a few L1 sets, 4 KiB the L1's set stride).
