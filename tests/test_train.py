@@ -316,6 +316,30 @@ def test_cross_entropy_backward_over_the_logits_is_one_pass_on_c():
         tilegraph.testing.assert_close(got, want, "f32", reduction_length(model), name=name)
 
 
+def test_an_lm_heads_logsumexp_is_one_pass_over_the_logits_rows_on_c():
+    """The loss's logsumexp (each row's max, then the sum of exp(logit - max)) after the LM head's
+    GEMM: the group yields the logits, the max and the sum, never the exp, so it is one pass over
+    the rows while each stays in cache, not an op per pass over memory writing two more
+    logit-sized buffers (the width read off the values inside, not off the yields)."""
+    from tilegraph.ir import interpret
+    from tilegraph.testing import reduction_length
+    from tilegraph.train import build_gradients
+
+    vocab = 50257
+    torch.manual_seed(0)
+    module = torch.nn.Linear(8, vocab, bias=False)
+    x = torch.randn(2, 3, 8)
+    model = build_gradients(tilegraph.import_model(module, example_inputs=(x,)), "cross_entropy", ["weight"])
+    compiled = tilegraph.compile(model, target="c")
+    head = [s for s in compiled._runner.program.steps if "reduce_max" in s.comment and s.comment.startswith("fusion")]
+    assert len(head) == 1, [s.comment for s in compiled._runner.program.steps]
+    assert len(head[0].writes) == 3, head[0].comment  # the logits, each row's max and its sum: nothing between
+    targets = np.array([[0, vocab - 1, 7], [3, 3, 12345]])
+    inputs = [x.numpy(), targets, module.weight.detach().numpy()]
+    for name, got, want in zip(model.output_names, compiled.run(*inputs), interpret(model, inputs)):
+        tilegraph.testing.assert_close(got, want, "f32", reduction_length(model), name=name)
+
+
 def test_a_linear_weight_gradient_is_made_in_the_weight_layout():
     """A Linear's weight is kept as [out, in] and read transposed: its gradient GEMM writes
     dY^T @ X as [out, in] too, so the optimizer reads it row by row, not (X^T @ dY) down its
