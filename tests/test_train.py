@@ -348,6 +348,34 @@ def test_a_gemm_with_a_vocabulary_long_dim_runs_on_sgemm():
         assert sum("source: sgemm" in line for line in compiled.primitives) == on_sgemm, compiled.primitives
 
 
+def test_a_layer_norm_after_a_gemm_and_what_its_backward_saves_are_one_pass_over_the_rows_on_c():
+    """A residual block's GEMM, residual add and layer_norm, beside the mean, centred input and
+    variance the backward saves (one group): the layer norm a row op, the rest one pass over the
+    rows, not a pass over memory per op, so the step writes the group's results and the GEMM's
+    own and no intermediate; the gradients match the float64 interpreter."""
+    from tilegraph.train import build_gradients
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.ln = torch.nn.Linear(256, 256), torch.nn.LayerNorm(256)
+
+        def forward(self, x):
+            return self.ln(x + self.fc(x))
+
+    torch.manual_seed(0)
+    module, x = Block(), torch.randn(4, 64, 256)
+    model = build_gradients(tilegraph.import_model(module, example_inputs=(x,)), "mean",
+                            ["fc.weight", "fc.bias", "ln.weight", "ln.bias"])
+    compiled = tilegraph.compile(model, target="c")
+    block = [s for s in compiled._runner.program.steps if "matmul, add, add, layer_norm, reduce_mean" in s.comment]
+    assert len(block) == 1, [s.comment for s in compiled._runner.program.steps]
+    assert len(block[0].writes) <= len(block[0].kernel.results) + 1, block[0].comment
+    params = dict(module.named_parameters())
+    inputs = [x.numpy() if n == "x" else params[n].detach().numpy() for n in model.input_names]
+    _matches_the_interpreter(model, compiled, inputs)
+
+
 def test_a_linear_weight_gradient_is_made_in_the_weight_layout():
     """A Linear's weight is kept as [out, in] and read transposed: its gradient GEMM writes
     dY^T @ X as [out, in] too, so the optimizer reads it row by row, not (X^T @ dY) down its
