@@ -36,13 +36,30 @@ import tilegraph  # noqa: E402
 from tilegraph.backends.c.build import build  # noqa: E402
 from tilegraph.backends.c.emit import emit_program  # noqa: E402
 from tilegraph.backends.c.runtime import CompiledModel  # noqa: E402
+from tilegraph.ir.dialect import FusionOp  # noqa: E402
+from tilegraph.passes.cost.model import at, op_flops  # noqa: E402
 from tilegraph.passes.registry import default_pipeline  # noqa: E402
+
+
+def kernel_flops(kernel) -> float:
+    """FLOPs of one call of a top-level kernel (a fused group or one op) by the op table's
+    `flops` traits; 0 where a dim is known only at run time."""
+    try:
+        return sum(at(op_flops(o)) for o in (kernel.ops if isinstance(kernel, FusionOp) else [kernel]))
+    except ValueError:
+        return 0.0
+
+
+def gflops(flops: float, seconds: float) -> str:
+    """The achieved rate of a step, blank for one that does no arithmetic to speak of."""
+    return f"{flops / seconds / 1e9:6.1f} GFLOP/s" if flops > 1e6 and seconds > 0 else " " * 13
 
 
 def step_times(optimized, arrays: list[np.ndarray], repeat: int, threads: int | None,
                precision: str = "f32") -> tuple[list, float]:
-    """(description, median seconds) per step of the per-step module (native steps, and
-    ops run on the host), and the whole call's median."""
+    """(description, median seconds, FLOPs) per step of the per-step module (native steps, and
+    ops run on the host), and the whole call's median. A kernel split over several steps has
+    its FLOPs on its first step."""
     program = emit_program(optimized, per_step=True)
     compiled = CompiledModel(program, ctypes.CDLL(str(build(program.source))), optimized.weights, optimized,
                              precision)
@@ -70,8 +87,16 @@ def step_times(optimized, arrays: list[np.ndarray], repeat: int, threads: int | 
         t = time.perf_counter()
         compiled(*arrays)
         whole.append(time.perf_counter() - t)
+    counted: set[int] = set()  # kernels whose FLOPs a step already carries
+
+    def flops(i: int) -> float:
+        kernel = program.steps[i].kernel or program.steps[i].host_op
+        if kernel is None or id(kernel) in counted:
+            return 0.0
+        counted.add(id(kernel))
+        return kernel_flops(kernel)
     steps = [(f"step {i}{' (host)' if program.steps[i].host_op is not None else ''}: {program.steps[i].comment}",
-              float(np.median(ts[-repeat:]))) for i, ts in samples.items()]
+              float(np.median(ts[-repeat:])), flops(i)) for i, ts in sorted(samples.items())]
     return steps, float(np.median(whole))
 
 
@@ -82,12 +107,13 @@ def step_kind(comment: str) -> str:
 
 
 def print_by_kind(steps: list, total: float) -> None:
-    kinds: dict[str, list[float]] = {}
-    for comment, t in steps:
-        kinds.setdefault(step_kind(comment), []).append(t)
+    kinds: dict[str, list[tuple[float, float]]] = {}
+    for comment, t, flops in steps:
+        kinds.setdefault(step_kind(comment), []).append((t, flops))
     print("  C steps by kind:")
-    for kind, ts in sorted(kinds.items(), key=lambda kv: -sum(kv[1])):
-        print(f"    {1e3 * sum(ts):8.3f} ms {100 * sum(ts) / total:5.1f}%  x{len(ts):<3d} {kind}")
+    for kind, rows in sorted(kinds.items(), key=lambda kv: -sum(t for t, _ in kv[1])):
+        t, flops = sum(t for t, _ in rows), sum(f for _, f in rows)
+        print(f"    {1e3 * t:8.3f} ms {100 * t / total:5.1f}% {gflops(flops, t)}  x{len(rows):<3d} {kind}")
 
 
 def print_ort_profile(session, feeds: dict, repeat: int) -> None:
@@ -238,13 +264,13 @@ def main(argv=None) -> int:
             session.run(None, feeds)
             ort.append(time.perf_counter() - t)
         ort_ms = 1e3 * float(np.median(ort))
-        total = sum(t for _, t in steps)
+        total = sum(s[1] for s in steps)
         print(f"\n{case.label}: C per-step module {1e3 * whole:.3f} ms (steps sum {1e3 * total:.3f} ms), "
               f"onnxruntime {ort_ms:.3f} ms, {len(steps)} native steps")
         listed = sorted(steps, key=lambda s: int(s[0].split()[1].rstrip(":"))) if args.in_order else \
             sorted(steps, key=lambda s: -s[1])[:args.top]
-        for comment, t in listed:
-            print(f"  {1e3 * t:8.3f} ms {100 * t / total:5.1f}%  {comment[:110]}")
+        for comment, t, flops in listed:
+            print(f"  {1e3 * t:8.3f} ms {100 * t / total:5.1f}% {gflops(flops, t)}  {comment[:110]}")
         if profiled is not None or ov_request is not None:
             print_by_kind(steps, total)
         if profiled is not None:

@@ -104,13 +104,13 @@ def profile(step, inputs, targets, top: int, repeat: int, threads: int | None, m
             **step.weights, **step.state, "lr": np.float32(LR), "step": np.float32(1)}
     optimized = step.compiled.model
     steps, whole = c_steps.step_times(optimized, [feed[n] for n in optimized.input_names], repeat, threads)
-    total = sum(t for _, t in steps)
-    gemm = sum(t for c, t in steps if "matmul" in c or "attention" in c)
+    total = sum(s[1] for s in steps)
+    gemm = sum(t for c, t, _ in steps if "matmul" in c or "attention" in c)
     print(f"  per-step module {1e3 * whole:.0f} ms (steps sum {1e3 * total:.0f} ms), {len(steps)} steps, "
           f"threads {threads or 'all'}; steps with a matmul or attention: {1e3 * gemm:.0f} ms "
           f"({100 * gemm / total:.0f}%)")
-    for comment, t in sorted(steps, key=lambda s: -s[1])[:top]:
-        print(f"  {1e3 * t:8.2f} ms {100 * t / total:5.1f}%  {comment[:200]}")
+    for comment, t, flops in sorted(steps, key=lambda s: -s[1])[:top]:
+        print(f"  {1e3 * t:8.2f} ms {100 * t / total:5.1f}% {c_steps.gflops(flops, t)}  {comment[:200]}")
     c_steps.print_by_kind(steps, total)
     if module is None:
         return

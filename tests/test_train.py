@@ -287,21 +287,33 @@ def test_bias_gradients_run_in_their_weight_gradient_gemm_steps_on_c():
     assert steps(plain, True) == [] and len(steps(plain, False)) == 3
 
 
+def _lm_head(vocab: int = 50257):
+    """An LM head's gradients under cross-entropy (rows 2 x 3, width 8) compiled for C, and inputs."""
+    from tilegraph.train import build_gradients
+
+    torch.manual_seed(0)
+    module = torch.nn.Linear(8, vocab, bias=False)
+    x = torch.randn(2, 3, 8)
+    model = build_gradients(tilegraph.import_model(module, example_inputs=(x,)), "cross_entropy", ["weight"])
+    targets = np.array([[0, vocab - 1, 7], [3, 3, vocab // 4]])
+    return model, tilegraph.compile(model, target="c"), [x.numpy(), targets, module.weight.detach().numpy()]
+
+
+def _matches_the_interpreter(model, compiled, inputs) -> None:
+    from tilegraph.ir import interpret
+    from tilegraph.testing import reduction_length
+
+    for name, got, want in zip(model.output_names, compiled.run(*inputs), interpret(model, inputs)):
+        tilegraph.testing.assert_close(got, want, "f32", reduction_length(model), name=name)
+
+
 def test_cross_entropy_backward_over_the_logits_is_one_pass_on_c():
     """Cross-entropy's backward, (softmax - one_hot) * dloss over every logit beside each row's
     loss, is one fused step on C, one pass over the logits whose rows are too wide for a row op
     (an LM head's 50257), not a pass per op, its one-hot a select the compiler vectorises; the loss
     and gradient match the float64 interpreter."""
-    from tilegraph.ir import interpret
-    from tilegraph.testing import reduction_length
-    from tilegraph.train import build_gradients
-
     vocab = 50257
-    torch.manual_seed(0)
-    module = torch.nn.Linear(8, vocab, bias=False)
-    x = torch.randn(2, 3, 8)
-    model = build_gradients(tilegraph.import_model(module, example_inputs=(x,)), "cross_entropy", ["weight"])
-    compiled = tilegraph.compile(model, target="c")
+    model, compiled, inputs = _lm_head(vocab)
     steps = compiled._runner.program.steps
     wide = [s.comment for s in steps if not s.comment.startswith("fusion") and f", {vocab})" in s.comment
             and not s.comment.startswith("matmul")]
@@ -310,10 +322,58 @@ def test_cross_entropy_backward_over_the_logits_is_one_pass_on_c():
     assert len(backward) == 1 and all(op in backward[0] for op in ("eq", "cast", "mul")), backward
     assert "? (float)1 : (float)0)" in compiled.source and "((float)(e" not in compiled.source
     assert all(s.host_op is None for s in steps)
-    targets = np.array([[0, vocab - 1, 7], [3, 3, 12345]])
-    inputs = [x.numpy(), targets, module.weight.detach().numpy()]
-    for name, got, want in zip(model.output_names, compiled.run(*inputs), interpret(model, inputs)):
-        tilegraph.testing.assert_close(got, want, "f32", reduction_length(model), name=name)
+    _matches_the_interpreter(model, compiled, inputs)
+
+
+def test_an_lm_heads_logsumexp_is_one_pass_over_the_logits_rows_on_c():
+    """The loss's logsumexp (each row's max, then the sum of exp(logit - max)) after the LM head's
+    GEMM: the group yields the logits, the max and the sum, never the exp, so it is one pass over
+    the rows while each stays in cache, not an op per pass over memory writing two more
+    logit-sized buffers (the width read off the values inside, not off the yields)."""
+    model, compiled, inputs = _lm_head()
+    head = [s for s in compiled._runner.program.steps if "reduce_max" in s.comment and s.comment.startswith("fusion")]
+    assert len(head) == 1, [s.comment for s in compiled._runner.program.steps]
+    assert len(head[0].writes) == 3, head[0].comment  # the logits, each row's max and its sum: nothing between
+    _matches_the_interpreter(model, compiled, inputs)
+
+
+def test_a_gemm_with_a_vocabulary_long_dim_runs_on_sgemm():
+    """A GEMM with nothing fused into it and a dim as long as a vocabulary (the LM head's logits,
+    N = 50257, and its weight gradient, M = 50257) runs on oneDNN's sgemm, which blocks the long
+    dim, not on its matmul primitive (runtime.c, tg_long_gemm); a short one stays on the primitive.
+    Both match the float64 interpreter."""
+    for vocab, on_sgemm in ((50257, 2), (40, 0)):
+        model, compiled, inputs = _lm_head(vocab)
+        _matches_the_interpreter(model, compiled, inputs)
+        assert sum("source: sgemm" in line for line in compiled.primitives) == on_sgemm, compiled.primitives
+
+
+def test_a_layer_norm_after_a_gemm_and_what_its_backward_saves_are_one_pass_over_the_rows_on_c():
+    """A residual block's GEMM, residual add and layer_norm, beside the mean, centred input and
+    variance the backward saves (one group): the layer norm a row op, the rest one pass over the
+    rows, not a pass over memory per op, so the step writes the group's results and the GEMM's
+    own and no intermediate; the gradients match the float64 interpreter."""
+    from tilegraph.train import build_gradients
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.ln = torch.nn.Linear(256, 256), torch.nn.LayerNorm(256)
+
+        def forward(self, x):
+            return self.ln(x + self.fc(x))
+
+    torch.manual_seed(0)
+    module, x = Block(), torch.randn(4, 64, 256)
+    model = build_gradients(tilegraph.import_model(module, example_inputs=(x,)), "mean",
+                            ["fc.weight", "fc.bias", "ln.weight", "ln.bias"])
+    compiled = tilegraph.compile(model, target="c")
+    block = [s for s in compiled._runner.program.steps if "matmul, add, add, layer_norm, reduce_mean" in s.comment]
+    assert len(block) == 1, [s.comment for s in compiled._runner.program.steps]
+    assert len(block[0].writes) <= len(block[0].kernel.results) + 1, block[0].comment
+    params = dict(module.named_parameters())
+    inputs = [x.numpy() if n == "x" else params[n].detach().numpy() for n in model.input_names]
+    _matches_the_interpreter(model, compiled, inputs)
 
 
 def test_a_linear_weight_gradient_is_made_in_the_weight_layout():

@@ -385,7 +385,11 @@ class Groups(EmitterParts):
         shapes = [info_of(y.type).shape for y in yields]
         if not shapes or not all(shapes):
             return False
-        full = next((sh for sh in shapes if not _is_one(sh[-1])), shapes[0])  # rows of width 1: all of them
+        # The row's width: a full-width result's, else a full-width value inside (a logsumexp's
+        # exp, yielding only its max and sum, passes over the logits' rows); rows of width 1: all of them.
+        inside = [info_of(v.type).shape for op in ops for v in (*op.operands, *op.results)
+                  if info_of(v.type).rank == len(shapes[0])]
+        full = next((sh for sh in shapes + inside if not _is_one(sh[-1])), shapes[0])
         lead, width = tuple(full[:-1]), full[-1]
         for op in ops:
             if self._made_outside(op, env, widths):

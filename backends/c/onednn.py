@@ -177,7 +177,7 @@ class OneDNN(EmitterParts):
                     and self._row_prologue(rest, env, group, yields):
                 pass
             elif not self._elementwise_rest(group, rest, env, yields, into=None if acc in yields else result) and \
-                    not self._rows_rest(group, rest, env, yields):
+                    not self._rows_rest(group, rest, env, yields) and not self._rows_beside_row_ops(group, rest, env, yields):
                 for op in rest:
                     self.op(op, env)
         self._one_step(first, group)
@@ -223,6 +223,24 @@ class OneDNN(EmitterParts):
             return self.fused_rows(group, rest, env, [y for y in yields if y in made])
         except Unsupported:
             return False
+
+    def _rows_beside_row_ops(self, group, rest, env, yields) -> bool:
+        """Row ops (layer_norm) that read none of the other ops, then the others as one pass over
+        the rows (groups.fused_rows): a training step's layer norm after its residual add, beside
+        the mean, centred input and variance it saves for its backward, not a pass over memory
+        per op."""
+        row_ops = [op for op in rest if op.SPEC.row_normalizing]
+        others = [op for op in rest if not op.SPEC.row_normalizing]
+        made = {r for op in others for r in op.results}
+        if not row_ops or not others or any(v in made for op in row_ops for v in op.operands) or \
+                not any(op.SPEC.reduction for op in others):
+            return False
+        for op in row_ops:
+            self.op(op, env)
+        if not self._rows_rest(group, others, env, yields):
+            for op in others:
+                self.op(op, env)
+        return True
 
     def _row_prologue(self, rest, env, group, yields) -> bool:
         """Elementwise ops then softmax or layer_norm after a GEMM: the ops as one loop into

@@ -600,6 +600,11 @@ int tg_prim_run(tg_prim *g, const void *src, const void *wei, const void *bias, 
                 void *const *post) {
     dnnl_exec_arg_t args[5 + TG_MAX_POST];
     int n = 0;
+    if (g->sgemm) {
+        TG_DNNL(dnnl_sgemm(g->trans_a, g->trans_b, g->m, g->n, g->k, 1.f, src, g->lda, wei, g->ldb, 0.f, dst, g->ldc),
+                "sgemm");
+        return 0;
+    }
     if (g->wino) return tg_wino_run(g, src, bias, dst, post);
     if (g->sconv) return tg_sconv_run(g, src, dst);
     if (g->gemv) return tg_gemv_run(g, src, bias, dst, post);
@@ -672,11 +677,54 @@ static int tg_check_ranks(const char *what, int nd, int lowest, int w_nd, int np
     return 0;
 }
 
+/* A GEMM with a dim this long or longer (an LM head's vocabulary, as N or as K) runs on oneDNN's
+ * sgemm, which blocks K and packs its panels, rather than its brgemm matmul, which keeps each
+ * C block in registers over the whole K: f32, one thread, 1024x768 by a 50257 vocabulary,
+ * sgemm ran the three LM-head GEMMs at 109-111 GFLOP/s where the matmul primitive took 98
+ * (K = 50257) and 106 (N = 50257); at a transformer layer's shapes (dims <= 3072) the two were
+ * within 2%, and there the matmul primitive fuses the epilogue. */
+#define TG_SGEMM_MIN_DIM 16384
+
+/* One row-major operand as sgemm reads it: 'N' (rows `ld` apart) or 'T' (its transpose, columns
+ * `ld` apart); 0 where neither dim is unit-strided. */
+static char tg_gemm_trans(const int64_t *dims, const int64_t *str, int64_t *ld) {
+    if (str[1] == 1 && str[0] >= dims[1]) return *ld = str[0] > 1 ? str[0] : 1, 'N';
+    if (str[0] == 1 && str[1] >= dims[0]) return *ld = str[1] > 1 ? str[1] : 1, 'T';
+    return 0;
+}
+
+/* Whether this GEMM goes to sgemm (set up in g if so): 2-D, f32 throughout, nothing fused
+ * (no post-ops, scales or bf16), B passed each run (a constant weight is packed once for the
+ * matmul primitive instead), a dim of TG_SGEMM_MIN_DIM or more, C row-major.
+ * TG_NO_SGEMM=1 in the environment keeps every GEMM on the matmul primitive, for a same-run A/B. */
+static int tg_long_gemm(tg_prim *g, int nd, const int64_t *a_dims, const int64_t *a_str, const int64_t *b_dims,
+                        const int64_t *b_str, const int64_t *c_dims, const int64_t *c_str, const int *types,
+                        int scaled, const void *weight, int npost) {
+    int64_t lda = 0, ldb = 0;
+    if (nd != 2 || scaled || weight || npost || tg_fpmath != dnnl_fpmath_mode_strict || getenv("TG_NO_SGEMM") ||
+        types[0] != dnnl_f32 || types[1] != dnnl_f32 || types[2] != dnnl_f32)
+        return 0;
+    int64_t m = c_dims[0], n = c_dims[1], k = a_dims[1];
+    char ta = tg_gemm_trans(a_dims, a_str, &lda), tb = tg_gemm_trans(b_dims, b_str, &ldb);
+    if (!ta || !tb || c_str[1] != 1 || c_str[0] < n || m < 1 || n < 1 || k < 1 ||
+        (m < TG_SGEMM_MIN_DIM && n < TG_SGEMM_MIN_DIM && k < TG_SGEMM_MIN_DIM))
+        return 0;
+    *g = (tg_prim){.sgemm = 1, .trans_a = ta, .trans_b = tb, .m = m, .n = n, .k = k, .lda = lda, .ldb = ldb,
+                   .ldc = c_str[0]};
+    char line[160];
+    snprintf(line, sizeof line, "matmul of a %lldx%lld source: sgemm:jit:f32 (a dim of %d or more)\n", (long long)m,
+             (long long)k, TG_SGEMM_MIN_DIM);
+    tg_log_line(line);
+    return 1;
+}
+
 int tg_matmul_create(tg_prim *g, int nd, const int64_t *a_dims, const int64_t *a_str, const int64_t *b_dims,
                      const int64_t *b_str, const int64_t *c_dims, const int64_t *c_str, const int *types,
                      int scaled, const void *weight, tg_packed *pack, int npost, const tg_post *posts,
                      size_t wei_scratch) {
     if (tg_check_ranks("matmul", nd, 2, nd, npost, posts)) return 1;
+    if (tg_long_gemm(g, nd, a_dims, a_str, b_dims, b_str, c_dims, c_str, types, scaled, weight, npost))
+        return tg_runtime_init();
     tg_matmul_ctx ctx = {tg_md(nd, a_dims, a_str, types[0]), tg_md(nd, c_dims, c_str, types[2])};
     dnnl_memory_desc_t wei = tg_md(nd, b_dims, b_str, types[1]);
     if (tg_runtime_init()) return 1;

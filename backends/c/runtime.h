@@ -86,6 +86,11 @@ typedef struct {
     /* A blocked convolution that accumulates into the caller's destination (a sum post-op):
      * the caller's values reordered into tmp_dst before the run (conv.c, tg_conv_blocked). */
     dnnl_primitive_t re_acc;
+    /* A long GEMM on oneDNN's sgemm in place of `prim` (runtime.c, tg_long_gemm): op(A) is
+     * A or A^T ('N'/'T'), row-major, C = op(A) @ op(B). */
+    int sgemm;
+    char trans_a, trans_b;
+    int64_t m, n, k, lda, ldb, ldc;
 } tg_prim;
 
 /* The runtime's entry points (runtime.c says what each does). */
