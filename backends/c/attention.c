@@ -143,6 +143,38 @@ static inline __m512 tg_exp16_weight(__m512 x) {
 
 static inline __mmask16 tg_lanes(int64_t n) { return (__mmask16)(n >= 16 ? 0xffff : n <= 0 ? 0 : (1u << n) - 1); }
 
+/* A 16 x 16 block of 32-bit elements (bf16 pairs, or f32) transposed: row r of `in` (row stride ldi)
+ * becomes column r of `out` (row stride ldo); rows `live`.. read as zero. In three rounds of
+ * shuffles (32-bit, 64-bit, then 128-bit lanes), 64 in all, where a gather per column took
+ * several times as long on a processor whose gathers are microcoded. */
+static inline void tg_transpose16(const uint32_t *in, int64_t ldi, int64_t live, uint32_t *out, int64_t ldo) {
+    __m512i r[16], t[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; i++) r[i] = i < live ? _mm512_loadu_si512(in + i * ldi) : _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int i = 0; i < 16; i += 2) { /* 128-bit lane l of t[i], t[i+1]: rows i, i+1 at columns 4l..4l+3 */
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < 16; i += 4) { /* r[i + c], lane l: rows i..i+3 at column 4l + c */
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) { /* column 4l + c: lane l of r[c], r[4 + c], r[8 + c], r[12 + c] */
+        __m512i a_lo = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), a_hi = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xee);
+        __m512i b_lo = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+        __m512i b_hi = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xee);
+        _mm512_storeu_si512(out + (0 + c) * ldo, _mm512_shuffle_i32x4(a_lo, b_lo, 0x88));
+        _mm512_storeu_si512(out + (4 + c) * ldo, _mm512_shuffle_i32x4(a_lo, b_lo, 0xdd));
+        _mm512_storeu_si512(out + (8 + c) * ldo, _mm512_shuffle_i32x4(a_hi, b_hi, 0x88));
+        _mm512_storeu_si512(out + (12 + c) * ldo, _mm512_shuffle_i32x4(a_hi, b_hi, 0xdd));
+    }
+}
+
 /* tg_flash_row on 16 lanes: the same online-softmax step over si[0:nk], the weights written
  * back to si as f32 or (pi: the bf16 products) as bf16 pairs along the keys, `width` pairs,
  * keys nk.. zero. */
@@ -427,38 +459,6 @@ static int64_t tg_bf16_gemm(int amx, int64_t rows, int64_t nt, int64_t pairs, co
     return tg_dp_gemm(rows, nt, pairs, a, lda, b, ldb, c, ldc, beta);
 }
 
-/* A 16 x 16 block of 32-bit elements (bf16 pairs) transposed: row r of `in` (row stride ldi)
- * becomes column r of `out` (row stride ldo); rows `live`.. read as zero. In three rounds of
- * shuffles (32-bit, 64-bit, then 128-bit lanes), 64 in all, where a gather per column took
- * several times as long on a processor whose gathers are microcoded. */
-static inline void tg_transpose16(const uint32_t *in, int64_t ldi, int64_t live, uint32_t *out, int64_t ldo) {
-    __m512i r[16], t[16];
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; i++) r[i] = i < live ? _mm512_loadu_si512(in + i * ldi) : _mm512_setzero_si512();
-#pragma GCC unroll 8
-    for (int i = 0; i < 16; i += 2) { /* 128-bit lane l of t[i], t[i+1]: rows i, i+1 at columns 4l..4l+3 */
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-#pragma GCC unroll 4
-    for (int i = 0; i < 16; i += 4) { /* r[i + c], lane l: rows i..i+3 at column 4l + c */
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; c++) { /* column 4l + c: lane l of r[c], r[4 + c], r[8 + c], r[12 + c] */
-        __m512i a_lo = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), a_hi = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xee);
-        __m512i b_lo = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
-        __m512i b_hi = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xee);
-        _mm512_storeu_si512(out + (0 + c) * ldo, _mm512_shuffle_i32x4(a_lo, b_lo, 0x88));
-        _mm512_storeu_si512(out + (4 + c) * ldo, _mm512_shuffle_i32x4(a_lo, b_lo, 0xdd));
-        _mm512_storeu_si512(out + (8 + c) * ldo, _mm512_shuffle_i32x4(a_hi, b_hi, 0x88));
-        _mm512_storeu_si512(out + (12 + c) * ldo, _mm512_shuffle_i32x4(a_hi, b_hi, 0xdd));
-    }
-}
-
 /* One key block of a batch row in the right operands' layouts, made once for every query
  * block that reads it: k as bf16 pairs along d, transposed so key j is column j (dp16 pair
  * rows of bk16 columns; through `rows`, the block's k rows converted, bk x dp16 pairs), and
@@ -622,7 +622,10 @@ static inline __m512 tg_exp2_16(__m512 y) {
 }
 
 /* One query row's base-2 scores against a key block, si[0:nk]: masked (a float mask's values
- * times log2(e)), the online softmax step (tg_flash_row16's) with weights 2^(s - max). */
+ * times log2(e)), the online softmax step (tg_flash_row16's) with weights 2^(s - max). The row's
+ * storage runs on to a multiple of 16 (the products' columns): vectors are loaded and stored
+ * whole, lanes nk.. left out of the max and the sum by a mask on those operations only. Masked
+ * loads and stores took most of this step's time on a processor that runs them slowly. */
 static inline void tg_flash_row_log2(float *si, int64_t nk, int64_t i0, int64_t i, int64_t j0, int64_t lq,
                                      int64_t lk, int causal, int mask_kind, const void *mask, int64_t om, int64_t mr,
                                      int64_t mc, float *mxi, float *sumi, float *ai, int64_t dv) {
@@ -632,9 +635,9 @@ static inline void tg_flash_row_log2(float *si, int64_t nk, int64_t i0, int64_t 
         const float *mi = (const float *)mask + om + (i0 + i) * mr + j0;
         for (int64_t j = 0; j < nk; j += 16) {
             __mmask16 live = tg_lanes(nk - j);
-            __m512 x = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(live, mi + j), log2e, _mm512_mask_loadu_ps(ninf, live, si + j));
-            _mm512_mask_storeu_ps(si + j, live, x);
-            vm = _mm512_max_ps(vm, x);
+            __m512 x = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(live, mi + j), log2e, _mm512_loadu_ps(si + j));
+            _mm512_storeu_ps(si + j, x);
+            vm = _mm512_mask_max_ps(vm, live, vm, x);
         }
     } else {
         tg_flash_mask(si, nk, i0, i, j0, lq, lk, causal, mask_kind == 2 ? 0 : mask_kind, mask, om, mr, mc);
@@ -642,7 +645,9 @@ static inline void tg_flash_row_log2(float *si, int64_t nk, int64_t i0, int64_t 
             const float *mi = (const float *)mask + om + (i0 + i) * mr + j0 * mc;
             for (int64_t j = 0; j < nk; j++) si[j] += mi[j * mc] * 1.44269504088896341f;
         }
-        for (int64_t j = 0; j < nk; j += 16) vm = _mm512_max_ps(vm, _mm512_mask_loadu_ps(ninf, tg_lanes(nk - j), si + j));
+        int64_t j = 0;
+        for (; j + 16 <= nk; j += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(si + j));
+        if (j < nk) vm = _mm512_mask_max_ps(vm, tg_lanes(nk - j), vm, _mm512_loadu_ps(si + j));
     }
     float m = _mm512_reduce_max_ps(vm);
     m = m > *mxi || m != m ? m : *mxi;
@@ -653,14 +658,22 @@ static inline void tg_flash_row_log2(float *si, int64_t nk, int64_t i0, int64_t 
     /* nothing weighed before this block (the row's first): an accumulator of zeros */
     float corr = *mxi == -INFINITY ? 1.f : exp2f(*mxi - m);
     const __m512 vmax = _mm512_set1_ps(m);
-    __m512 l = _mm512_setzero_ps();
-    for (int64_t j = 0; j < nk; j += 16) {
-        __mmask16 live = tg_lanes(nk - j);
-        __m512 p = tg_exp2_16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, si + j), vmax));
-        l = _mm512_mask_add_ps(l, live, l, p);
-        _mm512_mask_storeu_ps(si + j, live, p);
+    __m512 l = _mm512_setzero_ps(), l2 = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 32 <= nk; j += 32) { /* two sums: the adds' latency off the loop's path */
+        __m512 p = tg_exp2_16(_mm512_sub_ps(_mm512_loadu_ps(si + j), vmax));
+        __m512 p2 = tg_exp2_16(_mm512_sub_ps(_mm512_loadu_ps(si + j + 16), vmax));
+        l = _mm512_add_ps(l, p);
+        l2 = _mm512_add_ps(l2, p2);
+        _mm512_storeu_ps(si + j, p);
+        _mm512_storeu_ps(si + j + 16, p2);
     }
-    *sumi = *sumi * corr + _mm512_reduce_add_ps(l);
+    for (; j < nk; j += 16) {
+        __m512 p = tg_exp2_16(_mm512_sub_ps(_mm512_loadu_ps(si + j), vmax));
+        l = _mm512_mask_add_ps(l, tg_lanes(nk - j), l, p);
+        _mm512_storeu_ps(si + j, p);
+    }
+    *sumi = *sumi * corr + _mm512_reduce_add_ps(_mm512_add_ps(l, l2));
     *mxi = m;
     if (corr != 1.f) {
 #pragma omp simd
@@ -751,7 +764,14 @@ static int tg_attention_f32(int nb, const int64_t *bd, const int64_t *qb, const 
                 tg_batch_offsets(nb, bd, qb, kb, vb, mb, ob, bi, off);
                 float *kh = packed + (bi * kblocks + kbk) * per_block, *vh = kh + d * bk16;
                 const float *kj = k + off[1] + j0 * kr, *vj = v + off[2] + j0 * vr;
-                for (int64_t c = 0; c < d; c++)
+                /* 16 x 16 blocks transposed in registers (an element at a time, the stores
+                 * a row of kh apart took an eighth of GPT-2's attention), the last columns
+                 * of a head dim not a multiple of 16 one at a time */
+                int64_t d16 = d / 16 * 16;
+                for (int64_t j = 0; j < bk16; j += 16)
+                    for (int64_t c = 0; c < d16; c += 16)
+                        tg_transpose16((const uint32_t *)(kj + j * kr + c), kr, nk - j, (uint32_t *)(kh + c * bk16 + j), bk16);
+                for (int64_t c = d16; c < d; c++)
                     for (int64_t j = 0; j < bk16; j++) kh[c * bk16 + j] = j < nk ? kj[j * kr + c] : 0.f;
                 for (int64_t j = 0; j < nk; j++)
                     for (int64_t c = 0; c < dv16; c++) vh[j * dv16 + c] = c < dv ? vj[j * vr + c] : 0.f;
