@@ -624,30 +624,35 @@ static inline __m512 tg_exp2_16(__m512 y) {
 /* One query row's base-2 scores against a key block, si[0:nk]: masked (a float mask's values
  * times log2(e)), the online softmax step (tg_flash_row16's) with weights 2^(s - max). The row's
  * storage runs on to a multiple of 16 (the products' columns): vectors are loaded and stored
- * whole, lanes nk.. left out of the max and the sum by a mask on those operations only. Masked
- * loads and stores took most of this step's time on a processor that runs them slowly. */
+ * whole, lanes past the keys left out of the max and the sum by a mask on those operations
+ * only. Masked loads and stores took most of this step's time on a processor that runs them
+ * slowly; so did the causal cut written a key at a time and read back as vectors (the store
+ * forwarding fails): here the row's keys past its position are just not weighed, their
+ * weights zero. */
 static inline void tg_flash_row_log2(float *si, int64_t nk, int64_t i0, int64_t i, int64_t j0, int64_t lq,
                                      int64_t lk, int causal, int mask_kind, const void *mask, int64_t om, int64_t mr,
                                      int64_t mc, float *mxi, float *sumi, float *ai, int64_t dv) {
     const __m512 ninf = _mm512_set1_ps(-INFINITY), log2e = _mm512_set1_ps(1.44269504088896341f);
+    int64_t n = nk; /* the keys this row sees: causal, those up to position i + lk - lq */
+    if (causal) n = i0 + i + lk - lq + 1 - j0 < 0 ? 0 : i0 + i + lk - lq + 1 - j0 < nk ? i0 + i + lk - lq + 1 - j0 : nk;
     __m512 vm = ninf;
-    if (mask_kind == 2 && mc == 1 && !causal) { /* an added mask along the keys: in the max's pass */
+    if (mask_kind == 2 && mc == 1) { /* an added mask along the keys: in the max's pass */
         const float *mi = (const float *)mask + om + (i0 + i) * mr + j0;
-        for (int64_t j = 0; j < nk; j += 16) {
-            __mmask16 live = tg_lanes(nk - j);
+        for (int64_t j = 0; j < n; j += 16) {
+            __mmask16 live = tg_lanes(n - j);
             __m512 x = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(live, mi + j), log2e, _mm512_loadu_ps(si + j));
             _mm512_storeu_ps(si + j, x);
             vm = _mm512_mask_max_ps(vm, live, vm, x);
         }
     } else {
-        tg_flash_mask(si, nk, i0, i, j0, lq, lk, causal, mask_kind == 2 ? 0 : mask_kind, mask, om, mr, mc);
+        tg_flash_mask(si, n, i0, i, j0, lq, lk, 0, mask_kind == 2 ? 0 : mask_kind, mask, om, mr, mc);
         if (mask_kind == 2) {
             const float *mi = (const float *)mask + om + (i0 + i) * mr + j0 * mc;
-            for (int64_t j = 0; j < nk; j++) si[j] += mi[j * mc] * 1.44269504088896341f;
+            for (int64_t j = 0; j < n; j++) si[j] += mi[j * mc] * 1.44269504088896341f;
         }
         int64_t j = 0;
-        for (; j + 16 <= nk; j += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(si + j));
-        if (j < nk) vm = _mm512_mask_max_ps(vm, tg_lanes(nk - j), vm, _mm512_loadu_ps(si + j));
+        for (; j + 16 <= n; j += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(si + j));
+        if (j < n) vm = _mm512_mask_max_ps(vm, tg_lanes(n - j), vm, _mm512_loadu_ps(si + j));
     }
     float m = _mm512_reduce_max_ps(vm);
     m = m > *mxi || m != m ? m : *mxi;
@@ -660,7 +665,7 @@ static inline void tg_flash_row_log2(float *si, int64_t nk, int64_t i0, int64_t 
     const __m512 vmax = _mm512_set1_ps(m);
     __m512 l = _mm512_setzero_ps(), l2 = _mm512_setzero_ps();
     int64_t j = 0;
-    for (; j + 32 <= nk; j += 32) { /* two sums: the adds' latency off the loop's path */
+    for (; j + 32 <= n; j += 32) { /* two sums: the adds' latency off the loop's path */
         __m512 p = tg_exp2_16(_mm512_sub_ps(_mm512_loadu_ps(si + j), vmax));
         __m512 p2 = tg_exp2_16(_mm512_sub_ps(_mm512_loadu_ps(si + j + 16), vmax));
         l = _mm512_add_ps(l, p);
@@ -668,11 +673,12 @@ static inline void tg_flash_row_log2(float *si, int64_t nk, int64_t i0, int64_t 
         _mm512_storeu_ps(si + j, p);
         _mm512_storeu_ps(si + j + 16, p2);
     }
-    for (; j < nk; j += 16) {
-        __m512 p = tg_exp2_16(_mm512_sub_ps(_mm512_loadu_ps(si + j), vmax));
-        l = _mm512_mask_add_ps(l, tg_lanes(nk - j), l, p);
+    for (; j < n; j += 16) { /* (the lanes past n: weight zero, the products read them up to nk) */
+        __m512 p = _mm512_maskz_mov_ps(tg_lanes(n - j), tg_exp2_16(_mm512_sub_ps(_mm512_loadu_ps(si + j), vmax)));
+        l = _mm512_add_ps(l, p);
         _mm512_storeu_ps(si + j, p);
     }
+    for (; j < nk; j += 16) _mm512_storeu_ps(si + j, _mm512_setzero_ps());
     *sumi = *sumi * corr + _mm512_reduce_add_ps(_mm512_add_ps(l, l2));
     *mxi = m;
     if (corr != 1.f) {
