@@ -1,5 +1,5 @@
-/* tilegraph C backend: flash attention, f32 on oneDNN's sgemm per block and bf16 on AMX tiles
- * or AVX-512 BF16 dot products (runtime.h declares tg_attention). Compiled into the runtime
+/* tilegraph C backend: flash attention, f32 on AVX-512 register-blocked products (elsewhere on
+ * oneDNN's sgemm per block) and bf16 on AMX tiles or AVX-512 BF16 dot products (runtime.h declares tg_attention). Compiled into the runtime
  * library: build.py appends it to runtime.c, whose statics it uses (the bf16 switch of the
  * call, TG_FAIL); tg_amx_granted, defined here, serves blockq.c's AMX kernels too. */
 #ifndef TG_MAX_POST /* runtime.h has no include guard; runtime.c is included before this file */
@@ -36,8 +36,8 @@ static int tg_amx_granted(void) {
  * an online softmax (running max and sum, the accumulator rescaled when the max
  * grows): memory is one block of scores and one accumulator row per query, never the
  * Lq x Lk scores. The two products of a block (scores = q k^T, acc += p v) are small
- * GEMMs on oneDNN's sgemm (row-major), which keeps its operands in registers as a
- * loop here cannot. Batch dims are flattened: dims bd[nb] and each tensor's strides
+ * GEMMs on oneDNN's sgemm (row-major) where the processor lacks AVX-512; with it, on
+ * tg_attention_f32's own register-blocked products. Batch dims are flattened: dims bd[nb] and each tensor's strides
  * over them; rows of q, k, v are contiguous with row strides qr, kr, vr (>= the row).
  * mask_kind: 0 none, 1 bool (keep where true), 2 float (added). Causal keeps
  * j <= i + Lk - Lq. */
