@@ -9,8 +9,8 @@ path is what `build.runtime()` returns in a checkout (a worktree of main for the
     B=$(.venv/bin/python -c "from tilegraph.backends.c import build; print(build.runtime())")
     .venv/bin/python benchmarks/c_attention_ab.py $A $B [--threads 1] [--repeat 15]
 
-Shapes: the attention of the full-size sweep's long-sequence models (benchmarks/full_size_sweep.py),
-with the blocks the C target's tile pass gives them on a core with 1 MiB of L2.
+Shapes: the attention of the full-size sweep's long-sequence models (benchmarks/full_size_sweep.py)
+and of GPT-2's training step at batch 4, with the blocks the C target's tile pass gives them on a core with 1 MiB of L2.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ SHAPES = {
     "bert-base s512": (12, 512, 64, False),
     "vit-b16": (12, 197, 64, False),
     "llama-0.3b prompt 1024": (16, 1024, 64, True),
+    "gpt-2 training b4 (48 heads)": (48, 256, 64, True),  # issue 29's step: batch 4 x 12 heads
 }
 BLOCKS = (128, 256)
 

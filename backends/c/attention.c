@@ -1,5 +1,5 @@
-/* tilegraph C backend: flash attention, f32 on oneDNN's sgemm per block and bf16 on AMX tiles
- * or AVX-512 BF16 dot products (runtime.h declares tg_attention). Compiled into the runtime
+/* tilegraph C backend: flash attention, f32 on AVX-512 register-blocked products (elsewhere on
+ * oneDNN's sgemm per block) and bf16 on AMX tiles or AVX-512 BF16 dot products (runtime.h declares tg_attention). Compiled into the runtime
  * library: build.py appends it to runtime.c, whose statics it uses (the bf16 switch of the
  * call, TG_FAIL); tg_amx_granted, defined here, serves blockq.c's AMX kernels too. */
 #ifndef TG_MAX_POST /* runtime.h has no include guard; runtime.c is included before this file */
@@ -36,8 +36,8 @@ static int tg_amx_granted(void) {
  * an online softmax (running max and sum, the accumulator rescaled when the max
  * grows): memory is one block of scores and one accumulator row per query, never the
  * Lq x Lk scores. The two products of a block (scores = q k^T, acc += p v) are small
- * GEMMs on oneDNN's sgemm (row-major), which keeps its operands in registers as a
- * loop here cannot. Batch dims are flattened: dims bd[nb] and each tensor's strides
+ * GEMMs on oneDNN's sgemm (row-major) where the processor lacks AVX-512; with it, on
+ * tg_attention_f32's own register-blocked products. Batch dims are flattened: dims bd[nb] and each tensor's strides
  * over them; rows of q, k, v are contiguous with row strides qr, kr, vr (>= the row).
  * mask_kind: 0 none, 1 bool (keep where true), 2 float (added). Causal keeps
  * j <= i + Lk - Lq. */
@@ -142,6 +142,38 @@ static inline __m512 tg_exp16_weight(__m512 x) {
 }
 
 static inline __mmask16 tg_lanes(int64_t n) { return (__mmask16)(n >= 16 ? 0xffff : n <= 0 ? 0 : (1u << n) - 1); }
+
+/* A 16 x 16 block of 32-bit elements (bf16 pairs, or f32) transposed: row r of `in` (row stride ldi)
+ * becomes column r of `out` (row stride ldo); rows `live`.. read as zero. In three rounds of
+ * shuffles (32-bit, 64-bit, then 128-bit lanes), 64 in all, where a gather per column took
+ * several times as long on a processor whose gathers are microcoded. */
+static inline void tg_transpose16(const uint32_t *in, int64_t ldi, int64_t live, uint32_t *out, int64_t ldo) {
+    __m512i r[16], t[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; i++) r[i] = i < live ? _mm512_loadu_si512(in + i * ldi) : _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int i = 0; i < 16; i += 2) { /* 128-bit lane l of t[i], t[i+1]: rows i, i+1 at columns 4l..4l+3 */
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < 16; i += 4) { /* r[i + c], lane l: rows i..i+3 at column 4l + c */
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) { /* column 4l + c: lane l of r[c], r[4 + c], r[8 + c], r[12 + c] */
+        __m512i a_lo = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), a_hi = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xee);
+        __m512i b_lo = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+        __m512i b_hi = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xee);
+        _mm512_storeu_si512(out + (0 + c) * ldo, _mm512_shuffle_i32x4(a_lo, b_lo, 0x88));
+        _mm512_storeu_si512(out + (4 + c) * ldo, _mm512_shuffle_i32x4(a_lo, b_lo, 0xdd));
+        _mm512_storeu_si512(out + (8 + c) * ldo, _mm512_shuffle_i32x4(a_hi, b_hi, 0x88));
+        _mm512_storeu_si512(out + (12 + c) * ldo, _mm512_shuffle_i32x4(a_hi, b_hi, 0xdd));
+    }
+}
 
 /* tg_flash_row on 16 lanes: the same online-softmax step over si[0:nk], the weights written
  * back to si as f32 or (pi: the bf16 products) as bf16 pairs along the keys, `width` pairs,
@@ -427,38 +459,6 @@ static int64_t tg_bf16_gemm(int amx, int64_t rows, int64_t nt, int64_t pairs, co
     return tg_dp_gemm(rows, nt, pairs, a, lda, b, ldb, c, ldc, beta);
 }
 
-/* A 16 x 16 block of 32-bit elements (bf16 pairs) transposed: row r of `in` (row stride ldi)
- * becomes column r of `out` (row stride ldo); rows `live`.. read as zero. In three rounds of
- * shuffles (32-bit, 64-bit, then 128-bit lanes), 64 in all, where a gather per column took
- * several times as long on a processor whose gathers are microcoded. */
-static inline void tg_transpose16(const uint32_t *in, int64_t ldi, int64_t live, uint32_t *out, int64_t ldo) {
-    __m512i r[16], t[16];
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; i++) r[i] = i < live ? _mm512_loadu_si512(in + i * ldi) : _mm512_setzero_si512();
-#pragma GCC unroll 8
-    for (int i = 0; i < 16; i += 2) { /* 128-bit lane l of t[i], t[i+1]: rows i, i+1 at columns 4l..4l+3 */
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-#pragma GCC unroll 4
-    for (int i = 0; i < 16; i += 4) { /* r[i + c], lane l: rows i..i+3 at column 4l + c */
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; c++) { /* column 4l + c: lane l of r[c], r[4 + c], r[8 + c], r[12 + c] */
-        __m512i a_lo = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), a_hi = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xee);
-        __m512i b_lo = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
-        __m512i b_hi = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xee);
-        _mm512_storeu_si512(out + (0 + c) * ldo, _mm512_shuffle_i32x4(a_lo, b_lo, 0x88));
-        _mm512_storeu_si512(out + (4 + c) * ldo, _mm512_shuffle_i32x4(a_lo, b_lo, 0xdd));
-        _mm512_storeu_si512(out + (8 + c) * ldo, _mm512_shuffle_i32x4(a_hi, b_hi, 0x88));
-        _mm512_storeu_si512(out + (12 + c) * ldo, _mm512_shuffle_i32x4(a_hi, b_hi, 0xdd));
-    }
-}
-
 /* One key block of a batch row in the right operands' layouts, made once for every query
  * block that reads it: k as bf16 pairs along d, transposed so key j is column j (dp16 pair
  * rows of bk16 columns; through `rows`, the block's k rows converted, bk x dp16 pairs), and
@@ -578,6 +578,248 @@ static int tg_attention_bf16(int nb, const int64_t *bd, const int64_t *qb, const
 }
 #endif
 
+/* --- f32 attention on AVX-512, the products in registers ---
+ *
+ * oneDNN's sgemm per block ran each product near the f32 GEMM rate, but repacked the
+ * block's keys (or values) on every call, once per query block, and the softmax between
+ * the products took a seventh of the time (its e^x, 12 vector operations a 16 weights).
+ * Here every key block's k (transposed: key j is column j) and v (columns padded to 16)
+ * are packed once, in a first parallel pass; each query block then goes through the key
+ * blocks a slab of TG_F32_SLAB rows at a time (its scores stay in the first-level cache
+ * between the two products), on register-blocked products (tg_f32_gemm). The scores are
+ * kept in base 2: q k^T is scaled by scale * log2(e) as it is stored (a float mask's
+ * values too), so a weight is 2^(s - max), one subtraction and tg_exp2_16. A causal slab
+ * multiplies only the keys its last row sees: the diagonal blocks' masked half is not
+ * multiplied (GPT-2's 256 tokens in blocks of 128: a third of the products). */
+#if defined(__AVX512F__)
+#define TG_HAVE_F32_ATTENTION 1
+/* Rows of a slab: its scores against a key block of 256 are 32 KiB at 32 rows, the first-level
+ * cache of the cores measured (benchmarks/c_attention_ab.py): 16 leaves room for the keys. */
+#define TG_F32_SLAB 16
+/* Rows of the products' register block: 6 rows of 4 column vectors are 24 accumulators, the
+ * most that leave a 32-register file room for the 4 loaded columns and the broadcast. */
+#define TG_F32_ROWS 6
+
+/* Attention calls that took this path so far (tests check the path is taken). */
+static int tg_f32_attentions;
+int tg_f32_attention_count(void) { return __atomic_load_n(&tg_f32_attentions, __ATOMIC_RELAXED); }
+
+/* 2^y on 16 lanes for y <= 0 (or NaN): y = n + f with n an integer and |f| <= 1/2, 2^f a
+ * degree-5 polynomial (fitted here for the least largest relative error on [-1/2, 1/2]:
+ * 1.9e-7 evaluated in f32, as tg_exp16's degree-6 Taylor series on its own reduction), 2^n
+ * by vscalefps. The clamp keeps -inf (a masked key) from making f NaN; NaN passes through
+ * max as its second operand. */
+static inline __m512 tg_exp2_16(__m512 y) {
+    __m512 t = _mm512_max_ps(_mm512_set1_ps(-150.f), y);
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_fmadd_ps(f, _mm512_set1_ps(0x1.5bba14p-10f), _mm512_set1_ps(0x1.3cea88p-7f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0x1.c6b752p-5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0x1.ebf9bcp-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0x1.62e42ap-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* One query row's base-2 scores against a key block, si[0:nk]: masked (a float mask's values
+ * times log2(e)), the online softmax step (tg_flash_row16's) with weights 2^(s - max). The row's
+ * storage runs on to a multiple of 16 (the products' columns): vectors are loaded and stored
+ * whole, lanes past the keys left out of the max and the sum by a mask on those operations
+ * only. Masked loads and stores took most of this step's time on a processor that runs them
+ * slowly; so did the causal cut written a key at a time and read back as vectors (the store
+ * forwarding fails): here the row's keys past its position are just not weighed, their
+ * weights zero. */
+static inline void tg_flash_row_log2(float *si, int64_t nk, int64_t i0, int64_t i, int64_t j0, int64_t lq,
+                                     int64_t lk, int causal, int mask_kind, const void *mask, int64_t om, int64_t mr,
+                                     int64_t mc, float *mxi, float *sumi, float *ai, int64_t dv) {
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), log2e = _mm512_set1_ps(1.44269504088896341f);
+    int64_t n = nk; /* the keys this row sees: causal, those up to position i + lk - lq */
+    if (causal) n = i0 + i + lk - lq + 1 - j0 < 0 ? 0 : i0 + i + lk - lq + 1 - j0 < nk ? i0 + i + lk - lq + 1 - j0 : nk;
+    __m512 vm = ninf;
+    if (mask_kind == 2 && mc == 1) { /* an added mask along the keys: in the max's pass */
+        const float *mi = (const float *)mask + om + (i0 + i) * mr + j0;
+        for (int64_t j = 0; j < n; j += 16) {
+            __mmask16 live = tg_lanes(n - j);
+            __m512 x = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(live, mi + j), log2e, _mm512_loadu_ps(si + j));
+            _mm512_storeu_ps(si + j, x);
+            vm = _mm512_mask_max_ps(vm, live, vm, x);
+        }
+    } else {
+        tg_flash_mask(si, n, i0, i, j0, lq, lk, 0, mask_kind == 2 ? 0 : mask_kind, mask, om, mr, mc);
+        if (mask_kind == 2) {
+            const float *mi = (const float *)mask + om + (i0 + i) * mr + j0 * mc;
+            for (int64_t j = 0; j < n; j++) si[j] += mi[j * mc] * 1.44269504088896341f;
+        }
+        int64_t j = 0;
+        for (; j + 16 <= n; j += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(si + j));
+        if (j < n) vm = _mm512_mask_max_ps(vm, tg_lanes(n - j), vm, _mm512_loadu_ps(si + j));
+    }
+    float m = _mm512_reduce_max_ps(vm);
+    m = m > *mxi || m != m ? m : *mxi;
+    if (m == -INFINITY) { /* every key so far masked: nothing to weigh yet */
+        for (int64_t j = 0; j < nk; j++) si[j] = 0.f;
+        return;
+    }
+    /* nothing weighed before this block (the row's first): an accumulator of zeros */
+    float corr = *mxi == -INFINITY ? 1.f : exp2f(*mxi - m);
+    const __m512 vmax = _mm512_set1_ps(m);
+    __m512 l = _mm512_setzero_ps(), l2 = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32) { /* two sums: the adds' latency off the loop's path */
+        __m512 p = tg_exp2_16(_mm512_sub_ps(_mm512_loadu_ps(si + j), vmax));
+        __m512 p2 = tg_exp2_16(_mm512_sub_ps(_mm512_loadu_ps(si + j + 16), vmax));
+        l = _mm512_add_ps(l, p);
+        l2 = _mm512_add_ps(l2, p2);
+        _mm512_storeu_ps(si + j, p);
+        _mm512_storeu_ps(si + j + 16, p2);
+    }
+    for (; j < n; j += 16) { /* (the lanes past n: weight zero, the products read them up to nk) */
+        __m512 p = _mm512_maskz_mov_ps(tg_lanes(n - j), tg_exp2_16(_mm512_sub_ps(_mm512_loadu_ps(si + j), vmax)));
+        l = _mm512_add_ps(l, p);
+        _mm512_storeu_ps(si + j, p);
+    }
+    for (; j < nk; j += 16) _mm512_storeu_ps(si + j, _mm512_setzero_ps());
+    *sumi = *sumi * corr + _mm512_reduce_add_ps(_mm512_add_ps(l, l2));
+    *mxi = m;
+    if (corr != 1.f) {
+#pragma omp simd
+        for (int64_t c = 0; c < dv; c++) ai[c] *= corr;
+    }
+}
+
+/* c = a b times `mul` (beta 0) or c += a b (beta 1) for rows r0..r0+R-1 and nb (1-4) column
+ * vectors: a's rows of kred elements (row stride lda), b kred rows of 16 nb columns (row stride
+ * ldb); every accumulator a register, each element of a broadcast into the column vectors. */
+static inline __attribute__((always_inline)) void tg_f32_block(int R, int nb, int64_t kred, const float *a,
+                                                               int64_t lda, const float *b, int64_t ldb, float *c,
+                                                               int64_t ldc, int beta, float mul) {
+    __m512 acc[TG_F32_ROWS][4];
+#pragma GCC unroll 6
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int n = 0; n < nb; n++) acc[r][n] = beta ? _mm512_loadu_ps(c + r * ldc + 16 * n) : _mm512_setzero_ps();
+#pragma GCC unroll 2
+    for (int64_t p = 0; p < kred; p++) {
+        __m512 bv[4];
+#pragma GCC unroll 4
+        for (int n = 0; n < nb; n++) bv[n] = _mm512_loadu_ps(b + p * ldb + 16 * n);
+#pragma GCC unroll 6
+        for (int r = 0; r < R; r++) {
+            __m512 av = _mm512_set1_ps(a[r * lda + p]);
+#pragma GCC unroll 4
+            for (int n = 0; n < nb; n++) acc[r][n] = _mm512_fmadd_ps(av, bv[n], acc[r][n]);
+        }
+    }
+    const __m512 vmul = _mm512_set1_ps(mul);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int n = 0; n < nb; n++)
+            _mm512_storeu_ps(c + r * ldc + 16 * n, beta ? acc[r][n] : _mm512_mul_ps(acc[r][n], vmul));
+}
+
+#define TG_F32_CASE(R, N) case R * 8 + N: tg_f32_block(R, N, kred, ai, lda, bj, ldb, cij, ldc, beta, mul); break;
+#define TG_F32_CASES(R) TG_F32_CASE(R, 1) TG_F32_CASE(R, 2) TG_F32_CASE(R, 3) TG_F32_CASE(R, 4)
+/* tg_f32_block over `rows` rows of c and nt column vectors, in runs of at most 4 vectors as even
+ * as they come (tg_dp_gemm's); a run's columns of b (from the first-level cache) serve all rows. */
+static void tg_f32_gemm(int64_t rows, int64_t nt, int64_t kred, const float *a, int64_t lda, const float *b,
+                        int64_t ldb, float *c, int64_t ldc, int beta, float mul) {
+    int64_t runs = (nt + 3) / 4;
+    for (int64_t run = 0, j = 0; run < runs; run++) {
+        int64_t nb = (nt - j + runs - run - 1) / (runs - run);
+        for (int64_t i = 0; i < rows; i += TG_F32_ROWS) {
+            int64_t r = rows - i < TG_F32_ROWS ? rows - i : TG_F32_ROWS;
+            const float *ai = a + i * lda, *bj = b + 16 * j;
+            float *cij = c + i * ldc + 16 * j;
+            switch ((int)(r * 8 + nb)) {
+                TG_F32_CASES(1) TG_F32_CASES(2) TG_F32_CASES(3) TG_F32_CASES(4) TG_F32_CASES(5) TG_F32_CASES(6)
+            }
+        }
+        j += nb;
+    }
+}
+#undef TG_F32_CASES
+#undef TG_F32_CASE
+
+/* tg_attention at f32 (no length or head dim zero): the key blocks packed (k transposed, d rows
+ * of bk16 keys; v's nk rows of dv16 columns; padding zero), then the query-block tasks, each
+ * thread with one working area: a slab's scores, the accumulator (bq x dv16), the running max
+ * and sum. */
+static int tg_attention_f32(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb, const int64_t *vb,
+                            const int64_t *mb, const int64_t *ob, const float *q, const float *k, const float *v,
+                            const void *mask, float *o, int64_t lq, int64_t lk, int64_t d, int64_t dv, int64_t qr,
+                            int64_t kr, int64_t vr, int64_t orow, int mask_kind, int64_t mr, int64_t mc, float scale,
+                            int causal, int64_t bq, int64_t bk, int64_t batches, int out_bf16) {
+    int64_t bk16 = (bk + 15) / 16 * 16, dv16 = (dv + 15) / 16 * 16;
+    int64_t qblocks = (lq + bq - 1) / bq, kblocks = (lk + bk - 1) / bk, per_block = d * bk16 + bk * dv16;
+    float *packed = malloc(sizeof(float) * (size_t)(batches * kblocks * per_block));
+    if (!packed) TG_FAIL("attention: out of memory for its packed keys and values");
+    size_t work = sizeof(float) * (size_t)(TG_F32_SLAB * bk16 + bq * dv16 + 2 * bq) + 64;
+    const float mul = scale * 1.44269504088896341f;
+    int failed = 0;
+#pragma omp parallel if (batches * lq * lk * d > 65536)
+    {
+        char *area = malloc(work);
+        if (!area) failed = 1;
+        float *s = (float *)(((uintptr_t)area + 63) & ~(uintptr_t)63), *acc = s + TG_F32_SLAB * bk16;
+        float *mx = acc + bq * dv16, *sum = mx + bq;
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t bi = 0; bi < batches; bi++)
+            for (int64_t kbk = 0; kbk < kblocks; kbk++) {
+                int64_t off[5], j0 = kbk * bk, nk = j0 + bk < lk ? bk : lk - j0;
+                tg_batch_offsets(nb, bd, qb, kb, vb, mb, ob, bi, off);
+                float *kh = packed + (bi * kblocks + kbk) * per_block, *vh = kh + d * bk16;
+                const float *kj = k + off[1] + j0 * kr, *vj = v + off[2] + j0 * vr;
+                /* 16 x 16 blocks transposed in registers (an element at a time, the stores
+                 * a row of kh apart took an eighth of GPT-2's attention), the last columns
+                 * of a head dim not a multiple of 16 one at a time */
+                int64_t d16 = d / 16 * 16;
+                for (int64_t j = 0; j < bk16; j += 16)
+                    for (int64_t c = 0; c < d16; c += 16)
+                        tg_transpose16((const uint32_t *)(kj + j * kr + c), kr, nk - j, (uint32_t *)(kh + c * bk16 + j), bk16);
+                for (int64_t c = d16; c < d; c++)
+                    for (int64_t j = 0; j < bk16; j++) kh[c * bk16 + j] = j < nk ? kj[j * kr + c] : 0.f;
+                for (int64_t j = 0; j < nk; j++)
+                    for (int64_t c = 0; c < dv16; c++) vh[j * dv16 + c] = c < dv ? vj[j * vr + c] : 0.f;
+            }
+#pragma omp for collapse(2) schedule(dynamic)
+        for (int64_t bi = 0; bi < batches; bi++)
+            for (int64_t qbk = 0; qbk < qblocks; qbk++) {
+                if (!area) continue;
+                int64_t off[5];
+                tg_batch_offsets(nb, bd, qb, kb, vb, mb, ob, bi, off);
+                int64_t i0 = qbk * bq, i1 = i0 + bq < lq ? i0 + bq : lq, nq = i1 - i0;
+                memset(acc, 0, sizeof(float) * nq * dv16);
+                for (int64_t i = 0; i < nq; i++) { mx[i] = -INFINITY; sum[i] = 0.f; }
+                for (int64_t kbk = 0; kbk < kblocks; kbk++) {
+                    int64_t j0 = kbk * bk, nk = j0 + bk < lk ? bk : lk - j0;
+                    if (causal && j0 > i1 - 1 + lk - lq) break;
+                    const float *kh = packed + (bi * kblocks + kbk) * per_block, *vh = kh + d * bk16;
+                    for (int64_t r0 = 0; r0 < nq; r0 += TG_F32_SLAB) {
+                        int64_t rn = nq - r0 < TG_F32_SLAB ? nq - r0 : TG_F32_SLAB, ns = nk;
+                        /* causal: the keys the slab's last row sees (none: the slab's rows keep
+                         * what they had, every key of the block masked for them) */
+                        if (causal && i0 + r0 + rn + lk - lq - j0 < ns) ns = i0 + r0 + rn + lk - lq - j0;
+                        if (ns <= 0) continue;
+                        tg_f32_gemm(rn, (ns + 15) / 16, d, q + off[0] + (i0 + r0) * qr, qr, kh, bk16, s, bk16, 0, mul);
+                        for (int64_t i = 0; i < rn; i++)
+                            tg_flash_row_log2(s + i * bk16, ns, i0, r0 + i, j0, lq, lk, causal, mask_kind, mask,
+                                              off[3], mr, mc, mx + r0 + i, sum + r0 + i, acc + (r0 + i) * dv16, dv);
+                        tg_f32_gemm(rn, dv16 / 16, ns, s, bk16, vh, dv16, acc + r0 * dv16, dv16, 1, 1.f);
+                    }
+                }
+                for (int64_t i = 0; i < nq; i++)
+                    tg_attention_row(o, off[4] + (i0 + i) * orow, acc + i * dv16, sum[i], dv, out_bf16);
+            }
+        free(area);
+    }
+    free(packed);
+    if (failed) TG_FAIL("attention: out of memory for its working blocks");
+    __atomic_fetch_add(&tg_f32_attentions, 1, __ATOMIC_RELAXED);
+    return 0;
+}
+#endif
+
 int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb, const int64_t *vb,
                  const int64_t *mb, const int64_t *ob, const float *q, const float *k, const float *v,
                  const void *mask, float *o, int64_t lq, int64_t lk, int64_t d, int64_t dv, int64_t qr,
@@ -607,6 +849,11 @@ int tg_attention(int nb, const int64_t *bd, const int64_t *qb, const int64_t *kb
     /* (no rows or no keys: nothing of q, k or v is read) */
     if (in_bf16 && lq > 0 && lk > 0 && batches > 0)
         TG_FAIL("attention: bf16 operands without the bf16 products to read them");
+#ifdef TG_HAVE_F32_ATTENTION
+    if (d > 0 && dv > 0 && lq > 0 && lk > 0 && batches > 0)
+        return tg_attention_f32(nb, bd, qb, kb, vb, mb, ob, q, k, v, mask, o, lq, lk, d, dv, qr, kr, vr, orow,
+                                mask_kind, mr, mc, scale, causal, bq, bk, batches, out_bf16);
+#endif
     int64_t qblocks = (lq + bq - 1) / bq;
     int failed = 0;
     /* sgemm inside a task runs on the task's thread (no nested team). With OpenMP's
