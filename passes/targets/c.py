@@ -415,7 +415,8 @@ def choose_tile(group: FusionOp, hw, *_options) -> dict[str, int]:
 def _attention_blocks(op, hw) -> dict[str, int]:
     """The C backend's flash kernel: blocks of `block_q` queries against `block_kv` keys
     per task, each block's scores, accumulator and K/V rows within one core's cache, as
-    large as that allows (each block is two sgemm calls), with at least two tasks per
+    large as that allows (each block is two products: attention.c's register-blocked loops, or
+    sgemm calls where the processor lacks AVX-512), with at least two tasks per
     core while the queries allow it (tasks are a batch row times a block of queries)."""
     q, k, v = (info_of(x.type).shape for x in op.operands[:3])
     lq, lk, d, dv = (int(at_nominal(x)) for x in (q[-2], k[-2], q[-1], v[-1]))
