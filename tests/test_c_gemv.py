@@ -19,7 +19,7 @@ import sympy
 import tilegraph
 from tilegraph.ir import Graph, interpret
 from tilegraph.ir.hardware import gemv_wins
-from tilegraph.testing import assert_close
+from tilegraph.testing import assert_close, run_on_c_path
 
 GEMV = "gemv.c"
 
@@ -47,14 +47,8 @@ def _run(model, inputs, k, mode=-1):
     interpreter; (its primitives' lines, gemv.c runs)."""
     compiled = tilegraph.compile(model, target="c")
     runner = compiled._runner
-    runner._lib.tg_set_gemv(mode)
-    try:
-        before = runner._lib.tg_gemv_count()
-        out = compiled.run(*inputs)[0]
-        runs = runner._lib.tg_gemv_count() - before
-    finally:
-        runner._lib.tg_set_gemv(-1)
-    assert_close(out, interpret(model, inputs)[0], "f32", reduction_length=k)
+    outs, runs = run_on_c_path(compiled, inputs, "gemv", mode)
+    assert_close(outs[0], interpret(model, inputs)[0], "f32", reduction_length=k)
     assert not any(" source: ref" in line for line in runner.primitives), runner.primitives
     return runner.primitives, runs
 

@@ -20,7 +20,7 @@ import sympy
 import tilegraph
 from tilegraph.ir import Graph, interpret
 from tilegraph.ir.hardware import strided_conv_shape, strided_conv_wins
-from tilegraph.testing import assert_close
+from tilegraph.testing import assert_close, run_on_c_path
 
 STRIDED = "strided (k "
 
@@ -42,16 +42,9 @@ def _run(model, inputs, reduction_length, mode=-1):
     """Compiled for C (tg_set_strided_conv(mode) while its bindings are made), checked against
     the float64 interpreter; (its report lines, strided runs)."""
     compiled = tilegraph.compile(model, target="c")
-    runner = compiled._runner
-    runner._lib.tg_set_strided_conv(mode)
-    try:
-        before = runner._lib.tg_strided_conv_count()
-        out = compiled.run(*inputs)[0]
-        runs = runner._lib.tg_strided_conv_count() - before
-    finally:
-        runner._lib.tg_set_strided_conv(-1)
-    assert_close(out, interpret(model, inputs)[0], "f32", reduction_length=reduction_length)
-    return runner.primitives, runs
+    outs, runs = run_on_c_path(compiled, inputs, "strided_conv", mode)
+    assert_close(outs[0], interpret(model, inputs)[0], "f32", reduction_length=reduction_length)
+    return compiled._runner.primitives, runs
 
 
 @pytest.mark.parametrize("gelu", [True, False])

@@ -58,7 +58,7 @@ __all__ = ["ALL_OPS", "BINARY_OPS", "COMPARE_OPS", "COMPOSITE_OPS", "EPS", "EXP_
            "QUANT_F32_SLACK", "REDUCE_OPS", "ROUNDING_BUDGET", "SPATIAL_OPS", "SYMBOLS", "UNARY_OPS", "VALUE_LIMIT",
            "assert_close", "assert_preserves_semantics", "assert_within_quantization_bound", "graphs",
            "narrowest_float", "op_examples", "random_inputs", "reduction_length", "relative_error",
-           "rounding_violations", "tolerance", "traced_peak"]
+           "rounding_violations", "run_on_c_path", "tolerance", "traced_peak"]
 
 
 def traced_peak(run) -> int:
@@ -74,3 +74,18 @@ def traced_peak(run) -> int:
         return tracemalloc.get_traced_memory()[1] - base
     finally:
         tracemalloc.stop()
+
+
+def run_on_c_path(compiled, inputs, path: str, mode: int = -1):
+    """One call of a model compiled for the C backend with its native path `path` set by
+    tg_set_<path>(mode) (-1: the emitter's choice, 0: never, 1: wherever it can), restored
+    after; (its outputs, how many times that path ran: tg_<path>_count), for tests that a
+    fast path is taken."""
+    lib = compiled._runner._lib
+    getattr(lib, f"tg_set_{path}")(mode)
+    try:
+        before = getattr(lib, f"tg_{path}_count")()
+        outs = compiled.run(*inputs)
+        return outs, getattr(lib, f"tg_{path}_count")() - before
+    finally:
+        getattr(lib, f"tg_set_{path}")(-1)
