@@ -454,13 +454,38 @@ def _measure(native: bool = False) -> Hardware:
 
 
 def others_running() -> int:
-    """Runnable threads of other processes right now (/proc/loadavg's running count, less
-    the caller); 0 where the system does not say."""
+    """Runnable threads of other processes right now (/proc/loadavg's running count, less this
+    process's own: the caller, and a thread pool of its own still spinning after its last
+    parallel region, which would otherwise read as a neighbour); 0 where the system does not say."""
+    running = _runnable_threads()
+    return max(0, running - _own_running()) if running > 1 else 0
+
+
+def _runnable_threads() -> int:
+    """Runnable threads of every process (/proc/loadavg's running count), 0 where it does not say."""
     try:
         with open("/proc/loadavg", "rb") as f:
-            return max(0, int(f.read().split()[3].split(b"/")[0]) - 1)
+            return int(f.read().split()[3].split(b"/")[0])
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def _own_running() -> int:
+    """This process's runnable threads (at least 1, the caller): /proc/self/task/*/stat's state."""
+    count = 0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 1
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # the thread ended
+            continue
+        # the state follows the command name, which is in parentheses and may hold spaces
+        count += stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] == b"R"
+    return max(1, count)
 
 
 # A measurement window in which other processes used this many cores' worth of CPU on

@@ -127,6 +127,43 @@ def test_a_passing_thread_keeps_a_forwards_threads_and_a_neighbour_that_keeps_ru
     assert neighbours.cores() == 0
 
 
+def test_a_thread_of_this_process_still_running_is_not_a_neighbour():
+    """others_running counts other processes' runnable threads: a thread of the caller's own that
+    runs (a thread pool spinning after its parallel region, in MiniLM's training benchmark
+    torch's) once took a core from every forward that looked while it ran."""
+    import threading
+
+    import numpy as np
+
+    data = np.ones(4_000_000, np.float32)
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            data.sum()  # NumPy releases the GIL for the loop: runnable beside the caller
+
+    worker = threading.Thread(target=spin)
+    worker.start()
+    try:
+        own = []
+        for _ in range(50):
+            own.append(hardware._own_running())
+            time.sleep(0.002)
+    finally:
+        stop.set()
+        worker.join()
+    assert max(own) >= 2  # the caller and its spinning thread
+    assert min(own) >= 1
+
+
+def test_others_running_leaves_out_this_process_s_own_runnable_threads(monkeypatch):
+    monkeypatch.setattr(hardware, "_runnable_threads", lambda: 3)
+    monkeypatch.setattr(hardware, "_own_running", lambda: 2)
+    assert hardware.others_running() == 1
+    monkeypatch.setattr(hardware, "_own_running", lambda: 3)
+    assert hardware.others_running() == 0
+
+
 def _not_saved(path, measured, why: str, kept, capsys) -> None:
     """measure_and_save of `measured` at `path` says why it is not saved, and `kept` stays there."""
     from tilegraph.ir.calibration import measure_and_save
