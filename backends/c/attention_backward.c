@@ -22,6 +22,143 @@
 static int tg_attention_backwards;
 int tg_attention_backward_count(void) { return __atomic_load_n(&tg_attention_backwards, __ATOMIC_RELAXED); }
 
+/* The offsets of batch row `bi` (flattened over dims bd[nb]) in the 8 operands whose batch
+ * strides bs holds (tg_attention_backward's order). */
+static void tg_grad_offsets(int nb, const int64_t *bd, const int64_t *bs, int64_t bi, int64_t off[8]) {
+    for (int t = 0; t < 8; t++) off[t] = 0;
+    for (int i = nb - 1; i >= 0; i--) {
+        int64_t idx = bi % bd[i];
+        bi /= bd[i];
+        for (int t = 0; t < 8; t++) off[t] += idx * bs[t * nb + i];
+    }
+}
+
+#ifdef TG_HAVE_F32_ATTENTION
+/* --- the same on AVX-512, on attention.c's register-blocked products ---
+ *
+ * oneDNN's sgemm per block packed its operands on every call: five calls per block of 64 query
+ * rows, each a few microseconds of work at MiniLM's 128 keys and head dim 32, so the packing and
+ * the dispatch were a large part of it. Here a head's k and v are packed once (k^T and v^T as d
+ * and e rows of lk16 keys, the columns of S = Q K^T and dP = dO V^T; k padded to d16 columns
+ * for dQ = dS K), and the five products run on tg_f32_gemm, the two that read P and dS
+ * transposed (dV += P^T dO, dK += dS^T Q) on tg_f32_gemm_at, which reads a slab's columns as
+ * its rows: no transposed copy. The softmax is the forward's base-2 row (tg_flash_row_log2):
+ * S is stored times scale log2(e), P = 2^(S - max) / sum. Operands whose columns are not a
+ * multiple of 16 (the products load whole vectors of b and store whole vectors of c) go
+ * through padded copies; at d, e multiples of 16 they are read and written where they are.
+ * Each thread's working area (both slabs, the packed keys and values, dK and dV accumulators)
+ * is allocated once per call and serves every head it takes. */
+static int tg_f32_attention_backwards;
+int tg_f32_attention_backward_count(void) {
+    return __atomic_load_n(&tg_f32_attention_backwards, __ATOMIC_RELAXED);
+}
+
+/* rows x cols of x (row stride ld) into y (row stride ldy), columns cols..ldy zero */
+static void tg_pad_rows(const float *x, int64_t ld, int64_t rows, int64_t cols, float *y, int64_t ldy) {
+    for (int64_t i = 0; i < rows; i++) {
+        memcpy(y + i * ldy, x + i * ld, sizeof(float) * (size_t)cols);
+        memset(y + i * ldy + cols, 0, sizeof(float) * (size_t)(ldy - cols));
+    }
+}
+
+static int tg_attention_backward_f32(int nb, const int64_t *bd, const int64_t *bs, const float *q, const float *k,
+                                     const float *v, const float *gy, const void *mask, float *dq, float *dk,
+                                     float *dv, int64_t lq, int64_t lk, int64_t d, int64_t e, int64_t qr,
+                                     int64_t kr, int64_t vr, int64_t gr, int mask_kind, int64_t mr, int64_t mc,
+                                     float scale, int causal, int64_t bq, int64_t batches) {
+    const int64_t lk16 = (lk + 15) / 16 * 16, d16 = (d + 15) / 16 * 16, e16 = (e + 15) / 16 * 16;
+    const int dpad = d != d16, epad = e != e16;
+    /* the area: s, ds (bq x lk16), k^T (d x lk16), v^T (e x lk16), k padded and dK (lk x d16
+     * each), dV (lk x e16), q, dQ (bq x d16) and dO (bq x e16) of a block, padded */
+    const int64_t floats = 2 * bq * lk16 + (d + e) * lk16 + lk * (2 * d16 + e16) + bq * (2 * d16 + e16);
+    const float mul = scale * 1.44269504088896341f;
+    int failed = 0;
+#pragma omp parallel if (batches * lq * lk * (d + e) > 65536)
+    {
+        char *area = malloc(sizeof(float) * (size_t)floats + 64);
+        if (!area) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+        float *s = (float *)(((uintptr_t)area + 63) & ~(uintptr_t)63), *ds = s + bq * lk16, *kt = ds + bq * lk16;
+        float *vt = kt + d * lk16, *kp = vt + e * lk16, *dka = kp + lk * d16, *dva = dka + lk * d16;
+        float *qp = dva + lk * e16, *dqa = qp + bq * d16, *gp = dqa + bq * d16;
+#pragma omp for schedule(dynamic)
+        for (int64_t bi = 0; bi < batches; bi++) {
+            if (!area) continue;
+            int64_t off[8];
+            tg_grad_offsets(nb, bd, bs, bi, off);
+            const float *qh = q + off[0], *kh = k + off[1], *vh = v + off[2], *gh = gy + off[3];
+            float *dqh = dq + off[5], *dkh = dk + off[6], *dvh = dv + off[7];
+            /* dK and dV summed where they are when their rows are whole vectors */
+            float *dks = dpad ? dka : dkh, *dvs = epad ? dva : dvh;
+            int64_t ldk = dpad ? d16 : d, ldv = epad ? e16 : e;
+            for (int64_t j = 0; j < lk; j++) memset(dks + j * ldk, 0, sizeof(float) * (size_t)ldk);
+            for (int64_t j = 0; j < lk; j++) memset(dvs + j * ldv, 0, sizeof(float) * (size_t)ldv);
+            tg_pack_transposed(kh, kr, lk, d, kt, lk16);
+            tg_pack_transposed(vh, vr, lk, e, vt, lk16);
+            if (dpad) tg_pad_rows(kh, kr, lk, d, kp, d16);
+            const float *kb = dpad ? kp : kh;
+            int64_t ldkb = dpad ? d16 : kr, nan_head = 0;
+            for (int64_t i0 = 0; i0 < lq; i0 += bq) {
+                int64_t nq = i0 + bq < lq ? bq : lq - i0;
+                int64_t nk = causal ? i0 + nq + lk - lq : lk; /* the keys some row of the block sees */
+                nk = nk > lk ? lk : nk;
+                if (nk <= 0) { /* rows before every key: NaN, as the forward's */
+                    for (int64_t i = 0; i < nq * d; i++) dqh[i0 * d + i] = NAN;
+                    nan_head = 1;
+                    continue;
+                }
+                int64_t nt = (nk + 15) / 16;
+                const float *qb = qh + i0 * qr, *gb = gh + i0 * gr;
+                int64_t ldq = qr, ldg = gr;
+                if (dpad) { tg_pad_rows(qb, qr, nq, d, qp, d16); qb = qp; ldq = d16; }
+                if (epad) { tg_pad_rows(gb, gr, nq, e, gp, e16); gb = gp; ldg = e16; }
+                tg_f32_gemm(nq, nt, d, qb, ldq, kt, lk16, s, lk16, 0, mul);
+                for (int64_t i = 0; i < nq; i++) {
+                    float mx = -INFINITY, sum = 0.f, *si = s + i * lk16;
+                    tg_flash_row_log2(si, nk, i0, i, 0, lq, lk, causal, mask_kind, mask, off[4], mr, mc, &mx, &sum,
+                                      NULL, 0);
+                    /* a row with every key masked: NaN, as softmax over all -inf is, and so are the
+                     * head's dK and dV, which sum over its rows (here only the keys through nk) */
+                    nan_head |= !(sum > 0.f);
+                    const __m512 inv = _mm512_set1_ps(sum > 0.f ? 1.f / sum : NAN);
+                    for (int64_t j = 0; j < 16 * nt; j += 16) _mm512_storeu_ps(si + j, _mm512_mul_ps(inv, _mm512_loadu_ps(si + j)));
+                }
+                tg_f32_gemm(nq, nt, e, gb, ldg, vt, lk16, ds, lk16, 0, 1.f);
+                const __m512 vscale = _mm512_set1_ps(scale);
+                for (int64_t i = 0; i < nq; i++) { /* dS = P (dP - rowsum(P dP)) scale (padding: P and dP zero) */
+                    float *pi = s + i * lk16, *gi = ds + i * lk16;
+                    __m512 dot = _mm512_setzero_ps();
+                    for (int64_t j = 0; j < 16 * nt; j += 16)
+                        dot = _mm512_fmadd_ps(_mm512_loadu_ps(pi + j), _mm512_loadu_ps(gi + j), dot);
+                    const __m512 vdot = _mm512_set1_ps(_mm512_reduce_add_ps(dot));
+                    for (int64_t j = 0; j < 16 * nt; j += 16) {
+                        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(pi + j), _mm512_sub_ps(_mm512_loadu_ps(gi + j), vdot));
+                        _mm512_storeu_ps(gi + j, _mm512_mul_ps(x, vscale));
+                    }
+                }
+                tg_f32_gemm_at(nk, e16 / 16, nq, s, lk16, gb, ldg, dvs, ldv, 1, 1.f);
+                float *dqb = dpad ? dqa : dqh + i0 * d;
+                tg_f32_gemm(nq, d16 / 16, nk, ds, lk16, kb, ldkb, dqb, dpad ? d16 : d, 0, 1.f);
+                if (dpad)
+                    for (int64_t i = 0; i < nq; i++) memcpy(dqh + (i0 + i) * d, dqa + i * d16, sizeof(float) * (size_t)d);
+                tg_f32_gemm_at(nk, d16 / 16, nq, ds, lk16, qb, ldq, dks, ldk, 1, 1.f);
+            }
+            if (nan_head) {
+                for (int64_t i = 0; i < lk * d; i++) dkh[i] = NAN;
+                for (int64_t i = 0; i < lk * e; i++) dvh[i] = NAN;
+                continue;
+            }
+            for (int64_t j = 0; dpad && j < lk; j++) memcpy(dkh + j * d, dka + j * d16, sizeof(float) * (size_t)d);
+            for (int64_t j = 0; epad && j < lk; j++) memcpy(dvh + j * e, dva + j * e16, sizeof(float) * (size_t)e);
+        }
+        free(area);
+    }
+    if (failed) TG_FAIL("attention_grad: out of memory for its working blocks");
+    __atomic_fetch_add(&tg_attention_backwards, 1, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&tg_f32_attention_backwards, 1, __ATOMIC_RELAXED);
+    return 0;
+}
+#endif
+
 /* bs: the batch strides of q, k, v, gy, the mask, dq, dk and dv, nb each, in that order; rows
  * of q, k, v and gy contiguous at row strides qr, kr, vr, gr; dq, dk, dv row-major. */
 int tg_attention_backward(int nb, const int64_t *bd, const int64_t *bs, const float *q, const float *k,
@@ -32,6 +169,11 @@ int tg_attention_backward(int nb, const int64_t *bd, const int64_t *bs, const fl
         TG_FAIL("attention_grad: block size or lengths out of range");
     int64_t batches = 1;
     for (int i = 0; i < nb; i++) batches *= bd[i];
+#ifdef TG_HAVE_F32_ATTENTION
+    if (d > 0 && e > 0 && lq > 0 && lk > 0 && batches > 0)
+        return tg_attention_backward_f32(nb, bd, bs, q, k, v, gy, mask, dq, dk, dv, lq, lk, d, e, qr, kr, vr, gr,
+                                         mask_kind, mr, mc, scale, causal, bq, batches);
+#endif
     int failed = 0;
 #pragma omp parallel if (batches * lq * lk * (d + e) > 65536)
     {
@@ -41,12 +183,8 @@ int tg_attention_backward(int nb, const int64_t *bd, const int64_t *bs, const fl
         float *ds = s ? s + bq * lk : NULL;
 #pragma omp for schedule(dynamic)
         for (int64_t bi = 0; bi < batches; bi++) {
-            int64_t off[8] = {0}, rest = bi;
-            for (int i = nb - 1; i >= 0; i--) {
-                int64_t idx = rest % bd[i];
-                rest /= bd[i];
-                for (int t = 0; t < 8; t++) off[t] += idx * bs[t * nb + i];
-            }
+            int64_t off[8];
+            tg_grad_offsets(nb, bd, bs, bi, off);
             const float *qh = q + off[0], *kh = k + off[1], *vh = v + off[2], *gh = gy + off[3];
             float *dqh = dq + off[5], *dkh = dk + off[6], *dvh = dv + off[7];
             memset(dkh, 0, sizeof(float) * (size_t)(lk * d));
