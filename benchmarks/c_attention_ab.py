@@ -64,7 +64,7 @@ def main() -> int:
         def backward(lib, o):
             status = lib.tg_attention_backward(
                 1, dims(heads), dims(*[n * d] * 4, 0, *[n * d] * 3), *[x.ctypes.data_as(ptr) for x in (q, k, v, gy)],
-                None, *[x.ctypes.data_as(ptr) for x in o], i64(n), i64(n), i64(d), i64(d), *[i64(d)] * 4, 0, i64(0),
+                None, *[x.ctypes.data_as(ptr) for x in o], i64(n), i64(n), i64(d), i64(d), *[i64(d)] * 7, 0, i64(0),
                 i64(0), ctypes.c_float(d ** -0.5), int(causal), i64(BACKWARD_ROWS))
             assert status == 0, f"tg_attention_backward failed on {name}"
 

@@ -108,12 +108,13 @@ def test_f32_attention_takes_the_register_blocked_products():
 def _call_backward(lib, q, k, v, gy, mask, scale, causal, bq):
     """tg_attention_backward over q (b, lq, d), k (b, lk, d), v (b, lk, e) and gy (b, lq, e), each
     read at a row stride past its row (columns beyond it hold junk), a mask (lq, lk) shared by the
-    batch or None; returns (dq, dk, dv)."""
+    batch or None; returns (dq, dk, dv), written at row strides past their rows too (the columns
+    beyond them checked untouched)."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     b, lq, d = q.shape
     lk, e = v.shape[1:]
     wide = [np.concatenate([x, np.full(x.shape[:-1] + (3,), 1e30, np.float32)], -1) for x in (q, k, v, gy)]
-    outs = [np.full(x.shape, 7.0, np.float32) for x in (q, k, v)]
+    outs = [np.full(x.shape[:-1] + (x.shape[-1] + 2,), 7.0, np.float32) for x in (q, k, v)]
 
     def arr(*xs):
         return (i64 * len(xs))(*xs)
@@ -123,11 +124,12 @@ def _call_backward(lib, q, k, v, gy, mask, scale, causal, bq):
     bs = arr(*[x.shape[1] * x.shape[2] for x in wide], 0, *[x.shape[1] * x.shape[2] for x in outs])
     rc = lib.tg_attention_backward(1, arr(b), bs, *[x.ctypes.data_as(ptr) for x in wide],
                                    None if m is None else m.ctypes.data_as(ptr), *[o.ctypes.data_as(ptr) for o in outs],
-                                   i64(lq), i64(lk), i64(d), i64(e), *[i64(x.shape[-1]) for x in wide], kind,
+                                   i64(lq), i64(lk), i64(d), i64(e), *[i64(x.shape[-1]) for x in wide + outs], kind,
                                    i64(lk if kind else 0), i64(1 if kind else 0), ctypes.c_float(scale), int(causal),
                                    i64(bq))
     assert rc == 0
-    return outs
+    assert all((o[..., -2:] == 7.0).all() for o in outs)
+    return [o[..., :-2] for o in outs]
 
 
 @settings(deadline=None, max_examples=60)

@@ -33,6 +33,12 @@ static void tg_grad_offsets(int nb, const int64_t *bd, const int64_t *bs, int64_
     }
 }
 
+/* rows x cols of x (row stride ld) set to `value` */
+static void tg_fill_rows(float *x, int64_t rows, int64_t cols, int64_t ld, float value) {
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t j = 0; j < cols; j++) x[i * ld + j] = value;
+}
+
 #ifdef TG_HAVE_F32_ATTENTION
 /* --- the same on AVX-512, on attention.c's register-blocked products ---
  *
@@ -64,8 +70,9 @@ static void tg_pad_rows(const float *x, int64_t ld, int64_t rows, int64_t cols, 
 static int tg_attention_backward_f32(int nb, const int64_t *bd, const int64_t *bs, const float *q, const float *k,
                                      const float *v, const float *gy, const void *mask, float *dq, float *dk,
                                      float *dv, int64_t lq, int64_t lk, int64_t d, int64_t e, int64_t qr,
-                                     int64_t kr, int64_t vr, int64_t gr, int mask_kind, int64_t mr, int64_t mc,
-                                     float scale, int causal, int64_t bq, int64_t batches) {
+                                     int64_t kr, int64_t vr, int64_t gr, int64_t dqr, int64_t dkr, int64_t dvr,
+                                     int mask_kind, int64_t mr, int64_t mc, float scale, int causal, int64_t bq,
+                                     int64_t batches) {
     const int64_t lk16 = (lk + 15) / 16 * 16, d16 = (d + 15) / 16 * 16, e16 = (e + 15) / 16 * 16;
     const int dpad = d != d16, epad = e != e16;
     /* the area: s, ds (bq x lk16), k^T (d x lk16), v^T (e x lk16), k padded and dK (lk x d16
@@ -89,9 +96,9 @@ static int tg_attention_backward_f32(int nb, const int64_t *bd, const int64_t *b
             float *dqh = dq + off[5], *dkh = dk + off[6], *dvh = dv + off[7];
             /* dK and dV summed where they are when their rows are whole vectors */
             float *dks = dpad ? dka : dkh, *dvs = epad ? dva : dvh;
-            int64_t ldk = dpad ? d16 : d, ldv = epad ? e16 : e;
-            for (int64_t j = 0; j < lk; j++) memset(dks + j * ldk, 0, sizeof(float) * (size_t)ldk);
-            for (int64_t j = 0; j < lk; j++) memset(dvs + j * ldv, 0, sizeof(float) * (size_t)ldv);
+            int64_t ldk = dpad ? d16 : dkr, ldv = epad ? e16 : dvr;
+            tg_fill_rows(dks, lk, dpad ? d16 : d, ldk, 0.f);
+            tg_fill_rows(dvs, lk, epad ? e16 : e, ldv, 0.f);
             tg_pack_transposed(kh, kr, lk, d, kt, lk16);
             tg_pack_transposed(vh, vr, lk, e, vt, lk16);
             if (dpad) tg_pad_rows(kh, kr, lk, d, kp, d16);
@@ -102,7 +109,7 @@ static int tg_attention_backward_f32(int nb, const int64_t *bd, const int64_t *b
                 int64_t nk = causal ? i0 + nq + lk - lq : lk; /* the keys some row of the block sees */
                 nk = nk > lk ? lk : nk;
                 if (nk <= 0) { /* rows before every key: NaN, as the forward's */
-                    for (int64_t i = 0; i < nq * d; i++) dqh[i0 * d + i] = NAN;
+                    tg_fill_rows(dqh + i0 * dqr, nq, d, dqr, NAN);
                     nan_head = 1;
                     continue;
                 }
@@ -136,19 +143,19 @@ static int tg_attention_backward_f32(int nb, const int64_t *bd, const int64_t *b
                     }
                 }
                 tg_f32_gemm_at(nk, e16 / 16, nq, s, lk16, gb, ldg, dvs, ldv, 1, 1.f);
-                float *dqb = dpad ? dqa : dqh + i0 * d;
-                tg_f32_gemm(nq, d16 / 16, nk, ds, lk16, kb, ldkb, dqb, dpad ? d16 : d, 0, 1.f);
+                float *dqb = dpad ? dqa : dqh + i0 * dqr;
+                tg_f32_gemm(nq, d16 / 16, nk, ds, lk16, kb, ldkb, dqb, dpad ? d16 : dqr, 0, 1.f);
                 if (dpad)
-                    for (int64_t i = 0; i < nq; i++) memcpy(dqh + (i0 + i) * d, dqa + i * d16, sizeof(float) * (size_t)d);
+                    for (int64_t i = 0; i < nq; i++) memcpy(dqh + (i0 + i) * dqr, dqa + i * d16, sizeof(float) * (size_t)d);
                 tg_f32_gemm_at(nk, d16 / 16, nq, ds, lk16, qb, ldq, dks, ldk, 1, 1.f);
             }
             if (nan_head) {
-                for (int64_t i = 0; i < lk * d; i++) dkh[i] = NAN;
-                for (int64_t i = 0; i < lk * e; i++) dvh[i] = NAN;
+                tg_fill_rows(dkh, lk, d, dkr, NAN);
+                tg_fill_rows(dvh, lk, e, dvr, NAN);
                 continue;
             }
-            for (int64_t j = 0; dpad && j < lk; j++) memcpy(dkh + j * d, dka + j * d16, sizeof(float) * (size_t)d);
-            for (int64_t j = 0; epad && j < lk; j++) memcpy(dvh + j * e, dva + j * e16, sizeof(float) * (size_t)e);
+            for (int64_t j = 0; dpad && j < lk; j++) memcpy(dkh + j * dkr, dka + j * d16, sizeof(float) * (size_t)d);
+            for (int64_t j = 0; epad && j < lk; j++) memcpy(dvh + j * dvr, dva + j * e16, sizeof(float) * (size_t)e);
         }
         free(area);
     }
@@ -160,19 +167,21 @@ static int tg_attention_backward_f32(int nb, const int64_t *bd, const int64_t *b
 #endif
 
 /* bs: the batch strides of q, k, v, gy, the mask, dq, dk and dv, nb each, in that order; rows
- * of q, k, v and gy contiguous at row strides qr, kr, vr, gr; dq, dk, dv row-major. */
+ * of each contiguous, at row strides qr, kr, vr, gr and dqr, dkr, dvr (the emitter lays the
+ * gradients out as their reader, the heads' merge, wants them: BERT's (b, s, h, d)). */
 int tg_attention_backward(int nb, const int64_t *bd, const int64_t *bs, const float *q, const float *k,
                           const float *v, const float *gy, const void *mask, float *dq, float *dk, float *dv,
                           int64_t lq, int64_t lk, int64_t d, int64_t e, int64_t qr, int64_t kr, int64_t vr,
-                          int64_t gr, int mask_kind, int64_t mr, int64_t mc, float scale, int causal, int64_t bq) {
+                          int64_t gr, int64_t dqr, int64_t dkr, int64_t dvr, int mask_kind, int64_t mr, int64_t mc,
+                          float scale, int causal, int64_t bq) {
     if (bq < 1 || bq > TG_MAX_BLOCK || lq < 0 || lk < 0 || d < 0 || e < 0)
         TG_FAIL("attention_grad: block size or lengths out of range");
     int64_t batches = 1;
     for (int i = 0; i < nb; i++) batches *= bd[i];
 #ifdef TG_HAVE_F32_ATTENTION
     if (d > 0 && e > 0 && lq > 0 && lk > 0 && batches > 0)
-        return tg_attention_backward_f32(nb, bd, bs, q, k, v, gy, mask, dq, dk, dv, lq, lk, d, e, qr, kr, vr, gr,
-                                         mask_kind, mr, mc, scale, causal, bq, batches);
+        return tg_attention_backward_f32(nb, bd, bs, q, k, v, gy, mask, dq, dk, dv, lq, lk, d, e, qr, kr, vr, gr, dqr,
+                                         dkr, dvr, mask_kind, mr, mc, scale, causal, bq, batches);
 #endif
     int failed = 0;
 #pragma omp parallel if (batches * lq * lk * (d + e) > 65536)
@@ -187,10 +196,10 @@ int tg_attention_backward(int nb, const int64_t *bd, const int64_t *bs, const fl
             tg_grad_offsets(nb, bd, bs, bi, off);
             const float *qh = q + off[0], *kh = k + off[1], *vh = v + off[2], *gh = gy + off[3];
             float *dqh = dq + off[5], *dkh = dk + off[6], *dvh = dv + off[7];
-            memset(dkh, 0, sizeof(float) * (size_t)(lk * d));
-            memset(dvh, 0, sizeof(float) * (size_t)(lk * e));
+            tg_fill_rows(dkh, lk, d, dkr, 0.f);
+            tg_fill_rows(dvh, lk, e, dvr, 0.f);
             if (lk == 0) {
-                for (int64_t i = 0; i < lq * d; i++) dqh[i] = NAN; /* no keys: softmax over nothing */
+                tg_fill_rows(dqh, lq, d, dqr, NAN); /* no keys: softmax over nothing */
                 continue;
             }
             if (!s) continue;
@@ -200,9 +209,9 @@ int tg_attention_backward(int nb, const int64_t *bd, const int64_t *bs, const fl
                 int64_t nk = causal ? i0 + nq + lk - lq : lk;
                 nk = nk > lk ? lk : nk;
                 if (nk <= 0) { /* rows before every key: NaN, as the forward's */
-                    for (int64_t i = 0; i < nq * d; i++) dqh[i0 * d + i] = NAN;
-                    for (int64_t i = 0; i < lk * d; i++) dkh[i] = NAN;
-                    for (int64_t i = 0; i < lk * e; i++) dvh[i] = NAN;
+                    tg_fill_rows(dqh + i0 * dqr, nq, d, dqr, NAN);
+                    tg_fill_rows(dkh, lk, d, dkr, NAN);
+                    tg_fill_rows(dvh, lk, e, dvr, NAN);
                     continue;
                 }
                 int ok = d == 0 || dnnl_sgemm('N', 'T', nq, nk, d, scale, qh + i0 * qr, qr, kh, kr, 0.f, s, nk) ==
@@ -225,11 +234,11 @@ int tg_attention_backward(int nb, const int64_t *bd, const int64_t *bs, const fl
 #pragma omp simd
                     for (int64_t j = 0; j < nk; j++) gi[j] = pi[j] * (gi[j] - dot) * scale;
                 }
-                ok = ok && (e == 0 || dnnl_sgemm('T', 'N', nk, e, nq, 1.f, s, nk, gh + i0 * gr, gr, 1.f, dvh, e) ==
+                ok = ok && (e == 0 || dnnl_sgemm('T', 'N', nk, e, nq, 1.f, s, nk, gh + i0 * gr, gr, 1.f, dvh, dvr) ==
                                           dnnl_success);
-                ok = ok && (d == 0 || dnnl_sgemm('N', 'N', nq, d, nk, 1.f, ds, nk, kh, kr, 0.f, dqh + i0 * d, d) ==
+                ok = ok && (d == 0 || dnnl_sgemm('N', 'N', nq, d, nk, 1.f, ds, nk, kh, kr, 0.f, dqh + i0 * dqr, dqr) ==
                                           dnnl_success);
-                ok = ok && (d == 0 || dnnl_sgemm('T', 'N', nk, d, nq, 1.f, ds, nk, qh + i0 * qr, qr, 1.f, dkh, d) ==
+                ok = ok && (d == 0 || dnnl_sgemm('T', 'N', nk, d, nq, 1.f, ds, nk, qh + i0 * qr, qr, 1.f, dkh, dkr) ==
                                           dnnl_success);
                 if (!ok) {
                     __atomic_store_n(&failed, 2, __ATOMIC_RELAXED);
