@@ -9,10 +9,11 @@ path is what `build.runtime()` returns in a checkout (a worktree of main for the
     B=$(.venv/bin/python -c "from tilegraph.backends.c import build; print(build.runtime())")
     .venv/bin/python benchmarks/c_attention_ab.py $A $B [--threads 1] [--repeat 15]
 
---backward: tg_attention_backward (attention_grad's kernel) instead, on the same shapes.
+--backward: tg_attention_backward (attention_grad's kernel) instead, on the same shapes (both
+libraries at its signature with the gradients' row strides: main's from after that change).
 
 Shapes: the attention of the full-size sweep's long-sequence models (benchmarks/full_size_sweep.py)
-and of GPT-2's training step at batch 4, with the blocks the C target's tile pass gives them on a core with 1 MiB of L2.
+and of GPT-2's and MiniLM's training steps (MiniLM's with its float mask over the keys), with the blocks the C target's tile pass gives them on a core with 1 MiB of L2.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ SHAPES = {
     "gpt-2 training b4 (48 heads)": (48, 256, 64, True),  # issue 29's step: batch 4 x 12 heads
     "minilm training b8 (96 heads)": (96, 128, 32, False),  # and MiniLM's: batch 8 x 12 heads
 }
+# Shapes whose model adds a float mask over the keys, one row for every query (BERT's padding mask).
+KEY_MASKED = {"minilm training b8 (96 heads)"}
 # The backward's query rows per block: backends/c/emit.py's ATTENTION_BACKWARD_ROWS.
 BACKWARD_ROWS = 64
 BLOCKS = (128, 256)
@@ -60,20 +63,22 @@ def main() -> int:
         q, k, v, gy = (rng.standard_normal((heads, n, d), dtype=np.float32) for _ in range(4))
         outs = [np.empty((3 if args.backward else 1, heads, n, d), np.float32) for _ in libs]
         bq, bk = (min(b, n) for b in BLOCKS)
+        keys = rng.standard_normal(n).astype(np.float32) if name in KEY_MASKED else None
+        mask = (keys.ctypes.data_as(ptr), 2, i64(0), i64(1)) if keys is not None else (None, 0, i64(0), i64(0))
 
         def backward(lib, o):
             status = lib.tg_attention_backward(
                 1, dims(heads), dims(*[n * d] * 4, 0, *[n * d] * 3), *[x.ctypes.data_as(ptr) for x in (q, k, v, gy)],
-                None, *[x.ctypes.data_as(ptr) for x in o], i64(n), i64(n), i64(d), i64(d), *[i64(d)] * 7, 0, i64(0),
-                i64(0), ctypes.c_float(d ** -0.5), int(causal), i64(BACKWARD_ROWS))
+                mask[0], *[x.ctypes.data_as(ptr) for x in o], i64(n), i64(n), i64(d), i64(d), *[i64(d)] * 7, *mask[1:],
+                ctypes.c_float(d ** -0.5), int(causal), i64(BACKWARD_ROWS))
             assert status == 0, f"tg_attention_backward failed on {name}"
 
         def forward(lib, o):
             o = o[0]
             status = lib.tg_attention(
                 1, dims(heads), dims(n * d), dims(n * d), dims(n * d), dims(0), dims(n * d),
-                q.ctypes.data_as(ptr), k.ctypes.data_as(ptr), v.ctypes.data_as(ptr), None, o.ctypes.data_as(ptr),
-                i64(n), i64(n), i64(d), i64(d), i64(d), i64(d), i64(d), i64(d), 0, i64(0), i64(0),
+                q.ctypes.data_as(ptr), k.ctypes.data_as(ptr), v.ctypes.data_as(ptr), mask[0], o.ctypes.data_as(ptr),
+                i64(n), i64(n), i64(d), i64(d), i64(d), i64(d), i64(d), i64(d), *mask[1:],
                 ctypes.c_float(d ** -0.5), int(causal), i64(bq), i64(bk))
             assert status == 0, f"tg_attention failed on {name}"
 

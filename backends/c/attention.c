@@ -640,9 +640,16 @@ static inline void tg_flash_row_log2(float *si, int64_t nk, int64_t i0, int64_t 
     int64_t n = nk; /* the keys this row sees: causal, those up to position i + lk - lq */
     if (causal) n = i0 + i + lk - lq + 1 - j0 < 0 ? 0 : i0 + i + lk - lq + 1 - j0 < nk ? i0 + i + lk - lq + 1 - j0 : nk;
     __m512 vm = ninf;
-    if (mask_kind == 2 && mc == 1) { /* an added mask along the keys: in the max's pass */
+    if (mask_kind == 2 && mc == 1) { /* an added mask along the keys: in the max's pass, masked loads
+                                      * only for the last keys (every vector's took a fifth of MiniLM's) */
         const float *mi = (const float *)mask + om + (i0 + i) * mr + j0;
-        for (int64_t j = 0; j < n; j += 16) {
+        int64_t j = 0;
+        for (; j + 16 <= n; j += 16) {
+            __m512 x = _mm512_fmadd_ps(_mm512_loadu_ps(mi + j), log2e, _mm512_loadu_ps(si + j));
+            _mm512_storeu_ps(si + j, x);
+            vm = _mm512_max_ps(vm, x);
+        }
+        if (j < n) {
             __mmask16 live = tg_lanes(n - j);
             __m512 x = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(live, mi + j), log2e, _mm512_loadu_ps(si + j));
             _mm512_storeu_ps(si + j, x);
@@ -762,6 +769,14 @@ static void tg_f32_gemm_at(int64_t rows, int64_t nt, int64_t kred, const float *
 #undef TG_F32_NARROW
 #undef TG_F32_CASE
 
+/* rows x cols of x (row stride ld) into y (row stride ldy), columns cols..ldy zero */
+static void tg_pad_rows(const float *x, int64_t ld, int64_t rows, int64_t cols, float *y, int64_t ldy) {
+    for (int64_t i = 0; i < rows; i++) {
+        memcpy(y + i * ldy, x + i * ld, sizeof(float) * (size_t)cols);
+        memset(y + i * ldy + cols, 0, sizeof(float) * (size_t)(ldy - cols));
+    }
+}
+
 /* x's rows (n rows of c columns, row stride ld) as the columns of xt (c rows of ldt, the
  * columns n..ldt zero): 16 x 16 blocks transposed in registers (an element at a time, the
  * stores a row of xt apart took an eighth of GPT-2's attention), the last c % 16 rows one
@@ -786,41 +801,49 @@ static int tg_attention_f32(int nb, const int64_t *bd, const int64_t *qb, const 
                             int causal, int64_t bq, int64_t bk, int64_t batches, int out_bf16) {
     int64_t bk16 = (bk + 15) / 16 * 16, dv16 = (dv + 15) / 16 * 16;
     int64_t qblocks = (lq + bq - 1) / bq, kblocks = (lk + bk - 1) / bk, per_block = d * bk16 + bk * dv16;
-    float *packed = malloc(sizeof(float) * (size_t)(batches * kblocks * per_block));
-    if (!packed) TG_FAIL("attention: out of memory for its packed keys and values");
-    size_t work = sizeof(float) * (size_t)(TG_F32_SLAB * bk16 + bq * dv16 + 2 * bq) + 64;
+    /* One query block per head (short sequences: MiniLM's 128 tokens): the head's one task packs
+     * its keys and values into its thread's area, where the products then find them in cache;
+     * the shared buffer for all heads (3 MiB there), allocated, first touched and packed in a
+     * pass of its own on every call, was a fifth of such a call. */
+    const int own = qblocks == 1;
+    float *packed = own ? NULL : malloc(sizeof(float) * (size_t)(batches * kblocks * per_block));
+    if (!own && !packed) TG_FAIL("attention: out of memory for its packed keys and values");
+    size_t work = sizeof(float) * (size_t)(TG_F32_SLAB * bk16 + bq * dv16 + 2 * bq + (own ? kblocks * per_block : 0)) + 64;
     const float mul = scale * 1.44269504088896341f;
     int failed = 0;
 #pragma omp parallel if (batches * lq * lk * d > 65536)
     {
         char *area = malloc(work);
         if (!area) failed = 1;
-        float *s = (float *)(((uintptr_t)area + 63) & ~(uintptr_t)63), *acc = s + TG_F32_SLAB * bk16;
-        float *mx = acc + bq * dv16, *sum = mx + bq;
+        float *s = (float *)(((uintptr_t)area + 63) & ~(uintptr_t)63), *mine = s + TG_F32_SLAB * bk16;
+        float *acc = mine + (own ? kblocks * per_block : 0), *mx = acc + bq * dv16, *sum = mx + bq;
+        /* key block kbk of batch row bi packed at kh: k^T (d rows of bk16 keys), then v (nk rows
+         * of dv16 columns), the padding zero */
+#define TG_PACK_KV(bi, kbk, kh) do { \
+        int64_t off_[5], j0_ = (kbk) * bk, nk_ = j0_ + bk < lk ? bk : lk - j0_; \
+        tg_batch_offsets(nb, bd, qb, kb, vb, mb, ob, bi, off_); \
+        tg_pack_transposed(k + off_[1] + j0_ * kr, kr, nk_, d, kh, bk16); \
+        tg_pad_rows(v + off_[2] + j0_ * vr, vr, nk_, dv, (kh) + d * bk16, dv16); } while (0)
+        if (!own) {
 #pragma omp for collapse(2) schedule(static)
-        for (int64_t bi = 0; bi < batches; bi++)
-            for (int64_t kbk = 0; kbk < kblocks; kbk++) {
-                int64_t off[5], j0 = kbk * bk, nk = j0 + bk < lk ? bk : lk - j0;
-                tg_batch_offsets(nb, bd, qb, kb, vb, mb, ob, bi, off);
-                float *kh = packed + (bi * kblocks + kbk) * per_block, *vh = kh + d * bk16;
-                const float *kj = k + off[1] + j0 * kr, *vj = v + off[2] + j0 * vr;
-                tg_pack_transposed(kj, kr, nk, d, kh, bk16);
-                for (int64_t j = 0; j < nk; j++)
-                    for (int64_t c = 0; c < dv16; c++) vh[j * dv16 + c] = c < dv ? vj[j * vr + c] : 0.f;
-            }
+            for (int64_t bi = 0; bi < batches; bi++)
+                for (int64_t kbk = 0; kbk < kblocks; kbk++) TG_PACK_KV(bi, kbk, packed + (bi * kblocks + kbk) * per_block);
+        }
 #pragma omp for collapse(2) schedule(dynamic)
         for (int64_t bi = 0; bi < batches; bi++)
             for (int64_t qbk = 0; qbk < qblocks; qbk++) {
                 if (!area) continue;
                 int64_t off[5];
                 tg_batch_offsets(nb, bd, qb, kb, vb, mb, ob, bi, off);
+                for (int64_t kbk = 0; own && kbk < kblocks; kbk++) TG_PACK_KV(bi, kbk, mine + kbk * per_block);
+                const float *heads = own ? mine : packed + bi * kblocks * per_block;
                 int64_t i0 = qbk * bq, i1 = i0 + bq < lq ? i0 + bq : lq, nq = i1 - i0;
                 memset(acc, 0, sizeof(float) * nq * dv16);
                 for (int64_t i = 0; i < nq; i++) { mx[i] = -INFINITY; sum[i] = 0.f; }
                 for (int64_t kbk = 0; kbk < kblocks; kbk++) {
                     int64_t j0 = kbk * bk, nk = j0 + bk < lk ? bk : lk - j0;
                     if (causal && j0 > i1 - 1 + lk - lq) break;
-                    const float *kh = packed + (bi * kblocks + kbk) * per_block, *vh = kh + d * bk16;
+                    const float *kh = heads + kbk * per_block, *vh = kh + d * bk16;
                     for (int64_t r0 = 0; r0 < nq; r0 += TG_F32_SLAB) {
                         int64_t rn = nq - r0 < TG_F32_SLAB ? nq - r0 : TG_F32_SLAB, ns = nk;
                         /* causal: the keys the slab's last row sees (none: the slab's rows keep
@@ -839,6 +862,7 @@ static int tg_attention_f32(int nb, const int64_t *bd, const int64_t *qb, const 
             }
         free(area);
     }
+#undef TG_PACK_KV
     free(packed);
     if (failed) TG_FAIL("attention: out of memory for its working blocks");
     __atomic_fetch_add(&tg_f32_attentions, 1, __ATOMIC_RELAXED);

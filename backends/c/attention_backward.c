@@ -59,14 +59,6 @@ int tg_f32_attention_backward_count(void) {
     return __atomic_load_n(&tg_f32_attention_backwards, __ATOMIC_RELAXED);
 }
 
-/* rows x cols of x (row stride ld) into y (row stride ldy), columns cols..ldy zero */
-static void tg_pad_rows(const float *x, int64_t ld, int64_t rows, int64_t cols, float *y, int64_t ldy) {
-    for (int64_t i = 0; i < rows; i++) {
-        memcpy(y + i * ldy, x + i * ld, sizeof(float) * (size_t)cols);
-        memset(y + i * ldy + cols, 0, sizeof(float) * (size_t)(ldy - cols));
-    }
-}
-
 static int tg_attention_backward_f32(int nb, const int64_t *bd, const int64_t *bs, const float *q, const float *k,
                                      const float *v, const float *gy, const void *mask, float *dq, float *dk,
                                      float *dv, int64_t lq, int64_t lk, int64_t d, int64_t e, int64_t qr,
