@@ -203,6 +203,7 @@ int tg_attention_backward(int nb, const int64_t *bd, const int64_t *bs, const fl
                 continue;
             }
             if (!s) continue;
+            int nan_head = 0;
             for (int64_t i0 = 0; i0 < lq; i0 += bq) {
                 int64_t nq = i0 + bq < lq ? bq : lq - i0;
                 /* the keys some row of the block sees: through its last query's position */
@@ -210,8 +211,7 @@ int tg_attention_backward(int nb, const int64_t *bd, const int64_t *bs, const fl
                 nk = nk > lk ? lk : nk;
                 if (nk <= 0) { /* rows before every key: NaN, as the forward's */
                     tg_fill_rows(dqh + i0 * dqr, nq, d, dqr, NAN);
-                    tg_fill_rows(dkh, lk, d, dkr, NAN);
-                    tg_fill_rows(dvh, lk, e, dvr, NAN);
+                    nan_head = 1;
                     continue;
                 }
                 int ok = d == 0 || dnnl_sgemm('N', 'T', nq, nk, d, scale, qh + i0 * qr, qr, kh, kr, 0.f, s, nk) ==
@@ -223,6 +223,8 @@ int tg_attention_backward(int nb, const int64_t *bd, const int64_t *bs, const fl
                 for (int64_t i = 0; ok && i < nq; i++)
                     tg_flash_mask(s + i * nk, nk, i0, i, 0, lq, lk, causal, mask_kind, mask, off[4], mr, mc);
                 tg_softmax_rows(s, s, nq, nk);
+                /* such a row's NaN reaches every key's dK and dV, not only the keys through nk */
+                for (int64_t i = 0; i < nq; i++) nan_head |= s[i * nk] != s[i * nk];
                 if (ok && e > 0)
                     ok = dnnl_sgemm('N', 'T', nq, nk, e, 1.f, gh + i0 * gr, gr, vh, vr, 0.f, ds, nk) == dnnl_success;
                 else if (ok)
@@ -244,6 +246,10 @@ int tg_attention_backward(int nb, const int64_t *bd, const int64_t *bs, const fl
                     __atomic_store_n(&failed, 2, __ATOMIC_RELAXED);
                     break;
                 }
+            }
+            if (nan_head) {
+                tg_fill_rows(dkh, lk, d, dkr, NAN);
+                tg_fill_rows(dvh, lk, e, dvr, NAN);
             }
         }
         free(s);
