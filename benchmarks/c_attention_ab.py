@@ -9,8 +9,9 @@ path is what `build.runtime()` returns in a checkout (a worktree of main for the
     B=$(.venv/bin/python -c "from tilegraph.backends.c import build; print(build.runtime())")
     .venv/bin/python benchmarks/c_attention_ab.py $A $B [--threads 1] [--repeat 15]
 
---backward: tg_attention_backward (attention_grad's kernel) instead, on the same shapes (both
-libraries at its signature with the gradients' row strides: main's from after that change).
+--backward: tg_attention_backward (attention_grad's kernel) instead, on the same shapes;
+--a-without-row-strides: library A's tg_attention_backward predates the gradients' row strides
+(dqr, dkr, dvr), so it is called without them (the gradients row-major either way).
 
 Shapes: the attention of the full-size sweep's long-sequence models (benchmarks/full_size_sweep.py)
 and of GPT-2's and MiniLM's training steps (MiniLM's with its float mask over the keys), with the blocks the C target's tile pass gives them on a core with 1 MiB of L2.
@@ -48,6 +49,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeat", type=int, default=15)
     p.add_argument("--backward", action="store_true", help="time tg_attention_backward instead")
+    p.add_argument("--a-without-row-strides", action="store_true",
+                   help="call A's tg_attention_backward without the gradients' row strides")
     args = p.parse_args()
     libs = [ctypes.CDLL(path) for path in (args.a, args.b)]
     for lib in libs:
@@ -69,7 +72,8 @@ def main() -> int:
         def backward(lib, o):
             status = lib.tg_attention_backward(
                 1, dims(heads), dims(*[n * d] * 4, 0, *[n * d] * 3), *[x.ctypes.data_as(ptr) for x in (q, k, v, gy)],
-                mask[0], *[x.ctypes.data_as(ptr) for x in o], i64(n), i64(n), i64(d), i64(d), *[i64(d)] * 7, *mask[1:],
+                mask[0], *[x.ctypes.data_as(ptr) for x in o], i64(n), i64(n), i64(d), i64(d),
+                *[i64(d)] * (4 if lib is libs[0] and args.a_without_row_strides else 7), *mask[1:],
                 ctypes.c_float(d ** -0.5), int(causal), i64(BACKWARD_ROWS))
             assert status == 0, f"tg_attention_backward failed on {name}"
 
