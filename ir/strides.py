@@ -108,7 +108,7 @@ def result_strides(value: SSAValue, operand_strides: Callable[[SSAValue], Sequen
     lie (`operand_strides`; None for a literal):
     - a convolution's result channels-last (oneDNN's fast kernels);
     - x[..., M, K] @ W[K, N] with x's rows in one run: one 2-D GEMM over all rows, row-major;
-      another matmul's or an attention's as its transposing reader wants it;
+      another matmul's, an attention's or each of attention_grad's as its transposing reader wants it;
     - an elementwise op's, a pool's or a pad's as its operands (`strides_like`), and a layer_norm's
       over the last axis as its input (channels-last: normalized along the columns of channels);
     - a concat's channels-last where every operand is (DenseNet's blocks concatenate convolutions'
@@ -124,7 +124,7 @@ def result_strides(value: SSAValue, operand_strides: Callable[[SSAValue], Sequen
             st = operand_strides(x)
             if st is not None and rows_collapse(info_of(x.type).shape, st):
                 return contiguous_strides(shape)
-        if name in (Op.matmul, Op.attention):
+        if name in (Op.matmul, Op.attention, Op.attention_grad):
             return laid_out_for_reader(value) or contiguous_strides(shape)
         if op.SPEC.pointwise or name in (Op.max_pool, Op.avg_pool, Op.pad):
             return strides_like(shape, [(info_of(x.type).shape, operand_strides(x)) for x in op.operands])

@@ -497,3 +497,47 @@ def test_bf16_training_keeps_f32_master_weights_and_its_loss_tracks_f32():
     assert np.all(np.abs(bf16 - f32) <= rtol * np.abs(f32)), (f32, bf16)
     assert not np.array_equal(f32, bf16)
     assert bf16[-3:].mean() < bf16[:3].mean() - 0.3 and f32[-3:].mean() < f32[:3].mean() - 0.3
+
+
+def test_a_bert_training_step_on_c_folds_its_attention_and_matches_torch():
+    """BERT's eager attention (matmul, scale, float mask added, softmax, matmul) is folded into
+    tg.attention before autodiff on the C target: the step's backward is one attention_grad per
+    layer, run by its kernel (the counter moves), and one SGD step from the same start, with
+    padded rows, leaves the weights where torch's leaves them."""
+    import ctypes
+
+    from transformers import BertConfig, BertModel
+
+    from tests.models import MiniLM
+
+    class Weighted(torch.nn.Module):  # the mean of a LayerNorm's output is 0: weighed, it is a loss
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+            self.register_buffer("w", torch.randn(16, 32, generator=torch.Generator().manual_seed(2)))
+
+        def forward(self, ids, mask):
+            return self.m(ids, mask) * self.w
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=32, attn_implementation="eager")
+    module = Weighted(MiniLM(BertModel(config, add_pooling_layer=False).eval()))
+    ids = torch.randint(1, 60, (3, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(3, 16, dtype=torch.int64)
+    mask[1, 11:] = mask[2, 5:] = 0
+    reference = copy.deepcopy(module)
+    step = tilegraph.train_step(module, "mean", SGD(lr=0.5), example_inputs=(ids, mask), target="c")
+    assert sum(getattr(op, "op_name", None) == "attention_grad" for op in step.model.ops()) == 2
+    lib = step.compiled._runner._lib
+    lib.tg_attention_backward_count.restype = ctypes.c_int
+    before = lib.tg_attention_backward_count()
+    loss = step(ids, mask)
+    assert lib.tg_attention_backward_count() == before + 2
+    out = reference(ids, mask).mean()
+    out.backward()
+    assert abs(loss - out.item()) <= PEER_RELATIVE_ERROR * abs(out.item())
+    # (the key bias left out: its gradient is zero but for rounding, a constant added to a row's scores)
+    for name, p in reference.named_parameters():
+        if name in step.weights and not name.endswith("self.key.bias"):
+            assert relative_error(step.weights[name], (p - 0.5 * p.grad).detach().numpy()) <= PEER_RELATIVE_ERROR, name

@@ -315,6 +315,25 @@ def _numpy(a: Any) -> np.ndarray:
     return np.asarray(a)
 
 
+# Targets on which attention spelled out as matmul, softmax, matmul (HF BERT's eager attention)
+# is folded into tg.attention before autodiff: its VJP is then one tg.attention_grad, which the C
+# backend runs as attention_backward.c's kernel (the probabilities recomputed per head in cache,
+# its products register-blocked), where the chain's own VJP is four batched GEMMs and the
+# softmax's backward loops over scores written to memory (benchmarks/train_speed.py: MiniLM's step).
+# The NumPy reference differentiates the chain as written.
+FOLD_ATTENTION_TARGETS = ("c",)
+
+
+def _fold_attention(imported: Model, target: str) -> Model:
+    """`imported` with its spelled-out attention folded where `target` differentiates it so."""
+    if target not in FOLD_ATTENTION_TARGETS:
+        return imported
+    from tilegraph.passes.attention import FoldAttention
+    from tilegraph.passes.registry import run_pipeline
+
+    return run_pipeline(imported, [FoldAttention()])
+
+
 def train_step(model: Any, loss: str = "cross_entropy", optimizer: SGD | AdamW | None = None, *,
                example_inputs: Sequence[Any] | None = None, params: Sequence[str] | None = None,
                clip_norm: float | None = None, target: str = "numpy", pipeline: Any = None, seed: int = 0,
@@ -344,7 +363,7 @@ def train_step(model: Any, loss: str = "cross_entropy", optimizer: SGD | AdamW |
     if DROPOUT_SEED in imported.weights:
         imported = weights_to_inputs(imported, [DROPOUT_SEED])
     params = list(params) if params is not None else _default_params(model, imported)
-    step_model = build_step(imported, loss, optimizer, list(params), clip_norm)
+    step_model = build_step(_fold_attention(imported, target), loss, optimizer, list(params), clip_norm)
     initial = {name: np.asarray(imported.weights[name]) for name in params}
     compiled = tilegraph.compile(step_model, target=target, pipeline=pipeline, **options)
     return TrainStep(step_model, compiled, initial, optimizer, seed)
@@ -402,7 +421,7 @@ def data_parallel_step(model: Any, loss: str = "cross_entropy", optimizer: SGD |
     imported = tilegraph.import_model(model, example_inputs)
     params = list(params) if params is not None else _default_params(model, imported)
     initial = {name: np.asarray(imported.weights[name]) for name in params}
-    grads = tilegraph.compile(build_gradients(imported, loss, params), target=target, **options)
+    grads = tilegraph.compile(build_gradients(_fold_attention(imported, target), loss, params), target=target, **options)
     update = tilegraph.compile(build_update(initial, optimizer, clip_norm), target=target, **options)
     return DataParallelStep(grads, update, initial, optimizer, world)
 

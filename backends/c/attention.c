@@ -599,6 +599,10 @@ static int tg_attention_bf16(int nb, const int64_t *bd, const int64_t *qb, const
 /* Rows of the products' register block: 6 rows of 4 column vectors are 24 accumulators, the
  * most that leave a 32-register file room for the 4 loaded columns and the broadcast. */
 #define TG_F32_ROWS 6
+/* Rows of the register block where a run is 1-2 column vectors (a head dim of 32: dV, dQ and dK
+ * of the backward, P V of the forward): 12 rows of 2 are 24 accumulators again, and each loaded
+ * column serves twice the rows (6 rows of 2 took 8 loads per 12 FMAs). */
+#define TG_F32_ROWS_NARROW 12
 
 /* Attention calls that took this path so far (tests check the path is taken). */
 static int tg_f32_attentions;
@@ -636,9 +640,16 @@ static inline void tg_flash_row_log2(float *si, int64_t nk, int64_t i0, int64_t 
     int64_t n = nk; /* the keys this row sees: causal, those up to position i + lk - lq */
     if (causal) n = i0 + i + lk - lq + 1 - j0 < 0 ? 0 : i0 + i + lk - lq + 1 - j0 < nk ? i0 + i + lk - lq + 1 - j0 : nk;
     __m512 vm = ninf;
-    if (mask_kind == 2 && mc == 1) { /* an added mask along the keys: in the max's pass */
+    if (mask_kind == 2 && mc == 1) { /* an added mask along the keys: in the max's pass, masked loads
+                                      * only for the last keys (every vector's took a fifth of MiniLM's) */
         const float *mi = (const float *)mask + om + (i0 + i) * mr + j0;
-        for (int64_t j = 0; j < n; j += 16) {
+        int64_t j = 0;
+        for (; j + 16 <= n; j += 16) {
+            __m512 x = _mm512_fmadd_ps(_mm512_loadu_ps(mi + j), log2e, _mm512_loadu_ps(si + j));
+            _mm512_storeu_ps(si + j, x);
+            vm = _mm512_max_ps(vm, x);
+        }
+        if (j < n) {
             __mmask16 live = tg_lanes(n - j);
             __m512 x = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(live, mi + j), log2e, _mm512_loadu_ps(si + j));
             _mm512_storeu_ps(si + j, x);
@@ -688,13 +699,15 @@ static inline void tg_flash_row_log2(float *si, int64_t nk, int64_t i0, int64_t 
 }
 
 /* c = a b times `mul` (beta 0) or c += a b (beta 1) for rows r0..r0+R-1 and nb (1-4) column
- * vectors: a's rows of kred elements (row stride lda), b kred rows of 16 nb columns (row stride
- * ldb); every accumulator a register, each element of a broadcast into the column vectors. */
+ * vectors: a's rows of kred elements (row stride lda; at: a transposed, its row r the column r
+ * of kred rows lda apart, as attention's backward reads P^T and dS^T from their slabs), b kred
+ * rows of 16 nb columns (row stride ldb); every accumulator a register, each element of a
+ * broadcast into the column vectors. */
 static inline __attribute__((always_inline)) void tg_f32_block(int R, int nb, int64_t kred, const float *a,
                                                                int64_t lda, const float *b, int64_t ldb, float *c,
-                                                               int64_t ldc, int beta, float mul) {
-    __m512 acc[TG_F32_ROWS][4];
-#pragma GCC unroll 6
+                                                               int64_t ldc, int beta, float mul, int at) {
+    __m512 acc[TG_F32_ROWS_NARROW][4];
+#pragma GCC unroll 12
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
         for (int n = 0; n < nb; n++) acc[r][n] = beta ? _mm512_loadu_ps(c + r * ldc + 16 * n) : _mm512_setzero_ps();
@@ -703,43 +716,79 @@ static inline __attribute__((always_inline)) void tg_f32_block(int R, int nb, in
         __m512 bv[4];
 #pragma GCC unroll 4
         for (int n = 0; n < nb; n++) bv[n] = _mm512_loadu_ps(b + p * ldb + 16 * n);
-#pragma GCC unroll 6
+#pragma GCC unroll 12
         for (int r = 0; r < R; r++) {
-            __m512 av = _mm512_set1_ps(a[r * lda + p]);
+            __m512 av = _mm512_set1_ps(at ? a[p * lda + r] : a[r * lda + p]);
 #pragma GCC unroll 4
             for (int n = 0; n < nb; n++) acc[r][n] = _mm512_fmadd_ps(av, bv[n], acc[r][n]);
         }
     }
     const __m512 vmul = _mm512_set1_ps(mul);
-#pragma GCC unroll 6
+#pragma GCC unroll 12
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
         for (int n = 0; n < nb; n++)
             _mm512_storeu_ps(c + r * ldc + 16 * n, beta ? acc[r][n] : _mm512_mul_ps(acc[r][n], vmul));
 }
 
-#define TG_F32_CASE(R, N) case R * 8 + N: tg_f32_block(R, N, kred, ai, lda, bj, ldb, cij, ldc, beta, mul); break;
+#define TG_F32_CASE(R, N) case R * 8 + N: tg_f32_block(R, N, kred, ai, lda, bj, ldb, cij, ldc, beta, mul, at); break;
 #define TG_F32_CASES(R) TG_F32_CASE(R, 1) TG_F32_CASE(R, 2) TG_F32_CASE(R, 3) TG_F32_CASE(R, 4)
+#define TG_F32_NARROW(R) TG_F32_CASE(R, 1) TG_F32_CASE(R, 2)
 /* tg_f32_block over `rows` rows of c and nt column vectors, in runs of at most 4 vectors as even
- * as they come (tg_dp_gemm's); a run's columns of b (from the first-level cache) serve all rows. */
-static void tg_f32_gemm(int64_t rows, int64_t nt, int64_t kred, const float *a, int64_t lda, const float *b,
-                        int64_t ldb, float *c, int64_t ldc, int beta, float mul) {
+ * as they come (tg_dp_gemm's); a run's columns of b (from the first-level cache) serve all rows.
+ * One copy each for a as it is and a transposed (tg_f32_gemm, tg_f32_gemm_at): `at` a constant. */
+static inline __attribute__((always_inline)) void tg_f32_gemm_body(int64_t rows, int64_t nt, int64_t kred, const float *a,
+                                                                   int64_t lda, const float *b, int64_t ldb, float *c,
+                                                                   int64_t ldc, int beta, float mul, int at) {
     int64_t runs = (nt + 3) / 4;
     for (int64_t run = 0, j = 0; run < runs; run++) {
         int64_t nb = (nt - j + runs - run - 1) / (runs - run);
-        for (int64_t i = 0; i < rows; i += TG_F32_ROWS) {
-            int64_t r = rows - i < TG_F32_ROWS ? rows - i : TG_F32_ROWS;
-            const float *ai = a + i * lda, *bj = b + 16 * j;
+        int64_t tall = nb <= 2 ? TG_F32_ROWS_NARROW : TG_F32_ROWS;
+        for (int64_t i = 0; i < rows; i += tall) {
+            int64_t r = rows - i < tall ? rows - i : tall;
+            const float *ai = at ? a + i : a + i * lda, *bj = b + 16 * j;
             float *cij = c + i * ldc + 16 * j;
             switch ((int)(r * 8 + nb)) {
                 TG_F32_CASES(1) TG_F32_CASES(2) TG_F32_CASES(3) TG_F32_CASES(4) TG_F32_CASES(5) TG_F32_CASES(6)
+                TG_F32_NARROW(7) TG_F32_NARROW(8) TG_F32_NARROW(9) TG_F32_NARROW(10) TG_F32_NARROW(11)
+                TG_F32_NARROW(12)
             }
         }
         j += nb;
     }
 }
+static void tg_f32_gemm(int64_t rows, int64_t nt, int64_t kred, const float *a, int64_t lda, const float *b,
+                        int64_t ldb, float *c, int64_t ldc, int beta, float mul) {
+    tg_f32_gemm_body(rows, nt, kred, a, lda, b, ldb, c, ldc, beta, mul, 0);
+}
+static void tg_f32_gemm_at(int64_t rows, int64_t nt, int64_t kred, const float *a, int64_t lda, const float *b,
+                           int64_t ldb, float *c, int64_t ldc, int beta, float mul) {
+    tg_f32_gemm_body(rows, nt, kred, a, lda, b, ldb, c, ldc, beta, mul, 1);
+}
 #undef TG_F32_CASES
+#undef TG_F32_NARROW
 #undef TG_F32_CASE
+
+/* rows x cols of x (row stride ld) into y (row stride ldy), columns cols..ldy zero */
+static void tg_pad_rows(const float *x, int64_t ld, int64_t rows, int64_t cols, float *y, int64_t ldy) {
+    for (int64_t i = 0; i < rows; i++) {
+        memcpy(y + i * ldy, x + i * ld, sizeof(float) * (size_t)cols);
+        memset(y + i * ldy + cols, 0, sizeof(float) * (size_t)(ldy - cols));
+    }
+}
+
+/* x's rows (n rows of c columns, row stride ld) as the columns of xt (c rows of ldt, the
+ * columns n..ldt zero): 16 x 16 blocks transposed in registers (an element at a time, the
+ * stores a row of xt apart took an eighth of GPT-2's attention), the last c % 16 rows one
+ * element at a time. The forward's key blocks, the backward's k and v. */
+static void tg_pack_transposed(const float *x, int64_t ld, int64_t n, int64_t c, float *xt, int64_t ldt) {
+    int64_t c16 = c / 16 * 16;
+    for (int64_t j = 0; j < ldt; j += 16)
+        for (int64_t col = 0; col < c16; col += 16)
+            tg_transpose16((const uint32_t *)(x + j * ld + col), ld, n - j, (uint32_t *)(xt + col * ldt + j), ldt);
+    for (int64_t col = c16; col < c; col++)
+        for (int64_t j = 0; j < ldt; j++) xt[col * ldt + j] = j < n ? x[j * ld + col] : 0.f;
+}
 
 /* tg_attention at f32 (no length or head dim zero): the key blocks packed (k transposed, d rows
  * of bk16 keys; v's nk rows of dv16 columns; padding zero), then the query-block tasks, each
@@ -752,49 +801,49 @@ static int tg_attention_f32(int nb, const int64_t *bd, const int64_t *qb, const 
                             int causal, int64_t bq, int64_t bk, int64_t batches, int out_bf16) {
     int64_t bk16 = (bk + 15) / 16 * 16, dv16 = (dv + 15) / 16 * 16;
     int64_t qblocks = (lq + bq - 1) / bq, kblocks = (lk + bk - 1) / bk, per_block = d * bk16 + bk * dv16;
-    float *packed = malloc(sizeof(float) * (size_t)(batches * kblocks * per_block));
-    if (!packed) TG_FAIL("attention: out of memory for its packed keys and values");
-    size_t work = sizeof(float) * (size_t)(TG_F32_SLAB * bk16 + bq * dv16 + 2 * bq) + 64;
+    /* One query block per head (short sequences: MiniLM's 128 tokens): the head's one task packs
+     * its keys and values into its thread's area, where the products then find them in cache;
+     * the shared buffer for all heads (3 MiB there), allocated, first touched and packed in a
+     * pass of its own on every call, was a fifth of such a call. */
+    const int own = qblocks == 1;
+    float *packed = own ? NULL : malloc(sizeof(float) * (size_t)(batches * kblocks * per_block));
+    if (!own && !packed) TG_FAIL("attention: out of memory for its packed keys and values");
+    size_t work = sizeof(float) * (size_t)(TG_F32_SLAB * bk16 + bq * dv16 + 2 * bq + (own ? kblocks * per_block : 0)) + 64;
     const float mul = scale * 1.44269504088896341f;
     int failed = 0;
 #pragma omp parallel if (batches * lq * lk * d > 65536)
     {
         char *area = malloc(work);
         if (!area) failed = 1;
-        float *s = (float *)(((uintptr_t)area + 63) & ~(uintptr_t)63), *acc = s + TG_F32_SLAB * bk16;
-        float *mx = acc + bq * dv16, *sum = mx + bq;
+        float *s = (float *)(((uintptr_t)area + 63) & ~(uintptr_t)63), *mine = s + TG_F32_SLAB * bk16;
+        float *acc = mine + (own ? kblocks * per_block : 0), *mx = acc + bq * dv16, *sum = mx + bq;
+        /* key block kbk of batch row bi packed at kh: k^T (d rows of bk16 keys), then v (nk rows
+         * of dv16 columns), the padding zero */
+#define TG_PACK_KV(bi, kbk, kh) do { \
+        int64_t off_[5], j0_ = (kbk) * bk, nk_ = j0_ + bk < lk ? bk : lk - j0_; \
+        tg_batch_offsets(nb, bd, qb, kb, vb, mb, ob, bi, off_); \
+        tg_pack_transposed(k + off_[1] + j0_ * kr, kr, nk_, d, kh, bk16); \
+        tg_pad_rows(v + off_[2] + j0_ * vr, vr, nk_, dv, (kh) + d * bk16, dv16); } while (0)
+        if (!own) {
 #pragma omp for collapse(2) schedule(static)
-        for (int64_t bi = 0; bi < batches; bi++)
-            for (int64_t kbk = 0; kbk < kblocks; kbk++) {
-                int64_t off[5], j0 = kbk * bk, nk = j0 + bk < lk ? bk : lk - j0;
-                tg_batch_offsets(nb, bd, qb, kb, vb, mb, ob, bi, off);
-                float *kh = packed + (bi * kblocks + kbk) * per_block, *vh = kh + d * bk16;
-                const float *kj = k + off[1] + j0 * kr, *vj = v + off[2] + j0 * vr;
-                /* 16 x 16 blocks transposed in registers (an element at a time, the stores
-                 * a row of kh apart took an eighth of GPT-2's attention), the last columns
-                 * of a head dim not a multiple of 16 one at a time */
-                int64_t d16 = d / 16 * 16;
-                for (int64_t j = 0; j < bk16; j += 16)
-                    for (int64_t c = 0; c < d16; c += 16)
-                        tg_transpose16((const uint32_t *)(kj + j * kr + c), kr, nk - j, (uint32_t *)(kh + c * bk16 + j), bk16);
-                for (int64_t c = d16; c < d; c++)
-                    for (int64_t j = 0; j < bk16; j++) kh[c * bk16 + j] = j < nk ? kj[j * kr + c] : 0.f;
-                for (int64_t j = 0; j < nk; j++)
-                    for (int64_t c = 0; c < dv16; c++) vh[j * dv16 + c] = c < dv ? vj[j * vr + c] : 0.f;
-            }
+            for (int64_t bi = 0; bi < batches; bi++)
+                for (int64_t kbk = 0; kbk < kblocks; kbk++) TG_PACK_KV(bi, kbk, packed + (bi * kblocks + kbk) * per_block);
+        }
 #pragma omp for collapse(2) schedule(dynamic)
         for (int64_t bi = 0; bi < batches; bi++)
             for (int64_t qbk = 0; qbk < qblocks; qbk++) {
                 if (!area) continue;
                 int64_t off[5];
                 tg_batch_offsets(nb, bd, qb, kb, vb, mb, ob, bi, off);
+                for (int64_t kbk = 0; own && kbk < kblocks; kbk++) TG_PACK_KV(bi, kbk, mine + kbk * per_block);
+                const float *heads = own ? mine : packed + bi * kblocks * per_block;
                 int64_t i0 = qbk * bq, i1 = i0 + bq < lq ? i0 + bq : lq, nq = i1 - i0;
                 memset(acc, 0, sizeof(float) * nq * dv16);
                 for (int64_t i = 0; i < nq; i++) { mx[i] = -INFINITY; sum[i] = 0.f; }
                 for (int64_t kbk = 0; kbk < kblocks; kbk++) {
                     int64_t j0 = kbk * bk, nk = j0 + bk < lk ? bk : lk - j0;
                     if (causal && j0 > i1 - 1 + lk - lq) break;
-                    const float *kh = packed + (bi * kblocks + kbk) * per_block, *vh = kh + d * bk16;
+                    const float *kh = heads + kbk * per_block, *vh = kh + d * bk16;
                     for (int64_t r0 = 0; r0 < nq; r0 += TG_F32_SLAB) {
                         int64_t rn = nq - r0 < TG_F32_SLAB ? nq - r0 : TG_F32_SLAB, ns = nk;
                         /* causal: the keys the slab's last row sees (none: the slab's rows keep
@@ -813,6 +862,7 @@ static int tg_attention_f32(int nb, const int64_t *bd, const int64_t *qb, const 
             }
         free(area);
     }
+#undef TG_PACK_KV
     free(packed);
     if (failed) TG_FAIL("attention: out of memory for its working blocks");
     __atomic_fetch_add(&tg_f32_attentions, 1, __ATOMIC_RELAXED);

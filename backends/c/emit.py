@@ -284,14 +284,16 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
     @lowers(Op.attention_grad)
     def attention_grad(self, op: TgOp, xs: list[View]) -> list[View]:
         """attention_backward.c's kernel: q, k, v and gy rows contiguous (copied if not), dq, dk
-        and dv new row-major buffers."""
+        and dv new buffers, each laid out as its reader wants it (ir/strides.result_strides: the
+        heads merged back by a transpose and a reshape read them where they lie, no copy)."""
         infos = op.result_infos()
         if infos[0].dtype != "f32" or any(x.literal is not None for x in xs[:4]):
             raise Unsupported("attention_grad in f32")
         q, k, v, gy = (x if _eq(x.strides[-1], 1) and sympy.sympify(x.strides[-2] - x.shape[-1]).is_nonnegative
                        else self.materialize(x) for x in xs[:4])
         mask = xs[4] if len(xs) > 4 else None
-        outs = [self._temp(i) for i in infos]
+        lie = dict(zip(op.operands, ((None if x.literal is not None else x.strides) for x in xs)))
+        outs = [self._temp(i, result_strides(r, lie.get)) for i, r in zip(infos, op.results)]
         batch, (lq, lk) = tuple(gy.shape[:-2]), (q.shape[-2], k.shape[-2])
         mask_kind, mask_ptr, mr, mc, mb = 0, "NULL", 0, 0, [0] * len(batch)
         if mask is not None:
@@ -304,7 +306,7 @@ class CEmitter(Views, Loops, Groups, Kernels, OneDNN, Quantized, Generation):
         call = (f"tg_attention_backward({len(batch)}, bd, bs, {self.ptr(q)}, {self.ptr(k)}, {self.ptr(v)}, "
                 f"{self.ptr(gy)}, {mask_ptr}, {', '.join(self.ptr(o, False) for o in outs)}, {self.ints(lq)}, "
                 f"{self.ints(lk)}, {self.ints(q.shape[-1])}, {self.ints(v.shape[-1])}, "
-                + ", ".join(self.ints(x.strides[-2]) for x in (q, k, v, gy)) +
+                + ", ".join(self.ints(x.strides[-2]) for x in (q, k, v, gy, *outs)) +
                 f", {mask_kind}, {self.ints(mr)}, {self.ints(mc)}, {c_float(op.attr('scale'), 'f32')}, "
                 f"{int(bool(op.attr('causal')))}, {ATTENTION_BACKWARD_ROWS})")
         lines = ["{", f"    const int64_t bd[] = {self._c_array(batch)}, bs[] = "

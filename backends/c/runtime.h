@@ -169,7 +169,8 @@ int tg_attention_backward_count(void);
 int tg_attention_backward(int nb, const int64_t *bd, const int64_t *bs, const float *q, const float *k,
                           const float *v, const float *gy, const void *mask, float *dq, float *dk, float *dv,
                           int64_t lq, int64_t lk, int64_t d, int64_t e, int64_t qr, int64_t kr, int64_t vr,
-                          int64_t gr, int mask_kind, int64_t mr, int64_t mc, float scale, int causal, int64_t bq);
+                          int64_t gr, int64_t dqr, int64_t dkr, int64_t dvr, int mask_kind, int64_t mr, int64_t mc,
+                          float scale, int causal, int64_t bq);
 
 /* Philox2x32-10 (Random123; Salmon et al., SC'11) of the counter (i mod 2^32, site ^ (i >> 32) << 16)
  * under the key of seed's two 32-bit halves xored: tg.dropout's random bits, a pure function of
