@@ -1,5 +1,6 @@
-/* tilegraph C backend: attention's backward (tg.attention_grad), f32 on oneDNN's sgemm per
- * block (runtime.h declares tg_attention_backward). Compiled into the runtime library after
+/* tilegraph C backend: attention's backward (tg.attention_grad), f32: on attention.c's
+ * register-blocked products where the processor has AVX-512, else on oneDNN's sgemm per block
+ * (runtime.h declares tg_attention_backward). Compiled into the runtime library after
  * attention.c (build.py), whose helpers and runtime.c's statics it uses.
  *
  * FlashAttention-2's backward reorganised for a CPU core: per batch row (head), query blocks of
