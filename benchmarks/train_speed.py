@@ -5,7 +5,8 @@ training and torch.compile training, interleaved in one process, at one thread a
 MiniLM is all-MiniLM-L6-v2 itself (tests/models.py `minilm_model`), its loss the mean of its last
 hidden state; the GPT-2-small shape is tests/models.py's CharGPT at GPT-2 small's sizes (12 layers,
 768 wide, 12 heads, 50257 symbols, an untied LM head, SDPA causal attention), its loss cross-entropy
-over next tokens. Every runner starts from the same weights and takes the same batch every step
+over next tokens. `--models bert` adds BERT-base's shape (12 layers, 768 wide; random weights, eager
+attention) at MiniLM's batch and loss. Every runner starts from the same weights and takes the same batch every step
 (the weights move: each call is a real step). torch.compile compiles the module (AOTAutograd's joint
 forward/backward); its AdamW runs eager, as torch.compile users run it.
 
@@ -15,7 +16,7 @@ rounds of tilegraph's time / the peer's in the same round (the issue's targets: 
 machine: say so beside the numbers).
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/train_speed.py [--models minilm,gpt2] [--threads 1,all]
-        [--repeat 5] [--minilm-layers 6] [--gpt2-layers 12] [--no-compile] [--profile N]
+        [--repeat 5] [--minilm-layers 6] [--gpt2-layers 12] [--bert-layers 12] [--no-compile] [--profile N]
 
 --profile N: where tilegraph's step goes instead (benchmarks/c_steps.py's per-step module, at the
 first of --threads): the N slowest native steps and the steps summed by kind, then torch's profiler
@@ -67,6 +68,19 @@ def minilm(layers: int):
     return module, minilm_inputs(8, 128), None, "mean"
 
 
+def bert(layers: int):
+    """BERT-base's shape (768 wide, 12 heads, 3072 inner, 30522 symbols) with random weights and
+    eager attention, as all-MiniLM-L6-v2's wrapper runs it; MiniLM's batch and loss."""
+    from transformers import BertConfig, BertModel
+
+    from tests.models import MiniLM, minilm_inputs
+
+    torch.manual_seed(0)
+    config = BertConfig(num_hidden_layers=layers, attn_implementation="eager")
+    module = MiniLM(BertModel(config, add_pooling_layer=False).eval())
+    return module, minilm_inputs(8, 128), None, "mean"
+
+
 def gpt2(layers: int):
     from tests.models import char_gpt
 
@@ -76,7 +90,7 @@ def gpt2(layers: int):
     return module, (ids[:, :-1],), ids[:, 1:], "cross_entropy"
 
 
-MODELS = {"minilm": minilm, "gpt2": gpt2}
+MODELS = {"minilm": minilm, "gpt2": gpt2, "bert": bert}
 
 
 def torch_trainer(model, forward, loss: str):
@@ -171,7 +185,7 @@ def tilegraph_step(name: str, layers: int, module, inputs, loss: str, step_dir: 
 def bench(name: str, args, all_threads: int) -> list[tuple]:
     """One model's rows: tilegraph against each peer at each thread count."""
     rows: list[tuple] = []
-    layers = args.minilm_layers if name == "minilm" else args.gpt2_layers
+    layers = getattr(args, f"{name}_layers")
     module, inputs, targets, loss = MODELS[name](layers)
     nparams = sum(p.numel() for p in module.parameters())
     print(f"\n{name}: {layers} layers, {nparams / 1e6:.1f}M parameters, inputs "
@@ -252,6 +266,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--minilm-layers", type=int, default=6)
     ap.add_argument("--gpt2-layers", type=int, default=12)
+    ap.add_argument("--bert-layers", type=int, default=12)
     ap.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
     ap.add_argument("--profile", type=int, default=0, help="list tilegraph's N slowest steps, time no peers")
     ap.add_argument("--step-dir", help="save tilegraph's compiled step here, or read it from an earlier run")

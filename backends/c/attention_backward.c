@@ -124,8 +124,8 @@ static int tg_attention_backward_f32(int nb, const int64_t *bd, const int64_t *b
                     float mx = -INFINITY, sum = 0.f, *si = s + i * lk16;
                     tg_flash_row_log2(si, nk, i0, i, 0, lq, lk, causal, mask_kind, mask, off[4], mr, mc, &mx, &sum,
                                       NULL, 0);
-                    /* a row with every key masked: NaN, as softmax over all -inf is, and so are the
-                     * head's dK and dV, which sum over its rows (here only the keys through nk) */
+                    /* a row with every key masked: NaN, as softmax over all -inf is, and so are all
+                     * of the head's dK and dV, which sum over its rows (filled after its last block) */
                     nan_head |= !(sum > 0.f);
                     const __m512 inv = _mm512_set1_ps(sum > 0.f ? 1.f / sum : NAN);
                     for (int64_t j = 0; j < 16 * nt; j += 16) _mm512_storeu_ps(si + j, _mm512_mul_ps(inv, _mm512_loadu_ps(si + j)));
