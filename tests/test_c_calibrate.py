@@ -629,3 +629,19 @@ def test_a_weights_rows_are_priced_at_the_calibrated_rate_of_rows_from_memory():
     cold, hot = (at(op_cost(op, hw).memory_time) for op in (weight_rows, computed_rows))
     assert cold == pytest.approx(moved / 8e9)
     assert hot == pytest.approx(moved / 32e9)
+
+
+def test_the_layout_of_a_value_at_the_end_of_a_long_chain_is_answered_without_deep_recursion():
+    """passes/targets/c.layouts answers a value's strides from its producers', producers first: a
+    chain of elementwise ops as long as a deep training step's residual stream (BERT-base's, forward
+    and back) once exceeded Python's recursion limit while the tile pass priced a reshape."""
+    from tilegraph.passes.targets.c import layouts
+
+    g = Graph()
+    x = g.input("x", (2, 4, 8))  # (a layout rule of rank 3 or more: rank 2 is row-major outright)
+    y = x
+    for _ in range(2000):
+        y = g.op("add", y, x)
+    model = g.build(y)
+    last = next(op for op in reversed(list(model.ops())) if getattr(op, "op_name", None) == Op.add)
+    assert tuple(layouts()(last.results[0])) == (32, 8, 1)

@@ -21,9 +21,9 @@ import math
 from typing import Callable
 
 import sympy
-from xdsl.ir import SSAValue
+from xdsl.ir import BlockArgument, OpResult, SSAValue
 
-from tilegraph.ir.dialect import FusionOp, TgOp
+from tilegraph.ir.dialect import FusionOp, TgOp, YieldOp
 from tilegraph.ir.fusion import ANCHORS, ELTWISE_POSTS, EXP_POSTS, POST_RATE, VIEW_OPS
 from tilegraph.ir.hardware import (BLOCKED_SHARE, blocked_conv, strided_conv_shape, strided_conv_wins, winograd_shape,
                                    winograd_wins)
@@ -97,15 +97,48 @@ def copy_time(hw, moved: sympy.Expr, cold: sympy.Expr, elements: sympy.Expr) -> 
 
 def layouts() -> Callable[[SSAValue], tuple]:
     """`written`, each value's answer kept for this one question: a value an elementwise op
-    reads along two paths (x + f(x)) would else be asked again down each, twice per layer."""
+    reads along two paths (x + f(x)) would else be asked again down each, twice per layer. The
+    values a layout is read from are answered first, producers before readers, so no answer
+    recurses further than one op: a chain of elementwise ops and layer norms through a deep
+    training step (BERT-base's residual stream, forward and back) outran Python's recursion limit."""
     memo: dict[SSAValue, tuple] = {}
 
     def rule(value: SSAValue) -> tuple:
         if value not in memo:
+            for v in _read_before(value, memo):
+                strides_of(v, rule)
             memo[value] = written(value, rule)
         return memo[value]
 
     return rule
+
+
+def _read_before(value: SSAValue, done: dict) -> list[SSAValue]:
+    """The values `value`'s layout is read from, directly or not (an op's operands, a group's
+    yielded value, a group argument's operand), producers first; `value` and those in `done` left out."""
+    order: list[SSAValue] = []
+    seen = {value}
+    stack: list[tuple[SSAValue, bool]] = [(u, False) for u in _reads(value)]
+    while stack:
+        v, expanded = stack.pop()
+        if expanded:
+            order.append(v)
+        elif v not in seen and v not in done:
+            seen.add(v)
+            stack.append((v, True))
+            stack.extend((u, False) for u in _reads(v))
+    return order
+
+
+def _reads(value: SSAValue) -> list[SSAValue]:
+    if isinstance(value, BlockArgument):
+        group = value.owner.parent_op()
+        return [group.operands[value.index]] if isinstance(group, FusionOp) else []
+    op = value.owner
+    if isinstance(op, FusionOp):
+        ret = op.block.last_op
+        return [ret.operands[value.index]] if isinstance(ret, YieldOp) and isinstance(value, OpResult) else []
+    return list(op.operands)
 
 
 def written(value: SSAValue, rule: Callable[[SSAValue], tuple]) -> tuple:
